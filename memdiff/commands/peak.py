@@ -1,0 +1,38 @@
+"""`memdiff peak SNAPSHOT [--top N] [--device D]`: what is live at the peak, for chasing an OOM."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from memdiff.load import load
+from memdiff.normalize import summarize
+from memdiff.peak import peak_report
+from memdiff.render.text import render_peak
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text} is not a positive count")
+    return value
+
+
+def add_parser(subparsers: Any, parents: list) -> None:
+    """Register the subcommand."""
+    p = subparsers.add_parser(
+        "peak", parents=parents, help="show the peak, static memory and the top stacks live at the peak",
+        description="Show per device the peak (as PyTorch's memory viewer counts it), static memory, "
+                    "where the peak happens and the top stack groups live at the peak.")
+    p.add_argument("snapshot", help="snapshot file (pickle or JSON, optionally gzip/bz2/xz)")
+    p.add_argument("--top", type=_positive, default=10, metavar="N", help="groups to list (default: 10)")
+    p.add_argument("--device", type=int, metavar="D", help="only this device index")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Load, normalize and print the peak report."""
+    summary = summarize(load(args.snapshot))
+    sys.stdout.write(render_peak(summary, peak_report(args.snapshot, summary, args.top, args.device)))
+    return 0

@@ -1,0 +1,44 @@
+"""`memdiff summarize SNAPSHOT [-o FILE] [--format json|text]`: the versioned summary of one snapshot."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from memdiff.atomic import write_text_atomic
+from memdiff.errors import InputError
+from memdiff.load import load
+from memdiff.normalize import summarize
+from memdiff.peak import peak_report
+from memdiff.render.json import render_summary
+from memdiff.render.text import render_peak
+
+
+def add_parser(subparsers: Any, parents: list) -> None:
+    """Register the subcommand."""
+    p = subparsers.add_parser(
+        "summarize", parents=parents, help="reduce a snapshot to its peak summary (JSON or text)",
+        description="Reduce a snapshot to a small, versioned summary: peak, static memory and every "
+                    "byte live at the peak grouped by stack signature.")
+    p.add_argument("snapshot", help="snapshot file (pickle or JSON, optionally gzip/bz2/xz)")
+    p.add_argument("-o", "--output", metavar="FILE", help="write to FILE instead of stdout")
+    p.add_argument("--format", choices=("json", "text"), default="json", help="output format (default: json)")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Load, normalize, render; write to stdout or atomically to the output file."""
+    summary = summarize(load(args.snapshot))
+    if args.format == "json":
+        text = render_summary(summary)
+    else:
+        text = render_peak(summary, peak_report(args.snapshot, summary, top=None))
+    if args.output:
+        try:
+            write_text_atomic(args.output, text)
+        except OSError as exc:
+            raise InputError(args.output, f"cannot write: {exc.strerror or exc}") from None
+    else:
+        sys.stdout.write(text)
+    return 0

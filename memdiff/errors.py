@@ -1,0 +1,12 @@
+"""Errors that reach a person: each carries the file it concerns and one line saying what is wrong."""
+
+from __future__ import annotations
+
+
+class InputError(Exception):
+    """Bad input (file or usage). The CLI prints `memdiff: FILE: MESSAGE` and exits 2."""
+
+    def __init__(self, path: str, message: str) -> None:
+        super().__init__(f"{path}: {message}")
+        self.path = path
+        self.message = message

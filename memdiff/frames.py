@@ -1,0 +1,257 @@
+"""Stack normalization: raw snapshot frames -> display frames, a stable signature and a site label.
+
+A signature must survive what changes between two runs of the same code: line numbers,
+install prefixes (`/home/a/.venv/.../site-packages/torch` vs `D:\\x\\Lib\\site-packages\\torch`),
+Python versions (interpreter C frames), how the script was launched (runpy, threading) and
+object addresses embedded in names. So it is computed from the frames that say *where in the
+program* memory was allocated: Python frames (file key + function) and a few C++ landmarks
+(aten ops, autograd nodes, collective communication), and nothing else.
+
+The rules are the tables below; adding a rule is one line and a test.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import posixpath
+import re
+from dataclasses import dataclass
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
+
+from memdiff.model import Frame
+
+# Frames PyTorch's own viewers drop (torch/cuda/_memory_viz.py), then interpreter and libc
+# frames whose names change with the Python build.
+NOISE_NAME_PARTS = (
+    "unwind::unwind", "CapturedTraceback::gather", "gather_with_cpp", "_start",
+    "__libc_start_main", "PyEval_", "PyObject_", "PyFunction_",
+)
+NOISE_FILE_PARTS = (
+    "core/boxing", "/Register", "/Redispatch", "pythonrun.c", "Modules/main.c",
+    "Objects/call.c", "Objects/methodobject.c", "pycore_ceval.h", "ceval.c", "cpython/abstract.h",
+)
+INTERPRETER_NAME = re.compile(r"^(_?_?Py|_?_?libc|__clone|pthread_|start_thread$|method_vectorcall|cfunction_)")
+
+# Python frames that are plumbing: how a module was called or a script launched, never where
+# memory was asked for. Matched against (display file, function).
+PLUMBING_PY = (
+    (re.compile(r"^stdlib/"), re.compile(r".")),
+    (re.compile(r"(^|/)torch/nn/modules/module\.py$"), re.compile(r"^_(wrapped_)?call_impl$")),
+)
+
+# Native frames worth keeping: the op Python called, autograd nodes, communication.
+LANDMARKS = (
+    ("op", re.compile(r"^at::_ops::(\w+)::call\b")),
+    ("node", re.compile(r"^torch::autograd::(?:generated::)?(\w+)::apply\b")),
+    ("engine", re.compile(r"^torch::autograd::Engine::(evaluate_function)\b")),
+    ("comm", re.compile(r"(c10d|nccl|ProcessGroup)", re.IGNORECASE)),
+)
+
+# Profiler-derived frames (CPU route): {"filename": "none", "name": "torch/nn/modules/linear.py(130): forward"}.
+PROFILER_PY = re.compile(r"^(?P<file>.+?)\((?P<line>\d+)\): (?P<name>.+)$")
+PROFILER_OP = re.compile(r"^<built-in (?:method|function) (\w+)")
+PROFILER_MODULE = re.compile(r"^nn\.Module: ")
+
+HEX = re.compile(r"0x[0-9a-fA-F]+")
+NVCC_TMP = re.compile(r"tmpxft_[0-9a-f]+_[0-9a-f]+-\d+_")
+LIBRARY_PATH = re.compile(r"/(?:site|dist)-packages/(.+)$")
+STDLIB_PATH = re.compile(r"/(?:lib/python\d+(?:\.\d+)?t?|Lib)/(.+)$")
+FROZEN = re.compile(r"^<frozen (.+)>$")
+
+NO_STACK = "<no stack>"
+NO_STACK_BEFORE_TRACE = "<no stack: live before the trace>"
+
+
+@dataclass(frozen=True)
+class Stack:
+    """What the normalizer keeps of one raw frames list."""
+
+    signature: str
+    site: str
+    frames: Tuple[Frame, ...]
+
+
+@dataclass(frozen=True)
+class _Kept:
+    kind: str  # "py", "module" (profiler nn.Module marker), or a LANDMARKS kind
+    file: str
+    line: int
+    name: str
+    label: str  # op or node name for site labels, function for Python frames
+    key: str = ""  # the file as the signature sees it
+
+
+_NOISE_NAME = re.compile("|".join(re.escape(p) for p in NOISE_NAME_PARTS))
+_NOISE_FILE = re.compile("|".join(re.escape(p) for p in NOISE_FILE_PARTS))
+
+
+def _is_noise(name: str, filename: str) -> bool:
+    return bool(_NOISE_NAME.search(name) or _NOISE_FILE.search(filename) or INTERPRETER_NAME.match(name))
+
+
+def normalize_path(filename: str) -> str:
+    """Library files relative to site-packages, the stdlib under `stdlib/`, user code as given.
+
+    User code keeps its absolute path (with `/` separators and no drive letter) until
+    `relativize` cuts the project root shared by all of a summary's user files.
+    """
+    frozen = FROZEN.match(filename)
+    if frozen:
+        return "stdlib/" + frozen.group(1).replace(".", "/") + ".py"
+    p = filename.replace("\\", "/")
+    if re.match(r"^[A-Za-z]:/", p):
+        p = p[2:]
+    if p:
+        p = posixpath.normpath(p)
+    m = LIBRARY_PATH.search(p)
+    if m:
+        return m.group(1)
+    m = STDLIB_PATH.search(p)
+    if m:
+        return "stdlib/" + m.group(1)
+    return p
+
+
+def _short_native(name: str) -> str:
+    """A C++ symbol without its argument list: `at::_ops::mm::call(...)` -> `at::_ops::mm::call`."""
+    name = name.replace("(anonymous namespace)", "{anonymous}")
+    depth = 0
+    for i, ch in enumerate(name):
+        if ch == "<":
+            depth += 1
+        elif ch == ">":
+            depth = max(0, depth - 1)
+        elif ch == "(" and depth == 0:
+            return name[:i]
+    return name
+
+
+def _path_key(path: str) -> str:
+    # Library and stdlib paths are already machine-independent; where a project is checked out
+    # is not (/home/me/repo vs /home/runner/work/repo/repo), so user files count by name.
+    return posixpath.basename(path) if path.startswith("/") else path
+
+
+def _keep(raw: Any) -> Optional[_Kept]:
+    """The kept form of one raw frame, or None when it is noise or uninteresting native code."""
+    if not isinstance(raw, dict):
+        raise ValueError(f"a frame is a {type(raw).__name__}, not a dict")
+    name = raw.get("name", "")
+    filename = raw.get("filename", "")
+    line = raw.get("line", 0)
+    if not isinstance(name, str) or not isinstance(filename, str) or not isinstance(line, int):
+        raise ValueError(f"a frame has wrong types: {raw!r:.80}")
+    if filename == "none":  # profiler route
+        m = PROFILER_PY.match(name)
+        if m:
+            filename, line, name = m.group("file"), int(m.group("line")), m.group("name")
+        elif PROFILER_MODULE.match(name):
+            return _Kept("module", "", 0, name, name)
+        else:
+            op = PROFILER_OP.match(name)
+            clean = HEX.sub("0x…", name)
+            return _Kept("op", "", 0, clean, op.group(1) if op else clean)
+    if filename.endswith(".py") or filename.startswith("<"):
+        path = normalize_path(filename)
+        return _Kept("py", path, line, HEX.sub("0x…", name), name, _path_key(path))
+    if _is_noise(name, filename):
+        return None
+    for kind, pattern in LANDMARKS:
+        m = pattern.search(name) if kind == "comm" else pattern.match(name)
+        if m or (kind == "comm" and pattern.search(filename)):
+            label = m.group(1) if m and kind != "comm" else _short_native(name)
+            shown = "" if filename == "??" else NVCC_TMP.sub("tmpxft_", filename)
+            return _Kept(kind, shown, 0, _short_native(name), label)
+    return None
+
+
+def _is_plumbing(k: _Kept) -> bool:
+    return k.kind == "py" and any(f.search(k.file) and n.search(k.name) for f, n in PLUMBING_PY)
+
+
+def _site(kept: Sequence[_Kept]) -> str:
+    """A short label: the innermost Python function or autograd node, and the op it called."""
+    op = None
+    for k in kept:
+        if k.kind == "op":
+            op = k.label  # outermost op below the caller wins: the one the caller asked for
+        elif k.kind in ("py", "node"):
+            where = f"{posixpath.basename(k.file)}:{k.label}" if k.kind == "py" else k.label
+            return f"{where} <- {op}" if op else where
+    if op:
+        return op
+    return kept[0].label if kept else NO_STACK
+
+
+def signature_of(parts: Iterable[str]) -> str:
+    """A 16-hex-digit id for a sequence of frame keys (blake2b; never Python's salted hash())."""
+    h = hashlib.blake2b(digest_size=8)
+    for p in parts:
+        h.update(p.encode("utf-8", "surrogatepass"))
+        h.update(b"\n")
+    return h.hexdigest()
+
+
+class StackNormalizer:
+    """Normalizes raw frames lists, once per distinct list object.
+
+    Real snapshots share frames lists between events through pickle memo references, so the
+    cache is keyed by object identity; the snapshot keeps every list alive while this runs.
+    """
+
+    def __init__(self) -> None:
+        self._cache: Dict[Tuple[int, bool], Stack] = {}
+        self._frames: Dict[Tuple[Any, Any, Any], Optional[_Kept]] = {}
+        self.computed = 0
+
+    def stack(self, raw_frames: Optional[List[Any]], freed: bool = False, before_trace: bool = False) -> Stack:
+        """The Stack for one raw frames list; `freed` marks a free's stack standing in for an allocation's."""
+        if not raw_frames:
+            label = NO_STACK_BEFORE_TRACE if before_trace else NO_STACK
+            return Stack(signature_of([label]), label, ())
+        key = (id(raw_frames), freed)
+        hit = self._cache.get(key)
+        if hit is not None:
+            return hit
+        self.computed += 1
+        kept = [k for k in map(self._keep, raw_frames) if k is not None]
+        parts = [f"{k.key}:{k.name}" if k.kind == "py" else k.name
+                 for k in kept if k.kind != "module"]
+        site = _site(kept)
+        if freed:
+            parts.insert(0, "freed")
+            site = f"freed at {site}"
+        frames = tuple(Frame(k.file, k.line, k.name) for k in kept)
+        stack = Stack(signature_of(parts), site, frames)
+        self._cache[key] = stack
+        return stack
+
+
+    def _keep(self, raw: Any) -> Optional[_Kept]:
+        # Distinct lists still repeat the same frames (every CUDA stack starts with the same
+        # allocator frames), so each distinct frame is classified once.
+        try:
+            key = (raw["name"], raw["filename"], raw["line"])
+            return self._frames[key]
+        except KeyError:
+            pass
+        except (TypeError, IndexError):
+            return _keep(raw)  # not a well-formed frame: _keep raises the message
+        kept = _keep(raw)
+        if kept is not None and _is_plumbing(kept):
+            kept = None
+        self._frames[key] = kept
+        return kept
+
+
+def relativize(frame_lists: Sequence[Sequence[Frame]]) -> List[List[Frame]]:
+    """Display paths of user code relative to its common root (the project), libraries untouched."""
+    user_dirs = {posixpath.dirname(f.file) for frames in frame_lists for f in frames if f.file.startswith("/")}
+    if not user_dirs:
+        return [list(frames) for frames in frame_lists]
+    root = posixpath.commonpath(sorted(user_dirs))
+    cut = len(root.rstrip("/")) + 1
+    return [
+        [Frame(f.file[cut:], f.line, f.name) if f.file.startswith("/") else f for f in frames]
+        for frames in frame_lists
+    ]

@@ -1,0 +1,119 @@
+"""Plain data types that cross the stages: load -> normalize -> classify -> diff -> gate -> render.
+
+The Summary is the contract: `memdiff summarize` writes it, baselines store it and the differ
+reads it. Its JSON form is described by `schemas/summary.schema.json`; bump SCHEMA_VERSION
+whenever a field changes meaning or disappears.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+from typing import Any, Dict, List, Optional
+
+SCHEMA_VERSION = 1
+
+
+@dataclass(frozen=True)
+class Frame:
+    """One display frame: normalized file (library-relative or project-relative), line, function."""
+
+    file: str
+    line: int
+    name: str
+
+
+@dataclass
+class Group:
+    """Bytes live at the peak that share one stack signature."""
+
+    signature: str
+    site: str
+    frames: List[Frame]
+    count: int
+    bytes: int
+    category: Optional[str] = None
+
+
+@dataclass
+class OomEvent:
+    """An `oom` trace entry: the allocator could not satisfy a request."""
+
+    event_index: int
+    requested_bytes: int
+    device_free_bytes: Optional[int]
+    time_us: Optional[int]
+
+
+@dataclass
+class DeviceSummary:
+    """Peak accounting for one device, following the rules in snapshot-format.md."""
+
+    device: int
+    trace_events: int
+    static_bytes: int
+    peak_bytes: int
+    peak_event_index: Optional[int]
+    peak_time_us: Optional[int]
+    peak_event_signature: Optional[str]
+    trace_start_time_us: Optional[int]
+    trace_end_time_us: Optional[int]
+    allocated_bytes_at_dump: int
+    reserved_bytes_at_dump: int
+    unmatched_free_count: int
+    unmatched_free_bytes: int
+    oom_events: List[OomEvent]
+    timeline: List[List[int]]
+    groups: List[Group]
+
+
+@dataclass
+class Source:
+    """Where a summary came from, so that two runs can be checked for comparability."""
+
+    file: str
+    sha256: str
+    size_bytes: int
+    container: str
+    generation: str
+    keys: List[str]
+    allocator_settings: Optional[Dict[str, Any]] = None
+
+
+@dataclass
+class Summary:
+    """One snapshot reduced to what the differ and the gate need."""
+
+    source: Source
+    devices: List[DeviceSummary]
+    tool: str = ""
+    schema_version: int = SCHEMA_VERSION
+
+    def to_dict(self) -> Dict[str, Any]:
+        """The JSON form, keys in a stable order so that stored summaries diff well."""
+        data = asdict(self)
+        return {"schema_version": data.pop("schema_version"), "tool": data.pop("tool"), **data}
+
+    @classmethod
+    def from_dict(cls, data: Dict[str, Any]) -> "Summary":
+        """Rebuild a Summary from its JSON form (validate it against the schema first)."""
+        devices = []
+        for d in data["devices"]:
+            d = _known(DeviceSummary, d)
+            d["oom_events"] = [OomEvent(**_known(OomEvent, o)) for o in d["oom_events"]]
+            d["groups"] = [
+                Group(**{**_known(Group, g), "frames": [Frame(**_known(Frame, f)) for f in g["frames"]]})
+                for g in d["groups"]
+            ]
+            devices.append(DeviceSummary(**d))
+        return cls(
+            source=Source(**_known(Source, data["source"])),
+            devices=devices,
+            tool=data.get("tool", ""),
+            schema_version=data["schema_version"],
+        )
+
+
+def _known(cls: type, data: Dict[str, Any]) -> Dict[str, Any]:
+    """Keys of `data` that `cls` has: newer writers may add fields that older readers ignore."""
+    names = {f.name for f in fields(cls)}
+    return {k: v for k, v in data.items() if k in names}

@@ -1,0 +1,1 @@
+"""Renderers: turn computed results into text, markdown or JSON. They format; they never compute."""

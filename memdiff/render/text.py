@@ -1,0 +1,81 @@
+"""Plain-text reports for a terminal (tabulate tables, binary units)."""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+from typing import List, Optional
+
+from tabulate import tabulate
+
+from memdiff.model import Frame, Summary
+from memdiff.peak import DevicePeak, PeakRow
+from memdiff.units import format_bytes
+
+STACK_LINES = 6
+
+
+def _when(us: Optional[int], start_us: Optional[int]) -> str:
+    if us is None:
+        return ""
+    stamp = datetime.fromtimestamp(us / 1e6, tz=timezone.utc).strftime("%Y-%m-%d %H:%M:%S.%f")[:-3]
+    into = f"+{(us - start_us) / 1e6:.3f} s into the trace, " if start_us is not None else ""
+    return f" ({into}{stamp} UTC)"
+
+
+def _frame_line(f: Frame) -> str:
+    if not f.file:
+        return f.name
+    return f"{f.file}:{f.line} {f.name}" if f.line else f"{f.file} {f.name}"
+
+
+def _site_cell(row: PeakRow) -> str:
+    lines = [row.site] + ["  " + _frame_line(f) for f in row.frames[:STACK_LINES]]
+    if len(row.frames) > STACK_LINES:
+        lines.append(f"  … {len(row.frames) - STACK_LINES} more frames")
+    return "\n".join(lines)
+
+
+def _device_block(p: DevicePeak) -> List[str]:
+    d = p.device
+    out = [f"device {d.device}"]
+    facts = []
+    if d.peak_event_index is None:
+        where = "before the first event (nothing in the trace rose above static memory)"
+    else:
+        where = f"at event {d.peak_event_index:,} of {d.trace_events:,}{_when(d.peak_time_us, d.trace_start_time_us)}"
+    facts.append(("peak", format_bytes(d.peak_bytes), f"{d.peak_bytes:,} B, {where}"))
+    if p.reached_by:
+        facts.append(("reached by", "", p.reached_by))
+    facts.append(("static", format_bytes(d.static_bytes), "live before the trace began, counted from its start"))
+    facts.append(("at dump", format_bytes(d.allocated_bytes_at_dump),
+                  f"allocated, {format_bytes(d.reserved_bytes_at_dump)} reserved by the caching allocator"))
+    facts.append(("trace", f"{d.trace_events:,}", "events"))
+    out.append(tabulate(facts, tablefmt="plain", colalign=("left", "right", "left")))
+    if d.unmatched_free_count:
+        out.append(
+            f"note: the trace starts mid-run: {d.unmatched_free_count:,} frees of allocations made before it "
+            f"({format_bytes(d.unmatched_free_bytes)}) count as static memory. Record with a larger "
+            f"max_entries to see their stacks."
+        )
+    for o in d.oom_events:
+        free = format_bytes(o.device_free_bytes) if o.device_free_bytes is not None else "unknown"
+        out.append(f"OOM at event {o.event_index:,}: asked for {format_bytes(o.requested_bytes)} "
+                   f"with {free} free on the device")
+    rows = [[r.label, f"{r.count:,}", format_bytes(r.bytes), f"{r.share_pct:.1f}%", _site_cell(r)]
+            for r in p.rows + [p.total]]
+    out.append("")
+    out.append(tabulate(rows, headers=["#", "count", "bytes", "share", "site and stack (innermost first)"],
+                        tablefmt="simple", colalign=("right", "right", "right", "right", "left")))
+    return out
+
+
+def render_peak(summary: Summary, peaks: List[DevicePeak]) -> str:
+    """What `memdiff peak` prints: per device the peak, static, where the peak happens and the top groups."""
+    s = summary.source
+    lines = [f"{s.file}: {s.container}, format {s.generation}, sha256 {s.sha256[:12]}"]
+    if not peaks:
+        lines.append("no device memory in this snapshot (no trace and no segments)")
+    for p in peaks:
+        lines.append("")
+        lines.extend(_device_block(p))
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,30 @@
+"""JSON Schema validation of the files memdiff reads back (summaries now, baselines later)."""
+
+from __future__ import annotations
+
+import json
+from functools import lru_cache
+from importlib import resources
+from typing import Any, Dict
+
+import jsonschema
+
+from memdiff.errors import InputError
+
+
+@lru_cache(maxsize=None)
+def _validator(name: str) -> jsonschema.protocols.Validator:
+    text = resources.files("memdiff").joinpath("schemas", f"{name}.schema.json").read_text(encoding="utf-8")
+    schema = json.loads(text)
+    cls = jsonschema.validators.validator_for(schema)
+    cls.check_schema(schema)
+    return cls(schema)
+
+
+def validate(path: str, data: Any, name: str) -> Dict[str, Any]:
+    """`data` if it satisfies schemas/NAME.schema.json, else InputError naming the JSON path and rule."""
+    error = jsonschema.exceptions.best_match(_validator(name).iter_errors(data))
+    if error is not None:
+        where = ".".join(str(p) for p in error.absolute_path) or "(top level)"
+        raise InputError(path, f"not a valid memdiff {name}: {where}: {error.message}")
+    return data

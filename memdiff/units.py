@@ -1,0 +1,35 @@
+"""Byte sizes: parsing what users type and formatting what they read (always binary units)."""
+
+from __future__ import annotations
+
+import re
+
+_UNITS = {
+    "": 1, "b": 1,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+}
+_SIZE = re.compile(r"^\s*([+-]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d+)?)\s*([A-Za-z]*)\s*$")
+_BINARY = ((2**40, "TiB"), (2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB"))
+
+
+def parse_size(text: str) -> int:
+    """Bytes in `text`: `512MiB`, `0.5GiB`, `1e9`, `64 MB` (KB/MB/GB are powers of 10). ValueError if not a size."""
+    m = _SIZE.match(text)
+    unit = m.group(2).lower() if m else None
+    if m is None or unit not in _UNITS:
+        raise ValueError(f"{text!r} is not a size (examples: 512MiB, 0.5GiB, 64MB, 1e9)")
+    value = float(m.group(1)) * _UNITS[unit]
+    if value < 0:
+        raise ValueError(f"{text!r} is not a size: it is negative")
+    return int(round(value))
+
+
+def format_bytes(n: int, signed: bool = False) -> str:
+    """`n` bytes in binary units with two decimals (`6.53 GiB`); `signed` adds `+` to growth."""
+    sign = "-" if n < 0 else ("+" if signed and n > 0 else "")
+    a = abs(n)
+    for factor, unit in _BINARY:
+        if a >= factor:
+            return f"{sign}{a / factor:.2f} {unit}"
+    return f"{sign}{a} B"

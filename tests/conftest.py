@@ -1,0 +1,91 @@
+"""Shared fixtures: the real snapshots in ../shared and builders for small hand-made snapshots."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SHARED = ROOT.parent / "shared" / "snapshots"
+
+
+@pytest.fixture(scope="session")
+def shared() -> Path:
+    """The real snapshots folder; skips (or fails, under MEMDIFF_REQUIRE_SHARED=1) when absent."""
+    if not (SHARED / "expected.json").is_file():
+        reason = f"real snapshots not found at {SHARED} (they live in ../shared beside the project)"
+        if os.environ.get("MEMDIFF_REQUIRE_SHARED") == "1":
+            pytest.fail(reason + "; MEMDIFF_REQUIRE_SHARED=1 makes this a failure")
+        pytest.skip(reason)
+    return SHARED
+
+
+@pytest.fixture(scope="session")
+def expected(shared: Path) -> Dict[str, Any]:
+    """expected.json: per file and device, trace_events, static_bytes and peak_bytes."""
+    return json.loads((shared / "expected.json").read_text())
+
+
+def real_snapshot_names() -> List[str]:
+    """Snapshot file names listed in expected.json (empty when ../shared is absent)."""
+    path = SHARED / "expected.json"
+    return sorted(json.loads(path.read_text())) if path.is_file() else ["<missing ../shared>"]
+
+
+# Frames as PyTorch records them with stacks="python".
+def py_frames(*calls: str, root: str = "/home/a/proj") -> List[Dict[str, Any]]:
+    """Frames innermost first from 'file.py:line:function' specs; bare names live under `root`."""
+    out = []
+    for call in calls:
+        file, line, name = call.rsplit(":", 2)
+        if not file.startswith("/") and "site-packages" not in file:
+            file = f"{root}/{file}"
+        out.append({"filename": file, "line": int(line), "name": name})
+    return out
+
+
+def alloc(addr: int, size: int, frames: Optional[List[Dict[str, Any]]] = None, **kw: Any) -> Dict[str, Any]:
+    """An `alloc` trace entry."""
+    return {"action": "alloc", "addr": addr, "size": size, "stream": 0, "frames": frames or [], **kw}
+
+
+def free(addr: int, size: int, frames: Optional[List[Dict[str, Any]]] = None, completed: bool = True,
+         **kw: Any) -> Dict[str, Any]:
+    """A `free_completed` (or `free_requested`) trace entry."""
+    action = "free_completed" if completed else "free_requested"
+    return {"action": action, "addr": addr, "size": size, "stream": 0, "frames": frames or [], **kw}
+
+
+def segment(device: int, address: int, blocks: List[Dict[str, Any]], **kw: Any) -> Dict[str, Any]:
+    """A segment whose total size is the sum of its blocks."""
+    total = sum(b["size"] for b in blocks)
+    return {"device": device, "address": address, "total_size": total, "allocated_size": sum(
+        b["size"] for b in blocks if b["state"] == "active_allocated"), "stream": 0,
+            "segment_type": "large", "blocks": blocks, **kw}
+
+
+def block(address: Optional[int], size: int, state: str = "active_allocated",
+          frames: Optional[List[Dict[str, Any]]] = None, **kw: Any) -> Dict[str, Any]:
+    """A block; `address=None` makes a torch 2.0 style block without an address."""
+    b = {"size": size, "requested_size": size, "state": state, "frames": frames or [], **kw}
+    if address is not None:
+        b["address"] = address
+    return b
+
+
+@pytest.fixture
+def write_snapshot(tmp_path: Path):
+    """Write an object as a snapshot file (pickle protocol 4 by default) and return its path."""
+    def write(obj: Any, name: str = "snap.pickle", protocol: int = 4) -> str:
+        path = tmp_path / name
+        if name.endswith(".json"):
+            path.write_text(json.dumps(obj))
+        else:
+            path.write_bytes(pickle.dumps(obj, protocol=protocol))
+        return str(path)
+    return write

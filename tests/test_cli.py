@@ -1,0 +1,59 @@
+"""The command line as a user runs it: entry points, output files, formats, exit codes."""
+
+from __future__ import annotations
+
+import json
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import alloc, py_frames
+from memdiff.cli import main
+from memdiff.schema import validate
+
+SNAP = {"segments": [], "device_traces": [[alloc(1, 3 * 2**20, py_frames("model.py:3:forward")),
+                                           alloc(2, 2**20, py_frames("model.py:9:loss"))]]}
+
+
+@pytest.fixture
+def snap(tmp_path):
+    path = tmp_path / "run.pickle"
+    path.write_bytes(pickle.dumps(SNAP, 4))
+    return path
+
+
+def test_summarize_writes_a_valid_summary_file(snap, tmp_path, capsys):
+    out = tmp_path / "run.json"
+    assert main(["summarize", str(snap), "-o", str(out)]) == 0
+    assert capsys.readouterr().out == ""
+    data = validate(str(out), json.loads(out.read_text()), "summary")
+    assert data["schema_version"] == 1 and data["source"]["file"] == "run.pickle"
+    assert data["devices"][0]["peak_bytes"] == 4 * 2**20
+    assert [g["site"] for g in data["devices"][0]["groups"]] == ["model.py:forward", "model.py:loss"]
+
+
+def test_summarize_text_lists_every_group(snap, capsys):
+    assert main(["summarize", str(snap), "--format", "text"]) == 0
+    out = capsys.readouterr().out
+    assert "4.00 MiB" in out and "3.00 MiB" in out and "75.0%" in out and "model.py:loss" in out
+
+
+def test_usage_errors_exit_2(snap, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["peak", str(snap), "--top", "0"])
+    assert e.value.code == 2
+    with pytest.raises(SystemExit) as e:
+        main(["frobnicate"])
+    assert e.value.code == 2
+
+
+def test_python_dash_m_and_the_console_script(snap):
+    # `pip install -e .` puts the console script beside the interpreter it installed into.
+    script = Path(sys.executable).parent / "memdiff"
+    for argv in ([sys.executable, "-m", "memdiff", "peak", str(snap)], [str(script), "peak", str(snap)]):
+        done = subprocess.run(argv, capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr
+        assert "4.00 MiB" in done.stdout

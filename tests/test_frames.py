@@ -1,0 +1,140 @@
+"""Stack signatures: stable across machines, install prefixes, Python versions and line shifts."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+from memdiff.frames import StackNormalizer, normalize_path, relativize
+from memdiff.model import Frame
+
+ALLOCATOR = [
+    {"name": "torch::unwind::unwind()", "filename": "??", "line": 0},
+    {"name": "torch::CapturedTraceback::gather(bool, bool, bool)", "filename": "??", "line": 0},
+    {"name": "torch::cuda::(anonymous namespace)::gather_with_cpp()", "filename": "memory_snapshot.cpp", "line": 0},
+    {"name": "c10::cuda::CUDACachingAllocator::Native::DeviceCachingAllocator::malloc(unsigned long, CUstream_st*)",
+     "filename": "CUDACachingAllocator.cpp", "line": 0},
+]
+
+
+def mixed_stack(prefix: str, sep: str = "/", line_shift: int = 0, py312: bool = True,
+                project: str = "/home/a/proj"):
+    """A CUDA stack as stacks='all' records it: allocator, aten ops, interpreter, Python frames."""
+    site = f"{prefix}{sep}site-packages{sep}torch{sep}optim{sep}adam.py"
+    interp = (["_PyEval_EvalFrameDefault", "PyObject_Call", "PyType_GetModule", "_PyObject_MakeTpCall"] if py312
+              else ["_PyEval_EvalFrameDefault", "cfunction_call", "method_vectorcall_VARARGS_KEYWORDS"])
+    return ALLOCATOR + [
+        {"name": "at::_ops::empty_like::call(at::Tensor const&, std::optional<c10::ScalarType>)", "filename": "??", "line": 0},
+        {"name": "at::native::zeros_like(at::Tensor const&)", "filename": "??", "line": 0},
+        {"name": "at::_ops::zeros_like::call(at::Tensor const&, std::optional<c10::ScalarType>)", "filename": "??", "line": 0},
+        {"name": "torch::autograd::THPVariable_zeros_like(_object*, _object*, _object*)", "filename": "python_torch_functions_0.cpp", "line": 0},
+    ] + [{"name": n, "filename": "??", "line": 0} for n in interp] + [
+        {"name": "_init_group", "filename": site, "line": 139 + line_shift},
+        {"name": "step", "filename": site, "line": 214 + line_shift},
+        {"name": "wrapper", "filename": site.replace("adam.py", "optimizer.py"), "line": 509 + line_shift},
+        {"name": "<module>", "filename": f"{project}{sep}train.py", "line": 7 + line_shift},
+        {"name": "_run_code", "filename": f"{prefix}{sep}lib{sep}python3.12{sep}runpy.py", "line": 88},
+        {"name": "__libc_start_main", "filename": "??", "line": 0},
+        {"name": "_start", "filename": "??", "line": 0},
+    ]
+
+
+def sig(frames, freed=False):
+    return StackNormalizer().stack(frames, freed=freed).signature
+
+
+def test_signature_ignores_install_prefix_os_python_version_and_lines():
+    linux = mixed_stack("/home/a/.venv/lib/python3.12")
+    windows = mixed_stack("D:\\Dev\\x\\.venv\\Lib", sep="\\", py312=False, project="D:\\Dev\\x")
+    shifted = mixed_stack("/opt/conda/lib/python3.10", line_shift=17, project="/work/ci/checkout")
+    assert sig(linux) == sig(windows) == sig(shifted)
+
+
+def test_signature_changes_when_the_code_path_changes():
+    base = mixed_stack("/usr/lib/python3.12")
+    other_fn = copy.deepcopy(base)
+    other_fn[-6]["name"] = "_init_state"
+    other_op = copy.deepcopy(base)
+    other_op[6]["name"] = "at::_ops::ones_like::call(at::Tensor const&)"
+    assert len({sig(base), sig(other_fn), sig(other_op)}) == 3
+
+
+def test_a_free_stack_never_shares_a_signature_with_an_allocation_stack():
+    frames = mixed_stack("/x")
+    assert sig(frames) != sig(frames, freed=True)
+
+
+def test_site_and_display_frames_drop_noise_and_keep_landmarks():
+    stack = StackNormalizer().stack(mixed_stack("/home/a/.venv/lib/python3.12"))
+    assert stack.site == "adam.py:_init_group <- zeros_like"
+    assert [(f.file, f.name) for f in stack.frames] == [
+        ("", "at::_ops::empty_like::call"),
+        ("", "at::_ops::zeros_like::call"),
+        ("torch/optim/adam.py", "_init_group"),
+        ("torch/optim/adam.py", "step"),
+        ("torch/optim/optimizer.py", "wrapper"),
+        ("/home/a/proj/train.py", "<module>"),
+    ]
+
+
+def test_backward_stacks_are_labelled_by_their_autograd_node():
+    frames = ALLOCATOR + [
+        {"name": "at::_ops::mm::call(at::Tensor const&, at::Tensor const&)", "filename": "??", "line": 0},
+        {"name": "torch::autograd::generated::AddmmBackward0::apply(std::vector<at::Tensor>&&)", "filename": "??", "line": 0},
+        {"name": "torch::autograd::Engine::evaluate_function(std::shared_ptr<torch::autograd::GraphTask>&)", "filename": "??", "line": 0},
+        {"name": "std::error_code::default_error_condition() const", "filename": "??", "line": 0},
+        {"name": "__clone", "filename": "??", "line": 0},
+    ]
+    stack = StackNormalizer().stack(frames)
+    assert stack.site == "AddmmBackward0 <- mm"
+    assert [f.name for f in stack.frames] == [
+        "at::_ops::mm::call", "torch::autograd::generated::AddmmBackward0::apply",
+        "torch::autograd::Engine::evaluate_function"]
+
+
+def test_hex_addresses_in_names_do_not_split_groups():
+    a = [{"filename": "none", "line": 0, "name": "<built-in method mul_ of Parameter object at 0x7f6af9259d10>"},
+         {"filename": "none", "line": 0, "name": "torch/optim/adam.py(347): _single_tensor_adam"}]
+    b = copy.deepcopy(a)
+    b[0]["name"] = "<built-in method mul_ of Parameter object at 0x55d0aa01ff00>"
+    assert sig(a) == sig(b)
+
+
+def test_profiler_module_instance_numbers_do_not_split_groups():
+    def frames(n):
+        return [{"filename": "none", "line": 0, "name": "<built-in function linear>"},
+                {"filename": "none", "line": 0, "name": "torch/nn/modules/linear.py(130): forward"},
+                {"filename": "none", "line": 0, "name": f"nn.Module: Linear_{n}"}]
+    assert sig(frames(0)) == sig(frames(3))
+
+
+def test_frames_are_normalized_once_per_distinct_frames_list():
+    shared = mixed_stack("/x")
+    normalizer = StackNormalizer()
+    for _ in range(1000):
+        normalizer.stack(shared)
+    normalizer.stack(list(shared))
+    assert normalizer.computed == 2
+
+
+@pytest.mark.parametrize("raw, shown", [
+    ("/home/a/.venv/lib/python3.12/site-packages/torch/optim/adam.py", "torch/optim/adam.py"),
+    ("D:\\Dev\\x\\.venv\\Lib\\site-packages\\torch\\optim\\adam.py", "torch/optim/adam.py"),
+    ("/usr/lib/python3/dist-packages/numpy/core/x.py", "numpy/core/x.py"),
+    ("/opt/conda/lib/python3.9/runpy.py", "stdlib/runpy.py"),
+    ("C:\\Python312\\Lib\\threading.py", "stdlib/threading.py"),
+    ("<frozen runpy>", "stdlib/runpy.py"),
+    ("/home/a/proj/scripts/../pkg/model.py", "/home/a/proj/pkg/model.py"),
+    ("D:\\Dev\\proj\\model.py", "/Dev/proj/model.py"),
+])
+def test_normalize_path(raw, shown):
+    assert normalize_path(raw) == shown
+
+
+def test_user_paths_are_shown_relative_to_the_project_root():
+    groups = [[Frame("/home/a/proj/pkg/model.py", 3, "forward"), Frame("torch/nn/modules/linear.py", 1, "forward")],
+              [Frame("/home/a/proj/train.py", 9, "<module>")]]
+    assert relativize(groups) == [
+        [Frame("pkg/model.py", 3, "forward"), Frame("torch/nn/modules/linear.py", 1, "forward")],
+        [Frame("train.py", 9, "<module>")]]
