@@ -47,6 +47,9 @@ LANDMARKS = (
     ("comm", re.compile(r"(c10d|nccl|ProcessGroup)", re.IGNORECASE)),
 )
 
+# Ops that only allocate (what `zeros_like` or `addmm` calls underneath): never the telling op.
+FACTORY_OP = re.compile(r"^(new_)?empty(_|$)")
+
 # Profiler-derived frames (CPU route): {"filename": "none", "name": "torch/nn/modules/linear.py(130): forward"}.
 PROFILER_PY = re.compile(r"^(?P<file>.+?)\((?P<line>\d+)\): (?P<name>.+)$")
 PROFILER_OP = re.compile(r"^<built-in (?:method|function) (\w+)")
@@ -58,6 +61,7 @@ LIBRARY_PATH = re.compile(r"/(?:site|dist)-packages/(.+)$")
 STDLIB_PATH = re.compile(r"/(?:lib/python\d+(?:\.\d+)?t?|Lib)/(.+)$")
 FROZEN = re.compile(r"^<frozen (.+)>$")
 
+FREED_PREFIX = "freed at "
 NO_STACK = "<no stack>"
 NO_STACK_BEFORE_TRACE = "<no stack: live before the trace>"
 
@@ -170,17 +174,23 @@ def _is_plumbing(k: _Kept) -> bool:
 
 
 def _site(kept: Sequence[_Kept]) -> str:
-    """A short label: the innermost Python function or autograd node, and the op it called."""
-    op = None
+    """A short label, caller first: the innermost Python function or autograd node, the op it
+    called, and the innermost op doing the work when that is another (`<- linear <- addmm`)."""
+    ops: List[str] = []
+    where = None
     for k in kept:
         if k.kind == "op":
-            op = k.label  # outermost op below the caller wins: the one the caller asked for
+            ops.append(k.label)
         elif k.kind in ("py", "node"):
             where = f"{posixpath.basename(k.file)}:{k.label}" if k.kind == "py" else k.label
-            return f"{where} <- {op}" if op else where
-    if op:
-        return op
-    return kept[0].label if kept else NO_STACK
+            break
+    if not ops:
+        return where or (kept[0].label if kept else NO_STACK)
+    chain = [ops[-1]]  # the outermost op: the one the caller asked for
+    working = next((op for op in ops if not FACTORY_OP.match(op)), None)
+    if working and working != ops[-1]:
+        chain.append(working)
+    return " <- ".join(([where] if where else []) + chain)
 
 
 def signature_of(parts: Iterable[str]) -> str:
@@ -220,7 +230,7 @@ class StackNormalizer:
         site = _site(kept)
         if freed:
             parts.insert(0, "freed")
-            site = f"freed at {site}"
+            site = FREED_PREFIX + site
         frames = tuple(Frame(k.file, k.line, k.name) for k in kept)
         stack = Stack(signature_of(parts), site, frames)
         self._cache[key] = stack

@@ -201,8 +201,8 @@ def to_snapshot(path: str, raw: Any, source: Source) -> Snapshot:
                     external_annotations=annotations)
 
 
-def load(path: str) -> Snapshot:
-    """Read, decompress, decode and validate one snapshot file."""
+def decode(path: str) -> Tuple[Any, Source]:
+    """Read, decompress and decode a file: (the document, its Source with generation still unset)."""
     data = read_bytes(path)
     digest = hashlib.sha256(data).hexdigest()
     size = len(data)
@@ -218,4 +218,10 @@ def load(path: str) -> Snapshot:
         generation="",
         keys=[],
     )
+    return raw, source
+
+
+def load(path: str) -> Snapshot:
+    """Read, decompress, decode and validate one snapshot file."""
+    raw, source = decode(path)
     return to_snapshot(path, raw, source)

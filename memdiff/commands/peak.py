@@ -6,17 +6,11 @@ import argparse
 import sys
 from typing import Any
 
+from memdiff.commands.args import count_arg
 from memdiff.load import load
 from memdiff.normalize import summarize
 from memdiff.peak import peak_report
 from memdiff.render.text import render_peak
-
-
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text} is not a positive count")
-    return value
 
 
 def add_parser(subparsers: Any, parents: list) -> None:
@@ -26,7 +20,7 @@ def add_parser(subparsers: Any, parents: list) -> None:
         description="Show per device the peak (as PyTorch's memory viewer counts it), static memory, "
                     "where the peak happens and the top stack groups live at the peak.")
     p.add_argument("snapshot", help="snapshot file (pickle or JSON, optionally gzip/bz2/xz)")
-    p.add_argument("--top", type=_positive, default=10, metavar="N", help="groups to list (default: 10)")
+    p.add_argument("--top", type=count_arg, default=10, metavar="N", help="groups to list (default: 10)")
     p.add_argument("--device", type=int, metavar="D", help="only this device index")
     p.set_defaults(run=run)
 

@@ -3,10 +3,27 @@
 from __future__ import annotations
 
 import json
+from dataclasses import asdict
 
+from memdiff.diff import Diff
+from memdiff.gate import Verdict
 from memdiff.model import Summary
 
 
 def render_summary(summary: Summary) -> str:
     """The summary as indented JSON with a trailing newline."""
     return json.dumps(summary.to_dict(), indent=2, ensure_ascii=False) + "\n"
+
+
+def render_diff(diff: Diff, verdict: Verdict) -> str:
+    """The diff contract: verdict, rule, checks and per device every row, never folded."""
+    data = {
+        "verdict": "pass" if verdict.passed else "fail",
+        "rule": verdict.rule,
+        "checks": [asdict(c) for c in verdict.checks],
+        "warnings": diff.warnings,
+        "base": asdict(diff.base),
+        "head": asdict(diff.head),
+        "devices": [asdict(d) for d in diff.devices],
+    }
+    return json.dumps(data, indent=2, ensure_ascii=False) + "\n"

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 from datetime import datetime, timezone
-from typing import List, Optional
+from typing import Dict, List, Optional
 
 from tabulate import tabulate
 
-from memdiff.model import Frame, Summary
+from memdiff.diff import Diff, Folded
+from memdiff.gate import Verdict
+from memdiff.model import Frame, Source, Summary
 from memdiff.peak import DevicePeak, PeakRow
+from memdiff.render.table import category_table, check_line, diff_table, peak_line
 from memdiff.units import format_bytes
 
 STACK_LINES = 6
@@ -78,4 +81,23 @@ def render_peak(summary: Summary, peaks: List[DevicePeak]) -> str:
     for p in peaks:
         lines.append("")
         lines.extend(_device_block(p))
+    return "\n".join(lines) + "\n"
+
+
+def _input_line(role: str, s: Source) -> str:
+    return f"{role}  {s.file}  ({s.container}, format {s.generation}, sha256 {s.sha256[:12]})"
+
+
+def render_diff(diff: Diff, verdict: Verdict, folded: Dict[int, Folded]) -> str:
+    """What `memdiff BASE HEAD` prints: inputs, warnings, per device the aligned rows, the rule and verdict."""
+    lines = [_input_line("base", diff.base), _input_line("head", diff.head)]
+    lines += [f"warning: {w}" for w in diff.warnings]
+    for d in diff.devices:
+        lines += ["", f"device {d.device}: {peak_line(d)}; static {format_bytes(d.base_static_bytes)} -> "
+                      f"{format_bytes(d.head_static_bytes)}"]
+        if d.categories:
+            lines += ["", category_table(d, "simple")]
+        lines += ["", diff_table(folded[d.device], "simple")]
+    lines += ["", f"rule: {verdict.rule}"]
+    lines += [check_line(c) for c in verdict.checks]
     return "\n".join(lines) + "\n"

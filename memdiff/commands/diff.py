@@ -1,0 +1,48 @@
+"""`memdiff BASE HEAD` (or `memdiff diff BASE HEAD`): why does head use more memory than base?"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from memdiff.commands.args import add_threshold_arguments, count_arg, size_arg
+from memdiff.diff import diff, fold
+from memdiff.gate import PeakRule, judge_peaks
+from memdiff.inputs import read_summary
+from memdiff.render import json as render_json
+from memdiff.render import markdown as render_markdown
+from memdiff.render import text as render_text
+
+EXIT_REGRESSION = 1
+
+
+def add_parser(subparsers: Any, parents: list) -> None:
+    """Register the subcommand."""
+    p = subparsers.add_parser(
+        "diff", parents=parents, help="compare two runs (the default: memdiff BASE HEAD)",
+        description="Align two runs by stack signature and explain the peak difference. Either input "
+                    "may be a snapshot or a summary JSON. Exit 1 when a peak grew beyond the rule.")
+    p.add_argument("base", help="the run to compare against (snapshot or summary)")
+    p.add_argument("head", help="the new run (snapshot or summary)")
+    p.add_argument("--top", type=count_arg, default=20, metavar="N", help="rows to show per device (default: 20)")
+    p.add_argument("--min-delta", type=size_arg, default=0, metavar="SIZE",
+                   help="hide rows that changed by less than SIZE (they still count in TOTAL)")
+    p.add_argument("--format", choices=("text", "markdown", "json"), default="text",
+                   help="report format (default: text); json rows are never folded")
+    add_threshold_arguments(p)
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Read both inputs, align, judge, print; exit 1 on a regression."""
+    base, head = read_summary(args.base), read_summary(args.head)
+    result = diff(base, head)
+    verdict = judge_peaks(result, PeakRule.from_options(args.fail_over, args.fail_over_pct))
+    if args.format == "json":
+        sys.stdout.write(render_json.render_diff(result, verdict))
+    else:
+        folded = {d.device: fold(d, args.top, args.min_delta) for d in result.devices}
+        renderer = render_markdown if args.format == "markdown" else render_text
+        sys.stdout.write(renderer.render_diff(result, verdict, folded))
+    return 0 if verdict.passed else EXIT_REGRESSION

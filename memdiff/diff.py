@@ -1,0 +1,241 @@
+"""diff: two Summaries -> Diff, groups aligned per device so that the rows explain the peak delta.
+
+Alignment, in order:
+1. groups with the same signature;
+2. left-over groups with the same allocation site: the frames up to and including the
+   innermost Python frame (ops, autograd nodes, the allocating function), then the next
+   Python callers, SITE_CALLERS of them first, then fewer, down to none (file name and
+   function, no lines), and last the site label alone (innermost function, the op it called
+   and the op doing the work, which tells autocast's `_to_copy` from the matmul it feeds).
+   An edit to an outer caller then reads as GREW or SHRANK rather than GONE + NEW. Pairs are
+   made largest first;
+3. what is left is NEW (head only) or GONE (base only).
+Because each summary's groups add up to its peak, the rows' deltas add up to the peak delta.
+"""
+
+from __future__ import annotations
+
+import posixpath
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence, Tuple
+
+from memdiff.frames import PROFILER_MODULE
+from memdiff.model import DeviceSummary, Frame, Group, Source, Summary
+
+SITE_CALLERS = 2
+EVENT_RATIO_WARNING = 2.0
+
+NEW, GONE, GREW, SHRANK, SAME = "NEW", "GONE", "GREW", "SHRANK", "SAME"
+BY_SIGNATURE, BY_SITE = "signature", "site"
+
+
+@dataclass
+class DiffRow:
+    """One aligned group (or a NEW/GONE one) and how it changed."""
+
+    status: str
+    site: str
+    signature: str
+    category: Optional[str]
+    base_count: int
+    head_count: int
+    base_bytes: int
+    head_bytes: int
+    delta_bytes: int
+    frames: List[Frame]
+    matched_by: Optional[str]
+
+
+@dataclass
+class CategoryDelta:
+    """Bytes live at the peak in one category, base and head."""
+
+    category: str
+    base_bytes: int
+    head_bytes: int
+    delta_bytes: int
+
+
+@dataclass
+class DeviceDiff:
+    """One device of both runs."""
+
+    device: int
+    base_peak_bytes: int
+    head_peak_bytes: int
+    peak_delta_bytes: int
+    base_static_bytes: int
+    head_static_bytes: int
+    rows: List[DiffRow]
+    categories: List[CategoryDelta]
+
+
+@dataclass
+class Diff:
+    """Both inputs, a DeviceDiff per device found in either, and why the pair may not compare."""
+
+    base: Source
+    head: Source
+    devices: List[DeviceDiff]
+    warnings: List[str]
+
+
+def _site_key(callers: int):
+    """Key function: the group's allocation point plus `callers` outer Python frames."""
+    def key(g: Group) -> Tuple:
+        frames = [(posixpath.basename(f.file), f.name) for f in g.frames if not PROFILER_MODULE.match(f.name)]
+        python = [i for i, f in enumerate(g.frames) if f.file.endswith(".py")]
+        end = python[min(callers, len(python) - 1)] + 1 if python else len(frames)
+        return (g.site, *frames[:end])
+    return key
+
+
+def _site_label(g: Group) -> Tuple:
+    return (g.site,)
+
+
+SITE_KEYS = tuple(_site_key(n) for n in range(SITE_CALLERS, -1, -1)) + (_site_label,)
+
+
+def _row(base: Optional[Group], head: Optional[Group], matched_by: Optional[str]) -> DiffRow:
+    shown = head or base
+    assert shown is not None
+    b_bytes, h_bytes = (base.bytes if base else 0), (head.bytes if head else 0)
+    delta = h_bytes - b_bytes
+    if base is None:
+        status = NEW
+    elif head is None:
+        status = GONE
+    else:
+        status = GREW if delta > 0 else SHRANK if delta < 0 else SAME
+    return DiffRow(status=status, site=shown.site, signature=shown.signature, category=shown.category,
+                   base_count=base.count if base else 0, head_count=head.count if head else 0,
+                   base_bytes=b_bytes, head_bytes=h_bytes, delta_bytes=delta, frames=list(shown.frames),
+                   matched_by=matched_by)
+
+
+def align(base: Sequence[Group], head: Sequence[Group]) -> List[DiffRow]:
+    """Rows for two group lists, sorted by the size of the change (largest first)."""
+    head_by_sig = {g.signature: g for g in head}
+    rows: List[DiffRow] = []
+    base_left: List[Group] = []
+    for g in base:
+        match = head_by_sig.pop(g.signature, None)
+        if match is None:
+            base_left.append(g)
+        else:
+            rows.append(_row(g, match, BY_SIGNATURE))
+    head_left = [g for g in head if g.signature in head_by_sig]
+
+    for key in SITE_KEYS:
+        by_site: Dict[Tuple, List[List[Group]]] = defaultdict(lambda: [[], []])
+        for side, groups in enumerate((base_left, head_left)):
+            for g in groups:
+                by_site[key(g)][side].append(g)
+        base_left, head_left = [], []
+        for olds, news in by_site.values():
+            olds.sort(key=lambda g: -g.bytes)
+            news.sort(key=lambda g: -g.bytes)
+            pairs = min(len(olds), len(news))
+            rows.extend(_row(o, n, BY_SITE) for o, n in zip(olds, news))
+            base_left += olds[pairs:]
+            head_left += news[pairs:]
+    rows.extend(_row(g, None, None) for g in base_left)
+    rows.extend(_row(None, g, None) for g in head_left)
+
+    order = {NEW: 0, GREW: 1, GONE: 2, SHRANK: 3, SAME: 4}
+    rows.sort(key=lambda r: (-abs(r.delta_bytes), order[r.status], r.site, r.signature))
+    return rows
+
+
+def _categories(base: DeviceSummary, head: DeviceSummary) -> List[CategoryDelta]:
+    # Empty until the classifier fills categories: no category is invented here.
+    if not any(g.category for g in base.groups + head.groups):
+        return []
+    sums: Dict[str, List[int]] = defaultdict(lambda: [0, 0])
+    for side, groups in enumerate((base.groups, head.groups)):
+        for g in groups:
+            sums[g.category or "other"][side] += g.bytes
+    out = [CategoryDelta(c, b, h, h - b) for c, (b, h) in sums.items()]
+    out.sort(key=lambda c: (-abs(c.delta_bytes), c.category))
+    return out
+
+
+def _empty(device: int) -> DeviceSummary:
+    return DeviceSummary(device=device, trace_events=0, static_bytes=0, peak_bytes=0, peak_event_index=None,
+                         peak_time_us=None, peak_event_signature=None, trace_start_time_us=None,
+                         trace_end_time_us=None, allocated_bytes_at_dump=0, reserved_bytes_at_dump=0,
+                         unmatched_free_count=0, unmatched_free_bytes=0, oom_events=[], timeline=[], groups=[])
+
+
+def _warnings(base: Summary, head: Summary) -> List[str]:
+    """Reasons the two runs may not be comparable; the diff is still computed."""
+    out = []
+    b_set, h_set = base.source.allocator_settings, head.source.allocator_settings
+    if b_set is not None and h_set is not None and b_set != h_set:
+        keys = sorted(k for k in set(b_set) | set(h_set) if b_set.get(k) != h_set.get(k))
+        out.append("allocator settings differ (" + ", ".join(
+            f"{k}: {b_set.get(k)!r} -> {h_set.get(k)!r}" for k in keys) + ")")
+    b_devs, h_devs = [d.device for d in base.devices], [d.device for d in head.devices]
+    if b_devs != h_devs:
+        out.append(f"devices differ: base has {b_devs or 'none'}, head has {h_devs or 'none'}")
+    if base.source.generation != head.source.generation:
+        out.append(f"snapshot formats differ: base is {base.source.generation}, head is {head.source.generation}")
+    heads = {d.device: d for d in head.devices}
+    for b in base.devices:
+        h = heads.get(b.device)
+        if h is None:
+            continue
+        if (b.unmatched_free_count > 0) != (h.unmatched_free_count > 0):
+            which = "base" if b.unmatched_free_count else "head"
+            out.append(f"device {b.device}: only the {which} trace starts mid-run (its ring buffer dropped "
+                       f"events), so its static memory includes what the other run shows as allocations")
+        lo, hi = sorted((b.trace_events, h.trace_events))
+        if lo and hi / lo > EVENT_RATIO_WARNING:
+            out.append(f"device {b.device}: event counts differ {hi / lo:.1f}x ({b.trace_events:,} -> "
+                       f"{h.trace_events:,}): the runs may not record the same work")
+    return out
+
+
+def diff(base: Summary, head: Summary) -> Diff:
+    """Align the two summaries device by device."""
+    b_devs = {d.device: d for d in base.devices}
+    h_devs = {d.device: d for d in head.devices}
+    devices = []
+    for dev in sorted(set(b_devs) | set(h_devs)):
+        b, h = b_devs.get(dev) or _empty(dev), h_devs.get(dev) or _empty(dev)
+        devices.append(DeviceDiff(
+            device=dev, base_peak_bytes=b.peak_bytes, head_peak_bytes=h.peak_bytes,
+            peak_delta_bytes=h.peak_bytes - b.peak_bytes, base_static_bytes=b.static_bytes,
+            head_static_bytes=h.static_bytes, rows=align(b.groups, h.groups), categories=_categories(b, h)))
+    return Diff(base=base.source, head=head.source, devices=devices, warnings=_warnings(base, head))
+
+
+@dataclass
+class Folded:
+    """A device's rows as a table shows them: the top rows, the rest in one row, and the total."""
+
+    shown: List[DiffRow]
+    others: Optional[DiffRow]
+    total: DiffRow
+
+
+def _sum_row(label: str, rows: Sequence[DiffRow]) -> DiffRow:
+    b, h = sum(r.base_bytes for r in rows), sum(r.head_bytes for r in rows)
+    return DiffRow(status="", site=label, signature="", category=None,
+                   base_count=sum(r.base_count for r in rows), head_count=sum(r.head_count for r in rows),
+                   base_bytes=b, head_bytes=h, delta_bytes=h - b, frames=[], matched_by=None)
+
+
+def fold(device: DeviceDiff, top: int, min_delta: int = 0) -> Folded:
+    """Keep the first `top` rows whose change is at least `min_delta`; fold the rest (Bloaty style).
+
+    Hidden rows still count: shown + others = total = the peak delta, exactly.
+    """
+    visible = [r for r in device.rows if abs(r.delta_bytes) >= min_delta]
+    shown = visible[:top]
+    kept = {id(r) for r in shown}
+    rest = [r for r in device.rows if id(r) not in kept]
+    others = _sum_row(f"{len(rest)} others", rest) if rest else None
+    return Folded(shown=shown, others=others, total=_sum_row("TOTAL", device.rows))

@@ -1,0 +1,65 @@
+"""The diff table shared by the text and markdown reports (same columns, different tablefmt)."""
+
+from __future__ import annotations
+
+from typing import List
+
+from tabulate import tabulate
+
+from memdiff.diff import BY_SITE, NEW, DeviceDiff, DiffRow, Folded
+from memdiff.gate import Check, growth_pct
+from memdiff.units import format_bytes
+
+HEADERS = ["status", "count", "base", "head", "delta", "%", "site"]
+
+
+def pct_cell(base: int, head: int) -> str:
+    """Signed percent change, `new` when there was nothing before."""
+    pct = growth_pct(base, head)
+    if pct is None:
+        return "new" if head else ""
+    return f"{pct:+.1f}%"
+
+
+def _count(r: DiffRow) -> str:
+    return f"{r.base_count:,}" if r.base_count == r.head_count else f"{r.base_count:,} -> {r.head_count:,}"
+
+
+def _cells(r: DiffRow) -> List[str]:
+    site = r.site + (" (matched by site)" if r.matched_by == BY_SITE else "")
+    pct = "new" if r.status == NEW else pct_cell(r.base_bytes, r.head_bytes)
+    return [r.status, _count(r), format_bytes(r.base_bytes), format_bytes(r.head_bytes),
+            format_bytes(r.delta_bytes, signed=True), pct, site]
+
+
+def diff_table(folded: Folded, tablefmt: str, escape=lambda s: s) -> str:
+    """The rows, the folded rest and the TOTAL row as one table."""
+    rows = [_cells(r) for r in folded.shown]
+    if folded.others is not None:
+        rows.append(_cells(folded.others))
+    rows.append(_cells(folded.total))
+    rows = [[escape(c) for c in row] for row in rows]
+    return tabulate(rows, headers=HEADERS, tablefmt=tablefmt,
+                    colalign=("left", "right", "right", "right", "right", "right", "left"))
+
+
+def peak_line(d: DeviceDiff) -> str:
+    """`peak 6.53 GiB -> 8.48 GiB (+1.95 GiB, +29.8%)`."""
+    return (f"peak {format_bytes(d.base_peak_bytes)} -> {format_bytes(d.head_peak_bytes)} "
+            f"({format_bytes(d.peak_delta_bytes, signed=True)}, {pct_cell(d.base_peak_bytes, d.head_peak_bytes)})")
+
+
+def check_line(c: Check) -> str:
+    """`FAIL  device 0 peak: 6.53 GiB -> 8.48 GiB, +1.95 GiB (+29.8%)`."""
+    return (f"{'PASS' if c.passed else 'FAIL'}  {c.subject}: {format_bytes(c.base_bytes)} -> "
+            f"{format_bytes(c.head_bytes)}, {format_bytes(c.delta_bytes, signed=True)} "
+            f"({pct_cell(c.base_bytes, c.head_bytes)})")
+
+
+def category_table(d: DeviceDiff, tablefmt: str) -> str:
+    """Per-category bytes at the peak, base and head."""
+    rows = [[c.category, format_bytes(c.base_bytes), format_bytes(c.head_bytes),
+             format_bytes(c.delta_bytes, signed=True), pct_cell(c.base_bytes, c.head_bytes)]
+            for c in d.categories]
+    return tabulate(rows, headers=["category", "base", "head", "delta", "%"], tablefmt=tablefmt,
+                    colalign=("left", "right", "right", "right", "right"))

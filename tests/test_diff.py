@@ -1,0 +1,333 @@
+"""`memdiff BASE HEAD`: alignment, the report, the rule and exit codes, on real and hand-built runs."""
+
+from __future__ import annotations
+
+import copy
+import json
+import pickle
+from typing import Any, Dict, List
+
+import pytest
+
+from conftest import alloc, py_frames
+from memdiff.cli import main
+from memdiff.diff import BY_SITE, GONE, GREW, NEW, SAME, SHRANK, diff
+from memdiff.gate import PeakRule
+from memdiff.inputs import read_summary
+from memdiff.load import decode
+
+
+def run(capsys, *argv):
+    code = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def json_diff(capsys, base, head, *extra):
+    code, out, err = run(capsys, base, head, "--format", "json", *extra)
+    assert err == "", err
+    return code, json.loads(out)
+
+
+def raw(path) -> Dict[str, Any]:
+    return decode(str(path))[0]
+
+
+def write(tmp_path, name, obj) -> str:
+    path = tmp_path / name
+    path.write_bytes(pickle.dumps(obj, protocol=4))
+    return str(path)
+
+
+def all_frames(snapshot: Dict[str, Any]) -> List[Dict[str, Any]]:
+    """Every distinct frame dict (real snapshots share them between events)."""
+    seen: Dict[int, Dict[str, Any]] = {}
+    for trace in snapshot["device_traces"]:
+        for e in trace:
+            for f in e.get("frames") or []:
+                seen[id(f)] = f
+    for seg in snapshot["segments"]:
+        for b in seg["blocks"]:
+            for f in b.get("frames") or []:
+                seen[id(f)] = f
+    return list(seen.values())
+
+
+# --- real pairs ---------------------------------------------------------------------------------
+
+def test_ctx128_to_ctx256_training(shared, expected, capsys):
+    base, head = shared / "cs336-medium-ctx128-train.pickle", shared / "cs336-medium-ctx256-train.pickle"
+    code, data = json_diff(capsys, base, head)
+    d = data["devices"][0]
+    want = expected[head.name]["0"]["peak_bytes"] - expected[base.name]["0"]["peak_bytes"]
+    assert d["peak_delta_bytes"] == want == sum(r["delta_bytes"] for r in d["rows"])
+    assert code == 1 and data["verdict"] == "fail"
+    # The growth is activations: the largest growing rows are forward-pass allocations.
+    growing = [r for r in d["rows"] if r["status"] in (NEW, GREW)][:6]
+    assert all(any(f["name"] in ("forward", "einsum", "silu", "softmax") for f in r["frames"]) for r in growing)
+    assert growing[0]["delta_bytes"] == 768 * 2**20
+
+
+def test_inference_to_training_adds_gradients_and_optimizer_state(shared, capsys):
+    code, data = json_diff(capsys, shared / "cs336-medium-ctx128-infer.pickle",
+                           shared / "cs336-medium-ctx128-train.pickle")
+    d = data["devices"][0]
+    assert code == 1 and d["peak_delta_bytes"] == 7013335044 - 1736962048
+    sites = {r["site"]: r for r in d["rows"] if r["status"] == NEW}
+    assert sites["AccumulateGrad <- new_empty_strided"]["head_count"] == 169
+    assert any(s.startswith("freed at optimizer.py:step") for s in sites)
+
+
+def test_fp32_to_mixed_precision_forward(shared, capsys):
+    code, data = json_diff(capsys, shared / "cs336-ctx128-fwd-fp32.pickle", shared / "cs336-ctx128-fwd-mixed.pickle")
+    d = data["devices"][0]
+    assert d["peak_delta_bytes"] == 23873313792 - 19352504320 == sum(r["delta_bytes"] for r in d["rows"])
+    # Autocast adds bf16 copies (`_to_copy`) that fp32 never makes, and the activations halve.
+    top = d["rows"][0]
+    assert (top["status"], top["site"], top["head_count"]) == (NEW, "functional.py:einsum <- einsum <- _to_copy", 384)
+    bmm = next(r for r in d["rows"] if r["site"] == "functional.py:einsum <- einsum <- bmm")
+    assert (bmm["status"], bmm["matched_by"], bmm["base_count"], bmm["head_count"]) == (SHRANK, BY_SITE, 65, 65)
+    halved = [r for r in d["rows"] if r["status"] == SHRANK and r["head_bytes"] * 2 == r["base_bytes"]]
+    assert len(halved) >= 4
+
+
+def test_linear_no_grad_to_grad(shared, capsys):
+    code, out, _ = run(capsys, shared / "linear-nograd.pickle", shared / "linear-grad.pickle")
+    assert code == 1
+    assert "peak 3.94 GiB -> 4.13 GiB (+190.73 MiB, +4.7%)" in out
+    assert "FAIL  device 0 peak" in out
+
+
+def test_identity_is_all_same_and_passes(shared, capsys):
+    path = shared / "cs336-medium-ctx256-train.pickle"
+    code, data = json_diff(capsys, path, path)
+    assert code == 0 and data["verdict"] == "pass"
+    assert {r["status"] for r in data["devices"][0]["rows"]} == {SAME}
+
+
+def test_swapping_inputs_negates_every_delta(shared):
+    a = read_summary(str(shared / "cs336-medium-ctx128-train.pickle"))
+    b = read_summary(str(shared / "cs336-medium-ctx256-train.pickle"))
+    fwd, back = diff(a, b).devices[0], diff(b, a).devices[0]
+    mirror = {NEW: GONE, GONE: NEW, GREW: SHRANK, SHRANK: GREW, SAME: SAME}
+    assert back.peak_delta_bytes == -fwd.peak_delta_bytes
+    assert sorted((r.signature, r.delta_bytes, r.status) for r in back.rows) == sorted(
+        (r.signature, -r.delta_bytes, mirror[r.status]) for r in fwd.rows)
+
+
+# --- robustness --------------------------------------------------------------------------------
+
+def test_shifting_every_line_number_changes_nothing(shared, tmp_path, capsys):
+    snap = raw(shared / "cs336-medium-ctx128-train.pickle")
+    base = write(tmp_path, "base.pickle", snap)
+    for f in all_frames(snap):
+        if f["line"]:
+            f["line"] += 7
+    code, data = json_diff(capsys, base, write(tmp_path, "head.pickle", snap))
+    assert code == 0
+    assert {r["status"] for r in data["devices"][0]["rows"]} == {SAME}
+
+
+def test_another_install_prefix_and_checkout_change_nothing(shared, tmp_path, capsys):
+    snap = raw(shared / "cs336-medium-ctx128-train.pickle")
+    base = write(tmp_path, "base.pickle", snap)
+    for f in all_frames(snap):
+        f["filename"] = (f["filename"]
+                         .replace("/home/lin/cs336/assignment2-systems/.venv/lib/python3.12", "C:\\Python313\\Lib")
+                         .replace("/home/lin/cs336/assignment2-systems", "D:\\ci\\checkout")
+                         .replace("/", "\\"))
+    code, data = json_diff(capsys, base, write(tmp_path, "head.pickle", snap))
+    assert code == 0
+    assert {r["status"] for r in data["devices"][0]["rows"]} == {SAME}
+
+
+def test_an_edited_outer_caller_matches_by_site(tmp_path, capsys):
+    inner = ["model.py:10:forward", "layers.py:30:block"]
+    base = {"segments": [], "device_traces": [[alloc(i, 2**20, py_frames(*inner, "train.py:5:main")) for i in range(3)]]}
+    head = {"segments": [], "device_traces": [[alloc(i, 2**20, py_frames(*inner, "train.py:9:run_epoch"))
+                                               for i in range(4)]]}
+    code, data = json_diff(capsys, write(tmp_path, "a.pickle", base), write(tmp_path, "b.pickle", head),
+                           "--fail-over", "2MiB")
+    [row] = data["devices"][0]["rows"]
+    assert (row["status"], row["matched_by"], row["base_count"], row["head_count"]) == (GREW, BY_SITE, 3, 4)
+    assert code == 0
+    _, out, _ = run(capsys, tmp_path / "a.pickle", tmp_path / "b.pickle")
+    assert "model.py:forward (matched by site)" in out
+
+
+# --- the seed scenario: abandoned debug projections on a real run -------------------------------
+
+ADAM = "/home/lin/cs336/assignment2-systems/.venv/lib/python3.12/site-packages/torch/optim/adam.py"
+NATIVE = [{"name": "torch::unwind::unwind()", "filename": "??", "line": 0},
+          {"name": "c10::cuda::CUDACachingAllocator::Native::DeviceCachingAllocator::malloc(unsigned long, CUstream_st*)",
+           "filename": "CUDACachingAllocator.cpp", "line": 0}]
+
+
+def zeros_like_frames():
+    return NATIVE + [
+        {"name": "at::_ops::empty_like::call(at::Tensor const&)", "filename": "??", "line": 0},
+        {"name": "at::_ops::zeros_like::call(at::Tensor const&)", "filename": "??", "line": 0},
+        {"name": "_PyEval_EvalFrameDefault", "filename": "??", "line": 0},
+        {"name": "_init_group", "filename": ADAM, "line": 139},
+        {"name": "step", "filename": ADAM, "line": 214},
+        {"name": "main", "filename": "/home/lin/cs336/assignment2-systems/train.py", "line": 88}]
+
+
+def addmm_backward_frames():
+    return NATIVE + [
+        {"name": "at::_ops::mm::call(at::Tensor const&, at::Tensor const&)", "filename": "??", "line": 0},
+        {"name": "torch::autograd::generated::AddmmBackward0::apply(std::vector<at::Tensor>&&)", "filename": "??", "line": 0},
+        {"name": "torch::autograd::Engine::evaluate_function(std::shared_ptr<torch::autograd::GraphTask>&)", "filename": "??", "line": 0},
+        {"name": "__clone", "filename": "??", "line": 0}]
+
+
+def inject(snap: Dict[str, Any], allocations: List[Dict[str, Any]]) -> Dict[str, Any]:
+    """Allocations at fresh addresses, made before the trace's first event and never freed."""
+    out = copy.deepcopy(snap)
+    out["device_traces"][0][:0] = allocations
+    return out
+
+
+def test_abandoned_debug_projections_are_named_exactly(shared, tmp_path, capsys):
+    real = raw(shared / "cs336-medium-ctx128-train.pickle")
+    fresh = 1 << 50
+    state = 4 * 2**20  # one AdamW moment of a 1024x1024 fp32 projection
+    opt = zeros_like_frames()  # one shared list per run, as real snapshots share them
+    base = inject(real, [alloc(fresh + i * state, state, opt) for i in range(148)])
+    grads = addmm_backward_frames()
+    head = inject(real, [alloc(fresh + i * state, state, opt) for i in range(172)]
+                  + [alloc(fresh + 2**40 + i * 2 * state, 2 * state, grads) for i in range(10)])
+    code, data = json_diff(capsys, write(tmp_path, "base.pickle", base), write(tmp_path, "head.pickle", head))
+    rows = [r for r in data["devices"][0]["rows"] if r["status"] != SAME]
+    assert [(r["status"], r["site"], r["base_count"], r["head_count"], r["base_bytes"], r["head_bytes"])
+            for r in rows] == [
+        (GREW, "adam.py:_init_group <- zeros_like", 148, 172, 148 * state, 172 * state),
+        (NEW, "AddmmBackward0 <- mm", 0, 10, 0, 10 * 2 * state),
+    ]
+    assert data["devices"][0]["peak_delta_bytes"] == 24 * state + 20 * state
+    assert code == 1
+
+
+# --- the report ---------------------------------------------------------------------------------
+
+def test_top_and_min_delta_fold_rows_but_keep_the_total(shared, capsys):
+    base, head = shared / "cs336-medium-ctx128-train.pickle", shared / "cs336-medium-ctx256-train.pickle"
+    _, out, _ = run(capsys, base, head, "--top", "3", "--min-delta", "100MiB")
+    table = out.split("\n\n")[-2].splitlines()
+    assert len([l for l in table if l.startswith(("NEW", "GONE", "GREW", "SHRANK", "SAME"))]) == 3
+    others = next(l for l in table if l.rstrip().endswith("others"))
+    total = next(l for l in table if l.rstrip().endswith("TOTAL"))
+    assert "+1.95 GiB" in total and "+29.8%" in total
+    _, data = json_diff(capsys, base, head)
+    rows = data["devices"][0]["rows"]
+    assert others.rstrip().endswith(f"{len(rows) - 3} others")
+
+
+def test_markdown_report(shared, capsys):
+    code, out, _ = run(capsys, shared / "linear-nograd.pickle", shared / "linear-grad.pickle", "--format", "markdown")
+    assert code == 1
+    assert out.startswith("### memdiff: ❌ peak regression")
+    assert "| status" in out and "&lt;module&gt;" not in out.split("|")[0]
+    assert "**Rule:** fail when the peak of a device grows by more than 1% and by more than 64.00 MiB" in out
+
+
+def test_a_summary_json_stands_in_for_its_snapshot(shared, tmp_path, capsys):
+    base, head = shared / "cs336-medium-ctx128-train.pickle", shared / "cs336-medium-ctx256-train.pickle"
+    summary = tmp_path / "base.json"
+    assert main(["summarize", str(base), "-o", str(summary)]) == 0
+    capsys.readouterr()
+    from_pickles = json_diff(capsys, base, head)[1]
+    from_summary = json_diff(capsys, summary, head)[1]
+    assert from_summary["devices"] == from_pickles["devices"]
+
+
+def test_runs_that_do_not_compare_are_flagged(tmp_path, capsys):
+    frames = py_frames("model.py:1:forward")
+    base = {"segments": [], "device_traces": [[alloc(1, 100, frames)]],
+            "allocator_settings": {"expandable_segments": False}}
+    head = {"segments": [], "device_traces": [[{"action": "free_completed", "addr": 9, "size": 5, "frames": frames},
+                                               alloc(1, 100, frames)], [alloc(1, 10, frames)]],
+            "allocator_settings": {"expandable_segments": True}}
+    _, data = json_diff(capsys, write(tmp_path, "a.pickle", base), write(tmp_path, "b.pickle", head))
+    assert data["warnings"] == [
+        "allocator settings differ (expandable_segments: False -> True)",
+        "devices differ: base has [0], head has [0, 1]",
+        "device 0: only the head trace starts mid-run (its ring buffer dropped events), so its static memory "
+        "includes what the other run shows as allocations",
+    ]
+
+
+# --- the rule and exit codes ---------------------------------------------------------------------
+
+def peak_pair(tmp_path, base_bytes, head_bytes):
+    f = py_frames("model.py:1:forward")
+    return (write(tmp_path, "a.pickle", {"segments": [], "device_traces": [[alloc(1, base_bytes, f)]]}),
+            write(tmp_path, "b.pickle", {"segments": [], "device_traces": [[alloc(1, head_bytes, f)]]}))
+
+
+@pytest.mark.parametrize("flags, base, head, code", [
+    (["--fail-over", "1MiB"], 10 * 2**20, 11 * 2**20, 0),              # exactly at the limit
+    (["--fail-over", "1MiB"], 10 * 2**20, 11 * 2**20 + 1, 1),          # one byte over
+    (["--fail-over-pct", "10"], 1000, 1100, 0),
+    (["--fail-over-pct", "10"], 1000, 1101, 1),
+    (["--fail-over-pct", "0.5"], 2000, 2010, 0),
+    (["--fail-over-pct", "0.5"], 2000, 2011, 1),
+    (["--fail-over", "200", "--fail-over-pct", "10"], 1000, 1101, 0),  # pct over, bytes not: both needed
+    (["--fail-over", "50", "--fail-over-pct", "10"], 1000, 1060, 0),   # bytes over, pct not
+    (["--fail-over", "50", "--fail-over-pct", "10"], 1000, 1101, 1),   # both over
+    ([], 100 * 2**30, 101 * 2**30, 0),                                  # default: exactly 1% is not over it
+    ([], 100 * 2**30, 101 * 2**30 + 1, 1),                              # 1% and 64 MiB both exceeded
+    ([], 100 * 2**30, 100 * 2**30 + 65 * 2**20, 0),                     # 64 MiB exceeded, 1% not
+    ([], 2**30, 2**30 + 64 * 2**20 + 1, 1),
+    ([], 2**30, 2**30 + 64 * 2**20, 0),
+    ([], 4 * 2**30, 3 * 2**30, 0),                                      # shrinking never fails
+])
+def test_peak_rule_boundaries(tmp_path, capsys, flags, base, head, code):
+    a, b = peak_pair(tmp_path, base, head)
+    got, data = json_diff(capsys, a, b, *flags)
+    assert got == code and data["verdict"] == ("pass" if code == 0 else "fail")
+
+
+def test_the_rule_applied_is_printed(tmp_path, capsys):
+    a, b = peak_pair(tmp_path, 1000, 2000)
+    _, out, _ = run(capsys, a, b, "--fail-over", "0.5GiB")
+    assert "rule: fail when the peak of a device grows by more than 512.00 MiB" in out
+    assert "PASS  device 0 peak: 1000 B -> 1.95 KiB, +1000 B (+100.0%)" in out
+    assert PeakRule.from_options(None, None).describe() == (
+        "fail when the peak of a device grows by more than 1% and by more than 64.00 MiB")
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--fail-over", "5 parsecs"], "argument --fail-over: '5 parsecs' is not a size"),
+    (["--fail-over-pct", "-3"], "argument --fail-over-pct: '-3' is not a percentage: it is negative"),
+    (["--top", "0"], "argument --top: 0 is not a positive count"),
+])
+def test_bad_flags_exit_2(tmp_path, capsys, flags, message):
+    a, b = peak_pair(tmp_path, 1, 2)
+    with pytest.raises(SystemExit) as e:
+        main([a, b, *flags])
+    assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("mutate, message", [
+    (lambda s: s.update(schema_version=99), "summary schema_version 99 is not one this memdiff reads (1); re-create it with `memdiff summarize`"),
+    (lambda s: s["devices"][0].update(peak_bytes="lots"), "not a valid memdiff summary: devices.0.peak_bytes: 'lots' is not of type 'integer'"),
+])
+def test_a_broken_summary_input_exits_2(tmp_path, capsys, mutate, message):
+    a, b = peak_pair(tmp_path, 1, 2)
+    assert main(["summarize", a, "-o", str(tmp_path / "s.json")]) == 0
+    data = json.loads((tmp_path / "s.json").read_text())
+    mutate(data)
+    (tmp_path / "s.json").write_text(json.dumps(data))
+    code, out, err = run(capsys, tmp_path / "s.json", b)
+    assert code == 2 and out == ""
+    assert err == f"memdiff: {tmp_path / 's.json'}: {message}\n"
+
+
+def test_explicit_diff_command_and_debug_before_it(tmp_path, capsys):
+    a, b = peak_pair(tmp_path, 1, 2)
+    assert main(["diff", a, b]) == 0
+    assert main(["--debug", a, b]) == 0
+    capsys.readouterr()
+    assert main(["--debug", a, str(tmp_path / "missing.pickle")]) == 2
+    assert "Traceback" in capsys.readouterr().err
