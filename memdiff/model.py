@@ -7,7 +7,7 @@ whenever a field changes meaning or disappears.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Dict, List, Optional
 
 SCHEMA_VERSION = 1
@@ -64,6 +64,11 @@ class DeviceSummary:
     oom_events: List[OomEvent]
     timeline: List[List[int]]
     groups: List[Group]
+    categories: Dict[str, int] = field(default_factory=dict)
+    phase_at_peak: Optional[str] = None
+    scope_at_peak: Optional[str] = None
+    bytes_by_scope: Dict[str, int] = field(default_factory=dict)
+    bytes_by_compile_context: Dict[str, int] = field(default_factory=dict)
 
 
 @dataclass

@@ -26,8 +26,10 @@ from memdiff.model import DeviceSummary, Group, OomEvent, Summary
 
 TIMELINE_POINTS = 100
 
-# (raw frames, bytes, is a free's stack, live before the trace)
-_LiveItem = Tuple[Optional[List[Any]], int, bool, bool]
+# (raw frames, bytes, is a free's stack, live before the trace, the alloc entry when in the trace)
+_LiveItem = Tuple[Optional[List[Any]], int, bool, bool, Optional[Dict[str, Any]]]
+# compile_context values that mean "not compiled"
+NO_COMPILE_CONTEXT = ("", "N/A", None)
 
 
 class _Walk:
@@ -134,17 +136,29 @@ def _device_summary(snapshot: Snapshot, device: int, stacks: StackNormalizer) ->
     for j in walk.allocs[: bisect.bisect_right(walk.allocs, p)]:
         if walk.closed.get(j, n) > p:
             e = trace[j]
-            live_items.append((e.get("frames"), e["size"], False, False))
+            live_items.append((e.get("frames"), e["size"], False, False, e))
     for i in walk.unmatched[bisect.bisect_right(walk.unmatched, p):]:
         e = trace[i]
-        live_items.append((e.get("frames"), e["size"], True, True))
-    live_items.extend((frames, size, False, True) for size, frames in dump_only)
+        live_items.append((e.get("frames"), e["size"], True, True, None))
+    live_items.extend((frames, size, False, True, None) for size, frames in dump_only)
 
     groups = _group(path, live_items, stacks)
     if sum(g.bytes for g in groups) != peak:
         raise AssertionError(f"{path}: device {device}: groups do not add up to the peak (a memdiff bug)")
 
     peak_event = trace[peak_index] if peak_index is not None else None
+    scopes = Scopes(snapshot.external_annotations, device)
+    by_scope: Dict[str, int] = {}
+    by_context: Dict[str, int] = {}
+    for _, size, _, _, e in live_items:
+        if e is None:
+            continue
+        scope = scopes.innermost(e.get("time_us"))
+        if scope is not None:
+            by_scope[scope] = by_scope.get(scope, 0) + size
+        context = e.get("compile_context")
+        if context not in NO_COMPILE_CONTEXT:
+            by_context[str(context)] = by_context.get(str(context), 0) + size
     times = [trace[0].get("time_us"), trace[-1].get("time_us")] if trace else [None, None]
     allocated = (sum(s["allocated_size"] for s in segments) if all("allocated_size" in s for s in segments)
                  else sum(b["size"] for s in segments for b in s.get("blocks", [])
@@ -168,12 +182,48 @@ def _device_summary(snapshot: Snapshot, device: int, stacks: StackNormalizer) ->
                              time_us=trace[i].get("time_us")) for i in walk.ooms],
         timeline=_timeline(static, running),
         groups=groups,
+        scope_at_peak=scopes.innermost(peak_event.get("time_us")) if peak_event else None,
+        bytes_by_scope=_largest_first(by_scope),
+        bytes_by_compile_context=_largest_first(by_context),
     )
+
+
+def _largest_first(totals: Dict[str, int]) -> Dict[str, int]:
+    return dict(sorted(totals.items(), key=lambda kv: (-kv[1], kv[0])))
+
+
+class Scopes:
+    """`record_function` scopes of one device (external_annotations), for looking up by time."""
+
+    def __init__(self, annotations: List[Dict[str, Any]], device: int) -> None:
+        opened: Dict[str, List[int]] = {}
+        intervals: List[Tuple[int, float, str]] = []
+        for a in sorted((a for a in annotations if isinstance(a, dict) and a.get("device", device) == device
+                         and isinstance(a.get("time_us"), int)), key=lambda a: a["time_us"]):
+            name = str(a.get("name", ""))
+            if a.get("stage") == "START":
+                opened.setdefault(name, []).append(a["time_us"])
+            elif a.get("stage") == "END" and opened.get(name):
+                intervals.append((opened[name].pop(), a["time_us"], name))
+        # A scope still open at the dump lasts to the end.
+        intervals += [(start, float("inf"), name) for name, starts in opened.items() for start in starts]
+        intervals.sort()
+        self._intervals = intervals
+        self._starts = [start for start, _, _ in intervals]
+
+    def innermost(self, time_us: Optional[int]) -> Optional[str]:
+        """The most recently opened scope still open at `time_us`, if any."""
+        if time_us is None:
+            return None
+        for start, end, name in reversed(self._intervals[: bisect.bisect_right(self._starts, time_us)]):
+            if end >= time_us:
+                return name
+        return None
 
 
 def _group(path: str, items: List[_LiveItem], stacks: StackNormalizer) -> List[Group]:
     by_signature: Dict[str, List[Any]] = {}
-    for frames, size, freed, before_trace in items:
+    for frames, size, freed, before_trace, _ in items:
         try:
             stack: Stack = stacks.stack(frames, freed=freed, before_trace=before_trace)
         except ValueError as exc:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import Dict, List, Optional, Tuple
 
 from memdiff.errors import InputError
 from memdiff.model import DeviceSummary, Frame, Summary
@@ -19,6 +19,7 @@ class PeakRow:
     share_pct: float
     site: str
     frames: List[Frame]
+    category: str = ""
 
 
 @dataclass
@@ -29,17 +30,24 @@ class DevicePeak:
     reached_by: Optional[str]
     rows: List[PeakRow]
     total: PeakRow
+    categories: List[Tuple[str, int, float]]
+    scopes: List[Tuple[str, int, float]]
+    compile_contexts: List[Tuple[str, int, float]]
 
 
 def _share(part: int, whole: int) -> float:
     return 100.0 * part / whole if whole else 0.0
 
 
+def _shares(totals: Dict[str, int], whole: int) -> List[Tuple[str, int, float]]:
+    return [(name, n, _share(n, whole)) for name, n in totals.items()]
+
+
 def device_peak(device: DeviceSummary, top: Optional[int]) -> DevicePeak:
     """The top `top` groups (all when None), the rest folded into one row, and a total row."""
     groups = device.groups
     shown = groups if top is None else groups[:top]
-    rows = [PeakRow(str(i), g.count, g.bytes, _share(g.bytes, device.peak_bytes), g.site, g.frames)
+    rows = [PeakRow(str(i), g.count, g.bytes, _share(g.bytes, device.peak_bytes), g.site, g.frames, g.category or "")
             for i, g in enumerate(shown, 1)]
     rest = groups[len(shown):]
     if rest:
@@ -50,7 +58,9 @@ def device_peak(device: DeviceSummary, top: Optional[int]) -> DevicePeak:
                     _share(sum(g.bytes for g in groups), device.peak_bytes),
                     f"{len(groups)} groups live at the peak", [])
     reached_by = next((g.site for g in groups if g.signature == device.peak_event_signature), None)
-    return DevicePeak(device, reached_by, rows, total)
+    return DevicePeak(device, reached_by, rows, total, _shares(device.categories, device.peak_bytes),
+                      _shares(device.bytes_by_scope, device.peak_bytes),
+                      _shares(device.bytes_by_compile_context, device.peak_bytes))
 
 
 def peak_report(path: str, summary: Summary, top: Optional[int], device: Optional[int] = None) -> List[DevicePeak]:

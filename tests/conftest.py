@@ -31,6 +31,19 @@ def expected(shared: Path) -> Dict[str, Any]:
     return json.loads((shared / "expected.json").read_text())
 
 
+@pytest.fixture(scope="session")
+def torch():
+    """The torch module; skips (or fails, under MEMDIFF_REQUIRE_TORCH=1) when it is not installed."""
+    try:
+        import torch as module
+    except ImportError:
+        reason = "torch is not installed (pip install torch==2.13.0 for the CPU build)"
+        if os.environ.get("MEMDIFF_REQUIRE_TORCH") == "1":
+            pytest.fail(reason + "; MEMDIFF_REQUIRE_TORCH=1 makes this a failure")
+        pytest.skip(reason)
+    return module
+
+
 def real_snapshot_names() -> List[str]:
     """Snapshot file names listed in expected.json (empty when ../shared is absent)."""
     path = SHARED / "expected.json"

@@ -10,6 +10,7 @@ from typing import Any, Dict, List
 import pytest
 
 from conftest import alloc, py_frames
+from memdiff.classify import load_rules
 from memdiff.cli import main
 from memdiff.diff import BY_SITE, GONE, GREW, NEW, SAME, SHRANK, diff
 from memdiff.gate import PeakRule
@@ -106,8 +107,9 @@ def test_identity_is_all_same_and_passes(shared, capsys):
 
 
 def test_swapping_inputs_negates_every_delta(shared):
-    a = read_summary(str(shared / "cs336-medium-ctx128-train.pickle"))
-    b = read_summary(str(shared / "cs336-medium-ctx256-train.pickle"))
+    rules = load_rules()
+    a = read_summary(str(shared / "cs336-medium-ctx128-train.pickle"), rules)
+    b = read_summary(str(shared / "cs336-medium-ctx256-train.pickle"), rules)
     fwd, back = diff(a, b).devices[0], diff(b, a).devices[0]
     mirror = {NEW: GONE, GONE: NEW, GREW: SHRANK, SHRANK: GREW, SAME: SAME}
     assert back.peak_delta_bytes == -fwd.peak_delta_bytes

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+from typing import List
 
+from memdiff.classify import Rule, load_rules
 from memdiff.units import parse_size
 
 
@@ -44,3 +46,16 @@ def add_threshold_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fail-over-pct", type=pct_arg, metavar="P",
                    help="fail when a peak grows by more than P percent; with --fail-over both must be "
                         "exceeded (default without either: 1%% and 64MiB)")
+
+
+def add_rules_arguments(p: argparse.ArgumentParser) -> None:
+    """--rules and --custom-profile: user category rules, ranked above the built-in ones."""
+    p.add_argument("--rules", action="append", default=[], metavar="FILE",
+                   help="category rules file (JSON or TOML; see README, Categories); may repeat")
+    p.add_argument("--custom-profile", metavar="JSON",
+                   help='categories by regex over frame names and files, e.g. \'{"kv_cache": "KVCache"}\'')
+
+
+def rules_from(args: argparse.Namespace) -> List[Rule]:
+    """The rules the command line asks for, built-in ones included."""
+    return load_rules(args.rules, args.custom_profile)

@@ -6,7 +6,7 @@ import argparse
 import sys
 from typing import Any
 
-from memdiff.commands.args import add_threshold_arguments, count_arg, size_arg
+from memdiff.commands.args import add_rules_arguments, add_threshold_arguments, count_arg, rules_from, size_arg
 from memdiff.diff import diff, fold
 from memdiff.gate import PeakRule, judge_peaks
 from memdiff.inputs import read_summary
@@ -31,12 +31,14 @@ def add_parser(subparsers: Any, parents: list) -> None:
     p.add_argument("--format", choices=("text", "markdown", "json"), default="text",
                    help="report format (default: text); json rows are never folded")
     add_threshold_arguments(p)
+    add_rules_arguments(p)
     p.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
     """Read both inputs, align, judge, print; exit 1 on a regression."""
-    base, head = read_summary(args.base), read_summary(args.head)
+    rules = rules_from(args)
+    base, head = read_summary(args.base, rules), read_summary(args.head, rules)
     result = diff(base, head)
     verdict = judge_peaks(result, PeakRule.from_options(args.fail_over, args.fail_over_pct))
     if args.format == "json":

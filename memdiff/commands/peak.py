@@ -6,9 +6,8 @@ import argparse
 import sys
 from typing import Any
 
-from memdiff.commands.args import count_arg
-from memdiff.load import load
-from memdiff.normalize import summarize
+from memdiff.commands.args import add_rules_arguments, count_arg, rules_from
+from memdiff.inputs import read_summary
 from memdiff.peak import peak_report
 from memdiff.render.text import render_peak
 
@@ -22,11 +21,12 @@ def add_parser(subparsers: Any, parents: list) -> None:
     p.add_argument("snapshot", help="snapshot file (pickle or JSON, optionally gzip/bz2/xz)")
     p.add_argument("--top", type=count_arg, default=10, metavar="N", help="groups to list (default: 10)")
     p.add_argument("--device", type=int, metavar="D", help="only this device index")
+    add_rules_arguments(p)
     p.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
     """Load, normalize and print the peak report."""
-    summary = summarize(load(args.snapshot))
+    summary = read_summary(args.snapshot, rules_from(args))
     sys.stdout.write(render_peak(summary, peak_report(args.snapshot, summary, args.top, args.device)))
     return 0

@@ -7,9 +7,9 @@ import sys
 from typing import Any
 
 from memdiff.atomic import write_text_atomic
+from memdiff.commands.args import add_rules_arguments, rules_from
 from memdiff.errors import InputError
-from memdiff.load import load
-from memdiff.normalize import summarize
+from memdiff.inputs import read_summary
 from memdiff.peak import peak_report
 from memdiff.render.json import render_summary
 from memdiff.render.text import render_peak
@@ -24,12 +24,13 @@ def add_parser(subparsers: Any, parents: list) -> None:
     p.add_argument("snapshot", help="snapshot file (pickle or JSON, optionally gzip/bz2/xz)")
     p.add_argument("-o", "--output", metavar="FILE", help="write to FILE instead of stdout")
     p.add_argument("--format", choices=("json", "text"), default="json", help="output format (default: json)")
+    add_rules_arguments(p)
     p.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
     """Load, normalize, render; write to stdout or atomically to the output file."""
-    summary = summarize(load(args.snapshot))
+    summary = read_summary(args.snapshot, rules_from(args))
     if args.format == "json":
         text = render_summary(summary)
     else:

@@ -49,6 +49,10 @@ def _device_block(p: DevicePeak) -> List[str]:
     facts.append(("peak", format_bytes(d.peak_bytes), f"{d.peak_bytes:,} B, {where}"))
     if p.reached_by:
         facts.append(("reached by", "", p.reached_by))
+    if d.phase_at_peak:
+        facts.append(("phase", "", d.phase_at_peak))
+    if d.scope_at_peak:
+        facts.append(("scope", "", f"{d.scope_at_peak} (record_function scope open at the peak)"))
     facts.append(("static", format_bytes(d.static_bytes), "live before the trace began, counted from its start"))
     facts.append(("at dump", format_bytes(d.allocated_bytes_at_dump),
                   f"allocated, {format_bytes(d.reserved_bytes_at_dump)} reserved by the caching allocator"))
@@ -64,11 +68,18 @@ def _device_block(p: DevicePeak) -> List[str]:
         free = format_bytes(o.device_free_bytes) if o.device_free_bytes is not None else "unknown"
         out.append(f"OOM at event {o.event_index:,}: asked for {format_bytes(o.requested_bytes)} "
                    f"with {free} free on the device")
-    rows = [[r.label, f"{r.count:,}", format_bytes(r.bytes), f"{r.share_pct:.1f}%", _site_cell(r)]
+    for title, shares in (("category", p.categories), ("scope at allocation", p.scopes),
+                          ("compile context", p.compile_contexts)):
+        if shares:
+            out.append("")
+            out.append(tabulate([[name, format_bytes(n), f"{pct:.1f}%"] for name, n, pct in shares],
+                                headers=[title, "bytes at peak", "share"], tablefmt="simple",
+                                colalign=("left", "right", "right")))
+    rows = [[r.label, f"{r.count:,}", format_bytes(r.bytes), f"{r.share_pct:.1f}%", r.category, _site_cell(r)]
             for r in p.rows + [p.total]]
     out.append("")
-    out.append(tabulate(rows, headers=["#", "count", "bytes", "share", "site and stack (innermost first)"],
-                        tablefmt="simple", colalign=("right", "right", "right", "right", "left")))
+    out.append(tabulate(rows, headers=["#", "count", "bytes", "share", "category", "site and stack (innermost first)"],
+                        tablefmt="simple", colalign=("right", "right", "right", "right", "left", "left")))
     return out
 
 

@@ -1,0 +1,85 @@
+"""Capture a memory snapshot of a block of PyTorch code, on CUDA or, without a GPU, on CPU.
+
+This is the one module that imports torch, and only when called: the analysis never needs it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pickle
+from typing import Any, Iterator
+
+from memdiff.errors import InputError
+
+# Protocol 4 keeps the file readable by pytorch.org/memory_viz and by Python 3.4+.
+PICKLE_PROTOCOL = 4
+STACKS = ("python", "all")
+
+
+class CaptureError(InputError):
+    """Capture cannot work here (no torch, or a torch without the API it needs)."""
+
+
+def _torch() -> Any:
+    try:
+        import torch
+    except ImportError:
+        raise CaptureError("torch", "capturing needs PyTorch: pip install 'memdiff[torch]' "
+                                    "(the analysis commands do not)") from None
+    return torch
+
+
+def _dump(snapshot: Any, path: str) -> None:
+    tmp = f"{path}.partial"
+    with open(tmp, "wb") as f:
+        pickle.dump(snapshot, f, protocol=PICKLE_PROTOCOL)
+    os.replace(tmp, path)
+
+
+@contextlib.contextmanager
+def _record_cuda(torch: Any, path: str, max_entries: int, stacks: str) -> Iterator[None]:
+    torch.cuda.memory._record_memory_history(enabled="all", stacks=stacks, max_entries=max_entries)
+    try:
+        yield
+    finally:
+        # Dump even when the block raised: an OOM is when the file is wanted most.
+        try:
+            _dump(torch.cuda.memory._snapshot(), path)
+        finally:
+            torch.cuda.memory._record_memory_history(enabled=None)
+
+
+@contextlib.contextmanager
+def _record_cpu(torch: Any, path: str) -> Iterator[None]:
+    from torch.cuda import _memory_viz
+
+    to_snapshot = getattr(_memory_viz, "_profile_to_snapshot", None)
+    if to_snapshot is None:
+        raise CaptureError("torch", f"torch {torch.__version__} lacks torch.cuda._memory_viz._profile_to_snapshot "
+                                    f"(a private API, present in torch 2.1 to 2.13 at least), so it cannot "
+                                    f"record memory without CUDA")
+    profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True,
+                                      record_shapes=True, with_stack=True)
+    profiler.__enter__()
+    try:
+        yield
+    finally:
+        profiler.__exit__(None, None, None)
+        _dump(to_snapshot(profiler), path)
+
+
+@contextlib.contextmanager
+def record(path: str, *, max_entries: int = 1_000_000, stacks: str = "python") -> Iterator[None]:
+    """Record every allocation made inside the block and write the snapshot to `path`.
+
+    With CUDA: the caching allocator's history (`max_entries` is its ring buffer; `stacks` is
+    "python" or "all" to include C++ frames). Without CUDA: the profiler's memory events,
+    converted to the same format, each carrying PyTorch's own category.
+    """
+    if stacks not in STACKS:
+        raise ValueError(f"stacks must be one of {STACKS}, not {stacks!r}")
+    torch = _torch()
+    recorder = _record_cuda(torch, path, max_entries, stacks) if torch.cuda.is_available() else _record_cpu(torch, path)
+    with recorder:
+        yield

@@ -1,0 +1,175 @@
+"""classify: Summary -> Summary with a category on every group and bytes per category per device.
+
+The rules are data (rules/categories.json, format in schemas/rules.schema.json): a group gets
+the category of the highest-priority rule that matches its display frames; user rules
+(`--rules FILE`, `--custom-profile JSON`) rank above the built-in ones. A group no rule
+matches is `other`. Classification reads only the summary, so a stored summary can be
+classified again with other rules.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from dataclasses import dataclass, replace
+from importlib import resources
+from typing import Any, Dict, List, Optional, Pattern, Sequence, Tuple
+
+from memdiff.errors import InputError
+from memdiff.frames import FREED_PREFIX
+from memdiff.model import DeviceSummary, Frame, Group, Summary
+from memdiff.schema import validate
+
+OTHER = "other"
+BUILTIN_CATEGORIES = ("parameter", "gradient", "optimizer_state", "activation", "autograd", "input",
+                      "communication", "untracked", OTHER)
+USER_PRIORITY = 10_000  # user rules without a priority rank above every built-in rule
+
+# Phase of the run, told by the category of the allocation that reached the peak.
+PHASES = {"activation": "forward", "input": "forward", "autograd": "backward", "gradient": "backward",
+          "optimizer_state": "optimizer step", "parameter": "setup", "communication": "communication"}
+
+
+@dataclass(frozen=True)
+class FrameTest:
+    """Regular expressions one frame must satisfy (each given one is searched)."""
+
+    name: Optional[Pattern[str]] = None
+    file: Optional[Pattern[str]] = None
+    any: Optional[Pattern[str]] = None
+
+    def matches(self, f: Frame) -> bool:
+        """Whether frame `f` passes every given expression."""
+        return ((self.name is None or self.name.search(f.name) is not None)
+                and (self.file is None or self.file.search(f.file) is not None)
+                and (self.any is None or self.any.search(f.name) is not None or self.any.search(f.file) is not None))
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One category rule; `origin` says where it came from, for messages."""
+
+    category: str
+    priority: int
+    frames: Tuple[FrameTest, ...]
+    without: Tuple[FrameTest, ...]
+    site: Optional[Pattern[str]]
+    freed: bool
+    origin: str
+
+    def matches(self, g: Group) -> bool:
+        """Whether the rule applies to group `g`."""
+        if g.site.startswith(FREED_PREFIX) != self.freed:
+            return False
+        if self.site is not None and not self.site.search(g.site):
+            return False
+        if not all(any(t.matches(f) for f in g.frames) for t in self.frames):
+            return False
+        return not any(t.matches(f) for t in self.without for f in g.frames)
+
+
+def _compile(text: str, origin: str) -> Pattern[str]:
+    try:
+        return re.compile(text)
+    except re.error as exc:
+        raise ValueError(f"{origin}: invalid regex {text!r}: {exc}") from None
+
+
+def _test(data: Dict[str, str], origin: str) -> FrameTest:
+    return FrameTest(**{k: _compile(v, origin) for k, v in data.items()})
+
+
+def parse_rules(path: str, data: Any, default_priority: int) -> List[Rule]:
+    """Rules from a decoded rules document; InputError naming the rule when one is invalid."""
+    validate(path, data, "rules")
+    rules = []
+    for i, r in enumerate(data["rules"], 1):
+        origin = f"rule {i} ({r['category']})"
+        try:
+            rules.append(Rule(
+                category=r["category"], priority=r.get("priority", default_priority),
+                frames=tuple(_test(t, origin) for t in r.get("frames", [])),
+                without=tuple(_test(t, origin) for t in r.get("without", [])),
+                site=_compile(r["site"], origin) if "site" in r else None,
+                freed=r.get("freed", False), origin=f"{path}: {origin}"))
+        except ValueError as exc:
+            raise InputError(path, str(exc)) from None
+    return rules
+
+
+def builtin_rules() -> List[Rule]:
+    """The rules shipped in memdiff/rules/categories.json."""
+    text = resources.files("memdiff").joinpath("rules", "categories.json").read_text(encoding="utf-8")
+    return parse_rules("memdiff/rules/categories.json", json.loads(text), 0)
+
+
+def _read_rules_file(path: str) -> Any:
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+    except OSError as exc:
+        raise InputError(path, f"cannot read rules: {exc.strerror or exc}") from None
+    if path.endswith(".toml"):
+        if sys.version_info >= (3, 11):
+            import tomllib
+        else:  # the same parser, packaged for older Pythons
+            import tomli as tomllib
+        try:
+            return tomllib.loads(raw.decode("utf-8"))
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+            raise InputError(path, f"invalid TOML: {exc}") from None
+    try:
+        return json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise InputError(path, f"invalid JSON: {exc}") from None
+
+
+def custom_profile_rules(text: str) -> List[Rule]:
+    """Mosaic-style `{"category": "regex", ...}`: each regex is searched in frame names and files."""
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise InputError("--custom-profile", f"invalid JSON: {exc}") from None
+    if not isinstance(data, dict) or not all(isinstance(v, str) for v in data.values()):
+        raise InputError("--custom-profile", 'expected a JSON object of category names to regexes, '
+                                             'e.g. {"kv_cache": "KVCache|kv_cache"}')
+    doc = {"rules": [{"category": k, "frames": [{"any": v}]} for k, v in data.items()]}
+    return parse_rules("--custom-profile", doc, USER_PRIORITY)
+
+
+def load_rules(rules_files: Sequence[str] = (), custom_profile: Optional[str] = None) -> List[Rule]:
+    """User rules (files in order, then the custom profile) ranked above the built-in rules."""
+    user: List[Rule] = []
+    for path in rules_files:
+        user += parse_rules(path, _read_rules_file(path), USER_PRIORITY)
+    if custom_profile:
+        user += custom_profile_rules(custom_profile)
+    # sorted() is stable: equal priorities keep their order, user rules before built-in ones.
+    return sorted(user + builtin_rules(), key=lambda r: -r.priority)
+
+
+def category_of(group: Group, rules: Sequence[Rule]) -> str:
+    """The category of the first (highest-priority) rule that matches, else `other`."""
+    for rule in rules:
+        if rule.matches(group):
+            return rule.category
+    return OTHER
+
+
+def _classify_device(d: DeviceSummary, rules: Sequence[Rule]) -> DeviceSummary:
+    groups = [replace(g, category=category_of(g, rules)) for g in d.groups]
+    totals: Dict[str, int] = {}
+    for g in groups:
+        totals[g.category] = totals.get(g.category, 0) + g.bytes
+    categories = dict(sorted(totals.items(), key=lambda kv: (-kv[1], kv[0])))
+    peak_group = next((g for g in groups if g.signature == d.peak_event_signature), None)
+    phase = PHASES.get(peak_group.category) if peak_group else None
+    if d.scope_at_peak and re.search(r"optimizer", d.scope_at_peak, re.IGNORECASE):
+        phase = "optimizer step"
+    return replace(d, groups=groups, categories=categories, phase_at_peak=phase)
+
+
+def classify(summary: Summary, rules: Sequence[Rule]) -> Summary:
+    """A copy of `summary` with every group categorized and `categories` filled per device."""
+    return replace(summary, devices=[_classify_device(d, rules) for d in summary.devices])

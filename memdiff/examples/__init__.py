@@ -1,0 +1,1 @@
+"""Example workloads for demos and end-to-end tests (they need torch)."""

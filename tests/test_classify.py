@@ -1,0 +1,187 @@
+"""Categories: built-in rules on realistic stacks, user rules, and the real snapshots."""
+
+from __future__ import annotations
+
+import json
+import pickle
+import re
+
+import pytest
+
+from conftest import alloc, py_frames
+from memdiff.classify import category_of, load_rules
+from memdiff.cli import main
+from memdiff.errors import InputError
+from memdiff.frames import StackNormalizer
+from memdiff.inputs import read_summary
+from memdiff.model import Group
+
+SP = "/venv/lib/python3.12/site-packages/"
+NATIVE_TAIL = [{"name": "__clone", "filename": "??", "line": 0}]
+
+
+def native(*names):
+    return [{"name": n, "filename": "??", "line": 0} for n in names]
+
+
+def group_for(raw_frames, freed=False, before_trace=False) -> Group:
+    """A group as the normalizer makes it from raw snapshot frames."""
+    s = StackNormalizer().stack(raw_frames, freed=freed, before_trace=before_trace)
+    return Group(signature=s.signature, site=s.site, frames=list(s.frames), count=1, bytes=1)
+
+
+CASES = {
+    "parameter: nn module constructor": (
+        native("at::_ops::empty_memory_format::call(c10::ArrayRef<long>)")
+        + py_frames(SP + "torch/nn/modules/linear.py:99:__init__", "train.py:8:<module>"), "parameter"),
+    "parameter: model.to(device)": (
+        native("at::_ops::_to_copy::call(at::Tensor const&)", "at::_ops::to_dtype_layout::call(at::Tensor const&)")
+        + py_frames(SP + "torch/nn/modules/module.py:1340:convert", SP + "torch/nn/modules/module.py:900:_apply",
+                    SP + "torch/nn/modules/module.py:1355:to", "train.py:9:<module>"), "parameter"),
+    "gradient: AccumulateGrad": (
+        native("at::_ops::new_empty_strided::call(at::Tensor const&)",
+               "torch::autograd::AccumulateGrad::apply(std::vector<at::Tensor>&&)",
+               "torch::autograd::Engine::evaluate_function(std::shared_ptr<torch::autograd::GraphTask>&)"), "gradient"),
+    "optimizer_state: Adam _init_group": (
+        native("at::_ops::zeros_like::call(at::Tensor const&)")
+        + py_frames(SP + "torch/optim/adam.py:139:_init_group", SP + "torch/optim/adam.py:214:step",
+                    SP + "torch/optim/optimizer.py:509:wrapper", "train.py:20:<module>"), "optimizer_state"),
+    "optimizer_state: custom optimizer step": (
+        native("at::_ops::zeros_like::call(at::Tensor const&)")
+        + py_frames("mypkg/lion.py:40:step", SP + "torch/optim/optimizer.py:509:wrapper", "train.py:20:<module>"),
+        "optimizer_state"),
+    "autograd: optimizer temporaries": (
+        py_frames(SP + "torch/optim/adam.py:347:_single_tensor_adam", SP + "torch/optim/adam.py:214:step",
+                  SP + "torch/optim/optimizer.py:509:wrapper"), "autograd"),
+    "autograd: backward node": (
+        native("at::_ops::mm::call(at::Tensor const&, at::Tensor const&)",
+               "torch::autograd::generated::AddmmBackward0::apply(std::vector<at::Tensor>&&)",
+               "torch::autograd::Engine::evaluate_function(std::shared_ptr<torch::autograd::GraphTask>&)"), "autograd"),
+    "autograd: profiler backward": (
+        [{"filename": "none", "line": 0, "name": "<built-in method run_backward of torch._C._EngineBase object at 0x7f>"},
+         {"filename": "none", "line": 0, "name": "torch/autograd/graph.py(966): _engine_run_backward"},
+         {"filename": "none", "line": 0, "name": "train.py(30): <module>"}], "autograd"),
+    "activation: module forward": (
+        native("at::_ops::addmm::call(at::Tensor const&)", "at::_ops::linear::call(at::Tensor const&)")
+        + py_frames(SP + "torch/nn/modules/linear.py:125:forward", "model.py:40:forward", "train.py:25:<module>"),
+        "activation"),
+    "activation: checkpoint recompute in backward": (
+        native("at::_ops::addmm::call(at::Tensor const&)")
+        + py_frames(SP + "torch/nn/modules/linear.py:125:forward", "model.py:40:forward",
+                    SP + "torch/utils/checkpoint.py:1100:recompute_fn")
+        + native("torch::autograd::Engine::evaluate_function(std::shared_ptr<torch::autograd::GraphTask>&)"),
+        "activation"),
+    "activation: loss outside forward": (
+        native("at::_ops::sub_Tensor::call(at::Tensor const&)")
+        + py_frames("nn_utils.py:11:log_softmax", "nn_utils.py:17:cross_entropy", "train.py:69:<module>"),
+        "activation"),
+    "input: batch moved to the device": (
+        native("at::_ops::_to_copy::call(at::Tensor const&)", "at::_ops::to_dtype_layout::call(at::Tensor const&)")
+        + py_frames("train.py:22:<module>"), "input"),
+    "input: data loader": (
+        py_frames(SP + "torch/utils/data/_utils/pin_memory.py:18:pin_memory", "train.py:22:<module>"), "input"),
+    "input: random batch made by the loop": (
+        native("at::_ops::randint::call(long, c10::ArrayRef<long>)") + py_frames("train.py:21:<module>"), "input"),
+    "communication: NCCL": (
+        native("c10d::ProcessGroupNCCL::allreduce(std::vector<at::Tensor>&)")
+        + py_frames(SP + "torch/distributed/distributed_c10d.py:2100:all_reduce", "train.py:40:<module>"),
+        "communication"),
+    "other: nothing telling": (py_frames("utils.py:3:helper", "train.py:5:<module>"), "other"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_builtin_rules(case):
+    frames, category = CASES[case]
+    assert category_of(group_for(frames), load_rules()) == category
+
+
+@pytest.mark.parametrize("frames, category", [
+    (py_frames(SP + "torch/optim/optimizer.py:900:zero_grad", "train.py:30:<module>"), "gradient"),
+    (py_frames("cs336_basics/optimizer.py:73:step", SP + "torch/optim/optimizer.py:533:wrapper"), "optimizer_state"),
+    (native("c10::TensorImpl::~TensorImpl()",
+            "torch::autograd::Engine::evaluate_function(std::shared_ptr<torch::autograd::GraphTask>&)"), "activation"),
+    (py_frames("model.py:40:forward"), "other"),  # allocation rules never apply to a free's stack
+])
+def test_memory_known_by_the_stack_that_freed_it(frames, category):
+    assert category_of(group_for(frames, freed=True, before_trace=True), load_rules()) == category
+
+
+def test_stackless_memory():
+    rules = load_rules()
+    assert category_of(group_for(None, before_trace=True), rules) == "untracked"
+    assert category_of(group_for(None), rules) == "other"
+
+
+def test_user_rules_take_priority_and_may_add_categories(tmp_path):
+    frames = native("at::_ops::cat::call(c10::ArrayRef<at::Tensor>)") + py_frames("model.py:88:update_kv_cache",
+                                                                                 "model.py:40:forward")
+    (tmp_path / "rules.toml").write_text('[[rules]]\ncategory = "kv_cache"\nframes = [{name = "kv_cache"}]\n')
+    (tmp_path / "rules.json").write_text(json.dumps({"rules": [{"category": "cache", "frames": [{"file": "model"}]}]}))
+    assert category_of(group_for(frames), load_rules()) == "activation"
+    assert category_of(group_for(frames), load_rules([str(tmp_path / "rules.toml")])) == "kv_cache"
+    both = load_rules([str(tmp_path / "rules.json"), str(tmp_path / "rules.toml")])
+    assert category_of(group_for(frames), both) == "cache"  # equal priority: the earlier file wins
+    assert category_of(group_for(frames), load_rules(custom_profile='{"kv": "update_kv"}')) == "kv"
+
+
+@pytest.mark.parametrize("content, message", [
+    ('{"rules": [{"category": "a", "frames": [{"name": "ok"}]}, {"category": "b", "frames": [{"name": "KV["}]}]}',
+     "rule 2 (b): invalid regex 'KV[': unterminated character set at position 2"),
+    ('{"rules": [{"category": "a", "frames": [{"colour": "x"}]}]}', "not a valid memdiff rules: rules.0.frames.0"),
+    ('{"rules": [{"category": "a"}]}', "not a valid memdiff rules: rules.0"),
+    ('{"rules": [', "invalid JSON"),
+])
+def test_invalid_rules_name_the_problem(tmp_path, content, message):
+    path = tmp_path / "rules.json"
+    path.write_text(content)
+    with pytest.raises(InputError) as e:
+        load_rules([str(path)])
+    assert e.value.path == str(path) and message in e.value.message
+
+
+def test_invalid_rules_exit_2_from_the_cli(tmp_path, capsys):
+    snap = tmp_path / "s.pickle"
+    snap.write_bytes(pickle.dumps({"segments": [], "device_traces": [[alloc(1, 8, py_frames("m.py:1:f"))]]}, 4))
+    assert main(["peak", str(snap), "--custom-profile", '{"bad": "("}']) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("memdiff: --custom-profile: rule 1 (bad): invalid regex '('") and err.count("\n") == 1
+
+
+def test_custom_profile_shows_in_the_peak_table(tmp_path, capsys):
+    snap = tmp_path / "s.pickle"
+    snap.write_bytes(pickle.dumps({"segments": [], "device_traces": [[alloc(1, 2**20, py_frames("kv.py:1:grow"))]]}, 4))
+    assert main(["peak", str(snap), "--custom-profile", '{"kv_cache": "^kv\\\\.py$"}']) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"^kv_cache +1\.00 MiB +100\.0%$", out, re.MULTILINE)
+
+
+# --- the real snapshots ---------------------------------------------------------------------------
+
+TRAINING = ["cs336-medium-ctx128-train.pickle", "cs336-medium-ctx256-train.pickle",
+            "tinyllama-lora-fwdbwd.pickle", "linear-grad.pickle", "cs336-windows.pickle"]
+
+
+@pytest.mark.parametrize("name", TRAINING)
+def test_nine_tenths_of_stacked_bytes_get_a_category(shared, name):
+    for d in read_summary(str(shared / name), load_rules()).devices:
+        stacked = [g for g in d.groups if not g.site.startswith("<no stack")]
+        other = sum(g.bytes for g in stacked if g.category == "other")
+        assert other <= 0.1 * sum(g.bytes for g in stacked)
+        assert sum(d.categories.values()) == d.peak_bytes
+
+
+def test_adamw_state_of_the_cs336_run(shared):
+    d = read_summary(str(shared / "cs336-medium-ctx128-train.pickle"), load_rules()).devices[0]
+    assert d.categories["optimizer_state"] > 3 * 2**30
+    assert (d.phase_at_peak, d.scope_at_peak) == ("optimizer step", "Optimizer.step#AdamW.step")
+    assert d.categories["gradient"] == next(g.bytes for g in d.groups if g.site.startswith("AccumulateGrad"))
+
+
+def test_the_differ_shows_category_deltas(shared, capsys):
+    code = main([str(shared / "cs336-medium-ctx128-train.pickle"), str(shared / "cs336-medium-ctx256-train.pickle")])
+    out = capsys.readouterr().out
+    assert code == 1
+    table = out[out.index("category"):].split("\n\n")[0]
+    assert "activation" in table and "+3.71 GiB" in table
+    assert "gradient" in table and "-1.54 GiB" in table
