@@ -1,16 +1,24 @@
-"""gate: Diff + thresholds -> Verdict. A limit is inclusive: exactly at it passes, one byte over fails."""
+"""gate: Diff + thresholds -> Verdict. A limit is inclusive: exactly at it passes, one byte over fails.
+
+Thresholds apply per device to the peak, to the bytes of a category, and to the bytes of the
+groups whose site matches a regex. Each limit has an absolute and/or a percent part; with both,
+both must be exceeded for the check to fail.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, field
 from fractions import Fraction
-from typing import List, Optional
+from typing import Any, Dict, List, Optional, Pattern
 
-from memdiff.diff import Diff
-from memdiff.units import format_bytes
+from memdiff.diff import GREW, NEW, Diff
+from memdiff.errors import InputError
+from memdiff.units import format_bytes, parse_size
 
 DEFAULT_FAIL_OVER_BYTES = 64 * 2**20
 DEFAULT_FAIL_OVER_PCT = 1.0
+TOP_GROWTH = 3
 
 
 def pct_text(pct: float) -> str:
@@ -18,40 +26,123 @@ def pct_text(pct: float) -> str:
     return f"{pct:g}%"
 
 
-@dataclass(frozen=True)
-class PeakRule:
-    """When a device's peak growth is a regression; with both limits set, both must be exceeded."""
+def size_text(n: int) -> str:
+    """A size as users type it, exact: `64MiB`, `3GiB`, or plain bytes."""
+    for unit, factor in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n and n % factor == 0:
+            return f"{n // factor}{unit}"
+    return str(n)
 
-    fail_over_bytes: Optional[int]
-    fail_over_pct: Optional[float]
+
+@dataclass(frozen=True)
+class Limit:
+    """How much growth is allowed; with both parts set, both must be exceeded to fail."""
+
+    fail_over_bytes: Optional[int] = None
+    fail_over_pct: Optional[float] = None
 
     @classmethod
-    def from_options(cls, fail_over: Optional[int], fail_over_pct: Optional[float]) -> "PeakRule":
-        """The rule the flags ask for; neither flag means the default (1% and 64 MiB)."""
+    def from_options(cls, fail_over: Optional[int], fail_over_pct: Optional[float]) -> "Limit":
+        """The peak limit the flags ask for; neither flag means the default (1% and 64 MiB)."""
         if fail_over is None and fail_over_pct is None:
-            return cls(DEFAULT_FAIL_OVER_BYTES, DEFAULT_FAIL_OVER_PCT)
+            return DEFAULT_PEAK
         return cls(fail_over, fail_over_pct)
 
+    def overridden(self, fail_over: Optional[int], fail_over_pct: Optional[float]) -> "Limit":
+        """This limit with the parts given on the command line replaced."""
+        return Limit(self.fail_over_bytes if fail_over is None else fail_over,
+                     self.fail_over_pct if fail_over_pct is None else fail_over_pct)
+
     def describe(self) -> str:
-        """The rule in words, as printed with every verdict."""
-        limits = []
+        """`more than 1% and by more than 64.00 MiB`."""
+        parts = []
         if self.fail_over_pct is not None:
-            limits.append(f"more than {pct_text(self.fail_over_pct)}")
+            parts.append(f"more than {pct_text(self.fail_over_pct)}")
         if self.fail_over_bytes is not None:
-            limits.append(f"more than {format_bytes(self.fail_over_bytes)}")
-        return "fail when the peak of a device grows by " + " and by ".join(limits)
+            parts.append(f"more than {format_bytes(self.fail_over_bytes)}")
+        return " and by ".join(parts) if parts else "(no limit)"
 
     def exceeded(self, base: int, head: int) -> bool:
-        """Whether growth from `base` to `head` bytes breaks the rule."""
+        """Whether growth from `base` to `head` bytes breaks the limit."""
         delta = head - base
         over = []
         if self.fail_over_bytes is not None:
             over.append(delta > self.fail_over_bytes)
         if self.fail_over_pct is not None:
             # Exact arithmetic: 1% of 6,400 bytes is 64, and 65 is over it, 64 is not.
-            limit = Fraction(str(self.fail_over_pct)) * base / 100
-            over.append(delta > limit)
-        return all(over)
+            over.append(delta > Fraction(str(self.fail_over_pct)) * base / 100)
+        return bool(over) and all(over)
+
+    def to_dict(self) -> Dict[str, Any]:
+        """The JSON form stored in baselines."""
+        out: Dict[str, Any] = {}
+        if self.fail_over_bytes is not None:
+            out["fail-over"] = size_text(self.fail_over_bytes)
+        if self.fail_over_pct is not None:
+            out["fail-over-pct"] = self.fail_over_pct
+        return out
+
+
+DEFAULT_PEAK = Limit(DEFAULT_FAIL_OVER_BYTES, DEFAULT_FAIL_OVER_PCT)
+
+
+@dataclass(frozen=True)
+class SiteLimit:
+    """A limit on the groups whose site label matches `pattern`."""
+
+    pattern: Pattern[str]
+    limit: Limit
+
+
+@dataclass
+class Thresholds:
+    """Everything a run is gated with."""
+
+    peak: Limit = DEFAULT_PEAK
+    categories: Dict[str, Limit] = field(default_factory=dict)
+    sites: List[SiteLimit] = field(default_factory=list)
+
+    def describe(self) -> str:
+        """The rule in words, as printed with every verdict."""
+        text = f"fail when the peak of a device grows by {self.peak.describe()}"
+        text += "".join(f"; {c} bytes by {lim.describe()}" for c, lim in self.categories.items())
+        text += "".join(f"; sites matching /{s.pattern.pattern}/ by {s.limit.describe()}" for s in self.sites)
+        return text
+
+    def to_dict(self) -> Dict[str, Any]:
+        """The JSON form stored in baselines, in a stable order."""
+        out: Dict[str, Any] = {"peak": self.peak.to_dict()}
+        if self.categories:
+            out["categories"] = {c: lim.to_dict() for c, lim in sorted(self.categories.items())}
+        if self.sites:
+            out["sites"] = [{"site": s.pattern.pattern, **s.limit.to_dict()} for s in self.sites]
+        return out
+
+
+def _limit_from(path: str, where: str, data: Dict[str, Any]) -> Limit:
+    size = data.get("fail-over")
+    if isinstance(size, str):
+        try:
+            size = parse_size(size)
+        except ValueError:
+            raise InputError(path, f'{where}.fail-over: "{data["fail-over"]}" is not a size '
+                                   f"(examples: 512MiB, 0.5GiB, 64MB, 1e9)") from None
+    return Limit(size, data.get("fail-over-pct"))
+
+
+def thresholds_from_dict(path: str, data: Dict[str, Any]) -> Thresholds:
+    """Thresholds from a baseline's `thresholds` (already schema-checked); InputError naming the bad value."""
+    peak = _limit_from(path, "thresholds.peak", data.get("peak", {})) if "peak" in data else DEFAULT_PEAK
+    categories = {c: _limit_from(path, f"thresholds.categories.{c}", lim)
+                  for c, lim in data.get("categories", {}).items()}
+    sites = []
+    for i, s in enumerate(data.get("sites", [])):
+        try:
+            pattern = re.compile(s["site"])
+        except re.error as exc:
+            raise InputError(path, f"thresholds.sites.{i}.site: invalid regex {s['site']!r}: {exc}") from None
+        sites.append(SiteLimit(pattern, _limit_from(path, f"thresholds.sites.{i}", s)))
+    return Thresholds(peak, categories, sites)
 
 
 @dataclass
@@ -69,11 +160,12 @@ class Check:
 
 @dataclass
 class Verdict:
-    """Every check and whether all passed."""
+    """Every check, whether all passed, and what a reviewer should know besides."""
 
     passed: bool
     rule: str
     checks: List[Check]
+    notes: List[str] = field(default_factory=list)
 
 
 def growth_pct(base: int, head: int) -> Optional[float]:
@@ -81,12 +173,37 @@ def growth_pct(base: int, head: int) -> Optional[float]:
     return 100.0 * (head - base) / base if base else None
 
 
-def judge_peaks(diff: Diff, rule: PeakRule) -> Verdict:
-    """Apply the peak rule to every device of a diff."""
-    checks = [
-        Check(subject=f"device {d.device} peak", base_bytes=d.base_peak_bytes, head_bytes=d.head_peak_bytes,
-              delta_bytes=d.peak_delta_bytes, delta_pct=growth_pct(d.base_peak_bytes, d.head_peak_bytes),
-              limit=rule.describe(), passed=not rule.exceeded(d.base_peak_bytes, d.head_peak_bytes))
-        for d in diff.devices
-    ]
-    return Verdict(passed=all(c.passed for c in checks), rule=rule.describe(), checks=checks)
+def _check(subject: str, base: int, head: int, limit: Limit) -> Check:
+    return Check(subject=subject, base_bytes=base, head_bytes=head, delta_bytes=head - base,
+                 delta_pct=growth_pct(base, head), limit=limit.describe(), passed=not limit.exceeded(base, head))
+
+
+def judge(diff: Diff, thresholds: Thresholds, update_hint: Optional[str] = None) -> Verdict:
+    """Apply every threshold to every device of a diff.
+
+    `update_hint`, when gating against a baseline, is the command that refreshes it; a peak that
+    went down gets a note suggesting it, so the baseline keeps up with improvements.
+    """
+    checks: List[Check] = []
+    notes: List[str] = []
+    for d in diff.devices:
+        peak = _check(f"device {d.device} peak", d.base_peak_bytes, d.head_peak_bytes, thresholds.peak)
+        checks.append(peak)
+        categories = {c.category: c for c in d.categories}
+        for name, limit in thresholds.categories.items():
+            c = categories.get(name)
+            checks.append(_check(f"device {d.device} {name}", c.base_bytes if c else 0, c.head_bytes if c else 0,
+                                 limit))
+        for s in thresholds.sites:
+            rows = [r for r in d.rows if s.pattern.search(r.site)]
+            checks.append(_check(f"device {d.device} sites /{s.pattern.pattern}/", sum(r.base_bytes for r in rows),
+                                 sum(r.head_bytes for r in rows), s.limit))
+        if d.peak_delta_bytes < 0 and update_hint:
+            notes.append(f"device {d.device}: peak went down by {format_bytes(-d.peak_delta_bytes)} "
+                         f"({pct_text(round(-growth_pct(d.base_peak_bytes, d.head_peak_bytes), 1))}): consider "
+                         f"updating the baseline: {update_hint}")
+        if not peak.passed:
+            growth = [r for r in d.rows if r.status in (NEW, GREW)][:TOP_GROWTH]
+            notes.append(f"device {d.device}: peak grew by {format_bytes(d.peak_delta_bytes)}; top growth: "
+                         + ", ".join(f"{r.site} {format_bytes(r.delta_bytes, signed=True)}" for r in growth))
+    return Verdict(passed=all(c.passed for c in checks), rule=thresholds.describe(), checks=checks, notes=notes)

@@ -13,7 +13,7 @@ from conftest import alloc, py_frames
 from memdiff.classify import load_rules
 from memdiff.cli import main
 from memdiff.diff import BY_SITE, GONE, GREW, NEW, SAME, SHRANK, diff
-from memdiff.gate import PeakRule
+from memdiff.gate import Limit, Thresholds
 from memdiff.inputs import read_summary
 from memdiff.load import decode
 
@@ -294,8 +294,8 @@ def test_the_rule_applied_is_printed(tmp_path, capsys):
     a, b = peak_pair(tmp_path, 1000, 2000)
     _, out, _ = run(capsys, a, b, "--fail-over", "0.5GiB")
     assert "rule: fail when the peak of a device grows by more than 512.00 MiB" in out
-    assert "PASS  device 0 peak: 1000 B -> 1.95 KiB, +1000 B (+100.0%)" in out
-    assert PeakRule.from_options(None, None).describe() == (
+    assert "PASS  device 0 peak: 1000 B -> 1.95 KiB, +1000 B (+100.0%), limit: more than 512.00 MiB" in out
+    assert Thresholds(Limit.from_options(None, None)).describe() == (
         "fail when the peak of a device grows by more than 1% and by more than 64.00 MiB")
 
 

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
-from typing import List
+from typing import Dict, List, Optional
 
 from memdiff.classify import Rule, load_rules
+from memdiff.errors import InputError
+from memdiff.gate import Limit, Thresholds
 from memdiff.units import parse_size
 
 
@@ -59,3 +61,38 @@ def add_rules_arguments(p: argparse.ArgumentParser) -> None:
 def rules_from(args: argparse.Namespace) -> List[Rule]:
     """The rules the command line asks for, built-in ones included."""
     return load_rules(args.rules, args.custom_profile)
+
+
+def add_category_threshold_argument(p: argparse.ArgumentParser) -> None:
+    """--category-fail-over CAT=SIZE or CAT=P%, repeatable."""
+    p.add_argument("--category-fail-over", action="append", default=[], metavar="CAT=LIMIT",
+                   help="fail when a category's bytes at the peak grow by more than LIMIT (256MiB, or 10%%); "
+                        "give a category twice for both")
+
+
+def category_limits(values: List[str]) -> Dict[str, Limit]:
+    """`["activation=256MiB", "activation=10%"]` -> {"activation": Limit(256 MiB, 10%)}."""
+    out: Dict[str, Limit] = {}
+    for value in values:
+        name, sep, limit = value.partition("=")
+        if not sep or not name:
+            raise InputError("--category-fail-over", f"{value!r} is not CATEGORY=SIZE or CATEGORY=P%")
+        old = out.get(name, Limit())
+        try:
+            if limit.endswith("%"):
+                out[name] = Limit(old.fail_over_bytes, pct_arg(limit))
+            else:
+                out[name] = Limit(parse_size(limit), old.fail_over_pct)
+        except (ValueError, argparse.ArgumentTypeError) as exc:
+            raise InputError("--category-fail-over", f"{name}: {exc}") from None
+    return out
+
+
+def thresholds_from(args: argparse.Namespace, stored: Optional[Thresholds] = None) -> Thresholds:
+    """The command line's thresholds; over stored ones, each flag given replaces its part."""
+    if stored is None:
+        return Thresholds(Limit.from_options(args.fail_over, args.fail_over_pct),
+                          category_limits(args.category_fail_over))
+    categories = dict(stored.categories)
+    categories.update(category_limits(args.category_fail_over))
+    return Thresholds(stored.peak.overridden(args.fail_over, args.fail_over_pct), categories, list(stored.sites))

@@ -7,8 +7,8 @@ import sys
 from typing import Any
 
 from memdiff.commands.args import add_rules_arguments, add_threshold_arguments, count_arg, rules_from, size_arg
-from memdiff.diff import diff, fold
-from memdiff.gate import PeakRule, judge_peaks
+from memdiff.diff import Diff, diff, fold
+from memdiff.gate import Limit, Thresholds, Verdict, judge
 from memdiff.inputs import read_summary
 from memdiff.render import json as render_json
 from memdiff.render import markdown as render_markdown
@@ -35,16 +35,20 @@ def add_parser(subparsers: Any, parents: list) -> None:
     p.set_defaults(run=run)
 
 
+def render_report(result: Diff, verdict: Verdict, fmt: str, top: int, min_delta: int) -> str:
+    """The report in `fmt`; text and markdown fold rows past `top` or under `min_delta`, JSON never does."""
+    if fmt == "json":
+        return render_json.render_diff(result, verdict)
+    folded = {d.device: fold(d, top, min_delta) for d in result.devices}
+    renderer = render_markdown if fmt == "markdown" else render_text
+    return renderer.render_diff(result, verdict, folded)
+
+
 def run(args: argparse.Namespace) -> int:
     """Read both inputs, align, judge, print; exit 1 on a regression."""
     rules = rules_from(args)
     base, head = read_summary(args.base, rules), read_summary(args.head, rules)
     result = diff(base, head)
-    verdict = judge_peaks(result, PeakRule.from_options(args.fail_over, args.fail_over_pct))
-    if args.format == "json":
-        sys.stdout.write(render_json.render_diff(result, verdict))
-    else:
-        folded = {d.device: fold(d, args.top, args.min_delta) for d in result.devices}
-        renderer = render_markdown if args.format == "markdown" else render_text
-        sys.stdout.write(renderer.render_diff(result, verdict, folded))
+    verdict = judge(result, Thresholds(peak=Limit.from_options(args.fail_over, args.fail_over_pct)))
+    sys.stdout.write(render_report(result, verdict, args.format, args.top, args.min_delta))
     return 0 if verdict.passed else EXIT_REGRESSION

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict
+from typing import Any, Dict
 
 from memdiff.diff import Diff
 from memdiff.gate import Verdict
@@ -15,15 +16,20 @@ def render_summary(summary: Summary) -> str:
     return json.dumps(summary.to_dict(), indent=2, ensure_ascii=False) + "\n"
 
 
-def render_diff(diff: Diff, verdict: Verdict) -> str:
+def diff_document(diff: Diff, verdict: Verdict) -> Dict[str, Any]:
     """The diff contract: verdict, rule, checks and per device every row, never folded."""
-    data = {
+    return {
         "verdict": "pass" if verdict.passed else "fail",
         "rule": verdict.rule,
         "checks": [asdict(c) for c in verdict.checks],
+        "notes": verdict.notes,
         "warnings": diff.warnings,
         "base": asdict(diff.base),
         "head": asdict(diff.head),
         "devices": [asdict(d) for d in diff.devices],
     }
-    return json.dumps(data, indent=2, ensure_ascii=False) + "\n"
+
+
+def render_diff(diff: Diff, verdict: Verdict) -> str:
+    """The diff contract as indented JSON."""
+    return json.dumps(diff_document(diff, verdict), indent=2, ensure_ascii=False) + "\n"

@@ -31,4 +31,5 @@ def render_diff(diff: Diff, verdict: Verdict, folded: Dict[int, Folded]) -> str:
         lines += ["", diff_table(folded[d.device], "github", escape=_escape)]
     lines += ["", f"**Rule:** {verdict.rule}", ""]
     lines += [f"- {check_line(c)}" for c in verdict.checks]
+    lines += ["", *(_escape(n) for n in verdict.notes)] if verdict.notes else []
     return "\n".join(lines) + "\n"

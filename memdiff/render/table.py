@@ -50,10 +50,10 @@ def peak_line(d: DeviceDiff) -> str:
 
 
 def check_line(c: Check) -> str:
-    """`FAIL  device 0 peak: 6.53 GiB -> 8.48 GiB, +1.95 GiB (+29.8%)`."""
+    """`FAIL  device 0 peak: 6.53 GiB -> 8.48 GiB, +1.95 GiB (+29.8%), limit: more than 1% and ...`."""
     return (f"{'PASS' if c.passed else 'FAIL'}  {c.subject}: {format_bytes(c.base_bytes)} -> "
             f"{format_bytes(c.head_bytes)}, {format_bytes(c.delta_bytes, signed=True)} "
-            f"({pct_cell(c.base_bytes, c.head_bytes)})")
+            f"({pct_cell(c.base_bytes, c.head_bytes)}), limit: {c.limit}")
 
 
 def category_table(d: DeviceDiff, tablefmt: str) -> str:

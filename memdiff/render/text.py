@@ -111,4 +111,5 @@ def render_diff(diff: Diff, verdict: Verdict, folded: Dict[int, Folded]) -> str:
         lines += ["", diff_table(folded[d.device], "simple")]
     lines += ["", f"rule: {verdict.rule}"]
     lines += [check_line(c) for c in verdict.checks]
+    lines += verdict.notes
     return "\n".join(lines) + "\n"

@@ -1,0 +1,178 @@
+"""Baselines: a reviewed, few-KB JSON record of a run and the thresholds new runs are gated with.
+
+A baseline keeps per device the peak, static and per-category bytes and the largest groups
+(TOP_GROUPS). To diff a run against it, the bytes outside the stored groups become one
+`rest` group per category on the baseline side; on the run's side, groups the baseline does
+not store and that are smaller than every stored group join the same `rest` groups. Totals
+(and so the TOTAL row and the category deltas) stay exact, and only a group large enough to
+have been stored reads as NEW.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, replace
+from datetime import datetime, timezone
+from typing import Any, Dict, List, Optional, Tuple
+
+from memdiff import __version__
+from memdiff.errors import InputError
+from memdiff.frames import signature_of
+from memdiff.gate import Thresholds, thresholds_from_dict
+from memdiff.load import read_bytes
+from memdiff.model import SCHEMA_VERSION, DeviceSummary, Group, Source, Summary
+from memdiff.schema import validate
+
+TOP_GROUPS = 25
+REST_SITE = "<groups not stored in the baseline: {category}>"
+
+
+@dataclass
+class Baseline:
+    """The parsed baseline file."""
+
+    name: str
+    created: str
+    tool: str
+    source: Dict[str, Any]
+    devices: List[Dict[str, Any]]
+    thresholds: Thresholds
+
+    def to_json(self) -> str:
+        """The file's text: fixed key order and one group per line, so reviews read well."""
+        source = ",\n".join(f"    {json.dumps(k)}: {json.dumps(v)}" for k, v in self.source.items())
+        thresholds = json.dumps(self.thresholds.to_dict(), indent=2).replace("\n", "\n  ")
+        lines = ("{\n"
+                 f'  "schema_version": {SCHEMA_VERSION},\n'
+                 f'  "name": {json.dumps(self.name)},\n'
+                 f'  "created": {json.dumps(self.created)},\n'
+                 f'  "tool": {json.dumps(self.tool)},\n'
+                 f'  "source": {{\n{source}\n  }},\n'
+                 f'  "thresholds": {thresholds},\n'
+                 '  "devices": [\n')
+        devices = []
+        for d in self.devices:
+            groups = ",\n".join("        " + json.dumps(g) for g in d["groups"])
+            devices.append(
+                "    {\n"
+                f'      "device": {d["device"]},\n'
+                f'      "peak_bytes": {d["peak_bytes"]},\n'
+                f'      "static_bytes": {d["static_bytes"]},\n'
+                f'      "trace_events": {d["trace_events"]},\n'
+                f'      "unmatched_free_count": {d["unmatched_free_count"]},\n'
+                f'      "categories": {json.dumps(d["categories"])},\n'
+                f'      "groups": [\n{groups}\n      ]\n'
+                "    }")
+        return lines + ",\n".join(devices) + "\n  ]\n}\n"
+
+
+def from_summary(summary: Summary, name: str, thresholds: Thresholds, git_sha: Optional[str] = None,
+                 created: Optional[str] = None) -> Baseline:
+    """A baseline of a classified summary."""
+    s = summary.source
+    source = {"file": s.file, "sha256": s.sha256, "generation": s.generation,
+              "allocator_settings": s.allocator_settings, "git_sha": git_sha}
+    devices = [{
+        "device": d.device, "peak_bytes": d.peak_bytes, "static_bytes": d.static_bytes,
+        "trace_events": d.trace_events, "unmatched_free_count": d.unmatched_free_count,
+        "categories": dict(sorted(d.categories.items())),
+        "groups": [{"signature": g.signature, "site": g.site, "category": g.category or "other",
+                    "count": g.count, "bytes": g.bytes} for g in d.groups[:TOP_GROUPS]],
+    } for d in summary.devices]
+    stamp = created or datetime.now(timezone.utc).replace(microsecond=0).isoformat().replace("+00:00", "Z")
+    return Baseline(name=name, created=stamp, tool=f"memdiff {__version__}", source=source, devices=devices,
+                    thresholds=thresholds)
+
+
+def read_baseline(path: str) -> Baseline:
+    """Parse and validate a baseline file; InputError with file, line and column or the JSON path."""
+    data = read_bytes(path)
+    try:
+        doc = json.loads(data)
+    except UnicodeDecodeError as exc:
+        raise InputError(path, f"invalid JSON: not UTF-8 text ({exc.reason})") from None
+    except json.JSONDecodeError as exc:
+        raise InputError(path, f"invalid JSON at line {exc.lineno} column {exc.colno}: {exc.msg}") from None
+    if isinstance(doc, dict) and doc.get("schema_version") != SCHEMA_VERSION and "schema_version" in doc:
+        raise InputError(path, f"baseline schema_version {doc['schema_version']!r} is not one this memdiff reads "
+                               f"({SCHEMA_VERSION})")
+    validate(path, doc, "baseline")
+    return Baseline(name=doc["name"], created=doc["created"], tool=doc.get("tool", ""), source=doc["source"],
+                    devices=doc["devices"], thresholds=thresholds_from_dict(path, doc["thresholds"]))
+
+
+SUFFIXES = (".gz", ".bz2", ".xz", ".pickle", ".pkl", ".json")
+
+
+def stem(path: str) -> str:
+    """`runs/train.pickle.gz` -> `train`: the name a run's baseline is stored under."""
+    name = os.path.basename(path)
+    while True:
+        for suffix in SUFFIXES:
+            if name.endswith(suffix) and len(name) > len(suffix):
+                name = name[: -len(suffix)]
+                break
+        else:
+            return name
+
+
+def baseline_path_for(folder: str, snapshot: str) -> str:
+    """The baseline of `snapshot` in `folder`: same stem, `.json`."""
+    return os.path.join(folder, stem(snapshot) + ".json")
+
+
+def _rest_group(category: str, count: int, size: int) -> Group:
+    site = REST_SITE.format(category=category)
+    return Group(signature=signature_of([site]), site=site, frames=[], count=max(count, 1), bytes=size,
+                 category=category)
+
+
+def _stored_summary(b: Baseline) -> Summary:
+    devices = []
+    for d in b.devices:
+        groups = [Group(signature=g["signature"], site=g["site"], frames=[], count=g["count"], bytes=g["bytes"],
+                        category=g["category"]) for g in d["groups"]]
+        stored: Dict[str, int] = {}
+        for g in groups:
+            stored[g.category] = stored.get(g.category, 0) + g.bytes
+        groups += [_rest_group(c, 0, total - stored.get(c, 0)) for c, total in d["categories"].items()
+                   if total > stored.get(c, 0)]
+        devices.append(DeviceSummary(
+            device=d["device"], trace_events=d["trace_events"], static_bytes=d["static_bytes"],
+            peak_bytes=d["peak_bytes"], peak_event_index=None, peak_time_us=None, peak_event_signature=None,
+            trace_start_time_us=None, trace_end_time_us=None, allocated_bytes_at_dump=0, reserved_bytes_at_dump=0,
+            unmatched_free_count=d["unmatched_free_count"],
+            unmatched_free_bytes=0, oom_events=[], timeline=[], groups=groups, categories=d["categories"]))
+    s = b.source
+    source = Source(file=f"baseline {b.name} ({s['file']})", sha256=s["sha256"], size_bytes=0, container="baseline",
+                    generation=s["generation"], keys=[], allocator_settings=s.get("allocator_settings"))
+    return Summary(source=source, devices=devices, tool=b.tool)
+
+
+def _pooled(head: DeviceSummary, stored: List[Dict[str, Any]]) -> DeviceSummary:
+    signatures = {g["signature"] for g in stored}
+    smallest = min((g["bytes"] for g in stored), default=0)
+    kept: List[Group] = []
+    rest: Dict[str, List[int]] = {}
+    for g in head.groups:
+        if g.signature in signatures or g.bytes >= smallest:
+            kept.append(g)
+        else:
+            slot = rest.setdefault(g.category or "other", [0, 0])
+            slot[0] += g.count
+            slot[1] += g.bytes
+    groups = kept + [_rest_group(c, n, size) for c, (n, size) in rest.items()]
+    return replace(head, groups=sorted(groups, key=lambda g: (-g.bytes, g.signature)))
+
+
+def comparable_pair(path: str, baseline: Baseline, head: Summary) -> Tuple[Summary, Summary]:
+    """(base, head) summaries the differ can align; InputError when the devices differ."""
+    want = [d["device"] for d in baseline.devices]
+    have = [d.device for d in head.devices]
+    if want != have:
+        raise InputError(path, f"the baseline has devices {want} and the run has {have}: they cannot be gated "
+                               f"against each other; re-create the baseline with `memdiff baseline`")
+    stored = {d["device"]: d["groups"] for d in baseline.devices}
+    pooled = replace(head, devices=[_pooled(d, stored[d.device]) for d in head.devices])
+    return _stored_summary(baseline), pooled

@@ -1,0 +1,74 @@
+"""`memdiff baseline SNAPSHOT -o baselines/NAME.json`: create or update a baseline; `--check DIR` validates."""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import os
+import sys
+from typing import Any
+
+from memdiff.atomic import write_text_atomic
+from memdiff.baseline import from_summary, read_baseline, stem
+from memdiff.commands.args import (add_category_threshold_argument, add_rules_arguments, add_threshold_arguments,
+                                   rules_from, thresholds_from)
+from memdiff.errors import InputError
+from memdiff.inputs import read_summary
+from memdiff.units import format_bytes
+
+EXIT_BAD_INPUT = 2
+
+
+def add_parser(subparsers: Any, parents: list) -> None:
+    """Register the subcommand."""
+    p = subparsers.add_parser(
+        "baseline", parents=parents, help="create or update a stored baseline, or --check a folder of them",
+        description="Write a baseline of SNAPSHOT to FILE, atomically. Updating an existing file keeps its name "
+                    "and thresholds unless flags replace them. With --check, validate baseline files instead.")
+    p.add_argument("snapshot", nargs="?", help="snapshot or summary to take the baseline from")
+    p.add_argument("-o", "--output", metavar="FILE", help="baseline file to create or update")
+    p.add_argument("--name", help="baseline name (default: kept when updating, else the file's stem)")
+    p.add_argument("--git-sha", metavar="SHA", help="commit the run was made from, stored for reviewers")
+    p.add_argument("--check", metavar="PATH", help="validate a baseline file, or every *.json in a folder")
+    add_threshold_arguments(p)
+    add_category_threshold_argument(p)
+    add_rules_arguments(p)
+    p.set_defaults(run=run)
+
+
+def _check(path: str) -> int:
+    files = sorted(glob.glob(os.path.join(path, "*.json"))) if os.path.isdir(path) else [path]
+    if not files:
+        raise InputError(path, "no *.json baseline files here")
+    broken = 0
+    for f in files:
+        try:
+            b = read_baseline(f)
+        except InputError as exc:
+            broken += 1
+            print(f"memdiff: {exc.path}: {exc.message}", file=sys.stderr)
+        else:
+            print(f"ok  {f}  ({b.name}, {len(b.devices)} device{'s' if len(b.devices) != 1 else ''})")
+    return EXIT_BAD_INPUT if broken else 0
+
+
+def run(args: argparse.Namespace) -> int:
+    """Create or update one baseline, or check baseline files."""
+    if args.check:
+        return _check(args.check)
+    if not args.snapshot or not args.output:
+        raise InputError("baseline", "give SNAPSHOT -o FILE to write a baseline, or --check PATH")
+    # Read the old file first: when it is broken, nothing is written.
+    old = read_baseline(args.output) if os.path.exists(args.output) else None
+    thresholds = thresholds_from(args, old.thresholds if old else None)
+    name = args.name or (old.name if old else stem(args.output))
+    summary = read_summary(args.snapshot, rules_from(args))
+    baseline = from_summary(summary, name, thresholds, args.git_sha)
+    try:
+        write_text_atomic(args.output, baseline.to_json())
+    except OSError as exc:
+        raise InputError(args.output, f"cannot write: {exc.strerror or exc}") from None
+    peaks = ", ".join(f"device {d.device} peak {format_bytes(d.peak_bytes)}" for d in summary.devices)
+    print(f"memdiff: {'updated' if old else 'wrote'} {args.output}: baseline {name!r}, {peaks}; "
+          f"{thresholds.describe()}", file=sys.stderr)
+    return 0

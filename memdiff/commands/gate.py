@@ -1,0 +1,88 @@
+"""`memdiff gate SNAPSHOT --baseline FILE` or `--baselines DIR SNAPSHOT...`: fail the build on a regression."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any, List, Tuple
+
+from memdiff.baseline import baseline_path_for, comparable_pair, read_baseline
+from memdiff.commands.args import (add_category_threshold_argument, add_rules_arguments, add_threshold_arguments,
+                                   count_arg, rules_from, size_arg, thresholds_from)
+from memdiff.commands.diff import render_report
+from memdiff.diff import diff
+from memdiff.errors import InputError
+from memdiff.gate import judge
+from memdiff.inputs import read_summary
+from memdiff.render import json as render_json
+
+EXIT_REGRESSION = 1
+
+
+def add_parser(subparsers: Any, parents: list) -> None:
+    """Register the subcommand."""
+    p = subparsers.add_parser(
+        "gate", parents=parents, help="compare runs with stored baselines and exit 1 on a regression",
+        description="Compare each run with its baseline under the baseline's thresholds (flags override them) "
+                    "and print the report and one line per threshold. Exit 0 pass, 1 regression, 2 bad input.")
+    p.add_argument("snapshots", nargs="+", metavar="SNAPSHOT", help="runs to gate (snapshots or summaries)")
+    which = p.add_mutually_exclusive_group(required=True)
+    which.add_argument("--baseline", metavar="FILE", help="the baseline of the one SNAPSHOT")
+    which.add_argument("--baselines", metavar="DIR", help="folder of baselines named after each run's stem")
+    p.add_argument("--require-baseline", action="store_true", help="a run without a baseline fails the gate")
+    p.add_argument("--top", type=count_arg, default=20, metavar="N", help="rows to show per device (default: 20)")
+    p.add_argument("--min-delta", type=size_arg, default=0, metavar="SIZE", help="hide rows that changed less")
+    p.add_argument("--format", choices=("text", "markdown", "json"), default="text", help="report format")
+    add_threshold_arguments(p)
+    add_category_threshold_argument(p)
+    add_rules_arguments(p)
+    p.set_defaults(run=run)
+
+
+def _pairs(args: argparse.Namespace) -> Tuple[List[Tuple[str, str]], List[Tuple[str, str]]]:
+    """(run, baseline) pairs to gate, and runs whose baseline is missing."""
+    if args.baseline:
+        if len(args.snapshots) != 1:
+            raise InputError("gate", "--baseline takes one SNAPSHOT; use --baselines DIR for several")
+        return [(args.snapshots[0], args.baseline)], []
+    if not os.path.isdir(args.baselines):
+        raise InputError(args.baselines, "no such folder of baselines")
+    pairs, missing = [], []
+    for snap in args.snapshots:
+        path = baseline_path_for(args.baselines, snap)
+        (pairs if os.path.exists(path) else missing).append((snap, path))
+    return pairs, missing
+
+
+def run(args: argparse.Namespace) -> int:
+    """Gate every run; exit 1 when any check fails (or a required baseline is missing)."""
+    rules = rules_from(args)
+    pairs, missing = _pairs(args)
+    status = 0
+    documents = []
+    for snap, path in pairs:
+        baseline = read_baseline(path)
+        base, head = comparable_pair(path, baseline, read_summary(snap, rules))
+        result = diff(base, head)
+        verdict = judge(result, thresholds_from(args, baseline.thresholds),
+                        update_hint=f"memdiff baseline {snap} -o {path}")
+        status = status or (0 if verdict.passed else EXIT_REGRESSION)
+        if args.format == "json":
+            documents.append(render_json.diff_document(result, verdict))
+            continue
+        if len(args.snapshots) > 1:
+            sys.stdout.write(f"{'## ' if args.format == 'markdown' else '== '}{snap} against {path}\n\n")
+        sys.stdout.write(render_report(result, verdict, args.format, args.top, args.min_delta)
+                         + ("\n" if len(pairs) > 1 else ""))
+    if args.format == "json":
+        sys.stdout.write(json.dumps(documents[0] if len(args.snapshots) == 1 and documents else documents,
+                                    indent=2, ensure_ascii=False) + "\n")
+    for snap, path in missing:
+        if args.require_baseline:
+            status = EXIT_REGRESSION
+        print(f"memdiff: {snap}: no baseline at {path}"
+              + ("" if args.require_baseline else " (not gated; --require-baseline makes this fail)"),
+              file=sys.stderr)
+    return status

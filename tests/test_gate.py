@@ -1,0 +1,206 @@
+"""Baselines and `memdiff gate`: thresholds at their boundaries, failure paths, atomic updates."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import shutil
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT, alloc, py_frames
+from memdiff.cli import main
+
+FWD = py_frames("model.py:10:forward", "train.py:5:<module>")    # activation
+INIT = py_frames("model.py:3:__init__", "train.py:4:<module>")   # parameter
+MiB = 2**20
+
+
+def run(capsys, *argv):
+    code = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def snapshot(path: Path, activation: int, parameter: int = 100 * MiB) -> Path:
+    """A run with `parameter` bytes of weights and `activation` bytes made in forward."""
+    trace = [alloc(1, parameter, INIT), alloc(2, activation, FWD)]
+    path.write_bytes(pickle.dumps({"segments": [], "device_traces": [[e for e in trace if e["size"]]]}, 4))
+    return path
+
+
+@pytest.fixture
+def baseline(tmp_path, capsys):
+    """baselines/train.json of a run with 100 MiB of weights and 100 MiB of activations."""
+    folder = tmp_path / "baselines"
+    folder.mkdir()
+
+    def make(*flags, activation=100 * MiB):
+        snap = snapshot(tmp_path / "base.pickle", activation)
+        code, _, err = run(capsys, "baseline", snap, "-o", folder / "train.json", *flags)
+        assert code == 0, err
+        return folder / "train.json"
+    return make
+
+
+def gate(capsys, tmp_path, baseline_file, activation, *flags):
+    head = snapshot(tmp_path / "train.pickle", activation)
+    return run(capsys, "gate", head, "--baseline", baseline_file, *flags)
+
+
+# --- boundaries: exactly at a limit passes, one byte over fails ---------------------------------
+
+@pytest.mark.parametrize("flags, at_limit", [
+    (["--fail-over", "10MiB"], 10 * MiB),                              # absolute
+    (["--fail-over-pct", "5"], 10 * MiB),                              # 5% of the 200 MiB peak
+    (["--fail-over", "4MiB", "--fail-over-pct", "5"], 10 * MiB),       # both: the larger binds
+    (["--fail-over", "12MiB", "--fail-over-pct", "5"], 12 * MiB),
+    (["--category-fail-over", "activation=3MiB", "--fail-over", "1GiB"], 3 * MiB),
+    (["--category-fail-over", "activation=20%", "--fail-over", "1GiB"], 20 * MiB),
+])
+def test_threshold_boundaries(baseline, tmp_path, capsys, flags, at_limit):
+    b = baseline(*flags)
+    assert gate(capsys, tmp_path, b, 100 * MiB + at_limit)[0] == 0
+    code, out, _ = gate(capsys, tmp_path, b, 100 * MiB + at_limit + 1)
+    assert code == 1 and "FAIL  device 0" in out
+
+
+def test_site_threshold_boundary(baseline, tmp_path, capsys):
+    b = baseline("--fail-over", "1GiB")
+    data = json.loads(b.read_text())
+    data["thresholds"]["sites"] = [{"site": "^model\\.py:forward$", "fail-over": "2MiB"}]
+    b.write_text(json.dumps(data))
+    code, out, _ = gate(capsys, tmp_path, b, 102 * MiB)
+    assert code == 0 and "PASS  device 0 sites /^model\\.py:forward$/: 100.00 MiB -> 102.00 MiB" in out
+    code, out, _ = gate(capsys, tmp_path, b, 102 * MiB + 1)
+    assert code == 1 and "FAIL  device 0 sites /^model\\.py:forward$/" in out
+
+
+def test_command_line_flags_override_the_file(baseline, tmp_path, capsys):
+    b = baseline("--fail-over", "1MiB", "--fail-over-pct", "0")
+    assert gate(capsys, tmp_path, b, 110 * MiB)[0] == 1
+    assert gate(capsys, tmp_path, b, 110 * MiB, "--fail-over", "10MiB")[0] == 0
+
+
+def test_a_decrease_passes_and_suggests_updating_the_baseline(baseline, tmp_path, capsys):
+    b = baseline()
+    code, out, _ = gate(capsys, tmp_path, b, 50 * MiB)
+    assert code == 0
+    assert (f"device 0: peak went down by 50.00 MiB (25%): consider updating the baseline: "
+            f"memdiff baseline {tmp_path / 'train.pickle'} -o {b}") in out
+
+
+def test_a_run_against_its_own_baseline_is_all_same(baseline, tmp_path, capsys):
+    b = baseline()
+    code, data = gate(capsys, tmp_path, b, 100 * MiB, "--format", "json")[:2]
+    data = json.loads(data)
+    assert code == 0 and {r["status"] for r in data["devices"][0]["rows"]} == {"SAME"}
+
+
+# --- the baseline file --------------------------------------------------------------------------
+
+def test_update_keeps_name_and_thresholds_and_rewrites_figures(baseline, tmp_path, capsys):
+    b = baseline("--name", "nightly", "--fail-over", "3MiB", "--category-fail-over", "activation=5%")
+    baseline(activation=150 * MiB)
+    data = json.loads(b.read_text())
+    assert data["name"] == "nightly"
+    assert data["thresholds"]["peak"] == {"fail-over": "3MiB"}
+    assert data["thresholds"]["categories"] == {"activation": {"fail-over-pct": 5.0}}
+    assert data["devices"][0]["peak_bytes"] == 250 * MiB
+
+
+def test_baselines_are_small_and_stable(baseline, shared, tmp_path, capsys):
+    out = tmp_path / "real.json"
+    assert run(capsys, "baseline", shared / "cs336-medium-ctx256-train.pickle", "-o", out)[0] == 0
+    first = out.read_text()
+    assert len(first) < 8_000
+    assert run(capsys, "baseline", shared / "cs336-medium-ctx256-train.pickle", "-o", out)[0] == 0
+    strip = [l for l in first.splitlines() if '"created"' not in l]
+    assert [l for l in out.read_text().splitlines() if '"created"' not in l] == strip
+
+
+def test_an_interrupted_update_leaves_the_old_file_intact(baseline, tmp_path, capsys, monkeypatch):
+    b = baseline()
+    before = b.read_bytes()
+
+    def broken_rename(src, dst):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "replace", broken_rename)
+    code, _, err = run(capsys, "baseline", snapshot(tmp_path / "new.pickle", 300 * MiB), "-o", b)
+    assert code == 2 and err == f"memdiff: {b}: cannot write: No space left on device\n"
+    assert b.read_bytes() == before
+    assert sorted(p.name for p in b.parent.iterdir()) == ["train.json"]  # no temporary file left behind
+
+
+@pytest.mark.parametrize("mutate, message", [
+    (lambda t: t.replace('"name"', '"name":', 1), "invalid JSON at line 3 column 10: Expecting value"),
+    (lambda t: t.replace('"fail-over": "64MiB"', '"fail-over": "5 parsecs"'),
+     'thresholds.peak.fail-over: "5 parsecs" is not a size'),
+    (lambda t: t.replace('"fail-over-pct": 1.0', '"fail-over-pct": -1'),
+     "not a valid memdiff baseline: thresholds.peak.fail-over-pct: -1 is less than the minimum of 0"),
+    (lambda t: t.replace('"schema_version": 1', '"schema_version": 7'),
+     "baseline schema_version 7 is not one this memdiff reads (1)"),
+    (lambda t: t.replace('"device": 0', '"device": 1'),
+     "the baseline has devices [1] and the run has [0]: they cannot be gated against each other"),
+])
+def test_broken_baselines_exit_2_and_nothing_is_written(baseline, tmp_path, capsys, mutate, message):
+    b = baseline()
+    b.write_text(mutate(b.read_text()))
+    broken = b.read_bytes()
+    code, out, err = gate(capsys, tmp_path, b, 100 * MiB)
+    assert code == 2 and out == ""
+    assert err.startswith(f"memdiff: {b}: ") and message in err, err
+    if "cannot be gated" not in message:
+        code, _, err = run(capsys, "baseline", tmp_path / "train.pickle", "-o", b)
+        assert code == 2 and message in err
+        assert b.read_bytes() == broken
+
+
+def test_check_names_each_broken_baseline(baseline, tmp_path, capsys):
+    b = baseline()
+    shutil.copy(b, b.parent / "good.json")
+    (b.parent / "bad.json").write_text("{")
+    (b.parent / "worse.json").write_text(b.read_text().replace('"name": "train"', '"name": 3'))
+    code, out, err = run(capsys, "baseline", "--check", b.parent)
+    assert code == 2
+    assert out.count("ok  ") == 2
+    assert f"memdiff: {b.parent / 'bad.json'}: invalid JSON at line 1 column 2" in err
+    assert f"memdiff: {b.parent / 'worse.json'}: not a valid memdiff baseline: name: 3 is not of type 'string'" in err
+
+
+def test_the_repositorys_own_baselines_are_valid(capsys):
+    code, out, err = run(capsys, "baseline", "--check", ROOT / "baselines")
+    assert code == 0, err
+    assert "gpt-cpu" in out
+
+
+# --- several runs ------------------------------------------------------------------------------
+
+def test_baselines_folder_matches_runs_by_stem(baseline, tmp_path, capsys):
+    b = baseline()
+    head = snapshot(tmp_path / "train.pickle", 100 * MiB)
+    other = snapshot(tmp_path / "eval.pickle", 100 * MiB)
+    code, out, err = run(capsys, "gate", "--baselines", b.parent, head, other)
+    assert code == 0
+    assert f"== {head} against {b}" in out
+    assert err == f"memdiff: {other}: no baseline at {b.parent / 'eval.json'} (not gated; --require-baseline makes this fail)\n"
+    code, _, err = run(capsys, "gate", "--baselines", b.parent, "--require-baseline", head, other)
+    assert code == 1 and err == f"memdiff: {other}: no baseline at {b.parent / 'eval.json'}\n"
+
+
+# --- the real pair ------------------------------------------------------------------------------
+
+def test_real_ctx128_baseline_against_ctx256(shared, tmp_path, capsys):
+    b = tmp_path / "train.json"
+    assert run(capsys, "baseline", shared / "cs336-medium-ctx128-train.pickle", "-o", b)[0] == 0
+    head = shared / "cs336-medium-ctx256-train.pickle"
+    code, out, _ = run(capsys, "gate", head, "--baseline", b)
+    assert code == 1
+    assert "FAIL  device 0 peak: 6.53 GiB -> 8.48 GiB, +1.95 GiB (+29.8%)" in out
+    assert ("device 0: peak grew by 1.95 GiB; top growth: functional.py:einsum <- einsum <- bmm +768.00 MiB, "
+            "model.py:forward <- mul_Tensor +768.00 MiB") in out
+    code, out, _ = run(capsys, "gate", head, "--baseline", b, "--fail-over", "3GiB")
+    assert code == 0 and "PASS  device 0 peak" in out
