@@ -11,10 +11,10 @@ import traceback
 from typing import List, Optional
 
 from memdiff import __version__
-from memdiff.commands import baseline, diff, gate, peak, record, summarize
+from memdiff.commands import baseline, demo, diff, gate, peak, record, summarize
 from memdiff.errors import InputError
 
-COMMANDS = (diff, gate, baseline, summarize, peak, record)
+COMMANDS = (diff, gate, baseline, summarize, peak, record, demo)
 DEFAULT_COMMAND = "diff"
 TOP_LEVEL_FLAGS = {"--debug", "--version", "-h", "--help"}
 EXIT_BAD_INPUT = 2

@@ -37,6 +37,10 @@ INTERPRETER_NAME = re.compile(r"^(_?_?Py|_?_?libc|__clone|pthread_|start_thread$
 PLUMBING_PY = (
     (re.compile(r"^stdlib/"), re.compile(r".")),
     (re.compile(r"(^|/)torch/nn/modules/module\.py$"), re.compile(r"^_(wrapped_)?call_impl$")),
+    # memdiff's own launcher (`memdiff record`, `memdiff demo`, the console script): how the
+    # workload was started, which must not change its signatures.
+    (re.compile(r"(^|/)memdiff/(__main__|cli|capture)\.py$|(^|/)memdiff/commands/\w+\.py$|(^|/)bin/memdiff$"),
+     re.compile(r".")),
 )
 
 # Native frames worth keeping: the op Python called, autograd nodes, communication.

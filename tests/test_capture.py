@@ -14,6 +14,7 @@ from tabulate import tabulate
 
 from memdiff.capture import CaptureError, record
 from memdiff.classify import load_rules
+from memdiff.diff import GONE, GREW, NEW, SHRANK, diff
 from memdiff.inputs import read_summary
 from memdiff.load import decode
 
@@ -31,12 +32,13 @@ def record_example(path, *flags: str) -> subprocess.CompletedProcess:
 
 @pytest.fixture(scope="module")
 def captured(torch, tmp_path_factory):
-    """The example GPT recorded on CPU, without and with activation checkpointing."""
+    """The example GPT recorded on CPU: plain (False), with activation checkpointing (True), and
+    with the abandoned debug projections ("debug")."""
     folder = tmp_path_factory.mktemp("capture")
     out = {}
-    for ckpt in (False, True):
-        out[ckpt] = str(folder / f"gpt-ckpt{int(ckpt)}.pickle")
-        record_example(out[ckpt], *(["--checkpoint"] if ckpt else []))
+    for key, flags in ((False, []), (True, ["--checkpoint"]), ("debug", ["--debug-projections"])):
+        out[key] = str(folder / f"gpt-{key}.pickle")
+        record_example(out[key], *flags)
     return out
 
 
@@ -70,12 +72,41 @@ def test_categories_agree_with_pytorch(captured, ckpt):
     assert agreement >= 0.85
 
 
-def test_checkpointing_lowers_the_peak_and_activations(captured):
+def test_checkpointing_lowers_the_peak_and_the_top_rows_are_activations(captured):
     rules = load_rules()
-    plain, ckpt = (read_summary(captured[k], rules).devices[0] for k in (False, True))
-    assert ckpt.peak_bytes < plain.peak_bytes
-    assert ckpt.categories["activation"] < plain.categories["activation"]
-    assert ckpt.categories["optimizer_state"] == plain.categories["optimizer_state"]
+    plain, ckpt = (read_summary(captured[k], rules) for k in (False, True))
+    p, c = plain.devices[0], ckpt.devices[0]
+    assert c.peak_bytes < p.peak_bytes
+    assert c.categories["activation"] < p.categories["activation"]
+    assert c.categories["optimizer_state"] == p.categories["optimizer_state"]
+    rows = diff(plain, ckpt).devices[0].rows
+    changed = [r for r in rows if r.delta_bytes][:5]
+    assert changed and all(r.status in (SHRANK, GONE) and r.category == "activation" for r in changed)
+
+
+def test_debug_projections_read_as_new_forward_rows_and_more_optimizer_state(captured):
+    from memdiff.examples.gpt import Config
+
+    rules = load_rules()
+    clean, debug = (read_summary(captured[k], rules) for k in (False, "debug"))
+    rows = diff(clean, debug).devices[0].rows
+    c = Config()
+    new_params = c.n_layer * (c.n_embd * 4 * c.n_embd + 4 * c.n_embd)  # one Linear(n_embd, 4 n_embd) per layer
+    state = next(r for r in rows if r.site == "adam.py:_init_group <- zeros_like")
+    assert (state.status, state.delta_bytes) == (GREW, 2 * new_params * 4)  # two fp32 AdamW moments
+    assert state.head_count - state.base_count == 2 * 2 * c.n_layer  # (weight, bias) x 2 moments per layer
+    top = rows[0]
+    assert (top.status, top.site, top.category, top.head_count) == (NEW, "linear.py:forward <- linear", "activation",
+                                                                     c.n_layer)
+    assert [r for r in rows if r.status == GONE] == []
+
+
+def test_the_gate_fails_the_debug_projections_against_the_clean_baseline(captured, tmp_path):
+    from memdiff.cli import main
+
+    assert main(["baseline", captured[False], "-o", str(tmp_path / "gpt.json"), "--fail-over", "1MiB"]) == 0
+    assert main(["gate", captured["debug"], "--baseline", str(tmp_path / "gpt.json")]) == 1
+    assert main(["gate", captured[True], "--baseline", str(tmp_path / "gpt.json")]) == 0
 
 
 def test_record_writes_the_snapshot_even_when_the_block_raises(torch, tmp_path):

@@ -138,3 +138,17 @@ def test_user_paths_are_shown_relative_to_the_project_root():
     assert relativize(groups) == [
         [Frame("pkg/model.py", 3, "forward"), Frame("torch/nn/modules/linear.py", 1, "forward")],
         [Frame("train.py", 9, "<module>")]]
+
+
+def test_memdiffs_own_launcher_frames_do_not_change_signatures():
+    work = py_frames_like([("gpt.py", 113, "train"), ("gpt.py", 140, "main")])
+    console = work + py_frames_like([("/work/memdiff/commands/record.py", 70, "_run_target"),
+                                     ("/work/memdiff/cli.py", 80, "main"), ("/venv/bin/memdiff", 8, "<module>")])
+    module = work + py_frames_like([("/usr/lib/python3.11/runpy.py", 88, "_run_code"),
+                                    ("/work/memdiff/commands/record.py", 70, "_run_target"),
+                                    ("/work/memdiff/__main__.py", 5, "<module>")])
+    assert sig(work) == sig(console) == sig(module)
+
+
+def py_frames_like(specs):
+    return [{"filename": f, "line": line, "name": name} for f, line, name in specs]
