@@ -4,4 +4,6 @@ import sys
 
 from memdiff.cli import main
 
-sys.exit(main())
+# Guarded: worker processes started with `spawn` import the main module again.
+if __name__ == "__main__":
+    sys.exit(main())

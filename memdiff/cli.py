@@ -6,23 +6,35 @@ Exit codes: 0 no regression, 1 regression, 2 bad input or usage, 3 internal erro
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 import traceback
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 from memdiff import __version__
-from memdiff.commands import baseline, demo, diff, gate, peak, record, summarize
 from memdiff.errors import InputError
 
-COMMANDS = (diff, gate, baseline, summarize, peak, record, demo)
+COMMANDS = {  # name: (module, one-line help); a module gives DESCRIPTION, add_arguments, run
+    "diff": ("memdiff.commands.diff", "compare two runs (the default: memdiff BASE HEAD)"),
+    "gate": ("memdiff.commands.gate", "compare runs with stored baselines and exit 1 on a regression"),
+    "baseline": ("memdiff.commands.baseline", "create or update a stored baseline, or --check a folder of them"),
+    "summarize": ("memdiff.commands.summarize", "reduce a snapshot to its peak summary (JSON or text)"),
+    "peak": ("memdiff.commands.peak", "show the peak, static memory and the top stacks live at the peak"),
+    "record": ("memdiff.commands.record", "run a Python script with memory recording on and write the snapshot"),
+    "demo": ("memdiff.commands.demo", "record a small GPT with and without activation checkpointing and diff them"),
+}
 DEFAULT_COMMAND = "diff"
 TOP_LEVEL_FLAGS = {"--debug", "--version", "-h", "--help"}
 EXIT_BAD_INPUT = 2
 EXIT_INTERNAL = 3
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The argument parser with every subcommand registered."""
+def build_parser(selected: Optional[str] = None) -> argparse.ArgumentParser:
+    """The argument parser; only the `selected` command's module is imported and given its arguments.
+
+    Importing one command instead of all keeps start-up to what that command needs (summarize
+    does not pay for tabulate or the gate), which matters for a tool run on every PR.
+    """
     # SUPPRESS: a subcommand's default must not overwrite `memdiff --debug COMMAND`.
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
@@ -35,28 +47,33 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"memdiff {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
-    for command in COMMANDS:
-        command.add_parser(sub, [common])
+    for name, (module_name, help_text) in COMMANDS.items():
+        if name != selected:
+            sub.add_parser(name, help=help_text)
+            continue
+        module = importlib.import_module(module_name)
+        p = sub.add_parser(name, help=help_text, description=module.DESCRIPTION, parents=[common])
+        module.add_arguments(p)
+        p.set_defaults(run=module.run)
     return parser
 
 
-def with_default_command(argv: List[str], commands: List[str]) -> List[str]:
-    """Insert `diff` where a command name is expected but something else stands (memdiff BASE HEAD)."""
+def with_default_command(argv: List[str]) -> Tuple[List[str], Optional[str]]:
+    """(argv, the command it runs), `diff` inserted where a command name is expected but something
+    else stands (memdiff BASE HEAD)."""
     for i, arg in enumerate(argv):
         if arg in TOP_LEVEL_FLAGS:
             continue
-        if arg not in commands:
-            return argv[:i] + [DEFAULT_COMMAND] + argv[i:]
-        break
-    return argv
+        if arg not in COMMANDS:
+            return argv[:i] + [DEFAULT_COMMAND] + argv[i:], DEFAULT_COMMAND
+        return argv, arg
+    return argv, None
 
 
 def main(argv: Optional[List[str]] = None) -> int:
     """Run memdiff with `argv` (default: sys.argv[1:]) and return the exit code."""
-    parser = build_parser()
-    argv = list(sys.argv[1:] if argv is None else argv)
-    commands = [name for action in parser._subparsers._group_actions for name in action.choices]
-    args = parser.parse_args(with_default_command(argv, commands))
+    argv, selected = with_default_command(list(sys.argv[1:] if argv is None else argv))
+    args = build_parser(selected).parse_args(argv)
     try:
         return args.run(args)
     except InputError as exc:

@@ -10,3 +10,6 @@ class InputError(Exception):
         super().__init__(f"{path}: {message}")
         self.path = path
         self.message = message
+
+    def __reduce__(self):  # raised in a worker process, re-raised in the parent
+        return (self.__class__, (self.path, self.message))

@@ -7,13 +7,14 @@ from functools import lru_cache
 from importlib import resources
 from typing import Any, Dict
 
-import jsonschema
-
 from memdiff.errors import InputError
 
 
 @lru_cache(maxsize=None)
-def _validator(name: str) -> jsonschema.protocols.Validator:
+def _validator(name: str) -> Any:
+    # jsonschema costs ~0.1 s to import: only commands that read summaries, baselines or rules pay it.
+    import jsonschema
+
     text = resources.files("memdiff").joinpath("schemas", f"{name}.schema.json").read_text(encoding="utf-8")
     schema = json.loads(text)
     cls = jsonschema.validators.validator_for(schema)
@@ -23,7 +24,9 @@ def _validator(name: str) -> jsonschema.protocols.Validator:
 
 def validate(path: str, data: Any, name: str) -> Dict[str, Any]:
     """`data` if it satisfies schemas/NAME.schema.json, else InputError naming the JSON path and rule."""
-    error = jsonschema.exceptions.best_match(_validator(name).iter_errors(data))
+    from jsonschema.exceptions import best_match
+
+    error = best_match(_validator(name).iter_errors(data))
     if error is not None:
         where = ".".join(str(p) for p in error.absolute_path) or "(top level)"
         raise InputError(path, f"not a valid memdiff {name}: {where}: {error.message}")

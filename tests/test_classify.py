@@ -90,6 +90,15 @@ CASES = {
 }
 
 
+def test_the_shipped_rules_satisfy_their_schema():
+    from importlib import resources
+
+    from memdiff.schema import validate
+
+    text = resources.files("memdiff").joinpath("rules", "categories.json").read_text()
+    validate("categories.json", json.loads(text), "rules")
+
+
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_builtin_rules(case):
     frames, category = CASES[case]

@@ -180,3 +180,18 @@ def test_malformed_trace_entries_name_the_entry(write_snapshot, bad, message):
     with pytest.raises(InputError) as err:
         summary_of(write_snapshot, bad)
     assert message in err.value.message
+
+
+def test_frames_are_normalized_once_per_distinct_frames_list(write_snapshot, monkeypatch):
+    # Real snapshots share frames lists between events (pickle memo references): the normalizer
+    # must work once per distinct list, not once per event.
+    import memdiff.frames
+
+    calls = []
+    real_site = memdiff.frames._site
+    monkeypatch.setattr(memdiff.frames, "_site", lambda kept: calls.append(1) or real_site(kept))
+    shared_fwd, shared_bwd = list(FWD), list(BWD)
+    trace = [alloc(i, 10, shared_fwd) for i in range(500)] + [alloc(1000 + i, 20, shared_bwd) for i in range(500)]
+    d = summary_of(write_snapshot, {"segments": [], "device_traces": [trace]}).devices[0]
+    assert by_site(d) == {"model.py:backward_hook": (500, 10_000), "model.py:forward": (500, 5_000)}
+    assert len(calls) == 2

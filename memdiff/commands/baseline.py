@@ -6,7 +6,6 @@ import argparse
 import glob
 import os
 import sys
-from typing import Any
 
 from memdiff.atomic import write_text_atomic
 from memdiff.baseline import from_summary, read_baseline, stem
@@ -19,12 +18,12 @@ from memdiff.units import format_bytes
 EXIT_BAD_INPUT = 2
 
 
-def add_parser(subparsers: Any, parents: list) -> None:
-    """Register the subcommand."""
-    p = subparsers.add_parser(
-        "baseline", parents=parents, help="create or update a stored baseline, or --check a folder of them",
-        description="Write a baseline of SNAPSHOT to FILE, atomically. Updating an existing file keeps its name "
-                    "and thresholds unless flags replace them. With --check, validate baseline files instead.")
+DESCRIPTION = ("Write a baseline of SNAPSHOT to FILE, atomically. Updating an existing file keeps its name "
+               "and thresholds unless flags replace them. With --check, validate baseline files instead.")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The subcommand's arguments."""
     p.add_argument("snapshot", nargs="?", help="snapshot or summary to take the baseline from")
     p.add_argument("-o", "--output", metavar="FILE", help="baseline file to create or update")
     p.add_argument("--name", help="baseline name (default: kept when updating, else the file's stem)")
@@ -33,7 +32,6 @@ def add_parser(subparsers: Any, parents: list) -> None:
     add_threshold_arguments(p)
     add_category_threshold_argument(p)
     add_rules_arguments(p)
-    p.set_defaults(run=run)
 
 
 def _check(path: str) -> int:

@@ -7,7 +7,6 @@ import os
 import sys
 import tempfile
 import time
-from typing import Any
 
 from memdiff.capture import record
 from memdiff.classify import load_rules
@@ -19,16 +18,15 @@ from memdiff.inputs import read_summary
 RUNS = (("baseline", False), ("checkpointing", True))
 
 
-def add_parser(subparsers: Any, parents: list) -> None:
-    """Register the subcommand."""
-    p = subparsers.add_parser(
-        "demo", parents=parents, help="record a small GPT with and without activation checkpointing and diff them",
-        description="Train the example GPT (memdiff.examples.gpt) for two steps, once plainly and once with "
-                    "activation checkpointing, record both (CUDA when available, else CPU), and show the diff. "
-                    "Needs torch.")
+DESCRIPTION = ("Train the example GPT (memdiff.examples.gpt) for two steps, once plainly and once with "
+               "activation checkpointing, record both (CUDA when available, else CPU), and show the diff. "
+               "Needs torch.")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The subcommand's arguments."""
     p.add_argument("--dir", metavar="DIR", help="where to keep the two snapshots (default: a new temporary folder)")
     p.add_argument("--device", choices=("cpu", "cuda"), help="where to train (default: cuda when available)")
-    p.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:

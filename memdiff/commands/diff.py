@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Any
 
 from memdiff.commands.args import add_rules_arguments, add_threshold_arguments, count_arg, rules_from, size_arg
 from memdiff.diff import Diff, diff, fold
 from memdiff.gate import Limit, Thresholds, Verdict, judge
-from memdiff.inputs import read_summary
+from memdiff.inputs import read_summaries
 from memdiff.render import json as render_json
 from memdiff.render import markdown as render_markdown
 from memdiff.render import text as render_text
@@ -17,12 +16,12 @@ from memdiff.render import text as render_text
 EXIT_REGRESSION = 1
 
 
-def add_parser(subparsers: Any, parents: list) -> None:
-    """Register the subcommand."""
-    p = subparsers.add_parser(
-        "diff", parents=parents, help="compare two runs (the default: memdiff BASE HEAD)",
-        description="Align two runs by stack signature and explain the peak difference. Either input "
-                    "may be a snapshot or a summary JSON. Exit 1 when a peak grew beyond the rule.")
+DESCRIPTION = ("Align two runs by stack signature and explain the peak difference. Either input "
+               "may be a snapshot or a summary JSON. Exit 1 when a peak grew beyond the rule.")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The subcommand's arguments."""
     p.add_argument("base", help="the run to compare against (snapshot or summary)")
     p.add_argument("head", help="the new run (snapshot or summary)")
     p.add_argument("--top", type=count_arg, default=20, metavar="N", help="rows to show per device (default: 20)")
@@ -32,7 +31,6 @@ def add_parser(subparsers: Any, parents: list) -> None:
                    help="report format (default: text); json rows are never folded")
     add_threshold_arguments(p)
     add_rules_arguments(p)
-    p.set_defaults(run=run)
 
 
 def render_report(result: Diff, verdict: Verdict, fmt: str, top: int, min_delta: int) -> str:
@@ -47,7 +45,7 @@ def render_report(result: Diff, verdict: Verdict, fmt: str, top: int, min_delta:
 def run(args: argparse.Namespace) -> int:
     """Read both inputs, align, judge, print; exit 1 on a regression."""
     rules = rules_from(args)
-    base, head = read_summary(args.base, rules), read_summary(args.head, rules)
+    base, head = read_summaries([args.base, args.head], rules)
     result = diff(base, head)
     verdict = judge(result, Thresholds(peak=Limit.from_options(args.fail_over, args.fail_over_pct)))
     sys.stdout.write(render_report(result, verdict, args.format, args.top, args.min_delta))

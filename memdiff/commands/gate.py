@@ -6,7 +6,7 @@ import argparse
 import json
 import os
 import sys
-from typing import Any, List, Tuple
+from typing import List, Tuple
 
 from memdiff.baseline import baseline_path_for, comparable_pair, read_baseline
 from memdiff.commands.args import (add_category_threshold_argument, add_rules_arguments, add_threshold_arguments,
@@ -21,12 +21,12 @@ from memdiff.render import json as render_json
 EXIT_REGRESSION = 1
 
 
-def add_parser(subparsers: Any, parents: list) -> None:
-    """Register the subcommand."""
-    p = subparsers.add_parser(
-        "gate", parents=parents, help="compare runs with stored baselines and exit 1 on a regression",
-        description="Compare each run with its baseline under the baseline's thresholds (flags override them) "
-                    "and print the report and one line per threshold. Exit 0 pass, 1 regression, 2 bad input.")
+DESCRIPTION = ("Compare each run with its baseline under the baseline's thresholds (flags override them) "
+               "and print the report and one line per threshold. Exit 0 pass, 1 regression, 2 bad input.")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The subcommand's arguments."""
     p.add_argument("snapshots", nargs="+", metavar="SNAPSHOT", help="runs to gate (snapshots or summaries)")
     which = p.add_mutually_exclusive_group(required=True)
     which.add_argument("--baseline", metavar="FILE", help="the baseline of the one SNAPSHOT")
@@ -38,7 +38,6 @@ def add_parser(subparsers: Any, parents: list) -> None:
     add_threshold_arguments(p)
     add_category_threshold_argument(p)
     add_rules_arguments(p)
-    p.set_defaults(run=run)
 
 
 def _pairs(args: argparse.Namespace) -> Tuple[List[Tuple[str, str]], List[Tuple[str, str]]]:

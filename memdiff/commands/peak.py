@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Any
 
 from memdiff.commands.args import add_rules_arguments, count_arg, rules_from
 from memdiff.inputs import read_summary
@@ -12,17 +11,16 @@ from memdiff.peak import peak_report
 from memdiff.render.text import render_peak
 
 
-def add_parser(subparsers: Any, parents: list) -> None:
-    """Register the subcommand."""
-    p = subparsers.add_parser(
-        "peak", parents=parents, help="show the peak, static memory and the top stacks live at the peak",
-        description="Show per device the peak (as PyTorch's memory viewer counts it), static memory, "
-                    "where the peak happens and the top stack groups live at the peak.")
+DESCRIPTION = ("Show per device the peak (as PyTorch's memory viewer counts it), static memory, "
+               "where the peak happens and the top stack groups live at the peak.")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The subcommand's arguments."""
     p.add_argument("snapshot", help="snapshot file (pickle or JSON, optionally gzip/bz2/xz)")
     p.add_argument("--top", type=count_arg, default=10, metavar="N", help="groups to list (default: 10)")
     p.add_argument("--device", type=int, metavar="D", help="only this device index")
     add_rules_arguments(p)
-    p.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -8,7 +8,7 @@ import re
 import runpy
 import sys
 import traceback
-from typing import Any, List
+from typing import List
 
 from memdiff.capture import STACKS, record
 from memdiff.commands.args import count_arg
@@ -18,21 +18,20 @@ from memdiff.units import format_bytes
 PYTHON = re.compile(r"^python(\d+(\.\d+)?)?(\.exe)?$")
 
 
-def add_parser(subparsers: Any, parents: list) -> None:
-    """Register the subcommand."""
-    p = subparsers.add_parser(
-        "record", parents=parents, help="run a Python script with memory recording on and write the snapshot",
-        description="Run a script (`-- python train.py ARGS` or `-- python -m pkg.module ARGS`) in this "
-                    "process with memory recording on: CUDA's allocator history when a GPU is present, "
-                    "else PyTorch's profiler. The snapshot is written even when the script fails. Exits "
-                    "with the script's status.")
+DESCRIPTION = ("Run a script (`-- python train.py ARGS` or `-- python -m pkg.module ARGS`) in this "
+               "process with memory recording on: CUDA's allocator history when a GPU is present, "
+               "else PyTorch's profiler. The snapshot is written even when the script fails. Exits "
+               "with the script's status.")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The subcommand's arguments."""
     p.add_argument("-o", "--output", required=True, metavar="FILE", help="snapshot file to write")
     p.add_argument("--max-entries", type=count_arg, default=1_000_000, metavar="N",
                    help="CUDA ring buffer size in trace entries (default: 1000000)")
     p.add_argument("--stacks", choices=STACKS, default="python",
                    help="CUDA stacks: python frames only, or all (with C++ frames)")
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- python SCRIPT ARGS | -- python -m MODULE ARGS")
-    p.set_defaults(run=run)
 
 
 def _target(command: List[str]) -> List[str]:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Any
 
 from memdiff.atomic import write_text_atomic
 from memdiff.commands.args import add_rules_arguments, rules_from
@@ -15,17 +14,16 @@ from memdiff.render.json import render_summary
 from memdiff.render.text import render_peak
 
 
-def add_parser(subparsers: Any, parents: list) -> None:
-    """Register the subcommand."""
-    p = subparsers.add_parser(
-        "summarize", parents=parents, help="reduce a snapshot to its peak summary (JSON or text)",
-        description="Reduce a snapshot to a small, versioned summary: peak, static memory and every "
-                    "byte live at the peak grouped by stack signature.")
+DESCRIPTION = ("Reduce a snapshot to a small, versioned summary: peak, static memory and every "
+               "byte live at the peak grouped by stack signature.")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The subcommand's arguments."""
     p.add_argument("snapshot", help="snapshot file (pickle or JSON, optionally gzip/bz2/xz)")
     p.add_argument("-o", "--output", metavar="FILE", help="write to FILE instead of stdout")
     p.add_argument("--format", choices=("json", "text"), default="json", help="output format (default: json)")
     add_rules_arguments(p)
-    p.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
