@@ -22,6 +22,7 @@ COMMANDS = {  # name: (module, one-line help); a module gives DESCRIPTION, add_a
     "peak": ("memdiff.commands.peak", "show the peak, static memory and the top stacks live at the peak"),
     "record": ("memdiff.commands.record", "run a Python script with memory recording on and write the snapshot"),
     "demo": ("memdiff.commands.demo", "record a small GPT with and without activation checkpointing and diff them"),
+    "comment": ("memdiff.commands.comment", "post or update the sticky pull-request comment (the GitHub Action's step)"),
 }
 DEFAULT_COMMAND = "diff"
 TOP_LEVEL_FLAGS = {"--debug", "--version", "-h", "--help"}

@@ -69,6 +69,7 @@ class DeviceDiff:
     head_static_bytes: int
     rows: List[DiffRow]
     categories: List[CategoryDelta]
+    chart: List[List[Optional[int]]]
 
 
 @dataclass
@@ -162,6 +163,33 @@ def _categories(base: DeviceSummary, head: DeviceSummary) -> List[CategoryDelta]
     return out
 
 
+CHART_POINTS = 50
+
+
+def _resample(d: DeviceSummary, points: int) -> List[Optional[int]]:
+    """Allocated bytes over the trace's progress, `points` buckets, each the max it holds.
+
+    A run without a timeline (a baseline, a dump with no trace) has no line: None.
+    """
+    if not d.timeline or not d.trace_events:
+        return [None] * points
+    out: List[Optional[int]] = [None] * points
+    for index, value in d.timeline:
+        b = min(points - 1, index * points // d.trace_events)
+        out[b] = value if out[b] is None else max(out[b], value)
+    last = d.timeline[0][1]
+    for i, v in enumerate(out):  # an empty bucket holds the level of the one before
+        last = v if v is not None else last
+        out[i] = last
+    return out
+
+
+def _chart(base: DeviceSummary, head: DeviceSummary) -> List[List[Optional[int]]]:
+    """[percent of the trace, base bytes, head bytes] at CHART_POINTS points."""
+    b, h = _resample(base, CHART_POINTS), _resample(head, CHART_POINTS)
+    return [[round(100 * (i + 1) / CHART_POINTS), b[i], h[i]] for i in range(CHART_POINTS)]
+
+
 def _empty(device: int) -> DeviceSummary:
     return DeviceSummary(device=device, trace_events=0, static_bytes=0, peak_bytes=0, peak_event_index=None,
                          peak_time_us=None, peak_event_signature=None, trace_start_time_us=None,
@@ -208,7 +236,8 @@ def diff(base: Summary, head: Summary) -> Diff:
         devices.append(DeviceDiff(
             device=dev, base_peak_bytes=b.peak_bytes, head_peak_bytes=h.peak_bytes,
             peak_delta_bytes=h.peak_bytes - b.peak_bytes, base_static_bytes=b.static_bytes,
-            head_static_bytes=h.static_bytes, rows=align(b.groups, h.groups), categories=_categories(b, h)))
+            head_static_bytes=h.static_bytes, rows=align(b.groups, h.groups), categories=_categories(b, h),
+            chart=_chart(b, h)))
     return Diff(base=base.source, head=head.source, devices=devices, warnings=_warnings(base, head))
 
 

@@ -228,9 +228,10 @@ def test_top_and_min_delta_fold_rows_but_keep_the_total(shared, capsys):
 def test_markdown_report(shared, capsys):
     code, out, _ = run(capsys, shared / "linear-nograd.pickle", shared / "linear-grad.pickle", "--format", "markdown")
     assert code == 1
-    assert out.startswith("### memdiff: ❌ peak regression")
-    assert "| status" in out and "&lt;module&gt;" not in out.split("|")[0]
+    assert out.startswith("### ❌ memdiff: regression · device 0 peak 3.94 GiB → 4.13 GiB (+190.73 MiB, +4.7%)")
+    assert "| 🆕 NEW " in out and "profile_grad.py:&lt;module> <- randn" in out
     assert "**Rule:** fail when the peak of a device grows by more than 1% and by more than 64.00 MiB" in out
+    assert "```mermaid\nxychart-beta" in out and out.count("    line [") == 2
 
 
 def test_a_summary_json_stands_in_for_its_snapshot(shared, tmp_path, capsys):

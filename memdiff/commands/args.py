@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import argparse
-from typing import Dict, List, Optional
+import os
+from typing import TYPE_CHECKING, Dict, List, Optional
 
 from memdiff.classify import Rule, load_rules
 from memdiff.errors import InputError
 from memdiff.gate import Limit, Thresholds
 from memdiff.units import parse_size
+
+if TYPE_CHECKING:
+    from memdiff.github import Publisher
 
 
 def size_arg(text: str) -> int:
@@ -96,3 +100,25 @@ def thresholds_from(args: argparse.Namespace, stored: Optional[Thresholds] = Non
     categories = dict(stored.categories)
     categories.update(category_limits(args.category_fail_over))
     return Thresholds(stored.peak.overridden(args.fail_over, args.fail_over_pct), categories, list(stored.sites))
+
+
+def add_github_arguments(p: argparse.ArgumentParser) -> None:
+    """--github, --report and the labels that name base and head in the markdown report."""
+    p.add_argument("--github", action="store_true",
+                   help="in GitHub Actions: job summary, step outputs (verdict, peak-delta-bytes, report) and "
+                        "annotations")
+    p.add_argument("--report", metavar="FILE", help="also write the markdown report to FILE")
+    p.add_argument("--base-label", metavar="TEXT", help="name of the base run in the markdown report "
+                                                         "(default with --github: the PR's base commit)")
+    p.add_argument("--head-label", metavar="TEXT", help="name of the head run (default with --github: its commit)")
+
+
+def publisher_from(args: argparse.Namespace, expected: int = 1) -> Optional["Publisher"]:
+    """The GitHub publisher the flags ask for, if any."""
+    from memdiff.github import Publisher
+
+    if not (args.github or args.report):
+        return None
+    return Publisher(environ=os.environ if args.github else {}, report_path=args.report,
+                     base_label=args.base_label, head_label=args.head_label, expected=expected,
+                     annotate=args.github)

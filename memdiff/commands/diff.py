@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from memdiff.commands.args import add_rules_arguments, add_threshold_arguments, count_arg, rules_from, size_arg
+from memdiff.commands.args import (add_github_arguments, add_rules_arguments, add_threshold_arguments, count_arg,
+                                   publisher_from, rules_from, size_arg)
 from memdiff.diff import Diff, diff, fold
 from memdiff.gate import Limit, Thresholds, Verdict, judge
 from memdiff.inputs import read_summaries
@@ -31,6 +32,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="report format (default: text); json rows are never folded")
     add_threshold_arguments(p)
     add_rules_arguments(p)
+    add_github_arguments(p)
 
 
 def render_report(result: Diff, verdict: Verdict, fmt: str, top: int, min_delta: int) -> str:
@@ -49,4 +51,8 @@ def run(args: argparse.Namespace) -> int:
     result = diff(base, head)
     verdict = judge(result, Thresholds(peak=Limit.from_options(args.fail_over, args.fail_over_pct)))
     sys.stdout.write(render_report(result, verdict, args.format, args.top, args.min_delta))
+    publisher = publisher_from(args)
+    if publisher:
+        publisher.add(result, verdict, args.top, args.min_delta)
+        publisher.finish()
     return 0 if verdict.passed else EXIT_REGRESSION

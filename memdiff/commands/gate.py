@@ -9,8 +9,9 @@ import sys
 from typing import List, Tuple
 
 from memdiff.baseline import baseline_path_for, comparable_pair, read_baseline
-from memdiff.commands.args import (add_category_threshold_argument, add_rules_arguments, add_threshold_arguments,
-                                   count_arg, rules_from, size_arg, thresholds_from)
+from memdiff.commands.args import (add_category_threshold_argument, add_github_arguments, add_rules_arguments,
+                                   add_threshold_arguments, count_arg, publisher_from, rules_from, size_arg,
+                                   thresholds_from)
 from memdiff.commands.diff import render_report
 from memdiff.diff import diff
 from memdiff.errors import InputError
@@ -38,6 +39,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_threshold_arguments(p)
     add_category_threshold_argument(p)
     add_rules_arguments(p)
+    add_github_arguments(p)
 
 
 def _pairs(args: argparse.Namespace) -> Tuple[List[Tuple[str, str]], List[Tuple[str, str]]]:
@@ -61,6 +63,7 @@ def run(args: argparse.Namespace) -> int:
     pairs, missing = _pairs(args)
     status = 0
     documents = []
+    publisher = publisher_from(args, expected=len(pairs))
     for snap, path in pairs:
         baseline = read_baseline(path)
         base, head = comparable_pair(path, baseline, read_summary(snap, rules))
@@ -68,6 +71,8 @@ def run(args: argparse.Namespace) -> int:
         verdict = judge(result, thresholds_from(args, baseline.thresholds),
                         update_hint=f"memdiff baseline {snap} -o {path}")
         status = status or (0 if verdict.passed else EXIT_REGRESSION)
+        if publisher:
+            publisher.add(result, verdict, args.top, args.min_delta)
         if args.format == "json":
             documents.append(render_json.diff_document(result, verdict))
             continue
@@ -78,6 +83,8 @@ def run(args: argparse.Namespace) -> int:
     if args.format == "json":
         sys.stdout.write(json.dumps(documents[0] if len(args.snapshots) == 1 and documents else documents,
                                     indent=2, ensure_ascii=False) + "\n")
+    if publisher:
+        publisher.finish()
     for snap, path in missing:
         if args.require_baseline:
             status = EXIT_REGRESSION

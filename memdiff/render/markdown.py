@@ -1,35 +1,106 @@
-"""Markdown reports, for pull-request comments and job summaries."""
+"""Markdown reports for pull-request comments and job summaries: read in ten seconds, details folded."""
 
 from __future__ import annotations
 
-from typing import Dict
+import re
+from dataclasses import dataclass
+from typing import Dict, List, Optional
 
-from memdiff.diff import Diff, Folded
+from memdiff.diff import GONE, GREW, NEW, SHRANK, DeviceDiff, Diff, Folded
 from memdiff.gate import Verdict
 from memdiff.model import Source
-from memdiff.render.table import category_table, check_line, diff_table, peak_line
+from memdiff.render.table import category_table, check_line, diff_table, pct_cell, peak_line
+from memdiff.units import format_bytes
+
+MARKERS = {NEW: "🆕 NEW", GREW: "🔺 GREW", SHRANK: "🔻 SHRANK", GONE: "✖️ GONE"}
+STACK_FRAMES = 8
+
+
+@dataclass
+class Options:
+    """What to name the runs and how much to show (the GitHub layer shrinks reports to fit)."""
+
+    base_label: Optional[str] = None
+    head_label: Optional[str] = None
+    details: bool = True
+    chart: bool = True
+    note: Optional[str] = None
+
+
+_TAG = re.compile(r"<(?=[A-Za-z/!])")
 
 
 def _escape(cell: str) -> str:
-    # Sites hold `<module>`, `|` never; keep GitHub from reading tags or splitting cells.
-    return cell.replace("|", "\\|").replace("<", "&lt;").replace(">", "&gt;")
+    # `<module>` would be read as an HTML tag and vanish; `<-` and `->` are safe as they are.
+    return _TAG.sub("&lt;", cell.replace("|", "\\|"))
 
 
-def _input(s: Source) -> str:
-    return f"`{s.file}` ({s.container}, {s.generation})"
+def _input(label: Optional[str], s: Source) -> str:
+    named = f"`{label}` · " if label else ""
+    return f"{named}`{s.file}` ({s.container}, {s.generation})"
 
 
-def render_diff(diff: Diff, verdict: Verdict, folded: Dict[int, Folded]) -> str:
+def _verdict_line(diff: Diff, verdict: Verdict) -> str:
+    mark = "✅ memdiff: no regression" if verdict.passed else "❌ memdiff: regression"
+    worst = max(diff.devices, key=lambda d: d.peak_delta_bytes, default=None)
+    if worst is None:
+        return f"### {mark}"
+    return (f"### {mark} · device {worst.device} peak {format_bytes(worst.base_peak_bytes)} → "
+            f"{format_bytes(worst.head_peak_bytes)} ({format_bytes(worst.peak_delta_bytes, signed=True)}, "
+            f"{pct_cell(worst.base_peak_bytes, worst.head_peak_bytes)})")
+
+
+def _stacks(folded: Folded) -> List[str]:
+    lines = ["<details><summary>Stacks of the rows above</summary>", ""]
+    for r in folded.shown:
+        if not r.frames:
+            continue
+        lines.append(f"**{r.status}** `{r.site}` {format_bytes(r.delta_bytes, signed=True)}")
+        lines.append("```text")
+        lines += [f"{f.file}:{f.line} {f.name}" if f.file else f.name for f in r.frames[:STACK_FRAMES]]
+        if len(r.frames) > STACK_FRAMES:
+            lines.append(f"... {len(r.frames) - STACK_FRAMES} more frames")
+        lines += ["```", ""]
+    return lines + ["</details>"]
+
+
+def _chart(d: DeviceDiff) -> List[str]:
+    lines_by_run = [(name, [p[i] for p in d.chart]) for i, name in ((1, "base"), (2, "head"))]
+    lines_by_run = [(name, values) for name, values in lines_by_run if values and values[0] is not None]
+    if not lines_by_run:
+        return []
+    top = max(v for _, values in lines_by_run for v in values)
+    unit, factor = ("GiB", 2**30) if top >= 2**30 else ("MiB", 2**20)
+    out = ["```mermaid", "xychart-beta",
+           f'    title "Allocated memory over the trace, device {d.device} ({unit})"',
+           '    x-axis "trace progress (%)" 0 --> 100', f'    y-axis "{unit}"']
+    out += [f"    line [{', '.join(f'{v / factor:.2f}' for v in values)}]" for _, values in lines_by_run]
+    out.append("```")
+    out.append("Lines, in order: " + ", ".join(name for name, _ in lines_by_run)
+               + " (each point the largest total in its stretch of the trace).")
+    return out
+
+
+def render_diff(diff: Diff, verdict: Verdict, folded: Dict[int, Folded], options: Optional[Options] = None) -> str:
     """The diff report in GitHub-flavoured markdown."""
-    mark = "✅ no peak regression" if verdict.passed else "❌ peak regression"
-    lines = [f"### memdiff: {mark}", "", f"**base** {_input(diff.base)} → **head** {_input(diff.head)}"]
-    lines += ["", *(f"> ⚠️ {_escape(w)}" for w in diff.warnings)] if diff.warnings else []
+    o = options or Options()
+    lines = [_verdict_line(diff, verdict), "",
+             f"**base** {_input(o.base_label, diff.base)} → **head** {_input(o.head_label, diff.head)}"]
+    if diff.warnings:
+        lines += ["", "> [!WARNING]", *(f"> {_escape(w)}  " for w in diff.warnings)]
     for d in diff.devices:
-        lines += ["", f"#### device {d.device}: {peak_line(d)}"]
+        lines += ["", f"#### device {d.device}: {peak_line(d)}; static {format_bytes(d.base_static_bytes)} -> "
+                      f"{format_bytes(d.head_static_bytes)}"]
         if d.categories:
             lines += ["", category_table(d, "github")]
-        lines += ["", diff_table(folded[d.device], "github", escape=_escape)]
+        lines += ["", diff_table(folded[d.device], "github", escape=_escape, status=lambda s: MARKERS.get(s, s))]
+        if o.details:
+            lines += ["", *_stacks(folded[d.device])]
+        if o.chart:
+            chart = _chart(d)
+            lines += ["", *chart] if chart else []
     lines += ["", f"**Rule:** {verdict.rule}", ""]
-    lines += [f"- {check_line(c)}" for c in verdict.checks]
+    lines += [f"- {'✅' if c.passed else '❌'} {check_line(c)}" for c in verdict.checks]
     lines += ["", *(_escape(n) for n in verdict.notes)] if verdict.notes else []
+    lines += ["", f"*{o.note}*"] if o.note else []
     return "\n".join(lines) + "\n"

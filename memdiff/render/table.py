@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import List
+from typing import Callable, List
 
 from tabulate import tabulate
 
@@ -25,19 +25,20 @@ def _count(r: DiffRow) -> str:
     return f"{r.base_count:,}" if r.base_count == r.head_count else f"{r.base_count:,} -> {r.head_count:,}"
 
 
-def _cells(r: DiffRow) -> List[str]:
+def _cells(r: DiffRow, status: Callable[[str], str]) -> List[str]:
     site = r.site + (" (matched by site)" if r.matched_by == BY_SITE else "")
     pct = "new" if r.status == NEW else pct_cell(r.base_bytes, r.head_bytes)
-    return [r.status, _count(r), format_bytes(r.base_bytes), format_bytes(r.head_bytes),
+    return [status(r.status), _count(r), format_bytes(r.base_bytes), format_bytes(r.head_bytes),
             format_bytes(r.delta_bytes, signed=True), pct, site]
 
 
-def diff_table(folded: Folded, tablefmt: str, escape=lambda s: s) -> str:
-    """The rows, the folded rest and the TOTAL row as one table."""
-    rows = [_cells(r) for r in folded.shown]
+def diff_table(folded: Folded, tablefmt: str, escape: Callable[[str], str] = str,
+               status: Callable[[str], str] = str) -> str:
+    """The rows, the folded rest and the TOTAL row as one table; `status` labels the status column."""
+    rows = [_cells(r, status) for r in folded.shown]
     if folded.others is not None:
-        rows.append(_cells(folded.others))
-    rows.append(_cells(folded.total))
+        rows.append(_cells(folded.others, status))
+    rows.append(_cells(folded.total, status))
     rows = [[escape(c) for c in row] for row in rows]
     return tabulate(rows, headers=HEADERS, tablefmt=tablefmt,
                     colalign=("left", "right", "right", "right", "right", "right", "left"))

@@ -1,0 +1,27 @@
+"""`memdiff comment --report FILE`: post or update the sticky pull-request comment (the action's step)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from memdiff.github import MODES, post_comment
+
+DESCRIPTION = ("Post the markdown report as one pull-request comment, found again by a hidden marker and "
+               "updated in place, through `gh api` with GH_TOKEN. Never fails the job: when the token cannot "
+               "write (a fork's pull request), it says so in the job summary.")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The subcommand's arguments."""
+    p.add_argument("--report", required=True, metavar="FILE", help="markdown report from `memdiff ... --github`")
+    p.add_argument("--title", default="memdiff", help="comment title: several gates can share a pull request")
+    p.add_argument("--mode", choices=MODES, default="on-regression",
+                   help="post always, only on a regression (default), or never; an existing comment is "
+                        "always updated")
+    p.add_argument("--verdict", choices=("pass", "fail", ""), default="", help="the gate's verdict")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Post or update the comment."""
+    return post_comment(args.report, args.title, args.mode, args.verdict, os.environ)

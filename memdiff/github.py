@@ -1,0 +1,200 @@
+"""GitHub Actions: job summary, step outputs, annotations, and one sticky pull-request comment.
+
+Everything the action does lives here, so it can be tested without GitHub: the action's YAML
+only installs memdiff and calls `memdiff ... --github` and `memdiff comment`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
+
+from memdiff.diff import Diff, fold
+from memdiff.gate import Verdict
+from memdiff.render.markdown import Options, render_diff
+from memdiff.units import format_bytes
+
+# GitHub's limit for a comment body; job summaries allow more, but one report serves both.
+SIZE_LIMIT = 65_536
+# Tried in order until the report fits: (rows per device, stacks, chart).
+SHRINK_STEPS = ((None, True, True), (None, False, True), (10, False, True), (10, False, False), (5, False, False))
+
+
+def escape_annotation(text: str) -> str:
+    """Workflow-command escaping of a message (% and line breaks)."""
+    return text.replace("%", "%25").replace("\r", "%0D").replace("\n", "%0A")
+
+
+def event_labels(environ: Mapping[str, str]) -> Tuple[Optional[str], Optional[str]]:
+    """(base, head) commits of the run: a pull request's base and head SHAs, else GITHUB_SHA for head."""
+    event: Dict[str, Any] = {}
+    path = environ.get("GITHUB_EVENT_PATH")
+    if path and os.path.isfile(path):
+        try:
+            with open(path, encoding="utf-8") as f:
+                event = json.load(f)
+        except (OSError, ValueError):
+            event = {}
+    pr = event.get("pull_request") or {}
+    base = (pr.get("base") or {}).get("sha")
+    head = (pr.get("head") or {}).get("sha") or environ.get("GITHUB_SHA")
+    return (base[:12] if base else None), (head[:12] if head else None)
+
+
+def fit(render: Callable[[Optional[int], bool, bool, Optional[str]], str], top: int,
+        limit: int = SIZE_LIMIT) -> str:
+    """The fullest report under `limit` bytes, saying what was left out when anything was."""
+    text = ""
+    for rows, details, chart in SHRINK_STEPS:
+        rows = top if rows is None else min(rows, top)
+        dropped = [what for what, kept in (("the stacks", details), ("the chart", chart)) if not kept]
+        if rows < top:
+            dropped.insert(0, f"rows past the top {rows}")
+        note = (f"Folded to stay under GitHub's {limit:,}-byte limit: {', '.join(dropped)} left out; "
+                f"run memdiff locally for the full report.") if dropped else None
+        text = render(rows, details, chart, note)
+        if len(text.encode("utf-8")) <= limit:
+            return text
+    return text.encode("utf-8")[: limit - 4].decode("utf-8", "ignore") + "\n...\n"
+
+
+@dataclass
+class Publisher:
+    """Collects each diff of a command run, then writes what GitHub reads."""
+
+    environ: Mapping[str, str]
+    report_path: Optional[str]
+    base_label: Optional[str] = None
+    head_label: Optional[str] = None
+    expected: int = 1  # reports to come: each gets an equal share of the size limit
+    annotate: bool = True
+    sections: List[str] = field(default_factory=list)
+    verdicts: List[Verdict] = field(default_factory=list)
+    deltas: List[int] = field(default_factory=list)
+
+    def add(self, result: Diff, verdict: Verdict, top: int, min_delta: int) -> None:
+        """Render one diff for the summary and print its annotations."""
+        base, head = event_labels(self.environ)
+
+        def render(rows: Optional[int], details: bool, chart: bool, note: Optional[str]) -> str:
+            folded = {d.device: fold(d, rows or top, min_delta) for d in result.devices}
+            options = Options(base_label=self.base_label or base, head_label=self.head_label or head,
+                              details=details, chart=chart, note=note)
+            return render_diff(result, verdict, folded, options)
+
+        self.sections.append(fit(render, top, SIZE_LIMIT // max(1, self.expected) - 16))
+        self.verdicts.append(verdict)
+        self.deltas += [d.peak_delta_bytes for d in result.devices]
+        if not self.annotate:
+            return
+        for c in verdict.checks:
+            if not c.passed:
+                message = " ".join([f"{c.subject} grew by {format_bytes(c.delta_bytes)}, which fails the rule "
+                                    f"(grows by {c.limit}).",
+                                    *verdict.notes])
+                print(f"::error title=memdiff::{escape_annotation(message)}")
+        for w in result.warnings:
+            print(f"::warning title=memdiff::{escape_annotation('the runs may not be comparable: ' + w)}")
+
+    def finish(self) -> str:
+        """Write the report file, the job summary and the step outputs; the report's path."""
+        report = "\n---\n\n".join(self.sections) if self.sections else "memdiff: nothing was compared.\n"
+        path = self.report_path or os.path.join(self.environ.get("RUNNER_TEMP") or os.getcwd(), "memdiff-report.md")
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(report)
+        summary = self.environ.get("GITHUB_STEP_SUMMARY")
+        if summary:
+            with open(summary, "a", encoding="utf-8") as f:
+                f.write(report + "\n")
+        outputs = self.environ.get("GITHUB_OUTPUT")
+        if outputs:
+            verdict = "pass" if all(v.passed for v in self.verdicts) else "fail"
+            with open(outputs, "a", encoding="utf-8") as f:
+                f.write(f"verdict={verdict}\npeak-delta-bytes={max(self.deltas, default=0)}\nreport={path}\n")
+        return path
+
+
+# --- the sticky comment ----------------------------------------------------------------------
+
+MODES = ("always", "on-regression", "never")
+
+
+def marker(title: str) -> str:
+    """The hidden line that finds memdiff's comment again (one per title)."""
+    return f"<!-- memdiff:{title} -->"
+
+
+def _gh(args: List[str], payload: Optional[Dict[str, Any]] = None) -> subprocess.CompletedProcess:
+    return subprocess.run(["gh", "api", *args], input=json.dumps(payload) if payload is not None else None,
+                          capture_output=True, text=True)
+
+
+def _json_values(text: str) -> List[Any]:
+    """Every JSON value in `text`: `gh api --paginate` prints one array per page."""
+    decoder, values, i = json.JSONDecoder(), [], 0
+    while i < len(text):
+        if text[i].isspace():
+            i += 1
+            continue
+        value, i = decoder.raw_decode(text, i)
+        values.append(value)
+    return values
+
+
+def _note(environ: Mapping[str, str], text: str) -> None:
+    print(f"::warning title=memdiff::{escape_annotation(text)}")
+    summary = environ.get("GITHUB_STEP_SUMMARY")
+    if summary:
+        with open(summary, "a", encoding="utf-8") as f:
+            f.write(f"\n> [!NOTE]\n> {text}\n")
+
+
+def post_comment(report: str, title: str, mode: str, verdict: str, environ: Mapping[str, str]) -> int:
+    """Create or update the pull request's memdiff comment; never fails the job (always 0)."""
+    if mode == "never":
+        return 0
+    event: Dict[str, Any] = {}
+    if environ.get("GITHUB_EVENT_PATH") and os.path.isfile(environ["GITHUB_EVENT_PATH"]):
+        with open(environ["GITHUB_EVENT_PATH"], encoding="utf-8") as f:
+            event = json.load(f)
+    number = (event.get("pull_request") or {}).get("number")
+    repo = environ.get("GITHUB_REPOSITORY")
+    if not number or not repo:
+        print("memdiff: not a pull request run: no comment to post", file=sys.stderr)
+        return 0
+    if not report or not os.path.isfile(report):
+        _note(environ, "memdiff produced no report (see the step above), so no comment was posted.")
+        return 0
+    with open(report, encoding="utf-8") as f:
+        body = f"{marker(title)}\n{f.read()}"
+    listed = _gh(["--paginate", f"repos/{repo}/issues/{number}/comments"])
+    if listed.returncode != 0:
+        return _refused(listed, environ)
+    comments = [c for page in _json_values(listed.stdout) for c in (page if isinstance(page, list) else [page])]
+    mine = next((c for c in comments if marker(title) in (c.get("body") or "")), None)
+    if mine is not None:  # an existing comment is always brought up to date, even when all is well now
+        done = _gh(["--method", "PATCH", f"repos/{repo}/issues/comments/{mine['id']}", "--input", "-"], {"body": body})
+    elif mode == "always" or verdict == "fail":
+        done = _gh(["--method", "POST", f"repos/{repo}/issues/{number}/comments", "--input", "-"], {"body": body})
+    else:
+        print("memdiff: no regression and no earlier comment: nothing to post", file=sys.stderr)
+        return 0
+    if done.returncode != 0:
+        return _refused(done, environ)
+    print(f"memdiff: {'updated' if mine else 'posted'} the pull request comment", file=sys.stderr)
+    return 0
+
+
+def _refused(done: subprocess.CompletedProcess, environ: Mapping[str, str]) -> int:
+    reason = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["unknown error"]
+    if "403" in reason[0] or "Resource not accessible" in reason[0]:
+        _note(environ, "memdiff could not comment on this pull request: the token cannot write here (a pull "
+                       "request from a fork gets a read-only token). The report is in this job's summary.")
+    else:
+        _note(environ, f"memdiff could not comment on this pull request: {reason[0]}. The report is in this "
+                       f"job's summary.")
+    return 0

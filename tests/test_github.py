@@ -1,0 +1,218 @@
+"""The GitHub Action, tested honestly without GitHub: schemas, --github outputs, the sticky comment."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT, alloc, py_frames
+from memdiff.cli import main
+from memdiff.github import SIZE_LIMIT, fit, marker
+
+MiB = 2**20
+
+
+@pytest.mark.parametrize("schema, path", [
+    ("vendor.github-actions", "action.yml"),
+    ("vendor.github-workflows", ".github/workflows/ci.yml"),
+    ("vendor.github-workflows", ".github/workflows/memory.yml"),
+])
+def test_action_and_workflows_validate(schema, path):
+    done = subprocess.run([sys.executable, "-m", "check_jsonschema", "--builtin-schema", schema, str(ROOT / path)],
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+@pytest.fixture
+def github(tmp_path, monkeypatch):
+    """A pull_request run's environment: summary, outputs and event payload files."""
+    event = tmp_path / "event.json"
+    event.write_text(json.dumps({"number": 7, "pull_request": {
+        "number": 7, "base": {"sha": "a1b2c3d4e5f6a7b8c9d0"}, "head": {"sha": "0f9e8d7c6b5a49382716"}}}))
+    env = {"GITHUB_STEP_SUMMARY": tmp_path / "summary.md", "GITHUB_OUTPUT": tmp_path / "output.txt",
+           "GITHUB_EVENT_PATH": event, "GITHUB_SHA": "ffffffffffffffffffff", "RUNNER_TEMP": tmp_path,
+           "GITHUB_REPOSITORY": "acme/trainer"}
+    for k, v in env.items():
+        monkeypatch.setenv(k, str(v))
+    return env
+
+
+def run_pair(tmp_path, capsys, base_mib, head_mib, *flags, base_settings=None, head_settings=None):
+    frames = py_frames("model.py:10:forward", "train.py:5:<module>")
+    for name, size, settings in (("base", base_mib, base_settings), ("head", head_mib, head_settings)):
+        snap = {"segments": [], "device_traces": [[alloc(1, size * MiB, frames)]]}
+        if settings is not None:
+            snap["allocator_settings"] = settings
+        (tmp_path / f"{name}.pickle").write_bytes(pickle.dumps(snap, 4))
+    code = main([str(tmp_path / "base.pickle"), str(tmp_path / "head.pickle"), "--github", *flags])
+    return code, capsys.readouterr().out
+
+
+def outputs(env) -> dict:
+    return dict(line.split("=", 1) for line in Path(env["GITHUB_OUTPUT"]).read_text().splitlines())
+
+
+def test_a_regression(github, tmp_path, capsys):
+    code, out = run_pair(tmp_path, capsys, 1000, 1200)
+    assert code == 1
+    got = outputs(github)
+    assert got == {"verdict": "fail", "peak-delta-bytes": str(200 * MiB), "report": str(tmp_path / "memdiff-report.md")}
+    summary = Path(github["GITHUB_STEP_SUMMARY"]).read_text()
+    assert summary.startswith("### ❌ memdiff: regression · device 0 peak 1000.00 MiB → 1.17 GiB (+200.00 MiB, +20.0%)")
+    assert "**base** `a1b2c3d4e5f6` · `base.pickle`" in summary and "**head** `0f9e8d7c6b5a` · `head.pickle`" in summary
+    assert Path(got["report"]).read_text() in summary
+    assert ("::error title=memdiff::device 0 peak grew by 200.00 MiB, which fails the rule (grows by more than "
+            "1%25 and by more than 64.00 MiB). "
+            "device 0: peak grew by 200.00 MiB; top growth: model.py:forward +200.00 MiB") in out
+
+
+def test_a_pass(github, tmp_path, capsys):
+    code, out = run_pair(tmp_path, capsys, 1000, 1010)
+    assert code == 0
+    assert outputs(github)["verdict"] == "pass"
+    assert "::error" not in out and "::warning" not in out
+    assert Path(github["GITHUB_STEP_SUMMARY"]).read_text().startswith("### ✅ memdiff: no regression")
+
+
+def test_a_pair_that_does_not_compare_warns(github, tmp_path, capsys):
+    code, out = run_pair(tmp_path, capsys, 1000, 1000, base_settings={"expandable_segments": False},
+                         head_settings={"expandable_segments": True})
+    assert code == 0
+    assert ("::warning title=memdiff::the runs may not be comparable: allocator settings differ "
+            "(expandable_segments: False -> True)") in out
+    assert "> [!WARNING]" in Path(github["GITHUB_STEP_SUMMARY"]).read_text()
+
+
+def test_the_gate_writes_the_same_outputs(github, tmp_path, capsys):
+    frames = py_frames("model.py:10:forward")
+    (tmp_path / "train.pickle").write_bytes(pickle.dumps({"segments": [], "device_traces": [[alloc(1, MiB, frames)]]}, 4))
+    (tmp_path / "baselines").mkdir()
+    assert main(["baseline", str(tmp_path / "train.pickle"), "-o", str(tmp_path / "baselines" / "train.json")]) == 0
+    assert main(["gate", "--baselines", str(tmp_path / "baselines"), str(tmp_path / "train.pickle"), "--github"]) == 0
+    assert outputs(github)["verdict"] == "pass"
+
+
+def test_reports_are_folded_to_fit_and_say_so():
+    def render(rows, details, chart, note):
+        size = (rows or 100) * 100 + (50_000 if details else 0) + (20_000 if chart else 0)
+        return "x" * size + (f"\n{note}" if note else "")
+
+    text = fit(render, top=100, limit=SIZE_LIMIT)
+    assert len(text.encode()) <= SIZE_LIMIT
+    assert "Folded to stay under GitHub's 65,536-byte limit: the stacks left out" in text
+    assert "the chart" not in text.splitlines()[-1]
+
+
+def test_the_example_report_in_docs_is_current_and_fits(shared, tmp_path, capsys):
+    # docs/example-report.md is this command's report; regenerate it when the report changes.
+    report = tmp_path / "report.md"
+    main([str(shared / "cs336-medium-ctx128-train.pickle"), str(shared / "cs336-medium-ctx256-train.pickle"),
+          "--report", str(report), "--base-label", "ctx128", "--head-label", "ctx256"])
+    capsys.readouterr()
+    assert report.read_text() == (ROOT / "docs" / "example-report.md").read_text()
+    assert len(report.read_bytes()) < SIZE_LIMIT
+
+
+# --- the comment step, with a fake gh ----------------------------------------------------------
+
+FAKE_GH = r'''#!PYTHON
+import json, os, sys
+state_path = os.environ["FAKE_GH_STATE"]
+state = json.load(open(state_path)) if os.path.exists(state_path) else {"comments": [], "next": 100}
+with open(os.environ["FAKE_GH_LOG"], "a") as log:
+    log.write(" ".join(sys.argv[1:]) + "\n")
+if os.environ.get("FAKE_GH_STATUS") == "403":
+    sys.stderr.write("gh: Resource not accessible by integration (HTTP 403)\n")
+    sys.exit(1)
+args = sys.argv[2:]
+method = args[args.index("--method") + 1] if "--method" in args else "GET"
+path = [a for a in args if a.startswith("repos/")][0]
+if method == "GET":
+    print(json.dumps(state["comments"][:1]))  # two pages, as --paginate prints them
+    print(json.dumps(state["comments"][1:]))
+elif method == "POST":
+    comment = {"id": state["next"], "body": json.load(sys.stdin)["body"]}
+    state["next"] += 1
+    state["comments"].append(comment)
+    print(json.dumps(comment))
+elif method == "PATCH":
+    cid = int(path.rsplit("/", 1)[1])
+    body = json.load(sys.stdin)["body"]
+    for c in state["comments"]:
+        if c["id"] == cid:
+            c["body"] = body
+json.dump(state, open(state_path, "w"))
+'''
+
+
+@pytest.fixture
+def gh(tmp_path, github):
+    """A fake `gh` first on PATH; returns (env for the step, state file, call log)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    fake = bin_dir / "gh"
+    fake.write_text(FAKE_GH.replace("PYTHON", sys.executable))
+    fake.chmod(0o755)
+    state = tmp_path / "gh-state.json"
+    state.write_text(json.dumps({"comments": [{"id": 5, "body": "a human's comment"}], "next": 100}))
+    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "FAKE_GH_STATE": str(state),
+           "FAKE_GH_LOG": str(tmp_path / "gh.log"), "GH_TOKEN": "t"}
+    return env, state, tmp_path / "gh.log"
+
+
+def comment(env, report, verdict="fail", mode="on-regression", title="memdiff"):
+    return subprocess.run([sys.executable, "-m", "memdiff", "comment", "--report", str(report), "--title", title,
+                           "--mode", mode, "--verdict", verdict], env=env, capture_output=True, text=True)
+
+
+def test_first_run_creates_the_comment_and_the_second_updates_it(gh, tmp_path):
+    env, state, log = gh
+    report = tmp_path / "report.md"
+    report.write_text("### ❌ memdiff: regression\n")
+    assert comment(env, report).returncode == 0
+    report.write_text("### ✅ memdiff: no regression\n")
+    assert comment(env, report, verdict="pass").returncode == 0
+    comments = json.loads(state.read_text())["comments"]
+    assert [c["id"] for c in comments] == [5, 100]
+    assert comments[1]["body"] == f"{marker('memdiff')}\n### ✅ memdiff: no regression\n"
+    calls = log.read_text().splitlines()
+    assert calls == ["api --paginate repos/acme/trainer/issues/7/comments",
+                     "api --method POST repos/acme/trainer/issues/7/comments --input -",
+                     "api --paginate repos/acme/trainer/issues/7/comments",
+                     "api --method PATCH repos/acme/trainer/issues/comments/100 --input -"]
+
+
+def test_no_regression_and_no_comment_yet_posts_nothing(gh, tmp_path):
+    env, state, log = gh
+    report = tmp_path / "report.md"
+    report.write_text("### ✅ memdiff: no regression\n")
+    assert comment(env, report, verdict="pass").returncode == 0
+    assert len(json.loads(state.read_text())["comments"]) == 1
+    assert comment(env, report, verdict="pass", mode="always").returncode == 0
+    assert len(json.loads(state.read_text())["comments"]) == 2
+
+
+def test_titles_keep_two_gates_apart(gh, tmp_path):
+    env, state, _ = gh
+    report = tmp_path / "report.md"
+    report.write_text("report\n")
+    comment(env, report, title="train")
+    comment(env, report, title="eval")
+    comment(env, report, title="train")
+    assert len(json.loads(state.read_text())["comments"]) == 3
+
+
+def test_a_read_only_token_leaves_the_job_green_with_a_note(gh, tmp_path, github):
+    env, state, _ = gh
+    report = tmp_path / "report.md"
+    report.write_text("### ❌ memdiff: regression\n")
+    done = comment({**env, "FAKE_GH_STATUS": "403"}, report)
+    assert done.returncode == 0
+    assert "::warning title=memdiff::memdiff could not comment on this pull request: the token cannot write" in done.stdout
+    assert "a pull request from a fork gets a read-only token" in Path(github["GITHUB_STEP_SUMMARY"]).read_text()
