@@ -210,6 +210,13 @@ def _warnings(base: Summary, head: Summary) -> List[str]:
         out.append(f"devices differ: base has {b_devs or 'none'}, head has {h_devs or 'none'}")
     if base.source.generation != head.source.generation:
         out.append(f"snapshot formats differ: base is {base.source.generation}, head is {head.source.generation}")
+    elif base.source.keys and head.source.keys and base.source.keys != head.source.keys:
+        only_b = sorted(set(base.source.keys) - set(head.source.keys))
+        only_h = sorted(set(head.source.keys) - set(base.source.keys))
+        out.append("snapshot keys differ, so the torch versions may too ("
+                   + "; ".join(part for part in (f"only base has {', '.join(only_b)}" if only_b else "",
+                                                  f"only head has {', '.join(only_h)}" if only_h else "") if part)
+                   + ")")
     heads = {d.device: d for d in head.devices}
     for b in base.devices:
         h = heads.get(b.device)

@@ -334,3 +334,10 @@ def test_explicit_diff_command_and_debug_before_it(tmp_path, capsys):
     capsys.readouterr()
     assert main(["--debug", a, str(tmp_path / "missing.pickle")]) == 2
     assert "Traceback" in capsys.readouterr().err
+
+
+def test_snapshots_from_different_torch_versions_are_flagged(shared, capsys):
+    # cs336-ctx128-fwd-fp32 predates compile_context and user_metadata; ctx128-infer has them.
+    _, data = json_diff(capsys, shared / "cs336-ctx128-fwd-fp32.pickle", shared / "cs336-medium-ctx128-infer.pickle")
+    assert ("snapshot keys differ, so the torch versions may too (only head has trace.compile_context, "
+            "trace.user_metadata)") in data["warnings"]
