@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -115,7 +116,11 @@ def test_the_example_report_in_docs_is_current_and_fits(shared, tmp_path, capsys
     main([str(shared / "cs336-medium-ctx128-train.pickle"), str(shared / "cs336-medium-ctx256-train.pickle"),
           "--report", str(report), "--base-label", "ctx128", "--head-label", "ctx256"])
     capsys.readouterr()
-    assert report.read_text() == (ROOT / "docs" / "example-report.md").read_text()
+    # Column padding depends on whether tabulate finds wcwidth (emoji widths); markdown ignores it.
+    def content(text: str) -> str:
+        return re.sub(r" +", " ", text)
+
+    assert content(report.read_text()) == content((ROOT / "docs" / "example-report.md").read_text())
     assert len(report.read_bytes()) < SIZE_LIMIT
 
 
