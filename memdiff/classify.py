@@ -22,8 +22,6 @@ from memdiff.model import DeviceSummary, Frame, Group, Summary
 from memdiff.schema import validate
 
 OTHER = "other"
-BUILTIN_CATEGORIES = ("parameter", "gradient", "optimizer_state", "activation", "autograd", "input",
-                      "communication", "untracked", OTHER)
 USER_PRIORITY = 10_000  # user rules without a priority rank above every built-in rule
 
 # Phase of the run, told by the category of the allocation that reached the peak.
