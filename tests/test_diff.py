@@ -183,6 +183,16 @@ def addmm_backward_frames():
         {"name": "__clone", "filename": "??", "line": 0}]
 
 
+def linear_forward_frames():
+    site = "/home/lin/cs336/assignment2-systems/.venv/lib/python3.12/site-packages/torch/nn/modules/linear.py"
+    return NATIVE + [
+        {"name": "at::_ops::addmm::call(at::Tensor const&, at::Tensor const&)", "filename": "??", "line": 0},
+        {"name": "at::_ops::linear::call(at::Tensor const&, at::Tensor const&)", "filename": "??", "line": 0},
+        {"name": "forward", "filename": site, "line": 125},
+        {"name": "forward", "filename": "/home/lin/cs336/assignment2-systems/cs336-basics/cs336_basics/model.py",
+         "line": 390}]
+
+
 def inject(snap: Dict[str, Any], allocations: List[Dict[str, Any]]) -> Dict[str, Any]:
     """Allocations at fresh addresses, made before the trace's first event and never freed."""
     out = copy.deepcopy(snap)
@@ -196,17 +206,19 @@ def test_abandoned_debug_projections_are_named_exactly(shared, tmp_path, capsys)
     state = 4 * 2**20  # one AdamW moment of a 1024x1024 fp32 projection
     opt = zeros_like_frames()  # one shared list per run, as real snapshots share them
     base = inject(real, [alloc(fresh + i * state, state, opt) for i in range(148)])
-    grads = addmm_backward_frames()
+    grads, fwd = addmm_backward_frames(), linear_forward_frames()
     head = inject(real, [alloc(fresh + i * state, state, opt) for i in range(172)]
-                  + [alloc(fresh + 2**40 + i * 2 * state, 2 * state, grads) for i in range(10)])
+                  + [alloc(fresh + 2**40 + i * 2 * state, 2 * state, grads) for i in range(10)]
+                  + [alloc(fresh + 2**41 + i * 4 * state, 4 * state, fwd) for i in range(12)])
     code, data = json_diff(capsys, write(tmp_path, "base.pickle", base), write(tmp_path, "head.pickle", head))
     rows = [r for r in data["devices"][0]["rows"] if r["status"] != SAME]
     assert [(r["status"], r["site"], r["base_count"], r["head_count"], r["base_bytes"], r["head_bytes"])
             for r in rows] == [
+        (NEW, "linear.py:forward <- linear <- addmm", 0, 12, 0, 12 * 4 * state),
         (GREW, "adam.py:_init_group <- zeros_like", 148, 172, 148 * state, 172 * state),
         (NEW, "AddmmBackward0 <- mm", 0, 10, 0, 10 * 2 * state),
     ]
-    assert data["devices"][0]["peak_delta_bytes"] == 24 * state + 20 * state
+    assert data["devices"][0]["peak_delta_bytes"] == 48 * state + 24 * state + 20 * state
     assert code == 1
 
 
