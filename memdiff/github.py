@@ -76,9 +76,10 @@ class Publisher:
     verdicts: List[Verdict] = field(default_factory=list)
     deltas: List[int] = field(default_factory=list)
 
-    def add(self, result: Diff, verdict: Verdict, top: int, min_delta: int) -> None:
-        """Render one diff for the summary and print its annotations."""
+    def add(self, result: Diff, verdict: Verdict, top: int, min_delta: int, base_label: Optional[str] = None) -> None:
+        """Render one diff for the summary and print its annotations; `base_label` names a baseline."""
         base, head = event_labels(self.environ)
+        base = base_label or base
 
         def render(rows: Optional[int], details: bool, chart: bool, note: Optional[str]) -> str:
             folded = {d.device: fold(d, rows or top, min_delta) for d in result.devices}

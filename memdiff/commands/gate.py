@@ -72,7 +72,9 @@ def run(args: argparse.Namespace) -> int:
                         update_hint=f"memdiff baseline {snap} -o {path}")
         status = status or (0 if verdict.passed else EXIT_REGRESSION)
         if publisher:
-            publisher.add(result, verdict, args.top, args.min_delta)
+            sha = baseline.source.get("git_sha")
+            publisher.add(result, verdict, args.top, args.min_delta,
+                          base_label=f"baseline {baseline.name}" + (f" @ {sha[:12]}" if sha else ""))
         if args.format == "json":
             documents.append(render_json.diff_document(result, verdict))
             continue
