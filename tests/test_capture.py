@@ -162,3 +162,20 @@ def test_memdiff_record_passes_on_the_scripts_failure(torch, tmp_path):
                            "python", str(script)], capture_output=True, text=True)
     assert done.returncode == 7
     assert (tmp_path / "f.pickle").exists()
+
+
+def test_the_cuda_route_records_dumps_on_failure_and_stops(torch, monkeypatch, tmp_path):
+    # No GPU here: stand in for the allocator-history API to check the calls memdiff makes.
+    calls = []
+    snapshot = {"segments": [], "device_traces": [[{"action": "alloc", "addr": 1, "size": 512, "stream": 0,
+                                                     "frames": [{"filename": "train.py", "line": 3, "name": "f"}]}]]}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda.memory, "_record_memory_history", lambda **kw: calls.append(kw), raising=False)
+    monkeypatch.setattr(torch.cuda.memory, "_snapshot", lambda: snapshot, raising=False)
+    path = tmp_path / "oom.pickle"
+    with pytest.raises(RuntimeError, match="CUDA out of memory"):
+        with record(str(path), max_entries=5000, stacks="all"):
+            raise RuntimeError("CUDA out of memory")
+    assert calls == [{"enabled": "all", "stacks": "all", "max_entries": 5000}, {"enabled": None}]
+    assert read_summary(str(path), load_rules()).devices[0].peak_bytes == 512
+    assert open(path, "rb").read(2) == b"\x80\x04"  # protocol 4, as pytorch.org/memory_viz reads
