@@ -57,3 +57,18 @@ def test_python_dash_m_and_the_console_script(snap):
         done = subprocess.run(argv, capture_output=True, text=True)
         assert done.returncode == 0, done.stderr
         assert "4.00 MiB" in done.stdout
+
+
+def test_a_bug_in_memdiff_exits_3_with_one_line(snap, capsys, monkeypatch):
+    import memdiff.commands.peak
+
+    def broken(*args, **kwargs):
+        raise ZeroDivisionError("division by zero")
+
+    monkeypatch.setattr(memdiff.commands.peak, "peak_report", broken)
+    assert main(["peak", str(snap)]) == 3
+    err = capsys.readouterr().err
+    assert err == ("memdiff: internal error: ZeroDivisionError: division by zero (run with --debug for the "
+                   "traceback; please report it)\n")
+    assert main(["peak", str(snap), "--debug"]) == 3
+    assert "Traceback" in capsys.readouterr().err
