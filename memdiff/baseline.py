@@ -138,12 +138,9 @@ def _stored_summary(b: Baseline) -> Summary:
             stored[g.category] = stored.get(g.category, 0) + g.bytes
         groups += [_rest_group(c, 0, total - stored.get(c, 0)) for c, total in d["categories"].items()
                    if total > stored.get(c, 0)]
-        devices.append(DeviceSummary(
-            device=d["device"], trace_events=d["trace_events"], static_bytes=d["static_bytes"],
-            peak_bytes=d["peak_bytes"], peak_event_index=None, peak_time_us=None, peak_event_signature=None,
-            trace_start_time_us=None, trace_end_time_us=None, allocated_bytes_at_dump=0, reserved_bytes_at_dump=0,
-            unmatched_free_count=d["unmatched_free_count"],
-            unmatched_free_bytes=0, oom_events=[], timeline=[], groups=groups, categories=d["categories"]))
+        devices.append(DeviceSummary.blank(
+            d["device"], trace_events=d["trace_events"], static_bytes=d["static_bytes"], peak_bytes=d["peak_bytes"],
+            unmatched_free_count=d["unmatched_free_count"], groups=groups, categories=d["categories"]))
     s = b.source
     source = Source(file=f"baseline {b.name} ({s['file']})", sha256=s["sha256"], size_bytes=0, container="baseline",
                     generation=s["generation"], keys=[], allocator_settings=s.get("allocator_settings"))

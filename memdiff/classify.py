@@ -18,7 +18,7 @@ from typing import Any, Dict, List, Optional, Pattern, Sequence, Tuple
 
 from memdiff.errors import InputError
 from memdiff.frames import FREED_PREFIX
-from memdiff.model import DeviceSummary, Frame, Group, Summary
+from memdiff.model import DeviceSummary, Frame, Group, Summary, largest_first
 from memdiff.schema import validate
 
 OTHER = "other"
@@ -164,7 +164,7 @@ def _classify_device(d: DeviceSummary, rules: Sequence[Rule]) -> DeviceSummary:
     totals: Dict[str, int] = {}
     for g in groups:
         totals[g.category] = totals.get(g.category, 0) + g.bytes
-    categories = dict(sorted(totals.items(), key=lambda kv: (-kv[1], kv[0])))
+    categories = largest_first(totals)
     peak_group = next((g for g in groups if g.signature == d.peak_event_signature), None)
     phase = PHASES.get(peak_group.category) if peak_group else None
     if d.scope_at_peak and re.search(r"optimizer", d.scope_at_peak, re.IGNORECASE):

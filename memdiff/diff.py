@@ -151,14 +151,10 @@ def align(base: Sequence[Group], head: Sequence[Group]) -> List[DiffRow]:
 
 
 def _categories(base: DeviceSummary, head: DeviceSummary) -> List[CategoryDelta]:
-    # Empty until the classifier fills categories: no category is invented here.
-    if not any(g.category for g in base.groups + head.groups):
-        return []
-    sums: Dict[str, List[int]] = defaultdict(lambda: [0, 0])
-    for side, groups in enumerate((base.groups, head.groups)):
-        for g in groups:
-            sums[g.category or "other"][side] += g.bytes
-    out = [CategoryDelta(c, b, h, h - b) for c, (b, h) in sums.items()]
+    # The classifier's per-device totals; empty for unclassified summaries.
+    names = set(base.categories) | set(head.categories)
+    out = [CategoryDelta(c, base.categories.get(c, 0), head.categories.get(c, 0),
+                         head.categories.get(c, 0) - base.categories.get(c, 0)) for c in names]
     out.sort(key=lambda c: (-abs(c.delta_bytes), c.category))
     return out
 
@@ -188,13 +184,6 @@ def _chart(base: DeviceSummary, head: DeviceSummary) -> List[List[Optional[int]]
     """[percent of the trace, base bytes, head bytes] at CHART_POINTS points."""
     b, h = _resample(base, CHART_POINTS), _resample(head, CHART_POINTS)
     return [[round(100 * (i + 1) / CHART_POINTS), b[i], h[i]] for i in range(CHART_POINTS)]
-
-
-def _empty(device: int) -> DeviceSummary:
-    return DeviceSummary(device=device, trace_events=0, static_bytes=0, peak_bytes=0, peak_event_index=None,
-                         peak_time_us=None, peak_event_signature=None, trace_start_time_us=None,
-                         trace_end_time_us=None, allocated_bytes_at_dump=0, reserved_bytes_at_dump=0,
-                         unmatched_free_count=0, unmatched_free_bytes=0, oom_events=[], timeline=[], groups=[])
 
 
 def _warnings(base: Summary, head: Summary) -> List[str]:
@@ -239,7 +228,7 @@ def diff(base: Summary, head: Summary) -> Diff:
     h_devs = {d.device: d for d in head.devices}
     devices = []
     for dev in sorted(set(b_devs) | set(h_devs)):
-        b, h = b_devs.get(dev) or _empty(dev), h_devs.get(dev) or _empty(dev)
+        b, h = b_devs.get(dev) or DeviceSummary.blank(dev), h_devs.get(dev) or DeviceSummary.blank(dev)
         devices.append(DeviceDiff(
             device=dev, base_peak_bytes=b.peak_bytes, head_peak_bytes=h.peak_bytes,
             peak_delta_bytes=h.peak_bytes - b.peak_bytes, base_static_bytes=b.static_bytes,

@@ -240,7 +240,6 @@ class StackNormalizer:
         self._cache[key] = stack
         return stack
 
-
     def _keep(self, raw: Any) -> Optional[_Kept]:
         # Distinct lists still repeat the same frames (every CUDA stack starts with the same
         # allocator frames), so each distinct frame is classified once.

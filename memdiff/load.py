@@ -18,13 +18,13 @@ import json
 import lzma
 import os
 import pickle
-import re
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 from memdiff.errors import InputError
+from memdiff.frames import PROFILER_PY
 from memdiff.model import Source
 
 # Magic numbers, checked in order; each names the codec and how to open a decompressing stream.
@@ -39,8 +39,6 @@ _OTHER_CONTAINERS = (
     (b"\x28\xb5\x2f\xfd", "zstd-compressed data (decompress it first: zstd -d FILE)"),
 )
 _CHUNK = 1 << 20
-
-_PROFILER_NAME = re.compile(r"\.py\(\d+\): ")
 
 
 @dataclass
@@ -209,7 +207,7 @@ def _validate_segments(path: str, segments: Any) -> None:
 
 
 def _generation(raw: Any, segments: List[Dict[str, Any]], traces: List[List[Dict[str, Any]]]) -> str:
-    """A label for the format generation (see README, "Formats"); drives no logic."""
+    """A label for the format generation (README, "What memdiff reads"); drives no logic."""
     if isinstance(raw, list):
         return "segments-list"
     first_blocks = [b for s in segments for b in s.get("blocks", [])[:1]]
@@ -217,7 +215,7 @@ def _generation(raw: Any, segments: List[Dict[str, Any]], traces: List[List[Dict
         return "legacy-history"
     sample = [e for t in traces for e in t[:50]]
     frames = [f for e in sample for f in (e.get("frames") or [])[:3] if isinstance(f, dict)]
-    if any(f.get("filename") == "none" and _PROFILER_NAME.search(str(f.get("name", ""))) for f in frames):
+    if any(f.get("filename") == "none" and PROFILER_PY.match(str(f.get("name", ""))) for f in frames):
         return "profiler"
     if not sample:
         return "no-trace"

@@ -70,6 +70,22 @@ class DeviceSummary:
     bytes_by_scope: Dict[str, int] = field(default_factory=dict)
     bytes_by_compile_context: Dict[str, int] = field(default_factory=dict)
 
+    @classmethod
+    def blank(cls, device: int, **values: Any) -> "DeviceSummary":
+        """A device with nothing recorded (zeros, no events), `values` filled in: a side of a
+        comparison that lacks the device, or a baseline that stores only some figures."""
+        empty: Dict[str, Any] = dict(
+            trace_events=0, static_bytes=0, peak_bytes=0, peak_event_index=None, peak_time_us=None,
+            peak_event_signature=None, trace_start_time_us=None, trace_end_time_us=None,
+            allocated_bytes_at_dump=0, reserved_bytes_at_dump=0, unmatched_free_count=0,
+            unmatched_free_bytes=0, oom_events=[], timeline=[], groups=[])
+        return cls(device=device, **{**empty, **values})
+
+
+def largest_first(totals: Dict[str, int]) -> Dict[str, int]:
+    """Bytes by name, largest first (ties by name), the order summaries keep."""
+    return dict(sorted(totals.items(), key=lambda kv: (-kv[1], kv[0])))
+
 
 @dataclass
 class Source:

@@ -23,7 +23,7 @@ from memdiff import __version__
 from memdiff.errors import InputError
 from memdiff.frames import Stack, StackNormalizer, relativize
 from memdiff.load import Snapshot
-from memdiff.model import DeviceSummary, Group, OomEvent, Summary
+from memdiff.model import DeviceSummary, Group, OomEvent, Summary, largest_first
 
 TIMELINE_POINTS = 100
 
@@ -191,13 +191,9 @@ def _device_summary(snapshot: Snapshot, device: int, stacks: StackNormalizer) ->
         timeline=_timeline(static, running),
         groups=groups,
         scope_at_peak=scopes.innermost(peak_event.get("time_us")) if peak_event else None,
-        bytes_by_scope=_largest_first(by_scope),
-        bytes_by_compile_context=_largest_first(by_context),
+        bytes_by_scope=largest_first(by_scope),
+        bytes_by_compile_context=largest_first(by_context),
     )
-
-
-def _largest_first(totals: Dict[str, int]) -> Dict[str, int]:
-    return dict(sorted(totals.items(), key=lambda kv: (-kv[1], kv[0])))
 
 
 class Scopes:
