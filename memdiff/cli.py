@@ -12,7 +12,7 @@ import traceback
 from typing import List, Optional, Tuple
 
 from memdiff import __version__
-from memdiff.errors import InputError
+from memdiff.errors import EXIT_BAD_INPUT, EXIT_INTERNAL, InputError
 
 COMMANDS = {  # name: (module, one-line help); a module gives DESCRIPTION, add_arguments, run
     "diff": ("memdiff.commands.diff", "compare two runs (the default: memdiff BASE HEAD)"),
@@ -26,8 +26,6 @@ COMMANDS = {  # name: (module, one-line help); a module gives DESCRIPTION, add_a
 }
 DEFAULT_COMMAND = "diff"
 TOP_LEVEL_FLAGS = {"--debug", "--version", "-h", "--help"}
-EXIT_BAD_INPUT = 2
-EXIT_INTERNAL = 3
 
 
 def build_parser(selected: Optional[str] = None) -> argparse.ArgumentParser:
@@ -53,7 +51,8 @@ def build_parser(selected: Optional[str] = None) -> argparse.ArgumentParser:
             sub.add_parser(name, help=help_text)
             continue
         module = importlib.import_module(module_name)
-        p = sub.add_parser(name, help=help_text, description=module.DESCRIPTION, parents=[common])
+        p = sub.add_parser(name, help=help_text, description=module.DESCRIPTION, parents=[common],
+                           prog=f"memdiff {name}")
         module.add_arguments(p)
         p.set_defaults(run=module.run)
     return parser

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 
+# Exit codes, the same for every command.
+EXIT_OK, EXIT_REGRESSION, EXIT_BAD_INPUT, EXIT_INTERNAL = 0, 1, 2, 3
+
+
 class InputError(Exception):
     """Bad input (file or usage). The CLI prints `memdiff: FILE: MESSAGE` and exits 2."""
 

@@ -102,6 +102,15 @@ def thresholds_from(args: argparse.Namespace, stored: Optional[Thresholds] = Non
     return Thresholds(stored.peak.overridden(args.fail_over, args.fail_over_pct), categories, list(stored.sites))
 
 
+def add_report_arguments(p: argparse.ArgumentParser) -> None:
+    """--top, --min-delta and --format, for the commands that print a diff report."""
+    p.add_argument("--top", type=count_arg, default=20, metavar="N", help="rows to show per device (default: 20)")
+    p.add_argument("--min-delta", type=size_arg, default=0, metavar="SIZE",
+                   help="hide rows that changed by less than SIZE (they still count in TOTAL)")
+    p.add_argument("--format", choices=("text", "markdown", "json"), default="text",
+                   help="report format (default: text); json rows are never folded")
+
+
 def add_github_arguments(p: argparse.ArgumentParser) -> None:
     """--github, --report and the labels that name base and head in the markdown report."""
     p.add_argument("--github", action="store_true",

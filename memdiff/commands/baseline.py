@@ -11,11 +11,9 @@ from memdiff.atomic import write_text_atomic
 from memdiff.baseline import from_summary, read_baseline, stem
 from memdiff.commands.args import (add_category_threshold_argument, add_rules_arguments, add_threshold_arguments,
                                    rules_from, thresholds_from)
-from memdiff.errors import InputError
+from memdiff.errors import EXIT_BAD_INPUT, EXIT_OK, InputError
 from memdiff.inputs import read_summary
 from memdiff.units import format_bytes
-
-EXIT_BAD_INPUT = 2
 
 
 DESCRIPTION = ("Write a baseline of SNAPSHOT to FILE, atomically. Updating an existing file keeps its name "
@@ -47,7 +45,7 @@ def _check(path: str) -> int:
             print(f"memdiff: {exc.path}: {exc.message}", file=sys.stderr)
         else:
             print(f"ok  {f}  ({b.name}, {len(b.devices)} device{'s' if len(b.devices) != 1 else ''})")
-    return EXIT_BAD_INPUT if broken else 0
+    return EXIT_BAD_INPUT if broken else EXIT_OK
 
 
 def run(args: argparse.Namespace) -> int:

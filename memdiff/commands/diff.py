@@ -5,16 +5,15 @@ from __future__ import annotations
 import argparse
 import sys
 
-from memdiff.commands.args import (add_github_arguments, add_rules_arguments, add_threshold_arguments, count_arg,
-                                   publisher_from, rules_from, size_arg)
+from memdiff.commands.args import (add_github_arguments, add_report_arguments, add_rules_arguments,
+                                   add_threshold_arguments, publisher_from, rules_from)
 from memdiff.diff import Diff, diff, fold
+from memdiff.errors import EXIT_OK, EXIT_REGRESSION
 from memdiff.gate import Limit, Thresholds, Verdict, judge
 from memdiff.inputs import read_summaries
 from memdiff.render import json as render_json
 from memdiff.render import markdown as render_markdown
 from memdiff.render import text as render_text
-
-EXIT_REGRESSION = 1
 
 
 DESCRIPTION = ("Align two runs by stack signature and explain the peak difference. Either input "
@@ -25,11 +24,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     """The subcommand's arguments."""
     p.add_argument("base", help="the run to compare against (snapshot or summary)")
     p.add_argument("head", help="the new run (snapshot or summary)")
-    p.add_argument("--top", type=count_arg, default=20, metavar="N", help="rows to show per device (default: 20)")
-    p.add_argument("--min-delta", type=size_arg, default=0, metavar="SIZE",
-                   help="hide rows that changed by less than SIZE (they still count in TOTAL)")
-    p.add_argument("--format", choices=("text", "markdown", "json"), default="text",
-                   help="report format (default: text); json rows are never folded")
+    add_report_arguments(p)
     add_threshold_arguments(p)
     add_rules_arguments(p)
     add_github_arguments(p)
@@ -55,4 +50,4 @@ def run(args: argparse.Namespace) -> int:
     if publisher:
         publisher.add(result, verdict, args.top, args.min_delta)
         publisher.finish()
-    return 0 if verdict.passed else EXIT_REGRESSION
+    return EXIT_OK if verdict.passed else EXIT_REGRESSION

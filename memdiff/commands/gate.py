@@ -9,17 +9,15 @@ import sys
 from typing import List, Tuple
 
 from memdiff.baseline import baseline_path_for, comparable_pair, read_baseline
-from memdiff.commands.args import (add_category_threshold_argument, add_github_arguments, add_rules_arguments,
-                                   add_threshold_arguments, count_arg, publisher_from, rules_from, size_arg,
+from memdiff.commands.args import (add_category_threshold_argument, add_github_arguments, add_report_arguments,
+                                   add_rules_arguments, add_threshold_arguments, publisher_from, rules_from,
                                    thresholds_from)
 from memdiff.commands.diff import render_report
 from memdiff.diff import diff
-from memdiff.errors import InputError
+from memdiff.errors import EXIT_OK, EXIT_REGRESSION, InputError
 from memdiff.gate import judge
 from memdiff.inputs import read_summary
 from memdiff.render import json as render_json
-
-EXIT_REGRESSION = 1
 
 
 DESCRIPTION = ("Compare each run with its baseline under the baseline's thresholds (flags override them) "
@@ -33,9 +31,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     which.add_argument("--baseline", metavar="FILE", help="the baseline of the one SNAPSHOT")
     which.add_argument("--baselines", metavar="DIR", help="folder of baselines named after each run's stem")
     p.add_argument("--require-baseline", action="store_true", help="a run without a baseline fails the gate")
-    p.add_argument("--top", type=count_arg, default=20, metavar="N", help="rows to show per device (default: 20)")
-    p.add_argument("--min-delta", type=size_arg, default=0, metavar="SIZE", help="hide rows that changed less")
-    p.add_argument("--format", choices=("text", "markdown", "json"), default="text", help="report format")
+    add_report_arguments(p)
     add_threshold_arguments(p)
     add_category_threshold_argument(p)
     add_rules_arguments(p)
@@ -61,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
     """Gate every run; exit 1 when any check fails (or a required baseline is missing)."""
     rules = rules_from(args)
     pairs, missing = _pairs(args)
-    status = 0
+    status = EXIT_OK
     documents = []
     publisher = publisher_from(args, expected=len(pairs))
     for snap, path in pairs:
@@ -70,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
         result = diff(base, head)
         verdict = judge(result, thresholds_from(args, baseline.thresholds),
                         update_hint=f"memdiff baseline {snap} -o {path}")
-        status = status or (0 if verdict.passed else EXIT_REGRESSION)
+        status = status or (EXIT_OK if verdict.passed else EXIT_REGRESSION)
         if publisher:
             sha = baseline.source.get("git_sha")
             publisher.add(result, verdict, args.top, args.min_delta,
