@@ -21,9 +21,12 @@ from memdiff.errors import InputError
 from memdiff.frames import signature_of
 from memdiff.gate import Thresholds, thresholds_from_dict
 from memdiff.load import read_bytes
-from memdiff.model import SCHEMA_VERSION, DeviceSummary, Group, Source, Summary
+from memdiff.model import DeviceSummary, Group, Source, Summary
 from memdiff.schema import validate
 
+# Baselines keep their own version: summaries moved to 2 (lifetimes) without changing what a
+# baseline stores.
+BASELINE_SCHEMA_VERSION = 1
 TOP_GROUPS = 25
 REST_SITE = "<groups not stored in the baseline: {category}>"
 
@@ -44,7 +47,7 @@ class Baseline:
         source = ",\n".join(f"    {json.dumps(k)}: {json.dumps(v)}" for k, v in self.source.items())
         thresholds = json.dumps(self.thresholds.to_dict(), indent=2).replace("\n", "\n  ")
         lines = ("{\n"
-                 f'  "schema_version": {SCHEMA_VERSION},\n'
+                 f'  "schema_version": {BASELINE_SCHEMA_VERSION},\n'
                  f'  "name": {json.dumps(self.name)},\n'
                  f'  "created": {json.dumps(self.created)},\n'
                  f'  "tool": {json.dumps(self.tool)},\n'
@@ -94,9 +97,9 @@ def read_baseline(path: str) -> Baseline:
         raise InputError(path, f"invalid JSON: not UTF-8 text ({exc.reason})") from None
     except json.JSONDecodeError as exc:
         raise InputError(path, f"invalid JSON at line {exc.lineno} column {exc.colno}: {exc.msg}") from None
-    if isinstance(doc, dict) and doc.get("schema_version") != SCHEMA_VERSION and "schema_version" in doc:
+    if isinstance(doc, dict) and doc.get("schema_version") != BASELINE_SCHEMA_VERSION and "schema_version" in doc:
         raise InputError(path, f"baseline schema_version {doc['schema_version']!r} is not one this memdiff reads "
-                               f"({SCHEMA_VERSION})")
+                               f"({BASELINE_SCHEMA_VERSION})")
     validate(path, doc, "baseline")
     return Baseline(name=doc["name"], created=doc["created"], tool=doc.get("tool", ""), source=doc["source"],
                     devices=doc["devices"], thresholds=thresholds_from_dict(path, doc["thresholds"]))

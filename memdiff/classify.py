@@ -1,7 +1,8 @@
 """classify: Summary -> Summary with a category on every group and bytes per category per device.
 
 The rules are data (rules/categories.json, format in schemas/rules.schema.json): a group gets
-the category of the highest-priority rule that matches its display frames; user rules
+the category of the highest-priority rule that matches its display frames and its lifetime
+(born in which phase, freed in which, outliving its phase or step: see lifetimes.py); user rules
 (`--rules FILE`, `--custom-profile JSON`) rank above the built-in ones. A group no rule
 matches is `other`. Classification reads only the summary, so a stored summary can be
 classified again with other rules.
@@ -23,11 +24,6 @@ from memdiff.schema import validate
 
 OTHER = "other"
 USER_PRIORITY = 10_000  # user rules without a priority rank above every built-in rule
-
-# Phase of the run, told by the category of the allocation that reached the peak.
-PHASES = {"activation": "forward", "input": "forward", "autograd": "backward", "gradient": "backward",
-          "optimizer_state": "optimizer step", "parameter": "setup", "communication": "communication"}
-
 
 @dataclass(frozen=True)
 class FrameTest:
@@ -55,12 +51,16 @@ class Rule:
     site: Optional[Pattern[str]]
     freed: bool
     origin: str
+    lifetime: Tuple[Tuple[str, Pattern[str]], ...] = ()
 
     def matches(self, g: Group) -> bool:
         """Whether the rule applies to group `g`."""
         if g.site.startswith(FREED_PREFIX) != self.freed:
             return False
         if self.site is not None and not self.site.search(g.site):
+            return False
+        if self.lifetime and (g.lifetime is None or not all(
+                pattern.fullmatch(g.lifetime.get(fact, "")) for fact, pattern in self.lifetime)):
             return False
         if not all(any(t.matches(f) for f in g.frames) for t in self.frames):
             return False
@@ -94,7 +94,8 @@ def parse_rules(path: str, data: Any, default_priority: int, check: bool = True)
                 frames=tuple(_test(t, origin) for t in r.get("frames", [])),
                 without=tuple(_test(t, origin) for t in r.get("without", [])),
                 site=_compile(r["site"], origin) if "site" in r else None,
-                freed=r.get("freed", False), origin=f"{path}: {origin}"))
+                freed=r.get("freed", False), origin=f"{path}: {origin}",
+                lifetime=tuple((fact, _compile(v, origin)) for fact, v in r.get("lifetime", {}).items())))
         except ValueError as exc:
             raise InputError(path, str(exc)) from None
     return rules
@@ -164,12 +165,7 @@ def _classify_device(d: DeviceSummary, rules: Sequence[Rule]) -> DeviceSummary:
     totals: Dict[str, int] = {}
     for g in groups:
         totals[g.category] = totals.get(g.category, 0) + g.bytes
-    categories = largest_first(totals)
-    peak_group = next((g for g in groups if g.signature == d.peak_event_signature), None)
-    phase = PHASES.get(peak_group.category) if peak_group else None
-    if d.scope_at_peak and re.search(r"optimizer", d.scope_at_peak, re.IGNORECASE):
-        phase = "optimizer step"
-    return replace(d, groups=groups, categories=categories, phase_at_peak=phase)
+    return replace(d, groups=groups, categories=largest_first(totals))
 
 
 def classify(summary: Summary, rules: Sequence[Rule]) -> Summary:

@@ -13,7 +13,7 @@ from typing import Any, List, Sequence
 from memdiff.classify import Rule, classify
 from memdiff.errors import InputError
 from memdiff.load import decode, paused_gc, to_snapshot
-from memdiff.model import SCHEMA_VERSION, Summary
+from memdiff.model import READABLE_SCHEMA_VERSIONS, Summary
 from memdiff.normalize import summarize
 from memdiff.schema import validate
 
@@ -34,9 +34,9 @@ def read_summary(path: str, rules: Sequence[Rule]) -> Summary:
             del raw  # freed by reference counting before the collector resumes
             return classify(summary, rules)
     version = raw["schema_version"]
-    if version != SCHEMA_VERSION:
+    if version not in READABLE_SCHEMA_VERSIONS:
         raise InputError(path, f"summary schema_version {version!r} is not one this memdiff reads "
-                               f"({SCHEMA_VERSION}); re-create it with `memdiff summarize`")
+                               f"({' or '.join(map(str, READABLE_SCHEMA_VERSIONS))}); re-create it with `memdiff summarize`")
     return classify(Summary.from_dict(validate(path, raw, "summary")), rules)
 
 

@@ -10,7 +10,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Dict, List, Optional
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+# Summaries of these versions can still be read (fields added since then take their defaults).
+READABLE_SCHEMA_VERSIONS = (1, 2)
 
 
 @dataclass(frozen=True)
@@ -32,6 +34,9 @@ class Group:
     count: int
     bytes: int
     category: Optional[str] = None
+    # born / freed / outlives (see lifetimes.py); None in summaries written before lifetimes
+    lifetime: Optional[Dict[str, str]] = None
+    bytes_from_earlier_steps: int = 0
 
 
 @dataclass
@@ -42,6 +47,27 @@ class OomEvent:
     requested_bytes: int
     device_free_bytes: Optional[int]
     time_us: Optional[int]
+
+
+@dataclass
+class PhaseSpan:
+    """One phase run of a step (consecutive events of one phase) and the highest memory inside it."""
+
+    phase: str
+    start_event: int
+    end_event: int
+    peak_bytes: int = 0
+    peak_event_index: int = 0
+
+
+@dataclass
+class Step:
+    """One training (or inference) step: its events and its phase runs, in order."""
+
+    step: int
+    start_event: int
+    end_event: int
+    phases: List[PhaseSpan]
 
 
 @dataclass
@@ -69,6 +95,8 @@ class DeviceSummary:
     scope_at_peak: Optional[str] = None
     bytes_by_scope: Dict[str, int] = field(default_factory=dict)
     bytes_by_compile_context: Dict[str, int] = field(default_factory=dict)
+    steps: List[Step] = field(default_factory=list)
+    step_at_peak: Optional[int] = None
 
     @classmethod
     def blank(cls, device: int, **values: Any) -> "DeviceSummary":
@@ -121,6 +149,8 @@ class Summary:
         for d in data["devices"]:
             d = _known(DeviceSummary, d)
             d["oom_events"] = [OomEvent(**_known(OomEvent, o)) for o in d["oom_events"]]
+            d["steps"] = [Step(**{**_known(Step, s), "phases": [PhaseSpan(**_known(PhaseSpan, p)) for p in s["phases"]]})
+                          for s in d.get("steps", [])]
             d["groups"] = [
                 Group(**{**_known(Group, g), "frames": [Frame(**_known(Frame, f)) for f in g["frames"]]})
                 for g in d["groups"]

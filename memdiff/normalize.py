@@ -15,20 +15,37 @@ from __future__ import annotations
 
 import bisect
 from array import array
+from dataclasses import dataclass
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import numpy as np
 
 from memdiff import __version__
 from memdiff.errors import InputError
-from memdiff.frames import Stack, StackNormalizer, relativize
+from memdiff.frames import Stack, StackNormalizer, relativize, signature_of
+from memdiff.lifetimes import MAX_STEPS, Lifetime, Scopes, Timeline, build_timeline
 from memdiff.load import Snapshot
-from memdiff.model import DeviceSummary, Group, OomEvent, Summary, largest_first
+from memdiff.model import DeviceSummary, Group, OomEvent, PhaseSpan, Step, Summary, largest_first
 
 TIMELINE_POINTS = 100
 
 # (raw frames, bytes, is a free's stack, live before the trace, the alloc entry when in the trace)
-_LiveItem = Tuple[Optional[List[Any]], int, bool, bool, Optional[Dict[str, Any]]]
+
+
+@dataclass
+class _Live:
+    """One allocation live at the peak, as grouping needs it."""
+
+    frames: Optional[List[Any]]
+    size: int
+    freed: bool  # `frames` is the stack of the free standing in for the allocation's
+    before_trace: bool
+    entry: Optional[Dict[str, Any]]  # the alloc entry when it is in the trace
+    lifetime: Lifetime
+    earlier: bool  # allocated in a step before the peak's
+    reached_peak: bool = False  # the allocation whose event is the peak
+
+
 # compile_context values that mean "not compiled"
 NO_COMPILE_CONTEXT = ("", "N/A", None)
 
@@ -40,7 +57,7 @@ class _Walk:
     million-event trace costs 16 MB here, and numpy reads them without copying.
     """
 
-    def __init__(self, path: str, device: int, trace: List[Dict[str, Any]]) -> None:
+    def __init__(self, path: str, device: int, trace: List[Dict[str, Any]], reversions: bool = False) -> None:
         n = len(trace)
         self.deltas = deltas = array("q", bytes(8 * n))  # running-total change at each event
         self.closed = closed = array("q", [n]) * n  # alloc event -> its free_completed event (n: never)
@@ -48,6 +65,11 @@ class _Walk:
         self.unmatched = unmatched = array("q")  # free_completed events with no open allocation
         self.open_at_end: Dict[int, int] = {}  # address -> alloc event index
         self.ooms: List[int] = []
+        # Profiler-route re-versions: alloc event -> the alloc it continues (>= 0), or -(f + 1)
+        # for an unmatched free f; and free event -> the alloc that continues it.
+        self.version_of: Dict[int, int] = {}
+        self.continued_by: Dict[int, int] = {}
+        last_free = last_closed = -2
         live = self.open_at_end
         open_alloc, close_alloc, add_alloc, add_unmatched = live.__setitem__, live.pop, allocs.append, unmatched.append
         i = -1
@@ -63,14 +85,20 @@ class _Walk:
                     deltas[i] = e["size"]
                     open_alloc(e["addr"], i)
                     add_alloc(i)
+                    if last_free == i - 1 and reversions and _is_reversion(trace[i - 1], e):
+                        self.version_of[i] = last_closed
+                        self.continued_by[i - 1] = i
                 elif action == "free_completed":
                     j = close_alloc(e["addr"], None)
                     if j is None:
                         deltas[i] = -e["size"]
                         add_unmatched(i)
+                        last_closed = -(i + 1)
                     else:
                         closed[j] = i
                         deltas[i] = -deltas[j]
+                        last_closed = j
+                    last_free = i
                 elif action == "oom":
                     self.ooms.append(i)
         except KeyError as exc:
@@ -81,10 +109,34 @@ class _Walk:
                 exc = TypeError(f"'size' is {type(size).__name__} {size!r:.40}, not an integer")
             raise InputError(path, f"device_traces[{device}][{i}]: {exc}") from None
 
+    def origin(self, j: int) -> Tuple[Optional[int], Optional[int]]:
+        """(first version's alloc event, None) of the allocation opened at `j`, or (None, the
+        unmatched free) when its first version was live before the trace."""
+        while j in self.version_of:
+            j = self.version_of[j]
+            if j < 0:
+                return None, -j - 1
+        return j, None
+
+    def end(self, closing: int) -> int:
+        """The event that really frees an allocation whose version is closed at `closing` (the
+        trace length when it is never freed)."""
+        while closing in self.continued_by:
+            closing = self.closed[self.continued_by[closing]]
+        return closing
+
     def live_allocs(self, p: int) -> np.ndarray:
         """Indices of the alloc events still open after event `p`."""
         allocs = np.array(self.allocs, dtype=np.int64)[: bisect.bisect_right(self.allocs, p)]
         return allocs[np.array(self.closed, dtype=np.int64)[allocs] > p]
+
+
+def _is_reversion(freed: Dict[str, Any], e: Dict[str, Any]) -> bool:
+    """Whether alloc `e`, right after the free `freed`, is the profiler route writing a new
+    version of the same tensor (an in-place update): same address and size, and no stack or
+    the freed version's stack."""
+    return (freed.get("addr") == e["addr"] and freed.get("size") == e["size"]
+            and (not e.get("frames") or e.get("frames") == freed.get("frames")))
 
 
 def _dump_blocks(segments: List[Dict[str, Any]]) -> Iterator[Tuple[int, int, Optional[List[Any]]]]:
@@ -118,14 +170,39 @@ def _timeline(static: int, running: np.ndarray) -> List[List[int]]:
     return points
 
 
+def _live_at(walk: _Walk, trace: List[Dict[str, Any]], p: int, dump_only: List[Tuple[int, Any]],
+             timeline: Timeline) -> List[_Live]:
+    """Every allocation live after event `p` with its lifetime: open allocations, memory live
+    before the trace and freed after `p`, and dump blocks the trace never opened."""
+    n = len(trace)
+    peak_step = timeline.step_index_at(p) if p >= 0 else None
+    items: List[_Live] = []
+    for j in walk.live_allocs(p).tolist():
+        first, unmatched = walk.origin(j)
+        end = walk.end(walk.closed[j])
+        if first is None:
+            items.append(_Live(trace[unmatched].get("frames"), trace[j]["size"], True, True, None,
+                               timeline.lifetime(None, end, n), False, j == p))
+            continue
+        step = timeline.step_index_at(first)
+        earlier = peak_step is not None and step is not None and step < peak_step
+        items.append(_Live(trace[first].get("frames"), trace[j]["size"], False, False, trace[first],
+                           timeline.lifetime(first, end, n), earlier, j == p))
+    for i in walk.unmatched[bisect.bisect_right(walk.unmatched, p):]:
+        e = trace[i]
+        items.append(_Live(e.get("frames"), e["size"], True, True, None, timeline.lifetime(None, walk.end(i), n), False))
+    items.extend(_Live(frames, size, False, True, None, timeline.lifetime(None, n, n), False)
+                 for size, frames in dump_only)
+    return items
+
+
 def _device_summary(snapshot: Snapshot, device: int, stacks: StackNormalizer) -> DeviceSummary:
     path = snapshot.path
     traces = snapshot.device_traces
     trace = traces[device] if device < len(traces) else []
     segments = [s for s in snapshot.segments if s["device"] == device]
-    walk = _Walk(path, device, trace)
+    walk = _Walk(path, device, trace, reversions=snapshot.source.generation == "profiler")
 
-    live_items: List[_LiveItem] = []
     unmatched_bytes = -sum(walk.deltas[i] for i in walk.unmatched)
     static = unmatched_bytes
     dump_only = [(size, frames) for addr, size, frames in _dump_blocks(segments)
@@ -140,25 +217,23 @@ def _device_summary(snapshot: Snapshot, device: int, stacks: StackNormalizer) ->
         if running[k] > 0:
             peak_index, peak = k, static + int(running[k])
 
+    scopes = Scopes(snapshot.external_annotations, device)
+    timeline = build_timeline(trace, walk.allocs, running, static, scopes)
     p = -1 if peak_index is None else peak_index
     n = len(trace)
-    for j in walk.live_allocs(p).tolist():
-        e = trace[j]
-        live_items.append((e.get("frames"), e["size"], False, False, e))
-    for i in walk.unmatched[bisect.bisect_right(walk.unmatched, p):]:
-        e = trace[i]
-        live_items.append((e.get("frames"), e["size"], True, True, None))
-    live_items.extend((frames, size, False, True, None) for size, frames in dump_only)
-
-    groups = _group(path, live_items, stacks)
+    live_items = _live_at(walk, trace, p, dump_only, timeline)
+    # A re-versioned tensor is not memory from before a truncated trace: no advice to record more.
+    reversioned = [i for i in walk.unmatched if i in walk.continued_by]
+    unmatched_bytes -= sum(trace[i]["size"] for i in reversioned)
+    groups, peak_signature = _group(path, live_items, stacks)
     if sum(g.bytes for g in groups) != peak:
         raise AssertionError(f"{path}: device {device}: groups do not add up to the peak (a memdiff bug)")
 
     peak_event = trace[peak_index] if peak_index is not None else None
-    scopes = Scopes(snapshot.external_annotations, device)
     by_scope: Dict[str, int] = {}
     by_context: Dict[str, int] = {}
-    for _, size, _, _, e in live_items:
+    for item in live_items:
+        e, size = item.entry, item.size
         if e is None:
             continue
         scope = scopes.innermost(e.get("time_us"))
@@ -178,12 +253,12 @@ def _device_summary(snapshot: Snapshot, device: int, stacks: StackNormalizer) ->
         peak_bytes=peak,
         peak_event_index=peak_index,
         peak_time_us=peak_event.get("time_us") if peak_event else None,
-        peak_event_signature=(stacks.stack(peak_event.get("frames")).signature if peak_event else None),
+        peak_event_signature=peak_signature,
         trace_start_time_us=times[0],
         trace_end_time_us=times[1],
         allocated_bytes_at_dump=allocated,
         reserved_bytes_at_dump=sum(s["total_size"] for s in segments),
-        unmatched_free_count=len(walk.unmatched),
+        unmatched_free_count=len(walk.unmatched) - len(reversioned),
         unmatched_free_bytes=unmatched_bytes,
         oom_events=[OomEvent(event_index=i, requested_bytes=trace[i].get("size", 0),
                              device_free_bytes=trace[i].get("device_free"),
@@ -191,56 +266,55 @@ def _device_summary(snapshot: Snapshot, device: int, stacks: StackNormalizer) ->
         timeline=_timeline(static, running),
         groups=groups,
         scope_at_peak=scopes.innermost(peak_event.get("time_us")) if peak_event else None,
+        steps=_steps_kept(timeline, peak_index),
+        step_at_peak=timeline.step_at(peak_index) if peak_index is not None else None,
+        phase_at_peak=timeline.phase_at(peak_index) if peak_index is not None else None,
         bytes_by_scope=largest_first(by_scope),
         bytes_by_compile_context=largest_first(by_context),
     )
 
 
-class Scopes:
-    """`record_function` scopes of one device (external_annotations), for looking up by time."""
-
-    def __init__(self, annotations: List[Dict[str, Any]], device: int) -> None:
-        opened: Dict[str, List[int]] = {}
-        intervals: List[Tuple[int, float, str]] = []
-        for a in sorted((a for a in annotations if isinstance(a, dict) and a.get("device", device) == device
-                         and isinstance(a.get("time_us"), int)), key=lambda a: a["time_us"]):
-            name = str(a.get("name", ""))
-            if a.get("stage") == "START":
-                opened.setdefault(name, []).append(a["time_us"])
-            elif a.get("stage") == "END" and opened.get(name):
-                intervals.append((opened[name].pop(), a["time_us"], name))
-        # A scope still open at the dump lasts to the end.
-        intervals += [(start, float("inf"), name) for name, starts in opened.items() for start in starts]
-        intervals.sort()
-        self._intervals = intervals
-        self._starts = [start for start, _, _ in intervals]
-
-    def innermost(self, time_us: Optional[int]) -> Optional[str]:
-        """The most recently opened scope still open at `time_us`, if any."""
-        if time_us is None:
-            return None
-        for start, end, name in reversed(self._intervals[: bisect.bisect_right(self._starts, time_us)]):
-            if end >= time_us:
-                return name
-        return None
+def _steps_kept(timeline: Timeline, peak_index: Optional[int]) -> List[Step]:
+    """The steps a summary keeps: all of them up to MAX_STEPS, else the first ones and the peak's."""
+    steps = timeline.steps
+    if len(steps) <= MAX_STEPS:
+        return steps
+    at_peak = timeline.step_index_at(peak_index) if peak_index is not None else None
+    kept = steps[: MAX_STEPS - 1]
+    if at_peak is not None and at_peak >= MAX_STEPS - 1:
+        kept.append(steps[at_peak])
+    return kept
 
 
-def _group(path: str, items: List[_LiveItem], stacks: StackNormalizer) -> List[Group]:
-    by_signature: Dict[str, List[Any]] = {}
-    for frames, size, freed, before_trace, _ in items:
+def _group(path: str, items: List[_Live], stacks: StackNormalizer) -> Tuple[List[Group], Optional[str]]:
+    """Groups of the live allocations by stack signature and lifetime, largest first, and the
+    signature of the group holding the allocation that reached the peak."""
+    by_key: Dict[Tuple[str, Lifetime], List[Any]] = {}
+    peak_key = None
+    for item in items:
         try:
-            stack: Stack = stacks.stack(frames, freed=freed, before_trace=before_trace)
+            stack: Stack = stacks.stack(item.frames, freed=item.freed, before_trace=item.before_trace)
         except ValueError as exc:
             raise InputError(path, str(exc)) from None
-        slot = by_signature.get(stack.signature)
+        key = (stack.signature, item.lifetime)
+        slot = by_key.get(key)
         if slot is None:
-            by_signature[stack.signature] = [stack, 1, size]
-        else:
-            slot[1] += 1
-            slot[2] += size
-    ordered = sorted(by_signature.values(), key=lambda s: (-s[2], s[0].signature))
-    return [Group(signature=s.signature, site=s.site, frames=list(s.frames), count=c, bytes=b)
-            for s, c, b in ordered]
+            slot = by_key[key] = [stack, item.lifetime, 0, 0, 0]
+        slot[2] += 1
+        slot[3] += item.size
+        slot[4] += item.size if item.earlier else 0
+        if item.reached_peak:
+            peak_key = key
+    groups = []
+    peak_signature = None
+    for key, (stack, lifetime, count, size, earlier) in by_key.items():
+        signature = signature_of([stack.signature, lifetime.key()])
+        if key == peak_key:
+            peak_signature = signature
+        groups.append(Group(signature=signature, site=stack.site, frames=list(stack.frames), count=count,
+                            bytes=size, lifetime=lifetime.to_dict(), bytes_from_earlier_steps=earlier))
+    groups.sort(key=lambda g: (-g.bytes, g.signature))
+    return groups, peak_signature
 
 
 def devices_of(snapshot: Snapshot) -> List[int]:

@@ -30,7 +30,7 @@ def test_summarize_writes_a_valid_summary_file(snap, tmp_path, capsys):
     assert main(["summarize", str(snap), "-o", str(out)]) == 0
     assert capsys.readouterr().out == ""
     data = validate(str(out), json.loads(out.read_text()), "summary")
-    assert data["schema_version"] == 1 and data["source"]["file"] == "run.pickle"
+    assert data["schema_version"] == 2 and data["source"]["file"] == "run.pickle"
     assert data["devices"][0]["peak_bytes"] == 4 * 2**20
     assert [g["site"] for g in data["devices"][0]["groups"]] == ["model.py:forward", "model.py:loss"]
 

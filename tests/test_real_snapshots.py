@@ -66,7 +66,7 @@ def test_peak_command_on_a_real_snapshot(shared, capsys):
     assert "static      4.75 GiB" in out
     assert "the trace starts mid-run: 438 frees" in out
     assert "AccumulateGrad <- new_empty_strided" in out
-    assert "8 other groups" in out and "11 groups live at the peak" in out
+    assert "9 other groups" in out and "12 groups live at the peak" in out
 
 
 def test_peak_device_option(shared, capsys):

@@ -1,0 +1,369 @@
+"""lifetimes: when memory is held. Steps and phases of a trace, and the lifetime of each allocation.
+
+Stacks alone cannot tell a gradient from a backward temporary (on CPU both are allocated under
+`run_backward`), nor optimizer state from the update's temporaries; when they are allocated
+and how long they live can. This stage cuts a device trace into steps and phases and gives
+each allocation live at the peak its lifetime facts, which category rules may test:
+
+- `born`: the phase its first version was allocated in (`forward`, `backward`, `optimizer`,
+  `other`), or `before_trace`;
+- `freed`: the phase its last version was freed in, or `never` (still live when the trace ends);
+- `outlives`: `none` (freed inside the phase run it was born in), `phase` (outlived that run,
+  freed inside its step), `step` (outlived its step) or `trace` (never freed).
+
+Phases come from `record_function` annotations when the snapshot has them (`ProfilerStep#N`,
+`Optimizer.step#...`, user scopes naming forward/backward/optimizer) and otherwise from the
+stacks of the allocations, read in trace order: the autograd engine and backward nodes mean
+backward, `torch/optim` and `zero_grad` mean optimizer, module forwards mean forward. An
+allocation whose stack says nothing takes the phase around it. A step starts where the
+forward (or backward) begins after an optimizer phase, or after a backward when the trace
+has no optimizer phase at all (inference with gradients, plain SGD on CPU captures).
+"""
+
+from __future__ import annotations
+
+import bisect
+import re
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from memdiff.model import PhaseSpan, Step
+
+FORWARD, BACKWARD, OPTIMIZER, OTHER = "forward", "backward", "optimizer", "other"
+PHASES = (FORWARD, BACKWARD, OPTIMIZER, OTHER)
+SETUP = "setup"  # model construction and moves: a hint only, shown as phase `other`
+BEFORE_TRACE, NEVER = "before_trace", "never"
+
+# What a frame says about the phase, strongest first. Matched against "file:name" of a raw
+# frame (just the name for profiler frames, whose name holds the file, and for C++ frames).
+STACK_HINTS: Tuple[Tuple[str, "re.Pattern[str]"], ...] = (
+    (BACKWARD, re.compile(r"run_backward|torch::autograd::Engine::|Backward\d*::apply|AccumulateGrad"
+                          r"|torch/autograd/(__init__|graph)\.py\S*:\s?(backward|grad|_engine_run_backward)$")),
+    (OPTIMIZER, re.compile(r"torch/optim/|:\s?zero_grad$|torch/nn/utils/clip_grad\.py")),
+    (FORWARD, re.compile(r":\s?forward$|^nn\.Module: |torch/nn/functional\.py")),
+    (SETUP, re.compile(r":\s?(__init__|reset_parameters|_reset_parameters|_apply|to|cuda|to_empty|load_state_dict"
+                       r"|_load_from_state_dict|from_pretrained|post_init|_init_weights|init_weights)$"
+                       r"|torch/nn/init\.py")),
+)
+_RANK = {phase: rank for rank, (phase, _) in enumerate(STACK_HINTS)}
+
+# Annotation scopes that name a phase (searched, case-insensitive), and the step scope.
+SCOPE_HINTS: Tuple[Tuple[str, "re.Pattern[str]"], ...] = (
+    (OPTIMIZER, re.compile(r"^Optimizer\.(step|zero_grad)#|optimi[sz]er", re.IGNORECASE)),
+    (BACKWARD, re.compile(r"backward|\bbwd\b", re.IGNORECASE)),
+    (FORWARD, re.compile(r"forward|\bfwd\b", re.IGNORECASE)),
+)
+STEP_SCOPE = re.compile(r"^ProfilerStep#(\d+)$")
+
+# Stack hints are read from at most this many allocations (evenly spaced), so a trace whose
+# every event has its own frames list costs a bounded number of stack scans.
+MAX_HINTS = 100_000
+# Steps kept in a summary; the step at the peak is always kept.
+MAX_STEPS = 1_000
+
+
+@dataclass(frozen=True)
+class Lifetime:
+    """What a group's allocations share about when they were held (see the module docstring)."""
+
+    born: str
+    freed: str
+    outlives: str
+
+    def to_dict(self) -> Dict[str, str]:
+        """The JSON form a group carries."""
+        return {"born": self.born, "freed": self.freed, "outlives": self.outlives}
+
+    def key(self) -> str:
+        """The form hashed into a group's signature and shown in reports."""
+        return f"{self.born}>{self.freed}:{self.outlives}"
+
+
+class _Hints:
+    """The phase hint of a raw frames list, cached per list object and per frame."""
+
+    def __init__(self) -> None:
+        self._lists: Dict[int, Optional[str]] = {}
+        self._frames: Dict[Tuple[Any, Any], Optional[str]] = {}
+
+    def of(self, frames: Any) -> Optional[str]:
+        if not frames or not isinstance(frames, list):
+            return None
+        key = id(frames)
+        if key in self._lists:
+            return self._lists[key]
+        best: Optional[str] = None
+        for raw in frames:
+            if not isinstance(raw, dict):
+                continue
+            name, filename = raw.get("name"), raw.get("filename")
+            hint = self._frames.get((name, filename), "?")
+            if hint == "?":
+                hint = _frame_hint(name, filename)
+                self._frames[(name, filename)] = hint
+            if hint is not None and (best is None or _RANK[hint] < _RANK[best]):
+                best = hint
+                if best == BACKWARD:
+                    break
+        self._lists[key] = best
+        return best
+
+
+def _frame_hint(name: Any, filename: Any) -> Optional[str]:
+    if not isinstance(name, str):
+        return None
+    text = name if not isinstance(filename, str) or filename in ("", "none", "??") else f"{filename}:{name}"
+    text = text[:1000]  # the hints look at short names; a hostile 60 KB name costs nothing more
+    for phase, pattern in STACK_HINTS:
+        if pattern.search(text):
+            return phase
+    return None
+
+
+class _Intervals:
+    """Time intervals with a value each, for asking which innermost one holds a time.
+
+    record_function scopes nest, so each interval keeps the nearest earlier interval that
+    still holds its start (its parent); a lookup walks up from the last interval started
+    before the time, a few steps rather than back over every interval of a long trace.
+    """
+
+    def __init__(self, intervals: List[Tuple[int, float, str]]) -> None:
+        self.items = sorted(intervals)
+        self._starts = [start for start, _, _ in self.items]
+        self._parents: List[int] = []
+        open_: List[int] = []
+        for k, (start, _, _) in enumerate(self.items):
+            while open_ and self.items[open_[-1]][1] < start:
+                open_.pop()
+            self._parents.append(open_[-1] if open_ else -1)
+            open_.append(k)
+
+    def at(self, time_us: Any) -> Optional[str]:
+        """The value of the innermost interval holding `time_us`, if any."""
+        if not isinstance(time_us, int) or not self.items:
+            return None
+        k = bisect.bisect_right(self._starts, time_us) - 1
+        while k >= 0 and self.items[k][1] < time_us:
+            k = self._parents[k]
+        return self.items[k][2] if k >= 0 else None
+
+
+class Scopes:
+    """`record_function` scopes of one device (external_annotations), for looking up by time."""
+
+    def __init__(self, annotations: Sequence[Any], device: int) -> None:
+        opened: Dict[str, List[int]] = {}
+        intervals: List[Tuple[int, float, str]] = []
+        usable = [a for a in annotations if isinstance(a, dict) and a.get("device", device) == device
+                  and isinstance(a.get("time_us"), int) and isinstance(a.get("name"), str)]
+        for a in sorted(usable, key=lambda a: a["time_us"]):
+            name = a["name"]
+            if a.get("stage") == "START":
+                opened.setdefault(name, []).append(a["time_us"])
+            elif a.get("stage") == "END" and opened.get(name):
+                intervals.append((opened[name].pop(), a["time_us"], name))
+        # A scope still open at the dump lasts to the end.
+        intervals += [(start, float("inf"), name) for name, starts in opened.items() for start in starts]
+        self._all = _Intervals(intervals)
+        self.steps = sorted((start, end, int(m.group(1))) for start, end, name in intervals
+                            for m in [STEP_SCOPE.match(name)] if m)
+        self._phases = _Intervals([(start, end, phase) for start, end, name in intervals
+                                   for phase in [_scope_phase(name)] if phase])
+        self.has_phases = bool(self._phases.items)
+
+    def innermost(self, time_us: Optional[int]) -> Optional[str]:
+        """The most recently opened scope still open at `time_us`, if any."""
+        return self._all.at(time_us)
+
+    def phase_at(self, time_us: Any) -> Optional[str]:
+        """The phase named by the innermost phase scope open at `time_us`."""
+        return self._phases.at(time_us)
+
+
+def _scope_phase(name: str) -> Optional[str]:
+    for phase, pattern in SCOPE_HINTS:
+        if pattern.search(name):
+            return phase
+    return None
+
+
+def _fill(labels: List[Optional[str]]) -> List[str]:
+    """Unlabelled allocations take the phase before them, or the one after them where a step
+    begins (the batch made before the forward belongs to the forward, not the last update)."""
+    out: List[Optional[str]] = list(labels)
+    following: Optional[str] = None
+    nxt: List[Optional[str]] = [None] * len(out)
+    for k in range(len(out) - 1, -1, -1):
+        if out[k] is not None:
+            following = out[k]
+        nxt[k] = following
+    previous: Optional[str] = None
+    for k, label in enumerate(out):
+        if label is None:
+            out[k] = nxt[k] if previous in (None, OPTIMIZER, SETUP) and nxt[k] is not None else previous
+        else:
+            previous = label
+    return [OTHER if (p is None or p == SETUP) else p for p in out]
+
+
+def _runs(positions: Sequence[int], labels: Sequence[str]) -> List[Tuple[str, int]]:
+    """(phase, first position) of each run of equal labels; a run of one sampled allocation between
+    two runs of the same phase is absorbed (a stray stack is not a phase)."""
+    runs: List[List[Any]] = []
+    for pos, label in zip(positions, labels):
+        if runs and runs[-1][0] == label:
+            runs[-1][2] += 1
+        else:
+            runs.append([label, pos, 1])
+    merged: List[List[Any]] = []
+    k = 0
+    while k < len(runs):
+        run = runs[k]
+        if merged and run[2] == 1 and k + 1 < len(runs) and runs[k + 1][0] == merged[-1][0]:
+            merged[-1][2] += 1 + runs[k + 1][2]
+            k += 2
+            continue
+        if merged and merged[-1][0] == run[0]:
+            merged[-1][2] += run[2]
+        else:
+            merged.append(list(run))
+        k += 1
+    return [(label, pos) for label, pos, _ in merged]
+
+
+def _inferred_step_starts(phases: List[str]) -> List[int]:
+    """Indices of the runs where a step begins: the first forward, backward or optimizer run, then
+    each forward or backward run after an optimizer run (after a backward run when the trace has
+    no optimizer run). `other` runs stay in the step around them."""
+    ends_step = OPTIMIZER if OPTIMIZER in phases else BACKWARD
+    starts: List[int] = []
+    previous: Optional[str] = None
+    for k, phase in enumerate(phases):
+        if phase == OTHER:
+            continue
+        if not starts or (previous == ends_step and phase != ends_step):
+            starts.append(k)
+        previous = phase
+    return starts
+
+
+@dataclass
+class Timeline:
+    """Phase runs and steps of one device trace, with lookups by event index."""
+
+    runs: List[PhaseSpan]
+    steps: List[Step]
+    _run_starts: List[int]
+    _run_step: List[Optional[int]]  # index into steps of each run (None: outside any step)
+
+    def run_at(self, event: int) -> int:
+        """Index of the phase run that holds `event`."""
+        return max(0, bisect.bisect_right(self._run_starts, event) - 1)
+
+    def phase_at(self, event: int) -> str:
+        """The phase an event falls in."""
+        return self.runs[self.run_at(event)].phase if self.runs else OTHER
+
+    def step_index_at(self, event: int) -> Optional[int]:
+        """Index into `steps` of the step holding `event`, None when outside every step."""
+        return self._run_step[self.run_at(event)] if self.runs else None
+
+    def step_at(self, event: int) -> Optional[int]:
+        """The step number of an event, None when outside every step."""
+        k = self.step_index_at(event)
+        return None if k is None else self.steps[k].step
+
+    def lifetime(self, born_event: Optional[int], end_event: int, n_events: int) -> Lifetime:
+        """Lifetime facts of an allocation opened at `born_event` (None: before the trace) and
+        closed at `end_event` (`n_events`: never closed)."""
+        freed = NEVER if end_event >= n_events else self.phase_at(end_event)
+        if born_event is None:
+            return Lifetime(BEFORE_TRACE, freed, "trace" if freed == NEVER else "none")
+        born = self.phase_at(born_event)
+        if freed == NEVER:
+            return Lifetime(born, freed, "trace")
+        run = self.run_at(born_event)
+        if end_event <= self.runs[run].end_event:
+            return Lifetime(born, freed, "none")
+        step = self._run_step[run]
+        if step is not None and end_event <= self.steps[step].end_event:
+            return Lifetime(born, freed, "phase")
+        return Lifetime(born, freed, "step")
+
+
+def build_timeline(trace: List[Any], allocs: Sequence[int], running: np.ndarray, static: int, scopes: Scopes,
+                   frames_of: Callable[[Any], Any] = lambda e: e.get("frames")) -> Timeline:
+    """Steps and phase runs of one device trace.
+
+    `allocs` are the trace's alloc event indices in order and `running` the running total after
+    each event (static memory excluded), so each run's peak comes from one numpy max.
+    """
+    n = len(trace)
+    if n == 0 or not len(allocs):
+        return Timeline([], [], [], [])
+    hints = _Hints()
+    stride = -(-len(allocs) // MAX_HINTS)
+    positions = list(range(0, len(allocs), stride))
+    labels: List[Optional[str]] = []
+    for k in positions:
+        e = trace[allocs[k]]
+        label = scopes.phase_at(e.get("time_us")) if scopes.has_phases else None
+        labels.append(label or hints.of(frames_of(e)))
+    runs = _runs([allocs[k] for k in positions], _fill(labels))
+    runs[0] = (runs[0][0], 0)  # the first run starts with the trace
+    bounds = _annotated_step_bounds(trace, scopes)
+    if bounds:
+        runs = _split_at(runs, [b for b, _ in bounds])
+        run_starts = [start for _, start in runs]
+        step_starts = [(bisect.bisect_left(run_starts, b), number) for b, number in bounds]
+    else:
+        step_starts = [(k, number) for number, k in enumerate(_inferred_step_starts([p for p, _ in runs]))]
+    spans = [PhaseSpan(phase, start, (runs[k + 1][1] - 1) if k + 1 < len(runs) else n - 1)
+             for k, (phase, start) in enumerate(runs)]
+    for span in spans:
+        window = running[span.start_event: span.end_event + 1]
+        top = int(window.argmax())
+        span.peak_event_index = span.start_event + top
+        span.peak_bytes = static + int(window[top])
+    steps: List[Step] = []
+    run_step: List[Optional[int]] = [None] * len(spans)
+    for j, (first, number) in enumerate(step_starts):
+        last = step_starts[j + 1][0] if j + 1 < len(step_starts) else len(spans)
+        if first >= last:
+            continue
+        for k in range(first, last):
+            run_step[k] = len(steps)
+        steps.append(Step(number, spans[first].start_event, spans[last - 1].end_event, spans[first:last]))
+    return Timeline(spans, steps, [s.start_event for s in spans], run_step)
+
+
+def _annotated_step_bounds(trace: List[Any], scopes: Scopes) -> List[Tuple[int, int]]:
+    """(first event, step number) of each `ProfilerStep#N` scope, when events carry times."""
+    if not scopes.steps:
+        return []
+    times = [e.get("time_us") if isinstance(e, dict) else None for e in trace]
+    if not all(isinstance(t, int) for t in times):
+        return []
+    bounds: List[Tuple[int, int]] = []
+    for start, _, number in scopes.steps:
+        event = bisect.bisect_left(times, start)
+        if event < len(trace) and (not bounds or event > bounds[-1][0]):
+            bounds.append((event, number))
+    return bounds
+
+
+def _split_at(runs: List[Tuple[str, int]], events: Sequence[int]) -> List[Tuple[str, int]]:
+    """Runs cut at each of `events` (ascending), so that every step begins with a run of its own."""
+    out: List[Tuple[str, int]] = []
+    j = 0
+    for k, (phase, start) in enumerate(runs):
+        end = runs[k + 1][1] if k + 1 < len(runs) else float("inf")
+        out.append((phase, start))
+        while j < len(events) and events[j] < end:
+            if events[j] > start:
+                out.append((phase, events[j]))
+            j += 1
+    return out
