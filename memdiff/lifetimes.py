@@ -25,7 +25,7 @@ from __future__ import annotations
 import bisect
 import re
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Container, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -34,6 +34,7 @@ from memdiff.model import PhaseSpan, Step
 FORWARD, BACKWARD, OPTIMIZER, OTHER = "forward", "backward", "optimizer", "other"
 PHASES = (FORWARD, BACKWARD, OPTIMIZER, OTHER)
 SETUP = "setup"  # model construction and moves: a hint only, shown as phase `other`
+CONTINUES = "continues"  # a hint only: a new version of a tensor stays in the phase it is in
 BEFORE_TRACE, NEVER = "before_trace", "never"
 
 # What a frame says about the phase, strongest first. Matched against "file:name" of a raw
@@ -197,12 +198,14 @@ def _fill(labels: List[Optional[str]]) -> List[str]:
     following: Optional[str] = None
     nxt: List[Optional[str]] = [None] * len(out)
     for k in range(len(out) - 1, -1, -1):
-        if out[k] is not None:
+        if out[k] not in (None, CONTINUES):
             following = out[k]
         nxt[k] = following
     previous: Optional[str] = None
     for k, label in enumerate(out):
-        if label is None:
+        if label == CONTINUES:
+            out[k] = previous
+        elif label is None:
             out[k] = nxt[k] if previous in (None, OPTIMIZER, SETUP) and nxt[k] is not None else previous
         else:
             previous = label
@@ -295,11 +298,12 @@ class Timeline:
 
 
 def build_timeline(trace: List[Any], allocs: Sequence[int], running: np.ndarray, static: int, scopes: Scopes,
-                   frames_of: Callable[[Any], Any] = lambda e: e.get("frames")) -> Timeline:
+                   versions: Container[int] = ()) -> Timeline:
     """Steps and phase runs of one device trace.
 
-    `allocs` are the trace's alloc event indices in order and `running` the running total after
-    each event (static memory excluded), so each run's peak comes from one numpy max.
+    `allocs` are the trace's alloc event indices in order, `running` the running total after
+    each event (static memory excluded), so each run's peak comes from one numpy max, and
+    `versions` the allocs that are new versions of a tensor (they stay in the phase around them).
     """
     n = len(trace)
     if n == 0 or not len(allocs):
@@ -311,7 +315,7 @@ def build_timeline(trace: List[Any], allocs: Sequence[int], running: np.ndarray,
     for k in positions:
         e = trace[allocs[k]]
         label = scopes.phase_at(e.get("time_us")) if scopes.has_phases else None
-        labels.append(label or hints.of(frames_of(e)))
+        labels.append(label or (CONTINUES if allocs[k] in versions else hints.of(e.get("frames"))))
     runs = _runs([allocs[k] for k in positions], _fill(labels))
     runs[0] = (runs[0][0], 0)  # the first run starts with the trace
     bounds = _annotated_step_bounds(trace, scopes)

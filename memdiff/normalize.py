@@ -218,7 +218,7 @@ def _device_summary(snapshot: Snapshot, device: int, stacks: StackNormalizer) ->
             peak_index, peak = k, static + int(running[k])
 
     scopes = Scopes(snapshot.external_annotations, device)
-    timeline = build_timeline(trace, walk.allocs, running, static, scopes)
+    timeline = build_timeline(trace, walk.allocs, running, static, scopes, walk.version_of)
     p = -1 if peak_index is None else peak_index
     n = len(trace)
     live_items = _live_at(walk, trace, p, dump_only, timeline)

@@ -6,7 +6,15 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
 from memdiff.errors import InputError
-from memdiff.model import DeviceSummary, Frame, Summary
+from memdiff.lifetimes import BACKWARD, FORWARD, OPTIMIZER, OTHER
+from memdiff.model import DeviceSummary, Frame, Group, Summary
+
+# Categories expected to live across steps; anything else kept from an earlier step is a leak.
+PERSISTENT = ("parameter", "gradient", "optimizer_state")
+PHASE_COLUMNS = (FORWARD, BACKWARD, OPTIMIZER, OTHER)
+# Steps shown in the per-phase table: all up to this many, else the first, the last and
+# those around the peak's.
+SHOWN_STEPS = 6
 
 
 @dataclass
@@ -23,6 +31,25 @@ class PeakRow:
 
 
 @dataclass
+class StepRow:
+    """One step of the per-phase table: the highest memory of each phase (None: no such phase),
+    how many runs of each phase the step has, and whether the device's peak is in it."""
+
+    step: Optional[int]  # None: the row stands for steps left out
+    peaks: Dict[str, Optional[int]]
+    runs: Dict[str, int]
+    holds_peak: bool = False
+
+
+@dataclass
+class Kept:
+    """Memory live at the peak that was allocated in an earlier step and is not expected to be."""
+
+    bytes: int
+    groups: List[Group]
+
+
+@dataclass
 class DevicePeak:
     """A device's summary with its table ready to show."""
 
@@ -33,6 +60,8 @@ class DevicePeak:
     categories: List[Tuple[str, int, float]]
     scopes: List[Tuple[str, int, float]]
     compile_contexts: List[Tuple[str, int, float]]
+    steps: List[StepRow]
+    kept: Optional[Kept]
 
 
 def _share(part: int, whole: int) -> float:
@@ -60,7 +89,47 @@ def device_peak(device: DeviceSummary, top: Optional[int]) -> DevicePeak:
     reached_by = next((g.site for g in groups if g.signature == device.peak_event_signature), None)
     return DevicePeak(device, reached_by, rows, total, _shares(device.categories, device.peak_bytes),
                       _shares(device.bytes_by_scope, device.peak_bytes),
-                      _shares(device.bytes_by_compile_context, device.peak_bytes))
+                      _shares(device.bytes_by_compile_context, device.peak_bytes),
+                      step_rows(device), kept_from_earlier_steps(device))
+
+
+def kept_from_earlier_steps(device: DeviceSummary) -> Optional[Kept]:
+    """Groups holding bytes from earlier steps outside the categories that live across steps
+    (parameters, gradients, optimizer state), largest first; None when there are none."""
+    groups = sorted((g for g in device.groups if g.bytes_from_earlier_steps and g.category not in PERSISTENT),
+                    key=lambda g: -g.bytes_from_earlier_steps)
+    if not groups:
+        return None
+    return Kept(sum(g.bytes_from_earlier_steps for g in groups), groups)
+
+
+def step_rows(device: DeviceSummary) -> List[StepRow]:
+    """The per-phase table: per step, the peak of each phase; long runs of steps are cut to the
+    first, the last and those around the peak's step, a row with step None standing for a gap."""
+    rows = []
+    for s in device.steps:
+        peaks: Dict[str, Optional[int]] = {phase: None for phase in PHASE_COLUMNS}
+        runs = {phase: 0 for phase in PHASE_COLUMNS}
+        holds = False
+        for span in s.phases:
+            seen = peaks[span.phase]
+            peaks[span.phase] = span.peak_bytes if seen is None else max(seen, span.peak_bytes)
+            runs[span.phase] += 1
+            holds = holds or (device.peak_event_index is not None
+                              and span.start_event <= device.peak_event_index <= span.end_event)
+        rows.append(StepRow(s.step, peaks, runs, holds))
+    if len(rows) <= SHOWN_STEPS:
+        return rows
+    at = next((k for k, r in enumerate(rows) if r.holds_peak), 0)
+    keep = sorted({0, len(rows) - 1, at - 1, at, at + 1} & set(range(len(rows))))
+    out: List[StepRow] = []
+    last = -1
+    for k in keep:
+        if out and k > last + 1:
+            out.append(StepRow(None, {}, {}))
+        out.append(rows[k])
+        last = k
+    return out
 
 
 def peak_report(path: str, summary: Summary, top: Optional[int], device: Optional[int] = None) -> List[DevicePeak]:

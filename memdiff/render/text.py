@@ -10,7 +10,7 @@ from tabulate import tabulate
 from memdiff.diff import Diff, Folded
 from memdiff.gate import Verdict
 from memdiff.model import Frame, Source, Summary
-from memdiff.peak import DevicePeak, PeakRow
+from memdiff.peak import PHASE_COLUMNS, DevicePeak, Kept, PeakRow, StepRow
 from memdiff.render.table import category_table, check_line, diff_table, peak_line
 from memdiff.units import format_bytes
 
@@ -50,7 +50,8 @@ def _device_block(p: DevicePeak) -> List[str]:
     if p.reached_by:
         facts.append(("reached by", "", p.reached_by))
     if d.phase_at_peak:
-        facts.append(("phase", "", d.phase_at_peak))
+        step = f", step {d.step_at_peak}" if d.step_at_peak is not None else ""
+        facts.append(("phase", "", f"{d.phase_at_peak}{step}"))
     if d.scope_at_peak:
         facts.append(("scope", "", f"{d.scope_at_peak} (record_function scope open at the peak)"))
     facts.append(("static", format_bytes(d.static_bytes), "live before the trace began, counted from its start"))
@@ -64,6 +65,8 @@ def _device_block(p: DevicePeak) -> List[str]:
             f"({format_bytes(d.unmatched_free_bytes)}) count as static memory. Record with a larger "
             f"max_entries to see their stacks."
         )
+    if p.kept:
+        out.append(kept_line(p.kept))
     for o in d.oom_events:
         free = format_bytes(o.device_free_bytes) if o.device_free_bytes is not None else "unknown"
         out.append(f"OOM at event {o.event_index:,}: asked for {format_bytes(o.requested_bytes)} "
@@ -75,12 +78,41 @@ def _device_block(p: DevicePeak) -> List[str]:
             out.append(tabulate([[name, format_bytes(n), f"{pct:.1f}%"] for name, n, pct in shares],
                                 headers=[title, "bytes at peak", "share"], tablefmt="simple",
                                 colalign=("left", "right", "right")))
+    if p.steps:
+        out.append("")
+        out.append(phase_table(p.steps, "simple"))
     rows = [[r.label, f"{r.count:,}", format_bytes(r.bytes), f"{r.share_pct:.1f}%", r.category, _site_cell(r)]
             for r in p.rows + [p.total]]
     out.append("")
     out.append(tabulate(rows, headers=["#", "count", "bytes", "share", "category", "site and stack (innermost first)"],
                         tablefmt="simple", colalign=("right", "right", "right", "right", "left", "left")))
     return out
+
+
+def kept_line(kept: Kept, sites: int = 3) -> str:
+    """The leak line: bytes kept from earlier steps and the groups that hold them."""
+    named = ", ".join(f"{g.site} ({g.category}, {format_bytes(g.bytes_from_earlier_steps)})"
+                      for g in kept.groups[:sites])
+    more = f" and {len(kept.groups) - sites} more" if len(kept.groups) > sites else ""
+    return (f"leak? {format_bytes(kept.bytes)} live at the peak was allocated in earlier steps and is not "
+            f"parameters, gradients or optimizer state: {named}{more}")
+
+
+def _phase_cell(row: StepRow, phase: str) -> str:
+    peak = row.peaks.get(phase)
+    if peak is None:
+        return ""
+    runs = row.runs.get(phase, 0)
+    return format_bytes(peak) + (f" ({runs} runs)" if runs > 1 else "")
+
+
+def phase_table(rows: List[StepRow], tablefmt: str) -> str:
+    """Per step, the highest memory of each phase; `*` marks the step holding the peak."""
+    columns = [c for c in PHASE_COLUMNS if any(r.peaks.get(c) is not None for r in rows)]
+    cells = [["…", *[""] * len(columns)] if r.step is None else
+             [f"{r.step}{' *' if r.holds_peak else ''}", *[_phase_cell(r, c) for c in columns]] for r in rows]
+    return tabulate(cells, headers=["step", *[f"{c} peak" for c in columns]], tablefmt=tablefmt,
+                    colalign=("right", *["right"] * len(columns)))
 
 
 def render_peak(summary: Summary, peaks: List[DevicePeak]) -> str:

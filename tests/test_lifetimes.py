@@ -1,0 +1,223 @@
+"""Steps, phases and lifetimes on hand-built traces whose answer can be worked out by hand."""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Dict, List, Optional
+
+import pytest
+
+from conftest import alloc, free
+from memdiff.classify import load_rules
+from memdiff.cli import main
+from memdiff.inputs import read_summary
+from memdiff.lifetimes import Lifetime
+from memdiff.peak import PERSISTENT
+
+SP = "/venv/lib/python3.12/site-packages/"
+
+
+def prof(*names: str) -> List[Dict[str, Any]]:
+    """Profiler-route frames (CPU captures): the file and line live in the name."""
+    return [{"filename": "none", "line": 0, "name": n} for n in names]
+
+
+LOOP = "train.py(20): <module>"
+FWD = prof("<built-in function linear>", "torch/nn/modules/linear.py(130): forward", "model.py(12): forward", LOOP)
+LOSS = prof("<built-in method mean of Tensor object at 0x7f>", LOOP)
+BWD = prof("<built-in method run_backward of torch._C._EngineBase object at 0x7f>",
+           "torch/autograd/graph.py(966): _engine_run_backward", "torch/autograd/__init__.py(255): backward", LOOP)
+STATE = prof("<built-in method zeros_like of type object at 0x7f>", "torch/optim/adam.py(139): _init_group",
+             "torch/optim/adam.py(214): step", LOOP)
+UPDATE = prof("<built-in method sqrt of Tensor object at 0x7f>", "torch/optim/adam.py(347): _single_tensor_adam",
+              "torch/optim/adam.py(214): step", LOOP)
+BATCH = prof("<built-in method randint of type object at 0x7f>", LOOP)
+
+
+class Trace:
+    """A profiler-route trace written step by step, with the parameter already on the device."""
+
+    def __init__(self) -> None:
+        self.events: List[Dict[str, Any]] = []
+        self.addr = 0x10000
+        self.params = [(0x1000, 4096)]  # (address, bytes) of tensors built before recording
+
+    def new(self, size: int, frames: List[Dict[str, Any]], **kw: Any) -> int:
+        self.addr += 0x10000
+        self.events.append(alloc(self.addr, size, frames, **kw))
+        return self.addr
+
+    def drop(self, addr: int, size: int, frames: List[Dict[str, Any]], **kw: Any) -> None:
+        self.events.append(free(addr, size, frames, completed=False, **kw))
+        self.events.append(free(addr, size, frames, **kw))
+
+    def step(self, first: bool, keep: Optional[List[int]]) -> None:
+        """One training step; a leaky loop passes `keep`, which holds on to the activations."""
+        batch = self.new(1000, BATCH)
+        acts = [self.new(100_000, FWD) for _ in range(3)]
+        loss = self.new(4, LOSS)
+        backward_tmp = self.new(50_000, BWD)
+        if first:
+            self.new(4096, BWD)  # the parameter's .grad: kept after the backward
+        self.drop(backward_tmp, 50_000, BWD)
+        for a in acts:
+            if keep is None:
+                self.drop(a, 100_000, FWD)  # saved tensors are released by the backward
+            else:
+                keep.append(a)
+        if first:
+            self.new(4096, STATE), self.new(4096, STATE)  # AdamW's two moments
+        update_tmp = self.new(4096, UPDATE)
+        self.drop(update_tmp, 4096, UPDATE)
+        for addr, size in self.params:  # the in-place update: a new version of the parameter
+            self.events.append(free(addr, size, [], completed=False))
+            self.events.append(free(addr, size, []))
+            self.events.append(alloc(addr, size, []))
+        self.drop(loss, 4, LOSS)
+        self.drop(batch, 1000, BATCH)
+
+    def snapshot(self) -> Dict[str, Any]:
+        blocks_at_end = [{"size": s, "requested_size": s, "state": "active_allocated", "frames": []}
+                         for _, s in self.params]
+        return {"device_traces": [self.events],
+                "segments": [{"device": 0, "address": 0x1000, "total_size": 4096, "allocated_size": 4096,
+                              "stream": 0, "blocks": blocks_at_end}]}
+
+
+def training(steps: int = 2, leak: bool = False) -> Dict[str, Any]:
+    t = Trace()
+    kept: Optional[List[int]] = [] if leak else None
+    for k in range(steps):
+        t.step(first=k == 0, keep=kept)
+    return t.snapshot()
+
+
+def summary_of(write_snapshot, snap: Dict[str, Any]):
+    return read_summary(write_snapshot(snap), load_rules()).devices[0]
+
+
+def test_steps_and_phases_from_stacks(write_snapshot):
+    d = summary_of(write_snapshot, training(steps=3))
+    assert [s.step for s in d.steps] == [0, 1, 2]
+    assert [[p.phase for p in s.phases] for s in d.steps] == [["forward", "backward", "optimizer"]] * 3
+    # The batch is made before the forward: it opens the step, not the previous update.
+    batches = [i for i, e in enumerate(training(steps=3)["device_traces"][0])
+               if e["action"] == "alloc" and e["frames"] == BATCH]
+    assert [s.start_event for s in d.steps] == batches
+    # Steps cover the trace without gaps, and each phase's peak lies inside it.
+    assert d.steps[0].start_event == 0 and d.steps[-1].end_event == d.trace_events - 1
+    for before, after in zip(d.steps, d.steps[1:]):
+        assert after.start_event == before.end_event + 1
+    for p in (p for s in d.steps for p in s.phases):
+        assert p.start_event <= p.peak_event_index <= p.end_event
+    assert max(p.peak_bytes for s in d.steps for p in s.phases) == d.peak_bytes
+
+
+def test_the_peak_in_the_backward_of_the_second_step(write_snapshot):
+    d = summary_of(write_snapshot, training(steps=2))
+    # Three 100 kB activations, the batch, the loss, the parameter, its gradient and both moments.
+    assert d.peak_bytes == 4096 + 1000 + 300_000 + 4 + 50_000 + 4096 * 3
+    assert (d.phase_at_peak, d.step_at_peak) == ("backward", 1)
+
+
+def test_categories_from_lifetimes_on_cpu_stacks(write_snapshot):
+    d = summary_of(write_snapshot, training(steps=2))
+    by = {(g.site, g.category): g for g in d.groups}
+    # Both are allocated under run_backward: only the lifetime tells the gradient from the temporary.
+    grad = by[("graph.py:_engine_run_backward <- run_backward", "gradient")]
+    assert grad.bytes == 4096 and grad.lifetime == {"born": "backward", "freed": "never", "outlives": "trace"}
+    assert by[("graph.py:_engine_run_backward <- run_backward", "autograd")].bytes == 50_000
+    assert by[("adam.py:_init_group <- zeros_like", "optimizer_state")].bytes == 8192
+    # The parameter was updated in place before the peak: the re-version continues it.
+    param = by[("<no stack: live before the trace>", "parameter")]
+    assert param.bytes == 4096 and param.count == 1
+    assert not any(g.site == "<no stack>" for g in d.groups)
+    assert d.unmatched_free_count == 0 and d.unmatched_free_bytes == 0
+    assert sum(d.categories.values()) == d.peak_bytes
+
+
+def test_re_versions_change_who_owns_bytes_not_the_totals(write_snapshot):
+    snap = training(steps=2)
+    merged = summary_of(write_snapshot, snap)
+    # The same events written by a CUDA recording are not the profiler route: no re-versions.
+    cuda = {**snap, "device_traces": [[{**e, "frames": [{"filename": "train.py", "line": 20, "name": "<module>"}]
+                                         if e["frames"] else [], "time_us": 1000 + i}
+                                        for i, e in enumerate(snap["device_traces"][0])]]}
+    plain = summary_of(write_snapshot, cuda)
+    assert (merged.peak_bytes, merged.static_bytes) == (plain.peak_bytes, plain.static_bytes)
+    assert (merged.unmatched_free_count, plain.unmatched_free_count) == (0, 1)
+
+
+def test_phases_from_annotations_when_stacks_say_nothing(write_snapshot):
+    events, annotations, t = [], [], 1000
+
+    def scope(name: str, stage: str) -> None:
+        annotations.append({"name": name, "stage": stage, "device": 0, "time_us": t})
+
+    addr = 0x100000
+    for step in range(2):
+        scope(f"ProfilerStep#{step + 5}", "START")
+        for phase, sizes in (("## forward ##", [300, 300]), ("## backward ##", [200]),
+                             ("Optimizer.step#AdamW.step", [10])):
+            scope(phase, "START")
+            for size in sizes:
+                t += 10
+                addr += 0x1000
+                events.append(alloc(addr, size, time_us=t))
+                t += 10
+                events.append(free(addr, size, time_us=t))
+            t += 10
+            scope(phase, "END")
+        scope(f"ProfilerStep#{step + 5}", "END")
+    d = summary_of(write_snapshot, {"device_traces": [events], "segments": [], "external_annotations": annotations})
+    assert [s.step for s in d.steps] == [5, 6]
+    assert [[p.phase for p in s.phases] for s in d.steps] == [["forward", "backward", "optimizer"]] * 2
+    assert (d.phase_at_peak, d.step_at_peak) == ("forward", 5)
+
+
+def test_a_stray_stack_inside_a_phase_is_not_a_phase(write_snapshot):
+    t = Trace()
+    for frames in [FWD] * 5 + [BWD] + [FWD] * 5 + [BWD] * 5 + [STATE]:
+        t.new(10, frames)
+    d = summary_of(write_snapshot, t.snapshot())
+    assert [p.phase for p in d.steps[0].phases] == ["forward", "backward", "optimizer"]
+
+
+def test_a_leak_keeps_activations_from_earlier_steps(write_snapshot, capsys):
+    leaky = summary_of(write_snapshot, training(steps=3, leak=True))
+    kept = [g for g in leaky.groups if g.bytes_from_earlier_steps and g.category not in PERSISTENT]
+    assert {g.category for g in kept} == {"activation"}
+    assert sum(g.bytes_from_earlier_steps for g in kept) == 6 * 100_000  # steps 0 and 1
+    clean = summary_of(write_snapshot, training(steps=3))
+    assert not any(g.bytes_from_earlier_steps for g in clean.groups if g.category not in PERSISTENT)
+
+    assert main(["peak", write_snapshot(training(steps=3, leak=True), "leaky.pickle")]) == 0
+    out = capsys.readouterr().out
+    assert ("leak? 585.94 KiB live at the peak was allocated in earlier steps and is not parameters, "
+            "gradients or optimizer state: linear.py:forward <- linear (activation, 585.94 KiB)") in out
+    assert main(["peak", write_snapshot(training(steps=3), "clean.pickle")]) == 0
+    assert "leak?" not in capsys.readouterr().out
+
+
+def test_the_per_phase_table_in_memdiff_peak(write_snapshot, capsys):
+    assert main(["peak", write_snapshot(training(steps=2))]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"^phase +backward, step 1$", out, re.MULTILINE)
+    table = out[out.index("  step"):].splitlines()
+    assert table[0].split() == ["step", "forward", "peak", "backward", "peak", "optimizer", "peak"]
+    assert table[2].split()[0] == "0" and table[3].split()[:2] == ["1", "*"]
+
+
+@pytest.mark.parametrize("born, end, expected", [
+    (None, 99, Lifetime("before_trace", "never", "trace")),
+    (0, 5, Lifetime("forward", "forward", "none")),
+    (0, 20, Lifetime("forward", "backward", "phase")),
+    (0, 60, Lifetime("forward", "forward", "step")),
+])
+def test_lifetime_facts(write_snapshot, born, end, expected):
+    from memdiff.lifetimes import Timeline
+    from memdiff.model import PhaseSpan, Step
+
+    runs = [PhaseSpan("forward", 0, 9), PhaseSpan("backward", 10, 49), PhaseSpan("forward", 50, 98)]
+    timeline = Timeline(runs, [Step(0, 0, 49, runs[:2]), Step(1, 50, 98, runs[2:])], [0, 10, 50], [0, 0, 1])
+    assert timeline.lifetime(born, end, 99) == expected
