@@ -6,9 +6,10 @@ This is the one module that imports torch, and only when called: the analysis ne
 from __future__ import annotations
 
 import contextlib
+import inspect
 import os
 import pickle
-from typing import Any, Iterator
+from typing import Any, Dict, Iterator
 
 from memdiff.errors import InputError
 
@@ -37,9 +38,21 @@ def _dump(snapshot: Any, path: str) -> None:
     os.replace(tmp, path)
 
 
+def _history_options(record_history: Any) -> Dict[str, Any]:
+    """Options this torch's `_record_memory_history` takes beyond the basic ones: record_function
+    scopes (`global_record_annotations`, torch 2.5+) give memdiff steps and phases from PyTorch
+    itself instead of reading them off the stacks."""
+    try:
+        accepted = inspect.signature(record_history).parameters
+    except (TypeError, ValueError):
+        return {}
+    return {"global_record_annotations": True} if "global_record_annotations" in accepted else {}
+
+
 @contextlib.contextmanager
 def _record_cuda(torch: Any, path: str, max_entries: int, stacks: str) -> Iterator[None]:
-    torch.cuda.memory._record_memory_history(enabled="all", stacks=stacks, max_entries=max_entries)
+    record_history = torch.cuda.memory._record_memory_history
+    record_history(enabled="all", stacks=stacks, max_entries=max_entries, **_history_options(record_history))
     try:
         yield
     finally:
@@ -70,12 +83,14 @@ def _record_cpu(torch: Any, path: str) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def record(path: str, *, max_entries: int = 1_000_000, stacks: str = "python") -> Iterator[None]:
+def record(path: str, *, max_entries: int = 1_000_000, stacks: str = "all") -> Iterator[None]:
     """Record every allocation made inside the block and write the snapshot to `path`.
 
-    With CUDA: the caching allocator's history (`max_entries` is its ring buffer; `stacks` is
-    "python" or "all" to include C++ frames). Without CUDA: the profiler's memory events,
-    converted to the same format, each carrying PyTorch's own category.
+    With CUDA: the caching allocator's history (`max_entries` is its ring buffer), with
+    record_function scopes where the torch version records them. `stacks="all"` (PyTorch's own
+    default) keeps C++ frames, which name autograd nodes (`AddmmBackward0`, `AccumulateGrad`);
+    `stacks="python"` is the fallback when the C++ unwinder crashes. Without CUDA: the
+    profiler's memory events, converted to the same format, each carrying PyTorch's own category.
     """
     if stacks not in STACKS:
         raise ValueError(f"stacks must be one of {STACKS}, not {stacks!r}")

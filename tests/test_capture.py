@@ -109,6 +109,20 @@ def test_the_gate_fails_the_debug_projections_against_the_clean_baseline(capture
     assert main(["gate", captured[True], "--baseline", str(tmp_path / "gpt.json")]) == 0
 
 
+def test_the_cuda_route_on_a_torch_without_annotations_still_records(torch, monkeypatch, tmp_path):
+    calls = []
+
+    def record_memory_history(enabled="all", context="all", stacks="all", max_entries=1):  # torch 2.1's signature
+        calls.append((enabled, stacks))
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda.memory, "_record_memory_history", record_memory_history, raising=False)
+    monkeypatch.setattr(torch.cuda.memory, "_snapshot", lambda: {"segments": [], "device_traces": [[]]}, raising=False)
+    with record(str(tmp_path / "old.pickle"), stacks="python"):
+        pass
+    assert calls == [("all", "python"), (None, "all")]
+
+
 def test_record_writes_the_snapshot_even_when_the_block_raises(torch, tmp_path):
     path = tmp_path / "oom.pickle"
     with pytest.raises(RuntimeError, match="simulated OOM"):
@@ -169,13 +183,19 @@ def test_the_cuda_route_records_dumps_on_failure_and_stops(torch, monkeypatch, t
     calls = []
     snapshot = {"segments": [], "device_traces": [[{"action": "alloc", "addr": 1, "size": 512, "stream": 0,
                                                      "frames": [{"filename": "train.py", "line": 3, "name": "f"}]}]]}
+
+    def record_memory_history(enabled="all", context="all", stacks="all", max_entries=1, compile_context=False,
+                              global_record_annotations=False, skip_actions=None):  # torch 2.13's signature
+        calls.append((enabled, stacks, max_entries, global_record_annotations))
+
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda.memory, "_record_memory_history", lambda **kw: calls.append(kw), raising=False)
+    monkeypatch.setattr(torch.cuda.memory, "_record_memory_history", record_memory_history, raising=False)
     monkeypatch.setattr(torch.cuda.memory, "_snapshot", lambda: snapshot, raising=False)
     path = tmp_path / "oom.pickle"
     with pytest.raises(RuntimeError, match="CUDA out of memory"):
-        with record(str(path), max_entries=5000, stacks="all"):
+        with record(str(path), max_entries=5000):
             raise RuntimeError("CUDA out of memory")
-    assert calls == [{"enabled": "all", "stacks": "all", "max_entries": 5000}, {"enabled": None}]
+    # stacks="all" by default, and record_function scopes recorded for steps and phases.
+    assert calls == [("all", "all", 5000, True), (None, "all", 1, False)]
     assert read_summary(str(path), load_rules()).devices[0].peak_bytes == 512
     assert open(path, "rb").read(2) == b"\x80\x04"  # protocol 4, as pytorch.org/memory_viz reads

@@ -29,8 +29,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-o", "--output", required=True, metavar="FILE", help="snapshot file to write")
     p.add_argument("--max-entries", type=count_arg, default=1_000_000, metavar="N",
                    help="CUDA ring buffer size in trace entries (default: 1000000)")
-    p.add_argument("--stacks", choices=STACKS, default="python",
-                   help="CUDA stacks: python frames only, or all (with C++ frames)")
+    p.add_argument("--stacks", choices=STACKS, default="all",
+                   help="CUDA stacks: all (the default: C++ frames name autograd nodes) or python "
+                        "(when the C++ unwinder crashes)")
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- python SCRIPT ARGS | -- python -m MODULE ARGS")
 
 
