@@ -160,12 +160,24 @@ def category_of(group: Group, rules: Sequence[Rule]) -> str:
     return OTHER
 
 
-def _classify_device(d: DeviceSummary, rules: Sequence[Rule]) -> DeviceSummary:
-    groups = [replace(g, category=category_of(g, rules)) for g in d.groups]
+def _classified(groups: Sequence[Group], rules: Sequence[Rule]) -> Tuple[List[Group], Dict[str, int]]:
+    out = [replace(g, category=category_of(g, rules)) for g in groups]
     totals: Dict[str, int] = {}
-    for g in groups:
+    for g in out:
         totals[g.category] = totals.get(g.category, 0) + g.bytes
-    return replace(d, groups=groups, categories=largest_first(totals))
+    return out, largest_first(totals)
+
+
+def _classify_device(d: DeviceSummary, rules: Sequence[Rule]) -> DeviceSummary:
+    groups, categories = _classified(d.groups, rules)
+    phase_peaks = []
+    for p in d.phase_peaks:
+        if p.groups is None:
+            phase_peaks.append(replace(p, categories=categories))
+        else:
+            p_groups, p_categories = _classified(p.groups, rules)
+            phase_peaks.append(replace(p, groups=p_groups, categories=p_categories))
+    return replace(d, groups=groups, categories=categories, phase_peaks=phase_peaks)
 
 
 def classify(summary: Summary, rules: Sequence[Rule]) -> Summary:

@@ -16,8 +16,9 @@ Because each summary's groups add up to its peak, the rows' deltas add up to the
 from __future__ import annotations
 
 import posixpath
+import re
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from memdiff.frames import PROFILER_MODULE
@@ -31,8 +32,20 @@ BY_SIGNATURE, BY_SITE = "signature", "site"
 
 
 @dataclass
+class Member:
+    """One group of one run that a row aligns (a row may hold several of each run)."""
+
+    side: str  # "base" or "head"
+    signature: str
+    count: int
+    bytes: int
+    bytes_from_earlier_steps: int
+    frames: List[Frame]
+
+
+@dataclass
 class DiffRow:
-    """One aligned group (or a NEW/GONE one) and how it changed."""
+    """One aligned set of groups (or a NEW/GONE one) and how it changed."""
 
     status: str
     site: str
@@ -45,6 +58,11 @@ class DiffRow:
     delta_bytes: int
     frames: List[Frame]
     matched_by: Optional[str]
+    context: str = ""  # the module (or model-code line) the allocation happens in, when the frames say
+    label: str = ""  # the site, with the context or category added where two rows would read alike
+    base_earlier_bytes: int = 0  # bytes allocated in a step before the peak's step
+    head_earlier_bytes: int = 0
+    members: List[Member] = field(default_factory=list)
 
 
 @dataclass
@@ -83,37 +101,122 @@ class Diff:
 
 
 def _site_key(callers: int):
-    """Key function: the group's allocation point plus `callers` outer Python frames."""
+    """Key function: the group's category and allocation point plus `callers` outer Python frames."""
     def key(g: Group) -> Tuple:
         frames = [(posixpath.basename(f.file), f.name) for f in g.frames if not PROFILER_MODULE.match(f.name)]
         python = [i for i, f in enumerate(g.frames) if f.file.endswith(".py")]
         end = python[min(callers, len(python) - 1)] + 1 if python else len(frames)
-        return (g.site, *frames[:end])
+        return (g.category, g.site, *frames[:end])
     return key
 
 
 def _site_label(g: Group) -> Tuple:
-    return (g.site,)
+    return (g.category, g.site)
 
 
 SITE_KEYS = tuple(_site_key(n) for n in range(SITE_CALLERS, -1, -1)) + (_site_label,)
 
+MODULE = re.compile(r"^nn\.Module: (\w+?)(?:_\d+)?$")
+LIBRARY = re.compile(r"^(torch|stdlib)/")
 
-def _row(base: Optional[Group], head: Optional[Group], matched_by: Optional[str]) -> DiffRow:
-    shown = head or base
-    assert shown is not None
-    b_bytes, h_bytes = (base.bytes if base else 0), (head.bytes if head else 0)
+
+def context_of(frames: Sequence[Frame]) -> str:
+    """The module an allocation happens in: the innermost `nn.Module` scope of profiler frames
+    (`BertIntermediate`), else the innermost model-code frame with its line (`modeling_bert.py:482`),
+    model code being any Python file outside torch and the standard library."""
+    for f in frames:
+        m = MODULE.match(f.name)
+        if m:
+            return m.group(1)
+    for f in frames:
+        if f.file.endswith(".py") and not LIBRARY.match(f.file):
+            return f"{posixpath.basename(f.file)}:{f.line}"
+    return ""
+
+
+def _row(base: Sequence[Group], head: Sequence[Group], matched_by: Optional[str]) -> DiffRow:
+    members = [Member("base", g.signature, g.count, g.bytes, g.bytes_from_earlier_steps, list(g.frames)) for g in base]
+    members += [Member("head", g.signature, g.count, g.bytes, g.bytes_from_earlier_steps, list(g.frames))
+                for g in head]
+    shown = max(head or base, key=lambda g: (g.bytes, g.signature))
+    b_bytes, h_bytes = sum(g.bytes for g in base), sum(g.bytes for g in head)
     delta = h_bytes - b_bytes
-    if base is None:
+    if not base:
         status = NEW
-    elif head is None:
+    elif not head:
         status = GONE
     else:
         status = GREW if delta > 0 else SHRANK if delta < 0 else SAME
     return DiffRow(status=status, site=shown.site, signature=shown.signature, category=shown.category,
-                   base_count=base.count if base else 0, head_count=head.count if head else 0,
+                   base_count=sum(g.count for g in base), head_count=sum(g.count for g in head),
                    base_bytes=b_bytes, head_bytes=h_bytes, delta_bytes=delta, frames=list(shown.frames),
-                   matched_by=matched_by)
+                   matched_by=matched_by, context=context_of(shown.frames), label=shown.site,
+                   base_earlier_bytes=sum(g.bytes_from_earlier_steps for g in base),
+                   head_earlier_bytes=sum(g.bytes_from_earlier_steps for g in head),
+                   members=members if len(members) > 2 or matched_by == BY_SITE else [])
+
+
+def _merge(rows: Sequence[DiffRow]) -> DiffRow:
+    """One row of several that read alike and changed in opposite directions."""
+    members = [m for r in rows for m in (r.members or _members_of(r))]
+    shown = max(rows, key=lambda r: (max(r.base_bytes, r.head_bytes), r.signature))
+    b, h = sum(r.base_bytes for r in rows), sum(r.head_bytes for r in rows)
+    status = NEW if not b else GONE if not h else GREW if h > b else SHRANK if h < b else SAME
+    return DiffRow(status=status, site=shown.site, signature=shown.signature, category=shown.category,
+                   base_count=sum(r.base_count for r in rows), head_count=sum(r.head_count for r in rows),
+                   base_bytes=b, head_bytes=h, delta_bytes=h - b, frames=shown.frames, matched_by=BY_SITE,
+                   context=shown.context, label=shown.site, base_earlier_bytes=sum(r.base_earlier_bytes for r in rows),
+                   head_earlier_bytes=sum(r.head_earlier_bytes for r in rows), members=members)
+
+
+def _members_of(r: DiffRow) -> List[Member]:
+    """The members of a one-to-one row (kept implicit there to keep the JSON small)."""
+    out = []
+    if r.base_bytes or r.base_count:
+        out.append(Member("base", r.signature, r.base_count, r.base_bytes, r.base_earlier_bytes, r.frames))
+    if r.head_bytes or r.head_count:
+        out.append(Member("head", r.signature, r.head_count, r.head_bytes, r.head_earlier_bytes, r.frames))
+    return out
+
+
+def _opposites_merged(rows: List[DiffRow]) -> List[DiffRow]:
+    """Rows that read alike (category, site, context) but moved in opposite directions become one:
+    a NEW beside a SHRANK of the same site is one allocation site that split into two groups."""
+    buckets: Dict[Tuple, List[DiffRow]] = defaultdict(list)
+    for r in rows:
+        buckets[(r.category, r.site, r.context)].append(r)
+    out: List[DiffRow] = []
+    for same in buckets.values():
+        moved = [r for r in same if r.delta_bytes]
+        if any(r.delta_bytes > 0 for r in moved) and any(r.delta_bytes < 0 for r in moved):
+            out.append(_merge(moved))
+            out.extend(r for r in same if not r.delta_bytes)
+        else:
+            out.extend(same)
+    return out
+
+
+def label_rows(rows: Sequence[DiffRow]) -> None:
+    """Set each row's label: its site, with the context added where two of `rows` share a site,
+    then the category where they still read alike."""
+    by_site: Dict[str, List[DiffRow]] = defaultdict(list)
+    for r in rows:
+        by_site[r.site].append(r)
+    for same in by_site.values():
+        for r in same:
+            r.label = r.site
+        if len(same) < 2:
+            continue
+        for r in same:
+            if r.context:
+                r.label = f"{r.site} [{r.context}]"
+        labels = defaultdict(list)
+        for r in same:
+            labels[r.label].append(r)
+        for alike in labels.values():
+            if len(alike) > 1 and len({r.category for r in alike}) > 1:
+                for r in alike:
+                    r.label = f"{r.label} ({r.category})"
 
 
 def align(base: Sequence[Group], head: Sequence[Group]) -> List[DiffRow]:
@@ -126,9 +229,11 @@ def align(base: Sequence[Group], head: Sequence[Group]) -> List[DiffRow]:
         if match is None:
             base_left.append(g)
         else:
-            rows.append(_row(g, match, BY_SIGNATURE))
+            rows.append(_row([g], [match], BY_SIGNATURE))
     head_left = [g for g in head if g.signature in head_by_sig]
 
+    # Many to many: every left-over group of a site, in either run, is one row, so a site that
+    # splits into two groups in one run cannot read as a NEW beside a SHRANK.
     for key in SITE_KEYS:
         by_site: Dict[Tuple, List[List[Group]]] = defaultdict(lambda: [[], []])
         for side, groups in enumerate((base_left, head_left)):
@@ -136,14 +241,15 @@ def align(base: Sequence[Group], head: Sequence[Group]) -> List[DiffRow]:
                 by_site[key(g)][side].append(g)
         base_left, head_left = [], []
         for olds, news in by_site.values():
-            olds.sort(key=lambda g: -g.bytes)
-            news.sort(key=lambda g: -g.bytes)
-            pairs = min(len(olds), len(news))
-            rows.extend(_row(o, n, BY_SITE) for o, n in zip(olds, news))
-            base_left += olds[pairs:]
-            head_left += news[pairs:]
-    rows.extend(_row(g, None, None) for g in base_left)
-    rows.extend(_row(None, g, None) for g in head_left)
+            if olds and news:
+                rows.append(_row(olds, news, BY_SITE))
+            else:
+                base_left += olds
+                head_left += news
+    rows.extend(_row([g], [], None) for g in base_left)
+    rows.extend(_row([], [g], None) for g in head_left)
+    rows = _opposites_merged(rows)
+    label_rows(rows)
 
     order = {NEW: 0, GREW: 1, GONE: 2, SHRANK: 3, SAME: 4}
     rows.sort(key=lambda r: (-abs(r.delta_bytes), order[r.status], r.site, r.signature))
@@ -259,8 +365,9 @@ def fold(device: DeviceDiff, top: int, min_delta: int = 0) -> Folded:
     Hidden rows still count: shown + others = total = the peak delta, exactly.
     """
     visible = [r for r in device.rows if abs(r.delta_bytes) >= min_delta]
-    shown = visible[:top]
-    kept = {id(r) for r in shown}
+    kept = {id(r) for r in visible[:top]}
+    shown = [replace(r) for r in visible[:top]]
+    label_rows(shown)  # a context is added only where two shown rows would read alike
     rest = [r for r in device.rows if id(r) not in kept]
     others = _sum_row(f"{len(rest)} others", rest) if rest else None
     return Folded(shown=shown, others=others, total=_sum_row("TOTAL", device.rows))

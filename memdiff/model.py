@@ -7,8 +7,8 @@ whenever a field changes meaning or disappears.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields
-from typing import Any, Dict, List, Optional
+from dataclasses import asdict, dataclass, field, fields, replace
+from typing import Any, Dict, List, Optional, Tuple
 
 SCHEMA_VERSION = 2
 # Summaries of these versions can still be read (fields added since then take their defaults).
@@ -71,6 +71,20 @@ class Step:
 
 
 @dataclass
+class PhasePeak:
+    """The highest memory of one phase over all steps, and what was live then.
+
+    `groups` is None when this moment is the device's peak (its groups are the device's)."""
+
+    phase: str
+    step: Optional[int]
+    peak_bytes: int
+    peak_event_index: int
+    groups: Optional[List[Group]] = None
+    categories: Dict[str, int] = field(default_factory=dict)
+
+
+@dataclass
 class DeviceSummary:
     """Peak accounting for one device, following the rules in snapshot-format.md."""
 
@@ -97,6 +111,22 @@ class DeviceSummary:
     bytes_by_compile_context: Dict[str, int] = field(default_factory=dict)
     steps: List[Step] = field(default_factory=list)
     step_at_peak: Optional[int] = None
+    phase_peaks: List[PhasePeak] = field(default_factory=list)
+
+    def at(self, phase: Optional[str]) -> Optional[Tuple[int, List[Group], Dict[str, int]]]:
+        """(peak bytes, groups, categories) at the peak of `phase` (None or "peak": the device's
+        peak); None when the trace has no such phase."""
+        if phase in (None, "peak"):
+            return self.peak_bytes, self.groups, self.categories
+        for p in self.phase_peaks:
+            if p.phase == phase:
+                if p.groups is None:
+                    return self.peak_bytes, self.groups, self.categories
+                # Stacks are stored once: a group also live at the device's peak keeps its there.
+                stacks = {g.signature: g.frames for g in self.groups}
+                groups = [g if g.frames else replace(g, frames=stacks.get(g.signature, [])) for g in p.groups]
+                return p.peak_bytes, groups, p.categories
+        return None
 
     @classmethod
     def blank(cls, device: int, **values: Any) -> "DeviceSummary":
@@ -149,12 +179,12 @@ class Summary:
         for d in data["devices"]:
             d = _known(DeviceSummary, d)
             d["oom_events"] = [OomEvent(**_known(OomEvent, o)) for o in d["oom_events"]]
+            d["phase_peaks"] = [PhasePeak(**{**_known(PhasePeak, p), "groups": None if p.get("groups") is None
+                                             else [_group(g) for g in p["groups"]]})
+                                 for p in d.get("phase_peaks", [])]
             d["steps"] = [Step(**{**_known(Step, s), "phases": [PhaseSpan(**_known(PhaseSpan, p)) for p in s["phases"]]})
                           for s in d.get("steps", [])]
-            d["groups"] = [
-                Group(**{**_known(Group, g), "frames": [Frame(**_known(Frame, f)) for f in g["frames"]]})
-                for g in d["groups"]
-            ]
+            d["groups"] = [_group(g) for g in d["groups"]]
             devices.append(DeviceSummary(**d))
         return cls(
             source=Source(**_known(Source, data["source"])),
@@ -162,6 +192,10 @@ class Summary:
             tool=data.get("tool", ""),
             schema_version=data["schema_version"],
         )
+
+
+def _group(g: Dict[str, Any]) -> Group:
+    return Group(**{**_known(Group, g), "frames": [Frame(**_known(Frame, f)) for f in g["frames"]]})
 
 
 def _known(cls: type, data: Dict[str, Any]) -> Dict[str, Any]:

@@ -23,9 +23,9 @@ import numpy as np
 from memdiff import __version__
 from memdiff.errors import InputError
 from memdiff.frames import Stack, StackNormalizer, relativize, signature_of
-from memdiff.lifetimes import MAX_STEPS, Lifetime, Scopes, Timeline, build_timeline
+from memdiff.lifetimes import BACKWARD, FORWARD, MAX_STEPS, OPTIMIZER, Lifetime, Scopes, Timeline, build_timeline
 from memdiff.load import Snapshot
-from memdiff.model import DeviceSummary, Group, OomEvent, PhaseSpan, Step, Summary, largest_first
+from memdiff.model import DeviceSummary, Group, OomEvent, PhasePeak, Step, Summary, largest_first
 
 TIMELINE_POINTS = 100
 
@@ -226,6 +226,16 @@ def _device_summary(snapshot: Snapshot, device: int, stacks: StackNormalizer) ->
     reversioned = [i for i in walk.unmatched if i in walk.continued_by]
     unmatched_bytes -= sum(trace[i]["size"] for i in reversioned)
     groups, peak_signature = _group(path, live_items, stacks)
+    phase_peaks = []
+    for phase in (FORWARD, BACKWARD, OPTIMIZER):
+        spans = [span for span in timeline.runs if span.phase == phase]
+        if not spans:
+            continue
+        top = max(spans, key=lambda span: (span.peak_bytes, -span.peak_event_index))
+        at = top.peak_event_index
+        phase_groups = None if at == peak_index else _group(
+            path, _live_at(walk, trace, at, dump_only, timeline), stacks)[0]
+        phase_peaks.append(PhasePeak(phase, timeline.step_at(at), top.peak_bytes, at, phase_groups))
     if sum(g.bytes for g in groups) != peak:
         raise AssertionError(f"{path}: device {device}: groups do not add up to the peak (a memdiff bug)")
 
@@ -269,6 +279,7 @@ def _device_summary(snapshot: Snapshot, device: int, stacks: StackNormalizer) ->
         steps=_steps_kept(timeline, peak_index),
         step_at_peak=timeline.step_at(peak_index) if peak_index is not None else None,
         phase_at_peak=timeline.phase_at(peak_index) if peak_index is not None else None,
+        phase_peaks=phase_peaks,
         bytes_by_scope=largest_first(by_scope),
         bytes_by_compile_context=largest_first(by_context),
     )
@@ -329,6 +340,13 @@ def summarize(snapshot: Snapshot) -> Summary:
     stacks = StackNormalizer()
     devices = [_device_summary(snapshot, d, stacks) for d in devices_of(snapshot)]
     all_groups = [g for d in devices for g in d.groups]
+    all_groups += [g for d in devices for p in d.phase_peaks for g in (p.groups or [])]
     for group, frames in zip(all_groups, relativize([g.frames for g in all_groups])):
         group.frames = frames
+    for d in devices:  # a phase peak's group that the device's peak also has keeps its stack there
+        at_peak = {g.signature for g in d.groups}
+        for p in d.phase_peaks:
+            for g in p.groups or []:
+                if g.signature in at_peak:
+                    g.frames = []
     return Summary(source=snapshot.source, devices=devices, tool=f"memdiff {__version__}")

@@ -13,20 +13,34 @@ from memdiff.units import format_bytes
 HEADERS = ["status", "count", "base", "head", "delta", "%", "site"]
 
 
+# Beyond this a percent is not read as a number any more: `x13.4` says it better.
+RATIO_FROM_PCT = 999
+
+
 def pct_cell(base: int, head: int) -> str:
-    """Signed percent change, `new` when there was nothing before."""
+    """Signed percent change; a ratio (`x13.4`) past +999%; `new` when there was nothing before."""
     pct = growth_pct(base, head)
     if pct is None:
         return "new" if head else ""
+    if pct > RATIO_FROM_PCT:
+        return f"x{head / base:,.1f}"
     return f"{pct:+.1f}%"
 
 
 def _count(r: DiffRow) -> str:
-    return f"{r.base_count:,}" if r.base_count == r.head_count else f"{r.base_count:,} -> {r.head_count:,}"
+    if r.base_count == r.head_count:
+        return f"{r.base_count:,}"
+    counts = f"{r.base_count:,} -> {r.head_count:,}"
+    # Fewer allocations holding more bytes (or more holding fewer) is not a typo: say why.
+    if r.head_count < r.base_count and r.delta_bytes > 0:
+        return counts + " (fewer, larger)"
+    if r.head_count > r.base_count and r.delta_bytes < 0:
+        return counts + " (more, smaller)"
+    return counts
 
 
 def _cells(r: DiffRow, status: Callable[[str], str]) -> List[str]:
-    site = r.site + (" (matched by site)" if r.matched_by == BY_SITE else "")
+    site = (r.label or r.site) + (" (matched by site)" if r.matched_by == BY_SITE else "")
     pct = "new" if r.status == NEW else pct_cell(r.base_bytes, r.head_bytes)
     return [status(r.status), _count(r), format_bytes(r.base_bytes), format_bytes(r.head_bytes),
             format_bytes(r.delta_bytes, signed=True), pct, site]
