@@ -21,7 +21,7 @@ from memdiff.errors import InputError
 from memdiff.frames import signature_of
 from memdiff.gate import Thresholds, thresholds_from_dict
 from memdiff.load import read_bytes
-from memdiff.model import DeviceSummary, Group, Source, Summary
+from memdiff.model import DeviceSummary, Group, PhasePeak, Source, Summary
 from memdiff.schema import validate
 
 # Baselines keep their own version: summaries moved to 2 (lifetimes) without changing what a
@@ -65,7 +65,8 @@ class Baseline:
                 f'      "trace_events": {d["trace_events"]},\n'
                 f'      "unmatched_free_count": {d["unmatched_free_count"]},\n'
                 f'      "categories": {json.dumps(d["categories"])},\n'
-                f'      "groups": [\n{groups}\n      ]\n'
+                + (f'      "phases": {json.dumps(d["phases"])},\n' if d.get("phases") else "")
+                + f'      "groups": [\n{groups}\n      ]\n'
                 "    }")
         return lines + ",\n".join(devices) + "\n  ]\n}\n"
 
@@ -80,6 +81,7 @@ def from_summary(summary: Summary, name: str, thresholds: Thresholds, git_sha: O
         "device": d.device, "peak_bytes": d.peak_bytes, "static_bytes": d.static_bytes,
         "trace_events": d.trace_events, "unmatched_free_count": d.unmatched_free_count,
         "categories": dict(sorted(d.categories.items())),
+        "phases": {p.phase: p.peak_bytes for p in d.phase_peaks},
         "groups": [{"signature": g.signature, "site": g.site, "category": g.category or "other",
                     "count": g.count, "bytes": g.bytes} for g in d.groups[:TOP_GROUPS]],
     } for d in summary.devices]
@@ -141,9 +143,12 @@ def _stored_summary(b: Baseline) -> Summary:
             stored[g.category] = stored.get(g.category, 0) + g.bytes
         groups += [_rest_group(c, 0, total - stored.get(c, 0)) for c, total in d["categories"].items()
                    if total > stored.get(c, 0)]
+        # Only the phases' peak bytes are stored (for phase thresholds), not what was live then.
+        phases = [PhasePeak(phase, None, size, 0, groups=[]) for phase, size in d.get("phases", {}).items()]
         devices.append(DeviceSummary.blank(
             d["device"], trace_events=d["trace_events"], static_bytes=d["static_bytes"], peak_bytes=d["peak_bytes"],
-            unmatched_free_count=d["unmatched_free_count"], groups=groups, categories=d["categories"]))
+            unmatched_free_count=d["unmatched_free_count"], groups=groups, categories=d["categories"],
+            phase_peaks=phases))
     s = b.source
     source = Source(file=f"baseline {b.name} ({s['file']})", sha256=s["sha256"], size_bytes=0, container="baseline",
                     generation=s["generation"], keys=[], allocator_settings=s.get("allocator_settings"))

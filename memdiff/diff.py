@@ -21,13 +21,19 @@ from collections import defaultdict
 from dataclasses import dataclass, field, replace
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from memdiff.classify import PERSISTENT
+from memdiff.errors import InputError
 from memdiff.frames import PROFILER_MODULE
+from memdiff.lifetimes import BACKWARD, FORWARD, OPTIMIZER
 from memdiff.model import DeviceSummary, Frame, Group, Source, Summary
 
 SITE_CALLERS = 2
 EVENT_RATIO_WARNING = 2.0
 
 NEW, GONE, GREW, SHRANK, SAME = "NEW", "GONE", "GREW", "SHRANK", "SAME"
+PEAK = "peak"
+MOMENTS = (PEAK, FORWARD, BACKWARD, OPTIMIZER)  # what --at can compare
+
 BY_SIGNATURE, BY_SITE = "signature", "site"
 
 
@@ -76,8 +82,28 @@ class CategoryDelta:
 
 
 @dataclass
+class PhaseDelta:
+    """The highest memory of one phase over all steps, base and head."""
+
+    phase: str
+    base_peak_bytes: Optional[int]  # None: the run has no such phase
+    head_peak_bytes: Optional[int]
+    delta_bytes: int
+
+
+@dataclass
+class Kept:
+    """Bytes live at the compared moment that were allocated in an earlier step and are not
+    parameters, gradients or optimizer state, in both runs, and the rows holding more in head."""
+
+    base_bytes: int
+    head_bytes: int
+    rows: List[DiffRow]
+
+
+@dataclass
 class DeviceDiff:
-    """One device of both runs."""
+    """One device of both runs, compared at `at` (the peak, or a phase's peak)."""
 
     device: int
     base_peak_bytes: int
@@ -88,6 +114,15 @@ class DeviceDiff:
     rows: List[DiffRow]
     categories: List[CategoryDelta]
     chart: List[List[Optional[int]]]
+    at: str = PEAK
+    base_peak_phase: Optional[str] = None
+    head_peak_phase: Optional[str] = None
+    base_peak_step: Optional[int] = None
+    head_peak_step: Optional[int] = None
+    base_peak_scope: Optional[str] = None
+    head_peak_scope: Optional[str] = None
+    phases: List[PhaseDelta] = field(default_factory=list)
+    kept: Optional[Kept] = None
 
 
 @dataclass
@@ -256,11 +291,10 @@ def align(base: Sequence[Group], head: Sequence[Group]) -> List[DiffRow]:
     return rows
 
 
-def _categories(base: DeviceSummary, head: DeviceSummary) -> List[CategoryDelta]:
+def _categories(base: Dict[str, int], head: Dict[str, int]) -> List[CategoryDelta]:
     # The classifier's per-device totals; empty for unclassified summaries.
-    names = set(base.categories) | set(head.categories)
-    out = [CategoryDelta(c, base.categories.get(c, 0), head.categories.get(c, 0),
-                         head.categories.get(c, 0) - base.categories.get(c, 0)) for c in names]
+    names = set(base) | set(head)
+    out = [CategoryDelta(c, base.get(c, 0), head.get(c, 0), head.get(c, 0) - base.get(c, 0)) for c in names]
     out.sort(key=lambda c: (-abs(c.delta_bytes), c.category))
     return out
 
@@ -292,7 +326,13 @@ def _chart(base: DeviceSummary, head: DeviceSummary) -> List[List[Optional[int]]
     return [[round(100 * (i + 1) / CHART_POINTS), b[i], h[i]] for i in range(CHART_POINTS)]
 
 
-def _warnings(base: Summary, head: Summary) -> List[str]:
+def where_text(phase: Optional[str], step: Optional[int]) -> str:
+    """`the optimizer step of step 0`, `the forward of step 2`: where a peak happens."""
+    named = {OPTIMIZER: "the optimizer step"}.get(phase or "", f"the {phase}")
+    return named + (f" of step {step}" if step is not None else "")
+
+
+def _warnings(base: Summary, head: Summary, devices: Sequence[DeviceDiff] = ()) -> List[str]:
     """Reasons the two runs may not be comparable; the diff is still computed."""
     out = []
     b_set, h_set = base.source.allocator_settings, head.source.allocator_settings
@@ -322,25 +362,71 @@ def _warnings(base: Summary, head: Summary) -> List[str]:
             out.append(f"device {b.device}: only the {which} trace starts mid-run (its ring buffer dropped "
                        f"events), so its static memory includes what the other run shows as allocations")
         lo, hi = sorted((b.trace_events, h.trace_events))
-        if lo and hi / lo > EVENT_RATIO_WARNING:
+        # Runs that record the same number of steps record the same work, however many events
+        # a bigger batch or gradient accumulation makes; only then is the count no evidence.
+        same_steps = bool(b.steps) and len(b.steps) == len(h.steps)
+        if lo and hi / lo > EVENT_RATIO_WARNING and not same_steps:
+            steps = f", {len(b.steps)} -> {len(h.steps)} steps" if b.steps or h.steps else ""
             out.append(f"device {b.device}: event counts differ {hi / lo:.1f}x ({b.trace_events:,} -> "
-                       f"{h.trace_events:,}): the runs may not record the same work")
+                       f"{h.trace_events:,} events{steps}): the runs may not record the same work")
+    for d in devices:
+        if d.at == PEAK and d.base_peak_phase and d.head_peak_phase and d.base_peak_phase != d.head_peak_phase:
+            out.append(f"device {d.device}: the peaks are in different phases: base in "
+                       f"{where_text(d.base_peak_phase, d.base_peak_step)}, head in "
+                       f"{where_text(d.head_peak_phase, d.head_peak_step)}; rows compare different moments "
+                       f"(compare like with like: --at {d.head_peak_phase})")
     return out
 
 
-def diff(base: Summary, head: Summary) -> Diff:
-    """Align the two summaries device by device."""
+def _phases(base: DeviceSummary, head: DeviceSummary) -> List[PhaseDelta]:
+    b = {p.phase: p.peak_bytes for p in base.phase_peaks}
+    h = {p.phase: p.peak_bytes for p in head.phase_peaks}
+    return [PhaseDelta(phase, b.get(phase), h.get(phase), h.get(phase, 0) - b.get(phase, 0))
+            for phase in (FORWARD, BACKWARD, OPTIMIZER) if phase in b or phase in h]
+
+
+def _kept(rows: Sequence[DiffRow]) -> Optional[Kept]:
+    """Memory kept from earlier steps outside the categories that live across steps."""
+    leaky = [r for r in rows if r.category not in PERSISTENT and (r.base_earlier_bytes or r.head_earlier_bytes)]
+    if not leaky:
+        return None
+    grew = sorted((r for r in leaky if r.head_earlier_bytes > r.base_earlier_bytes),
+                  key=lambda r: r.base_earlier_bytes - r.head_earlier_bytes)
+    return Kept(sum(r.base_earlier_bytes for r in leaky), sum(r.head_earlier_bytes for r in leaky), grew)
+
+
+def _moment(d: DeviceSummary, at: str, role: str) -> Tuple[int, List[Group], Dict[str, int]]:
+    found = d.at(at)
+    if found is None:
+        have = ", ".join(p.phase for p in d.phase_peaks) or "none (a summary or baseline without phases)"
+        raise InputError(f"--at {at}", f"the {role} run has no {at} phase on device {d.device} (phases: {have})")
+    return found
+
+
+def _device_diff(b: DeviceSummary, h: DeviceSummary, at: str) -> DeviceDiff:
+    b_peak, b_groups, b_categories = _moment(b, at, "base")
+    h_peak, h_groups, h_categories = _moment(h, at, "head")
+    rows = align(b_groups, h_groups)
+    return DeviceDiff(
+        device=b.device, base_peak_bytes=b_peak, head_peak_bytes=h_peak, peak_delta_bytes=h_peak - b_peak,
+        base_static_bytes=b.static_bytes, head_static_bytes=h.static_bytes, rows=rows,
+        categories=_categories(b_categories, h_categories), chart=_chart(b, h), at=at,
+        base_peak_phase=b.phase_at_peak, head_peak_phase=h.phase_at_peak, base_peak_step=b.step_at_peak,
+        head_peak_step=h.step_at_peak, base_peak_scope=b.scope_at_peak, head_peak_scope=h.scope_at_peak,
+        phases=_phases(b, h), kept=_kept(rows))
+
+
+def diff(base: Summary, head: Summary, at: str = PEAK) -> Diff:
+    """Align the two summaries device by device, at their peaks or at the peaks of phase `at`."""
     b_devs = {d.device: d for d in base.devices}
     h_devs = {d.device: d for d in head.devices}
     devices = []
     for dev in sorted(set(b_devs) | set(h_devs)):
-        b, h = b_devs.get(dev) or DeviceSummary.blank(dev), h_devs.get(dev) or DeviceSummary.blank(dev)
-        devices.append(DeviceDiff(
-            device=dev, base_peak_bytes=b.peak_bytes, head_peak_bytes=h.peak_bytes,
-            peak_delta_bytes=h.peak_bytes - b.peak_bytes, base_static_bytes=b.static_bytes,
-            head_static_bytes=h.static_bytes, rows=align(b.groups, h.groups), categories=_categories(b, h),
-            chart=_chart(b, h)))
-    return Diff(base=base.source, head=head.source, devices=devices, warnings=_warnings(base, head))
+        b, h = b_devs.get(dev), h_devs.get(dev)
+        # A side that lacks the device compares as empty at whatever moment the other is taken.
+        devices.append(_device_diff(b or DeviceSummary.blank(dev), h or DeviceSummary.blank(dev),
+                                    at if b and h else PEAK))
+    return Diff(base=base.source, head=head.source, devices=devices, warnings=_warnings(base, head, devices))
 
 
 @dataclass

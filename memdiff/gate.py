@@ -101,10 +101,12 @@ class Thresholds:
     peak: Limit = DEFAULT_PEAK
     categories: Dict[str, Limit] = field(default_factory=dict)
     sites: List[SiteLimit] = field(default_factory=list)
+    phases: Dict[str, Limit] = field(default_factory=dict)  # the highest memory of a phase over all steps
 
     def describe(self) -> str:
         """The rule in words, as printed with every verdict."""
         text = f"fail when the peak of a device grows by {self.peak.describe()}"
+        text += "".join(f"; the {p} peak by {lim.describe()}" for p, lim in self.phases.items())
         text += "".join(f"; {c} bytes by {lim.describe()}" for c, lim in self.categories.items())
         text += "".join(f"; sites matching /{s.pattern.pattern}/ by {s.limit.describe()}" for s in self.sites)
         return text
@@ -112,6 +114,8 @@ class Thresholds:
     def to_dict(self) -> Dict[str, Any]:
         """The JSON form stored in baselines, in a stable order."""
         out: Dict[str, Any] = {"peak": self.peak.to_dict()}
+        if self.phases:
+            out["phases"] = {p: lim.to_dict() for p, lim in sorted(self.phases.items())}
         if self.categories:
             out["categories"] = {c: lim.to_dict() for c, lim in sorted(self.categories.items())}
         if self.sites:
@@ -135,6 +139,7 @@ def thresholds_from_dict(path: str, data: Dict[str, Any]) -> Thresholds:
     peak = _limit_from(path, "thresholds.peak", data.get("peak", {})) if "peak" in data else DEFAULT_PEAK
     categories = {c: _limit_from(path, f"thresholds.categories.{c}", lim)
                   for c, lim in data.get("categories", {}).items()}
+    phases = {p: _limit_from(path, f"thresholds.phases.{p}", lim) for p, lim in data.get("phases", {}).items()}
     sites = []
     for i, s in enumerate(data.get("sites", [])):
         try:
@@ -142,7 +147,7 @@ def thresholds_from_dict(path: str, data: Dict[str, Any]) -> Thresholds:
         except re.error as exc:
             raise InputError(path, f"thresholds.sites.{i}.site: invalid regex {s['site']!r}: {exc}") from None
         sites.append(SiteLimit(pattern, _limit_from(path, f"thresholds.sites.{i}", s)))
-    return Thresholds(peak, categories, sites)
+    return Thresholds(peak, categories, sites, phases)
 
 
 @dataclass
@@ -189,6 +194,15 @@ def judge(diff: Diff, thresholds: Thresholds, update_hint: Optional[str] = None)
     for d in diff.devices:
         peak = _check(f"device {d.device} peak", d.base_peak_bytes, d.head_peak_bytes, thresholds.peak)
         checks.append(peak)
+        phases = {p.phase: p for p in d.phases}
+        for name, limit in thresholds.phases.items():
+            p = phases.get(name)
+            if p is None or p.base_peak_bytes is None or p.head_peak_bytes is None:
+                role = "base" if p is None or p.base_peak_bytes is None else "head"
+                raise InputError(f"the {name} peak", f"the {role} run has no {name} phase on device {d.device}, "
+                                                     f"so it cannot be gated (a baseline made before phases: "
+                                                     f"re-create it with `memdiff baseline`)")
+            checks.append(_check(f"device {d.device} {name} peak", p.base_peak_bytes, p.head_peak_bytes, limit))
         categories = {c.category: c for c in d.categories}
         for name, limit in thresholds.categories.items():
             c = categories.get(name)

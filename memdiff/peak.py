@@ -5,12 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
+from memdiff.classify import PERSISTENT
 from memdiff.errors import InputError
 from memdiff.lifetimes import BACKWARD, FORWARD, OPTIMIZER, OTHER
 from memdiff.model import DeviceSummary, Frame, Group, Summary
 
-# Categories expected to live across steps; anything else kept from an earlier step is a leak.
-PERSISTENT = ("parameter", "gradient", "optimizer_state")
 PHASE_COLUMNS = (FORWARD, BACKWARD, OPTIMIZER, OTHER)
 # Steps shown in the per-phase table: all up to this many, else the first, the last and
 # those around the peak's.

@@ -8,11 +8,10 @@ from typing import Any, Dict, List, Optional
 import pytest
 
 from conftest import alloc, free
-from memdiff.classify import load_rules
+from memdiff.classify import PERSISTENT, load_rules
 from memdiff.cli import main
 from memdiff.inputs import read_summary
 from memdiff.lifetimes import Lifetime
-from memdiff.peak import PERSISTENT
 
 SP = "/venv/lib/python3.12/site-packages/"
 

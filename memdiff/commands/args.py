@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import argparse
 import os
-from typing import TYPE_CHECKING, Dict, List, Optional
+from typing import TYPE_CHECKING, Dict, List, Optional, Sequence
 
 from memdiff.classify import Rule, load_rules
 from memdiff.errors import InputError
 from memdiff.gate import Limit, Thresholds
+from memdiff.lifetimes import BACKWARD, FORWARD, OPTIMIZER
 from memdiff.units import parse_size
 
 if TYPE_CHECKING:
@@ -74,13 +75,27 @@ def add_category_threshold_argument(p: argparse.ArgumentParser) -> None:
                         "give a category twice for both")
 
 
-def category_limits(values: List[str]) -> Dict[str, Limit]:
-    """`["activation=256MiB", "activation=10%"]` -> {"activation": Limit(256 MiB, 10%)}."""
+GATED_PHASES = (FORWARD, BACKWARD, OPTIMIZER)
+
+
+def add_phase_threshold_argument(p: argparse.ArgumentParser) -> None:
+    """--phase-fail-over PHASE=SIZE or PHASE=P%, repeatable."""
+    p.add_argument("--phase-fail-over", action="append", default=[], metavar="PHASE=LIMIT",
+                   help="fail when the highest memory of a phase (forward, backward, optimizer) over all steps "
+                        "grows by more than LIMIT (512MiB, or 5%%); give a phase twice for both")
+
+
+def named_limits(values: List[str], flag: str, names: Optional[Sequence[str]] = None) -> Dict[str, Limit]:
+    """`["activation=256MiB", "activation=10%"]` -> {"activation": Limit(256 MiB, 10%)}; `names`, when
+    given, are the only names allowed (the phases)."""
     out: Dict[str, Limit] = {}
+    what = "PHASE" if names else "CATEGORY"
     for value in values:
         name, sep, limit = value.partition("=")
         if not sep or not name:
-            raise InputError("--category-fail-over", f"{value!r} is not CATEGORY=SIZE or CATEGORY=P%")
+            raise InputError(flag, f"{value!r} is not {what}=SIZE or {what}=P%")
+        if names and name not in names:
+            raise InputError(flag, f"{name!r} is not a phase: use one of {', '.join(names)}")
         old = out.get(name, Limit())
         try:
             if limit.endswith("%"):
@@ -88,18 +103,31 @@ def category_limits(values: List[str]) -> Dict[str, Limit]:
             else:
                 out[name] = Limit(parse_size(limit), old.fail_over_pct)
         except (ValueError, argparse.ArgumentTypeError) as exc:
-            raise InputError("--category-fail-over", f"{name}: {exc}") from None
+            raise InputError(flag, f"{name}: {exc}") from None
     return out
+
+
+def category_limits(values: List[str]) -> Dict[str, Limit]:
+    """--category-fail-over values as limits per category."""
+    return named_limits(values, "--category-fail-over")
+
+
+def phase_limits(values: List[str]) -> Dict[str, Limit]:
+    """--phase-fail-over values as limits per phase: `["forward=512MiB"]` -> {"forward": Limit(512 MiB)}."""
+    return named_limits(values, "--phase-fail-over", GATED_PHASES)
 
 
 def thresholds_from(args: argparse.Namespace, stored: Optional[Thresholds] = None) -> Thresholds:
     """The command line's thresholds; over stored ones, each flag given replaces its part."""
     if stored is None:
         return Thresholds(Limit.from_options(args.fail_over, args.fail_over_pct),
-                          category_limits(args.category_fail_over))
+                          category_limits(args.category_fail_over), phases=phase_limits(args.phase_fail_over))
     categories = dict(stored.categories)
     categories.update(category_limits(args.category_fail_over))
-    return Thresholds(stored.peak.overridden(args.fail_over, args.fail_over_pct), categories, list(stored.sites))
+    phases = dict(stored.phases)
+    phases.update(phase_limits(args.phase_fail_over))
+    return Thresholds(stored.peak.overridden(args.fail_over, args.fail_over_pct), categories, list(stored.sites),
+                      phases)
 
 
 def add_report_arguments(p: argparse.ArgumentParser) -> None:

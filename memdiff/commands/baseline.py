@@ -9,8 +9,8 @@ import sys
 
 from memdiff.atomic import write_text_atomic
 from memdiff.baseline import from_summary, read_baseline, stem
-from memdiff.commands.args import (add_category_threshold_argument, add_rules_arguments, add_threshold_arguments,
-                                   rules_from, thresholds_from)
+from memdiff.commands.args import (add_category_threshold_argument, add_phase_threshold_argument, add_rules_arguments,
+                                   add_threshold_arguments, rules_from, thresholds_from)
 from memdiff.errors import EXIT_BAD_INPUT, EXIT_OK, InputError
 from memdiff.inputs import read_summary
 from memdiff.units import format_bytes
@@ -29,6 +29,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--check", metavar="PATH", help="validate a baseline file, or every *.json in a folder")
     add_threshold_arguments(p)
     add_category_threshold_argument(p)
+    add_phase_threshold_argument(p)
     add_rules_arguments(p)
 
 

@@ -7,7 +7,7 @@ import sys
 
 from memdiff.commands.args import (add_github_arguments, add_report_arguments, add_rules_arguments,
                                    add_threshold_arguments, publisher_from, rules_from)
-from memdiff.diff import Diff, diff, fold
+from memdiff.diff import MOMENTS, PEAK, Diff, diff, fold
 from memdiff.errors import EXIT_OK, EXIT_REGRESSION
 from memdiff.gate import Limit, Thresholds, Verdict, judge
 from memdiff.inputs import read_summaries
@@ -24,6 +24,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     """The subcommand's arguments."""
     p.add_argument("base", help="the run to compare against (snapshot or summary)")
     p.add_argument("head", help="the new run (snapshot or summary)")
+    p.add_argument("--at", choices=MOMENTS, default=PEAK,
+                   help="compare what is live at each run's peak (default), or at the peak of one phase in "
+                        "both runs: like with like when the peaks fall in different phases")
     add_report_arguments(p)
     add_threshold_arguments(p)
     add_rules_arguments(p)
@@ -43,7 +46,7 @@ def run(args: argparse.Namespace) -> int:
     """Read both inputs, align, judge, print; exit 1 on a regression."""
     rules = rules_from(args)
     base, head = read_summaries([args.base, args.head], rules)
-    result = diff(base, head)
+    result = diff(base, head, at=args.at)
     verdict = judge(result, Thresholds(peak=Limit.from_options(args.fail_over, args.fail_over_pct)))
     sys.stdout.write(render_report(result, verdict, args.format, args.top, args.min_delta))
     publisher = publisher_from(args)

@@ -9,7 +9,7 @@ import sys
 from typing import List, Tuple
 
 from memdiff.baseline import baseline_path_for, comparable_pair, read_baseline
-from memdiff.commands.args import (add_category_threshold_argument, add_github_arguments, add_report_arguments,
+from memdiff.commands.args import (add_category_threshold_argument, add_phase_threshold_argument, add_github_arguments, add_report_arguments,
                                    add_rules_arguments, add_threshold_arguments, publisher_from, rules_from,
                                    thresholds_from)
 from memdiff.commands.diff import render_report
@@ -34,6 +34,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_report_arguments(p)
     add_threshold_arguments(p)
     add_category_threshold_argument(p)
+    add_phase_threshold_argument(p)
     add_rules_arguments(p)
     add_github_arguments(p)
 

@@ -9,7 +9,8 @@ from typing import Dict, List, Optional
 from memdiff.diff import GONE, GREW, NEW, SHRANK, DeviceDiff, Diff, Folded
 from memdiff.gate import Verdict
 from memdiff.model import Source
-from memdiff.render.table import category_table, check_line, diff_table, pct_cell, peak_line
+from memdiff.render.table import (category_table, check_line, diff_table, kept_line, pct_cell, peak_line,
+                                  phase_table, where_line)
 from memdiff.units import format_bytes
 
 MARKERS = {NEW: "🆕 NEW", GREW: "🔺 GREW", SHRANK: "🔻 SHRANK", GONE: "✖️ GONE"}
@@ -91,6 +92,9 @@ def render_diff(diff: Diff, verdict: Verdict, folded: Dict[int, Folded], options
     for d in diff.devices:
         lines += ["", f"#### device {d.device}: {peak_line(d)}; static {format_bytes(d.base_static_bytes)} -> "
                       f"{format_bytes(d.head_static_bytes)}"]
+        lines += ["", *(_escape(line) for line in (where_line(d), kept_line(d)) if line)]
+        if d.phases:
+            lines += ["", phase_table(d, "github")]
         if d.categories:
             lines += ["", category_table(d, "github")]
         lines += ["", diff_table(folded[d.device], "github", escape=_escape, status=lambda s: MARKERS.get(s, s))]

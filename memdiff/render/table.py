@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Callable, List
+from typing import Callable, List, Optional
 
 from tabulate import tabulate
 
-from memdiff.diff import BY_SITE, NEW, DeviceDiff, DiffRow, Folded
+from memdiff.diff import BY_SITE, NEW, PEAK, DeviceDiff, DiffRow, Folded, where_text
 from memdiff.gate import Check, growth_pct
 from memdiff.units import format_bytes
 
@@ -59,9 +59,45 @@ def diff_table(folded: Folded, tablefmt: str, escape: Callable[[str], str] = str
 
 
 def peak_line(d: DeviceDiff) -> str:
-    """`peak 6.53 GiB -> 8.48 GiB (+1.95 GiB, +29.8%)`."""
-    return (f"peak {format_bytes(d.base_peak_bytes)} -> {format_bytes(d.head_peak_bytes)} "
+    """`peak 6.53 GiB -> 8.48 GiB (+1.95 GiB, +29.8%)`, or `forward peak ...` when compared --at forward."""
+    moment = "peak" if d.at == PEAK else f"{d.at} peak"
+    return (f"{moment} {format_bytes(d.base_peak_bytes)} -> {format_bytes(d.head_peak_bytes)} "
             f"({format_bytes(d.peak_delta_bytes, signed=True)}, {pct_cell(d.base_peak_bytes, d.head_peak_bytes)})")
+
+
+def where_line(d: DeviceDiff) -> Optional[str]:
+    """Where each run's peak is: `base peak in the optimizer step of step 0 (scope ...); head peak in ...`."""
+    if not (d.base_peak_phase or d.head_peak_phase):
+        return None
+    parts = []
+    for role, phase, step, scope in (("base", d.base_peak_phase, d.base_peak_step, d.base_peak_scope),
+                                     ("head", d.head_peak_phase, d.head_peak_step, d.head_peak_scope)):
+        text = f"{role} peak in {where_text(phase, step)}" if phase else f"{role} peak: phase unknown"
+        parts.append(text + (f" (scope {scope})" if scope else ""))
+    return "; ".join(parts)
+
+
+def kept_line(d: DeviceDiff, sites: int = 3) -> Optional[str]:
+    """`kept from earlier steps: 0 B -> 51.10 MiB (activation: modeling_llama.py:forward +51.10 MiB)`,
+    when head keeps more memory from earlier steps than base."""
+    k = d.kept
+    if k is None or k.head_bytes <= k.base_bytes:
+        return None
+    named = ", ".join(f"{r.category}: {r.label or r.site} "
+                      f"{format_bytes(r.head_earlier_bytes - r.base_earlier_bytes, signed=True)}"
+                      for r in k.rows[:sites])
+    return (f"kept from earlier steps (not parameters, gradients or optimizer state): "
+            f"{format_bytes(k.base_bytes)} -> {format_bytes(k.head_bytes)} ({named})")
+
+
+def phase_table(d: DeviceDiff, tablefmt: str) -> str:
+    """The highest memory of each phase over all steps, base and head: like compared with like."""
+    rows = [[p.phase, "" if p.base_peak_bytes is None else format_bytes(p.base_peak_bytes),
+             "" if p.head_peak_bytes is None else format_bytes(p.head_peak_bytes),
+             format_bytes(p.delta_bytes, signed=True), pct_cell(p.base_peak_bytes or 0, p.head_peak_bytes or 0)]
+            for p in d.phases]
+    return tabulate(rows, headers=["phase peak", "base", "head", "delta", "%"], tablefmt=tablefmt,
+                    colalign=("left", "right", "right", "right", "right"))
 
 
 def check_line(c: Check) -> str:

@@ -11,7 +11,8 @@ from memdiff.diff import Diff, Folded
 from memdiff.gate import Verdict
 from memdiff.model import Frame, Source, Summary
 from memdiff.peak import PHASE_COLUMNS, DevicePeak, Kept, PeakRow, StepRow
-from memdiff.render.table import category_table, check_line, diff_table, peak_line
+from memdiff.render.table import (category_table, check_line, diff_table, kept_line, peak_line, phase_table,
+                                  where_line)
 from memdiff.units import format_bytes
 
 STACK_LINES = 6
@@ -66,7 +67,7 @@ def _device_block(p: DevicePeak) -> List[str]:
             f"max_entries to see their stacks."
         )
     if p.kept:
-        out.append(kept_line(p.kept))
+        out.append(leak_line(p.kept))
     for o in d.oom_events:
         free = format_bytes(o.device_free_bytes) if o.device_free_bytes is not None else "unknown"
         out.append(f"OOM at event {o.event_index:,}: asked for {format_bytes(o.requested_bytes)} "
@@ -80,7 +81,7 @@ def _device_block(p: DevicePeak) -> List[str]:
                                 colalign=("left", "right", "right")))
     if p.steps:
         out.append("")
-        out.append(phase_table(p.steps, "simple"))
+        out.append(step_table(p.steps, "simple"))
     rows = [[r.label, f"{r.count:,}", format_bytes(r.bytes), f"{r.share_pct:.1f}%", r.category, _site_cell(r)]
             for r in p.rows + [p.total]]
     out.append("")
@@ -89,7 +90,7 @@ def _device_block(p: DevicePeak) -> List[str]:
     return out
 
 
-def kept_line(kept: Kept, sites: int = 3) -> str:
+def leak_line(kept: Kept, sites: int = 3) -> str:
     """The leak line: bytes kept from earlier steps and the groups that hold them."""
     named = ", ".join(f"{g.site} ({g.category}, {format_bytes(g.bytes_from_earlier_steps)})"
                       for g in kept.groups[:sites])
@@ -106,7 +107,7 @@ def _phase_cell(row: StepRow, phase: str) -> str:
     return format_bytes(peak) + (f" ({runs} runs)" if runs > 1 else "")
 
 
-def phase_table(rows: List[StepRow], tablefmt: str) -> str:
+def step_table(rows: List[StepRow], tablefmt: str) -> str:
     """Per step, the highest memory of each phase; `*` marks the step holding the peak."""
     columns = [c for c in PHASE_COLUMNS if any(r.peaks.get(c) is not None for r in rows)]
     cells = [["…", *[""] * len(columns)] if r.step is None else
@@ -138,6 +139,9 @@ def render_diff(diff: Diff, verdict: Verdict, folded: Dict[int, Folded]) -> str:
     for d in diff.devices:
         lines += ["", f"device {d.device}: {peak_line(d)}; static {format_bytes(d.base_static_bytes)} -> "
                       f"{format_bytes(d.head_static_bytes)}"]
+        lines += [line for line in (where_line(d), kept_line(d)) if line]
+        if d.phases:
+            lines += ["", phase_table(d, "simple")]
         if d.categories:
             lines += ["", category_table(d, "simple")]
         lines += ["", diff_table(folded[d.device], "simple")]
