@@ -215,11 +215,12 @@ def _members_of(r: DiffRow) -> List[Member]:
 
 
 def _opposites_merged(rows: List[DiffRow]) -> List[DiffRow]:
-    """Rows that read alike (category, site, context) but moved in opposite directions become one:
-    a NEW beside a SHRANK of the same site is one allocation site that split into two groups."""
+    """Rows of one category and site that moved in opposite directions become one: a NEW beside a
+    SHRANK of the same site is one allocation site whose memory moved between call paths, and
+    two rows that cancel explain nothing (the member groups keep the detail)."""
     buckets: Dict[Tuple, List[DiffRow]] = defaultdict(list)
     for r in rows:
-        buckets[(r.category, r.site, r.context)].append(r)
+        buckets[(r.category, r.site)].append(r)
     out: List[DiffRow] = []
     for same in buckets.values():
         moved = [r for r in same if r.delta_bytes]

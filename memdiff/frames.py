@@ -58,6 +58,7 @@ FACTORY_OP = re.compile(r"^(new_)?empty(_|$)")
 PROFILER_PY = re.compile(r"^(?P<file>.+?)\((?P<line>\d+)\): (?P<name>.+)$")
 PROFILER_OP = re.compile(r"^<built-in (?:method|function) (\w+)")
 PROFILER_MODULE = re.compile(r"^nn\.Module: ")
+MODULE_NUMBER = re.compile(r"_\d+$")
 
 HEX = re.compile(r"0x[0-9a-fA-F]+")
 NVCC_TMP = re.compile(r"tmpxft_[0-9a-f]+_[0-9a-f]+-\d+_")
@@ -229,8 +230,10 @@ class StackNormalizer:
             return hit
         self.computed += 1
         kept = [k for k in map(self._keep, raw_frames) if k is not None]
-        parts = [f"{k.key}:{k.name}" if k.kind == "py" else k.name
-                 for k in kept if k.kind != "module"]
+        # A profiler module scope counts by its class (`nn.Module: BertIntermediate`), not its
+        # instance number, which changes when a layer is added before it.
+        parts = [f"{k.key}:{k.name}" if k.kind == "py" else MODULE_NUMBER.sub("", k.name) if k.kind == "module"
+                 else k.name for k in kept]
         site = _site(kept)
         if freed:
             parts.insert(0, "freed")

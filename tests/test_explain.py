@@ -1,0 +1,180 @@
+"""The diff explains: where each peak is, like for like, one row per site, labels, honest numbers."""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Dict, List
+
+import pytest
+
+from conftest import alloc, free
+from memdiff.classify import load_rules
+from memdiff.cli import main
+from memdiff.diff import GREW, diff, fold
+from memdiff.inputs import read_summary
+
+REAL_PAIRS = [
+    ("cs336-medium-ctx128-train.pickle", "cs336-medium-ctx256-train.pickle"),
+    ("cs336-ctx128-fwd-fp32.pickle", "cs336-ctx128-fwd-mixed.pickle"),
+    ("linear-nograd.pickle", "linear-grad.pickle"),
+    ("cs336-medium-ctx128-infer.pickle", "cs336-medium-ctx128-train.pickle"),
+]
+
+
+def prof(*names: str) -> List[Dict[str, Any]]:
+    return [{"filename": "none", "line": 0, "name": n} for n in names]
+
+
+def opposite_pairs(rows) -> List[str]:
+    """Labels shown by two rows that moved in opposite directions."""
+    by_label: Dict[str, List[int]] = {}
+    for r in rows:
+        by_label.setdefault(r.label, []).append(r.delta_bytes)
+    return [label for label, deltas in by_label.items() if max(deltas) > 0 > min(deltas)]
+
+
+@pytest.mark.parametrize("base, head", REAL_PAIRS)
+def test_no_two_rows_read_alike_and_move_apart_on_real_pairs(shared, base, head):
+    rules = load_rules()
+    b, h = read_summary(str(shared / base), rules), read_summary(str(shared / head), rules)
+    for forward, back in ((b, h), (h, b)):
+        for d in diff(forward, back).devices:
+            assert opposite_pairs(d.rows) == []
+            assert sum(r.delta_bytes for r in d.rows) == d.peak_delta_bytes
+            assert opposite_pairs(fold(d, top=20).shown) == []
+
+
+def test_the_peaks_in_different_phases_are_named_and_compared_like_for_like(shared, capsys):
+    base, head = shared / "cs336-medium-ctx128-train.pickle", shared / "cs336-medium-ctx256-train.pickle"
+    assert main([str(base), str(head), "--top", "5"]) == 1
+    out = capsys.readouterr().out
+    assert ("warning: device 0: the peaks are in different phases: base in the optimizer step of step 0, head in "
+            "the forward of step 0; rows compare different moments (compare like with like: --at forward)") in out
+    assert ("base peak in the optimizer step of step 0 (scope Optimizer.step#AdamW.step); "
+            "head peak in the forward of step 0") in out
+    phases = out[out.index("phase peak"):].splitlines()
+    assert phases[2].split() == ["forward", "6.42", "GiB", "8.48", "GiB", "+2.05", "GiB", "+32.0%"]
+    assert phases[4].split()[0] == "optimizer" and phases[4].split()[-1] == "+0.3%"
+
+    # At the forward peak of both runs nothing is GONE: the activations grew.
+    assert main([str(base), str(head), "--top", "5", "--at", "forward", "--format", "json"]) == 1
+    d = json.loads(capsys.readouterr().out)["devices"][0]
+    assert (d["at"], d["base_peak_bytes"], d["head_peak_bytes"]) == ("forward", 6_897_672_192, 9_103_544_320)
+    assert (d["base_peak_phase"], d["head_peak_phase"], d["base_peak_step"], d["head_peak_step"]) == (
+        "optimizer", "forward", 0, 0)
+    top = d["rows"][:5]
+    assert all(r["status"] == GREW and r["category"] == "activation" for r in top)
+    assert {c["category"]: c["delta_bytes"] for c in d["categories"]}["optimizer_state"] == 0
+    assert sum(r["delta_bytes"] for r in d["rows"]) == d["peak_delta_bytes"]
+
+
+def test_at_a_phase_a_run_lacks_is_bad_input(shared, capsys):
+    infer, train = shared / "cs336-medium-ctx128-infer.pickle", shared / "cs336-medium-ctx128-train.pickle"
+    assert main([str(infer), str(train), "--at", "optimizer"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("memdiff: --at optimizer: the base run has no optimizer phase on device 0") and \
+        err.count("\n") == 1
+
+
+def test_percentages_past_999_read_as_ratios(shared, capsys):
+    base, head = shared / "cs336-medium-ctx128-train.pickle", shared / "cs336-medium-ctx256-train.pickle"
+    main([str(base), str(head)])
+    out = capsys.readouterr().out
+    activation = next(line for line in out.splitlines() if line.startswith("activation"))
+    assert activation.split()[-1] == "x195.7" and "%" not in activation
+
+
+FWD = "torch/nn/modules/linear.py(130): forward"
+
+
+def profiler_run(layers: Dict[str, int], repeat: int = 1, size_of=None) -> Dict[str, Any]:
+    """A forward pass on the profiler route: for each module, `repeat` allocations of `layers[module]` bytes."""
+    events, addr = [], 0
+    for module, size in layers.items():
+        for _ in range(repeat):
+            addr += 0x1000
+            events.append(alloc(addr, size, prof("<built-in function linear>", FWD, f"nn.Module: {module}_0",
+                                                 "modeling_bert.py(480): forward", "train.py(9): <module>")))
+    return {"device_traces": [events], "segments": []}
+
+
+def test_labels_tell_modules_apart_only_when_needed(write_snapshot, capsys):
+    base = write_snapshot(profiler_run({"BertIntermediate": 1000, "BertSelfAttention": 3000}), "base.pickle")
+    head = write_snapshot(profiler_run({"BertIntermediate": 2000, "BertSelfAttention": 3500}), "head.pickle")
+    main([base, head, "--format", "json"])
+    rows = json.loads(capsys.readouterr().out)["devices"][0]["rows"]
+    assert [(r["label"], r["delta_bytes"]) for r in rows] == [
+        ("linear.py:forward <- linear [BertIntermediate]", 1000),
+        ("linear.py:forward <- linear [BertSelfAttention]", 500)]
+    # Moving in opposite directions, the two read as one row: the member groups keep the detail.
+    head = write_snapshot(profiler_run({"BertIntermediate": 2000, "BertSelfAttention": 1000}), "head2.pickle")
+    main([base, head, "--format", "json"])
+    rows = json.loads(capsys.readouterr().out)["devices"][0]["rows"]
+    assert [(r["label"], r["delta_bytes"], len(r["members"])) for r in rows] == [
+        ("linear.py:forward <- linear", -1000, 4)]
+    # A site with one row reads by its site alone.
+    small = write_snapshot(profiler_run({"BertIntermediate": 1000}), "small.pickle")
+    large = write_snapshot(profiler_run({"BertIntermediate": 2000}), "large.pickle")
+    main([small, large, "--format", "json"])
+    assert [r["label"] for r in json.loads(capsys.readouterr().out)["devices"][0]["rows"]] == [
+        "linear.py:forward <- linear"]
+
+
+def test_a_count_that_falls_while_bytes_grow_says_why(write_snapshot, capsys):
+    base = write_snapshot(profiler_run({"Linear": 100}, repeat=5), "base.pickle")
+    head = write_snapshot(profiler_run({"Linear": 200}, repeat=4), "head.pickle")
+    main([base, head])
+    out = capsys.readouterr().out
+    row = next(line for line in out.splitlines() if line.startswith("GREW"))
+    assert "5 -> 4 (fewer, larger)" in row
+
+
+def test_a_site_split_into_groups_in_one_run_is_one_row(write_snapshot, capsys):
+    """Dropout's mask from two call paths in head, one in base: one row, not NEW + SHRANK."""
+    drop = "torch/nn/functional.py(1425): dropout"
+
+    def run(name: str, callers: List[str]) -> str:
+        events = [alloc(0x1000 * (k + 1), 1000, prof("<built-in method bernoulli_>", drop, caller, "train.py(9): <module>"))
+                  for k, caller in enumerate(callers)]
+        return write_snapshot({"device_traces": [events], "segments": []}, name)
+
+    base = run("base.pickle", ["model.py(10): forward"] * 8)
+    head = run("head.pickle", ["model.py(10): forward"] * 4 + ["model.py(20): attention"] * 4)
+    main([base, head, "--format", "json"])
+    rows = json.loads(capsys.readouterr().out)["devices"][0]["rows"]
+    assert [(r["status"], r["base_count"], r["head_count"], r["delta_bytes"]) for r in rows] == [("SAME", 8, 8, 0)]
+    assert sorted((m["side"], m["count"]) for m in rows[0]["members"]) == [("base", 8), ("head", 4), ("head", 4)]
+
+
+def training_steps(steps: int, events_per_step: int) -> Dict[str, Any]:
+    fwd = prof("<built-in function linear>", FWD, "train.py(9): <module>")
+    bwd = prof("<built-in method run_backward of x>", "torch/autograd/graph.py(966): _engine_run_backward")
+    opt = prof("<built-in method zeros_like of x>", "torch/optim/adam.py(139): _init_group")
+    events, addr = [], 0
+    for _ in range(steps):
+        for frames in ([fwd] * events_per_step + [bwd] * events_per_step + [opt]):
+            addr += 0x1000
+            events += [alloc(addr, 64, frames), free(addr, 64, frames)]
+    return {"device_traces": [events], "segments": []}
+
+
+def test_event_counts_warn_only_when_the_steps_differ(write_snapshot, capsys):
+    base = write_snapshot(training_steps(3, 10), "base.pickle")
+    more_work = write_snapshot(training_steps(3, 40), "accum.pickle")  # 4 micro-batches a step
+    more_steps = write_snapshot(training_steps(12, 10), "longer.pickle")
+    main([base, more_work])
+    assert "event counts differ" not in capsys.readouterr().out
+    main([base, more_steps])
+    assert "event counts differ 4.0x (126 -> 504 events, 3 -> 12 steps)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("limit, code", [("2KiB", 0), ("2047", 1)])
+def test_a_phase_threshold_is_inclusive(write_snapshot, tmp_path, capsys, limit, code):
+    base = write_snapshot(profiler_run({"Linear": 1000}), "base.pickle")
+    head = write_snapshot(profiler_run({"Linear": 1000 + 2048}), "head.pickle")
+    path = str(tmp_path / "b.json")
+    assert main(["baseline", base, "-o", path, "--phase-fail-over", f"forward={limit}", "--fail-over", "1GiB"]) == 0
+    assert json.loads(open(path).read())["thresholds"]["phases"]["forward"]
+    assert main(["gate", head, "--baseline", path]) == code
+    out = capsys.readouterr().out
+    assert f"{'PASS' if code == 0 else 'FAIL'}  device 0 forward peak: 1000 B -> 2.98 KiB, +2.00 KiB" in out
