@@ -157,15 +157,15 @@ LIBRARY = re.compile(r"^(torch|stdlib)/")
 
 def context_of(frames: Sequence[Frame]) -> str:
     """The module an allocation happens in: the innermost `nn.Module` scope of profiler frames
-    (`BertIntermediate`), else the innermost model-code frame with its line (`modeling_bert.py:482`),
-    model code being any Python file outside torch and the standard library."""
+    (`BertIntermediate`), else the innermost model-code frame with its line (`modeling_bert.py:482`):
+    a module's `forward` outside torch and the standard library, else any frame outside them."""
     for f in frames:
         m = MODULE.match(f.name)
         if m:
             return m.group(1)
-    for f in frames:
-        if f.file.endswith(".py") and not LIBRARY.match(f.file):
-            return f"{posixpath.basename(f.file)}:{f.line}"
+    model_code = [f for f in frames if f.file.endswith(".py") and not LIBRARY.match(f.file)]
+    for f in [f for f in model_code if f.name == "forward"] + model_code:
+        return f"{posixpath.basename(f.file)}:{f.line}"
     return ""
 
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any, Dict, List, Optional, Pattern
 
-from memdiff.diff import GREW, NEW, Diff
+from memdiff.diff import GREW, NEW, PEAK, Diff
 from memdiff.errors import InputError
 from memdiff.units import format_bytes, parse_size
 
@@ -192,7 +192,8 @@ def judge(diff: Diff, thresholds: Thresholds, update_hint: Optional[str] = None)
     checks: List[Check] = []
     notes: List[str] = []
     for d in diff.devices:
-        peak = _check(f"device {d.device} peak", d.base_peak_bytes, d.head_peak_bytes, thresholds.peak)
+        moment = "peak" if d.at == PEAK else f"{d.at} peak"  # --at PHASE compares that phase's peaks
+        peak = _check(f"device {d.device} {moment}", d.base_peak_bytes, d.head_peak_bytes, thresholds.peak)
         checks.append(peak)
         phases = {p.phase: p for p in d.phases}
         for name, limit in thresholds.phases.items():
@@ -218,6 +219,6 @@ def judge(diff: Diff, thresholds: Thresholds, update_hint: Optional[str] = None)
                          f"updating the baseline: {update_hint}")
         if not peak.passed:
             growth = [r for r in d.rows if r.status in (NEW, GREW)][:TOP_GROWTH]
-            notes.append(f"device {d.device}: peak grew by {format_bytes(d.peak_delta_bytes)}; top growth: "
-                         + ", ".join(f"{r.site} {format_bytes(r.delta_bytes, signed=True)}" for r in growth))
+            notes.append(f"device {d.device}: {moment} grew by {format_bytes(d.peak_delta_bytes)}; top growth: "
+                         + ", ".join(f"{r.label or r.site} {format_bytes(r.delta_bytes, signed=True)}" for r in growth))
     return Verdict(passed=all(c.passed for c in checks), rule=thresholds.describe(), checks=checks, notes=notes)

@@ -8,7 +8,7 @@ from typing import Dict, List, Optional
 
 from memdiff.diff import GONE, GREW, NEW, SHRANK, DeviceDiff, Diff, Folded
 from memdiff.gate import Verdict
-from memdiff.model import Source
+from memdiff.model import Frame, Source
 from memdiff.render.table import (category_table, check_line, diff_table, kept_line, pct_cell, peak_line,
                                   phase_table, where_line)
 from memdiff.units import format_bytes
@@ -51,17 +51,27 @@ def _verdict_line(diff: Diff, verdict: Verdict) -> str:
             f"{pct_cell(worst.base_peak_bytes, worst.head_peak_bytes)})")
 
 
+def _frame_lines(frames: List[Frame]) -> List[str]:
+    lines = ["```text"] + [f"{f.file}:{f.line} {f.name}" if f.file else f.name for f in frames[:STACK_FRAMES]]
+    if len(frames) > STACK_FRAMES:
+        lines.append(f"... {len(frames) - STACK_FRAMES} more frames")
+    return lines + ["```", ""]
+
+
 def _stacks(folded: Folded) -> List[str]:
     lines = ["<details><summary>Stacks of the rows above</summary>", ""]
     for r in folded.shown:
         if not r.frames:
             continue
-        lines.append(f"**{r.status}** `{r.site}` {format_bytes(r.delta_bytes, signed=True)}")
-        lines.append("```text")
-        lines += [f"{f.file}:{f.line} {f.name}" if f.file else f.name for f in r.frames[:STACK_FRAMES]]
-        if len(r.frames) > STACK_FRAMES:
-            lines.append(f"... {len(r.frames) - STACK_FRAMES} more frames")
-        lines += ["```", ""]
+        lines.append(f"**{r.status}** `{r.label or r.site}` {format_bytes(r.delta_bytes, signed=True)}")
+        if not r.members:
+            lines += _frame_lines(r.frames)
+            continue
+        # A row that aligns several groups shows each one's stack: where the memory moved.
+        lines.append("")
+        for m in r.members:
+            lines.append(f"- {m.side}: {m.count:,} allocation{'s' if m.count != 1 else ''}, {format_bytes(m.bytes)}")
+            lines += ["", *_frame_lines(m.frames)]
     return lines + ["</details>"]
 
 
