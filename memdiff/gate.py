@@ -8,11 +8,11 @@ both must be exceeded for the check to fail.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from fractions import Fraction
 from typing import Any, Dict, List, Optional, Pattern
 
-from memdiff.diff import GREW, NEW, PEAK, Diff
+from memdiff.diff import GREW, NEW, PEAK, Diff, label_rows
 from memdiff.errors import InputError
 from memdiff.units import format_bytes, parse_size
 
@@ -218,7 +218,8 @@ def judge(diff: Diff, thresholds: Thresholds, update_hint: Optional[str] = None)
                          f"({pct_text(round(-growth_pct(d.base_peak_bytes, d.head_peak_bytes), 1))}): consider "
                          f"updating the baseline: {update_hint}")
         if not peak.passed:
-            growth = [r for r in d.rows if r.status in (NEW, GREW)][:TOP_GROWTH]
+            growth = [replace(r) for r in d.rows if r.status in (NEW, GREW)][:TOP_GROWTH]
+            label_rows(growth)  # modules named only where two of these would read alike
             notes.append(f"device {d.device}: {moment} grew by {format_bytes(d.peak_delta_bytes)}; top growth: "
                          + ", ".join(f"{r.label or r.site} {format_bytes(r.delta_bytes, signed=True)}" for r in growth))
     return Verdict(passed=all(c.passed for c in checks), rule=thresholds.describe(), checks=checks, notes=notes)
