@@ -127,8 +127,9 @@ class _Walk:
 
     def live_allocs(self, p: int) -> np.ndarray:
         """Indices of the alloc events still open after event `p`."""
-        allocs = np.array(self.allocs, dtype=np.int64)[: bisect.bisect_right(self.allocs, p)]
-        return allocs[np.array(self.closed, dtype=np.int64)[allocs] > p]
+        # Zero-copy views: this runs once for the peak and once per phase peak.
+        allocs = np.frombuffer(self.allocs, dtype=np.int64)[: bisect.bisect_right(self.allocs, p)]
+        return allocs[np.frombuffer(self.closed, dtype=np.int64)[allocs] > p]
 
 
 def _is_reversion(freed: Dict[str, Any], e: Dict[str, Any]) -> bool:

@@ -102,3 +102,25 @@ def write_snapshot(tmp_path: Path):
             path.write_bytes(pickle.dumps(obj, protocol=protocol))
         return str(path)
     return write
+
+
+@pytest.fixture(scope="session")
+def scenarios(torch, tmp_path_factory):
+    """scenarios(*names) -> {name: snapshot path}: runs of the scenario suite (tests/scenario_suite.py),
+    captured on CPU once per session. Skips (fails under MEMDIFF_REQUIRE_TORCH=1) without transformers."""
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        reason = "transformers is not installed (pip install -e '.[test]')"
+        if os.environ.get("MEMDIFF_REQUIRE_TORCH") == "1":
+            pytest.fail(reason + "; MEMDIFF_REQUIRE_TORCH=1 makes this a failure")
+        pytest.skip(reason)
+    from scenario_suite import SCENARIOS, capture
+
+    folder = tmp_path_factory.mktemp("scenarios")
+    # One capture of the whole suite: the families run in parallel and import transformers once.
+    paths = capture(sorted(SCENARIOS), folder)
+
+    def get(*names: str) -> Dict[str, Path]:
+        return {name: paths[name] for name in names}
+    return get

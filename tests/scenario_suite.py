@@ -1,0 +1,125 @@
+"""The scenario suite: models other people wrote, trained with the changes teams make, captured on CPU.
+
+Each scenario is a model and the flags of tests/scenarios/train.py. Captures run in one
+process per model family (importing transformers once), two families at a time, and are
+kept for the session. Ground truth comes from PyTorch, never from memdiff: the `category` the
+profiler route writes on every allocation, and the step and phase each trace entry happened
+in, from record_function scopes the script opens (`--truth`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+TRAIN = Path(__file__).resolve().parent / "scenarios" / "train.py"
+
+# name: (model, flags). `base` runs also write ground truth.
+BASES = {f"{m}-base": (m, ["--truth"]) for m in ("gpt2", "bert", "llama", "mlp", "cnn")}
+CHANGES = {
+    # The optimizer step holds the peak: parameters, gradients and AdamW state all live.
+    "mlp-small-batch": ("mlp", ["--batch", "1", "--truth"]),
+    "bert-frozen": ("bert", ["--freeze", "--truth"]),
+}
+FAMILIES = ("gpt2", "bert", "llama")
+for _m in FAMILIES:
+    CHANGES.update({
+        f"{_m}-batch2x": (_m, ["--batch", "8"]),
+        f"{_m}-autocast": (_m, ["--autocast"]),
+        f"{_m}-sgd": (_m, ["--optimizer", "sgd-momentum"]),
+        f"{_m}-checkpoint": (_m, ["--checkpoint"]),
+        f"{_m}-debug": (_m, ["--debug-projections"]),
+        f"{_m}-accum": (_m, ["--accum", "2"]),
+        f"{_m}-log-item": (_m, ["--log-loss", "item"]),
+        f"{_m}-log-tensor": (_m, ["--log-loss", "tensor"]),
+        f"{_m}-eval-no-grad": (_m, ["--eval", "no-grad"]),
+        f"{_m}-eval-grad": (_m, ["--eval", "grad"]),
+    })
+SCENARIOS: Dict[str, Tuple[str, List[str]]] = {**BASES, **CHANGES}
+
+# PyTorch's data-flow categories in memdiff's terms.
+PYTORCH_TO_MEMDIFF = {"temporary": "autograd", "autograd_detail": "autograd", "unknown": "other", None: "other"}
+
+
+def capture(names: Sequence[str], folder: Path) -> Dict[str, Path]:
+    """Capture the named scenarios into `folder` (skipping those already there); name -> snapshot."""
+    paths = {name: folder / f"{name}.pickle" for name in names}
+    todo: Dict[str, List[List[str]]] = {}
+    for name in names:
+        if paths[name].exists():
+            continue
+        model, flags = SCENARIOS[name]
+        argv = ["--model", model, "--out", str(paths[name])]
+        for flag in flags:
+            argv += [flag, str(folder / f"{name}.truth.json")] if flag == "--truth" else [flag]
+        todo.setdefault(model, []).append(argv)
+
+    def run(model: str) -> None:
+        jobs = folder / f"{model}.jobs.json"
+        jobs.write_text(json.dumps(todo[model]))
+        done = subprocess.run([sys.executable, str(TRAIN), "--jobs", str(jobs)], capture_output=True, text=True,
+                              env={**os.environ, "TRANSFORMERS_VERBOSITY": "error"})
+        if done.returncode != 0:
+            raise RuntimeError(f"capturing {model} failed:\n{done.stderr[-3000:]}")
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        list(pool.map(run, todo))
+    return paths
+
+
+def truth_of(snapshot: Path) -> List[Tuple[Optional[int], Optional[str]]]:
+    """(step, phase) of every trace entry, from the run's record_function scopes."""
+    rows = json.loads(snapshot.with_suffix(".truth.json").read_text())["entries"]
+    return [(step, phase) for step, phase in rows]
+
+
+# Where PyTorch's label is arguable, memdiff documents its own (README, Categories): update
+# temporaries of built-in optimizers (PyTorch: activation, parameter or input) are `autograd`;
+# Hugging Face cache tensors (PyTorch: input) are `activation`, made by the forward.
+ARGUABLE = ((re.compile(r"torch/optim/\w+\.py\(\d+\): _(single_tensor|multi_tensor|fused)_"), "autograd"),
+            (re.compile(r"transformers/cache_utils\.py"), "activation"))
+
+
+def documented_label(e: Dict[str, Any]) -> Optional[str]:
+    """memdiff's documented label for an allocation whose PyTorch label is arguable, else None."""
+    for frame in e.get("frames") or []:
+        for pattern, label in ARGUABLE:
+            if pattern.search(frame.get("name", "")):
+                return label
+    return None
+
+
+def pytorch_categories_at(trace: List[Dict[str, Any]], event: int, documented: bool = False) -> Counter:
+    """Bytes per PyTorch category (in memdiff's terms) of the in-trace memory live after `event`;
+    with `documented`, arguable labels are replaced by the ones memdiff documents.
+
+    In-trace memory is what the trace shows an allocation for: allocations still open, and
+    tensors made before recording that the trace later writes a new version of (the free is
+    followed by the version's allocation, which carries PyTorch's category). Memory the
+    trace never mentions has no category from PyTorch and is left out.
+    """
+    open_: Dict[int, Dict[str, Any]] = {}
+    live: Dict[int, Dict[str, Any]] = {}
+    totals: Counter = Counter()
+    for i, e in enumerate(trace):
+        if e["action"] == "alloc":
+            open_[e["addr"]] = e
+        elif e["action"] == "free_completed":
+            known = open_.pop(e["addr"], None)
+            if known is None and i > event:
+                after = trace[i + 1] if i + 1 < len(trace) else {}
+                if after.get("action") == "alloc" and after.get("addr") == e["addr"]:
+                    totals[PYTORCH_TO_MEMDIFF.get(after.get("category"), after.get("category"))] += e["size"]
+        if i == event:
+            live = dict(open_)
+    for e in live.values():
+        label = PYTORCH_TO_MEMDIFF.get(e.get("category"), e.get("category"))
+        totals[(documented and documented_label(e)) or label] += e["size"]
+    return totals

@@ -1,0 +1,262 @@
+"""One training run of a model other people wrote, recorded on CPU with memdiff's profiler route.
+
+    python tests/scenarios/train.py --model bert --out run.pickle [--batch 8] [--autocast] ...
+
+Models are built from small configs (Hugging Face GPT-2, BERT and Llama; plain torch.nn MLP and
+CNN), with everything seeded, and the model and optimizer made before recording starts, as a
+training script does. The flags are the changes teams make to a training loop; see
+tests/scenarios/README.md. With --truth FILE the run also writes, for each trace entry, the
+step and phase it happened in, read from record_function scopes that the script opens: the
+ground truth memdiff's own step and phase inference is checked against.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+
+import torch
+from torch import nn
+
+from memdiff.capture import record
+
+VOCAB = 1000
+
+
+def hf_model(name: str) -> Tuple[nn.Module, List[nn.Module], int]:
+    """(model, its transformer layers, hidden size) of a small Hugging Face model."""
+    import transformers as hf
+
+    if name == "gpt2":
+        model = hf.GPT2LMHeadModel(hf.GPT2Config(n_layer=2, n_embd=128, n_head=4, vocab_size=VOCAB, n_positions=128))
+        return model, list(model.transformer.h), 128
+    if name == "bert":
+        model = hf.BertForSequenceClassification(hf.BertConfig(
+            num_hidden_layers=2, hidden_size=128, num_attention_heads=4, intermediate_size=512, vocab_size=VOCAB,
+            max_position_embeddings=128))
+        return model, list(model.bert.encoder.layer), 128
+    model = hf.LlamaForCausalLM(hf.LlamaConfig(
+        num_hidden_layers=2, hidden_size=128, num_attention_heads=4, num_key_value_heads=2, intermediate_size=384,
+        vocab_size=VOCAB, max_position_embeddings=128))
+    return model, list(model.model.layers), 128
+
+
+class MLP(nn.Module):
+    """A plain classifier: three hidden layers, GELU and dropout."""
+
+    def __init__(self, width: int = 512) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(256, width), nn.Linear(width, width), nn.Linear(width, width)])
+        self.drop = nn.Dropout(0.1)
+        self.head = nn.Linear(width, 10)
+        self.checkpoint = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            if self.checkpoint:
+                x = torch.utils.checkpoint.checkpoint(lambda t, f=layer: self.drop(nn.functional.gelu(f(t))), x,
+                                                      use_reentrant=False)
+            else:
+                x = self.drop(nn.functional.gelu(layer(x)))
+        return self.head(x)
+
+
+class CNN(nn.Module):
+    """A small convolutional classifier for 3x32x32 images."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Conv2d(3, 32, 3, padding=1), nn.Conv2d(32, 64, 3, padding=1)])
+        self.norm = nn.BatchNorm2d(64)
+        self.head = nn.Linear(64 * 8 * 8, 10)
+        self.checkpoint = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            step = lambda t, f=layer: nn.functional.max_pool2d(nn.functional.relu(f(t)), 2)  # noqa: E731
+            x = torch.utils.checkpoint.checkpoint(step, x, use_reentrant=False) if self.checkpoint else step(x)
+        return self.head(self.norm(x).flatten(1))
+
+
+def build(args: argparse.Namespace) -> Tuple[nn.Module, List[nn.Module], int, Callable[[], Dict[str, torch.Tensor]],
+                                            Callable[[nn.Module, Dict[str, torch.Tensor]], torch.Tensor]]:
+    """(model, its layers, hidden size, a batch maker, the loss of a batch)."""
+    b, s = args.batch, args.seq
+    if args.model in ("gpt2", "bert", "llama"):
+        model, layers, hidden = hf_model(args.model)
+        labels = (lambda: torch.randint(0, 2, (b,))) if args.model == "bert" else (lambda: torch.randint(0, VOCAB, (b, s)))
+
+        def batch() -> Dict[str, torch.Tensor]:
+            return {"input_ids": torch.randint(0, VOCAB, (b, s)), "labels": labels()}
+        return model, layers, hidden, batch, lambda m, x: m(**x).loss
+    model = MLP() if args.model == "mlp" else CNN()
+    shape = (b, 256) if args.model == "mlp" else (b, 3, 32, 32)
+    hidden = 512 if args.model == "mlp" else 32
+
+    def batch() -> Dict[str, torch.Tensor]:
+        return {"x": torch.randn(*shape), "y": torch.randint(0, 10, (b,))}
+    return (model, list(model.layers)[:2] if args.model == "mlp" else list(model.layers)[:1], hidden, batch,
+            lambda m, x: nn.functional.cross_entropy(m(x["x"]), x["y"]))
+
+
+def add_debug_projections(layers: List[nn.Module], hidden: int) -> Tuple[List[nn.Module], List[torch.Tensor]]:
+    """The seed's bug: an abandoned Linear(hidden, 4*hidden) per layer, applied to each layer's
+    output and tied into the loss. Returns the projections and the list their outputs go to."""
+    projections, outputs = [], []
+    for layer in layers:
+        proj = nn.Linear(hidden, 4 * hidden)
+        projections.append(proj)
+
+        def hook(_module: nn.Module, _inputs: Any, out: Any, proj: nn.Module = proj) -> None:
+            h = out[0] if isinstance(out, tuple) else out
+            if h.dim() == 4:  # a CNN feature map: project its channels
+                h = h.mean(dim=(2, 3))
+            outputs.append(proj(h))
+        layer.register_forward_hook(hook)
+    return projections, outputs
+
+
+@contextlib.contextmanager
+def scope(name: str, on: bool) -> Iterator[None]:
+    """A record_function scope when the run writes ground truth; nothing otherwise."""
+    if not on:
+        yield
+        return
+    with torch.profiler.record_function(name):
+        yield
+
+
+def train(args: argparse.Namespace) -> None:
+    torch.manual_seed(0)
+    model, layers, hidden, batch, loss_of = build(args)
+    if args.freeze:
+        frozen = [p for name, p in model.named_parameters() if "embed" in name or "wte" in name or "wpe" in name]
+        for layer in layers[: max(1, len(layers) // 2)]:
+            frozen += list(layer.parameters())
+        for p in frozen:
+            p.requires_grad_(False)
+    if args.checkpoint:
+        if hasattr(model, "gradient_checkpointing_enable"):
+            model.gradient_checkpointing_enable()
+        else:
+            model.checkpoint = True
+    projections, extra = add_debug_projections(layers, hidden) if args.debug_projections else ([], [])
+    params = [p for p in model.parameters() if p.requires_grad] + [p for m in projections for p in m.parameters()]
+    if args.optimizer == "adamw":
+        opt: torch.optim.Optimizer = torch.optim.AdamW(params, lr=1e-3)
+    else:
+        opt = torch.optim.SGD(params, lr=1e-2, momentum=0.9 if args.optimizer == "sgd-momentum" else 0.0)
+    model.train()
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16) if args.autocast else contextlib.nullcontext()
+    truth = bool(args.truth)
+    logged: List[Any] = []
+    kept_eval = None
+    with record(args.out):
+        for step in range(args.steps):
+            with scope(f"ProfilerStep#{step}", truth):
+                for _ in range(args.accum):
+                    with scope("## forward ##", truth):
+                        x = batch()
+                        with autocast:
+                            loss = loss_of(model, x) / args.accum
+                            if extra:
+                                loss = loss + 1e-3 * sum(p.float().mean() for p in extra)
+                                extra.clear()
+                    with scope("## backward ##", truth):
+                        loss.backward()
+                with scope("## optimizer ##", truth):
+                    opt.step()
+                    opt.zero_grad()
+                if args.log_loss != "none":
+                    # A validation loss each step: logged as a tensor, it keeps its whole graph.
+                    with scope("## forward ##", truth):
+                        val = loss_of(model, batch())
+                    logged.append(val if args.log_loss == "tensor" else val.item())
+                if args.eval != "none":
+                    with scope("## forward ##", truth):
+                        # Without torch.no_grad() the evaluation's graph lives on until the next one.
+                        with torch.no_grad() if args.eval == "no-grad" else contextlib.nullcontext():
+                            kept_eval = loss_of(model, batch())
+                del loss, x
+    del kept_eval
+
+
+def record_truth(path: Optional[str]) -> None:
+    """Make the profiler route also write, per trace entry, (step, phase) from the script's scopes
+    (or, with None, stop doing so).
+
+    memdiff's CPU route converts the profiler's memory timeline with
+    torch.cuda._memory_viz._profile_to_snapshot, which drops times. This wraps it to replay the
+    timeline in the converter's own order (create: 1 entry, destroy: 2, new version: 3,
+    preexisting: none) and so learn each entry's time, then looks the time up in the
+    record_function scopes of the op tree, which run on the same clock.
+    """
+    from torch._C._profiler import _EventType
+    from torch.cuda import _memory_viz
+    from torch.profiler._memory_profiler import Action, TensorKey
+
+    convert = getattr(_memory_viz._profile_to_snapshot, "converts", _memory_viz._profile_to_snapshot)
+    if path is None:
+        _memory_viz._profile_to_snapshot = convert
+        return
+
+    def converted(profile: Any) -> Dict[str, Any]:
+        snapshot = convert(profile)
+        memory = profile._memory_profile()
+        times: List[int] = []
+        for t, action, (key, _version), _size in memory.timeline:
+            if isinstance(key, TensorKey):
+                times += [t] * {Action.CREATE: 1, Action.DESTROY: 2, Action.INCREMENT_VERSION: 3}.get(action, 0)
+        trace = snapshot["device_traces"][-1]
+        if len(times) != len(trace):
+            raise SystemExit(f"ground truth: {len(times)} timed entries for {len(trace)} trace entries")
+        scopes = [(n.start_time_ns, n.end_time_ns, n.name) for n in memory._op_tree.sorted_nodes
+                  if n.typed[0] == _EventType.TorchOp and (n.name.startswith("## ") or n.name.startswith("ProfilerStep#"))]
+        rows = []
+        for t in times:
+            inside = [(start, name) for start, end, name in scopes if start <= t <= end]
+            step = next((int(name.split("#")[1]) for _, name in inside if name.startswith("ProfilerStep#")), None)
+            phases = sorted((start, name.strip("# ")) for start, name in inside if name.startswith("## "))
+            rows.append([step, phases[-1][1] if phases else None])
+        with open(path, "w") as f:
+            json.dump({"entries": rows}, f)
+        return snapshot
+
+    converted.converts = convert  # type: ignore[attr-defined]
+    _memory_viz._profile_to_snapshot = converted
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", choices=("gpt2", "bert", "llama", "mlp", "cnn"))
+    p.add_argument("--out", help="snapshot to write")
+    p.add_argument("--truth", help="also write per-entry (step, phase) ground truth to this JSON file")
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--seq", type=int, default=64)
+    p.add_argument("--optimizer", choices=("adamw", "sgd", "sgd-momentum"), default="adamw")
+    p.add_argument("--autocast", action="store_true", help="bf16 autocast")
+    p.add_argument("--checkpoint", action="store_true", help="activation checkpointing")
+    p.add_argument("--freeze", action="store_true", help="freeze the embeddings and the lower half of the layers")
+    p.add_argument("--accum", type=int, default=1, help="gradient accumulation: micro-batches per optimizer step")
+    p.add_argument("--log-loss", choices=("none", "item", "tensor"), default="none",
+                   help="a validation loss each step, logged with .item() or as a tensor (the leak)")
+    p.add_argument("--eval", choices=("none", "no-grad", "grad"), default="none",
+                   help="an evaluation forward after each step, in torch.no_grad() or not (kept until the next)")
+    p.add_argument("--debug-projections", action="store_true", help="an abandoned Linear(h, 4h) per layer")
+    p.add_argument("--jobs", help="a JSON list of argument lists: record each in turn, in this one process")
+    args = p.parse_args()
+    # Several runs in one process pay for importing torch and transformers once.
+    with open(args.jobs) if args.jobs else contextlib.nullcontext() as f:
+        jobs = [p.parse_args(argv) for argv in json.load(f)] if f else [args]
+    for job in jobs:
+        if not (job.model and job.out):
+            p.error("--model and --out are required (or --jobs)")
+        record_truth(job.truth)
+        train(job)
+
+
+if __name__ == "__main__":
+    main()
