@@ -214,21 +214,28 @@ def _members_of(r: DiffRow) -> List[Member]:
     return out
 
 
-def _opposites_merged(rows: List[DiffRow]) -> List[DiffRow]:
-    """Rows of one category and site that moved in opposite directions become one: a NEW beside a
-    SHRANK of the same site is one allocation site whose memory moved between call paths, and
-    two rows that cancel explain nothing (the member groups keep the detail)."""
+def _alike_merged(rows: List[DiffRow]) -> List[DiffRow]:
+    """One row per category and site where rows moved in opposite directions, else one row per
+    category, site and module context.
+
+    A NEW beside a SHRANK of one site is memory that moved between the site's call paths: two
+    rows that cancel explain nothing. Rows of one site and module that moved the same way would
+    read alike however they are labelled. The member groups keep the detail either way.
+    """
     buckets: Dict[Tuple, List[DiffRow]] = defaultdict(list)
     for r in rows:
         buckets[(r.category, r.site)].append(r)
     out: List[DiffRow] = []
     for same in buckets.values():
         moved = [r for r in same if r.delta_bytes]
+        out.extend(r for r in same if not r.delta_bytes)
         if any(r.delta_bytes > 0 for r in moved) and any(r.delta_bytes < 0 for r in moved):
             out.append(_merge(moved))
-            out.extend(r for r in same if not r.delta_bytes)
-        else:
-            out.extend(same)
+            continue
+        by_context: Dict[str, List[DiffRow]] = defaultdict(list)
+        for r in moved:
+            by_context[r.context].append(r)
+        out.extend(alike[0] if len(alike) == 1 else _merge(alike) for alike in by_context.values())
     return out
 
 
@@ -284,7 +291,7 @@ def align(base: Sequence[Group], head: Sequence[Group]) -> List[DiffRow]:
                 head_left += news
     rows.extend(_row([g], [], None) for g in base_left)
     rows.extend(_row([], [g], None) for g in head_left)
-    rows = _opposites_merged(rows)
+    rows = _alike_merged(rows)
     label_rows(rows)
 
     order = {NEW: 0, GREW: 1, GONE: 2, SHRANK: 3, SAME: 4}

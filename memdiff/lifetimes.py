@@ -192,8 +192,9 @@ def _scope_phase(name: str) -> Optional[str]:
 
 
 def _fill(labels: List[Optional[str]]) -> List[str]:
-    """Unlabelled allocations take the phase before them, or the one after them where a step
-    begins (the batch made before the forward belongs to the forward, not the last update)."""
+    """Unlabelled allocations take the phase after them when a forward follows (the batch made
+    before a forward belongs to it, not to the last update or the last micro-batch's backward),
+    else the phase before them (a loss computed after the forward), else the one after."""
     out: List[Optional[str]] = list(labels)
     following: Optional[str] = None
     nxt: List[Optional[str]] = [None] * len(out)
@@ -206,7 +207,7 @@ def _fill(labels: List[Optional[str]]) -> List[str]:
         if label == CONTINUES:
             out[k] = previous
         elif label is None:
-            out[k] = nxt[k] if previous in (None, OPTIMIZER, SETUP) and nxt[k] is not None else previous
+            out[k] = nxt[k] if nxt[k] == FORWARD or previous in (None, SETUP) else previous
         else:
             previous = label
     return [OTHER if (p is None or p == SETUP) else p for p in out]
