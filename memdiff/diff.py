@@ -199,7 +199,8 @@ def _merge(rows: Sequence[DiffRow]) -> DiffRow:
     status = NEW if not b else GONE if not h else GREW if h > b else SHRANK if h < b else SAME
     return DiffRow(status=status, site=shown.site, signature=shown.signature, category=shown.category,
                    base_count=sum(r.base_count for r in rows), head_count=sum(r.head_count for r in rows),
-                   base_bytes=b, head_bytes=h, delta_bytes=h - b, frames=shown.frames, matched_by=BY_SITE,
+                   base_bytes=b, head_bytes=h, delta_bytes=h - b, frames=shown.frames,
+                   matched_by=BY_SITE if b and h else None,
                    context=shown.context, label=shown.site, base_earlier_bytes=sum(r.base_earlier_bytes for r in rows),
                    head_earlier_bytes=sum(r.head_earlier_bytes for r in rows), members=members)
 
