@@ -14,12 +14,13 @@ import json
 import os
 from dataclasses import dataclass, replace
 from datetime import datetime, timezone
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from memdiff import __version__
+from memdiff.atomic import write_text_atomic
 from memdiff.errors import InputError
 from memdiff.frames import signature_of
-from memdiff.gate import Thresholds, thresholds_from_dict
+from memdiff.judge import Thresholds, thresholds_from_dict
 from memdiff.load import read_bytes
 from memdiff.model import DeviceSummary, Group, PhasePeak, Source, Summary
 from memdiff.schema import validate
@@ -41,6 +42,10 @@ class Baseline:
     source: Dict[str, Any]
     devices: List[Dict[str, Any]]
     thresholds: Thresholds
+
+    def to_dict(self) -> Dict[str, Any]:
+        """The JSON form (what `to_json` writes, as a dict)."""
+        return json.loads(self.to_json())
 
     def to_json(self) -> str:
         """The file's text: fixed key order and one group per line, so reviews read well."""
@@ -88,6 +93,25 @@ def from_summary(summary: Summary, name: str, thresholds: Thresholds, git_sha: O
     stamp = created or datetime.now(timezone.utc).replace(microsecond=0).isoformat().replace("+00:00", "Z")
     return Baseline(name=name, created=stamp, tool=f"memdiff {__version__}", source=source, devices=devices,
                     thresholds=thresholds)
+
+
+def update_baseline(path: str, summary_of: Callable[[], Summary],
+                    thresholds_for: Callable[[Optional[Thresholds]], Thresholds], name: Optional[str] = None,
+                    git_sha: Optional[str] = None) -> Tuple[Baseline, bool]:
+    """Create or update the baseline at `path` atomically: (the baseline, whether one was there).
+
+    An existing baseline is read first, so a broken one stops everything before the run is
+    summarized or anything is written; it keeps its name unless `name` is given, and
+    `thresholds_for` gets its thresholds to build on.
+    """
+    old = read_baseline(path) if os.path.exists(path) else None
+    limits = thresholds_for(old.thresholds if old else None)
+    baseline = from_summary(summary_of(), name or (old.name if old else stem(path)), limits, git_sha)
+    try:
+        write_text_atomic(path, baseline.to_json())
+    except OSError as exc:
+        raise InputError(path, f"cannot write: {exc.strerror or exc}") from None
+    return baseline, old is not None
 
 
 def read_baseline(path: str) -> Baseline:

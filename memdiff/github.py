@@ -13,8 +13,8 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
-from memdiff.diff import Diff, fold
-from memdiff.gate import Verdict
+from memdiff.differ import Diff, fold
+from memdiff.judge import Verdict
 from memdiff.render.markdown import Options, render_diff
 from memdiff.units import format_bytes
 

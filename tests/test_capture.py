@@ -14,7 +14,7 @@ from tabulate import tabulate
 
 from memdiff.capture import CaptureError, record
 from memdiff.classify import load_rules
-from memdiff.diff import GONE, GREW, NEW, SHRANK, diff
+from memdiff.differ import GONE, GREW, NEW, SHRANK, diff
 from memdiff.inputs import read_summary
 from memdiff.load import decode
 

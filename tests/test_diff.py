@@ -12,8 +12,8 @@ import pytest
 from conftest import alloc, py_frames
 from memdiff.classify import load_rules
 from memdiff.cli import main
-from memdiff.diff import BY_SITE, GONE, GREW, NEW, SAME, SHRANK, diff
-from memdiff.gate import Limit, Thresholds
+from memdiff.differ import BY_SITE, GONE, GREW, NEW, SAME, SHRANK, diff
+from memdiff.judge import Limit, Thresholds
 from memdiff.inputs import read_summary
 from memdiff.load import decode
 

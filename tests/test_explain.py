@@ -10,7 +10,7 @@ import pytest
 from conftest import alloc, free
 from memdiff.classify import load_rules
 from memdiff.cli import main
-from memdiff.diff import GREW, diff, fold
+from memdiff.differ import GREW, diff, fold
 from memdiff.inputs import read_summary
 
 REAL_PAIRS = [

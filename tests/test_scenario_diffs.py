@@ -11,7 +11,7 @@ from typing import Dict, List
 import pytest
 
 from memdiff.classify import load_rules
-from memdiff.diff import GONE, GREW, NEW, SHRANK, DeviceDiff, diff
+from memdiff.differ import GONE, GREW, NEW, SHRANK, DeviceDiff, diff
 from memdiff.inputs import read_summary
 from memdiff.model import Summary
 from scenario_suite import FAMILIES

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Dict, List, Optional, Sequence
 
 from memdiff.classify import Rule, load_rules
 from memdiff.errors import InputError
-from memdiff.gate import Limit, Thresholds
+from memdiff.judge import Limit, Thresholds
 from memdiff.lifetimes import BACKWARD, FORWARD, OPTIMIZER
 from memdiff.units import parse_size
 

@@ -7,8 +7,7 @@ import glob
 import os
 import sys
 
-from memdiff.atomic import write_text_atomic
-from memdiff.baseline import from_summary, read_baseline, stem
+from memdiff.baseline import read_baseline, update_baseline
 from memdiff.commands.args import (add_category_threshold_argument, add_phase_threshold_argument, add_rules_arguments,
                                    add_threshold_arguments, rules_from, thresholds_from)
 from memdiff.errors import EXIT_BAD_INPUT, EXIT_OK, InputError
@@ -55,17 +54,10 @@ def run(args: argparse.Namespace) -> int:
         return _check(args.check)
     if not args.snapshot or not args.output:
         raise InputError("baseline", "give SNAPSHOT -o FILE to write a baseline, or --check PATH")
-    # Read the old file first: when it is broken, nothing is written.
-    old = read_baseline(args.output) if os.path.exists(args.output) else None
-    thresholds = thresholds_from(args, old.thresholds if old else None)
-    name = args.name or (old.name if old else stem(args.output))
-    summary = read_summary(args.snapshot, rules_from(args))
-    baseline = from_summary(summary, name, thresholds, args.git_sha)
-    try:
-        write_text_atomic(args.output, baseline.to_json())
-    except OSError as exc:
-        raise InputError(args.output, f"cannot write: {exc.strerror or exc}") from None
-    peaks = ", ".join(f"device {d.device} peak {format_bytes(d.peak_bytes)}" for d in summary.devices)
-    print(f"memdiff: {'updated' if old else 'wrote'} {args.output}: baseline {name!r}, {peaks}; "
+    baseline, existed = update_baseline(args.output, lambda: read_summary(args.snapshot, rules_from(args)),
+                                        lambda old: thresholds_from(args, old), args.name, args.git_sha)
+    name, thresholds = baseline.name, baseline.thresholds
+    peaks = ", ".join(f"device {d['device']} peak {format_bytes(d['peak_bytes'])}" for d in baseline.devices)
+    print(f"memdiff: {'updated' if existed else 'wrote'} {args.output}: baseline {name!r}, {peaks}; "
           f"{thresholds.describe()}", file=sys.stderr)
     return 0

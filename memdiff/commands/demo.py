@@ -11,8 +11,8 @@ import time
 from memdiff.capture import record
 from memdiff.classify import load_rules
 from memdiff.commands.diff import render_report
-from memdiff.diff import diff
-from memdiff.gate import DEFAULT_PEAK, Thresholds, judge
+from memdiff.differ import diff
+from memdiff.judge import DEFAULT_PEAK, Thresholds, judge
 from memdiff.inputs import read_summary
 
 RUNS = (("baseline", False), ("checkpointing", True))

@@ -7,9 +7,9 @@ import sys
 
 from memdiff.commands.args import (add_github_arguments, add_report_arguments, add_rules_arguments,
                                    add_threshold_arguments, publisher_from, rules_from)
-from memdiff.diff import MOMENTS, PEAK, Diff, diff, fold
+from memdiff.differ import MOMENTS, PEAK, Diff, diff, fold
 from memdiff.errors import EXIT_OK, EXIT_REGRESSION
-from memdiff.gate import Limit, Thresholds, Verdict, judge
+from memdiff.judge import Limit, Thresholds, Verdict, judge
 from memdiff.inputs import read_summaries
 from memdiff.render import json as render_json
 from memdiff.render import markdown as render_markdown

@@ -13,9 +13,9 @@ from memdiff.commands.args import (add_category_threshold_argument, add_phase_th
                                    add_rules_arguments, add_threshold_arguments, publisher_from, rules_from,
                                    thresholds_from)
 from memdiff.commands.diff import render_report
-from memdiff.diff import diff
+from memdiff.differ import diff
 from memdiff.errors import EXIT_OK, EXIT_REGRESSION, InputError
-from memdiff.gate import judge
+from memdiff.judge import judge
 from memdiff.inputs import read_summary
 from memdiff.render import json as render_json
 

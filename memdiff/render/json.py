@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import json
-from dataclasses import asdict
 from typing import Any, Dict
 
-from memdiff.diff import Diff
-from memdiff.gate import Verdict
+from memdiff.differ import Diff
+from memdiff.judge import Verdict
 from memdiff.model import Summary
 
 
@@ -18,16 +17,7 @@ def render_summary(summary: Summary) -> str:
 
 def diff_document(diff: Diff, verdict: Verdict) -> Dict[str, Any]:
     """The diff contract: verdict, rule, checks and per device every row, never folded."""
-    return {
-        "verdict": "pass" if verdict.passed else "fail",
-        "rule": verdict.rule,
-        "checks": [asdict(c) for c in verdict.checks],
-        "notes": verdict.notes,
-        "warnings": diff.warnings,
-        "base": asdict(diff.base),
-        "head": asdict(diff.head),
-        "devices": [asdict(d) for d in diff.devices],
-    }
+    return {**verdict.to_dict(), **diff.to_dict()}
 
 
 def render_diff(diff: Diff, verdict: Verdict) -> str:

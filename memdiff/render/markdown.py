@@ -6,8 +6,8 @@ import re
 from dataclasses import dataclass
 from typing import Dict, List, Optional
 
-from memdiff.diff import GONE, GREW, NEW, SHRANK, DeviceDiff, Diff, Folded
-from memdiff.gate import Verdict
+from memdiff.differ import GONE, GREW, NEW, SHRANK, DeviceDiff, Diff, Folded
+from memdiff.judge import Verdict
 from memdiff.model import Frame, Source
 from memdiff.render.table import (category_table, check_line, diff_table, kept_line, pct_cell, peak_line,
                                   phase_table, where_line)

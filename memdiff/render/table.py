@@ -6,8 +6,8 @@ from typing import Callable, List, Optional
 
 from tabulate import tabulate
 
-from memdiff.diff import BY_SITE, NEW, PEAK, DeviceDiff, DiffRow, Folded, where_text
-from memdiff.gate import Check, growth_pct
+from memdiff.differ import BY_SITE, NEW, PEAK, DeviceDiff, DiffRow, Folded, where_text
+from memdiff.judge import Check, growth_pct
 from memdiff.units import format_bytes
 
 HEADERS = ["status", "count", "base", "head", "delta", "%", "site"]

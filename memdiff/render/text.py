@@ -7,8 +7,8 @@ from typing import Dict, List, Optional
 
 from tabulate import tabulate
 
-from memdiff.diff import Diff, Folded
-from memdiff.gate import Verdict
+from memdiff.differ import Diff, Folded
+from memdiff.judge import Verdict
 from memdiff.model import Frame, Source, Summary
 from memdiff.peak import PHASE_COLUMNS, DevicePeak, Kept, PeakRow, StepRow
 from memdiff.render.table import (category_table, check_line, diff_table, kept_line, peak_line, phase_table,

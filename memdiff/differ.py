@@ -18,8 +18,8 @@ from __future__ import annotations
 import posixpath
 import re
 from collections import defaultdict
-from dataclasses import dataclass, field, replace
-from typing import Dict, List, Optional, Sequence, Tuple
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from memdiff.classify import PERSISTENT
 from memdiff.errors import InputError
@@ -133,6 +133,12 @@ class Diff:
     head: Source
     devices: List[DeviceDiff]
     warnings: List[str]
+
+    def to_dict(self) -> Dict[str, Any]:
+        """The JSON form of the comparison (the `devices`, `warnings`, `base` and `head` of the
+        diff contract; the verdict's keys come from `Verdict.to_dict`)."""
+        return {"warnings": self.warnings, "base": asdict(self.base), "head": asdict(self.head),
+                "devices": [asdict(d) for d in self.devices]}
 
 
 def _site_key(callers: int):

@@ -8,11 +8,11 @@ both must be exceeded for the check to fail.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from fractions import Fraction
 from typing import Any, Dict, List, Optional, Pattern
 
-from memdiff.diff import GREW, NEW, PEAK, Diff, label_rows
+from memdiff.differ import GREW, NEW, PEAK, Diff, label_rows
 from memdiff.errors import InputError
 from memdiff.units import format_bytes, parse_size
 
@@ -171,6 +171,11 @@ class Verdict:
     rule: str
     checks: List[Check]
     notes: List[str] = field(default_factory=list)
+
+    def to_dict(self) -> Dict[str, Any]:
+        """The verdict's part of the JSON diff contract."""
+        return {"verdict": "pass" if self.passed else "fail", "rule": self.rule,
+                "checks": [asdict(c) for c in self.checks], "notes": self.notes}
 
 
 def growth_pct(base: int, head: int) -> Optional[float]:

@@ -1,0 +1,120 @@
+"""memdiff from Python: the stages the CLI wires, as functions on paths or the dataclasses they return.
+
+    import memdiff
+
+    base = memdiff.summarize("base.pickle")             # a Summary (the `memdiff summarize` JSON)
+    change = memdiff.diff(base, "head.pickle")          # a Diff (rows aligned per device)
+    verdict = memdiff.judge("head.pickle", "baselines/train.json", fail_over="256MiB")
+    print(verdict.passed, [c.subject for c in verdict.checks if not c.passed])
+
+Every result has `to_dict()`, the JSON contract the CLI writes. Defaults are the CLI's: groups
+are classified with the built-in rules, plus `rules` (rules files, JSON or TOML) when given.
+Errors in the input raise `memdiff.errors.InputError` (the CLI's exit 2). Capturing needs torch;
+nothing else here imports it.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Dict, Optional, Sequence, Union
+
+from memdiff.baseline import Baseline, comparable_pair, read_baseline, update_baseline
+from memdiff.classify import Rule, load_rules
+from memdiff.differ import PEAK, Diff
+from memdiff.differ import diff as _diff
+from memdiff.errors import InputError
+from memdiff.judge import Limit, Thresholds, Verdict, judge
+from memdiff.inputs import read_summary
+from memdiff.model import Summary
+from memdiff.units import parse_size
+
+Run = Union[str, "os.PathLike[str]", Summary]
+Size = Union[int, str, None]
+
+
+def _rules(rules: Optional[Sequence[str]]) -> Sequence[Rule]:
+    return load_rules(list(rules or ()))
+
+
+def summarize(path: Union[str, "os.PathLike[str]"], *, rules: Optional[Sequence[str]] = None) -> Summary:
+    """The classified Summary of a snapshot (or of a stored summary JSON)."""
+    return read_summary(os.fspath(path), _rules(rules))
+
+
+def _summary(run: Run, rules: Optional[Sequence[str]]) -> Summary:
+    return run if isinstance(run, Summary) else summarize(run, rules=rules)
+
+
+def diff(base: Run, head: Run, *, at: str = PEAK, rules: Optional[Sequence[str]] = None) -> Diff:
+    """Why `head` uses more (or less) memory than `base`: paths or Summaries, compared at their
+    peaks or, with `at` = forward / backward / optimizer, at that phase's peak in both."""
+    return _diff(_summary(base, rules), _summary(head, rules), at=at)
+
+
+def _size(value: Size, what: str) -> Optional[int]:
+    if value is None or isinstance(value, int):
+        return value
+    try:
+        return parse_size(value)
+    except ValueError:
+        raise InputError(what, f"{value!r} is not a size (examples: 512MiB, 0.5GiB, 64MB, 1e9)") from None
+
+
+def _limit(value: Union[Size, float], what: str) -> Limit:
+    """A limit from `"256MiB"`, `1 << 28` or `"10%"`."""
+    if isinstance(value, str) and value.strip().endswith("%"):
+        return Limit(fail_over_pct=float(value.strip()[:-1]))
+    return Limit(fail_over_bytes=_size(value, what))  # type: ignore[arg-type]
+
+
+def thresholds(*, fail_over: Size = None, fail_over_pct: Optional[float] = None,
+               categories: Optional[Dict[str, Union[Size, str]]] = None,
+               phases: Optional[Dict[str, Union[Size, str]]] = None, base: Optional[Thresholds] = None) -> Thresholds:
+    """Thresholds as the CLI's flags give them (`categories={"activation": "10%"}`); over `base`
+    (a baseline's), each one given replaces its part."""
+    peak_bytes = _size(fail_over, "fail_over")
+    categories = {name: _limit(v, f"categories[{name!r}]") for name, v in (categories or {}).items()}
+    phases = {name: _limit(v, f"phases[{name!r}]") for name, v in (phases or {}).items()}
+    if base is None:
+        return Thresholds(Limit.from_options(peak_bytes, fail_over_pct), categories, phases=phases)
+    return Thresholds(base.peak.overridden(peak_bytes, fail_over_pct), {**base.categories, **categories},
+                      list(base.sites), {**base.phases, **phases})
+
+
+def load_baseline(path: Union[str, "os.PathLike[str]"]) -> Baseline:
+    """A stored baseline, validated against its schema."""
+    return read_baseline(os.fspath(path))
+
+
+def write_baseline(run: Run, path: Union[str, "os.PathLike[str]"], *, name: Optional[str] = None,
+                   git_sha: Optional[str] = None, rules: Optional[Sequence[str]] = None,
+                   **limits: object) -> Baseline:
+    """Create or update the baseline at `path` from a run, atomically. An existing baseline keeps
+    its name and thresholds unless `name` or limits (as `thresholds()` takes them) replace them."""
+    baseline, _ = update_baseline(os.fspath(path), lambda: _summary(run, rules),
+                                  lambda old: thresholds(base=old, **limits), name, git_sha)  # type: ignore[arg-type]
+    return baseline
+
+
+def gate(run: Run, baseline: Union[str, "os.PathLike[str]", Baseline], *, rules: Optional[Sequence[str]] = None,
+         **limits: object) -> Verdict:
+    """Judge a run against a baseline under its thresholds; limits given (`fail_over="256MiB"`,
+    `categories={"activation": "10%"}`, `phases={"forward": "512MiB"}`) replace their parts."""
+    return gate_diff(run, baseline, rules=rules, **limits)[1]
+
+
+def gate_diff(run: Run, baseline: Union[str, "os.PathLike[str]", Baseline], *,
+              rules: Optional[Sequence[str]] = None, **limits: object) -> "tuple[Diff, Verdict]":
+    """`gate`, with the Diff the verdict was judged on (what a report shows)."""
+    stored = baseline if isinstance(baseline, Baseline) else load_baseline(baseline)
+    where = "baseline" if isinstance(baseline, Baseline) else os.fspath(baseline)
+    base, head = comparable_pair(where, stored, _summary(run, rules))
+    result = _diff(base, head)
+    return result, judge(result, thresholds(base=stored.thresholds, **limits))  # type: ignore[arg-type]
+
+
+def record(path: Union[str, "os.PathLike[str]"], **options: object):  # type: ignore[no-untyped-def]
+    """`memdiff.capture.record`: a context manager writing the snapshot of the block to `path`."""
+    from memdiff.capture import record as _record
+
+    return _record(os.fspath(path), **options)  # type: ignore[arg-type]
