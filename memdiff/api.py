@@ -51,7 +51,8 @@ def diff(base: Run, head: Run, *, at: str = PEAK, rules: Optional[Sequence[str]]
     return _diff(_summary(base, rules), _summary(head, rules), at=at)
 
 
-def _size(value: Size, what: str) -> Optional[int]:
+def to_bytes(value: Size, what: str) -> Optional[int]:
+    """A size given as bytes or as text (`"512MiB"`, `"1e9"`); InputError naming `what` when it is neither."""
     if value is None or isinstance(value, int):
         return value
     try:
@@ -64,7 +65,7 @@ def _limit(value: Union[Size, float], what: str) -> Limit:
     """A limit from `"256MiB"`, `1 << 28` or `"10%"`."""
     if isinstance(value, str) and value.strip().endswith("%"):
         return Limit(fail_over_pct=float(value.strip()[:-1]))
-    return Limit(fail_over_bytes=_size(value, what))  # type: ignore[arg-type]
+    return Limit(fail_over_bytes=to_bytes(value, what))  # type: ignore[arg-type]
 
 
 def thresholds(*, fail_over: Size = None, fail_over_pct: Optional[float] = None,
@@ -72,7 +73,7 @@ def thresholds(*, fail_over: Size = None, fail_over_pct: Optional[float] = None,
                phases: Optional[Dict[str, Union[Size, str]]] = None, base: Optional[Thresholds] = None) -> Thresholds:
     """Thresholds as the CLI's flags give them (`categories={"activation": "10%"}`); over `base`
     (a baseline's), each one given replaces its part."""
-    peak_bytes = _size(fail_over, "fail_over")
+    peak_bytes = to_bytes(fail_over, "fail_over")
     categories = {name: _limit(v, f"categories[{name!r}]") for name, v in (categories or {}).items()}
     phases = {name: _limit(v, f"phases[{name!r}]") for name, v in (phases or {}).items()}
     if base is None:

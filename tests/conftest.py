@@ -10,6 +10,8 @@ from typing import Any, Dict, List, Optional
 
 import pytest
 
+pytest_plugins = ["pytester"]
+
 ROOT = Path(__file__).resolve().parent.parent
 SHARED = ROOT.parent / "shared" / "snapshots"
 

@@ -132,6 +132,18 @@ def _input_line(role: str, s: Source) -> str:
     return f"{role}  {s.file}  ({s.container}, format {s.generation}, sha256 {s.sha256[:12]})"
 
 
+def render_stacks(folded: Dict[int, Folded]) -> str:
+    """The stacks of the shown rows, for a reader who asked for more (pytest -v)."""
+    lines = []
+    for device, f in folded.items():
+        for r in f.shown:
+            if r.frames:
+                lines.append(f"device {device} {r.status} {r.label or r.site} "
+                             f"{format_bytes(r.delta_bytes, signed=True)}")
+                lines += ["  " + _frame_line(frame) for frame in r.frames[:STACK_LINES * 2]]
+    return "\n".join(lines) + "\n"
+
+
 def render_diff(diff: Diff, verdict: Verdict, folded: Dict[int, Folded]) -> str:
     """What `memdiff BASE HEAD` prints: inputs, warnings, per device the aligned rows, the rule and verdict."""
     lines = [_input_line("base", diff.base), _input_line("head", diff.head)]

@@ -1,0 +1,150 @@
+"""The pytest plugin: @pytest.mark.memdiff gates a test's memory, as a team's own suite runs it."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+
+import pytest
+
+# A training-step stand-in whose memory the environment sets: one tensor of MEMDIFF_TEST_FLOATS floats.
+TESTS = textwrap.dedent("""
+    import os
+    import pytest
+    import torch
+
+    def work():
+        keep = torch.zeros(int(os.environ.get("MEMDIFF_TEST_FLOATS", "65536")))
+        return keep.sum()
+
+    @pytest.mark.memdiff(fail_over="16KiB", fail_over_pct=1)
+    def test_step():
+        work()
+""")
+
+
+@pytest.fixture
+def suite(pytester, torch):
+    pytester.makepyfile(test_model=TESTS)
+    return pytester
+
+
+def run(pytester, *args, floats=65536):
+    pytester._monkeypatch.setenv("MEMDIFF_TEST_FLOATS", str(floats))  # noqa: SLF001 - pytester's own
+    return pytester.runpytest_subprocess("-p", "no:cacheprovider", *args)
+
+
+def baseline_of(pytester):
+    return json.loads((pytester.path / "baselines" / "test_model.py-test_step.json").read_text())
+
+
+def test_update_creates_the_baseline_then_the_gate_passes_and_fails(suite):
+    result = run(suite, "--memdiff-update")
+    result.assert_outcomes(passed=1)
+    stored = baseline_of(suite)
+    assert stored["name"] == "test_model.py::test_step"
+    assert stored["devices"][0]["peak_bytes"] >= 65536 * 4
+    assert stored["thresholds"]["peak"] == {"fail-over": "16KiB", "fail-over-pct": 1}
+
+    run(suite).assert_outcomes(passed=1)
+
+    result = run(suite, floats=65536 + 8192)  # 32 KiB more: over 16 KiB and 1%
+    result.assert_outcomes(failed=1)
+    out = result.stdout.str()
+    assert "memdiff: device memory regressed against baselines/test_model.py-test_step.json" in out
+    assert "FAIL  device 0 peak: " in out and "limit: more than 1% and by more than 16.00 KiB" in out
+    assert "category" in out and "TOTAL" in out  # the diff's first screen, not a bare number
+    assert "Traceback" not in out
+
+
+def test_update_refreshes_a_baseline_and_keeps_its_name(suite):
+    run(suite, "--memdiff-update").assert_outcomes(passed=1)
+    before = baseline_of(suite)["devices"][0]["peak_bytes"]
+    run(suite, "--memdiff-update", floats=4 * 65536).assert_outcomes(passed=1)
+    after = baseline_of(suite)
+    assert after["devices"][0]["peak_bytes"] - before == 3 * 65536 * 4
+    assert after["name"] == "test_model.py::test_step"
+    run(suite, floats=4 * 65536).assert_outcomes(passed=1)
+
+
+def test_a_missing_baseline_fails_with_the_command_that_makes_it(suite):
+    result = run(suite)
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["*no baseline for this test at baselines/test_model.py-test_step.json*",
+                                 "*pytest 'test_model.py::test_step' --memdiff-update*"])
+
+
+def test_verbose_adds_the_stacks_and_a_report_folder_gets_the_markdown(suite):
+    run(suite, "--memdiff-update").assert_outcomes(passed=1)
+    result = run(suite, "-v", "--memdiff-report", "reports", floats=4 * 65536)
+    result.assert_outcomes(failed=1)
+    assert "test_model.py:" in result.stdout.str() and "work" in result.stdout.str()  # a frame of the stack
+    report = (suite.path / "reports" / "test_model.py-test_step.md").read_text()
+    assert report.startswith("### ❌ memdiff: regression")
+
+
+def test_a_ceiling_needs_no_baseline(pytester, torch):
+    pytester.makepyfile(test_ceiling=textwrap.dedent("""
+        import pytest
+        import torch
+
+        @pytest.mark.memdiff(limit="1MiB")
+        def test_small():
+            torch.zeros(1024).sum()
+
+        @pytest.mark.memdiff(limit="1MiB")
+        def test_big():
+            torch.zeros(1024 * 1024).sum()
+    """))
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
+    result.assert_outcomes(passed=1, failed=1)
+    result.stdout.fnmatch_lines(["*device 0 peak 4.00 MiB* is over the limit of 1.00 MiB; largest live at the peak:*"])
+    assert not (pytester.path / "baselines").exists()
+
+
+def test_two_xdist_workers_record_their_own_tests(pytester, torch):
+    pytester.makepyfile(test_many=textwrap.dedent("""
+        import pytest
+        import torch
+
+        @pytest.mark.memdiff
+        @pytest.mark.parametrize("n", [1, 2, 3, 4])
+        def test_step(n):
+            torch.zeros(n * 4096).sum()
+    """))
+    pytester.runpytest_subprocess("-p", "no:cacheprovider", "-n", "2", "--memdiff-update").assert_outcomes(passed=4)
+    stored = sorted(p.name for p in (pytester.path / "baselines").iterdir())
+    assert stored == [f"test_many.py-test_step[{n}].json" for n in (1, 2, 3, 4)]
+    peaks = [json.loads((pytester.path / "baselines" / name).read_text())["devices"][0]["peak_bytes"]
+             for name in stored]
+    assert peaks == sorted(peaks) and peaks[0] >= 4096 * 4
+    pytester.runpytest_subprocess("-p", "no:cacheprovider", "-n", "2").assert_outcomes(passed=4)
+
+
+def test_an_unmarked_suite_records_nothing_and_never_imports_torch(pytester):
+    pytester.makeconftest(textwrap.dedent("""
+        import sys
+
+        def pytest_sessionfinish(session):
+            loaded = [m for m in ("torch", "memdiff.capture", "memdiff.api") if m in sys.modules]
+            session.config.rootpath.joinpath("loaded.txt").write_text(",".join(loaded))
+    """))
+    pytester.makepyfile(test_plain="def test_one():\n    assert 1 + 1 == 2\n")
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
+    result.assert_outcomes(passed=1)
+    assert (pytester.path / "loaded.txt").read_text() == ""
+    assert "memdiff" in pytester.runpytest_subprocess("--markers").stdout.str()
+
+
+def test_the_record_fixture_gives_the_summary_of_a_block(pytester, torch):
+    pytester.makepyfile(test_fixture=textwrap.dedent("""
+        import torch
+
+        def test_block(memdiff_record):
+            with memdiff_record() as run:
+                x = torch.randn(1 << 20)
+                y = x * 2
+            d = run.summary.devices[0]
+            assert d.peak_bytes >= 4 * (1 << 20)  # at least one of the two tensors
+    """))
+    pytester.runpytest_subprocess("-p", "no:cacheprovider").assert_outcomes(passed=1)
