@@ -100,6 +100,9 @@ class _Hints:
             if not isinstance(raw, dict):
                 continue
             name, filename = raw.get("name"), raw.get("filename")
+            if not isinstance(name, str):
+                continue  # a malformed frame says nothing (the stack normalizer reports it)
+            filename = filename if isinstance(filename, str) else None
             hint = self._frames.get((name, filename), "?")
             if hint == "?":
                 hint = _frame_hint(name, filename)
@@ -112,10 +115,8 @@ class _Hints:
         return best
 
 
-def _frame_hint(name: Any, filename: Any) -> Optional[str]:
-    if not isinstance(name, str):
-        return None
-    text = name if not isinstance(filename, str) or filename in ("", "none", "??") else f"{filename}:{name}"
+def _frame_hint(name: str, filename: Optional[str]) -> Optional[str]:
+    text = name if filename in (None, "", "none", "??") else f"{filename}:{name}"
     text = text[:1000]  # the hints look at short names; a hostile 60 KB name costs nothing more
     for phase, pattern in STACK_HINTS:
         if pattern.search(text):
