@@ -22,7 +22,8 @@ class CaptureError(InputError):
     """Capture cannot work here (no torch, or a torch without the API it needs)."""
 
 
-def _torch() -> Any:
+def torch_module() -> Any:
+    """The torch module, or a CaptureError (exit 2) saying how to install it."""
     try:
         import torch
     except ImportError:
@@ -94,7 +95,7 @@ def record(path: str, *, max_entries: int = 1_000_000, stacks: str = "all") -> I
     """
     if stacks not in STACKS:
         raise ValueError(f"stacks must be one of {STACKS}, not {stacks!r}")
-    torch = _torch()
+    torch = torch_module()
     recorder = _record_cuda(torch, path, max_entries, stacks) if torch.cuda.is_available() else _record_cpu(torch, path)
     with recorder:
         yield

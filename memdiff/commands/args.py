@@ -156,6 +156,9 @@ def publisher_from(args: argparse.Namespace, expected: int = 1) -> Optional["Pub
 
     if not (args.github or args.report):
         return None
+    folder = os.path.dirname(args.report) if args.report else ""
+    if folder and not os.path.isdir(folder):
+        raise InputError(args.report, f"the folder {folder} does not exist: create it, or write the report elsewhere")
     return Publisher(environ=os.environ if args.github else {}, report_path=args.report,
                      base_label=args.base_label, head_label=args.head_label, expected=expected,
                      annotate=args.github)

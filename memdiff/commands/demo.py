@@ -12,6 +12,7 @@ from memdiff.capture import record
 from memdiff.classify import load_rules
 from memdiff.commands.diff import render_report
 from memdiff.differ import diff
+from memdiff.errors import InputError
 from memdiff.judge import DEFAULT_PEAK, Thresholds, judge
 from memdiff.inputs import read_summary
 
@@ -31,6 +32,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Record both runs with progress on stderr, then print the diff."""
+    from memdiff.capture import torch_module
+
+    torch = torch_module()  # without torch: exit 2 saying how to install it
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise InputError("--device cuda", f"no CUDA device here (torch {torch.__version__}, "
+                                          f"CUDA available: no): run with --device cpu")
     from memdiff.examples.gpt import Config, train  # imports torch: only when the demo runs
 
     folder = args.dir or tempfile.mkdtemp(prefix="memdiff-demo-")

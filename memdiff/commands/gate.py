@@ -41,7 +41,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def _pairs(args: argparse.Namespace) -> Tuple[List[Tuple[str, str]], List[Tuple[str, str]]]:
     """(run, baseline) pairs to gate, and runs whose baseline is missing."""
-    if args.baseline:
+    # A run that does not exist is bad input, whatever the flags: a typo or a crashed recording
+    # must not read as "not gated" and pass.
+    for snap in args.snapshots:
+        if not os.path.exists(snap):
+            raise InputError(snap, "no such file (a glob that matches nothing is passed on as it is)")
+    if args.baseline is not None:
+        if not args.baseline:
+            raise InputError("--baseline", "empty path: give the baseline file, e.g. --baseline baselines/train.json")
         if len(args.snapshots) != 1:
             raise InputError("gate", "--baseline takes one SNAPSHOT; use --baselines DIR for several")
         return [(args.snapshots[0], args.baseline)], []

@@ -1,0 +1,99 @@
+"""User mistakes end in exit 2 with one line saying what to do, and never cost a run's snapshot."""
+
+from __future__ import annotations
+
+import builtins
+import subprocess
+import sys
+
+import pytest
+
+from memdiff.cli import main
+
+
+def one_line(capsys, code: int, start: str) -> None:
+    err = capsys.readouterr().err
+    assert err.startswith(start) and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize("flags", [["--baselines", "baselines"], ["--baselines", "baselines", "--require-baseline"]])
+def test_gating_a_run_that_does_not_exist_is_bad_input(tmp_path, capsys, flags):
+    (tmp_path / "baselines").mkdir()
+    missing = str(tmp_path / "runs" / "*.pickle")  # a glob the shell found nothing for
+    folder = str(tmp_path / "baselines")
+    assert main(["gate", *[folder if f == "baselines" else f for f in flags], missing]) == 2
+    one_line(capsys, 2, f"memdiff: {missing}: no such file")
+
+
+def test_an_empty_baseline_path_is_bad_input(shared, capsys):
+    assert main(["gate", "--baseline", "", str(shared / "linear-grad.pickle")]) == 2
+    one_line(capsys, 2, "memdiff: --baseline: empty path")
+
+
+def test_a_report_into_a_missing_folder_is_bad_input(shared, tmp_path, capsys):
+    run = str(shared / "linear-grad.pickle")
+    report = str(tmp_path / "missing" / "dir" / "r.md")
+    assert main([run, run, "--report", report]) == 2
+    one_line(capsys, 2, f"memdiff: {report}: the folder {tmp_path / 'missing' / 'dir'} does not exist")
+
+
+def test_the_demo_on_cuda_without_a_gpu_says_to_use_the_cpu(torch, monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert main(["demo", "--device", "cuda", "--dir", str(tmp_path)]) == 2
+    one_line(capsys, 2, "memdiff: --device cuda: no CUDA device here")
+
+
+def test_the_demo_without_torch_says_how_to_install_it(monkeypatch, tmp_path, capsys):
+    real_import = builtins.__import__
+
+    def no_torch(name, *args, **kwargs):
+        if name == "torch" or name.startswith("torch."):
+            raise ImportError(name)
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_torch)
+    assert main(["demo", "--dir", str(tmp_path)]) == 2
+    one_line(capsys, 2, "memdiff: torch: capturing needs PyTorch: pip install 'memdiff[torch]'")
+
+
+def record(tmp_path, output, *command):
+    return subprocess.run([sys.executable, "-m", "memdiff", "record", "-o", str(output), "--", *command],
+                          capture_output=True, text=True, cwd=tmp_path)
+
+
+@pytest.fixture
+def kept(tmp_path):
+    """An existing snapshot that a mistaken run must leave byte for byte."""
+    path = tmp_path / "keep.pickle"
+    path.write_bytes(b"an earlier run's snapshot")
+    return path
+
+
+@pytest.mark.parametrize("command, message", [
+    (["python", "tran.py"], "memdiff: tran.py: no such script"),
+    (["torchrun", "--nproc-per-node", "2", "train.py"], "memdiff: record: `torchrun` is not python"),
+    (["python", "-c", "print(1)"], "memdiff: record: `python -c` is not supported"),
+    (["python", "-m", "no_such_module"], "memdiff: no_such_module: no such module"),
+])
+def test_a_mistyped_command_records_nothing_and_keeps_the_snapshot(torch, tmp_path, kept, command, message):
+    (tmp_path / "train.py").write_text("import torch\nx = torch.ones(10)\n")
+    done = record(tmp_path, kept, *command)
+    assert done.returncode == 2 and done.stderr.startswith(message) and done.stderr.count("\n") == 1
+    assert kept.read_bytes() == b"an earlier run's snapshot"
+
+
+def test_a_run_that_allocates_nothing_keeps_the_snapshot_and_prints_sys_exit(torch, tmp_path, kept):
+    (tmp_path / "fails.py").write_text("import sys\nsys.exit('bad config: no data')\n")
+    done = record(tmp_path, kept, "python", "fails.py")
+    assert done.returncode == 1
+    assert "bad config: no data" in done.stderr
+    assert f"the run recorded no allocation; kept the existing {kept}" in done.stderr
+    assert kept.read_bytes() == b"an earlier run's snapshot"
+
+
+def test_record_makes_the_folder_of_its_output(torch, tmp_path):
+    (tmp_path / "train.py").write_text("import torch\nx = torch.ones(1000)\n")
+    done = record(tmp_path, "runs/train.pickle", "python", "train.py")
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "runs" / "train.pickle").stat().st_size > 100
+    assert [p.name for p in (tmp_path / "runs").iterdir()] == ["train.pickle"]
