@@ -1,0 +1,72 @@
+"""The GitHub Action's compare step, run as Actions runs it: bash, its inputs as environment."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from conftest import ROOT
+
+
+def compare_script() -> str:
+    steps = yaml.safe_load((ROOT / "action.yml").read_text())["runs"]["steps"]
+    return next(s for s in steps if s.get("id") == "compare")["run"]
+
+
+@pytest.fixture
+def action(tmp_path):
+    """Run the compare step with the given inputs; (its outputs, its log)."""
+    shim = tmp_path / "bin" / "memdiff"
+    shim.parent.mkdir()
+    shim.write_text(f'#!/bin/sh\nexec "{sys.executable}" -m memdiff "$@"\n')
+    shim.chmod(0o755)
+
+    def run(cwd, **inputs):
+        outputs = tmp_path / "outputs.txt"
+        outputs.write_text("")
+        env = {**os.environ, "PATH": f"{shim.parent}{os.pathsep}{os.environ['PATH']}", "GITHUB_OUTPUT": str(outputs),
+               "RUNNER_TEMP": str(tmp_path), "GITHUB_STEP_SUMMARY": str(tmp_path / "summary.md"),
+               "HEAD": "", "BASE": "", "BASELINE": "", "FAIL_OVER": "", "FAIL_OVER_PCT": "", "CATEGORY_FAIL_OVER": "",
+               "PHASE_FAIL_OVER": "", "REQUIRE_BASELINE": "true", "MIN_DELTA": "", "RULES": "", "TOP": "5",
+               **{k.upper(): v for k, v in inputs.items()}}
+        done = subprocess.run(["bash", "-c", compare_script()], cwd=cwd, env=env, capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr
+        pairs = [line.split("=", 1) for line in outputs.read_text().splitlines() if "=" in line]
+        return dict(pairs), done.stdout + done.stderr
+    return run
+
+
+def test_a_head_that_matches_no_file_fails(action, tmp_path):
+    (tmp_path / "baselines").mkdir()
+    outputs, log = action(tmp_path, head="runs/*.pickle", baseline="baselines")
+    assert outputs["exit-code"] == "2"
+    assert "::error title=memdiff::head 'runs/*.pickle' matches no file: nothing to compare" in log
+
+
+def test_a_run_without_its_baseline_fails_by_default(action, shared, tmp_path):
+    (tmp_path / "baselines").mkdir()
+    run = tmp_path / "train.pickle"
+    run.write_bytes((shared / "linear-grad.pickle").read_bytes())
+    outputs, log = action(tmp_path, head="*.pickle", baseline="baselines")
+    assert outputs["exit-code"] == "1" and "no baseline at baselines/train.json" in log
+    outputs, _ = action(tmp_path, head="*.pickle", baseline="baselines", require_baseline="false")
+    assert outputs["exit-code"] == "0"
+
+
+def test_category_and_phase_limits_reach_the_gate(action, shared, tmp_path):
+    for name in ("cs336-medium-ctx128-train.pickle", "cs336-medium-ctx256-train.pickle"):
+        (tmp_path / name).write_bytes((shared / name).read_bytes())
+    base = str(tmp_path / "b.json")
+    subprocess.run([sys.executable, "-m", "memdiff", "baseline", "cs336-medium-ctx128-train.pickle", "-o", base],
+                   cwd=tmp_path, check=True, capture_output=True)
+    outputs, log = action(tmp_path, head="cs336-medium-ctx256-train.pickle", baseline=base, fail_over="3GiB",
+                          category_fail_over="activation=10% gradient=1GiB", phase_fail_over="forward=1GiB",
+                          min_delta="1MiB")
+    assert outputs["exit-code"] == "1"
+    assert "PASS  device 0 peak" in log
+    assert "FAIL  device 0 forward peak" in log and "FAIL  device 0 activation" in log
+    assert "PASS  device 0 gradient" in log
