@@ -6,7 +6,9 @@ Exit codes: 0 no regression, 1 regression, 2 bad input or usage, 3 internal erro
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib
+import os
 import sys
 import traceback
 from typing import List, Optional, Tuple
@@ -70,9 +72,25 @@ def with_default_command(argv: List[str]) -> Tuple[List[str], Optional[str]]:
     return argv, None
 
 
+def _mistyped_command(argv: List[str]) -> Optional[Tuple[str, str]]:
+    """(word, command) when the word taken for a file to diff is no file and reads like a command
+    (`memdiff pek run.pickle`)."""
+    words = [a for a in argv if a not in TOP_LEVEL_FLAGS]
+    if not words or words[0] in COMMANDS or words[0].startswith("-") or os.path.exists(words[0]):
+        return None
+    close = difflib.get_close_matches(words[0], COMMANDS, n=1, cutoff=0.6)
+    return (words[0], close[0]) if close else None
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     """Run memdiff with `argv` (default: sys.argv[1:]) and return the exit code."""
-    argv, selected = with_default_command(list(sys.argv[1:] if argv is None else argv))
+    argv = list(sys.argv[1:] if argv is None else argv)
+    mistyped = _mistyped_command(argv)
+    if mistyped:
+        print(f"memdiff: {mistyped[0]}: no such file or command; did you mean `memdiff {mistyped[1]}`?",
+              file=sys.stderr)
+        return EXIT_BAD_INPUT
+    argv, selected = with_default_command(argv)
     args = build_parser(selected).parse_args(argv)
     try:
         return args.run(args)

@@ -26,6 +26,7 @@ from memdiff.errors import InputError
 from memdiff.frames import PROFILER_MODULE
 from memdiff.lifetimes import BACKWARD, FORWARD, OPTIMIZER
 from memdiff.model import DeviceSummary, Frame, Group, Source, Summary
+from memdiff.units import count_of
 
 SITE_CALLERS = 2
 EVENT_RATIO_WARNING = 2.0
@@ -302,7 +303,9 @@ def align(base: Sequence[Group], head: Sequence[Group]) -> List[DiffRow]:
     label_rows(rows)
 
     order = {NEW: 0, GREW: 1, GONE: 2, SHRANK: 3, SAME: 4}
-    rows.sort(key=lambda r: (-abs(r.delta_bytes), order[r.status], r.site, r.signature))
+    # Unchanged rows are sorted by their size too: a 30 MiB SAME row shows before a 4 B one.
+    rows.sort(key=lambda r: (-abs(r.delta_bytes), order[r.status], -max(r.base_bytes, r.head_bytes), r.site,
+                             r.signature))
     return rows
 
 
@@ -470,5 +473,5 @@ def fold(device: DeviceDiff, top: int, min_delta: int = 0) -> Folded:
     shown = [replace(r) for r in visible[:top]]
     label_rows(shown)  # a context is added only where two shown rows would read alike
     rest = [r for r in device.rows if id(r) not in kept]
-    others = _sum_row(f"{len(rest)} others", rest) if rest else None
+    others = _sum_row(count_of(len(rest), "other"), rest) if rest else None
     return Folded(shown=shown, others=others, total=_sum_row("TOTAL", device.rows))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -104,7 +105,10 @@ class Publisher:
     def finish(self) -> str:
         """Write the report file, the job summary and the step outputs; the report's path."""
         report = "\n---\n\n".join(self.sections) if self.sections else "memdiff: nothing was compared.\n"
-        path = self.report_path or os.path.join(self.environ.get("RUNNER_TEMP") or os.getcwd(), "memdiff-report.md")
+        # Outside Actions (no RUNNER_TEMP) the report goes to the temporary folder, never into the
+        # working tree where it would end up committed.
+        folder = self.environ.get("RUNNER_TEMP") or tempfile.gettempdir()
+        path = self.report_path or os.path.join(folder, "memdiff-report.md")
         with open(path, "w", encoding="utf-8") as f:
             f.write(report)
         summary = self.environ.get("GITHUB_STEP_SUMMARY")

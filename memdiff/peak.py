@@ -9,6 +9,7 @@ from memdiff.classify import PERSISTENT
 from memdiff.errors import InputError
 from memdiff.lifetimes import BACKWARD, FORWARD, OPTIMIZER, OTHER
 from memdiff.model import DeviceSummary, Frame, Group, Summary
+from memdiff.units import count_of
 
 PHASE_COLUMNS = (FORWARD, BACKWARD, OPTIMIZER, OTHER)
 # Steps shown in the per-phase table: all up to this many, else the first, the last and
@@ -81,10 +82,10 @@ def device_peak(device: DeviceSummary, top: Optional[int]) -> DevicePeak:
     if rest:
         rest_bytes = sum(g.bytes for g in rest)
         rows.append(PeakRow("…", sum(g.count for g in rest), rest_bytes,
-                            _share(rest_bytes, device.peak_bytes), f"{len(rest)} other groups", []))
+                            _share(rest_bytes, device.peak_bytes), f"{count_of(len(rest), 'other group')}", []))
     total = PeakRow("total", sum(g.count for g in groups), sum(g.bytes for g in groups),
                     _share(sum(g.bytes for g in groups), device.peak_bytes),
-                    f"{len(groups)} groups live at the peak", [])
+                    f"{count_of(len(groups), 'group')} live at the peak", [])
     reached_by = next((g.site for g in groups if g.signature == device.peak_event_signature), None)
     return DevicePeak(device, reached_by, rows, total, _shares(device.categories, device.peak_bytes),
                       _shares(device.bytes_by_scope, device.peak_bytes),

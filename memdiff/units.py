@@ -33,3 +33,8 @@ def format_bytes(n: int, signed: bool = False) -> str:
         if a >= factor:
             return f"{sign}{a / factor:.2f} {unit}"
     return f"{sign}{a} B"
+
+
+def count_of(n: int, word: str, many: str = "") -> str:
+    """`1 other`, `2 others`, `1,204 groups`: a count with its noun in the right number."""
+    return f"{n:,} {word if n == 1 else (many or word + 's')}"

@@ -95,8 +95,9 @@ def test_a_decrease_passes_and_suggests_updating_the_baseline(baseline, tmp_path
 def test_a_run_against_its_own_baseline_is_all_same(baseline, tmp_path, capsys):
     b = baseline()
     code, data = gate(capsys, tmp_path, b, 100 * MiB, "--format", "json")[:2]
-    data = json.loads(data)
+    (data,) = json.loads(data)  # a list, one document per run, however many runs
     assert code == 0 and {r["status"] for r in data["devices"][0]["rows"]} == {"SAME"}
+    assert (data["run"], data["baseline"], data["schema_version"]) == (str(tmp_path / "train.pickle"), str(b), 1)
 
 
 # --- the baseline file --------------------------------------------------------------------------

@@ -97,3 +97,18 @@ def test_record_makes_the_folder_of_its_output(torch, tmp_path):
     assert done.returncode == 0, done.stderr
     assert (tmp_path / "runs" / "train.pickle").stat().st_size > 100
     assert [p.name for p in (tmp_path / "runs").iterdir()] == ["train.pickle"]
+
+
+def test_a_mistyped_command_is_named(shared, capsys):
+    assert main(["pek", str(shared / "linear-grad.pickle")]) == 2
+    one_line(capsys, 2, "memdiff: pek: no such file or command; did you mean `memdiff peak`?")
+
+
+def test_peak_has_a_json_form(shared, capsys):
+    import json
+
+    from memdiff.schema import validate
+
+    assert main(["peak", str(shared / "bert-4gpu.pickle"), "--format", "json", "--device", "0"]) == 0
+    data = validate("peak", json.loads(capsys.readouterr().out), "summary")
+    assert [d["device"] for d in data["devices"]] == [0]

@@ -19,7 +19,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mode", choices=MODES, default="on-regression",
                    help="post always, only on a regression (default), or never; an existing comment is "
                         "always updated")
-    p.add_argument("--verdict", choices=("pass", "fail", ""), default="", help="the gate's verdict")
+    # An empty value (a compare step that never set its output) means unknown: the comment step
+    # must not fail the job over it, so it is accepted without being offered as a choice.
+    p.add_argument("--verdict", type=_verdict, default="", metavar="{pass,fail}", help="the gate's verdict")
+
+
+def _verdict(value: str) -> str:
+    if value not in ("pass", "fail", ""):
+        raise argparse.ArgumentTypeError(f"invalid choice: {value!r} (choose from pass, fail)")
+    return value
 
 
 def run(args: argparse.Namespace) -> int:

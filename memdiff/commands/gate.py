@@ -80,15 +80,15 @@ def run(args: argparse.Namespace) -> int:
             publisher.add(result, verdict, args.top, args.min_delta,
                           base_label=f"baseline {baseline.name}" + (f" @ {sha[:12]}" if sha else ""))
         if args.format == "json":
-            documents.append(render_json.diff_document(result, verdict))
+            documents.append({"run": snap, "baseline": path, **render_json.diff_document(result, verdict)})
             continue
         if len(args.snapshots) > 1:
             sys.stdout.write(f"{'## ' if args.format == 'markdown' else '== '}{snap} against {path}\n\n")
         sys.stdout.write(render_report(result, verdict, args.format, args.top, args.min_delta)
                          + ("\n" if len(pairs) > 1 else ""))
     if args.format == "json":
-        sys.stdout.write(json.dumps(documents[0] if len(args.snapshots) == 1 and documents else documents,
-                                    indent=2, ensure_ascii=False) + "\n")
+        # One shape whatever the number of runs: a list, one diff document per gated run.
+        sys.stdout.write(json.dumps(documents, indent=2, ensure_ascii=False) + "\n")
     if publisher:
         publisher.finish()
     for snap, path in missing:

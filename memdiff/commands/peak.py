@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import replace
 
 from memdiff.commands.args import add_rules_arguments, count_arg, rules_from
 from memdiff.inputs import read_summary
 from memdiff.peak import peak_report
+from memdiff.render.json import render_summary
 from memdiff.render.text import render_peak
 
 
@@ -20,11 +22,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("snapshot", help="snapshot file (pickle or JSON, optionally gzip/bz2/xz)")
     p.add_argument("--top", type=count_arg, default=10, metavar="N", help="groups to list (default: 10)")
     p.add_argument("--device", type=int, metavar="D", help="only this device index")
+    p.add_argument("--format", choices=("text", "json"), default="text",
+                   help="text (default), or json: the summary of the devices shown (the contract of "
+                        "`memdiff summarize`)")
     add_rules_arguments(p)
 
 
 def run(args: argparse.Namespace) -> int:
     """Load, normalize and print the peak report."""
     summary = read_summary(args.snapshot, rules_from(args))
-    sys.stdout.write(render_peak(summary, peak_report(args.snapshot, summary, args.top, args.device)))
+    peaks = peak_report(args.snapshot, summary, args.top, args.device)
+    if args.format == "json":
+        shown = {p.device.device for p in peaks}
+        sys.stdout.write(render_summary(replace(summary, devices=[d for d in summary.devices if d.device in shown])))
+    else:
+        sys.stdout.write(render_peak(summary, peaks))
     return 0

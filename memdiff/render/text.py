@@ -13,7 +13,7 @@ from memdiff.model import Frame, Source, Summary
 from memdiff.peak import PHASE_COLUMNS, DevicePeak, Kept, PeakRow, StepRow
 from memdiff.render.table import (category_table, check_line, diff_table, kept_line, peak_line, phase_table,
                                   where_line)
-from memdiff.units import format_bytes
+from memdiff.units import count_of, format_bytes
 
 STACK_LINES = 6
 
@@ -35,7 +35,7 @@ def _frame_line(f: Frame) -> str:
 def _site_cell(row: PeakRow) -> str:
     lines = [row.site] + ["  " + _frame_line(f) for f in row.frames[:STACK_LINES]]
     if len(row.frames) > STACK_LINES:
-        lines.append(f"  … {len(row.frames) - STACK_LINES} more frames")
+        lines.append(f"  … {count_of(len(row.frames) - STACK_LINES, 'more frame')}")
     return "\n".join(lines)
 
 
