@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import sys
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
@@ -110,6 +111,8 @@ def write_snapshot(tmp_path: Path):
 def scenarios(torch, tmp_path_factory):
     """scenarios(*names) -> {name: snapshot path}: runs of the scenario suite (tests/scenario_suite.py),
     captured on CPU once per session. Skips (fails under MEMDIFF_REQUIRE_TORCH=1) without transformers."""
+    if sys.version_info < (3, 11):
+        pytest.skip("the scenario suite's transformers 5.23 needs Python 3.11+")
     try:
         import transformers  # noqa: F401
     except ImportError:
