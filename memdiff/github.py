@@ -8,9 +8,13 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
+import re
+import shutil
 import subprocess
 import sys
+import tempfile
+import urllib.error
+import urllib.request
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
@@ -133,9 +137,54 @@ def marker(title: str) -> str:
     return f"<!-- memdiff:{title} -->"
 
 
-def _gh(args: List[str], payload: Optional[Dict[str, Any]] = None) -> subprocess.CompletedProcess:
-    return subprocess.run(["gh", "api", *args], input=json.dumps(payload) if payload is not None else None,
+@dataclass
+class _Reply:
+    """What the GitHub API answered: the JSON values (one per page), or why it could not."""
+
+    values: List[Any]
+    error: Optional[str] = None
+
+
+def _gh(method: str, path: str, payload: Optional[Dict[str, Any]], environ: Mapping[str, str]) -> _Reply:
+    """A call through the `gh` command (GitHub-hosted runners have it)."""
+    args = ["--paginate", path] if method == "GET" else ["--method", method, path, "--input", "-"]
+    done = subprocess.run(["gh", "api", *args], input=json.dumps(payload) if payload is not None else None,
                           capture_output=True, text=True)
+    if done.returncode != 0:
+        return _Reply([], ((done.stderr or done.stdout).strip().splitlines()[-1:] or ["unknown error"])[0])
+    return _Reply(_json_values(done.stdout))
+
+
+NEXT_PAGE = re.compile(r'<([^>]+)>;\s*rel="next"')
+MAX_PAGES = 100
+API_TIMEOUT_S = 30
+
+
+def _rest(method: str, path: str, payload: Optional[Dict[str, Any]], environ: Mapping[str, str]) -> _Reply:
+    """The same call over the REST API with the standard library, for runners without `gh`
+    (self-hosted GPU machines): the token from GH_TOKEN or GITHUB_TOKEN, GITHUB_API_URL's server."""
+    token = environ.get("GH_TOKEN") or environ.get("GITHUB_TOKEN")
+    if not token:
+        return _Reply([], "neither the gh command nor a GH_TOKEN or GITHUB_TOKEN is available")
+    url: Optional[str] = f"{environ.get('GITHUB_API_URL', 'https://api.github.com').rstrip('/')}/{path}"
+    data = json.dumps(payload).encode("utf-8") if payload is not None else None
+    values = []
+    for _ in range(MAX_PAGES):
+        if url is None:
+            break
+        request = urllib.request.Request(url, data=data, method=method, headers={
+            "Authorization": f"Bearer {token}", "Accept": "application/vnd.github+json",
+            "X-GitHub-Api-Version": "2022-11-28", "Content-Type": "application/json", "User-Agent": "memdiff"})
+        try:
+            with urllib.request.urlopen(request, timeout=API_TIMEOUT_S) as answer:
+                values.append(json.loads(answer.read().decode("utf-8") or "null"))
+                found = NEXT_PAGE.search(answer.headers.get("Link") or "") if method == "GET" else None
+        except urllib.error.HTTPError as exc:
+            return _Reply([], f"HTTP {exc.code} {exc.reason}")
+        except (urllib.error.URLError, OSError, ValueError) as exc:
+            return _Reply([], f"cannot reach the GitHub API: {getattr(exc, 'reason', exc)}")
+        url = found.group(1) if found else None
+    return _Reply(values)
 
 
 def _json_values(text: str) -> List[Any]:
@@ -176,30 +225,31 @@ def post_comment(report: str, title: str, mode: str, verdict: str, environ: Mapp
         return 0
     with open(report, encoding="utf-8") as f:
         body = f"{marker(title)}\n{f.read()}"
-    listed = _gh(["--paginate", f"repos/{repo}/issues/{number}/comments"])
-    if listed.returncode != 0:
-        return _refused(listed, environ)
-    comments = [c for page in _json_values(listed.stdout) for c in (page if isinstance(page, list) else [page])]
+    call = _gh if shutil.which("gh") else _rest
+    listed = call("GET", f"repos/{repo}/issues/{number}/comments", None, environ)
+    if listed.error:
+        return _refused(listed.error, environ)
+    comments = [c for page in listed.values for c in (page if isinstance(page, list) else [page])
+                if isinstance(c, dict)]
     mine = next((c for c in comments if marker(title) in (c.get("body") or "")), None)
     if mine is not None:  # an existing comment is always brought up to date, even when all is well now
-        done = _gh(["--method", "PATCH", f"repos/{repo}/issues/comments/{mine['id']}", "--input", "-"], {"body": body})
+        done = call("PATCH", f"repos/{repo}/issues/comments/{mine['id']}", {"body": body}, environ)
     elif mode == "always" or verdict == "fail":
-        done = _gh(["--method", "POST", f"repos/{repo}/issues/{number}/comments", "--input", "-"], {"body": body})
+        done = call("POST", f"repos/{repo}/issues/{number}/comments", {"body": body}, environ)
     else:
         print("memdiff: no regression and no earlier comment: nothing to post", file=sys.stderr)
         return 0
-    if done.returncode != 0:
-        return _refused(done, environ)
+    if done.error:
+        return _refused(done.error, environ)
     print(f"memdiff: {'updated' if mine else 'posted'} the pull request comment", file=sys.stderr)
     return 0
 
 
-def _refused(done: subprocess.CompletedProcess, environ: Mapping[str, str]) -> int:
-    reason = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["unknown error"]
-    if "403" in reason[0] or "Resource not accessible" in reason[0]:
+def _refused(reason: str, environ: Mapping[str, str]) -> int:
+    if "403" in reason or "Resource not accessible" in reason:
         _note(environ, "memdiff could not comment on this pull request: the token cannot write here (a pull "
                        "request from a fork gets a read-only token). The report is in this job's summary.")
     else:
-        _note(environ, f"memdiff could not comment on this pull request: {reason[0]}. The report is in this "
+        _note(environ, f"memdiff could not comment on this pull request: {reason}. The report is in this "
                        f"job's summary.")
     return 0

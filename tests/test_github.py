@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import http.server
 import json
 import os
 import pickle
 import re
 import subprocess
 import sys
+import threading
 from pathlib import Path
+from typing import Any, Dict, List
 
 import pytest
 
@@ -222,3 +225,92 @@ def test_a_read_only_token_leaves_the_job_green_with_a_note(gh, tmp_path, github
     assert done.returncode == 0
     assert "::warning title=memdiff::memdiff could not comment on this pull request: the token cannot write" in done.stdout
     assert "a pull request from a fork gets a read-only token" in Path(github["GITHUB_STEP_SUMMARY"]).read_text()
+
+
+class FakeGitHub(http.server.BaseHTTPRequestHandler):
+    """GitHub's issue-comment endpoints, in memory, two comments a page (to follow Link headers)."""
+
+    comments: List[Dict[str, Any]] = []
+    calls: List[str] = []
+    status = 200
+
+    def _answer(self, code: int, value: Any, link: str = "") -> None:
+        body = json.dumps(value).encode()
+        self.send_response(code)
+        self.send_header("Content-Type", "application/json")
+        if link:
+            self.send_header("Link", link)
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_GET(self) -> None:  # noqa: N802 - the handler's protocol
+        self.calls.append(f"GET {self.path} {self.headers['Authorization']}")
+        if self.status != 200:
+            return self._answer(self.status, {"message": "Resource not accessible by integration"})
+        page = int(self.path.partition("?page=")[2] or 1)
+        more = f'<http://127.0.0.1:{self.server.server_port}/repos/acme/trainer/issues/7/comments?page={page + 1}>; rel="next"'
+        self._answer(200, self.comments[2 * (page - 1): 2 * page], more if 2 * page < len(self.comments) else "")
+
+    def _body(self) -> str:
+        return json.loads(self.rfile.read(int(self.headers["Content-Length"])))["body"]
+
+    def do_POST(self) -> None:  # noqa: N802
+        self.calls.append(f"POST {self.path}")
+        self.comments.append({"id": 100 + len(self.comments), "body": self._body()})
+        self._answer(201, self.comments[-1])
+
+    def do_PATCH(self) -> None:  # noqa: N802
+        self.calls.append(f"PATCH {self.path}")
+        cid = int(self.path.rsplit("/", 1)[1])
+        next(c for c in self.comments if c["id"] == cid)["body"] = self._body()
+        self._answer(200, {"id": cid})
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+@pytest.fixture
+def rest(tmp_path, github):
+    """A fake GitHub API on 127.0.0.1 and an environment with no `gh` on PATH."""
+    FakeGitHub.comments = [{"id": 1, "body": "a"}, {"id": 2, "body": "b"}, {"id": 3, "body": "c"}]
+    FakeGitHub.calls, FakeGitHub.status = [], 200
+    server = http.server.HTTPServer(("127.0.0.1", 0), FakeGitHub)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    empty_bin = tmp_path / "no-gh"
+    empty_bin.mkdir()
+    env = {**os.environ, "PATH": f"{empty_bin}{os.pathsep}{os.path.dirname(sys.executable)}",
+           "GITHUB_API_URL": f"http://127.0.0.1:{server.server_port}", "GH_TOKEN": "secret"}
+    yield env
+    server.shutdown()
+    server.server_close()
+
+
+def test_without_gh_the_comment_goes_through_the_rest_api(rest, tmp_path):
+    report = tmp_path / "report.md"
+    report.write_text("### ❌ memdiff: regression\n")
+    assert comment(rest, report).returncode == 0
+    report.write_text("### ✅ memdiff: no regression\n")
+    assert comment(rest, report, verdict="pass").returncode == 0
+    assert [c["id"] for c in FakeGitHub.comments] == [1, 2, 3, 103]
+    assert FakeGitHub.comments[-1]["body"] == f"{marker('memdiff')}\n### ✅ memdiff: no regression\n"
+    assert FakeGitHub.calls == [
+        "GET /repos/acme/trainer/issues/7/comments Bearer secret",
+        "GET /repos/acme/trainer/issues/7/comments?page=2 Bearer secret",
+        "POST /repos/acme/trainer/issues/7/comments",
+        "GET /repos/acme/trainer/issues/7/comments Bearer secret",
+        "GET /repos/acme/trainer/issues/7/comments?page=2 Bearer secret",
+        "PATCH /repos/acme/trainer/issues/comments/103"]
+
+
+def test_without_gh_a_refusal_or_no_token_leaves_the_job_green_with_a_note(rest, tmp_path, github):
+    report = tmp_path / "report.md"
+    report.write_text("### ❌ memdiff: regression\n")
+    FakeGitHub.status = 403
+    done = comment(rest, report)
+    assert done.returncode == 0 and "the token cannot write" in done.stdout
+    no_token = {k: v for k, v in rest.items() if k not in ("GH_TOKEN", "GITHUB_TOKEN")}
+    done = comment(no_token, report)
+    assert done.returncode == 0
+    assert "neither the gh command nor a GH_TOKEN or GITHUB_TOKEN is available" in done.stdout
+    assert "neither the gh command" in Path(github["GITHUB_STEP_SUMMARY"]).read_text()
