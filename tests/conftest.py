@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import builtins
 import json
 import os
 import pickle
@@ -34,17 +35,34 @@ def expected(shared: Path) -> Dict[str, Any]:
     return json.loads((shared / "expected.json").read_text())
 
 
+def missing_capture_dependency(reason: str) -> None:
+    """Skip for a missing capture dependency, or fail where CI requires them (MEMDIFF_REQUIRE_TORCH=1)."""
+    if os.environ.get("MEMDIFF_REQUIRE_TORCH") == "1":
+        pytest.fail(reason + "; MEMDIFF_REQUIRE_TORCH=1 makes this a failure")
+    pytest.skip(reason)
+
+
 @pytest.fixture(scope="session")
 def torch():
     """The torch module; skips (or fails, under MEMDIFF_REQUIRE_TORCH=1) when it is not installed."""
     try:
         import torch as module
     except ImportError:
-        reason = "torch is not installed (pip install torch==2.13.0 for the CPU build)"
-        if os.environ.get("MEMDIFF_REQUIRE_TORCH") == "1":
-            pytest.fail(reason + "; MEMDIFF_REQUIRE_TORCH=1 makes this a failure")
-        pytest.skip(reason)
+        missing_capture_dependency("torch is not installed (pip install torch==2.13.0 for the CPU build)")
     return module
+
+
+@pytest.fixture
+def no_torch(monkeypatch):
+    """A Python where `import torch` fails, as on a machine without it."""
+    real_import = builtins.__import__
+
+    def blocked(name, *args, **kwargs):
+        if name == "torch" or name.startswith("torch."):
+            raise ImportError(name)
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", blocked)
 
 
 def real_snapshot_names() -> List[str]:
@@ -116,10 +134,7 @@ def scenarios(torch, tmp_path_factory):
     try:
         import transformers  # noqa: F401
     except ImportError:
-        reason = "transformers is not installed (pip install -e '.[test]')"
-        if os.environ.get("MEMDIFF_REQUIRE_TORCH") == "1":
-            pytest.fail(reason + "; MEMDIFF_REQUIRE_TORCH=1 makes this a failure")
-        pytest.skip(reason)
+        missing_capture_dependency("transformers is not installed (pip install -e '.[test]')")
     from scenario_suite import SCENARIOS, capture
 
     folder = tmp_path_factory.mktemp("scenarios")

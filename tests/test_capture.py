@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import builtins
 import re
 import subprocess
 import sys
@@ -132,15 +131,7 @@ def test_record_writes_the_snapshot_even_when_the_block_raises(torch, tmp_path):
     assert read_summary(str(path), load_rules()).devices[0].peak_bytes >= x.numel() * 4
 
 
-def test_record_without_torch_says_how_to_install_it(monkeypatch, tmp_path):
-    real_import = builtins.__import__
-
-    def no_torch(name, *args, **kwargs):
-        if name == "torch" or name.startswith("torch."):
-            raise ImportError(name)
-        return real_import(name, *args, **kwargs)
-
-    monkeypatch.setattr(builtins, "__import__", no_torch)
+def test_record_without_torch_says_how_to_install_it(no_torch, tmp_path):
     with pytest.raises(CaptureError, match=r"pip install 'memdiff\[torch\]'"):
         with record(str(tmp_path / "x.pickle")):
             pass

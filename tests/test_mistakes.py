@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import builtins
 import subprocess
 import sys
 
@@ -43,15 +42,7 @@ def test_the_demo_on_cuda_without_a_gpu_says_to_use_the_cpu(torch, monkeypatch, 
     one_line(capsys, 2, "memdiff: --device cuda: no CUDA device here")
 
 
-def test_the_demo_without_torch_says_how_to_install_it(monkeypatch, tmp_path, capsys):
-    real_import = builtins.__import__
-
-    def no_torch(name, *args, **kwargs):
-        if name == "torch" or name.startswith("torch."):
-            raise ImportError(name)
-        return real_import(name, *args, **kwargs)
-
-    monkeypatch.setattr(builtins, "__import__", no_torch)
+def test_the_demo_without_torch_says_how_to_install_it(no_torch, tmp_path, capsys):
     assert main(["demo", "--dir", str(tmp_path)]) == 2
     one_line(capsys, 2, "memdiff: torch: capturing needs PyTorch: pip install 'memdiff[torch]'")
 
