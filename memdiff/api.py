@@ -74,6 +74,8 @@ def thresholds(*, fail_over: Size = None, fail_over_pct: Optional[float] = None,
     """Thresholds as the CLI's flags give them (`categories={"activation": "10%"}`); over `base`
     (a baseline's), each one given replaces its part."""
     peak_bytes = to_bytes(fail_over, "fail_over")
+    if fail_over_pct is not None and not 0 <= fail_over_pct <= 1e9:  # nan and inf fail this too
+        raise InputError("fail_over_pct", f"{fail_over_pct!r} is not a percentage a limit can use")
     categories = {name: _limit(v, f"categories[{name!r}]") for name, v in (categories or {}).items()}
     phases = {name: _limit(v, f"phases[{name!r}]") for name, v in (phases or {}).items()}
     if base is None:

@@ -114,15 +114,28 @@ def update_baseline(path: str, summary_of: Callable[[], Summary],
     return baseline, old is not None
 
 
+class _NotJson(ValueError):
+    pass
+
+
+def _not_json(name: str) -> Any:
+    # Python's json reads NaN and Infinity, which are not JSON and compare as no limit at all.
+    raise _NotJson(name)
+
+
 def read_baseline(path: str) -> Baseline:
     """Parse and validate a baseline file; InputError with file, line and column or the JSON path."""
     data = read_bytes(path)
     try:
-        doc = json.loads(data)
+        doc = json.loads(data, parse_constant=_not_json)
+    except _NotJson as exc:
+        raise InputError(path, f"invalid JSON: {exc} is not a number (JSON has no NaN or Infinity)") from None
     except UnicodeDecodeError as exc:
         raise InputError(path, f"invalid JSON: not UTF-8 text ({exc.reason})") from None
     except json.JSONDecodeError as exc:
         raise InputError(path, f"invalid JSON at line {exc.lineno} column {exc.colno}: {exc.msg}") from None
+    except ValueError:  # Python refuses integers of more than 4,300 digits
+        raise InputError(path, "invalid JSON: a number too long to read") from None
     if isinstance(doc, dict) and doc.get("schema_version") != BASELINE_SCHEMA_VERSION and "schema_version" in doc:
         raise InputError(path, f"baseline schema_version {doc['schema_version']!r} is not one this memdiff reads "
                                f"({BASELINE_SCHEMA_VERSION})")

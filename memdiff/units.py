@@ -10,6 +10,7 @@ _UNITS = {
     "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
 }
 _SIZE = re.compile(r"^\s*([+-]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d+)?)\s*([A-Za-z]*)\s*$")
+MAX_SIZE = 2**63 - 1  # what an int64 running total holds
 _BINARY = ((2**40, "TiB"), (2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB"))
 
 
@@ -22,6 +23,8 @@ def parse_size(text: str) -> int:
     value = float(m.group(1)) * _UNITS[unit]
     if value < 0:
         raise ValueError(f"{text!r} is not a size: it is negative")
+    if not value <= MAX_SIZE:  # also catches 1e400, which reads as infinity
+        raise ValueError(f"{text!r} is not a size: more than 8 EiB")
     return int(round(value))
 
 

@@ -103,3 +103,30 @@ def test_peak_has_a_json_form(shared, capsys):
     assert main(["peak", str(shared / "bert-4gpu.pickle"), "--format", "json", "--device", "0"]) == 0
     data = validate("peak", json.loads(capsys.readouterr().out), "summary")
     assert [d["device"] for d in data["devices"]] == [0]
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("fail-over-pct", "NaN", "invalid JSON: NaN is not a number (JSON has no NaN or Infinity)"),
+    ("fail-over-pct", "Infinity", "invalid JSON: Infinity is not a number (JSON has no NaN or Infinity)"),
+    ("fail-over-pct", "1e400", "not a valid memdiff baseline: thresholds.peak.fail-over-pct: inf is greater"),
+    ("fail-over", '"1e400"', 'thresholds.peak.fail-over: "1e400" is not a size'),
+    ("fail-over", "-5", "not a valid memdiff baseline: thresholds.peak.fail-over: -5 is less than the minimum of 0"),
+    ("fail-over", "9" * 5000, "invalid JSON: a number too long to read"),
+], ids=["nan", "infinity", "pct-1e400", "size-1e400", "negative", "5000-digits"])
+def test_limits_no_gate_can_use_are_bad_input(shared, tmp_path, capsys, field, value, message):
+    path = tmp_path / "b.json"
+    assert main(["baseline", str(shared / "linear-grad.pickle"), "-o", str(path)]) == 0
+    capsys.readouterr()
+    text = path.read_text()
+    old = '"fail-over-pct": 1.0' if field == "fail-over-pct" else '"fail-over": "64MiB"'
+    path.write_text(text.replace(old, f'"{field}": {value}'))
+    for argv in (["gate", str(shared / "linear-grad.pickle"), "--baseline", str(path)], ["baseline", "--check", str(path)]):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"memdiff: {path}: {message}") and err.count("\n") == 1, err
+
+
+def test_a_percentage_no_limit_can_use_is_refused(shared, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["baseline", str(shared / "linear-grad.pickle"), "-o", str(tmp_path / "b.json"), "--fail-over-pct", "nan"])
+    assert exc.value.code == 2 and not (tmp_path / "b.json").exists()

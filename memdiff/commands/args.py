@@ -24,6 +24,9 @@ def size_arg(text: str) -> int:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+MAX_PCT = 1e9  # as the baseline schema allows
+
+
 def pct_arg(text: str) -> float:
     """argparse type for a non-negative percentage (`1`, `2.5`, `3%`)."""
     try:
@@ -32,6 +35,8 @@ def pct_arg(text: str) -> float:
         raise argparse.ArgumentTypeError(f"{text!r} is not a percentage") from None
     if value < 0:
         raise argparse.ArgumentTypeError(f"{text!r} is not a percentage: it is negative")
+    if not value <= MAX_PCT:  # nan and inf too: a limit nothing can exceed is no limit
+        raise argparse.ArgumentTypeError(f"{text!r} is not a percentage a limit can use")
     return value
 
 
