@@ -224,6 +224,8 @@ class StackNormalizer:
         if not raw_frames:
             label = NO_STACK_BEFORE_TRACE if before_trace else NO_STACK
             return Stack(signature_of([label]), label, ())
+        if not isinstance(raw_frames, list):
+            raise ValueError(f"'frames' is a {type(raw_frames).__name__}, not a list")
         key = (id(raw_frames), freed)
         hit = self._cache.get(key)
         if hit is not None:

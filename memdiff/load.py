@@ -214,12 +214,13 @@ def _generation(raw: Any, segments: List[Dict[str, Any]], traces: List[List[Dict
     if any("history" in b and "address" not in b for b in first_blocks):
         return "legacy-history"
     sample = [e for t in traces for e in t[:50]]
-    frames = [f for e in sample for f in (e.get("frames") or [])[:3] if isinstance(f, dict)]
+    frames = [f for e in sample if isinstance(e, dict) and isinstance(e.get("frames"), list)
+              for f in e["frames"][:3] if isinstance(f, dict)]
     if any(f.get("filename") == "none" and PROFILER_PY.match(str(f.get("name", ""))) for f in frames):
         return "profiler"
     if not sample:
         return "no-trace"
-    return "trace-timed" if any("time_us" in e for e in sample) else "trace-untimed"
+    return "trace-timed" if any(isinstance(e, dict) and "time_us" in e for e in sample) else "trace-untimed"
 
 
 def to_snapshot(path: str, raw: Any, source: Source) -> Snapshot:
@@ -250,7 +251,7 @@ def to_snapshot(path: str, raw: Any, source: Source) -> Snapshot:
     for i, trace in enumerate(traces):
         _expect(path, f"device_traces[{i}]", trace, list, "a list")
     _expect(path, "external_annotations", annotations, list, "a list")
-    entry_keys = sorted({k for t in traces for e in t[:1000] if isinstance(e, dict) for k in e})
+    entry_keys = sorted({str(k) for t in traces for e in t[:1000] if isinstance(e, dict) for k in e})
     source.keys = keys + [f"trace.{k}" for k in entry_keys]
     source.generation = _generation(raw, segments, traces)
     return Snapshot(path=path, source=source, segments=segments, device_traces=traces,

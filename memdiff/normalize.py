@@ -253,7 +253,7 @@ def _device_summary(snapshot: Snapshot, device: int, stacks: StackNormalizer) ->
         context = e.get("compile_context")
         if context not in NO_COMPILE_CONTEXT:
             by_context[str(context)] = by_context.get(str(context), 0) + size
-    times = [trace[0].get("time_us"), trace[-1].get("time_us")] if trace else [None, None]
+    times = [_time(path, device, trace, 0), _time(path, device, trace, len(trace) - 1)] if trace else [None, None]
     allocated = (sum(s["allocated_size"] for s in segments) if all("allocated_size" in s for s in segments)
                  else sum(b["size"] for s in segments for b in s.get("blocks", [])
                           if b["state"] == "active_allocated"))
@@ -263,7 +263,7 @@ def _device_summary(snapshot: Snapshot, device: int, stacks: StackNormalizer) ->
         static_bytes=static,
         peak_bytes=peak,
         peak_event_index=peak_index,
-        peak_time_us=peak_event.get("time_us") if peak_event else None,
+        peak_time_us=_time(path, device, trace, peak_index) if peak_index is not None else None,
         peak_event_signature=peak_signature,
         trace_start_time_us=times[0],
         trace_end_time_us=times[1],
@@ -273,7 +273,7 @@ def _device_summary(snapshot: Snapshot, device: int, stacks: StackNormalizer) ->
         unmatched_free_bytes=unmatched_bytes,
         oom_events=[OomEvent(event_index=i, requested_bytes=trace[i].get("size", 0),
                              device_free_bytes=trace[i].get("device_free"),
-                             time_us=trace[i].get("time_us")) for i in walk.ooms],
+                             time_us=_time(path, device, trace, i)) for i in walk.ooms],
         timeline=_timeline(static, running),
         groups=groups,
         scope_at_peak=scopes.innermost(peak_event.get("time_us")) if peak_event else None,
@@ -284,6 +284,15 @@ def _device_summary(snapshot: Snapshot, device: int, stacks: StackNormalizer) ->
         bytes_by_scope=largest_first(by_scope),
         bytes_by_compile_context=largest_first(by_context),
     )
+
+
+def _time(path: str, device: int, trace: List[Dict[str, Any]], i: int) -> Optional[int]:
+    """An entry's `time_us` for the summary: an integer or absent; anything else is bad input."""
+    value = trace[i].get("time_us")
+    if value is None or (isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**63):
+        return value
+    raise InputError(path, f"device_traces[{device}][{i}].time_us: expected microseconds as an integer, "
+                           f"got {type(value).__name__} {repr(value)[:40]}")
 
 
 def _steps_kept(timeline: Timeline, peak_index: Optional[int]) -> List[Step]:

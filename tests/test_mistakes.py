@@ -130,3 +130,25 @@ def test_a_percentage_no_limit_can_use_is_refused(shared, tmp_path, capsys):
     with pytest.raises(SystemExit) as exc:
         main(["baseline", str(shared / "linear-grad.pickle"), "-o", str(tmp_path / "b.json"), "--fail-over-pct", "nan"])
     assert exc.value.code == 2 and not (tmp_path / "b.json").exists()
+
+
+def entry(**fields):
+    return {"action": "alloc", "addr": 1, "size": 64, "stream": 0,
+            "frames": [{"filename": "train.py", "line": 3, "name": "step"}], **fields}
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"time_us": "12"}, "device_traces[0][0].time_us: expected microseconds as an integer, got str '12'"),
+    ({"frames": 1.5}, "'frames' is a float, not a list"),
+    ({"frames": {"name": "x"}}, "'frames' is a dict, not a list"),
+], ids=["time-as-text", "frames-a-number", "frames-a-dict"])
+def test_malformed_entries_are_bad_input(write_snapshot, capsys, fields, message):
+    path = write_snapshot({"device_traces": [[entry(**fields)]], "segments": []})
+    assert main(["peak", path]) == 2
+    one_line(capsys, 2, f"memdiff: {path}: {message}")
+
+
+def test_an_entry_with_a_key_that_is_not_text_is_read(write_snapshot, capsys):
+    path = write_snapshot({"device_traces": [[{**entry(), 7: "extra"}]], "segments": []})
+    assert main(["peak", path]) == 0
+    assert "64 B" in capsys.readouterr().out
