@@ -20,13 +20,14 @@ def write_text_atomic(path: str, text: str) -> None:
     except FileNotFoundError:
         mode = None
     if mode is not None and not stat.S_ISREG(mode):
-        with open(target, "w", encoding="utf-8") as f:
+        with open(target, "w", encoding="utf-8", errors="backslashreplace") as f:
             f.write(text)
         return
     folder = os.path.dirname(target)
     fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(target)}.", suffix=".tmp", dir=folder)
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
+        # A lone surrogate (from a hostile frame name) is written escaped, which JSON reads back.
+        with os.fdopen(fd, "w", encoding="utf-8", errors="backslashreplace") as f:
             f.write(text)
             f.flush()
             os.fsync(f.fileno())

@@ -9,6 +9,7 @@ import argparse
 import difflib
 import importlib
 import os
+import re
 import sys
 import traceback
 from typing import List, Optional, Tuple
@@ -72,6 +73,16 @@ def with_default_command(argv: List[str]) -> Tuple[List[str], Optional[str]]:
     return argv, None
 
 
+CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+
+
+def printable(text: object) -> str:
+    """One line whatever a file name or value holds: control characters (a newline could start a
+    GitHub workflow command in a log) and lone surrogates are shown escaped."""
+    escaped = CONTROL.sub(lambda m: repr(m.group())[1:-1], str(text))
+    return escaped.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 def _mistyped_command(argv: List[str]) -> Optional[Tuple[str, str]]:
     """(word, command) when the word taken for a file to diff is no file and reads like a command
     (`memdiff pek run.pickle`)."""
@@ -84,10 +95,13 @@ def _mistyped_command(argv: List[str]) -> Optional[Tuple[str, str]]:
 
 def main(argv: Optional[List[str]] = None) -> int:
     """Run memdiff with `argv` (default: sys.argv[1:]) and return the exit code."""
+    for stream in (sys.stdout, sys.stderr):  # a lone surrogate in a frame name must not end the run
+        if hasattr(stream, "reconfigure"):
+            stream.reconfigure(errors="backslashreplace")
     argv = list(sys.argv[1:] if argv is None else argv)
     mistyped = _mistyped_command(argv)
     if mistyped:
-        print(f"memdiff: {mistyped[0]}: no such file or command; did you mean `memdiff {mistyped[1]}`?",
+        print(f"memdiff: {printable(mistyped[0])}: no such file or command; did you mean `memdiff {mistyped[1]}`?",
               file=sys.stderr)
         return EXIT_BAD_INPUT
     argv, selected = with_default_command(argv)
@@ -97,7 +111,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     except InputError as exc:
         if args.debug:
             traceback.print_exc()
-        print(f"memdiff: {exc.path}: {exc.message}", file=sys.stderr)
+        print(f"memdiff: {printable(exc.path)}: {printable(exc.message)}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except KeyboardInterrupt:
         return 130

@@ -39,6 +39,7 @@ _OTHER_CONTAINERS = (
     (b"\x28\xb5\x2f\xfd", "zstd-compressed data (decompress it first: zstd -d FILE)"),
 )
 _CHUNK = 1 << 20
+MAX_DEVICES = 1 << 16  # device indices beyond this are not a machine's GPUs
 
 
 @dataclass
@@ -193,6 +194,8 @@ def _validate_segments(path: str, segments: Any) -> None:
             if key not in seg:
                 raise InputError(path, f"{where}: missing '{key}'")
             _expect(path, f"{where}.{key}", seg[key], int, "an integer")
+        if not 0 <= seg["device"] < MAX_DEVICES:
+            raise InputError(path, f"{where}.device: {seg['device']} is not a device index")
         _expect(path, f"{where}.blocks", seg.get("blocks", []), list, "a list")
         for j, block in enumerate(seg.get("blocks", [])):
             bwhere = f"{where}.blocks[{j}]"

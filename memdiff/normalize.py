@@ -28,6 +28,7 @@ from memdiff.load import Snapshot
 from memdiff.model import DeviceSummary, Group, OomEvent, PhasePeak, Step, Summary, largest_first
 
 TIMELINE_POINTS = 100
+MAX_BYTES = 2**62  # far beyond any device, and safely inside the int64 running total
 
 # (raw frames, bytes, is a free's stack, live before the trace, the alloc entry when in the trace)
 
@@ -210,7 +211,11 @@ def _device_summary(snapshot: Snapshot, device: int, stacks: StackNormalizer) ->
                  if addr not in walk.open_at_end]
     static += sum(size for size, _ in dump_only)
 
-    running = np.cumsum(np.frombuffer(walk.deltas, dtype=np.int64) if len(trace) else np.zeros(0, np.int64))
+    deltas = np.frombuffer(walk.deltas, dtype=np.int64) if len(trace) else np.zeros(0, np.int64)
+    # Running totals are int64: sizes that could add up past it are no real trace (and would wrap).
+    if static > MAX_BYTES or float(np.abs(deltas.astype(np.float64)).sum()) > MAX_BYTES:
+        raise InputError(path, f"device {device}: sizes add up to more than {MAX_BYTES:,} bytes: not a real snapshot")
+    running = np.cumsum(deltas)
     peak_index: Optional[int] = None
     peak = static
     if len(running):

@@ -152,3 +152,38 @@ def test_an_entry_with_a_key_that_is_not_text_is_read(write_snapshot, capsys):
     path = write_snapshot({"device_traces": [[{**entry(), 7: "extra"}]], "segments": []})
     assert main(["peak", path]) == 0
     assert "64 B" in capsys.readouterr().out
+
+
+def test_a_file_name_cannot_inject_a_workflow_command(tmp_path, capsys):
+    name = tmp_path / "x\n::error title=fake::injected.pickle"
+    name.write_bytes(b"not a snapshot")
+    assert main(["peak", str(name)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "\n::error" not in err and "x\\n::error" in err
+
+
+@pytest.mark.parametrize("snapshot, message", [
+    ({"device_traces": [[entry(size=2**62), entry(addr=2, size=2**62)]], "segments": []},
+     "device 0: sizes add up to more than 4,611,686,018,427,387,904 bytes: not a real snapshot"),
+    ({"device_traces": [], "segments": [{"device": -1, "address": 0, "total_size": 64, "blocks": []}]},
+     "segments[0].device: -1 is not a device index"),
+    ({"device_traces": [], "segments": [{"device": 0, "address": 0, "total_size": 2**70, "blocks": [
+        {"size": 2**70, "requested_size": 2**70, "state": "active_allocated"}]}]},
+     "device 0: sizes add up to more than"),
+], ids=["int64-wrap", "negative-device", "a-block-of-2**70"])
+def test_impossible_sizes_and_devices_are_bad_input(write_snapshot, capsys, snapshot, message):
+    path = write_snapshot(snapshot)
+    assert main(["peak", path]) == 2
+    one_line(capsys, 2, f"memdiff: {path}: {message}")
+
+
+def test_a_lone_surrogate_in_a_frame_name_is_written_escaped(write_snapshot, tmp_path, capsys):
+    import json
+
+    frames = [{"filename": "train.py", "line": 3, "name": "step\udc80"}]
+    path = write_snapshot({"device_traces": [[entry(frames=frames)]], "segments": []})
+    assert main(["peak", path]) == 0
+    assert "step\\udc80" in capsys.readouterr().out
+    out = tmp_path / "s.json"
+    assert main(["summarize", path, "-o", str(out)]) == 0
+    assert json.loads(out.read_text())["devices"][0]["groups"][0]["frames"][0]["name"] == "step\udc80"
