@@ -152,6 +152,9 @@ def _parse(path: str, stream: io.BufferedReader, codec: Optional[str]) -> Tuple[
             raise InputError(path, f"invalid JSON: not UTF-8 text ({exc.reason})") from None
         except json.JSONDecodeError as exc:
             raise InputError(path, f"invalid JSON at line {exc.lineno} column {exc.colno}: {exc.msg}") from None
+        except RecursionError:
+            raise InputError(path, "not a memory snapshot: JSON nested deeper than Python can read "
+                                   "(snapshots are a few levels deep)") from None
     raise InputError(path, "not a memory snapshot: the content is neither a pickle, JSON, "
                            "gzip, bz2 nor xz")
 

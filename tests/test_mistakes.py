@@ -187,3 +187,35 @@ def test_a_lone_surrogate_in_a_frame_name_is_written_escaped(write_snapshot, tmp
     out = tmp_path / "s.json"
     assert main(["summarize", path, "-o", str(out)]) == 0
     assert json.loads(out.read_text())["devices"][0]["groups"][0]["frames"][0]["name"] == "step\udc80"
+
+
+def test_writing_to_a_pipe_without_a_reader_does_not_hang(shared, tmp_path, capsys):
+    import os
+
+    pipe = tmp_path / "pipe"
+    os.mkfifo(pipe)
+    assert main(["summarize", str(shared / "linear-grad.pickle"), "-o", str(pipe)]) == 2
+    one_line(capsys, 2, f"memdiff: {pipe}: cannot write: {pipe} is a pipe with no reader")
+    # With a reader at the other end the summary goes through (a few KB: within the pipe's buffer).
+    reader = os.open(pipe, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        assert main(["summarize", str(shared / "linear-grad.pickle"), "-o", str(pipe)]) == 0
+        assert b'"schema_version": 2' in os.read(reader, 1 << 20)
+    finally:
+        os.close(reader)
+
+
+def test_a_dangling_output_link_creates_nothing_outside(shared, tmp_path, capsys):
+    link = tmp_path / "out" / "summary.json"
+    link.parent.mkdir()
+    link.symlink_to(tmp_path / "elsewhere" / "x.json")
+    assert main(["summarize", str(shared / "linear-grad.pickle"), "-o", str(link)]) == 2
+    assert "which does not exist" in capsys.readouterr().err
+    assert not (tmp_path / "elsewhere").exists()
+
+
+def test_json_nested_too_deep_is_bad_input(tmp_path, capsys):
+    path = tmp_path / "deep.json"
+    path.write_text('{"device_traces": ' + "[" * 100_000 + "]" * 100_000 + ', "segments": []}')
+    assert main(["peak", str(path)]) == 2
+    one_line(capsys, 2, f"memdiff: {path}: not a memory snapshot: JSON nested deeper than Python can read")
