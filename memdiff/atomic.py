@@ -6,6 +6,23 @@ import errno
 import os
 import stat
 import tempfile
+import time
+
+
+# How long a pipe may go without a reader before writing to it is given up (no input hangs memdiff).
+PIPE_READER_WAIT_S = 10.0
+
+
+def _open_pipe(target: str, path: str) -> int:
+    """A pipe opened for writing once a reader is there, for at most PIPE_READER_WAIT_S."""
+    deadline = time.monotonic() + PIPE_READER_WAIT_S
+    while True:
+        try:
+            return os.open(target, os.O_WRONLY | os.O_NONBLOCK)
+        except OSError as exc:
+            if exc.errno != errno.ENXIO or time.monotonic() > deadline:
+                raise OSError(exc.errno, f"{path} is a pipe with no reader") from None
+        time.sleep(0.05)
 
 
 def write_text_atomic(path: str, text: str) -> None:
@@ -24,11 +41,7 @@ def write_text_atomic(path: str, text: str) -> None:
     except FileNotFoundError:
         mode = None
     if mode is not None and stat.S_ISFIFO(mode):
-        # Opening a pipe for writing waits for a reader; without one, say so instead of hanging.
-        try:
-            fd = os.open(target, os.O_WRONLY | os.O_NONBLOCK)
-        except OSError as exc:
-            raise OSError(exc.errno, f"{path} is a pipe with no reader") from None
+        fd = _open_pipe(target, path)
         with os.fdopen(fd, "w", encoding="utf-8", errors="backslashreplace") as f:
             os.set_blocking(fd, True)
             f.write(text)

@@ -189,9 +189,12 @@ def test_a_lone_surrogate_in_a_frame_name_is_written_escaped(write_snapshot, tmp
     assert json.loads(out.read_text())["devices"][0]["groups"][0]["frames"][0]["name"] == "step\udc80"
 
 
-def test_writing_to_a_pipe_without_a_reader_does_not_hang(shared, tmp_path, capsys):
+def test_writing_to_a_pipe_without_a_reader_does_not_hang(shared, tmp_path, capsys, monkeypatch):
     import os
 
+    import memdiff.atomic
+
+    monkeypatch.setattr(memdiff.atomic, "PIPE_READER_WAIT_S", 0.2)  # the default waits 10 s for a reader
     pipe = tmp_path / "pipe"
     os.mkfifo(pipe)
     assert main(["summarize", str(shared / "linear-grad.pickle"), "-o", str(pipe)]) == 2
