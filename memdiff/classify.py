@@ -162,12 +162,8 @@ def category_of(group: Group, rules: Sequence[Rule]) -> str:
     return OTHER
 
 
-def _classified(groups: Sequence[Group], rules: Sequence[Rule],
-                known: Optional[Dict[str, str]] = None) -> Tuple[List[Group], Dict[str, int]]:
-    # A signature is a stack and a lifetime, all a rule tests: a phase peak's group that the
-    # device's peak also has (stored there with its stack) gets the category found there.
-    known = known or {}
-    out = [replace(g, category=known.get(g.signature) or category_of(g, rules)) for g in groups]
+def _classified(groups: Sequence[Group], rules: Sequence[Rule]) -> Tuple[List[Group], Dict[str, int]]:
+    out = [replace(g, category=category_of(g, rules)) for g in groups]
     totals: Dict[str, int] = {}
     for g in out:
         totals[g.category] = totals.get(g.category, 0) + g.bytes
@@ -181,7 +177,7 @@ def _classify_device(d: DeviceSummary, rules: Sequence[Rule]) -> DeviceSummary:
         if p.groups is None:
             phase_peaks.append(replace(p, categories=categories))
         else:
-            p_groups, p_categories = _classified(p.groups, rules, {g.signature: g.category for g in groups})
+            p_groups, p_categories = _classified(p.groups, rules)
             phase_peaks.append(replace(p, groups=p_groups, categories=p_categories))
     return replace(d, groups=groups, categories=categories, phase_peaks=phase_peaks)
 

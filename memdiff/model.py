@@ -7,7 +7,7 @@ whenever a field changes meaning or disappears.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Dict, List, Optional, Tuple
 
 SCHEMA_VERSION = 2
@@ -122,10 +122,7 @@ class DeviceSummary:
             if p.phase == phase:
                 if p.groups is None:
                     return self.peak_bytes, self.groups, self.categories
-                # Stacks are stored once: a group also live at the device's peak keeps its there.
-                stacks = {g.signature: g.frames for g in self.groups}
-                groups = [g if g.frames else replace(g, frames=stacks.get(g.signature, [])) for g in p.groups]
-                return p.peak_bytes, groups, p.categories
+                return p.peak_bytes, p.groups, p.categories
         return None
 
     @classmethod
@@ -168,8 +165,18 @@ class Summary:
     schema_version: int = SCHEMA_VERSION
 
     def to_dict(self) -> Dict[str, Any]:
-        """The JSON form, keys in a stable order so that stored summaries diff well."""
+        """The JSON form, keys in a stable order so that stored summaries diff well.
+
+        A stack is stored once: a phase peak's group that the device's peak also has (same
+        signature) is written without frames, and `from_dict` takes them from there again.
+        """
         data = asdict(self)
+        for d in data["devices"]:
+            at_peak = {g["signature"] for g in d["groups"]}
+            for p in d["phase_peaks"]:
+                for g in p["groups"] or []:
+                    if g["signature"] in at_peak:
+                        g["frames"] = []
         return {"schema_version": data.pop("schema_version"), "tool": data.pop("tool"), **data}
 
     @classmethod
@@ -179,12 +186,13 @@ class Summary:
         for d in data["devices"]:
             d = _known(DeviceSummary, d)
             d["oom_events"] = [OomEvent(**_known(OomEvent, o)) for o in d["oom_events"]]
+            d["groups"] = [_group(g) for g in d["groups"]]
+            stacks = {g.signature: g.frames for g in d["groups"]}
             d["phase_peaks"] = [PhasePeak(**{**_known(PhasePeak, p), "groups": None if p.get("groups") is None
-                                             else [_group(g) for g in p["groups"]]})
+                                             else [_group(g, stacks) for g in p["groups"]]})
                                  for p in d.get("phase_peaks", [])]
             d["steps"] = [Step(**{**_known(Step, s), "phases": [PhaseSpan(**_known(PhaseSpan, p)) for p in s["phases"]]})
                           for s in d.get("steps", [])]
-            d["groups"] = [_group(g) for g in d["groups"]]
             devices.append(DeviceSummary(**d))
         return cls(
             source=Source(**_known(Source, data["source"])),
@@ -194,8 +202,12 @@ class Summary:
         )
 
 
-def _group(g: Dict[str, Any]) -> Group:
-    return Group(**{**_known(Group, g), "frames": [Frame(**_known(Frame, f)) for f in g["frames"]]})
+def _group(g: Dict[str, Any], stacks: Optional[Dict[str, List[Frame]]] = None) -> Group:
+    """A group from its JSON form; one stored without frames takes them from `stacks` by signature."""
+    frames = [Frame(**_known(Frame, f)) for f in g["frames"]]
+    if not frames and stacks:
+        frames = list(stacks.get(g["signature"], []))
+    return Group(**{**_known(Group, g), "frames": frames})
 
 
 def _known(cls: type, data: Dict[str, Any]) -> Dict[str, Any]:

@@ -30,8 +30,6 @@ from memdiff.model import DeviceSummary, Group, OomEvent, PhasePeak, Step, Summa
 TIMELINE_POINTS = 100
 MAX_BYTES = 2**62  # far beyond any device, and safely inside the int64 running total
 
-# (raw frames, bytes, is a free's stack, live before the trace, the alloc entry when in the trace)
-
 
 @dataclass
 class _Live:
@@ -358,10 +356,4 @@ def summarize(snapshot: Snapshot) -> Summary:
     all_groups += [g for d in devices for p in d.phase_peaks for g in (p.groups or [])]
     for group, frames in zip(all_groups, relativize([g.frames for g in all_groups])):
         group.frames = frames
-    for d in devices:  # a phase peak's group that the device's peak also has keeps its stack there
-        at_peak = {g.signature for g in d.groups}
-        for p in d.phase_peaks:
-            for g in p.groups or []:
-                if g.signature in at_peak:
-                    g.frames = []
     return Summary(source=snapshot.source, devices=devices, tool=f"memdiff {__version__}")
