@@ -23,7 +23,7 @@ from memdiff.classify import Rule, load_rules
 from memdiff.differ import PEAK, Diff
 from memdiff.differ import diff as _diff
 from memdiff.errors import InputError
-from memdiff.judge import Limit, Thresholds, Verdict, judge
+from memdiff.judge import Limit, Thresholds, Verdict, judge, parse_limit, parse_pct, thresholds_over
 from memdiff.inputs import read_summary
 from memdiff.model import Summary
 from memdiff.units import parse_size
@@ -61,27 +61,28 @@ def to_bytes(value: Size, what: str) -> Optional[int]:
         raise InputError(what, f"{value!r} is not a size (examples: 512MiB, 0.5GiB, 64MB, 1e9)") from None
 
 
-def _limit(value: Union[Size, float], what: str) -> Limit:
-    """A limit from `"256MiB"`, `1 << 28` or `"10%"`."""
-    if isinstance(value, str) and value.strip().endswith("%"):
-        return Limit(fail_over_pct=float(value.strip()[:-1]))
-    return Limit(fail_over_bytes=to_bytes(value, what))  # type: ignore[arg-type]
+def _limit(value: Size, what: str) -> Limit:
+    """A limit from `"256MiB"`, `1 << 28` or `"10%"`, as the CLI's flags take them."""
+    if isinstance(value, int):
+        return Limit(fail_over_bytes=to_bytes(value, what))
+    try:
+        return parse_limit(str(value))
+    except ValueError as exc:
+        raise InputError(what, str(exc)) from None
 
 
 def thresholds(*, fail_over: Size = None, fail_over_pct: Optional[float] = None,
-               categories: Optional[Dict[str, Union[Size, str]]] = None,
-               phases: Optional[Dict[str, Union[Size, str]]] = None, base: Optional[Thresholds] = None) -> Thresholds:
+               categories: Optional[Dict[str, Size]] = None, phases: Optional[Dict[str, Size]] = None,
+               base: Optional[Thresholds] = None) -> Thresholds:
     """Thresholds as the CLI's flags give them (`categories={"activation": "10%"}`); over `base`
     (a baseline's), each one given replaces its part."""
-    peak_bytes = to_bytes(fail_over, "fail_over")
-    if fail_over_pct is not None and not 0 <= fail_over_pct <= 1e9:  # nan and inf fail this too
-        raise InputError("fail_over_pct", f"{fail_over_pct!r} is not a percentage a limit can use")
-    categories = {name: _limit(v, f"categories[{name!r}]") for name, v in (categories or {}).items()}
-    phases = {name: _limit(v, f"phases[{name!r}]") for name, v in (phases or {}).items()}
-    if base is None:
-        return Thresholds(Limit.from_options(peak_bytes, fail_over_pct), categories, phases=phases)
-    return Thresholds(base.peak.overridden(peak_bytes, fail_over_pct), {**base.categories, **categories},
-                      list(base.sites), {**base.phases, **phases})
+    try:
+        pct = None if fail_over_pct is None else parse_pct(str(fail_over_pct))
+    except ValueError as exc:
+        raise InputError("fail_over_pct", str(exc)) from None
+    return thresholds_over(base, to_bytes(fail_over, "fail_over"), pct,
+                           {name: _limit(v, f"categories[{name!r}]") for name, v in (categories or {}).items()},
+                           {name: _limit(v, f"phases[{name!r}]") for name, v in (phases or {}).items()})
 
 
 def load_baseline(path: Union[str, "os.PathLike[str]"]) -> Baseline:

@@ -84,6 +84,28 @@ class Limit:
 
 
 DEFAULT_PEAK = Limit(DEFAULT_FAIL_OVER_BYTES, DEFAULT_FAIL_OVER_PCT)
+MAX_PCT = 1e9  # as the baseline schema allows
+
+
+def parse_pct(text: str) -> float:
+    """A percentage as users type it (`1`, `2.5`, `3%`); ValueError saying why when it is none a
+    limit can use (negative, NaN, infinite: a limit nothing can exceed is no limit)."""
+    try:
+        value = float(text.strip().rstrip("%"))
+    except ValueError:
+        raise ValueError(f"{text!r} is not a percentage") from None
+    if value < 0:
+        raise ValueError(f"{text!r} is not a percentage: it is negative")
+    if not value <= MAX_PCT:
+        raise ValueError(f"{text!r} is not a percentage a limit can use")
+    return value
+
+
+def parse_limit(text: str) -> Limit:
+    """One part of a limit: `10%` (percent) or a size (`256MiB`); ValueError saying why when neither."""
+    if text.strip().endswith("%"):
+        return Limit(fail_over_pct=parse_pct(text))
+    return Limit(fail_over_bytes=parse_size(text))
 
 
 @dataclass(frozen=True)
@@ -148,6 +170,16 @@ def thresholds_from_dict(path: str, data: Dict[str, Any]) -> Thresholds:
             raise InputError(path, f"thresholds.sites.{i}.site: invalid regex {s['site']!r}: {exc}") from None
         sites.append(SiteLimit(pattern, _limit_from(path, f"thresholds.sites.{i}", s)))
     return Thresholds(peak, categories, sites, phases)
+
+
+def thresholds_over(stored: Optional[Thresholds], fail_over: Optional[int], fail_over_pct: Optional[float],
+                    categories: Dict[str, Limit], phases: Dict[str, Limit]) -> Thresholds:
+    """The limits given, over stored ones (a baseline's) where each given part replaces its own;
+    with nothing stored, the peak's default rule unless a peak part is given."""
+    if stored is None:
+        return Thresholds(Limit.from_options(fail_over, fail_over_pct), dict(categories), phases=dict(phases))
+    return Thresholds(stored.peak.overridden(fail_over, fail_over_pct), {**stored.categories, **categories},
+                      list(stored.sites), {**stored.phases, **phases})
 
 
 @dataclass

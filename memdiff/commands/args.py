@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Dict, List, Optional, Sequence
 
 from memdiff.classify import Rule, load_rules
 from memdiff.errors import InputError
-from memdiff.judge import Limit, Thresholds
+from memdiff.judge import Limit, Thresholds, parse_limit, parse_pct, thresholds_over
 from memdiff.lifetimes import BACKWARD, FORWARD, OPTIMIZER
 from memdiff.units import parse_size
 
@@ -24,20 +24,12 @@ def size_arg(text: str) -> int:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-MAX_PCT = 1e9  # as the baseline schema allows
-
-
 def pct_arg(text: str) -> float:
-    """argparse type for a non-negative percentage (`1`, `2.5`, `3%`)."""
+    """argparse type for a percentage a limit can use (`1`, `2.5`, `3%`)."""
     try:
-        value = float(text.rstrip("%"))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a percentage") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a percentage: it is negative")
-    if not value <= MAX_PCT:  # nan and inf too: a limit nothing can exceed is no limit
-        raise argparse.ArgumentTypeError(f"{text!r} is not a percentage a limit can use")
-    return value
+        return parse_pct(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def count_arg(text: str) -> int:
@@ -101,14 +93,12 @@ def named_limits(values: List[str], flag: str, names: Optional[Sequence[str]] = 
             raise InputError(flag, f"{value!r} is not {what}=SIZE or {what}=P%")
         if names and name not in names:
             raise InputError(flag, f"{name!r} is not a phase: use one of {', '.join(names)}")
-        old = out.get(name, Limit())
         try:
-            if limit.endswith("%"):
-                out[name] = Limit(old.fail_over_bytes, pct_arg(limit))
-            else:
-                out[name] = Limit(parse_size(limit), old.fail_over_pct)
-        except (ValueError, argparse.ArgumentTypeError) as exc:
+            part = parse_limit(limit)
+        except ValueError as exc:
             raise InputError(flag, f"{name}: {exc}") from None
+        old = out.get(name, Limit())  # a name given twice: a size and a percent, both must be exceeded
+        out[name] = old.overridden(part.fail_over_bytes, part.fail_over_pct)
     return out
 
 
@@ -124,15 +114,8 @@ def phase_limits(values: List[str]) -> Dict[str, Limit]:
 
 def thresholds_from(args: argparse.Namespace, stored: Optional[Thresholds] = None) -> Thresholds:
     """The command line's thresholds; over stored ones, each flag given replaces its part."""
-    if stored is None:
-        return Thresholds(Limit.from_options(args.fail_over, args.fail_over_pct),
-                          category_limits(args.category_fail_over), phases=phase_limits(args.phase_fail_over))
-    categories = dict(stored.categories)
-    categories.update(category_limits(args.category_fail_over))
-    phases = dict(stored.phases)
-    phases.update(phase_limits(args.phase_fail_over))
-    return Thresholds(stored.peak.overridden(args.fail_over, args.fail_over_pct), categories, list(stored.sites),
-                      phases)
+    return thresholds_over(stored, args.fail_over, args.fail_over_pct, category_limits(args.category_fail_over),
+                           phase_limits(args.phase_fail_over))
 
 
 def add_report_arguments(p: argparse.ArgumentParser) -> None:
