@@ -8,6 +8,8 @@ import stat
 import tempfile
 import time
 
+from memdiff.errors import InputError
+
 
 # How long a pipe may go without a reader before writing to it is given up (no input hangs memdiff).
 PIPE_READER_WAIT_S = 10.0
@@ -23,6 +25,12 @@ def _open_pipe(target: str, path: str) -> int:
             if exc.errno != errno.ENXIO or time.monotonic() > deadline:
                 raise OSError(exc.errno, f"{path} is a pipe with no reader") from None
         time.sleep(0.05)
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def write_text_atomic(path: str, text: str) -> None:
@@ -53,6 +61,9 @@ def write_text_atomic(path: str, text: str) -> None:
     folder = os.path.dirname(target)
     fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(target)}.", suffix=".tmp", dir=folder)
     try:
+        # mkstemp makes the file private; the result gets the mode a plain open() would give it
+        # (or the replaced file's), so a report or baseline stays readable by whoever could read it.
+        os.chmod(tmp, stat.S_IMODE(mode) if mode is not None else 0o666 & ~_umask())
         # A lone surrogate (from a hostile frame name) is written escaped, which JSON reads back.
         with os.fdopen(fd, "w", encoding="utf-8", errors="backslashreplace") as f:
             f.write(text)
@@ -63,3 +74,19 @@ def write_text_atomic(path: str, text: str) -> None:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+
+
+def check_output(path: str) -> None:
+    """InputError when `path` cannot be written for want of its folder: checked before the work."""
+    folder = os.path.dirname(path)
+    if folder and not os.path.isdir(folder):
+        raise InputError(path, f"the folder {folder} does not exist: create it, or write elsewhere")
+
+
+def write_output(path: str, text: str) -> None:
+    """`write_text_atomic` for a path the user gave: a failure is bad input (exit 2) saying why."""
+    check_output(path)
+    try:
+        write_text_atomic(path, text)
+    except OSError as exc:
+        raise InputError(path, f"cannot write: {exc.strerror or exc}") from None

@@ -17,7 +17,7 @@ from datetime import datetime, timezone
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from memdiff import __version__
-from memdiff.atomic import write_text_atomic
+from memdiff.atomic import write_output
 from memdiff.errors import InputError
 from memdiff.frames import signature_of
 from memdiff.judge import Thresholds, thresholds_from_dict
@@ -107,10 +107,7 @@ def update_baseline(path: str, summary_of: Callable[[], Summary],
     old = read_baseline(path) if os.path.exists(path) else None
     limits = thresholds_for(old.thresholds if old else None)
     baseline = from_summary(summary_of(), name or (old.name if old else stem(path)), limits, git_sha)
-    try:
-        write_text_atomic(path, baseline.to_json())
-    except OSError as exc:
-        raise InputError(path, f"cannot write: {exc.strerror or exc}") from None
+    write_output(path, baseline.to_json())
     return baseline, old is not None
 
 

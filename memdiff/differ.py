@@ -71,6 +71,19 @@ class DiffRow:
     head_earlier_bytes: int = 0
     members: List[Member] = field(default_factory=list)
 
+    def member_groups(self) -> List[Member]:
+        """The groups the row aligns; a one-to-one row keeps them implicit (a smaller JSON)."""
+        if self.members:
+            return self.members
+        out = []
+        if self.base_bytes or self.base_count:
+            out.append(Member("base", self.signature, self.base_count, self.base_bytes, self.base_earlier_bytes,
+                              self.frames))
+        if self.head_bytes or self.head_count:
+            out.append(Member("head", self.signature, self.head_count, self.head_bytes, self.head_earlier_bytes,
+                              self.frames))
+        return out
+
 
 @dataclass
 class CategoryDelta:
@@ -200,7 +213,7 @@ def _row(base: Sequence[Group], head: Sequence[Group], matched_by: Optional[str]
 
 def _merge(rows: Sequence[DiffRow]) -> DiffRow:
     """One row of several that read alike and changed in opposite directions."""
-    members = [m for r in rows for m in (r.members or _members_of(r))]
+    members = [m for r in rows for m in r.member_groups()]
     shown = max(rows, key=lambda r: (max(r.base_bytes, r.head_bytes), r.signature))
     b, h = sum(r.base_bytes for r in rows), sum(r.head_bytes for r in rows)
     status = NEW if not b else GONE if not h else GREW if h > b else SHRANK if h < b else SAME
@@ -210,16 +223,6 @@ def _merge(rows: Sequence[DiffRow]) -> DiffRow:
                    matched_by=BY_SITE if b and h else None,
                    context=shown.context, label=shown.site, base_earlier_bytes=sum(r.base_earlier_bytes for r in rows),
                    head_earlier_bytes=sum(r.head_earlier_bytes for r in rows), members=members)
-
-
-def _members_of(r: DiffRow) -> List[Member]:
-    """The members of a one-to-one row (kept implicit there to keep the JSON small)."""
-    out = []
-    if r.base_bytes or r.base_count:
-        out.append(Member("base", r.signature, r.base_count, r.base_bytes, r.base_earlier_bytes, r.frames))
-    if r.head_bytes or r.head_count:
-        out.append(Member("head", r.signature, r.head_count, r.head_bytes, r.head_earlier_bytes, r.frames))
-    return out
 
 
 def _alike_merged(rows: List[DiffRow]) -> List[DiffRow]:

@@ -22,15 +22,16 @@ def _is_summary(raw: Any) -> bool:
     return isinstance(raw, dict) and "schema_version" in raw and "devices" in raw
 
 
-def read_summary(path: str, rules: Sequence[Rule]) -> Summary:
-    """The classified Summary of `path`, a snapshot or a summary written by `memdiff summarize`.
+def read_summary(path: str, rules: Sequence[Rule], history: bool = False) -> Summary:
+    """The classified Summary of `path`, a snapshot or a summary written by `memdiff summarize`;
+    with `history`, a snapshot's devices carry their history (a stored summary keeps what it has).
 
     A stored summary is classified again, so `--rules` applies to it as to a snapshot.
     """
     with paused_gc():
         raw, source = decode(path)
         if not _is_summary(raw):
-            summary = summarize(to_snapshot(path, raw, source))
+            summary = summarize(to_snapshot(path, raw, source), rules if history else None)
             del raw  # freed by reference counting before the collector resumes
             return classify(summary, rules)
     version = raw["schema_version"]
@@ -44,7 +45,7 @@ def read_summary(path: str, rules: Sequence[Rule]) -> Summary:
 PARALLEL_MIN_BYTES = 32 * 2**20
 
 
-def read_summaries(paths: Sequence[str], rules: Sequence[Rule]) -> List[Summary]:
+def read_summaries(paths: Sequence[str], rules: Sequence[Rule], history: bool = False) -> List[Summary]:
     """`read_summary` of each path; big inputs are read in parallel worker processes.
 
     Only the summaries (a few KB each) cross the process boundary, so two million-event
@@ -54,7 +55,7 @@ def read_summaries(paths: Sequence[str], rules: Sequence[Rule]) -> List[Summary]
     sizes = [os.path.getsize(p) if os.path.isfile(p) else 0 for p in paths]
     workers = min(len(paths), os.cpu_count() or 1)
     if workers < 2 or sum(sizes) < PARALLEL_MIN_BYTES:
-        return [read_summary(p, rules) for p in paths]
+        return [read_summary(p, rules, history) for p in paths]
     with ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn")) as pool:
-        futures = [pool.submit(read_summary, p, rules) for p in paths]
+        futures = [pool.submit(read_summary, p, rules, history) for p in paths]
         return [f.result() for f in futures]

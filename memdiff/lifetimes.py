@@ -284,19 +284,43 @@ class Timeline:
     def lifetime(self, born_event: Optional[int], end_event: int, n_events: int) -> Lifetime:
         """Lifetime facts of an allocation opened at `born_event` (None: before the trace) and
         closed at `end_event` (`n_events`: never closed)."""
-        freed = NEVER if end_event >= n_events else self.phase_at(end_event)
-        if born_event is None:
-            return Lifetime(BEFORE_TRACE, freed, "trace" if freed == NEVER else "none")
-        born = self.phase_at(born_event)
-        if freed == NEVER:
-            return Lifetime(born, freed, "trace")
-        run = self.run_at(born_event)
-        if end_event <= self.runs[run].end_event:
-            return Lifetime(born, freed, "none")
-        step = self._run_step[run]
-        if step is not None and end_event <= self.steps[step].end_event:
-            return Lifetime(born, freed, "phase")
-        return Lifetime(born, freed, "step")
+        born = np.array([-1 if born_event is None else born_event], dtype=np.int64)
+        return LIFETIMES[int(self.lifetime_codes(born, np.array([end_event], dtype=np.int64), n_events)[0])]
+
+    def lifetime_codes(self, born: np.ndarray, end: np.ndarray, n_events: int) -> np.ndarray:
+        """`lifetime` of many allocations at once, as indices into LIFETIMES: `born` holds each one's
+        first event (-1: before the trace), `end` the event that frees it (`n_events`: never)."""
+        never = end >= n_events
+        before = born < 0
+        if not self.runs:
+            born_phase = np.full(len(born), _PHASE_INDEX[OTHER])
+            freed_phase = np.where(never, len(PHASES), _PHASE_INDEX[OTHER])
+            outlives = np.where(never, _OUTLIVES_INDEX["trace"], _OUTLIVES_INDEX["none"])
+        else:
+            starts = np.asarray(self._run_starts, dtype=np.int64)
+            run_phase = np.array([_PHASE_INDEX[r.phase] for r in self.runs])
+            run_end = np.array([r.end_event for r in self.runs], dtype=np.int64)
+            # A run outside every step ends its own "step": outliving it is outliving the step.
+            step_end = np.array([-1 if k is None else self.steps[k].end_event for k in self._run_step], dtype=np.int64)
+            born_run = np.maximum(np.searchsorted(starts, born, side="right") - 1, 0)
+            end_run = np.maximum(np.searchsorted(starts, np.minimum(end, n_events - 1), side="right") - 1, 0)
+            born_phase = run_phase[born_run]
+            freed_phase = np.where(never, len(PHASES), run_phase[end_run])
+            outlives = np.select([end <= run_end[born_run], end <= step_end[born_run]],
+                                 [_OUTLIVES_INDEX["none"], _OUTLIVES_INDEX["phase"]], _OUTLIVES_INDEX["step"])
+            outlives = np.where(never, _OUTLIVES_INDEX["trace"], outlives)
+        # Memory from before the trace: "trace" when never freed, else "none" (its birth is unknown).
+        born_phase = np.where(before, len(PHASES), born_phase)
+        outlives = np.where(before, np.where(never, _OUTLIVES_INDEX["trace"], _OUTLIVES_INDEX["none"]), outlives)
+        return (born_phase * (len(PHASES) + 1) + freed_phase) * len(OUTLIVES) + outlives
+
+
+OUTLIVES = ("none", "phase", "step", "trace")
+_PHASE_INDEX = {phase: k for k, phase in enumerate(PHASES)}
+_OUTLIVES_INDEX = {name: k for k, name in enumerate(OUTLIVES)}
+# Every lifetime, indexed as Timeline.lifetime_codes numbers them.
+LIFETIMES = [Lifetime(born, freed, outlives) for born in PHASES + (BEFORE_TRACE,) for freed in PHASES + (NEVER,)
+             for outlives in OUTLIVES]
 
 
 def build_timeline(trace: List[Any], allocs: Sequence[int], running: np.ndarray, static: int, scopes: Scopes,

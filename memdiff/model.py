@@ -85,6 +85,28 @@ class PhasePeak:
 
 
 @dataclass
+class Bar:
+    """One allocation live at the peak, from its allocation to its free (the report's bars)."""
+
+    signature: str  # its group's
+    start_event: int  # its first version's allocation; -1 when live before the trace
+    end_event: int  # the event that frees it; the trace length when never freed
+    bytes: int
+
+
+@dataclass
+class History:
+    """A device's memory over its trace, downsampled for drawing: each point is the event with
+    the largest total in its window, with the bytes of each category live after it."""
+
+    events: List[int]
+    totals: List[int]
+    categories: Dict[str, List[int]]  # largest at the device's peak first
+    time_us: Optional[List[int]] = None  # None when the trace has no times
+    bars: List[Bar] = field(default_factory=list)
+
+
+@dataclass
 class DeviceSummary:
     """Peak accounting for one device, following the rules in snapshot-format.md."""
 
@@ -112,6 +134,7 @@ class DeviceSummary:
     steps: List[Step] = field(default_factory=list)
     step_at_peak: Optional[int] = None
     phase_peaks: List[PhasePeak] = field(default_factory=list)
+    history: Optional[History] = None  # only when asked for (the HTML report): it reads every allocation
 
     def at(self, phase: Optional[str]) -> Optional[Tuple[int, List[Group], Dict[str, int]]]:
         """(peak bytes, groups, categories) at the peak of `phase` (None or "peak": the device's
@@ -191,6 +214,9 @@ class Summary:
             d["phase_peaks"] = [PhasePeak(**{**_known(PhasePeak, p), "groups": None if p.get("groups") is None
                                              else [_group(g, stacks) for g in p["groups"]]})
                                  for p in d.get("phase_peaks", [])]
+            if d.get("history") is not None:
+                h = _known(History, d["history"])
+                d["history"] = History(**{**h, "bars": [Bar(**_known(Bar, b)) for b in h.get("bars", [])]})
             d["steps"] = [Step(**{**_known(Step, s), "phases": [PhaseSpan(**_known(PhaseSpan, p)) for p in s["phases"]]})
                           for s in d.get("steps", [])]
             devices.append(DeviceSummary(**d))

@@ -16,14 +16,16 @@ from __future__ import annotations
 import bisect
 from array import array
 from dataclasses import dataclass
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 
 from memdiff import __version__
+from memdiff.classify import Rule
 from memdiff.errors import InputError
 from memdiff.frames import Stack, StackNormalizer, relativize, signature_of
-from memdiff.lifetimes import BACKWARD, FORWARD, MAX_STEPS, OPTIMIZER, Lifetime, Scopes, Timeline, build_timeline
+from memdiff.history import Allocations, history_of, peak_bars, window_maxima
+from memdiff.lifetimes import BACKWARD, FORWARD, LIFETIMES, MAX_STEPS, OPTIMIZER, Lifetime, Scopes, Timeline, build_timeline
 from memdiff.load import Snapshot
 from memdiff.model import DeviceSummary, Group, OomEvent, PhasePeak, Step, Summary, largest_first
 
@@ -40,9 +42,11 @@ class _Live:
     freed: bool  # `frames` is the stack of the free standing in for the allocation's
     before_trace: bool
     entry: Optional[Dict[str, Any]]  # the alloc entry when it is in the trace
-    lifetime: Lifetime
+    born_event: int  # its first version's alloc event; -1 before the trace
+    end_event: int  # the event that frees its last version; the trace length when never freed
     earlier: bool  # allocated in a step before the peak's
     reached_peak: bool = False  # the allocation whose event is the peak
+    lifetime: Lifetime = LIFETIMES[0]  # filled in for all items at once
 
 
 # compile_context values that mean "not compiled"
@@ -157,17 +161,8 @@ def _dump_blocks(segments: List[Dict[str, Any]]) -> Iterator[Tuple[int, int, Opt
 
 def _timeline(static: int, running: np.ndarray) -> List[List[int]]:
     """At most TIMELINE_POINTS [event index, allocated bytes] points, each the max of its window."""
-    n = len(running)
-    if n == 0:
-        return []
     totals = running + static
-    if n <= TIMELINE_POINTS:
-        return [[i, int(v)] for i, v in enumerate(totals)]
-    points = []
-    for window in np.array_split(np.arange(n), TIMELINE_POINTS):
-        k = int(window[0] + totals[window[0]: window[-1] + 1].argmax())
-        points.append([k, int(totals[k])])
-    return points
+    return [[i, int(totals[i])] for i in window_maxima(totals, TIMELINE_POINTS).tolist()]
 
 
 def _live_at(walk: _Walk, trace: List[Dict[str, Any]], p: int, dump_only: List[Tuple[int, Any]],
@@ -181,22 +176,110 @@ def _live_at(walk: _Walk, trace: List[Dict[str, Any]], p: int, dump_only: List[T
         first, unmatched = walk.origin(j)
         end = walk.end(walk.closed[j])
         if first is None:
-            items.append(_Live(trace[unmatched].get("frames"), trace[j]["size"], True, True, None,
-                               timeline.lifetime(None, end, n), False, j == p))
+            items.append(_Live(trace[unmatched].get("frames"), trace[j]["size"], True, True, None, -1, end,
+                               False, j == p))
             continue
         step = timeline.step_index_at(first)
         earlier = peak_step is not None and step is not None and step < peak_step
-        items.append(_Live(trace[first].get("frames"), trace[j]["size"], False, False, trace[first],
-                           timeline.lifetime(first, end, n), earlier, j == p))
+        items.append(_Live(trace[first].get("frames"), trace[j]["size"], False, False, trace[first], first, end,
+                           earlier, j == p))
     for i in walk.unmatched[bisect.bisect_right(walk.unmatched, p):]:
         e = trace[i]
-        items.append(_Live(e.get("frames"), e["size"], True, True, None, timeline.lifetime(None, walk.end(i), n), False))
-    items.extend(_Live(frames, size, False, True, None, timeline.lifetime(None, n, n), False)
-                 for size, frames in dump_only)
+        items.append(_Live(e.get("frames"), e["size"], True, True, None, -1, walk.end(i), False))
+    items.extend(_Live(frames, size, False, True, None, -1, n, False) for size, frames in dump_only)
+    codes = timeline.lifetime_codes(np.array([item.born_event for item in items], dtype=np.int64),
+                                    np.array([item.end_event for item in items], dtype=np.int64), n)
+    for item, code in zip(items, codes.tolist()):
+        item.lifetime = LIFETIMES[code]
     return items
 
 
-def _device_summary(snapshot: Snapshot, device: int, stacks: StackNormalizer) -> DeviceSummary:
+class _Kinds:
+    """Allocations' (stack, lifetime) kinds, numbered as met: a stack is normalized once per
+    distinct sequence of frame objects (pickle memo references share frame dicts between the
+    events of a real snapshot, though each event has a list of its own)."""
+
+    def __init__(self, path: str, stacks: StackNormalizer) -> None:
+        self.path, self.stacks = path, stacks
+        self.kinds: List[Tuple[Stack, int]] = []
+        self._by_list: Dict[Tuple[int, bool], int] = {}
+        self._by_frames: Dict[Tuple[Any, ...], int] = {}
+        self._numbered: Dict[Tuple[str, int], int] = {}
+        self._stack_list: List[Stack] = []
+
+    def stack_code(self, frames: Any, freed: bool, before_trace: bool) -> int:
+        """A number for the stack of `frames` (equal stacks, equal numbers)."""
+        key = (id(frames), freed)
+        code = self._by_list.get(key)
+        if code is None:
+            by_ids = (freed, before_trace, *map(id, frames)) if isinstance(frames, list) and frames \
+                else (freed, before_trace, id(frames) if frames else None)
+            code = self._by_frames.get(by_ids)
+            if code is None:
+                try:
+                    stack = self.stacks.stack(frames, freed=freed, before_trace=before_trace)
+                except ValueError as exc:
+                    raise InputError(self.path, str(exc)) from None
+                code = self._by_frames[by_ids] = len(self._stack_list)
+                self._stack_list.append(stack)
+            self._by_list[key] = code
+        return code
+
+    def numbered(self, stack_codes: np.ndarray, lifetime_codes: np.ndarray) -> np.ndarray:
+        """Each allocation's kind, from its stack and lifetime codes."""
+        pairs = stack_codes * len(LIFETIMES) + lifetime_codes
+        unique, inverse = np.unique(pairs, return_inverse=True)
+        base = len(self.kinds)
+        self.kinds += [(self._stack_list[int(u) // len(LIFETIMES)], int(u) % len(LIFETIMES)) for u in unique]
+        return inverse.reshape(-1).astype(np.int64) + base
+
+
+def _allocations(path: str, walk: _Walk, trace: List[Dict[str, Any]], dump_only: List[Tuple[int, Any]],
+                 timeline: Timeline, stacks: StackNormalizer) -> Allocations:
+    """Every allocation of the trace (each version of a re-versioned tensor on its own, with the
+    first version's stack and the whole chain's lifetime), then memory from before the trace."""
+    n = len(trace)
+    opened = np.frombuffer(walk.allocs, dtype=np.int64) if len(walk.allocs) else np.zeros(0, np.int64)
+    closed = np.frombuffer(walk.closed, dtype=np.int64)[opened] if len(opened) else np.zeros(0, np.int64)
+    unmatched = np.frombuffer(walk.unmatched, dtype=np.int64) if len(walk.unmatched) else np.zeros(0, np.int64)
+    deltas = np.frombuffer(walk.deltas, dtype=np.int64) if n else np.zeros(0, np.int64)
+    born = opened.copy()  # the first version's event, -1 before the trace
+    ends = closed.copy()  # the event that frees the last version
+    kinds = _Kinds(path, stacks)
+    codes = np.empty(len(opened) + len(unmatched) + len(dump_only), dtype=np.int64)
+    freed_by = {}  # position -> the unmatched free whose stack stands in
+    for k in np.flatnonzero(np.isin(opened, np.fromiter(walk.version_of, np.int64, len(walk.version_of)))).tolist():
+        first, free = walk.origin(int(opened[k]))
+        born[k] = -1 if first is None else first
+        if free is not None:
+            freed_by[k] = free
+    for k in np.flatnonzero(np.isin(closed, np.fromiter(walk.continued_by, np.int64, len(walk.continued_by)))).tolist():
+        ends[k] = walk.end(int(closed[k]))
+    stack_code = kinds.stack_code
+    for k, first in enumerate(born.tolist()):
+        free = freed_by.get(k) if first < 0 else None
+        codes[k] = (stack_code(trace[free].get("frames"), True, True) if free is not None
+                    else stack_code(trace[first].get("frames"), False, False))
+    m = len(opened)
+    for k, i in enumerate(unmatched.tolist()):
+        codes[m + k] = stack_code(trace[i].get("frames"), True, True)
+    m += len(unmatched)
+    for k, (_, frames) in enumerate(dump_only):
+        codes[m + k] = stack_code(frames, False, True)
+    unmatched_ends = np.array([walk.end(i) for i in unmatched.tolist()], dtype=np.int64)
+    life = timeline.lifetime_codes(
+        np.concatenate((born, np.full(len(unmatched) + len(dump_only), -1, np.int64))),
+        np.concatenate((ends, unmatched_ends, np.full(len(dump_only), n, np.int64))), n)
+    return Allocations(
+        start=np.concatenate((opened, np.zeros(len(unmatched) + len(dump_only), np.int64))),
+        end=np.concatenate((closed, unmatched, np.full(len(dump_only), n, np.int64))),
+        size=np.concatenate((deltas[opened], -deltas[unmatched],
+                             np.array([size for size, _ in dump_only], dtype=np.int64))),
+        kind=kinds.numbered(codes, life), kinds=kinds.kinds)
+
+
+def _device_summary(snapshot: Snapshot, device: int, stacks: StackNormalizer,
+                    history_rules: Optional[Sequence[Rule]] = None) -> DeviceSummary:
     path = snapshot.path
     traces = snapshot.device_traces
     trace = traces[device] if device < len(traces) else []
@@ -229,7 +312,7 @@ def _device_summary(snapshot: Snapshot, device: int, stacks: StackNormalizer) ->
     # A re-versioned tensor is not memory from before a truncated trace: no advice to record more.
     reversioned = [i for i in walk.unmatched if i in walk.continued_by]
     unmatched_bytes -= sum(trace[i]["size"] for i in reversioned)
-    groups, peak_signature = _group(path, live_items, stacks)
+    groups, peak_signature, allocations_of = _group(path, live_items, stacks)
     phase_peaks = []
     for phase in (FORWARD, BACKWARD, OPTIMIZER):
         spans = [span for span in timeline.runs if span.phase == phase]
@@ -257,6 +340,11 @@ def _device_summary(snapshot: Snapshot, device: int, stacks: StackNormalizer) ->
         if context not in NO_COMPILE_CONTEXT:
             by_context[str(context)] = by_context.get(str(context), 0) + size
     times = [_time(path, device, trace, 0), _time(path, device, trace, len(trace) - 1)] if trace else [None, None]
+    history = None
+    if history_rules is not None:
+        bars = peak_bars([(g.signature, allocations_of[g.signature]) for g in groups])
+        history = history_of(_allocations(path, walk, trace, dump_only, timeline, stacks), running + static,
+                             lambda i: _time(path, device, trace, i), history_rules, bars)
     allocated = (sum(s["allocated_size"] for s in segments) if all("allocated_size" in s for s in segments)
                  else sum(b["size"] for s in segments for b in s.get("blocks", [])
                           if b["state"] == "active_allocated"))
@@ -286,6 +374,7 @@ def _device_summary(snapshot: Snapshot, device: int, stacks: StackNormalizer) ->
         phase_peaks=phase_peaks,
         bytes_by_scope=largest_first(by_scope),
         bytes_by_compile_context=largest_first(by_context),
+        history=history,
     )
 
 
@@ -310,9 +399,11 @@ def _steps_kept(timeline: Timeline, peak_index: Optional[int]) -> List[Step]:
     return kept
 
 
-def _group(path: str, items: List[_Live], stacks: StackNormalizer) -> Tuple[List[Group], Optional[str]]:
-    """Groups of the live allocations by stack signature and lifetime, largest first, and the
-    signature of the group holding the allocation that reached the peak."""
+def _group(path: str, items: List[_Live], stacks: StackNormalizer
+           ) -> Tuple[List[Group], Optional[str], Dict[str, List[Tuple[int, int, int]]]]:
+    """Groups of the live allocations by stack signature and lifetime, largest first, the
+    signature of the group holding the allocation that reached the peak, and per group the
+    (first event, end event, bytes) of each of its allocations."""
     by_key: Dict[Tuple[str, Lifetime], List[Any]] = {}
     peak_key = None
     for item in items:
@@ -323,7 +414,8 @@ def _group(path: str, items: List[_Live], stacks: StackNormalizer) -> Tuple[List
         key = (stack.signature, item.lifetime)
         slot = by_key.get(key)
         if slot is None:
-            slot = by_key[key] = [stack, item.lifetime, 0, 0, 0]
+            slot = by_key[key] = [stack, item.lifetime, 0, 0, 0, []]
+        slot[5].append((item.born_event, item.end_event, item.size))
         slot[2] += 1
         slot[3] += item.size
         slot[4] += item.size if item.earlier else 0
@@ -331,14 +423,16 @@ def _group(path: str, items: List[_Live], stacks: StackNormalizer) -> Tuple[List
             peak_key = key
     groups = []
     peak_signature = None
-    for key, (stack, lifetime, count, size, earlier) in by_key.items():
+    spans = {}
+    for key, (stack, lifetime, count, size, earlier, allocations) in by_key.items():
         signature = signature_of([stack.signature, lifetime.key()])
+        spans[signature] = allocations
         if key == peak_key:
             peak_signature = signature
         groups.append(Group(signature=signature, site=stack.site, frames=list(stack.frames), count=count,
                             bytes=size, lifetime=lifetime.to_dict(), bytes_from_earlier_steps=earlier))
     groups.sort(key=lambda g: (-g.bytes, g.signature))
-    return groups, peak_signature
+    return groups, peak_signature, spans
 
 
 def devices_of(snapshot: Snapshot) -> List[int]:
@@ -348,10 +442,11 @@ def devices_of(snapshot: Snapshot) -> List[int]:
     return sorted(found)
 
 
-def summarize(snapshot: Snapshot) -> Summary:
-    """The Summary of every device in the snapshot."""
+def summarize(snapshot: Snapshot, history_rules: Optional[Sequence[Rule]] = None) -> Summary:
+    """The Summary of every device in the snapshot; with `history_rules`, each device's history
+    too, its allocations classified by those rules (the ones the summary will be classified by)."""
     stacks = StackNormalizer()
-    devices = [_device_summary(snapshot, d, stacks) for d in devices_of(snapshot)]
+    devices = [_device_summary(snapshot, d, stacks, history_rules) for d in devices_of(snapshot)]
     all_groups = [g for d in devices for g in d.groups]
     all_groups += [g for d in devices for p in d.phase_peaks for g in (p.groups or [])]
     for group, frames in zip(all_groups, relativize([g.frames for g in all_groups])):

@@ -28,6 +28,7 @@ class PeakRow:
     site: str
     frames: List[Frame]
     category: str = ""
+    signature: str = ""  # the group's; empty for the folded rest and the total
 
 
 @dataclass
@@ -76,8 +77,8 @@ def device_peak(device: DeviceSummary, top: Optional[int]) -> DevicePeak:
     """The top `top` groups (all when None), the rest folded into one row, and a total row."""
     groups = device.groups
     shown = groups if top is None else groups[:top]
-    rows = [PeakRow(str(i), g.count, g.bytes, _share(g.bytes, device.peak_bytes), g.site, g.frames, g.category or "")
-            for i, g in enumerate(shown, 1)]
+    rows = [PeakRow(str(i), g.count, g.bytes, _share(g.bytes, device.peak_bytes), g.site, g.frames, g.category or "",
+                    g.signature) for i, g in enumerate(shown, 1)]
     rest = groups[len(shown):]
     if rest:
         rest_bytes = sum(g.bytes for g in rest)

@@ -127,6 +127,14 @@ def add_report_arguments(p: argparse.ArgumentParser) -> None:
                    help="report format (default: text); json rows are never folded")
 
 
+def add_html_argument(p: argparse.ArgumentParser, several: bool = False) -> None:
+    """--html: the self-contained HTML report (both runs over time, the tables, the stacks)."""
+    where = (" (with several runs, a folder: one page per run, named after it)" if several else "")
+    p.add_argument("--html", metavar="FILE" if not several else "PATH",
+                   help="also write a self-contained HTML report (memory over time by category, what is live "
+                        f"at the peak, the tables with their stacks; opens offline) to FILE{where}")
+
+
 def add_github_arguments(p: argparse.ArgumentParser) -> None:
     """--github, --report and the labels that name base and head in the markdown report."""
     p.add_argument("--github", action="store_true",

@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import Optional
 
-from memdiff.commands.args import (add_github_arguments, add_report_arguments, add_rules_arguments,
+from memdiff.atomic import check_output, write_output
+from memdiff.commands.args import (add_github_arguments, add_html_argument, add_report_arguments, add_rules_arguments,
                                    add_threshold_arguments, publisher_from, rules_from)
 from memdiff.differ import MOMENTS, PEAK, Diff, diff, fold
 from memdiff.errors import EXIT_OK, EXIT_REGRESSION
 from memdiff.judge import Limit, Thresholds, Verdict, judge
 from memdiff.inputs import read_summaries
+from memdiff.model import Summary
+from memdiff.render import html as render_html
 from memdiff.render import json as render_json
 from memdiff.render import markdown as render_markdown
 from memdiff.render import text as render_text
@@ -28,6 +32,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="compare what is live at each run's peak (default), or at the peak of one phase in "
                         "both runs: like with like when the peaks fall in different phases")
     add_report_arguments(p)
+    add_html_argument(p)
     add_threshold_arguments(p)
     add_rules_arguments(p)
     add_github_arguments(p)
@@ -42,13 +47,24 @@ def render_report(result: Diff, verdict: Verdict, fmt: str, top: int, min_delta:
     return renderer.render_diff(result, verdict, folded)
 
 
+def write_html(path: str, result: Diff, verdict: Verdict, base: Summary, head: Summary, top: int, min_delta: int,
+               base_label: Optional[str] = None) -> None:
+    """The HTML report of one comparison, written atomically to `path`."""
+    folded = {d.device: fold(d, top, min_delta) for d in result.devices}
+    write_output(path, render_html.render_diff(result, verdict, folded, base, head, base_label))
+
+
 def run(args: argparse.Namespace) -> int:
     """Read both inputs, align, judge, print; exit 1 on a regression."""
     rules = rules_from(args)
-    base, head = read_summaries([args.base, args.head], rules)
+    if args.html:
+        check_output(args.html)
+    base, head = read_summaries([args.base, args.head], rules, history=bool(args.html))
     result = diff(base, head, at=args.at)
     verdict = judge(result, Thresholds(peak=Limit.from_options(args.fail_over, args.fail_over_pct)))
     sys.stdout.write(render_report(result, verdict, args.format, args.top, args.min_delta))
+    if args.html:
+        write_html(args.html, result, verdict, base, head, args.top, args.min_delta)
     publisher = publisher_from(args)
     if publisher:
         publisher.add(result, verdict, args.top, args.min_delta)

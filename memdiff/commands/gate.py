@@ -6,13 +6,14 @@ import argparse
 import json
 import os
 import sys
-from typing import List, Tuple
+from typing import Dict, List, Tuple
 
-from memdiff.baseline import baseline_path_for, comparable_pair, read_baseline
-from memdiff.commands.args import (add_category_threshold_argument, add_phase_threshold_argument, add_github_arguments, add_report_arguments,
-                                   add_rules_arguments, add_threshold_arguments, publisher_from, rules_from,
-                                   thresholds_from)
-from memdiff.commands.diff import render_report
+from memdiff.baseline import baseline_path_for, comparable_pair, read_baseline, stem
+from memdiff.atomic import check_output
+from memdiff.commands.args import (add_category_threshold_argument, add_github_arguments, add_html_argument,
+                                   add_phase_threshold_argument, add_report_arguments, add_rules_arguments,
+                                   add_threshold_arguments, publisher_from, rules_from, thresholds_from)
+from memdiff.commands.diff import render_report, write_html
 from memdiff.differ import diff
 from memdiff.errors import EXIT_OK, EXIT_REGRESSION, InputError
 from memdiff.judge import judge
@@ -32,6 +33,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     which.add_argument("--baselines", metavar="DIR", help="folder of baselines named after each run's stem")
     p.add_argument("--require-baseline", action="store_true", help="a run without a baseline fails the gate")
     add_report_arguments(p)
+    add_html_argument(p, several=True)
     add_threshold_arguments(p)
     add_category_threshold_argument(p)
     add_phase_threshold_argument(p)
@@ -61,20 +63,39 @@ def _pairs(args: argparse.Namespace) -> Tuple[List[Tuple[str, str]], List[Tuple[
     return pairs, missing
 
 
+def _html_paths(path: str, runs: List[str]) -> Dict[str, str]:
+    """Where each run's HTML report goes: `path` itself for one run, else a page per run in the
+    folder `path` (made when missing), named after the run."""
+    if len(runs) <= 1:
+        check_output(path)
+        return {run: path for run in runs}
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise InputError(path, "with several runs --html names a folder (one page per run), and this is a file")
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as exc:
+        raise InputError(path, f"cannot make the folder: {exc.strerror or exc}") from None
+    return {run: os.path.join(path, f"{stem(run)}.html") for run in runs}
+
+
 def run(args: argparse.Namespace) -> int:
     """Gate every run; exit 1 when any check fails (or a required baseline is missing)."""
     rules = rules_from(args)
     pairs, missing = _pairs(args)
+    html_paths = _html_paths(args.html, [snap for snap, _ in pairs]) if args.html else {}
     status = EXIT_OK
     documents = []
     publisher = publisher_from(args, expected=len(pairs))
     for snap, path in pairs:
         baseline = read_baseline(path)
-        base, head = comparable_pair(path, baseline, read_summary(snap, rules))
+        base, head = comparable_pair(path, baseline, read_summary(snap, rules, history=bool(html_paths)))
         result = diff(base, head)
         verdict = judge(result, thresholds_from(args, baseline.thresholds),
                         update_hint=f"memdiff baseline {snap} -o {path}")
         status = status or (EXIT_OK if verdict.passed else EXIT_REGRESSION)
+        if snap in html_paths:
+            write_html(html_paths[snap], result, verdict, base, head, args.top, args.min_delta,
+                       base_label=f"baseline {baseline.name}")
         if publisher:
             sha = baseline.source.get("git_sha")
             publisher.add(result, verdict, args.top, args.min_delta,

@@ -6,9 +6,11 @@ import argparse
 import sys
 from dataclasses import replace
 
-from memdiff.commands.args import add_rules_arguments, count_arg, rules_from
+from memdiff.atomic import check_output, write_output
+from memdiff.commands.args import add_html_argument, add_rules_arguments, count_arg, rules_from
 from memdiff.inputs import read_summary
 from memdiff.peak import peak_report
+from memdiff.render.html import render_peak as render_peak_html
 from memdiff.render.json import render_summary
 from memdiff.render.text import render_peak
 
@@ -25,13 +27,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--format", choices=("text", "json"), default="text",
                    help="text (default), or json: the summary of the devices shown (the contract of "
                         "`memdiff summarize`)")
+    add_html_argument(p)
     add_rules_arguments(p)
 
 
 def run(args: argparse.Namespace) -> int:
     """Load, normalize and print the peak report."""
-    summary = read_summary(args.snapshot, rules_from(args))
+    if args.html:
+        check_output(args.html)
+    summary = read_summary(args.snapshot, rules_from(args), history=bool(args.html))
     peaks = peak_report(args.snapshot, summary, args.top, args.device)
+    if args.html:
+        write_output(args.html, render_peak_html(summary, peaks))
     if args.format == "json":
         shown = {p.device.device for p in peaks}
         sys.stdout.write(render_summary(replace(summary, devices=[d for d in summary.devices if d.device in shown])))

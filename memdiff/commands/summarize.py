@@ -5,9 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from memdiff.atomic import write_text_atomic
+from memdiff.atomic import write_output
 from memdiff.commands.args import add_rules_arguments, rules_from
-from memdiff.errors import InputError
 from memdiff.inputs import read_summary
 from memdiff.peak import peak_report
 from memdiff.render.json import render_summary
@@ -34,10 +33,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         text = render_peak(summary, peak_report(args.snapshot, summary, top=None))
     if args.output:
-        try:
-            write_text_atomic(args.output, text)
-        except OSError as exc:
-            raise InputError(args.output, f"cannot write: {exc.strerror or exc}") from None
+        write_output(args.output, text)
     else:
         sys.stdout.write(text)
     return 0

@@ -39,7 +39,8 @@ def _count(r: DiffRow) -> str:
     return counts
 
 
-def _cells(r: DiffRow, status: Callable[[str], str]) -> List[str]:
+def row_cells(r: DiffRow, status: Callable[[str], str] = str) -> List[str]:
+    """A row's cells in HEADERS order; `status` labels the status column."""
     site = (r.label or r.site) + (" (matched by site)" if r.matched_by == BY_SITE else "")
     pct = "new" if r.status == NEW else pct_cell(r.base_bytes, r.head_bytes)
     return [status(r.status), _count(r), format_bytes(r.base_bytes), format_bytes(r.head_bytes),
@@ -49,10 +50,10 @@ def _cells(r: DiffRow, status: Callable[[str], str]) -> List[str]:
 def diff_table(folded: Folded, tablefmt: str, escape: Callable[[str], str] = str,
                status: Callable[[str], str] = str) -> str:
     """The rows, the folded rest and the TOTAL row as one table; `status` labels the status column."""
-    rows = [_cells(r, status) for r in folded.shown]
+    rows = [row_cells(r, status) for r in folded.shown]
     if folded.others is not None:
-        rows.append(_cells(folded.others, status))
-    rows.append(_cells(folded.total, status))
+        rows.append(row_cells(folded.others, status))
+    rows.append(row_cells(folded.total, status))
     rows = [[escape(c) for c in row] for row in rows]
     return tabulate(rows, headers=HEADERS, tablefmt=tablefmt,
                     colalign=("left", "right", "right", "right", "right", "right", "left"))
@@ -90,13 +91,21 @@ def kept_line(d: DeviceDiff, sites: int = 3) -> Optional[str]:
             f"{format_bytes(k.base_bytes)} -> {format_bytes(k.head_bytes)} ({named})")
 
 
-def phase_table(d: DeviceDiff, tablefmt: str) -> str:
-    """The highest memory of each phase over all steps, base and head: like compared with like."""
-    rows = [[p.phase, "" if p.base_peak_bytes is None else format_bytes(p.base_peak_bytes),
+PHASE_HEADERS = ["phase peak", "base", "head", "delta", "%"]
+CATEGORY_HEADERS = ["category", "base", "head", "delta", "%"]
+
+
+def phase_rows(d: DeviceDiff) -> List[List[str]]:
+    """The cells of the phase table: the highest memory of each phase over all steps, base and head."""
+    return [[p.phase, "" if p.base_peak_bytes is None else format_bytes(p.base_peak_bytes),
              "" if p.head_peak_bytes is None else format_bytes(p.head_peak_bytes),
              format_bytes(p.delta_bytes, signed=True), pct_cell(p.base_peak_bytes or 0, p.head_peak_bytes or 0)]
             for p in d.phases]
-    return tabulate(rows, headers=["phase peak", "base", "head", "delta", "%"], tablefmt=tablefmt,
+
+
+def phase_table(d: DeviceDiff, tablefmt: str) -> str:
+    """The highest memory of each phase over all steps, base and head: like compared with like."""
+    return tabulate(phase_rows(d), headers=PHASE_HEADERS, tablefmt=tablefmt,
                     colalign=("left", "right", "right", "right", "right"))
 
 
@@ -107,10 +116,14 @@ def check_line(c: Check) -> str:
             f"({pct_cell(c.base_bytes, c.head_bytes)}), limit: {c.limit}")
 
 
-def category_table(d: DeviceDiff, tablefmt: str) -> str:
-    """Per-category bytes at the peak, base and head."""
-    rows = [[c.category, format_bytes(c.base_bytes), format_bytes(c.head_bytes),
+def category_rows(d: DeviceDiff) -> List[List[str]]:
+    """The cells of the category table: bytes at the compared moment per category, base and head."""
+    return [[c.category, format_bytes(c.base_bytes), format_bytes(c.head_bytes),
              format_bytes(c.delta_bytes, signed=True), pct_cell(c.base_bytes, c.head_bytes)]
             for c in d.categories]
-    return tabulate(rows, headers=["category", "base", "head", "delta", "%"], tablefmt=tablefmt,
+
+
+def category_table(d: DeviceDiff, tablefmt: str) -> str:
+    """Per-category bytes at the peak, base and head."""
+    return tabulate(category_rows(d), headers=CATEGORY_HEADERS, tablefmt=tablefmt,
                     colalign=("left", "right", "right", "right", "right"))

@@ -1,0 +1,74 @@
+"""The HTML report as a file: self-contained, escaped, written where asked, and never fetching anything."""
+
+from __future__ import annotations
+
+import html
+import json
+import re
+
+from conftest import alloc, free, py_frames
+from memdiff.cli import main
+from test_lifetimes import training
+
+HOSTILE = '</script><img src=x onerror="alert(1)">'
+
+
+def _data(page: str) -> dict:
+    m = re.search(r'<script type="application/json" id="memdiff-data">(.*?)</script>', page, re.S)
+    return json.loads(m.group(1))
+
+
+def test_a_diff_report_is_one_self_contained_page(write_snapshot, tmp_path, capsys):
+    base = write_snapshot(training(steps=2), "base.pickle")
+    head = write_snapshot(training(steps=2, leak=True), "head.pickle")
+    report = tmp_path / "report.html"
+    assert main([base, head, "--html", str(report)]) == 0  # +292.97 KiB: under the default 64 MiB
+    text = capsys.readouterr().out
+    page = report.read_text()
+    assert "default-src 'none'" in page  # the browser refuses any fetch the page might try
+    assert not re.search(r"<link|\ssrc=|@import|https?://(?!www\.w3\.org/2000/svg)", page)
+    data = _data(page)
+    runs = data["devices"][0]["runs"]
+    assert [r["role"] for r in runs] == ["base", "head"]
+    assert [r["peak_bytes"] for r in runs][1] > runs[0]["peak_bytes"]
+    assert all(r["history"]["totals"] for r in runs)
+    # The page's tables are the text report's figures.
+    peak_line = next(line for line in text.splitlines() if line.startswith("device 0: peak"))
+    assert html.escape(peak_line.split(": ", 1)[1].split(";")[0]) in page
+    assert 'class="row' in page and data["devices"][0]["rows"]["r0"]["stacks"]
+
+
+def test_labels_from_a_snapshot_cannot_break_out_of_the_page(write_snapshot, tmp_path, capsys):
+    frames = py_frames(f"model.py:3:{HOSTILE}", "train.py:9:main")
+    snap = {"device_traces": [[alloc(0x100, 512, frames), alloc(0x200, 256, frames), free(0x200, 256, frames)]],
+            "segments": []}
+    path = write_snapshot(snap)
+    report = tmp_path / "peak.html"
+    assert main(["peak", path, "--html", str(report)]) == 0
+    capsys.readouterr()
+    page = report.read_text()
+    assert HOSTILE not in page
+    assert page.count("</script>") == 2  # the data's and the code's own
+    assert any(HOSTILE in line for g in _data(page)["devices"][0]["runs"][0]["groups"].values() for line in g["stack"])
+
+
+def test_gate_writes_one_page_per_run_into_a_folder(write_snapshot, tmp_path, capsys):
+    runs = [write_snapshot(training(steps=2), f"{name}.pickle") for name in ("a", "b")]
+    folder = tmp_path / "baselines"
+    folder.mkdir()
+    for run in runs:
+        assert main(["baseline", run, "-o", str(folder / (run.rsplit("/", 1)[1].split(".")[0] + ".json"))]) == 0
+    pages = tmp_path / "pages"
+    assert main(["gate", "--baselines", str(folder), *runs, "--html", str(pages)]) == 0
+    capsys.readouterr()
+    assert sorted(p.name for p in pages.iterdir()) == ["a.html", "b.html"]
+    data = _data((pages / "a.html").read_text())
+    base, head = data["devices"][0]["runs"]
+    assert base["history"] is None and head["history"]["totals"]  # a baseline stores no history
+
+
+def test_an_html_path_in_a_missing_folder_fails_before_any_work(write_snapshot, tmp_path, capsys):
+    path = write_snapshot(training(steps=2))
+    assert main([path, path, "--html", str(tmp_path / "no" / "r.html")]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "does not exist" in err
