@@ -104,3 +104,17 @@ def test_cost_grows_linearly(benchmark, grown):
     large = benchmark.pedantic(lambda: per_event(1_000_000), rounds=1, iterations=1)
     report(benchmark, us_per_event_20k=small * 1e6, us_per_event_1m=large * 1e6, ratio=large / small)
     assert large / small <= 1.5
+
+
+def test_html_report_of_two_runs_costs_at_most_a_quarter_more_than_the_diff(benchmark, grown, tmp_path):
+    a, b = grown(1_000_000), grown(1_000_000, copy="-head")
+    page = tmp_path / "report.html"
+    best = interleaved(benchmark, memdiff_code([a, b, "--top", "5"]),
+                       memdiff_code([a, b, "--top", "5", "--html", str(page)]))
+    (diff_s, diff_kib), (html_s, html_kib) = best["reference"], best["measured"]
+    size_mib = page.stat().st_size / 2**20
+    report_figures = dict(diff_s=diff_s, html_s=html_s, time_ratio=html_s / diff_s, report_mib=size_mib,
+                          diff_mib=diff_kib / 1024, html_mib=html_kib / 1024)
+    report(benchmark, **report_figures)
+    assert html_s / diff_s <= 1.25
+    assert size_mib < 2

@@ -36,9 +36,11 @@ def _rules(rules: Optional[Sequence[str]]) -> Sequence[Rule]:
     return load_rules(list(rules or ()))
 
 
-def summarize(path: Union[str, "os.PathLike[str]"], *, rules: Optional[Sequence[str]] = None) -> Summary:
-    """The classified Summary of a snapshot (or of a stored summary JSON)."""
-    return read_summary(os.fspath(path), _rules(rules))
+def summarize(path: Union[str, "os.PathLike[str]"], *, rules: Optional[Sequence[str]] = None,
+              history: bool = False) -> Summary:
+    """The classified Summary of a snapshot (or of a stored summary JSON); with `history`, each
+    device's memory over time too, which the HTML report draws (it reads every allocation)."""
+    return read_summary(os.fspath(path), _rules(rules), history)
 
 
 def _summary(run: Run, rules: Optional[Sequence[str]]) -> Summary:
@@ -107,14 +109,31 @@ def gate(run: Run, baseline: Union[str, "os.PathLike[str]", Baseline], *, rules:
     return gate_diff(run, baseline, rules=rules, **limits)[1]
 
 
-def gate_diff(run: Run, baseline: Union[str, "os.PathLike[str]", Baseline], *,
-              rules: Optional[Sequence[str]] = None, **limits: object) -> "tuple[Diff, Verdict]":
-    """`gate`, with the Diff the verdict was judged on (what a report shows)."""
+def _gated(run: Run, baseline: Union[str, "os.PathLike[str]", Baseline], rules: Optional[Sequence[str]],
+           limits: Dict[str, object]) -> "tuple[Baseline, Summary, Summary, Diff, Verdict]":
     stored = baseline if isinstance(baseline, Baseline) else load_baseline(baseline)
     where = "baseline" if isinstance(baseline, Baseline) else os.fspath(baseline)
     base, head = comparable_pair(where, stored, _summary(run, rules))
     result = _diff(base, head)
-    return result, judge(result, thresholds(base=stored.thresholds, **limits))  # type: ignore[arg-type]
+    return stored, base, head, result, judge(result, thresholds(base=stored.thresholds, **limits))  # type: ignore[arg-type]
+
+
+def gate_diff(run: Run, baseline: Union[str, "os.PathLike[str]", Baseline], *,
+              rules: Optional[Sequence[str]] = None, **limits: object) -> "tuple[Diff, Verdict]":
+    """`gate`, with the Diff the verdict was judged on (what a report shows)."""
+    return _gated(run, baseline, rules, limits)[3:]  # type: ignore[return-value]
+
+
+def html_report(run: Run, baseline: Union[str, "os.PathLike[str]", Baseline], *,
+                rules: Optional[Sequence[str]] = None, top: int = 20, **limits: object) -> str:
+    """The self-contained HTML page of `gate_diff` (what `memdiff gate --html` writes); summarize
+    the run with `history=True` for its timeline to be drawn."""
+    from memdiff.differ import fold
+    from memdiff.render.html import render_diff
+
+    stored, base, head, result, verdict = _gated(run, baseline, rules, limits)
+    return render_diff(result, verdict, {d.device: fold(d, top) for d in result.devices}, base, head,
+                       base_label=f"baseline {stored.name}")
 
 
 def record(path: Union[str, "os.PathLike[str]"], **options: object):  # type: ignore[no-untyped-def]

@@ -202,7 +202,7 @@ class _Kinds:
     def __init__(self, path: str, stacks: StackNormalizer) -> None:
         self.path, self.stacks = path, stacks
         self.kinds: List[Tuple[Stack, int]] = []
-        self._by_list: Dict[Tuple[int, bool], int] = {}
+        self.by_list: Dict[Tuple[int, bool], int] = {}  # (id of a frames list, freed) -> stack code
         self._by_frames: Dict[Tuple[Any, ...], int] = {}
         self._numbered: Dict[Tuple[str, int], int] = {}
         self._stack_list: List[Stack] = []
@@ -210,7 +210,7 @@ class _Kinds:
     def stack_code(self, frames: Any, freed: bool, before_trace: bool) -> int:
         """A number for the stack of `frames` (equal stacks, equal numbers)."""
         key = (id(frames), freed)
-        code = self._by_list.get(key)
+        code = self.by_list.get(key)
         if code is None:
             by_ids = (freed, before_trace, *map(id, frames)) if isinstance(frames, list) and frames \
                 else (freed, before_trace, id(frames) if frames else None)
@@ -222,7 +222,7 @@ class _Kinds:
                     raise InputError(self.path, str(exc)) from None
                 code = self._by_frames[by_ids] = len(self._stack_list)
                 self._stack_list.append(stack)
-            self._by_list[key] = code
+            self.by_list[key] = code
         return code
 
     def numbered(self, stack_codes: np.ndarray, lifetime_codes: np.ndarray) -> np.ndarray:
@@ -255,11 +255,18 @@ def _allocations(path: str, walk: _Walk, trace: List[Dict[str, Any]], dump_only:
             freed_by[k] = free
     for k in np.flatnonzero(np.isin(closed, np.fromiter(walk.continued_by, np.int64, len(walk.continued_by)))).tolist():
         ends[k] = walk.end(int(closed[k]))
-    stack_code = kinds.stack_code
+    stack_code, known = kinds.stack_code, kinds.by_list
+    # The hot loop of the history: one dict lookup per allocation whose stack list was seen.
+    first_codes = []
+    add = first_codes.append
     for k, first in enumerate(born.tolist()):
-        free = freed_by.get(k) if first < 0 else None
-        codes[k] = (stack_code(trace[free].get("frames"), True, True) if free is not None
-                    else stack_code(trace[first].get("frames"), False, False))
+        if first < 0:
+            add(stack_code(trace[freed_by[k]].get("frames"), True, True))
+            continue
+        frames = trace[first].get("frames")
+        code = known.get((id(frames), False))
+        add(stack_code(frames, False, False) if code is None else code)
+    codes[: len(opened)] = first_codes
     m = len(opened)
     for k, i in enumerate(unmatched.tolist()):
         codes[m + k] = stack_code(trace[i].get("frames"), True, True)

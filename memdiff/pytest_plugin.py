@@ -18,7 +18,7 @@ import re
 import shutil
 import tempfile
 from contextlib import contextmanager
-from typing import Any, Dict, Iterator, List, Optional
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import pytest
 
@@ -37,6 +37,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     help="write or refresh the baselines of the marked tests instead of gating them")
     group.addoption("--memdiff-report", metavar="DIR",
                     help="write the markdown report of each marked test that fails its gate into DIR")
+    group.addoption("--memdiff-html", metavar="DIR",
+                    help="write the HTML report (memory over time, the tables, the stacks) of each marked test "
+                         "that fails its gate into DIR")
     parser.addini("memdiff_baselines", "folder of the baselines of @pytest.mark.memdiff tests", default="baselines")
 
 
@@ -93,7 +96,7 @@ def _judge(item: pytest.Item, options: Dict[str, Any], snapshot: str) -> None:
 
     config = item.config
     try:
-        summary = api.summarize(snapshot)
+        summary = api.summarize(snapshot, history=bool(config.getoption("memdiff_html")))
         if options.get("limit") is not None:
             _ceiling(summary, options["limit"])
             return
@@ -111,9 +114,10 @@ def _judge(item: pytest.Item, options: Dict[str, Any], snapshot: str) -> None:
         pytest.fail(f"memdiff: {exc.path}: {exc.message}", pytrace=False)
     if not verdict.passed:
         report = _report(result, verdict, verbose=config.getoption("verbose") > 0)
-        folder = config.getoption("memdiff_report")
-        if folder:
-            _write_report(folder, item.nodeid, result, verdict)
+        for option, page in (("memdiff_report", lambda: (".md", _markdown(result, verdict))),
+                             ("memdiff_html", lambda: (".html", api.html_report(summary, path, **limits)))):
+            if config.getoption(option):
+                _write_report(config.getoption(option), item.nodeid, page())
         pytest.fail(f"memdiff: device memory regressed against {os.path.relpath(path)}\n\n{report}", pytrace=False)
 
 
@@ -141,15 +145,20 @@ def _report(result: Any, verdict: Any, verbose: bool) -> str:
     return text + ("\n" + render_stacks(folded) if verbose else "")
 
 
-def _write_report(folder: str, nodeid: str, result: Any, verdict: Any) -> None:
-    from memdiff.atomic import write_text_atomic
+def _markdown(result: Any, verdict: Any) -> str:
     from memdiff.differ import fold
     from memdiff.render.markdown import render_diff
 
+    return render_diff(result, verdict, {d.device: fold(d, top=20) for d in result.devices})
+
+
+def _write_report(folder: str, nodeid: str, page: Tuple[str, str]) -> None:
+    """Write a failing test's report, named after its baseline, into `folder`."""
+    from memdiff.atomic import write_text_atomic
+
+    suffix, text = page
     os.makedirs(folder, exist_ok=True)
-    folded = {d.device: fold(d, top=20) for d in result.devices}
-    name = baseline_name(nodeid)[: -len(".json")] + ".md"
-    write_text_atomic(os.path.join(folder, name), render_diff(result, verdict, folded))
+    write_text_atomic(os.path.join(folder, baseline_name(nodeid)[: -len(".json")] + suffix), text)
 
 
 class Recorded:

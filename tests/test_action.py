@@ -31,7 +31,7 @@ def action(tmp_path):
         env = {**os.environ, "PATH": f"{shim.parent}{os.pathsep}{os.environ['PATH']}", "GITHUB_OUTPUT": str(outputs),
                "RUNNER_TEMP": str(tmp_path), "GITHUB_STEP_SUMMARY": str(tmp_path / "summary.md"),
                "HEAD": "", "BASE": "", "BASELINE": "", "FAIL_OVER": "", "FAIL_OVER_PCT": "", "CATEGORY_FAIL_OVER": "",
-               "PHASE_FAIL_OVER": "", "REQUIRE_BASELINE": "true", "MIN_DELTA": "", "RULES": "", "TOP": "5",
+               "PHASE_FAIL_OVER": "", "REQUIRE_BASELINE": "true", "MIN_DELTA": "", "RULES": "", "TOP": "5", "HTML": "false",
                **{k.upper(): v for k, v in inputs.items()}}
         done = subprocess.run(["bash", "-c", compare_script()], cwd=cwd, env=env, capture_output=True, text=True)
         assert done.returncode == 0, done.stderr
@@ -70,3 +70,16 @@ def test_category_and_phase_limits_reach_the_gate(action, shared, tmp_path):
     assert "PASS  device 0 peak" in log
     assert "FAIL  device 0 forward peak" in log and "FAIL  device 0 activation" in log
     assert "PASS  device 0 gradient" in log
+
+
+def test_the_html_report_is_written_where_the_upload_step_looks(action, shared, tmp_path):
+    base, head = shared / "cs336-medium-ctx128-train.pickle", shared / "cs336-medium-ctx256-train.pickle"
+    outputs, _ = action(tmp_path, head=str(head), base=str(base), html="true")
+    assert outputs["exit-code"] == "1"
+    assert outputs["html"] == str(tmp_path / "memdiff-html")
+    assert (tmp_path / "memdiff-html" / "report.html").read_text().startswith("<!DOCTYPE html>")
+    steps = yaml.safe_load((ROOT / "action.yml").read_text())["runs"]["steps"]
+    upload = next(s for s in steps if s.get("id") == "upload")
+    assert upload["uses"].startswith("actions/upload-artifact@") and "steps.compare.outputs.html" in upload["with"]["path"]
+    outputs, _ = action(tmp_path, head=str(head), base=str(base), html="false")
+    assert "html" not in outputs

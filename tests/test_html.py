@@ -72,3 +72,12 @@ def test_an_html_path_in_a_missing_folder_fails_before_any_work(write_snapshot, 
     assert main([path, path, "--html", str(tmp_path / "no" / "r.html")]) == 2
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and "does not exist" in err
+
+
+def test_the_demo_leaves_a_report_beside_its_snapshots(torch, tmp_path, capsys):
+    assert main(["demo", "--dir", str(tmp_path), "--device", "cpu"]) == 0  # checkpointing lowers the peak
+    err = capsys.readouterr().err
+    assert f"open {tmp_path / 'report.html'}" in err
+    runs = _data((tmp_path / "report.html").read_text())["devices"][0]["runs"]
+    assert all(r["history"]["totals"] and max(r["history"]["totals"]) == r["peak_bytes"] for r in runs)
+    assert runs[1]["peak_bytes"] < runs[0]["peak_bytes"]

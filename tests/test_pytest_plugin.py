@@ -74,13 +74,15 @@ def test_a_missing_baseline_fails_with_the_command_that_makes_it(suite):
                                  "*pytest 'test_model.py::test_step' --memdiff-update*"])
 
 
-def test_verbose_adds_the_stacks_and_a_report_folder_gets_the_markdown(suite):
+def test_verbose_adds_the_stacks_and_report_folders_get_the_markdown_and_html(suite):
     run(suite, "--memdiff-update").assert_outcomes(passed=1)
-    result = run(suite, "-v", "--memdiff-report", "reports", floats=4 * 65536)
+    result = run(suite, "-v", "--memdiff-report", "reports", "--memdiff-html", "pages", floats=4 * 65536)
     result.assert_outcomes(failed=1)
     assert "test_model.py:" in result.stdout.str() and "work" in result.stdout.str()  # a frame of the stack
     report = (suite.path / "reports" / "test_model.py-test_step.md").read_text()
     assert report.startswith("### ❌ memdiff: regression")
+    page = (suite.path / "pages" / "test_model.py-test_step.html").read_text()
+    assert 'class="verdict fail"' in page and '"history":{"events"' in page  # the run's timeline is drawn
 
 
 def test_a_ceiling_needs_no_baseline(pytester, torch):

@@ -10,7 +10,7 @@ import time
 
 from memdiff.capture import record
 from memdiff.classify import load_rules
-from memdiff.commands.diff import render_report
+from memdiff.commands.diff import render_report, write_html
 from memdiff.differ import diff
 from memdiff.errors import InputError
 from memdiff.judge import DEFAULT_PEAK, Thresholds, judge
@@ -52,9 +52,12 @@ def run(args: argparse.Namespace) -> int:
         print(f" {time.perf_counter() - start:.1f} s -> {path}", file=sys.stderr, flush=True)
         paths.append(path)
     rules = load_rules()
-    result = diff(*(read_summary(p, rules) for p in paths))
+    base, head = (read_summary(p, rules, history=True) for p in paths)
+    result = diff(base, head)
     verdict = judge(result, Thresholds(DEFAULT_PEAK))
     sys.stdout.write(render_report(result, verdict, "text", top=10, min_delta=0))
-    print(f"\nmemdiff demo: try `memdiff peak {paths[0]}`, or open the snapshots at pytorch.org/memory_viz",
+    page = os.path.join(folder, "report.html")
+    write_html(page, result, verdict, base, head, top=10, min_delta=0)
+    print(f"\nmemdiff demo: open {page} for both runs over time, or try `memdiff peak {paths[0]}`",
           file=sys.stderr)
     return 0 if verdict.passed else 1
