@@ -11,15 +11,15 @@ classified again with other rules.
 from __future__ import annotations
 
 import json
-import re
 import sys
 from dataclasses import dataclass, replace
 from importlib import resources
-from typing import Any, Dict, List, Optional, Pattern, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from memdiff.errors import InputError
 from memdiff.frames import FREED_PREFIX
 from memdiff.model import DeviceSummary, Frame, Group, Summary, largest_first
+from memdiff.patterns import Pattern
 from memdiff.schema import validate
 
 OTHER = "other"
@@ -31,9 +31,9 @@ USER_PRIORITY = 10_000  # user rules without a priority rank above every built-i
 class FrameTest:
     """Regular expressions one frame must satisfy (each given one is searched)."""
 
-    name: Optional[Pattern[str]] = None
-    file: Optional[Pattern[str]] = None
-    any: Optional[Pattern[str]] = None
+    name: Optional[Pattern] = None
+    file: Optional[Pattern] = None
+    any: Optional[Pattern] = None
 
     def matches(self, f: Frame) -> bool:
         """Whether frame `f` passes every given expression."""
@@ -50,10 +50,10 @@ class Rule:
     priority: int
     frames: Tuple[FrameTest, ...]
     without: Tuple[FrameTest, ...]
-    site: Optional[Pattern[str]]
+    site: Optional[Pattern]
     freed: bool
     origin: str
-    lifetime: Tuple[Tuple[str, Pattern[str]], ...] = ()
+    lifetime: Tuple[Tuple[str, Pattern], ...] = ()
 
     def matches(self, g: Group) -> bool:
         """Whether the rule applies to group `g`."""
@@ -69,15 +69,8 @@ class Rule:
         return not any(t.matches(f) for t in self.without for f in g.frames)
 
 
-def _compile(text: str, origin: str) -> Pattern[str]:
-    try:
-        return re.compile(text)
-    except re.error as exc:
-        raise ValueError(f"{origin}: invalid regex {text!r}: {exc}") from None
-
-
 def _test(data: Dict[str, str], origin: str) -> FrameTest:
-    return FrameTest(**{k: _compile(v, origin) for k, v in data.items()})
+    return FrameTest(**{k: Pattern(v, origin) for k, v in data.items()})
 
 
 def parse_rules(path: str, data: Any, default_priority: int, check: bool = True) -> List[Rule]:
@@ -89,17 +82,18 @@ def parse_rules(path: str, data: Any, default_priority: int, check: bool = True)
         validate(path, data, "rules")
     rules = []
     for i, r in enumerate(data["rules"], 1):
-        origin = f"rule {i} ({r['category']})"
+        rule = f"rule {i} ({r['category']})"
+        origin = f"{path}: {rule}"
         try:
             rules.append(Rule(
                 category=r["category"], priority=r.get("priority", default_priority),
                 frames=tuple(_test(t, origin) for t in r.get("frames", [])),
                 without=tuple(_test(t, origin) for t in r.get("without", [])),
-                site=_compile(r["site"], origin) if "site" in r else None,
-                freed=r.get("freed", False), origin=f"{path}: {origin}",
-                lifetime=tuple((fact, _compile(v, origin)) for fact, v in r.get("lifetime", {}).items())))
+                site=Pattern(r["site"], origin) if "site" in r else None,
+                freed=r.get("freed", False), origin=origin,
+                lifetime=tuple((fact, Pattern(v, origin)) for fact, v in r.get("lifetime", {}).items())))
         except ValueError as exc:
-            raise InputError(path, str(exc)) from None
+            raise InputError(path, f"{rule}: {exc}") from None
     return rules
 
 

@@ -20,6 +20,10 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 from memdiff.model import Frame
 
+# Python's recursion limit is 1,000 frames and C++ adds a few dozen per Python call; a stack far
+# deeper than this is pickle memo references repeating one frame.
+MAX_STACK_FRAMES = 20_000
+
 # Frames PyTorch's own viewers drop (torch/cuda/_memory_viz.py), then interpreter and libc
 # frames whose names change with the Python build.
 NOISE_NAME_PARTS = (
@@ -226,6 +230,9 @@ class StackNormalizer:
             return Stack(signature_of([label]), label, ())
         if not isinstance(raw_frames, list):
             raise ValueError(f"'frames' is a {type(raw_frames).__name__}, not a list")
+        if len(raw_frames) > MAX_STACK_FRAMES:
+            raise ValueError(f"a stack of {len(raw_frames):,} frames, deeper than any program's "
+                             f"(at most {MAX_STACK_FRAMES:,} are read): not a real snapshot")
         key = (id(raw_frames), freed)
         hit = self._cache.get(key)
         if hit is not None:

@@ -29,9 +29,9 @@ def read_summary(path: str, rules: Sequence[Rule], history: bool = False) -> Sum
     A stored summary is classified again, so `--rules` applies to it as to a snapshot.
     """
     with paused_gc():
-        raw, source = decode(path)
+        raw, source, decoded = decode(path)
         if not _is_summary(raw):
-            summary = summarize(to_snapshot(path, raw, source), rules if history else None)
+            summary = summarize(to_snapshot(path, raw, source, decoded), rules if history else None)
             del raw  # freed by reference counting before the collector resumes
             return classify(summary, rules)
     version = raw["schema_version"]

@@ -7,13 +7,13 @@ both must be exceeded for the check to fail.
 
 from __future__ import annotations
 
-import re
 from dataclasses import asdict, dataclass, field, replace
 from fractions import Fraction
-from typing import Any, Dict, List, Optional, Pattern
+from typing import Any, Dict, List, Optional
 
 from memdiff.differ import GREW, NEW, PEAK, Diff, label_rows
 from memdiff.errors import InputError
+from memdiff.patterns import Pattern
 from memdiff.units import format_bytes, parse_size
 
 DEFAULT_FAIL_OVER_BYTES = 64 * 2**20
@@ -112,7 +112,7 @@ def parse_limit(text: str) -> Limit:
 class SiteLimit:
     """A limit on the groups whose site label matches `pattern`."""
 
-    pattern: Pattern[str]
+    pattern: Pattern
     limit: Limit
 
 
@@ -165,9 +165,9 @@ def thresholds_from_dict(path: str, data: Dict[str, Any]) -> Thresholds:
     sites = []
     for i, s in enumerate(data.get("sites", [])):
         try:
-            pattern = re.compile(s["site"])
-        except re.error as exc:
-            raise InputError(path, f"thresholds.sites.{i}.site: invalid regex {s['site']!r}: {exc}") from None
+            pattern = Pattern(s["site"], f"{path}: thresholds.sites.{i}.site")
+        except ValueError as exc:
+            raise InputError(path, f"thresholds.sites.{i}.site: {exc}") from None
         sites.append(SiteLimit(pattern, _limit_from(path, f"thresholds.sites.{i}", s)))
     return Thresholds(peak, categories, sites, phases)
 

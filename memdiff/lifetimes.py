@@ -29,6 +29,7 @@ from typing import Any, Container, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from memdiff.frames import MAX_STACK_FRAMES
 from memdiff.model import PhaseSpan, Step
 
 FORWARD, BACKWARD, OPTIMIZER, OTHER = "forward", "backward", "optimizer", "other"
@@ -96,7 +97,7 @@ class _Hints:
         if key in self._lists:
             return self._lists[key]
         best: Optional[str] = None
-        for raw in frames:
+        for raw in frames[:MAX_STACK_FRAMES]:  # a longer stack is refused when it is grouped
             if not isinstance(raw, dict):
                 continue
             name, filename = raw.get("name"), raw.get("filename")

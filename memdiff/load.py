@@ -40,6 +40,44 @@ _OTHER_CONTAINERS = (
 )
 _CHUNK = 1 << 20
 MAX_DEVICES = 1 << 16  # device indices beyond this are not a machine's GPUs
+# What a file can honestly hold. Real snapshots compress at most about 70x (xz; gzip about 35x),
+# so a stream that decompresses to more than MAX_RATIO times its size (and past a floor that
+# small files never reach) is a bomb; no value in a snapshot is anywhere near MAX_READ bytes;
+# and a trace entry takes at least MIN_EVENT_BYTES of the decoded stream unless pickle memo
+# references repeat one entry over and over, which no real snapshot does.
+MAX_RATIO = 200
+MIN_DECOMPRESSED_CAP = 32 << 20
+MAX_READ = 256 << 20
+MIN_EVENT_BYTES = 8
+
+
+class _Bounded(io.RawIOBase):
+    """A read-only stream that stops a decoder from reading past `cap` bytes in all, or more than
+    MAX_READ in one request, with an InputError saying why: decompression bombs and pickles
+    declaring absurd lengths end in seconds, within bounded memory."""
+
+    def __init__(self, path: str, inner: Any, cap: int, why: str) -> None:
+        super().__init__()
+        self.path, self.inner, self.cap, self.why = path, inner, cap, why
+        self.count = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        want = len(buffer)
+        if want > MAX_READ:
+            raise InputError(self.path, f"not a memory snapshot: it declares a value of {want:,} bytes")
+        data = self.inner.read(min(want, self.cap + 1 - self.count))
+        self.count += len(data)
+        if self.count > self.cap:
+            raise InputError(self.path, self.why)
+        buffer[: len(data)] = data
+        return len(data)
+
+    def close(self) -> None:
+        self.inner.close()
+        super().close()
 
 
 @dataclass
@@ -115,15 +153,21 @@ def _sha256(path: str) -> str:
     return h.hexdigest()
 
 
-def _open_stream(path: str) -> Tuple[io.BufferedReader, Optional[str]]:
-    """A buffered stream of the file's content, decompressed when its magic number says so."""
+def _open_stream(path: str, size: int) -> Tuple[io.BufferedReader, _Bounded, Optional[str]]:
+    """A buffered stream of the file's content, decompressed when its magic number says so, and
+    the bounded stream under it (which counts the bytes decoded)."""
     raw = open(path, "rb")
     head = raw.peek(8)[:8]
     for magic, codec, opener in _COMPRESSIONS:
         if head.startswith(magic):
             raw.close()
-            return io.BufferedReader(opener(path, "rb"), _CHUNK), codec
-    return raw, None
+            cap = max(MIN_DECOMPRESSED_CAP, MAX_RATIO * size)
+            why = (f"not a memory snapshot: its {codec} data decompresses to more than {cap:,} bytes, "
+                   f"over {MAX_RATIO}x the file (real snapshots compress about 10-70x): a decompression bomb?")
+            bounded = _Bounded(path, opener(path, "rb"), cap, why)
+            return io.BufferedReader(bounded, _CHUNK), bounded, codec
+    bounded = _Bounded(path, raw, size, "the file grew while it was read")
+    return io.BufferedReader(bounded, _CHUNK), bounded, None
 
 
 def _is_codec_error(exc: BaseException, codec: Optional[str]) -> bool:
@@ -159,10 +203,11 @@ def _parse(path: str, stream: io.BufferedReader, codec: Optional[str]) -> Tuple[
                            "gzip, bz2 nor xz")
 
 
-def _read_document(path: str) -> Tuple[Any, str]:
-    """The decoded document and its container (`pickle protocol 4`, `gzip+json`, ...)."""
+def _read_document(path: str, size: int) -> Tuple[Any, str, int]:
+    """The decoded document, its container (`pickle protocol 4`, `gzip+json`, ...) and the number
+    of bytes decoded (after decompression)."""
     try:
-        stream, codec = _open_stream(path)
+        stream, bounded, codec = _open_stream(path, size)
     except OSError as exc:
         raise InputError(path, f"cannot read: {exc.strerror or exc}") from None
     try:
@@ -172,14 +217,18 @@ def _read_document(path: str) -> Tuple[Any, str]:
         raise InputError(path, f"refused: the file asks to import {exc}; memory snapshots never contain code") from None
     except InputError:
         raise
+    except MemoryError:
+        # The C unpickler allocates a declared length before it reads: 3 GB from a 3 KB file.
+        raise InputError(path, "not a memory snapshot: decoding it needs more memory than there is "
+                               "(it declares values far larger than the file)") from None
     except Exception as exc:  # noqa: BLE001 - anything a corrupt stream makes the decoders raise
         if _is_codec_error(exc, codec):
             raise InputError(path, f"corrupt or truncated {codec} data ({exc})") from None
         if isinstance(exc, (EOFError, pickle.UnpicklingError, ValueError, TypeError, IndexError, KeyError,
-                            AttributeError, MemoryError, OSError)):
+                            AttributeError, OSError, OverflowError)):
             raise InputError(path, f"truncated or corrupt pickle ({type(exc).__name__}: {exc})") from None
         raise
-    return obj, f"{codec}+{container}" if codec else container
+    return obj, f"{codec}+{container}" if codec else container, bounded.count
 
 
 def _expect(path: str, where: str, value: Any, kind: type, what: str) -> None:
@@ -229,8 +278,10 @@ def _generation(raw: Any, segments: List[Dict[str, Any]], traces: List[List[Dict
     return "trace-timed" if any(isinstance(e, dict) and "time_us" in e for e in sample) else "trace-untimed"
 
 
-def to_snapshot(path: str, raw: Any, source: Source) -> Snapshot:
-    """Check that `raw` has a snapshot's shape and wrap it; InputError naming the problem if not."""
+def to_snapshot(path: str, raw: Any, source: Source, decoded_bytes: Optional[int] = None) -> Snapshot:
+    """Check that `raw` has a snapshot's shape and wrap it; InputError naming the problem if not.
+    `decoded_bytes`, the size of the stream it was decoded from, bounds the trace entries it can
+    honestly hold."""
     if isinstance(raw, list):
         segments: Any = raw
         traces: Any = []
@@ -256,6 +307,10 @@ def to_snapshot(path: str, raw: Any, source: Source) -> Snapshot:
     _expect(path, "device_traces", traces, list, "a list")
     for i, trace in enumerate(traces):
         _expect(path, f"device_traces[{i}]", trace, list, "a list")
+    events = sum(len(t) for t in traces)
+    if decoded_bytes is not None and events > max(1, decoded_bytes) / MIN_EVENT_BYTES:
+        raise InputError(path, f"not a memory snapshot: {events:,} trace entries in {decoded_bytes:,} bytes "
+                               f"(pickle references repeating entries; real entries take dozens of bytes each)")
     _expect(path, "external_annotations", annotations, list, "a list")
     entry_keys = sorted({str(k) for t in traces for e in t[:1000] if isinstance(e, dict) for k in e})
     source.keys = keys + [f"trace.{k}" for k in entry_keys]
@@ -264,8 +319,9 @@ def to_snapshot(path: str, raw: Any, source: Source) -> Snapshot:
                     external_annotations=annotations)
 
 
-def decode(path: str) -> Tuple[Any, Source]:
-    """Read, decompress and decode a file: (the document, its Source with generation still unset).
+def decode(path: str) -> Tuple[Any, Source, int]:
+    """Read, decompress and decode a file: (the document, its Source with generation still unset,
+    the number of bytes decoded).
 
     The file is streamed into the decoder, never held whole in memory beside what it decodes to.
     """
@@ -274,14 +330,13 @@ def decode(path: str) -> Tuple[Any, Source]:
     # decodes, so it costs no wall time.
     with ThreadPoolExecutor(max_workers=1) as pool:
         digest = pool.submit(_sha256, path)
-        raw, container = _read_document(path)
+        raw, container, decoded = _read_document(path, size)
         digest = digest.result()
     source = Source(file=os.path.basename(path), sha256=digest, size_bytes=size, container=container,
                     generation="", keys=[])
-    return raw, source
+    return raw, source, decoded
 
 
 def load(path: str) -> Snapshot:
     """Read, decompress, decode and validate one snapshot file."""
-    raw, source = decode(path)
-    return to_snapshot(path, raw, source)
+    return to_snapshot(path, *decode(path))

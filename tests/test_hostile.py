@@ -1,0 +1,135 @@
+"""Files built to make memdiff hang or blow up: each ends in one line, exit 2, in seconds.
+
+Each runs in a child process under a wall-clock and address-space budget, as a user's shell
+would run it, so a regression shows as a timeout or a MemoryError instead of a hung suite.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import lzma
+import pickle
+import resource
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from memdiff.cli import main
+
+WALL_S = 20
+MEMORY = 2 << 30  # address space for the child: 2 GiB
+
+
+def _limit_memory() -> None:
+    resource.setrlimit(resource.RLIMIT_AS, (MEMORY, MEMORY))
+
+
+def memdiff(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "memdiff", *args], capture_output=True, text=True, timeout=WALL_S,
+                          preexec_fn=_limit_memory)
+
+
+def refused(path: Path, *says: str) -> None:
+    """Exit 2 with one line holding one of `says`."""
+    done = memdiff("peak", str(path))
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.count("\n") == 1 and any(s in done.stderr for s in says), done.stderr
+
+
+EVENT = {"action": "alloc", "addr": 1, "size": 512, "frames": []}
+
+
+def test_one_trace_referenced_by_a_hundred_devices(tmp_path):
+    trace = [dict(EVENT, addr=i) for i in range(100_000)]
+    path = tmp_path / "devices.pickle"
+    path.write_bytes(pickle.dumps({"device_traces": [trace] * 100, "segments": []}, protocol=4))
+    refused(path, "10,000,000 trace entries in")
+
+
+def test_a_stack_of_a_million_references_to_one_frame(tmp_path):
+    frame = {"filename": "model.py", "line": 1, "name": "forward"}
+    path = tmp_path / "frames.pickle"
+    path.write_bytes(pickle.dumps({"device_traces": [[dict(EVENT, frames=[frame] * 1_000_000)]], "segments": []},
+                                  protocol=4))
+    refused(path, "a stack of 1,000,000 frames")
+
+
+def test_a_hundred_million_memo_references_in_a_small_gzip(tmp_path):
+    # {"segments": [], "device_traces": [[e, e, e, ...]]}: one event, memoized, then BINGET after BINGET.
+    event = pickle.dumps(EVENT, protocol=2)[2:-1]
+    head = (b"\x80\x02}X\x08\x00\x00\x00segments]sX\r\x00\x00\x00device_traces]](" + event + b"q\xff")
+    chunk = b"h\xff" * 1000 + b"e("
+    path = tmp_path / "memo.pickle.gz"
+    with gzip.open(path, "wb") as f:
+        f.write(head)
+        for _ in range(100_000):
+            f.write(chunk)
+        f.write(b"ees.")
+    refused(path, "a decompression bomb?")
+
+
+def test_a_gzip_declaring_gigabytes_of_bytes(tmp_path):
+    path = tmp_path / "binbytes8.pickle.gz"
+    with gzip.open(path, "wb") as f:
+        f.write(b"\x80\x04\x8e" + (3 << 30).to_bytes(8, "little") + b"\0" * (1 << 20))
+    # Refused before it is read, or when the unpickler cannot even allocate what it declares.
+    refused(path, "it declares a value of 3,221,225,472 bytes", "declares values far larger than the file")
+
+
+def test_binunicode8_declaring_the_largest_length(tmp_path):
+    path = tmp_path / "binunicode8.pickle"
+    path.write_bytes(b"\x80\x04\x8d" + (2**64 - 1).to_bytes(8, "little") + b"abc")
+    refused(path, "truncated or corrupt pickle")
+
+
+def test_gigabytes_of_json_whitespace_in_a_small_xz(tmp_path):
+    path = tmp_path / "spaces.json.xz"
+    with lzma.open(path, "wb", preset=1) as f:
+        f.write(b"{")
+        for _ in range(128):
+            f.write(b" " * (1 << 22))  # 512 MiB of spaces in all
+        f.write(b"}")
+    refused(path, "a decompression bomb?")
+
+
+def test_a_real_snapshot_compressed_hard_is_no_bomb(shared, tmp_path, capsys):
+    # xz compresses the real BERT snapshot 67x, the most of the real ones: far under the limit.
+    path = tmp_path / "bert.pickle.xz"
+    path.write_bytes(lzma.compress((shared / "bert-4gpu.pickle").read_bytes(), preset=9))
+    assert main(["peak", str(path)]) == 0
+
+
+def test_a_catastrophic_site_regex_in_a_baseline_ends_in_a_second(write_snapshot, tmp_path):
+    frames = [{"filename": "model.py", "line": 1, "name": "a" * 300}]
+    run = write_snapshot({"device_traces": [[dict(EVENT, frames=frames)]], "segments": []})
+    baseline = tmp_path / "b.json"
+    assert memdiff("baseline", run, "-o", str(baseline)).returncode == 0
+    doc = json.loads(baseline.read_text())
+    doc["thresholds"]["sites"] = [{"site": "(.*a){60}b", "fail-over": "1MiB"}]
+    baseline.write_text(json.dumps(doc))
+    done = memdiff("gate", "--baseline", str(baseline), run)
+    assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
+    assert "took more than 1 s" in done.stderr and "thresholds.sites.0.site" in done.stderr
+
+
+def test_patterns_that_hang_pythons_re_are_quick_in_rules(write_snapshot, tmp_path, capsys):
+    frames = [{"filename": "model.py", "line": 1, "name": "a" * 40}]
+    run = write_snapshot({"device_traces": [[dict(EVENT, frames=frames)]], "segments": []})
+    rules = tmp_path / "rules.json"
+    rules.write_text(json.dumps({"rules": [{"category": "slow", "frames": [{"name": "(a|a)*c"}]},
+                                           {"category": "kv", "frames": [{"name": "^a+$"}]}]}))
+    assert main(["peak", run, "--rules", str(rules)]) == 0
+    assert "kv" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("name", ["(1): a" * 10_000, "a" * 60_000])
+def test_long_profiler_frame_names_parse_in_linear_time(tmp_path, name):
+    path = tmp_path / "long.pickle"
+    frames = [{"filename": "none", "line": 0, "name": name}, {"filename": "/site-packages" * 10_000, "line": 1,
+                                                              "name": "f"}]
+    path.write_bytes(pickle.dumps({"device_traces": [[dict(EVENT, frames=frames)]], "segments": []}, protocol=4))
+    done = memdiff("peak", str(path))
+    assert done.returncode == 0, done.stderr
