@@ -211,6 +211,9 @@ def signature_of(parts: Iterable[str]) -> str:
     return h.hexdigest()
 
 
+_UNSEEN = object()
+
+
 class StackNormalizer:
     """Normalizes raw frames lists, once per distinct list object.
 
@@ -257,11 +260,11 @@ class StackNormalizer:
         # allocator frames), so each distinct frame is classified once.
         try:
             key = (raw["name"], raw["filename"], raw["line"])
-            return self._frames[key]
-        except KeyError:
-            pass
-        except (TypeError, IndexError):
-            return _keep(raw)  # not a well-formed frame: _keep raises the message
+            hit = self._frames.get(key, _UNSEEN)
+        except (KeyError, TypeError, IndexError):
+            return _keep(raw)  # not a well-formed frame: _keep reads what it can or says why not
+        if hit is not _UNSEEN:
+            return hit
         kept = _keep(raw)
         if kept is not None and _is_plumbing(kept):
             kept = None

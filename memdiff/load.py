@@ -16,6 +16,7 @@ import hashlib
 import io
 import json
 import lzma
+import math
 import os
 import pickle
 import zlib
@@ -40,6 +41,7 @@ _OTHER_CONTAINERS = (
 )
 _CHUNK = 1 << 20
 MAX_DEVICES = 1 << 16  # device indices beyond this are not a machine's GPUs
+MAX_BYTES = 2**62  # far beyond any device, and safely inside an int64 running total
 # What a file can honestly hold. Real snapshots compress at most about 70x (xz; gzip about 35x),
 # so a stream that decompresses to more than MAX_RATIO times its size (and past a floor that
 # small files never reach) is a bomb; no value in a snapshot is anywhere near MAX_READ bytes;
@@ -237,6 +239,12 @@ def _expect(path: str, where: str, value: Any, kind: type, what: str) -> None:
         raise InputError(path, f"{where}: expected {what}, got {type(value).__name__} {value!r:.40}")
 
 
+def _size(path: str, where: str, value: Any) -> None:
+    _expect(path, where, value, int, "an integer")
+    if not 0 <= value <= MAX_BYTES:
+        raise InputError(path, f"{where}: {value:,} is not a size in bytes (0 to {MAX_BYTES:,})")
+
+
 def _validate_segments(path: str, segments: Any) -> None:
     _expect(path, "segments", segments, list, "a list")
     for i, seg in enumerate(segments):
@@ -246,6 +254,9 @@ def _validate_segments(path: str, segments: Any) -> None:
             if key not in seg:
                 raise InputError(path, f"{where}: missing '{key}'")
             _expect(path, f"{where}.{key}", seg[key], int, "an integer")
+        for key in ("total_size", "allocated_size"):
+            if key in seg:
+                _size(path, f"{where}.{key}", seg[key])
         if not 0 <= seg["device"] < MAX_DEVICES:
             raise InputError(path, f"{where}.device: {seg['device']} is not a device index")
         _expect(path, f"{where}.blocks", seg.get("blocks", []), list, "a list")
@@ -254,11 +265,31 @@ def _validate_segments(path: str, segments: Any) -> None:
             _expect(path, bwhere, block, dict, "a dict")
             if "size" not in block or "state" not in block:
                 raise InputError(path, f"{bwhere}: missing 'size' or 'state'")
-            _expect(path, f"{bwhere}.size", block["size"], int, "an integer")
+            _size(path, f"{bwhere}.size", block["size"])
             _expect(path, f"{bwhere}.state", block["state"], str, "a string")
-            for key in ("address", "requested_size"):
-                if key in block:
-                    _expect(path, f"{bwhere}.{key}", block[key], int, "an integer")
+            if "address" in block:
+                _expect(path, f"{bwhere}.address", block["address"], int, "an integer")
+            if "requested_size" in block:
+                _size(path, f"{bwhere}.requested_size", block["requested_size"])
+            history = block.get("history")
+            if history is not None:
+                _expect(path, f"{bwhere}.history", history, list, "a list")
+                for k, h in enumerate(history):
+                    _expect(path, f"{bwhere}.history[{k}]", h, dict, "a dict")
+
+
+def _json_safe(value: Any, depth: int = 0) -> Any:
+    """`value` as strict JSON can hold it, for the summary that carries it: keys as text, tuples as
+    lists, numbers JSON has no form for (NaN, infinities) and anything else as text, nesting cut."""
+    if depth > 8:
+        return "..."
+    if isinstance(value, dict):
+        return {str(k): _json_safe(v, depth + 1) for k, v in list(value.items())[:1000]}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v, depth + 1) for v in value[:1000]]
+    if value is None or isinstance(value, (bool, int, str)) or (isinstance(value, float) and math.isfinite(value)):
+        return value
+    return repr(value)[:200]
 
 
 def _generation(raw: Any, segments: List[Dict[str, Any]], traces: List[List[Dict[str, Any]]]) -> str:
@@ -300,7 +331,7 @@ def to_snapshot(path: str, raw: Any, source: Source, decoded_bytes: Optional[int
         settings = raw.get("allocator_settings")
         if settings is not None:
             _expect(path, "allocator_settings", settings, dict, "a dict")
-            source.allocator_settings = settings
+            source.allocator_settings = _json_safe(settings)
     else:
         raise InputError(path, f"not a memory snapshot: the file holds a {type(raw).__name__}")
     _validate_segments(path, segments)

@@ -26,11 +26,10 @@ from memdiff.errors import InputError
 from memdiff.frames import Stack, StackNormalizer, relativize, signature_of
 from memdiff.history import Allocations, history_of, peak_bars, window_maxima
 from memdiff.lifetimes import BACKWARD, FORWARD, LIFETIMES, MAX_STEPS, OPTIMIZER, Lifetime, Scopes, Timeline, build_timeline
-from memdiff.load import Snapshot
+from memdiff.load import MAX_BYTES, Snapshot
 from memdiff.model import DeviceSummary, Group, OomEvent, PhasePeak, Step, Summary, largest_first
 
 TIMELINE_POINTS = 100
-MAX_BYTES = 2**62  # far beyond any device, and safely inside the int64 running total
 
 
 @dataclass

@@ -169,7 +169,7 @@ def test_a_file_name_cannot_inject_a_workflow_command(tmp_path, capsys):
      "segments[0].device: -1 is not a device index"),
     ({"device_traces": [], "segments": [{"device": 0, "address": 0, "total_size": 2**70, "blocks": [
         {"size": 2**70, "requested_size": 2**70, "state": "active_allocated"}]}]},
-     "device 0: sizes add up to more than"),
+     "segments[0].total_size: 1,180,591,620,717,411,303,424 is not a size in bytes"),
 ], ids=["int64-wrap", "negative-device", "a-block-of-2**70"])
 def test_impossible_sizes_and_devices_are_bad_input(write_snapshot, capsys, snapshot, message):
     path = write_snapshot(snapshot)
