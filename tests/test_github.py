@@ -100,7 +100,8 @@ def test_the_gate_writes_the_same_outputs(github, tmp_path, capsys):
     assert main(["baseline", str(tmp_path / "train.pickle"), "-o", str(tmp_path / "baselines" / "train.json")]) == 0
     assert main(["gate", "--baselines", str(tmp_path / "baselines"), str(tmp_path / "train.pickle"), "--github"]) == 0
     assert outputs(github)["verdict"] == "pass"
-    assert "**base** `baseline train` · " in Path(github["GITHUB_STEP_SUMMARY"]).read_text()
+    summary = Path(github["GITHUB_STEP_SUMMARY"]).read_text()
+    assert "**base** `baseline train (train.pickle)` (baseline" in summary  # named once
 
 
 def test_reports_are_folded_to_fit_and_say_so():

@@ -37,7 +37,8 @@ def _escape(cell: str) -> str:
 
 
 def _input(label: Optional[str], s: Source) -> str:
-    named = f"`{label}` · " if label else ""
+    # A baseline's source already reads `baseline NAME (file)`: its label would say it twice.
+    named = f"`{label}` · " if label and not s.file.startswith(label) else ""
     return f"{named}`{s.file}` ({s.container}, {s.generation})"
 
 
