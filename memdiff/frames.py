@@ -215,14 +215,17 @@ _UNSEEN = object()
 
 
 class StackNormalizer:
-    """Normalizes raw frames lists, once per distinct list object.
+    """Normalizes raw frames lists, once per distinct sequence of frame objects.
 
-    Real snapshots share frames lists between events through pickle memo references, so the
-    cache is keyed by object identity; the snapshot keeps every list alive while this runs.
+    In a real snapshot each event has a frames list of its own, but pickle memo references share
+    the frame dicts themselves (the ctx128 training run: 6,526 lists, 295k frame references, 561
+    frame dicts). So a list is looked up by its identity first, then by the identities of the
+    frames it holds; the snapshot keeps every list and frame alive while this runs.
     """
 
     def __init__(self) -> None:
         self._cache: Dict[Tuple[int, bool], Stack] = {}
+        self._by_frames: Dict[Tuple[Any, ...], Stack] = {}
         self._frames: Dict[Tuple[Any, Any, Any], Optional[_Kept]] = {}
         self.computed = 0
 
@@ -238,8 +241,15 @@ class StackNormalizer:
                              f"(at most {MAX_STACK_FRAMES:,} are read): not a real snapshot")
         key = (id(raw_frames), freed)
         hit = self._cache.get(key)
-        if hit is not None:
-            return hit
+        if hit is None:
+            same = (freed, *map(id, raw_frames))
+            hit = self._by_frames.get(same)
+            if hit is None:
+                hit = self._by_frames[same] = self._normalized(raw_frames, freed)
+            self._cache[key] = hit
+        return hit
+
+    def _normalized(self, raw_frames: List[Any], freed: bool) -> Stack:
         self.computed += 1
         kept = [k for k in map(self._keep, raw_frames) if k is not None]
         # A profiler module scope counts by its class (`nn.Module: BertIntermediate`), not its
@@ -251,9 +261,7 @@ class StackNormalizer:
             parts.insert(0, "freed")
             site = FREED_PREFIX + site
         frames = tuple(Frame(k.file, k.line, k.name) for k in kept)
-        stack = Stack(signature_of(parts), site, frames)
-        self._cache[key] = stack
-        return stack
+        return Stack(signature_of(parts), site, frames)
 
     def _keep(self, raw: Any) -> Optional[_Kept]:
         # Distinct lists still repeat the same frames (every CUDA stack starts with the same

@@ -194,33 +194,29 @@ def _live_at(walk: _Walk, trace: List[Dict[str, Any]], p: int, dump_only: List[T
 
 
 class _Kinds:
-    """Allocations' (stack, lifetime) kinds, numbered as met: a stack is normalized once per
-    distinct sequence of frame objects (pickle memo references share frame dicts between the
-    events of a real snapshot, though each event has a list of its own)."""
+    """Allocations' (stack, lifetime) kinds: each distinct stack gets a number."""
 
     def __init__(self, path: str, stacks: StackNormalizer) -> None:
         self.path, self.stacks = path, stacks
         self.kinds: List[Tuple[Stack, int]] = []
-        self.by_list: Dict[Tuple[int, bool], int] = {}  # (id of a frames list, freed) -> stack code
-        self._by_frames: Dict[Tuple[Any, ...], int] = {}
-        self._numbered: Dict[Tuple[str, int], int] = {}
-        self._stack_list: List[Stack] = []
+        # (id of a frames list, freed, live before the trace) -> stack number: the hot loop's lookup
+        self.by_list: Dict[Tuple[int, bool, bool], int] = {}
+        self._numbers: Dict[int, int] = {}  # id of a Stack -> its number
+        self._stacks: List[Stack] = []
 
     def stack_code(self, frames: Any, freed: bool, before_trace: bool) -> int:
         """A number for the stack of `frames` (equal stacks, equal numbers)."""
-        key = (id(frames), freed)
+        key = (id(frames), freed, before_trace)
         code = self.by_list.get(key)
         if code is None:
-            by_ids = (freed, before_trace, *map(id, frames)) if isinstance(frames, list) and frames \
-                else (freed, before_trace, id(frames) if frames else None)
-            code = self._by_frames.get(by_ids)
+            try:
+                stack = self.stacks.stack(frames, freed=freed, before_trace=before_trace)
+            except ValueError as exc:
+                raise InputError(self.path, str(exc)) from None
+            code = self._numbers.get(id(stack))
             if code is None:
-                try:
-                    stack = self.stacks.stack(frames, freed=freed, before_trace=before_trace)
-                except ValueError as exc:
-                    raise InputError(self.path, str(exc)) from None
-                code = self._by_frames[by_ids] = len(self._stack_list)
-                self._stack_list.append(stack)
+                code = self._numbers[id(stack)] = len(self._stacks)
+                self._stacks.append(stack)
             self.by_list[key] = code
         return code
 
@@ -229,7 +225,7 @@ class _Kinds:
         pairs = stack_codes * len(LIFETIMES) + lifetime_codes
         unique, inverse = np.unique(pairs, return_inverse=True)
         base = len(self.kinds)
-        self.kinds += [(self._stack_list[int(u) // len(LIFETIMES)], int(u) % len(LIFETIMES)) for u in unique]
+        self.kinds += [(self._stacks[int(u) // len(LIFETIMES)], int(u) % len(LIFETIMES)) for u in unique]
         return inverse.reshape(-1).astype(np.int64) + base
 
 
@@ -263,7 +259,7 @@ def _allocations(path: str, walk: _Walk, trace: List[Dict[str, Any]], dump_only:
             add(stack_code(trace[freed_by[k]].get("frames"), True, True))
             continue
         frames = trace[first].get("frames")
-        code = known.get((id(frames), False))
+        code = known.get((id(frames), False, False))
         add(stack_code(frames, False, False) if code is None else code)
     codes[: len(opened)] = first_codes
     m = len(opened)

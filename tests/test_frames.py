@@ -109,13 +109,19 @@ def test_profiler_module_instance_numbers_do_not_split_groups():
     assert sig(frames(0)) == sig(frames(3))
 
 
-def test_frames_are_normalized_once_per_distinct_frames_list():
+def test_frames_are_normalized_once_per_distinct_sequence_of_frames():
     shared = mixed_stack("/x")
     normalizer = StackNormalizer()
     for _ in range(1000):
         normalizer.stack(shared)
-    normalizer.stack(list(shared))
-    assert normalizer.computed == 2
+    # Each event's own list of the same (memo-shared) frame dicts, as real snapshots hold them;
+    # the lists stay referenced, as the snapshot keeps them while it is normalized.
+    own_list, other_frames = list(shared), copy.deepcopy(shared)
+    assert normalizer.stack(own_list) is normalizer.stack(shared)
+    assert normalizer.computed == 1
+    normalizer.stack(other_frames)  # equal frames, but other objects: computed again
+    normalizer.stack(shared, freed=True)
+    assert normalizer.computed == 3
 
 
 @pytest.mark.parametrize("raw, shown", [
