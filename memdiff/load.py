@@ -70,12 +70,12 @@ class _Bounded(io.RawIOBase):
         want = len(buffer)
         if want > MAX_READ:
             raise InputError(self.path, f"not a memory snapshot: it declares a value of {want:,} bytes")
-        data = self.inner.read(min(want, self.cap + 1 - self.count))
-        self.count += len(data)
+        with memoryview(buffer) as view:
+            got = self.inner.readinto(view[: min(want, self.cap + 1 - self.count)]) or 0
+        self.count += got
         if self.count > self.cap:
             raise InputError(self.path, self.why)
-        buffer[: len(data)] = data
-        return len(data)
+        return got
 
     def close(self) -> None:
         self.inner.close()
@@ -158,8 +158,9 @@ def _sha256(path: str) -> str:
 def _open_stream(path: str, size: int) -> Tuple[io.BufferedReader, _Bounded, Optional[str]]:
     """A buffered stream of the file's content, decompressed when its magic number says so, and
     the bounded stream under it (which counts the bytes decoded)."""
-    raw = open(path, "rb")
-    head = raw.peek(8)[:8]
+    raw = open(path, "rb", buffering=0)  # the BufferedReader below is the only buffer
+    head = raw.read(8)
+    raw.seek(0)
     for magic, codec, opener in _COMPRESSIONS:
         if head.startswith(magic):
             raw.close()
