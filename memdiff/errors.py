@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 
+from typing import Any
+
 # Exit codes, the same for every command.
 EXIT_OK, EXIT_REGRESSION, EXIT_BAD_INPUT, EXIT_INTERNAL = 0, 1, 2, 3
 
@@ -17,3 +19,20 @@ class InputError(Exception):
 
     def __reduce__(self):  # raised in a worker process, re-raised in the parent
         return (self.__class__, (self.path, self.message))
+
+
+def brief(value: Any, chars: int = 40) -> str:
+    """A value from a file as one line of an error shows it: its type and a bounded prefix.
+
+    Never the repr of a whole container: through pickle memo references a 1 MB file can hold a
+    list whose repr is gigabytes, or one nested past the recursion limit."""
+    kind = type(value).__name__
+    if isinstance(value, (str, bytes)):
+        return f"{kind} {value[:chars]!r}" + ("..." if len(value) > chars else "")
+    if isinstance(value, bool) or value is None or isinstance(value, float):
+        return f"{kind} {value!r}"
+    if isinstance(value, int):
+        return f"{kind} {value}" if value.bit_length() <= 64 else f"{kind} of {value.bit_length():,} bits"
+    if isinstance(value, (list, tuple, dict, set, frozenset)):
+        return f"{kind} of {len(value):,} items"
+    return kind

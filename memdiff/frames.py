@@ -18,11 +18,14 @@ import re
 from dataclasses import dataclass
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
+from memdiff.errors import brief
 from memdiff.model import Frame
 
 # Python's recursion limit is 1,000 frames and C++ adds a few dozen per Python call; a stack far
 # deeper than this is pickle memo references repeating one frame.
 MAX_STACK_FRAMES = 20_000
+# ...and its names add up to far less than this (C++ template names run to a few KB each).
+MAX_STACK_CHARS = 16 << 20
 
 # Frames PyTorch's own viewers drop (torch/cuda/_memory_viz.py), then interpreter and libc
 # frames whose names change with the Python build.
@@ -60,6 +63,12 @@ FACTORY_OP = re.compile(r"^(new_)?empty(_|$)")
 
 # Profiler-derived frames (CPU route): {"filename": "none", "name": "torch/nn/modules/linear.py(130): forward"}.
 PROFILER_PY = re.compile(r"^(?P<file>.+?)\((?P<line>\d+)\): (?P<name>.+)$")
+
+
+def profiler_frame(name: str) -> Optional["re.Match[str]"]:
+    """PROFILER_PY's match of a frame name. A name with a line break never matches: there `.+$`
+    fails after every `(N): ` the lazy file part tries, which is quadratic in a hostile name."""
+    return PROFILER_PY.match(name) if "\n" not in name else None
 PROFILER_OP = re.compile(r"^<built-in (?:method|function) (\w+)")
 PROFILER_MODULE = re.compile(r"^nn\.Module: ")
 MODULE_NUMBER = re.compile(r"_\d+$")
@@ -116,6 +125,8 @@ def normalize_path(filename: str) -> str:
         p = p[2:]
     if p:
         p = posixpath.normpath(p)
+    if "\n" in p:
+        return p  # no real path has a line break; the searches below would be quadratic on one
     m = LIBRARY_PATH.search(p)
     if m:
         return m.group(1)
@@ -153,9 +164,9 @@ def _keep(raw: Any) -> Optional[_Kept]:
     filename = raw.get("filename", "")
     line = raw.get("line", 0)
     if not isinstance(name, str) or not isinstance(filename, str) or not isinstance(line, int):
-        raise ValueError(f"a frame has wrong types: {raw!r:.80}")
+        raise ValueError(f"a frame has wrong types: name {brief(name)}, filename {brief(filename)}, line {brief(line)}")
     if filename == "none":  # profiler route
-        m = PROFILER_PY.match(name)
+        m = profiler_frame(name)
         if m:
             filename, line, name = m.group("file"), int(m.group("line")), m.group("name")
         elif PROFILER_MODULE.match(name):
@@ -252,6 +263,10 @@ class StackNormalizer:
     def _normalized(self, raw_frames: List[Any], freed: bool) -> Stack:
         self.computed += 1
         kept = [k for k in map(self._keep, raw_frames) if k is not None]
+        chars = sum(len(k.name) + len(k.key) for k in kept)
+        if chars > MAX_STACK_CHARS:
+            raise ValueError(f"a stack of {chars:,} characters (pickle references repeating a long frame?): "
+                             f"not a real snapshot")
         # A profiler module scope counts by its class (`nn.Module: BertIntermediate`), not its
         # instance number, which changes when a layer is added before it.
         parts = [f"{k.key}:{k.name}" if k.kind == "py" else MODULE_NUMBER.sub("", k.name) if k.kind == "module"

@@ -57,7 +57,7 @@ SCOPE_HINTS: Tuple[Tuple[str, "re.Pattern[str]"], ...] = (
     (BACKWARD, re.compile(r"backward|\bbwd\b", re.IGNORECASE)),
     (FORWARD, re.compile(r"forward|\bfwd\b", re.IGNORECASE)),
 )
-STEP_SCOPE = re.compile(r"^ProfilerStep#(\d+)$")
+STEP_SCOPE = re.compile(r"^ProfilerStep#(\d{1,18})$")  # a longer number is no step count
 
 # Stack hints are read from at most this many allocations (evenly spaced), so a trace whose
 # every event has its own frames list costs a bounded number of stack scans.

@@ -24,8 +24,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
-from memdiff.errors import InputError
-from memdiff.frames import PROFILER_PY
+from memdiff.errors import InputError, brief
+from memdiff.frames import profiler_frame
 from memdiff.model import Source
 
 # Magic numbers, checked in order; each names the codec and how to open a decompressing stream.
@@ -45,8 +45,8 @@ MAX_BYTES = 2**62  # far beyond any device, and safely inside an int64 running t
 # What a file can honestly hold. Real snapshots compress at most about 70x (xz; gzip about 35x),
 # so a stream that decompresses to more than MAX_RATIO times its size (and past a floor that
 # small files never reach) is a bomb; no value in a snapshot is anywhere near MAX_READ bytes;
-# and a trace entry takes at least MIN_EVENT_BYTES of the decoded stream unless pickle memo
-# references repeat one entry over and over, which no real snapshot does.
+# and a trace entry or a block takes at least MIN_EVENT_BYTES of the decoded stream unless
+# pickle memo references repeat one over and over, which no real snapshot does.
 MAX_RATIO = 200
 MIN_DECOMPRESSED_CAP = 32 << 20
 MAX_READ = 256 << 20
@@ -237,7 +237,7 @@ def _read_document(path: str, size: int) -> Tuple[Any, str, int]:
 def _expect(path: str, where: str, value: Any, kind: type, what: str) -> None:
     # bool is an int subclass; a flag where a size belongs is still wrong.
     if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-        raise InputError(path, f"{where}: expected {what}, got {type(value).__name__} {value!r:.40}")
+        raise InputError(path, f"{where}: expected {what}, got {brief(value)}")
 
 
 def _size(path: str, where: str, value: Any) -> None:
@@ -279,18 +279,29 @@ def _validate_segments(path: str, segments: Any) -> None:
                     _expect(path, f"{bwhere}.history[{k}]", h, dict, "a dict")
 
 
-def _json_safe(value: Any, depth: int = 0) -> Any:
+SETTINGS_NODES = 10_000  # allocator settings are a few dozen values
+
+
+def _json_safe(value: Any, budget: List[int], depth: int = 0) -> Any:
     """`value` as strict JSON can hold it, for the summary that carries it: keys as text, tuples as
-    lists, numbers JSON has no form for (NaN, infinities) and anything else as text, nesting cut."""
-    if depth > 8:
+    lists, strings and integers bounded, anything else (NaN, infinities, bytes) described. At most
+    `budget[0]` values are copied in all, so memo references repeating one list cannot make the
+    copy exponential."""
+    budget[0] -= 1
+    if depth > 8 or budget[0] < 0:
         return "..."
     if isinstance(value, dict):
-        return {str(k): _json_safe(v, depth + 1) for k, v in list(value.items())[:1000]}
+        return {(k if isinstance(k, str) else brief(k))[:200]: _json_safe(v, budget, depth + 1)
+                for k, v in list(value.items())[:1000]}
     if isinstance(value, (list, tuple)):
-        return [_json_safe(v, depth + 1) for v in value[:1000]]
-    if value is None or isinstance(value, (bool, int, str)) or (isinstance(value, float) and math.isfinite(value)):
+        return [_json_safe(v, budget, depth + 1) for v in value[:1000]]
+    if value is None or isinstance(value, bool) or (isinstance(value, float) and math.isfinite(value)):
         return value
-    return repr(value)[:200]
+    if isinstance(value, int) and value.bit_length() <= 64:
+        return value
+    if isinstance(value, str) and len(value) <= 200:
+        return value
+    return brief(value)
 
 
 def _generation(raw: Any, segments: List[Dict[str, Any]], traces: List[List[Dict[str, Any]]]) -> str:
@@ -303,7 +314,8 @@ def _generation(raw: Any, segments: List[Dict[str, Any]], traces: List[List[Dict
     sample = [e for t in traces for e in t[:50]]
     frames = [f for e in sample if isinstance(e, dict) and isinstance(e.get("frames"), list)
               for f in e["frames"][:3] if isinstance(f, dict)]
-    if any(f.get("filename") == "none" and PROFILER_PY.match(str(f.get("name", ""))) for f in frames):
+    if any(f.get("filename") == "none" and isinstance(f.get("name"), str) and profiler_frame(f["name"])
+           for f in frames):
         return "profiler"
     if not sample:
         return "no-trace"
@@ -312,8 +324,8 @@ def _generation(raw: Any, segments: List[Dict[str, Any]], traces: List[List[Dict
 
 def to_snapshot(path: str, raw: Any, source: Source, decoded_bytes: Optional[int] = None) -> Snapshot:
     """Check that `raw` has a snapshot's shape and wrap it; InputError naming the problem if not.
-    `decoded_bytes`, the size of the stream it was decoded from, bounds the trace entries it can
-    honestly hold."""
+    `decoded_bytes`, the size of the stream it was decoded from, bounds the trace entries and
+    blocks it can honestly hold."""
     if isinstance(raw, list):
         segments: Any = raw
         traces: Any = []
@@ -321,28 +333,31 @@ def to_snapshot(path: str, raw: Any, source: Source, decoded_bytes: Optional[int
         keys: List[str] = []
     elif isinstance(raw, dict):
         if "segments" not in raw and "device_traces" not in raw:
-            found = ", ".join(repr(k) for k in list(raw)[:5]) or "none"
+            found = ", ".join(repr(k[:40]) if isinstance(k, str) else brief(k) for k in list(raw)[:5]) or "none"
             raise InputError(
                 path, f"not a memory snapshot: a dict without 'segments' or 'device_traces' (keys: {found})"
             )
         segments = raw.get("segments", [])
         traces = raw.get("device_traces", [])
         annotations = raw.get("external_annotations") or []
-        keys = sorted(str(k) for k in raw)
+        keys = sorted(k[:200] if isinstance(k, str) else brief(k) for k in raw)
         settings = raw.get("allocator_settings")
         if settings is not None:
             _expect(path, "allocator_settings", settings, dict, "a dict")
-            source.allocator_settings = _json_safe(settings)
+            source.allocator_settings = _json_safe(settings, [SETTINGS_NODES])
     else:
         raise InputError(path, f"not a memory snapshot: the file holds a {type(raw).__name__}")
-    _validate_segments(path, segments)
+    _expect(path, "segments", segments, list, "a list")
     _expect(path, "device_traces", traces, list, "a list")
+    # Before anything walks them: entries and blocks a file cannot honestly hold.
+    items = (sum(len(t) for t in traces if isinstance(t, list))
+             + sum(len(s["blocks"]) for s in segments if isinstance(s, dict) and isinstance(s.get("blocks"), list)))
+    if decoded_bytes is not None and items > max(1, decoded_bytes) / MIN_EVENT_BYTES:
+        raise InputError(path, f"not a memory snapshot: {items:,} trace entries and blocks in {decoded_bytes:,} "
+                               f"bytes (pickle references repeating them; real ones take dozens of bytes each)")
+    _validate_segments(path, segments)
     for i, trace in enumerate(traces):
         _expect(path, f"device_traces[{i}]", trace, list, "a list")
-    events = sum(len(t) for t in traces)
-    if decoded_bytes is not None and events > max(1, decoded_bytes) / MIN_EVENT_BYTES:
-        raise InputError(path, f"not a memory snapshot: {events:,} trace entries in {decoded_bytes:,} bytes "
-                               f"(pickle references repeating entries; real entries take dozens of bytes each)")
     _expect(path, "external_annotations", annotations, list, "a list")
     entry_keys = sorted({str(k) for t in traces for e in t[:1000] if isinstance(e, dict) for k in e})
     source.keys = keys + [f"trace.{k}" for k in entry_keys]

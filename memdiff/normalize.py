@@ -22,7 +22,7 @@ import numpy as np
 
 from memdiff import __version__
 from memdiff.classify import Rule
-from memdiff.errors import InputError
+from memdiff.errors import InputError, brief
 from memdiff.frames import Stack, StackNormalizer, relativize, signature_of
 from memdiff.history import Allocations, history_of, peak_bars, window_maxima
 from memdiff.lifetimes import BACKWARD, FORWARD, LIFETIMES, MAX_STEPS, OPTIMIZER, Lifetime, Scopes, Timeline, build_timeline
@@ -108,7 +108,7 @@ class _Walk:
         except (TypeError, AttributeError, OverflowError) as exc:
             size = trace[i].get("size") if isinstance(trace[i], dict) else None
             if isinstance(trace[i], dict) and (size.__class__ is not int):
-                exc = TypeError(f"'size' is {type(size).__name__} {size!r:.40}, not an integer")
+                exc = TypeError(f"'size' is {brief(size)}, not an integer")
             raise InputError(path, f"device_traces[{device}][{i}]: {exc}") from None
 
     def origin(self, j: int) -> Tuple[Optional[int], Optional[int]]:
@@ -340,7 +340,8 @@ def _device_summary(snapshot: Snapshot, device: int, stacks: StackNormalizer,
             by_scope[scope] = by_scope.get(scope, 0) + size
         context = e.get("compile_context")
         if context not in NO_COMPILE_CONTEXT:
-            by_context[str(context)] = by_context.get(str(context), 0) + size
+            name = context[:200] if isinstance(context, str) else brief(context)
+            by_context[name] = by_context.get(name, 0) + size
     times = [_time(path, device, trace, 0), _time(path, device, trace, len(trace) - 1)] if trace else [None, None]
     history = None
     if history_rules is not None:
@@ -386,7 +387,7 @@ def _time(path: str, device: int, trace: List[Dict[str, Any]], i: int) -> Option
     if value is None or (isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**63):
         return value
     raise InputError(path, f"device_traces[{device}][{i}].time_us: expected microseconds as an integer, "
-                           f"got {type(value).__name__} {repr(value)[:40]}")
+                           f"got {brief(value)}")
 
 
 def _steps_kept(timeline: Timeline, peak_index: Optional[int]) -> List[Step]:

@@ -46,7 +46,7 @@ def test_one_trace_referenced_by_a_hundred_devices(tmp_path):
     trace = [dict(EVENT, addr=i) for i in range(100_000)]
     path = tmp_path / "devices.pickle"
     path.write_bytes(pickle.dumps({"device_traces": [trace] * 100, "segments": []}, protocol=4))
-    refused(path, "10,000,000 trace entries in")
+    refused(path, "10,000,000 trace entries and blocks in")
 
 
 def test_a_stack_of_a_million_references_to_one_frame(tmp_path):
@@ -133,3 +133,85 @@ def test_long_profiler_frame_names_parse_in_linear_time(tmp_path, name):
     path.write_bytes(pickle.dumps({"device_traces": [[dict(EVENT, frames=frames)]], "segments": []}, protocol=4))
     done = memdiff("peak", str(path))
     assert done.returncode == 0, done.stderr
+
+
+BIG = "A" * (1 << 20)
+
+
+def _nested(depth: int) -> bytes:
+    """A pickle of lists nested `depth` deep (raw opcodes: the pickler itself would recurse)."""
+    return b"\x80\x04" + b"]" * depth + b"a" * (depth - 1) + b"."
+
+
+@pytest.mark.parametrize("name, data, says", [
+    ("nested 100k deep", _nested(100_000), "segments[0]: expected a dict, got list of 1 items"),
+    ("a 1 MiB string repeated 2,000 times in a bad size",
+     pickle.dumps({"segments": [], "device_traces": [[dict(EVENT, size=[BIG] * 2000)]]}, protocol=4),
+     "'size' is list of 2,000 items, not an integer"),
+    ("the same as a block's state",
+     pickle.dumps({"segments": [{"device": 0, "address": 0, "total_size": 8, "blocks": [
+         {"size": 8, "state": [BIG] * 2000}]}], "device_traces": []}, protocol=4), "got list of 2,000 items"),
+    ("as time_us", pickle.dumps({"segments": [], "device_traces": [[dict(EVENT, time_us=[BIG] * 2000)]]},
+                                protocol=4), "expected microseconds as an integer, got list of 2,000 items"),
+    ("as a frame's line",
+     pickle.dumps({"segments": [], "device_traces": [[dict(EVENT, frames=[{"filename": "x.py", "line": [BIG] * 2000,
+                                                                           "name": "f"}])]]}, protocol=4),
+     "a frame has wrong types"),
+    ("a long frame repeated 19,000 times",
+     pickle.dumps({"segments": [], "device_traces": [[dict(EVENT, frames=[{"filename": "x.py", "line": 1,
+                                                                           "name": BIG}] * 19_000)]]}, protocol=4),
+     "characters (pickle references repeating a long frame?)"),
+    ("one segment repeated 10 million times over",
+     pickle.dumps({"segments": [{"device": 0, "address": 0, "total_size": 10, "blocks": [
+         {"size": 1, "state": "active_allocated"}] * 1000}] * 10_000, "device_traces": []}, protocol=4),
+     "10,000,000 trace entries and blocks in"),
+], ids=lambda v: v if isinstance(v, str) and len(v) < 60 else "")
+def test_values_the_memo_repeats_are_described_not_printed(tmp_path, name, data, says):
+    path = tmp_path / "snapshot.pickle"
+    path.write_bytes(data)
+    refused(path, says)
+
+
+def test_repeated_settings_are_copied_within_a_budget(tmp_path):
+    level = [BIG] * 1000
+    for _ in range(6):
+        level = [level] * 1000  # 10**18 strings if copied in full
+    path = tmp_path / "settings.pickle"
+    path.write_bytes(pickle.dumps({"segments": [], "device_traces": [], "allocator_settings": {"a": level}},
+                                  protocol=4))
+    out = tmp_path / "summary.json"
+    done = memdiff("summarize", str(path), "-o", str(out))
+    assert done.returncode == 0, done.stderr
+    assert len(out.read_bytes()) < 1 << 20
+
+
+@pytest.mark.parametrize("frame", [
+    {"filename": "none", "line": 0, "name": "(1): " * 20_000 + "\nx"},
+    {"filename": "<" + "/site-packages/a" * 20_000 + "\nb", "line": 1, "name": "f"},
+    {"filename": "<" + "/Lib/a" * 70_000 + "\nb", "line": 1, "name": "f"},
+], ids=["profiler-name", "site-packages-path", "stdlib-path"])
+def test_names_with_line_breaks_parse_in_linear_time(tmp_path, frame):
+    path = tmp_path / "frames.pickle"
+    path.write_bytes(pickle.dumps({"segments": [], "device_traces": [[dict(EVENT, frames=[frame])]]}, protocol=4))
+    done = memdiff("peak", str(path))
+    assert done.returncode == 0, done.stderr
+
+
+def test_a_step_number_of_a_million_digits_is_no_step(tmp_path):
+    name = "ProfilerStep#" + "1" * (1 << 20)
+    annotations = [{"device": 0, "stage": stage, "name": name, "time_us": t} for stage, t in (("START", 1), ("END", 9))]
+    path = tmp_path / "steps.pickle"
+    path.write_bytes(pickle.dumps({"segments": [], "external_annotations": annotations,
+                                   "device_traces": [[dict(EVENT, time_us=5)]]}, protocol=4))
+    done = memdiff("peak", str(path))
+    assert done.returncode == 0, done.stderr
+
+
+def test_a_summary_with_a_negative_time_is_bad_input(shared, tmp_path):
+    out = tmp_path / "summary.json"
+    assert memdiff("summarize", str(shared / "linear-grad.pickle"), "-o", str(out)).returncode == 0
+    doc = json.loads(out.read_text())
+    doc["devices"][0]["peak_time_us"] = -2**63
+    out.write_text(json.dumps(doc))
+    done = memdiff("peak", str(out))
+    assert done.returncode == 2 and "peak_time_us" in done.stderr and done.stderr.count("\n") == 1
