@@ -4,7 +4,7 @@
 
     base = memdiff.summarize("base.pickle")             # a Summary (the `memdiff summarize` JSON)
     change = memdiff.diff(base, "head.pickle")          # a Diff (rows aligned per device)
-    verdict = memdiff.judge("head.pickle", "baselines/train.json", fail_over="256MiB")
+    verdict = memdiff.gate("head.pickle", "baselines/train.json", fail_over="256MiB")
     print(verdict.passed, [c.subject for c in verdict.checks if not c.passed])
 
 Every result has `to_dict()`, the JSON contract the CLI writes. Defaults are the CLI's: groups

@@ -18,7 +18,7 @@ import re
 import shutil
 import tempfile
 from contextlib import contextmanager
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Dict, Iterator, Optional, Tuple
 
 import pytest
 
@@ -61,14 +61,6 @@ def _folder(config: pytest.Config) -> str:
     return folder if os.path.isabs(folder) else os.path.join(str(config.rootpath), folder)
 
 
-@contextmanager
-def _recording(path: str) -> Iterator[None]:
-    from memdiff.capture import record
-
-    with record(path):
-        yield
-
-
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
     marker = item.get_closest_marker(MARKER)
@@ -78,10 +70,12 @@ def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
     if unknown or marker.args:
         pytest.fail(f"@pytest.mark.memdiff takes keywords {', '.join(MARKER_KEYWORDS)}; got "
                     f"{', '.join(unknown) or repr(marker.args)}", pytrace=False)
+    from memdiff import api
+
     folder = tempfile.mkdtemp(prefix="memdiff-")
     snapshot = os.path.join(folder, "test.pickle")
     try:
-        with _recording(snapshot):
+        with api.record(snapshot):
             result = yield
         _judge(item, marker.kwargs, snapshot)
         return result
@@ -170,16 +164,13 @@ class Recorded:
 @pytest.fixture
 def memdiff_record(tmp_path: Any) -> Any:
     """`with memdiff_record() as run: ...` records the block; `run.summary` is its Summary after."""
-    made: List[str] = []
-
     @contextmanager
     def record_block(name: str = "block") -> Iterator[Recorded]:
         from memdiff import api
 
         path = str(tmp_path / f"{name}.pickle")
-        made.append(path)
         recorded = Recorded()
-        with _recording(path):
+        with api.record(path):
             yield recorded
         recorded.summary = api.summarize(path)
     return record_block

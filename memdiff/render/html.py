@@ -24,8 +24,8 @@ from memdiff.differ import Diff, DiffRow, Folded
 from memdiff.judge import Verdict
 from memdiff.model import DeviceSummary, Frame, Summary
 from memdiff.peak import DevicePeak, PeakRow
-from memdiff.render.table import (CATEGORY_HEADERS, HEADERS, PHASE_HEADERS, category_rows, check_line, kept_line,
-                                  peak_line, phase_rows, row_cells, where_line)
+from memdiff.render.table import (CATEGORY_HEADERS, HEADERS, PHASE_HEADERS, category_rows, check_line, frame_line,
+                                  kept_line, peak_line, phase_rows, row_cells, where_line)
 from memdiff.units import format_bytes
 
 STACK_FRAMES = 40  # frames of a stack the page keeps
@@ -35,14 +35,8 @@ def _asset(name: str) -> str:
     return resources.files("memdiff").joinpath("render", name).read_text(encoding="utf-8")
 
 
-def _frame_text(f: Frame) -> str:
-    if not f.file:
-        return f.name
-    return f"{f.file}:{f.line} {f.name}" if f.line else f"{f.file} {f.name}"
-
-
 def _stack(frames: Sequence[Frame]) -> List[str]:
-    lines = [_frame_text(f) for f in frames[:STACK_FRAMES]]
+    lines = [frame_line(f) for f in frames[:STACK_FRAMES]]
     if len(frames) > STACK_FRAMES:
         lines.append(f"... {len(frames) - STACK_FRAMES} more frames")
     return lines

@@ -9,8 +9,8 @@ from typing import Dict, List, Optional
 from memdiff.differ import GONE, GREW, NEW, SHRANK, DeviceDiff, Diff, Folded
 from memdiff.judge import Verdict
 from memdiff.model import Frame, Source
-from memdiff.render.table import (category_table, check_line, diff_table, kept_line, pct_cell, peak_line,
-                                  phase_table, where_line)
+from memdiff.render.table import (category_table, check_line, diff_table, frame_line, kept_line, pct_cell,
+                                  peak_line, phase_table, where_line)
 from memdiff.units import count_of, format_bytes
 
 MARKERS = {NEW: "🆕 NEW", GREW: "🔺 GREW", SHRANK: "🔻 SHRANK", GONE: "✖️ GONE"}
@@ -53,7 +53,7 @@ def _verdict_line(diff: Diff, verdict: Verdict) -> str:
 
 
 def _frame_lines(frames: List[Frame]) -> List[str]:
-    lines = ["```text"] + [f"{f.file}:{f.line} {f.name}" if f.file else f.name for f in frames[:STACK_FRAMES]]
+    lines = ["```text"] + [frame_line(f) for f in frames[:STACK_FRAMES]]
     if len(frames) > STACK_FRAMES:
         lines.append(f"... {count_of(len(frames) - STACK_FRAMES, 'more frame')}")
     return lines + ["```", ""]

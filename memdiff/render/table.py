@@ -8,6 +8,7 @@ from tabulate import tabulate
 
 from memdiff.differ import BY_SITE, NEW, PEAK, DeviceDiff, DiffRow, Folded, where_text
 from memdiff.judge import Check, growth_pct
+from memdiff.model import Frame
 from memdiff.units import format_bytes
 
 HEADERS = ["status", "count", "base", "head", "delta", "%", "site"]
@@ -15,6 +16,13 @@ HEADERS = ["status", "count", "base", "head", "delta", "%", "site"]
 
 # Beyond this a percent is not read as a number any more: `x13.4` says it better.
 RATIO_FROM_PCT = 999
+
+
+def frame_line(f: Frame) -> str:
+    """One stack frame as every report prints it: `file:line function`, or a native frame's name."""
+    if not f.file:
+        return f.name
+    return f"{f.file}:{f.line} {f.name}" if f.line else f"{f.file} {f.name}"
 
 
 def pct_cell(base: int, head: int) -> str:

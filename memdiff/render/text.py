@@ -9,10 +9,10 @@ from tabulate import tabulate
 
 from memdiff.differ import Diff, Folded
 from memdiff.judge import Verdict
-from memdiff.model import Frame, Source, Summary
+from memdiff.model import Source, Summary
 from memdiff.peak import PHASE_COLUMNS, DevicePeak, Kept, PeakRow, StepRow
-from memdiff.render.table import (category_table, check_line, diff_table, kept_line, peak_line, phase_table,
-                                  where_line)
+from memdiff.render.table import (category_table, check_line, diff_table, frame_line, kept_line, peak_line,
+                                  phase_table, where_line)
 from memdiff.units import count_of, format_bytes
 
 STACK_LINES = 6
@@ -26,14 +26,8 @@ def _when(us: Optional[int], start_us: Optional[int]) -> str:
     return f" ({into}{stamp} UTC)"
 
 
-def _frame_line(f: Frame) -> str:
-    if not f.file:
-        return f.name
-    return f"{f.file}:{f.line} {f.name}" if f.line else f"{f.file} {f.name}"
-
-
 def _site_cell(row: PeakRow) -> str:
-    lines = [row.site] + ["  " + _frame_line(f) for f in row.frames[:STACK_LINES]]
+    lines = [row.site] + ["  " + frame_line(f) for f in row.frames[:STACK_LINES]]
     if len(row.frames) > STACK_LINES:
         lines.append(f"  … {count_of(len(row.frames) - STACK_LINES, 'more frame')}")
     return "\n".join(lines)
@@ -140,7 +134,7 @@ def render_stacks(folded: Dict[int, Folded]) -> str:
             if r.frames:
                 lines.append(f"device {device} {r.status} {r.label or r.site} "
                              f"{format_bytes(r.delta_bytes, signed=True)}")
-                lines += ["  " + _frame_line(frame) for frame in r.frames[:STACK_LINES * 2]]
+                lines += ["  " + frame_line(frame) for frame in r.frames[:STACK_LINES * 2]]
     return "\n".join(lines) + "\n"
 
 
