@@ -71,6 +71,7 @@ class Baseline:
                 f'      "unmatched_free_count": {d["unmatched_free_count"]},\n'
                 f'      "categories": {json.dumps(d["categories"])},\n'
                 + (f'      "phases": {json.dumps(d["phases"])},\n' if d.get("phases") else "")
+                + (f'      "at_peak": {json.dumps(d["at_peak"])},\n' if d.get("at_peak") else "")
                 + f'      "groups": [\n{groups}\n      ]\n'
                 "    }")
         return lines + ",\n".join(devices) + "\n  ]\n}\n"
@@ -87,6 +88,7 @@ def from_summary(summary: Summary, name: str, thresholds: Thresholds, git_sha: O
         "trace_events": d.trace_events, "unmatched_free_count": d.unmatched_free_count,
         "categories": dict(sorted(d.categories.items())),
         "phases": {p.phase: p.peak_bytes for p in d.phase_peaks},
+        "at_peak": {"phase": d.phase_at_peak, "step": d.step_at_peak, "scope": d.scope_at_peak},
         "groups": [{"signature": g.signature, "site": g.site, "category": g.category or "other",
                     "count": g.count, "bytes": g.bytes} for g in d.groups[:TOP_GROUPS]],
     } for d in summary.devices]
@@ -179,10 +181,12 @@ def _stored_summary(b: Baseline) -> Summary:
                    if total > stored.get(c, 0)]
         # Only the phases' peak bytes are stored (for phase thresholds), not what was live then.
         phases = [PhasePeak(phase, None, size, 0, groups=[]) for phase, size in d.get("phases", {}).items()]
+        at_peak = d.get("at_peak") or {}  # where the peak was (baselines written before it: unknown)
         devices.append(DeviceSummary.blank(
             d["device"], trace_events=d["trace_events"], static_bytes=d["static_bytes"], peak_bytes=d["peak_bytes"],
             unmatched_free_count=d["unmatched_free_count"], groups=groups, categories=d["categories"],
-            phase_peaks=phases))
+            phase_peaks=phases, phase_at_peak=at_peak.get("phase"), step_at_peak=at_peak.get("step"),
+            scope_at_peak=at_peak.get("scope")))
     s = b.source
     source = Source(file=f"baseline {b.name} ({s['file']})", sha256=s["sha256"], size_bytes=0, container="baseline",
                     generation=s["generation"], keys=[], allocator_settings=s.get("allocator_settings"))

@@ -390,12 +390,18 @@ def _warnings(base: Summary, head: Summary, devices: Sequence[DeviceDiff] = ()) 
             steps = f", {len(b.steps)} -> {len(h.steps)} steps" if b.steps or h.steps else ""
             out.append(f"device {b.device}: event counts differ {hi / lo:.1f}x ({b.trace_events:,} -> "
                        f"{h.trace_events:,} events{steps}): the runs may not record the same work")
+    base_devices = {b.device: b for b in base.devices}
     for d in devices:
         if d.at == PEAK and d.base_peak_phase and d.head_peak_phase and d.base_peak_phase != d.head_peak_phase:
+            # A baseline keeps each phase's peak bytes but not what was live then: --at cannot
+            # align its rows, the phase table still compares like with like.
+            at_phase = base_devices[d.device].at(d.head_peak_phase) if d.device in base_devices else None
+            advice = (f"--at {d.head_peak_phase}" if at_phase is not None and at_phase[1]
+                      else "the phase peaks below, or the gate's --phase-fail-over")
             out.append(f"device {d.device}: the peaks are in different phases: base in "
                        f"{where_text(d.base_peak_phase, d.base_peak_step)}, head in "
                        f"{where_text(d.head_peak_phase, d.head_peak_step)}; rows compare different moments "
-                       f"(compare like with like: --at {d.head_peak_phase})")
+                       f"(compare like with like: {advice})")
     return out
 
 

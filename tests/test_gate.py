@@ -205,3 +205,20 @@ def test_real_ctx128_baseline_against_ctx256(shared, tmp_path, capsys):
             "model.py:forward <- mul_Tensor +776.00 MiB") in out
     code, out, _ = run(capsys, "gate", head, "--baseline", b, "--fail-over", "3GiB")
     assert code == 0 and "PASS  device 0 peak" in out
+
+
+def test_a_baseline_keeps_where_its_peak_was(shared, tmp_path, capsys):
+    base, head = shared / "cs336-medium-ctx128-train.pickle", shared / "cs336-medium-ctx256-train.pickle"
+    baseline = tmp_path / "ctx128.json"
+    assert main(["baseline", str(base), "-o", str(baseline)]) == 0
+    assert json.loads(baseline.read_text())["devices"][0]["at_peak"] == {
+        "phase": "optimizer", "step": 0, "scope": "Optimizer.step#AdamW.step"}
+    capsys.readouterr()
+    assert main(["gate", "--baseline", str(baseline), str(head)]) == 1
+    out = capsys.readouterr().out
+    # As the plain diff of the pair says it; --at needs what was live, which a baseline does not keep.
+    assert ("base peak in the optimizer step of step 0 (scope Optimizer.step#AdamW.step); "
+            "head peak in the forward of step 0") in out
+    assert ("the peaks are in different phases: base in the optimizer step of step 0, head in the forward of "
+            "step 0; rows compare different moments (compare like with like: the phase peaks below, or the "
+            "gate's --phase-fail-over)") in out
