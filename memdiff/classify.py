@@ -19,7 +19,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 from memdiff.errors import InputError
 from memdiff.frames import FREED_PREFIX
 from memdiff.model import DeviceSummary, Frame, Group, Summary, largest_first
-from memdiff.patterns import Pattern
+from memdiff.patterns import TIMEOUT_S, Pattern
 from memdiff.schema import validate
 
 OTHER = "other"
@@ -57,41 +57,52 @@ class Rule:
 
     def matches(self, g: Group) -> bool:
         """Whether the rule applies to group `g`."""
-        if g.site.startswith(FREED_PREFIX) != self.freed:
+        return self.fits(g.site.startswith(FREED_PREFIX), g.lifetime) and self.matches_stack(g.site, g.frames)
+
+    def fits(self, freed: bool, lifetime: Optional[Dict[str, str]]) -> bool:
+        """Whether the rule can apply to a group freed (or not) with this lifetime."""
+        if freed != self.freed:
             return False
-        if self.site is not None and not self.site.search(g.site):
+        return not self.lifetime or (lifetime is not None and all(
+            pattern.fullmatch(lifetime.get(fact, "")) for fact, pattern in self.lifetime))
+
+    def matches_stack(self, site: str, frames: Sequence[Frame]) -> bool:
+        """Whether the rule's site and frame tests pass for this site and stack."""
+        if self.site is not None and not self.site.search(site):
             return False
-        if self.lifetime and (g.lifetime is None or not all(
-                pattern.fullmatch(g.lifetime.get(fact, "")) for fact, pattern in self.lifetime)):
+        if not all(any(t.matches(f) for f in frames) for t in self.frames):
             return False
-        if not all(any(t.matches(f) for f in g.frames) for t in self.frames):
-            return False
-        return not any(t.matches(f) for t in self.without for f in g.frames)
+        return not any(t.matches(f) for t in self.without for f in frames)
 
 
-def _test(data: Dict[str, str], origin: str) -> FrameTest:
-    return FrameTest(**{k: Pattern(v, origin) for k, v in data.items()})
-
-
-def parse_rules(path: str, data: Any, default_priority: int, check: bool = True) -> List[Rule]:
+def parse_rules(path: str, data: Any, default_priority: int, builtin: bool = False) -> List[Rule]:
     """Rules from a decoded rules document; InputError naming the rule when one is invalid.
 
-    `check=False` skips the schema for the shipped rules, which the tests validate.
+    `builtin` is for the shipped rules: the tests validate them against the schema and their
+    regexes run without a time limit.
     """
-    if check:
+    if not builtin:
         validate(path, data, "rules")
+    timeout = None if builtin else TIMEOUT_S
     rules = []
     for i, r in enumerate(data["rules"], 1):
         rule = f"rule {i} ({r['category']})"
         origin = f"{path}: {rule}"
+
+        def pattern(text: str) -> Pattern:
+            return Pattern(text, origin, timeout)
+
+        def test(spec: Dict[str, str]) -> FrameTest:
+            return FrameTest(**{k: pattern(v) for k, v in spec.items()})
+
         try:
             rules.append(Rule(
                 category=r["category"], priority=r.get("priority", default_priority),
-                frames=tuple(_test(t, origin) for t in r.get("frames", [])),
-                without=tuple(_test(t, origin) for t in r.get("without", [])),
-                site=Pattern(r["site"], origin) if "site" in r else None,
+                frames=tuple(test(t) for t in r.get("frames", [])),
+                without=tuple(test(t) for t in r.get("without", [])),
+                site=pattern(r["site"]) if "site" in r else None,
                 freed=r.get("freed", False), origin=origin,
-                lifetime=tuple((fact, Pattern(v, origin)) for fact, v in r.get("lifetime", {}).items())))
+                lifetime=tuple((fact, pattern(v)) for fact, v in r.get("lifetime", {}).items())))
         except ValueError as exc:
             raise InputError(path, f"{rule}: {exc}") from None
     return rules
@@ -100,7 +111,7 @@ def parse_rules(path: str, data: Any, default_priority: int, check: bool = True)
 def builtin_rules() -> List[Rule]:
     """The rules shipped in memdiff/rules/categories.json."""
     text = resources.files("memdiff").joinpath("rules", "categories.json").read_text(encoding="utf-8")
-    return parse_rules("memdiff/rules/categories.json", json.loads(text), 0, check=False)
+    return parse_rules("memdiff/rules/categories.json", json.loads(text), 0, builtin=True)
 
 
 def _read_rules_file(path: str) -> Any:
@@ -148,23 +159,49 @@ def load_rules(rules_files: Sequence[str] = (), custom_profile: Optional[str] = 
     return sorted(user + builtin_rules(), key=lambda r: -r.priority)
 
 
+class Categorizer:
+    """The category of groups under one list of rules, each distinct group worked out once.
+
+    A lifetime and being freed or not rule out most rules, and there are few of them (at most
+    90 lifetimes), so the rules left for each are listed once; the same site, stack and lifetime
+    (a group again at a phase's peak) is looked up.
+    """
+
+    def __init__(self, rules: Sequence[Rule]) -> None:
+        self._rules = list(rules)
+        self._fitting: Dict[Tuple[bool, Any], List[Rule]] = {}
+        self._known: Dict[Tuple[Any, ...], str] = {}
+
+    def of(self, group: Group) -> str:
+        """The category of the first (highest-priority) rule that matches `group`, else `other`."""
+        freed = group.site.startswith(FREED_PREFIX)
+        life = None if group.lifetime is None else tuple(sorted(group.lifetime.items()))
+        key = (group.site, life, *group.frames)
+        known = self._known.get(key)
+        if known is not None:
+            return known
+        fitting = self._fitting.get((freed, life))
+        if fitting is None:
+            fitting = self._fitting[(freed, life)] = [r for r in self._rules if r.fits(freed, group.lifetime)]
+        category = next((r.category for r in fitting if r.matches_stack(group.site, group.frames)), OTHER)
+        self._known[key] = category
+        return category
+
+
 def category_of(group: Group, rules: Sequence[Rule]) -> str:
     """The category of the first (highest-priority) rule that matches, else `other`."""
-    for rule in rules:
-        if rule.matches(group):
-            return rule.category
-    return OTHER
+    return Categorizer(rules).of(group)
 
 
-def _classified(groups: Sequence[Group], rules: Sequence[Rule]) -> Tuple[List[Group], Dict[str, int]]:
-    out = [replace(g, category=category_of(g, rules)) for g in groups]
+def _classified(groups: Sequence[Group], categorizer: Categorizer) -> Tuple[List[Group], Dict[str, int]]:
+    out = [replace(g, category=categorizer.of(g)) for g in groups]
     totals: Dict[str, int] = {}
     for g in out:
         totals[g.category] = totals.get(g.category, 0) + g.bytes
     return out, largest_first(totals)
 
 
-def _classify_device(d: DeviceSummary, rules: Sequence[Rule]) -> DeviceSummary:
+def _classify_device(d: DeviceSummary, rules: Categorizer) -> DeviceSummary:
     groups, categories = _classified(d.groups, rules)
     phase_peaks = []
     for p in d.phase_peaks:
@@ -178,4 +215,5 @@ def _classify_device(d: DeviceSummary, rules: Sequence[Rule]) -> DeviceSummary:
 
 def classify(summary: Summary, rules: Sequence[Rule]) -> Summary:
     """A copy of `summary` with every group categorized and `categories` filled per device."""
-    return replace(summary, devices=[_classify_device(d, rules) for d in summary.devices])
+    categorizer = Categorizer(rules)
+    return replace(summary, devices=[_classify_device(d, categorizer) for d in summary.devices])

@@ -20,7 +20,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from memdiff.classify import Rule, category_of
+from memdiff.classify import Categorizer, Rule
 from memdiff.frames import Stack
 from memdiff.lifetimes import LIFETIMES, Lifetime
 from memdiff.model import Bar, Group, History
@@ -60,6 +60,7 @@ def category_codes(allocations: Allocations, rules: Sequence[Rule]) -> Tuple[Lis
     """(category names, each allocation's index into them): each distinct stack and lifetime
     classified once, as its group would be."""
     names: Dict[str, int] = {}
+    categorizer = Categorizer(rules)
     by_kind: Dict[Tuple[str, int], int] = {}
     codes = np.empty(len(allocations.kinds), dtype=np.int64)
     for k, (stack, lifetime_code) in enumerate(allocations.kinds):
@@ -68,7 +69,7 @@ def category_codes(allocations: Allocations, rules: Sequence[Rule]) -> Tuple[Lis
             lifetime: Lifetime = LIFETIMES[lifetime_code]
             group = Group(signature="", site=stack.site, frames=list(stack.frames), count=0, bytes=0,
                           lifetime=lifetime.to_dict())
-            by_kind[key] = names.setdefault(category_of(group, rules), len(names))
+            by_kind[key] = names.setdefault(categorizer.of(group), len(names))
         codes[k] = by_kind[key]
     return list(names), codes[allocations.kind] if len(allocations.kind) else np.zeros(0, dtype=np.int64)
 

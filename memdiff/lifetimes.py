@@ -29,7 +29,7 @@ from typing import Any, Container, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from memdiff.frames import MAX_STACK_FRAMES
+from memdiff.frames import MAX_STACK_FRAMES, PerFrames
 from memdiff.model import PhaseSpan, Step
 
 FORWARD, BACKWARD, OPTIMIZER, OTHER = "forward", "backward", "optimizer", "other"
@@ -84,20 +84,20 @@ class Lifetime:
 
 
 class _Hints:
-    """The phase hint of a raw frames list, cached per list object and per frame."""
+    """The phase hint of a raw frames list, cached per sequence of frame objects and per frame."""
 
     def __init__(self) -> None:
-        self._lists: Dict[int, Optional[str]] = {}
+        self._lists: PerFrames[Optional[str]] = PerFrames(self._scan)
         self._frames: Dict[Tuple[Any, Any], Optional[str]] = {}
 
     def of(self, frames: Any) -> Optional[str]:
-        if not frames or not isinstance(frames, list):
-            return None
-        key = id(frames)
-        if key in self._lists:
-            return self._lists[key]
+        if not frames or not isinstance(frames, list) or len(frames) > MAX_STACK_FRAMES:
+            return None  # a longer stack is refused when it is grouped
+        return self._lists.get(frames)
+
+    def _scan(self, frames: List[Any], _: Any) -> Optional[str]:
         best: Optional[str] = None
-        for raw in frames[:MAX_STACK_FRAMES]:  # a longer stack is refused when it is grouped
+        for raw in frames:
             if not isinstance(raw, dict):
                 continue
             name, filename = raw.get("name"), raw.get("filename")
@@ -112,7 +112,6 @@ class _Hints:
                 best = hint
                 if best == BACKWARD:
                     break
-        self._lists[key] = best
         return best
 
 
@@ -173,8 +172,10 @@ class Scopes:
         self._all = _Intervals(intervals)
         self.steps = sorted((start, end, int(m.group(1))) for start, end, name in intervals
                             for m in [STEP_SCOPE.match(name)] if m)
-        self._phases = _Intervals([(start, end, phase) for start, end, name in intervals
-                                   for phase in [_scope_phase(name)] if phase])
+        # Scopes repeat a few names (one per layer and step), each read once.
+        phase_of = {name: _scope_phase(name) for name in {name for _, _, name in intervals}}
+        self._phases = _Intervals([(start, end, phase_of[name]) for start, end, name in intervals
+                                   if phase_of[name]])
         self.has_phases = bool(self._phases.items)
 
     def innermost(self, time_us: Optional[int]) -> Optional[str]:
@@ -187,6 +188,7 @@ class Scopes:
 
 
 def _scope_phase(name: str) -> Optional[str]:
+    name = name[:1000]  # scope names are short; a hostile 1 MB one costs nothing more
     for phase, pattern in SCOPE_HINTS:
         if pattern.search(name):
             return phase

@@ -40,7 +40,8 @@ _OTHER_CONTAINERS = (
     (b"\x28\xb5\x2f\xfd", "zstd-compressed data (decompress it first: zstd -d FILE)"),
 )
 _CHUNK = 1 << 20
-MAX_DEVICES = 1 << 16  # device indices beyond this are not a machine's GPUs
+# PyTorch numbers devices with an int8 (c10::DeviceIndex), so a real snapshot has at most 128.
+MAX_DEVICES = 128
 MAX_BYTES = 2**62  # far beyond any device, and safely inside an int64 running total
 # What a file can honestly hold. Real snapshots compress at most about 70x (xz; gzip about 35x),
 # so a stream that decompresses to more than MAX_RATIO times its size (and past a floor that
@@ -259,7 +260,7 @@ def _validate_segments(path: str, segments: Any) -> None:
             if key in seg:
                 _size(path, f"{where}.{key}", seg[key])
         if not 0 <= seg["device"] < MAX_DEVICES:
-            raise InputError(path, f"{where}.device: {seg['device']} is not a device index")
+            raise InputError(path, f"{where}.device: {seg['device']} is not a device index (PyTorch's run 0-{MAX_DEVICES - 1})")
         _expect(path, f"{where}.blocks", seg.get("blocks", []), list, "a list")
         for j, block in enumerate(seg.get("blocks", [])):
             bwhere = f"{where}.blocks[{j}]"
@@ -355,6 +356,9 @@ def to_snapshot(path: str, raw: Any, source: Source, decoded_bytes: Optional[int
     if decoded_bytes is not None and items > max(1, decoded_bytes) / MIN_EVENT_BYTES:
         raise InputError(path, f"not a memory snapshot: {items:,} trace entries and blocks in {decoded_bytes:,} "
                                f"bytes (pickle references repeating them; real ones take dozens of bytes each)")
+    if len(traces) > MAX_DEVICES:
+        raise InputError(path, f"device_traces: {len(traces):,} devices, more than PyTorch numbers "
+                               f"({MAX_DEVICES}): not a real snapshot")
     _validate_segments(path, segments)
     for i, trace in enumerate(traces):
         _expect(path, f"device_traces[{i}]", trace, list, "a list")

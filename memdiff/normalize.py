@@ -30,6 +30,11 @@ from memdiff.load import MAX_BYTES, Snapshot
 from memdiff.model import DeviceSummary, Group, OomEvent, PhasePeak, Step, Summary, largest_first
 
 TIMELINE_POINTS = 100
+# Groups kept per peak. Real runs have tens to hundreds (the 13 shared snapshots: at most 27); a
+# file with hundreds of thousands of distinct stacks live at once would make a summary of
+# hundreds of MB, so past this the smallest are folded into one group per lifetime.
+MAX_GROUPS = 10_000
+FOLDED = "<{:,} smaller stacks>"
 
 
 @dataclass
@@ -424,18 +429,37 @@ def _group(path: str, items: List[_Live], stacks: StackNormalizer
         slot[4] += item.size if item.earlier else 0
         if item.reached_peak:
             peak_key = key
+    slots = sorted(by_key.items(), key=lambda kv: (-kv[1][3], kv[1][0].signature, kv[1][1].key()))
+    folded = [slot for key, slot in slots[MAX_GROUPS:] if key != peak_key]
+    slots = [(key, slot) for k, (key, slot) in enumerate(slots) if k < MAX_GROUPS or key == peak_key]
     groups = []
     peak_signature = None
     spans = {}
-    for key, (stack, lifetime, count, size, earlier, allocations) in by_key.items():
+    for key, (stack, lifetime, count, size, earlier, allocations) in slots:
         signature = signature_of([stack.signature, lifetime.key()])
         spans[signature] = allocations
         if key == peak_key:
             peak_signature = signature
         groups.append(Group(signature=signature, site=stack.site, frames=list(stack.frames), count=count,
                             bytes=size, lifetime=lifetime.to_dict(), bytes_from_earlier_steps=earlier))
+    groups += _folded(folded, spans)
     groups.sort(key=lambda g: (-g.bytes, g.signature))
     return groups, peak_signature, spans
+
+
+def _folded(slots: List[List[Any]], spans: Dict[str, List[Tuple[int, int, int]]]) -> List[Group]:
+    """One group per lifetime for the groups past MAX_GROUPS: no frames, so classified by lifetime."""
+    by_lifetime: Dict[Lifetime, List[List[Any]]] = {}
+    for slot in slots:
+        by_lifetime.setdefault(slot[1], []).append(slot)
+    groups = []
+    for lifetime, members in by_lifetime.items():
+        signature = signature_of(["folded", lifetime.key()])
+        spans[signature] = [a for m in members for a in m[5]]
+        groups.append(Group(signature=signature, site=FOLDED.format(len(members)), frames=[],
+                            count=sum(m[2] for m in members), bytes=sum(m[3] for m in members),
+                            lifetime=lifetime.to_dict(), bytes_from_earlier_steps=sum(m[4] for m in members)))
+    return groups
 
 
 def devices_of(snapshot: Snapshot) -> List[int]:

@@ -6,7 +6,7 @@ import copy
 
 import pytest
 
-from memdiff.frames import StackNormalizer, normalize_path, relativize
+from memdiff.frames import PerFrames, StackNormalizer, normalize_path, relativize
 from memdiff.model import Frame
 
 ALLOCATOR = [
@@ -122,6 +122,16 @@ def test_frames_are_normalized_once_per_distinct_sequence_of_frames():
     normalizer.stack(other_frames)  # equal frames, but other objects: computed again
     normalizer.stack(shared, freed=True)
     assert normalizer.computed == 3
+
+
+def test_a_value_per_frames_is_computed_once_per_sequence_of_frame_objects():
+    frame = {"filename": "model.py", "line": 1, "name": "forward"}
+    seen = []
+    per = PerFrames(lambda frames, extra: seen.append(len(frames)) or len(seen))
+    lists = [[frame] * 19_999 for _ in range(50)]  # what pickle memo references make of one deep stack
+    assert {per.get(frames) for frames in lists} == {1}
+    assert per.get(lists[0], extra=True) == 2 and per.get([dict(frame)] * 19_999) == 3
+    assert seen == [19_999] * 3
 
 
 @pytest.mark.parametrize("raw, shown", [

@@ -197,6 +197,45 @@ def test_names_with_line_breaks_parse_in_linear_time(tmp_path, frame):
     assert done.returncode == 0, done.stderr
 
 
+def test_two_thousand_events_sharing_one_deep_stack(tmp_path):
+    # One 19,999-frame list repeated through the memo: each event's list is its own object, but
+    # the stack is scanned and normalized once, not once per event (it took minutes).
+    frame = {"filename": "model.py", "line": 1, "name": "forward"}
+    trace = [dict(EVENT, addr=4096 * (i + 1), frames=[frame] * 19_999) for i in range(2000)]
+    path = tmp_path / "deep.pickle"
+    path.write_bytes(pickle.dumps({"segments": [], "device_traces": [trace]}, protocol=4))
+    done = memdiff("peak", str(path))
+    assert done.returncode == 0 and "2,000" in done.stdout, done.stderr
+
+
+def test_twenty_thousand_open_scopes_sharing_a_long_name(tmp_path):
+    name = "b" * (1 << 20)  # scope names are read once each, and only their start
+    annotations = [{"device": 0, "stage": "START", "name": name, "time_us": t} for t in range(1, 20_001)]
+    path = tmp_path / "scopes.pickle"
+    path.write_bytes(pickle.dumps({"segments": [], "external_annotations": annotations,
+                                   "device_traces": [[dict(EVENT, addr=i, time_us=i) for i in range(1, 101)]]},
+                                  protocol=4))
+    done = memdiff("peak", str(path))
+    assert done.returncode == 0, done.stderr
+
+
+def test_tens_of_thousands_of_stacks_live_at_the_peak_fold_into_a_bounded_summary(tmp_path):
+    count = 30_000
+    trace = [dict(EVENT, addr=512 * i, frames=[{"filename": f"gen{i}.py", "line": 1, "name": f"f{i}"}])
+             for i in range(count)]
+    path = tmp_path / "stacks.pickle"
+    path.write_bytes(pickle.dumps({"segments": [], "device_traces": [trace]}, protocol=4))
+    done = memdiff("summarize", str(path))
+    assert done.returncode == 0, done.stderr
+    device = json.loads(done.stdout)["devices"][0]
+    # The largest 10,000, the one whose allocation reached the peak (the last), the rest in one.
+    assert len(device["groups"]) == 10_002
+    assert any(g["site"] == f"gen{count - 1}.py:f{count - 1}" for g in device["groups"])
+    assert sum(g["bytes"] for g in device["groups"]) == device["peak_bytes"] == 512 * count
+    folded = [g for g in device["groups"] if g["site"] == "<19,999 smaller stacks>"]
+    assert len(folded) == 1 and folded[0]["count"] == 19_999 and folded[0]["frames"] == []
+
+
 def test_a_step_number_of_a_million_digits_is_no_step(tmp_path):
     name = "ProfilerStep#" + "1" * (1 << 20)
     annotations = [{"device": 0, "stage": stage, "name": name, "time_us": t} for stage, t in (("START", 1), ("END", 9))]

@@ -167,10 +167,14 @@ def test_a_file_name_cannot_inject_a_workflow_command(tmp_path, capsys):
      "device 0: sizes add up to more than 4,611,686,018,427,387,904 bytes: not a real snapshot"),
     ({"device_traces": [], "segments": [{"device": -1, "address": 0, "total_size": 64, "blocks": []}]},
      "segments[0].device: -1 is not a device index"),
+    ({"device_traces": [], "segments": [{"device": 128, "address": 0, "total_size": 64, "blocks": []}]},
+     "segments[0].device: 128 is not a device index (PyTorch's run 0-127)"),
+    ({"device_traces": [[]] * 129, "segments": []},
+     "device_traces: 129 devices, more than PyTorch numbers (128): not a real snapshot"),
     ({"device_traces": [], "segments": [{"device": 0, "address": 0, "total_size": 2**70, "blocks": [
         {"size": 2**70, "requested_size": 2**70, "state": "active_allocated"}]}]},
      "segments[0].total_size: 1,180,591,620,717,411,303,424 is not a size in bytes"),
-], ids=["int64-wrap", "negative-device", "a-block-of-2**70"])
+], ids=["int64-wrap", "negative-device", "device-128", "129-devices", "a-block-of-2**70"])
 def test_impossible_sizes_and_devices_are_bad_input(write_snapshot, capsys, snapshot, message):
     path = write_snapshot(snapshot)
     assert main(["peak", path]) == 2
