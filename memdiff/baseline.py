@@ -14,7 +14,7 @@ import json
 import os
 from dataclasses import dataclass, replace
 from datetime import datetime, timezone
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 from memdiff import __version__
 from memdiff.atomic import write_output
@@ -42,6 +42,14 @@ class Baseline:
     source: Dict[str, Any]
     devices: List[Dict[str, Any]]
     thresholds: Thresholds
+    # A job's baseline: per rank {"rank", "source", "devices"}; `source` and `devices` are then empty.
+    ranks: Optional[List[Dict[str, Any]]] = None
+
+    def of_rank(self, rank: int) -> Optional["Baseline"]:
+        """A job baseline's run of one rank, under the job's thresholds; None when it has no such rank."""
+        found = next((r for r in self.ranks or [] if r["rank"] == rank), None)
+        return None if found is None else replace(self, name=f"{self.name} rank {rank}", source=found["source"],
+                                                  devices=found["devices"], ranks=None)
 
     def to_dict(self) -> Dict[str, Any]:
         """The JSON form (what `to_json` writes, as a dict)."""
@@ -49,32 +57,47 @@ class Baseline:
 
     def to_json(self) -> str:
         """The file's text: fixed key order and one group per line, so reviews read well."""
-        source = ",\n".join(f"    {json.dumps(k)}: {json.dumps(v)}" for k, v in self.source.items())
         thresholds = json.dumps(self.thresholds.to_dict(), indent=2).replace("\n", "\n  ")
-        lines = ("{\n"
-                 f'  "schema_version": {BASELINE_SCHEMA_VERSION},\n'
-                 f'  "name": {json.dumps(self.name)},\n'
-                 f'  "created": {json.dumps(self.created)},\n'
-                 f'  "tool": {json.dumps(self.tool)},\n'
-                 f'  "source": {{\n{source}\n  }},\n'
-                 f'  "thresholds": {thresholds},\n'
-                 '  "devices": [\n')
-        devices = []
-        for d in self.devices:
-            groups = ",\n".join("        " + json.dumps(g) for g in d["groups"])
-            devices.append(
-                "    {\n"
-                f'      "device": {d["device"]},\n'
-                f'      "peak_bytes": {d["peak_bytes"]},\n'
-                f'      "static_bytes": {d["static_bytes"]},\n'
-                f'      "trace_events": {d["trace_events"]},\n'
-                f'      "unmatched_free_count": {d["unmatched_free_count"]},\n'
-                f'      "categories": {json.dumps(d["categories"])},\n'
-                + (f'      "phases": {json.dumps(d["phases"])},\n' if d.get("phases") else "")
-                + (f'      "at_peak": {json.dumps(d["at_peak"])},\n' if d.get("at_peak") else "")
-                + f'      "groups": [\n{groups}\n      ]\n'
-                "    }")
-        return lines + ",\n".join(devices) + "\n  ]\n}\n"
+        head = ("{\n"
+                f'  "schema_version": {BASELINE_SCHEMA_VERSION},\n'
+                f'  "name": {json.dumps(self.name)},\n'
+                f'  "created": {json.dumps(self.created)},\n'
+                f'  "tool": {json.dumps(self.tool)},\n')
+        if self.ranks is None:
+            return (head + _source_json(self.source, "  ") + f'  "thresholds": {thresholds},\n'
+                    + _devices_json(self.devices, "  ") + "\n}\n")
+        ranks = [f'    {{\n      "rank": {r["rank"]},\n' + _source_json(r["source"], "      ")
+                 + _devices_json(r["devices"], "      ") + "\n    }" for r in self.ranks]
+        return head + f'  "thresholds": {thresholds},\n  "ranks": [\n' + ",\n".join(ranks) + "\n  ]\n}\n"
+
+
+def _source_json(source: Dict[str, Any], pad: str) -> str:
+    items = ",\n".join(f"{pad}  {json.dumps(k)}: {json.dumps(v)}" for k, v in source.items())
+    return f'{pad}"source": {{\n{items}\n{pad}}},\n'
+
+
+def _devices_json(devices: List[Dict[str, Any]], pad: str) -> str:
+    out = []
+    for d in devices:
+        groups = ",\n".join(f"{pad}      " + json.dumps(g) for g in d["groups"])
+        fields = [f'"device": {d["device"]}', f'"peak_bytes": {d["peak_bytes"]}',
+                  f'"static_bytes": {d["static_bytes"]}', f'"trace_events": {d["trace_events"]}',
+                  f'"unmatched_free_count": {d["unmatched_free_count"]}',
+                  f'"categories": {json.dumps(d["categories"])}']
+        fields += [f'"phases": {json.dumps(d["phases"])}'] if d.get("phases") else []
+        fields += [f'"at_peak": {json.dumps(d["at_peak"])}'] if d.get("at_peak") else []
+        fields.append(f'"groups": [\n{groups}\n{pad}    ]')
+        out.append(f"{pad}  {{\n" + ",\n".join(f"{pad}    {f}" for f in fields) + f"\n{pad}  }}")
+    return f'{pad}"devices": [\n' + ",\n".join(out) + f"\n{pad}]"
+
+
+def from_summaries(summaries: Dict[int, Summary], name: str, thresholds: Thresholds, git_sha: Optional[str] = None,
+                   created: Optional[str] = None) -> Baseline:
+    """A job's baseline: each rank's run (by rank number), under one set of thresholds."""
+    runs = {rank: from_summary(s, name, thresholds, git_sha, created) for rank, s in sorted(summaries.items())}
+    first = next(iter(runs.values()))
+    return replace(first, source={}, devices=[],
+                   ranks=[{"rank": rank, "source": b.source, "devices": b.devices} for rank, b in runs.items()])
 
 
 def from_summary(summary: Summary, name: str, thresholds: Thresholds, git_sha: Optional[str] = None,
@@ -97,18 +120,21 @@ def from_summary(summary: Summary, name: str, thresholds: Thresholds, git_sha: O
                     thresholds=thresholds)
 
 
-def update_baseline(path: str, summary_of: Callable[[], Summary],
+def update_baseline(path: str, summary_of: Callable[[], Union[Summary, Dict[int, Summary]]],
                     thresholds_for: Callable[[Optional[Thresholds]], Thresholds], name: Optional[str] = None,
                     git_sha: Optional[str] = None) -> Tuple[Baseline, bool]:
     """Create or update the baseline at `path` atomically: (the baseline, whether one was there).
 
-    An existing baseline is read first, so a broken one stops everything before the run is
-    summarized or anything is written; it keeps its name unless `name` is given, and
-    `thresholds_for` gets its thresholds to build on.
+    `summary_of` gives the run's summary, or a job's summaries by rank. An existing baseline is
+    read first, so a broken one stops everything before the run is summarized or anything is
+    written; it keeps its name unless `name` is given, and `thresholds_for` gets its thresholds
+    to build on.
     """
     old = read_baseline(path) if os.path.exists(path) else None
     limits = thresholds_for(old.thresholds if old else None)
-    baseline = from_summary(summary_of(), name or (old.name if old else stem(path)), limits, git_sha)
+    summary = summary_of()
+    make = from_summaries if isinstance(summary, dict) else from_summary
+    baseline = make(summary, name or (old.name if old else stem(path)), limits, git_sha)  # type: ignore[arg-type]
     write_output(path, baseline.to_json())
     return baseline, old is not None
 
@@ -139,8 +165,9 @@ def read_baseline(path: str) -> Baseline:
         raise InputError(path, f"baseline schema_version {doc['schema_version']!r} is not one this memdiff reads "
                                f"({BASELINE_SCHEMA_VERSION})")
     validate(path, doc, "baseline")
-    return Baseline(name=doc["name"], created=doc["created"], tool=doc.get("tool", ""), source=doc["source"],
-                    devices=doc["devices"], thresholds=thresholds_from_dict(path, doc["thresholds"]))
+    return Baseline(name=doc["name"], created=doc["created"], tool=doc.get("tool", ""), source=doc.get("source", {}),
+                    devices=doc.get("devices", []), thresholds=thresholds_from_dict(path, doc["thresholds"]),
+                    ranks=doc.get("ranks"))
 
 
 SUFFIXES = (".gz", ".bz2", ".xz", ".pickle", ".pkl", ".json")

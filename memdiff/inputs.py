@@ -8,7 +8,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 from concurrent.futures import ProcessPoolExecutor
-from typing import Any, List, Sequence
+from typing import Any, List, Optional, Sequence
 
 from memdiff.classify import Rule, classify
 from memdiff.errors import InputError
@@ -43,17 +43,48 @@ def read_summary(path: str, rules: Sequence[Rule], history: bool = False) -> Sum
 
 # Below this much input, starting worker processes (~0.3 s) costs more than it saves.
 PARALLEL_MIN_BYTES = 32 * 2**20
+# What reading a file costs at most, per byte of file: a plain pickle decodes to about 8 times its
+# size in Python objects (the 1M-event benchmark: 48 MB -> 390 MB), plus the interpreter's own.
+MEMORY_PER_FILE_BYTE = 10
+WORKER_BASE_BYTES = 150 * 2**20
+
+
+def _available_memory() -> Optional[int]:
+    """Memory the system can give without swapping (MemAvailable), when it says."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def worker_count(sizes: Sequence[int]) -> int:
+    """Worker processes for reading files of these sizes: one per core, fewer when the largest
+    files decoded side by side would not fit in the available memory."""
+    workers = min(len(sizes), os.cpu_count() or 1)
+    available = _available_memory()
+    if available is not None and sizes:
+        need = WORKER_BASE_BYTES + MEMORY_PER_FILE_BYTE * max(sizes)
+        workers = min(workers, max(1, available // need))
+    return workers
 
 
 def read_summaries(paths: Sequence[str], rules: Sequence[Rule], history: bool = False) -> List[Summary]:
-    """`read_summary` of each path; big inputs are read in parallel worker processes.
+    """`read_summary` of each path; big inputs are read in parallel worker processes, as many
+    as the cores and the available memory allow (see worker_count).
 
     Only the summaries (a few KB each) cross the process boundary, so two million-event
     snapshots cost about as much as the larger one alone. Workers are spawned rather than
     forked: forking a process that may hold numpy's threads can deadlock.
     """
     sizes = [os.path.getsize(p) if os.path.isfile(p) else 0 for p in paths]
-    workers = min(len(paths), os.cpu_count() or 1)
+    workers = worker_count(sizes)
     if workers < 2 or sum(sizes) < PARALLEL_MIN_BYTES:
         return [read_summary(p, rules, history) for p in paths]
     with ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn")) as pool:

@@ -260,3 +260,18 @@ def judge(diff: Diff, thresholds: Thresholds, update_hint: Optional[str] = None)
             notes.append(f"device {d.device}: {moment} grew by {format_bytes(d.peak_delta_bytes)}; top growth: "
                          + ", ".join(f"{r.label or r.site} {format_bytes(r.delta_bytes, signed=True)}" for r in growth))
     return Verdict(passed=all(c.passed for c in checks), rule=thresholds.describe(), checks=checks, notes=notes)
+
+
+def imbalance_check(median_bytes: int, max_bytes: int, pct: float) -> Check:
+    """The heaviest rank's peak against the median rank's: fails when max/median exceeds 1 + pct/100."""
+    ratio_limit = 1 + pct / 100
+    return Check(subject="imbalance (heaviest rank / median rank)", base_bytes=median_bytes, head_bytes=max_bytes,
+                 delta_bytes=max_bytes - median_bytes, delta_pct=growth_pct(median_bytes, max_bytes),
+                 limit=f"max/median over {ratio_limit:.2f}x", passed=max_bytes <= ratio_limit * median_bytes)
+
+
+def judge_ranks(per_rank: Dict[int, Verdict], rule: str) -> Verdict:
+    """A job's verdict from each rank's: it passes when every rank does; checks and notes name their rank."""
+    checks = [replace(c, subject=f"rank {rank} {c.subject}") for rank, v in per_rank.items() for c in v.checks]
+    notes = [f"rank {rank} {n}" for rank, v in per_rank.items() for n in v.notes]
+    return Verdict(passed=all(v.passed for v in per_rank.values()), rule=rule, checks=checks, notes=notes)

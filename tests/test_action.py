@@ -83,3 +83,20 @@ def test_the_html_report_is_written_where_the_upload_step_looks(action, shared, 
     assert upload["uses"].startswith("actions/upload-artifact@") and "steps.compare.outputs.html" in upload["with"]["path"]
     outputs, _ = action(tmp_path, head=str(head), base=str(base), html="false")
     assert "html" not in outputs
+
+
+def test_a_job_folder_is_gated_rank_by_rank(action, shared, tmp_path):
+    # runs/train/ holds one snapshot per rank; its baseline is baselines/train.json.
+    for name, runs in (("cs336-medium-ctx128-train.pickle", "base"), ("cs336-medium-ctx256-train.pickle", "head")):
+        job = tmp_path / runs / "train"
+        job.mkdir(parents=True)
+        for rank in range(2):
+            (job / f"rank{rank}.pickle").symlink_to(shared / name if rank == 1 else shared / "cs336-medium-ctx128-train.pickle")
+    (tmp_path / "baselines").mkdir()
+    subprocess.run([sys.executable, "-m", "memdiff", "baseline", "base/train", "-o", "baselines/train.json"],
+                   cwd=tmp_path, check=True, capture_output=True)
+    outputs, log = action(tmp_path, head="head/train", baseline="baselines", html="true")
+    assert outputs["exit-code"] == "1" and "FAIL: 2 ranks compared, failing: 1" in log
+    assert (tmp_path / "memdiff-html" / "report.html").read_text().startswith("<!DOCTYPE html>")
+    outputs, log = action(tmp_path, head="head/train", base="base/train")
+    assert outputs["exit-code"] == "1" and "worst rank: 1" in log

@@ -158,3 +158,15 @@ def publisher_from(args: argparse.Namespace, expected: int = 1) -> Optional["Pub
     return Publisher(environ=os.environ if args.github else {}, report_path=args.report,
                      base_label=args.base_label, head_label=args.head_label, expected=expected,
                      annotate=args.github)
+
+
+def add_job_arguments(p: argparse.ArgumentParser) -> None:
+    """How a job (a folder or glob of per-rank files) is read: rank numbers, missing ranks, Dask."""
+    p.add_argument("--rank-pattern", metavar="REGEX",
+                   help="read each file's rank with this regex (its first group: the digits) instead of the "
+                        "documented names (rank3, rank-3, rank3_..., name_3.pickle)")
+    p.add_argument("--allow-missing-ranks", action="store_true",
+                   help="read a job whose rank numbers have gaps (by default a missing rank is exit 2)")
+    p.add_argument("--dask", metavar="ADDRESS",
+                   help="summarize the ranks on this Dask scheduler (tcp://host:8786; needs memdiff[dask]); "
+                        "its workers read the files from the same paths")

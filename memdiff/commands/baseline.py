@@ -6,12 +6,15 @@ import argparse
 import glob
 import os
 import sys
+from typing import Dict, Union
 
 from memdiff.baseline import read_baseline, update_baseline
-from memdiff.commands.args import (add_category_threshold_argument, add_phase_threshold_argument, add_rules_arguments,
-                                   add_threshold_arguments, rules_from, thresholds_from)
+from memdiff.commands.args import (add_category_threshold_argument, add_job_arguments, add_phase_threshold_argument,
+                                   add_rules_arguments, add_threshold_arguments, rules_from, thresholds_from)
 from memdiff.errors import EXIT_BAD_INPUT, EXIT_OK, InputError
 from memdiff.inputs import read_summary
+from memdiff.job import discover, is_job, summarize_ranks
+from memdiff.model import Summary
 from memdiff.units import format_bytes
 
 
@@ -21,7 +24,8 @@ DESCRIPTION = ("Write a baseline of SNAPSHOT to FILE, atomically. Updating an ex
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The subcommand's arguments."""
-    p.add_argument("snapshot", nargs="?", help="snapshot or summary to take the baseline from")
+    p.add_argument("snapshot", nargs="?", help="snapshot or summary to take the baseline from, or a job (a folder "
+                                               "or glob of rank files): one baseline holding every rank")
     p.add_argument("-o", "--output", metavar="FILE", help="baseline file to create or update")
     p.add_argument("--name", help="baseline name (default: kept when updating, else the file's stem)")
     p.add_argument("--git-sha", metavar="SHA", help="commit the run was made from, stored for reviewers")
@@ -30,6 +34,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_category_threshold_argument(p)
     add_phase_threshold_argument(p)
     add_rules_arguments(p)
+    add_job_arguments(p)
 
 
 def _check(path: str) -> int:
@@ -44,8 +49,19 @@ def _check(path: str) -> int:
             broken += 1
             print(f"memdiff: {exc.path}: {exc.message}", file=sys.stderr)
         else:
-            print(f"ok  {f}  ({b.name}, {len(b.devices)} device{'s' if len(b.devices) != 1 else ''})")
+            what = (f"{len(b.ranks)} ranks" if b.ranks is not None
+                    else f"{len(b.devices)} device{'s' if len(b.devices) != 1 else ''}")
+            print(f"ok  {f}  ({b.name}, {what})")
     return EXIT_BAD_INPUT if broken else EXIT_OK
+
+
+def _summaries(args: argparse.Namespace) -> Union[Summary, Dict[int, Summary]]:
+    """The run's summary, or a job's summaries by rank."""
+    rules = rules_from(args)
+    if not is_job(args.snapshot):
+        return read_summary(args.snapshot, rules)
+    files = discover(args.snapshot, args.rank_pattern, args.allow_missing_ranks)
+    return dict(zip([f.rank for f in files], summarize_ranks(files, rules, args.dask)))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -54,10 +70,14 @@ def run(args: argparse.Namespace) -> int:
         return _check(args.check)
     if not args.snapshot or not args.output:
         raise InputError("baseline", "give SNAPSHOT -o FILE to write a baseline, or --check PATH")
-    baseline, existed = update_baseline(args.output, lambda: read_summary(args.snapshot, rules_from(args)),
+    baseline, existed = update_baseline(args.output, lambda: _summaries(args),
                                         lambda old: thresholds_from(args, old), args.name, args.git_sha)
     name, thresholds = baseline.name, baseline.thresholds
-    peaks = ", ".join(f"device {d['device']} peak {format_bytes(d['peak_bytes'])}" for d in baseline.devices)
+    if baseline.ranks is not None:
+        peaks = f"{len(baseline.ranks):,} ranks, highest peak " + format_bytes(max(
+            (d["peak_bytes"] for r in baseline.ranks for d in r["devices"]), default=0))
+    else:
+        peaks = ", ".join(f"device {d['device']} peak {format_bytes(d['peak_bytes'])}" for d in baseline.devices)
     print(f"memdiff: {'updated' if existed else 'wrote'} {args.output}: baseline {name!r}, {peaks}; "
           f"{thresholds.describe()}", file=sys.stderr)
     return 0

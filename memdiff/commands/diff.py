@@ -3,20 +3,25 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
-from typing import Optional
+from typing import List, Optional
 
 from memdiff.atomic import check_output, write_output
-from memdiff.commands.args import (add_github_arguments, add_html_argument, add_report_arguments, add_rules_arguments,
-                                   add_threshold_arguments, publisher_from, rules_from)
+from memdiff.classify import Rule
+from memdiff.commands.args import (add_github_arguments, add_html_argument, add_job_arguments, add_report_arguments,
+                                   add_rules_arguments, add_threshold_arguments, publisher_from, rules_from)
 from memdiff.differ import MOMENTS, PEAK, Diff, diff, fold
-from memdiff.errors import EXIT_OK, EXIT_REGRESSION
-from memdiff.judge import Limit, Thresholds, Verdict, judge
+from memdiff.errors import EXIT_OK, EXIT_REGRESSION, InputError
+from memdiff.job import discover, is_job, summarize_ranks
+from memdiff.jobdiff import diff_jobs
+from memdiff.judge import Limit, Thresholds, Verdict, judge, judge_ranks
 from memdiff.inputs import read_summaries
 from memdiff.model import Summary
 from memdiff.render import html as render_html
 from memdiff.render import json as render_json
 from memdiff.render import markdown as render_markdown
+from memdiff.render import ranks as render_ranks
 from memdiff.render import text as render_text
 
 
@@ -26,8 +31,9 @@ DESCRIPTION = ("Align two runs by stack signature and explain the peak differenc
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The subcommand's arguments."""
-    p.add_argument("base", help="the run to compare against (snapshot or summary)")
-    p.add_argument("head", help="the new run (snapshot or summary)")
+    p.add_argument("base", help="the run to compare against (snapshot or summary), or a job: a folder or glob "
+                                "of rank files, compared rank by rank with a job as head")
+    p.add_argument("head", help="the new run (snapshot or summary), or a job")
     p.add_argument("--at", choices=MOMENTS, default=PEAK,
                    help="compare what is live at each run's peak (default), or at the peak of one phase in "
                         "both runs: like with like when the peaks fall in different phases")
@@ -36,6 +42,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_threshold_arguments(p)
     add_rules_arguments(p)
     add_github_arguments(p)
+    add_job_arguments(p)
 
 
 def render_report(result: Diff, verdict: Verdict, fmt: str, top: int, min_delta: int) -> str:
@@ -54,11 +61,45 @@ def write_html(path: str, result: Diff, verdict: Verdict, base: Summary, head: S
     write_output(path, render_html.render_diff(result, verdict, folded, base, head, base_label))
 
 
+def _run_jobs(args: argparse.Namespace, rules: List[Rule]) -> int:
+    """Job against job: every rank diffed and judged, the worst shown in full."""
+    if not (is_job(args.base) and is_job(args.head)):
+        job, run_ = (args.base, args.head) if is_job(args.base) else (args.head, args.base)
+        raise InputError(run_, f"is one run and {job} a job (a folder or glob of rank files): compare a job "
+                               f"with a job, or one rank's file with a run")
+    base_files = discover(args.base, args.rank_pattern, args.allow_missing_ranks)
+    head_files = discover(args.head, args.rank_pattern, args.allow_missing_ranks)
+    base = summarize_ranks(base_files, rules, args.dask, history=bool(args.html))
+    head = summarize_ranks(head_files, rules, args.dask, history=bool(args.html))
+    job = diff_jobs(base_files, base, head_files, head, at=args.at)
+    thresholds = Thresholds(peak=Limit.from_options(args.fail_over, args.fail_over_pct))
+    per_rank = {r.rank: judge(r.diff, thresholds) for r in job.ranks}
+    verdict = judge_ranks(per_rank, thresholds.describe())
+    worst = job.worst
+    if args.format == "json":
+        sys.stdout.write(json.dumps(render_ranks.job_diff_document(job, verdict, per_rank), indent=2,
+                                    ensure_ascii=False) + "\n")
+    else:
+        report = render_report(worst.diff, per_rank[worst.rank], args.format, args.top, args.min_delta)
+        sys.stdout.write(render_ranks.render_job_diff(job, verdict, per_rank, report, args.format == "markdown"))
+    if args.html:  # the page shows the worst rank
+        b = dict(zip([f.rank for f in base_files], base))[worst.rank]
+        h = dict(zip([f.rank for f in head_files], head))[worst.rank]
+        write_html(args.html, worst.diff, per_rank[worst.rank], b, h, args.top, args.min_delta)
+    publisher = publisher_from(args)
+    if publisher:  # the comment shows the worst rank in full, under the job's verdict
+        publisher.add(worst.diff, verdict, args.top, args.min_delta)
+        publisher.finish()
+    return EXIT_OK if verdict.passed else EXIT_REGRESSION
+
+
 def run(args: argparse.Namespace) -> int:
     """Read both inputs, align, judge, print; exit 1 on a regression."""
     rules = rules_from(args)
     if args.html:
         check_output(args.html)
+    if is_job(args.base) or is_job(args.head):
+        return _run_jobs(args, rules)
     base, head = read_summaries([args.base, args.head], rules, history=bool(args.html))
     result = diff(base, head, at=args.at)
     verdict = judge(result, Thresholds(peak=Limit.from_options(args.fail_over, args.fail_over_pct)))

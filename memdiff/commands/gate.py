@@ -6,19 +6,26 @@ import argparse
 import json
 import os
 import sys
+from dataclasses import dataclass, replace
 from typing import Dict, List, Tuple
 
-from memdiff.baseline import baseline_path_for, comparable_pair, read_baseline, stem
+from memdiff.baseline import Baseline, baseline_path_for, comparable_pair, read_baseline, stem
 from memdiff.atomic import check_output
+from memdiff.classify import Rule
 from memdiff.commands.args import (add_category_threshold_argument, add_github_arguments, add_html_argument,
-                                   add_phase_threshold_argument, add_report_arguments, add_rules_arguments,
-                                   add_threshold_arguments, publisher_from, rules_from, thresholds_from)
+                                   add_job_arguments, add_phase_threshold_argument, add_report_arguments,
+                                   add_rules_arguments, add_threshold_arguments, publisher_from, rules_from,
+                                   thresholds_from)
 from memdiff.commands.diff import render_report, write_html
 from memdiff.differ import diff
 from memdiff.errors import EXIT_OK, EXIT_REGRESSION, InputError
-from memdiff.judge import judge
+from memdiff.job import discover, is_job, ranges, ranks_text, summarize_ranks
+from memdiff.jobdiff import JobDiff, RankDiff
+from memdiff.model import Summary
+from memdiff.judge import Verdict, judge, judge_ranks
 from memdiff.inputs import read_summary
 from memdiff.render import json as render_json
+from memdiff.render import ranks as render_ranks
 
 
 DESCRIPTION = ("Compare each run with its baseline under the baseline's thresholds (flags override them) "
@@ -27,7 +34,9 @@ DESCRIPTION = ("Compare each run with its baseline under the baseline's threshol
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The subcommand's arguments."""
-    p.add_argument("snapshots", nargs="+", metavar="SNAPSHOT", help="runs to gate (snapshots or summaries)")
+    p.add_argument("snapshots", nargs="+", metavar="SNAPSHOT",
+                   help="runs to gate (snapshots or summaries), or jobs (a folder or glob of rank files, gated rank "
+                        "by rank against a job baseline; with --baselines, DIR/<folder name>.json)")
     which = p.add_mutually_exclusive_group(required=True)
     which.add_argument("--baseline", metavar="FILE", help="the baseline of the one SNAPSHOT")
     which.add_argument("--baselines", metavar="DIR", help="folder of baselines named after each run's stem")
@@ -39,6 +48,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_phase_threshold_argument(p)
     add_rules_arguments(p)
     add_github_arguments(p)
+    add_job_arguments(p)
 
 
 def _pairs(args: argparse.Namespace) -> Tuple[List[Tuple[str, str]], List[Tuple[str, str]]]:
@@ -46,7 +56,7 @@ def _pairs(args: argparse.Namespace) -> Tuple[List[Tuple[str, str]], List[Tuple[
     # A run that does not exist is bad input, whatever the flags: a typo or a crashed recording
     # must not read as "not gated" and pass.
     for snap in args.snapshots:
-        if not os.path.exists(snap):
+        if not os.path.exists(snap) and not is_job(snap):
             raise InputError(snap, "no such file (a glob that matches nothing is passed on as it is)")
     if args.baseline is not None:
         if not args.baseline:
@@ -58,7 +68,7 @@ def _pairs(args: argparse.Namespace) -> Tuple[List[Tuple[str, str]], List[Tuple[
         raise InputError(args.baselines, "no such folder of baselines")
     pairs, missing = [], []
     for snap in args.snapshots:
-        path = baseline_path_for(args.baselines, snap)
+        path = baseline_path_for(args.baselines, os.path.normpath(snap) if os.path.isdir(snap) else snap)
         (pairs if os.path.exists(path) else missing).append((snap, path))
     return pairs, missing
 
@@ -78,6 +88,57 @@ def _html_paths(path: str, runs: List[str]) -> Dict[str, str]:
     return {run: os.path.join(path, f"{stem(run)}.html") for run in runs}
 
 
+@dataclass
+class _GatedJob:
+    """A job gated against its baseline."""
+
+    job: JobDiff
+    verdict: Verdict
+    per_rank: Dict[int, Verdict]
+    failures: List[str]  # why the job fails beyond its ranks' checks
+    pairs: Dict[int, Tuple[Summary, Summary]]  # each rank's (baseline side, run side), for the HTML page
+
+
+def _gate_job(args: argparse.Namespace, job_arg: str, path: str, baseline: Baseline, rules: List[Rule],
+              history: bool) -> _GatedJob:
+    """Each rank of the job against the same rank of the job's baseline, under its thresholds.
+
+    A rank the baseline has and the run lacks fails the gate (a crashed rank must not pass); a
+    rank the baseline lacks is not gated, as a run without a baseline is."""
+    if baseline.ranks is None:
+        raise InputError(path, f"is the baseline of one run and {job_arg} is a job: make a job baseline with "
+                               f"`memdiff baseline {job_arg} -o {path}`")
+    files = discover(job_arg, args.rank_pattern, args.allow_missing_ranks)
+    thresholds = thresholds_from(args, baseline.thresholds)
+    per_rank: Dict[int, Verdict] = {}
+    pairs: Dict[int, Tuple[Summary, Summary]] = {}
+    ranks, only_head = [], []
+    for f, summary in zip(files, summarize_ranks(files, rules, args.dask, history)):
+        stored = baseline.of_rank(f.rank)
+        if stored is None:
+            only_head.append(f.rank)
+            continue
+        base, head = pairs[f.rank] = comparable_pair(path, stored, summary)
+        result = diff(base, head)
+        per_rank[f.rank] = judge(result, thresholds, update_hint=f"memdiff baseline {job_arg} -o {path}")
+        ranks.append(RankDiff(f.rank, result))
+    present = {f.rank for f in files}
+    only_base = [r["rank"] for r in baseline.ranks if r["rank"] not in present]
+    if not ranks:
+        raise InputError(job_arg, f"no rank of the job is in the baseline {path} (it has ranks "
+                                  f"{ranges([r['rank'] for r in baseline.ranks])})")
+    failures = []
+    if only_base and not args.allow_missing_ranks:
+        failures.append(f"{ranks_text(only_base)}: in the baseline but not in the run (a rank that crashed?); "
+                        f"--allow-missing-ranks gates the others only")
+    if only_head and args.require_baseline:
+        failures.append(f"{ranks_text(only_head)}: no baseline (--require-baseline)")
+    verdict = judge_ranks(per_rank, thresholds.describe())
+    verdict = replace(verdict, passed=verdict.passed and not failures, notes=failures + verdict.notes)
+    return _GatedJob(JobDiff(ranks=ranks, only_base=only_base, only_head=only_head), verdict, per_rank, failures,
+                     pairs)
+
+
 def run(args: argparse.Namespace) -> int:
     """Gate every run; exit 1 when any check fails (or a required baseline is missing)."""
     rules = rules_from(args)
@@ -88,6 +149,27 @@ def run(args: argparse.Namespace) -> int:
     publisher = publisher_from(args, expected=len(pairs))
     for snap, path in pairs:
         baseline = read_baseline(path)
+        if is_job(snap):
+            gated = _gate_job(args, snap, path, baseline, rules, history=snap in html_paths)
+            job, verdict, per_rank = gated.job, gated.verdict, gated.per_rank
+            status = status or (EXIT_OK if verdict.passed else EXIT_REGRESSION)
+            worst = job.worst
+            if snap in html_paths:  # the page shows the worst rank
+                write_html(html_paths[snap], worst.diff, per_rank[worst.rank], *gated.pairs[worst.rank], args.top,
+                           args.min_delta, base_label=f"baseline {baseline.name} rank {worst.rank}")
+            if publisher:
+                publisher.add(worst.diff, verdict, args.top, args.min_delta,
+                              base_label=f"baseline {baseline.name} rank {worst.rank}")
+            if args.format == "json":
+                documents.append({"run": snap, "baseline": path,
+                                  **render_ranks.job_diff_document(job, verdict, per_rank)})
+                continue
+            if len(args.snapshots) > 1:
+                sys.stdout.write(f"{'## ' if args.format == 'markdown' else '== '}{snap} against {path}\n\n")
+            report = render_report(worst.diff, per_rank[worst.rank], args.format, args.top, args.min_delta)
+            sys.stdout.write(render_ranks.render_job_diff(job, verdict, per_rank, report, args.format == "markdown",
+                                                          gated.failures) + ("\n" if len(pairs) > 1 else ""))
+            continue
         base, head = comparable_pair(path, baseline, read_summary(snap, rules, history=bool(html_paths)))
         result = diff(base, head)
         verdict = judge(result, thresholds_from(args, baseline.thresholds),

@@ -1,0 +1,158 @@
+"""Jobs: a folder or glob of per-rank snapshots (or summaries), each file's rank read from its name.
+
+Distributed launchers write one snapshot per rank, and each trainer names them its own way:
+torchtitan `iteration_N/rank{R}_memory_snapshot.pickle`, Megatron `memory_trace_{R}.pickle`,
+Composer `rank{R}.{batch}.memory_snapshot`, and `memdiff record -o runs/` `rank{R}.pickle`.
+RANK_PATTERNS are tried in order on the file name; `--rank-pattern` replaces them with a
+regex whose first group is the rank.
+
+Reading a job is a map (each file to its few-KB summary) and a reduce over summaries only; the
+map runs in local worker processes or, for jobs that outgrow one machine, on a Dask cluster.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Sequence
+
+from memdiff.classify import Rule
+from memdiff.errors import InputError
+from memdiff.model import Summary
+from memdiff.patterns import Pattern
+
+# `rank3`, `rank-3`, `rank_3`, `rank3_memory_snapshot`, `rank3.0.memory_snapshot`; then a
+# trailing number (`memory_trace_3.pickle`, `snapshot-3.json.gz`).
+RANK_PATTERNS = (r"(?i)(?:^|[^a-z])rank[-_]?(\d+)(?!\d)", r"[-_.](\d+)(?:\.[a-z]+)*$")
+HIDDEN = (".", "_")  # recording leftovers (`.rank0.pickle.recording`) and editor files
+MAX_RANKS = 1 << 20
+
+
+@dataclass(frozen=True)
+class RankFile:
+    """One rank's file in a job."""
+
+    rank: int
+    path: str
+
+
+def is_job(arg: str) -> bool:
+    """Whether a command-line input names a job (a folder or a glob) rather than one file."""
+    return os.path.isdir(arg) or (not os.path.exists(arg) and glob.has_magic(arg))
+
+
+def rank_of(name: str, patterns: Sequence[Pattern]) -> Optional[int]:
+    """The rank a file name says, by the first pattern that matches it; None when none does."""
+    for pattern in patterns:
+        found = pattern.search(name)
+        if found is not None:
+            try:
+                return int(found.group(1))
+            except (IndexError, ValueError):
+                raise InputError(f"--rank-pattern {pattern.pattern}",
+                                 "needs one group that captures the rank's digits, e.g. 'gpu(\\d+)'") from None
+    return None
+
+
+def rank_patterns(user: Optional[str]) -> List[Pattern]:
+    """The documented patterns, or the user's `--rank-pattern` alone."""
+    if user is None:
+        return [Pattern(p, "memdiff.job.RANK_PATTERNS", timeout=None) for p in RANK_PATTERNS]
+    try:
+        return [Pattern(user, "--rank-pattern")]
+    except ValueError as exc:
+        raise InputError("--rank-pattern", str(exc)) from None
+
+
+def discover(arg: str, rank_pattern: Optional[str] = None, allow_missing: bool = False) -> List[RankFile]:
+    """The rank files of a job, by rank; InputError when the job is empty, a name says no rank,
+    two files claim one rank, or ranks are missing (unless `allow_missing`)."""
+    if os.path.isdir(arg):
+        paths = [os.path.join(arg, n) for n in sorted(os.listdir(arg))]
+    else:
+        paths = sorted(glob.glob(arg))
+    paths = [p for p in paths if os.path.isfile(p) and not os.path.basename(p).startswith(HIDDEN)]
+    if not paths:
+        raise InputError(arg, "no rank files here" if os.path.isdir(arg) else "the pattern matches no file")
+    patterns = rank_patterns(rank_pattern)
+    by_rank: Dict[int, str] = {}
+    for path in paths:
+        rank = rank_of(os.path.basename(path), patterns)
+        if rank is None or rank >= MAX_RANKS:
+            raise InputError(path, "no rank in the file name (rank3, rank-3, rank3_..., name_3.pickle); "
+                                   "give --rank-pattern REGEX with one group for the rank")
+        if rank in by_rank:
+            raise InputError(arg, f"rank {rank} has two files: {os.path.basename(by_rank[rank])} and "
+                                  f"{os.path.basename(path)} (pick one step's files with a glob)")
+        by_rank[rank] = path
+    missing = missing_ranks(by_rank)
+    if missing and not allow_missing:
+        raise InputError(arg, f"{len(missing):,} rank(s) missing of 0-{max(by_rank)}: {ranges(missing)} "
+                              f"(--allow-missing-ranks to read the job anyway)")
+    return [RankFile(rank, by_rank[rank]) for rank in sorted(by_rank)]
+
+
+def missing_ranks(ranks: Any) -> List[int]:
+    """Ranks below the highest one that have no file."""
+    present = set(ranks)
+    return [r for r in range(max(present) + 1) if r not in present] if present else []
+
+
+def ranges(numbers: Sequence[int]) -> str:
+    """`1, 4-7, 9`: ascending numbers as runs, the way a user lists ranks."""
+    parts: List[str] = []
+    start = prev = None
+    for n in list(numbers) + [None]:
+        if n is not None and prev is not None and n == prev + 1:
+            prev = n
+            continue
+        if start is not None:
+            parts.append(str(start) if start == prev else f"{start}-{prev}")
+        start = prev = n
+    return ", ".join(parts)
+
+
+def ranks_text(ranks: Sequence[int]) -> str:
+    """`rank 3` or `ranks 0-2, 5`."""
+    return f"rank{'s' if len(ranks) != 1 else ''} {ranges(ranks)}"
+
+
+def summarize_ranks(files: Sequence[RankFile], rules: Sequence[Rule], dask: Optional[str] = None,
+                    history: bool = False) -> List[Summary]:
+    """Each rank's classified Summary, in the order of `files`: in local worker processes, or on
+    the Dask scheduler at `dask` (each worker reads its files from the shared path)."""
+    from memdiff.inputs import read_summaries
+
+    paths = [f.path for f in files]
+    if dask is None:
+        return read_summaries(paths, rules, history)
+    return _on_dask(dask, paths, rules, history)
+
+
+def _summary_document(path: str, rules: Sequence[Rule], history: bool) -> Dict[str, Any]:
+    # Workers send back the JSON form: plain data crosses any Dask serializer unchanged.
+    from memdiff.inputs import read_summary
+
+    return read_summary(path, rules, history).to_dict()
+
+
+def _on_dask(address: str, paths: Sequence[str], rules: Sequence[Rule], history: bool) -> List[Summary]:
+    try:
+        from distributed import Client
+    except ImportError:
+        raise InputError("--dask", "needs dask.distributed: pip install 'memdiff[dask]'") from None
+    try:
+        client = Client(address, timeout="20s")
+    except (OSError, TimeoutError, ValueError) as exc:
+        raise InputError(f"--dask {address}", f"cannot reach the scheduler: {exc}") from None
+    with client:
+        # pure=False: a file may change between two runs under the same path.
+        futures = client.map(_summary_document, list(paths), rules=list(rules), history=history, pure=False)
+        try:
+            documents = client.gather(futures)
+        except InputError:
+            raise
+        except (OSError, TimeoutError) as exc:
+            raise InputError(f"--dask {address}", f"the cluster failed: {exc}") from None
+    return [Summary.from_dict(d) for d in documents]

@@ -1,0 +1,220 @@
+"""Jobs of per-rank snapshots: rank numbers from file names, missing ranks, `memdiff ranks`,
+job-against-job diffs, and the Dask map giving the same summaries as the local one."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+from pathlib import Path
+from typing import Dict
+
+import pytest
+
+from conftest import alloc, free, py_frames
+from memdiff.classify import load_rules
+from memdiff.cli import main
+from memdiff.errors import InputError
+from memdiff.job import discover, rank_of, rank_patterns, ranges, summarize_ranks
+
+MiB = 2**20
+PARAMS = py_frames("model.py:3:__init__", "train.py:4:<module>")
+FWD = py_frames("model.py:10:forward", "train.py:20:step", "train.py:30:<module>")
+LOGITS = py_frames("model.py:40:gather_logits", "train.py:22:step", "train.py:30:<module>")
+
+
+def run(capsys, *argv):
+    code = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def rank_snapshot(activation: int, extra: int = 0, device: int = 0) -> Dict:
+    """A data-parallel rank: weights, one forward's activations, and `extra` bytes of gathered
+    logits that only some ranks keep."""
+    trace = [alloc(1, 200 * MiB, PARAMS), alloc(2, activation, FWD)]
+    if extra:
+        trace.append(alloc(3, extra, LOGITS))
+    trace.append(free(2, activation, FWD))
+    traces = [[] for _ in range(device)] + [trace]
+    return {"segments": [], "device_traces": traces}
+
+
+def job(folder: Path, ranks: Dict[int, Dict], name: str = "rank{}.pickle") -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    for rank, snap in ranks.items():
+        (folder / name.format(rank)).write_bytes(pickle.dumps(snap, protocol=4))
+    return folder
+
+
+@pytest.mark.parametrize("name, rank", [
+    ("rank3.pickle", 3), ("rank-3.pickle", 3), ("rank_3.pickle", 3),
+    ("rank12_memory_snapshot.pickle", 12),          # torchtitan
+    ("memory_trace_7.pickle", 7),                   # Megatron
+    ("rank2.15.memory_snapshot", 2),                # Composer: rank, then batch
+    ("snapshot-5.json.gz", 5), ("RANK4.pickle", 4),
+    ("train.pickle", None), ("ranking.pickle", None),
+])
+def test_rank_numbers_are_read_from_the_usual_file_names(name, rank):
+    assert rank_of(name, rank_patterns(None)) == rank
+
+
+def test_a_rank_pattern_of_ones_own(tmp_path):
+    folder = job(tmp_path / "job", {0: rank_snapshot(MiB), 1: rank_snapshot(MiB)}, name="gpu{}-trace.pkl")
+    with pytest.raises(InputError, match="no rank in the file name"):
+        discover(str(folder / "*.pkl"))
+    assert [f.rank for f in discover(str(folder), r"gpu(\d+)")] == [0, 1]
+    with pytest.raises(InputError, match="one group that captures"):
+        discover(str(folder), r"gpu\d+")
+
+
+def test_missing_ranks_are_named_unless_allowed(tmp_path, capsys):
+    folder = job(tmp_path / "job", {r: rank_snapshot(MiB) for r in (0, 1, 4, 5, 7)})
+    code, _, err = run(capsys, "ranks", folder)
+    assert code == 2 and err.count("\n") == 1
+    assert "3 rank(s) missing of 0-7: 2-3, 6 (--allow-missing-ranks" in err
+    code, out, _ = run(capsys, "ranks", folder, "--allow-missing-ranks")
+    assert code == 0 and "5 ranks (0-1, 4-5, 7); missing: 2-3, 6" in out
+
+
+def test_two_files_for_one_rank_and_empty_jobs_are_bad_input(tmp_path, capsys):
+    folder = job(tmp_path / "job", {0: rank_snapshot(MiB)})
+    (folder / "rank_0.pickle").write_bytes((folder / "rank0.pickle").read_bytes())
+    code, _, err = run(capsys, "ranks", folder)
+    assert code == 2 and "rank 0 has two files: rank0.pickle and rank_0.pickle" in err
+    (tmp_path / "empty").mkdir()
+    code, _, err = run(capsys, "ranks", tmp_path / "empty")
+    assert code == 2 and "no rank files here" in err
+    code, _, err = run(capsys, "ranks", str(tmp_path / "nowhere" / "rank*.pickle"))
+    assert code == 2 and "the pattern matches no file" in err
+
+
+def test_leftovers_of_a_recording_are_not_ranks(tmp_path):
+    folder = job(tmp_path / "job", {0: rank_snapshot(MiB), 1: rank_snapshot(MiB)})
+    (folder / ".rank2.pickle.recording").write_bytes(b"partial")
+    assert [f.rank for f in discover(str(folder))] == [0, 1]
+
+
+def test_the_heaviest_rank_and_what_makes_it_heaviest(tmp_path, capsys):
+    # Four data-parallel ranks, each on its own GPU; rank 0 also keeps 300 MiB of gathered logits.
+    ranks = {r: rank_snapshot(100 * MiB + r * MiB, extra=300 * MiB if r == 0 else 0, device=r) for r in range(4)}
+    folder = job(tmp_path / "job", ranks)
+    code, out, _ = run(capsys, "ranks", folder, "--fail-imbalance", "20")
+    assert code == 1
+    lines = out.splitlines()
+    assert lines[0] == "4 ranks (0-3)"
+    row0 = next(line for line in lines if line.startswith("0 heaviest"))
+    assert "rank0.pickle" in row0 and "600.00 MiB" in row0
+    assert "median 302.00 MiB (rank 2), max 600.00 MiB (rank 0); spread 299.00 MiB, max/median 1.99x" in out
+    assert "ranks by shape (the same stacks hold the peak): rank 0: 600.00 MiB; ranks 1-3: 301.00 MiB-303.00 MiB" in out
+    assert "heaviest rank 0 (device 0) against the median rank 2 (device 2)" in out
+    diff_rows = lines[lines.index(next(line for line in lines if line.startswith("status"))) + 2:]
+    assert diff_rows[0].startswith("NEW") and "model.py:gather_logits" in diff_rows[0] and "+300.00 MiB" in diff_rows[0]
+    assert "FAIL  imbalance (heaviest rank / median rank): 302.00 MiB -> 600.00 MiB" in out
+    assert run(capsys, "ranks", folder, "--fail-imbalance", "100")[0] == 0
+
+
+def test_ranks_json(tmp_path, capsys):
+    folder = job(tmp_path / "job", {r: rank_snapshot(100 * MiB, extra=50 * MiB if r == 1 else 0) for r in range(3)})
+    code, out, _ = run(capsys, "ranks", folder, "--format", "json", "--fail-imbalance", "10")
+    doc = json.loads(out)
+    assert code == 1 and doc["verdict"] == "fail" and doc["schema_version"] == 1
+    assert [r["rank"] for r in doc["ranks"]] == [0, 1, 2] and doc["heaviest_rank"] == 1
+    assert doc["max_bytes"] - doc["median_bytes"] == doc["spread_bytes"] == 50 * MiB
+    rows = doc["heaviest_vs_median"]["devices"][0]["rows"]
+    assert rows[0]["status"] == "NEW" and rows[0]["delta_bytes"] == 50 * MiB
+
+
+def test_job_against_job_shows_the_worst_rank_in_full(tmp_path, capsys):
+    base = job(tmp_path / "base", {r: rank_snapshot(100 * MiB) for r in range(4)})
+    head = job(tmp_path / "head", {r: rank_snapshot(100 * MiB, extra=200 * MiB if r == 2 else 0) for r in range(4)})
+    code, out, _ = run(capsys, base, head)
+    assert code == 1
+    assert out.startswith("FAIL: 4 ranks compared, failing: 2\n")
+    assert "worst rank: 2" in out and "model.py:gather_logits" in out
+    assert "FAIL  device 0 peak: 300.00 MiB -> 500.00 MiB" in out
+    code, out, _ = run(capsys, base, head, "--format", "json")
+    doc = json.loads(out)
+    assert doc["verdict"] == "fail" and doc["worst_rank"] == 2
+    assert [r["verdict"] for r in doc["ranks"]] == ["pass", "pass", "fail", "pass"]
+    assert any(c["subject"] == "rank 2 device 0 peak" and not c["passed"] for c in doc["checks"])
+    assert run(capsys, base, base)[0] == 0
+
+
+def test_a_job_against_a_single_run_is_bad_input(tmp_path, capsys):
+    base = job(tmp_path / "base", {0: rank_snapshot(MiB)})
+    code, _, err = run(capsys, base, base / "rank0.pickle")
+    assert code == 2 and "compare a job with a job" in err
+
+
+def test_ranks_only_one_job_has_are_warned_about(tmp_path, capsys):
+    base = job(tmp_path / "base", {r: rank_snapshot(MiB) for r in range(3)})
+    head = job(tmp_path / "head", {r: rank_snapshot(MiB) for r in range(2)})
+    code, out, _ = run(capsys, base, head)
+    assert code == 0 and "warning: rank 2 only in base, not compared" in out
+
+
+def test_ranges():
+    assert ranges([0, 1, 2, 5, 7, 8]) == "0-2, 5, 7-8"
+    assert ranges([3]) == "3"
+
+
+def test_dask_gives_the_summaries_the_local_path_gives(tmp_path, shared):
+    import distributed  # a test dependency: this test runs wherever the tests do
+
+    folder = tmp_path / "job"
+    folder.mkdir()
+    for rank, name in enumerate(["cs336-medium-ctx128-train.pickle", "cs336-medium-ctx256-train.pickle"]):
+        os.symlink(shared / name, folder / f"rank{rank}.pickle")
+    files = discover(str(folder))
+    rules = load_rules()
+    local = [json.dumps(s.to_dict(), sort_keys=True) for s in summarize_ranks(files, rules)]
+    with distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=True, host="127.0.0.1",
+                                  dashboard_address=None) as cluster:
+        remote = [json.dumps(s.to_dict(), sort_keys=True) for s in summarize_ranks(files, rules, cluster.scheduler_address)]
+    assert remote == local
+
+
+def test_an_unreachable_dask_scheduler_is_one_line(tmp_path, capsys):
+    folder = job(tmp_path / "job", {0: rank_snapshot(MiB)})
+    code, _, err = run(capsys, "ranks", folder, "--dask", "tcp://127.0.0.1:9")
+    assert code == 2 and err.count("\n") == 1 and "cannot reach the scheduler" in err
+
+
+def test_a_job_baseline_gates_every_rank(tmp_path, capsys):
+    base = job(tmp_path / "train", {r: rank_snapshot(100 * MiB) for r in range(4)})
+    stored = tmp_path / "baselines" / "train.json"
+    stored.parent.mkdir()
+    assert run(capsys, "baseline", base, "-o", stored)[0] == 0
+    doc = json.loads(stored.read_text())
+    assert [r["rank"] for r in doc["ranks"]] == [0, 1, 2, 3] and "devices" not in doc
+    code, out, _ = run(capsys, "baseline", "--check", stored)
+    assert code == 0 and "4 ranks" in out
+    assert run(capsys, "gate", base, "--baseline", stored)[0] == 0
+    assert run(capsys, "gate", "--baselines", stored.parent, str(base) + "/")[0] == 0  # DIR/<folder>.json
+
+    head = job(tmp_path / "head" / "train", {r: rank_snapshot(100 * MiB, extra=100 * MiB if r == 3 else 0)
+                                             for r in range(4)})
+    code, out, _ = run(capsys, "gate", head, "--baseline", stored)
+    assert code == 1 and out.startswith("FAIL: 4 ranks compared, failing: 3") and "worst rank: 3" in out
+    code, out, _ = run(capsys, "gate", head, "--baseline", stored, "--format", "json")
+    [document] = json.loads(out)
+    assert document["verdict"] == "fail" and document["worst_rank"] == 3 and len(document["ranks"]) == 4
+
+
+def test_a_rank_that_crashed_fails_the_gate(tmp_path, capsys):
+    base = job(tmp_path / "train", {r: rank_snapshot(100 * MiB) for r in range(4)})
+    stored = tmp_path / "train.json"
+    run(capsys, "baseline", base, "-o", stored)
+    (base / "rank3.pickle").unlink()  # ranks 0-2 left: no gap in the numbers, but rank 3 is gone
+    code, out, _ = run(capsys, "gate", base, "--baseline", stored)
+    assert code == 1 and "rank 3: in the baseline but not in the run" in out
+    assert run(capsys, "gate", base, "--baseline", stored, "--allow-missing-ranks")[0] == 0
+
+
+def test_a_run_baseline_does_not_gate_a_job(tmp_path, capsys):
+    base = job(tmp_path / "train", {r: rank_snapshot(100 * MiB) for r in range(2)})
+    stored = tmp_path / "one.json"
+    run(capsys, "baseline", base / "rank0.pickle", "-o", stored)
+    code, _, err = run(capsys, "gate", base, "--baseline", stored)
+    assert code == 2 and "is the baseline of one run" in err and f"memdiff baseline {base}" in err
