@@ -38,8 +38,10 @@ class RankFile:
 
 
 def is_job(arg: str) -> bool:
-    """Whether a command-line input names a job (a folder or a glob) rather than one file."""
-    return os.path.isdir(arg) or (not os.path.exists(arg) and glob.has_magic(arg))
+    """Whether a command-line input names a job (a folder, or a quoted glob that matches files)
+    rather than one file. A glob that matches nothing is no job: it stays a missing file, so a
+    gate on it is bad input rather than nothing gated."""
+    return os.path.isdir(arg) or (not os.path.exists(arg) and glob.has_magic(arg) and bool(glob.glob(arg)))
 
 
 def rank_of(name: str, patterns: Sequence[Pattern]) -> Optional[int]:
