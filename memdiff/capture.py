@@ -9,7 +9,7 @@ import contextlib
 import inspect
 import os
 import pickle
-from typing import Any, Dict, Iterator
+from typing import Any, Callable, Dict, Iterator
 
 from memdiff.errors import InputError
 
@@ -32,11 +32,19 @@ def torch_module() -> Any:
     return torch
 
 
-def _dump(snapshot: Any, path: str) -> None:
-    tmp = f"{path}.partial"
+def dump(snapshot: Any, path: str) -> None:
+    """Write `snapshot` to `path` atomically, through a hidden sibling (never read as a run or a rank)."""
+    folder, name = os.path.split(os.path.abspath(path))
+    tmp = os.path.join(folder, f".{name}.partial")
     with open(tmp, "wb") as f:
         pickle.dump(snapshot, f, protocol=PICKLE_PROTOCOL)
     os.replace(tmp, path)
+
+
+def recorded_nothing(snapshot: Dict[str, Any]) -> bool:
+    """Whether a fresh snapshot holds no allocation at all (no trace event, no live block)."""
+    return not any(snapshot.get("device_traces") or []) and not any(
+        b.get("state") == "active_allocated" for s in snapshot.get("segments") or [] for b in s.get("blocks", []))
 
 
 def _history_options(record_history: Any) -> Dict[str, Any]:
@@ -50,22 +58,21 @@ def _history_options(record_history: Any) -> Dict[str, Any]:
     return {"global_record_annotations": True} if "global_record_annotations" in accepted else {}
 
 
-@contextlib.contextmanager
-def _record_cuda(torch: Any, path: str, max_entries: int, stacks: str) -> Iterator[None]:
+def start_cuda(torch: Any, max_entries: int, stacks: str) -> Callable[[], Any]:
+    """Start the caching allocator's history; the returned function stops it and gives the snapshot."""
     record_history = torch.cuda.memory._record_memory_history
     record_history(enabled="all", stacks=stacks, max_entries=max_entries, **_history_options(record_history))
-    try:
-        yield
-    finally:
-        # Dump even when the block raised: an OOM is when the file is wanted most.
+
+    def finish() -> Any:
         try:
-            _dump(torch.cuda.memory._snapshot(), path)
+            return torch.cuda.memory._snapshot()
         finally:
             torch.cuda.memory._record_memory_history(enabled=None)
+    return finish
 
 
-@contextlib.contextmanager
-def _record_cpu(torch: Any, path: str) -> Iterator[None]:
+def start_cpu(torch: Any) -> Callable[[], Any]:
+    """Start the profiler's memory events; the returned function stops it and gives the snapshot."""
     from torch.cuda import _memory_viz
 
     to_snapshot = getattr(_memory_viz, "_profile_to_snapshot", None)
@@ -76,11 +83,11 @@ def _record_cpu(torch: Any, path: str) -> Iterator[None]:
     profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True,
                                       record_shapes=True, with_stack=True)
     profiler.__enter__()
-    try:
-        yield
-    finally:
+
+    def finish() -> Any:
         profiler.__exit__(None, None, None)
-        _dump(to_snapshot(profiler), path)
+        return to_snapshot(profiler)
+    return finish
 
 
 @contextlib.contextmanager
@@ -96,6 +103,9 @@ def record(path: str, *, max_entries: int = 1_000_000, stacks: str = "all") -> I
     if stacks not in STACKS:
         raise ValueError(f"stacks must be one of {STACKS}, not {stacks!r}")
     torch = torch_module()
-    recorder = _record_cuda(torch, path, max_entries, stacks) if torch.cuda.is_available() else _record_cpu(torch, path)
-    with recorder:
+    finish = start_cuda(torch, max_entries, stacks) if torch.cuda.is_available() else start_cpu(torch)
+    try:
         yield
+    finally:
+        # Dump even when the block raised: an OOM is when the file is wanted most.
+        dump(finish(), path)

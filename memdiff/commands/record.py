@@ -7,14 +7,19 @@ import importlib.util
 import os
 import re
 import runpy
+import shutil
+import subprocess
 import sys
 import traceback
+from importlib import resources
 from typing import List
 
-from memdiff.capture import STACKS, record
+import memdiff
+
+from memdiff.capture import STACKS, record, recorded_nothing
 from memdiff.commands.args import count_arg
-from memdiff.errors import InputError
-from memdiff.load import load
+from memdiff.errors import EXIT_BAD_INPUT, InputError
+from memdiff.load import decode
 from memdiff.units import format_bytes
 
 PYTHON = re.compile(r"^python(\d+(\.\d+)?)?(\.exe)?$")
@@ -22,19 +27,24 @@ PYTHON = re.compile(r"^python(\d+(\.\d+)?)?(\.exe)?$")
 
 DESCRIPTION = ("Run a script (`-- python train.py ARGS` or `-- python -m pkg.module ARGS`) in this "
                "process with memory recording on: CUDA's allocator history when a GPU is present, "
-               "else PyTorch's profiler. The snapshot is written even when the script fails. Exits "
-               "with the script's status.")
+               "else PyTorch's profiler. The snapshot is written even when the script fails. With "
+               "-o DIR/, run any launcher (`-- torchrun --nproc-per-node 4 train.py`) and record every rank "
+               "into DIR/rank{RANK}.pickle. Exits with the script's status.")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The subcommand's arguments."""
-    p.add_argument("-o", "--output", required=True, metavar="FILE", help="snapshot file to write")
+    p.add_argument("-o", "--output", required=True, metavar="FILE|DIR/",
+                   help="snapshot file to write; or a folder (ending in /, or existing): the command runs as a "
+                        "child and every Python process it starts that imports torch writes DIR/rank{RANK}.pickle "
+                        "(pid{PID}.pickle without RANK) at exit, so `-- torchrun ... train.py` records each rank")
     p.add_argument("--max-entries", type=count_arg, default=1_000_000, metavar="N",
                    help="CUDA ring buffer size in trace entries (default: 1000000)")
     p.add_argument("--stacks", choices=STACKS, default="all",
                    help="CUDA stacks: all (the default: C++ frames name autograd nodes) or python "
                         "(when the C++ unwinder crashes)")
-    p.add_argument("command", nargs=argparse.REMAINDER, help="-- python SCRIPT ARGS | -- python -m MODULE ARGS")
+    p.add_argument("command", nargs=argparse.REMAINDER,
+                   help="-- python SCRIPT ARGS | -- python -m MODULE ARGS | with -o DIR/, any launcher: -- torchrun ...")
 
 
 def _target(command: List[str]) -> List[str]:
@@ -46,7 +56,8 @@ def _target(command: List[str]) -> List[str]:
         command = command[1:]
     elif command and not command[0].endswith(".py") and command[0] != "-m":
         raise InputError("record", f"`{command[0]}` is not python: memdiff records a Python script in this "
-                                   f"process (`-- python train.py ARGS` or `-- python -m MODULE ARGS`)")
+                                   f"process (`-- python train.py ARGS` or `-- python -m MODULE ARGS`); to "
+                                   f"record every process a launcher starts, give a folder: -o runs/")
     if not command or (command[0] == "-m" and len(command) < 2):
         raise InputError("record", "nothing to run: give `-- python SCRIPT ARGS` or `-- python -m MODULE ARGS`")
     if command[0] == "-c":
@@ -91,22 +102,66 @@ def _run_target(target: List[str]) -> int:
         sys.argv, sys.path[:] = saved_argv, saved_path
 
 
-def _recorded_nothing(path: str) -> bool:
-    """Whether a fresh snapshot holds no allocation at all (no trace event, no live block)."""
-    snapshot = load(path)
-    return not any(snapshot.device_traces) and not any(
-        b.get("state") == "active_allocated" for s in snapshot.segments for b in s.get("blocks", []))
+def is_folder(output: str) -> bool:
+    """Whether `-o` names a folder (one snapshot per process) rather than one snapshot file."""
+    return output.endswith(("/", os.sep)) or os.path.isdir(output)
+
+
+def _launched(command: List[str]) -> List[str]:
+    """The command to run in a child process, checked before anything runs."""
+    if command and command[0] == "--":
+        command = command[1:]
+    if not command:
+        raise InputError("record", "nothing to run: give `-- torchrun ... train.py` or `-- python train.py ARGS`")
+    if PYTHON.match(os.path.basename(command[0])):
+        _target(command)  # the script or module must be there
+        return command
+    if shutil.which(command[0]) is None:
+        raise InputError(command[0], "no such command (not on PATH)")
+    return command
+
+
+def _run_launcher(args: argparse.Namespace) -> int:
+    """Run a launcher (or any command) with every Python process it starts recorded into the folder."""
+    command = _launched(args.command)
+    folder = os.path.abspath(args.output)
+    os.makedirs(folder, exist_ok=True)
+    before = {n: os.stat(os.path.join(folder, n)).st_mtime_ns for n in os.listdir(folder)}
+    hook = str(resources.files("memdiff").joinpath("rank_hook"))
+    env = dict(os.environ, MEMDIFF_RECORD_DIR=folder, MEMDIFF_RECORD_MAX_ENTRIES=str(args.max_entries),
+               MEMDIFF_RECORD_STACKS=args.stacks,
+               MEMDIFF_PACKAGE_PARENT=os.path.dirname(os.path.dirname(os.path.abspath(memdiff.__file__))),
+               PYTHONPATH=os.pathsep.join(p for p in (hook, os.environ.get("PYTHONPATH")) if p))
+    child = subprocess.Popen(command, env=env)
+    try:
+        status = child.wait()
+    except KeyboardInterrupt:  # the terminal sent it to the child too: let it write its snapshots
+        status = child.wait()
+    written = sorted(n for n in os.listdir(folder) if n.endswith(".pickle") and not n.startswith(".")
+                     and os.stat(os.path.join(folder, n)).st_mtime_ns != before.get(n))
+    stale = sorted(n for n in before if n.endswith(".pickle") and not n.startswith(".") and n not in written)
+    if not written:
+        print(f"memdiff: no process of `{' '.join(command)}` recorded an allocation (none imported torch?); "
+              f"nothing written to {args.output}", file=sys.stderr)
+        return status or EXIT_BAD_INPUT
+    sizes = ", ".join(f"{n} {format_bytes(os.path.getsize(os.path.join(folder, n)))}" for n in written)
+    print(f"memdiff: wrote {len(written)} snapshot{'s' if len(written) != 1 else ''} to {args.output} ({sizes}); "
+          f"read them with `memdiff ranks {args.output}`"
+          + (f"; not from this run: {', '.join(stale)}" if stale else ""), file=sys.stderr)
+    return status
 
 
 def run(args: argparse.Namespace) -> int:
     """Record the target and report where the snapshot went."""
+    if is_folder(args.output):
+        return _run_launcher(args)
     target = _target(args.command)
     folder = os.path.dirname(os.path.abspath(args.output))
     os.makedirs(folder, exist_ok=True)  # a run's snapshot is never lost to a missing folder
     partial = os.path.join(folder, f".{os.path.basename(args.output)}.recording")
     with record(partial, max_entries=args.max_entries, stacks=args.stacks):
         status = _run_target(target)
-    if os.path.exists(args.output) and _recorded_nothing(partial):
+    if os.path.exists(args.output) and recorded_nothing(decode(partial)[0]):
         os.unlink(partial)
         print(f"memdiff: the run recorded no allocation; kept the existing {args.output}", file=sys.stderr)
         return status
