@@ -106,7 +106,8 @@ def test_the_heaviest_rank_and_what_makes_it_heaviest(tmp_path, capsys):
     row0 = next(line for line in lines if line.startswith("0 heaviest"))
     assert "rank0.pickle" in row0 and "600.00 MiB" in row0
     assert "median 302.00 MiB (rank 2), max 600.00 MiB (rank 0); spread 299.00 MiB, max/median 1.99x" in out
-    assert "ranks by shape (the same stacks hold the peak): rank 0: 600.00 MiB; ranks 1-3: 301.00 MiB-303.00 MiB" in out
+    assert ("ranks by shape (the same stacks hold the peak; % over the lightest): rank 0: 600.00 MiB (+98.0%); "
+            "ranks 1-3: 301.00 MiB-303.00 MiB") in out
     assert "heaviest rank 0 (device 0) against the median rank 2 (device 2)" in out
     diff_rows = lines[lines.index(next(line for line in lines if line.startswith("status"))) + 2:]
     assert diff_rows[0].startswith("NEW") and "model.py:gather_logits" in diff_rows[0] and "+300.00 MiB" in diff_rows[0]

@@ -14,7 +14,7 @@ from memdiff.differ import Folded, where_text
 from memdiff.job import ranges, ranks_text
 from memdiff.judge import Check, Verdict
 from memdiff.jobdiff import JobDiff
-from memdiff.ranks import RanksReport
+from memdiff.ranks import RanksReport, Role
 from memdiff.render.table import category_table, check_line, diff_table, pct_cell, peak_line
 from memdiff.units import format_bytes
 
@@ -55,10 +55,15 @@ def render_text(report: RanksReport, folded: Optional[Folded], check: Optional[C
                  f"(rank {report.median_rank}), max {format_bytes(report.max_bytes)} (rank {report.heaviest}); "
                  f"spread {format_bytes(report.spread_bytes)}, max/median {_ratio(report)}")
     if report.roles:
-        lines.append("ranks by shape (the same stacks hold the peak): " + "; ".join(
-            f"{ranks_text(role.ranks)}: {format_bytes(role.max_bytes)}" if role.min_bytes == role.max_bytes else
-            f"{ranks_text(role.ranks)}: {format_bytes(role.min_bytes)}-{format_bytes(role.max_bytes)}"
-            for role in report.roles))
+        lightest = report.roles[-1].max_bytes  # roles come heaviest first
+
+        def role_text(role: Role) -> str:
+            peaks = (format_bytes(role.max_bytes) if role.min_bytes == role.max_bytes
+                     else f"{format_bytes(role.min_bytes)}-{format_bytes(role.max_bytes)}")
+            more = f" ({pct_cell(lightest, role.max_bytes)})" if role is not report.roles[-1] and lightest else ""
+            return f"{ranks_text(role.ranks)}: {peaks}{more}"
+        lines.append("ranks by shape (the same stacks hold the peak; % over the lightest): "
+                     + "; ".join(role_text(role) for role in report.roles))
     d = report.diff.devices[0] if report.diff.devices else None
     if d is not None and folded is not None and report.heaviest != report.median_rank:
         lines += ["", f"heaviest rank {report.heaviest} (device {by_rank[report.heaviest].device}) against the "
