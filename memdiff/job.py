@@ -19,6 +19,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 from memdiff.classify import Rule
 from memdiff.errors import InputError
+from memdiff.inputs import read_summaries, read_summary
 from memdiff.model import Summary
 from memdiff.patterns import Pattern
 
@@ -124,8 +125,6 @@ def summarize_ranks(files: Sequence[RankFile], rules: Sequence[Rule], dask: Opti
                     history: bool = False) -> List[Summary]:
     """Each rank's classified Summary, in the order of `files`: in local worker processes, or on
     the Dask scheduler at `dask` (each worker reads its files from the shared path)."""
-    from memdiff.inputs import read_summaries
-
     paths = [f.path for f in files]
     if dask is None:
         return read_summaries(paths, rules, history)
@@ -134,8 +133,6 @@ def summarize_ranks(files: Sequence[RankFile], rules: Sequence[Rule], dask: Opti
 
 def _summary_document(path: str, rules: Sequence[Rule], history: bool) -> Dict[str, Any]:
     # Workers send back the JSON form: plain data crosses any Dask serializer unchanged.
-    from memdiff.inputs import read_summary
-
     return read_summary(path, rules, history).to_dict()
 
 
@@ -152,9 +149,7 @@ def _on_dask(address: str, paths: Sequence[str], rules: Sequence[Rule], history:
         # pure=False: a file may change between two runs under the same path.
         futures = client.map(_summary_document, list(paths), rules=list(rules), history=history, pure=False)
         try:
-            documents = client.gather(futures)
-        except InputError:
-            raise
+            documents = client.gather(futures)  # a worker's InputError is raised here as it is
         except (OSError, TimeoutError) as exc:
             raise InputError(f"--dask {address}", f"the cluster failed: {exc}") from None
     return [Summary.from_dict(d) for d in documents]
