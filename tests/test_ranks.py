@@ -219,3 +219,15 @@ def test_a_run_baseline_does_not_gate_a_job(tmp_path, capsys):
     run(capsys, "baseline", base / "rank0.pickle", "-o", stored)
     code, _, err = run(capsys, "gate", base, "--baseline", stored)
     assert code == 2 and "is the baseline of one run" in err and f"memdiff baseline {base}" in err
+
+
+def test_workers_are_as_many_as_the_cores_and_the_memory_allow(monkeypatch):
+    from memdiff import inputs
+
+    monkeypatch.setattr(inputs.os, "cpu_count", lambda: 16)
+    monkeypatch.setattr(inputs, "_available_memory", lambda: 8 * 2**30)
+    assert inputs.worker_count([100 * MiB] * 64) == 7  # 8 GiB / (150 MiB + 10 x 100 MiB)
+    assert inputs.worker_count([MiB] * 64) == 16
+    assert inputs.worker_count([10 * 2**30]) == 1  # one file too big for the memory still gets read
+    monkeypatch.setattr(inputs, "_available_memory", lambda: None)
+    assert inputs.worker_count([100 * MiB] * 64) == 16
