@@ -162,3 +162,10 @@ def test_ranks_with_a_missing_rank_match_ranks_schema(shared, tmp_path, capsys, 
         os.symlink(shared / name, folder / f"rank{rank}.pickle")
     doc = validate("ranks", cli_json(capsys, "ranks", folder, "--allow-missing-ranks", "--format", "json"))
     assert doc["missing"] == [1]
+
+
+@pytest.mark.parametrize("name", [CTX128, "opt13b-oom-legacy.pickle", "diffusion-segments-list.pickle",
+                                  "empty-trace.pickle", "bert-4gpu.pickle"])
+def test_summarize_and_peak_json_match_summary_schema(shared, capsys, validate, name):
+    validate("summary", cli_json(capsys, "summarize", shared / name))
+    validate("summary", cli_json(capsys, "peak", shared / name, "--format", "json"))
