@@ -169,3 +169,13 @@ def test_ranks_with_a_missing_rank_match_ranks_schema(shared, tmp_path, capsys, 
 def test_summarize_and_peak_json_match_summary_schema(shared, capsys, validate, name):
     validate("summary", cli_json(capsys, "summarize", shared / name))
     validate("summary", cli_json(capsys, "peak", shared / name, "--format", "json"))
+
+
+def test_a_diff_with_memory_kept_from_earlier_steps_matches_diff_schema(write_snapshot, capsys, validate):
+    from test_lifetimes import training  # a hand-made loop that keeps its activations: no real snapshot has one
+
+    base = write_snapshot(training(steps=3), "plain.pickle")
+    head = write_snapshot(training(steps=3, leak=True), "leaky.pickle")
+    doc = validate("diff", cli_json(capsys, base, head, "--format", "json"))
+    kept = doc["devices"][0]["kept"]
+    assert kept is not None and kept["head_bytes"] > kept["base_bytes"] and kept["rows"]
