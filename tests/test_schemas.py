@@ -8,12 +8,11 @@ import os
 from pathlib import Path
 from typing import Any, Dict, List
 
+import jsonschema  # a dependency of memdiff (>=4.18, which brings referencing)
 import pytest
+import referencing
 
 from memdiff.cli import main
-
-jsonschema = pytest.importorskip("jsonschema")
-referencing = pytest.importorskip("referencing")
 
 SCHEMAS = Path(__file__).resolve().parent.parent / "memdiff" / "schemas"
 CTX128, CTX256 = "cs336-medium-ctx128-train.pickle", "cs336-medium-ctx256-train.pickle"
