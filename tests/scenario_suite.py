@@ -80,7 +80,7 @@ def truth_of(snapshot: Path) -> List[Tuple[Optional[int], Optional[str]]]:
     return [(step, phase) for step, phase in rows]
 
 
-# Where PyTorch's label is arguable, memdiff documents its own (README, Categories): update
+# Where PyTorch's label is arguable, memdiff documents its own (docs/categories.md): update
 # temporaries of built-in optimizers (PyTorch: activation, parameter or input) are `autograd`;
 # Hugging Face cache tensors (PyTorch: input) are `activation`, made by the forward.
 ARGUABLE = ((re.compile(r"torch/optim/\w+\.py\(\d+\): _(single_tensor|multi_tensor|fused)_"), "autograd"),

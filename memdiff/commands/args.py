@@ -55,7 +55,7 @@ def add_threshold_arguments(p: argparse.ArgumentParser) -> None:
 def add_rules_arguments(p: argparse.ArgumentParser) -> None:
     """--rules and --custom-profile: user category rules, ranked above the built-in ones."""
     p.add_argument("--rules", action="append", default=[], metavar="FILE",
-                   help="category rules file (JSON or TOML; see README, Categories); may repeat")
+                   help="category rules file (JSON or TOML; see docs/categories.md); may repeat")
     p.add_argument("--custom-profile", metavar="JSON",
                    help='categories by regex over frame names and files, e.g. \'{"kv_cache": "KVCache"}\'')
 

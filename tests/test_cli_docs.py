@@ -1,0 +1,43 @@
+"""docs/cli.md is generated from the argument parsers: it fails here when a command's options
+changed and the reference was not regenerated."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _generator():
+    spec = importlib.util.spec_from_file_location("gen_cli", ROOT / "docs" / "gen_cli.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_cli_reference_is_up_to_date():
+    gen = _generator()
+    current = (ROOT / "docs" / "cli.md").read_text(encoding="utf-8")
+    assert current == gen.render(), f"docs/cli.md is stale: run `{gen.COMMAND}` and commit docs/cli.md"
+
+
+def test_the_cli_reference_names_every_command_and_option():
+    from memdiff.cli import COMMANDS, build_parser
+
+    text = (ROOT / "docs" / "cli.md").read_text(encoding="utf-8")
+    for name in COMMANDS:
+        assert f"## memdiff {name}\n" in text
+        sub = next(a for a in build_parser(name)._actions if a.dest == "command").choices[name]
+        for action in sub._actions:
+            for flag in action.option_strings:
+                if flag not in ("-h", "--help", "--debug"):
+                    assert f"`{flag}" in text or f", {flag}" in text, (name, flag)
+
+
+def test_the_generator_checks_without_writing():
+    done = subprocess.run([sys.executable, str(ROOT / "docs" / "gen_cli.py"), "--check"], capture_output=True,
+                          text=True, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
