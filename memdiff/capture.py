@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import json
 import os
 import pickle
 from typing import Any, Callable, Dict, Iterator
@@ -41,6 +42,13 @@ def dump(snapshot: Any, path: str) -> None:
     os.replace(tmp, path)
 
 
+def write_status(path: str, document: Dict[str, Any]) -> None:
+    """Write a rank's small status document (JSON) atomically, for `memdiff record` to read."""
+    from memdiff.atomic import write_text_atomic
+
+    write_text_atomic(path, json.dumps(document))
+
+
 def recorded_nothing(snapshot: Dict[str, Any]) -> bool:
     """Whether a fresh snapshot holds no allocation at all (no trace event, no live block)."""
     return not any(snapshot.get("device_traces") or []) and not any(
@@ -69,6 +77,14 @@ def start_cuda(torch: Any, max_entries: int, stacks: str) -> Callable[[], Any]:
         finally:
             torch.cuda.memory._record_memory_history(enabled=None)
     return finish
+
+
+def has_cuda(torch: Any) -> bool:
+    """Whether this process has a CUDA device, asked without initializing CUDA.
+
+    `device_count()` asks NVML where it can; `is_available()` may initialize the driver, after
+    which a forked worker (a DataLoader's, say) can no longer use CUDA."""
+    return bool(torch.cuda.device_count())
 
 
 def start_cpu(torch: Any) -> Callable[[], Any]:
@@ -103,7 +119,7 @@ def record(path: str, *, max_entries: int = 1_000_000, stacks: str = "all") -> I
     if stacks not in STACKS:
         raise ValueError(f"stacks must be one of {STACKS}, not {stacks!r}")
     torch = torch_module()
-    finish = start_cuda(torch, max_entries, stacks) if torch.cuda.is_available() else start_cpu(torch)
+    finish = start_cuda(torch, max_entries, stacks) if has_cuda(torch) else start_cpu(torch)
     try:
         yield
     finally:

@@ -14,18 +14,23 @@ from __future__ import annotations
 
 import glob
 import os
+import re
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence
 
 from memdiff.classify import Rule
 from memdiff.errors import InputError
 from memdiff.inputs import read_summaries, read_summary
+from memdiff.manifest import MANIFEST, read_world_size
 from memdiff.model import Summary
 from memdiff.patterns import Pattern
 
 # `rank3`, `rank-3`, `rank_3`, `rank3_memory_snapshot`, `rank3.0.memory_snapshot`; then a
 # trailing number (`memory_trace_3.pickle`, `snapshot-3.json.gz`).
 RANK_PATTERNS = (r"(?i)(?:^|[^a-z])rank[-_]?(\d+)(?!\d)", r"[-_.](\d+)(?:\.[a-z]+)*$")
+# What `memdiff record -o DIR/` writes for a process that is no rank: a launcher's, or a child
+# that inherited its rank's RANK (a DataLoader worker).
+PER_PROCESS = re.compile(r"^pid\d+\.pickle$")
 HIDDEN = (".", "_")  # recording leftovers (`.rank0.pickle.recording`) and editor files
 MAX_RANKS = 1 << 20
 
@@ -68,19 +73,49 @@ def rank_patterns(user: Optional[str]) -> List[Pattern]:
         raise InputError("--rank-pattern", str(exc)) from None
 
 
-def discover(arg: str, rank_pattern: Optional[str] = None, allow_missing: bool = False) -> List[RankFile]:
+@dataclass(frozen=True)
+class Job:
+    """A job's rank files, the ranks it lacks, and the files in it that are no rank."""
+
+    files: List[RankFile]
+    missing: List[int]  # below the highest rank, or below the world size its manifest records
+    extra: List[str]  # per-process files (pid{PID}.pickle): a DataLoader worker's, a launcher's
+
+    def note(self) -> Optional[str]:
+        """What reading the job left out, for stderr; None when nothing was."""
+        if not self.extra:
+            return None
+        shown = ", ".join(self.extra[:3]) + (", ..." if len(self.extra) > 3 else "")
+        return (f"{len(self.extra):,} per-process file{'s' if len(self.extra) != 1 else ''} "
+                f"({shown}) {'are' if len(self.extra) != 1 else 'is'} no rank: not read (memdiff peak reads one)")
+
+
+def _world_size(arg: str, paths: Sequence[str]) -> Optional[int]:
+    """The world size recorded beside the job's files (memdiff record's manifest), if any."""
+    folders = {os.path.dirname(p) for p in paths} if not os.path.isdir(arg) else {arg}
+    return read_world_size(folders.pop()) if len(folders) == 1 else None
+
+
+def discover(arg: str, rank_pattern: Optional[str] = None, allow_missing: bool = False) -> Job:
     """The rank files of a job, by rank; InputError when the job is empty, a name says no rank,
-    two files claim one rank, or ranks are missing (unless `allow_missing`)."""
+    two files claim one rank, or ranks are missing (unless `allow_missing`): gaps, and the last
+    ranks of a recorded job whose manifest says how many it had."""
     if os.path.isdir(arg):
         paths = [os.path.join(arg, n) for n in sorted(os.listdir(arg))]
     else:
         paths = sorted(glob.glob(arg))
-    paths = [p for p in paths if os.path.isfile(p) and not os.path.basename(p).startswith(HIDDEN)]
-    if not paths:
-        raise InputError(arg, "no rank files here" if os.path.isdir(arg) else "the pattern matches no file")
+    paths = [p for p in paths if os.path.isfile(p) and not os.path.basename(p).startswith(HIDDEN)
+             and os.path.basename(p) != MANIFEST]
+    extra = [os.path.basename(p) for p in paths if PER_PROCESS.match(os.path.basename(p))]
+    ranked = [p for p in paths if not PER_PROCESS.match(os.path.basename(p))]
+    if not ranked:
+        what = "no rank files here" if os.path.isdir(arg) else "the pattern matches no file" if not extra else \
+            "the pattern matches no rank file"
+        raise InputError(arg, what + (f": {len(extra):,} per-process file(s) (pid{{PID}}.pickle, from a run without "
+                                      f"RANK) are no rank; read one with `memdiff peak`" if extra else ""))
     patterns = rank_patterns(rank_pattern)
     by_rank: Dict[int, str] = {}
-    for path in paths:
+    for path in ranked:
         rank = rank_of(os.path.basename(path), patterns)
         if rank is None or rank >= MAX_RANKS:
             raise InputError(path, "no rank in the file name (rank3, rank-3, rank3_..., name_3.pickle); "
@@ -89,17 +124,14 @@ def discover(arg: str, rank_pattern: Optional[str] = None, allow_missing: bool =
             raise InputError(arg, f"rank {rank} has two files: {os.path.basename(by_rank[rank])} and "
                                   f"{os.path.basename(path)} (pick one step's files with a glob)")
         by_rank[rank] = path
-    missing = missing_ranks(by_rank)
+    world_size = _world_size(arg, ranked)
+    expected = max(max(by_rank) + 1, world_size or 0)
+    missing = [r for r in range(expected) if r not in by_rank]
     if missing and not allow_missing:
-        raise InputError(arg, f"{len(missing):,} rank(s) missing of 0-{max(by_rank)}: {ranges(missing)} "
+        said = f" (its {MANIFEST} says {world_size})" if world_size and world_size > max(by_rank) + 1 else ""
+        raise InputError(arg, f"{len(missing):,} rank(s) missing of 0-{expected - 1}{said}: {ranges(missing)} "
                               f"(--allow-missing-ranks to read the job anyway)")
-    return [RankFile(rank, by_rank[rank]) for rank in sorted(by_rank)]
-
-
-def missing_ranks(ranks: Any) -> List[int]:
-    """Ranks below the highest one that have no file."""
-    present = set(ranks)
-    return [r for r in range(max(present) + 1) if r not in present] if present else []
+    return Job([RankFile(rank, by_rank[rank]) for rank in sorted(by_rank)], missing, extra)
 
 
 def ranges(numbers: Sequence[int]) -> str:

@@ -120,7 +120,7 @@ class DeviceSummary:
     trace_start_time_us: Optional[int]
     trace_end_time_us: Optional[int]
     allocated_bytes_at_dump: int
-    reserved_bytes_at_dump: int
+    reserved_bytes_at_dump: Optional[int]  # None: no caching allocator (the profiler route)
     unmatched_free_count: int
     unmatched_free_bytes: int
     oom_events: List[OomEvent]

@@ -367,7 +367,10 @@ def _device_summary(snapshot: Snapshot, device: int, stacks: StackNormalizer,
         trace_start_time_us=times[0],
         trace_end_time_us=times[1],
         allocated_bytes_at_dump=allocated,
-        reserved_bytes_at_dump=sum(s["total_size"] for s in segments),
+        # The profiler route's one segment per device spans the lowest to the highest address it
+        # saw (terabytes on CPU): it stands for no memory anyone reserved.
+        reserved_bytes_at_dump=(None if snapshot.source.generation == "profiler"
+                                else sum(s["total_size"] for s in segments)),
         unmatched_free_count=len(walk.unmatched) - len(reversioned),
         unmatched_free_bytes=unmatched_bytes,
         oom_events=[OomEvent(event_index=i, requested_bytes=trace[i].get("size", 0),

@@ -63,7 +63,7 @@ def test_a_rank_pattern_of_ones_own(tmp_path):
     folder = job(tmp_path / "job", {0: rank_snapshot(MiB), 1: rank_snapshot(MiB)}, name="gpu{}-trace.pkl")
     with pytest.raises(InputError, match="no rank in the file name"):
         discover(str(folder / "*.pkl"))
-    assert [f.rank for f in discover(str(folder), r"gpu(\d+)")] == [0, 1]
+    assert [f.rank for f in discover(str(folder), r"gpu(\d+)").files] == [0, 1]
     with pytest.raises(InputError, match="one group that captures"):
         discover(str(folder), r"gpu\d+")
 
@@ -92,7 +92,7 @@ def test_two_files_for_one_rank_and_empty_jobs_are_bad_input(tmp_path, capsys):
 def test_leftovers_of_a_recording_are_not_ranks(tmp_path):
     folder = job(tmp_path / "job", {0: rank_snapshot(MiB), 1: rank_snapshot(MiB)})
     (folder / ".rank2.pickle.recording").write_bytes(b"partial")
-    assert [f.rank for f in discover(str(folder))] == [0, 1]
+    assert [f.rank for f in discover(str(folder)).files] == [0, 1]
 
 
 def test_the_heaviest_rank_and_what_makes_it_heaviest(tmp_path, capsys):
@@ -167,7 +167,7 @@ def test_dask_gives_the_summaries_the_local_path_gives(tmp_path, shared):
     folder.mkdir()
     for rank, name in enumerate(["cs336-medium-ctx128-train.pickle", "cs336-medium-ctx256-train.pickle"]):
         os.symlink(shared / name, folder / f"rank{rank}.pickle")
-    files = discover(str(folder))
+    files = discover(str(folder)).files
     rules = load_rules()
     local = [json.dumps(s.to_dict(), sort_keys=True) for s in summarize_ranks(files, rules)]
     with distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=True, host="127.0.0.1",

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from typing import TYPE_CHECKING, Dict, List, Optional, Sequence
 
 from memdiff.classify import Rule, load_rules
 from memdiff.errors import InputError
+from memdiff.job import Job, discover
 from memdiff.judge import Limit, Thresholds, parse_limit, parse_pct, thresholds_over
 from memdiff.lifetimes import BACKWARD, FORWARD, OPTIMIZER
 from memdiff.units import parse_size
@@ -158,6 +160,15 @@ def publisher_from(args: argparse.Namespace, expected: int = 1) -> Optional["Pub
     return Publisher(environ=os.environ if args.github else {}, report_path=args.report,
                      base_label=args.base_label, head_label=args.head_label, expected=expected,
                      annotate=args.github)
+
+
+def job_from(args: argparse.Namespace, arg: str) -> Job:
+    """The job `arg` names, read with the job options; what it leaves out is said on stderr."""
+    job = discover(arg, args.rank_pattern, args.allow_missing_ranks)
+    note = job.note()
+    if note:
+        print(f"memdiff: {arg}: {note}", file=sys.stderr)
+    return job
 
 
 def add_job_arguments(p: argparse.ArgumentParser) -> None:

@@ -9,11 +9,11 @@ import sys
 from typing import Dict, Union
 
 from memdiff.baseline import read_baseline, update_baseline
-from memdiff.commands.args import (add_category_threshold_argument, add_job_arguments, add_phase_threshold_argument,
+from memdiff.commands.args import (add_category_threshold_argument, add_job_arguments, job_from, add_phase_threshold_argument,
                                    add_rules_arguments, add_threshold_arguments, rules_from, thresholds_from)
 from memdiff.errors import EXIT_BAD_INPUT, EXIT_OK, InputError
 from memdiff.inputs import read_summary
-from memdiff.job import discover, is_job, summarize_ranks
+from memdiff.job import is_job, summarize_ranks
 from memdiff.model import Summary
 from memdiff.units import format_bytes
 
@@ -60,7 +60,7 @@ def _summaries(args: argparse.Namespace) -> Union[Summary, Dict[int, Summary]]:
     rules = rules_from(args)
     if not is_job(args.snapshot):
         return read_summary(args.snapshot, rules)
-    files = discover(args.snapshot, args.rank_pattern, args.allow_missing_ranks)
+    files = job_from(args, args.snapshot).files
     return dict(zip([f.rank for f in files], summarize_ranks(files, rules, args.dask)))
 
 

@@ -9,11 +9,11 @@ from typing import List, Optional
 
 from memdiff.atomic import check_output, write_output
 from memdiff.classify import Rule
-from memdiff.commands.args import (add_github_arguments, add_html_argument, add_job_arguments, add_report_arguments,
+from memdiff.commands.args import (add_github_arguments, add_html_argument, add_job_arguments, job_from, add_report_arguments,
                                    add_rules_arguments, add_threshold_arguments, publisher_from, rules_from)
 from memdiff.differ import MOMENTS, PEAK, Diff, diff, fold
 from memdiff.errors import EXIT_OK, EXIT_REGRESSION, InputError
-from memdiff.job import discover, is_job, summarize_ranks
+from memdiff.job import is_job, summarize_ranks
 from memdiff.jobdiff import diff_jobs
 from memdiff.judge import Limit, Thresholds, Verdict, judge, judge_ranks
 from memdiff.inputs import read_summaries
@@ -67,8 +67,8 @@ def _run_jobs(args: argparse.Namespace, rules: List[Rule]) -> int:
         job, run_ = (args.base, args.head) if is_job(args.base) else (args.head, args.base)
         raise InputError(run_, f"is one run and {job} a job (a folder or glob of rank files): compare a job "
                                f"with a job, or one rank's file with a run")
-    base_files = discover(args.base, args.rank_pattern, args.allow_missing_ranks)
-    head_files = discover(args.head, args.rank_pattern, args.allow_missing_ranks)
+    base_files = job_from(args, args.base).files
+    head_files = job_from(args, args.head).files
     base = summarize_ranks(base_files, rules, args.dask, history=bool(args.html))
     head = summarize_ranks(head_files, rules, args.dask, history=bool(args.html))
     job = diff_jobs(base_files, base, head_files, head, at=args.at)

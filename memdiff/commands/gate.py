@@ -13,13 +13,13 @@ from memdiff.baseline import Baseline, baseline_path_for, comparable_pair, read_
 from memdiff.atomic import check_output
 from memdiff.classify import Rule
 from memdiff.commands.args import (add_category_threshold_argument, add_github_arguments, add_html_argument,
-                                   add_job_arguments, add_phase_threshold_argument, add_report_arguments,
+                                   add_job_arguments, job_from, add_phase_threshold_argument, add_report_arguments,
                                    add_rules_arguments, add_threshold_arguments, publisher_from, rules_from,
                                    thresholds_from)
 from memdiff.commands.diff import render_report, write_html
 from memdiff.differ import diff
 from memdiff.errors import EXIT_OK, EXIT_REGRESSION, InputError
-from memdiff.job import discover, is_job, ranges, ranks_text, summarize_ranks
+from memdiff.job import is_job, ranges, ranks_text, summarize_ranks
 from memdiff.jobdiff import JobDiff, RankDiff
 from memdiff.model import Summary
 from memdiff.judge import Verdict, judge, judge_ranks
@@ -108,7 +108,7 @@ def _gate_job(args: argparse.Namespace, job_arg: str, path: str, baseline: Basel
     if baseline.ranks is None:
         raise InputError(path, f"is the baseline of one run and {job_arg} is a job: make a job baseline with "
                                f"`memdiff baseline {job_arg} -o {path}`")
-    files = discover(job_arg, args.rank_pattern, args.allow_missing_ranks)
+    files = job_from(args, job_arg).files
     thresholds = thresholds_from(args, baseline.thresholds)
     per_rank: Dict[int, Verdict] = {}
     pairs: Dict[int, Tuple[Summary, Summary]] = {}

@@ -5,10 +5,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-from memdiff.commands.args import add_job_arguments, add_rules_arguments, count_arg, pct_arg, rules_from, size_arg
+from memdiff.commands.args import add_job_arguments, job_from, add_rules_arguments, count_arg, pct_arg, rules_from, size_arg
 from memdiff.differ import fold
 from memdiff.errors import EXIT_OK, EXIT_REGRESSION
-from memdiff.job import discover, missing_ranks, summarize_ranks
+from memdiff.job import summarize_ranks
 from memdiff.judge import imbalance_check
 from memdiff.ranks import compare_ranks
 from memdiff.render import ranks as render_ranks
@@ -36,9 +36,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """Summarize every rank, compare them, print; exit 1 over the imbalance limit."""
     rules = rules_from(args)
-    files = discover(args.job, args.rank_pattern, args.allow_missing_ranks)
-    summaries = summarize_ranks(files, rules, args.dask)
-    report = compare_ranks(files, summaries, missing_ranks(f.rank for f in files))
+    job = job_from(args, args.job)
+    summaries = summarize_ranks(job.files, rules, args.dask)
+    report = compare_ranks(job.files, summaries, job.missing)
     check = (imbalance_check(report.median_bytes, report.max_bytes, args.fail_imbalance)
              if args.fail_imbalance is not None else None)
     if args.format == "json":

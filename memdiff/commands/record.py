@@ -8,11 +8,13 @@ import os
 import re
 import runpy
 import shutil
+import signal
 import subprocess
 import sys
 import traceback
+from dataclasses import dataclass
 from importlib import resources
-from typing import List
+from typing import Any, Dict, List, Optional, Tuple
 
 import memdiff
 
@@ -20,6 +22,7 @@ from memdiff.capture import STACKS, record, recorded_nothing
 from memdiff.commands.args import count_arg
 from memdiff.errors import EXIT_BAD_INPUT, InputError
 from memdiff.load import decode
+from memdiff.manifest import clear_statuses, collect, write_manifest
 from memdiff.units import format_bytes
 
 PYTHON = re.compile(r"^python(\d+(\.\d+)?)?(\.exe)?$")
@@ -121,34 +124,89 @@ def _launched(command: List[str]) -> List[str]:
     return command
 
 
+def _wait_forwarding_signals(child: "subprocess.Popen[bytes]") -> Optional[int]:
+    """Wait for the child, passing Ctrl-C and SIGTERM on to it (a CI runner cancelling the job
+    signals memdiff, not the launcher); the signal that ended the wait, or None."""
+    received: List[int] = []
+
+    def forward(signum: int, _frame: Any) -> None:
+        received.append(signum)
+        if child.poll() is None:
+            child.send_signal(signum)
+    previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        child.wait()
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    return received[0] if received else None
+
+
+@dataclass(frozen=True)
+class _JobOutcome:
+    """What a recorded launch left in its folder."""
+
+    written: List[str]  # snapshot files this run wrote
+    lost: List[str]  # one line per rank that left no snapshot, saying why
+
+
+def _report_job(args: argparse.Namespace, folder: str, before: Dict[str, int]) -> _JobOutcome:
+    """Gather the ranks' statuses into the job's manifest and say what the run wrote."""
+    manifest = collect(folder)
+    if manifest is not None:
+        write_manifest(folder, manifest)
+    names = [n for n in os.listdir(folder)
+             if n.endswith(".pickle") and not n.startswith(".") and os.path.isfile(os.path.join(folder, n))]
+    written = sorted((n for n in names if os.stat(os.path.join(folder, n)).st_mtime_ns != before.get(n)),
+                     key=_by_rank)
+    stale = sorted((n for n in names if n in before and n not in written), key=_by_rank)
+    if written:
+        sizes = ", ".join(f"{n} {format_bytes(os.path.getsize(os.path.join(folder, n)))}" for n in written)
+        job = f" of a job of {manifest.world_size} rank{'s' if manifest.world_size != 1 else ''}" if manifest else ""
+        print(f"memdiff: wrote {len(written)} snapshot{'s' if len(written) != 1 else ''}{job} to {args.output} "
+              f"({sizes}); read them with `memdiff ranks {args.output}`"
+              + (f"; not from this run: {', '.join(stale)}" if stale else ""), file=sys.stderr)
+    lost = ([f"rank {r.rank} of {manifest.world_size} has no snapshot: {r.why_missing()}"
+             for r in manifest.missing(folder)] if manifest is not None else [])
+    return _JobOutcome(written, lost)
+
+
+def _by_rank(name: str) -> Tuple[int, str]:
+    digits = re.sub(r"\D", "", name)
+    return (int(digits) if digits and len(digits) < 10 else 0, name)
+
+
 def _run_launcher(args: argparse.Namespace) -> int:
-    """Run a launcher (or any command) with every Python process it starts recorded into the folder."""
+    """Run a launcher (or any command) with every Python process it starts recorded into the folder.
+
+    Exit status: the command's; but a job whose ranks did not all leave a snapshot is never a
+    success (2 when the command itself succeeded), and a run ended by Ctrl-C is 130."""
     command = _launched(args.command)
     folder = os.path.abspath(args.output)
     os.makedirs(folder, exist_ok=True)
+    clear_statuses(folder)
     before = {n: os.stat(os.path.join(folder, n)).st_mtime_ns for n in os.listdir(folder)}
     hook = str(resources.files("memdiff").joinpath("rank_hook"))
     env = dict(os.environ, MEMDIFF_RECORD_DIR=folder, MEMDIFF_RECORD_MAX_ENTRIES=str(args.max_entries),
                MEMDIFF_RECORD_STACKS=args.stacks,
                MEMDIFF_PACKAGE_PARENT=os.path.dirname(os.path.dirname(os.path.abspath(memdiff.__file__))),
                PYTHONPATH=os.pathsep.join(p for p in (hook, os.environ.get("PYTHONPATH")) if p))
+    env.pop("MEMDIFF_RECORD_RANK_PID", None)  # set by each rank for its own children, never inherited from us
     child = subprocess.Popen(command, env=env)
-    try:
-        status = child.wait()
-    except KeyboardInterrupt:  # the terminal sent it to the child too: let it write its snapshots
-        status = child.wait()
-    written = sorted(n for n in os.listdir(folder) if n.endswith(".pickle") and not n.startswith(".")
-                     and os.stat(os.path.join(folder, n)).st_mtime_ns != before.get(n))
-    stale = sorted(n for n in before if n.endswith(".pickle") and not n.startswith(".") and n not in written)
-    if not written:
+    interrupted = _wait_forwarding_signals(child)
+    status = child.returncode if child.returncode >= 0 else 128 - child.returncode
+    outcome = _report_job(args, folder, before)
+    for line in outcome.lost:
+        print(f"memdiff: {line}", file=sys.stderr)
+    if not outcome.written and not outcome.lost:
         print(f"memdiff: no process of `{' '.join(command)}` recorded an allocation (none imported torch?); "
               f"nothing written to {args.output}", file=sys.stderr)
         return status or EXIT_BAD_INPUT
-    sizes = ", ".join(f"{n} {format_bytes(os.path.getsize(os.path.join(folder, n)))}" for n in written)
-    print(f"memdiff: wrote {len(written)} snapshot{'s' if len(written) != 1 else ''} to {args.output} ({sizes}); "
-          f"read them with `memdiff ranks {args.output}`"
-          + (f"; not from this run: {', '.join(stale)}" if stale else ""), file=sys.stderr)
-    return status
+    if interrupted == signal.SIGINT:
+        return 130
+    if interrupted is not None:
+        return 128 + interrupted
+    return status or (EXIT_BAD_INPUT if outcome.lost else 0)
 
 
 def run(args: argparse.Namespace) -> int:

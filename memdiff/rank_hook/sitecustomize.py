@@ -4,28 +4,144 @@ Python imports `sitecustomize` at start-up in every process, so each rank a laun
 (torchrun, accelerate, deepspeed) runs this without any change to the user's code, the way
 coverage.py measures subprocesses. It does nothing unless MEMDIFF_RECORD_DIR is set, and never
 imports torch itself: when the process's own `import torch` finishes, recording starts (CUDA:
-at CUDA's lazy initialization, after the script has picked its device; else the profiler), and
-at exit the snapshot is written to DIR/rank{RANK}.pickle (pid{PID}.pickle without a RANK). A
-process that allocated nothing (the launcher itself) writes nothing. Any other sitecustomize on
-the path still runs, and a failure here prints one line and lets the program go on.
+at CUDA's lazy initialization, after the script has picked its device; else the profiler).
+
+Where the snapshot is written, and when:
+- The process a launcher started as rank R (it has RANK in its environment first) writes
+  DIR/rank{R}.pickle. A process it starts in turn inherits RANK but not the rank: it writes
+  DIR/pid{PID}.pickle, as does any process without a RANK. A forked copy writes nothing.
+- Recording stops and the file is written at the first of: `destroy_process_group()` of the
+  default group (before torch.distributed tears its threads down, which must never happen
+  while the profiler still runs), SIGTERM (a launcher ending the other ranks after one failed:
+  that is the run people debug), a CUDA out-of-memory error, and the process's exit.
+- A rank reports what became of its recording in a hidden DIR/.rank{R}.status file (its
+  WORLD_SIZE, then written, failed and why, or nothing recorded), from which `memdiff record`
+  tells which ranks are missing and why. A process that allocated nothing writes no snapshot.
+
+Any other sitecustomize on the path still runs, and a failure here prints one line and lets the
+program go on.
 """
 
+import atexit
 import importlib.machinery
 import importlib.util
 import os
+import signal
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+# The pid of the process that is rank RANK, set by that process for everything it starts.
+OWNER = "MEMDIFF_RECORD_RANK_PID"
 
 
 def _say(message):
-    print(f"memdiff: {message}", file=sys.stderr)
+    print(f"memdiff: {message}", file=sys.stderr, flush=True)
 
 
-def _target(folder):
+def _rank():
+    """This process's rank when it is the rank itself (not a child that inherited RANK), else None."""
     rank = os.environ.get("RANK", "")
-    name = f"rank{rank}.pickle" if rank.isdigit() else f"pid{os.getpid()}.pickle"
-    return os.path.join(folder, name)
+    if rank.isdigit() and os.environ.get(OWNER) == str(os.getpid()):
+        return int(rank)
+    return None
+
+
+def _world_size():
+    size = os.environ.get("WORLD_SIZE", "")
+    return int(size) if size.isdigit() else None
+
+
+class _Recording:
+    """One process's recording: started once, stopped and written once, at the first stop point."""
+
+    def __init__(self, torch, folder, capture):
+        self.torch, self.folder, self.capture = torch, folder, capture
+        self.pid = os.getpid()
+        self.rank = _rank()
+        name = f"rank{self.rank}.pickle" if self.rank is not None else f"pid{self.pid}.pickle"
+        self.target = os.path.join(folder, name)
+        self.finish = None
+
+    def status(self, state, **facts):
+        """Tell `memdiff record` what became of this rank's recording (ranks only)."""
+        if self.rank is None:
+            return
+        document = {"rank": self.rank, "world_size": _world_size(), "pid": self.pid, "state": state, **facts}
+        self.capture.write_status(os.path.join(self.folder, f".rank{self.rank}.status"), document)
+
+    def write(self, why):
+        """Stop recording and write the snapshot; later calls do nothing."""
+        finish, self.finish = self.finish, None
+        if finish is None or os.getpid() != self.pid:  # stopped already, or a forked copy
+            return
+        try:
+            snapshot = finish()
+            if self.capture.recorded_nothing(snapshot):
+                self.status("nothing recorded", at=why)
+                return
+            self.capture.dump(snapshot, self.target)
+            self.status("written", at=why, file=os.path.basename(self.target))
+        except Exception as exc:  # the program goes on (or has ended): say why the rank has no file
+            reason = f"{type(exc).__name__}: {exc}"[:500]
+            _say(f"could not write {self.target}: {reason}")
+            try:
+                self.status("failed", at=why, error=reason)
+            except Exception:
+                pass
+
+    def start(self):
+        torch, capture = self.torch, self.capture
+        self.status("recording")
+        if capture.has_cuda(torch):
+            # At CUDA's lazy initialization, not now: starting it here would make a context on
+            # device 0 in every rank before the script picks its own.
+            torch.cuda._lazy_call(self._start_cuda)
+        else:
+            self.finish = capture.start_cpu(torch)
+        self._stop_before_teardown()
+        self._write_on_sigterm()
+        atexit.register(self.write, "exit")
+
+    def _start_cuda(self):
+        self.finish = self.capture.start_cuda(self.torch, int(os.environ.get("MEMDIFF_RECORD_MAX_ENTRIES", "1000000")),
+                                              os.environ.get("MEMDIFF_RECORD_STACKS", "all"))
+        observer = getattr(self.torch._C, "_cuda_attach_out_of_memory_observer", None)
+        if observer is not None:  # an OOM kills the rank: write what led to it first
+            observer(lambda *_: self.write("out of memory"))
+
+    def _stop_before_teardown(self):
+        """Write when the default process group is destroyed, before its threads are joined."""
+        dist = sys.modules.get("torch.distributed")
+        c10d = sys.modules.get("torch.distributed.distributed_c10d")
+        real = getattr(c10d, "destroy_process_group", None)
+        if real is None:
+            return
+        recording = self
+
+        def destroy_process_group(group=None, *args, **kwargs):
+            if group is None or group is getattr(getattr(c10d, "GroupMember", None), "WORLD", None):
+                recording.write("destroy_process_group")
+            return real(group, *args, **kwargs)
+        destroy_process_group.__doc__ = real.__doc__
+        destroy_process_group.__wrapped__ = real
+        c10d.destroy_process_group = destroy_process_group
+        if dist is not None and getattr(dist, "destroy_process_group", None) is real:
+            dist.destroy_process_group = destroy_process_group
+
+    def _write_on_sigterm(self):
+        """Write, then die of SIGTERM as the process would have: only where nobody else handles it."""
+        if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+            return
+        recording = self
+
+        def on_sigterm(signum, frame):
+            recording.write("SIGTERM")
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTERM)
+        try:
+            signal.signal(signal.SIGTERM, on_sigterm)
+        except ValueError:  # torch imported off the main thread: no handler can be set there
+            pass
 
 
 def _start(torch, folder):
@@ -34,34 +150,7 @@ def _start(torch, folder):
         from memdiff import capture
     finally:
         sys.path.pop(0)
-    max_entries = int(os.environ.get("MEMDIFF_RECORD_MAX_ENTRIES", "1000000"))
-    stacks = os.environ.get("MEMDIFF_RECORD_STACKS", "all")
-    finish = []
-
-    def write():
-        if not finish:
-            return
-        try:
-            snapshot = finish.pop()()
-            if not capture.recorded_nothing(snapshot):
-                capture.dump(snapshot, _target(folder))
-        except Exception as exc:  # the user's program has ended; say why its rank has no file
-            _say(f"could not write {_target(folder)}: {type(exc).__name__}: {exc}")
-
-    def start_cuda():
-        finish.append(capture.start_cuda(torch, max_entries, stacks))
-        observer = getattr(torch._C, "_cuda_attach_out_of_memory_observer", None)
-        if observer is not None:  # an OOM kills the rank: write what led to it first
-            observer(lambda *_: write())
-
-    if torch.cuda.is_available():
-        # At CUDA's lazy initialization, not now: starting it here would make a context on
-        # device 0 in every rank before the script picks its own.
-        torch.cuda._lazy_call(start_cuda)
-    else:
-        finish.append(capture.start_cpu(torch))
-    import atexit
-    atexit.register(write)
+    _Recording(torch, folder, capture).start()
 
 
 class _AfterTorch:
@@ -103,6 +192,10 @@ def _chain():
     spec.loader.exec_module(module)
 
 
-if os.environ.get("MEMDIFF_RECORD_DIR") and "torch" not in sys.modules:
-    sys.meta_path.insert(0, _AfterTorch(os.environ["MEMDIFF_RECORD_DIR"]))
+if os.environ.get("MEMDIFF_RECORD_DIR"):
+    if os.environ.get("RANK", "").isdigit() and OWNER not in os.environ:
+        # The first process with a RANK is that rank; whatever it starts inherits this and is not.
+        os.environ[OWNER] = str(os.getpid())
+    if "torch" not in sys.modules:
+        sys.meta_path.insert(0, _AfterTorch(os.environ["MEMDIFF_RECORD_DIR"]))
 _chain()

@@ -51,7 +51,8 @@ def _device_block(p: DevicePeak) -> List[str]:
         facts.append(("scope", "", f"{d.scope_at_peak} (record_function scope open at the peak)"))
     facts.append(("static", format_bytes(d.static_bytes), "live before the trace began, counted from its start"))
     facts.append(("at dump", format_bytes(d.allocated_bytes_at_dump),
-                  f"allocated, {format_bytes(d.reserved_bytes_at_dump)} reserved by the caching allocator"))
+                  "allocated" + (f", {format_bytes(d.reserved_bytes_at_dump)} reserved by the caching allocator"
+                                 if d.reserved_bytes_at_dump is not None else " (no caching allocator: CPU capture)")))
     facts.append(("trace", f"{d.trace_events:,}", "events"))
     out.append(tabulate(facts, tablefmt="plain", colalign=("left", "right", "left")))
     if d.unmatched_free_count:

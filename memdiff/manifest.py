@@ -1,0 +1,148 @@
+"""The manifest of a recorded job: how many ranks it had, and what became of each rank's recording.
+
+`memdiff record -o DIR/` starts a launcher whose ranks each leave a hidden `.rank{R}.status`
+file (memdiff/rank_hook); after the launcher exits, those are gathered into DIR/memdiff-job.json.
+Reading the job later, the manifest's world size is what makes a missing *last* rank visible:
+from the rank files alone, a 2-rank job that lost rank 1 reads as a complete 1-rank job.
+The manifest has a visible name so that it travels with the rank files (artifact uploads skip
+hidden files).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import asdict, dataclass
+from typing import Any, Dict, List, Optional
+
+from memdiff.atomic import write_text_atomic
+from memdiff.errors import InputError, brief
+
+MANIFEST = "memdiff-job.json"
+MANIFEST_VERSION = 1
+STATUS = re.compile(r"^\.rank(\d+)\.status$")
+MAX_STATUS_BYTES = 64 << 10  # a status is one short JSON object
+MAX_MANIFEST_BYTES = 16 << 20  # a line per rank: room for a million ranks
+MAX_WORLD_SIZE = 1 << 20  # as many ranks as a job folder may hold (memdiff.job.MAX_RANKS)
+
+# A rank's recording, as the status it left says (or the absence of one).
+WRITTEN, FAILED, NOTHING, UNFINISHED, NOT_STARTED = ("written", "failed", "nothing recorded", "recording",
+                                                     "not started")
+
+
+@dataclass(frozen=True)
+class RankRecording:
+    """What became of one rank's recording."""
+
+    rank: int
+    state: str
+    file: Optional[str] = None
+    error: Optional[str] = None
+    at: Optional[str] = None  # what stopped it: exit, SIGTERM, destroy_process_group, out of memory
+
+    def why_missing(self) -> str:
+        """Why this rank has no snapshot, in a reader's words."""
+        if self.state == FAILED:
+            return f"its snapshot could not be written: {self.error}"
+        if self.state == NOTHING:
+            return "it recorded no allocation"
+        if self.state == UNFINISHED:
+            return "it ended without writing its snapshot (killed by SIGKILL, or it crashed in native code)"
+        if self.state == NOT_STARTED:
+            return "it never recorded (it did not start, or never imported torch)"
+        return f"its file {self.file} is gone"
+
+
+@dataclass(frozen=True)
+class JobManifest:
+    """How many ranks a recorded job had and each one's recording."""
+
+    world_size: int
+    ranks: List[RankRecording]
+
+    def missing(self, folder: str) -> List[RankRecording]:
+        """The ranks that left no snapshot in `folder`."""
+        return [r for r in self.ranks
+                if r.state != WRITTEN or not r.file or not os.path.isfile(os.path.join(folder, r.file))]
+
+    def to_dict(self) -> Dict[str, Any]:
+        """The JSON form written to memdiff-job.json."""
+        return {"memdiff_job_version": MANIFEST_VERSION, "world_size": self.world_size,
+                "ranks": [{k: v for k, v in asdict(r).items() if v is not None} for r in self.ranks]}
+
+
+def clear_statuses(folder: str) -> None:
+    """Remove an earlier run's status files and manifest, so that they never speak for this run."""
+    for name in os.listdir(folder):
+        if STATUS.match(name) or name == MANIFEST:
+            os.unlink(os.path.join(folder, name))
+
+
+def _read_status(path: str) -> Optional[Dict[str, Any]]:
+    try:
+        if os.path.getsize(path) > MAX_STATUS_BYTES:
+            return None
+        with open(path, encoding="utf-8") as f:
+            document = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return document if isinstance(document, dict) else None
+
+
+def _count(value: Any) -> Optional[int]:
+    return value if isinstance(value, int) and not isinstance(value, bool) and 0 < value <= MAX_WORLD_SIZE else None
+
+
+def collect(folder: str) -> Optional[JobManifest]:
+    """Gather the ranks' status files into a manifest (and remove them); None when no rank left one
+    (a process without RANK, or a launcher that never started Python)."""
+    statuses: Dict[int, Dict[str, Any]] = {}
+    for name in os.listdir(folder):
+        found = STATUS.match(name)
+        if found:
+            path = os.path.join(folder, name)
+            document = _read_status(path) or {"state": FAILED, "error": "its status file was unreadable"}
+            statuses[int(found.group(1))] = document
+            os.unlink(path)
+    if not statuses:
+        return None
+    sizes = [s for s in (_count(d.get("world_size")) for d in statuses.values()) if s is not None]
+    world_size = max(sizes + [max(statuses) + 1])
+    ranks = []
+    for rank in range(world_size):
+        document = statuses.get(rank)
+        if document is None:
+            ranks.append(RankRecording(rank, NOT_STARTED))
+            continue
+        text = {k: str(document[k])[:500] for k in ("file", "error", "at") if isinstance(document.get(k), str)}
+        state = document.get("state")
+        if state not in (WRITTEN, FAILED, NOTHING, UNFINISHED):
+            state, text["error"] = FAILED, text.get("error", "its status file says no state memdiff writes")
+        ranks.append(RankRecording(rank, state, **text))
+    return JobManifest(world_size, ranks)
+
+
+def write_manifest(folder: str, manifest: JobManifest) -> None:
+    """Write the manifest beside the rank files, atomically."""
+    write_text_atomic(os.path.join(folder, MANIFEST), json.dumps(manifest.to_dict(), indent=1) + "\n")
+
+
+def read_world_size(folder: str) -> Optional[int]:
+    """The world size a job folder's manifest records; None without a manifest. A manifest that
+    is there but unreadable is bad input: it must never silently stop a missing rank being seen."""
+    path = os.path.join(folder, MANIFEST)
+    if not os.path.isfile(path):
+        return None
+    try:
+        if os.path.getsize(path) > MAX_MANIFEST_BYTES:
+            raise InputError(path, f"{os.path.getsize(path):,} bytes: not a manifest memdiff wrote")
+        with open(path, encoding="utf-8") as f:
+            document = json.load(f)
+    except (OSError, ValueError, RecursionError) as exc:
+        raise InputError(path, f"unreadable job manifest: {type(exc).__name__}") from None
+    size = _count(document.get("world_size")) if isinstance(document, dict) else None
+    if size is None:
+        value = document.get("world_size") if isinstance(document, dict) else document
+        raise InputError(path, f"world_size must be a rank count (1-{MAX_WORLD_SIZE:,}), not {brief(value)}")
+    return size
