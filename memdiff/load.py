@@ -92,6 +92,7 @@ class Snapshot:
     segments: List[Dict[str, Any]]
     device_traces: List[List[Dict[str, Any]]]
     external_annotations: List[Dict[str, Any]]
+    decoded_bytes: Optional[int] = None  # the decoded stream's size, which bounds the work it can ask for
 
 
 class _DataOnlyUnpickler(pickle.Unpickler):
@@ -367,7 +368,7 @@ def to_snapshot(path: str, raw: Any, source: Source, decoded_bytes: Optional[int
     source.keys = keys + [f"trace.{k}" for k in entry_keys]
     source.generation = _generation(raw, segments, traces)
     return Snapshot(path=path, source=source, segments=segments, device_traces=traces,
-                    external_annotations=annotations)
+                    external_annotations=annotations, decoded_bytes=decoded_bytes)
 
 
 def decode(path: str) -> Tuple[Any, Source, int]:

@@ -472,7 +472,7 @@ def devices_of(snapshot: Snapshot) -> List[int]:
 def summarize(snapshot: Snapshot, history_rules: Optional[Sequence[Rule]] = None) -> Summary:
     """The Summary of every device in the snapshot; with `history_rules`, each device's history
     too, its allocations classified by those rules (the ones the summary will be classified by)."""
-    stacks = StackNormalizer()
+    stacks = StackNormalizer(snapshot.decoded_bytes)
     devices = [_device_summary(snapshot, d, stacks, history_rules) for d in devices_of(snapshot)]
     all_groups = [g for d in devices for g in d.groups]
     all_groups += [g for d in devices for p in d.phase_peaks for g in (p.groups or [])]

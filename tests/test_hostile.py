@@ -254,3 +254,15 @@ def test_a_summary_with_a_negative_time_is_bad_input(shared, tmp_path):
     out.write_text(json.dumps(doc))
     done = memdiff("peak", str(out))
     assert done.returncode == 2 and "peak_time_us" in done.stderr and done.stderr.count("\n") == 1
+
+
+def test_thousands_of_stacks_sharing_a_long_frame_list(tmp_path):
+    # Each stack is one frame of its own plus the same 500 frame dicts (memo references, 5 bytes
+    # each): every stack is distinct, so none is normalized only once. 90 KB of gzip asked for 2
+    # million frames to normalize, classify and write out (28 s, 2.6 GB).
+    shared = [{"filename": f"/src/lib{j}.py", "line": j, "name": f"f{j}"} for j in range(500)]
+    trace = [dict(EVENT, addr=4096 * (i + 1), frames=[{"filename": "/src/model.py", "line": i + 1, "name": "f"}]
+                  + shared) for i in range(4000)]
+    path = tmp_path / "shared.pickle.gz"
+    path.write_bytes(gzip.compress(pickle.dumps({"segments": [], "device_traces": [trace]}, protocol=4)))
+    refused(path, "frames in 9,2")
