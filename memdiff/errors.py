@@ -21,6 +21,12 @@ class InputError(Exception):
         return (self.__class__, (self.path, self.message))
 
 
+def number(value: int) -> str:
+    """An integer from a file as an error shows it: with thousands separators, or by its size
+    when it is too long to print (str() of a 4,300-digit integer raises ValueError)."""
+    return f"{value:,}" if value.bit_length() <= 128 else f"an integer of {value.bit_length():,} bits"
+
+
 def brief(value: Any, chars: int = 40) -> str:
     """A value from a file as one line of an error shows it: its type and a bounded prefix.
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any, Callable, Dict, Generic, Iterable, List, Optional, Sequence, Tuple, TypeVar
 
-from memdiff.errors import brief
+from memdiff.errors import brief, number
 from memdiff.model import Frame
 
 # Python's recursion limit is 1,000 frames and C++ adds a few dozen per Python call; a stack far
@@ -33,6 +33,9 @@ MAX_STACK_CHARS = 16 << 20
 # decoded bytes per frame normalized (the legacy OPT-13B one; the others 80 to 800), so fewer
 # than this many is pickle references multiplying frames.
 MIN_FRAME_BYTES = 8
+
+# CPython numbers lines with a C int.
+MIN_LINE, MAX_LINE = -(2**31), 2**31 - 1
 
 # Frames PyTorch's own viewers drop (torch/cuda/_memory_viz.py), then interpreter and libc
 # frames whose names change with the Python build.
@@ -181,13 +184,18 @@ def _keep(raw: Any) -> Optional[_Kept]:
     if filename == "none":  # profiler route
         m = profiler_frame(name)
         if m:
-            filename, line, name = m.group("file"), int(m.group("line")), m.group("name")
+            digits = m.group("line").lstrip("0")
+            if len(digits) > len(str(MAX_LINE)):  # before int(), which refuses 4,300 digits and more
+                raise ValueError(f"a frame's line: a number of {len(digits):,} digits is not a line number")
+            filename, line, name = m.group("file"), int(digits or "0"), m.group("name")
         elif PROFILER_MODULE.match(name):
             return _Kept("module", "", 0, name, name)
         else:
             op = PROFILER_OP.match(name)
             clean = HEX.sub("0x…", name)
             return _Kept("op", "", 0, clean, op.group(1) if op else clean)
+    if not MIN_LINE <= line <= MAX_LINE:
+        raise ValueError(f"a frame's line: {number(line)} is not a line number ({MIN_LINE:,} to {MAX_LINE:,})")
     if filename.endswith(".py") or filename.startswith("<"):
         path = normalize_path(filename)
         return _Kept("py", path, line, HEX.sub("0x…", name), name, _path_key(path))

@@ -24,7 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
-from memdiff.errors import InputError, brief
+from memdiff.errors import InputError, brief, number
 from memdiff.frames import profiler_frame
 from memdiff.model import Source
 
@@ -245,7 +245,7 @@ def _expect(path: str, where: str, value: Any, kind: type, what: str) -> None:
 def _size(path: str, where: str, value: Any) -> None:
     _expect(path, where, value, int, "an integer")
     if not 0 <= value <= MAX_BYTES:
-        raise InputError(path, f"{where}: {value:,} is not a size in bytes (0 to {MAX_BYTES:,})")
+        raise InputError(path, f"{where}: {number(value)} is not a size in bytes (0 to {MAX_BYTES:,})")
 
 
 def _validate_segments(path: str, segments: Any) -> None:
@@ -261,7 +261,8 @@ def _validate_segments(path: str, segments: Any) -> None:
             if key in seg:
                 _size(path, f"{where}.{key}", seg[key])
         if not 0 <= seg["device"] < MAX_DEVICES:
-            raise InputError(path, f"{where}.device: {seg['device']} is not a device index (PyTorch's run 0-{MAX_DEVICES - 1})")
+            raise InputError(path, f"{where}.device: {number(seg['device'])} is not a device index "
+                                   f"(PyTorch's run 0-{MAX_DEVICES - 1})")
         _expect(path, f"{where}.blocks", seg.get("blocks", []), list, "a list")
         for j, block in enumerate(seg.get("blocks", [])):
             bwhere = f"{where}.blocks[{j}]"

@@ -22,7 +22,7 @@ import numpy as np
 
 from memdiff import __version__
 from memdiff.classify import Rule
-from memdiff.errors import InputError, brief
+from memdiff.errors import InputError, brief, number
 from memdiff.frames import Stack, StackNormalizer, relativize, signature_of
 from memdiff.history import Allocations, history_of, peak_bars, window_maxima
 from memdiff.lifetimes import BACKWARD, FORWARD, LIFETIMES, MAX_STEPS, OPTIMIZER, Lifetime, Scopes, Timeline, build_timeline
@@ -370,8 +370,8 @@ def _device_summary(snapshot: Snapshot, device: int, stacks: StackNormalizer,
         reserved_bytes_at_dump=sum(s["total_size"] for s in segments),
         unmatched_free_count=len(walk.unmatched) - len(reversioned),
         unmatched_free_bytes=unmatched_bytes,
-        oom_events=[OomEvent(event_index=i, requested_bytes=trace[i].get("size", 0),
-                             device_free_bytes=trace[i].get("device_free"),
+        oom_events=[OomEvent(event_index=i, requested_bytes=_bytes(path, device, trace, i, "size") or 0,
+                             device_free_bytes=_bytes(path, device, trace, i, "device_free"),
                              time_us=_time(path, device, trace, i)) for i in walk.ooms],
         timeline=_timeline(static, running),
         groups=groups,
@@ -393,6 +393,15 @@ def _time(path: str, device: int, trace: List[Dict[str, Any]], i: int) -> Option
         return value
     raise InputError(path, f"device_traces[{device}][{i}].time_us: expected microseconds as an integer, "
                            f"got {brief(value)}")
+
+
+def _bytes(path: str, device: int, trace: List[Dict[str, Any]], i: int, key: str) -> Optional[int]:
+    """An entry's byte count that the walk does not read (an oom's): a size or absent."""
+    value = trace[i].get(key)
+    if value is None or (isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_BYTES):
+        return value
+    shown = number(value) if isinstance(value, int) else brief(value)
+    raise InputError(path, f"device_traces[{device}][{i}].{key}: {shown} is not a size in bytes (0 to {MAX_BYTES:,})")
 
 
 def _steps_kept(timeline: Timeline, peak_index: Optional[int]) -> List[Step]:

@@ -266,3 +266,27 @@ def test_thousands_of_stacks_sharing_a_long_frame_list(tmp_path):
     path = tmp_path / "shared.pickle.gz"
     path.write_bytes(gzip.compress(pickle.dumps({"segments": [], "device_traces": [trace]}, protocol=4)))
     refused(path, "frames in 9,2")
+
+
+HUGE = 2**20000  # str() of it raises ValueError: past Python's 4,300-digit limit
+
+
+@pytest.mark.parametrize("doc, says", [
+    ({"segments": [], "device_traces": [[dict(EVENT, frames=[{"filename": "m.py", "line": HUGE, "name": "f"}])]]},
+     "a frame's line: an integer of 20,001 bits is not a line number"),
+    ({"segments": [], "device_traces": [[dict(EVENT, frames=[{"filename": "none", "line": 0,
+                                                               "name": "m.py(" + "9" * 5000 + "): f"}])]]},
+     "a frame's line: a number of 5,000 digits is not a line number"),
+    ({"segments": [{"device": HUGE, "address": 0, "total_size": 8}], "device_traces": []},
+     "segments[0].device: an integer of 20,001 bits is not a device index"),
+    ({"segments": [{"device": 0, "address": 0, "total_size": HUGE}], "device_traces": []},
+     "segments[0].total_size: an integer of 20,001 bits is not a size in bytes"),
+    ({"segments": [], "device_traces": [[EVENT, {"action": "oom", "size": HUGE, "device_free": 0}]]},
+     "device_traces[0][1].size: an integer of 20,001 bits is not a size"),
+    ({"segments": [], "device_traces": [[EVENT, {"action": "oom", "size": 1, "device_free": 2**70}]]},
+     "device_traces[0][1].device_free: 1,180,591,620,717,411,303,424 is not a size"),
+], ids=["line", "profiler-line", "device", "total-size", "oom-size", "oom-device-free"])
+def test_integers_past_their_range_name_the_field(tmp_path, doc, says):
+    path = tmp_path / "ints.pickle"
+    path.write_bytes(pickle.dumps(doc, protocol=4))
+    refused(path, says)
