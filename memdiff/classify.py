@@ -16,8 +16,9 @@ from dataclasses import dataclass, replace
 from importlib import resources
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from memdiff.errors import InputError
+from memdiff.errors import InputError, clip
 from memdiff.frames import FREED_PREFIX
+from memdiff.load import parse_json, read_json, read_small
 from memdiff.model import DeviceSummary, Frame, Group, Summary, largest_first
 from memdiff.patterns import TIMEOUT_S, Pattern
 from memdiff.schema import validate
@@ -86,7 +87,7 @@ def parse_rules(path: str, data: Any, default_priority: int, builtin: bool = Fal
     timeout = None if builtin else TIMEOUT_S
     rules = []
     for i, r in enumerate(data["rules"], 1):
-        rule = f"rule {i} ({r['category']})"
+        rule = f"rule {i} ({clip(r['category'])})"
         origin = f"{path}: {rule}"
 
         def pattern(text: str) -> Pattern:
@@ -115,32 +116,24 @@ def builtin_rules() -> List[Rule]:
 
 
 def _read_rules_file(path: str) -> Any:
+    if not path.endswith(".toml"):
+        return read_json(path, "a rules file", allow_nan=True)
+    raw = read_small(path, "a rules file")
+    if sys.version_info >= (3, 11):
+        import tomllib
+    else:  # the same parser, packaged for older Pythons
+        import tomli as tomllib
     try:
-        with open(path, "rb") as f:
-            raw = f.read()
-    except OSError as exc:
-        raise InputError(path, f"cannot read rules: {exc.strerror or exc}") from None
-    if path.endswith(".toml"):
-        if sys.version_info >= (3, 11):
-            import tomllib
-        else:  # the same parser, packaged for older Pythons
-            import tomli as tomllib
-        try:
-            return tomllib.loads(raw.decode("utf-8"))
-        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
-            raise InputError(path, f"invalid TOML: {exc}") from None
-    try:
-        return json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise InputError(path, f"invalid JSON: {exc}") from None
+        return tomllib.loads(raw.decode("utf-8"))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise InputError(path, f"invalid TOML: {exc}") from None
+    except RecursionError:
+        raise InputError(path, "invalid TOML: nested deeper than Python can read") from None
 
 
 def custom_profile_rules(text: str) -> List[Rule]:
     """Mosaic-style `{"category": "regex", ...}`: each regex is searched in frame names and files."""
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise InputError("--custom-profile", f"invalid JSON: {exc}") from None
+    data = parse_json("--custom-profile", text.encode("utf-8", "surrogateescape"))
     if not isinstance(data, dict) or not all(isinstance(v, str) for v in data.values()):
         raise InputError("--custom-profile", 'expected a JSON object of category names to regexes, '
                                              'e.g. {"kv_cache": "KVCache|kv_cache"}')

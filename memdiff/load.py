@@ -136,14 +136,72 @@ def _check_file(path: str) -> int:
     return size
 
 
-def read_bytes(path: str) -> bytes:
-    """The whole file's bytes (for small files such as baselines), or an InputError saying why not."""
-    _check_file(path)
+# A baseline is a few KB per rank, and a job's holds every rank: a thousand ranks make a few
+# MB. Rules files are smaller still. A JSON input past this is no file memdiff wrote or a person
+# edited, and reading it whole would take gigabytes of memory and many seconds.
+MAX_JSON_BYTES = 64 << 20
+# Baselines, summaries and rules nest less than ten levels deep; allocator settings a few more.
+MAX_JSON_DEPTH = 64
+
+
+def read_small(path: str, what: str) -> bytes:
+    """The bytes of a file meant to be small (a baseline, a rules file), its size checked before
+    it is read: at most MAX_JSON_BYTES."""
+    size = _check_file(path)
+    if size > MAX_JSON_BYTES:
+        raise InputError(path, f"{size:,} bytes is too large for {what} (at most {MAX_JSON_BYTES:,})")
     try:
         with open(path, "rb") as f:
-            return f.read()
+            data = f.read(MAX_JSON_BYTES + 1)  # the file may grow after the check
     except OSError as exc:
         raise InputError(path, f"cannot read: {exc.strerror or exc}") from None
+    if len(data) > MAX_JSON_BYTES:
+        raise InputError(path, f"too large for {what} (at most {MAX_JSON_BYTES:,} bytes)")
+    return data
+
+
+def read_json(path: str, what: str, allow_nan: bool = False) -> Any:
+    """The document in a small JSON file (read_small), decoded by parse_json."""
+    return parse_json(path, read_small(path, what), allow_nan)
+
+
+class _NotJson(ValueError):
+    pass
+
+
+def _not_json(name: str) -> Any:
+    raise _NotJson(name)
+
+
+def parse_json(path: str, data: bytes, allow_nan: bool = True) -> Any:
+    """Every JSON input's decoder: the document, or one InputError line saying what is wrong.
+    Without `allow_nan`, NaN and Infinity (not JSON, and compared as no limit at all) are refused."""
+    try:
+        doc = json.loads(data) if allow_nan else json.loads(data, parse_constant=_not_json)
+    except _NotJson as exc:
+        raise InputError(path, f"invalid JSON: {exc} is not a number (JSON has no NaN or Infinity)") from None
+    except UnicodeDecodeError as exc:
+        raise InputError(path, f"invalid JSON: not UTF-8 text ({exc.reason})") from None
+    except json.JSONDecodeError as exc:
+        raise InputError(path, f"invalid JSON at line {exc.lineno} column {exc.colno}: {exc.msg}") from None
+    except ValueError:  # Python refuses integers of more than 4,300 digits
+        raise InputError(path, "invalid JSON: a number too long to read") from None
+    except RecursionError:
+        raise InputError(path, f"invalid JSON: nested more than {MAX_JSON_DEPTH} levels deep") from None
+    _check_depth(path, doc)
+    return doc
+
+
+def _check_depth(path: str, doc: Any) -> None:
+    # Without recursion: what validates and copies the document later recurses, and a few
+    # hundred levels would exhaust the stack there.
+    level: List[Any] = [doc]
+    for _ in range(MAX_JSON_DEPTH):
+        level = [v for c in level if isinstance(c, (dict, list))
+                 for v in (c.values() if isinstance(c, dict) else c) if isinstance(v, (dict, list))]
+        if not level:
+            return
+    raise InputError(path, f"invalid JSON: nested more than {MAX_JSON_DEPTH} levels deep")
 
 
 def _sha256(path: str) -> str:
@@ -195,15 +253,7 @@ def _parse(path: str, stream: io.BufferedReader, codec: Optional[str]) -> Tuple[
             raise InputError(path, f"unsupported pickle protocol {protocol} (memdiff reads 2 to 5)")
         return _DataOnlyUnpickler(stream).load(), f"pickle protocol {protocol}"
     if head.lstrip()[:1] in (b"{", b"["):
-        try:
-            return json.loads(stream.read()), "json"
-        except UnicodeDecodeError as exc:
-            raise InputError(path, f"invalid JSON: not UTF-8 text ({exc.reason})") from None
-        except json.JSONDecodeError as exc:
-            raise InputError(path, f"invalid JSON at line {exc.lineno} column {exc.colno}: {exc.msg}") from None
-        except RecursionError:
-            raise InputError(path, "not a memory snapshot: JSON nested deeper than Python can read "
-                                   "(snapshots are a few levels deep)") from None
+        return parse_json(path, stream.read()), "json"
     raise InputError(path, "not a memory snapshot: the content is neither a pickle, JSON, "
                            "gzip, bz2 nor xz")
 
