@@ -290,3 +290,67 @@ def test_integers_past_their_range_name_the_field(tmp_path, doc, says):
     path = tmp_path / "ints.pickle"
     path.write_bytes(pickle.dumps(doc, protocol=4))
     refused(path, says)
+
+
+@pytest.fixture
+def run_and_baseline(write_snapshot, tmp_path):
+    """A small run and its baseline's JSON document."""
+    run = write_snapshot({"device_traces": [[EVENT]], "segments": []})
+    baseline = tmp_path / "b.json"
+    assert memdiff("baseline", run, "-o", str(baseline)).returncode == 0
+    return run, json.loads(baseline.read_text())
+
+
+def _gated_and_checked(run: str, path: Path, *says: str) -> None:
+    """`gate` and `baseline --check` both refuse the baseline at `path`: exit 2, one line."""
+    for done in (memdiff("gate", "--baseline", str(path), run), memdiff("baseline", "--check", str(path))):
+        assert done.returncode == 2, done.stderr
+        assert done.stderr.count("\n") == 1 and len(done.stderr) < 400, done.stderr[:400]
+        assert any(s in done.stderr for s in says), done.stderr
+
+
+@pytest.mark.parametrize("where, value, says", [
+    ("peak_bytes", 10**4000, "devices.0.peak_bytes: int of 13,288 bits fails the schema's 'maximum' rule"),
+    ("peak_bytes", 2**70, "devices.0.peak_bytes: 1180591620717411303424 is greater than the maximum"),
+    ("group bytes", 2**64, "devices.0.groups.0.bytes: 18446744073709551616 is greater than the maximum"),
+    ("device", 128, "devices.0.device: 128 is greater than the maximum of 127"),
+])
+def test_baseline_integers_past_int64_are_refused_by_gate_and_check_alike(run_and_baseline, tmp_path, where,
+                                                                           value, says):
+    run, doc = run_and_baseline
+    device = doc["devices"][0]
+    if where == "group bytes":
+        device["groups"][0]["bytes"] = value
+    else:
+        device[where] = value
+    path = tmp_path / "big.json"
+    path.write_text(json.dumps(doc))
+    _gated_and_checked(run, path, says)
+
+
+def test_a_baseline_nested_100k_deep(run_and_baseline, tmp_path):
+    path = tmp_path / "deep.json"
+    path.write_text("[" * 100_000 + "]" * 100_000)
+    _gated_and_checked(run_and_baseline[0], path, "invalid JSON: nested more than 64 levels deep")
+
+
+def test_a_sparse_3_5_gb_baseline_is_refused_before_it_is_read(run_and_baseline, tmp_path):
+    path = tmp_path / "huge.json"
+    with open(path, "wb") as f:
+        f.write(b"{")
+        f.truncate(3_500_000_000)  # sparse: no disk used
+    _gated_and_checked(run_and_baseline[0], path, "3,500,000,000 bytes is too large for a baseline")
+
+
+@pytest.mark.parametrize("mutate, says", [
+    (lambda d: d.update(schema_version="A" * 10_000_000), "schema_version str 'AAAA"),
+    (lambda d: d.update(created=["A" * 10_000_000]), "created: list of 1 items fails the schema's 'type' rule"),
+    (lambda d: d["thresholds"].update(sites=[{"site": "(" * 10_000_000}]), "invalid regex str '(((("),
+    (lambda d: d["thresholds"].update(categories={"x" * 10_000_000: {"fail-over": "x"}}), "categories.xxxx"),
+], ids=["schema-version", "created", "site", "category"])
+def test_ten_megabyte_values_in_a_baseline_make_a_short_line(run_and_baseline, tmp_path, mutate, says):
+    run, doc = run_and_baseline
+    mutate(doc)
+    path = tmp_path / "long.json"
+    path.write_text(json.dumps(doc))
+    _gated_and_checked(run, path, says)
