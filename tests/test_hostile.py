@@ -354,3 +354,19 @@ def test_ten_megabyte_values_in_a_baseline_make_a_short_line(run_and_baseline, t
     path = tmp_path / "long.json"
     path.write_text(json.dumps(doc))
     _gated_and_checked(run, path, says)
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["peak", "run.pickle", "--top", "0"], "memdiff: peak: argument --top: 0 is not a positive count"),
+    (["gate"], "memdiff: gate: the following arguments are required: SNAPSHOT"),
+    (["peak", "run.pickle", "--top", "9" * 100_000], "memdiff: peak: argument --top: '9999"),
+], ids=["bad-value", "missing", "megabyte-argument"])
+def test_usage_errors_are_one_short_line(argv, says):
+    done = memdiff(*argv)
+    assert done.returncode == 2 and done.stderr.count("\n") == 1 and len(done.stderr) < 500, done.stderr[:500]
+    assert done.stderr.startswith(says) and "--help`)" in done.stderr, done.stderr
+
+
+def test_help_still_prints_the_usage():
+    done = memdiff("peak", "--help")
+    assert done.returncode == 0 and done.stdout.startswith("usage: memdiff peak"), done.stderr
