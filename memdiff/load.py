@@ -24,7 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
-from memdiff.errors import InputError, brief, number
+from memdiff.errors import InputError, brief, clip, number
 from memdiff.frames import profiler_frame
 from memdiff.model import Source
 
@@ -269,7 +269,7 @@ def _read_document(path: str, size: int) -> Tuple[Any, str, int]:
         with stream:
             obj, container = _parse(path, stream, codec)
     except _Refused as exc:
-        raise InputError(path, f"refused: the file asks to import {exc}; memory snapshots never contain code") from None
+        raise InputError(path, f"refused: the file asks to import {clip(str(exc))}; memory snapshots never contain code") from None
     except InputError:
         raise
     except MemoryError:
@@ -278,10 +278,10 @@ def _read_document(path: str, size: int) -> Tuple[Any, str, int]:
                                "(it declares values far larger than the file)") from None
     except Exception as exc:  # noqa: BLE001 - anything a corrupt stream makes the decoders raise
         if _is_codec_error(exc, codec):
-            raise InputError(path, f"corrupt or truncated {codec} data ({exc})") from None
+            raise InputError(path, f"corrupt or truncated {codec} data ({clip(str(exc), 200)})") from None
         if isinstance(exc, (EOFError, pickle.UnpicklingError, ValueError, TypeError, IndexError, KeyError,
                             AttributeError, OSError, OverflowError)):
-            raise InputError(path, f"truncated or corrupt pickle ({type(exc).__name__}: {exc})") from None
+            raise InputError(path, f"truncated or corrupt pickle ({type(exc).__name__}: {clip(str(exc), 200)})") from None
         raise
     return obj, f"{codec}+{container}" if codec else container, bounded.count
 

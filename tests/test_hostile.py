@@ -370,3 +370,12 @@ def test_usage_errors_are_one_short_line(argv, says):
 def test_help_still_prints_the_usage():
     done = memdiff("peak", "--help")
     assert done.returncode == 0 and done.stdout.startswith("usage: memdiff peak"), done.stderr
+
+
+def test_an_import_of_a_ten_megabyte_name_makes_a_short_line(tmp_path):
+    # STACK_GLOBAL of "" and a 10 MB name: the refusal quoted the name whole.
+    name = b"o" * 10_000_000
+    path = tmp_path / "import.pickle"
+    path.write_bytes(b"\x80\x04\x8c\x00\x8d" + len(name).to_bytes(8, "little") + name + b"\x93.")
+    done = memdiff("peak", str(path))
+    assert done.returncode == 2 and len(done.stderr) < 300 and "refused: the file asks to import" in done.stderr
