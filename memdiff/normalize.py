@@ -34,6 +34,11 @@ TIMELINE_POINTS = 100
 # file with hundreds of thousands of distinct stacks live at once would make a summary of
 # hundreds of MB, so past this the smallest are folded into one group per lifetime.
 MAX_GROUPS = 10_000
+# ...and so are the groups past this many frames in all: stacks sharing a long frame list
+# through pickle memo references make thousands of distinct 500-frame stacks from 100 KB, whose
+# summary was hundreds of MB and took a minute to classify and write. Real peaks hold hundreds
+# of frames (the 13 shared snapshots: at most 634).
+MAX_GROUP_FRAMES = 100_000
 FOLDED = "<{:,} smaller stacks>"
 
 
@@ -439,8 +444,15 @@ def _group(path: str, items: List[_Live], stacks: StackNormalizer
         if item.reached_peak:
             peak_key = key
     slots = sorted(by_key.items(), key=lambda kv: (-kv[1][3], kv[1][0].signature, kv[1][1].key()))
-    folded = [slot for key, slot in slots[MAX_GROUPS:] if key != peak_key]
-    slots = [(key, slot) for k, (key, slot) in enumerate(slots) if k < MAX_GROUPS or key == peak_key]
+    kept = len(slots)
+    frames_left = MAX_GROUP_FRAMES
+    for k, (_, slot) in enumerate(slots):
+        frames_left -= len(slot[0].frames)
+        if k == MAX_GROUPS or frames_left < 0:
+            kept = k
+            break
+    folded = [slot for key, slot in slots[kept:] if key != peak_key]
+    slots = [(key, slot) for k, (key, slot) in enumerate(slots) if k < kept or key == peak_key]
     groups = []
     peak_signature = None
     spans = {}

@@ -261,7 +261,7 @@ def test_thousands_of_stacks_sharing_a_long_frame_list(tmp_path):
     # each): every stack is distinct, so none is normalized only once. 90 KB of gzip asked for 2
     # million frames to normalize, classify and write out (28 s, 2.6 GB).
     shared = [{"filename": f"/src/lib{j}.py", "line": j, "name": f"f{j}"} for j in range(500)]
-    trace = [dict(EVENT, addr=4096 * (i + 1), frames=[{"filename": "/src/model.py", "line": i + 1, "name": "f"}]
+    trace = [dict(EVENT, addr=4096 * (i + 1), frames=[{"filename": "/src/model.py", "line": 1, "name": f"f{i}"}]
                   + shared) for i in range(4000)]
     path = tmp_path / "shared.pickle.gz"
     path.write_bytes(gzip.compress(pickle.dumps({"segments": [], "device_traces": [trace]}, protocol=4)))
@@ -379,3 +379,22 @@ def test_an_import_of_a_ten_megabyte_name_makes_a_short_line(tmp_path):
     path.write_bytes(b"\x80\x04\x8c\x00\x8d" + len(name).to_bytes(8, "little") + name + b"\x93.")
     done = memdiff("peak", str(path))
     assert done.returncode == 2 and len(done.stderr) < 300 and "refused: the file asks to import" in done.stderr
+
+
+def test_shared_frame_lists_padded_past_the_per_byte_bound_make_a_bounded_summary(tmp_path):
+    # The same stacks with 8 MB of padding (100 KB of gzip) earn enough decoded bytes to be
+    # normalized: the groups past MAX_GROUP_FRAMES fold, and the rules test each distinct frame
+    # once (it took 32 s and ended in a MemoryError).
+    shared = [{"filename": f"/src/lib{j}.py", "line": j, "name": f"f{j}"} for j in range(500)]
+    trace = [dict(EVENT, addr=4096 * (i + 1), frames=[{"filename": "/src/model.py", "line": 1, "name": f"f{i}"}]
+                  + shared) for i in range(4000)]
+    path = tmp_path / "padded.pickle.gz"
+    path.write_bytes(gzip.compress(pickle.dumps({"segments": [], "device_traces": [trace], "pad": "x" * 8_000_000},
+                                                protocol=4)))
+    out = tmp_path / "summary.json"
+    done = memdiff("summarize", str(path), "-o", str(out))
+    assert done.returncode == 0, done.stderr
+    groups = json.loads(out.read_text())["devices"][0]["groups"]
+    assert sum(len(g["frames"]) for g in groups) <= 100_000 + 501
+    assert sum(g["count"] for g in groups) == 4000 and any(g["site"].endswith("smaller stacks>") for g in groups)
+    assert memdiff("peak", str(path), "--html", str(tmp_path / "page.html")).returncode == 0
