@@ -285,8 +285,9 @@ class StackNormalizer:
         self._stacks: PerFrames[Stack] = PerFrames(self._normalized)
         self._frames: Dict[Tuple[Any, Any, Any], Optional[_Kept]] = {}
         self.computed = 0
-        self.decoded_bytes = decoded_bytes
-        self._frames_left = None if decoded_bytes is None else max(1, decoded_bytes) // MIN_FRAME_BYTES
+        self._decoded_bytes = decoded_bytes or 0
+        self._frame_budget = None if decoded_bytes is None else max(1, decoded_bytes) // MIN_FRAME_BYTES
+        self._frames_left = self._frame_budget
 
     def stack(self, raw_frames: Optional[List[Any]], freed: bool = False, before_trace: bool = False) -> Stack:
         """The Stack for one raw frames list; `freed` marks a free's stack standing in for an allocation's."""
@@ -305,9 +306,9 @@ class StackNormalizer:
         if self._frames_left is not None:
             self._frames_left -= len(raw_frames)
             if self._frames_left < 0:
-                raise ValueError(f"not a memory snapshot: its stacks hold more than {self.decoded_bytes // MIN_FRAME_BYTES:,} "
-                                 f"frames in {self.decoded_bytes:,} bytes (pickle references sharing frame lists; "
-                                 f"real snapshots take dozens of bytes a frame)")
+                raise ValueError(f"not a memory snapshot: its stacks hold more than {self._frame_budget:,} frames in "
+                                 f"{self._decoded_bytes:,} bytes (pickle references sharing frame lists; real "
+                                 f"snapshots take dozens of bytes a frame)")
         kept = [k for k in map(self._keep, raw_frames) if k is not None]
         chars = sum(len(k.name) + len(k.key) for k in kept)
         if chars > MAX_STACK_CHARS:
