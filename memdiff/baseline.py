@@ -18,10 +18,10 @@ from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 from memdiff import __version__
 from memdiff.atomic import write_output
-from memdiff.errors import InputError
+from memdiff.errors import InputError, clip, shown
 from memdiff.frames import signature_of
 from memdiff.judge import Thresholds, thresholds_from_dict
-from memdiff.load import read_bytes
+from memdiff.load import read_json
 from memdiff.model import DeviceSummary, Group, PhasePeak, Source, Summary
 from memdiff.schema import validate
 
@@ -139,30 +139,11 @@ def update_baseline(path: str, summary_of: Callable[[], Union[Summary, Dict[int,
     return baseline, old is not None
 
 
-class _NotJson(ValueError):
-    pass
-
-
-def _not_json(name: str) -> Any:
-    # Python's json reads NaN and Infinity, which are not JSON and compare as no limit at all.
-    raise _NotJson(name)
-
-
 def read_baseline(path: str) -> Baseline:
     """Parse and validate a baseline file; InputError with file, line and column or the JSON path."""
-    data = read_bytes(path)
-    try:
-        doc = json.loads(data, parse_constant=_not_json)
-    except _NotJson as exc:
-        raise InputError(path, f"invalid JSON: {exc} is not a number (JSON has no NaN or Infinity)") from None
-    except UnicodeDecodeError as exc:
-        raise InputError(path, f"invalid JSON: not UTF-8 text ({exc.reason})") from None
-    except json.JSONDecodeError as exc:
-        raise InputError(path, f"invalid JSON at line {exc.lineno} column {exc.colno}: {exc.msg}") from None
-    except ValueError:  # Python refuses integers of more than 4,300 digits
-        raise InputError(path, "invalid JSON: a number too long to read") from None
+    doc = read_json(path, "a baseline")
     if isinstance(doc, dict) and doc.get("schema_version") != BASELINE_SCHEMA_VERSION and "schema_version" in doc:
-        raise InputError(path, f"baseline schema_version {doc['schema_version']!r} is not one this memdiff reads "
+        raise InputError(path, f"baseline schema_version {shown(doc['schema_version'])} is not one this memdiff reads "
                                f"({BASELINE_SCHEMA_VERSION})")
     validate(path, doc, "baseline")
     return Baseline(name=doc["name"], created=doc["created"], tool=doc.get("tool", ""), source=doc.get("source", {}),
@@ -241,8 +222,9 @@ def comparable_pair(path: str, baseline: Baseline, head: Summary) -> Tuple[Summa
     want = [d["device"] for d in baseline.devices]
     have = [d.device for d in head.devices]
     if want != have:
-        raise InputError(path, f"the baseline has devices {want} and the run has {have}: they cannot be gated "
-                               f"against each other; re-create the baseline with `memdiff baseline`")
+        raise InputError(path, f"the baseline has devices {clip(str(want))} and the run has {clip(str(have))}: "
+                               f"they cannot be gated against each other; re-create the baseline with "
+                               f"`memdiff baseline`")
     stored = {d["device"]: d["groups"] for d in baseline.devices}
     pooled = replace(head, devices=[_pooled(d, stored[d.device]) for d in head.devices])
     return _stored_summary(baseline), pooled

@@ -14,10 +14,11 @@ import json
 import sys
 from dataclasses import dataclass, replace
 from importlib import resources
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, FrozenSet, List, Optional, Sequence, Set, Tuple
 
-from memdiff.errors import InputError
+from memdiff.errors import InputError, clip
 from memdiff.frames import FREED_PREFIX
+from memdiff.load import parse_json, read_json, read_small
 from memdiff.model import DeviceSummary, Frame, Group, Summary, largest_first
 from memdiff.patterns import TIMEOUT_S, Pattern
 from memdiff.schema import validate
@@ -86,7 +87,7 @@ def parse_rules(path: str, data: Any, default_priority: int, builtin: bool = Fal
     timeout = None if builtin else TIMEOUT_S
     rules = []
     for i, r in enumerate(data["rules"], 1):
-        rule = f"rule {i} ({r['category']})"
+        rule = f"rule {i} ({clip(r['category'])})"
         origin = f"{path}: {rule}"
 
         def pattern(text: str) -> Pattern:
@@ -115,32 +116,24 @@ def builtin_rules() -> List[Rule]:
 
 
 def _read_rules_file(path: str) -> Any:
+    if not path.endswith(".toml"):
+        return read_json(path, "a rules file", allow_nan=True)
+    raw = read_small(path, "a rules file")
+    if sys.version_info >= (3, 11):
+        import tomllib
+    else:  # the same parser, packaged for older Pythons
+        import tomli as tomllib
     try:
-        with open(path, "rb") as f:
-            raw = f.read()
-    except OSError as exc:
-        raise InputError(path, f"cannot read rules: {exc.strerror or exc}") from None
-    if path.endswith(".toml"):
-        if sys.version_info >= (3, 11):
-            import tomllib
-        else:  # the same parser, packaged for older Pythons
-            import tomli as tomllib
-        try:
-            return tomllib.loads(raw.decode("utf-8"))
-        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
-            raise InputError(path, f"invalid TOML: {exc}") from None
-    try:
-        return json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise InputError(path, f"invalid JSON: {exc}") from None
+        return tomllib.loads(raw.decode("utf-8"))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise InputError(path, f"invalid TOML: {exc}") from None
+    except RecursionError:
+        raise InputError(path, "invalid TOML: nested deeper than Python can read") from None
 
 
 def custom_profile_rules(text: str) -> List[Rule]:
     """Mosaic-style `{"category": "regex", ...}`: each regex is searched in frame names and files."""
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise InputError("--custom-profile", f"invalid JSON: {exc}") from None
+    data = parse_json("--custom-profile", text.encode("utf-8", "surrogateescape"))
     if not isinstance(data, dict) or not all(isinstance(v, str) for v in data.values()):
         raise InputError("--custom-profile", 'expected a JSON object of category names to regexes, '
                                              'e.g. {"kv_cache": "KVCache|kv_cache"}')
@@ -164,13 +157,19 @@ class Categorizer:
 
     A lifetime and being freed or not rule out most rules, and there are few of them (at most
     90 lifetimes), so the rules left for each are listed once; the same site, stack and lifetime
-    (a group again at a phase's peak) is looked up.
+    (a group again at a phase's peak) is looked up. Each distinct frame object is tested once
+    against every frame test: stacks share their frames (normalization makes one Frame per
+    distinct frame), so thousands of distinct 500-frame stacks cost dict lookups, not regex
+    searches.
     """
 
     def __init__(self, rules: Sequence[Rule]) -> None:
         self._rules = list(rules)
         self._fitting: Dict[Tuple[bool, Any], List[Rule]] = {}
         self._known: Dict[Tuple[Any, ...], str] = {}
+        self._tests = list(dict.fromkeys(t for r in self._rules for t in r.frames + r.without))
+        # id of a frame -> (the frame, kept so that its id stays its own, the tests it passes)
+        self._passes: Dict[int, Tuple[Frame, FrozenSet[FrameTest]]] = {}
 
     def of(self, group: Group) -> str:
         """The category of the first (highest-priority) rule that matches `group`, else `other`."""
@@ -183,9 +182,23 @@ class Categorizer:
         fitting = self._fitting.get((freed, life))
         if fitting is None:
             fitting = self._fitting[(freed, life)] = [r for r in self._rules if r.fits(freed, group.lifetime)]
-        category = next((r.category for r in fitting if r.matches_stack(group.site, group.frames)), OTHER)
+        passed = self._passed(group.frames) if fitting else frozenset()
+        category = next((r.category for r in fitting
+                         if (r.site is None or r.site.search(group.site))
+                         and all(t in passed for t in r.frames) and not any(t in passed for t in r.without)),
+                        OTHER)
         self._known[key] = category
         return category
+
+    def _passed(self, frames: Sequence[Frame]) -> Set[FrameTest]:
+        """The frame tests some frame of `frames` passes (what Rule.matches_stack asks of each)."""
+        passed: Set[FrameTest] = set()
+        for f in frames:
+            hit = self._passes.get(id(f))
+            if hit is None:
+                hit = self._passes[id(f)] = (f, frozenset(t for t in self._tests if t.matches(f)))
+            passed |= hit[1]
+        return passed
 
 
 def category_of(group: Group, rules: Sequence[Rule]) -> str:

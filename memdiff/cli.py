@@ -12,7 +12,7 @@ import os
 import re
 import sys
 import traceback
-from typing import List, Optional, Tuple
+from typing import List, NoReturn, Optional, Tuple
 
 from memdiff import __version__
 from memdiff.errors import EXIT_BAD_INPUT, EXIT_INTERNAL, InputError
@@ -32,6 +32,19 @@ DEFAULT_COMMAND = "diff"
 TOP_LEVEL_FLAGS = {"--debug", "--version", "-h", "--help"}
 
 
+class _Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose usage errors are one line, as every other memdiff error is (argparse
+    prints the usage block first): `memdiff: COMMAND: what is wrong (see ... --help)`, exit 2."""
+
+    def error(self, message: str) -> NoReturn:
+        """Print the one line and exit 2 (argparse's contract for error())."""
+        where = self.prog[len("memdiff "):] if self.prog.startswith("memdiff ") else "usage"
+        # The message can quote an argument, and argv can be megabytes.
+        text = printable(message)
+        text = text if len(text) <= 300 else text[:300] + "..."
+        self.exit(EXIT_BAD_INPUT, f"memdiff: {where}: {text} (see `{self.prog} --help`)\n")
+
+
 def build_parser(selected: Optional[str] = None) -> argparse.ArgumentParser:
     """The argument parser; only the `selected` command's module is imported and given its arguments.
 
@@ -39,10 +52,10 @@ def build_parser(selected: Optional[str] = None) -> argparse.ArgumentParser:
     does not pay for tabulate or the gate), which matters for a tool run on every PR.
     """
     # SUPPRESS: a subcommand's default must not overwrite `memdiff --debug COMMAND`.
-    common = argparse.ArgumentParser(add_help=False)
+    common = _Parser(add_help=False)
     common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
                         help="show tracebacks on errors")
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="memdiff", usage="memdiff [--debug] {BASE HEAD | COMMAND ...}",
         description="Peak summaries, diffs and CI gates for PyTorch GPU-memory snapshots. "
                     "`memdiff BASE HEAD` is `memdiff diff BASE HEAD`.")

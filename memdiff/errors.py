@@ -21,6 +21,27 @@ class InputError(Exception):
         return (self.__class__, (self.path, self.message))
 
 
+def number(value: int) -> str:
+    """An integer from a file as an error shows it: with thousands separators, or by its size
+    when it is too long to print (str() of a 4,300-digit integer raises ValueError)."""
+    return f"{value:,}" if value.bit_length() <= 128 else f"an integer of {value.bit_length():,} bits"
+
+
+def clip(text: str, chars: int = 60) -> str:
+    """Text from a file (a key, a name) as an error shows it: cut after `chars` characters."""
+    return text if len(text) <= chars else text[:chars] + "..."
+
+
+def shown(value: Any) -> str:
+    """A value from a file as an error quotes it: its repr when that is short (`99`, `'2'`), else
+    brief(value)."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return number(value)
+    if (isinstance(value, str) and len(value) <= 40) or isinstance(value, (bool, float)) or value is None:
+        return repr(value)
+    return brief(value)
+
+
 def brief(value: Any, chars: int = 40) -> str:
     """A value from a file as one line of an error shows it: its type and a bounded prefix.
 

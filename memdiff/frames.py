@@ -16,9 +16,10 @@ import hashlib
 import posixpath
 import re
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any, Callable, Dict, Generic, Iterable, List, Optional, Sequence, Tuple, TypeVar
 
-from memdiff.errors import brief
+from memdiff.errors import brief, number
 from memdiff.model import Frame
 
 # Python's recursion limit is 1,000 frames and C++ adds a few dozen per Python call; a stack far
@@ -26,6 +27,15 @@ from memdiff.model import Frame
 MAX_STACK_FRAMES = 20_000
 # ...and its names add up to far less than this (C++ template names run to a few KB each).
 MAX_STACK_CHARS = 16 << 20
+# Distinct stacks each cost their frames in full, but a frame costs a file as little as a 5-byte
+# memo reference: 4,000 stacks of one new frame plus the same 500 shared ones are 9 MB of pickle
+# and 2 million frames to normalize, classify and write out. Real snapshots take at least 24
+# decoded bytes per frame normalized (the legacy OPT-13B one; the others 80 to 800), so fewer
+# than this many is pickle references multiplying frames.
+MIN_FRAME_BYTES = 8
+
+# CPython numbers lines with a C int.
+MIN_LINE, MAX_LINE = -(2**31), 2**31 - 1
 
 # Frames PyTorch's own viewers drop (torch/cuda/_memory_viz.py), then interpreter and libc
 # frames whose names change with the Python build.
@@ -102,6 +112,12 @@ class _Kept:
     label: str  # op or node name for site labels, function for Python frames
     key: str = ""  # the file as the signature sees it
 
+    @cached_property
+    def frame(self) -> Frame:
+        """The display frame, one object however many stacks hold this kept frame: a frame
+        object per stack would cost memory per frame normalized, not per distinct frame."""
+        return Frame(self.file, self.line, self.name)
+
 
 _NOISE_NAME = re.compile("|".join(re.escape(p) for p in NOISE_NAME_PARTS))
 _NOISE_FILE = re.compile("|".join(re.escape(p) for p in NOISE_FILE_PARTS))
@@ -168,13 +184,18 @@ def _keep(raw: Any) -> Optional[_Kept]:
     if filename == "none":  # profiler route
         m = profiler_frame(name)
         if m:
-            filename, line, name = m.group("file"), int(m.group("line")), m.group("name")
+            digits = m.group("line").lstrip("0")
+            if len(digits) > len(str(MAX_LINE)):  # before int(), which refuses 4,300 digits and more
+                raise ValueError(f"a frame's line: a number of {len(digits):,} digits is not a line number")
+            filename, line, name = m.group("file"), int(digits or "0"), m.group("name")
         elif PROFILER_MODULE.match(name):
             return _Kept("module", "", 0, name, name)
         else:
             op = PROFILER_OP.match(name)
             clean = HEX.sub("0x…", name)
             return _Kept("op", "", 0, clean, op.group(1) if op else clean)
+    if not MIN_LINE <= line <= MAX_LINE:
+        raise ValueError(f"a frame's line: {number(line)} is not a line number ({MIN_LINE:,} to {MAX_LINE:,})")
     if filename.endswith(".py") or filename.startswith("<"):
         path = normalize_path(filename)
         return _Kept("py", path, line, HEX.sub("0x…", name), name, _path_key(path))
@@ -255,12 +276,18 @@ class PerFrames(Generic[T]):
 
 
 class StackNormalizer:
-    """Normalizes raw frames lists, once per distinct sequence of frame objects (see PerFrames)."""
+    """Normalizes raw frames lists, once per distinct sequence of frame objects (see PerFrames).
 
-    def __init__(self) -> None:
+    Given `decoded_bytes`, the size of the stream the frames were decoded from, it normalizes at
+    most one frame per MIN_FRAME_BYTES of it in all, and raises ValueError past that."""
+
+    def __init__(self, decoded_bytes: Optional[int] = None) -> None:
         self._stacks: PerFrames[Stack] = PerFrames(self._normalized)
         self._frames: Dict[Tuple[Any, Any, Any], Optional[_Kept]] = {}
         self.computed = 0
+        self._decoded_bytes = decoded_bytes or 0
+        self._frame_budget = None if decoded_bytes is None else max(1, decoded_bytes) // MIN_FRAME_BYTES
+        self._frames_left = self._frame_budget
 
     def stack(self, raw_frames: Optional[List[Any]], freed: bool = False, before_trace: bool = False) -> Stack:
         """The Stack for one raw frames list; `freed` marks a free's stack standing in for an allocation's."""
@@ -276,6 +303,12 @@ class StackNormalizer:
 
     def _normalized(self, raw_frames: List[Any], freed: bool) -> Stack:
         self.computed += 1
+        if self._frames_left is not None:
+            self._frames_left -= len(raw_frames)
+            if self._frames_left < 0:
+                raise ValueError(f"not a memory snapshot: its stacks hold more than {self._frame_budget:,} frames in "
+                                 f"{self._decoded_bytes:,} bytes (pickle references sharing frame lists; real "
+                                 f"snapshots take dozens of bytes a frame)")
         kept = [k for k in map(self._keep, raw_frames) if k is not None]
         chars = sum(len(k.name) + len(k.key) for k in kept)
         if chars > MAX_STACK_CHARS:
@@ -289,7 +322,7 @@ class StackNormalizer:
         if freed:
             parts.insert(0, "freed")
             site = FREED_PREFIX + site
-        frames = tuple(Frame(k.file, k.line, k.name) for k in kept)
+        frames = tuple(k.frame for k in kept)
         return Stack(signature_of(parts), site, frames)
 
     def _keep(self, raw: Any) -> Optional[_Kept]:

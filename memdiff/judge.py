@@ -12,7 +12,7 @@ from fractions import Fraction
 from typing import Any, Dict, List, Optional
 
 from memdiff.differ import GREW, NEW, PEAK, Diff, label_rows
-from memdiff.errors import InputError
+from memdiff.errors import InputError, clip
 from memdiff.patterns import Pattern
 from memdiff.units import format_bytes, parse_size
 
@@ -159,7 +159,7 @@ def _limit_from(path: str, where: str, data: Dict[str, Any]) -> Limit:
 def thresholds_from_dict(path: str, data: Dict[str, Any]) -> Thresholds:
     """Thresholds from a baseline's `thresholds` (already schema-checked); InputError naming the bad value."""
     peak = _limit_from(path, "thresholds.peak", data.get("peak", {})) if "peak" in data else DEFAULT_PEAK
-    categories = {c: _limit_from(path, f"thresholds.categories.{c}", lim)
+    categories = {c: _limit_from(path, f"thresholds.categories.{clip(c)}", lim)
                   for c, lim in data.get("categories", {}).items()}
     phases = {p: _limit_from(path, f"thresholds.phases.{p}", lim) for p, lim in data.get("phases", {}).items()}
     sites = []

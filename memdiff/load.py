@@ -24,7 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
-from memdiff.errors import InputError, brief
+from memdiff.errors import InputError, brief, clip, number
 from memdiff.frames import profiler_frame
 from memdiff.model import Source
 
@@ -92,6 +92,7 @@ class Snapshot:
     segments: List[Dict[str, Any]]
     device_traces: List[List[Dict[str, Any]]]
     external_annotations: List[Dict[str, Any]]
+    decoded_bytes: Optional[int] = None  # the decoded stream's size, which bounds the work it can ask for
 
 
 class _DataOnlyUnpickler(pickle.Unpickler):
@@ -135,14 +136,72 @@ def _check_file(path: str) -> int:
     return size
 
 
-def read_bytes(path: str) -> bytes:
-    """The whole file's bytes (for small files such as baselines), or an InputError saying why not."""
-    _check_file(path)
+# A baseline is a few KB per rank, and a job's holds every rank: a thousand ranks make a few
+# MB. Rules files are smaller still. A JSON input past this is no file memdiff wrote or a person
+# edited, and reading it whole would take gigabytes of memory and many seconds.
+MAX_JSON_BYTES = 64 << 20
+# Baselines, summaries and rules nest less than ten levels deep; allocator settings a few more.
+MAX_JSON_DEPTH = 64
+
+
+def read_small(path: str, what: str) -> bytes:
+    """The bytes of a file meant to be small (a baseline, a rules file), its size checked before
+    it is read: at most MAX_JSON_BYTES."""
+    size = _check_file(path)
+    if size > MAX_JSON_BYTES:
+        raise InputError(path, f"{size:,} bytes is too large for {what} (at most {MAX_JSON_BYTES:,})")
     try:
         with open(path, "rb") as f:
-            return f.read()
+            data = f.read(MAX_JSON_BYTES + 1)  # the file may grow after the check
     except OSError as exc:
         raise InputError(path, f"cannot read: {exc.strerror or exc}") from None
+    if len(data) > MAX_JSON_BYTES:
+        raise InputError(path, f"too large for {what} (at most {MAX_JSON_BYTES:,} bytes)")
+    return data
+
+
+def read_json(path: str, what: str, allow_nan: bool = False) -> Any:
+    """The document in a small JSON file (read_small), decoded by parse_json."""
+    return parse_json(path, read_small(path, what), allow_nan)
+
+
+class _NotJson(ValueError):
+    pass
+
+
+def _not_json(name: str) -> Any:
+    raise _NotJson(name)
+
+
+def parse_json(path: str, data: bytes, allow_nan: bool = True) -> Any:
+    """Every JSON input's decoder: the document, or one InputError line saying what is wrong.
+    Without `allow_nan`, NaN and Infinity (not JSON, and compared as no limit at all) are refused."""
+    try:
+        doc = json.loads(data) if allow_nan else json.loads(data, parse_constant=_not_json)
+    except _NotJson as exc:
+        raise InputError(path, f"invalid JSON: {exc} is not a number (JSON has no NaN or Infinity)") from None
+    except UnicodeDecodeError as exc:
+        raise InputError(path, f"invalid JSON: not UTF-8 text ({exc.reason})") from None
+    except json.JSONDecodeError as exc:
+        raise InputError(path, f"invalid JSON at line {exc.lineno} column {exc.colno}: {exc.msg}") from None
+    except ValueError:  # Python refuses integers of more than 4,300 digits
+        raise InputError(path, "invalid JSON: a number too long to read") from None
+    except RecursionError:
+        raise InputError(path, f"invalid JSON: nested more than {MAX_JSON_DEPTH} levels deep") from None
+    _check_depth(path, doc)
+    return doc
+
+
+def _check_depth(path: str, doc: Any) -> None:
+    # Without recursion: what validates and copies the document later recurses, and a few
+    # hundred levels would exhaust the stack there.
+    level: List[Any] = [doc]
+    for _ in range(MAX_JSON_DEPTH):
+        level = [v for c in level if isinstance(c, (dict, list))
+                 for v in (c.values() if isinstance(c, dict) else c) if isinstance(v, (dict, list))]
+        if not level:
+            return
+    raise InputError(path, f"invalid JSON: nested more than {MAX_JSON_DEPTH} levels deep")
 
 
 def _sha256(path: str) -> str:
@@ -194,15 +253,7 @@ def _parse(path: str, stream: io.BufferedReader, codec: Optional[str]) -> Tuple[
             raise InputError(path, f"unsupported pickle protocol {protocol} (memdiff reads 2 to 5)")
         return _DataOnlyUnpickler(stream).load(), f"pickle protocol {protocol}"
     if head.lstrip()[:1] in (b"{", b"["):
-        try:
-            return json.loads(stream.read()), "json"
-        except UnicodeDecodeError as exc:
-            raise InputError(path, f"invalid JSON: not UTF-8 text ({exc.reason})") from None
-        except json.JSONDecodeError as exc:
-            raise InputError(path, f"invalid JSON at line {exc.lineno} column {exc.colno}: {exc.msg}") from None
-        except RecursionError:
-            raise InputError(path, "not a memory snapshot: JSON nested deeper than Python can read "
-                                   "(snapshots are a few levels deep)") from None
+        return parse_json(path, stream.read()), "json"
     raise InputError(path, "not a memory snapshot: the content is neither a pickle, JSON, "
                            "gzip, bz2 nor xz")
 
@@ -218,7 +269,7 @@ def _read_document(path: str, size: int) -> Tuple[Any, str, int]:
         with stream:
             obj, container = _parse(path, stream, codec)
     except _Refused as exc:
-        raise InputError(path, f"refused: the file asks to import {exc}; memory snapshots never contain code") from None
+        raise InputError(path, f"refused: the file asks to import {clip(str(exc))}; memory snapshots never contain code") from None
     except InputError:
         raise
     except MemoryError:
@@ -227,10 +278,10 @@ def _read_document(path: str, size: int) -> Tuple[Any, str, int]:
                                "(it declares values far larger than the file)") from None
     except Exception as exc:  # noqa: BLE001 - anything a corrupt stream makes the decoders raise
         if _is_codec_error(exc, codec):
-            raise InputError(path, f"corrupt or truncated {codec} data ({exc})") from None
+            raise InputError(path, f"corrupt or truncated {codec} data ({clip(str(exc), 200)})") from None
         if isinstance(exc, (EOFError, pickle.UnpicklingError, ValueError, TypeError, IndexError, KeyError,
                             AttributeError, OSError, OverflowError)):
-            raise InputError(path, f"truncated or corrupt pickle ({type(exc).__name__}: {exc})") from None
+            raise InputError(path, f"truncated or corrupt pickle ({type(exc).__name__}: {clip(str(exc), 200)})") from None
         raise
     return obj, f"{codec}+{container}" if codec else container, bounded.count
 
@@ -244,7 +295,7 @@ def _expect(path: str, where: str, value: Any, kind: type, what: str) -> None:
 def _size(path: str, where: str, value: Any) -> None:
     _expect(path, where, value, int, "an integer")
     if not 0 <= value <= MAX_BYTES:
-        raise InputError(path, f"{where}: {value:,} is not a size in bytes (0 to {MAX_BYTES:,})")
+        raise InputError(path, f"{where}: {number(value)} is not a size in bytes (0 to {MAX_BYTES:,})")
 
 
 def _validate_segments(path: str, segments: Any) -> None:
@@ -260,7 +311,8 @@ def _validate_segments(path: str, segments: Any) -> None:
             if key in seg:
                 _size(path, f"{where}.{key}", seg[key])
         if not 0 <= seg["device"] < MAX_DEVICES:
-            raise InputError(path, f"{where}.device: {seg['device']} is not a device index (PyTorch's run 0-{MAX_DEVICES - 1})")
+            raise InputError(path, f"{where}.device: {number(seg['device'])} is not a device index "
+                                   f"(PyTorch's run 0-{MAX_DEVICES - 1})")
         _expect(path, f"{where}.blocks", seg.get("blocks", []), list, "a list")
         for j, block in enumerate(seg.get("blocks", [])):
             bwhere = f"{where}.blocks[{j}]"
@@ -367,7 +419,7 @@ def to_snapshot(path: str, raw: Any, source: Source, decoded_bytes: Optional[int
     source.keys = keys + [f"trace.{k}" for k in entry_keys]
     source.generation = _generation(raw, segments, traces)
     return Snapshot(path=path, source=source, segments=segments, device_traces=traces,
-                    external_annotations=annotations)
+                    external_annotations=annotations, decoded_bytes=decoded_bytes)
 
 
 def decode(path: str) -> Tuple[Any, Source, int]:

@@ -22,7 +22,7 @@ import numpy as np
 
 from memdiff import __version__
 from memdiff.classify import Rule
-from memdiff.errors import InputError, brief
+from memdiff.errors import InputError, brief, number
 from memdiff.frames import Stack, StackNormalizer, relativize, signature_of
 from memdiff.history import Allocations, history_of, peak_bars, window_maxima
 from memdiff.lifetimes import BACKWARD, FORWARD, LIFETIMES, MAX_STEPS, OPTIMIZER, Lifetime, Scopes, Timeline, build_timeline
@@ -34,6 +34,11 @@ TIMELINE_POINTS = 100
 # file with hundreds of thousands of distinct stacks live at once would make a summary of
 # hundreds of MB, so past this the smallest are folded into one group per lifetime.
 MAX_GROUPS = 10_000
+# ...and so are the groups past this many frames in all: stacks sharing a long frame list
+# through pickle memo references make thousands of distinct 500-frame stacks from 100 KB, whose
+# summary was hundreds of MB and took a minute to classify and write. Real peaks hold hundreds
+# of frames (the 13 shared snapshots: at most 634).
+MAX_GROUP_FRAMES = 100_000
 FOLDED = "<{:,} smaller stacks>"
 
 
@@ -373,8 +378,8 @@ def _device_summary(snapshot: Snapshot, device: int, stacks: StackNormalizer,
                                 else sum(s["total_size"] for s in segments)),
         unmatched_free_count=len(walk.unmatched) - len(reversioned),
         unmatched_free_bytes=unmatched_bytes,
-        oom_events=[OomEvent(event_index=i, requested_bytes=trace[i].get("size", 0),
-                             device_free_bytes=trace[i].get("device_free"),
+        oom_events=[OomEvent(event_index=i, requested_bytes=_bytes(path, device, trace, i, "size") or 0,
+                             device_free_bytes=_bytes(path, device, trace, i, "device_free"),
                              time_us=_time(path, device, trace, i)) for i in walk.ooms],
         timeline=_timeline(static, running),
         groups=groups,
@@ -396,6 +401,15 @@ def _time(path: str, device: int, trace: List[Dict[str, Any]], i: int) -> Option
         return value
     raise InputError(path, f"device_traces[{device}][{i}].time_us: expected microseconds as an integer, "
                            f"got {brief(value)}")
+
+
+def _bytes(path: str, device: int, trace: List[Dict[str, Any]], i: int, key: str) -> Optional[int]:
+    """An entry's byte count that the walk does not read (an oom's): a size or absent."""
+    value = trace[i].get(key)
+    if value is None or (isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_BYTES):
+        return value
+    shown = number(value) if isinstance(value, int) else brief(value)
+    raise InputError(path, f"device_traces[{device}][{i}].{key}: {shown} is not a size in bytes (0 to {MAX_BYTES:,})")
 
 
 def _steps_kept(timeline: Timeline, peak_index: Optional[int]) -> List[Step]:
@@ -433,8 +447,15 @@ def _group(path: str, items: List[_Live], stacks: StackNormalizer
         if item.reached_peak:
             peak_key = key
     slots = sorted(by_key.items(), key=lambda kv: (-kv[1][3], kv[1][0].signature, kv[1][1].key()))
-    folded = [slot for key, slot in slots[MAX_GROUPS:] if key != peak_key]
-    slots = [(key, slot) for k, (key, slot) in enumerate(slots) if k < MAX_GROUPS or key == peak_key]
+    kept = len(slots)
+    frames_left = MAX_GROUP_FRAMES
+    for k, (_, slot) in enumerate(slots):
+        frames_left -= len(slot[0].frames)
+        if k == MAX_GROUPS or frames_left < 0:
+            kept = k
+            break
+    folded = [slot for key, slot in slots[kept:] if key != peak_key]
+    slots = [(key, slot) for k, (key, slot) in enumerate(slots) if k < kept or key == peak_key]
     groups = []
     peak_signature = None
     spans = {}
@@ -475,7 +496,7 @@ def devices_of(snapshot: Snapshot) -> List[int]:
 def summarize(snapshot: Snapshot, history_rules: Optional[Sequence[Rule]] = None) -> Summary:
     """The Summary of every device in the snapshot; with `history_rules`, each device's history
     too, its allocations classified by those rules (the ones the summary will be classified by)."""
-    stacks = StackNormalizer()
+    stacks = StackNormalizer(snapshot.decoded_bytes)
     devices = [_device_summary(snapshot, d, stacks, history_rules) for d in devices_of(snapshot)]
     all_groups = [g for d in devices for g in d.groups]
     all_groups += [g for d in devices for p in d.phase_peaks for g in (p.groups or [])]

@@ -14,7 +14,7 @@ from typing import Any, Optional
 
 import regex
 
-from memdiff.errors import InputError
+from memdiff.errors import InputError, shown
 
 TIMEOUT_S = 1.0
 
@@ -28,7 +28,7 @@ class Pattern:
         try:
             self._compiled = regex.compile(text)
         except (regex.error, OverflowError, RecursionError) as exc:
-            raise ValueError(f"invalid regex {text!r}: {exc}") from None
+            raise ValueError(f"invalid regex {shown(text)}: {exc}") from None
         self.pattern = text
         self.origin = origin
         self.timeout = timeout
@@ -48,7 +48,7 @@ class Pattern:
         try:
             return method(text, timeout=self.timeout)
         except TimeoutError:
-            raise InputError(self.origin, f"the regex {self.pattern!r} took more than {self.timeout:g} s on a "
+            raise InputError(self.origin, f"the regex {shown(self.pattern)} took more than {self.timeout:g} s on a "
                                           f"{len(text):,}-character label: simplify it") from None
 
     def search(self, text: str) -> Optional[Any]:

@@ -7,7 +7,9 @@ from functools import lru_cache
 from importlib import resources
 from typing import Any, Dict
 
-from memdiff.errors import InputError
+from memdiff.errors import InputError, brief, clip
+
+MAX_MESSAGE = 200
 
 
 @lru_cache(maxsize=None)
@@ -28,6 +30,10 @@ def validate(path: str, data: Any, name: str) -> Dict[str, Any]:
 
     error = best_match(_validator(name).iter_errors(data))
     if error is not None:
-        where = ".".join(str(p) for p in error.absolute_path) or "(top level)"
-        raise InputError(path, f"not a valid memdiff {name}: {where}: {error.message}")
+        # Keys come from the file: a 10 MB key would make a 10 MB path.
+        where = ".".join(clip(str(p)) for p in error.absolute_path) or "(top level)"
+        # jsonschema's message quotes the whole value: a 10 MB string makes a 10 MB line.
+        message = error.message if len(error.message) <= MAX_MESSAGE else (
+            f"{brief(error.instance)} fails the schema's {error.validator!r} rule")
+        raise InputError(path, f"not a valid memdiff {name}: {clip(where, 300)}: {message}")
     return data

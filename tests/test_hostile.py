@@ -254,3 +254,147 @@ def test_a_summary_with_a_negative_time_is_bad_input(shared, tmp_path):
     out.write_text(json.dumps(doc))
     done = memdiff("peak", str(out))
     assert done.returncode == 2 and "peak_time_us" in done.stderr and done.stderr.count("\n") == 1
+
+
+def test_thousands_of_stacks_sharing_a_long_frame_list(tmp_path):
+    # Each stack is one frame of its own plus the same 500 frame dicts (memo references, 5 bytes
+    # each): every stack is distinct, so none is normalized only once. 90 KB of gzip asked for 2
+    # million frames to normalize, classify and write out (28 s, 2.6 GB).
+    shared = [{"filename": f"/src/lib{j}.py", "line": j, "name": f"f{j}"} for j in range(500)]
+    trace = [dict(EVENT, addr=4096 * (i + 1), frames=[{"filename": "/src/model.py", "line": 1, "name": f"f{i}"}]
+                  + shared) for i in range(4000)]
+    path = tmp_path / "shared.pickle.gz"
+    path.write_bytes(gzip.compress(pickle.dumps({"segments": [], "device_traces": [trace]}, protocol=4)))
+    refused(path, "frames in 9,2")
+
+
+HUGE = 2**20000  # str() of it raises ValueError: past Python's 4,300-digit limit
+
+
+@pytest.mark.parametrize("doc, says", [
+    ({"segments": [], "device_traces": [[dict(EVENT, frames=[{"filename": "m.py", "line": HUGE, "name": "f"}])]]},
+     "a frame's line: an integer of 20,001 bits is not a line number"),
+    ({"segments": [], "device_traces": [[dict(EVENT, frames=[{"filename": "none", "line": 0,
+                                                               "name": "m.py(" + "9" * 5000 + "): f"}])]]},
+     "a frame's line: a number of 5,000 digits is not a line number"),
+    ({"segments": [{"device": HUGE, "address": 0, "total_size": 8}], "device_traces": []},
+     "segments[0].device: an integer of 20,001 bits is not a device index"),
+    ({"segments": [{"device": 0, "address": 0, "total_size": HUGE}], "device_traces": []},
+     "segments[0].total_size: an integer of 20,001 bits is not a size in bytes"),
+    ({"segments": [], "device_traces": [[EVENT, {"action": "oom", "size": HUGE, "device_free": 0}]]},
+     "device_traces[0][1].size: an integer of 20,001 bits is not a size"),
+    ({"segments": [], "device_traces": [[EVENT, {"action": "oom", "size": 1, "device_free": 2**70}]]},
+     "device_traces[0][1].device_free: 1,180,591,620,717,411,303,424 is not a size"),
+], ids=["line", "profiler-line", "device", "total-size", "oom-size", "oom-device-free"])
+def test_integers_past_their_range_name_the_field(tmp_path, doc, says):
+    path = tmp_path / "ints.pickle"
+    path.write_bytes(pickle.dumps(doc, protocol=4))
+    refused(path, says)
+
+
+@pytest.fixture
+def run_and_baseline(write_snapshot, tmp_path):
+    """A small run and its baseline's JSON document."""
+    run = write_snapshot({"device_traces": [[EVENT]], "segments": []})
+    baseline = tmp_path / "b.json"
+    assert memdiff("baseline", run, "-o", str(baseline)).returncode == 0
+    return run, json.loads(baseline.read_text())
+
+
+def _gated_and_checked(run: str, path: Path, *says: str) -> None:
+    """`gate` and `baseline --check` both refuse the baseline at `path`: exit 2, one line."""
+    for done in (memdiff("gate", "--baseline", str(path), run), memdiff("baseline", "--check", str(path))):
+        assert done.returncode == 2, done.stderr
+        assert done.stderr.count("\n") == 1 and len(done.stderr) < 400, done.stderr[:400]
+        assert any(s in done.stderr for s in says), done.stderr
+
+
+@pytest.mark.parametrize("where, value, says", [
+    ("peak_bytes", 10**4000, "devices.0.peak_bytes: int of 13,288 bits fails the schema's 'maximum' rule"),
+    ("peak_bytes", 2**70, "devices.0.peak_bytes: 1180591620717411303424 is greater than the maximum"),
+    ("group bytes", 2**64, "devices.0.groups.0.bytes: 18446744073709551616 is greater than the maximum"),
+    ("device", 128, "devices.0.device: 128 is greater than the maximum of 127"),
+])
+def test_baseline_integers_past_int64_are_refused_by_gate_and_check_alike(run_and_baseline, tmp_path, where,
+                                                                           value, says):
+    run, doc = run_and_baseline
+    device = doc["devices"][0]
+    if where == "group bytes":
+        device["groups"][0]["bytes"] = value
+    else:
+        device[where] = value
+    path = tmp_path / "big.json"
+    path.write_text(json.dumps(doc))
+    _gated_and_checked(run, path, says)
+
+
+def test_a_baseline_nested_100k_deep(run_and_baseline, tmp_path):
+    path = tmp_path / "deep.json"
+    path.write_text("[" * 100_000 + "]" * 100_000)
+    _gated_and_checked(run_and_baseline[0], path, "invalid JSON: nested more than 64 levels deep")
+
+
+def test_a_sparse_3_5_gb_baseline_is_refused_before_it_is_read(run_and_baseline, tmp_path):
+    path = tmp_path / "huge.json"
+    with open(path, "wb") as f:
+        f.write(b"{")
+        f.truncate(3_500_000_000)  # sparse: no disk used
+    _gated_and_checked(run_and_baseline[0], path, "3,500,000,000 bytes is too large for a baseline")
+
+
+@pytest.mark.parametrize("mutate, says", [
+    (lambda d: d.update(schema_version="A" * 10_000_000), "schema_version str 'AAAA"),
+    (lambda d: d.update(created=["A" * 10_000_000]), "created: list of 1 items fails the schema's 'type' rule"),
+    (lambda d: d["thresholds"].update(sites=[{"site": "(" * 10_000_000}]), "invalid regex str '(((("),
+    (lambda d: d["thresholds"].update(categories={"x" * 10_000_000: {"fail-over": "x"}}), "categories.xxxx"),
+], ids=["schema-version", "created", "site", "category"])
+def test_ten_megabyte_values_in_a_baseline_make_a_short_line(run_and_baseline, tmp_path, mutate, says):
+    run, doc = run_and_baseline
+    mutate(doc)
+    path = tmp_path / "long.json"
+    path.write_text(json.dumps(doc))
+    _gated_and_checked(run, path, says)
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["peak", "run.pickle", "--top", "0"], "memdiff: peak: argument --top: 0 is not a positive count"),
+    (["gate"], "memdiff: gate: the following arguments are required: SNAPSHOT"),
+    (["peak", "run.pickle", "--top", "9" * 100_000], "memdiff: peak: argument --top: '9999"),
+], ids=["bad-value", "missing", "megabyte-argument"])
+def test_usage_errors_are_one_short_line(argv, says):
+    done = memdiff(*argv)
+    assert done.returncode == 2 and done.stderr.count("\n") == 1 and len(done.stderr) < 500, done.stderr[:500]
+    assert done.stderr.startswith(says) and "--help`)" in done.stderr, done.stderr
+
+
+def test_help_still_prints_the_usage():
+    done = memdiff("peak", "--help")
+    assert done.returncode == 0 and done.stdout.startswith("usage: memdiff peak"), done.stderr
+
+
+def test_an_import_of_a_ten_megabyte_name_makes_a_short_line(tmp_path):
+    # STACK_GLOBAL of "" and a 10 MB name: the refusal quoted the name whole.
+    name = b"o" * 10_000_000
+    path = tmp_path / "import.pickle"
+    path.write_bytes(b"\x80\x04\x8c\x00\x8d" + len(name).to_bytes(8, "little") + name + b"\x93.")
+    done = memdiff("peak", str(path))
+    assert done.returncode == 2 and len(done.stderr) < 300 and "refused: the file asks to import" in done.stderr
+
+
+def test_shared_frame_lists_padded_past_the_per_byte_bound_make_a_bounded_summary(tmp_path):
+    # The same stacks with 8 MB of padding (100 KB of gzip) earn enough decoded bytes to be
+    # normalized: the groups past MAX_GROUP_FRAMES fold, and the rules test each distinct frame
+    # once (it took 32 s and ended in a MemoryError).
+    shared = [{"filename": f"/src/lib{j}.py", "line": j, "name": f"f{j}"} for j in range(500)]
+    trace = [dict(EVENT, addr=4096 * (i + 1), frames=[{"filename": "/src/model.py", "line": 1, "name": f"f{i}"}]
+                  + shared) for i in range(4000)]
+    path = tmp_path / "padded.pickle.gz"
+    path.write_bytes(gzip.compress(pickle.dumps({"segments": [], "device_traces": [trace], "pad": "x" * 8_000_000},
+                                                protocol=4)))
+    out = tmp_path / "summary.json"
+    done = memdiff("summarize", str(path), "-o", str(out))
+    assert done.returncode == 0, done.stderr
+    groups = json.loads(out.read_text())["devices"][0]["groups"]
+    assert sum(len(g["frames"]) for g in groups) <= 100_000 + 501
+    assert sum(g["count"] for g in groups) == 4000 and any(g["site"].endswith("smaller stacks>") for g in groups)
+    assert memdiff("peak", str(path), "--html", str(tmp_path / "page.html")).returncode == 0

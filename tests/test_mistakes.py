@@ -225,4 +225,4 @@ def test_json_nested_too_deep_is_bad_input(tmp_path, capsys):
     path = tmp_path / "deep.json"
     path.write_text('{"device_traces": ' + "[" * 100_000 + "]" * 100_000 + ', "segments": []}')
     assert main(["peak", str(path)]) == 2
-    one_line(capsys, 2, f"memdiff: {path}: not a memory snapshot: JSON nested deeper than Python can read")
+    one_line(capsys, 2, f"memdiff: {path}: invalid JSON: nested more than 64 levels deep")

@@ -18,7 +18,7 @@ from memdiff.commands.args import (add_category_threshold_argument, add_github_a
                                    thresholds_from)
 from memdiff.commands.diff import render_report, write_html
 from memdiff.differ import diff
-from memdiff.errors import EXIT_OK, EXIT_REGRESSION, InputError
+from memdiff.errors import EXIT_OK, EXIT_REGRESSION, InputError, clip
 from memdiff.job import is_job, ranges, ranks_text, summarize_ranks
 from memdiff.jobdiff import JobDiff, RankDiff
 from memdiff.model import Summary
@@ -126,7 +126,7 @@ def _gate_job(args: argparse.Namespace, job_arg: str, path: str, baseline: Basel
     only_base = [r["rank"] for r in baseline.ranks if r["rank"] not in present]
     if not ranks:
         raise InputError(job_arg, f"no rank of the job is in the baseline {path} (it has ranks "
-                                  f"{ranges([r['rank'] for r in baseline.ranks])})")
+                                  f"{clip(ranges([r['rank'] for r in baseline.ranks]))})")
     failures = []
     if only_base and not args.allow_missing_ranks:
         failures.append(f"{ranks_text(only_base)}: in the baseline but not in the run (a rank that crashed?); "
