@@ -95,6 +95,7 @@ def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
 def _judge(item: pytest.Item, options: Dict[str, Any], snapshot: str) -> None:
     """Gate the recorded snapshot as the marker says; pytest.fail with the report when it breaks a limit."""
     from memdiff import api
+    from memdiff.atomic import make_folder
     from memdiff.errors import InputError
 
     config = item.config
@@ -106,7 +107,7 @@ def _judge(item: pytest.Item, options: Dict[str, Any], snapshot: str) -> None:
         path = os.path.join(_folder(config), baseline_name(item.nodeid))
         limits = {k: v for k, v in options.items() if k != "limit" and v is not None}
         if config.getoption("memdiff_update"):
-            os.makedirs(os.path.dirname(path), exist_ok=True)
+            make_folder(os.path.dirname(path))
             api.write_baseline(summary, path, name=item.nodeid, **limits)
             return
         if not os.path.exists(path):

@@ -250,3 +250,26 @@ def test_a_link_to_a_snapshot_is_kept_and_what_it_leads_to_replaced(torch, tmp_p
     assert code == 0 and left == ["latest.pickle", "real.pickle"]
     assert (tmp_path / "runs" / "latest.pickle").is_symlink()
     assert (tmp_path / "runs" / "real.pickle").read_bytes() != b"an earlier run"
+
+
+FOLDER_WRITERS = {  # name: argv for an output folder
+    "record -o DIR/": lambda run, base, script, t: ["record", "-o", t + "/", "--", sys.executable, script],
+    "gate --html DIR (several runs)": lambda run, base, script, t: [
+        "gate", "--baselines", os.path.join(os.path.dirname(base), "baselines"), run, run, "--html", t],
+    "demo --dir": lambda run, base, script, t: ["demo", "--dir", t],
+}
+
+
+@pytest.mark.parametrize("target", [t for t in TARGETS if t not in ("folder", "empty")])
+@pytest.mark.parametrize("writer", FOLDER_WRITERS)
+def test_every_folder_writer_refuses_a_hostile_folder_before_the_work(torch, inputs, hostile, tmp_path, capsys,
+                                                                        writer, target):
+    path = hostile(target)
+    (tmp_path / "baselines").mkdir()
+    (tmp_path / "baselines" / "linear-grad.json").write_bytes((tmp_path / "base.json").read_bytes())
+    before = kinds(files(tmp_path / "out"))
+    code = main(FOLDER_WRITERS[writer](*inputs, path))
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("memdiff: ") and err.count("\n") == 1, err
+    assert not (tmp_path / "ran").exists()
+    assert kinds(files(tmp_path / "out")) == before
