@@ -8,7 +8,7 @@ import signal
 import stat
 import subprocess
 import sys
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 
 import pytest
 
@@ -37,7 +37,7 @@ def hostile(tmp_path):
     """hostile(name) -> the output path of that kind, made under tmp_path/out."""
     out = tmp_path / "out"
     out.mkdir()
-    mounts = []
+    mounts = ExitStack()
 
     def make(name):
         if name == "folder":
@@ -56,8 +56,7 @@ def hostile(tmp_path):
             return str(out / "report.txt" / "sub")
         if name == "read-only-folder":
             # Mode bits do not stop root; a read-only mount stops everyone.
-            mounts.append(mounted(out / "ro", "ro,size=16k"))
-            return str(mounts[-1].__enter__() / "report")
+            return str(mounts.enter_context(mounted(out / "ro", "ro,size=16k")) / "report")
         if name == "long-name":
             return str(out / ("x" * 256))
         if name == "fifo-without-reader":
@@ -71,9 +70,8 @@ def hostile(tmp_path):
             return str(out / "nulldev")
         assert name == "empty"
         return ""
-    yield make
-    for m in mounts:
-        m.__exit__(None, None, None)
+    with mounts:
+        yield make
 
 
 @pytest.fixture(autouse=True)
