@@ -17,7 +17,7 @@ from datetime import datetime, timezone
 from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 from memdiff import __version__
-from memdiff.atomic import write_output
+from memdiff.atomic import check_output, write_output
 from memdiff.errors import InputError, clip, shown
 from memdiff.frames import signature_of
 from memdiff.judge import Thresholds, thresholds_from_dict
@@ -130,7 +130,9 @@ def update_baseline(path: str, summary_of: Callable[[], Union[Summary, Dict[int,
     written; it keeps its name unless `name` is given, and `thresholds_for` gets its thresholds
     to build on.
     """
-    old = read_baseline(path) if os.path.exists(path) else None
+    check_output(path)
+    # Only a regular file holds a baseline to update: reading a pipe given as the output would wait forever.
+    old = read_baseline(path) if os.path.isfile(path) else None
     limits = thresholds_for(old.thresholds if old else None)
     summary = summary_of()
     make = from_summaries if isinstance(summary, dict) else from_summary

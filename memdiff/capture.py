@@ -8,10 +8,10 @@ from __future__ import annotations
 import contextlib
 import inspect
 import json
-import os
 import pickle
 from typing import Any, Callable, Dict, Iterator
 
+from memdiff.atomic import write_output, write_stream
 from memdiff.errors import InputError
 
 # Protocol 4 keeps the file readable by pytorch.org/memory_viz and by Python 3.4+.
@@ -34,19 +34,13 @@ def torch_module() -> Any:
 
 
 def dump(snapshot: Any, path: str) -> None:
-    """Write `snapshot` to `path` atomically, through a hidden sibling (never read as a run or a rank)."""
-    folder, name = os.path.split(os.path.abspath(path))
-    tmp = os.path.join(folder, f".{name}.partial")
-    with open(tmp, "wb") as f:
-        pickle.dump(snapshot, f, protocol=PICKLE_PROTOCOL)
-    os.replace(tmp, path)
+    """Write `snapshot` to `path` atomically (memdiff.atomic); a pipe or device there is refused, never replaced."""
+    write_stream(path, lambda f: pickle.dump(snapshot, f, protocol=PICKLE_PROTOCOL), in_place=False)
 
 
 def write_status(path: str, document: Dict[str, Any]) -> None:
     """Write a rank's small status document (JSON) atomically, for `memdiff record` to read."""
-    from memdiff.atomic import write_text_atomic
-
-    write_text_atomic(path, json.dumps(document))
+    write_output(path, json.dumps(document))
 
 
 def recorded_nothing(snapshot: Dict[str, Any]) -> bool:

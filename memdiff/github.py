@@ -18,7 +18,9 @@ import urllib.request
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
+from memdiff.atomic import append_text, write_output
 from memdiff.differ import Diff, fold
+from memdiff.errors import InputError
 from memdiff.judge import Verdict
 from memdiff.render.markdown import Options, render_diff
 from memdiff.units import format_bytes
@@ -113,17 +115,14 @@ class Publisher:
         # working tree where it would end up committed.
         folder = self.environ.get("RUNNER_TEMP") or tempfile.gettempdir()
         path = self.report_path or os.path.join(folder, "memdiff-report.md")
-        with open(path, "w", encoding="utf-8") as f:
-            f.write(report)
+        write_output(path, report)
         summary = self.environ.get("GITHUB_STEP_SUMMARY")
         if summary:
-            with open(summary, "a", encoding="utf-8") as f:
-                f.write(report + "\n")
+            append_text(summary, report + "\n")
         outputs = self.environ.get("GITHUB_OUTPUT")
         if outputs:
             verdict = "pass" if all(v.passed for v in self.verdicts) else "fail"
-            with open(outputs, "a", encoding="utf-8") as f:
-                f.write(f"verdict={verdict}\npeak-delta-bytes={max(self.deltas, default=0)}\nreport={path}\n")
+            append_text(outputs, f"verdict={verdict}\npeak-delta-bytes={max(self.deltas, default=0)}\nreport={path}\n")
         return path
 
 
@@ -203,8 +202,10 @@ def _note(environ: Mapping[str, str], text: str) -> None:
     print(f"::warning title=memdiff::{escape_annotation(text)}")
     summary = environ.get("GITHUB_STEP_SUMMARY")
     if summary:
-        with open(summary, "a", encoding="utf-8") as f:
-            f.write(f"\n> [!NOTE]\n> {text}\n")
+        try:
+            append_text(summary, f"\n> [!NOTE]\n> {text}\n")
+        except InputError:  # the warning above says it in the log; commenting never fails the job
+            pass
 
 
 def post_comment(report: str, title: str, mode: str, verdict: str, environ: Mapping[str, str]) -> int:

@@ -16,7 +16,7 @@ import re
 from dataclasses import asdict, dataclass
 from typing import Any, Dict, List, Optional
 
-from memdiff.atomic import write_text_atomic
+from memdiff.atomic import write_output
 from memdiff.errors import InputError, brief
 
 MANIFEST = "memdiff-job.json"
@@ -125,7 +125,7 @@ def collect(folder: str) -> Optional[JobManifest]:
 
 def write_manifest(folder: str, manifest: JobManifest) -> None:
     """Write the manifest beside the rank files, atomically."""
-    write_text_atomic(os.path.join(folder, MANIFEST), json.dumps(manifest.to_dict(), indent=1) + "\n")
+    write_output(os.path.join(folder, MANIFEST), json.dumps(manifest.to_dict(), indent=1) + "\n")
 
 
 def read_world_size(folder: str) -> Optional[int]:

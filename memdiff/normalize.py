@@ -115,7 +115,7 @@ class _Walk:
                     self.ooms.append(i)
         except KeyError as exc:
             raise InputError(path, f"device_traces[{device}][{i}]: missing {exc}") from None
-        except (TypeError, AttributeError, OverflowError) as exc:
+        except (TypeError, AttributeError, OverflowError):
             size = trace[i].get("size") if isinstance(trace[i], dict) else None
             if isinstance(trace[i], dict) and (size.__class__ is not int):
                 exc = TypeError(f"'size' is {brief(size)}, not an integer")

@@ -44,6 +44,15 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    from memdiff.atomic import check_folder
+    from memdiff.errors import InputError
+
+    for option in ("memdiff_report", "memdiff_html"):
+        if config.getoption(option) is not None:
+            try:  # before any test runs: a bad folder must not cost the session its reports
+                check_folder(config.getoption(option))
+            except InputError as exc:
+                raise pytest.UsageError(f"--{option.replace('_', '-')}: {exc.path}: {exc.message}") from None
     config.addinivalue_line(
         "markers", "memdiff(limit=None, fail_over=None, fail_over_pct=None, categories=None, phases=None): record "
                    "the test's device memory and gate it against baselines/<test id>.json, or a ceiling (limit)")
@@ -86,6 +95,7 @@ def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
 def _judge(item: pytest.Item, options: Dict[str, Any], snapshot: str) -> None:
     """Gate the recorded snapshot as the marker says; pytest.fail with the report when it breaks a limit."""
     from memdiff import api
+    from memdiff.atomic import make_folder
     from memdiff.errors import InputError
 
     config = item.config
@@ -97,7 +107,7 @@ def _judge(item: pytest.Item, options: Dict[str, Any], snapshot: str) -> None:
         path = os.path.join(_folder(config), baseline_name(item.nodeid))
         limits = {k: v for k, v in options.items() if k != "limit" and v is not None}
         if config.getoption("memdiff_update"):
-            os.makedirs(os.path.dirname(path), exist_ok=True)
+            make_folder(os.path.dirname(path))
             api.write_baseline(summary, path, name=item.nodeid, **limits)
             return
         if not os.path.exists(path):
@@ -110,8 +120,11 @@ def _judge(item: pytest.Item, options: Dict[str, Any], snapshot: str) -> None:
         report = _report(result, verdict, verbose=config.getoption("verbose") > 0)
         for option, page in (("memdiff_report", lambda: (".md", _markdown(result, verdict))),
                              ("memdiff_html", lambda: (".html", api.html_report(summary, path, **limits)))):
-            if config.getoption(option):
-                _write_report(config.getoption(option), item.nodeid, page())
+            if config.getoption(option) is not None:
+                try:
+                    _write_report(config.getoption(option), item.nodeid, page())
+                except InputError as exc:
+                    pytest.fail(f"memdiff: {exc.path}: {exc.message}", pytrace=False)
         pytest.fail(f"memdiff: device memory regressed against {os.path.relpath(path)}\n\n{report}", pytrace=False)
 
 
@@ -148,11 +161,11 @@ def _markdown(result: Any, verdict: Any) -> str:
 
 def _write_report(folder: str, nodeid: str, page: Tuple[str, str]) -> None:
     """Write a failing test's report, named after its baseline, into `folder`."""
-    from memdiff.atomic import write_text_atomic
+    from memdiff.atomic import make_folder, write_output
 
     suffix, text = page
-    os.makedirs(folder, exist_ok=True)
-    write_text_atomic(os.path.join(folder, baseline_name(nodeid)[: -len(".json")] + suffix), text)
+    make_folder(folder)
+    write_output(os.path.join(folder, baseline_name(nodeid)[: -len(".json")] + suffix), text)
 
 
 class Recorded:

@@ -114,7 +114,7 @@ def test_the_cuda_route_on_a_torch_without_annotations_still_records(torch, monk
     def record_memory_history(enabled="all", context="all", stacks="all", max_entries=1):  # torch 2.1's signature
         calls.append((enabled, stacks))
 
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(torch.cuda.memory, "_record_memory_history", record_memory_history, raising=False)
     monkeypatch.setattr(torch.cuda.memory, "_snapshot", lambda: {"segments": [], "device_traces": [[]]}, raising=False)
     with record(str(tmp_path / "old.pickle"), stacks="python"):
@@ -141,7 +141,7 @@ def test_record_on_a_torch_without_the_private_api_names_the_version(torch, monk
     from torch.cuda import _memory_viz
 
     monkeypatch.delattr(_memory_viz, "_profile_to_snapshot")
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
     with pytest.raises(CaptureError, match=re.escape(f"torch {torch.__version__} lacks torch.cuda._memory_viz._profile_to_snapshot")):
         with record(str(tmp_path / "x.pickle")):
             pass
@@ -179,7 +179,7 @@ def test_the_cuda_route_records_dumps_on_failure_and_stops(torch, monkeypatch, t
                               global_record_annotations=False, skip_actions=None):  # torch 2.13's signature
         calls.append((enabled, stacks, max_entries, global_record_annotations))
 
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(torch.cuda.memory, "_record_memory_history", record_memory_history, raising=False)
     monkeypatch.setattr(torch.cuda.memory, "_snapshot", lambda: snapshot, raising=False)
     path = tmp_path / "oom.pickle"

@@ -152,11 +152,12 @@ def publisher_from(args: argparse.Namespace, expected: int = 1) -> Optional["Pub
     """The GitHub publisher the flags ask for, if any."""
     from memdiff.github import Publisher
 
-    if not (args.github or args.report):
+    from memdiff.atomic import check_output
+
+    if not args.github and args.report is None:
         return None
-    folder = os.path.dirname(args.report) if args.report else ""
-    if folder and not os.path.isdir(folder):
-        raise InputError(args.report, f"the folder {folder} does not exist: create it, or write the report elsewhere")
+    if args.report is not None:
+        check_output(args.report)
     return Publisher(environ=os.environ if args.github else {}, report_path=args.report,
                      base_label=args.base_label, head_label=args.head_label, expected=expected,
                      annotate=args.github)

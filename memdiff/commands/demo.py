@@ -8,6 +8,7 @@ import sys
 import tempfile
 import time
 
+from memdiff.atomic import make_folder
 from memdiff.capture import record
 from memdiff.classify import load_rules
 from memdiff.commands.diff import render_report, write_html
@@ -34,14 +35,15 @@ def run(args: argparse.Namespace) -> int:
     """Record both runs with progress on stderr, then print the diff."""
     from memdiff.capture import torch_module
 
+    if args.dir is not None:  # before the minutes of training, not after
+        make_folder(args.dir)
     torch = torch_module()  # without torch: exit 2 saying how to install it
     if args.device == "cuda" and not torch.cuda.is_available():
         raise InputError("--device cuda", f"no CUDA device here (torch {torch.__version__}, "
                                           f"CUDA available: no): run with --device cpu")
     from memdiff.examples.gpt import Config, train  # imports torch: only when the demo runs
 
-    folder = args.dir or tempfile.mkdtemp(prefix="memdiff-demo-")
-    os.makedirs(folder, exist_ok=True)
+    folder = args.dir if args.dir is not None else tempfile.mkdtemp(prefix="memdiff-demo-")
     paths = []
     for name, ckpt in RUNS:
         path = os.path.join(folder, f"gpt-{name}.pickle")

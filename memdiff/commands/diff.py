@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import List, Optional
+from typing import TYPE_CHECKING, List, Optional
 
 from memdiff.atomic import check_output, write_output
 from memdiff.classify import Rule
@@ -23,6 +23,9 @@ from memdiff.render import json as render_json
 from memdiff.render import markdown as render_markdown
 from memdiff.render import ranks as render_ranks
 from memdiff.render import text as render_text
+
+if TYPE_CHECKING:  # the publisher is imported only when --github or --report asks for it
+    from memdiff.github import Publisher
 
 
 DESCRIPTION = ("Align two runs by stack signature and explain the peak difference. Either input "
@@ -61,7 +64,7 @@ def write_html(path: str, result: Diff, verdict: Verdict, base: Summary, head: S
     write_output(path, render_html.render_diff(result, verdict, folded, base, head, base_label))
 
 
-def _run_jobs(args: argparse.Namespace, rules: List[Rule]) -> int:
+def _run_jobs(args: argparse.Namespace, rules: List[Rule], publisher: Optional[Publisher]) -> int:
     """Job against job: every rank diffed and judged, the worst shown in full."""
     if not (is_job(args.base) and is_job(args.head)):
         job, run_ = (args.base, args.head) if is_job(args.base) else (args.head, args.base)
@@ -82,11 +85,10 @@ def _run_jobs(args: argparse.Namespace, rules: List[Rule]) -> int:
     else:
         report = render_report(worst.diff, per_rank[worst.rank], args.format, args.top, args.min_delta)
         sys.stdout.write(render_ranks.render_job_diff(job, verdict, per_rank, report, args.format == "markdown"))
-    if args.html:  # the page shows the worst rank
+    if args.html is not None:  # the page shows the worst rank
         b = dict(zip([f.rank for f in base_files], base))[worst.rank]
         h = dict(zip([f.rank for f in head_files], head))[worst.rank]
         write_html(args.html, worst.diff, per_rank[worst.rank], b, h, args.top, args.min_delta)
-    publisher = publisher_from(args)
     if publisher:  # the comment shows the worst rank in full, under the job's verdict
         publisher.add(worst.diff, verdict, args.top, args.min_delta)
         publisher.finish()
@@ -96,17 +98,17 @@ def _run_jobs(args: argparse.Namespace, rules: List[Rule]) -> int:
 def run(args: argparse.Namespace) -> int:
     """Read both inputs, align, judge, print; exit 1 on a regression."""
     rules = rules_from(args)
-    if args.html:
+    if args.html is not None:
         check_output(args.html)
+    publisher = publisher_from(args)  # its --report checked before the runs are read
     if is_job(args.base) or is_job(args.head):
-        return _run_jobs(args, rules)
+        return _run_jobs(args, rules, publisher)
     base, head = read_summaries([args.base, args.head], rules, history=bool(args.html))
     result = diff(base, head, at=args.at)
     verdict = judge(result, Thresholds(peak=Limit.from_options(args.fail_over, args.fail_over_pct)))
     sys.stdout.write(render_report(result, verdict, args.format, args.top, args.min_delta))
-    if args.html:
+    if args.html is not None:
         write_html(args.html, result, verdict, base, head, args.top, args.min_delta)
-    publisher = publisher_from(args)
     if publisher:
         publisher.add(result, verdict, args.top, args.min_delta)
         publisher.finish()

@@ -10,7 +10,7 @@ from dataclasses import dataclass, replace
 from typing import Dict, List, Tuple
 
 from memdiff.baseline import Baseline, baseline_path_for, comparable_pair, read_baseline, stem
-from memdiff.atomic import check_output
+from memdiff.atomic import check_output, make_folder
 from memdiff.classify import Rule
 from memdiff.commands.args import (add_category_threshold_argument, add_github_arguments, add_html_argument,
                                    add_job_arguments, job_from, add_phase_threshold_argument, add_report_arguments,
@@ -79,12 +79,9 @@ def _html_paths(path: str, runs: List[str]) -> Dict[str, str]:
     if len(runs) <= 1:
         check_output(path)
         return {run: path for run in runs}
-    if os.path.exists(path) and not os.path.isdir(path):
+    if os.path.isfile(path):
         raise InputError(path, "with several runs --html names a folder (one page per run), and this is a file")
-    try:
-        os.makedirs(path, exist_ok=True)
-    except OSError as exc:
-        raise InputError(path, f"cannot make the folder: {exc.strerror or exc}") from None
+    make_folder(path)
     return {run: os.path.join(path, f"{stem(run)}.html") for run in runs}
 
 
@@ -143,7 +140,7 @@ def run(args: argparse.Namespace) -> int:
     """Gate every run; exit 1 when any check fails (or a required baseline is missing)."""
     rules = rules_from(args)
     pairs, missing = _pairs(args)
-    html_paths = _html_paths(args.html, [snap for snap, _ in pairs]) if args.html else {}
+    html_paths = _html_paths(args.html, [snap for snap, _ in pairs]) if args.html is not None else {}
     status = EXIT_OK
     documents = []
     publisher = publisher_from(args, expected=len(pairs))

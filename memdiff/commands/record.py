@@ -18,6 +18,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import memdiff
 
+from memdiff.atomic import check_folder, check_output, commit, temporary_name
 from memdiff.capture import STACKS, record, recorded_nothing
 from memdiff.commands.args import count_arg
 from memdiff.errors import EXIT_BAD_INPUT, InputError
@@ -32,7 +33,8 @@ DESCRIPTION = ("Run a script (`-- python train.py ARGS` or `-- python -m pkg.mod
                "process with memory recording on: CUDA's allocator history when a GPU is present, "
                "else PyTorch's profiler. The snapshot is written even when the script fails. With "
                "-o DIR/, run any launcher (`-- torchrun --nproc-per-node 4 train.py`) and record every rank "
-               "into DIR/rank{RANK}.pickle. Exits with the script's status.")
+               "into DIR/rank{RANK}.pickle. Exits with the script's status, 3 included (memdiff's own internal "
+               "errors say `memdiff: internal error`); Ctrl-C stops the script, writes the snapshot and exits 130.")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -181,6 +183,7 @@ def _run_launcher(args: argparse.Namespace) -> int:
 
     Exit status: the command's; but a job whose ranks did not all leave a snapshot is never a
     success (2 when the command itself succeeded), and a run ended by Ctrl-C is 130."""
+    check_folder(args.output)
     command = _launched(args.command)
     folder = os.path.abspath(args.output)
     os.makedirs(folder, exist_ok=True)
@@ -214,17 +217,26 @@ def run(args: argparse.Namespace) -> int:
     if is_folder(args.output):
         return _run_launcher(args)
     target = _target(args.command)
-    folder = os.path.dirname(os.path.abspath(args.output))
-    os.makedirs(folder, exist_ok=True)  # a run's snapshot is never lost to a missing folder
-    partial = os.path.join(folder, f".{os.path.basename(args.output)}.recording")
-    with record(partial, max_entries=args.max_entries, stacks=args.stacks):
-        status = _run_target(target)
-    if os.path.exists(args.output) and recorded_nothing(decode(partial)[0]):
-        os.unlink(partial)
-        print(f"memdiff: the run recorded no allocation; kept the existing {args.output}", file=sys.stderr)
-        return status
-    os.replace(partial, args.output)
-    size = os.path.getsize(args.output)
-    print(f"memdiff: wrote {args.output} ({format_bytes(size)}); read it with `memdiff peak {args.output}`",
+    # Checked (and its folder made) before the script runs: a bad path must not cost the run.
+    check_output(args.output, in_place=False, make_folder=True)
+    partial = temporary_name(args.output)
+    try:
+        interrupted = False
+        with record(partial, max_entries=args.max_entries, stacks=args.stacks):
+            try:
+                status = _run_target(target)
+            except KeyboardInterrupt:  # Ctrl-C ends the script, not the recording: what it did is kept
+                interrupted, status = True, 130
+        if os.path.exists(args.output) and recorded_nothing(decode(partial)[0]):
+            print(f"memdiff: the run recorded no allocation; kept the existing {args.output}", file=sys.stderr)
+            return status
+        commit(partial, args.output)
+    finally:
+        if os.path.exists(partial):
+            os.unlink(partial)
+    notes = [format_bytes(os.path.getsize(args.output))]
+    if status:  # so that a script's own exit 3 does not read as a memdiff bug
+        notes.append("interrupted" if interrupted else f"the script exited {status}")
+    print(f"memdiff: wrote {args.output} ({'; '.join(notes)}); read it with `memdiff peak {args.output}`",
           file=sys.stderr)
     return status

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from memdiff.atomic import write_output
+from memdiff.atomic import check_output, write_output
 from memdiff.commands.args import add_rules_arguments, rules_from
 from memdiff.inputs import read_summary
 from memdiff.peak import peak_report
@@ -27,12 +27,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Load, normalize, render; write to stdout or atomically to the output file."""
+    if args.output is not None:
+        check_output(args.output)
     summary = read_summary(args.snapshot, rules_from(args))
     if args.format == "json":
         text = render_summary(summary)
     else:
         text = render_peak(summary, peak_report(args.snapshot, summary, top=None))
-    if args.output:
+    if args.output is not None:
         write_output(args.output, text)
     else:
         sys.stdout.write(text)
