@@ -9,7 +9,8 @@ import contextlib
 import inspect
 import json
 import pickle
-from typing import Any, Callable, Dict, Iterator
+import sys
+from typing import Any, Callable, Dict, Iterator, List, Tuple
 
 from memdiff.atomic import write_output, write_stream
 from memdiff.errors import InputError
@@ -96,8 +97,73 @@ def start_cpu(torch: Any) -> Callable[[], Any]:
 
     def finish() -> Any:
         profiler.__exit__(None, None, None)
-        return to_snapshot(profiler)
+        try:
+            return to_snapshot(profiler)
+        except AssertionError as exc:
+            print(f"memdiff: torch's memory profiler refused this run's records ({str(exc)[:120]}...); the snapshot "
+                  f"is built from its allocation events instead, without PyTorch's own categories", file=sys.stderr)
+            return from_allocations(torch, profiler)
     return finish
+
+
+def from_allocations(torch: Any, profiler: Any) -> Dict[str, Any]:
+    """A snapshot in `_profile_to_snapshot`'s shape from the profiler's allocation events alone.
+
+    The profiler follows the thread that started it, and other threads only while they work for
+    it: a gloo worker that drops the last reference to DDP's broadcast bucket after its work has
+    ended frees it unseen. When the allocator hands that address out again, torch's memory
+    profiler finds two allocations and no free, and its data-flow check fails (`duplicate
+    outputs`). The allocations themselves are all there; this reads them in time order, and
+    closes an allocation whose address is handed out again at that moment, the latest its
+    unseen free can have happened. What it lacks is torch's category per allocation, which
+    memdiff never needed: it classifies by stack."""
+    from torch._C._profiler import _EventType
+    from torch.profiler._memory_profiler import OpTree
+
+    cpu = torch.cuda.device_count()  # as torch's converter numbers them: CUDA devices, then the CPU
+    traces: List[List[Dict[str, Any]]] = [[] for _ in range(cpu + 1)]
+    live: Dict[Tuple[int, int], Dict[str, Any]] = {}
+
+    def free(device: int, alloc: Dict[str, Any]) -> None:
+        for action in ("free_requested", "free_completed"):
+            traces[device].append({"action": action, "addr": alloc["addr"], "size": alloc["size"], "stream": 0,
+                                   "frames": alloc["frames"]})
+
+    for event in OpTree(profiler.profiler.kineto_results).sorted_nodes:
+        if event.tag != _EventType.Allocation or not event.extra_fields.alloc_size:
+            continue
+        fields = event.extra_fields
+        device = fields.device.index if fields.device.type == "cuda" else cpu
+        key = (device, fields.ptr)
+        if fields.alloc_size > 0:
+            if key in live:
+                free(device, live.pop(key))
+            live[key] = {"action": "alloc", "addr": fields.ptr, "size": fields.alloc_size, "stream": 0,
+                         "frames": _python_stack(event, _EventType)}
+            traces[device].append(live[key])
+        else:  # a free of an allocation made before recording began is kept: it is static memory
+            free(device, live.pop(key, None) or {"addr": fields.ptr, "size": -fields.alloc_size, "frames": []})
+    segments = []
+    for device in range(cpu + 1):
+        blocks = sorted((a for (d, _), a in live.items() if d == device), key=lambda a: a["addr"])
+        if blocks:
+            start = blocks[0]["addr"]
+            segments.append({"device": device, "address": start, "stream": 0,
+                             "total_size": max(b["addr"] + b["size"] for b in blocks) - start,
+                             "blocks": [{"address": b["addr"], "size": b["size"], "requested_size": b["size"],
+                                         "state": "active_allocated", "frames": b["frames"]} for b in blocks]})
+    return {"device_traces": traces, "segments": segments}
+
+
+def _python_stack(event: Any, event_type: Any) -> List[Dict[str, Any]]:
+    """The Python calls around an allocation, innermost first, in torch's converter's frame form."""
+    frames = []
+    parent = event.parent
+    while parent is not None:
+        if parent.tag in (event_type.PyCall, event_type.PyCCall):
+            frames.append({"filename": "none", "line": 0, "name": parent.name})
+        parent = parent.parent
+    return frames
 
 
 @contextlib.contextmanager
