@@ -47,11 +47,13 @@ def run(args: argparse.Namespace) -> int:
     paths = []
     for name, ckpt in RUNS:
         path = os.path.join(folder, f"gpt-{name}.pickle")
-        print(f"memdiff demo: recording the example GPT ({name}) ...", end="", file=sys.stderr, flush=True)
+        # Whole lines: torch's profiler prints lines of its own (USDT ...) while it records.
+        print(f"memdiff demo: recording the example GPT ({name}) ...", file=sys.stderr, flush=True)
         start = time.perf_counter()
         with record(path):
             train(Config(activation_checkpointing=ckpt), steps=2, batch=8, seq=128, device=args.device)
-        print(f" {time.perf_counter() - start:.1f} s -> {path}", file=sys.stderr, flush=True)
+        print(f"memdiff demo: recorded {name} in {time.perf_counter() - start:.1f} s -> {path}", file=sys.stderr,
+              flush=True)
         paths.append(path)
     rules = load_rules()
     base, head = (read_summary(p, rules, history=True) for p in paths)
