@@ -82,6 +82,7 @@ class Publisher:
     sections: List[str] = field(default_factory=list)
     verdicts: List[Verdict] = field(default_factory=list)
     deltas: List[int] = field(default_factory=list)
+    without_baseline: List[str] = field(default_factory=list)
 
     def add(self, result: Diff, verdict: Verdict, top: int, min_delta: int, base_label: Optional[str] = None) -> None:
         """Render one diff for the summary and print its annotations; `base_label` names a baseline."""
@@ -108,6 +109,30 @@ class Publisher:
         for w in result.warnings:
             print(f"::warning title=memdiff::{escape_annotation('the runs may not be comparable: ' + w)}")
 
+    def add_missing(self, run: str, path: str, required: bool) -> None:
+        """Say that `run` has no baseline at `path`, how to make one, and whether that fails the gate."""
+        command = f"memdiff baseline {run} -o {path}"
+        folder = os.path.dirname(path)
+        make = f"mkdir -p {folder} && " if folder and not os.path.isdir(folder) else ""
+        self.sections.append(
+            f"### memdiff: no baseline for `{run}`\n\n"
+            f"Nothing was compared for this run: there is no baseline at `{path}`. Make it from this run and "
+            f"commit it:\n\n```sh\n{make}{command}\ngit add {path}\n```\n\n"
+            + ("This fails the gate (`--require-baseline`; in the Action, `require-baseline: false` reports such "
+               "runs and gates the others).\n" if required else
+               "Not gated: without `--require-baseline` such a run is reported and the others are gated; when no "
+               "run has its baseline, nothing was compared and the gate fails.\n"))
+        self.without_baseline.append(run)
+        if self.annotate:
+            level = "error" if required else "warning"
+            print(f"::{level} title=memdiff::{escape_annotation(f'{run}: no baseline at {path}, nothing compared; make it with `{command}` and commit it')}")
+
+    def verdict(self) -> str:
+        """fail on any failed check; else no-baseline when a run had none; else pass."""
+        if not all(v.passed for v in self.verdicts):
+            return "fail"
+        return "no-baseline" if self.without_baseline else "pass"
+
     def finish(self) -> str:
         """Write the report file, the job summary and the step outputs; the report's path."""
         report = "\n---\n\n".join(self.sections) if self.sections else "memdiff: nothing was compared.\n"
@@ -121,8 +146,8 @@ class Publisher:
             append_text(summary, report + "\n")
         outputs = self.environ.get("GITHUB_OUTPUT")
         if outputs:
-            verdict = "pass" if all(v.passed for v in self.verdicts) else "fail"
-            append_text(outputs, f"verdict={verdict}\npeak-delta-bytes={max(self.deltas, default=0)}\nreport={path}\n")
+            append_text(outputs, f"verdict={self.verdict()}\npeak-delta-bytes={max(self.deltas, default=0)}\n"
+                                 f"report={path}\n")
         return path
 
 
@@ -235,7 +260,7 @@ def post_comment(report: str, title: str, mode: str, verdict: str, environ: Mapp
     mine = next((c for c in comments if marker(title) in (c.get("body") or "")), None)
     if mine is not None:  # an existing comment is always brought up to date, even when all is well now
         done = call("PATCH", f"repos/{repo}/issues/comments/{mine['id']}", {"body": body}, environ)
-    elif mode == "always" or verdict == "fail":
+    elif mode == "always" or verdict in ("fail", "no-baseline"):
         done = call("POST", f"repos/{repo}/issues/{number}/comments", {"body": body}, environ)
     else:
         print("memdiff: no regression and no earlier comment: nothing to post", file=sys.stderr)

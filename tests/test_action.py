@@ -52,9 +52,26 @@ def test_a_run_without_its_baseline_fails_by_default(action, shared, tmp_path):
     run = tmp_path / "train.pickle"
     run.write_bytes((shared / "linear-grad.pickle").read_bytes())
     outputs, log = action(tmp_path, head="*.pickle", baseline="baselines")
-    assert outputs["exit-code"] == "1" and "no baseline at baselines/train.json" in log
+    assert outputs["exit-code"] == "2" and outputs["verdict"] == "no-baseline"
+    assert "::error title=memdiff::train.pickle: no baseline at baselines/train.json" in log
+    assert "memdiff baseline train.pickle -o baselines/train.json" in (tmp_path / "summary.md").read_text()
+    # require-baseline: false reports the run without a baseline and gates the others ...
+    (tmp_path / "eval.pickle").write_bytes(run.read_bytes())
+    assert subprocess.run([sys.executable, "-m", "memdiff", "baseline", "eval.pickle", "-o", "baselines/eval.json"],
+                          cwd=tmp_path).returncode == 0
+    outputs, log = action(tmp_path, head="*.pickle", baseline="baselines", require_baseline="false")
+    assert outputs["exit-code"] == "0" and outputs["verdict"] == "no-baseline"
+    assert "::warning title=memdiff::train.pickle: no baseline at baselines/train.json" in log
+    # ... but a gate where no run had its baseline compared nothing: never green.
+    (tmp_path / "eval.pickle").unlink()
     outputs, _ = action(tmp_path, head="*.pickle", baseline="baselines", require_baseline="false")
-    assert outputs["exit-code"] == "0"
+    assert outputs["exit-code"] == "2"
+
+
+def test_neither_base_nor_baseline_is_bad_input(action, shared, tmp_path):
+    (tmp_path / "train.pickle").write_bytes((shared / "linear-grad.pickle").read_bytes())
+    outputs, log = action(tmp_path, head="train.pickle")
+    assert outputs["exit-code"] == "2" and "give the action a base or a baseline input" in log
 
 
 def test_category_and_phase_limits_reach_the_gate(action, shared, tmp_path):

@@ -7,6 +7,7 @@ import os
 import pickle
 import shutil
 from pathlib import Path
+from unittest import mock
 
 import pytest
 
@@ -187,9 +188,35 @@ def test_baselines_folder_matches_runs_by_stem(baseline, tmp_path, capsys):
     code, out, err = run(capsys, "gate", "--baselines", b.parent, head, other)
     assert code == 0
     assert f"== {head} against {b}" in out
-    assert err == f"memdiff: {other}: no baseline at {b.parent / 'eval.json'} (not gated; --require-baseline makes this fail)\n"
+    make = f"make it with `memdiff baseline {other} -o {b.parent / 'eval.json'}`"
+    assert err == f"memdiff: {other}: no baseline at {b.parent / 'eval.json'}: {make} (not gated; --require-baseline makes this fail)\n"
+    # A required baseline that is missing is bad input, not a regression: nothing was compared.
     code, _, err = run(capsys, "gate", "--baselines", b.parent, "--require-baseline", head, other)
-    assert code == 1 and err == f"memdiff: {other}: no baseline at {b.parent / 'eval.json'}\n"
+    assert code == 2 and err == f"memdiff: {other}: no baseline at {b.parent / 'eval.json'}: {make}\n"
+    # Nor is a gate green when no run had its baseline, whatever the flags.
+    code, _, _ = run(capsys, "gate", "--baselines", b.parent, other)
+    assert code == 2
+
+
+def test_the_first_run_without_a_baseline_says_how_to_make_it_on_github(tmp_path, capsys):
+    run_file = snapshot(tmp_path / "train.pickle", 100 * MiB)
+    outputs, summary = tmp_path / "outputs", tmp_path / "summary.md"
+    env = {"GITHUB_ACTIONS": "true", "GITHUB_OUTPUT": str(outputs), "GITHUB_STEP_SUMMARY": str(summary),
+           "RUNNER_TEMP": str(tmp_path)}
+    for folder in (tmp_path / "empty", tmp_path / "not-yet"):  # an empty folder, and none at all
+        if folder.name == "empty":
+            folder.mkdir()
+        with mock.patch.dict(os.environ, env):
+            code, out, err = run(capsys, "gate", "--baselines", folder, "--require-baseline", run_file, "--github")
+        assert code == 2
+        wanted = folder / "train.json"
+        assert f"::error title=memdiff::{run_file}: no baseline at {wanted}, nothing compared" in out
+        text = summary.read_text()
+        assert f"### memdiff: no baseline for `{run_file}`" in text and f"memdiff baseline {run_file} -o {wanted}" in text
+        assert ("mkdir -p" in text) == (folder.name == "not-yet")
+        assert "verdict=no-baseline\n" in outputs.read_text()
+        summary.unlink()
+        outputs.unlink()
 
 
 # --- the real pair ------------------------------------------------------------------------------

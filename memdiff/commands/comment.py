@@ -21,12 +21,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "always updated")
     # An empty value (a compare step that never set its output) means unknown: the comment step
     # must not fail the job over it, so it is accepted without being offered as a choice.
-    p.add_argument("--verdict", type=_verdict, default="", metavar="{pass,fail}", help="the gate's verdict")
+    p.add_argument("--verdict", type=_verdict, default="", metavar="{pass,fail,no-baseline}",
+                   help="the gate's verdict (a comment is posted on fail and no-baseline)")
 
 
 def _verdict(value: str) -> str:
-    if value not in ("pass", "fail", ""):
-        raise argparse.ArgumentTypeError(f"invalid choice: {value!r} (choose from pass, fail)")
+    if value not in ("pass", "fail", "no-baseline", ""):
+        raise argparse.ArgumentTypeError(f"invalid choice: {value!r} (choose from pass, fail, no-baseline)")
     return value
 
 

@@ -18,7 +18,7 @@ from memdiff.commands.args import (add_category_threshold_argument, add_github_a
                                    thresholds_from)
 from memdiff.commands.diff import render_report, write_html
 from memdiff.differ import diff
-from memdiff.errors import EXIT_OK, EXIT_REGRESSION, InputError, clip
+from memdiff.errors import EXIT_BAD_INPUT, EXIT_OK, EXIT_REGRESSION, InputError, clip
 from memdiff.job import is_job, ranges, ranks_text, summarize_ranks
 from memdiff.jobdiff import JobDiff, RankDiff
 from memdiff.model import Summary
@@ -64,8 +64,9 @@ def _pairs(args: argparse.Namespace) -> Tuple[List[Tuple[str, str]], List[Tuple[
         if len(args.snapshots) != 1:
             raise InputError("gate", "--baseline takes one SNAPSHOT; use --baselines DIR for several")
         return [(args.snapshots[0], args.baseline)], []
-    if not os.path.isdir(args.baselines):
-        raise InputError(args.baselines, "no such folder of baselines")
+    if os.path.exists(args.baselines) and not os.path.isdir(args.baselines):
+        raise InputError(args.baselines, "is not a folder of baselines")
+    # A missing folder is every run without its baseline: the first run of a new repository.
     pairs, missing = [], []
     for snap in args.snapshots:
         path = baseline_path_for(args.baselines, os.path.normpath(snap) if os.path.isdir(snap) else snap)
@@ -189,12 +190,16 @@ def run(args: argparse.Namespace) -> int:
     if args.format == "json":
         # One shape whatever the number of runs: a list, one diff document per gated run.
         sys.stdout.write(json.dumps(documents, indent=2, ensure_ascii=False) + "\n")
-    if publisher:
-        publisher.finish()
     for snap, path in missing:
-        if args.require_baseline:
-            status = EXIT_REGRESSION
-        print(f"memdiff: {snap}: no baseline at {path}"
+        if publisher:
+            publisher.add_missing(snap, path, args.require_baseline)
+        print(f"memdiff: {snap}: no baseline at {path}: make it with `memdiff baseline {snap} -o {path}`"
               + ("" if args.require_baseline else " (not gated; --require-baseline makes this fail)"),
               file=sys.stderr)
+    if publisher:
+        publisher.finish()
+    if missing and (args.require_baseline or not pairs):
+        # Nothing compared for a run that needed it: bad input, never the regression code and never
+        # green; a regression found among the other runs still says so first.
+        return status or EXIT_BAD_INPUT
     return status
