@@ -80,8 +80,8 @@ def main(argv: List[str]) -> int:
             outcomes["ok" if outcome.startswith("ok") else outcome.split(":")[0]] += 1
             bad += not outcome.startswith("ok")
             print(f"{ranks} ranks, run {i + 1}/{args.runs}: {outcome} ({seconds[-1]:.1f} s)", flush=True)
-        print(f"{ranks} ranks: {outcomes['ok']} of {args.runs} wrote every rank's file; "
-              + ", ".join(f"{k}: {v}" for k, v in outcomes.items() if k != "ok")
+        failed = ", ".join(f"{k}: {v}" for k, v in outcomes.items() if k != "ok")
+        print(f"{ranks} ranks: {outcomes['ok']} of {args.runs} wrote every rank's file" + (f"; {failed}" if failed else "")
               + f" (median {sorted(seconds)[len(seconds) // 2]:.1f} s, max {max(seconds):.1f} s)", flush=True)
     return 1 if bad else 0
 
