@@ -19,7 +19,7 @@ import os
 from typing import Dict, Optional, Sequence, Union
 
 from memdiff.baseline import Baseline, comparable_pair, read_baseline, update_baseline
-from memdiff.classify import Rule, load_rules
+from memdiff.classify import Rule, check_categories, load_rules
 from memdiff.differ import PEAK, Diff
 from memdiff.differ import diff as _diff
 from memdiff.errors import InputError
@@ -97,6 +97,7 @@ def write_baseline(run: Run, path: Union[str, "os.PathLike[str]"], *, name: Opti
                    **limits: object) -> Baseline:
     """Create or update the baseline at `path` from a run, atomically. An existing baseline keeps
     its name and thresholds unless `name` or limits (as `thresholds()` takes them) replace them."""
+    _check_categories(limits, rules, None, "")
     baseline, _ = update_baseline(os.fspath(path), lambda: _summary(run, rules),
                                   lambda old: thresholds(base=old, **limits), name, git_sha)  # type: ignore[arg-type]
     return baseline
@@ -109,10 +110,21 @@ def gate(run: Run, baseline: Union[str, "os.PathLike[str]", Baseline], *, rules:
     return gate_diff(run, baseline, rules=rules, **limits)[1]
 
 
+def _check_categories(limits: Dict[str, object], rules: Optional[Sequence[str]], stored: Optional[Thresholds],
+                      where: str) -> None:
+    """A category limit, given or stored, that no rule gives is bad input: it would check nothing."""
+    known = load_rules(rules or ())
+    given = limits.get("categories")
+    check_categories(given if isinstance(given, dict) else {}, known, "categories")
+    if stored is not None:
+        check_categories(stored.categories, known, where)
+
+
 def _gated(run: Run, baseline: Union[str, "os.PathLike[str]", Baseline], rules: Optional[Sequence[str]],
            limits: Dict[str, object]) -> "tuple[Baseline, Summary, Summary, Diff, Verdict]":
     stored = baseline if isinstance(baseline, Baseline) else load_baseline(baseline)
     where = "baseline" if isinstance(baseline, Baseline) else os.fspath(baseline)
+    _check_categories(limits, rules, stored.thresholds, where)
     base, head = comparable_pair(where, stored, _summary(run, rules))
     result = _diff(base, head)
     return stored, base, head, result, judge(result, thresholds(base=stored.thresholds, **limits))  # type: ignore[arg-type]

@@ -14,7 +14,7 @@ import json
 import sys
 from dataclasses import dataclass, replace
 from importlib import resources
-from typing import Any, Dict, FrozenSet, List, Optional, Sequence, Set, Tuple
+from typing import Any, Dict, FrozenSet, Iterable, List, Optional, Sequence, Set, Tuple
 
 from memdiff.errors import InputError, clip
 from memdiff.frames import FREED_PREFIX
@@ -150,6 +150,17 @@ def load_rules(rules_files: Sequence[str] = (), custom_profile: Optional[str] = 
         user += custom_profile_rules(custom_profile)
     # sorted() is stable: equal priorities keep their order, user rules before built-in ones.
     return sorted(user + builtin_rules(), key=lambda r: -r.priority)
+
+
+def check_categories(names: Iterable[str], rules: Sequence[Rule], source: str) -> None:
+    """InputError when a limit names a category no rule gives: a misspelt name would check 0 B
+    against 0 B and pass, whatever grew."""
+    known = {r.category for r in rules} | {OTHER}
+    unknown = sorted(set(names) - known)
+    if unknown:
+        raise InputError(source, f"no rule gives the categor{'y' if len(unknown) == 1 else 'ies'} "
+                                 f"{', '.join(repr(clip(u)) for u in unknown[:5])}, so a limit on it would check "
+                                 f"nothing; known: {', '.join(sorted(known))} (a --rules file adds more)")
 
 
 class Categorizer:

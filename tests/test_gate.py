@@ -12,7 +12,9 @@ from unittest import mock
 import pytest
 
 from conftest import ROOT, alloc, py_frames
+import memdiff
 from memdiff.cli import main
+from memdiff.errors import InputError
 
 FWD = py_frames("model.py:10:forward", "train.py:5:<module>")    # activation
 INIT = py_frames("model.py:3:__init__", "train.py:4:<module>")   # parameter
@@ -249,3 +251,29 @@ def test_a_baseline_keeps_where_its_peak_was(shared, tmp_path, capsys):
     assert ("the peaks are in different phases: base in the optimizer step of step 0, head in the forward of "
             "step 0; rows compare different moments (compare like with like: the phase peaks below, or the "
             "gate's --phase-fail-over)") in out
+
+
+def test_a_misspelt_category_is_bad_input_wherever_it_is_given(baseline, tmp_path, capsys):
+    b = baseline()
+    head = snapshot(tmp_path / "train.pickle", 400 * MiB)  # activations x4: a real limit would fail
+    code, _, err = run(capsys, "gate", head, "--baseline", b, "--category-fail-over", "activatoin=10%")
+    assert code == 2 and err.count("\n") == 1
+    assert "--category-fail-over: no rule gives the category 'activatoin'" in err and "activation, autograd" in err
+    code, _, err = run(capsys, "baseline", head, "-o", tmp_path / "new.json", "--category-fail-over", "activatoin=10%")
+    assert code == 2 and not (tmp_path / "new.json").exists()
+    # A category a rules file adds is known, and its limit checks it.
+    code, _, err = run(capsys, "baseline", head, "-o", tmp_path / "kv.json", "--custom-profile", '{"kv_cache": "kv"}',
+                       "--category-fail-over", "kv_cache=10%")
+    assert code == 0, err
+    # One stored in a baseline file (by hand, or by rules the gate was not given) is named there.
+    doc = json.loads(b.read_text())
+    doc["thresholds"]["categories"] = {"activatoin": {"fail-over-pct": 10}}
+    b.write_text(json.dumps(doc))
+    code, _, err = run(capsys, "gate", head, "--baseline", b)
+    assert code == 2 and err.startswith(f"memdiff: {b}: no rule gives the category 'activatoin'")
+    # The API, which the pytest marker's categories go through.
+    doc["thresholds"]["categories"] = {}
+    b.write_text(json.dumps(doc))
+    with pytest.raises(InputError, match="no rule gives the category 'activatoin'"):
+        memdiff.gate(str(head), str(b), categories={"activatoin": "10%"})
+    assert not memdiff.gate(str(head), str(b), categories={"activation": "10%"}).passed

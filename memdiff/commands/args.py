@@ -7,7 +7,7 @@ import os
 import sys
 from typing import TYPE_CHECKING, Dict, List, Optional, Sequence
 
-from memdiff.classify import Rule, load_rules
+from memdiff.classify import Rule, check_categories, load_rules
 from memdiff.errors import InputError
 from memdiff.job import Job, discover
 from memdiff.judge import Limit, Thresholds, parse_limit, parse_pct, thresholds_over
@@ -114,10 +114,15 @@ def phase_limits(values: List[str]) -> Dict[str, Limit]:
     return named_limits(values, "--phase-fail-over", GATED_PHASES)
 
 
-def thresholds_from(args: argparse.Namespace, stored: Optional[Thresholds] = None) -> Thresholds:
-    """The command line's thresholds; over stored ones, each flag given replaces its part."""
-    return thresholds_over(stored, args.fail_over, args.fail_over_pct, category_limits(args.category_fail_over),
-                           phase_limits(args.phase_fail_over))
+def thresholds_from(args: argparse.Namespace, rules: Sequence[Rule], stored: Optional[Thresholds] = None,
+                    stored_from: str = "the baseline") -> Thresholds:
+    """The command line's thresholds; over stored ones (read from `stored_from`), each flag given
+    replaces its part. A category limit that no rule's category matches is bad input."""
+    categories = category_limits(args.category_fail_over)
+    check_categories(categories, rules, "--category-fail-over")
+    if stored is not None:
+        check_categories(stored.categories, rules, stored_from)
+    return thresholds_over(stored, args.fail_over, args.fail_over_pct, categories, phase_limits(args.phase_fail_over))
 
 
 def add_report_arguments(p: argparse.ArgumentParser) -> None:

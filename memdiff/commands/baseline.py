@@ -6,9 +6,10 @@ import argparse
 import glob
 import os
 import sys
-from typing import Dict, Union
+from typing import Dict, List, Union
 
 from memdiff.baseline import read_baseline, update_baseline
+from memdiff.classify import Rule
 from memdiff.commands.args import (add_category_threshold_argument, add_job_arguments, job_from, add_phase_threshold_argument,
                                    add_rules_arguments, add_threshold_arguments, rules_from, thresholds_from)
 from memdiff.errors import EXIT_BAD_INPUT, EXIT_OK, InputError
@@ -55,9 +56,8 @@ def _check(path: str) -> int:
     return EXIT_BAD_INPUT if broken else EXIT_OK
 
 
-def _summaries(args: argparse.Namespace) -> Union[Summary, Dict[int, Summary]]:
+def _summaries(args: argparse.Namespace, rules: List[Rule]) -> Union[Summary, Dict[int, Summary]]:
     """The run's summary, or a job's summaries by rank."""
-    rules = rules_from(args)
     if not is_job(args.snapshot):
         return read_summary(args.snapshot, rules)
     files = job_from(args, args.snapshot).files
@@ -70,8 +70,10 @@ def run(args: argparse.Namespace) -> int:
         return _check(args.check)
     if not args.snapshot or not args.output:
         raise InputError("baseline", "give SNAPSHOT -o FILE to write a baseline, or --check PATH")
-    baseline, existed = update_baseline(args.output, lambda: _summaries(args),
-                                        lambda old: thresholds_from(args, old), args.name, args.git_sha)
+    rules = rules_from(args)
+    baseline, existed = update_baseline(args.output, lambda: _summaries(args, rules),
+                                        lambda old: thresholds_from(args, rules, old, args.output), args.name,
+                                        args.git_sha)
     name, thresholds = baseline.name, baseline.thresholds
     if baseline.ranks is not None:
         peaks = f"{len(baseline.ranks):,} ranks, highest peak " + format_bytes(max(

@@ -107,7 +107,7 @@ def _gate_job(args: argparse.Namespace, job_arg: str, path: str, baseline: Basel
         raise InputError(path, f"is the baseline of one run and {job_arg} is a job: make a job baseline with "
                                f"`memdiff baseline {job_arg} -o {path}`")
     files = job_from(args, job_arg).files
-    thresholds = thresholds_from(args, baseline.thresholds)
+    thresholds = thresholds_from(args, rules, baseline.thresholds, path)
     per_rank: Dict[int, Verdict] = {}
     pairs: Dict[int, Tuple[Summary, Summary]] = {}
     ranks, only_head = [], []
@@ -170,7 +170,7 @@ def run(args: argparse.Namespace) -> int:
             continue
         base, head = comparable_pair(path, baseline, read_summary(snap, rules, history=bool(html_paths)))
         result = diff(base, head)
-        verdict = judge(result, thresholds_from(args, baseline.thresholds),
+        verdict = judge(result, thresholds_from(args, rules, baseline.thresholds, path),
                         update_hint=f"memdiff baseline {snap} -o {path}")
         status = status or (EXIT_OK if verdict.passed else EXIT_REGRESSION)
         if snap in html_paths:
