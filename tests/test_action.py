@@ -28,10 +28,11 @@ def action(tmp_path):
     def run(cwd, **inputs):
         outputs = tmp_path / "outputs.txt"
         outputs.write_text("")
-        env = {**os.environ, "PATH": f"{shim.parent}{os.pathsep}{os.environ['PATH']}", "GITHUB_OUTPUT": str(outputs),
+        env = {**os.environ, "GITHUB_OUTPUT": str(outputs),
                "RUNNER_TEMP": str(tmp_path), "GITHUB_STEP_SUMMARY": str(tmp_path / "summary.md"),
                "HEAD": "", "BASE": "", "BASELINE": "", "FAIL_OVER": "", "FAIL_OVER_PCT": "", "CATEGORY_FAIL_OVER": "",
                "PHASE_FAIL_OVER": "", "REQUIRE_BASELINE": "true", "MIN_DELTA": "", "RULES": "", "TOP": "5", "HTML": "false",
+               "MEMDIFF": str(shim), "GITHUB_JOB": "memory", "ARTIFACT_NAME": "", "COMMENT_TITLE": "memdiff",
                **{k.upper(): v for k, v in inputs.items()}}
         done = subprocess.run(["bash", "-c", compare_script()], cwd=cwd, env=env, capture_output=True, text=True)
         assert done.returncode == 0, done.stderr
@@ -98,8 +99,26 @@ def test_the_html_report_is_written_where_the_upload_step_looks(action, shared, 
     steps = yaml.safe_load((ROOT / "action.yml").read_text())["runs"]["steps"]
     upload = next(s for s in steps if s.get("id") == "upload")
     assert upload["uses"].startswith("actions/upload-artifact@") and "steps.compare.outputs.html" in upload["with"]["path"]
+    # Each leg of a matrix uploads under its own name (one name twice fails the job), unless named.
+    assert outputs["artifact"].startswith("memdiff-html-report-memory-")
+    again, _ = action(tmp_path, head=str(head), base=str(base), html="true")
+    assert again["artifact"] != outputs["artifact"]
+    named, _ = action(tmp_path, head=str(head), base=str(base), html="true", artifact_name="gpt2-report")
+    assert named["artifact"] == "gpt2-report"
+    assert upload["with"]["name"] == "${{ steps.compare.outputs.artifact }}"
     outputs, _ = action(tmp_path, head=str(head), base=str(base), html="false")
-    assert "html" not in outputs
+    assert "html" not in outputs and "artifact" not in outputs
+
+
+def test_the_action_leaves_the_jobs_python_alone():
+    steps = yaml.safe_load((ROOT / "action.yml").read_text())["runs"]["steps"]
+    setup = next(s for s in steps if str(s.get("uses", "")).startswith("actions/setup-python@"))
+    assert setup["with"]["update-environment"] is False
+    # memdiff is called through the path its own virtual environment gives, never through PATH.
+    for step in steps:
+        if "memdiff" in step.get("run", "") and step.get("id") != "install":
+            assert step["env"]["MEMDIFF"] == "${{ steps.install.outputs.memdiff }}"
+            assert "GITHUB_PATH" not in step["run"]
 
 
 def test_a_job_folder_is_gated_rank_by_rank(action, shared, tmp_path):
