@@ -353,14 +353,31 @@ def where_text(phase: Optional[str], step: Optional[int]) -> str:
     return named + (f" of step {step}" if step is not None else "")
 
 
+# The trace's bookkeeping, not the allocator's behaviour: told apart from settings that differ.
+TRACE_BOOKKEEPING = ("trace_alloc_overflowed", "trace_alloc_max_entries")
+
+
+def overflow_text(source: Source) -> Optional[str]:
+    """Why a run's trace lacks its first events, when torch says its ring buffer wrapped."""
+    size = source.trace_overflowed()
+    if size is None:
+        return None
+    ring = f"its ring buffer of {size:,} entries" if size else "its ring buffer"
+    return (f"the trace overflowed {ring}: its first events are gone, so memory allocated before them counts as "
+            f"static and their stacks are unknown (record with a larger max_entries)")
+
+
 def _warnings(base: Summary, head: Summary, devices: Sequence[DeviceDiff] = ()) -> List[str]:
     """Reasons the two runs may not be comparable; the diff is still computed."""
-    out = []
+    out = [f"{role}: {text}" for role, text in (("base", overflow_text(base.source)),
+                                                ("head", overflow_text(head.source))) if text]
     b_set, h_set = base.source.allocator_settings, head.source.allocator_settings
     if b_set is not None and h_set is not None and b_set != h_set:
-        keys = sorted(k for k in set(b_set) | set(h_set) if b_set.get(k) != h_set.get(k))
-        out.append("allocator settings differ (" + ", ".join(
-            f"{k}: {b_set.get(k)!r} -> {h_set.get(k)!r}" for k in keys) + ")")
+        keys = sorted(k for k in set(b_set) | set(h_set)
+                      if b_set.get(k) != h_set.get(k) and k not in TRACE_BOOKKEEPING)
+        if keys:
+            out.append("allocator settings differ (" + ", ".join(
+                f"{k}: {b_set.get(k)!r} -> {h_set.get(k)!r}" for k in keys) + ")")
     b_devs, h_devs = [d.device for d in base.devices], [d.device for d in head.devices]
     if b_devs != h_devs:
         out.append(f"devices differ: base has {b_devs or 'none'}, head has {h_devs or 'none'}")

@@ -177,6 +177,15 @@ class Source:
     keys: List[str]
     allocator_settings: Optional[Dict[str, Any]] = None
 
+    def trace_overflowed(self) -> Optional[int]:
+        """When torch says its trace's ring buffer wrapped (its first events are gone): its size in
+        entries, or 0 when it does not say; None when it did not wrap (or the torch does not tell)."""
+        settings = self.allocator_settings or {}
+        if settings.get("trace_alloc_overflowed") is not True:
+            return None
+        size = settings.get("trace_alloc_max_entries")
+        return size if isinstance(size, int) and not isinstance(size, bool) and size > 0 else 0
+
 
 @dataclass
 class Summary:

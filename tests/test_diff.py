@@ -274,6 +274,26 @@ def test_runs_that_do_not_compare_are_flagged(tmp_path, capsys):
     ]
 
 
+def test_a_trace_that_overflowed_its_ring_buffer_is_said_in_peak_and_warned_in_the_diff(tmp_path, capsys):
+    # torch 2.12+ says so in allocator_settings when the ring buffer of max_entries wrapped.
+    frames = py_frames("model.py:1:forward")
+    settings = {"expandable_segments": False, "trace_alloc_max_entries": 2, "trace_alloc_overflowed": False}
+    base = {"segments": [], "device_traces": [[alloc(1, 100, frames)]], "allocator_settings": settings}
+    head = {"segments": [], "device_traces": [[{"action": "free_completed", "addr": 9, "size": 5, "frames": frames},
+                                               alloc(1, 100, frames)]],
+            "allocator_settings": dict(settings, trace_alloc_overflowed=True)}
+    b, h = write(tmp_path, "a.pickle", base), write(tmp_path, "b.pickle", head)
+    said = ("the trace overflowed its ring buffer of 2 entries: its first events are gone, so memory allocated "
+            "before them counts as static and their stacks are unknown (record with a larger max_entries)")
+    code, out, _ = run(capsys, "peak", h)
+    assert code == 0 and f"note: {said}" in out
+    assert "overflowed" not in run(capsys, "peak", b)[1]
+    _, data = json_diff(capsys, b, h)
+    # Named once, as what it is; never as allocator settings that differ.
+    assert data["warnings"][0] == f"head: {said}"
+    assert not any("allocator settings differ" in w for w in data["warnings"])
+
+
 # --- the rule and exit codes ---------------------------------------------------------------------
 
 def peak_pair(tmp_path, base_bytes, head_bytes):

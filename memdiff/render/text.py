@@ -7,7 +7,7 @@ from typing import Dict, List, Optional
 
 from tabulate import tabulate
 
-from memdiff.differ import Diff, Folded
+from memdiff.differ import Diff, Folded, overflow_text
 from memdiff.judge import Verdict
 from memdiff.model import Source, Summary
 from memdiff.peak import PHASE_COLUMNS, DevicePeak, Kept, PeakRow, StepRow
@@ -117,6 +117,9 @@ def render_peak(summary: Summary, peaks: List[DevicePeak]) -> str:
     lines = [f"{s.file}: {s.container}, format {s.generation}, sha256 {s.sha256[:12]}"]
     if not peaks:
         lines.append("no device memory in this snapshot (no trace and no segments)")
+    overflow = overflow_text(s)
+    if overflow:
+        lines.append(f"note: {overflow}")
     for p in peaks:
         lines.append("")
         lines.extend(_device_block(p))
