@@ -29,6 +29,11 @@ def test_the_docs_api_example_runs(torch, tmp_path):
 def test_import_memdiff_stays_cheap_and_torch_free():
     code = "import sys, memdiff; print(sorted(m for m in ('torch', 'numpy', 'memdiff.api') if m in sys.modules))"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip() == "[]"
+    # ... and everything it names is there on first use, memdiff.api included.
+    code = ("import memdiff; print(memdiff.api.__name__, all(getattr(memdiff, n) is getattr(memdiff.api, n) "
+            "for n in memdiff.API))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.stdout.strip() == "memdiff.api True", done.stderr
 
 
 def test_results_match_the_cli_json(shared, capsys):
