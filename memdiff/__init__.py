@@ -6,6 +6,7 @@ The Python API (`memdiff.api`) is re-exported here: `memdiff.summarize`, `memdif
 there too. They are imported on first use, so `import memdiff` stays cheap and never imports torch.
 """
 
+import importlib
 from typing import Any
 
 __version__ = "0.1.0"
@@ -17,7 +18,7 @@ __all__ = ["__version__", "api", *API]
 
 def __getattr__(name: str) -> Any:
     if name in API or name == "api":
-        from memdiff import api
-
+        # import_module, not `from memdiff import api`: that asks this very function for `api` first.
+        api = importlib.import_module("memdiff.api")
         return api if name == "api" else getattr(api, name)
     raise AttributeError(f"module 'memdiff' has no attribute {name!r}")
