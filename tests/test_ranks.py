@@ -231,3 +231,16 @@ def test_workers_are_as_many_as_the_cores_and_the_memory_allow(monkeypatch):
     assert inputs.worker_count([10 * 2**30]) == 1  # one file too big for the memory still gets read
     monkeypatch.setattr(inputs, "_available_memory", lambda: None)
     assert inputs.worker_count([100 * MiB] * 64) == 16
+
+
+def test_ranks_whose_peaks_are_in_different_phases_are_warned_as_in_a_diff(tmp_path, shared, capsys):
+    # Rank 1 is the ctx256 run (peak in the forward), rank 0 the ctx128 run (peak in the optimizer
+    # step): the heaviest-vs-median rows compare different moments, and the report must say so.
+    folder = tmp_path / "job"
+    folder.mkdir()
+    for rank, name in ((0, "cs336-medium-ctx128-train.pickle"), (1, "cs336-medium-ctx256-train.pickle")):
+        os.symlink(shared / name, folder / f"rank{rank}.pickle")
+    code, out, _ = run(capsys, "ranks", folder)
+    assert code == 0
+    assert "warning: device 0: the peaks are in different phases: base in the optimizer step of step 0, " \
+           "head in the forward of step 0" in out

@@ -67,7 +67,8 @@ def render_text(report: RanksReport, folded: Optional[Folded], check: Optional[C
     d = report.diff.devices[0] if report.diff.devices else None
     if d is not None and folded is not None and report.heaviest != report.median_rank:
         lines += ["", f"heaviest rank {report.heaviest} (device {by_rank[report.heaviest].device}) against the "
-                      f"median rank {report.median_rank} (device {by_rank[report.median_rank].device}): {peak_line(d)}"]
+                      f"median rank {report.median_rank} (device {by_rank[report.median_rank].device}): {peak_line(d)}",
+                  *[f"warning: {w}" for w in report.diff.warnings]]
         if d.categories:
             lines += ["", category_table(d, "simple")]
         lines += ["", diff_table(folded, "simple")]
