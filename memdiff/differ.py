@@ -158,8 +158,11 @@ class Diff:
 def _site_key(callers: int):
     """Key function: the group's category and allocation point plus `callers` outer Python frames."""
     def key(g: Group) -> Tuple:
-        frames = [(posixpath.basename(f.file), f.name) for f in g.frames if not PROFILER_MODULE.match(f.name)]
-        python = [i for i, f in enumerate(g.frames) if f.file.endswith(".py")]
+        # Positions are taken in the list the key is cut from: the profiler's `nn.Module` frames
+        # sit between Python frames, and counting them would keep more callers than asked.
+        kept = [f for f in g.frames if not PROFILER_MODULE.match(f.name)]
+        frames = [(posixpath.basename(f.file), f.name) for f in kept]
+        python = [i for i, f in enumerate(kept) if f.file.endswith(".py")]
         end = python[min(callers, len(python) - 1)] + 1 if python else len(frames)
         return (g.category, g.site, *frames[:end])
     return key

@@ -375,3 +375,19 @@ def test_snapshots_from_different_torch_versions_are_flagged(shared, capsys):
     _, data = json_diff(capsys, shared / "cs336-ctx128-fwd-fp32.pickle", shared / "cs336-medium-ctx128-infer.pickle")
     assert ("snapshot keys differ, so the torch versions may too (only head has trace.compile_context, "
             "trace.user_metadata)") in data["warnings"]
+
+
+def test_a_site_key_keeps_as_many_callers_with_module_frames_between_them():
+    # CPU captures put the profiler's `nn.Module: X` frames between the Python ones; the key must
+    # count callers among the frames it keeps, or it keeps one caller too many per module frame.
+    from memdiff.differ import _site_key
+    from memdiff.model import Frame, Group
+
+    def group(*names):
+        frames = [Frame("none", 0, n) if n.startswith("nn.Module: ") else Frame(f"{n}.py", 1, n) for n in names]
+        return Group("sig", "linear.py:forward <- linear", frames, 1, 64, "activation")
+    plain = group("linear", "block", "model", "train")
+    nested = group("linear", "nn.Module: Linear_0", "block", "nn.Module: Block_1", "model", "train")
+    for callers in (0, 1, 2):
+        assert _site_key(callers)(nested) == _site_key(callers)(plain)
+    assert _site_key(1)(nested)[2:] == (("linear.py", "linear"), ("block.py", "block"))
