@@ -2,7 +2,8 @@
 
 Thresholds apply per device to the peak, to the bytes of a category, and to the bytes of the
 groups whose site matches a regex. Each limit has an absolute and/or a percent part; with both,
-both must be exceeded for the check to fail.
+both must be exceeded for the check to fail. A limit may add a percent that fails on its own
+(`or-fail-over-pct`): the default rule's, so that small runs are gated too.
 """
 
 from __future__ import annotations
@@ -18,6 +19,9 @@ from memdiff.units import format_bytes, parse_size
 
 DEFAULT_FAIL_OVER_BYTES = 64 * 2**20
 DEFAULT_FAIL_OVER_PCT = 1.0
+# Growth past this fails at any size: a pytest-sized run (a few MiB) never grows by 64 MiB, yet
+# doubling it is a regression; an identical rerun (0 B) or allocator rounding never comes near.
+DEFAULT_OR_OVER_PCT = 50.0
 TOP_GROWTH = 3
 
 
@@ -40,27 +44,35 @@ class Limit:
 
     fail_over_bytes: Optional[int] = None
     fail_over_pct: Optional[float] = None
+    or_over_pct: Optional[float] = None  # growth past this percent fails whatever the other parts say
 
     @classmethod
     def from_options(cls, fail_over: Optional[int], fail_over_pct: Optional[float]) -> "Limit":
-        """The peak limit the flags ask for; neither flag means the default (1% and 64 MiB)."""
+        """The peak limit the flags ask for; neither flag means the default (DEFAULT_PEAK)."""
         if fail_over is None and fail_over_pct is None:
             return DEFAULT_PEAK
         return cls(fail_over, fail_over_pct)
 
     def overridden(self, fail_over: Optional[int], fail_over_pct: Optional[float]) -> "Limit":
-        """This limit with the parts given on the command line replaced."""
+        """This limit with the parts given on the command line replaced; a flag given makes the
+        rule the user's, so the default's percent that fails on its own goes with it."""
+        if fail_over is None and fail_over_pct is None:
+            return self
         return Limit(self.fail_over_bytes if fail_over is None else fail_over,
                      self.fail_over_pct if fail_over_pct is None else fail_over_pct)
 
     def describe(self) -> str:
-        """`more than 1% and by more than 64.00 MiB`."""
+        """`more than 1% and by more than 64.00 MiB, or by more than 50%`."""
         parts = []
         if self.fail_over_pct is not None:
             parts.append(f"more than {pct_text(self.fail_over_pct)}")
         if self.fail_over_bytes is not None:
             parts.append(f"more than {format_bytes(self.fail_over_bytes)}")
-        return " and by ".join(parts) if parts else "(no limit)"
+        text = " and by ".join(parts)
+        if self.or_over_pct is not None:
+            alone = f"more than {pct_text(self.or_over_pct)}"
+            text = f"{text}, or by {alone}" if text else alone
+        return text or "(no limit)"
 
     def exceeded(self, base: int, head: int) -> bool:
         """Whether growth from `base` to `head` bytes breaks the limit."""
@@ -71,7 +83,8 @@ class Limit:
         if self.fail_over_pct is not None:
             # Exact arithmetic: 1% of 6,400 bytes is 64, and 65 is over it, 64 is not.
             over.append(delta > Fraction(str(self.fail_over_pct)) * base / 100)
-        return bool(over) and all(over)
+        alone = self.or_over_pct is not None and delta > 0 and delta > Fraction(str(self.or_over_pct)) * base / 100
+        return (bool(over) and all(over)) or alone
 
     def to_dict(self) -> Dict[str, Any]:
         """The JSON form stored in baselines."""
@@ -80,10 +93,12 @@ class Limit:
             out["fail-over"] = size_text(self.fail_over_bytes)
         if self.fail_over_pct is not None:
             out["fail-over-pct"] = self.fail_over_pct
+        if self.or_over_pct is not None:
+            out["or-fail-over-pct"] = self.or_over_pct
         return out
 
 
-DEFAULT_PEAK = Limit(DEFAULT_FAIL_OVER_BYTES, DEFAULT_FAIL_OVER_PCT)
+DEFAULT_PEAK = Limit(DEFAULT_FAIL_OVER_BYTES, DEFAULT_FAIL_OVER_PCT, DEFAULT_OR_OVER_PCT)
 MAX_PCT = 1e9  # as the baseline schema allows
 
 
@@ -153,7 +168,7 @@ def _limit_from(path: str, where: str, data: Dict[str, Any]) -> Limit:
         except ValueError:
             raise InputError(path, f'{where}.fail-over: "{data["fail-over"]}" is not a size '
                                    f"(examples: 512MiB, 0.5GiB, 64MB, 1e9)") from None
-    return Limit(size, data.get("fail-over-pct"))
+    return Limit(size, data.get("fail-over-pct"), data.get("or-fail-over-pct"))
 
 
 def thresholds_from_dict(path: str, data: Dict[str, Any]) -> Thresholds:

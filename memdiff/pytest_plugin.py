@@ -1,7 +1,7 @@
 """pytest plugin: gate a test's device memory against a stored baseline, or a plain ceiling.
 
     @pytest.mark.memdiff                                 # against baselines/<test id>.json
-    @pytest.mark.memdiff(fail_over="64MiB", categories={"activation": "10%"})
+    @pytest.mark.memdiff(fail_over_pct=5, categories={"activation": "10%"})
     @pytest.mark.memdiff(limit="2GiB")                   # a ceiling on the peak, no baseline
     def test_train_step(): ...
 

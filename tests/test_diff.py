@@ -331,7 +331,26 @@ def test_the_rule_applied_is_printed(tmp_path, capsys):
     assert "rule: fail when the peak of a device grows by more than 512.00 MiB" in out
     assert "PASS  device 0 peak: 1000 B -> 1.95 KiB, +1000 B (+100.0%), limit: more than 512.00 MiB" in out
     assert Thresholds(Limit.from_options(None, None)).describe() == (
-        "fail when the peak of a device grows by more than 1% and by more than 64.00 MiB")
+        "fail when the peak of a device grows by more than 1% and by more than 64.00 MiB, or by more than 50%")
+
+
+@pytest.mark.parametrize("base_bytes, head_bytes, fails", [
+    (1_572_864, 16 * 1_572_864, True),  # a 1.5 MiB test grown 16x (Linear(256) -> Linear(1024))
+    (1_572_864, 2 * 1_572_864, True),  # a doubling, at any size
+    (80 << 30, 160 << 30, True),
+    (1_572_864, 1_572_864, False),  # an identical rerun
+    (1_572_864, 1_572_864 + 512, False),  # one more allocator block of rounding
+    (100 << 20, 140 << 20, False),  # +40%, under 64 MiB: small runs get room to move
+    (10 << 30, (10 << 30) + (200 << 20), True),  # +200 MiB, +2%: as before on large runs
+    (10 << 30, (10 << 30) + (80 << 20), False),  # +80 MiB but +0.8%: under 1%, as before
+])
+def test_the_default_rule_scales_with_the_run(tmp_path, capsys, base_bytes, head_bytes, fails):
+    # The same rule the report prints is the one applied, from the pytest size of a test to a GPU's.
+    a, b = peak_pair(tmp_path, base_bytes, head_bytes)
+    code, out, _ = run(capsys, a, b)
+    assert code == (1 if fails else 0)
+    assert "rule: fail when the peak of a device grows by more than 1% and by more than 64.00 MiB, or by more " \
+           "than 50%" in out
 
 
 @pytest.mark.parametrize("flags, message", [
@@ -362,7 +381,7 @@ def test_a_broken_summary_input_exits_2(tmp_path, capsys, mutate, message):
 
 
 def test_explicit_diff_command_and_debug_before_it(tmp_path, capsys):
-    a, b = peak_pair(tmp_path, 1, 2)
+    a, b = peak_pair(tmp_path, 1000, 1001)
     assert main(["diff", a, b]) == 0
     assert main(["--debug", a, b]) == 0
     capsys.readouterr()

@@ -72,7 +72,7 @@ def test_a_regression(github, tmp_path, capsys):
     assert "**base** `a1b2c3d4e5f6` · `base.pickle`" in summary and "**head** `0f9e8d7c6b5a` · `head.pickle`" in summary
     assert Path(got["report"]).read_text() in summary
     assert ("::error title=memdiff::device 0 peak grew by 200.00 MiB, which fails the rule (grows by more than "
-            "1%25 and by more than 64.00 MiB). "
+            "1%25 and by more than 64.00 MiB, or by more than 50%25). "
             "device 0: peak grew by 200.00 MiB; top growth: model.py:forward +200.00 MiB") in out
 
 
