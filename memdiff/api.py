@@ -23,8 +23,8 @@ from memdiff.classify import Rule, load_rules
 from memdiff.differ import PEAK, Diff
 from memdiff.differ import diff as _diff
 from memdiff.errors import InputError
-from memdiff.judge import Limit, Thresholds, Verdict, judge, parse_limit, parse_pct, thresholds_over
 from memdiff.inputs import read_summary
+from memdiff.judge import Limit, Thresholds, Verdict, judge, parse_limit, parse_pct, thresholds_over
 from memdiff.model import Summary
 from memdiff.units import parse_size
 

@@ -90,7 +90,7 @@ def parse_rules(path: str, data: Any, default_priority: int, builtin: bool = Fal
         rule = f"rule {i} ({clip(r['category'])})"
         origin = f"{path}: {rule}"
 
-        def pattern(text: str) -> Pattern:
+        def pattern(text: str, origin: str = origin) -> Pattern:  # this rule's origin, bound here (B023)
             return Pattern(text, origin, timeout)
 
         def test(spec: Dict[str, str]) -> FrameTest:

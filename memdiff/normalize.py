@@ -25,7 +25,17 @@ from memdiff.classify import Rule
 from memdiff.errors import InputError, brief, number
 from memdiff.frames import Stack, StackNormalizer, relativize, signature_of
 from memdiff.history import Allocations, history_of, peak_bars, window_maxima
-from memdiff.lifetimes import BACKWARD, FORWARD, LIFETIMES, MAX_STEPS, OPTIMIZER, Lifetime, Scopes, Timeline, build_timeline
+from memdiff.lifetimes import (
+    BACKWARD,
+    FORWARD,
+    LIFETIMES,
+    MAX_STEPS,
+    OPTIMIZER,
+    Lifetime,
+    Scopes,
+    Timeline,
+    build_timeline,
+)
 from memdiff.load import MAX_BYTES, Snapshot
 from memdiff.model import DeviceSummary, Group, OomEvent, PhasePeak, Step, Summary, largest_first
 

@@ -9,8 +9,17 @@ from typing import Dict, List, Optional
 from memdiff.differ import GONE, GREW, NEW, SHRANK, DeviceDiff, Diff, Folded
 from memdiff.judge import Verdict
 from memdiff.model import Frame, Source
-from memdiff.render.table import (category_table, check_line, diff_table, frame_line, kept_line, pct_cell,
-                                  peak_line, phase_table, where_line)
+from memdiff.render.table import (
+    category_table,
+    check_line,
+    diff_table,
+    frame_line,
+    kept_line,
+    pct_cell,
+    peak_line,
+    phase_table,
+    where_line,
+)
 from memdiff.units import count_of, format_bytes
 
 MARKERS = {NEW: "🆕 NEW", GREW: "🔺 GREW", SHRANK: "🔻 SHRANK", GONE: "✖️ GONE"}
