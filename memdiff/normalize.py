@@ -125,11 +125,12 @@ class _Walk:
                     self.ooms.append(i)
         except KeyError as exc:
             raise InputError(path, f"device_traces[{device}][{i}]: missing {exc}") from None
-        except (TypeError, AttributeError, OverflowError):
+        except (TypeError, AttributeError, OverflowError) as exc:
+            reason: Exception = exc
             size = trace[i].get("size") if isinstance(trace[i], dict) else None
             if isinstance(trace[i], dict) and (size.__class__ is not int):
-                exc = TypeError(f"'size' is {brief(size)}, not an integer")
-            raise InputError(path, f"device_traces[{device}][{i}]: {exc}") from None
+                reason = TypeError(f"'size' is {brief(size)}, not an integer")
+            raise InputError(path, f"device_traces[{device}][{i}]: {reason}") from None
 
     def origin(self, j: int) -> Tuple[Optional[int], Optional[int]]:
         """(first version's alloc event, None) of the allocation opened at `j`, or (None, the
