@@ -434,9 +434,9 @@ def decode(path: str) -> Tuple[Any, Source, int]:
     # hashlib and file reads release the GIL: the hash runs on another core while this one
     # decodes, so it costs no wall time.
     with ThreadPoolExecutor(max_workers=1) as pool:
-        digest = pool.submit(_sha256, path)
+        hashing = pool.submit(_sha256, path)
         raw, container, decoded = _read_document(path, size)
-        digest = digest.result()
+        digest = hashing.result()
     source = Source(file=os.path.basename(path), sha256=digest, size_bytes=size, container=container,
                     generation="", keys=[])
     return raw, source, decoded

@@ -196,6 +196,7 @@ def _live_at(walk: _Walk, trace: List[Dict[str, Any]], p: int, dump_only: List[T
         first, unmatched = walk.origin(j)
         end = walk.end(walk.closed[j])
         if first is None:
+            assert unmatched is not None  # origin() gives one of the two
             items.append(_Live(trace[unmatched].get("frames"), trace[j]["size"], True, True, None, -1, end,
                                False, j == p))
             continue
@@ -273,7 +274,7 @@ def _allocations(path: str, walk: _Walk, trace: List[Dict[str, Any]], dump_only:
         ends[k] = walk.end(int(closed[k]))
     stack_code, known = kinds.stack_code, kinds.by_list
     # The hot loop of the history: one dict lookup per allocation whose stack list was seen.
-    first_codes = []
+    first_codes: List[int] = []
     add = first_codes.append
     for k, first in enumerate(born.tolist()):
         if first < 0:

@@ -75,7 +75,8 @@ def _pairs(args: argparse.Namespace) -> Tuple[List[Tuple[str, str]], List[Tuple[
         return [(args.snapshots[0], args.baseline)], []
     if not os.path.isdir(args.baselines):
         raise InputError(args.baselines, "no such folder of baselines")
-    pairs, missing = [], []
+    pairs: List[Tuple[str, str]] = []
+    missing: List[Tuple[str, str]] = []
     for snap in args.snapshots:
         path = baseline_path_for(args.baselines, os.path.normpath(snap) if os.path.isdir(snap) else snap)
         (pairs if os.path.exists(path) else missing).append((snap, path))

@@ -43,7 +43,7 @@ STACK_FRAMES = 40  # frames of a stack the page keeps
 
 
 def _asset(name: str) -> str:
-    return resources.files("memdiff").joinpath("render", name).read_text(encoding="utf-8")
+    return (resources.files("memdiff") / "render" / name).read_text(encoding="utf-8")
 
 
 def _stack(frames: Sequence[Frame]) -> List[str]:
