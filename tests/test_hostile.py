@@ -19,6 +19,9 @@ import pytest
 
 from memdiff.cli import main
 
+# Slow (the fast loop, -m "not slow", leaves it out): each file is read in a child process.
+pytestmark = pytest.mark.slow
+
 WALL_S = 20
 MEMORY = 2 << 30  # address space for the child: 2 GiB
 
