@@ -16,15 +16,15 @@ nothing else here imports it.
 from __future__ import annotations
 
 import os
-from typing import Dict, Optional, Sequence, Union
+from typing import Any, ContextManager, Dict, Optional, Sequence, Union
 
 from memdiff.baseline import Baseline, comparable_pair, read_baseline, update_baseline
 from memdiff.classify import Rule, check_categories, load_rules
 from memdiff.differ import PEAK, Diff
 from memdiff.differ import diff as _diff
 from memdiff.errors import InputError
-from memdiff.judge import Limit, Thresholds, Verdict, judge, parse_limit, parse_pct, thresholds_over
 from memdiff.inputs import read_summary
+from memdiff.judge import Limit, Thresholds, Verdict, judge, parse_limit, parse_pct, thresholds_over
 from memdiff.model import Summary
 from memdiff.units import parse_size
 
@@ -94,17 +94,17 @@ def load_baseline(path: Union[str, "os.PathLike[str]"]) -> Baseline:
 
 def write_baseline(run: Run, path: Union[str, "os.PathLike[str]"], *, name: Optional[str] = None,
                    git_sha: Optional[str] = None, rules: Optional[Sequence[str]] = None,
-                   **limits: object) -> Baseline:
+                   **limits: Any) -> Baseline:
     """Create or update the baseline at `path` from a run, atomically. An existing baseline keeps
     its name and thresholds unless `name` or limits (as `thresholds()` takes them) replace them."""
     _check_categories(limits, rules, None, "")
     baseline, _ = update_baseline(os.fspath(path), lambda: _summary(run, rules),
-                                  lambda old: thresholds(base=old, **limits), name, git_sha)  # type: ignore[arg-type]
+                                  lambda old: thresholds(base=old, **limits), name, git_sha)
     return baseline
 
 
 def gate(run: Run, baseline: Union[str, "os.PathLike[str]", Baseline], *, rules: Optional[Sequence[str]] = None,
-         **limits: object) -> Verdict:
+         **limits: Any) -> Verdict:
     """Judge a run against a baseline under its thresholds; limits given (`fail_over="256MiB"`,
     `categories={"activation": "10%"}`, `phases={"forward": "512MiB"}`) replace their parts."""
     return gate_diff(run, baseline, rules=rules, **limits)[1]
@@ -121,23 +121,23 @@ def _check_categories(limits: Dict[str, object], rules: Optional[Sequence[str]],
 
 
 def _gated(run: Run, baseline: Union[str, "os.PathLike[str]", Baseline], rules: Optional[Sequence[str]],
-           limits: Dict[str, object]) -> "tuple[Baseline, Summary, Summary, Diff, Verdict]":
+           limits: Dict[str, Any]) -> "tuple[Baseline, Summary, Summary, Diff, Verdict]":
     stored = baseline if isinstance(baseline, Baseline) else load_baseline(baseline)
     where = "baseline" if isinstance(baseline, Baseline) else os.fspath(baseline)
     _check_categories(limits, rules, stored.thresholds, where)
     base, head = comparable_pair(where, stored, _summary(run, rules))
     result = _diff(base, head)
-    return stored, base, head, result, judge(result, thresholds(base=stored.thresholds, **limits))  # type: ignore[arg-type]
+    return stored, base, head, result, judge(result, thresholds(base=stored.thresholds, **limits))
 
 
 def gate_diff(run: Run, baseline: Union[str, "os.PathLike[str]", Baseline], *,
-              rules: Optional[Sequence[str]] = None, **limits: object) -> "tuple[Diff, Verdict]":
+              rules: Optional[Sequence[str]] = None, **limits: Any) -> "tuple[Diff, Verdict]":
     """`gate`, with the Diff the verdict was judged on (what a report shows)."""
-    return _gated(run, baseline, rules, limits)[3:]  # type: ignore[return-value]
+    return _gated(run, baseline, rules, limits)[3:]
 
 
 def html_report(run: Run, baseline: Union[str, "os.PathLike[str]", Baseline], *,
-                rules: Optional[Sequence[str]] = None, top: int = 20, **limits: object) -> str:
+                rules: Optional[Sequence[str]] = None, top: int = 20, **limits: Any) -> str:
     """The self-contained HTML page of `gate_diff` (what `memdiff gate --html` writes); summarize
     the run with `history=True` for its timeline to be drawn."""
     from memdiff.differ import fold
@@ -148,8 +148,8 @@ def html_report(run: Run, baseline: Union[str, "os.PathLike[str]", Baseline], *,
                        base_label=f"baseline {stored.name}")
 
 
-def record(path: Union[str, "os.PathLike[str]"], **options: object):  # type: ignore[no-untyped-def]
+def record(path: Union[str, "os.PathLike[str]"], **options: Any) -> ContextManager[None]:
     """`memdiff.capture.record`: a context manager writing the snapshot of the block to `path`."""
     from memdiff.capture import record as _record
 
-    return _record(os.fspath(path), **options)  # type: ignore[arg-type]
+    return _record(os.fspath(path), **options)

@@ -22,7 +22,7 @@ PIPE_READER_WAIT_S = 10.0
 # Bytes of the target's name kept in its temporary sibling's, so a name near NAME_MAX still has one.
 TEMP_NAME_BYTES = 64
 
-Writer = Callable[[BinaryIO], None]
+Writer = Callable[[BinaryIO], object]  # what it returns (f.write's count) is ignored
 
 
 def _reason(exc: OSError) -> str:

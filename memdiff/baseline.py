@@ -135,8 +135,9 @@ def update_baseline(path: str, summary_of: Callable[[], Union[Summary, Dict[int,
     old = read_baseline(path) if os.path.isfile(path) else None
     limits = thresholds_for(old.thresholds if old else None)
     summary = summary_of()
-    make = from_summaries if isinstance(summary, dict) else from_summary
-    baseline = make(summary, name or (old.name if old else stem(path)), limits, git_sha)  # type: ignore[arg-type]
+    label = name or (old.name if old else stem(path))
+    baseline = (from_summaries(summary, label, limits, git_sha) if isinstance(summary, dict)
+                else from_summary(summary, label, limits, git_sha))
     write_output(path, baseline.to_json())
     return baseline, old is not None
 
@@ -185,8 +186,8 @@ def _stored_summary(b: Baseline) -> Summary:
         groups = [Group(signature=g["signature"], site=g["site"], frames=[], count=g["count"], bytes=g["bytes"],
                         category=g["category"]) for g in d["groups"]]
         stored: Dict[str, int] = {}
-        for g in groups:
-            stored[g.category] = stored.get(g.category, 0) + g.bytes
+        for g in d["groups"]:
+            stored[g["category"]] = stored.get(g["category"], 0) + g["bytes"]
         groups += [_rest_group(c, 0, total - stored.get(c, 0)) for c, total in d["categories"].items()
                    if total > stored.get(c, 0)]
         # Only the phases' peak bytes are stored (for phase thresholds), not what was live then.

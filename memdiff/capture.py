@@ -142,7 +142,8 @@ def from_allocations(torch: Any, profiler: Any) -> Dict[str, Any]:
                          "frames": _python_stack(event, _EventType)}
             traces[device].append(live[key])
         else:  # a free of an allocation made before recording began is kept: it is static memory
-            free(device, live.pop(key, None) or {"addr": fields.ptr, "size": -fields.alloc_size, "frames": []})
+            free(device, live.pop(key) if key in live
+                 else {"addr": fields.ptr, "size": -fields.alloc_size, "frames": []})
     segments = []
     for device in range(cpu + 1):
         blocks = sorted((a for (d, _), a in live.items() if d == device), key=lambda a: a["addr"])

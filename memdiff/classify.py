@@ -90,7 +90,7 @@ def parse_rules(path: str, data: Any, default_priority: int, builtin: bool = Fal
         rule = f"rule {i} ({clip(r['category'])})"
         origin = f"{path}: {rule}"
 
-        def pattern(text: str) -> Pattern:
+        def pattern(text: str, origin: str = origin) -> Pattern:  # this rule's origin, bound here (B023)
             return Pattern(text, origin, timeout)
 
         def test(spec: Dict[str, str]) -> FrameTest:
@@ -111,7 +111,7 @@ def parse_rules(path: str, data: Any, default_priority: int, builtin: bool = Fal
 
 def builtin_rules() -> List[Rule]:
     """The rules shipped in memdiff/rules/categories.json."""
-    text = resources.files("memdiff").joinpath("rules", "categories.json").read_text(encoding="utf-8")
+    text = (resources.files("memdiff") / "rules" / "categories.json").read_text(encoding="utf-8")
     return parse_rules("memdiff/rules/categories.json", json.loads(text), 0, builtin=True)
 
 
@@ -218,10 +218,12 @@ def category_of(group: Group, rules: Sequence[Rule]) -> str:
 
 
 def _classified(groups: Sequence[Group], categorizer: Categorizer) -> Tuple[List[Group], Dict[str, int]]:
-    out = [replace(g, category=categorizer.of(g)) for g in groups]
+    out: List[Group] = []
     totals: Dict[str, int] = {}
-    for g in out:
-        totals[g.category] = totals.get(g.category, 0) + g.bytes
+    for g in groups:
+        category = categorizer.of(g)
+        out.append(replace(g, category=category))
+        totals[category] = totals.get(category, 0) + g.bytes
     return out, largest_first(totals)
 
 

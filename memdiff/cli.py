@@ -23,10 +23,12 @@ COMMANDS = {  # name: (module, one-line help); a module gives DESCRIPTION, add_a
     "baseline": ("memdiff.commands.baseline", "create or update a stored baseline, or --check a folder of them"),
     "summarize": ("memdiff.commands.summarize", "reduce a snapshot to its peak summary (JSON or text)"),
     "peak": ("memdiff.commands.peak", "show the peak, static memory and the top stacks live at the peak"),
-    "ranks": ("memdiff.commands.ranks", "compare the ranks of a distributed job: spread, roles, the heaviest rank's extra"),
+    "ranks": ("memdiff.commands.ranks",
+              "compare the ranks of a distributed job: spread, roles, the heaviest rank's extra"),
     "record": ("memdiff.commands.record", "run a Python script with memory recording on and write the snapshot"),
     "demo": ("memdiff.commands.demo", "record a small GPT with and without activation checkpointing and diff them"),
-    "comment": ("memdiff.commands.comment", "post or update the sticky pull-request comment (the GitHub Action's step)"),
+    "comment": ("memdiff.commands.comment",
+                "post or update the sticky pull-request comment (the GitHub Action's step)"),
 }
 DEFAULT_COMMAND = "diff"
 TOP_LEVEL_FLAGS = {"--debug", "--version", "-h", "--help"}

@@ -336,7 +336,8 @@ def _resample(d: DeviceSummary, points: int) -> List[Optional[int]]:
     out: List[Optional[int]] = [None] * points
     for index, value in d.timeline:
         b = min(points - 1, index * points // d.trace_events)
-        out[b] = value if out[b] is None else max(out[b], value)
+        held = out[b]
+        out[b] = value if held is None else max(held, value)
     last = d.timeline[0][1]
     for i, v in enumerate(out):  # an empty bucket holds the level of the one before
         last = v if v is not None else last

@@ -265,14 +265,14 @@ class PerFrames(Generic[T]):
     def get(self, raw_frames: List[Any], extra: Any = None) -> T:
         """compute(raw_frames, extra), or the value already computed for the same frames and extra."""
         key = (id(raw_frames), extra)
-        hit = self._by_list.get(key, _UNSEEN)
+        hit: Any = self._by_list.get(key, _UNSEEN)  # a T, or the sentinel
         if hit is _UNSEEN:
             same = (extra, *map(id, raw_frames))
             hit = self._by_frames.get(same, _UNSEEN)
             if hit is _UNSEEN:
                 hit = self._by_frames[same] = self._compute(raw_frames, extra)
             self._by_list[key] = hit
-        return hit  # type: ignore[return-value]
+        return hit
 
 
 class StackNormalizer:
@@ -330,7 +330,7 @@ class StackNormalizer:
         # allocator frames), so each distinct frame is classified once.
         try:
             key = (raw["name"], raw["filename"], raw["line"])
-            hit = self._frames.get(key, _UNSEEN)
+            hit: Any = self._frames.get(key, _UNSEEN)  # an Optional[_Kept], or the sentinel
         except (KeyError, TypeError, IndexError):
             return _keep(raw)  # not a well-formed frame: _keep reads what it can or says why not
         if hit is not _UNSEEN:

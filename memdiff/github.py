@@ -125,7 +125,8 @@ class Publisher:
         self.without_baseline.append(run)
         if self.annotate:
             level = "error" if required else "warning"
-            print(f"::{level} title=memdiff::{escape_annotation(f'{run}: no baseline at {path}, nothing compared; make it with `{command}` and commit it')}")
+            message = f"{run}: no baseline at {path}, nothing compared; make it with `{command}` and commit it"
+            print(f"::{level} title=memdiff::{escape_annotation(message)}")
 
     def verdict(self) -> str:
         """fail on any failed check; else no-baseline when a run had none; else pass."""

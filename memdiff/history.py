@@ -16,7 +16,7 @@ window), so no peak is lost however far the trace is shrunk.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, cast
 
 import numpy as np
 
@@ -103,7 +103,7 @@ def history_of(allocations: Allocations, totals: np.ndarray, time_of: Callable[[
     times = [time_of(i) for i in events.tolist()]
     return History(events=events.tolist(), totals=totals[events].tolist(),
                    categories={names[c]: live[c].tolist() for c in order},
-                   time_us=None if None in times else times, bars=bars)
+                   time_us=None if None in times else cast(List[int], times), bars=bars)
 
 
 def peak_bars(groups: Sequence[Tuple[str, List[Tuple[int, int, int]]]]) -> List[Bar]:

@@ -37,7 +37,8 @@ def read_summary(path: str, rules: Sequence[Rule], history: bool = False) -> Sum
     version = raw["schema_version"]
     if version not in READABLE_SCHEMA_VERSIONS:
         raise InputError(path, f"summary schema_version {shown(version)} is not one this memdiff reads "
-                               f"({' or '.join(map(str, READABLE_SCHEMA_VERSIONS))}); re-create it with `memdiff summarize`")
+                               f"({' or '.join(map(str, READABLE_SCHEMA_VERSIONS))}); "
+                               "re-create it with `memdiff summarize`")
     return classify(Summary.from_dict(validate(path, raw, "summary")), rules)
 
 

@@ -266,8 +266,10 @@ def judge(diff: Diff, thresholds: Thresholds, update_hint: Optional[str] = None)
             checks.append(_check(f"device {d.device} sites /{s.pattern.pattern}/", sum(r.base_bytes for r in rows),
                                  sum(r.head_bytes for r in rows), s.limit))
         if d.peak_delta_bytes < 0 and update_hint:
+            drop = growth_pct(d.base_peak_bytes, d.head_peak_bytes)
+            assert drop is not None  # the peak went down, so the base's is above 0
             notes.append(f"device {d.device}: peak went down by {format_bytes(-d.peak_delta_bytes)} "
-                         f"({pct_text(round(-growth_pct(d.base_peak_bytes, d.head_peak_bytes), 1))}): consider "
+                         f"({pct_text(round(-drop, 1))}): consider "
                          f"updating the baseline: {update_hint}")
         if not peak.passed:
             growth = [replace(r) for r in d.rows if r.status in (NEW, GREW)][:TOP_GROWTH]

@@ -174,8 +174,8 @@ class Scopes:
                             for m in [STEP_SCOPE.match(name)] if m)
         # Scopes repeat a few names (one per layer and step), each read once.
         phase_of = {name: _scope_phase(name) for name in {name for _, _, name in intervals}}
-        self._phases = _Intervals([(start, end, phase_of[name]) for start, end, name in intervals
-                                   if phase_of[name]])
+        self._phases = _Intervals([(start, end, phase) for start, end, name in intervals
+                                   if (phase := phase_of[name])])
         self.has_phases = bool(self._phases.items)
 
     def innermost(self, time_us: Optional[int]) -> Optional[str]:
@@ -377,7 +377,7 @@ def _annotated_step_bounds(trace: List[Any], scopes: Scopes) -> List[Tuple[int, 
     """(first event, step number) of each `ProfilerStep#N` scope, when events carry times."""
     if not scopes.steps:
         return []
-    times = [e.get("time_us") if isinstance(e, dict) else None for e in trace]
+    times: List[Any] = [e.get("time_us") if isinstance(e, dict) else None for e in trace]
     if not all(isinstance(t, int) for t in times):
         return []
     bounds: List[Tuple[int, int]] = []

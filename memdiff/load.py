@@ -269,7 +269,8 @@ def _read_document(path: str, size: int) -> Tuple[Any, str, int]:
         with stream:
             obj, container = _parse(path, stream, codec)
     except _Refused as exc:
-        raise InputError(path, f"refused: the file asks to import {clip(str(exc))}; memory snapshots never contain code") from None
+        raise InputError(path, f"refused: the file asks to import {clip(str(exc))}; "
+                               "memory snapshots never contain code") from None
     except InputError:
         raise
     except MemoryError:
@@ -281,7 +282,8 @@ def _read_document(path: str, size: int) -> Tuple[Any, str, int]:
             raise InputError(path, f"corrupt or truncated {codec} data ({clip(str(exc), 200)})") from None
         if isinstance(exc, (EOFError, pickle.UnpicklingError, ValueError, TypeError, IndexError, KeyError,
                             AttributeError, OSError, OverflowError)):
-            raise InputError(path, f"truncated or corrupt pickle ({type(exc).__name__}: {clip(str(exc), 200)})") from None
+            raise InputError(path, f"truncated or corrupt pickle "
+                                   f"({type(exc).__name__}: {clip(str(exc), 200)})") from None
         raise
     return obj, f"{codec}+{container}" if codec else container, bounded.count
 
@@ -432,9 +434,9 @@ def decode(path: str) -> Tuple[Any, Source, int]:
     # hashlib and file reads release the GIL: the hash runs on another core while this one
     # decodes, so it costs no wall time.
     with ThreadPoolExecutor(max_workers=1) as pool:
-        digest = pool.submit(_sha256, path)
+        hashing = pool.submit(_sha256, path)
         raw, container, decoded = _read_document(path, size)
-        digest = digest.result()
+        digest = hashing.result()
     source = Source(file=os.path.basename(path), sha256=digest, size_bytes=size, container=container,
                     generation="", keys=[])
     return raw, source, decoded

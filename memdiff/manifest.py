@@ -102,8 +102,8 @@ def collect(folder: str) -> Optional[JobManifest]:
         found = STATUS.match(name)
         if found:
             path = os.path.join(folder, name)
-            document = _read_status(path) or {"state": FAILED, "error": "its status file was unreadable"}
-            statuses[int(found.group(1))] = document
+            statuses[int(found.group(1))] = (_read_status(path)
+                                             or {"state": FAILED, "error": "its status file was unreadable"})
             os.unlink(path)
     if not statuses:
         return None

@@ -226,7 +226,8 @@ class Summary:
             if d.get("history") is not None:
                 h = _known(History, d["history"])
                 d["history"] = History(**{**h, "bars": [Bar(**_known(Bar, b)) for b in h.get("bars", [])]})
-            d["steps"] = [Step(**{**_known(Step, s), "phases": [PhaseSpan(**_known(PhaseSpan, p)) for p in s["phases"]]})
+            d["steps"] = [Step(**{**_known(Step, s),
+                                  "phases": [PhaseSpan(**_known(PhaseSpan, p)) for p in s["phases"]]})
                           for s in d.get("steps", [])]
             devices.append(DeviceSummary(**d))
         return cls(

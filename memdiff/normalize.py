@@ -25,7 +25,17 @@ from memdiff.classify import Rule
 from memdiff.errors import InputError, brief, number
 from memdiff.frames import Stack, StackNormalizer, relativize, signature_of
 from memdiff.history import Allocations, history_of, peak_bars, window_maxima
-from memdiff.lifetimes import BACKWARD, FORWARD, LIFETIMES, MAX_STEPS, OPTIMIZER, Lifetime, Scopes, Timeline, build_timeline
+from memdiff.lifetimes import (
+    BACKWARD,
+    FORWARD,
+    LIFETIMES,
+    MAX_STEPS,
+    OPTIMIZER,
+    Lifetime,
+    Scopes,
+    Timeline,
+    build_timeline,
+)
 from memdiff.load import MAX_BYTES, Snapshot
 from memdiff.model import DeviceSummary, Group, OomEvent, PhasePeak, Step, Summary, largest_first
 
@@ -116,10 +126,11 @@ class _Walk:
         except KeyError as exc:
             raise InputError(path, f"device_traces[{device}][{i}]: missing {exc}") from None
         except (TypeError, AttributeError, OverflowError) as exc:
+            reason: Exception = exc
             size = trace[i].get("size") if isinstance(trace[i], dict) else None
-            wrong = (f"'size' is {brief(size)}, not an integer" if isinstance(trace[i], dict)
-                     and size.__class__ is not int else str(exc))
-            raise InputError(path, f"device_traces[{device}][{i}]: {wrong}") from None
+            if isinstance(trace[i], dict) and (size.__class__ is not int):
+                reason = TypeError(f"'size' is {brief(size)}, not an integer")
+            raise InputError(path, f"device_traces[{device}][{i}]: {reason}") from None
 
     def origin(self, j: int) -> Tuple[Optional[int], Optional[int]]:
         """(first version's alloc event, None) of the allocation opened at `j`, or (None, the
@@ -185,6 +196,7 @@ def _live_at(walk: _Walk, trace: List[Dict[str, Any]], p: int, dump_only: List[T
         first, unmatched = walk.origin(j)
         end = walk.end(walk.closed[j])
         if first is None:
+            assert unmatched is not None  # origin() gives one of the two
             items.append(_Live(trace[unmatched].get("frames"), trace[j]["size"], True, True, None, -1, end,
                                False, j == p))
             continue
@@ -262,7 +274,7 @@ def _allocations(path: str, walk: _Walk, trace: List[Dict[str, Any]], dump_only:
         ends[k] = walk.end(int(closed[k]))
     stack_code, known = kinds.stack_code, kinds.by_list
     # The hot loop of the history: one dict lookup per allocation whose stack list was seen.
-    first_codes = []
+    first_codes: List[int] = []
     add = first_codes.append
     for k, first in enumerate(born.tolist()):
         if first < 0:

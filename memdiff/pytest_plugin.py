@@ -18,7 +18,7 @@ import re
 import shutil
 import tempfile
 from contextlib import contextmanager
-from typing import Any, Dict, Iterator, Optional, Tuple
+from typing import Any, Iterator, Mapping, Optional, Tuple
 
 import pytest
 
@@ -92,7 +92,7 @@ def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
         shutil.rmtree(folder, ignore_errors=True)
 
 
-def _judge(item: pytest.Item, options: Dict[str, Any], snapshot: str) -> None:
+def _judge(item: pytest.Item, options: Mapping[str, Any], snapshot: str) -> None:
     """Gate the recorded snapshot as the marker says; pytest.fail with the report when it breaks a limit."""
     from memdiff import api
     from memdiff.atomic import make_folder
@@ -133,6 +133,7 @@ def _ceiling(summary: Any, limit: Any) -> None:
     from memdiff.units import format_bytes
 
     ceiling = to_bytes(limit, "limit")
+    assert ceiling is not None  # _judge passes only a limit that is set
     over = [d for d in summary.devices if d.peak_bytes > ceiling]
     if over:
         d = over[0]

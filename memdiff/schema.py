@@ -17,7 +17,7 @@ def _validator(name: str) -> Any:
     # jsonschema costs ~0.1 s to import: only commands that read summaries, baselines or rules pay it.
     import jsonschema
 
-    text = resources.files("memdiff").joinpath("schemas", f"{name}.schema.json").read_text(encoding="utf-8")
+    text = (resources.files("memdiff") / "schemas" / f"{name}.schema.json").read_text(encoding="utf-8")
     schema = json.loads(text)
     cls = jsonschema.validators.validator_for(schema)
     cls.check_schema(schema)

@@ -48,6 +48,7 @@ def test_a_head_that_matches_no_file_fails(action, tmp_path):
     assert "::error title=memdiff::head 'runs/*.pickle' matches no file: nothing to compare" in log
 
 
+@pytest.mark.slow  # runs the action's steps
 def test_a_run_without_its_baseline_fails_by_default(action, shared, tmp_path):
     (tmp_path / "baselines").mkdir()
     run = tmp_path / "train.pickle"
@@ -75,6 +76,7 @@ def test_neither_base_nor_baseline_is_bad_input(action, shared, tmp_path):
     assert outputs["exit-code"] == "2" and "give the action a base or a baseline input" in log
 
 
+@pytest.mark.slow  # runs the action's steps
 def test_category_and_phase_limits_reach_the_gate(action, shared, tmp_path):
     for name in ("cs336-medium-ctx128-train.pickle", "cs336-medium-ctx256-train.pickle"):
         (tmp_path / name).write_bytes((shared / name).read_bytes())
@@ -90,6 +92,7 @@ def test_category_and_phase_limits_reach_the_gate(action, shared, tmp_path):
     assert "PASS  device 0 gradient" in log
 
 
+@pytest.mark.slow  # runs the action's steps
 def test_the_html_report_is_written_where_the_upload_step_looks(action, shared, tmp_path):
     base, head = shared / "cs336-medium-ctx128-train.pickle", shared / "cs336-medium-ctx256-train.pickle"
     outputs, _ = action(tmp_path, head=str(head), base=str(base), html="true")
@@ -121,6 +124,7 @@ def test_the_action_leaves_the_jobs_python_alone():
             assert "GITHUB_PATH" not in step["run"]
 
 
+@pytest.mark.slow  # runs the action's steps
 def test_a_job_folder_is_gated_rank_by_rank(action, shared, tmp_path):
     # runs/train/ holds one snapshot per rank; its baseline is baselines/train.json.
     for name, runs in (("cs336-medium-ctx128-train.pickle", "base"), ("cs336-medium-ctx256-train.pickle", "head")):

@@ -7,6 +7,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 from conftest import ROOT
 from memdiff.cli import main
 
@@ -16,6 +18,7 @@ def docs_api_example() -> str:
     return re.search(r"```python\n(.*?)```", text, re.DOTALL).group(1)
 
 
+@pytest.mark.slow  # records, in a child process
 def test_the_docs_api_example_runs(torch, tmp_path):
     done = subprocess.run([sys.executable, "-c", docs_api_example()], cwd=tmp_path, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr

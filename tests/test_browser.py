@@ -14,6 +14,9 @@ from browser import chromium, open_report
 from memdiff.cli import main
 from memdiff.units import format_bytes
 
+# Slow (the fast loop, -m "not slow", leaves it out): drives Chromium.
+pytestmark = pytest.mark.slow
+
 
 def _browser_or_skip() -> str:
     reasons = []

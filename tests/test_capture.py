@@ -18,6 +18,9 @@ from memdiff.differ import GONE, GREW, NEW, SHRANK, diff
 from memdiff.inputs import read_summary
 from memdiff.load import decode
 
+# Slow (the fast loop, -m "not slow", leaves it out): records with torch.
+pytestmark = pytest.mark.slow
+
 # PyTorch's profiler categories in memdiff's terms (the mapping).
 PYTORCH_TO_MEMDIFF = {"temporary": "autograd", "autograd_detail": "autograd", "unknown": "other", None: "other"}
 

@@ -145,6 +145,7 @@ def _run_cases(make: Callable[[random.Random, int], Tuple[bytes, str]], count: i
     return codes
 
 
+@pytest.mark.slow  # reads many mutated real snapshots
 def test_structured_mutations_of_real_snapshots(bases, tmp_path, capsys):
     def make(rng: random.Random, i: int) -> Tuple[bytes, str]:
         name = BASES[i % len(BASES)]
@@ -178,6 +179,7 @@ def test_flipped_and_cut_bytes(shared, tmp_path, capsys):
     assert codes.get(2)
 
 
+@pytest.mark.slow  # reads many mutated summaries
 def test_mutated_summaries(shared, tmp_path, capsys):
     source = tmp_path / "summary.json"
     assert main(["summarize", str(shared / "linear-grad.pickle"), "-o", str(source)]) == 0

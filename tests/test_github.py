@@ -181,6 +181,7 @@ def comment(env, report, verdict="fail", mode="on-regression", title="memdiff"):
                            "--mode", mode, "--verdict", verdict], env=env, capture_output=True, text=True)
 
 
+@pytest.mark.slow  # runs the comment step in child processes
 def test_first_run_creates_the_comment_and_the_second_updates_it(gh, tmp_path):
     env, state, log = gh
     report = tmp_path / "report.md"
@@ -198,6 +199,7 @@ def test_first_run_creates_the_comment_and_the_second_updates_it(gh, tmp_path):
                      "api --method PATCH repos/acme/trainer/issues/comments/100 --input -"]
 
 
+@pytest.mark.slow  # runs the comment step in child processes
 def test_no_regression_and_no_comment_yet_posts_nothing(gh, tmp_path):
     env, state, log = gh
     report = tmp_path / "report.md"
@@ -208,6 +210,7 @@ def test_no_regression_and_no_comment_yet_posts_nothing(gh, tmp_path):
     assert len(json.loads(state.read_text())["comments"]) == 2
 
 
+@pytest.mark.slow  # runs the comment step in child processes
 def test_titles_keep_two_gates_apart(gh, tmp_path):
     env, state, _ = gh
     report = tmp_path / "report.md"
@@ -287,6 +290,7 @@ def rest(tmp_path, github):
     server.server_close()
 
 
+@pytest.mark.slow  # runs the comment step in child processes
 def test_without_gh_the_comment_goes_through_the_rest_api(rest, tmp_path):
     report = tmp_path / "report.md"
     report.write_text("### ❌ memdiff: regression\n")
@@ -304,6 +308,7 @@ def test_without_gh_the_comment_goes_through_the_rest_api(rest, tmp_path):
         "PATCH /repos/acme/trainer/issues/comments/103"]
 
 
+@pytest.mark.slow  # runs the comment step in child processes
 def test_without_gh_a_refusal_or_no_token_leaves_the_job_green_with_a_note(rest, tmp_path, github):
     report = tmp_path / "report.md"
     report.write_text("### ❌ memdiff: regression\n")

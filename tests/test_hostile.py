@@ -21,6 +21,9 @@ import pytest
 
 from memdiff.cli import main
 
+# Slow (the fast loop, -m "not slow", leaves it out): each file is read in a child process.
+pytestmark = pytest.mark.slow
+
 CPU_S = 20  # the child is killed (SIGXCPU) past this much CPU time
 WALL_S = 300  # a child waiting on nothing at all
 MEMORY = 2 << 30  # address space for the child: 2 GiB

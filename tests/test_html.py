@@ -6,6 +6,8 @@ import html
 import json
 import re
 
+import pytest
+
 from conftest import alloc, free, py_frames
 from memdiff.cli import main
 from test_lifetimes import training
@@ -74,6 +76,7 @@ def test_an_html_path_in_a_missing_folder_fails_before_any_work(write_snapshot, 
     assert len(err.strip().splitlines()) == 1 and "does not exist" in err
 
 
+@pytest.mark.slow  # records the demo's two runs
 def test_the_demo_leaves_a_report_beside_its_snapshots(torch, tmp_path, capsys):
     assert main(["demo", "--dir", str(tmp_path), "--device", "cpu"]) == 0  # checkpointing lowers the peak
     err = capsys.readouterr().err

@@ -73,6 +73,7 @@ def test_a_mistyped_command_records_nothing_and_keeps_the_snapshot(torch, tmp_pa
     assert kept.read_bytes() == b"an earlier run's snapshot"
 
 
+@pytest.mark.slow  # records
 def test_a_run_that_allocates_nothing_keeps_the_snapshot_and_prints_sys_exit(torch, tmp_path, kept):
     (tmp_path / "fails.py").write_text("import sys\nsys.exit('bad config: no data')\n")
     done = record(tmp_path, kept, "python", "fails.py")
@@ -82,6 +83,7 @@ def test_a_run_that_allocates_nothing_keeps_the_snapshot_and_prints_sys_exit(tor
     assert kept.read_bytes() == b"an earlier run's snapshot"
 
 
+@pytest.mark.slow  # records
 def test_record_makes_the_folder_of_its_output(torch, tmp_path):
     (tmp_path / "train.py").write_text("import torch\nx = torch.ones(1000)\n")
     done = record(tmp_path, "runs/train.pickle", "python", "train.py")

@@ -174,6 +174,9 @@ def test_timeline_is_downsampled_and_keeps_the_peak(write_snapshot):
      "device_traces[0][1]: missing 'addr'"),
     ({"segments": [], "device_traces": [[alloc(1, 5, [{"filename": 3, "line": 1, "name": "f"}])]]},
      "a frame has wrong types"),
+    # An entry's own TypeError is the message (it was an UnboundLocalError, found by mypy).
+    ({"segments": [], "device_traces": [[{"action": "alloc", "addr": [], "size": 5}]]},
+     "device_traces[0][0]: unhashable type: 'list'"),
 ])
 def test_malformed_trace_entries_name_the_entry(write_snapshot, bad, message):
     from memdiff.errors import InputError

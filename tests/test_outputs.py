@@ -230,6 +230,7 @@ def test_a_scripts_exit_3_is_passed_on_and_said_to_be_the_scripts(torch, tmp_pat
     assert last.startswith(f"memdiff: wrote {tmp_path / 'runs' / 'run.pickle'} (") and "the script exited 3" in last
 
 
+@pytest.mark.slow  # records, in a child process
 def test_os_exit_ends_the_recording_with_the_script_and_leaves_nothing(torch, tmp_path):
     """Documented: os._exit() ends memdiff's process too, before anything is written."""
     (tmp_path / "train.py").write_text("import os\nimport torch\nx = torch.ones(1000)\nos._exit(3)\n")

@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import pytest
 
+# Slow (the fast loop, -m "not slow", leaves it out): records a training step.
+pytestmark = pytest.mark.slow
+
 
 @pytest.mark.memdiff(fail_over="1MiB", fail_over_pct=1)
 def test_example_gpt_training_step(torch):

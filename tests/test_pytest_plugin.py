@@ -7,6 +7,9 @@ import textwrap
 
 import pytest
 
+# Slow (the fast loop, -m "not slow", leaves it out): each test runs a suite that records.
+pytestmark = pytest.mark.slow
+
 # A training-step stand-in whose memory the environment sets: one tensor of MEMDIFF_TEST_FLOATS floats.
 TESTS = textwrap.dedent("""
     import os

@@ -160,6 +160,7 @@ def test_ranges():
     assert ranges([3]) == "3"
 
 
+@pytest.mark.slow  # starts a Dask cluster
 def test_dask_gives_the_summaries_the_local_path_gives(tmp_path, shared):
     import distributed  # a test dependency: this test runs wherever the tests do
 
@@ -176,6 +177,7 @@ def test_dask_gives_the_summaries_the_local_path_gives(tmp_path, shared):
     assert remote == local
 
 
+@pytest.mark.slow  # waits for Dask's connection timeout
 def test_an_unreachable_dask_scheduler_is_one_line(tmp_path, capsys):
     folder = job(tmp_path / "job", {0: rank_snapshot(MiB)})
     code, _, err = run(capsys, "ranks", folder, "--dask", "tcp://127.0.0.1:9")

@@ -11,8 +11,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from conftest import ROOT
 from memdiff.load import load
+
+# Slow (the fast loop, -m "not slow", leaves it out): launches recorded jobs (torchrun).
+pytestmark = pytest.mark.slow
 
 DDP_TRAIN = ROOT / "tests" / "scenarios" / "ddp_train.py"
 

@@ -16,6 +16,9 @@ from memdiff.inputs import read_summary
 from memdiff.model import Summary
 from scenario_suite import FAMILIES
 
+# Slow (the fast loop, -m "not slow", leaves it out): captures of the scenario models.
+pytestmark = pytest.mark.slow
+
 # (base, head) scenario suffixes, and whether the change works in one direction only (then no
 # row moves against the net change). Autocast (fp32 activations halve, bf16 weight copies
 # appear), checkpointing (activations go, the later peak inside backward holds more gradients)

@@ -20,6 +20,9 @@ from memdiff.inputs import read_summary
 from memdiff.load import decode
 from scenario_suite import BASES, pytorch_categories_at, truth_of
 
+# Slow (the fast loop, -m "not slow", leaves it out): captures of the scenario models.
+pytestmark = pytest.mark.slow
+
 TRUTH = [*BASES, "mlp-small-batch", "bert-frozen"]
 
 

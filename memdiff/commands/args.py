@@ -155,9 +155,8 @@ def add_github_arguments(p: argparse.ArgumentParser) -> None:
 
 def publisher_from(args: argparse.Namespace, expected: int = 1) -> Optional["Publisher"]:
     """The GitHub publisher the flags ask for, if any."""
-    from memdiff.github import Publisher
-
     from memdiff.atomic import check_output
+    from memdiff.github import Publisher
 
     if not args.github and args.report is None:
         return None

@@ -10,14 +10,21 @@ from typing import Dict, List, Union
 
 from memdiff.baseline import read_baseline, update_baseline
 from memdiff.classify import Rule
-from memdiff.commands.args import (add_category_threshold_argument, add_job_arguments, job_from, add_phase_threshold_argument,
-                                   add_rules_arguments, add_threshold_arguments, rules_from, thresholds_from)
+from memdiff.commands.args import (
+    add_category_threshold_argument,
+    add_job_arguments,
+    add_phase_threshold_argument,
+    add_rules_arguments,
+    add_threshold_arguments,
+    job_from,
+    rules_from,
+    thresholds_from,
+)
 from memdiff.errors import EXIT_BAD_INPUT, EXIT_OK, InputError
 from memdiff.inputs import read_summary
 from memdiff.job import is_job, summarize_ranks
 from memdiff.model import Summary
 from memdiff.units import format_bytes
-
 
 DESCRIPTION = ("Write a baseline of SNAPSHOT to FILE, atomically. Updating an existing file keeps its name "
                "and thresholds unless flags replace them. With --check, validate baseline files instead.")

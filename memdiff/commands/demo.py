@@ -14,8 +14,8 @@ from memdiff.classify import load_rules
 from memdiff.commands.diff import render_report, write_html
 from memdiff.differ import diff
 from memdiff.errors import InputError
-from memdiff.judge import DEFAULT_PEAK, Thresholds, judge
 from memdiff.inputs import read_summary
+from memdiff.judge import DEFAULT_PEAK, Thresholds, judge
 
 RUNS = (("baseline", False), ("checkpointing", True))
 

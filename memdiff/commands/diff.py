@@ -9,14 +9,23 @@ from typing import TYPE_CHECKING, List, Optional
 
 from memdiff.atomic import check_output, write_output
 from memdiff.classify import Rule
-from memdiff.commands.args import (add_github_arguments, add_html_argument, add_job_arguments, job_from, add_report_arguments,
-                                   add_rules_arguments, add_threshold_arguments, publisher_from, rules_from)
+from memdiff.commands.args import (
+    add_github_arguments,
+    add_html_argument,
+    add_job_arguments,
+    add_report_arguments,
+    add_rules_arguments,
+    add_threshold_arguments,
+    job_from,
+    publisher_from,
+    rules_from,
+)
 from memdiff.differ import MOMENTS, PEAK, Diff, diff, fold
 from memdiff.errors import EXIT_OK, EXIT_REGRESSION, InputError
+from memdiff.inputs import read_summaries
 from memdiff.job import is_job, summarize_ranks
 from memdiff.jobdiff import diff_jobs
 from memdiff.judge import Limit, Thresholds, Verdict, judge, judge_ranks
-from memdiff.inputs import read_summaries
 from memdiff.model import Summary
 from memdiff.render import html as render_html
 from memdiff.render import json as render_json

@@ -9,24 +9,33 @@ import sys
 from dataclasses import dataclass, replace
 from typing import Dict, List, Tuple
 
-from memdiff.baseline import Baseline, baseline_path_for, comparable_pair, read_baseline, stem
 from memdiff.atomic import check_output, make_folder
+from memdiff.baseline import Baseline, baseline_path_for, comparable_pair, read_baseline, stem
 from memdiff.classify import Rule
-from memdiff.commands.args import (add_category_threshold_argument, add_github_arguments, add_html_argument,
-                                   add_job_arguments, job_from, add_phase_threshold_argument, add_report_arguments,
-                                   add_rules_arguments, add_threshold_arguments, publisher_from, rules_from,
-                                   thresholds_from)
+from memdiff.commands.args import (
+    add_category_threshold_argument,
+    add_github_arguments,
+    add_html_argument,
+    add_job_arguments,
+    add_phase_threshold_argument,
+    add_report_arguments,
+    add_rules_arguments,
+    add_threshold_arguments,
+    job_from,
+    publisher_from,
+    rules_from,
+    thresholds_from,
+)
 from memdiff.commands.diff import render_report, write_html
 from memdiff.differ import diff
 from memdiff.errors import EXIT_BAD_INPUT, EXIT_OK, EXIT_REGRESSION, InputError, clip
+from memdiff.inputs import read_summary
 from memdiff.job import is_job, ranges, ranks_text, summarize_ranks
 from memdiff.jobdiff import JobDiff, RankDiff
-from memdiff.model import Summary
 from memdiff.judge import Verdict, judge, judge_ranks
-from memdiff.inputs import read_summary
+from memdiff.model import Summary
 from memdiff.render import json as render_json
 from memdiff.render import ranks as render_ranks
-
 
 DESCRIPTION = ("Compare each run with its baseline under the baseline's thresholds (flags override them) "
                "and print the report and one line per threshold. Exit 0 pass, 1 regression, 2 bad input.")
@@ -67,7 +76,8 @@ def _pairs(args: argparse.Namespace) -> Tuple[List[Tuple[str, str]], List[Tuple[
     if os.path.exists(args.baselines) and not os.path.isdir(args.baselines):
         raise InputError(args.baselines, "is not a folder of baselines")
     # A missing folder is every run without its baseline: the first run of a new repository.
-    pairs, missing = [], []
+    pairs: List[Tuple[str, str]] = []
+    missing: List[Tuple[str, str]] = []
     for snap in args.snapshots:
         path = baseline_path_for(args.baselines, os.path.normpath(snap) if os.path.isdir(snap) else snap)
         (pairs if os.path.exists(path) else missing).append((snap, path))

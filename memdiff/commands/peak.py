@@ -14,7 +14,6 @@ from memdiff.render.html import render_peak as render_peak_html
 from memdiff.render.json import render_summary
 from memdiff.render.text import render_peak
 
-
 DESCRIPTION = ("Show per device the peak (as PyTorch's memory viewer counts it), static memory, "
                "where the peak happens and the top stack groups live at the peak.")
 

@@ -5,7 +5,15 @@ from __future__ import annotations
 import argparse
 import sys
 
-from memdiff.commands.args import add_job_arguments, job_from, add_rules_arguments, count_arg, pct_arg, rules_from, size_arg
+from memdiff.commands.args import (
+    add_job_arguments,
+    add_rules_arguments,
+    count_arg,
+    job_from,
+    pct_arg,
+    rules_from,
+    size_arg,
+)
 from memdiff.differ import fold
 from memdiff.errors import EXIT_OK, EXIT_REGRESSION
 from memdiff.job import summarize_ranks

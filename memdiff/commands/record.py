@@ -17,7 +17,6 @@ from importlib import resources
 from typing import Any, Dict, List, Optional, Tuple
 
 import memdiff
-
 from memdiff.atomic import check_folder, check_output, commit, temporary_name
 from memdiff.capture import STACKS, record, recorded_nothing
 from memdiff.commands.args import count_arg
@@ -49,7 +48,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="CUDA stacks: all (the default: C++ frames name autograd nodes) or python "
                         "(when the C++ unwinder crashes)")
     p.add_argument("command", nargs=argparse.REMAINDER,
-                   help="-- python SCRIPT ARGS | -- python -m MODULE ARGS | with -o DIR/, any launcher: -- torchrun ...")
+                   help="-- python SCRIPT ARGS | -- python -m MODULE ARGS "
+                        "| with -o DIR/, any launcher: -- torchrun ...")
 
 
 def _target(command: List[str]) -> List[str]:

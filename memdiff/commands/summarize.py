@@ -12,7 +12,6 @@ from memdiff.peak import peak_report
 from memdiff.render.json import render_summary
 from memdiff.render.text import render_peak
 
-
 DESCRIPTION = ("Reduce a snapshot to a small, versioned summary: peak, static memory and every "
                "byte live at the peak grouped by stack signature.")
 

@@ -24,15 +24,26 @@ from memdiff.differ import Diff, DiffRow, Folded
 from memdiff.judge import Verdict
 from memdiff.model import DeviceSummary, Frame, Summary
 from memdiff.peak import DevicePeak, PeakRow
-from memdiff.render.table import (CATEGORY_HEADERS, HEADERS, PHASE_HEADERS, category_rows, check_line, frame_line,
-                                  kept_line, peak_line, phase_rows, row_cells, where_line)
+from memdiff.render.table import (
+    CATEGORY_HEADERS,
+    HEADERS,
+    PHASE_HEADERS,
+    category_rows,
+    check_line,
+    frame_line,
+    kept_line,
+    peak_line,
+    phase_rows,
+    row_cells,
+    where_line,
+)
 from memdiff.units import format_bytes
 
 STACK_FRAMES = 40  # frames of a stack the page keeps
 
 
 def _asset(name: str) -> str:
-    return resources.files("memdiff").joinpath("render", name).read_text(encoding="utf-8")
+    return (resources.files("memdiff") / "render" / name).read_text(encoding="utf-8")
 
 
 def _stack(frames: Sequence[Frame]) -> List[str]:
@@ -96,7 +107,8 @@ def _page(title: str, body: List[str], payload: Dict[str, Any]) -> str:
 
 
 def _toolbar(compare: bool) -> str:
-    overlay = '<button type="button" data-action="overlay" aria-pressed="false">overlay the runs</button>' if compare else ""
+    overlay = ('<button type="button" data-action="overlay" aria-pressed="false">overlay the runs</button>'
+               if compare else "")
     return ('<div class="toolbar" id="toolbar">'
             '<button type="button" data-action="time" aria-pressed="false">x axis: time</button>'
             f'{overlay}<button type="button" data-action="reset">reset zoom</button>'
@@ -128,7 +140,8 @@ def _verdict(verdict: Verdict) -> List[str]:
     text = "memdiff: no regression" if verdict.passed else "memdiff: regression"
     out = [f'<p class="verdict {mark}" data-passed="{str(verdict.passed).lower()}">{html.escape(text)}</p>',
            f"<p><strong>Rule:</strong> {html.escape(verdict.rule)}</p>", "<ul>"]
-    out += [f'<li class="mono {"pass" if c.passed else "fail"}">{html.escape(check_line(c))}</li>' for c in verdict.checks]
+    out += [f'<li class="mono {"pass" if c.passed else "fail"}">{html.escape(check_line(c))}</li>'
+            for c in verdict.checks]
     out.append("</ul>")
     out += [f'<p class="muted">{html.escape(n)}</p>' for n in verdict.notes]
     return out
@@ -198,7 +211,8 @@ def render_peak(summary: Summary, peaks: List[DevicePeak]) -> str:
                     f"static {html.escape(format_bytes(d.static_bytes))}</h2>")
         body.append(_charts(d.device))
         body += ["<h3>Categories at the peak</h3>",
-                 _table(["category", "bytes", "share"], [[c, format_bytes(b), f"{s:.1f}%"] for c, b, s in p.categories])]
+                 _table(["category", "bytes", "share"],
+                        [[c, format_bytes(b), f"{s:.1f}%"] for c, b, s in p.categories])]
         body += ["<h3>Groups live at the peak</h3>", _peak_rows(d.device, p)]
         devices.append({"device": d.device, "runs": [_run("run", name, d)],
                         "rows": {f"r{k}": _peak_row_data(r) for k, r in enumerate(p.rows) if r.signature}})

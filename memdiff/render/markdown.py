@@ -4,13 +4,22 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, cast
 
 from memdiff.differ import GONE, GREW, NEW, SHRANK, DeviceDiff, Diff, Folded
 from memdiff.judge import Verdict
 from memdiff.model import Frame, Source
-from memdiff.render.table import (category_table, check_line, diff_table, frame_line, kept_line, pct_cell,
-                                  peak_line, phase_table, where_line)
+from memdiff.render.table import (
+    category_table,
+    check_line,
+    diff_table,
+    frame_line,
+    kept_line,
+    pct_cell,
+    peak_line,
+    phase_table,
+    where_line,
+)
 from memdiff.units import count_of, format_bytes
 
 MARKERS = {NEW: "🆕 NEW", GREW: "🔺 GREW", SHRANK: "🔻 SHRANK", GONE: "✖️ GONE"}
@@ -77,8 +86,9 @@ def _stacks(folded: Folded) -> List[str]:
 
 
 def _chart(d: DeviceDiff) -> List[str]:
-    lines_by_run = [(name, [p[i] for p in d.chart]) for i, name in ((1, "base"), (2, "head"))]
-    lines_by_run = [(name, values) for name, values in lines_by_run if values and values[0] is not None]
+    runs = [(name, [p[i] for p in d.chart]) for i, name in ((1, "base"), (2, "head"))]
+    # A run with a timeline has a value in every bucket (differ fills the empty ones); one without has none.
+    lines_by_run = [(name, cast(List[int], values)) for name, values in runs if values and values[0] is not None]
     if not lines_by_run:
         return []
     top = max(v for _, values in lines_by_run for v in values)

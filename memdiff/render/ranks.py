@@ -12,8 +12,8 @@ from tabulate import tabulate
 from memdiff import __version__
 from memdiff.differ import Folded, where_text
 from memdiff.job import ranges, ranks_text
-from memdiff.judge import Check, Verdict
 from memdiff.jobdiff import JobDiff
+from memdiff.judge import Check, Verdict
 from memdiff.ranks import RanksReport, Role
 from memdiff.render.table import category_table, check_line, diff_table, pct_cell, peak_line
 from memdiff.units import format_bytes

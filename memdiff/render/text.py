@@ -11,8 +11,16 @@ from memdiff.differ import Diff, Folded, overflow_text
 from memdiff.judge import Verdict
 from memdiff.model import Source, Summary
 from memdiff.peak import PHASE_COLUMNS, DevicePeak, Kept, PeakRow, StepRow
-from memdiff.render.table import (category_table, check_line, diff_table, frame_line, kept_line, peak_line,
-                                  phase_table, where_line)
+from memdiff.render.table import (
+    category_table,
+    check_line,
+    diff_table,
+    frame_line,
+    kept_line,
+    peak_line,
+    phase_table,
+    where_line,
+)
 from memdiff.units import count_of, format_bytes
 
 STACK_LINES = 6
