@@ -265,6 +265,10 @@ def judge(diff: Diff, thresholds: Thresholds, update_hint: Optional[str] = None)
             rows = [r for r in d.rows if s.pattern.search(r.site)]
             checks.append(_check(f"device {d.device} sites /{s.pattern.pattern}/", sum(r.base_bytes for r in rows),
                                  sum(r.head_bytes for r in rows), s.limit))
+            if not any(r.base_bytes for r in rows):
+                # A misspelt or stale pattern would check 0 B against whatever is new, and nothing else.
+                notes.append(f"device {d.device}: sites /{s.pattern.pattern}/ matches no group of the base run, "
+                             f"so its limit only sees groups that are new")
         if d.peak_delta_bytes < 0 and update_hint:
             drop = growth_pct(d.base_peak_bytes, d.head_peak_bytes)
             assert drop is not None  # the peak went down, so the base's is above 0

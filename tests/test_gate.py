@@ -79,6 +79,14 @@ def test_site_threshold_boundary(baseline, tmp_path, capsys):
     assert code == 0 and "PASS  device 0 sites /^model\\.py:forward$/: 100.00 MiB -> 102.00 MiB" in out
     code, out, _ = gate(capsys, tmp_path, b, 102 * MiB + 1)
     assert code == 1 and "FAIL  device 0 sites /^model\\.py:forward$/" in out
+    assert "matches no group" not in out
+    # A pattern that matches no group of the baseline (misspelt, or the code moved) is said, not
+    # silently checked as 0 B -> 0 B.
+    data["thresholds"]["sites"] = [{"site": "^model\\.py:forwrad$", "fail-over": "2MiB"}]
+    b.write_text(json.dumps(data))
+    code, out, _ = gate(capsys, tmp_path, b, 200 * MiB)
+    assert "device 0: sites /^model\\.py:forwrad$/ matches no group of the base run, so its limit only sees " \
+           "groups that are new" in out
 
 
 def test_command_line_flags_override_the_file(baseline, tmp_path, capsys):
