@@ -279,6 +279,8 @@ def test_a_misspelt_category_is_bad_input_wherever_it_is_given(baseline, tmp_pat
     b.write_text(json.dumps(doc))
     code, _, err = run(capsys, "gate", head, "--baseline", b)
     assert code == 2 and err.startswith(f"memdiff: {b}: no rule gives the category 'activatoin'")
+    code, _, err = run(capsys, "baseline", "--check", b.parent)
+    assert code == 2 and err.startswith(f"memdiff: {b}: no rule gives the category 'activatoin'")
     # The API, which the pytest marker's categories go through.
     doc["thresholds"]["categories"] = {}
     b.write_text(json.dumps(doc))

@@ -9,7 +9,7 @@ import sys
 from typing import Dict, List, Union
 
 from memdiff.baseline import read_baseline, update_baseline
-from memdiff.classify import Rule
+from memdiff.classify import Rule, check_categories
 from memdiff.commands.args import (
     add_category_threshold_argument,
     add_job_arguments,
@@ -45,7 +45,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_job_arguments(p)
 
 
-def _check(path: str) -> int:
+def _check(path: str, rules: List[Rule]) -> int:
     files = sorted(glob.glob(os.path.join(path, "*.json"))) if os.path.isdir(path) else [path]
     if not files:
         raise InputError(path, "no *.json baseline files here")
@@ -53,6 +53,7 @@ def _check(path: str) -> int:
     for f in files:
         try:
             b = read_baseline(f)
+            check_categories(b.thresholds.categories, rules, f)  # what gate would refuse, said now
         except InputError as exc:
             broken += 1
             print(f"memdiff: {exc.path}: {exc.message}", file=sys.stderr)
@@ -74,7 +75,7 @@ def _summaries(args: argparse.Namespace, rules: List[Rule]) -> Union[Summary, Di
 def run(args: argparse.Namespace) -> int:
     """Create or update one baseline, or check baseline files."""
     if args.check:
-        return _check(args.check)
+        return _check(args.check, rules_from(args))
     if not args.snapshot or not args.output:
         raise InputError("baseline", "give SNAPSHOT -o FILE to write a baseline, or --check PATH")
     rules = rules_from(args)
