@@ -85,6 +85,7 @@ def _devices_json(devices: List[Dict[str, Any]], pad: str) -> str:
                   f'"unmatched_free_count": {d["unmatched_free_count"]}',
                   f'"categories": {json.dumps(d["categories"])}']
         fields += [f'"phases": {json.dumps(d["phases"])}'] if d.get("phases") else []
+        fields += [f'"phase_categories": {json.dumps(d["phase_categories"])}'] if d.get("phase_categories") else []
         fields += [f'"at_peak": {json.dumps(d["at_peak"])}'] if d.get("at_peak") else []
         fields.append(f'"groups": [\n{groups}\n{pad}    ]')
         out.append(f"{pad}  {{\n" + ",\n".join(f"{pad}    {f}" for f in fields) + f"\n{pad}  }}")
@@ -111,6 +112,8 @@ def from_summary(summary: Summary, name: str, thresholds: Thresholds, git_sha: O
         "trace_events": d.trace_events, "unmatched_free_count": d.unmatched_free_count,
         "categories": dict(sorted(d.categories.items())),
         "phases": {p.phase: p.peak_bytes for p in d.phase_peaks},
+        # What each category held at each phase's peak: category limits compare like with like.
+        "phase_categories": {p.phase: dict(sorted(p.categories.items())) for p in d.phase_peaks},
         "at_peak": {"phase": d.phase_at_peak, "step": d.step_at_peak, "scope": d.scope_at_peak},
         "groups": [{"signature": g.signature, "site": g.site, "category": g.category or "other",
                     "count": g.count, "bytes": g.bytes} for g in d.groups[:TOP_GROUPS]],
@@ -190,8 +193,11 @@ def _stored_summary(b: Baseline) -> Summary:
             stored[g["category"]] = stored.get(g["category"], 0) + g["bytes"]
         groups += [_rest_group(c, 0, total - stored.get(c, 0)) for c, total in d["categories"].items()
                    if total > stored.get(c, 0)]
-        # Only the phases' peak bytes are stored (for phase thresholds), not what was live then.
-        phases = [PhasePeak(phase, None, size, 0, groups=[]) for phase, size in d.get("phases", {}).items()]
+        # The phases' peak bytes (for phase thresholds) and, since baselines carry them, each
+        # category's bytes then (for category thresholds); not the groups live then.
+        by_phase = d.get("phase_categories", {})
+        phases = [PhasePeak(phase, None, size, 0, groups=[], categories=by_phase.get(phase, {}))
+                  for phase, size in d.get("phases", {}).items()]
         at_peak = d.get("at_peak") or {}  # where the peak was (baselines written before it: unknown)
         devices.append(DeviceSummary.blank(
             d["device"], trace_events=d["trace_events"], static_bytes=d["static_bytes"], peak_bytes=d["peak_bytes"],

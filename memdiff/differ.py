@@ -96,6 +96,20 @@ class CategoryDelta:
 
 
 @dataclass
+class CategoryHigh:
+    """A category's highest bytes in each run over the moments a summary keeps (the peak and each
+    phase's peak), and where: what a category limit compares, like with like however the peak
+    moved (a peak that moves from the optimizer step to the forward would otherwise compare
+    activations already freed with activations at their height)."""
+
+    category: str
+    base_bytes: int
+    head_bytes: int
+    base_at: str  # "peak", or the phase whose peak holds the most of it
+    head_at: str
+
+
+@dataclass
 class PhaseDelta:
     """The highest memory of one phase over all steps, base and head."""
 
@@ -137,6 +151,7 @@ class DeviceDiff:
     head_peak_scope: Optional[str] = None
     phases: List[PhaseDelta] = field(default_factory=list)
     kept: Optional[Kept] = None
+    category_highs: List[CategoryHigh] = field(default_factory=list)
 
 
 @dataclass
@@ -461,7 +476,24 @@ def _device_diff(b: DeviceSummary, h: DeviceSummary, at: str) -> DeviceDiff:
         categories=_categories(b_categories, h_categories), chart=_chart(b, h), at=at,
         base_peak_phase=b.phase_at_peak, head_peak_phase=h.phase_at_peak, base_peak_step=b.step_at_peak,
         head_peak_step=h.step_at_peak, base_peak_scope=b.scope_at_peak, head_peak_scope=h.scope_at_peak,
-        phases=_phases(b, h), kept=_kept(rows))
+        phases=_phases(b, h), kept=_kept(rows), category_highs=_category_highs(b, h))
+
+
+def _highs(d: DeviceSummary) -> Dict[str, Tuple[int, str]]:
+    """Each category's highest bytes over the peak and the phases' peaks, and where (the peak wins ties)."""
+    out: Dict[str, Tuple[int, str]] = {}
+    peak = d.phase_at_peak or PEAK  # the peak is its phase's peak: named so, it reads like for like
+    for at, categories in [(peak, d.categories), *((p.phase, p.categories) for p in d.phase_peaks)]:
+        for category, size in categories.items():
+            if category not in out or size > out[category][0]:
+                out[category] = (size, at)
+    return out
+
+
+def _category_highs(b: DeviceSummary, h: DeviceSummary) -> List[CategoryHigh]:
+    base, head = _highs(b), _highs(h)
+    return [CategoryHigh(c, base.get(c, (0, PEAK))[0], head.get(c, (0, PEAK))[0], base.get(c, (0, PEAK))[1],
+                         head.get(c, (0, PEAK))[1]) for c in sorted(set(base) | set(head))]
 
 
 def diff(base: Summary, head: Summary, at: str = PEAK) -> Diff:

@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass, field, replace
 from fractions import Fraction
 from typing import Any, Dict, List, Optional
 
-from memdiff.differ import GREW, NEW, PEAK, Diff, label_rows
+from memdiff.differ import GREW, NEW, PEAK, CategoryHigh, Diff, label_rows
 from memdiff.errors import InputError, clip
 from memdiff.patterns import Pattern
 from memdiff.units import format_bytes, parse_size
@@ -256,11 +256,13 @@ def judge(diff: Diff, thresholds: Thresholds, update_hint: Optional[str] = None)
                                                      f"so it cannot be gated (a baseline made before phases: "
                                                      f"re-create it with `memdiff baseline`)")
             checks.append(_check(f"device {d.device} {name} peak", p.base_peak_bytes, p.head_peak_bytes, limit))
-        categories = {c.category: c for c in d.categories}
+        # Each category at its highest in each run (the peak or a phase's peak), so that a peak
+        # that moved between phases does not compare activations freed with activations held.
+        highs = {h.category: h for h in d.category_highs}
         for name, limit in thresholds.categories.items():
-            c = categories.get(name)
-            checks.append(_check(f"device {d.device} {name}", c.base_bytes if c else 0, c.head_bytes if c else 0,
-                                 limit))
+            h = highs.get(name)
+            checks.append(_check(f"device {d.device} {name} ({_moments(h)})", h.base_bytes if h else 0,
+                                 h.head_bytes if h else 0, limit))
         for s in thresholds.sites:
             rows = [r for r in d.rows if s.pattern.search(r.site)]
             checks.append(_check(f"device {d.device} sites /{s.pattern.pattern}/", sum(r.base_bytes for r in rows),
@@ -281,6 +283,19 @@ def judge(diff: Diff, thresholds: Thresholds, update_hint: Optional[str] = None)
             notes.append(f"device {d.device}: {moment} grew by {format_bytes(d.peak_delta_bytes)}; top growth: "
                          + ", ".join(f"{r.label or r.site} {format_bytes(r.delta_bytes, signed=True)}" for r in growth))
     return Verdict(passed=all(c.passed for c in checks), rule=thresholds.describe(), checks=checks, notes=notes)
+
+
+def _moment(at: str) -> str:
+    return "the peak" if at == PEAK else f"the {at} peak"
+
+
+def _moments(high: Optional[CategoryHigh]) -> str:
+    """Which moments a category check compared: `highest at the forward peak in both`."""
+    if high is None:
+        return "in neither run"
+    if high.base_at == high.head_at:
+        return f"highest at {_moment(high.base_at)} in both"
+    return f"highest at {_moment(high.base_at)} in base, {_moment(high.head_at)} in head"
 
 
 def imbalance_check(median_bytes: int, max_bytes: int, pct: float) -> Check:

@@ -244,6 +244,25 @@ def test_real_ctx128_baseline_against_ctx256(shared, tmp_path, capsys):
     assert code == 0 and "PASS  device 0 peak" in out
 
 
+def test_category_limits_compare_each_category_at_its_height_in_both_runs(shared, tmp_path, capsys):
+    # ctx128's peak is in its optimizer step (activations freed), ctx256's in its forward: at the
+    # two peaks activations read 19.53 MiB -> 3.73 GiB (x195.7). At each run's forward peak, where
+    # activations are highest, they grew 1.68 -> 3.73 GiB: +122.4%, under a 150% limit.
+    b = tmp_path / "train.json"
+    assert run(capsys, "baseline", shared / "cs336-medium-ctx128-train.pickle", "-o", b,
+               "--category-fail-over", "activation=150%")[0] == 0
+    head = shared / "cs336-medium-ctx256-train.pickle"
+    code, out, _ = run(capsys, "gate", head, "--baseline", b, "--fail-over", "3GiB",
+                       "--category-fail-over", "gradient=1%")
+    assert code == 0, out
+    assert ("PASS  device 0 activation (highest at the forward peak in both): 1.68 GiB -> 3.73 GiB, +2.05 GiB "
+            "(+122.4%), limit: more than 150%") in out
+    assert "PASS  device 0 gradient (highest at the optimizer peak in both): 1.58 GiB -> 1.58 GiB" in out
+    code, out, _ = run(capsys, "gate", head, "--baseline", b, "--fail-over", "3GiB",
+                       "--category-fail-over", "activation=100%")
+    assert code == 1 and "FAIL  device 0 activation (highest at the forward peak in both)" in out
+
+
 def test_a_baseline_keeps_where_its_peak_was(shared, tmp_path, capsys):
     base, head = shared / "cs336-medium-ctx128-train.pickle", shared / "cs336-medium-ctx256-train.pickle"
     baseline = tmp_path / "ctx128.json"
