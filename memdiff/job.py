@@ -15,7 +15,7 @@ from __future__ import annotations
 import glob
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence
 
 from memdiff.classify import Rule
@@ -80,14 +80,24 @@ class Job:
     files: List[RankFile]
     missing: List[int]  # below the highest rank, or below the world size its manifest records
     extra: List[str]  # per-process files (pid{PID}.pickle): a DataLoader worker's, a launcher's
+    beyond: List[str] = field(default_factory=list)  # ranks past the manifest's world size: an earlier run's
+    world_size: Optional[int] = None
 
     def note(self) -> Optional[str]:
         """What reading the job left out, for stderr; None when nothing was."""
-        if not self.extra:
-            return None
-        shown = ", ".join(self.extra[:3]) + (", ..." if len(self.extra) > 3 else "")
-        return (f"{len(self.extra):,} per-process file{'s' if len(self.extra) != 1 else ''} "
-                f"({shown}) {'are' if len(self.extra) != 1 else 'is'} no rank: not read (memdiff peak reads one)")
+        parts = []
+        if self.extra:
+            parts.append(f"{len(self.extra):,} per-process file{'s' if len(self.extra) != 1 else ''} "
+                         f"({_shown(self.extra)}) {'are' if len(self.extra) != 1 else 'is'} no rank: not read "
+                         f"(memdiff peak reads one)")
+        if self.beyond:
+            parts.append(f"{_shown(self.beyond)}: not of this job, whose {MANIFEST} says {self.world_size} "
+                         f"rank{'s' if self.world_size != 1 else ''} (an earlier run's?): not read")
+        return "; ".join(parts) or None
+
+
+def _shown(names: Sequence[str]) -> str:
+    return ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
 
 
 def _world_size(arg: str, paths: Sequence[str]) -> Optional[int]:
@@ -125,13 +135,20 @@ def discover(arg: str, rank_pattern: Optional[str] = None, allow_missing: bool =
                                   f"{os.path.basename(path)} (pick one step's files with a glob)")
         by_rank[rank] = path
     world_size = _world_size(arg, ranked)
+    # The manifest of the run that wrote the folder says which ranks are its: files of higher
+    # ranks are an earlier, larger run's, left in the folder, and never read as this job's.
+    beyond = sorted((r for r in by_rank if world_size is not None and r >= world_size))
+    beyond_names = [os.path.basename(by_rank.pop(r)) for r in beyond]
+    if not by_rank:
+        raise InputError(arg, f"no rank file of the job its {MANIFEST} describes ({world_size} ranks): "
+                              f"{_shown(beyond_names)} are of an earlier run")
     expected = max(max(by_rank) + 1, world_size or 0)
     missing = [r for r in range(expected) if r not in by_rank]
     if missing and not allow_missing:
         said = f" (its {MANIFEST} says {world_size})" if world_size and world_size > max(by_rank) + 1 else ""
         raise InputError(arg, f"{len(missing):,} rank(s) missing of 0-{expected - 1}{said}: {ranges(missing)} "
                               f"(--allow-missing-ranks to read the job anyway)")
-    return Job([RankFile(rank, by_rank[rank]) for rank in sorted(by_rank)], missing, extra)
+    return Job([RankFile(rank, by_rank[rank]) for rank in sorted(by_rank)], missing, extra, beyond_names, world_size)
 
 
 def ranges(numbers: Sequence[int]) -> str:

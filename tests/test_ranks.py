@@ -246,3 +246,19 @@ def test_ranks_whose_peaks_are_in_different_phases_are_warned_as_in_a_diff(tmp_p
     assert code == 0
     assert "warning: device 0: the peaks are in different phases: base in the optimizer step of step 0, " \
            "head in the forward of step 0" in out
+
+
+def test_a_recorded_jobs_manifest_keeps_an_earlier_runs_ranks_out(tmp_path, capsys):
+    # runs/ held a 4-rank recording; a 2-rank one was then recorded into it. Its manifest says 2
+    # ranks: rank2 and rank3 are the earlier run's and must never be read as this job's.
+    folder = job(tmp_path / "runs", {r: rank_snapshot(100 * MiB, extra=(50 * MiB if r == 3 else 0)) for r in range(4)})
+    (folder / "memdiff-job.json").write_text(json.dumps({"memdiff_job_version": 1, "world_size": 2, "ranks": []}))
+    code, out, err = run(capsys, "ranks", folder)
+    assert code == 0 and out.startswith("2 ranks (0-1)")
+    assert ("rank2.pickle, rank3.pickle: not of this job, whose memdiff-job.json says 2 ranks (an earlier run's?): "
+            "not read") in err
+    # A folder left with only an earlier run's ranks is no job at all.
+    for r in (0, 1):
+        (folder / f"rank{r}.pickle").unlink()
+    code, _, err = run(capsys, "ranks", folder)
+    assert code == 2 and "no rank file of the job its memdiff-job.json describes (2 ranks)" in err
