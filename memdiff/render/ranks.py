@@ -49,7 +49,8 @@ def _rank_table(report: RanksReport) -> str:
 def render_text(report: RanksReport, folded: Optional[Folded], check: Optional[Check]) -> str:
     """The ranks report: a row per rank, the spread, the roles, the heaviest rank against the median one."""
     by_rank = {r.rank: r for r in report.ranks}
-    lines = [f"{len(report.ranks):,} rank{'s' if len(report.ranks) != 1 else ''} ({ranges([r.rank for r in report.ranks])})"
+    count = len(report.ranks)
+    lines = [f"{count:,} rank{'s' if count != 1 else ''} ({ranges([r.rank for r in report.ranks])})"
              + (f"; missing: {ranges(report.missing)}" if report.missing else ""), "", _rank_table(report), ""]
     lines.append(f"peak across ranks: min {format_bytes(report.min_bytes)}, median {format_bytes(report.median_bytes)} "
                  f"(rank {report.median_rank}), max {format_bytes(report.max_bytes)} (rank {report.heaviest}); "
