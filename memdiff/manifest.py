@@ -48,7 +48,8 @@ class RankRecording:
         if self.state == NOTHING:
             return "it recorded no allocation"
         if self.state == UNFINISHED:
-            return "it ended without writing its snapshot (killed by SIGKILL, or it crashed in native code)"
+            return ("it ended without writing its snapshot (SIGKILL, os._exit(), or a crash in native code "
+                    "end a process before it can)")
         if self.state == NOT_STARTED:
             return "it never recorded (it did not start, or never imported torch)"
         return f"its file {self.file} is gone"

@@ -214,3 +214,28 @@ def test_peak_of_a_cpu_recording_shows_no_reserved_figure(torch, tmp_path):
     summary = json.loads(subprocess.run([sys.executable, "-m", "memdiff", "summarize", "run.pickle"],
                                         capture_output=True, text=True, cwd=tmp_path).stdout)
     assert summary["devices"][0]["reserved_bytes_at_dump"] is None
+
+
+EXITING = """
+import os, signal, threading, time, torch
+kept = [torch.ones(16) for _ in range(30_000)]  # enough allocations that converting them takes a while
+done = threading.Event()
+
+def terminate_while_exiting():  # torchrun's SIGTERM to the other ranks, while this one exits
+    done.wait()
+    time.sleep(0.3)
+    os.kill(os.getpid(), signal.SIGTERM)
+threading.Thread(target=terminate_while_exiting, daemon=True).start()
+done.set()
+raise SystemExit(1)
+"""
+
+
+def test_sigterm_while_a_rank_writes_at_exit_waits_for_the_write(torch, tmp_path):
+    script = tmp_path / "exiting.py"
+    script.write_text(EXITING)
+    done = record(tmp_path, "runs/", sys.executable, str(script), env=as_rank(0, 1))
+    assert done.returncode in (1, 128 + signal.SIGTERM), done.stderr
+    assert any(load(str(tmp_path / "runs" / "rank0.pickle")).device_traces), done.stderr
+    [rank] = json.loads((tmp_path / "runs" / "memdiff-job.json").read_text())["ranks"]
+    assert rank["state"] == "written"

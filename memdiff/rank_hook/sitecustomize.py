@@ -61,6 +61,9 @@ class _Recording:
         name = f"rank{self.rank}.pickle" if self.rank is not None else f"pid{self.pid}.pickle"
         self.target = os.path.join(folder, name)
         self.finish = None
+        self.done = False
+        self.writing = False  # a SIGTERM arriving now waits for the write, then ends the process
+        self.terminated = False
 
     def status(self, state, **facts):
         """Tell `memdiff record` what became of this rank's recording (ranks only)."""
@@ -71,9 +74,14 @@ class _Recording:
 
     def write(self, why):
         """Stop recording and write the snapshot; later calls do nothing."""
-        finish, self.finish = self.finish, None
-        if finish is None or os.getpid() != self.pid:  # stopped already, or a forked copy
+        if self.done or os.getpid() != self.pid:  # written already, or a forked copy
             return
+        self.done = True
+        finish, self.finish = self.finish, None
+        if finish is None:  # on a GPU machine, a process that never initialized CUDA
+            self.status("nothing recorded", at=why)
+            return
+        self.writing = True
         try:
             snapshot = finish()
             if self.capture.recorded_nothing(snapshot):
@@ -88,6 +96,10 @@ class _Recording:
                 self.status("failed", at=why, error=reason)
             except Exception:
                 pass
+        finally:
+            self.writing = False
+            if self.terminated:  # SIGTERM came during the write: die of it now, as the process would have
+                _die_of_sigterm()
 
     def start(self):
         torch, capture = self.torch, self.capture
@@ -135,13 +147,20 @@ class _Recording:
         recording = self
 
         def on_sigterm(signum, frame):
+            if recording.writing:  # the rank is writing already (at exit, say): let it finish first
+                recording.terminated = True
+                return
             recording.write("SIGTERM")
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
-            os.kill(os.getpid(), signal.SIGTERM)
+            _die_of_sigterm()
         try:
             signal.signal(signal.SIGTERM, on_sigterm)
         except ValueError:  # torch imported off the main thread: no handler can be set there
             pass
+
+
+def _die_of_sigterm():
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    os.kill(os.getpid(), signal.SIGTERM)
 
 
 def _start(torch, folder):
