@@ -147,8 +147,9 @@ class Publisher:
             append_text(summary, report + "\n")
         outputs = self.environ.get("GITHUB_OUTPUT")
         if outputs:
-            append_text(outputs, f"verdict={self.verdict()}\npeak-delta-bytes={max(self.deltas, default=0)}\n"
-                                 f"report={path}\n")
+            # Nothing compared, no delta: empty rather than a 0 that reads as "unchanged".
+            delta = max(self.deltas) if self.deltas else ""
+            append_text(outputs, f"verdict={self.verdict()}\npeak-delta-bytes={delta}\nreport={path}\n")
         return path
 
 

@@ -21,7 +21,7 @@ from typing import Any, Dict, List, Optional, Sequence
 from memdiff.classify import Rule
 from memdiff.errors import InputError
 from memdiff.inputs import read_summaries, read_summary
-from memdiff.manifest import MANIFEST, read_world_size
+from memdiff.manifest import MANIFEST, RecordedJob, read_manifest
 from memdiff.model import Summary
 from memdiff.patterns import Pattern
 
@@ -82,6 +82,14 @@ class Job:
     extra: List[str]  # per-process files (pid{PID}.pickle): a DataLoader worker's, a launcher's
     beyond: List[str] = field(default_factory=list)  # ranks past the manifest's world size: an earlier run's
     world_size: Optional[int] = None
+    exit_status: Optional[int] = None  # how the recorded job's command ended, as its manifest says
+
+    def unfinished(self) -> Optional[str]:
+        """Why the job's memory is no finished run's, when its manifest says its command failed."""
+        if not self.exit_status:
+            return None
+        how = {130: "Ctrl-C", 143: "SIGTERM"}.get(self.exit_status, f"exit status {self.exit_status}")
+        return f"the recorded job ended with {how} (its {MANIFEST}): its ranks may have stopped early"
 
     def note(self) -> Optional[str]:
         """What reading the job left out, for stderr; None when nothing was."""
@@ -93,6 +101,8 @@ class Job:
         if self.beyond:
             parts.append(f"{_shown(self.beyond)}: not of this job, whose {MANIFEST} says {self.world_size} "
                          f"rank{'s' if self.world_size != 1 else ''} (an earlier run's?): not read")
+        if self.unfinished():
+            parts.append(str(self.unfinished()))
         return "; ".join(parts) or None
 
 
@@ -100,10 +110,10 @@ def _shown(names: Sequence[str]) -> str:
     return ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
 
 
-def _world_size(arg: str, paths: Sequence[str]) -> Optional[int]:
-    """The world size recorded beside the job's files (memdiff record's manifest), if any."""
+def _recorded(arg: str, paths: Sequence[str]) -> Optional[RecordedJob]:
+    """What memdiff record's manifest beside the job's files says of the job, if there is one."""
     folders = {os.path.dirname(p) for p in paths} if not os.path.isdir(arg) else {arg}
-    return read_world_size(folders.pop()) if len(folders) == 1 else None
+    return read_manifest(folders.pop()) if len(folders) == 1 else None
 
 
 def discover(arg: str, rank_pattern: Optional[str] = None, allow_missing: bool = False) -> Job:
@@ -134,7 +144,8 @@ def discover(arg: str, rank_pattern: Optional[str] = None, allow_missing: bool =
             raise InputError(arg, f"rank {rank} has two files: {os.path.basename(by_rank[rank])} and "
                                   f"{os.path.basename(path)} (pick one step's files with a glob)")
         by_rank[rank] = path
-    world_size = _world_size(arg, ranked)
+    recorded = _recorded(arg, ranked)
+    world_size = recorded.world_size if recorded else None
     # The manifest of the run that wrote the folder says which ranks are its: files of higher
     # ranks are an earlier, larger run's, left in the folder, and never read as this job's.
     beyond = sorted((r for r in by_rank if world_size is not None and r >= world_size))
@@ -148,7 +159,8 @@ def discover(arg: str, rank_pattern: Optional[str] = None, allow_missing: bool =
         said = f" (its {MANIFEST} says {world_size})" if world_size and world_size > max(by_rank) + 1 else ""
         raise InputError(arg, f"{len(missing):,} rank(s) missing of 0-{expected - 1}{said}: {ranges(missing)} "
                               f"(--allow-missing-ranks to read the job anyway)")
-    return Job([RankFile(rank, by_rank[rank]) for rank in sorted(by_rank)], missing, extra, beyond_names, world_size)
+    return Job([RankFile(rank, by_rank[rank]) for rank in sorted(by_rank)], missing, extra, beyond_names, world_size,
+               recorded.exit_status if recorded else None)
 
 
 def ranges(numbers: Sequence[int]) -> str:

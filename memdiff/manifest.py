@@ -61,6 +61,7 @@ class JobManifest:
 
     world_size: int
     ranks: List[RankRecording]
+    exit_status: Optional[int] = None  # the launched command's; 130 / 143 when interrupted
 
     def missing(self, folder: str) -> List[RankRecording]:
         """The ranks that left no snapshot in `folder`."""
@@ -70,6 +71,7 @@ class JobManifest:
     def to_dict(self) -> Dict[str, Any]:
         """The JSON form written to memdiff-job.json."""
         return {"memdiff_job_version": MANIFEST_VERSION, "world_size": self.world_size,
+                "exit_status": self.exit_status,
                 "ranks": [{k: v for k, v in asdict(r).items() if v is not None} for r in self.ranks]}
 
 
@@ -129,9 +131,17 @@ def write_manifest(folder: str, manifest: JobManifest) -> None:
     write_output(os.path.join(folder, MANIFEST), json.dumps(manifest.to_dict(), indent=1) + "\n")
 
 
-def read_world_size(folder: str) -> Optional[int]:
-    """The world size a job folder's manifest records; None without a manifest. A manifest that
-    is there but unreadable is bad input: it must never silently stop a missing rank being seen."""
+@dataclass(frozen=True)
+class RecordedJob:
+    """What a job folder's manifest says of the job as a whole."""
+
+    world_size: int
+    exit_status: Optional[int]  # None: a manifest that does not say (or the command's own 0)
+
+
+def read_manifest(folder: str) -> Optional[RecordedJob]:
+    """What a job folder's manifest records; None without a manifest. A manifest that is there
+    but unreadable is bad input: it must never silently stop a missing rank being seen."""
     path = os.path.join(folder, MANIFEST)
     if not os.path.isfile(path):
         return None
@@ -146,4 +156,7 @@ def read_world_size(folder: str) -> Optional[int]:
     if size is None:
         value = document.get("world_size") if isinstance(document, dict) else document
         raise InputError(path, f"world_size must be a rank count (1-{MAX_WORLD_SIZE:,}), not {brief(value)}")
-    return size
+    status = document.get("exit_status")
+    if status is not None and not (isinstance(status, int) and not isinstance(status, bool) and 0 <= status < 256):
+        raise InputError(path, f"exit_status must be an exit status (0-255), not {brief(status)}")
+    return RecordedJob(size, status)

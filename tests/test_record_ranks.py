@@ -93,6 +93,8 @@ def test_the_users_own_sitecustomize_still_runs(torch, tmp_path):
     assert done.stdout == "user sitecustomize ran\n"
     [written] = (tmp_path / "runs").iterdir()  # no RANK in a plain run: named after the process
     assert written.name.startswith("pid") and written.name.endswith(".pickle")
+    # No job to read with `memdiff ranks`: the hint names the file to read.
+    assert f"read one with `memdiff peak {os.path.join('runs/', written.name)}`" in done.stderr
 
 
 def test_a_launcher_with_a_file_output_or_a_missing_command_is_one_line(tmp_path):
@@ -124,7 +126,16 @@ def test_a_rank_that_raises_leaves_both_ranks_files_and_a_failing_exit(torch, tm
         assert any(load(str(runs / f"rank{rank}.pickle")).device_traces), done.stderr
     manifest = json.loads((runs / "memdiff-job.json").read_text())
     assert [r["state"] for r in manifest["ranks"]] == ["written", "written"]
+    assert manifest["exit_status"] == done.returncode
     assert "has no snapshot" not in done.stderr
+    # Read later, the job is what people debug, never a run to gate or to keep as a baseline.
+    ranks = subprocess.run([sys.executable, "-m", "memdiff", "ranks", "runs/"], capture_output=True, text=True,
+                           cwd=tmp_path)
+    assert ranks.returncode == 0 and f"the recorded job ended with exit status {done.returncode}" in ranks.stderr
+    kept = subprocess.run([sys.executable, "-m", "memdiff", "baseline", "runs/", "-o", "b.json"], capture_output=True,
+                          text=True, cwd=tmp_path)
+    assert kept.returncode == 2 and "so it is no run to gate or keep as a baseline" in kept.stderr
+    assert not (tmp_path / "b.json").exists()
 
 
 def test_sigterm_to_a_rank_writes_its_snapshot(torch, tmp_path):
@@ -199,6 +210,7 @@ def test_ctrl_c_reaches_the_job_and_what_was_recorded_is_written(torch, tmp_path
     child.send_signal(signal.SIGINT)  # to memdiff alone, as a CI runner's cancel does: it must pass it on
     assert child.wait(timeout=120) == 130
     assert any(load(str(tmp_path / "runs" / "rank0.pickle")).device_traces)
+    assert json.loads((tmp_path / "runs" / "memdiff-job.json").read_text())["exit_status"] == 130
 
 
 def test_peak_of_a_cpu_recording_shows_no_reserved_figure(torch, tmp_path):

@@ -70,8 +70,8 @@ def rules_from(args: argparse.Namespace) -> List[Rule]:
 def add_category_threshold_argument(p: argparse.ArgumentParser) -> None:
     """--category-fail-over CAT=SIZE or CAT=P%, repeatable."""
     p.add_argument("--category-fail-over", action="append", default=[], metavar="CAT=LIMIT",
-                   help="fail when a category's bytes at the peak grow by more than LIMIT (256MiB, or 10%%); "
-                        "give a category twice for both")
+                   help="fail when a category's bytes grow by more than LIMIT (256MiB, or 10%%), each run taken "
+                        "where the category is highest (the peak or a phase's peak); give a category twice for both")
 
 
 GATED_PHASES = (FORWARD, BACKWARD, OPTIMIZER)
@@ -167,9 +167,15 @@ def publisher_from(args: argparse.Namespace, expected: int = 1) -> Optional["Pub
                      annotate=args.github)
 
 
-def job_from(args: argparse.Namespace, arg: str) -> Job:
-    """The job `arg` names, read with the job options; what it leaves out is said on stderr."""
+def job_from(args: argparse.Namespace, arg: str, finished: bool = False) -> Job:
+    """The job `arg` names, read with the job options; what it leaves out is said on stderr.
+    `finished`: a job whose recorded command failed is bad input (a gate or a baseline of a
+    crashed job would hold memory up to the crash for the run's)."""
     job = discover(arg, args.rank_pattern, args.allow_missing_ranks)
+    unfinished = job.unfinished()
+    if finished and unfinished:
+        raise InputError(arg, f"{unfinished}, so it is no run to gate or keep as a baseline; record a job "
+                              f"that finishes")
     note = job.note()
     if note:
         print(f"memdiff: {arg}: {note}", file=sys.stderr)

@@ -68,7 +68,7 @@ def _summaries(args: argparse.Namespace, rules: List[Rule]) -> Union[Summary, Di
     """The run's summary, or a job's summaries by rank."""
     if not is_job(args.snapshot):
         return read_summary(args.snapshot, rules)
-    files = job_from(args, args.snapshot).files
+    files = job_from(args, args.snapshot, finished=True).files
     return dict(zip([f.rank for f in files], summarize_ranks(files, rules, args.dask)))
 
 

@@ -116,7 +116,7 @@ def _gate_job(args: argparse.Namespace, job_arg: str, path: str, baseline: Basel
     if baseline.ranks is None:
         raise InputError(path, f"is the baseline of one run and {job_arg} is a job: make a job baseline with "
                                f"`memdiff baseline {job_arg} -o {path}`")
-    files = job_from(args, job_arg).files
+    files = job_from(args, job_arg, finished=True).files
     thresholds = thresholds_from(args, rules, baseline.thresholds, path)
     per_rank: Dict[int, Verdict] = {}
     pairs: Dict[int, Tuple[Summary, Summary]] = {}
@@ -204,7 +204,7 @@ def run(args: argparse.Namespace) -> int:
         if publisher:
             publisher.add_missing(snap, path, args.require_baseline)
         print(f"memdiff: {snap}: no baseline at {path}: make it with `memdiff baseline {snap} -o {path}`"
-              + ("" if args.require_baseline else " (not gated; --require-baseline makes this fail)"),
+              + ("" if args.require_baseline or not pairs else " (not gated; --require-baseline makes this fail)"),
               file=sys.stderr)
     if publisher:
         publisher.finish()

@@ -12,7 +12,7 @@ import signal
 import subprocess
 import sys
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from importlib import resources
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -22,7 +22,7 @@ from memdiff.capture import STACKS, record, recorded_nothing
 from memdiff.commands.args import count_arg
 from memdiff.errors import EXIT_BAD_INPUT, InputError
 from memdiff.load import decode
-from memdiff.manifest import clear_statuses, collect, write_manifest
+from memdiff.manifest import MANIFEST, clear_statuses, collect, write_manifest
 from memdiff.units import format_bytes
 
 PYTHON = re.compile(r"^python(\d+(\.\d+)?)?(\.exe)?$")
@@ -152,10 +152,12 @@ class _JobOutcome:
     lost: List[str]  # one line per rank that left no snapshot, saying why
 
 
-def _report_job(args: argparse.Namespace, folder: str, before: Dict[str, int]) -> _JobOutcome:
-    """Gather the ranks' statuses into the job's manifest and say what the run wrote."""
+def _report_job(args: argparse.Namespace, folder: str, before: Dict[str, int], status: int) -> _JobOutcome:
+    """Gather the ranks' statuses into the job's manifest (with how the command ended) and say what
+    the run wrote."""
     manifest = collect(folder)
     if manifest is not None:
+        manifest = replace(manifest, exit_status=status)
         write_manifest(folder, manifest)
     names = [n for n in os.listdir(folder)
              if n.endswith(".pickle") and not n.startswith(".") and os.path.isfile(os.path.join(folder, n))]
@@ -165,9 +167,14 @@ def _report_job(args: argparse.Namespace, folder: str, before: Dict[str, int]) -
     if written:
         sizes = ", ".join(f"{n} {format_bytes(os.path.getsize(os.path.join(folder, n)))}" for n in written)
         job = f" of a job of {manifest.world_size} rank{'s' if manifest.world_size != 1 else ''}" if manifest else ""
+        # A job is read with `ranks`; files of processes without RANK are read one by one.
+        read = (f"memdiff ranks {args.output}" if manifest else f"memdiff peak {os.path.join(args.output, written[0])}")
         print(f"memdiff: wrote {len(written)} snapshot{'s' if len(written) != 1 else ''}{job} to {args.output} "
-              f"({sizes}); read them with `memdiff ranks {args.output}`"
-              + (f"; not from this run: {', '.join(stale)}" if stale else ""), file=sys.stderr)
+              f"({sizes}); read {'them' if manifest else 'one'} with `{read}`", file=sys.stderr)
+    if stale:
+        print(f"memdiff: {args.output}: {', '.join(stale)} not from this run"
+              + (f": not read as this job's ({MANIFEST} says {manifest.world_size} rank"
+                 f"{'s' if manifest.world_size != 1 else ''})" if manifest else ""), file=sys.stderr)
     lost = ([f"rank {r.rank} of {manifest.world_size} has no snapshot: {r.why_missing()}"
              for r in manifest.missing(folder)] if manifest is not None else [])
     return _JobOutcome(written, lost)
@@ -197,18 +204,17 @@ def _run_launcher(args: argparse.Namespace) -> int:
     env.pop("MEMDIFF_RECORD_RANK_PID", None)  # set by each rank for its own children, never inherited from us
     child = subprocess.Popen(command, env=env)
     interrupted = _wait_forwarding_signals(child)
-    status = child.returncode if child.returncode >= 0 else 128 - child.returncode
-    outcome = _report_job(args, folder, before)
+    if interrupted is not None:  # Ctrl-C: 130, as a shell says; SIGTERM: 143
+        status = 130 if interrupted == signal.SIGINT else 128 + interrupted
+    else:
+        status = child.returncode if child.returncode >= 0 else 128 - child.returncode
+    outcome = _report_job(args, folder, before, status)
     for line in outcome.lost:
         print(f"memdiff: {line}", file=sys.stderr)
     if not outcome.written and not outcome.lost:
         print(f"memdiff: no process of `{' '.join(command)}` recorded an allocation (none imported torch?); "
               f"nothing written to {args.output}", file=sys.stderr)
         return status or EXIT_BAD_INPUT
-    if interrupted == signal.SIGINT:
-        return 130
-    if interrupted is not None:
-        return 128 + interrupted
     return status or (EXIT_BAD_INPUT if outcome.lost else 0)
 
 
