@@ -22,6 +22,7 @@ from memdiff.atomic import append_text, write_output
 from memdiff.differ import Diff, fold
 from memdiff.errors import InputError
 from memdiff.judge import Verdict
+from memdiff.load import read_json
 from memdiff.render.markdown import Options, render_diff
 from memdiff.units import format_bytes
 
@@ -36,20 +37,30 @@ def escape_annotation(text: str) -> str:
     return text.replace("%", "%25").replace("\r", "%0D").replace("\n", "%0A")
 
 
+def pull_request(environ: Mapping[str, str]) -> Dict[str, Any]:
+    """The run's pull request from the Actions event payload; {} when there is none or the file
+    cannot be read (too large, not JSON, not an object): every reader then treats the run as no
+    pull request, and the report and the gate go on. Read through the bounded JSON reader."""
+    path = environ.get("GITHUB_EVENT_PATH")
+    if not path or not os.path.isfile(path):
+        return {}
+    try:
+        event = read_json(path, "a GitHub event payload", allow_nan=True)
+    except InputError:
+        return {}
+    pr = event.get("pull_request") if isinstance(event, dict) else None
+    return pr if isinstance(pr, dict) else {}
+
+
+def _sha(part: Any) -> Optional[str]:
+    sha = part.get("sha") if isinstance(part, dict) else None
+    return sha[:12] if isinstance(sha, str) and sha else None
+
+
 def event_labels(environ: Mapping[str, str]) -> Tuple[Optional[str], Optional[str]]:
     """(base, head) commits of the run: a pull request's base and head SHAs, else GITHUB_SHA for head."""
-    event: Dict[str, Any] = {}
-    path = environ.get("GITHUB_EVENT_PATH")
-    if path and os.path.isfile(path):
-        try:
-            with open(path, encoding="utf-8") as f:
-                event = json.load(f)
-        except (OSError, ValueError):
-            event = {}
-    pr = event.get("pull_request") or {}
-    base = (pr.get("base") or {}).get("sha")
-    head = (pr.get("head") or {}).get("sha") or environ.get("GITHUB_SHA")
-    return (base[:12] if base else None), (head[:12] if head else None)
+    pr = pull_request(environ)
+    return _sha(pr.get("base")), _sha(pr.get("head")) or _sha({"sha": environ.get("GITHUB_SHA")})
 
 
 def fit(render: Callable[[Optional[int], bool, bool, Optional[str]], str], top: int,
@@ -239,11 +250,7 @@ def post_comment(report: str, title: str, mode: str, verdict: str, environ: Mapp
     """Create or update the pull request's memdiff comment; never fails the job (always 0)."""
     if mode == "never":
         return 0
-    event: Dict[str, Any] = {}
-    if environ.get("GITHUB_EVENT_PATH") and os.path.isfile(environ["GITHUB_EVENT_PATH"]):
-        with open(environ["GITHUB_EVENT_PATH"], encoding="utf-8") as f:
-            event = json.load(f)
-    number = (event.get("pull_request") or {}).get("number")
+    number = pull_request(environ).get("number")
     repo = environ.get("GITHUB_REPOSITORY")
     if not number or not repo:
         print("memdiff: not a pull request run: no comment to post", file=sys.stderr)

@@ -320,3 +320,16 @@ def test_without_gh_a_refusal_or_no_token_leaves_the_job_green_with_a_note(rest,
     assert done.returncode == 0
     assert "neither the gh command nor a GH_TOKEN or GITHUB_TOKEN is available" in done.stdout
     assert "neither the gh command" in Path(github["GITHUB_STEP_SUMMARY"]).read_text()
+
+
+@pytest.mark.parametrize("payload", ["{not json", "[1, 2]", '{"pull_request": "7"}', '{"pull_request": {"base": 3}}',
+                                     "[" * 100_000 + "]" * 100_000])
+def test_an_event_file_that_cannot_be_read_is_no_pull_request_never_a_crash(github, tmp_path, capsys, payload):
+    # The runner writes it, but a step before ours can too: both readers treat it alike, as no PR.
+    (tmp_path / "event.json").write_text(payload)
+    code, out = run_pair(tmp_path, capsys, 100, 300)
+    assert code == 1 and "**head** `ffffffffffff`" in (tmp_path / "summary.md").read_text()
+    report = tmp_path / "report.md"
+    report.write_text("a report")
+    assert main(["comment", "--report", str(report), "--verdict", "fail"]) == 0
+    assert "not a pull request run: no comment to post" in capsys.readouterr().err
