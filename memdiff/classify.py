@@ -14,7 +14,7 @@ import json
 import sys
 from dataclasses import dataclass, replace
 from importlib import resources
-from typing import Any, Dict, FrozenSet, Iterable, List, Optional, Sequence, Set, Tuple
+from typing import AbstractSet, Any, Dict, FrozenSet, Iterable, List, Optional, Sequence, Set, Tuple
 
 from memdiff.errors import InputError, clip
 from memdiff.frames import FREED_PREFIX
@@ -56,10 +56,6 @@ class Rule:
     origin: str
     lifetime: Tuple[Tuple[str, Pattern], ...] = ()
 
-    def matches(self, g: Group) -> bool:
-        """Whether the rule applies to group `g`."""
-        return self.fits(g.site.startswith(FREED_PREFIX), g.lifetime) and self.matches_stack(g.site, g.frames)
-
     def fits(self, freed: bool, lifetime: Optional[Dict[str, str]]) -> bool:
         """Whether the rule can apply to a group freed (or not) with this lifetime."""
         if freed != self.freed:
@@ -67,13 +63,11 @@ class Rule:
         return not self.lifetime or (lifetime is not None and all(
             pattern.fullmatch(lifetime.get(fact, "")) for fact, pattern in self.lifetime))
 
-    def matches_stack(self, site: str, frames: Sequence[Frame]) -> bool:
-        """Whether the rule's site and frame tests pass for this site and stack."""
-        if self.site is not None and not self.site.search(site):
-            return False
-        if not all(any(t.matches(f) for f in frames) for t in self.frames):
-            return False
-        return not any(t.matches(f) for t in self.without for f in frames)
+    def matches(self, site: str, passed: AbstractSet[FrameTest]) -> bool:
+        """Whether the rule's site and frame tests pass, given the frame tests some frame of the
+        stack passes: every `frames` test does, no `without` test does."""
+        return ((self.site is None or self.site.search(site) is not None)
+                and all(t in passed for t in self.frames) and not any(t in passed for t in self.without))
 
 
 def parse_rules(path: str, data: Any, default_priority: int, builtin: bool = False) -> List[Rule]:
@@ -194,15 +188,12 @@ class Categorizer:
         if fitting is None:
             fitting = self._fitting[(freed, life)] = [r for r in self._rules if r.fits(freed, group.lifetime)]
         passed = self._passed(group.frames) if fitting else frozenset()
-        category = next((r.category for r in fitting
-                         if (r.site is None or r.site.search(group.site))
-                         and all(t in passed for t in r.frames) and not any(t in passed for t in r.without)),
-                        OTHER)
+        category = next((r.category for r in fitting if r.matches(group.site, passed)), OTHER)
         self._known[key] = category
         return category
 
     def _passed(self, frames: Sequence[Frame]) -> Set[FrameTest]:
-        """The frame tests some frame of `frames` passes (what Rule.matches_stack asks of each)."""
+        """The frame tests some frame of `frames` passes (what Rule.matches asks of a stack)."""
         passed: Set[FrameTest] = set()
         for f in frames:
             hit = self._passes.get(id(f))
