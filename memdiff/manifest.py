@@ -18,12 +18,11 @@ from typing import Any, Dict, List, Optional
 
 from memdiff.atomic import write_output
 from memdiff.errors import InputError, brief
+from memdiff.load import read_json
 
 MANIFEST = "memdiff-job.json"
 MANIFEST_VERSION = 1
 STATUS = re.compile(r"^\.rank(\d+)\.status$")
-MAX_STATUS_BYTES = 64 << 10  # a status is one short JSON object
-MAX_MANIFEST_BYTES = 16 << 20  # a line per rank: room for a million ranks
 MAX_WORLD_SIZE = 1 << 20  # as many ranks as a job folder may hold (memdiff.job.MAX_RANKS)
 
 # A rank's recording, as the status it left says (or the absence of one).
@@ -84,11 +83,8 @@ def clear_statuses(folder: str) -> None:
 
 def _read_status(path: str) -> Optional[Dict[str, Any]]:
     try:
-        if os.path.getsize(path) > MAX_STATUS_BYTES:
-            return None
-        with open(path, encoding="utf-8") as f:
-            document = json.load(f)
-    except (OSError, ValueError):
+        document = read_json(path, "a rank's status")
+    except InputError:
         return None
     return document if isinstance(document, dict) else None
 
@@ -145,13 +141,7 @@ def read_manifest(folder: str) -> Optional[RecordedJob]:
     path = os.path.join(folder, MANIFEST)
     if not os.path.isfile(path):
         return None
-    try:
-        if os.path.getsize(path) > MAX_MANIFEST_BYTES:
-            raise InputError(path, f"{os.path.getsize(path):,} bytes: not a manifest memdiff wrote")
-        with open(path, encoding="utf-8") as f:
-            document = json.load(f)
-    except (OSError, ValueError, RecursionError) as exc:
-        raise InputError(path, f"unreadable job manifest: {type(exc).__name__}") from None
+    document = read_json(path, "a job manifest")
     size = _count(document.get("world_size")) if isinstance(document, dict) else None
     if size is None:
         value = document.get("world_size") if isinstance(document, dict) else document

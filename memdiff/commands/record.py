@@ -21,6 +21,7 @@ from memdiff.atomic import check_folder, check_output, commit, temporary_name
 from memdiff.capture import STACKS, record, recorded_nothing
 from memdiff.commands.args import count_arg
 from memdiff.errors import EXIT_BAD_INPUT, InputError
+from memdiff.job import MAX_RANKS, rank_of, rank_patterns
 from memdiff.load import decode
 from memdiff.manifest import MANIFEST, clear_statuses, collect, write_manifest
 from memdiff.units import format_bytes
@@ -181,8 +182,12 @@ def _report_job(args: argparse.Namespace, folder: str, before: Dict[str, int], s
 
 
 def _by_rank(name: str) -> Tuple[int, str]:
-    digits = re.sub(r"\D", "", name)
-    return (int(digits) if digits and len(digits) < 10 else 0, name)
+    """Rank files in rank order (rank10 after rank9), by the names jobs are read by; others last."""
+    rank = rank_of(name, RANK_NAMES)
+    return (rank if rank is not None else MAX_RANKS, name)
+
+
+RANK_NAMES = rank_patterns(None)
 
 
 def _run_launcher(args: argparse.Namespace) -> int:
