@@ -101,8 +101,9 @@ class Job:
         if self.beyond:
             parts.append(f"{_shown(self.beyond)}: not of this job, whose {MANIFEST} says {self.world_size} "
                          f"rank{'s' if self.world_size != 1 else ''} (an earlier run's?): not read")
-        if self.unfinished():
-            parts.append(str(self.unfinished()))
+        unfinished = self.unfinished()
+        if unfinished:
+            parts.append(unfinished)
         return "; ".join(parts) or None
 
 
@@ -129,8 +130,8 @@ def discover(arg: str, rank_pattern: Optional[str] = None, allow_missing: bool =
     extra = [os.path.basename(p) for p in paths if PER_PROCESS.match(os.path.basename(p))]
     ranked = [p for p in paths if not PER_PROCESS.match(os.path.basename(p))]
     if not ranked:
-        what = "no rank files here" if os.path.isdir(arg) else "the pattern matches no file" if not extra else \
-            "the pattern matches no rank file"
+        what = ("no rank files here" if os.path.isdir(arg)
+                else "the pattern matches no rank file" if extra else "the pattern matches no file")
         raise InputError(arg, what + (f": {len(extra):,} per-process file(s) (pid{{PID}}.pickle, from a run without "
                                       f"RANK) are no rank; read one with `memdiff peak`" if extra else ""))
     patterns = rank_patterns(rank_pattern)
