@@ -1,7 +1,7 @@
 """memdiff: turn PyTorch GPU-memory snapshots into peak summaries, diffs and CI gates.
 
 The Python API (`memdiff.api`) is re-exported here: `memdiff.summarize`, `memdiff.diff`,
-`memdiff.gate`, `memdiff.gate_diff`, `memdiff.thresholds`, `memdiff.load_baseline`,
+`memdiff.gate`, `memdiff.thresholds`, `memdiff.load_baseline`,
 `memdiff.write_baseline`, `memdiff.html_report` and `memdiff.record`; `memdiff.api` itself is
 there too. They are imported on first use, so `import memdiff` stays cheap and never imports torch.
 """
@@ -11,7 +11,7 @@ from typing import Any
 
 __version__ = "0.1.0"
 
-API = ("summarize", "diff", "gate", "gate_diff", "load_baseline", "write_baseline", "html_report", "record",
+API = ("summarize", "diff", "gate", "load_baseline", "write_baseline", "html_report", "record",
        "thresholds")
 __all__ = ["__version__", "api", *API]
 

@@ -3,11 +3,13 @@
     import memdiff
 
     base = memdiff.summarize("base.pickle")             # a Summary (the `memdiff summarize` JSON)
-    change = memdiff.diff(base, "head.pickle")          # a Diff (rows aligned per device)
-    verdict = memdiff.gate("head.pickle", "baselines/train.json", fail_over="256MiB")
-    print(verdict.passed, [c.subject for c in verdict.checks if not c.passed])
+    change = memdiff.diff(base, "head.pickle")          # a Report, not judged: headline, rows per device
+    report = memdiff.gate("head.pickle", "baselines/train.json", fail_over="256MiB")
+    print(report.passed, report.headline, [c.subject for c in report.checks if not c.passed])
 
-Every result has `to_dict()`, the JSON contract the CLI writes. Defaults are the CLI's: groups
+Every result has `to_dict()`, the JSON the CLI writes: `memdiff.gate(...)` is one document of
+`memdiff gate --format json`, `memdiff.diff(...)` the CLI's diff document less the verdict's keys.
+`memdiff.render.render(report, "markdown")` renders a Report as the CLI does. Defaults are the CLI's: groups
 are classified with the built-in rules, plus `rules` (rules files, JSON or TOML) when given.
 Errors in the input raise `memdiff.errors.InputError` (the CLI's exit 2). Capturing needs torch;
 nothing else here imports it.
@@ -20,12 +22,13 @@ from typing import Any, ContextManager, Dict, Optional, Sequence, Union
 
 from memdiff.baseline import Baseline, comparable_pair, read_baseline, update_baseline
 from memdiff.classify import Rule, check_categories, load_rules
-from memdiff.differ import PEAK, Diff
-from memdiff.differ import diff as _diff
+from memdiff.differ import PEAK
 from memdiff.errors import InputError
 from memdiff.inputs import read_summary
-from memdiff.judge import Limit, Thresholds, Verdict, judge, parse_limit, parse_pct, thresholds_over
+from memdiff.judge import Limit, Thresholds, parse_limit, parse_pct, thresholds_over
 from memdiff.model import Summary
+from memdiff.report import DEFAULT_TOP, Report, Settings, compare
+from memdiff.report import Run as ReportRun
 from memdiff.units import parse_size
 
 Run = Union[str, "os.PathLike[str]", Summary]
@@ -47,10 +50,13 @@ def _summary(run: Run, rules: Optional[Sequence[str]]) -> Summary:
     return run if isinstance(run, Summary) else summarize(run, rules=rules)
 
 
-def diff(base: Run, head: Run, *, at: str = PEAK, rules: Optional[Sequence[str]] = None) -> Diff:
+def diff(base: Run, head: Run, *, at: str = PEAK, rules: Optional[Sequence[str]] = None,
+         top: int = DEFAULT_TOP) -> Report:
     """Why `head` uses more (or less) memory than `base`: paths or Summaries, compared at their
-    peaks or, with `at` = forward / backward / optimizer, at that phase's peak in both."""
-    return _diff(_summary(base, rules), _summary(head, rules), at=at)
+    peaks or, with `at` = forward / backward / optimizer, at that phase's peak in both. The
+    Report is not judged (`memdiff BASE HEAD` also applies the default rule)."""
+    return compare([ReportRun(_summary(base, rules))], [ReportRun(_summary(head, rules))],
+                   Settings(thresholds=None, at=at, top=top))
 
 
 def to_bytes(value: Size, what: str) -> Optional[int]:
@@ -104,10 +110,21 @@ def write_baseline(run: Run, path: Union[str, "os.PathLike[str]"], *, name: Opti
 
 
 def gate(run: Run, baseline: Union[str, "os.PathLike[str]", Baseline], *, rules: Optional[Sequence[str]] = None,
-         **limits: Any) -> Verdict:
+         top: int = DEFAULT_TOP, **limits: Any) -> Report:
     """Judge a run against a baseline under its thresholds; limits given (`fail_over="256MiB"`,
-    `categories={"activation": "10%"}`, `phases={"forward": "512MiB"}`) replace their parts."""
-    return gate_diff(run, baseline, rules=rules, **limits)[1]
+    `categories={"activation": "10%"}`, `phases={"forward": "512MiB"}`) replace their parts.
+    The Report's `passed`, `checks` and `headline` say how it went; `to_dict()` is the CLI's gate document."""
+    stored = baseline if isinstance(baseline, Baseline) else load_baseline(baseline)
+    where = "baseline" if isinstance(baseline, Baseline) else os.fspath(baseline)
+    _check_categories(limits, rules, stored.thresholds, where)
+    name = run if isinstance(run, Summary) else os.fspath(run)
+    base, head = comparable_pair(where, stored, _summary(run, rules))
+    sha = stored.source.get("git_sha")
+    settings = Settings(thresholds=thresholds(base=stored.thresholds, **limits), top=top, kind="gate",
+                        update_hint=None if isinstance(name, Summary) else f"memdiff baseline {name} -o {where}",
+                        base_label=f"baseline {stored.name}" + (f" @ {sha[:12]}" if sha else ""),
+                        run=head.source.file if isinstance(name, Summary) else name, baseline=where)
+    return compare([ReportRun(base)], [ReportRun(head)], settings)
 
 
 def _check_categories(limits: Dict[str, object], rules: Optional[Sequence[str]], stored: Optional[Thresholds],
@@ -120,32 +137,12 @@ def _check_categories(limits: Dict[str, object], rules: Optional[Sequence[str]],
         check_categories(stored.categories, known, where)
 
 
-def _gated(run: Run, baseline: Union[str, "os.PathLike[str]", Baseline], rules: Optional[Sequence[str]],
-           limits: Dict[str, Any]) -> "tuple[Baseline, Summary, Summary, Diff, Verdict]":
-    stored = baseline if isinstance(baseline, Baseline) else load_baseline(baseline)
-    where = "baseline" if isinstance(baseline, Baseline) else os.fspath(baseline)
-    _check_categories(limits, rules, stored.thresholds, where)
-    base, head = comparable_pair(where, stored, _summary(run, rules))
-    result = _diff(base, head)
-    return stored, base, head, result, judge(result, thresholds(base=stored.thresholds, **limits))
-
-
-def gate_diff(run: Run, baseline: Union[str, "os.PathLike[str]", Baseline], *,
-              rules: Optional[Sequence[str]] = None, **limits: Any) -> "tuple[Diff, Verdict]":
-    """`gate`, with the Diff the verdict was judged on (what a report shows)."""
-    return _gated(run, baseline, rules, limits)[3:]
-
-
-def html_report(run: Run, baseline: Union[str, "os.PathLike[str]", Baseline], *,
-                rules: Optional[Sequence[str]] = None, top: int = 20, **limits: Any) -> str:
-    """The self-contained HTML page of `gate_diff` (what `memdiff gate --html` writes); summarize
-    the run with `history=True` for its timeline to be drawn."""
-    from memdiff.differ import fold
+def html_report(report: Report) -> str:
+    """The self-contained HTML page of a Report (what `memdiff gate --html` writes); summarize the
+    runs with `history=True` for their memory over time to be drawn."""
     from memdiff.render.html import render_diff
 
-    stored, base, head, result, verdict = _gated(run, baseline, rules, limits)
-    return render_diff(result, verdict, {d.device: fold(d, top) for d in result.devices}, base, head,
-                       base_label=f"baseline {stored.name}")
+    return render_diff(report)
 
 
 def record(path: Union[str, "os.PathLike[str]"], **options: Any) -> ContextManager[None]:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import posixpath
 import re
 from collections import defaultdict
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from memdiff.classify import PERSISTENT
@@ -26,7 +26,6 @@ from memdiff.errors import InputError
 from memdiff.frames import PROFILER_MODULE
 from memdiff.lifetimes import BACKWARD, FORWARD, OPTIMIZER
 from memdiff.model import DeviceSummary, Frame, Group, Source, Summary
-from memdiff.units import count_of
 
 SITE_CALLERS = 2
 EVENT_RATIO_WARNING = 2.0
@@ -507,33 +506,3 @@ def diff(base: Summary, head: Summary, at: str = PEAK) -> Diff:
         devices.append(_device_diff(b or DeviceSummary.blank(dev), h or DeviceSummary.blank(dev),
                                     at if b and h else PEAK))
     return Diff(base=base.source, head=head.source, devices=devices, warnings=_warnings(base, head, devices))
-
-
-@dataclass
-class Folded:
-    """A device's rows as a table shows them: the top rows, the rest in one row, and the total."""
-
-    shown: List[DiffRow]
-    others: Optional[DiffRow]
-    total: DiffRow
-
-
-def _sum_row(label: str, rows: Sequence[DiffRow]) -> DiffRow:
-    b, h = sum(r.base_bytes for r in rows), sum(r.head_bytes for r in rows)
-    return DiffRow(status="", site=label, signature="", category=None,
-                   base_count=sum(r.base_count for r in rows), head_count=sum(r.head_count for r in rows),
-                   base_bytes=b, head_bytes=h, delta_bytes=h - b, frames=[], matched_by=None)
-
-
-def fold(device: DeviceDiff, top: int, min_delta: int = 0) -> Folded:
-    """Keep the first `top` rows whose change is at least `min_delta`; fold the rest (Bloaty style).
-
-    Hidden rows still count: shown + others = total = the peak delta, exactly.
-    """
-    visible = [r for r in device.rows if abs(r.delta_bytes) >= min_delta]
-    kept = {id(r) for r in visible[:top]}
-    shown = [replace(r) for r in visible[:top]]
-    label_rows(shown)  # a context is added only where two shown rows would read alike
-    rest = [r for r in device.rows if id(r) not in kept]
-    others = _sum_row(count_of(len(rest), "other"), rest) if rest else None
-    return Folded(shown=shown, others=others, total=_sum_row("TOTAL", device.rows))

@@ -19,12 +19,10 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 from memdiff.atomic import append_text, write_output
-from memdiff.differ import Diff, fold
 from memdiff.errors import InputError
-from memdiff.judge import Verdict
 from memdiff.load import read_json
 from memdiff.render.markdown import Options, render_diff
-from memdiff.units import format_bytes
+from memdiff.report import Report
 
 # GitHub's limit for a comment body; job summaries allow more, but one report serves both.
 SIZE_LIMIT = 65_536
@@ -91,33 +89,30 @@ class Publisher:
     expected: int = 1  # reports to come: each gets an equal share of the size limit
     annotate: bool = True
     sections: List[str] = field(default_factory=list)
-    verdicts: List[Verdict] = field(default_factory=list)
+    passed: List[bool] = field(default_factory=list)
     deltas: List[int] = field(default_factory=list)
     without_baseline: List[str] = field(default_factory=list)
 
-    def add(self, result: Diff, verdict: Verdict, top: int, min_delta: int, base_label: Optional[str] = None) -> None:
-        """Render one diff for the summary and print its annotations; `base_label` names a baseline."""
+    def add(self, report: Report) -> None:
+        """Render one report for the summary and print its annotations."""
         base, head = event_labels(self.environ)
-        base = base_label or base
 
         def render(rows: Optional[int], details: bool, chart: bool, note: Optional[str]) -> str:
-            folded = {d.device: fold(d, rows or top, min_delta) for d in result.devices}
-            options = Options(base_label=self.base_label or base, head_label=self.head_label or head,
+            options = Options(base_label=self.base_label or report.base_label or base,
+                              head_label=self.head_label or report.head_label or head,
                               details=details, chart=chart, note=note)
-            return render_diff(result, verdict, folded, options)
+            return render_diff(report.refolded(rows or report.top), options)
 
-        self.sections.append(fit(render, top, SIZE_LIMIT // max(1, self.expected) - 16))
-        self.verdicts.append(verdict)
-        self.deltas += [d.peak_delta_bytes for d in result.devices]
+        self.sections.append(fit(render, report.top, SIZE_LIMIT // max(1, self.expected) - 16))
+        self.passed.append(report.passed)
+        self.deltas += [d.peak_delta_bytes for r in report.results for d in r.diff.devices]
         if not self.annotate:
             return
-        for c in verdict.checks:
+        for c in report.check_lines:
             if not c.passed:
-                message = " ".join([f"{c.subject} grew by {format_bytes(c.delta_bytes)}, which fails the rule "
-                                    f"(grows by {c.limit}).",
-                                    *verdict.notes])
+                message = " ".join([f"{report.headline}.", c.text, *report.notes])
                 print(f"::error title=memdiff::{escape_annotation(message)}")
-        for w in result.warnings:
+        for w in report.warnings:
             print(f"::warning title=memdiff::{escape_annotation('the runs may not be comparable: ' + w)}")
 
     def add_missing(self, run: str, path: str, required: bool) -> None:
@@ -141,7 +136,7 @@ class Publisher:
 
     def verdict(self) -> str:
         """fail on any failed check; else no-baseline when a run had none; else pass."""
-        if not all(v.passed for v in self.verdicts):
+        if not all(self.passed):
             return "fail"
         return "no-baseline" if self.without_baseline else "pass"
 

@@ -26,6 +26,7 @@ MARKER = "memdiff"
 # The marker's keywords and what they mean, for the error when one is misspelled.
 MARKER_KEYWORDS = ("limit", "fail_over", "fail_over_pct", "categories", "phases")
 UNSAFE = re.compile(r"[^A-Za-z0-9_.\[\]=,+-]+")
+SHOWN_ROWS = 8  # rows of the diff a failing test shows: its first screen
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -113,23 +114,27 @@ def _judge(item: pytest.Item, options: Mapping[str, Any], snapshot: str) -> None
         if not os.path.exists(path):
             pytest.fail(f"memdiff: no baseline for this test at {os.path.relpath(path)}; create it with\n"
                         f"    pytest {item.nodeid!r} --memdiff-update", pytrace=False)
-        result, verdict = api.gate_diff(summary, path, **limits)
+        report = api.gate(summary, path, top=SHOWN_ROWS, **limits)
     except InputError as exc:
         pytest.fail(f"memdiff: {exc.path}: {exc.message}", pytrace=False)
-    if not verdict.passed:
-        report = _report(result, verdict, verbose=config.getoption("verbose") > 0)
-        for option, page in (("memdiff_report", lambda: (".md", _markdown(result, verdict))),
-                             ("memdiff_html", lambda: (".html", api.html_report(summary, path, **limits)))):
+    if not report.passed:
+        from memdiff.render import render
+        from memdiff.render.text import render_stacks
+
+        text = render(report, "text") + ("\n" + render_stacks(report) if config.getoption("verbose") > 0 else "")
+        for option, page in (("memdiff_report", lambda: (".md", render(report, "markdown"))),
+                             ("memdiff_html", lambda: (".html", api.html_report(report)))):
             if config.getoption(option) is not None:
                 try:
                     _write_report(config.getoption(option), item.nodeid, page())
                 except InputError as exc:
                     pytest.fail(f"memdiff: {exc.path}: {exc.message}", pytrace=False)
-        pytest.fail(f"memdiff: device memory regressed against {os.path.relpath(path)}\n\n{report}", pytrace=False)
+        pytest.fail(f"memdiff: device memory regressed against {os.path.relpath(path)}\n\n{text}", pytrace=False)
 
 
 def _ceiling(summary: Any, limit: Any) -> None:
     from memdiff.api import to_bytes
+    from memdiff.differ import where_text
     from memdiff.units import format_bytes
 
     ceiling = to_bytes(limit, "limit")
@@ -137,27 +142,10 @@ def _ceiling(summary: Any, limit: Any) -> None:
     over = [d for d in summary.devices if d.peak_bytes > ceiling]
     if over:
         d = over[0]
-        where = f" in the {d.phase_at_peak} of step {d.step_at_peak}" if d.phase_at_peak else ""
+        where = f" in {where_text(d.phase_at_peak, d.step_at_peak)}" if d.phase_at_peak else ""
         top = ", ".join(f"{g.site} {format_bytes(g.bytes)} ({g.category})" for g in d.groups[:3])
         pytest.fail(f"memdiff: device {d.device} peak {format_bytes(d.peak_bytes)}{where} is over the limit of "
                     f"{format_bytes(ceiling)}; largest live at the peak: {top}", pytrace=False)
-
-
-def _report(result: Any, verdict: Any, verbose: bool) -> str:
-    """The diff's first screen: header, phases, categories, the top rows; stacks with -v."""
-    from memdiff.differ import fold
-    from memdiff.render.text import render_diff, render_stacks
-
-    folded = {d.device: fold(d, top=8) for d in result.devices}
-    text = render_diff(result, verdict, folded)
-    return text + ("\n" + render_stacks(folded) if verbose else "")
-
-
-def _markdown(result: Any, verdict: Any) -> str:
-    from memdiff.differ import fold
-    from memdiff.render.markdown import render_diff
-
-    return render_diff(result, verdict, {d.device: fold(d, top=20) for d in result.devices})
 
 
 def _write_report(folder: str, nodeid: str, page: Tuple[str, str]) -> None:

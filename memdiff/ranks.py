@@ -18,6 +18,7 @@ from memdiff.model import DeviceSummary, Summary
 
 # A group holding at least this share of a rank's peak is part of the rank's shape.
 SHAPE_SHARE = 0.01
+CATEGORY_COLUMNS = 4  # the largest categories across ranks get a column each
 
 
 @dataclass
@@ -56,6 +57,7 @@ class RanksReport:
     median_rank: int
     diff: Diff  # the heaviest rank (head) against the median rank (base)
     roles: List[Role] = field(default_factory=list)
+    category_columns: List[str] = field(default_factory=list)  # the categories with the most bytes across ranks
 
     @property
     def spread_bytes(self) -> int:
@@ -106,6 +108,11 @@ def compare_ranks(files: Sequence[RankFile], summaries: Sequence[Summary], missi
              for ranks in shapes.values()]
     roles.sort(key=lambda role: (-role.max_bytes, role.ranks[0]))
     pair = diff(on_device(by_rank[median.rank], heaviest.device), on_device(by_rank[heaviest.rank], heaviest.device))
-    return RanksReport(ranks=rows, missing=list(missing), min_bytes=ordered[0].peak_bytes,
+    totals: Dict[str, int] = {}
+    for r in rows:
+        for name, n in r.categories.items():
+            totals[name] = totals.get(name, 0) + n
+    columns = sorted(totals, key=lambda c: (-totals[c], c))[:CATEGORY_COLUMNS]
+    return RanksReport(category_columns=columns, ranks=rows, missing=list(missing), min_bytes=ordered[0].peak_bytes,
                        median_bytes=median.peak_bytes, max_bytes=heaviest.peak_bytes, heaviest=heaviest.rank,
                        median_rank=median.rank, diff=pair, roles=roles if len(roles) > 1 else [])

@@ -242,7 +242,8 @@ def test_top_and_min_delta_fold_rows_but_keep_the_total(shared, capsys):
 def test_markdown_report(shared, capsys):
     code, out, _ = run(capsys, shared / "linear-nograd.pickle", shared / "linear-grad.pickle", "--format", "markdown")
     assert code == 1
-    assert out.startswith("### ❌ memdiff: regression · device 0 peak 3.94 GiB → 4.13 GiB (+190.73 MiB, +4.7%)")
+    assert out.startswith("### ❌ memdiff: regression\n\n**peak +190.73 MiB (+4.7%), in the forward: input +190.73 MiB")
+    assert "#### device 0: peak 3.94 GiB -> 4.13 GiB (+190.73 MiB, +4.7%)" in out
     assert "| 🆕 NEW " in out and "profile_grad.py:&lt;module> <- randn" in out
     assert "**Rule:** fail when the peak of a device grows by more than 1% and by more than 64.00 MiB" in out
     assert "```mermaid\nxychart-beta" in out and out.count("    line [") == 2

@@ -10,8 +10,9 @@ import pytest
 from conftest import alloc, free
 from memdiff.classify import load_rules
 from memdiff.cli import main
-from memdiff.differ import GREW, diff, fold
+from memdiff.differ import GREW, diff
 from memdiff.inputs import read_summary
+from memdiff.report import device_report
 
 REAL_PAIRS = [
     ("cs336-medium-ctx128-train.pickle", "cs336-medium-ctx256-train.pickle"),
@@ -41,7 +42,7 @@ def test_no_two_rows_read_alike_and_move_apart_on_real_pairs(shared, base, head)
         for d in diff(forward, back).devices:
             assert opposite_pairs(d.rows) == []
             assert sum(r.delta_bytes for r in d.rows) == d.peak_delta_bytes
-            assert opposite_pairs(fold(d, top=20).shown) == []
+            assert opposite_pairs([r.row for r in device_report(d, top=20, min_delta=0).rows]) == []
 
 
 def test_the_peaks_in_different_phases_are_named_and_compared_like_for_like(shared, capsys):

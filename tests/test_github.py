@@ -68,11 +68,14 @@ def test_a_regression(github, tmp_path, capsys):
     got = outputs(github)
     assert got == {"verdict": "fail", "peak-delta-bytes": str(200 * MiB), "report": str(tmp_path / "memdiff-report.md")}
     summary = Path(github["GITHUB_STEP_SUMMARY"]).read_text()
-    assert summary.startswith("### ❌ memdiff: regression · device 0 peak 1000.00 MiB → 1.17 GiB (+200.00 MiB, +20.0%)")
+    assert summary.startswith("### ❌ memdiff: regression\n\n**peak +200.00 MiB (+20.0%)")
+    assert "#### device 0: peak 1000.00 MiB -> 1.17 GiB (+200.00 MiB, +20.0%)" in summary
     assert "**base** `a1b2c3d4e5f6` · `base.pickle`" in summary and "**head** `0f9e8d7c6b5a` · `head.pickle`" in summary
     assert Path(got["report"]).read_text() in summary
-    assert ("::error title=memdiff::device 0 peak grew by 200.00 MiB, which fails the rule (grows by more than "
-            "1%25 and by more than 64.00 MiB, or by more than 50%25). "
+    # The annotation opens with the report's headline, then the failing check as every output words it.
+    assert ("::error title=memdiff::peak +200.00 MiB (+20.0%25), in the forward: activation +200.00 MiB (+20.0%25) "
+            "(model.py:forward +200.00 MiB). FAIL  device 0 peak: 1000.00 MiB -> 1.17 GiB, +200.00 MiB (+20.0%25), "
+            "limit: more than 1%25 and by more than 64.00 MiB, or by more than 50%25 "
             "device 0: peak grew by 200.00 MiB; top growth: model.py:forward +200.00 MiB") in out
 
 

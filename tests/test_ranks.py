@@ -131,9 +131,10 @@ def test_job_against_job_shows_the_worst_rank_in_full(tmp_path, capsys):
     head = job(tmp_path / "head", {r: rank_snapshot(100 * MiB, extra=200 * MiB if r == 2 else 0) for r in range(4)})
     code, out, _ = run(capsys, base, head)
     assert code == 1
-    assert out.startswith("FAIL: 4 ranks compared, failing: 2\n")
+    assert out.startswith("memdiff: regression: rank 2 (of 4): peak +200.00 MiB")
+    assert "\nFAIL: 4 ranks compared, failing: 2\n" in out
     assert "worst rank: 2" in out and "model.py:gather_logits" in out
-    assert "FAIL  device 0 peak: 300.00 MiB -> 500.00 MiB" in out
+    assert "FAIL  rank 2 device 0 peak: 300.00 MiB -> 500.00 MiB" in out
     code, out, _ = run(capsys, base, head, "--format", "json")
     doc = json.loads(out)
     assert doc["verdict"] == "fail" and doc["worst_rank"] == 2
@@ -199,7 +200,8 @@ def test_a_job_baseline_gates_every_rank(tmp_path, capsys):
     head = job(tmp_path / "head" / "train", {r: rank_snapshot(100 * MiB, extra=100 * MiB if r == 3 else 0)
                                              for r in range(4)})
     code, out, _ = run(capsys, "gate", head, "--baseline", stored)
-    assert code == 1 and out.startswith("FAIL: 4 ranks compared, failing: 3") and "worst rank: 3" in out
+    assert code == 1 and out.startswith("memdiff: regression: rank 3 (of 4): ") and "worst rank: 3" in out
+    assert "\nFAIL: 4 ranks compared, failing: 3\n" in out
     code, out, _ = run(capsys, "gate", head, "--baseline", stored, "--format", "json")
     [document] = json.loads(out)
     assert document["verdict"] == "fail" and document["worst_rank"] == 3 and len(document["ranks"]) == 4

@@ -11,11 +11,11 @@ import time
 from memdiff.atomic import make_folder
 from memdiff.capture import record
 from memdiff.classify import load_rules
-from memdiff.commands.diff import render_report, write_html
-from memdiff.differ import diff
+from memdiff.commands.diff import write_html
 from memdiff.errors import InputError
 from memdiff.inputs import read_summary
-from memdiff.judge import DEFAULT_PEAK, Thresholds, judge
+from memdiff.render import render
+from memdiff.report import Run, Settings, compare
 
 RUNS = (("baseline", False), ("checkpointing", True))
 
@@ -57,11 +57,10 @@ def run(args: argparse.Namespace) -> int:
         paths.append(path)
     rules = load_rules()
     base, head = (read_summary(p, rules, history=True) for p in paths)
-    result = diff(base, head)
-    verdict = judge(result, Thresholds(DEFAULT_PEAK))
-    sys.stdout.write(render_report(result, verdict, "text", top=10, min_delta=0))
+    report = compare([Run(base)], [Run(head)], Settings(top=10))
+    sys.stdout.write(render(report, "text"))
     page = os.path.join(folder, "report.html")
-    write_html(page, result, verdict, base, head, top=10, min_delta=0)
+    write_html(page, report)
     print(f"\nmemdiff demo: open {page} for both runs over time, or try `memdiff peak {paths[0]}`",
           file=sys.stderr)
-    return 0 if verdict.passed else 1
+    return 0 if report.passed else 1

@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
-from dataclasses import dataclass, replace
 from typing import Dict, List, Tuple
 
 from memdiff.atomic import check_output, make_folder
@@ -26,16 +24,14 @@ from memdiff.commands.args import (
     rules_from,
     thresholds_from,
 )
-from memdiff.commands.diff import render_report, write_html
-from memdiff.differ import diff
+from memdiff.commands.diff import write_html
 from memdiff.errors import EXIT_BAD_INPUT, EXIT_OK, EXIT_REGRESSION, InputError, clip
 from memdiff.inputs import read_summary
-from memdiff.job import is_job, ranges, ranks_text, summarize_ranks
-from memdiff.jobdiff import JobDiff, RankDiff
-from memdiff.judge import Verdict, judge, judge_ranks
+from memdiff.job import is_job, ranges, summarize_ranks
 from memdiff.model import Summary
-from memdiff.render import json as render_json
-from memdiff.render import ranks as render_ranks
+from memdiff.render import render
+from memdiff.render.json import dumps
+from memdiff.report import Report, Run, Settings, compare
 
 DESCRIPTION = ("Compare each run with its baseline under the baseline's thresholds (flags override them) "
                "and print the report and one line per threshold. Exit 0 pass, 1 regression, 2 bad input.")
@@ -96,55 +92,43 @@ def _html_paths(path: str, runs: List[str]) -> Dict[str, str]:
     return {run: os.path.join(path, f"{stem(run)}.html") for run in runs}
 
 
-@dataclass
-class _GatedJob:
-    """A job gated against its baseline."""
-
-    job: JobDiff
-    verdict: Verdict
-    per_rank: Dict[int, Verdict]
-    failures: List[str]  # why the job fails beyond its ranks' checks
-    pairs: Dict[int, Tuple[Summary, Summary]]  # each rank's (baseline side, run side), for the HTML page
-
-
-def _gate_job(args: argparse.Namespace, job_arg: str, path: str, baseline: Baseline, rules: List[Rule],
-              history: bool) -> _GatedJob:
-    """Each rank of the job against the same rank of the job's baseline, under its thresholds.
+def _gate(args: argparse.Namespace, snap: str, path: str, baseline: Baseline, rules: List[Rule],
+          history: bool) -> Report:
+    """One run, or each rank of a job, against its baseline under the baseline's thresholds.
 
     A rank the baseline has and the run lacks fails the gate (a crashed rank must not pass); a
     rank the baseline lacks is not gated, as a run without a baseline is."""
-    if baseline.ranks is None:
-        raise InputError(path, f"is the baseline of one run and {job_arg} is a job: make a job baseline with "
-                               f"`memdiff baseline {job_arg} -o {path}`")
-    files = job_from(args, job_arg, finished=True).files
     thresholds = thresholds_from(args, rules, baseline.thresholds, path)
-    per_rank: Dict[int, Verdict] = {}
-    pairs: Dict[int, Tuple[Summary, Summary]] = {}
-    ranks, only_head = [], []
+    sha = baseline.source.get("git_sha")
+    settings = Settings(thresholds=thresholds, top=args.top, min_delta=args.min_delta, kind="gate",
+                        update_hint=f"memdiff baseline {snap} -o {path}",
+                        base_label=f"baseline {baseline.name}" + (f" @ {sha[:12]}" if sha else ""),
+                        run=snap, baseline=path, missing_ranks_fail=not args.allow_missing_ranks,
+                        unbaselined_ranks_fail=args.require_baseline)
+    if not is_job(snap):
+        base, head = comparable_pair(path, baseline, read_summary(snap, rules, history=history))
+        return compare([Run(base)], [Run(head)], settings)
+    if baseline.ranks is None:
+        raise InputError(path, f"is the baseline of one run and {snap} is a job: make a job baseline with "
+                               f"`memdiff baseline {snap} -o {path}`")
+    files = job_from(args, snap, finished=True).files
+    base_runs, head_runs = [], []
     for f, summary in zip(files, summarize_ranks(files, rules, args.dask, history)):
         stored = baseline.of_rank(f.rank)
         if stored is None:
-            only_head.append(f.rank)
+            head_runs.append(Run(summary, f.rank))
             continue
-        base, head = pairs[f.rank] = comparable_pair(path, stored, summary)
-        result = diff(base, head)
-        per_rank[f.rank] = judge(result, thresholds, update_hint=f"memdiff baseline {job_arg} -o {path}")
-        ranks.append(RankDiff(f.rank, result))
+        base, head = comparable_pair(path, stored, summary)
+        base_runs.append(Run(base, f.rank))
+        head_runs.append(Run(head, f.rank))
     present = {f.rank for f in files}
-    only_base = [r["rank"] for r in baseline.ranks if r["rank"] not in present]
-    if not ranks:
-        raise InputError(job_arg, f"no rank of the job is in the baseline {path} (it has ranks "
-                                  f"{clip(ranges([r['rank'] for r in baseline.ranks]))})")
-    failures = []
-    if only_base and not args.allow_missing_ranks:
-        failures.append(f"{ranks_text(only_base)}: in the baseline but not in the run (a rank that crashed?); "
-                        f"--allow-missing-ranks gates the others only")
-    if only_head and args.require_baseline:
-        failures.append(f"{ranks_text(only_head)}: no baseline (--require-baseline)")
-    verdict = judge_ranks(per_rank, thresholds.describe())
-    verdict = replace(verdict, passed=verdict.passed and not failures, notes=failures + verdict.notes)
-    return _GatedJob(JobDiff(ranks=ranks, only_base=only_base, only_head=only_head), verdict, per_rank, failures,
-                     pairs)
+    if not base_runs:
+        raise InputError(snap, f"no rank of the job is in the baseline {path} (it has ranks "
+                               f"{clip(ranges([r['rank'] for r in baseline.ranks]))})")
+    # A rank only the baseline has is compared with nothing: the report says it is missing.
+    base_runs += [Run(Summary(source=base_runs[0].summary.source, devices=[]), r["rank"])
+                  for r in baseline.ranks if r["rank"] not in present]
+    return compare(base_runs, head_runs, settings)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -156,50 +140,21 @@ def run(args: argparse.Namespace) -> int:
     documents = []
     publisher = publisher_from(args, expected=len(pairs))
     for snap, path in pairs:
-        baseline = read_baseline(path)
-        if is_job(snap):
-            gated = _gate_job(args, snap, path, baseline, rules, history=snap in html_paths)
-            job, verdict, per_rank = gated.job, gated.verdict, gated.per_rank
-            status = status or (EXIT_OK if verdict.passed else EXIT_REGRESSION)
-            worst = job.worst
-            if snap in html_paths:  # the page shows the worst rank
-                write_html(html_paths[snap], worst.diff, per_rank[worst.rank], *gated.pairs[worst.rank], args.top,
-                           args.min_delta, base_label=f"baseline {baseline.name} rank {worst.rank}")
-            if publisher:
-                publisher.add(worst.diff, verdict, args.top, args.min_delta,
-                              base_label=f"baseline {baseline.name} rank {worst.rank}")
-            if args.format == "json":
-                documents.append({"run": snap, "baseline": path,
-                                  **render_ranks.job_diff_document(job, verdict, per_rank)})
-                continue
-            if len(args.snapshots) > 1:
-                sys.stdout.write(f"{'## ' if args.format == 'markdown' else '== '}{snap} against {path}\n\n")
-            report = render_report(worst.diff, per_rank[worst.rank], args.format, args.top, args.min_delta)
-            sys.stdout.write(render_ranks.render_job_diff(job, verdict, per_rank, report, args.format == "markdown",
-                                                          gated.failures) + ("\n" if len(pairs) > 1 else ""))
-            continue
-        base, head = comparable_pair(path, baseline, read_summary(snap, rules, history=bool(html_paths)))
-        result = diff(base, head)
-        verdict = judge(result, thresholds_from(args, rules, baseline.thresholds, path),
-                        update_hint=f"memdiff baseline {snap} -o {path}")
-        status = status or (EXIT_OK if verdict.passed else EXIT_REGRESSION)
+        report = _gate(args, snap, path, read_baseline(path), rules, history=snap in html_paths)
+        status = status or (EXIT_OK if report.passed else EXIT_REGRESSION)
         if snap in html_paths:
-            write_html(html_paths[snap], result, verdict, base, head, args.top, args.min_delta,
-                       base_label=f"baseline {baseline.name}")
+            write_html(html_paths[snap], report)
         if publisher:
-            sha = baseline.source.get("git_sha")
-            publisher.add(result, verdict, args.top, args.min_delta,
-                          base_label=f"baseline {baseline.name}" + (f" @ {sha[:12]}" if sha else ""))
+            publisher.add(report)
         if args.format == "json":
-            documents.append({"run": snap, "baseline": path, **render_json.diff_document(result, verdict)})
+            documents.append(report.to_dict())
             continue
         if len(args.snapshots) > 1:
             sys.stdout.write(f"{'## ' if args.format == 'markdown' else '== '}{snap} against {path}\n\n")
-        sys.stdout.write(render_report(result, verdict, args.format, args.top, args.min_delta)
-                         + ("\n" if len(pairs) > 1 else ""))
+        sys.stdout.write(render(report, args.format) + ("\n" if len(pairs) > 1 else ""))
     if args.format == "json":
-        # One shape whatever the number of runs: a list, one diff document per gated run.
-        sys.stdout.write(json.dumps(documents, indent=2, ensure_ascii=False) + "\n")
+        # One shape whatever the number of runs: a list, one document per gated run.
+        sys.stdout.write(dumps(documents))
     for snap, path in missing:
         if publisher:
             publisher.add_missing(snap, path, args.require_baseline)

@@ -14,12 +14,12 @@ from memdiff.commands.args import (
     rules_from,
     size_arg,
 )
-from memdiff.differ import fold
 from memdiff.errors import EXIT_OK, EXIT_REGRESSION
 from memdiff.job import summarize_ranks
 from memdiff.judge import imbalance_check
 from memdiff.ranks import compare_ranks
 from memdiff.render import ranks as render_ranks
+from memdiff.report import device_report
 
 DESCRIPTION = ("Read a job (a folder or glob of per-rank snapshots or summaries; the rank comes from each "
                "file name) and show per rank the peak, where it is, static and category bytes; the spread "
@@ -52,6 +52,6 @@ def run(args: argparse.Namespace) -> int:
     if args.format == "json":
         sys.stdout.write(render_ranks.render_json(report, check))
     else:
-        folded = fold(report.diff.devices[0], args.top, args.min_delta) if report.diff.devices else None
-        sys.stdout.write(render_ranks.render_text(report, folded, check))
+        detail = device_report(report.diff.devices[0], args.top, args.min_delta) if report.diff.devices else None
+        sys.stdout.write(render_ranks.render_text(report, detail, check))
     return EXIT_OK if check is None or check.passed else EXIT_REGRESSION

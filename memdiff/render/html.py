@@ -20,26 +20,11 @@ from dataclasses import asdict
 from importlib import resources
 from typing import Any, Dict, List, Optional, Sequence
 
-from memdiff.differ import Diff, DiffRow, Folded
-from memdiff.judge import Verdict
 from memdiff.model import DeviceSummary, Frame, Summary
 from memdiff.peak import DevicePeak, PeakRow
-from memdiff.render.table import (
-    CATEGORY_HEADERS,
-    HEADERS,
-    PHASE_HEADERS,
-    category_rows,
-    check_line,
-    frame_line,
-    kept_line,
-    peak_line,
-    phase_rows,
-    row_cells,
-    where_line,
-)
+from memdiff.render.table import row_table
+from memdiff.report import STACK_FRAMES, DeviceReport, Report, ShownRow, Table, frame_line
 from memdiff.units import format_bytes
-
-STACK_FRAMES = 40  # frames of a stack the page keeps
 
 
 def _asset(name: str) -> str:
@@ -71,12 +56,11 @@ def _run(role: str, label: str, d: Optional[DeviceSummary]) -> Dict[str, Any]:
             "bands": bands, "bars": bars, "groups": groups}
 
 
-def _row_data(r: DiffRow) -> Dict[str, Any]:
-    members = r.member_groups()
-    return {"title": f"{r.status} {r.label or r.site} {format_bytes(r.delta_bytes, signed=True)}",
-            "signatures": sorted({m.signature for m in members}),
-            "stacks": [{"side": m.side, "count": m.count, "bytes": m.bytes, "frames": _stack(m.frames)}
-                       for m in members]}
+def _row_data(r: ShownRow) -> Dict[str, Any]:
+    return {"title": r.title, "signatures": sorted({st.signature for st in r.stacks}),
+            "stacks": [{"side": st.side, "count": st.count, "bytes": st.bytes,
+                        "frames": st.lines + ([f"... {st.more_frames} more frames"] if st.more_frames else [])}
+                       for st in r.stacks]}
 
 
 def _table(headers: Sequence[str], rows: Sequence[Sequence[str]], left: Sequence[int] = (0,),
@@ -122,60 +106,73 @@ def _charts(device: int) -> str:
             '<h3>Live at the peak</h3><div class="chart bar-charts"></div></section>')
 
 
-def _diff_rows(device: int, folded: Folded) -> str:
-    rows, attrs = [], []
-    for k, r in enumerate(folded.shown):
-        rows.append(row_cells(r))
-        attrs.append(f' class="row {r.status}" tabindex="0" data-device="{device}" data-row="r{k}"')
-    if folded.others is not None:
-        rows.append(row_cells(folded.others))
-        attrs.append("")
-    rows.append(row_cells(folded.total))
-    attrs.append(' class="total"')
-    return _table(HEADERS, rows, left=(0, 6), attrs=attrs)
+def _laid(t: Table, attrs: Sequence[str] = ()) -> str:
+    return _table(t.headers, t.rows, left=t.left, attrs=attrs)
 
 
-def _verdict(verdict: Verdict) -> List[str]:
-    mark = "pass" if verdict.passed else "fail"
-    text = "memdiff: no regression" if verdict.passed else "memdiff: regression"
-    out = [f'<p class="verdict {mark}" data-passed="{str(verdict.passed).lower()}">{html.escape(text)}</p>',
-           f"<p><strong>Rule:</strong> {html.escape(verdict.rule)}</p>", "<ul>"]
-    out += [f'<li class="mono {"pass" if c.passed else "fail"}">{html.escape(check_line(c))}</li>'
-            for c in verdict.checks]
+def _diff_rows(d: DeviceReport, marked: bool = True) -> str:
+    """The row table; `marked` rows carry what the script needs to show their stacks."""
+    attrs = [f' class="row {r.row.status}" tabindex="0" data-device="{d.device}" data-row="r{k}"' if marked
+             else f' class="row {r.row.status}"' for k, r in enumerate(d.rows)]
+    attrs += [""] * (d.others is not None) + [' class="total"']
+    return _laid(row_table(d), attrs)
+
+
+def _verdict(report: Report) -> List[str]:
+    mark = "pass" if report.passed else "fail"
+    text = "memdiff: no regression" if report.passed else "memdiff: regression"
+    out = [f'<p class="verdict {mark}" data-passed="{str(report.passed).lower()}">{html.escape(text)}</p>',
+           f'<p class="headline">{html.escape(report.headline)}</p>',
+           f"<p><strong>Rule:</strong> {html.escape(report.rule or 'not judged')}</p>", "<ul>"]
+    out += [f'<li class="mono {"pass" if c.passed else "fail"}">{html.escape(c.text)}</li>' for c in report.check_lines]
     out.append("</ul>")
-    out += [f'<p class="muted">{html.escape(n)}</p>' for n in verdict.notes]
+    out += [f'<p class="muted">{html.escape(n)}</p>' for n in report.notes]
     return out
 
 
-def render_diff(diff: Diff, verdict: Verdict, folded: Dict[int, Folded], base: Summary, head: Summary,
-                base_label: Optional[str] = None) -> str:
-    """The diff (or gate) report as one self-contained HTML page."""
-    base_name, head_name = base_label or diff.base.file, diff.head.file
+def _like_for_like(d: DeviceReport) -> List[str]:
+    """The device compared at the head's peak phase in both runs, one click away."""
+    like = d.like_for_like
+    if like is None:
+        return []
+    out = [f'<details class="like-for-like"><summary>Compare like with like: {html.escape(like.heading)}</summary>']
+    if like.categories is not None:
+        out += ["<h3>Categories at that moment</h3>", _laid(like.categories)]
+    out += ["<h3>What changed at that moment</h3>", _diff_rows(like, marked=False), "</details>"]
+    return out
+
+
+def render_diff(report: Report) -> str:
+    """The diff (or gate) report as one self-contained HTML page; a job's shows its worst rank."""
+    shown = report.shown
+    base_name, head_name = report.base_label or shown.diff.base.file, report.head_label or shown.diff.head.file
     title = f"memdiff: {base_name} → {head_name}"
     body = [f"<h1>{html.escape(title)}</h1>",
-            f'<p class="muted">base <code>{html.escape(base_name)}</code> ({html.escape(diff.base.container)}, '
-            f'{html.escape(diff.base.generation)}) → head <code>{html.escape(head_name)}</code> '
-            f'({html.escape(diff.head.container)}, {html.escape(diff.head.generation)})</p>']
-    body += _verdict(verdict)
-    body += [f'<p class="warning">{html.escape(w)}</p>' for w in diff.warnings]
+            '<p class="muted">' + " → ".join(f"{i.role} <code>{html.escape(i.file)}</code> ({html.escape(i.facts)})"
+                                            for i in report.inputs) + "</p>"]
+    body += _verdict(report)
+    if report.job is not None:
+        body += [f"<p><strong>{html.escape(report.job.summary_line)}</strong>; shown in full: rank "
+                 f"{report.job.worst_rank}</p>", _laid(report.job.table)]
+    body += [f'<p class="warning">{html.escape(w)}</p>' for w in report.warnings]
     body.append(_toolbar(compare=True))
     devices = []
-    base_devices = {d.device: d for d in base.devices}
-    head_devices = {d.device: d for d in head.devices}
-    for d in diff.devices:
-        f = folded[d.device]
-        body.append(f"<h2>device {d.device}: {html.escape(peak_line(d))}</h2>")
-        body += [f"<p>{html.escape(line)}</p>" for line in (where_line(d), kept_line(d)) if line]
+    base_devices = {d.device: d for d in shown.base.devices}
+    head_devices = {d.device: d for d in shown.head.devices}
+    for d in report.devices:
+        body.append(f"<h2>{html.escape(d.heading)}</h2>")
+        body += [f"<p>{html.escape(line)}</p>" for line in (d.where, d.kept) if line]
+        body += _like_for_like(d)
         body.append(_charts(d.device))
-        if d.phases:
-            body += ["<h3>Phase peaks</h3>", _table(PHASE_HEADERS, phase_rows(d))]
-        if d.categories:
-            body += ["<h3>Categories at the compared moment</h3>", _table(CATEGORY_HEADERS, category_rows(d))]
-        body += ["<h3>What changed</h3>", _diff_rows(d.device, f)]
+        if d.phases is not None:
+            body += ["<h3>Phase peaks</h3>", _laid(d.phases)]
+        if d.categories is not None:
+            body += ["<h3>Categories at the compared moment</h3>", _laid(d.categories)]
+        body += ["<h3>What changed</h3>", _diff_rows(d)]
         devices.append({"device": d.device,
                         "runs": [_run("base", base_name, base_devices.get(d.device)),
                                  _run("head", head_name, head_devices.get(d.device))],
-                        "rows": {f"r{k}": _row_data(r) for k, r in enumerate(f.shown)}})
+                        "rows": {f"r{k}": _row_data(r) for k, r in enumerate(d.rows)}})
     return _page(title, body, {"kind": "diff", "devices": devices})
 
 

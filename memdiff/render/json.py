@@ -1,31 +1,24 @@
-"""JSON output of summaries (the contract in schemas/summary.schema.json)."""
+"""JSON output: summaries (schemas/summary.schema.json) and reports (diff, gate and job documents)."""
 
 from __future__ import annotations
 
 import json
-from typing import Any, Dict
+from typing import Any
 
-from memdiff import __version__
-from memdiff.differ import Diff
-from memdiff.judge import Verdict
 from memdiff.model import Summary
+from memdiff.report import Report
+
+
+def dumps(data: Any) -> str:
+    """Indented JSON with a trailing newline, as every JSON output is written."""
+    return json.dumps(data, indent=2, ensure_ascii=False) + "\n"
 
 
 def render_summary(summary: Summary) -> str:
-    """The summary as indented JSON with a trailing newline."""
-    return json.dumps(summary.to_dict(), indent=2, ensure_ascii=False) + "\n"
+    """The summary as indented JSON."""
+    return dumps(summary.to_dict())
 
 
-# The diff JSON's version: bumped when a field changes meaning or disappears.
-DIFF_SCHEMA_VERSION = 1
-
-
-def diff_document(diff: Diff, verdict: Verdict) -> Dict[str, Any]:
-    """The diff contract: its version, verdict, rule, checks and per device every row, never folded."""
-    return {"schema_version": DIFF_SCHEMA_VERSION, "tool": f"memdiff {__version__}", **verdict.to_dict(),
-            **diff.to_dict()}
-
-
-def render_diff(diff: Diff, verdict: Verdict) -> str:
-    """The diff contract as indented JSON."""
-    return json.dumps(diff_document(diff, verdict), indent=2, ensure_ascii=False) + "\n"
+def render_diff(report: Report) -> str:
+    """The report's document (diff.schema.json), never folded."""
+    return dumps(report.to_dict())

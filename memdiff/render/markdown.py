@@ -4,26 +4,14 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Dict, List, Optional, cast
+from typing import List, Optional, cast
 
-from memdiff.differ import GONE, GREW, NEW, SHRANK, DeviceDiff, Diff, Folded
-from memdiff.judge import Verdict
-from memdiff.model import Frame, Source
-from memdiff.render.table import (
-    category_table,
-    check_line,
-    diff_table,
-    frame_line,
-    kept_line,
-    pct_cell,
-    peak_line,
-    phase_table,
-    where_line,
-)
+from memdiff.differ import GONE, GREW, NEW, SHRANK
+from memdiff.render.table import layout, row_table
+from memdiff.report import DeviceReport, Input, Report, Stack
 from memdiff.units import count_of, format_bytes
 
 MARKERS = {NEW: "🆕 NEW", GREW: "🔺 GREW", SHRANK: "🔻 SHRANK", GONE: "✖️ GONE"}
-STACK_FRAMES = 8
 
 
 @dataclass
@@ -45,48 +33,39 @@ def _escape(cell: str) -> str:
     return _TAG.sub("&lt;", cell.replace("|", "\\|"))
 
 
-def _input(label: Optional[str], s: Source) -> str:
-    # A baseline's source already reads `baseline NAME (file)`: its label would say it twice.
-    named = f"`{label}` · " if label and not s.file.startswith(label) else ""
-    return f"{named}`{s.file}` ({s.container}, {s.generation})"
+def _input(label: Optional[str], i: Input) -> str:
+    # A baseline's file already reads `baseline NAME (file)`: its label would say it twice.
+    named = f"`{label}` · " if label and not i.file.startswith(label) else ""
+    return f"**{i.role}** {named}`{i.file}` ({i.facts})"
 
 
-def _verdict_line(diff: Diff, verdict: Verdict) -> str:
-    mark = "✅ memdiff: no regression" if verdict.passed else "❌ memdiff: regression"
-    worst = max(diff.devices, key=lambda d: d.peak_delta_bytes, default=None)
-    if worst is None:
-        return f"### {mark}"
-    return (f"### {mark} · device {worst.device} peak {format_bytes(worst.base_peak_bytes)} → "
-            f"{format_bytes(worst.head_peak_bytes)} ({format_bytes(worst.peak_delta_bytes, signed=True)}, "
-            f"{pct_cell(worst.base_peak_bytes, worst.head_peak_bytes)})")
-
-
-def _frame_lines(frames: List[Frame]) -> List[str]:
-    lines = ["```text"] + [frame_line(f) for f in frames[:STACK_FRAMES]]
-    if len(frames) > STACK_FRAMES:
-        lines.append(f"... {count_of(len(frames) - STACK_FRAMES, 'more frame')}")
+def _frame_lines(st: Stack) -> List[str]:
+    lines = ["```text", *st.lines]
+    if st.more_frames:
+        lines.append(f"... {count_of(st.more_frames, 'more frame')}")
     return lines + ["```", ""]
 
 
-def _stacks(folded: Folded) -> List[str]:
+def _stacks(d: DeviceReport) -> List[str]:
     lines = ["<details><summary>Stacks of the rows above</summary>", ""]
-    for r in folded.shown:
-        if not r.frames:
+    for r in d.rows:
+        if not any(st.lines for st in r.stacks):
             continue
-        lines.append(f"**{r.status}** `{r.label or r.site}` {format_bytes(r.delta_bytes, signed=True)}")
-        if not r.members:
-            lines += _frame_lines(r.frames)
+        lines.append(f"**{r.row.status}** `{r.row.label or r.row.site}` {format_bytes(r.row.delta_bytes, signed=True)}")
+        if len(r.stacks) == 1:
+            lines += _frame_lines(r.stacks[0])
             continue
         # A row that aligns several groups shows each one's stack: where the memory moved.
         lines.append("")
-        for m in r.members:
-            lines.append(f"- {m.side}: {m.count:,} allocation{'s' if m.count != 1 else ''}, {format_bytes(m.bytes)}")
-            lines += ["", *_frame_lines(m.frames)]
+        for st in r.stacks:
+            lines.append(f"- {st.side}: {count_of(st.count, 'allocation')}, {format_bytes(st.bytes)}")
+            lines += ["", *_frame_lines(st)]
     return lines + ["</details>"]
 
 
-def _chart(d: DeviceDiff) -> List[str]:
-    runs = [(name, [p[i] for p in d.chart]) for i, name in ((1, "base"), (2, "head"))]
+def _chart(d: DeviceReport) -> List[str]:
+    chart = d.diff.chart
+    runs = [(name, [p[i] for p in chart]) for i, name in ((1, "base"), (2, "head"))]
     # A run with a timeline has a value in every bucket (differ fills the empty ones); one without has none.
     lines_by_run = [(name, cast(List[int], values)) for name, values in runs if values and values[0] is not None]
     if not lines_by_run:
@@ -103,29 +82,48 @@ def _chart(d: DeviceDiff) -> List[str]:
     return out
 
 
-def render_diff(diff: Diff, verdict: Verdict, folded: Dict[int, Folded], options: Optional[Options] = None) -> str:
-    """The diff report in GitHub-flavoured markdown."""
+def _device(d: DeviceReport, o: Options) -> List[str]:
+    lines = ["", f"#### {d.heading}"]
+    lines += ["", *(_escape(line) for line in (d.where, d.kept) if line)]
+    for t in (d.phases, d.categories):
+        if t is not None:
+            lines += ["", layout(t, "github")]
+    lines += ["", layout(row_table(d, status=lambda s: MARKERS.get(s, s)), "github", escape=_escape)]
+    if o.details:
+        lines += ["", *_stacks(d)]
+    if d.like_for_like is not None:
+        like = d.like_for_like
+        lines += ["", f"<details><summary>Like with like: {_escape(like.heading)}</summary>", ""]
+        if like.categories is not None:
+            lines += [layout(like.categories, "github"), ""]
+        lines += [layout(row_table(like, status=lambda s: MARKERS.get(s, s)), "github", escape=_escape), "",
+                  "</details>"]
+    if o.chart:
+        chart = _chart(d)
+        lines += ["", *chart] if chart else []
+    return lines
+
+
+def render_diff(report: Report, options: Optional[Options] = None) -> str:
+    """The report in GitHub-flavoured markdown: the verdict and headline first, details folded."""
     o = options or Options()
-    lines = [_verdict_line(diff, verdict), "",
-             f"**base** {_input(o.base_label, diff.base)} → **head** {_input(o.head_label, diff.head)}"]
-    if diff.warnings:
-        lines += ["", "> [!WARNING]", *(f"> {_escape(w)}  " for w in diff.warnings)]
-    for d in diff.devices:
-        lines += ["", f"#### device {d.device}: {peak_line(d)}; static {format_bytes(d.base_static_bytes)} -> "
-                      f"{format_bytes(d.head_static_bytes)}"]
-        lines += ["", *(_escape(line) for line in (where_line(d), kept_line(d)) if line)]
-        if d.phases:
-            lines += ["", phase_table(d, "github")]
-        if d.categories:
-            lines += ["", category_table(d, "github")]
-        lines += ["", diff_table(folded[d.device], "github", escape=_escape, status=lambda s: MARKERS.get(s, s))]
-        if o.details:
-            lines += ["", *_stacks(folded[d.device])]
-        if o.chart:
-            chart = _chart(d)
-            lines += ["", *chart] if chart else []
-    lines += ["", f"**Rule:** {verdict.rule}", ""]
-    lines += [f"- {'✅' if c.passed else '❌'} {check_line(c)}" for c in verdict.checks]
-    lines += ["", *(_escape(n) for n in verdict.notes)] if verdict.notes else []
+    mark = ("memdiff" if report.verdict is None else "✅ memdiff: no regression" if report.passed
+            else "❌ memdiff: regression")
+    lines = [f"### {mark}", "", f"**{_escape(report.headline)}**", ""]
+    if report.job is not None:
+        lines += [f"**{report.job.summary_line}**", "", layout(report.job.table, "github"), "",
+                  f"Worst rank, shown in full: **{report.job.worst_rank}**", ""]
+    base, head = report.inputs
+    lines.append(f"{_input(o.base_label or report.base_label, base)} → "
+                 f"{_input(o.head_label or report.head_label, head)}")
+    if report.warnings:
+        lines += ["", "> [!WARNING]", *(f"> {_escape(w)}  " for w in report.warnings)]
+    for d in report.devices:
+        lines += _device(d, o)
+    lines += ["", f"**Rule:** {report.rule}", ""] if report.rule else []
+    lines += [f"- {'✅' if c.passed else '❌'} {c.text}" for c in report.check_lines]
+    lines += ["", *(_escape(n) for n in report.notes)] if report.notes else []
+    if report.job is not None and report.job.other_failures:
+        lines += ["", "Other ranks:", "", *(f"- ❌ {line}" for line in report.job.other_failures)]
     lines += ["", f"*{o.note}*"] if o.note else []
     return "\n".join(lines) + "\n"

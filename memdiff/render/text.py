@@ -3,24 +3,15 @@
 from __future__ import annotations
 
 from datetime import datetime, timezone
-from typing import Dict, List, Optional
+from typing import List, Optional
 
 from tabulate import tabulate
 
-from memdiff.differ import Diff, Folded, overflow_text
-from memdiff.judge import Verdict
-from memdiff.model import Source, Summary
+from memdiff.differ import overflow_text
+from memdiff.model import Summary
 from memdiff.peak import PHASE_COLUMNS, DevicePeak, Kept, PeakRow, StepRow
-from memdiff.render.table import (
-    category_table,
-    check_line,
-    diff_table,
-    frame_line,
-    kept_line,
-    peak_line,
-    phase_table,
-    where_line,
-)
+from memdiff.render.table import layout, row_table
+from memdiff.report import DeviceReport, Report, frame_line
 from memdiff.units import count_of, format_bytes
 
 STACK_LINES = 6
@@ -134,36 +125,44 @@ def render_peak(summary: Summary, peaks: List[DevicePeak]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _input_line(role: str, s: Source) -> str:
-    return f"{role}  {s.file}  ({s.container}, format {s.generation}, sha256 {s.sha256[:12]})"
-
-
-def render_stacks(folded: Dict[int, Folded]) -> str:
+def render_stacks(report: Report) -> str:
     """The stacks of the shown rows, for a reader who asked for more (pytest -v)."""
     lines = []
-    for device, f in folded.items():
-        for r in f.shown:
-            if r.frames:
-                lines.append(f"device {device} {r.status} {r.label or r.site} "
-                             f"{format_bytes(r.delta_bytes, signed=True)}")
-                lines += ["  " + frame_line(frame) for frame in r.frames[:STACK_LINES * 2]]
+    for d in report.devices:
+        for r in d.rows:
+            for st in r.stacks:
+                lines.append(f"device {d.device} {r.title} ({st.side}: {count_of(st.count, 'allocation')}, "
+                             f"{format_bytes(st.bytes)})")
+                lines += ["  " + line for line in st.lines]
+                lines += [f"  … {count_of(st.more_frames, 'more frame')}"] if st.more_frames else []
     return "\n".join(lines) + "\n"
 
 
-def render_diff(diff: Diff, verdict: Verdict, folded: Dict[int, Folded]) -> str:
-    """What `memdiff BASE HEAD` prints: inputs, warnings, per device the aligned rows, the rule and verdict."""
-    lines = [_input_line("base", diff.base), _input_line("head", diff.head)]
-    lines += [f"warning: {w}" for w in diff.warnings]
-    for d in diff.devices:
-        lines += ["", f"device {d.device}: {peak_line(d)}; static {format_bytes(d.base_static_bytes)} -> "
-                      f"{format_bytes(d.head_static_bytes)}"]
-        lines += [line for line in (where_line(d), kept_line(d)) if line]
-        if d.phases:
-            lines += ["", phase_table(d, "simple")]
-        if d.categories:
-            lines += ["", category_table(d, "simple")]
-        lines += ["", diff_table(folded[d.device], "simple")]
-    lines += ["", f"rule: {verdict.rule}"]
-    lines += [check_line(c) for c in verdict.checks]
-    lines += verdict.notes
+def _device(d: DeviceReport) -> List[str]:
+    lines = ["", d.heading]
+    lines += [line for line in (d.where, d.kept) if line]
+    for t in (d.phases, d.categories):
+        if t is not None:
+            lines += ["", layout(t, "simple")]
+    lines += ["", layout(row_table(d), "simple")]
+    return lines
+
+
+def render_diff(report: Report) -> str:
+    """What `memdiff BASE HEAD` prints: the verdict and headline, the inputs, warnings, per device
+    the phase, category and row tables, then the rule and each check; a job's ranks first."""
+    verdict = "" if report.verdict is None else "no regression: " if report.passed else "regression: "
+    lines = [f"memdiff: {verdict}{report.headline}", ""]
+    if report.job is not None:
+        lines += [report.job.summary_line, "", layout(report.job.table, "simple"), "",
+                  f"worst rank: {report.job.worst_rank}", ""]
+    lines += [f"{i.role}  {i.file}  ({i.facts})" for i in report.inputs]
+    lines += [f"warning: {w}" for w in report.warnings]
+    for d in report.devices:
+        lines += _device(d)
+    lines += ["", f"rule: {report.rule}"] if report.rule else []
+    lines += [c.text for c in report.check_lines]
+    lines += report.notes
+    if report.job is not None and report.job.other_failures:
+        lines += ["", "other ranks:", *report.job.other_failures]
     return "\n".join(lines) + "\n"

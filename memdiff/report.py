@@ -1,0 +1,542 @@
+"""report: runs -> diff -> judge -> Report, every word and number any output shows, decided once.
+
+`compare` is the one analysis entry for a run or a job (a job is runs with rank numbers): it
+aligns each pair of runs, judges it, and returns a Report holding the verdict, the headline,
+where each peak is, the phase and category tables, kept memory, the rows as shown (folded,
+labelled, with their stacks trimmed) and the JSON document. The CLI, the API, the pytest
+plugin, the GitHub publisher and `memdiff ranks` call it, then hand the Report to a renderer;
+renderers lay it out and compute nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any, Dict, List, Optional, Sequence
+
+from memdiff import __version__
+from memdiff.differ import (
+    BY_SITE,
+    NEW,
+    PEAK,
+    SAME,
+    CategoryDelta,
+    DeviceDiff,
+    Diff,
+    DiffRow,
+    diff,
+    label_rows,
+    where_text,
+)
+from memdiff.errors import InputError
+from memdiff.job import ranges, ranks_text
+from memdiff.judge import DEFAULT_PEAK, Check, Thresholds, Verdict, growth_pct, judge, judge_ranks
+from memdiff.model import Frame, Source, Summary
+from memdiff.units import count_of, format_bytes
+
+DEFAULT_TOP = 20
+STACK_FRAMES = 16  # frames of a stack any output shows; the rest are counted
+SITES_NAMED = 2  # sites the headline names for the category that moved
+KEPT_SITES = 3  # sites the kept line names
+# Beyond this a percent is not read as a number any more: `x13.4` says it better.
+RATIO_FROM_PCT = 999
+# Growth past RATIO_FROM_PCT from less than this is growth from nothing: `x13,398,529.0` from a 4 B
+# scalar says less than `new`.
+NEW_BELOW_BYTES = 1024
+
+# The JSON documents' version: bumped when a field changes meaning or disappears.
+DIFF_SCHEMA_VERSION = 1
+RANKS_SCHEMA_VERSION = 1
+
+ROW_HEADERS = ["status", "count", "base", "head", "delta", "%", "site"]
+PHASE_HEADERS = ["phase peak", "base", "head", "delta", "%"]
+CATEGORY_HEADERS = ["category", "base", "head", "delta", "%"]
+RANK_HEADERS = ["rank", "device", "base peak", "head peak", "delta", "%", "verdict"]
+
+
+# --- wording shared by every output ----------------------------------------------------------
+
+def frame_line(f: Frame) -> str:
+    """One stack frame as every report prints it: `file:line function`, or a native frame's name."""
+    if not f.file:
+        return f.name
+    return f"{f.file}:{f.line} {f.name}" if f.line else f"{f.file} {f.name}"
+
+
+def pct_cell(base: int, head: int) -> str:
+    """Signed percent change; a ratio (`x13.4`) past +999%; `new` when there was (next to) nothing before."""
+    pct = growth_pct(base, head)
+    if pct is None:
+        return "new" if head else ""
+    if pct > RATIO_FROM_PCT:
+        return "new" if base < NEW_BELOW_BYTES else f"x{head / base:,.1f}"
+    return f"{pct:+.1f}%"
+
+
+def change_text(base: int, head: int) -> str:
+    """`+1.95 GiB (+29.8%)`, `+4.00 MiB (new)`."""
+    pct = pct_cell(base, head)
+    return format_bytes(head - base, signed=True) + (f" ({pct})" if pct else "")
+
+
+def check_line(c: Check) -> str:
+    """`FAIL  device 0 peak: 6.53 GiB -> 8.48 GiB, +1.95 GiB (+29.8%), limit: more than 1% and ...`."""
+    return (f"{'PASS' if c.passed else 'FAIL'}  {c.subject}: {format_bytes(c.base_bytes)} -> "
+            f"{format_bytes(c.head_bytes)}, {change_text(c.base_bytes, c.head_bytes)}, limit: {c.limit}")
+
+
+def moment_name(at: str) -> str:
+    """`peak`, or `forward peak` when compared at a phase's peak."""
+    return "peak" if at == PEAK else f"{at} peak"
+
+
+# --- what crosses to the renderers -----------------------------------------------------------
+
+@dataclass
+class Table:
+    """A table as every output shows it: headers, cells, and which columns read left-aligned."""
+
+    headers: List[str]
+    rows: List[List[str]]
+    left: List[int] = field(default_factory=lambda: [0])
+
+
+@dataclass
+class Stack:
+    """One group's stack as shown: trimmed to STACK_FRAMES lines, the rest counted."""
+
+    side: str  # "base" or "head"
+    count: int
+    bytes: int
+    signature: str
+    lines: List[str]
+    more_frames: int
+
+
+@dataclass
+class ShownRow:
+    """A row of the diff table as every output shows it, and the groups behind it."""
+
+    row: DiffRow
+    cells: List[str]  # in ROW_HEADERS order
+    title: str  # `GREW linear <- addmm +4.00 MiB`
+    stacks: List[Stack]
+
+
+@dataclass
+class CheckLine:
+    """One threshold's result, in words."""
+
+    passed: bool
+    text: str
+
+
+@dataclass
+class DeviceReport:
+    """One device of the compared pair, ready to show."""
+
+    device: int
+    diff: DeviceDiff
+    heading: str  # `device 0: peak 6.53 GiB -> 8.48 GiB (+1.95 GiB, +29.8%); static ...`
+    where: Optional[str]  # where each run's peak is
+    kept: Optional[str]  # memory kept from earlier steps, when head keeps more
+    phases: Optional[Table]
+    categories: Optional[Table]
+    rows: List[ShownRow]
+    others: Optional[List[str]]  # the folded rest's cells
+    total: List[str]
+    like_for_like: Optional["DeviceReport"] = None  # the same device at the head's peak phase in both runs
+
+
+@dataclass
+class Input:
+    """One side of the comparison: its file and what it is."""
+
+    role: str  # "base" or "head"
+    file: str
+    facts: str  # `pickle, format 2.x, sha256 1a2b3c4d5e6f`
+
+
+@dataclass
+class RankResult:
+    """One rank of both jobs (or the one pair of a run), compared and judged."""
+
+    rank: Optional[int]
+    diff: Diff
+    verdict: Optional[Verdict]
+    base: Summary
+    head: Summary
+
+    @property
+    def peak_delta_bytes(self) -> int:
+        """The largest peak change over the pair's devices (growth before shrinkage)."""
+        return max((d.peak_delta_bytes for d in self.diff.devices), default=0)
+
+
+@dataclass
+class JobPart:
+    """What a job adds to the worst rank's report: the verdict over ranks, a line per rank, and
+    the failing checks of the ranks not shown in full."""
+
+    summary_line: str  # `FAIL: 4 ranks compared, failing: 1, 3`
+    table: Table
+    worst_rank: int
+    other_failures: List[str]
+    only_base: List[int]
+    only_head: List[int]
+    failures: List[str]  # why the job fails beyond its ranks' checks
+
+
+@dataclass
+class Report:
+    """Everything any output of one comparison shows (a run's, or a job's: its worst rank in full)."""
+
+    kind: str  # "diff" or "gate"
+    verdict: Optional[Verdict]  # None: compared, not judged (the API's `diff`)
+    headline: str
+    inputs: List["Input"]  # base's, then head's
+    base_label: Optional[str]  # what names a run beside its file (`baseline train @ 1a2b3c`), when given
+    head_label: Optional[str]
+    warnings: List[str]
+    devices: List[DeviceReport]
+    check_lines: List[CheckLine]
+    notes: List[str]
+    results: List[RankResult]  # every pair; one without a rank for a run
+    top: int
+    min_delta: int
+    job: Optional[JobPart] = None
+    run: Optional[str] = None  # what was gated and against which baseline, for the gate's documents
+    baseline: Optional[str] = None
+
+    @property
+    def passed(self) -> bool:
+        """Whether every check passed (a report that was not judged has none to fail)."""
+        return self.verdict is None or self.verdict.passed
+
+    @property
+    def checks(self) -> List[Check]:
+        """The verdict's checks, as values."""
+        return self.verdict.checks if self.verdict else []
+
+    @property
+    def rule(self) -> Optional[str]:
+        """The rule judged by, in words; None when not judged."""
+        return self.verdict.rule if self.verdict else None
+
+    @property
+    def shown(self) -> RankResult:
+        """The pair shown in full: the run, or the job's worst rank."""
+        return next(r for r in self.results if self.job is None or r.rank == self.job.worst_rank)
+
+    @property
+    def diff(self) -> Diff:
+        """The Diff shown in full."""
+        return self.shown.diff
+
+    def refolded(self, top: int) -> "Report":
+        """The same report with at most `top` rows per device (the GitHub comment shrinks to fit)."""
+        return replace(self, devices=[device_report(d.diff, top, self.min_delta,
+                                                     d.like_for_like.diff if d.like_for_like else None)
+                                      for d in self.devices],
+                       top=top)
+
+    def to_dict(self) -> Dict[str, Any]:
+        """The JSON document (diff.schema.json; gate.schema.json adds `run` and `baseline`): every row, never folded."""
+        named = {"run": self.run, "baseline": self.baseline} if self.run is not None else {}
+        judged = self.verdict.to_dict() if self.verdict else {}
+        head: Dict[str, Any] = {**named, "schema_version": DIFF_SCHEMA_VERSION, "tool": f"memdiff {__version__}",
+                                **judged, "headline": self.headline}
+        if self.job is None:
+            return {**head, **self.diff.to_dict()}
+        head["schema_version"] = RANKS_SCHEMA_VERSION
+        return {**head, "warnings": self.warnings, "worst_rank": self.job.worst_rank,
+                "only_base": self.job.only_base, "only_head": self.job.only_head,
+                "ranks": [{"rank": r.rank, "schema_version": DIFF_SCHEMA_VERSION, "tool": f"memdiff {__version__}",
+                           **(r.verdict.to_dict() if r.verdict else {}), **r.diff.to_dict()} for r in self.results]}
+
+
+# --- building it -----------------------------------------------------------------------------
+
+@dataclass
+class Run:
+    """One side's run: a Summary, with its rank when it is one rank of a job."""
+
+    summary: Summary
+    rank: Optional[int] = None
+
+
+@dataclass
+class Settings:
+    """How to compare, judge and show: the thresholds, the moment, the folding, the names."""
+
+    thresholds: Optional[Thresholds] = field(default_factory=lambda: Thresholds(DEFAULT_PEAK))  # None: not judged
+    at: str = PEAK
+    top: int = DEFAULT_TOP
+    min_delta: int = 0
+    kind: str = "diff"
+    update_hint: Optional[str] = None  # the command that refreshes a baseline, for a peak that went down
+    base_label: Optional[str] = None
+    head_label: Optional[str] = None
+    run: Optional[str] = None
+    baseline: Optional[str] = None
+    missing_ranks_fail: bool = False  # a rank only base has fails (a gate: a rank that crashed)
+    unbaselined_ranks_fail: bool = False  # a rank only head has fails (a gate with --require-baseline)
+
+
+def compare(base: Sequence[Run], head: Sequence[Run], settings: Optional[Settings] = None) -> Report:
+    """The one analysis entry: align, judge and describe two runs, or two jobs rank by rank.
+
+    A job regresses when any rank does; its report shows the worst rank (the largest peak growth)
+    in full and every rank a line. InputError when two jobs share no rank."""
+    s = settings or Settings()
+    is_job = len(base) != 1 or len(head) != 1 or base[0].rank is not None or head[0].rank is not None
+    b = {r.rank: r.summary for r in base}
+    h = {r.rank: r.summary for r in head}
+    common = sorted(set(b) & set(h), key=lambda r: -1 if r is None else r)
+    if not common:
+        raise InputError("job", f"base has ranks {ranges(sorted(k for k in b if k is not None))} and head "
+                                f"{ranges(sorted(k for k in h if k is not None))}: none to compare")
+    results = []
+    for rank in common:
+        result = diff(b[rank], h[rank], at=s.at)
+        verdict = judge(result, s.thresholds, s.update_hint) if s.thresholds is not None else None
+        results.append(RankResult(rank, result, verdict, b[rank], h[rank]))
+    if not is_job:
+        return _report(s, results[0].verdict, results, None)
+    only_base = sorted(k for k in set(b) - set(h) if k is not None)
+    only_head = sorted(k for k in set(h) - set(b) if k is not None)
+    failures = []
+    if only_base and s.missing_ranks_fail:
+        failures.append(f"{ranks_text(only_base)}: in the baseline but not in the run (a rank that crashed?); "
+                        f"--allow-missing-ranks gates the others only")
+    if only_head and s.unbaselined_ranks_fail:
+        failures.append(f"{ranks_text(only_head)}: no baseline (--require-baseline)")
+    per_rank = {r.rank: r.verdict for r in results if r.rank is not None and r.verdict is not None}
+    verdict = None
+    if s.thresholds is not None:
+        verdict = judge_ranks(per_rank, s.thresholds.describe())
+        verdict = replace(verdict, passed=verdict.passed and not failures, notes=failures + verdict.notes)
+    worst = max(results, key=lambda r: (r.peak_delta_bytes, -(r.rank or 0)))
+    assert worst.rank is not None  # a job's runs all have ranks
+    failing = [r.rank for r in results if r.verdict is not None and not r.verdict.passed and r.rank is not None]
+    word = "" if verdict is None else "PASS: " if verdict.passed else "FAIL: "
+    job = JobPart(
+        summary_line=(f"{word}{len(results):,} ranks compared"
+                      + (f", failing: {ranges(failing)}" if failing else "")),
+        table=Table(RANK_HEADERS, [[str(r.rank), str(d.device), format_bytes(d.base_peak_bytes),
+                                    format_bytes(d.head_peak_bytes), format_bytes(d.peak_delta_bytes, signed=True),
+                                    pct_cell(d.base_peak_bytes, d.head_peak_bytes),
+                                    "" if r.verdict is None else "PASS" if r.verdict.passed else "FAIL"]
+                                   for r in results for d in r.diff.devices], left=[6]),
+        worst_rank=worst.rank,
+        other_failures=[check_line(c) for c in (verdict.checks if verdict else [])
+                        if not c.passed and not c.subject.startswith(f"rank {worst.rank} ")],
+        only_base=only_base, only_head=only_head, failures=failures)
+    return _report(s, verdict, results, job)
+
+
+def _report(s: Settings, verdict: Optional[Verdict], results: List[RankResult], job: Optional[JobPart]) -> Report:
+    shown = next(r for r in results if job is None or r.rank == job.worst_rank)
+    devices = []
+    for d in shown.diff.devices:
+        devices.append(device_report(d, s.top, s.min_delta, _like_for_like(d, shown.base, shown.head)))
+    warnings = list(shown.diff.warnings)
+    if job is not None:
+        warnings = ([f"{ranks_text(job.only_base)} only in base, not compared"] if job.only_base else []) + \
+                   ([f"{ranks_text(job.only_head)} only in head, not compared"] if job.only_head else []) + \
+                   [f"rank {job.worst_rank}: {w}" for w in warnings]
+    headline = _headline(devices)
+    if job is not None:
+        headline = f"rank {job.worst_rank} (of {len(results):,}): {headline}"
+    return Report(kind=s.kind, verdict=verdict, headline=headline,
+                  inputs=[_input("base", shown.diff.base), _input("head", shown.diff.head)],
+                  base_label=s.base_label, head_label=s.head_label, warnings=warnings, devices=devices,
+                  check_lines=[CheckLine(c.passed, check_line(c)) for c in (verdict.checks if verdict else [])
+                               if _shown(c.subject, job)],
+                  notes=[n for n in (verdict.notes if verdict else []) if job is None or n in job.failures
+                         or _shown(n, job)],
+                  results=results, top=s.top, min_delta=s.min_delta, job=job, run=s.run, baseline=s.baseline)
+
+
+def _shown(text: str, job: Optional[JobPart]) -> bool:
+    """Whether a check or note belongs in the full report: a run's all do, a job's those of its
+    worst rank (the others' failures are listed apart)."""
+    return job is None or text.startswith(f"rank {job.worst_rank} ")
+
+
+def _input(role: str, source: Source) -> Input:
+    sha = f", sha256 {source.sha256[:12]}" if source.sha256 else ""
+    return Input(role, source.file, f"{source.container}, format {source.generation}{sha}")
+
+
+def _like_for_like(d: DeviceDiff, base: Summary, head: Summary) -> Optional[DeviceDiff]:
+    """The device compared at the head's peak phase in both runs, when the peaks are in different
+    phases and both runs keep what was live then (a baseline keeps only its peak's groups)."""
+    phase = d.head_peak_phase
+    if d.at != PEAK or not phase or not d.base_peak_phase or phase == d.base_peak_phase:
+        return None
+    b = next((x for x in base.devices if x.device == d.device), None)
+    h = next((x for x in head.devices if x.device == d.device), None)
+    if b is None or h is None or not (b.at(phase) or (0, [], {}))[1] or h.at(phase) is None:
+        return None
+    pair = diff(replace(base, devices=[b]), replace(head, devices=[h]), at=phase)
+    return pair.devices[0]
+
+
+def _stacks(r: DiffRow) -> List[Stack]:
+    return [Stack(m.side, m.count, m.bytes, m.signature, [frame_line(f) for f in m.frames[:STACK_FRAMES]],
+                  max(0, len(m.frames) - STACK_FRAMES)) for m in r.member_groups()]
+
+
+def _count(r: DiffRow) -> str:
+    if r.base_count == r.head_count:
+        return f"{r.base_count:,}"
+    counts = f"{r.base_count:,} -> {r.head_count:,}"
+    # Fewer allocations holding more bytes (or more holding fewer) is not a typo: say why.
+    if r.head_count < r.base_count and r.delta_bytes > 0:
+        return counts + " (fewer, larger)"
+    if r.head_count > r.base_count and r.delta_bytes < 0:
+        return counts + " (more, smaller)"
+    return counts
+
+
+def _cells(r: DiffRow) -> List[str]:
+    site = (r.label or r.site) + (" (matched by site)" if r.matched_by == BY_SITE else "")
+    pct = "new" if r.status == NEW else pct_cell(r.base_bytes, r.head_bytes)
+    return [r.status, _count(r), format_bytes(r.base_bytes), format_bytes(r.head_bytes),
+            format_bytes(r.delta_bytes, signed=True), pct, site]
+
+
+def _sum_cells(label: str, rows: Sequence[DiffRow]) -> List[str]:
+    total = DiffRow(status="", site=label, signature="", category=None,
+                    base_count=sum(r.base_count for r in rows), head_count=sum(r.head_count for r in rows),
+                    base_bytes=sum(r.base_bytes for r in rows), head_bytes=sum(r.head_bytes for r in rows),
+                    delta_bytes=sum(r.delta_bytes for r in rows), frames=[], matched_by=None)
+    return _cells(total)
+
+
+def device_report(d: DeviceDiff, top: int, min_delta: int, like: Optional[DeviceDiff] = None) -> DeviceReport:
+    """Fold the rows (Bloaty style: the top `top` that changed by at least `min_delta`, the rest in
+    one row, and a TOTAL that adds up to the delta exactly) and word the device's lines."""
+    changed = [r for r in d.rows if r.status != SAME and abs(r.delta_bytes) >= max(min_delta, 1)]
+    kept_ids = {id(r) for r in changed[:top]}
+    shown = [replace(r) for r in changed[:top]]
+    label_rows(shown)  # a context is added only where two shown rows would read alike
+    rest = [r for r in d.rows if id(r) not in kept_ids]
+    others_label = count_of(len(rest), "other")
+    moment = moment_name(d.at)
+    return DeviceReport(
+        device=d.device, diff=d,
+        heading=(f"device {d.device}: {moment} {format_bytes(d.base_peak_bytes)} -> "
+                 f"{format_bytes(d.head_peak_bytes)} ({format_bytes(d.peak_delta_bytes, signed=True)}, "
+                 f"{pct_cell(d.base_peak_bytes, d.head_peak_bytes)}); static {format_bytes(d.base_static_bytes)} -> "
+                 f"{format_bytes(d.head_static_bytes)}"),
+        where=_where(d), kept=_kept(d),
+        phases=Table(PHASE_HEADERS, [[p.phase, "" if p.base_peak_bytes is None else format_bytes(p.base_peak_bytes),
+                                      "" if p.head_peak_bytes is None else format_bytes(p.head_peak_bytes),
+                                      format_bytes(p.delta_bytes, signed=True),
+                                      pct_cell(p.base_peak_bytes or 0, p.head_peak_bytes or 0)]
+                                     for p in d.phases]) if d.phases else None,
+        categories=Table(CATEGORY_HEADERS, [[c.category, format_bytes(c.base_bytes), format_bytes(c.head_bytes),
+                                             format_bytes(c.delta_bytes, signed=True),
+                                             pct_cell(c.base_bytes, c.head_bytes)]
+                                            for c in d.categories]) if d.categories else None,
+        rows=[ShownRow(r, _cells(r), f"{r.status} {r.label or r.site} {format_bytes(r.delta_bytes, signed=True)}",
+                       _stacks(r)) for r in shown],
+        others=_sum_cells(others_label, rest) if rest else None,
+        total=_sum_cells("TOTAL", d.rows),
+        like_for_like=device_report(like, top, min_delta, None) if like is not None else None)
+
+
+def _where(d: DeviceDiff) -> Optional[str]:
+    """Where each run's peak is: `base peak in the optimizer step of step 0 (scope ...); head peak in ...`."""
+    if not (d.base_peak_phase or d.head_peak_phase):
+        return None
+    parts = []
+    for role, phase, step, scope in (("base", d.base_peak_phase, d.base_peak_step, d.base_peak_scope),
+                                     ("head", d.head_peak_phase, d.head_peak_step, d.head_peak_scope)):
+        text = f"{role} peak in {where_text(phase, step)}" if phase else f"{role} peak: phase unknown"
+        parts.append(text + (f" (scope {scope})" if scope else ""))
+    return "; ".join(parts)
+
+
+def _kept(d: DeviceDiff) -> Optional[str]:
+    """`kept from earlier steps: 0 B -> 51.10 MiB (activation: modeling_llama.py:forward +51.10 MiB)`,
+    when head keeps more memory from earlier steps than base."""
+    k = d.kept
+    if k is None or k.head_bytes <= k.base_bytes:
+        return None
+    named = ", ".join(f"{r.category}: {r.label or r.site} "
+                      f"{format_bytes(r.head_earlier_bytes - r.base_earlier_bytes, signed=True)}"
+                      for r in k.rows[:KEPT_SITES])
+    return (f"kept from earlier steps (not parameters, gradients or optimizer state): "
+            f"{format_bytes(k.base_bytes)} -> {format_bytes(k.head_bytes)} ({named})")
+
+
+# --- the headline ----------------------------------------------------------------------------
+
+def _cause(d: DeviceDiff, sign: int) -> Optional[str]:
+    """The category that moved most in the direction of `sign`, and the sites that carry it."""
+    moved: List[CategoryDelta] = [c for c in d.categories if c.delta_bytes * sign > 0]
+    if not moved:
+        return None
+    c = max(moved, key=lambda c: (abs(c.delta_bytes), c.category))
+    rows = [r for r in d.rows if r.category == c.category and r.delta_bytes * sign > 0][:SITES_NAMED]
+    label_rows(rows := [replace(r) for r in rows])
+    sites = ", ".join(f"{r.label or r.site} {format_bytes(r.delta_bytes, signed=True)}"
+                      + (" new" if r.status == NEW else "") for r in rows)
+    return f"{c.category} {change_text(c.base_bytes, c.head_bytes)}" + (f" ({sites})" if sites else "")
+
+
+def _phase_tail(d: DeviceDiff, moved_to: Optional[str]) -> str:
+    """The other phases' peaks that did not move (or within 1%): `the optimizer step is unchanged`."""
+    parts = []
+    for p in d.phases:
+        if p.phase == moved_to or p.base_peak_bytes is None or p.head_peak_bytes is None:
+            continue
+        if p.delta_bytes == 0:
+            parts.append(f"{where_text(p.phase, None)} is unchanged")
+        elif abs(p.delta_bytes) * 100 < p.base_peak_bytes:
+            parts.append(f"{where_text(p.phase, None)} is within 1% ({format_bytes(p.delta_bytes, signed=True)})")
+    return "".join(f"; {part}" for part in parts)
+
+
+def _device_headline(r: DeviceReport) -> str:
+    d = r.diff
+    moment = moment_name(d.at)
+    if d.peak_delta_bytes == 0:
+        text = f"{moment} unchanged at {format_bytes(d.head_peak_bytes)}"
+    else:
+        text = f"{moment} {change_text(d.base_peak_bytes, d.head_peak_bytes)}"
+    moved = d.at == PEAK and d.base_peak_phase and d.head_peak_phase and d.base_peak_phase != d.head_peak_phase
+    if moved:
+        text += (f", now in {where_text(d.head_peak_phase, None)} "
+                 f"(it was in {where_text(d.base_peak_phase, None)})")
+    elif d.at == PEAK and d.head_peak_phase:
+        text += f", in {where_text(d.head_peak_phase, None)}"
+    sign = 1 if d.peak_delta_bytes >= 0 else -1
+    if moved and r.like_for_like is not None:
+        # Rows at two different moments explain nothing: name the cause at the head's peak phase in both.
+        cause = _cause(r.like_for_like.diff, sign)
+        if cause:
+            text += f": at the {d.head_peak_phase} peak of both, {cause}"
+    else:
+        cause = _cause(d, sign) if d.peak_delta_bytes else None
+        if cause:
+            text += f": {cause}"
+    if not cause and not d.peak_delta_bytes and not any(x.delta_bytes for x in d.rows):
+        text += "; no group changed"
+    text += _phase_tail(d, d.head_peak_phase if moved else None)
+    if r.kept:
+        k = d.kept
+        assert k is not None  # a kept line is written only from kept memory
+        text += f"; kept from earlier steps {change_text(k.base_bytes, k.head_bytes)}"
+    return text
+
+
+def _headline(devices: Sequence[DeviceReport]) -> str:
+    """One sentence a reviewer reads first: what grew, in which phase, and the sites that carry it."""
+    if not devices:
+        return "no device memory in either run"
+    worst = max(devices, key=lambda r: (r.diff.peak_delta_bytes, abs(r.diff.peak_delta_bytes), -r.device))
+    text = _device_headline(worst)
+    return f"device {worst.device}: {text}" if len(devices) > 1 else text
