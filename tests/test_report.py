@@ -1,0 +1,84 @@
+"""One report, computed once: every output opens with the same headline, the API's documents are
+the CLI's, and a passing gate lists only what changed."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from memdiff.classify import load_rules
+from memdiff.cli import main
+from memdiff.inputs import read_summary
+from memdiff.units import format_bytes
+
+CTX128, CTX256 = "cs336-medium-ctx128-train.pickle", "cs336-medium-ctx256-train.pickle"
+
+
+def _out(capsys, *argv) -> str:
+    main([str(a) for a in argv])
+    return capsys.readouterr().out
+
+
+def test_the_headline_names_the_moved_peak_and_its_cause_like_for_like(shared, capsys):
+    base, head = shared / CTX128, shared / CTX256
+    doc = json.loads(_out(capsys, base, head, "--format", "json"))
+    headline = doc["headline"]
+    # Ground truth from the summaries' own phase peaks, not from the diff: activations at the
+    # forward peak of each run, and the optimizer step's peak in each.
+    rules = load_rules()
+    b, h = read_summary(str(base), rules), read_summary(str(head), rules)
+    fwd_b, fwd_h = b.devices[0].at("forward"), h.devices[0].at("forward")
+    act = fwd_h[2]["activation"] - fwd_b[2]["activation"]
+    assert headline.startswith(f"peak +{format_bytes(h.devices[0].peak_bytes - b.devices[0].peak_bytes)[:-4]}")
+    assert "now in the forward (it was in the optimizer step)" in headline
+    assert f"at the forward peak of both, activation {format_bytes(act, signed=True)}" in headline
+    opt = {p.phase: p.peak_bytes for p in h.devices[0].phase_peaks}["optimizer"] - \
+        {p.phase: p.peak_bytes for p in b.devices[0].phase_peaks}["optimizer"]
+    assert f"the optimizer step is within 1% ({format_bytes(opt, signed=True)})" in headline
+
+
+def test_every_output_opens_with_the_same_headline(shared, capsys, tmp_path):
+    base, head = shared / CTX128, shared / CTX256
+    headline = json.loads(_out(capsys, base, head, "--format", "json"))["headline"]
+    text = _out(capsys, base, head)
+    assert text.splitlines()[0] == f"memdiff: regression: {headline}"
+    markdown = _out(capsys, base, head, "--format", "markdown")
+    assert markdown.splitlines()[2] == f"**{headline}**"
+    page = tmp_path / "r.html"
+    _out(capsys, base, head, "--html", page)
+    found = re.search(r'<p class="headline">(.*?)</p>', page.read_text())
+    assert found and found.group(1) == headline.replace("<", "&lt;").replace(">", "&gt;")
+
+
+def test_the_api_returns_the_cli_documents(shared, tmp_path, capsys):
+    import memdiff
+
+    base, head = shared / "linear-nograd.pickle", shared / "linear-grad.pickle"
+    stored = tmp_path / "b.json"
+    assert main(["baseline", str(base), "-o", str(stored)]) == 0
+    capsys.readouterr()
+    main(["gate", str(head), "--baseline", str(stored), "--format", "json"])
+    cli = json.loads(capsys.readouterr().out)
+    assert len(cli) == 1
+    assert json.loads(json.dumps(memdiff.gate(str(head), str(stored)).to_dict())) == cli[0]
+
+    main([str(base), str(head), "--format", "json"])
+    cli_diff = json.loads(capsys.readouterr().out)
+    api_diff = json.loads(json.dumps(memdiff.diff(base, head).to_dict()))
+    assert set(api_diff) == set(cli_diff) - {"verdict", "rule", "checks", "notes"}
+    assert api_diff == {k: cli_diff[k] for k in api_diff}
+
+
+@pytest.mark.parametrize("fmt", ["text", "markdown"])
+def test_a_passing_gate_lists_only_what_changed(shared, tmp_path, capsys, fmt):
+    run = shared / "linear-grad.pickle"
+    stored = tmp_path / "b.json"
+    assert main(["baseline", str(run), "-o", str(stored)]) == 0
+    capsys.readouterr()
+    assert main(["gate", str(run), "--baseline", str(stored), "--format", fmt]) == 0
+    out = capsys.readouterr().out
+    assert "no group changed" in out.splitlines()[0 if fmt == "text" else 2]
+    assert "SAME" not in out and "TOTAL" in out
+
