@@ -98,10 +98,16 @@
       el("line", { x1: LEFT, x2: LEFT + s.w, y1: s.y(b), y2: s.y(b) }, g);
       el("text", { x: LEFT - 6, y: s.y(b) + 4, "text-anchor": "end" }, g, fmtBytes(b));
     }
-    var lo = s.inv(LEFT), hi = s.inv(LEFT + s.w), xs = niceStep(hi - lo, 8);
-    for (var v = Math.ceil(lo / xs) * xs; v <= hi; v += xs) {
+    // x ticks: a mark at each, its label centred on it but kept inside the chart (the last one,
+    // 100% or the run's end, would otherwise hang half past the right edge and be cut).
+    var lo = s.inv(LEFT), hi = s.inv(LEFT + s.w), xs = niceStep(hi - lo, 8), right = LEFT + s.w + RIGHT;
+    for (var k = Math.ceil(lo / xs - 1e-9); k * xs <= hi + xs * 1e-9; k++) {
+      var v = k * xs, x = s.x(v);
       var label = state.time ? (+v.toFixed(6)) + " s" : Math.round(v * 1000) / 10 + "%";
-      el("text", { x: s.x(v), y: HEIGHT - 8, "text-anchor": "middle" }, g, label);
+      el("line", { "class": "x-mark", x1: x, x2: x, y1: HEIGHT - BOTTOM, y2: HEIGHT - BOTTOM + 4 }, g);
+      var t = el("text", { x: x, y: HEIGHT - 8, "text-anchor": "middle", "class": "x-tick" }, g, label);
+      var half = t.getComputedTextLength() / 2;
+      if (x + half > right - 1) t.setAttribute("x", right - 1 - half);
     }
   }
 
