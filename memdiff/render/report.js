@@ -9,6 +9,11 @@
     autograd: "#76b7b2", input: "#edc948", communication: "#b07aa1", untracked: "#9c755f", other: "#bab0ac"
   };
   var EXTRA = ["#ff9da7", "#86bcb6", "#d37295", "#a0cbe8", "#8cd17d", "#f1ce63", "#499894", "#fabfd2"];
+  // One order of categories for the whole page: every stack (first at the bottom), the bars' lanes
+  // (first at the top), the legend and the tooltips. The built-in categories in this order, what
+  // lives longest first, then the rules' own categories, largest first, then "other".
+  var CANONICAL = ["parameter", "optimizer_state", "gradient", "activation", "autograd", "input",
+    "communication", "untracked"];
   var HEIGHT = 230, LEFT = 74, RIGHT = 12, TOP = 18, BOTTOM = 26, LANE = 13;
   var state = { x0: 0, x1: 1, time: false, overlay: false, selected: null };
   var tip = document.getElementById("tip");
@@ -21,6 +26,27 @@
     for (var i = 0; i < category.length; i++) h = (h * 31 + category.charCodeAt(i)) >>> 0;
     return EXTRA[h % EXTRA.length];
   }
+
+  function largest(values) {
+    var m = 0;
+    for (var i = 0; i < values.length; i++) if (values[i] > m) m = values[i];
+    return m;
+  }
+
+  function categoryOrder() {
+    var most = {};
+    function see(c, b) { most[c] = Math.max(most[c] || 0, b || 0); }
+    data.devices.forEach(function (d) { d.runs.forEach(function (r) {
+      if (r.history) Object.keys(r.history.categories).forEach(function (c) { see(c, largest(r.history.categories[c])); });
+      Object.keys(r.groups).forEach(function (sig) { see(r.groups[sig].category || "other", r.groups[sig].bytes); });
+    }); });
+    var rest = Object.keys(most).filter(function (c) { return CANONICAL.indexOf(c) < 0 && c !== "other"; });
+    rest.sort(function (a, b) { return most[b] - most[a] || (a < b ? -1 : a > b ? 1 : 0); });
+    return CANONICAL.filter(function (c) { return c in most; }).concat(rest, "other" in most ? ["other"] : []);
+  }
+  var ORDER = categoryOrder();
+
+  function ordered(categories) { return ORDER.filter(function (c) { return c in categories; }); }
 
   function fmtBytes(n, signed) {
     var units = [[Math.pow(2, 40), "TiB"], [Math.pow(2, 30), "GiB"], [Math.pow(2, 20), "MiB"], [1024, "KiB"]];
@@ -145,7 +171,7 @@
     var h = run.history, n = h.events.length, below = new Array(n).fill(0);
     var xs = [];
     for (var k = 0; k < n; k++) xs.push(s.x(pointPos(run, k)));
-    Object.keys(h.categories).forEach(function (cat) {
+    ordered(h.categories).forEach(function (cat) {
       var values = h.categories[cat], up = [], down = [];
       for (var k = 0; k < n; k++) {
         down.push(xs[k].toFixed(1) + "," + s.y(below[k]).toFixed(1));
@@ -180,7 +206,7 @@
   function pointTable(run, k) {
     var h = run.history, rows = [[run.role + " event " + h.events[k].toLocaleString() +
       (h.time_us ? ", +" + ((h.time_us[k] - run.start_us) / 1e6).toFixed(3) + " s" : ""), fmtBytes(h.totals[k])]];
-    Object.keys(h.categories).forEach(function (c) {
+    ordered(h.categories).forEach(function (c) {
       if (h.categories[c][k]) rows.push([c, fmtBytes(h.categories[c][k]), color(c)]);
     });
     return rows;
@@ -249,6 +275,12 @@
     var lanes = [], seen = {};
     (run.bars || []).forEach(function (b) { if (!(b.signature in seen)) { seen[b.signature] = lanes.length; lanes.push(b.signature); } });
     if (!lanes.length) return null;
+    // Lanes follow the page's category order, largest group first within one.
+    var rank = function (sig) { var c = (run.groups[sig] || {}).category || "other"; return ORDER.indexOf(c); };
+    var first = {};
+    lanes.forEach(function (sig, i) { first[sig] = i; });
+    lanes.sort(function (a, b) { return rank(a) - rank(b) || first[a] - first[b]; });
+    lanes.forEach(function (sig, i) { seen[sig] = i; });
     var height = TOP + lanes.length * LANE + BOTTOM;
     var svg = el("svg", { "class": "bars", viewBox: "0 0 " + width + " " + height, "data-role": run.role,
       "data-device": dev.device }, host);
@@ -272,7 +304,7 @@
       });
       r.addEventListener("mouseleave", hideTip);
     });
-    el("text", { x: LEFT + 4, y: 12 }, svg, run.role + ": largest groups live at the peak, each allocation from its allocation to its free");
+    el("text", { x: LEFT + 4, y: 12 }, svg, run.role + ": largest groups live at the peak by category, each allocation from its allocation to its free");
     applySelection(svg);
     return svg;
   }
@@ -415,15 +447,12 @@
     });
   }
 
+  // What the colours mean: the categories in the page's order (the stacks' bottom first).
   function legend() {
-    var seen = {};
-    data.devices.forEach(function (d) { d.runs.forEach(function (r) {
-      if (r.history) Object.keys(r.history.categories).forEach(function (c) { seen[c] = 1; });
-      Object.keys(r.groups).forEach(function (s) { seen[r.groups[s].category] = 1; });
-    }); });
     document.querySelectorAll(".legend").forEach(function (host) {
-      Object.keys(seen).forEach(function (c) {
+      ORDER.forEach(function (c) {
         var span = document.createElement("span"), sw = document.createElement("i");
+        span.setAttribute("data-category", c);
         sw.style.background = color(c); span.appendChild(sw); span.appendChild(document.createTextNode(c));
         host.appendChild(span);
       });
