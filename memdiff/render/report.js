@@ -14,6 +14,7 @@
   // lives longest first, then the rules' own categories, largest first, then "other".
   var CANONICAL = ["parameter", "optimizer_state", "gradient", "activation", "autograd", "input",
     "communication", "untracked"];
+  var PHASES = ["forward", "backward", "optimizer", "other"];
   var HEIGHT = 230, LEFT = 74, RIGHT = 12, TOP = 18, BOTTOM = 26, LANE = 13;
   var state = { x0: 0, x1: 1, time: false, overlay: false, selected: null };
   var tip = document.getElementById("tip");
@@ -144,14 +145,19 @@
     return "url(#" + id + ")";
   }
 
-  function bands(g, run, s, y0, y1) {
+  // The phases as shaded bands, each with a strip of its colour along the top (in the timelines,
+  // where steps are also marked and named; the bars' lanes keep only the shading).
+  function bands(g, run, s, y0, y1, timeline) {
     (run.bands || []).forEach(function (b) {
       var a = s.x(eventPos(run, b.start)), z = s.x(eventPos(run, b.end + 1));
-      el("rect", { "class": "band-" + b.phase, x: a, y: y0, width: Math.max(0, z - a), height: y1 - y0 }, g)
-        .appendChild(el("title", {}, null, (b.step === null ? "" : "step " + b.step + ", ") + b.phase));
+      var name = (b.step === null ? "" : "step " + b.step + ", ") + b.phase;
+      el("rect", { "class": "band band-" + b.phase, "data-phase": b.phase, x: a, y: y0, width: Math.max(0, z - a),
+        height: y1 - y0 }, g).appendChild(el("title", {}, null, name));
+      if (!timeline) return;
+      el("rect", { "class": "band-edge band-edge-" + b.phase, x: a, y: y0, width: Math.max(0, z - a), height: 3 }, g);
       if (b.first) {
         el("line", { "class": "step-line", x1: a, x2: a, y1: y0, y2: y1 }, g);
-        if (b.step !== null) el("text", { x: a + 3, y: y0 + 10, "class": "step-label" }, g, "step " + b.step);
+        if (b.step !== null) el("text", { x: a + 3, y: y0 + 13, "class": "step-label" }, g, "step " + b.step);
       }
     });
   }
@@ -239,7 +245,7 @@
     var s = scales([run].concat(dev.runs.filter(function (r) { return r !== run; })), width, top);
     axes(svg, s, top);
     var g = el("g", { "clip-path": clip(svg, "clip-" + run.role + "-" + dev.device) }, svg);
-    bands(g, run, s, TOP, HEIGHT - BOTTOM);
+    bands(g, run, s, TOP, HEIGHT - BOTTOM, true);
     if (run.history) {
       svg.setAttribute("data-drawn-max", Math.max.apply(null, run.history.totals.concat([0])));
       stacked(g, run, s);
@@ -286,7 +292,7 @@
       "data-device": dev.device }, host);
     var s = scales(dev.runs, width, 1);
     var g = el("g", { "clip-path": clip(svg, "clip-bars-" + run.role + "-" + dev.device) }, svg);
-    bands(g, run, s, TOP, TOP + lanes.length * LANE);
+    bands(g, run, s, TOP, TOP + lanes.length * LANE, false);
     lanes.forEach(function (sig, i) {
       var grp = run.groups[sig] || {};
       el("text", { x: LEFT - 4, y: TOP + i * LANE + 10, "text-anchor": "end", "class": "lane-label" }, svg,
@@ -447,15 +453,39 @@
     });
   }
 
-  // What the colours mean: the categories in the page's order (the stacks' bottom first).
+  // What the colours mean, readable without hovering: the categories in the page's order (the
+  // stacks' bottom first) and the phase shading of the bands drawn.
   function legend() {
+    var phases = {};
+    data.devices.forEach(function (d) { d.runs.forEach(function (r) {
+      (r.bands || []).forEach(function (b) { phases[b.phase] = 1; });
+    }); });
+    var phaseOrder = PHASES.filter(function (p) { return p in phases; })
+      .concat(Object.keys(phases).filter(function (p) { return PHASES.indexOf(p) < 0; }).sort());
     document.querySelectorAll(".legend").forEach(function (host) {
-      ORDER.forEach(function (c) {
+      host.textContent = "";
+      var entry = function (row, key, name, text) {
         var span = document.createElement("span"), sw = document.createElement("i");
-        span.setAttribute("data-category", c);
-        sw.style.background = color(c); span.appendChild(sw); span.appendChild(document.createTextNode(c));
-        host.appendChild(span);
-      });
+        span.setAttribute(key, name);
+        row.appendChild(span); span.appendChild(sw); span.appendChild(document.createTextNode(text));
+        return sw;
+      };
+      var row = function (cls, title) {
+        var div = document.createElement("div"), b = document.createElement("b");
+        div.className = "legend-row " + cls; b.textContent = title;
+        div.appendChild(b); host.appendChild(div);
+        return div;
+      };
+      if (ORDER.length) {
+        var cats = row("categories", "categories, stacked from the bottom:");
+        ORDER.forEach(function (c) { entry(cats, "data-category", c, c).style.background = color(c); });
+      }
+      if (phaseOrder.length) {
+        var ph = row("phases", "phases, shaded behind the charts:");
+        phaseOrder.forEach(function (p) {
+          entry(ph, "data-phase", p, p === "other" ? "other (not shaded)" : p).className = "band-" + p;
+        });
+      }
     });
   }
 
