@@ -15,7 +15,7 @@
   var CANONICAL = ["parameter", "optimizer_state", "gradient", "activation", "autograd", "input",
     "communication", "untracked"];
   var PHASES = ["forward", "backward", "optimizer", "other"];
-  var HEIGHT = 230, LEFT = 74, RIGHT = 12, TOP = 18, BOTTOM = 26, LANE = 13;
+  var HEIGHT = 230, LEFT = 74, RIGHT = 12, TOP = 18, BOTTOM = 26, LANE = 24;
   var state = { x0: 0, x1: 1, time: false, overlay: false, selected: null };
   var tip = document.getElementById("tip");
   var detail = document.getElementById("detail");
@@ -48,6 +48,19 @@
   var ORDER = categoryOrder();
 
   function ordered(categories) { return ORDER.filter(function (c) { return c in categories; }); }
+
+  // Sets `text` in `node`, cut at the end with an ellipsis where it is wider than `width` (user units).
+  function fitText(node, text, width) {
+    node.textContent = text;
+    if (!(width > 0) || node.getComputedTextLength() <= width) return;
+    var lo = 0, hi = text.length;
+    while (hi - lo > 1) {
+      var mid = (lo + hi) >> 1;
+      node.textContent = text.slice(0, mid) + "\u2026";
+      if (node.getComputedTextLength() <= width) lo = mid; else hi = mid;
+    }
+    node.textContent = text.slice(0, lo) + "\u2026";
+  }
 
   function fmtBytes(n, signed) {
     var units = [[Math.pow(2, 40), "TiB"], [Math.pow(2, 30), "GiB"], [Math.pow(2, 20), "MiB"], [1024, "KiB"]];
@@ -277,32 +290,37 @@
     return svg;
   }
 
+  // The groups live at the peak, one lane each: its site (cut to fit) and bytes above its
+  // allocations' bars. Lanes follow the page's category order, largest group first within one.
   function bars(host, dev, run, width) {
     var lanes = [], seen = {};
     (run.bars || []).forEach(function (b) { if (!(b.signature in seen)) { seen[b.signature] = lanes.length; lanes.push(b.signature); } });
     if (!lanes.length) return null;
-    // Lanes follow the page's category order, largest group first within one.
     var rank = function (sig) { var c = (run.groups[sig] || {}).category || "other"; return ORDER.indexOf(c); };
     var first = {};
     lanes.forEach(function (sig, i) { first[sig] = i; });
     lanes.sort(function (a, b) { return rank(a) - rank(b) || first[a] - first[b]; });
     lanes.forEach(function (sig, i) { seen[sig] = i; });
-    var height = TOP + lanes.length * LANE + BOTTOM;
+    var height = TOP + lanes.length * LANE + 6;
     var svg = el("svg", { "class": "bars", viewBox: "0 0 " + width + " " + height, "data-role": run.role,
       "data-device": dev.device }, host);
     var s = scales(dev.runs, width, 1);
     var g = el("g", { "clip-path": clip(svg, "clip-bars-" + run.role + "-" + dev.device) }, svg);
     bands(g, run, s, TOP, TOP + lanes.length * LANE, false);
+    var labels = el("g", { "class": "lane-labels" }, svg);
     lanes.forEach(function (sig, i) {
-      var grp = run.groups[sig] || {};
-      el("text", { x: LEFT - 4, y: TOP + i * LANE + 10, "text-anchor": "end", "class": "lane-label" }, svg,
-        fmtBytes(grp.bytes || 0));
+      var grp = run.groups[sig] || {}, y = TOP + i * LANE + 10;
+      el("text", { x: LEFT - 4, y: y, "text-anchor": "end", "class": "lane-label" }, labels, fmtBytes(grp.bytes || 0));
+      var lane = el("g", {}, labels);  // the full site on hover, also where the label is cut
+      el("title", {}, lane, (grp.site || "") + " (" + (grp.category || "other") + ")");
+      fitText(el("text", { x: LEFT + 3, y: y, "class": "bar-label", "data-signature": sig,
+        "data-category": grp.category || "other" }, lane), grp.site || "", s.w - 6);
     });
     run.bars.forEach(function (b) {
       var grp = run.groups[b.signature] || {};
       var a = s.x(b.start_event < 0 ? 0 : eventPos(run, b.start_event)), z = s.x(eventPos(run, Math.min(b.end_event, run.trace_events - 1)));
-      var r = el("rect", { "class": "bar", x: a, y: TOP + seen[b.signature] * LANE + 1, width: Math.max(1.5, z - a),
-        height: LANE - 2, fill: color(grp.category || "other"), "data-signature": b.signature }, g);
+      var r = el("rect", { "class": "bar", x: a, y: TOP + seen[b.signature] * LANE + 12, width: Math.max(1.5, z - a),
+        height: LANE - 15, fill: color(grp.category || "other"), "data-signature": b.signature }, g);
       r.addEventListener("mouseenter", function (ev) {
         showTip(ev, [[[grp.site || "", fmtBytes(b.bytes)], ["category", grp.category || ""],
           ["group", fmtBytes(grp.bytes || 0) + " in " + (grp.count || 0).toLocaleString() + " allocations"]]]);
@@ -310,7 +328,8 @@
       });
       r.addEventListener("mouseleave", hideTip);
     });
-    el("text", { x: LEFT + 4, y: 12 }, svg, run.role + ": largest groups live at the peak by category, each allocation from its allocation to its free");
+    el("text", { x: LEFT + 4, y: 12 }, svg, run.role + ": largest groups live at the peak by category, " +
+      "each allocation from its allocation to its free");
     applySelection(svg);
     return svg;
   }
