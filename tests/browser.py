@@ -16,7 +16,7 @@ import shutil
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Any, Dict, List, Optional
 
 CHROMIUM_NAMES = ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable")
 
@@ -42,6 +42,36 @@ class Opened:
     detail_after_hover: str = ""  # the stack panel after hovering that row
     selected_bars: int = 0  # bars marked after clicking it
     zoomed: bool = False  # the x axis changed after pressing "+" on a chart
+    legend_categories: List[str] = field(default_factory=list)  # the legend's categories, in its order
+    legend_phases: List[str] = field(default_factory=list)  # the legend's phases, in its order
+    band_phases: List[str] = field(default_factory=list)  # the phases of the bands drawn, each once
+    areas: List[List[str]] = field(default_factory=list)  # each timeline's stacked categories, bottom first
+    tip_categories: List[str] = field(default_factory=list)  # the categories hovering the last timeline lists
+    lanes: List[List[Dict[str, Any]]] = field(default_factory=list)  # each bar chart's lanes, top first
+    ticks: Dict[str, List[List[Dict[str, Any]]]] = field(default_factory=dict)  # per view, each chart's, see TICKS
+
+
+# Each bar chart's lanes, top first: the label's text, the full site and category (its tooltip), its
+# signature and category, whether its box lies inside the chart's, and how many bars the lane has.
+LANES = """() => [...document.querySelectorAll("svg.bars")].map(svg => {
+  const box = svg.getBoundingClientRect();
+  const inside = b => b.left >= box.left && b.right <= box.right && b.top >= box.top && b.bottom <= box.bottom;
+  const rects = [...svg.querySelectorAll("rect.bar")];
+  return [...svg.querySelectorAll("text.bar-label")].map(t => ({
+    role: svg.dataset.role, text: t.textContent, title: t.parentNode.querySelector("title").textContent,
+    signature: t.dataset.signature, category: t.dataset.category, inside: inside(t.getBoundingClientRect()),
+    bars: rects.filter(r => r.dataset.signature === t.dataset.signature).length}));
+})"""
+
+# Each timeline's (or the overlay's) x tick labels: text, and whether the box lies inside the svg's.
+TICKS = """() => [...document.querySelectorAll("svg.timeline")].map(svg => {
+  const box = svg.getBoundingClientRect();
+  return [...svg.querySelectorAll(".axis text.x-tick")].map(t => {
+    const b = t.getBoundingClientRect();
+    return {text: t.textContent, inside: b.left >= box.left && b.right <= box.right,
+            right: b.right, svg_right: box.right};
+  });
+})"""
 
 
 def open_report(report: Path, screenshot: Optional[Path] = None, executable: Optional[str] = None) -> Opened:
@@ -68,6 +98,28 @@ def open_report(report: Path, screenshot: Optional[Path] = None, executable: Opt
             seen.timelines = [{k: svg.get_attribute(f"data-{k}") for k in ("role", "peak-bytes", "drawn-max")}
                               for svg in page.query_selector_all("svg.timeline")]
             seen.peak_labels = [t.text_content() or "" for t in page.query_selector_all("g.peak-marker text")]
+            seen.legend_categories = [s.get_attribute("data-category") or ""
+                                      for s in page.query_selector_all(".legend [data-category]")]
+            seen.legend_phases = [s.get_attribute("data-phase") or ""
+                                  for s in page.query_selector_all(".legend [data-phase]")]
+            seen.band_phases = page.evaluate(
+                '() => [...new Set([...document.querySelectorAll("rect.band")].map(r => r.dataset.phase))]')
+            seen.areas = [[a.get_attribute("data-category") or "" for a in svg.query_selector_all("path.area")]
+                          for svg in page.query_selector_all("svg.timeline")]
+            seen.lanes = page.evaluate(LANES)
+            timelines = page.query_selector_all("svg.timeline")
+            if timelines:
+                timelines[-1].hover()
+                seen.tip_categories = page.evaluate(
+                    '() => [...document.querySelectorAll("#tip tr")].slice(1).map(r => r.cells[0].textContent)')
+                page.mouse.move(0, 0)
+            seen.ticks["trace"] = page.evaluate(TICKS)
+            for action in ("time", "overlay"):  # each view on its own, then back
+                button = page.query_selector(f"#toolbar [data-action={action}]")
+                if button is not None and button.is_enabled():
+                    button.click()
+                    seen.ticks[action] = page.evaluate(TICKS)
+                    button.click()
             rows = page.query_selector_all("tr.row")
             if rows:
                 seen.row_title = rows[0].query_selector_all("td")[-1].text_content() or ""

@@ -9,7 +9,13 @@
     autograd: "#76b7b2", input: "#edc948", communication: "#b07aa1", untracked: "#9c755f", other: "#bab0ac"
   };
   var EXTRA = ["#ff9da7", "#86bcb6", "#d37295", "#a0cbe8", "#8cd17d", "#f1ce63", "#499894", "#fabfd2"];
-  var HEIGHT = 230, LEFT = 74, RIGHT = 12, TOP = 18, BOTTOM = 26, LANE = 13;
+  // One order of categories for the whole page: every stack (first at the bottom), the bars' lanes
+  // (first at the top), the legend and the tooltips. The built-in categories in this order, what
+  // lives longest first, then the rules' own categories, largest first, then "other".
+  var CANONICAL = ["parameter", "optimizer_state", "gradient", "activation", "autograd", "input",
+    "communication", "untracked"];
+  var PHASES = ["forward", "backward", "optimizer", "other"];
+  var HEIGHT = 230, LEFT = 74, RIGHT = 12, TOP = 18, BOTTOM = 26, LANE = 24;
   var state = { x0: 0, x1: 1, time: false, overlay: false, selected: null };
   var tip = document.getElementById("tip");
   var detail = document.getElementById("detail");
@@ -20,6 +26,40 @@
     var h = 0;
     for (var i = 0; i < category.length; i++) h = (h * 31 + category.charCodeAt(i)) >>> 0;
     return EXTRA[h % EXTRA.length];
+  }
+
+  function largest(values) {
+    var m = 0;
+    for (var i = 0; i < values.length; i++) if (values[i] > m) m = values[i];
+    return m;
+  }
+
+  function categoryOrder() {
+    var most = {};
+    function see(c, b) { most[c] = Math.max(most[c] || 0, b || 0); }
+    data.devices.forEach(function (d) { d.runs.forEach(function (r) {
+      if (r.history) Object.keys(r.history.categories).forEach(function (c) { see(c, largest(r.history.categories[c])); });
+      Object.keys(r.groups).forEach(function (sig) { see(r.groups[sig].category || "other", r.groups[sig].bytes); });
+    }); });
+    var rest = Object.keys(most).filter(function (c) { return CANONICAL.indexOf(c) < 0 && c !== "other"; });
+    rest.sort(function (a, b) { return most[b] - most[a] || (a < b ? -1 : a > b ? 1 : 0); });
+    return CANONICAL.filter(function (c) { return c in most; }).concat(rest, "other" in most ? ["other"] : []);
+  }
+  var ORDER = categoryOrder();
+
+  function ordered(categories) { return ORDER.filter(function (c) { return c in categories; }); }
+
+  // Sets `text` in `node`, cut at the end with an ellipsis where it is wider than `width` (user units).
+  function fitText(node, text, width) {
+    node.textContent = text;
+    if (!(width > 0) || node.getComputedTextLength() <= width) return;
+    var lo = 0, hi = text.length;
+    while (hi - lo > 1) {
+      var mid = (lo + hi) >> 1;
+      node.textContent = text.slice(0, mid) + "\u2026";
+      if (node.getComputedTextLength() <= width) lo = mid; else hi = mid;
+    }
+    node.textContent = text.slice(0, lo) + "\u2026";
   }
 
   function fmtBytes(n, signed) {
@@ -98,10 +138,16 @@
       el("line", { x1: LEFT, x2: LEFT + s.w, y1: s.y(b), y2: s.y(b) }, g);
       el("text", { x: LEFT - 6, y: s.y(b) + 4, "text-anchor": "end" }, g, fmtBytes(b));
     }
-    var lo = s.inv(LEFT), hi = s.inv(LEFT + s.w), xs = niceStep(hi - lo, 8);
-    for (var v = Math.ceil(lo / xs) * xs; v <= hi; v += xs) {
+    // x ticks: a mark at each, its label centred on it but kept inside the chart (the last one,
+    // 100% or the run's end, would otherwise hang half past the right edge and be cut).
+    var lo = s.inv(LEFT), hi = s.inv(LEFT + s.w), xs = niceStep(hi - lo, 8), right = LEFT + s.w + RIGHT;
+    for (var k = Math.ceil(lo / xs - 1e-9); k * xs <= hi + xs * 1e-9; k++) {
+      var v = k * xs, x = s.x(v);
       var label = state.time ? (+v.toFixed(6)) + " s" : Math.round(v * 1000) / 10 + "%";
-      el("text", { x: s.x(v), y: HEIGHT - 8, "text-anchor": "middle" }, g, label);
+      el("line", { "class": "x-mark", x1: x, x2: x, y1: HEIGHT - BOTTOM, y2: HEIGHT - BOTTOM + 4 }, g);
+      var t = el("text", { x: x, y: HEIGHT - 8, "text-anchor": "middle", "class": "x-tick" }, g, label);
+      var half = t.getComputedTextLength() / 2;
+      if (x + half > right - 1) t.setAttribute("x", right - 1 - half);
     }
   }
 
@@ -112,14 +158,19 @@
     return "url(#" + id + ")";
   }
 
-  function bands(g, run, s, y0, y1) {
+  // The phases as shaded bands, each with a strip of its colour along the top (in the timelines,
+  // where steps are also marked and named; the bars' lanes keep only the shading).
+  function bands(g, run, s, y0, y1, timeline) {
     (run.bands || []).forEach(function (b) {
       var a = s.x(eventPos(run, b.start)), z = s.x(eventPos(run, b.end + 1));
-      el("rect", { "class": "band-" + b.phase, x: a, y: y0, width: Math.max(0, z - a), height: y1 - y0 }, g)
-        .appendChild(el("title", {}, null, (b.step === null ? "" : "step " + b.step + ", ") + b.phase));
+      var name = (b.step === null ? "" : "step " + b.step + ", ") + b.phase;
+      el("rect", { "class": "band band-" + b.phase, "data-phase": b.phase, x: a, y: y0, width: Math.max(0, z - a),
+        height: y1 - y0 }, g).appendChild(el("title", {}, null, name));
+      if (!timeline) return;
+      el("rect", { "class": "band-edge band-edge-" + b.phase, x: a, y: y0, width: Math.max(0, z - a), height: 3 }, g);
       if (b.first) {
         el("line", { "class": "step-line", x1: a, x2: a, y1: y0, y2: y1 }, g);
-        if (b.step !== null) el("text", { x: a + 3, y: y0 + 10, "class": "step-label" }, g, "step " + b.step);
+        if (b.step !== null) el("text", { x: a + 3, y: y0 + 13, "class": "step-label" }, g, "step " + b.step);
       }
     });
   }
@@ -139,7 +190,7 @@
     var h = run.history, n = h.events.length, below = new Array(n).fill(0);
     var xs = [];
     for (var k = 0; k < n; k++) xs.push(s.x(pointPos(run, k)));
-    Object.keys(h.categories).forEach(function (cat) {
+    ordered(h.categories).forEach(function (cat) {
       var values = h.categories[cat], up = [], down = [];
       for (var k = 0; k < n; k++) {
         down.push(xs[k].toFixed(1) + "," + s.y(below[k]).toFixed(1));
@@ -174,7 +225,7 @@
   function pointTable(run, k) {
     var h = run.history, rows = [[run.role + " event " + h.events[k].toLocaleString() +
       (h.time_us ? ", +" + ((h.time_us[k] - run.start_us) / 1e6).toFixed(3) + " s" : ""), fmtBytes(h.totals[k])]];
-    Object.keys(h.categories).forEach(function (c) {
+    ordered(h.categories).forEach(function (c) {
       if (h.categories[c][k]) rows.push([c, fmtBytes(h.categories[c][k]), color(c)]);
     });
     return rows;
@@ -207,7 +258,7 @@
     var s = scales([run].concat(dev.runs.filter(function (r) { return r !== run; })), width, top);
     axes(svg, s, top);
     var g = el("g", { "clip-path": clip(svg, "clip-" + run.role + "-" + dev.device) }, svg);
-    bands(g, run, s, TOP, HEIGHT - BOTTOM);
+    bands(g, run, s, TOP, HEIGHT - BOTTOM, true);
     if (run.history) {
       svg.setAttribute("data-drawn-max", Math.max.apply(null, run.history.totals.concat([0])));
       stacked(g, run, s);
@@ -239,26 +290,37 @@
     return svg;
   }
 
+  // The groups live at the peak, one lane each: its site (cut to fit) and bytes above its
+  // allocations' bars. Lanes follow the page's category order, largest group first within one.
   function bars(host, dev, run, width) {
     var lanes = [], seen = {};
     (run.bars || []).forEach(function (b) { if (!(b.signature in seen)) { seen[b.signature] = lanes.length; lanes.push(b.signature); } });
     if (!lanes.length) return null;
-    var height = TOP + lanes.length * LANE + BOTTOM;
+    var rank = function (sig) { var c = (run.groups[sig] || {}).category || "other"; return ORDER.indexOf(c); };
+    var first = {};
+    lanes.forEach(function (sig, i) { first[sig] = i; });
+    lanes.sort(function (a, b) { return rank(a) - rank(b) || first[a] - first[b]; });
+    lanes.forEach(function (sig, i) { seen[sig] = i; });
+    var height = TOP + lanes.length * LANE + 6;
     var svg = el("svg", { "class": "bars", viewBox: "0 0 " + width + " " + height, "data-role": run.role,
       "data-device": dev.device }, host);
     var s = scales(dev.runs, width, 1);
     var g = el("g", { "clip-path": clip(svg, "clip-bars-" + run.role + "-" + dev.device) }, svg);
-    bands(g, run, s, TOP, TOP + lanes.length * LANE);
+    bands(g, run, s, TOP, TOP + lanes.length * LANE, false);
+    var labels = el("g", { "class": "lane-labels" }, svg);
     lanes.forEach(function (sig, i) {
-      var grp = run.groups[sig] || {};
-      el("text", { x: LEFT - 4, y: TOP + i * LANE + 10, "text-anchor": "end", "class": "lane-label" }, svg,
-        fmtBytes(grp.bytes || 0));
+      var grp = run.groups[sig] || {}, y = TOP + i * LANE + 10;
+      el("text", { x: LEFT - 4, y: y, "text-anchor": "end", "class": "lane-label" }, labels, fmtBytes(grp.bytes || 0));
+      var lane = el("g", {}, labels);  // the full site on hover, also where the label is cut
+      el("title", {}, lane, (grp.site || "") + " (" + (grp.category || "other") + ")");
+      fitText(el("text", { x: LEFT + 3, y: y, "class": "bar-label", "data-signature": sig,
+        "data-category": grp.category || "other" }, lane), grp.site || "", s.w - 6);
     });
     run.bars.forEach(function (b) {
       var grp = run.groups[b.signature] || {};
       var a = s.x(b.start_event < 0 ? 0 : eventPos(run, b.start_event)), z = s.x(eventPos(run, Math.min(b.end_event, run.trace_events - 1)));
-      var r = el("rect", { "class": "bar", x: a, y: TOP + seen[b.signature] * LANE + 1, width: Math.max(1.5, z - a),
-        height: LANE - 2, fill: color(grp.category || "other"), "data-signature": b.signature }, g);
+      var r = el("rect", { "class": "bar", x: a, y: TOP + seen[b.signature] * LANE + 12, width: Math.max(1.5, z - a),
+        height: LANE - 15, fill: color(grp.category || "other"), "data-signature": b.signature }, g);
       r.addEventListener("mouseenter", function (ev) {
         showTip(ev, [[[grp.site || "", fmtBytes(b.bytes)], ["category", grp.category || ""],
           ["group", fmtBytes(grp.bytes || 0) + " in " + (grp.count || 0).toLocaleString() + " allocations"]]]);
@@ -266,7 +328,8 @@
       });
       r.addEventListener("mouseleave", hideTip);
     });
-    el("text", { x: LEFT + 4, y: 12 }, svg, run.role + ": largest groups live at the peak, each allocation from its allocation to its free");
+    el("text", { x: LEFT + 4, y: 12 }, svg, run.role + ": largest groups live at the peak by category, " +
+      "each allocation from its allocation to its free");
     applySelection(svg);
     return svg;
   }
@@ -409,18 +472,39 @@
     });
   }
 
+  // What the colours mean, readable without hovering: the categories in the page's order (the
+  // stacks' bottom first) and the phase shading of the bands drawn.
   function legend() {
-    var seen = {};
+    var phases = {};
     data.devices.forEach(function (d) { d.runs.forEach(function (r) {
-      if (r.history) Object.keys(r.history.categories).forEach(function (c) { seen[c] = 1; });
-      Object.keys(r.groups).forEach(function (s) { seen[r.groups[s].category] = 1; });
+      (r.bands || []).forEach(function (b) { phases[b.phase] = 1; });
     }); });
+    var phaseOrder = PHASES.filter(function (p) { return p in phases; })
+      .concat(Object.keys(phases).filter(function (p) { return PHASES.indexOf(p) < 0; }).sort());
     document.querySelectorAll(".legend").forEach(function (host) {
-      Object.keys(seen).forEach(function (c) {
+      host.textContent = "";
+      var entry = function (row, key, name, text) {
         var span = document.createElement("span"), sw = document.createElement("i");
-        sw.style.background = color(c); span.appendChild(sw); span.appendChild(document.createTextNode(c));
-        host.appendChild(span);
-      });
+        span.setAttribute(key, name);
+        row.appendChild(span); span.appendChild(sw); span.appendChild(document.createTextNode(text));
+        return sw;
+      };
+      var row = function (cls, title) {
+        var div = document.createElement("div"), b = document.createElement("b");
+        div.className = "legend-row " + cls; b.textContent = title;
+        div.appendChild(b); host.appendChild(div);
+        return div;
+      };
+      if (ORDER.length) {
+        var cats = row("categories", "categories, stacked from the bottom:");
+        ORDER.forEach(function (c) { entry(cats, "data-category", c, c).style.background = color(c); });
+      }
+      if (phaseOrder.length) {
+        var ph = row("phases", "phases, shaded behind the charts:");
+        phaseOrder.forEach(function (p) {
+          entry(ph, "data-phase", p, p === "other" ? "other (not shaded)" : p).className = "band-" + p;
+        });
+      }
     });
   }
 
