@@ -303,7 +303,8 @@ def _allocations(path: str, walk: _Walk, trace: List[Dict[str, Any]], dump_only:
 
 
 def _device_summary(snapshot: Snapshot, device: int, stacks: StackNormalizer,
-                    history_rules: Optional[Sequence[Rule]] = None) -> DeviceSummary:
+                    history_rules: Optional[Sequence[Rule]] = None,
+                    keep: Optional[Dict[int, Allocations]] = None) -> DeviceSummary:
     path = snapshot.path
     traces = snapshot.device_traces
     trace = traces[device] if device < len(traces) else []
@@ -366,6 +367,8 @@ def _device_summary(snapshot: Snapshot, device: int, stacks: StackNormalizer,
             by_context[name] = by_context.get(name, 0) + size
     times = [_time(path, device, trace, 0), _time(path, device, trace, len(trace) - 1)] if trace else [None, None]
     history = None
+    if keep is not None:
+        keep[device] = _allocations(path, walk, trace, dump_only, timeline, stacks)
     if history_rules is not None:
         bars = peak_bars([(g.signature, allocations_of[g.signature]) for g in groups])
         history = history_of(_allocations(path, walk, trace, dump_only, timeline, stacks), running + static,
@@ -505,11 +508,13 @@ def devices_of(snapshot: Snapshot) -> List[int]:
     return sorted(found)
 
 
-def summarize(snapshot: Snapshot, history_rules: Optional[Sequence[Rule]] = None) -> Summary:
+def summarize(snapshot: Snapshot, history_rules: Optional[Sequence[Rule]] = None,
+              keep: Optional[Dict[int, Allocations]] = None) -> Summary:
     """The Summary of every device in the snapshot; with `history_rules`, each device's history
-    too, its allocations classified by those rules (the ones the summary will be classified by)."""
+    too, its allocations classified by those rules (the ones the summary will be classified by);
+    with `keep`, every allocation of each device is put there by device (the forecast replays them)."""
     stacks = StackNormalizer(snapshot.decoded_bytes)
-    devices = [_device_summary(snapshot, d, stacks, history_rules) for d in devices_of(snapshot)]
+    devices = [_device_summary(snapshot, d, stacks, history_rules, keep) for d in devices_of(snapshot)]
     all_groups = [g for d in devices for g in d.groups]
     all_groups += [g for d in devices for p in d.phase_peaks for g in (p.groups or [])]
     for group, frames in zip(all_groups, relativize([g.frames for g in all_groups])):

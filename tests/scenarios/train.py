@@ -23,23 +23,24 @@ from torch import nn
 from memdiff.capture import record
 
 VOCAB = 1000
+POSITIONS = 128
 
 
-def hf_model(name: str) -> Tuple[nn.Module, List[nn.Module], int]:
+def hf_model(name: str, vocab: int = VOCAB, positions: int = POSITIONS) -> Tuple[nn.Module, List[nn.Module], int]:
     """(model, its transformer layers, hidden size) of a small Hugging Face model."""
     import transformers as hf
 
     if name == "gpt2":
-        model = hf.GPT2LMHeadModel(hf.GPT2Config(n_layer=2, n_embd=128, n_head=4, vocab_size=VOCAB, n_positions=128))
+        model = hf.GPT2LMHeadModel(hf.GPT2Config(n_layer=2, n_embd=128, n_head=4, vocab_size=vocab, n_positions=positions))
         return model, list(model.transformer.h), 128
     if name == "bert":
         model = hf.BertForSequenceClassification(hf.BertConfig(
-            num_hidden_layers=2, hidden_size=128, num_attention_heads=4, intermediate_size=512, vocab_size=VOCAB,
-            max_position_embeddings=128))
+            num_hidden_layers=2, hidden_size=128, num_attention_heads=4, intermediate_size=512, vocab_size=vocab,
+            max_position_embeddings=positions))
         return model, list(model.bert.encoder.layer), 128
     model = hf.LlamaForCausalLM(hf.LlamaConfig(
         num_hidden_layers=2, hidden_size=128, num_attention_heads=4, num_key_value_heads=2, intermediate_size=384,
-        vocab_size=VOCAB, max_position_embeddings=128))
+        vocab_size=vocab, max_position_embeddings=positions))
     return model, list(model.model.layers), 128
 
 
@@ -85,11 +86,12 @@ def build(args: argparse.Namespace) -> Tuple[nn.Module, List[nn.Module], int, Ca
     """(model, its layers, hidden size, a batch maker, the loss of a batch)."""
     b, s = args.batch, args.seq
     if args.model in ("gpt2", "bert", "llama"):
-        model, layers, hidden = hf_model(args.model)
-        labels = (lambda: torch.randint(0, 2, (b,))) if args.model == "bert" else (lambda: torch.randint(0, VOCAB, (b, s)))
+        vocab = args.vocab
+        model, layers, hidden = hf_model(args.model, vocab, args.positions)
+        labels = (lambda: torch.randint(0, 2, (b,))) if args.model == "bert" else (lambda: torch.randint(0, vocab, (b, s)))
 
         def batch() -> Dict[str, torch.Tensor]:
-            return {"input_ids": torch.randint(0, VOCAB, (b, s)), "labels": labels()}
+            return {"input_ids": torch.randint(0, vocab, (b, s)), "labels": labels()}
         return model, layers, hidden, batch, lambda m, x: m(**x).loss
     model = MLP() if args.model == "mlp" else CNN()
     shape = (b, 256) if args.model == "mlp" else (b, 3, 32, 32)
@@ -153,6 +155,15 @@ def train(args: argparse.Namespace) -> None:
     truth = bool(args.truth)
     logged: List[Any] = []
     kept_eval = None
+    if args.inference:
+        # Inference: forwards in eval mode under torch.no_grad(), no backward, no optimizer step.
+        model.eval()
+        with record(args.out), torch.no_grad():
+            for step in range(args.steps):
+                with scope(f"ProfilerStep#{step}", truth), scope("## forward ##", truth):
+                    out = loss_of(model, batch())
+                    del out
+        return
     with record(args.out):
         for step in range(args.steps):
             with scope(f"ProfilerStep#{step}", truth):
@@ -246,6 +257,10 @@ def main() -> None:
     p.add_argument("--eval", choices=("none", "no-grad", "grad"), default="none",
                    help="an evaluation forward after each step, in torch.no_grad() or not (kept until the next)")
     p.add_argument("--debug-projections", action="store_true", help="an abandoned Linear(h, 4h) per layer")
+    p.add_argument("--vocab", type=int, default=VOCAB, help="vocabulary size of the Hugging Face models")
+    p.add_argument("--positions", type=int, default=POSITIONS,
+                   help="position embeddings of the Hugging Face models (at least --seq)")
+    p.add_argument("--inference", action="store_true", help="eval-mode forwards under torch.no_grad() only")
     p.add_argument("--jobs", help="a JSON list of argument lists: record each in turn, in this one process")
     args = p.parse_args()
     # Several runs in one process pay for importing torch and transformers once.

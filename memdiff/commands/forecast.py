@@ -1,0 +1,54 @@
+"""`memdiff forecast RUN=VALUE RUN=VALUE ... [--at VALUE ...] [--budget SIZE]`: memory at a knob value not run."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from memdiff.atomic import check_output, write_output
+from memdiff.commands.args import add_rules_arguments, rules_from, size_arg
+from memdiff.forecast import forecast, parse_run
+from memdiff.render import forecast as render
+
+DESCRIPTION = ("Forecast the peak at a batch size or length not run, from runs of one loop that differ in that "
+               "one knob: each allocation's size is fitted as a constant, linear or quadratic function of the "
+               "knob and the largest run's trace is replayed at the requested value, so the peak may move to "
+               "another phase. Also: the largest value whose peak stays within --budget, and the "
+               "leave-one-out error of the fit.")
+
+
+def _value(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a knob value (a positive integer)") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not a knob value (a positive integer)")
+    return value
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The subcommand's arguments."""
+    p.add_argument("runs", nargs="+", metavar="RUN=VALUE",
+                   help="a snapshot and its knob value (batch size, sequence length, ...): two or more runs")
+    p.add_argument("--at", type=_value, nargs="+", default=[], metavar="VALUE",
+                   help="values to forecast (default: twice the largest run's); the first one is the JSON's "
+                        "predicted_peak_bytes")
+    p.add_argument("--budget", type=size_arg, metavar="SIZE",
+                   help="also find the largest value whose predicted peak stays within SIZE (e.g. 80GiB)")
+    p.add_argument("--format", choices=("text", "markdown", "json"), default="text",
+                   help="output format (default: text)")
+    p.add_argument("--html", metavar="FILE", help="also write the forecast as a self-contained HTML page to FILE")
+    add_rules_arguments(p)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Read the runs, forecast, print."""
+    if args.html is not None:
+        check_output(args.html)
+    result = forecast([parse_run(r) for r in args.runs], args.at, rules_from(args), args.budget)
+    if args.html:
+        write_output(args.html, render.render_html(result))
+    shown = {"json": render.render_json, "markdown": render.render_markdown}.get(args.format, render.render_text)
+    sys.stdout.write(shown(result))
+    return 0

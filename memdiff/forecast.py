@@ -1,0 +1,634 @@
+"""forecast: from a few runs of one loop that differ in one knob, memory at a value not run.
+
+Runs of the same loop at different batch sizes or sequence lengths record the same allocations
+in the same order; only their sizes differ, and a tensor's size is an exact polynomial of the
+knob (constant for weights and optimizer state, linear for what scales with the batch,
+quadratic for attention scores over the sequence). So the forecast
+
+1. reads every allocation of each run (`Course`: start and end event, size, stack, category);
+2. lines the runs' allocations up with the run of the largest value (`Alignment`): one for one
+   when their stack sequences are equal, else by the longest matching runs of stacks (a run at
+   batch 1 may skip a copy the others make); runs whose allocations mostly do not line up, or
+   that differ in devices, steps or weights, are not one loop and are refused;
+3. fits each allocation's size with the simplest exact form its runs support (`Fit`): constant,
+   linear, quadratic, or none (then the quadratic through its three largest values is used
+   and the report says how many bytes fit no form);
+4. replays the largest run's events with the sizes predicted at the requested value, so the
+   whole course of memory is rebuilt and the peak may land in another phase than in any run.
+
+Leave-one-out (each run predicted from the others) says how far to trust it. Nothing here
+imports torch.
+"""
+
+from __future__ import annotations
+
+import difflib
+import multiprocessing
+import os
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import asdict, dataclass, field
+from fractions import Fraction
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from memdiff import __version__
+from memdiff.classify import Rule, classify
+from memdiff.errors import InputError
+from memdiff.history import Allocations, category_codes
+from memdiff.inputs import PARALLEL_MIN_BYTES, _is_summary, worker_count
+from memdiff.load import decode, paused_gc, to_snapshot
+from memdiff.model import Summary
+from memdiff.normalize import summarize
+from memdiff.units import format_bytes
+
+SCHEMA_VERSION = 1
+FORMS = ("constant", "linear", "quadratic", "none")
+# Below this share of the largest run's allocations lined up in another run, the runs are not one loop.
+MIN_ALIGNED = 0.5
+# The largest knob value the budget search tries.
+MAX_VALUE = 2**40
+TOP_SITES = 5
+
+
+@dataclass
+class DeviceCourse:
+    """Every allocation of one device of one run, in the order the trace opened them.
+
+    Allocation k holds `size[k]` bytes after events `start[k]` .. `end[k] - 1` (memory from
+    before the trace starts at 0); `stack[k]` indexes the run's `stacks` (signature, site) and
+    `category[k]` its `categories`."""
+
+    device: int
+    events: int
+    start: np.ndarray
+    end: np.ndarray
+    size: np.ndarray
+    stack: np.ndarray
+    category: np.ndarray
+    stacks: List[Tuple[str, str]]
+    categories: List[str]
+
+
+@dataclass
+class Course:
+    """One run: its classified Summary and the allocations of each device."""
+
+    file: str
+    value: int
+    summary: Summary
+    devices: Dict[int, DeviceCourse]
+
+
+@dataclass
+class Fit:
+    """The fitted size of each allocation of the reference run: `form[k]` indexes FORMS and
+    `coef[k]` are (c0, c1, c2) with size(x) = c0 + c1 x + c2 x^2."""
+
+    form: np.ndarray
+    coef: np.ndarray
+
+    def at(self, value: float) -> np.ndarray:
+        """Predicted sizes at `value`, rounded to bytes, never below 0."""
+        x = float(value)
+        sizes = self.coef[:, 0] + self.coef[:, 1] * x + self.coef[:, 2] * x * x
+        return np.maximum(np.rint(sizes), 0).astype(np.int64)
+
+
+@dataclass
+class Alignment:
+    """For each run (in knob order), the index of its allocation matching each of the reference
+    run's allocations, or -1 where it has none."""
+
+    matched: List[np.ndarray]
+    aligned_pct: float  # the least share of the reference's allocations lined up in any run
+    exact: bool  # every run records the same allocations in the same order
+
+
+@dataclass
+class SitePrediction:
+    """One stack site live at a predicted peak: its bytes there, at the largest run's same
+    moment, and how it grows."""
+
+    site: str
+    category: str
+    form: str
+    bytes: int
+    largest_run_bytes: int
+    growth_bytes: int
+
+
+@dataclass
+class Prediction:
+    """Memory of one device at one knob value, rebuilt by replaying the trace."""
+
+    value: int
+    peak_bytes: int
+    phase: Optional[str]
+    step: Optional[int]
+    event_index: int
+    phase_peaks: Dict[str, int]
+    categories: Dict[str, int]
+    sites: List[SitePrediction]
+    with_overhead_bytes: int
+
+
+@dataclass
+class RunCheck:
+    """One run predicted from the others (leave-one-out) against what it measured."""
+
+    file: str
+    value: int
+    actual_peak_bytes: int
+    actual_phase: Optional[str]
+    predicted_peak_bytes: int
+    error_pct: float
+
+
+@dataclass
+class DeviceForecast:
+    """A device's forecast: predictions, fitted forms, trust, and the largest value within the budget."""
+
+    device: int
+    method: str  # "events": allocations lined up one for one; "aligned": by matching stacks
+    aligned_pct: float
+    runs: List[RunCheck]  # each run as measured (predicted_peak_bytes: leave-one-out, or its own peak)
+    predictions: List[Prediction]
+    forms: Dict[str, str]
+    unfitted_allocations: int
+    unfitted_bytes: int
+    fit_error_pct: Optional[float]
+    max_value_within_budget: Optional[int]
+    headline: str
+    notes: List[str] = field(default_factory=list)
+
+    @property
+    def predicted_peak_bytes(self) -> int:
+        """The peak at the first requested value."""
+        return self.predictions[0].peak_bytes
+
+
+@dataclass
+class Forecast:
+    """The whole forecast, every number and sentence any output shows."""
+
+    knob_values: List[int]
+    files: List[str]
+    at: List[int]
+    budget_bytes: Optional[int]
+    overhead_ratio: float
+    overhead_note: str
+    devices: List[DeviceForecast]
+    notes: List[str]
+    tool: str = f"memdiff {__version__}"
+
+    def to_dict(self) -> Dict[str, Any]:
+        """The JSON document (schemas/forecast.schema.json)."""
+        devices = []
+        for d in self.devices:
+            item = asdict(d)
+            item = {"device": d.device, "predicted_peak_bytes": d.predicted_peak_bytes, **item}
+            devices.append(item)
+        return {"schema_version": SCHEMA_VERSION, "tool": self.tool, "knob_values": self.knob_values,
+                "files": self.files, "at": self.at, "budget_bytes": self.budget_bytes,
+                "overhead_ratio": self.overhead_ratio, "overhead_note": self.overhead_note,
+                "notes": self.notes, "devices": devices}
+
+
+# ---------------------------------------------------------------- reading
+
+
+def read_course(path: str, value: int, rules: Sequence[Rule]) -> Course:
+    """One run's Summary and allocations: the snapshot is decoded and walked once."""
+    with paused_gc():
+        raw, source, decoded = decode(path)
+        if _is_summary(raw):
+            raise InputError(path, "a stored summary holds only the peak; a forecast replays every "
+                                   "allocation, so give it the snapshot itself")
+        keep: Dict[int, Allocations] = {}
+        summary = summarize(to_snapshot(path, raw, source, decoded), None, keep)
+        del raw
+    summary = classify(summary, rules)
+    devices = {}
+    for d in summary.devices:
+        allocations = keep[d.device]
+        names, codes = category_codes(allocations, rules)
+        stacks: Dict[str, int] = {}
+        kinds = [stacks.setdefault(stack.signature, len(stacks)) for stack, _ in allocations.kinds]
+        sites = {stack.signature: stack.site for stack, _ in allocations.kinds}
+        kind = allocations.kind
+        devices[d.device] = DeviceCourse(
+            device=d.device, events=d.trace_events, start=allocations.start, end=allocations.end,
+            size=allocations.size, stack=np.array(kinds, dtype=np.int64)[kind] if len(kind) else kind,
+            category=codes, stacks=[(sig, sites[sig]) for sig in stacks], categories=names)
+    return Course(file=path, value=value, summary=summary, devices=devices)
+
+
+def read_courses(runs: Sequence[Tuple[str, int]], rules: Sequence[Rule]) -> List[Course]:
+    """read_course of each (path, value), in parallel worker processes for big inputs (as
+    inputs.read_summaries does)."""
+    sizes = [os.path.getsize(p) if os.path.isfile(p) else 0 for p, _ in runs]
+    workers = worker_count(sizes)
+    if workers < 2 or sum(sizes) < PARALLEL_MIN_BYTES:
+        return [read_course(p, v, rules) for p, v in runs]
+    with ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+        futures = [pool.submit(read_course, p, v, rules) for p, v in runs]
+        return [f.result() for f in futures]
+
+
+# ---------------------------------------------------------------- one loop?
+
+
+def check_one_loop(courses: Sequence[Course]) -> None:
+    """InputError naming what differs when the runs are not one loop: devices, steps and their
+    phases, or the weights (parameter bytes, which no knob of one loop changes)."""
+    first = courses[0]
+    for c in courses[1:]:
+        a, b = sorted(first.devices), sorted(c.devices)
+        if a != b:
+            raise InputError(c.file, f"not the same loop as {first.file}: it records devices "
+                                     f"{_list(b)}, {first.file} records {_list(a)}")
+        for d0, d1 in zip(first.summary.devices, c.summary.devices):
+            s0 = [[p.phase for p in s.phases] for s in d0.steps]
+            s1 = [[p.phase for p in s.phases] for s in d1.steps]
+            if len(s0) != len(s1):
+                raise InputError(c.file, f"not the same loop as {first.file}: device {d0.device} has "
+                                         f"{len(s1)} steps, {first.file} has {len(s0)}")
+            p0 = _params(d0.phase_peaks, d0.categories)
+            p1 = _params(d1.phase_peaks, d1.categories)
+            if p0 is not None and p1 is not None and p0 != p1:
+                raise InputError(c.file, f"not the same loop as {first.file}: device {d0.device} holds "
+                                         f"{format_bytes(p1)} of parameters, {first.file} holds "
+                                         f"{format_bytes(p0)} (a different model?)")
+
+
+def _params(phase_peaks: Sequence[Any], categories: Dict[str, int]) -> Optional[int]:
+    """Parameter bytes at the forward peak (or the peak), None when no group is a parameter."""
+    for p in phase_peaks:
+        if p.phase == "forward":
+            cats = p.categories if p.groups is not None else categories
+            return cats.get("parameter")
+    return categories.get("parameter")
+
+
+def _list(values: Sequence[int]) -> str:
+    return ", ".join(map(str, values)) or "none"
+
+
+def align(courses: Sequence[DeviceCourse], ref: int) -> Alignment:
+    """Each run's allocations matched to those of `courses[ref]` by their stack sequence."""
+    names: Dict[str, int] = {}
+    seqs: List[np.ndarray] = []
+    for c in courses:
+        codes = np.array([names.setdefault(sig, len(names)) for sig, _ in c.stacks], dtype=np.int64)
+        seqs.append(codes[c.stack] if len(c.stack) else c.stack)
+    n = len(seqs[ref])
+    if all(len(s) == n and np.array_equal(s, seqs[ref]) for s in seqs):
+        return Alignment([np.arange(n, dtype=np.int64) for _ in seqs], 100.0, True)
+    matched = []
+    least = 100.0
+    for k, s in enumerate(seqs):
+        if k == ref:
+            matched.append(np.arange(n, dtype=np.int64))
+            continue
+        m = _align_pair(seqs[ref], courses[ref].size, s, courses[k].size)
+        matched.append(m)
+        least = min(least, 100.0 * float((m >= 0).sum()) / max(n, 1))
+    return Alignment(matched, least, False)
+
+
+def _align_pair(ref_stack: np.ndarray, ref_size: np.ndarray, stack: np.ndarray, size: np.ndarray) -> np.ndarray:
+    """The index in a run of each reference allocation, or -1: first anchored on allocations of
+    equal stack and size (weights, gradients, optimizer state: they do not change with the knob),
+    then, between anchors, by stack alone (one for one when both sides have the same stacks)."""
+    tokens: Dict[Tuple[int, int], int] = {}
+    a = [tokens.setdefault(t, len(tokens)) for t in zip(ref_stack.tolist(), ref_size.tolist())]
+    b = [tokens.setdefault(t, len(tokens)) for t in zip(stack.tolist(), size.tolist())]
+    m = np.full(len(a), -1, dtype=np.int64)
+    ia = ib = 0
+    for xa, xb, length in difflib.SequenceMatcher(None, a, b, autojunk=False).get_matching_blocks():
+        ga, gb = ref_stack[ia:xa], stack[ib:xb]
+        if len(ga) and len(gb):
+            if len(ga) == len(gb) and np.array_equal(ga, gb):
+                m[ia:xa] = np.arange(ib, xb)
+            else:
+                for ya, yb, size_ in difflib.SequenceMatcher(None, ga.tolist(), gb.tolist(),
+                                                             autojunk=False).get_matching_blocks():
+                    m[ia + ya:ia + ya + size_] = np.arange(ib + yb, ib + yb + size_)
+        m[xa:xa + length] = np.arange(xb, xb + length)
+        ia, ib = xa + length, xb + length
+    return m
+
+
+# ---------------------------------------------------------------- fitting
+
+
+def fit_sizes(values: Sequence[int], sizes: np.ndarray, present: np.ndarray) -> Fit:
+    """The simplest exact polynomial of each column of `sizes` (runs x allocations) over the
+    runs where `present`; each distinct column is fitted once, in exact arithmetic."""
+    n = sizes.shape[1]
+    form = np.zeros(n, dtype=np.int64)
+    coef = np.zeros((n, 3), dtype=np.float64)
+    if n == 0:
+        return Fit(form, coef)
+    keyed = np.where(present, sizes, -1)
+    unique, inverse = np.unique(keyed, axis=1, return_inverse=True)
+    inverse = inverse.reshape(-1)
+    u_form = np.zeros(unique.shape[1], dtype=np.int64)
+    u_coef = np.zeros((unique.shape[1], 3), dtype=np.float64)
+    for j in range(unique.shape[1]):
+        col = unique[:, j].tolist()
+        points = [(values[i], col[i]) for i in range(len(values)) if col[i] >= 0]
+        u_form[j], u_coef[j] = _fit(points)
+    form[:] = u_form[inverse]
+    coef[:] = u_coef[inverse]
+    return Fit(form, coef)
+
+
+def _fit(points: List[Tuple[int, int]]) -> Tuple[int, Tuple[float, float, float]]:
+    """(form index, coefficients) of the simplest polynomial through all `points` (x, size)."""
+    if not points:
+        return 0, (0.0, 0.0, 0.0)
+    ys = [y for _, y in points]
+    if len(set(ys)) == 1:
+        return 0, (float(ys[0]), 0.0, 0.0)
+    (x0, y0), (x1, y1) = points[-2], points[-1]
+    slope = Fraction(y1 - y0, x1 - x0)
+    c0 = y1 - slope * x1
+    if all(c0 + slope * x == y for x, y in points):
+        return 1, (float(c0), float(slope), 0.0)
+    if len(points) < 3:  # unreachable: two points always fit a line
+        return 3, (float(c0), float(slope), 0.0)
+    (xa, ya), (xb, yb), (xc, yc) = points[-3:]
+    # Lagrange through the three largest values, in exact fractions.
+    da = Fraction(ya, (xa - xb) * (xa - xc))
+    db = Fraction(yb, (xb - xa) * (xb - xc))
+    dc = Fraction(yc, (xc - xa) * (xc - xb))
+    a2 = da + db + dc
+    a1 = -(da * (xb + xc) + db * (xa + xc) + dc * (xa + xb))
+    a0 = da * xb * xc + db * xa * xc + dc * xa * xb
+    exact = all(a0 + a1 * x + a2 * x * x == y for x, y in points)
+    return (2 if exact else 3), (float(a0), float(a1), float(a2))
+
+
+# ---------------------------------------------------------------- replay
+
+
+@dataclass
+class _Device:
+    """What replaying one device needs: the reference run's structure and the fitted sizes."""
+
+    ref: DeviceCourse
+    fit: Fit
+    summary_runs: List[Tuple[str, int, int]]  # (phase, start event, end event) per phase run
+    steps: List[Tuple[int, int, int]]  # (step, start, end)
+
+
+def replay(ref: DeviceCourse, sizes: np.ndarray) -> np.ndarray:
+    """Bytes live after each event of `ref`'s trace with allocation k holding `sizes[k]`."""
+    n = ref.events
+    delta = np.zeros(n + 1, dtype=np.int64)
+    np.add.at(delta, ref.start, sizes)
+    ends = np.minimum(ref.end, n)
+    np.subtract.at(delta, ends, sizes)
+    return np.cumsum(delta[:n]) if n else np.zeros(0, dtype=np.int64)
+
+
+def _phase_of(spans: Sequence[Tuple[str, int, int]], event: int) -> Optional[str]:
+    for phase, start, end in spans:
+        if start <= event <= end:
+            return phase
+    return None
+
+
+def _predict(dev: _Device, value: int, overhead: float, largest: np.ndarray) -> Prediction:
+    """Replay at `value`: the peak, its phase and step, each phase's peak, and what is live there."""
+    ref = dev.ref
+    sizes = dev.fit.at(value)
+    totals = replay(ref, sizes)
+    if len(totals) == 0:
+        return Prediction(value, 0, None, None, 0, {}, {}, [], 0)
+    at = int(totals.argmax())
+    peak = int(totals[at])
+    phase_peaks: Dict[str, int] = {}
+    for phase, start, end in dev.summary_runs:
+        if start <= end < len(totals):
+            top = int(totals[start:end + 1].max())
+            phase_peaks[phase] = max(phase_peaks.get(phase, 0), top)
+    live = (ref.start <= at) & (ref.end > at)
+    cats: Dict[str, int] = {}
+    for c, b in zip(ref.category[live].tolist(), sizes[live].tolist()):
+        name = ref.categories[c]
+        cats[name] = cats.get(name, 0) + b
+    sites: Dict[int, List[int]] = {}
+    for s, b, o, f, c in zip(ref.stack[live].tolist(), sizes[live].tolist(), largest[live].tolist(),
+                             dev.fit.form[live].tolist(), ref.category[live].tolist()):
+        slot = sites.setdefault(s, [0, 0, 0, c])
+        slot[0] += b
+        slot[1] += o
+        slot[2] = max(slot[2], f)
+    rows = [SitePrediction(site=ref.stacks[s][1], category=ref.categories[c], form=FORMS[f], bytes=b,
+                           largest_run_bytes=o, growth_bytes=b - o)
+            for s, (b, o, f, c) in sites.items() if f > 0]
+    rows.sort(key=lambda r: (-r.growth_bytes, -r.bytes, r.site))
+    step = next((s for s, lo, hi in dev.steps if lo <= at <= hi), None)
+    return Prediction(value=value, peak_bytes=peak, phase=_phase_of(dev.summary_runs, at), step=step,
+                      event_index=at, phase_peaks=phase_peaks,
+                      categories=dict(sorted(cats.items(), key=lambda kv: (-kv[1], kv[0]))),
+                      sites=rows[:TOP_SITES], with_overhead_bytes=int(round(peak * overhead)))
+
+
+def _peak_at(dev: _Device, value: int) -> int:
+    totals = replay(dev.ref, dev.fit.at(value))
+    return int(totals.max()) if len(totals) else 0
+
+
+def _max_within(dev: _Device, budget: int, overhead: float, lowest: int) -> Optional[int]:
+    """The largest integer value whose predicted peak (times the overhead) stays within `budget`,
+    searched upward from 1; None when even 1 does not fit, MAX_VALUE when it never stops fitting."""
+    def fits(x: int) -> bool:
+        return _peak_at(dev, x) * overhead <= budget
+    if not fits(1):
+        return None
+    lo, hi = 1, max(2, lowest)
+    while fits(hi):
+        lo, hi = hi, hi * 2
+        if hi > MAX_VALUE:
+            return MAX_VALUE
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+# ---------------------------------------------------------------- the forecast
+
+
+def forecast_courses(courses: Sequence[Course], at: Sequence[int], budget: Optional[int] = None) -> Forecast:
+    """The Forecast of runs of one loop (each with its knob value) at the values `at`."""
+    if len(courses) < 2:
+        raise InputError("forecast", "give at least two runs, each as RUN=VALUE")
+    courses = sorted(courses, key=lambda c: c.value)
+    values = [c.value for c in courses]
+    if len(set(values)) != len(values):
+        raise InputError("forecast", f"two runs have the same value {_dup(values)}: each run needs its own")
+    check_one_loop(courses)
+    at = list(at) or [2 * values[-1]]
+    overhead, overhead_note = _overhead(courses)
+    notes = []
+    if len(courses) == 2:
+        notes.append("two runs: every size is fitted as a line through them (a quadratic needs a third run), "
+                     "and no run is left over to check the fit")
+    devices = []
+    for device in sorted(courses[0].devices):
+        devices.append(_device_forecast([c.devices[device] for c in courses], courses, device, at, budget,
+                                        overhead))
+    return Forecast(knob_values=values, files=[c.file for c in courses], at=at, budget_bytes=budget,
+                    overhead_ratio=round(overhead, 4), overhead_note=overhead_note, devices=devices, notes=notes)
+
+
+def _dup(values: Sequence[int]) -> int:
+    return next(v for v in values if values.count(v) > 1)
+
+
+def _overhead(courses: Sequence[Course]) -> Tuple[float, str]:
+    """Reserved over allocated, the caching allocator's overhead, the largest any run measured."""
+    ratios = []
+    for c in courses:
+        for d in c.summary.devices:
+            if d.reserved_bytes_at_dump is not None and d.peak_bytes > 0:
+                ratios.append(max(1.0, d.reserved_bytes_at_dump / d.peak_bytes))
+    if not ratios:
+        return 1.0, "the runs carry no allocator segments (CPU captures): the budget is compared with allocated bytes"
+    ratio = max(ratios)
+    return ratio, (f"the budget is compared with the peak times {ratio:.3f}, the most reserved over allocated "
+                   "any run measured (the caching allocator's overhead)")
+
+
+def _structure(summary: Summary, device: int) -> Tuple[List[Tuple[str, int, int]], List[Tuple[int, int, int]]]:
+    for d in summary.devices:
+        if d.device == device:
+            spans = [(p.phase, p.start_event, p.end_event) for s in d.steps for p in s.phases]
+            return spans, [(s.step, s.start_event, s.end_event) for s in d.steps]
+    return [], []
+
+
+def _device_forecast(runs: List[DeviceCourse], courses: Sequence[Course], device: int, at: Sequence[int],
+                     budget: Optional[int], overhead: float) -> DeviceForecast:
+    ref_index = len(runs) - 1  # the largest value: its structure is the one extrapolated
+    alignment = align(runs, ref_index)
+    if alignment.aligned_pct < 100 * MIN_ALIGNED:
+        worst = min(range(len(runs)), key=lambda k: float((alignment.matched[k] >= 0).mean()) if len(
+            alignment.matched[k]) else 1.0)
+        raise InputError(courses[worst].file,
+                         f"not the same loop as {courses[ref_index].file}: on device {device} only "
+                         f"{alignment.aligned_pct:.0f}% of the allocations line up (different model or code?)")
+    ref = runs[ref_index]
+    values = [c.value for c in courses]
+    n = len(ref.size)
+    sizes = np.zeros((len(runs), n), dtype=np.int64)
+    present = np.zeros((len(runs), n), dtype=bool)
+    for k, (run, m) in enumerate(zip(runs, alignment.matched)):
+        ok = m >= 0
+        sizes[k, ok] = run.size[m[ok]]
+        present[k] = ok
+    spans, steps = _structure(courses[ref_index].summary, device)
+    fit = fit_sizes(values, sizes, present)
+    dev = _Device(ref, fit, spans, steps)
+    largest = ref.size
+    predictions = [_predict(dev, v, overhead, largest) for v in at]
+
+    checks = []
+    for k, c in enumerate(courses):
+        actual = c.summary.devices[[d.device for d in c.summary.devices].index(device)]
+        predicted = None
+        if len(runs) >= 3:
+            keep = [i for i in range(len(runs)) if i != k]
+            loo = fit_sizes([values[i] for i in keep], sizes[keep], present[keep])
+            predicted = _peak_at(_Device(ref, loo, spans, steps), c.value)
+        shown = actual.peak_bytes if predicted is None else predicted
+        err = 0.0 if actual.peak_bytes == 0 else 100.0 * (shown - actual.peak_bytes) / actual.peak_bytes
+        checks.append(RunCheck(file=c.file, value=c.value, actual_peak_bytes=actual.peak_bytes,
+                               actual_phase=actual.phase_at_peak, predicted_peak_bytes=shown,
+                               error_pct=round(err, 3)))
+    fit_error = round(max(abs(r.error_pct) for r in checks), 3) if len(runs) >= 3 else None
+
+    forms = _forms(ref, fit, predictions[0].event_index)
+    unfitted = fit.form == 3
+    unfitted_bytes = int(ref.size[unfitted].sum()) if n else 0
+    notes = []
+    if not alignment.exact:
+        notes.append(f"the runs do not record the same allocations: {alignment.aligned_pct:.1f}% of the largest "
+                     f"run's line up in every run; the others are fitted from the runs that have them")
+    if int(unfitted.sum()):
+        notes.append(f"{int(unfitted.sum()):,} allocations ({format_bytes(unfitted_bytes)} in the largest run) fit "
+                     "no polynomial up to quadratic; the quadratic through their three largest values stands in")
+    within = None
+    if budget is not None:
+        within = _max_within(dev, budget, overhead, values[-1])
+        if within is None:
+            notes.append(f"even at 1 the predicted peak exceeds the budget of {format_bytes(budget)}")
+        elif within == MAX_VALUE:
+            notes.append("the predicted peak does not outgrow the budget at any value")
+    first = predictions[0]
+    largest_run = checks[-1]
+    moved = (f", in the {first.phase} (the largest run, {largest_run.value}, peaks in the {largest_run.actual_phase})"
+             if first.phase != largest_run.actual_phase else f", in the {first.phase}")
+    headline = (f"device {device}: predicted peak {format_bytes(first.peak_bytes)} at {first.value}{moved}; "
+                + (f"leave-one-out error at most {fit_error:.1f}%" if fit_error is not None
+                   else "a linear forecast from two runs, unchecked"))
+    if budget is not None:
+        headline += ("; nothing fits the budget" if within is None
+                     else f"; largest value within {format_bytes(budget)}: {within:,}")
+    return DeviceForecast(
+        device=device, method="events" if alignment.exact else "aligned", aligned_pct=round(alignment.aligned_pct, 2),
+        runs=checks, predictions=predictions, forms=forms,
+        unfitted_allocations=int(unfitted.sum()), unfitted_bytes=unfitted_bytes, fit_error_pct=fit_error,
+        max_value_within_budget=within, headline=headline, notes=notes)
+
+
+def _forms(ref: DeviceCourse, fit: Fit, at: int) -> Dict[str, str]:
+    """Each category's form: the highest degree among the forms that hold at least 5% of its
+    bytes at the predicted peak (all its allocations when none is live there)."""
+    live = (ref.start <= at) & (ref.end > at)
+    sizes = ref.size
+    out: Dict[str, str] = {}
+    for c, name in enumerate(ref.categories):
+        mine = ref.category == c
+        chosen = mine & live if (mine & live).any() else mine
+        if not chosen.any():
+            continue
+        by_form = np.bincount(fit.form[chosen], weights=sizes[chosen].astype(np.float64), minlength=len(FORMS))
+        total = by_form.sum()
+        kept = [k for k in range(len(FORMS)) if by_form[k] > 0 and by_form[k] >= 0.05 * total] or [0]
+        out[name] = FORMS[max(kept)]
+    return dict(sorted(out.items()))
+
+
+def parse_run(text: str) -> Tuple[str, int]:
+    """(path, value) from `RUN=VALUE`; InputError when it is not that (the value a positive integer)."""
+    path, sep, value = text.rpartition("=")
+    if not sep or not path:
+        raise InputError(text, "give each run as RUN=VALUE (for example b4.pickle=4)")
+    try:
+        number = int(value)
+    except ValueError:
+        raise InputError(path, f"{value!r} is not a knob value: a positive integer (a batch size, a length)") from None
+    if number < 1:
+        raise InputError(path, f"{number} is not a knob value: a positive integer (a batch size, a length)")
+    return path, number
+
+
+def forecast(runs: Sequence[Tuple[str, int]], at: Sequence[int], rules: Sequence[Rule],
+             budget: Optional[int] = None) -> Forecast:
+    """The Forecast of snapshot files, each with its knob value, at the values `at` (default:
+    twice the largest value), with the largest value within `budget` when one is given."""
+    for v in at:
+        if v < 1:
+            raise InputError("--at", f"{v} is not a knob value: a positive integer")
+    if len(runs) < 2:
+        raise InputError("forecast", "give at least two runs, each as RUN=VALUE")
+    return forecast_courses(read_courses(runs, rules), at, budget)

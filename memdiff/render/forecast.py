@@ -1,0 +1,99 @@
+"""What `memdiff forecast` prints (text, markdown, json, html): it lays out the Forecast and decides nothing."""
+
+from __future__ import annotations
+
+import html
+import json
+import os
+from typing import List
+
+from tabulate import tabulate
+
+from memdiff.forecast import DeviceForecast, Forecast
+from memdiff.units import format_bytes
+
+
+def _runs_table(d: DeviceForecast, fmt: str) -> str:
+    rows = [[os.path.basename(r.file), f"{r.value:,}", format_bytes(r.actual_peak_bytes), r.actual_phase or "",
+             format_bytes(r.predicted_peak_bytes), f"{r.error_pct:+.1f}%"] for r in d.runs]
+    return tabulate(rows, headers=["run", "value", "peak", "phase", "left-out forecast", "error"], tablefmt=fmt,
+                    colalign=("left", "right", "right", "left", "right", "right"))
+
+
+def _predictions_table(d: DeviceForecast, fmt: str) -> str:
+    phases = [name for name in ("forward", "backward", "optimizer")
+              if any(name in p.phase_peaks for p in d.predictions)]
+    rows = [[f"{p.value:,}", format_bytes(p.peak_bytes), p.phase or "", *[format_bytes(p.phase_peaks.get(name, 0))
+                                                                        for name in phases]]
+            for p in d.predictions]
+    return tabulate(rows, headers=["value", "predicted peak", "phase", *phases], tablefmt=fmt,
+                    colalign=("right", "right", "left") + ("right",) * len(phases))
+
+
+def _at_peak_tables(d: DeviceForecast, fmt: str) -> List[str]:
+    p = d.predictions[0]
+    cats = tabulate([[name, format_bytes(b), d.forms.get(name, "")] for name, b in p.categories.items()],
+                    headers=["category", f"at {p.value:,}", "form"], tablefmt=fmt, colalign=("left", "right", "left"))
+    sites = tabulate([[s.site, s.category, s.form, format_bytes(s.largest_run_bytes), format_bytes(s.bytes),
+                       format_bytes(s.growth_bytes, signed=True)] for s in p.sites],
+                     headers=["growing site", "category", "form", "largest run", f"at {p.value:,}", "growth"],
+                     tablefmt=fmt, colalign=("left", "left", "left", "right", "right", "right"))
+    return [cats, sites]
+
+
+def render_text(f: Forecast) -> str:
+    """The forecast for a terminal."""
+    out = []
+    for d in f.devices:
+        out.append(f"memdiff: {d.headline}")
+    out.append("")
+    out.append("runs   " + ", ".join(f"{os.path.basename(name)}={v:,}" for name, v in zip(f.files, f.knob_values)))
+    out += [f"note: {n}" for n in f.notes]
+    if f.budget_bytes is not None:
+        out.append(f"budget {format_bytes(f.budget_bytes)}: {f.overhead_note}")
+    for d in f.devices:
+        how = "one for one" if d.method == "events" else "by stack"
+        out += ["", f"device {d.device}: allocations lined up {how} ({d.aligned_pct:.1f}% of the largest run's)"]
+        out += [f"note: {n}" for n in d.notes]
+        out += ["", _runs_table(d, "simple"), "", _predictions_table(d, "simple")]
+        p = d.predictions[0]
+        out += ["", f"at the predicted peak for {p.value:,} ({p.phase or 'no phase'}, step {p.step}):"]
+        out += ["", *("\n\n".join(_at_peak_tables(d, "simple")).split("\n"))]
+        if d.max_value_within_budget is not None:
+            out += ["", f"largest value within the budget: {d.max_value_within_budget:,}"]
+    return "\n".join(out) + "\n"
+
+
+def render_markdown(f: Forecast) -> str:
+    """The forecast for a pull-request comment or a job summary."""
+    out = ["### memdiff forecast", ""]
+    out += [f"**{d.headline}**" for d in f.devices]
+    out += ["", "runs: " + ", ".join(f"`{os.path.basename(n)}`={v:,}" for n, v in zip(f.files, f.knob_values))]
+    out += [f"> {n}" for n in f.notes]
+    if f.budget_bytes is not None:
+        out += ["", f"budget {format_bytes(f.budget_bytes)}: {f.overhead_note}"]
+    for d in f.devices:
+        out += ["", f"#### device {d.device}", ""]
+        out += [f"> {n}" for n in d.notes]
+        out += ["", _runs_table(d, "github"), "", _predictions_table(d, "github"), ""]
+        out += ["\n\n".join(_at_peak_tables(d, "github"))]
+    return "\n".join(out) + "\n"
+
+
+def render_json(f: Forecast) -> str:
+    """The forecast document (schemas/forecast.schema.json)."""
+    return json.dumps(f.to_dict(), indent=2, ensure_ascii=False) + "\n"
+
+
+def render_html(f: Forecast) -> str:
+    """One self-contained page: the markdown's tables as HTML tables."""
+    body = []
+    for d in f.devices:
+        body.append(f"<h2>{html.escape(d.headline)}</h2>")
+        body += [f"<p class=note>{html.escape(n)}</p>" for n in f.notes + d.notes]
+        tables = [_runs_table(d, "html"), _predictions_table(d, "html"), *_at_peak_tables(d, "html")]
+        body += tables
+    style = ("body{font:14px system-ui,sans-serif;margin:2em}table{border-collapse:collapse;margin:1em 0}"
+             "td,th{padding:2px 10px;border-bottom:1px solid #ddd;text-align:right}.note{color:#555}")
+    return ("<!doctype html><html><head><meta charset=utf-8><title>memdiff forecast</title>"
+            f"<style>{style}</style></head><body><h1>memdiff forecast</h1>{''.join(body)}</body></html>\n")
