@@ -2,7 +2,7 @@
 
 The Python API (`memdiff.api`) is re-exported here: `memdiff.summarize`, `memdiff.diff`,
 `memdiff.gate`, `memdiff.thresholds`, `memdiff.load_baseline`,
-`memdiff.write_baseline`, `memdiff.html_report` and `memdiff.record`; `memdiff.api` itself is
+`memdiff.write_baseline`, `memdiff.forecast`, `memdiff.html_report` and `memdiff.record`; `memdiff.api` itself is
 there too. They are imported on first use, so `import memdiff` stays cheap and never imports torch.
 """
 
@@ -12,7 +12,7 @@ from typing import Any
 __version__ = "0.1.0"
 
 API = ("summarize", "diff", "gate", "load_baseline", "write_baseline", "html_report", "record",
-       "thresholds")
+       "thresholds", "forecast")
 __all__ = ["__version__", "api", *API]
 
 

@@ -5,6 +5,7 @@
     base = memdiff.summarize("base.pickle")             # a Summary (the `memdiff summarize` JSON)
     change = memdiff.diff(base, "head.pickle")          # a Report, not judged: headline, rows per device
     report = memdiff.gate("head.pickle", "baselines/train.json", fail_over="256MiB")
+    ahead = memdiff.forecast({"b1.pickle": 1, "b2.pickle": 2, "b4.pickle": 4}, at=16, budget="80GiB")
     print(report.passed, report.headline, [c.subject for c in report.checks if not c.passed])
 
 Every result has `to_dict()`, the JSON the CLI writes: `memdiff.gate(...)` is one document of
@@ -18,7 +19,7 @@ nothing else here imports it.
 from __future__ import annotations
 
 import os
-from typing import Any, ContextManager, Dict, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, ContextManager, Dict, Optional, Sequence, Tuple, Union
 
 from memdiff.baseline import Baseline, comparable_pair, read_baseline, update_baseline
 from memdiff.classify import Rule, check_categories, load_rules
@@ -30,6 +31,9 @@ from memdiff.model import Summary
 from memdiff.report import DEFAULT_TOP, Report, Settings, compare
 from memdiff.report import Run as ReportRun
 from memdiff.units import parse_size
+
+if TYPE_CHECKING:
+    from memdiff.forecast import Forecast
 
 Run = Union[str, "os.PathLike[str]", Summary]
 Size = Union[int, str, None]
@@ -135,6 +139,22 @@ def _check_categories(limits: Dict[str, object], rules: Optional[Sequence[str]],
     check_categories(given if isinstance(given, dict) else {}, known, "categories")
     if stored is not None:
         check_categories(stored.categories, known, where)
+
+
+Path = Union[str, "os.PathLike[str]"]
+
+
+def forecast(runs: Union[Dict[Path, int], Sequence[Tuple[Path, int]]], *, at: Union[int, Sequence[int], None] = None,
+             budget: Size = None, rules: Optional[Sequence[str]] = None) -> "Forecast":
+    """The peak at knob values not run, from snapshots of one loop each with its value
+    (`{"b1.pickle": 1, "b2.pickle": 2, "b4.pickle": 4}`), at `at` (default: twice the largest),
+    and with `budget` the largest value that fits; `to_dict()` is `memdiff forecast --format json`."""
+    from memdiff.forecast import forecast as _forecast
+
+    pairs = list(runs.items()) if isinstance(runs, dict) else list(runs)
+    values = [at] if isinstance(at, int) else list(at or [])
+    return _forecast([(os.fspath(p), int(v)) for p, v in pairs], values, _rules(rules),
+                     to_bytes(budget, "budget"))
 
 
 def html_report(report: Report) -> str:

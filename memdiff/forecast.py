@@ -25,6 +25,8 @@ from __future__ import annotations
 import difflib
 import multiprocessing
 import os
+import sys
+import types
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field
 from fractions import Fraction
@@ -45,7 +47,7 @@ from memdiff.units import format_bytes
 SCHEMA_VERSION = 1
 FORMS = ("constant", "linear", "quadratic", "none")
 # Below this share of the largest run's allocations lined up in another run, the runs are not one loop.
-MIN_ALIGNED = 0.5
+MIN_ALIGNED = 0.6
 # The largest knob value the budget search tries.
 MAX_VALUE = 2**40
 TOP_SITES = 5
@@ -632,3 +634,16 @@ def forecast(runs: Sequence[Tuple[str, int]], at: Sequence[int], rules: Sequence
     if len(runs) < 2:
         raise InputError("forecast", "give at least two runs, each as RUN=VALUE")
     return forecast_courses(read_courses(runs, rules), at, budget)
+
+
+class _Module(types.ModuleType):
+    """This module, callable as `memdiff.forecast(...)` (the API's function): importing a submodule
+    sets the package's attribute of that name, which would otherwise hide the API's function."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Forecast:
+        from memdiff.api import forecast as api_forecast
+
+        return api_forecast(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _Module

@@ -31,7 +31,8 @@ def hf_model(name: str, vocab: int = VOCAB, positions: int = POSITIONS) -> Tuple
     import transformers as hf
 
     if name == "gpt2":
-        model = hf.GPT2LMHeadModel(hf.GPT2Config(n_layer=2, n_embd=128, n_head=4, vocab_size=vocab, n_positions=positions))
+        model = hf.GPT2LMHeadModel(hf.GPT2Config(n_layer=2, n_embd=128, n_head=4, vocab_size=vocab,
+                                                 n_positions=positions))
         return model, list(model.transformer.h), 128
     if name == "bert":
         model = hf.BertForSequenceClassification(hf.BertConfig(
@@ -88,7 +89,8 @@ def build(args: argparse.Namespace) -> Tuple[nn.Module, List[nn.Module], int, Ca
     if args.model in ("gpt2", "bert", "llama"):
         vocab = args.vocab
         model, layers, hidden = hf_model(args.model, vocab, args.positions)
-        labels = (lambda: torch.randint(0, 2, (b,))) if args.model == "bert" else (lambda: torch.randint(0, vocab, (b, s)))
+        labels = ((lambda: torch.randint(0, 2, (b,))) if args.model == "bert"
+                  else (lambda: torch.randint(0, vocab, (b, s))))
 
         def batch() -> Dict[str, torch.Tensor]:
             return {"input_ids": torch.randint(0, vocab, (b, s)), "labels": labels()}

@@ -1,0 +1,231 @@
+"""memdiff forecast: exact fits on hand-built loops, refusals, the JSON contract, and CPU captures
+of real models whose forecast is checked against a capture at that size (PyTorch's own count)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Dict, List
+
+import pytest
+from conftest import alloc, free, py_frames
+
+import memdiff
+from memdiff.classify import load_rules
+from memdiff.cli import main
+from memdiff.errors import InputError
+from memdiff.forecast import _fit, parse_run
+from memdiff.inputs import read_summary
+from memdiff.schema import validate
+
+FWD = py_frames("model.py:10:forward")
+BWD = py_frames("/v/site-packages/torch/autograd/__init__.py:1:backward")
+OPT = py_frames("/v/site-packages/torch/optim/adam.py:1:step")
+INIT = py_frames("/v/site-packages/torch/optim/adam.py:2:_init_group")
+
+
+def loop(b: int, steps: int = 2, weights: int = 4000, model: str = "model.py") -> Dict[str, Any]:
+    """A training loop at batch `b`: weights (constant), activations linear and quadratic in b,
+    gradients and optimizer state constant, an optimizer temporary. Small b peaks in the
+    optimizer step, large b in the backward."""
+    fwd = py_frames(f"{model}:10:forward")
+    trace: List[Dict[str, Any]] = [alloc(1, weights, fwd)]
+    addr = 100
+    for step in range(steps):
+        acts = [(addr, 100 * b), (addr + 1, 10 * b * b)]
+        addr += 2
+        trace += [alloc(a, s, py_frames(f"{model}:{20 + k}:forward")) for k, (a, s) in enumerate(acts)]
+        grad = addr
+        addr += 1
+        trace += [alloc(grad, weights, BWD)] + [free(a, s, BWD) for a, s in acts]
+        if step == 0:
+            trace.append(alloc(2, 2 * weights, INIT))
+        trace += [alloc(addr, 600, OPT), free(addr, 600, OPT), free(grad, weights, OPT)]
+        addr += 1
+    return {"segments": [], "device_traces": [trace]}
+
+
+def actual_peak(b: int, weights: int = 4000) -> int:
+    optimizer = weights + weights + 2 * weights + 600
+    backward = weights + 100 * b + 10 * b * b + weights + 2 * weights * 1  # step 1: state exists
+    return max(optimizer, backward)
+
+
+@pytest.fixture
+def series(write_snapshot):
+    def make(values, **kw) -> List[str]:
+        return [f"{write_snapshot(loop(v, **kw), f'b{v}.pickle')}={v}" for v in values]
+    return make
+
+
+def test_fit_picks_the_simplest_exact_form():
+    assert _fit([(1, 5), (2, 5), (4, 5)])[0] == 0
+    assert _fit([(1, 10), (2, 20), (4, 40)]) == (1, (0.0, 10.0, 0.0))
+    assert _fit([(1, 11), (2, 44), (4, 176)])[0] == 2
+    assert _fit([(1, 1), (2, 3), (4, 9), (8, 100)])[0] == 3  # four points no quadratic passes through
+    assert _fit([(2, 8), (4, 16)])[0] == 1
+
+
+def test_replay_finds_the_moved_peak_exactly(series, capsys):
+    runs = series((1, 2, 4))
+    assert main(["forecast", *runs, "--at", "64", "128", "--format", "json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    validate("forecast", doc, "forecast")
+    d = doc["devices"][0]
+    assert [p["peak_bytes"] for p in d["predictions"]] == [actual_peak(64), actual_peak(128)]
+    assert d["predicted_peak_bytes"] == actual_peak(64)
+    assert d["predictions"][0]["phase"] == "backward"
+    assert d["runs"][-1]["actual_phase"] == "optimizer"
+    assert d["method"] == "events" and d["fit_error_pct"] == 0.0
+    assert d["forms"]["optimizer_state"] == "constant"
+
+
+def test_budget_gives_the_largest_value_that_fits(series, capsys):
+    runs = series((1, 2, 4))
+    budget = actual_peak(50)
+    assert main(["forecast", *runs, "--budget", str(budget), "--format", "json"]) == 0
+    d = json.loads(capsys.readouterr().out)["devices"][0]
+    assert d["max_value_within_budget"] == 50
+    assert main(["forecast", *runs, "--format", "json"]) == 0
+    assert json.loads(capsys.readouterr().out)["devices"][0]["max_value_within_budget"] is None
+
+
+def test_two_runs_are_a_linear_forecast_and_say_so(series, capsys):
+    assert main(["forecast", *series((2, 4)), "--at", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "a linear forecast from two runs" in out and "two runs" in out
+
+
+def test_text_markdown_and_html(series, capsys, tmp_path):
+    runs = series((1, 2, 4))
+    page = tmp_path / "f.html"
+    assert main(["forecast", *runs, "--at", "64", "--html", str(page)]) == 0
+    text = capsys.readouterr().out
+    assert text.startswith("memdiff: device 0: predicted peak") and "in the backward" in text
+    assert "<table>" in page.read_text()
+    assert main(["forecast", *runs, "--at", "64", "--format", "markdown"]) == 0
+    assert "| growing site" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["b1.pickle"], "RUN=VALUE"),
+    (["x.pickle=0", "y.pickle=2"], "positive integer"),
+    (["x.pickle=a", "y.pickle=2"], "positive integer"),
+])
+def test_bad_run_arguments_exit_2(argv, says, capsys):
+    assert main(["forecast", *argv]) == 2
+    assert says in capsys.readouterr().err
+
+
+def test_runs_that_are_not_one_loop_are_refused(series, write_snapshot, capsys):
+    runs = series((1, 2))
+    other = write_snapshot(loop(4, weights=8000, model="other.py"), "other.pickle")
+    assert main(["forecast", *runs, f"{other}=4"]) == 2
+    err = capsys.readouterr().err
+    assert "not the same loop" in err and err.count("\n") == 1
+    steps = write_snapshot(loop(4, steps=3), "steps.pickle")
+    assert main(["forecast", *runs, f"{steps}=4"]) == 2
+    assert "steps" in capsys.readouterr().err
+    assert main(["forecast", runs[0], runs[0].replace("=1", "=1")]) == 2
+    assert "same value" in capsys.readouterr().err
+
+
+def test_a_summary_is_refused(series, tmp_path, capsys):
+    runs = series((1, 2))
+    summary = tmp_path / "s.json"
+    summary.write_text(json.dumps(read_summary(runs[0].split("=")[0], load_rules([])).to_dict()))
+    assert main(["forecast", f"{summary}=1", runs[1]]) == 2
+    assert "snapshot itself" in capsys.readouterr().err
+
+
+def test_hostile_sizes_are_input_errors(write_snapshot, capsys):
+    bad = loop(2)
+    bad["device_traces"][0][1]["size"] = "big"
+    path = write_snapshot(bad, "bad.pickle")
+    good = write_snapshot(loop(1), "good.pickle")
+    assert main(["forecast", f"{good}=1", f"{path}=2"]) == 2
+
+
+def test_api_is_the_cli_json(series, capsys):
+    runs = series((1, 2, 4))
+    result = memdiff.forecast({r.split("=")[0]: int(r.split("=")[1]) for r in runs}, at=[64], budget="1MiB")
+    assert main(["forecast", *runs, "--at", "64", "--budget", "1MiB", "--format", "json"]) == 0
+    assert json.loads(capsys.readouterr().out) == json.loads(json.dumps(result.to_dict()))
+    with pytest.raises(InputError):
+        memdiff.forecast({runs[0].split("=")[0]: 1})
+    assert parse_run("a=b=3") == ("a=b", 3)
+
+
+# ---------------------------------------------------------------- CPU captures of real models
+
+TRAIN = Path(__file__).resolve().parent / "scenarios" / "train.py"
+# name: (model, flags, knob flag, values given, values checked). Tiny models, two steps each.
+SERIES = {
+    # a large vocabulary and a short sequence: the optimizer step holds the peak at batch 1-4,
+    # the backward at 8 and 16
+    "gpt2-batch": ("gpt2", ["--vocab", "8000", "--seq", "16"], "--batch", (1, 2, 4), (8, 16)),
+    "llama-batch": ("llama", ["--seq", "32"], "--batch", (1, 2, 4), (8, 16)),
+    "bert-infer-batch": ("bert", ["--inference", "--seq", "64"], "--batch", (1, 2, 4), (8, 16)),
+    "gpt2-seq": ("gpt2", ["--batch", "2", "--positions", "512"], "--seq", (64, 128, 256), (512,)),
+    "bert-seq": ("bert", ["--batch", "2", "--positions", "512"], "--seq", (64, 128, 256), (512,)),
+    "llama-infer-seq": ("llama", ["--inference", "--batch", "2", "--positions", "512"], "--seq", (64, 128, 256),
+                        (512,)),
+}
+
+
+@pytest.fixture(scope="session")
+def forecast_captures(torch, tmp_path_factory):
+    """{series: {value: snapshot}}, captured once per session, one process per model family."""
+    if sys.version_info < (3, 11):
+        pytest.skip("the scenario suite's transformers needs Python 3.11+")
+    pytest.importorskip("transformers")
+    folder = tmp_path_factory.mktemp("forecast")
+    paths: Dict[str, Dict[int, Path]] = {}
+    jobs: Dict[str, List[List[str]]] = {}
+    for name, (model, flags, knob, given, checked) in SERIES.items():
+        paths[name] = {}
+        for v in (*given, *checked):
+            out = folder / f"{name}-{v}.pickle"
+            paths[name][v] = out
+            jobs.setdefault(model, []).append(["--model", model, "--out", str(out), "--steps", "2", *flags,
+                                               knob, str(v)])
+    from concurrent.futures import ThreadPoolExecutor
+
+    def run(model: str) -> None:
+        spec = folder / f"{model}.jobs.json"
+        spec.write_text(json.dumps(jobs[model]))
+        done = subprocess.run([sys.executable, str(TRAIN), "--jobs", str(spec)], capture_output=True, text=True,
+                              env={**__import__("os").environ, "TRANSFORMERS_VERBOSITY": "error"})
+        assert done.returncode == 0, done.stderr[-3000:]
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        list(pool.map(run, jobs))
+    return paths
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(SERIES))
+def test_forecast_within_3pct_of_the_capture(forecast_captures, name):
+    _, _, _, given, checked = SERIES[name]
+    runs = forecast_captures[name]
+    result = memdiff.forecast({str(runs[v]): v for v in given}, at=list(checked))
+    device = result.devices[0]
+    rules = load_rules([])
+    for p in device.predictions:
+        actual = read_summary(str(runs[p.value]), rules).devices[0]
+        error = 100.0 * (p.peak_bytes - actual.peak_bytes) / actual.peak_bytes
+        print(f"{name} at {p.value}: predicted {p.peak_bytes:,} ({p.phase}), actual {actual.peak_bytes:,} "
+              f"({actual.phase_at_peak}), error {error:+.2f}%; leave-one-out {device.fit_error_pct}%")
+        assert abs(error) <= 3.0, (name, p.value, error)
+        if name == "gpt2-batch":
+            assert p.phase == actual.phase_at_peak == "backward"
+    if name == "gpt2-batch":
+        assert device.runs[-1].actual_phase == "optimizer"
+
+
+@pytest.mark.slow
+def test_different_models_are_refused(forecast_captures, capsys):
+    gpt2, llama = forecast_captures["gpt2-seq"], forecast_captures["llama-infer-seq"]
+    assert main(["forecast", f"{gpt2[64]}=64", f"{gpt2[128]}=128", f"{llama[256]}=256"]) == 2
+    assert "not the same loop" in capsys.readouterr().err
