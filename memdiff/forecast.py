@@ -105,6 +105,7 @@ class Alignment:
     matched: List[np.ndarray]
     aligned_pct: float  # the least share of the reference's allocations lined up in any run
     exact: bool  # every run records the same allocations in the same order
+    same: List[bool]  # per run: it records the reference's allocations in the same order
 
 
 @dataclass
@@ -143,8 +144,9 @@ class RunCheck:
     value: int
     actual_peak_bytes: int
     actual_phase: Optional[str]
-    predicted_peak_bytes: int
-    error_pct: float
+    predicted_peak_bytes: Optional[int]  # None: not checked (two runs fitted, each needed for the line)
+    error_pct: Optional[float]
+    fitted: bool  # the run is one the sizes are fitted from (else it only checks the fit)
 
 
 @dataclass
@@ -219,10 +221,20 @@ def read_course(path: str, value: int, rules: Sequence[Rule]) -> Course:
         kinds = [stacks.setdefault(stack.signature, len(stacks)) for stack, _ in allocations.kinds]
         sites = {stack.signature: stack.site for stack, _ in allocations.kinds}
         kind = allocations.kind
+        stack = np.array(kinds, dtype=np.int64)[kind] if len(kind) else kind
+        # Memory live for the whole trace (blocks found only at dump time) comes in address order,
+        # which differs from run to run: put it in one order, by stack then size.
+        start, end, size = allocations.start, allocations.end, allocations.size
+        order = np.arange(len(size))
+        whole = np.flatnonzero((start == 0) & (end >= d.trace_events))
+        if len(whole) > 1:
+            signatures = list(stacks)
+            ranked = sorted(whole.tolist(), key=lambda k: (signatures[int(stack[k])], int(size[k])))
+            order[whole] = ranked
         devices[d.device] = DeviceCourse(
-            device=d.device, events=d.trace_events, start=allocations.start, end=allocations.end,
-            size=allocations.size, stack=np.array(kinds, dtype=np.int64)[kind] if len(kind) else kind,
-            category=codes, stacks=[(sig, sites[sig]) for sig in stacks], categories=names)
+            device=d.device, events=d.trace_events, start=start[order], end=end[order], size=size[order],
+            stack=stack[order], category=codes[order], stacks=[(sig, sites[sig]) for sig in stacks],
+            categories=names)
     return Course(file=path, value=value, summary=summary, devices=devices)
 
 
@@ -285,18 +297,19 @@ def align(courses: Sequence[DeviceCourse], ref: int) -> Alignment:
         codes = np.array([names.setdefault(sig, len(names)) for sig, _ in c.stacks], dtype=np.int64)
         seqs.append(codes[c.stack] if len(c.stack) else c.stack)
     n = len(seqs[ref])
-    if all(len(s) == n and np.array_equal(s, seqs[ref]) for s in seqs):
-        return Alignment([np.arange(n, dtype=np.int64) for _ in seqs], 100.0, True)
+    same = [len(s) == n and bool(np.array_equal(s, seqs[ref])) for s in seqs]
+    if all(same):
+        return Alignment([np.arange(n, dtype=np.int64) for _ in seqs], 100.0, True, same)
     matched = []
     least = 100.0
     for k, s in enumerate(seqs):
-        if k == ref:
+        if same[k]:
             matched.append(np.arange(n, dtype=np.int64))
             continue
         m = _align_pair(seqs[ref], courses[ref].size, s, courses[k].size)
         matched.append(m)
         least = min(least, 100.0 * float((m >= 0).sum()) / max(n, 1))
-    return Alignment(matched, least, False)
+    return Alignment(matched, least, False, same)
 
 
 def _align_pair(ref_stack: np.ndarray, ref_size: np.ndarray, stack: np.ndarray, size: np.ndarray) -> np.ndarray:
@@ -480,16 +493,17 @@ def forecast_courses(courses: Sequence[Course], at: Sequence[int], budget: Optio
     check_one_loop(courses)
     at = list(at) or [2 * values[-1]]
     overhead, overhead_note = _overhead(courses)
-    notes = []
-    if len(courses) == 2:
-        notes.append("two runs: every size is fitted as a line through them (a quadratic needs a third run), "
-                     "and no run is left over to check the fit")
+    notes: List[str] = []
     devices = []
     for device in sorted(courses[0].devices):
         devices.append(_device_forecast([c.devices[device] for c in courses], courses, device, at, budget,
                                         overhead))
     return Forecast(knob_values=values, files=[c.file for c in courses], at=at, budget_bytes=budget,
                     overhead_ratio=round(overhead, 4), overhead_note=overhead_note, devices=devices, notes=notes)
+
+
+def _names(courses: Sequence[Course]) -> str:
+    return ", ".join(os.path.basename(c.file) for c in courses)
 
 
 def _dup(values: Sequence[int]) -> int:
@@ -531,6 +545,12 @@ def _device_forecast(runs: List[DeviceCourse], courses: Sequence[Course], device
     ref = runs[ref_index]
     values = [c.value for c in courses]
     n = len(ref.size)
+    # Runs that record the largest run's allocations one for one are fitted; when at least two
+    # do, a run that records others (batch 1 often skips a copy) only checks the fit, since
+    # lining its allocations up by stack is a guess where many share one stack (the backward's).
+    fitted = [k for k in range(len(runs)) if alignment.same[k]]
+    if len(fitted) < 2:
+        fitted = list(range(len(runs)))
     sizes = np.zeros((len(runs), n), dtype=np.int64)
     present = np.zeros((len(runs), n), dtype=bool)
     for k, (run, m) in enumerate(zip(runs, alignment.matched)):
@@ -538,7 +558,7 @@ def _device_forecast(runs: List[DeviceCourse], courses: Sequence[Course], device
         sizes[k, ok] = run.size[m[ok]]
         present[k] = ok
     spans, steps = _structure(courses[ref_index].summary, device)
-    fit = fit_sizes(values, sizes, present)
+    fit = fit_sizes([values[k] for k in fitted], sizes[fitted], present[fitted])
     dev = _Device(ref, fit, spans, steps)
     largest = ref.size
     predictions = [_predict(dev, v, overhead, largest) for v in at]
@@ -546,25 +566,36 @@ def _device_forecast(runs: List[DeviceCourse], courses: Sequence[Course], device
     checks = []
     for k, c in enumerate(courses):
         actual = c.summary.devices[[d.device for d in c.summary.devices].index(device)]
-        predicted = None
-        if len(runs) >= 3:
-            keep = [i for i in range(len(runs)) if i != k]
+        predicted: Optional[int] = None
+        if k not in fitted:
+            predicted = _peak_at(dev, c.value)
+        elif len(fitted) >= 3:
+            keep = [i for i in fitted if i != k]
             loo = fit_sizes([values[i] for i in keep], sizes[keep], present[keep])
             predicted = _peak_at(_Device(ref, loo, spans, steps), c.value)
-        shown = actual.peak_bytes if predicted is None else predicted
-        err = 0.0 if actual.peak_bytes == 0 else 100.0 * (shown - actual.peak_bytes) / actual.peak_bytes
+        err = (None if predicted is None else 0.0 if actual.peak_bytes == 0
+               else round(100.0 * (predicted - actual.peak_bytes) / actual.peak_bytes, 3))
         checks.append(RunCheck(file=c.file, value=c.value, actual_peak_bytes=actual.peak_bytes,
-                               actual_phase=actual.phase_at_peak, predicted_peak_bytes=shown,
-                               error_pct=round(err, 3)))
-    fit_error = round(max(abs(r.error_pct) for r in checks), 3) if len(runs) >= 3 else None
+                               actual_phase=actual.phase_at_peak, predicted_peak_bytes=predicted,
+                               error_pct=err, fitted=k in fitted))
+    errors = [abs(r.error_pct) for r in checks if r.error_pct is not None]
+    fit_error = round(max(errors), 3) if errors else None
 
     forms = _forms(ref, fit, predictions[0].event_index)
     unfitted = fit.form == 3
     unfitted_bytes = int(ref.size[unfitted].sum()) if n else 0
     notes = []
-    if not alignment.exact:
+    odd = [courses[k] for k in range(len(runs)) if k not in fitted]
+    if odd and len(fitted) >= 2:
+        notes.append(f"{_names(odd)} record{'s' if len(odd) == 1 else ''} other allocations than the largest run "
+                     f"(on device {device}): left out of the fit, and predicted from the "
+                     f"{len(fitted)} runs that line up one for one, as a check")
+    elif not alignment.exact:
         notes.append(f"the runs do not record the same allocations: {alignment.aligned_pct:.1f}% of the largest "
-                     f"run's line up in every run; the others are fitted from the runs that have them")
+                     f"run's line up by stack in every run; the others are fitted from the runs that have them")
+    if len(fitted) == 2:
+        notes.append("sizes are fitted from two runs: constant or linear only (a quadratic needs a third run "
+                     "that lines up one for one)")
     if int(unfitted.sum()):
         notes.append(f"{int(unfitted.sum()):,} allocations ({format_bytes(unfitted_bytes)} in the largest run) fit "
                      "no polynomial up to quadratic; the quadratic through their three largest values stands in")
@@ -580,13 +611,16 @@ def _device_forecast(runs: List[DeviceCourse], courses: Sequence[Course], device
     moved = (f", in the {first.phase} (the largest run, {largest_run.value}, peaks in the {largest_run.actual_phase})"
              if first.phase != largest_run.actual_phase else f", in the {first.phase}")
     headline = (f"device {device}: predicted peak {format_bytes(first.peak_bytes)} at {first.value}{moved}; "
-                + (f"leave-one-out error at most {fit_error:.1f}%" if fit_error is not None
-                   else "a linear forecast from two runs, unchecked"))
+                + ("a linear forecast from two runs" if len(fitted) == 2 else "")
+                + ("; " if len(fitted) == 2 and fit_error is not None else "")
+                + (f"checked on the given runs (leave-one-out): error at most {fit_error:.1f}%" if fit_error is not None
+                   else ", unchecked"))
     if budget is not None:
         headline += ("; nothing fits the budget" if within is None
                      else f"; largest value within {format_bytes(budget)}: {within:,}")
     return DeviceForecast(
-        device=device, method="events" if alignment.exact else "aligned", aligned_pct=round(alignment.aligned_pct, 2),
+        device=device, method="events" if all(alignment.same[k] for k in fitted) else "aligned",
+        aligned_pct=round(alignment.aligned_pct, 2),
         runs=checks, predictions=predictions, forms=forms,
         unfitted_allocations=int(unfitted.sum()), unfitted_bytes=unfitted_bytes, fit_error_pct=fit_error,
         max_value_within_budget=within, headline=headline, notes=notes)

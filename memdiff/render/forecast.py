@@ -15,9 +15,11 @@ from memdiff.units import format_bytes
 
 def _runs_table(d: DeviceForecast, fmt: str) -> str:
     rows = [[os.path.basename(r.file), f"{r.value:,}", format_bytes(r.actual_peak_bytes), r.actual_phase or "",
-             format_bytes(r.predicted_peak_bytes), f"{r.error_pct:+.1f}%"] for r in d.runs]
-    return tabulate(rows, headers=["run", "value", "peak", "phase", "left-out forecast", "error"], tablefmt=fmt,
-                    colalign=("left", "right", "right", "left", "right", "right"))
+             "yes" if r.fitted else "no (check only)",
+             "" if r.predicted_peak_bytes is None else format_bytes(r.predicted_peak_bytes),
+             "" if r.error_pct is None else f"{r.error_pct:+.1f}%"] for r in d.runs]
+    return tabulate(rows, headers=["run", "value", "peak", "phase", "fitted", "predicted without it", "error"],
+                    tablefmt=fmt, colalign=("left", "right", "right", "left", "left", "right", "right"))
 
 
 def _predictions_table(d: DeviceForecast, fmt: str) -> str:
