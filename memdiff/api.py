@@ -145,16 +145,24 @@ Path = Union[str, "os.PathLike[str]"]
 
 
 def forecast(runs: Union[Dict[Path, int], Sequence[Tuple[Path, int]]], *, at: Union[int, Sequence[int], None] = None,
-             budget: Size = None, rules: Optional[Sequence[str]] = None) -> "Forecast":
+             budget: Size = None, baseline: Optional[Path] = None, rules: Optional[Sequence[str]] = None) -> "Forecast":
     """The peak at knob values not run, from snapshots of one loop each with its value
     (`{"b1.pickle": 1, "b2.pickle": 2, "b4.pickle": 4}`), at `at` (default: twice the largest),
-    and with `budget` the largest value that fits; `to_dict()` is `memdiff forecast --format json`."""
+    and with `budget` the largest value that fits; with `baseline`, its headroom limit checked
+    (`result.headroom.passed`). `to_dict()` is `memdiff forecast --format json`."""
     from memdiff.forecast import forecast as _forecast
+    from memdiff.forecast import judge_headroom
 
     pairs = list(runs.items()) if isinstance(runs, dict) else list(runs)
     values = [at] if isinstance(at, int) else list(at or [])
-    return _forecast([(os.fspath(p), int(v)) for p, v in pairs], values, _rules(rules),
-                     to_bytes(budget, "budget"))
+    limit = None
+    if baseline is not None:
+        limit = load_baseline(baseline).thresholds.headroom
+        if limit is None:
+            raise InputError(os.fspath(baseline), "no headroom limit to check")
+        budget = limit.budget_bytes
+    result = _forecast([(os.fspath(p), int(v)) for p, v in pairs], values, _rules(rules), to_bytes(budget, "budget"))
+    return result if limit is None or baseline is None else judge_headroom(result, os.fspath(baseline), limit)
 
 
 def html_report(report: Report) -> str:

@@ -39,6 +39,7 @@ from memdiff.classify import Rule, classify
 from memdiff.errors import InputError
 from memdiff.history import Allocations, category_codes
 from memdiff.inputs import PARALLEL_MIN_BYTES, _is_summary, worker_count
+from memdiff.judge import Headroom
 from memdiff.load import decode, paused_gc, to_snapshot
 from memdiff.model import Summary
 from memdiff.normalize import summarize
@@ -173,6 +174,18 @@ class DeviceForecast:
 
 
 @dataclass
+class HeadroomCheck:
+    """A baseline's headroom limit applied to the forecast: every device's largest value within
+    the budget must stay at least `min_value`."""
+
+    baseline: str
+    budget_bytes: int
+    min_value: int
+    passed: bool
+    line: str
+
+
+@dataclass
 class Forecast:
     """The whole forecast, every number and sentence any output shows."""
 
@@ -185,6 +198,7 @@ class Forecast:
     devices: List[DeviceForecast]
     notes: List[str]
     tool: str = f"memdiff {__version__}"
+    headroom: Optional[HeadroomCheck] = None
 
     def to_dict(self) -> Dict[str, Any]:
         """The JSON document (schemas/forecast.schema.json)."""
@@ -196,7 +210,8 @@ class Forecast:
         return {"schema_version": SCHEMA_VERSION, "tool": self.tool, "knob_values": self.knob_values,
                 "files": self.files, "at": self.at, "budget_bytes": self.budget_bytes,
                 "overhead_ratio": self.overhead_ratio, "overhead_note": self.overhead_note,
-                "notes": self.notes, "devices": devices}
+                "notes": self.notes, "devices": devices,
+                "headroom": None if self.headroom is None else asdict(self.headroom)}
 
 
 # ---------------------------------------------------------------- reading
@@ -610,6 +625,9 @@ def _device_forecast(runs: List[DeviceCourse], courses: Sequence[Course], device
     elif not alignment.exact:
         notes.append(f"the runs do not record the same allocations: {alignment.aligned_pct:.1f}% of the largest "
                      f"run's line up by stack in every run; the others are fitted from the runs that have them")
+    if len(fitted) == 3 and "quadratic" in forms.values():
+        notes.append("with three runs, leaving one out fits the other two with lines: the leave-one-out error "
+                     "overstates the forecast's for sizes that grow quadratically (a fourth run checks them)")
     if len(fitted) == 2:
         notes.append("sizes are fitted from two runs: constant or linear only (a quadratic needs a third run "
                      "that lines up one for one)")
@@ -659,6 +677,19 @@ def _forms(ref: DeviceCourse, fit: Fit, at: int) -> Dict[str, str]:
         kept = [k for k in range(len(FORMS)) if by_form[k] > 0 and by_form[k] >= 0.05 * total] or [0]
         out[name] = FORMS[max(kept)]
     return dict(sorted(out.items()))
+
+
+def judge_headroom(result: Forecast, baseline: str, headroom: Headroom) -> Forecast:
+    """The forecast with the baseline's headroom limit checked (its budget must be the forecast's)."""
+    worst = min(result.devices, key=lambda d: -1 if d.max_value_within_budget is None else d.max_value_within_budget)
+    largest = worst.max_value_within_budget
+    passed = largest is not None and largest >= headroom.min_value
+    shown = "nothing" if largest is None else f"{largest:,}"
+    line = (f"{'PASS' if passed else 'FAIL'}  headroom (device {worst.device}): the largest value within "
+            f"{format_bytes(headroom.budget_bytes)} is {shown}, limit: fail below {headroom.min_value:,} "
+            f"(baseline {baseline})")
+    result.headroom = HeadroomCheck(baseline, headroom.budget_bytes, headroom.min_value, passed, line)
+    return result
 
 
 def parse_run(text: str) -> Tuple[str, int]:

@@ -131,6 +131,23 @@ class SiteLimit:
     limit: Limit
 
 
+@dataclass(frozen=True)
+class Headroom:
+    """A capacity limit checked on a forecast (`memdiff forecast --baseline`): the largest knob
+    value whose predicted peak fits in `budget_bytes` must stay at least `min_value`."""
+
+    budget_bytes: int
+    min_value: int
+
+    def describe(self) -> str:
+        """The limit in words."""
+        return f"the largest value within {format_bytes(self.budget_bytes)} falls below {self.min_value:,}"
+
+    def to_dict(self) -> Dict[str, Any]:
+        """The JSON form stored in baselines."""
+        return {"budget": self.budget_bytes, "min-value": self.min_value}
+
+
 @dataclass
 class Thresholds:
     """Everything a run is gated with."""
@@ -139,6 +156,7 @@ class Thresholds:
     categories: Dict[str, Limit] = field(default_factory=dict)
     sites: List[SiteLimit] = field(default_factory=list)
     phases: Dict[str, Limit] = field(default_factory=dict)  # the highest memory of a phase over all steps
+    headroom: Optional[Headroom] = None  # checked by `memdiff forecast --baseline`, not by a single run
 
     def describe(self) -> str:
         """The rule in words, as printed with every verdict."""
@@ -146,6 +164,8 @@ class Thresholds:
         text += "".join(f"; the {p} peak by {lim.describe()}" for p, lim in self.phases.items())
         text += "".join(f"; {c} bytes by {lim.describe()}" for c, lim in self.categories.items())
         text += "".join(f"; sites matching /{s.pattern.pattern}/ by {s.limit.describe()}" for s in self.sites)
+        if self.headroom is not None:
+            text += f"; a forecast fails when {self.headroom.describe()}"
         return text
 
     def to_dict(self) -> Dict[str, Any]:
@@ -157,6 +177,8 @@ class Thresholds:
             out["categories"] = {c: lim.to_dict() for c, lim in sorted(self.categories.items())}
         if self.sites:
             out["sites"] = [{"site": s.pattern.pattern, **s.limit.to_dict()} for s in self.sites]
+        if self.headroom is not None:
+            out["headroom"] = self.headroom.to_dict()
         return out
 
 
@@ -184,7 +206,20 @@ def thresholds_from_dict(path: str, data: Dict[str, Any]) -> Thresholds:
         except ValueError as exc:
             raise InputError(path, f"thresholds.sites.{i}.site: {exc}") from None
         sites.append(SiteLimit(pattern, _limit_from(path, f"thresholds.sites.{i}", s)))
-    return Thresholds(peak, categories, sites, phases)
+    return Thresholds(peak, categories, sites, phases, _headroom_from(path, data.get("headroom")))
+
+
+def _headroom_from(path: str, data: Optional[Dict[str, Any]]) -> Optional[Headroom]:
+    """A baseline's headroom limit (schema-checked: `budget` a size, `min-value` a count)."""
+    if data is None:
+        return None
+    budget = data["budget"]
+    if isinstance(budget, str):
+        try:
+            budget = parse_size(budget)
+        except ValueError as exc:
+            raise InputError(path, f"thresholds.headroom.budget: {exc}") from None
+    return Headroom(budget, data["min-value"])
 
 
 def thresholds_over(stored: Optional[Thresholds], fail_over: Optional[int], fail_over_pct: Optional[float],
@@ -194,7 +229,7 @@ def thresholds_over(stored: Optional[Thresholds], fail_over: Optional[int], fail
     if stored is None:
         return Thresholds(Limit.from_options(fail_over, fail_over_pct), dict(categories), phases=dict(phases))
     return Thresholds(stored.peak.overridden(fail_over, fail_over_pct), {**stored.categories, **categories},
-                      list(stored.sites), {**stored.phases, **phases})
+                      list(stored.sites), {**stored.phases, **phases}, stored.headroom)
 
 
 @dataclass

@@ -227,3 +227,31 @@ def test_different_models_are_refused(forecast_captures, capsys):
     bert, llama = forecast_captures["bert-seq"], forecast_captures["llama-infer-seq"]
     assert main(["forecast", f"{bert[64]}=64", f"{bert[128]}=128", f"{llama[256]}=256"]) == 2
     assert "not the same loop" in capsys.readouterr().err
+
+
+def test_a_baseline_headroom_limit_fails_a_forecast_that_costs_capacity(series, write_snapshot, tmp_path,
+                                                                         capsys):
+    runs = series((1, 2, 4))
+    baseline = tmp_path / "train.json"
+    assert main(["baseline", runs[0].split("=")[0], "-o", str(baseline)]) == 0
+    data = json.loads(baseline.read_text())
+    data["thresholds"]["headroom"] = {"budget": actual_peak(50), "min-value": 50}
+    baseline.write_text(json.dumps(data))
+    assert main(["baseline", "--check", str(baseline)]) == 0
+    capsys.readouterr()
+    assert main(["forecast", *runs, "--baseline", str(baseline), "--format", "json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    validate("forecast", doc, "forecast")
+    assert doc["headroom"]["passed"] and doc["devices"][0]["max_value_within_budget"] == 50
+    # a change that costs capacity: heavier weights leave room for fewer samples
+    heavier = [f"{write_snapshot(loop(v, weights=4100), f'h{v}.pickle')}={v}" for v in (1, 2, 4)]
+    assert main(["forecast", *heavier, "--baseline", str(baseline)]) == 1
+    out = capsys.readouterr().out
+    assert "FAIL  headroom (device 0): the largest value within" in out and "limit: fail below 50" in out
+    result = memdiff.forecast({r.split("=")[0]: int(r.split("=")[1]) for r in heavier}, baseline=baseline)
+    assert result.headroom is not None and not result.headroom.passed
+    # a baseline without the limit is bad input for --baseline, and a second budget is refused
+    del data["thresholds"]["headroom"]
+    baseline.write_text(json.dumps(data))
+    assert main(["forecast", *runs, "--baseline", str(baseline)]) == 2
+    assert "no headroom limit" in capsys.readouterr().err

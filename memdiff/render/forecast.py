@@ -48,6 +48,8 @@ def render_text(f: Forecast) -> str:
     out = []
     for d in f.devices:
         out.append(f"memdiff: {d.headline}")
+    if f.headroom is not None:
+        out.append(f.headroom.line)
     out.append("")
     out.append("runs   " + ", ".join(f"{os.path.basename(name)}={v:,}" for name, v in zip(f.files, f.knob_values)))
     out += [f"note: {n}" for n in f.notes]
@@ -70,6 +72,8 @@ def render_markdown(f: Forecast) -> str:
     """The forecast for a pull-request comment or a job summary."""
     out = ["### memdiff forecast", ""]
     out += [f"**{d.headline}**" for d in f.devices]
+    if f.headroom is not None:
+        out += ["", ("✅ " if f.headroom.passed else "❌ ") + f.headroom.line]
     out += ["", "runs: " + ", ".join(f"`{os.path.basename(n)}`={v:,}" for n, v in zip(f.files, f.knob_values))]
     out += [f"> {n}" for n in f.notes]
     if f.budget_bytes is not None:
