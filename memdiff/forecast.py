@@ -165,6 +165,7 @@ class DeviceForecast:
     fit_error_pct: Optional[float]
     max_value_within_budget: Optional[int]
     headline: str
+    alignment: str  # how the runs' allocations were lined up, in words
     notes: List[str] = field(default_factory=list)
 
     @property
@@ -645,11 +646,14 @@ def _device_forecast(runs: List[DeviceCourse], courses: Sequence[Course], device
     largest_run = checks[-1]
     moved = (f", in the {first.phase} (the largest run, {largest_run.value}, peaks in the {largest_run.actual_phase})"
              if first.phase != largest_run.actual_phase else f", in the {first.phase}")
+    if fit_error is None:
+        trust = "unchecked"
+    elif len(fitted) >= 3:
+        trust = f"leave-one-out error at most {fit_error:.1f}%"
+    else:
+        trust = f"error on the runs left out of the fit at most {fit_error:.1f}%"
     headline = (f"device {device}: predicted peak {format_bytes(first.peak_bytes)} at {first.value}{moved}; "
-                + ("a linear forecast from two runs" if len(fitted) == 2 else "")
-                + ("; " if len(fitted) == 2 and fit_error is not None else "")
-                + (f"checked on the given runs (leave-one-out): error at most {fit_error:.1f}%" if fit_error is not None
-                   else ", unchecked"))
+                + ("a linear forecast from two runs, " if len(fitted) == 2 else "") + trust)
     if budget is not None:
         headline += ("; nothing fits the budget" if within is None
                      else f"; largest value within {format_bytes(budget)}: {within:,}")
@@ -658,7 +662,11 @@ def _device_forecast(runs: List[DeviceCourse], courses: Sequence[Course], device
         aligned_pct=round(alignment.aligned_pct, 2),
         runs=checks, predictions=predictions, forms=forms,
         unfitted_allocations=int(unfitted.sum()), unfitted_bytes=unfitted_bytes, fit_error_pct=fit_error,
-        max_value_within_budget=within, headline=headline, notes=notes)
+        max_value_within_budget=within, headline=headline, notes=notes,
+        alignment=(f"the {len(fitted)} fitted runs record the same allocations in the same order "
+                   f"({len(ref.size):,} allocations)" if all(alignment.same[k] for k in fitted)
+                   else f"allocations lined up by stack: {alignment.aligned_pct:.1f}% of the largest run's "
+                        "in every run"))
 
 
 def _forms(ref: DeviceCourse, fit: Fit, at: int) -> Dict[str, str]:

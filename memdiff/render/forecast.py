@@ -56,8 +56,7 @@ def render_text(f: Forecast) -> str:
     if f.budget_bytes is not None:
         out.append(f"budget {format_bytes(f.budget_bytes)}: {f.overhead_note}")
     for d in f.devices:
-        how = "one for one" if d.method == "events" else "by stack"
-        out += ["", f"device {d.device}: allocations lined up {how} ({d.aligned_pct:.1f}% of the largest run's)"]
+        out += ["", f"device {d.device}: {d.alignment}"]
         out += [f"note: {n}" for n in d.notes]
         out += ["", _runs_table(d, "simple"), "", _predictions_table(d, "simple")]
         p = d.predictions[0]
