@@ -40,7 +40,7 @@ from memdiff.errors import InputError
 from memdiff.history import Allocations, category_codes
 from memdiff.inputs import PARALLEL_MIN_BYTES, _is_summary, worker_count
 from memdiff.judge import Headroom
-from memdiff.load import decode, paused_gc, to_snapshot
+from memdiff.load import MAX_BYTES, decode, paused_gc, to_snapshot
 from memdiff.model import Summary
 from memdiff.normalize import summarize
 from memdiff.units import format_bytes
@@ -95,7 +95,10 @@ class Fit:
         """Predicted sizes at `value`, rounded to bytes, never below 0."""
         x = float(value)
         sizes = self.coef[:, 0] + self.coef[:, 1] * x + self.coef[:, 2] * x * x
-        return np.maximum(np.rint(sizes), 0).astype(np.int64)
+        # Far from the runs a size can pass any device: capped so that sums stay inside int64
+        # (the replay then reports sizes past MAX_BYTES instead of wrapping around).
+        cap = float(MAX_BYTES // max(1, len(sizes)))
+        return np.clip(np.rint(np.nan_to_num(sizes, nan=0.0, posinf=cap)), 0, cap).astype(np.int64)
 
 
 @dataclass
@@ -135,6 +138,12 @@ class Prediction:
     categories: Dict[str, int]
     sites: List[SitePrediction]
     with_overhead_bytes: int
+
+    @property
+    def where(self) -> str:
+        """Where the predicted peak is, in words (`backward, step 1`)."""
+        return ", ".join(([self.phase] if self.phase else []) + ([f"step {self.step}"] if self.step is not None
+                                                                   else [])) or "no phase"
 
 
 @dataclass
@@ -527,6 +536,8 @@ def forecast_courses(courses: Sequence[Course], at: Sequence[int], budget: Optio
     at = list(at) or [2 * values[-1]]
     overhead, overhead_note = _overhead(courses)
     notes: List[str] = []
+    if not courses[0].devices:
+        raise InputError(courses[0].file, "no device records any allocation: nothing to forecast")
     devices = []
     for device in sorted(courses[0].devices):
         devices.append(_device_forecast([c.devices[device] for c in courses], courses, device, at, budget,
@@ -645,7 +656,8 @@ def _device_forecast(runs: List[DeviceCourse], courses: Sequence[Course], device
             notes.append("the predicted peak does not outgrow the budget at any value")
     first = predictions[0]
     largest_run = checks[-1]
-    moved = (f", in the {first.phase} (the largest run, {largest_run.value}, peaks in the {largest_run.actual_phase})"
+    moved = ("" if first.phase is None else
+             f", in the {first.phase} (the largest run, {largest_run.value}, peaks in the {largest_run.actual_phase})"
              if first.phase != largest_run.actual_phase else f", in the {first.phase}")
     if fit_error is None:
         trust = "unchecked"
@@ -710,9 +722,13 @@ def parse_run(text: str) -> Tuple[str, int]:
         number = int(value)
     except ValueError:
         raise InputError(path, f"{value!r} is not a knob value: a positive integer (a batch size, a length)") from None
-    if number < 1:
-        raise InputError(path, f"{number} is not a knob value: a positive integer (a batch size, a length)")
+    if not 1 <= number <= MAX_VALUE:
+        raise InputError(path, f"{_shown(number)} is not a knob value: a positive integer up to {MAX_VALUE:,}")
     return path, number
+
+
+def _shown(value: int) -> str:
+    return f"{value:,}" if value.bit_length() <= 128 else f"an integer of {value.bit_length():,} bits"
 
 
 def forecast(runs: Sequence[Tuple[str, int]], at: Sequence[int], rules: Sequence[Rule],
@@ -720,8 +736,8 @@ def forecast(runs: Sequence[Tuple[str, int]], at: Sequence[int], rules: Sequence
     """The Forecast of snapshot files, each with its knob value, at the values `at` (default:
     twice the largest value), with the largest value within `budget` when one is given."""
     for v in at:
-        if v < 1:
-            raise InputError("--at", f"{v} is not a knob value: a positive integer")
+        if not 1 <= v <= MAX_VALUE:
+            raise InputError("--at", f"{_shown(v)} is not a knob value: a positive integer up to {MAX_VALUE:,}")
     if len(runs) < 2:
         raise InputError("forecast", "give at least two runs, each as RUN=VALUE")
     return forecast_courses(read_courses(runs, rules), at, budget)

@@ -255,3 +255,22 @@ def test_a_baseline_headroom_limit_fails_a_forecast_that_costs_capacity(series, 
     baseline.write_text(json.dumps(data))
     assert main(["forecast", *runs, "--baseline", str(baseline)]) == 2
     assert "no headroom limit" in capsys.readouterr().err
+
+
+def test_hostile_and_empty_runs_are_one_line_exit_2(write_snapshot, capsys):
+    empty = [write_snapshot({"segments": [], "device_traces": [[]]}, f"e{k}.pickle") for k in (1, 2)]
+    assert main(["forecast", f"{empty[0]}=1", f"{empty[1]}=2"]) == 2
+    assert "nothing to forecast" in capsys.readouterr().err
+    one = write_snapshot({"segments": [], "device_traces": [[alloc(1, 10)]]}, "one.pickle")
+    two = write_snapshot({"segments": [], "device_traces": [[alloc(1, 20)]]}, "two.pickle")
+    for argv in (["--at", str(10**30)], [f"{one}={10**4000}"]):
+        assert main(["forecast", f"{one}=1", f"{two}=2", *argv]) == 2
+        err = capsys.readouterr().err
+        assert "is not a knob value" in err and err.count("\n") == 1 and len(err) < 300
+    # far from the runs sizes are capped, never wrapped around
+    assert main(["forecast", f"{one}=1", f"{two}=3", "--at", str(2**40), "--format", "json"]) == 0
+    d = json.loads(capsys.readouterr().out)["devices"][0]
+    assert 0 < d["predicted_peak_bytes"] <= 2**62
+    assert main(["forecast", f"{one}=1", f"{two}=3", "--at", "5", "--budget", "1KiB", "--format", "json"]) == 0
+    d = json.loads(capsys.readouterr().out)["devices"][0]
+    assert d["predicted_peak_bytes"] == 30 and d["max_value_within_budget"] == 203  # 5x + 5 <= 1024

@@ -60,7 +60,7 @@ def render_text(f: Forecast) -> str:
         out += [f"note: {n}" for n in d.notes]
         out += ["", _runs_table(d, "simple"), "", _predictions_table(d, "simple")]
         p = d.predictions[0]
-        out += ["", f"at the predicted peak for {p.value:,} ({p.phase or 'no phase'}, step {p.step}):"]
+        out += ["", f"at the predicted peak for {p.value:,} ({p.where}):"]
         out += ["", *("\n\n".join(_at_peak_tables(d, "simple")).split("\n"))]
         if d.max_value_within_budget is not None:
             out += ["", f"largest value within the budget: {d.max_value_within_budget:,}"]
