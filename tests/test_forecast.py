@@ -274,3 +274,25 @@ def test_hostile_and_empty_runs_are_one_line_exit_2(write_snapshot, capsys):
     assert main(["forecast", f"{one}=1", f"{two}=3", "--at", "5", "--budget", "1KiB", "--format", "json"]) == 0
     d = json.loads(capsys.readouterr().out)["devices"][0]
     assert d["predicted_peak_bytes"] == 30 and d["max_value_within_budget"] == 203  # 5x + 5 <= 1024
+
+
+def test_real_runs_whose_traces_differ_are_lined_up_by_stack_and_say_so(shared, capsys):
+    # The shared cs336 runs at context 128 and 256 are ring-buffer traces that start at different
+    # moments: few allocations line up one for one, so they are lined up by stack, and the
+    # report says that, and that two runs give lines only.
+    a, b = shared / "cs336-medium-ctx128-train.pickle", shared / "cs336-medium-ctx256-train.pickle"
+    assert main(["forecast", f"{a}=128", f"{b}=256", "--at", "512", "--budget", "80GiB", "--format", "json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    validate("forecast", doc, "forecast")
+    d = doc["devices"][0]
+    assert d["method"] == "aligned" and d["fit_error_pct"] is None
+    assert any("line up by stack" in n for n in d["notes"]) and any("two runs" in n for n in d["notes"])
+    assert d["predicted_peak_bytes"] > d["runs"][-1]["actual_peak_bytes"]
+    assert doc["overhead_ratio"] > 1  # CUDA runs carry segments: reserved over allocated
+
+
+def test_different_real_models_are_refused(shared, capsys):
+    a, b = shared / "cs336-medium-ctx128-train.pickle", shared / "linear-grad.pickle"
+    assert main(["forecast", f"{a}=1", f"{b}=2"]) == 2
+    err = capsys.readouterr().err
+    assert "not the same loop" in err and err.count("\n") == 1
