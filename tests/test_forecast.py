@@ -296,3 +296,12 @@ def test_different_real_models_are_refused(shared, capsys):
     assert main(["forecast", f"{a}=1", f"{b}=2"]) == 2
     err = capsys.readouterr().err
     assert "not the same loop" in err and err.count("\n") == 1
+
+
+def test_sizes_no_polynomial_fits_are_counted_and_said(write_snapshot, capsys):
+    runs = [f"{write_snapshot({'segments': [], 'device_traces': [[alloc(1, size)]]}, f'x{v}.pickle')}={v}"
+            for v, size in ((1, 10), (2, 20), (3, 40), (4, 100))]
+    assert main(["forecast", *runs, "--format", "json"]) == 0
+    d = json.loads(capsys.readouterr().out)["devices"][0]
+    assert d["unfitted_allocations"] == 1 and d["unfitted_bytes"] == 100 and d["forms"] == {"other": "none"}
+    assert any("fit no polynomial" in n for n in d["notes"])
