@@ -150,8 +150,8 @@ def forecast(runs: Union[Dict[Path, int], Sequence[Tuple[Path, int]]], *, at: Un
     (`{"b1.pickle": 1, "b2.pickle": 2, "b4.pickle": 4}`), at `at` (default: twice the largest),
     and with `budget` the largest value that fits; with `baseline`, its headroom limit checked
     (`result.headroom.passed`). `to_dict()` is `memdiff forecast --format json`."""
+    from memdiff.forecast import KnobRun, judge_headroom
     from memdiff.forecast import forecast as _forecast
-    from memdiff.forecast import judge_headroom
 
     pairs = list(runs.items()) if isinstance(runs, dict) else list(runs)
     values = [at] if isinstance(at, int) else list(at or [])
@@ -161,7 +161,8 @@ def forecast(runs: Union[Dict[Path, int], Sequence[Tuple[Path, int]]], *, at: Un
         if limit is None:
             raise InputError(os.fspath(baseline), "no headroom limit to check")
         budget = limit.budget_bytes
-    result = _forecast([(os.fspath(p), int(v)) for p, v in pairs], values, _rules(rules), to_bytes(budget, "budget"))
+    result = _forecast([KnobRun(os.fspath(p), int(v)) for p, v in pairs], values, _rules(rules),
+                       to_bytes(budget, "budget"))
     return result if limit is None or baseline is None else judge_headroom(result, os.fspath(baseline), limit)
 
 

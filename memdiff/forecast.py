@@ -41,7 +41,7 @@ from memdiff.history import Allocations, category_codes
 from memdiff.inputs import PARALLEL_MIN_BYTES, _is_summary, worker_count
 from memdiff.judge import Headroom
 from memdiff.load import MAX_BYTES, decode, paused_gc, to_snapshot
-from memdiff.model import Summary
+from memdiff.model import PhaseSpan, Step, Summary
 from memdiff.normalize import summarize
 from memdiff.units import format_bytes
 
@@ -52,6 +52,14 @@ MIN_ALIGNED = 0.6
 # The largest knob value the budget search tries.
 MAX_VALUE = 2**40
 TOP_SITES = 5
+
+
+@dataclass(frozen=True)
+class KnobRun:
+    """A snapshot and the knob value it was recorded at (`b4.pickle=4`)."""
+
+    path: str
+    value: int
 
 
 @dataclass
@@ -263,15 +271,15 @@ def read_course(path: str, value: int, rules: Sequence[Rule]) -> Course:
     return Course(file=path, value=value, summary=summary, devices=devices)
 
 
-def read_courses(runs: Sequence[Tuple[str, int]], rules: Sequence[Rule]) -> List[Course]:
+def read_courses(runs: Sequence[KnobRun], rules: Sequence[Rule]) -> List[Course]:
     """read_course of each (path, value), in parallel worker processes for big inputs (as
     inputs.read_summaries does)."""
-    sizes = [os.path.getsize(p) if os.path.isfile(p) else 0 for p, _ in runs]
+    sizes = [os.path.getsize(r.path) if os.path.isfile(r.path) else 0 for r in runs]
     workers = worker_count(sizes)
     if workers < 2 or sum(sizes) < PARALLEL_MIN_BYTES:
-        return [read_course(p, v, rules) for p, v in runs]
+        return [read_course(r.path, r.value, rules) for r in runs]
     with ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn")) as pool:
-        futures = [pool.submit(read_course, p, v, rules) for p, v in runs]
+        futures = [pool.submit(read_course, r.path, r.value, rules) for r in runs]
         return [f.result() for f in futures]
 
 
@@ -437,8 +445,8 @@ class _Device:
 
     ref: DeviceCourse
     fit: Fit
-    summary_runs: List[Tuple[str, int, int]]  # (phase, start event, end event) per phase run
-    steps: List[Tuple[int, int, int]]  # (step, start, end)
+    spans: List[PhaseSpan]  # the reference run's phase runs, in order
+    steps: List[Step]
 
 
 def replay(ref: DeviceCourse, sizes: np.ndarray) -> np.ndarray:
@@ -451,11 +459,8 @@ def replay(ref: DeviceCourse, sizes: np.ndarray) -> np.ndarray:
     return np.cumsum(delta[:n]) if n else np.zeros(0, dtype=np.int64)
 
 
-def _phase_of(spans: Sequence[Tuple[str, int, int]], event: int) -> Optional[str]:
-    for phase, start, end in spans:
-        if start <= event <= end:
-            return phase
-    return None
+def _phase_of(spans: Sequence[PhaseSpan], event: int) -> Optional[str]:
+    return next((s.phase for s in spans if s.start_event <= event <= s.end_event), None)
 
 
 def _predict(dev: _Device, value: int, overhead: float, largest: np.ndarray) -> Prediction:
@@ -468,7 +473,8 @@ def _predict(dev: _Device, value: int, overhead: float, largest: np.ndarray) -> 
     at = int(totals.argmax())
     peak = int(totals[at])
     phase_peaks: Dict[str, int] = {}
-    for phase, start, end in dev.summary_runs:
+    for span in dev.spans:
+        phase, start, end = span.phase, span.start_event, span.end_event
         if start <= end < len(totals):
             top = int(totals[start:end + 1].max())
             phase_peaks[phase] = max(phase_peaks.get(phase, 0), top)
@@ -488,8 +494,8 @@ def _predict(dev: _Device, value: int, overhead: float, largest: np.ndarray) -> 
                            largest_run_bytes=o, growth_bytes=b - o)
             for s, (b, o, f, c) in sites.items() if f > 0]
     rows.sort(key=lambda r: (-r.growth_bytes, -r.bytes, r.site))
-    step = next((s for s, lo, hi in dev.steps if lo <= at <= hi), None)
-    return Prediction(value=value, peak_bytes=peak, phase=_phase_of(dev.summary_runs, at), step=step,
+    step = next((s.step for s in dev.steps if s.start_event <= at <= s.end_event), None)
+    return Prediction(value=value, peak_bytes=peak, phase=_phase_of(dev.spans, at), step=step,
                       event_index=at, phase_peaks=phase_peaks,
                       categories=dict(sorted(cats.items(), key=lambda kv: (-kv[1], kv[0]))),
                       sites=rows[:TOP_SITES], with_overhead_bytes=int(round(peak * overhead)))
@@ -568,11 +574,11 @@ def _overhead(courses: Sequence[Course]) -> Tuple[float, str]:
                    "any run measured (the caching allocator's overhead)")
 
 
-def _structure(summary: Summary, device: int) -> Tuple[List[Tuple[str, int, int]], List[Tuple[int, int, int]]]:
+def _structure(summary: Summary, device: int) -> Tuple[List[PhaseSpan], List[Step]]:
+    """The phase runs and steps of a run's device (kept in its Summary)."""
     for d in summary.devices:
         if d.device == device:
-            spans = [(p.phase, p.start_event, p.end_event) for s in d.steps for p in s.phases]
-            return spans, [(s.step, s.start_event, s.end_event) for s in d.steps]
+            return [p for s in d.steps for p in s.phases], list(d.steps)
     return [], []
 
 
@@ -713,8 +719,8 @@ def judge_headroom(result: Forecast, baseline: str, headroom: Headroom) -> Forec
     return result
 
 
-def parse_run(text: str) -> Tuple[str, int]:
-    """(path, value) from `RUN=VALUE`; InputError when it is not that (the value a positive integer)."""
+def parse_run(text: str) -> KnobRun:
+    """The run in `RUN=VALUE`; InputError when it is not that (the value a positive integer)."""
     path, sep, value = text.rpartition("=")
     if not sep or not path:
         raise InputError(text, "give each run as RUN=VALUE (for example b4.pickle=4)")
@@ -724,14 +730,14 @@ def parse_run(text: str) -> Tuple[str, int]:
         raise InputError(path, f"{value!r} is not a knob value: a positive integer (a batch size, a length)") from None
     if not 1 <= number <= MAX_VALUE:
         raise InputError(path, f"{_shown(number)} is not a knob value: a positive integer up to {MAX_VALUE:,}")
-    return path, number
+    return KnobRun(path, number)
 
 
 def _shown(value: int) -> str:
     return f"{value:,}" if value.bit_length() <= 128 else f"an integer of {value.bit_length():,} bits"
 
 
-def forecast(runs: Sequence[Tuple[str, int]], at: Sequence[int], rules: Sequence[Rule],
+def forecast(runs: Sequence[KnobRun], at: Sequence[int], rules: Sequence[Rule],
              budget: Optional[int] = None) -> Forecast:
     """The Forecast of snapshot files, each with its knob value, at the values `at` (default:
     twice the largest value), with the largest value within `budget` when one is given."""

@@ -16,7 +16,7 @@ import memdiff
 from memdiff.classify import load_rules
 from memdiff.cli import main
 from memdiff.errors import InputError
-from memdiff.forecast import _fit, parse_run
+from memdiff.forecast import KnobRun, _fit, parse_run
 from memdiff.inputs import read_summary
 from memdiff.schema import validate
 
@@ -155,7 +155,7 @@ def test_api_is_the_cli_json(series, capsys):
     assert json.loads(capsys.readouterr().out) == json.loads(json.dumps(result.to_dict()))
     with pytest.raises(InputError):
         memdiff.forecast({runs[0].split("=")[0]: 1})
-    assert parse_run("a=b=3") == ("a=b", 3)
+    assert parse_run("a=b=3") == KnobRun("a=b", 3)
 
 
 # ---------------------------------------------------------------- CPU captures of real models
