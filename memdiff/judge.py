@@ -10,10 +10,11 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, replace
 from fractions import Fraction
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 from memdiff.differ import GREW, NEW, PEAK, CategoryHigh, Diff, label_rows
 from memdiff.errors import InputError, clip
+from memdiff.model import DeviceSummary, Summary
 from memdiff.patterns import Pattern
 from memdiff.units import format_bytes, parse_size
 
@@ -235,11 +236,45 @@ def _check(subject: str, base: int, head: int, limit: Limit) -> Check:
                  delta_pct=growth_pct(base, head), limit=limit.describe(), passed=not limit.exceeded(base, head))
 
 
-def judge(diff: Diff, thresholds: Thresholds, update_hint: Optional[str] = None) -> Verdict:
+@dataclass
+class Runs:
+    """The two runs a diff compared: site limits look into every moment each one keeps."""
+
+    base: Summary
+    head: Summary
+
+
+def _high(d: Optional[DeviceSummary], pattern: Pattern) -> Tuple[int, str]:
+    """The bytes of the groups whose site matches, at the moment (the peak or a phase's peak)
+    where they are highest, and its name; the peak wins ties."""
+    if d is None:
+        return 0, PEAK
+    best = (0, PEAK)
+    moments = [(d.phase_at_peak or PEAK, d.groups)]
+    moments += [(p.phase, p.groups) for p in d.phase_peaks if p.groups]
+    for at, groups in moments:
+        size = sum(g.bytes for g in groups if pattern.search(g.site))
+        if size > best[0]:
+            best = (size, at)
+    return best
+
+
+def _site_high(device: int, pattern: Pattern, runs: Runs) -> CategoryHigh:
+    """A site limit's figures, like with like however the peak moved: each run's matching groups
+    at their highest over the peak and the phases' peaks."""
+    b = next((x for x in runs.base.devices if x.device == device), None)
+    h = next((x for x in runs.head.devices if x.device == device), None)
+    (b_bytes, b_at), (h_bytes, h_at) = _high(b, pattern), _high(h, pattern)
+    return CategoryHigh(pattern.pattern, b_bytes, h_bytes, b_at, h_at)
+
+
+def judge(diff: Diff, thresholds: Thresholds, update_hint: Optional[str] = None,
+          runs: Optional[Runs] = None) -> Verdict:
     """Apply every threshold to every device of a diff.
 
     `update_hint`, when gating against a baseline, is the command that refreshes it; a peak that
-    went down gets a note suggesting it, so the baseline keeps up with improvements.
+    went down gets a note suggesting it, so the baseline keeps up with improvements. With `runs`
+    (the summaries compared), site limits compare each run's highest moment for the site.
     """
     checks: List[Check] = []
     notes: List[str] = []
@@ -264,10 +299,14 @@ def judge(diff: Diff, thresholds: Thresholds, update_hint: Optional[str] = None)
             checks.append(_check(f"device {d.device} {name} ({_moments(h)})", h.base_bytes if h else 0,
                                  h.head_bytes if h else 0, limit))
         for s in thresholds.sites:
-            rows = [r for r in d.rows if s.pattern.search(r.site)]
-            checks.append(_check(f"device {d.device} sites /{s.pattern.pattern}/", sum(r.base_bytes for r in rows),
-                                 sum(r.head_bytes for r in rows), s.limit))
-            if not any(r.base_bytes for r in rows):
+            high = _site_high(d.device, s.pattern, runs) if runs is not None else None
+            if high is None:  # no runs to look into: the compared moment's rows
+                rows = [r for r in d.rows if s.pattern.search(r.site)]
+                high = CategoryHigh(s.pattern.pattern, sum(r.base_bytes for r in rows),
+                                    sum(r.head_bytes for r in rows), d.at, d.at)
+            checks.append(_check(f"device {d.device} sites /{s.pattern.pattern}/ ({_moments(high)})",
+                                 high.base_bytes, high.head_bytes, s.limit))
+            if not high.base_bytes:
                 # A misspelt or stale pattern would check 0 B against whatever is new, and nothing else.
                 notes.append(f"device {d.device}: sites /{s.pattern.pattern}/ matches no group of the base run, "
                              f"so its limit only sees groups that are new")

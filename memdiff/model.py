@@ -8,7 +8,7 @@ whenever a field changes meaning or disappears.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional
 
 SCHEMA_VERSION = 2
 # Summaries of these versions can still be read (fields added since then take their defaults).
@@ -107,6 +107,15 @@ class History:
 
 
 @dataclass
+class Moment:
+    """One moment of a device's trace (its peak, or a phase's): the bytes then and what held them."""
+
+    peak_bytes: int
+    groups: List[Group]
+    categories: Dict[str, int]
+
+
+@dataclass
 class DeviceSummary:
     """Peak accounting for one device, following the rules in snapshot-format.md."""
 
@@ -136,16 +145,16 @@ class DeviceSummary:
     phase_peaks: List[PhasePeak] = field(default_factory=list)
     history: Optional[History] = None  # only when asked for (the HTML report): it reads every allocation
 
-    def at(self, phase: Optional[str]) -> Optional[Tuple[int, List[Group], Dict[str, int]]]:
-        """(peak bytes, groups, categories) at the peak of `phase` (None or "peak": the device's
-        peak); None when the trace has no such phase."""
+    def at(self, phase: Optional[str]) -> Optional["Moment"]:
+        """What was live at the peak of `phase` (None or "peak": the device's peak); None when
+        the trace has no such phase."""
         if phase in (None, "peak"):
-            return self.peak_bytes, self.groups, self.categories
+            return Moment(self.peak_bytes, self.groups, self.categories)
         for p in self.phase_peaks:
             if p.phase == phase:
                 if p.groups is None:
-                    return self.peak_bytes, self.groups, self.categories
-                return p.peak_bytes, p.groups, p.categories
+                    return Moment(self.peak_bytes, self.groups, self.categories)
+                return Moment(p.peak_bytes, p.groups, p.categories)
         return None
 
     @classmethod

@@ -29,7 +29,7 @@ from memdiff.differ import (
 )
 from memdiff.errors import InputError
 from memdiff.job import ranges, ranks_text
-from memdiff.judge import DEFAULT_PEAK, Check, Thresholds, Verdict, growth_pct, judge, judge_ranks
+from memdiff.judge import DEFAULT_PEAK, Check, Runs, Thresholds, Verdict, growth_pct, judge, judge_ranks
 from memdiff.model import Frame, Source, Summary
 from memdiff.units import count_of, format_bytes
 
@@ -298,7 +298,8 @@ def compare(base: Sequence[Run], head: Sequence[Run], settings: Optional[Setting
     results = []
     for rank in common:
         result = diff(b[rank], h[rank], at=s.at)
-        verdict = judge(result, s.thresholds, s.update_hint) if s.thresholds is not None else None
+        verdict = (judge(result, s.thresholds, s.update_hint, Runs(b[rank], h[rank])) if s.thresholds is not None
+                   else None)
         results.append(RankResult(rank, result, verdict, b[rank], h[rank]))
     if not is_job:
         return _report(s, results[0].verdict, results, None)
@@ -376,8 +377,10 @@ def _like_for_like(d: DeviceDiff, base: Summary, head: Summary) -> Optional[Devi
         return None
     b = next((x for x in base.devices if x.device == d.device), None)
     h = next((x for x in head.devices if x.device == d.device), None)
-    if b is None or h is None or not (b.at(phase) or (0, [], {}))[1] or h.at(phase) is None:
+    b_at, h_at = (b.at(phase) if b else None), (h.at(phase) if h else None)
+    if b_at is None or h_at is None or not b_at.groups:
         return None
+    assert b is not None and h is not None  # each has a moment
     pair = diff(replace(base, devices=[b]), replace(head, devices=[h]), at=phase)
     return pair.devices[0]
 

@@ -30,7 +30,7 @@ def test_the_headline_names_the_moved_peak_and_its_cause_like_for_like(shared, c
     rules = load_rules()
     b, h = read_summary(str(base), rules), read_summary(str(head), rules)
     fwd_b, fwd_h = b.devices[0].at("forward"), h.devices[0].at("forward")
-    act = fwd_h[2]["activation"] - fwd_b[2]["activation"]
+    act = fwd_h.categories["activation"] - fwd_b.categories["activation"]
     assert headline.startswith(f"peak +{format_bytes(h.devices[0].peak_bytes - b.devices[0].peak_bytes)[:-4]}")
     assert "now in the forward (it was in the optimizer step)" in headline
     assert f"at the forward peak of both, activation {format_bytes(act, signed=True)}" in headline
