@@ -468,11 +468,17 @@ def _kept(d: DeviceDiff) -> Optional[str]:
     k = d.kept
     if k is None or k.head_bytes <= k.base_bytes:
         return None
-    named = ", ".join(f"{r.category}: {r.label or r.site} "
-                      f"{format_bytes(r.head_earlier_bytes - r.base_earlier_bytes, signed=True)}"
-                      for r in k.rows[:KEPT_SITES])
-    return (f"kept from earlier steps (not parameters, gradients or optimizer state): "
-            f"{format_bytes(k.base_bytes)} -> {format_bytes(k.head_bytes)} ({named})")
+    return kept_text(f"{format_bytes(k.base_bytes)} -> {format_bytes(k.head_bytes)}",
+                     [f"{r.category}: {r.label or r.site} "
+                      f"{format_bytes(r.head_earlier_bytes - r.base_earlier_bytes, signed=True)}" for r in k.rows])
+
+
+def kept_text(amount: str, sites: Sequence[str]) -> str:
+    """The one wording of memory kept from earlier steps, in a run's peak report and in a diff:
+    `kept from earlier steps (not parameters, gradients or optimizer state): AMOUNT (SITE, ...)`."""
+    more = f" and {len(sites) - KEPT_SITES:,} more" if len(sites) > KEPT_SITES else ""
+    return (f"kept from earlier steps (not parameters, gradients or optimizer state): {amount} "
+            f"({', '.join(sites[:KEPT_SITES])}{more})")
 
 
 # --- the headline ----------------------------------------------------------------------------
