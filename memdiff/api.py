@@ -25,7 +25,7 @@ from memdiff.classify import Rule, check_categories, load_rules
 from memdiff.differ import PEAK
 from memdiff.errors import InputError
 from memdiff.inputs import read_summary
-from memdiff.judge import Limit, Thresholds, parse_limit, parse_pct, thresholds_over
+from memdiff.limits import Limit, Thresholds, parse_limit, parse_pct, thresholds_over
 from memdiff.model import Summary
 from memdiff.report import DEFAULT_TOP, Report, Settings, compare
 from memdiff.report import Run as ReportRun

@@ -20,7 +20,7 @@ from memdiff import __version__
 from memdiff.atomic import check_output, write_output
 from memdiff.errors import InputError, clip, shown
 from memdiff.frames import signature_of
-from memdiff.judge import Thresholds, thresholds_from_dict
+from memdiff.limits import Thresholds, thresholds_from_dict
 from memdiff.load import read_json
 from memdiff.model import DeviceSummary, Group, PhasePeak, Source, Summary
 from memdiff.schema import validate

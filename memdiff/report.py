@@ -29,7 +29,8 @@ from memdiff.differ import (
 )
 from memdiff.errors import InputError
 from memdiff.job import ranges, ranks_text
-from memdiff.judge import DEFAULT_PEAK, Check, Runs, Thresholds, Verdict, growth_pct, judge, judge_ranks
+from memdiff.judge import Check, Runs, Verdict, growth_pct, judge, judge_ranks
+from memdiff.limits import DEFAULT_PEAK, Thresholds
 from memdiff.model import Frame, Source, Summary
 from memdiff.units import count_of, format_bytes
 
