@@ -371,11 +371,13 @@ def _input(role: str, source: Source) -> Input:
 
 
 def _like_for_like(d: DeviceDiff, base: Summary, head: Summary) -> Optional[DeviceDiff]:
-    """The device compared at the head's peak phase in both runs, when the peaks are in different
-    phases and both runs keep what was live then (a baseline keeps only its peak's groups)."""
-    phase = d.head_peak_phase
-    if d.at != PEAK or not phase or not d.base_peak_phase or phase == d.base_peak_phase:
+    """When the peaks are in different phases, the device compared at one phase's peak in both
+    runs: the phase that made the change, the head's peak phase when the peak grew (it rose past
+    the old peak), the base's when it went down (it fell below the new one). None when a run
+    does not keep what was live then (a baseline made before phase groups)."""
+    if d.at != PEAK or not d.head_peak_phase or not d.base_peak_phase or d.head_peak_phase == d.base_peak_phase:
         return None
+    phase = d.head_peak_phase if d.peak_delta_bytes >= 0 else d.base_peak_phase
     b = next((x for x in base.devices if x.device == d.device), None)
     h = next((x for x in head.devices if x.device == d.device), None)
     b_at, h_at = (b.at(phase) if b else None), (h.at(phase) if h else None)
@@ -528,14 +530,14 @@ def _device_headline(r: DeviceReport) -> str:
         # Rows at two different moments explain nothing: name the cause at the head's peak phase in both.
         cause = _cause(r.like_for_like.diff, sign)
         if cause:
-            text += f": at the {d.head_peak_phase} peak of both, {cause}"
+            text += f": at the {r.like_for_like.diff.at} peak of both, {cause}"
     else:
         cause = _cause(d, sign) if d.peak_delta_bytes else None
         if cause:
             text += f": {cause}"
     if not cause and not d.peak_delta_bytes and not any(x.delta_bytes for x in d.rows):
         text += "; no group changed"
-    text += _phase_tail(d, d.head_peak_phase if moved else None)
+    text += _phase_tail(d, r.like_for_like.diff.at if moved and r.like_for_like else None)
     if r.kept:
         k = d.kept
         assert k is not None  # a kept line is written only from kept memory

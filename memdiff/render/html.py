@@ -114,7 +114,7 @@ def _laid(t: Table, attrs: Sequence[str] = ()) -> str:
 def _diff_rows(d: DeviceReport, marked: bool = True) -> str:
     """The row table; `marked` rows carry what the script needs to show their stacks."""
     attrs = [f' class="row {r.row.status}" tabindex="0" data-device="{d.device}" data-row="r{k}"' if marked
-             else f' class="row {r.row.status}"' for k, r in enumerate(d.rows)]
+             else f' class="{r.row.status}"' for k, r in enumerate(d.rows)]
     attrs += [""] * (d.others is not None) + [' class="total"']
     return _laid(row_table(d), attrs)
 
