@@ -140,6 +140,9 @@ class DeviceSummary:
     scope_at_peak: Optional[str] = None
     bytes_by_scope: Dict[str, int] = field(default_factory=dict)
     bytes_by_compile_context: Dict[str, int] = field(default_factory=dict)
+    # Live at the peak by the user's own labels: an allocation's `user_metadata` and the
+    # `annotate` entries attached to it since (torch's _set_memory_metadata, _annotate_tensor).
+    bytes_by_label: Dict[str, int] = field(default_factory=dict)
     steps: List[Step] = field(default_factory=list)
     step_at_peak: Optional[int] = None
     phase_peaks: List[PhasePeak] = field(default_factory=list)

@@ -99,6 +99,7 @@ class _Walk:
         self.unmatched = unmatched = array("q")  # free_completed events with no open allocation
         self.open_at_end: Dict[int, int] = {}  # address -> alloc event index
         self.ooms: List[int] = []
+        self.annotations: List[int] = []  # `annotate` events: a label attached to a live allocation
         # Profiler-route re-versions: alloc event -> the alloc it continues (>= 0), or -(f + 1)
         # for an unmatched free f; and free event -> the alloc that continues it.
         self.version_of: Dict[int, int] = {}
@@ -135,6 +136,8 @@ class _Walk:
                     last_free = i
                 elif action == "oom":
                     self.ooms.append(i)
+                elif action == "annotate":
+                    self.annotations.append(i)
         except KeyError as exc:
             raise InputError(path, f"device_traces[{device}][{i}]: missing {exc}") from None
         except (TypeError, AttributeError, OverflowError) as exc:
@@ -378,6 +381,7 @@ def _device_summary(snapshot: Snapshot, device: int, stacks: StackNormalizer,
         if context not in NO_COMPILE_CONTEXT:
             name = context[:200] if isinstance(context, str) else brief(context)
             by_context[name] = by_context.get(name, 0) + size
+    by_label = _labels(trace, walk.annotations, live_items, peak_index)
     times = [_time(path, device, trace, 0), _time(path, device, trace, len(trace) - 1)] if trace else [None, None]
     history = None
     if history_rules is not None:
@@ -416,8 +420,44 @@ def _device_summary(snapshot: Snapshot, device: int, stacks: StackNormalizer,
         phase_peaks=phase_peaks,
         bytes_by_scope=largest_first(by_scope),
         bytes_by_compile_context=largest_first(by_context),
+        bytes_by_label=largest_first(by_label),
         history=history,
     )
+
+
+MAX_LABEL = 200  # characters of a user's label kept
+
+
+def _label(value: Any) -> Optional[str]:
+    """A user's label as shown: a non-empty string, clipped; anything else described briefly."""
+    if value is None or value == "":
+        return None
+    return value[:MAX_LABEL] if isinstance(value, str) else brief(value)
+
+
+def _labels(trace: List[Dict[str, Any]], annotations: Sequence[int], items: Sequence[_Live],
+            peak_index: Optional[int]) -> Dict[str, int]:
+    """Bytes live at the peak by the user's labels: the allocation's `user_metadata`, then the
+    annotations attached to its address between its allocation and the peak. Annotations add to
+    what an allocation was made with; they never allocate or free (the counts are unchanged)."""
+    attached: Dict[Any, List[Tuple[int, str]]] = {}
+    for i in annotations:
+        if peak_index is None or i > peak_index:
+            break
+        label = _label(trace[i].get("user_metadata"))
+        if label is not None:
+            attached.setdefault(trace[i].get("addr"), []).append((i, label))
+    out: Dict[str, int] = {}
+    for item in items:
+        e = item.entry
+        if e is None:
+            continue
+        labels = [x for x in [_label(e.get("user_metadata"))] if x is not None]
+        labels += [label for i, label in attached.get(e.get("addr"), []) if i > item.born_event]
+        if labels:
+            key = " + ".join(labels)[:MAX_LABEL]
+            out[key] = out.get(key, 0) + item.size
+    return out
 
 
 def _time(path: str, device: int, trace: List[Dict[str, Any]], i: int) -> Optional[int]:

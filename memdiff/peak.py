@@ -54,6 +54,7 @@ class DevicePeak:
     categories: List[Tuple[str, int, float]]
     scopes: List[Tuple[str, int, float]]
     compile_contexts: List[Tuple[str, int, float]]
+    labels: List[Tuple[str, int, float]]  # the user's labels (user_metadata, annotations)
     steps: List[StepRow]
     kept: Optional[str]  # memory kept from earlier steps, in words
 
@@ -81,10 +82,12 @@ def device_peak(device: DeviceSummary, top: Optional[int]) -> DevicePeak:
                     _share(sum(g.bytes for g in groups), device.peak_bytes),
                     f"{count_of(len(groups), 'group')} live at the peak", [])
     reached_by = next((g.site for g in groups if g.signature == device.peak_event_signature), None)
-    return DevicePeak(device, reached_by, rows, total, _shares(device.categories, device.peak_bytes),
-                      _shares(device.bytes_by_scope, device.peak_bytes),
-                      _shares(device.bytes_by_compile_context, device.peak_bytes),
-                      step_rows(device), kept_from_earlier_steps(device))
+    return DevicePeak(device=device, reached_by=reached_by, rows=rows, total=total,
+                      categories=_shares(device.categories, device.peak_bytes),
+                      scopes=_shares(device.bytes_by_scope, device.peak_bytes),
+                      compile_contexts=_shares(device.bytes_by_compile_context, device.peak_bytes),
+                      labels=_shares(device.bytes_by_label, device.peak_bytes),
+                      steps=step_rows(device), kept=kept_from_earlier_steps(device))
 
 
 def kept_from_earlier_steps(device: DeviceSummary) -> Optional[str]:

@@ -66,7 +66,8 @@ def _device_block(p: DevicePeak) -> List[str]:
         out.append(f"OOM at event {o.event_index:,}: asked for {format_bytes(o.requested_bytes)} "
                    f"with {free} free on the device")
     for title, shares in (("category", p.categories), ("scope at allocation", p.scopes),
-                          ("compile context", p.compile_contexts)):
+                          ("compile context", p.compile_contexts),
+                          ("label (user_metadata, annotations)", p.labels)):
         if shares:
             out.append("")
             out.append(tabulate([[name, format_bytes(n), f"{pct:.1f}%"] for name, n, pct in shares],
