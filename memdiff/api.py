@@ -120,7 +120,7 @@ def gate(run: Run, baseline: Union[str, "os.PathLike[str]", Baseline], *, rules:
     name = run if isinstance(run, Summary) else os.fspath(run)
     base, head = comparable_pair(where, stored, _summary(run, rules))
     sha = stored.source.get("git_sha")
-    settings = Settings(thresholds=thresholds(base=stored.thresholds, **limits), top=top, kind="gate",
+    settings = Settings(thresholds=thresholds(base=stored.thresholds, **limits), top=top,
                         update_hint=None if isinstance(name, Summary) else f"memdiff baseline {name} -o {where}",
                         base_label=f"baseline {stored.name}" + (f" @ {sha[:12]}" if sha else ""),
                         run=head.source.file if isinstance(name, Summary) else name, baseline=where)

@@ -191,7 +191,6 @@ class JobPart:
 class Report:
     """Everything any output of one comparison shows (a run's, or a job's: its worst rank in full)."""
 
-    kind: str  # "diff" or "gate"
     verdict: Optional[Verdict]  # None: compared, not judged (the API's `diff`)
     headline: str
     inputs: List["Input"]  # base's, then head's
@@ -273,7 +272,6 @@ class Settings:
     at: str = PEAK
     top: int = DEFAULT_TOP
     min_delta: int = 0
-    kind: str = "diff"
     update_hint: Optional[str] = None  # the command that refreshes a baseline, for a peak that went down
     base_label: Optional[str] = None
     head_label: Optional[str] = None
@@ -349,7 +347,7 @@ def _report(s: Settings, verdict: Optional[Verdict], results: List[RankResult], 
     headline = _headline(devices)
     if job is not None:
         headline = f"rank {job.worst_rank} (of {len(results):,}): {headline}"
-    return Report(kind=s.kind, verdict=verdict, headline=headline,
+    return Report(verdict=verdict, headline=headline,
                   inputs=[_input("base", shown.diff.base), _input("head", shown.diff.head)],
                   base_label=s.base_label, head_label=s.head_label, warnings=warnings, devices=devices,
                   check_lines=[CheckLine(c.passed, check_line(c)) for c in (verdict.checks if verdict else [])

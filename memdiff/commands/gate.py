@@ -100,7 +100,7 @@ def _gate(args: argparse.Namespace, snap: str, path: str, baseline: Baseline, ru
     rank the baseline lacks is not gated, as a run without a baseline is."""
     thresholds = thresholds_from(args, rules, baseline.thresholds, path)
     sha = baseline.source.get("git_sha")
-    settings = Settings(thresholds=thresholds, top=args.top, min_delta=args.min_delta, kind="gate",
+    settings = Settings(thresholds=thresholds, top=args.top, min_delta=args.min_delta,
                         update_hint=f"memdiff baseline {snap} -o {path}",
                         base_label=f"baseline {baseline.name}" + (f" @ {sha[:12]}" if sha else ""),
                         run=snap, baseline=path, missing_ranks_fail=not args.allow_missing_ranks,
