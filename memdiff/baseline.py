@@ -51,6 +51,11 @@ class Baseline:
         return None if found is None else replace(self, name=f"{self.name} rank {rank}", source=found["source"],
                                                   devices=found["devices"], ranks=None)
 
+    def label(self) -> str:
+        """What names the baseline in a report: `baseline train @ 1a2b3c4d5e6f`."""
+        sha = self.source.get("git_sha")
+        return f"baseline {self.name}" + (f" @ {sha[:12]}" if sha else "")
+
     def to_dict(self) -> Dict[str, Any]:
         """The JSON form (what `to_json` writes, as a dict)."""
         return json.loads(self.to_json())
