@@ -39,7 +39,7 @@ from memdiff.classify import Rule, classify
 from memdiff.errors import InputError
 from memdiff.history import Allocations, category_codes
 from memdiff.inputs import PARALLEL_MIN_BYTES, _is_summary, worker_count
-from memdiff.judge import Headroom
+from memdiff.limits import Headroom
 from memdiff.load import MAX_BYTES, decode, paused_gc, to_snapshot
 from memdiff.model import PhaseSpan, Step, Summary
 from memdiff.normalize import summarize
