@@ -79,6 +79,7 @@ class DeviceCourse:
     category: np.ndarray
     stacks: List[Tuple[str, str]]
     categories: List[str]
+    before: np.ndarray  # live before the trace's first event (memory from before the trace)
 
 
 @dataclass
@@ -243,8 +244,12 @@ def read_course(path: str, value: int, rules: Sequence[Rule]) -> Course:
             raise InputError(path, "a stored summary holds only the peak; a forecast replays every "
                                    "allocation, so give it the snapshot itself")
         keep: Dict[int, Allocations] = {}
-        summary = summarize(to_snapshot(path, raw, source, decoded), None, keep)
-        del raw
+        snapshot = to_snapshot(path, raw, source, decoded)
+        summary = summarize(snapshot, None, keep)
+        # An allocation at event 0 opens there; any other that starts at 0 was live before the trace.
+        opens_at_0 = {d: bool(t) and isinstance(t[0], dict) and t[0].get("action") == "alloc"
+                      for d, t in enumerate(snapshot.device_traces)}
+        del raw, snapshot
     summary = classify(summary, rules)
     devices = {}
     for d in summary.devices:
@@ -264,10 +269,13 @@ def read_course(path: str, value: int, rules: Sequence[Rule]) -> Course:
             signatures = list(stacks)
             ranked = sorted(whole.tolist(), key=lambda k: (signatures[int(stack[k])], int(size[k])))
             order[whole] = ranked
+        before = start == 0
+        if len(before) and opens_at_0.get(d.device, False):
+            before[0] = False
         devices[d.device] = DeviceCourse(
             device=d.device, events=d.trace_events, start=start[order], end=end[order], size=size[order],
             stack=stack[order], category=codes[order], stacks=[(sig, sites[sig]) for sig in stacks],
-            categories=names)
+            categories=names, before=before[order])
     return Course(file=path, value=value, summary=summary, devices=devices)
 
 
@@ -450,7 +458,8 @@ class _Device:
 
 
 def replay(ref: DeviceCourse, sizes: np.ndarray) -> np.ndarray:
-    """Bytes live after each event of `ref`'s trace with allocation k holding `sizes[k]`."""
+    """Bytes live after each event of `ref`'s trace with allocation k holding `sizes[k]` (see
+    peak_of for the moment before the first event)."""
     n = ref.events
     delta = np.zeros(n + 1, dtype=np.int64)
     np.add.at(delta, ref.start, sizes)
@@ -468,17 +477,19 @@ def _predict(dev: _Device, value: int, overhead: float, largest: np.ndarray) -> 
     ref = dev.ref
     sizes = dev.fit.at(value)
     totals = replay(ref, sizes)
-    if len(totals) == 0:
-        return Prediction(value, 0, None, None, 0, {}, {}, [], 0)
-    at = int(totals.argmax())
-    peak = int(totals[at])
+    peak, event = peak_of(ref, sizes, totals)
+    if event is None:  # before the first event: only memory from before the trace is live
+        live = ref.before
+        at = 0
+    else:
+        at = event
+        live = (ref.start <= at) & (ref.end > at)
     phase_peaks: Dict[str, int] = {}
     for span in dev.spans:
         phase, start, end = span.phase, span.start_event, span.end_event
         if start <= end < len(totals):
             top = int(totals[start:end + 1].max())
             phase_peaks[phase] = max(phase_peaks.get(phase, 0), top)
-    live = (ref.start <= at) & (ref.end > at)
     cats: Dict[str, int] = {}
     for c, b in zip(ref.category[live].tolist(), sizes[live].tolist()):
         name = ref.categories[c]
@@ -494,16 +505,28 @@ def _predict(dev: _Device, value: int, overhead: float, largest: np.ndarray) -> 
                            largest_run_bytes=o, growth_bytes=b - o)
             for s, (b, o, f, c) in sites.items() if f > 0]
     rows.sort(key=lambda r: (-r.growth_bytes, -r.bytes, r.site))
-    step = next((s.step for s in dev.steps if s.start_event <= at <= s.end_event), None)
-    return Prediction(value=value, peak_bytes=peak, phase=_phase_of(dev.spans, at), step=step,
+    step = None if event is None else next((s.step for s in dev.steps if s.start_event <= at <= s.end_event), None)
+    return Prediction(value=value, peak_bytes=peak, phase=None if event is None else _phase_of(dev.spans, at),
+                      step=step,
                       event_index=at, phase_peaks=phase_peaks,
                       categories=dict(sorted(cats.items(), key=lambda kv: (-kv[1], kv[0]))),
                       sites=rows[:TOP_SITES], with_overhead_bytes=int(round(peak * overhead)))
 
 
+def peak_of(ref: DeviceCourse, sizes: np.ndarray, totals: np.ndarray) -> Tuple[int, Optional[int]]:
+    """(the peak, the event after which it is reached): as normalize counts it, memory from
+    before the trace is live before the first event, so a trace that starts by freeing it peaks
+    there (event None)."""
+    static = int(sizes[ref.before].sum())
+    top = int(totals.max()) if len(totals) else 0
+    if not len(totals) or static > top:
+        return static, None
+    return top, int(totals.argmax())
+
+
 def _peak_at(dev: _Device, value: int) -> int:
-    totals = replay(dev.ref, dev.fit.at(value))
-    return int(totals.max()) if len(totals) else 0
+    sizes = dev.fit.at(value)
+    return peak_of(dev.ref, sizes, replay(dev.ref, sizes))[0]
 
 
 def _max_within(dev: _Device, budget: int, overhead: float, lowest: int) -> Optional[int]:

@@ -305,3 +305,14 @@ def test_sizes_no_polynomial_fits_are_counted_and_said(write_snapshot, capsys):
     d = json.loads(capsys.readouterr().out)["devices"][0]
     assert d["unfitted_allocations"] == 1 and d["unfitted_bytes"] == 100 and d["forms"] == {"other": "none"}
     assert any("fit no polynomial" in n for n in d["notes"])
+
+
+def test_memory_from_before_the_trace_can_be_the_peak(write_snapshot, capsys):
+    # a ring-buffer trace that starts by freeing what was live before it: the peak is before its
+    # first event (as normalize counts it), and so is the forecast's
+    runs = [write_snapshot({"segments": [], "device_traces": [[free(1, 100 * v), alloc(2, 10 * v)]]}, f"r{v}.pickle")
+            + f"={v}" for v in (1, 2, 4)]
+    assert main(["forecast", *runs, "--at", "8", "--format", "json"]) == 0
+    d = json.loads(capsys.readouterr().out)["devices"][0]
+    assert d["predicted_peak_bytes"] == 800 and d["fit_error_pct"] == 0.0
+    assert [r["actual_peak_bytes"] for r in d["runs"]] == [100, 200, 400]
