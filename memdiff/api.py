@@ -33,7 +33,7 @@ from memdiff.report import Run as ReportRun
 from memdiff.units import parse_size
 
 if TYPE_CHECKING:
-    from memdiff.forecast import Forecast
+    from memdiff.forecasting import Forecast
 
 Run = Union[str, "os.PathLike[str]", Summary]
 Size = Union[int, str, None]
@@ -149,8 +149,8 @@ def forecast(runs: Union[Dict[Path, int], Sequence[Tuple[Path, int]]], *, at: Un
     (`{"b1.pickle": 1, "b2.pickle": 2, "b4.pickle": 4}`), at `at` (default: twice the largest),
     and with `budget` the largest value that fits; with `baseline`, its headroom limit checked
     (`result.headroom.passed`). `to_dict()` is `memdiff forecast --format json`."""
-    from memdiff.forecast import KnobRun, judge_headroom
-    from memdiff.forecast import forecast as _forecast
+    from memdiff.forecasting import KnobRun, judge_headroom
+    from memdiff.forecasting import forecast as _forecast
 
     pairs = list(runs.items()) if isinstance(runs, dict) else list(runs)
     values = [at] if isinstance(at, int) else list(at or [])

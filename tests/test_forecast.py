@@ -16,7 +16,7 @@ import memdiff
 from memdiff.classify import load_rules
 from memdiff.cli import main
 from memdiff.errors import InputError
-from memdiff.forecast import KnobRun, _fit, parse_run
+from memdiff.forecasting import KnobRun, _fit, parse_run
 from memdiff.inputs import read_summary
 from memdiff.schema import validate
 

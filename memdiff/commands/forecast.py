@@ -9,7 +9,7 @@ from memdiff.atomic import check_output, write_output
 from memdiff.baseline import read_baseline
 from memdiff.commands.args import add_rules_arguments, rules_from, size_arg
 from memdiff.errors import EXIT_REGRESSION, InputError
-from memdiff.forecast import forecast, judge_headroom, parse_run
+from memdiff.forecasting import forecast, judge_headroom, parse_run
 from memdiff.render import forecast as render
 from memdiff.units import format_bytes
 

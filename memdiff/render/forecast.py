@@ -9,7 +9,7 @@ from typing import List
 
 from tabulate import tabulate
 
-from memdiff.forecast import DeviceForecast, Forecast
+from memdiff.forecasting import DeviceForecast, Forecast
 from memdiff.units import format_bytes
 
 

@@ -25,8 +25,6 @@ from __future__ import annotations
 import difflib
 import multiprocessing
 import os
-import sys
-import types
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field
 from fractions import Fraction
@@ -770,16 +768,3 @@ def forecast(runs: Sequence[KnobRun], at: Sequence[int], rules: Sequence[Rule],
     if len(runs) < 2:
         raise InputError("forecast", "give at least two runs, each as RUN=VALUE")
     return forecast_courses(read_courses(runs, rules), at, budget)
-
-
-class _Module(types.ModuleType):
-    """This module, callable as `memdiff.forecast(...)` (the API's function): importing a submodule
-    sets the package's attribute of that name, which would otherwise hide the API's function."""
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Forecast:
-        from memdiff.api import forecast as api_forecast
-
-        return api_forecast(*args, **kwargs)
-
-
-sys.modules[__name__].__class__ = _Module
