@@ -87,7 +87,7 @@ def thresholds(*, fail_over: Size = None, fail_over_pct: Optional[float] = None,
                categories: Optional[Dict[str, Size]] = None, phases: Optional[Dict[str, Size]] = None,
                base: Optional[Thresholds] = None) -> Thresholds:
     """Thresholds as the CLI's flags give them (`categories={"activation": "10%"}`); over `base`
-    (a baseline's), each one given replaces its part."""
+    (a baseline's), each one given replaces its stored one whole."""
     try:
         pct = None if fail_over_pct is None else parse_pct(str(fail_over_pct))
     except ValueError as exc:
@@ -104,19 +104,21 @@ def load_baseline(path: Union[str, "os.PathLike[str]"]) -> Baseline:
 
 def write_baseline(run: Run, path: Union[str, "os.PathLike[str]"], *, name: Optional[str] = None,
                    git_sha: Optional[str] = None, rules: Optional[Sequence[str]] = None,
-                   **limits: Any) -> Baseline:
+                   keep_limits: bool = True, **limits: Any) -> Baseline:
     """Create or update the baseline at `path` from a run, atomically. An existing baseline keeps
-    its name and thresholds unless `name` or limits (as `thresholds()` takes them) replace them."""
+    its name and thresholds unless `name` or limits (as `thresholds()` takes them) replace them;
+    with `keep_limits=False` the limits given are the baseline's whole rule (the pytest marker's)."""
     _check_categories(limits, rules, None, "")
     baseline, _ = update_baseline(os.fspath(path), lambda: _summary(run, rules),
-                                  lambda old: thresholds(base=old, **limits), name, git_sha)
+                                  lambda old: thresholds(base=old if keep_limits else None, **limits), name,
+                                  git_sha)
     return baseline
 
 
 def gate(run: Run, baseline: Union[str, "os.PathLike[str]", Baseline], *, rules: Optional[Sequence[str]] = None,
          top: int = DEFAULT_TOP, **limits: Any) -> Report:
     """Judge a run against a baseline under its thresholds; limits given (`fail_over="256MiB"`,
-    `categories={"activation": "10%"}`, `phases={"forward": "512MiB"}`) replace their parts.
+    `categories={"activation": "10%"}`, `phases={"forward": "512MiB"}`) replace the stored ones whole.
     The Report's `passed`, `checks` and `headline` say how it went; `to_dict()` is the CLI's gate document."""
     stored = baseline if isinstance(baseline, Baseline) else load_baseline(baseline)
     where = "baseline" if isinstance(baseline, Baseline) else os.fspath(baseline)

@@ -53,12 +53,12 @@ class Limit:
         return cls(fail_over, fail_over_pct)
 
     def overridden(self, fail_over: Optional[int], fail_over_pct: Optional[float]) -> "Limit":
-        """This limit with the parts given on the command line replaced; a flag given makes the
-        rule the user's, so the default's percent that fails on its own goes with it."""
+        """The limit the flags give, replacing this one whole: `--fail-over-pct 5` over a stored
+        `512MiB` is `more than 5%`, the rule the user typed, never a mix of it and an old part
+        (which would stop a small run from ever failing)."""
         if fail_over is None and fail_over_pct is None:
             return self
-        return Limit(self.fail_over_bytes if fail_over is None else fail_over,
-                     self.fail_over_pct if fail_over_pct is None else fail_over_pct)
+        return Limit(fail_over, fail_over_pct)
 
     def describe(self) -> str:
         """`more than 1% and by more than 64.00 MiB, or by more than 50%`."""
@@ -223,7 +223,7 @@ def _headroom_from(path: str, data: Optional[Dict[str, Any]]) -> Optional[Headro
 
 def thresholds_over(stored: Optional[Thresholds], fail_over: Optional[int], fail_over_pct: Optional[float],
                     categories: Dict[str, Limit], phases: Dict[str, Limit]) -> Thresholds:
-    """The limits given, over stored ones (a baseline's) where each given part replaces its own;
+    """The limits given, over stored ones (a baseline's) where each one given replaces its stored one whole;
     with nothing stored, the peak's default rule unless a peak part is given."""
     if stored is None:
         return Thresholds(Limit.from_options(fail_over, fail_over_pct), dict(categories), phases=dict(phases))

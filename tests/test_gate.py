@@ -342,3 +342,12 @@ def test_a_gate_against_a_baseline_shows_the_like_for_like_view(shared, tmp_path
     assert code == 1
     assert "<summary>Like with like: device 0: forward peak 6.42 GiB -> 8.48 GiB (+2.05 GiB, +32.0%)" in out
     assert "at the forward peak of both, activation +2.05 GiB (+122.4%)" in out.splitlines()[2]
+
+
+def test_a_peak_flag_replaces_the_stored_peak_rule_whole(baseline, tmp_path, capsys):
+    # A baseline that stores 512 MiB: `--fail-over-pct 5` is the rule "more than 5%", not "more than
+    # 5% and by more than 512 MiB", under which a small run could never fail.
+    b = baseline("--fail-over", "512MiB")
+    code, out, _ = gate(capsys, tmp_path, b, 120 * MiB, "--fail-over-pct", "5")
+    assert "rule: fail when the peak of a device grows by more than 5%\n" in out
+    assert code == 1 and "limit: more than 5%\n" in out

@@ -61,6 +61,16 @@ def test_update_creates_the_baseline_then_the_gate_passes_and_fails(suite):
     assert "Traceback" not in out
 
 
+def test_update_writes_exactly_the_markers_limits(suite):
+    run(suite, "--memdiff-update").assert_outcomes(passed=1)
+    suite.makepyfile(test_model=TESTS.replace('fail_over="16KiB", fail_over_pct=1', "fail_over_pct=5"))
+    run(suite, "--memdiff-update").assert_outcomes(passed=1)
+    assert baseline_of(suite)["thresholds"]["peak"] == {"fail-over-pct": 5}  # no 16 KiB left from before
+    result = run(suite, floats=4 * 65536)
+    result.assert_outcomes(failed=1)
+    assert "limit: more than 5%\n" in result.stdout.str()
+
+
 def test_update_refreshes_a_baseline_and_keeps_its_name(suite):
     run(suite, "--memdiff-update").assert_outcomes(passed=1)
     before = baseline_of(suite)["devices"][0]["peak_bytes"]

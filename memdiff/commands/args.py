@@ -100,7 +100,8 @@ def named_limits(values: List[str], flag: str, names: Optional[Sequence[str]] = 
         except ValueError as exc:
             raise InputError(flag, f"{name}: {exc}") from None
         old = out.get(name, Limit())  # a name given twice: a size and a percent, both must be exceeded
-        out[name] = old.overridden(part.fail_over_bytes, part.fail_over_pct)
+        out[name] = Limit(old.fail_over_bytes if part.fail_over_bytes is None else part.fail_over_bytes,
+                          old.fail_over_pct if part.fail_over_pct is None else part.fail_over_pct)
     return out
 
 
@@ -116,8 +117,9 @@ def phase_limits(values: List[str]) -> Dict[str, Limit]:
 
 def thresholds_from(args: argparse.Namespace, rules: Sequence[Rule], stored: Optional[Thresholds] = None,
                     stored_from: str = "the baseline") -> Thresholds:
-    """The command line's thresholds; over stored ones (read from `stored_from`), each flag given
-    replaces its part. A category limit that no rule's category matches is bad input."""
+    """The command line's thresholds; over stored ones (read from `stored_from`), each limit given
+    replaces its stored one whole (the peak's flags together, a category's or phase's by name).
+    A category limit that no rule's category matches is bad input."""
     categories = category_limits(args.category_fail_over)
     check_categories(categories, rules, "--category-fail-over")
     if stored is not None:
