@@ -17,7 +17,7 @@ from datetime import datetime, timezone
 from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 from memdiff import __version__
-from memdiff.atomic import check_output, write_output
+from memdiff.atomic import check_output, make_folder, write_output
 from memdiff.errors import InputError, clip, shown
 from memdiff.frames import signature_of
 from memdiff.limits import Thresholds, thresholds_from_dict
@@ -149,6 +149,9 @@ def update_baseline(path: str, summary_of: Callable[[], Union[Summary, Dict[int,
     written; it keeps its name unless `name` is given, and `thresholds_for` gets its thresholds
     to build on.
     """
+    folder = os.path.dirname(path)
+    if folder and not os.path.lexists(folder):
+        make_folder(folder)  # the first baseline of a repository: `-o baselines/train.json`
     check_output(path)
     # Only a regular file holds a baseline to update: reading a pipe given as the output would wait forever.
     old = read_baseline(path) if os.path.isfile(path) else None

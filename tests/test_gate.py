@@ -351,3 +351,14 @@ def test_a_peak_flag_replaces_the_stored_peak_rule_whole(baseline, tmp_path, cap
     code, out, _ = gate(capsys, tmp_path, b, 120 * MiB, "--fail-over-pct", "5")
     assert "rule: fail when the peak of a device grows by more than 5%\n" in out
     assert code == 1 and "limit: more than 5%\n" in out
+
+
+def test_the_first_baseline_of_a_repository_makes_its_folder(tmp_path, capsys, monkeypatch):
+    # What the gate tells a new repository to run works as told, the folder included.
+    monkeypatch.chdir(tmp_path)
+    run_ = snapshot(tmp_path / "train.pickle", 100 * MiB)
+    code, _, err = run(capsys, "gate", "--baselines", "baselines", run_)
+    assert code == 2 and "(the folder baselines does not exist yet; that command makes it)" in err
+    command = err.split("make it with `")[1].split("`")[0]
+    assert run(capsys, *command.split()[1:])[0] == 0
+    assert run(capsys, "gate", "--baselines", "baselines", run_)[0] == 0

@@ -156,7 +156,10 @@ def run(args: argparse.Namespace) -> int:
     for snap, path in missing:
         if publisher:
             publisher.add_missing(snap, path, args.require_baseline)
-        print(f"memdiff: {snap}: no baseline at {path}: make it with `memdiff baseline {snap} -o {path}`"
+        folder = os.path.dirname(path)
+        absent = f" (the folder {folder} does not exist yet; that command makes it)" if folder and \
+            not os.path.isdir(folder) else ""
+        print(f"memdiff: {snap}: no baseline at {path}: make it with `memdiff baseline {snap} -o {path}`{absent}"
               + ("" if args.require_baseline or not pairs else " (not gated; --require-baseline makes this fail)"),
               file=sys.stderr)
     if publisher:
