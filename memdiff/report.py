@@ -23,6 +23,7 @@ from memdiff.differ import (
     DeviceDiff,
     Diff,
     DiffRow,
+    PhaseDelta,
     diff,
     label_rows,
     where_text,
@@ -435,11 +436,7 @@ def device_report(d: DeviceDiff, top: int, min_delta: int, like: Optional[Device
                  f"{pct_cell(d.base_peak_bytes, d.head_peak_bytes)}); static {format_bytes(d.base_static_bytes)} -> "
                  f"{format_bytes(d.head_static_bytes)}"),
         where=_where(d), kept=_kept(d),
-        phases=Table(PHASE_HEADERS, [[p.phase, "" if p.base_peak_bytes is None else format_bytes(p.base_peak_bytes),
-                                      "" if p.head_peak_bytes is None else format_bytes(p.head_peak_bytes),
-                                      format_bytes(p.delta_bytes, signed=True),
-                                      pct_cell(p.base_peak_bytes or 0, p.head_peak_bytes or 0)]
-                                     for p in d.phases]) if d.phases else None,
+        phases=Table(PHASE_HEADERS, [_phase_cells(p) for p in d.phases]) if d.phases else None,
         categories=Table(CATEGORY_HEADERS, [[c.category, format_bytes(c.base_bytes), format_bytes(c.head_bytes),
                                              format_bytes(c.delta_bytes, signed=True),
                                              pct_cell(c.base_bytes, c.head_bytes)]
@@ -449,6 +446,17 @@ def device_report(d: DeviceDiff, top: int, min_delta: int, like: Optional[Device
         others=_sum_cells(others_label, rest) if rest else None,
         total=_sum_cells("TOTAL", d.rows),
         like_for_like=device_report(like, top, min_delta, None) if like is not None else None)
+
+
+def _phase_cells(p: PhaseDelta) -> List[str]:
+    """A phase's row; a run without the phase (it allocated nothing then: SGD's step) has no
+    figure and the row no delta, which would read as the phase's memory gone."""
+    if p.base_peak_bytes is None or p.head_peak_bytes is None:
+        missing = "base" if p.base_peak_bytes is None else "head"
+        return [p.phase, "" if p.base_peak_bytes is None else format_bytes(p.base_peak_bytes),
+                "" if p.head_peak_bytes is None else format_bytes(p.head_peak_bytes), "", f"none in {missing}"]
+    return [p.phase, format_bytes(p.base_peak_bytes), format_bytes(p.head_peak_bytes),
+            format_bytes(p.delta_bytes, signed=True), pct_cell(p.base_peak_bytes, p.head_peak_bytes)]
 
 
 def _where(d: DeviceDiff) -> Optional[str]:

@@ -94,3 +94,11 @@ def test_a_passing_gate_lists_only_what_changed(shared, tmp_path, capsys, fmt):
     assert "no group changed" in out.splitlines()[0 if fmt == "text" else 2]
     assert "SAME" not in out and "TOTAL" in out
 
+
+
+def test_a_phase_one_run_lacks_shows_no_delta(shared, capsys):
+    # Inference has no backward or optimizer step: the table must not read their memory as gone.
+    out = _out(capsys, shared / "cs336-medium-ctx128-train.pickle", shared / "cs336-medium-ctx128-infer.pickle")
+    rows = {line.split()[0]: line.split() for line in out[out.index("phase peak"):].splitlines()[2:5]}
+    assert rows["optimizer"] == ["optimizer", "6.53", "GiB", "none", "in", "head"]
+    assert rows["backward"] == ["backward", "6.44", "GiB", "none", "in", "head"]
