@@ -10,7 +10,8 @@
 
 Every result has `to_dict()`, the JSON the CLI writes: `memdiff.gate(...)` is one document of
 `memdiff gate --format json`, `memdiff.diff(...)` the CLI's diff document less the verdict's keys.
-`memdiff.render.render(report, "markdown")` renders a Report as the CLI does. Defaults are the CLI's: groups
+`from memdiff.render import render; render(report, "markdown")` renders a Report as the CLI
+does; a `diff` Report's `passed` is None (compared, not judged). Defaults are the CLI's: groups
 are classified with the built-in rules, plus `rules` (rules files, JSON or TOML) when given.
 Errors in the input raise `memdiff.errors.InputError` (the CLI's exit 2). Capturing needs torch;
 nothing else here imports it.

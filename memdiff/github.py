@@ -104,7 +104,7 @@ class Publisher:
             return render_diff(report.refolded(rows or report.top), options)
 
         self.sections.append(fit(render, report.top, SIZE_LIMIT // max(1, self.expected) - 16))
-        self.passed.append(report.passed)
+        self.passed.append(report.passed is not False)
         self.deltas += [d.peak_delta_bytes for r in report.results for d in r.diff.devices]
         if not self.annotate:
             return

@@ -209,9 +209,10 @@ class Report:
     baseline: Optional[str] = None
 
     @property
-    def passed(self) -> bool:
-        """Whether every check passed (a report that was not judged has none to fail)."""
-        return self.verdict is None or self.verdict.passed
+    def passed(self) -> Optional[bool]:
+        """Whether every check passed; None when the report was not judged (the API's `diff`),
+        so that a script testing it cannot read 'compared' as 'passed'."""
+        return None if self.verdict is None else self.verdict.passed
 
     @property
     def checks(self) -> List[Check]:

@@ -78,7 +78,9 @@ def test_the_api_returns_the_cli_documents(shared, tmp_path, capsys):
 
     main([str(base), str(head), "--format", "json"])
     cli_diff = json.loads(capsys.readouterr().out)
-    api_diff = json.loads(json.dumps(memdiff.diff(base, head).to_dict()))
+    compared = memdiff.diff(base, head)
+    assert compared.passed is None and compared.checks == []  # compared, not judged: never "passed"
+    api_diff = json.loads(json.dumps(compared.to_dict()))
     assert set(api_diff) == set(cli_diff) - {"verdict", "rule", "checks", "notes"}
     assert api_diff == {k: cli_diff[k] for k in api_diff}
 

@@ -120,9 +120,11 @@ def _diff_rows(d: DeviceReport, marked: bool = True) -> str:
 
 
 def _verdict(report: Report) -> List[str]:
-    mark = "pass" if report.passed else "fail"
-    text = "memdiff: no regression" if report.passed else "memdiff: regression"
-    out = [f'<p class="verdict {mark}" data-passed="{str(report.passed).lower()}">{html.escape(text)}</p>',
+    mark = "none" if report.passed is None else "pass" if report.passed else "fail"
+    text = ("memdiff: not judged" if report.passed is None else "memdiff: no regression" if report.passed
+            else "memdiff: regression")
+    passed = "null" if report.passed is None else str(report.passed).lower()
+    out = [f'<p class="verdict {mark}" data-passed="{passed}">{html.escape(text)}</p>',
            f'<p class="headline">{html.escape(report.headline)}</p>',
            f"<p><strong>Rule:</strong> {html.escape(report.rule or 'not judged')}</p>", "<ul>"]
     out += [f'<li class="mono {"pass" if c.passed else "fail"}">{html.escape(c.text)}</li>' for c in report.check_lines]
