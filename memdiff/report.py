@@ -493,17 +493,33 @@ def kept_text(amount: str, sites: Sequence[str]) -> str:
 
 # --- the headline ----------------------------------------------------------------------------
 
+# Memory that follows the weights: an optimizer's state and the gradients are sized by them.
+FOLLOWS_WEIGHTS = ("gradient", "optimizer_state")
+# Weights lead when they moved at least 1/WEIGHTS_LEAD of the largest move (AdamW's state is 2x).
+WEIGHTS_LEAD = 4
+
+
 def _cause(d: DeviceDiff, sign: int) -> Optional[str]:
-    """The category that moved most in the direction of `sign`, and the sites that carry it."""
+    """The category that moved most in the direction of `sign`, and the sites that carry it.
+    Weights lead when they moved that way: gradients and optimizer state follow them (AdamW's
+    state is twice the weights, so it moves most, but a wider model is the cause)."""
     moved: List[CategoryDelta] = [c for c in d.categories if c.delta_bytes * sign > 0]
     if not moved:
         return None
-    c = max(moved, key=lambda c: (abs(c.delta_bytes), c.category))
+    largest = max(moved, key=lambda c: (abs(c.delta_bytes), c.category))
+    weights = next((c for c in moved if c.category == "parameter"
+                    and abs(c.delta_bytes) * WEIGHTS_LEAD >= abs(largest.delta_bytes)), None)
+    c = weights or largest
     rows = [r for r in d.rows if r.category == c.category and r.delta_bytes * sign > 0][:SITES_NAMED]
     label_rows(rows := [replace(r) for r in rows])
     sites = ", ".join(f"{r.label or r.site} {format_bytes(r.delta_bytes, signed=True)}"
                       + (" new" if r.status == NEW else "") for r in rows)
-    return f"{c.category} {change_text(c.base_bytes, c.head_bytes)}" + (f" ({sites})" if sites else "")
+    text = f"{c.category} {change_text(c.base_bytes, c.head_bytes)}" + (f" ({sites})" if sites else "")
+    if weights is not None:
+        following = [f"{f.category} {format_bytes(f.delta_bytes, signed=True)}" for f in moved
+                     if f.category in FOLLOWS_WEIGHTS]
+        text += f", and with the weights {' and '.join(following)}" if following else ""
+    return text
 
 
 def _phase_tail(d: DeviceDiff, moved_to: Optional[str]) -> str:

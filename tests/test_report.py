@@ -104,3 +104,23 @@ def test_a_phase_one_run_lacks_shows_no_delta(shared, capsys):
     rows = {line.split()[0]: line.split() for line in out[out.index("phase peak"):].splitlines()[2:5]}
     assert rows["optimizer"] == ["optimizer", "6.53", "GiB", "none", "in", "head"]
     assert rows["backward"] == ["backward", "6.44", "GiB", "none", "in", "head"]
+
+
+@pytest.mark.slow  # records on CPU
+def test_a_wider_model_is_explained_by_its_weights(torch, tmp_path):
+    # AdamW's state is twice the weights, so it moves most; the reviewer needs "the weights grew",
+    # with gradients and state following them. Ground truth: the models' parameter bytes.
+    import memdiff
+
+    def step(width: int, path) -> int:
+        model = torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.ReLU(), torch.nn.Linear(width, 8))
+        opt = torch.optim.AdamW(model.parameters())
+        with memdiff.record(str(path)):
+            model(torch.randn(4, width)).sum().backward()
+            opt.step()
+        return sum(p.numel() * p.element_size() for p in model.parameters())
+
+    small, wide = step(256, tmp_path / "a.pickle"), step(512, tmp_path / "b.pickle")
+    headline = memdiff.diff(tmp_path / "a.pickle", tmp_path / "b.pickle").headline
+    assert f": parameter {format_bytes(wide - small, signed=True)} " in headline
+    assert "and with the weights" in headline and "optimizer_state +" in headline and "gradient +" in headline
