@@ -202,7 +202,8 @@ def context_of(frames: Sequence[Frame]) -> str:
             return m.group(1)
     model_code = [f for f in frames if f.file.endswith(".py") and not LIBRARY.match(f.file)]
     for f in [f for f in model_code if f.name == "forward"] + model_code:
-        return f"{posixpath.basename(f.file)}:{f.line}"
+        # Line 0 is no line (a frame the profiler could not place): the file alone says as much.
+        return f"{posixpath.basename(f.file)}:{f.line}" if f.line else posixpath.basename(f.file)
     return ""
 
 

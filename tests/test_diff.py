@@ -411,3 +411,11 @@ def test_a_site_key_keeps_as_many_callers_with_module_frames_between_them():
     for callers in (0, 1, 2):
         assert _site_key(callers)(nested) == _site_key(callers)(plain)
     assert _site_key(1)(nested)[2:] == (("linear.py", "linear"), ("block.py", "block"))
+
+
+def test_a_context_never_names_line_0():
+    from memdiff.differ import context_of
+    from memdiff.model import Frame
+
+    assert context_of([Frame("train.py", 0, "<module>")]) == "train.py"
+    assert context_of([Frame("model.py", 12, "forward")]) == "model.py:12"
