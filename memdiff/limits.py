@@ -116,10 +116,17 @@ def parse_pct(text: str) -> float:
 
 
 def parse_limit(text: str) -> Limit:
-    """One part of a limit: `10%` (percent) or a size (`256MiB`); ValueError saying why when neither."""
+    """One part of a limit: `10%` (percent) or a size with its unit (`256MiB`); ValueError saying
+    why when neither. A bare number is refused: `activation=10` meant 10% far more often than
+    10 bytes, and a limit of 10 B fails every run."""
     if text.strip().endswith("%"):
         return Limit(fail_over_pct=parse_pct(text))
-    return Limit(fail_over_bytes=parse_size(text))
+    try:
+        float(text)
+    except ValueError:
+        return Limit(fail_over_bytes=parse_size(text))
+    raise ValueError(f"{text!r} has no unit: write {text.strip()}% for a percent, or a size such as "
+                     f"{text.strip()}MiB ({text.strip()}B for bytes)")
 
 
 @dataclass(frozen=True)

@@ -228,3 +228,12 @@ def test_json_nested_too_deep_is_bad_input(tmp_path, capsys):
     path.write_text('{"device_traces": ' + "[" * 100_000 + "]" * 100_000 + ', "segments": []}')
     assert main(["peak", str(path)]) == 2
     one_line(capsys, 2, f"memdiff: {path}: invalid JSON: nested more than 64 levels deep")
+
+
+def test_a_limit_without_a_unit_is_refused(shared, tmp_path, capsys):
+    # `activation=10` meant 10% far more often than 10 bytes, which fails every run.
+    run = str(shared / "linear-grad.pickle")
+    assert main(["baseline", run, "-o", str(tmp_path / "b.json"), "--category-fail-over", "activation=10"]) == 2
+    err = capsys.readouterr().err
+    assert err == ("memdiff: --category-fail-over: activation: '10' has no unit: write 10% for a percent, or a size "
+                   "such as 10MiB (10B for bytes)\n")
