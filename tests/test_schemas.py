@@ -124,12 +124,16 @@ def test_gate_on_a_folder_of_baselines_matches_gate_schema(shared, tmp_path, cap
         os.symlink(shared / name, runs / f"{stem}.pickle")
     baselines = tmp_path / "baselines"
     baselines.mkdir()
-    for stem, name in (("train", CTX128), ("infer", INFER)):  # linear has none: left out of the list
+    for stem, name in (("train", CTX128), ("infer", INFER)):  # linear has none
         assert main(["baseline", str(shared / name), "-o", str(baselines / f"{stem}.json")]) == 0
     capsys.readouterr()
     docs = validate("gate", cli_json(capsys, "gate", "--baselines", baselines, *sorted(runs.iterdir()),
                                      "--format", "json"))
-    assert sorted(Path(d["run"]).stem for d in docs) == ["infer", "train"]
+    assert sorted(Path(d["run"]).stem for d in docs) == ["infer", "linear", "train"]
+    # Not gated, and the document says so: a step reading the JSON cannot take it for a pass.
+    linear = next(d for d in docs if Path(d["run"]).stem == "linear")
+    assert linear["verdict"] == "no-baseline" and linear["required"] is False
+    assert linear["command"] == f"memdiff baseline {runs / 'linear.pickle'} -o {baselines / 'linear.json'}"
 
 
 def test_gate_on_a_job_baseline_matches_gate_schema(shared, tmp_path, capsys, validate):
@@ -144,7 +148,8 @@ def test_gate_on_a_job_baseline_matches_gate_schema(shared, tmp_path, capsys, va
     assert len(docs) == 1 and [r["rank"] for r in docs[0]["ranks"]] == [0, 1]
     docs = validate("gate", cli_json(capsys, "gate", "--baselines", baselines, head, shared / CTX256,
                                      "--format", "json"))
-    assert len(docs) == 1  # the single run has no baseline in the folder
+    # The single run has no baseline in the folder: its document says so.
+    assert [d["verdict"] for d in docs][1:] == ["no-baseline"]
 
 
 @pytest.mark.parametrize("flags", [[], ["--fail-imbalance", "10"], ["--fail-imbalance", "1000"]])

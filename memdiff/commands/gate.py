@@ -152,7 +152,10 @@ def run(args: argparse.Namespace) -> int:
             sys.stdout.write(f"{'## ' if args.format == 'markdown' else '== '}{snap} against {path}\n\n")
         sys.stdout.write(render(report, args.format) + ("\n" if len(pairs) > 1 else ""))
     if args.format == "json":
-        # One shape whatever the number of runs: a list, one document per gated run.
+        # One shape whatever the number of runs: a list, one document per run, those without a
+        # baseline included, so that a step reading the JSON cannot miss that they were not gated.
+        documents += [{"run": snap, "baseline": path, "verdict": "no-baseline", "required": args.require_baseline,
+                       "command": f"memdiff baseline {snap} -o {path}"} for snap, path in missing]
         sys.stdout.write(dumps(documents))
     for snap, path in missing:
         if publisher:
