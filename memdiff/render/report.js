@@ -464,6 +464,7 @@
         document.querySelectorAll("tr.row.selected").forEach(function (o) { o.classList.remove("selected"); });
         state.selected = same ? null : row.signatures;
         if (!same) tr.classList.add("selected");
+        detail.classList.toggle("pinned", !same);
         document.querySelectorAll("svg.bars").forEach(applySelection);
         showRow(row);
       };
