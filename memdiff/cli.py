@@ -40,13 +40,30 @@ class _Parser(argparse.ArgumentParser):
     """An ArgumentParser whose usage errors are one line, as every other memdiff error is (argparse
     prints the usage block first): `memdiff: COMMAND: what is wrong (see ... --help)`, exit 2."""
 
+    command: Optional[argparse.ArgumentParser] = None  # the selected command's parser, on the top one
+
     def error(self, message: str) -> NoReturn:
         """Print the one line and exit 2 (argparse's contract for error())."""
-        where = self.prog[len("memdiff "):] if self.prog.startswith("memdiff ") else "usage"
+        # argparse reports options no parser knew from the top parser: name the command they went to.
+        owner = self.command if self.command is not None and message.startswith("unrecognized") else self
+        where = owner.prog[len("memdiff "):] if owner.prog.startswith("memdiff ") else "usage"
         # The message can quote an argument, and argv can be megabytes.
         text = printable(message)
         text = text if len(text) <= 300 else text[:300] + "..."
-        self.exit(EXIT_BAD_INPUT, f"memdiff: {where}: {text} (see `{self.prog} --help`)\n")
+        self.exit(EXIT_BAD_INPUT, f"memdiff: {where}: {text}{_suggestion(owner, message)} "
+                                  f"(see `{owner.prog} --help`)\n")
+
+
+def _suggestion(parser: argparse.ArgumentParser, message: str) -> str:
+    """`; did you mean --category-fail-over?` for an option that is one typo away from one the parser has."""
+    if not message.startswith("unrecognized arguments: "):
+        return ""
+    known = [o for action in parser._actions for o in action.option_strings]  # noqa: SLF001 - argparse's own list
+    for arg in message[len("unrecognized arguments: "):].split()[:5]:
+        close = difflib.get_close_matches(arg.split("=")[0][:100], known, n=1, cutoff=0.8)
+        if close and arg.startswith("-"):
+            return f"; did you mean {close[0]}?"
+    return ""
 
 
 def build_parser(selected: Optional[str] = None) -> argparse.ArgumentParser:
@@ -76,6 +93,7 @@ def build_parser(selected: Optional[str] = None) -> argparse.ArgumentParser:
                            prog=f"memdiff {name}")
         module.add_arguments(p)
         p.set_defaults(run=module.run)
+        parser.command = p
     return parser
 
 

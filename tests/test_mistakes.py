@@ -237,3 +237,13 @@ def test_a_limit_without_a_unit_is_refused(shared, tmp_path, capsys):
     err = capsys.readouterr().err
     assert err == ("memdiff: --category-fail-over: activation: '10' has no unit: write 10% for a percent, or a size "
                    "such as 10MiB (10B for bytes)\n")
+
+
+def test_a_misspelt_option_names_its_command_and_the_option_meant(shared, capsys):
+    run = str(shared / "linear-grad.pickle")
+    with pytest.raises(SystemExit) as exc:  # argparse's way out, exit 2
+        main(["gate", run, "--baseline", "b.json", "--categroy-fail-over", "activation=10%"])
+    assert exc.value.code == 2
+    assert capsys.readouterr().err == (
+        "memdiff: gate: unrecognized arguments: --categroy-fail-over activation=10%; did you mean "
+        "--category-fail-over? (see `memdiff gate --help`)\n")
