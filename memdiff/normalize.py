@@ -207,7 +207,13 @@ def _optimizer_state_stand_ins(walk: _Walk, trace: List[Dict[str, Any]], timelin
             backward = run
         if run.phase != OPTIMIZER:
             continue
-        inside = events[bisect.bisect_left(at, run.start_event): bisect.bisect_right(at, run.end_event)]
+        # Updates written before the step's first allocation with a stack take the phase before it:
+        # the run starts, for this, after the last allocation that is no new version.
+        k = bisect.bisect_left(walk.allocs, run.start_event) - 1
+        while k >= 0 and walk.allocs[k] in walk.version_of:
+            k -= 1
+        start = walk.allocs[k] + 1 if k >= 0 else 0
+        inside = events[bisect.bisect_left(at, start): bisect.bisect_right(at, run.end_event)]
         if not inside:
             continue
         last: Dict[int, int] = {}
@@ -235,7 +241,8 @@ def _optimizer_state_stand_ins(walk: _Walk, trace: List[Dict[str, Any]], timelin
             if backward is not None:
                 made = allocs[(allocs >= backward.start_event) & (allocs <= backward.end_event)]
                 for j in made[closed[made] > backward.end_event].tolist():
-                    grads[trace[j]["size"]] = grads.get(trace[j]["size"], 0) + 1
+                    if j not in walk.version_of:  # a new version is no new gradient
+                        grads[trace[j]["size"]] = grads.get(trace[j]["size"], 0) + 1
             by_size: Dict[int, List[int]] = {}
             for root in turns[0]:
                 by_size.setdefault(size[root], []).append(root)
@@ -310,7 +317,10 @@ def _live_at(walk: _Walk, trace: List[Dict[str, Any]], p: int, dump_only: List[T
                                True, None, -1, end, False, j == p, unmatched in stand_ins))
             continue
         step = timeline.step_index_at(first)
-        earlier = peak_step is not None and step is not None and step < peak_step
+        # A scalar (the previous step's loss, waiting to be replaced) holds nothing worth a leak
+        # line; a graph it keeps alive is counted by its own allocations.
+        earlier = (peak_step is not None and step is not None and step < peak_step
+                   and trace[j]["size"] > SCALAR_BYTES)
         items.append(_Live(trace[first].get("frames"), trace[j]["size"], False, False, trace[first], first, end,
                            earlier, j == p))
     for i in walk.unmatched[bisect.bisect_right(walk.unmatched, p):]:
