@@ -228,6 +228,24 @@ def setup(args: argparse.Namespace) -> Tuple[nn.Module, List[nn.Parameter], torc
     return model, params, opt, extra, batch, loss_of
 
 
+def write_facts(args: argparse.Namespace, model: nn.Module, opt: Optional[torch.optim.Optimizer]) -> None:
+    """Facts from the model and optimizer, for the tests to check memdiff against (never memdiff's
+    own output): bytes of the weights, of the trainable ones, of the optimizer's state tensors and
+    how many each weight has, steps recorded."""
+    def nbytes(t: torch.Tensor) -> int:
+        return t.numel() * t.element_size()
+    state = [v for per in (opt.state.values() if opt else []) for v in per.values() if isinstance(v, torch.Tensor)]
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    facts = {"parameter_bytes": sum(nbytes(p) for p in model.parameters()),
+             "trainable_bytes": sum(nbytes(p) for p in trainable),
+             "state_bytes": sum(nbytes(t) for t in state),
+             "state_scalar_bytes": sum(nbytes(t) for t in state if t.numel() == 1),
+             "state_tensors_per_parameter": sorted({len(per) for per in opt.state.values()}) if opt else [],
+             "steps": args.steps}
+    with open(args.out + ".facts.json", "w") as f:
+        json.dump(facts, f)
+
+
 def generate(args: argparse.Namespace) -> None:
     """Inference: greedy generate() calls, each with a fresh prompt."""
     torch.manual_seed(0)
@@ -237,6 +255,7 @@ def generate(args: argparse.Namespace) -> None:
         for _ in range(args.steps):
             model.generate(input_ids=batch()["input_ids"][:, :16], max_new_tokens=8, do_sample=False,
                            pad_token_id=0)
+    write_facts(args, model, None)
 
 
 def train(args: argparse.Namespace) -> None:
@@ -267,6 +286,9 @@ def train(args: argparse.Namespace) -> None:
                         if extra:
                             loss = loss + 1e-3 * sum(p.float().mean() for p in extra)
                             extra.clear()
+                if args.zero_grad == "before-backward":
+                    with scope("## optimizer ##", truth):
+                        opt.zero_grad(set_to_none=not args.keep_grads)
                 with scope("## backward ##", truth):
                     loss.backward(retain_graph=args.retain_graph)
             if args.keep_weights:
@@ -306,11 +328,14 @@ def train(args: argparse.Namespace) -> None:
             inside = setup(args)
             for step in range(args.steps):
                 one_step(step, *inside)
+            write_facts(args, inside[0], inside[2])
             del inside
             ema.clear()
         else:
             for step in range(args.steps):
                 one_step(step, *built)
+    if built is not None:
+        write_facts(args, built[0], built[2])
     del kept_eval
 
 
@@ -373,8 +398,8 @@ def main() -> None:
     p.add_argument("--ema", action="store_true", help="an EMA copy of the weights, made in the first step")
     p.add_argument("--clip", action="store_true", help="clip_grad_norm_ before each step")
     p.add_argument("--retain-graph", action="store_true", help="backward(retain_graph=True)")
-    p.add_argument("--zero-grad", choices=("after", "first"), default="after",
-                   help="zero_grad after the optimizer step or first thing in each step")
+    p.add_argument("--zero-grad", choices=("after", "first", "before-backward"), default="after",
+                   help="zero_grad after the optimizer step, first thing in each step, or between forward and backward")
     p.add_argument("--keep-grads", action="store_true", help="zero_grad(set_to_none=False)")
     p.add_argument("--bf16", action="store_true", help="bf16 weights (model.to(torch.bfloat16))")
     p.add_argument("--generate", action="store_true", help="inference: generate() instead of training")
