@@ -95,6 +95,9 @@ FREED_PREFIX = "freed at "
 UPDATED_PREFIX = "updated in place at "
 NO_STACK = "<no stack>"
 NO_STACK_BEFORE_TRACE = "<no stack: live before the trace>"
+# ...never freed and never updated in a way that tells what it is: its category is a guess
+# (parameter, by the built-in rules; docs/categories.md).
+NO_STACK_GUESSED = "<no stack: live before the trace, category guessed>"
 
 
 @dataclass(frozen=True)
@@ -298,10 +301,12 @@ class StackNormalizer:
         stacks by the identity of their lists."""
         self._kept_alive.extend(frames_lists)
 
-    def stack(self, raw_frames: Optional[List[Any]], freed: bool = False, before_trace: bool = False) -> Stack:
-        """The Stack for one raw frames list; `freed` marks a free's stack standing in for an allocation's."""
+    def stack(self, raw_frames: Optional[List[Any]], freed: bool = False, before_trace: bool = False,
+              guessed: bool = False) -> Stack:
+        """The Stack for one raw frames list; `freed` marks a free's stack standing in for an allocation's,
+        `guessed` memory without one whose category nothing in the trace tells."""
         if not raw_frames:
-            label = NO_STACK_BEFORE_TRACE if before_trace else NO_STACK
+            label = (NO_STACK_GUESSED if guessed else NO_STACK_BEFORE_TRACE) if before_trace else NO_STACK
             return Stack(signature_of([label]), label, ())
         if not isinstance(raw_frames, list):
             raise ValueError(f"'frames' is a {type(raw_frames).__name__}, not a list")

@@ -16,7 +16,7 @@ from __future__ import annotations
 import bisect
 from array import array
 from dataclasses import dataclass, replace
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Set, Tuple
 
 import numpy as np
 
@@ -66,6 +66,7 @@ class _Live:
     earlier: bool  # allocated in a step before the peak's
     reached_peak: bool = False  # the allocation whose event is the peak
     updated: bool = False  # `frames` is the stack of an optimizer's in-place update standing in
+    guessed: bool = False  # live before the trace with no stack, no freeing and no update telling what it is
     lifetime: Lifetime = LIFETIMES[0]  # filled in for all items at once
 
 
@@ -164,12 +165,13 @@ def _is_reversion(freed: Dict[str, Any], e: Dict[str, Any]) -> bool:
             and (not e.get("frames") or e.get("frames") == freed.get("frames")))
 
 
-# A re-versioned tensor of at most this many bytes is a step counter (`state["step"]`), never a
-# weight: in a single-tensor update each parameter's turn begins with one.
-SCALAR_BYTES = 8
+# A re-versioned tensor of at most this many bytes is a step counter (`state["step"]`, one float32),
+# not a weight (a one-element weight is rare): in a single-tensor update each weight's turn begins with one.
+SCALAR_BYTES = 4
 
 
-def _optimizer_state_stand_ins(walk: _Walk, trace: List[Dict[str, Any]], timeline: Timeline) -> Dict[int, List[Any]]:
+def _optimizer_state_stand_ins(walk: _Walk, trace: List[Dict[str, Any]], timeline: Timeline
+                               ) -> Tuple[Dict[int, List[Any]], Set[int]]:
     """For tensors live before the trace that an optimizer step updates in place as its state (on
     profiler-route captures, which write each in-place update as a frameless re-version): the
     unmatched free that starts each one's chain -> the stack of the update standing in for the
@@ -180,13 +182,14 @@ def _optimizer_state_stand_ins(walk: _Walk, trace: List[Dict[str, Any]], timelin
     denom)`, `param.add_(buf)`). In a single-tensor update each weight's turn starts with its step
     counter, and the weight is the tensor of that turn updated last; a foreach or fused update
     updates all weights after all state, so of each size the last as many as the backward made
-    gradients of that size are the weights. Tensors no step updates (frozen weights, buffers)
-    get no stand-in: they stay parameters, a guess (docs/categories.md).
+    gradients of that size are the weights. Also returns the roots of the weights so told.
+    Tensors no step updates (frozen weights, buffers) get neither: parameters by guess
+    (docs/categories.md), and their site says so.
     """
     n = len(trace)
     roots = [f for f in walk.unmatched if f in walk.continued_by]
     if not roots or not timeline.runs:
-        return {}
+        return {}, set()
     events: List[Tuple[int, int]] = []  # (re-version event, the chain's root)
     for f in roots:
         c = f
@@ -274,7 +277,7 @@ def _optimizer_state_stand_ins(walk: _Walk, trace: List[Dict[str, Any]], timelin
                          and "torch/optim/" in f"{f.get('filename', '')}:{f.get('name', '')}"), 0)
             trimmed[id(frames)] = frames[keep:]
         stand_ins[root] = trimmed[id(frames)]
-    return stand_ins
+    return stand_ins, {root for root, vote in votes.items() if vote < 0}
 
 
 def _dump_blocks(segments: List[Dict[str, Any]]) -> Iterator[Tuple[int, int, Optional[List[Any]]]]:
@@ -300,7 +303,7 @@ def _timeline(static: int, running: np.ndarray) -> List[List[int]]:
 
 
 def _live_at(walk: _Walk, trace: List[Dict[str, Any]], p: int, dump_only: List[Tuple[int, Any]],
-             timeline: Timeline, stand_ins: Dict[int, List[Any]]) -> List[_Live]:
+             timeline: Timeline, stand_ins: Dict[int, List[Any]], weights: Set[int]) -> List[_Live]:
     """Every allocation live after event `p` with its lifetime: open allocations, memory live
     before the trace and freed after `p`, and dump blocks the trace never opened. Memory live
     before the trace is known by the stack that freed it, or by its stand-in (see
@@ -313,8 +316,9 @@ def _live_at(walk: _Walk, trace: List[Dict[str, Any]], p: int, dump_only: List[T
         end = walk.end(walk.closed[j])
         if first is None:
             assert unmatched is not None  # origin() gives one of the two
-            items.append(_Live(stand_ins.get(unmatched) or trace[unmatched].get("frames"), trace[j]["size"], True,
-                               True, None, -1, end, False, j == p, unmatched in stand_ins))
+            frames = stand_ins.get(unmatched) or trace[unmatched].get("frames")
+            items.append(_Live(frames, trace[j]["size"], True, True, None, -1, end, False, j == p,
+                               unmatched in stand_ins, guessed=not frames and unmatched not in weights and end >= n))
             continue
         step = timeline.step_index_at(first)
         # A scalar (the previous step's loss, waiting to be replaced) holds nothing worth a leak
@@ -327,7 +331,7 @@ def _live_at(walk: _Walk, trace: List[Dict[str, Any]], p: int, dump_only: List[T
         e = trace[i]
         items.append(_Live(stand_ins.get(i) or e.get("frames"), e["size"], True, True, None, -1, walk.end(i), False,
                            updated=i in stand_ins))
-    items.extend(_Live(frames, size, False, True, None, -1, n, False) for size, frames in dump_only)
+    items.extend(_Live(frames, size, False, True, None, -1, n, False, guessed=not frames) for size, frames in dump_only)
     codes = timeline.lifetime_codes(np.array([item.born_event for item in items], dtype=np.int64),
                                     np.array([item.end_event for item in items], dtype=np.int64), n)
     for item, code in zip(items, codes.tolist()):
@@ -452,9 +456,9 @@ def _device_summary(snapshot: Snapshot, device: int, stacks: StackNormalizer,
     timeline = build_timeline(trace, walk.allocs, running, static, scopes, walk.version_of)
     p = -1 if peak_index is None else peak_index
     n = len(trace)
-    stand_ins = _optimizer_state_stand_ins(walk, trace, timeline)
+    stand_ins, weights = _optimizer_state_stand_ins(walk, trace, timeline)
     stacks.keep_alive(stand_ins.values())  # stacks are cached by the identity of their frames list
-    live_items = _live_at(walk, trace, p, dump_only, timeline, stand_ins)
+    live_items = _live_at(walk, trace, p, dump_only, timeline, stand_ins, weights)
     # A re-versioned tensor is not memory from before a truncated trace: no advice to record more.
     reversioned = [i for i in walk.unmatched if i in walk.continued_by]
     unmatched_bytes -= sum(trace[i]["size"] for i in reversioned)
@@ -467,7 +471,7 @@ def _device_summary(snapshot: Snapshot, device: int, stacks: StackNormalizer,
         top = max(spans, key=lambda span: (span.peak_bytes, -span.peak_event_index))
         at = top.peak_event_index
         phase_groups = None if at == peak_index else _group(
-            path, _live_at(walk, trace, at, dump_only, timeline, stand_ins), stacks)[0]
+            path, _live_at(walk, trace, at, dump_only, timeline, stand_ins, weights), stacks)[0]
         phase_peaks.append(PhasePeak(phase, timeline.step_at(at), top.peak_bytes, at, phase_groups))
     if sum(g.bytes for g in groups) != peak:
         raise AssertionError(f"{path}: device {device}: groups do not add up to the peak (a memdiff bug)")
@@ -567,7 +571,8 @@ def _group(path: str, items: List[_Live], stacks: StackNormalizer
     peak_key = None
     for item in items:
         try:
-            stack: Stack = stacks.stack(item.frames, freed=item.freed, before_trace=item.before_trace)
+            stack: Stack = stacks.stack(item.frames, freed=item.freed, before_trace=item.before_trace,
+                                        guessed=item.guessed)
         except ValueError as exc:
             raise InputError(path, str(exc)) from None
         key = (stack.signature, item.lifetime)
