@@ -230,13 +230,15 @@ def setup(args: argparse.Namespace) -> Tuple[nn.Module, List[nn.Parameter], torc
 
 def write_facts(args: argparse.Namespace, model: nn.Module, opt: Optional[torch.optim.Optimizer]) -> None:
     """Facts from the model and optimizer, for the tests to check memdiff against (never memdiff's
-    own output): bytes of the weights, of the trainable ones, of the optimizer's state tensors and
+    own output): bytes of the weights and buffers, of the trainable weights, of the optimizer's state tensors and
     how many each weight has, steps recorded."""
     def nbytes(t: torch.Tensor) -> int:
         return t.numel() * t.element_size()
     state = [v for per in (opt.state.values() if opt else []) for v in per.values() if isinstance(v, torch.Tensor)]
     trainable = [p for p in model.parameters() if p.requires_grad]
-    facts = {"parameter_bytes": sum(nbytes(p) for p in model.parameters()),
+    # Buffers can share storage (Mixtral's rotary inv_freq and original_inv_freq): count each once.
+    tensors = {t.untyped_storage().data_ptr(): t for t in [*model.parameters(), *model.buffers()]}
+    facts = {"parameter_bytes": sum(t.untyped_storage().nbytes() for t in tensors.values()),
              "trainable_bytes": sum(nbytes(p) for p in trainable),
              "state_bytes": sum(nbytes(t) for t in state),
              "state_scalar_bytes": sum(nbytes(t) for t in state if t.numel() == 1),
