@@ -204,12 +204,13 @@ def _optimizer_state_stand_ins(walk: _Walk, trace: List[Dict[str, Any]], timelin
     closed = np.frombuffer(walk.closed, dtype=np.int64)
     votes: Dict[int, int] = {}  # root -> state votes minus weight votes
     first_in_run: Dict[int, Tuple[int, int, int]] = {}  # root -> (event, run start, run end) of its first state vote
-    backward = None
+    backwards: List[Any] = []  # the backward runs since the last optimizer run (micro-batches)
     for run in timeline.runs:
         if run.phase == BACKWARD:
-            backward = run
+            backwards.append(run)
         if run.phase != OPTIMIZER:
             continue
+        step_backwards, backwards = backwards, []
         # Updates written before the step's first allocation with a stack take the phase before it:
         # the run starts, for this, after the last allocation that is no new version.
         k = bisect.bisect_left(walk.allocs, run.start_event) - 1
@@ -241,10 +242,12 @@ def _optimizer_state_stand_ins(walk: _Walk, trace: List[Dict[str, Any]], timelin
             weights = {t[-1] for t in turns}
         elif turns:
             grads: Dict[int, int] = {}
-            if backward is not None:
+            for backward in step_backwards:
                 made = allocs[(allocs >= backward.start_event) & (allocs <= backward.end_event)]
-                for j in made[closed[made] > backward.end_event].tolist():
-                    if j not in walk.version_of:  # a new version is no new gradient
+                for j in made.tolist():
+                    # A gradient still held when the step runs, counted once: by its first version
+                    # (a later micro-batch adds into it in place, writing new versions).
+                    if j not in walk.version_of and walk.end(int(closed[j])) > run.start_event:
                         grads[trace[j]["size"]] = grads.get(trace[j]["size"], 0) + 1
             by_size: Dict[int, List[int]] = {}
             for root in turns[0]:

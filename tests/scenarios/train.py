@@ -271,11 +271,12 @@ def train(args: argparse.Namespace) -> None:
     kept_weights: List[List[torch.Tensor]] = []
     ema: List[torch.Tensor] = []
     kept_eval = None
+    val = None  # the last validation loss: the loop's variable, held until the next one replaces it
 
     def one_step(step: int, model: nn.Module, params: List[nn.Parameter], opt: torch.optim.Optimizer,
                  extra: List[torch.Tensor], batch: Callable[[], Dict[str, torch.Tensor]],
                  loss_of: Callable[..., torch.Tensor]) -> None:
-        nonlocal kept_eval
+        nonlocal kept_eval, val
         with scope(f"ProfilerStep#{step}", truth):
             if args.zero_grad == "first":
                 with scope("## optimizer ##", truth):
