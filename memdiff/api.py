@@ -25,7 +25,7 @@ from memdiff.classify import Rule, check_categories, load_rules
 from memdiff.differ import PEAK
 from memdiff.errors import InputError
 from memdiff.inputs import read_summary
-from memdiff.judge import Limit, Thresholds, parse_limit, parse_pct, thresholds_over
+from memdiff.limits import Limit, Thresholds, parse_limit, parse_pct, thresholds_over
 from memdiff.model import Summary
 from memdiff.report import DEFAULT_TOP, Report, Settings, compare
 from memdiff.report import Run as ReportRun
@@ -119,10 +119,9 @@ def gate(run: Run, baseline: Union[str, "os.PathLike[str]", Baseline], *, rules:
     _check_categories(limits, rules, stored.thresholds, where)
     name = run if isinstance(run, Summary) else os.fspath(run)
     base, head = comparable_pair(where, stored, _summary(run, rules))
-    sha = stored.source.get("git_sha")
-    settings = Settings(thresholds=thresholds(base=stored.thresholds, **limits), top=top, kind="gate",
+    settings = Settings(thresholds=thresholds(base=stored.thresholds, **limits), top=top,
                         update_hint=None if isinstance(name, Summary) else f"memdiff baseline {name} -o {where}",
-                        base_label=f"baseline {stored.name}" + (f" @ {sha[:12]}" if sha else ""),
+                        base_label=stored.label(),
                         run=head.source.file if isinstance(name, Summary) else name, baseline=where)
     return compare([ReportRun(base)], [ReportRun(head)], settings)
 

@@ -20,7 +20,7 @@ from memdiff import __version__
 from memdiff.atomic import check_output, write_output
 from memdiff.errors import InputError, clip, shown
 from memdiff.frames import signature_of
-from memdiff.judge import Thresholds, thresholds_from_dict
+from memdiff.limits import Thresholds, thresholds_from_dict
 from memdiff.load import read_json
 from memdiff.model import DeviceSummary, Group, PhasePeak, Source, Summary
 from memdiff.schema import validate
@@ -50,6 +50,11 @@ class Baseline:
         found = next((r for r in self.ranks or [] if r["rank"] == rank), None)
         return None if found is None else replace(self, name=f"{self.name} rank {rank}", source=found["source"],
                                                   devices=found["devices"], ranks=None)
+
+    def label(self) -> str:
+        """What names the baseline in a report: `baseline train @ 1a2b3c4d5e6f`."""
+        sha = self.source.get("git_sha")
+        return f"baseline {self.name}" + (f" @ {sha[:12]}" if sha else "")
 
     def to_dict(self) -> Dict[str, Any]:
         """The JSON form (what `to_json` writes, as a dict)."""
@@ -86,10 +91,19 @@ def _devices_json(devices: List[Dict[str, Any]], pad: str) -> str:
                   f'"categories": {json.dumps(d["categories"])}']
         fields += [f'"phases": {json.dumps(d["phases"])}'] if d.get("phases") else []
         fields += [f'"phase_categories": {json.dumps(d["phase_categories"])}'] if d.get("phase_categories") else []
+        fields += ['"phase_groups": {' + ",".join(
+            f'\n{pad}      {json.dumps(phase)}: [' + ",".join(f"\n{pad}        " + json.dumps(g) for g in gs)
+            + f"\n{pad}      ]" for phase, gs in d["phase_groups"].items()) + f"\n{pad}    }}"] \
+            if d.get("phase_groups") else []
         fields += [f'"at_peak": {json.dumps(d["at_peak"])}'] if d.get("at_peak") else []
         fields.append(f'"groups": [\n{groups}\n{pad}    ]')
         out.append(f"{pad}  {{\n" + ",\n".join(f"{pad}    {f}" for f in fields) + f"\n{pad}  }}")
     return f'{pad}"devices": [\n' + ",\n".join(out) + f"\n{pad}]"
+
+
+def _stored_groups(groups: List[Group]) -> List[Dict[str, Any]]:
+    return [{"signature": g.signature, "site": g.site, "category": g.category or "other", "count": g.count,
+             "bytes": g.bytes} for g in groups[:TOP_GROUPS]]
 
 
 def from_summaries(summaries: Dict[int, Summary], name: str, thresholds: Thresholds, git_sha: Optional[str] = None,
@@ -114,9 +128,11 @@ def from_summary(summary: Summary, name: str, thresholds: Thresholds, git_sha: O
         "phases": {p.phase: p.peak_bytes for p in d.phase_peaks},
         # What each category held at each phase's peak: category limits compare like with like.
         "phase_categories": {p.phase: dict(sorted(p.categories.items())) for p in d.phase_peaks},
+        # What was live at each phase's peak, largest first: site limits and the report's
+        # like-for-like view compare the same moment of both runs.
+        "phase_groups": {p.phase: _stored_groups(p.groups) for p in d.phase_peaks if p.groups is not None},
         "at_peak": {"phase": d.phase_at_peak, "step": d.step_at_peak, "scope": d.scope_at_peak},
-        "groups": [{"signature": g.signature, "site": g.site, "category": g.category or "other",
-                    "count": g.count, "bytes": g.bytes} for g in d.groups[:TOP_GROUPS]],
+        "groups": _stored_groups(d.groups),
     } for d in summary.devices]
     stamp = created or datetime.now(timezone.utc).replace(microsecond=0).isoformat().replace("+00:00", "Z")
     return Baseline(name=name, created=stamp, tool=f"memdiff {__version__}", source=source, devices=devices,
@@ -183,22 +199,33 @@ def _rest_group(category: str, count: int, size: int) -> Group:
                  category=category)
 
 
+def _groups_of(stored: List[Dict[str, Any]], categories: Dict[str, int]) -> List[Group]:
+    """The stored groups, and a `rest` group per category for its bytes outside them: they add up
+    to the moment's total exactly."""
+    groups = [Group(signature=g["signature"], site=g["site"], frames=[], count=g["count"], bytes=g["bytes"],
+                    category=g["category"]) for g in stored]
+    held: Dict[str, int] = {}
+    for g in stored:
+        held[g["category"]] = held.get(g["category"], 0) + g["bytes"]
+    return groups + [_rest_group(c, 0, total - held.get(c, 0)) for c, total in categories.items()
+                     if total > held.get(c, 0)]
+
+
 def _stored_summary(b: Baseline) -> Summary:
     devices = []
     for d in b.devices:
-        groups = [Group(signature=g["signature"], site=g["site"], frames=[], count=g["count"], bytes=g["bytes"],
-                        category=g["category"]) for g in d["groups"]]
-        stored: Dict[str, int] = {}
-        for g in d["groups"]:
-            stored[g["category"]] = stored.get(g["category"], 0) + g["bytes"]
-        groups += [_rest_group(c, 0, total - stored.get(c, 0)) for c, total in d["categories"].items()
-                   if total > stored.get(c, 0)]
-        # The phases' peak bytes (for phase thresholds) and, since baselines carry them, each
-        # category's bytes then (for category thresholds); not the groups live then.
-        by_phase = d.get("phase_categories", {})
-        phases = [PhasePeak(phase, None, size, 0, groups=[], categories=by_phase.get(phase, {}))
-                  for phase, size in d.get("phases", {}).items()]
+        groups = _groups_of(d["groups"], d["categories"])
         at_peak = d.get("at_peak") or {}  # where the peak was (baselines written before it: unknown)
+        # The phases' peak bytes (for phase thresholds), each category's bytes then (category
+        # thresholds) and, in baselines that carry them, the groups live then (site thresholds,
+        # --at). A phase whose peak is the device's shares its groups; baselines written before
+        # phase groups have none.
+        by_phase, phase_groups = d.get("phase_categories", {}), d.get("phase_groups")
+        phases = [PhasePeak(phase, None, size, 0, categories=by_phase.get(phase, {}),
+                            groups=[] if phase_groups is None else
+                            _groups_of(phase_groups[phase], by_phase.get(phase, {})) if phase in phase_groups
+                            else None if phase == at_peak.get("phase") else [])
+                  for phase, size in d.get("phases", {}).items()]
         devices.append(DeviceSummary.blank(
             d["device"], trace_events=d["trace_events"], static_bytes=d["static_bytes"], peak_bytes=d["peak_bytes"],
             unmatched_free_count=d["unmatched_free_count"], groups=groups, categories=d["categories"],
@@ -210,20 +237,27 @@ def _stored_summary(b: Baseline) -> Summary:
     return Summary(source=source, devices=devices, tool=b.tool)
 
 
-def _pooled(head: DeviceSummary, stored: List[Dict[str, Any]]) -> DeviceSummary:
+def _pooled(head: DeviceSummary, stored: Dict[str, Any]) -> DeviceSummary:
+    """The run's device with its groups, at the peak and at each phase's peak the baseline stores,
+    pooled as the baseline's are."""
+    phase_groups = stored.get("phase_groups") or {}
+    phases = [replace(p, groups=_pooled_groups(p.groups, phase_groups[p.phase]))
+              if p.groups is not None and p.phase in phase_groups else p for p in head.phase_peaks]
+    return replace(head, groups=_pooled_groups(head.groups, stored["groups"]), phase_peaks=phases)
+
+
+def _pooled_groups(groups: List[Group], stored: List[Dict[str, Any]]) -> List[Group]:
     signatures = {g["signature"] for g in stored}
     smallest = min((g["bytes"] for g in stored), default=0)
     kept: List[Group] = []
-    rest: Dict[str, List[int]] = {}
-    for g in head.groups:
+    rest: Dict[str, List[Group]] = {}
+    for g in groups:
         if g.signature in signatures or g.bytes >= smallest:
             kept.append(g)
         else:
-            slot = rest.setdefault(g.category or "other", [0, 0])
-            slot[0] += g.count
-            slot[1] += g.bytes
-    groups = kept + [_rest_group(c, n, size) for c, (n, size) in rest.items()]
-    return replace(head, groups=sorted(groups, key=lambda g: (-g.bytes, g.signature)))
+            rest.setdefault(g.category or "other", []).append(g)
+    pooled = kept + [_rest_group(c, sum(g.count for g in gs), sum(g.bytes for g in gs)) for c, gs in rest.items()]
+    return sorted(pooled, key=lambda g: (-g.bytes, g.signature))
 
 
 def comparable_pair(path: str, baseline: Baseline, head: Summary) -> Tuple[Summary, Summary]:
@@ -234,6 +268,6 @@ def comparable_pair(path: str, baseline: Baseline, head: Summary) -> Tuple[Summa
         raise InputError(path, f"the baseline has devices {clip(str(want))} and the run has {clip(str(have))}: "
                                f"they cannot be gated against each other; re-create the baseline with "
                                f"`memdiff baseline`")
-    stored = {d["device"]: d["groups"] for d in baseline.devices}
+    stored = {d["device"]: d for d in baseline.devices}
     pooled = replace(head, devices=[_pooled(d, stored[d.device]) for d in head.devices])
     return _stored_summary(baseline), pooled

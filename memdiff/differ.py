@@ -25,7 +25,7 @@ from memdiff.classify import PERSISTENT
 from memdiff.errors import InputError
 from memdiff.frames import PROFILER_MODULE
 from memdiff.lifetimes import BACKWARD, FORWARD, OPTIMIZER
-from memdiff.model import DeviceSummary, Frame, Group, Source, Summary
+from memdiff.model import DeviceSummary, Frame, Group, Moment, Source, Summary
 
 SITE_CALLERS = 2
 EVENT_RATIO_WARNING = 2.0
@@ -428,11 +428,17 @@ def _warnings(base: Summary, head: Summary, devices: Sequence[DeviceDiff] = ()) 
     base_devices = {b.device: b for b in base.devices}
     for d in devices:
         if d.at == PEAK and d.base_peak_phase and d.head_peak_phase and d.base_peak_phase != d.head_peak_phase:
-            # A baseline keeps each phase's peak bytes but not what was live then: --at cannot
-            # align its rows, the phase table still compares like with like.
+            # The gate has no --at: against a baseline the report's like-for-like view (when the
+            # baseline keeps the phase's groups) and the phase table compare like with like.
             at_phase = base_devices[d.device].at(d.head_peak_phase) if d.device in base_devices else None
-            advice = (f"--at {d.head_peak_phase}" if at_phase is not None and at_phase[1]
-                      else "the phase peaks below, or the gate's --phase-fail-over")
+            if base.source.container == "baseline":
+                advice = ("the phase peaks below" + (", the like-for-like view of the markdown and HTML reports"
+                                                     if at_phase is not None and at_phase.groups else "")
+                          + ", or the gate's --phase-fail-over")
+            elif at_phase is not None and at_phase.groups:
+                advice = f"--at {d.head_peak_phase}"
+            else:
+                advice = "the phase peaks below"
             out.append(f"device {d.device}: the peaks are in different phases: base in "
                        f"{where_text(d.base_peak_phase, d.base_peak_step)}, head in "
                        f"{where_text(d.head_peak_phase, d.head_peak_step)}; rows compare different moments "
@@ -457,7 +463,7 @@ def _kept(rows: Sequence[DiffRow]) -> Optional[Kept]:
     return Kept(sum(r.base_earlier_bytes for r in leaky), sum(r.head_earlier_bytes for r in leaky), grew)
 
 
-def _moment(d: DeviceSummary, at: str, role: str) -> Tuple[int, List[Group], Dict[str, int]]:
+def _moment(d: DeviceSummary, at: str, role: str) -> Moment:
     found = d.at(at)
     if found is None:
         have = ", ".join(p.phase for p in d.phase_peaks) or "none (a summary or baseline without phases)"
@@ -466,13 +472,13 @@ def _moment(d: DeviceSummary, at: str, role: str) -> Tuple[int, List[Group], Dic
 
 
 def _device_diff(b: DeviceSummary, h: DeviceSummary, at: str) -> DeviceDiff:
-    b_peak, b_groups, b_categories = _moment(b, at, "base")
-    h_peak, h_groups, h_categories = _moment(h, at, "head")
-    rows = align(b_groups, h_groups)
+    b_at, h_at = _moment(b, at, "base"), _moment(h, at, "head")
+    rows = align(b_at.groups, h_at.groups)
     return DeviceDiff(
-        device=b.device, base_peak_bytes=b_peak, head_peak_bytes=h_peak, peak_delta_bytes=h_peak - b_peak,
-        base_static_bytes=b.static_bytes, head_static_bytes=h.static_bytes, rows=rows,
-        categories=_categories(b_categories, h_categories), chart=_chart(b, h), at=at,
+        device=b.device, base_peak_bytes=b_at.peak_bytes, head_peak_bytes=h_at.peak_bytes,
+        peak_delta_bytes=h_at.peak_bytes - b_at.peak_bytes, base_static_bytes=b.static_bytes,
+        head_static_bytes=h.static_bytes, rows=rows, categories=_categories(b_at.categories, h_at.categories),
+        chart=_chart(b, h), at=at,
         base_peak_phase=b.phase_at_peak, head_peak_phase=h.phase_at_peak, base_peak_step=b.step_at_peak,
         head_peak_step=h.step_at_peak, base_peak_scope=b.scope_at_peak, head_peak_scope=h.scope_at_peak,
         phases=_phases(b, h), kept=_kept(rows), category_highs=_category_highs(b, h))

@@ -8,7 +8,7 @@ whenever a field changes meaning or disappears.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional
 
 SCHEMA_VERSION = 2
 # Summaries of these versions can still be read (fields added since then take their defaults).
@@ -107,6 +107,15 @@ class History:
 
 
 @dataclass
+class Moment:
+    """One moment of a device's trace (its peak, or a phase's): the bytes then and what held them."""
+
+    peak_bytes: int
+    groups: List[Group]
+    categories: Dict[str, int]
+
+
+@dataclass
 class DeviceSummary:
     """Peak accounting for one device, following the rules in snapshot-format.md."""
 
@@ -131,21 +140,24 @@ class DeviceSummary:
     scope_at_peak: Optional[str] = None
     bytes_by_scope: Dict[str, int] = field(default_factory=dict)
     bytes_by_compile_context: Dict[str, int] = field(default_factory=dict)
+    # Live at the peak by the user's own labels: an allocation's `user_metadata` and the
+    # `annotate` entries attached to it since (torch's _set_memory_metadata, _annotate_tensor).
+    bytes_by_label: Dict[str, int] = field(default_factory=dict)
     steps: List[Step] = field(default_factory=list)
     step_at_peak: Optional[int] = None
     phase_peaks: List[PhasePeak] = field(default_factory=list)
     history: Optional[History] = None  # only when asked for (the HTML report): it reads every allocation
 
-    def at(self, phase: Optional[str]) -> Optional[Tuple[int, List[Group], Dict[str, int]]]:
-        """(peak bytes, groups, categories) at the peak of `phase` (None or "peak": the device's
-        peak); None when the trace has no such phase."""
+    def at(self, phase: Optional[str]) -> Optional["Moment"]:
+        """What was live at the peak of `phase` (None or "peak": the device's peak); None when
+        the trace has no such phase."""
         if phase in (None, "peak"):
-            return self.peak_bytes, self.groups, self.categories
+            return Moment(self.peak_bytes, self.groups, self.categories)
         for p in self.phase_peaks:
             if p.phase == phase:
                 if p.groups is None:
-                    return self.peak_bytes, self.groups, self.categories
-                return p.peak_bytes, p.groups, p.categories
+                    return Moment(self.peak_bytes, self.groups, self.categories)
+                return Moment(p.peak_bytes, p.groups, p.categories)
         return None
 
     @classmethod

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import bisect
 from array import array
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Set, Tuple
 
 import numpy as np
@@ -70,6 +70,18 @@ class _Live:
     lifetime: Lifetime = LIFETIMES[0]  # filled in for all items at once
 
 
+@dataclass
+class _Slot:
+    """The live allocations of one stack and lifetime, gathered into a group."""
+
+    stack: Stack
+    lifetime: Lifetime
+    count: int = 0
+    bytes: int = 0
+    earlier_bytes: int = 0  # allocated in a step before the peak's
+    allocations: List[Tuple[int, int, int]] = field(default_factory=list)  # (first event, end event, bytes)
+
+
 # compile_context values that mean "not compiled"
 NO_COMPILE_CONTEXT = ("", "N/A", None)
 
@@ -89,6 +101,7 @@ class _Walk:
         self.unmatched = unmatched = array("q")  # free_completed events with no open allocation
         self.open_at_end: Dict[int, int] = {}  # address -> alloc event index
         self.ooms: List[int] = []
+        self.annotations: List[int] = []  # `annotate` events: a label attached to a live allocation
         # Profiler-route re-versions: alloc event -> the alloc it continues (>= 0), or -(f + 1)
         # for an unmatched free f; and free event -> the alloc that continues it.
         self.version_of: Dict[int, int] = {}
@@ -125,6 +138,8 @@ class _Walk:
                     last_free = i
                 elif action == "oom":
                     self.ooms.append(i)
+                elif action == "annotate":
+                    self.annotations.append(i)
         except KeyError as exc:
             raise InputError(path, f"device_traces[{device}][{i}]: missing {exc}") from None
         except (TypeError, AttributeError, OverflowError) as exc:
@@ -320,21 +335,23 @@ def _live_at(walk: _Walk, trace: List[Dict[str, Any]], p: int, dump_only: List[T
         if first is None:
             assert unmatched is not None  # origin() gives one of the two
             frames = stand_ins.get(unmatched) or trace[unmatched].get("frames")
-            items.append(_Live(frames, trace[j]["size"], True, True, None, -1, end, False, j == p,
-                               unmatched in stand_ins, guessed=not frames and unmatched not in weights and end >= n))
+            items.append(_Live(frames, trace[j]["size"], freed=True, before_trace=True, entry=None, born_event=-1,
+                               end_event=end, earlier=False, reached_peak=j == p, updated=unmatched in stand_ins,
+                               guessed=not frames and unmatched not in weights and end >= n))
             continue
         step = timeline.step_index_at(first)
         # A scalar (the previous step's loss, waiting to be replaced) holds nothing worth a leak
         # line; a graph it keeps alive is counted by its own allocations.
         earlier = (peak_step is not None and step is not None and step < peak_step
                    and trace[j]["size"] > SCALAR_BYTES)
-        items.append(_Live(trace[first].get("frames"), trace[j]["size"], False, False, trace[first], first, end,
-                           earlier, j == p))
+        items.append(_Live(trace[first].get("frames"), trace[j]["size"], freed=False, before_trace=False,
+                           entry=trace[first], born_event=first, end_event=end, earlier=earlier, reached_peak=j == p))
     for i in walk.unmatched[bisect.bisect_right(walk.unmatched, p):]:
         e = trace[i]
-        items.append(_Live(stand_ins.get(i) or e.get("frames"), e["size"], True, True, None, -1, walk.end(i), False,
-                           updated=i in stand_ins))
-    items.extend(_Live(frames, size, False, True, None, -1, n, False, guessed=not frames) for size, frames in dump_only)
+        items.append(_Live(stand_ins.get(i) or e.get("frames"), e["size"], freed=True, before_trace=True, entry=None,
+                           born_event=-1, end_event=walk.end(i), earlier=False, updated=i in stand_ins))
+    items.extend(_Live(frames, size, freed=False, before_trace=True, entry=None, born_event=-1, end_event=n,
+                       earlier=False, guessed=not frames) for size, frames in dump_only)
     codes = timeline.lifetime_codes(np.array([item.born_event for item in items], dtype=np.int64),
                                     np.array([item.end_event for item in items], dtype=np.int64), n)
     for item, code in zip(items, codes.tolist()):
@@ -493,6 +510,7 @@ def _device_summary(snapshot: Snapshot, device: int, stacks: StackNormalizer,
         if context not in NO_COMPILE_CONTEXT:
             name = context[:200] if isinstance(context, str) else brief(context)
             by_context[name] = by_context.get(name, 0) + size
+    by_label = _labels(trace, walk.annotations, live_items, peak_index)
     times = [_time(path, device, trace, 0), _time(path, device, trace, len(trace) - 1)] if trace else [None, None]
     history = None
     if history_rules is not None:
@@ -531,8 +549,44 @@ def _device_summary(snapshot: Snapshot, device: int, stacks: StackNormalizer,
         phase_peaks=phase_peaks,
         bytes_by_scope=largest_first(by_scope),
         bytes_by_compile_context=largest_first(by_context),
+        bytes_by_label=largest_first(by_label),
         history=history,
     )
+
+
+MAX_LABEL = 200  # characters of a user's label kept
+
+
+def _label(value: Any) -> Optional[str]:
+    """A user's label as shown: a non-empty string, clipped; anything else described briefly."""
+    if value is None or value == "":
+        return None
+    return value[:MAX_LABEL] if isinstance(value, str) else brief(value)
+
+
+def _labels(trace: List[Dict[str, Any]], annotations: Sequence[int], items: Sequence[_Live],
+            peak_index: Optional[int]) -> Dict[str, int]:
+    """Bytes live at the peak by the user's labels: the allocation's `user_metadata`, then the
+    annotations attached to its address between its allocation and the peak. Annotations add to
+    what an allocation was made with; they never allocate or free (the counts are unchanged)."""
+    attached: Dict[Any, List[Tuple[int, str]]] = {}
+    for i in annotations:
+        if peak_index is None or i > peak_index:
+            break
+        label = _label(trace[i].get("user_metadata"))
+        if label is not None:
+            attached.setdefault(trace[i].get("addr"), []).append((i, label))
+    out: Dict[str, int] = {}
+    for item in items:
+        e = item.entry
+        if e is None:
+            continue
+        labels = [x for x in [_label(e.get("user_metadata"))] if x is not None]
+        labels += [label for i, label in attached.get(e.get("addr"), []) if i > item.born_event]
+        if labels:
+            key = " + ".join(labels)[:MAX_LABEL]
+            out[key] = out.get(key, 0) + item.size
+    return out
 
 
 def _time(path: str, device: int, trace: List[Dict[str, Any]], i: int) -> Optional[int]:
@@ -570,7 +624,7 @@ def _group(path: str, items: List[_Live], stacks: StackNormalizer
     """Groups of the live allocations by stack signature and lifetime, largest first, the
     signature of the group holding the allocation that reached the peak, and per group the
     (first event, end event, bytes) of each of its allocations."""
-    by_key: Dict[Tuple[str, Lifetime], List[Any]] = {}
+    by_key: Dict[Tuple[str, Lifetime], _Slot] = {}
     peak_key = None
     for item in items:
         try:
@@ -583,18 +637,18 @@ def _group(path: str, items: List[_Live], stacks: StackNormalizer
         if slot is None:
             if item.updated and stack.site.startswith(FREED_PREFIX):
                 stack = replace(stack, site=UPDATED_PREFIX + stack.site[len(FREED_PREFIX):])
-            slot = by_key[key] = [stack, item.lifetime, 0, 0, 0, []]
-        slot[5].append((item.born_event, item.end_event, item.size))
-        slot[2] += 1
-        slot[3] += item.size
-        slot[4] += item.size if item.earlier else 0
+            slot = by_key[key] = _Slot(stack, item.lifetime)
+        slot.allocations.append((item.born_event, item.end_event, item.size))
+        slot.count += 1
+        slot.bytes += item.size
+        slot.earlier_bytes += item.size if item.earlier else 0
         if item.reached_peak:
             peak_key = key
-    slots = sorted(by_key.items(), key=lambda kv: (-kv[1][3], kv[1][0].signature, kv[1][1].key()))
+    slots = sorted(by_key.items(), key=lambda kv: (-kv[1].bytes, kv[1].stack.signature, kv[1].lifetime.key()))
     kept = len(slots)
     frames_left = MAX_GROUP_FRAMES
     for k, (_, slot) in enumerate(slots):
-        frames_left -= len(slot[0].frames)
+        frames_left -= len(slot.stack.frames)
         if k == MAX_GROUPS or frames_left < 0:
             kept = k
             break
@@ -603,30 +657,32 @@ def _group(path: str, items: List[_Live], stacks: StackNormalizer
     groups = []
     peak_signature = None
     spans = {}
-    for key, (stack, lifetime, count, size, earlier, allocations) in slots:
-        signature = signature_of([stack.signature, lifetime.key()])
-        spans[signature] = allocations
+    for key, slot in slots:
+        signature = signature_of([slot.stack.signature, slot.lifetime.key()])
+        spans[signature] = slot.allocations
         if key == peak_key:
             peak_signature = signature
-        groups.append(Group(signature=signature, site=stack.site, frames=list(stack.frames), count=count,
-                            bytes=size, lifetime=lifetime.to_dict(), bytes_from_earlier_steps=earlier))
+        groups.append(Group(signature=signature, site=slot.stack.site, frames=list(slot.stack.frames),
+                            count=slot.count, bytes=slot.bytes, lifetime=slot.lifetime.to_dict(),
+                            bytes_from_earlier_steps=slot.earlier_bytes))
     groups += _folded(folded, spans)
     groups.sort(key=lambda g: (-g.bytes, g.signature))
     return groups, peak_signature, spans
 
 
-def _folded(slots: List[List[Any]], spans: Dict[str, List[Tuple[int, int, int]]]) -> List[Group]:
+def _folded(slots: List[_Slot], spans: Dict[str, List[Tuple[int, int, int]]]) -> List[Group]:
     """One group per lifetime for the groups past MAX_GROUPS: no frames, so classified by lifetime."""
-    by_lifetime: Dict[Lifetime, List[List[Any]]] = {}
+    by_lifetime: Dict[Lifetime, List[_Slot]] = {}
     for slot in slots:
-        by_lifetime.setdefault(slot[1], []).append(slot)
+        by_lifetime.setdefault(slot.lifetime, []).append(slot)
     groups = []
     for lifetime, members in by_lifetime.items():
         signature = signature_of(["folded", lifetime.key()])
-        spans[signature] = [a for m in members for a in m[5]]
+        spans[signature] = [a for m in members for a in m.allocations]
         groups.append(Group(signature=signature, site=FOLDED.format(len(members)), frames=[],
-                            count=sum(m[2] for m in members), bytes=sum(m[3] for m in members),
-                            lifetime=lifetime.to_dict(), bytes_from_earlier_steps=sum(m[4] for m in members)))
+                            count=sum(m.count for m in members), bytes=sum(m.bytes for m in members),
+                            lifetime=lifetime.to_dict(),
+                            bytes_from_earlier_steps=sum(m.earlier_bytes for m in members)))
     return groups
 
 

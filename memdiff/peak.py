@@ -8,8 +8,9 @@ from typing import Dict, List, Optional, Tuple
 from memdiff.classify import PERSISTENT
 from memdiff.errors import InputError
 from memdiff.lifetimes import BACKWARD, FORWARD, OPTIMIZER, OTHER
-from memdiff.model import DeviceSummary, Frame, Group, Summary
-from memdiff.units import count_of
+from memdiff.model import DeviceSummary, Frame, Summary
+from memdiff.report import kept_text
+from memdiff.units import count_of, format_bytes
 
 PHASE_COLUMNS = (FORWARD, BACKWARD, OPTIMIZER, OTHER)
 # Steps shown in the per-phase table: all up to this many, else the first, the last and
@@ -43,14 +44,6 @@ class StepRow:
 
 
 @dataclass
-class Kept:
-    """Memory live at the peak that was allocated in an earlier step and is not expected to be."""
-
-    bytes: int
-    groups: List[Group]
-
-
-@dataclass
 class DevicePeak:
     """A device's summary with its table ready to show."""
 
@@ -61,8 +54,9 @@ class DevicePeak:
     categories: List[Tuple[str, int, float]]
     scopes: List[Tuple[str, int, float]]
     compile_contexts: List[Tuple[str, int, float]]
+    labels: List[Tuple[str, int, float]]  # the user's labels (user_metadata, annotations)
     steps: List[StepRow]
-    kept: Optional[Kept]
+    kept: Optional[str]  # memory kept from earlier steps, in words
 
 
 def _share(part: int, whole: int) -> float:
@@ -88,20 +82,24 @@ def device_peak(device: DeviceSummary, top: Optional[int]) -> DevicePeak:
                     _share(sum(g.bytes for g in groups), device.peak_bytes),
                     f"{count_of(len(groups), 'group')} live at the peak", [])
     reached_by = next((g.site for g in groups if g.signature == device.peak_event_signature), None)
-    return DevicePeak(device, reached_by, rows, total, _shares(device.categories, device.peak_bytes),
-                      _shares(device.bytes_by_scope, device.peak_bytes),
-                      _shares(device.bytes_by_compile_context, device.peak_bytes),
-                      step_rows(device), kept_from_earlier_steps(device))
+    return DevicePeak(device=device, reached_by=reached_by, rows=rows, total=total,
+                      categories=_shares(device.categories, device.peak_bytes),
+                      scopes=_shares(device.bytes_by_scope, device.peak_bytes),
+                      compile_contexts=_shares(device.bytes_by_compile_context, device.peak_bytes),
+                      labels=_shares(device.bytes_by_label, device.peak_bytes),
+                      steps=step_rows(device), kept=kept_from_earlier_steps(device))
 
 
-def kept_from_earlier_steps(device: DeviceSummary) -> Optional[Kept]:
-    """Groups holding bytes from earlier steps outside the categories that live across steps
-    (parameters, gradients, optimizer state), largest first; None when there are none."""
+def kept_from_earlier_steps(device: DeviceSummary) -> Optional[str]:
+    """The groups holding bytes from earlier steps outside the categories that live across steps
+    (parameters, gradients, optimizer state), largest first, in the diff's words; None when there
+    are none."""
     groups = sorted((g for g in device.groups if g.bytes_from_earlier_steps and g.category not in PERSISTENT),
                     key=lambda g: -g.bytes_from_earlier_steps)
     if not groups:
         return None
-    return Kept(sum(g.bytes_from_earlier_steps for g in groups), groups)
+    return kept_text(f"{format_bytes(sum(g.bytes_from_earlier_steps for g in groups))} live at the peak",
+                     [f"{g.category}: {g.site} {format_bytes(g.bytes_from_earlier_steps)}" for g in groups])
 
 
 def step_rows(device: DeviceSummary) -> List[StepRow]:

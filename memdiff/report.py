@@ -29,7 +29,8 @@ from memdiff.differ import (
 )
 from memdiff.errors import InputError
 from memdiff.job import ranges, ranks_text
-from memdiff.judge import DEFAULT_PEAK, Check, Thresholds, Verdict, growth_pct, judge, judge_ranks
+from memdiff.judge import Check, Runs, Verdict, growth_pct, judge, judge_ranks
+from memdiff.limits import DEFAULT_PEAK, Thresholds
 from memdiff.model import Frame, Source, Summary
 from memdiff.units import count_of, format_bytes
 
@@ -190,7 +191,6 @@ class JobPart:
 class Report:
     """Everything any output of one comparison shows (a run's, or a job's: its worst rank in full)."""
 
-    kind: str  # "diff" or "gate"
     verdict: Optional[Verdict]  # None: compared, not judged (the API's `diff`)
     headline: str
     inputs: List["Input"]  # base's, then head's
@@ -272,7 +272,6 @@ class Settings:
     at: str = PEAK
     top: int = DEFAULT_TOP
     min_delta: int = 0
-    kind: str = "diff"
     update_hint: Optional[str] = None  # the command that refreshes a baseline, for a peak that went down
     base_label: Optional[str] = None
     head_label: Optional[str] = None
@@ -298,7 +297,8 @@ def compare(base: Sequence[Run], head: Sequence[Run], settings: Optional[Setting
     results = []
     for rank in common:
         result = diff(b[rank], h[rank], at=s.at)
-        verdict = judge(result, s.thresholds, s.update_hint) if s.thresholds is not None else None
+        verdict = (judge(result, s.thresholds, s.update_hint, Runs(b[rank], h[rank])) if s.thresholds is not None
+                   else None)
         results.append(RankResult(rank, result, verdict, b[rank], h[rank]))
     if not is_job:
         return _report(s, results[0].verdict, results, None)
@@ -347,7 +347,7 @@ def _report(s: Settings, verdict: Optional[Verdict], results: List[RankResult], 
     headline = _headline(devices)
     if job is not None:
         headline = f"rank {job.worst_rank} (of {len(results):,}): {headline}"
-    return Report(kind=s.kind, verdict=verdict, headline=headline,
+    return Report(verdict=verdict, headline=headline,
                   inputs=[_input("base", shown.diff.base), _input("head", shown.diff.head)],
                   base_label=s.base_label, head_label=s.head_label, warnings=warnings, devices=devices,
                   check_lines=[CheckLine(c.passed, check_line(c)) for c in (verdict.checks if verdict else [])
@@ -369,15 +369,19 @@ def _input(role: str, source: Source) -> Input:
 
 
 def _like_for_like(d: DeviceDiff, base: Summary, head: Summary) -> Optional[DeviceDiff]:
-    """The device compared at the head's peak phase in both runs, when the peaks are in different
-    phases and both runs keep what was live then (a baseline keeps only its peak's groups)."""
-    phase = d.head_peak_phase
-    if d.at != PEAK or not phase or not d.base_peak_phase or phase == d.base_peak_phase:
+    """When the peaks are in different phases, the device compared at one phase's peak in both
+    runs: the phase that made the change, the head's peak phase when the peak grew (it rose past
+    the old peak), the base's when it went down (it fell below the new one). None when a run
+    does not keep what was live then (a baseline made before phase groups)."""
+    if d.at != PEAK or not d.head_peak_phase or not d.base_peak_phase or d.head_peak_phase == d.base_peak_phase:
         return None
+    phase = d.head_peak_phase if d.peak_delta_bytes >= 0 else d.base_peak_phase
     b = next((x for x in base.devices if x.device == d.device), None)
     h = next((x for x in head.devices if x.device == d.device), None)
-    if b is None or h is None or not (b.at(phase) or (0, [], {}))[1] or h.at(phase) is None:
+    b_at, h_at = (b.at(phase) if b else None), (h.at(phase) if h else None)
+    if b_at is None or h_at is None or not b_at.groups:
         return None
+    assert b is not None and h is not None  # each has a moment
     pair = diff(replace(base, devices=[b]), replace(head, devices=[h]), at=phase)
     return pair.devices[0]
 
@@ -465,11 +469,17 @@ def _kept(d: DeviceDiff) -> Optional[str]:
     k = d.kept
     if k is None or k.head_bytes <= k.base_bytes:
         return None
-    named = ", ".join(f"{r.category}: {r.label or r.site} "
-                      f"{format_bytes(r.head_earlier_bytes - r.base_earlier_bytes, signed=True)}"
-                      for r in k.rows[:KEPT_SITES])
-    return (f"kept from earlier steps (not parameters, gradients or optimizer state): "
-            f"{format_bytes(k.base_bytes)} -> {format_bytes(k.head_bytes)} ({named})")
+    return kept_text(f"{format_bytes(k.base_bytes)} -> {format_bytes(k.head_bytes)}",
+                     [f"{r.category}: {r.label or r.site} "
+                      f"{format_bytes(r.head_earlier_bytes - r.base_earlier_bytes, signed=True)}" for r in k.rows])
+
+
+def kept_text(amount: str, sites: Sequence[str]) -> str:
+    """The one wording of memory kept from earlier steps, in a run's peak report and in a diff:
+    `kept from earlier steps (not parameters, gradients or optimizer state): AMOUNT (SITE, ...)`."""
+    more = f" and {len(sites) - KEPT_SITES:,} more" if len(sites) > KEPT_SITES else ""
+    return (f"kept from earlier steps (not parameters, gradients or optimizer state): {amount} "
+            f"({', '.join(sites[:KEPT_SITES])}{more})")
 
 
 # --- the headline ----------------------------------------------------------------------------
@@ -518,14 +528,14 @@ def _device_headline(r: DeviceReport) -> str:
         # Rows at two different moments explain nothing: name the cause at the head's peak phase in both.
         cause = _cause(r.like_for_like.diff, sign)
         if cause:
-            text += f": at the {d.head_peak_phase} peak of both, {cause}"
+            text += f": at the {r.like_for_like.diff.at} peak of both, {cause}"
     else:
         cause = _cause(d, sign) if d.peak_delta_bytes else None
         if cause:
             text += f": {cause}"
     if not cause and not d.peak_delta_bytes and not any(x.delta_bytes for x in d.rows):
         text += "; no group changed"
-    text += _phase_tail(d, d.head_peak_phase if moved else None)
+    text += _phase_tail(d, r.like_for_like.diff.at if moved and r.like_for_like else None)
     if r.kept:
         k = d.kept
         assert k is not None  # a kept line is written only from kept memory

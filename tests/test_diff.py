@@ -8,13 +8,13 @@ import pickle
 from typing import Any, Dict, List
 
 import pytest
-
 from conftest import alloc, py_frames
+
 from memdiff.classify import load_rules
 from memdiff.cli import main
 from memdiff.differ import BY_SITE, GONE, GREW, NEW, SAME, SHRANK, diff
-from memdiff.judge import Limit, Thresholds
 from memdiff.inputs import read_summary
+from memdiff.limits import Limit, Thresholds
 from memdiff.load import decode
 
 

@@ -199,3 +199,34 @@ def test_frames_are_normalized_once_per_distinct_frames_list(write_snapshot, mon
     d = summary_of(write_snapshot, {"segments": [], "device_traces": [trace]}).devices[0]
     assert by_site(d) == {"model.py:backward_hook": (500, 10_000), "model.py:forward": (500, 5_000)}
     assert len(calls) == 2
+
+
+def test_user_labels_and_annotations_are_shown_and_change_no_count(write_snapshot, capsys):
+    # torch 2.10+ writes `user_metadata` on trace entries (_set_memory_metadata), 2.14+ `annotate`
+    # entries (_annotate_tensor): a label attached to a live allocation, never an allocation.
+    from memdiff.cli import main
+
+    def trace(annotated: bool):
+        entries = [alloc(4096, 1024, user_metadata="comm-buffers"),
+                   alloc(8192, 2048, user_metadata=""),
+                   alloc(12288, 512, user_metadata={"pool": 1})]
+        if annotated:
+            entries += [{"action": "annotate", "addr": 4096, "size": 1024, "stream": 0,
+                         "user_metadata": "saved for backward"},
+                        {"action": "annotate", "addr": 99, "size": 0, "stream": 0, "user_metadata": "x" * 10**6}]
+        entries += [alloc(16384, 256), free(16384, 256)]
+        if annotated:  # after the peak: not shown at it
+            entries.append({"action": "annotate", "addr": 8192, "size": 2048, "stream": 0, "user_metadata": "late"})
+        return {"segments": [], "device_traces": [entries]}
+
+    plain = summarize(load(write_snapshot(trace(False), "plain.pickle"))).devices[0]
+    labelled = summarize(load(write_snapshot(trace(True), "labelled.pickle"))).devices[0]
+    for key in ("peak_bytes", "static_bytes", "unmatched_free_count", "allocated_bytes_at_dump"):
+        assert getattr(labelled, key) == getattr(plain, key)
+    assert [(g.count, g.bytes) for g in labelled.groups] == [(g.count, g.bytes) for g in plain.groups]
+    # The empty label is none; one that is not a string is described, not trusted; one after the
+    # peak is not shown at it.
+    assert labelled.bytes_by_label == {"comm-buffers + saved for backward": 1024, "dict of 1 items": 512}
+    assert main(["peak", write_snapshot(trace(True), "labelled.pickle")]) == 0
+    out = capsys.readouterr().out
+    assert "label (user_metadata, annotations)" in out and "comm-buffers + saved for backward" in out

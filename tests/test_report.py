@@ -30,7 +30,7 @@ def test_the_headline_names_the_moved_peak_and_its_cause_like_for_like(shared, c
     rules = load_rules()
     b, h = read_summary(str(base), rules), read_summary(str(head), rules)
     fwd_b, fwd_h = b.devices[0].at("forward"), h.devices[0].at("forward")
-    act = fwd_h[2]["activation"] - fwd_b[2]["activation"]
+    act = fwd_h.categories["activation"] - fwd_b.categories["activation"]
     assert headline.startswith(f"peak +{format_bytes(h.devices[0].peak_bytes - b.devices[0].peak_bytes)[:-4]}")
     assert "now in the forward (it was in the optimizer step)" in headline
     assert f"at the forward peak of both, activation {format_bytes(act, signed=True)}" in headline
@@ -50,6 +50,18 @@ def test_every_output_opens_with_the_same_headline(shared, capsys, tmp_path):
     _out(capsys, base, head, "--html", page)
     found = re.search(r'<p class="headline">(.*?)</p>', page.read_text())
     assert found and found.group(1) == headline.replace("<", "&lt;").replace(">", "&gt;")
+    # The comparison the warning asks for is one click away on the page.
+    assert ('<details class="like-for-like"><summary>Compare like with like: device 0: forward peak 6.42 GiB -&gt; '
+            '8.48 GiB (+2.05 GiB, +32.0%)') in page.read_text()
+
+
+def test_a_peak_that_went_down_is_explained_where_it_went_down(shared, capsys):
+    # ctx256 -> ctx128: the peak leaves the forward for the optimizer step. The forward is what
+    # shrank, so the cause is read at the forward peak of both, not at the new peak.
+    doc = json.loads(_out(capsys, shared / CTX256, shared / CTX128, "--format", "json"))
+    assert doc["verdict"] == "pass"
+    assert doc["headline"].startswith("peak -1.95 GiB (-23.0%), now in the optimizer step (it was in the forward): "
+                                      "at the forward peak of both, activation -2.05 GiB (-55.0%)")
 
 
 def test_the_api_returns_the_cli_documents(shared, tmp_path, capsys):

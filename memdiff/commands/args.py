@@ -10,8 +10,8 @@ from typing import TYPE_CHECKING, Dict, List, Optional, Sequence
 from memdiff.classify import Rule, check_categories, load_rules
 from memdiff.errors import InputError
 from memdiff.job import Job, discover
-from memdiff.judge import Limit, Thresholds, parse_limit, parse_pct, thresholds_over
 from memdiff.lifetimes import BACKWARD, FORWARD, OPTIMIZER
+from memdiff.limits import Limit, Thresholds, parse_limit, parse_pct, thresholds_over
 from memdiff.units import parse_size
 
 if TYPE_CHECKING:

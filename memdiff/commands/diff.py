@@ -23,7 +23,7 @@ from memdiff.differ import MOMENTS, PEAK
 from memdiff.errors import EXIT_OK, EXIT_REGRESSION, InputError
 from memdiff.inputs import read_summaries
 from memdiff.job import is_job, summarize_ranks
-from memdiff.judge import Limit, Thresholds
+from memdiff.limits import Limit, Thresholds
 from memdiff.render import html as render_html
 from memdiff.render import render
 from memdiff.report import Report, Run, Settings, compare

@@ -99,10 +99,8 @@ def _gate(args: argparse.Namespace, snap: str, path: str, baseline: Baseline, ru
     A rank the baseline has and the run lacks fails the gate (a crashed rank must not pass); a
     rank the baseline lacks is not gated, as a run without a baseline is."""
     thresholds = thresholds_from(args, rules, baseline.thresholds, path)
-    sha = baseline.source.get("git_sha")
-    settings = Settings(thresholds=thresholds, top=args.top, min_delta=args.min_delta, kind="gate",
-                        update_hint=f"memdiff baseline {snap} -o {path}",
-                        base_label=f"baseline {baseline.name}" + (f" @ {sha[:12]}" if sha else ""),
+    settings = Settings(thresholds=thresholds, top=args.top, min_delta=args.min_delta,
+                        update_hint=f"memdiff baseline {snap} -o {path}", base_label=baseline.label(),
                         run=snap, baseline=path, missing_ranks_fail=not args.allow_missing_ranks,
                         unbaselined_ranks_fail=args.require_baseline)
     if not is_job(snap):

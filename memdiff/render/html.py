@@ -20,6 +20,7 @@ from dataclasses import asdict
 from importlib import resources
 from typing import Any, Dict, List, Optional, Sequence
 
+from memdiff.differ import where_text
 from memdiff.model import DeviceSummary, Frame, Summary
 from memdiff.peak import DevicePeak, PeakRow
 from memdiff.render.table import row_table
@@ -113,7 +114,7 @@ def _laid(t: Table, attrs: Sequence[str] = ()) -> str:
 def _diff_rows(d: DeviceReport, marked: bool = True) -> str:
     """The row table; `marked` rows carry what the script needs to show their stacks."""
     attrs = [f' class="row {r.row.status}" tabindex="0" data-device="{d.device}" data-row="r{k}"' if marked
-             else f' class="row {r.row.status}"' for k, r in enumerate(d.rows)]
+             else f' class="{r.row.status}"' for k, r in enumerate(d.rows)]
     attrs += [""] * (d.others is not None) + [' class="total"']
     return _laid(row_table(d), attrs)
 
@@ -202,8 +203,7 @@ def render_peak(summary: Summary, peaks: List[DevicePeak]) -> str:
     devices = []
     for p in peaks:
         d = p.device
-        where = f", {d.phase_at_peak}" + (f" of step {d.step_at_peak}" if d.step_at_peak is not None else "") \
-            if d.phase_at_peak else ""
+        where = f", in {where_text(d.phase_at_peak, d.step_at_peak)}" if d.phase_at_peak else ""
         body.append(f"<h2>device {d.device}: peak {html.escape(format_bytes(d.peak_bytes))}{html.escape(where)}; "
                     f"static {html.escape(format_bytes(d.static_bytes))}</h2>")
         body.append(_charts(d.device))

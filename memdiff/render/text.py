@@ -7,9 +7,9 @@ from typing import List, Optional
 
 from tabulate import tabulate
 
-from memdiff.differ import overflow_text
+from memdiff.differ import overflow_text, where_text
 from memdiff.model import Summary
-from memdiff.peak import PHASE_COLUMNS, DevicePeak, Kept, PeakRow, StepRow
+from memdiff.peak import PHASE_COLUMNS, DevicePeak, PeakRow, StepRow
 from memdiff.render.table import layout, row_table
 from memdiff.report import DeviceReport, Report, frame_line
 from memdiff.units import count_of, format_bytes
@@ -44,8 +44,7 @@ def _device_block(p: DevicePeak) -> List[str]:
     if p.reached_by:
         facts.append(("reached by", "", p.reached_by))
     if d.phase_at_peak:
-        step = f", step {d.step_at_peak}" if d.step_at_peak is not None else ""
-        facts.append(("phase", "", f"{d.phase_at_peak}{step}"))
+        facts.append(("peak in", "", where_text(d.phase_at_peak, d.step_at_peak)))
     if d.scope_at_peak:
         facts.append(("scope", "", f"{d.scope_at_peak} (record_function scope open at the peak)"))
     facts.append(("static", format_bytes(d.static_bytes), "live before the trace began, counted from its start"))
@@ -61,13 +60,14 @@ def _device_block(p: DevicePeak) -> List[str]:
             f"max_entries to see their stacks."
         )
     if p.kept:
-        out.append(leak_line(p.kept))
+        out.append(p.kept)
     for o in d.oom_events:
         free = format_bytes(o.device_free_bytes) if o.device_free_bytes is not None else "unknown"
         out.append(f"OOM at event {o.event_index:,}: asked for {format_bytes(o.requested_bytes)} "
                    f"with {free} free on the device")
     for title, shares in (("category", p.categories), ("scope at allocation", p.scopes),
-                          ("compile context", p.compile_contexts)):
+                          ("compile context", p.compile_contexts),
+                          ("label (user_metadata, annotations)", p.labels)):
         if shares:
             out.append("")
             out.append(tabulate([[name, format_bytes(n), f"{pct:.1f}%"] for name, n, pct in shares],
@@ -82,15 +82,6 @@ def _device_block(p: DevicePeak) -> List[str]:
     out.append(tabulate(rows, headers=["#", "count", "bytes", "share", "category", "site and stack (innermost first)"],
                         tablefmt="simple", colalign=("right", "right", "right", "right", "left", "left")))
     return out
-
-
-def leak_line(kept: Kept, sites: int = 3) -> str:
-    """The leak line: bytes kept from earlier steps and the groups that hold them."""
-    named = ", ".join(f"{g.site} ({g.category}, {format_bytes(g.bytes_from_earlier_steps)})"
-                      for g in kept.groups[:sites])
-    more = f" and {len(kept.groups) - sites} more" if len(kept.groups) > sites else ""
-    return (f"leak? {format_bytes(kept.bytes)} live at the peak was allocated in earlier steps and is not "
-            f"parameters, gradients or optimizer state: {named}{more}")
 
 
 def _phase_cell(row: StepRow, phase: str) -> str:
