@@ -17,7 +17,7 @@ from importlib import resources
 from typing import AbstractSet, Any, Dict, FrozenSet, Iterable, List, Optional, Sequence, Set, Tuple
 
 from memdiff.errors import InputError, clip
-from memdiff.frames import FREED_PREFIX
+from memdiff.frames import FREED_PREFIX, UPDATED_PREFIX
 from memdiff.load import parse_json, read_json, read_small
 from memdiff.model import DeviceSummary, Frame, Group, Summary, largest_first
 from memdiff.patterns import TIMEOUT_S, Pattern
@@ -178,7 +178,7 @@ class Categorizer:
 
     def of(self, group: Group) -> str:
         """The category of the first (highest-priority) rule that matches `group`, else `other`."""
-        freed = group.site.startswith(FREED_PREFIX)
+        freed = group.site.startswith((FREED_PREFIX, UPDATED_PREFIX))
         life = None if group.lifetime is None else tuple(sorted(group.lifetime.items()))
         key = (group.site, life, *group.frames)
         known = self._known.get(key)

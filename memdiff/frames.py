@@ -90,8 +90,14 @@ STDLIB_PATH = re.compile(r"/(?:lib/python\d+(?:\.\d+)?t?|Lib)/(.+)$")
 FROZEN = re.compile(r"^<frozen (.+)>$")
 
 FREED_PREFIX = "freed at "
+# Memory live before the trace known by the stack of an optimizer's in-place update of it (CPU
+# captures: normalize._optimizer_state_stand_ins); rules read it as they read a freeing stack.
+UPDATED_PREFIX = "updated in place at "
 NO_STACK = "<no stack>"
 NO_STACK_BEFORE_TRACE = "<no stack: live before the trace>"
+# ...never freed and never updated in a way that tells what it is: its category is a guess
+# (parameter, by the built-in rules; docs/categories.md).
+NO_STACK_GUESSED = "<no stack: live before the trace, category guessed>"
 
 
 @dataclass(frozen=True)
@@ -288,11 +294,19 @@ class StackNormalizer:
         self._decoded_bytes = decoded_bytes or 0
         self._frame_budget = None if decoded_bytes is None else max(1, decoded_bytes) // MIN_FRAME_BYTES
         self._frames_left = self._frame_budget
+        self._kept_alive: List[Any] = []
 
-    def stack(self, raw_frames: Optional[List[Any]], freed: bool = False, before_trace: bool = False) -> Stack:
-        """The Stack for one raw frames list; `freed` marks a free's stack standing in for an allocation's."""
+    def keep_alive(self, frames_lists: Iterable[Any]) -> None:
+        """Keep frames lists made by memdiff (not the snapshot's) alive while this normalizer caches
+        stacks by the identity of their lists."""
+        self._kept_alive.extend(frames_lists)
+
+    def stack(self, raw_frames: Optional[List[Any]], freed: bool = False, before_trace: bool = False,
+              guessed: bool = False) -> Stack:
+        """The Stack for one raw frames list; `freed` marks a free's stack standing in for an allocation's,
+        `guessed` memory without one whose category nothing in the trace tells."""
         if not raw_frames:
-            label = NO_STACK_BEFORE_TRACE if before_trace else NO_STACK
+            label = (NO_STACK_GUESSED if guessed else NO_STACK_BEFORE_TRACE) if before_trace else NO_STACK
             return Stack(signature_of([label]), label, ())
         if not isinstance(raw_frames, list):
             raise ValueError(f"'frames' is a {type(raw_frames).__name__}, not a list")

@@ -245,15 +245,23 @@ def _runs(positions: Sequence[int], labels: Sequence[str]) -> List[Tuple[str, in
 def _inferred_step_starts(phases: List[str]) -> List[int]:
     """Indices of the runs where a step begins: the first forward, backward or optimizer run, then
     each forward or backward run after an optimizer run (after a backward run when the trace has
-    no optimizer run). `other` runs stay in the step around them."""
+    no optimizer run), except a backward that follows its step's forward with only an optimizer
+    run between (zero_grad called between forward and backward). `other` runs stay in the step
+    around them."""
     ends_step = OPTIMIZER if OPTIMIZER in phases else BACKWARD
     starts: List[int] = []
     previous: Optional[str] = None
+    forward_only = False  # the step so far has run a forward and no backward
     for k, phase in enumerate(phases):
         if phase == OTHER:
             continue
-        if not starts or (previous == ends_step and phase != ends_step):
+        # An optimizer run between a forward and its backward is `zero_grad` called there (in
+        # place with set_to_none=False): the backward after it continues the step.
+        continues = phase == BACKWARD and ends_step == OPTIMIZER and forward_only
+        if not starts or (previous == ends_step and phase != ends_step and not continues):
             starts.append(k)
+        if phase != OPTIMIZER:
+            forward_only = phase == FORWARD
         previous = phase
     return starts
 

@@ -15,15 +15,15 @@ from __future__ import annotations
 
 import bisect
 from array import array
-from dataclasses import dataclass, field
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+from dataclasses import dataclass, field, replace
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Set, Tuple
 
 import numpy as np
 
 from memdiff import __version__
 from memdiff.classify import Rule
 from memdiff.errors import InputError, brief, number
-from memdiff.frames import Stack, StackNormalizer, relativize, signature_of
+from memdiff.frames import FREED_PREFIX, UPDATED_PREFIX, Stack, StackNormalizer, relativize, signature_of
 from memdiff.history import Allocations, history_of, peak_bars, window_maxima
 from memdiff.lifetimes import (
     BACKWARD,
@@ -65,6 +65,8 @@ class _Live:
     end_event: int  # the event that frees its last version; the trace length when never freed
     earlier: bool  # allocated in a step before the peak's
     reached_peak: bool = False  # the allocation whose event is the peak
+    updated: bool = False  # `frames` is the stack of an optimizer's in-place update standing in
+    guessed: bool = False  # live before the trace with no stack, no freeing and no update telling what it is
     lifetime: Lifetime = LIFETIMES[0]  # filled in for all items at once
 
 
@@ -178,6 +180,124 @@ def _is_reversion(freed: Dict[str, Any], e: Dict[str, Any]) -> bool:
             and (not e.get("frames") or e.get("frames") == freed.get("frames")))
 
 
+# A re-versioned tensor of at most this many bytes is a step counter (`state["step"]`, one float32),
+# not a weight (a one-element weight is rare): in a single-tensor update each weight's turn begins with one.
+SCALAR_BYTES = 4
+
+
+def _optimizer_state_stand_ins(walk: _Walk, trace: List[Dict[str, Any]], timeline: Timeline
+                               ) -> Tuple[Dict[int, List[Any]], Set[int]]:
+    """For tensors live before the trace that an optimizer step updates in place as its state (on
+    profiler-route captures, which write each in-place update as a frameless re-version): the
+    unmatched free that starts each one's chain -> the stack of the update standing in for the
+    stack it was made with.
+
+    A step updates the state and the weights in place alike, so the order says which is which:
+    every built-in optimizer updates a weight last, from its state (`param.addcdiv_(exp_avg,
+    denom)`, `param.add_(buf)`). In a single-tensor update each weight's turn starts with its step
+    counter, and the weight is the tensor of that turn updated last; a foreach or fused update
+    updates all weights after all state, so of each size the last as many as the backward made
+    gradients of that size are the weights. Also returns the roots of the weights so told.
+    Tensors no step updates (frozen weights, buffers) get neither: parameters by guess
+    (docs/categories.md), and their site says so.
+    """
+    n = len(trace)
+    roots = [f for f in walk.unmatched if f in walk.continued_by]
+    if not roots or not timeline.runs:
+        return {}, set()
+    events: List[Tuple[int, int]] = []  # (re-version event, the chain's root)
+    for f in roots:
+        c = f
+        while True:
+            events.append((c, f))
+            c = walk.closed[walk.continued_by[c]]
+            if c >= n or c not in walk.continued_by:
+                break
+    events.sort()
+    at = [e for e, _ in events]
+    allocs = np.frombuffer(walk.allocs, dtype=np.int64) if len(walk.allocs) else np.zeros(0, np.int64)
+    closed = np.frombuffer(walk.closed, dtype=np.int64)
+    votes: Dict[int, int] = {}  # root -> state votes minus weight votes
+    first_in_run: Dict[int, Tuple[int, int, int]] = {}  # root -> (event, run start, run end) of its first state vote
+    backwards: List[Any] = []  # the backward runs since the last optimizer run (micro-batches)
+    for run in timeline.runs:
+        if run.phase == BACKWARD:
+            backwards.append(run)
+        if run.phase != OPTIMIZER:
+            continue
+        step_backwards, backwards = backwards, []
+        # Updates written before the step's first allocation with a stack take the phase before it:
+        # the run starts, for this, after the last allocation that is no new version.
+        k = bisect.bisect_left(walk.allocs, run.start_event) - 1
+        while k >= 0 and walk.allocs[k] in walk.version_of:
+            k -= 1
+        start = walk.allocs[k] + 1 if k >= 0 else 0
+        inside = events[bisect.bisect_left(at, start): bisect.bisect_right(at, run.end_event)]
+        if not inside:
+            continue
+        last: Dict[int, int] = {}
+        first: Dict[int, int] = {}
+        for e, root in inside:
+            last[root] = e
+            first.setdefault(root, e)
+        size = {root: trace[root]["size"] for root in last}
+        # Turns: split at step counters (state themselves).
+        turns: List[List[int]] = [[]]
+        for root in sorted(last, key=last.__getitem__):
+            if size[root] <= SCALAR_BYTES:
+                votes[root] = votes.get(root, 0) + 1
+                first_in_run.setdefault(root, (first[root], run.start_event, run.end_event))
+                if turns[-1]:
+                    turns.append([])
+            else:
+                turns[-1].append(root)
+        turns = [t for t in turns if t]
+        weights: set = set()
+        if len(turns) > 1:
+            weights = {t[-1] for t in turns}
+        elif turns:
+            grads: Dict[int, int] = {}
+            for backward in step_backwards:
+                made = allocs[(allocs >= backward.start_event) & (allocs <= backward.end_event)]
+                for j in made.tolist():
+                    # A gradient still held when the step runs, counted once: by its first version
+                    # (a later micro-batch adds into it in place, writing new versions).
+                    if j not in walk.version_of and walk.end(int(closed[j])) > run.start_event:
+                        grads[trace[j]["size"]] = grads.get(trace[j]["size"], 0) + 1
+            by_size: Dict[int, List[int]] = {}
+            for root in turns[0]:
+                by_size.setdefault(size[root], []).append(root)
+            for s, members in by_size.items():
+                if grads.get(s):
+                    weights.update(members[-grads[s]:])
+                else:  # no gradients to count: the last of each run of one size
+                    weights.update(r for k, r in enumerate(turns[0])
+                                   if size[r] == s and (k + 1 == len(turns[0]) or size[turns[0][k + 1]] != s))
+        for root in (r for t in turns for r in t):
+            votes[root] = votes.get(root, 0) + (-1 if root in weights else 1)
+            if root not in weights:
+                first_in_run.setdefault(root, (first[root], run.start_event, run.end_event))
+    stand_ins: Dict[int, List[Any]] = {}
+    trimmed: Dict[int, List[Any]] = {}  # id of a frames list -> its update frames (kept alive here)
+    for root, vote in votes.items():
+        if vote <= 0:
+            continue
+        event, _, end = first_in_run[root]
+        k = bisect.bisect_left(walk.allocs, event)
+        frames = None
+        while k < len(walk.allocs) and walk.allocs[k] <= end and frames is None:
+            frames = trace[walk.allocs[k]].get("frames") or None
+            k += 1
+        if not isinstance(frames, list):
+            continue
+        if id(frames) not in trimmed:
+            keep = next((i for i, f in enumerate(frames) if isinstance(f, dict)
+                         and "torch/optim/" in f"{f.get('filename', '')}:{f.get('name', '')}"), 0)
+            trimmed[id(frames)] = frames[keep:]
+        stand_ins[root] = trimmed[id(frames)]
+    return stand_ins, {root for root, vote in votes.items() if vote < 0}
+
+
 def _dump_blocks(segments: List[Dict[str, Any]]) -> Iterator[Tuple[int, int, Optional[List[Any]]]]:
     """(address, requested bytes, frames) of each active_allocated block at dump time."""
     for seg in segments:
@@ -201,9 +321,11 @@ def _timeline(static: int, running: np.ndarray) -> List[List[int]]:
 
 
 def _live_at(walk: _Walk, trace: List[Dict[str, Any]], p: int, dump_only: List[Tuple[int, Any]],
-             timeline: Timeline) -> List[_Live]:
+             timeline: Timeline, stand_ins: Dict[int, List[Any]], weights: Set[int]) -> List[_Live]:
     """Every allocation live after event `p` with its lifetime: open allocations, memory live
-    before the trace and freed after `p`, and dump blocks the trace never opened."""
+    before the trace and freed after `p`, and dump blocks the trace never opened. Memory live
+    before the trace is known by the stack that freed it, or by its stand-in (see
+    _optimizer_state_stand_ins)."""
     n = len(trace)
     peak_step = timeline.step_index_at(p) if p >= 0 else None
     items: List[_Live] = []
@@ -212,19 +334,24 @@ def _live_at(walk: _Walk, trace: List[Dict[str, Any]], p: int, dump_only: List[T
         end = walk.end(walk.closed[j])
         if first is None:
             assert unmatched is not None  # origin() gives one of the two
-            items.append(_Live(trace[unmatched].get("frames"), trace[j]["size"], freed=True, before_trace=True,
-                               entry=None, born_event=-1, end_event=end, earlier=False, reached_peak=j == p))
+            frames = stand_ins.get(unmatched) or trace[unmatched].get("frames")
+            items.append(_Live(frames, trace[j]["size"], freed=True, before_trace=True, entry=None, born_event=-1,
+                               end_event=end, earlier=False, reached_peak=j == p, updated=unmatched in stand_ins,
+                               guessed=not frames and unmatched not in weights and end >= n))
             continue
         step = timeline.step_index_at(first)
-        earlier = peak_step is not None and step is not None and step < peak_step
+        # A scalar (the previous step's loss, waiting to be replaced) holds nothing worth a leak
+        # line; a graph it keeps alive is counted by its own allocations.
+        earlier = (peak_step is not None and step is not None and step < peak_step
+                   and trace[j]["size"] > SCALAR_BYTES)
         items.append(_Live(trace[first].get("frames"), trace[j]["size"], freed=False, before_trace=False,
                            entry=trace[first], born_event=first, end_event=end, earlier=earlier, reached_peak=j == p))
     for i in walk.unmatched[bisect.bisect_right(walk.unmatched, p):]:
         e = trace[i]
-        items.append(_Live(e.get("frames"), e["size"], freed=True, before_trace=True, entry=None, born_event=-1,
-                           end_event=walk.end(i), earlier=False))
+        items.append(_Live(stand_ins.get(i) or e.get("frames"), e["size"], freed=True, before_trace=True, entry=None,
+                           born_event=-1, end_event=walk.end(i), earlier=False, updated=i in stand_ins))
     items.extend(_Live(frames, size, freed=False, before_trace=True, entry=None, born_event=-1, end_event=n,
-                       earlier=False) for size, frames in dump_only)
+                       earlier=False, guessed=not frames) for size, frames in dump_only)
     codes = timeline.lifetime_codes(np.array([item.born_event for item in items], dtype=np.int64),
                                     np.array([item.end_event for item in items], dtype=np.int64), n)
     for item, code in zip(items, codes.tolist()):
@@ -269,7 +396,7 @@ class _Kinds:
 
 
 def _allocations(path: str, walk: _Walk, trace: List[Dict[str, Any]], dump_only: List[Tuple[int, Any]],
-                 timeline: Timeline, stacks: StackNormalizer) -> Allocations:
+                 timeline: Timeline, stacks: StackNormalizer, stand_ins: Dict[int, List[Any]]) -> Allocations:
     """Every allocation of the trace (each version of a re-versioned tensor on its own, with the
     first version's stack and the whole chain's lifetime), then memory from before the trace."""
     n = len(trace)
@@ -295,7 +422,7 @@ def _allocations(path: str, walk: _Walk, trace: List[Dict[str, Any]], dump_only:
     add = first_codes.append
     for k, first in enumerate(born.tolist()):
         if first < 0:
-            add(stack_code(trace[freed_by[k]].get("frames"), True, True))
+            add(stack_code(stand_ins.get(freed_by[k]) or trace[freed_by[k]].get("frames"), True, True))
             continue
         frames = trace[first].get("frames")
         code = known.get((id(frames), False, False))
@@ -303,7 +430,7 @@ def _allocations(path: str, walk: _Walk, trace: List[Dict[str, Any]], dump_only:
     codes[: len(opened)] = first_codes
     m = len(opened)
     for k, i in enumerate(unmatched.tolist()):
-        codes[m + k] = stack_code(trace[i].get("frames"), True, True)
+        codes[m + k] = stack_code(stand_ins.get(i) or trace[i].get("frames"), True, True)
     m += len(unmatched)
     for k, (_, frames) in enumerate(dump_only):
         codes[m + k] = stack_code(frames, False, True)
@@ -350,7 +477,9 @@ def _device_summary(snapshot: Snapshot, device: int, stacks: StackNormalizer,
     timeline = build_timeline(trace, walk.allocs, running, static, scopes, walk.version_of)
     p = -1 if peak_index is None else peak_index
     n = len(trace)
-    live_items = _live_at(walk, trace, p, dump_only, timeline)
+    stand_ins, weights = _optimizer_state_stand_ins(walk, trace, timeline)
+    stacks.keep_alive(stand_ins.values())  # stacks are cached by the identity of their frames list
+    live_items = _live_at(walk, trace, p, dump_only, timeline, stand_ins, weights)
     # A re-versioned tensor is not memory from before a truncated trace: no advice to record more.
     reversioned = [i for i in walk.unmatched if i in walk.continued_by]
     unmatched_bytes -= sum(trace[i]["size"] for i in reversioned)
@@ -363,7 +492,7 @@ def _device_summary(snapshot: Snapshot, device: int, stacks: StackNormalizer,
         top = max(spans, key=lambda span: (span.peak_bytes, -span.peak_event_index))
         at = top.peak_event_index
         phase_groups = None if at == peak_index else _group(
-            path, _live_at(walk, trace, at, dump_only, timeline), stacks)[0]
+            path, _live_at(walk, trace, at, dump_only, timeline, stand_ins, weights), stacks)[0]
         phase_peaks.append(PhasePeak(phase, timeline.step_at(at), top.peak_bytes, at, phase_groups))
     if sum(g.bytes for g in groups) != peak:
         raise AssertionError(f"{path}: device {device}: groups do not add up to the peak (a memdiff bug)")
@@ -386,10 +515,10 @@ def _device_summary(snapshot: Snapshot, device: int, stacks: StackNormalizer,
     times = [_time(path, device, trace, 0), _time(path, device, trace, len(trace) - 1)] if trace else [None, None]
     history = None
     if keep is not None:
-        keep[device] = _allocations(path, walk, trace, dump_only, timeline, stacks)
+        keep[device] = _allocations(path, walk, trace, dump_only, timeline, stacks, stand_ins)
     if history_rules is not None:
         bars = peak_bars([(g.signature, allocations_of[g.signature]) for g in groups])
-        history = history_of(_allocations(path, walk, trace, dump_only, timeline, stacks), running + static,
+        history = history_of(_allocations(path, walk, trace, dump_only, timeline, stacks, stand_ins), running + static,
                              lambda i: _time(path, device, trace, i), history_rules, bars)
     allocated = (sum(s["allocated_size"] for s in segments) if all("allocated_size" in s for s in segments)
                  else sum(b["size"] for s in segments for b in s.get("blocks", [])
@@ -502,12 +631,15 @@ def _group(path: str, items: List[_Live], stacks: StackNormalizer
     peak_key = None
     for item in items:
         try:
-            stack: Stack = stacks.stack(item.frames, freed=item.freed, before_trace=item.before_trace)
+            stack: Stack = stacks.stack(item.frames, freed=item.freed, before_trace=item.before_trace,
+                                        guessed=item.guessed)
         except ValueError as exc:
             raise InputError(path, str(exc)) from None
         key = (stack.signature, item.lifetime)
         slot = by_key.get(key)
         if slot is None:
+            if item.updated and stack.site.startswith(FREED_PREFIX):
+                stack = replace(stack, site=UPDATED_PREFIX + stack.site[len(FREED_PREFIX):])
             slot = by_key[key] = _Slot(stack, item.lifetime)
         slot.allocations.append((item.born_event, item.end_event, item.size))
         slot.count += 1

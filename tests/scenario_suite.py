@@ -42,7 +42,34 @@ for _m in FAMILIES:
         f"{_m}-eval-no-grad": (_m, ["--eval", "no-grad"]),
         f"{_m}-eval-grad": (_m, ["--eval", "grad"]),
     })
-SCENARIOS: Dict[str, Tuple[str, List[str]]] = {**BASES, **CHANGES}
+# Issue 26: six more families (an encoder-decoder, a mixture of experts, a vision model, a
+# recurrent one, GPT-NeoX, DistilBERT) with ground truth, and the loops at the edges.
+NEW_FAMILIES = ("t5", "mixtral", "neox", "distilbert", "vit", "lstm")
+EDGE_BASES = {f"{m}-base": (m, ["--truth"]) for m in NEW_FAMILIES}
+EDGES = {
+    # Optimizer state older than the trace: made in the constructor, or in a warm-up step.
+    "mlp-adagrad": ("mlp", ["--optimizer", "adagrad"]),
+    "t5-adagrad": ("t5", ["--optimizer", "adagrad"]),
+    "mlp-amsgrad-warm": ("mlp", ["--optimizer", "adamw-amsgrad", "--warmup", "1", "--truth"]),
+    "mixtral-warm": ("mixtral", ["--warmup", "1", "--truth"]),
+    # A leak made between backward() and step().
+    "lstm-keep-weights": ("lstm", ["--keep-weights"]),
+    # zero_grad between forward and backward, with and without set_to_none.
+    "gpt2-zero-grad-mid": ("gpt2", ["--zero-grad", "before-backward", "--keep-loss", "--truth"]),
+    "gpt2-zero-grad-mid-keep": ("gpt2", ["--zero-grad", "before-backward", "--keep-grads", "--keep-loss", "--truth"]),
+    # A model and optimizer that live only inside a test: one step.
+    "mlp-inside": ("mlp", ["--inside", "--steps", "1", "--truth"]),
+    # Other loops teams run.
+    "vit-bf16": ("vit", ["--bf16"]),
+    "distilbert-ema": ("distilbert", ["--ema"]),
+    "neox-clip": ("neox", ["--clip"]),
+    "neox-fused": ("neox", ["--optimizer", "adamw-fused"]),
+    "mixtral-foreach": ("mixtral", ["--optimizer", "adamw-foreach"]),
+    "lstm-retain-graph": ("lstm", ["--retain-graph"]),
+    "t5-zero-grad-first-keep": ("t5", ["--zero-grad", "first", "--keep-grads"]),
+    "gpt2-generate": ("gpt2", ["--generate"]),
+}
+SCENARIOS: Dict[str, Tuple[str, List[str]]] = {**BASES, **CHANGES, **EDGE_BASES, **EDGES}
 
 # PyTorch's data-flow categories in memdiff's terms.
 PYTORCH_TO_MEMDIFF = {"temporary": "autograd", "autograd_detail": "autograd", "unknown": "other", None: "other"}

@@ -169,7 +169,7 @@ def test_event_counts_warn_only_when_the_steps_differ(write_snapshot, capsys):
     assert "event counts differ 4.0x (126 -> 504 events, 3 -> 12 steps)" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("limit, code", [("2KiB", 0), ("2047", 1)])
+@pytest.mark.parametrize("limit, code", [("2KiB", 0), ("2047B", 1)])
 def test_a_phase_threshold_is_inclusive(write_snapshot, tmp_path, capsys, limit, code):
     base = write_snapshot(profiler_run({"Linear": 1000}), "base.pickle")
     head = write_snapshot(profiler_run({"Linear": 1000 + 2048}), "head.pickle")

@@ -76,7 +76,8 @@ def test_static_blocks_without_frames_get_their_own_group(write_snapshot):
     segs = [segment(0, 0, [block(0, 1 << 20), block(1 << 20, 1 << 10)])]
     d = summary_of(write_snapshot, {"segments": segs, "device_traces": [[]]}).devices[0]
     assert (d.static_bytes, d.peak_bytes, d.peak_event_index) == ((1 << 20) + (1 << 10),) * 2 + (None,)
-    assert by_site(d) == {"<no stack: live before the trace>": (2, (1 << 20) + (1 << 10))}
+    # Nothing in the trace says what they are: their category (parameter) is a guess, and the site says so.
+    assert by_site(d) == {"<no stack: live before the trace, category guessed>": (2, (1 << 20) + (1 << 10))}
 
 
 def test_allocations_without_stack_are_grouped_apart_from_static_ones(write_snapshot):

@@ -24,6 +24,8 @@ from memdiff.capture import record
 
 VOCAB = 1000
 POSITIONS = 128
+HF_TEXT = ("gpt2", "bert", "llama", "t5", "mixtral", "neox", "distilbert")
+MODELS = (*HF_TEXT, "vit", "lstm", "mlp", "cnn")
 
 
 def hf_model(name: str, vocab: int = VOCAB, positions: int = POSITIONS) -> Tuple[nn.Module, List[nn.Module], int]:
@@ -39,6 +41,30 @@ def hf_model(name: str, vocab: int = VOCAB, positions: int = POSITIONS) -> Tuple
             num_hidden_layers=2, hidden_size=128, num_attention_heads=4, intermediate_size=512, vocab_size=vocab,
             max_position_embeddings=positions))
         return model, list(model.bert.encoder.layer), 128
+    if name == "t5":
+        model = hf.T5ForConditionalGeneration(hf.T5Config(
+            vocab_size=vocab, d_model=128, d_kv=32, d_ff=256, num_layers=2, num_decoder_layers=2, num_heads=4,
+            decoder_start_token_id=0, pad_token_id=0))
+        return model, list(model.encoder.block), 128
+    if name == "mixtral":
+        model = hf.MixtralForCausalLM(hf.MixtralConfig(
+            num_hidden_layers=2, hidden_size=128, num_attention_heads=4, num_key_value_heads=2, intermediate_size=256,
+            num_local_experts=4, num_experts_per_tok=2, vocab_size=vocab, max_position_embeddings=positions))
+        return model, list(model.model.layers), 128
+    if name == "neox":
+        model = hf.GPTNeoXForCausalLM(hf.GPTNeoXConfig(
+            num_hidden_layers=2, hidden_size=128, num_attention_heads=4, intermediate_size=512, vocab_size=vocab,
+            max_position_embeddings=positions))
+        return model, list(model.gpt_neox.layers), 128
+    if name == "distilbert":
+        model = hf.DistilBertForSequenceClassification(hf.DistilBertConfig(
+            n_layers=2, dim=128, n_heads=4, hidden_dim=512, vocab_size=vocab, max_position_embeddings=positions))
+        return model, list(model.distilbert.transformer.layer), 128
+    if name == "vit":
+        model = hf.ViTForImageClassification(hf.ViTConfig(
+            num_hidden_layers=2, hidden_size=128, num_attention_heads=4, intermediate_size=512, image_size=32,
+            patch_size=4, num_labels=10))
+        return model, list(model.vit.layers), 128
     model = hf.LlamaForCausalLM(hf.LlamaConfig(
         num_hidden_layers=2, hidden_size=128, num_attention_heads=4, num_key_value_heads=2, intermediate_size=384,
         vocab_size=vocab, max_position_embeddings=positions))
@@ -65,6 +91,20 @@ class MLP(nn.Module):
         return self.head(x)
 
 
+class LSTM(nn.Module):
+    """A two-layer nn.LSTM language model over token ids."""
+
+    def __init__(self, hidden: int = 128) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, hidden)
+        self.rnn = nn.LSTM(hidden, hidden, num_layers=2, batch_first=True)
+        self.head = nn.Linear(hidden, VOCAB)
+        self.layers = [self.rnn]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.rnn(self.embed(x))[0])
+
+
 class CNN(nn.Module):
     """A small convolutional classifier for 3x32x32 images."""
 
@@ -86,15 +126,31 @@ def build(args: argparse.Namespace) -> Tuple[nn.Module, List[nn.Module], int, Ca
                                             Callable[[nn.Module, Dict[str, torch.Tensor]], torch.Tensor]]:
     """(model, its layers, hidden size, a batch maker, the loss of a batch)."""
     b, s = args.batch, args.seq
-    if args.model in ("gpt2", "bert", "llama"):
+    if args.model in HF_TEXT:
         vocab = args.vocab
         model, layers, hidden = hf_model(args.model, vocab, args.positions)
-        labels = ((lambda: torch.randint(0, 2, (b,))) if args.model == "bert"
-                  else (lambda: torch.randint(0, vocab, (b, s))))
+        classify = args.model in ("bert", "distilbert")
+        labels = (lambda: torch.randint(0, 2, (b,))) if classify else (lambda: torch.randint(0, vocab, (b, s)))
 
         def batch() -> Dict[str, torch.Tensor]:
-            return {"input_ids": torch.randint(0, vocab, (b, s)), "labels": labels()}
+            x = {"input_ids": torch.randint(1, vocab, (b, s)), "labels": labels()}
+            if args.model == "t5":  # the decoder reads half as many tokens as the encoder
+                x["labels"] = torch.randint(1, vocab, (b, s // 2))
+            return x
         return model, layers, hidden, batch, lambda m, x: m(**x).loss
+    if args.model == "vit":
+        model, layers, hidden = hf_model(args.model)
+
+        def images() -> Dict[str, torch.Tensor]:
+            return {"pixel_values": torch.randn(b, 3, 32, 32), "labels": torch.randint(0, 10, (b,))}
+        return model, layers, hidden, images, lambda m, x: m(**x).loss
+    if args.model == "lstm":
+        lstm = LSTM()
+
+        def tokens() -> Dict[str, torch.Tensor]:
+            return {"x": torch.randint(0, VOCAB, (b, s)), "y": torch.randint(0, VOCAB, (b, s))}
+        return (lstm, [lstm.rnn], 128, tokens,
+                lambda m, x: nn.functional.cross_entropy(m(x["x"]).flatten(0, 1), x["y"].flatten()))
     model = MLP() if args.model == "mlp" else CNN()
     shape = (b, 256) if args.model == "mlp" else (b, 3, 32, 32)
     hidden = 512 if args.model == "mlp" else 32
@@ -132,9 +188,31 @@ def scope(name: str, on: bool) -> Iterator[None]:
         yield
 
 
-def train(args: argparse.Namespace) -> None:
+def make_optimizer(name: str, params: List[nn.Parameter]) -> torch.optim.Optimizer:
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=1e-3)
+    if name == "adamw-amsgrad":
+        return torch.optim.AdamW(params, lr=1e-3, amsgrad=True)
+    if name == "adamw-foreach":
+        return torch.optim.AdamW(params, lr=1e-3, foreach=True)
+    if name == "adamw-fused":
+        return torch.optim.AdamW(params, lr=1e-3, fused=True)
+    if name == "adagrad":  # makes its state (one sum per weight) in its constructor
+        return torch.optim.Adagrad(params, lr=1e-2)
+    return torch.optim.SGD(params, lr=1e-2, momentum=0.9 if name == "sgd-momentum" else 0.0)
+
+
+def setup(args: argparse.Namespace) -> Tuple[nn.Module, List[nn.Parameter], torch.optim.Optimizer, List[torch.Tensor],
+                                             Callable[[], Dict[str, torch.Tensor]], Callable[..., torch.Tensor]]:
+    """(model, trainable parameters, optimizer, debug outputs, batch maker, loss of a batch)."""
     torch.manual_seed(0)
     model, layers, hidden, batch, loss_of = build(args)
+    if args.bf16:
+        model.to(torch.bfloat16)
+        make = batch
+
+        def batch() -> Dict[str, torch.Tensor]:
+            return {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in make().items()}
     if args.freeze:
         frozen = [p for name, p in model.named_parameters() if "embed" in name or "wte" in name or "wpe" in name]
         for layer in layers[: max(1, len(layers) // 2)]:
@@ -148,51 +226,139 @@ def train(args: argparse.Namespace) -> None:
             model.checkpoint = True
     projections, extra = add_debug_projections(layers, hidden) if args.debug_projections else ([], [])
     params = [p for p in model.parameters() if p.requires_grad] + [p for m in projections for p in m.parameters()]
-    if args.optimizer == "adamw":
-        opt: torch.optim.Optimizer = torch.optim.AdamW(params, lr=1e-3)
-    else:
-        opt = torch.optim.SGD(params, lr=1e-2, momentum=0.9 if args.optimizer == "sgd-momentum" else 0.0)
+    opt = make_optimizer(args.optimizer, params)
     model.train()
+    return model, params, opt, extra, batch, loss_of
+
+
+def write_facts(args: argparse.Namespace, model: nn.Module, opt: Optional[torch.optim.Optimizer]) -> None:
+    """Facts from the model and optimizer, for the tests to check memdiff against (never memdiff's
+    own output): bytes of the weights and buffers, of the trainable weights, of the optimizer's state tensors and
+    how many each weight has, steps recorded."""
+    def nbytes(t: torch.Tensor) -> int:
+        return t.numel() * t.element_size()
+    state = [v for per in (opt.state.values() if opt else []) for v in per.values() if isinstance(v, torch.Tensor)]
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    # Buffers can share storage (Mixtral's rotary inv_freq and original_inv_freq): count each once.
+    tensors = {t.untyped_storage().data_ptr(): t for t in [*model.parameters(), *model.buffers()]}
+    facts = {"parameter_bytes": sum(t.untyped_storage().nbytes() for t in tensors.values()),
+             "trainable_bytes": sum(nbytes(p) for p in trainable),
+             "state_bytes": sum(nbytes(t) for t in state),
+             "state_scalar_bytes": sum(nbytes(t) for t in state if t.numel() == 1),
+             "state_tensors_per_parameter": sorted({len(per) for per in opt.state.values()}) if opt else [],
+             "steps": args.steps}
+    with open(args.out + ".facts.json", "w") as f:
+        json.dump(facts, f)
+
+
+def generate(args: argparse.Namespace) -> None:
+    """Inference: greedy generate() calls, each with a fresh prompt."""
+    torch.manual_seed(0)
+    model, _, _, batch, _ = build(args)
+    model.eval()
+    with record(args.out), torch.no_grad():
+        for _ in range(args.steps):
+            model.generate(input_ids=batch()["input_ids"][:, :16], max_new_tokens=8, do_sample=False,
+                           pad_token_id=0)
+    write_facts(args, model, None)
+
+
+def infer(args: argparse.Namespace) -> None:
+    """Inference: forwards in eval mode under torch.no_grad(), no backward, no optimizer step."""
+    torch.manual_seed(0)
+    model, _, _, batch, loss_of = build(args)
+    model.eval()
+    truth = bool(args.truth)
+    with record(args.out), torch.no_grad():
+        for step in range(args.steps):
+            with scope(f"ProfilerStep#{step}", truth), scope("## forward ##", truth):
+                out = loss_of(model, batch())
+                del out
+    write_facts(args, model, None)
+
+
+def train(args: argparse.Namespace) -> None:
+    if args.generate:
+        generate(args)
+        return
+    if args.inference:
+        infer(args)
+        return
+    built = None if args.inside else setup(args)
     autocast = torch.autocast("cpu", dtype=torch.bfloat16) if args.autocast else contextlib.nullcontext()
     truth = bool(args.truth)
     logged: List[Any] = []
+    kept_weights: List[List[torch.Tensor]] = []
+    ema: List[torch.Tensor] = []
     kept_eval = None
-    if args.inference:
-        # Inference: forwards in eval mode under torch.no_grad(), no backward, no optimizer step.
-        model.eval()
-        with record(args.out), torch.no_grad():
-            for step in range(args.steps):
-                with scope(f"ProfilerStep#{step}", truth), scope("## forward ##", truth):
-                    out = loss_of(model, batch())
-                    del out
-        return
-    with record(args.out):
-        for step in range(args.steps):
-            with scope(f"ProfilerStep#{step}", truth):
-                for _ in range(args.accum):
-                    with scope("## forward ##", truth):
-                        x = batch()
-                        with autocast:
-                            loss = loss_of(model, x) / args.accum
-                            if extra:
-                                loss = loss + 1e-3 * sum(p.float().mean() for p in extra)
-                                extra.clear()
-                    with scope("## backward ##", truth):
-                        loss.backward()
+    val = None  # the last validation loss: the loop's variable, held until the next one replaces it
+
+    def one_step(step: int, model: nn.Module, params: List[nn.Parameter], opt: torch.optim.Optimizer,
+                 extra: List[torch.Tensor], batch: Callable[[], Dict[str, torch.Tensor]],
+                 loss_of: Callable[..., torch.Tensor]) -> None:
+        nonlocal kept_eval, val
+        with scope(f"ProfilerStep#{step}", truth):
+            if args.zero_grad == "first":
                 with scope("## optimizer ##", truth):
-                    opt.step()
-                    opt.zero_grad()
-                if args.log_loss != "none":
-                    # A validation loss each step: logged as a tensor, it keeps its whole graph.
-                    with scope("## forward ##", truth):
-                        val = loss_of(model, batch())
-                    logged.append(val if args.log_loss == "tensor" else val.item())
-                if args.eval != "none":
-                    with scope("## forward ##", truth):
-                        # Without torch.no_grad() the evaluation's graph lives on until the next one.
-                        with torch.no_grad() if args.eval == "no-grad" else contextlib.nullcontext():
-                            kept_eval = loss_of(model, batch())
+                    opt.zero_grad(set_to_none=not args.keep_grads)
+            for _ in range(args.accum):
+                with scope("## forward ##", truth):
+                    x = batch()
+                    with autocast:
+                        loss = loss_of(model, x) / args.accum
+                        if extra:
+                            loss = loss + 1e-3 * sum(p.float().mean() for p in extra)
+                            extra.clear()
+                if args.zero_grad == "before-backward":
+                    with scope("## optimizer ##", truth):
+                        opt.zero_grad(set_to_none=not args.keep_grads)
+                with scope("## backward ##", truth):
+                    loss.backward(retain_graph=args.retain_graph)
+            if args.keep_weights:
+                # The leak: weight copies kept each step, made between backward() and step().
+                kept_weights.append([p.detach().clone() for p in params])
+            with scope("## optimizer ##", truth):
+                if args.clip:
+                    torch.nn.utils.clip_grad_norm_(params, 1.0)
+                opt.step()
+                if args.zero_grad == "after":
+                    opt.zero_grad(set_to_none=not args.keep_grads)
+            if args.ema:
+                with torch.no_grad():
+                    if not ema:
+                        ema.extend(p.detach().clone() for p in params)
+                    else:
+                        torch._foreach_lerp_(ema, [p.detach() for p in params], 1e-3)
+            if args.log_loss != "none":
+                # A validation loss each step: logged as a tensor, it keeps its whole graph.
+                with scope("## forward ##", truth):
+                    val = loss_of(model, batch())
+                logged.append(val if args.log_loss == "tensor" else val.item())
+            if args.eval != "none":
+                with scope("## forward ##", truth):
+                    # Without torch.no_grad() the evaluation's graph lives on until the next one.
+                    with torch.no_grad() if args.eval == "no-grad" else contextlib.nullcontext():
+                        kept_eval = loss_of(model, batch())
+            if not args.keep_loss:
                 del loss, x
+
+    if built is not None:
+        for _ in range(args.warmup):  # warm-up steps before recording: the state is made here
+            one_step(-1, *built)
+    with record(args.out):
+        if built is None:
+            # As a test does: the model and optimizer made inside the recording, freed on return.
+            inside = setup(args)
+            for step in range(args.steps):
+                one_step(step, *inside)
+            write_facts(args, inside[0], inside[2])
+            del inside
+            ema.clear()
+        else:
+            for step in range(args.steps):
+                one_step(step, *built)
+    if built is not None:
+        write_facts(args, built[0], built[2])
     del kept_eval
 
 
@@ -243,13 +409,28 @@ def record_truth(path: Optional[str]) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", choices=("gpt2", "bert", "llama", "mlp", "cnn"))
+    p.add_argument("--model", choices=MODELS)
     p.add_argument("--out", help="snapshot to write")
     p.add_argument("--truth", help="also write per-entry (step, phase) ground truth to this JSON file")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--seq", type=int, default=64)
-    p.add_argument("--optimizer", choices=("adamw", "sgd", "sgd-momentum"), default="adamw")
+    p.add_argument("--optimizer", choices=("adamw", "adamw-amsgrad", "adamw-foreach", "adamw-fused", "adagrad", "sgd",
+                                           "sgd-momentum"), default="adamw")
+    p.add_argument("--warmup", type=int, default=0, help="steps run before recording starts")
+    p.add_argument("--ema", action="store_true", help="an EMA copy of the weights, made in the first step")
+    p.add_argument("--clip", action="store_true", help="clip_grad_norm_ before each step")
+    p.add_argument("--retain-graph", action="store_true", help="backward(retain_graph=True)")
+    p.add_argument("--zero-grad", choices=("after", "first", "before-backward"), default="after",
+                   help="zero_grad after the optimizer step, first thing in each step, or between forward and backward")
+    p.add_argument("--keep-grads", action="store_true", help="zero_grad(set_to_none=False)")
+    p.add_argument("--bf16", action="store_true", help="bf16 weights (model.to(torch.bfloat16))")
+    p.add_argument("--generate", action="store_true", help="inference: generate() instead of training")
+    p.add_argument("--keep-weights", action="store_true",
+                   help="the leak: copies of the weights appended to a list between backward() and step()")
+    p.add_argument("--keep-loss", action="store_true", help="an ordinary loop: loss and batch live into the next step")
+    p.add_argument("--inside", action="store_true",
+                   help="model and optimizer made inside the recording and freed before it ends, as in a test")
     p.add_argument("--autocast", action="store_true", help="bf16 autocast")
     p.add_argument("--checkpoint", action="store_true", help="activation checkpointing")
     p.add_argument("--freeze", action="store_true", help="freeze the embeddings and the lower half of the layers")

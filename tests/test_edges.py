@@ -1,0 +1,107 @@
+"""Issue 26 on hand-built traces: state older than the trace, a leak between backward and step,
+zero_grad between forward and backward, scalars kept from the last step, growth from nothing."""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List
+
+from conftest import alloc, free
+from memdiff.classify import PERSISTENT, load_rules
+from memdiff.inputs import read_summary
+from memdiff.lifetimes import _inferred_step_starts
+from memdiff.report import pct_cell
+from test_lifetimes import BATCH, BWD, FWD, LOOP, LOSS, Trace, prof
+
+ADAGRAD = prof("<built-in method sqrt of Tensor object at 0x7f>", "torch/optim/adagrad.py(364): _single_tensor_adagrad",
+               "torch/optim/adagrad.py(200): step", "torch/optim/optimizer.py(60): _use_grad",
+               "torch/optim/optimizer.py(509): wrapper", LOOP)
+CLONE = prof("<built-in method clone of Tensor object at 0x7f>", "train.py(31): <listcomp>", LOOP)
+STATE_AT, WEIGHT_AT, SIZE = 0x2000, 0x1000, 4096
+
+
+def reversion(t: Trace, addr: int, size: int) -> None:
+    """The profiler route's in-place update: the old version freed, a frameless new one at once."""
+    t.events += [free(addr, size, [], completed=False), free(addr, size, []), alloc(addr, size, [])]
+
+
+def adagrad_run(steps: int = 2, copies: bool = False) -> Dict[str, Any]:
+    """Adagrad on one weight, its sum made in the constructor (before recording): each step's
+    update writes a new version of the step counter, the sum, then the weight."""
+    t = Trace()
+    t.params = [(WEIGHT_AT, SIZE), (STATE_AT, SIZE), (0x3000, 4)]
+    kept: List[int] = []
+    for _ in range(steps):
+        batch = t.new(1000, BATCH)
+        act = t.new(100_000, FWD)
+        loss = t.new(4, LOSS)
+        grad = t.new(SIZE, BWD)
+        t.drop(act, 100_000, FWD)
+        if copies:
+            kept.append(t.new(SIZE, CLONE))  # snapshots.append(p.detach().clone()) before step()
+        reversion(t, 0x3000, 4)  # step counter
+        reversion(t, STATE_AT, SIZE)  # state_sum.addcmul_(grad, grad)
+        std = t.new(SIZE, ADAGRAD)  # std = state_sum.sqrt().add_(eps)
+        reversion(t, WEIGHT_AT, SIZE)  # param.addcdiv_(grad, std)
+        t.drop(std, SIZE, ADAGRAD)
+        t.drop(grad, SIZE, BWD)  # zero_grad()
+        t.drop(loss, 4, LOSS)
+        t.drop(batch, 1000, BATCH)
+    return t.snapshot()
+
+
+def summary_of(write_snapshot, snap: Dict[str, Any]):
+    return read_summary(write_snapshot(snap), load_rules()).devices[0]
+
+
+def test_state_older_than_the_trace_is_told_from_the_weight_by_its_updates(write_snapshot):
+    d = summary_of(write_snapshot, adagrad_run())
+    by_category: Dict[str, int] = {}
+    for g in d.groups:
+        if g.lifetime and g.lifetime["born"] == "before_trace":
+            by_category[g.category] = by_category.get(g.category, 0) + g.bytes
+    assert by_category == {"parameter": SIZE, "optimizer_state": SIZE + 4}
+    state = [g for g in d.groups if g.category == "optimizer_state"]
+    assert {g.site for g in state} == {"updated in place at adagrad.py:_single_tensor_adagrad"}
+
+
+def test_a_copy_made_between_backward_and_step_is_no_gradient(write_snapshot):
+    d = summary_of(write_snapshot, adagrad_run(steps=3, copies=True))
+    copies = [g for g in d.groups if g.site.startswith("train.py:<listcomp>")]
+    assert copies and all(g.category not in PERSISTENT for g in copies)
+    # Kept memory: the copies of the steps before the peak's.
+    assert sum(g.bytes_from_earlier_steps for g in copies) == 2 * SIZE
+
+
+def test_zero_grad_between_forward_and_backward_opens_no_step():
+    runs = ["forward", "optimizer", "backward", "optimizer"] * 3
+    runs[1] = "other"  # the first zero_grad finds no gradients: nothing to zero, no allocation
+    assert _inferred_step_starts(runs) == [0, 4, 8]
+    # A step that starts with its backward (a trace starting mid-step) still starts one.
+    assert _inferred_step_starts(["backward", "optimizer", "forward", "backward", "optimizer"]) == [0, 2]
+
+
+def test_a_scalar_kept_from_the_last_step_is_no_leak(write_snapshot):
+    t = Trace()
+    previous = None
+    for _ in range(3):
+        batch = t.new(1000, BATCH)
+        acts = [t.new(100_000, FWD) for _ in range(3)]
+        loss = t.new(4, LOSS)
+        grad = t.new(4096, BWD)  # the peak: last step's loss is still held
+        t.drop(t.new(64, BWD), 64, BWD)  # a backward temporary (one stack alone is no phase)
+        for a in acts:
+            t.drop(a, 100_000, FWD)
+        if previous is not None:
+            t.drop(previous, 4, LOSS)  # the loop replaces last step's loss only now
+        t.drop(grad, 4096, BWD)
+        t.drop(batch, 1000, BATCH)
+        previous = loss
+    d = summary_of(write_snapshot, t.snapshot())
+    assert d.step_at_peak == 1
+    assert [g.site for g in d.groups if g.bytes_from_earlier_steps and g.category not in PERSISTENT] == []
+
+
+def test_growth_from_next_to_nothing_reads_new():
+    assert pct_cell(4, 53_594_116) == "new"
+    assert pct_cell(0, 10) == "new"
+    assert pct_cell(19_530, 3_822_000) == "x195.7"
