@@ -192,14 +192,24 @@ MODULE = re.compile(r"^nn\.Module: (\w+?)(?:_\d+)?$")
 LIBRARY = re.compile(r"^(torch|stdlib)/")
 
 
+# Building blocks that say little alone: `[Linear]` is the LM head and every MLP projection. Their
+# parent module tells them apart (`Linear in GPT2MLP`, `Linear in GPT2LMHeadModel`).
+GENERIC_MODULES = frozenset((
+    "Linear", "Conv1D", "Conv1d", "Conv2d", "Conv3d", "Embedding", "LayerNorm", "RMSNorm", "GroupNorm",
+    "BatchNorm1d", "BatchNorm2d", "Dropout", "GELU", "ReLU", "SiLU", "Tanh", "Softmax", "Identity",
+    "NewGELUActivation", "GELUActivation", "MultiheadAttention", "Sequential", "ModuleList"))
+
+
 def context_of(frames: Sequence[Frame]) -> str:
     """The module an allocation happens in: the innermost `nn.Module` scope of profiler frames
-    (`BertIntermediate`), else the innermost model-code frame with its line (`modeling_bert.py:482`):
-    a module's `forward` outside torch and the standard library, else any frame outside them."""
-    for f in frames:
-        m = MODULE.match(f.name)
-        if m:
-            return m.group(1)
+    (`BertIntermediate`; a generic block with its parent, `Linear in GPT2MLP`), else the innermost
+    model-code frame with its line (`modeling_bert.py:482`): a module's `forward` outside torch and
+    the standard library, else any frame outside them."""
+    modules = [m.group(1) for m in (MODULE.match(f.name) for f in frames) if m]
+    if modules:
+        inner = modules[0]
+        parent = next((m for m in modules[1:] if m not in GENERIC_MODULES), None)
+        return f"{inner} in {parent}" if inner in GENERIC_MODULES and parent else inner
     model_code = [f for f in frames if f.file.endswith(".py") and not LIBRARY.match(f.file)]
     for f in [f for f in model_code if f.name == "forward"] + model_code:
         # Line 0 is no line (a frame the profiler could not place): the file alone says as much.

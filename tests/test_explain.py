@@ -179,3 +179,20 @@ def test_a_phase_threshold_is_inclusive(write_snapshot, tmp_path, capsys, limit,
     assert main(["gate", head, "--baseline", path]) == code
     out = capsys.readouterr().out
     assert f"{'PASS' if code == 0 else 'FAIL'}  device 0 forward peak: 1000 B -> 2.98 KiB, +2.00 KiB" in out
+
+
+def test_a_generic_module_is_named_with_its_parent(write_snapshot, capsys):
+    # Issue 26: two rows read `linear.py:forward <- linear [Linear]` for the LM head and an MLP
+    # projection; the module they sit in tells them apart.
+    def run(head_bytes: int, mlp_bytes: int) -> str:
+        events = [alloc(0x1000, head_bytes, prof("<built-in function linear>", FWD, "nn.Module: Linear_7",
+                                                 "nn.Module: GPT2LMHeadModel_0", "train.py(9): <module>")),
+                  alloc(0x2000, mlp_bytes, prof("<built-in function linear>", FWD, "nn.Module: Linear_2",
+                                                "nn.Module: GPT2MLP_0", "nn.Module: GPT2Block_0",
+                                                "nn.Module: GPT2LMHeadModel_0", "train.py(9): <module>"))]
+        return write_snapshot({"device_traces": [events], "segments": []}, f"r{head_bytes}.pickle")
+
+    main([run(4096, 1024), run(8192, 3072), "--format", "json"])
+    rows = json.loads(capsys.readouterr().out)["devices"][0]["rows"]
+    assert sorted(r["label"] for r in rows) == ["linear.py:forward <- linear [Linear in GPT2LMHeadModel]",
+                                                "linear.py:forward <- linear [Linear in GPT2MLP]"]
