@@ -522,16 +522,19 @@ def _cause(d: DeviceDiff, sign: int) -> Optional[str]:
     return text
 
 
-def _phase_tail(d: DeviceDiff, moved_to: Optional[str]) -> str:
-    """The other phases' peaks that did not move (or within 1%): `the optimizer step is unchanged`."""
-    parts = []
+def _phase_tail(d: DeviceDiff, skip: Sequence[Optional[str]]) -> str:
+    """The other phases' peaks that did not move (or within 1%): `the forward and the optimizer
+    step are unchanged`; the phases in `skip` (where the peak is, the one explained) are not repeated."""
+    same, close = [], []
     for p in d.phases:
-        if p.phase == moved_to or p.base_peak_bytes is None or p.head_peak_bytes is None:
+        if p.phase in skip or p.base_peak_bytes is None or p.head_peak_bytes is None:
             continue
         if p.delta_bytes == 0:
-            parts.append(f"{where_text(p.phase, None)} is unchanged")
+            same.append(where_text(p.phase, None))
         elif abs(p.delta_bytes) * 100 < p.base_peak_bytes:
-            parts.append(f"{where_text(p.phase, None)} is within 1% ({format_bytes(p.delta_bytes, signed=True)})")
+            close.append(f"{where_text(p.phase, None)} ({format_bytes(p.delta_bytes, signed=True)})")
+    parts = [f"{' and '.join(names)} {'is' if len(names) == 1 else 'are'} {what}"
+             for names, what in ((same, "unchanged"), (close, "within 1%")) if names]
     return "".join(f"; {part}" for part in parts)
 
 
@@ -560,7 +563,8 @@ def _device_headline(r: DeviceReport) -> str:
             text += f": {cause}"
     if not cause and not d.peak_delta_bytes and not any(x.delta_bytes for x in d.rows):
         text += "; no group changed"
-    text += _phase_tail(d, r.like_for_like.diff.at if moved and r.like_for_like else None)
+    text += _phase_tail(d, [d.head_peak_phase if d.at == PEAK else d.at,
+                            r.like_for_like.diff.at if moved and r.like_for_like else None])
     if r.kept:
         k = d.kept
         assert k is not None  # a kept line is written only from kept memory

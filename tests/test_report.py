@@ -36,7 +36,7 @@ def test_the_headline_names_the_moved_peak_and_its_cause_like_for_like(shared, c
     assert f"at the forward peak of both, activation {format_bytes(act, signed=True)}" in headline
     opt = {p.phase: p.peak_bytes for p in h.devices[0].phase_peaks}["optimizer"] - \
         {p.phase: p.peak_bytes for p in b.devices[0].phase_peaks}["optimizer"]
-    assert f"the optimizer step is within 1% ({format_bytes(opt, signed=True)})" in headline
+    assert f"the optimizer step ({format_bytes(opt, signed=True)}) is within 1%" in headline
 
 
 def test_every_output_opens_with_the_same_headline(shared, capsys, tmp_path):
