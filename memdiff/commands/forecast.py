@@ -7,7 +7,7 @@ import sys
 
 from memdiff.atomic import check_output, write_output
 from memdiff.baseline import read_baseline
-from memdiff.commands.args import add_rules_arguments, rules_from, size_arg
+from memdiff.commands.args import add_rules_arguments, count_arg, rules_from, size_arg
 from memdiff.errors import EXIT_REGRESSION, InputError
 from memdiff.forecasting import forecast, judge_headroom, parse_run
 from memdiff.render import forecast as render
@@ -21,21 +21,11 @@ DESCRIPTION = ("Forecast the peak at a batch size or length not run, from runs o
                "when the largest value that fits falls below it).")
 
 
-def _value(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a knob value (a positive integer)") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} is not a knob value (a positive integer)")
-    return value
-
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The subcommand's arguments."""
     p.add_argument("runs", nargs="+", metavar="RUN=VALUE",
                    help="a snapshot and its knob value (batch size, sequence length, ...): two or more runs")
-    p.add_argument("--at", type=_value, nargs="+", default=[], metavar="VALUE",
+    p.add_argument("--at", type=count_arg, nargs="+", default=[], metavar="VALUE",
                    help="values to forecast (default: twice the largest run's); the first one is the JSON's "
                         "predicted_peak_bytes")
     p.add_argument("--budget", type=size_arg, metavar="SIZE",
