@@ -294,12 +294,13 @@ class StackNormalizer:
         self._decoded_bytes = decoded_bytes or 0
         self._frame_budget = None if decoded_bytes is None else max(1, decoded_bytes) // MIN_FRAME_BYTES
         self._frames_left = self._frame_budget
-        self._kept_alive: List[Any] = []
+        self._updates: Dict[int, Any] = {}  # id -> frames list standing in as an in-place update's
 
-    def keep_alive(self, frames_lists: Iterable[Any]) -> None:
-        """Keep frames lists made by memdiff (not the snapshot's) alive while this normalizer caches
-        stacks by the identity of their lists."""
-        self._kept_alive.extend(frames_lists)
+    def mark_updates(self, frames_lists: Iterable[Any]) -> None:
+        """Frames lists memdiff made from an optimizer's in-place update, standing in for the stack
+        of memory live before the trace: as freed stacks their sites read `updated in place at`,
+        everywhere they are shown. Kept alive here, as stacks are cached by the identity of lists."""
+        self._updates.update((id(frames), frames) for frames in frames_lists)
 
     def stack(self, raw_frames: Optional[List[Any]], freed: bool = False, before_trace: bool = False,
               guessed: bool = False) -> Stack:
@@ -313,9 +314,10 @@ class StackNormalizer:
         if len(raw_frames) > MAX_STACK_FRAMES:
             raise ValueError(f"a stack of {len(raw_frames):,} frames, deeper than any program's "
                              f"(at most {MAX_STACK_FRAMES:,} are read): not a real snapshot")
-        return self._stacks.get(raw_frames, freed)
+        prefix = (UPDATED_PREFIX if id(raw_frames) in self._updates else FREED_PREFIX) if freed else ""
+        return self._stacks.get(raw_frames, prefix)
 
-    def _normalized(self, raw_frames: List[Any], freed: bool) -> Stack:
+    def _normalized(self, raw_frames: List[Any], prefix: str) -> Stack:
         self.computed += 1
         if self._frames_left is not None:
             self._frames_left -= len(raw_frames)
@@ -333,9 +335,9 @@ class StackNormalizer:
         parts = [f"{k.key}:{k.name}" if k.kind == "py" else MODULE_NUMBER.sub("", k.name) if k.kind == "module"
                  else k.name for k in kept]
         site = _site(kept)
-        if freed:
+        if prefix:  # a stack standing in for the allocation's: signed as every freed stack is
             parts.insert(0, "freed")
-            site = FREED_PREFIX + site
+            site = prefix + site
         frames = tuple(k.frame for k in kept)
         return Stack(signature_of(parts), site, frames)
 

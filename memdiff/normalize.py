@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import bisect
 from array import array
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Set, Tuple
 
 import numpy as np
@@ -23,7 +23,7 @@ import numpy as np
 from memdiff import __version__
 from memdiff.classify import Rule
 from memdiff.errors import InputError, brief, number
-from memdiff.frames import FREED_PREFIX, UPDATED_PREFIX, Stack, StackNormalizer, relativize, signature_of
+from memdiff.frames import Stack, StackNormalizer, relativize, signature_of
 from memdiff.history import Allocations, history_of, peak_bars, window_maxima
 from memdiff.lifetimes import (
     BACKWARD,
@@ -65,7 +65,6 @@ class _Live:
     end_event: int  # the event that frees its last version; the trace length when never freed
     earlier: bool  # allocated in a step before the peak's
     reached_peak: bool = False  # the allocation whose event is the peak
-    updated: bool = False  # `frames` is the stack of an optimizer's in-place update standing in
     guessed: bool = False  # live before the trace with no stack, no freeing and no update telling what it is
     lifetime: Lifetime = LIFETIMES[0]  # filled in for all items at once
 
@@ -258,7 +257,10 @@ def _optimizer_state_stand_ins(walk: _Walk, trace: List[Dict[str, Any]], timelin
         elif turns:
             grads: Dict[int, int] = {}
             for backward in step_backwards:
-                made = allocs[(allocs >= backward.start_event) & (allocs <= backward.end_event)]
+                # allocs is ascending: the run's allocations are one slice, found by bisection (a
+                # mask would read every allocation of the trace for every step's backward).
+                made = allocs[np.searchsorted(allocs, backward.start_event):
+                              np.searchsorted(allocs, backward.end_event, side="right")]
                 for j in made.tolist():
                     # A gradient still held when the step runs, counted once: by its first version
                     # (a later micro-batch adds into it in place, writing new versions).
@@ -336,7 +338,7 @@ def _live_at(walk: _Walk, trace: List[Dict[str, Any]], p: int, dump_only: List[T
             assert unmatched is not None  # origin() gives one of the two
             frames = stand_ins.get(unmatched) or trace[unmatched].get("frames")
             items.append(_Live(frames, trace[j]["size"], freed=True, before_trace=True, entry=None, born_event=-1,
-                               end_event=end, earlier=False, reached_peak=j == p, updated=unmatched in stand_ins,
+                               end_event=end, earlier=False, reached_peak=j == p,
                                guessed=not frames and unmatched not in weights and end >= n))
             continue
         step = timeline.step_index_at(first)
@@ -349,7 +351,7 @@ def _live_at(walk: _Walk, trace: List[Dict[str, Any]], p: int, dump_only: List[T
     for i in walk.unmatched[bisect.bisect_right(walk.unmatched, p):]:
         e = trace[i]
         items.append(_Live(stand_ins.get(i) or e.get("frames"), e["size"], freed=True, before_trace=True, entry=None,
-                           born_event=-1, end_event=walk.end(i), earlier=False, updated=i in stand_ins))
+                           born_event=-1, end_event=walk.end(i), earlier=False))
     items.extend(_Live(frames, size, freed=False, before_trace=True, entry=None, born_event=-1, end_event=n,
                        earlier=False, guessed=not frames) for size, frames in dump_only)
     codes = timeline.lifetime_codes(np.array([item.born_event for item in items], dtype=np.int64),
@@ -478,7 +480,7 @@ def _device_summary(snapshot: Snapshot, device: int, stacks: StackNormalizer,
     p = -1 if peak_index is None else peak_index
     n = len(trace)
     stand_ins, weights = _optimizer_state_stand_ins(walk, trace, timeline)
-    stacks.keep_alive(stand_ins.values())  # stacks are cached by the identity of their frames list
+    stacks.mark_updates(stand_ins.values())
     live_items = _live_at(walk, trace, p, dump_only, timeline, stand_ins, weights)
     # A re-versioned tensor is not memory from before a truncated trace: no advice to record more.
     reversioned = [i for i in walk.unmatched if i in walk.continued_by]
@@ -514,12 +516,15 @@ def _device_summary(snapshot: Snapshot, device: int, stacks: StackNormalizer,
     by_label = _labels(trace, walk.annotations, live_items, peak_index)
     times = [_time(path, device, trace, 0), _time(path, device, trace, len(trace) - 1)] if trace else [None, None]
     history = None
-    if keep is not None:
-        keep[device] = _allocations(path, walk, trace, dump_only, timeline, stacks, stand_ins)
-    if history_rules is not None:
+    # Every allocation, read once for whoever asks (the history draws them, the forecast replays them).
+    everything = (_allocations(path, walk, trace, dump_only, timeline, stacks, stand_ins)
+                  if keep is not None or history_rules is not None else None)
+    if keep is not None and everything is not None:
+        keep[device] = everything
+    if history_rules is not None and everything is not None:
         bars = peak_bars([(g.signature, allocations_of[g.signature]) for g in groups])
-        history = history_of(_allocations(path, walk, trace, dump_only, timeline, stacks, stand_ins), running + static,
-                             lambda i: _time(path, device, trace, i), history_rules, bars)
+        history = history_of(everything, running + static, lambda i: _time(path, device, trace, i), history_rules,
+                             bars)
     allocated = (sum(s["allocated_size"] for s in segments) if all("allocated_size" in s for s in segments)
                  else sum(b["size"] for s in segments for b in s.get("blocks", [])
                           if b["state"] == "active_allocated"))
@@ -638,8 +643,6 @@ def _group(path: str, items: List[_Live], stacks: StackNormalizer
         key = (stack.signature, item.lifetime)
         slot = by_key.get(key)
         if slot is None:
-            if item.updated and stack.site.startswith(FREED_PREFIX):
-                stack = replace(stack, site=UPDATED_PREFIX + stack.site[len(FREED_PREFIX):])
             slot = by_key[key] = _Slot(stack, item.lifetime)
         slot.allocations.append((item.born_event, item.end_event, item.size))
         slot.count += 1
