@@ -23,9 +23,7 @@ imports torch.
 from __future__ import annotations
 
 import difflib
-import multiprocessing
 import os
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field
 from fractions import Fraction
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -36,7 +34,7 @@ from memdiff import __version__
 from memdiff.classify import Rule, classify
 from memdiff.errors import InputError
 from memdiff.history import Allocations, category_codes
-from memdiff.inputs import PARALLEL_MIN_BYTES, _is_summary, worker_count
+from memdiff.inputs import is_summary, read_each
 from memdiff.limits import Headroom
 from memdiff.load import MAX_BYTES, decode, paused_gc, to_snapshot
 from memdiff.model import PhaseSpan, Step, Summary
@@ -238,7 +236,7 @@ def read_course(path: str, value: int, rules: Sequence[Rule]) -> Course:
     """One run's Summary and allocations: the snapshot is decoded and walked once."""
     with paused_gc():
         raw, source, decoded = decode(path)
-        if _is_summary(raw):
+        if is_summary(raw):
             raise InputError(path, "a stored summary holds only the peak; a forecast replays every "
                                    "allocation, so give it the snapshot itself")
         keep: Dict[int, Allocations] = {}
@@ -278,15 +276,8 @@ def read_course(path: str, value: int, rules: Sequence[Rule]) -> Course:
 
 
 def read_courses(runs: Sequence[KnobRun], rules: Sequence[Rule]) -> List[Course]:
-    """read_course of each (path, value), in parallel worker processes for big inputs (as
-    inputs.read_summaries does)."""
-    sizes = [os.path.getsize(r.path) if os.path.isfile(r.path) else 0 for r in runs]
-    workers = worker_count(sizes)
-    if workers < 2 or sum(sizes) < PARALLEL_MIN_BYTES:
-        return [read_course(r.path, r.value, rules) for r in runs]
-    with ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn")) as pool:
-        futures = [pool.submit(read_course, r.path, r.value, rules) for r in runs]
-        return [f.result() for f in futures]
+    """read_course of each (path, value), big inputs in parallel worker processes (inputs.read_each)."""
+    return read_each(read_course, [(r.path, r.value, rules) for r in runs])
 
 
 # ---------------------------------------------------------------- one loop?

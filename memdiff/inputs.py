@@ -8,7 +8,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 from concurrent.futures import ProcessPoolExecutor
-from typing import Any, List, Optional, Sequence
+from typing import Any, Callable, List, Optional, Sequence, TypeVar
 
 from memdiff.classify import Rule, classify
 from memdiff.errors import InputError, shown
@@ -18,7 +18,8 @@ from memdiff.normalize import summarize
 from memdiff.schema import validate
 
 
-def _is_summary(raw: Any) -> bool:
+def is_summary(raw: Any) -> bool:
+    """Whether a decoded input is a summary `memdiff summarize` wrote, rather than a snapshot."""
     return isinstance(raw, dict) and "schema_version" in raw and "devices" in raw
 
 
@@ -30,7 +31,7 @@ def read_summary(path: str, rules: Sequence[Rule], history: bool = False) -> Sum
     """
     with paused_gc():
         raw, source, decoded = decode(path)
-        if not _is_summary(raw):
+        if not is_summary(raw):
             summary = summarize(to_snapshot(path, raw, source, decoded), rules if history else None)
             del raw  # freed by reference counting before the collector resumes
             return classify(summary, rules)
@@ -76,18 +77,27 @@ def worker_count(sizes: Sequence[int]) -> int:
     return workers
 
 
-def read_summaries(paths: Sequence[str], rules: Sequence[Rule], history: bool = False) -> List[Summary]:
-    """`read_summary` of each path; big inputs are read in parallel worker processes, as many
-    as the cores and the available memory allow (see worker_count).
+T = TypeVar("T")
 
-    Only the summaries (a few KB each) cross the process boundary, so two million-event
-    snapshots cost about as much as the larger one alone. Workers are spawned rather than
-    forked: forking a process that may hold numpy's threads can deadlock.
+
+def read_each(read: Callable[..., T], calls: Sequence[Sequence[Any]]) -> List[T]:
+    """`read(*call)` for each call, whose first argument is a file's path; big inputs are read
+    in parallel worker processes, as many as the cores and the available memory allow (see
+    worker_count).
+
+    Only what `read` returns crosses the process boundary, so two million-event snapshots cost
+    about as much as the larger one alone. Workers are spawned rather than forked: forking a
+    process that may hold numpy's threads can deadlock.
     """
-    sizes = [os.path.getsize(p) if os.path.isfile(p) else 0 for p in paths]
+    sizes = [os.path.getsize(c[0]) if os.path.isfile(c[0]) else 0 for c in calls]
     workers = worker_count(sizes)
     if workers < 2 or sum(sizes) < PARALLEL_MIN_BYTES:
-        return [read_summary(p, rules, history) for p in paths]
+        return [read(*c) for c in calls]
     with ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn")) as pool:
-        futures = [pool.submit(read_summary, p, rules, history) for p in paths]
+        futures = [pool.submit(read, *c) for c in calls]
         return [f.result() for f in futures]
+
+
+def read_summaries(paths: Sequence[str], rules: Sequence[Rule], history: bool = False) -> List[Summary]:
+    """`read_summary` of each path, big inputs in parallel (read_each)."""
+    return read_each(read_summary, [(p, rules, history) for p in paths])
