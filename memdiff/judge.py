@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Dict, List, Optional, Tuple
 
-from memdiff.differ import GREW, NEW, PEAK, CategoryHigh, Diff, label_rows
+from memdiff.differ import GREW, NEW, PEAK, CategoryHigh, Diff
 from memdiff.errors import InputError
 from memdiff.limits import Limit, Thresholds, pct_text
 from memdiff.model import DeviceSummary, Summary
@@ -135,8 +135,7 @@ def judge(diff: Diff, thresholds: Thresholds, update_hint: Optional[str] = None,
                          f"({pct_text(round(-drop, 1))}): consider "
                          f"updating the baseline: {update_hint}")
         if not peak.passed:
-            growth = [replace(r) for r in d.rows if r.status in (NEW, GREW)][:TOP_GROWTH]
-            label_rows(growth)  # modules named only where two of these would read alike
+            growth = [r for r in d.rows if r.status in (NEW, GREW)][:TOP_GROWTH]
             notes.append(f"device {d.device}: {moment} grew by {format_bytes(d.peak_delta_bytes)}; top growth: "
                          + ", ".join(f"{r.label or r.site} {format_bytes(r.delta_bytes, signed=True)}" for r in growth))
     return Verdict(passed=all(c.passed for c in checks), rule=thresholds.describe(), checks=checks, notes=notes)

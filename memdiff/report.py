@@ -25,7 +25,6 @@ from memdiff.differ import (
     DiffRow,
     PhaseDelta,
     diff,
-    label_rows,
     where_text,
 )
 from memdiff.errors import InputError
@@ -425,8 +424,9 @@ def device_report(d: DeviceDiff, top: int, min_delta: int, like: Optional[Device
     one row, and a TOTAL that adds up to the delta exactly) and word the device's lines."""
     changed = [r for r in d.rows if r.status != SAME and abs(r.delta_bytes) >= max(min_delta, 1)]
     kept_ids = {id(r) for r in changed[:top]}
-    shown = [replace(r) for r in changed[:top]]
-    label_rows(shown)  # a context is added only where two shown rows would read alike
+    # Rows keep the labels the differ gave them over all rows: the same row reads the same in the
+    # table, the headline and the notes, whatever --top shows.
+    shown = changed[:top]
     rest = [r for r in d.rows if id(r) not in kept_ids]
     others_label = count_of(len(rest), "other")
     moment = moment_name(d.at)
@@ -511,7 +511,6 @@ def _cause(d: DeviceDiff, sign: int) -> Optional[str]:
                     and abs(c.delta_bytes) * WEIGHTS_LEAD >= abs(largest.delta_bytes)), None)
     c = weights or largest
     rows = [r for r in d.rows if r.category == c.category and r.delta_bytes * sign > 0][:SITES_NAMED]
-    label_rows(rows := [replace(r) for r in rows])
     sites = ", ".join(f"{r.label or r.site} {format_bytes(r.delta_bytes, signed=True)}"
                       + (" new" if r.status == NEW else "") for r in rows)
     text = f"{c.category} {change_text(c.base_bytes, c.head_bytes)}" + (f" ({sites})" if sites else "")

@@ -124,3 +124,15 @@ def test_a_wider_model_is_explained_by_its_weights(torch, tmp_path):
     headline = memdiff.diff(tmp_path / "a.pickle", tmp_path / "b.pickle").headline
     assert f": parameter {format_bytes(wide - small, signed=True)} " in headline
     assert "and with the weights" in headline and "optimizer_state +" in headline and "gradient +" in headline
+
+
+@pytest.mark.parametrize("top", ["1", "5", "40"])
+def test_a_row_reads_the_same_in_the_table_the_headline_and_the_notes(shared, capsys, top):
+    # Two _to_copy rows share a site; the one shown must carry the same label in every place,
+    # whatever --top leaves in the table (a label worked out per subset read differently).
+    out = _out(capsys, shared / "cs336-ctx128-fwd-fp32.pickle", shared / "cs336-ctx128-fwd-mixed.pickle",
+               "--top", top)
+    label = "functional.py:einsum <- einsum <- _to_copy [transformer.py:22]"
+    assert f"({label} +6.64 GiB new" in out.splitlines()[0]
+    assert any(line.startswith("NEW") and line.rstrip().endswith(label) for line in out.splitlines())
+    assert f"top growth: {label} +6.64 GiB" in out
