@@ -61,16 +61,39 @@ def _history_options(record_history: Any) -> Dict[str, Any]:
     return {"global_record_annotations": True} if "global_record_annotations" in accepted else {}
 
 
+def _without_checkpoint_early_stop(torch: Any) -> contextlib.AbstractContextManager:
+    """Non-reentrant activation checkpointing with its early stop turned off.
+
+    The early stop ends a recomputation by raising an exception from inside an operator; with the
+    allocator's history on, that exception is lost and the training fails with `SystemError: ...
+    returned NULL without setting an exception` (torch 2.11, H100, Hugging Face GPT-2 with
+    gradient checkpointing, stacks python and all alike). Without the early stop the
+    recomputation runs to the end of each checkpointed segment: the same saved tensors, plus the
+    segment's last few temporaries. docs/recording.md says so to users.
+    """
+    from torch.utils import checkpoint
+
+    early_stop = getattr(checkpoint, "set_checkpoint_early_stop", None)
+    return early_stop(False) if early_stop is not None else contextlib.nullcontext()
+
+
 def start_cuda(torch: Any, max_entries: int, stacks: str) -> Callable[[], Any]:
     """Start the caching allocator's history; the returned function stops it and gives the snapshot."""
+    guard = contextlib.ExitStack()
+    guard.enter_context(_without_checkpoint_early_stop(torch))
     record_history = torch.cuda.memory._record_memory_history
-    record_history(enabled="all", stacks=stacks, max_entries=max_entries, **_history_options(record_history))
+    try:
+        record_history(enabled="all", stacks=stacks, max_entries=max_entries, **_history_options(record_history))
+    except BaseException:
+        guard.close()
+        raise
 
     def finish() -> Any:
         try:
             return torch.cuda.memory._snapshot()
         finally:
             torch.cuda.memory._record_memory_history(enabled=None)
+            guard.close()
     return finish
 
 
