@@ -28,10 +28,15 @@ HF_TEXT = ("gpt2", "bert", "llama", "t5", "mixtral", "neox", "distilbert")
 MODELS = (*HF_TEXT, "vit", "lstm", "mlp", "cnn")
 
 
-def hf_model(name: str, vocab: int = VOCAB, positions: int = POSITIONS) -> Tuple[nn.Module, List[nn.Module], int]:
-    """(model, its transformer layers, hidden size) of a small Hugging Face model."""
+def hf_model(name: str, vocab: int = VOCAB, positions: int = POSITIONS,
+             full: bool = False) -> Tuple[nn.Module, List[nn.Module], int]:
+    """(model, its transformer layers, hidden size) of a small Hugging Face model; with `full`,
+    GPT-2 from the library's default config (124M weights)."""
     import transformers as hf
 
+    if name == "gpt2" and full:
+        model = hf.GPT2LMHeadModel(hf.GPT2Config())
+        return model, list(model.transformer.h), model.config.n_embd
     if name == "gpt2":
         model = hf.GPT2LMHeadModel(hf.GPT2Config(n_layer=2, n_embd=128, n_head=4, vocab_size=vocab,
                                                  n_positions=positions))
@@ -128,7 +133,7 @@ def build(args: argparse.Namespace) -> Tuple[nn.Module, List[nn.Module], int, Ca
     b, s = args.batch, args.seq
     if args.model in HF_TEXT:
         vocab = args.vocab
-        model, layers, hidden = hf_model(args.model, vocab, args.positions)
+        model, layers, hidden = hf_model(args.model, vocab, args.positions, args.config == "full")
         classify = args.model in ("bert", "distilbert")
         labels = (lambda: torch.randint(0, 2, (b,))) if classify else (lambda: torch.randint(0, vocab, (b, s)))
 
@@ -178,6 +183,13 @@ def add_debug_projections(layers: List[nn.Module], hidden: int) -> Tuple[List[nn
     return projections, outputs
 
 
+def on_device(batch: Callable[[], Dict[str, torch.Tensor]], device: str) -> Callable[[], Dict[str, torch.Tensor]]:
+    """The batch maker, its tensors copied to `device` as a data loader's batches are."""
+    if device == "cpu":
+        return batch
+    return lambda: {k: v.to(device) for k, v in batch().items()}
+
+
 @contextlib.contextmanager
 def scope(name: str, on: bool) -> Iterator[None]:
     """A record_function scope when the run writes ground truth; nothing otherwise."""
@@ -207,6 +219,8 @@ def setup(args: argparse.Namespace) -> Tuple[nn.Module, List[nn.Parameter], torc
     """(model, trainable parameters, optimizer, debug outputs, batch maker, loss of a batch)."""
     torch.manual_seed(0)
     model, layers, hidden, batch, loss_of = build(args)
+    model.to(args.device)
+    batch = on_device(batch, args.device)
     if args.bf16:
         model.to(torch.bfloat16)
         make = batch
@@ -225,6 +239,8 @@ def setup(args: argparse.Namespace) -> Tuple[nn.Module, List[nn.Parameter], torc
         else:
             model.checkpoint = True
     projections, extra = add_debug_projections(layers, hidden) if args.debug_projections else ([], [])
+    for proj in projections:
+        proj.to(args.device)
     params = [p for p in model.parameters() if p.requires_grad] + [p for m in projections for p in m.parameters()]
     opt = make_optimizer(args.optimizer, params)
     model.train()
@@ -255,8 +271,9 @@ def generate(args: argparse.Namespace) -> None:
     """Inference: greedy generate() calls, each with a fresh prompt."""
     torch.manual_seed(0)
     model, _, _, batch, _ = build(args)
-    model.eval()
-    with record(args.out), torch.no_grad():
+    model.to(args.device).eval()
+    batch = on_device(batch, args.device)
+    with record(args.out, stacks=args.stacks), torch.no_grad():
         for _ in range(args.steps):
             model.generate(input_ids=batch()["input_ids"][:, :16], max_new_tokens=8, do_sample=False,
                            pad_token_id=0)
@@ -267,9 +284,10 @@ def infer(args: argparse.Namespace) -> None:
     """Inference: forwards in eval mode under torch.no_grad(), no backward, no optimizer step."""
     torch.manual_seed(0)
     model, _, _, batch, loss_of = build(args)
-    model.eval()
+    model.to(args.device).eval()
+    batch = on_device(batch, args.device)
     truth = bool(args.truth)
-    with record(args.out), torch.no_grad():
+    with record(args.out, stacks=args.stacks), torch.no_grad():
         for step in range(args.steps):
             with scope(f"ProfilerStep#{step}", truth), scope("## forward ##", truth):
                 out = loss_of(model, batch())
@@ -285,7 +303,7 @@ def train(args: argparse.Namespace) -> None:
         infer(args)
         return
     built = None if args.inside else setup(args)
-    autocast = torch.autocast("cpu", dtype=torch.bfloat16) if args.autocast else contextlib.nullcontext()
+    autocast = torch.autocast(args.device, dtype=torch.bfloat16) if args.autocast else contextlib.nullcontext()
     truth = bool(args.truth)
     logged: List[Any] = []
     kept_weights: List[List[torch.Tensor]] = []
@@ -345,7 +363,7 @@ def train(args: argparse.Namespace) -> None:
     if built is not None:
         for _ in range(args.warmup):  # warm-up steps before recording: the state is made here
             one_step(-1, *built)
-    with record(args.out):
+    with record(args.out, stacks=args.stacks):
         if built is None:
             # As a test does: the model and optimizer made inside the recording, freed on return.
             inside = setup(args)
@@ -444,6 +462,11 @@ def main() -> None:
     p.add_argument("--positions", type=int, default=POSITIONS,
                    help="position embeddings of the Hugging Face models (at least --seq)")
     p.add_argument("--inference", action="store_true", help="eval-mode forwards under torch.no_grad() only")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="where the model runs; on cuda memdiff records the caching allocator's history")
+    p.add_argument("--config", choices=("small", "full"), default="small",
+                   help="full: GPT-2 from the library's default GPT2Config (124M weights; give --vocab 50257)")
+    p.add_argument("--stacks", choices=("all", "python"), default="all", help="CUDA stacks (memdiff record's option)")
     p.add_argument("--jobs", help="a JSON list of argument lists: record each in turn, in this one process")
     args = p.parse_args()
     # Several runs in one process pay for importing torch and transformers once.
