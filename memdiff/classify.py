@@ -25,7 +25,7 @@ from memdiff.schema import validate
 
 OTHER = "other"
 # Categories expected to live across steps; memory of any other kept from an earlier step is a leak.
-PERSISTENT = ("parameter", "gradient", "optimizer_state")
+PERSISTENT = ("parameter", "gradient", "optimizer_state", "workspace")
 USER_PRIORITY = 10_000  # user rules without a priority rank above every built-in rule
 
 @dataclass(frozen=True)

@@ -120,8 +120,9 @@ class PhaseDelta:
 
 @dataclass
 class Kept:
-    """Bytes live at the compared moment that were allocated in an earlier step and are not
-    parameters, gradients or optimizer state, in both runs, and the rows holding more in head."""
+    """Bytes live at the compared moment that were allocated in an earlier step and are of no
+    category meant to outlive a step (classify.PERSISTENT), in both runs, and the rows holding
+    more in head."""
 
     base_bytes: int
     head_bytes: int

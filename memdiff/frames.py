@@ -60,8 +60,10 @@ PLUMBING_PY = (
      re.compile(r".")),
 )
 
-# Native frames worth keeping: the op Python called, autograd nodes, communication.
+# Native frames worth keeping: the op Python called, autograd nodes, communication, a BLAS
+# handle's workspace (made by a thread's first matrix product, kept for the handle's life).
 LANDMARKS = (
+    ("workspace", re.compile(r"^at::cuda::(setWorkspaceForHandle|getCUDABlasLtWorkspace)\b")),
     ("op", re.compile(r"^at::_ops::(\w+)::call\b")),
     ("node", re.compile(r"^torch::autograd::(?:generated::)?(\w+)::apply\b")),
     ("engine", re.compile(r"^torch::autograd::Engine::(evaluate_function)\b")),
@@ -98,6 +100,11 @@ NO_STACK_BEFORE_TRACE = "<no stack: live before the trace>"
 # ...never freed and never updated in a way that tells what it is: its category is a guess
 # (parameter, by the built-in rules; docs/categories.md).
 NO_STACK_GUESSED = "<no stack: live before the trace, category guessed>"
+# ...of which, on CUDA captures, further copies of the sizes of the weights the backward makes
+# gradients for: optimizer state made before recording, by guess (normalize._state_by_sizes).
+NO_STACK_STATE_GUESSED = "<no stack: live before the trace, optimizer state by its sizes, guessed>"
+GUESS_PARAMETER, GUESS_STATE = "parameter", "optimizer_state"
+GUESSED_LABELS = {GUESS_PARAMETER: NO_STACK_GUESSED, GUESS_STATE: NO_STACK_STATE_GUESSED}
 
 
 @dataclass(frozen=True)
@@ -225,19 +232,22 @@ def _site(kept: Sequence[_Kept]) -> str:
     called, and the innermost op doing the work when that is another (`<- linear <- addmm`)."""
     ops: List[str] = []
     where = None
+    workspace = []  # a BLAS workspace is named last: the op only asked for it
     for k in kept:
         if k.kind == "op":
             ops.append(k.label)
+        elif k.kind == "workspace":
+            workspace = [k.label]
         elif k.kind in ("py", "node"):
             where = f"{posixpath.basename(k.file)}:{k.label}" if k.kind == "py" else k.label
             break
     if not ops:
-        return where or (kept[0].label if kept else NO_STACK)
+        return " <- ".join(([where] if where else []) + workspace) or (kept[0].label if kept else NO_STACK)
     chain = [ops[-1]]  # the outermost op: the one the caller asked for
     working = next((op for op in ops if not FACTORY_OP.match(op)), None)
     if working and working != ops[-1]:
         chain.append(working)
-    return " <- ".join(([where] if where else []) + chain)
+    return " <- ".join(([where] if where else []) + chain + workspace)
 
 
 def signature_of(parts: Iterable[str]) -> str:
@@ -303,11 +313,11 @@ class StackNormalizer:
         self._updates.update((id(frames), frames) for frames in frames_lists)
 
     def stack(self, raw_frames: Optional[List[Any]], freed: bool = False, before_trace: bool = False,
-              guessed: bool = False) -> Stack:
+              guess: Optional[str] = None) -> Stack:
         """The Stack for one raw frames list; `freed` marks a free's stack standing in for an allocation's,
-        `guessed` memory without one whose category nothing in the trace tells."""
+        `guess` (GUESS_PARAMETER or GUESS_STATE) the category guessed for memory without one."""
         if not raw_frames:
-            label = (NO_STACK_GUESSED if guessed else NO_STACK_BEFORE_TRACE) if before_trace else NO_STACK
+            label = (GUESSED_LABELS[guess] if guess else NO_STACK_BEFORE_TRACE) if before_trace else NO_STACK
             return Stack(signature_of([label]), label, ())
         if not isinstance(raw_frames, list):
             raise ValueError(f"'frames' is a {type(raw_frames).__name__}, not a list")

@@ -23,7 +23,7 @@ import numpy as np
 from memdiff import __version__
 from memdiff.classify import Rule
 from memdiff.errors import InputError, brief, number
-from memdiff.frames import Stack, StackNormalizer, relativize, signature_of
+from memdiff.frames import GUESS_PARAMETER, GUESS_STATE, Stack, StackNormalizer, relativize, signature_of
 from memdiff.history import Allocations, history_of, peak_bars, window_maxima
 from memdiff.lifetimes import (
     BACKWARD,
@@ -65,7 +65,9 @@ class _Live:
     end_event: int  # the event that frees its last version; the trace length when never freed
     earlier: bool  # allocated in a step before the peak's
     reached_peak: bool = False  # the allocation whose event is the peak
-    guessed: bool = False  # live before the trace with no stack, no freeing and no update telling what it is
+    # The category guessed for memory live before the trace with no stack, no freeing and no update
+    # telling what it is (GUESS_PARAMETER or GUESS_STATE); None when something tells.
+    guess: Optional[str] = None
     lifetime: Lifetime = LIFETIMES[0]  # filled in for all items at once
 
 
@@ -184,6 +186,83 @@ def _is_reversion(freed: Dict[str, Any], e: Dict[str, Any]) -> bool:
 SCALAR_BYTES = 4
 
 
+def _gradient_sizes(walk: _Walk, trace: List[Dict[str, Any]], backwards: Sequence[Any], step: Any) -> Dict[int, int]:
+    """size -> how many: what the backward runs before an optimizer run made and still hold when
+    it starts, the gradients it reads (one per trainable weight), each counted once."""
+    allocs = np.frombuffer(walk.allocs, dtype=np.int64) if len(walk.allocs) else np.zeros(0, np.int64)
+    closed = np.frombuffer(walk.closed, dtype=np.int64)
+    grads: Dict[int, int] = {}
+    for backward in backwards:
+        # allocs is ascending: the run's allocations are one slice, found by bisection (a
+        # mask would read every allocation of the trace for every step's backward).
+        made = allocs[np.searchsorted(allocs, backward.start_event):
+                      np.searchsorted(allocs, backward.end_event, side="right")]
+        for j in made.tolist():
+            # Counted once, by its first version (a later micro-batch adds into it in place,
+            # writing new versions).
+            if j not in walk.version_of and walk.end(int(closed[j])) > step.start_event:
+                grads[trace[j]["size"]] = grads.get(trace[j]["size"], 0) + 1
+    return grads
+
+
+# Of the gradients' bytes, the share that must find its further copies among the frameless
+# blocks before they are read as optimizer state (the rest: other things the backward kept).
+STATE_COVERAGE = 0.99
+MAX_STATE_PER_WEIGHT = 3  # AdamW with amsgrad: exp_avg, exp_avg_sq, max_exp_avg_sq
+
+
+@dataclass
+class _DumpBlock:
+    """A block allocated at the dump that the trace never opened: memory older than the trace."""
+
+    size: int
+    frames: Optional[List[Any]]
+    guess: Optional[str] = None  # the category guessed when it has no frames
+
+
+def _state_by_sizes(blocks: List[_DumpBlock], walk: _Walk, trace: List[Dict[str, Any]], timeline: Timeline) -> None:
+    """Guess the category of the frameless blocks older than the trace (CUDA captures): parameter,
+    or optimizer state where their sizes hold further copies of the gradients'.
+
+    An optimizer keeps each state tensor the shape of its weight, so state made before recording
+    (in a constructor, as Adagrad's; in a warm-up step) leaves, of every gradient's size, 1 + k
+    blocks per gradient (k state tensors per weight) where the weights alone leave one. The first
+    optimizer step after a backward shows the gradients; the largest k (at most
+    MAX_STATE_PER_WEIGHT) whose copies are there for nearly all their bytes is taken, and k blocks
+    per gradient of each size are marked state. Which block of a size is a weight and which
+    state cannot be told: the bytes can, and the site says they are a guess.
+    """
+    frameless = [b for b in blocks if not b.frames]
+    for b in frameless:
+        b.guess = GUESS_PARAMETER
+    backwards: List[Any] = []
+    grads: Dict[int, int] = {}
+    for run in timeline.runs:
+        if run.phase == BACKWARD:
+            backwards.append(run)
+        elif run.phase == OPTIMIZER and backwards:
+            grads = _gradient_sizes(walk, trace, backwards, run)
+            break
+    by_size: Dict[int, List[_DumpBlock]] = {}
+    for b in frameless:
+        by_size.setdefault(b.size, []).append(b)
+    # A weight older than the trace has a block of its gradient's size there: what else the
+    # backward kept (a BLAS workspace, a buffer a hook holds) does not. Weights made in the trace
+    # (most of the gradients' bytes without such blocks) leave nothing to guess.
+    weights_older = {size: count for size, count in grads.items() if len(by_size.get(size, ())) >= count}
+    total = sum(size * count for size, count in weights_older.items())
+    if not total or total < sum(size * count for size, count in grads.items()) / 2:
+        return
+    grads = weights_older
+    for k in range(MAX_STATE_PER_WEIGHT, 0, -1):
+        covered = [size for size, count in grads.items() if len(by_size.get(size, ())) >= (1 + k) * count]
+        if sum(size * grads[size] for size in covered) >= STATE_COVERAGE * total:
+            for size in covered:
+                for b in by_size[size][-k * grads[size]:]:
+                    b.guess = GUESS_STATE
+            return
+
+
 def _optimizer_state_stand_ins(walk: _Walk, trace: List[Dict[str, Any]], timeline: Timeline
                                ) -> Tuple[Dict[int, List[Any]], Set[int]]:
     """For tensors live before the trace that an optimizer step updates in place as its state (on
@@ -214,8 +293,6 @@ def _optimizer_state_stand_ins(walk: _Walk, trace: List[Dict[str, Any]], timelin
                 break
     events.sort()
     at = [e for e, _ in events]
-    allocs = np.frombuffer(walk.allocs, dtype=np.int64) if len(walk.allocs) else np.zeros(0, np.int64)
-    closed = np.frombuffer(walk.closed, dtype=np.int64)
     votes: Dict[int, int] = {}  # root -> state votes minus weight votes
     first_in_run: Dict[int, Tuple[int, int, int]] = {}  # root -> (event, run start, run end) of its first state vote
     backwards: List[Any] = []  # the backward runs since the last optimizer run (micro-batches)
@@ -255,17 +332,7 @@ def _optimizer_state_stand_ins(walk: _Walk, trace: List[Dict[str, Any]], timelin
         if len(turns) > 1:
             weights = {t[-1] for t in turns}
         elif turns:
-            grads: Dict[int, int] = {}
-            for backward in step_backwards:
-                # allocs is ascending: the run's allocations are one slice, found by bisection (a
-                # mask would read every allocation of the trace for every step's backward).
-                made = allocs[np.searchsorted(allocs, backward.start_event):
-                              np.searchsorted(allocs, backward.end_event, side="right")]
-                for j in made.tolist():
-                    # A gradient still held when the step runs, counted once: by its first version
-                    # (a later micro-batch adds into it in place, writing new versions).
-                    if j not in walk.version_of and walk.end(int(closed[j])) > run.start_event:
-                        grads[trace[j]["size"]] = grads.get(trace[j]["size"], 0) + 1
+            grads = _gradient_sizes(walk, trace, step_backwards, run)
             by_size: Dict[int, List[int]] = {}
             for root in turns[0]:
                 by_size.setdefault(size[root], []).append(root)
@@ -322,7 +389,7 @@ def _timeline(static: int, running: np.ndarray) -> List[List[int]]:
     return [[i, int(totals[i])] for i in window_maxima(totals, TIMELINE_POINTS).tolist()]
 
 
-def _live_at(walk: _Walk, trace: List[Dict[str, Any]], p: int, dump_only: List[Tuple[int, Any]],
+def _live_at(walk: _Walk, trace: List[Dict[str, Any]], p: int, dump_only: List[_DumpBlock],
              timeline: Timeline, stand_ins: Dict[int, List[Any]], weights: Set[int]) -> List[_Live]:
     """Every allocation live after event `p` with its lifetime: open allocations, memory live
     before the trace and freed after `p`, and dump blocks the trace never opened. Memory live
@@ -337,9 +404,10 @@ def _live_at(walk: _Walk, trace: List[Dict[str, Any]], p: int, dump_only: List[T
         if first is None:
             assert unmatched is not None  # origin() gives one of the two
             frames = stand_ins.get(unmatched) or trace[unmatched].get("frames")
+            guessed = not frames and unmatched not in weights and end >= n
             items.append(_Live(frames, trace[j]["size"], freed=True, before_trace=True, entry=None, born_event=-1,
                                end_event=end, earlier=False, reached_peak=j == p,
-                               guessed=not frames and unmatched not in weights and end >= n))
+                               guess=GUESS_PARAMETER if guessed else None))
             continue
         step = timeline.step_index_at(first)
         # A scalar (the previous step's loss, waiting to be replaced) holds nothing worth a leak
@@ -352,8 +420,8 @@ def _live_at(walk: _Walk, trace: List[Dict[str, Any]], p: int, dump_only: List[T
         e = trace[i]
         items.append(_Live(stand_ins.get(i) or e.get("frames"), e["size"], freed=True, before_trace=True, entry=None,
                            born_event=-1, end_event=walk.end(i), earlier=False))
-    items.extend(_Live(frames, size, freed=False, before_trace=True, entry=None, born_event=-1, end_event=n,
-                       earlier=False, guessed=not frames) for size, frames in dump_only)
+    items.extend(_Live(b.frames, b.size, freed=False, before_trace=True, entry=None, born_event=-1, end_event=n,
+                       earlier=False, guess=b.guess) for b in dump_only)
     codes = timeline.lifetime_codes(np.array([item.born_event for item in items], dtype=np.int64),
                                     np.array([item.end_event for item in items], dtype=np.int64), n)
     for item, code in zip(items, codes.tolist()):
@@ -368,17 +436,17 @@ class _Kinds:
         self.path, self.stacks = path, stacks
         self.kinds: List[Tuple[Stack, int]] = []
         # (id of a frames list, freed, live before the trace) -> stack number: the hot loop's lookup
-        self.by_list: Dict[Tuple[int, bool, bool], int] = {}
+        self.by_list: Dict[Tuple[int, bool, bool, Optional[str]], int] = {}
         self._numbers: Dict[int, int] = {}  # id of a Stack -> its number
         self._stacks: List[Stack] = []
 
-    def stack_code(self, frames: Any, freed: bool, before_trace: bool) -> int:
+    def stack_code(self, frames: Any, freed: bool, before_trace: bool, guess: Optional[str] = None) -> int:
         """A number for the stack of `frames` (equal stacks, equal numbers)."""
-        key = (id(frames), freed, before_trace)
+        key = (id(frames), freed, before_trace, guess)
         code = self.by_list.get(key)
         if code is None:
             try:
-                stack = self.stacks.stack(frames, freed=freed, before_trace=before_trace)
+                stack = self.stacks.stack(frames, freed=freed, before_trace=before_trace, guess=guess)
             except ValueError as exc:
                 raise InputError(self.path, str(exc)) from None
             code = self._numbers.get(id(stack))
@@ -397,7 +465,7 @@ class _Kinds:
         return inverse.reshape(-1).astype(np.int64) + base
 
 
-def _allocations(path: str, walk: _Walk, trace: List[Dict[str, Any]], dump_only: List[Tuple[int, Any]],
+def _allocations(path: str, walk: _Walk, trace: List[Dict[str, Any]], dump_only: List[_DumpBlock],
                  timeline: Timeline, stacks: StackNormalizer, stand_ins: Dict[int, List[Any]]) -> Allocations:
     """Every allocation of the trace (each version of a re-versioned tensor on its own, with the
     first version's stack and the whole chain's lifetime), then memory from before the trace."""
@@ -427,15 +495,15 @@ def _allocations(path: str, walk: _Walk, trace: List[Dict[str, Any]], dump_only:
             add(stack_code(stand_ins.get(freed_by[k]) or trace[freed_by[k]].get("frames"), True, True))
             continue
         frames = trace[first].get("frames")
-        code = known.get((id(frames), False, False))
+        code = known.get((id(frames), False, False, None))
         add(stack_code(frames, False, False) if code is None else code)
     codes[: len(opened)] = first_codes
     m = len(opened)
     for k, i in enumerate(unmatched.tolist()):
         codes[m + k] = stack_code(stand_ins.get(i) or trace[i].get("frames"), True, True)
     m += len(unmatched)
-    for k, (_, frames) in enumerate(dump_only):
-        codes[m + k] = stack_code(frames, False, True)
+    for k, b in enumerate(dump_only):
+        codes[m + k] = stack_code(b.frames, False, True, b.guess)
     unmatched_ends = np.array([walk.end(i) for i in unmatched.tolist()], dtype=np.int64)
     life = timeline.lifetime_codes(
         np.concatenate((born, np.full(len(unmatched) + len(dump_only), -1, np.int64))),
@@ -444,7 +512,7 @@ def _allocations(path: str, walk: _Walk, trace: List[Dict[str, Any]], dump_only:
         start=np.concatenate((opened, np.zeros(len(unmatched) + len(dump_only), np.int64))),
         end=np.concatenate((closed, unmatched, np.full(len(dump_only), n, np.int64))),
         size=np.concatenate((deltas[opened], -deltas[unmatched],
-                             np.array([size for size, _ in dump_only], dtype=np.int64))),
+                             np.array([b.size for b in dump_only], dtype=np.int64))),
         kind=kinds.numbered(codes, life), kinds=kinds.kinds)
 
 
@@ -459,9 +527,9 @@ def _device_summary(snapshot: Snapshot, device: int, stacks: StackNormalizer,
 
     unmatched_bytes = -sum(walk.deltas[i] for i in walk.unmatched)
     static = unmatched_bytes
-    dump_only = [(size, frames) for addr, size, frames in _dump_blocks(segments)
+    dump_only = [_DumpBlock(size, frames) for addr, size, frames in _dump_blocks(segments)
                  if addr not in walk.open_at_end]
-    static += sum(size for size, _ in dump_only)
+    static += sum(b.size for b in dump_only)
 
     deltas = np.frombuffer(walk.deltas, dtype=np.int64) if len(trace) else np.zeros(0, np.int64)
     # Running totals are int64: sizes that could add up past it are no real trace (and would wrap).
@@ -480,6 +548,7 @@ def _device_summary(snapshot: Snapshot, device: int, stacks: StackNormalizer,
     p = -1 if peak_index is None else peak_index
     n = len(trace)
     stand_ins, weights = _optimizer_state_stand_ins(walk, trace, timeline)
+    _state_by_sizes(dump_only, walk, trace, timeline)
     stacks.mark_updates(stand_ins.values())
     live_items = _live_at(walk, trace, p, dump_only, timeline, stand_ins, weights)
     # A re-versioned tensor is not memory from before a truncated trace: no advice to record more.
@@ -637,7 +706,7 @@ def _group(path: str, items: List[_Live], stacks: StackNormalizer
     for item in items:
         try:
             stack: Stack = stacks.stack(item.frames, freed=item.freed, before_trace=item.before_trace,
-                                        guessed=item.guessed)
+                                        guess=item.guess)
         except ValueError as exc:
             raise InputError(path, str(exc)) from None
         key = (stack.signature, item.lifetime)

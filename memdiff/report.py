@@ -485,9 +485,9 @@ def _kept(d: DeviceDiff) -> Optional[str]:
 
 def kept_text(amount: str, sites: Sequence[str]) -> str:
     """The one wording of memory kept from earlier steps, in a run's peak report and in a diff:
-    `kept from earlier steps (not parameters, gradients or optimizer state): AMOUNT (SITE, ...)`."""
+    `kept from earlier steps (not parameters, gradients, optimizer state or workspaces): AMOUNT (SITE, ...)`."""
     more = f" and {len(sites) - KEPT_SITES:,} more" if len(sites) > KEPT_SITES else ""
-    return (f"kept from earlier steps (not parameters, gradients or optimizer state): {amount} "
+    return (f"kept from earlier steps (not parameters, gradients, optimizer state or workspaces): {amount} "
             f"({', '.join(sites[:KEPT_SITES])}{more})")
 
 

@@ -192,8 +192,8 @@ def test_a_leak_keeps_activations_from_earlier_steps(write_snapshot, capsys):
 
     assert main(["peak", write_snapshot(training(steps=3, leak=True), "leaky.pickle")]) == 0
     out = capsys.readouterr().out
-    assert ("kept from earlier steps (not parameters, gradients or optimizer state): 585.94 KiB live at the peak "
-            "(activation: linear.py:forward <- linear 585.94 KiB)") in out
+    assert ("kept from earlier steps (not parameters, gradients, optimizer state or workspaces): 585.94 KiB live at "
+            "the peak (activation: linear.py:forward <- linear 585.94 KiB)") in out
     assert main(["peak", write_snapshot(training(steps=3), "clean.pickle")]) == 0
     assert "kept from earlier steps" not in capsys.readouterr().out
 
