@@ -145,7 +145,7 @@ class DeviceReport:
     rows: List[ShownRow]
     others: Optional[List[str]]  # the folded rest's cells
     total: List[str]
-    like_for_like: Optional["DeviceReport"] = None  # the same device at the head's peak phase in both runs
+    like_for_like: Optional["DeviceReport"] = None  # the same device at one phase's peak in both runs (_moved_phase)
 
 
 @dataclass
@@ -369,14 +369,32 @@ def _input(role: str, source: Source) -> Input:
     return Input(role, source.file, f"{source.container}, format {source.generation}{sha}")
 
 
-def _like_for_like(d: DeviceDiff, base: Summary, head: Summary) -> Optional[DeviceDiff]:
-    """When the peaks are in different phases, the device compared at one phase's peak in both
-    runs: the phase that made the change, the head's peak phase when the peak grew (it rose past
-    the old peak), the base's when it went down (it fell below the new one). None when a run
-    does not keep what was live then (a baseline made before phase groups)."""
-    if d.at != PEAK or not d.head_peak_phase or not d.base_peak_phase or d.head_peak_phase == d.base_peak_phase:
+def _moved_phase(d: DeviceDiff) -> Optional[str]:
+    """The phase whose peak to compare in both runs when the device's peaks say too little.
+
+    Peaks in different phases: the phase that made the change, the head's peak phase when the
+    peak grew (it rose past the old peak), the base's when it went down (it fell below the new
+    one). Peaks in one phase that moved within 1% while another phase's peak moved more (with
+    `zero_grad(set_to_none=False)` the gradients live through the forward: the forward grows,
+    the optimizer step's peak does not): that other phase, the one that moved most."""
+    if d.at != PEAK or not d.head_peak_phase or not d.base_peak_phase:
         return None
-    phase = d.head_peak_phase if d.peak_delta_bytes >= 0 else d.base_peak_phase
+    if d.head_peak_phase != d.base_peak_phase:
+        return d.head_peak_phase if d.peak_delta_bytes >= 0 else d.base_peak_phase
+    if abs(d.peak_delta_bytes) * 100 > d.base_peak_bytes:
+        return None
+    movers = [p for p in d.phases if p.phase != d.head_peak_phase and p.base_peak_bytes and p.head_peak_bytes
+              and abs(p.delta_bytes) * 100 > p.base_peak_bytes]
+    return max(movers, key=lambda p: (abs(p.delta_bytes), p.phase)).phase if movers else None
+
+
+def _like_for_like(d: DeviceDiff, base: Summary, head: Summary) -> Optional[DeviceDiff]:
+    """The device compared at one phase's peak in both runs, where its peaks say too little
+    (_moved_phase). None when a run does not keep what was live then (a baseline made before
+    phase groups)."""
+    phase = _moved_phase(d)
+    if phase is None:
+        return None
     b = next((x for x in base.devices if x.device == d.device), None)
     h = next((x for x in head.devices if x.device == d.device), None)
     b_at, h_at = (b.at(phase) if b else None), (h.at(phase) if h else None)
@@ -522,9 +540,10 @@ def _cause(d: DeviceDiff, sign: int) -> Optional[str]:
 
 
 def _phase_tail(d: DeviceDiff, skip: Sequence[Optional[str]]) -> str:
-    """The other phases' peaks that did not move (or within 1%): `the forward and the optimizer
-    step are unchanged`; the phases in `skip` (where the peak is, the one explained) are not repeated."""
-    same, close = [], []
+    """The other phases' peaks: `the forward and the optimizer step are unchanged`, `the backward
+    (+16.00 KiB) is within 1%`, `the backward +1.06 MiB (+10.4%)`; the phases in `skip` (where the
+    peak is, the one explained) are not repeated."""
+    same, close, moved = [], [], []
     for p in d.phases:
         if p.phase in skip or p.base_peak_bytes is None or p.head_peak_bytes is None:
             continue
@@ -532,9 +551,11 @@ def _phase_tail(d: DeviceDiff, skip: Sequence[Optional[str]]) -> str:
             same.append(where_text(p.phase, None))
         elif abs(p.delta_bytes) * 100 < p.base_peak_bytes:
             close.append(f"{where_text(p.phase, None)} ({format_bytes(p.delta_bytes, signed=True)})")
+        else:
+            moved.append(f"{where_text(p.phase, None)} {change_text(p.base_peak_bytes, p.head_peak_bytes)}")
     parts = [f"{' and '.join(names)} {'is' if len(names) == 1 else 'are'} {what}"
              for names, what in ((same, "unchanged"), (close, "within 1%")) if names]
-    return "".join(f"; {part}" for part in parts)
+    return "".join(f"; {part}" for part in moved + parts)
 
 
 def _device_headline(r: DeviceReport) -> str:
@@ -551,19 +572,24 @@ def _device_headline(r: DeviceReport) -> str:
     elif d.at == PEAK and d.head_peak_phase:
         text += f", in {where_text(d.head_peak_phase, None)}"
     sign = 1 if d.peak_delta_bytes >= 0 else -1
-    if moved and r.like_for_like is not None:
+    like = r.like_for_like.diff if r.like_for_like is not None else None
+    if moved and like is not None:
         # Rows at two different moments explain nothing: name the cause at the head's peak phase in both.
-        cause = _cause(r.like_for_like.diff, sign)
+        cause = _cause(like, sign)
         if cause:
-            text += f": at the {r.like_for_like.diff.at} peak of both, {cause}"
+            text += f": at the {like.at} peak of both, {cause}"
     else:
         cause = _cause(d, sign) if d.peak_delta_bytes else None
         if cause:
             text += f": {cause}"
     if not cause and not d.peak_delta_bytes and not any(x.delta_bytes for x in d.rows):
         text += "; no group changed"
-    text += _phase_tail(d, [d.head_peak_phase if d.at == PEAK else d.at,
-                            r.like_for_like.diff.at if moved and r.like_for_like else None])
+    if like is not None and not moved:
+        # The peak held, another phase moved: that is the change to explain.
+        phase_cause = _cause(like, 1 if like.peak_delta_bytes >= 0 else -1)
+        text += (f"; {where_text(like.at, None)} {change_text(like.base_peak_bytes, like.head_peak_bytes)}"
+                 + (f": {phase_cause}" if phase_cause else ""))
+    text += _phase_tail(d, [d.head_peak_phase if d.at == PEAK else d.at, like.at if like is not None else None])
     if r.kept:
         k = d.kept
         assert k is not None  # a kept line is written only from kept memory

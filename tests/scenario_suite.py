@@ -57,6 +57,8 @@ EDGES = {
     # zero_grad between forward and backward, with and without set_to_none.
     "gpt2-zero-grad-mid": ("gpt2", ["--zero-grad", "before-backward", "--keep-loss", "--truth"]),
     "gpt2-zero-grad-mid-keep": ("gpt2", ["--zero-grad", "before-backward", "--keep-grads", "--keep-loss", "--truth"]),
+    # set_to_none=False on a model that peaks in its optimizer step: the peak holds, the forward grows.
+    "mlp-keep-grads": ("mlp", ["--keep-grads"]),
     # A model and optimizer that live only inside a test: one step.
     "mlp-inside": ("mlp", ["--inside", "--steps", "1", "--truth"]),
     # Other loops teams run.

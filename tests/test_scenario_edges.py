@@ -157,6 +157,21 @@ def test_gradients_kept_through_the_backward_read_as_gradients(runs, summaries):
     assert max(d.categories, key=lambda c: c.delta_bytes).category == "gradient"
 
 
+def test_a_peak_that_holds_while_the_forward_grows_is_explained(runs, summaries):
+    """set_to_none=False on a model that peaks in its optimizer step, where the gradients are live
+    either way: the peak holds, but the gradients now live through the forward. The headline says
+    the forward grew by the gradients' bytes and names them (issue 26 item 4)."""
+    from memdiff.api import diff as report_of
+    from memdiff.units import format_bytes
+
+    grads = facts(runs, "mlp-keep-grads")["trainable_bytes"]
+    d = diff(summaries["mlp-base"], summaries["mlp-keep-grads"]).devices[0]
+    assert d.base_peak_phase == d.head_peak_phase == "optimizer" and d.peak_delta_bytes == 0
+    headline = report_of(summaries["mlp-base"], summaries["mlp-keep-grads"]).headline
+    assert f"the forward +{format_bytes(grads)}" in headline
+    assert f": gradient +{format_bytes(grads)} (new)" in headline
+
+
 def test_an_optimizer_inside_a_test_keeps_its_state_category(runs, summaries):
     """A model and AdamW made inside the recording and freed after one step (as in a pytest test):
     the moments are optimizer state, not autograd temporaries (issue 26 item 6)."""
