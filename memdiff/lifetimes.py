@@ -36,7 +36,6 @@ FORWARD, BACKWARD, OPTIMIZER, OTHER = "forward", "backward", "optimizer", "other
 PHASES = (FORWARD, BACKWARD, OPTIMIZER, OTHER)
 SETUP = "setup"  # model construction and moves: a hint only, shown as phase `other`
 CONTINUES = "continues"  # a hint only: a new version of a tensor stays in the phase it is in
-INPUT = "input"  # a hint only: a batch made or moved by the loop belongs to the forward after it
 BEFORE_TRACE, NEVER = "before_trace", "never"
 
 # What a frame says about the phase, strongest first. Matched against "file:name" of a raw
@@ -49,11 +48,6 @@ STACK_HINTS: Tuple[Tuple[str, "re.Pattern[str]"], ...] = (
     (SETUP, re.compile(r":\s?(__init__|reset_parameters|_reset_parameters|_apply|to|cuda|to_empty|load_state_dict"
                        r"|_load_from_state_dict|from_pretrained|post_init|_init_weights|init_weights)$"
                        r"|torch/nn/init\.py")),
-    # The ops that make or move a batch (the `input` category's), on CUDA and profiler stacks.
-    (INPUT, re.compile(r"torch/utils/data/|^at::_ops::(_to_copy|to_dtype_layout|to_device|copy_|randint|randn|rand"
-                       r"|randperm|tensor|full|ones|zeros|arange|_pin_memory)\w*::call"
-                       r"|^<built-in method (to|cuda|pin_memory|randint|randn|rand|randperm|tensor|full|ones|zeros"
-                       r"|arange) |^aten::(_to_copy|to|copy_|randint|randn|rand|randperm|full|ones|zeros|arange)$")),
 )
 _RANK = {phase: rank for rank, (phase, _) in enumerate(STACK_HINTS)}
 
@@ -203,24 +197,21 @@ def _scope_phase(name: str) -> Optional[str]:
 
 def _fill(labels: List[Optional[str]]) -> List[str]:
     """Unlabelled allocations take the phase after them when a forward follows (the batch made
-    before a forward belongs to it, not to the last micro-batch's backward), except after an
-    optimizer run, where only a batch does (what the loop makes after `step()` that is no batch,
-    an EMA copy of the weights, ends the step it follows); else the phase before them (a loss
-    computed after the forward), else the one after."""
+    before a forward belongs to it, not to the last update or the last micro-batch's backward),
+    else the phase before them (a loss computed after the forward), else the one after."""
     out: List[Optional[str]] = list(labels)
     following: Optional[str] = None
     nxt: List[Optional[str]] = [None] * len(out)
     for k in range(len(out) - 1, -1, -1):
-        if out[k] not in (None, CONTINUES, INPUT):
+        if out[k] not in (None, CONTINUES):
             following = out[k]
         nxt[k] = following
     previous: Optional[str] = None
     for k, label in enumerate(out):
         if label == CONTINUES:
             out[k] = previous
-        elif label in (None, INPUT):
-            joins_forward = nxt[k] == FORWARD and (label == INPUT or previous != OPTIMIZER)
-            out[k] = nxt[k] if joins_forward or previous in (None, SETUP) else previous
+        elif label is None:
+            out[k] = nxt[k] if nxt[k] == FORWARD or previous in (None, SETUP) else previous
         else:
             previous = label
     return [OTHER if (p is None or p == SETUP) else p for p in out]
