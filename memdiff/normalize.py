@@ -220,6 +220,16 @@ class _DumpBlock:
     guess: Optional[str] = None  # the category guessed when it has no frames
 
 
+def _keeps_what_it_makes(walk: _Walk, run: Any) -> bool:
+    """Whether an allocation made in the run outlives it (an optimizer step making its state)."""
+    k = bisect.bisect_left(walk.allocs, run.start_event)
+    while k < len(walk.allocs) and walk.allocs[k] <= run.end_event:
+        if walk.end(walk.closed[walk.allocs[k]]) > run.end_event:
+            return True
+        k += 1
+    return False
+
+
 def _state_by_sizes(blocks: List[_DumpBlock], walk: _Walk, trace: List[Dict[str, Any]], timeline: Timeline) -> None:
     """Guess the category of the frameless blocks older than the trace (CUDA captures): parameter,
     or optimizer state where their sizes hold further copies of the gradients'.
@@ -227,7 +237,9 @@ def _state_by_sizes(blocks: List[_DumpBlock], walk: _Walk, trace: List[Dict[str,
     An optimizer keeps each state tensor the shape of its weight, so state made before recording
     (in a constructor, as Adagrad's; in a warm-up step) leaves, of every gradient's size, 1 + k
     blocks per gradient (k state tensors per weight) where the weights alone leave one. The first
-    optimizer step after a backward shows the gradients; the largest k (at most
+    optimizer step after a backward shows the gradients (when it keeps what it makes, the state
+    is in the trace with its stacks, and nothing is guessed: frozen weights of the trainable ones'
+    sizes are no state); the largest k (at most
     MAX_STATE_PER_WEIGHT) whose copies are there for nearly all their bytes is taken, and k blocks
     per gradient of each size are marked state. Which block of a size is a weight and which
     state cannot be told: the bytes can, and the site says they are a guess.
@@ -241,6 +253,10 @@ def _state_by_sizes(blocks: List[_DumpBlock], walk: _Walk, trace: List[Dict[str,
         if run.phase == BACKWARD:
             backwards.append(run)
         elif run.phase == OPTIMIZER and backwards:
+            if _keeps_what_it_makes(walk, run):
+                # The state is made in the trace, with its stack: frozen weights of the trainable
+                # ones' sizes are older than the trace too, and no state.
+                return
             grads = _gradient_sizes(walk, trace, backwards, run)
             break
     by_size: Dict[int, List[_DumpBlock]] = {}

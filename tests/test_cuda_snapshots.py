@@ -93,9 +93,7 @@ def test_the_optimizer_state_is_the_optimizers_own_count(devices, name):
     """Made in the first step, in the constructor (Adagrad) or in a warm-up before recording: the
     state at the peak is what the optimizer holds; state older than the trace says it is a guess."""
     d = devices[name]
-    # The EMA copy of the weights, made after step() and kept, counts as state (docs/categories.md).
-    ema = facts(name)["trainable_bytes"] if name == "gpt2-ema" else 0
-    assert categories(d).get("optimizer_state") == state_on_device(name) + ema
+    assert categories(d).get("optimizer_state") == state_on_device(name)
     guessed_state = sum(g.bytes for g in d.groups if g.site == NO_STACK_STATE_GUESSED)
     assert guessed_state == (state_on_device(name) if name in ("gpt2-adagrad", "gpt2-warm") else 0)
 
@@ -146,8 +144,8 @@ def test_the_ema_copy_is_one_more_copy_of_the_weights(summaries):
     top = d.rows[0]
     assert (top.delta_bytes, top.head_count) == (facts("gpt2-ema")["trainable_bytes"], 148)
     assert "clone" in top.label
-    # Made after step() and kept: it ends the step it follows, no activation of the next forward.
-    assert category_delta(d, "optimizer_state") == facts("gpt2-ema")["trainable_bytes"]
+    # Made by the loop after step() and kept: no activation of the next forward.
+    assert category_delta(d, "other") == facts("gpt2-ema")["trainable_bytes"]
 
 
 def test_checkpointing_recorded_on_cuda_saves_activations(devices):

@@ -7,6 +7,7 @@ from typing import Any, Dict, List
 
 from conftest import alloc, free
 from memdiff.classify import PERSISTENT, load_rules
+from memdiff.frames import NO_STACK_STATE_GUESSED
 from memdiff.inputs import read_summary
 from memdiff.lifetimes import _inferred_step_starts
 from memdiff.report import pct_cell
@@ -105,3 +106,60 @@ def test_growth_from_next_to_nothing_reads_new():
     assert pct_cell(4, 53_594_116) == "new"
     assert pct_cell(0, 10) == "new"
     assert pct_cell(19_530, 3_822_000) == "x195.7"
+
+
+LAYER = 1 << 20  # bytes of one weight: twelve same-shaped layers
+STEP_STATE = prof("<built-in method zeros_like of type object at 0x7f>", "torch/optim/adam.py(139): _init_group",
+                  "torch/optim/adam.py(214): step", LOOP)
+STEP_MATH = prof("<built-in method sqrt of Tensor object at 0x7f>", "torch/optim/adam.py(347): _single_tensor_adam",
+                 "torch/optim/adam.py(214): step", LOOP)
+
+
+def frozen_layers(trainable: int, state_in_trace: bool) -> Dict[str, Any]:
+    """Twelve same-shaped weights allocated before recording, all but `trainable` frozen, as a
+    CUDA capture holds them (dump blocks without frames); AdamW makes its two moments per
+    trainable weight in the first recorded step, or made them before recording (a warm-up)."""
+    events: List[Dict[str, Any]] = []
+    addr = [0x10_000_000]
+
+    def new(size: int, frames: List[Dict[str, Any]]) -> int:
+        addr[0] += 0x1_000_000
+        events.append(alloc(addr[0], size, frames))
+        return addr[0]
+
+    def drop(at: int, size: int, frames: List[Dict[str, Any]]) -> None:
+        events.extend([free(at, size, frames, completed=False), free(at, size, frames)])
+
+    older = 12 + (0 if state_in_trace else 2 * trainable)
+    for step in range(3):
+        batch = new(1000, BATCH)
+        acts = [new(100_000, FWD) for _ in range(3)]
+        loss = new(4, LOSS)
+        grads = [new(LAYER, BWD) for _ in range(trainable)]
+        for a in acts:
+            drop(a, 100_000, FWD)
+        if step == 0 and state_in_trace:
+            for _ in range(2 * trainable):
+                new(LAYER, STEP_STATE)
+        tmp = new(LAYER, STEP_MATH)
+        drop(tmp, LAYER, STEP_MATH)
+        for g in grads:  # zero_grad(set_to_none=True)
+            drop(g, LAYER, prof("torch/optim/optimizer.py(990): zero_grad", LOOP))
+        drop(loss, 4, LOSS)
+        drop(batch, 1000, BATCH)
+    blocks = [{"address": 0x1000 + k * LAYER, "size": LAYER, "requested_size": LAYER, "state": "active_allocated",
+               "frames": []} for k in range(older)]
+    return {"device_traces": [events], "segments": [{"device": 0, "address": 0x1000, "total_size": older * LAYER,
+                                                      "allocated_size": older * LAYER, "stream": 0, "blocks": blocks}]}
+
+
+def test_frozen_weights_of_the_trainable_ones_sizes_are_no_state(write_snapshot):
+    """Optimizer state older than the trace is guessed by its sizes only where the trace shows no
+    state made: 4 of 12 same-shaped layers trainable, AdamW recorded from its first step, reads
+    12 weights and 8 moments (it read 4 weights and 16 moments: 8 frozen layers taken for state)."""
+    d = read_summary(write_snapshot(frozen_layers(4, state_in_trace=True)), load_rules()).devices[0]
+    assert (d.categories["parameter"], d.categories["optimizer_state"]) == (12 * LAYER, 8 * LAYER)
+    # Recorded after a warm-up, the moments are older than the trace: told by their sizes, as a guess.
+    d = read_summary(write_snapshot(frozen_layers(12, state_in_trace=False)), load_rules()).devices[0]
+    assert (d.categories["parameter"], d.categories["optimizer_state"]) == (12 * LAYER, 24 * LAYER)
+    assert [g.bytes for g in d.groups if g.site == NO_STACK_STATE_GUESSED] == [24 * LAYER]

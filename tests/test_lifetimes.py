@@ -31,6 +31,7 @@ STATE = prof("<built-in method zeros_like of type object at 0x7f>", "torch/optim
 UPDATE = prof("<built-in method sqrt of Tensor object at 0x7f>", "torch/optim/adam.py(347): _single_tensor_adam",
               "torch/optim/adam.py(214): step", LOOP)
 BATCH = prof("<built-in method randint of type object at 0x7f>", LOOP)
+EMA = prof("<built-in method clone of Tensor object at 0x7f>", "train.py(31): <genexpr>", LOOP)
 
 
 class Trace:
@@ -50,8 +51,9 @@ class Trace:
         self.events.append(free(addr, size, frames, completed=False, **kw))
         self.events.append(free(addr, size, frames, **kw))
 
-    def step(self, first: bool, keep: Optional[List[int]]) -> None:
-        """One training step; a leaky loop passes `keep`, which holds on to the activations."""
+    def step(self, first: bool, keep: Optional[List[int]], ema: bool = False) -> None:
+        """One training step; a leaky loop passes `keep`, which holds on to the activations; with
+        `ema`, the first step ends with an EMA copy of the weights, made after the update."""
         batch = self.new(1000, BATCH)
         acts = [self.new(100_000, FWD) for _ in range(3)]
         loss = self.new(4, LOSS)
@@ -72,6 +74,8 @@ class Trace:
             self.events.append(free(addr, size, [], completed=False))
             self.events.append(free(addr, size, []))
             self.events.append(alloc(addr, size, []))
+        if ema and first:
+            self.new(4096, EMA)
         self.drop(loss, 4, LOSS)
         self.drop(batch, 1000, BATCH)
 
@@ -83,11 +87,11 @@ class Trace:
                               "stream": 0, "blocks": blocks_at_end}]}
 
 
-def training(steps: int = 2, leak: bool = False) -> Dict[str, Any]:
+def training(steps: int = 2, leak: bool = False, ema: bool = False) -> Dict[str, Any]:
     t = Trace()
     kept: Optional[List[int]] = [] if leak else None
     for k in range(steps):
-        t.step(first=k == 0, keep=kept)
+        t.step(first=k == 0, keep=kept, ema=ema)
     return t.snapshot()
 
 
@@ -110,6 +114,15 @@ def test_steps_and_phases_from_stacks(write_snapshot):
     for p in (p for s in d.steps for p in s.phases):
         assert p.start_event <= p.peak_event_index <= p.end_event
     assert max(p.peak_bytes for s in d.steps for p in s.phases) == d.peak_bytes
+
+
+def test_a_copy_the_loop_keeps_after_the_update_is_no_activation(write_snapshot):
+    """An EMA copy of the weights made after `step()`, which the next forward's phase takes in: it
+    outlives every step and no model made it, so it is `other`, not an activation."""
+    d = summary_of(write_snapshot, training(steps=3, ema=True))
+    (group,) = [g for g in d.groups if "clone" in g.site]
+    assert (group.category, group.lifetime["born"], group.bytes) == ("other", "forward", 4096)
+    assert [s.step for s in d.steps] == [0, 1, 2]
 
 
 def test_the_peak_in_the_backward_of_the_second_step(write_snapshot):
