@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import json
+import os
 import pickle
 import sys
 from typing import Any, Callable, Dict, Iterator, List, Tuple
@@ -77,8 +78,17 @@ def _without_checkpoint_early_stop(torch: Any) -> contextlib.AbstractContextMana
     return early_stop(False) if early_stop is not None else contextlib.nullcontext()
 
 
+# How torch names the C++ frames of a snapshot, unless the user chose (TORCH_SYMBOLIZE_MODE):
+# its own reader of the libraries' symbols, in this process. The default on some versions runs
+# `addr2line` children, which a launcher's SIGTERM (torchrun stopping the other ranks when one
+# fails) or a Ctrl-C reaches too: the snapshot then fails (`RuntimeError: stoi`, torch 2.11) and
+# the rank's snapshot is lost just when it is wanted.
+SYMBOLIZE_MODE = ("TORCH_SYMBOLIZE_MODE", "fast")
+
+
 def start_cuda(torch: Any, max_entries: int, stacks: str) -> Callable[[], Any]:
     """Start the caching allocator's history; the returned function stops it and gives the snapshot."""
+    os.environ.setdefault(*SYMBOLIZE_MODE)  # read by torch when it first names frames: at the snapshot
     guard = contextlib.ExitStack()
     guard.enter_context(_without_checkpoint_early_stop(torch))
     record_history = torch.cuda.memory._record_memory_history

@@ -70,6 +70,8 @@ LANDMARKS = (
     ("comm", re.compile(r"(c10d|nccl|ProcessGroup)", re.IGNORECASE)),
 )
 
+SHARED_LIBRARY = re.compile(r"\.so(\.[\d.]+)?$")
+
 # Ops that only allocate (what `zeros_like` or `addmm` calls underneath): never the telling op.
 FACTORY_OP = re.compile(r"^(new_)?empty(_|$)")
 
@@ -219,6 +221,8 @@ def _keep(raw: Any) -> Optional[_Kept]:
         if m or (kind == "comm" and pattern.search(filename)):
             label = m.group(1) if m and kind != "comm" else _short_native(name)
             shown = "" if filename == "??" else NVCC_TMP.sub("tmpxft_", filename)
+            if SHARED_LIBRARY.search(shown):  # torch's own symbolizer names the library by its path
+                shown = posixpath.basename(shown)
             return _Kept(kind, shown, 0, _short_native(name), label)
     return None
 

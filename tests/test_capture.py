@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import pickle
 import re
 import subprocess
@@ -173,6 +174,15 @@ def test_memdiff_record_passes_on_the_scripts_failure(torch, tmp_path):
     assert (tmp_path / "f.pickle").exists()
 
 
+def test_the_cuda_route_keeps_the_users_symbolizer(torch, monkeypatch, tmp_path):
+    monkeypatch.setenv("TORCH_SYMBOLIZE_MODE", "addr2line")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda.memory, "_record_memory_history", lambda **_: None, raising=False)
+    monkeypatch.setattr(torch.cuda.memory, "_snapshot", lambda: {"segments": [], "device_traces": [[]]}, raising=False)
+    with record(str(tmp_path / "mine.pickle")):
+        assert os.environ["TORCH_SYMBOLIZE_MODE"] == "addr2line"
+
+
 def test_the_cuda_route_records_dumps_on_failure_and_stops(torch, monkeypatch, tmp_path):
     # No GPU here: stand in for the allocator-history API to check the calls memdiff makes.
     calls = []
@@ -186,6 +196,7 @@ def test_the_cuda_route_records_dumps_on_failure_and_stops(torch, monkeypatch, t
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(torch.cuda.memory, "_record_memory_history", record_memory_history, raising=False)
     monkeypatch.setattr(torch.cuda.memory, "_snapshot", lambda: snapshot, raising=False)
+    monkeypatch.delenv("TORCH_SYMBOLIZE_MODE", raising=False)  # and this test's setting goes with it
     from torch.utils import checkpoint
 
     path = tmp_path / "oom.pickle"
@@ -193,6 +204,8 @@ def test_the_cuda_route_records_dumps_on_failure_and_stops(torch, monkeypatch, t
         with record(str(path), max_entries=5000):
             # Checkpointing's early stop breaks under the allocator's history (torch 2.11): off while recording.
             assert checkpoint._enable_checkpoint_early_stop is False
+            # C++ frames named in this process, not by addr2line children a launcher's SIGTERM kills.
+            assert os.environ["TORCH_SYMBOLIZE_MODE"] == "fast"
             raise RuntimeError("CUDA out of memory")
     assert checkpoint._enable_checkpoint_early_stop is None  # the user's setting is back
     # stacks="all" by default, and record_function scopes recorded for steps and phases.

@@ -71,7 +71,7 @@ def category_delta(d: DeviceDiff, name: str) -> int:
 def test_the_captures_are_all_here():
     assert {"gpt2-base", "gpt2-base-again", "gpt2-keep-grads", "gpt2-ema", "gpt2-clip", "gpt2-retain-graph",
             "gpt2-adagrad", "gpt2-warm", "gpt2-autocast", "gpt2-batch8", "gpt2-checkpoint", "gpt2-log-tensor",
-            "gpt2-keep-weights", "gpt2-fused", "gpt2-generate", "gpt2-oom"} <= set(RUNS)
+            "gpt2-keep-weights", "gpt2-fused", "gpt2-generate", "gpt2-oom", "gpt2-base-fast"} <= set(RUNS)
     assert sorted(p.name for p in (DATA / "ddp").glob("*.gz")) == ["rank0.pickle.gz", "rank1.pickle.gz"]
 
 
@@ -114,6 +114,15 @@ def test_the_same_run_twice_reads_as_no_change(summaries, tmp_path):
     baseline = str(tmp_path / "gpt2.json")
     assert main(["baseline", str(DATA / "gpt2-base.pickle.gz"), "-o", baseline, "--fail-over", "1MiB"]) == 0
     assert main(["gate", str(DATA / "gpt2-base-again.pickle.gz"), "--baseline", baseline]) == 0
+
+
+def test_torch_s_own_symbolizer_reads_as_addr2line_did(summaries):
+    """The same run with its C++ frames named by torch's own symbolizer (TORCH_SYMBOLIZE_MODE=fast,
+    what memdiff's recorder picks since addr2line children died with a launcher's SIGTERM) and
+    by addr2line: the same groups, no change."""
+    d = diff(summaries["gpt2-base"], summaries["gpt2-base-fast"]).devices[0]
+    assert d.peak_delta_bytes == 0
+    assert [r.label for r in d.rows if r.delta_bytes] == []
 
 
 def test_set_to_none_false_keeps_every_gradient(summaries):

@@ -2,8 +2,11 @@
 GPU, as `torchrun --nproc-per-node 2` runs it: gloo, since NCCL refuses two ranks on one device.
 
 Rank 0 also keeps a 64 MiB buffer to the end, as a trainer that gathers every rank's logits on
-rank 0 does: `memdiff ranks` must show rank 0 as the heaviest, by that buffer.
+rank 0 does: `memdiff ranks` must show rank 0 as the heaviest, by that buffer. With
+DDP_GPT2_FAIL_RANK=N, rank N raises after its first step (torchrun then stops the others).
 """
+
+import os
 
 import torch
 import torch.distributed as dist
@@ -20,7 +23,9 @@ def main() -> None:
     model = DistributedDataParallel(hf.GPT2LMHeadModel(hf.GPT2Config()).cuda())
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     kept = torch.ones(KEPT_BYTES // 4, device="cuda") if rank == 0 else None
-    for _ in range(2):
+    for step in range(2):
+        if step == 1 and os.environ.get("DDP_GPT2_FAIL_RANK") == str(rank):
+            raise RuntimeError(f"rank {rank}: a simulated failure after the first step")
         ids = torch.randint(0, 50257, (4, 512)).cuda()
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
