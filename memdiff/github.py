@@ -143,10 +143,7 @@ class Publisher:
     def finish(self) -> str:
         """Write the report file, the job summary and the step outputs; the report's path."""
         report = "\n---\n\n".join(self.sections) if self.sections else "memdiff: nothing was compared.\n"
-        # Outside Actions (no RUNNER_TEMP) the report goes to the temporary folder, never into the
-        # working tree where it would end up committed.
-        folder = self.environ.get("RUNNER_TEMP") or tempfile.gettempdir()
-        path = self.report_path or os.path.join(folder, "memdiff-report.md")
+        path = self.report_path or _new_report_path(self.environ)
         write_output(path, report)
         summary = self.environ.get("GITHUB_STEP_SUMMARY")
         if summary:
@@ -157,6 +154,16 @@ class Publisher:
             delta = max(self.deltas) if self.deltas else ""
             append_text(outputs, f"verdict={self.verdict()}\npeak-delta-bytes={delta}\nreport={path}\n")
         return path
+
+
+def _new_report_path(environ: Mapping[str, str]) -> str:
+    """A report file of this run's own: in $RUNNER_TEMP, else (outside Actions) the temporary
+    folder, never the working tree where it would end up committed; a new name each time, so two
+    runs at once (two jobs on one self-hosted runner) never read each other's report."""
+    fd, path = tempfile.mkstemp(prefix="memdiff-report-", suffix=".md",
+                                dir=environ.get("RUNNER_TEMP") or tempfile.gettempdir())
+    os.close(fd)
+    return path
 
 
 # --- the sticky comment ----------------------------------------------------------------------

@@ -66,12 +66,19 @@ def test_a_regression(github, tmp_path, capsys):
     code, out = run_pair(tmp_path, capsys, 1000, 1200)
     assert code == 1
     got = outputs(github)
-    assert got == {"verdict": "fail", "peak-delta-bytes": str(200 * MiB), "report": str(tmp_path / "memdiff-report.md")}
+    report = Path(got.pop("report"))
+    assert got == {"verdict": "fail", "peak-delta-bytes": str(200 * MiB)}
+    # In $RUNNER_TEMP, a file of this run's own: a second run at once writes another.
+    assert report.parent == tmp_path and report.name.startswith("memdiff-report-") and report.suffix == ".md"
+    assert report.read_text().startswith("### ❌ memdiff: regression")
+    run_pair(tmp_path, capsys, 1000, 1200)
+    second = Path(outputs(github)["report"])  # the outputs file keeps both; the last line wins
+    assert second != report and second.exists() and report.exists()
     summary = Path(github["GITHUB_STEP_SUMMARY"]).read_text()
     assert summary.startswith("### ❌ memdiff: regression\n\n**peak +200.00 MiB (+20.0%)")
     assert "#### device 0: peak 1000.00 MiB -> 1.17 GiB (+200.00 MiB, +20.0%)" in summary
     assert "**base** `a1b2c3d4e5f6` · `base.pickle`" in summary and "**head** `0f9e8d7c6b5a` · `head.pickle`" in summary
-    assert Path(got["report"]).read_text() in summary
+    assert report.read_text() in summary
     # The annotation opens with the report's headline, then the failing check as every output words it.
     assert ("::error title=memdiff::peak +200.00 MiB (+20.0%25), in the forward: activation +200.00 MiB (+20.0%25) "
             "(model.py:forward +200.00 MiB). FAIL  device 0 peak: 1000.00 MiB -> 1.17 GiB, +200.00 MiB (+20.0%25), "
