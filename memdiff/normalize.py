@@ -238,13 +238,15 @@ def _state_by_sizes(blocks: List[_DumpBlock], walk: _Walk, trace: List[Dict[str,
     (in a constructor, as Adagrad's; in a warm-up step) leaves, of every gradient's size, 1 + k
     blocks per gradient (k state tensors per weight) where the weights alone leave one. The first
     optimizer step after a backward shows the gradients (when it keeps what it makes, the state
-    is in the trace with its stacks, and nothing is guessed: frozen weights of the trainable ones'
-    sizes are no state); the largest k (at most
-    MAX_STATE_PER_WEIGHT) whose copies are there for nearly all their bytes is taken, and k blocks
-    per gradient of each size are marked state. Which block of a size is a weight and which
-    state cannot be told: the bytes can, and the site says they are a guess.
+    is in the trace with its stacks, and nothing is guessed: frozen weights of the trainable
+    ones' sizes are no state); the largest k (at most MAX_STATE_PER_WEIGHT) whose copies are
+    there for nearly all their bytes is taken, and k blocks per gradient of each size are marked
+    state. Which block of a size is a weight and which state cannot be told: the bytes can, and
+    the site says they are a guess.
     """
     frameless = [b for b in blocks if not b.frames]
+    if not frameless:
+        return  # CPU captures, and CUDA dumps whose blocks all have stacks: nothing to guess
     for b in frameless:
         b.guess = GUESS_PARAMETER
     backwards: List[Any] = []
