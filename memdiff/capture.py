@@ -89,21 +89,17 @@ SYMBOLIZE_MODE = ("TORCH_SYMBOLIZE_MODE", "fast")
 def start_cuda(torch: Any, max_entries: int, stacks: str) -> Callable[[], Any]:
     """Start the caching allocator's history; the returned function stops it and gives the snapshot."""
     os.environ.setdefault(*SYMBOLIZE_MODE)  # read by torch when it first names frames: at the snapshot
-    guard = contextlib.ExitStack()
-    guard.enter_context(_without_checkpoint_early_stop(torch))
     record_history = torch.cuda.memory._record_memory_history
-    try:
-        record_history(enabled="all", stacks=stacks, max_entries=max_entries, **_history_options(record_history))
-    except BaseException:
-        guard.close()
-        raise
+    record_history(enabled="all", stacks=stacks, max_entries=max_entries, **_history_options(record_history))
+    early_stop = _without_checkpoint_early_stop(torch)  # on only once the history is
+    early_stop.__enter__()
 
     def finish() -> Any:
         try:
             return torch.cuda.memory._snapshot()
         finally:
             torch.cuda.memory._record_memory_history(enabled=None)
-            guard.close()
+            early_stop.__exit__(None, None, None)
     return finish
 
 
