@@ -19,6 +19,8 @@ from memdiff.errors import InputError
 # Protocol 4 keeps the file readable by pytorch.org/memory_viz and by Python 3.4+.
 PICKLE_PROTOCOL = 4
 STACKS = ("python", "all")
+# How the profiler names the autograd engine running a node: `...: AddmmBackward0`.
+AUTOGRAD_NODE = "autograd::engine::evaluate_function: "
 
 
 class CaptureError(InputError):
@@ -127,12 +129,66 @@ def start_cpu(torch: Any) -> Callable[[], Any]:
     def finish() -> Any:
         profiler.__exit__(None, None, None)
         try:
-            return to_snapshot(profiler)
+            # torch's converter builds the memory profile itself; handing it the one built here
+            # lets each allocation be matched to its profiler event (_name_autograd_nodes).
+            memory = profiler._memory_profile()
+            snapshot = to_snapshot(_Built(memory))
         except AssertionError as exc:
             print(f"memdiff: torch's memory profiler refused this run's records ({str(exc)[:120]}...); the snapshot "
                   f"is built from its allocation events instead, without PyTorch's own categories", file=sys.stderr)
             return from_allocations(torch, profiler)
+        _name_autograd_nodes(torch, snapshot, memory)
+        return snapshot
     return finish
+
+
+class _Built:
+    """A finished profiler as `_profile_to_snapshot` reads it: its memory profile, already built."""
+
+    def __init__(self, memory: Any) -> None:
+        self.memory = memory
+
+    def _memory_profile(self) -> Any:
+        return self.memory
+
+
+def _name_autograd_nodes(torch: Any, snapshot: Dict[str, Any], memory: Any) -> None:
+    """Give allocations made in backward the stacks of `_stack`, in place.
+
+    torch's converter keeps only Python frames, so everything the backward allocates reads
+    `run_backward`. Its trace follows the memory profile's timeline (an allocation for each
+    tensor made and each new version), which maps each allocation to its tensor, and so to the
+    profiler event that allocated it. Frames lists are shared with the frees and blocks that
+    follow, hence the in-place update. Should the two ever disagree, the trace is left as torch
+    wrote it, and the user is told."""
+    from torch._C._profiler import _EventType
+    from torch.profiler._memory_profiler import Action, TensorKey
+
+    stacks = {}
+    for event in memory._op_tree.sorted_nodes:
+        if event.tag == _EventType.Allocation and event.extra_fields.alloc_size > 0:
+            key = TensorKey.from_allocation(event.extra_fields)
+            frames = _stack(event, _EventType)
+            if key and any(f["name"].startswith(AUTOGRAD_NODE) for f in frames):
+                stacks[key] = frames
+    if not stacks:
+        return
+    device_count = torch.cuda.device_count()
+    allocations = [iter([e for e in trace if e["action"] == "alloc"]) for trace in snapshot["device_traces"]]
+    updates = []
+    for _, action, (key, _version), size in memory.timeline:
+        if not isinstance(key, TensorKey) or action not in (Action.CREATE, Action.INCREMENT_VERSION):
+            continue
+        device = key.device.index if key.device.type == "cuda" else device_count
+        entry = next(allocations[device], None)
+        if entry is None or (entry["addr"], entry["size"]) != (key.storage.ptr, size):
+            print("memdiff: torch's memory trace did not follow its memory profile here; backward "
+                  "allocations keep stacks that end at run_backward", file=sys.stderr)
+            return
+        if key in stacks:
+            updates.append((entry["frames"], stacks[key]))
+    for frames, named in updates:
+        frames[:] = named
 
 
 def from_allocations(torch: Any, profiler: Any) -> Dict[str, Any]:
@@ -168,7 +224,7 @@ def from_allocations(torch: Any, profiler: Any) -> Dict[str, Any]:
             if key in live:
                 free(device, live.pop(key))
             live[key] = {"action": "alloc", "addr": fields.ptr, "size": fields.alloc_size, "stream": 0,
-                         "frames": _python_stack(event, _EventType)}
+                         "frames": _stack(event, _EventType)}
             traces[device].append(live[key])
         else:  # a free of an allocation made before recording began is kept: it is static memory
             free(device, live.pop(key) if key in live
@@ -185,15 +241,27 @@ def from_allocations(torch: Any, profiler: Any) -> Dict[str, Any]:
     return {"device_traces": traces, "segments": segments}
 
 
-def _python_stack(event: Any, event_type: Any) -> List[Dict[str, Any]]:
-    """The Python calls around an allocation, innermost first, in torch's converter's frame form."""
-    frames = []
+def _stack(event: Any, event_type: Any) -> List[Dict[str, Any]]:
+    """The frames of an allocation, innermost first, in torch's converter's form: its Python
+    calls and, in backward, the autograd nodes around it, with the ops a node ran itself when it
+    allocated (`AddmmBackward0 <- mm`), as CUDA stacks name them. Elsewhere the Python calls
+    alone, exactly as torch writes them, so that signatures stay as they were."""
+    chain = []
     parent = event.parent
     while parent is not None:
-        if parent.tag in (event_type.PyCall, event_type.PyCCall):
-            frames.append({"filename": "none", "line": 0, "name": parent.name})
+        chain.append(parent)
         parent = parent.parent
-    return frames
+
+    def python(e: Any) -> bool:
+        return e.tag in (event_type.PyCall, event_type.PyCCall)
+
+    def node(e: Any) -> bool:
+        return e.tag == event_type.TorchOp and e.name.startswith(AUTOGRAD_NODE)
+
+    first = next((i for i, e in enumerate(chain) if python(e) or node(e)), len(chain))
+    own_ops = first < len(chain) and node(chain[first])
+    return [{"filename": "none", "line": 0, "name": e.name} for i, e in enumerate(chain)
+            if python(e) or node(e) or (own_ops and i < first and e.name.startswith("aten::"))]
 
 
 @contextlib.contextmanager

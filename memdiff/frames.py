@@ -62,10 +62,11 @@ PLUMBING_PY = (
 
 # Native frames worth keeping: the op Python called, autograd nodes, communication, a BLAS
 # handle's workspace (made by a thread's first matrix product, kept for the handle's life).
+NODE_NATIVE = re.compile(r"^torch::autograd::(?:generated::)?(\w+)::apply\b")
 LANDMARKS = (
     ("workspace", re.compile(r"^at::cuda::(setWorkspaceForHandle|getCUDABlasLtWorkspace)\b")),
     ("op", re.compile(r"^at::_ops::(\w+)::call\b")),
-    ("node", re.compile(r"^torch::autograd::(?:generated::)?(\w+)::apply\b")),
+    ("node", NODE_NATIVE),
     ("engine", re.compile(r"^torch::autograd::Engine::(evaluate_function)\b")),
     ("comm", re.compile(r"(c10d|nccl|ProcessGroup)", re.IGNORECASE)),
 )
@@ -83,7 +84,15 @@ def profiler_frame(name: str) -> Optional["re.Match[str]"]:
     """PROFILER_PY's match of a frame name. A name with a line break never matches: there `.+$`
     fails after every `(N): ` the lazy file part tries, which is quadratic in a hostile name."""
     return PROFILER_PY.match(name) if "\n" not in name else None
-PROFILER_OP = re.compile(r"^<built-in (?:method|function) (\w+)")
+PROFILER_OP = re.compile(r"^<built-in (?:method|function) (\w+)|^aten::(\w+)$")
+# The autograd node a backward allocation was made in (memdiff's CPU route, capture._stack).
+PROFILER_NODE = re.compile(r"^autograd::engine::evaluate_function: (?:torch::autograd::)?(\w+)$")
+
+
+def names_autograd_node(frame_name: str) -> bool:
+    """Whether a display frame is an autograd node's, as CUDA stacks with C++ frames or memdiff's
+    CPU route name them; a run whose stacks lack them shows its backward by `run_backward`."""
+    return bool(PROFILER_NODE.match(frame_name) or NODE_NATIVE.match(frame_name))
 PROFILER_MODULE = re.compile(r"^nn\.Module: ")
 MODULE_NUMBER = re.compile(r"_\d+$")
 
@@ -206,9 +215,12 @@ def _keep(raw: Any) -> Optional[_Kept]:
         elif PROFILER_MODULE.match(name):
             return _Kept("module", "", 0, name, name)
         else:
+            node = PROFILER_NODE.match(name)
+            if node:
+                return _Kept("node", "", 0, name, node.group(1))
             op = PROFILER_OP.match(name)
             clean = HEX.sub("0x…", name)
-            return _Kept("op", "", 0, clean, op.group(1) if op else clean)
+            return _Kept("op", "", 0, clean, (op.group(1) or op.group(2)) if op else clean)
     if not MIN_LINE <= line <= MAX_LINE:
         raise ValueError(f"a frame's line: {number(line)} is not a line number ({MIN_LINE:,} to {MAX_LINE:,})")
     if filename.endswith(".py") or filename.startswith("<"):

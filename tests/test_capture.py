@@ -275,3 +275,52 @@ def test_the_allocation_events_give_the_numbers_torchs_converter_gives(torch, tm
     ours, theirs = summaries[1], summaries[0]
     assert (ours.peak_bytes, ours.static_bytes) == (theirs.peak_bytes, theirs.static_bytes)
     assert ours.allocated_bytes_at_dump == theirs.allocated_bytes_at_dump
+
+
+def test_backward_memory_is_named_by_its_autograd_node_and_nothing_else_changes(torch, monkeypatch, tmp_path):
+    """torch's converter ends every backward stack at run_backward; memdiff's CPU route names the
+    node and its op there (as CUDA stacks do) and leaves every other entry as torch wrote it."""
+    import copy
+
+    from torch.cuda import _memory_viz
+
+    real = _memory_viz._profile_to_snapshot
+    theirs = {}
+
+    def keep(profile):
+        snapshot = real(profile)
+        theirs.update(copy.deepcopy(snapshot))
+        return snapshot
+    monkeypatch.setattr(_memory_viz, "_profile_to_snapshot", keep)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 10))
+    optimizer = torch.optim.AdamW(model.parameters())
+    path = tmp_path / "mlp.pickle"
+    with record(str(path)):
+        for _ in range(2):
+            loss = torch.nn.functional.cross_entropy(model(torch.randn(32, 64)), torch.randint(0, 10, (32,)))
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    ours = decode(str(path))[0]
+    theirs_trace, ours_trace = theirs["device_traces"][-1], ours["device_traces"][-1]
+    assert len(ours_trace) == len(theirs_trace)
+    named = 0
+    for t, o in zip(theirs_trace, ours_trace):
+        assert {k: v for k, v in o.items() if k != "frames"} == {k: v for k, v in t.items() if k != "frames"}
+        nodes = [f["name"] for f in o["frames"] if f["name"].startswith("autograd::engine::evaluate_function: ")]
+        if not nodes:
+            assert o["frames"] == t["frames"]
+            continue
+        named += o["action"] == "alloc"
+        assert "run_backward" in t["frames"][0]["name"]  # where torch's stack stops
+        assert [f for f in o["frames"] if f in t["frames"]] == t["frames"]
+    gradients = [e for e in ours_trace if e["action"] == "alloc" and e.get("category") == "gradient" and e["frames"]]
+    # The weights' gradients come out of the matrix products' backward; the biases' out of its sum.
+    assert {e["size"] for e in gradients} == {p.numel() * 4 for p in model.parameters()}
+    assert all(e["frames"][1]["name"] == "autograd::engine::evaluate_function: AddmmBackward0" and
+               e["frames"][0]["name"] in ("aten::mm", "aten::sum") for e in gradients)
+    assert named >= len(gradients)
+    device = read_summary(str(path), load_rules()).devices[0]
+    assert {g.site for g in device.groups if g.category == "gradient"} == {"AddmmBackward0 <- mm", "AddmmBackward0 <- sum"}
+    backward = next(p for p in device.phase_peaks if p.phase == "backward")
+    assert "LogSoftmaxBackward0 <- _log_softmax_backward_data" in {g.site for g in backward.groups}

@@ -93,6 +93,23 @@ def test_backward_stacks_are_labelled_by_their_autograd_node():
         "torch::autograd::Engine::evaluate_function"]
 
 
+def test_cpu_backward_stacks_read_as_cuda_ones():
+    """memdiff's CPU route names the node and its op in the profiler's words (capture._stack)."""
+    def profiler(*names: str):
+        return [{"filename": "none", "line": 0, "name": n} for n in names]
+    engine = ("<built-in method run_backward of torch._C._EngineBase object at 0x7f4fc35a7010>",
+              "torch/autograd/graph.py(966): _engine_run_backward", "torch/_tensor.py(566): backward",
+              "/home/a/proj/train.py(88): main")
+    stack = StackNormalizer().stack(profiler("aten::mm", "autograd::engine::evaluate_function: AddmmBackward0",
+                                             *engine))
+    assert stack.site == "AddmmBackward0 <- mm"
+    accumulate = StackNormalizer().stack(profiler("aten::clone",
+                                                  "autograd::engine::evaluate_function: torch::autograd::AccumulateGrad",
+                                                  *engine))
+    assert accumulate.site == "AccumulateGrad <- clone"
+    assert StackNormalizer().stack(profiler(*engine)).site == "graph.py:_engine_run_backward <- run_backward"
+
+
 def test_hex_addresses_in_names_do_not_split_groups():
     a = [{"filename": "none", "line": 0, "name": "<built-in method mul_ of Parameter object at 0x7f6af9259d10>"},
          {"filename": "none", "line": 0, "name": "torch/optim/adam.py(347): _single_tensor_adam"}]
