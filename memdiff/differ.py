@@ -19,11 +19,11 @@ import posixpath
 import re
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
 from memdiff.classify import PERSISTENT
 from memdiff.errors import InputError
-from memdiff.frames import PROFILER_MODULE
+from memdiff.frames import PROFILER_MODULE, names_autograd_node
 from memdiff.lifetimes import BACKWARD, FORWARD, OPTIMIZER
 from memdiff.model import DeviceSummary, Frame, Group, Moment, Source, Summary
 
@@ -35,6 +35,8 @@ PEAK = "peak"
 MOMENTS = (PEAK, FORWARD, BACKWARD, OPTIMIZER)  # what --at can compare
 
 BY_SIGNATURE, BY_SITE = "signature", "site"
+# A row of the backward's node temporaries, whatever their sites (_alike_merged).
+TEMPORARIES = "temporaries"
 
 
 @dataclass
@@ -240,7 +242,7 @@ def _row(base: Sequence[Group], head: Sequence[Group], matched_by: Optional[str]
                    members=members if len(members) > 2 or matched_by == BY_SITE else [])
 
 
-def _merge(rows: Sequence[DiffRow]) -> DiffRow:
+def _merge(rows: Sequence[DiffRow], matched_by: str = BY_SITE) -> DiffRow:
     """One row of several that read alike and changed in opposite directions."""
     members = [m for r in rows for m in r.member_groups()]
     shown = max(rows, key=lambda r: (max(r.base_bytes, r.head_bytes), r.signature))
@@ -249,23 +251,40 @@ def _merge(rows: Sequence[DiffRow]) -> DiffRow:
     return DiffRow(status=status, site=shown.site, signature=shown.signature, category=shown.category,
                    base_count=sum(r.base_count for r in rows), head_count=sum(r.head_count for r in rows),
                    base_bytes=b, head_bytes=h, delta_bytes=h - b, frames=shown.frames,
-                   matched_by=BY_SITE if b and h else None,
+                   matched_by=matched_by if b and h or matched_by == TEMPORARIES else None,
                    context=shown.context, label=shown.site, base_earlier_bytes=sum(r.base_earlier_bytes for r in rows),
                    head_earlier_bytes=sum(r.head_earlier_bytes for r in rows), members=members)
 
 
-def _alike_merged(rows: List[DiffRow]) -> List[DiffRow]:
+def _transient(g: Group) -> bool:
+    """Memory the backward holds only while its node runs: at a peak, the working set of whichever
+    node was running at that instant."""
+    life = g.lifetime or {}
+    return life.get("born") == BACKWARD and life.get("outlives") == "none"
+
+
+def _alike_merged(rows: List[DiffRow], transient: Set[str]) -> List[DiffRow]:
     """One row per category and site where rows moved in opposite directions, else one row per
-    category, site and module context.
+    category, site and module context; and one row for the backward's node temporaries (groups
+    whose signatures are in `transient`) where they moved in opposite directions.
 
     A NEW beside a SHRANK of one site is memory that moved between the site's call paths: two
     rows that cancel explain nothing. Rows of one site and module that moved the same way would
-    read alike however they are labelled. The member groups keep the detail either way.
+    read alike however they are labelled. Temporaries of different nodes that moved both ways
+    say that the peak fell while another node ran, not what changed. The member groups keep the
+    detail either way.
     """
+    def working(r: DiffRow) -> bool:
+        return all(m.signature in transient for m in r.member_groups())
+    temporaries = [r for r in rows if r.delta_bytes and working(r)]
+    out: List[DiffRow] = []
+    if any(r.delta_bytes > 0 for r in temporaries) and any(r.delta_bytes < 0 for r in temporaries):
+        for category in sorted({r.category or "" for r in temporaries}):
+            out.append(_merge([r for r in temporaries if (r.category or "") == category], TEMPORARIES))
+        rows = [r for r in rows if not (r.delta_bytes and working(r))]
     buckets: Dict[Tuple, List[DiffRow]] = defaultdict(list)
     for r in rows:
         buckets[(r.category, r.site)].append(r)
-    out: List[DiffRow] = []
     for same in buckets.values():
         moved = [r for r in same if r.delta_bytes]
         out.extend(r for r in same if not r.delta_bytes)
@@ -331,7 +350,7 @@ def align(base: Sequence[Group], head: Sequence[Group]) -> List[DiffRow]:
                 head_left += news
     rows.extend(_row([g], [], None) for g in base_left)
     rows.extend(_row([], [g], None) for g in head_left)
-    rows = _alike_merged(rows)
+    rows = _alike_merged(rows, {g.signature for g in (*base, *head) if _transient(g)})
     label_rows(rows)
 
     order = {NEW: 0, GREW: 1, GONE: 2, SHRANK: 3, SAME: 4}
@@ -397,6 +416,20 @@ def overflow_text(source: Source) -> Optional[str]:
             f"static and their stacks are unknown (record with a larger max_entries)")
 
 
+# Frames of the autograd engine, which every stack of backward memory recorded on the main thread has.
+AUTOGRAD_ENGINE = re.compile(r"run_backward|::Engine::")
+
+
+def _names_nodes(d: DeviceSummary) -> Optional[bool]:
+    """Whether the stacks of a device's backward memory name autograd nodes; None when none of its
+    groups was made by the autograd engine, as far as the stacks say."""
+    groups = [*d.groups, *(g for p in d.phase_peaks for g in p.groups or [])]
+    backward = [g for g in groups if any(AUTOGRAD_ENGINE.search(f.name) for f in g.frames)]
+    if not backward:
+        return None
+    return any(names_autograd_node(f.name) for g in backward for f in g.frames)
+
+
 def _warnings(base: Summary, head: Summary, devices: Sequence[DeviceDiff] = ()) -> List[str]:
     """Reasons the two runs may not be comparable; the diff is still computed."""
     out = [f"{role}: {text}" for role, text in (("base", overflow_text(base.source)),
@@ -425,6 +458,13 @@ def _warnings(base: Summary, head: Summary, devices: Sequence[DeviceDiff] = ()) 
         h = heads.get(b.device)
         if h is None:
             continue
+        named = {role: _names_nodes(d) for role, d in (("base", b), ("head", h))}
+        if None not in named.values() and named["base"] != named["head"]:
+            which, other = ("base", "head") if named["base"] else ("head", "base")
+            out.append(f"device {b.device}: only the {which} run's stacks name autograd nodes (AddmmBackward0); "
+                       f"the {other}'s backward memory reads run_backward (a CPU capture by an earlier memdiff, "
+                       f"or CUDA stacks=\"python\"), so its backward rows show as gone and new: record both "
+                       f"runs the same way")
         if (b.unmatched_free_count > 0) != (h.unmatched_free_count > 0):
             which = "base" if b.unmatched_free_count else "head"
             out.append(f"device {b.device}: only the {which} trace starts mid-run (its ring buffer dropped "

@@ -19,6 +19,7 @@ from memdiff.differ import (
     NEW,
     PEAK,
     SAME,
+    TEMPORARIES,
     CategoryDelta,
     DeviceDiff,
     Diff,
@@ -423,7 +424,11 @@ def _count(r: DiffRow) -> str:
 
 
 def _cells(r: DiffRow) -> List[str]:
-    site = (r.label or r.site) + (" (matched by site)" if r.matched_by == BY_SITE else "")
+    site = r.label or r.site
+    if r.matched_by == BY_SITE:
+        site += " (matched by site)"
+    elif r.matched_by == TEMPORARIES:
+        site += f" (with {count_of(len(r.members) - 1, 'other node temporary', 'other node temporaries')})"
     pct = "new" if r.status == NEW else pct_cell(r.base_bytes, r.head_bytes)
     return [r.status, _count(r), format_bytes(r.base_bytes), format_bytes(r.head_bytes),
             format_bytes(r.delta_bytes, signed=True), pct, site]
@@ -517,6 +522,10 @@ FOLLOWS_WEIGHTS = ("gradient", "optimizer_state")
 WEIGHTS_LEAD = 4
 
 
+# A site moving against its category's change is named when it moved at least 1/OFFSET_NAMED of it.
+OFFSET_NAMED = 4
+
+
 def _cause(d: DeviceDiff, sign: int) -> Optional[str]:
     """The category that moved most in the direction of `sign`, and the sites that carry it.
     Weights lead when they moved that way: gradients and optimizer state follow them (AdamW's
@@ -529,8 +538,16 @@ def _cause(d: DeviceDiff, sign: int) -> Optional[str]:
                     and abs(c.delta_bytes) * WEIGHTS_LEAD >= abs(largest.delta_bytes)), None)
     c = weights or largest
     rows = [r for r in d.rows if r.category == c.category and r.delta_bytes * sign > 0][:SITES_NAMED]
+    # A category that moved both ways (an optimizer swapped, autocast's casts) names what came
+    # against the move too: its net change alone reads as if the other side never happened.
+    against = [r for r in d.rows if r.category == c.category and r.delta_bytes * sign < 0
+               and abs(r.delta_bytes) * OFFSET_NAMED >= abs(c.delta_bytes)][:1]
     sites = ", ".join(f"{r.label or r.site} {format_bytes(r.delta_bytes, signed=True)}"
                       + (" new" if r.status == NEW else "") for r in rows)
+    if sites and against:
+        r = against[0]
+        sites += (f"; offset by {r.label or r.site} {format_bytes(r.delta_bytes, signed=True)}"
+                  + (" new" if r.status == NEW else ""))
     text = f"{c.category} {change_text(c.base_bytes, c.head_bytes)}" + (f" ({sites})" if sites else "")
     if weights is not None:
         following = [f"{f.category} {format_bytes(f.delta_bytes, signed=True)}" for f in moved

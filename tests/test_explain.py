@@ -196,3 +196,30 @@ def test_a_generic_module_is_named_with_its_parent(write_snapshot, capsys):
     rows = json.loads(capsys.readouterr().out)["devices"][0]["rows"]
     assert sorted(r["label"] for r in rows) == ["linear.py:forward <- linear [Linear in GPT2LMHeadModel]",
                                                 "linear.py:forward <- linear [Linear in GPT2MLP]"]
+
+
+def test_node_temporaries_at_peaks_in_different_nodes_are_one_row():
+    """The backward's peak falls while some node runs, and its temporaries are that node's working
+    set: when the peak instant moves to another node, rows of such memory moving both ways would
+    say which node ran, not what changed (bert with debug projections: AddmmBackward0 -384 KiB,
+    MeanBackward0 +1 MiB new, ...). They are one row, by the largest; gradients stay apart."""
+    from memdiff.differ import TEMPORARIES, align
+    from memdiff.model import Frame, Group
+
+    def group(site: str, size: int, outlives: str = "none", category: str = "autograd") -> Group:
+        return Group(signature=f"{site}/{outlives}", site=site, frames=[Frame("", 0, site)], count=1, bytes=size,
+                     category=category, lifetime={"born": "backward", "freed": "backward", "outlives": outlives})
+    base = [group("AddmmBackward0 <- mm", 512 << 10), group("MulBackward0 <- mul", 128 << 10),
+            group("AddmmBackward0 <- sum", 4096, "phase", "gradient")]
+    head = [group("AddmmBackward0 <- mm", 128 << 10), group("MeanBackward0 <- div", 1 << 20),
+            group("AddmmBackward0 <- sum", 8192, "phase", "gradient")]
+    rows = align(base, head)
+    temporaries = [r for r in rows if r.category == "autograd"]
+    assert len(temporaries) == 1
+    r = temporaries[0]
+    assert (r.matched_by, r.site, r.delta_bytes) == (TEMPORARIES, "MeanBackward0 <- div", 512 << 10)
+    assert len(r.members) == 4
+    assert [(x.site, x.delta_bytes) for x in rows if x.category == "gradient"] == [("AddmmBackward0 <- sum", 4096)]
+    # Temporaries that all moved one way are what changed: each keeps its row.
+    grown = align(base[:2], [group("AddmmBackward0 <- mm", 1 << 20), group("MulBackward0 <- mul", 256 << 10)])
+    assert sorted(x.site for x in grown) == ["AddmmBackward0 <- mm", "MulBackward0 <- mul"]
