@@ -186,22 +186,28 @@ def _is_reversion(freed: Dict[str, Any], e: Dict[str, Any]) -> bool:
 SCALAR_BYTES = 4
 
 
-def _gradient_sizes(walk: _Walk, trace: List[Dict[str, Any]], backwards: Sequence[Any], step: Any) -> Dict[int, int]:
-    """size -> how many: what the backward runs before an optimizer run made and still hold when
-    it starts, the gradients it reads (one per trainable weight), each counted once."""
+def _gradient_sizes(walk: _Walk, trace: List[Dict[str, Any]], held: List[int], backwards: Sequence[Any],
+                    step: Any) -> Dict[int, int]:
+    """size -> how many: what the backward runs made and still hold when an optimizer run starts,
+    the gradients it reads (one per trainable weight), each counted once.
+
+    `held` is what earlier backwards made and still held at the last optimizer run; it is updated
+    to what is held at this one. Gradients kept across steps (`zero_grad(set_to_none=False)`) are
+    made once, in the first step's backward, and only written in place after it."""
     allocs = np.frombuffer(walk.allocs, dtype=np.int64) if len(walk.allocs) else np.zeros(0, np.int64)
     closed = np.frombuffer(walk.closed, dtype=np.int64)
-    grads: Dict[int, int] = {}
     for backward in backwards:
         # allocs is ascending: the run's allocations are one slice, found by bisection (a
         # mask would read every allocation of the trace for every step's backward).
         made = allocs[np.searchsorted(allocs, backward.start_event):
                       np.searchsorted(allocs, backward.end_event, side="right")]
-        for j in made.tolist():
-            # Counted once, by its first version (a later micro-batch adds into it in place,
-            # writing new versions).
-            if j not in walk.version_of and walk.end(int(closed[j])) > step.start_event:
-                grads[trace[j]["size"]] = grads.get(trace[j]["size"], 0) + 1
+        # Counted once, by its first version (a later micro-batch adds into it in place,
+        # writing new versions).
+        held.extend(j for j in made.tolist() if j not in walk.version_of)
+    held[:] = [j for j in held if walk.end(int(closed[j])) > step.start_event]
+    grads: Dict[int, int] = {}
+    for j in held:
+        grads[trace[j]["size"]] = grads.get(trace[j]["size"], 0) + 1
     return grads
 
 
@@ -259,7 +265,7 @@ def _state_by_sizes(blocks: List[_DumpBlock], walk: _Walk, trace: List[Dict[str,
                 # The state is made in the trace, with its stack: frozen weights of the trainable
                 # ones' sizes are older than the trace too, and no state.
                 return
-            grads = _gradient_sizes(walk, trace, backwards, run)
+            grads = _gradient_sizes(walk, trace, [], backwards, run)
             break
     by_size: Dict[int, List[_DumpBlock]] = {}
     for b in frameless:
@@ -314,19 +320,26 @@ def _optimizer_state_stand_ins(walk: _Walk, trace: List[Dict[str, Any]], timelin
     votes: Dict[int, int] = {}  # root -> state votes minus weight votes
     first_in_run: Dict[int, Tuple[int, int, int]] = {}  # root -> (event, run start, run end) of its first state vote
     backwards: List[Any] = []  # the backward runs since the last optimizer run (micro-batches)
+    held: List[int] = []  # what earlier backwards made and still held at the last optimizer run
+    loop_updated: Dict[int, Optional[List[Any]]] = {}  # root -> the loop's stack that updated it after a step
     for run in timeline.runs:
         if run.phase == BACKWARD:
             backwards.append(run)
         if run.phase != OPTIMIZER:
             continue
-        step_backwards, backwards = backwards, []
+        grads = _gradient_sizes(walk, trace, held, backwards, run)
+        backwards = []
         # Updates written before the step's first allocation with a stack take the phase before it:
         # the run starts, for this, after the last allocation that is no new version.
         k = bisect.bisect_left(walk.allocs, run.start_event) - 1
         while k >= 0 and walk.allocs[k] in walk.version_of:
             k -= 1
         start = walk.allocs[k] + 1 if k >= 0 else 0
-        inside = events[bisect.bisect_left(at, start): bisect.bisect_right(at, run.end_event)]
+        loop = _loop_after_step(walk, trace, run, at)
+        for e, root in events[bisect.bisect_left(at, loop): bisect.bisect_right(at, run.end_event)]:
+            if root not in loop_updated:
+                loop_updated[root] = _stack_before(walk, trace, e, loop)
+        inside = events[bisect.bisect_left(at, start): bisect.bisect_left(at, loop)]
         if not inside:
             continue
         last: Dict[int, int] = {}
@@ -350,7 +363,6 @@ def _optimizer_state_stand_ins(walk: _Walk, trace: List[Dict[str, Any]], timelin
         if len(turns) > 1:
             weights = {t[-1] for t in turns}
         elif turns:
-            grads = _gradient_sizes(walk, trace, step_backwards, run)
             by_size: Dict[int, List[int]] = {}
             for root in turns[0]:
                 by_size.setdefault(size[root], []).append(root)
@@ -382,7 +394,40 @@ def _optimizer_state_stand_ins(walk: _Walk, trace: List[Dict[str, Any]], timelin
                          and "torch/optim/" in f"{f.get('filename', '')}:{f.get('name', '')}"), 0)
             trimmed[id(frames)] = frames[keep:]
         stand_ins[root] = trimmed[id(frames)]
+    for root, frames in loop_updated.items():
+        if root not in votes and frames:
+            stand_ins[root] = frames
     return stand_ins, {root for root, vote in votes.items() if vote < 0}
+
+
+def _is_optimizers(frames: Any) -> bool:
+    return isinstance(frames, list) and any(isinstance(f, dict) and "torch/optim/" in str(f.get("name", ""))
+                                            for f in frames)
+
+
+def _loop_after_step(walk: _Walk, trace: List[Dict[str, Any]], run: Any, at: List[int]) -> int:
+    """Where the loop's own code takes over in an optimizer run: after the optimizer's last event
+    (its temporaries are freed as its step returns), when the step's own in-place updates (events
+    `at`) come before it; past the run's end otherwise. An EMA of the weights updated after
+    `step()` is not the optimizer's; a fused step updates everything after its last event, where
+    nothing tells an EMA's updates from its own."""
+    last = next((i for i in range(run.end_event, run.start_event - 1, -1) if _is_optimizers(trace[i].get("frames"))),
+                None)
+    if last is None or bisect.bisect_left(at, last) == bisect.bisect_left(at, run.start_event):
+        return run.end_event + 1
+    return last + 1
+
+
+def _stack_before(walk: _Walk, trace: List[Dict[str, Any]], event: int, since: int) -> Optional[List[Any]]:
+    """The stack of the last allocation with one at or after `since` and before `event`: the loop's
+    call that wrote the frameless new version at `event`."""
+    k = bisect.bisect_left(walk.allocs, event) - 1
+    while k >= 0 and walk.allocs[k] >= since:
+        frames = trace[walk.allocs[k]].get("frames")
+        if frames:
+            return frames
+        k -= 1
+    return None
 
 
 def _dump_blocks(segments: List[Dict[str, Any]]) -> Iterator[Tuple[int, int, Optional[List[Any]]]]:

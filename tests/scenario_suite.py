@@ -64,6 +64,7 @@ EDGES = {
     # Other loops teams run.
     "vit-bf16": ("vit", ["--bf16"]),
     "distilbert-ema": ("distilbert", ["--ema"]),
+    "t5-ema-before": ("t5", ["--ema-before"]),
     "neox-clip": ("neox", ["--clip"]),
     "neox-fused": ("neox", ["--optimizer", "adamw-fused"]),
     "mixtral-foreach": ("mixtral", ["--optimizer", "adamw-foreach"]),

@@ -30,6 +30,7 @@ PAIRS: Dict[str, Tuple[str, str, str]] = {
     "set_to_none=False (gpt2)": ("gpt2-zero-grad-mid", "gpt2-zero-grad-mid-keep", "gradients live through backward"),
     "bf16 weights (vit)": ("vit-base", "vit-bf16", "weights and state halve"),
     "EMA weights (distilbert)": ("distilbert-base", "distilbert-ema", "one more copy of the weights"),
+    "EMA weights made before recording (t5)": ("t5-base", "t5-ema-before", "one more copy of the weights"),
     "clip_grad_norm_ (neox)": ("neox-base", "neox-clip", "nothing kept: a few temporaries"),
     "fused AdamW (neox)": ("neox-base", "neox-fused", "the same state"),
     "foreach AdamW (mixtral)": ("mixtral-base", "mixtral-foreach", "the same state"),
@@ -216,10 +217,26 @@ def test_loops_that_keep_nothing_more_read_as_the_same_state(runs, summaries, pa
 
 
 def test_zero_grad_first_with_set_to_none_false_keeps_a_gradient_per_weight(runs, summaries):
+    """Gradients kept across steps are made once and written in place after: the weights (updated
+    in place by each step, among many of one size) stay weights, the state stays state."""
     f = facts(runs, "t5-zero-grad-first-keep")
     d = device(summaries, "t5-zero-grad-first-keep")
     assert [s.step for s in d.steps] == list(range(f["steps"]))
     assert close(d.categories.get("gradient", 0), f["trainable_bytes"])
+    assert close(d.categories.get("parameter", 0), f["parameter_bytes"])
+    assert close(d.categories.get("optimizer_state", 0), f["state_bytes"])
+
+
+def test_an_ema_made_before_recording_is_one_more_copy_not_optimizer_state(runs, summaries):
+    """An EMA copied from the model before recording (as copy.deepcopy does) and updated after each
+    step: its updates follow the optimizer's in the same phase, and are the loop's, not state."""
+    f = facts(runs, "t5-ema-before")
+    d = diff(summaries["t5-base"], summaries["t5-ema-before"]).devices[0]
+    assert d.peak_delta_bytes == category_delta(d, "other") == f["trainable_bytes"]
+    assert [category_delta(d, c) for c in ("parameter", "gradient", "optimizer_state")] == [0, 0, 0]
+    head = device(summaries, "t5-ema-before")
+    assert close(head.categories.get("parameter", 0), f["parameter_bytes"])
+    assert close(head.categories.get("optimizer_state", 0), f["state_bytes"])
 
 
 def test_generate_is_inference_weights_and_activations_only(runs, summaries):

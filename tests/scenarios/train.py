@@ -308,6 +308,7 @@ def train(args: argparse.Namespace) -> None:
     logged: List[Any] = []
     kept_weights: List[List[torch.Tensor]] = []
     ema: List[torch.Tensor] = []
+    ema_before: List[torch.Tensor] = []
     kept_eval = None
     val = None  # the last validation loss: the loop's variable, held until the next one replaces it
 
@@ -347,6 +348,10 @@ def train(args: argparse.Namespace) -> None:
                         ema.extend(p.detach().clone() for p in params)
                     else:
                         torch._foreach_lerp_(ema, [p.detach() for p in params], 1e-3)
+            if ema_before:
+                with torch.no_grad():
+                    for e, p in zip(ema_before, params):
+                        e.mul_(0.999).add_(p.detach(), alpha=1e-3)
             if args.log_loss != "none":
                 # A validation loss each step: logged as a tensor, it keeps its whole graph.
                 with scope("## forward ##", truth):
@@ -363,6 +368,8 @@ def train(args: argparse.Namespace) -> None:
     if built is not None:
         for _ in range(args.warmup):  # warm-up steps before recording: the state is made here
             one_step(-1, *built)
+        if args.ema_before:
+            ema_before.extend(p.detach().clone() for p in built[1])
     with record(args.out, stacks=args.stacks):
         if built is None:
             # As a test does: the model and optimizer made inside the recording, freed on return.
@@ -437,6 +444,9 @@ def main() -> None:
                                            "sgd-momentum"), default="adamw")
     p.add_argument("--warmup", type=int, default=0, help="steps run before recording starts")
     p.add_argument("--ema", action="store_true", help="an EMA copy of the weights, made in the first step")
+    p.add_argument("--ema-before", action="store_true",
+                   help="an EMA copy of the weights made before recording (as copy.deepcopy(model) does), "
+                        "updated after each step with mul_ and add_")
     p.add_argument("--clip", action="store_true", help="clip_grad_norm_ before each step")
     p.add_argument("--retain-graph", action="store_true", help="backward(retain_graph=True)")
     p.add_argument("--zero-grad", choices=("after", "first", "before-backward"), default="after",
