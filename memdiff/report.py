@@ -375,18 +375,23 @@ def _moved_phase(d: DeviceDiff) -> Optional[str]:
 
     Peaks in different phases: the phase that made the change, the head's peak phase when the
     peak grew (it rose past the old peak), the base's when it went down (it fell below the new
-    one). Peaks in one phase that moved within 1% while another phase's peak moved more (with
-    `zero_grad(set_to_none=False)` the gradients live through the forward: the forward grows,
-    the optimizer step's peak does not): that other phase, the one that moved most."""
+    one), unless another phase moved more. Peaks in one phase while another phase's peak moved
+    more than they did, by more than 1% of the base's peak (with `zero_grad(set_to_none=False)` or gradient
+    accumulation the gradients live through the forward: the forward grows by them, the peak
+    by less or not at all): that other phase, the one that moved most."""
     if d.at != PEAK or not d.head_peak_phase or not d.base_peak_phase:
         return None
-    if d.head_peak_phase != d.base_peak_phase:
-        return d.head_peak_phase if d.peak_delta_bytes >= 0 else d.base_peak_phase
-    if abs(d.peak_delta_bytes) * 100 > d.base_peak_bytes:
-        return None
-    movers = [p for p in d.phases if p.phase != d.head_peak_phase and p.base_peak_bytes and p.head_peak_bytes
+    movers = [p for p in d.phases if p.base_peak_bytes and p.head_peak_bytes
               and abs(p.delta_bytes) * 100 > p.base_peak_bytes]
-    return max(movers, key=lambda p: (abs(p.delta_bytes), p.phase)).phase if movers else None
+    most = max(movers, key=lambda p: (abs(p.delta_bytes), p.phase)) if movers else None
+    if d.head_peak_phase != d.base_peak_phase:
+        made = d.head_peak_phase if d.peak_delta_bytes >= 0 else d.base_peak_phase
+        at_made = next((abs(p.delta_bytes) for p in d.phases if p.phase == made and p.base_peak_bytes), 0)
+        return most.phase if most is not None and abs(most.delta_bytes) > at_made else made
+    if most is None or most.phase == d.head_peak_phase or \
+            (abs(most.delta_bytes) - abs(d.peak_delta_bytes)) * 100 <= d.base_peak_bytes:
+        return None
+    return most.phase
 
 
 def _like_for_like(d: DeviceDiff, base: Summary, head: Summary) -> Optional[DeviceDiff]:

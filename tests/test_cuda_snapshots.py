@@ -226,3 +226,16 @@ def test_a_run_whose_stacks_do_not_name_autograd_nodes_is_told_apart(summaries):
     assert told and told[0].startswith("device 0: only the head run's stacks name autograd nodes")
     assert [w for w in diff(summaries["gpt2-batch8"], plain).warnings if "only the base run's" in w]
     assert not [w for w in diff(summaries["gpt2-base"], summaries["gpt2-batch8"]).warnings if "autograd nodes" in w]
+
+
+def test_a_phase_that_grew_more_than_the_peak_is_explained_in_the_headline(capsys):
+    """Weight copies kept between backward() and step() each step: the backward peak holds two
+    copies, the optimizer step's (step 2) three. The phase that grew more than the peak gets its
+    own cause: the copies, as `other`."""
+    from memdiff.units import format_bytes
+
+    assert main([str(DATA / "gpt2-base.pickle.gz"), str(DATA / "gpt2-keep-weights.pickle.gz")]) == 1
+    headline = capsys.readouterr().out.splitlines()[0]
+    copies = 3 * facts("gpt2-keep-weights")["trainable_bytes"]
+    assert f"the optimizer step +{format_bytes(copies)} (+" in headline
+    assert f": other +{format_bytes(copies)} (new) (train.py:one_step <- clone" in headline

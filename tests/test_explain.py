@@ -223,3 +223,36 @@ def test_node_temporaries_at_peaks_in_different_nodes_are_one_row():
     # Temporaries that all moved one way are what changed: each keeps its row.
     grown = align(base[:2], [group("AddmmBackward0 <- mm", 1 << 20), group("MulBackward0 <- mul", 256 << 10)])
     assert sorted(x.site for x in grown) == ["AddmmBackward0 <- mm", "MulBackward0 <- mul"]
+
+
+def test_the_phase_that_moved_most_is_compared_like_for_like():
+    """`zero_grad(set_to_none=False)` on a GRU (figures from a CPU capture): the gradients live
+    through the forward (+1.74 MiB), the peak moves from the optimizer step into the backward by
+    far less (+324.5 KiB). The forward is where the change is; a peak that moved less than the
+    forward is compared at its own phase."""
+    from memdiff.differ import PhaseDelta
+    from memdiff.report import _moved_phase
+
+    def device(phases, base_phase, head_phase):
+        base_peak = max(b for _, b, _ in phases)
+        head_peak = max(h for _, _, h in phases)
+        return diff_device(base_peak, head_peak, base_phase, head_phase,
+                           [PhaseDelta(p, b, h, h - b) for p, b, h in phases])
+    KiB = 1024
+    gru = [("forward", 6410 * KiB, 8192 * KiB), ("backward", 7178 * KiB, 8438 * KiB),
+           ("optimizer", 8110 * KiB, 8110 * KiB)]
+    assert _moved_phase(device(gru, "optimizer", "backward")) == "forward"
+    bigger_batch = [("forward", 17_790 * KiB, 29_390 * KiB), ("backward", 18_510 * KiB, 30_830 * KiB),
+                    ("optimizer", 9_240 * KiB, 9_240 * KiB)]
+    assert _moved_phase(device(bigger_batch, "backward", "backward")) is None
+    # Accumulation: the peak grows a little in the backward, the forward by the held gradients.
+    accumulation = [("forward", 3_990 * KiB, 5_100 * KiB), ("backward", 4_720 * KiB, 5_278 * KiB),
+                    ("optimizer", 4_000 * KiB, 4_000 * KiB)]
+    assert _moved_phase(device(accumulation, "backward", "backward")) == "forward"
+
+
+def diff_device(base_peak, head_peak, base_phase, head_phase, phases):
+    from memdiff.differ import DeviceDiff
+    return DeviceDiff(device=0, base_peak_bytes=base_peak, head_peak_bytes=head_peak,
+                      peak_delta_bytes=head_peak - base_peak, base_static_bytes=0, head_static_bytes=0, rows=[],
+                      categories=[], chart=[], base_peak_phase=base_phase, head_peak_phase=head_phase, phases=phases)
