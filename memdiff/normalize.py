@@ -297,9 +297,12 @@ def _optimizer_state_stand_ins(walk: _Walk, trace: List[Dict[str, Any]], timelin
     A step updates the state and the weights in place alike, so the order says which is which:
     every built-in optimizer updates a weight last, from its state (`param.addcdiv_(exp_avg,
     denom)`, `param.add_(buf)`). In a single-tensor update each weight's turn starts with its step
-    counter, and the weight is the tensor of that turn updated last; a foreach or fused update
-    updates all weights after all state, so of each size the last as many as the backward made
-    gradients of that size are the weights. Also returns the roots of the weights so told.
+    counter, and the weight is the tensor of that turn updated last; a foreach update updates all
+    weights after all state, so of each size the last as many as there are gradients of that
+    size held at the step are the weights, and in a fused update (one op, its new versions in
+    its arguments' order) the first as many. Updates after the optimizer's last event in the step
+    are the loop's (an EMA): neither, with the loop's stack. Also returns the roots of the weights
+    so told.
     Tensors no step updates (frozen weights, buffers) get neither: parameters by guess
     (docs/categories.md), and their site says so.
     """
@@ -366,9 +369,11 @@ def _optimizer_state_stand_ins(walk: _Walk, trace: List[Dict[str, Any]], timelin
             by_size: Dict[int, List[int]] = {}
             for root in turns[0]:
                 by_size.setdefault(size[root], []).append(root)
+            # A fused step is one op, whose new versions follow its arguments: the weights first.
+            fused = _runs_fused_step(trace, run)
             for s, members in by_size.items():
                 if grads.get(s):
-                    weights.update(members[-grads[s]:])
+                    weights.update(members[:grads[s]] if fused else members[-grads[s]:])
                 else:  # no gradients to count: the last of each run of one size
                     weights.update(r for k, r in enumerate(turns[0])
                                    if size[r] == s and (k + 1 == len(turns[0]) or size[turns[0][k + 1]] != s))
@@ -381,13 +386,8 @@ def _optimizer_state_stand_ins(walk: _Walk, trace: List[Dict[str, Any]], timelin
     for root, vote in votes.items():
         if vote <= 0:
             continue
-        event, _, end = first_in_run[root]
-        k = bisect.bisect_left(walk.allocs, event)
-        frames = None
-        while k < len(walk.allocs) and walk.allocs[k] <= end and frames is None:
-            frames = trace[walk.allocs[k]].get("frames") or None
-            k += 1
-        if not isinstance(frames, list):
+        frames = _optimizer_stack_near(walk, trace, *first_in_run[root])
+        if frames is None:
             continue
         if id(frames) not in trimmed:
             keep = next((i for i, f in enumerate(frames) if isinstance(f, dict)
@@ -398,6 +398,32 @@ def _optimizer_state_stand_ins(walk: _Walk, trace: List[Dict[str, Any]], timelin
         if root not in votes and frames:
             stand_ins[root] = frames
     return stand_ins, {root for root, vote in votes.items() if vote < 0}
+
+
+def _optimizer_stack_near(walk: _Walk, trace: List[Dict[str, Any]], event: int, start: int, end: int
+                          ) -> Optional[List[Any]]:
+    """The optimizer's stack that stands in for an update at `event` of its run (`start`..`end`):
+    its first allocation after the update, else its last before it (a fused step allocates
+    before its one update op, and the run can reach into the next step's backward)."""
+    k = bisect.bisect_left(walk.allocs, event)
+    while k < len(walk.allocs) and walk.allocs[k] <= end:
+        frames = trace[walk.allocs[k]].get("frames")
+        if _is_optimizers(frames):
+            return frames
+        k += 1
+    k = bisect.bisect_left(walk.allocs, event) - 1
+    while k >= 0 and walk.allocs[k] >= start:
+        frames = trace[walk.allocs[k]].get("frames")
+        if _is_optimizers(frames):
+            return frames
+        k -= 1
+    return None
+
+
+def _runs_fused_step(trace: List[Dict[str, Any]], run: Any) -> bool:
+    """Whether an optimizer run's stacks show a fused update (`adam.py:_fused_adam`)."""
+    return any(_is_optimizers(f) and any("): _fused_" in str(x.get("name", "")) for x in f if isinstance(x, dict))
+               for f in (trace[i].get("frames") for i in range(run.start_event, run.end_event + 1)) if f)
 
 
 def _is_optimizers(frames: Any) -> bool:

@@ -52,6 +52,7 @@ EDGES = {
     "t5-adagrad": ("t5", ["--optimizer", "adagrad"]),
     "mlp-amsgrad-warm": ("mlp", ["--optimizer", "adamw-amsgrad", "--warmup", "1", "--truth"]),
     "mixtral-warm": ("mixtral", ["--warmup", "1", "--truth"]),
+    "t5-fused-warm": ("t5", ["--optimizer", "adamw-fused", "--warmup", "1"]),
     # A leak made between backward() and step().
     "lstm-keep-weights": ("lstm", ["--keep-weights"]),
     # zero_grad between forward and backward, with and without set_to_none.

@@ -97,10 +97,11 @@ def test_state_made_in_the_constructor_reads_as_optimizer_state(runs, summaries,
     assert -category_delta(d, "optimizer_state") >= 0.99 * base["trainable_bytes"]
 
 
-@pytest.mark.parametrize("name", ["mlp-amsgrad-warm", "mixtral-warm"])
+@pytest.mark.parametrize("name", ["mlp-amsgrad-warm", "mixtral-warm", "t5-fused-warm"])
 def test_state_made_in_a_warm_up_reads_as_optimizer_state(runs, summaries, name):
     """Recorded after a warm-up step, every moment is older than the trace: still optimizer state
-    (amsgrad: three per weight), and the weights are the weights (issue 26 item 1)."""
+    (amsgrad: three per weight), and the weights are the weights (issue 26 item 1), whether the
+    update is one tensor at a time or fused (one op, the weights first among its new versions)."""
     f = facts(runs, name)
     categories = device(summaries, name).categories
     assert close(categories.get("optimizer_state", 0), f["state_bytes"])
