@@ -24,7 +24,7 @@ from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 from memdiff.classify import PERSISTENT
 from memdiff.errors import InputError
 from memdiff.frames import PROFILER_MODULE, names_autograd_node
-from memdiff.lifetimes import BACKWARD, FORWARD, OPTIMIZER
+from memdiff.lifetimes import BACKWARD, BEFORE_TRACE, FORWARD, OPTIMIZER
 from memdiff.model import DeviceSummary, Frame, Group, Moment, Source, Summary
 
 SITE_CALLERS = 2
@@ -37,6 +37,8 @@ MOMENTS = (PEAK, FORWARD, BACKWARD, OPTIMIZER)  # what --at can compare
 BY_SIGNATURE, BY_SITE = "signature", "site"
 # A row of the backward's node temporaries, whatever their sites (_alike_merged).
 TEMPORARIES = "temporaries"
+# A group made in one run's trace and one older than the other's, of one category, count and size.
+BY_SIZE = "size"
 
 
 @dataclass
@@ -220,11 +222,18 @@ def context_of(frames: Sequence[Frame]) -> str:
     return ""
 
 
+def _older(g: Group) -> bool:
+    """Whether a group's memory is older than its run's trace."""
+    return (g.lifetime or {}).get("born") == BEFORE_TRACE
+
+
 def _row(base: Sequence[Group], head: Sequence[Group], matched_by: Optional[str]) -> DiffRow:
     members = [Member("base", g.signature, g.count, g.bytes, g.bytes_from_earlier_steps, list(g.frames)) for g in base]
     members += [Member("head", g.signature, g.count, g.bytes, g.bytes_from_earlier_steps, list(g.frames))
                 for g in head]
-    shown = max(head or base, key=lambda g: (g.bytes, g.signature))
+    # Matched by size, the run whose trace made the memory shows it by the stack that made it.
+    made = [g for g in (*base, *head) if not _older(g)] if matched_by == BY_SIZE else []
+    shown = max(made or head or base, key=lambda g: (g.bytes, g.signature))
     b_bytes, h_bytes = sum(g.bytes for g in base), sum(g.bytes for g in head)
     delta = h_bytes - b_bytes
     if not base:
@@ -321,6 +330,26 @@ def label_rows(rows: Sequence[DiffRow]) -> None:
                     r.label = f"{r.label} ({r.category})"
 
 
+def _older_than_one_trace(base: List[Group], head: List[Group]
+                          ) -> Tuple[List[Tuple[List[Group], List[Group]]], List[Group], List[Group]]:
+    """The groups of one category made in one run's trace and those older than the other's trace,
+    where their counts and bytes are the same, and the groups left: the same memory (optimizer
+    state) when one run started recording after a warm-up. It is known by its allocation in one
+    run and by its update or its sizes in the other, so no stack matches."""
+    def totals(groups: List[Group]) -> Tuple[int, int]:
+        return sum(g.count for g in groups), sum(g.bytes for g in groups)
+    paired: List[Tuple[List[Group], List[Group]]] = []
+    taken: Set[int] = set()
+    for category in sorted({g.category for g in base if g.category} & {g.category for g in head if g.category}):
+        for base_older in (False, True):
+            olds = [g for g in base if g.category == category and _older(g) == base_older]
+            news = [g for g in head if g.category == category and _older(g) != base_older]
+            if olds and news and totals(olds) == totals(news) and totals(olds)[1]:
+                paired.append((olds, news))
+                taken.update(id(g) for g in (*olds, *news))
+    return (paired, [g for g in base if id(g) not in taken], [g for g in head if id(g) not in taken])
+
+
 def align(base: Sequence[Group], head: Sequence[Group]) -> List[DiffRow]:
     """Rows for two group lists, sorted by the size of the change (largest first)."""
     head_by_sig = {g.signature: g for g in head}
@@ -348,6 +377,8 @@ def align(base: Sequence[Group], head: Sequence[Group]) -> List[DiffRow]:
             else:
                 base_left += olds
                 head_left += news
+    paired, base_left, head_left = _older_than_one_trace(base_left, head_left)
+    rows.extend(_row(olds, news, BY_SIZE) for olds, news in paired)
     rows.extend(_row([g], [], None) for g in base_left)
     rows.extend(_row([], [g], None) for g in head_left)
     rows = _alike_merged(rows, {g.signature for g in (*base, *head) if _transient(g)})

@@ -16,6 +16,7 @@ from typing import Any, Dict, List, Optional, Sequence
 from memdiff import __version__
 from memdiff.differ import (
     BY_SITE,
+    BY_SIZE,
     NEW,
     PEAK,
     SAME,
@@ -432,6 +433,8 @@ def _cells(r: DiffRow) -> List[str]:
     site = r.label or r.site
     if r.matched_by == BY_SITE:
         site += " (matched by site)"
+    elif r.matched_by == BY_SIZE:
+        site += " (older than one run's trace: matched by size)"
     elif r.matched_by == TEMPORARIES:
         site += f" (with {count_of(len(r.members) - 1, 'other node temporary', 'other node temporaries')})"
     pct = "new" if r.status == NEW else pct_cell(r.base_bytes, r.head_bytes)

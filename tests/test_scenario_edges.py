@@ -36,6 +36,8 @@ PAIRS: Dict[str, Tuple[str, str, str]] = {
     "foreach AdamW (mixtral)": ("mixtral-base", "mixtral-foreach", "the same state"),
     "retain_graph=True (lstm)": ("lstm-base", "lstm-retain-graph", "nothing kept once the loss goes"),
     "zero_grad first, set_to_none=False (t5)": ("t5-base", "t5-zero-grad-first-keep", "gradients live from the start"),
+    # The same state, known by its allocation in one run and by its update in the other: one row.
+    "warm-up (mixtral)": ("mixtral-base", "mixtral-warm", "nothing: the same state, made before recording"),
 }
 
 
@@ -44,9 +46,6 @@ PAIRS: Dict[str, Tuple[str, str, str]] = {
 SWAPS: Dict[str, Tuple[str, str, str]] = {
     "adamw-to-adagrad (mlp)": ("mlp-base", "mlp-adagrad", "state halves: two moments per weight become one sum"),
     "adamw-to-adagrad (t5)": ("t5-base", "t5-adagrad", "state halves: two moments per weight become one sum"),
-    # ...and so does recording after a warm-up: the same state, known by its update instead of its
-    # allocation, is another site.
-    "warm-up (mixtral)": ("mixtral-base", "mixtral-warm", "nothing: the same state, made before recording"),
 }
 
 
