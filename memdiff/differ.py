@@ -35,8 +35,9 @@ PEAK = "peak"
 MOMENTS = (PEAK, FORWARD, BACKWARD, OPTIMIZER)  # what --at can compare
 
 BY_SIGNATURE, BY_SITE = "signature", "site"
-# A row of the backward's node temporaries, whatever their sites (_alike_merged).
-TEMPORARIES = "temporaries"
+# A row of the backward's node temporaries, or of the gradients, whatever their sites (_alike_merged).
+TEMPORARIES, GRADIENTS = "temporaries", "gradients"
+GRADIENT = "gradient"
 # A group made in one run's trace and one older than the other's, of one category, count and size.
 BY_SIZE = "size"
 
@@ -265,6 +266,10 @@ def _merge(rows: Sequence[DiffRow], matched_by: str = BY_SITE) -> DiffRow:
                    head_earlier_bytes=sum(r.head_earlier_bytes for r in rows), members=members)
 
 
+def _both_ways(rows: Sequence[DiffRow]) -> bool:
+    return any(r.delta_bytes > 0 for r in rows) and any(r.delta_bytes < 0 for r in rows)
+
+
 def _transient(g: Group) -> bool:
     """Memory the backward holds only while its node runs: at a peak, the working set of whichever
     node was running at that instant."""
@@ -274,23 +279,30 @@ def _transient(g: Group) -> bool:
 
 def _alike_merged(rows: List[DiffRow], transient: Set[str]) -> List[DiffRow]:
     """One row per category and site where rows moved in opposite directions, else one row per
-    category, site and module context; and one row for the backward's node temporaries (groups
-    whose signatures are in `transient`) where they moved in opposite directions.
+    category, site and module context; one row for the backward's node temporaries (groups whose
+    signatures are in `transient`) where they moved in opposite directions; one row for the
+    gradients where they moved in opposite directions and add up to (nearly) nothing.
 
     A NEW beside a SHRANK of one site is memory that moved between the site's call paths: two
     rows that cancel explain nothing. Rows of one site and module that moved the same way would
     read alike however they are labelled. Temporaries of different nodes that moved both ways
-    say that the peak fell while another node ran, not what changed. The member groups keep the
-    detail either way.
+    say that the peak fell while another node ran, not what changed; gradients that moved both
+    ways to the same total are the same weights' gradients made by other nodes (autocast's
+    `ToCopyBackward0` where `AddmmBackward0` was). The member groups keep the detail either way.
     """
     def working(r: DiffRow) -> bool:
         return all(m.signature in transient for m in r.member_groups())
-    temporaries = [r for r in rows if r.delta_bytes and working(r)]
     out: List[DiffRow] = []
-    if any(r.delta_bytes > 0 for r in temporaries) and any(r.delta_bytes < 0 for r in temporaries):
+    temporaries = [r for r in rows if r.delta_bytes and working(r)]
+    if _both_ways(temporaries):
         for category in sorted({r.category or "" for r in temporaries}):
             out.append(_merge([r for r in temporaries if (r.category or "") == category], TEMPORARIES))
         rows = [r for r in rows if not (r.delta_bytes and working(r))]
+    gradients = [r for r in rows if r.delta_bytes and r.category == GRADIENT]
+    churn = sum(abs(r.delta_bytes) for r in gradients)
+    if _both_ways(gradients) and abs(sum(r.delta_bytes for r in gradients)) * 100 <= churn:
+        out.append(_merge(gradients, GRADIENTS))
+        rows = [r for r in rows if not (r.delta_bytes and r.category == GRADIENT)]
     buckets: Dict[Tuple, List[DiffRow]] = defaultdict(list)
     for r in rows:
         buckets[(r.category, r.site)].append(r)

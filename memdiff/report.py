@@ -17,6 +17,7 @@ from memdiff import __version__
 from memdiff.differ import (
     BY_SITE,
     BY_SIZE,
+    GRADIENTS,
     NEW,
     PEAK,
     SAME,
@@ -435,6 +436,8 @@ def _cells(r: DiffRow) -> List[str]:
         site += " (matched by site)"
     elif r.matched_by == BY_SIZE:
         site += " (older than one run's trace: matched by size)"
+    elif r.matched_by == GRADIENTS:
+        site += f" (with {count_of(len(r.members) - 1, 'other gradient group')}: the same total, made by other nodes)"
     elif r.matched_by == TEMPORARIES:
         site += f" (with {count_of(len(r.members) - 1, 'other node temporary', 'other node temporaries')})"
     pct = "new" if r.status == NEW else pct_cell(r.base_bytes, r.head_bytes)

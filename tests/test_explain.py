@@ -256,3 +256,25 @@ def diff_device(base_peak, head_peak, base_phase, head_phase, phases):
     return DeviceDiff(device=0, base_peak_bytes=base_peak, head_peak_bytes=head_peak,
                       peak_delta_bytes=head_peak - base_peak, base_static_bytes=0, head_static_bytes=0, rows=[],
                       categories=[], chart=[], base_peak_phase=base_phase, head_peak_phase=head_phase, phases=phases)
+
+
+def test_gradients_made_by_other_nodes_to_the_same_total_are_one_row():
+    """Autocast on Whisper (figures from a CPU capture): the weights' gradients now come out of
+    `ToCopyBackward0` (the cast back to fp32) where `AddmmBackward0` and `EmbeddingBackward0` made
+    them; the gradient bytes are the same. One SAME row, not a NEW beside three GONE. Gradients
+    that moved both ways to another total (a frozen embedding and a new layer) keep their rows."""
+    from memdiff.differ import GRADIENTS, SAME, align
+    from memdiff.model import Frame, Group
+
+    def grad(site: str, size: int) -> Group:
+        return Group(signature=site, site=site, frames=[Frame("", 0, site)], count=1, bytes=size, category="gradient",
+                     lifetime={"born": "backward", "freed": "never", "outlives": "trace"})
+    base = [grad("AddmmBackward0 <- mm", 320 << 10), grad("EmbeddingBackward0 <- add", 250 << 10),
+            grad("MmBackward0 <- mm", 64 << 10)]
+    rows = align(base, [grad("ToCopyBackward0 <- to <- _to_copy", 634 << 10)])
+    assert [(r.status, r.matched_by, r.site, len(r.members)) for r in rows] == [
+        (SAME, GRADIENTS, "ToCopyBackward0 <- to <- _to_copy", 4)]
+    other = align(base, [grad("AddmmBackward0 <- mm", 320 << 10), grad("MmBackward0 <- mm", 64 << 10),
+                         grad("AddmmBackward0 <- mm [new layer]", 128 << 10)])
+    assert sorted((r.site, r.delta_bytes) for r in other if r.delta_bytes) == [
+        ("AddmmBackward0 <- mm [new layer]", 128 << 10), ("EmbeddingBackward0 <- add", -(250 << 10))]
