@@ -154,9 +154,15 @@ def update_baseline(path: str, summary_of: Callable[[], Union[Summary, Dict[int,
         make_folder(folder)  # the first baseline of a repository: `-o baselines/train.json`
     check_output(path)
     # Only a regular file holds a baseline to update: reading a pipe given as the output would wait forever.
-    old = read_baseline(path) if os.path.isfile(path) else None
+    try:
+        old = read_baseline(path) if os.path.isfile(path) else None
+    except InputError as exc:
+        # Never overwritten unread: the path may name a file that is no baseline at all.
+        raise InputError(exc.path, f"{exc.message} (delete or fix the file to write a new baseline there)") from None
     limits = thresholds_for(old.thresholds if old else None)
     summary = summary_of()
+    if not any(s.devices for s in (summary.values() if isinstance(summary, dict) else [summary])):
+        raise InputError(path, "the run records no device memory: a baseline of nothing would pass every gate")
     label = name or (old.name if old else stem(path))
     baseline = (from_summaries(summary, label, limits, git_sha) if isinstance(summary, dict)
                 else from_summary(summary, label, limits, git_sha))

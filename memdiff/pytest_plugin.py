@@ -17,6 +17,7 @@ import os
 import re
 import shutil
 import tempfile
+import warnings
 from contextlib import contextmanager
 from typing import Any, Iterator, Mapping, Optional, Tuple
 
@@ -54,9 +55,37 @@ def pytest_configure(config: pytest.Config) -> None:
                 check_folder(config.getoption(option))
             except InputError as exc:
                 raise pytest.UsageError(f"--{option.replace('_', '-')}: {exc.path}: {exc.message}") from None
+    config.pluginmanager.register(_BadInput(), "memdiff-bad-input")
     config.addinivalue_line(
         "markers", "memdiff(limit=None, fail_over=None, fail_over_pct=None, categories=None, phases=None): record "
                    "the test's device memory and gate it against baselines/<test id>.json, or a ceiling (limit)")
+
+
+# Set on a marked test's report when its marker, baseline or recording is bad input (not a regression).
+BAD_INPUT = ("memdiff", "bad input")
+BAD_INPUT_STATUS = 2  # memdiff's exit status for bad input or usage, the CLI's
+
+
+class _BadInput:
+    """Ends the session with exit status 2 when a marked test failed on bad input (its marker, its
+    baseline, a run that recorded nothing), as the CLI does: CI must tell it from a regression (1).
+    Reports carry the mark, so this works in the controller of pytest-xdist too."""
+
+    def __init__(self) -> None:
+        self.seen = False
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        self.seen = self.seen or BAD_INPUT in report.user_properties
+
+    def pytest_sessionfinish(self, session: pytest.Session) -> None:
+        if self.seen and session.exitstatus in (pytest.ExitCode.OK, pytest.ExitCode.TESTS_FAILED):
+            session.exitstatus = BAD_INPUT_STATUS
+
+
+def _bad_input(item: pytest.Item, message: str) -> None:
+    """Fail a marked test on bad input: one line, and the session's exit status becomes 2."""
+    item.user_properties.append(BAD_INPUT)
+    pytest.fail(message, pytrace=False)
 
 
 def baseline_name(nodeid: str) -> str:
@@ -78,8 +107,12 @@ def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
         return (yield)
     unknown = sorted(set(marker.kwargs) - set(MARKER_KEYWORDS))
     if unknown or marker.args:
-        pytest.fail(f"@pytest.mark.memdiff takes keywords {', '.join(MARKER_KEYWORDS)}; got "
-                    f"{', '.join(unknown) or repr(marker.args)}", pytrace=False)
+        _bad_input(item, f"@pytest.mark.memdiff takes keywords {', '.join(MARKER_KEYWORDS)}; got "
+                         f"{', '.join(unknown) or repr(marker.args)}")
+    others = sorted(k for k, v in marker.kwargs.items() if k != "limit" and v is not None)
+    if marker.kwargs.get("limit") is not None and others:
+        _bad_input(item, f"@pytest.mark.memdiff: limit is a ceiling with no baseline, so {', '.join(others)} "
+                         f"would check nothing: give one or the other")
     from memdiff import api
 
     folder = tempfile.mkdtemp(prefix="memdiff-")
@@ -100,24 +133,36 @@ def _judge(item: pytest.Item, options: Mapping[str, Any], snapshot: str) -> None
     from memdiff.errors import InputError
 
     config = item.config
+    path = os.path.join(_folder(config), baseline_name(item.nodeid))
+    refresh = f"pytest {item.nodeid!r} --memdiff-update"
+    updating = bool(config.getoption("memdiff_update"))
+    error = None
     try:
         summary = api.summarize(snapshot, history=bool(config.getoption("memdiff_html")))
-        if options.get("limit") is not None:
+        if not summary.devices:
+            error = ("memdiff: the test recorded no device memory, so there is nothing to gate (does the model "
+                     "run in another process, or before the test?)")
+        elif options.get("limit") is not None:
             _ceiling(summary, options["limit"])
             return
-        path = os.path.join(_folder(config), baseline_name(item.nodeid))
-        limits = {k: v for k, v in options.items() if k != "limit" and v is not None}
-        if config.getoption("memdiff_update"):
-            make_folder(os.path.dirname(path))
-            # The marker is the test's rule: a refresh writes exactly it, never a mix with old limits.
-            api.write_baseline(summary, path, name=item.nodeid, keep_limits=False, **limits)
-            return
-        if not os.path.exists(path):
-            pytest.fail(f"memdiff: no baseline for this test at {os.path.relpath(path)}; create it with\n"
-                        f"    pytest {item.nodeid!r} --memdiff-update", pytrace=False)
-        report = api.gate(summary, path, top=SHOWN_ROWS, **limits)
+        else:
+            limits = {k: v for k, v in options.items() if k != "limit" and v is not None}
+            if updating:
+                make_folder(os.path.dirname(path))
+                _replace_unreadable(path)
+                # The marker is the test's rule: a refresh writes exactly it, never a mix with old limits.
+                api.write_baseline(summary, path, name=item.nodeid, keep_limits=False, **limits)
+                return
+            if not os.path.exists(path):
+                pytest.fail(f"memdiff: no baseline for this test at {os.path.relpath(path)}; create it with\n"
+                            f"    {refresh}", pytrace=False)
+            report = api.gate(summary, path, top=SHOWN_ROWS, **limits)
     except InputError as exc:
-        pytest.fail(f"memdiff: {exc.path}: {exc.message}", pytrace=False)
+        # Said outside the handler: pytest would print the InputError too, as the failure's context.
+        error = f"memdiff: {exc.path}: {exc.message}" + (f"; refresh it: {refresh}" if exc.path == path and
+                                                           not updating else "")
+    if error is not None:
+        _bad_input(item, error)
     if not report.passed:
         from memdiff.render import render
         from memdiff.render.text import render_stacks
@@ -129,8 +174,25 @@ def _judge(item: pytest.Item, options: Mapping[str, Any], snapshot: str) -> None
                 try:
                     _write_report(config.getoption(option), item.nodeid, page())
                 except InputError as exc:
-                    pytest.fail(f"memdiff: {exc.path}: {exc.message}", pytrace=False)
+                    error = f"memdiff: {exc.path}: {exc.message}"
+                if error is not None:
+                    _bad_input(item, error)
         pytest.fail(f"memdiff: device memory regressed against {os.path.relpath(path)}\n\n{text}", pytrace=False)
+
+
+def _replace_unreadable(path: str) -> None:
+    """A test's own baseline that cannot be read is replaced by --memdiff-update, with a warning:
+    the plugin names the file, so it holds nothing else (the CLI never overwrites what it cannot read)."""
+    from memdiff import api
+    from memdiff.errors import InputError
+
+    if not os.path.isfile(path):
+        return
+    try:
+        api.load_baseline(path)
+    except InputError as exc:
+        warnings.warn(f"memdiff: {exc.path}: {exc.message}: replaced by --memdiff-update", stacklevel=1)
+        os.remove(path)
 
 
 def _ceiling(summary: Any, limit: Any) -> None:

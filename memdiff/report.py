@@ -298,6 +298,10 @@ def compare(base: Sequence[Run], head: Sequence[Run], settings: Optional[Setting
     if not common:
         raise InputError("job", f"base has ranks {ranges(sorted(k for k in b if k is not None))} and head "
                                 f"{ranges(sorted(k for k in h if k is not None))}: none to compare")
+    if s.thresholds is not None and not any(b[r].devices or h[r].devices for r in common):
+        # A verdict on nothing would pass anything: the gate is never green when nothing was compared.
+        raise InputError(head[0].summary.source.file or "run", "no device memory in either run, so nothing to gate "
+                                                               "(the snapshots record no allocation)")
     results = []
     for rank in common:
         result = diff(b[rank], h[rank], at=s.at)

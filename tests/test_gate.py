@@ -362,3 +362,26 @@ def test_the_first_baseline_of_a_repository_makes_its_folder(tmp_path, capsys, m
     command = err.split("make it with `")[1].split("`")[0]
     assert run(capsys, *command.split()[1:])[0] == 0
     assert run(capsys, "gate", "--baselines", "baselines", run_)[0] == 0
+
+
+def test_a_gate_is_never_green_when_neither_side_holds_device_memory(write_snapshot, tmp_path, capsys):
+    """A snapshot of nothing (a recording around code that ran elsewhere): no baseline of it is
+    written, and no verdict on two of them is given: exit 2, one line each."""
+    from memdiff.cli import main
+
+    nothing = write_snapshot({"segments": [], "device_traces": [[]]}, "nothing.pickle")
+    assert main(["baseline", nothing, "-o", str(tmp_path / "b.json")]) == 2
+    err = capsys.readouterr().err
+    assert "the run records no device memory: a baseline of nothing would pass every gate" in err
+    assert err.count("\n") == 1 and not (tmp_path / "b.json").exists()
+    assert main([nothing, nothing]) == 2
+    err = capsys.readouterr().err
+    assert "no device memory in either run, so nothing to gate" in err and err.count("\n") == 1
+    # A baseline of nothing written by an earlier memdiff gates nothing either.
+    empty = tmp_path / "empty.json"
+    empty.write_text(json.dumps({"schema_version": 1, "name": "old", "created": "2026-01-01T00:00:00Z",
+                                 "source": {"file": "nothing.pickle", "sha256": "0" * 64, "generation": "no-trace",
+                                            "allocator_settings": None, "git_sha": None},
+                                 "thresholds": {"peak": {"fail-over-pct": 1.0}}, "devices": []}))
+    assert main(["gate", "--baseline", str(empty), nothing]) == 2
+    assert "nothing to gate" in capsys.readouterr().err

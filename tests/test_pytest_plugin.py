@@ -59,6 +59,7 @@ def test_update_creates_the_baseline_then_the_gate_passes_and_fails(suite):
     assert "category" in out and "TOTAL" in out  # the diff's first screen, not a bare number
     assert "memdiff: regression: peak +32.00 KiB" in out  # opening with the report's headline
     assert "Traceback" not in out
+    assert result.ret == 1  # a regression, as the CLI says it
 
 
 def test_update_writes_exactly_the_markers_limits(suite):
@@ -164,3 +165,46 @@ def test_the_record_fixture_gives_the_summary_of_a_block(pytester, torch):
             assert d.peak_bytes >= 4 * (1 << 20)  # at least one of the two tensors
     """))
     pytester.runpytest_subprocess("-p", "no:cacheprovider").assert_outcomes(passed=1)
+
+
+def test_bad_input_fails_in_one_line_and_the_session_exits_2(pytester, torch):
+    """A marker that would check nothing and a test that records nothing are bad input, not
+    regressions: each fails with one line, and the session exits 2, as the CLI does."""
+    pytester.makepyfile(test_bad=textwrap.dedent("""
+        import pytest
+        import torch
+
+        @pytest.mark.memdiff
+        def test_nothing():
+            pass
+
+        @pytest.mark.memdiff(limit="1GiB", fail_over_pct=5)
+        def test_both():
+            torch.zeros(1024).sum()
+    """))
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--memdiff-update")
+    result.assert_outcomes(failed=2)
+    assert result.ret == 2
+    out = result.stdout.str()
+    assert "memdiff: the test recorded no device memory, so there is nothing to gate" in out
+    assert "limit is a ceiling with no baseline, so fail_over_pct would check nothing" in out
+    assert "During handling" not in out and "Traceback" not in out
+    assert not (pytester.path / "baselines").exists()  # no baseline of nothing
+
+
+def test_a_corrupt_baseline_is_bad_input_and_update_replaces_it(suite):
+    (suite.path / "baselines").mkdir()
+    stored = suite.path / "baselines" / "test_model.py-test_step.json"
+    stored.write_text('{"name": ')
+    result = run(suite)
+    result.assert_outcomes(failed=1)
+    assert result.ret == 2
+    out = result.stdout.str()
+    assert "test_model.py-test_step.json: invalid JSON at line 1" in out
+    assert "refresh it: pytest 'test_model.py::test_step' --memdiff-update" in out
+    assert "During handling" not in out
+    result = run(suite, "--memdiff-update")
+    result.assert_outcomes(passed=1, warnings=1)
+    assert "replaced by --memdiff-update" in result.stdout.str()
+    assert baseline_of(suite)["name"] == "test_model.py::test_step"
+    run(suite).assert_outcomes(passed=1)
