@@ -18,6 +18,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 from memdiff import __version__
 from memdiff.atomic import check_output, make_folder, write_output
+from memdiff.differ import PEAK
 from memdiff.errors import InputError, clip, shown
 from memdiff.frames import signature_of
 from memdiff.limits import Thresholds, thresholds_from_dict
@@ -96,6 +97,7 @@ def _devices_json(devices: List[Dict[str, Any]], pad: str) -> str:
             + f"\n{pad}      ]" for phase, gs in d["phase_groups"].items()) + f"\n{pad}    }}"] \
             if d.get("phase_groups") else []
         fields += [f'"at_peak": {json.dumps(d["at_peak"])}'] if d.get("at_peak") else []
+        fields += [f'"earlier_rest": {json.dumps(d["earlier_rest"])}'] if d.get("earlier_rest") else []
         fields.append(f'"groups": [\n{groups}\n{pad}    ]')
         out.append(f"{pad}  {{\n" + ",\n".join(f"{pad}    {f}" for f in fields) + f"\n{pad}  }}")
     return f'{pad}"devices": [\n' + ",\n".join(out) + f"\n{pad}]"
@@ -103,7 +105,18 @@ def _devices_json(devices: List[Dict[str, Any]], pad: str) -> str:
 
 def _stored_groups(groups: List[Group]) -> List[Dict[str, Any]]:
     return [{"signature": g.signature, "site": g.site, "category": g.category or "other", "count": g.count,
-             "bytes": g.bytes} for g in groups[:TOP_GROUPS]]
+             "bytes": g.bytes, **({"bytes_from_earlier_steps": g.bytes_from_earlier_steps}
+                                  if g.bytes_from_earlier_steps else {})} for g in groups[:TOP_GROUPS]]
+
+
+def _earlier_rest(groups: List[Group]) -> Dict[str, int]:
+    """Per category, the bytes allocated in an earlier step of the groups not stored: the run's
+    `kept from earlier steps` compares with them, however small the groups that hold them."""
+    rest: Dict[str, int] = {}
+    for g in groups[TOP_GROUPS:]:
+        if g.bytes_from_earlier_steps:
+            rest[g.category or "other"] = rest.get(g.category or "other", 0) + g.bytes_from_earlier_steps
+    return rest
 
 
 def from_summaries(summaries: Dict[int, Summary], name: str, thresholds: Thresholds, git_sha: Optional[str] = None,
@@ -132,6 +145,9 @@ def from_summary(summary: Summary, name: str, thresholds: Thresholds, git_sha: O
         # like-for-like view compare the same moment of both runs.
         "phase_groups": {p.phase: _stored_groups(p.groups) for p in d.phase_peaks if p.groups is not None},
         "at_peak": {"phase": d.phase_at_peak, "step": d.step_at_peak, "scope": d.scope_at_peak},
+        "earlier_rest": {moment: rest for moment, rest in
+                         [(PEAK, _earlier_rest(d.groups))] + [(p.phase, _earlier_rest(p.groups)) for p in d.phase_peaks
+                                                              if p.groups is not None] if rest},
         "groups": _stored_groups(d.groups),
     } for d in summary.devices]
     stamp = created or datetime.now(timezone.utc).replace(microsecond=0).isoformat().replace("+00:00", "Z")
@@ -202,28 +218,31 @@ def baseline_path_for(folder: str, snapshot: str) -> str:
     return os.path.join(folder, stem(snapshot) + ".json")
 
 
-def _rest_group(category: str, count: int, size: int) -> Group:
+def _rest_group(category: str, count: int, size: int, earlier: int = 0) -> Group:
     site = REST_SITE.format(category=category)
     return Group(signature=signature_of([site]), site=site, frames=[], count=max(count, 1), bytes=size,
-                 category=category)
+                 category=category, bytes_from_earlier_steps=earlier)
 
 
-def _groups_of(stored: List[Dict[str, Any]], categories: Dict[str, int]) -> List[Group]:
+def _groups_of(stored: List[Dict[str, Any]], categories: Dict[str, int], earlier: Dict[str, int]) -> List[Group]:
     """The stored groups, and a `rest` group per category for its bytes outside them: they add up
-    to the moment's total exactly."""
+    to the moment's total exactly, and so do their bytes from earlier steps (baselines written
+    before they were stored: none)."""
     groups = [Group(signature=g["signature"], site=g["site"], frames=[], count=g["count"], bytes=g["bytes"],
-                    category=g["category"]) for g in stored]
+                    category=g["category"], bytes_from_earlier_steps=g.get("bytes_from_earlier_steps", 0))
+              for g in stored]
     held: Dict[str, int] = {}
     for g in stored:
         held[g["category"]] = held.get(g["category"], 0) + g["bytes"]
-    return groups + [_rest_group(c, 0, total - held.get(c, 0)) for c, total in categories.items()
+    return groups + [_rest_group(c, 0, total - held.get(c, 0), earlier.get(c, 0)) for c, total in categories.items()
                      if total > held.get(c, 0)]
 
 
 def _stored_summary(b: Baseline) -> Summary:
     devices = []
     for d in b.devices:
-        groups = _groups_of(d["groups"], d["categories"])
+        earlier = d.get("earlier_rest", {})
+        groups = _groups_of(d["groups"], d["categories"], earlier.get(PEAK, {}))
         at_peak = d.get("at_peak") or {}  # where the peak was (baselines written before it: unknown)
         # The phases' peak bytes (for phase thresholds), each category's bytes then (category
         # thresholds) and, in baselines that carry them, the groups live then (site thresholds,
@@ -232,7 +251,8 @@ def _stored_summary(b: Baseline) -> Summary:
         by_phase, phase_groups = d.get("phase_categories", {}), d.get("phase_groups")
         phases = [PhasePeak(phase, None, size, 0, categories=by_phase.get(phase, {}),
                             groups=[] if phase_groups is None else
-                            _groups_of(phase_groups[phase], by_phase.get(phase, {})) if phase in phase_groups
+                            _groups_of(phase_groups[phase], by_phase.get(phase, {}), earlier.get(phase, {}))
+                            if phase in phase_groups
                             else None if phase == at_peak.get("phase") else [])
                   for phase, size in d.get("phases", {}).items()]
         devices.append(DeviceSummary.blank(
@@ -265,7 +285,8 @@ def _pooled_groups(groups: List[Group], stored: List[Dict[str, Any]]) -> List[Gr
             kept.append(g)
         else:
             rest.setdefault(g.category or "other", []).append(g)
-    pooled = kept + [_rest_group(c, sum(g.count for g in gs), sum(g.bytes for g in gs)) for c, gs in rest.items()]
+    pooled = kept + [_rest_group(c, sum(g.count for g in gs), sum(g.bytes for g in gs),
+                                 sum(g.bytes_from_earlier_steps for g in gs)) for c, gs in rest.items()]
     return sorted(pooled, key=lambda g: (-g.bytes, g.signature))
 
 

@@ -177,7 +177,9 @@ def _judge(item: pytest.Item, options: Mapping[str, Any], snapshot: str) -> None
                     error = f"memdiff: {exc.path}: {exc.message}"
                 if error is not None:
                     _bad_input(item, error)
-        pytest.fail(f"memdiff: device memory regressed against {os.path.relpath(path)}\n\n{text}", pytrace=False)
+        # The first line is what pytest's short summary shows: the figures, not only the verdict.
+        pytest.fail(f"memdiff: device memory regressed against {os.path.relpath(path)}: {report.headline}\n\n{text}",
+                    pytrace=False)
 
 
 def _replace_unreadable(path: str) -> None:

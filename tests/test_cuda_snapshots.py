@@ -247,3 +247,18 @@ def test_a_phase_that_grew_more_than_the_peak_is_explained_in_the_headline(capsy
     copies = 3 * facts("gpt2-keep-weights")["trainable_bytes"]
     assert f"the optimizer step +{format_bytes(copies)} (+" in headline
     assert f": other +{format_bytes(copies)} (new) (train.py:one_step <- clone" in headline
+
+
+def test_a_leaky_run_gated_against_its_own_baseline_reads_no_kept_change(summaries, tmp_path):
+    """The baseline keeps what each stored group, and per category the rest, holds from earlier
+    steps: a run against its own baseline shows the same kept memory on both sides, not a leak
+    that appeared from nothing."""
+    run = summaries["gpt2-log-tensor"]
+    path = tmp_path / "leak.json"
+    api.write_baseline(run, path)
+    report = api.gate(run, path)
+    d = report.shown.diff.devices[0]
+    assert report.passed and d.kept is not None and d.kept.base_bytes == d.kept.head_bytes > 0
+    assert "kept from earlier steps" not in report.headline
+    at = [x for x in diff(run, run).devices if x.kept][0].kept
+    assert (d.kept.base_bytes, d.kept.head_bytes) == (at.base_bytes, at.head_bytes)

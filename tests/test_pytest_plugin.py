@@ -54,7 +54,7 @@ def test_update_creates_the_baseline_then_the_gate_passes_and_fails(suite):
     result = run(suite, floats=65536 + 8192)  # 32 KiB more: over 16 KiB and 1%
     result.assert_outcomes(failed=1)
     out = result.stdout.str()
-    assert "memdiff: device memory regressed against baselines/test_model.py-test_step.json" in out
+    assert "memdiff: device memory regressed against baselines/test_model.py-test_step.json: peak +32.00 KiB" in out
     assert "FAIL  device 0 peak: " in out and "limit: more than 1% and by more than 16.00 KiB" in out
     assert "category" in out and "TOTAL" in out  # the diff's first screen, not a bare number
     assert "memdiff: regression: peak +32.00 KiB" in out  # opening with the report's headline
