@@ -72,3 +72,15 @@ def test_a_bug_in_memdiff_exits_3_with_one_line(snap, capsys, monkeypatch):
                    "traceback; please report it)\n")
     assert main(["peak", str(snap), "--debug"]) == 3
     assert "Traceback" in capsys.readouterr().err
+
+
+def test_a_markdown_report_under_an_html_name_is_refused(tmp_path, capsys):
+    """`--report x.html` would write markdown that a browser shows raw: one line, exit 2, the flag
+    that writes the page named, nothing written."""
+    snap = tmp_path / "a.pickle"
+    snap.write_bytes(pickle.dumps(SNAP, protocol=4))
+    out = tmp_path / "report.html"
+    assert main([str(snap), str(snap), "--report", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.strip().endswith("--report writes the markdown report; the HTML report is --html FILE")
+    assert err.count("\n") == 1 and not out.exists()

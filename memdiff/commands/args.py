@@ -163,6 +163,9 @@ def publisher_from(args: argparse.Namespace, expected: int = 1) -> Optional["Pub
     if not args.github and args.report is None:
         return None
     if args.report is not None:
+        if args.report.lower().endswith((".html", ".htm")):
+            # The markdown report under an HTML name opens as a page of raw markdown.
+            raise InputError(args.report, "--report writes the markdown report; the HTML report is --html FILE")
         check_output(args.report)
     return Publisher(environ=os.environ if args.github else {}, report_path=args.report,
                      base_label=args.base_label, head_label=args.head_label, expected=expected,
