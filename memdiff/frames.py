@@ -203,7 +203,8 @@ def _keep(raw: Any) -> Optional[_Kept]:
     name = raw.get("name", "")
     filename = raw.get("filename", "")
     line = raw.get("line", 0)
-    if not isinstance(name, str) or not isinstance(filename, str) or not isinstance(line, int):
+    if not isinstance(name, str) or not isinstance(filename, str) or not isinstance(line, int) or \
+            isinstance(line, bool):  # True is an int to Python, not a line number
         raise ValueError(f"a frame has wrong types: name {brief(name)}, filename {brief(filename)}, line {brief(line)}")
     if filename == "none":  # profiler route
         m = profiler_frame(name)

@@ -185,3 +185,10 @@ def test_memdiffs_own_launcher_frames_do_not_change_signatures():
 
 def py_frames_like(specs):
     return [{"filename": f, "line": line, "name": name} for f, line, name in specs]
+
+
+def test_a_boolean_line_is_no_line_number():
+    """`True` is an int to Python; kept as a line it would make a summary its own schema refuses
+    (the fuzz suite's seed 20261122, case 143)."""
+    with pytest.raises(ValueError, match="line bool True"):
+        StackNormalizer().stack([{"name": "forward", "filename": "/home/a/proj/model.py", "line": True}])

@@ -35,8 +35,9 @@ NASTY: Tuple[Any, ...] = (None, True, -1, 0, -5, 2**31, 2**62, 2**63, 2**64 + 3,
                           [], {}, [[[]]], {"k": "v"}, {1: 2}, "(1): a" * 200)
 
 
-def _containers(node: Any, path: Tuple = ()) -> List[Tuple[Tuple, Any]]:
-    """(path, container) for up to a few thousand lists and dicts under `node`."""
+def _containers(node: Any, rng: random.Random, path: Tuple = ()) -> List[Tuple[Tuple, Any]]:
+    """(path, container) for up to a few thousand lists and dicts under `node`, sampled with the
+    case's own generator: a seed must name one case, whatever ran before it."""
     out: List[Tuple[Tuple, Any]] = []
     stack = [(path, node)]
     while stack and len(out) < 4000:
@@ -46,14 +47,14 @@ def _containers(node: Any, path: Tuple = ()) -> List[Tuple[Tuple, Any]]:
             stack.extend((where + (k,), v) for k, v in list(value.items())[:50])
         elif isinstance(value, list):
             out.append((where, value))
-            picks = value if len(value) <= 20 else random.sample(value, 20)
+            picks = value if len(value) <= 20 else rng.sample(value, 20)
             stack.extend((where + ("*",), v) for v in picks)
     return out
 
 
 def _mutate(doc: Any, rng: random.Random) -> str:
     """Change one place of `doc` in place; returns what was done, for the failure message."""
-    places = _containers(doc)
+    places = _containers(doc, rng)
     where, node = places[rng.randrange(len(places))]
     op = rng.choice(("swap", "swap", "delete", "insert", "nest", "share", "duplicate"))
     if isinstance(node, dict) and node:
