@@ -24,7 +24,7 @@ from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 from memdiff.classify import PERSISTENT
 from memdiff.errors import InputError
 from memdiff.frames import PROFILER_MODULE, names_autograd_node
-from memdiff.lifetimes import BACKWARD, BEFORE_TRACE, FORWARD, OPTIMIZER
+from memdiff.lifetimes import BACKWARD, BEFORE_TRACE, FORWARD, OPTIMIZER, frame_phase
 from memdiff.model import DeviceSummary, Frame, Group, Moment, Source, Summary
 
 SITE_CALLERS = 2
@@ -261,7 +261,7 @@ def _merge(rows: Sequence[DiffRow], matched_by: str = BY_SITE) -> DiffRow:
     return DiffRow(status=status, site=shown.site, signature=shown.signature, category=shown.category,
                    base_count=sum(r.base_count for r in rows), head_count=sum(r.head_count for r in rows),
                    base_bytes=b, head_bytes=h, delta_bytes=h - b, frames=shown.frames,
-                   matched_by=matched_by if b and h or matched_by == TEMPORARIES else None,
+                   matched_by=matched_by if b and h else None,
                    context=shown.context, label=shown.site, base_earlier_bytes=sum(r.base_earlier_bytes for r in rows),
                    head_earlier_bytes=sum(r.head_earlier_bytes for r in rows), members=members)
 
@@ -292,24 +292,25 @@ def _alike_merged(rows: List[DiffRow], transient: Set[str]) -> List[DiffRow]:
     """
     def working(r: DiffRow) -> bool:
         return all(m.signature in transient for m in r.member_groups())
+
+    def gradient(r: DiffRow) -> bool:
+        return r.category == GRADIENT
     out: List[DiffRow] = []
-    temporaries = [r for r in rows if r.delta_bytes and working(r)]
-    if _both_ways(temporaries):
-        for category in sorted({r.category or "" for r in temporaries}):
-            out.append(_merge([r for r in temporaries if (r.category or "") == category], TEMPORARIES))
-        rows = [r for r in rows if not (r.delta_bytes and working(r))]
-    gradients = [r for r in rows if r.delta_bytes and r.category == GRADIENT]
-    churn = sum(abs(r.delta_bytes) for r in gradients)
-    if _both_ways(gradients) and abs(sum(r.delta_bytes for r in gradients)) * 100 <= churn:
-        out.append(_merge(gradients, GRADIENTS))
-        rows = [r for r in rows if not (r.delta_bytes and r.category == GRADIENT)]
+    for matched_by, belongs, nets_out in ((TEMPORARIES, working, False), (GRADIENTS, gradient, True)):
+        for category in sorted({r.category or "" for r in rows if r.delta_bytes and belongs(r)}):
+            moved = [r for r in rows if r.delta_bytes and belongs(r) and (r.category or "") == category]
+            churn = sum(abs(r.delta_bytes) for r in moved)
+            if _both_ways(moved) and (not nets_out or abs(sum(r.delta_bytes for r in moved)) * 100 <= churn):
+                out.append(_merge(moved, matched_by))
+                merged = {id(r) for r in moved}
+                rows = [r for r in rows if id(r) not in merged]
     buckets: Dict[Tuple, List[DiffRow]] = defaultdict(list)
     for r in rows:
         buckets[(r.category, r.site)].append(r)
     for same in buckets.values():
         moved = [r for r in same if r.delta_bytes]
         out.extend(r for r in same if not r.delta_bytes)
-        if any(r.delta_bytes > 0 for r in moved) and any(r.delta_bytes < 0 for r in moved):
+        if _both_ways(moved):
             out.append(_merge(moved))
             continue
         by_context: Dict[str, List[DiffRow]] = defaultdict(list)
@@ -459,15 +460,11 @@ def overflow_text(source: Source) -> Optional[str]:
             f"static and their stacks are unknown (record with a larger max_entries)")
 
 
-# Frames of the autograd engine, which every stack of backward memory recorded on the main thread has.
-AUTOGRAD_ENGINE = re.compile(r"run_backward|::Engine::")
-
-
 def _names_nodes(d: DeviceSummary) -> Optional[bool]:
     """Whether the stacks of a device's backward memory name autograd nodes; None when none of its
     groups was made by the autograd engine, as far as the stacks say."""
     groups = [*d.groups, *(g for p in d.phase_peaks for g in p.groups or [])]
-    backward = [g for g in groups if any(AUTOGRAD_ENGINE.search(f.name) for f in g.frames)]
+    backward = [g for g in groups if any(frame_phase(f.name, f.file) == BACKWARD for f in g.frames)]
     if not backward:
         return None
     return any(names_autograd_node(f.name) for g in backward for f in g.frames)

@@ -88,11 +88,6 @@ PROFILER_OP = re.compile(r"^<built-in (?:method|function) (\w+)|^aten::(\w+)$")
 # The autograd node a backward allocation was made in (memdiff's CPU route, capture._stack).
 PROFILER_NODE = re.compile(r"^autograd::engine::evaluate_function: (?:torch::autograd::)?(\w+)$")
 
-
-def names_autograd_node(frame_name: str) -> bool:
-    """Whether a display frame is an autograd node's, as CUDA stacks with C++ frames or memdiff's
-    CPU route name them; a run whose stacks lack them shows its backward by `run_backward`."""
-    return bool(PROFILER_NODE.match(frame_name) or NODE_NATIVE.match(frame_name))
 PROFILER_MODULE = re.compile(r"^nn\.Module: ")
 MODULE_NUMBER = re.compile(r"_\d+$")
 
@@ -116,6 +111,12 @@ NO_STACK_GUESSED = "<no stack: live before the trace, category guessed>"
 NO_STACK_STATE_GUESSED = "<no stack: live before the trace, optimizer state by its sizes, guessed>"
 GUESS_PARAMETER, GUESS_STATE = "parameter", "optimizer_state"
 GUESSED_LABELS = {GUESS_PARAMETER: NO_STACK_GUESSED, GUESS_STATE: NO_STACK_STATE_GUESSED}
+
+
+def names_autograd_node(frame_name: str) -> bool:
+    """Whether a display frame is an autograd node's, as CUDA stacks with C++ frames or memdiff's
+    CPU route name them; a run whose stacks lack them shows its backward by `run_backward`."""
+    return bool(PROFILER_NODE.match(frame_name) or NODE_NATIVE.match(frame_name))
 
 
 @dataclass(frozen=True)

@@ -106,7 +106,7 @@ class _Hints:
             filename = filename if isinstance(filename, str) else None
             hint = self._frames.get((name, filename), "?")
             if hint == "?":
-                hint = _frame_hint(name, filename)
+                hint = frame_phase(name, filename)
                 self._frames[(name, filename)] = hint
             if hint is not None and (best is None or _RANK[hint] < _RANK[best]):
                 best = hint
@@ -115,7 +115,8 @@ class _Hints:
         return best
 
 
-def _frame_hint(name: str, filename: Optional[str]) -> Optional[str]:
+def frame_phase(name: str, filename: Optional[str]) -> Optional[str]:
+    """The phase one frame says its allocation happened in (STACK_HINTS), or None."""
     text = name if filename in (None, "", "none", "??") else f"{filename}:{name}"
     text = text[:1000]  # the hints look at short names; a hostile 60 KB name costs nothing more
     for phase, pattern in STACK_HINTS:

@@ -370,7 +370,7 @@ def _optimizer_state_stand_ins(walk: _Walk, trace: List[Dict[str, Any]], timelin
             for root in turns[0]:
                 by_size.setdefault(size[root], []).append(root)
             # A fused step is one op, whose new versions follow its arguments: the weights first.
-            fused = _runs_fused_step(trace, run)
+            fused = _runs_fused_step(walk, trace, run)
             for s, members in by_size.items():
                 if grads.get(s):
                     weights.update(members[:grads[s]] if fused else members[-grads[s]:])
@@ -390,9 +390,7 @@ def _optimizer_state_stand_ins(walk: _Walk, trace: List[Dict[str, Any]], timelin
         if frames is None:
             continue
         if id(frames) not in trimmed:
-            keep = next((i for i, f in enumerate(frames) if isinstance(f, dict)
-                         and "torch/optim/" in f"{f.get('filename', '')}:{f.get('name', '')}"), 0)
-            trimmed[id(frames)] = frames[keep:]
+            trimmed[id(frames)] = frames[next((i for i, f in enumerate(frames) if _optimizer_frame(f)), 0):]
         stand_ins[root] = trimmed[id(frames)]
     for root, frames in loop_updated.items():
         if root not in votes and frames:
@@ -420,15 +418,21 @@ def _optimizer_stack_near(walk: _Walk, trace: List[Dict[str, Any]], event: int, 
     return None
 
 
-def _runs_fused_step(trace: List[Dict[str, Any]], run: Any) -> bool:
-    """Whether an optimizer run's stacks show a fused update (`adam.py:_fused_adam`)."""
-    return any(_is_optimizers(f) and any("): _fused_" in str(x.get("name", "")) for x in f if isinstance(x, dict))
-               for f in (trace[i].get("frames") for i in range(run.start_event, run.end_event + 1)) if f)
+def _runs_fused_step(walk: _Walk, trace: List[Dict[str, Any]], run: Any) -> bool:
+    """Whether an optimizer run's allocations show a fused update (`adam.py(...): _fused_adam`)."""
+    stacks = (trace[i].get("frames") for i in walk.allocs[bisect.bisect_left(walk.allocs, run.start_event):
+                                                          bisect.bisect_right(walk.allocs, run.end_event)])
+    return any(isinstance(frames, list) and any(_optimizer_frame(f) and "): _fused_" in str(f.get("name", ""))
+                                                for f in frames) for frames in stacks)
+
+
+def _optimizer_frame(frame: Any) -> bool:
+    """Whether a raw frame is torch.optim's code (its file in the name on CPU captures, apart on CUDA)."""
+    return isinstance(frame, dict) and "torch/optim/" in f"{frame.get('filename', '')}:{frame.get('name', '')}"
 
 
 def _is_optimizers(frames: Any) -> bool:
-    return isinstance(frames, list) and any(isinstance(f, dict) and "torch/optim/" in str(f.get("name", ""))
-                                            for f in frames)
+    return isinstance(frames, list) and any(map(_optimizer_frame, frames))
 
 
 def _loop_after_step(walk: _Walk, trace: List[Dict[str, Any]], run: Any, at: List[int]) -> int:

@@ -606,7 +606,7 @@ def _device_headline(r: DeviceReport) -> str:
     sign = 1 if d.peak_delta_bytes >= 0 else -1
     like = r.like_for_like.diff if r.like_for_like is not None else None
     if moved and like is not None:
-        # Rows at two different moments explain nothing: name the cause at the head's peak phase in both.
+        # Rows at two different moments explain nothing: name the cause at one phase's peak in both (_moved_phase).
         cause = _cause(like, sign)
         if cause:
             text += f": at the {like.at} peak of both, {cause}"
