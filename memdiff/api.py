@@ -26,6 +26,7 @@ from memdiff.baseline import Baseline, comparable_pair, read_baseline, update_ba
 from memdiff.classify import Rule, check_categories, load_rules
 from memdiff.differ import PEAK
 from memdiff.errors import InputError
+from memdiff.inert import baseline_command
 from memdiff.inputs import read_summary
 from memdiff.limits import Limit, Thresholds, parse_limit, parse_pct, thresholds_over
 from memdiff.model import Summary
@@ -127,7 +128,7 @@ def gate(run: Run, baseline: Union[str, "os.PathLike[str]", Baseline], *, rules:
     name = run if isinstance(run, Summary) else os.fspath(run)
     base, head = comparable_pair(where, stored, _summary(run, rules))
     settings = Settings(thresholds=thresholds(base=stored.thresholds, **limits), top=top,
-                        update_hint=None if isinstance(name, Summary) else f"memdiff baseline {name} -o {where}",
+                        update_hint=None if isinstance(name, Summary) else baseline_command(name, where),
                         base_label=stored.label(),
                         run=head.source.file if isinstance(name, Summary) else name, baseline=where)
     return compare([ReportRun(base)], [ReportRun(head)], settings)

@@ -9,13 +9,13 @@ import argparse
 import difflib
 import importlib
 import os
-import re
 import sys
 import traceback
 from typing import List, NoReturn, Optional, Tuple
 
 from memdiff import __version__
 from memdiff.errors import EXIT_BAD_INPUT, EXIT_INTERNAL, InputError
+from memdiff.inert import text as text_line
 
 COMMANDS = {  # name: (module, one-line help); a module gives DESCRIPTION, add_arguments, run
     "diff": ("memdiff.commands.diff", "compare two runs (the default: memdiff BASE HEAD)"),
@@ -48,7 +48,7 @@ class _Parser(argparse.ArgumentParser):
         owner = self.command if self.command is not None and message.startswith("unrecognized") else self
         where = owner.prog[len("memdiff "):] if owner.prog.startswith("memdiff ") else "usage"
         # The message can quote an argument, and argv can be megabytes.
-        text = printable(message)
+        text = text_line(message)
         text = text if len(text) <= 300 else text[:300] + "..."
         self.exit(EXIT_BAD_INPUT, f"memdiff: {where}: {text}{_suggestion(owner, message)} "
                                   f"(see `{owner.prog} --help`)\n")
@@ -109,16 +109,6 @@ def with_default_command(argv: List[str]) -> Tuple[List[str], Optional[str]]:
     return argv, None
 
 
-CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
-
-
-def printable(text: object) -> str:
-    """One line whatever a file name or value holds: control characters (a newline could start a
-    GitHub workflow command in a log) and lone surrogates are shown escaped."""
-    escaped = CONTROL.sub(lambda m: repr(m.group())[1:-1], str(text))
-    return escaped.encode("utf-8", "backslashreplace").decode("utf-8")
-
-
 def _mistyped_command(argv: List[str]) -> Optional[Tuple[str, str]]:
     """(word, command) when the word taken for a file to diff is no file and reads like a command
     (`memdiff pek run.pickle`)."""
@@ -137,7 +127,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     mistyped = _mistyped_command(argv)
     if mistyped:
-        print(f"memdiff: {printable(mistyped[0])}: no such file or command; did you mean `memdiff {mistyped[1]}`?",
+        print(f"memdiff: {text_line(mistyped[0])}: no such file or command; did you mean `memdiff {mistyped[1]}`?",
               file=sys.stderr)
         return EXIT_BAD_INPUT
     argv, selected = with_default_command(argv)
@@ -147,7 +137,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     except InputError as exc:
         if args.debug:
             traceback.print_exc()
-        print(f"memdiff: {printable(exc.path)}: {printable(exc.message)}", file=sys.stderr)
+        print(f"memdiff: {text_line(exc.path)}: {text_line(exc.message)}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except KeyboardInterrupt:
         return 130
@@ -158,6 +148,6 @@ def main(argv: Optional[List[str]] = None) -> int:
     except Exception as exc:  # a bug in memdiff: say so in one line unless --debug
         if args.debug:
             traceback.print_exc()
-        print(f"memdiff: internal error: {type(exc).__name__}: {exc} (run with --debug for the traceback; "
+        print(f"memdiff: internal error: {type(exc).__name__}: {text_line(exc)} (run with --debug for the traceback; "
               f"please report it)", file=sys.stderr)
         return EXIT_INTERNAL

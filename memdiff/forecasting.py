@@ -34,6 +34,7 @@ from memdiff import __version__
 from memdiff.classify import Rule, classify
 from memdiff.errors import InputError
 from memdiff.history import Allocations, category_codes
+from memdiff.inert import scrubbed, text
 from memdiff.inputs import is_summary, read_each
 from memdiff.limits import Headroom
 from memdiff.load import MAX_BYTES, decode, paused_gc, to_snapshot
@@ -560,8 +561,10 @@ def forecast_courses(courses: Sequence[Course], at: Sequence[int], budget: Optio
     for device in sorted(courses[0].devices):
         devices.append(_device_forecast([c.devices[device] for c in courses], courses, device, at, budget,
                                         overhead))
-    return Forecast(knob_values=values, files=[c.file for c in courses], at=at, budget_bytes=budget,
-                    overhead_ratio=round(overhead, 4), overhead_note=overhead_note, devices=devices, notes=notes)
+    # Names from the snapshots are made one line each here, once for every output.
+    return scrubbed(Forecast(knob_values=values, files=[c.file for c in courses], at=at, budget_bytes=budget,
+                             overhead_ratio=round(overhead, 4), overhead_note=overhead_note, devices=devices,
+                             notes=notes))
 
 
 def _names(courses: Sequence[Course]) -> str:
@@ -727,7 +730,7 @@ def judge_headroom(result: Forecast, baseline: str, headroom: Headroom) -> Forec
     line = (f"{'PASS' if passed else 'FAIL'}  headroom (device {worst.device}): the largest value within "
             f"{format_bytes(headroom.budget_bytes)} is {shown}, limit: fail below {headroom.min_value:,} "
             f"(baseline {baseline})")
-    result.headroom = HeadroomCheck(baseline, headroom.budget_bytes, headroom.min_value, passed, line)
+    result.headroom = HeadroomCheck(baseline, headroom.budget_bytes, headroom.min_value, passed, text(line))
     return result
 
 

@@ -20,6 +20,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 from memdiff.atomic import append_text, write_output
 from memdiff.errors import InputError
+from memdiff.inert import baseline_command, md_code, md_fence, shell, text
 from memdiff.load import read_json
 from memdiff.render.markdown import Options, render_diff
 from memdiff.report import Report
@@ -30,9 +31,9 @@ SIZE_LIMIT = 65_536
 SHRINK_STEPS = ((None, True, True), (None, False, True), (10, False, True), (10, False, False), (5, False, False))
 
 
-def escape_annotation(text: str) -> str:
-    """Workflow-command escaping of a message (% and line breaks)."""
-    return text.replace("%", "%25").replace("\r", "%0D").replace("\n", "%0A")
+def escape_annotation(message: str) -> str:
+    """A workflow command's message: one line (inert.text), then GitHub's own escaping of `%`."""
+    return text(message).replace("%", "%25")
 
 
 def pull_request(environ: Mapping[str, str]) -> Dict[str, Any]:
@@ -117,13 +118,14 @@ class Publisher:
 
     def add_missing(self, run: str, path: str, required: bool) -> None:
         """Say that `run` has no baseline at `path`, how to make one, and whether that fails the gate."""
-        command = f"memdiff baseline {run} -o {path}"
+        command = baseline_command(run, path)
         folder = os.path.dirname(path)
-        make = f"mkdir -p {folder} && " if folder and not os.path.isdir(folder) else ""
+        make = f"mkdir -p {shell(folder)} && " if folder and not os.path.isdir(folder) else ""
+        fence = "\n".join(md_fence([f"{make}{command}", f"git add {shell(path)}"], info="sh"))
         self.sections.append(
-            f"### memdiff: no baseline for `{run}`\n\n"
-            f"Nothing was compared for this run: there is no baseline at `{path}`. Make it from this run and "
-            f"commit it:\n\n```sh\n{make}{command}\ngit add {path}\n```\n\n"
+            f"### memdiff: no baseline for {md_code(run)}\n\n"
+            f"Nothing was compared for this run: there is no baseline at {md_code(path)}. Make it from this run and "
+            f"commit it:\n\n{fence}\n\n"
             + ("This fails the gate (`--require-baseline`; in the Action, `require-baseline: false` reports such "
                "runs and gates the others).\n" if required else
                "Not gated: without `--require-baseline` such a run is reported and the others are gated; when no "
@@ -176,6 +178,33 @@ def marker(title: str) -> str:
     return f"<!-- memdiff:{title} -->"
 
 
+# The identity GITHUB_TOKEN comments as; a personal or app token names its own (_author).
+ACTIONS_BOT = "github-actions[bot]"
+
+
+def _author(call: Callable[..., "_Reply"], environ: Mapping[str, str]) -> str:
+    """The login the token comments as: MEMDIFF_COMMENT_AUTHOR when set (a GitHub App's
+    `NAME[bot]`), else the token's user when it has one (a personal token), else the Actions bot
+    (GITHUB_TOKEN, whose installation cannot read /user)."""
+    named = environ.get("MEMDIFF_COMMENT_AUTHOR")
+    if named:
+        return named
+    me = call("GET", "user", None, environ)
+    login = me.values[0].get("login") if not me.error and me.values and isinstance(me.values[0], dict) else None
+    return login if isinstance(login, str) and login else ACTIONS_BOT
+
+
+def _ours(comment: Dict[str, Any], title: str, author: str) -> bool:
+    """Whether a comment is this gate's: written by the token's own identity, with the marker as
+    its first line. A marker elsewhere (quoted by a person, planted in a report by a name from a
+    snapshot) or in anyone else's comment is not ours, so memdiff never overwrites it."""
+    user = comment.get("user")
+    login = user.get("login") if isinstance(user, dict) else None
+    body = comment.get("body")
+    return (login == author and isinstance(body, str) and body.startswith(marker(title) + "\n")
+            and isinstance(comment.get("id"), int))
+
+
 @dataclass
 class _Reply:
     """What the GitHub API answered: the JSON values (one per page), or why it could not."""
@@ -226,14 +255,19 @@ def _rest(method: str, path: str, payload: Optional[Dict[str, Any]], environ: Ma
     return _Reply(values)
 
 
-def _json_values(text: str) -> List[Any]:
-    """Every JSON value in `text`: `gh api --paginate` prints one array per page."""
+def _json_values(printed: str) -> List[Any]:
+    """Every JSON value in `printed`: `gh api --paginate` prints one array per page. InputError
+    when it is not JSON (a wrapper script, a proxy's page): what gh printed is not shown."""
     decoder, values, i = json.JSONDecoder(), [], 0
-    while i < len(text):
-        if text[i].isspace():
+    while i < len(printed):
+        if printed[i].isspace():
             i += 1
             continue
-        value, i = decoder.raw_decode(text, i)
+        try:
+            value, i = decoder.raw_decode(printed, i)
+        except ValueError as exc:
+            raise InputError("gh api", f"printed output that is not JSON (at character {i:,}: "
+                                       f"{getattr(exc, 'msg', 'malformed')}); no comment was posted") from None
         values.append(value)
     return values
 
@@ -268,7 +302,10 @@ def post_comment(report: str, title: str, mode: str, verdict: str, environ: Mapp
         return _refused(listed.error, environ)
     comments = [c for page in listed.values for c in (page if isinstance(page, list) else [page])
                 if isinstance(c, dict)]
-    mine = next((c for c in comments if marker(title) in (c.get("body") or "")), None)
+    marked = [c for c in comments if isinstance(c.get("body"), str) and c["body"].startswith(marker(title) + "\n")]
+    # Whose comment it is matters only when one is marked: no lookup on a pull request's first run.
+    author = _author(call, environ) if marked else ACTIONS_BOT
+    mine = next((c for c in marked if _ours(c, title, author)), None)
     if mine is not None:  # an existing comment is always brought up to date, even when all is well now
         done = call("PATCH", f"repos/{repo}/issues/comments/{mine['id']}", {"body": body}, environ)
     elif mode == "always" or verdict in ("fail", "no-baseline"):

@@ -7,6 +7,7 @@ from typing import Dict, List, Optional, Tuple
 
 from memdiff.classify import PERSISTENT
 from memdiff.errors import InputError
+from memdiff.inert import scrubbed
 from memdiff.lifetimes import BACKWARD, FORWARD, OPTIMIZER, OTHER
 from memdiff.model import DeviceSummary, Frame, Summary
 from memdiff.report import kept_text
@@ -139,4 +140,5 @@ def peak_report(path: str, summary: Summary, top: Optional[int], device: Optiona
         if not devices:
             have = ", ".join(str(d.device) for d in summary.devices) or "none"
             raise InputError(path, f"no device {device} in this snapshot (devices: {have})")
-    return [device_peak(d, top) for d in devices]
+    # Names from the snapshot are made one line each here, once for every output.
+    return [scrubbed(device_peak(d, top), skip=("device",)) for d in devices]

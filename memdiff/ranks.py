@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, replace
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from memdiff.differ import Diff, diff
+from memdiff.inert import scrubbed
 from memdiff.job import RankFile
 from memdiff.model import DeviceSummary, Summary
 
@@ -113,6 +114,8 @@ def compare_ranks(files: Sequence[RankFile], summaries: Sequence[Summary], missi
         for name, n in r.categories.items():
             totals[name] = totals.get(name, 0) + n
     columns = sorted(totals, key=lambda c: (-totals[c], c))[:CATEGORY_COLUMNS]
-    return RanksReport(category_columns=columns, ranks=rows, missing=list(missing), min_bytes=ordered[0].peak_bytes,
-                       median_bytes=median.peak_bytes, max_bytes=heaviest.peak_bytes, heaviest=heaviest.rank,
-                       median_rank=median.rank, diff=pair, roles=roles if len(roles) > 1 else [])
+    # Names from the snapshots are made one line each here, once for every output.
+    return scrubbed(RanksReport(category_columns=columns, ranks=rows, missing=list(missing),
+                                min_bytes=ordered[0].peak_bytes, median_bytes=median.peak_bytes,
+                                max_bytes=heaviest.peak_bytes, heaviest=heaviest.rank, median_rank=median.rank,
+                                diff=pair, roles=roles if len(roles) > 1 else []), skip=("diff",))

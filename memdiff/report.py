@@ -31,6 +31,7 @@ from memdiff.differ import (
     where_text,
 )
 from memdiff.errors import InputError
+from memdiff.inert import scrubbed, text
 from memdiff.job import ranges, ranks_text
 from memdiff.judge import Check, Runs, Verdict, growth_pct, judge, judge_ranks
 from memdiff.limits import DEFAULT_PEAK, Thresholds
@@ -50,6 +51,10 @@ NEW_BELOW_BYTES = 1024
 # The JSON documents' version: bumped when a field changes meaning or disappears.
 DIFF_SCHEMA_VERSION = 1
 RANKS_SCHEMA_VERSION = 1
+
+# The analysis values a Report carries beside what it shows: the JSON document reads them as
+# they are; every other string of a Report is shown, and made one line (inert.text).
+ANALYSIS_FIELDS = ("verdict", "results", "diff", "row")
 
 ROW_HEADERS = ["status", "count", "base", "head", "delta", "%", "site"]
 PHASE_HEADERS = ["phase peak", "base", "head", "delta", "%"]
@@ -224,7 +229,7 @@ class Report:
     @property
     def rule(self) -> Optional[str]:
         """The rule judged by, in words; None when not judged."""
-        return self.verdict.rule if self.verdict else None
+        return text(self.verdict.rule) if self.verdict else None
 
     @property
     def shown(self) -> RankResult:
@@ -355,14 +360,16 @@ def _report(s: Settings, verdict: Optional[Verdict], results: List[RankResult], 
     headline = _headline(devices)
     if job is not None:
         headline = f"rank {job.worst_rank} (of {len(results):,}): {headline}"
-    return Report(verdict=verdict, headline=headline,
+    # Names from snapshots and baselines are made one line each here, once for every output.
+    return scrubbed(Report(verdict=verdict, headline=headline,
                   inputs=[_input("base", shown.diff.base), _input("head", shown.diff.head)],
                   base_label=s.base_label, head_label=s.head_label, warnings=warnings, devices=devices,
                   check_lines=[CheckLine(c.passed, check_line(c)) for c in (verdict.checks if verdict else [])
                                if _shown(c.subject, job)],
                   notes=[n for n in (verdict.notes if verdict else []) if job is None or n in job.failures
                          or _shown(n, job)],
-                  results=results, top=s.top, min_delta=s.min_delta, job=job, run=s.run, baseline=s.baseline)
+                  results=results, top=s.top, min_delta=s.min_delta, job=job, run=s.run, baseline=s.baseline),
+                    skip=ANALYSIS_FIELDS)
 
 
 def _shown(text: str, job: Optional[JobPart]) -> bool:
@@ -468,7 +475,7 @@ def device_report(d: DeviceDiff, top: int, min_delta: int, like: Optional[Device
     rest = [r for r in d.rows if id(r) not in kept_ids]
     others_label = count_of(len(rest), "other")
     moment = moment_name(d.at)
-    return DeviceReport(
+    return scrubbed(DeviceReport(
         device=d.device, diff=d,
         heading=(f"device {d.device}: {moment} {format_bytes(d.base_peak_bytes)} -> "
                  f"{format_bytes(d.head_peak_bytes)} ({format_bytes(d.peak_delta_bytes, signed=True)}, "
@@ -484,7 +491,8 @@ def device_report(d: DeviceDiff, top: int, min_delta: int, like: Optional[Device
                        _stacks(r)) for r in shown],
         others=_sum_cells(others_label, rest) if rest else None,
         total=_sum_cells("TOTAL", d.rows),
-        like_for_like=device_report(like, top, min_delta, None) if like is not None else None)
+        like_for_like=device_report(like, top, min_delta, None) if like is not None else None),
+        skip=ANALYSIS_FIELDS)
 
 
 def _phase_cells(p: PhaseDelta) -> List[str]:

@@ -7,9 +7,7 @@ from functools import lru_cache
 from importlib import resources
 from typing import Any, Dict
 
-from memdiff.errors import InputError, brief, clip
-
-MAX_MESSAGE = 200
+from memdiff.errors import InputError, clip
 
 
 @lru_cache(maxsize=None)
@@ -32,8 +30,28 @@ def validate(path: str, data: Any, name: str) -> Dict[str, Any]:
     if error is not None:
         # Keys come from the file: a 10 MB key would make a 10 MB path.
         where = ".".join(clip(str(p)) for p in error.absolute_path) or "(top level)"
-        # jsonschema's message quotes the whole value: a 10 MB string makes a 10 MB line.
-        message = error.message if len(error.message) <= MAX_MESSAGE else (
-            f"{brief(error.instance)} fails the schema's {error.validator!r} rule")
-        raise InputError(path, f"not a valid memdiff {name}: {clip(where, 300)}: {message}")
+        raise InputError(path, f"not a valid memdiff {name}: {clip(where, 300)}: {rule_text(error)}")
     return data
+
+
+def rule_text(error: Any) -> str:
+    """What a value failed, in the schema's words only. jsonschema's own message quotes the value
+    read (`'ghp_...' is not of type 'object'`), and a baseline can be a link to any file the
+    runner can read: an error must never echo what it holds."""
+    rule, wanted = error.validator, error.validator_value
+    if rule == "required":
+        missing = [k for k in wanted if isinstance(error.instance, dict) and k not in error.instance]
+        return f"the field {missing[0]!r} is required" if missing else "a required field is missing"
+    if rule in ("additionalProperties", "unevaluatedProperties"):
+        return "a field the schema does not define"
+    if rule == "type":
+        kinds = wanted if isinstance(wanted, list) else [wanted]
+        return f"a value of type {type(error.instance).__name__}, where the schema wants {' or '.join(kinds)}"
+    if rule in ("enum", "const"):
+        allowed = wanted if isinstance(wanted, list) else [wanted]
+        shown = ", ".join(json.dumps(v) for v in allowed[:8]) + (", ..." if len(allowed) > 8 else "")
+        return f"a value other than {shown}"
+    if rule in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "minLength", "maxLength",
+                "minItems", "maxItems", "minProperties", "maxProperties", "multipleOf"):
+        return f"a value outside the schema's {rule} of {wanted}"
+    return f"a value that fails the schema's {rule!r} rule"

@@ -244,7 +244,7 @@ def test_markdown_report(shared, capsys):
     assert code == 1
     assert out.startswith("### ❌ memdiff: regression\n\n**peak +190.73 MiB (+4.7%), in the forward: input +190.73 MiB")
     assert "#### device 0: peak 3.94 GiB -> 4.13 GiB (+190.73 MiB, +4.7%)" in out
-    assert "| 🆕 NEW " in out and "profile_grad.py:&lt;module> <- randn" in out
+    assert "| 🆕 NEW " in out and "profile_grad.py:\\<module> <- randn" in out
     assert "**Rule:** fail when the peak of a device grows by more than 1% and by more than 64.00 MiB" in out
     assert "```mermaid\nxychart-beta" in out and out.count("    line [") == 2
 

@@ -152,12 +152,16 @@ if os.environ.get("FAKE_GH_STATUS") == "403":
     sys.exit(1)
 args = sys.argv[2:]
 method = args[args.index("--method") + 1] if "--method" in args else "GET"
+if "user" in args:  # GITHUB_TOKEN is an installation's: it has no user
+    sys.stderr.write("gh: Resource not accessible by integration (HTTP 403)\n")
+    sys.exit(1)
 path = [a for a in args if a.startswith("repos/")][0]
 if method == "GET":
     print(json.dumps(state["comments"][:1]))  # two pages, as --paginate prints them
     print(json.dumps(state["comments"][1:]))
 elif method == "POST":
-    comment = {"id": state["next"], "body": json.load(sys.stdin)["body"]}
+    comment = {"id": state["next"], "body": json.load(sys.stdin)["body"],
+               "user": {"login": os.environ.get("FAKE_GH_LOGIN", "github-actions[bot]"), "type": "Bot"}}
     state["next"] += 1
     state["comments"].append(comment)
     print(json.dumps(comment))
@@ -206,6 +210,7 @@ def test_first_run_creates_the_comment_and_the_second_updates_it(gh, tmp_path):
     assert calls == ["api --paginate repos/acme/trainer/issues/7/comments",
                      "api --method POST repos/acme/trainer/issues/7/comments --input -",
                      "api --paginate repos/acme/trainer/issues/7/comments",
+                     "api --paginate user",
                      "api --method PATCH repos/acme/trainer/issues/comments/100 --input -"]
 
 
@@ -259,6 +264,8 @@ class FakeGitHub(http.server.BaseHTTPRequestHandler):
 
     def do_GET(self) -> None:  # noqa: N802 - the handler's protocol
         self.calls.append(f"GET {self.path} {self.headers['Authorization']}")
+        if self.path == "/user":  # GITHUB_TOKEN is an installation's: it has no user
+            return self._answer(403, {"message": "Resource not accessible by integration"})
         if self.status != 200:
             return self._answer(self.status, {"message": "Resource not accessible by integration"})
         page = int(self.path.partition("?page=")[2] or 1)
@@ -270,7 +277,8 @@ class FakeGitHub(http.server.BaseHTTPRequestHandler):
 
     def do_POST(self) -> None:  # noqa: N802
         self.calls.append(f"POST {self.path}")
-        self.comments.append({"id": 100 + len(self.comments), "body": self._body()})
+        self.comments.append({"id": 100 + len(self.comments), "body": self._body(),
+                              "user": {"login": "github-actions[bot]", "type": "Bot"}})
         self._answer(201, self.comments[-1])
 
     def do_PATCH(self) -> None:  # noqa: N802
@@ -315,6 +323,7 @@ def test_without_gh_the_comment_goes_through_the_rest_api(rest, tmp_path):
         "POST /repos/acme/trainer/issues/7/comments",
         "GET /repos/acme/trainer/issues/7/comments Bearer secret",
         "GET /repos/acme/trainer/issues/7/comments?page=2 Bearer secret",
+        "GET /user Bearer secret",
         "PATCH /repos/acme/trainer/issues/comments/103"]
 
 

@@ -33,8 +33,9 @@ def _schemas() -> Dict[str, Dict[str, Any]]:
 def validate():
     """validate(name, document): fails naming every error against schemas/NAME.schema.json."""
     schemas = _schemas()
+    # The schemas name each other by file name, as they lie side by side in memdiff/schemas/.
     registry = referencing.Registry().with_resources(
-        [(s["$id"], referencing.Resource.from_contents(s)) for s in schemas.values()])
+        [(f"{name}.schema.json", referencing.Resource.from_contents(s)) for name, s in schemas.items()])
 
     def check(name: str, document: Any) -> Any:
         schema = schemas[name]

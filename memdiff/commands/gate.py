@@ -26,6 +26,7 @@ from memdiff.commands.args import (
 )
 from memdiff.commands.diff import write_html
 from memdiff.errors import EXIT_BAD_INPUT, EXIT_OK, EXIT_REGRESSION, InputError, clip
+from memdiff.inert import baseline_command, md_code, text
 from memdiff.inputs import read_summary
 from memdiff.job import is_job, ranges, summarize_ranks
 from memdiff.model import Summary
@@ -101,7 +102,7 @@ def _gate(args: argparse.Namespace, snap: str, path: str, baseline: Baseline, ru
     rank the baseline lacks is not gated, as a run without a baseline is."""
     thresholds = thresholds_from(args, rules, baseline.thresholds, path)
     settings = Settings(thresholds=thresholds, top=args.top, min_delta=args.min_delta,
-                        update_hint=f"memdiff baseline {snap} -o {path}", base_label=baseline.label(),
+                        update_hint=baseline_command(snap, path), base_label=baseline.label(),
                         run=snap, baseline=path, missing_ranks_fail=not args.allow_missing_ranks,
                         unbaselined_ranks_fail=args.require_baseline)
     if not is_job(snap):
@@ -109,7 +110,7 @@ def _gate(args: argparse.Namespace, snap: str, path: str, baseline: Baseline, ru
         return compare([Run(base)], [Run(head)], settings)
     if baseline.ranks is None:
         raise InputError(path, f"is the baseline of one run and {snap} is a job: make a job baseline with "
-                               f"`memdiff baseline {snap} -o {path}`")
+                               f"`{baseline_command(snap, path)}`")
     files = job_from(args, snap, finished=True).files
     base_runs, head_runs = [], []
     for f, summary in zip(files, summarize_ranks(files, rules, args.dask, history)):
@@ -149,21 +150,23 @@ def run(args: argparse.Namespace) -> int:
             documents.append(report.to_dict())
             continue
         if len(args.snapshots) > 1:
-            sys.stdout.write(f"{'## ' if args.format == 'markdown' else '== '}{snap} against {path}\n\n")
+            sys.stdout.write(f"## {md_code(snap)} against {md_code(path)}\n\n" if args.format == "markdown"
+                             else f"== {text(snap)} against {text(path)}\n\n")
         sys.stdout.write(render(report, args.format) + ("\n" if len(pairs) > 1 else ""))
     if args.format == "json":
         # One shape whatever the number of runs: a list, one document per run, those without a
         # baseline included, so that a step reading the JSON cannot miss that they were not gated.
         documents += [{"run": snap, "baseline": path, "verdict": "no-baseline", "required": args.require_baseline,
-                       "command": f"memdiff baseline {snap} -o {path}"} for snap, path in missing]
+                       "command": baseline_command(snap, path)} for snap, path in missing]
         sys.stdout.write(dumps(documents))
     for snap, path in missing:
         if publisher:
             publisher.add_missing(snap, path, args.require_baseline)
         folder = os.path.dirname(path)
-        absent = f" (the folder {folder} does not exist yet; that command makes it)" if folder and \
+        absent = f" (the folder {text(folder)} does not exist yet; that command makes it)" if folder and \
             not os.path.isdir(folder) else ""
-        print(f"memdiff: {snap}: no baseline at {path}: make it with `memdiff baseline {snap} -o {path}`{absent}"
+        print(f"memdiff: {text(snap)}: no baseline at {text(path)}: "
+              f"make it with `{baseline_command(snap, path)}`{absent}"
               + ("" if args.require_baseline or not pairs else " (not gated; --require-baseline makes this fail)"),
               file=sys.stderr)
     if publisher:

@@ -10,7 +10,13 @@ from typing import List
 from tabulate import tabulate
 
 from memdiff.forecasting import DeviceForecast, Forecast
+from memdiff.inert import md_cell, md_code, md_text
 from memdiff.units import format_bytes
+
+
+def _cells(rows: List[List[str]], fmt: str) -> List[List[str]]:
+    """The cells as the format reads them: markdown escapes every cell (names come from snapshots)."""
+    return [[md_cell(c) for c in row] for row in rows] if fmt == "github" else rows
 
 
 def _runs_table(d: DeviceForecast, fmt: str) -> str:
@@ -18,7 +24,8 @@ def _runs_table(d: DeviceForecast, fmt: str) -> str:
              "yes" if r.fitted else "no (check only)",
              "" if r.predicted_peak_bytes is None else format_bytes(r.predicted_peak_bytes),
              "" if r.error_pct is None else f"{r.error_pct:+.1f}%"] for r in d.runs]
-    return tabulate(rows, headers=["run", "value", "peak", "phase", "fitted", "predicted without it", "error"],
+    headers = ["run", "value", "peak", "phase", "fitted", "predicted without it", "error"]
+    return tabulate(_cells(rows, fmt), headers=headers,
                     tablefmt=fmt, colalign=("left", "right", "right", "left", "left", "right", "right"))
 
 
@@ -28,16 +35,16 @@ def _predictions_table(d: DeviceForecast, fmt: str) -> str:
     rows = [[f"{p.value:,}", format_bytes(p.peak_bytes), p.phase or "", *[format_bytes(p.phase_peaks.get(name, 0))
                                                                         for name in phases]]
             for p in d.predictions]
-    return tabulate(rows, headers=["value", "predicted peak", "phase", *phases], tablefmt=fmt,
+    return tabulate(_cells(rows, fmt), headers=["value", "predicted peak", "phase", *phases], tablefmt=fmt,
                     colalign=("right", "right", "left") + ("right",) * len(phases))
 
 
 def _at_peak_tables(d: DeviceForecast, fmt: str) -> List[str]:
     p = d.predictions[0]
-    cats = tabulate([[name, format_bytes(b), d.forms.get(name, "")] for name, b in p.categories.items()],
+    cats = tabulate(_cells([[name, format_bytes(b), d.forms.get(name, "")] for name, b in p.categories.items()], fmt),
                     headers=["category", f"at {p.value:,}", "form"], tablefmt=fmt, colalign=("left", "right", "left"))
-    sites = tabulate([[s.site, s.category, s.form, format_bytes(s.largest_run_bytes), format_bytes(s.bytes),
-                       format_bytes(s.growth_bytes, signed=True)] for s in p.sites],
+    sites = tabulate(_cells([[s.site, s.category, s.form, format_bytes(s.largest_run_bytes), format_bytes(s.bytes),
+                              format_bytes(s.growth_bytes, signed=True)] for s in p.sites], fmt),
                      headers=["growing site", "category", "form", "largest run", f"at {p.value:,}", "growth"],
                      tablefmt=fmt, colalign=("left", "left", "left", "right", "right", "right"))
     return [cats, sites]
@@ -70,16 +77,16 @@ def render_text(f: Forecast) -> str:
 def render_markdown(f: Forecast) -> str:
     """The forecast for a pull-request comment or a job summary."""
     out = ["### memdiff forecast", ""]
-    out += [f"**{d.headline}**" for d in f.devices]
+    out += [f"**{md_text(d.headline)}**" for d in f.devices]
     if f.headroom is not None:
-        out += ["", ("✅ " if f.headroom.passed else "❌ ") + f.headroom.line]
-    out += ["", "runs: " + ", ".join(f"`{os.path.basename(n)}`={v:,}" for n, v in zip(f.files, f.knob_values))]
-    out += [f"> {n}" for n in f.notes]
+        out += ["", ("✅ " if f.headroom.passed else "❌ ") + md_text(f.headroom.line)]
+    out += ["", "runs: " + ", ".join(f"{md_code(os.path.basename(n))}={v:,}" for n, v in zip(f.files, f.knob_values))]
+    out += [f"> {md_text(n)}" for n in f.notes]
     if f.budget_bytes is not None:
-        out += ["", f"budget {format_bytes(f.budget_bytes)}: {f.overhead_note}"]
+        out += ["", f"budget {format_bytes(f.budget_bytes)}: {md_text(f.overhead_note)}"]
     for d in f.devices:
         out += ["", f"#### device {d.device}", ""]
-        out += [f"> {n}" for n in d.notes]
+        out += [f"> {md_text(n)}" for n in d.notes]
         out += ["", _runs_table(d, "github"), "", _predictions_table(d, "github"), ""]
         out += ["\n\n".join(_at_peak_tables(d, "github"))]
     return "\n".join(out) + "\n"

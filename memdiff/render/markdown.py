@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from typing import List, Optional, cast
 
 from memdiff.differ import GONE, GREW, NEW, SHRANK
+from memdiff.inert import md_cell, md_code, md_fence, md_text
 from memdiff.render.table import layout, row_table
 from memdiff.report import DeviceReport, Input, Report, Stack
 from memdiff.units import count_of, format_bytes
@@ -25,25 +25,15 @@ class Options:
     note: Optional[str] = None
 
 
-_TAG = re.compile(r"<(?=[A-Za-z/!])")
-
-
-def _escape(cell: str) -> str:
-    # `<module>` would be read as an HTML tag and vanish; `<-` and `->` are safe as they are.
-    return _TAG.sub("&lt;", cell.replace("|", "\\|"))
-
-
 def _input(label: Optional[str], i: Input) -> str:
     # A baseline's file already reads `baseline NAME (file)`: its label would say it twice.
-    named = f"`{label}` · " if label and not i.file.startswith(label) else ""
-    return f"**{i.role}** {named}`{i.file}` ({i.facts})"
+    named = f"{md_code(label)} · " if label and not i.file.startswith(label) else ""
+    return f"**{i.role}** {named}{md_code(i.file)} ({md_text(i.facts)})"
 
 
 def _frame_lines(st: Stack) -> List[str]:
-    lines = ["```text", *st.lines]
-    if st.more_frames:
-        lines.append(f"... {count_of(st.more_frames, 'more frame')}")
-    return lines + ["```", ""]
+    more = [f"... {count_of(st.more_frames, 'more frame')}"] if st.more_frames else []
+    return [*md_fence([*st.lines, *more]), ""]
 
 
 def _stacks(d: DeviceReport) -> List[str]:
@@ -51,7 +41,8 @@ def _stacks(d: DeviceReport) -> List[str]:
     for r in d.rows:
         if not any(st.lines for st in r.stacks):
             continue
-        lines.append(f"**{r.row.status}** `{r.row.label or r.row.site}` {format_bytes(r.row.delta_bytes, signed=True)}")
+        lines.append(f"**{r.row.status}** {md_code(r.row.label or r.row.site)} "
+                     f"{format_bytes(r.row.delta_bytes, signed=True)}")
         if len(r.stacks) == 1:
             lines += _frame_lines(r.stacks[0])
             continue
@@ -83,20 +74,20 @@ def _chart(d: DeviceReport) -> List[str]:
 
 
 def _device(d: DeviceReport, o: Options) -> List[str]:
-    lines = ["", f"#### {d.heading}"]
-    lines += ["", *(_escape(line) for line in (d.where, d.kept) if line)]
+    lines = ["", f"#### {md_text(d.heading)}"]
+    lines += ["", *(md_text(line) for line in (d.where, d.kept) if line)]
     for t in (d.phases, d.categories):
         if t is not None:
-            lines += ["", layout(t, "github")]
-    lines += ["", layout(row_table(d, status=lambda s: MARKERS.get(s, s)), "github", escape=_escape)]
+            lines += ["", layout(t, "github", escape=md_cell)]
+    lines += ["", layout(row_table(d, status=lambda s: MARKERS.get(s, s)), "github", escape=md_cell)]
     if o.details:
         lines += ["", *_stacks(d)]
     if d.like_for_like is not None:
         like = d.like_for_like
-        lines += ["", f"<details><summary>Like with like: {_escape(like.heading)}</summary>", ""]
+        lines += ["", f"<details><summary>Like with like: {md_text(like.heading)}</summary>", ""]
         if like.categories is not None:
-            lines += [layout(like.categories, "github"), ""]
-        lines += [layout(row_table(like, status=lambda s: MARKERS.get(s, s)), "github", escape=_escape), "",
+            lines += [layout(like.categories, "github", escape=md_cell), ""]
+        lines += [layout(row_table(like, status=lambda s: MARKERS.get(s, s)), "github", escape=md_cell), "",
                   "</details>"]
     if o.chart:
         chart = _chart(d)
@@ -109,21 +100,21 @@ def render_diff(report: Report, options: Optional[Options] = None) -> str:
     o = options or Options()
     mark = ("memdiff" if report.verdict is None else "✅ memdiff: no regression" if report.passed
             else "❌ memdiff: regression")
-    lines = [f"### {mark}", "", f"**{_escape(report.headline)}**", ""]
+    lines = [f"### {mark}", "", f"**{md_text(report.headline)}**", ""]
     if report.job is not None:
-        lines += [f"**{report.job.summary_line}**", "", layout(report.job.table, "github"), "",
+        lines += [f"**{md_text(report.job.summary_line)}**", "", layout(report.job.table, "github", escape=md_cell), "",
                   f"Worst rank, shown in full: **{report.job.worst_rank}**", ""]
     base, head = report.inputs
     lines.append(f"{_input(o.base_label or report.base_label, base)} → "
                  f"{_input(o.head_label or report.head_label, head)}")
     if report.warnings:
-        lines += ["", "> [!WARNING]", *(f"> {_escape(w)}  " for w in report.warnings)]
+        lines += ["", "> [!WARNING]", *(f"> {md_text(w)}  " for w in report.warnings)]
     for d in report.devices:
         lines += _device(d, o)
-    lines += ["", f"**Rule:** {report.rule}", ""] if report.rule else []
-    lines += [f"- {'✅' if c.passed else '❌'} {c.text}" for c in report.check_lines]
-    lines += ["", *(_escape(n) for n in report.notes)] if report.notes else []
+    lines += ["", f"**Rule:** {md_text(report.rule)}", ""] if report.rule else []
+    lines += [f"- {'✅' if c.passed else '❌'} {md_text(c.text)}" for c in report.check_lines]
+    lines += ["", *(md_text(n) for n in report.notes)] if report.notes else []
     if report.job is not None and report.job.other_failures:
-        lines += ["", "Other ranks:", "", *(f"- ❌ {line}" for line in report.job.other_failures)]
+        lines += ["", "Other ranks:", "", *(f"- ❌ {md_text(line)}" for line in report.job.other_failures)]
     lines += ["", f"*{o.note}*"] if o.note else []
     return "\n".join(lines) + "\n"

@@ -8,6 +8,7 @@ from typing import List, Optional
 from tabulate import tabulate
 
 from memdiff.differ import overflow_text, where_text
+from memdiff.inert import text
 from memdiff.model import Summary
 from memdiff.peak import PHASE_COLUMNS, DevicePeak, PeakRow, StepRow
 from memdiff.render.table import layout, row_table
@@ -46,7 +47,7 @@ def _device_block(p: DevicePeak) -> List[str]:
     if d.phase_at_peak:
         facts.append(("peak in", "", where_text(d.phase_at_peak, d.step_at_peak)))
     if d.scope_at_peak:
-        facts.append(("scope", "", f"{d.scope_at_peak} (record_function scope open at the peak)"))
+        facts.append(("scope", "", f"{text(d.scope_at_peak)} (record_function scope open at the peak)"))
     facts.append(("static", format_bytes(d.static_bytes), "live before the trace began, counted from its start"))
     facts.append(("at dump", format_bytes(d.allocated_bytes_at_dump),
                   "allocated" + (f", {format_bytes(d.reserved_bytes_at_dump)} reserved by the caching allocator"
@@ -104,7 +105,7 @@ def step_table(rows: List[StepRow], tablefmt: str) -> str:
 def render_peak(summary: Summary, peaks: List[DevicePeak]) -> str:
     """What `memdiff peak` prints: per device the peak, static, where the peak happens and the top groups."""
     s = summary.source
-    lines = [f"{s.file}: {s.container}, format {s.generation}, sha256 {s.sha256[:12]}"]
+    lines = [f"{text(s.file)}: {s.container}, format {s.generation}, sha256 {s.sha256[:12]}"]
     if not peaks:
         lines.append("no device memory in this snapshot (no trace and no segments)")
     overflow = overflow_text(s)
