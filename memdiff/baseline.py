@@ -19,7 +19,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 from memdiff import __version__
 from memdiff.atomic import check_output, make_folder, write_output
 from memdiff.differ import PEAK
-from memdiff.errors import InputError, clip, shown
+from memdiff.errors import InputError, clip, version_shown
 from memdiff.frames import signature_of
 from memdiff.limits import Thresholds, thresholds_from_dict
 from memdiff.load import read_json
@@ -190,8 +190,8 @@ def read_baseline(path: str) -> Baseline:
     """Parse and validate a baseline file; InputError with file, line and column or the JSON path."""
     doc = read_json(path, "a baseline")
     if isinstance(doc, dict) and doc.get("schema_version") != BASELINE_SCHEMA_VERSION and "schema_version" in doc:
-        raise InputError(path, f"baseline schema_version {shown(doc['schema_version'])} is not one this memdiff reads "
-                               f"({BASELINE_SCHEMA_VERSION})")
+        raise InputError(path, f"baseline schema_version {version_shown(doc['schema_version'])} is not one this "
+                               f"memdiff reads ({BASELINE_SCHEMA_VERSION})")
     validate(path, doc, "baseline")
     return Baseline(name=doc["name"], created=doc["created"], tool=doc.get("tool", ""), source=doc.get("source", {}),
                     devices=doc.get("devices", []), thresholds=thresholds_from_dict(path, doc["thresholds"]),

@@ -26,6 +26,13 @@ def number(value: int) -> str:
     return f"{value:,}" if value.bit_length() <= 128 else f"an integer of {value.bit_length():,} bits"
 
 
+def version_shown(value: Any) -> str:
+    """A version field from a file as an error quotes it: the number, or only the type of anything
+    else (a baseline can be a link to any file: a string there may be a secret)."""
+    return number(value) if isinstance(value, int) and not isinstance(value, bool) else \
+        f"of type {type(value).__name__}"
+
+
 def clip(text: str, chars: int = 60) -> str:
     """Text from a file (a key, a name) as an error shows it: cut after `chars` characters."""
     return text if len(text) <= chars else text[:chars] + "..."

@@ -20,6 +20,8 @@ from typing import Any, Iterable, List, TypeVar
 # C0 and C1 controls and DEL (a newline, a carriage return, ESC), the Unicode line and
 # paragraph separators, and the bidirectional controls that reorder what a reader sees.
 _CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029\u200e\u200f\u202a-\u202e\u2066-\u2069\ufeff]")
+# What json.dumps leaves raw of the above (it escapes C0 itself; its own newlines are layout).
+_JSON_UNESCAPED = re.compile("[\x7f-\x9f\u2028\u2029\u200e\u200f\u202a-\u202e\u2066-\u2069\ufeff]")
 _NAMED = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
 
 
@@ -36,6 +38,13 @@ def text(value: object) -> str:
     lone surrogates as `\\udcxx`, so that no output line can start or be bent by data."""
     escaped = _CONTROL.sub(lambda m: _escaped(m.group()), str(value))
     return escaped.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def json_text(document: str) -> str:
+    """JSON text with every character `text` escapes written as a `\\uXXXX` escape: json.dumps
+    escapes C0 controls only, and a C1 control (`\\x9b` is CSI) or a bidi override inside a string
+    would still reach a terminal. They occur only inside strings, so the JSON reads the same."""
+    return _JSON_UNESCAPED.sub(lambda m: f"\\u{ord(m.group()):04x}", document)
 
 
 T = TypeVar("T")

@@ -11,7 +11,7 @@ from concurrent.futures import ProcessPoolExecutor
 from typing import Any, Callable, List, Optional, Sequence, TypeVar
 
 from memdiff.classify import Rule, classify
-from memdiff.errors import InputError, shown
+from memdiff.errors import InputError, version_shown
 from memdiff.load import decode, paused_gc, to_snapshot
 from memdiff.model import READABLE_SCHEMA_VERSIONS, Summary
 from memdiff.normalize import summarize
@@ -37,7 +37,7 @@ def read_summary(path: str, rules: Sequence[Rule], history: bool = False) -> Sum
             return classify(summary, rules)
     version = raw["schema_version"]
     if version not in READABLE_SCHEMA_VERSIONS:
-        raise InputError(path, f"summary schema_version {shown(version)} is not one this memdiff reads "
+        raise InputError(path, f"summary schema_version {version_shown(version)} is not one this memdiff reads "
                                f"({' or '.join(map(str, READABLE_SCHEMA_VERSIONS))}); "
                                "re-create it with `memdiff summarize`")
     return classify(Summary.from_dict(validate(path, raw, "summary")), rules)

@@ -51,7 +51,10 @@ def rule_text(error: Any) -> str:
         allowed = wanted if isinstance(wanted, list) else [wanted]
         shown = ", ".join(json.dumps(v) for v in allowed[:8]) + (", ..." if len(allowed) > 8 else "")
         return f"a value other than {shown}"
-    if rule in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "minLength", "maxLength",
-                "minItems", "maxItems", "minProperties", "maxProperties", "multipleOf"):
+    if rule in ("minimum", "exclusiveMinimum"):
+        return f"a value below the schema's {rule} of {wanted:g}"
+    if rule in ("maximum", "exclusiveMaximum"):
+        return f"a value above the schema's {rule} of {wanted:g}"
+    if rule in ("minLength", "maxLength", "minItems", "maxItems", "minProperties", "maxProperties", "multipleOf"):
         return f"a value outside the schema's {rule} of {wanted}"
     return f"a value that fails the schema's {rule!r} rule"

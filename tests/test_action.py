@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
@@ -140,3 +141,41 @@ def test_a_job_folder_is_gated_rank_by_rank(action, shared, tmp_path):
     assert (tmp_path / "memdiff-html" / "report.html").read_text().startswith("<!DOCTYPE html>")
     outputs, log = action(tmp_path, head="head/train", base="base/train")
     assert outputs["exit-code"] == "1" and "worst rank: 1" in log
+
+
+def _uses() -> list:
+    """Every `uses:` of the action and of the project's workflows."""
+    found = []
+    for path in [ROOT / "action.yml", *sorted((ROOT / ".github" / "workflows").glob("*.yml"))]:
+        doc = yaml.safe_load(path.read_text())
+        steps = doc["runs"]["steps"] if "runs" in doc else [s for j in doc["jobs"].values() for s in j["steps"]]
+        found += [(path.name, s["uses"]) for s in steps if "uses" in s]
+    return found
+
+
+def test_every_action_used_is_pinned_by_commit():
+    # A tag can be moved to other code; a commit cannot. Local actions (./) are this checkout.
+    uses = _uses()
+    assert uses
+    loose = [(f, u) for f, u in uses if not u.startswith("./") and not re.fullmatch(r"[\w.-]+/[\w.-]+@[0-9a-f]{40}", u)]
+    assert not loose
+
+
+def test_the_action_installs_memdiff_with_its_dependencies_pinned():
+    steps = yaml.safe_load((ROOT / "action.yml").read_text())["runs"]["steps"]
+    install = next(s for s in steps if s.get("id") == "install")["run"]
+    assert '-c "$ACTION_PATH/.github/constraints.txt"' in install
+    pins = {}
+    for line in (ROOT / ".github" / "constraints.txt").read_text().splitlines():
+        if line.strip() and not line.startswith("#"):
+            name, _, marker = line.partition(";")
+            package, version = name.strip().split("==")
+            pins.setdefault(package.lower(), []).append(marker.strip())
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    runtime = re.search(r"^dependencies = \[(.*?)^\]", pyproject, re.S | re.M).group(1)
+    names = re.findall(r'^\s+"([A-Za-z0-9_.-]+)', runtime, re.M)
+    assert names and all(n.lower() in pins for n in names), (names, sorted(pins))
+    # Each pin holds for every Python the action can be given: one version, or one per side of 3.11.
+    for package, markers in pins.items():
+        assert markers in ([""], ['python_version >= "3.11"', 'python_version < "3.11"'],
+                           ['python_version < "3.11"']), (package, markers)

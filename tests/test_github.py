@@ -152,6 +152,9 @@ if os.environ.get("FAKE_GH_STATUS") == "403":
     sys.exit(1)
 args = sys.argv[2:]
 method = args[args.index("--method") + 1] if "--method" in args else "GET"
+if os.environ.get("FAKE_GH_GARBAGE"):
+    print("<html>proxy error</html>")
+    sys.exit(0)
 if "user" in args:  # GITHUB_TOKEN is an installation's: it has no user
     sys.stderr.write("gh: Resource not accessible by integration (HTTP 403)\n")
     sys.exit(1)
@@ -234,6 +237,50 @@ def test_titles_keep_two_gates_apart(gh, tmp_path):
     comment(env, report, title="eval")
     comment(env, report, title="train")
     assert len(json.loads(state.read_text())["comments"]) == 3
+
+
+@pytest.mark.slow  # runs the comment step in child processes
+def test_only_the_tokens_own_comment_with_the_marker_first_is_updated(gh, tmp_path):
+    env, state, log = gh
+    bot = {"login": "github-actions[bot]", "type": "Bot"}
+    planted = [
+        # Anyone can write the marker: a person's comment holding it is never overwritten.
+        {"id": 6, "body": f"{marker('memdiff')}\nfake report", "user": {"login": "octocat", "type": "User"}},
+        # A marker inside another report (a name from a snapshot, quoted) is not this gate's comment.
+        {"id": 7, "body": f"### memdiff\n{marker('memdiff')}\n", "user": bot},
+    ]
+    state.write_text(json.dumps({"comments": planted, "next": 100}))
+    report = tmp_path / "report.md"
+    report.write_text("### ❌ memdiff: regression\n")
+    assert comment(env, report).returncode == 0
+    comments = json.loads(state.read_text())["comments"]
+    assert [c["id"] for c in comments] == [6, 7, 100]
+    assert comments[0]["body"] == f"{marker('memdiff')}\nfake report" and "PATCH" not in log.read_text()
+    # The bot's own comment, marker first, is the one brought up to date.
+    assert comment(env, report, verdict="pass").returncode == 0
+    assert "PATCH repos/acme/trainer/issues/comments/100" in log.read_text()
+    # A GitHub App's token comments as the app: the Actions bot's comment is not its own.
+    app = {**env, "MEMDIFF_COMMENT_AUTHOR": "memdiff-app[bot]", "FAKE_GH_LOGIN": "memdiff-app[bot]"}
+    assert comment(app, report).returncode == 0
+    assert [c["id"] for c in json.loads(state.read_text())["comments"]] == [6, 7, 100, 101]
+
+
+def test_malformed_output_from_gh_is_one_line_and_exit_2(gh, tmp_path):
+    env, _, _ = gh
+    report = tmp_path / "report.md"
+    report.write_text("### ❌ memdiff: regression\n")
+    done = comment({**env, "FAKE_GH_GARBAGE": "1"}, report)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.count("\n") == 1 and "gh api: printed output that is not JSON" in done.stderr
+    assert "proxy error" not in done.stderr
+
+
+def test_a_comment_title_cannot_end_the_marker(gh, tmp_path):
+    env, _, _ = gh
+    report = tmp_path / "report.md"
+    report.write_text("x\n")
+    done = comment(env, report, title="x --> <!-- memdiff:other")
+    assert done.returncode == 2 and "a title is 1 to 64 letters" in done.stderr
 
 
 def test_a_read_only_token_leaves_the_job_green_with_a_note(gh, tmp_path, github):

@@ -317,10 +317,10 @@ def _gated_and_checked(run: str, path: Path, *says: str) -> None:
 
 
 @pytest.mark.parametrize("where, value, says", [
-    ("peak_bytes", 10**4000, "devices.0.peak_bytes: int of 13,288 bits fails the schema's 'maximum' rule"),
-    ("peak_bytes", 2**70, "devices.0.peak_bytes: 1180591620717411303424 is greater than the maximum"),
-    ("group bytes", 2**64, "devices.0.groups.0.bytes: 18446744073709551616 is greater than the maximum"),
-    ("device", 128, "devices.0.device: 128 is greater than the maximum of 127"),
+    ("peak_bytes", 10**4000, "devices.0.peak_bytes: a value above the schema's maximum of"),
+    ("peak_bytes", 2**70, "devices.0.peak_bytes: a value above the schema's maximum of"),
+    ("group bytes", 2**64, "devices.0.groups.0.bytes: a value above the schema's maximum of"),
+    ("device", 128, "devices.0.device: a value above the schema's maximum of 127"),
 ])
 def test_baseline_integers_past_int64_are_refused_by_gate_and_check_alike(run_and_baseline, tmp_path, where,
                                                                            value, says):
@@ -350,8 +350,8 @@ def test_a_sparse_3_5_gb_baseline_is_refused_before_it_is_read(run_and_baseline,
 
 
 @pytest.mark.parametrize("mutate, says", [
-    (lambda d: d.update(schema_version="A" * 10_000_000), "schema_version str 'AAAA"),
-    (lambda d: d.update(created=["A" * 10_000_000]), "created: list of 1 items fails the schema's 'type' rule"),
+    (lambda d: d.update(schema_version="A" * 10_000_000), "schema_version of type str is not one"),
+    (lambda d: d.update(created=["A" * 10_000_000]), "created: a value of type list, where the schema wants string"),
     (lambda d: d["thresholds"].update(sites=[{"site": "(" * 10_000_000}]), "invalid regex str '(((("),
     (lambda d: d["thresholds"].update(categories={"x" * 10_000_000: {"fail-over": "x"}}), "categories.xxxx"),
 ], ids=["schema-version", "created", "site", "category"])

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import html
-import json
 import os
 from typing import List
 
@@ -11,6 +10,7 @@ from tabulate import tabulate
 
 from memdiff.forecasting import DeviceForecast, Forecast
 from memdiff.inert import md_cell, md_code, md_text
+from memdiff.render.json import dumps
 from memdiff.units import format_bytes
 
 
@@ -94,7 +94,7 @@ def render_markdown(f: Forecast) -> str:
 
 def render_json(f: Forecast) -> str:
     """The forecast document (schemas/forecast.schema.json)."""
-    return json.dumps(f.to_dict(), indent=2, ensure_ascii=False) + "\n"
+    return dumps(f.to_dict())
 
 
 def render_html(f: Forecast) -> str:

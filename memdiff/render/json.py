@@ -5,13 +5,14 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from memdiff.inert import json_text
 from memdiff.model import Summary
 from memdiff.report import Report
 
 
 def dumps(data: Any) -> str:
     """Indented JSON with a trailing newline, as every JSON output is written."""
-    return json.dumps(data, indent=2, ensure_ascii=False) + "\n"
+    return json_text(json.dumps(data, indent=2, ensure_ascii=False)) + "\n"
 
 
 def render_summary(summary: Summary) -> str:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import asdict
 from typing import Any, Dict, Optional
@@ -15,6 +14,7 @@ from memdiff.inert import text
 from memdiff.job import ranges, ranks_text
 from memdiff.judge import Check
 from memdiff.ranks import RanksReport, Role
+from memdiff.render.json import dumps
 from memdiff.render.table import layout, row_table
 from memdiff.report import RANKS_SCHEMA_VERSION, DeviceReport, check_line, pct_cell
 from memdiff.units import format_bytes
@@ -87,4 +87,4 @@ def ranks_document(report: RanksReport, check: Optional[Check]) -> Dict[str, Any
 
 def render_json(report: RanksReport, check: Optional[Check]) -> str:
     """The ranks JSON, indented."""
-    return json.dumps(ranks_document(report, check), indent=2, ensure_ascii=False) + "\n"
+    return dumps(ranks_document(report, check))
