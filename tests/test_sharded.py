@@ -1,0 +1,61 @@
+"""Sharded jobs: what FSDP2 and DDP hold, named for what it is (hand-built stacks; the captures are
+in tests/test_record_ranks.py)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from conftest import py_frames
+from memdiff.classify import category_of, load_rules
+from memdiff.frames import StackNormalizer
+from memdiff.model import Group
+
+SP = "/venv/lib/python3.12/site-packages/"
+FSDP = SP + "torch/distributed/fsdp/_fully_shard/"
+TRAIN = ["fsdp_train.py:40:main", "fsdp_train.py:60:<module>"]
+
+
+def group(frames, lifetime=None) -> Group:
+    s = StackNormalizer().stack(frames)
+    return Group(signature=s.signature, site=s.site, frames=list(s.frames), count=1, bytes=1, lifetime=lifetime)
+
+
+SHARDED = py_frames(FSDP + "_fsdp_param.py:227:_init_sharded_param", FSDP + "_fsdp_param.py:192:__init__",
+                    FSDP + "_fsdp_param_group.py:156:__init__", FSDP + "fully_shard.py:200:fully_shard", *TRAIN)
+UNSHARDED = py_frames(FSDP + "_fsdp_param.py:1066:alloc_storage", FSDP + "_fsdp_param.py:823:alloc_all_gather_outputs",
+                      FSDP + "_fsdp_collectives.py:430:foreach_all_gather_copy_out",
+                      FSDP + "_fsdp_param_group.py:416:wait_for_unshard", "fsdp_train.py:31:forward", *TRAIN)
+REDUCE = py_frames(FSDP + "_fsdp_collectives.py:52:allocate", FSDP + "_fsdp_collectives.py:521:foreach_reduce",
+                   FSDP + "_fsdp_param_group.py:587:post_backward", SP + "torch/autograd/__init__.py:255:backward",
+                   *TRAIN)
+ALL_GATHER = py_frames(FSDP + "_fsdp_collectives.py:52:allocate", FSDP + "_fsdp_collectives.py:324:foreach_all_gather",
+                       FSDP + "_fsdp_param_group.py:371:unshard", "fsdp_train.py:31:forward", *TRAIN)
+KEPT = {"born": "backward", "freed": "optimizer", "outlives": "phase"}
+INSIDE = {"born": "backward", "freed": "backward", "outlives": "none"}
+
+
+@pytest.mark.parametrize("frames, lifetime, category", [
+    (SHARDED, None, "parameter"),
+    (UNSHARDED, {"born": "forward", "freed": "backward", "outlives": "phase"}, "unsharded_parameter"),
+    (UNSHARDED, {"born": "forward", "freed": "forward", "outlives": "none"}, "unsharded_parameter"),
+    # the reduce-scatter's output is the sharded .grad, kept until zero_grad; its input is freed inside
+    (REDUCE, KEPT, "gradient"),
+    (REDUCE, INSIDE, "communication"),
+    (ALL_GATHER, {"born": "forward", "freed": "forward", "outlives": "none"}, "communication"),
+], ids=["sharded-param", "unsharded-held", "unsharded-resharded", "reduce-output", "reduce-input", "all-gather"])
+def test_fsdp2_memory_is_named_for_what_it_holds(frames, lifetime, category):
+    assert category_of(group(frames, lifetime), load_rules()) == category
+
+
+def test_ddp_buckets_are_communication():
+    ddp = SP + "torch/nn/parallel/distributed.py"
+    rebuilt = [{"filename": "none", "line": 0, "name": "<built-in method _rebuild_buckets of PyCapsule object at 0x1>"},
+               *py_frames(ddp + ":1744:_pre_forward", ddp + ":1884:forward", *TRAIN)]
+    initial = py_frames(ddp + ":1200:_ddp_init_helper", ddp + ":900:__init__", *TRAIN)
+    rules = load_rules()
+    for frames in (rebuilt, initial):
+        g = group(frames, {"born": "forward", "freed": "never", "outlives": "trace"})
+        assert category_of(g, rules) == "communication"
+        assert category_of(replace(g, lifetime=None), rules) == "communication"
