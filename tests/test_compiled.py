@@ -10,7 +10,13 @@ FX code written for the profiler (`fx_generated__<hash>.py`, with `fx_original_t
 from __future__ import annotations
 
 import copy
+import json
 import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
 
 from memdiff.frames import StackNormalizer, frames_lists, number_compiled_buffers
 
@@ -144,3 +150,31 @@ def test_cpu_route_buffers_are_numbered_by_their_order_in_each_run_of_the_graph(
     assert trace[4]["frames"] is trace[2]["frames"]
     number_compiled_buffers([trace])  # summarizing the same snapshot again numbers it the same
     assert [n.stack(e["frames"]).site for e in trace if e["action"] == "alloc"] == sites
+
+
+@pytest.mark.slow
+def test_a_compiled_model_at_two_sequence_lengths_aligns_row_for_row_and_names_no_hash(scenarios, tmp_path):
+    runs = scenarios("gpt-compile", "gpt-compile-seq128")
+    out = tmp_path / "diff.json"
+    done = subprocess.run([sys.executable, "-m", "memdiff", "diff", str(runs["gpt-compile"]),
+                           str(runs["gpt-compile-seq128"]), "--format", "json"], capture_output=True, text=True)
+    assert done.returncode in (0, 1), done.stderr
+    out.write_text(done.stdout)
+    report = json.loads(done.stdout)
+    assert not HASHED.search(json.dumps(report["headline"]))
+    rows = report["devices"][0]["rows"]
+    compiled = [r for r in rows if "compiled buffer" in r["site"]]
+    # Inductor's code for seq 64 and seq 128 lives in two hash-named files; the buffers align.
+    assert len(compiled) >= 5
+    assert {r["status"] for r in compiled} <= {"GREW", "SAME"}
+    # named by the model code that ran them: the forward of the compiled model, or its backward's node
+    ran_by = ("gpt.py:forward <- compiled buffer ", "CompiledFunctionBackward <- compiled buffer ")
+    assert all(r["site"].startswith(ran_by) for r in compiled)
+    for r in rows:
+        assert not HASHED.search(r["site"])
+        assert not any(HASHED.search(f"{f['file']} {f['name']}") for f in r.get("frames") or [])
+    # the model's own facts: its weights are the same in both runs, and read as parameter
+    facts = json.loads(Path(str(runs["gpt-compile"]) + ".facts.json").read_text())
+    categories = report["devices"][0]["categories"]
+    parameter = next(c for c in categories if c["category"] == "parameter")
+    assert parameter["base_bytes"] == parameter["head_bytes"] == facts["parameter_bytes"]

@@ -6,8 +6,8 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
-
 from conftest import py_frames
+
 from memdiff.classify import category_of, load_rules
 from memdiff.frames import StackNormalizer
 from memdiff.model import Group
