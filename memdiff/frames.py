@@ -119,6 +119,8 @@ TRACEBACK_LINE = re.compile(
     r'^\s*File "(?P<file>[^"\n]{1,4096})", line (?P<line>\d{1,10}), in (?P<name>[^\s]{1,256})\s*$', re.MULTILINE)
 MAX_ORIGINAL_FRAMES = 64
 COMPILED_FILE = "<torch.compile>"
+# The module FX generates for a graph (its instance number changes with the graphs compiled before it).
+FX_MODULE = re.compile(r"^nn\.Module: GraphModule(_\d+)?$")
 # A cheap test before parsing a frame: could it be generated code?
 GENERATED_HINT = re.compile(r"torchinductor_|eval_with_key|fx_generated_|c[a-z0-9]{40,}\.py")
 
@@ -486,10 +488,12 @@ class StackNormalizer:
                     placed = running = True
                     out.extend(k.original or (_compiled_marker(f"compiled buffer {self._buffer(k)}"),))
                 continue
-            if k.kind == "py" and COMPILE_PLUMBING.search(k.file):
+            if k.kind == "py" and COMPILE_PLUMBING.search(k.file) or k.kind == "module" and FX_MODULE.match(k.name):
                 continue
-            if running and k.kind == "op":
-                continue  # what the compiled graph's runtime called (autograd.Function.apply), no op of the model's
+            if k.kind == "op" and (running or k.label.startswith("<")):
+                # what the compiled graph's runtime called (autograd.Function.apply), or an FX node's
+                # OpOverload, which the profiler names `<built-in method  of pybind11...>`: no op of the model's
+                continue
             running = running and k.kind not in ("py", "node", "module")
             out.append(k)
         return out

@@ -178,3 +178,31 @@ def test_a_compiled_model_at_two_sequence_lengths_aligns_row_for_row_and_names_n
     categories = report["devices"][0]["categories"]
     parameter = next(c for c in categories if c["category"] == "parameter")
     assert parameter["base_bytes"] == parameter["head_bytes"] == facts["parameter_bytes"]
+
+
+def test_cpu_route_fx_graph_code_reads_as_the_model_code_that_ran_it():
+    """aot_eager on memdiff's CPU route: FX code calls each aten op through an OpOverload, which the
+    profiler names without a name, inside FX's own GraphModule."""
+    def stack(key: str, module: str):
+        return [{"filename": "none", "line": 0, "name": "<built-in method  of pybind11_builtins.pybind11_detail_"
+                                                        "function_record_v1 object at 0x55d>"},
+                {"filename": "none", "line": 0, "name": "torch/_ops.py(874): __call__"},
+                {"filename": "none", "line": 0, "name": f"{key}(4): forward"},
+                {"filename": "none", "line": 0, "name": f"nn.Module: {module}"},
+                {"filename": "none", "line": 0, "name": "torch/fx/graph_module.py(488): __call__"},
+                {"filename": "none", "line": 0, "name": "<built-in method apply of FunctionMeta object at 0x5e>"},
+                {"filename": "none", "line": 0, "name": "torch/_dynamo/eval_frame.py(1423): _fn"},
+                {"filename": "none", "line": 0, "name": "model.py(8): forward"},
+                {"filename": "none", "line": 0, "name": "train.py(12): step"}]
+    trace = [profiler_entry("alloc", 1, stack("<eval_with_key>.3", "GraphModule_0")),
+             profiler_entry("alloc", 2, stack("<eval_with_key>.3", "GraphModule_0"))]
+    other = [profiler_entry("alloc", 1, stack("<eval_with_key>.11", "GraphModule_4")),
+             profiler_entry("alloc", 2, stack("<eval_with_key>.11", "GraphModule_4"))]
+    sites = []
+    for t in (trace, other):
+        number_compiled_buffers([t])
+        n = StackNormalizer()
+        n.learn_generated(frames_lists([t], []))
+        sites.append([(n.stack(e["frames"]).site, n.stack(e["frames"]).signature) for e in t])
+    assert [site for site, _ in sites[0]] == [f"model.py:forward <- compiled buffer {k}" for k in (1, 2)]
+    assert sites[0] == sites[1]

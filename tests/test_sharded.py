@@ -1,17 +1,24 @@
-"""Sharded jobs: what FSDP2 and DDP hold, named for what it is (hand-built stacks; the captures are
-in tests/test_record_ranks.py)."""
+"""Sharded jobs: what FSDP2 and DDP hold, named for what it is: hand-built stacks, then (slow) two
+FSDP2 jobs recorded with `memdiff record -- torchrun` (tests/scenarios/fsdp_train.py)."""
 
 from __future__ import annotations
 
+import json
+import os
+import socket
+import subprocess
+import sys
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
-from conftest import py_frames
+from conftest import ROOT, py_frames
 
 from memdiff.classify import category_of, load_rules
 from memdiff.frames import StackNormalizer
 from memdiff.model import Group
 
+FSDP_TRAIN = ROOT / "tests" / "scenarios" / "fsdp_train.py"
 SP = "/venv/lib/python3.12/site-packages/"
 FSDP = SP + "torch/distributed/fsdp/_fully_shard/"
 TRAIN = ["fsdp_train.py:40:main", "fsdp_train.py:60:<module>"]
@@ -59,3 +66,48 @@ def test_ddp_buckets_are_communication():
         g = group(frames, {"born": "forward", "freed": "never", "outlives": "trace"})
         assert category_of(g, rules) == "communication"
         assert category_of(replace(g, lifetime=None), rules) == "communication"
+
+
+def _memdiff(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "memdiff", *args], capture_output=True, text=True,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
+
+
+def _record_fsdp(cwd: Path, out: str, *flags: str) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    done = subprocess.run([sys.executable, "-m", "memdiff", "record", "-o", out, "--", sys.executable, "-m",
+                           "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+                           "--master-port", str(port), str(FSDP_TRAIN), "--facts", str(cwd / "facts.json"), *flags],
+                          cwd=cwd, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr
+
+
+@pytest.mark.slow
+def test_fsdp2_reshard_after_forward_reads_as_unsharded_parameters_held_per_rank(torch, tmp_path):
+    _record_fsdp(tmp_path, "reshard/")
+    _record_fsdp(tmp_path, "keep/", "--no-reshard")
+    facts = json.loads((tmp_path / "facts.json").read_text())
+    shard = facts["parameter_bytes"] // facts["world_size"]  # the model's weights, split evenly (no padding)
+    for rank in range(facts["world_size"]):
+        base, head = (str(tmp_path / run / f"rank{rank}.pickle") for run in ("reshard", "keep"))
+        done = _memdiff("diff", base, head, "--format", "json")
+        assert done.returncode in (0, 1), done.stderr
+        report = json.loads(done.stdout)
+        categories = {c["category"]: c for c in report["devices"][0]["categories"]}
+        assert categories["parameter"]["base_bytes"] == categories["parameter"]["head_bytes"] == shard
+        # the full weights stay gathered from each block's forward to its backward
+        assert categories["unsharded_parameter"]["delta_bytes"] > 0
+        assert categories.get("communication", {}).get("delta_bytes", 0) == 0
+        headline = json.dumps(report["headline"])
+        assert "unsharded_parameter" in headline and "communication" not in headline
+        # in the optimizer step every rank holds its shard of the weights and of the gradients
+        done = _memdiff("diff", base, head, "--format", "json", "--at", "optimizer")
+        assert done.returncode in (0, 1), done.stderr
+        categories = {c["category"]: c for c in json.loads(done.stdout)["devices"][0]["categories"]}
+        assert categories["gradient"]["base_bytes"] == categories["gradient"]["head_bytes"] == shard
+    ranks = _memdiff("ranks", str(tmp_path / "keep"))
+    assert ranks.returncode == 0, ranks.stderr
+    assert "unsharded_parameter" in ranks.stdout
