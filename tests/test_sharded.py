@@ -41,7 +41,7 @@ ALL_GATHER = py_frames(FSDP + "_fsdp_collectives.py:52:allocate", FSDP + "_fsdp_
                        FSDP + "_fsdp_param_group.py:371:unshard", "fsdp_train.py:31:forward", *TRAIN)
 # gloo's reduce-scatter makes its own buffer under foreach_reduce; it is the collective's, not a .grad
 COLLECTIVE = py_frames(SP + "torch/distributed/distributed_c10d.py:4400:reduce_scatter_single",
-                       SP + "torch/distributed/c10d_logger.py:80:wrapper", *REDUCE[1:])
+                       SP + "torch/distributed/c10d_logger.py:80:wrapper") + REDUCE[1:]
 KEPT = {"born": "backward", "freed": "optimizer", "outlives": "phase"}
 INSIDE = {"born": "backward", "freed": "backward", "outlives": "none"}
 
