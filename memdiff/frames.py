@@ -396,6 +396,12 @@ class StackNormalizer:
         # generated file -> the lines of it the snapshot's stacks hold, ascending: a line's rank is
         # its buffer's place in the compiled graph, the same for the graph compiled for other shapes
         self._generated: Dict[str, List[int]] = {}
+        self._generated_source: Optional[Callable[[], Iterable[Any]]] = None
+
+    def learn_generated_from(self, source: Callable[[], Iterable[Any]]) -> None:
+        """learn_generated(source()), once, when the first generated frame is met: a snapshot
+        without compiled code pays nothing for it."""
+        self._generated_source = source
 
     def learn_generated(self, frames_lists: Iterable[Any]) -> None:
         """Read the lines of generated code (GENERATED_FILE) the snapshot's stacks hold, before any
@@ -499,6 +505,9 @@ class StackNormalizer:
         return out
 
     def _buffer(self, k: _Kept) -> str:
+        if self._generated_source is not None:
+            source, self._generated_source = self._generated_source, None
+            self.learn_generated(source())
         lines = self._generated.get(k.file)
         if lines:
             i = bisect.bisect_left(lines, k.line)
@@ -539,6 +548,15 @@ def _generated_at(frames: Any) -> Optional[Tuple[int, str]]:
     return None
 
 
+def _profiler_route(trace: List[Any]) -> bool:
+    """Whether a trace's frames are the profiler route's (`filename` "none"), by its first stack."""
+    for e in trace:
+        frames = e.get("frames") if isinstance(e, dict) else None
+        if isinstance(frames, list) and frames:
+            return isinstance(frames[0], dict) and frames[0].get("filename") == "none"
+    return False
+
+
 def number_compiled_buffers(device_traces: Any) -> None:
     """Number, on memdiff's CPU route, each buffer a compiled graph allocates by its place in one
     run of the graph, in place: the profiler names a Python frame by its function's first line,
@@ -548,7 +566,7 @@ def number_compiled_buffers(device_traces: Any) -> None:
     then 2, 3... A graph run twice with nothing allocated between counts on. CUDA frames carry
     their own lines and are left as they are."""
     for trace in device_traces if isinstance(device_traces, list) else ():
-        if not isinstance(trace, list):
+        if not isinstance(trace, list) or not _profiler_route(trace):
             continue
         found: Dict[int, Optional[Tuple[int, str]]] = {}
         numbered: Dict[Tuple[int, Any], List[Any]] = {}  # (id of the old list, address) -> new list

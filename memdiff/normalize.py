@@ -877,7 +877,7 @@ def summarize(snapshot: Snapshot, history_rules: Optional[Sequence[Rule]] = None
     with `keep`, every allocation of each device is put there by device (the forecast replays them)."""
     stacks = StackNormalizer(snapshot.decoded_bytes)
     number_compiled_buffers(snapshot.device_traces)
-    stacks.learn_generated(frames_lists(snapshot.device_traces, snapshot.segments))
+    stacks.learn_generated_from(lambda: frames_lists(snapshot.device_traces, snapshot.segments))
     devices = [_device_summary(snapshot, d, stacks, history_rules, keep) for d in devices_of(snapshot)]
     all_groups = [g for d in devices for g in d.groups]
     all_groups += [g for d in devices for p in d.phase_peaks for g in (p.groups or [])]
