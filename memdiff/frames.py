@@ -116,7 +116,8 @@ COMPILE_PLUMBING = re.compile(r"^torch/(_dynamo|_inductor|_functorch|_higher_ord
                               r"|^torch/(autograd/function|_ops|_compile)\.py$")
 # One frame of a Python traceback, as `fx_original_trace` holds it.
 TRACEBACK_LINE = re.compile(
-    r'^\s*File "(?P<file>[^"\n]{1,4096})", line (?P<line>\d{1,10}), in (?P<name>[^\s]{1,256})\s*$', re.MULTILINE)
+    # [ \t], never \s: a run of line breaks must not be rescanned from each of them
+    r'^[ \t]*File "(?P<file>[^"\n]{1,4096})", line (?P<line>\d{1,10}), in (?P<name>\S{1,256})[ \t]*$', re.MULTILINE)
 MAX_ORIGINAL_FRAMES = 64
 COMPILED_FILE = "<torch.compile>"
 # The module FX generates for a graph (its instance number changes with the graphs compiled before it).

@@ -107,6 +107,9 @@ def test_a_hostile_fx_original_trace_is_read_as_far_as_it_makes_sense():
     long = 'File "/x/m.py", line 1, in f\n' * 10_000
     frames[0] = {**frames[0], "fx_original_trace": long}
     assert len(stacks_of(frames)[0].frames) < 80
+    # a run of line breaks is read once, not once from each of them (minutes, were it so)
+    frames[0] = {**frames[0], "fx_original_trace": "\n" * 60_000 + " " * 60_000}
+    assert stacks_of(frames)[0].site == "model.py:forward <- compiled buffer 1"
 
 
 def test_stacks_without_generated_code_keep_their_torch_frames():
