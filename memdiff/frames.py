@@ -12,12 +12,13 @@ The rules are the tables below; adding a rule is one line and a test.
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import posixpath
 import re
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any, Callable, Dict, Generic, Iterable, List, Optional, Sequence, Tuple, TypeVar
+from typing import Any, Callable, Dict, Generic, Iterable, Iterator, List, Optional, Sequence, Tuple, TypeVar
 
 from memdiff.errors import brief, number
 from memdiff.model import Frame
@@ -76,6 +77,9 @@ SHARED_LIBRARY = re.compile(r"\.so(\.[\d.]+)?$")
 # Ops that only allocate (what `zeros_like` or `addmm` calls underneath): never the telling op.
 FACTORY_OP = re.compile(r"^(new_)?empty(_|$)")
 
+# How generated code asks for its buffers (`empty_strided_cpu`, `empty_strided_cuda` and the ops under them).
+COMPILED_FACTORY_OP = re.compile(r"^_?(new_)?empty(_strided)?(_\w+)?$")
+
 # Profiler-derived frames (CPU route): {"filename": "none", "name": "torch/nn/modules/linear.py(130): forward"}.
 PROFILER_PY = re.compile(r"^(?P<file>.+?)\((?P<line>\d+)\): (?P<name>.+)$")
 
@@ -96,6 +100,30 @@ NVCC_TMP = re.compile(r"tmpxft_[0-9a-f]+_[0-9a-f]+-\d+_")
 LIBRARY_PATH = re.compile(r"/(?:site|dist)-packages/(.+)$")
 STDLIB_PATH = re.compile(r"/(?:lib/python\d+(?:\.\d+)?t?|Lib)/(.+)$")
 FROZEN = re.compile(r"^<frozen (.+)>$")
+
+# Code torch.compile writes and runs: its file names are hashes or counters that change with
+# every shape, layer or torch version, so a generated frame never enters a signature or a site.
+# Inductor's output code (`/tmp/torchinductor_root/zc/czcop...u.py`, a `c` and a 51-letter hash,
+# under the cache folder or TORCHINDUCTOR_CACHE_DIR), FX GraphModule code (`<eval_with_key>.7`,
+# or `<eval_with_key>.7 from model.py:12 in forward`; aot_eager and other FX backends) and FX code
+# written for the profiler (`fx_generated__<hash>.py`, whose frames `augment_with_fx_traces`
+# gives the original source as `fx_original_trace`).
+GENERATED_FILE = re.compile(r"(^|/)(c[a-z0-9]{40,}|fx_generated_\w+)\.py$|(^|/)torchinductor_[^/]*/.*\.py$"
+                            r"|^<eval_with_key>")
+# What runs a compiled graph between the user's code and the generated code: in a stack that
+# holds a generated frame these are plumbing (they differ with the backend and torch version).
+COMPILE_PLUMBING = re.compile(r"^torch/(_dynamo|_inductor|_functorch|_higher_order_ops|fx)/"
+                              r"|^torch/(autograd/function|_ops|_compile)\.py$")
+# One frame of a Python traceback, as `fx_original_trace` holds it.
+TRACEBACK_LINE = re.compile(
+    # [ \t], never \s: a run of line breaks must not be rescanned from each of them
+    r'^[ \t]*File "(?P<file>[^"\n]{1,4096})", line (?P<line>\d{1,10}), in (?P<name>\S{1,256})[ \t]*$', re.MULTILINE)
+MAX_ORIGINAL_FRAMES = 64
+COMPILED_FILE = "<torch.compile>"
+# The module FX generates for a graph (its instance number changes with the graphs compiled before it).
+FX_MODULE = re.compile(r"^nn\.Module: GraphModule(_\d+)?$")
+# A cheap test before parsing a frame: could it be generated code?
+GENERATED_HINT = re.compile(r"torchinductor_|eval_with_key|fx_generated_|c[a-z0-9]{40,}\.py")
 
 FREED_PREFIX = "freed at "
 # Memory live before the trace known by the stack of an optimizer's in-place update of it (CPU
@@ -136,6 +164,9 @@ class _Kept:
     name: str
     label: str  # op or node name for site labels, function for Python frames
     key: str = ""  # the file as the signature sees it
+    # A generated frame's original source frames (innermost first) and FX node target, when
+    # the snapshot carries them (augment_with_fx_traces)
+    original: Tuple["_Kept", ...] = ()
 
     @cached_property
     def frame(self) -> Frame:
@@ -213,7 +244,10 @@ def _keep(raw: Any) -> Optional[_Kept]:
             digits = m.group("line").lstrip("0")
             if len(digits) > len(str(MAX_LINE)):  # before int(), which refuses 4,300 digits and more
                 raise ValueError(f"a frame's line: a number of {len(digits):,} digits is not a line number")
+            numbered = line  # number_compiled_buffers's place of a compiled buffer, else 0
             filename, line, name = m.group("file"), int(digits or "0"), m.group("name")
+            if numbered and isinstance(numbered, int) and GENERATED_FILE.search(normalize_path(filename)):
+                line = numbered
         elif PROFILER_MODULE.match(name):
             return _Kept("module", "", 0, name, name)
         else:
@@ -227,6 +261,8 @@ def _keep(raw: Any) -> Optional[_Kept]:
         raise ValueError(f"a frame's line: {number(line)} is not a line number ({MIN_LINE:,} to {MAX_LINE:,})")
     if filename.endswith(".py") or filename.startswith("<"):
         path = normalize_path(filename)
+        if "\n" not in path and GENERATED_FILE.search(path):
+            return _Kept("generated", path, line, HEX.sub("0x…", name), name, path, _original(raw))
         return _Kept("py", path, line, HEX.sub("0x…", name), name, _path_key(path))
     if _is_noise(name, filename):
         return None
@@ -241,6 +277,37 @@ def _keep(raw: Any) -> Optional[_Kept]:
     return None
 
 
+def _original(raw: Dict[str, Any]) -> Tuple[_Kept, ...]:
+    """The source frames `fx_original_trace` names for a generated frame (innermost first), then the
+    FX node's target as a marker; () when the snapshot has none (it is written only in the process
+    that compiled, with augment_with_fx_traces)."""
+    trace = raw.get("fx_original_trace")
+    target = raw.get("fx_node_target") or raw.get("fx_node_name")
+    if not isinstance(trace, str):
+        return ()
+    frames = []
+    for m in TRACEBACK_LINE.finditer(trace[: 1 << 16]):
+        path = normalize_path(m.group("file"))
+        if GENERATED_FILE.search(path):
+            continue
+        frames.append(_Kept("py", path, int(m.group("line")), m.group("name"), m.group("name"), _path_key(path)))
+    frames = frames[-MAX_ORIGINAL_FRAMES:]
+    if not frames:
+        return ()
+    marker = [_compiled_marker(f"compiled {clip_name(target)}")] if isinstance(target, str) and target else []
+    return (*marker, *reversed(frames))
+
+
+def clip_name(text: str, limit: int = 120) -> str:
+    """A name from a snapshot, one line and at most `limit` characters."""
+    text = text.replace("\n", " ")
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def _compiled_marker(label: str) -> _Kept:
+    return _Kept("compiled", COMPILED_FILE, 0, label, label, COMPILED_FILE)
+
+
 def _is_plumbing(k: _Kept) -> bool:
     return k.kind == "py" and any(f.search(k.file) and n.search(k.name) for f, n in PLUMBING_PY)
 
@@ -251,17 +318,21 @@ def _site(kept: Sequence[_Kept]) -> str:
     ops: List[str] = []
     where = None
     workspace = []  # a BLAS workspace is named last: the op only asked for it
+    compiled: List[str] = []
     for k in kept:
         if k.kind == "op":
             ops.append(k.label)
         elif k.kind == "workspace":
             workspace = [k.label]
+        elif k.kind == "compiled":
+            compiled = [k.label]
+            ops = [op for op in ops if not COMPILED_FACTORY_OP.match(op)]  # what every buffer calls
         elif k.kind in ("py", "node"):
             where = f"{posixpath.basename(k.file)}:{k.label}" if k.kind == "py" else k.label
             break
     if not ops:
-        return " <- ".join(([where] if where else []) + workspace) or (kept[0].label if kept else NO_STACK)
-    chain = [ops[-1]]  # the outermost op: the one the caller asked for
+        return " <- ".join(([where] if where else []) + compiled + workspace) or (kept[0].label if kept else NO_STACK)
+    chain = compiled + [ops[-1]]  # the outermost op: the one the caller asked for
     working = next((op for op in ops if not FACTORY_OP.match(op)), None)
     if working and working != ops[-1]:
         chain.append(working)
@@ -323,6 +394,46 @@ class StackNormalizer:
         self._frame_budget = None if decoded_bytes is None else max(1, decoded_bytes) // MIN_FRAME_BYTES
         self._frames_left = self._frame_budget
         self._updates: Dict[int, Any] = {}  # id -> frames list standing in as an in-place update's
+        # generated file -> the lines of it the snapshot's stacks hold, ascending: a line's rank is
+        # its buffer's place in the compiled graph, the same for the graph compiled for other shapes
+        self._generated: Dict[str, List[int]] = {}
+        self._generated_source: Optional[Callable[[], Iterable[Any]]] = None
+
+    def learn_generated_from(self, source: Callable[[], Iterable[Any]]) -> None:
+        """learn_generated(source()), once, when the first generated frame is met: a snapshot
+        without compiled code pays nothing for it."""
+        self._generated_source = source
+
+    def learn_generated(self, frames_lists: Iterable[Any]) -> None:
+        """Read the lines of generated code (GENERATED_FILE) the snapshot's stacks hold, before any
+        stack is normalized, so that each compiled buffer is numbered by its place in its graph.
+        Stops quietly past the frame budget and skips what is not a frame: normalizing says why."""
+        lines: Dict[str, set] = {}
+        seen_lists: set = set()
+        seen_frames: set = set()
+        left = self._frame_budget
+        for frames in frames_lists:
+            if not isinstance(frames, list) or id(frames) in seen_lists:
+                continue
+            seen_lists.add(id(frames))
+            if left is not None:
+                left -= len(frames)
+                if left < 0:
+                    break
+            for raw in frames:
+                if id(raw) in seen_frames or not isinstance(raw, dict):
+                    continue
+                seen_frames.add(id(raw))
+                text = raw.get("name") if raw.get("filename") == "none" else raw.get("filename")
+                if not isinstance(text, str) or not GENERATED_HINT.search(text):
+                    continue
+                try:
+                    kept = self._keep(raw)
+                except ValueError:
+                    continue
+                if kept is not None and kept.kind == "generated":
+                    lines.setdefault(kept.file, set()).add(kept.line)
+        self._generated = {f: sorted(ls) for f, ls in lines.items()}
 
     def mark_updates(self, frames_lists: Iterable[Any]) -> None:
         """Frames lists memdiff made from an optimizer's in-place update, standing in for the stack
@@ -354,6 +465,8 @@ class StackNormalizer:
                                  f"{self._decoded_bytes:,} bytes (pickle references sharing frame lists; real "
                                  f"snapshots take dozens of bytes a frame)")
         kept = [k for k in map(self._keep, raw_frames) if k is not None]
+        if any(k.kind == "generated" for k in kept):
+            kept = self._compiled(kept)
         chars = sum(len(k.name) + len(k.key) for k in kept)
         if chars > MAX_STACK_CHARS:
             raise ValueError(f"a stack of {chars:,} characters (pickle references repeating a long frame?): "
@@ -368,6 +481,40 @@ class StackNormalizer:
             site = prefix + site
         frames = tuple(k.frame for k in kept)
         return Stack(signature_of(parts), site, frames)
+
+    def _compiled(self, kept: List[_Kept]) -> List[_Kept]:
+        """A stack through compiled code, named by the model code that ran it: the innermost
+        generated frame becomes its original source frames where the snapshot carries them, else
+        a marker with the buffer's place in its graph; the other generated frames and the torch
+        frames that run a compiled graph go."""
+        out: List[_Kept] = []
+        placed = running = False
+        for k in kept:
+            if k.kind == "generated":
+                if not placed:
+                    placed = running = True
+                    out.extend(k.original or (_compiled_marker(f"compiled buffer {self._buffer(k)}"),))
+                continue
+            if k.kind == "py" and COMPILE_PLUMBING.search(k.file) or k.kind == "module" and FX_MODULE.match(k.name):
+                continue
+            if k.kind == "op" and (running or k.label.startswith("<")):
+                # what the compiled graph's runtime called (autograd.Function.apply), or an FX node's
+                # OpOverload, which the profiler names `<built-in method  of pybind11...>`: no op of the model's
+                continue
+            running = running and k.kind not in ("py", "node", "module")
+            out.append(k)
+        return out
+
+    def _buffer(self, k: _Kept) -> str:
+        if self._generated_source is not None:
+            source, self._generated_source = self._generated_source, None
+            self.learn_generated(source())
+        lines = self._generated.get(k.file)
+        if lines:
+            i = bisect.bisect_left(lines, k.line)
+            if i < len(lines) and lines[i] == k.line:
+                return str(i + 1)
+        return f"at line {k.line}"  # not learnt (a stack normalized on its own): still no file name
 
     def _keep(self, raw: Any) -> Optional[_Kept]:
         # Distinct lists still repeat the same frames (every CUDA stack starts with the same
@@ -384,6 +531,83 @@ class StackNormalizer:
             kept = None
         self._frames[key] = kept
         return kept
+
+
+def _generated_at(frames: Any) -> Optional[Tuple[int, str]]:
+    """(index, file) of the innermost generated frame of a profiler-route frames list, else None."""
+    if not isinstance(frames, list):
+        return None
+    for i, raw in enumerate(frames[:MAX_STACK_FRAMES]):
+        if not isinstance(raw, dict) or raw.get("filename") != "none":
+            continue
+        name = raw.get("name")
+        if not isinstance(name, str) or not GENERATED_HINT.search(name):
+            continue
+        m = profiler_frame(name)
+        if m and GENERATED_FILE.search(normalize_path(m.group("file"))):
+            return i, m.group("file")
+    return None
+
+
+def _profiler_route(trace: List[Any]) -> bool:
+    """Whether a trace's frames are the profiler route's (`filename` "none"), by its first stack."""
+    for e in trace:
+        frames = e.get("frames") if isinstance(e, dict) else None
+        if isinstance(frames, list) and frames:
+            return isinstance(frames[0], dict) and frames[0].get("filename") == "none"
+    return False
+
+
+def number_compiled_buffers(device_traces: Any) -> None:
+    """Number, on memdiff's CPU route, each buffer a compiled graph allocates by its place in one
+    run of the graph, in place: the profiler names a Python frame by its function's first line,
+    so every buffer of Inductor's `call` has the same frame. An allocation's generated frame is
+    replaced (in a new frames list, shared with the frees of the same address) by one whose `line`
+    is the buffer's place: 1 for the first allocation after any allocation outside that graph,
+    then 2, 3... A graph run twice with nothing allocated between counts on. CUDA frames carry
+    their own lines and are left as they are."""
+    for trace in device_traces if isinstance(device_traces, list) else ():
+        if not isinstance(trace, list) or not _profiler_route(trace):
+            continue
+        found: Dict[int, Optional[Tuple[int, str]]] = {}
+        numbered: Dict[Tuple[int, Any], List[Any]] = {}  # (id of the old list, address) -> new list
+        current, count = None, 0
+        for e in trace:
+            if not isinstance(e, dict):
+                continue
+            frames = e.get("frames")
+            if e.get("action") != "alloc":
+                new = numbered.get((id(frames), e.get("addr")))
+                if new is not None:
+                    e["frames"] = new
+                continue
+            key = id(frames)
+            if key not in found:
+                found[key] = _generated_at(frames)
+            at = found[key]
+            if at is None or not isinstance(frames, list):
+                current = None
+                continue
+            index, file = at
+            count = count + 1 if file == current else 1
+            current = file
+            new = list(frames)
+            new[index] = {"filename": "none", "name": frames[index]["name"], "line": count}
+            numbered[(key, e.get("addr"))] = new
+            e["frames"] = new
+
+
+def frames_lists(device_traces: Any, segments: Any) -> Iterator[Any]:
+    """Every frames list of a snapshot, trace entries first, then the dump's blocks (what is not
+    a list or a dict is passed over: the reader says why elsewhere)."""
+    for trace in device_traces if isinstance(device_traces, list) else ():
+        for e in trace if isinstance(trace, list) else ():
+            if isinstance(e, dict):
+                yield e.get("frames")
+    for segment in segments if isinstance(segments, list) else ():
+        for block in segment.get("blocks", ()) if isinstance(segment, dict) else ():
+            if isinstance(block, dict):
+                yield block.get("frames")
 
 
 def relativize(frame_lists: Sequence[Sequence[Frame]]) -> List[List[Frame]]:

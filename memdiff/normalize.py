@@ -23,7 +23,16 @@ import numpy as np
 from memdiff import __version__
 from memdiff.classify import Rule
 from memdiff.errors import InputError, brief, number
-from memdiff.frames import GUESS_PARAMETER, GUESS_STATE, Stack, StackNormalizer, relativize, signature_of
+from memdiff.frames import (
+    GUESS_PARAMETER,
+    GUESS_STATE,
+    Stack,
+    StackNormalizer,
+    frames_lists,
+    number_compiled_buffers,
+    relativize,
+    signature_of,
+)
 from memdiff.history import Allocations, history_of, peak_bars, window_maxima
 from memdiff.lifetimes import (
     BACKWARD,
@@ -867,6 +876,8 @@ def summarize(snapshot: Snapshot, history_rules: Optional[Sequence[Rule]] = None
     too, its allocations classified by those rules (the ones the summary will be classified by);
     with `keep`, every allocation of each device is put there by device (the forecast replays them)."""
     stacks = StackNormalizer(snapshot.decoded_bytes)
+    number_compiled_buffers(snapshot.device_traces)
+    stacks.learn_generated_from(lambda: frames_lists(snapshot.device_traces, snapshot.segments))
     devices = [_device_summary(snapshot, d, stacks, history_rules, keep) for d in devices_of(snapshot)]
     all_groups = [g for d in devices for g in d.groups]
     all_groups += [g for d in devices for p in d.phase_peaks for g in (p.groups or [])]

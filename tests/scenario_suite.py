@@ -73,7 +73,13 @@ EDGES = {
     "t5-zero-grad-first-keep": ("t5", ["--zero-grad", "first", "--keep-grads"]),
     "gpt2-generate": ("gpt2", ["--generate"]),
 }
-SCENARIOS: Dict[str, Tuple[str, List[str]]] = {**BASES, **CHANGES, **EDGE_BASES, **EDGES}
+# Issue 32: the same model compiled by torch.compile (Inductor on CPU) at two sequence lengths:
+# memdiff's example GPT, one layer, two steps, so that compiling stays quick.
+COMPILED = {
+    "gpt-compile": ("gpt", ["--compile", "--steps", "2", "--seq", "64"]),
+    "gpt-compile-seq128": ("gpt", ["--compile", "--steps", "2", "--seq", "128"]),
+}
+SCENARIOS: Dict[str, Tuple[str, List[str]]] = {**BASES, **CHANGES, **EDGE_BASES, **EDGES, **COMPILED}
 
 # PyTorch's data-flow categories in memdiff's terms.
 PYTORCH_TO_MEMDIFF = {"temporary": "autograd", "autograd_detail": "autograd", "unknown": "other", None: "other"}

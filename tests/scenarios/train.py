@@ -25,7 +25,7 @@ from memdiff.capture import record
 VOCAB = 1000
 POSITIONS = 128
 HF_TEXT = ("gpt2", "bert", "llama", "t5", "mixtral", "neox", "distilbert")
-MODELS = (*HF_TEXT, "vit", "lstm", "mlp", "cnn")
+MODELS = (*HF_TEXT, "vit", "lstm", "mlp", "cnn", "gpt")
 
 
 def hf_model(name: str, vocab: int = VOCAB, positions: int = POSITIONS,
@@ -149,6 +149,14 @@ def build(args: argparse.Namespace) -> Tuple[nn.Module, List[nn.Module], int, Ca
         def images() -> Dict[str, torch.Tensor]:
             return {"pixel_values": torch.randn(b, 3, 32, 32), "labels": torch.randint(0, 10, (b,))}
         return model, layers, hidden, images, lambda m, x: m(**x).loss
+    if args.model == "gpt":  # memdiff's own example GPT: small, quick for torch.compile to compile
+        from memdiff.examples.gpt import GPT, Config
+
+        gpt = GPT(Config(n_layer=1, n_head=2, n_embd=64, vocab_size=512, block_size=128))
+
+        def ids() -> Dict[str, torch.Tensor]:
+            return {"idx": torch.randint(0, 512, (b, s)), "targets": torch.randint(0, 512, (b, s))}
+        return gpt, list(gpt.blocks), 64, ids, lambda m, x: m(x["idx"], x["targets"])
     if args.model == "lstm":
         lstm = LSTM()
 
@@ -244,6 +252,15 @@ def setup(args: argparse.Namespace) -> Tuple[nn.Module, List[nn.Parameter], torc
     params = [p for p in model.parameters() if p.requires_grad] + [p for m in projections for p in m.parameters()]
     opt = make_optimizer(args.optimizer, params)
     model.train()
+    if args.compile:
+        # As a fresh process compiles: no graph from an earlier job of --jobs, no dynamic shapes.
+        torch._dynamo.reset()
+        model = torch.compile(model)  # type: ignore[assignment]
+        # Compiled before recording, as a training script's first step does: a forward and a
+        # backward, without an optimizer step (its state would be older than the trace).
+        loss_of(model, batch()).backward()
+        for p in params:
+            p.grad = None
     return model, params, opt, extra, batch, loss_of
 
 
@@ -467,6 +484,8 @@ def main() -> None:
                    help="a validation loss each step, logged with .item() or as a tensor (the leak)")
     p.add_argument("--eval", choices=("none", "no-grad", "grad"), default="none",
                    help="an evaluation forward after each step, in torch.no_grad() or not (kept until the next)")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile the model (Inductor), compiled by one forward and backward before recording")
     p.add_argument("--debug-projections", action="store_true", help="an abandoned Linear(h, 4h) per layer")
     p.add_argument("--vocab", type=int, default=VOCAB, help="vocabulary size of the Hugging Face models")
     p.add_argument("--positions", type=int, default=POSITIONS,

@@ -1,0 +1,211 @@
+"""torch.compile: compiled memory is named by the model code that ran it, never by generated files.
+
+Hand-built stacks in each form torch writes generated code: Inductor's output code in its cache
+folder (CUDA frames with lines; memdiff's CPU route, where the profiler names a function by its
+first line), FX GraphModule code (`<eval_with_key>.N`, with or without `from FILE:LINE in FN`) and
+FX code written for the profiler (`fx_generated__<hash>.py`, with `fx_original_trace` where
+`augment_with_fx_traces` added it).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from memdiff.frames import StackNormalizer, frames_lists, number_compiled_buffers
+
+HASH_A = "czcopfae4wrbv3edcqap4z5wy5e5apiro6a6puhtdwjoll3yfn5u"
+HASH_B = "cmrvtsv372agr5azeeezfrl7dbh7fb3g5beuq5rydhksvdzpftig"
+# What no site or frame name may show: a hash-named file, the FX counter, the generated prefix.
+HASHED = re.compile(r"c[a-z0-9]{40,}|eval_with_key|fx_generated|torchinductor")
+
+USER = [
+    {"name": "forward", "filename": "/home/a/proj/model.py", "line": 8},
+    {"name": "_call_impl", "filename": "/venv/lib/python3.12/site-packages/torch/nn/modules/module.py", "line": 1782},
+    {"name": "step", "filename": "/home/a/proj/train.py", "line": 13},
+]
+RUNTIME = [
+    {"name": "__call__", "filename": "/venv/lib/python3.12/site-packages/torch/_inductor/output_code.py", "line": 721},
+    {"name": "forward", "filename": "/venv/lib/python3.12/site-packages/torch/_functorch/_aot_autograd/"
+                                    "runtime_wrappers.py", "line": 3459},
+    {"name": "apply", "filename": "/venv/lib/python3.12/site-packages/torch/autograd/function.py", "line": 609},
+    {"name": "_fn", "filename": "/venv/lib/python3.12/site-packages/torch/_dynamo/eval_frame.py", "line": 1423},
+]
+OP = [{"name": "at::_ops::empty_strided::call(c10::ArrayRef<c10::SymInt>)", "filename": "??", "line": 0}]
+ADDMM = [{"name": "at::_ops::addmm::call(at::Tensor const&)", "filename": "??", "line": 0}]
+
+
+def inductor(path: str, line: int, ops=OP):
+    """A CUDA stack (stacks='all') through Inductor's generated `call` at `line`."""
+    return [*ops, {"name": "call", "filename": path, "line": line}, *RUNTIME, *USER]
+
+
+def stacks_of(*frame_lists):
+    """Each frames list's Stack, the normalizer having read them all first (as summarize does)."""
+    n = StackNormalizer()
+    n.learn_generated(frame_lists)
+    return [n.stack(f) for f in frame_lists]
+
+
+def test_inductor_cuda_buffers_are_numbered_by_their_place_and_align_across_shapes():
+    # The graph compiled for two sequence lengths: another hash, another cache folder, lines shifted.
+    a = [inductor(f"/tmp/torchinductor_root/zc/{HASH_A}.py", line) for line in (88, 93, 97)]
+    b = [inductor(f"/home/ci/.cache/inductor/mr/{HASH_B}.py", line) for line in (90, 101, 107)]
+    sa, sb = stacks_of(*a), stacks_of(*b)
+    assert [s.site for s in sa] == [f"model.py:forward <- compiled buffer {k}" for k in (1, 2, 3)]
+    assert [s.signature for s in sa] == [s.signature for s in sb]
+    assert len({s.signature for s in sa}) == 3
+    for s in sa + sb:
+        assert not HASHED.search(s.site) and not any(HASHED.search(f.file + f.name) for f in s.frames)
+        # the runtime that ran the graph is no part of the story
+        assert not any("_inductor" in f.file or "_dynamo" in f.file for f in s.frames)
+
+
+def test_a_fallback_op_inside_compiled_code_keeps_its_name():
+    (s,) = stacks_of(inductor(f"/tmp/torchinductor_u/ab/{HASH_A}.py", 90, ops=ADDMM))
+    assert s.site == "model.py:forward <- compiled buffer 1 <- addmm"
+
+
+def test_fx_graph_module_code_is_named_by_place_whatever_its_counter():
+    def fx(key: str, line: int):
+        return [*ADDMM, {"name": "forward", "filename": key, "line": line},
+                {"name": "_wrapped_call", "filename": "/venv/lib/python3.12/site-packages/torch/fx/graph_module.py",
+                 "line": 400}, *RUNTIME, *USER]
+    a = stacks_of(fx("<eval_with_key>.3", 5), fx("<eval_with_key>.3", 9))
+    b = stacks_of(fx("<eval_with_key>.12 from /home/a/proj/model.py:8 in forward", 6),
+                  fx("<eval_with_key>.12 from /home/a/proj/model.py:8 in forward", 11))
+    assert [s.site for s in a] == ["model.py:forward <- compiled buffer 1 <- addmm",
+                                   "model.py:forward <- compiled buffer 2 <- addmm"]
+    assert [s.signature for s in a] == [s.signature for s in b]
+
+
+def test_fx_generated_code_reads_its_original_source_lines_when_the_snapshot_has_them():
+    plain = [*ADDMM, {"name": "forward", "filename": "fx_generated__3f9a0b1c2d.py", "line": 14}, *RUNTIME, *USER]
+    (s,) = stacks_of(plain)
+    assert s.site == "model.py:forward <- compiled buffer 1 <- addmm"
+    augmented = copy.deepcopy(plain)
+    augmented[1].update({
+        "fx_node_op": "call_function", "fx_node_name": "addmm_1", "fx_node_target": "aten.addmm.default",
+        "fx_original_trace": '  File "/home/a/proj/model.py", line 8, in forward\n    return self.b(self.a(x))\n'
+                             '  File "/home/a/proj/layers.py", line 21, in forward\n    return F.linear(x, self.w)\n'})
+    (s,) = stacks_of(augmented)
+    assert s.site == "layers.py:forward <- compiled aten.addmm.default <- addmm"
+    assert ("layers.py", 21) in [(f.file.rsplit("/", 1)[-1], f.line) for f in s.frames]
+    assert not any(HASHED.search(f.file + f.name) for f in s.frames)
+
+
+def test_a_hostile_fx_original_trace_is_read_as_far_as_it_makes_sense():
+    frames = [{"name": "forward", "filename": "fx_generated__ab.py", "line": 3, "fx_original_trace": 7},
+              *USER]
+    assert stacks_of(frames)[0].site == "model.py:forward <- compiled buffer 1"
+    long = 'File "/x/m.py", line 1, in f\n' * 10_000
+    frames[0] = {**frames[0], "fx_original_trace": long}
+    assert len(stacks_of(frames)[0].frames) < 80
+    # a run of line breaks is read once, not once from each of them (minutes, were it so)
+    frames[0] = {**frames[0], "fx_original_trace": "\n" * 60_000 + " " * 60_000}
+    assert stacks_of(frames)[0].site == "model.py:forward <- compiled buffer 1"
+
+
+def test_stacks_without_generated_code_keep_their_torch_frames():
+    # torch.optim steps run through torch/_dynamo/eval_frame.py (dynamo.disable): no compiled code.
+    frames = [*OP, RUNTIME[3], {"name": "step", "filename": "/venv/lib/python3.12/site-packages/torch/optim/adam.py",
+                                "line": 214}, *USER[2:]]
+    (s,) = stacks_of(frames)
+    assert "torch/_dynamo/eval_frame.py" in [f.file for f in s.frames]
+
+
+def profiler_entry(action: str, addr: int, frames):
+    return {"action": action, "addr": addr, "size": 16, "stream": 0, "frames": frames}
+
+
+def cpu_stack(path: str):
+    """memdiff's CPU route: the profiler names each frame by its function's first line."""
+    return [{"filename": "none", "line": 0, "name": "<built-in function _empty_strided_cpu>"},
+            {"filename": "none", "line": 0, "name": f"{path}(82): call"},
+            {"filename": "none", "line": 0, "name": "torch/_inductor/output_code.py(721): __call__"},
+            {"filename": "none", "line": 0, "name": "model.py(8): forward"},
+            {"filename": "none", "line": 0, "name": "train.py(12): step"}]
+
+
+def test_cpu_route_buffers_are_numbered_by_their_order_in_each_run_of_the_graph():
+    path = f"/tmp/torchinductor_root/zc/{HASH_A}.py"
+    other = [{"filename": "none", "line": 0, "name": "<built-in method randn of type object at 0x7f>"},
+             {"filename": "none", "line": 0, "name": "train.py(12): step"}]
+    trace = []
+    for step in range(2):  # two runs of the graph, the batch made between them
+        trace.append(profiler_entry("alloc", 1000 * step, other))
+        for k in range(3):
+            trace.append(profiler_entry("alloc", 1000 * step + k + 1, cpu_stack(path)))
+        trace.append(profiler_entry("free_requested", 1000 * step + 2, trace[-2]["frames"]))
+    number_compiled_buffers([trace])
+    n = StackNormalizer()
+    n.learn_generated(frames_lists([trace], []))
+    sites = [n.stack(e["frames"]).site for e in trace if e["action"] == "alloc"]
+    assert sites == ["train.py:step <- randn"] + [f"model.py:forward <- compiled buffer {k}" for k in (1, 2, 3)] * 1 \
+        + ["train.py:step <- randn"] + [f"model.py:forward <- compiled buffer {k}" for k in (1, 2, 3)]
+    # a free reads the stack of the allocation it frees
+    assert trace[4]["frames"] is trace[2]["frames"]
+    number_compiled_buffers([trace])  # summarizing the same snapshot again numbers it the same
+    assert [n.stack(e["frames"]).site for e in trace if e["action"] == "alloc"] == sites
+
+
+@pytest.mark.slow
+def test_a_compiled_model_at_two_sequence_lengths_aligns_row_for_row_and_names_no_hash(scenarios, tmp_path):
+    runs = scenarios("gpt-compile", "gpt-compile-seq128")
+    out = tmp_path / "diff.json"
+    done = subprocess.run([sys.executable, "-m", "memdiff", "diff", str(runs["gpt-compile"]),
+                           str(runs["gpt-compile-seq128"]), "--format", "json"], capture_output=True, text=True)
+    assert done.returncode in (0, 1), done.stderr
+    out.write_text(done.stdout)
+    report = json.loads(done.stdout)
+    assert not HASHED.search(json.dumps(report["headline"]))
+    rows = report["devices"][0]["rows"]
+    compiled = [r for r in rows if "compiled buffer" in r["site"]]
+    # Inductor's code for seq 64 and seq 128 lives in two hash-named files; the buffers align.
+    assert len(compiled) >= 5
+    assert {r["status"] for r in compiled} <= {"GREW", "SAME"}
+    # named by the model code that ran them: the forward of the compiled model, or its backward's node
+    ran_by = ("gpt.py:forward <- compiled buffer ", "CompiledFunctionBackward <- compiled buffer ")
+    assert all(r["site"].startswith(ran_by) for r in compiled)
+    for r in rows:
+        assert not HASHED.search(r["site"])
+        assert not any(HASHED.search(f"{f['file']} {f['name']}") for f in r.get("frames") or [])
+    # the model's own facts: its weights are the same in both runs, and read as parameter
+    facts = json.loads(Path(str(runs["gpt-compile"]) + ".facts.json").read_text())
+    categories = report["devices"][0]["categories"]
+    parameter = next(c for c in categories if c["category"] == "parameter")
+    assert parameter["base_bytes"] == parameter["head_bytes"] == facts["parameter_bytes"]
+
+
+def test_cpu_route_fx_graph_code_reads_as_the_model_code_that_ran_it():
+    """aot_eager on memdiff's CPU route: FX code calls each aten op through an OpOverload, which the
+    profiler names without a name, inside FX's own GraphModule."""
+    def stack(key: str, module: str):
+        return [{"filename": "none", "line": 0, "name": "<built-in method  of pybind11_builtins.pybind11_detail_"
+                                                        "function_record_v1 object at 0x55d>"},
+                {"filename": "none", "line": 0, "name": "torch/_ops.py(874): __call__"},
+                {"filename": "none", "line": 0, "name": f"{key}(4): forward"},
+                {"filename": "none", "line": 0, "name": f"nn.Module: {module}"},
+                {"filename": "none", "line": 0, "name": "torch/fx/graph_module.py(488): __call__"},
+                {"filename": "none", "line": 0, "name": "<built-in method apply of FunctionMeta object at 0x5e>"},
+                {"filename": "none", "line": 0, "name": "torch/_dynamo/eval_frame.py(1423): _fn"},
+                {"filename": "none", "line": 0, "name": "model.py(8): forward"},
+                {"filename": "none", "line": 0, "name": "train.py(12): step"}]
+    trace = [profiler_entry("alloc", 1, stack("<eval_with_key>.3", "GraphModule_0")),
+             profiler_entry("alloc", 2, stack("<eval_with_key>.3", "GraphModule_0"))]
+    other = [profiler_entry("alloc", 1, stack("<eval_with_key>.11", "GraphModule_4")),
+             profiler_entry("alloc", 2, stack("<eval_with_key>.11", "GraphModule_4"))]
+    sites = []
+    for t in (trace, other):
+        number_compiled_buffers([t])
+        n = StackNormalizer()
+        n.learn_generated(frames_lists([t], []))
+        sites.append([(n.stack(e["frames"]).site, n.stack(e["frames"]).signature) for e in t])
+    assert [site for site, _ in sites[0]] == [f"model.py:forward <- compiled buffer {k}" for k in (1, 2)]
+    assert sites[0] == sites[1]
