@@ -11,7 +11,7 @@ from __future__ import annotations
 import atexit
 import os
 import re
-from typing import Any, Callable, Dict, List
+from typing import Any, Callable, Dict, List, Tuple
 
 from memdiff.capture import (
     StepWindow,
@@ -45,6 +45,7 @@ class Monitor:
 
     def __init__(self, folder: str, steps: "str | StepWindow", *, rank: int, world_size: int,
                  warn: Callable[[str], None], max_entries: int = 1_000_000, stacks: str = "all") -> None:
+        rank, world_size = job_rank(rank, world_size)
         self.folder, self.rank, self.world_size, self.warn = folder, rank, world_size, warn
         self.window = WindowRecording(os.path.join(folder, f"rank{rank}.pickle"), parse_steps(steps),
                                       max_entries=max_entries, stacks=stacks, warn=self._warn_once,
@@ -133,6 +134,21 @@ class Monitor:
             pass
         self.reset_peaks()
         return figures
+
+
+def job_rank(rank: int, world_size: int) -> Tuple[int, int]:
+    """This process's (rank, world size): torch.distributed's where a process group is up, else the
+    framework's. Under torchrun on CPU the Trainer's arguments can say rank 0 of 1 in every
+    process (accelerate sees no distributed set-up it runs) while torch.distributed has one, and
+    every rank would write rank0.pickle."""
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            return dist.get_rank(), dist.get_world_size()
+    except Exception:
+        pass
+    return rank, world_size
 
 
 def read_peaks(torch: Any) -> Dict[str, float]:
