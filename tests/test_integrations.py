@@ -135,7 +135,7 @@ def check_peaks(rows: Dict[int, Dict[str, float]], weights: int) -> None:
     """Per-interval peaks at steps 2, 4 and 6; the 512 MiB spike of step 0 in the first interval
     only (the peak was reset after it); the window's peak, once, at least the AdamW step's
     parameters, gradients and two moments."""
-    assert sorted(rows) == [2, 4, 6]
+    assert sorted(rows) == [2, 4, 6] and weights > 0
     rss = {step: rows[step]["memory/peak_rss_gib"] for step in rows}
     assert rss[2] - rss[4] > 0.25 and rss[2] - rss[6] > 0.25, rss
     windows = {step: row["memory/window_peak_allocated_gib"] for step, row in rows.items()
@@ -149,14 +149,11 @@ def test_the_trainer_example_records_its_window_and_logs_peaks(torch, tmp_path):
     framework("transformers")
     (tmp_path / "train_hf.py").write_text(example("Hugging Face Trainer"))
     done = run(sys.executable, str(MARKED), "train_hf.py", cwd=tmp_path,
-               env={"MARK_SPIKE_STEP": "0", "TRANSFORMERS_VERBOSITY": "error"})
+               env={"MARK_SPIKE_STEP": "0", "MARK_FACTS": "facts.json", "TRANSFORMERS_VERBOSITY": "error"})
     assert done.returncode == 0, done.stderr[-3000:]
     history = json.loads(done.stdout.strip().splitlines()[-1])
     rows = {row["step"]: row for row in history if "loss" in row}
-    import transformers as hf  # the example's model, for its weights' bytes
-    config = hf.GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=500, n_positions=64)
-    weights = sum(p.numel() * p.element_size() for p in hf.GPT2LMHeadModel(config).parameters())
-    check_peaks(rows, weights)
+    check_peaks(rows, json.loads((tmp_path / "facts.json").read_text())["weight_bytes"])
     folder = tmp_path / "out-hf" / "memdiff"
     check_job(folder, {2, 3})
     gate_against_own_baseline(folder, tmp_path)
@@ -166,12 +163,44 @@ def test_the_trainer_example_records_its_window_and_logs_peaks(torch, tmp_path):
 def test_the_lightning_example_records_its_window_and_logs_peaks(torch, tmp_path):
     framework("lightning")
     (tmp_path / "train_lightning.py").write_text(example("Lightning"))
-    done = run(sys.executable, str(MARKED), "train_lightning.py", cwd=tmp_path, env={"MARK_SPIKE_STEP": "0"})
+    done = run(sys.executable, str(MARKED), "train_lightning.py", cwd=tmp_path,
+               env={"MARK_SPIKE_STEP": "0", "MARK_FACTS": "facts.json"})
     assert done.returncode == 0, done.stderr[-3000:]
     with open(tmp_path / "out-lightning" / "lightning_logs" / "version_0" / "metrics.csv") as f:
         rows = {int(r["step"]): {k: float(v) for k, v in r.items() if v and k != "step"} for r in csv.DictReader(f)}
-    weights = (64 * 256 + 256 + 256 * 10 + 10) * 4  # the example's two Linear layers, float32
-    check_peaks(rows, weights)
+    check_peaks(rows, json.loads((tmp_path / "facts.json").read_text())["weight_bytes"])
     folder = tmp_path / "out-lightning" / "memdiff"
     check_job(folder, {2, 3})
     gate_against_own_baseline(folder, tmp_path)
+
+
+@pytest.mark.slow
+def test_a_failed_dump_is_one_warning_and_training_goes_on(torch, tmp_path):
+    from memdiff.integrations.monitor import Monitor
+
+    (tmp_path / "rank0.pickle").mkdir()  # where the snapshot goes: it cannot be written
+    warnings: List[str] = []
+    monitor = Monitor(str(tmp_path), "1:2", rank=0, world_size=1, warn=warnings.append)
+    model = torch.nn.Linear(8, 8)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    monitor.begin(0)
+    for step in range(1, 4):
+        model(torch.randn(4, 8)).sum().backward()
+        optimizer.step()
+        monitor.step_done(step)
+    monitor.end()
+    assert len(warnings) == 1 and "could not write" in warnings[0] and "training goes on" in warnings[0]
+    manifest = json.loads((tmp_path / "memdiff-job.json").read_text())
+    assert manifest["ranks"][0]["state"] == "failed" and "could not write" in manifest["ranks"][0]["error"]
+
+
+def test_a_folder_that_cannot_be_made_is_one_warning(tmp_path):
+    from memdiff.integrations.monitor import Monitor
+
+    (tmp_path / "taken").write_text("a file where the job folder goes")
+    warnings: List[str] = []
+    monitor = Monitor(str(tmp_path / "taken"), "0:1", rank=0, world_size=1, warn=warnings.append)
+    monitor.begin(0)
+    monitor.step_done(1)
+    monitor.end()
+    assert len(warnings) == 1 and "cannot record into" in warnings[0]

@@ -126,18 +126,23 @@ class _Recording:
         """Record optimizer steps window.start to window.stop only: start once `start` steps have run
         (counted by torch's global optimizer step hook), write once `stop` have."""
         self.unreached = f"the window {window} was not reached: 0 optimizer steps ran"
+        started = []  # the step count recording started at
 
         def on_step(count):
             if self.done or os.getpid() != self.pid:
                 return
-            if self.finish is None and window.start <= count < window.stop:
-                if self.capture.has_cuda(self.torch):
+            if not started and window.start <= count < window.stop:
+                started.append(count)
+                if self.capture.has_cuda(self.torch) and count == 0:
+                    # before the first step: at CUDA's initialization, as without a window
+                    self.torch.cuda._lazy_call(self._start_cuda)
+                elif self.capture.has_cuda(self.torch):
                     self._start_cuda()
                 else:
                     self.finish = self.capture.start_cpu(self.torch)
             elif self.finish is not None and count >= window.stop:
                 self.write(f"steps {window}")
-            if self.finish is None:
+            if not started:
                 self.unreached = f"the window {window} was not reached: {count} optimizer step(s) ran"
 
         def after_step(optimizer, args, kwargs):
