@@ -204,3 +204,21 @@ def test_a_folder_that_cannot_be_made_is_one_warning(tmp_path):
     monitor.step_done(1)
     monitor.end()
     assert len(warnings) == 1 and "cannot record into" in warnings[0]
+
+
+@pytest.mark.slow
+def test_a_block_that_fails_inside_its_window_writes_what_led_to_it(torch, tmp_path):
+    from memdiff.capture import record
+
+    model = torch.nn.Linear(8, 8)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    path = tmp_path / "w.pickle"
+    with pytest.raises(RuntimeError, match="out of memory"):
+        with record(str(path), steps="1:3"):
+            for step in range(3):
+                torch.zeros(MARK + step, dtype=torch.uint8)
+                model(torch.randn(4, 8)).sum().backward()
+                if step == 1:
+                    raise RuntimeError("out of memory (as the training would see it)")
+                optimizer.step()
+    assert marked_steps(path) == [1]
