@@ -222,3 +222,36 @@ def test_a_block_that_fails_inside_its_window_writes_what_led_to_it(torch, tmp_p
                     raise RuntimeError("out of memory (as the training would see it)")
                 optimizer.step()
     assert marked_steps(path) == [1]
+
+
+@pytest.mark.slow
+def test_the_trainer_callback_runs_ahead_of_the_reporting_callbacks():
+    # The Trainer hands each callback's on_log the same dict, reporting integrations (TensorBoard,
+    # W&B) before the callbacks passed in: the peaks reach them only from a callback ahead of them.
+    framework("transformers")
+    from transformers import TrainerCallback, TrainerControl, TrainerState
+    from transformers.trainer_callback import CallbackHandler, DefaultFlowCallback
+
+    from memdiff.integrations.transformers import MemdiffCallback
+
+    class Reporter(TrainerCallback):
+        seen: List[str] = []
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            self.seen.extend(logs)
+
+    class Peaks:
+        def peaks(self) -> Dict[str, float]:
+            return {"memory/peak_allocated_gib": 1.5}
+
+    ours = MemdiffCallback()
+    handler = CallbackHandler([DefaultFlowCallback(), Reporter(), ours], None, None, None, None)
+    state, control = TrainerState(), TrainerControl()
+    handler.on_init_end(None, state, control)
+    assert handler.callbacks[0] is ours
+    ours.monitor = Peaks()
+    state.global_step = 2
+    state.log_history.append({"loss": 1.0, "step": 2})
+    handler.on_log(None, state, control, {"loss": 1.0})
+    assert "memory/peak_allocated_gib" in Reporter.seen
+    assert state.log_history[-1]["memory/peak_allocated_gib"] == 1.5
