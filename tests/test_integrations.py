@@ -255,3 +255,21 @@ def test_the_trainer_callback_runs_ahead_of_the_reporting_callbacks():
     handler.on_log(None, state, control, {"loss": 1.0})
     assert "memory/peak_allocated_gib" in Reporter.seen
     assert state.log_history[-1]["memory/peak_allocated_gib"] == 1.5
+
+
+def test_cuda_peaks_are_read_per_device_used():
+    # No GPU here: torch.cuda's peak counters, as a process on two devices (current: 1) reads them.
+    from types import SimpleNamespace
+
+    from memdiff.integrations.monitor import read_peaks
+
+    allocated, reserved = {0: 3 * GIB, 1: GIB // 2, 2: 0}, {0: 4 * GIB, 1: GIB, 2: 0}
+    cuda = SimpleNamespace(device_count=lambda: 3, is_initialized=lambda: True, current_device=lambda: 1,
+                           max_memory_allocated=allocated.get, max_memory_reserved=reserved.get)
+    assert read_peaks(SimpleNamespace(cuda=cuda)) == {
+        "memory/peak_allocated_gib": 0.5, "memory/peak_reserved_gib": 1.0,
+        "memory/cuda0/peak_allocated_gib": 3.0, "memory/cuda0/peak_reserved_gib": 4.0,
+        "memory/cuda1/peak_allocated_gib": 0.5, "memory/cuda1/peak_reserved_gib": 1.0}
+    reserved[0] = 0  # one device used: its figures under the plain keys only
+    assert read_peaks(SimpleNamespace(cuda=cuda)) == {"memory/peak_allocated_gib": 0.5,
+                                                      "memory/peak_reserved_gib": 1.0}
