@@ -10,8 +10,10 @@ import inspect
 import json
 import os
 import pickle
+import re
 import sys
-from typing import Any, Callable, Dict, Iterator, List, Tuple
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 from memdiff.atomic import write_output, write_stream
 from memdiff.errors import InputError
@@ -264,8 +266,164 @@ def _stack(event: Any, event_type: Any) -> List[Dict[str, Any]]:
             if python(e) or node(e) or (own_ops and i < first and e.name.startswith("aten::"))]
 
 
+def _say(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+@dataclass(frozen=True)
+class StepWindow:
+    """Optimizer steps `start` to `stop` (Python's half-open range, counted from 0): recording starts
+    once `start` optimizer steps have run and stops once `stop` have, so each step recorded is whole
+    (its forward, backward and optimizer step)."""
+
+    start: int
+    stop: int
+
+    def __str__(self) -> str:
+        return f"{self.start}:{self.stop}"
+
+    @property
+    def count(self) -> int:
+        """How many optimizer steps the window holds."""
+        return self.stop - self.start
+
+
+WINDOW = re.compile(r"^\s*(\d*)\s*:\s*(\d+)\s*$")
+# The default window of the training callbacks: after two warm-up steps (the first makes the
+# optimizer's state, the second is the first steady one), two steps, which is what a diff and a
+# gate need to see memory carried from one step to the next.
+DEFAULT_WINDOW = StepWindow(2, 4)
+
+
+def parse_steps(text: "str | StepWindow") -> StepWindow:
+    """`"3:5"` (steps 3 and 4), `":2"` (the first two) or `"3"` (step 3 alone) as a StepWindow;
+    ValueError naming the text otherwise."""
+    if isinstance(text, StepWindow):
+        return text
+    text = str(text)
+    found = WINDOW.match(text)
+    if found is None and text.strip().isdigit():
+        return StepWindow(int(text), int(text) + 1)
+    if found is None:
+        raise ValueError(f"steps must read START:STOP (optimizer steps counted from 0, STOP not included, "
+                         f"such as 3:5), not {text[:40]!r}")
+    start, stop = int(found.group(1) or 0), int(found.group(2))
+    if stop <= start:
+        raise ValueError(f"steps {text.strip()} holds no step: STOP must be past START (3:5 records steps 3 and 4)")
+    return StepWindow(start, stop)
+
+
+class WindowRecording:
+    """One process's recording of a window of optimizer steps, driven by the count of steps done.
+
+    `steps_done(n)` is called after each optimizer step with how many have run: the recording
+    starts when `n` reaches the window's start and is written when it reaches its stop. `close()`
+    writes a window cut short (the training ended or failed inside it). It never raises: a
+    recording that cannot start or be written is one warning (`warn`), and training goes on.
+    """
+
+    def __init__(self, path: str, window: StepWindow, *, max_entries: int = 1_000_000, stacks: str = "all",
+                 warn: Optional[Callable[[str], None]] = None,
+                 on_written: Optional[Callable[[str, str], None]] = None) -> None:
+        self.path, self.window = path, window
+        self.max_entries, self.stacks = max_entries, stacks
+        self.warn = warn or _say
+        self.on_written = on_written  # (path, why) once the snapshot is on disk
+        self.finish: Optional[Callable[[], Any]] = None
+        self.steps = 0  # optimizer steps seen so far
+        self.state = "waiting"  # waiting -> recording -> written | nothing | failed
+        self.why: Optional[str] = None  # what ended it (steps 3:5, out of memory, training ended), or what failed
+
+    def steps_done(self, count: int) -> None:
+        """After an optimizer step: `count` steps have run in all."""
+        self.steps = count
+        if self.state == "waiting" and self.window.start <= count < self.window.stop:
+            self._start()
+        elif self.state == "recording" and count >= self.window.stop:
+            self.write(f"steps {self.window}")
+
+    def begin(self) -> None:
+        """Before the first step: a window that starts at 0 starts now."""
+        self.steps_done(self.steps)
+
+    def _start(self) -> None:
+        try:
+            torch = torch_module()
+            if has_cuda(torch):
+                self.finish = start_cuda(torch, self.max_entries, self.stacks)
+                observer = getattr(torch._C, "_cuda_attach_out_of_memory_observer", None)
+                if observer is not None:  # an OOM ends the job: write what led to it first
+                    observer(lambda *_: self.write("out of memory"))
+            else:
+                self.finish = start_cpu(torch)
+        except Exception as exc:
+            self._fail(f"could not start recording steps {self.window}: {type(exc).__name__}: {exc}")
+            return
+        self.state = "recording"
+
+    def write(self, why: str) -> Optional[str]:
+        """Stop recording and write the snapshot now (later calls do nothing); its path, or None."""
+        if self.state != "recording" or self.finish is None:
+            return None
+        finish, self.finish = self.finish, None
+        self.state = "writing"
+        try:
+            snapshot = finish()
+            if recorded_nothing(snapshot):
+                self.state, self.why = "nothing", why
+                return None
+            dump(snapshot, self.path)
+        except Exception as exc:
+            self._fail(f"could not write {self.path}: {type(exc).__name__}: {exc}")
+            return None
+        self.state, self.why = "written", why
+        if self.on_written is not None:
+            self.on_written(self.path, why)
+        return self.path
+
+    def close(self, why: str) -> Optional[str]:
+        """At the end of training: write a window cut short, or say that it was never reached."""
+        if self.state == "recording":
+            self.warn(f"memdiff: training ended after {self.steps} optimizer step(s), inside the window "
+                      f"{self.window}: {self.path} holds the steps up to the end")
+            return self.write(why)
+        if self.state == "waiting":
+            self.state, self.why = "nothing", (f"the window {self.window} was not reached: training ran "
+                                               f"{self.steps} optimizer step(s)")
+            self.warn(f"memdiff: {self.why}; nothing recorded")
+        return None
+
+    def _fail(self, message: str) -> None:
+        self.state, self.why = "failed", message[:500]
+        self.warn(f"memdiff: {self.why} (training goes on)")
+
+
 @contextlib.contextmanager
-def record(path: str, *, max_entries: int = 1_000_000, stacks: str = "all") -> Iterator[None]:
+def count_optimizer_steps(on_step: Callable[[int], None]) -> Iterator[None]:
+    """Call `on_step(n)` after every optimizer step in this process (any `torch.optim.Optimizer`,
+    through torch's global step hook: no change to the training code), `n` the steps so far."""
+    torch = torch_module()
+    import torch.optim.optimizer as optimizers
+
+    register = getattr(optimizers, "register_optimizer_step_post_hook", None)
+    if register is None:
+        raise CaptureError("torch", f"torch {torch.__version__} has no global optimizer step hook "
+                                    f"(torch.optim.optimizer.register_optimizer_step_post_hook, torch 2.0+)")
+    count = [0]
+
+    def after_step(*_: Any) -> None:
+        count[0] += 1
+        on_step(count[0])
+    handle = register(after_step)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+@contextlib.contextmanager
+def record(path: str, *, max_entries: int = 1_000_000, stacks: str = "all",
+           steps: "str | StepWindow | None" = None) -> Iterator[None]:
     """Record every allocation made inside the block and write the snapshot to `path`.
 
     With CUDA: the caching allocator's history (`max_entries` is its ring buffer), with
@@ -273,10 +431,24 @@ def record(path: str, *, max_entries: int = 1_000_000, stacks: str = "all") -> I
     default) keeps C++ frames, which name autograd nodes (`AddmmBackward0`, `AccumulateGrad`);
     `stacks="python"` is the fallback when the C++ unwinder crashes. Without CUDA: the
     profiler's memory events, converted to the same format, each carrying PyTorch's own category.
+
+    `steps="3:5"` records only those optimizer steps of the block (StepWindow): recording starts
+    once 3 `optimizer.step()` calls have returned and the file is written once 5 have. A block
+    that ends inside the window writes what was recorded; one that ends before it writes nothing
+    and warns.
     """
     if stacks not in STACKS:
         raise ValueError(f"stacks must be one of {STACKS}, not {stacks!r}")
     torch = torch_module()
+    if steps is not None:
+        window = WindowRecording(path, parse_steps(steps), max_entries=max_entries, stacks=stacks)
+        with count_optimizer_steps(window.steps_done):
+            window.begin()
+            try:
+                yield
+            finally:
+                window.close("the block ended")
+        return
     finish = start_cuda(torch, max_entries, stacks) if has_cuda(torch) else start_cpu(torch)
     try:
         yield

@@ -45,7 +45,7 @@ class RankRecording:
         if self.state == FAILED:
             return f"its snapshot could not be written: {self.error}"
         if self.state == NOTHING:
-            return "it recorded no allocation"
+            return self.error or "it recorded no allocation"  # a window of steps it never reached
         if self.state == UNFINISHED:
             return ("it ended without writing its snapshot (SIGKILL, os._exit(), or a crash in native code "
                     "end a process before it can)")
@@ -93,9 +93,10 @@ def _count(value: Any) -> Optional[int]:
     return value if isinstance(value, int) and not isinstance(value, bool) and 0 < value <= MAX_WORLD_SIZE else None
 
 
-def collect(folder: str) -> Optional[JobManifest]:
-    """Gather the ranks' status files into a manifest (and remove them); None when no rank left one
-    (a process without RANK, or a launcher that never started Python)."""
+def collect(folder: str, keep: bool = False) -> Optional[JobManifest]:
+    """Gather the ranks' status files into a manifest (and remove them, unless `keep`: the training
+    callbacks, where each rank rewrites the manifest as it finishes); None when no rank left one (a
+    process without RANK, or a launcher that never started Python)."""
     statuses: Dict[int, Dict[str, Any]] = {}
     for name in os.listdir(folder):
         found = STATUS.match(name)
@@ -103,7 +104,8 @@ def collect(folder: str) -> Optional[JobManifest]:
             path = os.path.join(folder, name)
             statuses[int(found.group(1))] = (_read_status(path)
                                              or {"state": FAILED, "error": "its status file was unreadable"})
-            os.unlink(path)
+            if not keep:
+                os.unlink(path)
     if not statuses:
         return None
     sizes = [s for s in (_count(d.get("world_size")) for d in statuses.values()) if s is not None]

@@ -18,7 +18,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import memdiff
 from memdiff.atomic import check_folder, check_output, commit, temporary_name
-from memdiff.capture import STACKS, record, recorded_nothing
+from memdiff.capture import STACKS, StepWindow, parse_steps, record, recorded_nothing
 from memdiff.commands.args import count_arg
 from memdiff.errors import EXIT_BAD_INPUT, InputError
 from memdiff.job import MAX_RANKS, rank_of, rank_patterns
@@ -48,9 +48,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stacks", choices=STACKS, default="all",
                    help="CUDA stacks: all (the default: C++ frames name autograd nodes) or python "
                         "(when the C++ unwinder crashes)")
+    p.add_argument("--steps", type=steps_arg, metavar="START:STOP",
+                   help="record only these optimizer steps, counted from 0 with STOP left out (3:5: the 4th and "
+                        "5th optimizer.step() and the forward and backward before each): recording starts once "
+                        "START steps have run and the file is written once STOP have, so a long job gives a small "
+                        "file. Steps are counted by torch's global optimizer step hook, in every process with -o DIR/")
     p.add_argument("command", nargs=argparse.REMAINDER,
                    help="-- python SCRIPT ARGS | -- python -m MODULE ARGS "
                         "| with -o DIR/, any launcher: -- torchrun ...")
+
+
+def steps_arg(text: str) -> StepWindow:
+    """argparse type for a window of optimizer steps."""
+    try:
+        return parse_steps(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _target(command: List[str]) -> List[str]:
@@ -203,7 +216,7 @@ def _run_launcher(args: argparse.Namespace) -> int:
     before = {n: os.stat(os.path.join(folder, n)).st_mtime_ns for n in os.listdir(folder)}
     hook = str(resources.files("memdiff").joinpath("rank_hook"))
     env = dict(os.environ, MEMDIFF_RECORD_DIR=folder, MEMDIFF_RECORD_MAX_ENTRIES=str(args.max_entries),
-               MEMDIFF_RECORD_STACKS=args.stacks,
+               MEMDIFF_RECORD_STACKS=args.stacks, MEMDIFF_RECORD_STEPS=str(args.steps or ""),
                MEMDIFF_PACKAGE_PARENT=os.path.dirname(os.path.dirname(os.path.abspath(memdiff.__file__))),
                PYTHONPATH=os.pathsep.join(p for p in (hook, os.environ.get("PYTHONPATH")) if p))
     env.pop("MEMDIFF_RECORD_RANK_PID", None)  # set by each rank for its own children, never inherited from us
@@ -233,11 +246,14 @@ def run(args: argparse.Namespace) -> int:
     partial = temporary_name(args.output)
     try:
         interrupted = False
-        with record(partial, max_entries=args.max_entries, stacks=args.stacks):
+        with record(partial, max_entries=args.max_entries, stacks=args.stacks, steps=args.steps):
             try:
                 status = _run_target(target)
             except KeyboardInterrupt:  # Ctrl-C ends the script, not the recording: what it did is kept
                 interrupted, status = True, 130
+        if not os.path.exists(partial):  # a window of steps the script never reached (it said so)
+            print(f"memdiff: nothing written to {args.output}", file=sys.stderr)
+            return status or EXIT_BAD_INPUT
         if os.path.exists(args.output) and recorded_nothing(decode(partial)[0]):
             print(f"memdiff: the run recorded no allocation; kept the existing {args.output}", file=sys.stderr)
             return status
@@ -245,7 +261,7 @@ def run(args: argparse.Namespace) -> int:
     finally:
         if os.path.exists(partial):
             os.unlink(partial)
-    notes = [format_bytes(os.path.getsize(args.output))]
+    notes = [format_bytes(os.path.getsize(args.output))] + ([f"optimizer steps {args.steps}"] if args.steps else [])
     if status:  # so that a script's own exit 3 does not read as a memdiff bug
         notes.append("interrupted" if interrupted else f"the script exited {status}")
     print(f"memdiff: wrote {args.output} ({'; '.join(notes)}); read it with `memdiff peak {args.output}`",

@@ -61,6 +61,8 @@ class _Recording:
         name = f"rank{self.rank}.pickle" if self.rank is not None else f"pid{self.pid}.pickle"
         self.target = os.path.join(folder, name)
         self.finish = None
+        self.steps = 0  # optimizer steps run, counted with MEMDIFF_RECORD_STEPS
+        self.unreached = None  # why a window of steps recorded nothing
         self.done = False
         self.writing = False  # a SIGTERM arriving now waits for the write, then ends the process
         self.terminated = False
@@ -78,8 +80,11 @@ class _Recording:
             return
         self.done = True
         finish, self.finish = self.finish, None
-        if finish is None:  # on a GPU machine, a process that never initialized CUDA
-            self.status("nothing recorded", at=why)
+        if finish is None:  # on a GPU machine, a process that never initialized CUDA; a window not reached
+            if self.unreached is not None:
+                self.status("nothing recorded", at=why, error=self.unreached)
+            else:
+                self.status("nothing recorded", at=why)
             return
         self.writing = True
         try:
@@ -104,7 +109,10 @@ class _Recording:
     def start(self):
         torch, capture = self.torch, self.capture
         self.status("recording")
-        if capture.has_cuda(torch):
+        steps = os.environ.get("MEMDIFF_RECORD_STEPS")
+        if steps:
+            self._count_steps(capture.parse_steps(steps))
+        elif capture.has_cuda(torch):
             # At CUDA's lazy initialization, not now: starting it here would make a context on
             # device 0 in every rank before the script picks its own.
             torch.cuda._lazy_call(self._start_cuda)
@@ -113,6 +121,42 @@ class _Recording:
         self._stop_before_teardown()
         self._write_on_sigterm()
         atexit.register(self.write, "exit")
+
+    def _count_steps(self, window):
+        """Record optimizer steps window.start to window.stop only: start once `start` steps have run
+        (counted by torch's global optimizer step hook), write once `stop` have."""
+        self.unreached = f"the window {window} was not reached: 0 optimizer steps ran"
+        started = []  # the step count recording started at
+
+        def on_step(count):
+            if self.done or os.getpid() != self.pid:
+                return
+            if not started and window.start <= count < window.stop:
+                started.append(count)
+                if self.capture.has_cuda(self.torch) and count == 0:
+                    # before the first step: at CUDA's initialization, as without a window
+                    self.torch.cuda._lazy_call(self._start_cuda)
+                elif self.capture.has_cuda(self.torch):
+                    self._start_cuda()
+                else:
+                    self.finish = self.capture.start_cpu(self.torch)
+            elif self.finish is not None and count >= window.stop:
+                self.write(f"steps {window}")
+            if not started:
+                self.unreached = f"the window {window} was not reached: {count} optimizer step(s) ran"
+
+        def after_step(optimizer, args, kwargs):
+            self.steps += 1
+            try:
+                on_step(self.steps)
+            except Exception as exc:  # the training goes on without a recording
+                _say(f"not recording process {self.pid}: {type(exc).__name__}: {exc}")
+                self.done = True
+                self.status("failed", at=f"step {self.steps}", error=f"{type(exc).__name__}: {exc}"[:500])
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+
+        register_optimizer_step_post_hook(after_step)
+        on_step(0)
 
     def _start_cuda(self):
         self.finish = self.capture.start_cuda(self.torch, int(os.environ.get("MEMDIFF_RECORD_MAX_ENTRIES", "1000000")),
