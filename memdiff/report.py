@@ -11,7 +11,7 @@ renderers lay it out and compute nothing.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from memdiff import __version__
 from memdiff.differ import (
@@ -35,7 +35,7 @@ from memdiff.inert import scrubbed, text
 from memdiff.job import ranges, ranks_text
 from memdiff.judge import Check, Runs, Verdict, growth_pct, judge, judge_ranks
 from memdiff.limits import DEFAULT_PEAK, Thresholds
-from memdiff.model import Frame, Source, Summary
+from memdiff.model import Frame, Source, Spread, Summary
 from memdiff.units import count_of, format_bytes
 
 DEFAULT_TOP = 20
@@ -154,6 +154,15 @@ class DeviceReport:
     others: Optional[List[str]]  # the folded rest's cells
     total: List[str]
     like_for_like: Optional["DeviceReport"] = None  # the same device at one phase's peak in both runs (_moved_phase)
+    noise: Optional[str] = None  # where the peak's change falls in a baseline's measured spread over repeats
+    noise_within: Optional[str] = None  # `within the spread of 3 runs (...)`, for the headline, when it is
+    reserved: Optional[str] = None  # the caching allocator's reserved peak and fragmentation, and why it moved
+
+    @property
+    def lines(self) -> List[str]:
+        """The device's sentences under its heading, in order: where the peaks are, kept memory,
+        measured noise, reserved memory."""
+        return [line for line in (self.where, self.kept, self.noise, self.reserved) if line]
 
 
 @dataclass
@@ -287,6 +296,7 @@ class Settings:
     run: Optional[str] = None
     baseline: Optional[str] = None
     missing_ranks_fail: bool = False  # a rank only base has fails (a gate: a rank that crashed)
+    spreads: Dict[int, Spread] = field(default_factory=dict)  # a baseline made from repeats: per device
     unbaselined_ranks_fail: bool = False  # a rank only head has fails (a gate with --require-baseline)
 
 
@@ -310,8 +320,8 @@ def compare(base: Sequence[Run], head: Sequence[Run], settings: Optional[Setting
     results = []
     for rank in common:
         result = diff(b[rank], h[rank], at=s.at)
-        verdict = (judge(result, s.thresholds, s.update_hint, Runs(b[rank], h[rank])) if s.thresholds is not None
-                   else None)
+        verdict = (judge(result, s.thresholds, s.update_hint, Runs(b[rank], h[rank]),
+                         s.spreads if rank is None else None) if s.thresholds is not None else None)
         results.append(RankResult(rank, result, verdict, b[rank], h[rank]))
     if not is_job:
         return _report(s, results[0].verdict, results, None)
@@ -351,7 +361,12 @@ def _report(s: Settings, verdict: Optional[Verdict], results: List[RankResult], 
     shown = next(r for r in results if job is None or r.rank == job.worst_rank)
     devices = []
     for d in shown.diff.devices:
-        devices.append(device_report(d, s.top, s.min_delta, _like_for_like(d, shown.base, shown.head)))
+        r = device_report(d, s.top, s.min_delta, _like_for_like(d, shown.base, shown.head))
+        spread = s.spreads.get(d.device) if job is None and d.at == PEAK else None
+        if spread is not None:
+            r.noise, r.noise_within = _noise(d, spread, s.thresholds)
+        r.reserved = _reserved(d, s.thresholds is not None and s.thresholds.reserved is not None)
+        devices.append(r)
     warnings = list(shown.diff.warnings)
     if job is not None:
         warnings = ([f"{ranks_text(job.only_base)} only in base, not compared"] if job.only_base else []) + \
@@ -370,6 +385,63 @@ def _report(s: Settings, verdict: Optional[Verdict], results: List[RankResult], 
                          or _shown(n, job)],
                   results=results, top=s.top, min_delta=s.min_delta, job=job, run=s.run, baseline=s.baseline),
                     skip=ANALYSIS_FIELDS)
+
+
+def _span(base: int, low: int, high: int) -> str:
+    """`-0.2% to +0.6%` of `base`."""
+    return f"{100 * (low - base) / base:+.1f}% to {100 * (high - base) / base:+.1f}%"
+
+
+def _noise(d: DeviceDiff, spread: Spread, thresholds: Optional[Thresholds]) -> Tuple[str, Optional[str]]:
+    """(where the peak's change falls in the baseline's spread over repeats, in words; the
+    headline's words when it is inside it, else None)."""
+    base, head, n = d.base_peak_bytes, d.head_peak_bytes, spread.runs
+    lo, hi = spread.peak.min, spread.peak.max
+    if lo == hi:
+        return (f"measured noise: the baseline's {n} runs had one peak, {format_bytes(hi)}: no spread to allow, "
+                f"the default rule applies"), None
+    if not base:
+        return f"measured noise: the baseline's {n} runs peaked at {format_bytes(lo)} to {format_bytes(hi)}", None
+    change = f"peak {pct_cell(base, head) or '+0.0%'}"
+    span = f"the spread of {n} runs, {_span(base, lo, hi)} ({format_bytes(lo)} to {format_bytes(hi)})"
+    margin = thresholds.margin_text() if thresholds is not None else None
+    if lo <= head <= hi:
+        return f"measured noise: {change}: within {span}", f"within the spread of {n} runs, {_span(base, lo, hi)}"
+    if head < lo:
+        return f"measured noise: {change}: below {span}", None
+    allowed = hi + (thresholds.margin_bytes(base) if thresholds is not None else 0)
+    if margin is not None and head <= allowed:
+        return f"measured noise: {change}: above {span}, within the margin of {margin}", None
+    return f"measured noise: {change}: beyond {span}" + (f" and its margin of {margin}" if margin else ""), None
+
+
+MOVED_PCT = 1  # a figure moved when it changed by more than this percent of the base's
+
+
+def _moved(base: int, head: int) -> bool:
+    return abs(head - base) * 100 > MOVED_PCT * base
+
+
+def _reserved(d: DeviceDiff, gated: bool) -> Optional[str]:
+    """The reserved peak and fragmentation of both runs, and why reserved moved when allocated did
+    not; None when a run has no allocator segments (CPU captures, older baselines)."""
+    rb, rh = d.base_reserved_peak_bytes, d.head_reserved_peak_bytes
+    if rb is None or rh is None:
+        return None
+    fb, fh = d.base_fragmentation_bytes, d.head_fragmentation_bytes
+    frag = (f"; fragmentation at the peak (reserved minus allocated) {format_bytes(fb)} -> {format_bytes(fh)}"
+            if fb is not None and fh is not None else "")
+    text = (f"reserved by the caching allocator: peak {format_bytes(rb)} -> {format_bytes(rh)} "
+            f"({change_text(rb, rh) if rh != rb else 'unchanged'}){frag}")
+    if _moved(rb, rh) and not _moved(d.base_peak_bytes, d.head_peak_bytes):
+        allocated = ("is unchanged" if d.peak_delta_bytes == 0
+                     else f"moved {format_bytes(d.peak_delta_bytes, signed=True)}, within {MOVED_PCT}%")
+        text += (f". Reserved moved while the allocated peak {allocated}: the tensors need the same memory, and "
+                 f"the allocator caches {'more' if rh > rb else 'fewer'} blocks no tensor holds (its pool's history: "
+                 f"the order of allocations and frees, block sizes, streams). "
+                 + ("The reserved limit judges it." if gated else
+                    "The gate judges allocated memory; --reserved-fail-over gates reserved memory too."))
+    return text
 
 
 def _shown(text: str, job: Optional[JobPart]) -> bool:
@@ -605,6 +677,7 @@ def _device_headline(r: DeviceReport) -> str:
         text = f"{moment} unchanged at {format_bytes(d.head_peak_bytes)}"
     else:
         text = f"{moment} {change_text(d.base_peak_bytes, d.head_peak_bytes)}"
+        text += f" ({r.noise_within})" if r.noise_within else ""
     moved = d.at == PEAK and d.base_peak_phase and d.head_peak_phase and d.base_peak_phase != d.head_peak_phase
     if moved:
         text += (f", now in {where_text(d.head_peak_phase, None)} "

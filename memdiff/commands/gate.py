@@ -15,6 +15,7 @@ from memdiff.commands.args import (
     add_github_arguments,
     add_html_argument,
     add_job_arguments,
+    add_noise_arguments,
     add_phase_threshold_argument,
     add_report_arguments,
     add_rules_arguments,
@@ -53,6 +54,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_threshold_arguments(p)
     add_category_threshold_argument(p)
     add_phase_threshold_argument(p)
+    add_noise_arguments(p)
     add_rules_arguments(p)
     add_github_arguments(p)
     add_job_arguments(p)
@@ -104,7 +106,7 @@ def _gate(args: argparse.Namespace, snap: str, path: str, baseline: Baseline, ru
     settings = Settings(thresholds=thresholds, top=args.top, min_delta=args.min_delta,
                         update_hint=baseline_command(snap, path), base_label=baseline.label(),
                         run=snap, baseline=path, missing_ranks_fail=not args.allow_missing_ranks,
-                        unbaselined_ranks_fail=args.require_baseline)
+                        unbaselined_ranks_fail=args.require_baseline, spreads=baseline.spreads())
     if not is_job(snap):
         base, head = comparable_pair(path, baseline, read_summary(snap, rules, history=history))
         return compare([Run(base)], [Run(head)], settings)

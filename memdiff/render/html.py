@@ -164,7 +164,7 @@ def render_diff(report: Report) -> str:
     head_devices = {d.device: d for d in shown.head.devices}
     for d in report.devices:
         body.append(f"<h2>{html.escape(d.heading)}</h2>")
-        body += [f"<p>{html.escape(line)}</p>" for line in (d.where, d.kept) if line]
+        body += [f"<p>{html.escape(line)}</p>" for line in d.lines]
         body += _like_for_like(d)
         body.append(_charts(d.device))
         if d.phases is not None:

@@ -75,7 +75,7 @@ def _chart(d: DeviceReport) -> List[str]:
 
 def _device(d: DeviceReport, o: Options) -> List[str]:
     lines = ["", f"#### {md_text(d.heading)}"]
-    lines += ["", *(md_text(line) for line in (d.where, d.kept) if line)]
+    lines += ["", *(md_text(line) for line in d.lines)]
     for t in (d.phases, d.categories):
         if t is not None:
             lines += ["", layout(t, "github", escape=md_cell)]

@@ -52,6 +52,8 @@ def _device_block(p: DevicePeak) -> List[str]:
     facts.append(("at dump", format_bytes(d.allocated_bytes_at_dump),
                   "allocated" + (f", {format_bytes(d.reserved_bytes_at_dump)} reserved by the caching allocator"
                                  if d.reserved_bytes_at_dump is not None else " (no caching allocator: CPU capture)")))
+    if p.reserved:
+        facts.append(("reserved", "", p.reserved))
     facts.append(("trace", f"{d.trace_events:,}", "events"))
     out.append(tabulate(facts, tablefmt="plain", colalign=("left", "right", "left")))
     if d.unmatched_free_count:
@@ -132,7 +134,7 @@ def render_stacks(report: Report) -> str:
 
 def _device(d: DeviceReport) -> List[str]:
     lines = ["", d.heading]
-    lines += [line for line in (d.where, d.kept) if line]
+    lines += d.lines
     for t in (d.phases, d.categories):
         if t is not None:
             lines += ["", layout(t, "simple")]
