@@ -431,8 +431,8 @@ def _reserved(d: DeviceDiff, gated: bool) -> Optional[str]:
     fb, fh = d.base_fragmentation_bytes, d.head_fragmentation_bytes
     frag = (f"; fragmentation at the peak (reserved minus allocated) {format_bytes(fb)} -> {format_bytes(fh)}"
             if fb is not None and fh is not None else "")
-    text = (f"reserved by the caching allocator: peak {format_bytes(rb)} -> {format_bytes(rh)} "
-            f"({change_text(rb, rh) if rh != rb else 'unchanged'}){frag}")
+    text = (f"reserved by the caching allocator: peak {format_bytes(rb)} -> {format_bytes(rh)}, "
+            f"{change_text(rb, rh) if rh != rb else 'unchanged'}{frag}")
     if _moved(rb, rh) and not _moved(d.base_peak_bytes, d.head_peak_bytes):
         allocated = ("is unchanged" if d.peak_delta_bytes == 0
                      else f"moved {format_bytes(d.peak_delta_bytes, signed=True)}, within {MOVED_PCT}%")
