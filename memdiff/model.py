@@ -208,6 +208,43 @@ class Spread:
                    {k: rng(v) for k, v in data.get("categories", {}).items()})
 
 
+@dataclass
+class TrendDevice:
+    """One device of a main-branch run as a history keeps it: the peak and what held it."""
+
+    device: int
+    peak_bytes: int
+    categories: Dict[str, int] = field(default_factory=dict)  # bytes at the peak
+    reserved_peak_bytes: Optional[int] = None
+
+
+@dataclass
+class TrendEntry:
+    """One line of a history file (`memdiff history append`): a workload's run at one commit."""
+
+    commit: str
+    date: str  # UTC, ISO 8601
+    workload: str
+    devices: List[TrendDevice]
+    tool: str = ""
+    schema_version: int = 1
+
+    def to_dict(self) -> Dict[str, Any]:
+        """The JSON form of one line, keys in a stable order."""
+        data = asdict(self)
+        for d in data["devices"]:
+            if d["reserved_peak_bytes"] is None:
+                del d["reserved_peak_bytes"]
+        return {"schema_version": data.pop("schema_version"), "tool": data.pop("tool"), **data}
+
+    @classmethod
+    def from_dict(cls, data: Dict[str, Any]) -> "TrendEntry":
+        """From one line's JSON form (schema-checked)."""
+        return cls(commit=data["commit"], date=data["date"], workload=data["workload"],
+                   devices=[TrendDevice(**_known(TrendDevice, d)) for d in data["devices"]],
+                   tool=data.get("tool", ""), schema_version=data["schema_version"])
+
+
 def largest_first(totals: Dict[str, int]) -> Dict[str, int]:
     """Bytes by name, largest first (ties by name), the order summaries keep."""
     return dict(sorted(totals.items(), key=lambda kv: (-kv[1], kv[0])))

@@ -10,10 +10,11 @@ renderers lay it out and compute nothing.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from memdiff import __version__
+from memdiff.baseline import stem
 from memdiff.differ import (
     BY_SITE,
     BY_SIZE,
@@ -30,12 +31,13 @@ from memdiff.differ import (
     diff,
     where_text,
 )
-from memdiff.errors import InputError
+from memdiff.errors import InputError, clip
 from memdiff.inert import scrubbed, text
 from memdiff.job import ranges, ranks_text
 from memdiff.judge import Check, Runs, Verdict, growth_pct, judge, judge_ranks
 from memdiff.limits import DEFAULT_PEAK, Thresholds
-from memdiff.model import Frame, Source, Spread, Summary
+from memdiff.model import Frame, Source, Spread, Summary, TrendEntry
+from memdiff.trend import DEFAULT_POINTS, Trend, trend_of, workloads
 from memdiff.units import count_of, format_bytes
 
 DEFAULT_TOP = 20
@@ -223,6 +225,10 @@ class Report:
     job: Optional[JobPart] = None
     run: Optional[str] = None  # what was gated and against which baseline, for the gate's documents
     baseline: Optional[str] = None
+    # With a history (--history): each device's last peaks on the main branch and this run's point;
+    # `trend_note` says why there is none (the history has no line of this workload).
+    trends: Optional[List[Trend]] = None
+    trend_note: Optional[str] = None
 
     @property
     def passed(self) -> Optional[bool]:
@@ -263,6 +269,9 @@ class Report:
         judged = self.verdict.to_dict() if self.verdict else {}
         head: Dict[str, Any] = {**named, "schema_version": DIFF_SCHEMA_VERSION, "tool": f"memdiff {__version__}",
                                 **judged, "headline": self.headline}
+        if self.trends is not None:
+            head["trends"] = [{"workload": t.workload, "device": t.device, "head_bytes": t.head_bytes,
+                               "text": t.text, "points": [asdict(p) for p in t.points]} for t in self.trends]
         if self.job is None:
             return {**head, **self.diff.to_dict()}
         head["schema_version"] = RANKS_SCHEMA_VERSION
@@ -297,6 +306,10 @@ class Settings:
     baseline: Optional[str] = None
     missing_ranks_fail: bool = False  # a rank only base has fails (a gate: a rank that crashed)
     spreads: Dict[int, Spread] = field(default_factory=dict)  # a baseline made from repeats: per device
+    history: Optional[List[TrendEntry]] = None  # main-branch history (--history): the report shows a trend
+    workload: Optional[str] = None  # the workload's name in the history (the gate: the baseline's name)
+    trend_points: int = DEFAULT_POINTS
+    trend_label: Optional[str] = None  # what names this run's point in a trend (default: `this run`)
     unbaselined_ranks_fail: bool = False  # a rank only head has fails (a gate with --require-baseline)
 
 
@@ -375,8 +388,9 @@ def _report(s: Settings, verdict: Optional[Verdict], results: List[RankResult], 
     headline = _headline(devices)
     if job is not None:
         headline = f"rank {job.worst_rank} (of {len(results):,}): {headline}"
+    trends, trend_note = _trends(s, shown.diff, job)
     # Names from snapshots and baselines are made one line each here, once for every output.
-    return scrubbed(Report(verdict=verdict, headline=headline,
+    return scrubbed(Report(verdict=verdict, headline=headline, trends=trends, trend_note=trend_note,
                   inputs=[_input("base", shown.diff.base), _input("head", shown.diff.head)],
                   base_label=s.base_label, head_label=s.head_label, warnings=warnings, devices=devices,
                   check_lines=[CheckLine(c.passed, check_line(c)) for c in (verdict.checks if verdict else [])
@@ -385,6 +399,23 @@ def _report(s: Settings, verdict: Optional[Verdict], results: List[RankResult], 
                          or _shown(n, job)],
                   results=results, top=s.top, min_delta=s.min_delta, job=job, run=s.run, baseline=s.baseline),
                     skip=ANALYSIS_FIELDS)
+
+
+def _trends(s: Settings, d: Diff, job: Optional[JobPart]) -> Tuple[Optional[List[Trend]], Optional[str]]:
+    """Each device's main-branch trend with this run's peak after it, and why there is none when
+    the history was given and holds no line of the workload."""
+    if s.history is None:
+        return None, None
+    workload = s.workload or stem(d.head.file)
+    trends = [t for t in (trend_of(s.history, workload, x.device, x.head_peak_bytes, s.trend_label, s.trend_points)
+                          for x in d.devices) if t is not None]
+    if trends:
+        return trends, (f"the history follows one run per commit, not a job: the trend is rank {job.worst_rank}'s"
+                        if job is not None else None)
+    known = workloads(s.history)
+    return [], (f"the history has no peak of {workload!r} on main yet"
+                + (f" (it holds {clip(', '.join(known))})" if known else " (it is empty)")
+                + ": `memdiff history append` on each push to main adds them")
 
 
 def _span(base: int, low: int, high: int) -> str:

@@ -142,6 +142,13 @@ def _device(d: DeviceReport) -> List[str]:
     return lines
 
 
+def _trends(report: Report) -> List[str]:
+    """The main-branch trend of each device (--history): the sparkline, this run's block after it."""
+    lines = [f"trend on main: {t.sparkline} > {t.head_block}  {t.text}" for t in report.trends or []]
+    lines += [f"trend on main: {report.trend_note}"] if report.trend_note else []
+    return ["", *lines] if lines else []
+
+
 def render_diff(report: Report) -> str:
     """What `memdiff BASE HEAD` prints: the verdict and headline, the inputs, warnings, per device
     the phase, category and row tables, then the rule and each check; a job's ranks first."""
@@ -154,6 +161,7 @@ def render_diff(report: Report) -> str:
     lines += [f"warning: {w}" for w in report.warnings]
     for d in report.devices:
         lines += _device(d)
+    lines += _trends(report)
     lines += ["", f"rule: {report.rule}"] if report.rule else []
     lines += [c.text for c in report.check_lines]
     lines += report.notes
