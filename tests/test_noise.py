@@ -211,3 +211,27 @@ def test_reserved_on_a_real_cuda_run():
     made_after = sum(e["size"] for e in raw["device_traces"][0][d.peak_event_index + 1:]
                      if e["action"] == "segment_alloc")
     assert d.fragmentation_bytes == d.reserved_peak_bytes - made_after - d.peak_bytes
+
+
+@pytest.mark.slow  # three child processes that import torch
+def test_record_repeat_makes_repeats_a_baseline_reads(torch, tmp_path, capsys):
+    """A script whose memory depends on its data: each run reads how many it follows from a file."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "loop.py"
+    script.write_text("import pathlib, torch\nf = pathlib.Path('runs.txt')\nk = int(f.read_text()) if f.exists() else 0\n"
+                      "f.write_text(str(k + 1))\nkeep = torch.zeros(4096 * (k + 1))\n")
+    done = subprocess.run([sys.executable, "-m", "memdiff", "record", "-o", "runs/loop.pickle", "--repeat", "3", "--",
+                           "python", str(script)], capture_output=True, text=True, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    paths = [tmp_path / "runs" / f"loop-{k}.pickle" for k in (1, 2, 3)]
+    assert all(p.exists() for p in paths) and not (tmp_path / "runs" / "loop.pickle").exists()
+    assert "memdiff baseline runs/loop-1.pickle runs/loop-2.pickle runs/loop-3.pickle -o baselines/loop.json" \
+        in done.stderr
+    rules = load_rules([], None)
+    peaks = [read_summary(str(p), rules).devices[0].peak_bytes for p in paths]
+    assert peaks == sorted(peaks) and len(set(peaks)) == 3  # each run kept 16 KiB more: a real spread
+    assert run(capsys, "baseline", *paths, "-o", tmp_path / "b.json")[0] == 0
+    spread = json.loads((tmp_path / "b.json").read_text())["devices"][0]["spread"]["peak"]
+    assert spread == {"min": peaks[0], "max": peaks[2], "median": peaks[1]}
