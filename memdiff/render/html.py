@@ -156,10 +156,10 @@ def _trend_svg(t: Trend) -> str:
     lo, hi = min(values), max(values)
     step = (TREND_WIDTH - 2 * TREND_PAD) / max(1, len(values) - 1)
 
-    def y(v: int) -> float:
-        span = (hi - lo) or 1
-        return TREND_HEIGHT - TREND_PAD - (v - lo) / span * (TREND_HEIGHT - 2 * TREND_PAD) if hi > lo \
-            else TREND_HEIGHT / 2
+    def y(v: int) -> float:  # the lowest peak at the bottom, the highest at the top; all equal: the middle
+        if hi == lo:
+            return TREND_HEIGHT / 2
+        return TREND_HEIGHT - TREND_PAD - (v - lo) / (hi - lo) * (TREND_HEIGHT - 2 * TREND_PAD)
     xy = [(TREND_PAD + k * step, y(v)) for k, v in enumerate(values)]
     rows = list(reversed(t.rows[1:]))  # oldest first, as the points
     line = " ".join(f"{x:.1f},{yy:.1f}" for x, yy in xy[:-1])
