@@ -83,6 +83,17 @@ def test_a_run_inside_the_spread_says_so_and_passes(tmp_path, capsys):
     assert "measured noise: peak +0.5%: within the spread of 3 runs, -1.0% to +1.0% (200.00 MiB to 204.00 MiB)" in out
 
 
+def test_the_api_gates_with_the_spread_as_the_cli_does(tmp_path, capsys):
+    import memdiff
+
+    path = repeats(tmp_path, capsys)
+    head = snapshot(tmp_path / "head.pickle", 103 * MiB)
+    report = memdiff.gate(str(head), str(path))
+    code, out, _ = run(capsys, "gate", head, "--baseline", path)
+    assert report.passed and code == 0 and report.headline in out
+    assert report.devices[0].noise is not None and report.devices[0].noise in out
+
+
 def test_an_explicit_peak_limit_replaces_the_noise_rule(tmp_path, capsys):
     path = repeats(tmp_path, capsys)
     head = snapshot(tmp_path / "head.pickle", 103 * MiB)
