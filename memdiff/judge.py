@@ -116,9 +116,9 @@ def judge(diff: Diff, thresholds: Thresholds, update_hint: Optional[str] = None,
         if noisy is not None and spread is not None:
             noise_runs = spread.runs
             peak = _check(f"device {d.device} {moment}", d.base_peak_bytes, d.head_peak_bytes, noisy)
-            peak.limit = (f"{noisy.describe()}: the highest of {spread.runs} runs "
-                          f"{format_bytes(spread.peak.max - d.base_peak_bytes, signed=True)} over the baseline, "
-                          f"plus a margin of {thresholds.margin_text()}")
+            peak.limit = (f"{noisy.describe()} (the highest of the baseline's {spread.runs} runs, "
+                          f"{format_bytes(spread.peak.max - d.base_peak_bytes, signed=True)} over its peak, "
+                          f"plus a margin of {thresholds.margin_text()})")
         else:
             peak = _check(f"device {d.device} {moment}", d.base_peak_bytes, d.head_peak_bytes, thresholds.peak)
         checks.append(peak)
