@@ -257,6 +257,7 @@ def render_peak(summary: Summary, peaks: List[DevicePeak]) -> str:
         where = f", in {where_text(d.phase_at_peak, d.step_at_peak)}" if d.phase_at_peak else ""
         body.append(f"<h2>device {d.device}: peak {html.escape(format_bytes(d.peak_bytes))}{html.escape(where)}; "
                     f"static {html.escape(format_bytes(d.static_bytes))}</h2>")
+        body += [f"<p>reserved: {html.escape(p.reserved)}</p>"] if p.reserved else []
         body.append(_charts(d.device))
         body += ["<h3>Categories at the peak</h3>",
                  _table(["category", "bytes", "share"],
