@@ -462,17 +462,17 @@ def _reserved(d: DeviceDiff, gated: bool) -> Optional[str]:
     fb, fh = d.base_fragmentation_bytes, d.head_fragmentation_bytes
     frag = (f"; fragmentation at the peak (reserved minus allocated) {format_bytes(fb)} -> {format_bytes(fh)}"
             if fb is not None and fh is not None else "")
-    text = (f"reserved by the caching allocator: peak {format_bytes(rb)} -> {format_bytes(rh)}, "
+    line = (f"reserved by the caching allocator: peak {format_bytes(rb)} -> {format_bytes(rh)}, "
             f"{change_text(rb, rh) if rh != rb else 'unchanged'}{frag}")
     if _moved(rb, rh) and not _moved(d.base_peak_bytes, d.head_peak_bytes):
         allocated = ("is unchanged" if d.peak_delta_bytes == 0
                      else f"moved {format_bytes(d.peak_delta_bytes, signed=True)}, within {MOVED_PCT}%")
-        text += (f". Reserved moved while the allocated peak {allocated}: the tensors need the same memory, and "
+        line += (f". Reserved moved while the allocated peak {allocated}: the tensors need the same memory, and "
                  f"the allocator caches {'more' if rh > rb else 'fewer'} blocks no tensor holds (its pool's history: "
                  f"the order of allocations and frees, block sizes, streams). "
                  + ("The reserved limit judges it." if gated else
                     "The gate judges allocated memory; --reserved-fail-over gates reserved memory too."))
-    return text
+    return line
 
 
 def _shown(text: str, job: Optional[JobPart]) -> bool:

@@ -8,6 +8,7 @@ import sys
 from memdiff.baseline import stem
 from memdiff.commands.args import add_rules_arguments, rules_from
 from memdiff.errors import InputError
+from memdiff.inert import text
 from memdiff.inputs import read_summary
 from memdiff.trend import append_entry, entry_of
 from memdiff.units import format_bytes
@@ -39,6 +40,6 @@ def run(args: argparse.Namespace) -> int:
     entry = entry_of(read_summary(args.snapshot, rules_from(args)), args.commit.strip(), workload, args.date)
     lines = append_entry(args.to, entry)
     peaks = ", ".join(f"device {d.device} peak {format_bytes(d.peak_bytes)}" for d in entry.devices)
-    print(f"memdiff: {args.to}: appended {workload!r} at {entry.commit[:12]} ({peaks}); {lines:,} lines",
-          file=sys.stderr)
+    print(f"memdiff: {text(args.to)}: appended {text(repr(workload))} at {text(entry.commit[:12])} ({peaks}); "
+          f"{lines:,} lines", file=sys.stderr)
     return 0

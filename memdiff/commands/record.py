@@ -22,6 +22,7 @@ from memdiff.baseline import stem
 from memdiff.capture import STACKS, record, recorded_nothing
 from memdiff.commands.args import count_arg
 from memdiff.errors import EXIT_BAD_INPUT, InputError
+from memdiff.inert import shell
 from memdiff.job import MAX_RANKS, rank_of, rank_patterns
 from memdiff.load import decode
 from memdiff.manifest import MANIFEST, clear_statuses, collect, write_manifest
@@ -255,8 +256,8 @@ def _run_repeats(args: argparse.Namespace) -> int:
             print(f"memdiff: run {k} of {args.repeat} exited {done.returncode}: the repeats stop there",
                   file=sys.stderr)
             return done.returncode
-    print(f"memdiff: recorded {args.repeat} repeats; make their baseline with `memdiff baseline {' '.join(paths)} "
-          f"-o baselines/{stem(args.output)}.json`", file=sys.stderr)
+    print(f"memdiff: recorded {args.repeat} repeats; make their baseline with `memdiff baseline "
+          f"{' '.join(shell(p) for p in paths)} -o {shell(f'baselines/{stem(args.output)}.json')}`", file=sys.stderr)
     return 0
 
 
