@@ -166,3 +166,26 @@ def test_the_trend_draws_in_a_real_browser(main_branch, tmp_path, capsys):
     assert head_point["y"] < min(ys.values())  # 150 MiB: above every main peak
     assert head_point["bytes"] == 150 * MiB and head_point["title"] == "this PR: 150.00 MiB, +3.00 MiB (+2.0%)"
     assert points[-1]["title"] == f"{commit(19)[:12]} 2026-11-20T12:00:00Z: {format_bytes(147 * MiB)}"
+
+
+def test_names_in_a_history_stay_inert_in_every_report(tmp_path, capsys):
+    """A history is data: a workload or commit holding a newline, a workflow command or a mention
+    starts no line and notifies no one."""
+    snap = snapshot(tmp_path / "train.pickle", 40 * MiB)
+    assert run(capsys, "baseline", snap, "-o", tmp_path / "train.json", "--name", "w\n::stop-commands::x @team")[0] == 0
+    history = tmp_path / "h.jsonl"
+    for k in range(2):
+        code, _, err = run(capsys, "history", "append", snap, "--to", history, "--workload",
+                           "w\n::stop-commands::x @team", "--commit", f"c{k}\n::error::planted")
+        assert code == 0 and err.count("\n") == 1
+    for fmt in ("text", "markdown"):
+        code, out, _ = run(capsys, "gate", snap, "--baseline", tmp_path / "train.json", "--history", history,
+                           "--format", fmt)
+        assert code == 0 and "peaks on main" in out
+        assert not any(line.startswith("::") for line in out.splitlines())
+        if fmt == "markdown":  # the trend's words are markdown text (names in code spans notify no one)
+            trend = out.split("#### Peak on the main branch")[1].split("**Rule:**")[0]
+            assert "@team" not in trend and "@\u2060team" in trend
+    run(capsys, "gate", snap, "--baseline", tmp_path / "train.json", "--history", history, "--html", tmp_path / "r.html")
+    page = (tmp_path / "r.html").read_text()
+    assert "<svg class=\"trend\"" in page and "::error::planted" in page and "\n::error" not in page
