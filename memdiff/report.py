@@ -305,12 +305,12 @@ class Settings:
     run: Optional[str] = None
     baseline: Optional[str] = None
     missing_ranks_fail: bool = False  # a rank only base has fails (a gate: a rank that crashed)
+    unbaselined_ranks_fail: bool = False  # a rank only head has fails (a gate with --require-baseline)
     spreads: Dict[int, Spread] = field(default_factory=dict)  # a baseline made from repeats: per device
     history: Optional[List[TrendEntry]] = None  # main-branch history (--history): the report shows a trend
     workload: Optional[str] = None  # the workload's name in the history (the gate: the baseline's name)
     trend_points: int = DEFAULT_POINTS
     trend_label: Optional[str] = None  # what names this run's point in a trend (default: `this run`)
-    unbaselined_ranks_fail: bool = False  # a rank only head has fails (a gate with --require-baseline)
 
 
 def compare(base: Sequence[Run], head: Sequence[Run], settings: Optional[Settings] = None) -> Report:
@@ -388,7 +388,7 @@ def _report(s: Settings, verdict: Optional[Verdict], results: List[RankResult], 
     headline = _headline(devices)
     if job is not None:
         headline = f"rank {job.worst_rank} (of {len(results):,}): {headline}"
-    trends, trend_note = _trends(s, shown.diff, job)
+    trends, trend_note = _trends(s, shown.diff)
     # Names from snapshots and baselines are made one line each here, once for every output.
     return scrubbed(Report(verdict=verdict, headline=headline, trends=trends, trend_note=trend_note,
                   inputs=[_input("base", shown.diff.base), _input("head", shown.diff.head)],
@@ -401,7 +401,7 @@ def _report(s: Settings, verdict: Optional[Verdict], results: List[RankResult], 
                     skip=ANALYSIS_FIELDS)
 
 
-def _trends(s: Settings, d: Diff, job: Optional[JobPart]) -> Tuple[Optional[List[Trend]], Optional[str]]:
+def _trends(s: Settings, d: Diff) -> Tuple[Optional[List[Trend]], Optional[str]]:
     """Each device's main-branch trend with this run's peak after it, and why there is none when
     the history was given and holds no line of the workload."""
     if s.history is None:
@@ -410,8 +410,7 @@ def _trends(s: Settings, d: Diff, job: Optional[JobPart]) -> Tuple[Optional[List
     trends = [t for t in (trend_of(s.history, workload, x.device, x.head_peak_bytes, s.trend_label, s.trend_points)
                           for x in d.devices) if t is not None]
     if trends:
-        return trends, (f"the history follows one run per commit, not a job: the trend is rank {job.worst_rank}'s"
-                        if job is not None else None)
+        return trends, None
     known = workloads(s.history)
     return [], (f"the history has no peak of {workload!r} on main yet"
                 + (f" (it holds {clip(', '.join(known))})" if known else " (it is empty)")
