@@ -130,7 +130,8 @@ def gate(run: Run, baseline: Union[str, "os.PathLike[str]", Baseline], *, rules:
     settings = Settings(thresholds=thresholds(base=stored.thresholds, **limits), top=top,
                         update_hint=None if isinstance(name, Summary) else baseline_command(name, where),
                         base_label=stored.label(),
-                        run=head.source.file if isinstance(name, Summary) else name, baseline=where)
+                        run=head.source.file if isinstance(name, Summary) else name, baseline=where,
+                        spreads=stored.spreads())  # a baseline of repeats gates with its spread, as `memdiff gate`
     return compare([ReportRun(base)], [ReportRun(head)], settings)
 
 

@@ -23,12 +23,15 @@ from memdiff.errors import InputError, clip, version_shown
 from memdiff.frames import signature_of
 from memdiff.limits import Thresholds, thresholds_from_dict
 from memdiff.load import read_json
-from memdiff.model import DeviceSummary, Group, PhasePeak, Source, Summary
+from memdiff.model import DeviceSummary, Group, PhasePeak, Range, Source, Spread, Summary
 from memdiff.schema import validate
 
 # Baselines keep their own version: summaries moved to 2 (lifetimes) without changing what a
-# baseline stores.
+# baseline stores. A baseline made from repeats is written as 2: a memdiff that cannot read its
+# spread refuses it rather than gating it with a tighter rule than it was made for.
 BASELINE_SCHEMA_VERSION = 1
+SPREAD_SCHEMA_VERSION = 2
+READABLE_BASELINE_VERSIONS = (1, 2)
 TOP_GROUPS = 25
 REST_SITE = "<groups not stored in the baseline: {category}>"
 
@@ -52,10 +55,18 @@ class Baseline:
         return None if found is None else replace(self, name=f"{self.name} rank {rank}", source=found["source"],
                                                   devices=found["devices"], ranks=None)
 
+    def spreads(self) -> Dict[int, Spread]:
+        """Per device, the spread over the repeated runs it was made from (none: one run)."""
+        return {d["device"]: Spread.from_dict(d["spread"]) for d in self.devices if d.get("spread")}
+
     def label(self) -> str:
         """What names the baseline in a report: `baseline train @ 1a2b3c4d5e6f`."""
         sha = self.source.get("git_sha")
         return f"baseline {self.name}" + (f" @ {sha[:12]}" if sha else "")
+
+    def schema_version(self) -> int:
+        """The version this baseline is written with: 2 when it holds a spread, else 1."""
+        return SPREAD_SCHEMA_VERSION if any(d.get("spread") for d in self.devices) else BASELINE_SCHEMA_VERSION
 
     def to_dict(self) -> Dict[str, Any]:
         """The JSON form (what `to_json` writes, as a dict)."""
@@ -65,7 +76,7 @@ class Baseline:
         """The file's text: fixed key order and one group per line, so reviews read well."""
         thresholds = json.dumps(self.thresholds.to_dict(), indent=2).replace("\n", "\n  ")
         head = ("{\n"
-                f'  "schema_version": {BASELINE_SCHEMA_VERSION},\n'
+                f'  "schema_version": {self.schema_version()},\n'
                 f'  "name": {json.dumps(self.name)},\n'
                 f'  "created": {json.dumps(self.created)},\n'
                 f'  "tool": {json.dumps(self.tool)},\n')
@@ -98,6 +109,8 @@ def _devices_json(devices: List[Dict[str, Any]], pad: str) -> str:
             if d.get("phase_groups") else []
         fields += [f'"at_peak": {json.dumps(d["at_peak"])}'] if d.get("at_peak") else []
         fields += [f'"earlier_rest": {json.dumps(d["earlier_rest"])}'] if d.get("earlier_rest") else []
+        fields += [f'"{k}": {d[k]}' for k in ("reserved_peak_bytes", "fragmentation_bytes") if d.get(k) is not None]
+        fields += [f'"spread": {json.dumps(d["spread"])}'] if d.get("spread") else []
         fields.append(f'"groups": [\n{groups}\n{pad}    ]')
         out.append(f"{pad}  {{\n" + ",\n".join(f"{pad}    {f}" for f in fields) + f"\n{pad}  }}")
     return f'{pad}"devices": [\n' + ",\n".join(out) + f"\n{pad}]"
@@ -148,6 +161,7 @@ def from_summary(summary: Summary, name: str, thresholds: Thresholds, git_sha: O
         "earlier_rest": {moment: rest for moment, rest in
                          [(PEAK, _earlier_rest(d.groups))] + [(p.phase, _earlier_rest(p.groups)) for p in d.phase_peaks
                                                               if p.groups is not None] if rest},
+        **{k: getattr(d, k) for k in ("reserved_peak_bytes", "fragmentation_bytes") if getattr(d, k) is not None},
         "groups": _stored_groups(d.groups),
     } for d in summary.devices]
     stamp = created or datetime.now(timezone.utc).replace(microsecond=0).isoformat().replace("+00:00", "Z")
@@ -155,12 +169,41 @@ def from_summary(summary: Summary, name: str, thresholds: Thresholds, git_sha: O
                     thresholds=thresholds)
 
 
-def update_baseline(path: str, summary_of: Callable[[], Union[Summary, Dict[int, Summary]]],
+def _range(values: List[int]) -> Range:
+    ordered = sorted(values)
+    return Range(ordered[0], ordered[-1], ordered[(len(ordered) - 1) // 2])
+
+
+def from_repeats(summaries: List[Summary], name: str, thresholds: Thresholds, git_sha: Optional[str] = None,
+                 created: Optional[str] = None) -> Baseline:
+    """A baseline of repeated runs of one workload: the run whose peak is the median (the lower
+    middle of an even count) is stored, and each device keeps the spread of the runs' peaks, phase
+    peaks and categories at the peak. InputError when the runs do not have the same devices."""
+    devices = [[d.device for d in s.devices] for s in summaries]
+    if any(ds != devices[0] for ds in devices):
+        raise InputError(summaries[0].source.file, f"repeats of one workload have the same devices, and these have "
+                                                   f"{clip(', '.join(str(ds) for ds in devices))}")
+    order = sorted(range(len(summaries)), key=lambda k: (sum(d.peak_bytes for d in summaries[k].devices), k))
+    stored = from_summary(summaries[order[(len(order) - 1) // 2]], name, thresholds, git_sha, created)
+    for k, d in enumerate(stored.devices):
+        runs = [s.devices[k] for s in summaries]
+        phases = set.intersection(*({p.phase for p in r.phase_peaks} for r in runs))
+        categories = sorted({c for r in runs for c in r.categories})
+        spread = Spread(len(runs), _range([r.peak_bytes for r in runs]),
+                        {p: _range([next(x.peak_bytes for x in r.phase_peaks if x.phase == p) for r in runs])
+                         for p in sorted(phases)},
+                        {c: _range([r.categories.get(c, 0) for r in runs]) for c in categories})
+        d["spread"] = spread.to_dict()
+    return stored
+
+
+def update_baseline(path: str, summary_of: Callable[[], Union[Summary, Dict[int, Summary], List[Summary]]],
                     thresholds_for: Callable[[Optional[Thresholds]], Thresholds], name: Optional[str] = None,
                     git_sha: Optional[str] = None) -> Tuple[Baseline, bool]:
     """Create or update the baseline at `path` atomically: (the baseline, whether one was there).
 
-    `summary_of` gives the run's summary, or a job's summaries by rank. An existing baseline is
+    `summary_of` gives the run's summary, a job's summaries by rank, or repeated runs' summaries
+    (a list: the baseline keeps their spread). An existing baseline is
     read first, so a broken one stops everything before the run is summarized or anything is
     written; it keeps its name unless `name` is given, and `thresholds_for` gets its thresholds
     to build on.
@@ -177,11 +220,16 @@ def update_baseline(path: str, summary_of: Callable[[], Union[Summary, Dict[int,
         raise InputError(exc.path, f"{exc.message} (delete or fix the file to write a new baseline there)") from None
     limits = thresholds_for(old.thresholds if old else None)
     summary = summary_of()
-    if not any(s.devices for s in (summary.values() if isinstance(summary, dict) else [summary])):
+    runs = list(summary.values()) if isinstance(summary, dict) else summary if isinstance(summary, list) else [summary]
+    if not any(s.devices for s in runs):
         raise InputError(path, "the run records no device memory: a baseline of nothing would pass every gate")
     label = name or (old.name if old else stem(path))
-    baseline = (from_summaries(summary, label, limits, git_sha) if isinstance(summary, dict)
-                else from_summary(summary, label, limits, git_sha))
+    if isinstance(summary, dict):
+        baseline = from_summaries(summary, label, limits, git_sha)
+    elif isinstance(summary, list):
+        baseline = from_repeats(summary, label, limits, git_sha)
+    else:
+        baseline = from_summary(summary, label, limits, git_sha)
     write_output(path, baseline.to_json())
     return baseline, old is not None
 
@@ -189,9 +237,10 @@ def update_baseline(path: str, summary_of: Callable[[], Union[Summary, Dict[int,
 def read_baseline(path: str) -> Baseline:
     """Parse and validate a baseline file; InputError with file, line and column or the JSON path."""
     doc = read_json(path, "a baseline")
-    if isinstance(doc, dict) and doc.get("schema_version") != BASELINE_SCHEMA_VERSION and "schema_version" in doc:
+    if isinstance(doc, dict) and doc.get("schema_version") not in READABLE_BASELINE_VERSIONS \
+            and "schema_version" in doc:
         raise InputError(path, f"baseline schema_version {version_shown(doc['schema_version'])} is not one this "
-                               f"memdiff reads ({BASELINE_SCHEMA_VERSION})")
+                               f"memdiff reads ({', '.join(map(str, READABLE_BASELINE_VERSIONS))})")
     validate(path, doc, "baseline")
     return Baseline(name=doc["name"], created=doc["created"], tool=doc.get("tool", ""), source=doc.get("source", {}),
                     devices=doc.get("devices", []), thresholds=thresholds_from_dict(path, doc["thresholds"]),
@@ -259,7 +308,8 @@ def _stored_summary(b: Baseline) -> Summary:
             d["device"], trace_events=d["trace_events"], static_bytes=d["static_bytes"], peak_bytes=d["peak_bytes"],
             unmatched_free_count=d["unmatched_free_count"], groups=groups, categories=d["categories"],
             phase_peaks=phases, phase_at_peak=at_peak.get("phase"), step_at_peak=at_peak.get("step"),
-            scope_at_peak=at_peak.get("scope")))
+            scope_at_peak=at_peak.get("scope"),
+            reserved_peak_bytes=d.get("reserved_peak_bytes"), fragmentation_bytes=d.get("fragmentation_bytes")))
     s = b.source
     source = Source(file=f"baseline {b.name} ({s['file']})", sha256=s["sha256"], size_bytes=0, container="baseline",
                     generation=s["generation"], keys=[], allocator_settings=s.get("allocator_settings"))

@@ -21,6 +21,7 @@ COMMANDS = {  # name: (module, one-line help); a module gives DESCRIPTION, add_a
     "diff": ("memdiff.commands.diff", "compare two runs (the default: memdiff BASE HEAD)"),
     "gate": ("memdiff.commands.gate", "compare runs with stored baselines and exit 1 on a regression"),
     "baseline": ("memdiff.commands.baseline", "create or update a stored baseline, or --check a folder of them"),
+    "history": ("memdiff.commands.history", "append a main-branch run's peaks to a history file (the gate's trend)"),
     "summarize": ("memdiff.commands.summarize", "reduce a snapshot to its peak summary (JSON or text)"),
     "peak": ("memdiff.commands.peak", "show the peak, static memory and the top stacks live at the peak"),
     "ranks": ("memdiff.commands.ranks",

@@ -157,6 +157,12 @@ class DeviceDiff:
     phases: List[PhaseDelta] = field(default_factory=list)
     kept: Optional[Kept] = None
     category_highs: List[CategoryHigh] = field(default_factory=list)
+    # The caching allocator's side (None: that run has no segments): the highest reserved total
+    # and reserved minus allocated at the peak. The gate judges allocated memory unless asked.
+    base_reserved_peak_bytes: Optional[int] = None
+    head_reserved_peak_bytes: Optional[int] = None
+    base_fragmentation_bytes: Optional[int] = None
+    head_fragmentation_bytes: Optional[int] = None
 
 
 @dataclass
@@ -573,7 +579,9 @@ def _device_diff(b: DeviceSummary, h: DeviceSummary, at: str) -> DeviceDiff:
         chart=_chart(b, h), at=at,
         base_peak_phase=b.phase_at_peak, head_peak_phase=h.phase_at_peak, base_peak_step=b.step_at_peak,
         head_peak_step=h.step_at_peak, base_peak_scope=b.scope_at_peak, head_peak_scope=h.scope_at_peak,
-        phases=_phases(b, h), kept=_kept(rows), category_highs=_category_highs(b, h))
+        phases=_phases(b, h), kept=_kept(rows), category_highs=_category_highs(b, h),
+        base_reserved_peak_bytes=b.reserved_peak_bytes, head_reserved_peak_bytes=h.reserved_peak_bytes,
+        base_fragmentation_bytes=b.fragmentation_bytes, head_fragmentation_bytes=h.fragmentation_bytes)
 
 
 def _highs(d: DeviceSummary) -> Dict[str, Tuple[int, str]]:

@@ -8,8 +8,8 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from memdiff.differ import GREW, NEW, PEAK, CategoryHigh, Diff
 from memdiff.errors import InputError
-from memdiff.limits import Limit, Thresholds, pct_text
-from memdiff.model import DeviceSummary, Summary
+from memdiff.limits import DEFAULT_PEAK, Limit, Thresholds, pct_text
+from memdiff.model import DeviceSummary, Spread, Summary
 from memdiff.patterns import Pattern
 from memdiff.units import format_bytes
 
@@ -86,20 +86,50 @@ def _site_high(device: int, pattern: Pattern, runs: Runs) -> CategoryHigh:
     return CategoryHigh(pattern.pattern, b_bytes, h_bytes, b_at, h_at)
 
 
+def noise_limit(thresholds: Thresholds, base_peak: int, spread: Optional[Spread]) -> Optional[Limit]:
+    """The peak limit a baseline made from repeats gates with: growth past the runs' highest peak by
+    more than the margin fails, so no run inside the measured spread ever does. None when the
+    peak has a limit of its own (flags or the baseline's), or the runs had one peak (zero spread:
+    the default rule applies)."""
+    if spread is None or spread.peak.max == spread.peak.min or thresholds.peak != DEFAULT_PEAK:
+        return None
+    return Limit(fail_over_bytes=max(0, spread.peak.max - base_peak) + thresholds.margin_bytes(base_peak))
+
+
 def judge(diff: Diff, thresholds: Thresholds, update_hint: Optional[str] = None,
-          runs: Optional[Runs] = None) -> Verdict:
+          runs: Optional[Runs] = None, spreads: Optional[Dict[int, Spread]] = None) -> Verdict:
     """Apply every threshold to every device of a diff.
 
     `update_hint`, when gating against a baseline, is the command that refreshes it; a peak that
     went down gets a note suggesting it, so the baseline keeps up with improvements. With `runs`
     (the summaries compared), site limits compare each run's highest moment for the site.
+    With `spreads` (a baseline made from repeats, per device), the default peak rule becomes the
+    measured spread plus the noise margin (noise_limit).
     """
     checks: List[Check] = []
     notes: List[str] = []
+    noise_runs: Optional[int] = None
     for d in diff.devices:
         moment = "peak" if d.at == PEAK else f"{d.at} peak"  # --at PHASE compares that phase's peaks
-        peak = _check(f"device {d.device} {moment}", d.base_peak_bytes, d.head_peak_bytes, thresholds.peak)
+        spread = (spreads or {}).get(d.device) if d.at == PEAK else None
+        noisy = noise_limit(thresholds, d.base_peak_bytes, spread)
+        if noisy is not None and spread is not None:
+            noise_runs = spread.runs
+            peak = _check(f"device {d.device} {moment}", d.base_peak_bytes, d.head_peak_bytes, noisy)
+            peak.limit = (f"{noisy.describe()} (the highest of the baseline's {spread.runs} runs, "
+                          f"{format_bytes(spread.peak.max - d.base_peak_bytes, signed=True)} over its peak, "
+                          f"plus a margin of {thresholds.margin_text()})")
+        else:
+            peak = _check(f"device {d.device} {moment}", d.base_peak_bytes, d.head_peak_bytes, thresholds.peak)
         checks.append(peak)
+        if thresholds.reserved is not None:
+            if d.base_reserved_peak_bytes is None or d.head_reserved_peak_bytes is None:
+                role = "base" if d.base_reserved_peak_bytes is None else "head"
+                raise InputError("the reserved peak", f"the {role} run has no allocator segments on device "
+                                                      f"{d.device} (a CPU capture, or a baseline made before reserved "
+                                                      f"memory was stored), so its reserved peak cannot be gated")
+            checks.append(_check(f"device {d.device} reserved peak", d.base_reserved_peak_bytes,
+                                 d.head_reserved_peak_bytes, thresholds.reserved))
         phases = {p.phase: p for p in d.phases}
         for name, limit in thresholds.phases.items():
             p = phases.get(name)
@@ -138,7 +168,8 @@ def judge(diff: Diff, thresholds: Thresholds, update_hint: Optional[str] = None,
             growth = [r for r in d.rows if r.status in (NEW, GREW)][:TOP_GROWTH]
             notes.append(f"device {d.device}: {moment} grew by {format_bytes(d.peak_delta_bytes)}; top growth: "
                          + ", ".join(f"{r.label or r.site} {format_bytes(r.delta_bytes, signed=True)}" for r in growth))
-    return Verdict(passed=all(c.passed for c in checks), rule=thresholds.describe(), checks=checks, notes=notes)
+    return Verdict(passed=all(c.passed for c in checks), rule=thresholds.describe(noise_runs), checks=checks,
+                   notes=notes)
 
 
 def _moment(at: str) -> str:

@@ -22,6 +22,9 @@ DEFAULT_FAIL_OVER_PCT = 1.0
 # Growth past this fails at any size: a pytest-sized run (a few MiB) never grows by 64 MiB, yet
 # doubling it is a regression; an identical rerun (0 B) or allocator rounding never comes near.
 DEFAULT_OR_OVER_PCT = 50.0
+# Over a baseline made from repeated runs, the default rule becomes: growth past the runs' highest
+# peak by more than this margin (of the baseline's peak) fails. `--noise-margin` replaces it.
+DEFAULT_NOISE_MARGIN_PCT = 1.0
 
 
 def pct_text(pct: float) -> str:
@@ -163,10 +166,38 @@ class Thresholds:
     sites: List[SiteLimit] = field(default_factory=list)
     phases: Dict[str, Limit] = field(default_factory=dict)  # the highest memory of a phase over all steps
     headroom: Optional[Headroom] = None  # checked by `memdiff forecast --baseline`, not by a single run
+    # Over a baseline made from repeats with a spread, what the default peak rule becomes: past
+    # the runs' highest peak by more than this (a percent of the baseline's peak, or a size).
+    noise_margin: Optional[Limit] = None
+    # The caching allocator's reserved peak: judged only when set (the default gates allocated memory).
+    reserved: Optional[Limit] = None
 
-    def describe(self) -> str:
-        """The rule in words, as printed with every verdict."""
-        text = f"fail when the peak of a device grows by {self.peak.describe()}"
+    def margin(self) -> Limit:
+        """The noise margin in force: the one set, else DEFAULT_NOISE_MARGIN_PCT."""
+        return self.noise_margin or Limit(fail_over_pct=DEFAULT_NOISE_MARGIN_PCT)
+
+    def margin_bytes(self, base: int) -> int:
+        """The noise margin in bytes over a baseline peak of `base` bytes (rounded down)."""
+        m = self.margin()
+        if m.fail_over_bytes is not None:
+            return m.fail_over_bytes
+        return int(Fraction(str(m.fail_over_pct or 0)) * base / 100)
+
+    def margin_text(self) -> str:
+        """The noise margin as users type it: `1%`, `32MiB`."""
+        m = self.margin()
+        return format_bytes(m.fail_over_bytes) if m.fail_over_bytes is not None else pct_text(m.fail_over_pct or 0)
+
+    def describe(self, noise_runs: Optional[int] = None) -> str:
+        """The rule in words, as printed with every verdict; `noise_runs`: the default peak rule
+        was replaced by the measured spread of that many runs."""
+        if noise_runs is not None and self.peak == DEFAULT_PEAK:
+            text = (f"fail when the peak of a device grows past the highest of the baseline's {noise_runs} runs "
+                    f"by more than {self.margin_text()} of the baseline's peak")
+        else:
+            text = f"fail when the peak of a device grows by {self.peak.describe()}"
+        if self.reserved is not None:
+            text += f"; the reserved peak by {self.reserved.describe()}"
         text += "".join(f"; the {p} peak by {lim.describe()}" for p, lim in self.phases.items())
         text += "".join(f"; {c} bytes by {lim.describe()}" for c, lim in self.categories.items())
         text += "".join(f"; sites matching /{s.pattern.pattern}/ by {s.limit.describe()}" for s in self.sites)
@@ -185,6 +216,10 @@ class Thresholds:
             out["sites"] = [{"site": s.pattern.pattern, **s.limit.to_dict()} for s in self.sites]
         if self.headroom is not None:
             out["headroom"] = self.headroom.to_dict()
+        if self.noise_margin is not None:
+            out["noise-margin"] = self.noise_margin.to_dict()
+        if self.reserved is not None:
+            out["reserved"] = self.reserved.to_dict()
         return out
 
 
@@ -212,7 +247,9 @@ def thresholds_from_dict(path: str, data: Dict[str, Any]) -> Thresholds:
         except ValueError as exc:
             raise InputError(path, f"thresholds.sites.{i}.site: {exc}") from None
         sites.append(SiteLimit(pattern, _limit_from(path, f"thresholds.sites.{i}", s)))
-    return Thresholds(peak, categories, sites, phases, _headroom_from(path, data.get("headroom")))
+    noise = _limit_from(path, "thresholds.noise-margin", data["noise-margin"]) if "noise-margin" in data else None
+    reserved = _limit_from(path, "thresholds.reserved", data["reserved"]) if "reserved" in data else None
+    return Thresholds(peak, categories, sites, phases, _headroom_from(path, data.get("headroom")), noise, reserved)
 
 
 def _headroom_from(path: str, data: Optional[Dict[str, Any]]) -> Optional[Headroom]:
@@ -229,10 +266,13 @@ def _headroom_from(path: str, data: Optional[Dict[str, Any]]) -> Optional[Headro
 
 
 def thresholds_over(stored: Optional[Thresholds], fail_over: Optional[int], fail_over_pct: Optional[float],
-                    categories: Dict[str, Limit], phases: Dict[str, Limit]) -> Thresholds:
+                    categories: Dict[str, Limit], phases: Dict[str, Limit], noise_margin: Optional[Limit] = None,
+                    reserved: Optional[Limit] = None) -> Thresholds:
     """The limits given, over stored ones (a baseline's) where each one given replaces its stored one whole;
     with nothing stored, the peak's default rule unless a peak part is given."""
     if stored is None:
-        return Thresholds(Limit.from_options(fail_over, fail_over_pct), dict(categories), phases=dict(phases))
+        return Thresholds(Limit.from_options(fail_over, fail_over_pct), dict(categories), phases=dict(phases),
+                          noise_margin=noise_margin, reserved=reserved)
     return Thresholds(stored.peak.overridden(fail_over, fail_over_pct), {**stored.categories, **categories},
-                      list(stored.sites), {**stored.phases, **phases}, stored.headroom)
+                      list(stored.sites), {**stored.phases, **phases}, stored.headroom,
+                      noise_margin or stored.noise_margin, reserved or stored.reserved)

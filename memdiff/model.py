@@ -147,6 +147,10 @@ class DeviceSummary:
     step_at_peak: Optional[int] = None
     phase_peaks: List[PhasePeak] = field(default_factory=list)
     history: Optional[History] = None  # only when asked for (the HTML report): it reads every allocation
+    # The caching allocator's segments over the trace (None: none recorded, or the profiler route's
+    # fake segment): the highest reserved total, and reserved minus allocated at the peak.
+    reserved_peak_bytes: Optional[int] = None
+    fragmentation_bytes: Optional[int] = None
 
     def at(self, phase: Optional[str]) -> Optional["Moment"]:
         """What was live at the peak of `phase` (None or "peak": the device's peak); None when
@@ -170,6 +174,75 @@ class DeviceSummary:
             allocated_bytes_at_dump=0, reserved_bytes_at_dump=0, unmatched_free_count=0,
             unmatched_free_bytes=0, oom_events=[], timeline=[], groups=[])
         return cls(device=device, **{**empty, **values})
+
+
+@dataclass(frozen=True)
+class Range:
+    """A figure over repeated runs of one workload: lowest, highest and median bytes."""
+
+    min: int
+    max: int
+    median: int
+
+
+@dataclass
+class Spread:
+    """One device's figures over repeated runs of one workload (a baseline made from repeats):
+    the peak's, each phase's peak's and each category's at the peak."""
+
+    runs: int
+    peak: Range
+    phases: Dict[str, Range] = field(default_factory=dict)
+    categories: Dict[str, Range] = field(default_factory=dict)
+
+    def to_dict(self) -> Dict[str, Any]:
+        """The JSON form stored in baselines."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Dict[str, Any]) -> "Spread":
+        """From its JSON form (schema-checked)."""
+        def rng(r: Dict[str, Any]) -> Range:
+            return Range(r["min"], r["max"], r["median"])
+        return cls(data["runs"], rng(data["peak"]), {k: rng(v) for k, v in data.get("phases", {}).items()},
+                   {k: rng(v) for k, v in data.get("categories", {}).items()})
+
+
+@dataclass
+class TrendDevice:
+    """One device of a main-branch run as a history keeps it: the peak and what held it."""
+
+    device: int
+    peak_bytes: int
+    categories: Dict[str, int] = field(default_factory=dict)  # bytes at the peak
+    reserved_peak_bytes: Optional[int] = None
+
+
+@dataclass
+class TrendEntry:
+    """One line of a history file (`memdiff history append`): a workload's run at one commit."""
+
+    commit: str
+    date: str  # UTC, ISO 8601
+    workload: str
+    devices: List[TrendDevice]
+    tool: str = ""
+    schema_version: int = 1
+
+    def to_dict(self) -> Dict[str, Any]:
+        """The JSON form of one line, keys in a stable order."""
+        data = asdict(self)
+        for d in data["devices"]:
+            if d["reserved_peak_bytes"] is None:
+                del d["reserved_peak_bytes"]
+        return {"schema_version": data.pop("schema_version"), "tool": data.pop("tool"), **data}
+
+    @classmethod
+    def from_dict(cls, data: Dict[str, Any]) -> "TrendEntry":
+        """From one line's JSON form (schema-checked)."""
+        return cls(commit=data["commit"], date=data["date"], workload=data["workload"],
+                   devices=[TrendDevice(**_known(TrendDevice, d)) for d in data["devices"]],
+                   tool=data.get("tool", ""), schema_version=data["schema_version"])
 
 
 def largest_first(totals: Dict[str, int]) -> Dict[str, int]:

@@ -96,6 +96,39 @@ class _Slot:
 NO_COMPILE_CONTEXT = ("", "N/A", None)
 
 
+# Segment events and the sign they change the reserved total by.
+SEGMENT_ACTIONS = {"segment_alloc": 1, "segment_map": 1, "segment_free": -1, "segment_unmap": -1}
+
+
+def _reserved(path: str, device: int, trace: List[Dict[str, Any]], events: Sequence[int], at_dump: Optional[int],
+              peak_index: Optional[int], peak: int) -> Tuple[Optional[int], Optional[int]]:
+    """(the highest reserved total over the trace, reserved minus allocated at the peak).
+
+    The segments at dump time are exact; walking the trace's segment events back from them gives
+    the reserved total before the trace and after every event. (None, None) without segments
+    (the profiler route), or when the events and the segments disagree (more freed than held:
+    a trace cut at both ends), since no figure could be trusted then."""
+    if at_dump is None or (not at_dump and not events):
+        return None, None
+    steps = np.zeros(len(trace), dtype=np.int64)
+    moved = 0
+    for i in events:
+        size = trace[i].get("size")
+        if size.__class__ is not int or not 0 <= size <= MAX_BYTES:
+            raise InputError(path, f"device_traces[{device}][{i}]: 'size' is {brief(size)}, not a segment's bytes")
+        moved += size
+        if moved > MAX_BYTES:  # the running total must stay inside int64
+            raise InputError(path, f"device {device}: segment sizes add up to more than {MAX_BYTES:,} bytes")
+        steps[i] = SEGMENT_ACTIONS[trace[i]["action"]] * size
+    running = np.cumsum(steps)
+    start = at_dump - (int(running[-1]) if len(running) else 0)
+    if start < 0 or (len(running) and start + int(running.min()) < 0):
+        return None, None
+    highest = max(start, start + int(running.max()) if len(running) else start)
+    then = start + (int(running[peak_index]) if peak_index is not None else 0)
+    return highest, (then - peak if then >= peak else None)
+
+
 class _Walk:
     """One pass over a device trace: what was opened, closed and never matched.
 
@@ -112,6 +145,7 @@ class _Walk:
         self.open_at_end: Dict[int, int] = {}  # address -> alloc event index
         self.ooms: List[int] = []
         self.annotations: List[int] = []  # `annotate` events: a label attached to a live allocation
+        self.segment_events: List[int] = []  # cudaMalloc/cudaFree (or map/unmap) of the allocator's segments
         # Profiler-route re-versions: alloc event -> the alloc it continues (>= 0), or -(f + 1)
         # for an unmatched free f; and free event -> the alloc that continues it.
         self.version_of: Dict[int, int] = {}
@@ -150,6 +184,8 @@ class _Walk:
                     self.ooms.append(i)
                 elif action == "annotate":
                     self.annotations.append(i)
+                elif action in SEGMENT_ACTIONS:
+                    self.segment_events.append(i)
         except KeyError as exc:
             raise InputError(path, f"device_traces[{device}][{i}]: missing {exc}") from None
         except (TypeError, AttributeError, OverflowError) as exc:
@@ -696,6 +732,9 @@ def _device_summary(snapshot: Snapshot, device: int, stacks: StackNormalizer,
         bars = peak_bars([(g.signature, allocations_of[g.signature]) for g in groups])
         history = history_of(everything, running + static, lambda i: _time(path, device, trace, i), history_rules,
                              bars)
+    reserved_at_dump = (None if snapshot.source.generation == "profiler" else sum(s["total_size"] for s in segments))
+    reserved_peak, fragmentation = _reserved(path, device, trace, walk.segment_events, reserved_at_dump, peak_index,
+                                             peak)
     allocated = (sum(s["allocated_size"] for s in segments) if all("allocated_size" in s for s in segments)
                  else sum(b["size"] for s in segments for b in s.get("blocks", [])
                           if b["state"] == "active_allocated"))
@@ -712,8 +751,7 @@ def _device_summary(snapshot: Snapshot, device: int, stacks: StackNormalizer,
         allocated_bytes_at_dump=allocated,
         # The profiler route's one segment per device spans the lowest to the highest address it
         # saw (terabytes on CPU): it stands for no memory anyone reserved.
-        reserved_bytes_at_dump=(None if snapshot.source.generation == "profiler"
-                                else sum(s["total_size"] for s in segments)),
+        reserved_bytes_at_dump=reserved_at_dump,
         unmatched_free_count=len(walk.unmatched) - len(reversioned),
         unmatched_free_bytes=unmatched_bytes,
         oom_events=[OomEvent(event_index=i, requested_bytes=_bytes(path, device, trace, i, "size") or 0,
@@ -730,6 +768,8 @@ def _device_summary(snapshot: Snapshot, device: int, stacks: StackNormalizer,
         bytes_by_compile_context=largest_first(by_context),
         bytes_by_label=largest_first(by_label),
         history=history,
+        reserved_peak_bytes=reserved_peak,
+        fragmentation_bytes=fragmentation,
     )
 
 

@@ -58,6 +58,7 @@ class DevicePeak:
     labels: List[Tuple[str, int, float]]  # the user's labels (user_metadata, annotations)
     steps: List[StepRow]
     kept: Optional[str]  # memory kept from earlier steps, in words
+    reserved: Optional[str] = None  # the caching allocator's reserved peak and fragmentation, in words
 
 
 def _share(part: int, whole: int) -> float:
@@ -88,7 +89,17 @@ def device_peak(device: DeviceSummary, top: Optional[int]) -> DevicePeak:
                       scopes=_shares(device.bytes_by_scope, device.peak_bytes),
                       compile_contexts=_shares(device.bytes_by_compile_context, device.peak_bytes),
                       labels=_shares(device.bytes_by_label, device.peak_bytes),
-                      steps=step_rows(device), kept=kept_from_earlier_steps(device))
+                      steps=step_rows(device), kept=kept_from_earlier_steps(device), reserved=reserved_text(device))
+
+
+def reserved_text(device: DeviceSummary) -> Optional[str]:
+    """`5.05 GiB at its highest; 293.95 MiB of it held no tensor at the peak (fragmentation)`;
+    None without segments (CPU captures)."""
+    if device.reserved_peak_bytes is None:
+        return None
+    frag = device.fragmentation_bytes
+    return (f"{format_bytes(device.reserved_peak_bytes)} at its highest (the caching allocator's segments)"
+            + (f"; {format_bytes(frag)} of it held no tensor at the peak (fragmentation)" if frag is not None else ""))
 
 
 def kept_from_earlier_steps(device: DeviceSummary) -> Optional[str]:

@@ -10,10 +10,11 @@ renderers lay it out and compute nothing.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
-from typing import Any, Dict, List, Optional, Sequence
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from memdiff import __version__
+from memdiff.baseline import stem
 from memdiff.differ import (
     BY_SITE,
     BY_SIZE,
@@ -30,12 +31,13 @@ from memdiff.differ import (
     diff,
     where_text,
 )
-from memdiff.errors import InputError
+from memdiff.errors import InputError, clip
 from memdiff.inert import scrubbed, text
 from memdiff.job import ranges, ranks_text
 from memdiff.judge import Check, Runs, Verdict, growth_pct, judge, judge_ranks
 from memdiff.limits import DEFAULT_PEAK, Thresholds
-from memdiff.model import Frame, Source, Summary
+from memdiff.model import Frame, Source, Spread, Summary, TrendEntry
+from memdiff.trend import DEFAULT_POINTS, Trend, trend_of, workloads
 from memdiff.units import count_of, format_bytes
 
 DEFAULT_TOP = 20
@@ -154,6 +156,15 @@ class DeviceReport:
     others: Optional[List[str]]  # the folded rest's cells
     total: List[str]
     like_for_like: Optional["DeviceReport"] = None  # the same device at one phase's peak in both runs (_moved_phase)
+    noise: Optional[str] = None  # where the peak's change falls in a baseline's measured spread over repeats
+    noise_within: Optional[str] = None  # `within the spread of 3 runs (...)`, for the headline, when it is
+    reserved: Optional[str] = None  # the caching allocator's reserved peak and fragmentation, and why it moved
+
+    @property
+    def lines(self) -> List[str]:
+        """The device's sentences under its heading, in order: where the peaks are, kept memory,
+        measured noise, reserved memory."""
+        return [line for line in (self.where, self.kept, self.noise, self.reserved) if line]
 
 
 @dataclass
@@ -214,6 +225,10 @@ class Report:
     job: Optional[JobPart] = None
     run: Optional[str] = None  # what was gated and against which baseline, for the gate's documents
     baseline: Optional[str] = None
+    # With a history (--history): each device's last peaks on the main branch and this run's point;
+    # `trend_note` says why there is none (the history has no line of this workload).
+    trends: Optional[List[Trend]] = None
+    trend_note: Optional[str] = None
 
     @property
     def passed(self) -> Optional[bool]:
@@ -254,6 +269,9 @@ class Report:
         judged = self.verdict.to_dict() if self.verdict else {}
         head: Dict[str, Any] = {**named, "schema_version": DIFF_SCHEMA_VERSION, "tool": f"memdiff {__version__}",
                                 **judged, "headline": self.headline}
+        if self.trends is not None:
+            head["trends"] = [{"workload": t.workload, "device": t.device, "head_bytes": t.head_bytes,
+                               "text": t.text, "points": [asdict(p) for p in t.points]} for t in self.trends]
         if self.job is None:
             return {**head, **self.diff.to_dict()}
         head["schema_version"] = RANKS_SCHEMA_VERSION
@@ -288,6 +306,11 @@ class Settings:
     baseline: Optional[str] = None
     missing_ranks_fail: bool = False  # a rank only base has fails (a gate: a rank that crashed)
     unbaselined_ranks_fail: bool = False  # a rank only head has fails (a gate with --require-baseline)
+    spreads: Dict[int, Spread] = field(default_factory=dict)  # a baseline made from repeats: per device
+    history: Optional[List[TrendEntry]] = None  # main-branch history (--history): the report shows a trend
+    workload: Optional[str] = None  # the workload's name in the history (the gate: the baseline's name)
+    trend_points: int = DEFAULT_POINTS
+    trend_label: Optional[str] = None  # what names this run's point in a trend (default: `this run`)
 
 
 def compare(base: Sequence[Run], head: Sequence[Run], settings: Optional[Settings] = None) -> Report:
@@ -310,8 +333,8 @@ def compare(base: Sequence[Run], head: Sequence[Run], settings: Optional[Setting
     results = []
     for rank in common:
         result = diff(b[rank], h[rank], at=s.at)
-        verdict = (judge(result, s.thresholds, s.update_hint, Runs(b[rank], h[rank])) if s.thresholds is not None
-                   else None)
+        verdict = (judge(result, s.thresholds, s.update_hint, Runs(b[rank], h[rank]),
+                         s.spreads if rank is None else None) if s.thresholds is not None else None)
         results.append(RankResult(rank, result, verdict, b[rank], h[rank]))
     if not is_job:
         return _report(s, results[0].verdict, results, None)
@@ -351,7 +374,12 @@ def _report(s: Settings, verdict: Optional[Verdict], results: List[RankResult], 
     shown = next(r for r in results if job is None or r.rank == job.worst_rank)
     devices = []
     for d in shown.diff.devices:
-        devices.append(device_report(d, s.top, s.min_delta, _like_for_like(d, shown.base, shown.head)))
+        r = device_report(d, s.top, s.min_delta, _like_for_like(d, shown.base, shown.head))
+        spread = s.spreads.get(d.device) if job is None and d.at == PEAK else None
+        if spread is not None:
+            r.noise, r.noise_within = _noise(d, spread, s.thresholds)
+        r.reserved = _reserved(d, s.thresholds is not None and s.thresholds.reserved is not None)
+        devices.append(r)
     warnings = list(shown.diff.warnings)
     if job is not None:
         warnings = ([f"{ranks_text(job.only_base)} only in base, not compared"] if job.only_base else []) + \
@@ -360,8 +388,9 @@ def _report(s: Settings, verdict: Optional[Verdict], results: List[RankResult], 
     headline = _headline(devices)
     if job is not None:
         headline = f"rank {job.worst_rank} (of {len(results):,}): {headline}"
+    trends, trend_note = _trends(s, shown.diff)
     # Names from snapshots and baselines are made one line each here, once for every output.
-    return scrubbed(Report(verdict=verdict, headline=headline,
+    return scrubbed(Report(verdict=verdict, headline=headline, trends=trends, trend_note=trend_note,
                   inputs=[_input("base", shown.diff.base), _input("head", shown.diff.head)],
                   base_label=s.base_label, head_label=s.head_label, warnings=warnings, devices=devices,
                   check_lines=[CheckLine(c.passed, check_line(c)) for c in (verdict.checks if verdict else [])
@@ -370,6 +399,79 @@ def _report(s: Settings, verdict: Optional[Verdict], results: List[RankResult], 
                          or _shown(n, job)],
                   results=results, top=s.top, min_delta=s.min_delta, job=job, run=s.run, baseline=s.baseline),
                     skip=ANALYSIS_FIELDS)
+
+
+def _trends(s: Settings, d: Diff) -> Tuple[Optional[List[Trend]], Optional[str]]:
+    """Each device's main-branch trend with this run's peak after it, and why there is none when
+    the history was given and holds no line of the workload."""
+    if s.history is None:
+        return None, None
+    workload = s.workload or stem(d.head.file)
+    trends = [t for t in (trend_of(s.history, workload, x.device, x.head_peak_bytes, s.trend_label, s.trend_points)
+                          for x in d.devices) if t is not None]
+    if trends:
+        return trends, None
+    known = workloads(s.history)
+    return [], (f"the history has no peak of {workload!r} on main yet"
+                + (f" (it holds {clip(', '.join(known))})" if known else " (it is empty)")
+                + ": `memdiff history append` on each push to main adds them")
+
+
+def _span(base: int, low: int, high: int) -> str:
+    """`-0.2% to +0.6%` of `base`."""
+    return f"{100 * (low - base) / base:+.1f}% to {100 * (high - base) / base:+.1f}%"
+
+
+def _noise(d: DeviceDiff, spread: Spread, thresholds: Optional[Thresholds]) -> Tuple[str, Optional[str]]:
+    """(where the peak's change falls in the baseline's spread over repeats, in words; the
+    headline's words when it is inside it, else None)."""
+    base, head, n = d.base_peak_bytes, d.head_peak_bytes, spread.runs
+    lo, hi = spread.peak.min, spread.peak.max
+    if lo == hi:
+        return (f"measured noise: the baseline's {n} runs had one peak, {format_bytes(hi)}: no spread to allow, "
+                f"the default rule applies"), None
+    if not base:
+        return f"measured noise: the baseline's {n} runs peaked at {format_bytes(lo)} to {format_bytes(hi)}", None
+    change = f"peak {pct_cell(base, head) or '+0.0%'}"
+    span = f"the spread of {n} runs, {_span(base, lo, hi)} ({format_bytes(lo)} to {format_bytes(hi)})"
+    margin = thresholds.margin_text() if thresholds is not None else None
+    if lo <= head <= hi:
+        return f"measured noise: {change}: within {span}", f"within the spread of {n} runs, {_span(base, lo, hi)}"
+    if head < lo:
+        return f"measured noise: {change}: below {span}", None
+    allowed = hi + (thresholds.margin_bytes(base) if thresholds is not None else 0)
+    if margin is not None and head <= allowed:
+        return f"measured noise: {change}: above {span}, within the margin of {margin}", None
+    return f"measured noise: {change}: beyond {span}" + (f" and its margin of {margin}" if margin else ""), None
+
+
+MOVED_PCT = 1  # a figure moved when it changed by more than this percent of the base's
+
+
+def _moved(base: int, head: int) -> bool:
+    return abs(head - base) * 100 > MOVED_PCT * base
+
+
+def _reserved(d: DeviceDiff, gated: bool) -> Optional[str]:
+    """The reserved peak and fragmentation of both runs, and why reserved moved when allocated did
+    not; None when a run has no allocator segments (CPU captures, older baselines)."""
+    rb, rh = d.base_reserved_peak_bytes, d.head_reserved_peak_bytes
+    if rb is None or rh is None:
+        return None
+    fb, fh = d.base_fragmentation_bytes, d.head_fragmentation_bytes
+    frag = (f"; fragmentation at the peak (reserved minus allocated) {format_bytes(fb)} -> {format_bytes(fh)}"
+            if fb is not None and fh is not None else "")
+    line = (f"reserved by the caching allocator: peak {format_bytes(rb)} -> {format_bytes(rh)}, "
+            f"{change_text(rb, rh) if rh != rb else 'unchanged'}{frag}")
+    if _moved(rb, rh) and not _moved(d.base_peak_bytes, d.head_peak_bytes):
+        allocated = ("is unchanged" if d.peak_delta_bytes == 0
+                     else f"moved {format_bytes(d.peak_delta_bytes, signed=True)}, within {MOVED_PCT}%")
+        line += (f". Reserved moved while the allocated peak {allocated}: the tensors need the same memory, and "
+                 f"the allocator caches {'more' if rh > rb else 'fewer'} blocks no tensor holds (its pool's history: "
+                 f"the order of allocations and frees, block sizes, streams). "
+                 + ("The reserved limit judges it." if gated else
+                    "The gate judges allocated memory; --reserved-fail-over gates reserved memory too."))
+    return line
 
 
 def _shown(text: str, job: Optional[JobPart]) -> bool:
@@ -605,6 +707,7 @@ def _device_headline(r: DeviceReport) -> str:
         text = f"{moment} unchanged at {format_bytes(d.head_peak_bytes)}"
     else:
         text = f"{moment} {change_text(d.base_peak_bytes, d.head_peak_bytes)}"
+        text += f" ({r.noise_within})" if r.noise_within else ""
     moved = d.at == PEAK and d.base_peak_phase and d.head_peak_phase and d.base_peak_phase != d.head_peak_phase
     if moved:
         text += (f", now in {where_text(d.head_peak_phase, None)} "

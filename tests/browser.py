@@ -49,6 +49,7 @@ class Opened:
     tip_categories: List[str] = field(default_factory=list)  # the categories hovering the last timeline lists
     lanes: List[List[Dict[str, Any]]] = field(default_factory=list)  # each bar chart's lanes, top first
     ticks: Dict[str, List[List[Dict[str, Any]]]] = field(default_factory=dict)  # per view, each chart's, see TICKS
+    trends: List[Dict[str, Any]] = field(default_factory=list)  # each main-branch trend chart, see TRENDS
 
 
 # Each bar chart's lanes, top first: the label's text, the full site and category (its tooltip), its
@@ -71,6 +72,20 @@ TICKS = """() => [...document.querySelectorAll("svg.timeline")].map(svg => {
     return {text: t.textContent, inside: b.left >= box.left && b.right <= box.right,
             right: b.right, svg_right: box.right};
   });
+})"""
+
+
+# Each main-branch trend chart (--history): its points as drawn (centre in page pixels, the bytes
+# and tooltip they carry), this run's point, and whether every point lies inside the chart.
+TRENDS = """() => [...document.querySelectorAll("svg.trend")].map(svg => {
+  const box = svg.getBoundingClientRect();
+  const at = c => { const b = c.getBoundingClientRect();
+    return {x: (b.left + b.right) / 2, y: (b.top + b.bottom) / 2, bytes: Number(c.dataset.bytes),
+            commit: c.dataset.commit || null, title: c.querySelector("title").textContent,
+            inside: b.left >= box.left && b.right <= box.right && b.top >= box.top && b.bottom <= box.bottom}; };
+  return {width: box.width, height: box.height, points: [...svg.querySelectorAll("circle.trend-point")].map(at),
+          head: at(svg.querySelector("circle.trend-head")),
+          line: svg.querySelector("polyline.trend-main").getAttribute("points").trim().split(/\\s+/).length};
 })"""
 
 
@@ -107,6 +122,7 @@ def open_report(report: Path, screenshot: Optional[Path] = None, executable: Opt
             seen.areas = [[a.get_attribute("data-category") or "" for a in svg.query_selector_all("path.area")]
                           for svg in page.query_selector_all("svg.timeline")]
             seen.lanes = page.evaluate(LANES)
+            seen.trends = page.evaluate(TRENDS)
             timelines = page.query_selector_all("svg.timeline")
             if timelines:
                 timelines[-1].hover()

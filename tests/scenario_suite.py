@@ -79,7 +79,10 @@ COMPILED = {
     "gpt-compile": ("gpt", ["--compile", "--steps", "2", "--seq", "64"]),
     "gpt-compile-seq128": ("gpt", ["--compile", "--steps", "2", "--seq", "128"]),
 }
-SCENARIOS: Dict[str, Tuple[str, List[str]]] = {**BASES, **CHANGES, **EDGE_BASES, **EDGES, **COMPILED}
+# Issue 37: repeats of one loop whose memory depends on the data (each batch its own sequence
+# length, drawn with a different seed per run, as data order differs between runs): a real spread.
+REPEATS = {f"gpt2-repeat-{k}": ("gpt2", ["--lengths-seed", str(k)]) for k in (1, 2, 3)}
+SCENARIOS: Dict[str, Tuple[str, List[str]]] = {**BASES, **CHANGES, **EDGE_BASES, **EDGES, **COMPILED, **REPEATS}
 
 # PyTorch's data-flow categories in memdiff's terms.
 PYTORCH_TO_MEMDIFF = {"temporary": "autograd", "autograd_detail": "autograd", "unknown": "other", None: "other"}

@@ -32,7 +32,7 @@ def action(tmp_path):
         env = {**os.environ, "GITHUB_OUTPUT": str(outputs),
                "RUNNER_TEMP": str(tmp_path), "GITHUB_STEP_SUMMARY": str(tmp_path / "summary.md"),
                "HEAD": "", "BASE": "", "BASELINE": "", "FAIL_OVER": "", "FAIL_OVER_PCT": "", "CATEGORY_FAIL_OVER": "",
-               "PHASE_FAIL_OVER": "", "REQUIRE_BASELINE": "true", "MIN_DELTA": "", "RULES": "", "TOP": "5", "HTML": "false",
+               "PHASE_FAIL_OVER": "", "HISTORY": "", "HISTORY_POINTS": "20", "REQUIRE_BASELINE": "true", "MIN_DELTA": "", "RULES": "", "TOP": "5", "HTML": "false",
                "MEMDIFF": str(shim), "GITHUB_JOB": "memory", "ARTIFACT_NAME": "", "COMMENT_TITLE": "memdiff",
                **{k.upper(): v for k, v in inputs.items()}}
         done = subprocess.run(["bash", "-c", compare_script()], cwd=cwd, env=env, capture_output=True, text=True)
@@ -179,3 +179,22 @@ def test_the_action_installs_memdiff_with_its_dependencies_pinned():
     for package, markers in pins.items():
         assert markers in ([""], ['python_version >= "3.11"', 'python_version < "3.11"'],
                            ['python_version < "3.11"']), (package, markers)
+
+
+@pytest.mark.slow  # runs the action's steps
+def test_the_history_input_puts_the_trend_in_the_comment(action, shared, tmp_path):
+    (tmp_path / "baselines").mkdir()
+    run = tmp_path / "train.pickle"
+    run.write_bytes((shared / "linear-grad.pickle").read_bytes())
+    memdiff = [sys.executable, "-m", "memdiff"]
+    assert subprocess.run([*memdiff, "baseline", "train.pickle", "-o", "baselines/train.json"], cwd=tmp_path).returncode == 0
+    outputs, log = action(tmp_path, head="train.pickle", baseline="baselines", history="main.jsonl")
+    assert outputs["exit-code"] == "0" and "history 'main.jsonl' does not exist yet" in log
+    for sha in ("a" * 40, "b" * 40):
+        assert subprocess.run([*memdiff, "history", "append", "train.pickle", "--to", "main.jsonl", "--commit", sha],
+                              cwd=tmp_path).returncode == 0
+    outputs, log = action(tmp_path, head="train.pickle", baseline="baselines", history="main.jsonl")
+    assert outputs["exit-code"] == "0"
+    report = open(outputs["report"]).read()
+    assert "#### Peak on the main branch" in report
+    assert "train, device 0: the last 2 peaks on main" in report and f"latest 4.13 GiB at {'b' * 12}" in report

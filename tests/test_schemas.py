@@ -184,3 +184,27 @@ def test_a_diff_with_memory_kept_from_earlier_steps_matches_diff_schema(write_sn
     doc = validate("diff", cli_json(capsys, base, head, "--format", "json"))
     kept = doc["devices"][0]["kept"]
     assert kept is not None and kept["head_bytes"] > kept["base_bytes"] and kept["rows"]
+
+
+def test_a_baseline_of_repeats_a_history_and_their_gate_match_their_schemas(tmp_path, capsys, validate):
+    """Issue 37's files: a spread (baseline version 2), reserved figures, history lines, trends."""
+    cuda = Path(__file__).parent / "data" / "cuda"
+    runs = [cuda / "gpt2-base.pickle.gz", cuda / "gpt2-autocast.pickle.gz", cuda / "gpt2-clip.pickle.gz"]
+    stored = tmp_path / "gpt2.json"
+    assert main(["baseline", *map(str, runs), "-o", str(stored), "--noise-margin", "2%",
+                 "--reserved-fail-over", "10%"]) == 0
+    doc = validate("baseline", json.loads(stored.read_text()))
+    assert doc["schema_version"] == 2 and doc["devices"][0]["spread"]["runs"] == 3
+    assert doc["devices"][0]["reserved_peak_bytes"] > doc["devices"][0]["peak_bytes"]
+    history = tmp_path / "main.jsonl"
+    for k, run in enumerate(runs[:2]):
+        assert main(["history", "append", str(run), "--to", str(history), "--commit", f"{k}" * 40,
+                     "--workload", "gpt2"]) == 0
+    for line in history.read_text().splitlines():
+        validate("history", json.loads(line))
+    capsys.readouterr()
+    docs = validate("gate", cli_json(capsys, "gate", cuda / "gpt2-batch8.pickle.gz", "--baseline", stored,
+                                     "--history", history, "--format", "json"))
+    assert docs[0]["verdict"] == "fail" and len(docs[0]["trends"][0]["points"]) == 2
+    assert docs[0]["devices"][0]["head_reserved_peak_bytes"] is not None
+    validate("summary", cli_json(capsys, "summarize", runs[0]))

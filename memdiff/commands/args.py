@@ -54,6 +54,30 @@ def add_threshold_arguments(p: argparse.ArgumentParser) -> None:
                         "exceeded (default without either: 1%% and 64MiB)")
 
 
+def limit_arg(text: str) -> Limit:
+    """argparse type for one part of a limit: a percent (`1%`) or a size (`32MiB`)."""
+    try:
+        return parse_limit(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def add_noise_arguments(p: argparse.ArgumentParser) -> None:
+    """--noise-margin and --reserved-fail-over, shared by baseline and gate."""
+    p.add_argument("--noise-margin", type=limit_arg, metavar="LIMIT",
+                   help="over a baseline made from repeated runs whose peaks differ, the default rule fails a peak "
+                        "past the runs' highest by more than LIMIT (a percent of the baseline's peak, or a size; "
+                        "default: 1%%); a run inside the measured spread always passes")
+    add_reserved_argument(p)
+
+
+def add_reserved_argument(p: argparse.ArgumentParser) -> None:
+    """--reserved-fail-over: a limit on the caching allocator's reserved peak."""
+    p.add_argument("--reserved-fail-over", type=limit_arg, action="append", default=[], metavar="LIMIT",
+                   help="also fail when the caching allocator's reserved peak grows by more than LIMIT (a size or "
+                        "a percent; give it twice for both); by default the gate judges allocated memory only")
+
+
 def add_rules_arguments(p: argparse.ArgumentParser) -> None:
     """--rules and --custom-profile: user category rules, ranked above the built-in ones."""
     p.add_argument("--rules", action="append", default=[], metavar="FILE",
@@ -124,7 +148,18 @@ def thresholds_from(args: argparse.Namespace, rules: Sequence[Rule], stored: Opt
     check_categories(categories, rules, "--category-fail-over")
     if stored is not None:
         check_categories(stored.categories, rules, stored_from)
-    return thresholds_over(stored, args.fail_over, args.fail_over_pct, categories, phase_limits(args.phase_fail_over))
+    return thresholds_over(stored, args.fail_over, args.fail_over_pct, categories, phase_limits(args.phase_fail_over),
+                           getattr(args, "noise_margin", None), reserved_limit(getattr(args, "reserved_fail_over", [])))
+
+
+def reserved_limit(parts: Sequence[Limit]) -> Optional[Limit]:
+    """--reserved-fail-over's parts as one limit (a size and a percent: both must be exceeded); None when not given."""
+    reserved = None
+    for part in parts:
+        old = reserved or Limit()
+        reserved = Limit(old.fail_over_bytes if part.fail_over_bytes is None else part.fail_over_bytes,
+                         old.fail_over_pct if part.fail_over_pct is None else part.fail_over_pct)
+    return reserved
 
 
 def add_report_arguments(p: argparse.ArgumentParser) -> None:

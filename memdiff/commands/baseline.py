@@ -13,6 +13,7 @@ from memdiff.classify import Rule, check_categories
 from memdiff.commands.args import (
     add_category_threshold_argument,
     add_job_arguments,
+    add_noise_arguments,
     add_phase_threshold_argument,
     add_rules_arguments,
     add_threshold_arguments,
@@ -32,8 +33,10 @@ DESCRIPTION = ("Write a baseline of SNAPSHOT to FILE, atomically. Updating an ex
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The subcommand's arguments."""
-    p.add_argument("snapshot", nargs="?", help="snapshot or summary to take the baseline from, or a job (a folder "
-                                               "or glob of rank files): one baseline holding every rank")
+    p.add_argument("snapshot", nargs="*", metavar="SNAPSHOT",
+                   help="snapshot or summary to take the baseline from, or a job (a folder or glob of rank files): "
+                        "one baseline holding every rank. Several runs are repeats of one workload: the baseline "
+                        "stores the median run and the spread of all, which the default rule then allows")
     p.add_argument("-o", "--output", metavar="FILE", help="baseline file to create or update")
     p.add_argument("--name", help="baseline name (default: kept when updating, else the file's stem)")
     p.add_argument("--git-sha", metavar="SHA", help="commit the run was made from, stored for reviewers")
@@ -41,6 +44,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_threshold_arguments(p)
     add_category_threshold_argument(p)
     add_phase_threshold_argument(p)
+    add_noise_arguments(p)
     add_rules_arguments(p)
     add_job_arguments(p)
 
@@ -64,11 +68,16 @@ def _check(path: str, rules: List[Rule]) -> int:
     return EXIT_BAD_INPUT if broken else EXIT_OK
 
 
-def _summaries(args: argparse.Namespace, rules: List[Rule]) -> Union[Summary, Dict[int, Summary]]:
-    """The run's summary, or a job's summaries by rank."""
-    if not is_job(args.snapshot):
-        return read_summary(args.snapshot, rules)
-    files = job_from(args, args.snapshot, finished=True).files
+def _summaries(args: argparse.Namespace, rules: List[Rule]) -> Union[Summary, Dict[int, Summary], List[Summary]]:
+    """The run's summary, a job's summaries by rank, or the summaries of repeated runs."""
+    if len(args.snapshot) > 1:
+        if any(is_job(s) for s in args.snapshot):
+            raise InputError(next(s for s in args.snapshot if is_job(s)),
+                             "a baseline from repeats takes runs, not jobs: give one job, or several run files")
+        return [read_summary(s, rules) for s in args.snapshot]
+    if not is_job(args.snapshot[0]):
+        return read_summary(args.snapshot[0], rules)
+    files = job_from(args, args.snapshot[0], finished=True).files
     return dict(zip([f.rank for f in files], summarize_ranks(files, rules, args.dask)))
 
 
@@ -88,6 +97,11 @@ def run(args: argparse.Namespace) -> int:
             (d["peak_bytes"] for r in baseline.ranks for d in r["devices"]), default=0))
     else:
         peaks = ", ".join(f"device {d['device']} peak {format_bytes(d['peak_bytes'])}" for d in baseline.devices)
+    spreads = baseline.spreads()
+    if spreads:
+        peaks += "; " + ", ".join(f"device {k} spread over {sp.runs} runs {format_bytes(sp.peak.min)} to "
+                                  f"{format_bytes(sp.peak.max)}" for k, sp in spreads.items())
+    noisy = next((sp.runs for sp in spreads.values() if sp.peak.max > sp.peak.min), None)
     print(f"memdiff: {'updated' if existed else 'wrote'} {args.output}: baseline {name!r}, {peaks}; "
-          f"{thresholds.describe()}", file=sys.stderr)
+          f"{thresholds.describe(noisy)}", file=sys.stderr)
     return 0

@@ -13,10 +13,12 @@ from memdiff.commands.args import (
     add_html_argument,
     add_job_arguments,
     add_report_arguments,
+    add_reserved_argument,
     add_rules_arguments,
     add_threshold_arguments,
     job_from,
     publisher_from,
+    reserved_limit,
     rules_from,
 )
 from memdiff.differ import MOMENTS, PEAK
@@ -43,6 +45,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_report_arguments(p)
     add_html_argument(p)
     add_threshold_arguments(p)
+    add_reserved_argument(p)
     add_rules_arguments(p)
     add_github_arguments(p)
     add_job_arguments(p)
@@ -77,8 +80,9 @@ def run(args: argparse.Namespace) -> int:
         check_output(args.html)
     publisher = publisher_from(args)  # its --report checked before the runs are read
     base, head = _sides(args, rules)
-    report = compare(base, head, Settings(thresholds=Thresholds(peak=Limit.from_options(args.fail_over,
-                                                                                         args.fail_over_pct)),
+    thresholds = Thresholds(peak=Limit.from_options(args.fail_over, args.fail_over_pct),
+                            reserved=reserved_limit(args.reserved_fail_over))
+    report = compare(base, head, Settings(thresholds=thresholds,
                                           at=args.at, top=args.top, min_delta=args.min_delta))
     sys.stdout.write(render(report, args.format))
     if args.html is not None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 from memdiff.atomic import check_output, make_folder
 from memdiff.baseline import Baseline, baseline_path_for, comparable_pair, read_baseline, stem
@@ -15,10 +15,12 @@ from memdiff.commands.args import (
     add_github_arguments,
     add_html_argument,
     add_job_arguments,
+    add_noise_arguments,
     add_phase_threshold_argument,
     add_report_arguments,
     add_rules_arguments,
     add_threshold_arguments,
+    count_arg,
     job_from,
     publisher_from,
     rules_from,
@@ -29,10 +31,11 @@ from memdiff.errors import EXIT_BAD_INPUT, EXIT_OK, EXIT_REGRESSION, InputError,
 from memdiff.inert import baseline_command, md_code, text
 from memdiff.inputs import read_summary
 from memdiff.job import is_job, ranges, summarize_ranks
-from memdiff.model import Summary
+from memdiff.model import Summary, TrendEntry
 from memdiff.render import render
 from memdiff.render.json import dumps
 from memdiff.report import Report, Run, Settings, compare
+from memdiff.trend import DEFAULT_POINTS, read_history
 
 DESCRIPTION = ("Compare each run with its baseline under the baseline's thresholds (flags override them) "
                "and print the report and one line per threshold. Exit 0 pass, 1 regression, 2 bad input.")
@@ -53,8 +56,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_threshold_arguments(p)
     add_category_threshold_argument(p)
     add_phase_threshold_argument(p)
+    add_noise_arguments(p)
     add_rules_arguments(p)
     add_github_arguments(p)
+    p.add_argument("--history", metavar="FILE",
+                   help="the main branch's history (`memdiff history append`): the reports show each workload's "
+                        "last peaks on main (the baseline's name) as a trend, with this run's point after them")
+    p.add_argument("--history-points", type=count_arg, default=DEFAULT_POINTS, metavar="N",
+                   help=f"main-branch peaks a trend shows (default: {DEFAULT_POINTS})")
     add_job_arguments(p)
 
 
@@ -94,8 +103,18 @@ def _html_paths(path: str, runs: List[str]) -> Dict[str, str]:
     return {run: os.path.join(path, f"{stem(run)}.html") for run in runs}
 
 
+def _trend_label(args: argparse.Namespace) -> Optional[str]:
+    """What names this run's point in a trend: --head-label, else with --github the pull request's head commit."""
+    if args.head_label or not args.github:
+        return args.head_label
+    from memdiff.github import event_labels
+
+    head = event_labels(os.environ)[1]
+    return f"this PR ({head})" if head else None
+
+
 def _gate(args: argparse.Namespace, snap: str, path: str, baseline: Baseline, rules: List[Rule],
-          history: bool) -> Report:
+          with_history: bool, history: Optional[List[TrendEntry]] = None) -> Report:
     """One run, or each rank of a job, against its baseline under the baseline's thresholds.
 
     A rank the baseline has and the run lacks fails the gate (a crashed rank must not pass); a
@@ -104,16 +123,18 @@ def _gate(args: argparse.Namespace, snap: str, path: str, baseline: Baseline, ru
     settings = Settings(thresholds=thresholds, top=args.top, min_delta=args.min_delta,
                         update_hint=baseline_command(snap, path), base_label=baseline.label(),
                         run=snap, baseline=path, missing_ranks_fail=not args.allow_missing_ranks,
-                        unbaselined_ranks_fail=args.require_baseline)
+                        unbaselined_ranks_fail=args.require_baseline, spreads=baseline.spreads(),
+                        history=history, workload=baseline.name, trend_points=args.history_points,
+                        trend_label=_trend_label(args))
     if not is_job(snap):
-        base, head = comparable_pair(path, baseline, read_summary(snap, rules, history=history))
+        base, head = comparable_pair(path, baseline, read_summary(snap, rules, history=with_history))
         return compare([Run(base)], [Run(head)], settings)
     if baseline.ranks is None:
         raise InputError(path, f"is the baseline of one run and {snap} is a job: make a job baseline with "
                                f"`{baseline_command(snap, path)}`")
     files = job_from(args, snap, finished=True).files
     base_runs, head_runs = [], []
-    for f, summary in zip(files, summarize_ranks(files, rules, args.dask, history)):
+    for f, summary in zip(files, summarize_ranks(files, rules, args.dask, with_history)):
         stored = baseline.of_rank(f.rank)
         if stored is None:
             head_runs.append(Run(summary, f.rank))
@@ -139,8 +160,9 @@ def run(args: argparse.Namespace) -> int:
     status = EXIT_OK
     documents = []
     publisher = publisher_from(args, expected=len(pairs))
+    history = read_history(args.history) if args.history is not None else None
     for snap, path in pairs:
-        report = _gate(args, snap, path, read_baseline(path), rules, history=snap in html_paths)
+        report = _gate(args, snap, path, read_baseline(path), rules, snap in html_paths, history)
         status = status or (EXIT_OK if report.passed else EXIT_REGRESSION)
         if snap in html_paths:
             write_html(html_paths[snap], report)

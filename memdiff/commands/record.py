@@ -18,9 +18,11 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import memdiff
 from memdiff.atomic import check_folder, check_output, commit, temporary_name
+from memdiff.baseline import stem
 from memdiff.capture import STACKS, StepWindow, parse_steps, record, recorded_nothing
 from memdiff.commands.args import count_arg
 from memdiff.errors import EXIT_BAD_INPUT, InputError
+from memdiff.inert import shell
 from memdiff.job import MAX_RANKS, rank_of, rank_patterns
 from memdiff.load import decode
 from memdiff.manifest import MANIFEST, clear_statuses, collect, write_manifest
@@ -53,6 +55,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "5th optimizer.step() and the forward and backward before each): recording starts once "
                         "START steps have run and the file is written once STOP have, so a long job gives a small "
                         "file. Steps are counted by torch's global optimizer step hook, in every process with -o DIR/")
+    p.add_argument("--repeat", type=count_arg, default=1, metavar="N",
+                   help="run the script N times, each in a fresh process, writing FILE's stem -1, -2, ... "
+                        "(runs/train.pickle: runs/train-1.pickle ...): repeats for `memdiff baseline RUN1 RUN2 ...`, "
+                        "which gates with their measured spread")
     p.add_argument("command", nargs=argparse.REMAINDER,
                    help="-- python SCRIPT ARGS | -- python -m MODULE ARGS "
                         "| with -o DIR/, any launcher: -- torchrun ...")
@@ -236,8 +242,43 @@ def _run_launcher(args: argparse.Namespace) -> int:
     return status or (EXIT_BAD_INPUT if outcome.lost else 0)
 
 
+def repeat_paths(output: str, n: int) -> List[str]:
+    """Where each of `n` repeats goes: `runs/train.pickle` -> `runs/train-1.pickle`, ... (the
+    suffixes kept, as `stem` reads them)."""
+    folder, name = os.path.split(output)
+    base = stem(name)
+    rest = name[len(base):]
+    return [os.path.join(folder, f"{base}-{k}{rest}") for k in range(1, n + 1)]
+
+
+def _run_repeats(args: argparse.Namespace) -> int:
+    """Record the script `args.repeat` times, each in a process of its own (a second run in the
+    same process would find modules imported and the allocator's pool warm: no repeat at all)."""
+    if is_folder(args.output):
+        raise InputError(args.output, "--repeat records one script to a file: give -o FILE (a job's ranks are "
+                                      "repeats enough in themselves)")
+    _target(args.command)  # checked before the first run
+    paths = repeat_paths(args.output, args.repeat)
+    for path in paths:
+        check_output(path, in_place=False, make_folder=True)
+    command = args.command[1:] if args.command and args.command[0] == "--" else args.command
+    for k, path in enumerate(paths, 1):
+        window = ["--steps", str(args.steps)] if args.steps else []
+        done = subprocess.run([sys.executable, "-m", "memdiff", "record", "-o", path, "--max-entries",
+                               str(args.max_entries), "--stacks", args.stacks, *window, "--", *command])
+        if done.returncode:
+            print(f"memdiff: run {k} of {args.repeat} exited {done.returncode}: the repeats stop there",
+                  file=sys.stderr)
+            return done.returncode
+    print(f"memdiff: recorded {args.repeat} repeats; make their baseline with `memdiff baseline "
+          f"{' '.join(shell(p) for p in paths)} -o {shell(f'baselines/{stem(args.output)}.json')}`", file=sys.stderr)
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     """Record the target and report where the snapshot went."""
+    if args.repeat > 1:
+        return _run_repeats(args)
     if is_folder(args.output):
         return _run_launcher(args)
     target = _target(args.command)

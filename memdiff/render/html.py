@@ -25,6 +25,7 @@ from memdiff.model import DeviceSummary, Frame, Summary
 from memdiff.peak import DevicePeak, PeakRow
 from memdiff.render.table import row_table
 from memdiff.report import STACK_FRAMES, DeviceReport, Report, ShownRow, Table, frame_line
+from memdiff.trend import TREND_HEADERS, Trend
 from memdiff.units import format_bytes
 
 
@@ -145,6 +146,53 @@ def _like_for_like(d: DeviceReport) -> List[str]:
     return out
 
 
+TREND_WIDTH, TREND_HEIGHT, TREND_PAD = 640, 150, 14  # the trend chart's drawing box, in SVG units
+
+
+def _trend_svg(t: Trend) -> str:
+    """The main-branch peaks as a line of points, oldest on the left, and this run's point after
+    them, marked; each point's commit, date and peak in its tooltip (the table's figures)."""
+    values = [p.peak_bytes for p in t.points] + [t.head_bytes]
+    lo, hi = min(values), max(values)
+    step = (TREND_WIDTH - 2 * TREND_PAD) / max(1, len(values) - 1)
+
+    def y(v: int) -> float:  # the lowest peak at the bottom, the highest at the top; all equal: the middle
+        if hi == lo:
+            return TREND_HEIGHT / 2
+        return TREND_HEIGHT - TREND_PAD - (v - lo) / (hi - lo) * (TREND_HEIGHT - 2 * TREND_PAD)
+    xy = [(TREND_PAD + k * step, y(v)) for k, v in enumerate(values)]
+    rows = list(reversed(t.rows[1:]))  # oldest first, as the points
+    line = " ".join(f"{x:.1f},{yy:.1f}" for x, yy in xy[:-1])
+    out = [f'<svg class="trend" role="img" viewBox="0 0 {TREND_WIDTH} {TREND_HEIGHT}" width="{TREND_WIDTH}" '
+           f'height="{TREND_HEIGHT}" data-device="{t.device}" aria-label="{html.escape(t.text)}">',
+           f'<polyline class="trend-main" fill="none" points="{line}"></polyline>',
+           f'<line class="trend-step" x1="{xy[-2][0]:.1f}" y1="{xy[-2][1]:.1f}" x2="{xy[-1][0]:.1f}" '
+           f'y2="{xy[-1][1]:.1f}"></line>']
+    for (x, yy), p, row in zip(xy, t.points, rows):
+        out.append(f'<circle class="trend-point" cx="{x:.1f}" cy="{yy:.1f}" r="3.5" '
+                   f'data-commit="{html.escape(p.commit)}" data-bytes="{p.peak_bytes}">'
+                   f"<title>{html.escape(f'{row[0]} {row[1]}: {row[2]}')}</title></circle>")
+    head = t.rows[0]
+    out.append(f'<circle class="trend-head" cx="{xy[-1][0]:.1f}" cy="{xy[-1][1]:.1f}" r="6" '
+               f'data-bytes="{t.head_bytes}"><title>{html.escape(f"{head[0]}: {head[2]}, {head[3]}")}</title>'
+               "</circle>")
+    return "".join(out) + "</svg>"
+
+
+def _trends(report: Report) -> List[str]:
+    """The main-branch trend of each device (--history): the chart, the sentence, the table."""
+    if report.trends is None:
+        return []
+    out = ['<section class="trends">', "<h2>Peak on the main branch</h2>"]
+    for t in report.trends:
+        out += [f"<h3>{html.escape(t.workload)}, device {t.device}</h3>", _trend_svg(t),
+                f'<p class="trend-text">{html.escape(t.text)}</p>',
+                _table(TREND_HEADERS, t.rows, left=(0, 1), attrs=[' class="trend-head-row"'])]
+    if report.trend_note:
+        out.append(f'<p class="muted">{html.escape(report.trend_note)}</p>')
+    return out + ["</section>"]
+
+
 def render_diff(report: Report) -> str:
     """The diff (or gate) report as one self-contained HTML page; a job's shows its worst rank."""
     shown = report.shown
@@ -164,7 +212,7 @@ def render_diff(report: Report) -> str:
     head_devices = {d.device: d for d in shown.head.devices}
     for d in report.devices:
         body.append(f"<h2>{html.escape(d.heading)}</h2>")
-        body += [f"<p>{html.escape(line)}</p>" for line in (d.where, d.kept) if line]
+        body += [f"<p>{html.escape(line)}</p>" for line in d.lines]
         body += _like_for_like(d)
         body.append(_charts(d.device))
         if d.phases is not None:
@@ -176,6 +224,7 @@ def render_diff(report: Report) -> str:
                         "runs": [_run("base", base_name, base_devices.get(d.device)),
                                  _run("head", head_name, head_devices.get(d.device))],
                         "rows": {f"r{k}": _row_data(r) for k, r in enumerate(d.rows)}})
+    body += _trends(report)
     return _page(title, body, {"kind": "diff", "devices": devices})
 
 
@@ -208,6 +257,7 @@ def render_peak(summary: Summary, peaks: List[DevicePeak]) -> str:
         where = f", in {where_text(d.phase_at_peak, d.step_at_peak)}" if d.phase_at_peak else ""
         body.append(f"<h2>device {d.device}: peak {html.escape(format_bytes(d.peak_bytes))}{html.escape(where)}; "
                     f"static {html.escape(format_bytes(d.static_bytes))}</h2>")
+        body += [f"<p>reserved: {html.escape(p.reserved)}</p>"] if p.reserved else []
         body.append(_charts(d.device))
         body += ["<h3>Categories at the peak</h3>",
                  _table(["category", "bytes", "share"],

@@ -8,7 +8,8 @@ from typing import List, Optional, cast
 from memdiff.differ import GONE, GREW, NEW, SHRANK
 from memdiff.inert import md_cell, md_code, md_fence, md_text
 from memdiff.render.table import layout, row_table
-from memdiff.report import DeviceReport, Input, Report, Stack
+from memdiff.report import DeviceReport, Input, Report, Stack, Table
+from memdiff.trend import TREND_HEADERS
 from memdiff.units import count_of, format_bytes
 
 MARKERS = {NEW: "🆕 NEW", GREW: "🔺 GREW", SHRANK: "🔻 SHRANK", GONE: "✖️ GONE"}
@@ -75,7 +76,7 @@ def _chart(d: DeviceReport) -> List[str]:
 
 def _device(d: DeviceReport, o: Options) -> List[str]:
     lines = ["", f"#### {md_text(d.heading)}"]
-    lines += ["", *(md_text(line) for line in (d.where, d.kept) if line)]
+    lines += ["", *(md_text(line) for line in d.lines)]
     for t in (d.phases, d.categories):
         if t is not None:
             lines += ["", layout(t, "github", escape=md_cell)]
@@ -95,6 +96,21 @@ def _device(d: DeviceReport, o: Options) -> List[str]:
     return lines
 
 
+def _trends(report: Report) -> List[str]:
+    """The main-branch trend of each device (--history): a sparkline with this run's block after
+    it, in words, and every point in a folded table."""
+    if report.trends is None:
+        return []
+    lines = ["", "#### Peak on the main branch"]
+    for t in report.trends:
+        lines += ["", f"{md_code(t.sparkline)} → **{md_code(t.head_block)}** {md_text(t.text)}", "",
+                  f"<details><summary>The last {len(t.points)} peaks of {md_text(t.workload)} on main, "
+                  f"device {t.device}</summary>", "",
+                  layout(Table(TREND_HEADERS, t.rows, left=[0, 1]), "github", escape=md_cell), "", "</details>"]
+    lines += ["", md_text(report.trend_note)] if report.trend_note else []
+    return lines
+
+
 def render_diff(report: Report, options: Optional[Options] = None) -> str:
     """The report in GitHub-flavoured markdown: the verdict and headline first, details folded."""
     o = options or Options()
@@ -111,6 +127,7 @@ def render_diff(report: Report, options: Optional[Options] = None) -> str:
         lines += ["", "> [!WARNING]", *(f"> {md_text(w)}  " for w in report.warnings)]
     for d in report.devices:
         lines += _device(d, o)
+    lines += _trends(report)
     lines += ["", f"**Rule:** {md_text(report.rule)}", ""] if report.rule else []
     lines += [f"- {'✅' if c.passed else '❌'} {md_text(c.text)}" for c in report.check_lines]
     lines += ["", *(md_text(n) for n in report.notes)] if report.notes else []

@@ -52,6 +52,8 @@ def _device_block(p: DevicePeak) -> List[str]:
     facts.append(("at dump", format_bytes(d.allocated_bytes_at_dump),
                   "allocated" + (f", {format_bytes(d.reserved_bytes_at_dump)} reserved by the caching allocator"
                                  if d.reserved_bytes_at_dump is not None else " (no caching allocator: CPU capture)")))
+    if p.reserved:
+        facts.append(("reserved", "", p.reserved))
     facts.append(("trace", f"{d.trace_events:,}", "events"))
     out.append(tabulate(facts, tablefmt="plain", colalign=("left", "right", "left")))
     if d.unmatched_free_count:
@@ -132,12 +134,19 @@ def render_stacks(report: Report) -> str:
 
 def _device(d: DeviceReport) -> List[str]:
     lines = ["", d.heading]
-    lines += [line for line in (d.where, d.kept) if line]
+    lines += d.lines
     for t in (d.phases, d.categories):
         if t is not None:
             lines += ["", layout(t, "simple")]
     lines += ["", layout(row_table(d), "simple")]
     return lines
+
+
+def _trends(report: Report) -> List[str]:
+    """The main-branch trend of each device (--history): the sparkline, this run's block after it."""
+    lines = [f"trend on main: {t.sparkline} > {t.head_block}  {t.text}" for t in report.trends or []]
+    lines += [f"trend on main: {report.trend_note}"] if report.trend_note else []
+    return ["", *lines] if lines else []
 
 
 def render_diff(report: Report) -> str:
@@ -152,6 +161,7 @@ def render_diff(report: Report) -> str:
     lines += [f"warning: {w}" for w in report.warnings]
     for d in report.devices:
         lines += _device(d)
+    lines += _trends(report)
     lines += ["", f"rule: {report.rule}"] if report.rule else []
     lines += [c.text for c in report.check_lines]
     lines += report.notes

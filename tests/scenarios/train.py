@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import random
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
@@ -137,7 +138,12 @@ def build(args: argparse.Namespace) -> Tuple[nn.Module, List[nn.Module], int, Ca
         classify = args.model in ("bert", "distilbert")
         labels = (lambda: torch.randint(0, 2, (b,))) if classify else (lambda: torch.randint(0, vocab, (b, s)))
 
+        lengths = random.Random(args.lengths_seed) if args.lengths_seed is not None else None
+
         def batch() -> Dict[str, torch.Tensor]:
+            if lengths is not None:  # data-dependent memory: each batch its own sequence length
+                n = lengths.randint(s // 2, s)
+                return {"input_ids": torch.randint(1, vocab, (b, n)), "labels": torch.randint(0, vocab, (b, n))}
             x = {"input_ids": torch.randint(1, vocab, (b, s)), "labels": labels()}
             if args.model == "t5":  # the decoder reads half as many tokens as the encoder
                 x["labels"] = torch.randint(1, vocab, (b, s // 2))
@@ -487,6 +493,9 @@ def main() -> None:
     p.add_argument("--compile", action="store_true",
                    help="torch.compile the model (Inductor), compiled by one forward and backward before recording")
     p.add_argument("--debug-projections", action="store_true", help="an abandoned Linear(h, 4h) per layer")
+    p.add_argument("--lengths-seed", type=int, default=None,
+                   help="each batch's sequence length drawn from [seq/2, seq] by a generator with this seed (Hugging "
+                        "Face text models): repeats of one loop whose memory depends on the data")
     p.add_argument("--vocab", type=int, default=VOCAB, help="vocabulary size of the Hugging Face models")
     p.add_argument("--positions", type=int, default=POSITIONS,
                    help="position embeddings of the Hugging Face models (at least --seq)")

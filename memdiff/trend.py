@@ -1,0 +1,164 @@
+"""trend: each workload's peaks on the main branch, commit after commit, and where a run stands.
+
+A history file is JSON Lines, one `TrendEntry` a line (schemas/history.schema.json), appended by
+`memdiff history append` on every push to the main branch and kept wherever the user likes (a
+branch, an artifact, a folder). The gate reads it with `--history` and its reports show the
+workload's last peaks on main as a trend with this run's point after them: a reviewer sees
+whether a +3% is new or the third in a row. Lines are kept in the order they were appended, the
+order of the pushes; dates are shown, never sorted on (clocks of CI machines disagree).
+(Not `history.py`: that module draws one run's memory over its trace.)
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import List, Optional, Sequence
+
+from memdiff import __version__
+from memdiff.atomic import check_output, make_folder, write_output
+from memdiff.errors import InputError, clip
+from memdiff.load import parse_json, read_small
+from memdiff.model import Summary, TrendDevice, TrendEntry
+from memdiff.schema import validate
+from memdiff.units import format_bytes
+
+HISTORY_SCHEMA_VERSION = 1
+DEFAULT_POINTS = 20  # main-branch peaks a trend shows
+BLOCKS = "▁▂▃▄▅▆▇█"  # a sparkline's eight heights
+TREND_HEADERS = ["commit", "date", "peak", "vs previous"]
+
+
+def now() -> str:
+    """UTC now, ISO 8601 to the second: `2026-11-24T18:02:11Z`."""
+    return datetime.now(timezone.utc).replace(microsecond=0).isoformat().replace("+00:00", "Z")
+
+
+def entry_of(summary: Summary, commit: str, workload: str, date: Optional[str] = None) -> TrendEntry:
+    """A run's line of a history: per device its peak, its categories at the peak and, with
+    allocator segments, its reserved peak. InputError for a run with no device memory."""
+    if not summary.devices:
+        raise InputError(summary.source.file, "the run records no device memory: nothing to keep in a history")
+    return TrendEntry(commit=commit, date=date or now(), workload=workload, tool=f"memdiff {__version__}",
+                      schema_version=HISTORY_SCHEMA_VERSION,
+                      devices=[TrendDevice(d.device, d.peak_bytes, dict(sorted(d.categories.items())),
+                                           d.reserved_peak_bytes) for d in summary.devices])
+
+
+def read_history(path: str) -> List[TrendEntry]:
+    """Every line of a history file, validated; InputError naming the line that is not one."""
+    text = read_small(path, "a history file")
+    entries = []
+    for n, line in enumerate(text.split(b"\n"), 1):
+        if not line.strip():
+            continue
+        where = f"{path}: line {n}"
+        doc = parse_json(where, line, allow_nan=False)
+        if isinstance(doc, dict) and doc.get("schema_version") != HISTORY_SCHEMA_VERSION and "schema_version" in doc:
+            raise InputError(where, f"history schema_version {clip(repr(doc['schema_version']))} is not one this "
+                                    f"memdiff reads ({HISTORY_SCHEMA_VERSION})")
+        entries.append(TrendEntry.from_dict(validate(where, doc, "history")))
+    return entries
+
+
+def append_entry(path: str, entry: TrendEntry) -> int:
+    """Add `entry` as the last line of the history at `path` (made when missing), atomically: the
+    file is read and checked first (a file that is no history is never written to), then
+    rewritten whole. Returns the number of lines the file now holds."""
+    import json
+
+    folder = os.path.dirname(path)
+    if folder and not os.path.lexists(folder):
+        make_folder(folder)
+    check_output(path)
+    old = b""
+    count = 0
+    if os.path.lexists(path):
+        if not os.path.isfile(path):
+            raise InputError(path, "is not a regular file: a history is a JSON Lines file")
+        count = len(read_history(path))
+        old = read_small(path, "a history file")
+        if old and not old.endswith(b"\n"):
+            old += b"\n"
+    line = json.dumps(entry.to_dict(), ensure_ascii=False, separators=(",", ":"))
+    write_output(path, old.decode("utf-8") + line + "\n")
+    return count + 1
+
+
+@dataclass
+class TrendPoint:
+    """One main-branch run of the workload on one device."""
+
+    commit: str
+    date: str
+    peak_bytes: int
+
+
+@dataclass
+class Trend:
+    """A workload's last peaks on main for one device, and this run after them, ready to show."""
+
+    workload: str
+    device: int
+    points: List[TrendPoint]  # oldest first
+    head_bytes: int
+    head_label: str  # what names this run's point: its commit, or `this run`
+    sparkline: str  # one block per main-branch point
+    head_block: str  # this run's block, on the same scale
+    text: str  # the trend in words
+    rows: List[List[str]] = field(default_factory=list)  # TREND_HEADERS, newest first, this run on top
+
+
+def sparkline(values: Sequence[int]) -> str:
+    """One of eight block heights per value, the lowest value at the bottom, the highest at the top
+    (all the middle height when they are equal)."""
+    lo, hi = min(values), max(values)
+    if hi == lo:
+        return BLOCKS[3] * len(values)
+    return "".join(BLOCKS[round((v - lo) * (len(BLOCKS) - 1) / (hi - lo))] for v in values)
+
+
+def _change(base: int, head: int) -> str:
+    if head == base:
+        return "unchanged"
+    pct = f" ({100 * (head - base) / base:+.1f}%)" if base else ""
+    return format_bytes(head - base, signed=True) + pct
+
+
+def trend_of(entries: Sequence[TrendEntry], workload: str, device: int, head_bytes: int,
+             head_label: Optional[str] = None, points: int = DEFAULT_POINTS) -> Optional[Trend]:
+    """The workload's last `points` main-branch peaks on `device` and this run's; None when the
+    history has none."""
+    found = [TrendPoint(e.commit, e.date, d.peak_bytes) for e in entries if e.workload == workload
+             for d in e.devices if d.device == device][-points:]
+    if not found:
+        return None
+    blocks = sparkline([p.peak_bytes for p in found] + [head_bytes])
+    latest = found[-1]
+    lo, hi = min(p.peak_bytes for p in found), max(p.peak_bytes for p in found)
+    label = head_label or "this run"
+    if head_bytes > hi:
+        standing = f"above all {len(found)}" if len(found) > 1 else "above it"
+    elif head_bytes < lo:
+        standing = f"below all {len(found)}" if len(found) > 1 else "below it"
+    else:
+        standing = "within their range" if len(found) > 1 else "the same"
+    moves = sum(1 for a, b in zip(found, found[1:]) if a.peak_bytes != b.peak_bytes)
+    last = "the last peak" if len(found) == 1 else f"the last {len(found)} peaks"
+    text = (f"{workload}, device {device}: {last} on main "
+            + (f"{format_bytes(lo)}" if lo == hi else f"ran from {format_bytes(lo)} to {format_bytes(hi)}")
+            + (f" (it moved at {moves} of {len(found) - 1} commits)" if len(found) > 1 else "")
+            + f"; latest {format_bytes(latest.peak_bytes)} at {latest.commit[:12]}; {label} "
+            f"{format_bytes(head_bytes)}, {_change(latest.peak_bytes, head_bytes)} against the latest, {standing}")
+    rows = [[label, "", format_bytes(head_bytes), _change(latest.peak_bytes, head_bytes)]]
+    for k in range(len(found) - 1, -1, -1):
+        p = found[k]
+        rows.append([p.commit[:12], p.date, format_bytes(p.peak_bytes),
+                     _change(found[k - 1].peak_bytes, p.peak_bytes) if k else ""])
+    return Trend(workload, device, found, head_bytes, label, blocks[:-1], blocks[-1], text, rows)
+
+
+def workloads(entries: Sequence[TrendEntry]) -> List[str]:
+    """The workloads a history holds, in the order they first appear."""
+    return list(dict.fromkeys(e.workload for e in entries))
