@@ -23,6 +23,8 @@ COMMANDS = {  # name: (module, one-line help); a module gives DESCRIPTION, add_a
     "baseline": ("memdiff.commands.baseline", "create or update a stored baseline, or --check a folder of them"),
     "summarize": ("memdiff.commands.summarize", "reduce a snapshot to its peak summary (JSON or text)"),
     "peak": ("memdiff.commands.peak", "show the peak, static memory and the top stacks live at the peak"),
+    "slice": ("memdiff.commands.slice",
+              "write one window of a big snapshot (steps, events or a time range) as a small snapshot"),
     "ranks": ("memdiff.commands.ranks",
               "compare the ranks of a distributed job: spread, roles, the heaviest rank's extra"),
     "forecast": ("memdiff.commands.forecast",

@@ -25,6 +25,7 @@ from memdiff.inputs import read_summary
 from memdiff.job import is_job, summarize_ranks
 from memdiff.model import Summary
 from memdiff.units import format_bytes
+from memdiff.window import add_window_arguments
 
 DESCRIPTION = ("Write a baseline of SNAPSHOT to FILE, atomically. Updating an existing file keeps its name "
                "and thresholds unless flags replace them. With --check, validate baseline files instead.")
@@ -43,6 +44,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_phase_threshold_argument(p)
     add_rules_arguments(p)
     add_job_arguments(p)
+    add_window_arguments(p)
 
 
 def _check(path: str, rules: List[Rule]) -> int:
@@ -67,9 +69,9 @@ def _check(path: str, rules: List[Rule]) -> int:
 def _summaries(args: argparse.Namespace, rules: List[Rule]) -> Union[Summary, Dict[int, Summary]]:
     """The run's summary, or a job's summaries by rank."""
     if not is_job(args.snapshot):
-        return read_summary(args.snapshot, rules)
+        return read_summary(args.snapshot, rules, window=args.window)
     files = job_from(args, args.snapshot, finished=True).files
-    return dict(zip([f.rank for f in files], summarize_ranks(files, rules, args.dask)))
+    return dict(zip([f.rank for f in files], summarize_ranks(files, rules, args.dask, window=args.window)))
 
 
 def run(args: argparse.Namespace) -> int:

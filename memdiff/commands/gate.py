@@ -33,6 +33,7 @@ from memdiff.model import Summary
 from memdiff.render import render
 from memdiff.render.json import dumps
 from memdiff.report import Report, Run, Settings, compare
+from memdiff.window import add_window_arguments
 
 DESCRIPTION = ("Compare each run with its baseline under the baseline's thresholds (flags override them) "
                "and print the report and one line per threshold. Exit 0 pass, 1 regression, 2 bad input.")
@@ -56,6 +57,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_rules_arguments(p)
     add_github_arguments(p)
     add_job_arguments(p)
+    add_window_arguments(p)
 
 
 def _pairs(args: argparse.Namespace) -> Tuple[List[Tuple[str, str]], List[Tuple[str, str]]]:
@@ -106,14 +108,14 @@ def _gate(args: argparse.Namespace, snap: str, path: str, baseline: Baseline, ru
                         run=snap, baseline=path, missing_ranks_fail=not args.allow_missing_ranks,
                         unbaselined_ranks_fail=args.require_baseline)
     if not is_job(snap):
-        base, head = comparable_pair(path, baseline, read_summary(snap, rules, history=history))
+        base, head = comparable_pair(path, baseline, read_summary(snap, rules, history=history, window=args.window))
         return compare([Run(base)], [Run(head)], settings)
     if baseline.ranks is None:
         raise InputError(path, f"is the baseline of one run and {snap} is a job: make a job baseline with "
                                f"`{baseline_command(snap, path)}`")
     files = job_from(args, snap, finished=True).files
     base_runs, head_runs = [], []
-    for f, summary in zip(files, summarize_ranks(files, rules, args.dask, history)):
+    for f, summary in zip(files, summarize_ranks(files, rules, args.dask, history, args.window)):
         stored = baseline.of_rank(f.rank)
         if stored is None:
             head_runs.append(Run(summary, f.rank))
