@@ -134,6 +134,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         return EXIT_BAD_INPUT
     argv, selected = with_default_command(argv)
     args = build_parser(selected).parse_args(argv)
+    from memdiff import progress
+
+    # JSON on stdout may be read from the terminal by a person or by a program: no line between.
+    json_out = getattr(args, "format", None) == "json" and not getattr(args, "output", None)
+    progress.enable(None if json_out else sys.stderr)
     try:
         return args.run(args)
     except InputError as exc:
