@@ -159,3 +159,21 @@ def test_a_summary_has_no_trace_to_window(write_snapshot, tmp_path, capsys):
     assert main(["summarize", src, "-o", out]) == 0
     assert main(["peak", out, "--steps", "0"]) == 2
     assert "keeps no trace" in capsys.readouterr().err
+
+
+def test_baseline_gate_and_ranks_take_the_window(write_snapshot, tmp_path, capsys):
+    src = write_snapshot(training(steps=3, leak=True))
+    base = str(tmp_path / "b.json")
+    assert main(["baseline", src, "-o", base, "--steps", "0"]) == 0
+    assert main(["gate", src, "--baseline", base, "--steps", "0", "--fail-over", "1KiB"]) == 0
+    # The leak's two more steps of activations, kept.
+    assert main(["gate", src, "--baseline", base, "--steps", "2", "--fail-over", "1KiB"]) == 1
+    job = tmp_path / "job"
+    job.mkdir()
+    for rank in (0, 1):
+        (job / f"rank{rank}.pickle").write_bytes(open(src, "rb").read())
+    capsys.readouterr()
+    assert main(["ranks", str(job), "--steps", "1", "--format", "json"]) == 0
+    ranks = json.loads(capsys.readouterr().out)
+    one = summarize(windowed(load(src), parse_window("steps", "1"))).devices[0].peak_bytes
+    assert ranks["max_bytes"] == ranks["median_bytes"] == one
