@@ -24,7 +24,7 @@ import numpy as np
 from memdiff.errors import InputError
 from memdiff.lifetimes import Scopes, build_timeline
 from memdiff.load import Snapshot, to_snapshot
-from memdiff.model import Source
+from memdiff.model import WINDOW_KEY, Source
 from memdiff.normalize import _dump_blocks, _Walk, devices_of
 
 KINDS = ("steps", "events", "time_us")
@@ -224,6 +224,7 @@ def cut(snapshot: Snapshot, window: Window) -> Dict[str, Any]:
     raw: Dict[str, Any] = {"segments": segments, "device_traces": out_traces,
                            "external_annotations": _annotations_in(snapshot.external_annotations,
                                                                    min(times, default=None), max(times, default=None))}
+    raw[WINDOW_KEY] = {"window": window.describe(), "of": snapshot.source.file}
     if snapshot.source.allocator_settings is not None:
         raw["allocator_settings"] = snapshot.source.allocator_settings
     return raw

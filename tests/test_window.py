@@ -177,3 +177,18 @@ def test_baseline_gate_and_ranks_take_the_window(write_snapshot, tmp_path, capsy
     ranks = json.loads(capsys.readouterr().out)
     one = summarize(windowed(load(src), parse_window("steps", "1"))).devices[0].peak_bytes
     assert ranks["max_bytes"] == ranks["median_bytes"] == one
+
+
+def test_peak_of_a_window_says_it_is_one(shared, tmp_path, capsys):
+    src = str(shared / "cs336-medium-ctx256-train.pickle")
+    out = str(tmp_path / "w.pickle")
+    assert main(["slice", src, "--events", "6000:12000", "-o", out]) == 0
+    assert raw_of(out)["memdiff_window"] == {"window": "--events 6000:12000", "of": "cs336-medium-ctx256-train.pickle"}
+    capsys.readouterr()
+    for argv in (["peak", out], ["peak", src, "--events", "6000:12000"]):
+        assert main(argv) == 0
+        text = capsys.readouterr().out
+        assert "live when the window began" in text and "this is a window of a longer trace" in text
+        assert "max_entries" not in text and "at dump" not in text
+    assert main(["peak", src]) == 0
+    assert "max_entries" in capsys.readouterr().out  # the full trace does start mid-run
