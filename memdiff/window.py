@@ -209,14 +209,13 @@ def cut(snapshot: Snapshot, window: Window) -> Dict[str, Any]:
         while len(out_traces) <= device:
             out_traces.append([])
         out_traces[device] = kept
-        if blocks:
-            blocks.sort(key=lambda blk: blk["address"])
-            low, high = blocks[0]["address"], blocks[-1]["address"] + blocks[-1]["size"]
-            total = sum(blk["size"] for blk in blocks)
-            # One segment holds them: the window's end is no dump, so there is no allocator state to show.
-            segments.append({"device": device, "address": low, "total_size": high - low, "allocated_size": total,
-                             "active_size": total, "requested_size": total, "stream": 0, "segment_type": "large",
-                             "blocks": blocks})
+        # A segment of its own for each: PyTorch's viewer places a segment's blocks one after another
+        # from its address (it reads no block address), and the window's end is no dump, so there
+        # is no allocator state to show anyway.
+        for blk in sorted(blocks, key=lambda blk: blk["address"]):
+            segments.append({"device": device, "address": blk["address"], "total_size": blk["size"],
+                             "allocated_size": blk["size"], "active_size": blk["size"],
+                             "requested_size": blk["size"], "stream": 0, "segment_type": "large", "blocks": [blk]})
     if not found:
         steps = sorted(seen)
         have = (f"steps {steps[0]} to {steps[-1]}" if len(steps) > 1 else f"step {steps[0]}") if steps else "no steps"

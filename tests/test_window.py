@@ -192,3 +192,38 @@ def test_peak_of_a_window_says_it_is_one(shared, tmp_path, capsys):
         assert "max_entries" not in text and "at dump" not in text
     assert main(["peak", src]) == 0
     assert "max_entries" in capsys.readouterr().out  # the full trace does start mid-run
+
+
+def viewer_blocks(raw: Dict[str, Any], device: int) -> List[Tuple[int, int]]:
+    """(address, requested bytes) of the active blocks as PyTorch's viewer places them: one after
+    another from their segment's address (MemoryViz's annotate_snapshot reads no block address)."""
+    out = []
+    for seg in raw["segments"]:
+        if seg["device"] != device:
+            continue
+        addr = seg["address"]
+        for b in seg["blocks"]:
+            if b["state"] == "active_allocated":
+                out.append((addr, b.get("requested_size", b["size"])))
+            addr += b["size"]
+    return out
+
+
+def test_the_viewer_places_carried_blocks_where_memdiff_does(shared, tmp_path):
+    out = str(tmp_path / "w.pickle")
+    assert main(["slice", str(shared / "cs336-medium-ctx256-train.pickle"), "--events", "6000:12000", "-o", out]) == 0
+    raw = raw_of(out)
+    by_address = sorted((b["address"], b["requested_size"]) for s in raw["segments"] for b in s["blocks"])
+    assert by_address and sorted(viewer_blocks(raw, 0)) == by_address
+
+
+@pytest.mark.slow
+def test_pytorchs_own_snapshot_tools_read_a_slice(torch, shared, tmp_path):
+    from torch.cuda import _memory_viz
+
+    out = str(tmp_path / "w.pickle")
+    assert main(["slice", str(shared / "cs336-medium-ctx128-train.pickle"), "--events", "2000:9000", "-o", out]) == 0
+    raw = raw_of(out)
+    assert "7000 entries" in _memory_viz.trace(raw)
+    assert f"segments: {len(raw['segments'])}" in _memory_viz.segsum(raw)
+    assert "<html" in _memory_viz.trace_plot(raw).lower()
