@@ -163,11 +163,13 @@ def _annotations_in(annotations: List[Any], first: Optional[int], last: Optional
         return list(annotations)
     ends: Dict[int, Optional[int]] = {}  # index of a START -> index of its END
     opened: Dict[Tuple[Any, Any], List[int]] = {}
+    # What Scopes reads (a named, timed dict); anything else it ignores, so the window drops it.
     timed = [(a["time_us"], k) for k, a in enumerate(annotations)
-             if isinstance(a, dict) and isinstance(a.get("time_us"), int)]
+             if isinstance(a, dict) and isinstance(a.get("time_us"), int) and isinstance(a.get("name"), str)]
     for _, k in sorted(timed):
         a = annotations[k]
-        key = (a.get("device"), a.get("name"))
+        device = a.get("device")
+        key = (device if isinstance(device, int) else None, a["name"])
         if a.get("stage") == "START":
             opened.setdefault(key, []).append(k)
             ends[k] = None
