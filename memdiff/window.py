@@ -21,6 +21,7 @@ from typing import Any, Dict, List, Optional, Set, Tuple
 
 import numpy as np
 
+from memdiff.differ import TRACE_BOOKKEEPING
 from memdiff.errors import InputError
 from memdiff.lifetimes import Scopes, build_timeline
 from memdiff.load import Snapshot, to_snapshot
@@ -226,8 +227,10 @@ def cut(snapshot: Snapshot, window: Window) -> Dict[str, Any]:
                            "external_annotations": _annotations_in(snapshot.external_annotations,
                                                                    min(times, default=None), max(times, default=None))}
     raw[WINDOW_KEY] = {"window": window.describe(), "of": snapshot.source.file}
-    if snapshot.source.allocator_settings is not None:
-        raw["allocator_settings"] = snapshot.source.allocator_settings
+    settings = snapshot.source.allocator_settings
+    if settings is not None:
+        # A window starts where it was cut, not where a ring buffer wrapped: its own start is no loss.
+        raw["allocator_settings"] = {k: v for k, v in settings.items() if k not in TRACE_BOOKKEEPING}
     return raw
 
 

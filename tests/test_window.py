@@ -227,3 +227,12 @@ def test_pytorchs_own_snapshot_tools_read_a_slice(torch, shared, tmp_path):
     assert "7000 entries" in _memory_viz.trace(raw)
     assert f"segments: {len(raw['segments'])}" in _memory_viz.segsum(raw)
     assert "<html" in _memory_viz.trace_plot(raw).lower()
+
+
+def test_a_window_drops_the_ring_buffer_bookkeeping(write_snapshot, tmp_path):
+    snap = training(steps=2)
+    snap["allocator_settings"] = {"trace_alloc_overflowed": True, "trace_alloc_max_entries": 100,
+                                  "expandable_segments": True}
+    out = str(tmp_path / "w.pickle")
+    assert main(["slice", write_snapshot(snap), "--steps", "1", "-o", out]) == 0
+    assert raw_of(out)["allocator_settings"] == {"expandable_segments": True}
