@@ -10,6 +10,7 @@ import os
 from concurrent.futures import ProcessPoolExecutor
 from typing import TYPE_CHECKING, Any, Callable, List, Optional, Sequence, TypeVar
 
+from memdiff import progress
 from memdiff.classify import Rule, classify
 from memdiff.errors import InputError, version_shown
 from memdiff.load import decode, paused_gc, to_snapshot
@@ -107,7 +108,8 @@ def read_each(read: Callable[..., T], calls: Sequence[Sequence[Any]]) -> List[T]
     workers = worker_count(sizes)
     if workers < 2 or sum(sizes) < PARALLEL_MIN_BYTES:
         return [read(*c) for c in calls]
-    with ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+    with ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn"),
+                             initializer=progress.in_worker, initargs=(progress.enabled(),)) as pool:
         futures = [pool.submit(read, *c) for c in calls]
         return [f.result() for f in futures]
 

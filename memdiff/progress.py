@@ -7,6 +7,7 @@ caller, a pipe, a log file or a worker process never gets one.
 from __future__ import annotations
 
 import os
+import sys
 import time
 from typing import Optional, TextIO
 
@@ -22,6 +23,18 @@ def enable(stream: Optional[TextIO]) -> None:
     """Show progress lines on `stream` when it is a terminal (None: never)."""
     global _stream
     _stream = stream if stream is not None and _isatty(stream) else None
+
+
+def enabled() -> bool:
+    """Whether progress lines are shown in this process (what worker processes are told)."""
+    return _stream is not None
+
+
+def in_worker(show: bool) -> None:
+    """A worker process's initializer: show progress when the parent does. The worker writes to
+    the stderr it inherited, the terminal the parent checked (its own sys.stderr object is new)."""
+    global _stream
+    _stream = sys.stderr if show else None
 
 
 def _isatty(stream: TextIO) -> bool:

@@ -72,3 +72,24 @@ def test_the_cli_shows_it_unless_json_goes_to_stdout(tmp_path, monkeypatch, caps
     assert main([*argv, str(path)]) == 0
     progress.enable(None)
     assert ("memdiff: reading" in term.getvalue()) == shown
+
+
+@pytest.mark.slow  # spawns worker processes
+def test_worker_processes_show_it_when_the_parent_does(tmp_path, monkeypatch):
+    from memdiff import inputs
+
+    monkeypatch.setattr(inputs, "PARALLEL_MIN_BYTES", 0)  # two small files in two workers
+    monkeypatch.setattr(inputs, "worker_count", lambda sizes: 2)
+    paths = []
+    for k in range(2):
+        path = tmp_path / f"s{k}.pickle"
+        path.write_bytes(pickle.dumps(training(steps=2), protocol=4))
+        paths.append(str(path))
+    progress.enable(Terminal())
+    assert inputs.read_each(progress_shown, [(p,) for p in paths]) == [True, True]
+    progress.enable(None)
+    assert inputs.read_each(progress_shown, [(p,) for p in paths]) == [False, False]
+
+
+def progress_shown(path: str) -> bool:
+    return progress.enabled()
