@@ -11,6 +11,7 @@ import sys
 import time
 from typing import Optional, TextIO
 
+from memdiff.inert import text
 from memdiff.units import format_bytes
 
 DELAY_S = 2.0  # a read shorter than this shows nothing
@@ -49,7 +50,7 @@ class Progress:
 
     def __init__(self, path: str, total: int) -> None:
         self.stream = _stream
-        self.name = os.path.basename(path)[:60]
+        self.name = text(os.path.basename(path)[:60])  # a file name is data: one line, no escapes
         self.total = max(1, total)
         self.start = time.monotonic()
         self.next = self.start + DELAY_S

@@ -93,3 +93,12 @@ def test_worker_processes_show_it_when_the_parent_does(tmp_path, monkeypatch):
 
 def progress_shown(path: str) -> bool:
     return progress.enabled()
+
+
+def test_a_file_name_cannot_bend_the_line(tmp_path, tty):
+    path = tmp_path / "s\x1b[2J\nx.pickle"
+    path.write_bytes(pickle.dumps(training(steps=2), protocol=4))
+    progress.enable(tty)
+    load(str(path))
+    assert "\x1b[2J" not in tty.getvalue() and "\n" not in tty.getvalue()
+    assert "s\\x1b[2J\\nx.pickle" in tty.getvalue()

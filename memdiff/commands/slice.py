@@ -8,6 +8,7 @@ import sys
 from typing import Any, Dict
 
 from memdiff.atomic import check_output, write_stream
+from memdiff.inert import text
 from memdiff.inputs import read_summary
 from memdiff.load import load, paused_gc
 from memdiff.units import format_bytes
@@ -41,5 +42,5 @@ def run(args: argparse.Namespace) -> int:
     summary = read_summary(args.output, [])
     peaks = ", ".join(f"device {d.device}: {d.trace_events:,} events, static {format_bytes(d.static_bytes)}, "
                       f"peak {format_bytes(d.peak_bytes)}" for d in summary.devices)
-    print(f"memdiff: wrote {args.output} ({args.window.describe()}): {peaks}", file=sys.stderr)
+    print(f"memdiff: wrote {text(args.output)} ({args.window.describe()}): {peaks}", file=sys.stderr)
     return 0
