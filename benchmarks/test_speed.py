@@ -45,11 +45,11 @@ def memdiff_code(argv: List[str]) -> str:
     return f"from memdiff.cli import main\nmain({argv!r})"
 
 
-def interleaved(benchmark, reference: str, measured: str) -> Dict[str, Tuple[float, int]]:
+def interleaved(benchmark, reference: str, measured: str, rounds: int = ROUNDS) -> Dict[str, Tuple[float, int]]:
     """Best (time, memory) of `reference` and `measured`, run in alternation; memdiff's timed by pytest-benchmark."""
     runs: Dict[str, List[Tuple[float, int]]] = {"reference": [], "measured": []}
     benchmark.pedantic(lambda: runs["measured"].append(timed(measured)),
-                       setup=lambda: runs["reference"].append(timed(reference)), rounds=ROUNDS, iterations=1)
+                       setup=lambda: runs["reference"].append(timed(reference)), rounds=rounds, iterations=1)
     return {k: (min(w for w, _ in v), min(m for _, m in v)) for k, v in runs.items()}
 
 

@@ -24,6 +24,8 @@ COMMANDS = {  # name: (module, one-line help); a module gives DESCRIPTION, add_a
     "history": ("memdiff.commands.history", "append a main-branch run's peaks to a history file (the gate's trend)"),
     "summarize": ("memdiff.commands.summarize", "reduce a snapshot to its peak summary (JSON or text)"),
     "peak": ("memdiff.commands.peak", "show the peak, static memory and the top stacks live at the peak"),
+    "slice": ("memdiff.commands.slice",
+              "write one window of a big snapshot (steps, events or a time range) as a small snapshot"),
     "ranks": ("memdiff.commands.ranks",
               "compare the ranks of a distributed job: spread, roles, the heaviest rank's extra"),
     "forecast": ("memdiff.commands.forecast",
@@ -133,6 +135,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         return EXIT_BAD_INPUT
     argv, selected = with_default_command(argv)
     args = build_parser(selected).parse_args(argv)
+    from memdiff import progress
+
+    # JSON on stdout may be read from the terminal by a person or by a program: no line between.
+    json_out = getattr(args, "format", None) == "json" and not getattr(args, "output", None)
+    progress.enable(None if json_out else sys.stderr)
     try:
         return args.run(args)
     except InputError as exc:

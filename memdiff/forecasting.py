@@ -41,6 +41,7 @@ from memdiff.load import MAX_BYTES, decode, paused_gc, to_snapshot
 from memdiff.model import PhaseSpan, Step, Summary
 from memdiff.normalize import summarize
 from memdiff.units import format_bytes
+from memdiff.window import Window, windowed
 
 SCHEMA_VERSION = 1
 FORMS = ("constant", "linear", "quadratic", "none")
@@ -233,15 +234,16 @@ class Forecast:
 # ---------------------------------------------------------------- reading
 
 
-def read_course(path: str, value: int, rules: Sequence[Rule]) -> Course:
-    """One run's Summary and allocations: the snapshot is decoded and walked once."""
+def read_course(path: str, value: int, rules: Sequence[Rule], window: Optional[Window] = None) -> Course:
+    """One run's Summary and allocations (of `window` only, when given): the snapshot is decoded and
+    walked once."""
     with paused_gc():
         raw, source, decoded = decode(path)
         if is_summary(raw):
             raise InputError(path, "a stored summary holds only the peak; a forecast replays every "
                                    "allocation, so give it the snapshot itself")
         keep: Dict[int, Allocations] = {}
-        snapshot = to_snapshot(path, raw, source, decoded)
+        snapshot = windowed(to_snapshot(path, raw, source, decoded), window)
         summary = summarize(snapshot, None, keep)
         # An allocation at event 0 opens there; any other that starts at 0 was live before the trace.
         opens_at_0 = {d: bool(t) and isinstance(t[0], dict) and t[0].get("action") == "alloc"
@@ -276,9 +278,9 @@ def read_course(path: str, value: int, rules: Sequence[Rule]) -> Course:
     return Course(file=path, value=value, summary=summary, devices=devices)
 
 
-def read_courses(runs: Sequence[KnobRun], rules: Sequence[Rule]) -> List[Course]:
+def read_courses(runs: Sequence[KnobRun], rules: Sequence[Rule], window: Optional[Window] = None) -> List[Course]:
     """read_course of each (path, value), big inputs in parallel worker processes (inputs.read_each)."""
-    return read_each(read_course, [(r.path, r.value, rules) for r in runs])
+    return read_each(read_course, [(r.path, r.value, rules, window) for r in runs])
 
 
 # ---------------------------------------------------------------- one loop?
@@ -753,12 +755,13 @@ def _shown(value: int) -> str:
 
 
 def forecast(runs: Sequence[KnobRun], at: Sequence[int], rules: Sequence[Rule],
-             budget: Optional[int] = None) -> Forecast:
+             budget: Optional[int] = None, window: Optional[Window] = None) -> Forecast:
     """The Forecast of snapshot files, each with its knob value, at the values `at` (default:
-    twice the largest value), with the largest value within `budget` when one is given."""
+    twice the largest value), with the largest value within `budget` when one is given; with
+    `window`, of that window of each run only (memdiff.window)."""
     for v in at:
         if not 1 <= v <= MAX_VALUE:
             raise InputError("--at", f"{_shown(v)} is not a knob value: a positive integer up to {MAX_VALUE:,}")
     if len(runs) < 2:
         raise InputError("forecast", "give at least two runs, each as RUN=VALUE")
-    return forecast_courses(read_courses(runs, rules), at, budget)
+    return forecast_courses(read_courses(runs, rules, window), at, budget)

@@ -8,8 +8,9 @@ from __future__ import annotations
 import multiprocessing
 import os
 from concurrent.futures import ProcessPoolExecutor
-from typing import Any, Callable, List, Optional, Sequence, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, List, Optional, Sequence, TypeVar
 
+from memdiff import progress
 from memdiff.classify import Rule, classify
 from memdiff.errors import InputError, version_shown
 from memdiff.load import decode, paused_gc, to_snapshot
@@ -17,24 +18,38 @@ from memdiff.model import READABLE_SCHEMA_VERSIONS, Summary
 from memdiff.normalize import summarize
 from memdiff.schema import validate
 
+if TYPE_CHECKING:
+    from memdiff.window import Window
+
 
 def is_summary(raw: Any) -> bool:
     """Whether a decoded input is a summary `memdiff summarize` wrote, rather than a snapshot."""
     return isinstance(raw, dict) and "schema_version" in raw and "devices" in raw
 
 
-def read_summary(path: str, rules: Sequence[Rule], history: bool = False) -> Summary:
+def read_summary(path: str, rules: Sequence[Rule], history: bool = False,
+                 window: Optional["Window"] = None) -> Summary:
     """The classified Summary of `path`, a snapshot or a summary written by `memdiff summarize`;
-    with `history`, a snapshot's devices carry their history (a stored summary keeps what it has).
+    with `history`, a snapshot's devices carry their history (a stored summary keeps what it has);
+    with `window`, of that window of the snapshot only (memdiff.window).
 
     A stored summary is classified again, so `--rules` applies to it as to a snapshot.
     """
     with paused_gc():
         raw, source, decoded = decode(path)
         if not is_summary(raw):
-            summary = summarize(to_snapshot(path, raw, source, decoded), rules if history else None)
+            snapshot = to_snapshot(path, raw, source, decoded)
             del raw  # freed by reference counting before the collector resumes
+            if window is not None:
+                from memdiff.window import windowed
+
+                snapshot = windowed(snapshot, window)
+            summary = summarize(snapshot, rules if history else None)
+            del snapshot
             return classify(summary, rules)
+    if window is not None:
+        raise InputError(path, f"is a summary, which keeps no trace to cut {window.describe()} from: "
+                               "give the snapshot")
     version = raw["schema_version"]
     if version not in READABLE_SCHEMA_VERSIONS:
         raise InputError(path, f"summary schema_version {version_shown(version)} is not one this memdiff reads "
@@ -93,11 +108,13 @@ def read_each(read: Callable[..., T], calls: Sequence[Sequence[Any]]) -> List[T]
     workers = worker_count(sizes)
     if workers < 2 or sum(sizes) < PARALLEL_MIN_BYTES:
         return [read(*c) for c in calls]
-    with ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+    with ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn"),
+                             initializer=progress.in_worker, initargs=(progress.enabled(),)) as pool:
         futures = [pool.submit(read, *c) for c in calls]
         return [f.result() for f in futures]
 
 
-def read_summaries(paths: Sequence[str], rules: Sequence[Rule], history: bool = False) -> List[Summary]:
+def read_summaries(paths: Sequence[str], rules: Sequence[Rule], history: bool = False,
+                   window: Optional["Window"] = None) -> List[Summary]:
     """`read_summary` of each path, big inputs in parallel (read_each)."""
-    return read_each(read_summary, [(p, rules, history) for p in paths])
+    return read_each(read_summary, [(p, rules, history, window) for p in paths])

@@ -16,7 +16,7 @@ import glob
 import os
 import re
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence
 
 from memdiff.classify import Rule
 from memdiff.errors import InputError
@@ -24,6 +24,9 @@ from memdiff.inputs import read_summaries, read_summary
 from memdiff.manifest import MANIFEST, RecordedJob, read_manifest
 from memdiff.model import Summary
 from memdiff.patterns import Pattern
+
+if TYPE_CHECKING:
+    from memdiff.window import Window
 
 # `rank3`, `rank-3`, `rank_3`, `rank3_memory_snapshot`, `rank3.0.memory_snapshot`; then a
 # trailing number (`memory_trace_3.pickle`, `snapshot-3.json.gz`).
@@ -184,21 +187,24 @@ def ranks_text(ranks: Sequence[int]) -> str:
 
 
 def summarize_ranks(files: Sequence[RankFile], rules: Sequence[Rule], dask: Optional[str] = None,
-                    history: bool = False) -> List[Summary]:
-    """Each rank's classified Summary, in the order of `files`: in local worker processes, or on
-    the Dask scheduler at `dask` (each worker reads its files from the shared path)."""
+                    history: bool = False, window: Optional["Window"] = None) -> List[Summary]:
+    """Each rank's classified Summary, in the order of `files` (of `window` only, when given): in
+    local worker processes, or on the Dask scheduler at `dask` (each worker reads its files from
+    the shared path)."""
     paths = [f.path for f in files]
     if dask is None:
-        return read_summaries(paths, rules, history)
-    return _on_dask(dask, paths, rules, history)
+        return read_summaries(paths, rules, history, window)
+    return _on_dask(dask, paths, rules, history, window)
 
 
-def _summary_document(path: str, rules: Sequence[Rule], history: bool) -> Dict[str, Any]:
+def _summary_document(path: str, rules: Sequence[Rule], history: bool,
+                      window: Optional["Window"] = None) -> Dict[str, Any]:
     # Workers send back the JSON form: plain data crosses any Dask serializer unchanged.
-    return read_summary(path, rules, history).to_dict()
+    return read_summary(path, rules, history, window).to_dict()
 
 
-def _on_dask(address: str, paths: Sequence[str], rules: Sequence[Rule], history: bool) -> List[Summary]:
+def _on_dask(address: str, paths: Sequence[str], rules: Sequence[Rule], history: bool,
+             window: Optional["Window"] = None) -> List[Summary]:
     try:
         from distributed import Client
     except ImportError:
@@ -209,7 +215,8 @@ def _on_dask(address: str, paths: Sequence[str], rules: Sequence[Rule], history:
         raise InputError(f"--dask {address}", f"cannot reach the scheduler: {exc}") from None
     with client:
         # pure=False: a file may change between two runs under the same path.
-        futures = client.map(_summary_document, list(paths), rules=list(rules), history=history, pure=False)
+        futures = client.map(_summary_document, list(paths), rules=list(rules), history=history, window=window,
+                             pure=False)
         try:
             documents = client.gather(futures)  # a worker's InputError is raised here as it is
         except (OSError, TimeoutError) as exc:

@@ -27,6 +27,7 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 from memdiff.errors import InputError, brief, clip, number
 from memdiff.frames import profiler_frame
 from memdiff.model import Source
+from memdiff.progress import Progress
 
 # Magic numbers, checked in order; each names the codec and how to open a decompressing stream.
 _COMPRESSIONS = (
@@ -57,11 +58,14 @@ MIN_EVENT_BYTES = 8
 class _Bounded(io.RawIOBase):
     """A read-only stream that stops a decoder from reading past `cap` bytes in all, or more than
     MAX_READ in one request, with an InputError saying why: decompression bombs and pickles
-    declaring absurd lengths end in seconds, within bounded memory."""
+    declaring absurd lengths end in seconds, within bounded memory. `progress`, when given, is
+    told how many bytes have passed; `under` is closed with it (the file under a decompressor)."""
 
-    def __init__(self, path: str, inner: Any, cap: int, why: str) -> None:
+    def __init__(self, path: str, inner: Any, cap: int, why: str, progress: Optional[Progress] = None,
+                 under: Any = None) -> None:
         super().__init__()
         self.path, self.inner, self.cap, self.why = path, inner, cap, why
+        self.progress, self.under = progress, under
         self.count = 0
 
     def readable(self) -> bool:
@@ -76,10 +80,16 @@ class _Bounded(io.RawIOBase):
         self.count += got
         if self.count > self.cap:
             raise InputError(self.path, self.why)
+        if self.progress is not None:
+            self.progress.update(self.count)
         return got
 
     def close(self) -> None:
         self.inner.close()
+        if self.under is not None:
+            self.under.close()
+        if self.progress is not None:
+            self.progress.close()
         super().close()
 
 
@@ -216,20 +226,23 @@ def _sha256(path: str) -> str:
 
 
 def _open_stream(path: str, size: int) -> Tuple[io.BufferedReader, _Bounded, Optional[str]]:
-    """A buffered stream of the file's content, decompressed when its magic number says so, and
-    the bounded stream under it (which counts the bytes decoded)."""
+    """A buffered stream of the file's content, decompressed as it is read when its magic number
+    says so (never whole in memory or on disk), and the bounded stream under it (which counts the
+    bytes decoded). Progress is the share of the file read, compressed or not."""
     raw = open(path, "rb", buffering=0)  # the BufferedReader below is the only buffer
     head = raw.read(8)
     raw.seek(0)
+    progress = Progress(path, size)
     for magic, codec, opener in _COMPRESSIONS:
         if head.startswith(magic):
-            raw.close()
             cap = max(MIN_DECOMPRESSED_CAP, MAX_RATIO * size)
             why = (f"not a memory snapshot: its {codec} data decompresses to more than {cap:,} bytes, "
                    f"over {MAX_RATIO}x the file (real snapshots compress about 10-70x): a decompression bomb?")
-            bounded = _Bounded(path, opener(path, "rb"), cap, why)
+            compressed = io.BufferedReader(_Bounded(path, raw, size, "the file grew while it was read", progress),
+                                           _CHUNK)
+            bounded = _Bounded(path, opener(compressed, "rb"), cap, why, under=compressed)
             return io.BufferedReader(bounded, _CHUNK), bounded, codec
-    bounded = _Bounded(path, raw, size, "the file grew while it was read")
+    bounded = _Bounded(path, raw, size, "the file grew while it was read", progress)
     return io.BufferedReader(bounded, _CHUNK), bounded, None
 
 

@@ -250,6 +250,11 @@ def largest_first(totals: Dict[str, int]) -> Dict[str, int]:
     return dict(sorted(totals.items(), key=lambda kv: (-kv[1], kv[0])))
 
 
+# The top-level key `memdiff slice` (and --steps/--events/--time-us) adds to a window of a snapshot:
+# {"window": "--steps 3:4", "of": "big.pickle"}. PyTorch's viewer ignores keys it does not know.
+WINDOW_KEY = "memdiff_window"
+
+
 @dataclass
 class Source:
     """Where a summary came from, so that two runs can be checked for comparability."""

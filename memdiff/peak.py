@@ -9,7 +9,7 @@ from memdiff.classify import PERSISTENT
 from memdiff.errors import InputError
 from memdiff.inert import scrubbed
 from memdiff.lifetimes import BACKWARD, FORWARD, OPTIMIZER, OTHER
-from memdiff.model import DeviceSummary, Frame, Summary
+from memdiff.model import WINDOW_KEY, DeviceSummary, Frame, Summary
 from memdiff.report import kept_text
 from memdiff.units import count_of, format_bytes
 
@@ -59,6 +59,7 @@ class DevicePeak:
     steps: List[StepRow]
     kept: Optional[str]  # memory kept from earlier steps, in words
     reserved: Optional[str] = None  # the caching allocator's reserved peak and fragmentation, in words
+    window: bool = False  # a window of a longer trace (memdiff slice, --steps): its start is no trace start
 
 
 def _share(part: int, whole: int) -> float:
@@ -69,8 +70,9 @@ def _shares(totals: Dict[str, int], whole: int) -> List[Tuple[str, int, float]]:
     return [(name, n, _share(n, whole)) for name, n in totals.items()]
 
 
-def device_peak(device: DeviceSummary, top: Optional[int]) -> DevicePeak:
-    """The top `top` groups (all when None), the rest folded into one row, and a total row."""
+def device_peak(device: DeviceSummary, top: Optional[int], window: bool = False) -> DevicePeak:
+    """The top `top` groups (all when None), the rest folded into one row, and a total row; `window`:
+    the summary is of a window of a longer trace."""
     groups = device.groups
     shown = groups if top is None else groups[:top]
     rows = [PeakRow(str(i), g.count, g.bytes, _share(g.bytes, device.peak_bytes), g.site, g.frames, g.category or "",
@@ -89,7 +91,9 @@ def device_peak(device: DeviceSummary, top: Optional[int]) -> DevicePeak:
                       scopes=_shares(device.bytes_by_scope, device.peak_bytes),
                       compile_contexts=_shares(device.bytes_by_compile_context, device.peak_bytes),
                       labels=_shares(device.bytes_by_label, device.peak_bytes),
-                      steps=step_rows(device), kept=kept_from_earlier_steps(device), reserved=reserved_text(device))
+                      steps=step_rows(device), kept=kept_from_earlier_steps(device),
+                      # a window's segments are the blocks it carried in, not the allocator's: no reserved figure
+                      reserved=None if window else reserved_text(device), window=window)
 
 
 def reserved_text(device: DeviceSummary) -> Optional[str]:
@@ -151,5 +155,6 @@ def peak_report(path: str, summary: Summary, top: Optional[int], device: Optiona
         if not devices:
             have = ", ".join(str(d.device) for d in summary.devices) or "none"
             raise InputError(path, f"no device {device} in this snapshot (devices: {have})")
+    window = WINDOW_KEY in summary.source.keys
     # Names from the snapshot are made one line each here, once for every output.
-    return [scrubbed(device_peak(d, top), skip=("device",)) for d in devices]
+    return [scrubbed(device_peak(d, top, window), skip=("device",)) for d in devices]

@@ -132,14 +132,16 @@ def bases(shared) -> Dict[str, Any]:
 
 
 def _run_cases(make: Callable[[random.Random, int], Tuple[bytes, str]], count: int, tmp_path: Path, capsys,
-               seed: int) -> Dict[int, int]:
+               seed: int, options: Tuple[Tuple[str, ...], ...] = ((),)) -> Dict[int, int]:
     rng = random.Random(seed)
     codes: Dict[int, int] = {}
     for i in range(count):
         data, case = make(rng, i)
         path, out = tmp_path / f"case{i}", tmp_path / f"case{i}.json"
         path.write_bytes(data)
-        code = _check(["summarize", str(path), "-o", str(out)], out, capsys, f"seed {seed} case {i}: {case}")
+        extra = list(options[i % len(options)])
+        code = _check(["summarize", str(path), "-o", str(out), *extra], out, capsys,
+                      f"seed {seed} case {i}: {case} {' '.join(extra)}")
         codes[code] = codes.get(code, 0) + 1
         path.unlink()
         out.unlink(missing_ok=True)
@@ -157,6 +159,23 @@ def test_structured_mutations_of_real_snapshots(bases, tmp_path, capsys):
     codes = _run_cases(make, STRUCTURED, tmp_path, capsys, SEED)
     print(f"\nstructured mutants: {STRUCTURED}, exit codes {codes}")
     assert codes.get(0) and codes.get(2)  # the mutants reach both outcomes
+
+
+WINDOWS = (("--events", "3:30"), ("--steps", "0"), ("--time-us", "1:"), ("--events", "0:1"))
+
+
+@pytest.mark.slow  # reads many mutated real snapshots
+def test_windows_of_structured_mutations(bases, tmp_path, capsys):
+    """The same mutants read through a window (memdiff.window walks and cuts them first)."""
+    def make(rng: random.Random, i: int) -> Tuple[bytes, str]:
+        name = BASES[i % len(BASES)]
+        doc = copy.deepcopy(bases[name])
+        done = [_mutate(doc, rng) for _ in range(rng.choice((1, 1, 2, 4)))]
+        return _dumps(doc), f"{name}: {'; '.join(done)}"
+
+    codes = _run_cases(make, STRUCTURED // 2, tmp_path, capsys, SEED + 3, WINDOWS)
+    print(f"\nstructured mutants through windows: {STRUCTURED // 2}, exit codes {codes}")
+    assert codes.get(0) and codes.get(2)
 
 
 def test_flipped_and_cut_bytes(shared, tmp_path, capsys):

@@ -26,6 +26,7 @@ from memdiff.inputs import read_summary
 from memdiff.job import is_job, summarize_ranks
 from memdiff.model import Summary
 from memdiff.units import format_bytes
+from memdiff.window import add_window_arguments
 
 DESCRIPTION = ("Write a baseline of SNAPSHOT to FILE, atomically. Updating an existing file keeps its name "
                "and thresholds unless flags replace them. With --check, validate baseline files instead.")
@@ -47,6 +48,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_noise_arguments(p)
     add_rules_arguments(p)
     add_job_arguments(p)
+    add_window_arguments(p)
 
 
 def _check(path: str, rules: List[Rule]) -> int:
@@ -74,11 +76,11 @@ def _summaries(args: argparse.Namespace, rules: List[Rule]) -> Union[Summary, Di
         if any(is_job(s) for s in args.snapshot):
             raise InputError(next(s for s in args.snapshot if is_job(s)),
                              "a baseline from repeats takes runs, not jobs: give one job, or several run files")
-        return [read_summary(s, rules) for s in args.snapshot]
+        return [read_summary(s, rules, window=args.window) for s in args.snapshot]
     if not is_job(args.snapshot[0]):
-        return read_summary(args.snapshot[0], rules)
+        return read_summary(args.snapshot[0], rules, window=args.window)
     files = job_from(args, args.snapshot[0], finished=True).files
-    return dict(zip([f.rank for f in files], summarize_ranks(files, rules, args.dask)))
+    return dict(zip([f.rank for f in files], summarize_ranks(files, rules, args.dask, window=args.window)))
 
 
 def run(args: argparse.Namespace) -> int:

@@ -29,6 +29,7 @@ from memdiff.limits import Limit, Thresholds
 from memdiff.render import html as render_html
 from memdiff.render import render
 from memdiff.report import Report, Run, Settings, compare
+from memdiff.window import add_window_arguments
 
 DESCRIPTION = ("Align two runs by stack signature and explain the peak difference. Either input "
                "may be a snapshot or a summary JSON. Exit 1 when a peak grew beyond the rule.")
@@ -49,6 +50,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_rules_arguments(p)
     add_github_arguments(p)
     add_job_arguments(p)
+    add_window_arguments(p)
 
 
 def write_html(path: str, report: Report) -> None:
@@ -60,7 +62,7 @@ def _sides(args: argparse.Namespace, rules: List[Rule]) -> Tuple[List[Run], List
     """Both inputs as runs: a run each, or a job's runs by rank each."""
     history = bool(args.html)
     if not (is_job(args.base) or is_job(args.head)):
-        base, head = read_summaries([args.base, args.head], rules, history=history)
+        base, head = read_summaries([args.base, args.head], rules, history=history, window=args.window)
         return [Run(base)], [Run(head)]
     if not (is_job(args.base) and is_job(args.head)):
         job, run_ = (args.base, args.head) if is_job(args.base) else (args.head, args.base)
@@ -69,7 +71,8 @@ def _sides(args: argparse.Namespace, rules: List[Rule]) -> Tuple[List[Run], List
     sides = []
     for arg in (args.base, args.head):
         files = job_from(args, arg).files
-        sides.append([Run(s, f.rank) for f, s in zip(files, summarize_ranks(files, rules, args.dask, history))])
+        summaries = summarize_ranks(files, rules, args.dask, history, args.window)
+        sides.append([Run(s, f.rank) for f, s in zip(files, summaries)])
     return sides[0], sides[1]
 
 

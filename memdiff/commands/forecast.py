@@ -12,6 +12,7 @@ from memdiff.errors import EXIT_REGRESSION, InputError
 from memdiff.forecasting import forecast, judge_headroom, parse_run
 from memdiff.render import forecast as render
 from memdiff.units import format_bytes
+from memdiff.window import add_window_arguments
 
 DESCRIPTION = ("Forecast the peak at a batch size or length not run, from runs of one loop that differ in that "
                "one knob: each allocation's size is fitted as a constant, linear or quadratic function of the "
@@ -36,6 +37,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--format", choices=("text", "markdown", "json"), default="text",
                    help="output format (default: text)")
     p.add_argument("--html", metavar="FILE", help="also write the forecast as a self-contained HTML page to FILE")
+    add_window_arguments(p)
     add_rules_arguments(p)
 
 
@@ -54,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
             raise InputError("--budget", f"the baseline's headroom limit has its own budget "
                                          f"({format_bytes(headroom.budget_bytes)}): give one or the other")
         budget = headroom.budget_bytes
-    result = forecast([parse_run(r) for r in args.runs], args.at, rules_from(args), budget)
+    result = forecast([parse_run(r) for r in args.runs], args.at, rules_from(args), budget, args.window)
     if headroom is not None:
         result = judge_headroom(result, args.baseline, headroom)
     if args.html:

@@ -36,6 +36,7 @@ from memdiff.render import render
 from memdiff.render.json import dumps
 from memdiff.report import Report, Run, Settings, compare
 from memdiff.trend import DEFAULT_POINTS, read_history
+from memdiff.window import add_window_arguments
 
 DESCRIPTION = ("Compare each run with its baseline under the baseline's thresholds (flags override them) "
                "and print the report and one line per threshold. Exit 0 pass, 1 regression, 2 bad input.")
@@ -65,6 +66,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--history-points", type=count_arg, default=DEFAULT_POINTS, metavar="N",
                    help=f"main-branch peaks a trend shows (default: {DEFAULT_POINTS})")
     add_job_arguments(p)
+    add_window_arguments(p)
 
 
 def _pairs(args: argparse.Namespace) -> Tuple[List[Tuple[str, str]], List[Tuple[str, str]]]:
@@ -127,14 +129,15 @@ def _gate(args: argparse.Namespace, snap: str, path: str, baseline: Baseline, ru
                         history=history, workload=baseline.name, trend_points=args.history_points,
                         trend_label=_trend_label(args))
     if not is_job(snap):
-        base, head = comparable_pair(path, baseline, read_summary(snap, rules, history=with_history))
+        base, head = comparable_pair(path, baseline, read_summary(snap, rules, history=with_history,
+                                                                  window=args.window))
         return compare([Run(base)], [Run(head)], settings)
     if baseline.ranks is None:
         raise InputError(path, f"is the baseline of one run and {snap} is a job: make a job baseline with "
                                f"`{baseline_command(snap, path)}`")
     files = job_from(args, snap, finished=True).files
     base_runs, head_runs = [], []
-    for f, summary in zip(files, summarize_ranks(files, rules, args.dask, with_history)):
+    for f, summary in zip(files, summarize_ranks(files, rules, args.dask, with_history, args.window)):
         stored = baseline.of_rank(f.rank)
         if stored is None:
             head_runs.append(Run(summary, f.rank))

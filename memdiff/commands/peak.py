@@ -13,6 +13,7 @@ from memdiff.peak import peak_report
 from memdiff.render.html import render_peak as render_peak_html
 from memdiff.render.json import render_summary
 from memdiff.render.text import render_peak
+from memdiff.window import add_window_arguments
 
 DESCRIPTION = ("Show per device the peak (as PyTorch's memory viewer counts it), static memory, "
                "where the peak happens and the top stack groups live at the peak.")
@@ -28,13 +29,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "`memdiff summarize`)")
     add_html_argument(p)
     add_rules_arguments(p)
+    add_window_arguments(p)
 
 
 def run(args: argparse.Namespace) -> int:
     """Load, normalize and print the peak report."""
     if args.html is not None:
         check_output(args.html)
-    summary = read_summary(args.snapshot, rules_from(args), history=bool(args.html))
+    summary = read_summary(args.snapshot, rules_from(args), history=bool(args.html), window=args.window)
     peaks = peak_report(args.snapshot, summary, args.top, args.device)
     if args.html:
         write_output(args.html, render_peak_html(summary, peaks))

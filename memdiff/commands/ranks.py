@@ -20,6 +20,7 @@ from memdiff.judge import imbalance_check
 from memdiff.ranks import compare_ranks
 from memdiff.render import ranks as render_ranks
 from memdiff.report import device_report
+from memdiff.window import add_window_arguments
 
 DESCRIPTION = ("Read a job (a folder or glob of per-rank snapshots or summaries; the rank comes from each "
                "file name) and show per rank the peak, where it is, static and category bytes; the spread "
@@ -39,13 +40,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--format", choices=("text", "json"), default="text", help="report format (default: text)")
     add_job_arguments(p)
     add_rules_arguments(p)
+    add_window_arguments(p)
 
 
 def run(args: argparse.Namespace) -> int:
     """Summarize every rank, compare them, print; exit 1 over the imbalance limit."""
     rules = rules_from(args)
     job = job_from(args, args.job)
-    summaries = summarize_ranks(job.files, rules, args.dask)
+    summaries = summarize_ranks(job.files, rules, args.dask, window=args.window)
     report = compare_ranks(job.files, summaries, job.missing)
     check = (imbalance_check(report.median_bytes, report.max_bytes, args.fail_imbalance)
              if args.fail_imbalance is not None else None)

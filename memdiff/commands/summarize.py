@@ -11,6 +11,7 @@ from memdiff.inputs import read_summary
 from memdiff.peak import peak_report
 from memdiff.render.json import render_summary
 from memdiff.render.text import render_peak
+from memdiff.window import add_window_arguments
 
 DESCRIPTION = ("Reduce a snapshot to a small, versioned summary: peak, static memory and every "
                "byte live at the peak grouped by stack signature.")
@@ -22,13 +23,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-o", "--output", metavar="FILE", help="write to FILE instead of stdout")
     p.add_argument("--format", choices=("json", "text"), default="json", help="output format (default: json)")
     add_rules_arguments(p)
+    add_window_arguments(p)
 
 
 def run(args: argparse.Namespace) -> int:
     """Load, normalize, render; write to stdout or atomically to the output file."""
     if args.output is not None:
         check_output(args.output)
-    summary = read_summary(args.snapshot, rules_from(args))
+    summary = read_summary(args.snapshot, rules_from(args), window=args.window)
     if args.format == "json":
         text = render_summary(summary)
     else:

@@ -48,15 +48,21 @@ def _device_block(p: DevicePeak) -> List[str]:
         facts.append(("peak in", "", where_text(d.phase_at_peak, d.step_at_peak)))
     if d.scope_at_peak:
         facts.append(("scope", "", f"{text(d.scope_at_peak)} (record_function scope open at the peak)"))
-    facts.append(("static", format_bytes(d.static_bytes), "live before the trace began, counted from its start"))
-    facts.append(("at dump", format_bytes(d.allocated_bytes_at_dump),
-                  "allocated" + (f", {format_bytes(d.reserved_bytes_at_dump)} reserved by the caching allocator"
-                                 if d.reserved_bytes_at_dump is not None else " (no caching allocator: CPU capture)")))
+    facts.append(("static", format_bytes(d.static_bytes), "live when the window began, counted from its start"
+                   if p.window else "live before the trace began, counted from its start"))
+    if not p.window:  # a window's end is no dump: its blocks are only what it carried in
+        facts.append(("at dump", format_bytes(d.allocated_bytes_at_dump),
+                      "allocated" + (f", {format_bytes(d.reserved_bytes_at_dump)} reserved by the caching allocator"
+                                     if d.reserved_bytes_at_dump is not None
+                                     else " (no caching allocator: CPU capture)")))
     if p.reserved:
         facts.append(("reserved", "", p.reserved))
     facts.append(("trace", f"{d.trace_events:,}", "events"))
     out.append(tabulate(facts, tablefmt="plain", colalign=("left", "right", "left")))
-    if d.unmatched_free_count:
+    if d.unmatched_free_count and p.window:
+        out.append(f"note: this is a window of a longer trace: {d.unmatched_free_count:,} frees of memory allocated "
+                   f"before it ({format_bytes(d.unmatched_free_bytes)}) count as static memory.")
+    elif d.unmatched_free_count:
         out.append(
             f"note: the trace starts mid-run: {d.unmatched_free_count:,} frees of allocations made before it "
             f"({format_bytes(d.unmatched_free_bytes)}) count as static memory. Record with a larger "

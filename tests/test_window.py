@@ -1,0 +1,238 @@
+"""Windows of a trace (--steps, --events, --time-us) and `memdiff slice`: the window's static memory and
+peak are those the full trace has there, worked out here by the documented rules
+(../shared/docs/snapshot-format.md, "The peak") with a walk of this file's own."""
+
+from __future__ import annotations
+
+import json
+import pickle
+from typing import Any, Dict, List, Tuple
+
+import pytest
+
+from conftest import alloc, block, free, real_snapshot_names, segment
+from memdiff.cli import main
+from memdiff.load import load
+from memdiff.normalize import summarize
+from memdiff.window import Window, parse_window, windowed
+from test_lifetimes import training
+
+
+def totals(snap: Dict[str, Any], device: int = 0) -> Tuple[int, List[int]]:
+    """(static bytes, the running total after each event, static included) of one device's trace."""
+    traces = snap.get("device_traces", [])
+    trace = traces[device] if device < len(traces) else []
+    live: Dict[int, int] = {}
+    static, deltas = 0, []
+    for e in trace:
+        change = 0
+        if e["action"] == "alloc":
+            live[e["addr"]] = change = e["size"]
+        elif e["action"] == "free_completed":
+            if e["addr"] in live:
+                change = -live.pop(e["addr"])
+            else:
+                static += e["size"]
+                change = -e["size"]
+        deltas.append(change)
+    for seg in snap.get("segments", []):
+        if seg["device"] != device:
+            continue
+        addr = seg["address"]
+        for b in seg.get("blocks", []):
+            addr = b.get("address", addr)
+            if b["state"] == "active_allocated" and addr not in live:
+                static += b.get("requested_size", b["size"])
+            addr += b["size"]
+    out, total = [], static
+    for change in deltas:
+        total += change
+        out.append(total)
+    return static, out
+
+
+def expected_window(snap: Dict[str, Any], a: int, b: int, device: int = 0) -> Tuple[int, int]:
+    """(static, peak) of events [a, b): what was live before a, and the highest total in the window."""
+    static, running = totals(snap, device)
+    before = static if a == 0 else running[a - 1]
+    return before, max([before] + running[a:b])
+
+
+def raw_of(path: str) -> Dict[str, Any]:
+    with open(path, "rb") as f:
+        return pickle.load(f)
+
+
+@pytest.mark.parametrize("name", real_snapshot_names())
+def test_event_windows_of_real_snapshots_keep_static_and_peak(shared, name):
+    snapshot = load(str(shared / name))
+    raw = raw_of(str(shared / name))
+    raw = raw if isinstance(raw, dict) else {"segments": raw}
+    for device in {s["device"] for s in raw.get("segments", [])} | {0}:
+        n = len(totals(raw, device)[1])
+        for a, b in [(0, n), (n // 3, 2 * n // 3), (n // 2, n), (n - 1, n)]:
+            if not 0 <= a < b:
+                continue
+            got = {d.device: d for d in summarize(windowed(snapshot, Window("events", a, b))).devices}[device]
+            assert (got.static_bytes, got.peak_bytes) == expected_window(raw, a, b, device), (device, a, b)
+            assert got.trace_events == b - a
+
+
+def test_a_step_window_carries_in_what_earlier_steps_left_live(write_snapshot):
+    snap = training(steps=3, leak=True)
+    full = summarize(load(write_snapshot(snap))).devices[0]
+    step1 = [s for s in full.steps if s.step == 1][0]
+    a, b = step1.start_event, step1.end_event + 1
+    got = summarize(windowed(load(write_snapshot(snap)), parse_window("steps", "1"))).devices[0]
+    assert (got.static_bytes, got.peak_bytes) == expected_window(snap, a, b)
+    assert got.trace_events == b - a
+    # The leak's activations from step 0 are live at step 1's start: static memory of the window.
+    assert got.static_bytes > totals(snap)[0]
+
+
+def test_blocks_carried_in_move_off_addresses_the_window_reuses(write_snapshot):
+    # 0x1000 opened before the window and never freed, then opened again (the viewer keeps the first
+    # open for good): a block at 0x1000 would not count while the window's allocation is open there.
+    snap = {"device_traces": [[alloc(0x1000, 100), alloc(0x2000, 7), alloc(0x1000, 50), free(0x2000, 7)]],
+            "segments": [segment(0, 0x1000, [block(0x1000, 512), block(0x1200, 512, state="inactive")])]}
+    for a in range(4):
+        got = summarize(windowed(load(write_snapshot(snap)), Window("events", a, 4))).devices[0]
+        assert (got.static_bytes, got.peak_bytes) == expected_window(snap, a, 4), a
+
+
+def test_slice_writes_a_protocol_4_snapshot_every_command_reads(write_snapshot, tmp_path, capsys):
+    src = write_snapshot(training(steps=3, leak=True))
+    out = str(tmp_path / "small.pickle")
+    assert main(["slice", src, "--steps", "1:3", "-o", out]) == 0
+    assert "wrote" in capsys.readouterr().err
+    assert open(out, "rb").read(2) == b"\x80\x04"
+    assert main(["summarize", out, "-o", str(tmp_path / "s.json")]) == 0
+    sliced = json.loads((tmp_path / "s.json").read_text())["devices"][0]
+    assert main(["summarize", src, "--steps", "1:3", "-o", str(tmp_path / "w.json")]) == 0
+    in_place = json.loads((tmp_path / "w.json").read_text())["devices"][0]
+    assert (sliced["static_bytes"], sliced["peak_bytes"]) == (in_place["static_bytes"], in_place["peak_bytes"])
+    assert main(["peak", out]) == 0
+    assert main([out, out]) == 0
+    capsys.readouterr()
+
+
+def test_diff_of_one_step_of_two_runs(write_snapshot, capsys):
+    base = write_snapshot(training(steps=3), "base.pickle")
+    head = write_snapshot(training(steps=3, leak=True), "head.pickle")
+    assert main([base, head, "--steps", "0", "--format", "json"]) == 0  # step 0 leaks nothing yet
+    assert main([base, head, "--steps", "2", "--format", "json"]) == 1  # two steps of activations kept
+    capsys.readouterr()
+
+
+def test_time_windows_cut_by_time_us(shared):
+    path = str(shared / "linear-grad.pickle")
+    raw = raw_of(path)
+    times = [e["time_us"] for e in raw["device_traces"][0]]
+    a, b = 5, 20
+    got = summarize(windowed(load(path), Window("time_us", times[a], times[b]))).devices[0]
+    first = times.index(times[a])
+    assert got.trace_events == times.index(times[b]) - first
+    assert (got.static_bytes, got.peak_bytes) == expected_window(raw, first, times.index(times[b]))
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--steps", "9"], "no device has those steps (the trace has steps 0 to 2)"),
+    (["--events", "5:2"], "is empty"),
+    (["--events", "x"], "is not START:END"),
+    (["--steps", "1", "--events", "1:2"], "not allowed with"),
+])
+def test_bad_windows_are_one_line_exit_2(write_snapshot, tmp_path, capsys, argv, message):
+    src = write_snapshot(training(steps=3))
+    try:
+        code = main(["slice", src, "-o", str(tmp_path / "x.pickle"), *argv])
+    except SystemExit as exc:  # usage errors end in argparse
+        code = exc.code
+    assert code == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "x.pickle").exists()
+
+
+def test_a_summary_has_no_trace_to_window(write_snapshot, tmp_path, capsys):
+    src = write_snapshot(training(steps=2))
+    out = str(tmp_path / "s.json")
+    assert main(["summarize", src, "-o", out]) == 0
+    assert main(["peak", out, "--steps", "0"]) == 2
+    assert "keeps no trace" in capsys.readouterr().err
+
+
+def test_baseline_gate_and_ranks_take_the_window(write_snapshot, tmp_path, capsys):
+    src = write_snapshot(training(steps=3, leak=True))
+    base = str(tmp_path / "b.json")
+    assert main(["baseline", src, "-o", base, "--steps", "0"]) == 0
+    assert main(["gate", src, "--baseline", base, "--steps", "0", "--fail-over", "1KiB"]) == 0
+    # The leak's two more steps of activations, kept.
+    assert main(["gate", src, "--baseline", base, "--steps", "2", "--fail-over", "1KiB"]) == 1
+    job = tmp_path / "job"
+    job.mkdir()
+    for rank in (0, 1):
+        (job / f"rank{rank}.pickle").write_bytes(open(src, "rb").read())
+    capsys.readouterr()
+    assert main(["ranks", str(job), "--steps", "1", "--format", "json"]) == 0
+    ranks = json.loads(capsys.readouterr().out)
+    one = summarize(windowed(load(src), parse_window("steps", "1"))).devices[0].peak_bytes
+    assert ranks["max_bytes"] == ranks["median_bytes"] == one
+
+
+def test_peak_of_a_window_says_it_is_one(shared, tmp_path, capsys):
+    src = str(shared / "cs336-medium-ctx256-train.pickle")
+    out = str(tmp_path / "w.pickle")
+    assert main(["slice", src, "--events", "6000:12000", "-o", out]) == 0
+    assert raw_of(out)["memdiff_window"] == {"window": "--events 6000:12000", "of": "cs336-medium-ctx256-train.pickle"}
+    capsys.readouterr()
+    for argv in (["peak", out], ["peak", src, "--events", "6000:12000"]):
+        assert main(argv) == 0
+        text = capsys.readouterr().out
+        assert "live when the window began" in text and "this is a window of a longer trace" in text
+        assert "max_entries" not in text and "at dump" not in text
+    assert main(["peak", src]) == 0
+    assert "max_entries" in capsys.readouterr().out  # the full trace does start mid-run
+
+
+def viewer_blocks(raw: Dict[str, Any], device: int) -> List[Tuple[int, int]]:
+    """(address, requested bytes) of the active blocks as PyTorch's viewer places them: one after
+    another from their segment's address (MemoryViz's annotate_snapshot reads no block address)."""
+    out = []
+    for seg in raw["segments"]:
+        if seg["device"] != device:
+            continue
+        addr = seg["address"]
+        for b in seg["blocks"]:
+            if b["state"] == "active_allocated":
+                out.append((addr, b.get("requested_size", b["size"])))
+            addr += b["size"]
+    return out
+
+
+def test_the_viewer_places_carried_blocks_where_memdiff_does(shared, tmp_path):
+    out = str(tmp_path / "w.pickle")
+    assert main(["slice", str(shared / "cs336-medium-ctx256-train.pickle"), "--events", "6000:12000", "-o", out]) == 0
+    raw = raw_of(out)
+    by_address = sorted((b["address"], b["requested_size"]) for s in raw["segments"] for b in s["blocks"])
+    assert by_address and sorted(viewer_blocks(raw, 0)) == by_address
+
+
+@pytest.mark.slow
+def test_pytorchs_own_snapshot_tools_read_a_slice(torch, shared, tmp_path):
+    from torch.cuda import _memory_viz
+
+    out = str(tmp_path / "w.pickle")
+    assert main(["slice", str(shared / "cs336-medium-ctx128-train.pickle"), "--events", "2000:9000", "-o", out]) == 0
+    raw = raw_of(out)
+    assert "7000 entries" in _memory_viz.trace(raw)
+    assert f"segments: {len(raw['segments'])}" in _memory_viz.segsum(raw)
+    assert "<html" in _memory_viz.trace_plot(raw).lower()
+
+
+def test_a_window_drops_the_ring_buffer_bookkeeping(write_snapshot, tmp_path):
+    snap = training(steps=2)
+    snap["allocator_settings"] = {"trace_alloc_overflowed": True, "trace_alloc_max_entries": 100,
+                                  "expandable_segments": True}
+    out = str(tmp_path / "w.pickle")
+    assert main(["slice", write_snapshot(snap), "--steps", "1", "-o", out]) == 0
+    assert raw_of(out)["allocator_settings"] == {"expandable_segments": True}
