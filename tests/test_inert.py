@@ -291,3 +291,14 @@ def test_html_report_escapes_names(tmp_path):
     page = (tmp_path / "r.html").read_text()
     assert "<script>alert" not in page and "&lt;script&gt;alert" in page
     assert os.path.getsize(tmp_path / "r.html") > 0
+
+
+def test_a_baselines_name_stays_one_line_in_check_and_gate(tmp_path, github_env):
+    base, head = write_pair(tmp_path, name="train")
+    assert run("baseline", base, "-o", tmp_path / "b.json", "--name", "x\n::error::INJ\x1b[2J")[0] == 0
+    code, out, err = run("baseline", "--check", tmp_path / "b.json")
+    assert code == 0 and out.count("\n") == 1
+    assert_plain(out + err)
+    code, out, err = run("gate", head, "--baseline", tmp_path / "b.json", "--github")
+    assert_no_command_from_data(out)
+    assert_plain(out + err)

@@ -22,6 +22,7 @@ from memdiff.commands.args import (
     thresholds_from,
 )
 from memdiff.errors import EXIT_BAD_INPUT, EXIT_OK, InputError
+from memdiff.inert import text
 from memdiff.inputs import read_summary
 from memdiff.job import is_job, summarize_ranks
 from memdiff.model import Summary
@@ -62,11 +63,11 @@ def _check(path: str, rules: List[Rule]) -> int:
             check_categories(b.thresholds.categories, rules, f)  # what gate would refuse, said now
         except InputError as exc:
             broken += 1
-            print(f"memdiff: {exc.path}: {exc.message}", file=sys.stderr)
+            print(f"memdiff: {text(exc.path)}: {text(exc.message)}", file=sys.stderr)
         else:
             what = (f"{len(b.ranks)} ranks" if b.ranks is not None
                     else f"{len(b.devices)} device{'s' if len(b.devices) != 1 else ''}")
-            print(f"ok  {f}  ({b.name}, {what})")
+            print(f"ok  {text(f)}  ({text(b.name)}, {what})")  # a baseline's name is data: one line
     return EXIT_BAD_INPUT if broken else EXIT_OK
 
 
@@ -104,6 +105,6 @@ def run(args: argparse.Namespace) -> int:
         peaks += "; " + ", ".join(f"device {k} spread over {sp.runs} runs {format_bytes(sp.peak.min)} to "
                                   f"{format_bytes(sp.peak.max)}" for k, sp in spreads.items())
     noisy = next((sp.runs for sp in spreads.values() if sp.peak.max > sp.peak.min), None)
-    print(f"memdiff: {'updated' if existed else 'wrote'} {args.output}: baseline {name!r}, {peaks}; "
+    print(f"memdiff: {'updated' if existed else 'wrote'} {text(args.output)}: baseline {text(repr(name))}, {peaks}; "
           f"{thresholds.describe(noisy)}", file=sys.stderr)
     return 0

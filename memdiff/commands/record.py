@@ -22,7 +22,7 @@ from memdiff.baseline import stem
 from memdiff.capture import STACKS, StepWindow, parse_steps, record, recorded_nothing
 from memdiff.commands.args import count_arg
 from memdiff.errors import EXIT_BAD_INPUT, InputError
-from memdiff.inert import shell
+from memdiff.inert import shell, text
 from memdiff.job import MAX_RANKS, rank_of, rank_patterns
 from memdiff.load import decode
 from memdiff.manifest import MANIFEST, clear_statuses, collect, write_manifest
@@ -188,7 +188,8 @@ def _report_job(args: argparse.Namespace, folder: str, before: Dict[str, int], s
         sizes = ", ".join(f"{n} {format_bytes(os.path.getsize(os.path.join(folder, n)))}" for n in written)
         job = f" of a job of {manifest.world_size} rank{'s' if manifest.world_size != 1 else ''}" if manifest else ""
         # A job is read with `ranks`; files of processes without RANK are read one by one.
-        read = (f"memdiff ranks {args.output}" if manifest else f"memdiff peak {os.path.join(args.output, written[0])}")
+        read = (f"memdiff ranks {shell(args.output)}" if manifest
+                else f"memdiff peak {shell(os.path.join(args.output, written[0]))}")
         print(f"memdiff: wrote {len(written)} snapshot{'s' if len(written) != 1 else ''}{job} to {args.output} "
               f"({sizes}); read {'them' if manifest else 'one'} with `{read}`", file=sys.stderr)
     if stale:
@@ -305,6 +306,6 @@ def run(args: argparse.Namespace) -> int:
     notes = [format_bytes(os.path.getsize(args.output))] + ([f"optimizer steps {args.steps}"] if args.steps else [])
     if status:  # so that a script's own exit 3 does not read as a memdiff bug
         notes.append("interrupted" if interrupted else f"the script exited {status}")
-    print(f"memdiff: wrote {args.output} ({'; '.join(notes)}); read it with `memdiff peak {args.output}`",
+    print(f"memdiff: wrote {text(args.output)} ({'; '.join(notes)}); read it with `memdiff peak {shell(args.output)}`",
           file=sys.stderr)
     return status
