@@ -1,4 +1,4 @@
-"""whatif: from one recorded run, the peak after a change nobody has made yet.
+"""counterfactual: `memdiff whatif`, from one recorded run, the peak after a change nobody has made yet.
 
 A what-if is the forecast's replay (forecasting.replay_course) with each allocation of the run
 changed by a rule instead of by a fitted size: a rule drops an allocation, scales it, moves its
@@ -26,6 +26,7 @@ The changes (`--change`, several joined by `+` apply together):
 - `accumulate=K`: K micro-batches of 1/K the batch: what the forward and backward make scales by
   1/K; from the second micro-batch on, the gradients of the earlier ones are held throughout.
 
+Named so that importing it cannot hide the API's `memdiff.whatif` (as forecasting.py, differ.py).
 Nothing here imports torch.
 """
 
@@ -54,11 +55,11 @@ PRECISIONS = ("bf16", "fp16")
 # From each optimizer's update in torch.optim: Adam's denominator is sqrt(v) then a division
 # (two tensors of the parameter's size at once); AMSGrad's max is taken in place; Adagrad's
 # and RMSprop's std is sqrt(state) + eps in place (one); SGD updates in place (none);
-# Adafactor's state is a row and a column per matrix (counted as none) and its update makes
-# the squared gradient and the variance estimate (two).
+# Adafactor's state is a row and a column per matrix (counted as none; a vector's full variance
+# is small) and its update's one full-size tensor is the variance estimate row_var @ col_var.
 OPTIMIZERS: Dict[str, Tuple[int, int]] = {
     "sgd": (0, 0), "sgd-momentum": (1, 0), "adam": (2, 2), "adamw": (2, 2), "adamw-amsgrad": (3, 2),
-    "adagrad": (1, 1), "rmsprop": (1, 1), "adafactor": (0, 2)}
+    "adagrad": (1, 1), "rmsprop": (1, 1), "adafactor": (0, 1)}
 ZERO_GRAD = ("none", "zeros")
 MAX_ACCUMULATE = 1024
 # Loss computations that libraries run in fp32 whatever the model's precision (Hugging Face
@@ -479,8 +480,8 @@ def _optimizer(run: _Run, edit: _Edit, value: str) -> None:
     if not (run.phase == OPTIMIZER).any() or grads <= 0:
         raise CannotApply("the run shows no optimizer step (no optimizer state, no update's temporaries): "
                           "nothing to replace")
-    if name == value:
-        raise CannotApply(f"the run already uses {value}")
+    if name == value or {name, value} == {"adam", "adamw"}:
+        raise CannotApply(f"the run already uses {name} (Adam and AdamW keep the same memory)")
     want_state, want_temps = OPTIMIZERS[value]
     state = run.of("optimizer_state") & (c.size > SCALAR_BYTES)
     if per > 0 and state.any():
@@ -628,7 +629,8 @@ def _predict(run: _Run, change: Change, blocks: List[str], block: np.ndarray,
 def every_change(run: _Run, optimizer: Optional[str]) -> List[Change]:
     """Every change worth trying on this run (without --change)."""
     texts = ["checkpoint", "checkpoint=0.5", "weights=bf16", "autocast=bf16"]
-    texts += [f"optimizer={name}" for name in OPTIMIZERS if name != optimizer and name != "adam"]
+    same = ("adam", "adamw") if optimizer in ("adam", "adamw") else (optimizer,)
+    texts += [f"optimizer={name}" for name in OPTIMIZERS if name not in same and name != "adam"]
     texts += ["zero-grad=none", "zero-grad=zeros", "accumulate=2", "accumulate=4"]
     return [parse_change(t) for t in texts]
 
