@@ -66,6 +66,10 @@ MAX_ACCUMULATE = 1024
 # upcasts the logits in its loss; log_softmax and nll_loss then stay fp32, and so do their grads).
 LOSS_SITE = re.compile(r"cross_entropy|nll_loss|log_softmax|LogSoftmaxBackward|NllLossBackward|loss_utils|"
                        r"binary_cross_entropy|mse_loss", re.IGNORECASE)
+# Ops that return int64 indices beside their values: an allocation of theirs twice the size of
+# the one just before it (same site) is the indices (8 bytes an element against fp32's 4), whose
+# size no precision changes.
+INDEX_SITE = re.compile(r"max_pool\dd|adaptive_max_pool|fractional_max_pool|topk|\bsort\b|\bmax\b|kthvalue|\bmode\b")
 MODULE_FRAME = re.compile(r"^nn\.Module: (\w+?)_(\d+)$")
 # Module classes too small to be "the repeated block" when a larger repeated one exists.
 GENERIC = frozenset(("Linear", "Conv1D", "Conv1d", "Conv2d", "Conv3d", "Embedding", "LayerNorm", "RMSNorm",
@@ -112,6 +116,7 @@ class DeviceWhatIf:
     blocks: List[str]  # the repeated blocks' instances the stacks show, in order
     optimizer: Optional[str]  # the run's optimizer, as read from its state and sites
     changes: List[ChangePrediction]
+    headline: str  # the run's peak and the change that saves most, in one line
 
 
 @dataclass
@@ -202,6 +207,7 @@ class _Run:
     end_run: np.ndarray  # and was freed in (len(spans): never freed)
     phase: np.ndarray  # the phase each allocation opened in
     loss: np.ndarray  # made by the loss (kept in fp32 by the libraries)
+    indices: np.ndarray  # int64 indices an op returns beside its values
     base: Replayed
 
     @property
@@ -235,7 +241,22 @@ def _facts(course: DeviceCourse, spans: List[PhaseSpan], steps: List[Step]) -> _
         loss_origin = np.array([any(LOSS_SITE.search(f.name) for f in frames) for frames in course.origins], dtype=bool)
         loss = loss | loss_origin[course.origin]
     base = replay_course(course, course.size, spans, steps)
-    return _Run(course, spans, steps, category, born_run, end_run, phase, loss, base)
+    return _Run(course, spans, steps, category, born_run, end_run, phase, loss, _indices(course), base)
+
+
+def _indices(course: DeviceCourse) -> np.ndarray:
+    """The allocations that are int64 indices (INDEX_SITE): twice the size of the allocation just
+    before them with the same stack."""
+    out = np.zeros(len(course.size), dtype=bool)
+    sites = np.array([bool(INDEX_SITE.search(site)) for _, site in course.stacks], dtype=bool)
+    if not len(course.stack) or not sites.any():
+        return out
+    members = np.flatnonzero(sites[course.stack])
+    members = members[np.argsort(course.start[members], kind="stable")]
+    for a, b in zip(members[:-1].tolist(), members[1:].tolist()):
+        if course.stack[a] == course.stack[b] and course.size[b] == 2 * course.size[a]:
+            out[b] = True
+    return out
 
 
 def repeated_blocks(course: DeviceCourse) -> Tuple[List[str], np.ndarray]:
@@ -279,7 +300,9 @@ def run_optimizer(run: _Run) -> Tuple[Optional[str], int, int, str]:
     state = run.of("optimizer_state") & (c.size > SCALAR_BYTES)
     sites = " ".join(c.stacks[s][1] for s in np.unique(c.stack[run.of("optimizer_state", "autograd", "other")
                                                                & (run.phase == OPTIMIZER)]).tolist())
-    frames = " ".join(f.name for o in np.unique(c.origin[run.phase == OPTIMIZER]).tolist()
+    # Profiler frames hold the file in the name (`torch/optim/adam.py(345): _single_tensor_adam`),
+    # CUDA frames in the file.
+    frames = " ".join(f"{f.file}:{f.name}" for o in np.unique(c.origin[run.phase == OPTIMIZER]).tolist()
                       for f in c.origins[o]) if c.origins and len(c.origin) else ""
     form = "foreach" if "_multi_tensor_" in frames or "_foreach_" in sites + frames else "single"
     grads = _grad_bytes(run)
@@ -438,17 +461,17 @@ def _peak_of_set(c: DeviceCourse, members: np.ndarray) -> int:
 def _weights(run: _Run, edit: _Edit, value: str) -> None:
     c = run.course
     halved = run.of("parameter", "gradient", "optimizer_state", "activation", "autograd", "other", "workspace") \
-        & ~run.loss & (c.size > SCALAR_BYTES)
+        & ~run.loss & ~run.indices & (c.size > SCALAR_BYTES)
     edit.size[halved] = edit.size[halved] // 2
     edit.assumptions.append(f"{value} weights: parameters, gradients, optimizer state and activations in 2 bytes; "
-                            "the loss (computed in fp32 by the libraries), inputs and one-element tensors keep "
-                            "their size; every float tensor is assumed fp32 in the run")
+                            "the loss (computed in fp32 by the libraries), inputs, int64 indices (max pooling's) "
+                            "and one-element tensors keep their size; every float tensor is assumed fp32 in the run")
 
 
 def _autocast(run: _Run, edit: _Edit, value: str) -> None:
     c = run.course
     work = run.of("activation", "autograd") & np.isin(run.phase, [FORWARD, BACKWARD]) & ~run.loss \
-        & (c.size > SCALAR_BYTES)
+        & ~run.indices & (c.size > SCALAR_BYTES)
     edit.size[work] = edit.size[work] // 2
     # The most parameter bytes live at once: an update in place makes a new version of each every step.
     params = _peak_of_set(c, np.flatnonzero(run.of("parameter")))
@@ -524,6 +547,9 @@ def _zero_grad(run: _Run, edit: _Edit, value: str) -> None:
     step_of = _step_index(run, c.start)
     if value == "zeros":
         if not freed.any():
+            if len(run.steps) <= 1:
+                raise CannotApply("the run records one step and its gradients outlive it: whether zero_grad "
+                                  "frees them shows only in the next step, which the trace does not hold")
             raise CannotApply("the run already keeps its gradients (zero_grad(set_to_none=False))")
         first = int(step_of[grads].min())
         for k in grads.tolist():
@@ -535,6 +561,9 @@ def _zero_grad(run: _Run, edit: _Edit, value: str) -> None:
         return
     if freed.all():
         raise CannotApply("the run already frees its gradients (zero_grad(set_to_none=True))")
+    if len(run.steps) <= 1:
+        raise CannotApply("the run records one step and its gradients outlive it: whether zero_grad "
+                          "frees them shows only in the next step, which the trace does not hold")
     # Kept gradients: freed at each step's zero_grad (the end of its optimizer run) and made again
     # in the next backward, where the run first wrote them.
     opt_ends = [max(p.end_event for p in s.phases if p.phase == OPTIMIZER) for s in run.steps
@@ -635,6 +664,25 @@ def every_change(run: _Run, optimizer: Optional[str]) -> List[Change]:
     return [parse_change(t) for t in texts]
 
 
+def _headline(device: int, run: _Run, blocks: List[str], optimizer: Optional[str],
+              predictions: Sequence[ChangePrediction]) -> str:
+    where = f"in the {run.base.phase}" if run.base.phase else "before the trace's first event"
+    step = "" if run.base.step is None else f" of step {run.base.step}"
+    line = f"device {device}: peak {format_bytes(run.base.peak_bytes)} {where}{step}"
+    line += f"; repeated blocks {blocks[0]} .. {blocks[-1]} ({len(blocks)})" if blocks else ""
+    line += f"; optimizer {optimizer}" if optimizer else ""
+    applied = [p for p in predictions if p.applies and p.delta_bytes is not None]
+    if not applied:
+        return line + "; no change asked applies to this run"
+    best = min(applied, key=lambda p: (p.delta_bytes or 0, p.change))
+    if (best.delta_bytes or 0) >= 0:
+        return line + "; no change asked lowers the peak"
+    moved = f", the peak moves to the {best.predicted_peak_phase}" if best.predicted_peak_phase != run.base.phase \
+        else ""
+    return line + (f"; most saved by {best.change}: {format_bytes(best.delta_bytes or 0, signed=True)} "
+                   f"({best.delta_pct or 0:+.1f}%){moved}")
+
+
 def whatif_course(path: str, courses: Dict[int, DeviceCourse],
                   spans_steps: Dict[int, Tuple[List[PhaseSpan], List[Step]]], changes: Sequence[Change],
                   budget: Optional[int]) -> WhatIf:
@@ -655,7 +703,8 @@ def whatif_course(path: str, courses: Dict[int, DeviceCourse],
             predictions = applied + [p for p in predictions if not p.applies]
         devices.append(DeviceWhatIf(device=device, base_peak_bytes=run.base.peak_bytes, base_peak_phase=run.base.phase,
                                     base_peak_step=run.base.step, blocks=blocks, optimizer=optimizer,
-                                    changes=predictions))
+                                    changes=predictions, headline=_headline(device, run, blocks, optimizer,
+                                                                            predictions)))
     notes = ["a what-if replays the run's own trace with each change's rules; each change lists what it assumed"]
     return WhatIf(file=path, budget_bytes=budget, asked=[c.text for c in changes], devices=devices, notes=notes)
 

@@ -14,7 +14,7 @@ from memdiff.units import format_bytes
 
 
 def _table(d: DeviceWhatIf, fmt: str, budget: bool) -> str:
-    rows = []
+    rows: List[List[str]] = []
     for c in d.changes:
         if not c.applies:
             continue
@@ -28,14 +28,6 @@ def _table(d: DeviceWhatIf, fmt: str, budget: bool) -> str:
                     colalign=("left", "right", "left", "right", "right") + (("left",) if budget else ()))
 
 
-def _base(d: DeviceWhatIf) -> str:
-    where = f"in the {d.base_peak_phase}" if d.base_peak_phase else "before the trace's first event"
-    step = "" if d.base_peak_step is None else f" of step {d.base_peak_step}"
-    blocks = f"; repeated blocks: {', '.join(d.blocks)}" if d.blocks else "; no repeated blocks on the stacks"
-    opt = f"; optimizer: {d.optimizer}" if d.optimizer else ""
-    return f"device {d.device}: peak {format_bytes(d.base_peak_bytes)} {where}{step}{blocks}{opt}"
-
-
 def _unapplied(d: DeviceWhatIf) -> List[str]:
     return [c.line for c in d.changes if not c.applies]
 
@@ -46,13 +38,14 @@ def render_text(w: WhatIf) -> str:
                                                           if w.budget_bytes is not None else "")]
     out += [f"note: {n}" for n in w.notes]
     for d in w.devices:
-        out += ["", _base(d), "", _table(d, "simple", w.budget_bytes is not None)]
+        out += ["", d.headline]
+        if any(c.applies for c in d.changes):
+            out += ["", _table(d, "simple", w.budget_bytes is not None)]
         skipped = _unapplied(d)
         if skipped:
             out += [""] + skipped
-        out += ["", "assumed:"]
-        for c in d.changes:
-            out += [f"  {c.change}: {a}" for a in c.assumptions]
+        assumed = [f"  {c.change}: {a}" for c in d.changes for a in c.assumptions]
+        out += ["", "assumed:", *assumed] if assumed else []
     return "\n".join(out) + "\n"
 
 
@@ -62,7 +55,9 @@ def render_markdown(w: WhatIf) -> str:
     if w.budget_bytes is not None:
         out += [f"budget: {format_bytes(w.budget_bytes)}"]
     for d in w.devices:
-        out += ["", f"**{_base(d)}**", "", _table(d, "github", w.budget_bytes is not None), ""]
+        out += ["", f"**{d.headline}**", ""]
+        if any(c.applies for c in d.changes):
+            out += [_table(d, "github", w.budget_bytes is not None), ""]
         out += [f"> {line}" for line in _unapplied(d)]
         assumed = [f"- `{c.change}`: {a}" for c in d.changes for a in c.assumptions]
         if assumed:
@@ -79,8 +74,9 @@ def render_html(w: WhatIf) -> str:
     """One self-contained page: the markdown's tables as HTML tables."""
     body = []
     for d in w.devices:
-        body.append(f"<h2>{html.escape(_base(d))}</h2>")
-        body.append(_table(d, "html", w.budget_bytes is not None))
+        body.append(f"<h2>{html.escape(d.headline)}</h2>")
+        if any(c.applies for c in d.changes):
+            body.append(_table(d, "html", w.budget_bytes is not None))
         body += [f"<p class=note>{html.escape(line)}</p>" for line in _unapplied(d)]
         body.append("<ul>" + "".join(f"<li><b>{html.escape(c.change)}</b>: {html.escape(a)}</li>"
                                      for c in d.changes for a in c.assumptions) + "</ul>")

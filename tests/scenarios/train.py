@@ -252,9 +252,15 @@ def setup(args: argparse.Namespace) -> Tuple[nn.Module, List[nn.Parameter], torc
             frozen += list(layer.parameters())
         for p in frozen:
             p.requires_grad_(False)
-    if args.checkpoint:
+    if args.checkpoint or args.checkpoint_fraction:
         if hasattr(model, "gradient_checkpointing_enable"):
             model.gradient_checkpointing_enable()
+            if args.checkpoint_fraction:
+                # Every 1/F-th layer keeps checkpointing (0.5: the second, fourth, ...), as memdiff whatif's
+                # checkpoint=F picks them.
+                f = args.checkpoint_fraction
+                for k, layer in enumerate(layers):
+                    layer.gradient_checkpointing = int((k + 1) * f) > int(k * f)
         else:
             model.checkpoint = True
     projections, extra = add_debug_projections(layers, hidden) if args.debug_projections else ([], [])
@@ -490,6 +496,8 @@ def main() -> None:
                    help="model and optimizer made inside the recording and freed before it ends, as in a test")
     p.add_argument("--autocast", action="store_true", help="bf16 autocast")
     p.add_argument("--checkpoint", action="store_true", help="activation checkpointing")
+    p.add_argument("--checkpoint-fraction", type=float,
+                   help="checkpoint only this fraction of the Hugging Face models' layers (0.5: every other one)")
     p.add_argument("--freeze", action="store_true", help="freeze the embeddings and the lower half of the layers")
     p.add_argument("--accum", type=int, default=1, help="gradient accumulation: micro-batches per optimizer step")
     p.add_argument("--log-loss", choices=("none", "item", "tensor"), default="none",
