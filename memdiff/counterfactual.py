@@ -406,6 +406,8 @@ def _checkpoint(run: _Run, edit: _Edit, value: Optional[str], blocks: List[str],
     if not blocks:
         raise CannotApply("no repeated blocks on the stacks (the profiler's nn.Module frames name them; "
                           "CUDA snapshots and plain loops of ops do not)")
+    if blocks[0].rpartition("_")[0] in GENERIC:
+        block = _by_position(run, block, len(blocks))
     fraction = Fraction(value) if value is not None else Fraction(1)
     chosen = [k for k in range(len(blocks)) if int((k + 1) * fraction) > int(k * fraction)]
     c = run.course
@@ -443,9 +445,36 @@ def _checkpoint(run: _Run, edit: _Edit, value: Optional[str], blocks: List[str],
     edit.assumptions.append(
         f"checkpointing {len(chosen)} of the {len(blocks)} repeated blocks ({', '.join(blocks[k] for k in chosen)}): "
         "each keeps its output (the next block's input); what else it saved for the backward is remade just "
-        "before the backward first needs it, with the block's forward transient peak")
+        "before the backward first needs it, with the block's forward transient peak"
+        + ("; a generic module repeats, so each block is what the forward makes from one instance to the next"
+           if blocks[0].rpartition("_")[0] in GENERIC else ""))
     if not dropped:
         edit.assumptions.append("the chosen blocks save nothing for the backward in this run")
+
+
+def _by_position(run: _Run, block: np.ndarray, count: int) -> np.ndarray:
+    """Block membership by position in each forward: a generic repeated module (a Linear, a
+    Conv2d) is usually checkpointed with what follows it outside any module (its activation
+    function, pooling, dropout), so everything the forward makes from one instance's first
+    allocation to the next's belongs to the first; the last instance spans as many events as the
+    others do (their median)."""
+    c = run.course
+    out = block.copy()
+    fwd = run.phase == FORWARD
+    step_of = _step_index(run, c.start)
+    for step in np.unique(step_of[fwd & (block >= 0)]).tolist():
+        mine = fwd & (step_of == step)
+        firsts = [int(c.start[mine & (block == b)].min()) if (mine & (block == b)).any() else None
+                  for b in range(count)]
+        known = [(b, f) for b, f in enumerate(firsts) if f is not None]
+        if len(known) < 2:
+            continue
+        lengths = [f2 - f1 for (_, f1), (_, f2) in zip(known[:-1], known[1:])]
+        bounds = [f for _, f in known[1:]] + [known[-1][1] + int(np.median(lengths))]
+        for (b, first), end in zip(known, bounds):
+            inside = mine & (c.start >= first) & (c.start < end)
+            out[inside] = b
+    return out
 
 
 def _peak_of_set(c: DeviceCourse, members: np.ndarray) -> int:
