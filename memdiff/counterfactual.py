@@ -593,25 +593,31 @@ def _zero_grad(run: _Run, edit: _Edit, value: str) -> None:
     if len(run.steps) <= 1:
         raise CannotApply("the run records one step and its gradients outlive it: whether zero_grad "
                           "frees them shows only in the next step, which the trace does not hold")
-    # Kept gradients: freed at each step's zero_grad (the end of its optimizer run) and made again
-    # in the next backward, where the run first wrote them.
-    opt_ends = [max(p.end_event for p in s.phases if p.phase == OPTIMIZER) for s in run.steps
-                if any(p.phase == OPTIMIZER for p in s.phases)]
-    kept = grads[~freed]
-    if not opt_ends:
-        raise CannotApply("the run shows no optimizer step to free the gradients at")
-    for k in kept.tolist():
-        born = int(c.start[k])
-        ends = [e for e in opt_ends if e > born]
-        if ends:
-            edit.end[k] = ends[0] + 1
-    for s in run.steps[1:]:
-        back = next((p for p in s.phases if p.phase == BACKWARD), None)
-        end = next((p.end_event for p in s.phases if p.phase == OPTIMIZER), None)
-        if back is not None and end is not None:
-            edit.add(back.peak_event_index, end + 1, int(c.size[kept].sum()), "gradient")
-    edit.assumptions.append("gradients are freed at each step's zero_grad and made again in the next backward, "
-                            "all at its peak (they are made one by one as the backward reaches each weight)")
+    # Zeroed in place, a gradient lives on between steps: as new versions made by zero_() in the
+    # optimizer step (the profiler's record), or as one allocation outliving its step (CUDA's).
+    # Set to None, neither exists: a gradient lives from its backward to its step's zero_grad.
+    zeroed = grads[run.phase[grads] == OPTIMIZER]
+    edit.size[zeroed] = 0
+    windows = []  # per step: (first gradient made in its backward, end of its last optimizer run)
+    made = grads[run.phase[grads] == BACKWARD]
+    for s in run.steps:
+        back = [p for p in s.phases if p.phase == BACKWARD]
+        opt = [p for p in s.phases if p.phase == OPTIMIZER]
+        if not back or not opt:
+            continue
+        mine = made[(c.start[made] >= back[0].start_event) & (c.start[made] <= back[-1].end_event)]
+        first = int(c.start[mine].min()) if len(mine) else back[0].start_event
+        windows.append((first, opt[-1].end_event + 1))
+    for k in made.tolist():
+        start, end = int(c.start[k]), int(c.end[k])
+        pieces = [(max(start, w0), min(end, w1)) for w0, w1 in windows if min(end, w1) > max(start, w0)]
+        if len(pieces) == 1 and pieces[0] == (start, end):
+            continue
+        edit.size[k] = 0
+        for p0, p1 in pieces:
+            edit.add(p0, p1, int(c.size[k]), "gradient")
+    edit.assumptions.append("gradients live from the backward that makes them to their step's zero_grad; a "
+                            "gradient kept across steps is made again from the first gradient of each backward")
 
 
 def _accumulate(run: _Run, edit: _Edit, value: str) -> None:
