@@ -23,7 +23,7 @@ def _table(d: DeviceWhatIf, fmt: str, budget: bool) -> str:
         if budget:
             row.append("yes" if c.fits_budget else "no")
         rows.append(row)
-    headers = ["change", "predicted peak", "phase", "saving", "%"] + (["fits"] if budget else [])
+    headers = ["change", "predicted peak", "phase", "delta", "%"] + (["fits"] if budget else [])
     return tabulate(rows, headers=headers, tablefmt=fmt,
                     colalign=("left", "right", "left", "right", "right") + (("left",) if budget else ()))
 
