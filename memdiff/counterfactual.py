@@ -441,7 +441,7 @@ def _checkpoint(run: _Run, edit: _Edit, value: Optional[str], blocks: List[str],
                     edit.size[k] = 0
             if again is not None:
                 temps = np.flatnonzero(mine & transient & (step_of == step))
-                edit.add(again, again + 1, _peak_of_set(c, temps), "autograd")
+                edit.add(again, again + 1, _peak_of_set(c, temps, edit.size), "autograd")
     edit.assumptions.append(
         f"checkpointing {len(chosen)} of the {len(blocks)} repeated blocks ({', '.join(blocks[k] for k in chosen)}): "
         "each keeps its output (the next block's input); what else it saved for the backward is remade just "
@@ -477,12 +477,13 @@ def _by_position(run: _Run, block: np.ndarray, count: int) -> np.ndarray:
     return out
 
 
-def _peak_of_set(c: DeviceCourse, members: np.ndarray) -> int:
-    """The most bytes the allocations `members` hold at once."""
+def _peak_of_set(c: DeviceCourse, members: np.ndarray, size: Optional[np.ndarray] = None) -> int:
+    """The most bytes the allocations `members` hold at once (with `size`, at those sizes)."""
     if not len(members):
         return 0
+    size = c.size if size is None else size
     events = np.concatenate([c.start[members], np.minimum(c.end[members], c.events)])
-    sizes = np.concatenate([c.size[members], -c.size[members]])
+    sizes = np.concatenate([size[members], -size[members]])
     order = np.lexsort((sizes, events))  # frees before allocations at the same event
     return int(max(0, np.cumsum(sizes[order]).max()))
 
@@ -516,7 +517,7 @@ def _autocast(run: _Run, edit: _Edit, value: str) -> None:
                 # (where the run made it); without gradients in the run, when the backward starts.
                 mine = grads[(c.start[grads] >= p.start_event) & (c.start[grads] <= p.end_event)]
                 for g in mine.tolist():
-                    edit.add(first, int(c.start[g]) + 1, int(c.size[g]) // 2, "autocast_weights")
+                    edit.add(first, int(c.start[g]) + 1, int(edit.size[g]) // 2, "autocast_weights")
                 if not len(mine):
                     edit.add(first, p.start_event, params // 2, "autocast_weights")
                 first = None
@@ -535,20 +536,25 @@ def _optimizer(run: _Run, edit: _Edit, value: str) -> None:
     if name == value or {name, value} == {"adam", "adamw"}:
         raise CannotApply(f"the run already uses {name} (Adam and AdamW keep the same memory)")
     want_state, want_temps = OPTIMIZERS[value]
+    # What an earlier rule (half-precision weights) did to the parameters, the new state and
+    # temporaries follow.
+    params_before = int(c.size[run.of("parameter")].sum())
+    scale = int(edit.size[run.of("parameter")].sum()) / params_before if params_before else 1.0
     state = run.of("optimizer_state") & (c.size > SCALAR_BYTES)
     if per > 0 and state.any():
-        edit.size[state] = (c.size[state] * want_state) // per
+        edit.size[state] = (edit.size[state] * want_state) // per
     elif want_state:
         opt_runs = [s for s in run.spans if s.phase == OPTIMIZER]
         first = opt_runs[0]
         at = _peak_event(run, first)
-        edit.add(at, c.events, grads * want_state, "optimizer_state")
+        edit.add(at, c.events, int(grads * scale) * want_state, "optimizer_state")
         edit.assumptions.append("the state is made in the first optimizer step, as torch.optim does, and never freed")
     # The update's temporaries: made and freed inside an optimizer phase run.
     temps = run.of("autograd", "other", "activation") & (run.phase == OPTIMIZER) & (run.end_run == run.born_run)
     edit.size[temps] = 0
-    largest = int(c.size[run.of("parameter")].max()) if run.of("parameter").any() else 0
-    unit = grads if form == "foreach" else largest
+    params = run.of("parameter")
+    largest = int(edit.size[params].max()) if params.any() else 0
+    unit = int(grads * scale) if form == "foreach" else largest
     for span in run.spans:
         if span.phase == OPTIMIZER:
             edit.add(_peak_event(run, span), _peak_event(run, span) + 1, want_temps * unit, "autograd")
@@ -613,9 +619,10 @@ def _zero_grad(run: _Run, edit: _Edit, value: str) -> None:
         pieces = [(max(start, w0), min(end, w1)) for w0, w1 in windows if min(end, w1) > max(start, w0)]
         if len(pieces) == 1 and pieces[0] == (start, end):
             continue
+        size = int(edit.size[k])
         edit.size[k] = 0
         for p0, p1 in pieces:
-            edit.add(p0, p1, int(c.size[k]), "gradient")
+            edit.add(p0, p1, size, "gradient")
     edit.assumptions.append("gradients live from the backward that makes them to their step's zero_grad; a "
                             "gradient kept across steps is made again from the first gradient of each backward")
 
@@ -636,7 +643,7 @@ def _accumulate(run: _Run, edit: _Edit, value: str) -> None:
         if f is not None and c.start[g] > f:
             # The earlier micro-batches' gradient of this weight, held from the forward until the
             # backward adds the new one to it (both live at that moment).
-            edit.add(f, int(c.start[g]) + 1, int(c.size[g]), "gradient")
+            edit.add(f, int(c.start[g]) + 1, int(edit.size[g]), "gradient")
     edit.assumptions.append(
         f"{k} micro-batches of 1/{k} the batch: what the forward and backward make scales with the batch "
         f"(1/{k}; weight-sized temporaries of the backward do not, and are undercounted); the last micro-batch "

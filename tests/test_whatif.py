@@ -108,9 +108,12 @@ def test_each_rule_gives_the_peak_worked_out_by_hand(run, change):
     assert d.blocks == ["Block_0", "Block_1"]
 
 
-def test_changes_joined_by_plus_apply_together(run):
-    c = memdiff.whatif(run, "optimizer=sgd+weights=bf16").devices[0].changes[0]
-    assert c.predicted_peak_bytes == BY_HAND["optimizer=sgd"][0] // 2
+@pytest.mark.parametrize("other", ["optimizer=sgd", "optimizer=adamw-amsgrad", "checkpoint", "checkpoint=0.5",
+                                   "zero-grad=zeros", "accumulate=2"])
+def test_changes_joined_by_plus_apply_together(run, other):
+    # Every size of the loop is even and every rule keeps proportions: in 2 bytes, each peak halves.
+    c = memdiff.whatif(run, f"{other}+weights=bf16").devices[0].changes[0]
+    assert (c.predicted_peak_bytes, c.predicted_peak_phase) == (BY_HAND[other][0] // 2, BY_HAND[other][1])
 
 
 def test_without_change_every_applicable_one_sorted_by_saving(run, capsys):
