@@ -418,30 +418,32 @@ def _checkpoint(run: _Run, edit: _Edit, value: Optional[str], blocks: List[str],
     saved = fwd & outlives
     step_of = _step_index(run, c.start)
     dropped = 0
-    for b in chosen:
-        mine = block == b
-        for step in np.unique(step_of[mine & saved]).tolist():
-            members = np.flatnonzero(mine & saved & (step_of == step))
-            if len(members) < 2:
-                continue
-            # Its output is the last tensor it makes that outlives its forward: the next block's
-            # input, which checkpointing keeps.
-            output = members[np.argmax(c.start[members])]
-            rest = members[members != output]
-            in_backward = rest[c.end[rest] < c.events]
-            # The recomputation runs when the backward first needs what the block saved: just
-            # before the first of those tensors is freed.
-            again = int(c.end[in_backward].min()) - 1 if len(in_backward) else None
-            for k in rest.tolist():
-                dropped += int(c.size[k])
-                freed_in_backward = run.end_run[k] < len(spans) and spans[run.end_run[k]].phase == BACKWARD
-                if again is not None and c.end[k] > again and freed_in_backward:
-                    edit.start[k] = max(int(c.start[k]), again)
-                else:
-                    edit.size[k] = 0
-            if again is not None:
-                temps = np.flatnonzero(mine & transient & (step_of == step))
-                edit.add(again, again + 1, _peak_of_set(c, temps, edit.size), "autograd")
+    picked = np.zeros(len(blocks) + 1, dtype=bool)
+    picked[chosen] = True
+    in_chosen = picked[block]  # block -1 reads the last entry, False
+    saved_groups = _groups(np.flatnonzero(in_chosen & saved), block, step_of)
+    transient_groups = _groups(np.flatnonzero(in_chosen & transient), block, step_of)
+    for key, members in saved_groups.items():
+        if len(members) < 2:
+            continue
+        # Its output is the last tensor it makes that outlives its forward: the next block's
+        # input, which checkpointing keeps.
+        output = members[np.argmax(c.start[members])]
+        rest = members[members != output]
+        in_backward = rest[c.end[rest] < c.events]
+        # The recomputation runs when the backward first needs what the block saved: just
+        # before the first of those tensors is freed.
+        again = int(c.end[in_backward].min()) - 1 if len(in_backward) else None
+        for k in rest.tolist():
+            dropped += int(c.size[k])
+            freed_in_backward = run.end_run[k] < len(spans) and spans[run.end_run[k]].phase == BACKWARD
+            if again is not None and c.end[k] > again and freed_in_backward:
+                edit.start[k] = max(int(c.start[k]), again)
+            else:
+                edit.size[k] = 0
+        if again is not None:
+            temps = transient_groups.get(key, np.zeros(0, dtype=np.int64))
+            edit.add(again, again + 1, _peak_of_set(c, temps, edit.size), "autograd")
     edit.assumptions.append(
         f"checkpointing {len(chosen)} of the {len(blocks)} repeated blocks ({', '.join(blocks[k] for k in chosen)}): "
         "each keeps its output (the next block's input); what else it saved for the backward is remade just "
@@ -452,6 +454,18 @@ def _checkpoint(run: _Run, edit: _Edit, value: Optional[str], blocks: List[str],
         edit.assumptions.append("the chosen blocks save nothing for the backward in this run")
 
 
+def _groups(members: np.ndarray, block: np.ndarray, step_of: np.ndarray) -> Dict[Tuple[int, int], np.ndarray]:
+    """`members` grouped by (block, step), in one sort rather than a scan per block and step."""
+    if not len(members):
+        return {}
+    keys = np.stack([block[members], step_of[members]], axis=1)
+    order = np.lexsort((keys[:, 1], keys[:, 0]))
+    members, keys = members[order], keys[order]
+    cuts = np.flatnonzero(np.any(np.diff(keys, axis=0) != 0, axis=1)) + 1
+    return {(int(keys[i, 0]), int(keys[i, 1])): part
+            for i, part in zip(np.concatenate([[0], cuts]).tolist(), np.split(members, cuts))}
+
+
 def _by_position(run: _Run, block: np.ndarray, count: int) -> np.ndarray:
     """Block membership by position in each forward: a generic repeated module (a Linear, a
     Conv2d) is usually checkpointed with what follows it outside any module (its activation
@@ -460,20 +474,24 @@ def _by_position(run: _Run, block: np.ndarray, count: int) -> np.ndarray:
     others do (their median)."""
     c = run.course
     out = block.copy()
-    fwd = run.phase == FORWARD
+    fwd = np.flatnonzero(run.phase == FORWARD)
     step_of = _step_index(run, c.start)
-    for step in np.unique(step_of[fwd & (block >= 0)]).tolist():
-        mine = fwd & (step_of == step)
-        firsts = [int(c.start[mine & (block == b)].min()) if (mine & (block == b)).any() else None
-                  for b in range(count)]
-        known = [(b, f) for b, f in enumerate(firsts) if f is not None]
+    firsts: Dict[int, List[Tuple[int, int]]] = {}  # step -> (first event, block), in event order
+    for (b, step), members in _groups(fwd[block[fwd] >= 0], block, step_of).items():
+        firsts.setdefault(step, []).append((int(c.start[members].min()), b))
+    by_step = fwd[np.argsort(step_of[fwd], kind="stable")]
+    cuts = np.flatnonzero(np.diff(step_of[by_step])) + 1
+    for part in np.split(by_step, cuts) if len(by_step) else []:
+        known = sorted(firsts.get(int(step_of[part[0]]), []))
         if len(known) < 2:
             continue
-        lengths = [f2 - f1 for (_, f1), (_, f2) in zip(known[:-1], known[1:])]
-        bounds = [f for _, f in known[1:]] + [known[-1][1] + int(np.median(lengths))]
-        for (b, first), end in zip(known, bounds):
-            inside = mine & (c.start >= first) & (c.start < end)
-            out[inside] = b
+        starts = np.array([f for f, _ in known], dtype=np.int64)
+        length = int(np.median(np.diff(starts)))
+        ends = np.append(starts[1:], starts[-1] + length)
+        slot = np.searchsorted(starts, c.start[part], side="right") - 1
+        inside = (slot >= 0) & (c.start[part] < ends[np.maximum(slot, 0)])
+        owners = np.array([b for _, b in known], dtype=np.int64)
+        out[part[inside]] = owners[slot[inside]]
     return out
 
 
