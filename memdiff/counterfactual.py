@@ -210,10 +210,6 @@ class _Run:
     indices: np.ndarray  # int64 indices an op returns beside its values
     base: Replayed
 
-    @property
-    def n(self) -> int:
-        return len(self.course.size)
-
     def of(self, *names: str) -> np.ndarray:
         """Allocations of these categories."""
         return np.isin(self.category, list(names))
