@@ -180,10 +180,13 @@ def test_api_is_the_cli_json_and_matches_its_schema(run, capsys, tmp_path):
 
 # ---------------------------------------------------------------- captured pairs
 
-# Pairs whose prediction misses by more than 10%, with the figures and the reason (docs/whatif.md).
+# Pairs whose prediction misses 10% here, with the bound they are held to and why (docs/whatif.md).
+# A bound, not an expected failure: CPU kernels in bf16 differ between processors, and a pair
+# that meets 10% elsewhere must not fail the suite.
 KNOWN_MISSES = {
-    ("cnn-wide", "weights=bf16"): "predicted 11.6% over: CPU bf16 convolutions and their backward keep other "
-                                  "buffers than fp32's, and the head's peak falls at another moment of the backward",
+    ("cnn-wide", "weights=bf16"): (15.0, "measured 11.6% over: CPU bf16 convolutions and their backward keep "
+                                         "other buffers than fp32's, and the head's peak falls at another "
+                                         "moment of the backward"),
 }
 
 
@@ -194,11 +197,10 @@ def rows(scenarios) -> Dict[Any, Dict[str, Any]]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("base, change", [
-    pytest.param(base, change, marks=pytest.mark.xfail(reason=KNOWN_MISSES[(base, change)], strict=True))
-    if (base, change) in KNOWN_MISSES else (base, change) for base, change, _ in WHATIF_PAIRS])
+@pytest.mark.parametrize("base, change", [(base, change) for base, change, _ in WHATIF_PAIRS])
 def test_predicted_within_10pct_of_the_change_really_made(rows, base, change):
     r = rows[(base, change)]
     assert r["predicted"] is not None, r["reason"]
     assert r["predicted_phase"] == r["measured_phase"]
-    assert abs(r["error_pct"]) <= 10.0, r
+    bound = KNOWN_MISSES.get((base, change), (10.0, ""))[0]
+    assert abs(r["error_pct"]) <= bound, r
