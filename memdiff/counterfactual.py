@@ -44,6 +44,7 @@ from memdiff import __version__
 from memdiff.classify import Rule
 from memdiff.errors import InputError
 from memdiff.forecasting import DeviceCourse, Replayed, read_course, replay_course, structure
+from memdiff.inert import scrubbed
 from memdiff.lifetimes import BACKWARD, FORWARD, OPTIMIZER
 from memdiff.model import PhaseSpan, Step
 from memdiff.units import format_bytes
@@ -762,7 +763,9 @@ def whatif_course(path: str, courses: Dict[int, DeviceCourse],
                                     changes=predictions, headline=_headline(device, run, blocks, optimizer,
                                                                             predictions)))
     notes = ["a what-if replays the run's own trace with each change's rules; each change lists what it assumed"]
-    return WhatIf(file=path, budget_bytes=budget, asked=[c.text for c in changes], devices=devices, notes=notes)
+    # Names from the snapshot (module instances, the file) are made one line each here, once for every output.
+    return scrubbed(WhatIf(file=path, budget_bytes=budget, asked=[c.text for c in changes], devices=devices,
+                           notes=notes))
 
 
 def whatif(path: str, changes: Sequence[str], rules: Sequence[Rule], budget: Optional[int] = None) -> WhatIf:

@@ -204,3 +204,21 @@ def test_predicted_within_10pct_of_the_change_really_made(rows, base, change):
     assert r["predicted_phase"] == r["measured_phase"]
     bound = KNOWN_MISSES.get((base, change), (10.0, ""))[0]
     assert abs(r["error_pct"]) <= bound, r
+
+
+def test_names_from_the_run_and_the_change_bend_no_output(tmp_path):
+    from test_inert import assert_markdown_inert, assert_no_command_from_data, assert_plain, run
+
+    path = tmp_path / "x\n::stop-commands::tok\x1b[2J @octocat #123.pickle"
+    path.write_bytes(__import__("pickle").dumps(loop(), 4))
+    for fmt in ("text", "markdown", "json"):
+        code, out, err = run("whatif", path, "--change", "checkpoint", "--format", fmt)
+        assert code == 0, err
+        assert_plain(out)
+        assert_no_command_from_data(out)
+        if fmt == "markdown":
+            assert_markdown_inert(out, headings=1)
+    code, out, err = run("whatif", path, "--change", "chekpoint\n::error::x\x1b[2J")
+    assert code == 2
+    assert_plain(err)
+    assert_no_command_from_data(err)

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import html
-import json
 import os
 from typing import List
 
 from tabulate import tabulate
 
 from memdiff.counterfactual import DeviceWhatIf, WhatIf
+from memdiff.inert import md_cell, md_code, md_text
+from memdiff.render.json import dumps
 from memdiff.units import format_bytes
 
 
@@ -24,6 +25,8 @@ def _table(d: DeviceWhatIf, fmt: str, budget: bool) -> str:
             row.append("yes" if c.fits_budget else "no")
         rows.append(row)
     headers = ["change", "predicted peak", "phase", "delta", "%"] + (["fits"] if budget else [])
+    if fmt == "github":  # markdown escapes every cell: the change is the user's text
+        rows = [[md_cell(c) for c in row] for row in rows]
     return tabulate(rows, headers=headers, tablefmt=fmt,
                     colalign=("left", "right", "left", "right", "right") + (("left",) if budget else ()))
 
@@ -51,15 +54,15 @@ def render_text(w: WhatIf) -> str:
 
 def render_markdown(w: WhatIf) -> str:
     """The what-if for a pull-request comment or a job summary."""
-    out = ["### memdiff whatif", "", f"run: `{os.path.basename(w.file)}`"]
+    out = ["### memdiff whatif", "", f"run: {md_code(os.path.basename(w.file))}"]
     if w.budget_bytes is not None:
         out += [f"budget: {format_bytes(w.budget_bytes)}"]
     for d in w.devices:
-        out += ["", f"**{d.headline}**", ""]
+        out += ["", f"**{md_text(d.headline)}**", ""]
         if any(c.applies for c in d.changes):
             out += [_table(d, "github", w.budget_bytes is not None), ""]
-        out += [f"> {line}" for line in _unapplied(d)]
-        assumed = [f"- `{c.change}`: {a}" for c in d.changes for a in c.assumptions]
+        out += [f"> {md_text(line)}" for line in _unapplied(d)]
+        assumed = [f"- {md_code(c.change)}: {md_text(a)}" for c in d.changes for a in c.assumptions]
         if assumed:
             out += ["", "<details><summary>what each change assumed</summary>", "", *assumed, "", "</details>"]
     return "\n".join(out) + "\n"
@@ -67,7 +70,7 @@ def render_markdown(w: WhatIf) -> str:
 
 def render_json(w: WhatIf) -> str:
     """The what-if document (schemas/whatif.schema.json)."""
-    return json.dumps(w.to_dict(), indent=2, ensure_ascii=False) + "\n"
+    return dumps(w.to_dict())
 
 
 def render_html(w: WhatIf) -> str:
