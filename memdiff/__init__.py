@@ -2,8 +2,9 @@
 
 The Python API (`memdiff.api`) is re-exported here: `memdiff.summarize`, `memdiff.diff`,
 `memdiff.gate`, `memdiff.thresholds`, `memdiff.load_baseline`,
-`memdiff.write_baseline`, `memdiff.forecast`, `memdiff.html_report` and `memdiff.record`; `memdiff.api` itself is
-there too. They are imported on first use, so `import memdiff` stays cheap and never imports torch.
+`memdiff.write_baseline`, `memdiff.forecast`, `memdiff.whatif`, `memdiff.html_report` and
+`memdiff.record`; `memdiff.api` itself is there too. They are imported on first use, so
+`import memdiff` stays cheap and never imports torch.
 """
 
 import importlib
@@ -12,7 +13,7 @@ from typing import Any
 __version__ = "0.1.0"
 
 API = ("summarize", "diff", "gate", "load_baseline", "write_baseline", "html_report", "record",
-       "thresholds", "forecast")
+       "thresholds", "forecast", "whatif")
 __all__ = ["__version__", "api", *API]
 
 

@@ -6,6 +6,7 @@
     change = memdiff.diff(base, "head.pickle")          # a Report, not judged: headline, rows per device
     report = memdiff.gate("head.pickle", "baselines/train.json", fail_over="256MiB")
     ahead = memdiff.forecast({"b1.pickle": 1, "b2.pickle": 2, "b4.pickle": 4}, at=16, budget="80GiB")
+    maybe = memdiff.whatif("run.pickle", ["checkpoint", "optimizer=sgd"], budget="80GiB")
     print(report.passed, report.headline, [c.subject for c in report.checks if not c.passed])
 
 Every result has `to_dict()`, the JSON the CLI writes: `memdiff.gate(...)` is one document of
@@ -35,6 +36,7 @@ from memdiff.report import Run as ReportRun
 from memdiff.units import parse_size
 
 if TYPE_CHECKING:
+    from memdiff.counterfactual import WhatIf
     from memdiff.forecasting import Forecast
 
 Run = Union[str, "os.PathLike[str]", Summary]
@@ -168,6 +170,17 @@ def forecast(runs: Union[Dict[Path, int], Sequence[Tuple[Path, int]]], *, at: Un
     result = _forecast([KnobRun(os.fspath(p), int(v)) for p, v in pairs], values, _rules(rules),
                        to_bytes(budget, "budget"))
     return result if limit is None or baseline is None else judge_headroom(result, os.fspath(baseline), limit)
+
+
+def whatif(run: Path, changes: Union[str, Sequence[str], None] = None, *, budget: Size = None,
+           rules: Optional[Sequence[str]] = None) -> "WhatIf":
+    """The peak of a snapshot after changes nobody has made (`"checkpoint"`, `"weights=bf16"`,
+    `"optimizer=sgd+accumulate=4"`; none: every applicable one), each fitting `budget` or not.
+    `to_dict()` is `memdiff whatif --format json`."""
+    from memdiff.counterfactual import whatif as _whatif
+
+    asked = [changes] if isinstance(changes, str) else list(changes or [])
+    return _whatif(os.fspath(run), asked, _rules(rules), to_bytes(budget, "budget"))
 
 
 def html_report(report: Report) -> str:

@@ -30,6 +30,8 @@ COMMANDS = {  # name: (module, one-line help); a module gives DESCRIPTION, add_a
               "compare the ranks of a distributed job: spread, roles, the heaviest rank's extra"),
     "forecast": ("memdiff.commands.forecast",
                  "forecast the peak at a batch size or length not run, from runs that differ in that knob"),
+    "whatif": ("memdiff.commands.whatif",
+               "predict the peak after a change not made (checkpointing, bf16, another optimizer, accumulation)"),
     "record": ("memdiff.commands.record", "run a Python script with memory recording on and write the snapshot"),
     "demo": ("memdiff.commands.demo", "record a small GPT with and without activation checkpointing and diff them"),
     "comment": ("memdiff.commands.comment",

@@ -78,6 +78,10 @@ class DeviceCourse:
     stacks: List[Tuple[str, str]]
     categories: List[str]
     before: np.ndarray  # live before the trace's first event (memory from before the trace)
+    # The display frames of each allocation's first version, instance numbers of the profiler's
+    # `nn.Module: GPT2Block_3` frames kept (signatures drop them): `origin[k]` indexes `origins`.
+    origin: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    origins: List[Tuple[Any, ...]] = field(default_factory=list)
 
 
 @dataclass
@@ -274,7 +278,8 @@ def read_course(path: str, value: int, rules: Sequence[Rule], window: Optional[W
         devices[d.device] = DeviceCourse(
             device=d.device, events=d.trace_events, start=start[order], end=end[order], size=size[order],
             stack=stack[order], category=codes[order], stacks=[(sig, sites[sig]) for sig in stacks],
-            categories=names, before=before[order])
+            categories=names, before=before[order],
+            origin=kind[order] if len(kind) else kind, origins=[stack.frames for stack, _ in allocations.kinds])
     return Course(file=path, value=value, summary=summary, devices=devices)
 
 
@@ -464,10 +469,27 @@ def _phase_of(spans: Sequence[PhaseSpan], event: int) -> Optional[str]:
     return next((s.phase for s in spans if s.start_event <= event <= s.end_event), None)
 
 
-def _predict(dev: _Device, value: int, overhead: float, largest: np.ndarray) -> Prediction:
-    """Replay at `value`: the peak, its phase and step, each phase's peak, and what is live there."""
-    ref = dev.ref
-    sizes = dev.fit.at(value)
+@dataclass
+class Replayed:
+    """A course replayed with given sizes: its peak, where it is, each phase's peak, what is live there.
+
+    The one replay forecast and what-if share: a forecast changes every size by its fitted form,
+    a what-if drops, scales, replaces or adds allocations by its rules."""
+
+    totals: np.ndarray  # bytes live after each event
+    peak_bytes: int
+    event: Optional[int]  # the event after which the peak is reached; None: before the first event
+    at: int  # the event whose live allocations are the peak's (0 for memory from before the trace)
+    live: np.ndarray  # allocations live at the peak
+    phase: Optional[str]
+    step: Optional[int]
+    phase_peaks: Dict[str, int]
+    categories: Dict[str, int]
+
+
+def replay_course(ref: DeviceCourse, sizes: np.ndarray, spans: Sequence[PhaseSpan], steps: Sequence[Step]) -> Replayed:
+    """Replay `ref` with allocation k holding `sizes[k]`: the peak, its phase and step (from the
+    phase runs and steps of the run the course comes from), each phase's peak, the categories live."""
     totals = replay(ref, sizes)
     peak, event = peak_of(ref, sizes, totals)
     if event is None:  # before the first event: only memory from before the trace is live
@@ -477,7 +499,7 @@ def _predict(dev: _Device, value: int, overhead: float, largest: np.ndarray) -> 
         at = event
         live = (ref.start <= at) & (ref.end > at)
     phase_peaks: Dict[str, int] = {}
-    for span in dev.spans:
+    for span in spans:
         phase, start, end = span.phase, span.start_event, span.end_event
         if start <= end < len(totals):
             top = int(totals[start:end + 1].max())
@@ -486,6 +508,18 @@ def _predict(dev: _Device, value: int, overhead: float, largest: np.ndarray) -> 
     for c, b in zip(ref.category[live].tolist(), sizes[live].tolist()):
         name = ref.categories[c]
         cats[name] = cats.get(name, 0) + b
+    step = None if event is None else next((s.step for s in steps if s.start_event <= at <= s.end_event), None)
+    return Replayed(totals=totals, peak_bytes=peak, event=event, at=at, live=live,
+                    phase=None if event is None else _phase_of(spans, at), step=step, phase_peaks=phase_peaks,
+                    categories=dict(sorted(cats.items(), key=lambda kv: (-kv[1], kv[0]))))
+
+
+def _predict(dev: _Device, value: int, overhead: float, largest: np.ndarray) -> Prediction:
+    """Replay at `value`: the peak, its phase and step, each phase's peak, and what is live there."""
+    ref = dev.ref
+    sizes = dev.fit.at(value)
+    r = replay_course(ref, sizes, dev.spans, dev.steps)
+    live = r.live
     sites: Dict[int, List[int]] = {}
     for s, b, o, f, c in zip(ref.stack[live].tolist(), sizes[live].tolist(), largest[live].tolist(),
                              dev.fit.form[live].tolist(), ref.category[live].tolist()):
@@ -497,12 +531,9 @@ def _predict(dev: _Device, value: int, overhead: float, largest: np.ndarray) -> 
                            largest_run_bytes=o, growth_bytes=b - o)
             for s, (b, o, f, c) in sites.items() if f > 0]
     rows.sort(key=lambda r: (-r.growth_bytes, -r.bytes, r.site))
-    step = None if event is None else next((s.step for s in dev.steps if s.start_event <= at <= s.end_event), None)
-    return Prediction(value=value, peak_bytes=peak, phase=None if event is None else _phase_of(dev.spans, at),
-                      step=step,
-                      event_index=at, phase_peaks=phase_peaks,
-                      categories=dict(sorted(cats.items(), key=lambda kv: (-kv[1], kv[0]))),
-                      sites=rows[:TOP_SITES], with_overhead_bytes=int(round(peak * overhead)))
+    return Prediction(value=value, peak_bytes=r.peak_bytes, phase=r.phase, step=r.step, event_index=r.at,
+                      phase_peaks=r.phase_peaks, categories=r.categories, sites=rows[:TOP_SITES],
+                      with_overhead_bytes=int(round(r.peak_bytes * overhead)))
 
 
 def peak_of(ref: DeviceCourse, sizes: np.ndarray, totals: np.ndarray) -> Tuple[int, Optional[int]]:
@@ -591,7 +622,7 @@ def _overhead(courses: Sequence[Course]) -> Tuple[float, str]:
                    "any run measured (the caching allocator's overhead)")
 
 
-def _structure(summary: Summary, device: int) -> Tuple[List[PhaseSpan], List[Step]]:
+def structure(summary: Summary, device: int) -> Tuple[List[PhaseSpan], List[Step]]:
     """The phase runs and steps of a run's device (kept in its Summary)."""
     for d in summary.devices:
         if d.device == device:
@@ -624,7 +655,7 @@ def _device_forecast(runs: List[DeviceCourse], courses: Sequence[Course], device
         ok = m >= 0
         sizes[k, ok] = run.size[m[ok]]
         present[k] = ok
-    spans, steps = _structure(courses[ref_index].summary, device)
+    spans, steps = structure(courses[ref_index].summary, device)
     distinct = columns(sizes, present)
     fit = fit_sizes([values[k] for k in fitted], sizes, present, distinct, fitted)
     dev = _Device(ref, fit, spans, steps)

@@ -82,7 +82,56 @@ COMPILED = {
 # Issue 37: repeats of one loop whose memory depends on the data (each batch its own sequence
 # length, drawn with a different seed per run, as data order differs between runs): a real spread.
 REPEATS = {f"gpt2-repeat-{k}": ("gpt2", ["--lengths-seed", str(k)]) for k in (1, 2, 3)}
-SCENARIOS: Dict[str, Tuple[str, List[str]]] = {**BASES, **CHANGES, **EDGE_BASES, **EDGES, **COMPILED, **REPEATS}
+# Issue 34: memdiff whatif's pairs. The base is a run of the suite; the head is the same loop with
+# the change really made. The plain torch models run wider batches, so that their activations and
+# not their optimizer step hold the peak.
+WHATIF_BASES = {"mlp-wide": ("mlp", ["--batch", "256", "--steps", "2"]),
+                "cnn-wide": ("cnn", ["--batch", "32", "--steps", "2"])}
+WHATIF_HEADS: Dict[str, Tuple[str, List[str]]] = {}
+# (base, change, head): heads named <base>-wi-<slug> are captured here; others are the suite's own.
+WHATIF_PAIRS: List[Tuple[str, str, str]] = []
+
+
+def _whatif_pair(base: str, change: str, flags: Optional[List[str]] = None, head: Optional[str] = None) -> None:
+    model, base_flags = SCENARIOS_SO_FAR[base] if base in SCENARIOS_SO_FAR else WHATIF_BASES[base]
+    if head is None:
+        head = f"{base}-wi-{re.sub(r'[^a-z0-9]+', '-', change)}"
+        kept = [f for f in base_flags if f != "--truth"]
+        if "--accum" in (flags or []):  # K micro-batches of 1/K the batch
+            batch = int(kept[kept.index("--batch") + 1]) if "--batch" in kept else 4
+            k = int(flags[flags.index("--accum") + 1]) if flags else 1
+            kept = [f for i, f in enumerate(kept) if f != "--batch" and (i == 0 or kept[i - 1] != "--batch")]
+            kept += ["--batch", str(batch // k)]
+        WHATIF_HEADS[head] = (model, kept + list(flags or []))
+    WHATIF_PAIRS.append((base, change, head))
+
+
+SCENARIOS_SO_FAR: Dict[str, Tuple[str, List[str]]] = {**BASES, **CHANGES, **EDGE_BASES, **EDGES, **COMPILED, **REPEATS}
+for _base in ("gpt2-base", "llama-base"):
+    _m = _base.split("-")[0]
+    _whatif_pair(_base, "checkpoint", head=f"{_m}-checkpoint")
+    _whatif_pair(_base, "checkpoint=0.5", ["--checkpoint-fraction", "0.5"])
+    _whatif_pair(_base, "weights=bf16", ["--bf16"])
+    _whatif_pair(_base, "autocast=bf16", head=f"{_m}-autocast")
+    _whatif_pair(_base, "optimizer=sgd-momentum", head=f"{_m}-sgd")
+    _whatif_pair(_base, "optimizer=adafactor", ["--optimizer", "adafactor"])
+    _whatif_pair(_base, "accumulate=2", ["--accum", "2"])
+for _change, _flags in (("weights=fp16", ["--fp16"]), ("optimizer=sgd", ["--optimizer", "sgd"]),
+                        ("optimizer=adagrad", ["--optimizer", "adagrad"]),
+                        ("optimizer=adamw-amsgrad", ["--optimizer", "adamw-amsgrad"]),
+                        ("optimizer=rmsprop", ["--optimizer", "rmsprop"]), ("zero-grad=zeros", ["--keep-grads"])):
+    _whatif_pair("gpt2-base", _change, _flags)
+for _base in ("mlp-wide", "cnn-wide"):
+    for _change, _flags in (("checkpoint", ["--checkpoint"]), ("weights=bf16", ["--bf16"]),
+                            ("autocast=bf16", ["--autocast"]), ("accumulate=2", ["--accum", "2"])):
+        _whatif_pair(_base, _change, _flags)
+_whatif_pair("mlp-wide", "optimizer=sgd-momentum", ["--optimizer", "sgd-momentum"])
+_whatif_pair("mlp-wide", "zero-grad=zeros", ["--keep-grads"])
+# The other way: a run that keeps its gradients, and the one that frees them.
+WHATIF_PAIRS.append(("gpt2-base-wi-zero-grad-zeros", "zero-grad=none", "gpt2-base"))
+WHATIF_PAIRS.append(("mlp-wide-wi-zero-grad-zeros", "zero-grad=none", "mlp-wide"))
+
+SCENARIOS: Dict[str, Tuple[str, List[str]]] = {**SCENARIOS_SO_FAR, **WHATIF_BASES, **WHATIF_HEADS}
 
 # PyTorch's data-flow categories in memdiff's terms.
 PYTORCH_TO_MEMDIFF = {"temporary": "autograd", "autograd_detail": "autograd", "unknown": "other", None: "other"}
@@ -163,3 +212,22 @@ def pytorch_categories_at(trace: List[Dict[str, Any]], event: int, documented: b
         label = PYTORCH_TO_MEMDIFF.get(e.get("category"), e.get("category"))
         totals[(documented and documented_label(e)) or label] += e["size"]
     return totals
+
+
+def whatif_rows(paths: Dict[str, Path]) -> List[Dict[str, Any]]:
+    """Each of WHATIF_PAIRS predicted by memdiff whatif from its base, against its head as measured
+    (the head's own peak and phase, read by memdiff's summary of the head's capture)."""
+    from memdiff.api import summarize, whatif
+
+    rows = []
+    for base, change, head in WHATIF_PAIRS:
+        predicted = whatif(paths[base], change).devices[0].changes[0]
+        measured = summarize(paths[head]).devices[0]
+        base_peak = summarize(paths[base]).devices[0].peak_bytes
+        error = (None if predicted.predicted_peak_bytes is None
+                 else 100.0 * (predicted.predicted_peak_bytes - measured.peak_bytes) / measured.peak_bytes)
+        rows.append({"base": base, "change": change, "head": head, "base_peak": base_peak,
+                     "predicted": predicted.predicted_peak_bytes, "predicted_phase": predicted.predicted_peak_phase,
+                     "measured": measured.peak_bytes, "measured_phase": measured.phase_at_peak, "error_pct": error,
+                     "reason": predicted.reason})
+    return rows

@@ -225,6 +225,10 @@ def make_optimizer(name: str, params: List[nn.Parameter]) -> torch.optim.Optimiz
         return torch.optim.AdamW(params, lr=1e-3, fused=True)
     if name == "adagrad":  # makes its state (one sum per weight) in its constructor
         return torch.optim.Adagrad(params, lr=1e-2)
+    if name == "rmsprop":
+        return torch.optim.RMSprop(params, lr=1e-3)
+    if name == "adafactor":
+        return torch.optim.Adafactor(params, lr=1e-2)
     return torch.optim.SGD(params, lr=1e-2, momentum=0.9 if name == "sgd-momentum" else 0.0)
 
 
@@ -235,21 +239,28 @@ def setup(args: argparse.Namespace) -> Tuple[nn.Module, List[nn.Parameter], torc
     model, layers, hidden, batch, loss_of = build(args)
     model.to(args.device)
     batch = on_device(batch, args.device)
-    if args.bf16:
-        model.to(torch.bfloat16)
+    if args.bf16 or args.fp16:
+        half = torch.bfloat16 if args.bf16 else torch.float16
+        model.to(half)
         make = batch
 
         def batch() -> Dict[str, torch.Tensor]:
-            return {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in make().items()}
+            return {k: v.to(half) if v.is_floating_point() else v for k, v in make().items()}
     if args.freeze:
         frozen = [p for name, p in model.named_parameters() if "embed" in name or "wte" in name or "wpe" in name]
         for layer in layers[: max(1, len(layers) // 2)]:
             frozen += list(layer.parameters())
         for p in frozen:
             p.requires_grad_(False)
-    if args.checkpoint:
+    if args.checkpoint or args.checkpoint_fraction:
         if hasattr(model, "gradient_checkpointing_enable"):
             model.gradient_checkpointing_enable()
+            if args.checkpoint_fraction:
+                # Every 1/F-th layer keeps checkpointing (0.5: the second, fourth, ...), as memdiff whatif's
+                # checkpoint=F picks them.
+                f = args.checkpoint_fraction
+                for k, layer in enumerate(layers):
+                    layer.gradient_checkpointing = int((k + 1) * f) > int(k * f)
         else:
             model.checkpoint = True
     projections, extra = add_debug_projections(layers, hidden) if args.debug_projections else ([], [])
@@ -464,7 +475,7 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--seq", type=int, default=64)
     p.add_argument("--optimizer", choices=("adamw", "adamw-amsgrad", "adamw-foreach", "adamw-fused", "adagrad", "sgd",
-                                           "sgd-momentum"), default="adamw")
+                                           "sgd-momentum", "rmsprop", "adafactor"), default="adamw")
     p.add_argument("--warmup", type=int, default=0, help="steps run before recording starts")
     p.add_argument("--ema", action="store_true", help="an EMA copy of the weights, made in the first step")
     p.add_argument("--ema-before", action="store_true",
@@ -476,6 +487,7 @@ def main() -> None:
                    help="zero_grad after the optimizer step, first thing in each step, or between forward and backward")
     p.add_argument("--keep-grads", action="store_true", help="zero_grad(set_to_none=False)")
     p.add_argument("--bf16", action="store_true", help="bf16 weights (model.to(torch.bfloat16))")
+    p.add_argument("--fp16", action="store_true", help="fp16 weights (model.to(torch.float16))")
     p.add_argument("--generate", action="store_true", help="inference: generate() instead of training")
     p.add_argument("--keep-weights", action="store_true",
                    help="the leak: copies of the weights appended to a list between backward() and step()")
@@ -484,6 +496,8 @@ def main() -> None:
                    help="model and optimizer made inside the recording and freed before it ends, as in a test")
     p.add_argument("--autocast", action="store_true", help="bf16 autocast")
     p.add_argument("--checkpoint", action="store_true", help="activation checkpointing")
+    p.add_argument("--checkpoint-fraction", type=float,
+                   help="checkpoint only this fraction of the Hugging Face models' layers (0.5: every other one)")
     p.add_argument("--freeze", action="store_true", help="freeze the embeddings and the lower half of the layers")
     p.add_argument("--accum", type=int, default=1, help="gradient accumulation: micro-batches per optimizer step")
     p.add_argument("--log-loss", choices=("none", "item", "tensor"), default="none",

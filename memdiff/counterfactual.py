@@ -1,0 +1,776 @@
+"""counterfactual: `memdiff whatif`, from one recorded run, the peak after a change nobody has made yet.
+
+A what-if is the forecast's replay (forecasting.replay_course) with each allocation of the run
+changed by a rule instead of by a fitted size: a rule drops an allocation, scales it, moves its
+birth, or adds allocations the change makes. Which allocations a rule touches is read from what
+the earlier stages say of each: its category (classify), the phase run and step it was born and
+freed in (lifetimes), its site, and the profiler's module instances on its stack
+(`nn.Module: GPT2Block_3`) for the repeated blocks. Every change names what it assumed, and a
+change the run cannot show (no optimizer state, no repeated blocks) is one line, not a guess.
+
+The changes (`--change`, several joined by `+` apply together):
+
+- `checkpoint`, `checkpoint=F`: non-reentrant activation checkpointing of the repeated blocks
+  (all, or the fraction F: 0.5 is every other one). A block's activations saved for the backward
+  are dropped but its output (the next block's input); before the block's backward they come back
+  (the recomputation) together with the block's forward transient peak.
+- `weights=bf16|fp16`: parameters, gradients, optimizer state and activations in 2 bytes; the
+  loss (upcast to fp32 by the libraries), inputs and one-element tensors keep their size.
+- `autocast=bf16|fp16`: activations and their gradients made in the forward and backward halve
+  (the loss excepted); a half-precision copy of the weights is made in each forward and lives
+  to the end of its backward (autocast's weight casts, saved for the backward).
+- `optimizer=NAME`: the run's optimizer state scaled to NAME's tensors per parameter, its step
+  temporaries replaced by NAME's, in the run's form (single-tensor: a few of the largest
+  parameter's size; foreach: a few of every parameter's).
+- `zero-grad=none|zeros`: gradients freed after each step, or kept (zeroed) from the first.
+- `accumulate=K`: K micro-batches of 1/K the batch: what the forward and backward make scales by
+  1/K; from the second micro-batch on, the gradients of the earlier ones are held throughout.
+
+Named so that importing it cannot hide the API's `memdiff.whatif` (as forecasting.py, differ.py).
+Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from dataclasses import asdict, dataclass, field
+from fractions import Fraction
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from memdiff import __version__
+from memdiff.classify import Rule
+from memdiff.errors import InputError
+from memdiff.forecasting import DeviceCourse, Replayed, read_course, replay_course, structure
+from memdiff.inert import scrubbed
+from memdiff.lifetimes import BACKWARD, FORWARD, OPTIMIZER
+from memdiff.model import PhaseSpan, Step
+from memdiff.units import format_bytes
+
+SCHEMA_VERSION = 1
+NAMES = ("checkpoint", "weights", "autocast", "optimizer", "zero-grad", "accumulate")
+PRECISIONS = ("bf16", "fp16")
+# Per optimizer: (state tensors per parameter, step temporaries per parameter in the update).
+# From each optimizer's update in torch.optim: Adam's denominator is sqrt(v) then a division
+# (two tensors of the parameter's size at once); AMSGrad's max is taken in place; Adagrad's
+# and RMSprop's std is sqrt(state) + eps in place (one); SGD updates in place (none);
+# Adafactor's state is a row and a column per matrix (counted as none; a vector's full variance
+# is small) and its update's one full-size tensor is the variance estimate row_var @ col_var.
+OPTIMIZERS: Dict[str, Tuple[int, int]] = {
+    "sgd": (0, 0), "sgd-momentum": (1, 0), "adam": (2, 2), "adamw": (2, 2), "adamw-amsgrad": (3, 2),
+    "adagrad": (1, 1), "rmsprop": (1, 1), "adafactor": (0, 1)}
+ZERO_GRAD = ("none", "zeros")
+MAX_ACCUMULATE = 1024
+# Loss computations that libraries run in fp32 whatever the model's precision (Hugging Face
+# upcasts the logits in its loss; log_softmax and nll_loss then stay fp32, and so do their grads).
+LOSS_SITE = re.compile(r"cross_entropy|nll_loss|log_softmax|LogSoftmaxBackward|NllLossBackward|loss_utils|"
+                       r"binary_cross_entropy|mse_loss", re.IGNORECASE)
+# Ops that return int64 indices beside their values: an allocation of theirs twice the size of
+# the one just before it (same site) is the indices (8 bytes an element against fp32's 4), whose
+# size no precision changes.
+INDEX_SITE = re.compile(r"max_pool\dd|adaptive_max_pool|fractional_max_pool|topk|\bsort\b|\bmax\b|kthvalue|\bmode\b")
+MODULE_FRAME = re.compile(r"^nn\.Module: (\w+?)_(\d+)$")
+# Module classes too small to be "the repeated block" when a larger repeated one exists.
+GENERIC = frozenset(("Linear", "Conv1D", "Conv1d", "Conv2d", "Conv3d", "Embedding", "LayerNorm", "RMSNorm",
+                     "GroupNorm", "BatchNorm1d", "BatchNorm2d", "Dropout", "GELU", "ReLU", "SiLU", "Tanh",
+                     "Softmax", "Identity", "NewGELUActivation", "GELUActivation", "Sequential", "ModuleList"))
+SCALAR_BYTES = 8  # a one-element tensor (an optimizer's step count): its dtype does not follow the model's
+
+
+@dataclass(frozen=True)
+class Change:
+    """One `--change` as given: its parts (name, value or None), applied together."""
+
+    text: str
+    parts: Tuple[Tuple[str, Optional[str]], ...]
+
+
+@dataclass
+class ChangePrediction:
+    """The run's device replayed with one change: the peak, where, what it saves, how far to trust it."""
+
+    change: str
+    applies: bool
+    reason: Optional[str]  # why it cannot apply (then no prediction)
+    predicted_peak_bytes: Optional[int]
+    predicted_peak_phase: Optional[str]
+    predicted_peak_step: Optional[int]
+    delta_bytes: Optional[int]
+    delta_pct: Optional[float]
+    fits_budget: Optional[bool]
+    phase_peaks: Dict[str, int]
+    categories: Dict[str, int]
+    assumptions: List[str]
+    line: str  # the change in one sentence
+
+
+@dataclass
+class DeviceWhatIf:
+    """Every change asked of one device of the run."""
+
+    device: int
+    base_peak_bytes: int
+    base_peak_phase: Optional[str]
+    base_peak_step: Optional[int]
+    blocks: List[str]  # the repeated blocks' instances the stacks show, in order
+    optimizer: Optional[str]  # the run's optimizer, as read from its state and sites
+    changes: List[ChangePrediction]
+    headline: str  # the run's peak and the change that saves most, in one line
+
+
+@dataclass
+class WhatIf:
+    """The whole what-if, every number and sentence any output shows."""
+
+    file: str
+    budget_bytes: Optional[int]
+    asked: List[str]  # the changes given (empty: every applicable one)
+    devices: List[DeviceWhatIf]
+    notes: List[str] = field(default_factory=list)
+    tool: str = f"memdiff {__version__}"
+
+    def to_dict(self) -> Dict[str, Any]:
+        """The JSON document (schemas/whatif.schema.json)."""
+        return {"schema_version": SCHEMA_VERSION, "tool": self.tool, "file": self.file,
+                "budget_bytes": self.budget_bytes, "asked": self.asked, "notes": self.notes,
+                "devices": [asdict(d) for d in self.devices]}
+
+
+# ---------------------------------------------------------------- parsing
+
+
+def _closest(word: str, choices: Sequence[str]) -> str:
+    near = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.4)
+    return f" (did you mean {near[0]}?)" if near else f" (one of: {', '.join(choices)})"
+
+
+def parse_change(text: str) -> Change:
+    """The Change in `checkpoint=0.5+weights=bf16`; InputError naming the closest known name or value."""
+    if not text or len(text) > 200:
+        raise InputError("--change", "give a change such as checkpoint, weights=bf16 or optimizer=sgd")
+    parts: List[Tuple[str, Optional[str]]] = []
+    for piece in text.split("+"):
+        name, sep, value = piece.strip().partition("=")
+        name = name.strip().lower()
+        if name not in NAMES:
+            raise InputError("--change", f"unknown change {name!r}{_closest(name, NAMES)}")
+        if any(n == name for n, _ in parts):
+            raise InputError("--change", f"{name} is given twice in {text!r}")
+        v: Optional[str] = value.strip().lower() if sep else None
+        _check_value(name, v)
+        parts.append((name, v))
+    return Change(text, tuple(parts))
+
+
+def _check_value(name: str, value: Optional[str]) -> None:
+    if name == "checkpoint":
+        if value is None:
+            return
+        try:
+            f = float(value)
+        except ValueError:
+            raise InputError("--change", f"checkpoint={value}: give a fraction of the blocks in (0, 1]") from None
+        if not 0 < f <= 1:
+            raise InputError("--change", f"checkpoint={value}: give a fraction of the blocks in (0, 1]")
+        return
+    choices = {"weights": PRECISIONS, "autocast": PRECISIONS, "optimizer": tuple(OPTIMIZERS),
+               "zero-grad": ZERO_GRAD}.get(name)
+    if choices is not None:
+        if value is None:
+            raise InputError("--change", f"{name} needs a value: {name}={choices[0]} (one of: {', '.join(choices)})")
+        if value not in choices:
+            raise InputError("--change", f"{name}={value}: unknown value{_closest(value, choices)}")
+        return
+    # accumulate
+    if value is None or not value.isdigit() or not 2 <= int(value) <= MAX_ACCUMULATE:
+        raise InputError("--change", f"accumulate={value or ''}: give the micro-batches per step, "
+                                     f"a whole number from 2 to {MAX_ACCUMULATE}")
+
+
+# ---------------------------------------------------------------- what the run shows
+
+
+class CannotApply(Exception):
+    """A change the run cannot show: its message is the one line said instead of a guess."""
+
+
+@dataclass
+class _Run:
+    """One device of the run, with the facts every rule reads per allocation."""
+
+    course: DeviceCourse
+    spans: List[PhaseSpan]
+    steps: List[Step]
+    category: np.ndarray  # names, per allocation
+    born_run: np.ndarray  # index into spans of the phase run each allocation opened in
+    end_run: np.ndarray  # and was freed in (len(spans): never freed)
+    phase: np.ndarray  # the phase each allocation opened in
+    loss: np.ndarray  # made by the loss (kept in fp32 by the libraries)
+    indices: np.ndarray  # int64 indices an op returns beside its values
+    base: Replayed
+
+    def of(self, *names: str) -> np.ndarray:
+        """Allocations of these categories."""
+        return np.isin(self.category, list(names))
+
+
+def _facts(course: DeviceCourse, spans: List[PhaseSpan], steps: List[Step]) -> _Run:
+    starts = np.array([s.start_event for s in spans], dtype=np.int64)
+    n_events = course.events
+    if len(starts):
+        born_run = np.maximum(np.searchsorted(starts, course.start, side="right") - 1, 0)
+        end_run = np.where(course.end >= n_events, len(spans),
+                           np.maximum(np.searchsorted(starts, np.minimum(course.end, max(n_events - 1, 0)),
+                                                      side="right") - 1, 0))
+        phase = np.array([s.phase for s in spans], dtype=object)[born_run]
+    else:
+        born_run = np.zeros(len(course.size), dtype=np.int64)
+        end_run = np.zeros(len(course.size), dtype=np.int64)
+        phase = np.full(len(course.size), "other", dtype=object)
+    names = np.array(course.categories, dtype=object)
+    category = names[course.category] if len(course.category) else np.zeros(0, dtype=object)
+    # The site is per signature, the frames per origin: a loss frame in either counts.
+    loss_stack = np.array([bool(LOSS_SITE.search(site)) for _, site in course.stacks], dtype=bool)
+    loss = loss_stack[course.stack] if len(course.stack) else np.zeros(0, dtype=bool)
+    if course.origins and len(course.origin):
+        loss_origin = np.array([any(LOSS_SITE.search(f.name) for f in frames) for frames in course.origins], dtype=bool)
+        loss = loss | loss_origin[course.origin]
+    base = replay_course(course, course.size, spans, steps)
+    return _Run(course, spans, steps, category, born_run, end_run, phase, loss, _indices(course), base)
+
+
+def _indices(course: DeviceCourse) -> np.ndarray:
+    """The allocations that are int64 indices (INDEX_SITE): twice the size of the allocation just
+    before them with the same stack."""
+    out = np.zeros(len(course.size), dtype=bool)
+    sites = np.array([bool(INDEX_SITE.search(site)) for _, site in course.stacks], dtype=bool)
+    if not len(course.stack) or not sites.any():
+        return out
+    members = np.flatnonzero(sites[course.stack])
+    members = members[np.argsort(course.start[members], kind="stable")]
+    for a, b in zip(members[:-1].tolist(), members[1:].tolist()):
+        if course.stack[a] == course.stack[b] and course.size[b] == 2 * course.size[a]:
+            out[b] = True
+    return out
+
+
+def repeated_blocks(course: DeviceCourse) -> Tuple[List[str], np.ndarray]:
+    """(the repeated blocks' instance names in order, each allocation's index into them or -1).
+
+    The repeated block is the module class with at least two instances under one parent on the
+    stacks (the profiler's `nn.Module: GPT2Block_0` frames) whose instances made the most bytes;
+    a generic one (Linear, Embedding) only when no other repeats."""
+    if not course.origins or not len(course.origin):
+        return [], np.full(len(course.size), -1, dtype=np.int64)
+    paths: List[List[Tuple[str, int]]] = []
+    for frames in course.origins:
+        mods = [(m.group(1), int(m.group(2))) for m in (MODULE_FRAME.match(f.name) for f in frames) if m]
+        paths.append(mods[::-1])  # outermost first
+    by_origin = np.bincount(course.origin, weights=course.size.astype(np.float64), minlength=len(paths))
+    instances: Dict[Tuple[Tuple[str, ...], str], Dict[int, float]] = {}
+    for o, path in enumerate(paths):
+        for depth, (cls, number) in enumerate(path):
+            parent = tuple(c for c, _ in path[:depth])
+            slot = instances.setdefault((parent, cls), {})
+            slot[number] = slot.get(number, 0.0) + float(by_origin[o])
+    candidates = [(cls not in GENERIC, sum(v.values()), len(parent), cls, parent)
+                  for (parent, cls), v in instances.items() if len(v) >= 2]
+    if not candidates:
+        return [], np.full(len(course.size), -1, dtype=np.int64)
+    _, _, _, cls, parent = max(candidates)
+    numbers = sorted(instances[(parent, cls)])
+    index = {n: k for k, n in enumerate(numbers)}
+    of_origin = np.full(len(paths), -1, dtype=np.int64)
+    for o, path in enumerate(paths):
+        inside = len(path) > len(parent) and tuple(c for c, _ in path[:len(parent)]) == parent
+        if inside and path[len(parent)][0] == cls:
+            of_origin[o] = index[path[len(parent)][1]]
+    return [f"{cls}_{n}" for n in numbers], of_origin[course.origin]
+
+
+def run_optimizer(run: _Run) -> Tuple[Optional[str], int, int, str]:
+    """(the run's optimizer name or None, state tensors per parameter, trainable parameter bytes,
+    the update's form: "single" or "foreach"), read from its state's bytes and sites."""
+    c = run.course
+    state = run.of("optimizer_state") & (c.size > SCALAR_BYTES)
+    sites = " ".join(c.stacks[s][1] for s in np.unique(c.stack[run.of("optimizer_state", "autograd", "other")
+                                                               & (run.phase == OPTIMIZER)]).tolist())
+    # Profiler frames hold the file in the name (`torch/optim/adam.py(345): _single_tensor_adam`),
+    # CUDA frames in the file.
+    frames = " ".join(f"{f.file}:{f.name}" for o in np.unique(c.origin[run.phase == OPTIMIZER]).tolist()
+                      for f in c.origins[o]) if c.origins and len(c.origin) else ""
+    form = "foreach" if "_multi_tensor_" in frames or "_foreach_" in sites + frames else "single"
+    grads = _grad_bytes(run)
+    state_bytes = _per_step_state(run, state)
+    if grads <= 0:
+        return None, 0, 0, form
+    per = int(round(state_bytes / grads))
+    text = (sites + " " + frames).lower()
+    name: Optional[str]
+    if "adafactor" in text:
+        name = "adafactor"
+    elif "adagrad" in text:
+        name = "adagrad"
+    elif "rmsprop" in text:
+        name = "rmsprop"
+    elif "adam" in text:
+        name = {3: "adamw-amsgrad"}.get(per, "adamw" if "adamw" in text else "adam")
+    elif per == 1:
+        name = "sgd-momentum"
+    elif per == 0 and (run.phase == OPTIMIZER).any():
+        name = "sgd"
+    else:
+        name = None
+    return name, per, grads, form
+
+
+def _grad_bytes(run: _Run) -> int:
+    """Trainable parameter bytes: the most gradient bytes live at once (without gradients in the
+    run, the parameters' when it holds optimizer state, else 0)."""
+    c = run.course
+    grads = np.flatnonzero(run.of("gradient"))
+    if not len(grads):
+        state = run.of("optimizer_state") & (c.size > SCALAR_BYTES)
+        return 0 if not state.any() else _peak_of_set(c, np.flatnonzero(run.of("parameter")))
+    return _peak_of_set(c, grads)
+
+
+def _per_step_state(run: _Run, state: np.ndarray) -> int:
+    """Optimizer state bytes (one-element tensors aside) live at once: an in-place update makes
+    a new version of each state tensor every step, so its allocations are not summed."""
+    return _peak_of_set(run.course, np.flatnonzero(state))
+
+
+def _step_index(run: _Run, events: np.ndarray) -> np.ndarray:
+    starts = np.array([s.start_event for s in run.steps], dtype=np.int64)
+    if not len(starts):
+        return np.zeros(len(events), dtype=np.int64)
+    return np.maximum(np.searchsorted(starts, events, side="right") - 1, 0)
+
+
+# ---------------------------------------------------------------- the edit every rule makes
+
+
+@dataclass
+class _Edit:
+    """Sizes and lifetimes of the run's allocations as a change leaves them, and what it adds."""
+
+    start: np.ndarray
+    end: np.ndarray
+    size: np.ndarray
+    added_start: List[int] = field(default_factory=list)
+    added_end: List[int] = field(default_factory=list)
+    added_size: List[int] = field(default_factory=list)
+    added_category: List[str] = field(default_factory=list)
+    assumptions: List[str] = field(default_factory=list)
+
+    def add(self, start: int, end: int, size: int, category: str) -> None:
+        """An allocation the change makes, live after events start .. end - 1."""
+        if size > 0 and end > start:
+            self.added_start.append(start)
+            self.added_end.append(end)
+            self.added_size.append(size)
+            self.added_category.append(category)
+
+
+def _changed_course(run: _Run, edit: _Edit) -> Tuple[DeviceCourse, np.ndarray]:
+    """The run's course as the edit leaves it (added allocations appended), and its sizes."""
+    c = run.course
+    names = list(c.categories)
+    for name in edit.added_category:
+        if name not in names:
+            names.append(name)
+    codes = [names.index(n) for n in edit.added_category]
+    k = len(edit.added_size)
+    course = DeviceCourse(
+        device=c.device, events=c.events,
+        start=np.concatenate([edit.start, np.array(edit.added_start, dtype=np.int64)]),
+        end=np.concatenate([edit.end, np.array(edit.added_end, dtype=np.int64)]),
+        size=np.concatenate([edit.size, np.array(edit.added_size, dtype=np.int64)]),
+        stack=np.concatenate([c.stack, np.zeros(k, dtype=np.int64)]),
+        category=np.concatenate([c.category, np.array(codes, dtype=np.int64)]),
+        stacks=c.stacks, categories=names,
+        before=np.concatenate([c.before & (edit.start == c.start), np.zeros(k, dtype=bool)]))
+    return course, course.size
+
+
+# ---------------------------------------------------------------- the rules
+
+
+def _checkpoint(run: _Run, edit: _Edit, value: Optional[str], blocks: List[str], block: np.ndarray) -> None:
+    if not blocks:
+        raise CannotApply("no repeated blocks on the stacks (the profiler's nn.Module frames name them; "
+                          "CUDA snapshots and plain loops of ops do not)")
+    if blocks[0].rpartition("_")[0] in GENERIC:
+        block = _by_position(run, block, len(blocks))
+    fraction = Fraction(value) if value is not None else Fraction(1)
+    chosen = [k for k in range(len(blocks)) if int((k + 1) * fraction) > int(k * fraction)]
+    c = run.course
+    spans = run.spans
+    fwd = (run.phase == FORWARD) & run.of("activation", "autograd", "other") & ~c.before
+    outlives = run.end_run != run.born_run  # kept past the forward run it was made in: saved for the backward
+    transient = fwd & ~outlives
+    saved = fwd & outlives
+    step_of = _step_index(run, c.start)
+    dropped = 0
+    picked = np.zeros(len(blocks) + 1, dtype=bool)
+    picked[chosen] = True
+    in_chosen = picked[block]  # block -1 reads the last entry, False
+    saved_groups = _groups(np.flatnonzero(in_chosen & saved), block, step_of)
+    transient_groups = _groups(np.flatnonzero(in_chosen & transient), block, step_of)
+    for key, members in saved_groups.items():
+        if len(members) < 2:
+            continue
+        # Its output is the last tensor it makes that outlives its forward: the next block's
+        # input, which checkpointing keeps.
+        output = members[np.argmax(c.start[members])]
+        rest = members[members != output]
+        in_backward = rest[c.end[rest] < c.events]
+        # The recomputation runs when the backward first needs what the block saved: just
+        # before the first of those tensors is freed.
+        again = int(c.end[in_backward].min()) - 1 if len(in_backward) else None
+        for k in rest.tolist():
+            dropped += int(c.size[k])
+            freed_in_backward = run.end_run[k] < len(spans) and spans[run.end_run[k]].phase == BACKWARD
+            if again is not None and c.end[k] > again and freed_in_backward:
+                edit.start[k] = max(int(c.start[k]), again)
+            else:
+                edit.size[k] = 0
+        if again is not None:
+            temps = transient_groups.get(key, np.zeros(0, dtype=np.int64))
+            edit.add(again, again + 1, _peak_of_set(c, temps, edit.size), "autograd")
+    edit.assumptions.append(
+        f"checkpointing {len(chosen)} of the {len(blocks)} repeated blocks ({', '.join(blocks[k] for k in chosen)}): "
+        "each keeps its output (the next block's input); what else it saved for the backward is remade just "
+        "before the backward first needs it, with the block's forward transient peak"
+        + ("; a generic module repeats, so each block is what the forward makes from one instance to the next"
+           if blocks[0].rpartition("_")[0] in GENERIC else ""))
+    if not dropped:
+        edit.assumptions.append("the chosen blocks save nothing for the backward in this run")
+
+
+def _groups(members: np.ndarray, block: np.ndarray, step_of: np.ndarray) -> Dict[Tuple[int, int], np.ndarray]:
+    """`members` grouped by (block, step), in one sort rather than a scan per block and step."""
+    if not len(members):
+        return {}
+    keys = np.stack([block[members], step_of[members]], axis=1)
+    order = np.lexsort((keys[:, 1], keys[:, 0]))
+    members, keys = members[order], keys[order]
+    cuts = np.flatnonzero(np.any(np.diff(keys, axis=0) != 0, axis=1)) + 1
+    return {(int(keys[i, 0]), int(keys[i, 1])): part
+            for i, part in zip(np.concatenate([[0], cuts]).tolist(), np.split(members, cuts))}
+
+
+def _by_position(run: _Run, block: np.ndarray, count: int) -> np.ndarray:
+    """Block membership by position in each forward: a generic repeated module (a Linear, a
+    Conv2d) is usually checkpointed with what follows it outside any module (its activation
+    function, pooling, dropout), so everything the forward makes from one instance's first
+    allocation to the next's belongs to the first; the last instance spans as many events as the
+    others do (their median)."""
+    c = run.course
+    out = block.copy()
+    fwd = np.flatnonzero(run.phase == FORWARD)
+    step_of = _step_index(run, c.start)
+    firsts: Dict[int, List[Tuple[int, int]]] = {}  # step -> (first event, block), in event order
+    for (b, step), members in _groups(fwd[block[fwd] >= 0], block, step_of).items():
+        firsts.setdefault(step, []).append((int(c.start[members].min()), b))
+    by_step = fwd[np.argsort(step_of[fwd], kind="stable")]
+    cuts = np.flatnonzero(np.diff(step_of[by_step])) + 1
+    for part in np.split(by_step, cuts) if len(by_step) else []:
+        known = sorted(firsts.get(int(step_of[part[0]]), []))
+        if len(known) < 2:
+            continue
+        starts = np.array([f for f, _ in known], dtype=np.int64)
+        length = int(np.median(np.diff(starts)))
+        ends = np.append(starts[1:], starts[-1] + length)
+        slot = np.searchsorted(starts, c.start[part], side="right") - 1
+        inside = (slot >= 0) & (c.start[part] < ends[np.maximum(slot, 0)])
+        owners = np.array([b for _, b in known], dtype=np.int64)
+        out[part[inside]] = owners[slot[inside]]
+    return out
+
+
+def _peak_of_set(c: DeviceCourse, members: np.ndarray, size: Optional[np.ndarray] = None) -> int:
+    """The most bytes the allocations `members` hold at once (with `size`, at those sizes)."""
+    if not len(members):
+        return 0
+    size = c.size if size is None else size
+    events = np.concatenate([c.start[members], np.minimum(c.end[members], c.events)])
+    sizes = np.concatenate([size[members], -size[members]])
+    order = np.lexsort((sizes, events))  # frees before allocations at the same event
+    return int(max(0, np.cumsum(sizes[order]).max()))
+
+
+def _weights(run: _Run, edit: _Edit, value: str) -> None:
+    c = run.course
+    halved = run.of("parameter", "gradient", "optimizer_state", "activation", "autograd", "other", "workspace") \
+        & ~run.loss & ~run.indices & (c.size > SCALAR_BYTES)
+    edit.size[halved] = edit.size[halved] // 2
+    edit.assumptions.append(f"{value} weights: parameters, gradients, optimizer state and activations in 2 bytes; "
+                            "the loss (computed in fp32 by the libraries), inputs, int64 indices (max pooling's) "
+                            "and one-element tensors keep their size; every float tensor is assumed fp32 in the run")
+
+
+def _autocast(run: _Run, edit: _Edit, value: str) -> None:
+    c = run.course
+    work = run.of("activation", "autograd") & np.isin(run.phase, [FORWARD, BACKWARD]) & ~run.loss \
+        & ~run.indices & (c.size > SCALAR_BYTES)
+    edit.size[work] = edit.size[work] // 2
+    # The most parameter bytes live at once: an update in place makes a new version of each every step.
+    params = _peak_of_set(c, np.flatnonzero(run.of("parameter")))
+    grads = np.flatnonzero(run.of("gradient") & (run.phase == BACKWARD))
+    for step in run.steps:
+        # One forward per backward (a micro-batch): the forward runs before each backward run.
+        first: Optional[int] = None
+        for p in step.phases:
+            if p.phase == FORWARD and first is None:
+                first = p.start_event
+            elif p.phase == BACKWARD and first is not None:
+                # Each weight's cast is saved for its backward: freed when its gradient is made
+                # (where the run made it); without gradients in the run, when the backward starts.
+                mine = grads[(c.start[grads] >= p.start_event) & (c.start[grads] <= p.end_event)]
+                for g in mine.tolist():
+                    edit.add(first, int(c.start[g]) + 1, int(edit.size[g]) // 2, "autocast_weights")
+                if not len(mine):
+                    edit.add(first, p.start_event, params // 2, "autocast_weights")
+                first = None
+    edit.assumptions.append(f"{value} autocast: activations of the forward and their gradients in the backward "
+                            "halve (the loss stays fp32); weights, gradients and optimizer state stay fp32; each "
+                            "forward casts every weight to 2 bytes, each cast kept until its weight's gradient "
+                            "is made in the backward")
+
+
+def _optimizer(run: _Run, edit: _Edit, value: str) -> None:
+    c = run.course
+    name, per, grads, form = run_optimizer(run)
+    if not (run.phase == OPTIMIZER).any() or grads <= 0:
+        raise CannotApply("the run shows no optimizer step (no optimizer state, no update's temporaries): "
+                          "nothing to replace")
+    if name == value or {name, value} == {"adam", "adamw"}:
+        raise CannotApply(f"the run already uses {name} (Adam and AdamW keep the same memory)")
+    want_state, want_temps = OPTIMIZERS[value]
+    # What an earlier rule (half-precision weights) did to the parameters, the new state and
+    # temporaries follow.
+    params_before = int(c.size[run.of("parameter")].sum())
+    scale = int(edit.size[run.of("parameter")].sum()) / params_before if params_before else 1.0
+    state = run.of("optimizer_state") & (c.size > SCALAR_BYTES)
+    if per > 0 and state.any():
+        edit.size[state] = (edit.size[state] * want_state) // per
+    elif want_state:
+        opt_runs = [s for s in run.spans if s.phase == OPTIMIZER]
+        first = opt_runs[0]
+        at = _peak_event(run, first)
+        edit.add(at, c.events, int(grads * scale) * want_state, "optimizer_state")
+        edit.assumptions.append("the state is made in the first optimizer step, as torch.optim does, and never freed")
+    # The update's temporaries: made and freed inside an optimizer phase run.
+    temps = run.of("autograd", "other", "activation") & (run.phase == OPTIMIZER) & (run.end_run == run.born_run)
+    edit.size[temps] = 0
+    params = run.of("parameter")
+    largest = int(edit.size[params].max()) if params.any() else 0
+    unit = int(grads * scale) if form == "foreach" else largest
+    for span in run.spans:
+        if span.phase == OPTIMIZER:
+            edit.add(_peak_event(run, span), _peak_event(run, span) + 1, want_temps * unit, "autograd")
+    edit.assumptions.append(
+        f"{value} keeps {want_state} state tensor{'s' if want_state != 1 else ''} per parameter "
+        f"(the run's {name or 'optimizer'} keeps {per}); its update makes {want_temps} temporar"
+        f"{'ies' if want_temps != 1 else 'y'} of the size of "
+        + ("every parameter at once (foreach, as the run)" if form == "foreach"
+           else "the largest parameter (single-tensor, as the run)")
+        + f", at the moment the run's update peaked; trainable weights {format_bytes(grads)}")
+
+
+def _peak_event(run: _Run, span: PhaseSpan) -> int:
+    totals = run.base.totals
+    window = totals[span.start_event: span.end_event + 1]
+    return span.start_event + (int(window.argmax()) if len(window) else 0)
+
+
+def _zero_grad(run: _Run, edit: _Edit, value: str) -> None:
+    c = run.course
+    grads = np.flatnonzero(run.of("gradient"))
+    if not len(grads):
+        raise CannotApply("the run shows no gradients (category gradient)")
+    freed = c.end[grads] < c.events
+    step_of = _step_index(run, c.start)
+    if value == "zeros":
+        if not freed.any():
+            if len(run.steps) <= 1:
+                raise CannotApply("the run records one step and its gradients outlive it: whether zero_grad "
+                                  "frees them shows only in the next step, which the trace does not hold")
+            raise CannotApply("the run already keeps its gradients (zero_grad(set_to_none=False))")
+        first = int(step_of[grads].min())
+        for k in grads.tolist():
+            if step_of[k] == first:
+                edit.end[k] = c.events
+            else:
+                edit.size[k] = 0
+        edit.assumptions.append("the first step's gradients are kept and zeroed in place from then on")
+        return
+    if freed.all():
+        raise CannotApply("the run already frees its gradients (zero_grad(set_to_none=True))")
+    if len(run.steps) <= 1:
+        raise CannotApply("the run records one step and its gradients outlive it: whether zero_grad "
+                          "frees them shows only in the next step, which the trace does not hold")
+    # Zeroed in place, a gradient lives on between steps: as new versions made by zero_() in the
+    # optimizer step (the profiler's record), or as one allocation outliving its step (CUDA's).
+    # Set to None, neither exists: a gradient lives from its backward to its step's zero_grad.
+    zeroed = grads[run.phase[grads] == OPTIMIZER]
+    edit.size[zeroed] = 0
+    windows = []  # per step: (first gradient made in its backward, end of its last optimizer run)
+    made = grads[run.phase[grads] == BACKWARD]
+    for s in run.steps:
+        back = [p for p in s.phases if p.phase == BACKWARD]
+        opt = [p for p in s.phases if p.phase == OPTIMIZER]
+        if not back or not opt:
+            continue
+        mine = made[(c.start[made] >= back[0].start_event) & (c.start[made] <= back[-1].end_event)]
+        first = int(c.start[mine].min()) if len(mine) else back[0].start_event
+        windows.append((first, opt[-1].end_event + 1))
+    for k in made.tolist():
+        start, end = int(c.start[k]), int(c.end[k])
+        pieces = [(max(start, w0), min(end, w1)) for w0, w1 in windows if min(end, w1) > max(start, w0)]
+        if len(pieces) == 1 and pieces[0] == (start, end):
+            continue
+        size = int(edit.size[k])
+        edit.size[k] = 0
+        for p0, p1 in pieces:
+            edit.add(p0, p1, size, "gradient")
+    edit.assumptions.append("gradients live from the backward that makes them to their step's zero_grad; a "
+                            "gradient kept across steps is made again from the first gradient of each backward")
+
+
+def _accumulate(run: _Run, edit: _Edit, value: str) -> None:
+    k = int(value)
+    c = run.course
+    batch = run.of("activation", "autograd", "input") & np.isin(run.phase, [FORWARD, BACKWARD]) & ~c.before
+    edit.size[batch] = edit.size[batch] // k
+    grads = np.flatnonzero(run.of("gradient") & (run.phase == BACKWARD))
+    if not len(grads):
+        raise CannotApply("the run shows no gradients made in the backward (category gradient) to accumulate")
+    first_forward = {i: next((p.start_event for p in s.phases if p.phase == FORWARD), None)
+                     for i, s in enumerate(run.steps)}
+    step_of = _step_index(run, c.start)
+    for g in grads.tolist():
+        f = first_forward.get(int(step_of[g]))
+        if f is not None and c.start[g] > f:
+            # The earlier micro-batches' gradient of this weight, held from the forward until the
+            # backward adds the new one to it (both live at that moment).
+            edit.add(f, int(c.start[g]) + 1, int(edit.size[g]), "gradient")
+    edit.assumptions.append(
+        f"{k} micro-batches of 1/{k} the batch: what the forward and backward make scales with the batch "
+        f"(1/{k}; weight-sized temporaries of the backward do not, and are undercounted); the last micro-batch "
+        "is replayed, the gradients of the earlier ones held from its forward on")
+
+
+# ---------------------------------------------------------------- the what-if
+
+
+def _predict(run: _Run, change: Change, blocks: List[str], block: np.ndarray,
+             budget: Optional[int]) -> ChangePrediction:
+    c = run.course
+    edit = _Edit(start=c.start.copy(), end=c.end.copy(), size=c.size.copy())
+    # Precision first, so that rules adding memory (casts, state) add it at the changed sizes' scale.
+    order = sorted(change.parts, key=lambda p: NAMES.index(p[0]) if p[0] != "weights" else -1)
+    try:
+        for name, value in order:
+            if name == "checkpoint":
+                _checkpoint(run, edit, value, blocks, block)
+            elif name == "weights":
+                _weights(run, edit, str(value))
+            elif name == "autocast":
+                if any(n == "weights" for n, _ in change.parts):
+                    raise CannotApply("autocast and half-precision weights together: the weights are already "
+                                      "in 2 bytes")
+                _autocast(run, edit, str(value))
+            elif name == "optimizer":
+                _optimizer(run, edit, str(value))
+            elif name == "zero-grad":
+                _zero_grad(run, edit, str(value))
+            else:
+                _accumulate(run, edit, str(value))
+    except CannotApply as why:
+        return ChangePrediction(change=change.text, applies=False, reason=str(why), predicted_peak_bytes=None,
+                                predicted_peak_phase=None, predicted_peak_step=None, delta_bytes=None,
+                                delta_pct=None, fits_budget=None, phase_peaks={}, categories={}, assumptions=[],
+                                line=f"{change.text}: does not apply: {why}")
+    course, sizes = _changed_course(run, edit)
+    r = replay_course(course, sizes, run.spans, run.steps)
+    base = run.base.peak_bytes
+    delta = r.peak_bytes - base
+    pct = round(100.0 * delta / base, 2) if base else 0.0
+    fits = None if budget is None else r.peak_bytes <= budget
+    where = f"in the {r.phase}" if r.phase else "before the trace's first event"
+    moved = "" if r.phase == run.base.phase else f" (it was in the {run.base.phase})"
+    line = (f"{change.text}: peak {format_bytes(r.peak_bytes)} ({format_bytes(delta, signed=True)}, {pct:+.1f}%), "
+            f"{where}{moved}" + ("" if fits is None else "; fits the budget" if fits else "; over the budget"))
+    return ChangePrediction(change=change.text, applies=True, reason=None, predicted_peak_bytes=r.peak_bytes,
+                            predicted_peak_phase=r.phase, predicted_peak_step=r.step, delta_bytes=delta,
+                            delta_pct=pct, fits_budget=fits, phase_peaks=r.phase_peaks, categories=r.categories,
+                            assumptions=edit.assumptions, line=line)
+
+
+def every_change(run: _Run, optimizer: Optional[str]) -> List[Change]:
+    """Every change worth trying on this run (without --change)."""
+    texts = ["checkpoint", "checkpoint=0.5", "weights=bf16", "autocast=bf16"]
+    same = ("adam", "adamw") if optimizer in ("adam", "adamw") else (optimizer,)
+    texts += [f"optimizer={name}" for name in OPTIMIZERS if name not in same and name != "adam"]
+    texts += ["zero-grad=none", "zero-grad=zeros", "accumulate=2", "accumulate=4"]
+    return [parse_change(t) for t in texts]
+
+
+def _headline(device: int, run: _Run, blocks: List[str], optimizer: Optional[str],
+              predictions: Sequence[ChangePrediction]) -> str:
+    where = f"in the {run.base.phase}" if run.base.phase else "before the trace's first event"
+    step = "" if run.base.step is None else f" of step {run.base.step}"
+    line = f"device {device}: peak {format_bytes(run.base.peak_bytes)} {where}{step}"
+    line += f"; repeated blocks {blocks[0]} .. {blocks[-1]} ({len(blocks)})" if blocks else ""
+    line += f"; optimizer {optimizer}" if optimizer else ""
+    applied = [p for p in predictions if p.applies and p.delta_bytes is not None]
+    if not applied:
+        return line + "; no change asked applies to this run"
+    best = min(applied, key=lambda p: (p.delta_bytes or 0, p.change))
+    if (best.delta_bytes or 0) >= 0:
+        return line + "; no change asked lowers the peak"
+    moved = f", the peak moves to the {best.predicted_peak_phase}" if best.predicted_peak_phase != run.base.phase \
+        else ""
+    return line + (f"; most saved by {best.change}: {format_bytes(best.delta_bytes or 0, signed=True)} "
+                   f"({best.delta_pct or 0:+.1f}%){moved}")
+
+
+def whatif_course(path: str, courses: Dict[int, DeviceCourse],
+                  spans_steps: Dict[int, Tuple[List[PhaseSpan], List[Step]]], changes: Sequence[Change],
+                  budget: Optional[int]) -> WhatIf:
+    """The WhatIf of a read run: each device replayed with each change."""
+    if not courses:
+        raise InputError(path, "no device records any allocation: nothing to replay")
+    devices = []
+    for device in sorted(courses):
+        course = courses[device]
+        spans, steps = spans_steps[device]
+        run = _facts(course, spans, steps)
+        blocks, block = repeated_blocks(course)
+        optimizer = run_optimizer(run)[0]
+        asked = list(changes) or every_change(run, optimizer)
+        predictions = [_predict(run, ch, blocks, block, budget) for ch in asked]
+        if not changes:
+            applied = sorted((p for p in predictions if p.applies), key=lambda p: (p.delta_bytes or 0, p.change))
+            predictions = applied + [p for p in predictions if not p.applies]
+        devices.append(DeviceWhatIf(device=device, base_peak_bytes=run.base.peak_bytes, base_peak_phase=run.base.phase,
+                                    base_peak_step=run.base.step, blocks=blocks, optimizer=optimizer,
+                                    changes=predictions, headline=_headline(device, run, blocks, optimizer,
+                                                                            predictions)))
+    notes = ["a what-if replays the run's own trace with each change's rules; each change lists what it assumed"]
+    # Names from the snapshot (module instances, the file) are made one line each here, once for every output.
+    return scrubbed(WhatIf(file=path, budget_bytes=budget, asked=[c.text for c in changes], devices=devices,
+                           notes=notes))
+
+
+def whatif(path: str, changes: Sequence[str], rules: Sequence[Rule], budget: Optional[int] = None) -> WhatIf:
+    """The WhatIf of a snapshot file with the changes given as text (none: every applicable one)."""
+    parsed = [parse_change(t) for t in changes]
+    course = read_course(path, 1, rules)
+    structures = {d: structure(course.summary, d) for d in course.devices}
+    return whatif_course(path, course.devices, structures, parsed, budget)

@@ -1,0 +1,90 @@
+"""What `memdiff whatif` prints (text, markdown, json, html): it lays out the WhatIf and decides nothing."""
+
+from __future__ import annotations
+
+import html
+import os
+from typing import List
+
+from tabulate import tabulate
+
+from memdiff.counterfactual import DeviceWhatIf, WhatIf
+from memdiff.inert import md_cell, md_code, md_text
+from memdiff.render.json import dumps
+from memdiff.units import format_bytes
+
+
+def _table(d: DeviceWhatIf, fmt: str, budget: bool) -> str:
+    rows: List[List[str]] = []
+    for c in d.changes:
+        if not c.applies:
+            continue
+        row = [c.change, format_bytes(c.predicted_peak_bytes or 0), c.predicted_peak_phase or "before the trace",
+               format_bytes(c.delta_bytes or 0, signed=True), f"{c.delta_pct or 0:+.1f}%"]
+        if budget:
+            row.append("yes" if c.fits_budget else "no")
+        rows.append(row)
+    headers = ["change", "predicted peak", "phase", "delta", "%"] + (["fits"] if budget else [])
+    if fmt == "github":  # markdown escapes every cell: the change is the user's text
+        rows = [[md_cell(c) for c in row] for row in rows]
+    return tabulate(rows, headers=headers, tablefmt=fmt,
+                    colalign=("left", "right", "left", "right", "right") + (("left",) if budget else ()))
+
+
+def _unapplied(d: DeviceWhatIf) -> List[str]:
+    return [c.line for c in d.changes if not c.applies]
+
+
+def render_text(w: WhatIf) -> str:
+    """The what-if for a terminal."""
+    out = [f"memdiff whatif {os.path.basename(w.file)}" + (f" (budget {format_bytes(w.budget_bytes)})"
+                                                          if w.budget_bytes is not None else "")]
+    out += [f"note: {n}" for n in w.notes]
+    for d in w.devices:
+        out += ["", d.headline]
+        if any(c.applies for c in d.changes):
+            out += ["", _table(d, "simple", w.budget_bytes is not None)]
+        skipped = _unapplied(d)
+        if skipped:
+            out += [""] + skipped
+        assumed = [f"  {c.change}: {a}" for c in d.changes for a in c.assumptions]
+        out += ["", "assumed:", *assumed] if assumed else []
+    return "\n".join(out) + "\n"
+
+
+def render_markdown(w: WhatIf) -> str:
+    """The what-if for a pull-request comment or a job summary."""
+    out = ["### memdiff whatif", "", f"run: {md_code(os.path.basename(w.file))}"]
+    if w.budget_bytes is not None:
+        out += [f"budget: {format_bytes(w.budget_bytes)}"]
+    for d in w.devices:
+        out += ["", f"**{md_text(d.headline)}**", ""]
+        if any(c.applies for c in d.changes):
+            out += [_table(d, "github", w.budget_bytes is not None), ""]
+        out += [f"> {md_text(line)}" for line in _unapplied(d)]
+        assumed = [f"- {md_code(c.change)}: {md_text(a)}" for c in d.changes for a in c.assumptions]
+        if assumed:
+            out += ["", "<details><summary>what each change assumed</summary>", "", *assumed, "", "</details>"]
+    return "\n".join(out) + "\n"
+
+
+def render_json(w: WhatIf) -> str:
+    """The what-if document (schemas/whatif.schema.json)."""
+    return dumps(w.to_dict())
+
+
+def render_html(w: WhatIf) -> str:
+    """One self-contained page: the markdown's tables as HTML tables."""
+    body = []
+    for d in w.devices:
+        body.append(f"<h2>{html.escape(d.headline)}</h2>")
+        if any(c.applies for c in d.changes):
+            body.append(_table(d, "html", w.budget_bytes is not None))
+        body += [f"<p class=note>{html.escape(line)}</p>" for line in _unapplied(d)]
+        body.append("<ul>" + "".join(f"<li><b>{html.escape(c.change)}</b>: {html.escape(a)}</li>"
+                                     for c in d.changes for a in c.assumptions) + "</ul>")
+    style = ("body{font:14px system-ui,sans-serif;margin:2em}table{border-collapse:collapse;margin:1em 0}"
+             "td,th{padding:2px 10px;border-bottom:1px solid #ddd;text-align:right}.note{color:#555}")
+    return ("<!doctype html><html><head><meta charset=utf-8><title>memdiff whatif</title>"
+            f"<style>{style}</style></head><body><h1>memdiff whatif {html.escape(os.path.basename(w.file))}</h1>"
+            f"{''.join(body)}</body></html>\n")
