@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import bisect
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Container, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -268,6 +268,38 @@ def _inferred_step_starts(phases: List[str]) -> List[int]:
 
 
 @dataclass
+class Passes:
+    """Forward passes inside forward runs: where each starts and ends, and which code it runs.
+
+    A validation loop without torch.no_grad() runs one forward per batch with nothing between
+    (no backward, no optimizer step), so its forwards are one phase run of one step; what each
+    forward made and the next still finds live is kept memory all the same. A pass starts where
+    the loop's own code (an allocation whose stack names no model forward: the batch made or
+    copied to the device) allocates with the very stack that started the run, after the model
+    allocated since the last start; passes that start with one stack run the same code.
+    A run whose first allocation is the model's own has one pass: nothing tells its forwards apart.
+    """
+
+    starts: List[int]  # first event of each pass, ascending
+    ends: List[int]  # last event of each
+    codes: List[int]  # passes with one code run the same code
+
+    def at(self, event: int) -> Optional[int]:
+        """Index of the pass holding `event`, None when no pass holds it."""
+        k = bisect.bisect_right(self.starts, event) - 1
+        return k if k >= 0 and event <= self.ends[k] else None
+
+    def later(self, k: int, event: int) -> bool:
+        """Whether a pass of pass `k`'s code started after pass `k` and at or before `event`."""
+        j = k + 1
+        while j < len(self.starts) and self.starts[j] <= event:
+            if self.codes[j] == self.codes[k]:
+                return True
+            j += 1
+        return False
+
+
+@dataclass
 class Timeline:
     """Phase runs and steps of one device trace, with lookups by event index."""
 
@@ -275,6 +307,7 @@ class Timeline:
     steps: List[Step]
     _run_starts: List[int]
     _run_step: List[Optional[int]]  # index into steps of each run (None: outside any step)
+    passes: Passes = field(default_factory=lambda: Passes([], [], []))
 
     def run_at(self, event: int) -> int:
         """Index of the phase run that holds `event`."""
@@ -379,7 +412,52 @@ def build_timeline(trace: List[Any], allocs: Sequence[int], running: np.ndarray,
         for k in range(first, last):
             run_step[k] = len(steps)
         steps.append(Step(number, spans[first].start_event, spans[last - 1].end_event, spans[first:last]))
-    return Timeline(spans, steps, [s.start_event for s in spans], run_step)
+    return Timeline(spans, steps, [s.start_event for s in spans], run_step,
+                    forward_passes(trace, allocs, spans, versions, hints))
+
+
+def forward_passes(trace: List[Any], allocs: Sequence[int], runs: Sequence[PhaseSpan], versions: Container[int],
+                   hints: "_Hints") -> Passes:
+    """The forward passes of each forward run (see Passes); a run holds one pass at least."""
+    starts: List[int] = []
+    ends: List[int] = []
+    codes: List[int] = []
+    code_stacks: List[Any] = []  # the stack that starts the passes of each code
+
+    def code_of(frames: Any) -> int:
+        for code, known in enumerate(code_stacks):
+            if known is frames or known == frames:
+                return code
+        code_stacks.append(frames)
+        return len(code_stacks) - 1
+    for run in runs:
+        if run.phase != FORWARD:
+            continue
+        k = bisect.bisect_left(allocs, run.start_event)
+        last = bisect.bisect_right(allocs, run.end_event)
+        while k < last and (allocs[k] in versions or not trace[allocs[k]].get("frames")):
+            k += 1
+        if k == last:
+            continue
+        first = trace[allocs[k]].get("frames")
+        loops = hints.of(first) not in (FORWARD, BACKWARD)
+        code = code_of(first)
+        starts.append(run.start_event)
+        codes.append(code)
+        model_since = False  # the model allocated since the pass started
+        for i in (allocs[j] for j in range(k + 1, last)) if loops else ():
+            frames = trace[i].get("frames")
+            if not frames or i in versions:
+                continue
+            if model_since and (frames is first or (len(frames) == len(first) and frames == first)):
+                ends.append(i - 1)
+                starts.append(i)
+                codes.append(code)
+                model_since = False
+            elif not model_since:
+                model_since = hints.of(frames) == FORWARD
+        ends.append(run.end_event)
+    return Passes(starts, ends, codes)
 
 
 def _annotated_step_bounds(trace: List[Any], scopes: Scopes) -> List[Tuple[int, int]]:
