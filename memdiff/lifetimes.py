@@ -43,7 +43,8 @@ BEFORE_TRACE, NEVER = "before_trace", "never"
 STACK_HINTS: Tuple[Tuple[str, "re.Pattern[str]"], ...] = (
     (BACKWARD, re.compile(r"run_backward|torch::autograd::Engine::|Backward\d*::apply|AccumulateGrad"
                           r"|torch/autograd/(__init__|graph)\.py\S*:\s?(backward|grad|_engine_run_backward)$")),
-    (OPTIMIZER, re.compile(r"torch/optim/|:\s?zero_grad$|torch/nn/utils/clip_grad\.py")),
+    # torch/optim/swa_utils.py is the loop's averaging of the weights (AveragedModel), no optimizer.
+    (OPTIMIZER, re.compile(r"torch/optim/(?!swa_utils\.py)|:\s?zero_grad$|torch/nn/utils/clip_grad\.py")),
     (FORWARD, re.compile(r":\s?forward$|^nn\.Module: |torch/nn/functional\.py")),
     (SETUP, re.compile(r":\s?(__init__|reset_parameters|_reset_parameters|_apply|to|cuda|to_empty|load_state_dict"
                        r"|_load_from_state_dict|from_pretrained|post_init|_init_weights|init_weights)$"

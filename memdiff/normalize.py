@@ -477,7 +477,11 @@ def _runs_fused_step(walk: _Walk, trace: List[Dict[str, Any]], run: Any) -> bool
 
 def _optimizer_frame(frame: Any) -> bool:
     """Whether a raw frame is torch.optim's code (its file in the name on CPU captures, apart on CUDA)."""
-    return isinstance(frame, dict) and "torch/optim/" in f"{frame.get('filename', '')}:{frame.get('name', '')}"
+    if not isinstance(frame, dict):
+        return False
+    text = f"{frame.get('filename', '')}:{frame.get('name', '')}"
+    # swa_utils.py: AveragedModel, an average of the weights the loop keeps (an EMA), no optimizer's.
+    return "torch/optim/" in text and "torch/optim/swa_utils.py" not in text
 
 
 def _is_optimizers(frames: Any) -> bool:
