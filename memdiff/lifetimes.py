@@ -248,8 +248,9 @@ def _inferred_step_starts(phases: List[str]) -> List[int]:
     """Indices of the runs where a step begins: the first forward, backward or optimizer run, then
     each forward or backward run after an optimizer run (after a backward run when the trace has
     no optimizer run), except a backward that follows its step's forward with only an optimizer
-    run between (zero_grad called between forward and backward). `other` runs stay in the step
-    around them."""
+    run between (zero_grad called between forward and backward), and, in a trace with optimizer
+    runs, a step that would run no backward (forwards after the last step: a validation loop).
+    `other` runs stay in the step around them."""
     ends_step = OPTIMIZER if OPTIMIZER in phases else BACKWARD
     starts: List[int] = []
     previous: Optional[str] = None
@@ -265,6 +266,11 @@ def _inferred_step_starts(phases: List[str]) -> List[int]:
         if phase != OPTIMIZER:
             forward_only = phase == FORWARD
         previous = phase
+    if ends_step == OPTIMIZER:
+        # A training loop's step runs a backward: forwards after the last step with none (a
+        # validation loop) belong to the step they follow, not to one of their own.
+        starts = [k for j, k in enumerate(starts)
+                  if j == 0 or BACKWARD in phases[k: starts[j + 1] if j + 1 < len(starts) else len(phases)]]
     return starts
 
 

@@ -25,7 +25,7 @@ from memdiff.capture import record
 
 VOCAB = 1000
 POSITIONS = 128
-HF_TEXT = ("gpt2", "bert", "llama", "t5", "mixtral", "neox", "distilbert")
+HF_TEXT = ("gpt2", "bert", "llama", "t5", "mixtral", "neox", "distilbert", "bart")
 MODELS = (*HF_TEXT, "vit", "convnext", "lstm", "mlp", "cnn", "gpt")
 
 
@@ -62,6 +62,11 @@ def hf_model(name: str, vocab: int = VOCAB, positions: int = POSITIONS,
             num_hidden_layers=2, hidden_size=128, num_attention_heads=4, intermediate_size=512, vocab_size=vocab,
             max_position_embeddings=positions))
         return model, list(model.gpt_neox.layers), 128
+    if name == "bart":
+        model = hf.BartForConditionalGeneration(hf.BartConfig(
+            vocab_size=vocab, d_model=128, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+            decoder_attention_heads=4, encoder_ffn_dim=256, decoder_ffn_dim=256, max_position_embeddings=positions))
+        return model, list(model.model.encoder.layers), 128
     if name == "distilbert":
         model = hf.DistilBertForSequenceClassification(hf.DistilBertConfig(
             n_layers=2, dim=128, n_heads=4, hidden_dim=512, vocab_size=vocab, max_position_embeddings=positions))
@@ -176,7 +181,7 @@ def build(args: argparse.Namespace) -> Tuple[nn.Module, List[nn.Module], int, Ca
                 n = lengths.randint(s // 2, s)
                 return {"input_ids": torch.randint(1, vocab, (b, n)), "labels": torch.randint(0, vocab, (b, n))}
             x = {"input_ids": torch.randint(1, vocab, (b, s)), "labels": labels()}
-            if args.model == "t5":  # the decoder reads half as many tokens as the encoder
+            if args.model in ("t5", "bart"):  # the decoder reads half as many tokens as the encoder
                 x["labels"] = torch.randint(1, vocab, (b, s // 2))
             return x
         return model, layers, hidden, batch, lambda m, x: m(**x).loss
@@ -380,11 +385,12 @@ def train(args: argparse.Namespace) -> None:
     ema_before: List[torch.Tensor] = []
     kept_eval = None
     val = None  # the last validation loss: the loop's variable, held until the next one replaces it
+    total: Any = 0.0  # --sum-loss: the training losses summed as tensors (their graphs freed by backward())
 
     def one_step(step: int, model: nn.Module, params: List[nn.Parameter], opt: torch.optim.Optimizer,
                  extra: List[torch.Tensor], batch: Callable[[], Dict[str, torch.Tensor]],
                  loss_of: Callable[..., torch.Tensor]) -> None:
-        nonlocal kept_eval, val
+        nonlocal kept_eval, val, total
         with scope(f"ProfilerStep#{step}", truth):
             if args.zero_grad == "first":
                 with scope("## optimizer ##", truth):
@@ -402,6 +408,8 @@ def train(args: argparse.Namespace) -> None:
                         opt.zero_grad(set_to_none=not args.keep_grads)
                 with scope("## backward ##", truth):
                     loss.backward(retain_graph=args.retain_graph)
+                if args.sum_loss:
+                    total += loss
             if args.keep_weights:
                 # The leak: weight copies kept each step, made between backward() and step().
                 kept_weights.append([p.detach().clone() for p in params])
@@ -560,6 +568,8 @@ def main() -> None:
                    help="a validation loop after the steps: this many batches, their losses summed with +=")
     p.add_argument("--val-grad", action="store_true",
                    help="the validation loop without torch.no_grad(): each batch's graph lives until the sum goes")
+    p.add_argument("--sum-loss", action="store_true",
+                   help="the training losses summed with += as tensors, after backward() (which frees their graphs)")
     p.add_argument("--lora", type=int, default=0, metavar="RANK",
                    help="freeze the model and train LoRA adapters of this rank on the nn.Linear of its layers")
     p.add_argument("--clip", action="store_true", help="clip_grad_norm_ before each step")
