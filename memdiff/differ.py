@@ -387,6 +387,18 @@ def _older_than_one_trace(base: List[Group], head: List[Group]
     return (paired, [g for g in base if id(g) not in taken], [g for g in head if id(g) not in taken])
 
 
+def _relabelled(base: Sequence[Group], head: Sequence[Group]) -> bool:
+    """Whether groups of one category would read as different rows only by their labels: a
+    signature only one run has, or signatures whose bytes moved in opposite directions."""
+    moved: Dict[str, int] = defaultdict(int)
+    for sign, groups in ((-1, base), (1, head)):
+        for g in groups:
+            moved[g.signature] += sign * g.bytes
+    if {g.signature for g in base} != {g.signature for g in head}:
+        return True
+    return any(d > 0 for d in moved.values()) and any(d < 0 for d in moved.values())
+
+
 def align(base: Sequence[Group], head: Sequence[Group]) -> List[DiffRow]:
     """Rows for two group lists, sorted by the size of the change (largest first)."""
     rows: List[DiffRow] = []
@@ -398,8 +410,10 @@ def align(base: Sequence[Group], head: Sequence[Group]) -> List[DiffRow]:
         for g in groups:
             if _older(g) and not g.frames:
                 by_category[g.category][side].append(g)
-    stackless = {id(g) for olds, news in by_category.values() if olds and news for g in (*olds, *news)}
-    rows.extend(_row(olds, news, BY_OLDER) for olds, news in by_category.values() if olds and news)
+    # ...where labels alone would split it: labels only one run has, or labels that moved both ways.
+    relabelled = [(olds, news) for olds, news in by_category.values() if olds and news and _relabelled(olds, news)]
+    stackless = {id(g) for olds, news in relabelled for g in (*olds, *news)}
+    rows.extend(_row(olds, news, BY_OLDER) for olds, news in relabelled)
     base = [g for g in base if id(g) not in stackless]
     head = [g for g in head if id(g) not in stackless]
     head_by_sig = {g.signature: g for g in head}
