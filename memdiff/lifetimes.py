@@ -248,9 +248,8 @@ def _inferred_step_starts(phases: List[str]) -> List[int]:
     """Indices of the runs where a step begins: the first forward, backward or optimizer run, then
     each forward or backward run after an optimizer run (after a backward run when the trace has
     no optimizer run), except a backward that follows its step's forward with only an optimizer
-    run between (zero_grad called between forward and backward), and, in a trace with optimizer
-    runs, a step that would run no backward (forwards after the last step: a validation loop).
-    `other` runs stay in the step around them."""
+    run between (zero_grad called between forward and backward); in a trace with optimizer runs a
+    step runs a backward (_with_backwards). `other` runs stay in the step around them."""
     ends_step = OPTIMIZER if OPTIMIZER in phases else BACKWARD
     starts: List[int] = []
     previous: Optional[str] = None
@@ -266,12 +265,25 @@ def _inferred_step_starts(phases: List[str]) -> List[int]:
         if phase != OPTIMIZER:
             forward_only = phase == FORWARD
         previous = phase
-    if ends_step == OPTIMIZER:
-        # A training loop's step runs a backward: forwards after the last step with none (a
-        # validation loop) belong to the step they follow, not to one of their own.
-        starts = [k for j, k in enumerate(starts)
-                  if j == 0 or BACKWARD in phases[k: starts[j + 1] if j + 1 < len(starts) else len(phases)]]
-    return starts
+    return _with_backwards(starts, phases) if ends_step == OPTIMIZER else starts
+
+
+def _with_backwards(starts: List[int], phases: List[str]) -> List[int]:
+    """Step starts such that every step of a training loop runs a backward: a would-be step with
+    none (a forward cut from its backward by an optimizer run inside it, a validation loop between
+    steps) opens the step that follows it; after the last step (a validation loop after training)
+    it belongs to the step before."""
+    out: List[int] = []
+    j = 0
+    while j < len(starts):
+        k, nxt = starts[j], j + 1
+        while nxt < len(starts) and BACKWARD not in phases[k: starts[nxt]]:
+            nxt += 1
+        if out and BACKWARD not in phases[k: starts[nxt] if nxt < len(starts) else len(phases)]:
+            break  # the trace ends without a backward: the step before holds it
+        out.append(k)
+        j = nxt
+    return out
 
 
 @dataclass

@@ -281,3 +281,19 @@ def test_kept_forwards_are_named_in_the_peak_report_and_the_diff(write_snapshot,
     main([base, head])
     headline = capsys.readouterr().out.splitlines()[0]
     assert headline.endswith("; kept from earlier forwards +878.91 KiB (new)")
+
+
+@pytest.mark.parametrize("phases,starts", [
+    # A forward cut from its backward by an optimizer run inside it is no step: it opens the next.
+    (["forward", "backward", "optimizer", "forward", "optimizer", "forward", "backward", "optimizer"], [0, 3]),
+    # Forwards after the last step with no backward (a validation loop) belong to that step.
+    (["forward", "backward", "optimizer", "forward", "backward", "optimizer", "forward"], [0, 3]),
+    # Between steps they open the next one, as an evaluation forward after step() does.
+    (["forward", "backward", "optimizer", "forward", "other", "forward", "backward", "optimizer"], [0, 3]),
+    # Inference: no optimizer, one step per backward-less trace.
+    (["forward", "forward"], [0]),
+])
+def test_every_training_step_runs_a_backward(phases, starts):
+    """Issue 32 item 4: steps are the loop's steps, never a forward with no backward."""
+    from memdiff.lifetimes import _inferred_step_starts
+    assert _inferred_step_starts(phases) == starts
