@@ -143,7 +143,7 @@ LOOPS = {
     # A frozen model with LoRA adapters of rank 8 on the nn.Linear of its layers.
     "bert-lora": ("bert", ["--lora", "8"]),
     # An EMA made before recording with torch.optim.swa_utils.AveragedModel.
-    "convnext-base": ("convnext", ["--truth"]),
+    "convnext-base": ("convnext", []),
     "convnext-ema-averaged": ("convnext", ["--ema-averaged"]),
     # zero_grad(set_to_none=False): the gradients live through the next forward.
     "distilbert-keep-grads": ("distilbert", ["--keep-grads", "--truth"]),
