@@ -10,7 +10,7 @@ from memdiff.errors import InputError
 from memdiff.inert import scrubbed
 from memdiff.lifetimes import BACKWARD, FORWARD, OPTIMIZER, OTHER
 from memdiff.model import WINDOW_KEY, DeviceSummary, Frame, Summary
-from memdiff.report import kept_from, kept_text
+from memdiff.report import kept_text
 from memdiff.units import count_of, format_bytes
 
 PHASE_COLUMNS = (FORWARD, BACKWARD, OPTIMIZER, OTHER)
@@ -117,8 +117,7 @@ def kept_from_earlier_steps(device: DeviceSummary) -> Optional[str]:
     kept = sum(g.bytes_from_earlier_steps for g in groups)
     return kept_text(f"{format_bytes(kept)} live at the peak",
                      [f"{g.category}: {g.site} {format_bytes(g.bytes_from_earlier_steps)}" for g in groups],
-                     kept_from(kept, sum(g.bytes_from_earlier_forwards for g in groups)),
-                     max(g.earlier_forwards for g in groups))
+                     kept, sum(g.bytes_from_earlier_forwards for g in groups), max(g.earlier_forwards for g in groups))
 
 
 def step_rows(device: DeviceSummary) -> List[StepRow]:

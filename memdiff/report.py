@@ -632,7 +632,7 @@ def _kept(d: DeviceDiff) -> Optional[str]:
     return kept_text(f"{format_bytes(k.base_bytes)} -> {format_bytes(k.head_bytes)}",
                      [f"{r.category}: {r.label or r.site} "
                       f"{format_bytes(r.head_earlier_bytes - r.base_earlier_bytes, signed=True)}" for r in k.rows],
-                     kept_from(k.head_bytes, k.head_forward_bytes), k.head_forwards)
+                     k.head_bytes, k.head_forward_bytes, k.head_forwards)
 
 
 def kept_from(kept_bytes: int, forward_bytes: int) -> str:
@@ -644,15 +644,18 @@ def kept_from(kept_bytes: int, forward_bytes: int) -> str:
     return "earlier forwards" if forward_bytes >= kept_bytes else "earlier steps and forwards"
 
 
-def kept_text(amount: str, sites: Sequence[str], source: str = "earlier steps", forwards: int = 0) -> str:
+def kept_text(amount: str, sites: Sequence[str], kept_bytes: int = 0, forward_bytes: int = 0, forwards: int = 0) -> str:
     """The one wording of kept memory, in a run's peak report and in a diff: `kept from earlier
-    steps (not parameters, gradients, optimizer state or workspaces): AMOUNT (SITE, ...)`; kept
-    from earlier forwards, it says from how many."""
+    steps (not parameters, gradients, optimizer state or workspaces): AMOUNT (SITE, ...)`; of
+    the bytes kept from earlier forwards (`forward_bytes` of `kept_bytes`), it says how many
+    forwards made them."""
     more = f" and {len(sites) - KEPT_SITES:,} more" if len(sites) > KEPT_SITES else ""
-    passes = (f", made by {count_of(forwards, 'earlier forward')} that a forward of the same code followed"
-              if forwards else "")
-    return (f"kept from {source} (not parameters, gradients, optimizer state or workspaces): {amount}{passes} "
-            f"({', '.join(sites[:KEPT_SITES])}{more})")
+    passes = ""
+    if forward_bytes and forwards:
+        share = "" if forward_bytes >= kept_bytes else f" {format_bytes(forward_bytes)} of it"
+        passes = f",{share} made by {count_of(forwards, 'earlier forward')} that a forward of the same code followed"
+    return (f"kept from {kept_from(kept_bytes, forward_bytes)} (not parameters, gradients, optimizer state or "
+            f"workspaces): {amount}{passes} ({', '.join(sites[:KEPT_SITES])}{more})")
 
 
 # --- the headline ----------------------------------------------------------------------------
