@@ -119,7 +119,9 @@ def _devices_json(devices: List[Dict[str, Any]], pad: str) -> str:
 def _stored_groups(groups: List[Group]) -> List[Dict[str, Any]]:
     return [{"signature": g.signature, "site": g.site, "category": g.category or "other", "count": g.count,
              "bytes": g.bytes, **({"bytes_from_earlier_steps": g.bytes_from_earlier_steps}
-                                  if g.bytes_from_earlier_steps else {})} for g in groups[:TOP_GROUPS]]
+                                  if g.bytes_from_earlier_steps else {}),
+             **({"bytes_from_earlier_forwards": g.bytes_from_earlier_forwards, "earlier_forwards": g.earlier_forwards}
+                if g.bytes_from_earlier_forwards else {})} for g in groups[:TOP_GROUPS]]
 
 
 def _earlier_rest(groups: List[Group]) -> Dict[str, int]:
@@ -278,7 +280,9 @@ def _groups_of(stored: List[Dict[str, Any]], categories: Dict[str, int], earlier
     to the moment's total exactly, and so do their bytes from earlier steps (baselines written
     before they were stored: none)."""
     groups = [Group(signature=g["signature"], site=g["site"], frames=[], count=g["count"], bytes=g["bytes"],
-                    category=g["category"], bytes_from_earlier_steps=g.get("bytes_from_earlier_steps", 0))
+                    category=g["category"], bytes_from_earlier_steps=g.get("bytes_from_earlier_steps", 0),
+                    bytes_from_earlier_forwards=g.get("bytes_from_earlier_forwards", 0),
+                    earlier_forwards=g.get("earlier_forwards", 0))
               for g in stored]
     held: Dict[str, int] = {}
     for g in stored:

@@ -40,6 +40,9 @@ TEMPORARIES, GRADIENTS = "temporaries", "gradients"
 GRADIENT = "gradient"
 # A group made in one run's trace and one older than the other's, of one category, count and size.
 BY_SIZE = "size"
+# Groups of one category older than the trace and without a stack, whatever their labels say of
+# how their category was found (a weight the update order told, a frozen weight guessed).
+BY_OLDER = "older"
 
 
 @dataclass
@@ -52,6 +55,8 @@ class Member:
     bytes: int
     bytes_from_earlier_steps: int
     frames: List[Frame]
+    bytes_from_earlier_forwards: int = 0
+    earlier_forwards: int = 0
 
 
 @dataclass
@@ -71,9 +76,12 @@ class DiffRow:
     matched_by: Optional[str]
     context: str = ""  # the module (or model-code line) the allocation happens in, when the frames say
     label: str = ""  # the site, with the context or category added where two rows would read alike
-    base_earlier_bytes: int = 0  # bytes allocated in a step before the peak's step
+    base_earlier_bytes: int = 0  # kept bytes: allocated in a step before the peak's step, or by an earlier forward
     head_earlier_bytes: int = 0
     members: List[Member] = field(default_factory=list)
+    base_forward_bytes: int = 0  # of the kept bytes, those kept from earlier forwards in the peak's step
+    head_forward_bytes: int = 0
+    head_forwards: int = 0  # how many earlier forwards head's come from
 
     def member_groups(self) -> List[Member]:
         """The groups the row aligns; a one-to-one row keeps them implicit (a smaller JSON)."""
@@ -82,10 +90,10 @@ class DiffRow:
         out = []
         if self.base_bytes or self.base_count:
             out.append(Member("base", self.signature, self.base_count, self.base_bytes, self.base_earlier_bytes,
-                              self.frames))
+                              self.frames, self.base_forward_bytes))
         if self.head_bytes or self.head_count:
             out.append(Member("head", self.signature, self.head_count, self.head_bytes, self.head_earlier_bytes,
-                              self.frames))
+                              self.frames, self.head_forward_bytes, self.head_forwards))
         return out
 
 
@@ -125,13 +133,16 @@ class PhaseDelta:
 
 @dataclass
 class Kept:
-    """Bytes live at the compared moment that were allocated in an earlier step and are of no
-    category meant to outlive a step (classify.PERSISTENT), in both runs, and the rows holding
-    more in head."""
+    """Bytes live at the compared moment that were allocated in an earlier step, or by a forward
+    that a forward of the same code followed, and are of no category meant to outlive a step
+    (classify.PERSISTENT), in both runs, and the rows holding more in head."""
 
     base_bytes: int
     head_bytes: int
     rows: List[DiffRow]
+    base_forward_bytes: int = 0  # of those, kept from earlier forwards in the moment's step
+    head_forward_bytes: int = 0
+    head_forwards: int = 0  # how many earlier forwards head's come from
 
 
 @dataclass
@@ -235,9 +246,10 @@ def _older(g: Group) -> bool:
 
 
 def _row(base: Sequence[Group], head: Sequence[Group], matched_by: Optional[str]) -> DiffRow:
-    members = [Member("base", g.signature, g.count, g.bytes, g.bytes_from_earlier_steps, list(g.frames)) for g in base]
-    members += [Member("head", g.signature, g.count, g.bytes, g.bytes_from_earlier_steps, list(g.frames))
-                for g in head]
+    members = [Member("base", g.signature, g.count, g.bytes, g.bytes_from_earlier_steps, list(g.frames),
+                      g.bytes_from_earlier_forwards, g.earlier_forwards) for g in base]
+    members += [Member("head", g.signature, g.count, g.bytes, g.bytes_from_earlier_steps, list(g.frames),
+                       g.bytes_from_earlier_forwards, g.earlier_forwards) for g in head]
     # Matched by size, the run whose trace made the memory shows it by the stack that made it.
     made = [g for g in (*base, *head) if not _older(g)] if matched_by == BY_SIZE else []
     shown = max(made or head or base, key=lambda g: (g.bytes, g.signature))
@@ -255,7 +267,10 @@ def _row(base: Sequence[Group], head: Sequence[Group], matched_by: Optional[str]
                    matched_by=matched_by, context=context_of(shown.frames), label=shown.site,
                    base_earlier_bytes=sum(g.bytes_from_earlier_steps for g in base),
                    head_earlier_bytes=sum(g.bytes_from_earlier_steps for g in head),
-                   members=members if len(members) > 2 or matched_by == BY_SITE else [])
+                   members=members if len(members) > 2 or matched_by in (BY_SITE, BY_OLDER) else [],
+                   base_forward_bytes=sum(g.bytes_from_earlier_forwards for g in base),
+                   head_forward_bytes=sum(g.bytes_from_earlier_forwards for g in head),
+                   head_forwards=max((g.earlier_forwards for g in head), default=0))
 
 
 def _merge(rows: Sequence[DiffRow], matched_by: str = BY_SITE) -> DiffRow:
@@ -269,7 +284,10 @@ def _merge(rows: Sequence[DiffRow], matched_by: str = BY_SITE) -> DiffRow:
                    base_bytes=b, head_bytes=h, delta_bytes=h - b, frames=shown.frames,
                    matched_by=matched_by if b and h else None,
                    context=shown.context, label=shown.site, base_earlier_bytes=sum(r.base_earlier_bytes for r in rows),
-                   head_earlier_bytes=sum(r.head_earlier_bytes for r in rows), members=members)
+                   head_earlier_bytes=sum(r.head_earlier_bytes for r in rows), members=members,
+                   base_forward_bytes=sum(r.base_forward_bytes for r in rows),
+                   head_forward_bytes=sum(r.head_forward_bytes for r in rows),
+                   head_forwards=max((r.head_forwards for r in rows), default=0))
 
 
 def _both_ways(rows: Sequence[DiffRow]) -> bool:
@@ -369,10 +387,36 @@ def _older_than_one_trace(base: List[Group], head: List[Group]
     return (paired, [g for g in base if id(g) not in taken], [g for g in head if id(g) not in taken])
 
 
+def _relabelled(base: Sequence[Group], head: Sequence[Group]) -> bool:
+    """Whether groups of one category would read as different rows only by their labels: a
+    signature only one run has, or signatures whose bytes moved in opposite directions."""
+    moved: Dict[str, int] = defaultdict(int)
+    for sign, groups in ((-1, base), (1, head)):
+        for g in groups:
+            moved[g.signature] += sign * g.bytes
+    if {g.signature for g in base} != {g.signature for g in head}:
+        return True
+    return any(d > 0 for d in moved.values()) and any(d < 0 for d in moved.values())
+
+
 def align(base: Sequence[Group], head: Sequence[Group]) -> List[DiffRow]:
     """Rows for two group lists, sorted by the size of the change (largest first)."""
-    head_by_sig = {g.signature: g for g in head}
     rows: List[DiffRow] = []
+    # Memory older than the trace without a stack is one row per category, first: its label says
+    # how its category was found (a weight the update order told, a frozen weight guessed), which
+    # two runs may tell differently of the same weights (SGD and SGD with momentum, LoRA).
+    by_category: Dict[Optional[str], List[List[Group]]] = defaultdict(lambda: [[], []])
+    for side, groups in enumerate((base, head)):
+        for g in groups:
+            if _older(g) and not g.frames:
+                by_category[g.category][side].append(g)
+    # ...where labels alone would split it: labels only one run has, or labels that moved both ways.
+    relabelled = [(olds, news) for olds, news in by_category.values() if olds and news and _relabelled(olds, news)]
+    stackless = {id(g) for olds, news in relabelled for g in (*olds, *news)}
+    rows.extend(_row(olds, news, BY_OLDER) for olds, news in relabelled)
+    base = [g for g in base if id(g) not in stackless]
+    head = [g for g in head if id(g) not in stackless]
+    head_by_sig = {g.signature: g for g in head}
     base_left: List[Group] = []
     for g in base:
         match = head_by_sig.pop(g.signature, None)
@@ -558,7 +602,9 @@ def _kept(rows: Sequence[DiffRow]) -> Optional[Kept]:
         return None
     grew = sorted((r for r in leaky if r.head_earlier_bytes > r.base_earlier_bytes),
                   key=lambda r: r.base_earlier_bytes - r.head_earlier_bytes)
-    return Kept(sum(r.base_earlier_bytes for r in leaky), sum(r.head_earlier_bytes for r in leaky), grew)
+    return Kept(sum(r.base_earlier_bytes for r in leaky), sum(r.head_earlier_bytes for r in leaky), grew,
+                sum(r.base_forward_bytes for r in leaky), sum(r.head_forward_bytes for r in leaky),
+                max((r.head_forwards for r in leaky), default=0))
 
 
 def _moment(d: DeviceSummary, at: str, role: str) -> Moment:

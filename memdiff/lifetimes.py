@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import bisect
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Container, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -43,7 +43,8 @@ BEFORE_TRACE, NEVER = "before_trace", "never"
 STACK_HINTS: Tuple[Tuple[str, "re.Pattern[str]"], ...] = (
     (BACKWARD, re.compile(r"run_backward|torch::autograd::Engine::|Backward\d*::apply|AccumulateGrad"
                           r"|torch/autograd/(__init__|graph)\.py\S*:\s?(backward|grad|_engine_run_backward)$")),
-    (OPTIMIZER, re.compile(r"torch/optim/|:\s?zero_grad$|torch/nn/utils/clip_grad\.py")),
+    # torch/optim/swa_utils.py is the loop's averaging of the weights (AveragedModel), no optimizer.
+    (OPTIMIZER, re.compile(r"torch/optim/(?!swa_utils\.py)|:\s?zero_grad$|torch/nn/utils/clip_grad\.py")),
     (FORWARD, re.compile(r":\s?forward$|^nn\.Module: |torch/nn/functional\.py")),
     (SETUP, re.compile(r":\s?(__init__|reset_parameters|_reset_parameters|_apply|to|cuda|to_empty|load_state_dict"
                        r"|_load_from_state_dict|from_pretrained|post_init|_init_weights|init_weights)$"
@@ -247,8 +248,8 @@ def _inferred_step_starts(phases: List[str]) -> List[int]:
     """Indices of the runs where a step begins: the first forward, backward or optimizer run, then
     each forward or backward run after an optimizer run (after a backward run when the trace has
     no optimizer run), except a backward that follows its step's forward with only an optimizer
-    run between (zero_grad called between forward and backward). `other` runs stay in the step
-    around them."""
+    run between (zero_grad called between forward and backward); in a trace with optimizer runs a
+    step runs a backward (_with_backwards). `other` runs stay in the step around them."""
     ends_step = OPTIMIZER if OPTIMIZER in phases else BACKWARD
     starts: List[int] = []
     previous: Optional[str] = None
@@ -264,7 +265,57 @@ def _inferred_step_starts(phases: List[str]) -> List[int]:
         if phase != OPTIMIZER:
             forward_only = phase == FORWARD
         previous = phase
-    return starts
+    return _with_backwards(starts, phases) if ends_step == OPTIMIZER else starts
+
+
+def _with_backwards(starts: List[int], phases: List[str]) -> List[int]:
+    """Step starts such that every step of a training loop runs a backward: a would-be step with
+    none (a forward cut from its backward by an optimizer run inside it, a validation loop between
+    steps) opens the step that follows it; after the last step (a validation loop after training)
+    it belongs to the step before."""
+    out: List[int] = []
+    j = 0
+    while j < len(starts):
+        k, nxt = starts[j], j + 1
+        while nxt < len(starts) and BACKWARD not in phases[k: starts[nxt]]:
+            nxt += 1
+        if out and BACKWARD not in phases[k: starts[nxt] if nxt < len(starts) else len(phases)]:
+            break  # the trace ends without a backward: the step before holds it
+        out.append(k)
+        j = nxt
+    return out
+
+
+@dataclass
+class Passes:
+    """Forward passes inside forward runs: where each starts and ends, and which code it runs.
+
+    A validation loop without torch.no_grad() runs one forward per batch with nothing between
+    (no backward, no optimizer step), so its forwards are one phase run of one step; what each
+    forward made and the next still finds live is kept memory all the same. A pass starts where
+    the loop's own code (an allocation whose stack names no model forward: the batch made or
+    copied to the device) allocates with the very stack that started the run, after the model
+    allocated since the last start; passes that start with one stack run the same code.
+    A run whose first allocation is the model's own has one pass: nothing tells its forwards apart.
+    """
+
+    starts: List[int]  # first event of each pass, ascending
+    ends: List[int]  # last event of each
+    codes: List[int]  # passes with one code run the same code
+
+    def at(self, event: int) -> Optional[int]:
+        """Index of the pass holding `event`, None when no pass holds it."""
+        k = bisect.bisect_right(self.starts, event) - 1
+        return k if k >= 0 and event <= self.ends[k] else None
+
+    def later(self, k: int, event: int) -> bool:
+        """Whether a pass of pass `k`'s code started after pass `k` and at or before `event`."""
+        j = k + 1
+        while j < len(self.starts) and self.starts[j] <= event:
+            if self.codes[j] == self.codes[k]:
+                return True
+            j += 1
+        return False
 
 
 @dataclass
@@ -275,6 +326,7 @@ class Timeline:
     steps: List[Step]
     _run_starts: List[int]
     _run_step: List[Optional[int]]  # index into steps of each run (None: outside any step)
+    passes: Passes = field(default_factory=lambda: Passes([], [], []))
 
     def run_at(self, event: int) -> int:
         """Index of the phase run that holds `event`."""
@@ -379,7 +431,52 @@ def build_timeline(trace: List[Any], allocs: Sequence[int], running: np.ndarray,
         for k in range(first, last):
             run_step[k] = len(steps)
         steps.append(Step(number, spans[first].start_event, spans[last - 1].end_event, spans[first:last]))
-    return Timeline(spans, steps, [s.start_event for s in spans], run_step)
+    return Timeline(spans, steps, [s.start_event for s in spans], run_step,
+                    forward_passes(trace, allocs, spans, versions, hints))
+
+
+def forward_passes(trace: List[Any], allocs: Sequence[int], runs: Sequence[PhaseSpan], versions: Container[int],
+                   hints: "_Hints") -> Passes:
+    """The forward passes of each forward run (see Passes); a run holds one pass at least."""
+    starts: List[int] = []
+    ends: List[int] = []
+    codes: List[int] = []
+    code_stacks: List[Any] = []  # the stack that starts the passes of each code
+
+    def code_of(frames: Any) -> int:
+        for code, known in enumerate(code_stacks):
+            if known is frames or known == frames:
+                return code
+        code_stacks.append(frames)
+        return len(code_stacks) - 1
+    for run in runs:
+        if run.phase != FORWARD:
+            continue
+        k = bisect.bisect_left(allocs, run.start_event)
+        last = bisect.bisect_right(allocs, run.end_event)
+        while k < last and (allocs[k] in versions or not trace[allocs[k]].get("frames")):
+            k += 1
+        if k == last:
+            continue
+        first = trace[allocs[k]].get("frames")
+        loops = hints.of(first) not in (FORWARD, BACKWARD)
+        code = code_of(first)
+        starts.append(run.start_event)
+        codes.append(code)
+        model_since = False  # the model allocated since the pass started
+        for i in (allocs[j] for j in range(k + 1, last)) if loops else ():
+            frames = trace[i].get("frames")
+            if not frames or i in versions:
+                continue
+            if model_since and (frames is first or (len(frames) == len(first) and frames == first)):
+                ends.append(i - 1)
+                starts.append(i)
+                codes.append(code)
+                model_since = False
+            elif not model_since:
+                model_since = hints.of(frames) == FORWARD
+        ends.append(run.end_event)
+    return Passes(starts, ends, codes)
 
 
 def _annotated_step_bounds(trace: List[Any], scopes: Scopes) -> List[Tuple[int, int]]:

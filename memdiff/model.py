@@ -36,7 +36,11 @@ class Group:
     category: Optional[str] = None
     # born / freed / outlives (see lifetimes.py); None in summaries written before lifetimes
     lifetime: Optional[Dict[str, str]] = None
+    # Kept memory: allocated in a step before the moment's, or by a forward that a forward of the
+    # same code followed in the moment's step (a validation loop keeping each batch's graph).
     bytes_from_earlier_steps: int = 0
+    bytes_from_earlier_forwards: int = 0  # of those, the ones kept from earlier forwards
+    earlier_forwards: int = 0  # how many earlier forwards they come from
 
 
 @dataclass

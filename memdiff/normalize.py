@@ -72,8 +72,11 @@ class _Live:
     entry: Optional[Dict[str, Any]]  # the alloc entry when it is in the trace
     born_event: int  # its first version's alloc event; -1 before the trace
     end_event: int  # the event that frees its last version; the trace length when never freed
-    earlier: bool  # allocated in a step before the peak's
+    earlier: bool  # allocated in a step before the peak's, or by a forward that one of the same code followed
     reached_peak: bool = False  # the allocation whose event is the peak
+    # The forward pass (lifetimes.Passes) that made it, when a pass of the same code ran after it
+    # in the same step before the moment: kept from an earlier forward. None otherwise.
+    earlier_pass: Optional[int] = None
     # The category guessed for memory live before the trace with no stack, no freeing and no update
     # telling what it is (GUESS_PARAMETER or GUESS_STATE); None when something tells.
     guess: Optional[str] = None
@@ -88,7 +91,9 @@ class _Slot:
     lifetime: Lifetime
     count: int = 0
     bytes: int = 0
-    earlier_bytes: int = 0  # allocated in a step before the peak's
+    earlier_bytes: int = 0  # allocated in a step before the peak's, or kept from an earlier forward
+    forward_bytes: int = 0  # of which kept from an earlier forward of the same code in the peak's step
+    passes: Set[int] = field(default_factory=set)  # the earlier forwards those come from
     allocations: List[Tuple[int, int, int]] = field(default_factory=list)  # (first event, end event, bytes)
 
 
@@ -333,7 +338,7 @@ def _state_by_sizes(blocks: List[_DumpBlock], walk: _Walk, trace: List[Dict[str,
 
 
 def _optimizer_state_stand_ins(walk: _Walk, trace: List[Dict[str, Any]], timeline: Timeline
-                               ) -> Tuple[Dict[int, List[Any]], Set[int]]:
+                               ) -> Dict[int, List[Any]]:
     """For tensors live before the trace that an optimizer step updates in place as its state (on
     profiler-route captures, which write each in-place update as a frameless re-version): the
     unmatched free that starts each one's chain -> the stack of the update standing in for the
@@ -346,15 +351,14 @@ def _optimizer_state_stand_ins(walk: _Walk, trace: List[Dict[str, Any]], timelin
     weights after all state, so of each size the last as many as there are gradients of that
     size held at the step are the weights, and in a fused update (one op, its new versions in
     its arguments' order) the first as many. Updates after the optimizer's last event in the step
-    are the loop's (an EMA): neither, with the loop's stack. Also returns the roots of the weights
-    so told.
-    Tensors no step updates (frozen weights, buffers) get neither: parameters by guess
-    (docs/categories.md), and their site says so.
+    are the loop's (an EMA): neither, with the loop's stack.
+    Weights, and tensors no step updates (frozen weights, buffers), get neither: parameters by
+    their lifetime (docs/categories.md), under one label.
     """
     n = len(trace)
     roots = [f for f in walk.unmatched if f in walk.continued_by]
     if not roots or not timeline.runs:
-        return {}, set()
+        return {}
     events: List[Tuple[int, int]] = []  # (re-version event, the chain's root)
     for f in roots:
         c = f
@@ -440,7 +444,7 @@ def _optimizer_state_stand_ins(walk: _Walk, trace: List[Dict[str, Any]], timelin
     for root, frames in loop_updated.items():
         if root not in votes and frames:
             stand_ins[root] = frames
-    return stand_ins, {root for root, vote in votes.items() if vote < 0}
+    return stand_ins
 
 
 def _optimizer_stack_near(walk: _Walk, trace: List[Dict[str, Any]], event: int, start: int, end: int
@@ -473,7 +477,11 @@ def _runs_fused_step(walk: _Walk, trace: List[Dict[str, Any]], run: Any) -> bool
 
 def _optimizer_frame(frame: Any) -> bool:
     """Whether a raw frame is torch.optim's code (its file in the name on CPU captures, apart on CUDA)."""
-    return isinstance(frame, dict) and "torch/optim/" in f"{frame.get('filename', '')}:{frame.get('name', '')}"
+    if not isinstance(frame, dict):
+        return False
+    text = f"{frame.get('filename', '')}:{frame.get('name', '')}"
+    # swa_utils.py: AveragedModel, an average of the weights the loop keeps (an EMA), no optimizer's.
+    return "torch/optim/" in text and "torch/optim/swa_utils.py" not in text
 
 
 def _is_optimizers(frames: Any) -> bool:
@@ -528,7 +536,7 @@ def _timeline(static: int, running: np.ndarray) -> List[List[int]]:
 
 
 def _live_at(walk: _Walk, trace: List[Dict[str, Any]], p: int, dump_only: List[_DumpBlock],
-             timeline: Timeline, stand_ins: Dict[int, List[Any]], weights: Set[int]) -> List[_Live]:
+             timeline: Timeline, stand_ins: Dict[int, List[Any]]) -> List[_Live]:
     """Every allocation live after event `p` with its lifetime: open allocations, memory live
     before the trace and freed after `p`, and dump blocks the trace never opened. Memory live
     before the trace is known by the stack that freed it, or by its stand-in (see
@@ -541,19 +549,27 @@ def _live_at(walk: _Walk, trace: List[Dict[str, Any]], p: int, dump_only: List[_
         end = walk.end(walk.closed[j])
         if first is None:
             assert unmatched is not None  # origin() gives one of the two
+            # One label whether the update order told a weight (`weights`) or nothing did (a frozen
+            # weight, a buffer): the same weights read as a parameter by either rule, and two runs
+            # that tell them apart differently (SGD and SGD with momentum, a model and its LoRA
+            # fine-tune) must not show the same bytes as a NEW beside a SHRANK.
             frames = stand_ins.get(unmatched) or trace[unmatched].get("frames")
-            guessed = not frames and unmatched not in weights and end >= n
             items.append(_Live(frames, trace[j]["size"], freed=True, before_trace=True, entry=None, born_event=-1,
-                               end_event=end, earlier=False, reached_peak=j == p,
-                               guess=GUESS_PARAMETER if guessed else None))
+                               end_event=end, earlier=False, reached_peak=j == p))
             continue
         step = timeline.step_index_at(first)
         # A scalar (the previous step's loss, waiting to be replaced) holds nothing worth a leak
         # line; a graph it keeps alive is counted by its own allocations.
-        earlier = (peak_step is not None and step is not None and step < peak_step
-                   and trace[j]["size"] > SCALAR_BYTES)
+        worth = trace[j]["size"] > SCALAR_BYTES
+        earlier = peak_step is not None and step is not None and step < peak_step and worth
+        earlier_pass = None
+        if not earlier and worth:
+            k = timeline.passes.at(first)
+            if k is not None and timeline.passes.later(k, p):
+                earlier, earlier_pass = True, k
         items.append(_Live(trace[first].get("frames"), trace[j]["size"], freed=False, before_trace=False,
-                           entry=trace[first], born_event=first, end_event=end, earlier=earlier, reached_peak=j == p))
+                           entry=trace[first], born_event=first, end_event=end, earlier=earlier, reached_peak=j == p,
+                           earlier_pass=earlier_pass))
     for i in walk.unmatched[bisect.bisect_right(walk.unmatched, p):]:
         e = trace[i]
         items.append(_Live(stand_ins.get(i) or e.get("frames"), e["size"], freed=True, before_trace=True, entry=None,
@@ -685,10 +701,10 @@ def _device_summary(snapshot: Snapshot, device: int, stacks: StackNormalizer,
     timeline = build_timeline(trace, walk.allocs, running, static, scopes, walk.version_of)
     p = -1 if peak_index is None else peak_index
     n = len(trace)
-    stand_ins, weights = _optimizer_state_stand_ins(walk, trace, timeline)
+    stand_ins = _optimizer_state_stand_ins(walk, trace, timeline)
     _state_by_sizes(dump_only, walk, trace, timeline)
     stacks.mark_updates(stand_ins.values())
-    live_items = _live_at(walk, trace, p, dump_only, timeline, stand_ins, weights)
+    live_items = _live_at(walk, trace, p, dump_only, timeline, stand_ins)
     # A re-versioned tensor is not memory from before a truncated trace: no advice to record more.
     reversioned = [i for i in walk.unmatched if i in walk.continued_by]
     unmatched_bytes -= sum(trace[i]["size"] for i in reversioned)
@@ -701,7 +717,7 @@ def _device_summary(snapshot: Snapshot, device: int, stacks: StackNormalizer,
         top = max(spans, key=lambda span: (span.peak_bytes, -span.peak_event_index))
         at = top.peak_event_index
         phase_groups = None if at == peak_index else _group(
-            path, _live_at(walk, trace, at, dump_only, timeline, stand_ins, weights), stacks)[0]
+            path, _live_at(walk, trace, at, dump_only, timeline, stand_ins), stacks)[0]
         phase_peaks.append(PhasePeak(phase, timeline.step_at(at), top.peak_bytes, at, phase_groups))
     if sum(g.bytes for g in groups) != peak:
         raise AssertionError(f"{path}: device {device}: groups do not add up to the peak (a memdiff bug)")
@@ -859,6 +875,9 @@ def _group(path: str, items: List[_Live], stacks: StackNormalizer
         slot.count += 1
         slot.bytes += item.size
         slot.earlier_bytes += item.size if item.earlier else 0
+        if item.earlier_pass is not None:
+            slot.forward_bytes += item.size
+            slot.passes.add(item.earlier_pass)
         if item.reached_peak:
             peak_key = key
     slots = sorted(by_key.items(), key=lambda kv: (-kv[1].bytes, kv[1].stack.signature, kv[1].lifetime.key()))
@@ -881,7 +900,8 @@ def _group(path: str, items: List[_Live], stacks: StackNormalizer
             peak_signature = signature
         groups.append(Group(signature=signature, site=slot.stack.site, frames=list(slot.stack.frames),
                             count=slot.count, bytes=slot.bytes, lifetime=slot.lifetime.to_dict(),
-                            bytes_from_earlier_steps=slot.earlier_bytes))
+                            bytes_from_earlier_steps=slot.earlier_bytes,
+                            bytes_from_earlier_forwards=slot.forward_bytes, earlier_forwards=len(slot.passes)))
     groups += _folded(folded, spans)
     groups.sort(key=lambda g: (-g.bytes, g.signature))
     return groups, peak_signature, spans
@@ -899,7 +919,9 @@ def _folded(slots: List[_Slot], spans: Dict[str, List[Tuple[int, int, int]]]) ->
         groups.append(Group(signature=signature, site=FOLDED.format(len(members)), frames=[],
                             count=sum(m.count for m in members), bytes=sum(m.bytes for m in members),
                             lifetime=lifetime.to_dict(),
-                            bytes_from_earlier_steps=sum(m.earlier_bytes for m in members)))
+                            bytes_from_earlier_steps=sum(m.earlier_bytes for m in members),
+                            bytes_from_earlier_forwards=sum(m.forward_bytes for m in members),
+                            earlier_forwards=len(set().union(*(m.passes for m in members)))))
     return groups
 
 

@@ -114,8 +114,10 @@ def kept_from_earlier_steps(device: DeviceSummary) -> Optional[str]:
                     key=lambda g: -g.bytes_from_earlier_steps)
     if not groups:
         return None
-    return kept_text(f"{format_bytes(sum(g.bytes_from_earlier_steps for g in groups))} live at the peak",
-                     [f"{g.category}: {g.site} {format_bytes(g.bytes_from_earlier_steps)}" for g in groups])
+    kept = sum(g.bytes_from_earlier_steps for g in groups)
+    return kept_text(f"{format_bytes(kept)} live at the peak",
+                     [f"{g.category}: {g.site} {format_bytes(g.bytes_from_earlier_steps)}" for g in groups],
+                     kept, sum(g.bytes_from_earlier_forwards for g in groups), max(g.earlier_forwards for g in groups))
 
 
 def step_rows(device: DeviceSummary) -> List[StepRow]:

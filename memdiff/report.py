@@ -16,6 +16,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 from memdiff import __version__
 from memdiff.baseline import stem
 from memdiff.differ import (
+    BY_OLDER,
     BY_SITE,
     BY_SIZE,
     GRADIENTS,
@@ -549,6 +550,8 @@ def _cells(r: DiffRow) -> List[str]:
         site += " (matched by site)"
     elif r.matched_by == BY_SIZE:
         site += " (older than one run's trace: matched by size)"
+    elif r.matched_by == BY_OLDER:
+        site += " (older than the trace, without a stack: matched by category)"
     elif r.matched_by == GRADIENTS:
         site += f" (with {count_of(len(r.members) - 1, 'other gradient group')}: the same total, made by other nodes)"
     elif r.matched_by == TEMPORARIES:
@@ -628,15 +631,31 @@ def _kept(d: DeviceDiff) -> Optional[str]:
         return None
     return kept_text(f"{format_bytes(k.base_bytes)} -> {format_bytes(k.head_bytes)}",
                      [f"{r.category}: {r.label or r.site} "
-                      f"{format_bytes(r.head_earlier_bytes - r.base_earlier_bytes, signed=True)}" for r in k.rows])
+                      f"{format_bytes(r.head_earlier_bytes - r.base_earlier_bytes, signed=True)}" for r in k.rows],
+                     k.head_bytes, k.head_forward_bytes, k.head_forwards)
 
 
-def kept_text(amount: str, sites: Sequence[str]) -> str:
-    """The one wording of memory kept from earlier steps, in a run's peak report and in a diff:
-    `kept from earlier steps (not parameters, gradients, optimizer state or workspaces): AMOUNT (SITE, ...)`."""
+def kept_from(kept_bytes: int, forward_bytes: int) -> str:
+    """What kept memory was kept from: `earlier steps`, `earlier forwards` (a forward of the same
+    code ran after the one that made it, in the same step: a validation loop without
+    torch.no_grad()), or both."""
+    if not forward_bytes:
+        return "earlier steps"
+    return "earlier forwards" if forward_bytes >= kept_bytes else "earlier steps and forwards"
+
+
+def kept_text(amount: str, sites: Sequence[str], kept_bytes: int = 0, forward_bytes: int = 0, forwards: int = 0) -> str:
+    """The one wording of kept memory, in a run's peak report and in a diff: `kept from earlier
+    steps (not parameters, gradients, optimizer state or workspaces): AMOUNT (SITE, ...)`; of
+    the bytes kept from earlier forwards (`forward_bytes` of `kept_bytes`), it says how many
+    forwards made them."""
     more = f" and {len(sites) - KEPT_SITES:,} more" if len(sites) > KEPT_SITES else ""
-    return (f"kept from earlier steps (not parameters, gradients, optimizer state or workspaces): {amount} "
-            f"({', '.join(sites[:KEPT_SITES])}{more})")
+    passes = ""
+    if forward_bytes and forwards:
+        share = "" if forward_bytes >= kept_bytes else f" {format_bytes(forward_bytes)} of it"
+        passes = f",{share} made by {count_of(forwards, 'earlier forward')} that a forward of the same code followed"
+    return (f"kept from {kept_from(kept_bytes, forward_bytes)} (not parameters, gradients, optimizer state or "
+            f"workspaces): {amount}{passes} ({', '.join(sites[:KEPT_SITES])}{more})")
 
 
 # --- the headline ----------------------------------------------------------------------------
@@ -736,7 +755,7 @@ def _device_headline(r: DeviceReport) -> str:
     if r.kept:
         k = d.kept
         assert k is not None  # a kept line is written only from kept memory
-        text += f"; kept from earlier steps {change_text(k.base_bytes, k.head_bytes)}"
+        text += f"; kept from {kept_from(k.head_bytes, k.head_forward_bytes)} {change_text(k.base_bytes, k.head_bytes)}"
     return text
 
 

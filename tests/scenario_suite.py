@@ -131,7 +131,26 @@ _whatif_pair("mlp-wide", "zero-grad=zeros", ["--keep-grads"])
 WHATIF_PAIRS.append(("gpt2-base-wi-zero-grad-zeros", "zero-grad=none", "gpt2-base"))
 WHATIF_PAIRS.append(("mlp-wide-wi-zero-grad-zeros", "zero-grad=none", "mlp-wide"))
 
-SCENARIOS: Dict[str, Tuple[str, List[str]]] = {**SCENARIOS_SO_FAR, **WHATIF_BASES, **WHATIF_HEADS}
+# Issue 32: the loops teams write, on families already captured (and ConvNeXt and BART, new).
+LOOPS = {
+    # A validation loop of 4 batches after the steps, in torch.no_grad() and without it.
+    "gpt2-val": ("gpt2", ["--val-batches", "4", "--truth"]),
+    "gpt2-val-grad": ("gpt2", ["--val-batches", "4", "--val-grad", "--truth"]),
+    # The training losses summed as tensors after backward(): their graphs are freed.
+    "gpt2-sum-loss": ("gpt2", ["--sum-loss"]),
+    # Plain SGD, to compare with gpt2-sgd (SGD with momentum).
+    "gpt2-sgd-plain": ("gpt2", ["--optimizer", "sgd"]),
+    # A frozen model with LoRA adapters of rank 8 on the nn.Linear of its layers.
+    "bert-lora": ("bert", ["--lora", "8"]),
+    # An EMA made before recording with torch.optim.swa_utils.AveragedModel.
+    "convnext-base": ("convnext", []),
+    "convnext-ema-averaged": ("convnext", ["--ema-averaged"]),
+    # zero_grad(set_to_none=False): the gradients live through the next forward.
+    "distilbert-keep-grads": ("distilbert", ["--keep-grads", "--truth"]),
+    "bart-base": ("bart", ["--truth"]),
+    "bart-keep-grads": ("bart", ["--keep-grads", "--truth"]),
+}
+SCENARIOS: Dict[str, Tuple[str, List[str]]] = {**SCENARIOS_SO_FAR, **WHATIF_BASES, **WHATIF_HEADS, **LOOPS}
 
 # PyTorch's data-flow categories in memdiff's terms.
 PYTORCH_TO_MEMDIFF = {"temporary": "autograd", "autograd_detail": "autograd", "unknown": "other", None: "other"}

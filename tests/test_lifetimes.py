@@ -233,3 +233,67 @@ def test_lifetime_facts(write_snapshot, born, end, expected):
     runs = [PhaseSpan("forward", 0, 9), PhaseSpan("backward", 10, 49), PhaseSpan("forward", 50, 98)]
     timeline = Timeline(runs, [Step(0, 0, 49, runs[:2]), Step(1, 50, 98, runs[2:])], [0, 10, 50], [0, 0, 1])
     assert timeline.lifetime(born, end, 99) == expected
+
+
+def validation(batches: int, keep_graphs: bool) -> Dict[str, Any]:
+    """Two training steps, then a validation loop: each batch made by the loop, a forward of three
+    100 kB activations; with `keep_graphs` (no torch.no_grad(), the losses summed with +=) every
+    batch's activations stay live until the loop ends."""
+    t = Trace()
+    for k in range(2):
+        t.step(first=k == 0, keep=None)
+    kept = []
+    for _ in range(batches):
+        batch = t.new(1000, BATCH)
+        acts = [t.new(100_000, FWD) for _ in range(3)]
+        t.new(4, LOSS)  # the running sum: a scalar
+        kept += acts
+        if not keep_graphs:
+            for a in acts:
+                t.drop(a, 100_000, FWD)
+        t.drop(batch, 1000, BATCH)
+    for a in kept if keep_graphs else []:
+        t.drop(a, 100_000, FWD)
+    return t.snapshot()
+
+
+def test_a_validation_loop_that_keeps_its_graphs_keeps_memory_from_earlier_forwards(write_snapshot):
+    """Forwards of one code with nothing between them are one phase run of one step; what each
+    made and the next still finds live is kept from earlier forwards (issue 32 item 1): 3 of 4
+    batches' activations at the peak, counted as 3 forwards; the loop is no step of its own."""
+    d = summary_of(write_snapshot, validation(4, keep_graphs=True))
+    assert [s.step for s in d.steps] == [0, 1]
+    assert (d.step_at_peak, d.phase_at_peak) == (1, "forward")
+    kept = [g for g in d.groups if g.bytes_from_earlier_forwards]
+    assert sum(g.bytes_from_earlier_forwards for g in kept) == 3 * 3 * 100_000
+    assert max(g.earlier_forwards for g in kept) == 3
+    clean = summary_of(write_snapshot, validation(4, keep_graphs=False))
+    assert not [g for g in clean.groups if g.bytes_from_earlier_forwards or g.bytes_from_earlier_steps
+                and g.category not in PERSISTENT]
+
+
+def test_kept_forwards_are_named_in_the_peak_report_and_the_diff(write_snapshot, capsys):
+    base = write_snapshot(validation(4, keep_graphs=False), "base.pickle")
+    head = write_snapshot(validation(4, keep_graphs=True), "head.pickle")
+    assert main(["peak", head]) == 0
+    assert ("kept from earlier forwards (not parameters, gradients, optimizer state or workspaces): 878.91 KiB "
+            "live at the peak, made by 3 earlier forwards") in capsys.readouterr().out
+    main([base, head])
+    headline = capsys.readouterr().out.splitlines()[0]
+    assert headline.endswith("; kept from earlier forwards +878.91 KiB (new)")
+
+
+@pytest.mark.parametrize("phases,starts", [
+    # A forward cut from its backward by an optimizer run inside it is no step: it opens the next.
+    (["forward", "backward", "optimizer", "forward", "optimizer", "forward", "backward", "optimizer"], [0, 3]),
+    # Forwards after the last step with no backward (a validation loop) belong to that step.
+    (["forward", "backward", "optimizer", "forward", "backward", "optimizer", "forward"], [0, 3]),
+    # Between steps they open the next one, as an evaluation forward after step() does.
+    (["forward", "backward", "optimizer", "forward", "other", "forward", "backward", "optimizer"], [0, 3]),
+    # Inference: no optimizer, one step per backward-less trace.
+    (["forward", "forward"], [0]),
+])
+def test_every_training_step_runs_a_backward(phases, starts):
+    """Issue 32 item 4: steps are the loop's steps, never a forward with no backward."""
+    from memdiff.lifetimes import _inferred_step_starts
+    assert _inferred_step_starts(phases) == starts

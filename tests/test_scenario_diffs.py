@@ -134,9 +134,13 @@ def test_debug_projections_read_as_their_weights_and_adamw_moments(diffs, family
 @pytest.mark.parametrize("family", FAMILIES)
 def test_a_loss_logged_without_item_reads_as_memory_kept_from_earlier_steps(diffs, family):
     d = diffs["leaked-loss"][family]
-    assert d.kept is not None and d.kept.base_bytes == 0 and d.kept.head_bytes > 0
+    # The loop's `val` holds the last validation loss, and its graph, until the next replaces it:
+    # in both runs kept from an earlier forward (issue 32: memory one forward made, live when the
+    # next forward of the same code runs). Logged as a tensor, every step's graph is kept.
+    assert d.kept is not None and d.kept.head_bytes > d.kept.base_bytes
+    assert d.kept.base_bytes == d.kept.base_forward_bytes
     # Every byte of growth was allocated in an earlier step.
-    assert d.kept.head_bytes >= 0.9 * d.peak_delta_bytes
+    assert d.kept.head_bytes - d.kept.base_bytes >= 0.9 * d.peak_delta_bytes
     assert d.kept.rows[0].category == "activation"
 
 

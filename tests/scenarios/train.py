@@ -25,8 +25,8 @@ from memdiff.capture import record
 
 VOCAB = 1000
 POSITIONS = 128
-HF_TEXT = ("gpt2", "bert", "llama", "t5", "mixtral", "neox", "distilbert")
-MODELS = (*HF_TEXT, "vit", "lstm", "mlp", "cnn", "gpt")
+HF_TEXT = ("gpt2", "bert", "llama", "t5", "mixtral", "neox", "distilbert", "bart")
+MODELS = (*HF_TEXT, "vit", "convnext", "lstm", "mlp", "cnn", "gpt")
 
 
 def hf_model(name: str, vocab: int = VOCAB, positions: int = POSITIONS,
@@ -62,10 +62,20 @@ def hf_model(name: str, vocab: int = VOCAB, positions: int = POSITIONS,
             num_hidden_layers=2, hidden_size=128, num_attention_heads=4, intermediate_size=512, vocab_size=vocab,
             max_position_embeddings=positions))
         return model, list(model.gpt_neox.layers), 128
+    if name == "bart":
+        model = hf.BartForConditionalGeneration(hf.BartConfig(
+            vocab_size=vocab, d_model=128, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+            decoder_attention_heads=4, encoder_ffn_dim=256, decoder_ffn_dim=256, max_position_embeddings=positions))
+        return model, list(model.model.encoder.layers), 128
     if name == "distilbert":
         model = hf.DistilBertForSequenceClassification(hf.DistilBertConfig(
             n_layers=2, dim=128, n_heads=4, hidden_dim=512, vocab_size=vocab, max_position_embeddings=positions))
         return model, list(model.distilbert.transformer.layer), 128
+    if name == "convnext":
+        model = hf.ConvNextForImageClassification(hf.ConvNextConfig(
+            num_channels=3, patch_size=4, hidden_sizes=[32, 64, 128, 256], depths=[1, 1, 1, 1], num_labels=10,
+            image_size=32))
+        return model, [stage.layers[0] for stage in model.convnext.encoder.stages], 32
     if name == "vit":
         model = hf.ViTForImageClassification(hf.ViTConfig(
             num_hidden_layers=2, hidden_size=128, num_attention_heads=4, intermediate_size=512, image_size=32,
@@ -128,6 +138,32 @@ class CNN(nn.Module):
         return self.head(self.norm(x).flatten(1))
 
 
+class LoRALinear(nn.Module):
+    """A frozen nn.Linear with a trainable low-rank update, as LoRA adapters add it:
+    y = base(x) + (x A^T) B^T * alpha / r, B starting at zero."""
+
+    def __init__(self, base: nn.Linear, rank: int, alpha: float = 16.0) -> None:
+        super().__init__()
+        self.base = base
+        self.lora_a = nn.Parameter(torch.randn(rank, base.in_features) / rank)
+        self.lora_b = nn.Parameter(torch.zeros(base.out_features, rank))
+        self.scale = alpha / rank
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base(x) + (x @ self.lora_a.t()) @ self.lora_b.t() * self.scale
+
+
+def add_lora(model: nn.Module, layers: List[nn.Module], rank: int) -> None:
+    """Freeze every weight of the model, then give each nn.Linear of its layers a LoRA adapter."""
+    for p in model.parameters():
+        p.requires_grad_(False)
+    for layer in layers:
+        for name, child in list(layer.named_modules()):
+            for attr, sub in list(child.named_children()):
+                if isinstance(sub, nn.Linear):
+                    setattr(child, attr, LoRALinear(sub, rank))
+
+
 def build(args: argparse.Namespace) -> Tuple[nn.Module, List[nn.Module], int, Callable[[], Dict[str, torch.Tensor]],
                                             Callable[[nn.Module, Dict[str, torch.Tensor]], torch.Tensor]]:
     """(model, its layers, hidden size, a batch maker, the loss of a batch)."""
@@ -145,11 +181,11 @@ def build(args: argparse.Namespace) -> Tuple[nn.Module, List[nn.Module], int, Ca
                 n = lengths.randint(s // 2, s)
                 return {"input_ids": torch.randint(1, vocab, (b, n)), "labels": torch.randint(0, vocab, (b, n))}
             x = {"input_ids": torch.randint(1, vocab, (b, s)), "labels": labels()}
-            if args.model == "t5":  # the decoder reads half as many tokens as the encoder
+            if args.model in ("t5", "bart"):  # the decoder reads half as many tokens as the encoder
                 x["labels"] = torch.randint(1, vocab, (b, s // 2))
             return x
         return model, layers, hidden, batch, lambda m, x: m(**x).loss
-    if args.model == "vit":
+    if args.model in ("vit", "convnext"):
         model, layers, hidden = hf_model(args.model)
 
         def images() -> Dict[str, torch.Tensor]:
@@ -252,6 +288,9 @@ def setup(args: argparse.Namespace) -> Tuple[nn.Module, List[nn.Parameter], torc
             frozen += list(layer.parameters())
         for p in frozen:
             p.requires_grad_(False)
+    if args.lora:
+        add_lora(model, layers, args.lora)
+        model.to(args.device)
     if args.checkpoint or args.checkpoint_fraction:
         if hasattr(model, "gradient_checkpointing_enable"):
             model.gradient_checkpointing_enable()
@@ -281,7 +320,8 @@ def setup(args: argparse.Namespace) -> Tuple[nn.Module, List[nn.Parameter], torc
     return model, params, opt, extra, batch, loss_of
 
 
-def write_facts(args: argparse.Namespace, model: nn.Module, opt: Optional[torch.optim.Optimizer]) -> None:
+def write_facts(args: argparse.Namespace, model: nn.Module, opt: Optional[torch.optim.Optimizer],
+                extra: Optional[Dict[str, Any]] = None) -> None:
     """Facts from the model and optimizer, for the tests to check memdiff against (never memdiff's
     own output): bytes of the weights and buffers, of the trainable weights, of the optimizer's state tensors and
     how many each weight has, steps recorded."""
@@ -296,7 +336,7 @@ def write_facts(args: argparse.Namespace, model: nn.Module, opt: Optional[torch.
              "state_bytes": sum(nbytes(t) for t in state),
              "state_scalar_bytes": sum(nbytes(t) for t in state if t.numel() == 1),
              "state_tensors_per_parameter": sorted({len(per) for per in opt.state.values()}) if opt else [],
-             "steps": args.steps}
+             "steps": args.steps, **(extra or {})}
     with open(args.out + ".facts.json", "w") as f:
         json.dump(facts, f)
 
@@ -345,11 +385,12 @@ def train(args: argparse.Namespace) -> None:
     ema_before: List[torch.Tensor] = []
     kept_eval = None
     val = None  # the last validation loss: the loop's variable, held until the next one replaces it
+    total: Any = 0.0  # --sum-loss: the training losses summed as tensors (their graphs freed by backward())
 
     def one_step(step: int, model: nn.Module, params: List[nn.Parameter], opt: torch.optim.Optimizer,
                  extra: List[torch.Tensor], batch: Callable[[], Dict[str, torch.Tensor]],
                  loss_of: Callable[..., torch.Tensor]) -> None:
-        nonlocal kept_eval, val
+        nonlocal kept_eval, val, total
         with scope(f"ProfilerStep#{step}", truth):
             if args.zero_grad == "first":
                 with scope("## optimizer ##", truth):
@@ -367,6 +408,8 @@ def train(args: argparse.Namespace) -> None:
                         opt.zero_grad(set_to_none=not args.keep_grads)
                 with scope("## backward ##", truth):
                     loss.backward(retain_graph=args.retain_graph)
+                if args.sum_loss:
+                    total += loss
             if args.keep_weights:
                 # The leak: weight copies kept each step, made between backward() and step().
                 kept_weights.append([p.detach().clone() for p in params])
@@ -399,11 +442,42 @@ def train(args: argparse.Namespace) -> None:
             if not args.keep_loss:
                 del loss, x
 
+    def validate(model: nn.Module, batch: Callable[[], Dict[str, torch.Tensor]],
+                 loss_of: Callable[..., torch.Tensor]) -> None:
+        """A validation loop as teams write it: the batches' losses summed with `+=`; without
+        torch.no_grad() (--val-grad) each loss keeps its batch's graph alive until the sum goes.
+        Writes the facts of each batch's graph: bytes its saved tensors hold apart from the weights."""
+        weights = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
+        saved: List[int] = []
+        seen: set = set()
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            storage = t.untyped_storage()
+            if storage.data_ptr() not in weights and storage.data_ptr() not in seen:
+                seen.add(storage.data_ptr())
+                saved[-1] += storage.nbytes()
+            return t
+        val_loss: Any = 0.0
+        with torch.no_grad() if not args.val_grad else contextlib.nullcontext(), \
+                torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            for _ in range(args.val_batches):
+                saved.append(0)
+                with scope("## forward ##", truth):
+                    val_loss += loss_of(model, batch())
+        print(f"validation loss {float(val_loss) / args.val_batches:.3f}")
+        val_facts["val_saved_bytes"] = saved
+
+    val_facts: Dict[str, Any] = {}
+    averaged = None
     if built is not None:
         for _ in range(args.warmup):  # warm-up steps before recording: the state is made here
             one_step(-1, *built)
         if args.ema_before:
             ema_before.extend(p.detach().clone() for p in built[1])
+        if args.ema_averaged:
+            # torch.optim.swa_utils: a deepcopy of the model, updated with a lerp after each step.
+            from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+            averaged = AveragedModel(built[0], multi_avg_fn=get_ema_multi_avg_fn(0.999))
     with record(args.out, stacks=args.stacks):
         if built is None:
             # As a test does: the model and optimizer made inside the recording, freed on return.
@@ -416,8 +490,15 @@ def train(args: argparse.Namespace) -> None:
         else:
             for step in range(args.steps):
                 one_step(step, *built)
+                if averaged is not None:
+                    averaged.update_parameters(built[0])
+            if args.val_batches:
+                validate(built[0], built[4], built[5])
+    if averaged is not None:
+        copies = {t.untyped_storage().data_ptr(): t for t in [*averaged.parameters(), *averaged.buffers()]}
+        val_facts["ema_bytes"] = sum(t.untyped_storage().nbytes() for t in copies.values())
     if built is not None:
-        write_facts(args, built[0], built[2])
+        write_facts(args, built[0], built[2], val_facts)
     del kept_eval
 
 
@@ -481,6 +562,16 @@ def main() -> None:
     p.add_argument("--ema-before", action="store_true",
                    help="an EMA copy of the weights made before recording (as copy.deepcopy(model) does), "
                         "updated after each step with mul_ and add_")
+    p.add_argument("--ema-averaged", action="store_true",
+                   help="an EMA made before recording with torch.optim.swa_utils.AveragedModel, updated after each step")
+    p.add_argument("--val-batches", type=int, default=0,
+                   help="a validation loop after the steps: this many batches, their losses summed with +=")
+    p.add_argument("--val-grad", action="store_true",
+                   help="the validation loop without torch.no_grad(): each batch's graph lives until the sum goes")
+    p.add_argument("--sum-loss", action="store_true",
+                   help="the training losses summed with += as tensors, after backward() (which frees their graphs)")
+    p.add_argument("--lora", type=int, default=0, metavar="RANK",
+                   help="freeze the model and train LoRA adapters of this rank on the nn.Linear of its layers")
     p.add_argument("--clip", action="store_true", help="clip_grad_norm_ before each step")
     p.add_argument("--retain-graph", action="store_true", help="backward(retain_graph=True)")
     p.add_argument("--zero-grad", choices=("after", "first", "before-backward"), default="after",
