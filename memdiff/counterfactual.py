@@ -48,6 +48,7 @@ from memdiff.inert import scrubbed
 from memdiff.lifetimes import BACKWARD, FORWARD, OPTIMIZER
 from memdiff.model import PhaseSpan, Step
 from memdiff.units import format_bytes
+from memdiff.window import Window
 
 SCHEMA_VERSION = 1
 NAMES = ("checkpoint", "weights", "autocast", "optimizer", "zero-grad", "accumulate")
@@ -774,3 +775,106 @@ def whatif(path: str, changes: Sequence[str], rules: Sequence[Rule], budget: Opt
     course = read_course(path, 1, rules)
     structures = {d: structure(course.summary, d) for d in course.devices}
     return whatif_course(path, course.devices, structures, parsed, budget)
+
+
+# ---------------------------------------------------------------- a regression bought back
+
+
+@dataclass
+class BuyBackTarget:
+    """One device of a regressed head run: the peak to get back to, and the peak the rule passes."""
+
+    device: int
+    base_peak_bytes: int  # the base's (baseline's) peak on this device
+    allowed_peak_bytes: int  # the highest head peak the peak rule passes (at least base_peak_bytes)
+    base_name: str  # what names the base in words (`base`, `the baseline`)
+
+
+@dataclass
+class BuyBack:
+    """One change that brings a regressed head's peak back to the base's (or within the rule),
+    or, when none does, the one that saves most (enough False)."""
+
+    device: int
+    change: str
+    predicted_peak_bytes: int
+    predicted_peak_phase: Optional[str]
+    delta_bytes: int  # against the head's own replayed peak
+    target_bytes: int  # the base's peak
+    enough: bool
+    text: str
+
+
+@dataclass
+class BuyBackPart:
+    """What a regression's report says of the changes that buy it back (`--whatif`)."""
+
+    items: List[BuyBack]
+    notes: List[str]  # why a device has none, or why the what-if could not run
+
+
+def _buy_back_text(p: ChangePrediction, t: BuyBackTarget, head_phase: Optional[str], prefix: str) -> str:
+    peak = int(p.predicted_peak_bytes or 0)
+    where = f" in the {p.predicted_peak_phase}" if p.predicted_peak_phase else ""
+    moved = (f", the peak moves to the {p.predicted_peak_phase}"
+             if p.predicted_peak_phase and head_phase and p.predicted_peak_phase != head_phase else "")
+    if peak <= t.base_peak_bytes:
+        within = f"within {t.base_name}'s {format_bytes(t.base_peak_bytes)}"
+    elif peak <= t.allowed_peak_bytes:
+        within = (f"{format_bytes(peak - t.base_peak_bytes)} over {t.base_name}'s "
+                  f"{format_bytes(t.base_peak_bytes)}, within the rule")
+    else:
+        within = (f"not enough: {format_bytes(peak - t.base_peak_bytes)} over {t.base_name}'s "
+                  f"{format_bytes(t.base_peak_bytes)}")
+    return (f"{prefix}{p.change}: {format_bytes(p.delta_bytes or 0, signed=True)}, peak {format_bytes(peak)}{where}"
+            f"{moved} ({within})")
+
+
+def buy_back(path: str, rules: Sequence[Rule], targets: Sequence[BuyBackTarget],
+             window: Optional[Window] = None) -> BuyBackPart:
+    """The changes that bring the regressed run at `path` back to its base's peak on each target
+    device, from `memdiff whatif`'s replay of every applicable change: those whose predicted peak
+    the peak rule passes, the smallest saving first; when none does, the one that saves most, said
+    to be not enough. With `window`, that window of the run (as the diff read it). A run the
+    what-if cannot read as a course (a summary, a damaged trace) is a note, never an error: the
+    regression's verdict stands as judged."""
+    if not targets:
+        return BuyBackPart([], ["the peak did not grow on any device: no change to buy back"])
+    try:
+        course = read_course(path, 1, rules, window)
+    except InputError as why:
+        return BuyBackPart([], [f"what-if not run: {why}"])
+    items: List[BuyBack] = []
+    notes: List[str] = []
+    prefix_each = len(targets) > 1
+    for t in targets:
+        c = course.devices.get(t.device)
+        prefix = f"device {t.device}: " if prefix_each else ""
+        if c is None:
+            notes.append(f"{prefix}what-if not run: the head's snapshot records no allocation on device {t.device}")
+            continue
+        run = _facts(c, *structure(course.summary, t.device))
+        blocks, block = repeated_blocks(c)
+        predictions = [p for p in (_predict(run, ch, blocks, block, None)
+                                   for ch in every_change(run, run_optimizer(run)[0]))
+                       if p.applies and p.predicted_peak_bytes is not None]
+        enough = sorted((p for p in predictions if int(p.predicted_peak_bytes or 0) <= t.allowed_peak_bytes),
+                        key=lambda p: (-(p.delta_bytes or 0), p.change))
+        if enough:
+            chosen = enough
+        else:
+            saving = [p for p in predictions if (p.delta_bytes or 0) < 0]
+            if not saving:
+                notes.append(f"{prefix}no change memdiff whatif knows lowers this run's peak")
+                continue
+            chosen = [min(saving, key=lambda p: (p.delta_bytes or 0, p.change))]
+            notes.append(f"{prefix}no single change brings the peak back to {t.base_name}'s "
+                         f"{format_bytes(t.base_peak_bytes)}; the one that saves most is shown")
+        for p in chosen:
+            items.append(BuyBack(device=t.device, change=p.change,
+                                 predicted_peak_bytes=int(p.predicted_peak_bytes or 0),
+                                 predicted_peak_phase=p.predicted_peak_phase, delta_bytes=int(p.delta_bytes or 0),
+                                 target_bytes=t.base_peak_bytes, enough=bool(enough),
+                                 text=_buy_back_text(p, t, run.base.phase, prefix)))
+    notes.append("predicted by replaying the head's trace with each change (memdiff whatif; docs/whatif.md)")
+    return scrubbed(BuyBackPart(items, notes))

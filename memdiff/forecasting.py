@@ -244,7 +244,7 @@ def read_course(path: str, value: int, rules: Sequence[Rule], window: Optional[W
     with paused_gc():
         raw, source, decoded = decode(path)
         if is_summary(raw):
-            raise InputError(path, "a stored summary holds only the peak; a forecast replays every "
+            raise InputError(path, "a stored summary holds only the peak; a forecast or a what-if replays every "
                                    "allocation, so give it the snapshot itself")
         keep: Dict[int, Allocations] = {}
         snapshot = windowed(to_snapshot(path, raw, source, decoded), window)

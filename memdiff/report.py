@@ -15,6 +15,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from memdiff import __version__
 from memdiff.baseline import stem
+from memdiff.classify import Rule
+from memdiff.counterfactual import BuyBackPart, BuyBackTarget, buy_back
 from memdiff.differ import (
     BY_OLDER,
     BY_SITE,
@@ -35,11 +37,12 @@ from memdiff.differ import (
 from memdiff.errors import InputError, clip
 from memdiff.inert import scrubbed, text
 from memdiff.job import ranges, ranks_text
-from memdiff.judge import Check, Runs, Verdict, growth_pct, judge, judge_ranks
-from memdiff.limits import DEFAULT_PEAK, Thresholds
+from memdiff.judge import Check, Runs, Verdict, growth_pct, judge, judge_ranks, noise_limit
+from memdiff.limits import DEFAULT_PEAK, Limit, Thresholds
 from memdiff.model import Frame, Source, Spread, Summary, TrendEntry
 from memdiff.trend import DEFAULT_POINTS, Trend, trend_of, workloads
 from memdiff.units import count_of, format_bytes
+from memdiff.window import Window
 
 DEFAULT_TOP = 20
 STACK_FRAMES = 16  # frames of a stack any output shows; the rest are counted
@@ -230,6 +233,8 @@ class Report:
     # `trend_note` says why there is none (the history has no line of this workload).
     trends: Optional[List[Trend]] = None
     trend_note: Optional[str] = None
+    # With --whatif on a regression: the changes that would bring head's peak back (counterfactual.buy_back).
+    buy_back: Optional[BuyBackPart] = None
 
     @property
     def passed(self) -> Optional[bool]:
@@ -273,6 +278,9 @@ class Report:
         if self.trends is not None:
             head["trends"] = [{"workload": t.workload, "device": t.device, "head_bytes": t.head_bytes,
                                "text": t.text, "points": [asdict(p) for p in t.points]} for t in self.trends]
+        if self.buy_back is not None:
+            head["buy_back"] = [asdict(b) for b in self.buy_back.items]
+            head["buy_back_notes"] = self.buy_back.notes
         if self.job is None:
             return {**head, **self.diff.to_dict()}
         head["schema_version"] = RANKS_SCHEMA_VERSION
@@ -312,6 +320,11 @@ class Settings:
     workload: Optional[str] = None  # the workload's name in the history (the gate: the baseline's name)
     trend_points: int = DEFAULT_POINTS
     trend_label: Optional[str] = None  # what names this run's point in a trend (default: `this run`)
+    # --whatif: the head run's file, replayed with each change when the verdict is a regression
+    # (None: nothing is replayed), and the category rules it is read with.
+    whatif_run: Optional[str] = None
+    rules: Sequence[Rule] = ()
+    window: Optional[Window] = None  # the window both runs were read in (--steps, --events, --time-us)
 
 
 def compare(base: Sequence[Run], head: Sequence[Run], settings: Optional[Settings] = None) -> Report:
@@ -390,6 +403,7 @@ def _report(s: Settings, verdict: Optional[Verdict], results: List[RankResult], 
     if job is not None:
         headline = f"rank {job.worst_rank} (of {len(results):,}): {headline}"
     trends, trend_note = _trends(s, shown.diff)
+    bought = _buy_back(s, verdict, shown, job)
     # Names from snapshots and baselines are made one line each here, once for every output.
     return scrubbed(Report(verdict=verdict, headline=headline, trends=trends, trend_note=trend_note,
                   inputs=[_input("base", shown.diff.base), _input("head", shown.diff.head)],
@@ -398,8 +412,45 @@ def _report(s: Settings, verdict: Optional[Verdict], results: List[RankResult], 
                                if _shown(c.subject, job)],
                   notes=[n for n in (verdict.notes if verdict else []) if job is None or n in job.failures
                          or _shown(n, job)],
-                  results=results, top=s.top, min_delta=s.min_delta, job=job, run=s.run, baseline=s.baseline),
+                  results=results, top=s.top, min_delta=s.min_delta, job=job, run=s.run, baseline=s.baseline,
+                  buy_back=bought),
                     skip=ANALYSIS_FIELDS)
+
+
+def _buy_back(s: Settings, verdict: Optional[Verdict], shown: RankResult, job: Optional[JobPart]) -> \
+        Optional[BuyBackPart]:
+    """With --whatif, on a regression: the changes that bring each grown peak of the head back to
+    the base's, or within the peak rule (under a baseline of repeats, its measured spread's rule)."""
+    if s.whatif_run is None or verdict is None or verdict.passed:
+        return None
+    if job is not None:
+        return BuyBackPart([], ["what-if not run: it replays one run, and this is a job"])
+    base_name = "the baseline" if s.baseline is not None else "base"
+    heads = {d.device: d for d in shown.head.devices}
+    targets = []
+    for b in shown.base.devices:
+        h = heads.get(b.device)
+        if h is None or h.peak_bytes <= b.peak_bytes:
+            continue
+        limit = (noise_limit(s.thresholds, b.peak_bytes, s.spreads.get(b.device)) or s.thresholds.peak
+                 if s.thresholds is not None else None)
+        if limit is not None and not limit.exceeded(b.peak_bytes, h.peak_bytes):
+            continue  # grown within the rule: another check failed, not this peak
+        allowed = _allowed(limit, b.peak_bytes, h.peak_bytes) if limit is not None else b.peak_bytes
+        targets.append(BuyBackTarget(b.device, b.peak_bytes, allowed, base_name))
+    if not targets:
+        return BuyBackPart([], ["no device's peak broke the rule: no peak to buy back"])
+    return buy_back(s.whatif_run, s.rules, targets, s.window)
+
+
+def _allowed(limit: Limit, base: int, head: int) -> int:
+    """The highest peak below `head` that `limit` passes over `base` (`base` at least): growth
+    past it fails, and a limit's parts (a size, a percent, or either) make it no closed form."""
+    low, high = base, max(base, head - 1)
+    while low < high:
+        mid = (low + high + 1) // 2
+        low, high = (mid, high) if not limit.exceeded(base, mid) else (low, mid - 1)
+    return low
 
 
 def _trends(s: Settings, d: Diff) -> Tuple[Optional[List[Trend]], Optional[str]]:

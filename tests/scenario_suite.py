@@ -127,6 +127,10 @@ for _base in ("mlp-wide", "cnn-wide"):
         _whatif_pair(_base, _change, _flags)
 _whatif_pair("mlp-wide", "optimizer=sgd-momentum", ["--optimizer", "sgd-momentum"])
 _whatif_pair("mlp-wide", "zero-grad=zeros", ["--keep-grads"])
+# A regression bought back (`--whatif`): the batch doubled, then checkpointed or accumulated in two
+# micro-batches of the old batch, as the report suggests.
+_whatif_pair("gpt2-batch2x", "checkpoint", ["--checkpoint"])
+_whatif_pair("gpt2-batch2x", "accumulate=2", ["--accum", "2"])
 # The other way: a run that keeps its gradients, and the one that frees them.
 WHATIF_PAIRS.append(("gpt2-base-wi-zero-grad-zeros", "zero-grad=none", "gpt2-base"))
 WHATIF_PAIRS.append(("mlp-wide-wi-zero-grad-zeros", "zero-grad=none", "mlp-wide"))

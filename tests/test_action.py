@@ -32,7 +32,7 @@ def action(tmp_path):
         env = {**os.environ, "GITHUB_OUTPUT": str(outputs),
                "RUNNER_TEMP": str(tmp_path), "GITHUB_STEP_SUMMARY": str(tmp_path / "summary.md"),
                "HEAD": "", "BASE": "", "BASELINE": "", "FAIL_OVER": "", "FAIL_OVER_PCT": "", "CATEGORY_FAIL_OVER": "",
-               "PHASE_FAIL_OVER": "", "HISTORY": "", "HISTORY_POINTS": "20", "REQUIRE_BASELINE": "true", "MIN_DELTA": "", "RULES": "", "TOP": "5", "HTML": "false",
+               "PHASE_FAIL_OVER": "", "HISTORY": "", "HISTORY_POINTS": "20", "REQUIRE_BASELINE": "true", "MIN_DELTA": "", "WHATIF": "false", "RULES": "", "TOP": "5", "HTML": "false",
                "MEMDIFF": str(shim), "GITHUB_JOB": "memory", "ARTIFACT_NAME": "", "COMMENT_TITLE": "memdiff",
                **{k.upper(): v for k, v in inputs.items()}}
         done = subprocess.run(["bash", "-c", compare_script()], cwd=cwd, env=env, capture_output=True, text=True)
@@ -198,3 +198,15 @@ def test_the_history_input_puts_the_trend_in_the_comment(action, shared, tmp_pat
     report = open(outputs["report"]).read()
     assert "#### Peak on the main branch" in report
     assert "train, device 0: the last 2 peaks on main" in report and f"latest 4.13 GiB at {'b' * 12}" in report
+
+
+@pytest.mark.slow  # runs the action's steps
+def test_the_whatif_input_puts_what_buys_it_back_in_the_summary(action, shared, tmp_path):
+    base, head = shared / "cs336-medium-ctx128-train.pickle", shared / "cs336-medium-ctx256-train.pickle"
+    outputs, _ = action(tmp_path, head=str(head), base=str(base), whatif="true")
+    assert outputs["exit-code"] == "1"
+    summary = (tmp_path / "summary.md").read_text()
+    assert "#### What buys it back" in summary and "weights=bf16: " in summary
+    (tmp_path / "summary.md").unlink()
+    outputs, _ = action(tmp_path, head=str(head), base=str(base))  # whatif: false, the default
+    assert outputs["exit-code"] == "1" and "What buys it back" not in (tmp_path / "summary.md").read_text()

@@ -171,6 +171,15 @@ def add_report_arguments(p: argparse.ArgumentParser) -> None:
                    help="report format (default: text); json rows are never folded")
 
 
+def add_whatif_argument(p: argparse.ArgumentParser) -> None:
+    """--whatif: on a regression, the changes that buy it back (`memdiff whatif` on the head run)."""
+    p.add_argument("--whatif", action="store_true",
+                   help="on a regression, replay the head run (a snapshot, not a summary) with each change "
+                        "`memdiff whatif` knows and add to the report the changes that bring its peak back to "
+                        "the base's (or within the rule), smallest saving first, or the one that saves most "
+                        "when none is enough")
+
+
 def add_html_argument(p: argparse.ArgumentParser, several: bool = False) -> None:
     """--html: the self-contained HTML report (both runs over time, the tables, the stacks)."""
     where = (" (with several runs, a folder: one page per run, named after it)" if several else "")

@@ -16,6 +16,7 @@ from memdiff.commands.args import (
     add_reserved_argument,
     add_rules_arguments,
     add_threshold_arguments,
+    add_whatif_argument,
     job_from,
     publisher_from,
     reserved_limit,
@@ -51,6 +52,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_github_arguments(p)
     add_job_arguments(p)
     add_window_arguments(p)
+    add_whatif_argument(p)
 
 
 def write_html(path: str, report: Report) -> None:
@@ -85,8 +87,9 @@ def run(args: argparse.Namespace) -> int:
     base, head = _sides(args, rules)
     thresholds = Thresholds(peak=Limit.from_options(args.fail_over, args.fail_over_pct),
                             reserved=reserved_limit(args.reserved_fail_over))
-    report = compare(base, head, Settings(thresholds=thresholds,
-                                          at=args.at, top=args.top, min_delta=args.min_delta))
+    report = compare(base, head, Settings(thresholds=thresholds, at=args.at, top=args.top, min_delta=args.min_delta,
+                                          whatif_run=args.head if args.whatif else None, rules=rules,
+                                          window=args.window))
     sys.stdout.write(render(report, args.format))
     if args.html is not None:
         write_html(args.html, report)

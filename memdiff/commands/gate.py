@@ -20,6 +20,7 @@ from memdiff.commands.args import (
     add_report_arguments,
     add_rules_arguments,
     add_threshold_arguments,
+    add_whatif_argument,
     count_arg,
     job_from,
     publisher_from,
@@ -67,6 +68,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"main-branch peaks a trend shows (default: {DEFAULT_POINTS})")
     add_job_arguments(p)
     add_window_arguments(p)
+    add_whatif_argument(p)
 
 
 def _pairs(args: argparse.Namespace) -> Tuple[List[Tuple[str, str]], List[Tuple[str, str]]]:
@@ -127,7 +129,8 @@ def _gate(args: argparse.Namespace, snap: str, path: str, baseline: Baseline, ru
                         run=snap, baseline=path, missing_ranks_fail=not args.allow_missing_ranks,
                         unbaselined_ranks_fail=args.require_baseline, spreads=baseline.spreads(),
                         history=history, workload=baseline.name, trend_points=args.history_points,
-                        trend_label=_trend_label(args))
+                        trend_label=_trend_label(args), whatif_run=snap if args.whatif else None, rules=rules,
+                        window=args.window)
     if not is_job(snap):
         base, head = comparable_pair(path, baseline, read_summary(snap, rules, history=with_history,
                                                                   window=args.window))

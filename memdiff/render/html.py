@@ -134,6 +134,18 @@ def _verdict(report: Report) -> List[str]:
     return out
 
 
+def _buy_back(report: Report) -> List[str]:
+    """What buys the regression back (--whatif): a list of changes, then the notes."""
+    if report.buy_back is None:
+        return []
+    out = ['<section class="buy-back">', "<h2>What buys it back</h2>", "<ul>"]
+    out += [f'<li class="mono {"pass" if b.enough else "fail"}" data-change="{html.escape(b.change)}">'
+            f"{html.escape(b.text)}</li>" for b in report.buy_back.items]
+    out.append("</ul>")
+    out += [f'<p class="muted">{html.escape(n)}</p>' for n in report.buy_back.notes]
+    return out + ["</section>"]
+
+
 def _like_for_like(d: DeviceReport) -> List[str]:
     """The device compared at the head's peak phase in both runs, one click away."""
     like = d.like_for_like
@@ -202,6 +214,7 @@ def render_diff(report: Report) -> str:
             '<p class="muted">' + " → ".join(f"{i.role} <code>{html.escape(i.file)}</code> ({html.escape(i.facts)})"
                                             for i in report.inputs) + "</p>"]
     body += _verdict(report)
+    body += _buy_back(report)
     if report.job is not None:
         body += [f"<p><strong>{html.escape(report.job.summary_line)}</strong>; shown in full: rank "
                  f"{report.job.worst_rank}</p>", _laid(report.job.table)]

@@ -111,6 +111,16 @@ def _trends(report: Report) -> List[str]:
     return lines
 
 
+def _buy_back(report: Report) -> List[str]:
+    """What buys the regression back (--whatif): a short list, the notes in small print."""
+    if report.buy_back is None:
+        return []
+    lines = ["", "#### What buys it back", ""]
+    lines += [f"- {'✅' if b.enough else '⚠️'} {md_text(b.text)}" for b in report.buy_back.items]
+    lines += ["", *(f"<sub>{md_text(n)}</sub>  " for n in report.buy_back.notes)] if report.buy_back.notes else []
+    return lines
+
+
 def render_diff(report: Report, options: Optional[Options] = None) -> str:
     """The report in GitHub-flavoured markdown: the verdict and headline first, details folded."""
     o = options or Options()
@@ -133,5 +143,6 @@ def render_diff(report: Report, options: Optional[Options] = None) -> str:
     lines += ["", *(md_text(n) for n in report.notes)] if report.notes else []
     if report.job is not None and report.job.other_failures:
         lines += ["", "Other ranks:", "", *(f"- ❌ {md_text(line)}" for line in report.job.other_failures)]
+    lines += _buy_back(report)
     lines += ["", f"*{o.note}*"] if o.note else []
     return "\n".join(lines) + "\n"

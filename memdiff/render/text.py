@@ -155,6 +155,14 @@ def _trends(report: Report) -> List[str]:
     return ["", *lines] if lines else []
 
 
+def buy_back_lines(report: Report) -> List[str]:
+    """What buys the regression back (--whatif): a line per change, then the notes."""
+    if report.buy_back is None:
+        return []
+    return ["", "what buys it back (memdiff whatif on head):", *(f"  {b.text}" for b in report.buy_back.items),
+            *(f"  note: {n}" for n in report.buy_back.notes)]
+
+
 def render_diff(report: Report) -> str:
     """What `memdiff BASE HEAD` prints: the verdict and headline, the inputs, warnings, per device
     the phase, category and row tables, then the rule and each check; a job's ranks first."""
@@ -173,4 +181,5 @@ def render_diff(report: Report) -> str:
     lines += report.notes
     if report.job is not None and report.job.other_failures:
         lines += ["", "other ranks:", *report.job.other_failures]
+    lines += buy_back_lines(report)
     return "\n".join(lines) + "\n"
