@@ -248,6 +248,11 @@ def test_ranks_whose_peaks_are_in_different_phases_are_warned_as_in_a_diff(tmp_p
     assert code == 0
     assert "warning: device 0: the peaks are in different phases: base in the optimizer step of step 0, " \
            "head in the forward of step 0" in out
+    # ranks has no --at: the advice names the diff of the two ranks' files that has it
+    warning = next(line for line in out.splitlines() if "different phases" in line)
+    assert warning.endswith(f"(compare like with like: memdiff {folder / 'rank0.pickle'} "
+                            f"{folder / 'rank1.pickle'} --at forward)")
+    assert "like: --at" not in out
 
 
 def test_a_recorded_jobs_manifest_keeps_an_earlier_runs_ranks_out(tmp_path, capsys):
