@@ -491,8 +491,11 @@ def _chart(base: DeviceSummary, head: DeviceSummary) -> List[List[Optional[int]]
 
 
 def where_text(phase: Optional[str], step: Optional[int]) -> str:
-    """`the optimizer step of step 0`, `the forward of step 2`: where a peak happens."""
-    named = {OPTIMIZER: "the optimizer step"}.get(phase or "", f"the {phase}")
+    """`the optimizer step of step 0`, `the forward of step 2`: where a peak happens; `step 2`
+    without a phase, "" when neither is known (a snapshot without a trace)."""
+    if phase is None:
+        return "" if step is None else f"step {step}"
+    named = {OPTIMIZER: "the optimizer step"}.get(phase, f"the {phase}")
     return named + (f" of step {step}" if step is not None else "")
 
 

@@ -255,6 +255,19 @@ def test_ranks_whose_peaks_are_in_different_phases_are_warned_as_in_a_diff(tmp_p
     assert "like: --at" not in out
 
 
+@pytest.mark.parametrize("name", ["diffusion-segments-list.pickle", "empty-trace.pickle",
+                                  "opt13b-oom-legacy.pickle"])
+def test_ranks_without_a_trace_say_the_peaks_phase_is_unknown(tmp_path, shared, capsys, name):
+    folder = tmp_path / "job"
+    folder.mkdir()
+    for rank in (0, 1):
+        os.symlink(shared / name, folder / f"rank{rank}.pickle")
+    code, out, _ = run(capsys, "ranks", folder)
+    assert code == 0 and "None" not in out
+    rows = [line for line in out.splitlines() if line.startswith(("0 heaviest", "1 median"))]
+    assert len(rows) == 2 and all(" unknown " in row for row in rows)
+
+
 def test_a_recorded_jobs_manifest_keeps_an_earlier_runs_ranks_out(tmp_path, capsys):
     # runs/ held a 4-rank recording; a 2-rank one was then recorded into it. Its manifest says 2
     # ranks: rank2 and rank3 are the earlier run's and must never be read as this job's.

@@ -31,7 +31,7 @@ def _rank_table(report: RanksReport) -> str:
     for r in report.ranks:
         mark = " heaviest" if r.rank == report.heaviest else " median" if r.rank == report.median_rank else ""
         rows.append([f"{r.rank}{mark}", os.path.basename(r.file), r.device, format_bytes(r.peak_bytes),
-                     format_bytes(r.static_bytes), where_text(r.phase_at_peak, r.step_at_peak) or "",
+                     format_bytes(r.static_bytes), where_text(r.phase_at_peak, r.step_at_peak) or "unknown",
                      *[format_bytes(r.categories.get(c, 0)) for c in columns]])
     return tabulate(rows, headers=["rank", "file", "device", "peak", "static", "peak in", *columns],
                     tablefmt="simple", colalign=("left", "left", "right", "right", "right", "left")
