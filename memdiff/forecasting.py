@@ -41,6 +41,7 @@ from memdiff.limits import Headroom
 from memdiff.load import MAX_BYTES, decode, paused_gc, to_snapshot
 from memdiff.model import PhaseSpan, Step, Summary
 from memdiff.normalize import summarize
+from memdiff.sameloop import loop_difference
 from memdiff.units import format_bytes
 from memdiff.window import Window, windowed
 
@@ -296,61 +297,13 @@ def read_courses(runs: Sequence[KnobRun], rules: Sequence[Rule], window: Optiona
 
 
 def check_one_loop(courses: Sequence[Course]) -> None:
-    """InputError naming what differs when the runs are not one loop: devices, steps, a training
-    step beside none (backward or optimizer phases in one run only), or the weights (parameter
-    bytes, which no knob of one loop changes by more than 1%)."""
+    """InputError naming what differs when the runs are not one loop (sameloop.loop_difference):
+    devices, steps, a training step beside none, or the weights."""
     first = courses[0]
     for c in courses[1:]:
-        a, b = sorted(first.devices), sorted(c.devices)
-        if a != b:
-            raise InputError(c.file, f"not the same loop as {first.file}: it records devices "
-                                     f"{_list(b)}, {first.file} records {_list(a)}")
-        for d0, d1 in zip(first.summary.devices, c.summary.devices):
-            s0 = [[p.phase for p in s.phases] for s in d0.steps]
-            s1 = [[p.phase for p in s.phases] for s in d1.steps]
-            if len(s0) != len(s1):
-                raise InputError(c.file, f"not the same loop as {first.file}: device {d0.device} has "
-                                         f"{len(s1)} steps, {first.file} has {len(s0)}")
-            t0, t1 = _training(s0), _training(s1)
-            if t0 != t1:
-                raise InputError(c.file, f"not the same loop as {first.file}: on device {d0.device} it records "
-                                         f"{_phases_words(t1)}, {first.file} records {_phases_words(t0)} "
-                                         "(a training run and an inference run?)")
-            p0 = _params(d0.phase_peaks, d0.categories)
-            p1 = _params(d1.phase_peaks, d1.categories)
-            # 1%: a buffer sized by the knob (rotary tables sized by the context) may count as a parameter
-            if p0 is not None and p1 is not None and abs(p1 - p0) > 0.01 * max(p0, p1):
-                raise InputError(c.file, f"not the same loop as {first.file}: device {d0.device} holds "
-                                         f"{format_bytes(p1)} of parameters, {first.file} holds "
-                                         f"{format_bytes(p0)} (a different model?)")
-
-
-# The phases only a training step has: a run with them and a run without are two loops.
-TRAINING_PHASES = ("backward", "optimizer")
-
-
-def _training(steps: Sequence[Sequence[str]]) -> Tuple[str, ...]:
-    """The training phases any step records, in TRAINING_PHASES' order."""
-    seen = {p for s in steps for p in s}
-    return tuple(p for p in TRAINING_PHASES if p in seen)
-
-
-def _phases_words(phases: Sequence[str]) -> str:
-    return (" and ".join(f"a{'n' if p[0] in 'aeiou' else ''} {p} phase" for p in phases) if phases
-            else "no backward and no optimizer phase")
-
-
-def _params(phase_peaks: Sequence[Any], categories: Dict[str, int]) -> Optional[int]:
-    """Parameter bytes at the forward peak (or the peak), None when no group is a parameter."""
-    for p in phase_peaks:
-        if p.phase == "forward":
-            cats = p.categories if p.groups is not None else categories
-            return cats.get("parameter")
-    return categories.get("parameter")
-
-
-def _list(values: Sequence[int]) -> str:
-    return ", ".join(map(str, values)) or "none"
+        why = loop_difference(c.summary, first.summary, first.file)
+        if why is not None:
+            raise InputError(c.file, f"not the same loop as {first.file}: {why}")
 
 
 def align(courses: Sequence[DeviceCourse], ref: int) -> Alignment:

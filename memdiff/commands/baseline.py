@@ -77,6 +77,13 @@ def _summaries(args: argparse.Namespace, rules: List[Rule]) -> Union[Summary, Di
         if any(is_job(s) for s in args.snapshot):
             raise InputError(next(s for s in args.snapshot if is_job(s)),
                              "a baseline from repeats takes runs, not jobs: give one job, or several run files")
+        seen: Dict[str, str] = {}
+        for s in args.snapshot:
+            # A file given twice is one run counted twice: its peak would weigh double in the spread.
+            key = os.path.realpath(s)
+            if key in seen:
+                raise InputError(s, f"given twice (as {seen[key]} too): repeats are separate runs, each file once")
+            seen[key] = s
         return [read_summary(s, rules, window=args.window) for s in args.snapshot]
     if not is_job(args.snapshot[0]):
         return read_summary(args.snapshot[0], rules, window=args.window)
