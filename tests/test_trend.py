@@ -111,6 +111,20 @@ def test_a_history_without_the_workload_says_so(main_branch, tmp_path, capsys):
     assert "the history has no peak of 'eval' on main yet (it holds train)" in out
 
 
+def test_an_empty_history_file_is_an_empty_history(main_branch, tmp_path, capsys):
+    # `touch history.jsonl`: as a missing file is, an empty one is a history with no run yet.
+    empty = tmp_path / "empty.jsonl"
+    empty.touch()
+    code, out, err = run(capsys, "gate", tmp_path / "train.pickle", "--baseline", tmp_path / "baselines" / "train.json",
+                         "--history", empty)
+    assert code == 0, err
+    assert "the history has no peak of 'train' on main yet" in out
+    code, _, err = run(capsys, "history", "append", tmp_path / "train.pickle", "--to", empty, "--commit", commit(0))
+    assert code == 0, err
+    [line] = empty.read_text().splitlines()
+    assert json.loads(line)["commit"] == commit(0)
+
+
 @pytest.mark.parametrize("line, message", [
     ('{"schema_version": 1, "commit": "a"}', "line 2: not a valid memdiff history"),
     ("not json", "line 2: invalid JSON"),
