@@ -207,6 +207,20 @@ def test_a_job_baseline_gates_every_rank(tmp_path, capsys):
     assert document["verdict"] == "fail" and document["worst_rank"] == 3 and len(document["ranks"]) == 4
 
 
+def test_a_job_of_one_rank_counts_it_in_the_singular(tmp_path, capsys):
+    base = job(tmp_path / "train", {0: rank_snapshot(100 * MiB)})
+    stored = tmp_path / "train.json"
+    code, _, err = run(capsys, "baseline", base, "-o", stored)
+    assert code == 0 and "1 rank, highest peak" in err
+    code, out, _ = run(capsys, "baseline", "--check", stored)
+    assert code == 0 and "(train, 1 rank)" in out
+    code, out, _ = run(capsys, "gate", base, "--baseline", stored)
+    assert code == 0 and "\nPASS: 1 rank compared\n" in out
+    code, out, _ = run(capsys, "ranks", base)
+    assert code == 0 and out.startswith("1 rank (0)\n")
+    assert "ranks" not in out.replace("ranks by shape", "").replace("across ranks", "")
+
+
 def test_a_rank_that_crashed_fails_the_gate(tmp_path, capsys):
     base = job(tmp_path / "train", {r: rank_snapshot(100 * MiB) for r in range(4)})
     stored = tmp_path / "train.json"

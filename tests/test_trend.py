@@ -47,7 +47,7 @@ def main_branch(tmp_path, capsys):
         code, _, err = run(capsys, "history", "append", snap, "--to", history, "--commit", commit(k),
                            "--date", f"2026-11-{k + 1:02d}T12:00:00Z")
         assert code == 0, err
-        assert f"{k + 1} lines" in err
+        assert err.endswith(f"; {k + 1} lines\n" if k else "; 1 line\n"), err
     assert run(capsys, "baseline", tmp_path / "train.pickle", "-o", tmp_path / "baselines" / "train.json")[0] == 0
     return history
 
