@@ -185,7 +185,8 @@ def from_repeats(summaries: List[Summary], name: str, thresholds: Thresholds, gi
                  created: Optional[str] = None) -> Baseline:
     """A baseline of repeated runs of one workload: the run whose peak is the median (the lower
     middle of an even count) is stored, and each device keeps the spread of the runs' peaks, phase
-    peaks and categories at the peak. InputError when the runs do not have the same devices."""
+    peaks and categories at the peak (none when the peaks are equal: the one-run form). InputError
+    when the runs are not repeats of one loop (sameloop.loop_difference, _check_noise)."""
     devices = [[d.device for d in s.devices] for s in summaries]
     if any(ds != devices[0] for ds in devices):
         raise InputError(summaries[0].source.file, f"repeats of one workload have the same devices, and these have "
