@@ -178,6 +178,13 @@ def test_runs_of_other_sizes_are_not_repeats(tmp_path, capsys):
     code, _, err = run(capsys, "baseline", *varying, "-o", tmp_path / "b.json")
     assert code == 0, err
     assert json.loads((tmp_path / "b.json").read_text())["schema_version"] == 2
+    # Runs without steps show nothing either way: their spread is taken as given.
+    loose = []
+    for k, size in enumerate((100 * MiB, 150 * MiB)):
+        loose.append(tmp_path / f"loose{k}.pickle")
+        loose[-1].write_bytes(pickle.dumps({"segments": [], "device_traces": [[alloc(1, size)]]}, 4))
+    code, _, err = run(capsys, "baseline", *loose, "-o", tmp_path / "d.json")
+    assert code == 0, err
     # A run without a training step beside training runs
     infer = snapshot(tmp_path / "infer.pickle", 100 * MiB)
     code, _, err = run(capsys, "baseline", varying[0], infer, "-o", tmp_path / "c.json")
