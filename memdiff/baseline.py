@@ -24,13 +24,18 @@ from memdiff.frames import signature_of
 from memdiff.limits import Thresholds, thresholds_from_dict
 from memdiff.load import read_json
 from memdiff.model import DeviceSummary, Group, PhasePeak, Range, Source, Spread, Summary
+from memdiff.sameloop import loop_difference
 from memdiff.schema import validate
+from memdiff.units import format_bytes
 
 # Baselines keep their own version: summaries moved to 2 (lifetimes) without changing what a
 # baseline stores. A baseline made from repeats is written as 2: a memdiff that cannot read its
 # spread refuses it rather than gating it with a tighter rule than it was made for.
 BASELINE_SCHEMA_VERSION = 1
 SPREAD_SCHEMA_VERSION = 2
+# Repeats of a loop whose steps peak alike differ by the allocator's noise alone: beyond this
+# share of the median peak they are not repeats.
+NOISE_FLOOR = 0.05
 READABLE_BASELINE_VERSIONS = (1, 2)
 TOP_GROUPS = 25
 REST_SITE = "<groups not stored in the baseline: {category}>"
@@ -180,11 +185,17 @@ def from_repeats(summaries: List[Summary], name: str, thresholds: Thresholds, gi
                  created: Optional[str] = None) -> Baseline:
     """A baseline of repeated runs of one workload: the run whose peak is the median (the lower
     middle of an even count) is stored, and each device keeps the spread of the runs' peaks, phase
-    peaks and categories at the peak. InputError when the runs do not have the same devices."""
+    peaks and categories at the peak (none when the peaks are equal: the one-run form). InputError
+    when the runs are not repeats of one loop (sameloop.loop_difference, _check_noise)."""
     devices = [[d.device for d in s.devices] for s in summaries]
     if any(ds != devices[0] for ds in devices):
         raise InputError(summaries[0].source.file, f"repeats of one workload have the same devices, and these have "
                                                    f"{clip(', '.join(str(ds) for ds in devices))}")
+    for s in summaries[1:]:
+        why = loop_difference(s, summaries[0], os.path.basename(summaries[0].source.file), stacks=True)
+        if why is not None:
+            raise InputError(s.source.file, f"not a repeat of {os.path.basename(summaries[0].source.file)}: {why}")
+    _check_noise(summaries)
     order = sorted(range(len(summaries)), key=lambda k: (sum(d.peak_bytes for d in summaries[k].devices), k))
     stored = from_summary(summaries[order[(len(order) - 1) // 2]], name, thresholds, git_sha, created)
     for k, d in enumerate(stored.devices):
@@ -195,8 +206,40 @@ def from_repeats(summaries: List[Summary], name: str, thresholds: Thresholds, gi
                         {p: _range([next(x.peak_bytes for x in r.phase_peaks if x.phase == p) for r in runs])
                          for p in sorted(phases)},
                         {c: _range([r.categories.get(c, 0) for r in runs]) for c in categories})
-        d["spread"] = spread.to_dict()
+        # Runs that peak alike have no spread: the baseline is the one-run form (version 1).
+        if spread.peak.max > spread.peak.min:
+            d["spread"] = spread.to_dict()
     return stored
+
+
+def _step_variation(d: DeviceSummary) -> float:
+    """How much the peaks of a device's steps after the first differ, as a share of the highest:
+    the evidence that its memory depends on the data (the first step is left out: it builds the
+    optimizer's state, so even a fixed loop peaks otherwise there)."""
+    peaks = [max((p.peak_bytes for p in s.phases), default=0) for s in d.steps[1:]]
+    return (max(peaks) - min(peaks)) / max(peaks) if len(peaks) >= 2 and max(peaks) else 0.0
+
+
+def _check_noise(summaries: List[Summary]) -> None:
+    """InputError when the runs' peaks spread more than NOISE_FLOOR while no run's steps vary
+    that much: a loop whose memory does not change from step to step does not change from run to
+    run either, so such a spread is two workloads (context 128 and 256), not noise. Runs in which
+    no step is found (no loop) give no such evidence and are taken as given."""
+    for k, d in enumerate(summaries[0].devices):
+        runs = [s.devices[k] for s in summaries]
+        if not all(r.steps for r in runs):
+            continue
+        peaks = sorted(r.peak_bytes for r in runs)
+        median = peaks[(len(peaks) - 1) // 2]
+        spread = (peaks[-1] - peaks[0]) / median if median else 0.0
+        varies = max(_step_variation(r) for r in runs)
+        if spread > NOISE_FLOOR and varies < NOISE_FLOOR:
+            raise InputError(summaries[0].source.file,
+                             f"not repeats of one workload: device {d.device} peaks from {format_bytes(peaks[0])} to "
+                             f"{format_bytes(peaks[-1])} ({100 * spread:.1f}% of the median run's), but no run's steps "
+                             f"vary by {100 * NOISE_FLOOR:.0f}%, so the spread is not the workload's noise (a "
+                             "different size or code?); runs whose memory depends on the data show it over at "
+                             "least 3 steps each")
 
 
 def update_baseline(path: str, summary_of: Callable[[], Union[Summary, Dict[int, Summary], List[Summary]]],

@@ -491,8 +491,11 @@ def _chart(base: DeviceSummary, head: DeviceSummary) -> List[List[Optional[int]]
 
 
 def where_text(phase: Optional[str], step: Optional[int]) -> str:
-    """`the optimizer step of step 0`, `the forward of step 2`: where a peak happens."""
-    named = {OPTIMIZER: "the optimizer step"}.get(phase or "", f"the {phase}")
+    """`the optimizer step of step 0`, `the forward of step 2`: where a peak happens; `step 2`
+    without a phase, "" when neither is known (a snapshot without a trace)."""
+    if phase is None:
+        return "" if step is None else f"step {step}"
+    named = {OPTIMIZER: "the optimizer step"}.get(phase, f"the {phase}")
     return named + (f" of step {step}" if step is not None else "")
 
 
@@ -520,8 +523,14 @@ def _names_nodes(d: DeviceSummary) -> Optional[bool]:
     return any(names_autograd_node(f.name) for g in backward for f in g.frames)
 
 
-def _warnings(base: Summary, head: Summary, devices: Sequence[DeviceDiff] = ()) -> List[str]:
-    """Reasons the two runs may not be comparable; the diff is still computed."""
+# How the diff command picks a phase; a caller without --at names its own way (`at_advice`).
+AT_ADVICE = "--at {phase}"
+
+
+def _warnings(base: Summary, head: Summary, devices: Sequence[DeviceDiff] = (),
+              at_advice: Optional[str] = AT_ADVICE) -> List[str]:
+    """Reasons the two runs may not be comparable; the diff is still computed. `at_advice` words
+    how the caller diffs at one phase ("{phase}" stands for it), None when it cannot."""
     out = [f"{role}: {text}" for role, text in (("base", overflow_text(base.source)),
                                                 ("head", overflow_text(head.source))) if text]
     b_set, h_set = base.source.allocator_settings, head.source.allocator_settings
@@ -577,8 +586,8 @@ def _warnings(base: Summary, head: Summary, devices: Sequence[DeviceDiff] = ()) 
                 advice = ("the phase peaks below" + (", the like-for-like view of the markdown and HTML reports"
                                                      if at_phase is not None and at_phase.groups else "")
                           + ", or the gate's --phase-fail-over")
-            elif at_phase is not None and at_phase.groups:
-                advice = f"--at {d.head_peak_phase}"
+            elif at_phase is not None and at_phase.groups and at_advice is not None:
+                advice = at_advice.format(phase=d.head_peak_phase)
             else:
                 advice = "the phase peaks below"
             out.append(f"device {d.device}: the peaks are in different phases: base in "
@@ -647,8 +656,9 @@ def _category_highs(b: DeviceSummary, h: DeviceSummary) -> List[CategoryHigh]:
                          head.get(c, (0, PEAK))[1]) for c in sorted(set(base) | set(head))]
 
 
-def diff(base: Summary, head: Summary, at: str = PEAK) -> Diff:
-    """Align the two summaries device by device, at their peaks or at the peaks of phase `at`."""
+def diff(base: Summary, head: Summary, at: str = PEAK, at_advice: Optional[str] = AT_ADVICE) -> Diff:
+    """Align the two summaries device by device, at their peaks or at the peaks of phase `at`;
+    `at_advice` words, in the warnings, how the caller's command diffs at one phase."""
     b_devs = {d.device: d for d in base.devices}
     h_devs = {d.device: d for d in head.devices}
     devices = []
@@ -657,4 +667,4 @@ def diff(base: Summary, head: Summary, at: str = PEAK) -> Diff:
         # A side that lacks the device compares as empty at whatever moment the other is taken.
         devices.append(_device_diff(b or DeviceSummary.blank(dev), h or DeviceSummary.blank(dev),
                                     at if b and h else PEAK))
-    return Diff(base=base.source, head=head.source, devices=devices, warnings=_warnings(base, head, devices))
+    return Diff(base=base.source, head=head.source, devices=devices, warnings=_warnings(base, head, devices, at_advice))

@@ -23,6 +23,7 @@ imports torch.
 from __future__ import annotations
 
 import difflib
+import math
 import os
 from dataclasses import asdict, dataclass, field
 from fractions import Fraction
@@ -40,6 +41,7 @@ from memdiff.limits import Headroom
 from memdiff.load import MAX_BYTES, decode, paused_gc, to_snapshot
 from memdiff.model import PhaseSpan, Step, Summary
 from memdiff.normalize import summarize
+from memdiff.sameloop import loop_difference
 from memdiff.units import format_bytes
 from memdiff.window import Window, windowed
 
@@ -121,6 +123,9 @@ class Alignment:
     aligned_pct: float  # the least share of the reference's allocations lined up in any run
     exact: bool  # every run records the same allocations in the same order
     same: List[bool]  # per run: it records the reference's allocations in the same order
+    # The least share of another run's own allocations lined up with the reference's: a run that
+    # records much more (a training step beside an inference run) is not the same loop either.
+    covered_pct: float = 100.0
 
 
 @dataclass
@@ -292,40 +297,13 @@ def read_courses(runs: Sequence[KnobRun], rules: Sequence[Rule], window: Optiona
 
 
 def check_one_loop(courses: Sequence[Course]) -> None:
-    """InputError naming what differs when the runs are not one loop: devices, steps, or the
-    weights (parameter bytes, which no knob of one loop changes by more than 1%)."""
+    """InputError naming what differs when the runs are not one loop (sameloop.loop_difference):
+    devices, steps, a training step beside none, or the weights."""
     first = courses[0]
     for c in courses[1:]:
-        a, b = sorted(first.devices), sorted(c.devices)
-        if a != b:
-            raise InputError(c.file, f"not the same loop as {first.file}: it records devices "
-                                     f"{_list(b)}, {first.file} records {_list(a)}")
-        for d0, d1 in zip(first.summary.devices, c.summary.devices):
-            s0 = [[p.phase for p in s.phases] for s in d0.steps]
-            s1 = [[p.phase for p in s.phases] for s in d1.steps]
-            if len(s0) != len(s1):
-                raise InputError(c.file, f"not the same loop as {first.file}: device {d0.device} has "
-                                         f"{len(s1)} steps, {first.file} has {len(s0)}")
-            p0 = _params(d0.phase_peaks, d0.categories)
-            p1 = _params(d1.phase_peaks, d1.categories)
-            # 1%: a buffer sized by the knob (rotary tables sized by the context) may count as a parameter
-            if p0 is not None and p1 is not None and abs(p1 - p0) > 0.01 * max(p0, p1):
-                raise InputError(c.file, f"not the same loop as {first.file}: device {d0.device} holds "
-                                         f"{format_bytes(p1)} of parameters, {first.file} holds "
-                                         f"{format_bytes(p0)} (a different model?)")
-
-
-def _params(phase_peaks: Sequence[Any], categories: Dict[str, int]) -> Optional[int]:
-    """Parameter bytes at the forward peak (or the peak), None when no group is a parameter."""
-    for p in phase_peaks:
-        if p.phase == "forward":
-            cats = p.categories if p.groups is not None else categories
-            return cats.get("parameter")
-    return categories.get("parameter")
-
-
-def _list(values: Sequence[int]) -> str:
-    return ", ".join(map(str, values)) or "none"
+        why = loop_difference(c.summary, first.summary, first.file)
+        if why is not None:
+            raise InputError(c.file, f"not the same loop as {first.file}: {why}")
 
 
 def align(courses: Sequence[DeviceCourse], ref: int) -> Alignment:
@@ -340,15 +318,31 @@ def align(courses: Sequence[DeviceCourse], ref: int) -> Alignment:
     if all(same):
         return Alignment([np.arange(n, dtype=np.int64) for _ in seqs], 100.0, True, same)
     matched = []
-    least = 100.0
+    least = covered = 100.0
     for k, s in enumerate(seqs):
         if same[k]:
             matched.append(np.arange(n, dtype=np.int64))
             continue
         m = _align_pair(seqs[ref], courses[ref].size, s, courses[k].size)
         matched.append(m)
-        least = min(least, 100.0 * float((m >= 0).sum()) / max(n, 1))
-    return Alignment(matched, least, False, same)
+        lined = float((m >= 0).sum())
+        least = min(least, 100.0 * lined / max(n, 1))
+        covered = min(covered, 100.0 * lined / max(len(s), 1))
+    return Alignment(matched, least, False, same, covered)
+
+
+def _share(pct: float) -> str:
+    """A share in words, rounded down so that only a whole match reads 100%."""
+    return f"{math.floor(pct * 10) / 10:.1f}%"
+
+
+def _lined_up(alignment: Alignment) -> str:
+    """How much of each side lines up by stack, in words that never contradict themselves."""
+    ours = ("every allocation of the largest run lines up by stack in every run" if alignment.aligned_pct >= 100
+            else f"{_share(alignment.aligned_pct)} of the largest run's allocations line up by stack in every run")
+    theirs = ("" if alignment.covered_pct >= 100 else
+              f", and {_share(alignment.covered_pct)} of each other run's (the rest is not replayed)")
+    return ours + theirs
 
 
 def _align_pair(ref_stack: np.ndarray, ref_size: np.ndarray, stack: np.ndarray, size: np.ndarray) -> np.ndarray:
@@ -640,6 +634,13 @@ def _device_forecast(runs: List[DeviceCourse], courses: Sequence[Course], device
         raise InputError(courses[worst].file,
                          f"not the same loop as {courses[ref_index].file}: on device {device} only "
                          f"{alignment.aligned_pct:.0f}% of the allocations line up (different model or code?)")
+    if alignment.covered_pct < 100 * MIN_ALIGNED:
+        worst = min(range(len(runs)), key=lambda k: float((alignment.matched[k] >= 0).sum()) / max(
+            len(runs[k].size), 1))
+        raise InputError(courses[worst].file,
+                         f"not the same loop as {courses[ref_index].file}: on device {device} only "
+                         f"{alignment.covered_pct:.0f}% of its allocations line up with that run's "
+                         "(it records much more: a different loop?)")
     ref = runs[ref_index]
     values = [c.value for c in courses]
     n = len(ref.size)
@@ -690,8 +691,8 @@ def _device_forecast(runs: List[DeviceCourse], courses: Sequence[Course], device
                      f"(on device {device}): left out of the fit, and predicted from the "
                      f"{len(fitted)} runs that line up one for one, as a check")
     elif not alignment.exact:
-        notes.append(f"the runs do not record the same allocations: {alignment.aligned_pct:.1f}% of the largest "
-                     f"run's line up by stack in every run; the others are fitted from the runs that have them")
+        notes.append(f"the runs do not record the same allocations: {_lined_up(alignment)}"
+                     + ("; the others are fitted from the runs that have them" if alignment.aligned_pct < 100 else ""))
     if len(fitted) == 3 and "quadratic" in forms.values():
         notes.append("with three runs, leaving one out fits the other two with lines: the leave-one-out error "
                      "overstates the forecast's for sizes that grow quadratically (a fourth run checks them)")
@@ -732,8 +733,7 @@ def _device_forecast(runs: List[DeviceCourse], courses: Sequence[Course], device
         max_value_within_budget=within, headline=headline, notes=notes,
         alignment=(f"the {len(fitted)} fitted runs record the same allocations in the same order "
                    f"({len(ref.size):,} allocations)" if all(alignment.same[k] for k in fitted)
-                   else f"allocations lined up by stack: {alignment.aligned_pct:.1f}% of the largest run's "
-                        "in every run"))
+                   else _lined_up(alignment)))
 
 
 def _forms(ref: DeviceCourse, fit: Fit, at: int) -> Dict[str, str]:

@@ -24,6 +24,7 @@ from memdiff.inputs import read_summaries, read_summary
 from memdiff.manifest import MANIFEST, RecordedJob, read_manifest
 from memdiff.model import Summary
 from memdiff.patterns import Pattern
+from memdiff.units import count_of
 
 if TYPE_CHECKING:
     from memdiff.window import Window
@@ -98,12 +99,12 @@ class Job:
         """What reading the job left out, for stderr; None when nothing was."""
         parts = []
         if self.extra:
-            parts.append(f"{len(self.extra):,} per-process file{'s' if len(self.extra) != 1 else ''} "
+            parts.append(f"{count_of(len(self.extra), 'per-process file')} "
                          f"({_shown(self.extra)}) {'are' if len(self.extra) != 1 else 'is'} no rank: not read "
                          f"(memdiff peak reads one)")
         if self.beyond:
-            parts.append(f"{_shown(self.beyond)}: not of this job, whose {MANIFEST} says {self.world_size} "
-                         f"rank{'s' if self.world_size != 1 else ''} (an earlier run's?): not read")
+            parts.append(f"{_shown(self.beyond)}: not of this job, whose {MANIFEST} says "
+                         f"{count_of(self.world_size or 0, 'rank')} (an earlier run's?): not read")
         unfinished = self.unfinished()
         if unfinished:
             parts.append(unfinished)
@@ -155,8 +156,8 @@ def discover(arg: str, rank_pattern: Optional[str] = None, allow_missing: bool =
     beyond = sorted((r for r in by_rank if world_size is not None and r >= world_size))
     beyond_names = [os.path.basename(by_rank.pop(r)) for r in beyond]
     if not by_rank:
-        raise InputError(arg, f"no rank file of the job its {MANIFEST} describes ({world_size} ranks): "
-                              f"{_shown(beyond_names)} are of an earlier run")
+        raise InputError(arg, f"no rank file of the job its {MANIFEST} describes "
+                              f"({count_of(world_size or 0, 'rank')}): {_shown(beyond_names)} are of an earlier run")
     expected = max(max(by_rank) + 1, world_size or 0)
     missing = [r for r in range(expected) if r not in by_rank]
     if missing and not allow_missing:

@@ -199,6 +199,17 @@ class _Walk:
             if isinstance(trace[i], dict) and (size.__class__ is not int):
                 reason = TypeError(f"'size' is {brief(size)}, not an integer")
             raise InputError(path, f"device_traces[{device}][{i}]: {reason}") from None
+        # A negative size would read as memory freed by an allocation: checked once over the
+        # arrays rather than in the hot loop above.
+        if n:
+            d = np.frombuffer(deltas, dtype=np.int64)
+            opened = np.frombuffer(allocs, dtype=np.int64) if len(allocs) else np.zeros(0, np.int64)
+            freed = np.frombuffer(unmatched, dtype=np.int64) if len(unmatched) else np.zeros(0, np.int64)
+            negative = np.concatenate([opened[d[opened] < 0], freed[d[freed] > 0]])
+            if len(negative):
+                k = int(negative.min())
+                raise InputError(path, f"device_traces[{device}][{k}].size: {number(trace[k]['size'])} is not a size "
+                                       f"in bytes (0 to {MAX_BYTES:,})")
 
     def origin(self, j: int) -> Tuple[Optional[int], Optional[int]]:
         """(first version's alloc event, None) of the allocation opened at `j`, or (None, the

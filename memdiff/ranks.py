@@ -82,6 +82,10 @@ def on_device(summary: Summary, device: int) -> Summary:
     return replace(summary, devices=[replace(d, device=device)] if d else [])
 
 
+def _braced(path: str) -> str:
+    return path.replace("{", "{{").replace("}", "}}")
+
+
 def _shape(d: Optional[DeviceSummary]) -> Tuple[str, ...]:
     if d is None or not d.peak_bytes:
         return ()
@@ -108,7 +112,9 @@ def compare_ranks(files: Sequence[RankFile], summaries: Sequence[Summary], missi
     roles = [Role(ranks=ranks, min_bytes=min(peaks[r] for r in ranks), max_bytes=max(peaks[r] for r in ranks))
              for ranks in shapes.values()]
     roles.sort(key=lambda role: (-role.max_bytes, role.ranks[0]))
-    pair = diff(on_device(by_rank[median.rank], heaviest.device), on_device(by_rank[heaviest.rank], heaviest.device))
+    # ranks has no --at: the advice names the command that diffs the two ranks at one phase.
+    pair = diff(on_device(by_rank[median.rank], heaviest.device), on_device(by_rank[heaviest.rank], heaviest.device),
+                at_advice=f"memdiff {_braced(median.file)} {_braced(heaviest.file)} --at {{phase}}")
     totals: Dict[str, int] = {}
     for r in rows:
         for name, n in r.categories.items():

@@ -370,7 +370,7 @@ def compare(base: Sequence[Run], head: Sequence[Run], settings: Optional[Setting
     failing = [r.rank for r in results if r.verdict is not None and not r.verdict.passed and r.rank is not None]
     word = "" if verdict is None else "PASS: " if verdict.passed else "FAIL: "
     job = JobPart(
-        summary_line=(f"{word}{len(results):,} ranks compared"
+        summary_line=(f"{word}{count_of(len(results), 'rank')} compared"
                       + (f", failing: {ranges(failing)}" if failing else "")),
         table=Table(RANK_HEADERS, [[str(r.rank), str(d.device), format_bytes(d.base_peak_bytes),
                                     format_bytes(d.head_peak_bytes), format_bytes(d.peak_delta_bytes, signed=True),

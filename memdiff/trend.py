@@ -47,7 +47,10 @@ def entry_of(summary: Summary, commit: str, workload: str, date: Optional[str] =
 
 
 def read_history(path: str) -> List[TrendEntry]:
-    """Every line of a history file, validated; InputError naming the line that is not one."""
+    """Every line of a history file, validated; InputError naming the line that is not one. An
+    empty file is an empty history (`touch history.jsonl` before the first append)."""
+    if os.path.isfile(path) and os.path.getsize(path) == 0:
+        return []
     text = read_small(path, "a history file")
     entries = []
     for n, line in enumerate(text.split(b"\n"), 1):
@@ -78,7 +81,7 @@ def append_entry(path: str, entry: TrendEntry) -> int:
         if not os.path.isfile(path):
             raise InputError(path, "is not a regular file: a history is a JSON Lines file")
         count = len(read_history(path))
-        old = read_small(path, "a history file")
+        old = read_small(path, "a history file") if count else b""
         if old and not old.endswith(b"\n"):
             old += b"\n"
     line = json.dumps(entry.to_dict(), ensure_ascii=False, separators=(",", ":"))

@@ -298,6 +298,37 @@ def test_different_real_models_are_refused(shared, capsys):
     assert "not the same loop" in err and err.count("\n") == 1
 
 
+def test_a_training_run_and_an_inference_run_are_refused(shared, capsys):
+    # The inference run's few allocations all line up inside the training run's: lining up only
+    # the largest run's allocations took them for one loop and predicted 1.62 GiB at 4 though the
+    # run at 1 peaks at 6.53 GiB.
+    train, infer = shared / "cs336-medium-ctx128-train.pickle", shared / "cs336-medium-ctx128-infer.pickle"
+    for argv in ([f"{train}=1", f"{infer}=2"], [f"{infer}=1", f"{train}=2"]):
+        assert main(["forecast", *argv]) == 2
+        err = capsys.readouterr().err
+        assert "not the same loop" in err and "inference" in err and err.count("\n") == 1
+
+
+def test_a_run_that_records_much_more_is_refused_and_the_share_reads_true(write_snapshot, capsys):
+    # No phases here: only the share of the other run's own allocations that line up tells them apart.
+    small = [alloc(k, 100 * (k + 1), py_frames(f"model.py:{10 + k}:forward")) for k in range(3)]
+    extra = [alloc(10 + k, 50, py_frames(f"extra.py:{k + 1}:helper")) for k in range(5)]
+    ref = write_snapshot({"segments": [], "device_traces": [small]}, "ref.pickle")
+    more = write_snapshot({"segments": [], "device_traces": [small + extra]}, "more.pickle")
+    assert main(["forecast", f"{more}=1", f"{ref}=2"]) == 2
+    err = capsys.readouterr().err
+    assert "not the same loop" in err and "38% of its allocations" in err and err.count("\n") == 1
+    # one extra allocation in eight: lined up, and the note says what lines up on each side
+    six = small + [alloc(20 + k, 100 * (k + 1), py_frames(f"model.py:{10 + k}:forward")) for k in range(3)]
+    few = write_snapshot({"segments": [], "device_traces": [six + extra[:1]]}, "few.pickle")
+    ref2 = write_snapshot({"segments": [], "device_traces": [six]}, "ref2.pickle")
+    assert main(["forecast", f"{few}=1", f"{ref2}=2", "--format", "json"]) == 0
+    d = json.loads(capsys.readouterr().out)["devices"][0]
+    note = next(n for n in d["notes"] if "do not record the same allocations" in n)
+    assert "every allocation of the largest run lines up" in note and "85.7% of each other run's" in note
+    assert "100.0%" not in note and "the others are fitted" not in note
+
+
 def test_sizes_no_polynomial_fits_are_counted_and_said(write_snapshot, capsys):
     runs = [f"{write_snapshot({'segments': [], 'device_traces': [[alloc(1, size)]]}, f'x{v}.pickle')}={v}"
             for v, size in ((1, 10), (2, 20), (3, 40), (4, 100))]

@@ -209,6 +209,24 @@ def test_baselines_folder_matches_runs_by_stem(baseline, tmp_path, capsys):
     assert code == 2
 
 
+def test_a_regression_beside_a_required_missing_baseline_is_exit_1_and_the_docs_say_so(baseline, tmp_path,
+                                                                                         capsys):
+    b = baseline()
+    grown = snapshot(tmp_path / "train.pickle", 300 * MiB)
+    other = snapshot(tmp_path / "eval.pickle", 100 * MiB)
+    code, out, err = run(capsys, "gate", "--baselines", b.parent, "--require-baseline", grown, other)
+    assert code == 1 and "FAIL" in out and "no baseline at" in err  # the regression first, deliberately
+    cli = (ROOT / "docs" / "cli.md").read_text()
+    row = next(line for line in cli.splitlines() if line.startswith("| `--require-baseline`"))
+    assert "exit 2, or 1 when another run regressed" in row
+    # commands.md's rule on missing output folders names the commands that make theirs
+    commands = " ".join((ROOT / "docs" / "commands.md").read_text().split())
+    assert "a missing folder, except for `memdiff baseline -o` and `record -o`, which make their output's folder" \
+        in commands
+    code, _, err = run(capsys, "baseline", other, "-o", tmp_path / "new" / "dir" / "eval.json")
+    assert code == 0 and (tmp_path / "new" / "dir" / "eval.json").is_file(), err
+
+
 def test_the_first_run_without_a_baseline_says_how_to_make_it_on_github(tmp_path, capsys):
     run_file = snapshot(tmp_path / "train.pickle", 100 * MiB)
     outputs, summary = tmp_path / "outputs", tmp_path / "summary.md"

@@ -107,6 +107,12 @@ def _bad_inputs(tmp: Path):
         "size a string": (pickle.dumps({"segments": [], "device_traces": [[{"action": "alloc", "addr": 1,
                                                                                "size": "12"}]]}, 4),
                           "device_traces[0][0]: 'size' is str '12', not an integer"),
+        "size negative": (pickle.dumps({"segments": [], "device_traces": [[
+            {"action": "alloc", "addr": 1, "size": 100}, {"action": "alloc", "addr": 2, "size": -5}]]}, 4),
+            "device_traces[0][1].size: -5 is not a size in bytes"),
+        "size negative in json": (json.dumps({"segments": [], "device_traces": [[
+            {"action": "free_completed", "addr": 2, "size": -5}]]}).encode(),
+            "device_traces[0][0].size: -5 is not a size in bytes"),
         "block size a string": (pickle.dumps({"segments": [{"device": 0, "address": 0, "total_size": 5, "blocks": [
             {"size": "5", "state": "inactive"}]}], "device_traces": []}, 4),
             "segments[0].blocks[0].size: expected an integer, got str '5'"),
@@ -126,7 +132,8 @@ def _bad_inputs(tmp: Path):
 
 
 BAD = ["missing", "directory", "empty", "truncated", "random", "truncated gzip", "state_dict-like",
-       "torch.save zip", "segments not a list", "size a string", "block size a string", "invalid json",
+       "torch.save zip", "segments not a list", "size a string", "size negative", "size negative in json",
+       "block size a string", "invalid json",
        "a list of numbers", "protocol 0"]
 
 

@@ -106,8 +106,9 @@ def test_zero_spread_keeps_the_default_rule(tmp_path, capsys):
     base, again = CUDA / "gpt2-base.pickle.gz", CUDA / "gpt2-base-again.pickle.gz"
     assert run(capsys, "baseline", base, again, "-o", tmp_path / "two.json")[0] == 0
     assert run(capsys, "baseline", base, "-o", tmp_path / "one.json")[0] == 0
-    spread = json.loads((tmp_path / "two.json").read_text())["devices"][0]["spread"]
-    assert spread["peak"]["min"] == spread["peak"]["max"]
+    # one peak, no spread: the one-run form, version 1, as docs/baselines.md says
+    two = json.loads((tmp_path / "two.json").read_text())
+    assert two["schema_version"] == 1 and "spread" not in two["devices"][0]
     verdicts = []
     for name in ("two", "one"):
         code, out, _ = run(capsys, "gate", CUDA / "gpt2-batch8.pickle.gz", "--baseline", tmp_path / f"{name}.json",
@@ -141,6 +142,63 @@ def test_repeats_need_the_same_devices(tmp_path, capsys, write_snapshot):
     other = write_snapshot({"segments": [], "device_traces": [[], [alloc(1, MiB, INIT)]]}, "b.pickle")
     code, _, err = run(capsys, "baseline", one, other, "-o", tmp_path / "b.json")
     assert code == 2 and "same devices" in err and not (tmp_path / "b.json").exists()
+
+
+def test_the_same_file_twice_is_not_two_repeats(tmp_path, capsys):
+    one = snapshot(tmp_path / "a.pickle", MiB)
+    other = snapshot(tmp_path / "b.pickle", 2 * MiB)
+    code, _, err = run(capsys, "baseline", one, other, tmp_path / "." / "a.pickle", "-o", tmp_path / "b.json")
+    assert code == 2 and "given twice" in err and err.count("\n") == 1 and not (tmp_path / "b.json").exists()
+
+
+OPT = py_frames("site-packages/torch/optim/adam.py:1:step", "train.py:9:<module>")
+BWD = py_frames("site-packages/torch/autograd/__init__.py:1:backward", "train.py:10:<module>")
+
+
+def training(path: Path, activations) -> Path:
+    """A training loop, one step per activation size: weights, the forward's activations, a
+    gradient in the backward, an optimizer temporary."""
+    trace = [alloc(1, 100 * MiB, INIT)]
+    for k, a in enumerate(activations):
+        act, grad, tmp = 10 + 3 * k, 11 + 3 * k, 12 + 3 * k
+        trace += [alloc(act, a, FWD), alloc(grad, 100 * MiB, BWD), free(act, a, BWD),
+                  alloc(tmp, MiB, OPT), free(tmp, MiB, OPT), free(grad, 100 * MiB, OPT)]
+    path.write_bytes(pickle.dumps({"segments": [], "device_traces": [trace]}, 4))
+    return path
+
+
+def test_runs_of_other_sizes_are_not_repeats(tmp_path, capsys):
+    # Each run's steps peak alike, yet the runs differ by 20%: not the workload's noise.
+    fixed = [training(tmp_path / f"fixed{k}.pickle", [a] * 3) for k, a in enumerate((100 * MiB, 140 * MiB))]
+    code, _, err = run(capsys, "baseline", *fixed, "-o", tmp_path / "b.json")
+    assert code == 2 and "not repeats of one workload" in err and err.count("\n") == 1
+    # A loop whose steps vary with the data may spread as much between runs.
+    varying = [training(tmp_path / f"var{k}.pickle", [100 * MiB, a, 100 * MiB])
+               for k, a in enumerate((120 * MiB, 160 * MiB))]
+    code, _, err = run(capsys, "baseline", *varying, "-o", tmp_path / "b.json")
+    assert code == 0, err
+    assert json.loads((tmp_path / "b.json").read_text())["schema_version"] == 2
+    # Runs without steps show nothing either way: their spread is taken as given.
+    loose = []
+    for k, size in enumerate((100 * MiB, 150 * MiB)):
+        loose.append(tmp_path / f"loose{k}.pickle")
+        loose[-1].write_bytes(pickle.dumps({"segments": [], "device_traces": [[alloc(1, size)]]}, 4))
+    code, _, err = run(capsys, "baseline", *loose, "-o", tmp_path / "d.json")
+    assert code == 0, err
+    # A run without a training step beside training runs
+    infer = snapshot(tmp_path / "infer.pickle", 100 * MiB)
+    code, _, err = run(capsys, "baseline", varying[0], infer, "-o", tmp_path / "c.json")
+    assert code == 2 and "not a repeat of var0.pickle: device 0 has 1 step, var0.pickle has 3" in err
+
+
+def test_real_runs_of_two_contexts_or_train_and_infer_are_not_repeats(shared, tmp_path, capsys):
+    ctx128, ctx256, infer = (shared / f"cs336-medium-{n}.pickle" for n in ("ctx128-train", "ctx256-train",
+                                                                           "ctx128-infer"))
+    code, _, err = run(capsys, "baseline", ctx128, ctx256, "-o", tmp_path / "b.json")
+    assert code == 2 and "not repeats of one workload" in err and "29.8%" in err
+    code, _, err = run(capsys, "baseline", ctx128, infer, "-o", tmp_path / "b.json")
+    assert code == 2 and "not a repeat of cs336-medium-ctx128-train.pickle" in err
+    assert not (tmp_path / "b.json").exists()
 
 
 # --- real repeats: a loop whose memory depends on the data --------------------------------------

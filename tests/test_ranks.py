@@ -207,6 +207,20 @@ def test_a_job_baseline_gates_every_rank(tmp_path, capsys):
     assert document["verdict"] == "fail" and document["worst_rank"] == 3 and len(document["ranks"]) == 4
 
 
+def test_a_job_of_one_rank_counts_it_in_the_singular(tmp_path, capsys):
+    base = job(tmp_path / "train", {0: rank_snapshot(100 * MiB)})
+    stored = tmp_path / "train.json"
+    code, _, err = run(capsys, "baseline", base, "-o", stored)
+    assert code == 0 and "1 rank, highest peak" in err
+    code, out, _ = run(capsys, "baseline", "--check", stored)
+    assert code == 0 and "(train, 1 rank)" in out
+    code, out, _ = run(capsys, "gate", base, "--baseline", stored)
+    assert code == 0 and "\nPASS: 1 rank compared\n" in out
+    code, out, _ = run(capsys, "ranks", base)
+    assert code == 0 and out.startswith("1 rank (0)\n")
+    assert "ranks" not in out.replace("ranks by shape", "").replace("across ranks", "")
+
+
 def test_a_rank_that_crashed_fails_the_gate(tmp_path, capsys):
     base = job(tmp_path / "train", {r: rank_snapshot(100 * MiB) for r in range(4)})
     stored = tmp_path / "train.json"
@@ -248,6 +262,24 @@ def test_ranks_whose_peaks_are_in_different_phases_are_warned_as_in_a_diff(tmp_p
     assert code == 0
     assert "warning: device 0: the peaks are in different phases: base in the optimizer step of step 0, " \
            "head in the forward of step 0" in out
+    # ranks has no --at: the advice names the diff of the two ranks' files that has it
+    warning = next(line for line in out.splitlines() if "different phases" in line)
+    assert warning.endswith(f"(compare like with like: memdiff {folder / 'rank0.pickle'} "
+                            f"{folder / 'rank1.pickle'} --at forward)")
+    assert "like: --at" not in out
+
+
+@pytest.mark.parametrize("name", ["diffusion-segments-list.pickle", "empty-trace.pickle",
+                                  "opt13b-oom-legacy.pickle"])
+def test_ranks_without_a_trace_say_the_peaks_phase_is_unknown(tmp_path, shared, capsys, name):
+    folder = tmp_path / "job"
+    folder.mkdir()
+    for rank in (0, 1):
+        os.symlink(shared / name, folder / f"rank{rank}.pickle")
+    code, out, _ = run(capsys, "ranks", folder)
+    assert code == 0 and "None" not in out
+    rows = [line for line in out.splitlines() if line.startswith(("0 heaviest", "1 median"))]
+    assert len(rows) == 2 and all(" unknown " in row for row in rows)
 
 
 def test_a_recorded_jobs_manifest_keeps_an_earlier_runs_ranks_out(tmp_path, capsys):

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 from pathlib import Path
 from typing import Any, Dict, List
 
 import jsonschema  # a dependency of memdiff (>=4.18, which brings referencing)
 import pytest
 import referencing
+from conftest import alloc, free, py_frames
 
 from memdiff.cli import main
 
@@ -188,13 +190,31 @@ def test_a_diff_with_memory_kept_from_earlier_steps_matches_diff_schema(write_sn
 
 def test_a_baseline_of_repeats_a_history_and_their_gate_match_their_schemas(tmp_path, capsys, validate):
     """Issue 37's files: a spread (baseline version 2), reserved figures, history lines, trends."""
+    # Repeats whose memory depends on the data (each step's activation its own size): a spread.
+    mib = 2**20
+    fwd, opt = py_frames("model.py:9:forward"), py_frames("/v/site-packages/torch/optim/adam.py:1:step")
+    bwd = py_frames("/v/site-packages/torch/autograd/__init__.py:1:backward")
+    repeats = []
+    for k, sizes in enumerate(((100, 120, 100), (100, 140, 100), (100, 130, 100))):
+        trace = [alloc(1, 100 * mib, py_frames("model.py:3:__init__"))]
+        for step, size in enumerate(sizes):
+            a, g, t = 10 + 3 * step, 11 + 3 * step, 12 + 3 * step
+            trace += [alloc(a, size * mib, fwd), alloc(g, 100 * mib, bwd), free(a, size * mib, bwd),
+                      alloc(t, mib, opt), free(t, mib, opt), free(g, 100 * mib, opt)]
+        repeats.append(tmp_path / f"run-{k}.pickle")
+        repeats[-1].write_bytes(pickle.dumps({"segments": [], "device_traces": [trace]}, 4))
+    spread = tmp_path / "spread.json"
+    assert main(["baseline", *map(str, repeats), "-o", str(spread), "--noise-margin", "2%"]) == 0
+    doc = validate("baseline", json.loads(spread.read_text()))
+    assert doc["schema_version"] == 2 and doc["devices"][0]["spread"]["runs"] == 3
+    # Real CUDA runs of one loop peak alike: the one-run form, with reserved figures.
     cuda = Path(__file__).parent / "data" / "cuda"
-    runs = [cuda / "gpt2-base.pickle.gz", cuda / "gpt2-autocast.pickle.gz", cuda / "gpt2-clip.pickle.gz"]
+    runs = [cuda / "gpt2-base.pickle.gz", cuda / "gpt2-base-again.pickle.gz", cuda / "gpt2-clip.pickle.gz"]
     stored = tmp_path / "gpt2.json"
     assert main(["baseline", *map(str, runs), "-o", str(stored), "--noise-margin", "2%",
                  "--reserved-fail-over", "10%"]) == 0
     doc = validate("baseline", json.loads(stored.read_text()))
-    assert doc["schema_version"] == 2 and doc["devices"][0]["spread"]["runs"] == 3
+    assert doc["schema_version"] == 1 and "spread" not in doc["devices"][0]
     assert doc["devices"][0]["reserved_peak_bytes"] > doc["devices"][0]["peak_bytes"]
     history = tmp_path / "main.jsonl"
     for k, run in enumerate(runs[:2]):

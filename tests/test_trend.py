@@ -47,7 +47,7 @@ def main_branch(tmp_path, capsys):
         code, _, err = run(capsys, "history", "append", snap, "--to", history, "--commit", commit(k),
                            "--date", f"2026-11-{k + 1:02d}T12:00:00Z")
         assert code == 0, err
-        assert f"{k + 1} lines" in err
+        assert err.endswith(f"; {k + 1} lines\n" if k else "; 1 line\n"), err
     assert run(capsys, "baseline", tmp_path / "train.pickle", "-o", tmp_path / "baselines" / "train.json")[0] == 0
     return history
 
@@ -109,6 +109,20 @@ def test_a_history_without_the_workload_says_so(main_branch, tmp_path, capsys):
     code, out, _ = run(capsys, "gate", head, "--baselines", tmp_path / "baselines", "--history", main_branch)
     assert code == 0
     assert "the history has no peak of 'eval' on main yet (it holds train)" in out
+
+
+def test_an_empty_history_file_is_an_empty_history(main_branch, tmp_path, capsys):
+    # `touch history.jsonl`: as a missing file is, an empty one is a history with no run yet.
+    empty = tmp_path / "empty.jsonl"
+    empty.touch()
+    code, out, err = run(capsys, "gate", tmp_path / "train.pickle", "--baseline", tmp_path / "baselines" / "train.json",
+                         "--history", empty)
+    assert code == 0, err
+    assert "the history has no peak of 'train' on main yet" in out
+    code, _, err = run(capsys, "history", "append", tmp_path / "train.pickle", "--to", empty, "--commit", commit(0))
+    assert code == 0, err
+    [line] = empty.read_text().splitlines()
+    assert json.loads(line)["commit"] == commit(0)
 
 
 @pytest.mark.parametrize("line, message", [

@@ -26,7 +26,7 @@ from memdiff.inert import text
 from memdiff.inputs import read_summary
 from memdiff.job import is_job, summarize_ranks
 from memdiff.model import Summary
-from memdiff.units import format_bytes
+from memdiff.units import count_of, format_bytes
 from memdiff.window import add_window_arguments
 
 DESCRIPTION = ("Write a baseline of SNAPSHOT to FILE, atomically. Updating an existing file keeps its name "
@@ -65,8 +65,7 @@ def _check(path: str, rules: List[Rule]) -> int:
             broken += 1
             print(f"memdiff: {text(exc.path)}: {text(exc.message)}", file=sys.stderr)
         else:
-            what = (f"{len(b.ranks)} ranks" if b.ranks is not None
-                    else f"{len(b.devices)} device{'s' if len(b.devices) != 1 else ''}")
+            what = count_of(len(b.ranks), "rank") if b.ranks is not None else count_of(len(b.devices), "device")
             print(f"ok  {text(f)}  ({text(b.name)}, {what})")  # a baseline's name is data: one line
     return EXIT_BAD_INPUT if broken else EXIT_OK
 
@@ -77,6 +76,13 @@ def _summaries(args: argparse.Namespace, rules: List[Rule]) -> Union[Summary, Di
         if any(is_job(s) for s in args.snapshot):
             raise InputError(next(s for s in args.snapshot if is_job(s)),
                              "a baseline from repeats takes runs, not jobs: give one job, or several run files")
+        seen: Dict[str, str] = {}
+        for s in args.snapshot:
+            # A file given twice is one run counted twice: its peak would weigh double in the spread.
+            key = os.path.realpath(s)
+            if key in seen:
+                raise InputError(s, f"given twice (as {seen[key]} too): repeats are separate runs, each file once")
+            seen[key] = s
         return [read_summary(s, rules, window=args.window) for s in args.snapshot]
     if not is_job(args.snapshot[0]):
         return read_summary(args.snapshot[0], rules, window=args.window)
@@ -96,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
                                         args.git_sha)
     name, thresholds = baseline.name, baseline.thresholds
     if baseline.ranks is not None:
-        peaks = f"{len(baseline.ranks):,} ranks, highest peak " + format_bytes(max(
+        peaks = f"{count_of(len(baseline.ranks), 'rank')}, highest peak " + format_bytes(max(
             (d["peak_bytes"] for r in baseline.ranks for d in r["devices"]), default=0))
     else:
         peaks = ", ".join(f"device {d['device']} peak {format_bytes(d['peak_bytes'])}" for d in baseline.devices)

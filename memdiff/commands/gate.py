@@ -52,7 +52,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     which.add_argument("--baseline", metavar="FILE", help="the baseline of the one SNAPSHOT")
     which.add_argument("--baselines", metavar="DIR", help="folder of baselines named after each run's stem")
     p.add_argument("--require-baseline", action="store_true",
-                   help="a run without a baseline is an error (exit 2, verdict no-baseline): nothing compared")
+                   help="a run without a baseline is an error (verdict no-baseline): exit 2, or 1 when another run "
+                        "regressed (the regression is said first)")
     add_report_arguments(p)
     add_html_argument(p, several=True)
     add_threshold_arguments(p)

@@ -11,7 +11,7 @@ from memdiff.errors import InputError
 from memdiff.inert import text
 from memdiff.inputs import read_summary
 from memdiff.trend import append_entry, entry_of
-from memdiff.units import format_bytes
+from memdiff.units import count_of, format_bytes
 
 DESCRIPTION = ("Append a run's line to a history file (JSON Lines): the commit, the date, the workload, and per "
                "device the peak and each category's bytes at the peak. Run it on every push to the main branch; "
@@ -41,5 +41,5 @@ def run(args: argparse.Namespace) -> int:
     lines = append_entry(args.to, entry)
     peaks = ", ".join(f"device {d.device} peak {format_bytes(d.peak_bytes)}" for d in entry.devices)
     print(f"memdiff: {text(args.to)}: appended {text(repr(workload))} at {text(entry.commit[:12])} ({peaks}); "
-          f"{lines:,} lines", file=sys.stderr)
+          f"{count_of(lines, 'line')}", file=sys.stderr)
     return 0

@@ -17,7 +17,7 @@ from memdiff.ranks import RanksReport, Role
 from memdiff.render.json import dumps
 from memdiff.render.table import layout, row_table
 from memdiff.report import RANKS_SCHEMA_VERSION, DeviceReport, check_line, pct_cell
-from memdiff.units import format_bytes
+from memdiff.units import count_of, format_bytes
 
 
 def _ratio(report: RanksReport) -> str:
@@ -31,7 +31,7 @@ def _rank_table(report: RanksReport) -> str:
     for r in report.ranks:
         mark = " heaviest" if r.rank == report.heaviest else " median" if r.rank == report.median_rank else ""
         rows.append([f"{r.rank}{mark}", os.path.basename(r.file), r.device, format_bytes(r.peak_bytes),
-                     format_bytes(r.static_bytes), where_text(r.phase_at_peak, r.step_at_peak) or "",
+                     format_bytes(r.static_bytes), where_text(r.phase_at_peak, r.step_at_peak) or "unknown",
                      *[format_bytes(r.categories.get(c, 0)) for c in columns]])
     return tabulate(rows, headers=["rank", "file", "device", "peak", "static", "peak in", *columns],
                     tablefmt="simple", colalign=("left", "left", "right", "right", "right", "left")
@@ -42,7 +42,7 @@ def render_text(report: RanksReport, detail: Optional[DeviceReport], check: Opti
     """The ranks report: a row per rank, the spread, the roles, the heaviest rank against the median one."""
     by_rank = {r.rank: r for r in report.ranks}
     count = len(report.ranks)
-    lines = [f"{count:,} rank{'s' if count != 1 else ''} ({ranges([r.rank for r in report.ranks])})"
+    lines = [f"{count_of(count, 'rank')} ({ranges([r.rank for r in report.ranks])})"
              + (f"; missing: {ranges(report.missing)}" if report.missing else ""), "", _rank_table(report), ""]
     lines.append(f"peak across ranks: min {format_bytes(report.min_bytes)}, median {format_bytes(report.median_bytes)} "
                  f"(rank {report.median_rank}), max {format_bytes(report.max_bytes)} (rank {report.heaviest}); "
