@@ -28,10 +28,14 @@ import referencing
 import referencing.exceptions
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from hypothesis.configuration import set_hypothesis_home_dir
 from markdown_it import MarkdownIt
 
 from conftest import alloc, free
 from memdiff.cli import main
+
+# Hypothesis keeps caches in ./.hypothesis by default: tests write only into temporary folders.
+set_hypothesis_home_dir(tempfile.mkdtemp(prefix="memdiff-hypothesis-"))
 
 MiB = 2**20
 SCHEMAS = Path(__file__).resolve().parent.parent / "memdiff" / "schemas"
@@ -247,7 +251,7 @@ names = st.lists(st.sampled_from(ALPHABET), min_size=1, max_size=24).map("".join
 
 
 @pytest.mark.slow  # about 40 runs of every renderer
-@settings(max_examples=40, deadline=None, derandomize=True,
+@settings(max_examples=40, deadline=None, derandomize=True, database=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(name=names)
 def test_every_renderer_keeps_any_name_inert(github_env, name):
