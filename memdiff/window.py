@@ -93,12 +93,14 @@ def add_window_arguments(p: argparse.ArgumentParser, required: bool = False) -> 
 
 def _event_range(path: str, device: int, trace: List[Dict[str, Any]], walk: _Walk, window: Window,
                  annotations: List[Any], seen: Set[int]) -> Optional[Tuple[int, int]]:
-    """[a, b) of the device's events inside the window; None when it holds none of its steps (the
-    step numbers it has are added to `seen`)."""
+    """[a, b) of the device's events inside the window; None when it holds none of them (a window
+    past the trace's end or before its first time is no window of it: carrying in what is live
+    there would make up a trace that never was). The step numbers it has are added to `seen`."""
     n = len(trace)
     if window.kind == "events":
         a = min(n, window.start or 0)
-        return a, min(n, n if window.end is None else window.end)
+        b = min(n, n if window.end is None else window.end)
+        return (a, b) if a < b else None
     if window.kind == "time_us":
         found = [e.get("time_us") for e in trace]
         times: List[int] = [t for t in found if isinstance(t, int) and not isinstance(t, bool)]
@@ -107,7 +109,8 @@ def _event_range(path: str, device: int, trace: List[Dict[str, Any]], walk: _Wal
         if any(later < earlier for earlier, later in zip(times, times[1:])):
             raise InputError(path, f"device {device}: trace times go backwards; cut by --events instead")
         a = 0 if window.start is None else bisect.bisect_left(times, window.start)
-        return a, n if window.end is None else bisect.bisect_left(times, window.end)
+        b = n if window.end is None else bisect.bisect_left(times, window.end)
+        return (a, b) if a < b else None
     running = np.cumsum(np.frombuffer(walk.deltas, dtype=np.int64)) if n else np.zeros(0, np.int64)
     timeline = build_timeline(trace, walk.allocs, running, 0, Scopes(annotations, device), walk.version_of)
     seen.update(s.step for s in timeline.steps)
@@ -184,6 +187,28 @@ def _annotations_in(annotations: List[Any], first: Optional[int], last: Optional
     return [a for k, a in enumerate(annotations) if k in keep]
 
 
+def _span(first: int, last: int, spec: str = ",") -> str:
+    return f"{first:{spec}}" if first == last else f"{first:{spec}} to {last:{spec}}"
+
+
+def _nothing_inside(snapshot: Snapshot, window: Window, seen: Set[int]) -> str:
+    """Why a window holds nothing, naming what the trace has: its steps, events or times."""
+    if window.kind == "steps":
+        steps = sorted(seen)
+        have = (f"steps {steps[0]} to {steps[-1]}" if len(steps) > 1 else f"step {steps[0]}") if steps else "no steps"
+        return f"no device has those steps (the trace has {have})"
+    ranges: List[str] = []
+    for device, trace in enumerate(snapshot.device_traces):
+        if not trace:
+            continue
+        if window.kind == "events":
+            ranges.append(f"device {device}: events {_span(0, len(trace) - 1)}")
+        else:  # every entry carries an int time_us, in order: _event_range checked
+            ranges.append(f"device {device}: time_us {_span(trace[0]['time_us'], trace[-1]['time_us'], '')}")
+    return (f"no trace event is inside it ({'; '.join(ranges)})" if ranges
+            else "the snapshot has no trace events to cut (its trace is empty)")
+
+
 def cut(snapshot: Snapshot, window: Window) -> Dict[str, Any]:
     """The window of `snapshot` as a snapshot dict (`segments`, `device_traces`, ...), which a
     pickle of protocol 4 makes a file PyTorch's viewer and memdiff read. Devices that hold none
@@ -220,9 +245,7 @@ def cut(snapshot: Snapshot, window: Window) -> Dict[str, Any]:
                              "allocated_size": blk["size"], "active_size": blk["size"],
                              "requested_size": blk["size"], "stream": 0, "segment_type": "large", "blocks": [blk]})
     if not found:
-        steps = sorted(seen)
-        have = (f"steps {steps[0]} to {steps[-1]}" if len(steps) > 1 else f"step {steps[0]}") if steps else "no steps"
-        raise InputError(path, f"{window.describe()}: no device has those steps (the trace has {have})")
+        raise InputError(path, f"{window.describe()}: {_nothing_inside(snapshot, window, seen)}")
     raw: Dict[str, Any] = {"segments": segments, "device_traces": out_traces,
                            "external_annotations": _annotations_in(snapshot.external_annotations,
                                                                    min(times, default=None), max(times, default=None))}

@@ -236,3 +236,38 @@ def test_a_window_drops_the_ring_buffer_bookkeeping(write_snapshot, tmp_path):
     out = str(tmp_path / "w.pickle")
     assert main(["slice", write_snapshot(snap), "--steps", "1", "-o", out]) == 0
     assert raw_of(out)["allocator_settings"] == {"expandable_segments": True}
+
+
+@pytest.mark.parametrize("window, message", [
+    (["--events", "99999999:100000000"], "no trace event is inside it (device 0: events 0 to "),
+    (["--events", "400:"], "no trace event is inside it (device 0: events 0 to "),
+    (["--time-us", "1:2"], "no trace event is inside it (device 0: time_us "),
+    (["--time-us", "99999999999999999:"], "no trace event is inside it (device 0: time_us "),
+])
+def test_a_window_holding_no_event_is_refused_by_every_command(write_snapshot, tmp_path, capsys, window, message):
+    snap = training(steps=2)
+    for t, e in enumerate(snap["device_traces"][0]):
+        e["time_us"] = 1000 + t
+    n = len(snap["device_traces"][0])
+    assert n < 400
+    src = write_snapshot(snap)
+    job = tmp_path / "job"
+    job.mkdir()
+    (job / "rank0.pickle").write_bytes(open(src, "rb").read())
+    out = tmp_path / "x"
+    base = str(tmp_path / "b.json")
+    assert main(["baseline", src, "-o", base]) == 0
+    capsys.readouterr()
+    commands = [["slice", src, "-o", str(out)], ["peak", src], ["summarize", src, "-o", str(out)],
+                ["diff", src, src], [src, src], ["baseline", src, "-o", str(out)],
+                ["gate", src, "--baseline", base], ["ranks", str(job)], ["forecast", f"{src}=1", f"{src}=2"]]
+    for argv in commands:
+        assert main([*argv, *window]) == 2, argv
+        err = capsys.readouterr().err
+        assert message in err and len(err.strip().splitlines()) == 1, (argv, err)
+        assert not out.exists(), argv
+    capsys.readouterr()
+    # The first and last events still are the trace's.
+    assert main(["peak", src, "--events", f"{n - 1}:{n + 5}"]) == 0
+    assert main(["peak", src, "--time-us", f":{1001}"]) == 0
+    capsys.readouterr()
