@@ -377,3 +377,39 @@ def assert_cpu_windows_keep_pytorchs_categories(path: str) -> None:
 @pytest.mark.slow
 def test_windows_of_a_cpu_capture_keep_pytorchs_categories(scenarios):
     assert_cpu_windows_keep_pytorchs_categories(str(scenarios("gpt2-base")["gpt2-base"]))
+
+
+def test_a_slice_of_a_slice_keeps_the_full_traces_kinds(shared, tmp_path, capsys):
+    src = str(shared / "cs336-medium-ctx128-train.pickle")
+    once, twice = str(tmp_path / "once.pickle"), str(tmp_path / "twice.pickle")
+    assert main(["slice", src, "--events", "8000:12000", "-o", once]) == 0
+    assert main(["slice", once, "--events", "1000:3000", "-o", twice]) == 0
+    capsys.readouterr()
+    for argv in (["peak", twice, "--format", "json"], ["peak", src, "--events", "9000:11000", "--format", "json"]):
+        assert main(argv) == 0
+        got = json.loads(capsys.readouterr().out)["devices"][0]
+        assert got["categories"]["parameter"] > 0
+        if argv[1] == twice:
+            first = got
+    assert (first["peak_bytes"], first["static_bytes"], first["categories"]) == (
+        got["peak_bytes"], got["static_bytes"], got["categories"])
+
+
+@pytest.mark.parametrize("kind", ["not a dict", {"freed": "yes"}, {"frames": None, "freed": False,
+                                                                   "before_trace": True, "guess": "weights",
+                                                                   "update": False, "lifetime": "x"}])
+def test_a_tampered_kind_in_a_slice_is_one_line_exit_2(write_snapshot, tmp_path, capsys, kind):
+    out = str(tmp_path / "w.pickle")
+    assert main(["slice", write_snapshot(training(steps=3)), "--steps", "1", "-o", out]) == 0
+    raw = raw_of(out)
+    block = next(b for s in raw["segments"] for b in s["blocks"])
+    block["memdiff_kind"] = kind
+    bad = write_snapshot(raw, "bad.pickle")
+    capsys.readouterr()
+    assert main(["peak", bad]) == 2
+    err = capsys.readouterr().err
+    assert "memdiff_kind" in err and len(err.strip().splitlines()) == 1
+    # Outside a window the key is nobody's: it is not read.
+    del raw["memdiff_window"]
+    assert main(["peak", write_snapshot(raw, "plain.pickle")]) == 0
+    capsys.readouterr()
