@@ -257,6 +257,10 @@ def largest_first(totals: Dict[str, int]) -> Dict[str, int]:
 # The top-level key `memdiff slice` (and --steps/--events/--time-us) adds to a window of a snapshot:
 # {"window": "--steps 3:4", "of": "big.pickle"}. PyTorch's viewer ignores keys it does not know.
 WINDOW_KEY = "memdiff_window"
+# The key a window adds to its trace entries and carried blocks: what the full trace makes of that
+# memory ({"frames", "freed", "before_trace", "guess", "update", "lifetime"}), so that memory carried
+# into a window keeps the stack, lifetime and so category it has in the full trace.
+KIND_KEY = "memdiff_kind"
 
 
 @dataclass

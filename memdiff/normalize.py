@@ -46,7 +46,7 @@ from memdiff.lifetimes import (
     build_timeline,
 )
 from memdiff.load import MAX_BYTES, Snapshot
-from memdiff.model import DeviceSummary, Group, OomEvent, PhasePeak, Step, Summary, largest_first
+from memdiff.model import KIND_KEY, WINDOW_KEY, DeviceSummary, Group, OomEvent, PhasePeak, Step, Summary, largest_first
 
 TIMELINE_POINTS = 100
 # Groups kept per peak. Real runs have tens to hundreds (the 13 shared snapshots: at most 27); a
@@ -285,6 +285,7 @@ class _DumpBlock:
     size: int
     frames: Optional[List[Any]]
     guess: Optional[str] = None  # the category guessed when it has no frames
+    kind: Any = None  # a window's block carried in: what the full trace makes of it (KIND_KEY)
 
 
 def _keeps_what_it_makes(walk: _Walk, run: Any) -> bool:
@@ -524,8 +525,9 @@ def _stack_before(walk: _Walk, trace: List[Dict[str, Any]], event: int, since: i
     return None
 
 
-def _dump_blocks(segments: List[Dict[str, Any]]) -> Iterator[Tuple[int, int, Optional[List[Any]]]]:
-    """(address, requested bytes, frames) of each active_allocated block at dump time."""
+def _dump_blocks(segments: List[Dict[str, Any]]) -> Iterator[Tuple[int, int, Optional[List[Any]], Any]]:
+    """(address, requested bytes, frames, a window's KIND_KEY or None) of each active_allocated block
+    at dump time."""
     for seg in segments:
         addr = seg["address"]
         for block in seg.get("blocks", []):
@@ -536,7 +538,7 @@ def _dump_blocks(segments: List[Dict[str, Any]]) -> Iterator[Tuple[int, int, Opt
                 history = block.get("history")
                 if not frames and history:
                     frames = history[-1].get("frames")
-                yield addr, block.get("requested_size", block["size"]), frames
+                yield addr, block.get("requested_size", block["size"]), frames, block.get(KIND_KEY)
             addr += block["size"]
 
 
@@ -546,27 +548,152 @@ def _timeline(static: int, running: np.ndarray) -> List[List[int]]:
     return [[i, int(totals[i])] for i in window_maxima(totals, TIMELINE_POINTS).tolist()]
 
 
-def _live_at(walk: _Walk, trace: List[Dict[str, Any]], p: int, dump_only: List[_DumpBlock],
-             timeline: Timeline, stand_ins: Dict[int, List[Any]]) -> List[_Live]:
-    """Every allocation live after event `p` with its lifetime: open allocations, memory live
-    before the trace and freed after `p`, and dump blocks the trace never opened. Memory live
-    before the trace is known by the stack that freed it, or by its stand-in (see
-    _optimizer_state_stand_ins)."""
-    n = len(trace)
-    peak_step = timeline.step_index_at(p) if p >= 0 else None
-    items: List[_Live] = []
-    for j in walk.live_allocs(p).tolist():
+@dataclass(frozen=True)
+class _Kind:
+    """What memory is taken for, as the full trace says it: the stack grouping reads (frames, freed,
+    live before the trace, guess; `update`: the frames stand in for an in-place update) and its lifetime."""
+
+    frames: Optional[List[Any]]
+    freed: bool
+    before_trace: bool
+    guess: Optional[str]
+    update: bool
+    lifetime: int  # index into LIFETIMES
+
+
+LIFETIME_CODES = {lifetime.key(): code for code, lifetime in enumerate(LIFETIMES)}
+GUESSES = (None, GUESS_PARAMETER, GUESS_STATE)
+
+
+class _Origins:
+    """Where the stack, guess and lifetime of each live allocation come from in one device's trace:
+    one code path for the peak, the phase peaks and the kinds a window keeps of the full trace."""
+
+    def __init__(self, walk: _Walk, trace: List[Dict[str, Any]], timeline: Timeline,
+                 stand_ins: Dict[int, List[Any]]) -> None:
+        self.walk, self.trace, self.timeline, self.stand_ins = walk, trace, timeline, stand_ins
+
+    def alloc(self, j: int) -> Tuple[Optional[List[Any]], bool, Optional[str], bool, int, int]:
+        """(frames, live before the trace, guess, frames are an update's, first event, end event) of
+        the allocation open at alloc event `j` (freed: as live before the trace)."""
+        walk, trace = self.walk, self.trace
         first, unmatched = walk.origin(j)
         end = walk.end(walk.closed[j])
         if first is None:
             assert unmatched is not None  # origin() gives one of the two
-            # One label whether the update order told a weight (`weights`) or nothing did (a frozen
-            # weight, a buffer): the same weights read as a parameter by either rule, and two runs
-            # that tell them apart differently (SGD and SGD with momentum, a model and its LoRA
-            # fine-tune) must not show the same bytes as a NEW beside a SHRANK.
-            frames = stand_ins.get(unmatched) or trace[unmatched].get("frames")
+            # One label whether the update order told a weight or nothing did (a frozen weight, a
+            # buffer): the same weights read as a parameter by either rule, and two runs that tell
+            # them apart differently (SGD and SGD with momentum, a model and its LoRA fine-tune)
+            # must not show the same bytes as a NEW beside a SHRANK.
+            stand_in = self.stand_ins.get(unmatched)
+            return stand_in or trace[unmatched].get("frames"), True, None, bool(stand_in), -1, end
+        return trace[first].get("frames"), False, None, False, first, end
+
+    def unmatched(self, i: int) -> Tuple[Optional[List[Any]], bool, Optional[str], bool, int, int]:
+        """The same for memory live before the trace and freed at the unmatched free `i`."""
+        stand_in = self.stand_ins.get(i)
+        return stand_in or self.trace[i].get("frames"), True, None, bool(stand_in), -1, self.walk.end(i)
+
+    def kinds(self, allocs: Sequence[int], unmatched: Sequence[int], dump_only: Sequence[_DumpBlock]
+              ) -> List[Dict[str, Any]]:
+        """The full trace's kind (KIND_KEY's form) of allocations open at `allocs`, of memory freed at
+        the unmatched frees `unmatched`, and of `dump_only` blocks, in that order. Equal kinds are
+        one dict, so a window's file holds each once."""
+        found = [(f, before, before, guess, update, born, end)
+                 for f, before, guess, update, born, end in (self.alloc(j) for j in allocs)]
+        found += [(f, True, True, guess, update, born, end)
+                  for f, _, guess, update, born, end in (self.unmatched(i) for i in unmatched)]
+        found += [(b.frames, False, True, b.guess, False, -1, len(self.trace)) for b in dump_only]
+        codes = self.timeline.lifetime_codes(np.array([f[5] for f in found], dtype=np.int64),
+                                             np.array([f[6] for f in found], dtype=np.int64), len(self.trace))
+        out: List[Dict[str, Any]] = []
+        shared: Dict[Tuple[Any, ...], Dict[str, Any]] = {}
+        for (frames, freed, before, guess, update, _, _), code in zip(found, codes.tolist()):
+            key = (id(frames), freed, before, guess, update, code)
+            kind = shared.get(key)
+            if kind is None:
+                kind = shared[key] = {"frames": frames, "freed": freed, "before_trace": before, "guess": guess,
+                                      "update": update, "lifetime": LIFETIMES[code].key()}
+            out.append(kind)
+        return out
+
+
+def _kind(path: str, value: Any, known: Dict[int, Tuple[Any, _Kind]]) -> _Kind:
+    """A window's KIND_KEY value read back (it is input like any other: checked, never trusted)."""
+    hit = known.get(id(value))
+    if hit is not None:
+        return hit[1]
+    ok = (isinstance(value, dict) and isinstance(value.get("freed"), bool)
+          and isinstance(value.get("before_trace"), bool) and isinstance(value.get("update"), bool)
+          and value.get("guess") in GUESSES and isinstance(value.get("lifetime"), str)
+          and value["lifetime"] in LIFETIME_CODES
+          and (value.get("frames") is None or isinstance(value.get("frames"), list)))
+    if not ok:
+        raise InputError(path, f"{KIND_KEY}: {brief(value)} is not what a memdiff window writes "
+                               "(frames, freed, before_trace, guess, update, lifetime)")
+    kind = _Kind(value.get("frames"), value["freed"], value["before_trace"], value["guess"], value["update"],
+                 LIFETIME_CODES[value["lifetime"]])
+    known[id(value)] = (value, kind)  # the value kept alive: its id stays its own
+    return kind
+
+
+def _mark_kept_updates(stacks: StackNormalizer, kinds: Optional[Dict[int, Tuple[Any, _Kind]]]) -> None:
+    """A window's kept kinds whose frames stand in for an in-place update read as one, as in the full trace."""
+    if kinds:
+        stacks.mark_updates(k.frames for _, k in kinds.values() if k.update and k.frames)
+
+
+def window_kinds(snapshot: Snapshot, device: int, walk: _Walk, allocs: Sequence[int], unmatched: Sequence[int]
+                 ) -> Tuple[List[Dict[str, Any]], List[Dict[str, Any]]]:
+    """What the full trace of `device` makes of memory a window of it holds, in KIND_KEY's form: of the
+    allocations open at `allocs` and of memory freed at the unmatched frees `unmatched` (one list, in
+    that order), and of the dump's blocks the trace never opened (in _dump_blocks' order). Memory a
+    window carries in keeps its stack, lifetime and so category: a window alone would see weights
+    updated in place as memory freed, and a whole run's memory as made before its start. Kinds the
+    snapshot already carries (a window of a window) are kept as they are."""
+    path = snapshot.path
+    trace = snapshot.device_traces[device] if device < len(snapshot.device_traces) else []
+    segments = [seg for seg in snapshot.segments if seg["device"] == device]
+    dump_only = [_DumpBlock(size, frames, kind=kind) for addr, size, frames, kind in _dump_blocks(segments)
+                 if addr not in walk.open_at_end]
+    deltas = np.frombuffer(walk.deltas, dtype=np.int64) if len(trace) else np.zeros(0, np.int64)
+    running = np.cumsum(deltas)
+    timeline = build_timeline(trace, walk.allocs, running, 0, Scopes(snapshot.external_annotations, device),
+                              walk.version_of)
+    stand_ins = _optimizer_state_stand_ins(walk, trace, timeline)
+    _state_by_sizes(dump_only, walk, trace, timeline)
+    found = _Origins(walk, trace, timeline, stand_ins).kinds(allocs, unmatched, dump_only)
+    records = [trace[j].get(KIND_KEY) for j in allocs] + [trace[i].get(KIND_KEY) for i in unmatched]
+    records += [b.kind for b in dump_only]
+    if WINDOW_KEY in snapshot.source.keys:
+        known: Dict[int, Tuple[Any, _Kind]] = {}
+        for record in records:
+            if record is not None:
+                _kind(path, record, known)  # checked before it is copied on
+        found = [found[k] if record is None else record for k, record in enumerate(records)]
+    m = len(allocs) + len(unmatched)
+    return found[:m], found[m:]
+
+
+def _live_at(walk: _Walk, trace: List[Dict[str, Any]], p: int, dump_only: List[_DumpBlock],
+             timeline: Timeline, stand_ins: Dict[int, List[Any]],
+             kinds: Optional[Dict[int, Tuple[Any, _Kind]]] = None, path: str = "") -> List[_Live]:
+    """Every allocation live after event `p` with its lifetime: open allocations, memory live
+    before the trace and freed after `p`, and dump blocks the trace never opened. Memory live
+    before the trace is known by the stack that freed it, or by its stand-in (see
+    _optimizer_state_stand_ins). With `kinds` (a window), what the full trace makes of memory
+    (KIND_KEY on its entry or block) replaces what the window alone would."""
+    n = len(trace)
+    origins = _Origins(walk, trace, timeline, stand_ins)
+    peak_step = timeline.step_index_at(p) if p >= 0 else None
+    items: List[_Live] = []
+    records: List[Any] = []  # per item, its KIND_KEY value, if any
+    for j in walk.live_allocs(p).tolist():
+        frames, before, guess, _, first, end = origins.alloc(j)
+        records.append(trace[j].get(KIND_KEY) if kinds is not None else None)
+        if before:
             items.append(_Live(frames, trace[j]["size"], freed=True, before_trace=True, entry=None, born_event=-1,
-                               end_event=end, earlier=False, reached_peak=j == p))
+                               end_event=end, earlier=False, reached_peak=j == p, guess=guess))
             continue
         step = timeline.step_index_at(first)
         # A scalar (the previous step's loss, waiting to be replaced) holds nothing worth a leak
@@ -578,19 +705,26 @@ def _live_at(walk: _Walk, trace: List[Dict[str, Any]], p: int, dump_only: List[_
             k = timeline.passes.at(first)
             if k is not None and timeline.passes.later(k, p):
                 earlier, earlier_pass = True, k
-        items.append(_Live(trace[first].get("frames"), trace[j]["size"], freed=False, before_trace=False,
+        items.append(_Live(frames, trace[j]["size"], freed=False, before_trace=False,
                            entry=trace[first], born_event=first, end_event=end, earlier=earlier, reached_peak=j == p,
                            earlier_pass=earlier_pass))
     for i in walk.unmatched[bisect.bisect_right(walk.unmatched, p):]:
-        e = trace[i]
-        items.append(_Live(stand_ins.get(i) or e.get("frames"), e["size"], freed=True, before_trace=True, entry=None,
-                           born_event=-1, end_event=walk.end(i), earlier=False))
-    items.extend(_Live(b.frames, b.size, freed=False, before_trace=True, entry=None, born_event=-1, end_event=n,
-                       earlier=False, guess=b.guess) for b in dump_only)
+        frames, _, _, _, _, end = origins.unmatched(i)
+        records.append(trace[i].get(KIND_KEY) if kinds is not None else None)
+        items.append(_Live(frames, trace[i]["size"], freed=True, before_trace=True, entry=None,
+                           born_event=-1, end_event=end, earlier=False))
+    for b in dump_only:
+        records.append(b.kind if kinds is not None else None)
+        items.append(_Live(b.frames, b.size, freed=False, before_trace=True, entry=None, born_event=-1, end_event=n,
+                           earlier=False, guess=b.guess))
     codes = timeline.lifetime_codes(np.array([item.born_event for item in items], dtype=np.int64),
                                     np.array([item.end_event for item in items], dtype=np.int64), n)
-    for item, code in zip(items, codes.tolist()):
+    for item, code, record in zip(items, codes.tolist(), records):
         item.lifetime = LIFETIMES[code]
+        if record is not None and kinds is not None:
+            kind = _kind(path, record, kinds)
+            item.frames, item.freed, item.before_trace = kind.frames, kind.freed, kind.before_trace
+            item.guess, item.lifetime = kind.guess, LIFETIMES[kind.lifetime]
     return items
 
 
@@ -631,7 +765,8 @@ class _Kinds:
 
 
 def _allocations(path: str, walk: _Walk, trace: List[Dict[str, Any]], dump_only: List[_DumpBlock],
-                 timeline: Timeline, stacks: StackNormalizer, stand_ins: Dict[int, List[Any]]) -> Allocations:
+                 timeline: Timeline, stacks: StackNormalizer, stand_ins: Dict[int, List[Any]],
+                 kept: Optional[Dict[int, Tuple[Any, _Kind]]] = None) -> Allocations:
     """Every allocation of the trace (each version of a re-versioned tensor on its own, with the
     first version's stack and the whole chain's lifetime), then memory from before the trace."""
     n = len(trace)
@@ -673,6 +808,16 @@ def _allocations(path: str, walk: _Walk, trace: List[Dict[str, Any]], dump_only:
     life = timeline.lifetime_codes(
         np.concatenate((born, np.full(len(unmatched) + len(dump_only), -1, np.int64))),
         np.concatenate((ends, unmatched_ends, np.full(len(dump_only), n, np.int64))), n)
+    if kept is not None:  # a window: what the full trace makes of memory replaces what the window alone would
+        records = [trace[j].get(KIND_KEY) for j in opened.tolist()]
+        records += [trace[i].get(KIND_KEY) for i in unmatched.tolist()] + [b.kind for b in dump_only]
+        for k, record in enumerate(records):
+            if record is not None:
+                kind = _kind(path, record, kept)
+                if kind.update and kind.frames:
+                    stacks.mark_updates([kind.frames])
+                codes[k] = stack_code(kind.frames, kind.freed, kind.before_trace, kind.guess)
+                life[k] = kind.lifetime
     return Allocations(
         start=np.concatenate((opened, np.zeros(len(unmatched) + len(dump_only), np.int64))),
         end=np.concatenate((closed, unmatched, np.full(len(dump_only), n, np.int64))),
@@ -692,7 +837,7 @@ def _device_summary(snapshot: Snapshot, device: int, stacks: StackNormalizer,
 
     unmatched_bytes = -sum(walk.deltas[i] for i in walk.unmatched)
     static = unmatched_bytes
-    dump_only = [_DumpBlock(size, frames) for addr, size, frames in _dump_blocks(segments)
+    dump_only = [_DumpBlock(size, frames, kind=kind) for addr, size, frames, kind in _dump_blocks(segments)
                  if addr not in walk.open_at_end]
     static += sum(b.size for b in dump_only)
 
@@ -715,7 +860,10 @@ def _device_summary(snapshot: Snapshot, device: int, stacks: StackNormalizer,
     stand_ins = _optimizer_state_stand_ins(walk, trace, timeline)
     _state_by_sizes(dump_only, walk, trace, timeline)
     stacks.mark_updates(stand_ins.values())
-    live_items = _live_at(walk, trace, p, dump_only, timeline, stand_ins)
+    # A window: what the full trace makes of memory, kept on its entries and blocks (KIND_KEY).
+    kinds: Optional[Dict[int, Tuple[Any, _Kind]]] = {} if WINDOW_KEY in snapshot.source.keys else None
+    live_items = _live_at(walk, trace, p, dump_only, timeline, stand_ins, kinds, path)
+    _mark_kept_updates(stacks, kinds)
     # A re-versioned tensor is not memory from before a truncated trace: no advice to record more.
     reversioned = [i for i in walk.unmatched if i in walk.continued_by]
     unmatched_bytes -= sum(trace[i]["size"] for i in reversioned)
@@ -727,8 +875,11 @@ def _device_summary(snapshot: Snapshot, device: int, stacks: StackNormalizer,
             continue
         top = max(spans, key=lambda span: (span.peak_bytes, -span.peak_event_index))
         at = top.peak_event_index
-        phase_groups = None if at == peak_index else _group(
-            path, _live_at(walk, trace, at, dump_only, timeline, stand_ins), stacks)[0]
+        phase_groups = None
+        if at != peak_index:
+            phase_items = _live_at(walk, trace, at, dump_only, timeline, stand_ins, kinds, path)
+            _mark_kept_updates(stacks, kinds)
+            phase_groups = _group(path, phase_items, stacks)[0]
         phase_peaks.append(PhasePeak(phase, timeline.step_at(at), top.peak_bytes, at, phase_groups))
     if sum(g.bytes for g in groups) != peak:
         raise AssertionError(f"{path}: device {device}: groups do not add up to the peak (a memdiff bug)")
@@ -751,7 +902,7 @@ def _device_summary(snapshot: Snapshot, device: int, stacks: StackNormalizer,
     times = [_time(path, device, trace, 0), _time(path, device, trace, len(trace) - 1)] if trace else [None, None]
     history = None
     # Every allocation, read once for whoever asks (the history draws them, the forecast replays them).
-    everything = (_allocations(path, walk, trace, dump_only, timeline, stacks, stand_ins)
+    everything = (_allocations(path, walk, trace, dump_only, timeline, stacks, stand_ins, kinds)
                   if keep is not None or history_rules is not None else None)
     if keep is not None and everything is not None:
         keep[device] = everything

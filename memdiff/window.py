@@ -25,8 +25,8 @@ from memdiff.differ import TRACE_BOOKKEEPING
 from memdiff.errors import InputError
 from memdiff.lifetimes import Scopes, build_timeline
 from memdiff.load import Snapshot, to_snapshot
-from memdiff.model import WINDOW_KEY, Source
-from memdiff.normalize import _dump_blocks, _Walk, devices_of
+from memdiff.model import KIND_KEY, WINDOW_KEY, Source
+from memdiff.normalize import _dump_blocks, _Walk, devices_of, window_kinds
 
 KINDS = ("steps", "events", "time_us")
 FLAGS = {"steps": "--steps", "events": "--events", "time_us": "--time-us"}
@@ -93,12 +93,14 @@ def add_window_arguments(p: argparse.ArgumentParser, required: bool = False) -> 
 
 def _event_range(path: str, device: int, trace: List[Dict[str, Any]], walk: _Walk, window: Window,
                  annotations: List[Any], seen: Set[int]) -> Optional[Tuple[int, int]]:
-    """[a, b) of the device's events inside the window; None when it holds none of its steps (the
-    step numbers it has are added to `seen`)."""
+    """[a, b) of the device's events inside the window; None when it holds none of them (a window
+    past the trace's end or before its first time is no window of it: carrying in what is live
+    there would make up a trace that never was). The step numbers it has are added to `seen`."""
     n = len(trace)
     if window.kind == "events":
         a = min(n, window.start or 0)
-        return a, min(n, n if window.end is None else window.end)
+        b = min(n, n if window.end is None else window.end)
+        return (a, b) if a < b else None
     if window.kind == "time_us":
         found = [e.get("time_us") for e in trace]
         times: List[int] = [t for t in found if isinstance(t, int) and not isinstance(t, bool)]
@@ -107,7 +109,8 @@ def _event_range(path: str, device: int, trace: List[Dict[str, Any]], walk: _Wal
         if any(later < earlier for earlier, later in zip(times, times[1:])):
             raise InputError(path, f"device {device}: trace times go backwards; cut by --events instead")
         a = 0 if window.start is None else bisect.bisect_left(times, window.start)
-        return a, n if window.end is None else bisect.bisect_left(times, window.end)
+        b = n if window.end is None else bisect.bisect_left(times, window.end)
+        return (a, b) if a < b else None
     running = np.cumsum(np.frombuffer(walk.deltas, dtype=np.int64)) if n else np.zeros(0, np.int64)
     timeline = build_timeline(trace, walk.allocs, running, 0, Scopes(annotations, device), walk.version_of)
     seen.update(s.step for s in timeline.steps)
@@ -117,31 +120,46 @@ def _event_range(path: str, device: int, trace: List[Dict[str, Any]], walk: _Wal
     return min(s.start_event for s in inside), max(s.end_event for s in inside) + 1
 
 
-def _block(addr: int, size: int, frames: Any) -> Dict[str, Any]:
-    block: Dict[str, Any] = {"address": addr, "size": size, "requested_size": size, "state": "active_allocated"}
+def _block(addr: int, size: int, frames: Any, kind: Dict[str, Any]) -> Dict[str, Any]:
+    block: Dict[str, Any] = {"address": addr, "size": size, "requested_size": size, "state": "active_allocated",
+                             KIND_KEY: kind}
     if isinstance(frames, list) and frames:
         block["frames"] = frames
     return block
 
 
-def _carried_blocks(trace: List[Dict[str, Any]], walk: _Walk, a: int, b: int,
-                    dump_blocks: List[Tuple[int, int, Any]]) -> List[Dict[str, Any]]:
-    """Blocks for what is live when the window begins and still live when it ends: allocations
-    opened before it and freed after it (or never), memory older than the trace freed after it,
-    and the dump's blocks that the trace never opened."""
-    n = len(trace)
-    blocks = []
+def _carried(snapshot: Snapshot, device: int, trace: List[Dict[str, Any]], walk: _Walk, a: int, b: int
+             ) -> Tuple[List[Dict[str, Any]], List[Dict[str, Any]]]:
+    """(the window's trace entries, blocks for what is live when the window begins and still live
+    when it ends). The blocks: allocations opened before it and freed after it (or never), memory
+    older than the trace freed after it, and the dump's blocks that the trace never opened. Every
+    block, every allocation inside and every free inside of memory allocated before it carries
+    what the full trace makes of that memory (KIND_KEY), so it keeps its category there."""
     allocs = np.frombuffer(walk.allocs, dtype=np.int64) if len(walk.allocs) else np.zeros(0, np.int64)
-    closed = np.frombuffer(walk.closed, dtype=np.int64) if n else np.zeros(0, np.int64)
+    closed = np.frombuffer(walk.closed, dtype=np.int64) if len(trace) else np.zeros(0, np.int64)
+    unmatched = np.frombuffer(walk.unmatched, dtype=np.int64) if len(walk.unmatched) else np.zeros(0, np.int64)
     before = allocs[: bisect.bisect_left(walk.allocs, a)]
-    for j in before[closed[before] >= b].tolist():
-        e = trace[j]
-        blocks.append(_block(e["addr"], e["size"], e.get("frames")))
-    for u in walk.unmatched:
-        if u >= b:
-            blocks.append(_block(trace[u]["addr"], -walk.deltas[u], None))
-    blocks += [_block(addr, size, frames) for addr, size, frames in dump_blocks if addr not in walk.open_at_end]
-    return blocks
+    carried = before[closed[before] >= b]
+    freed_inside = before[(closed[before] >= a) & (closed[before] < b)]  # each freed by an event of the window
+    inside = allocs[bisect.bisect_left(walk.allocs, a): bisect.bisect_left(walk.allocs, b)]
+    unmatched_inside = unmatched[(unmatched >= a) & (unmatched < b)]
+    unmatched_after = unmatched[unmatched >= b]
+    kinds, dump_kinds = window_kinds(snapshot, device, walk,
+                                     np.concatenate((carried, freed_inside, inside)).tolist(),
+                                     np.concatenate((unmatched_after, unmatched_inside)).tolist())
+    k = iter(kinds)
+    blocks = [_block(trace[j]["addr"], trace[j]["size"], trace[j].get("frames"), next(k)) for j in carried.tolist()]
+    kept = trace[a:b]
+    # Copies: the full trace's entries stay as they were.
+    for i in closed[freed_inside].tolist() + inside.tolist():
+        kept[i - a] = {**trace[i], KIND_KEY: next(k)}
+    blocks += [_block(trace[u]["addr"], -walk.deltas[u], None, next(k)) for u in unmatched_after.tolist()]
+    for i in unmatched_inside.tolist():
+        kept[i - a] = {**trace[i], KIND_KEY: next(k)}
+    segments = [seg for seg in snapshot.segments if seg["device"] == device]
+    dump = [(addr, size, frames) for addr, size, frames, _ in _dump_blocks(segments) if addr not in walk.open_at_end]
+    blocks += [_block(addr, size, frames, kind) for (addr, size, frames), kind in zip(dump, dump_kinds)]
+    return kept, blocks
 
 
 def _readdress(blocks: List[Dict[str, Any]], taken: Set[Any]) -> None:
@@ -184,6 +202,28 @@ def _annotations_in(annotations: List[Any], first: Optional[int], last: Optional
     return [a for k, a in enumerate(annotations) if k in keep]
 
 
+def _span(first: int, last: int, spec: str = ",") -> str:
+    return f"{first:{spec}}" if first == last else f"{first:{spec}} to {last:{spec}}"
+
+
+def _nothing_inside(snapshot: Snapshot, window: Window, seen: Set[int]) -> str:
+    """Why a window holds nothing, naming what the trace has: its steps, events or times."""
+    if window.kind == "steps":
+        steps = sorted(seen)
+        have = (f"steps {steps[0]} to {steps[-1]}" if len(steps) > 1 else f"step {steps[0]}") if steps else "no steps"
+        return f"no device has those steps (the trace has {have})"
+    ranges: List[str] = []
+    for device, trace in enumerate(snapshot.device_traces):
+        if not trace:
+            continue
+        if window.kind == "events":
+            ranges.append(f"device {device}: events {_span(0, len(trace) - 1)}")
+        else:  # every entry carries an int time_us, in order: _event_range checked
+            ranges.append(f"device {device}: time_us {_span(trace[0]['time_us'], trace[-1]['time_us'], '')}")
+    return (f"no trace event is inside it ({'; '.join(ranges)})" if ranges
+            else "the snapshot has no trace events to cut (its trace is empty)")
+
+
 def cut(snapshot: Snapshot, window: Window) -> Dict[str, Any]:
     """The window of `snapshot` as a snapshot dict (`segments`, `device_traces`, ...), which a
     pickle of protocol 4 makes a file PyTorch's viewer and memdiff read. Devices that hold none
@@ -204,10 +244,8 @@ def cut(snapshot: Snapshot, window: Window) -> Dict[str, Any]:
             continue
         found = True
         a, b = span
-        kept = trace[a:b]
+        kept, blocks = _carried(snapshot, device, trace, walk, a, b)
         times += [t for e in kept[:1] + kept[-1:] if isinstance(t := e.get("time_us"), int)]
-        blocks = _carried_blocks(trace, walk, a, b, list(_dump_blocks(
-            [s for s in snapshot.segments if s["device"] == device])))
         _readdress(blocks, set(_Walk(path, device, kept).open_at_end))
         while len(out_traces) <= device:
             out_traces.append([])
@@ -220,9 +258,7 @@ def cut(snapshot: Snapshot, window: Window) -> Dict[str, Any]:
                              "allocated_size": blk["size"], "active_size": blk["size"],
                              "requested_size": blk["size"], "stream": 0, "segment_type": "large", "blocks": [blk]})
     if not found:
-        steps = sorted(seen)
-        have = (f"steps {steps[0]} to {steps[-1]}" if len(steps) > 1 else f"step {steps[0]}") if steps else "no steps"
-        raise InputError(path, f"{window.describe()}: no device has those steps (the trace has {have})")
+        raise InputError(path, f"{window.describe()}: {_nothing_inside(snapshot, window, seen)}")
     raw: Dict[str, Any] = {"segments": segments, "device_traces": out_traces,
                            "external_annotations": _annotations_in(snapshot.external_annotations,
                                                                    min(times, default=None), max(times, default=None))}

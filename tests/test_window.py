@@ -236,3 +236,180 @@ def test_a_window_drops_the_ring_buffer_bookkeeping(write_snapshot, tmp_path):
     out = str(tmp_path / "w.pickle")
     assert main(["slice", write_snapshot(snap), "--steps", "1", "-o", out]) == 0
     assert raw_of(out)["allocator_settings"] == {"expandable_segments": True}
+
+
+@pytest.mark.parametrize("window, message", [
+    (["--events", "99999999:100000000"], "no trace event is inside it (device 0: events 0 to "),
+    (["--events", "400:"], "no trace event is inside it (device 0: events 0 to "),
+    (["--time-us", "1:2"], "no trace event is inside it (device 0: time_us "),
+    (["--time-us", "99999999999999999:"], "no trace event is inside it (device 0: time_us "),
+])
+def test_a_window_holding_no_event_is_refused_by_every_command(write_snapshot, tmp_path, capsys, window, message):
+    snap = training(steps=2)
+    for t, e in enumerate(snap["device_traces"][0]):
+        e["time_us"] = 1000 + t
+    n = len(snap["device_traces"][0])
+    assert n < 400
+    src = write_snapshot(snap)
+    job = tmp_path / "job"
+    job.mkdir()
+    (job / "rank0.pickle").write_bytes(open(src, "rb").read())
+    out = tmp_path / "x"
+    base = str(tmp_path / "b.json")
+    assert main(["baseline", src, "-o", base]) == 0
+    capsys.readouterr()
+    commands = [["slice", src, "-o", str(out)], ["peak", src], ["summarize", src, "-o", str(out)],
+                ["diff", src, src], [src, src], ["baseline", src, "-o", str(out)],
+                ["gate", src, "--baseline", base], ["ranks", str(job)], ["forecast", f"{src}=1", f"{src}=2"]]
+    for argv in commands:
+        assert main([*argv, *window]) == 2, argv
+        err = capsys.readouterr().err
+        assert message in err and len(err.strip().splitlines()) == 1, (argv, err)
+        assert not out.exists(), argv
+    capsys.readouterr()
+    # The first and last events still are the trace's.
+    assert main(["peak", src, "--events", f"{n - 1}:{n + 5}"]) == 0
+    assert main(["peak", src, "--time-us", f":{1001}"]) == 0
+    capsys.readouterr()
+
+
+def moments_and_windows(d: Any) -> List[Tuple[int, int, Dict[str, int], List[Any], List[Tuple[int, int]]]]:
+    """(event, bytes, categories, groups, windows holding it) for the full trace's peak and each phase's
+    peak, as the full trace's own summary gives them (no window involved): the phase run and the step
+    around each, whose highest event it is when the run is its phase's highest."""
+    runs = [(s, r) for s in d.steps for r in s.phases]
+    out = []
+    moments = [(d.peak_event_index, d.peak_bytes, d.categories, d.groups)]
+    moments += [(p.peak_event_index, p.peak_bytes, p.categories, p.groups or d.groups) for p in d.phase_peaks]
+    for event, peak, categories, groups in moments:
+        if event is None:  # the peak is the memory live before the trace: the whole trace is its window
+            out.append((-1, peak, categories, groups, [(0, d.trace_events)] if d.trace_events else []))
+            continue
+        windows = [(r.start_event, r.end_event + 1) for _, r in runs if r.start_event <= event <= r.end_event]
+        windows += [(s.start_event, s.end_event + 1) for s, _ in runs if s.start_event <= event <= s.end_event]
+        windows += [(max(0, event - 700), event + 1), (event, event + 1)]
+        out.append((event, peak, categories, groups, sorted(set(windows))))
+    return out
+
+
+def groups_of(groups: List[Any]) -> List[Tuple[str, str, int, int]]:
+    return sorted((g.category, g.site, g.count, g.bytes) for g in groups)
+
+
+def assert_window_moments_are_the_full_traces(path: str) -> int:
+    """Every window around a moment of the full trace whose own peak is that event has its bytes,
+    categories and groups: memory carried in keeps the category the full trace gives it. Returns how
+    many windows were compared."""
+    from memdiff.classify import load_rules
+    from memdiff.inputs import read_summary
+
+    rules = load_rules()
+    full = read_summary(path, rules)
+    compared = 0
+    for d in full.devices:
+        for event, peak, categories, groups, windows in moments_and_windows(d):
+            for a, b in windows:
+                got = {x.device: x for x in read_summary(path, rules, history=True,
+                                                         window=Window("events", a, b)).devices}
+                w = got[d.device]
+                if (-1 if w.peak_event_index is None else a + w.peak_event_index) != event:
+                    continue  # the window's own peak is another event
+                assert (w.peak_bytes, w.categories) == (peak, categories), (path, d.device, event, a, b)
+                assert groups_of(w.groups) == groups_of(groups), (path, d.device, event, a, b)
+                # Its history, drawn from every allocation, says the same at the peak.
+                h = w.history
+                if h is not None and h.totals:
+                    k = h.totals.index(w.peak_bytes)
+                    assert {c: v[k] for c, v in h.categories.items() if v[k]} == {c: n for c, n in categories.items()
+                                                                                   if n}, (path, event, a, b)
+                compared += 1
+    return compared
+
+
+@pytest.mark.parametrize("name", real_snapshot_names())
+def test_a_window_keeps_the_full_traces_categories_at_its_peak(shared, name):
+    raw = raw_of(str(shared / name))
+    if not isinstance(raw, dict) or not any(raw.get("device_traces", [])):
+        pytest.skip("no trace to cut")
+    assert assert_window_moments_are_the_full_traces(str(shared / name)) > 0
+
+
+def test_a_slice_keeps_the_full_traces_categories(shared, tmp_path, capsys):
+    src = str(shared / "cs336-medium-ctx128-train.pickle")
+    out = str(tmp_path / "w.pickle")
+    assert main(["slice", src, "--events", "9000:11000", "-o", out]) == 0
+    capsys.readouterr()
+    for argv in (["peak", out, "--format", "json"], ["peak", src, "--events", "9000:11000", "--format", "json"]):
+        assert main(argv) == 0
+        w = json.loads(capsys.readouterr().out)["devices"][0]
+        assert main(["peak", src, "--events", f"{9000 + w['peak_event_index']}:{9000 + w['peak_event_index'] + 1}",
+                     "--format", "json"]) == 0
+        at = json.loads(capsys.readouterr().out)["devices"][0]
+        assert w["categories"] == at["categories"] and w["peak_bytes"] == at["peak_bytes"]
+
+
+def assert_cpu_windows_keep_pytorchs_categories(path: str) -> None:
+    """On a CPU capture: the full trace's moments again, and at each window's peak the parameters,
+    gradients and optimizer state that PyTorch's own `category` (its arguable labels read as
+    docs/categories.md documents them) says are live at that event of the full trace (the
+    weights' in-place updates are frees and new versions: a window alone read them as memory freed)."""
+    from memdiff.classify import load_rules
+    from memdiff.inputs import read_summary
+    from memdiff.load import decode
+    from scenario_suite import pytorch_categories_at
+
+    assert assert_window_moments_are_the_full_traces(path) > 0
+    trace = decode(path)[0]["device_traces"][-1]
+    full = read_summary(path, load_rules()).devices[0]
+    assert len(full.steps) >= 2
+    n = full.trace_events
+    starts = [(s.start_event, parse_window("steps", str(s.step))) for s in full.steps[1:]]
+    starts += [(a, Window("events", a, b)) for a, b in [(n // 3, 2 * n // 3), (n // 2, n), (n // 4, n // 4 + 500)]]
+    for a, window in starts:
+        w = read_summary(path, load_rules(), window=window).devices[0]
+        assert w.peak_event_index is not None
+        theirs = pytorch_categories_at(trace, a + w.peak_event_index, documented=True)
+        for category in ("parameter", "optimizer_state", "gradient"):
+            assert w.categories.get(category, 0) == theirs.get(category, 0), (window, category, w.categories, theirs)
+        assert theirs["parameter"] > 0
+
+
+@pytest.mark.slow
+def test_windows_of_a_cpu_capture_keep_pytorchs_categories(scenarios):
+    assert_cpu_windows_keep_pytorchs_categories(str(scenarios("gpt2-base")["gpt2-base"]))
+
+
+def test_a_slice_of_a_slice_keeps_the_full_traces_kinds(shared, tmp_path, capsys):
+    src = str(shared / "cs336-medium-ctx128-train.pickle")
+    once, twice = str(tmp_path / "once.pickle"), str(tmp_path / "twice.pickle")
+    assert main(["slice", src, "--events", "8000:12000", "-o", once]) == 0
+    assert main(["slice", once, "--events", "1000:3000", "-o", twice]) == 0
+    capsys.readouterr()
+    for argv in (["peak", twice, "--format", "json"], ["peak", src, "--events", "9000:11000", "--format", "json"]):
+        assert main(argv) == 0
+        got = json.loads(capsys.readouterr().out)["devices"][0]
+        assert got["categories"]["parameter"] > 0
+        if argv[1] == twice:
+            first = got
+    assert (first["peak_bytes"], first["static_bytes"], first["categories"]) == (
+        got["peak_bytes"], got["static_bytes"], got["categories"])
+
+
+@pytest.mark.parametrize("kind", ["not a dict", {"freed": "yes"}, {"frames": None, "freed": False,
+                                                                   "before_trace": True, "guess": "weights",
+                                                                   "update": False, "lifetime": "x"}])
+def test_a_tampered_kind_in_a_slice_is_one_line_exit_2(write_snapshot, tmp_path, capsys, kind):
+    out = str(tmp_path / "w.pickle")
+    assert main(["slice", write_snapshot(training(steps=3)), "--steps", "1", "-o", out]) == 0
+    raw = raw_of(out)
+    block = next(b for s in raw["segments"] for b in s["blocks"])
+    block["memdiff_kind"] = kind
+    bad = write_snapshot(raw, "bad.pickle")
+    capsys.readouterr()
+    assert main(["peak", bad]) == 2
+    err = capsys.readouterr().err
+    assert "memdiff_kind" in err and len(err.strip().splitlines()) == 1
+    # Outside a window the key is nobody's: it is not read.
+    del raw["memdiff_window"]
+    assert main(["peak", write_snapshot(raw, "plain.pickle")]) == 0
+    capsys.readouterr()
