@@ -135,9 +135,10 @@ def start_cpu(torch: Any) -> Callable[[], Any]:
             # lets each allocation be matched to its profiler event (_name_autograd_nodes).
             memory = profiler._memory_profile()
             snapshot = to_snapshot(_Built(memory))
-        except AssertionError as exc:
-            print(f"memdiff: torch's memory profiler refused this run's records ({str(exc)[:120]}...); the snapshot "
-                  f"is built from its allocation events instead, without PyTorch's own categories", file=sys.stderr)
+        except Exception as exc:  # a private API: under gloo's threads it fails with AssertionError or KeyError
+            print(f"memdiff: torch's memory profiler refused this run's records ({type(exc).__name__}: "
+                  f"{str(exc)[:120]}...); the snapshot is built from its allocation events instead, without "
+                  f"PyTorch's own categories", file=sys.stderr)
             return from_allocations(torch, profiler)
         _name_autograd_nodes(torch, snapshot, memory)
         return snapshot
