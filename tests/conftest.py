@@ -144,3 +144,23 @@ def scenarios(torch, tmp_path_factory):
     def get(*names: str) -> Dict[str, Path]:
         return {name: paths[name] for name in names}
     return get
+
+
+def cli(capsys, *argv: Any):
+    """(exit code, stdout, stderr) of memdiff run in this process with `argv`."""
+    from memdiff.cli import main
+
+    code = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def weights_and_activations(path: Path, activation: int, parameter: int = 100 * 2**20,
+                            forward: Optional[List[Dict[str, Any]]] = None) -> Path:
+    """A run with `parameter` bytes of weights made in __init__ and `activation` bytes made in
+    forward (at `forward`'s frames, by default model.py's own)."""
+    init = py_frames("model.py:3:__init__", "train.py:4:<module>")
+    fwd = forward or py_frames("model.py:10:forward", "train.py:5:<module>")
+    trace = [alloc(1, parameter, init), alloc(2, activation, fwd)]
+    path.write_bytes(pickle.dumps({"segments": [], "device_traces": [[e for e in trace if e["size"]]]}, 4))
+    return path

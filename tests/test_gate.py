@@ -4,34 +4,26 @@ from __future__ import annotations
 
 import json
 import os
-import pickle
 import shutil
 from pathlib import Path
 from unittest import mock
 
 import pytest
 
-from conftest import ROOT, alloc, py_frames
+from conftest import ROOT, cli, weights_and_activations
 import memdiff
 from memdiff.cli import main
 from memdiff.errors import InputError
 
-FWD = py_frames("model.py:10:forward", "train.py:5:<module>")    # activation
-INIT = py_frames("model.py:3:__init__", "train.py:4:<module>")   # parameter
 MiB = 2**20
 
 
-def run(capsys, *argv):
-    code = main([str(a) for a in argv])
-    out, err = capsys.readouterr()
-    return code, out, err
-
 
 def snapshot(path: Path, activation: int, parameter: int = 100 * MiB) -> Path:
-    """A run with `parameter` bytes of weights and `activation` bytes made in forward."""
-    trace = [alloc(1, parameter, INIT), alloc(2, activation, FWD)]
-    path.write_bytes(pickle.dumps({"segments": [], "device_traces": [[e for e in trace if e["size"]]]}, 4))
-    return path
+    return weights_and_activations(path, activation, parameter)
+
+
+run = cli
 
 
 @pytest.fixture

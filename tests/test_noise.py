@@ -8,11 +8,10 @@ import pickle
 from pathlib import Path
 
 import pytest
-from conftest import alloc, block, free, py_frames, segment
+from conftest import alloc, block, cli, free, py_frames, segment, weights_and_activations
 
 from memdiff.baseline import _stored_summary, comparable_pair, read_baseline
 from memdiff.classify import load_rules
-from memdiff.cli import main
 from memdiff.inputs import read_summary
 from memdiff.report import Run, Settings, compare
 
@@ -23,17 +22,12 @@ CUDA = Path(__file__).parent / "data" / "cuda"
 REPO = Path(__file__).resolve().parent.parent
 
 
-def run(capsys, *argv):
-    code = main([str(a) for a in argv])
-    out, err = capsys.readouterr()
-    return code, out, err
-
 
 def snapshot(path: Path, activation: int, parameter: int = 100 * MiB) -> Path:
-    """A run with `parameter` bytes of weights and `activation` bytes made in forward."""
-    trace = [alloc(1, parameter, INIT), alloc(2, activation, FWD)]
-    path.write_bytes(pickle.dumps({"segments": [], "device_traces": [[e for e in trace if e["size"]]]}, 4))
-    return path
+    return weights_and_activations(path, activation, parameter, forward=FWD)
+
+
+run = cli
 
 
 def repeats(tmp_path: Path, capsys, *flags, activations=(100 * MiB, 104 * MiB, 102 * MiB)) -> Path:

@@ -3,35 +3,28 @@
 from __future__ import annotations
 
 import json
-import pickle
 import re
 from pathlib import Path
 
 import pytest
-from conftest import alloc, py_frames
+from conftest import cli, py_frames, weights_and_activations
 
-from memdiff.cli import main
 from memdiff.trend import BLOCKS, read_history, sparkline, trend_of
 from memdiff.units import format_bytes
 
 MiB = 2**20
-INIT = py_frames("model.py:3:__init__", "train.py:4:<module>")
 FWD = py_frames("site-packages/torch/nn/modules/linear.py:125:forward", "model.py:9:forward", "train.py:8:<module>")
 # The main branch's 20 commits: the activations of each run, in MiB (weights: 100 MiB). Flat, a
 # step up at commit 8, a step down at 15, and a creep at the end.
 MAIN = [40] * 7 + [48] * 7 + [44] * 3 + [45, 46, 47]
 
 
-def run(capsys, *argv):
-    code = main([str(a) for a in argv])
-    out, err = capsys.readouterr()
-    return code, out, err
-
 
 def snapshot(path: Path, activation: int, parameter: int = 100 * MiB) -> Path:
-    trace = [alloc(1, parameter, INIT), alloc(2, activation, FWD)]
-    path.write_bytes(pickle.dumps({"segments": [], "device_traces": [[e for e in trace if e["size"]]]}, 4))
-    return path
+    return weights_and_activations(path, activation, parameter, forward=FWD)
+
+
+run = cli
 
 
 def commit(k: int) -> str:
