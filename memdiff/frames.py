@@ -20,7 +20,8 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any, Callable, Dict, Generic, Iterable, Iterator, List, Optional, Sequence, Tuple, TypeVar
 
-from memdiff.errors import brief, number
+from memdiff.errors import brief, clip, number
+from memdiff.inert import text
 from memdiff.model import Frame
 
 # Python's recursion limit is 1,000 frames and C++ adds a few dozen per Python call; a stack far
@@ -294,14 +295,8 @@ def _original(raw: Dict[str, Any]) -> Tuple[_Kept, ...]:
     frames = frames[-MAX_ORIGINAL_FRAMES:]
     if not frames:
         return ()
-    marker = [_compiled_marker(f"compiled {clip_name(target)}")] if isinstance(target, str) and target else []
+    marker = [_compiled_marker(f"compiled {clip(text(target), 120)}")] if isinstance(target, str) and target else []
     return (*marker, *reversed(frames))
-
-
-def clip_name(text: str, limit: int = 120) -> str:
-    """A name from a snapshot, one line and at most `limit` characters."""
-    text = text.replace("\n", " ")
-    return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
 def _compiled_marker(label: str) -> _Kept:
