@@ -16,8 +16,8 @@ from typing import Any, Optional
 
 from lightning.pytorch import Callback
 
-from memdiff.capture import DEFAULT_WINDOW, STACKS, StepWindow, parse_steps
-from memdiff.integrations.monitor import Monitor
+from memdiff.capture import DEFAULT_WINDOW, StepWindow
+from memdiff.integrations.monitor import Monitor, checked_options
 
 
 def _warn(message: str) -> None:
@@ -37,9 +37,7 @@ class MemdiffCallback(Callback):
 
     def __init__(self, steps: "str | StepWindow" = DEFAULT_WINDOW, dirpath: Optional[str] = None,
                  log_peaks: bool = True, max_entries: int = 1_000_000, stacks: str = "all") -> None:
-        if stacks not in STACKS:
-            raise ValueError(f"stacks must be one of {STACKS}, not {stacks!r}")
-        self.steps = parse_steps(steps)  # a bad window fails here, before any training
+        self.steps = checked_options(steps, stacks)
         self.dirpath, self.log_peaks = dirpath, log_peaks
         self.max_entries, self.stacks = max_entries, stacks
         self.monitor: Optional[Monitor] = None

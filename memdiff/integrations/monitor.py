@@ -14,6 +14,7 @@ import re
 from typing import Any, Callable, Dict, List, Tuple
 
 from memdiff.capture import (
+    STACKS,
     StepWindow,
     WindowRecording,
     has_cuda,
@@ -28,6 +29,14 @@ GIB = float(1 << 30)
 # /proc/self/clear_refs; without CUDA that is the one peak that can be read per interval.
 STATUS_FILE, CLEAR_REFS = "/proc/self/status", "/proc/self/clear_refs"
 HWM = re.compile(rb"^VmHWM:\s+(\d+)\s+kB", re.MULTILINE)
+
+
+def checked_options(steps: "str | StepWindow", stacks: str) -> StepWindow:
+    """A callback's window, its options checked when the callback is made, before any training:
+    a bad window or stacks value is a ValueError then, not a warning steps later."""
+    if stacks not in STACKS:
+        raise ValueError(f"stacks must be one of {STACKS}, not {stacks!r}")
+    return parse_steps(steps)
 
 
 def gib(n: int) -> float:

@@ -18,8 +18,8 @@ from transformers import TrainerCallback
 from transformers.trainer_callback import CallbackHandler
 from transformers.utils import logging
 
-from memdiff.capture import DEFAULT_WINDOW, STACKS, StepWindow, parse_steps
-from memdiff.integrations.monitor import Monitor
+from memdiff.capture import DEFAULT_WINDOW, StepWindow
+from memdiff.integrations.monitor import Monitor, checked_options
 
 logger = logging.get_logger(__name__)
 
@@ -36,9 +36,7 @@ class MemdiffCallback(TrainerCallback):
 
     def __init__(self, steps: "str | StepWindow" = DEFAULT_WINDOW, output_dir: Optional[str] = None,
                  log_peaks: bool = True, max_entries: int = 1_000_000, stacks: str = "all") -> None:
-        if stacks not in STACKS:
-            raise ValueError(f"stacks must be one of {STACKS}, not {stacks!r}")
-        self.steps = parse_steps(steps)  # a bad window fails here, before any training
+        self.steps = checked_options(steps, stacks)
         self.output_dir, self.log_peaks = output_dir, log_peaks
         self.max_entries, self.stacks = max_entries, stacks
         self.monitor: Optional[Monitor] = None
