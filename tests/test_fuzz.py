@@ -148,15 +148,19 @@ def _run_cases(make: Callable[[random.Random, int], Tuple[bytes, str]], count: i
     return codes
 
 
-@pytest.mark.slow  # reads many mutated real snapshots
-def test_structured_mutations_of_real_snapshots(bases, tmp_path, capsys):
+def _mutants(bases: Dict[str, Any]) -> Callable[[random.Random, int], Tuple[bytes, str]]:
+    """Case i: a real snapshot in turn, with one to four structured mutations, and what was done."""
     def make(rng: random.Random, i: int) -> Tuple[bytes, str]:
         name = BASES[i % len(BASES)]
         doc = copy.deepcopy(bases[name])
         done = [_mutate(doc, rng) for _ in range(rng.choice((1, 1, 2, 4)))]
         return _dumps(doc), f"{name}: {'; '.join(done)}"
+    return make
 
-    codes = _run_cases(make, STRUCTURED, tmp_path, capsys, SEED)
+
+@pytest.mark.slow  # reads many mutated real snapshots
+def test_structured_mutations_of_real_snapshots(bases, tmp_path, capsys):
+    codes = _run_cases(_mutants(bases), STRUCTURED, tmp_path, capsys, SEED)
     print(f"\nstructured mutants: {STRUCTURED}, exit codes {codes}")
     assert codes.get(0) and codes.get(2)  # the mutants reach both outcomes
 
@@ -167,13 +171,7 @@ WINDOWS = (("--events", "3:30"), ("--steps", "0"), ("--time-us", "1:"), ("--even
 @pytest.mark.slow  # reads many mutated real snapshots
 def test_windows_of_structured_mutations(bases, tmp_path, capsys):
     """The same mutants read through a window (memdiff.window walks and cuts them first)."""
-    def make(rng: random.Random, i: int) -> Tuple[bytes, str]:
-        name = BASES[i % len(BASES)]
-        doc = copy.deepcopy(bases[name])
-        done = [_mutate(doc, rng) for _ in range(rng.choice((1, 1, 2, 4)))]
-        return _dumps(doc), f"{name}: {'; '.join(done)}"
-
-    codes = _run_cases(make, STRUCTURED // 2, tmp_path, capsys, SEED + 3, WINDOWS)
+    codes = _run_cases(_mutants(bases), STRUCTURED // 2, tmp_path, capsys, SEED + 3, WINDOWS)
     print(f"\nstructured mutants through windows: {STRUCTURED // 2}, exit codes {codes}")
     assert codes.get(0) and codes.get(2)
 
