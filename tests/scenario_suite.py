@@ -254,3 +254,17 @@ def whatif_rows(paths: Dict[str, Path]) -> List[Dict[str, Any]]:
                      "measured": measured.peak_bytes, "measured_phase": measured.phase_at_peak, "error_pct": error,
                      "reason": predicted.reason})
     return rows
+
+
+def facts(runs: Dict[str, Path], name: str) -> Dict[str, Any]:
+    """What train.py wrote beside a capture (RUN.pickle.facts.json): facts from the model and optimizer."""
+    return json.loads(Path(str(runs[name]) + ".facts.json").read_text())
+
+
+def summaries_of(runs: Dict[str, Path]) -> Dict[str, Any]:
+    """Each capture's Summary, classified by the shipped rules."""
+    from memdiff.classify import load_rules
+    from memdiff.inputs import read_summary
+
+    rules = load_rules()
+    return {name: read_summary(str(path), rules) for name, path in runs.items()}

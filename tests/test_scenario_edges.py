@@ -7,7 +7,6 @@ the optimizer's state, steps run) or against PyTorch's own labels, never against
 
 from __future__ import annotations
 
-import json
 import pickle
 from pathlib import Path
 from typing import Dict, List, Tuple
@@ -19,7 +18,7 @@ from memdiff.differ import NEW, DeviceDiff, diff
 from memdiff.inputs import read_summary
 from memdiff.load import decode
 from memdiff.model import DeviceSummary, Summary
-from scenario_suite import EDGES, truth_of
+from scenario_suite import EDGES, facts, summaries_of, truth_of
 
 # Slow (the fast loop, -m "not slow", leaves it out): captures of the scenario models.
 pytestmark = pytest.mark.slow
@@ -57,12 +56,7 @@ def runs(scenarios) -> Dict[str, Path]:
 
 @pytest.fixture(scope="module")
 def summaries(runs) -> Dict[str, Summary]:
-    rules = load_rules()
-    return {name: read_summary(str(path), rules) for name, path in runs.items()}
-
-
-def facts(runs: Dict[str, Path], name: str) -> Dict:
-    return json.loads(Path(str(runs[name]) + ".facts.json").read_text())
+    return summaries_of(runs)
 
 
 def device(summaries: Dict[str, Summary], name: str) -> DeviceSummary:

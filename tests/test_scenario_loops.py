@@ -9,20 +9,18 @@ record_function scopes, never against memdiff's own answer.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Dict
 
 import pytest
 
 from memdiff.api import diff as report_of
-from memdiff.classify import PERSISTENT, load_rules
+from memdiff.classify import PERSISTENT
 from memdiff.cli import main
 from memdiff.differ import DeviceDiff, diff
-from memdiff.inputs import read_summary
 from memdiff.model import Summary
 from memdiff.units import format_bytes
-from scenario_suite import LOOPS, truth_of
+from scenario_suite import LOOPS, facts, summaries_of, truth_of
 
 # Slow (the fast loop, -m "not slow", leaves it out): captures of the scenario models.
 pytestmark = pytest.mark.slow
@@ -38,12 +36,7 @@ def runs(scenarios) -> Dict[str, Path]:
 
 @pytest.fixture(scope="module")
 def summaries(runs) -> Dict[str, Summary]:
-    rules = load_rules()
-    return {name: read_summary(str(path), rules) for name, path in runs.items()}
-
-
-def facts(runs: Dict[str, Path], name: str) -> Dict:
-    return json.loads(Path(str(runs[name]) + ".facts.json").read_text())
+    return summaries_of(runs)
 
 
 def category_delta(d: DeviceDiff, name: str) -> int:
