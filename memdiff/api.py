@@ -120,10 +120,14 @@ def write_baseline(run: Run, path: Union[str, "os.PathLike[str]"], *, name: Opti
 
 
 def gate(run: Run, baseline: Union[str, "os.PathLike[str]", Baseline], *, rules: Optional[Sequence[str]] = None,
-         top: int = DEFAULT_TOP, **limits: Any) -> Report:
+         top: int = DEFAULT_TOP, whatif: bool = False, **limits: Any) -> Report:
     """Judge a run against a baseline under its thresholds; limits given (`fail_over="256MiB"`,
     `categories={"activation": "10%"}`, `phases={"forward": "512MiB"}`) replace the stored ones whole.
-    The Report's `passed`, `checks` and `headline` say how it went; `to_dict()` is the CLI's gate document."""
+    The Report's `passed`, `checks` and `headline` say how it went; `to_dict()` is the CLI's gate document.
+    With `whatif` (`memdiff gate --whatif`), a regressed peak's report names the changes that buy it
+    back (`Report.buy_back`), replayed from the run's snapshot: `run` must then be a path."""
+    if whatif and isinstance(run, Summary):
+        raise InputError("whatif", "the what-if replays the run's snapshot: pass its path, not a Summary")
     stored = baseline if isinstance(baseline, Baseline) else load_baseline(baseline)
     where = "baseline" if isinstance(baseline, Baseline) else os.fspath(baseline)
     _check_categories(limits, rules, stored.thresholds, where)
@@ -133,7 +137,9 @@ def gate(run: Run, baseline: Union[str, "os.PathLike[str]", Baseline], *, rules:
                         update_hint=None if isinstance(name, Summary) else baseline_command(name, where),
                         base_label=stored.label(),
                         run=head.source.file if isinstance(name, Summary) else name, baseline=where,
-                        spreads=stored.spreads())  # a baseline of repeats gates with its spread, as `memdiff gate`
+                        spreads=stored.spreads(),  # a baseline of repeats gates with its spread, as `memdiff gate`
+                        whatif_run=None if isinstance(name, Summary) or not whatif else name,
+                        rules=_rules(rules))
     return compare([ReportRun(base)], [ReportRun(head)], settings)
 
 

@@ -15,6 +15,7 @@ import test_whatif
 from test_inert import run
 
 import memdiff
+from memdiff.errors import InputError
 from memdiff.inert import md_text
 from memdiff.limits import Limit
 
@@ -137,6 +138,19 @@ def test_the_gate_says_it_against_the_baseline(pair, tmp_path, validate):
     validate("gate", docs)
     items = docs[0]["buy_back"]
     assert items and all("within the baseline's 12.89 KiB" in b["text"] for b in items)
+
+
+def test_the_api_gate_names_the_same_changes_as_the_cli(pair, tmp_path):
+    base, head = pair(2)
+    baseline = tmp_path / "b.json"
+    assert run("baseline", base, "-o", baseline)[0] == 0
+    cli = as_json("gate", head, "--baseline", baseline, "--fail-over-pct", "5", "--whatif")[0]
+    report = memdiff.gate(head, baseline, fail_over_pct=5, whatif=True)
+    assert not report.passed
+    assert report.to_dict()["buy_back"] == cli["buy_back"] and cli["buy_back"]
+    assert "buy_back" not in memdiff.gate(head, baseline, fail_over_pct=5).to_dict()
+    with pytest.raises(InputError, match="pass its path"):
+        memdiff.gate(memdiff.summarize(head), baseline, whatif=True)
 
 
 @pytest.mark.slow  # the scenario suite's captures
