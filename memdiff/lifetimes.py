@@ -29,7 +29,7 @@ from typing import Any, Container, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from memdiff.frames import MAX_STACK_FRAMES, PerFrames
+from memdiff.frames import LIBRARY_PATH, MAX_STACK_FRAMES, STDLIB_PATH, PerFrames, profiler_frame
 from memdiff.model import PhaseSpan, Step
 
 FORWARD, BACKWARD, OPTIMIZER, OTHER = "forward", "backward", "optimizer", "other"
@@ -89,7 +89,7 @@ class _Hints:
 
     def __init__(self) -> None:
         self._lists: PerFrames[Optional[str]] = PerFrames(self._scan)
-        self._frames: Dict[Tuple[Any, Any], Optional[str]] = {}
+        self._frames: Dict[Tuple[Any, Any], Tuple[Optional[str], bool]] = {}
 
     def of(self, frames: Any) -> Optional[str]:
         if not frames or not isinstance(frames, list) or len(frames) > MAX_STACK_FRAMES:
@@ -97,7 +97,15 @@ class _Hints:
         return self._lists.get(frames)
 
     def _scan(self, frames: List[Any], _: Any) -> Optional[str]:
+        """The strongest hint of the stack's frames (innermost first), but where the step called
+        back into other code (`optimizer.step(closure)`: Lightning's automatic optimization,
+        LBFGS), what that code did is not the optimizer's: the forward and the loss the closure
+        computes take the hints of the frames inside the callback (none for the loss: the phase
+        around it), and its backward stays a backward."""
         best: Optional[str] = None
+        inner: Optional[str] = None  # the strongest hint before (inside) the first optimizer frame
+        called_back = False  # a frame of code outside torch inside the first optimizer frame
+        stepped = False  # an optimizer frame was met
         for raw in frames:
             if not isinstance(raw, dict):
                 continue
@@ -105,15 +113,22 @@ class _Hints:
             if not isinstance(name, str):
                 continue  # a malformed frame says nothing (the stack normalizer reports it)
             filename = filename if isinstance(filename, str) else None
-            hint = self._frames.get((name, filename), "?")
-            if hint == "?":
-                hint = frame_phase(name, filename)
-                self._frames[(name, filename)] = hint
+            known = self._frames.get((name, filename))
+            if known is None:
+                known = self._frames[(name, filename)] = (frame_phase(name, filename), _outside_torch(name, filename))
+            hint, outside = known
+            if hint == BACKWARD:
+                return BACKWARD
+            if not stepped:
+                if hint == OPTIMIZER:
+                    stepped = True
+                else:
+                    called_back = called_back or outside
+                    if hint is not None and (inner is None or _RANK[hint] < _RANK[inner]):
+                        inner = hint
             if hint is not None and (best is None or _RANK[hint] < _RANK[best]):
                 best = hint
-                if best == BACKWARD:
-                    break
-        return best
+        return inner if stepped and (called_back or inner == FORWARD) else best
 
 
 def frame_phase(name: str, filename: Optional[str]) -> Optional[str]:
@@ -124,6 +139,20 @@ def frame_phase(name: str, filename: Optional[str]) -> Optional[str]:
         if pattern.search(text):
             return phase
     return None
+
+
+_TORCH_FILE = re.compile(r"(^|/)torch/")
+
+
+def _outside_torch(name: str, filename: Optional[str]) -> bool:
+    """Whether a frame runs Python source of neither torch nor the standard library: the user's
+    code or a framework's (a closure an optimizer step calls back into)."""
+    if filename in (None, "", "none", "??"):
+        match = profiler_frame(name[:1000])
+        filename = match.group("file") if match else None
+    if not filename or not filename.endswith(".py") or _TORCH_FILE.search(filename):
+        return False
+    return bool(LIBRARY_PATH.search(filename)) or not STDLIB_PATH.search(filename)
 
 
 class _Intervals:

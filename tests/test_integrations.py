@@ -18,6 +18,7 @@ from typing import Dict, List, Set
 
 import pytest
 
+import memdiff
 from conftest import ROOT, missing_capture_dependency
 from memdiff.capture import StepWindow, parse_steps
 from memdiff.load import decode
@@ -125,6 +126,11 @@ def check_job(folder: Path, window: Set[int]) -> int:
     """The job folder a callback wrote: rank 0's snapshot holds exactly the window's steps, and the
     manifest says so; the snapshot's size."""
     assert sorted(set(marked_steps(folder / "rank0.pickle"))) == sorted(window)
+    # memdiff reads the window's optimizer steps as its steps, each with its forwards and backwards
+    # (Lightning runs the last micro-batch inside optimizer.step(closure))
+    steps = memdiff.summarize(folder / "rank0.pickle").devices[0].steps
+    assert len(steps) == len(window)
+    assert all({"forward", "backward", "optimizer"} <= {p.phase for p in s.phases} for s in steps)
     manifest = json.loads((folder / "memdiff-job.json").read_text())
     assert manifest["world_size"] == 1
     assert manifest["ranks"] == [{"rank": 0, "state": "written", "file": "rank0.pickle", "at": "steps 2:4"}]

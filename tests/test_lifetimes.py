@@ -116,6 +116,47 @@ def test_steps_and_phases_from_stacks(write_snapshot):
     assert max(p.peak_bytes for s in d.steps for p in s.phases) == d.peak_bytes
 
 
+# Lightning's automatic optimization (and LBFGS): the stepping batch's forward, loss and backward
+# run in a closure that `optimizer.step(closure)` calls.
+IN_STEP = prof("lightning/pytorch/loops/optimization/automatic.py(146): __call__",
+               "torch/optim/optimizer.py(485): _use_grad", "torch/optim/adam.py(223): step",
+               "torch/optim/optimizer.py(509): wrapper", "lightning/pytorch/core/optimizer.py(154): step")
+
+
+def in_step(frames: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    return frames[:-1] + IN_STEP + frames[-1:]
+
+
+def accumulating(steps: int, closure: bool) -> Dict[str, Any]:
+    """Two micro-batches per optimizer step; with `closure`, the second runs inside the step."""
+    t = Trace()
+    for k in range(steps):
+        for micro in range(2):
+            wrap = in_step if closure and micro == 1 else (lambda f: f)
+            acts = [t.new(100_000, wrap(FWD)) for _ in range(3)]
+            loss = t.new(4, wrap(LOSS))
+            tmps = [t.new(50_000, wrap(BWD)) for _ in range(2)]
+            if k == 0 and micro == 0:
+                t.new(4096, BWD)  # the gradient, accumulated into by the second micro-batch
+            for tmp in tmps:
+                t.drop(tmp, 50_000, wrap(BWD))
+            for a in acts:
+                t.drop(a, 100_000, wrap(FWD))
+            t.drop(loss, 4, wrap(LOSS))
+        if k == 0:
+            t.new(4096, STATE), t.new(4096, STATE)
+        t.drop(t.new(4096, UPDATE), 4096, UPDATE)
+    return t.snapshot()
+
+
+@pytest.mark.parametrize("closure", [False, True], ids=["step-after", "step-with-closure"])
+def test_a_forward_the_optimizer_step_calls_back_is_a_forward(write_snapshot, closure):
+    """Two optimizer steps of two micro-batches read as two steps, each with its two forwards and
+    backwards, whether the last micro-batch runs before `step()` or inside it."""
+    d = summary_of(write_snapshot, accumulating(2, closure))
+    assert [[p.phase for p in s.phases] for s in d.steps] == [["forward", "backward"] * 2 + ["optimizer"]] * 2
+
+
 def test_a_copy_the_loop_keeps_after_the_update_is_no_activation(write_snapshot):
     """An EMA copy of the weights made after `step()`, which the next forward's phase takes in: it
     outlives every step and no model made it, so it is `other`, not an activation."""
