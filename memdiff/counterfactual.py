@@ -72,6 +72,9 @@ LOSS_SITE = re.compile(r"cross_entropy|nll_loss|log_softmax|LogSoftmaxBackward|N
 # the one just before it (same site) is the indices (8 bytes an element against fp32's 4), whose
 # size no precision changes.
 INDEX_SITE = re.compile(r"max_pool\dd|adaptive_max_pool|fractional_max_pool|topk|\bsort\b|\bmax\b|kthvalue|\bmode\b")
+# Their backward (`max_pool2d_with_indices_backward`, the node `MaxPool2DWithIndicesBackward0`)
+# only reads the indices: what it makes is the input's gradient, in the values' dtype.
+GRADIENT_SITE = re.compile(r"_backward|Backward\d*\b")
 MODULE_FRAME = re.compile(r"^nn\.Module: (\w+?)_(\d+)$")
 # Module classes too small to be "the repeated block" when a larger repeated one exists.
 GENERIC = frozenset(("Linear", "Conv1D", "Conv1d", "Conv2d", "Conv3d", "Embedding", "LayerNorm", "RMSNorm",
@@ -243,10 +246,11 @@ def _facts(course: DeviceCourse, spans: List[PhaseSpan], steps: List[Step]) -> _
 
 
 def _indices(course: DeviceCourse) -> np.ndarray:
-    """The allocations that are int64 indices (INDEX_SITE): twice the size of the allocation just
-    before them with the same stack."""
+    """The allocations that are int64 indices (INDEX_SITE, not their backward: GRADIENT_SITE): twice
+    the size of the allocation just before them with the same stack."""
     out = np.zeros(len(course.size), dtype=bool)
-    sites = np.array([bool(INDEX_SITE.search(site)) for _, site in course.stacks], dtype=bool)
+    sites = np.array([bool(INDEX_SITE.search(site)) and not GRADIENT_SITE.search(site) for _, site in course.stacks],
+                     dtype=bool)
     if not len(course.stack) or not sites.any():
         return out
     members = np.flatnonzero(sites[course.stack])
