@@ -6,6 +6,7 @@ leaves no temporary file behind; a failure on the user's path is an InputError (
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import re
@@ -13,9 +14,10 @@ import secrets
 import stat
 import tempfile
 import time
-from typing import BinaryIO, Callable, Optional
+from typing import BinaryIO, Callable, Optional, Sequence
 
 from memdiff.errors import InputError
+from memdiff.inert import text
 
 # How long a pipe may go without a reader before writing to it is given up (no input hangs memdiff).
 PIPE_READER_WAIT_S = 10.0
@@ -98,8 +100,11 @@ def _is_stream(path: str) -> bool:
     return False
 
 
-def check_output(path: str, *, in_place: bool = True, make_folder: bool = False) -> None:
+def check_output(path: str, *, in_place: bool = True, make_folder: bool = False, inputs: Sequence[str] = ()) -> None:
     """InputError (exit 2) unless `path` can be written; called before the work that produces it.
+
+    `inputs`: the files the command reads; writing over one of them (`memdiff slice run.pickle
+    -o run.pickle`) is refused, as a run's snapshot is never lost.
 
     `in_place`: an existing pipe or character device (/dev/stdout, /dev/null) is written as it is,
     which is what a user naming one asks for; without it (a snapshot) such a target is refused,
@@ -135,6 +140,11 @@ def check_output(path: str, *, in_place: bool = True, make_folder: bool = False)
             raise InputError(path, "is an open stream, not a file: name a file to write")
         return
     if stat.S_ISREG(mode):
+        for read in inputs:
+            with contextlib.suppress(OSError):
+                if os.path.samefile(path, read):
+                    raise InputError(path, f"is the input {text(read)}: writing it would replace what is read; "
+                                           f"name another file")
         _check_folder_of(path, os.path.dirname(os.path.realpath(path)), make_folder)
         return
     if not (in_place and (stat.S_ISFIFO(mode) or stat.S_ISCHR(mode))):

@@ -273,3 +273,37 @@ def test_every_folder_writer_refuses_a_hostile_folder_before_the_work(torch, inp
     assert code == 2 and err.startswith("memdiff: ") and err.count("\n") == 1, err
     assert not (tmp_path / "ran").exists()
     assert kinds(files(tmp_path / "out")) == before
+
+
+ONTO_INPUT = {  # name: argv that reads `run` (and `other`, a second run or its baseline) and writes `out`
+    "slice -o": lambda run, other, out: ["slice", run, "--events", "0:10", "-o", out],
+    "summarize -o": lambda run, other, out: ["summarize", run, "-o", out],
+    "peak --html": lambda run, other, out: ["peak", run, "--html", out],
+    "diff --html": lambda run, other, out: [other, run, "--html", out],
+    "gate --html": lambda run, other, out: ["gate", "--baseline", other, run, "--html", out],
+    "whatif --html": lambda run, other, out: ["whatif", run, "--html", out],
+    "forecast --html": lambda run, other, out: ["forecast", f"{other}=1", f"{run}=2", "--html", out],
+}
+
+
+@pytest.mark.parametrize("writer", ONTO_INPUT)
+@pytest.mark.parametrize("how", ["same-path", "hard-link"])
+def test_no_writer_replaces_the_snapshot_it_reads(shared, tmp_path, capsys, writer, how):
+    """A run's snapshot is never lost: an output named as (or hard-linked to) the input is refused."""
+    run = tmp_path / "run.pickle"
+    run.write_bytes((shared / "linear-grad.pickle").read_bytes())
+    other = tmp_path / "other.pickle"
+    other.write_bytes((shared / "linear-nograd.pickle").read_bytes())
+    if writer.startswith("gate"):
+        other = tmp_path / "base.json"
+        assert main(["baseline", str(run), "-o", str(other)]) == 0
+    target = run
+    if how == "hard-link":
+        target = tmp_path / "alias.pickle"
+        os.link(run, target)
+    before = run.read_bytes()
+    capsys.readouterr()
+    assert main(ONTO_INPUT[writer](str(run), str(other), str(target))) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("memdiff: ") and err.count("\n") == 1 and "is the input" in err, err
+    assert run.read_bytes() == before

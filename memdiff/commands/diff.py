@@ -82,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
     """Read both inputs, align, judge, print; exit 1 on a regression."""
     rules = rules_from(args)
     if args.html is not None:
-        check_output(args.html)
+        check_output(args.html, inputs=[args.base, args.head])
     publisher = publisher_from(args)  # its --report checked before the runs are read
     base, head = _sides(args, rules)
     thresholds = Thresholds(peak=Limit.from_options(args.fail_over, args.fail_over_pct),

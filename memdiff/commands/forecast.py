@@ -43,8 +43,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Read the runs, forecast, print."""
+    runs = [parse_run(r) for r in args.runs]
     if args.html is not None:
-        check_output(args.html)
+        check_output(args.html, inputs=[r.path for r in runs])
     headroom = None
     budget = args.budget
     if args.baseline is not None:
@@ -56,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
             raise InputError("--budget", f"the baseline's headroom limit has its own budget "
                                          f"({format_bytes(headroom.budget_bytes)}): give one or the other")
         budget = headroom.budget_bytes
-    result = forecast([parse_run(r) for r in args.runs], args.at, rules_from(args), budget, args.window)
+    result = forecast(runs, args.at, rules_from(args), budget, args.window)
     if headroom is not None:
         result = judge_headroom(result, args.baseline, headroom)
     if args.html:

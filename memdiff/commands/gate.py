@@ -100,7 +100,7 @@ def _html_paths(path: str, runs: List[str]) -> Dict[str, str]:
     """Where each run's HTML report goes: `path` itself for one run, else a page per run in the
     folder `path` (made when missing), named after the run."""
     if len(runs) <= 1:
-        check_output(path)
+        check_output(path, inputs=runs)
         return {run: path for run in runs}
     if os.path.isfile(path):
         raise InputError(path, "with several runs --html names a folder (one page per run), and this is a file")

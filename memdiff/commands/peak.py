@@ -35,7 +35,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """Load, normalize and print the peak report."""
     if args.html is not None:
-        check_output(args.html)
+        check_output(args.html, inputs=[args.snapshot])
     summary = read_summary(args.snapshot, rules_from(args), history=bool(args.html), window=args.window)
     peaks = peak_report(args.snapshot, summary, args.top, args.device)
     if args.html:

@@ -36,7 +36,7 @@ def _write(path: str, raw: Dict[str, Any]) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Read the snapshot, cut the window, write it atomically and say what it holds."""
-    check_output(args.output, in_place=False)
+    check_output(args.output, in_place=False, inputs=[args.snapshot])
     with paused_gc():
         _write(args.output, cut(load(args.snapshot), args.window))
     summary = read_summary(args.output, [])

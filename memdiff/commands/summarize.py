@@ -29,7 +29,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """Load, normalize, render; write to stdout or atomically to the output file."""
     if args.output is not None:
-        check_output(args.output)
+        check_output(args.output, inputs=[args.snapshot])
     summary = read_summary(args.snapshot, rules_from(args), window=args.window)
     if args.format == "json":
         text = render_summary(summary)

@@ -35,7 +35,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """Read the run, replay each change, print."""
     if args.html is not None:
-        check_output(args.html)
+        check_output(args.html, inputs=[args.snapshot])
     result = whatif(args.snapshot, args.change, rules_from(args), args.budget)
     if args.html:
         write_output(args.html, render.render_html(result))
