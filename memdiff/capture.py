@@ -34,8 +34,10 @@ def torch_module() -> Any:
     try:
         import torch
     except ImportError:
-        raise CaptureError("torch", "capturing needs PyTorch: pip install 'memdiff[torch]' "
-                                    "(the analysis commands do not)") from None
+        # Not `pip install memdiff[torch]`: an unpinned torch pulls several GB of CUDA wheels on Linux.
+        raise CaptureError("torch", "capturing needs PyTorch: pip install torch (without a GPU, its CPU build: "
+                                    "pip install torch --index-url https://download.pytorch.org/whl/cpu); "
+                                    "the analysis commands do not") from None
     return torch
 
 

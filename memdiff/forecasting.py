@@ -36,7 +36,7 @@ from memdiff.classify import Rule, classify
 from memdiff.errors import InputError
 from memdiff.history import Allocations, category_codes
 from memdiff.inert import scrubbed, text
-from memdiff.inputs import is_summary, read_each
+from memdiff.inputs import is_summary, read_each, refuse_baseline
 from memdiff.limits import Headroom
 from memdiff.load import MAX_BYTES, decode, paused_gc, to_snapshot
 from memdiff.model import PhaseSpan, Step, Summary
@@ -249,6 +249,7 @@ def read_course(path: str, value: int, rules: Sequence[Rule], window: Optional[W
     with paused_gc():
         raw, source, decoded = decode(path)
         if is_summary(raw):
+            refuse_baseline(path, raw)
             raise InputError(path, "a stored summary holds only the peak; a forecast or a what-if replays every "
                                    "allocation, so give it the snapshot itself")
         keep: Dict[int, Allocations] = {}

@@ -8,11 +8,12 @@ from __future__ import annotations
 import multiprocessing
 import os
 from concurrent.futures import ProcessPoolExecutor
-from typing import TYPE_CHECKING, Any, Callable, List, Optional, Sequence, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, TypeVar
 
 from memdiff import progress
 from memdiff.classify import Rule, classify
 from memdiff.errors import InputError, version_shown
+from memdiff.inert import shell
 from memdiff.load import decode, paused_gc, to_snapshot
 from memdiff.model import READABLE_SCHEMA_VERSIONS, Summary
 from memdiff.normalize import summarize
@@ -25,6 +26,13 @@ if TYPE_CHECKING:
 def is_summary(raw: Any) -> bool:
     """Whether a decoded input is a summary `memdiff summarize` wrote, rather than a snapshot."""
     return isinstance(raw, dict) and "schema_version" in raw and "devices" in raw
+
+
+def refuse_baseline(path: str, summary: Dict[str, Any]) -> None:
+    """InputError saying what to do when a summary read as a run is a baseline (its thresholds)."""
+    if "thresholds" in summary and "name" in summary:
+        raise InputError(path, f"is a baseline, not a run: hold a run to it with `memdiff gate RUN --baseline "
+                               f"{shell(path)}`")
 
 
 def read_summary(path: str, rules: Sequence[Rule], history: bool = False,
@@ -50,6 +58,7 @@ def read_summary(path: str, rules: Sequence[Rule], history: bool = False,
     if window is not None:
         raise InputError(path, f"is a summary, which keeps no trace to cut {window.describe()} from: "
                                "give the snapshot")
+    refuse_baseline(path, raw)
     version = raw["schema_version"]
     if version not in READABLE_SCHEMA_VERSIONS:
         raise InputError(path, f"summary schema_version {version_shown(version)} is not one this memdiff reads "

@@ -44,7 +44,19 @@ def test_the_demo_on_cuda_without_a_gpu_says_to_use_the_cpu(torch, monkeypatch, 
 
 def test_the_demo_without_torch_says_how_to_install_it(no_torch, tmp_path, capsys):
     assert main(["demo", "--dir", str(tmp_path)]) == 2
-    one_line(capsys, 2, "memdiff: torch: capturing needs PyTorch: pip install 'memdiff[torch]'")
+    one_line(capsys, 2, "memdiff: torch: capturing needs PyTorch: pip install torch (without a GPU, its CPU build: "
+                        "pip install torch --index-url https://download.pytorch.org/whl/cpu)")
+
+
+@pytest.mark.parametrize("command", [["peak"], ["summarize"], ["whatif"], ["diff", "RUN"]])
+def test_a_baseline_given_as_a_run_says_to_gate_against_it(shared, tmp_path, capsys, command):
+    baseline = tmp_path / "b.json"
+    assert main(["baseline", str(shared / "linear-grad.pickle"), "-o", str(baseline)]) == 0
+    capsys.readouterr()
+    argv = [str(shared / "linear-grad.pickle") if a == "RUN" else a for a in command] + [str(baseline)]
+    assert main(argv) == 2
+    one_line(capsys, 2, f"memdiff: {baseline}: is a baseline, not a run: hold a run to it with "
+                        f"`memdiff gate RUN --baseline {baseline}`")
 
 
 def record(tmp_path, output, *command):
