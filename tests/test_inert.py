@@ -9,6 +9,7 @@ the same alphabet (hypothesis) through every renderer.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import io
 import json
@@ -16,6 +17,7 @@ import os
 import pickle
 import re
 import shlex
+import shutil
 import socket
 import subprocess
 import tempfile
@@ -34,8 +36,11 @@ from markdown_it import MarkdownIt
 from conftest import alloc, free
 from memdiff.cli import main
 
-# Hypothesis keeps caches in ./.hypothesis by default: tests write only into temporary folders.
-set_hypothesis_home_dir(tempfile.mkdtemp(prefix="memdiff-hypothesis-"))
+# Hypothesis keeps caches in ./.hypothesis by default: tests write only into temporary folders,
+# and leave none behind.
+_HYPOTHESIS_HOME = tempfile.mkdtemp(prefix="memdiff-hypothesis-")
+set_hypothesis_home_dir(_HYPOTHESIS_HOME)
+atexit.register(shutil.rmtree, _HYPOTHESIS_HOME, ignore_errors=True)
 
 MiB = 2**20
 SCHEMAS = Path(__file__).resolve().parent.parent / "memdiff" / "schemas"
