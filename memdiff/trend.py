@@ -141,19 +141,23 @@ def trend_of(entries: Sequence[TrendEntry], workload: str, device: int, head_byt
     latest = found[-1]
     lo, hi = min(p.peak_bytes for p in found), max(p.peak_bytes for p in found)
     label = head_label or "this run"
-    if head_bytes > hi:
-        standing = f"above all {len(found)}" if len(found) > 1 else "above it"
-    elif head_bytes < lo:
-        standing = f"below all {len(found)}" if len(found) > 1 else "below it"
+    change = _change(latest.peak_bytes, head_bytes)
+    if len(found) == 1:
+        text = (f"{workload}, device {device}: one peak on main so far, {format_bytes(latest.peak_bytes)} at "
+                f"{latest.commit[:12]}; {label} {format_bytes(head_bytes)}, {change}"
+                + ("" if change == "unchanged" else " against it"))
     else:
-        standing = "within their range" if len(found) > 1 else "the same"
-    moves = sum(1 for a, b in zip(found, found[1:]) if a.peak_bytes != b.peak_bytes)
-    last = "the last peak" if len(found) == 1 else f"the last {len(found)} peaks"
-    text = (f"{workload}, device {device}: {last} on main "
-            + (f"{format_bytes(lo)}" if lo == hi else f"ran from {format_bytes(lo)} to {format_bytes(hi)}")
-            + (f" (it moved at {moves} of {len(found) - 1} commits)" if len(found) > 1 else "")
-            + f"; latest {format_bytes(latest.peak_bytes)} at {latest.commit[:12]}; {label} "
-            f"{format_bytes(head_bytes)}, {_change(latest.peak_bytes, head_bytes)} against the latest, {standing}")
+        if head_bytes > hi:
+            standing = f"above all {len(found)}"
+        elif head_bytes < lo:
+            standing = f"below all {len(found)}"
+        else:
+            standing = "within their range"
+        moves = sum(1 for a, b in zip(found, found[1:]) if a.peak_bytes != b.peak_bytes)
+        text = (f"{workload}, device {device}: the last {len(found)} peaks on main "
+                + (f"were all {format_bytes(lo)}" if lo == hi else f"ran from {format_bytes(lo)} to {format_bytes(hi)}")
+                + f" (it moved at {moves} of {len(found) - 1} commits); latest {format_bytes(latest.peak_bytes)} at "
+                  f"{latest.commit[:12]}; {label} {format_bytes(head_bytes)}, {change} against the latest, {standing}")
     rows = [[label, "", format_bytes(head_bytes), _change(latest.peak_bytes, head_bytes)]]
     for k in range(len(found) - 1, -1, -1):
         p = found[k]

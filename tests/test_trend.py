@@ -75,6 +75,18 @@ def test_a_trend_of_twenty_commits_by_hand(main_branch):
     assert trend_of(entries, "eval", 0, 150 * MiB) is None
 
 
+def test_one_or_a_flat_history_reads_as_a_sentence(main_branch):
+    entries = read_history(str(main_branch))
+    one = trend_of(entries[:1], "train", 0, 140 * MiB, "this PR")
+    assert one is not None and one.text == (f"train, device 0: one peak on main so far, 140.00 MiB at "
+                                            f"{commit(0)[:12]}; this PR 140.00 MiB, unchanged")
+    grown = trend_of(entries[:1], "train", 0, 141 * MiB, "this PR")
+    assert grown is not None and grown.text.endswith("this PR 141.00 MiB, +1.00 MiB (+0.7%) against it")
+    flat = trend_of(entries[:3], "train", 0, 140 * MiB, "this PR")
+    assert flat is not None and flat.text.startswith("train, device 0: the last 3 peaks on main were all 140.00 MiB "
+                                                     "(it moved at 0 of 2 commits)")
+
+
 def test_the_gate_shows_the_trend_in_the_comment_text_and_json(main_branch, tmp_path, capsys):
     head = snapshot(tmp_path / "train.pickle", 50 * MiB)
     baseline = tmp_path / "baselines" / "train.json"
@@ -89,7 +101,7 @@ def test_the_gate_shows_the_trend_in_the_comment_text_and_json(main_branch, tmp_
     table = [x for x in trend_part.splitlines() if x.startswith("| ")]
     assert len(table) == 1 + 21 and "| abc1234 " in table[1]  # header, this run, 20 commits
     code, out, _ = run(capsys, "gate", head, "--baseline", baseline, "--history", main_branch)
-    assert "trend on main: " + spark + " > " + head_block in out
+    assert "trend on main: " + spark + " -> " + head_block in out
     code, out, _ = run(capsys, "gate", head, "--baseline", baseline, "--history", main_branch, "--format", "json",
                        "--history-points", "4")
     [doc] = json.loads(out)
