@@ -580,11 +580,16 @@ def _optimizer(run: _Run, edit: _Edit, value: str) -> None:
             edit.add(_peak_event(run, span), _peak_event(run, span) + 1, want_temps * unit, "autograd")
     edit.assumptions.append(
         f"{value} keeps {want_state} state tensor{'s' if want_state != 1 else ''} per parameter "
-        f"(the run's {name or 'optimizer'} keeps {per}); its update makes {want_temps} temporar"
+        f"(the run's {_shown_optimizer(name)} keeps {per}); its update makes {want_temps} temporar"
         f"{'ies' if want_temps != 1 else 'y'} of the size of "
         + ("every parameter at once (foreach, as the run)" if form == "foreach"
            else "the largest parameter (single-tensor, as the run)")
         + f", at the moment the run's update peaked; trainable weights {format_bytes(grads)}")
+
+
+def _shown_optimizer(name: Optional[str]) -> str:
+    # torch's AdamW runs Adam's update code: the stacks name adam.py for both
+    return {None: "optimizer", "adam": "Adam or AdamW"}.get(name, name or "optimizer")
 
 
 def _peak_event(run: _Run, span: PhaseSpan) -> int:
