@@ -21,6 +21,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Set, Tuple
 import numpy as np
 
 from memdiff import __version__
+from memdiff.accel import is_columns
 from memdiff.classify import Rule
 from memdiff.errors import InputError, brief, number
 from memdiff.frames import (
@@ -103,6 +104,8 @@ NO_COMPILE_CONTEXT = ("", "N/A", None)
 
 # Segment events and the sign they change the reserved total by.
 SEGMENT_ACTIONS = {"segment_alloc": 1, "segment_map": 1, "segment_free": -1, "segment_unmap": -1}
+# The actions _Walk tells apart, as the accelerator's walk numbers them.
+_ACTION_CODES = {"alloc": 1, "free_completed": 2, "oom": 3, "annotate": 4, **{a: 5 for a in SEGMENT_ACTIONS}}
 
 
 def _reserved(path: str, device: int, trace: List[Dict[str, Any]], events: Sequence[int], at_dump: Optional[int],
@@ -143,10 +146,6 @@ class _Walk:
 
     def __init__(self, path: str, device: int, trace: List[Dict[str, Any]], reversions: bool = False) -> None:
         n = len(trace)
-        self.deltas = deltas = array("q", bytes(8 * n))  # running-total change at each event
-        self.closed = closed = array("q", [n]) * n  # alloc event -> its free_completed event (n: never)
-        self.allocs = allocs = array("q")  # alloc event indices, ascending
-        self.unmatched = unmatched = array("q")  # free_completed events with no open allocation
         self.open_at_end: Dict[int, int] = {}  # address -> alloc event index
         self.ooms: List[int] = []
         self.annotations: List[int] = []  # `annotate` events: a label attached to a live allocation
@@ -155,6 +154,13 @@ class _Walk:
         # for an unmatched free f; and free event -> the alloc that continues it.
         self.version_of: Dict[int, int] = {}
         self.continued_by: Dict[int, int] = {}
+        if not reversions and is_columns(trace) and self._walk_columns(trace):
+            self._check_sizes(path, device, trace)
+            return
+        self.deltas = deltas = array("q", bytes(8 * n))  # running-total change at each event
+        self.closed = closed = array("q", [n]) * n  # alloc event -> its free_completed event (n: never)
+        self.allocs = allocs = array("q")  # alloc event indices, ascending
+        self.unmatched = unmatched = array("q")  # free_completed events with no open allocation
         last_free = last_closed = -2
         live = self.open_at_end
         open_alloc, close_alloc, add_alloc, add_unmatched = live.__setitem__, live.pop, allocs.append, unmatched.append
@@ -199,8 +205,25 @@ class _Walk:
             if isinstance(trace[i], dict) and (size.__class__ is not int):
                 reason = TypeError(f"'size' is {brief(size)}, not an integer")
             raise InputError(path, f"device_traces[{device}][{i}]: {reason}") from None
+        self._check_sizes(path, device, trace)
+
+    def _walk_columns(self, trace: Any) -> bool:
+        """The loop above run by the accelerator over its columns; False when an entry is not
+        plain (a missing key, a value of another type), and the loop above says what."""
+        done = trace.walk(_ACTION_CODES)
+        if done is None:
+            return False
+        deltas, closed, allocs, unmatched, self.open_at_end, self.ooms, self.annotations, self.segment_events = done
+        self.deltas = array("q", deltas)
+        self.closed = array("q", closed)
+        self.allocs = array("q", allocs)
+        self.unmatched = array("q", unmatched)
+        return True
+
+    def _check_sizes(self, path: str, device: int, trace: List[Dict[str, Any]]) -> None:
         # A negative size would read as memory freed by an allocation: checked once over the
         # arrays rather than in the hot loop above.
+        deltas, allocs, unmatched, n = self.deltas, self.allocs, self.unmatched, len(trace)
         if n:
             d = np.frombuffer(deltas, dtype=np.int64)
             opened = np.frombuffer(allocs, dtype=np.int64) if len(allocs) else np.zeros(0, np.int64)
