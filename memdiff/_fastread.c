@@ -25,6 +25,8 @@
 #define NSLOT (NINT + NOBJ)
 #define MAX_SHAPES 255
 #define VERBATIM 255
+#define KCACHE 16
+#define VCACHE 65536
 
 static const char *slot_names[NSLOT] = {"addr", "size", "stream", "time_us",
                                         "action", "frames", "compile_context", "user_metadata"};
@@ -107,7 +109,7 @@ static PyObject *row_dict(Trace *t, Py_ssize_t i) {
     }
     uint32_t code = t->shape_codes[s];
     int len = code & 15;
-    PyObject *d = _PyDict_NewPresized(len);
+    PyObject *d = PyDict_New();
     if (!d) return NULL;
     for (int k = 0; k < len; k++) {
         int slot = (code >> (4 + 3 * k)) & 7;
@@ -159,10 +161,10 @@ static PyObject *trace_subscript(Trace *t, PyObject *key) {
 }
 
 static PyObject *trace_richcompare(PyObject *a, PyObject *b, int op) {
-    if ((op != Py_EQ && op != Py_NE) || !PyObject_TypeCheck(a, &TraceType)) Py_RETURN_NOTIMPLEMENTED;
+    if ((op != Py_EQ && op != Py_NE) || !Py_IS_TYPE(a, &TraceType)) Py_RETURN_NOTIMPLEMENTED;
     PyObject *whole = PySequence_List(a);
     if (!whole) return NULL;
-    PyObject *other = PyObject_TypeCheck(b, &TraceType) ? PySequence_List(b) : (Py_INCREF(b), b);
+    PyObject *other = Py_IS_TYPE(b, &TraceType) ? PySequence_List(b) : (Py_INCREF(b), b);
     if (!other) { Py_DECREF(whole); return NULL; }
     PyObject *r = PyObject_RichCompare(whole, other, op);
     Py_DECREF(whole);
@@ -346,6 +348,12 @@ typedef struct {
     PyObject *row_dict;       /* the open row when it is kept whole */
     Py_ssize_t traces_made, traces_pos;
     int stream_error;         /* the stream raised (a bomb, a file growing): not the data's fault */
+    /* Entry keys and values repeat as the same (memo) objects: pointer caches, each holding a
+     * reference so that no address is reused while cached. */
+    PyObject *kkey[KCACHE];
+    int kslot[KCACHE], nk;
+    PyObject *vkey[VCACHE];
+    uint32_t vid[VCACHE];
 } Reader;
 
 static PyObject ENTRY_MARK_OBJ;  /* never used as an object: its address tags a stack slot */
@@ -422,7 +430,7 @@ static int memo_put(Reader *r, Py_ssize_t idx) {
 static int memo_get(Reader *r, Py_ssize_t idx) {
     if (idx < 0 || idx >= r->memo_len || !r->memo[idx] || r->memo[idx] == ENTRY) return 1;
     /* A trace referenced twice would be one object in two places: not the common shape. */
-    if (PyObject_TypeCheck(r->memo[idx], &TraceType)) return 1;
+    if (Py_IS_TYPE(r->memo[idx], &TraceType)) return 1;
     Py_INCREF(r->memo[idx]);
     return push(r, r->memo[idx]);
 }
@@ -434,7 +442,7 @@ static Py_ssize_t top_mark(Reader *r) { return r->mp ? r->marks[r->mp - 1] : -1;
  * this one. */
 static int trace_context(Reader *r) {
     Py_ssize_t k = r->sp - 1;
-    while (k >= 0 && PyObject_TypeCheck(r->stack[k], &TraceType)) k--;
+    while (k >= 0 && Py_IS_TYPE(r->stack[k], &TraceType)) k--;
     if (k < 2 || !PyList_CheckExact(r->stack[k])) return 0;
     PyObject *name = r->stack[k - 1];
     if (!PyUnicode_CheckExact(name) || PyUnicode_CompareWithASCIIString(name, "device_traces") != 0) return 0;
@@ -519,12 +527,28 @@ static int row_to_dict(Reader *r) {
     return 0;
 }
 
-static int set_entry(Reader *r, PyObject *key, PyObject *value) {
-    if (r->row_dict) return PyDict_SetItem(r->row_dict, key, value);
+static int key_slot(Reader *r, PyObject *key) {
+    for (int k = 0; k < r->nk; k++)
+        if (r->kkey[k] == key) return r->kslot[k];
     int slot = -1;
     if (PyUnicode_CheckExact(key))
         for (int k = 0; k < NSLOT; k++)
             if (PyUnicode_Compare(key, slot_strs[k]) == 0) { slot = k; break; }
+    if (r->nk < KCACHE) {
+        Py_INCREF(key);
+        r->kkey[r->nk] = key;
+        r->kslot[r->nk++] = slot;
+    }
+    return slot;
+}
+
+static void vcache_clear(Reader *r) {
+    for (int k = 0; k < VCACHE; k++) Py_CLEAR(r->vkey[k]);
+}
+
+static int set_entry(Reader *r, PyObject *key, PyObject *value) {
+    if (r->row_dict) return PyDict_SetItem(r->row_dict, key, value);
+    int slot = key_slot(r, key);
     int len = r->row_code & 15;
     for (int k = 0; k < len && slot >= 0; k++)
         if ((int)((r->row_code >> (4 + 3 * k)) & 7) == slot) slot = -1;  /* a repeated key */
@@ -539,10 +563,19 @@ static int set_entry(Reader *r, PyObject *key, PyObject *value) {
         }
     } else if (slot >= NINT) {
         uint32_t id;
-        int ok = table_id(t, value, &id);
-        if (ok < 0) return -1;
-        if (ok > 0) slot = -1;
-        else t->objs[slot - NINT][r->row] = id;
+        size_t h = ((uintptr_t)value >> 4) & (VCACHE - 1);
+        if (r->vkey[h] == value) id = r->vid[h];
+        else {
+            int ok = table_id(t, value, &id);
+            if (ok < 0) return -1;
+            if (ok > 0) slot = -1;
+            else {
+                Py_INCREF(value);
+                Py_XSETREF(r->vkey[h], value);
+                r->vid[h] = id;
+            }
+        }
+        if (slot >= 0) t->objs[slot - NINT][r->row] = id;
     }
     if (slot < 0) {
         if (row_to_dict(r) < 0) return -1;
@@ -566,7 +599,7 @@ static int set_items(Reader *r, Py_ssize_t target, Py_ssize_t from) {
         if (!PyDict_CheckExact(d)) return 1;
         for (Py_ssize_t k = from; k < r->sp; k += 2) {
             if (r->stack[k] == ENTRY || r->stack[k + 1] == ENTRY) return 1;
-            if (PyObject_TypeCheck(r->stack[k], &TraceType) || PyObject_TypeCheck(r->stack[k + 1], &TraceType))
+            if (Py_IS_TYPE(r->stack[k], &TraceType) || Py_IS_TYPE(r->stack[k + 1], &TraceType))
                 return 1;
             if (PyDict_SetItem(d, r->stack[k], r->stack[k + 1]) < 0) {
                 if (PyErr_ExceptionMatches(PyExc_TypeError)) { PyErr_Clear(); return 1; }
@@ -582,7 +615,7 @@ static int set_items(Reader *r, Py_ssize_t target, Py_ssize_t from) {
 static int append_items(Reader *r, Py_ssize_t target, Py_ssize_t from) {
     if (target < 0) return 1;
     PyObject *l = r->stack[target];
-    if (PyObject_TypeCheck(l, &TraceType)) {
+    if (Py_IS_TYPE(l, &TraceType)) {
         if ((Trace *)l != r->trace || target != r->trace_pos) return 1;
         for (Py_ssize_t k = from; k < r->sp; k++)
             if (r->stack[k] != ENTRY) return 1;
@@ -595,7 +628,7 @@ static int append_items(Reader *r, Py_ssize_t target, Py_ssize_t from) {
     if (!PyList_CheckExact(l)) return 1;
     for (Py_ssize_t k = from; k < r->sp; k++) {
         if (r->stack[k] == ENTRY) return 1;
-        if (PyObject_TypeCheck(r->stack[k], &TraceType) && (!r->traces_made || target != r->traces_pos)) return 1;
+        if (Py_IS_TYPE(r->stack[k], &TraceType) && (!r->traces_made || target != r->traces_pos)) return 1;
         if (PyList_Append(l, r->stack[k]) < 0) return -1;
     }
     while (r->sp > from) drop(r->stack[--r->sp]);
@@ -605,7 +638,7 @@ static int append_items(Reader *r, Py_ssize_t target, Py_ssize_t from) {
 static PyObject *tuple_from(Reader *r, Py_ssize_t from) {
     Py_ssize_t n = r->sp - from;
     for (Py_ssize_t k = from; k < r->sp; k++)
-        if (r->stack[k] == ENTRY || PyObject_TypeCheck(r->stack[k], &TraceType)) return NULL;
+        if (r->stack[k] == ENTRY || Py_IS_TYPE(r->stack[k], &TraceType)) return NULL;
     PyObject *t = PyTuple_New(n);
     if (!t) return NULL;
     for (Py_ssize_t k = 0; k < n; k++) PyTuple_SET_ITEM(t, k, r->stack[from + k]);
@@ -668,6 +701,7 @@ static int step(Reader *r) {
             }
             Trace *t = trace_new();
             if (!t) return -1;
+            vcache_clear(r);
             if (push(r, (PyObject *)t) < 0) return -1;
             r->trace = t;
             r->trace_pos = r->sp - 1;
@@ -762,6 +796,8 @@ static int step(Reader *r) {
 }
 
 static void reader_clear(Reader *r) {
+    vcache_clear(r);
+    for (int k = 0; k < r->nk; k++) Py_CLEAR(r->kkey[k]);
     while (r->sp) drop(r->stack[--r->sp]);
     for (Py_ssize_t k = 0; k < r->memo_len; k++) drop(r->memo[k]);
     PyMem_Free(r->stack);
