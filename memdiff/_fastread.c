@@ -20,16 +20,20 @@
 
 #define CHUNK (1 << 20)
 #define MAX_ITEM (256 << 20) /* load.MAX_READ: no value of a snapshot is near this */
-#define NINT 4
-#define NOBJ 4
+#define NINT 3
+#define NOBJ 5
 #define NSLOT (NINT + NOBJ)
 #define MAX_SHAPES 255
 #define VERBATIM 255
 #define KCACHE 16
+#define PAGE 4096
 #define VCACHE 65536
 
-static const char *slot_names[NSLOT] = {"addr", "size", "stream", "time_us",
-                                        "action", "frames", "compile_context", "user_metadata"};
+/* int64 columns first, then columns of ids into the table of distinct values (1, 2 or 4 bytes
+ * an id, widened as the table grows: most traces have a handful of actions and streams). */
+static const char *slot_names[NSLOT] = {"addr", "size", "time_us",
+                                        "action", "frames", "compile_context", "user_metadata", "stream"};
+#define ACTION_BIT (1 << NINT)
 static PyObject *slot_strs[NSLOT];
 
 /* ---- Trace ------------------------------------------------------------------------------ */
@@ -38,10 +42,12 @@ typedef struct {
     PyObject_HEAD
     Py_ssize_t n, cap;
     int64_t *ints[NINT];
-    uint32_t *objs[NOBJ];
+    void *objs[NOBJ];
+    int width[NOBJ];     /* bytes an id in objs[k] */
     uint8_t *shape;
     PyObject *table;     /* list: distinct objects (ids in objs) */
-    PyObject *by_value;  /* dict: str -> id; other objects by identity (int of the address) */
+    PyObject *by_value;  /* dict: str or int -> id (immutable: one object stands for all equal ones) */
+    PyObject *by_ptr;    /* dict: the address of any other object -> id */
     PyObject *shapes;    /* list of tuples of key strings */
     uint32_t shape_codes[MAX_SHAPES];
     PyObject *verbatim;  /* dict: row -> the entry's dict */
@@ -54,13 +60,17 @@ static Trace *trace_new(void) {
     if (!t) return NULL;
     t->n = t->cap = 0;
     for (int k = 0; k < NINT; k++) t->ints[k] = NULL;
-    for (int k = 0; k < NOBJ; k++) t->objs[k] = NULL;
+    for (int k = 0; k < NOBJ; k++) {
+        t->objs[k] = NULL;
+        t->width[k] = 1;
+    }
     t->shape = NULL;
     t->table = PyList_New(0);
     t->by_value = PyDict_New();
+    t->by_ptr = PyDict_New();
     t->shapes = PyList_New(0);
     t->verbatim = PyDict_New();
-    if (!t->table || !t->by_value || !t->shapes || !t->verbatim) { Py_DECREF(t); return NULL; }
+    if (!t->table || !t->by_value || !t->by_ptr || !t->shapes || !t->verbatim) { Py_DECREF(t); return NULL; }
     return t;
 }
 
@@ -70,6 +80,7 @@ static void trace_dealloc(Trace *t) {
     PyMem_Free(t->shape);
     Py_XDECREF(t->table);
     Py_XDECREF(t->by_value);
+    Py_XDECREF(t->by_ptr);
     Py_XDECREF(t->shapes);
     Py_XDECREF(t->verbatim);
     PyObject_Free(t);
@@ -83,7 +94,7 @@ static int trace_grow(Trace *t) {
         t->ints[k] = p;
     }
     for (int k = 0; k < NOBJ; k++) {
-        void *p = PyMem_Realloc(t->objs[k], (size_t)cap * sizeof(uint32_t));
+        void *p = PyMem_Realloc(t->objs[k], (size_t)cap * t->width[k]);
         if (!p) return -1;
         t->objs[k] = p;
     }
@@ -94,7 +105,53 @@ static int trace_grow(Trace *t) {
     return 0;
 }
 
+/* The columns cut to their rows once the trace is read: growth leaves up to a third unused. */
+static void trace_trim(Trace *t) {
+    if (!t || t->n == t->cap || t->n == 0) return;
+    for (int k = 0; k < NINT; k++) {
+        void *p = PyMem_Realloc(t->ints[k], (size_t)t->n * sizeof(int64_t));
+        if (p) t->ints[k] = p; else return;
+    }
+    for (int k = 0; k < NOBJ; k++) {
+        void *p = PyMem_Realloc(t->objs[k], (size_t)t->n * t->width[k]);
+        if (p) t->objs[k] = p; else return;
+    }
+    void *p = PyMem_Realloc(t->shape, (size_t)t->n);
+    if (p) { t->shape = p; t->cap = t->n; }
+}
+
 static Py_ssize_t trace_len(Trace *t) { return t->n; }
+
+static inline uint32_t obj_id(Trace *t, int k, Py_ssize_t i) {
+    switch (t->width[k]) {
+    case 1: return ((uint8_t *)t->objs[k])[i];
+    case 2: return ((uint16_t *)t->objs[k])[i];
+    default: return ((uint32_t *)t->objs[k])[i];
+    }
+}
+
+/* Store id at row i of objs[k], widening the column first when the id needs it. */
+static int set_obj_id(Trace *t, int k, Py_ssize_t i, uint32_t id) {
+    int w = id <= 0xFF ? 1 : id <= 0xFFFF ? 2 : 4;
+    if (w > t->width[k]) {
+        int old = t->width[k];
+        void *p = PyMem_Realloc(t->objs[k], (size_t)(t->cap ? t->cap : 1) * w);
+        if (!p) { PyErr_NoMemory(); return -1; }
+        t->objs[k] = p;
+        t->width[k] = w;
+        for (Py_ssize_t j = t->n - 1; j >= 0; j--) {  /* from the end: wider slots lie further on */
+            uint32_t v = old == 1 ? ((uint8_t *)p)[j] : ((uint16_t *)p)[j];
+            if (w == 2) ((uint16_t *)p)[j] = (uint16_t)v;
+            else ((uint32_t *)p)[j] = v;
+        }
+    }
+    switch (t->width[k]) {
+    case 1: ((uint8_t *)t->objs[k])[i] = (uint8_t)id; break;
+    case 2: ((uint16_t *)t->objs[k])[i] = (uint16_t)id; break;
+    default: ((uint32_t *)t->objs[k])[i] = id;
+    }
+    return 0;
+}
 
 static PyObject *row_dict(Trace *t, Py_ssize_t i) {
     uint8_t s = t->shape[i];
@@ -118,7 +175,7 @@ static PyObject *row_dict(Trace *t, Py_ssize_t i) {
             v = PyLong_FromLongLong(t->ints[slot][i]);
             if (!v) { Py_DECREF(d); return NULL; }
         } else {
-            v = PyList_GET_ITEM(t->table, t->objs[slot - NINT][i]);
+            v = PyList_GET_ITEM(t->table, obj_id(t, slot - NINT, i));
             Py_INCREF(v);
         }
         int r = PyDict_SetItem(d, slot_strs[slot], v);
@@ -172,12 +229,11 @@ static PyObject *trace_richcompare(PyObject *a, PyObject *b, int op) {
     return r;
 }
 
-/* walk(codes, n_codes) -> None when a row is not plain (the caller walks the dicts), else
- * (deltas bytes, closed bytes, allocs bytes, unmatched bytes, open dict, ooms, annotations,
- * segment events). `codes` maps an action string to 1 alloc, 2 free_completed, 3 oom,
- * 4 annotate, 5 a segment action: the loop of normalize._Walk over the columns. */
-static PyObject *trace_walk(Trace *t, PyObject *codes) {
-    if (!PyDict_Check(codes)) { PyErr_SetString(PyExc_TypeError, "codes: a dict"); return NULL; }
+/* walk(codes, deltas, closed) -> None when a row is not plain (the caller walks the dicts), else
+ * (allocs bytes, unmatched bytes, open dict, ooms, annotations, segment events), deltas and
+ * closed (8 bytes an entry each, writable) filled. `codes` maps an action string to 1 alloc,
+ * 2 free_completed, 3 oom, 4 annotate, 5 a segment action: the loop of normalize._Walk. */
+static PyObject *trace_walk_into(Trace *t, PyObject *codes, int64_t *d, int64_t *cl) {
     Py_ssize_t n = t->n, nt = PyList_GET_SIZE(t->table);
     int8_t *kind = PyMem_Calloc(nt ? nt : 1, 1);
     if (!kind) return PyErr_NoMemory();
@@ -196,23 +252,20 @@ static PyObject *trace_walk(Trace *t, PyObject *codes) {
         for (int k = 0; k < (int)(code & 15); k++) m |= 1 << ((code >> (4 + 3 * k)) & 7);
         has[s] = m;
     }
-    PyObject *deltas = PyBytes_FromStringAndSize(NULL, n * 8);
-    PyObject *closed = PyBytes_FromStringAndSize(NULL, n * 8);
-    int64_t *al = PyMem_Malloc((n ? n : 1) * 8), *un = PyMem_Malloc((n ? n : 1) * 8);
+    Py_ssize_t nal = 0, nun = 0, cal = 1024, cun = 1024;
+    int64_t *al = PyMem_Malloc(cal * 8), *un = PyMem_Malloc(cun * 8);
     PyObject *live = PyDict_New(), *ooms = PyList_New(0), *notes = PyList_New(0), *segs = PyList_New(0);
     PyObject *result = NULL;
-    Py_ssize_t nal = 0, nun = 0;
-    if (!deltas || !closed || !al || !un || !live || !ooms || !notes || !segs) goto done;
-    int64_t *d = (int64_t *)PyBytes_AS_STRING(deltas), *cl = (int64_t *)PyBytes_AS_STRING(closed);
-    const int need = (1 << 4) | (1 << 0) | (1 << 1);  /* action, addr, size */
+    if (!al || !un || !live || !ooms || !notes || !segs) goto done;
+    const int need = ACTION_BIT | (1 << 0) | (1 << 1);  /* action, addr, size */
     for (Py_ssize_t i = 0; i < n; i++) {
         d[i] = 0;
         cl[i] = n;
     }
     for (Py_ssize_t i = 0; i < n; i++) {
         uint8_t s = t->shape[i];
-        if (s == VERBATIM || !(has[s] & (1 << 4))) { result = Py_None; goto done; }
-        int8_t a = kind[t->objs[0][i]];
+        if (s == VERBATIM || !(has[s] & ACTION_BIT)) { result = Py_None; goto done; }
+        int8_t a = kind[obj_id(t, 0, i)];
         if (a < 0) { result = Py_None; goto done; }
         if ((a == 1 || a == 2) && (has[s] & need) != need) { result = Py_None; goto done; }
         if (a == 1) {
@@ -222,6 +275,11 @@ static PyObject *trace_walk(Trace *t, PyObject *codes) {
             Py_XDECREF(addr);
             Py_XDECREF(at);
             if (r < 0) goto done;
+            if (nal == cal) {
+                int64_t *p = PyMem_Realloc(al, (cal *= 2) * 8);
+                if (!p) { PyErr_NoMemory(); goto done; }
+                al = p;
+            }
             al[nal++] = i;
         } else if (a == 2) {
             PyObject *addr = PyLong_FromLongLong(t->ints[0][i]);
@@ -230,6 +288,11 @@ static PyObject *trace_walk(Trace *t, PyObject *codes) {
             if (!j && PyErr_Occurred()) { Py_DECREF(addr); goto done; }
             if (!j) {
                 d[i] = -t->ints[1][i];
+                if (nun == cun) {
+                    int64_t *p = PyMem_Realloc(un, (cun *= 2) * 8);
+                    if (!p) { PyErr_NoMemory(); goto done; }
+                    un = p;
+                }
                 un[nun++] = i;
             } else {
                 Py_ssize_t jj = PyLong_AsSsize_t(j);
@@ -245,20 +308,33 @@ static PyObject *trace_walk(Trace *t, PyObject *codes) {
             if (r < 0) goto done;
         }
     }
-    result = Py_BuildValue("(OOy#y#OOOO)", deltas, closed, (char *)al, nal * 8, (char *)un, nun * 8,
-                           live, ooms, notes, segs);
+    result = Py_BuildValue("(y#y#OOOO)", (char *)al, nal * 8, (char *)un, nun * 8, live, ooms, notes, segs);
 done:
     if (result == Py_None) Py_INCREF(Py_None);
     PyMem_Free(kind);
     PyMem_Free(al);
     PyMem_Free(un);
-    Py_XDECREF(deltas);
-    Py_XDECREF(closed);
     Py_XDECREF(live);
     Py_XDECREF(ooms);
     Py_XDECREF(notes);
     Py_XDECREF(segs);
     return result;
+}
+
+static PyObject *trace_walk(Trace *t, PyObject *args) {
+    PyObject *codes;
+    Py_buffer db, cb;
+    if (!PyArg_ParseTuple(args, "O!w*w*", &PyDict_Type, &codes, &db, &cb)) return NULL;
+    if (db.len != t->n * 8 || cb.len != t->n * 8) {
+        PyBuffer_Release(&db);
+        PyBuffer_Release(&cb);
+        PyErr_SetString(PyExc_ValueError, "walk: deltas and closed need 8 bytes an entry");
+        return NULL;
+    }
+    PyObject *out = trace_walk_into(t, codes, (int64_t *)db.buf, (int64_t *)cb.buf);
+    PyBuffer_Release(&db);
+    PyBuffer_Release(&cb);
+    return out;
 }
 
 /* values(key) -> the list of e.get(key) over the entries, without building them. */
@@ -290,7 +366,7 @@ static PyObject *trace_values(Trace *t, PyObject *key) {
                 v = PyLong_FromLongLong(t->ints[slot][i]);
                 if (!v) { Py_DECREF(out); return NULL; }
             } else {
-                v = PyList_GET_ITEM(t->table, t->objs[slot - NINT][i]);
+                v = PyList_GET_ITEM(t->table, obj_id(t, slot - NINT, i));
                 Py_INCREF(v);
             }
         }
@@ -300,11 +376,13 @@ static PyObject *trace_values(Trace *t, PyObject *key) {
 }
 
 static PyObject *trace_nbytes(Trace *t, PyObject *unused) {
-    return PyLong_FromSsize_t(t->cap * (NINT * 8 + NOBJ * 4 + 1));
+    Py_ssize_t per = NINT * 8 + 1;
+    for (int k = 0; k < NOBJ; k++) per += t->width[k];
+    return PyLong_FromSsize_t(t->cap * per);
 }
 
 static PyMethodDef trace_methods[] = {
-    {"walk", (PyCFunction)trace_walk, METH_O, "normalize._Walk's loop over the columns; None when it cannot"},
+    {"walk", (PyCFunction)trace_walk, METH_VARARGS, "normalize._Walk's loop over the columns; None when it cannot"},
     {"values", (PyCFunction)trace_values, METH_O, "[e.get(key) for e in trace], built from the columns"},
     {"nbytes", (PyCFunction)trace_nbytes, METH_NOARGS, "bytes held by the columns"},
     {NULL, NULL, 0, NULL},
@@ -339,7 +417,7 @@ typedef struct {
     Py_ssize_t sp, scap;
     Py_ssize_t *marks;
     Py_ssize_t mp, mcap;
-    PyObject **memo;
+    PyObject ***memo;         /* pages */
     Py_ssize_t memo_len, memo_cap;
     /* The trace being filled: its builder's stack position and the row of the open entry. */
     Trace *trace;
@@ -408,31 +486,50 @@ static void drop(PyObject *o) {
     if (o != ENTRY) Py_XDECREF(o);
 }
 
+/* The memo in pages of PAGE slots, a page allocated only when something gettable is stored in
+ * it: a trace's entries are memoized one by one and can never be got back (ENTRY), so pages of
+ * them cost nothing (a pointer a slot would be 8 bytes an event). */
+static PyObject *memo_at(Reader *r, Py_ssize_t idx) {
+    PyObject **page = r->memo[idx / PAGE];
+    return page ? page[idx % PAGE] : NULL;
+}
+
 static int memo_put(Reader *r, Py_ssize_t idx) {
     if (r->sp == 0 || idx < 0 || idx > r->consumed + r->pos) return 1;
-    if (idx >= r->memo_cap) {
-        Py_ssize_t cap = r->memo_cap ? r->memo_cap : 1024;
-        while (cap <= idx) cap *= 2;
-        PyObject **p = PyMem_Realloc(r->memo, cap * sizeof(PyObject *));
+    Py_ssize_t pages = idx / PAGE + 1;
+    if (pages > r->memo_cap) {
+        Py_ssize_t cap = r->memo_cap ? r->memo_cap : 64;
+        while (cap < pages) cap *= 2;
+        PyObject ***p = PyMem_Realloc(r->memo, cap * sizeof(PyObject **));
         if (!p) { PyErr_NoMemory(); return -1; }
         for (Py_ssize_t k = r->memo_cap; k < cap; k++) p[k] = NULL;
         r->memo = p;
         r->memo_cap = cap;
     }
     PyObject *o = r->stack[r->sp - 1];
+    PyObject **page = r->memo[idx / PAGE];
+    if (!page) {
+        if (o == ENTRY) {
+            if (idx >= r->memo_len) r->memo_len = idx + 1;
+            return 0;
+        }
+        page = r->memo[idx / PAGE] = PyMem_Calloc(PAGE, sizeof(PyObject *));
+        if (!page) { PyErr_NoMemory(); return -1; }
+    }
     if (o != ENTRY) Py_INCREF(o);
-    drop(r->memo[idx]);
-    r->memo[idx] = o;
+    drop(page[idx % PAGE]);
+    page[idx % PAGE] = o == ENTRY ? NULL : o;
     if (idx >= r->memo_len) r->memo_len = idx + 1;
     return 0;
 }
 
 static int memo_get(Reader *r, Py_ssize_t idx) {
-    if (idx < 0 || idx >= r->memo_len || !r->memo[idx] || r->memo[idx] == ENTRY) return 1;
-    /* A trace referenced twice would be one object in two places: not the common shape. */
-    if (Py_IS_TYPE(r->memo[idx], &TraceType)) return 1;
-    Py_INCREF(r->memo[idx]);
-    return push(r, r->memo[idx]);
+    if (idx < 0 || idx >= r->memo_len) return 1;
+    PyObject *o = memo_at(r, idx);
+    /* An entry (never stored) or a trace got twice would be one object in two places. */
+    if (!o || Py_IS_TYPE(o, &TraceType)) return 1;
+    Py_INCREF(o);
+    return push(r, o);
 }
 
 static Py_ssize_t top_mark(Reader *r) { return r->mp ? r->marks[r->mp - 1] : -1; }
@@ -490,9 +587,11 @@ static int finish_row(Reader *r) {
 }
 
 static int table_id(Trace *t, PyObject *v, uint32_t *out) {
-    PyObject *key = PyUnicode_CheckExact(v) ? (Py_INCREF(v), v) : PyLong_FromVoidPtr(v);
+    int by_value = PyUnicode_CheckExact(v) || PyLong_CheckExact(v);
+    PyObject *key = by_value ? (Py_INCREF(v), v) : PyLong_FromVoidPtr(v);
     if (!key) return -1;
-    PyObject *id = PyDict_GetItemWithError(t->by_value, key);
+    PyObject *ids = by_value ? t->by_value : t->by_ptr;
+    PyObject *id = PyDict_GetItemWithError(ids, key);
     if (id) {
         *out = (uint32_t)PyLong_AsUnsignedLong(id);
         Py_DECREF(key);
@@ -502,7 +601,7 @@ static int table_id(Trace *t, PyObject *v, uint32_t *out) {
     Py_ssize_t n = PyList_GET_SIZE(t->table);
     if (n >= 0xFFFFFFF0) { Py_DECREF(key); return 1; }
     PyObject *num = PyLong_FromSsize_t(n);
-    int ok = (num && PyDict_SetItem(t->by_value, key, num) == 0 && PyList_Append(t->table, v) == 0) ? 0 : -1;
+    int ok = (num && PyDict_SetItem(ids, key, num) == 0 && PyList_Append(t->table, v) == 0) ? 0 : -1;
     Py_XDECREF(num);
     Py_DECREF(key);
     *out = (uint32_t)n;
@@ -518,8 +617,8 @@ static int row_to_dict(Reader *r) {
     for (int k = 0; k < len; k++) {
         int slot = (r->row_code >> (4 + 3 * k)) & 7;
         PyObject *v = slot < NINT ? PyLong_FromLongLong(t->ints[slot][r->row])
-                                  : (Py_INCREF(PyList_GET_ITEM(t->table, t->objs[slot - NINT][r->row])),
-                                     PyList_GET_ITEM(t->table, t->objs[slot - NINT][r->row]));
+                                  : (Py_INCREF(PyList_GET_ITEM(t->table, obj_id(t, slot - NINT, r->row))),
+                                     PyList_GET_ITEM(t->table, obj_id(t, slot - NINT, r->row)));
         if (!v || PyDict_SetItem(d, slot_strs[slot], v) < 0) { Py_XDECREF(v); Py_DECREF(d); return -1; }
         Py_DECREF(v);
     }
@@ -575,7 +674,7 @@ static int set_entry(Reader *r, PyObject *key, PyObject *value) {
                 r->vid[h] = id;
             }
         }
-        if (slot >= 0) t->objs[slot - NINT][r->row] = id;
+        if (slot >= 0 && set_obj_id(t, slot - NINT, r->row, id) < 0) return -1;
     }
     if (slot < 0) {
         if (row_to_dict(r) < 0) return -1;
@@ -698,6 +797,7 @@ static int step(Reader *r) {
             if (r->trace) {
                 int ok = finish_row(r);
                 if (ok) return ok;
+                trace_trim(r->trace);
             }
             Trace *t = trace_new();
             if (!t) return -1;
@@ -799,7 +899,11 @@ static void reader_clear(Reader *r) {
     vcache_clear(r);
     for (int k = 0; k < r->nk; k++) Py_CLEAR(r->kkey[k]);
     while (r->sp) drop(r->stack[--r->sp]);
-    for (Py_ssize_t k = 0; k < r->memo_len; k++) drop(r->memo[k]);
+    for (Py_ssize_t k = 0; k < r->memo_cap; k++) {
+        if (!r->memo[k]) continue;
+        for (Py_ssize_t j = 0; j < PAGE; j++) Py_XDECREF(r->memo[k][j]);
+        PyMem_Free(r->memo[k]);
+    }
     PyMem_Free(r->stack);
     PyMem_Free(r->marks);
     PyMem_Free(r->memo);
@@ -833,6 +937,7 @@ static PyObject *fastread_read(PyObject *self, PyObject *stream) {
     if (rc == 2 && r.sp == 1 && r.mp == 0 && r.stack[0] != ENTRY && finish_row(&r) == 0) {
         PyObject *root = r.stack[0];
         if (r.traces_made == 0 || traces_in_place(root) == r.traces_made) {
+            trace_trim(r.trace);
             /* The pure path reads the stream to its end too (nothing may follow STOP unread). */
             result = Py_BuildValue("(OL)", root, r.consumed + r.pos);
         }

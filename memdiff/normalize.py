@@ -210,12 +210,12 @@ class _Walk:
     def _walk_columns(self, trace: Any) -> bool:
         """The loop above run by the accelerator over its columns; False when an entry is not
         plain (a missing key, a value of another type), and the loop above says what."""
-        done = trace.walk(_ACTION_CODES)
+        n = len(trace)
+        self.deltas, self.closed = array("q", [0]) * n, array("q", [n]) * n
+        done = trace.walk(_ACTION_CODES, self.deltas, self.closed)
         if done is None:
             return False
-        deltas, closed, allocs, unmatched, self.open_at_end, self.ooms, self.annotations, self.segment_events = done
-        self.deltas = array("q", deltas)
-        self.closed = array("q", closed)
+        allocs, unmatched, self.open_at_end, self.ooms, self.annotations, self.segment_events = done
         self.allocs = array("q", allocs)
         self.unmatched = array("q", unmatched)
         return True

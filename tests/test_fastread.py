@@ -183,3 +183,12 @@ def test_slice_of_columns_writes_a_plain_snapshot(tmp_path, capsys):
     assert all(type(t) is list for t in cut["device_traces"]) and len(cut["device_traces"][0]) == 40
     assert main(["summarize", str(out), "--format", "json"]) == 0
     assert json.loads(capsys.readouterr()[0])["devices"]
+
+
+def test_a_column_of_many_distinct_values_keeps_every_one(tmp_path):
+    # Ids take 1 byte while a column has at most 256 distinct values, then 2, then 4 bytes.
+    trace = [alloc(0x1000 + 64 * k, 64, [], user_metadata=f"m{k}", stream=k % 300) for k in range(70_000)]
+    path = write(tmp_path, {"segments": [], "device_traces": [trace]})
+    columns = decode(path, columns=True)[0]["device_traces"][0]
+    assert columns.values("user_metadata") == [e["user_metadata"] for e in trace]
+    assert columns == trace
