@@ -229,11 +229,25 @@ static PyObject *trace_richcompare(PyObject *a, PyObject *b, int op) {
     return r;
 }
 
-/* walk(codes, deltas, closed) -> None when a row is not plain (the caller walks the dicts), else
- * (allocs bytes, unmatched bytes, open dict, ooms, annotations, segment events), deltas and
- * closed (8 bytes an entry each, writable) filled. `codes` maps an action string to 1 alloc,
+/* walk(codes, deltas, closed, allocs, unmatched) -> None when a row is not plain (the caller walks
+ * the dicts), else (open dict, ooms, annotations, segment events), with deltas and closed (8 bytes
+ * an entry each, writable) filled and the alloc and unmatched free indices appended to the two
+ * array('q'). `codes` maps an action string to 1 alloc,
  * 2 free_completed, 3 oom, 4 annotate, 5 a segment action: the loop of normalize._Walk. */
-static PyObject *trace_walk_into(Trace *t, PyObject *codes, int64_t *d, int64_t *cl) {
+/* Append the n indices at buf to the array('q') `to`, a block at a time (no copy of the whole). */
+static int flush(PyObject *to, int64_t *buf, Py_ssize_t *n) {
+    if (!*n) return 0;
+    PyObject *r = PyObject_CallMethod(to, "frombytes", "y#", (const char *)buf, *n * 8);
+    *n = 0;
+    if (!r) return -1;
+    Py_DECREF(r);
+    return 0;
+}
+
+#define BLOCK 8192
+
+static PyObject *trace_walk_into(Trace *t, PyObject *codes, int64_t *d, int64_t *cl, PyObject *allocs,
+                                 PyObject *unmatched) {
     Py_ssize_t n = t->n, nt = PyList_GET_SIZE(t->table);
     int8_t *kind = PyMem_Calloc(nt ? nt : 1, 1);
     if (!kind) return PyErr_NoMemory();
@@ -252,8 +266,8 @@ static PyObject *trace_walk_into(Trace *t, PyObject *codes, int64_t *d, int64_t 
         for (int k = 0; k < (int)(code & 15); k++) m |= 1 << ((code >> (4 + 3 * k)) & 7);
         has[s] = m;
     }
-    Py_ssize_t nal = 0, nun = 0, cal = 1024, cun = 1024;
-    int64_t *al = PyMem_Malloc(cal * 8), *un = PyMem_Malloc(cun * 8);
+    Py_ssize_t nal = 0, nun = 0;
+    int64_t *al = PyMem_Malloc(BLOCK * 8), *un = PyMem_Malloc(BLOCK * 8);
     PyObject *live = PyDict_New(), *ooms = PyList_New(0), *notes = PyList_New(0), *segs = PyList_New(0);
     PyObject *result = NULL;
     if (!al || !un || !live || !ooms || !notes || !segs) goto done;
@@ -275,12 +289,8 @@ static PyObject *trace_walk_into(Trace *t, PyObject *codes, int64_t *d, int64_t 
             Py_XDECREF(addr);
             Py_XDECREF(at);
             if (r < 0) goto done;
-            if (nal == cal) {
-                int64_t *p = PyMem_Realloc(al, (cal *= 2) * 8);
-                if (!p) { PyErr_NoMemory(); goto done; }
-                al = p;
-            }
             al[nal++] = i;
+            if (nal == BLOCK && flush(allocs, al, &nal) < 0) goto done;
         } else if (a == 2) {
             PyObject *addr = PyLong_FromLongLong(t->ints[0][i]);
             if (!addr) goto done;
@@ -288,12 +298,8 @@ static PyObject *trace_walk_into(Trace *t, PyObject *codes, int64_t *d, int64_t 
             if (!j && PyErr_Occurred()) { Py_DECREF(addr); goto done; }
             if (!j) {
                 d[i] = -t->ints[1][i];
-                if (nun == cun) {
-                    int64_t *p = PyMem_Realloc(un, (cun *= 2) * 8);
-                    if (!p) { PyErr_NoMemory(); goto done; }
-                    un = p;
-                }
                 un[nun++] = i;
+                if (nun == BLOCK && flush(unmatched, un, &nun) < 0) goto done;
             } else {
                 Py_ssize_t jj = PyLong_AsSsize_t(j);
                 cl[jj] = i;
@@ -308,7 +314,8 @@ static PyObject *trace_walk_into(Trace *t, PyObject *codes, int64_t *d, int64_t 
             if (r < 0) goto done;
         }
     }
-    result = Py_BuildValue("(y#y#OOOO)", (char *)al, nal * 8, (char *)un, nun * 8, live, ooms, notes, segs);
+    if (flush(allocs, al, &nal) < 0 || flush(unmatched, un, &nun) < 0) goto done;
+    result = Py_BuildValue("(OOOO)", live, ooms, notes, segs);
 done:
     if (result == Py_None) Py_INCREF(Py_None);
     PyMem_Free(kind);
@@ -322,16 +329,16 @@ done:
 }
 
 static PyObject *trace_walk(Trace *t, PyObject *args) {
-    PyObject *codes;
+    PyObject *codes, *allocs, *unmatched;
     Py_buffer db, cb;
-    if (!PyArg_ParseTuple(args, "O!w*w*", &PyDict_Type, &codes, &db, &cb)) return NULL;
+    if (!PyArg_ParseTuple(args, "O!w*w*OO", &PyDict_Type, &codes, &db, &cb, &allocs, &unmatched)) return NULL;
     if (db.len != t->n * 8 || cb.len != t->n * 8) {
         PyBuffer_Release(&db);
         PyBuffer_Release(&cb);
         PyErr_SetString(PyExc_ValueError, "walk: deltas and closed need 8 bytes an entry");
         return NULL;
     }
-    PyObject *out = trace_walk_into(t, codes, (int64_t *)db.buf, (int64_t *)cb.buf);
+    PyObject *out = trace_walk_into(t, codes, (int64_t *)db.buf, (int64_t *)cb.buf, allocs, unmatched);
     PyBuffer_Release(&db);
     PyBuffer_Release(&cb);
     return out;

@@ -14,6 +14,7 @@ Every byte live at the peak lands in exactly one group, so groups add up to the 
 from __future__ import annotations
 
 import bisect
+import itertools
 from array import array
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Set, Tuple
@@ -118,7 +119,7 @@ def _reserved(path: str, device: int, trace: List[Dict[str, Any]], events: Seque
     a trace cut at both ends), since no figure could be trusted then."""
     if at_dump is None or (not at_dump and not events):
         return None, None
-    steps = np.zeros(len(trace), dtype=np.int64)
+    steps: List[int] = []
     moved = 0
     for i in events:
         size = trace[i].get("size")
@@ -127,13 +128,21 @@ def _reserved(path: str, device: int, trace: List[Dict[str, Any]], events: Seque
         moved += size
         if moved > MAX_BYTES:  # the running total must stay inside int64
             raise InputError(path, f"device {device}: segment sizes add up to more than {MAX_BYTES:,} bytes")
-        steps[i] = SEGMENT_ACTIONS[trace[i]["action"]] * size
-    running = np.cumsum(steps)
-    start = at_dump - (int(running[-1]) if len(running) else 0)
-    if start < 0 or (len(running) and start + int(running.min()) < 0):
+        steps.append(SEGMENT_ACTIONS[trace[i]["action"]] * size)
+    # The reserved total changes only at segment events (ascending): its running values there,
+    # and 0 at the events before the first, are all the totals the trace goes through.
+    totals = list(itertools.accumulate(steps))
+    if len(trace) and (not events or events[0] > 0):
+        totals.append(0)
+    start = at_dump - (sum(steps) if len(trace) else 0)
+    if start < 0 or (totals and start + min(totals) < 0):
         return None, None
-    highest = max(start, start + int(running.max()) if len(running) else start)
-    then = start + (int(running[peak_index]) if peak_index is not None else 0)
+    highest = max(start, start + max(totals) if totals else start)
+    if peak_index is not None:
+        k = bisect.bisect_right(events, peak_index)
+        then = start + (sum(steps[:k]) if k else 0)
+    else:
+        then = start
     return highest, (then - peak if then >= peak else None)
 
 
@@ -212,12 +221,11 @@ class _Walk:
         plain (a missing key, a value of another type), and the loop above says what."""
         n = len(trace)
         self.deltas, self.closed = array("q", [0]) * n, array("q", [n]) * n
-        done = trace.walk(_ACTION_CODES, self.deltas, self.closed)
+        self.allocs, self.unmatched = array("q"), array("q")
+        done = trace.walk(_ACTION_CODES, self.deltas, self.closed, self.allocs, self.unmatched)
         if done is None:
             return False
-        allocs, unmatched, self.open_at_end, self.ooms, self.annotations, self.segment_events = done
-        self.allocs = array("q", allocs)
-        self.unmatched = array("q", unmatched)
+        self.open_at_end, self.ooms, self.annotations, self.segment_events = done
         return True
 
     def _check_sizes(self, path: str, device: int, trace: List[Dict[str, Any]]) -> None:
@@ -849,6 +857,12 @@ def _allocations(path: str, walk: _Walk, trace: List[Dict[str, Any]], dump_only:
         kind=kinds.numbered(codes, life), kinds=kinds.kinds)
 
 
+def _absolute_sum(deltas: np.ndarray, chunk: int = 1 << 20) -> float:
+    """The sum of |deltas| as a float, a million at a time: two float copies of a whole trace
+    would be 16 bytes an event of peak memory."""
+    return sum(float(np.abs(deltas[k: k + chunk].astype(np.float64)).sum()) for k in range(0, len(deltas), chunk))
+
+
 def _device_summary(snapshot: Snapshot, device: int, stacks: StackNormalizer,
                     history_rules: Optional[Sequence[Rule]] = None,
                     keep: Optional[Dict[int, Allocations]] = None) -> DeviceSummary:
@@ -866,7 +880,7 @@ def _device_summary(snapshot: Snapshot, device: int, stacks: StackNormalizer,
 
     deltas = np.frombuffer(walk.deltas, dtype=np.int64) if len(trace) else np.zeros(0, np.int64)
     # Running totals are int64: sizes that could add up past it are no real trace (and would wrap).
-    if static > MAX_BYTES or float(np.abs(deltas.astype(np.float64)).sum()) > MAX_BYTES:
+    if static > MAX_BYTES or _absolute_sum(deltas) > MAX_BYTES:
         raise InputError(path, f"device {device}: sizes add up to more than {MAX_BYTES:,} bytes: not a real snapshot")
     running = np.cumsum(deltas)
     peak_index: Optional[int] = None
