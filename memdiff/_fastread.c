@@ -735,10 +735,16 @@ static int append_items(Reader *r, Py_ssize_t target, Py_ssize_t from) {
     for (Py_ssize_t k = from; k < r->sp; k++) {
         if (r->stack[k] == ENTRY) return 1;
         if (Py_IS_TYPE(r->stack[k], &TraceType) && (!r->traces_made || target != r->traces_pos)) return 1;
-        if (PyList_Append(l, r->stack[k]) < 0) return -1;
     }
-    while (r->sp > from) drop(r->stack[--r->sp]);
-    return 0;
+    /* In one piece, as the C unpickler extends a list: a batch is up to 1,000 items. */
+    Py_ssize_t at = PyList_GET_SIZE(l), m = r->sp - from;
+    PyObject *batch = PyList_New(m);
+    if (!batch) return -1;
+    for (Py_ssize_t k = 0; k < m; k++) PyList_SET_ITEM(batch, k, r->stack[from + k]);  /* steals */
+    r->sp = from;
+    int ok = PyList_SetSlice(l, at, at, batch);
+    Py_DECREF(batch);
+    return ok < 0 ? -1 : 0;
 }
 
 static PyObject *tuple_from(Reader *r, Py_ssize_t from) {
