@@ -247,7 +247,7 @@ def read_course(path: str, value: int, rules: Sequence[Rule], window: Optional[W
     """One run's Summary and allocations (of `window` only, when given): the snapshot is decoded and
     walked once."""
     with paused_gc():
-        raw, source, decoded = decode(path)
+        raw, source, decoded = decode(path, columns=True)
         if is_summary(raw):
             refuse_baseline(path, raw)
             raise InputError(path, "a stored summary holds only the peak; a forecast or a what-if replays every "

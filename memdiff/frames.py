@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any, Callable, Dict, Generic, Iterable, Iterator, List, Optional, Sequence, Tuple, TypeVar
 
+from memdiff.accel import TRACES, is_columns
 from memdiff.errors import brief, clip, number
 from memdiff.inert import text
 from memdiff.model import Frame
@@ -561,9 +562,11 @@ def number_compiled_buffers(device_traces: Any) -> None:
     is the buffer's place: 1 for the first allocation after any allocation outside that graph,
     then 2, 3... A graph run twice with nothing allocated between counts on. CUDA frames carry
     their own lines and are left as they are."""
-    for trace in device_traces if isinstance(device_traces, list) else ():
-        if not isinstance(trace, list) or not _profiler_route(trace):
+    for d, trace in enumerate(device_traces if isinstance(device_traces, list) else ()):
+        if not isinstance(trace, TRACES) or not _profiler_route(trace):
             continue
+        if not isinstance(trace, list):  # columns are read-only: this route's traces are small
+            trace = device_traces[d] = list(trace)
         found: Dict[int, Optional[Tuple[int, str]]] = {}
         numbered: Dict[Tuple[int, Any], List[Any]] = {}  # (id of the old list, address) -> new list
         current, count = None, 0
@@ -596,6 +599,9 @@ def frames_lists(device_traces: Any, segments: Any) -> Iterator[Any]:
     """Every frames list of a snapshot, trace entries first, then the dump's blocks (what is not
     a list or a dict is passed over: the reader says why elsewhere)."""
     for trace in device_traces if isinstance(device_traces, list) else ():
+        if is_columns(trace):
+            yield from trace.values("frames")
+            continue
         for e in trace if isinstance(trace, list) else ():
             if isinstance(e, dict):
                 yield e.get("frames")

@@ -44,7 +44,7 @@ def read_summary(path: str, rules: Sequence[Rule], history: bool = False,
     A stored summary is classified again, so `--rules` applies to it as to a snapshot.
     """
     with paused_gc():
-        raw, source, decoded = decode(path)
+        raw, source, decoded = decode(path, columns=True)
         if not is_summary(raw):
             snapshot = to_snapshot(path, raw, source, decoded)
             del raw  # freed by reference counting before the collector resumes

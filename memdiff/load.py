@@ -24,6 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
+from memdiff import accel
 from memdiff.errors import InputError, brief, clip, number
 from memdiff.frames import profiler_frame
 from memdiff.model import Source
@@ -271,9 +272,39 @@ def _parse(path: str, stream: io.BufferedReader, codec: Optional[str]) -> Tuple[
                            "gzip, bz2 nor xz")
 
 
-def _read_document(path: str, size: int) -> Tuple[Any, str, int]:
+def _read_columns(path: str, size: int) -> Optional[Tuple[Any, str, int]]:
+    """_read_document by the compiled reader, its traces in columns; None when it is not built,
+    is switched off, or declines the file (anything but a plain-data pickle of the usual shape:
+    the pure path then reads it, refusing what it refuses with its own messages)."""
+    fast = accel.reader()
+    if fast is None:
+        return None
+    try:
+        stream, bounded, codec = _open_stream(path, size)
+    except OSError:
+        return None
+    try:
+        with stream:
+            head = stream.peek(2)[:2]
+            if len(head) < 2 or head[0] != 0x80 or not 2 <= head[1] <= 5:
+                return None
+            done = fast.read(stream)
+    except InputError:
+        raise
+    except Exception:  # noqa: BLE001 - whatever the stream raised, the pure path meets and words it
+        return None
+    if done is None:
+        return None
+    container = f"pickle protocol {head[1]}"
+    return done[0], f"{codec}+{container}" if codec else container, bounded.count
+
+
+def _read_document(path: str, size: int, columns: bool) -> Tuple[Any, str, int]:
     """The decoded document, its container (`pickle protocol 4`, `gzip+json`, ...) and the number
-    of bytes decoded (after decompression)."""
+    of bytes decoded (after decompression); with `columns`, its traces may be read-only columns."""
+    fast = _read_columns(path, size) if columns else None
+    if fast is not None:
+        return fast
     try:
         stream, bounded, codec = _open_stream(path, size)
     except OSError as exc:
@@ -418,7 +449,7 @@ def to_snapshot(path: str, raw: Any, source: Source, decoded_bytes: Optional[int
     _expect(path, "segments", segments, list, "a list")
     _expect(path, "device_traces", traces, list, "a list")
     # Before anything walks them: entries and blocks a file cannot honestly hold.
-    items = (sum(len(t) for t in traces if isinstance(t, list))
+    items = (sum(len(t) for t in traces if isinstance(t, accel.TRACES))
              + sum(len(s["blocks"]) for s in segments if isinstance(s, dict) and isinstance(s.get("blocks"), list)))
     if decoded_bytes is not None and items > max(1, decoded_bytes) / MIN_EVENT_BYTES:
         raise InputError(path, f"not a memory snapshot: {items:,} trace entries and blocks in {decoded_bytes:,} "
@@ -428,7 +459,8 @@ def to_snapshot(path: str, raw: Any, source: Source, decoded_bytes: Optional[int
                                f"({MAX_DEVICES}): not a real snapshot")
     _validate_segments(path, segments)
     for i, trace in enumerate(traces):
-        _expect(path, f"device_traces[{i}]", trace, list, "a list")
+        if not isinstance(trace, accel.TRACES):
+            _expect(path, f"device_traces[{i}]", trace, list, "a list")
     _expect(path, "external_annotations", annotations, list, "a list")
     entry_keys = sorted({str(k) for t in traces for e in t[:1000] if isinstance(e, dict) for k in e})
     source.keys = keys + [f"trace.{k}" for k in entry_keys]
@@ -437,9 +469,10 @@ def to_snapshot(path: str, raw: Any, source: Source, decoded_bytes: Optional[int
                     external_annotations=annotations, decoded_bytes=decoded_bytes)
 
 
-def decode(path: str) -> Tuple[Any, Source, int]:
+def decode(path: str, columns: bool = False) -> Tuple[Any, Source, int]:
     """Read, decompress and decode a file: (the document, its Source with generation still unset,
-    the number of bytes decoded).
+    the number of bytes decoded). With `columns`, a device's trace may come as the accelerator's
+    read-only columns (memdiff.accel) rather than a list of dicts: for readers that only analyse.
 
     The file is streamed into the decoder, never held whole in memory beside what it decodes to.
     """
@@ -448,13 +481,13 @@ def decode(path: str) -> Tuple[Any, Source, int]:
     # decodes, so it costs no wall time.
     with ThreadPoolExecutor(max_workers=1) as pool:
         hashing = pool.submit(_sha256, path)
-        raw, container, decoded = _read_document(path, size)
+        raw, container, decoded = _read_document(path, size, columns)
         digest = hashing.result()
     source = Source(file=os.path.basename(path), sha256=digest, size_bytes=size, container=container,
                     generation="", keys=[])
     return raw, source, decoded
 
 
-def load(path: str) -> Snapshot:
-    """Read, decompress, decode and validate one snapshot file."""
-    return to_snapshot(path, *decode(path))
+def load(path: str, columns: bool = False) -> Snapshot:
+    """Read, decompress, decode and validate one snapshot file (`columns` as for decode)."""
+    return to_snapshot(path, *decode(path, columns))

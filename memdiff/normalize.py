@@ -14,6 +14,7 @@ Every byte live at the peak lands in exactly one group, so groups add up to the 
 from __future__ import annotations
 
 import bisect
+import itertools
 from array import array
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Set, Tuple
@@ -21,6 +22,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Set, Tuple
 import numpy as np
 
 from memdiff import __version__
+from memdiff.accel import is_columns
 from memdiff.classify import Rule
 from memdiff.errors import InputError, brief, number
 from memdiff.frames import (
@@ -103,6 +105,8 @@ NO_COMPILE_CONTEXT = ("", "N/A", None)
 
 # Segment events and the sign they change the reserved total by.
 SEGMENT_ACTIONS = {"segment_alloc": 1, "segment_map": 1, "segment_free": -1, "segment_unmap": -1}
+# The actions _Walk tells apart, as the accelerator's walk numbers them.
+_ACTION_CODES = {"alloc": 1, "free_completed": 2, "oom": 3, "annotate": 4, **{a: 5 for a in SEGMENT_ACTIONS}}
 
 
 def _reserved(path: str, device: int, trace: List[Dict[str, Any]], events: Sequence[int], at_dump: Optional[int],
@@ -115,7 +119,7 @@ def _reserved(path: str, device: int, trace: List[Dict[str, Any]], events: Seque
     a trace cut at both ends), since no figure could be trusted then."""
     if at_dump is None or (not at_dump and not events):
         return None, None
-    steps = np.zeros(len(trace), dtype=np.int64)
+    steps: List[int] = []
     moved = 0
     for i in events:
         size = trace[i].get("size")
@@ -124,13 +128,21 @@ def _reserved(path: str, device: int, trace: List[Dict[str, Any]], events: Seque
         moved += size
         if moved > MAX_BYTES:  # the running total must stay inside int64
             raise InputError(path, f"device {device}: segment sizes add up to more than {MAX_BYTES:,} bytes")
-        steps[i] = SEGMENT_ACTIONS[trace[i]["action"]] * size
-    running = np.cumsum(steps)
-    start = at_dump - (int(running[-1]) if len(running) else 0)
-    if start < 0 or (len(running) and start + int(running.min()) < 0):
+        steps.append(SEGMENT_ACTIONS[trace[i]["action"]] * size)
+    # The reserved total changes only at segment events (ascending): its running values there,
+    # and 0 at the events before the first, are all the totals the trace goes through.
+    totals = list(itertools.accumulate(steps))
+    if len(trace) and (not events or events[0] > 0):
+        totals.append(0)
+    start = at_dump - (sum(steps) if len(trace) else 0)
+    if start < 0 or (totals and start + min(totals) < 0):
         return None, None
-    highest = max(start, start + int(running.max()) if len(running) else start)
-    then = start + (int(running[peak_index]) if peak_index is not None else 0)
+    highest = max(start, start + max(totals) if totals else start)
+    if peak_index is not None:
+        k = bisect.bisect_right(events, peak_index)
+        then = start + (sum(steps[:k]) if k else 0)
+    else:
+        then = start
     return highest, (then - peak if then >= peak else None)
 
 
@@ -143,10 +155,6 @@ class _Walk:
 
     def __init__(self, path: str, device: int, trace: List[Dict[str, Any]], reversions: bool = False) -> None:
         n = len(trace)
-        self.deltas = deltas = array("q", bytes(8 * n))  # running-total change at each event
-        self.closed = closed = array("q", [n]) * n  # alloc event -> its free_completed event (n: never)
-        self.allocs = allocs = array("q")  # alloc event indices, ascending
-        self.unmatched = unmatched = array("q")  # free_completed events with no open allocation
         self.open_at_end: Dict[int, int] = {}  # address -> alloc event index
         self.ooms: List[int] = []
         self.annotations: List[int] = []  # `annotate` events: a label attached to a live allocation
@@ -155,6 +163,13 @@ class _Walk:
         # for an unmatched free f; and free event -> the alloc that continues it.
         self.version_of: Dict[int, int] = {}
         self.continued_by: Dict[int, int] = {}
+        if not reversions and is_columns(trace) and self._walk_columns(trace):
+            self._check_sizes(path, device, trace)
+            return
+        self.deltas = deltas = array("q", bytes(8 * n))  # running-total change at each event
+        self.closed = closed = array("q", [n]) * n  # alloc event -> its free_completed event (n: never)
+        self.allocs = allocs = array("q")  # alloc event indices, ascending
+        self.unmatched = unmatched = array("q")  # free_completed events with no open allocation
         last_free = last_closed = -2
         live = self.open_at_end
         open_alloc, close_alloc, add_alloc, add_unmatched = live.__setitem__, live.pop, allocs.append, unmatched.append
@@ -199,8 +214,24 @@ class _Walk:
             if isinstance(trace[i], dict) and (size.__class__ is not int):
                 reason = TypeError(f"'size' is {brief(size)}, not an integer")
             raise InputError(path, f"device_traces[{device}][{i}]: {reason}") from None
+        self._check_sizes(path, device, trace)
+
+    def _walk_columns(self, trace: Any) -> bool:
+        """The loop above run by the accelerator over its columns; False when an entry is not
+        plain (a missing key, a value of another type), and the loop above says what."""
+        n = len(trace)
+        self.deltas, self.closed = array("q", [0]) * n, array("q", [n]) * n
+        self.allocs, self.unmatched = array("q"), array("q")
+        done = trace.walk(_ACTION_CODES, self.deltas, self.closed, self.allocs, self.unmatched)
+        if done is None:
+            return False
+        self.open_at_end, self.ooms, self.annotations, self.segment_events = done
+        return True
+
+    def _check_sizes(self, path: str, device: int, trace: List[Dict[str, Any]]) -> None:
         # A negative size would read as memory freed by an allocation: checked once over the
         # arrays rather than in the hot loop above.
+        deltas, allocs, unmatched, n = self.deltas, self.allocs, self.unmatched, len(trace)
         if n:
             d = np.frombuffer(deltas, dtype=np.int64)
             opened = np.frombuffer(allocs, dtype=np.int64) if len(allocs) else np.zeros(0, np.int64)
@@ -826,6 +857,12 @@ def _allocations(path: str, walk: _Walk, trace: List[Dict[str, Any]], dump_only:
         kind=kinds.numbered(codes, life), kinds=kinds.kinds)
 
 
+def _absolute_sum(deltas: np.ndarray, chunk: int = 1 << 20) -> float:
+    """The sum of |deltas| as a float, a million at a time: two float copies of a whole trace
+    would be 16 bytes an event of peak memory."""
+    return sum(float(np.abs(deltas[k: k + chunk].astype(np.float64)).sum()) for k in range(0, len(deltas), chunk))
+
+
 def _device_summary(snapshot: Snapshot, device: int, stacks: StackNormalizer,
                     history_rules: Optional[Sequence[Rule]] = None,
                     keep: Optional[Dict[int, Allocations]] = None) -> DeviceSummary:
@@ -843,7 +880,7 @@ def _device_summary(snapshot: Snapshot, device: int, stacks: StackNormalizer,
 
     deltas = np.frombuffer(walk.deltas, dtype=np.int64) if len(trace) else np.zeros(0, np.int64)
     # Running totals are int64: sizes that could add up past it are no real trace (and would wrap).
-    if static > MAX_BYTES or float(np.abs(deltas.astype(np.float64)).sum()) > MAX_BYTES:
+    if static > MAX_BYTES or _absolute_sum(deltas) > MAX_BYTES:
         raise InputError(path, f"device {device}: sizes add up to more than {MAX_BYTES:,} bytes: not a real snapshot")
     running = np.cumsum(deltas)
     peak_index: Optional[int] = None

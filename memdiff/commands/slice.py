@@ -38,7 +38,7 @@ def run(args: argparse.Namespace) -> int:
     """Read the snapshot, cut the window, write it atomically and say what it holds."""
     check_output(args.output, in_place=False, inputs=[args.snapshot])
     with paused_gc():
-        _write(args.output, cut(load(args.snapshot), args.window))
+        _write(args.output, cut(load(args.snapshot, columns=True), args.window))
     summary = read_summary(args.output, [])
     peaks = ", ".join(f"device {d.device}: {d.trace_events:,} events, static {format_bytes(d.static_bytes)}, "
                       f"peak {format_bytes(d.peak_bytes)}" for d in summary.devices)
