@@ -131,8 +131,13 @@ _whatif_pair("mlp-wide", "zero-grad=zeros", ["--keep-grads"])
 # micro-batches of the old batch, as the report suggests.
 _whatif_pair("gpt2-batch2x", "checkpoint", ["--checkpoint"])
 _whatif_pair("gpt2-batch2x", "accumulate=2", ["--accum", "2"])
-# The other way: a run that keeps its gradients, and the one that frees them.
+# The other way: a run that keeps its gradients, and the one that frees them; SGD with momentum,
+# and Adam or AdamW in its place (plain SGD's in-place update allocates nothing on CPU captures:
+# no optimizer step to replace, which the what-if says in one line).
 WHATIF_PAIRS.append(("gpt2-base-wi-zero-grad-zeros", "zero-grad=none", "gpt2-base"))
+WHATIF_PAIRS.append(("gpt2-sgd", "optimizer=adamw", "gpt2-base"))
+WHATIF_HEADS["gpt2-sgd-wi-optimizer-adam"] = ("gpt2", ["--optimizer", "adam"])
+WHATIF_PAIRS.append(("gpt2-sgd", "optimizer=adam", "gpt2-sgd-wi-optimizer-adam"))
 WHATIF_PAIRS.append(("mlp-wide-wi-zero-grad-zeros", "zero-grad=none", "mlp-wide"))
 
 # Issue 32: the loops teams write, on families already captured (and ConvNeXt and BART, new).

@@ -253,6 +253,8 @@ def scope(name: str, on: bool) -> Iterator[None]:
 def make_optimizer(name: str, params: List[nn.Parameter]) -> torch.optim.Optimizer:
     if name == "adamw":
         return torch.optim.AdamW(params, lr=1e-3)
+    if name == "adam":
+        return torch.optim.Adam(params, lr=1e-3)
     if name == "adamw-amsgrad":
         return torch.optim.AdamW(params, lr=1e-3, amsgrad=True)
     if name == "adamw-foreach":
@@ -555,7 +557,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--seq", type=int, default=64)
-    p.add_argument("--optimizer", choices=("adamw", "adamw-amsgrad", "adamw-foreach", "adamw-fused", "adagrad", "sgd",
+    p.add_argument("--optimizer", choices=("adamw", "adam", "adamw-amsgrad", "adamw-foreach", "adamw-fused", "adagrad", "sgd",
                                            "sgd-momentum", "rmsprop", "adafactor"), default="adamw")
     p.add_argument("--warmup", type=int, default=0, help="steps run before recording starts")
     p.add_argument("--ema", action="store_true", help="an EMA copy of the weights, made in the first step")
