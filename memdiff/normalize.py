@@ -556,21 +556,53 @@ def _stack_before(walk: _Walk, trace: List[Dict[str, Any]], event: int, since: i
     return None
 
 
-def _dump_blocks(segments: List[Dict[str, Any]]) -> Iterator[Tuple[int, int, Optional[List[Any]], Any]]:
-    """(address, requested bytes, frames, a window's KIND_KEY or None) of each active_allocated block
-    at dump time."""
+def _dump_blocks(segments: List[Dict[str, Any]]) -> Iterator[Tuple[int, int, Optional[List[Any]], Any, bool]]:
+    """(address, requested bytes, frames, a window's KIND_KEY or None, whether the address was
+    placed rather than the block's own) of each active_allocated block at dump time."""
     for seg in segments:
         addr = seg["address"]
         for block in seg.get("blocks", []):
-            # torch 2.0 blocks have no address: they follow each other from the segment's start.
+            # torch 2.0 blocks, and the profiler route's, have no address: they follow each other
+            # from the segment's start.
+            placed = "address" not in block
             addr = block.get("address", addr)
             if block["state"] == "active_allocated":
                 frames = block.get("frames")
                 history = block.get("history")
                 if not frames and history:
                     frames = history[-1].get("frames")
-                yield addr, block.get("requested_size", block["size"]), frames, block.get(KIND_KEY)
+                yield addr, block.get("requested_size", block["size"]), frames, block.get(KIND_KEY), placed
             addr += block["size"]
+
+
+def dump_only_blocks(segments: List[Dict[str, Any]], walk: "_Walk", trace: Any
+                     ) -> List[Tuple[int, int, Optional[List[Any]], Any]]:
+    """(address, bytes, frames, KIND_KEY) of the dump's blocks that the trace does not hold open at
+    its end: memory older than the trace.
+
+    A placed block (no address of its own) that finds no open allocation at its place is matched
+    by size to an open allocation no block claimed: where the profiler missed a free on another
+    thread (gloo's), the trace holds two open allocations whose ranges overlap, torch's converter
+    lays the blocks out past that point at other addresses than the trace's, and each of them
+    would otherwise be counted twice, once in the trace and once as older than it."""
+    open_at_end = walk.open_at_end
+    blocks = list(_dump_blocks(segments))
+    missing = [b for b in blocks if b[0] not in open_at_end]
+    if any(b[4] for b in missing):
+        claimed = {b[0] for b in blocks}
+        by_size: Dict[int, int] = {}
+        for addr, event in open_at_end.items():
+            if addr not in claimed:
+                size = trace[event]["size"]
+                by_size[size] = by_size.get(size, 0) + 1
+        kept = []
+        for b in missing:
+            if b[4] and by_size.get(b[1]):
+                by_size[b[1]] -= 1
+            else:
+                kept.append(b)
+        missing = kept
+    return [(addr, size, frames, kind) for addr, size, frames, kind, _ in missing]
 
 
 def _timeline(static: int, running: np.ndarray) -> List[List[int]]:
@@ -685,8 +717,8 @@ def window_kinds(snapshot: Snapshot, device: int, walk: _Walk, allocs: Sequence[
     path = snapshot.path
     trace = snapshot.device_traces[device] if device < len(snapshot.device_traces) else []
     segments = [seg for seg in snapshot.segments if seg["device"] == device]
-    dump_only = [_DumpBlock(size, frames, kind=kind) for addr, size, frames, kind in _dump_blocks(segments)
-                 if addr not in walk.open_at_end]
+    dump_only = [_DumpBlock(size, frames, kind=kind)
+                 for _, size, frames, kind in dump_only_blocks(segments, walk, trace)]
     deltas = np.frombuffer(walk.deltas, dtype=np.int64) if len(trace) else np.zeros(0, np.int64)
     running = np.cumsum(deltas)
     timeline = build_timeline(trace, walk.allocs, running, 0, Scopes(snapshot.external_annotations, device),
@@ -874,8 +906,8 @@ def _device_summary(snapshot: Snapshot, device: int, stacks: StackNormalizer,
 
     unmatched_bytes = -sum(walk.deltas[i] for i in walk.unmatched)
     static = unmatched_bytes
-    dump_only = [_DumpBlock(size, frames, kind=kind) for addr, size, frames, kind in _dump_blocks(segments)
-                 if addr not in walk.open_at_end]
+    dump_only = [_DumpBlock(size, frames, kind=kind)
+                 for _, size, frames, kind in dump_only_blocks(segments, walk, trace)]
     static += sum(b.size for b in dump_only)
 
     deltas = np.frombuffer(walk.deltas, dtype=np.int64) if len(trace) else np.zeros(0, np.int64)

@@ -26,7 +26,7 @@ from memdiff.errors import InputError
 from memdiff.lifetimes import Scopes, build_timeline
 from memdiff.load import Snapshot, to_snapshot
 from memdiff.model import KIND_KEY, WINDOW_KEY, Source
-from memdiff.normalize import _dump_blocks, _Walk, devices_of, window_kinds
+from memdiff.normalize import _Walk, devices_of, dump_only_blocks, window_kinds
 
 KINDS = ("steps", "events", "time_us")
 FLAGS = {"steps": "--steps", "events": "--events", "time_us": "--time-us"}
@@ -157,7 +157,7 @@ def _carried(snapshot: Snapshot, device: int, trace: List[Dict[str, Any]], walk:
     for i in unmatched_inside.tolist():
         kept[i - a] = {**trace[i], KIND_KEY: next(k)}
     segments = [seg for seg in snapshot.segments if seg["device"] == device]
-    dump = [(addr, size, frames) for addr, size, frames, _ in _dump_blocks(segments) if addr not in walk.open_at_end]
+    dump = [(addr, size, frames) for addr, size, frames, _ in dump_only_blocks(segments, walk, trace)]
     blocks += [_block(addr, size, frames, kind) for (addr, size, frames), kind in zip(dump, dump_kinds)]
     return kept, blocks
 

@@ -230,3 +230,48 @@ def test_user_labels_and_annotations_are_shown_and_change_no_count(write_snapsho
     assert main(["peak", write_snapshot(trace(True), "labelled.pickle")]) == 0
     out = capsys.readouterr().out
     assert "label (user_metadata, annotations)" in out and "comm-buffers + saved for backward" in out
+
+
+def prof(*names):
+    return [{"filename": "none", "line": 0, "name": n} for n in names]
+
+
+def test_a_free_the_profiler_missed_does_not_count_blocks_twice(write_snapshot):
+    """Profiler route: a free made on another thread is not seen (gloo's), so two open allocations'
+    ranges overlap; torch's converter lays its blocks (no addresses) out one after another, and
+    from there the places differ from the trace's addresses. The trace's own running total is the
+    truth: blocks it holds open are not also older than it."""
+    f = prof("<built-in method empty of type object at 0x7f>", "train.py(10): main")
+    trace = [alloc(0x1000, 4096, f), alloc(0x1800, 4096, f), alloc(0x3000, 1000, f), free(0x3000, 1000, f)]
+    blocks = [{"size": 4096, "state": "active_allocated"}, {"size": 4096, "state": "active_allocated"}]
+    d = summary_of(write_snapshot, {"segments": [segment(0, 0x1000, blocks)], "device_traces": [trace]}).devices[0]
+    assert (d.static_bytes, d.peak_bytes) == (0, 4096 + 4096 + 1000)
+
+
+def test_the_fsdp2_rank_ci_misread_reads_as_its_own_trace():
+    """The rank of tests/scenarios/fsdp_train.py --no-reshard whose capture (CI, 2026-11-26) read
+    24 MiB of its blocks as older than the trace: its peak is its trace's own running maximum,
+    and its parameters are its shard of the model's (4 blocks of Linear(512, 1024) and
+    Linear(1024, 512) over 2 ranks)."""
+    import gzip
+    import pickle
+    from pathlib import Path
+
+    path = Path(__file__).parent / "data" / "cpu" / "fsdp2-missed-free-rank1.pickle.gz"
+    with gzip.open(path) as f:
+        trace = pickle.load(f)["device_traces"][-1]
+    live, running, peak = {}, 0, 0
+    for e in trace:
+        if e["action"] == "alloc":
+            live[e["addr"]] = e["size"]
+            running += e["size"]
+        elif e["action"] == "free_completed" and e["addr"] in live:
+            running -= live.pop(e["addr"])
+        peak = max(peak, running)
+    from memdiff.classify import load_rules
+    from memdiff.inputs import read_summary
+
+    d = read_summary(str(path), load_rules()).devices[0]
+    assert (d.static_bytes, d.peak_bytes) == (0, peak)
+    weights = 4 * (512 * 1024 * 2 + 1024 + 512) * 4
+    assert sum(g.bytes for g in d.groups if g.category == "parameter") == weights // 2
