@@ -22,7 +22,7 @@ from memdiff.errors import InputError
 from memdiff.load import decode
 
 if accel.reader() is None:
-    reason = "the accelerator is not built (python setup.py build_ext --inplace) or MEMDIFF_PURE is set"
+    reason = "the accelerator is not built (pip install -e . with a C compiler) or MEMDIFF_PURE is set"
     if os.environ.get("MEMDIFF_REQUIRE_ACCEL") == "1" and not os.environ.get("MEMDIFF_PURE"):
         raise RuntimeError(reason + "; MEMDIFF_REQUIRE_ACCEL=1 needs it")
     pytest.skip(reason, allow_module_level=True)
