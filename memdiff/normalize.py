@@ -155,6 +155,8 @@ class _Walk:
 
     def __init__(self, path: str, device: int, trace: List[Dict[str, Any]], reversions: bool = False) -> None:
         n = len(trace)
+        self.path, self.device = path, device
+        self._accumulated = False  # deltas hold the running totals (running_totals)
         self.open_at_end: Dict[int, int] = {}  # address -> alloc event index
         self.ooms: List[int] = []
         self.annotations: List[int] = []  # `annotate` events: a label attached to a live allocation
@@ -241,6 +243,29 @@ class _Walk:
                 k = int(negative.min())
                 raise InputError(path, f"device_traces[{device}][{k}].size: {number(trace[k]['size'])} is not a size "
                                        f"in bytes (0 to {MAX_BYTES:,})")
+
+    def running_totals(self) -> np.ndarray:
+        """The running total after each event (static memory excluded), computed once in the place
+        of the per-event changes (deltas_at still gives them): a second int64 array the length of
+        the trace would be 8 more bytes an event at the peak of a big snapshot's read."""
+        totals = np.frombuffer(self.deltas, dtype=np.int64) if len(self.deltas) else np.zeros(0, np.int64)
+        if not self._accumulated:
+            # Sizes that could add up past int64 are no real trace (and would wrap).
+            if _absolute_sum(totals) > MAX_BYTES:
+                raise InputError(self.path, f"device {self.device}: sizes add up to more than {MAX_BYTES:,} bytes: "
+                                            "not a real snapshot")
+            np.cumsum(totals, out=totals)
+            self._accumulated = True
+        return totals
+
+    def deltas_at(self, events: np.ndarray) -> np.ndarray:
+        """The running total's change at each of `events` (an alloc's size, minus a free's)."""
+        values = np.frombuffer(self.deltas, dtype=np.int64) if len(self.deltas) else np.zeros(0, np.int64)
+        events = np.asarray(events, dtype=np.int64)
+        if not self._accumulated:
+            return values[events]
+        before = np.where(events > 0, values[np.maximum(events - 1, 0)], 0) if len(events) else events
+        return values[events] - before
 
     def origin(self, j: int) -> Tuple[Optional[int], Optional[int]]:
         """(first version's alloc event, None) of the allocation opened at `j`, or (None, the
@@ -607,8 +632,8 @@ def dump_only_blocks(segments: List[Dict[str, Any]], walk: "_Walk", trace: Any
 
 def _timeline(static: int, running: np.ndarray) -> List[List[int]]:
     """At most TIMELINE_POINTS [event index, allocated bytes] points, each the max of its window."""
-    totals = running + static
-    return [[i, int(totals[i])] for i in window_maxima(totals, TIMELINE_POINTS).tolist()]
+    # The maxima of running, shifted: running + static would be one more array the trace's length.
+    return [[i, static + int(running[i])] for i in window_maxima(running, TIMELINE_POINTS).tolist()]
 
 
 @dataclass(frozen=True)
@@ -719,8 +744,7 @@ def window_kinds(snapshot: Snapshot, device: int, walk: _Walk, allocs: Sequence[
     segments = [seg for seg in snapshot.segments if seg["device"] == device]
     dump_only = [_DumpBlock(size, frames, kind=kind)
                  for _, size, frames, kind in dump_only_blocks(segments, walk, trace)]
-    deltas = np.frombuffer(walk.deltas, dtype=np.int64) if len(trace) else np.zeros(0, np.int64)
-    running = np.cumsum(deltas)
+    running = walk.running_totals()
     timeline = build_timeline(trace, walk.allocs, running, 0, Scopes(snapshot.external_annotations, device),
                               walk.version_of)
     stand_ins = _optimizer_state_stand_ins(walk, trace, timeline)
@@ -836,7 +860,6 @@ def _allocations(path: str, walk: _Walk, trace: List[Dict[str, Any]], dump_only:
     opened = np.frombuffer(walk.allocs, dtype=np.int64) if len(walk.allocs) else np.zeros(0, np.int64)
     closed = np.frombuffer(walk.closed, dtype=np.int64)[opened] if len(opened) else np.zeros(0, np.int64)
     unmatched = np.frombuffer(walk.unmatched, dtype=np.int64) if len(walk.unmatched) else np.zeros(0, np.int64)
-    deltas = np.frombuffer(walk.deltas, dtype=np.int64) if n else np.zeros(0, np.int64)
     born = opened.copy()  # the first version's event, -1 before the trace
     ends = closed.copy()  # the event that frees the last version
     kinds = _Kinds(path, stacks)
@@ -884,7 +907,7 @@ def _allocations(path: str, walk: _Walk, trace: List[Dict[str, Any]], dump_only:
     return Allocations(
         start=np.concatenate((opened, np.zeros(len(unmatched) + len(dump_only), np.int64))),
         end=np.concatenate((closed, unmatched, np.full(len(dump_only), n, np.int64))),
-        size=np.concatenate((deltas[opened], -deltas[unmatched],
+        size=np.concatenate((walk.deltas_at(opened), -walk.deltas_at(unmatched),
                              np.array([b.size for b in dump_only], dtype=np.int64))),
         kind=kinds.numbered(codes, life), kinds=kinds.kinds)
 
@@ -904,17 +927,16 @@ def _device_summary(snapshot: Snapshot, device: int, stacks: StackNormalizer,
     segments = [s for s in snapshot.segments if s["device"] == device]
     walk = _Walk(path, device, trace, reversions=snapshot.source.generation == "profiler")
 
-    unmatched_bytes = -sum(walk.deltas[i] for i in walk.unmatched)
+    unmatched_bytes = -int(walk.deltas_at(np.frombuffer(walk.unmatched, dtype=np.int64)).sum()) if walk.unmatched else 0
     static = unmatched_bytes
     dump_only = [_DumpBlock(size, frames, kind=kind)
                  for _, size, frames, kind in dump_only_blocks(segments, walk, trace)]
     static += sum(b.size for b in dump_only)
 
-    deltas = np.frombuffer(walk.deltas, dtype=np.int64) if len(trace) else np.zeros(0, np.int64)
     # Running totals are int64: sizes that could add up past it are no real trace (and would wrap).
-    if static > MAX_BYTES or _absolute_sum(deltas) > MAX_BYTES:
+    if static > MAX_BYTES:
         raise InputError(path, f"device {device}: sizes add up to more than {MAX_BYTES:,} bytes: not a real snapshot")
-    running = np.cumsum(deltas)
+    running = walk.running_totals()
     peak_index: Optional[int] = None
     peak = static
     if len(running):

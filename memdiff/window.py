@@ -111,7 +111,7 @@ def _event_range(path: str, device: int, trace: List[Dict[str, Any]], walk: _Wal
         a = 0 if window.start is None else bisect.bisect_left(times, window.start)
         b = n if window.end is None else bisect.bisect_left(times, window.end)
         return (a, b) if a < b else None
-    running = np.cumsum(np.frombuffer(walk.deltas, dtype=np.int64)) if n else np.zeros(0, np.int64)
+    running = walk.running_totals()
     timeline = build_timeline(trace, walk.allocs, running, 0, Scopes(annotations, device), walk.version_of)
     seen.update(s.step for s in timeline.steps)
     inside = [s for s in timeline.steps if window.contains(s.step)]
@@ -153,7 +153,8 @@ def _carried(snapshot: Snapshot, device: int, trace: List[Dict[str, Any]], walk:
     # Copies: the full trace's entries stay as they were.
     for i in closed[freed_inside].tolist() + inside.tolist():
         kept[i - a] = {**trace[i], KIND_KEY: next(k)}
-    blocks += [_block(trace[u]["addr"], -walk.deltas[u], None, next(k)) for u in unmatched_after.tolist()]
+    blocks += [_block(trace[u]["addr"], -size, None, next(k))
+               for u, size in zip(unmatched_after.tolist(), walk.deltas_at(unmatched_after).tolist())]
     for i in unmatched_inside.tolist():
         kept[i - a] = {**trace[i], KIND_KEY: next(k)}
     segments = [seg for seg in snapshot.segments if seg["device"] == device]
