@@ -16,6 +16,8 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
+#include <stdlib.h>
+#include <time.h>
 #include <string.h>
 
 #define CHUNK (1 << 20)
@@ -28,6 +30,9 @@
 #define KCACHE 16
 #define PAGE 4096
 #define VCACHE 65536
+#define MAX_TRACE_MEMO 16
+#define FAST_BYTES 1024 /* an entry longer than this is read opcode by opcode */
+#define FAST_PAIRS 16
 
 /* int64 columns first, then columns of ids into the table of distinct values (1, 2 or 4 bytes
  * an id, widened as the table grows: most traces have a handful of actions and streams). */
@@ -246,6 +251,104 @@ static int flush(PyObject *to, int64_t *buf, Py_ssize_t *n) {
 
 #define BLOCK 8192
 
+/* The walk's open allocations: address -> alloc event, in open addressing (a Python dict would make
+ * two int objects an event). `since` is the event that last put the address in afresh, so that the
+ * dict made at the end lists addresses in the order a dict filled event by event would. */
+typedef struct {
+    int64_t addr, at, since;
+    int used;
+} Open;
+
+typedef struct {
+    Open *slots;
+    Py_ssize_t cap, n;  /* cap a power of two, at most half full */
+    int bits;           /* cap == 1 << bits */
+    uint64_t mult;      /* odd, drawn per walk: addresses come from the file, which must not choose collisions */
+} OpenSet;
+
+/* The top bits of a multiplicative hash. */
+static inline Py_ssize_t open_hash(const OpenSet *o, int64_t addr) {
+    return (Py_ssize_t)(((uint64_t)addr * o->mult) >> (64 - o->bits));
+}
+
+static Open *open_find(OpenSet *o, int64_t addr) {
+    Py_ssize_t k = open_hash(o, addr);
+    while (o->slots[k].used) {
+        if (o->slots[k].addr == addr) return &o->slots[k];
+        k = (k + 1) & (o->cap - 1);
+    }
+    return NULL;
+}
+
+static int open_put(OpenSet *o, int64_t addr, int64_t at) {
+    if (2 * (o->n + 1) > o->cap) {
+        OpenSet grown = {NULL, o->cap ? o->cap * 2 : 1024, o->n, o->cap ? o->bits + 1 : 10, o->mult};
+        Py_ssize_t cap = grown.cap;
+        Open *slots = PyMem_Calloc(cap, sizeof(Open)), *old = o->slots;
+        if (!slots) { PyErr_NoMemory(); return -1; }
+        for (Py_ssize_t k = 0; k < o->cap; k++) {
+            if (!old[k].used) continue;
+            Py_ssize_t j = open_hash(&grown, old[k].addr);
+            while (slots[j].used) j = (j + 1) & (cap - 1);
+            slots[j] = old[k];
+        }
+        PyMem_Free(old);
+        grown.slots = slots;
+        *o = grown;
+    }
+    Py_ssize_t k = open_hash(o, addr);
+    while (o->slots[k].used && o->slots[k].addr != addr) k = (k + 1) & (o->cap - 1);
+    if (o->slots[k].used) {  /* a reused address still open: the older allocation stays open for good */
+        o->slots[k].at = at;
+        return 0;
+    }
+    o->slots[k] = (Open){addr, at, at, 1};
+    o->n++;
+    return 0;
+}
+
+/* Remove a found slot, moving later members of its probe run back (no tombstones). */
+static void open_remove(OpenSet *o, Open *gone) {
+    Py_ssize_t k = gone - o->slots, mask = o->cap - 1;
+    Py_ssize_t j = k;
+    for (;;) {
+        j = (j + 1) & mask;
+        if (!o->slots[j].used) break;
+        Py_ssize_t home = open_hash(o, o->slots[j].addr);
+        /* j's entry may move to k when its home is not within (k, j] cyclically */
+        if ((j > k && (home <= k || home > j)) || (j < k && (home <= k && home > j))) {
+            o->slots[k] = o->slots[j];
+            k = j;
+        }
+    }
+    o->slots[k].used = 0;
+    o->n--;
+}
+
+static int by_since(const void *a, const void *b) {
+    int64_t x = (*(Open *const *)a)->since, y = (*(Open *const *)b)->since;
+    return (x > y) - (x < y);
+}
+
+/* The open allocations as the dict normalize._Walk fills: address -> event, in its order. */
+static PyObject *open_dict(OpenSet *o) {
+    Open **all = PyMem_Malloc((o->n ? o->n : 1) * sizeof(Open *));
+    if (!all) return PyErr_NoMemory();
+    Py_ssize_t m = 0;
+    for (Py_ssize_t k = 0; k < o->cap; k++)
+        if (o->slots[k].used) all[m++] = &o->slots[k];
+    qsort(all, m, sizeof(Open *), by_since);
+    PyObject *d = PyDict_New();
+    for (Py_ssize_t k = 0; d && k < m; k++) {
+        PyObject *addr = PyLong_FromLongLong(all[k]->addr), *at = PyLong_FromLongLong(all[k]->at);
+        if (!addr || !at || PyDict_SetItem(d, addr, at) < 0) Py_CLEAR(d);
+        Py_XDECREF(addr);
+        Py_XDECREF(at);
+    }
+    PyMem_Free(all);
+    return d;
+}
+
 static PyObject *trace_walk_into(Trace *t, PyObject *codes, int64_t *d, int64_t *cl, PyObject *allocs,
                                  PyObject *unmatched) {
     Py_ssize_t n = t->n, nt = PyList_GET_SIZE(t->table);
@@ -268,9 +371,12 @@ static PyObject *trace_walk_into(Trace *t, PyObject *codes, int64_t *d, int64_t 
     }
     Py_ssize_t nal = 0, nun = 0;
     int64_t *al = PyMem_Malloc(BLOCK * 8), *un = PyMem_Malloc(BLOCK * 8);
-    PyObject *live = PyDict_New(), *ooms = PyList_New(0), *notes = PyList_New(0), *segs = PyList_New(0);
+    /* Seeded by where this walk's buffers and stack lie (randomized per process) and the clock. */
+    uint64_t seed = (uint64_t)(uintptr_t)al ^ ((uint64_t)(uintptr_t)&n << 21) ^ (uint64_t)time(NULL) * 0xD6E8FEB86659FD93ull;
+    OpenSet open = {NULL, 0, 0, 0, (seed * 0x9E3779B97F4A7C15ull) | 1};
+    PyObject *live = NULL, *ooms = PyList_New(0), *notes = PyList_New(0), *segs = PyList_New(0);
     PyObject *result = NULL;
-    if (!al || !un || !live || !ooms || !notes || !segs) goto done;
+    if (!al || !un || !ooms || !notes || !segs) goto done;
     const int need = ACTION_BIT | (1 << 0) | (1 << 1);  /* action, addr, size */
     for (Py_ssize_t i = 0; i < n; i++) {
         d[i] = 0;
@@ -284,29 +390,20 @@ static PyObject *trace_walk_into(Trace *t, PyObject *codes, int64_t *d, int64_t 
         if ((a == 1 || a == 2) && (has[s] & need) != need) { result = Py_None; goto done; }
         if (a == 1) {
             d[i] = t->ints[1][i];
-            PyObject *addr = PyLong_FromLongLong(t->ints[0][i]), *at = PyLong_FromSsize_t(i);
-            int r = (addr && at) ? PyDict_SetItem(live, addr, at) : -1;
-            Py_XDECREF(addr);
-            Py_XDECREF(at);
-            if (r < 0) goto done;
+            if (open_put(&open, t->ints[0][i], i) < 0) goto done;
             al[nal++] = i;
             if (nal == BLOCK && flush(allocs, al, &nal) < 0) goto done;
         } else if (a == 2) {
-            PyObject *addr = PyLong_FromLongLong(t->ints[0][i]);
-            if (!addr) goto done;
-            PyObject *j = PyDict_GetItemWithError(live, addr);
-            if (!j && PyErr_Occurred()) { Py_DECREF(addr); goto done; }
+            Open *j = open.cap ? open_find(&open, t->ints[0][i]) : NULL;
             if (!j) {
                 d[i] = -t->ints[1][i];
                 un[nun++] = i;
                 if (nun == BLOCK && flush(unmatched, un, &nun) < 0) goto done;
             } else {
-                Py_ssize_t jj = PyLong_AsSsize_t(j);
-                cl[jj] = i;
-                d[i] = -d[jj];
-                if (PyDict_DelItem(live, addr) < 0) { Py_DECREF(addr); goto done; }
+                cl[j->at] = i;
+                d[i] = -d[j->at];
+                open_remove(&open, j);
             }
-            Py_DECREF(addr);
         } else if (a >= 3) {
             PyObject *at = PyLong_FromSsize_t(i);
             int r = at ? PyList_Append(a == 3 ? ooms : a == 4 ? notes : segs, at) : -1;
@@ -314,13 +411,14 @@ static PyObject *trace_walk_into(Trace *t, PyObject *codes, int64_t *d, int64_t 
             if (r < 0) goto done;
         }
     }
-    if (flush(allocs, al, &nal) < 0 || flush(unmatched, un, &nun) < 0) goto done;
+    if (flush(allocs, al, &nal) < 0 || flush(unmatched, un, &nun) < 0 || !(live = open_dict(&open))) goto done;
     result = Py_BuildValue("(OOOO)", live, ooms, notes, segs);
 done:
     if (result == Py_None) Py_INCREF(Py_None);
     PyMem_Free(kind);
     PyMem_Free(al);
     PyMem_Free(un);
+    PyMem_Free(open.slots);
     Py_XDECREF(live);
     Py_XDECREF(ooms);
     Py_XDECREF(notes);
@@ -382,6 +480,39 @@ static PyObject *trace_values(Trace *t, PyObject *key) {
     return out;
 }
 
+/* codes(key, events) -> bytes of int64: for each event index (a buffer of int64), the id of its
+ * value of `key` in table() when the columns hold it, -1 when the row does not (a row kept whole,
+ * or one without that key: e.get(key) says). Ids are by identity but for strings and ints (one
+ * object stands for all equal ones), so equal ids mean equal values. */
+static PyObject *trace_codes(Trace *t, PyObject *args) {
+    PyObject *key;
+    Py_buffer events;
+    if (!PyArg_ParseTuple(args, "Uy*", &key, &events)) return NULL;
+    int slot = -1;
+    for (int k = NINT; k < NSLOT; k++)
+        if (PyUnicode_Compare(key, slot_strs[k]) == 0) slot = k;
+    Py_ssize_t n = events.len / (Py_ssize_t)sizeof(int64_t);
+    PyObject *out = PyBytes_FromStringAndSize(NULL, n * (Py_ssize_t)sizeof(int64_t));
+    if (!out) { PyBuffer_Release(&events); return NULL; }
+    const int64_t *at = (const int64_t *)events.buf;
+    int64_t *codes = (int64_t *)PyBytes_AS_STRING(out);
+    for (Py_ssize_t j = 0; j < n; j++) {
+        int64_t i = at[j];
+        codes[j] = -1;
+        if (i < 0 || i >= t->n || slot < 0 || t->shape[i] == VERBATIM) continue;
+        uint32_t code = t->shape_codes[t->shape[i]];
+        for (int k = 0; k < (int)(code & 15); k++)
+            if (((code >> (4 + 3 * k)) & 7) == (uint32_t)slot) codes[j] = obj_id(t, slot - NINT, i);
+    }
+    PyBuffer_Release(&events);
+    return out;
+}
+
+static PyObject *trace_table(Trace *t, PyObject *unused) {
+    Py_INCREF(t->table);
+    return t->table;
+}
+
 static PyObject *trace_nbytes(Trace *t, PyObject *unused) {
     Py_ssize_t per = NINT * 8 + 1;
     for (int k = 0; k < NOBJ; k++) per += t->width[k];
@@ -392,6 +523,8 @@ static PyMethodDef trace_methods[] = {
     {"walk", (PyCFunction)trace_walk, METH_VARARGS, "normalize._Walk's loop over the columns; None when it cannot"},
     {"values", (PyCFunction)trace_values, METH_O, "[e.get(key) for e in trace], built from the columns"},
     {"nbytes", (PyCFunction)trace_nbytes, METH_NOARGS, "bytes held by the columns"},
+    {"codes", (PyCFunction)trace_codes, METH_VARARGS, "ids into table() of a key's values at events (-1: ask the row)"},
+    {"table", (PyCFunction)trace_table, METH_NOARGS, "the distinct values the columns' ids point at"},
     {NULL, NULL, 0, NULL},
 };
 
@@ -425,6 +558,7 @@ typedef struct {
     Py_ssize_t *marks;
     Py_ssize_t mp, mcap;
     PyObject ***memo;         /* pages */
+    uint32_t **memo_ids;      /* beside each page: 1 + the object's id in the open trace's table, 0 unknown */
     Py_ssize_t memo_len, memo_cap;
     /* The trace being filled: its builder's stack position and the row of the open entry. */
     Trace *trace;
@@ -432,6 +566,10 @@ typedef struct {
     uint32_t row_code;        /* the open row's key order: count, then 3 bits a slot */
     PyObject *row_dict;       /* the open row when it is kept whole */
     Py_ssize_t traces_made, traces_pos;
+    /* Memo indices where a Trace was put (a get of one declines), so that the entry fast path
+     * knows without reading the object: a frames list's header would be a cache miss an event. */
+    Py_ssize_t trace_memo[MAX_TRACE_MEMO];
+    int ntrace_memo;
     int stream_error;         /* the stream raised (a bomb, a file growing): not the data's fault */
     /* Entry keys and values repeat as the same (memo) objects: pointer caches, each holding a
      * reference so that no address is reused while cached. */
@@ -440,6 +578,8 @@ typedef struct {
     PyObject *vkey[VCACHE];
     uint32_t vid[VCACHE];
 } Reader;
+
+static int64_t le(const unsigned char *p, int n);
 
 static PyObject ENTRY_MARK_OBJ;  /* never used as an object: its address tags a stack slot */
 #define ENTRY (&ENTRY_MARK_OBJ)
@@ -509,8 +649,14 @@ static int memo_put(Reader *r, Py_ssize_t idx) {
         while (cap < pages) cap *= 2;
         PyObject ***p = PyMem_Realloc(r->memo, cap * sizeof(PyObject **));
         if (!p) { PyErr_NoMemory(); return -1; }
-        for (Py_ssize_t k = r->memo_cap; k < cap; k++) p[k] = NULL;
         r->memo = p;
+        uint32_t **q = PyMem_Realloc(r->memo_ids, cap * sizeof(uint32_t *));
+        if (!q) { PyErr_NoMemory(); return -1; }
+        r->memo_ids = q;
+        for (Py_ssize_t k = r->memo_cap; k < cap; k++) {
+            p[k] = NULL;
+            q[k] = NULL;
+        }
         r->memo_cap = cap;
     }
     PyObject *o = r->stack[r->sp - 1];
@@ -520,12 +666,21 @@ static int memo_put(Reader *r, Py_ssize_t idx) {
             if (idx >= r->memo_len) r->memo_len = idx + 1;
             return 0;
         }
+        r->memo_ids[idx / PAGE] = PyMem_Calloc(PAGE, sizeof(uint32_t));
+        if (!r->memo_ids[idx / PAGE]) { PyErr_NoMemory(); return -1; }
         page = r->memo[idx / PAGE] = PyMem_Calloc(PAGE, sizeof(PyObject *));
         if (!page) { PyErr_NoMemory(); return -1; }
     }
-    if (o != ENTRY) Py_INCREF(o);
+    if (o != ENTRY) {
+        if (Py_IS_TYPE(o, &TraceType)) {
+            if (r->ntrace_memo == MAX_TRACE_MEMO) return 1;
+            r->trace_memo[r->ntrace_memo++] = idx;
+        }
+        Py_INCREF(o);
+    }
     drop(page[idx % PAGE]);
     page[idx % PAGE] = o == ENTRY ? NULL : o;
+    r->memo_ids[idx / PAGE][idx % PAGE] = 0;
     if (idx >= r->memo_len) r->memo_len = idx + 1;
     return 0;
 }
@@ -650,6 +805,25 @@ static int key_slot(Reader *r, PyObject *key) {
 
 static void vcache_clear(Reader *r) {
     for (int k = 0; k < VCACHE; k++) Py_CLEAR(r->vkey[k]);
+    for (Py_ssize_t k = 0; k < r->memo_cap; k++)
+        if (r->memo_ids[k]) memset(r->memo_ids[k], 0, PAGE * sizeof(uint32_t));
+}
+
+/* The id of an object in the open trace's table, through a cache by address: 0, 1 when the table
+ * is full, -1 error. */
+static int value_id(Reader *r, PyObject *value, uint32_t *id) {
+    size_t h = ((uintptr_t)value >> 4) & (VCACHE - 1);
+    if (r->vkey[h] == value) {
+        *id = r->vid[h];
+        return 0;
+    }
+    int ok = table_id(r->trace, value, id);
+    if (ok == 0) {
+        Py_INCREF(value);
+        Py_XSETREF(r->vkey[h], value);
+        r->vid[h] = *id;
+    }
+    return ok;
 }
 
 static int set_entry(Reader *r, PyObject *key, PyObject *value) {
@@ -669,19 +843,10 @@ static int set_entry(Reader *r, PyObject *key, PyObject *value) {
         }
     } else if (slot >= NINT) {
         uint32_t id;
-        size_t h = ((uintptr_t)value >> 4) & (VCACHE - 1);
-        if (r->vkey[h] == value) id = r->vid[h];
-        else {
-            int ok = table_id(t, value, &id);
-            if (ok < 0) return -1;
-            if (ok > 0) slot = -1;
-            else {
-                Py_INCREF(value);
-                Py_XSETREF(r->vkey[h], value);
-                r->vid[h] = id;
-            }
-        }
-        if (slot >= 0 && set_obj_id(t, slot - NINT, r->row, id) < 0) return -1;
+        int ok = value_id(r, value, &id);
+        if (ok < 0) return -1;
+        if (ok > 0) slot = -1;
+        else if (set_obj_id(t, slot - NINT, r->row, id) < 0) return -1;
     }
     if (slot < 0) {
         if (row_to_dict(r) < 0) return -1;
@@ -689,6 +854,134 @@ static int set_entry(Reader *r, PyObject *key, PyObject *value) {
     }
     r->row_code = ((r->row_code & ~15u) | (uint32_t)(slot << (4 + 3 * len))) | (uint32_t)(len + 1);
     return 0;
+}
+
+/* set_entry of an inline number, stored without making an int object when its key is a number's. */
+static int set_entry_int(Reader *r, PyObject *key, long long v) {
+    if (!r->row_dict) {
+        int slot = key_slot(r, key), len = r->row_code & 15;
+        for (int k = 0; k < len && slot >= 0; k++)
+            if ((int)((r->row_code >> (4 + 3 * k)) & 7) == slot) slot = -1;  /* a repeated key */
+        if (slot >= 0 && slot < NINT) {
+            r->trace->ints[slot][r->row] = v;
+            r->row_code = ((r->row_code & ~15u) | (uint32_t)(slot << (4 + 3 * len))) | (uint32_t)(len + 1);
+            return 0;
+        }
+    }
+    PyObject *o = PyLong_FromLongLong(v);
+    if (!o) return -1;
+    int ok = set_entry(r, key, o);
+    Py_DECREF(o);
+    return ok;
+}
+
+/* set_entry of an object got from memo slot idx, whose id in the table is cached beside the slot. */
+static int set_entry_memo(Reader *r, PyObject *key, PyObject *value, Py_ssize_t idx) {
+    if (!r->row_dict) {
+        int slot = key_slot(r, key), len = r->row_code & 15;
+        for (int k = 0; k < len && slot >= 0; k++)
+            if ((int)((r->row_code >> (4 + 3 * k)) & 7) == slot) slot = -1;  /* a repeated key */
+        if (slot >= NINT) {
+            uint32_t *cached = &r->memo_ids[idx / PAGE][idx % PAGE], id;
+            if (*cached) id = *cached - 1;
+            else {
+                int ok = value_id(r, value, &id);
+                if (ok < 0) return -1;
+                if (ok > 0) return set_entry(r, key, value);
+                *cached = id + 1;  /* ids stay below 0xFFFFFFF0 (table_id) */
+            }
+            if (set_obj_id(r->trace, slot - NINT, r->row, id) < 0) return -1;
+            r->row_code = ((r->row_code & ~15u) | (uint32_t)(slot << (4 + 3 * len))) | (uint32_t)(len + 1);
+            return 0;
+        }
+    }
+    return set_entry(r, key, value);
+}
+
+/* A memo reference at p (BINGET or LONG_BINGET) as a borrowed object: NULL when p holds none, the
+ * slot is empty or holds a Trace (memo_get declines those). *p moves past it. */
+static PyObject *memo_ref(Reader *r, const unsigned char **p, const unsigned char *end, Py_ssize_t *at) {
+    Py_ssize_t idx;
+    if (**p == 'h' && end - *p >= 2) { idx = (*p)[1]; *p += 2; }
+    else if (**p == 'j' && end - *p >= 5) { idx = (Py_ssize_t)(uint32_t)le(*p + 1, 4); *p += 5; }
+    else return NULL;
+    if (idx >= r->memo_len) return NULL;
+    for (int k = 0; k < r->ntrace_memo; k++)
+        if (r->trace_memo[k] == idx) return NULL;
+    *at = idx;
+    return memo_at(r, idx);
+}
+
+/* The usual trace entry in one go, right after its EMPTY_DICT: its memo put, MARK, pairs whose keys
+ * and objects are memo references and whose numbers are inline, SETITEMS. The entry is parsed
+ * whole first and applied only when it has that form: 0 applied, 1 not this form (nothing taken:
+ * it is read opcode by opcode, with the same result), -1 error. The objects are borrowed from the
+ * memo, which nothing changes while they are used (the entry's own put must find its slot empty):
+ * no reference count is touched, so no frames list is read, which is what makes it fast. */
+static int fast_entry(Reader *r) {
+    if (r->len - r->pos < FAST_BYTES && need(r, FAST_BYTES) < 0) return -1;  /* 1: the stream's end */
+    const unsigned char *p = (const unsigned char *)r->buf + r->pos, *end = (const unsigned char *)r->buf + r->len;
+    PyObject *keys[FAST_PAIRS], *objs[FAST_PAIRS];
+    Py_ssize_t slots[FAST_PAIRS], unused;
+    long long ints[FAST_PAIRS];
+    int n = 0;
+    Py_ssize_t put;
+#define SKIP_FRAMES() while (p < end && *p == 0x95) { if (end - p < 9) return 1; p += 9; }
+    SKIP_FRAMES();
+    if (p == end) return 1;
+    if (*p == 0x94) { put = r->memo_len; p += 1; }
+    else if (*p == 'q' && end - p >= 2) { put = p[1]; p += 2; }
+    else if (*p == 'r' && end - p >= 5) { put = (Py_ssize_t)(uint32_t)le(p + 1, 4); p += 5; }
+    else return 1;
+    if (put < r->memo_len && memo_at(r, put)) return 1;  /* a put over an object: opcode by opcode */
+    Py_ssize_t after_put = (const char *)p - r->buf;
+    SKIP_FRAMES();
+    if (p == end || *p != '(') return 1;
+    p++;
+    for (;;) {
+        SKIP_FRAMES();
+        if (p == end) return 1;
+        if (*p == 'u') { p++; break; }
+        if (n == FAST_PAIRS || !(keys[n] = memo_ref(r, &p, end, &unused))) return 1;
+        SKIP_FRAMES();
+        if (p == end) return 1;
+        objs[n] = NULL;
+        switch (*p) {
+        case 'K': if (end - p < 2) return 1; ints[n] = p[1]; p += 2; break;
+        case 'M': if (end - p < 3) return 1; ints[n] = le(p + 1, 2); p += 3; break;
+        case 'J': if (end - p < 5) return 1; ints[n] = (int32_t)(uint32_t)le(p + 1, 4); p += 5; break;
+        case 0x8a: {
+            if (end - p < 2 || p[1] > 8 || end - p < 2 + p[1]) return 1;
+            int m = p[1];
+            uint64_t v = m ? (uint64_t)le(p + 2, m) : 0;
+            if (m && m < 8 && (p[1 + m] & 0x80)) v |= ~(uint64_t)0 << (8 * m);
+            ints[n] = (int64_t)v;
+            p += 2 + m;
+            break;
+        }
+        case 'h': case 'j':
+            if (!(objs[n] = memo_ref(r, &p, end, &slots[n]))) return 1;
+            break;
+        default:
+            return 1;
+        }
+        n++;
+    }
+    /* Applied as the opcodes would be: the entry's put, then SETITEMS onto it. */
+    Py_ssize_t at = r->pos;
+    r->pos = after_put;  /* where the put's own opcode leaves the stream: memo_put bounds by it */
+    int ok = memo_put(r, put);
+    if (ok) {
+        r->pos = at;
+        return ok;
+    }
+    for (int k = 0; k < n; k++) {
+        ok = objs[k] ? set_entry_memo(r, keys[k], objs[k], slots[k]) : set_entry_int(r, keys[k], ints[k]);
+        if (ok < 0) return -1;
+    }
+    r->pos = (const char *)p - r->buf;
+    return 0;
+#undef SKIP_FRAMES
 }
 
 /* SETITEMS onto stack[target] of the pairs stack[from:sp]. 0 ok, 1 decline, -1 error. */
@@ -801,7 +1094,8 @@ static int step(Reader *r) {
             r->row_code = 0;
             if (push(r, ENTRY) < 0) return -1;
             r->entry_pos = r->sp - 1;
-            return 0;
+            ok = fast_entry(r);
+            return ok > 0 ? 0 : ok;
         }
         PUSH(PyDict_New());
         return 0;
@@ -913,6 +1207,7 @@ static void reader_clear(Reader *r) {
     for (int k = 0; k < r->nk; k++) Py_CLEAR(r->kkey[k]);
     while (r->sp) drop(r->stack[--r->sp]);
     for (Py_ssize_t k = 0; k < r->memo_cap; k++) {
+        PyMem_Free(r->memo_ids[k]);
         if (!r->memo[k]) continue;
         for (Py_ssize_t j = 0; j < PAGE; j++) Py_XDECREF(r->memo[k][j]);
         PyMem_Free(r->memo[k]);
@@ -920,6 +1215,7 @@ static void reader_clear(Reader *r) {
     PyMem_Free(r->stack);
     PyMem_Free(r->marks);
     PyMem_Free(r->memo);
+    PyMem_Free(r->memo_ids);
     PyMem_Free(r->buf);
     Py_XDECREF(r->row_dict);
     Py_XDECREF(r->read);

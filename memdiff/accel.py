@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import importlib
 import os
-from typing import Any, Optional
+from typing import Any, Dict, List, Optional
+
+import numpy as np
 
 
 def _compiled() -> Optional[Any]:
@@ -30,3 +32,41 @@ def reader() -> Optional[Any]:
 def is_columns(trace: Any) -> bool:
     """Whether `trace` is the accelerator's columns (not a plain list)."""
     return _fastread is not None and isinstance(trace, _fastread.Trace)
+
+
+class ObjectCodes:
+    """Codes for the values one key takes at chosen events of a trace, read from the columns when
+    the trace is the accelerator's and entry by entry when it is a list: equal codes are one
+    object. Decisions are made once per distinct object (`objects`), by value, so both paths decide
+    alike (the columns share one object among equal strings and ints where a list may hold two)."""
+
+    def __init__(self, trace: Any, key: str) -> None:
+        self._trace, self._key = trace, key
+        self._table = trace.table() if is_columns(trace) else None
+        self.objects: List[Any] = []
+        self._code: Dict[int, int] = {}  # id(object) -> its code; objects keeps each alive
+        # table id -> code (-1: not met yet); the table is complete once the trace is read
+        self._by_id = np.full(0 if self._table is None else len(self._table), -1, dtype=np.int64)
+
+    def _of(self, value: Any) -> int:
+        code = self._code.get(id(value))
+        if code is None:
+            code = self._code[id(value)] = len(self.objects)
+            self.objects.append(value)
+        return code
+
+    def at(self, events: np.ndarray) -> np.ndarray:
+        """The code of each event's value (None where the entry has no such key)."""
+        events = np.ascontiguousarray(events, dtype=np.int64)
+        trace, key = self._trace, self._key
+        if self._table is None:
+            return np.fromiter((self._of(trace[i].get(key)) for i in events.tolist()), np.int64, len(events))
+        ids = np.frombuffer(trace.codes(key, events.tobytes()), dtype=np.int64)
+        known = ids >= 0
+        out = np.where(known, self._by_id[np.where(known, ids, 0)], -1)
+        for t in np.unique(ids[known & (out < 0)]).tolist():
+            self._by_id[t] = self._of(self._table[t])
+        out = np.where(known, self._by_id[np.where(known, ids, 0)], -1)
+        for j in np.flatnonzero(~known).tolist():
+            out[j] = self._of(trace[int(events[j])].get(key))
+        return out

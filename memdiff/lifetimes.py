@@ -24,11 +24,13 @@ from __future__ import annotations
 
 import bisect
 import re
+from array import array
 from dataclasses import dataclass, field
-from typing import Any, Container, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Collection, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from memdiff.accel import ObjectCodes
 from memdiff.frames import LIBRARY_PATH, MAX_STACK_FRAMES, STDLIB_PATH, PerFrames, profiler_frame
 from memdiff.model import PhaseSpan, Step
 
@@ -417,7 +419,7 @@ LIFETIMES = [Lifetime(born, freed, outlives) for born in PHASES + (BEFORE_TRACE,
 
 
 def build_timeline(trace: List[Any], allocs: Sequence[int], running: np.ndarray, static: int, scopes: Scopes,
-                   versions: Container[int] = ()) -> Timeline:
+                   versions: Collection[int] = ()) -> Timeline:
     """Steps and phase runs of one device trace.
 
     `allocs` are the trace's alloc event indices in order, `running` the running total after
@@ -464,9 +466,13 @@ def build_timeline(trace: List[Any], allocs: Sequence[int], running: np.ndarray,
                     forward_passes(trace, allocs, spans, versions, hints))
 
 
-def forward_passes(trace: List[Any], allocs: Sequence[int], runs: Sequence[PhaseSpan], versions: Container[int],
+def forward_passes(trace: List[Any], allocs: Sequence[int], runs: Sequence[PhaseSpan], versions: Collection[int],
                    hints: "_Hints") -> Passes:
-    """The forward passes of each forward run (see Passes); a run holds one pass at least."""
+    """The forward passes of each forward run (see Passes); a run holds one pass at least.
+
+    A run's first stack (its first allocation with frames that is not a new version) starts a
+    pass; when that stack is not the model's own (a loop's, a data step's), each later allocation
+    with an equal stack starts another pass, provided the model allocated since the last start."""
     starts: List[int] = []
     ends: List[int] = []
     codes: List[int] = []
@@ -478,32 +484,49 @@ def forward_passes(trace: List[Any], allocs: Sequence[int], runs: Sequence[Phase
                 return code
         code_stacks.append(frames)
         return len(code_stacks) - 1
+    ordered = np.frombuffer(allocs, dtype=np.int64) if isinstance(allocs, array) else np.asarray(allocs, np.int64)
+    renewed = np.fromiter(versions, np.int64, len(versions))
+    stacks = ObjectCodes(trace, "frames")
+    # Per distinct stack, decided once: whether it has frames, whether it is the model's.
+    framed = model = np.zeros(0, dtype=bool)
+    same: Dict[int, np.ndarray] = {}  # per code of a run's first stack: which stacks equal it
     for run in runs:
         if run.phase != FORWARD:
             continue
-        k = bisect.bisect_left(allocs, run.start_event)
-        last = bisect.bisect_right(allocs, run.end_event)
-        while k < last and (allocs[k] in versions or not trace[allocs[k]].get("frames")):
-            k += 1
-        if k == last:
+        events = ordered[bisect.bisect_left(allocs, run.start_event): bisect.bisect_right(allocs, run.end_event)]
+        found = stacks.at(events)
+        new = stacks.objects[len(framed):]
+        if new:
+            framed = np.concatenate((framed, np.array([bool(o) for o in new], dtype=bool)))
+            model = np.concatenate((model, np.array([hints.of(o) == FORWARD for o in new], dtype=bool)))
+        usable = np.flatnonzero(framed[found] & ~np.isin(events, renewed))
+        if not len(usable):
             continue
-        first = trace[allocs[k]].get("frames")
-        loops = hints.of(first) not in (FORWARD, BACKWARD)
-        code = code_of(first)
+        first_code = int(found[usable[0]])
+        first = stacks.objects[first_code]
         starts.append(run.start_event)
-        codes.append(code)
-        model_since = False  # the model allocated since the pass started
-        for i in (allocs[j] for j in range(k + 1, last)) if loops else ():
-            frames = trace[i].get("frames")
-            if not frames or i in versions:
-                continue
-            if model_since and (frames is first or (len(frames) == len(first) and frames == first)):
+        codes.append(code_of(first))
+        if hints.of(first) not in (FORWARD, BACKWARD):
+            equal = same.get(first_code, np.zeros(0, dtype=bool))
+            if len(equal) < len(framed):
+                equal = same[first_code] = np.concatenate((equal, np.array(
+                    [o is first or (type(o) is type(first) and o == first) for o in stacks.objects[len(equal):]],
+                    dtype=bool)))
+            rest = found[usable[1:]]
+            # The model's allocations so far, at each later allocation (first's stack is not the model's).
+            seen = np.cumsum(model[rest])
+            again = np.flatnonzero(equal[rest])  # later allocations with first's stack
+            seen_again = seen[again]  # ascending: the next pass starts at the first one above the count
+            count, k = 0, 0
+            while True:
+                k += int(np.searchsorted(seen_again[k:], count, side="right"))
+                if k >= len(again):
+                    break
+                i = int(events[usable[1 + again[k]]])
                 ends.append(i - 1)
                 starts.append(i)
-                codes.append(code)
-                model_since = False
-            elif not model_since:
-                model_since = hints.of(frames) == FORWARD
+                codes.append(codes[-1])
+                count = int(seen_again[k])
         ends.append(run.end_event)
     return Passes(starts, ends, codes)
 
