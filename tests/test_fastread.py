@@ -192,3 +192,128 @@ def test_a_column_of_many_distinct_values_keeps_every_one(tmp_path):
     columns = decode(path, columns=True)[0]["device_traces"][0]
     assert columns.values("user_metadata") == [e["user_metadata"] for e in trace]
     assert columns == trace
+
+
+# ------------------------------------------------- the entry fast path and the walk's open table
+
+def short(text: str) -> bytes:
+    raw = text.encode()
+    return b"\x8c" + bytes([len(raw)]) + raw + b"\x94"  # SHORT_BINUNICODE, MEMOIZE
+
+
+def hand_made(*entries: bytes) -> bytes:
+    """A snapshot in opcodes: memo 0 root, 1 'segments', 2 [], 3 'device_traces', 4 the traces,
+    5 the one trace, then the first entry's keys and values (see FIRST), then `entries`."""
+    return (b"\x80\x04}\x94(" + short("segments") + b"]\x94" + short("device_traces") + b"]\x94(]\x94("
+            + FIRST + b"".join(entries) + b"eeu.")
+
+
+# Memo 6 the first entry; 7 'action', 8 'alloc', 9 'addr', 10 'size', 11 'frames', 12 its frames list,
+# 13 'stream', 14 'free_completed'.
+FIRST = (b"}\x94(" + short("action") + short("alloc") + short("addr") + b"J\x00\x10\x00\x00"
+         + short("size") + b"K\x40" + short("frames") + b"]\x94" + short("stream") + b"K\x00u"
+         + b"}\x94(h\x07" + short("free_completed") + b"h\x09J\x00\x10\x00\x00h\x0aK\x40h\x0bh\x0ch\x0dK\x00u")
+
+
+def fast(put: bytes, *pairs: bytes) -> bytes:
+    """An entry in the form the fast path takes: EMPTY_DICT, a put, MARK, pairs, SETITEMS."""
+    return b"}" + put + b"(" + b"".join(pairs) + b"u"
+
+
+def decoded_alike(tmp_path: Path, blob: bytes) -> str:
+    """The decoded document (or the error) on both paths, which must agree; the pure path's."""
+    path = tmp_path / "hand.pickle"
+    path.write_bytes(blob)
+    outcomes = []
+    for columns in (True, False):
+        try:
+            doc = decode(str(path), columns=columns)[0]
+            outcomes.append(repr({**doc, "device_traces": [list(t) for t in doc["device_traces"]]}))
+        except InputError as exc:
+            outcomes.append(str(exc))
+    assert outcomes[0] == outcomes[1]
+    return outcomes[1]
+
+
+ALLOC = (b"h\x07h\x08", b"h\x09J\x00\x20\x00\x00", b"h\x0aM\x00\x01", b"h\x0bh\x0c", b"h\x0dK\x00")
+
+
+def test_hand_made_entries_decode_as_the_unpickler_decodes_them(tmp_path):
+    blob = hand_made(fast(b"\x94", *ALLOC))
+    assert blob.count(b"}") == 4 and pickle.loads(blob)["device_traces"][0][2]["addr"] == 0x2000
+    assert "'size': 256" in decoded_alike(tmp_path, blob)
+
+
+@pytest.mark.parametrize("pairs", [
+    (b"h\x07h\x08", b"h\x09\x8a\x08" + (-5).to_bytes(8, "little", signed=True), b"h\x0a\x8a\x00"),  # LONG1 forms
+    (b"h\x07h\x08", b"h\x09\x8a\x03\xff\xff\x7f", b"h\x0aJ\xff\xff\xff\xff"),  # signed 3- and 4-byte numbers
+    (b"h\x07h\x08", b"h\x09h\x08", b"h\x0aK\x01"),  # a string where the address goes: kept whole
+    (b"h\x07K\x01", b"h\x09K\x00"),  # a number where the action goes
+    (b"h\x07h\x08", b"h\x07h\x0e", b"h\x0aK\x01"),  # a repeated key: the later value, as in a dict
+    (b"h\x08h\x08", b"h\x09K\x00"),  # a key that is no column's
+    (b"h\x07h\x08", b"h\x0bh\x05"),  # the trace itself as frames: declined, the pure path reads it
+    (b"h\x07h\x08", b"h\x0bh\x06"),  # an entry (never stored by the reader) as frames
+    (b"h\x07h\x08", b"h\x0bj\x00\x00\x00\x01"),  # a reference past the memo
+    (b"h\x07h\x08", b"\x95" + (9).to_bytes(8, "little") + b"h\x0bh\x0c"),  # a FRAME inside the entry
+    tuple(b"h\x0aK\x01" for _ in range(17)),  # more pairs than the fast path takes
+])
+def test_entries_off_the_usual_form_read_as_the_pure_path_reads_them(tmp_path, pairs):
+    decoded_alike(tmp_path, hand_made(fast(b"\x94", *pairs), fast(b"\x94", *ALLOC)))
+
+
+@pytest.mark.parametrize("put", [b"q\x0c", b"r\x0c\x00\x00\x00", b"q\x06", b"r\x00\x00\x00\x01", b""])
+def test_an_entry_put_over_a_memoized_value_reads_as_the_pure_path_reads_it(tmp_path, put):
+    # BINPUT 12 over the frames list, then an entry that gets memo 12 (the pure path: that entry
+    # dict as frames); over another entry; far past the stream; no put at all.
+    blob = hand_made(fast(put, *ALLOC), fast(b"\x94", b"h\x07h\x08", b"h\x0bh\x0c"))
+    decoded_alike(tmp_path, blob)
+
+
+def test_the_walk_over_columns_matches_the_walk_over_dicts(tmp_path):
+    # Thousands open at once (the table grows), reused addresses still open, unmatched frees,
+    # allocations never freed: every array and the open allocations in their order agree.
+    import random
+
+    from memdiff.normalize import _Walk
+    rng = random.Random(35)
+    frames = py_frames("model.py:3:forward")
+    trace, live = [], []
+    for _ in range(20_000):
+        r = rng.random()
+        if r < 0.55 or not live:
+            addr = 0x7F0000000000 + rng.randrange(6_000) * 512
+            live.append(addr)
+            trace.append(alloc(addr, rng.randrange(1, 1 << 20), frames))
+        elif r < 0.95:
+            addr = live.pop(rng.randrange(len(live)))
+            trace.append(free(addr, 1, frames))
+        else:
+            trace.append(free(0x100000 + rng.randrange(1 << 30) * 512, rng.randrange(1, 4096), frames))
+    path = write(tmp_path, {"segments": [], "device_traces": [trace]})
+    columns = decode(path, columns=True)[0]["device_traces"][0]
+    assert isinstance(columns, accel._fastread.Trace)
+    a, b = _Walk(path, 0, columns), _Walk(path, 0, trace)
+    assert len(a.open_at_end) > 1024 and len(a.unmatched) > 500
+    assert list(a.open_at_end.items()) == list(b.open_at_end.items())
+    for name in ("deltas", "closed", "allocs", "unmatched"):
+        assert getattr(a, name) == getattr(b, name), name
+
+
+def test_forward_passes_of_a_validation_loop_on_columns(tmp_path):
+    # A loop without no_grad: each batch copied by the loop's own stack, then the model's forward;
+    # both paths find one pass per batch.
+    from memdiff.lifetimes import _Hints, forward_passes
+    from memdiff.model import PhaseSpan
+    batch = py_frames("validate.py:30:run_validation")
+    layer = py_frames("site-packages/torch/nn/modules/linear.py:125:forward", "model.py:12:forward",
+                      "validate.py:31:run_validation")
+    trace = []
+    for k in range(7):
+        trace += [alloc(0x1000 + k * 0x10000, 4096, batch), alloc(0x2000 + k * 0x10000, 8192, layer),
+                  alloc(0x3000 + k * 0x10000, 8192, layer)]
+    path = write(tmp_path, {"segments": [], "device_traces": [trace]})
+    columns = decode(path, columns=True)[0]["device_traces"][0]
+    run = [PhaseSpan("forward", 0, len(trace) - 1)]
+    allocs = list(range(len(trace)))
+    found = [forward_passes(t, allocs, run, {}, _Hints()) for t in (columns, trace)]
+    assert found[0] == found[1] and found[0].starts == [3 * k for k in range(7)]
