@@ -297,6 +297,10 @@ def repeated_blocks(course: DeviceCourse) -> Tuple[List[str], np.ndarray]:
     return [f"{cls}_{n}" for n in numbers], of_origin[course.origin]
 
 
+# Calls tried as the repeated block, those holding the most forward bytes first.
+MAX_CALLS = 64
+
+
 def repeated_calls(run: _Run) -> Tuple[List[str], np.ndarray]:
     """repeated_blocks for stacks without module frames (the caching allocator's, on CUDA): the
     block is the call, one Python call path, under which every forward makes one sequence of
@@ -314,26 +318,40 @@ def repeated_calls(run: _Run) -> Tuple[List[str], np.ndarray]:
     # Origins are kinds, told apart by their lifetimes too: a block's allocations are the same by their frames.
     numbered: Dict[Tuple[Any, ...], int] = {}
     same_frames = np.array([numbered.setdefault(tuple(frames), len(numbered)) for frames in c.origins], dtype=np.int64)
-    # Each origin's call paths: its stack from the outermost frame down to each Python frame. Nested
-    # calls around the same allocations are one candidate: the innermost stands for them.
-    paths: Dict[Tuple[Any, ...], List[int]] = {}
+    # Each origin's call paths: its stack from the outermost frame down to each Python frame, each
+    # path a node numbered from its parent's, so a deep stack costs its depth, not its depth squared.
+    # Nested calls around the same allocations are one candidate: the innermost stands for them.
+    node_of: Dict[Tuple[Any, int], int] = {}
+    members: Dict[int, List[int]] = {}
+    place: Dict[int, Tuple[int, int]] = {}  # node -> (an origin, the index of the path's innermost frame)
     for o, frames in enumerate(c.origins):
-        for i, f in enumerate(frames):
-            if f.file:
-                paths.setdefault(tuple(frames[i:]), []).append(o)
-    candidates: Dict[Tuple[int, ...], Tuple[Any, ...]] = {}
-    for path, origins in paths.items():
+        parent = -1
+        for i in range(len(frames) - 1, -1, -1):
+            parent = node_of.setdefault((frames[i], parent), len(node_of))
+            if frames[i].file:
+                members.setdefault(parent, []).append(o)
+                place[parent] = (o, i)
+    candidates: Dict[Tuple[int, ...], Tuple[int, int]] = {}  # origins -> (depth, node)
+    for node, origins in members.items():
         key = tuple(origins)
-        if len(path) > len(candidates.get(key, ())):
-            candidates[key] = path
+        o, i = place[node]
+        depth = len(c.origins[o]) - i
+        if depth > candidates.get(key, (0, -1))[0]:
+            candidates[key] = (depth, node)
     origin = c.origin[fwd]
+    # The bytes under a call are those of its origins' forward allocations: the most first (on a tie,
+    # the innermost), and the first that repeats is the block. Only the first MAX_CALLS are tried,
+    # so that a file of thousands of distinct deep stacks costs a bounded number of passes.
+    held_by = np.bincount(origin, weights=c.size[fwd].astype(np.float64), minlength=len(c.origins))
+    ranked = sorted(((float(held_by[list(key)].sum()), depth, key, node) for key, (depth, node) in candidates.items()),
+                    key=lambda r: (r[0], r[1]), reverse=True)
     cuts = np.flatnonzero(np.diff(run.born_run[fwd])) + 1
-    best: Optional[Tuple[int, int, Tuple[Any, ...], np.ndarray, int]] = None  # (bytes, depth, path, under, period)
-    for members, path in candidates.items():
+    best: Optional[Tuple[Tuple[Any, ...], np.ndarray, int]] = None  # (path, under, period)
+    for _, _, key, node in ranked[:MAX_CALLS]:
         mask = np.zeros(len(c.origins), dtype=bool)
-        mask[list(members)] = True
+        mask[list(key)] = True
         under = mask[origin]
-        period, held = 0, 0
+        period = 0
         for part in np.split(np.arange(len(fwd)), cuts):
             mine = part[under[part]]
             if not len(mine):
@@ -343,12 +361,14 @@ def repeated_calls(run: _Run) -> Tuple[List[str], np.ndarray]:
             if p == len(mine) or p < 2 or (period and p != period):
                 period = 0
                 break
-            period, held = p, held + int(c.size[fwd[mine]].sum())
-        if period and (best is None or (held, len(path)) > best[:2]):
-            best = (held, len(path), path, under, period)
+            period = p
+        if period:
+            o, i = place[node]
+            best = (c.origins[o][i:], under, period)
+            break
     if best is None:
         return [], none
-    _, _, path, under, period = best
+    path, under, period = best
     block = none.copy()
     count = 0
     for part in np.split(np.arange(len(fwd)), cuts):
