@@ -5,7 +5,8 @@ changed by a rule instead of by a fitted size: a rule drops an allocation, scale
 birth, or adds allocations the change makes. Which allocations a rule touches is read from what
 the earlier stages say of each: its category (classify), the phase run and step it was born and
 freed in (lifetimes), its site, and the profiler's module instances on its stack
-(`nn.Module: GPT2Block_3`) for the repeated blocks. Every change names what it assumed, and a
+(`nn.Module: GPT2Block_3`) for the repeated blocks, or without them (CUDA stacks) the call the
+forward repeats with the same allocations (a loop over the layers). Every change names what it assumed, and a
 change the run cannot show (no optimizer state, no repeated blocks) is one line, not a guess.
 
 The changes (`--change`, several joined by `+` apply together):
@@ -15,7 +16,8 @@ The changes (`--change`, several joined by `+` apply together):
   are dropped but its output (the next block's input); before the block's backward they come back
   (the recomputation) together with the block's forward transient peak.
 - `weights=bf16|fp16`: parameters, gradients, optimizer state and activations in 2 bytes; the
-  loss (upcast to fp32 by the libraries), inputs and one-element tensors keep their size.
+  loss (upcast to fp32 by the libraries), inputs, BLAS workspaces and one-element tensors keep
+  their size.
 - `autocast=bf16|fp16`: activations and their gradients made in the forward and backward halve
   (the loss excepted); a half-precision copy of the weights is made in each forward and lives
   to the end of its backward (autocast's weight casts, saved for the backward).
@@ -295,6 +297,103 @@ def repeated_blocks(course: DeviceCourse) -> Tuple[List[str], np.ndarray]:
     return [f"{cls}_{n}" for n in numbers], of_origin[course.origin]
 
 
+# Calls tried as the repeated block, those holding the most forward bytes first.
+MAX_CALLS = 64
+
+
+def repeated_calls(run: _Run) -> Tuple[List[str], np.ndarray]:
+    """repeated_blocks for stacks without module frames (the caching allocator's, on CUDA): the
+    block is the call, one Python call path, under which every forward makes one sequence of
+    allocations k >= 2 times over (the same stacks, in the same order: the loop over a model's
+    layers), workspaces apart, each time more than one. Of such calls, the one whose allocations
+    hold the most bytes; on a tie, the innermost (the tightest call around the block). Each
+    allocation's block is its repeat's place in its forward."""
+    c = run.course
+    none = np.full(len(c.size), -1, dtype=np.int64)
+    # A workspace (cuBLAS's, made by the first matrix product) is made once, not per block.
+    fwd = np.flatnonzero((run.phase == FORWARD) & ~c.before & ~run.of("workspace"))
+    if not c.origins or not len(c.origin) or not len(fwd):
+        return [], none
+    fwd = fwd[np.lexsort((c.start[fwd], run.born_run[fwd]))]  # by forward, then in order
+    # Origins are kinds, told apart by their lifetimes too: a block's allocations are the same by their frames.
+    numbered: Dict[Tuple[Any, ...], int] = {}
+    same_frames = np.array([numbered.setdefault(tuple(frames), len(numbered)) for frames in c.origins], dtype=np.int64)
+    # Each origin's call paths: its stack from the outermost frame down to each Python frame, each
+    # path a node numbered from its parent's, so a deep stack costs its depth, not its depth squared.
+    # Nested calls around the same allocations are one candidate: the innermost stands for them.
+    node_of: Dict[Tuple[Any, int], int] = {}
+    members: Dict[int, List[int]] = {}
+    place: Dict[int, Tuple[int, int]] = {}  # node -> (an origin, the index of the path's innermost frame)
+    for o, frames in enumerate(c.origins):
+        parent = -1
+        for i in range(len(frames) - 1, -1, -1):
+            parent = node_of.setdefault((frames[i], parent), len(node_of))
+            if frames[i].file:
+                members.setdefault(parent, []).append(o)
+                place[parent] = (o, i)
+    candidates: Dict[Tuple[int, ...], Tuple[int, int]] = {}  # origins -> (depth, node)
+    for node, origins in members.items():
+        key = tuple(origins)
+        o, i = place[node]
+        depth = len(c.origins[o]) - i
+        if depth > candidates.get(key, (0, -1))[0]:
+            candidates[key] = (depth, node)
+    origin = c.origin[fwd]
+    # The bytes under a call are those of its origins' forward allocations: the most first (on a tie,
+    # the innermost), and the first that repeats is the block. Only the first MAX_CALLS are tried,
+    # so that a file of thousands of distinct deep stacks costs a bounded number of passes.
+    held_by = np.bincount(origin, weights=c.size[fwd].astype(np.float64), minlength=len(c.origins))
+    ranked = sorted(((float(held_by[list(key)].sum()), depth, key, node) for key, (depth, node) in candidates.items()),
+                    key=lambda r: (r[0], r[1]), reverse=True)
+    cuts = np.flatnonzero(np.diff(run.born_run[fwd])) + 1
+    best: Optional[Tuple[Tuple[Any, ...], np.ndarray, int]] = None  # (path, under, period)
+    for _, _, key, node in ranked[:MAX_CALLS]:
+        mask = np.zeros(len(c.origins), dtype=bool)
+        mask[list(key)] = True
+        under = mask[origin]
+        period = 0
+        for part in np.split(np.arange(len(fwd)), cuts):
+            mine = part[under[part]]
+            if not len(mine):
+                continue
+            p = _period(same_frames[origin[mine]])
+            # A call that makes one allocation each time (a dropout) is no block to checkpoint.
+            if p == len(mine) or p < 2 or (period and p != period):
+                period = 0
+                break
+            period = p
+        if period:
+            o, i = place[node]
+            best = (c.origins[o][i:], under, period)
+            break
+    if best is None:
+        return [], none
+    path, under, period = best
+    block = none.copy()
+    count = 0
+    for part in np.split(np.arange(len(fwd)), cuts):
+        mine = part[under[part]]
+        block[fwd[mine]] = np.arange(len(mine)) // period
+        count = max(count, len(mine) // period)
+    where = f"{path[0].file.rpartition('/')[2]}:{path[0].line}"  # the innermost line the block runs under
+    return [f"call {k + 1} at {where}" for k in range(count)], block
+
+
+def _period(seq: np.ndarray) -> int:
+    """The shortest p that repeats to make `seq` whole (len(seq) when none shorter does)."""
+    n = len(seq)
+    for p in range(1, n // 2 + 1):
+        if n % p == 0 and np.array_equal(seq, np.tile(seq[:p], n // p)):
+            return p
+    return n
+
+
+def blocks_of(run: _Run) -> Tuple[List[str], np.ndarray]:
+    """The repeated blocks: by the profiler's module frames, else by the calls that repeat."""
+    blocks, block = repeated_blocks(run.course)
+    return (blocks, block) if blocks else repeated_calls(run)
+
+
 def run_optimizer(run: _Run) -> Tuple[Optional[str], int, int, str]:
     """(the run's optimizer name or None, state tensors per parameter, trainable parameter bytes,
     the update's form: "single" or "foreach"), read from its state's bytes and sites."""
@@ -406,8 +505,8 @@ def _changed_course(run: _Run, edit: _Edit) -> Tuple[DeviceCourse, np.ndarray]:
 
 def _checkpoint(run: _Run, edit: _Edit, value: Optional[str], blocks: List[str], block: np.ndarray) -> None:
     if not blocks:
-        raise CannotApply("no repeated blocks on the stacks (the profiler's nn.Module frames name them; "
-                          "CUDA snapshots and plain loops of ops do not)")
+        raise CannotApply("no repeated blocks on the stacks (no nn.Module frames, and no call that each "
+                          "forward makes again with the same allocations)")
     if blocks[0].rpartition("_")[0] in GENERIC:
         block = _by_position(run, block, len(blocks))
     fraction = Fraction(value) if value is not None else Fraction(1)
@@ -510,12 +609,14 @@ def _peak_of_set(c: DeviceCourse, members: np.ndarray, size: Optional[np.ndarray
 
 def _weights(run: _Run, edit: _Edit, value: str) -> None:
     c = run.course
-    halved = run.of("parameter", "gradient", "optimizer_state", "activation", "autograd", "other", "workspace") \
+    # A BLAS workspace is sized by the library per handle (CUBLAS_WORKSPACE_CONFIG), whatever the dtype.
+    halved = run.of("parameter", "gradient", "optimizer_state", "activation", "autograd", "other") \
         & ~run.loss & ~run.indices & (c.size > SCALAR_BYTES)
     edit.size[halved] = edit.size[halved] // 2
     edit.assumptions.append(f"{value} weights: parameters, gradients, optimizer state and activations in 2 bytes; "
-                            "the loss (computed in fp32 by the libraries), inputs, int64 indices (max pooling's) "
-                            "and one-element tensors keep their size; every float tensor is assumed fp32 in the run")
+                            "the loss (computed in fp32 by the libraries), inputs, int64 indices (max pooling's), "
+                            "BLAS workspaces and one-element tensors keep their size; every float tensor is assumed "
+                            "fp32 in the run")
 
 
 def _autocast(run: _Run, edit: _Edit, value: str) -> None:
@@ -761,7 +862,7 @@ def whatif_course(path: str, courses: Dict[int, DeviceCourse],
         course = courses[device]
         spans, steps = spans_steps[device]
         run = _facts(course, spans, steps)
-        blocks, block = repeated_blocks(course)
+        blocks, block = blocks_of(run)
         optimizer = run_optimizer(run)[0]
         asked = list(changes) or every_change(run, optimizer)
         predictions = [_predict(run, ch, blocks, block, budget) for ch in asked]
@@ -863,7 +964,7 @@ def buy_back(path: str, rules: Sequence[Rule], targets: Sequence[BuyBackTarget],
             notes.append(f"{prefix}what-if not run: the head's snapshot records no allocation on device {t.device}")
             continue
         run = _facts(c, *structure(course.summary, t.device))
-        blocks, block = repeated_blocks(c)
+        blocks, block = blocks_of(run)
         predictions = [p for p in (_predict(run, ch, blocks, block, None)
                                    for ch in every_change(run, run_optimizer(run)[0]))
                        if p.applies and p.predicted_peak_bytes is not None]

@@ -10,7 +10,10 @@ state, steps run), never against memdiff's own output.
 from __future__ import annotations
 
 import copy
+import gzip
 import json
+import pickle
+import re
 from pathlib import Path
 from typing import Dict, List
 
@@ -34,8 +37,12 @@ KEPT_BYTES = 64 << 20  # the buffer rank 0 of ddp_gpt2.py keeps
 # optimizer's state goes, the other's comes: 3.0x); autocast (fp32 outputs shrink, bf16 casts
 # appear: 5.5x). Checkpointing holds the rule (1.00x at the head's backward peak, where the
 # recomputed activations are freed again), and so does a warm-up before recording (1.00x: the
-# same state, made in one trace and before the other, is one row).
-TWO_WAY = ("gpt2-adagrad", "gpt2-autocast")
+# same state, made in one trace and before the other, is one row). torch.compile moves every
+# activation from an eager op's site to a compiled buffer's (3.5x).
+TWO_WAY = ("gpt2-adagrad", "gpt2-sgd-momentum", "gpt2-rmsprop", "gpt2-autocast", "gpt2-compile")
+# Runs that ran a forward and a backward before recording (a warm-up step; torch.compile's
+# compiling one): the cuBLAS workspaces it made are older than the trace.
+WARMED = ("gpt2-warm", "gpt2-compile")
 
 
 @pytest.fixture(scope="module")
@@ -82,12 +89,13 @@ def test_the_captures_are_all_here():
 def test_the_weights_are_parameters_to_the_byte(devices, name):
     d = devices[name]
     assert sum(g.bytes for g in d.groups) == d.peak_bytes
-    # Recorded after a warm-up step, the BLAS workspaces the warm-up made are older than the
-    # trace too, frameless and of no gradient's size: parameters by guess, and said to be.
+    # Recorded after a warm-up step (or torch.compile's compiling forward and backward), the BLAS
+    # workspaces the warm-up made are older than the trace too, frameless and of no gradient's
+    # size: parameters by guess, and said to be.
     guessed_workspaces = sum(g.bytes for g in d.groups if g.site == NO_STACK_GUESSED) - facts(name)["parameter_bytes"]
     assert categories(d).get("parameter") == facts(name)["parameter_bytes"] + (
-        guessed_workspaces if name == "gpt2-warm" else 0)
-    if name == "gpt2-warm":
+        guessed_workspaces if name in WARMED else 0)
+    if name in WARMED:
         assert 0 < guessed_workspaces == categories(devices["gpt2-base"])["workspace"]
 
 
@@ -96,7 +104,7 @@ def test_the_optimizer_state_is_the_optimizers_own_count(devices, name):
     """Made in the first step, in the constructor (Adagrad) or in a warm-up before recording: the
     state at the peak is what the optimizer holds; state older than the trace says it is a guess."""
     d = devices[name]
-    assert categories(d).get("optimizer_state") == state_on_device(name)
+    assert categories(d).get("optimizer_state", 0) == state_on_device(name)
     guessed_state = sum(g.bytes for g in d.groups if g.site == NO_STACK_STATE_GUESSED)
     assert guessed_state == (state_on_device(name) if name in ("gpt2-adagrad", "gpt2-warm") else 0)
 
@@ -262,3 +270,83 @@ def test_a_leaky_run_gated_against_its_own_baseline_reads_no_kept_change(summari
     assert "kept from earlier steps" not in report.headline
     at = [x for x in diff(run, run).devices if x.kept][0].kept
     assert (d.kept.base_bytes, d.kept.head_bytes) == (at.base_bytes, at.head_bytes)
+
+
+# ---------------------------------------------------------------- memdiff whatif against the GPU
+
+def trace_peak(name: str) -> int:
+    """The most bytes live at once over the trace, replayed from the raw snapshot: what the
+    trace's allocations and frees add up to, starting from what was live before it (live at the
+    dump, in the sizes asked for, which are the trace's sizes, less what the trace made since)."""
+    raw = pickle.loads(gzip.decompress((DATA / f"{name}.pickle.gz").read_bytes()))
+    trace = raw["device_traces"][0]
+    live = sum(b["requested_size"] for s in raw["segments"] for b in s["blocks"] if b["state"] == "active_allocated")
+    live -= sum(e["size"] for e in trace if e["action"] == "alloc")
+    live += sum(e["size"] for e in trace if e["action"] == "free_completed")
+    peak = live
+    for e in trace:
+        live += e["size"] if e["action"] == "alloc" else -e["size"] if e["action"] == "free_completed" else 0
+        peak = max(peak, live)
+    return peak
+
+
+def measured_peak(name: str) -> int:
+    """The head's peak as memdiff reads it, checked against the trace replayed and, where the
+    capture wrote it, the allocator's own high-water mark (torch.cuda.max_memory_allocated(), in
+    its blocks' sizes, rounded up from the sizes asked for: a little above, never below)."""
+    peak = api.summarize(DATA / f"{name}.pickle.gz").devices[0].peak_bytes
+    assert peak == trace_peak(name), name
+    allocator = facts(name).get("cuda_max_allocated_bytes")
+    if allocator is not None:
+        assert peak <= allocator <= peak * 1.015, (name, peak, allocator)
+    return peak
+
+
+def _not_yet(reason: str) -> pytest.MarkDecorator:
+    return pytest.mark.xfail(strict=True, reason=reason)
+
+
+# Each change memdiff whatif predicts, really made on the GPU: (change, the head with it made).
+CUDA_WHATIF = [
+    ("weights=bf16", "gpt2-bf16"), ("weights=fp16", "gpt2-fp16"),
+    ("optimizer=sgd", "gpt2-sgd"), ("optimizer=sgd-momentum", "gpt2-sgd-momentum"),
+    ("optimizer=adamw-amsgrad", "gpt2-amsgrad"), ("optimizer=rmsprop", "gpt2-rmsprop"),
+    ("optimizer=adagrad", "gpt2-adagrad"), ("optimizer=adafactor", "gpt2-adafactor"),
+    ("accumulate=2", "gpt2-accum2"), ("zero-grad=zeros", "gpt2-keep-grads"),
+    # CUDA stacks name no module instances: the blocks are the calls of GPT2Model's loop.
+    ("checkpoint", "gpt2-checkpoint"), ("checkpoint=0.5", "gpt2-checkpoint-half"),
+    # HF GPT-2's GELU calls torch.pow, which autocast runs in fp32: its fp32 result promotes the
+    # add, tanh and mul after it, and the matmuls take bf16 copies of the fp32 layer-norm and
+    # GELU outputs, saved beside them. The rule halves every activation: 3.92 GiB for 4.43 GiB.
+    pytest.param("autocast=bf16", "gpt2-autocast", marks=_not_yet("predicted 4009.9 MiB, measured 4534.7 MiB: -11.6%")),
+]
+
+
+@pytest.mark.parametrize("change, head", CUDA_WHATIF)
+def test_whatif_predicts_the_change_really_made_on_the_gpu_within_10pct(change, head):
+    """From gpt2-base alone, the peak the change would give, against the run with it made."""
+    predicted = api.whatif(DATA / "gpt2-base.pickle.gz", change).devices[0].changes[0]
+    assert predicted.applies, predicted.reason
+    measured = measured_peak(head)
+    assert predicted.predicted_peak_phase == api.summarize(DATA / f"{head}.pickle.gz").devices[0].phase_at_peak
+    assert abs(predicted.predicted_peak_bytes - measured) <= 0.10 * measured, (predicted.predicted_peak_bytes, measured)
+
+
+def test_the_base_peak_is_the_trace_s_own():
+    assert api.whatif(DATA / "gpt2-base.pickle.gz", "weights=bf16").devices[0].base_peak_bytes == trace_peak(
+        "gpt2-base")
+
+
+def test_a_compiled_run_reads_as_the_model_code_that_ran_it(capsys):
+    """torch.compile (Inductor) on the GPU: the peak is the trace's and under the allocator's own
+    mark, every step of the run is there, and its memory is named by the model code that ran
+    the compiled graph, never by a generated file or a hash."""
+    name = "gpt2-compile"
+    d = api.summarize(DATA / f"{name}.pickle.gz").devices[0]
+    assert d.peak_bytes == measured_peak(name)
+    assert [s.step for s in d.steps] == list(range(facts(name)["steps"]))
+    assert main(["peak", str(DATA / f"{name}.pickle.gz")]) == 0
+    out = capsys.readouterr().out
+    assert "peak in                 the backward of step" in out
+    assert "modeling_gpt2.py:forward <- compiled buffer" in out
+    assert not re.search(r"torchinductor|/tmp/|\bc[a-z0-9]{40,}\b|fx_generated", out)

@@ -256,3 +256,30 @@ def test_names_from_the_run_and_the_change_bend_no_output(tmp_path):
     assert code == 2
     assert_plain(err)
     assert_no_command_from_data(err)
+
+
+def without_modules(snapshot: Dict[str, Any]) -> Dict[str, Any]:
+    """The snapshot as the caching allocator records it on CUDA: Python frames, no module instances."""
+    for e in snapshot["device_traces"][0]:
+        e["frames"] = [f for f in e.get("frames", []) if not f["name"].startswith("nn.Module: ")]
+    return snapshot
+
+
+@pytest.mark.parametrize("change", ["checkpoint", "checkpoint=0.5"])
+def test_without_module_frames_the_blocks_are_the_calls_the_forward_repeats(write_snapshot, change):
+    # Both blocks are called from model.py line 30 and make the same allocations: the same answer
+    # as with the module frames, worked out by hand above.
+    d = memdiff.whatif(write_snapshot(without_modules(loop()), "cuda-like.pickle"), change).devices[0]
+    assert d.blocks == ["call 1 at model.py:30", "call 2 at model.py:30"]
+    c = d.changes[0]
+    assert (c.predicted_peak_bytes, c.predicted_peak_phase) == BY_HAND[change]
+
+
+def test_calls_that_make_different_allocations_are_no_repeated_block(write_snapshot):
+    # Block 1 makes no transient: its call is not the same sequence again, so no block is guessed.
+    run = loop()
+    names = [[f["name"] for f in e["frames"]] for e in run["device_traces"][0]]
+    run["device_traces"][0] = [e for e, n in zip(run["device_traces"][0], names)
+                               if not ("nn.Module: Block_1" in n and "model.py(12): forward" in n)]
+    c = memdiff.whatif(write_snapshot(without_modules(run), "uneven.pickle"), "checkpoint").devices[0].changes[0]
+    assert not c.applies and c.reason.startswith("no repeated blocks on the stacks")

@@ -480,6 +480,11 @@ def train(args: argparse.Namespace) -> None:
             # torch.optim.swa_utils: a deepcopy of the model, updated with a lerp after each step.
             from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
             averaged = AveragedModel(built[0], multi_avg_fn=get_ema_multi_avg_fn(0.999))
+    if args.device == "cuda":
+        # The allocator's own high-water mark over the recording: a truth for the snapshot's peak
+        # that is PyTorch's count, not memdiff's reading of the trace.
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
     with record(args.out, stacks=args.stacks):
         if built is None:
             # As a test does: the model and optimizer made inside the recording, freed on return.
@@ -499,6 +504,8 @@ def train(args: argparse.Namespace) -> None:
     if averaged is not None:
         copies = {t.untyped_storage().data_ptr(): t for t in [*averaged.parameters(), *averaged.buffers()]}
         val_facts["ema_bytes"] = sum(t.untyped_storage().nbytes() for t in copies.values())
+    if args.device == "cuda":
+        val_facts["cuda_max_allocated_bytes"] = torch.cuda.max_memory_allocated()
     if built is not None:
         write_facts(args, built[0], built[2], val_facts)
     del kept_eval

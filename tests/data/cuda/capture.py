@@ -37,6 +37,17 @@ RUNS = {
     "gpt2-keep-weights": ["--keep-weights"],  # weight copies kept between backward() and step(): a leak
     "gpt2-fused": ["--optimizer", "adamw-fused"],
     "gpt2-generate": ["--generate"],
+    # What-if heads (memdiff whatif's changes really made, to pair with gpt2-base):
+    "gpt2-bf16": ["--bf16"],  # weights=bf16
+    "gpt2-fp16": ["--fp16"],  # weights=fp16
+    "gpt2-sgd": ["--optimizer", "sgd"],
+    "gpt2-sgd-momentum": ["--optimizer", "sgd-momentum"],
+    "gpt2-amsgrad": ["--optimizer", "adamw-amsgrad"],
+    "gpt2-rmsprop": ["--optimizer", "rmsprop"],
+    "gpt2-adafactor": ["--optimizer", "adafactor"],
+    "gpt2-accum2": ["--batch", "2", "--accum", "2"],  # accumulate=2: two micro-batches of half the batch
+    "gpt2-checkpoint-half": ["--checkpoint-fraction", "0.5"],  # checkpoint=0.5: every other block
+    "gpt2-compile": ["--compile"],  # torch.compile (Inductor), compiled by a forward and backward before recording
     "gpt2-oom": ["--batch", "512"],  # out of memory in the first forward: the snapshot is written all the same
 }
 FAILS = {"gpt2-oom"}
