@@ -42,7 +42,7 @@ def load_code(*paths: str) -> str:
 
 
 def memdiff_code(argv: List[str]) -> str:
-    return f"from memdiff.cli import main\nmain({argv!r})"
+    return f"from memdiff.__main__ import run\nrun({argv!r})  # as the memdiff command runs"
 
 
 def interleaved(benchmark, reference: str, measured: str, rounds: int = ROUNDS) -> Dict[str, Tuple[float, int]]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import pickle
 import subprocess
 import sys
@@ -84,3 +85,19 @@ def test_a_markdown_report_under_an_html_name_is_refused(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.strip().endswith("--report writes the markdown report; the HTML report is --html FILE")
     assert err.count("\n") == 1 and not out.exists()
+
+
+def test_the_command_gives_numpys_blas_one_thread_unless_the_user_chose(monkeypatch):
+    # OpenBLAS's workers spin once started: 2 s of CPU per command on a 16-core machine, for no
+    # linear algebra at all. The command (not the library: a program importing memdiff keeps its
+    # own threads) sets the default before numpy is imported.
+    import memdiff.__main__ as entry
+    import memdiff.cli
+
+    seen = []
+    monkeypatch.setattr(memdiff.cli, "main", lambda argv=None: seen.append(os.environ.get("OPENBLAS_NUM_THREADS")) or 0)
+    monkeypatch.delenv("OPENBLAS_NUM_THREADS", raising=False)
+    assert entry.run(["--version"]) == 0
+    monkeypatch.setenv("OPENBLAS_NUM_THREADS", "8")
+    assert entry.run(["--version"]) == 0
+    assert seen == ["1", "8"]
