@@ -826,12 +826,23 @@ static int value_id(Reader *r, PyObject *value, uint32_t *id) {
     return ok;
 }
 
-static int set_entry(Reader *r, PyObject *key, PyObject *value) {
-    if (r->row_dict) return PyDict_SetItem(r->row_dict, key, value);
-    int slot = key_slot(r, key);
-    int len = r->row_code & 15;
+/* The column of `key` for the open row: -1 when it is no column's or the row holds it already. */
+static int free_slot(Reader *r, PyObject *key) {
+    int slot = key_slot(r, key), len = r->row_code & 15;
     for (int k = 0; k < len && slot >= 0; k++)
         if ((int)((r->row_code >> (4 + 3 * k)) & 7) == slot) slot = -1;  /* a repeated key */
+    return slot;
+}
+
+/* The open row holds `slot` next, in its key order. */
+static void row_add(Reader *r, int slot) {
+    int len = r->row_code & 15;
+    r->row_code = ((r->row_code & ~15u) | (uint32_t)(slot << (4 + 3 * len))) | (uint32_t)(len + 1);
+}
+
+static int set_entry(Reader *r, PyObject *key, PyObject *value) {
+    if (r->row_dict) return PyDict_SetItem(r->row_dict, key, value);
+    int slot = free_slot(r, key);
     Trace *t = r->trace;
     if (slot >= 0 && slot < NINT) {
         if (!PyLong_CheckExact(value)) slot = -1;
@@ -852,19 +863,17 @@ static int set_entry(Reader *r, PyObject *key, PyObject *value) {
         if (row_to_dict(r) < 0) return -1;
         return PyDict_SetItem(r->row_dict, key, value);
     }
-    r->row_code = ((r->row_code & ~15u) | (uint32_t)(slot << (4 + 3 * len))) | (uint32_t)(len + 1);
+    row_add(r, slot);
     return 0;
 }
 
 /* set_entry of an inline number, stored without making an int object when its key is a number's. */
 static int set_entry_int(Reader *r, PyObject *key, long long v) {
     if (!r->row_dict) {
-        int slot = key_slot(r, key), len = r->row_code & 15;
-        for (int k = 0; k < len && slot >= 0; k++)
-            if ((int)((r->row_code >> (4 + 3 * k)) & 7) == slot) slot = -1;  /* a repeated key */
+        int slot = free_slot(r, key);
         if (slot >= 0 && slot < NINT) {
             r->trace->ints[slot][r->row] = v;
-            r->row_code = ((r->row_code & ~15u) | (uint32_t)(slot << (4 + 3 * len))) | (uint32_t)(len + 1);
+            row_add(r, slot);
             return 0;
         }
     }
@@ -878,9 +887,7 @@ static int set_entry_int(Reader *r, PyObject *key, long long v) {
 /* set_entry of an object got from memo slot idx, whose id in the table is cached beside the slot. */
 static int set_entry_memo(Reader *r, PyObject *key, PyObject *value, Py_ssize_t idx) {
     if (!r->row_dict) {
-        int slot = key_slot(r, key), len = r->row_code & 15;
-        for (int k = 0; k < len && slot >= 0; k++)
-            if ((int)((r->row_code >> (4 + 3 * k)) & 7) == slot) slot = -1;  /* a repeated key */
+        int slot = free_slot(r, key);
         if (slot >= NINT) {
             uint32_t *cached = &r->memo_ids[idx / PAGE][idx % PAGE], id;
             if (*cached) id = *cached - 1;
@@ -891,7 +898,7 @@ static int set_entry_memo(Reader *r, PyObject *key, PyObject *value, Py_ssize_t 
                 *cached = id + 1;  /* ids stay below 0xFFFFFFF0 (table_id) */
             }
             if (set_obj_id(r->trace, slot - NINT, r->row, id) < 0) return -1;
-            r->row_code = ((r->row_code & ~15u) | (uint32_t)(slot << (4 + 3 * len))) | (uint32_t)(len + 1);
+            row_add(r, slot);
             return 0;
         }
     }
