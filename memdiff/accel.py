@@ -56,17 +56,17 @@ class ObjectCodes:
         return code
 
     def at(self, events: np.ndarray) -> np.ndarray:
-        """The code of each event's value (None where the entry has no such key)."""
+        """The code of each event's value (the code of None where the entry has no such key)."""
         events = np.ascontiguousarray(events, dtype=np.int64)
         trace, key = self._trace, self._key
         if self._table is None:
             return np.fromiter((self._of(trace[i].get(key)) for i in events.tolist()), np.int64, len(events))
         ids = np.frombuffer(trace.codes(key, events.tobytes()), dtype=np.int64)
         known = ids >= 0
-        out = np.where(known, self._by_id[np.where(known, ids, 0)], -1)
-        for t in np.unique(ids[known & (out < 0)]).tolist():
+        for t in np.unique(ids[known][self._by_id[ids[known]] < 0]).tolist():
             self._by_id[t] = self._of(self._table[t])
-        out = np.where(known, self._by_id[np.where(known, ids, 0)], -1)
-        for j in np.flatnonzero(~known).tolist():
+        out = np.full(len(ids), -1, dtype=np.int64)
+        out[known] = self._by_id[ids[known]]
+        for j in np.flatnonzero(~known).tolist():  # rows the columns do not hold: the entry says
             out[j] = self._of(trace[int(events[j])].get(key))
         return out
