@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any, Callable, Dict, Generic, Iterable, Iterator, List, Optional, Sequence, Tuple, TypeVar
 
-from memdiff.accel import TRACES, is_columns
+from memdiff.accel import TRACES, identities, is_columns
 from memdiff.errors import brief, clip, number
 from memdiff.inert import text
 from memdiff.model import Frame
@@ -368,7 +368,7 @@ class PerFrames(Generic[T]):
         key = (id(raw_frames), extra)
         hit: Any = self._by_list.get(key, _UNSEEN)  # a T, or the sentinel
         if hit is _UNSEEN:
-            same = (extra, *map(id, raw_frames))
+            same = (extra, identities(raw_frames))
             hit = self._by_frames.get(same, _UNSEEN)
             if hit is _UNSEEN:
                 hit = self._by_frames[same] = self._compute(raw_frames, extra)

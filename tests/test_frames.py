@@ -6,6 +6,7 @@ import copy
 
 import pytest
 
+from memdiff import accel
 from memdiff.frames import PerFrames, StackNormalizer, normalize_path, relativize
 from memdiff.model import Frame
 
@@ -141,14 +142,24 @@ def test_frames_are_normalized_once_per_distinct_sequence_of_frames():
     assert normalizer.computed == 3
 
 
-def test_a_value_per_frames_is_computed_once_per_sequence_of_frame_objects():
+@pytest.mark.parametrize("pure", [False, True], ids=["accelerated", "pure"])
+def test_a_value_per_frames_is_computed_once_per_sequence_of_frame_objects(monkeypatch, pure):
+    if pure:
+        monkeypatch.setenv("MEMDIFF_PURE", "1")
+    elif accel.reader() is None:
+        pytest.skip("the accelerator is not built or MEMDIFF_PURE is set")
     frame = {"filename": "model.py", "line": 1, "name": "forward"}
     seen = []
     per = PerFrames(lambda frames, extra: seen.append(len(frames)) or len(seen))
     lists = [[frame] * 19_999 for _ in range(50)]  # what pickle memo references make of one deep stack
     assert {per.get(frames) for frames in lists} == {1}
-    assert per.get(lists[0], extra=True) == 2 and per.get([dict(frame)] * 19_999) == 3
+    # lists are told apart by identity only while they live: the snapshot keeps them, as here
+    other = {"filename": "model.py", "line": 2, "name": "forward"}
+    lists += [[dict(frame)] * 19_999, [frame, other], [other, frame], [frame, other, other], [frame, other], [], []]
+    assert per.get(lists[0], extra=True) == 2 and per.get(lists[50]) == 3
     assert seen == [19_999] * 3
+    # the same objects in another order, or one more of them, are another sequence
+    assert [per.get(frames) for frames in lists[51:]] == [4, 5, 6, 4, 7, 7]
 
 
 @pytest.mark.parametrize("raw, shown", [
