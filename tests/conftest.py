@@ -126,7 +126,7 @@ def write_snapshot(tmp_path: Path):
 
 
 @pytest.fixture(scope="session")
-def scenarios(torch, tmp_path_factory):
+def scenarios(torch, tmp_path_factory, request):
     """scenarios(*names) -> {name: snapshot path}: runs of the scenario suite (tests/scenario_suite.py),
     captured on CPU once per session. Skips (fails under MEMDIFF_REQUIRE_TORCH=1) without transformers."""
     if sys.version_info < (3, 11):
@@ -135,15 +135,37 @@ def scenarios(torch, tmp_path_factory):
         import transformers  # noqa: F401
     except ImportError:
         missing_capture_dependency("transformers is not installed (pip install -e '.[test]')")
+    from filelock import FileLock
     from scenario_suite import SCENARIOS, capture
 
-    folder = tmp_path_factory.mktemp("scenarios")
     # One capture of the whole suite: the families run in parallel and import transformers once.
-    paths = capture(sorted(SCENARIOS), folder)
+    # Under xdist each worker has a base folder of its own inside the session's: the capture goes
+    # beside them, made by the first worker that needs it while any other waits for it.
+    base = tmp_path_factory.getbasetemp()
+    shared_base = base.parent if hasattr(request.config, "workerinput") else base
+    folder, made = shared_base / "scenarios", shared_base / "scenarios.json"
+    with FileLock(str(shared_base / "scenarios.lock")):
+        if made.exists():
+            paths = {name: Path(path) for name, path in json.loads(made.read_text()).items()}
+        else:
+            folder.mkdir(exist_ok=True)
+            paths = capture(sorted(SCENARIOS), folder)
+            made.write_text(json.dumps({name: str(path) for name, path in paths.items()}))
 
     def get(*names: str) -> Dict[str, Path]:
         return {name: paths[name] for name in names}
     return get
+
+
+def pytest_collection_modifyitems(items: List[pytest.Item]) -> None:
+    """Under `-n auto --dist loadgroup` (the README's command): every test of the scenario suite in
+    one group, so one worker captures it while the others run the rest, and every other test with
+    the tests of its file, so a module's fixtures are set up once. The scenario suite's tests come
+    first, so that its capture (minutes) starts at once."""
+    for item in items:
+        group = "scenarios" if "scenarios" in item.fixturenames else item.nodeid.split("::")[0]
+        item.add_marker(pytest.mark.xdist_group(group))
+    items.sort(key=lambda item: "scenarios" not in item.fixturenames)
 
 
 def cli(capsys, *argv: Any):

@@ -15,7 +15,7 @@ from memdiff.cli import main
 
 README = ROOT / "README.md"
 PAGES = [README, *sorted((ROOT / "docs").glob("*.md"))]
-TEST_COMMAND = 'pip install torch==2.13.0 && pip install -e ".[test]" && python -m pytest'
+TEST_COMMAND = 'pip install torch==2.13.0 && pip install -e ".[test]" && python -m pytest -n auto'
 DEMO_COMMAND = "pip install torch==2.13.0 && pip install -e . && memdiff demo"
 # A `$ memdiff ...` block, its output up to the closing fence.
 EXAMPLE = re.compile(r"```text\n\$ (memdiff [^\n]*)\n(.*?)```", re.DOTALL)
@@ -32,7 +32,7 @@ def test_the_set_up_commands_are_the_real_ones():
     assert DEMO_COMMAND in top and TEST_COMMAND in top
     # .ci/run installs torch (pinned, from its own index) earlier, then runs the rest of it
     ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8")
-    assert 'python -m pip install -q -e ".[test]" && python -m pytest' in ci
+    assert 'python -m pip install -q -e ".[test]" && python -m pytest -n auto\n' in ci
 
 
 def _examples() -> Iterator[Tuple[str, str, str]]:
