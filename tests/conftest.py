@@ -158,13 +158,9 @@ def scenarios(torch, tmp_path_factory, request):
 
 
 def pytest_collection_modifyitems(items: List[pytest.Item]) -> None:
-    """Under `-n auto --dist loadgroup` (the README's command): every test of the scenario suite in
-    one group, so one worker captures it while the others run the rest, and every other test with
-    the tests of its file, so a module's fixtures are set up once. The scenario suite's tests come
-    first, so that its capture (minutes) starts at once."""
-    for item in items:
-        group = "scenarios" if "scenarios" in item.fixturenames else item.nodeid.split("::")[0]
-        item.add_marker(pytest.mark.xdist_group(group))
+    """The scenario suite's tests first, so that its capture (minutes, every core busy) starts at
+    once; under `-n auto --dist loadfile` (the README's command) their files go out first, a
+    worker needing it while another captures waits for that capture, and the rest follow."""
     items.sort(key=lambda item: "scenarios" not in item.fixturenames)
 
 
