@@ -71,10 +71,11 @@ class ObjectCodes:
             return np.fromiter((self._of(trace[i].get(key)) for i in events.tolist()), np.int64, len(events))
         ids = np.frombuffer(trace.codes(key, events.tobytes()), dtype=np.int64)
         known = ids >= 0
-        for t in np.unique(ids[known][self._by_id[ids[known]] < 0]).tolist():
+        held = ids[known]
+        for t in np.unique(held[self._by_id[held] < 0]).tolist():
             self._by_id[t] = self._of(self._table[t])
         out = np.full(len(ids), -1, dtype=np.int64)
-        out[known] = self._by_id[ids[known]]
+        out[known] = self._by_id[held]
         for j in np.flatnonzero(~known).tolist():  # rows the columns do not hold: the entry says
             out[j] = self._of(trace[int(events[j])].get(key))
         return out
