@@ -426,7 +426,7 @@ def count_optimizer_steps(on_step: Callable[[int], None]) -> Iterator[None]:
 
 @contextlib.contextmanager
 def record(path: str, *, max_entries: int = 1_000_000, stacks: str = "all",
-           steps: "str | StepWindow | None" = None) -> Iterator[None]:
+           steps: "str | StepWindow | None" = None, emulate: Optional[str] = None) -> Iterator[None]:
     """Record every allocation made inside the block and write the snapshot to `path`.
 
     With CUDA: the caching allocator's history (`max_entries` is its ring buffer), with
@@ -439,10 +439,22 @@ def record(path: str, *, max_entries: int = 1_000_000, stacks: str = "all",
     once 3 `optimizer.step()` calls have returned and the file is written once 5 have. A block
     that ends inside the window writes what was recorded; one that ends before it writes nothing
     and warns.
+
+    `emulate="h100"` runs the block's CUDA code with no GPU (memdiff.emulate, docs/emulate.md): its
+    `cuda` tensors run on the meta device, `torch.cuda` answers as that GPU, and the snapshot is
+    the one that GPU's caching allocator would record, marked as emulated.
     """
     if stacks not in STACKS:
         raise ValueError(f"stacks must be one of {STACKS}, not {stacks!r}")
     torch = torch_module()
+    if emulate is not None:
+        from memdiff.emulate.gpus import gpu
+        from memdiff.emulate.runtime import Emulator
+
+        with Emulator(gpu(emulate)):
+            with record(path, max_entries=max_entries, stacks=stacks, steps=steps):
+                yield
+        return
     if steps is not None:
         window = WindowRecording(path, parse_steps(steps), max_entries=max_entries, stacks=stacks)
         with count_optimizer_steps(window.steps_done):

@@ -21,6 +21,8 @@ from memdiff.atomic import check_folder, check_output, commit, temporary_name
 from memdiff.baseline import stem
 from memdiff.capture import STACKS, StepWindow, parse_steps, record, recorded_nothing
 from memdiff.commands.args import count_arg
+from memdiff.emulate.gpus import gpu
+from memdiff.emulate.gpus import names as gpu_names
 from memdiff.errors import EXIT_BAD_INPUT, InputError
 from memdiff.inert import shell, text
 from memdiff.job import MAX_RANKS, rank_of, rank_patterns
@@ -59,9 +61,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="run the script N times, each in a fresh process, writing FILE's stem -1, -2, ... "
                         "(runs/train.pickle: runs/train-1.pickle ...): repeats for `memdiff baseline RUN1 RUN2 ...`, "
                         "which gates with their measured spread")
+    p.add_argument("--emulate", metavar="GPU", type=emulate_arg,
+                   help="run the CUDA script with no GPU and write the snapshot GPU would record (one of "
+                        f"{', '.join(gpu_names())}): its cuda tensors have shapes and no data, torch.cuda answers "
+                        "as that GPU, kernels and the caching allocator as it allocates (docs/emulate.md)")
     p.add_argument("command", nargs=argparse.REMAINDER,
                    help="-- python SCRIPT ARGS | -- python -m MODULE ARGS "
                         "| with -o DIR/, any launcher: -- torchrun ...")
+
+
+def emulate_arg(text: str) -> str:
+    """argparse type for --emulate: a GPU memdiff knows."""
+    try:
+        return gpu(text).key
+    except InputError as exc:
+        raise argparse.ArgumentTypeError(exc.message) from None
 
 
 def steps_arg(text: str) -> StepWindow:
@@ -115,6 +129,8 @@ def _run_target(target: List[str]) -> int:
             sys.path.insert(0, os.path.dirname(os.path.abspath(target[0])))
             runpy.run_path(target[0], run_name="__main__")
         return 0
+    except InputError:  # the emulator refusing an op: one line, exit 2, not the script's traceback
+        raise
     except SystemExit as exc:
         if exc.code is None or isinstance(exc.code, int):
             return exc.code or 0
@@ -265,8 +281,9 @@ def _run_repeats(args: argparse.Namespace) -> int:
     command = args.command[1:] if args.command and args.command[0] == "--" else args.command
     for k, path in enumerate(paths, 1):
         window = ["--steps", str(args.steps)] if args.steps else []
+        emulate = ["--emulate", args.emulate] if args.emulate else []
         done = subprocess.run([sys.executable, "-m", "memdiff", "record", "-o", path, "--max-entries",
-                               str(args.max_entries), "--stacks", args.stacks, *window, "--", *command])
+                               str(args.max_entries), "--stacks", args.stacks, *window, *emulate, "--", *command])
         if done.returncode:
             print(f"memdiff: run {k} of {args.repeat} exited {done.returncode}: the repeats stop there",
                   file=sys.stderr)
@@ -281,6 +298,9 @@ def run(args: argparse.Namespace) -> int:
     if args.repeat > 1:
         return _run_repeats(args)
     if is_folder(args.output):
+        if args.emulate:
+            raise InputError(args.output, "--emulate records one process: give -o FILE (a launcher's ranks "
+                                          "are not emulated yet)")
         return _run_launcher(args)
     target = _target(args.command)
     # Checked (and its folder made) before the script runs: a bad path must not cost the run.
@@ -288,11 +308,15 @@ def run(args: argparse.Namespace) -> int:
     partial = temporary_name(args.output)
     try:
         interrupted = False
-        with record(partial, max_entries=args.max_entries, stacks=args.stacks, steps=args.steps):
+        refused: Optional[InputError] = None
+        with record(partial, max_entries=args.max_entries, stacks=args.stacks, steps=args.steps,
+                    emulate=args.emulate):
             try:
                 status = _run_target(target)
             except KeyboardInterrupt:  # Ctrl-C ends the script, not the recording: what it did is kept
                 interrupted, status = True, 130
+            except InputError as exc:  # the emulator refused an op: what ran until then is kept
+                refused, status = exc, EXIT_BAD_INPUT
         if not os.path.exists(partial):  # a window of steps the script never reached (it said so)
             print(f"memdiff: nothing written to {args.output}", file=sys.stderr)
             return status or EXIT_BAD_INPUT
@@ -304,8 +328,12 @@ def run(args: argparse.Namespace) -> int:
         if os.path.exists(partial):
             os.unlink(partial)
     notes = [format_bytes(os.path.getsize(args.output))] + ([f"optimizer steps {args.steps}"] if args.steps else [])
-    if status:  # so that a script's own exit 3 does not read as a memdiff bug
+    if refused is not None:
+        notes.append("up to where the emulator stopped")
+    elif status:  # so that a script's own exit 3 does not read as a memdiff bug
         notes.append("interrupted" if interrupted else f"the script exited {status}")
     print(f"memdiff: wrote {text(args.output)} ({'; '.join(notes)}); read it with `memdiff peak {shell(args.output)}`",
           file=sys.stderr)
+    if refused is not None:
+        raise refused
     return status

@@ -1,0 +1,254 @@
+"""The two torch modes that run a CUDA script on the meta device (see runtime.py)."""
+
+from __future__ import annotations
+
+from types import FunctionType
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from memdiff.emulate.gpus import kernels
+from memdiff.emulate.runtime import ALL_ELEMENTS_OPS, EmulationError, Emulator, op_name, python_frames
+
+META = torch.device("meta")
+CUDA0 = torch.device("cuda", 0)
+TensorBase = torch._C.TensorBase
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
+
+
+def to_meta(device: Any) -> Any:
+    """A `cuda` device (a name, a torch.device or a bare index) as the meta device; others unchanged."""
+    if isinstance(device, int) and not isinstance(device, bool):
+        return META
+    if isinstance(device, str) and device.split(":")[0] == "cuda":
+        return META
+    if isinstance(device, torch.device) and device.type == "cuda":
+        return META
+    return device
+
+
+# torch.nn.functional's Python functions and the aten op each runs (their bodies run with the mode
+# off, so the op they call is named here, as a GPU's stack names it).
+PYTHON_OPS = {"cross_entropy": "cross_entropy_loss", "nll_loss": "nll_loss_nd", "mse_loss": "mse_loss"}
+
+
+def aten_name(func: Any) -> str:
+    """The aten op a torch function runs (`__matmul__` -> matmul, F.cross_entropy -> cross_entropy_loss)."""
+    name = getattr(func, "__name__", "") or ""
+    if isinstance(func, FunctionType):
+        return PYTHON_OPS.get(name, name)
+    if func is torch.Tensor.to:
+        return "to_dtype_layout"
+    if name.startswith("__") and name.endswith("__"):
+        name = name[2:-2].lstrip("r") if name[2:-2] not in ("rshift", "rsub") else name[2:-2]
+    return name
+
+
+def _fused_dropout(args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> bool:
+    """Whether CUDA runs this dropout as its fused kernel (a bool mask), not the composite (a mask
+    of the input's dtype) the meta device would run."""
+    x = args[0] if args else kwargs.get("input")
+    p = args[1] if len(args) > 1 else kwargs.get("p", 0.5)
+    train = args[2] if len(args) > 2 else kwargs.get("training", kwargs.get("train", True))
+    inplace = args[3] if len(args) > 3 else kwargs.get("inplace", False)
+    return isinstance(x, torch.Tensor) and x.is_meta and bool(train) and not inplace and 0 < float(p) < 1 \
+        and x.numel() > 0
+
+
+def _native_dropout(x: torch.Tensor, p: float = 0.5, *_: Any) -> torch.Tensor:
+    return torch.native_dropout(x, float(p), True)[0]
+
+
+def _is_meta(x: Any) -> bool:
+    return isinstance(x, torch.Tensor) and x.is_meta
+
+
+class DeviceMode(TorchFunctionMode):
+    """`cuda` is the meta device, reported back as `cuda:0`; attention and autocast as the GPU runs them."""
+
+    def __init__(self, emulator: Emulator) -> None:
+        super().__init__()
+        self.emulator = emulator
+        self.autocast = emulator.autocast
+        self.sdpa = kernels()["sdpa"]
+
+    def __torch_function__(self, func: Any, types: Any, args: Tuple[Any, ...] = (), kwargs: Optional[Dict] = None):
+        kwargs = dict(kwargs or {})
+        if getattr(func, "__name__", "") == "__get__":
+            owner = getattr(func, "__self__", None)
+            if owner is TensorBase.device:
+                device = func(*args, **kwargs)
+                return CUDA0 if device.type == "meta" else device
+            if owner is TensorBase.is_cuda:
+                return bool(args[0].is_meta) or func(*args, **kwargs)
+            if owner is TensorBase.is_meta:
+                return False
+            return func(*args, **kwargs)
+        if func is torch.Tensor.get_device and _is_meta(args[0]):
+            return 0
+        if func is torch.Tensor.cuda:
+            return args[0].to(META, non_blocking=bool(kwargs.get("non_blocking", False)))
+        if func in (torch.Tensor.pin_memory,):
+            return args[0]
+        if func is torch.Tensor.record_stream:
+            return None
+        if "device" in kwargs:
+            kwargs["device"] = to_meta(kwargs["device"])
+        if func is torch.Tensor.to and len(args) > 1 and not isinstance(args[1], (torch.dtype, torch.Tensor)):
+            args = (args[0], to_meta(args[1]), *args[2:])
+        name = aten_name(func)
+        if name == "to_dtype_layout" and len(args) > 1:
+            name = "to_other" if isinstance(args[1], torch.Tensor) else \
+                "to_dtype" if isinstance(args[1], torch.dtype) else "to_device"
+        if name == "dropout" and _fused_dropout(args, kwargs):
+            x = args[0] if args else kwargs["input"]
+            func, args, kwargs = _native_dropout, (x, args[1] if len(args) > 1 else kwargs.get("p", 0.5)), {}
+        cast = self.autocast.cast(name, args, kwargs)
+        if cast is not None:
+            args, kwargs = cast
+        context = self.emulator.context
+        context.append(name)
+        try:
+            if func is F.scaled_dot_product_attention:
+                return self.attention(func, args, kwargs)
+            return func(*args, **kwargs)
+        finally:
+            context.pop()
+
+    def attention(self, func: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
+        """scaled_dot_product_attention with the backend PyTorch picks on the emulated GPU."""
+        names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+        call = dict(zip(names, args))
+        call.update(kwargs)
+        q, k, v = call["query"], call["key"], call["value"]
+        mask, dropout = call.get("attn_mask"), float(call.get("dropout_p", 0.0) or 0.0)
+        causal, scale = bool(call.get("is_causal", False)), call.get("scale")
+        if not (_is_meta(q) and q.dim() == 4):
+            return func(*args, **kwargs)
+        q, k, v = self.autocast.attention(q, k, v)
+        backend = self.backend(q, k, mask)
+        grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+        if backend == "cudnn":
+            out = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, mask, grad, dropout, causal, False,
+                                                                     scale=scale)
+        elif backend == "flash":
+            out = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, dropout, causal, False, scale=scale)
+        elif backend == "efficient":
+            out = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, mask, grad, dropout, causal,
+                                                                         scale=scale)
+        else:
+            return func(q, k, v, **{n: call[n] for n in names[3:] if n in call})
+        return out[0]
+
+    def backend(self, q: torch.Tensor, k: torch.Tensor, mask: Any) -> str:
+        """The first backend of the GPU's order that is enabled and takes these inputs."""
+        enabled = {"cudnn": torch.backends.cuda.cudnn_sdp_enabled(), "flash": torch.backends.cuda.flash_sdp_enabled(),
+                   "efficient": torch.backends.cuda.mem_efficient_sdp_enabled(),
+                   "math": torch.backends.cuda.math_sdp_enabled()}
+        for name in self.emulator.gpu.sdpa_order:
+            rule = self.sdpa[name]
+            if not enabled.get(name, False) or self.emulator.gpu.major < rule["min_major"]:
+                continue
+            if q.dtype not in [DTYPES[d] for d in rule["dtypes"]]:
+                continue
+            head = q.shape[-1]
+            if head > rule["max_head_dim"] or head % rule["head_dim_multiple"]:
+                continue
+            if mask is not None and not rule["mask"]:
+                continue
+            if q.shape[1] != k.shape[1] and name != "flash" and name != "math":
+                continue  # grouped-query attention: only flash and math take fewer key heads
+            return name
+        return "math"
+
+
+class AllocMode(TorchDispatchMode):
+    """Every op after autograd: new storages are device allocations, with the kernels' own buffers."""
+
+    def __init__(self, emulator: Emulator) -> None:
+        super().__init__()
+        self.emulator = emulator
+        self.scopes: List[str] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Tuple[Any, ...] = (), kwargs: Optional[Dict] = None):
+        kwargs = kwargs or {}
+        namespace = func.namespace
+        if namespace == "profiler":
+            return self.scope(func, args, kwargs)
+        base = func._schema.name.split("::", 1)[-1]
+        first = args[0] if args else None
+        if _is_meta(first):
+            read = self.read_back(base, first, args, kwargs)
+            if read is not None:
+                return read[0]
+        elif base == "copy_" and len(args) > 1 and _is_meta(args[1]) and isinstance(first, torch.Tensor):
+            return first  # a host tensor filled from the device: zeros, as read-backs are
+        try:
+            out = func(*args, **kwargs)
+        except (NotImplementedError, RuntimeError) as exc:
+            said = str(exc).lower()
+            if isinstance(exc, RuntimeError) and "meta" not in said and "fake impl" not in said:
+                raise
+            where = _script_line()
+            raise EmulationError(f"{namespace}::{base}", f"has no meta kernel, so the emulator cannot run it{where} "
+                                                  f"(a custom CUDA extension or an op PyTorch has not given "
+                                                  f"shapes without data)") from None
+        emulator = self.emulator
+        name = op_name(func)
+        rule = emulator.rules.get(base)
+        host = rule["host_outputs"] if rule else ()
+        for i, leaf in enumerate(tree_leaves(out)):
+            if isinstance(leaf, torch.Tensor) and leaf.is_meta and i not in host:
+                storage = leaf.untyped_storage()
+                if storage.nbytes():
+                    emulator.track(storage, name, rule["frames"] if rule else ())
+        if base in emulator.blas:
+            emulator.workspace(name)
+        if rule and rule["steps"]:
+            emulator.temporaries(base, name, _attention_values(args, rule["q"]))
+        return out
+
+    def read_back(self, base: str, first: torch.Tensor, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
+        """What ops that read values give without them: zeros, and every element where a size depends on them."""
+        if base == "_local_scalar_dense":
+            return (False if first.dtype == torch.bool else 0 if not first.is_floating_point() else 0.0,)
+        if base == "_to_copy" and kwargs.get("device") is not None and torch.device(kwargs["device"]).type == "cpu":
+            return (torch.zeros(first.shape, dtype=kwargs.get("dtype") or first.dtype, device="cpu"),)
+        if base in ALL_ELEMENTS_OPS:
+            if base == "masked_select":
+                return (torch.empty(int(first.numel()), dtype=first.dtype, device=META),)
+            return (torch.empty((int(first.numel()), first.dim()), dtype=torch.long, device=META),)
+        return None
+
+    def scope(self, func: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
+        """record_function scopes (an optimizer's step, a user's own): the history's annotations."""
+        out = func(*args, **kwargs)
+        name = func._schema.name
+        if name.endswith("_record_function_enter_new") or name.endswith("_record_function_enter"):
+            label = str(args[0]) if args else ""
+            self.scopes.append(label)
+            self.emulator.annotate("START", label)
+        elif name.endswith("_record_function_exit") and self.scopes:
+            self.emulator.annotate("END", self.scopes.pop())
+        return out
+
+
+def _attention_values(args: Tuple[Any, ...], q_index: int) -> Dict[str, int]:
+    q, k = args[q_index], args[q_index + 1]
+    batch, heads, length, head = (int(x) for x in q.shape)
+    return {"B": batch, "Hq": heads, "Sq": length, "D": head, "Hk": int(k.shape[1]), "Sk": int(k.shape[2]),
+            "E": q.element_size()}
+
+
+def _script_line() -> str:
+    """`, called at train.py:42` for the innermost frame outside torch and memdiff, if any."""
+    for frame in python_frames(3):
+        path = frame["filename"].replace("\\", "/")
+        if "/torch/" not in path and "/memdiff/" not in path and not path.startswith("<"):
+            return f", called at {path.rsplit('/', 1)[-1]}:{frame['line']}"
+    return ""
+

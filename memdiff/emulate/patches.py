@@ -1,0 +1,263 @@
+"""`torch.cuda` answering as the emulated GPU: the functions a script and torch itself ask about the
+device, its memory and its history, replaced while the emulator runs and put back after."""
+
+from __future__ import annotations
+
+import contextlib
+import types
+from typing import Any, Callable, Dict, Iterator, List, Tuple
+
+import torch
+
+from memdiff.emulate.runtime import Emulator
+
+
+class _Properties:
+    """What torch.cuda.get_device_properties() gives, for the emulated GPU."""
+
+    def __init__(self, emulator: Emulator) -> None:
+        gpu = emulator.gpu
+        self.name, self.major, self.minor = gpu.name, gpu.major, gpu.minor
+        self.total_memory, self.multi_processor_count = gpu.total_memory, gpu.multi_processor_count
+        self.L2_cache_size, self.warp_size = gpu.l2_cache_size, gpu.warp_size
+        self.is_integrated, self.is_multi_gpu_board = False, False
+        self.max_threads_per_multi_processor, self.regs_per_multiprocessor = 2048, 65536
+        self.gcnArchName, self.uuid = "", "emulated"
+
+    def __repr__(self) -> str:
+        return (f"_CudaDeviceProperties(name='{self.name}', major={self.major}, minor={self.minor}, "
+                f"total_memory={self.total_memory // (1 << 20)}MB, multi_processor_count={self.multi_processor_count}, "
+                f"emulated=True)")
+
+
+class Stream:
+    """A CUDA stream on the emulated device: work is ordered and instant, so waiting is nothing."""
+
+    def __init__(self, device: Any = None, priority: int = 0, **_: Any) -> None:
+        self.device, self.priority, self.cuda_stream = torch.device("cuda", 0), priority, 0
+
+    def wait_stream(self, stream: Any) -> None:
+        """Nothing to wait for."""
+
+    def wait_event(self, event: Any) -> None:
+        """Nothing to wait for."""
+
+    def record_event(self, event: Any = None) -> "Event":
+        """An event, already complete."""
+        return event or Event()
+
+    def synchronize(self) -> None:
+        """Nothing to wait for."""
+
+    def query(self) -> bool:
+        """Always done."""
+        return True
+
+    def __enter__(self) -> "Stream":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+    def __eq__(self, other: Any) -> bool:
+        return isinstance(other, Stream)
+
+    def __hash__(self) -> int:
+        return 0
+
+
+class Event:
+    """A CUDA event on the emulated device: complete as soon as recorded."""
+
+    def __init__(self, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False) -> None:
+        self.enable_timing = enable_timing
+
+    def record(self, stream: Any = None) -> None:
+        """Recorded."""
+
+    def wait(self, stream: Any = None) -> None:
+        """Nothing to wait for."""
+
+    def query(self) -> bool:
+        """Always done."""
+        return True
+
+    def synchronize(self) -> None:
+        """Nothing to wait for."""
+
+    def elapsed_time(self, end: Any) -> float:
+        """No time passes on the emulated device."""
+        return 0.0
+
+
+class _Device:
+    """torch.cuda.device(i) / device_of(t): there is one device, so entering changes nothing."""
+
+    def __init__(self, *_: Any, **__: Any) -> None:
+        self.idx = 0
+
+    def __enter__(self) -> "_Device":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+
+def _answers(emulator: Emulator, saved: Dict[Tuple[Any, str], Any]) -> Dict[str, Callable[..., Any]]:
+    allocator = emulator.allocator
+    properties = _Properties(emulator)
+    stream = Stream()
+    original_clear = saved.get((torch, "clear_autocast_cache"))
+
+    def stat(name: str) -> Callable[..., int]:
+        return lambda device=None: allocator.memory_stats()[name]
+
+    def reset_peaks(device: Any = None) -> None:
+        allocator.reset_peaks()
+
+    def clear_autocast_cache() -> None:
+        emulator.autocast.clear()
+        if original_clear is not None:
+            original_clear()
+
+    def compile(model: Any = None, **kwargs: Any) -> Any:
+        emulator.note("torch.compile runs eagerly: Inductor's fused kernels and buffers are not emulated, so "
+                      "activations read as the uncompiled model's")
+        if model is None:
+            return lambda m: m
+        return model
+
+    def summary(device: Any = None, abbreviated: bool = False) -> str:
+        s = allocator.memory_stats()
+        return (f"emulated {emulator.gpu.name}: allocated {s['allocated_bytes.all.current']} B "
+                f"(peak {s['allocated_bytes.all.peak']} B), reserved {s['reserved_bytes.all.current']} B "
+                f"(peak {s['reserved_bytes.all.peak']} B)")
+
+    def rng_state(device: Any = None) -> torch.Tensor:
+        return torch.zeros(16, dtype=torch.uint8)
+
+    answers = {
+        "is_available": lambda: True, "device_count": lambda: 1, "current_device": lambda: 0,
+        "is_initialized": lambda: True, "init": nothing, "_lazy_init": nothing, "set_device": nothing,
+        "get_device_name": lambda device=None: emulator.gpu.name,
+        "get_device_capability": lambda device=None: (emulator.gpu.major, emulator.gpu.minor),
+        "get_device_properties": lambda device=None: properties,
+        "get_arch_list": lambda: [f"sm_{emulator.gpu.major}{emulator.gpu.minor}"],
+        "is_bf16_supported": lambda including_emulation=True: emulator.gpu.major >= 8,
+        "synchronize": nothing, "empty_cache": lambda: allocator.empty_cache(), "ipc_collect": nothing,
+        "memory_allocated": stat("allocated_bytes.all.current"),
+        "max_memory_allocated": stat("allocated_bytes.all.peak"),
+        "memory_reserved": stat("reserved_bytes.all.current"),
+        "max_memory_reserved": stat("reserved_bytes.all.peak"),
+        "memory_cached": stat("reserved_bytes.all.current"),
+        "max_memory_cached": stat("reserved_bytes.all.peak"),
+        "memory_stats": lambda device=None: allocator.memory_stats(),
+        "memory_summary": summary,
+        "reset_peak_memory_stats": reset_peaks, "reset_max_memory_allocated": reset_peaks,
+        "reset_max_memory_cached": reset_peaks, "reset_accumulated_memory_stats": nothing,
+        "mem_get_info": lambda device=None: (emulator.gpu.total_memory - allocator.reserved, emulator.gpu.total_memory),
+        "manual_seed": nothing, "manual_seed_all": nothing, "seed": nothing, "seed_all": nothing,
+        "initial_seed": lambda: 0, "get_rng_state": rng_state, "set_rng_state": nothing,
+        "get_rng_state_all": lambda: [rng_state()], "set_rng_state_all": nothing,
+        "Stream": Stream, "Event": Event, "current_stream": lambda device=None: stream,
+        "default_stream": lambda device=None: stream, "stream": lambda s=None: contextlib.nullcontext(),
+        "set_stream": nothing, "device": _Device, "device_of": _Device,
+        "_record_memory_history": emulator.record_history, "_snapshot": lambda device=None: emulator.snapshot(),
+        "_dump_snapshot": emulator.dump_snapshot,
+        "clear_autocast_cache": clear_autocast_cache, "compile": compile,
+    }
+    # One function object per name: torch._dynamo maps torch's functions to rules by identity, and
+    # refuses one object under two names.
+    return {name: _own(name, value) for name, value in answers.items()}
+
+
+def nothing(*args: Any, **kwargs: Any) -> None:
+    """An answer that does nothing on the emulated device (synchronize, seeds, set_device)."""
+
+
+def _own(name: str, value: Any) -> Any:
+    if not isinstance(value, types.FunctionType):
+        return value
+    fresh = types.FunctionType(value.__code__, value.__globals__, name, value.__defaults__, value.__closure__)
+    fresh.__kwdefaults__ = value.__kwdefaults__
+    fresh.__qualname__ = f"emulated.{name}"
+    return fresh
+
+
+def _targets() -> List[Tuple[Any, List[str]]]:
+    """Which module each answer replaces: torch.cuda and torch.cuda.memory, a few of torch's own."""
+    import torch.cuda.memory as memory
+
+    cuda_names = [n for n in dir(torch.cuda) if not n.startswith("__")]
+    return [(torch.cuda, cuda_names), (memory, [n for n in dir(memory) if not n.startswith("__")]),
+            (torch, ["clear_autocast_cache", "compile"])]
+
+
+@contextlib.contextmanager
+def cuda_answers_as(emulator: Emulator) -> Iterator[None]:
+    """Replace torch.cuda's answers (and torch.compile, torch.clear_autocast_cache) for the block."""
+    saved: Dict[Tuple[Any, str], Any] = {}
+    for module, present in _targets():
+        for name in present:
+            saved[(module, name)] = getattr(module, name, None)
+    answers = _answers(emulator, saved)
+    replaced: List[Tuple[Any, str, Any]] = []
+    for module, present in _targets():
+        for name, value in answers.items():
+            if module is torch and name not in ("clear_autocast_cache", "compile"):
+                continue
+            if module is not torch.cuda and module is not torch and name not in present:
+                continue
+            replaced.append((module, name, getattr(module, name, _MISSING)))
+            setattr(module, name, value)
+    nvtx = getattr(torch.cuda, "nvtx", None)
+    if isinstance(nvtx, types.ModuleType):
+        for name in ("range_push", "range_pop", "mark"):
+            replaced.append((nvtx, name, getattr(nvtx, name, _MISSING)))
+            setattr(nvtx, name, lambda *a, **k: 0)
+        replaced.append((nvtx, "range", getattr(nvtx, "range", _MISSING)))
+        setattr(nvtx, "range", lambda *a, **k: contextlib.nullcontext())  # noqa: B010 (mypy: torch is Any-typed)
+    apply = torch.nn.Module._apply
+    replaced.append((torch.nn.Module, "_apply", apply))
+    torch.nn.Module._apply = _keeping_ties(apply)
+    try:
+        yield
+    finally:
+        for module, name, value in reversed(replaced):
+            if value is _MISSING:
+                delattr(module, name)
+            else:
+                setattr(module, name, value)
+
+
+_MISSING = object()
+
+
+def _keeping_ties(apply: Callable[..., Any]) -> Callable[..., Any]:
+    """Module._apply that keeps a weight shared by two modules shared (GPT-2's tied embedding and head).
+
+    Moving to `cuda` here is moving to meta, which torch does by making new Parameters (a CPU tensor
+    cannot take a meta tensor as its .data), so each module holding the weight would get its own
+    copy: twice the memory, twice the optimizer state. The GPU keeps one.
+    """
+    depth = [0]
+
+    def _apply(self: Any, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        if depth[0]:
+            return apply(self, fn, *args, **kwargs)
+        slots = [(m, kind, n, t) for m in self.modules() for kind in ("_parameters", "_buffers")
+                 for n, t in getattr(m, kind).items() if t is not None]
+        depth[0] += 1
+        try:
+            out = apply(self, fn, *args, **kwargs)
+        finally:
+            depth[0] -= 1
+        first: Dict[int, Any] = {}
+        for module, kind, name, before in slots:
+            table = getattr(module, kind)
+            if id(before) in first:
+                table[name] = first[id(before)]
+            else:
+                first[id(before)] = table[name]
+        return out
+    return _apply

@@ -1,0 +1,338 @@
+"""Run a CUDA script with no GPU: its ops run on the meta device while `torch.cuda` answers as the GPU.
+
+The script is not changed. Two of torch's own hooks do the work:
+
+- a TorchFunctionMode (`_DeviceMode`) sends every `cuda` device the script names (factories,
+  `.to()`, `.cuda()`) to the meta device and reports meta tensors back as `cuda:0`; it picks the
+  attention kernel the GPU would run, and applies CUDA's autocast op lists;
+- a TorchDispatchMode (`_AllocMode`) sees every op after autograd, as the GPU's allocator does:
+  each new storage is a request to the caching allocator's model (allocator.py) with the
+  script's Python frames and the op's name, and is freed when torch frees the storage. Kernel
+  workspaces and temporaries come from kernels.json.
+
+Nothing is computed: values read back from the device (`loss.item()`, `bool(t)`, `.cpu()`) are
+zeros, and ops whose output size depends on values (`nonzero`) take every element. The snapshot
+is PyTorch's own format, marked `emulated` with the GPU named.
+"""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+import os
+import sys
+import threading
+import time
+import weakref
+from typing import Any, Dict, Iterator, List, Optional, Set
+
+from memdiff.emulate.allocator import AllocatorConfig, Block, CachingAllocator, OutOfMemory
+from memdiff.emulate.gpus import Gpu, kernels
+from memdiff.errors import InputError
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+# Frames that are the emulator's machinery, never the program's: ours, and torch's mode plumbing.
+OWN_FILES = ("torch/utils/_python_dispatch.py", "torch/overrides.py", "torch/_ops.py")
+# ...and the wrappers torch puts around a mode's handler, seen innermost (a real GPU's stack has none there).
+MODE_WRAPPERS = ("torch/_dynamo/eval_frame.py", "torch/_compile.py")
+# Where a backward starts running autograd's engine: frames beyond it are the caller's, which a
+# real GPU's backward thread does not have.
+ENGINE_FRAME = ("torch/autograd/graph.py", "_engine_run_backward")
+# Ops whose output size depends on values the emulator does not have: they take every element.
+ALL_ELEMENTS_OPS = {"nonzero", "masked_select", "argwhere"}
+WORKSPACE_FRAME = "at::cuda::setWorkspaceForHandle(cublasContext*, c10::cuda::CUDAStream)"
+LT_WORKSPACE_FRAME = "at::cuda::getCUDABlasLtWorkspace()"
+
+
+class EmulationError(InputError):
+    """The script did something the emulator cannot reproduce (exit 2, one line naming the op and the script line)."""
+
+
+def _frame_dict(filename: str, line: int, name: str) -> Dict[str, Any]:
+    return {"filename": filename, "line": line, "name": name}
+
+
+def python_frames(skip: int = 2) -> List[Dict[str, Any]]:
+    """The calling Python stack, innermost first, as a CUDA snapshot holds it, without the
+    emulator's own frames; inside a backward, only the frames the engine runs (a GPU's backward
+    thread has no caller)."""
+    out: List[Dict[str, Any]] = []
+    frame: Any = sys._getframe(skip)
+    while frame is not None:
+        code = frame.f_code
+        filename = code.co_filename
+        if code.co_name == ENGINE_FRAME[1] and filename.endswith(ENGINE_FRAME[0]):
+            # The script's frames below the engine are not on a backward thread's stack.
+            return out if _in_backward() else out + _rest(frame)
+        if not filename.startswith(HERE) and not filename.endswith(OWN_FILES) and \
+                not (not out and filename.endswith(MODE_WRAPPERS)):
+            out.append(_frame_dict(filename, frame.f_lineno, code.co_name))
+        frame = frame.f_back
+    return out
+
+
+def _rest(frame: Any) -> List[Dict[str, Any]]:
+    out = []
+    while frame is not None:
+        out.append(_frame_dict(frame.f_code.co_filename, frame.f_lineno, frame.f_code.co_name))
+        frame = frame.f_back
+    return out
+
+
+_torch: Any = None
+
+
+def _in_backward() -> bool:
+    return _torch._C._current_autograd_node() is not None
+
+
+def op_name(func: Any) -> str:
+    """`add_Tensor`, `mm`: an aten op as a CUDA snapshot's `at::_ops::NAME::call` frame names it."""
+    schema = func._schema
+    name = schema.name.split("::", 1)[-1]
+    overload = schema.overload_name
+    return f"{name}_{overload}" if overload else name
+
+
+def _op_frames(name: str, inner: Any = (), outer: Any = ()) -> List[Dict[str, Any]]:
+    """The native frames a real trace shows for an allocation by op `name`, innermost first: the
+    kernel's own ops (`inner`), the op, the composite ops that called it (`outer`, innermost
+    first), and in a backward the autograd node running it."""
+    frames = [_frame_dict("", 0, f"at::_ops::{op}::call") for op in inner]
+    frames.append(_frame_dict("", 0, f"at::_ops::{name}::call"))
+    base = name.split("_")[0] if name[:1] != "_" else name
+    for op in outer:
+        if op != name and op != base and op not in inner:
+            frames.append(_frame_dict("", 0, f"at::_ops::{op}::call"))
+    node = _torch._C._current_autograd_node()
+    if node is not None:
+        frames.append(_frame_dict("", 0, f"torch::autograd::generated::{node.name()}::apply"))
+        frames.append(_frame_dict("", 0, "torch::autograd::Engine::evaluate_function"))
+    return frames
+
+
+class _Expr:
+    """A size from kernels.json: arithmetic over named shape values (no calls but up(x, m))."""
+
+    ALLOWED = (ast.Expression, ast.BinOp, ast.Add, ast.Sub, ast.Mult, ast.FloorDiv, ast.Constant, ast.Name,
+               ast.Call, ast.Load)
+
+    def __init__(self, text: str) -> None:
+        self.tree = ast.parse(text, mode="eval")
+        for node in ast.walk(self.tree):
+            call = isinstance(node, ast.Call) and getattr(node.func, "id", "") != "up"
+            if not isinstance(node, self.ALLOWED) or call:
+                raise ValueError(f"kernels.json: {text!r} is not a size expression")
+        self.code = compile(self.tree, "<kernels.json>", "eval")
+
+    def __call__(self, values: Dict[str, int]) -> int:
+        return int(eval(self.code, {"__builtins__": {}, "up": lambda x, m: -(-x // m) * m}, dict(values)))
+
+
+class Emulator:
+    """One emulated GPU: the allocator's model, the recording PyTorch's history API keeps, and the
+    modes and patches that make the script's `cuda` run on it. Use as a context manager."""
+
+    def __init__(self, gpu: Gpu, alloc_conf: Optional[str] = None) -> None:
+        self.gpu = gpu
+        text = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "") if alloc_conf is None else alloc_conf
+        try:
+            config = AllocatorConfig.parse(text)
+        except ValueError as exc:
+            raise InputError("PYTORCH_CUDA_ALLOC_CONF", str(exc)) from None
+        self.allocator = CachingAllocator(gpu.total_memory, config)
+        self.allocator.trace = self._on_event
+        self.recording: Optional[Dict[str, Any]] = None  # _record_memory_history's settings while on
+        self.trace: List[Dict[str, Any]] = []
+        self.annotations: List[Dict[str, Any]] = []
+        self.notes: List[str] = []
+        self.blocks: Dict[int, Block] = {}  # id(storage) -> its block
+        self.handles: Set[str] = set()
+        self.lt_made = False
+        self.rules = {name: self._compile(rule) for name, rule in kernels()["ops"].items()}
+        self.context: List[str] = []  # the builtin torch functions running now, outermost first
+        self.blas = set(kernels()["blas"]["ops"])
+        self.blas_lt = set(kernels()["blas"]["lt"])
+        self.thread = threading.get_ident()
+        self._stack: Optional[contextlib.ExitStack] = None
+        self.autocast: Any = None  # autocast.Autocast, made on entry (it imports torch)
+
+    @staticmethod
+    def _compile(rule: Dict[str, Any]) -> Dict[str, Any]:
+        steps = [(s[0], s[1], _Expr(s[2]) if s[0] == "alloc" else None) for s in rule["steps"]]
+        return {"q": rule["q"], "host_outputs": set(rule["host_outputs"]), "steps": steps,
+                "frames": tuple(rule.get("frames", ()))}
+
+    # -- the allocator's events, as the history records them ------------------------------------
+
+    def _on_event(self, action: str, address: int, size: int, stream: int, context: Any) -> None:
+        if self.recording is None:
+            return
+        frames = context if isinstance(context, list) else []
+        event = {"action": action, "addr": address, "size": size, "stream": stream,
+                 "time_us": int(time.time() * 1e6), "compile_context": "N/A", "user_metadata": "",
+                 "frames": frames}
+        if action == "oom":
+            event.update(addr=0, device_free=context if isinstance(context, int) else 0, frames=[])
+        self.trace.append(event)
+        limit = self.recording["max_entries"]
+        if len(self.trace) > limit:
+            del self.trace[: len(self.trace) - limit]
+
+    def allocate(self, nbytes: int, frames: List[Dict[str, Any]]) -> Block:
+        """A device allocation of `nbytes` made at `frames`; torch's OutOfMemoryError when it does not fit."""
+        try:
+            return self.allocator.malloc(nbytes, 0, frames if self.recording is not None else None)
+        except OutOfMemory as exc:
+            raise _torch.OutOfMemoryError(
+                f"CUDA out of memory (emulated {self.gpu.name}). Tried to allocate {exc.requested} bytes. GPU 0 "
+                f"has a total capacity of {exc.total} bytes of which {exc.free} bytes is free. Of the allocated "
+                f"memory {exc.allocated} bytes is allocated by PyTorch, and {exc.reserved} bytes is reserved by "
+                f"PyTorch but unallocated.") from None
+
+    def release(self, block: Block) -> None:
+        """Free a block (a storage torch let go of)."""
+        if block.allocated:
+            self.allocator.free(block, python_frames(3) if self.recording is not None else None)
+
+    def _frames(self, name: str, inner: Any = ()) -> List[Dict[str, Any]]:
+        if self.recording is None:
+            return []
+        outer = self.context
+        if "backward" in outer and _in_backward():
+            # A GPU runs the backward on its own thread: only the ops the engine calls are on its stack.
+            outer = outer[len(outer) - outer[::-1].index("backward"):]
+        return _op_frames(name, inner, reversed(outer)) + python_frames(4)
+
+    def track(self, storage: Any, name: str, inner: Any = ()) -> None:
+        """Allocate a new meta storage on the device, freed when torch frees it."""
+        key = id(storage)
+        known = self.blocks.get(key)
+        nbytes = storage.nbytes()
+        if known is not None:
+            if known.requested == nbytes or not known.allocated:
+                return
+            self.release(known)  # resized in place: the GPU frees the old block and takes a new one
+        block = self.allocate(nbytes, self._frames(name, inner))
+        self.blocks[key] = block
+        weakref.finalize(storage, self._storage_freed, key, block)
+
+    def _storage_freed(self, key: int, block: Block) -> None:
+        if self.blocks.get(key) is block:
+            del self.blocks[key]
+        self.release(block)
+
+    def temporaries(self, base: str, name: str, values: Dict[str, int]) -> None:
+        """A kernel's own buffers (kernels.json): allocated and freed inside the op."""
+        rule = self.rules.get(base)
+        if rule is None or not rule["steps"]:
+            return
+        live: Dict[str, Block] = {}
+        for action, label, size in rule["steps"]:
+            if action == "alloc":
+                live[label] = self.allocate(size(values), self._frames(name, rule["frames"]))
+            else:
+                self.release(live.pop(label))
+
+    def workspace(self, name: str) -> None:
+        """A cuBLAS handle's workspace at its first product (the script's thread, autograd's backward
+        thread), and cuBLASLt's at the first product it runs: made once, kept for the process's life."""
+        handle = "backward" if _in_backward() else "forward"
+        base = name.split("_")[0] if not name.startswith("_") else name
+        lt = base in self.blas_lt and not self.lt_made
+        if handle not in self.handles:
+            self.handles.add(handle)
+            # cuBLASLt asks for the handle first, so the handle's workspace is made under it.
+            under = [_frame_dict("", 0, LT_WORKSPACE_FRAME)] if lt else []
+            frames = [_frame_dict("", 0, WORKSPACE_FRAME)] + under + self._frames(name) if self.recording else []
+            self.allocate(self.gpu.cublas_workspace, frames)
+        if lt:
+            self.lt_made = True
+            frames = [_frame_dict("", 0, LT_WORKSPACE_FRAME)] + self._frames(name) if self.recording else []
+            self.allocate(self.gpu.cublaslt_workspace, frames)
+
+    # -- the history API (torch.cuda.memory._record_memory_history, _snapshot) -------------------
+
+    def record_history(self, enabled: Any = "all", context: Any = "all", stacks: str = "all",
+                       max_entries: int = sys.maxsize, device: Any = None, clear_history: bool = False,
+                       compile_context: bool = False, global_record_annotations: bool = False) -> None:
+        """torch.cuda.memory._record_memory_history, on the emulated device."""
+        if clear_history:
+            self.trace.clear()
+        if enabled in (None, False):
+            self.recording = None
+            return
+        self.recording = {"max_entries": max_entries, "annotations": bool(global_record_annotations)}
+
+    def snapshot(self) -> Dict[str, Any]:
+        """torch.cuda.memory._snapshot(): segments, the trace, settings; marked as emulated."""
+        segments = []
+        for segment in self.allocator.segments:
+            blocks = []
+            allocated = requested = 0
+            for block in self.allocator.blocks(segment):
+                blocks.append({"address": block.address, "size": block.size, "requested_size": block.requested,
+                               "state": "active_allocated" if block.allocated else "inactive",
+                               "frames": block.context if block.allocated and isinstance(block.context, list) else []})
+                if block.allocated:
+                    allocated += block.size
+                    requested += block.requested
+            segments.append({"device": 0, "address": segment.address, "total_size": segment.size,
+                             "allocated_size": allocated, "active_size": allocated, "requested_size": requested,
+                             "stream": segment.stream, "segment_type": "small" if segment.small else "large",
+                             "segment_pool_id": (0, 0), "is_expandable": segment.expandable,
+                             "frames": segment.context if isinstance(segment.context, list) else [],
+                             "blocks": blocks})
+        return {"segments": segments, "device_traces": [list(self.trace)],
+                "allocator_settings": self.allocator.config.settings(),
+                "external_annotations": list(self.annotations),
+                "emulated": {"gpu": self.gpu.name, "key": self.gpu.key, "torch": str(_torch.__version__),
+                             "notes": list(self.notes)}}
+
+    def dump_snapshot(self, filename: str = "dump_snapshot.pickle") -> None:
+        """torch.cuda.memory._dump_snapshot(filename)."""
+        from memdiff.capture import dump
+        dump(self.snapshot(), filename)
+
+    def annotate(self, stage: str, name: str) -> None:
+        """A record_function scope starting or ending, as global_record_annotations keeps it."""
+        if self.recording is not None and self.recording["annotations"]:
+            self.annotations.append({"stage": stage, "name": name, "device": 0, "time_us": int(time.time() * 1e6)})
+
+    def note(self, text: str) -> None:
+        """An approximation this run made, carried in the snapshot and shown by every report."""
+        if text not in self.notes:
+            self.notes.append(text)
+            print(f"memdiff: emulation: {text}", file=sys.stderr)
+
+    # -- entering and leaving ----------------------------------------------------------------------
+
+    def __enter__(self) -> "Emulator":
+        global _torch
+        import torch
+
+        _torch = torch
+        from memdiff.emulate import patches
+        from memdiff.emulate.autocast import Autocast
+        from memdiff.emulate.modes import AllocMode, DeviceMode
+
+        self.autocast = Autocast()
+        stack = contextlib.ExitStack()
+        stack.enter_context(patches.cuda_answers_as(self))
+        stack.enter_context(DeviceMode(self))
+        stack.enter_context(AllocMode(self))
+        self._stack = stack
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._stack is not None:
+            self._stack.close()
+            self._stack = None
+
+
+@contextlib.contextmanager
+def emulated(gpu: Gpu, alloc_conf: Optional[str] = None) -> Iterator[Emulator]:
+    """Run the block with `cuda` as the emulated `gpu`."""
+    with Emulator(gpu, alloc_conf) as emulator:
+        yield emulator
+
