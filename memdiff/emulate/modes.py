@@ -175,7 +175,13 @@ class AllocMode(TorchDispatchMode):
         self.scopes: List[str] = []
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Tuple[Any, ...] = (), kwargs: Optional[Dict] = None):
-        kwargs = kwargs or {}
+        # Below autograd a tensor is what it is: the device mode (on during a backward) must not tell
+        # this code that a meta tensor is cuda.
+        with torch._C.DisableTorchFunction():
+            return self.dispatch(func, args, kwargs or {})
+
+    def dispatch(self, func: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
+        """Run the op; register the storages it made, and its kernel's own buffers."""
         namespace = func.namespace
         if namespace == "profiler":
             return self.scope(func, args, kwargs)

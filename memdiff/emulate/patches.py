@@ -217,6 +217,16 @@ def cuda_answers_as(emulator: Emulator) -> Iterator[None]:
             setattr(nvtx, name, lambda *a, **k: 0)
         replaced.append((nvtx, "range", getattr(nvtx, "range", _MISSING)))
         setattr(nvtx, "range", lambda *a, **k: contextlib.nullcontext())  # noqa: B010 (mypy: torch is Any-typed)
+    engine = torch.autograd._engine_run_backward
+    replaced.append((torch.autograd, "_engine_run_backward", engine))
+    setattr(torch.autograd, "_engine_run_backward", _with_mode_on(engine, emulator))  # noqa: B010
+    import torch.utils.checkpoint as checkpoint
+
+    checks = getattr(checkpoint, "_allowed_determinism_checks_to_fns", None)
+    extractor = getattr(checkpoint, "_DEFAULT_DETERMINISM_MODE", None)
+    if isinstance(checks, dict) and extractor in checks:
+        replaced.append((checks, extractor, checks[extractor]))
+        checks[extractor] = _cuda_metadata
     apply = torch.nn.Module._apply
     replaced.append((torch.nn.Module, "_apply", apply))
     torch.nn.Module._apply = _keeping_ties(apply)
@@ -224,13 +234,37 @@ def cuda_answers_as(emulator: Emulator) -> Iterator[None]:
         yield
     finally:
         for module, name, value in reversed(replaced):
-            if value is _MISSING:
+            if isinstance(module, dict):
+                module[name] = value
+            elif value is _MISSING:
                 delattr(module, name)
             else:
                 setattr(module, name, value)
 
 
 _MISSING = object()
+
+
+def _cuda_metadata(x: Any) -> Dict[str, Any]:
+    """Checkpointing's check that the recomputation saved what the forward saved: shape, dtype and
+    device, with the emulated device named `cuda` whether the mode was on when it was read or not."""
+    device = x.device
+    return {"shape": x.shape, "dtype": x.dtype, "device": torch.device("cuda", 0) if device.type == "meta" else device}
+
+
+def _with_mode_on(engine: Callable[..., Any], emulator: Emulator) -> Callable[..., Any]:
+    """autograd's engine with the device mode on: `loss.backward()` reaches the engine from inside the
+    mode's handler, where torch has taken the mode off, and the backward may run Python that needs it
+    (checkpointing's recomputation of the forward must save what the forward saved)."""
+    from torch.overrides import _get_current_function_mode_stack
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        mode = emulator.device_mode
+        if any(m is mode for m in _get_current_function_mode_stack()):
+            return engine(*args, **kwargs)
+        with mode:
+            return engine(*args, **kwargs)
+    return run
 
 
 def _keeping_ties(apply: Callable[..., Any]) -> Callable[..., Any]:

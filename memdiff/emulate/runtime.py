@@ -156,6 +156,7 @@ class Emulator:
         self.thread = threading.get_ident()
         self._stack: Optional[contextlib.ExitStack] = None
         self.autocast: Any = None  # autocast.Autocast, made on entry (it imports torch)
+        self.device_mode: Any = None  # modes.DeviceMode, made on entry
 
     @staticmethod
     def _compile(rule: Dict[str, Any]) -> Dict[str, Any]:
@@ -318,8 +319,9 @@ class Emulator:
 
         self.autocast = Autocast()
         stack = contextlib.ExitStack()
+        self.device_mode = DeviceMode(self)
         stack.enter_context(patches.cuda_answers_as(self))
-        stack.enter_context(DeviceMode(self))
+        stack.enter_context(self.device_mode)
         stack.enter_context(AllocMode(self))
         self._stack = stack
         return self
