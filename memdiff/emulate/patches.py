@@ -201,7 +201,7 @@ def cuda_answers_as(emulator: Emulator) -> Iterator[None]:
         for name in present:
             saved[(module, name)] = getattr(module, name, None)
     answers = _answers(emulator, saved)
-    replaced: List[Tuple[Any, str, Any]] = []
+    replaced: List[Tuple[Any, Any, Any]] = []  # (module or dict, name or key, what was there)
     for module, present in _targets():
         for name, value in answers.items():
             if module is torch and name not in ("clear_autocast_cache", "compile"):
