@@ -120,19 +120,20 @@ def write_baseline(run: Run, path: Union[str, "os.PathLike[str]"], *, name: Opti
 
 
 def gate(run: Run, baseline: Union[str, "os.PathLike[str]", Baseline], *, rules: Optional[Sequence[str]] = None,
-         top: int = DEFAULT_TOP, whatif: bool = False, **limits: Any) -> Report:
+         top: int = DEFAULT_TOP, whatif: bool = False, mixed_routes: bool = False, **limits: Any) -> Report:
     """Judge a run against a baseline under its thresholds; limits given (`fail_over="256MiB"`,
     `categories={"activation": "10%"}`, `phases={"forward": "512MiB"}`) replace the stored ones whole.
     The Report's `passed`, `checks` and `headline` say how it went; `to_dict()` is the CLI's gate document.
     With `whatif` (`memdiff gate --whatif`), a regressed peak's report names the changes that buy it
-    back (`Report.buy_back`), replayed from the run's snapshot: `run` must then be a path."""
+    back (`Report.buy_back`), replayed from the run's snapshot: `run` must then be a path. An emulated run
+    and a recorded baseline (or the other way round) are refused unless `mixed_routes`."""
     if whatif and isinstance(run, Summary):
         raise InputError("whatif", "the what-if replays the run's snapshot: pass its path, not a Summary")
     stored = baseline if isinstance(baseline, Baseline) else load_baseline(baseline)
     where = "baseline" if isinstance(baseline, Baseline) else os.fspath(baseline)
     _check_categories(limits, rules, stored.thresholds, where)
     name = run if isinstance(run, Summary) else os.fspath(run)
-    base, head = comparable_pair(where, stored, _summary(run, rules))
+    base, head = comparable_pair(where, stored, _summary(run, rules), mixed_routes)
     settings = Settings(thresholds=thresholds(base=stored.thresholds, **limits), top=top,
                         update_hint=None if isinstance(name, Summary) else baseline_command(name, where),
                         base_label=stored.label(),

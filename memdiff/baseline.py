@@ -153,7 +153,7 @@ def from_summary(summary: Summary, name: str, thresholds: Thresholds, git_sha: O
     """A baseline of a classified summary."""
     s = summary.source
     source = {"file": s.file, "sha256": s.sha256, "generation": s.generation,
-              "allocator_settings": s.allocator_settings, "git_sha": git_sha}
+              "allocator_settings": s.allocator_settings, "emulated": s.emulated, "git_sha": git_sha}
     devices = [{
         "device": d.device, "peak_bytes": d.peak_bytes, "static_bytes": d.static_bytes,
         "trace_events": d.trace_events, "unmatched_free_count": d.unmatched_free_count,
@@ -359,7 +359,8 @@ def _stored_summary(b: Baseline) -> Summary:
             reserved_peak_bytes=d.get("reserved_peak_bytes"), fragmentation_bytes=d.get("fragmentation_bytes")))
     s = b.source
     source = Source(file=f"baseline {b.name} ({s['file']})", sha256=s["sha256"], size_bytes=0, container="baseline",
-                    generation=s["generation"], keys=[], allocator_settings=s.get("allocator_settings"))
+                    generation=s["generation"], keys=[], allocator_settings=s.get("allocator_settings"),
+                    emulated=s.get("emulated"))
     return Summary(source=source, devices=devices, tool=b.tool)
 
 
@@ -387,8 +388,16 @@ def _pooled_groups(groups: List[Group], stored: List[Dict[str, Any]]) -> List[Gr
     return sorted(pooled, key=lambda g: (-g.bytes, g.signature))
 
 
-def comparable_pair(path: str, baseline: Baseline, head: Summary) -> Tuple[Summary, Summary]:
-    """(base, head) summaries the differ can align; InputError when the devices differ."""
+def comparable_pair(path: str, baseline: Baseline, head: Summary, mixed_routes: bool = False
+                    ) -> Tuple[Summary, Summary]:
+    """(base, head) summaries the differ can align; InputError when the devices differ, or when one
+    was emulated and the other recorded (or emulated as another GPU) unless `mixed_routes`."""
+    base = _stored_summary(baseline)
+    base_route = base.source.route()
+    if base_route != head.source.route() and not mixed_routes:
+        raise InputError(path, f"the baseline was {base_route} and the run was {head.source.route()}: an emulated "
+                               f"run is gated against an emulated baseline (make one with `memdiff baseline` of an "
+                               f"emulated run), or pass --mixed-routes to compare them all the same")
     want = [d["device"] for d in baseline.devices]
     have = [d.device for d in head.devices]
     if want != have:
@@ -397,4 +406,4 @@ def comparable_pair(path: str, baseline: Baseline, head: Summary) -> Tuple[Summa
                                f"`memdiff baseline`")
     stored = {d["device"]: d for d in baseline.devices}
     pooled = replace(head, devices=[_pooled(d, stored[d.device]) for d in head.devices])
-    return _stored_summary(baseline), pooled
+    return base, pooled

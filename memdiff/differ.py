@@ -523,6 +523,11 @@ def _names_nodes(d: DeviceSummary) -> Optional[bool]:
     return any(names_autograd_node(f.name) for g in backward for f in g.frames)
 
 
+def _keys(source: Source) -> Set[str]:
+    """A snapshot's top-level keys that say which torch wrote it (the emulator's marker says how instead)."""
+    return set(source.keys) - {"emulated"}
+
+
 # How the diff command picks a phase; a caller without --at names its own way (`at_advice`).
 AT_ADVICE = "--at {phase}"
 
@@ -540,14 +545,20 @@ def _warnings(base: Summary, head: Summary, devices: Sequence[DeviceDiff] = (),
         if keys:
             out.append("allocator settings differ (" + ", ".join(
                 f"{k}: {b_set.get(k)!r} -> {h_set.get(k)!r}" for k in keys) + ")")
+    if base.source.route() != head.source.route():
+        out.append(f"base was {base.source.route()} and head {head.source.route()}: the emulator reproduces the GPU's "
+                   f"allocations, but compare like with like where you can (docs/emulate.md)")
+    for role, run in (("base", base), ("head", head)):
+        for note in (run.source.emulated or {}).get("notes", []):
+            out.append(f"{role} is emulated: {note}")
     b_devs, h_devs = [d.device for d in base.devices], [d.device for d in head.devices]
     if b_devs != h_devs:
         out.append(f"devices differ: base has {b_devs or 'none'}, head has {h_devs or 'none'}")
     if base.source.generation != head.source.generation:
         out.append(f"snapshot formats differ: base is {base.source.generation}, head is {head.source.generation}")
-    elif base.source.keys and head.source.keys and base.source.keys != head.source.keys:
-        only_b = sorted(set(base.source.keys) - set(head.source.keys))
-        only_h = sorted(set(head.source.keys) - set(base.source.keys))
+    elif base.source.keys and head.source.keys and _keys(base.source) != _keys(head.source):
+        only_b = sorted(_keys(base.source) - _keys(head.source))
+        only_h = sorted(_keys(head.source) - _keys(base.source))
         out.append("snapshot keys differ, so the torch versions may too ("
                    + "; ".join(part for part in (f"only base has {', '.join(only_b)}" if only_b else "",
                                                   f"only head has {', '.join(only_h)}" if only_h else "") if part)

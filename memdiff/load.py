@@ -381,6 +381,17 @@ def _validate_segments(path: str, segments: Any) -> None:
 SETTINGS_NODES = 10_000  # allocator settings are a few dozen values
 
 
+def _emulated(path: str, marker: Any) -> Optional[Dict[str, Any]]:
+    """The `emulated` marker memdiff's emulator writes: the GPU's name and the approximations made."""
+    if marker is None:
+        return None
+    _expect(path, "emulated", marker, dict, "a dict")
+    gpu, notes = marker.get("gpu"), marker.get("notes", [])
+    _expect(path, "emulated.gpu", gpu, str, "a string")
+    _expect(path, "emulated.notes", notes, list, "a list")
+    return {"gpu": clip(gpu, 80), "notes": [clip(n, 300) for n in notes[:20] if isinstance(n, str)]}
+
+
 def _json_safe(value: Any, budget: List[int], depth: int = 0) -> Any:
     """`value` as strict JSON can hold it, for the summary that carries it: keys as text, tuples as
     lists, strings and integers bounded, anything else (NaN, infinities, bytes) described. At most
@@ -440,6 +451,7 @@ def to_snapshot(path: str, raw: Any, source: Source, decoded_bytes: Optional[int
         traces = raw.get("device_traces", [])
         annotations = raw.get("external_annotations") or []
         keys = sorted(k[:200] if isinstance(k, str) else brief(k) for k in raw)
+        source.emulated = _emulated(path, raw.get("emulated"))
         settings = raw.get("allocator_settings")
         if settings is not None:
             _expect(path, "allocator_settings", settings, dict, "a dict")

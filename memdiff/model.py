@@ -274,6 +274,13 @@ class Source:
     generation: str
     keys: List[str]
     allocator_settings: Optional[Dict[str, Any]] = None
+    # The GPU memdiff's emulator ran the script as (`memdiff record --emulate`), and what it could
+    # only approximate; None for a snapshot a real device recorded.
+    emulated: Optional[Dict[str, Any]] = None
+
+    def route(self) -> str:
+        """How the run was recorded: `emulated NAME` or `recorded` (a real device or the CPU profiler)."""
+        return f"emulated {self.emulated['gpu']}" if self.emulated else "recorded"
 
     def trace_overflowed(self) -> Optional[int]:
         """When torch says its trace's ring buffer wrapped (its first events are gone): its size in

@@ -3,6 +3,7 @@
     @pytest.mark.memdiff                                 # against baselines/<test id>.json
     @pytest.mark.memdiff(fail_over_pct=5, categories={"activation": "10%"})
     @pytest.mark.memdiff(limit="2GiB")                   # a ceiling on the peak, no baseline
+    @pytest.mark.memdiff(emulate="h100")                 # a CUDA test body on a machine without a GPU
     def test_train_step(): ...
 
 The body of a marked test is recorded with `memdiff.capture.record` (CUDA when available, else
@@ -25,7 +26,7 @@ import pytest
 
 MARKER = "memdiff"
 # The marker's keywords and what they mean, for the error when one is misspelled.
-MARKER_KEYWORDS = ("limit", "fail_over", "fail_over_pct", "categories", "phases")
+MARKER_KEYWORDS = ("limit", "fail_over", "fail_over_pct", "categories", "phases", "emulate")
 UNSAFE = re.compile(r"[^A-Za-z0-9_.\[\]=,+-]+")
 SHOWN_ROWS = 8  # rows of the diff a failing test shows: its first screen
 
@@ -35,6 +36,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--memdiff-baselines", metavar="DIR",
                     help="folder of the baselines of @pytest.mark.memdiff tests (default: ini memdiff_baselines, "
                          "else baselines/)")
+    group.addoption("--memdiff-emulate", metavar="GPU",
+                    help="run every marked test's CUDA code on the emulated GPU (memdiff record --emulate; "
+                         "docs/emulate.md), unless its marker names one")
     group.addoption("--memdiff-update", action="store_true",
                     help="write or refresh the baselines of the marked tests instead of gating them")
     group.addoption("--memdiff-report", metavar="DIR",
@@ -57,7 +61,8 @@ def pytest_configure(config: pytest.Config) -> None:
                 raise pytest.UsageError(f"--{option.replace('_', '-')}: {exc.path}: {exc.message}") from None
     config.pluginmanager.register(_BadInput(), "memdiff-bad-input")
     config.addinivalue_line(
-        "markers", "memdiff(limit=None, fail_over=None, fail_over_pct=None, categories=None, phases=None): record "
+        "markers", "memdiff(limit=None, fail_over=None, fail_over_pct=None, categories=None, phases=None, "
+        "emulate=None): record "
                    "the test's device memory and gate it against baselines/<test id>.json, or a ceiling (limit)")
 
 
@@ -109,16 +114,24 @@ def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
     if unknown or marker.args:
         _bad_input(item, f"@pytest.mark.memdiff takes keywords {', '.join(MARKER_KEYWORDS)}; got "
                          f"{', '.join(unknown) or repr(marker.args)}")
-    others = sorted(k for k, v in marker.kwargs.items() if k != "limit" and v is not None)
+    others = sorted(k for k, v in marker.kwargs.items() if k not in ("limit", "emulate") and v is not None)
     if marker.kwargs.get("limit") is not None and others:
         _bad_input(item, f"@pytest.mark.memdiff: limit is a ceiling with no baseline, so {', '.join(others)} "
                          f"would check nothing: give one or the other")
     from memdiff import api
+    from memdiff.emulate.gpus import gpu
+    from memdiff.errors import InputError
 
+    emulate = marker.kwargs.get("emulate") or item.config.getoption("memdiff_emulate")
+    if emulate is not None:
+        try:
+            emulate = gpu(str(emulate)).key
+        except InputError as exc:
+            _bad_input(item, f"@pytest.mark.memdiff: emulate: {exc.message}")
     folder = tempfile.mkdtemp(prefix="memdiff-")
     snapshot = os.path.join(folder, "test.pickle")
     try:
-        with api.record(snapshot):
+        with api.record(snapshot, emulate=emulate):
             result = yield
         _judge(item, marker.kwargs, snapshot)
         return result

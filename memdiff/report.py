@@ -534,7 +534,8 @@ def _shown(text: str, job: Optional[JobPart]) -> bool:
 
 def _input(role: str, source: Source) -> Input:
     sha = f", sha256 {source.sha256[:12]}" if source.sha256 else ""
-    return Input(role, source.file, f"{source.container}, format {source.generation}{sha}")
+    route = f", {source.route()} by memdiff" if source.emulated else ""
+    return Input(role, source.file, f"{source.container}, format {source.generation}{sha}{route}")
 
 
 def _moved_phase(d: DeviceDiff) -> Optional[str]:

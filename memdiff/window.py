@@ -268,6 +268,8 @@ def cut(snapshot: Snapshot, window: Window) -> Dict[str, Any]:
     if settings is not None:
         # A window starts where it was cut, not where a ring buffer wrapped: its own start is no loss.
         raw["allocator_settings"] = {k: v for k, v in settings.items() if k not in TRACE_BOOKKEEPING}
+    if snapshot.source.emulated is not None:  # a window of an emulated run is still an emulated run
+        raw["emulated"] = dict(snapshot.source.emulated)
     return raw
 
 

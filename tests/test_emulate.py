@@ -8,6 +8,7 @@ import json
 import os
 import pickle
 import subprocess
+import textwrap
 import sys
 from pathlib import Path
 
@@ -271,3 +272,60 @@ def test_gpus_and_kernel_rules_are_data():
     rules = kernels()
     assert set(rules["sdpa"]) == {"cudnn", "flash", "efficient", "math"}
     assert json.dumps(rules)  # plain data, no code
+
+
+@pytest.mark.slow
+def test_the_gate_refuses_an_emulated_run_against_a_recorded_baseline_unless_told(emulated, tmp_path):
+    baseline = tmp_path / "gpt2.json"
+    made = subprocess.run([sys.executable, "-m", "memdiff", "baseline", str(CUDA / "gpt2-base.pickle.gz"), "-o",
+                           str(baseline)], capture_output=True, text=True)
+    assert made.returncode == 0, made.stderr
+    run = str(emulated("gpt2-base"))
+    refused = subprocess.run([sys.executable, "-m", "memdiff", "gate", run, "--baseline", str(baseline)],
+                             capture_output=True, text=True)
+    assert refused.returncode == 2
+    assert "the baseline was recorded and the run was emulated NVIDIA H100 80GB HBM3" in refused.stderr
+    allowed = subprocess.run([sys.executable, "-m", "memdiff", "gate", run, "--baseline", str(baseline),
+                              "--mixed-routes"], capture_output=True, text=True)
+    assert allowed.returncode == 0, allowed.stdout[-2000:]
+    assert "base was recorded and head emulated NVIDIA H100 80GB HBM3" in allowed.stdout
+    # An emulated baseline records its route: an emulated run gates against it without the flag.
+    own = tmp_path / "emulated.json"
+    subprocess.run([sys.executable, "-m", "memdiff", "baseline", run, "-o", str(own)], check=True, capture_output=True)
+    assert json.loads(own.read_text())["source"]["emulated"]["gpu"] == "NVIDIA H100 80GB HBM3"
+    same = subprocess.run([sys.executable, "-m", "memdiff", "gate", run, "--baseline", str(own)],
+                          capture_output=True, text=True)
+    assert same.returncode == 0, same.stdout[-2000:]
+
+
+@pytest.mark.slow
+def test_the_pytest_plugin_gates_a_cuda_test_on_the_emulated_gpu(pytester, torch):
+    # A team's CUDA test, unchanged, on a CI runner without a GPU: its memory is the H100's.
+    pytester.makepyfile(test_cuda=textwrap.dedent("""
+        import pytest
+        import torch
+
+        @pytest.mark.memdiff(emulate="h100", limit="1GiB")
+        def test_step():
+            assert torch.cuda.is_available()
+            model = torch.nn.Linear(1024, 1024).cuda()
+            model(torch.randn(512, 1024, device="cuda")).sum().backward()
+            assert torch.cuda.max_memory_allocated() > 4 * 1024 * 1024
+
+        @pytest.mark.memdiff(emulate="h100", limit="1MiB")
+        def test_over():
+            torch.empty(1 << 20, device="cuda")
+    """))
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
+    result.assert_outcomes(passed=1, failed=1)
+    out = result.stdout.str()
+    assert "device 0 peak 4.00 MiB" in out and "over the limit of 1.00 MiB" in out
+    bad = pytester.makepyfile(test_bad=textwrap.dedent("""
+        import pytest
+
+        @pytest.mark.memdiff(emulate="h900", limit="1GiB")
+        def test_step():
+            pass
+    """))
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", str(bad))
+    assert result.ret == 2 and "emulate: no GPU named 'h900'" in result.stdout.str()

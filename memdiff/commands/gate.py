@@ -51,6 +51,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     which = p.add_mutually_exclusive_group(required=True)
     which.add_argument("--baseline", metavar="FILE", help="the baseline of the one SNAPSHOT")
     which.add_argument("--baselines", metavar="DIR", help="folder of baselines named after each run's stem")
+    p.add_argument("--mixed-routes", action="store_true",
+                   help="gate an emulated run (`memdiff record --emulate`) against a baseline recorded on a GPU, or "
+                        "the other way round; refused without it, as the two routes need not agree (docs/emulate.md)")
     p.add_argument("--require-baseline", action="store_true",
                    help="a run without a baseline is an error (verdict no-baseline): exit 2, or 1 when another run "
                         "regressed (the regression is said first)")
@@ -134,7 +137,7 @@ def _gate(args: argparse.Namespace, snap: str, path: str, baseline: Baseline, ru
                         window=args.window)
     if not is_job(snap):
         base, head = comparable_pair(path, baseline, read_summary(snap, rules, history=with_history,
-                                                                  window=args.window))
+                                                                  window=args.window), args.mixed_routes)
         return compare([Run(base)], [Run(head)], settings)
     if baseline.ranks is None:
         raise InputError(path, f"is the baseline of one run and {snap} is a job: make a job baseline with "
@@ -146,7 +149,7 @@ def _gate(args: argparse.Namespace, snap: str, path: str, baseline: Baseline, ru
         if stored is None:
             head_runs.append(Run(summary, f.rank))
             continue
-        base, head = comparable_pair(path, stored, summary)
+        base, head = comparable_pair(path, stored, summary, args.mixed_routes)
         base_runs.append(Run(base, f.rank))
         head_runs.append(Run(head, f.rank))
     present = {f.rank for f in files}

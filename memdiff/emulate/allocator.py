@@ -48,12 +48,17 @@ class OutOfMemory(Exception):
             requested, free, reserved, allocated, total
 
 
+# roundup_power2_divisions applies per power-of-two interval of sizes from 1 MiB to 64 GiB (MiB):
+# one count of divisions each; sizes below the first use its count, above the last its count.
+INTERVALS = [1 << k for k in range(16)]
+
+
 @dataclass
 class AllocatorConfig:
     """The settings PYTORCH_CUDA_ALLOC_CONF gives (the ones that change sizes and segments)."""
 
     max_split_size: int = NO_LIMIT
-    roundup_power2_divisions: Dict[int, int] = field(default_factory=dict)  # interval start (MiB) -> divisions
+    roundup_power2_divisions: List[int] = field(default_factory=lambda: [0] * len(INTERVALS))
     garbage_collection_threshold: float = 0.0
     expandable_segments: bool = False
     text: str = ""
@@ -83,43 +88,54 @@ class AllocatorConfig:
                 raise ValueError(f"PYTORCH_CUDA_ALLOC_CONF setting {key!r} is not emulated")
         return config
 
+    def divisions(self, size: int) -> int:
+        """roundup_power2_divisions' count for a request of `size` bytes."""
+        interval = min(max(size.bit_length() - 1 - 20, 0), len(INTERVALS) - 1)
+        return self.roundup_power2_divisions[interval]
+
     def settings(self) -> Dict[str, Any]:
-        """The `allocator_settings` a snapshot of this allocator carries (as torch 2.9+ writes them)."""
+        """The `allocator_settings` a snapshot of this allocator carries, as torch 2.11 writes them."""
         return {"PYTORCH_CUDA_ALLOC_CONF": self.text,
                 "max_split_size": -1 if self.max_split_size == NO_LIMIT else self.max_split_size,
                 "garbage_collection_threshold": self.garbage_collection_threshold,
                 "expandable_segments": self.expandable_segments,
-                "roundup_power2_divisions": {str(1 << k): v for k, v in sorted(self.roundup_power2_divisions.items())}}
+                "pinned_num_register_threads": 1, "release_lock_on_cudamalloc": False,
+                "pinned_use_cuda_host_register": False, "graph_capture_record_stream_reuse": False,
+                "roundup_power2_divisions": {str(mib): n for mib, n in zip(INTERVALS, self.roundup_power2_divisions)}}
 
 
-def _divisions(value: str) -> Dict[int, int]:
-    """roundup_power2_divisions: one number for every size, or `[256:1,512:2,>:4]` per interval (MiB)."""
+def _divisions(value: str) -> List[int]:
+    """roundup_power2_divisions: one count for every size, or `[256:1,512:2,>:4]` per interval (MiB)."""
     if not value.startswith("["):
-        return {k: int(value) for k in range(64)}
-    out: Dict[int, int] = {}
-    last = 0
+        return [int(value)] * len(INTERVALS)
+    out = [0] * len(INTERVALS)
+    last = -1
     for item in value.strip("[]").split(","):
-        size, _, divisions = item.partition(":")
+        size, _, count = item.partition(":")
         if size.strip() == ">":
-            for k in range(last + 1, 64):
-                out.setdefault(k, int(divisions))
+            for k in range(last + 1, len(INTERVALS)):
+                out[k] = int(count)
             continue
-        k = (int(size) * MiB).bit_length() - 1
-        out[k] = int(divisions)
-        last = k
+        mib = int(size)
+        if mib not in INTERVALS:
+            raise ValueError(f"roundup_power2_divisions: {mib} is not a power of two from 1 to 32768 (MiB)")
+        last = INTERVALS.index(mib)
+        out[last] = int(count)
     return out
 
 
 def round_size(size: int, config: AllocatorConfig) -> int:
     """The block size a request of `size` bytes takes."""
-    if size < MIN_BLOCK:
+    if size <= MIN_BLOCK:
         return MIN_BLOCK
-    divisions = config.roundup_power2_divisions.get(max(size - 1, 1).bit_length() - 1, 0)
+    divisions = config.divisions(size)
     if divisions > 1 and size > MIN_BLOCK * divisions:
         floor = 1 << (size.bit_length() - 1)
         if floor == size:
             return size
-        step = floor // divisions
+        step = floor >> (divisions.bit_length() - 1)
+        if step == 0:
+            return floor << 1
         return -(-size // step) * step
     return -(-size // MIN_BLOCK) * MIN_BLOCK
 

@@ -119,6 +119,9 @@ def render_peak(summary: Summary, peaks: List[DevicePeak]) -> str:
     overflow = overflow_text(s)
     if overflow:
         lines.append(f"note: {overflow}")
+    if s.emulated:
+        lines.append(f"note: {s.route()} by memdiff (memdiff record --emulate), not recorded on that GPU")
+        lines.extend(f"note: emulation: {text(n)}" for n in s.emulated.get("notes", []))
     for p in peaks:
         lines.append("")
         lines.extend(_device_block(p))
