@@ -329,3 +329,42 @@ def test_the_pytest_plugin_gates_a_cuda_test_on_the_emulated_gpu(pytester, torch
     """))
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider", str(bad))
     assert result.ret == 2 and "emulate: no GPU named 'h900'" in result.stdout.str()
+
+
+FAMILIES = ["bert", "llama", "t5", "vit", "cnn"]
+
+
+@pytest.fixture(scope="module")
+def family(tmp_path_factory):
+    pytest.importorskip("transformers")
+    folder = tmp_path_factory.mktemp("families")
+
+    def run(name):
+        out = folder / f"{name}.pickle"
+        if not out.exists():
+            done = subprocess.run([sys.executable, "-m", "memdiff", "record", "--emulate", "h100", "-o",
+                                   str(folder / f"{name}-record.pickle"), "--", sys.executable,
+                                   str(ROOT / "tests/scenarios/train.py"), "--model", name, "--device", "cuda",
+                                   "--batch", "4", "--seq", "128", "--out", str(out)],
+                                  env={**os.environ, "TRANSFORMERS_VERBOSITY": "error", "PYTHONPATH": str(ROOT)},
+                                  capture_output=True, text=True, cwd=folder)
+            assert done.returncode == 0, done.stderr[-3000:]
+        return out, json.loads((folder / f"{name}.pickle.facts.json").read_text())
+    return run
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", FAMILIES)
+def test_other_families_run_unmodified_and_hold_what_the_model_holds(family, name):
+    # No real GPU run of these yet (docs/emulate.md): the truth here is the model's own, read by the
+    # script under emulation, where the tensors and the optimizer's state are what they are on a GPU.
+    from memdiff import api
+
+    path, facts = family(name)
+    device = api.summarize(path).devices[0]
+    assert device.categories["parameter"] == facts["parameter_bytes"]
+    # foreach AdamW keeps its one-element step counters on the CPU, as on a GPU
+    assert device.categories["optimizer_state"] == facts["state_bytes"] - facts["state_scalar_bytes"]
+    # torch.cuda.max_memory_allocated(), asked by the script, counts the allocator's rounded blocks
+    assert device.peak_bytes <= facts["cuda_max_allocated_bytes"] <= device.peak_bytes * 1.05 + (1 << 20)
+    assert device.categories["workspace"] >= 32 << 20  # the forward's cuBLAS handle at least

@@ -90,6 +90,8 @@ class DeviceMode(TorchFunctionMode):
             return func(*args, **kwargs)
         if func is torch.Tensor.get_device and _is_meta(args[0]):
             return 0
+        if func is torch.Tensor.data_ptr and _is_meta(args[0]):
+            return self.emulator.address(args[0].untyped_storage()) + args[0].storage_offset() * args[0].element_size()
         if func is torch.Tensor.cuda:
             return args[0].to(META, non_blocking=bool(kwargs.get("non_blocking", False)))
         if func in (torch.Tensor.pin_memory,):

@@ -217,6 +217,12 @@ def cuda_answers_as(emulator: Emulator) -> Iterator[None]:
             setattr(nvtx, name, lambda *a, **k: 0)
         replaced.append((nvtx, "range", getattr(nvtx, "range", _MISSING)))
         setattr(nvtx, "range", lambda *a, **k: contextlib.nullcontext())  # noqa: B010 (mypy: torch is Any-typed)
+    storage_pointer = torch.UntypedStorage.data_ptr
+    replaced.append((torch.UntypedStorage, "data_ptr", storage_pointer))
+
+    def data_ptr(self: Any) -> int:
+        return emulator.address(self) if self.device.type == "meta" else storage_pointer(self)
+    setattr(torch.UntypedStorage, "data_ptr", data_ptr)  # noqa: B010
     engine = torch.autograd._engine_run_backward
     replaced.append((torch.autograd, "_engine_run_backward", engine))
     setattr(torch.autograd, "_engine_run_backward", _with_mode_on(engine, emulator))  # noqa: B010

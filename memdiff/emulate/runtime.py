@@ -218,6 +218,12 @@ class Emulator:
         self.blocks[key] = block
         weakref.finalize(storage, self._storage_freed, key, block)
 
+    def address(self, storage: Any) -> int:
+        """Where the emulated GPU holds a storage: its block's address (code that tells tensors apart by
+        data_ptr(), as tied-weight and shared-storage checks do, needs them distinct), 0 if it has none."""
+        block = self.blocks.get(id(storage))
+        return block.address if block is not None and block.allocated else 0
+
     def _storage_freed(self, key: int, block: Block) -> None:
         if self.blocks.get(key) is block:
             del self.blocks[key]
