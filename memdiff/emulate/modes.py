@@ -13,6 +13,7 @@ from torch.utils._pytree import tree_leaves
 
 from memdiff.emulate.gpus import kernels
 from memdiff.emulate.runtime import ALL_ELEMENTS_OPS, EmulationError, Emulator, op_name, python_frames
+from memdiff.emulate.values import Values
 
 META = torch.device("meta")
 CUDA0 = torch.device("cuda", 0)
@@ -104,8 +105,9 @@ class DeviceMode(TorchFunctionMode):
             args = (args[0], to_meta(args[1]), *args[2:])
         name = aten_name(func)
         if name == "to_dtype_layout" and len(args) > 1:
+            # the overload torch's binding calls: `.to(tensor)`, `.to(dtype)`, else `.to(device, ...)`
             name = "to_other" if isinstance(args[1], torch.Tensor) else \
-                "to_dtype" if isinstance(args[1], torch.dtype) else "to_device"
+                "to_dtype" if isinstance(args[1], torch.dtype) else "to_dtype_layout"
         if name == "dropout" and _fused_dropout(args, kwargs):
             x = args[0] if args else kwargs["input"]
             func, args, kwargs = _native_dropout, (x, args[1] if len(args) > 1 else kwargs.get("p", 0.5)), {}
@@ -175,6 +177,7 @@ class AllocMode(TorchDispatchMode):
         super().__init__()
         self.emulator = emulator
         self.scopes: List[str] = []
+        self.values = Values()
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Tuple[Any, ...] = (), kwargs: Optional[Dict] = None):
         # Below autograd a tensor is what it is: the device mode (on during a backward) must not tell
@@ -196,7 +199,11 @@ class AllocMode(TorchDispatchMode):
         elif base == "copy_" and len(args) > 1 and _is_meta(args[1]) and isinstance(first, torch.Tensor):
             return first  # a host tensor filled from the device: zeros, as read-backs are
         try:
-            out = func(*args, **kwargs)
+            if base in ALL_ELEMENTS_OPS and _is_meta(first):
+                out = self.sized_by_values(func, base, args, kwargs)
+            else:
+                out = func(*args, **kwargs)
+                self.values.follow(func, args, kwargs, out)
         except (NotImplementedError, RuntimeError) as exc:
             said = str(exc).lower()
             if isinstance(exc, RuntimeError) and "meta" not in said and "fake impl" not in said:
@@ -222,15 +229,31 @@ class AllocMode(TorchDispatchMode):
 
     def read_back(self, base: str, first: torch.Tensor, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
         """What ops that read values give without them: zeros, and every element where a size depends on them."""
+        known = self.values.of(first)
         if base == "_local_scalar_dense":
+            if known is not None:
+                return (known.item(),)
             return (False if first.dtype == torch.bool else 0 if not first.is_floating_point() else 0.0,)
         if base == "_to_copy" and kwargs.get("device") is not None and torch.device(kwargs["device"]).type == "cpu":
-            return (torch.zeros(first.shape, dtype=kwargs.get("dtype") or first.dtype, device="cpu"),)
-        if base in ALL_ELEMENTS_OPS:
-            if base == "masked_select":
-                return (torch.empty(int(first.numel()), dtype=first.dtype, device=META),)
-            return (torch.empty((int(first.numel()), first.dim()), dtype=torch.long, device=META),)
+            dtype = kwargs.get("dtype") or first.dtype
+            if known is not None:
+                return (known.to(dtype=dtype, copy=True),)
+            return (torch.zeros(first.shape, dtype=dtype, device="cpu"),)
         return None
+
+    def sized_by_values(self, func: Any, base: str, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
+        """An op whose output size depends on values: from the values where they are known, else
+        every element (the most memory it can take)."""
+        first = args[0]
+        known = [self.values.of(a) if _is_meta(a) else a for a in args]
+        if all(k is not None for k in known):
+            value = func(*known, **kwargs)
+            out = torch.empty(value.shape, dtype=value.dtype, device=META)
+            self.values.known[out] = value
+            return out
+        if base == "masked_select":
+            return torch.empty(int(first.numel()), dtype=first.dtype, device=META)
+        return torch.empty((int(first.numel()), first.dim()), dtype=torch.long, device=META)
 
     def scope(self, func: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
         """record_function scopes (an optimizer's step, a user's own): the history's annotations."""

@@ -148,7 +148,7 @@ class Emulator:
         self.notes: List[str] = []
         self.blocks: Dict[int, Block] = {}  # id(storage) -> its block
         self.handles: Set[str] = set()
-        self.lt_made = False
+        self.lt_handles: Set[str] = set()  # the handles whose cuBLASLt workspace is made
         self.rules = {name: self._compile(rule) for name, rule in kernels()["ops"].items()}
         self.context: List[str] = []  # the builtin torch functions running now, outermost first
         self.blas = set(kernels()["blas"]["ops"])
@@ -243,10 +243,11 @@ class Emulator:
 
     def workspace(self, name: str) -> None:
         """A cuBLAS handle's workspace at its first product (the script's thread, autograd's backward
-        thread), and cuBLASLt's at the first product it runs: made once, kept for the process's life."""
+        thread), and its cuBLASLt workspace at the first product that runs there (a checkpointed
+        forward recomputed in the backward makes the backward's): made once, kept for the process's life."""
         handle = "backward" if _in_backward() else "forward"
         base = name.split("_")[0] if not name.startswith("_") else name
-        lt = base in self.blas_lt and not self.lt_made
+        lt = base in self.blas_lt and handle not in self.lt_handles
         if handle not in self.handles:
             self.handles.add(handle)
             # cuBLASLt asks for the handle first, so the handle's workspace is made under it.
@@ -254,7 +255,7 @@ class Emulator:
             frames = [_frame_dict("", 0, WORKSPACE_FRAME)] + under + self._frames(name) if self.recording else []
             self.allocate(self.gpu.cublas_workspace, frames)
         if lt:
-            self.lt_made = True
+            self.lt_handles.add(handle)
             frames = [_frame_dict("", 0, LT_WORKSPACE_FRAME)] + self._frames(name) if self.recording else []
             self.allocate(self.gpu.cublaslt_workspace, frames)
 

@@ -1,0 +1,73 @@
+"""The values of small emulated tensors, kept on the CPU beside them.
+
+The emulated device holds no data, yet scripts and libraries branch on small values: an attention
+mask that is all ones lets Hugging Face skip building a causal mask, labels and position ids are
+read back, `nonzero` sizes its output by them. So every op whose device inputs all have known
+values and whose outputs are small also runs on the CPU copies: masks, ids, counters and their
+arithmetic keep their real values, while activations (large, or made from weights, which have no
+values) stay shapes only. Ops that draw random numbers are not copied (they would advance the
+CPU's generator, which the GPU's run leaves alone), and an op that writes into a tensor with a
+value it cannot compute drops that value.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, Optional, Tuple
+
+import torch
+from torch.utils._pytree import tree_leaves, tree_map
+from torch.utils.weak import WeakTensorKeyDictionary
+
+# Outputs up to this many elements get values: a batch's ids, masks and labels, not its activations.
+MAX_ELEMENTS = 1 << 16
+CPU = torch.device("cpu")
+
+
+class Values:
+    """Known values of meta tensors (a CPU tensor of the same shape per meta tensor)."""
+
+    def __init__(self) -> None:
+        self.known = WeakTensorKeyDictionary()
+
+    def of(self, t: Any) -> Optional[torch.Tensor]:
+        """The CPU value of meta tensor `t`, or None when it is unknown."""
+        return self.known.get(t) if isinstance(t, torch.Tensor) and t.is_meta else None
+
+    def follow(self, func: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any], out: Any) -> None:
+        """After op `func` ran on meta tensors: give its outputs values when they can be computed."""
+        outputs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.is_meta]
+        written = [a for a, spec in zip(args, func._schema.arguments)
+                   if spec.alias_info is not None and spec.alias_info.is_write and isinstance(a, torch.Tensor)]
+        computed = self._compute(func, args, kwargs, outputs) if outputs else None
+        if computed is None:
+            for t in outputs + written:
+                self.known.pop(t, None)
+            return
+        for t, value in zip(outputs, computed):
+            self.known[t] = value
+
+    def _compute(self, func: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any], outputs: list) -> Optional[list]:
+        if torch.Tag.nondeterministic_seeded in func.tags or any(t.numel() > MAX_ELEMENTS for t in outputs):
+            return None
+        missing = []
+
+        def value(x: Any) -> Any:
+            if isinstance(x, torch.Tensor) and x.is_meta:
+                v = self.known.get(x)
+                if v is None:
+                    missing.append(x)
+                return v
+            if isinstance(x, torch.device) and x.type == "meta":
+                return CPU
+            return x
+        cpu_args, cpu_kwargs = tree_map(value, args), tree_map(value, kwargs)
+        if missing:
+            return None
+        try:
+            result = func(*cpu_args, **cpu_kwargs)
+        except Exception:  # an op the CPU does not run as the device would (dtype support): no value
+            return None
+        values = [t for t in tree_leaves(result) if isinstance(t, torch.Tensor)]
+        if len(values) != len(outputs) or any(v.shape != t.shape for v, t in zip(values, outputs)):
+            return None
+        return values
