@@ -368,3 +368,79 @@ def test_other_families_run_unmodified_and_hold_what_the_model_holds(family, nam
     # torch.cuda.max_memory_allocated(), asked by the script, counts the allocator's rounded blocks
     assert device.peak_bytes <= facts["cuda_max_allocated_bytes"] <= device.peak_bytes * 1.05 + (1 << 20)
     assert device.categories["workspace"] >= 32 << 20  # the forward's cuBLAS handle at least
+
+
+LOOPS = """
+import json, sys
+import torch
+from torch.utils.checkpoint import checkpoint
+m = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.GELU(), torch.nn.Linear(256, 256)).cuda()
+x = torch.randn(32, 256, device="cuda", requires_grad=True)
+checkpoint(m, x, use_reentrant=True).sum().backward()          # reentrant: recomputed in the backward
+checkpoint(m, x, use_reentrant=False).sum().backward()
+states = {}
+for name, kw in {"single": {"foreach": False}, "foreach": {"foreach": True}, "fused": {"fused": True}}.items():
+    opt = torch.optim.AdamW(m.parameters(), **kw)
+    opt.step()
+    states[name] = sorted(str(v.device) for s in opt.state.values() for v in s.values())
+scaler = torch.amp.GradScaler("cuda")
+opt = torch.optim.SGD(m.parameters(), lr=0.1)
+for _ in range(2):
+    with torch.autocast("cuda", dtype=torch.float16):
+        loss = m(x).float().pow(2).mean()
+    scaler.scale(loss).backward()
+    scaler.step(opt)
+    scaler.update()
+json.dump({"states": states, "scale": scaler.get_scale()}, sys.stdout)
+"""
+
+
+@pytest.mark.slow
+def test_checkpointing_optimizer_paths_and_gradscaler_run_as_on_a_gpu(tmp_path):
+    (tmp_path / "loops.py").write_text(LOOPS)
+    done = subprocess.run([sys.executable, "-m", "memdiff", "record", "--emulate", "h100", "-o",
+                           str(tmp_path / "run.pickle"), "--", "python", str(tmp_path / "loops.py")],
+                          capture_output=True, text=True, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout)
+    # Where torch.optim keeps each path's state on a GPU: the step counters on the CPU but for fused.
+    assert out["states"]["single"] == out["states"]["foreach"] == ["cpu"] * 4 + ["cuda:0"] * 8
+    assert out["states"]["fused"] == ["cuda:0"] * 12
+    # No inf or NaN on the emulated GPU: the scaler steps and keeps torch's default initial scale.
+    assert out["scale"] == 65536.0
+
+
+TRAINER = """
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=128, n_head=4, vocab_size=1000, n_positions=128))
+weights = sum(p.numel() * p.element_size() for p in model.parameters())
+count = len(list(model.parameters()))
+data = [{"input_ids": torch.randint(0, 1000, (64,)), "labels": torch.randint(0, 1000, (64,))} for _ in range(8)]
+args = TrainingArguments(output_dir="out", max_steps=2, per_device_train_batch_size=4, report_to=[],
+                         save_strategy="no", disable_tqdm=True)
+Trainer(model=model, args=args, train_dataset=data).train()
+print(args.device, weights, count)
+"""
+
+
+@pytest.mark.slow
+def test_the_hugging_face_trainer_trains_on_the_emulated_gpu(tmp_path):
+    pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    from memdiff import api
+
+    (tmp_path / "trainer.py").write_text(TRAINER)
+    done = subprocess.run([sys.executable, "-m", "memdiff", "record", "--emulate", "h100", "-o",
+                           str(tmp_path / "run.pickle"), "--", "python", str(tmp_path / "trainer.py")],
+                          capture_output=True, text=True, cwd=tmp_path,
+                          env={**os.environ, "TRANSFORMERS_VERBOSITY": "error"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    device, weights, count = done.stdout.split()[-3:]
+    assert device == "cuda:0"
+    device_summary = api.summarize(tmp_path / "run.pickle").devices[0]
+    assert device_summary.categories["parameter"] == int(weights)  # GPT-2's tied head counted once, as on a GPU
+    # The Trainer picks fused AdamW on CUDA: two moments per weight, and its fp32 step counters on
+    # the device too (foreach and single-tensor AdamW keep those on the CPU).
+    state = sum(g.bytes for g in device_summary.groups if g.site.startswith("adam.py:_init_group"))
+    assert state == 2 * int(weights) + 4 * int(count)

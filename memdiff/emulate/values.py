@@ -7,7 +7,8 @@ values and whose outputs are small also runs on the CPU copies: masks, ids, coun
 arithmetic keep their real values, while activations (large, or made from weights, which have no
 values) stay shapes only. Ops that draw random numbers are not copied (they would advance the
 CPU's generator, which the GPU's run leaves alone), and an op that writes into a tensor with a
-value it cannot compute drops that value.
+value it cannot compute drops that value, but for the checks for infs and NaNs (GradScaler's),
+which find none.
 """
 
 from __future__ import annotations
@@ -20,6 +21,9 @@ from torch.utils.weak import WeakTensorKeyDictionary
 
 # Outputs up to this many elements get values: a batch's ids, masks and labels, not its activations.
 MAX_ELEMENTS = 1 << 16
+# Checks that set a flag only when they find an inf or a NaN (GradScaler's): emulated tensors hold
+# no such value, so the flag keeps the value it had (no overflow), and the scale grows as on a GPU.
+FINITE_CHECKS = {"_amp_foreach_non_finite_check_and_unscale_", "_amp_non_finite_check_and_unscale_"}
 CPU = torch.device("cpu")
 
 
@@ -35,6 +39,8 @@ class Values:
 
     def follow(self, func: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any], out: Any) -> None:
         """After op `func` ran on meta tensors: give its outputs values when they can be computed."""
+        if func._schema.name.split("::", 1)[-1] in FINITE_CHECKS:
+            return
         outputs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.is_meta]
         written = [a for a, spec in zip(args, func._schema.arguments)
                    if spec.alias_info is not None and spec.alias_info.is_write and isinstance(a, torch.Tensor)]
