@@ -1,0 +1,92 @@
+"""`memdiff record --emulate h100` against real H100 runs of the same script: the GPT-2 set of
+tests/data/cuda, whose truth was captured on the GPU (tests/data/cuda/README.md)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+CUDA = ROOT / "tests" / "data" / "cuda"
+sys.path.insert(0, str(CUDA))
+from capture import GPT2, RUNS  # noqa: E402  (the arguments the real runs were captured with)
+
+
+# The real runs the emulator is held to (each emulated in about 15 s of CPU): fp32 with the
+# memory-efficient attention, bf16 and fp16 weights with cuDNN's, optimizers with and without
+# state, accumulation, checkpointing.
+HELD = ["gpt2-base", "gpt2-bf16", "gpt2-sgd", "gpt2-adafactor", "gpt2-checkpoint", "gpt2-fused"]
+
+
+@pytest.fixture(scope="module")
+def emulated(tmp_path_factory, torch):
+    pytest.importorskip("transformers")
+    folder = tmp_path_factory.mktemp("emulated")
+    made = {}
+
+    def run(name):
+        if name not in made:
+            out = folder / f"{name}.pickle"
+            env = {**os.environ, "TRANSFORMERS_VERBOSITY": "error", "PYTHONPATH": str(ROOT)}
+            done = subprocess.run([sys.executable, "-m", "memdiff", "record", "--emulate", "h100", "-o", str(out),
+                                   "--", sys.executable, str(ROOT / "tests/scenarios/train.py"), *GPT2, *RUNS[name],
+                                   "--out", str(folder / f"{name}-own.pickle")],
+                                  env=env, capture_output=True, text=True, cwd=folder)
+            assert done.returncode == 0, done.stderr[-3000:]
+            made[name] = folder / f"{name}-own.pickle"  # the script's own recording, as on the GPU
+        return made[name]
+    return run
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", HELD)
+def test_the_emulated_h100_run_has_the_real_h100_runs_peak(emulated, name):
+    from memdiff import api
+
+    real = api.summarize(CUDA / f"{name}.pickle.gz").devices[0]
+    emu = api.summarize(emulated(name)).devices[0]
+    assert abs(emu.peak_bytes / real.peak_bytes - 1) <= 0.01, (name, emu.peak_bytes, real.peak_bytes)
+    assert abs(emu.reserved_peak_bytes / real.reserved_peak_bytes - 1) <= 0.05
+    assert emu.phase_at_peak == real.phase_at_peak
+    # The categories at the peak: the real snapshot's, byte for byte where the bytes are the model's.
+    assert set(emu.categories) == set(real.categories)
+    for category in ("parameter", "optimizer_state", "gradient", "workspace"):
+        assert emu.categories.get(category, 0) == real.categories.get(category, 0), category
+
+
+@pytest.mark.slow
+def test_the_emulated_snapshot_diffs_as_no_change_against_the_real_one(emulated):
+    done = subprocess.run([sys.executable, "-m", "memdiff", str(CUDA / "gpt2-base.pickle.gz"),
+                           str(emulated("gpt2-base"))], capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout[-3000:]
+    assert "0 B, +0.0%" in done.stdout
+
+
+
+@pytest.mark.slow
+def test_the_gate_refuses_an_emulated_run_against_a_recorded_baseline_unless_told(emulated, tmp_path):
+    baseline = tmp_path / "gpt2.json"
+    made = subprocess.run([sys.executable, "-m", "memdiff", "baseline", str(CUDA / "gpt2-base.pickle.gz"), "-o",
+                           str(baseline)], capture_output=True, text=True)
+    assert made.returncode == 0, made.stderr
+    run = str(emulated("gpt2-base"))
+    refused = subprocess.run([sys.executable, "-m", "memdiff", "gate", run, "--baseline", str(baseline)],
+                             capture_output=True, text=True)
+    assert refused.returncode == 2
+    assert "the baseline was recorded and the run was emulated NVIDIA H100 80GB HBM3" in refused.stderr
+    allowed = subprocess.run([sys.executable, "-m", "memdiff", "gate", run, "--baseline", str(baseline),
+                              "--mixed-routes"], capture_output=True, text=True)
+    assert allowed.returncode == 0, allowed.stdout[-2000:]
+    assert "base was recorded and head emulated NVIDIA H100 80GB HBM3" in allowed.stdout
+    # An emulated baseline records its route: an emulated run gates against it without the flag.
+    own = tmp_path / "emulated.json"
+    subprocess.run([sys.executable, "-m", "memdiff", "baseline", run, "-o", str(own)], check=True, capture_output=True)
+    assert json.loads(own.read_text())["source"]["emulated"]["gpu"] == "NVIDIA H100 80GB HBM3"
+    same = subprocess.run([sys.executable, "-m", "memdiff", "gate", run, "--baseline", str(own)],
+                          capture_output=True, text=True)
+    assert same.returncode == 0, same.stdout[-2000:]
