@@ -16,7 +16,6 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-CUDA = ROOT / "tests" / "data" / "cuda"
 
 
 def _load(path: Path):
