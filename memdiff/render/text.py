@@ -120,7 +120,7 @@ def render_peak(summary: Summary, peaks: List[DevicePeak]) -> str:
     if overflow:
         lines.append(f"note: {overflow}")
     if s.emulated:
-        lines.append(f"note: {s.route()} by memdiff (memdiff record --emulate), not recorded on that GPU")
+        lines.append(f"note: {text(s.route())} by memdiff (memdiff record --emulate), not recorded on that GPU")
         lines.extend(f"note: emulation: {text(n)}" for n in s.emulated.get("notes", []))
     for p in peaks:
         lines.append("")
