@@ -142,3 +142,22 @@ def test_gpus_and_kernel_rules_are_data():
     rules = kernels()
     assert set(rules["sdpa"]) == {"cudnn", "flash", "efficient", "math"}
     assert json.dumps(rules)  # plain data, no code
+
+
+def _snapshot_marked(tmp_path, marker):
+    trace = [{"action": "alloc", "addr": 1 << 21, "size": 4096, "stream": 0, "time_us": 1, "frames": []},
+             {"action": "free_completed", "addr": 1 << 21, "size": 4096, "stream": 0, "time_us": 2, "frames": []}]
+    path = tmp_path / "marked.pickle"
+    path.write_bytes(pickle.dumps({"segments": [], "device_traces": [trace], "emulated": marker}, protocol=4))
+    return subprocess.run([sys.executable, "-m", "memdiff", "peak", str(path)], capture_output=True, text=True)
+
+
+def test_the_emulated_marker_is_data_and_read_with_care(tmp_path):
+    # A snapshot says it was emulated: memdiff says so, with the name made inert for the terminal.
+    done = _snapshot_marked(tmp_path, {"gpu": "H100\x1b[2J\nwarning: fake", "notes": ["eager\x07"]})
+    assert done.returncode == 0, done.stderr
+    assert "\x1b" not in done.stdout and "\x07" not in done.stdout
+    assert "note: emulated H100\\x1b[2J\\nwarning: fake by memdiff" in done.stdout
+    # A marker of the wrong shape is bad input: one line, exit 2.
+    done = _snapshot_marked(tmp_path, ["not", "a", "dict"])
+    assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1 and "emulated" in done.stderr
