@@ -90,3 +90,27 @@ def test_the_gate_refuses_an_emulated_run_against_a_recorded_baseline_unless_tol
     same = subprocess.run([sys.executable, "-m", "memdiff", "gate", run, "--baseline", str(own)],
                           capture_output=True, text=True)
     assert same.returncode == 0, same.stdout[-2000:]
+
+
+@pytest.mark.slow
+def test_the_emulated_h100_runs_out_of_memory_where_the_real_one_did(tmp_path, torch):
+    # Batch 512 fills the H100 in the first forward: the same request fails, with the same bytes allocated.
+    import gzip
+    import pickle
+
+    pytest.importorskip("transformers")
+    own = tmp_path / "oom.pickle"
+    done = subprocess.run([sys.executable, "-m", "memdiff", "record", "--emulate", "h100", "-o",
+                           str(tmp_path / "record.pickle"), "--", sys.executable,
+                           str(ROOT / "tests/scenarios/train.py"), *GPT2, *RUNS["gpt2-oom"], "--out", str(own)],
+                          env={**os.environ, "TRANSFORMERS_VERBOSITY": "error", "PYTHONPATH": str(ROOT)},
+                          capture_output=True, text=True, cwd=tmp_path)
+    assert done.returncode == 1 and "OutOfMemoryError: CUDA out of memory (emulated NVIDIA H100" in done.stderr
+    with gzip.open(CUDA / "gpt2-oom.pickle.gz", "rb") as f:
+        real = pickle.load(f)
+    emulated = pickle.loads(own.read_bytes())
+
+    def at_oom(snapshot):
+        oom = [e for e in snapshot["device_traces"][0] if e["action"] == "oom"]
+        return len(oom), oom[0]["size"], sum(s["allocated_size"] for s in snapshot["segments"])
+    assert at_oom(emulated) == at_oom(real)  # (1, 805306368, 83551025152)

@@ -20,12 +20,18 @@ class Gpu:
     major: int
     minor: int
     total_memory: int
+    context_bytes: int  # taken by the CUDA context and libraries, never PyTorch's to allocate
     multi_processor_count: int
     l2_cache_size: int
     warp_size: int
     cublas_workspace: int
     cublaslt_workspace: int
     sdpa_order: Tuple[str, ...]
+
+    @property
+    def capacity(self) -> int:
+        """What PyTorch's allocator can reserve: the memory less the CUDA context's share."""
+        return self.total_memory - self.context_bytes
 
 
 @lru_cache(maxsize=None)
@@ -46,7 +52,8 @@ def gpu(key: str) -> Gpu:
     if entry is None:
         raise InputError("--emulate", f"no GPU named {key!r}: memdiff emulates {', '.join(names())}")
     return Gpu(key=wanted, name=entry["name"], major=entry["major"], minor=entry["minor"],
-               total_memory=entry["total_memory"], multi_processor_count=entry["multi_processor_count"],
+               total_memory=entry["total_memory"], context_bytes=entry["context_bytes"],
+               multi_processor_count=entry["multi_processor_count"],
                l2_cache_size=entry["l2_cache_size"], warp_size=entry["warp_size"],
                cublas_workspace=entry["cublas_workspace"], cublaslt_workspace=entry["cublaslt_workspace"],
                sdpa_order=tuple(entry["sdpa_order"]))

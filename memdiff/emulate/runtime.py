@@ -29,6 +29,7 @@ from typing import Any, Dict, Iterator, List, Optional, Set
 from memdiff.emulate.allocator import AllocatorConfig, Block, CachingAllocator, OutOfMemory
 from memdiff.emulate.gpus import Gpu, kernels
 from memdiff.errors import InputError
+from memdiff.units import format_bytes
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 # Frames that are the emulator's machinery, never the program's: ours, and torch's mode plumbing.
@@ -140,7 +141,7 @@ class Emulator:
             config = AllocatorConfig.parse(text)
         except ValueError as exc:
             raise InputError("PYTORCH_CUDA_ALLOC_CONF", str(exc)) from None
-        self.allocator = CachingAllocator(gpu.total_memory, config)
+        self.allocator = CachingAllocator(gpu.capacity, config)
         self.allocator.trace = self._on_event
         self.recording: Optional[Dict[str, Any]] = None  # _record_memory_history's settings while on
         self.trace: List[Dict[str, Any]] = []
@@ -186,10 +187,11 @@ class Emulator:
             return self.allocator.malloc(nbytes, 0, frames if self.recording is not None else None)
         except OutOfMemory as exc:
             raise _torch.OutOfMemoryError(
-                f"CUDA out of memory (emulated {self.gpu.name}). Tried to allocate {exc.requested} bytes. GPU 0 "
-                f"has a total capacity of {exc.total} bytes of which {exc.free} bytes is free. Of the allocated "
-                f"memory {exc.allocated} bytes is allocated by PyTorch, and {exc.reserved} bytes is reserved by "
-                f"PyTorch but unallocated.") from None
+                f"CUDA out of memory (emulated {self.gpu.name}). Tried to allocate {format_bytes(exc.requested)}. "
+                f"GPU 0 has a total capacity of {format_bytes(self.gpu.total_memory)} of which "
+                f"{format_bytes(exc.free)} is free. Of the allocated memory {format_bytes(exc.allocated)} is "
+                f"allocated by PyTorch, and {format_bytes(exc.reserved - exc.allocated)} is reserved by PyTorch "
+                f"but unallocated.") from None
 
     def release(self, block: Block) -> None:
         """Free a block (a storage torch let go of)."""
