@@ -1,0 +1,411 @@
+"""findings: the catalogue of everything memdiff says beyond the numbers, each under a stable code.
+
+A code is a family letter and a number (`P001`): T trace and format, P phases, K memory kept
+from earlier steps or forwards, C categories, A the allocator (reserved memory, OOMs), G the
+gate. Each entry holds its short name, its severity, the template of its sentence, and the
+documentation `memdiff rule CODE` prints and docs/findings.md is generated from (what it
+means, why it matters, a real example, what to do). The stages that observe something call
+`finding(CODE, ...)` with the figures; no other module words a finding. A code never changes
+meaning: a new meaning is a new code, and tests/test_findings.py pins the codes the real
+snapshots emit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+from memdiff.errors import InputError, clip
+from memdiff.model import Finding
+
+ERROR, WARNING, INFO = "error", "warning", "info"
+SEVERITIES = (ERROR, WARNING, INFO)
+# How each surface names a severity before the code: `warning: P001 device 0: ...`.
+SEVERITY_WORDS = {ERROR: "error", WARNING: "warning", INFO: "note"}
+
+FAMILIES = {
+    "T": "trace and format",
+    "P": "phases and timing",
+    "K": "memory kept from earlier steps or forwards (leaks)",
+    "C": "categories and guesses",
+    "A": "the allocator: reserved memory, out of memory",
+    "G": "the gate",
+}
+
+# Where each code's documentation lives, for links (the HTML report, GitHub annotations).
+DOCS_URL = "docs/findings.md"
+
+
+@dataclass(frozen=True)
+class Code:
+    """One catalogue entry: a finding's stable code, name, severity, sentence and documentation."""
+
+    code: str
+    name: str
+    severity: str
+    template: str  # str.format with the finding's data
+    means: str
+    why: str
+    fix: str
+    example_command: str  # what shows it, on a real snapshot where one shows it
+    example_output: str  # the line it printed
+
+    @property
+    def anchor(self) -> str:
+        """The section's anchor in docs/findings.md (GitHub's: the heading lowercased, spaces as hyphens)."""
+        return f"{self.code.lower()}-{self.name}"
+
+
+CATALOGUE: Tuple[Code, ...] = (
+    # --- T: trace and format ------------------------------------------------------------------
+    Code("T001", "trace-overflowed", WARNING,
+         "the trace overflowed {ring}: its first events are gone, so memory allocated before them counts as "
+         "static and their stacks are unknown (record with a larger max_entries)",
+         "torch says the allocator's trace ring buffer wrapped (`trace_alloc_overflowed`): the trace lacks the "
+         "run's first events.",
+         "Memory allocated before the first event kept counts as static memory, without a stack and without a "
+         "category of its own; a diff against a run whose trace did not wrap compares different accounts of the "
+         "same memory.",
+         "Record with a larger `max_entries` (`torch.cuda.memory._record_memory_history(max_entries=...)`, "
+         "`memdiff record --max-entries`), or record fewer steps (`memdiff record --steps`).",
+         "hand-built in tests/test_findings.py (no real snapshot in tests/ says its buffer wrapped)",
+         "warning: T001 head: the trace overflowed its ring buffer of 1,000 entries: its first events are gone, "
+         "so memory allocated before them counts as static and their stacks are unknown (record with a larger "
+         "max_entries)"),
+    Code("T002", "trace-starts-mid-run", WARNING,
+         "the trace starts mid-run: {frees:,} frees of allocations made before it ({freed}) count as static "
+         "memory. Record with a larger max_entries to see their stacks.",
+         "The trace frees memory it never saw allocated: recording started after the run did, or the ring buffer "
+         "dropped the first events without saying so.",
+         "Those allocations count as static memory from the start of the trace: their stacks, categories and "
+         "lifetimes are unknown, and the peak's groups miss them.",
+         "Start recording before the model is built, or with a larger `max_entries`; `--steps` on any command "
+         "reads a window of a long trace without losing the memory carried into it.",
+         "memdiff peak ../shared/snapshots/cs336-medium-ctx128-train.pickle",
+         "warning: T002 device 0: the trace starts mid-run: 438 frees of allocations made before it (3.15 "
+         "GiB) count as static memory. Record with a larger max_entries to see their stacks."),
+    Code("T003", "mid-run-in-one-run", WARNING,
+         "only the {which} trace starts mid-run (its ring buffer dropped events), so its static memory includes "
+         "what the other run shows as allocations",
+         "Of the two runs compared, one trace frees memory it never saw allocated (T002) and the other does not.",
+         "The same memory reads as static in one run and as groups with stacks in the other: rows show as gone "
+         "and new where nothing changed.",
+         "Record both runs the same way, from the same point of the script and with the same `max_entries`; "
+         "a job that always starts mid-run can `--ignore T003`.",
+         "memdiff ../shared/snapshots/cs336-medium-ctx128-train.pickle "
+         "../shared/snapshots/cs336-medium-ctx128-infer.pickle",
+         "warning: T003 device 0: only the base trace starts mid-run (its ring buffer dropped events), so its "
+         "static memory includes what the other run shows as allocations"),
+    Code("T004", "window-of-trace", INFO,
+         "this is a window of a longer trace: {frees:,} frees of memory allocated before it ({freed}) count as "
+         "static memory.",
+         "The snapshot is a window of a longer trace (`memdiff slice`, `--steps`): memory carried into the window "
+         "is freed in it without being allocated in it.",
+         "Nothing is lost: the window keeps the stack and category the full trace gives that memory; this only "
+         "says why the window's static memory is what it is.",
+         "Nothing to do; read the whole trace for the run's static memory.",
+         "memdiff peak tests/data/cuda/gpt2-log-tensor.pickle.gz --steps 2",
+         "note: T004 device 0: this is a window of a longer trace: 3 frees of memory allocated before it "
+         "(32.00 KiB) count as static memory."),
+    Code("T005", "devices-differ", WARNING,
+         "devices differ: base has {base_devices}, head has {head_devices}",
+         "The two runs allocated on different devices.",
+         "A device only one run has compares with nothing: all its memory reads as new or gone.",
+         "Compare runs recorded on the same devices, or choose one device with `--device` where the command "
+         "has it.",
+         "memdiff ../shared/snapshots/diffusion-segments-list.pickle ../shared/snapshots/linear-grad.pickle",
+         "warning: T005 devices differ: base has [1], head has [0]"),
+    Code("T006", "formats-differ", WARNING,
+         "snapshot formats differ: base is {base_format}, head is {head_format}",
+         "The snapshots were written by torch versions with different snapshot formats (how memdiff read each "
+         "is in its input line).",
+         "Older formats lack fields (times, stacks' C++ frames, categories' evidence): what one run shows, the "
+         "other may not, and rows that differ only by what the format records show as changes.",
+         "Record both runs with the same torch.",
+         "memdiff ../shared/snapshots/opt13b-oom-legacy.pickle ../shared/snapshots/linear-grad.pickle",
+         "warning: T006 snapshot formats differ: base is legacy-history, head is trace-timed"),
+    Code("T007", "keys-differ", WARNING,
+         "snapshot keys differ, so the torch versions may too ({detail})",
+         "The snapshots have the same format but different top-level keys: torch wrote each with other fields.",
+         "Different torch versions can allocate differently (kernels, workspaces, the allocator's rounding): "
+         "part of the change may be torch's.",
+         "Record both runs with the same torch; the rows still compare what each run allocated.",
+         "memdiff ../shared/snapshots/cs336-ctx128-fwd-fp32.pickle "
+         "../shared/snapshots/cs336-medium-ctx128-train.pickle",
+         "warning: T007 snapshot keys differ, so the torch versions may too (only head has "
+         "trace.compile_context, trace.user_metadata)"),
+    Code("T008", "allocator-settings-differ", WARNING,
+         "allocator settings differ ({detail})",
+         "The caching allocator ran with different settings (`PYTORCH_CUDA_ALLOC_CONF`: expandable segments, "
+         "split sizes, garbage collection threshold).",
+         "Reserved memory and fragmentation depend on them, and an OOM can come and go with them while the "
+         "tensors stay the same.",
+         "Record both runs with the same `PYTORCH_CUDA_ALLOC_CONF`, or say in the pull request that the setting "
+         "is the change.",
+         "memdiff ../shared/snapshots/cs336-ctx128-fwd-fp32.pickle "
+         "../shared/snapshots/cs336-medium-ctx128-train.pickle",
+         "warning: T008 allocator settings differ (graph_capture_record_stream_reuse: None -> False)"),
+    Code("T009", "autograd-nodes-in-one-run", WARNING,
+         "only the {which} run's stacks name autograd nodes (AddmmBackward0); the {other}'s backward memory "
+         "reads run_backward (a CPU capture by an earlier memdiff, or CUDA stacks=\"python\"), so its backward "
+         "rows show as gone and new: record both runs the same way",
+         "The backward's memory is named by the autograd node that made it in one run, and by the engine's "
+         "entry in the other.",
+         "Rows are aligned by their stacks: the same backward memory reads as gone from one and new in the other.",
+         "Record both runs the same way (`memdiff record`, with C++ stacks on CUDA).",
+         "hand-built in tests/test_diff.py",
+         "warning: T009 device 0: only the head run's stacks name autograd nodes (AddmmBackward0); the base's "
+         "backward memory reads run_backward (a CPU capture by an earlier memdiff, or CUDA stacks=\"python\"), so "
+         "its backward rows show as gone and new: record both runs the same way"),
+    Code("T010", "event-counts-differ", WARNING,
+         "event counts differ {ratio:.1f}x ({base_events:,} -> {head_events:,} events{steps}): the runs may not "
+         "record the same work",
+         "One trace has many times the events of the other, and the runs do not record the same number of "
+         "steps.",
+         "A run that records more steps, a warm-up, or an evaluation loop is other work: its peak may be another "
+         "moment's.",
+         "Record the same steps in both runs (`memdiff record --steps 3:5`), or compare a window of each "
+         "(`--steps`).",
+         "memdiff tests/data/cuda/gpt2-base.pickle.gz tests/data/cuda/gpt2-oom.pickle.gz",
+         "warning: T010 device 0: event counts differ 43.1x (9,922 -> 230 events, 3 -> 1 steps): the runs may "
+         "not record the same work"),
+    Code("T011", "rank-in-one-job", WARNING,
+         "{ranks} only in {side}, not compared",
+         "Comparing two jobs, ranks that only one of them has.",
+         "Those ranks compare with nothing, so the verdict says nothing about them.",
+         "Record every rank in both jobs; a gate fails on a rank the baseline has and the run lacks (G005).",
+         "hand-built in tests/test_ranks.py",
+         "warning: T011 rank 2 only in base, not compared"),
+    # --- P: phases ------------------------------------------------------------------------------
+    Code("P001", "peaks-in-different-phases", WARNING,
+         "the peaks are in different phases: base in {base_where}, head in {head_where}; rows compare different "
+         "moments (compare like with like: {advice})",
+         "The base run peaks in one phase (say the optimizer step, gradients live) and the head run in another "
+         "(the forward, activations live).",
+         "Rows at the two peaks compare different moments: gradients read as gone and activations as new though "
+         "neither changed much. The phase table and `--at PHASE` compare like with like.",
+         "Read the phase peaks, diff at one phase with `--at forward`, or gate a phase with `--phase-fail-over`.",
+         "memdiff ../shared/snapshots/cs336-medium-ctx128-train.pickle "
+         "../shared/snapshots/cs336-medium-ctx256-train.pickle",
+         "warning: P001 device 0: the peaks are in different phases: base in the optimizer step of step 0, head "
+         "in the forward of step 0; rows compare different moments (compare like with like: --at forward)"),
+    # --- K: kept memory -------------------------------------------------------------------------
+    Code("K001", "kept-memory", INFO,
+         "kept from {source} (not parameters, gradients, optimizer state or workspaces): {amount}{passes} "
+         "({sites})",
+         "Memory live at the peak that an earlier step allocated, or that a forward allocated and a forward of "
+         "the same code followed in the step, and that is of no category meant to live across steps.",
+         "Such memory is often a leak: a loss kept as a tensor with its graph, outputs appended to a list, a "
+         "validation loop without `torch.no_grad()`. Some is meant (a cache, a running statistic).",
+         "Look at the sites named: detach what is logged (`loss.item()`), run evaluation under "
+         "`torch.no_grad()`, drop references at the end of a step.",
+         "memdiff peak ../shared/snapshots/linear-grad.pickle",
+         "note: K001 device 0: kept from earlier forwards (not parameters, gradients, optimizer state or "
+         "workspaces): 1.15 GiB live at the peak, made by 1 earlier forward that a forward of the same code "
+         "followed (activation: linear.py:forward <- linear <- addmm 953.67 MiB, input: "
+         "profile_grad.py:<module> <- randn 190.73 MiB, activation: linear.py:forward <- linear <- addmm "
+         "32.00 MiB)"),
+    Code("K002", "kept-memory-grew", WARNING,
+         "kept from {source} (not parameters, gradients, optimizer state or workspaces): {amount}{passes} "
+         "({sites})",
+         "The head run keeps more memory from earlier steps or forwards (K001) at the compared moment than the "
+         "base run.",
+         "Memory kept across steps is the usual shape of a leak; when it grows, the change added to it.",
+         "Look at the sites named, as for K001; K004 fails the gate when the kept memory grows step over step.",
+         "memdiff tests/data/cuda/gpt2-base.pickle.gz tests/data/cuda/gpt2-keep-weights.pickle.gz",
+         "warning: K002 device 0: kept from earlier steps (not parameters, gradients, optimizer state or "
+         "workspaces): 0 B -> 949.40 MiB (other: train.py:one_step <- clone +949.40 MiB)"),
+    Code("K003", "kept-graphs-new", ERROR,
+         "the head run keeps {kept} from earlier forwards of the same code ({forwards}) that the base run does not "
+         "keep: a graph or outputs held from one forward to the next",
+         "In the head run, memory allocated by a forward is still live when a forward of the same code runs "
+         "again in the step (an evaluation loop with autograd on, outputs collected with their graphs), and in "
+         "the base run none is.",
+         "Each such forward keeps its whole graph: memory grows with the number of forwards until the run runs "
+         "out of it, whatever the peak of a short test run says.",
+         "Run evaluation under `torch.no_grad()` or `torch.inference_mode()`, keep `.item()` or `.detach()` of "
+         "what is collected.",
+         "memdiff ../shared/snapshots/cs336-medium-ctx128-infer.pickle ../shared/snapshots/linear-grad.pickle",
+         "error: K003 device 0: the head run keeps 1.15 GiB from earlier forwards of the same code (1 earlier "
+         "forward) that the base run does not keep: a graph or outputs held from one forward to the next"),
+    Code("K004", "kept-grows-per-step", ERROR,
+         "memory kept from earlier steps grows step over step: the steps after the first peak at {steps}, and "
+         "{kept} live at the peak was allocated by earlier steps",
+         "Each step after the first peaks higher than the one before, and memory allocated by earlier steps is "
+         "live at the peak: the run keeps something of every step.",
+         "A leak that grows by a step's worth each step: the run fails some steps later, however small the "
+         "growth of a three-step test run.",
+         "Find what each step keeps (K001's sites): a loss logged as a tensor, tensors appended to a list, a "
+         "hook storing outputs.",
+         "memdiff peak tests/data/cuda/gpt2-log-tensor.pickle.gz",
+         "error: K004 device 0: memory kept from earlier steps grows step over step: the steps after the "
+         "first peak at 7.31 GiB, 9.85 GiB, and 2.54 GiB live at the peak was allocated by earlier steps"),
+
+    # --- C: categories --------------------------------------------------------------------------
+    Code("C001", "category-guessed", INFO,
+         "{amount} live before the trace without a stack read as {categories} by a guess",
+         "Blocks older than the trace, never freed and never updated in a way that tells what they are: memdiff "
+         "gives them a category by a guess (weights; optimizer state where their sizes repeat the weights').",
+         "The category table and category limits count them by the guess; a wrong guess moves bytes between "
+         "categories.",
+         "Start recording before the model and optimizer are built to have their stacks, or give rules of your "
+         "own (`--rules`); docs/categories.md says how the guess is made.",
+         "memdiff peak tests/data/cuda/gpt2-warm.pickle.gz",
+         "note: C001 device 0: 1.45 GiB live before the trace without a stack read as optimizer_state (949.40 "
+         "MiB), parameter (539.70 MiB) by a guess"),
+
+    # --- A: the allocator ------------------------------------------------------------------------
+    Code("A001", "reserved-moved-alone", INFO,
+         "reserved moved while the allocated peak {allocated}: the tensors need the same memory, and the allocator "
+         "caches {direction} blocks no tensor holds (its pool's history: the order of allocations and frees, "
+         "block sizes, streams). {gated}",
+         "The caching allocator's reserved peak moved by more than the allocated peak did.",
+         "The tensors need the same memory; the allocator holds more or fewer cached blocks. An OOM depends on "
+         "reserved memory, so the change can matter on a full GPU.",
+         "Gate reserved memory with `--reserved-fail-over` when it matters; `expandable_segments:True` often "
+         "lowers fragmentation.",
+         "hand-built in tests/test_diff.py",
+         "note: A001 device 0: reserved moved while the allocated peak is unchanged: the tensors need the same "
+         "memory, and the allocator caches more blocks no tensor holds (its pool's history: the order of "
+         "allocations and frees, block sizes, streams). The gate judges allocated memory; --reserved-fail-over "
+         "gates reserved memory too."),
+    Code("A002", "out-of-memory", ERROR,
+         "out of memory at event {event:,}: asked for {requested} with {free} free on the device",
+         "The trace records an `oom` entry: the allocator could not satisfy a request.",
+         "The run failed (or recovered by catching it); its peak is the memory held when it gave up, not what "
+         "the work needs.",
+         "Lower the batch or sequence, checkpoint activations, or see what `memdiff whatif` says lowers the peak.",
+         "memdiff peak tests/data/cuda/gpt2-oom.pickle.gz",
+         "error: A002 device 0: out of memory at event 229: asked for 768.00 MiB with 666.19 MiB free on the "
+         "device"),
+
+    # --- G: the gate ---------------------------------------------------------------------------
+    Code("G001", "within-spread", INFO,
+         "the peak's change ({change}) is within the spread of the baseline's {runs} runs ({span})",
+         "The baseline was made from repeated runs, and this run's peak falls inside their spread.",
+         "The change is as large as the workload's own noise: no regression to look for.",
+         "Nothing to do.",
+         "hand-built in tests/test_gate.py (a baseline of three repeats)",
+         "note: G001 device 0: the peak's change (+0.1%) is within the spread of the baseline's 3 runs "
+         "(-0.2% to +0.6%)"),
+    Code("G002", "peak-grew", ERROR,
+         "{moment} grew by {grew}; top growth: {sites}",
+         "A peak limit failed: the peak grew past the rule.",
+         "The run needs more memory than the baseline allowed.",
+         "Read the rows named; if the growth is meant, refresh the baseline (`memdiff baseline`).",
+         "memdiff ../shared/snapshots/cs336-medium-ctx128-train.pickle "
+         "../shared/snapshots/cs336-medium-ctx256-train.pickle",
+         "error: G002 device 0: peak grew by 1.95 GiB; top growth: functional.py:einsum <- einsum <- bmm "
+         "+787.53 MiB, model.py:forward <- mul_Tensor +776.00 MiB, model.py:silu <- mul_Tensor +384.00 MiB"),
+    Code("G003", "peak-went-down", INFO,
+         "peak went down by {drop} ({pct}): consider updating the baseline: {command}",
+         "Gated against a baseline, the peak went down.",
+         "A baseline that does not follow improvements lets later growth back in unnoticed.",
+         "Run the command given to refresh the baseline.",
+         "memdiff baseline tests/data/cuda/gpt2-log-tensor.pickle.gz -o lt.json && memdiff gate "
+         "tests/data/cuda/gpt2-base.pickle.gz --baseline lt.json",
+         "note: G003 device 0: peak went down by 5.09 GiB (51.6%): consider updating the baseline: memdiff "
+         "baseline tests/data/cuda/gpt2-base.pickle.gz -o lt.json"),
+    Code("G004", "site-pattern-unmatched", WARNING,
+         "sites /{pattern}/ matches no group of the base run, so its limit only sees groups that are new",
+         "A site limit's pattern matches nothing in the base run.",
+         "A misspelt or stale pattern checks 0 B against whatever is new and nothing else.",
+         "Fix the pattern (a regular expression searched in the rows' sites).",
+         "hand-built in tests/test_gate.py",
+         "warning: G004 device 0: sites /no_such_site/ matches no group of the base run, so its limit only sees "
+         "groups that are new"),
+    Code("G005", "rank-missing", ERROR,
+         "{ranks}: in the baseline but not in the run (a rank that crashed?); --allow-missing-ranks gates the "
+         "others only",
+         "Gating a job, a rank the baseline has is missing from the run.",
+         "A crashed rank must not pass the gate by being absent.",
+         "Find why the rank wrote no snapshot, or pass `--allow-missing-ranks`.",
+         "hand-built in tests/test_ranks.py",
+         "error: G005 rank 3: in the baseline but not in the run (a rank that crashed?); --allow-missing-ranks "
+         "gates the others only"),
+    Code("G006", "rank-without-baseline", ERROR,
+         "{ranks}: no baseline (--require-baseline)",
+         "Gating a job with `--require-baseline`, a rank of the run has no baseline.",
+         "An ungated rank could regress unseen.",
+         "Make the job's baseline again with every rank (`memdiff baseline JOB`).",
+         "hand-built in tests/test_ranks.py",
+         "error: G006 rank 4: no baseline (--require-baseline)"),
+)
+
+BY_CODE: Dict[str, Code] = {c.code: c for c in CATALOGUE}
+
+# The findings that fail a gate unless told otherwise: each says the run will fail or is failing,
+# whatever its peak did in a short test run.
+DEFAULT_FAIL_ON = ("K003", "K004", "A002")
+
+
+def finding(code: str, device: Optional[int] = None, run: Optional[str] = None, **data: Any) -> Finding:
+    """The catalogue's finding `code` about `device` (and `run`, of a pair), its sentence made from `data`."""
+    c = BY_CODE[code]
+    return Finding(code=c.code, name=c.name, severity=c.severity, device=device, message=c.template.format(**data),
+                   data=data, run=run)
+
+
+def shown(f: Finding) -> str:
+    """A finding as every text surface shows it: `warning: P001 device 0: the peaks ...`."""
+    return f"{SEVERITY_WORDS[f.severity]}: {f.code} {f.text}"
+
+
+def parse_codes(where: str, codes: Sequence[str]) -> List[str]:
+    """Codes as users write them (`k004`, `K004`), upper-cased, each checked against the catalogue;
+    InputError naming the unknown one. A family letter alone (`K`) stands for all its codes."""
+    out: List[str] = []
+    for raw in codes:
+        code = raw.strip().upper()
+        if code in FAMILIES:
+            out += [c.code for c in CATALOGUE if c.code.startswith(code) and c.code not in out]
+        elif code in BY_CODE:
+            if code not in out:
+                out.append(code)
+        else:
+            raise InputError(where, f"{clip(raw)!r} is no finding code (`memdiff rule --all` lists them)")
+    return out
+
+
+def rule_section(c: Code) -> str:
+    """The documentation of one code in its fixed shape, as docs/findings.md and `memdiff rule CODE` show it."""
+    return "\n".join([
+        f"## {c.code} {c.name}", "",
+        f"Severity: {c.severity}.{' Fails the gate by default.' if c.code in DEFAULT_FAIL_ON else ''}", "",
+        f"Message: `{c.template}`", "",
+        "### What it means", "", c.means, "",
+        "### Why it matters", "", c.why, "",
+        "### Example", "", "```text", f"$ {c.example_command}" if not c.example_command.startswith("hand-built")
+        else f"# {c.example_command}", c.example_output, "```", "",
+        "### What to do", "", c.fix, ""])
+
+
+def rules_list() -> str:
+    """One line per code: `P001  warning  peaks-in-different-phases` (`memdiff rule --all`)."""
+    return "\n".join(f"{c.code}  {c.severity:<7}  {c.name}{'  (fails by default)' if c.code in DEFAULT_FAIL_ON else ''}"
+                     for c in CATALOGUE) + "\n"
+
+
+def docs_page() -> str:
+    """docs/findings.md: how codes work, the default set, then one section per code (`python docs/gen_findings.py`)."""
+    head = [
+        "# Findings", "",
+        "<!-- Generated from memdiff/findings.py by `python docs/gen_findings.py`; do not edit by hand. -->", "",
+        "Everything memdiff says beyond the numbers is a finding with a stable code: a family letter and a "
+        "number. The JSON documents carry them as `findings` (`code`, `name`, `severity`, `device`, `run`, "
+        "`message`, `data`); the text, markdown and HTML reports and the GitHub annotations show the code beside "
+        "the message; `memdiff rule CODE` prints a code's section below and `memdiff rule --all` lists them.", "",
+        "| family | about |", "| --- | --- |", *(f"| {k} | {v} |" for k, v in FAMILIES.items()), "",
+        "## Gating on findings", "",
+        "A finding of a code the gate fails on fails the gate (exit 1) whatever the peak did; an ignored code is "
+        "not shown and fails nothing. By default these codes fail: "
+        + ", ".join(f"[{c}](#{BY_CODE[c].anchor})" for c in DEFAULT_FAIL_ON)
+        + ". `memdiff gate` and `memdiff BASE HEAD` choose others with `--fail-on CODE ...` and "
+        "`--ignore CODE ...` (a family letter stands for its codes: `--ignore T`), and a baseline's thresholds "
+        "keep the same as `\"findings\": {\"fail-on\": [\"K002\"], \"ignore\": [\"T003\"]}`. Flags are applied "
+        "after the baseline's choice, and an ignore wins over a fail-on of the same code. The rule in force is "
+        "printed with every verdict and recorded in the JSON as `finding_rules` (`code`, `action`, `source`); a "
+        "finding that failed is a `finding_checks` entry and a `FAIL` line.", "",
+        "| code | name | severity |", "| --- | --- | --- |",
+        *(f"| [{c.code}](#{c.anchor}) | {c.name} | {c.severity} |" for c in CATALOGUE), ""]
+    return "\n".join(head + [rule_section(c) for c in CATALOGUE])
