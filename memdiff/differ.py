@@ -579,8 +579,6 @@ def _findings(base: Summary, head: Summary, devices: Sequence[DeviceDiff] = (),
             steps = f", {len(b.steps)} -> {len(h.steps)} steps" if b.steps or h.steps else ""
             out.append(finding("T010", b.device, ratio=hi / lo, base_events=b.trace_events,
                                head_events=h.trace_events, steps=steps))
-        if growing_steps(h) and not growing_steps(b):
-            out.append(finding("K004", h.device, **growing_data(h)))
     base_devices = {b.device: b for b in base.devices}
     for d in devices:
         if d.at == PEAK and d.base_peak_phase and d.head_peak_phase and d.base_peak_phase != d.head_peak_phase:
@@ -606,6 +604,10 @@ def _findings(base: Summary, head: Summary, devices: Sequence[DeviceDiff] = (),
                  f"{format_bytes(r.head_earlier_bytes - r.base_earlier_bytes, signed=True)}" for r in k.rows],
                 k.head_bytes, k.head_forward_bytes, k.head_forwards),
                 base_bytes=k.base_bytes, head_bytes=k.head_bytes))
+        h_dev, b_dev = heads.get(d.device), base_devices.get(d.device)
+        if (h_dev is not None and b_dev is not None and k is not None and k.head_bytes > k.base_bytes
+                and growing_steps(h_dev) and not growing_steps(b_dev)):
+            out.append(finding("K004", d.device, **growing_data(h_dev)))
         if k is not None and k.head_forward_bytes and not k.base_forward_bytes:
             out.append(finding("K003", d.device, kept=format_bytes(k.head_forward_bytes),
                                kept_bytes=k.head_forward_bytes,

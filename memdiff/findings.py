@@ -232,7 +232,9 @@ CATALOGUE: Tuple[Code, ...] = (
          "memory kept from earlier steps grows step over step: the steps after the first peak at {steps}, and "
          "{kept} live at the peak was allocated by earlier steps",
          "Each step after the first peaks higher than the one before, and memory allocated by earlier steps is "
-         "live at the peak: the run keeps something of every step.",
+         "live at the peak: the run keeps something of every step. Comparing two runs, it is said of the head run "
+         "when the base run's steps do not grow so (a baseline keeps no steps) and the head keeps more memory from "
+         "earlier steps than the base.",
          "A leak that grows by a step's worth each step: the run fails some steps later, however small the "
          "growth of a three-step test run.",
          "Find what each step keeps (K001's sites): a loss logged as a tensor, tensors appended to a list, a "
@@ -264,19 +266,19 @@ CATALOGUE: Tuple[Code, ...] = (
          "reserved memory, so the change can matter on a full GPU.",
          "Gate reserved memory with `--reserved-fail-over` when it matters; `expandable_segments:True` often "
          "lowers fragmentation.",
-         "hand-built in tests/test_diff.py",
+         "hand-built in tests/test_noise.py",
          "note: A001 device 0: reserved moved while the allocated peak is unchanged: the tensors need the same "
          "memory, and the allocator caches more blocks no tensor holds (its pool's history: the order of "
          "allocations and frees, block sizes, streams). The gate judges allocated memory; --reserved-fail-over "
          "gates reserved memory too."),
     Code("A002", "out-of-memory", ERROR,
-         "out of memory at event {event:,}: asked for {requested} with {free} free on the device",
+         "OOM at event {event:,}: asked for {requested} with {free} free on the device",
          "The trace records an `oom` entry: the allocator could not satisfy a request.",
          "The run failed (or recovered by catching it); its peak is the memory held when it gave up, not what "
          "the work needs.",
          "Lower the batch or sequence, checkpoint activations, or see what `memdiff whatif` says lowers the peak.",
          "memdiff peak tests/data/cuda/gpt2-oom.pickle.gz",
-         "error: A002 device 0: out of memory at event 229: asked for 768.00 MiB with 666.19 MiB free on the "
+         "error: A002 device 0: OOM at event 229: asked for 768.00 MiB with 666.19 MiB free on the "
          "device"),
 
     # --- G: the gate ---------------------------------------------------------------------------
@@ -285,9 +287,9 @@ CATALOGUE: Tuple[Code, ...] = (
          "The baseline was made from repeated runs, and this run's peak falls inside their spread.",
          "The change is as large as the workload's own noise: no regression to look for.",
          "Nothing to do.",
-         "hand-built in tests/test_gate.py (a baseline of three repeats)",
-         "note: G001 device 0: the peak's change (+0.1%) is within the spread of the baseline's 3 runs "
-         "(-0.2% to +0.6%)"),
+         "hand-built in tests/test_noise.py (a baseline of three repeats)",
+         "note: G001 device 0: the peak's change (+0.5%) is within the spread of the baseline's 3 runs "
+         "(-1.0% to +1.0%)"),
     Code("G002", "peak-grew", ERROR,
          "{moment} grew by {grew}; top growth: {sites}",
          "A peak limit failed: the peak grew past the rule.",

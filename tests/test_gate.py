@@ -359,7 +359,7 @@ def test_a_peak_flag_replaces_the_stored_peak_rule_whole(baseline, tmp_path, cap
     # 5% and by more than 512 MiB", under which a small run could never fail.
     b = baseline("--fail-over", "512MiB")
     code, out, _ = gate(capsys, tmp_path, b, 120 * MiB, "--fail-over-pct", "5")
-    assert "rule: fail when the peak of a device grows by more than 5%\n" in out
+    assert "rule: fail when the peak of a device grows by more than 5%; findings K003, K004, A002 fail (default)\n" in out
     assert code == 1 and "limit: more than 5%\n" in out
 
 

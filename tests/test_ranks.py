@@ -153,7 +153,7 @@ def test_ranks_only_one_job_has_are_warned_about(tmp_path, capsys):
     base = job(tmp_path / "base", {r: rank_snapshot(MiB) for r in range(3)})
     head = job(tmp_path / "head", {r: rank_snapshot(MiB) for r in range(2)})
     code, out, _ = run(capsys, base, head)
-    assert code == 0 and "warning: rank 2 only in base, not compared" in out
+    assert code == 0 and "warning: T011 rank 2 only in base, not compared" in out
 
 
 def test_ranges():
@@ -260,7 +260,7 @@ def test_ranks_whose_peaks_are_in_different_phases_are_warned_as_in_a_diff(tmp_p
         os.symlink(shared / name, folder / f"rank{rank}.pickle")
     code, out, _ = run(capsys, "ranks", folder)
     assert code == 0
-    assert "warning: device 0: the peaks are in different phases: base in the optimizer step of step 0, " \
+    assert "warning: P001 device 0: the peaks are in different phases: base in the optimizer step of step 0, " \
            "head in the forward of step 0" in out
     # ranks has no --at: the advice names the diff of the two ranks' files that has it
     warning = next(line for line in out.splitlines() if "different phases" in line)
