@@ -626,7 +626,11 @@ STEPS_GROWING = 2  # steps after the first that must each grow over the one befo
 
 
 def _step_peaks(d: DeviceSummary) -> List[int]:
-    return [max((p.peak_bytes for p in s.phases), default=0) for s in d.steps]
+    """The peaks of the steps after the first that run the phases the second one runs: a step cut
+    short (the trace ends in its forward, a last evaluation) is no step to compare."""
+    steps = d.steps[1:]
+    kinds = {p.phase for p in steps[0].phases} if steps else set()
+    return [max((p.peak_bytes for p in s.phases), default=0) for s in steps if {p.phase for p in s.phases} == kinds]
 
 
 def kept_bytes(d: DeviceSummary) -> Tuple[int, int, int]:
@@ -640,7 +644,7 @@ def kept_bytes(d: DeviceSummary) -> Tuple[int, int, int]:
 def growing_steps(d: DeviceSummary) -> bool:
     """Whether the device keeps memory from earlier steps and each step after the first peaks at
     least STEP_GROWTH_PCT higher than the one before (over STEPS_GROWING steps at least)."""
-    peaks = _step_peaks(d)[1:]
+    peaks = _step_peaks(d)
     if len(peaks) < STEPS_GROWING or not kept_bytes(d)[0]:
         return False
     return all(after * 100 > before * (100 + STEP_GROWTH_PCT) for before, after in zip(peaks, peaks[1:]))
@@ -648,7 +652,7 @@ def growing_steps(d: DeviceSummary) -> bool:
 
 def growing_data(d: DeviceSummary) -> Dict[str, Any]:
     """K004's figures: the step peaks after the first, and the bytes kept at the peak."""
-    peaks = _step_peaks(d)[1:]
+    peaks = _step_peaks(d)
     kept = kept_bytes(d)[0]
     return {"step_peaks_bytes": peaks, "steps": ", ".join(format_bytes(p) for p in peaks),
             "kept_bytes": kept, "kept": format_bytes(kept)}

@@ -229,8 +229,8 @@ CATALOGUE: Tuple[Code, ...] = (
          "error: K003 device 0: the head run keeps 1.15 GiB from earlier forwards of the same code (1 earlier "
          "forward) that the base run does not keep: a graph or outputs held from one forward to the next"),
     Code("K004", "kept-grows-per-step", ERROR,
-         "memory kept from earlier steps grows step over step: the steps after the first peak at {steps}, and "
-         "{kept} live at the peak was allocated by earlier steps",
+         "memory kept from earlier steps grows step over step: the steps after the first peak at {steps}; {kept} "
+         "live at the peak was allocated by earlier steps",
          "Each step after the first peaks higher than the one before, and memory allocated by earlier steps is "
          "live at the peak: the run keeps something of every step. Comparing two runs, it is said of the head run "
          "when the base run's steps do not grow so (a baseline keeps no steps) and the head keeps more memory from "
@@ -241,7 +241,7 @@ CATALOGUE: Tuple[Code, ...] = (
          "hook storing outputs.",
          "memdiff peak tests/data/cuda/gpt2-log-tensor.pickle.gz",
          "error: K004 device 0: memory kept from earlier steps grows step over step: the steps after the "
-         "first peak at 7.31 GiB, 9.85 GiB, and 2.54 GiB live at the peak was allocated by earlier steps"),
+         "first peak at 7.31 GiB, 9.85 GiB; 2.54 GiB live at the peak was allocated by earlier steps"),
 
     # --- C: categories --------------------------------------------------------------------------
     Code("C001", "category-guessed", INFO,

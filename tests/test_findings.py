@@ -180,7 +180,7 @@ def test_the_gate_fails_on_kept_memory_growing_step_over_step_whatever_the_peak(
     code, out, _ = cli(capsys, "gate", head, "--baseline", stored)
     assert code == 1 and "PASS  device 0 peak" in out
     assert ("FAIL  finding K004 kept-grows-per-step: device 0: memory kept from earlier steps grows step over "
-            "step: the steps after the first peak at 7.31 GiB, 9.85 GiB, and 2.54 GiB live at the peak was allocated "
+            "step: the steps after the first peak at 7.31 GiB, 9.85 GiB; 2.54 GiB live at the peak was allocated "
             "by earlier steps (fails on K004: default)") in out
     # Ignored, it is neither shown nor failing; the rule says so.
     code, out, _ = cli(capsys, "gate", head, "--baseline", stored, "--ignore", "K004")
