@@ -240,3 +240,32 @@ def test_every_surface_shows_the_code(tmp_path, capsys, shared):
     assert '<details id="rule-p001" open><summary><strong>P001 peaks-in-different-phases</strong>' in html
     assert html.count('id="rule-') == 2  # P001 and G002: the codes shown, each documented once
 
+
+
+# The scenario suite's pairs (captured on CPU by tests/scenarios/train.py): the changes teams make,
+# and the codes each pair and run emits under the default rule.
+SCENARIO_PAIRS = [
+    ("gpt2-base", "gpt2-batch2x", ["G002"], False),
+    ("gpt2-log-item", "gpt2-log-tensor", ["K002", "K004"], False),  # a loss kept as a tensor: fails by K004
+    ("gpt2-eval-no-grad", "gpt2-eval-grad", ["G002", "K002", "K003"], False),  # eval without no_grad: K003
+    ("gpt2-base", "gpt2-eval-grad", ["G002", "K002", "K003"], False),
+    ("lstm-base", "lstm-keep-weights", ["K002", "K004"], False),  # weight copies kept each step: K004
+]
+SCENARIO_RUNS = {"gpt2-base": [], "gpt2-batch2x": [], "gpt2-eval-no-grad": [], "gpt2-eval-grad": ["K001"],
+                 "gpt2-log-item": ["K001"], "gpt2-log-tensor": ["K001", "K004"], "lstm-base": [],
+                 "lstm-keep-weights": ["K001", "K004"]}
+
+
+@pytest.mark.slow  # the scenario suite's captures
+def test_the_codes_of_the_scenario_pairs_are_pinned(scenarios):
+    paths = scenarios(*SCENARIO_RUNS)
+    rules = load_rules()
+    runs = {name: read_summary(str(path), rules) for name, path in paths.items()}
+    got = {name: sorted({f.code for f in source_findings(s) + [f for p in peak_report(name, s, 10)
+                                                                 for f in p.findings]})
+           for name, s in runs.items()}
+    assert got == SCENARIO_RUNS
+    for base, head, codes, passed in SCENARIO_PAIRS:
+        report = compare([Run(runs[base])], [Run(runs[head])], Settings())
+        got_pair = (sorted({f.code for f in report.findings + report.notes}), report.passed)
+        assert got_pair == (codes, passed), (base, head)
