@@ -68,10 +68,9 @@ CATALOGUE: Tuple[Code, ...] = (
          "same memory.",
          "Record with a larger `max_entries` (`torch.cuda.memory._record_memory_history(max_entries=...)`, "
          "`memdiff record --max-entries`), or record fewer steps (`memdiff record --steps`).",
-         "hand-built in tests/test_findings.py (no real snapshot in tests/ says its buffer wrapped)",
-         "warning: T001 head: the trace overflowed its ring buffer of 1,000 entries: its first events are gone, "
-         "so memory allocated before them counts as static and their stacks are unknown (record with a larger "
-         "max_entries)"),
+         "hand-built in tests/test_diff.py (no real snapshot in tests/ says its buffer wrapped)",
+         "warning: T001 the trace overflowed its ring buffer of 2 entries: its first events are gone, so memory "
+         "allocated before them counts as static and their stacks are unknown (record with a larger max_entries)"),
     Code("T002", "trace-starts-mid-run", WARNING,
          "the trace starts mid-run: {frees:,} frees of allocations made before it ({freed}) count as static "
          "memory. Record with a larger max_entries to see their stacks.",
@@ -153,7 +152,7 @@ CATALOGUE: Tuple[Code, ...] = (
          "entry in the other.",
          "Rows are aligned by their stacks: the same backward memory reads as gone from one and new in the other.",
          "Record both runs the same way (`memdiff record`, with C++ stacks on CUDA).",
-         "hand-built in tests/test_diff.py",
+         "hand-built in tests/test_cuda_snapshots.py (gpt2-base with its autograd nodes' frames taken out)",
          "warning: T009 device 0: only the head run's stacks name autograd nodes (AddmmBackward0); the base's "
          "backward memory reads run_backward (a CPU capture by an earlier memdiff, or CUDA stacks=\"python\"), so "
          "its backward rows show as gone and new: record both runs the same way"),
@@ -314,8 +313,8 @@ CATALOGUE: Tuple[Code, ...] = (
          "A misspelt or stale pattern checks 0 B against whatever is new and nothing else.",
          "Fix the pattern (a regular expression searched in the rows' sites).",
          "hand-built in tests/test_gate.py",
-         "warning: G004 device 0: sites /no_such_site/ matches no group of the base run, so its limit only sees "
-         "groups that are new"),
+         "warning: G004 device 0: sites /^model\\.py:forwrad$/ matches no group of the base run, so its limit only "
+         "sees groups that are new"),
     Code("G005", "rank-missing", ERROR,
          "{ranks}: in the baseline but not in the run (a rank that crashed?); --allow-missing-ranks gates the "
          "others only",
@@ -331,7 +330,7 @@ CATALOGUE: Tuple[Code, ...] = (
          "An ungated rank could regress unseen.",
          "Make the job's baseline again with every rank (`memdiff baseline JOB`).",
          "hand-built in tests/test_ranks.py",
-         "error: G006 rank 4: no baseline (--require-baseline)"),
+         "error: G006 rank 2: no baseline (--require-baseline)"),
 )
 
 BY_CODE: Dict[str, Code] = {c.code: c for c in CATALOGUE}
@@ -377,8 +376,9 @@ def rule_section(c: Code) -> str:
         f"Message: `{c.template}`", "",
         "### What it means", "", c.means, "",
         "### Why it matters", "", c.why, "",
-        "### Example", "", "```text", f"$ {c.example_command}" if not c.example_command.startswith("hand-built")
-        else f"# {c.example_command}", c.example_output, "```", "",
+        "### Example", "", "```text",
+        *([f"# {c.example_command}", c.example_output] if c.example_command.startswith("hand-built")
+          else [f"$ {c.example_command}", "...", c.example_output, "..."]), "```", "",
         "### What to do", "", c.fix, ""])
 
 

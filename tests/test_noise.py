@@ -12,6 +12,7 @@ from conftest import alloc, block, cli, free, py_frames, segment, weights_and_ac
 
 from memdiff.baseline import _stored_summary, comparable_pair, read_baseline
 from memdiff.classify import load_rules
+from memdiff.findings import BY_CODE
 from memdiff.inputs import read_summary
 from memdiff.report import Run, Settings, compare
 
@@ -76,7 +77,7 @@ def test_a_run_inside_the_spread_says_so_and_passes(tmp_path, capsys):
     assert "peak +1.00 MiB (+0.5%) (within the spread of 3 runs, -1.0% to +1.0%)" in out.splitlines()[0]
     assert "measured noise: peak +0.5%: within the spread of 3 runs, -1.0% to +1.0% (200.00 MiB to 204.00 MiB)" in out
     assert ("note: G001 device 0: the peak's change (+0.5%) is within the spread of the baseline's 3 runs "
-            "(-1.0% to +1.0%)") in out
+            "(-1.0% to +1.0%)") in out.splitlines() and BY_CODE["G001"].example_output in out
 
 
 def test_the_api_gates_with_the_spread_as_the_cli_does(tmp_path, capsys):
@@ -246,7 +247,7 @@ def test_reserved_moves_while_allocated_does_not(write_snapshot, capsys):
     assert ("note: A001 device 0: reserved moved while the allocated peak is unchanged: the tensors need the same "
             "memory, and the allocator caches more blocks no tensor holds (its pool's history: the order of "
             "allocations and frees, block sizes, streams). The gate judges allocated memory; --reserved-fail-over "
-            "gates reserved memory too.") in out
+            "gates reserved memory too.") in out.splitlines() and BY_CODE["A001"].example_output in out
     code, out, _ = run(capsys, base, head, "--reserved-fail-over", "50%")
     assert code == 1 and "FAIL  device 0 reserved peak: 2.00 MiB -> 6.00 MiB" in out
 

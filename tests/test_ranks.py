@@ -10,12 +10,13 @@ from pathlib import Path
 from typing import Dict
 
 import pytest
-
 from conftest import alloc, free, py_frames
+
 from memdiff.classify import load_rules
 from memdiff.cli import main
 from memdiff.errors import InputError
-from memdiff.job import discover, rank_of, rank_patterns, ranges, summarize_ranks
+from memdiff.findings import BY_CODE
+from memdiff.job import discover, ranges, rank_of, rank_patterns, summarize_ranks
 
 MiB = 2**20
 PARAMS = py_frames("model.py:3:__init__", "train.py:4:<module>")
@@ -153,7 +154,8 @@ def test_ranks_only_one_job_has_are_warned_about(tmp_path, capsys):
     base = job(tmp_path / "base", {r: rank_snapshot(MiB) for r in range(3)})
     head = job(tmp_path / "head", {r: rank_snapshot(MiB) for r in range(2)})
     code, out, _ = run(capsys, base, head)
-    assert code == 0 and "warning: T011 rank 2 only in base, not compared" in out
+    assert code == 0 and "warning: T011 rank 2 only in base, not compared" in out.splitlines()
+    assert BY_CODE["T011"].example_output in out
 
 
 def test_ranges():
@@ -228,7 +230,18 @@ def test_a_rank_that_crashed_fails_the_gate(tmp_path, capsys):
     (base / "rank3.pickle").unlink()  # ranks 0-2 left: no gap in the numbers, but rank 3 is gone
     code, out, _ = run(capsys, "gate", base, "--baseline", stored)
     assert code == 1 and "rank 3: in the baseline but not in the run" in out
+    assert BY_CODE["G005"].example_output in out.splitlines()
     assert run(capsys, "gate", base, "--baseline", stored, "--allow-missing-ranks")[0] == 0
+
+
+def test_a_rank_without_its_baseline_fails_a_gate_that_requires_one(tmp_path, capsys):
+    base = job(tmp_path / "train", {r: rank_snapshot(100 * MiB) for r in range(2)})
+    stored = tmp_path / "train.json"
+    run(capsys, "baseline", base, "-o", stored)
+    (base / "rank2.pickle").write_bytes((base / "rank1.pickle").read_bytes())  # a rank the baseline lacks
+    assert run(capsys, "gate", base, "--baseline", stored)[0] == 0  # said, not gated
+    code, out, _ = run(capsys, "gate", base, "--baseline", stored, "--require-baseline")
+    assert code == 1 and BY_CODE["G006"].example_output in out.splitlines()
 
 
 def test_a_run_baseline_does_not_gate_a_job(tmp_path, capsys):
