@@ -1,11 +1,12 @@
 """findings: the catalogue of everything memdiff says beyond the numbers, each under a stable code.
 
 A code is a family letter and a number (`P001`): T trace and format, P phases, K memory kept
-from earlier steps or forwards, C categories, A the allocator (reserved memory, OOMs), G the
-gate. Each entry holds its short name, its severity, the template of its sentence, and the
-documentation `memdiff rule CODE` prints and docs/findings.md is generated from (what it
-means, why it matters, a real example, what to do). The stages that observe something call
-`finding(CODE, ...)` with the figures; no other module words a finding. A code never changes
+from earlier steps or forwards, C categories, A the allocator (reserved memory, OOMs), W the
+what-if and the forecast, G the gate. Each entry holds its short name, its severity, the
+template of its sentence, and the documentation `memdiff rule CODE` prints and
+docs/findings.md is generated from (what it means, why it matters, a real example, what to
+do). The stages that observe something call `finding(CODE, ...)` with the figures; no other
+module words a finding. A code never changes
 meaning: a new meaning is a new code, and tests/test_findings.py pins the codes the real
 snapshots emit.
 """
@@ -29,6 +30,7 @@ FAMILIES = {
     "K": "memory kept from earlier steps or forwards (leaks)",
     "C": "categories and guesses",
     "A": "the allocator: reserved memory, out of memory",
+    "W": "what-if and forecast",
     "G": "the gate",
 }
 
@@ -280,6 +282,124 @@ CATALOGUE: Tuple[Code, ...] = (
          "error: A002 device 0: OOM at event 229: asked for 768.00 MiB with 666.19 MiB free on the "
          "device"),
 
+    # --- W: what-if and forecast -------------------------------------------------------------------
+    Code("W001", "whatif-not-run", INFO,
+         "what-if not run: {why}",
+         "`--whatif` on a regression could not replay the head run: a job, a summary or baseline instead of a "
+         "snapshot, or a device the snapshot records nothing on.",
+         "The report has no changes that buy the regression back; the verdict stands as judged.",
+         "Give the gate or the diff the head's snapshot itself, one run at a time, or run `memdiff whatif` on it.",
+         "hand-built in tests/test_buy_back.py",
+         "note: W001 what-if not run: it replays one run, and this is a job"),
+    Code("W002", "nothing-to-buy-back", INFO,
+         "{why}: no change to buy back",
+         "`--whatif` was asked on a regression, and no device's peak grew past its rule (another check failed).",
+         "There is no peak to bring back, so no change is predicted.",
+         "Read the failing check: a phase, a category, a site or a finding failed, not the peak.",
+         "hand-built in tests/test_buy_back.py",
+         "note: W002 no device's peak broke the rule: no change to buy back"),
+    Code("W003", "no-change-lowers", WARNING,
+         "no change memdiff whatif knows lowers this run's peak",
+         "Of the changes `memdiff whatif` knows (checkpointing, lower-precision weights, autocast, another "
+         "optimizer, zero_grad mode, accumulation), none lowers the regressed run's peak.",
+         "The regression is not one of the usual memory savings away: the growth itself needs undoing.",
+         "Read the rows that grew; `memdiff whatif --change` says what each change would do.",
+         "hand-built in tests/test_buy_back.py",
+         "warning: W003 device 0: no change memdiff whatif knows lowers this run's peak"),
+    Code("W004", "no-change-enough", WARNING,
+         "no single change brings the peak back to {base_name}'s {base_peak}; the one that saves most is shown",
+         "Each change `memdiff whatif` knows was replayed on the regressed run, and none brings its peak within "
+         "the rule; the one that saves most is listed.",
+         "Buying the regression back takes more than one change, or undoing part of the growth.",
+         "Combine changes (`memdiff whatif --change checkpoint+weights=bf16`), or undo the growth.",
+         "hand-built in tests/test_buy_back.py",
+         "warning: W004 device 0: no single change brings the peak back to base's 12.89 KiB; the one that saves "
+         "most is shown"),
+    Code("W005", "bought-back-by-replay", INFO,
+         "predicted by replaying the head's trace with each change (memdiff whatif; docs/whatif.md)",
+         "The changes listed under a regression were predicted by replaying the head run's own trace with each "
+         "change's rules.",
+         "They are predictions, with the accuracy docs/whatif.md measures on captured pairs, not measurements.",
+         "Make the change and record the run again to measure it.",
+         "hand-built in tests/test_buy_back.py",
+         "note: W005 predicted by replaying the head's trace with each change (memdiff whatif; docs/whatif.md)"),
+    Code("W006", "whatif-replayed", INFO,
+         "a what-if replays the run's own trace with each change's rules; each change lists what it assumed",
+         "`memdiff whatif`'s figures come from replaying the run's trace with each change's rules.",
+         "Each prediction rests on the assumptions its change lists; docs/whatif.md gives the accuracy measured "
+         "on captured pairs.",
+         "Read each change's assumptions; record the run with the change made to measure it.",
+         "memdiff whatif tests/data/cuda/gpt2-base.pickle.gz",
+         "note: W006 a what-if replays the run's own trace with each change's rules; each change lists what it "
+         "assumed"),
+    Code("W007", "runs-record-other-allocations", INFO,
+         "{runs} record{s} other allocations than the largest run: left out of the fit, and predicted from the "
+         "{fitted} runs that line up one for one, as a check",
+         "Forecasting from runs at several knob values, some runs allocate differently from the largest one (a "
+         "kernel chosen by size, a warm-up): they are left out of the fit and used to check it.",
+         "The forecast rests on fewer runs; the error on the runs left out says how far to trust it.",
+         "Record the runs the same way, or add a run that lines up with the largest.",
+         "hand-built in docs/forecast.md (the scenario script's GPT-2 at batch 1, 2 and 4, on CPU)",
+         "note: W007 device 0: gpt2-b1.pickle records other allocations than the largest run: left out of the fit, "
+         "and predicted from the 2 runs that line up one for one, as a check"),
+    Code("W008", "runs-not-aligned", INFO,
+         "the runs do not record the same allocations: {aligned}{others}",
+         "The forecast's runs do not allocate one for one: their allocations were lined up by stack and order.",
+         "Allocations only some runs have are fitted from those runs; the forecast is less exact.",
+         "Record the runs with the same code path and steps.",
+         "memdiff forecast ../shared/snapshots/cs336-medium-ctx128-train.pickle=128 "
+         "../shared/snapshots/cs336-medium-ctx256-train.pickle=256 --at 512 "
+         "--budget 80GiB",
+         "note: W008 device 0: the runs do not record the same allocations: 60.3% of the largest run's allocations "
+         "line up by stack in every run, and 61.1% of each other run's (the rest is not replayed); the others are "
+         "fitted from the runs that have them"),
+    Code("W009", "quadratic-under-leave-one-out", INFO,
+         "with three runs, leaving one out fits the other two with lines: the leave-one-out error overstates the "
+         "forecast's for sizes that grow quadratically (a fourth run checks them)",
+         "Three runs fit sizes that grow quadratically (attention scores with the sequence), and the "
+         "leave-one-out check can only fit two.",
+         "The error shown is pessimistic for those sizes.",
+         "Add a fourth run to check the quadratic sizes.",
+         "hand-built in tests/test_forecast.py (and docs/forecast.md's BERT at three lengths)",
+         "note: W009 device 0: with three runs, leaving one out fits the other two with lines: the leave-one-out "
+         "error overstates the forecast's for sizes that grow quadratically (a fourth run checks them)"),
+    Code("W010", "two-runs-linear", INFO,
+         "sizes are fitted from two runs: constant or linear only (a quadratic needs a third run that lines up one "
+         "for one)",
+         "The forecast fits each allocation's size from two runs.",
+         "A size that grows quadratically is forecast as a line: far from the runs it is too small.",
+         "Add a third run at another value.",
+         "memdiff forecast ../shared/snapshots/cs336-medium-ctx128-train.pickle=128 "
+         "../shared/snapshots/cs336-medium-ctx256-train.pickle=256 --at 512 "
+         "--budget 80GiB",
+         "note: W010 device 0: sizes are fitted from two runs: constant or linear only (a quadratic needs a third "
+         "run that lines up one for one)"),
+    Code("W011", "sizes-fit-no-polynomial", WARNING,
+         "{count:,} allocations ({amount} in the largest run) fit no polynomial up to quadratic; the quadratic "
+         "through their three largest values stands in",
+         "Some allocations' sizes follow no constant, linear or quadratic law over the runs (a cache that grows "
+         "in steps, a size picked by the allocator).",
+         "Their forecast is a stand-in: the further from the runs, the less it holds.",
+         "Add runs near the value forecast, or read those allocations' rows.",
+         "hand-built in tests/test_forecast.py",
+         "warning: W011 device 0: 1 allocations (100 B in the largest run) fit no polynomial up to quadratic; the "
+         "quadratic through their three largest values stands in"),
+    Code("W012", "over-budget-at-one", WARNING,
+         "even at 1 the predicted peak exceeds the budget of {budget}",
+         "With `--budget`, the forecast's peak at the knob's smallest value is over the budget.",
+         "Nothing fits: no value of the knob runs within the budget.",
+         "Lower the memory at value 1 (checkpointing, bf16 weights: `memdiff whatif`), or raise the budget.",
+         "memdiff forecast ../shared/snapshots/cs336-medium-ctx128-train.pickle=128 "
+         "../shared/snapshots/cs336-medium-ctx256-train.pickle=256 --at 512 "
+         "--budget 1GiB",
+         "warning: W012 device 0: even at 1 the predicted peak exceeds the budget of 1.00 GiB"),
+    Code("W013", "never-outgrows-budget", INFO,
+         "the predicted peak does not outgrow the budget at any value",
+         "With `--budget`, the forecast's peak stays within the budget at every value.",
+         "The knob does not limit memory as forecast: nothing grows with it.",
+         "Check that the runs really differ in the knob.",
+         "hand-built in tests/test_forecast.py",
+         "note: W013 device 0: the predicted peak does not outgrow the budget at any value"),
     # --- G: the gate ---------------------------------------------------------------------------
     Code("G001", "within-spread", INFO,
          "the peak's change ({change}) is within the spread of the baseline's {runs} runs ({span})",

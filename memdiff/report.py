@@ -289,7 +289,7 @@ class Report:
                                "text": t.text, "points": [asdict(p) for p in t.points]} for t in self.trends]
         if self.buy_back is not None:
             head["buy_back"] = [asdict(b) for b in self.buy_back.items]
-            head["buy_back_notes"] = self.buy_back.notes
+            head["buy_back_notes"] = [n.text for n in self.buy_back.notes]
         shown = {"warnings": self.warnings, "findings": [f.to_dict() for f in self.findings]}
         if self.job is None:
             return {**head, **self.diff.to_dict(), **shown}
@@ -443,7 +443,7 @@ def _buy_back(s: Settings, verdict: Optional[Verdict], shown: RankResult, job: O
     if s.whatif_run is None or verdict is None or verdict.passed:
         return None
     if job is not None:
-        return BuyBackPart([], ["what-if not run: it replays one run, and this is a job"])
+        return BuyBackPart([], [finding("W001", why="it replays one run, and this is a job")])
     base_name = "the baseline" if s.baseline is not None else "base"
     heads = {d.device: d for d in shown.head.devices}
     targets = []
@@ -458,7 +458,7 @@ def _buy_back(s: Settings, verdict: Optional[Verdict], shown: RankResult, job: O
         allowed = _allowed(limit, b.peak_bytes, h.peak_bytes) if limit is not None else b.peak_bytes
         targets.append(BuyBackTarget(b.device, b.peak_bytes, allowed, base_name))
     if not targets:
-        return BuyBackPart([], ["no device's peak broke the rule: no peak to buy back"])
+        return BuyBackPart([], [finding("W002", why="no device's peak broke the rule")])
     return buy_back(s.whatif_run, s.rules, targets, s.window)
 
 

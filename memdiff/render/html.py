@@ -165,7 +165,7 @@ def _buy_back(report: Report) -> List[str]:
     out += [f'<li class="mono {"pass" if b.enough else "fail"}" data-change="{html.escape(b.change)}">'
             f"{html.escape(b.text)}</li>" for b in report.buy_back.items]
     out.append("</ul>")
-    out += [f'<p class="muted">{html.escape(n)}</p>' for n in report.buy_back.notes]
+    out += [_finding(n, "muted") for n in report.buy_back.notes]
     return out + ["</section>"]
 
 
@@ -261,7 +261,7 @@ def render_diff(report: Report) -> str:
                                  _run("head", head_name, head_devices.get(d.device))],
                         "rows": {f"r{k}": _row_data(r) for k, r in enumerate(d.rows)}})
     body += _trends(report)
-    body += _rules([*report.findings, *report.notes])
+    body += _rules([*report.findings, *report.notes, *(report.buy_back.notes if report.buy_back else [])])
     return _page(title, body, {"kind": "diff", "devices": devices})
 
 

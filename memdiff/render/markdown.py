@@ -118,7 +118,8 @@ def _buy_back(report: Report) -> List[str]:
         return []
     lines = ["", "#### What buys it back", ""]
     lines += [f"- {'✅' if b.enough else '⚠️'} {md_text(b.text)}" for b in report.buy_back.items]
-    lines += ["", *(f"<sub>{md_text(n)}</sub>  " for n in report.buy_back.notes)] if report.buy_back.notes else []
+    lines += ["", *(f"<sub>`{n.code}` {md_text(n.text)}</sub>  " for n in report.buy_back.notes)] \
+        if report.buy_back.notes else []
     return lines
 
 

@@ -145,7 +145,7 @@ def buy_back_lines(report: Report) -> List[str]:
     if report.buy_back is None:
         return []
     return ["", "what buys it back (memdiff whatif on head):", *(f"  {b.text}" for b in report.buy_back.items),
-            *(f"  note: {n}" for n in report.buy_back.notes)]
+            *(f"  {shown(n)}" for n in report.buy_back.notes)]
 
 
 def render_diff(report: Report) -> str:

@@ -9,6 +9,7 @@ from typing import List
 from tabulate import tabulate
 
 from memdiff.counterfactual import DeviceWhatIf, WhatIf
+from memdiff.findings import shown
 from memdiff.inert import md_cell, md_code, md_text
 from memdiff.render.json import dumps
 from memdiff.units import format_bytes
@@ -39,7 +40,7 @@ def render_text(w: WhatIf) -> str:
     """The what-if for a terminal."""
     out = [f"memdiff whatif {os.path.basename(w.file)}" + (f" (budget {format_bytes(w.budget_bytes)})"
                                                           if w.budget_bytes is not None else "")]
-    out += [f"note: {n}" for n in w.notes]
+    out += [shown(n) for n in w.notes]
     for d in w.devices:
         out += ["", d.headline]
         if any(c.applies for c in d.changes):
