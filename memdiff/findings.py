@@ -409,6 +409,17 @@ CATALOGUE: Tuple[Code, ...] = (
          "hand-built in tests/test_noise.py (a baseline of three repeats)",
          "note: G001 device 0: the peak's change (+0.5%) is within the spread of the baseline's 3 runs "
          "(-1.0% to +1.0%)"),
+    Code("G007", "history-without-workload", INFO,
+         "the history has no peak of {workload!r} on main yet ({holds}): `memdiff history append` on each push to "
+         "main adds them",
+         "`--history` was given and the history file has no line of this workload (the baseline's name).",
+         "The report has no trend to show for it: the main branch's peaks are not being kept, or under another "
+         "name.",
+         "Run `memdiff history append RUN --to FILE --commit SHA --workload NAME` on each push to main, with the "
+         "baseline's name.",
+         "hand-built in tests/test_trend.py",
+         "note: G007 the history has no peak of 'eval' on main yet (it holds train): `memdiff history append` on "
+         "each push to main adds them"),
     Code("G002", "peak-grew", ERROR,
          "{moment} grew by {grew}; top growth: {sites}",
          "A peak limit failed: the peak grew past the rule.",

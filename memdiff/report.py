@@ -239,7 +239,7 @@ class Report:
     # With a history (--history): each device's last peaks on the main branch and this run's point;
     # `trend_note` says why there is none (the history has no line of this workload).
     trends: Optional[List[Trend]] = None
-    trend_note: Optional[str] = None
+    trend_note: Optional[Finding] = None
     # With --whatif on a regression: the changes that would bring head's peak back (counterfactual.buy_back).
     buy_back: Optional[BuyBackPart] = None
     # The catalogue's findings shown (those the gate ignores left out): the diff's, then the report's.
@@ -290,7 +290,8 @@ class Report:
         if self.buy_back is not None:
             head["buy_back"] = [asdict(b) for b in self.buy_back.items]
             head["buy_back_notes"] = [n.text for n in self.buy_back.notes]
-        shown = {"warnings": self.warnings, "findings": [f.to_dict() for f in self.findings]}
+        shown = {"warnings": self.warnings, "findings": [f.to_dict() for f in self.findings]
+                 + ([self.trend_note.to_dict()] if self.trend_note is not None else [])}
         if self.job is None:
             return {**head, **self.diff.to_dict(), **shown}
         head["schema_version"] = RANKS_SCHEMA_VERSION
@@ -472,7 +473,7 @@ def _allowed(limit: Limit, base: int, head: int) -> int:
     return low
 
 
-def _trends(s: Settings, d: Diff) -> Tuple[Optional[List[Trend]], Optional[str]]:
+def _trends(s: Settings, d: Diff) -> Tuple[Optional[List[Trend]], Optional[Finding]]:
     """Each device's main-branch trend with this run's peak after it, and why there is none when
     the history was given and holds no line of the workload."""
     if s.history is None:
@@ -483,9 +484,8 @@ def _trends(s: Settings, d: Diff) -> Tuple[Optional[List[Trend]], Optional[str]]
     if trends:
         return trends, None
     known = workloads(s.history)
-    return [], (f"the history has no peak of {workload!r} on main yet"
-                + (f" (it holds {clip(', '.join(known))})" if known else " (it is empty)")
-                + ": `memdiff history append` on each push to main adds them")
+    return [], finding("G007", workload=workload, workloads=known,
+                       holds=f"it holds {clip(', '.join(known))}" if known else "it is empty")
 
 
 def _span(base: int, low: int, high: int) -> str:

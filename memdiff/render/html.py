@@ -224,7 +224,7 @@ def _trends(report: Report) -> List[str]:
                 f'<p class="trend-text">{html.escape(t.text)}</p>',
                 _table(TREND_HEADERS, t.rows, left=(0, 1), attrs=[' class="trend-head-row"'])]
     if report.trend_note:
-        out.append(f'<p class="muted">{html.escape(report.trend_note)}</p>')
+        out.append(_finding(report.trend_note, "muted"))
     return out + ["</section>"]
 
 
@@ -261,7 +261,8 @@ def render_diff(report: Report) -> str:
                                  _run("head", head_name, head_devices.get(d.device))],
                         "rows": {f"r{k}": _row_data(r) for k, r in enumerate(d.rows)}})
     body += _trends(report)
-    body += _rules([*report.findings, *report.notes, *(report.buy_back.notes if report.buy_back else [])])
+    body += _rules([*report.findings, *report.notes, *(report.buy_back.notes if report.buy_back else []),
+                    *([report.trend_note] if report.trend_note else [])])
     return _page(title, body, {"kind": "diff", "devices": devices})
 
 

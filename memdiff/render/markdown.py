@@ -108,7 +108,7 @@ def _trends(report: Report) -> List[str]:
                   f"<details><summary>The last {len(t.points)} peaks of {md_text(t.workload)} on main, "
                   f"device {t.device}</summary>", "",
                   layout(Table(TREND_HEADERS, t.rows, left=[0, 1]), "github", escape=md_cell), "", "</details>"]
-    lines += ["", md_text(report.trend_note)] if report.trend_note else []
+    lines += ["", f"`{report.trend_note.code}` {md_text(report.trend_note.text)}"] if report.trend_note else []
     return lines
 
 

@@ -136,7 +136,7 @@ def _device(d: DeviceReport) -> List[str]:
 def _trends(report: Report) -> List[str]:
     """The main-branch trend of each device (--history): the sparkline, this run's block after it."""
     lines = [f"trend on main: {t.sparkline} -> {t.head_block}  {t.text}" for t in report.trends or []]
-    lines += [f"trend on main: {report.trend_note}"] if report.trend_note else []
+    lines += [f"trend on main: {shown(report.trend_note)}"] if report.trend_note else []
     return ["", *lines] if lines else []
 
 
