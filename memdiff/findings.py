@@ -20,7 +20,6 @@ from memdiff.errors import InputError, clip
 from memdiff.model import Finding
 
 ERROR, WARNING, INFO = "error", "warning", "info"
-SEVERITIES = (ERROR, WARNING, INFO)
 # How each surface names a severity before the code: `warning: P001 device 0: ...`.
 SEVERITY_WORDS = {ERROR: "error", WARNING: "warning", INFO: "note"}
 
@@ -33,9 +32,6 @@ FAMILIES = {
     "W": "what-if and forecast",
     "G": "the gate",
 }
-
-# Where each code's documentation lives, for links (the HTML report, GitHub annotations).
-DOCS_URL = "docs/findings.md"
 
 
 @dataclass(frozen=True)
