@@ -125,6 +125,7 @@ class DeviceWhatIf:
     optimizer: Optional[str]  # the run's optimizer, as read from its state and sites
     changes: List[ChangePrediction]
     headline: str  # the run's peak and the change that saves most, in one line
+    findings: List[Finding] = field(default_factory=list)  # each change that does not apply (W014)
 
 
 @dataclass
@@ -142,7 +143,8 @@ class WhatIf:
         """The JSON document (schemas/whatif.schema.json)."""
         return {"schema_version": SCHEMA_VERSION, "tool": self.tool, "file": self.file,
                 "budget_bytes": self.budget_bytes, "asked": self.asked, "notes": [n.text for n in self.notes],
-                "findings": [n.to_dict() for n in self.notes], "devices": [asdict(d) for d in self.devices]}
+                "findings": [n.to_dict() for n in self.notes],
+                "devices": [{**asdict(d), "findings": [f.to_dict() for f in d.findings]} for d in self.devices]}
 
 
 # ---------------------------------------------------------------- parsing
@@ -807,7 +809,7 @@ def _predict(run: _Run, change: Change, blocks: List[str], block: np.ndarray,
         return ChangePrediction(change=change.text, applies=False, reason=str(why), predicted_peak_bytes=None,
                                 predicted_peak_phase=None, predicted_peak_step=None, delta_bytes=None,
                                 delta_pct=None, fits_budget=None, phase_peaks={}, categories={}, assumptions=[],
-                                line=f"{change.text}: does not apply: {why}")
+                                line=finding("W014", change=change.text, why=str(why)).message)
     course, sizes = _changed_course(run, edit)
     r = replay_course(course, sizes, run.spans, run.steps)
     base = run.base.peak_bytes
@@ -873,7 +875,9 @@ def whatif_course(path: str, courses: Dict[int, DeviceCourse],
         devices.append(DeviceWhatIf(device=device, base_peak_bytes=run.base.peak_bytes, base_peak_phase=run.base.phase,
                                     base_peak_step=run.base.step, blocks=blocks, optimizer=optimizer,
                                     changes=predictions, headline=_headline(device, run, blocks, optimizer,
-                                                                            predictions)))
+                                                                            predictions),
+                                    findings=[finding("W014", device, change=p.change, why=p.reason or "")
+                                              for p in predictions if not p.applies]))
     notes = [finding("W006")]
     # Names from the snapshot (module instances, the file) are made one line each here, once for every output.
     return scrubbed(WhatIf(file=path, budget_bytes=budget, asked=[c.text for c in changes], devices=devices,

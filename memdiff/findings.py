@@ -328,6 +328,15 @@ CATALOGUE: Tuple[Code, ...] = (
          "memdiff whatif tests/data/cuda/gpt2-base.pickle.gz",
          "note: W006 a what-if replays the run's own trace with each change's rules; each change lists what it "
          "assumed"),
+    Code("W014", "change-does-not-apply", INFO,
+         "{change}: does not apply: {why}",
+         "A change asked of `memdiff whatif` (or tried for `--whatif`) cannot be made to this run: checkpointing "
+         "without repeated blocks, zero_grad(set_to_none) in a run that already frees its gradients, an "
+         "optimizer the run does not use.",
+         "The change has no prediction: the run already has it, or has nothing it changes.",
+         "Read the reason; ask for another change.",
+         "memdiff whatif ../shared/snapshots/cs336-medium-ctx128-infer.pickle --change zero-grad=none",
+         "note: W014 device 0: zero-grad=none: does not apply: the run shows no gradients (category gradient)"),
     Code("W007", "runs-record-other-allocations", INFO,
          "{runs} record{s} other allocations than the largest run: left out of the fit, and predicted from the "
          "{fitted} runs that line up one for one, as a check",
