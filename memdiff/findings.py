@@ -539,11 +539,14 @@ def docs_page() -> str:
         "not shown and fails nothing. By default these codes fail: "
         + ", ".join(f"[{c}](#{BY_CODE[c].anchor})" for c in DEFAULT_FAIL_ON)
         + ". `memdiff gate` and `memdiff BASE HEAD` choose others with `--fail-on CODE ...` and "
-        "`--ignore CODE ...` (a family letter stands for its codes: `--ignore T`), and a baseline's thresholds "
-        "keep the same as `\"findings\": {\"fail-on\": [\"K002\"], \"ignore\": [\"T003\"]}`. Flags are applied "
-        "after the baseline's choice, and an ignore wins over a fail-on of the same code. The rule in force is "
-        "printed with every verdict and recorded in the JSON as `finding_rules` (`code`, `action`, `source`); a "
-        "finding that failed is a `finding_checks` entry and a `FAIL` line.", "",
+        "`--ignore CODE ...` (a family letter stands for its codes: `--ignore T`); a baseline's thresholds "
+        "(`memdiff baseline --fail-on ...` stores them) and a rules file (`--rules`) keep the same as "
+        "`\"findings\": {\"fail-on\": [\"K002\"], \"ignore\": [\"T003\"]}`; the Action takes the inputs "
+        "`fail-on` and `ignore`, the pytest marker `fail_on=[...]` and `ignore=[...]`. The choices apply in that "
+        "order, the last choice of a code winning: the default, the baseline's, each rules file's, the flags'; an "
+        "ignore wins over a fail-on of the same code given together. The rule in force is printed with every "
+        "verdict and recorded in the JSON as `finding_rules` (`code`, `action`, `source`); a finding that failed "
+        "is a `finding_checks` entry and a `FAIL` line.", "",
         "| code | name | severity |", "| --- | --- | --- |",
         *(f"| [{c.code}](#{c.anchor}) | {c.name} | {c.severity} |" for c in CATALOGUE), ""]
     return "\n".join(head + [rule_section(c) for c in CATALOGUE])
