@@ -250,10 +250,18 @@ SCENARIO_PAIRS = [
     ("gpt2-eval-no-grad", "gpt2-eval-grad", ["G002", "K002", "K003"], False),  # eval without no_grad: K003
     ("gpt2-base", "gpt2-eval-grad", ["G002", "K002", "K003"], False),
     ("lstm-base", "lstm-keep-weights", ["K002", "K004"], False),  # weight copies kept each step: K004
+    # The changes that keep nothing read as no finding, and pass: no code fires for them.
+    ("gpt2-base", "gpt2-checkpoint", [], True),
+    ("gpt2-checkpoint", "gpt2-base", [], True),
+    ("gpt2-base", "gpt2-accum", [], True),
+    ("gpt2-base", "gpt2-autocast", [], True),
+    ("gpt2-base", "gpt2-sgd", [], True),
+    ("gpt2-base", "gpt2-debug", [], True),
 ]
 SCENARIO_RUNS = {"gpt2-base": [], "gpt2-batch2x": [], "gpt2-eval-no-grad": [], "gpt2-eval-grad": ["K001"],
                  "gpt2-log-item": ["K001"], "gpt2-log-tensor": ["K001", "K004"], "lstm-base": [],
-                 "lstm-keep-weights": ["K001", "K004"]}
+                 "lstm-keep-weights": ["K001", "K004"], "gpt2-checkpoint": [], "gpt2-accum": [], "gpt2-autocast": [],
+                 "gpt2-sgd": [], "gpt2-debug": []}
 
 
 @pytest.mark.slow  # the scenario suite's captures
