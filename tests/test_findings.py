@@ -10,6 +10,7 @@ import sys
 from typing import Dict, List
 
 import pytest
+import test_schemas
 from conftest import ROOT, cli
 
 from memdiff.classify import load_rules
@@ -19,6 +20,7 @@ from memdiff.peak import peak_report, source_findings
 from memdiff.report import Run, Settings, compare
 
 CUDA = ROOT / "tests" / "data" / "cuda"
+validate = test_schemas.validate
 MiB = 2**20
 
 
@@ -277,3 +279,20 @@ def test_the_codes_of_the_scenario_pairs_are_pinned(scenarios):
         report = compare([Run(runs[base])], [Run(runs[head])], Settings())
         got_pair = (sorted({f.code for f in report.findings + report.notes}), report.passed)
         assert got_pair == (codes, passed), (base, head)
+
+
+def test_the_json_of_every_command_carries_its_findings(validate, capsys, tmp_path):
+    code, out, _ = cli(capsys, "peak", CUDA / "gpt2-oom.pickle.gz", "--format", "json")
+    doc = json.loads(out)
+    validate("summary", doc)
+    assert [(f["code"], f["device"], f["data"]["requested_bytes"]) for f in doc["findings"] if f["code"] == "A002"] \
+        == [("A002", 0, 768 * MiB)]
+    code, out, _ = cli(capsys, CUDA / "gpt2-base.pickle.gz", CUDA / "gpt2-oom.pickle.gz", "--format", "json")
+    doc = json.loads(out)
+    validate("diff", doc)
+    assert code == 1 and [(f["code"], f["run"]) for f in doc["findings"] if f["severity"] == "error"] == [("A002", "head")]
+    assert doc["finding_checks"][0]["code"] == "A002"
+    code, out, _ = cli(capsys, "whatif", CUDA / "gpt2-base.pickle.gz", "--format", "json")
+    doc = json.loads(out)
+    validate("whatif", doc)
+    assert [f["code"] for f in doc["findings"]] == ["W006"]
