@@ -389,7 +389,9 @@ def compare(base: Sequence[Run], head: Sequence[Run], settings: Optional[Setting
                                    for r in results for d in r.diff.devices], left=[6]),
         worst_rank=worst.rank,
         other_failures=[check_line(c) for c in (verdict.checks if verdict else [])
-                        if not c.passed and not c.subject.startswith(f"rank {worst.rank} ")],
+                        if not c.passed and not c.subject.startswith(f"rank {worst.rank} ")]
+        + [finding_check_line(c) for c in (verdict.finding_checks if verdict else [])
+           if not c.text.startswith(f"rank {worst.rank} ")],
         only_base=only_base, only_head=only_head, failures=failures)
     return _report(s, verdict, results, job)
 

@@ -309,3 +309,19 @@ def test_a_recorded_jobs_manifest_keeps_an_earlier_runs_ranks_out(tmp_path, caps
         (folder / f"rank{r}.pickle").unlink()
     code, _, err = run(capsys, "ranks", folder)
     assert code == 2 and "no rank file of the job its memdiff-job.json describes (2 ranks)" in err
+
+
+def test_a_finding_that_fails_another_rank_is_listed_with_the_other_ranks(tmp_path, capsys):
+    # Rank 1's head trace starts mid-run (a free of memory it never saw allocated); rank 0 grew most,
+    # so it is shown in full, and rank 1's failing finding is listed with the other ranks.
+    mid_run = rank_snapshot(100 * MiB)
+    mid_run["device_traces"][0].insert(0, free(99, MiB, FWD))
+    base = job(tmp_path / "base", {0: rank_snapshot(100 * MiB), 1: rank_snapshot(100 * MiB)})
+    head = job(tmp_path / "head", {0: rank_snapshot(100 * MiB, extra=MiB), 1: mid_run})
+    assert run(capsys, base, head)[0] == 0  # T003 is a warning, failing nothing by default
+    code, out, _ = run(capsys, base, head, "--fail-on", "T003")
+    assert code == 1 and "FAIL: 2 ranks compared, failing: 1" in out
+    other = out[out.index("other ranks:"):].splitlines()
+    assert other[1] == ("FAIL  finding T003 mid-run-in-one-run: rank 1 device 0: only the head trace starts mid-run "
+                        "(its ring buffer dropped events), so its static memory includes what the other run shows as "
+                        "allocations (fails on T003: --fail-on)")
