@@ -27,6 +27,7 @@ from memdiff.baseline import Baseline, comparable_pair, read_baseline, update_ba
 from memdiff.classify import Rule, check_categories, load_rules
 from memdiff.differ import PEAK
 from memdiff.errors import InputError
+from memdiff.findings import parse_codes
 from memdiff.inert import baseline_command
 from memdiff.inputs import read_summary
 from memdiff.limits import Limit, Thresholds, parse_limit, parse_pct, thresholds_over
@@ -89,8 +90,10 @@ def _limit(value: Size, what: str) -> Limit:
 
 def thresholds(*, fail_over: Size = None, fail_over_pct: Optional[float] = None,
                categories: Optional[Dict[str, Size]] = None, phases: Optional[Dict[str, Size]] = None,
+               fail_on: Sequence[str] = (), ignore: Sequence[str] = (),
                base: Optional[Thresholds] = None) -> Thresholds:
-    """Thresholds as the CLI's flags give them (`categories={"activation": "10%"}`); over `base`
+    """Thresholds as the CLI's flags give them (`categories={"activation": "10%"}`,
+    `fail_on=["K002"]`, `ignore=["T003"]`: finding codes, as --fail-on and --ignore); over `base`
     (a baseline's), each one given replaces its stored one whole."""
     try:
         pct = None if fail_over_pct is None else parse_pct(str(fail_over_pct))
@@ -98,7 +101,10 @@ def thresholds(*, fail_over: Size = None, fail_over_pct: Optional[float] = None,
         raise InputError("fail_over_pct", str(exc)) from None
     return thresholds_over(base, to_bytes(fail_over, "fail_over"), pct,
                            {name: _limit(v, f"categories[{name!r}]") for name, v in (categories or {}).items()},
-                           {name: _limit(v, f"phases[{name!r}]") for name, v in (phases or {}).items()})
+                           {name: _limit(v, f"phases[{name!r}]") for name, v in (phases or {}).items()},
+                           choices=[("fail_on", "ignore", parse_codes("fail_on", [fail_on] if isinstance(fail_on, str)
+                                                                      else fail_on),
+                                     parse_codes("ignore", [ignore] if isinstance(ignore, str) else ignore))])
 
 
 def load_baseline(path: Union[str, "os.PathLike[str]"]) -> Baseline:
@@ -122,7 +128,8 @@ def write_baseline(run: Run, path: Union[str, "os.PathLike[str]"], *, name: Opti
 def gate(run: Run, baseline: Union[str, "os.PathLike[str]", Baseline], *, rules: Optional[Sequence[str]] = None,
          top: int = DEFAULT_TOP, whatif: bool = False, mixed_routes: bool = False, **limits: Any) -> Report:
     """Judge a run against a baseline under its thresholds; limits given (`fail_over="256MiB"`,
-    `categories={"activation": "10%"}`, `phases={"forward": "512MiB"}`) replace the stored ones whole.
+    `categories={"activation": "10%"}`, `phases={"forward": "512MiB"}`) replace the stored ones whole,
+    and findings chosen (`fail_on=["K002"]`, `ignore=["T003"]`) choose over the stored choice.
     The Report's `passed`, `checks` and `headline` say how it went; `to_dict()` is the CLI's gate document.
     With `whatif` (`memdiff gate --whatif`), a regressed peak's report names the changes that buy it
     back (`Report.buy_back`), replayed from the run's snapshot: `run` must then be a path. An emulated run

@@ -17,6 +17,7 @@ from importlib import resources
 from typing import AbstractSet, Any, Dict, FrozenSet, Iterable, List, Optional, Sequence, Set, Tuple
 
 from memdiff.errors import InputError, clip
+from memdiff.findings import parse_codes
 from memdiff.frames import FREED_PREFIX, UPDATED_PREFIX
 from memdiff.load import parse_json, read_json, read_small
 from memdiff.model import DeviceSummary, Frame, Group, Summary, largest_first
@@ -144,6 +145,19 @@ def load_rules(rules_files: Sequence[str] = (), custom_profile: Optional[str] = 
         user += custom_profile_rules(custom_profile)
     # sorted() is stable: equal priorities keep their order, user rules before built-in ones.
     return sorted(user + builtin_rules(), key=lambda r: -r.priority)
+
+
+def findings_chosen(rules_files: Sequence[str]) -> List[Tuple[str, List[str], List[str]]]:
+    """Each rules file's choice of findings (its `findings`: `fail-on` and `ignore` codes, checked
+    against the catalogue), as (path, fail-on, ignore), in order; files without one are left out."""
+    out = []
+    for path in rules_files:
+        data = _read_rules_file(path)
+        chosen = validate(path, data, "rules").get("findings")
+        if chosen:
+            out.append((path, parse_codes(f"{path}: findings.fail-on", chosen.get("fail-on", [])),
+                        parse_codes(f"{path}: findings.ignore", chosen.get("ignore", []))))
+    return out
 
 
 def check_categories(names: Iterable[str], rules: Sequence[Rule], source: str) -> None:

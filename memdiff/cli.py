@@ -33,6 +33,7 @@ COMMANDS = {  # name: (module, one-line help); a module gives DESCRIPTION, add_a
     "whatif": ("memdiff.commands.whatif",
                "predict the peak after a change not made (checkpointing, bf16, another optimizer, accumulation)"),
     "record": ("memdiff.commands.record", "run a Python script with memory recording on and write the snapshot"),
+    "rule": ("memdiff.commands.rule", "explain a finding code (P001, K004, ...), or list them all with --all"),
     "demo": ("memdiff.commands.demo", "record a small GPT with and without activation checkpointing and diff them"),
     "comment": ("memdiff.commands.comment",
                 "post or update the sticky pull-request comment (the GitHub Action's step)"),

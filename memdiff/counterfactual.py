@@ -45,10 +45,11 @@ import numpy as np
 from memdiff import __version__
 from memdiff.classify import Rule
 from memdiff.errors import InputError
+from memdiff.findings import finding
 from memdiff.forecasting import DeviceCourse, Replayed, read_course, replay_course, structure
 from memdiff.inert import scrubbed
 from memdiff.lifetimes import BACKWARD, FORWARD, OPTIMIZER
-from memdiff.model import PhaseSpan, Step
+from memdiff.model import Finding, PhaseSpan, Step
 from memdiff.units import format_bytes
 from memdiff.window import Window
 
@@ -124,6 +125,7 @@ class DeviceWhatIf:
     optimizer: Optional[str]  # the run's optimizer, as read from its state and sites
     changes: List[ChangePrediction]
     headline: str  # the run's peak and the change that saves most, in one line
+    findings: List[Finding] = field(default_factory=list)  # each change that does not apply (W014)
 
 
 @dataclass
@@ -134,14 +136,15 @@ class WhatIf:
     budget_bytes: Optional[int]
     asked: List[str]  # the changes given (empty: every applicable one)
     devices: List[DeviceWhatIf]
-    notes: List[str] = field(default_factory=list)
+    notes: List[Finding] = field(default_factory=list)  # the catalogue's (findings.py)
     tool: str = f"memdiff {__version__}"
 
     def to_dict(self) -> Dict[str, Any]:
         """The JSON document (schemas/whatif.schema.json)."""
         return {"schema_version": SCHEMA_VERSION, "tool": self.tool, "file": self.file,
-                "budget_bytes": self.budget_bytes, "asked": self.asked, "notes": self.notes,
-                "devices": [asdict(d) for d in self.devices]}
+                "budget_bytes": self.budget_bytes, "asked": self.asked, "notes": [n.text for n in self.notes],
+                "findings": [n.to_dict() for n in self.notes],
+                "devices": [{**asdict(d), "findings": [f.to_dict() for f in d.findings]} for d in self.devices]}
 
 
 # ---------------------------------------------------------------- parsing
@@ -806,7 +809,7 @@ def _predict(run: _Run, change: Change, blocks: List[str], block: np.ndarray,
         return ChangePrediction(change=change.text, applies=False, reason=str(why), predicted_peak_bytes=None,
                                 predicted_peak_phase=None, predicted_peak_step=None, delta_bytes=None,
                                 delta_pct=None, fits_budget=None, phase_peaks={}, categories={}, assumptions=[],
-                                line=f"{change.text}: does not apply: {why}")
+                                line=finding("W014", change=change.text, why=str(why)).message)
     course, sizes = _changed_course(run, edit)
     r = replay_course(course, sizes, run.spans, run.steps)
     base = run.base.peak_bytes
@@ -872,8 +875,10 @@ def whatif_course(path: str, courses: Dict[int, DeviceCourse],
         devices.append(DeviceWhatIf(device=device, base_peak_bytes=run.base.peak_bytes, base_peak_phase=run.base.phase,
                                     base_peak_step=run.base.step, blocks=blocks, optimizer=optimizer,
                                     changes=predictions, headline=_headline(device, run, blocks, optimizer,
-                                                                            predictions)))
-    notes = ["a what-if replays the run's own trace with each change's rules; each change lists what it assumed"]
+                                                                            predictions),
+                                    findings=[finding("W014", device, change=p.change, why=p.reason or "")
+                                              for p in predictions if not p.applies]))
+    notes = [finding("W006")]
     # Names from the snapshot (module instances, the file) are made one line each here, once for every output.
     return scrubbed(WhatIf(file=path, budget_bytes=budget, asked=[c.text for c in changes], devices=devices,
                            notes=notes))
@@ -920,7 +925,7 @@ class BuyBackPart:
     """What a regression's report says of the changes that buy it back (`--whatif`)."""
 
     items: List[BuyBack]
-    notes: List[str]  # why a device has none, or why the what-if could not run
+    notes: List[Finding]  # why a device has none, or why the what-if could not run (the catalogue's W codes)
 
 
 def _buy_back_text(p: ChangePrediction, t: BuyBackTarget, head_phase: Optional[str], prefix: str) -> str:
@@ -949,19 +954,20 @@ def buy_back(path: str, rules: Sequence[Rule], targets: Sequence[BuyBackTarget],
     what-if cannot read as a course (a summary, a damaged trace) is a note, never an error: the
     regression's verdict stands as judged."""
     if not targets:
-        return BuyBackPart([], ["the peak did not grow on any device: no change to buy back"])
+        return BuyBackPart([], [finding("W002", why="the peak did not grow on any device")])
     try:
         course = read_course(path, 1, rules, window)
     except InputError as why:
-        return BuyBackPart([], [f"what-if not run: {why}"])
+        return BuyBackPart([], [finding("W001", why=str(why))])
     items: List[BuyBack] = []
-    notes: List[str] = []
+    notes: List[Finding] = []
     prefix_each = len(targets) > 1
     for t in targets:
         c = course.devices.get(t.device)
         prefix = f"device {t.device}: " if prefix_each else ""
         if c is None:
-            notes.append(f"{prefix}what-if not run: the head's snapshot records no allocation on device {t.device}")
+            notes.append(finding("W001", t.device,
+                                 why=f"the head's snapshot records no allocation on device {t.device}"))
             continue
         run = _facts(c, *structure(course.summary, t.device))
         blocks, block = blocks_of(run)
@@ -975,16 +981,16 @@ def buy_back(path: str, rules: Sequence[Rule], targets: Sequence[BuyBackTarget],
         else:
             saving = [p for p in predictions if (p.delta_bytes or 0) < 0]
             if not saving:
-                notes.append(f"{prefix}no change memdiff whatif knows lowers this run's peak")
+                notes.append(finding("W003", t.device))
                 continue
             chosen = [min(saving, key=lambda p: (p.delta_bytes or 0, p.change))]
-            notes.append(f"{prefix}no single change brings the peak back to {t.base_name}'s "
-                         f"{format_bytes(t.base_peak_bytes)}; the one that saves most is shown")
+            notes.append(finding("W004", t.device, base_name=t.base_name, base_peak=format_bytes(t.base_peak_bytes),
+                                 base_peak_bytes=t.base_peak_bytes))
         for p in chosen:
             items.append(BuyBack(device=t.device, change=p.change,
                                  predicted_peak_bytes=int(p.predicted_peak_bytes or 0),
                                  predicted_peak_phase=p.predicted_peak_phase, delta_bytes=int(p.delta_bytes or 0),
                                  target_bytes=t.base_peak_bytes, enough=bool(enough),
                                  text=_buy_back_text(p, t, run.base.phase, prefix)))
-    notes.append("predicted by replaying the head's trace with each change (memdiff whatif; docs/whatif.md)")
+    notes.append(finding("W005"))
     return scrubbed(BuyBackPart(items, notes))

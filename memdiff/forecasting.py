@@ -34,12 +34,13 @@ import numpy as np
 from memdiff import __version__
 from memdiff.classify import Rule, classify
 from memdiff.errors import InputError
+from memdiff.findings import finding
 from memdiff.history import Allocations, category_codes
 from memdiff.inert import scrubbed, text
 from memdiff.inputs import is_summary, read_each, refuse_baseline
 from memdiff.limits import Headroom
 from memdiff.load import MAX_BYTES, decode, paused_gc, to_snapshot
-from memdiff.model import PhaseSpan, Step, Summary
+from memdiff.model import Finding, PhaseSpan, Step, Summary
 from memdiff.normalize import summarize
 from memdiff.sameloop import loop_difference
 from memdiff.units import format_bytes
@@ -191,7 +192,7 @@ class DeviceForecast:
     max_value_within_budget: Optional[int]
     headline: str
     alignment: str  # how the runs' allocations were lined up, in words
-    notes: List[str] = field(default_factory=list)
+    notes: List[Finding] = field(default_factory=list)  # the catalogue's (findings.py)
 
     @property
     def predicted_peak_bytes(self) -> int:
@@ -231,7 +232,8 @@ class Forecast:
         devices = []
         for d in self.devices:
             item = asdict(d)
-            item = {"device": d.device, "predicted_peak_bytes": d.predicted_peak_bytes, **item}
+            item = {"device": d.device, "predicted_peak_bytes": d.predicted_peak_bytes, **item,
+                    "notes": [n.text for n in d.notes], "findings": [n.to_dict() for n in d.notes]}
             devices.append(item)
         return {"schema_version": SCHEMA_VERSION, "tool": self.tool, "knob_values": self.knob_values,
                 "files": self.files, "at": self.at, "budget_bytes": self.budget_bytes,
@@ -688,28 +690,25 @@ def _device_forecast(runs: List[DeviceCourse], courses: Sequence[Course], device
     notes = []
     odd = [courses[k] for k in range(len(runs)) if k not in fitted]
     if odd and len(fitted) >= 2:
-        notes.append(f"{_names(odd)} record{'s' if len(odd) == 1 else ''} other allocations than the largest run "
-                     f"(on device {device}): left out of the fit, and predicted from the "
-                     f"{len(fitted)} runs that line up one for one, as a check")
+        notes.append(finding("W007", device, runs=_names(odd), s="s" if len(odd) == 1 else "", fitted=len(fitted)))
     elif not alignment.exact:
-        notes.append(f"the runs do not record the same allocations: {_lined_up(alignment)}"
-                     + ("; the others are fitted from the runs that have them" if alignment.aligned_pct < 100 else ""))
+        notes.append(finding("W008", device, aligned=_lined_up(alignment), aligned_pct=alignment.aligned_pct,
+                             others="; the others are fitted from the runs that have them"
+                             if alignment.aligned_pct < 100 else ""))
     if len(fitted) == 3 and "quadratic" in forms.values():
-        notes.append("with three runs, leaving one out fits the other two with lines: the leave-one-out error "
-                     "overstates the forecast's for sizes that grow quadratically (a fourth run checks them)")
+        notes.append(finding("W009", device))
     if len(fitted) == 2:
-        notes.append("sizes are fitted from two runs: constant or linear only (a quadratic needs a third run "
-                     "that lines up one for one)")
+        notes.append(finding("W010", device))
     if int(unfitted.sum()):
-        notes.append(f"{int(unfitted.sum()):,} allocations ({format_bytes(unfitted_bytes)} in the largest run) fit "
-                     "no polynomial up to quadratic; the quadratic through their three largest values stands in")
+        notes.append(finding("W011", device, count=int(unfitted.sum()), amount=format_bytes(unfitted_bytes),
+                             amount_bytes=unfitted_bytes))
     within = None
     if budget is not None:
         within = _max_within(dev, budget, overhead, values[-1])
         if within is None:
-            notes.append(f"even at 1 the predicted peak exceeds the budget of {format_bytes(budget)}")
+            notes.append(finding("W012", device, budget=format_bytes(budget), budget_bytes=budget))
         elif within == MAX_VALUE:
-            notes.append("the predicted peak does not outgrow the budget at any value")
+            notes.append(finding("W013", device))
     first = predictions[0]
     largest_run = checks[-1]
     moved = ("" if first.phase is None else

@@ -20,6 +20,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 from memdiff.atomic import append_text, write_output
 from memdiff.errors import InputError
+from memdiff.findings import INFO
 from memdiff.inert import baseline_command, md_code, md_fence, shell, text
 from memdiff.load import read_json
 from memdiff.render.markdown import Options, render_diff
@@ -93,6 +94,8 @@ class Publisher:
     passed: List[bool] = field(default_factory=list)
     deltas: List[int] = field(default_factory=list)
     without_baseline: List[str] = field(default_factory=list)
+    findings: List[str] = field(default_factory=list)  # the codes of the findings shown, each once
+    failed_findings: List[str] = field(default_factory=list)  # the codes that failed the gate, each once
 
     def add(self, report: Report) -> None:
         """Render one report for the summary and print its annotations."""
@@ -107,14 +110,22 @@ class Publisher:
         self.sections.append(fit(render, report.top, SIZE_LIMIT // max(1, self.expected) - 16))
         self.passed.append(report.passed is not False)
         self.deltas += [d.peak_delta_bytes for r in report.results for d in r.diff.devices]
+        failing = {c.code for c in report.verdict.finding_checks} if report.verdict is not None else set()
+        self.findings += [c for c in dict.fromkeys(f.code for f in [*report.findings, *report.notes])
+                          if c not in self.findings]
+        self.failed_findings += [c for c in sorted(failing) if c not in self.failed_findings]
         if not self.annotate:
             return
         for c in report.check_lines:
             if not c.passed:
-                message = " ".join([f"{report.headline}.", c.text, *report.notes])
+                message = " ".join([f"{report.headline}.", c.text, *(f"{n.code} {n.text}" for n in report.notes)])
                 print(f"::error title=memdiff::{escape_annotation(message)}")
-        for w in report.warnings:
-            print(f"::warning title=memdiff::{escape_annotation('the runs may not be comparable: ' + w)}")
+        for f in report.findings:
+            if f.severity == INFO:
+                continue
+            level = "error" if f.code in failing else "warning"
+            print(f"::{level} title=memdiff {f.code} {f.name}::"
+                  f"{escape_annotation(f'{f.text} (memdiff rule {f.code})')}")
 
     def add_missing(self, run: str, path: str, required: bool) -> None:
         """Say that `run` has no baseline at `path`, how to make one, and whether that fails the gate."""
@@ -154,7 +165,9 @@ class Publisher:
         if outputs:
             # Nothing compared, no delta: empty rather than a 0 that reads as "unchanged".
             delta = max(self.deltas) if self.deltas else ""
-            append_text(outputs, f"verdict={self.verdict()}\npeak-delta-bytes={delta}\nreport={path}\n")
+            append_text(outputs, f"verdict={self.verdict()}\npeak-delta-bytes={delta}\nreport={path}\n"
+                                 f"findings={' '.join(self.findings)}\n"
+                                 f"failed-findings={' '.join(self.failed_findings)}\n")
         return path
 
 

@@ -4,12 +4,13 @@ one byte over fails."""
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from memdiff.differ import GREW, NEW, PEAK, CategoryHigh, Diff
 from memdiff.errors import InputError
-from memdiff.limits import DEFAULT_PEAK, Limit, Thresholds, pct_text
-from memdiff.model import DeviceSummary, Spread, Summary
+from memdiff.findings import finding
+from memdiff.limits import DEFAULT_PEAK, FAIL, IGNORE, FindingSelection, Limit, Thresholds, pct_text
+from memdiff.model import DeviceSummary, Finding, Spread, Summary
 from memdiff.patterns import Pattern
 from memdiff.units import format_bytes
 
@@ -30,18 +31,41 @@ class Check:
 
 
 @dataclass
+class FindingCheck:
+    """A finding of a code the gate fails on (limits.FindingSelection): it failed the verdict."""
+
+    code: str
+    name: str
+    device: Optional[int]
+    message: str
+    source: str  # who chose to fail on the code
+    text: str  # the finding's sentence with what it is about
+
+
+@dataclass
 class Verdict:
-    """Every check, whether all passed, and what a reviewer should know besides."""
+    """Every check, whether all passed, and what a reviewer should know besides (the judge's own
+    findings: why a peak failed, a baseline to refresh, ...)."""
 
     passed: bool
     rule: str
     checks: List[Check]
-    notes: List[str] = field(default_factory=list)
+    findings: List[Finding] = field(default_factory=list)
+    finding_checks: List[FindingCheck] = field(default_factory=list)
+    finding_rules: List[Dict[str, str]] = field(default_factory=list)  # FindingSelection.to_list()
+
+    @property
+    def notes(self) -> List[str]:
+        """The judge's findings' sentences, as the JSON's `notes` has always listed them."""
+        return [f.text for f in self.findings]
 
     def to_dict(self) -> Dict[str, Any]:
         """The verdict's part of the JSON diff contract."""
         return {"verdict": "pass" if self.passed else "fail", "rule": self.rule,
-                "checks": [asdict(c) for c in self.checks], "notes": self.notes}
+                "checks": [asdict(c) for c in self.checks], "notes": self.notes,
+                "finding_rules": self.finding_rules,
+                "finding_checks": [{"code": c.code, "name": c.name, "device": c.device, "message": c.message,
+                                    "source": c.source, "passed": False} for c in self.finding_checks]}
 
 
 def growth_pct(base: int, head: int) -> Optional[float]:
@@ -107,7 +131,7 @@ def judge(diff: Diff, thresholds: Thresholds, update_hint: Optional[str] = None,
     measured spread plus the noise margin (noise_limit).
     """
     checks: List[Check] = []
-    notes: List[str] = []
+    notes: List[Finding] = []
     noise_runs: Optional[int] = None
     for d in diff.devices:
         moment = "peak" if d.at == PEAK else f"{d.at} peak"  # --at PHASE compares that phase's peaks
@@ -156,20 +180,32 @@ def judge(diff: Diff, thresholds: Thresholds, update_hint: Optional[str] = None,
                                  high.base_bytes, high.head_bytes, s.limit))
             if not high.base_bytes:
                 # A misspelt or stale pattern would check 0 B against whatever is new, and nothing else.
-                notes.append(f"device {d.device}: sites /{s.pattern.pattern}/ matches no group of the base run, "
-                             f"so its limit only sees groups that are new")
+                notes.append(finding("G004", d.device, pattern=s.pattern.pattern))
         if d.peak_delta_bytes < 0 and update_hint:
             drop = growth_pct(d.base_peak_bytes, d.head_peak_bytes)
             assert drop is not None  # the peak went down, so the base's is above 0
-            notes.append(f"device {d.device}: peak went down by {format_bytes(-d.peak_delta_bytes)} "
-                         f"({pct_text(round(-drop, 1))}): consider "
-                         f"updating the baseline: {update_hint}")
+            notes.append(finding("G003", d.device, drop_bytes=-d.peak_delta_bytes,
+                                 drop=format_bytes(-d.peak_delta_bytes), pct=pct_text(round(-drop, 1)),
+                                 command=update_hint))
         if not peak.passed:
             growth = [r for r in d.rows if r.status in (NEW, GREW)][:TOP_GROWTH]
-            notes.append(f"device {d.device}: {moment} grew by {format_bytes(d.peak_delta_bytes)}; top growth: "
-                         + ", ".join(f"{r.label or r.site} {format_bytes(r.delta_bytes, signed=True)}" for r in growth))
-    return Verdict(passed=all(c.passed for c in checks), rule=thresholds.describe(noise_runs), checks=checks,
-                   notes=notes)
+            notes.append(finding("G002", d.device, moment=moment, grew_bytes=d.peak_delta_bytes,
+                                 grew=format_bytes(d.peak_delta_bytes),
+                                 sites=", ".join(f"{r.label or r.site} {format_bytes(r.delta_bytes, signed=True)}"
+                                                 for r in growth)))
+    return select(Verdict(passed=all(c.passed for c in checks), rule=thresholds.describe(noise_runs), checks=checks,
+                          findings=notes), diff.findings, thresholds.findings)
+
+
+def select(verdict: Verdict, observed: Sequence[Finding], selection: FindingSelection) -> Verdict:
+    """The verdict with the findings chosen to fail the gate failing it, the ignored ones dropped
+    from its own, and the rules in force recorded."""
+    failing = [FindingCheck(f.code, f.name, f.device, f.message, rule.source, f.text)
+               for f in [*observed, *verdict.findings]
+               for rule in [selection.rule(f.code)] if rule is not None and rule.action == FAIL]
+    return replace(verdict, passed=verdict.passed and not failing, finding_checks=failing,
+                   findings=[f for f in verdict.findings if selection.action(f.code) != IGNORE],
+                   finding_rules=selection.to_list())
 
 
 def _moment(at: str) -> str:
@@ -194,7 +230,11 @@ def imbalance_check(median_bytes: int, max_bytes: int, pct: float) -> Check:
 
 
 def judge_ranks(per_rank: Dict[int, Verdict], rule: str) -> Verdict:
-    """A job's verdict from each rank's: it passes when every rank does; checks and notes name their rank."""
+    """A job's verdict from each rank's: it passes when every rank does; checks, findings and
+    failing findings name their rank."""
     checks = [replace(c, subject=f"rank {rank} {c.subject}") for rank, v in per_rank.items() for c in v.checks]
-    notes = [f"rank {rank} {n}" for rank, v in per_rank.items() for n in v.notes]
-    return Verdict(passed=all(v.passed for v in per_rank.values()), rule=rule, checks=checks, notes=notes)
+    notes = [replace(f, rank=rank) for rank, v in per_rank.items() for f in v.findings]
+    failing = [replace(c, text=f"rank {rank} {c.text}") for rank, v in per_rank.items() for c in v.finding_checks]
+    rules = next((v.finding_rules for v in per_rank.values()), [])
+    return Verdict(passed=all(v.passed for v in per_rank.values()), rule=rule, checks=checks, findings=notes,
+                   finding_checks=failing, finding_rules=rules)

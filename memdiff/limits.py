@@ -11,9 +11,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from fractions import Fraction
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from memdiff.errors import InputError, clip
+from memdiff.findings import DEFAULT_FAIL_ON, parse_codes
 from memdiff.patterns import Pattern
 from memdiff.units import format_bytes, parse_size
 
@@ -157,6 +158,71 @@ class Headroom:
         return {"budget": self.budget_bytes, "min-value": self.min_value}
 
 
+FAIL, IGNORE = "fail", "ignore"
+DEFAULT_SOURCE = "default"
+
+
+@dataclass(frozen=True)
+class FindingRule:
+    """What the gate does with one finding code, and who chose it (`default`, `baseline`,
+    `--fail-on`, `--ignore`, a rules file's path)."""
+
+    code: str
+    action: str  # FAIL or IGNORE
+    source: str
+
+
+@dataclass(frozen=True)
+class FindingSelection:
+    """The finding codes that fail the gate and those that are ignored (findings.py's catalogue)."""
+
+    rules: Tuple[FindingRule, ...] = tuple(FindingRule(c, FAIL, DEFAULT_SOURCE) for c in DEFAULT_FAIL_ON)
+
+    def action(self, code: str) -> Optional[str]:
+        """FAIL, IGNORE, or None: the finding is shown and fails nothing."""
+        return next((r.action for r in self.rules if r.code == code), None)
+
+    def rule(self, code: str) -> Optional[FindingRule]:
+        """The rule in force for `code`, if any."""
+        return next((r for r in self.rules if r.code == code), None)
+
+    def chosen(self, fail_on: Sequence[str], ignore: Sequence[str], source_fail: str,
+               source_ignore: str) -> "FindingSelection":
+        """These choices over the ones in force: each code's last choice wins, an ignore over a
+        fail-on of the same code given together."""
+        rules = {r.code: r for r in self.rules}
+        for code in fail_on:
+            rules[code] = FindingRule(code, FAIL, source_fail)
+        for code in ignore:
+            rules[code] = FindingRule(code, IGNORE, source_ignore)
+        return FindingSelection(tuple(rules.values()))
+
+    def describe(self) -> str:
+        """`findings K003, K004, A002 fail (default); T003 is ignored (--ignore)`; empty when none."""
+        parts = []
+        for action, word in ((FAIL, "fail"), (IGNORE, "ignored")):
+            for source in dict.fromkeys(r.source for r in self.rules if r.action == action):
+                codes = [r.code for r in self.rules if r.action == action and r.source == source]
+                verb = word if action == FAIL else ("is ignored" if len(codes) == 1 else "are ignored")
+                parts.append(f"{', '.join(codes)} {verb} ({source})")
+        return ("findings " + "; ".join(parts)) if parts else ""
+
+    def to_dict(self) -> Dict[str, Any]:
+        """The JSON form stored in baselines: the choices that are not the default."""
+        out: Dict[str, Any] = {}
+        fail = [r.code for r in self.rules if r.action == FAIL and r.source != DEFAULT_SOURCE]
+        ignore = [r.code for r in self.rules if r.action == IGNORE]
+        if fail:
+            out["fail-on"] = fail
+        if ignore:
+            out["ignore"] = ignore
+        return out
+
+    def to_list(self) -> List[Dict[str, str]]:
+        """The rules in force, as the JSON's `finding_rules`."""
+        return [{"code": r.code, "action": r.action, "source": r.source} for r in self.rules]
+
+
 @dataclass
 class Thresholds:
     """Everything a run is gated with."""
@@ -171,6 +237,7 @@ class Thresholds:
     noise_margin: Optional[Limit] = None
     # The caching allocator's reserved peak: judged only when set (the default gates allocated memory).
     reserved: Optional[Limit] = None
+    findings: FindingSelection = field(default_factory=FindingSelection)
 
     def margin(self) -> Limit:
         """The noise margin in force: the one set, else DEFAULT_NOISE_MARGIN_PCT."""
@@ -203,7 +270,8 @@ class Thresholds:
         text += "".join(f"; sites matching /{s.pattern.pattern}/ by {s.limit.describe()}" for s in self.sites)
         if self.headroom is not None:
             text += f"; a forecast fails when {self.headroom.describe()}"
-        return text
+        chosen = self.findings.describe()
+        return text + (f"; {chosen}" if chosen else "")
 
     def to_dict(self) -> Dict[str, Any]:
         """The JSON form stored in baselines, in a stable order."""
@@ -220,6 +288,8 @@ class Thresholds:
             out["noise-margin"] = self.noise_margin.to_dict()
         if self.reserved is not None:
             out["reserved"] = self.reserved.to_dict()
+        if self.findings.to_dict():
+            out["findings"] = self.findings.to_dict()
         return out
 
 
@@ -249,7 +319,12 @@ def thresholds_from_dict(path: str, data: Dict[str, Any]) -> Thresholds:
         sites.append(SiteLimit(pattern, _limit_from(path, f"thresholds.sites.{i}", s)))
     noise = _limit_from(path, "thresholds.noise-margin", data["noise-margin"]) if "noise-margin" in data else None
     reserved = _limit_from(path, "thresholds.reserved", data["reserved"]) if "reserved" in data else None
-    return Thresholds(peak, categories, sites, phases, _headroom_from(path, data.get("headroom")), noise, reserved)
+    chosen = data.get("findings", {})
+    findings = FindingSelection().chosen(parse_codes(f"{path}: thresholds.findings.fail-on", chosen.get("fail-on", [])),
+                                         parse_codes(f"{path}: thresholds.findings.ignore", chosen.get("ignore", [])),
+                                         "baseline", "baseline")
+    return Thresholds(peak, categories, sites, phases, _headroom_from(path, data.get("headroom")), noise, reserved,
+                      findings)
 
 
 def _headroom_from(path: str, data: Optional[Dict[str, Any]]) -> Optional[Headroom]:
@@ -267,12 +342,17 @@ def _headroom_from(path: str, data: Optional[Dict[str, Any]]) -> Optional[Headro
 
 def thresholds_over(stored: Optional[Thresholds], fail_over: Optional[int], fail_over_pct: Optional[float],
                     categories: Dict[str, Limit], phases: Dict[str, Limit], noise_margin: Optional[Limit] = None,
-                    reserved: Optional[Limit] = None) -> Thresholds:
+                    reserved: Optional[Limit] = None,
+                    choices: Sequence[Tuple[str, str, Sequence[str], Sequence[str]]] = ()) -> Thresholds:
     """The limits given, over stored ones (a baseline's) where each one given replaces its stored one whole;
-    with nothing stored, the peak's default rule unless a peak part is given."""
+    with nothing stored, the peak's default rule unless a peak part is given. `choices` choose findings
+    over the stored choice, in order: (who chose to fail, who chose to ignore, fail-on codes, ignored codes)."""
+    findings = stored.findings if stored is not None else FindingSelection()
+    for source_fail, source_ignore, fail_on, ignore in choices:
+        findings = findings.chosen(fail_on, ignore, source_fail, source_ignore)
     if stored is None:
         return Thresholds(Limit.from_options(fail_over, fail_over_pct), dict(categories), phases=dict(phases),
-                          noise_margin=noise_margin, reserved=reserved)
+                          noise_margin=noise_margin, reserved=reserved, findings=findings)
     return Thresholds(stored.peak.overridden(fail_over, fail_over_pct), {**stored.categories, **categories},
                       list(stored.sites), {**stored.phases, **phases}, stored.headroom,
-                      noise_margin or stored.noise_margin, reserved or stored.reserved)
+                      noise_margin or stored.noise_margin, reserved or stored.reserved, findings)

@@ -180,6 +180,38 @@ class DeviceSummary:
         return cls(device=device, **{**empty, **values})
 
 
+@dataclass
+class Finding:
+    """One thing memdiff observed beyond the numbers, under a stable code of the catalogue
+    (findings.py): its code, short name and severity, the device and run it is about (None:
+    the whole comparison), the sentence, and the figures the sentence was made from."""
+
+    code: str
+    name: str
+    severity: str  # "error", "warning" or "info"
+    device: Optional[int]
+    message: str
+    data: Dict[str, Any] = field(default_factory=dict)
+    run: Optional[str] = None  # "base" or "head" when it is about one run of a pair
+    rank: Optional[int] = None  # the rank of a job it is about
+
+    @property
+    def text(self) -> str:
+        """The sentence with what it is about before it: `rank 1 head: device 0: ...`, as the checks
+        name a rank (`rank 1 device 0 peak`)."""
+        about = [self.run or "", f"device {self.device}" if self.device is not None else ""]
+        said = ": ".join([a for a in about if a] + [self.message])
+        return f"rank {self.rank} {said}" if self.rank is not None else said
+
+    def to_dict(self) -> Dict[str, Any]:
+        """The JSON form (`findings` items of the diff, gate and ranks documents)."""
+        out = {"code": self.code, "name": self.name, "severity": self.severity, "device": self.device,
+               "message": self.message, "data": self.data, "run": self.run}
+        if self.rank is not None:
+            out["rank"] = self.rank
+        return out
+
+
 @dataclass(frozen=True)
 class Range:
     """A figure over repeated runs of one workload: lowest, highest and median bytes."""

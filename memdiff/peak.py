@@ -6,11 +6,13 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
 from memdiff.classify import PERSISTENT
+from memdiff.differ import growing_data, growing_steps, kept_bytes, kept_data, oom_data, overflow_data
 from memdiff.errors import InputError
+from memdiff.findings import finding
+from memdiff.frames import GUESSED_LABELS
 from memdiff.inert import scrubbed
 from memdiff.lifetimes import BACKWARD, FORWARD, OPTIMIZER, OTHER
-from memdiff.model import WINDOW_KEY, DeviceSummary, Frame, Summary
-from memdiff.report import kept_text
+from memdiff.model import WINDOW_KEY, DeviceSummary, Finding, Frame, Summary, largest_first
 from memdiff.units import count_of, format_bytes
 
 PHASE_COLUMNS = (FORWARD, BACKWARD, OPTIMIZER, OTHER)
@@ -57,7 +59,7 @@ class DevicePeak:
     compile_contexts: List[Tuple[str, int, float]]
     labels: List[Tuple[str, int, float]]  # the user's labels (user_metadata, annotations)
     steps: List[StepRow]
-    kept: Optional[str]  # memory kept from earlier steps, in words
+    findings: List[Finding]  # the catalogue's, about this device (findings.py)
     reserved: Optional[str] = None  # the caching allocator's reserved peak and fragmentation, in words
     window: bool = False  # a window of a longer trace (memdiff slice, --steps): its start is no trace start
 
@@ -91,7 +93,7 @@ def device_peak(device: DeviceSummary, top: Optional[int], window: bool = False)
                       scopes=_shares(device.bytes_by_scope, device.peak_bytes),
                       compile_contexts=_shares(device.bytes_by_compile_context, device.peak_bytes),
                       labels=_shares(device.bytes_by_label, device.peak_bytes),
-                      steps=step_rows(device), kept=kept_from_earlier_steps(device),
+                      steps=step_rows(device), findings=device_findings(device, window),
                       # a window's segments are the blocks it carried in, not the allocator's: no reserved figure
                       reserved=None if window else reserved_text(device), window=window)
 
@@ -106,18 +108,47 @@ def reserved_text(device: DeviceSummary) -> Optional[str]:
             + (f"; {format_bytes(frag)} of it held no tensor at the peak (fragmentation)" if frag is not None else ""))
 
 
-def kept_from_earlier_steps(device: DeviceSummary) -> Optional[str]:
-    """The groups holding bytes from earlier steps outside the categories that live across steps
-    (parameters, gradients, optimizer state), largest first, in the diff's words; None when there
-    are none."""
+def device_findings(device: DeviceSummary, window: bool = False) -> List[Finding]:
+    """What the catalogue says of one run's device: a trace that starts mid-run (or a window's
+    carried memory), out-of-memory events, memory kept from earlier steps and whether it grows
+    step over step, categories guessed for memory older than the trace."""
+    out = []
+    if device.unmatched_free_count:
+        out.append(finding("T004" if window else "T002", device.device, frees=device.unmatched_free_count,
+                           freed_bytes=device.unmatched_free_bytes, freed=format_bytes(device.unmatched_free_bytes)))
+    out += [finding("A002", device.device, **oom_data(o)) for o in device.oom_events]
     groups = sorted((g for g in device.groups if g.bytes_from_earlier_steps and g.category not in PERSISTENT),
                     key=lambda g: -g.bytes_from_earlier_steps)
-    if not groups:
-        return None
-    kept = sum(g.bytes_from_earlier_steps for g in groups)
-    return kept_text(f"{format_bytes(kept)} live at the peak",
-                     [f"{g.category}: {g.site} {format_bytes(g.bytes_from_earlier_steps)}" for g in groups],
-                     kept, sum(g.bytes_from_earlier_forwards for g in groups), max(g.earlier_forwards for g in groups))
+    if groups:
+        kept, forward_bytes, forwards = kept_bytes(device)
+        out.append(finding("K001", device.device, **kept_data(
+            f"{format_bytes(kept)} live at the peak",
+            [f"{g.category}: {g.site} {format_bytes(g.bytes_from_earlier_steps)}" for g in groups],
+            kept, forward_bytes, forwards)))
+    if growing_steps(device):
+        out.append(finding("K004", device.device, **growing_data(device)))
+    guessed: Dict[str, int] = {}
+    for g in device.groups:
+        if any(g.site == label and g.category == guess for guess, label in GUESSED_LABELS.items()):
+            guessed[g.category or ""] = guessed.get(g.category or "", 0) + g.bytes
+    if guessed:
+        out.append(finding("C001", device.device, amount=format_bytes(sum(guessed.values())),
+                           amount_bytes=sum(guessed.values()), by_category=largest_first(guessed),
+                           categories=", ".join(f"{c} ({format_bytes(n)})" for c, n in largest_first(guessed).items())))
+    return out
+
+
+def source_findings(summary: Summary) -> List[Finding]:
+    """What the catalogue says of a run as a whole: a trace whose ring buffer wrapped, a run the
+    emulator wrote and what it could only approximate."""
+    out = []
+    if summary.source.trace_overflowed() is not None:
+        out.append(finding("T001", **overflow_data(summary.source)))
+    emulated = summary.source.emulated
+    if emulated:
+        out.append(finding("T013", gpu=emulated["gpu"]))
+        out.extend(finding("T014", role="", note=note) for note in emulated.get("notes", []))
+    return out
 
 
 def step_rows(device: DeviceSummary) -> List[StepRow]:

@@ -2,6 +2,7 @@
 
     @pytest.mark.memdiff                                 # against baselines/<test id>.json
     @pytest.mark.memdiff(fail_over_pct=5, categories={"activation": "10%"})
+    @pytest.mark.memdiff(fail_on=["K002"], ignore=["P001"])  # findings that fail, or are silenced
     @pytest.mark.memdiff(limit="2GiB")                   # a ceiling on the peak, no baseline
     @pytest.mark.memdiff(emulate="h100")                 # a CUDA test body on a machine without a GPU
     def test_train_step(): ...
@@ -26,7 +27,7 @@ import pytest
 
 MARKER = "memdiff"
 # The marker's keywords and what they mean, for the error when one is misspelled.
-MARKER_KEYWORDS = ("limit", "fail_over", "fail_over_pct", "categories", "phases", "emulate")
+MARKER_KEYWORDS = ("limit", "fail_over", "fail_over_pct", "categories", "phases", "fail_on", "ignore", "emulate")
 UNSAFE = re.compile(r"[^A-Za-z0-9_.\[\]=,+-]+")
 SHOWN_ROWS = 8  # rows of the diff a failing test shows: its first screen
 
@@ -62,8 +63,9 @@ def pytest_configure(config: pytest.Config) -> None:
     config.pluginmanager.register(_BadInput(), "memdiff-bad-input")
     config.addinivalue_line(
         "markers", "memdiff(limit=None, fail_over=None, fail_over_pct=None, categories=None, phases=None, "
-        "emulate=None): record "
-                   "the test's device memory and gate it against baselines/<test id>.json, or a ceiling (limit)")
+                   "fail_on=None, ignore=None, emulate=None): record the test's device memory and gate it "
+                   "against baselines/<test id>.json (fail_on, ignore: finding codes, docs/findings.md), or a "
+                   "ceiling (limit); emulate=GPU runs the body on that emulated GPU (docs/emulate.md)")
 
 
 # Set on a marked test's report when its marker, baseline or recording is bad input (not a regression).

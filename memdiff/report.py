@@ -26,20 +26,23 @@ from memdiff.differ import (
     PEAK,
     SAME,
     TEMPORARIES,
+    WARNING_STRINGS,
     CategoryDelta,
     DeviceDiff,
     Diff,
     DiffRow,
     PhaseDelta,
     diff,
+    kept_from,
     where_text,
 )
 from memdiff.errors import InputError, clip
+from memdiff.findings import finding
 from memdiff.inert import scrubbed, text
 from memdiff.job import ranges, ranks_text
-from memdiff.judge import Check, Runs, Verdict, growth_pct, judge, judge_ranks, noise_limit
-from memdiff.limits import DEFAULT_PEAK, Limit, Thresholds
-from memdiff.model import Frame, Source, Spread, Summary, TrendEntry
+from memdiff.judge import Check, FindingCheck, Runs, Verdict, growth_pct, judge, judge_ranks, noise_limit
+from memdiff.limits import DEFAULT_PEAK, IGNORE, Limit, Thresholds
+from memdiff.model import Finding, Frame, Source, Spread, Summary, TrendEntry
 from memdiff.trend import DEFAULT_POINTS, Trend, trend_of, workloads
 from memdiff.units import count_of, format_bytes
 from memdiff.window import Window
@@ -47,7 +50,6 @@ from memdiff.window import Window
 DEFAULT_TOP = 20
 STACK_FRAMES = 16  # frames of a stack any output shows; the rest are counted
 SITES_NAMED = 2  # sites the headline names for the category that moved
-KEPT_SITES = 3  # sites the kept line names
 # Beyond this a percent is not read as a number any more: `x13.4` says it better.
 RATIO_FROM_PCT = 999
 # Growth past RATIO_FROM_PCT from less than this is growth from nothing: `x13,398,529.0` from a 4 B
@@ -97,6 +99,11 @@ def check_line(c: Check) -> str:
     """`FAIL  device 0 peak: 6.53 GiB -> 8.48 GiB, +1.95 GiB (+29.8%), limit: more than 1% and ...`."""
     return (f"{'PASS' if c.passed else 'FAIL'}  {c.subject}: {format_bytes(c.base_bytes)} -> "
             f"{format_bytes(c.head_bytes)}, {change_text(c.base_bytes, c.head_bytes)}, limit: {c.limit}")
+
+
+def finding_check_line(c: FindingCheck) -> str:
+    """`FAIL  finding K004 kept-grows-per-step: device 0: memory kept ... (fails on K004: default)`."""
+    return f"FAIL  finding {c.code} {c.name}: {c.text} (fails on {c.code}: {c.source})"
 
 
 def moment_name(at: str) -> str:
@@ -153,7 +160,6 @@ class DeviceReport:
     diff: DeviceDiff
     heading: str  # `device 0: peak 6.53 GiB -> 8.48 GiB (+1.95 GiB, +29.8%); static ...`
     where: Optional[str]  # where each run's peak is
-    kept: Optional[str]  # memory kept from earlier steps, when head keeps more
     phases: Optional[Table]
     categories: Optional[Table]
     rows: List[ShownRow]
@@ -162,13 +168,14 @@ class DeviceReport:
     like_for_like: Optional["DeviceReport"] = None  # the same device at one phase's peak in both runs (_moved_phase)
     noise: Optional[str] = None  # where the peak's change falls in a baseline's measured spread over repeats
     noise_within: Optional[str] = None  # `within the spread of 3 runs (...)`, for the headline, when it is
-    reserved: Optional[str] = None  # the caching allocator's reserved peak and fragmentation, and why it moved
+    reserved: Optional[str] = None  # the caching allocator's reserved peak and fragmentation
+    findings: List[Finding] = field(default_factory=list)  # what the report adds (A001 reserved moved, G001 noise)
 
     @property
     def lines(self) -> List[str]:
-        """The device's sentences under its heading, in order: where the peaks are, kept memory,
-        measured noise, reserved memory."""
-        return [line for line in (self.where, self.kept, self.noise, self.reserved) if line]
+        """The device's sentences under its heading, in order: where the peaks are, measured noise,
+        reserved memory (kept memory is a finding: K002)."""
+        return [line for line in (self.where, self.noise, self.reserved) if line]
 
 
 @dataclass
@@ -207,7 +214,7 @@ class JobPart:
     other_failures: List[str]
     only_base: List[int]
     only_head: List[int]
-    failures: List[str]  # why the job fails beyond its ranks' checks
+    failures: List[Finding]  # why the job fails beyond its ranks' checks (G005, G006)
 
 
 @dataclass
@@ -219,10 +226,10 @@ class Report:
     inputs: List["Input"]  # base's, then head's
     base_label: Optional[str]  # what names a run beside its file (`baseline train @ 1a2b3c`), when given
     head_label: Optional[str]
-    warnings: List[str]
+    warnings: List[str]  # the JSON's `warnings`: the sentences of the findings why the runs may not compare
     devices: List[DeviceReport]
     check_lines: List[CheckLine]
-    notes: List[str]
+    notes: List[Finding]  # the judge's findings (why a peak failed, a baseline to refresh, ...)
     results: List[RankResult]  # every pair; one without a rank for a run
     top: int
     min_delta: int
@@ -232,9 +239,11 @@ class Report:
     # With a history (--history): each device's last peaks on the main branch and this run's point;
     # `trend_note` says why there is none (the history has no line of this workload).
     trends: Optional[List[Trend]] = None
-    trend_note: Optional[str] = None
+    trend_note: Optional[Finding] = None
     # With --whatif on a regression: the changes that would bring head's peak back (counterfactual.buy_back).
     buy_back: Optional[BuyBackPart] = None
+    # The catalogue's findings shown (those the gate ignores left out): the diff's, then the report's.
+    findings: List[Finding] = field(default_factory=list)
 
     @property
     def passed(self) -> Optional[bool]:
@@ -280,11 +289,13 @@ class Report:
                                "text": t.text, "points": [asdict(p) for p in t.points]} for t in self.trends]
         if self.buy_back is not None:
             head["buy_back"] = [asdict(b) for b in self.buy_back.items]
-            head["buy_back_notes"] = self.buy_back.notes
+            head["buy_back_notes"] = [n.text for n in self.buy_back.notes]
+        shown = {"warnings": self.warnings, "findings": [f.to_dict() for f in self.findings]
+                 + ([self.trend_note.to_dict()] if self.trend_note is not None else [])}
         if self.job is None:
-            return {**head, **self.diff.to_dict()}
+            return {**head, **self.diff.to_dict(), **shown}
         head["schema_version"] = RANKS_SCHEMA_VERSION
-        return {**head, "warnings": self.warnings, "worst_rank": self.job.worst_rank,
+        return {**head, **shown, "worst_rank": self.job.worst_rank,
                 "only_base": self.job.only_base, "only_head": self.job.only_head,
                 "ranks": [{"rank": r.rank, "schema_version": DIFF_SCHEMA_VERSION, "tool": f"memdiff {__version__}",
                            **(r.verdict.to_dict() if r.verdict else {}), **r.diff.to_dict()} for r in self.results]}
@@ -356,15 +367,14 @@ def compare(base: Sequence[Run], head: Sequence[Run], settings: Optional[Setting
     only_head = sorted(k for k in set(h) - set(b) if k is not None)
     failures = []
     if only_base and s.missing_ranks_fail:
-        failures.append(f"{ranks_text(only_base)}: in the baseline but not in the run (a rank that crashed?); "
-                        f"--allow-missing-ranks gates the others only")
+        failures.append(finding("G005", ranks=ranks_text(only_base), rank_numbers=only_base))
     if only_head and s.unbaselined_ranks_fail:
-        failures.append(f"{ranks_text(only_head)}: no baseline (--require-baseline)")
+        failures.append(finding("G006", ranks=ranks_text(only_head), rank_numbers=only_head))
     per_rank = {r.rank: r.verdict for r in results if r.rank is not None and r.verdict is not None}
     verdict = None
     if s.thresholds is not None:
         verdict = judge_ranks(per_rank, s.thresholds.describe())
-        verdict = replace(verdict, passed=verdict.passed and not failures, notes=failures + verdict.notes)
+        verdict = replace(verdict, passed=verdict.passed and not failures, findings=failures + verdict.findings)
     worst = max(results, key=lambda r: (r.peak_delta_bytes, -(r.rank or 0)))
     assert worst.rank is not None  # a job's runs all have ranks
     failing = [r.rank for r in results if r.verdict is not None and not r.verdict.passed and r.rank is not None]
@@ -379,7 +389,9 @@ def compare(base: Sequence[Run], head: Sequence[Run], settings: Optional[Setting
                                    for r in results for d in r.diff.devices], left=[6]),
         worst_rank=worst.rank,
         other_failures=[check_line(c) for c in (verdict.checks if verdict else [])
-                        if not c.passed and not c.subject.startswith(f"rank {worst.rank} ")],
+                        if not c.passed and not c.subject.startswith(f"rank {worst.rank} ")]
+        + [finding_check_line(c) for c in (verdict.finding_checks if verdict else [])
+           if not c.text.startswith(f"rank {worst.rank} ")],
         only_base=only_base, only_head=only_head, failures=failures)
     return _report(s, verdict, results, job)
 
@@ -391,14 +403,22 @@ def _report(s: Settings, verdict: Optional[Verdict], results: List[RankResult], 
         r = device_report(d, s.top, s.min_delta, _like_for_like(d, shown.base, shown.head))
         spread = s.spreads.get(d.device) if job is None and d.at == PEAK else None
         if spread is not None:
-            r.noise, r.noise_within = _noise(d, spread, s.thresholds)
-        r.reserved = _reserved(d, s.thresholds is not None and s.thresholds.reserved is not None)
+            r.noise, r.noise_within, within = _noise(d, spread, s.thresholds)
+            r.findings += [within] if within is not None else []
+        r.reserved, moved = _reserved(d, s.thresholds is not None and s.thresholds.reserved is not None)
+        r.findings += [moved] if moved is not None else []
         devices.append(r)
-    warnings = list(shown.diff.warnings)
+    def kept(f: Finding) -> bool:  # not ignored by the gate's choice of findings
+        return s.thresholds is None or s.thresholds.findings.action(f.code) != IGNORE
+
+    findings = [f for f in shown.diff.findings + [f for r in devices for f in r.findings] if kept(f)]
+    warnings = [f.text for f in shown.diff.findings if f.code in WARNING_STRINGS and kept(f)]
     if job is not None:
-        warnings = ([f"{ranks_text(job.only_base)} only in base, not compared"] if job.only_base else []) + \
-                   ([f"{ranks_text(job.only_head)} only in head, not compared"] if job.only_head else []) + \
-                   [f"rank {job.worst_rank}: {w}" for w in warnings]
+        ranks = [finding("T011", ranks=ranks_text(numbers), rank_numbers=numbers, side=side)
+                 for side, numbers in (("base", job.only_base), ("head", job.only_head)) if numbers]
+        ranks = [f for f in ranks if kept(f)]
+        warnings = [f.text for f in ranks] + [f"rank {job.worst_rank}: {w}" for w in warnings]
+        findings = ranks + [replace(f, rank=job.worst_rank) for f in findings]
     headline = _headline(devices)
     if job is not None:
         headline = f"rank {job.worst_rank} (of {len(results):,}): {headline}"
@@ -409,11 +429,13 @@ def _report(s: Settings, verdict: Optional[Verdict], results: List[RankResult], 
                   inputs=[_input("base", shown.diff.base), _input("head", shown.diff.head)],
                   base_label=s.base_label, head_label=s.head_label, warnings=warnings, devices=devices,
                   check_lines=[CheckLine(c.passed, check_line(c)) for c in (verdict.checks if verdict else [])
-                               if _shown(c.subject, job)],
-                  notes=[n for n in (verdict.notes if verdict else []) if job is None or n in job.failures
-                         or _shown(n, job)],
+                               if _shown(c.subject, job)]
+                  + [CheckLine(False, finding_check_line(c)) for c in (verdict.finding_checks if verdict else [])
+                     if _shown(c.text, job)],
+                  notes=[n for n in (verdict.findings if verdict else []) if job is None or n in job.failures
+                         or _shown(n.text, job)],
                   results=results, top=s.top, min_delta=s.min_delta, job=job, run=s.run, baseline=s.baseline,
-                  buy_back=bought),
+                  buy_back=bought, findings=findings),
                     skip=ANALYSIS_FIELDS)
 
 
@@ -424,7 +446,7 @@ def _buy_back(s: Settings, verdict: Optional[Verdict], shown: RankResult, job: O
     if s.whatif_run is None or verdict is None or verdict.passed:
         return None
     if job is not None:
-        return BuyBackPart([], ["what-if not run: it replays one run, and this is a job"])
+        return BuyBackPart([], [finding("W001", why="it replays one run, and this is a job")])
     base_name = "the baseline" if s.baseline is not None else "base"
     heads = {d.device: d for d in shown.head.devices}
     targets = []
@@ -439,7 +461,7 @@ def _buy_back(s: Settings, verdict: Optional[Verdict], shown: RankResult, job: O
         allowed = _allowed(limit, b.peak_bytes, h.peak_bytes) if limit is not None else b.peak_bytes
         targets.append(BuyBackTarget(b.device, b.peak_bytes, allowed, base_name))
     if not targets:
-        return BuyBackPart([], ["no device's peak broke the rule: no peak to buy back"])
+        return BuyBackPart([], [finding("W002", why="no device's peak broke the rule")])
     return buy_back(s.whatif_run, s.rules, targets, s.window)
 
 
@@ -453,7 +475,7 @@ def _allowed(limit: Limit, base: int, head: int) -> int:
     return low
 
 
-def _trends(s: Settings, d: Diff) -> Tuple[Optional[List[Trend]], Optional[str]]:
+def _trends(s: Settings, d: Diff) -> Tuple[Optional[List[Trend]], Optional[Finding]]:
     """Each device's main-branch trend with this run's peak after it, and why there is none when
     the history was given and holds no line of the workload."""
     if s.history is None:
@@ -464,9 +486,8 @@ def _trends(s: Settings, d: Diff) -> Tuple[Optional[List[Trend]], Optional[str]]
     if trends:
         return trends, None
     known = workloads(s.history)
-    return [], (f"the history has no peak of {workload!r} on main yet"
-                + (f" (it holds {clip(', '.join(known))})" if known else " (it is empty)")
-                + ": `memdiff history append` on each push to main adds them")
+    return [], finding("G007", workload=workload, workloads=known,
+                       holds=f"it holds {clip(', '.join(known))}" if known else "it is empty")
 
 
 def _span(base: int, low: int, high: int) -> str:
@@ -474,27 +495,32 @@ def _span(base: int, low: int, high: int) -> str:
     return f"{100 * (low - base) / base:+.1f}% to {100 * (high - base) / base:+.1f}%"
 
 
-def _noise(d: DeviceDiff, spread: Spread, thresholds: Optional[Thresholds]) -> Tuple[str, Optional[str]]:
+def _noise(d: DeviceDiff, spread: Spread, thresholds: Optional[Thresholds]) -> \
+        Tuple[str, Optional[str], Optional[Finding]]:
     """(where the peak's change falls in the baseline's spread over repeats, in words; the
-    headline's words when it is inside it, else None)."""
+    headline's words when it is inside it, else None; G001 when it is)."""
     base, head, n = d.base_peak_bytes, d.head_peak_bytes, spread.runs
     lo, hi = spread.peak.min, spread.peak.max
     if lo == hi:
         return (f"measured noise: the baseline's {n} runs had one peak, {format_bytes(hi)}: no spread to allow, "
-                f"the default rule applies"), None
+                f"the default rule applies"), None, None
     if not base:
-        return f"measured noise: the baseline's {n} runs peaked at {format_bytes(lo)} to {format_bytes(hi)}", None
+        return (f"measured noise: the baseline's {n} runs peaked at {format_bytes(lo)} to {format_bytes(hi)}",
+                None, None)
     change = f"peak {pct_cell(base, head) or '+0.0%'}"
     span = f"the spread of {n} runs, {_span(base, lo, hi)} ({format_bytes(lo)} to {format_bytes(hi)})"
     margin = thresholds.margin_text() if thresholds is not None else None
     if lo <= head <= hi:
-        return f"measured noise: {change}: within {span}", f"within the spread of {n} runs, {_span(base, lo, hi)}"
+        return (f"measured noise: {change}: within {span}", f"within the spread of {n} runs, {_span(base, lo, hi)}",
+                finding("G001", d.device, change=pct_cell(base, head) or "+0.0%", runs=n, span=_span(base, lo, hi),
+                        low_bytes=lo, high_bytes=hi))
     if head < lo:
-        return f"measured noise: {change}: below {span}", None
+        return f"measured noise: {change}: below {span}", None, None
     allowed = hi + (thresholds.margin_bytes(base) if thresholds is not None else 0)
     if margin is not None and head <= allowed:
-        return f"measured noise: {change}: above {span}, within the margin of {margin}", None
-    return f"measured noise: {change}: beyond {span}" + (f" and its margin of {margin}" if margin else ""), None
+        return f"measured noise: {change}: above {span}, within the margin of {margin}", None, None
+    return (f"measured noise: {change}: beyond {span}" + (f" and its margin of {margin}" if margin else ""),
+            None, None)
 
 
 MOVED_PCT = 1  # a figure moved when it changed by more than this percent of the base's
@@ -504,12 +530,12 @@ def _moved(base: int, head: int) -> bool:
     return abs(head - base) * 100 > MOVED_PCT * base
 
 
-def _reserved(d: DeviceDiff, gated: bool) -> Optional[str]:
-    """The reserved peak and fragmentation of both runs, and why reserved moved when allocated did
-    not; None when a run has no allocator segments (CPU captures, older baselines)."""
+def _reserved(d: DeviceDiff, gated: bool) -> Tuple[Optional[str], Optional[Finding]]:
+    """The reserved peak and fragmentation of both runs, and A001 when reserved moved and allocated
+    did not; None when a run has no allocator segments (CPU captures, older baselines)."""
     rb, rh = d.base_reserved_peak_bytes, d.head_reserved_peak_bytes
     if rb is None or rh is None:
-        return None
+        return None, None
     fb, fh = d.base_fragmentation_bytes, d.head_fragmentation_bytes
     frag = (f"; fragmentation at the peak (reserved minus allocated) {format_bytes(fb)} -> {format_bytes(fh)}"
             if fb is not None and fh is not None else "")
@@ -518,12 +544,12 @@ def _reserved(d: DeviceDiff, gated: bool) -> Optional[str]:
     if _moved(rb, rh) and not _moved(d.base_peak_bytes, d.head_peak_bytes):
         allocated = ("is unchanged" if d.peak_delta_bytes == 0
                      else f"moved {format_bytes(d.peak_delta_bytes, signed=True)}, within {MOVED_PCT}%")
-        line += (f". Reserved moved while the allocated peak {allocated}: the tensors need the same memory, and "
-                 f"the allocator caches {'more' if rh > rb else 'fewer'} blocks no tensor holds (its pool's history: "
-                 f"the order of allocations and frees, block sizes, streams). "
-                 + ("The reserved limit judges it." if gated else
-                    "The gate judges allocated memory; --reserved-fail-over gates reserved memory too."))
-    return line
+        return line, finding("A001", d.device, allocated=allocated, direction="more" if rh > rb else "fewer",
+                             base_reserved_bytes=rb, head_reserved_bytes=rh,
+                             gated=("The reserved limit judges it." if gated else
+                                    "The gate judges allocated memory; --reserved-fail-over gates reserved memory "
+                                    "too."))
+    return line, None
 
 
 def _shown(text: str, job: Optional[JobPart]) -> bool:
@@ -638,7 +664,7 @@ def device_report(d: DeviceDiff, top: int, min_delta: int, like: Optional[Device
                  f"{format_bytes(d.head_peak_bytes)} ({format_bytes(d.peak_delta_bytes, signed=True)}, "
                  f"{pct_cell(d.base_peak_bytes, d.head_peak_bytes)}); static {format_bytes(d.base_static_bytes)} -> "
                  f"{format_bytes(d.head_static_bytes)}"),
-        where=_where(d), kept=_kept(d),
+        where=_where(d),
         phases=Table(PHASE_HEADERS, [_phase_cells(p) for p in d.phases]) if d.phases else None,
         categories=Table(CATEGORY_HEADERS, [[c.category, format_bytes(c.base_bytes), format_bytes(c.head_bytes),
                                              format_bytes(c.delta_bytes, signed=True),
@@ -673,41 +699,6 @@ def _where(d: DeviceDiff) -> Optional[str]:
         text = f"{role} peak in {where_text(phase, step)}" if phase else f"{role} peak: phase unknown"
         parts.append(text + (f" (scope {scope})" if scope else ""))
     return "; ".join(parts)
-
-
-def _kept(d: DeviceDiff) -> Optional[str]:
-    """`kept from earlier steps: 0 B -> 51.10 MiB (activation: modeling_llama.py:forward +51.10 MiB)`,
-    when head keeps more memory from earlier steps than base."""
-    k = d.kept
-    if k is None or k.head_bytes <= k.base_bytes:
-        return None
-    return kept_text(f"{format_bytes(k.base_bytes)} -> {format_bytes(k.head_bytes)}",
-                     [f"{r.category}: {r.label or r.site} "
-                      f"{format_bytes(r.head_earlier_bytes - r.base_earlier_bytes, signed=True)}" for r in k.rows],
-                     k.head_bytes, k.head_forward_bytes, k.head_forwards)
-
-
-def kept_from(kept_bytes: int, forward_bytes: int) -> str:
-    """What kept memory was kept from: `earlier steps`, `earlier forwards` (a forward of the same
-    code ran after the one that made it, in the same step: a validation loop without
-    torch.no_grad()), or both."""
-    if not forward_bytes:
-        return "earlier steps"
-    return "earlier forwards" if forward_bytes >= kept_bytes else "earlier steps and forwards"
-
-
-def kept_text(amount: str, sites: Sequence[str], kept_bytes: int = 0, forward_bytes: int = 0, forwards: int = 0) -> str:
-    """The one wording of kept memory, in a run's peak report and in a diff: `kept from earlier
-    steps (not parameters, gradients, optimizer state or workspaces): AMOUNT (SITE, ...)`; of
-    the bytes kept from earlier forwards (`forward_bytes` of `kept_bytes`), it says how many
-    forwards made them."""
-    more = f" and {len(sites) - KEPT_SITES:,} more" if len(sites) > KEPT_SITES else ""
-    passes = ""
-    if forward_bytes and forwards:
-        share = "" if forward_bytes >= kept_bytes else f" {format_bytes(forward_bytes)} of it"
-        passes = f",{share} made by {count_of(forwards, 'earlier forward')} that a forward of the same code followed"
-    return (f"kept from {kept_from(kept_bytes, forward_bytes)} (not parameters, gradients, optimizer state or "
-            f"workspaces): {amount}{passes} ({', '.join(sites[:KEPT_SITES])}{more})")
 
 
 # --- the headline ----------------------------------------------------------------------------
@@ -804,9 +795,8 @@ def _device_headline(r: DeviceReport) -> str:
         text += (f"; {where_text(like.at, None)} {change_text(like.base_peak_bytes, like.head_peak_bytes)}"
                  + (f": {phase_cause}" if phase_cause else ""))
     text += _phase_tail(d, [d.head_peak_phase if d.at == PEAK else d.at, like.at if like is not None else None])
-    if r.kept:
-        k = d.kept
-        assert k is not None  # a kept line is written only from kept memory
+    k = d.kept
+    if k is not None and k.head_bytes > k.base_bytes:
         text += f"; kept from {kept_from(k.head_bytes, k.head_forward_bytes)} {change_text(k.base_bytes, k.head_bytes)}"
     return text
 

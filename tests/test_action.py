@@ -32,7 +32,7 @@ def action(tmp_path):
         env = {**os.environ, "GITHUB_OUTPUT": str(outputs),
                "RUNNER_TEMP": str(tmp_path), "GITHUB_STEP_SUMMARY": str(tmp_path / "summary.md"),
                "HEAD": "", "BASE": "", "BASELINE": "", "FAIL_OVER": "", "FAIL_OVER_PCT": "", "CATEGORY_FAIL_OVER": "",
-               "PHASE_FAIL_OVER": "", "HISTORY": "", "HISTORY_POINTS": "20", "REQUIRE_BASELINE": "true", "MIN_DELTA": "", "WHATIF": "false", "RULES": "", "TOP": "5", "HTML": "false",
+               "PHASE_FAIL_OVER": "", "HISTORY": "", "HISTORY_POINTS": "20", "REQUIRE_BASELINE": "true", "MIN_DELTA": "", "WHATIF": "false", "RULES": "", "FAIL_ON": "", "IGNORE": "", "TOP": "5", "HTML": "false",
                "MEMDIFF": str(shim), "GITHUB_JOB": "memory", "ARTIFACT_NAME": "", "COMMENT_TITLE": "memdiff",
                **{k.upper(): v for k, v in inputs.items()}}
         done = subprocess.run(["bash", "-c", compare_script()], cwd=cwd, env=env, capture_output=True, text=True)
@@ -210,3 +210,24 @@ def test_the_whatif_input_puts_what_buys_it_back_in_the_summary(action, shared, 
     (tmp_path / "summary.md").unlink()
     outputs, _ = action(tmp_path, head=str(head), base=str(base))  # whatif: false, the default
     assert outputs["exit-code"] == "1" and "What buys it back" not in (tmp_path / "summary.md").read_text()
+
+
+@pytest.mark.slow  # runs the action's steps
+def test_findings_fail_or_are_ignored_through_the_inputs_and_say_so_in_the_outputs(action, tmp_path):
+    # A loss kept as a tensor each step (gpt2-log-tensor) against its clean run, under a peak rule
+    # that allows the growth: the kept memory growing step over step (K004) fails it by default.
+    cuda = ROOT / "tests" / "data" / "cuda"
+    stored = tmp_path / "b.json"
+    subprocess.run([sys.executable, "-m", "memdiff", "baseline", str(cuda / "gpt2-base.pickle.gz"), "-o", str(stored),
+                    "--fail-over-pct", "1000"], cwd=tmp_path, check=True, capture_output=True)
+    head = str(cuda / "gpt2-log-tensor.pickle.gz")
+    outputs, log = action(tmp_path, head=head, baseline=str(stored))
+    assert (outputs["exit-code"], outputs["verdict"]) == ("1", "fail")
+    assert (outputs["findings"], outputs["failed-findings"]) == ("K002 K004", "K004")
+    assert "::error title=memdiff K004 kept-grows-per-step::device 0: memory kept from earlier steps" in log
+    outputs, log = action(tmp_path, head=head, baseline=str(stored), fail_on="K002")
+    assert outputs["exit-code"] == "1" and outputs["failed-findings"] == "K002 K004"
+    outputs, log = action(tmp_path, head=head, baseline=str(stored), ignore="K")
+    assert (outputs["exit-code"], outputs["verdict"], outputs["findings"], outputs["failed-findings"]) == (
+        "0", "pass", "", "")
+    assert "K004" not in log.replace("are ignored (--ignore)", "").replace("K004, ", "")

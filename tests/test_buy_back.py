@@ -11,11 +11,13 @@ from typing import Any, Dict, List
 
 import pytest
 import test_schemas
+import test_ranks
 import test_whatif
 from test_inert import run
 
 import memdiff
 from memdiff.errors import InputError
+from memdiff.findings import BY_CODE
 from memdiff.inert import md_text
 from memdiff.limits import Limit
 
@@ -188,3 +190,22 @@ def test_a_hostile_head_name_bends_no_output(pair, tmp_path):
         assert_no_command_from_data(out)
         if fmt == "markdown":
             assert_markdown_inert(out, headings=3)  # the verdict, the device, what buys it back
+
+
+def test_the_notes_are_the_catalogues_findings(pair, tmp_path):
+    """Why nothing buys a regression back, and how the changes were found, under their codes
+    (docs/findings.md's examples for W001 to W005)."""
+    base, head = pair(10)
+    code, out, _ = run(base, head, "--fail-over-pct", "5", "--whatif")
+    lines = out.splitlines()
+    assert code == 1 and "  " + BY_CODE["W004"].example_output in lines and "  " + BY_CODE["W005"].example_output in lines
+    # A job: the what-if replays one run.
+    jobs = [test_ranks.job(tmp_path / side, {r: test_ranks.rank_snapshot(size) for r in range(2)})
+            for side, size in (("base", 100 * 2**20), ("head", 300 * 2**20))]
+    out = run(*jobs, "--whatif")[1]
+    assert "  " + BY_CODE["W001"].example_output in out.splitlines()
+    # A peak within its rule while another check fails: nothing to buy back.
+    stored = tmp_path / "b.json"
+    assert run("baseline", base, "-o", stored, "--fail-over-pct", "1000")[0] == 0
+    code, out, _ = run("gate", head, "--baseline", stored, "--category-fail-over", "activation=0%", "--whatif")
+    assert code == 1 and "  " + BY_CODE["W002"].example_output in out.splitlines()

@@ -23,6 +23,7 @@ from memdiff import api
 from memdiff.classify import PERSISTENT, load_rules
 from memdiff.cli import main
 from memdiff.differ import DeviceDiff, diff
+from memdiff.findings import BY_CODE, shown
 from memdiff.frames import NO_STACK_GUESSED, NO_STACK_STATE_GUESSED, names_autograd_node
 from memdiff.inputs import read_summary
 from memdiff.model import DeviceSummary, Summary
@@ -240,6 +241,8 @@ def test_a_run_whose_stacks_do_not_name_autograd_nodes_is_told_apart(summaries):
         g.frames = [f for f in g.frames if not names_autograd_node(f.name)]
     told = [w for w in diff(plain, summaries["gpt2-batch8"]).warnings if "autograd nodes" in w]
     assert told and told[0].startswith("device 0: only the head run's stacks name autograd nodes")
+    coded = [f for f in diff(plain, summaries["gpt2-batch8"]).findings if f.code == "T009"]
+    assert [shown(f) for f in coded] == [BY_CODE["T009"].example_output]
     assert [w for w in diff(summaries["gpt2-batch8"], plain).warnings if "only the base run's" in w]
     assert not [w for w in diff(summaries["gpt2-base"], summaries["gpt2-batch8"]).warnings if "autograd nodes" in w]
 

@@ -13,6 +13,7 @@ from conftest import alloc, py_frames
 from memdiff.classify import load_rules
 from memdiff.cli import main
 from memdiff.differ import BY_SITE, GONE, GREW, NEW, SAME, SHRANK, diff
+from memdiff.findings import BY_CODE
 from memdiff.inputs import read_summary
 from memdiff.limits import Limit, Thresholds
 from memdiff.load import decode
@@ -287,12 +288,15 @@ def test_a_trace_that_overflowed_its_ring_buffer_is_said_in_peak_and_warned_in_t
     said = ("the trace overflowed its ring buffer of 2 entries: its first events are gone, so memory allocated "
             "before them counts as static and their stacks are unknown (record with a larger max_entries)")
     code, out, _ = run(capsys, "peak", h)
-    assert code == 0 and f"note: {said}" in out
+    assert code == 0 and f"warning: T001 {said}" in out.splitlines() and BY_CODE["T001"].example_output in out
     assert "overflowed" not in run(capsys, "peak", b)[1]
     _, data = json_diff(capsys, b, h)
     # Named once, as what it is; never as allocator settings that differ.
     assert data["warnings"][0] == f"head: {said}"
     assert not any("allocator settings differ" in w for w in data["warnings"])
+    assert [(f["code"], f["run"], f["message"], f["data"].get("max_entries")) for f in data["findings"]] == \
+        [("T001", "head", said, 2), ("T003", None, "only the head trace starts mid-run (its ring buffer dropped events), "
+                                     "so its static memory includes what the other run shows as allocations", None)]
 
 
 # --- the rule and exit codes ---------------------------------------------------------------------
@@ -332,7 +336,8 @@ def test_the_rule_applied_is_printed(tmp_path, capsys):
     assert "rule: fail when the peak of a device grows by more than 512.00 MiB" in out
     assert "PASS  device 0 peak: 1000 B -> 1.95 KiB, +1000 B (+100.0%), limit: more than 512.00 MiB" in out
     assert Thresholds(Limit.from_options(None, None)).describe() == (
-        "fail when the peak of a device grows by more than 1% and by more than 64.00 MiB, or by more than 50%")
+        "fail when the peak of a device grows by more than 1% and by more than 64.00 MiB, or by more than 50%; "
+        "findings K003, K004, A002 fail (default)")
 
 
 @pytest.mark.parametrize("base_bytes, head_bytes, fails", [

@@ -157,7 +157,7 @@ def test_the_emulated_marker_is_data_and_read_with_care(tmp_path):
     done = _snapshot_marked(tmp_path, {"gpu": "H100\x1b[2J\nwarning: fake", "notes": ["eager\x07"]})
     assert done.returncode == 0, done.stderr
     assert "\x1b" not in done.stdout and "\x07" not in done.stdout
-    assert "note: emulated H100\\x1b[2J\\nwarning: fake by memdiff" in done.stdout
+    assert "note: T013 emulated H100\\x1b[2J\\nwarning: fake by memdiff" in done.stdout
     # A marker of the wrong shape is bad input: one line, exit 2.
     done = _snapshot_marked(tmp_path, ["not", "a", "dict"])
     assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1 and "emulated" in done.stderr

@@ -49,7 +49,7 @@ def test_the_peaks_in_different_phases_are_named_and_compared_like_for_like(shar
     base, head = shared / "cs336-medium-ctx128-train.pickle", shared / "cs336-medium-ctx256-train.pickle"
     assert main([str(base), str(head), "--top", "5"]) == 1
     out = capsys.readouterr().out
-    assert ("warning: device 0: the peaks are in different phases: base in the optimizer step of step 0, head in "
+    assert ("warning: P001 device 0: the peaks are in different phases: base in the optimizer step of step 0, head in "
             "the forward of step 0; rows compare different moments (compare like with like: --at forward)") in out
     assert ("base peak in the optimizer step of step 0 (scope Optimizer.step#AdamW.step); "
             "head peak in the forward of step 0") in out

@@ -347,3 +347,21 @@ def test_memory_from_before_the_trace_can_be_the_peak(write_snapshot, capsys):
     d = json.loads(capsys.readouterr().out)["devices"][0]
     assert d["predicted_peak_bytes"] == 800 and d["fit_error_pct"] == 0.0
     assert [r["actual_peak_bytes"] for r in d["runs"]] == [100, 200, 400]
+
+
+def test_the_notes_are_the_catalogues_findings(write_snapshot, capsys):
+    """docs/findings.md's hand-built examples of W009, W011 and W013, as `memdiff forecast` prints them."""
+    from memdiff.findings import BY_CODE
+
+    def runs(name, sizes_at):
+        return [f"{write_snapshot({'segments': [], 'device_traces': [[alloc(k + 1, s) for k, s in enumerate(sizes)]]}, f'{name}{v}.pickle')}={v}"
+                for v, sizes in sizes_at]
+    said = {}
+    for argv in (runs("q", [(v, [100, 10 * v * v]) for v in (1, 2, 3)]),  # three runs, a quadratic size
+                 runs("x", [(1, [10]), (2, [20]), (3, [40]), (4, [100])]),  # no polynomial fits
+                 runs("c", [(v, [100]) for v in (1, 2, 3)]) + ["--budget", "1MiB"]):  # nothing grows
+        assert main(["forecast", *argv]) == 0
+        said.update({line.split()[1]: line for line in capsys.readouterr().out.splitlines()
+                     if line.startswith(("note: W", "warning: W"))})
+    for code in ("W009", "W011", "W013"):
+        assert said[code] == BY_CODE[code].example_output

@@ -9,11 +9,12 @@ from pathlib import Path
 from unittest import mock
 
 import pytest
-
 from conftest import ROOT, cli, weights_and_activations
+
 import memdiff
 from memdiff.cli import main
 from memdiff.errors import InputError
+from memdiff.findings import BY_CODE
 
 MiB = 2**20
 
@@ -78,8 +79,8 @@ def test_site_threshold_boundary(baseline, tmp_path, capsys):
     data["thresholds"]["sites"] = [{"site": "^model\\.py:forwrad$", "fail-over": "2MiB"}]
     b.write_text(json.dumps(data))
     code, out, _ = gate(capsys, tmp_path, b, 200 * MiB)
-    assert "device 0: sites /^model\\.py:forwrad$/ matches no group of the base run, so its limit only sees " \
-           "groups that are new" in out
+    assert "warning: G004 device 0: sites /^model\\.py:forwrad$/ matches no group of the base run, so its limit " \
+           "only sees groups that are new" in out.splitlines() and BY_CODE["G004"].example_output in out
 
 
 def test_command_line_flags_override_the_file(baseline, tmp_path, capsys):
@@ -359,7 +360,7 @@ def test_a_peak_flag_replaces_the_stored_peak_rule_whole(baseline, tmp_path, cap
     # 5% and by more than 512 MiB", under which a small run could never fail.
     b = baseline("--fail-over", "512MiB")
     code, out, _ = gate(capsys, tmp_path, b, 120 * MiB, "--fail-over-pct", "5")
-    assert "rule: fail when the peak of a device grows by more than 5%\n" in out
+    assert "rule: fail when the peak of a device grows by more than 5%; findings K003, K004, A002 fail (default)\n" in out
     assert code == 1 and "limit: more than 5%\n" in out
 
 

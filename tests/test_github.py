@@ -67,7 +67,8 @@ def test_a_regression(github, tmp_path, capsys):
     assert code == 1
     got = outputs(github)
     report = Path(got.pop("report"))
-    assert got == {"verdict": "fail", "peak-delta-bytes": str(200 * MiB)}
+    # The findings shown and those that failed the gate, by code: the peak's growth is no finding that fails.
+    assert got == {"verdict": "fail", "peak-delta-bytes": str(200 * MiB), "findings": "G002", "failed-findings": ""}
     # In $RUNNER_TEMP, a file of this run's own: a second run at once writes another.
     assert report.parent == tmp_path and report.name.startswith("memdiff-report-") and report.suffix == ".md"
     assert report.read_text().startswith("### ❌ memdiff: regression")
@@ -83,7 +84,7 @@ def test_a_regression(github, tmp_path, capsys):
     assert ("::error title=memdiff::peak +200.00 MiB (+20.0%25), in the forward: activation +200.00 MiB (+20.0%25) "
             "(model.py:forward +200.00 MiB). FAIL  device 0 peak: 1000.00 MiB -> 1.17 GiB, +200.00 MiB (+20.0%25), "
             "limit: more than 1%25 and by more than 64.00 MiB, or by more than 50%25 "
-            "device 0: peak grew by 200.00 MiB; top growth: model.py:forward +200.00 MiB") in out
+            "G002 device 0: peak grew by 200.00 MiB; top growth: model.py:forward +200.00 MiB") in out
 
 
 def test_a_pass(github, tmp_path, capsys):
@@ -98,8 +99,9 @@ def test_a_pair_that_does_not_compare_warns(github, tmp_path, capsys):
     code, out = run_pair(tmp_path, capsys, 1000, 1000, base_settings={"expandable_segments": False},
                          head_settings={"expandable_segments": True})
     assert code == 0
-    assert ("::warning title=memdiff::the runs may not be comparable: allocator settings differ "
-            "(expandable_segments: False -> True)") in out
+    # Titled by its code and name, with where to read about it.
+    assert ("::warning title=memdiff T008 allocator-settings-differ::allocator settings differ "
+            "(expandable_segments: False -> True) (memdiff rule T008)") in out
     assert "> [!WARNING]" in Path(github["GITHUB_STEP_SUMMARY"]).read_text()
 
 

@@ -12,6 +12,7 @@ from conftest import alloc, block, cli, free, py_frames, segment, weights_and_ac
 
 from memdiff.baseline import _stored_summary, comparable_pair, read_baseline
 from memdiff.classify import load_rules
+from memdiff.findings import BY_CODE
 from memdiff.inputs import read_summary
 from memdiff.report import Run, Settings, compare
 
@@ -75,6 +76,8 @@ def test_a_run_inside_the_spread_says_so_and_passes(tmp_path, capsys):
     # +1 MiB over 202 MiB is +0.5%; the runs span 200 to 204 MiB: -1.0% to +1.0% of it.
     assert "peak +1.00 MiB (+0.5%) (within the spread of 3 runs, -1.0% to +1.0%)" in out.splitlines()[0]
     assert "measured noise: peak +0.5%: within the spread of 3 runs, -1.0% to +1.0% (200.00 MiB to 204.00 MiB)" in out
+    assert ("note: G001 device 0: the peak's change (+0.5%) is within the spread of the baseline's 3 runs "
+            "(-1.0% to +1.0%)") in out.splitlines() and BY_CODE["G001"].example_output in out
 
 
 def test_the_api_gates_with_the_spread_as_the_cli_does(tmp_path, capsys):
@@ -240,8 +243,11 @@ def test_reserved_moves_while_allocated_does_not(write_snapshot, capsys):
     assert code == 0
     assert ("reserved by the caching allocator: peak 2.00 MiB -> 6.00 MiB, +4.00 MiB (+200.0%); fragmentation at the "
             "peak (reserved minus allocated) 1.00 MiB -> 5.00 MiB") in out
-    assert "Reserved moved while the allocated peak is unchanged" in out
-    assert "--reserved-fail-over gates reserved memory too" in out
+    # Why reserved moved is a finding of its own, under its code.
+    assert ("note: A001 device 0: reserved moved while the allocated peak is unchanged: the tensors need the same "
+            "memory, and the allocator caches more blocks no tensor holds (its pool's history: the order of "
+            "allocations and frees, block sizes, streams). The gate judges allocated memory; --reserved-fail-over "
+            "gates reserved memory too.") in out.splitlines() and BY_CODE["A001"].example_output in out
     code, out, _ = run(capsys, base, head, "--reserved-fail-over", "50%")
     assert code == 1 and "FAIL  device 0 reserved peak: 2.00 MiB -> 6.00 MiB" in out
 

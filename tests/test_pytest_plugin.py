@@ -208,3 +208,50 @@ def test_a_corrupt_baseline_is_bad_input_and_update_replaces_it(suite):
     assert "replaced by --memdiff-update" in result.stdout.str()
     assert baseline_of(suite)["name"] == "test_model.py::test_step"
     run(suite).assert_outcomes(passed=1)
+
+
+# Four SGD steps; with MEMDIFF_TEST_KEEP=1 each step keeps an output with its graph (a loss logged
+# as a tensor), so every step peaks higher than the last while the peak stays within its rule.
+TRAINING = textwrap.dedent("""
+    import os
+    import pytest
+    import torch
+
+    def train():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 1))
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        keep = os.environ.get("MEMDIFF_TEST_KEEP") == "1"
+        losses = []
+        for _ in range(4):
+            x = torch.randn(64, 256)
+            loss = model(x).pow(2).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(model(x).sum() if keep else loss.item())
+
+    @pytest.mark.memdiff(fail_over_pct=1000)
+    def test_train():
+        train()
+
+    @pytest.mark.memdiff(fail_over_pct=1000, ignore=["K004"])
+    def test_train_knowing_it_keeps():
+        train()
+""")
+
+
+def test_a_leak_growing_step_over_step_fails_the_test_unless_its_code_is_ignored(pytester, torch):
+    pytester.makepyfile(test_model=TRAINING)
+    run(pytester, "--memdiff-update").assert_outcomes(passed=2)
+    stored = json.loads((pytester.path / "baselines" / "test_model.py-test_train_knowing_it_keeps.json").read_text())
+    assert stored["thresholds"]["findings"] == {"ignore": ["K004"]}
+    run(pytester).assert_outcomes(passed=2)
+    pytester._monkeypatch.setenv("MEMDIFF_TEST_KEEP", "1")  # noqa: SLF001 - pytester's own
+    result = run(pytester)
+    result.assert_outcomes(passed=1, failed=1)
+    out = result.stdout.str()
+    assert "PASS  device 0 peak" in out  # the peak is within its rule: the finding fails the test
+    assert "FAIL  finding K004 kept-grows-per-step: device 0: memory kept from earlier steps grows step over step" \
+        in out and "(fails on K004: default)" in out
+    assert "FAILED test_model.py::test_train " in out and result.ret == 1

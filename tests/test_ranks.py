@@ -10,12 +10,13 @@ from pathlib import Path
 from typing import Dict
 
 import pytest
-
 from conftest import alloc, free, py_frames
+
 from memdiff.classify import load_rules
 from memdiff.cli import main
 from memdiff.errors import InputError
-from memdiff.job import discover, rank_of, rank_patterns, ranges, summarize_ranks
+from memdiff.findings import BY_CODE
+from memdiff.job import discover, ranges, rank_of, rank_patterns, summarize_ranks
 
 MiB = 2**20
 PARAMS = py_frames("model.py:3:__init__", "train.py:4:<module>")
@@ -153,7 +154,8 @@ def test_ranks_only_one_job_has_are_warned_about(tmp_path, capsys):
     base = job(tmp_path / "base", {r: rank_snapshot(MiB) for r in range(3)})
     head = job(tmp_path / "head", {r: rank_snapshot(MiB) for r in range(2)})
     code, out, _ = run(capsys, base, head)
-    assert code == 0 and "warning: rank 2 only in base, not compared" in out
+    assert code == 0 and "warning: T011 rank 2 only in base, not compared" in out.splitlines()
+    assert BY_CODE["T011"].example_output in out
 
 
 def test_ranges():
@@ -228,7 +230,18 @@ def test_a_rank_that_crashed_fails_the_gate(tmp_path, capsys):
     (base / "rank3.pickle").unlink()  # ranks 0-2 left: no gap in the numbers, but rank 3 is gone
     code, out, _ = run(capsys, "gate", base, "--baseline", stored)
     assert code == 1 and "rank 3: in the baseline but not in the run" in out
+    assert BY_CODE["G005"].example_output in out.splitlines()
     assert run(capsys, "gate", base, "--baseline", stored, "--allow-missing-ranks")[0] == 0
+
+
+def test_a_rank_without_its_baseline_fails_a_gate_that_requires_one(tmp_path, capsys):
+    base = job(tmp_path / "train", {r: rank_snapshot(100 * MiB) for r in range(2)})
+    stored = tmp_path / "train.json"
+    run(capsys, "baseline", base, "-o", stored)
+    (base / "rank2.pickle").write_bytes((base / "rank1.pickle").read_bytes())  # a rank the baseline lacks
+    assert run(capsys, "gate", base, "--baseline", stored)[0] == 0  # said, not gated
+    code, out, _ = run(capsys, "gate", base, "--baseline", stored, "--require-baseline")
+    assert code == 1 and BY_CODE["G006"].example_output in out.splitlines()
 
 
 def test_a_run_baseline_does_not_gate_a_job(tmp_path, capsys):
@@ -260,7 +273,7 @@ def test_ranks_whose_peaks_are_in_different_phases_are_warned_as_in_a_diff(tmp_p
         os.symlink(shared / name, folder / f"rank{rank}.pickle")
     code, out, _ = run(capsys, "ranks", folder)
     assert code == 0
-    assert "warning: device 0: the peaks are in different phases: base in the optimizer step of step 0, " \
+    assert "warning: P001 device 0: the peaks are in different phases: base in the optimizer step of step 0, " \
            "head in the forward of step 0" in out
     # ranks has no --at: the advice names the diff of the two ranks' files that has it
     warning = next(line for line in out.splitlines() if "different phases" in line)
@@ -296,3 +309,19 @@ def test_a_recorded_jobs_manifest_keeps_an_earlier_runs_ranks_out(tmp_path, caps
         (folder / f"rank{r}.pickle").unlink()
     code, _, err = run(capsys, "ranks", folder)
     assert code == 2 and "no rank file of the job its memdiff-job.json describes (2 ranks)" in err
+
+
+def test_a_finding_that_fails_another_rank_is_listed_with_the_other_ranks(tmp_path, capsys):
+    # Rank 1's head trace starts mid-run (a free of memory it never saw allocated); rank 0 grew most,
+    # so it is shown in full, and rank 1's failing finding is listed with the other ranks.
+    mid_run = rank_snapshot(100 * MiB)
+    mid_run["device_traces"][0].insert(0, free(99, MiB, FWD))
+    base = job(tmp_path / "base", {0: rank_snapshot(100 * MiB), 1: rank_snapshot(100 * MiB)})
+    head = job(tmp_path / "head", {0: rank_snapshot(100 * MiB, extra=MiB), 1: mid_run})
+    assert run(capsys, base, head)[0] == 0  # T003 is a warning, failing nothing by default
+    code, out, _ = run(capsys, base, head, "--fail-on", "T003")
+    assert code == 1 and "FAIL: 2 ranks compared, failing: 1" in out
+    other = out[out.index("other ranks:"):].splitlines()
+    assert other[1] == ("FAIL  finding T003 mid-run-in-one-run: rank 1 device 0: only the head trace starts mid-run "
+                        "(its ring buffer dropped events), so its static memory includes what the other run shows as "
+                        "allocations (fails on T003: --fail-on)")

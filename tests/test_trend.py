@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 from conftest import cli, py_frames, weights_and_activations
 
+from memdiff.findings import BY_CODE
 from memdiff.trend import BLOCKS, read_history, sparkline, trend_of
 from memdiff.units import format_bytes
 
@@ -114,6 +115,7 @@ def test_a_history_without_the_workload_says_so(main_branch, tmp_path, capsys):
     code, out, _ = run(capsys, "gate", head, "--baselines", tmp_path / "baselines", "--history", main_branch)
     assert code == 0
     assert "the history has no peak of 'eval' on main yet (it holds train)" in out
+    assert "trend on main: " + BY_CODE["G007"].example_output in out.splitlines()
 
 
 def test_an_empty_history_file_is_an_empty_history(main_branch, tmp_path, capsys):

@@ -181,7 +181,7 @@ def test_a_change_that_cannot_apply_is_one_line_not_a_guess(write_snapshot, caps
     assert main(["whatif", path, "--change", "checkpoint", "--change", "optimizer=sgd"]) == 0
     out = capsys.readouterr().out
     lines = [line for line in out.splitlines() if "does not apply" in line]
-    assert len(lines) == 2 and lines[0].startswith("checkpoint: does not apply: no repeated blocks")
+    assert len(lines) == 2 and lines[0].startswith("note: W014 device 0: checkpoint: does not apply: no repeated blocks")
     assert "no change asked applies" in out
 
 

@@ -5,10 +5,11 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import TYPE_CHECKING, Dict, List, Optional, Sequence
+from typing import TYPE_CHECKING, Dict, List, Optional, Sequence, Tuple
 
-from memdiff.classify import Rule, check_categories, load_rules
+from memdiff.classify import Rule, check_categories, findings_chosen, load_rules
 from memdiff.errors import InputError
+from memdiff.findings import DEFAULT_FAIL_ON, parse_codes
 from memdiff.job import Job, discover
 from memdiff.lifetimes import BACKWARD, FORWARD, OPTIMIZER
 from memdiff.limits import Limit, Thresholds, parse_limit, parse_pct, thresholds_over
@@ -52,6 +53,11 @@ def add_threshold_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fail-over-pct", type=pct_arg, metavar="P",
                    help="fail when a peak grows by more than P percent; with --fail-over both must be "
                         "exceeded (default without either: 1%% and 64MiB)")
+    p.add_argument("--fail-on", nargs="+", default=[], metavar="CODE",
+                   help="also fail on these findings (codes from `memdiff rule --all`, or a family letter: K); "
+                        f"by default {', '.join(DEFAULT_FAIL_ON)} fail (docs/findings.md)")
+    p.add_argument("--ignore", nargs="+", default=[], metavar="CODE",
+                   help="neither show nor fail on these findings (codes, or a family letter)")
 
 
 def limit_arg(text: str) -> Limit:
@@ -149,7 +155,16 @@ def thresholds_from(args: argparse.Namespace, rules: Sequence[Rule], stored: Opt
     if stored is not None:
         check_categories(stored.categories, rules, stored_from)
     return thresholds_over(stored, args.fail_over, args.fail_over_pct, categories, phase_limits(args.phase_fail_over),
-                           getattr(args, "noise_margin", None), reserved_limit(getattr(args, "reserved_fail_over", [])))
+                           getattr(args, "noise_margin", None), reserved_limit(getattr(args, "reserved_fail_over", [])),
+                           finding_choices(args))
+
+
+def finding_choices(args: argparse.Namespace) -> List[Tuple[str, str, List[str], List[str]]]:
+    """The choices of findings to fail on or ignore, in the order they apply: each rules file's
+    (`findings` in it), then --fail-on and --ignore."""
+    files = [(path, path, fail_on, ignore) for path, fail_on, ignore in findings_chosen(getattr(args, "rules", []))]
+    return files + [("--fail-on", "--ignore", parse_codes("--fail-on", args.fail_on),
+                     parse_codes("--ignore", args.ignore))]
 
 
 def reserved_limit(parts: Sequence[Limit]) -> Optional[Limit]:

@@ -17,6 +17,7 @@ from memdiff.commands.args import (
     add_rules_arguments,
     add_threshold_arguments,
     add_whatif_argument,
+    finding_choices,
     job_from,
     publisher_from,
     reserved_limit,
@@ -26,7 +27,7 @@ from memdiff.differ import MOMENTS, PEAK
 from memdiff.errors import EXIT_OK, EXIT_REGRESSION, InputError
 from memdiff.inputs import read_summaries
 from memdiff.job import is_job, summarize_ranks
-from memdiff.limits import Limit, Thresholds
+from memdiff.limits import Limit, Thresholds, thresholds_over
 from memdiff.render import html as render_html
 from memdiff.render import render
 from memdiff.report import Report, Run, Settings, compare
@@ -86,7 +87,8 @@ def run(args: argparse.Namespace) -> int:
     publisher = publisher_from(args)  # its --report checked before the runs are read
     base, head = _sides(args, rules)
     thresholds = Thresholds(peak=Limit.from_options(args.fail_over, args.fail_over_pct),
-                            reserved=reserved_limit(args.reserved_fail_over))
+                            reserved=reserved_limit(args.reserved_fail_over),
+                            findings=thresholds_over(None, None, None, {}, {}, choices=finding_choices(args)).findings)
     report = compare(base, head, Settings(thresholds=thresholds, at=args.at, top=args.top, min_delta=args.min_delta,
                                           whatif_run=args.head if args.whatif else None, rules=rules,
                                           window=args.window))

@@ -9,7 +9,7 @@ from dataclasses import replace
 from memdiff.atomic import check_output, write_output
 from memdiff.commands.args import add_html_argument, add_rules_arguments, count_arg, rules_from
 from memdiff.inputs import read_summary
-from memdiff.peak import peak_report
+from memdiff.peak import peak_report, source_findings
 from memdiff.render.html import render_peak as render_peak_html
 from memdiff.render.json import render_summary
 from memdiff.render.text import render_peak
@@ -42,7 +42,9 @@ def run(args: argparse.Namespace) -> int:
         write_output(args.html, render_peak_html(summary, peaks))
     if args.format == "json":
         shown = {p.device.device for p in peaks}
-        sys.stdout.write(render_summary(replace(summary, devices=[d for d in summary.devices if d.device in shown])))
+        findings = source_findings(summary) + [f for p in peaks for f in p.findings]
+        sys.stdout.write(render_summary(replace(summary, devices=[d for d in summary.devices if d.device in shown]),
+                                        findings))
     else:
         sys.stdout.write(render_peak(summary, peaks))
     return 0

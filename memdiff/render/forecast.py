@@ -8,6 +8,7 @@ from typing import List
 
 from tabulate import tabulate
 
+from memdiff.findings import shown
 from memdiff.forecasting import DeviceForecast, Forecast
 from memdiff.inert import md_cell, md_code, md_text
 from memdiff.render.json import dumps
@@ -64,7 +65,7 @@ def render_text(f: Forecast) -> str:
         out.append(f"budget {format_bytes(f.budget_bytes)}: {f.overhead_note}")
     for d in f.devices:
         out += ["", f"device {d.device}: {d.alignment}"]
-        out += [f"note: {n}" for n in d.notes]
+        out += [shown(n) for n in d.notes]
         out += ["", _runs_table(d, "simple"), "", _predictions_table(d, "simple")]
         p = d.predictions[0]
         out += ["", f"at the predicted peak for {p.value:,} ({p.where}):"]
@@ -86,7 +87,7 @@ def render_markdown(f: Forecast) -> str:
         out += ["", f"budget {format_bytes(f.budget_bytes)}: {md_text(f.overhead_note)}"]
     for d in f.devices:
         out += ["", f"#### device {d.device}", ""]
-        out += [f"> {md_text(n)}" for n in d.notes]
+        out += [f"> `{n.code}` {md_text(n.text)}" for n in d.notes]
         out += ["", _runs_table(d, "github"), "", _predictions_table(d, "github"), ""]
         out += ["\n\n".join(_at_peak_tables(d, "github"))]
     return "\n".join(out) + "\n"
@@ -102,7 +103,8 @@ def render_html(f: Forecast) -> str:
     body = []
     for d in f.devices:
         body.append(f"<h2>{html.escape(d.headline)}</h2>")
-        body += [f"<p class=note>{html.escape(n)}</p>" for n in f.notes + d.notes]
+        body += [f"<p class=note>{html.escape(n)}</p>" for n in f.notes]
+        body += [f"<p class=note>{n.code} {html.escape(n.text)}</p>" for n in d.notes]
         tables = [_runs_table(d, "html"), _predictions_table(d, "html"), *_at_peak_tables(d, "html")]
         body += tables
     style = ("body{font:14px system-ui,sans-serif;margin:2em}table{border-collapse:collapse;margin:1em 0}"

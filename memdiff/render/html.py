@@ -21,7 +21,8 @@ from importlib import resources
 from typing import Any, Dict, List, Optional, Sequence
 
 from memdiff.differ import where_text
-from memdiff.model import DeviceSummary, Frame, Summary
+from memdiff.findings import BY_CODE, ERROR, INFO, WARNING
+from memdiff.model import DeviceSummary, Finding, Frame, Summary
 from memdiff.peak import DevicePeak, PeakRow
 from memdiff.render.table import row_table
 from memdiff.report import STACK_FRAMES, DeviceReport, Report, ShownRow, Table, frame_line
@@ -120,6 +121,28 @@ def _diff_rows(d: DeviceReport, marked: bool = True) -> str:
     return _laid(row_table(d), attrs)
 
 
+def _finding(f: Finding, css: str = "") -> str:
+    """A finding with its code linked to the code's documentation at the foot of the page."""
+    kind = css or {ERROR: "error", WARNING: "warning", INFO: "muted"}[f.severity]
+    return (f'<p class="{kind}"><a class="mono" href="#rule-{f.code.lower()}">{f.code}</a> '
+            f"{html.escape(f.text)}</p>")
+
+
+def _rules(findings: Sequence[Finding]) -> List[str]:
+    """The documentation of each code shown (findings.py's catalogue), for the links to land on."""
+    codes = sorted({f.code for f in findings})
+    if not codes:
+        return []
+    out = ["<h2>Findings</h2>"]
+    for c in (BY_CODE[code] for code in codes):
+        out += [f'<details id="rule-{c.code.lower()}" open><summary><strong>{c.code} {c.name}</strong> '
+                f"({c.severity})</summary>",
+                *(f"<p><strong>{title}</strong> {html.escape(said)}</p>"
+                  for title, said in (("What it means:", c.means), ("Why it matters:", c.why), ("What to do:", c.fix))),
+                "</details>"]
+    return out
+
+
 def _verdict(report: Report) -> List[str]:
     mark = "none" if report.passed is None else "pass" if report.passed else "fail"
     text = ("memdiff: not judged" if report.passed is None else "memdiff: no regression" if report.passed
@@ -130,7 +153,7 @@ def _verdict(report: Report) -> List[str]:
            f"<p><strong>Rule:</strong> {html.escape(report.rule or 'not judged')}</p>", "<ul>"]
     out += [f'<li class="mono {"pass" if c.passed else "fail"}">{html.escape(c.text)}</li>' for c in report.check_lines]
     out.append("</ul>")
-    out += [f'<p class="muted">{html.escape(n)}</p>' for n in report.notes]
+    out += [_finding(n, "muted") for n in report.notes]
     return out
 
 
@@ -142,7 +165,7 @@ def _buy_back(report: Report) -> List[str]:
     out += [f'<li class="mono {"pass" if b.enough else "fail"}" data-change="{html.escape(b.change)}">'
             f"{html.escape(b.text)}</li>" for b in report.buy_back.items]
     out.append("</ul>")
-    out += [f'<p class="muted">{html.escape(n)}</p>' for n in report.buy_back.notes]
+    out += [_finding(n, "muted") for n in report.buy_back.notes]
     return out + ["</section>"]
 
 
@@ -201,7 +224,7 @@ def _trends(report: Report) -> List[str]:
                 f'<p class="trend-text">{html.escape(t.text)}</p>',
                 _table(TREND_HEADERS, t.rows, left=(0, 1), attrs=[' class="trend-head-row"'])]
     if report.trend_note:
-        out.append(f'<p class="muted">{html.escape(report.trend_note)}</p>')
+        out.append(_finding(report.trend_note, "muted"))
     return out + ["</section>"]
 
 
@@ -218,7 +241,7 @@ def render_diff(report: Report) -> str:
     if report.job is not None:
         body += [f"<p><strong>{html.escape(report.job.summary_line)}</strong>; shown in full: rank "
                  f"{report.job.worst_rank}</p>", _laid(report.job.table)]
-    body += [f'<p class="warning">{html.escape(w)}</p>' for w in report.warnings]
+    body += [_finding(f) for f in report.findings]
     body.append(_toolbar(compare=True))
     devices = []
     base_devices = {d.device: d for d in shown.base.devices}
@@ -238,6 +261,8 @@ def render_diff(report: Report) -> str:
                                  _run("head", head_name, head_devices.get(d.device))],
                         "rows": {f"r{k}": _row_data(r) for k, r in enumerate(d.rows)}})
     body += _trends(report)
+    body += _rules([*report.findings, *report.notes, *(report.buy_back.notes if report.buy_back else []),
+                    *([report.trend_note] if report.trend_note else [])])
     return _page(title, body, {"kind": "diff", "devices": devices})
 
 
@@ -271,6 +296,7 @@ def render_peak(summary: Summary, peaks: List[DevicePeak]) -> str:
         body.append(f"<h2>device {d.device}: peak {html.escape(format_bytes(d.peak_bytes))}{html.escape(where)}; "
                     f"static {html.escape(format_bytes(d.static_bytes))}</h2>")
         body += [f"<p>reserved: {html.escape(p.reserved)}</p>"] if p.reserved else []
+        body += [_finding(f) for f in p.findings]
         body.append(_charts(d.device))
         body += ["<h3>Categories at the peak</h3>",
                  _table(["category", "bytes", "share"],
@@ -278,4 +304,5 @@ def render_peak(summary: Summary, peaks: List[DevicePeak]) -> str:
         body += ["<h3>Groups live at the peak</h3>", _peak_rows(d.device, p)]
         devices.append({"device": d.device, "runs": [_run("run", name, d)],
                         "rows": {f"r{k}": _peak_row_data(r) for k, r in enumerate(p.rows) if r.signature}})
+    body += _rules([f for p in peaks for f in p.findings])
     return _page(title, body, {"kind": "peak", "devices": devices})

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, Optional, Sequence
 
 from memdiff.inert import json_text
-from memdiff.model import Summary
+from memdiff.model import Finding, Summary
 from memdiff.report import Report
 
 
@@ -15,9 +15,12 @@ def dumps(data: Any) -> str:
     return json_text(json.dumps(data, indent=2, ensure_ascii=False)) + "\n"
 
 
-def render_summary(summary: Summary) -> str:
-    """The summary as indented JSON."""
-    return dumps(summary.to_dict())
+def render_summary(summary: Summary, findings: Optional[Sequence[Finding]] = None) -> str:
+    """The summary as indented JSON; with `findings` (`memdiff peak`), their list added as `findings`."""
+    doc = summary.to_dict()
+    if findings is not None:
+        doc["findings"] = [f.to_dict() for f in findings]
+    return dumps(doc)
 
 
 def render_diff(report: Report) -> str:

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import List, Optional, cast
 
 from memdiff.differ import GONE, GREW, NEW, SHRANK
+from memdiff.findings import ERROR, INFO, WARNING
 from memdiff.inert import md_cell, md_code, md_fence, md_text
 from memdiff.render.table import layout, row_table
 from memdiff.report import DeviceReport, Input, Report, Stack, Table
@@ -107,7 +108,7 @@ def _trends(report: Report) -> List[str]:
                   f"<details><summary>The last {len(t.points)} peaks of {md_text(t.workload)} on main, "
                   f"device {t.device}</summary>", "",
                   layout(Table(TREND_HEADERS, t.rows, left=[0, 1]), "github", escape=md_cell), "", "</details>"]
-    lines += ["", md_text(report.trend_note)] if report.trend_note else []
+    lines += ["", f"`{report.trend_note.code}` {md_text(report.trend_note.text)}"] if report.trend_note else []
     return lines
 
 
@@ -117,7 +118,8 @@ def _buy_back(report: Report) -> List[str]:
         return []
     lines = ["", "#### What buys it back", ""]
     lines += [f"- {'✅' if b.enough else '⚠️'} {md_text(b.text)}" for b in report.buy_back.items]
-    lines += ["", *(f"<sub>{md_text(n)}</sub>  " for n in report.buy_back.notes)] if report.buy_back.notes else []
+    lines += ["", *(f"<sub>`{n.code}` {md_text(n.text)}</sub>  " for n in report.buy_back.notes)] \
+        if report.buy_back.notes else []
     return lines
 
 
@@ -133,14 +135,15 @@ def render_diff(report: Report, options: Optional[Options] = None) -> str:
     base, head = report.inputs
     lines.append(f"{_input(o.base_label or report.base_label, base)} → "
                  f"{_input(o.head_label or report.head_label, head)}")
-    if report.warnings:
-        lines += ["", "> [!WARNING]", *(f"> {md_text(w)}  " for w in report.warnings)]
+    for severity, alert in ((ERROR, "CAUTION"), (WARNING, "WARNING"), (INFO, "NOTE")):
+        said = [f for f in report.findings if f.severity == severity]
+        lines += ["", f"> [!{alert}]", *(f"> `{f.code}` {md_text(f.text)}  " for f in said)] if said else []
     for d in report.devices:
         lines += _device(d, o)
     lines += _trends(report)
     lines += ["", f"**Rule:** {md_text(report.rule)}", ""] if report.rule else []
     lines += [f"- {'✅' if c.passed else '❌'} {md_text(c.text)}" for c in report.check_lines]
-    lines += ["", *(md_text(n) for n in report.notes)] if report.notes else []
+    lines += ["", *(f"`{n.code}` {md_text(n.text)}  " for n in report.notes)] if report.notes else []
     if report.job is not None and report.job.other_failures:
         lines += ["", "Other ranks:", "", *(f"- ❌ {md_text(line)}" for line in report.job.other_failures)]
     lines += _buy_back(report)

@@ -10,6 +10,7 @@ from tabulate import tabulate
 
 from memdiff import __version__
 from memdiff.differ import where_text
+from memdiff.findings import shown
 from memdiff.inert import text
 from memdiff.job import ranges, ranks_text
 from memdiff.judge import Check
@@ -61,7 +62,7 @@ def render_text(report: RanksReport, detail: Optional[DeviceReport], check: Opti
         lines += ["", f"heaviest rank {report.heaviest} (device {by_rank[report.heaviest].device}) against the "
                       f"median rank {report.median_rank} (device {by_rank[report.median_rank].device}): "
                       f"{detail.heading.partition(': ')[2]}",
-                  *[f"warning: {text(w)}" for w in report.diff.warnings]]
+                  *[text(shown(f)) for f in report.diff.findings]]
         if detail.categories is not None:
             lines += ["", layout(detail.categories, "simple")]
         lines += ["", layout(row_table(detail), "simple")]

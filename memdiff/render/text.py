@@ -7,10 +7,11 @@ from typing import List, Optional
 
 from tabulate import tabulate
 
-from memdiff.differ import overflow_text, where_text
+from memdiff.differ import where_text
+from memdiff.findings import shown
 from memdiff.inert import text
 from memdiff.model import Summary
-from memdiff.peak import PHASE_COLUMNS, DevicePeak, PeakRow, StepRow
+from memdiff.peak import PHASE_COLUMNS, DevicePeak, PeakRow, StepRow, source_findings
 from memdiff.render.table import layout, row_table
 from memdiff.report import DeviceReport, Report, frame_line
 from memdiff.units import count_of, format_bytes
@@ -59,21 +60,7 @@ def _device_block(p: DevicePeak) -> List[str]:
         facts.append(("reserved", "", p.reserved))
     facts.append(("trace", f"{d.trace_events:,}", "events"))
     out.append(tabulate(facts, tablefmt="plain", colalign=("left", "right", "left")))
-    if d.unmatched_free_count and p.window:
-        out.append(f"note: this is a window of a longer trace: {d.unmatched_free_count:,} frees of memory allocated "
-                   f"before it ({format_bytes(d.unmatched_free_bytes)}) count as static memory.")
-    elif d.unmatched_free_count:
-        out.append(
-            f"note: the trace starts mid-run: {d.unmatched_free_count:,} frees of allocations made before it "
-            f"({format_bytes(d.unmatched_free_bytes)}) count as static memory. Record with a larger "
-            f"max_entries to see their stacks."
-        )
-    if p.kept:
-        out.append(p.kept)
-    for o in d.oom_events:
-        free = format_bytes(o.device_free_bytes) if o.device_free_bytes is not None else "unknown"
-        out.append(f"OOM at event {o.event_index:,}: asked for {format_bytes(o.requested_bytes)} "
-                   f"with {free} free on the device")
+    out += [shown(f) for f in p.findings]
     for title, shares in (("category", p.categories), ("scope at allocation", p.scopes),
                           ("compile context", p.compile_contexts),
                           ("label (user_metadata, annotations)", p.labels)):
@@ -116,12 +103,7 @@ def render_peak(summary: Summary, peaks: List[DevicePeak]) -> str:
     lines = [f"{text(s.file)}: {s.container}, format {s.generation}, sha256 {s.sha256[:12]}"]
     if not peaks:
         lines.append("no device memory in this snapshot (no trace and no segments)")
-    overflow = overflow_text(s)
-    if overflow:
-        lines.append(f"note: {overflow}")
-    if s.emulated:
-        lines.append(f"note: {text(s.route())} by memdiff (memdiff record --emulate), not recorded on that GPU")
-        lines.extend(f"note: emulation: {text(n)}" for n in s.emulated.get("notes", []))
+    lines += [text(shown(f)) for f in source_findings(summary)]  # a finding may quote the file (a GPU's name)
     for p in peaks:
         lines.append("")
         lines.extend(_device_block(p))
@@ -154,7 +136,7 @@ def _device(d: DeviceReport) -> List[str]:
 def _trends(report: Report) -> List[str]:
     """The main-branch trend of each device (--history): the sparkline, this run's block after it."""
     lines = [f"trend on main: {t.sparkline} -> {t.head_block}  {t.text}" for t in report.trends or []]
-    lines += [f"trend on main: {report.trend_note}"] if report.trend_note else []
+    lines += [f"trend on main: {shown(report.trend_note)}"] if report.trend_note else []
     return ["", *lines] if lines else []
 
 
@@ -163,7 +145,7 @@ def buy_back_lines(report: Report) -> List[str]:
     if report.buy_back is None:
         return []
     return ["", "what buys it back (memdiff whatif on head):", *(f"  {b.text}" for b in report.buy_back.items),
-            *(f"  note: {n}" for n in report.buy_back.notes)]
+            *(f"  {shown(n)}" for n in report.buy_back.notes)]
 
 
 def render_diff(report: Report) -> str:
@@ -175,13 +157,13 @@ def render_diff(report: Report) -> str:
         lines += [report.job.summary_line, "", layout(report.job.table, "simple"), "",
                   f"worst rank: {report.job.worst_rank}", ""]
     lines += [f"{i.role}  {i.file}  ({i.facts})" for i in report.inputs]
-    lines += [f"warning: {w}" for w in report.warnings]
+    lines += [shown(f) for f in report.findings]
     for d in report.devices:
         lines += _device(d)
     lines += _trends(report)
     lines += ["", f"rule: {report.rule}"] if report.rule else []
     lines += [c.text for c in report.check_lines]
-    lines += report.notes
+    lines += [shown(f) for f in report.notes]
     if report.job is not None and report.job.other_failures:
         lines += ["", "other ranks:", *report.job.other_failures]
     lines += buy_back_lines(report)

@@ -9,6 +9,7 @@ from typing import List
 from tabulate import tabulate
 
 from memdiff.counterfactual import DeviceWhatIf, WhatIf
+from memdiff.findings import shown
 from memdiff.inert import md_cell, md_code, md_text
 from memdiff.render.json import dumps
 from memdiff.units import format_bytes
@@ -31,22 +32,19 @@ def _table(d: DeviceWhatIf, fmt: str, budget: bool) -> str:
                     colalign=("left", "right", "left", "right", "right") + (("left",) if budget else ()))
 
 
-def _unapplied(d: DeviceWhatIf) -> List[str]:
-    return [c.line for c in d.changes if not c.applies]
 
 
 def render_text(w: WhatIf) -> str:
     """The what-if for a terminal."""
     out = [f"memdiff whatif {os.path.basename(w.file)}" + (f" (budget {format_bytes(w.budget_bytes)})"
                                                           if w.budget_bytes is not None else "")]
-    out += [f"note: {n}" for n in w.notes]
+    out += [shown(n) for n in w.notes]
     for d in w.devices:
         out += ["", d.headline]
         if any(c.applies for c in d.changes):
             out += ["", _table(d, "simple", w.budget_bytes is not None)]
-        skipped = _unapplied(d)
-        if skipped:
-            out += [""] + skipped
+        if d.findings:
+            out += [""] + [shown(f) for f in d.findings]
         assumed = [f"  {c.change}: {a}" for c in d.changes for a in c.assumptions]
         out += ["", "assumed:", *assumed] if assumed else []
     return "\n".join(out) + "\n"
@@ -61,7 +59,7 @@ def render_markdown(w: WhatIf) -> str:
         out += ["", f"**{md_text(d.headline)}**", ""]
         if any(c.applies for c in d.changes):
             out += [_table(d, "github", w.budget_bytes is not None), ""]
-        out += [f"> {md_text(line)}" for line in _unapplied(d)]
+        out += [f"> `{f.code}` {md_text(f.message)}" for f in d.findings]
         assumed = [f"- {md_code(c.change)}: {md_text(a)}" for c in d.changes for a in c.assumptions]
         if assumed:
             out += ["", "<details><summary>what each change assumed</summary>", "", *assumed, "", "</details>"]
@@ -80,7 +78,7 @@ def render_html(w: WhatIf) -> str:
         body.append(f"<h2>{html.escape(d.headline)}</h2>")
         if any(c.applies for c in d.changes):
             body.append(_table(d, "html", w.budget_bytes is not None))
-        body += [f"<p class=note>{html.escape(line)}</p>" for line in _unapplied(d)]
+        body += [f"<p class=note>{f.code} {html.escape(f.message)}</p>" for f in d.findings]
         body.append("<ul>" + "".join(f"<li><b>{html.escape(c.change)}</b>: {html.escape(a)}</li>"
                                      for c in d.changes for a in c.assumptions) + "</ul>")
     style = ("body{font:14px system-ui,sans-serif;margin:2em}table{border-collapse:collapse;margin:1em 0}"
