@@ -423,7 +423,7 @@ def run_optimizer(run: _Run) -> Tuple[Optional[str], int, int, str]:
         name = {3: "adamw-amsgrad"}.get(per, "adamw" if "adamw" in text else "adam")
     elif per == 1:
         name = "sgd-momentum"
-    elif per == 0 and (run.phase == OPTIMIZER).any():
+    elif per == 0 and any(s.phase == OPTIMIZER for s in run.spans):
         name = "sgd"
     else:
         name = None
@@ -651,11 +651,12 @@ def _autocast(run: _Run, edit: _Edit, value: str) -> None:
 def _optimizer(run: _Run, edit: _Edit, value: str) -> None:
     c = run.course
     name, per, grads, form = run_optimizer(run)
-    if not (run.phase == OPTIMIZER).any() or grads <= 0:
+    if not any(s.phase == OPTIMIZER for s in run.spans) or grads <= 0:
         raise CannotApply("the run shows no optimizer step (no optimizer state, no update's temporaries): "
                           "nothing to replace")
     if name == value or {name, value} == {"adam", "adamw"}:
-        raise CannotApply(f"the run already uses {name} (Adam and AdamW keep the same memory)")
+        raise CannotApply(f"the run already uses {name}" + (" (Adam and AdamW keep the same memory)"
+                                                             if name in ("adam", "adamw") else ""))
     want_state, want_temps = OPTIMIZERS[value]
     # What an earlier rule (half-precision weights) did to the parameters, the new state and
     # temporaries follow.

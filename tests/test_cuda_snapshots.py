@@ -332,6 +332,42 @@ def test_whatif_predicts_the_change_really_made_on_the_gpu_within_10pct(change, 
     assert abs(predicted.predicted_peak_bytes - measured) <= 0.10 * measured, (predicted.predicted_peak_bytes, measured)
 
 
+# From the plain-SGD run, whose update allocates nothing (in place), each optimizer really made on
+# the GPU: the state the new optimizer adds is predicted from the step the run shows by its
+# `Optimizer.step#SGD.step` scope and the gradients zero_grad frees.
+FROM_SGD = [("optimizer=sgd-momentum", "gpt2-sgd-momentum"), ("optimizer=adamw", "gpt2-base"),
+            ("optimizer=adamw-amsgrad", "gpt2-amsgrad"), ("optimizer=rmsprop", "gpt2-rmsprop"),
+            ("optimizer=adagrad", "gpt2-adagrad"), ("optimizer=adafactor", "gpt2-adafactor")]
+
+
+@pytest.mark.parametrize("change, head", FROM_SGD)
+def test_whatif_from_a_plain_sgd_run_predicts_the_optimizer_really_made(change, head):
+    """Issue 42 item 2: from gpt2-sgd alone (no optimizer state, no update temporaries), the peak
+    of the same loop with another optimizer, against that run's real peak, within 3%."""
+    assert facts("gpt2-sgd")["state_bytes"] == 0
+    d = api.whatif(DATA / "gpt2-sgd.pickle.gz", change).devices[0]
+    assert d.optimizer == "sgd"
+    predicted = d.changes[0]
+    assert predicted.applies, predicted.reason
+    measured = measured_peak(head)
+    assert predicted.predicted_peak_phase == api.summarize(DATA / f"{head}.pickle.gz").devices[0].phase_at_peak
+    assert abs(predicted.predicted_peak_bytes - measured) <= 0.03 * measured, (predicted.predicted_peak_bytes, measured)
+
+
+def test_a_plain_sgd_run_already_uses_sgd():
+    predicted = api.whatif(DATA / "gpt2-sgd.pickle.gz", "optimizer=sgd").devices[0].changes[0]
+    assert not predicted.applies and predicted.reason == "the run already uses sgd"
+
+
+@pytest.mark.parametrize("name", TRAINING)
+def test_every_step_the_loop_ran_has_its_optimizer_step(devices, name):
+    """Issue 42 item 2: plain SGD's update, and SGD with momentum's after its first step, allocate
+    nothing; each step still reads as the loop ran it: forward, backward and optimizer step."""
+    d = devices[name]
+    assert [s.step for s in d.steps] == list(range(facts(name)["steps"]))
+    assert all({p.phase for p in s.phases} >= {"forward", "backward", "optimizer"} for s in d.steps)
+
+
 def test_the_base_peak_is_the_trace_s_own():
     assert api.whatif(DATA / "gpt2-base.pickle.gz", "weights=bf16").devices[0].base_peak_bytes == trace_peak(
         "gpt2-base")
