@@ -368,6 +368,37 @@ def test_every_step_the_loop_ran_has_its_optimizer_step(devices, name):
     assert all({p.phase for p in s.phases} >= {"forward", "backward", "optimizer"} for s in d.steps)
 
 
+def renamed_script(name: str, function: str) -> Dict:
+    """gpt2-base (an AdamW run) as if its training script were `name` and its step function
+    `function`: every frame of tests/scenarios/train.py renamed."""
+    snapshot = pickle.loads(gzip.decompress((DATA / "gpt2-base.pickle.gz").read_bytes()))
+    for trace in snapshot["device_traces"]:
+        for e in trace:
+            for f in e.get("frames", []):
+                if f["filename"].endswith("/train.py"):
+                    f["filename"] = f["filename"][: -len("train.py")] + name
+                    f["name"] = function if f["name"] == "one_step" else f["name"]
+    return snapshot
+
+
+@pytest.mark.parametrize("script, function, change, head", [
+    ("train_adamw_to_rmsprop.py", "rmsprop_step", "optimizer=rmsprop", "gpt2-rmsprop"),
+    ("finetune_adafactor.py", "adafactor_step", "optimizer=adafactor", "gpt2-adafactor"),
+    ("sgd_baseline.py", "sgd_step", "optimizer=sgd", "gpt2-sgd"),
+])
+def test_the_optimizer_is_named_by_torch_never_by_the_user_s_files(write_snapshot, script, function, change, head):
+    """Issue 42 item 1: an AdamW run whose script and step function carry another optimizer's name
+    reads as AdamW (torch.optim's own scope and frames say so), and the change to that optimizer
+    applies and predicts the run really made with it."""
+    path = write_snapshot(renamed_script(script, function), "renamed.pickle")
+    d = api.whatif(path, change).devices[0]
+    assert d.optimizer == "adamw"
+    predicted = d.changes[0]
+    assert predicted.applies, predicted.reason
+    measured = measured_peak(head)
+    assert abs(predicted.predicted_peak_bytes - measured) <= 0.10 * measured, (predicted.predicted_peak_bytes, measured)
+
+
 def test_the_base_peak_is_the_trace_s_own():
     assert api.whatif(DATA / "gpt2-base.pickle.gz", "weights=bf16").devices[0].base_peak_bytes == trace_peak(
         "gpt2-base")
