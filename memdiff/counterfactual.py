@@ -643,8 +643,8 @@ def _peak_of_set(c: DeviceCourse, members: np.ndarray, size: Optional[np.ndarray
 def _weights(run: _Run, edit: _Edit, value: str) -> None:
     c = run.course
     # A BLAS workspace is sized by the library per handle (CUBLAS_WORKSPACE_CONFIG), whatever the dtype.
-    halved = run.of("parameter", "gradient", "optimizer_state", "activation", "autograd", "other") \
-        & ~run.loss & ~run.indices & (c.size > SCALAR_BYTES)
+    halved = run.of("parameter", "gradient", "optimizer_state", "optimizer_temporary", "activation", "autograd",
+                    "other") & ~run.loss & ~run.indices & (c.size > SCALAR_BYTES)
     edit.size[halved] = edit.size[halved] // 2
     edit.assumptions.append(f"{value} weights: parameters, gradients, optimizer state and activations in 2 bytes; "
                             "the loss (computed in fp32 by the libraries), inputs, int64 indices (max pooling's), "
@@ -705,14 +705,15 @@ def _optimizer(run: _Run, edit: _Edit, value: str) -> None:
         edit.add(at, c.events, int(grads * scale) * want_state, "optimizer_state")
         edit.assumptions.append("the state is made in the first optimizer step, as torch.optim does, and never freed")
     # The update's temporaries: made and freed inside an optimizer phase run.
-    temps = run.of("autograd", "other", "activation") & (run.phase == OPTIMIZER) & (run.end_run == run.born_run)
+    temps = run.of("optimizer_temporary", "autograd", "other", "activation") & (run.phase == OPTIMIZER) \
+        & (run.end_run == run.born_run)
     edit.size[temps] = 0
     params = run.of("parameter")
     largest = int(edit.size[params].max()) if params.any() else 0
     unit = int(grads * scale) if form == "foreach" else largest
     for span in run.spans:
         if span.phase == OPTIMIZER:
-            edit.add(_peak_event(run, span), _peak_event(run, span) + 1, want_temps * unit, "autograd")
+            edit.add(_peak_event(run, span), _peak_event(run, span) + 1, want_temps * unit, "optimizer_temporary")
     edit.assumptions.append(
         f"{value} keeps {want_state} state tensor{'s' if want_state != 1 else ''} per parameter "
         f"(the run's {_shown_optimizer(name)} keeps {per}); its update makes {want_temps} temporar"

@@ -157,6 +157,8 @@ LOOPS = {
     "distilbert-keep-grads": ("distilbert", ["--keep-grads", "--truth"]),
     "bart-base": ("bart", ["--truth"]),
     "bart-keep-grads": ("bart", ["--keep-grads", "--truth"]),
+    # Issue 42: AdamW's foreach update (_multi_tensor_adam's _foreach_sqrt), with ground truth.
+    "gpt2-foreach": ("gpt2", ["--optimizer", "adamw-foreach", "--truth"]),
 }
 # Issue 42: plain SGD's update allocates nothing (in place); its step shows by the weights' new versions.
 WHATIF_PAIRS.append(("gpt2-sgd-plain", "optimizer=sgd-momentum", "gpt2-sgd"))
@@ -199,9 +201,10 @@ def truth_of(snapshot: Path) -> List[Tuple[Optional[int], Optional[str]]]:
 
 
 # Where PyTorch's label is arguable, memdiff documents its own (docs/categories.md): update
-# temporaries of built-in optimizers (PyTorch: activation, parameter or input) are `autograd`;
+# temporaries of built-in optimizers (PyTorch: temporary, unknown, activation, parameter or input) are
+# `optimizer_temporary`;
 # Hugging Face cache tensors (PyTorch: input) are `activation`, made by the forward.
-ARGUABLE = ((re.compile(r"torch/optim/\w+\.py\(\d+\): _(single_tensor|multi_tensor|fused)_"), "autograd"),
+ARGUABLE = ((re.compile(r"torch/optim/\w+\.py\(\d+\): _(single_tensor|multi_tensor|fused)_"), "optimizer_temporary"),
             (re.compile(r"transformers/cache_utils\.py"), "activation"))
 
 

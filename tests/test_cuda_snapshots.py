@@ -399,6 +399,15 @@ def test_the_optimizer_is_named_by_torch_never_by_the_user_s_files(write_snapsho
     assert abs(predicted.predicted_peak_bytes - measured) <= 0.10 * measured, (predicted.predicted_peak_bytes, measured)
 
 
+def test_foreach_adamw_s_temporaries_are_the_optimizer_step_s(devices):
+    """Issue 42 item 7: at gpt2-base's optimizer-step peak, foreach AdamW's `_multi_tensor_adam <-
+    _foreach_sqrt` (the second moments' square roots: one tensor per trainable weight, freed in the
+    step) is the step's temporary memory, and nothing there reads as the backward's (autograd)."""
+    moment = devices["gpt2-base"].at("optimizer")
+    assert moment is not None and "autograd" not in moment.categories
+    assert moment.categories["optimizer_temporary"] == facts("gpt2-base")["trainable_bytes"]
+
+
 def test_the_base_peak_is_the_trace_s_own():
     assert api.whatif(DATA / "gpt2-base.pickle.gz", "weights=bf16").devices[0].base_peak_bytes == trace_peak(
         "gpt2-base")
