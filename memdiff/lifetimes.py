@@ -487,6 +487,7 @@ def _with_silent_steps(trace: List[Any], allocs: Sequence[int], runs: List[Tuple
     in place), to the next run."""
     starts = sorted(start for start, _, phase in scopes.phase_intervals() if phase == OPTIMIZER)
     older: Dict[int, bool] = {}  # version alloc -> whether its first version is older than the trace
+    stacks_left = MAX_HINTS  # frees whose stacks are read, as for the allocations' hints
     out: List[Tuple[str, int]] = []
     for k, (phase, first) in enumerate(runs):
         out.append((phase, first))
@@ -504,8 +505,11 @@ def _with_silent_steps(trace: List[Any], allocs: Sequence[int], runs: List[Tuple
             if not isinstance(e, dict):
                 continue
             time_us, action = e.get("time_us"), e.get("action")
-            if (scope < len(starts) and isinstance(time_us, int) and time_us >= starts[scope]) or \
-                    (action in ("free_requested", "free_completed") and hints.of(e.get("frames")) == OPTIMIZER) or \
+            freed_by_step = False
+            if action in ("free_requested", "free_completed") and stacks_left > 0:
+                stacks_left -= 1
+                freed_by_step = hints.of(e.get("frames")) == OPTIMIZER
+            if freed_by_step or (scope < len(starts) and isinstance(time_us, int) and time_us >= starts[scope]) or \
                     (action == "alloc" and i in versions and _older_than_trace(i, versions, older)):
                 out.append((OPTIMIZER, i))
                 break
