@@ -447,9 +447,11 @@ def _optimizer_code(run: _Run) -> Optional[str]:
     made = np.bincount(c.origin, weights=c.size.astype(np.float64), minlength=len(c.origins))
     held: Dict[str, float] = {}
     for o, frames in enumerate(c.origins):
-        found = next((m.group(1) for f in frames for m in [OPTIM_FILE.search(f"{f.file}:{f.name}")] if m), None)
-        if found is not None and found.lstrip("_") in TORCH_OPTIMIZERS:
-            held[found.lstrip("_")] = held.get(found.lstrip("_"), 0.0) + float(made[o])
+        # The innermost frame in an optimizer's own file (not optimizer.py's wrappers around it).
+        stems = (m.group(1).lstrip("_") for f in frames for m in [OPTIM_FILE.search(f"{f.file}:{f.name}")] if m)
+        found = next((stem for stem in stems if stem in TORCH_OPTIMIZERS), None)
+        if found is not None:
+            held[found] = held.get(found, 0.0) + float(made[o])
     return max(held, key=lambda k: (held[k], k)) if held else None
 
 

@@ -368,6 +368,19 @@ def test_every_step_the_loop_ran_has_its_optimizer_step(devices, name):
     assert all({p.phase for p in s.phases} >= {"forward", "backward", "optimizer"} for s in d.steps)
 
 
+# The optimizer each run was captured with (tests/data/cuda/README.md; capture.py's flags): AdamW
+# but where the table says otherwise.
+CAPTURED_WITH = {"gpt2-sgd": "sgd", "gpt2-sgd-momentum": "sgd-momentum", "gpt2-rmsprop": "rmsprop",
+                 "gpt2-adagrad": "adagrad", "gpt2-adafactor": "adafactor", "gpt2-amsgrad": "adamw-amsgrad"}
+
+
+@pytest.mark.parametrize("name", TRAINING)
+def test_whatif_names_the_optimizer_each_run_was_captured_with(name):
+    """Issue 42 item 1: the optimizer read from torch.optim's own scope, frames and state."""
+    assert api.whatif(DATA / f"{name}.pickle.gz", "weights=bf16").devices[0].optimizer == \
+        CAPTURED_WITH.get(name, "adamw")
+
+
 def renamed_script(name: str, function: str) -> Dict:
     """gpt2-base (an AdamW run) as if its training script were `name` and its step function
     `function`: every frame of tests/scenarios/train.py renamed."""
