@@ -84,6 +84,17 @@ GENERIC = frozenset(("Linear", "Conv1D", "Conv1d", "Conv2d", "Conv3d", "Embeddin
                      "GroupNorm", "BatchNorm1d", "BatchNorm2d", "Dropout", "GELU", "ReLU", "SiLU", "Tanh",
                      "Softmax", "Identity", "NewGELUActivation", "GELUActivation", "Sequential", "ModuleList"))
 SCALAR_BYTES = 8  # a one-element tensor (an optimizer's step count): its dtype does not follow the model's
+# torch.optim's optimizers, by their class names lowercased (`torch.optim.RMSprop`: rmsprop), which
+# are also the names of the files their update code lives in (Adafactor's: `_adafactor.py`).
+TORCH_OPTIMIZERS = frozenset(("adadelta", "adafactor", "adagrad", "adam", "adamax", "adamw", "asgd", "lbfgs",
+                              "nadam", "radam", "rmsprop", "rprop", "sgd", "sparseadam", "sparse_adam"))
+# The scope torch.optim opens around every step (`Optimizer.step#AdamW.step`): the class's name.
+STEP_SCOPE = re.compile(r"^Optimizer\.step#(\w{1,64})\.step$")
+# A frame of torch.optim's code (the file in CUDA frames, in the name of the profiler's:
+# `torch/optim/adam.py(345): _single_tensor_adam`).
+OPTIM_FILE = re.compile(r"(?:^|/)torch/optim/(\w{1,64})\.py\b")
+# torch's multi-tensor update: its functions and the foreach ops they call (not a user's `my_foreach_`).
+FOREACH_FRAME = re.compile(r"\b_multi_tensor_\w|\b_foreach_\w")
 
 
 @dataclass(frozen=True)
@@ -122,7 +133,7 @@ class DeviceWhatIf:
     base_peak_phase: Optional[str]
     base_peak_step: Optional[int]
     blocks: List[str]  # the repeated blocks' instances the stacks show, in order
-    optimizer: Optional[str]  # the run's optimizer, as read from its state and sites
+    optimizer: Optional[str]  # the run's optimizer, as torch.optim's scope or code names it (run_optimizer)
     changes: List[ChangePrediction]
     headline: str  # the run's peak and the change that saves most, in one line
     findings: List[Finding] = field(default_factory=list)  # each change that does not apply (W014)
@@ -399,38 +410,62 @@ def blocks_of(run: _Run) -> Tuple[List[str], np.ndarray]:
 
 def run_optimizer(run: _Run) -> Tuple[Optional[str], int, int, str]:
     """(the run's optimizer name or None, state tensors per parameter, trainable parameter bytes,
-    the update's form: "single" or "foreach"), read from its state's bytes and sites."""
+    the update's form: "single" or "foreach").
+
+    The name comes from torch.optim's own record: the class its step scope names
+    (`Optimizer.step#AdamW.step`), else the file of torch.optim whose code made the most bytes
+    (`torch/optim/rmsprop.py`); the state's bytes per parameter tell SGD from SGD with momentum,
+    AdamW from AMSGrad, and name an optimizer torch.optim does not (one state tensor a weight:
+    SGD with momentum's memory). The user's files, functions and scopes are never read for it."""
     c = run.course
     state = run.of("optimizer_state") & (c.size > SCALAR_BYTES)
-    sites = " ".join(c.stacks[s][1] for s in np.unique(c.stack[run.of("optimizer_state", "autograd", "other")
-                                                               & (run.phase == OPTIMIZER)]).tolist())
-    # Profiler frames hold the file in the name (`torch/optim/adam.py(345): _single_tensor_adam`),
-    # CUDA frames in the file.
-    frames = " ".join(f"{f.file}:{f.name}" for o in np.unique(c.origin[run.phase == OPTIMIZER]).tolist()
-                      for f in c.origins[o]) if c.origins and len(c.origin) else ""
-    form = "foreach" if "_multi_tensor_" in frames or "_foreach_" in sites + frames else "single"
+    stepped = any(s.phase == OPTIMIZER for s in run.spans)
     grads = _grad_bytes(run)
-    state_bytes = _per_step_state(run, state)
     if grads <= 0:
-        return None, 0, 0, form
-    per = int(round(state_bytes / grads))
-    text = (sites + " " + frames).lower()
+        return None, 0, 0, _update_form(run)
+    per = int(round(_per_step_state(run, state) / grads))
+    base = next((m.group(1).lower() for m in map(STEP_SCOPE.match, c.scopes) if m
+                 and m.group(1).lower() in TORCH_OPTIMIZERS), None) or _optimizer_code(run)
     name: Optional[str]
-    if "adafactor" in text:
-        name = "adafactor"
-    elif "adagrad" in text:
-        name = "adagrad"
-    elif "rmsprop" in text:
-        name = "rmsprop"
-    elif "adam" in text:
-        name = {3: "adamw-amsgrad"}.get(per, "adamw" if "adamw" in text else "adam")
+    if base in ("adam", "adamw"):
+        name = "adamw-amsgrad" if per == 3 else base
+    elif base == "sgd":
+        name = "sgd-momentum" if per >= 1 else "sgd"
+    elif base is not None:
+        name = base
     elif per == 1:
         name = "sgd-momentum"
-    elif per == 0 and (run.phase == OPTIMIZER).any():
+    elif per == 0 and stepped:
         name = "sgd"
     else:
         name = None
-    return name, per, grads, form
+    return name, per, grads, _update_form(run)
+
+
+def _optimizer_code(run: _Run) -> Optional[str]:
+    """The torch.optim optimizer whose update code (its file in torch/optim) made the most bytes."""
+    c = run.course
+    if not c.origins or not len(c.origin):
+        return None
+    made = np.bincount(c.origin, weights=c.size.astype(np.float64), minlength=len(c.origins))
+    held: Dict[str, float] = {}
+    for o, frames in enumerate(c.origins):
+        # The innermost frame in an optimizer's own file (not optimizer.py's wrappers around it).
+        stems = (m.group(1).lstrip("_") for f in frames for m in [OPTIM_FILE.search(f"{f.file}:{f.name}")] if m)
+        found = next((stem for stem in stems if stem in TORCH_OPTIMIZERS), None)
+        if found is not None:
+            held[found] = held.get(found, 0.0) + float(made[o])
+    return max(held, key=lambda k: (held[k], k)) if held else None
+
+
+def _update_form(run: _Run) -> str:
+    """"foreach" when the optimizer step ran torch's multi-tensor update (`_multi_tensor_adam`,
+    `_foreach_sqrt` ops), else "single"."""
+    c = run.course
+    if not c.origins or not len(c.origin):
+        return "single"
+    mine = np.unique(c.origin[run.phase == OPTIMIZER]).tolist()
+    return "foreach" if any(FOREACH_FRAME.search(f.name) for o in mine for f in c.origins[o]) else "single"
 
 
 def _grad_bytes(run: _Run) -> int:
@@ -613,8 +648,8 @@ def _peak_of_set(c: DeviceCourse, members: np.ndarray, size: Optional[np.ndarray
 def _weights(run: _Run, edit: _Edit, value: str) -> None:
     c = run.course
     # A BLAS workspace is sized by the library per handle (CUBLAS_WORKSPACE_CONFIG), whatever the dtype.
-    halved = run.of("parameter", "gradient", "optimizer_state", "activation", "autograd", "other") \
-        & ~run.loss & ~run.indices & (c.size > SCALAR_BYTES)
+    halved = run.of("parameter", "gradient", "optimizer_state", "optimizer_temporary", "activation", "autograd",
+                    "other") & ~run.loss & ~run.indices & (c.size > SCALAR_BYTES)
     edit.size[halved] = edit.size[halved] // 2
     edit.assumptions.append(f"{value} weights: parameters, gradients, optimizer state and activations in 2 bytes; "
                             "the loss (computed in fp32 by the libraries), inputs, int64 indices (max pooling's), "
@@ -654,11 +689,12 @@ def _autocast(run: _Run, edit: _Edit, value: str) -> None:
 def _optimizer(run: _Run, edit: _Edit, value: str) -> None:
     c = run.course
     name, per, grads, form = run_optimizer(run)
-    if not (run.phase == OPTIMIZER).any() or grads <= 0:
+    if not any(s.phase == OPTIMIZER for s in run.spans) or grads <= 0:
         raise CannotApply("the run shows no optimizer step (no optimizer state, no update's temporaries): "
                           "nothing to replace")
     if name == value or {name, value} == {"adam", "adamw"}:
-        raise CannotApply(f"the run already uses {name} (Adam and AdamW keep the same memory)")
+        raise CannotApply(f"the run already uses {name}" + (" (Adam and AdamW keep the same memory)"
+                                                             if name in ("adam", "adamw") else ""))
     want_state, want_temps = OPTIMIZERS[value]
     # What an earlier rule (half-precision weights) did to the parameters, the new state and
     # temporaries follow.
@@ -674,14 +710,15 @@ def _optimizer(run: _Run, edit: _Edit, value: str) -> None:
         edit.add(at, c.events, int(grads * scale) * want_state, "optimizer_state")
         edit.assumptions.append("the state is made in the first optimizer step, as torch.optim does, and never freed")
     # The update's temporaries: made and freed inside an optimizer phase run.
-    temps = run.of("autograd", "other", "activation") & (run.phase == OPTIMIZER) & (run.end_run == run.born_run)
+    temps = run.of("optimizer_temporary", "autograd", "other", "activation") & (run.phase == OPTIMIZER) \
+        & (run.end_run == run.born_run)
     edit.size[temps] = 0
     params = run.of("parameter")
     largest = int(edit.size[params].max()) if params.any() else 0
     unit = int(grads * scale) if form == "foreach" else largest
     for span in run.spans:
         if span.phase == OPTIMIZER:
-            edit.add(_peak_event(run, span), _peak_event(run, span) + 1, want_temps * unit, "autograd")
+            edit.add(_peak_event(run, span), _peak_event(run, span) + 1, want_temps * unit, "optimizer_temporary")
     edit.assumptions.append(
         f"{value} keeps {want_state} state tensor{'s' if want_state != 1 else ''} per parameter "
         f"(the run's {_shown_optimizer(name)} keeps {per}); its update makes {want_temps} temporar"

@@ -38,6 +38,7 @@ from memdiff.findings import finding
 from memdiff.history import Allocations, category_codes
 from memdiff.inert import scrubbed, text
 from memdiff.inputs import is_summary, read_each, refuse_baseline
+from memdiff.lifetimes import Scopes
 from memdiff.limits import Headroom
 from memdiff.load import MAX_BYTES, decode, paused_gc, to_snapshot
 from memdiff.model import Finding, PhaseSpan, Step, Summary
@@ -85,6 +86,7 @@ class DeviceCourse:
     # `nn.Module: GPT2Block_3` frames kept (signatures drop them): `origin[k]` indexes `origins`.
     origin: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     origins: List[Tuple[Any, ...]] = field(default_factory=list)
+    scopes: List[str] = field(default_factory=list)  # the names of the device's record_function scopes
 
 
 @dataclass
@@ -260,6 +262,7 @@ def read_course(path: str, value: int, rules: Sequence[Rule], window: Optional[W
         # An allocation at event 0 opens there; any other that starts at 0 was live before the trace.
         opens_at_0 = {d: bool(t) and isinstance(t[0], dict) and t[0].get("action") == "alloc"
                       for d, t in enumerate(snapshot.device_traces)}
+        scopes = {d: Scopes(snapshot.external_annotations, d).names for d in range(len(snapshot.device_traces))}
         del raw, snapshot
     summary = classify(summary, rules)
     devices = {}
@@ -287,7 +290,8 @@ def read_course(path: str, value: int, rules: Sequence[Rule], window: Optional[W
             device=d.device, events=d.trace_events, start=start[order], end=end[order], size=size[order],
             stack=stack[order], category=codes[order], stacks=[(sig, sites[sig]) for sig in stacks],
             categories=names, before=before[order],
-            origin=kind[order] if len(kind) else kind, origins=[stack.frames for stack, _ in allocations.kinds])
+            origin=kind[order] if len(kind) else kind, origins=[stack.frames for stack, _ in allocations.kinds],
+            scopes=scopes.get(d.device, []))
     return Course(file=path, value=value, summary=summary, devices=devices)
 
 

@@ -17,7 +17,9 @@ stacks of the allocations, read in trace order: the autograd engine and backward
 backward, `torch/optim` and `zero_grad` mean optimizer, module forwards mean forward. An
 allocation whose stack says nothing takes the phase around it. A step starts where the
 forward (or backward) begins after an optimizer phase, or after a backward when the trace
-has no optimizer phase at all (inference with gradients, plain SGD on CPU captures).
+has no optimizer phase at all (inference with gradients). An optimizer step that allocates
+nothing (plain SGD's in-place update) is a phase run all the same where its scope, zero_grad's
+frees or the in-place update's new versions show it (_with_silent_steps).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import bisect
 import re
 from array import array
 from dataclasses import dataclass, field
-from typing import Any, Collection, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Collection, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -203,6 +205,7 @@ class Scopes:
         # A scope still open at the dump lasts to the end.
         intervals += [(start, float("inf"), name) for name, starts in opened.items() for start in starts]
         self._all = _Intervals(intervals)
+        self.names = sorted({name for _, _, name in intervals})  # each scope's name once
         self.steps = sorted((start, end, int(m.group(1))) for start, end, name in intervals
                             for m in [STEP_SCOPE.match(name)] if m)
         # Scopes repeat a few names (one per layer and step), each read once.
@@ -214,6 +217,10 @@ class Scopes:
     def innermost(self, time_us: Optional[int]) -> Optional[str]:
         """The most recently opened scope still open at `time_us`, if any."""
         return self._all.at(time_us)
+
+    def phase_intervals(self) -> List[Tuple[int, float, str]]:
+        """(start, end, phase) of every scope that names a phase."""
+        return self._phases.items
 
     def phase_at(self, time_us: Any) -> Optional[str]:
         """The phase named by the innermost phase scope open at `time_us`."""
@@ -419,16 +426,18 @@ LIFETIMES = [Lifetime(born, freed, outlives) for born in PHASES + (BEFORE_TRACE,
 
 
 def build_timeline(trace: List[Any], allocs: Sequence[int], running: np.ndarray, static: int, scopes: Scopes,
-                   versions: Collection[int] = ()) -> Timeline:
+                   versions: Optional[Mapping[int, int]] = None) -> Timeline:
     """Steps and phase runs of one device trace.
 
     `allocs` are the trace's alloc event indices in order, `running` the running total after
     each event (static memory excluded), so each run's peak comes from one numpy max, and
-    `versions` the allocs that are new versions of a tensor (they stay in the phase around them).
+    `versions` maps the allocs that are new versions of a tensor (they stay in the phase around them)
+    to the alloc they continue, or to -(f + 1) for the unmatched free f of a tensor older than the trace.
     """
     n = len(trace)
     if n == 0 or not len(allocs):
         return Timeline([], [], [], [])
+    versions = versions or {}
     hints = _Hints()
     stride = -(-len(allocs) // MAX_HINTS)
     positions = list(range(0, len(allocs), stride))
@@ -439,6 +448,7 @@ def build_timeline(trace: List[Any], allocs: Sequence[int], running: np.ndarray,
         labels.append(label or (CONTINUES if allocs[k] in versions else hints.of(e.get("frames"))))
     runs = _runs([allocs[k] for k in positions], _fill(labels))
     runs[0] = (runs[0][0], 0)  # the first run starts with the trace
+    runs = _with_silent_steps(trace, allocs, runs, scopes, hints, versions)
     bounds = _annotated_step_bounds(trace, scopes)
     if bounds:
         runs = _split_at(runs, [b for b, _ in bounds])
@@ -464,6 +474,60 @@ def build_timeline(trace: List[Any], allocs: Sequence[int], running: np.ndarray,
         steps.append(Step(number, spans[first].start_event, spans[last - 1].end_event, spans[first:last]))
     return Timeline(spans, steps, [s.start_event for s in spans], run_step,
                     forward_passes(trace, allocs, spans, versions, hints))
+
+
+def _with_silent_steps(trace: List[Any], allocs: Sequence[int], runs: List[Tuple[str, int]], scopes: Scopes,
+                      hints: "_Hints", versions: Mapping[int, int]) -> List[Tuple[str, int]]:
+    """Runs with an optimizer run added after each backward run not followed by one, where the
+    trace shows an optimizer step that allocated nothing (plain SGD's update is in place): from
+    the first event after the backward's last allocation of its own that falls in an optimizer
+    scope opened since (`Optimizer.step#SGD.step`, `Optimizer.zero_grad#...`), that frees memory
+    from a stack of the optimizer's (`zero_grad` setting the gradients to None), or that writes a
+    new version of memory older than the trace (the profiler route's record of a weight updated
+    in place), to the next run."""
+    starts = sorted(start for start, _, phase in scopes.phase_intervals() if phase == OPTIMIZER)
+    older: Dict[int, bool] = {}  # version alloc -> whether its first version is older than the trace
+    stacks_left = MAX_HINTS  # frees whose stacks are read, as for the allocations' hints
+    out: List[Tuple[str, int]] = []
+    for k, (phase, first) in enumerate(runs):
+        out.append((phase, first))
+        end = runs[k + 1][1] if k + 1 < len(runs) else len(trace)
+        if phase != BACKWARD or (k + 1 < len(runs) and runs[k + 1][0] == OPTIMIZER):
+            continue
+        j = bisect.bisect_left(allocs, end) - 1
+        while j > 0 and allocs[j] > first and allocs[j] in versions:
+            j -= 1
+        last = allocs[j]  # the backward's last allocation that is no new version of a tensor
+        opened_at = trace[last].get("time_us") if isinstance(trace[last], dict) else None
+        scope = bisect.bisect_right(starts, opened_at) if isinstance(opened_at, int) else len(starts)
+        for i in range(last + 1, end):
+            e = trace[i]
+            if not isinstance(e, dict):
+                continue
+            time_us, action = e.get("time_us"), e.get("action")
+            freed_by_step = False
+            if action in ("free_requested", "free_completed") and stacks_left > 0:
+                stacks_left -= 1
+                freed_by_step = hints.of(e.get("frames")) == OPTIMIZER
+            if freed_by_step or (scope < len(starts) and isinstance(time_us, int) and time_us >= starts[scope]) or \
+                    (action == "alloc" and i in versions and _older_than_trace(i, versions, older)):
+                out.append((OPTIMIZER, i))
+                break
+    return out
+
+
+def _older_than_trace(alloc: int, versions: Mapping[int, int], known: Dict[int, bool]) -> bool:
+    """Whether the first version of the tensor that alloc event `alloc` re-versions was live
+    before the trace (an unmatched free, numbered below 0 in `versions`)."""
+    chain = []
+    j = alloc
+    while j in versions and j not in known:
+        chain.append(j)
+        j = versions[j]
+    answer = known[j] if j in known else j < 0
+    for c in chain:
+        known[c] = answer
+    return answer
 
 
 def forward_passes(trace: List[Any], allocs: Sequence[int], runs: Sequence[PhaseSpan], versions: Collection[int],

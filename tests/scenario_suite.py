@@ -132,8 +132,7 @@ _whatif_pair("mlp-wide", "zero-grad=zeros", ["--keep-grads"])
 _whatif_pair("gpt2-batch2x", "checkpoint", ["--checkpoint"])
 _whatif_pair("gpt2-batch2x", "accumulate=2", ["--accum", "2"])
 # The other way: a run that keeps its gradients, and the one that frees them; SGD with momentum,
-# and Adam or AdamW in its place (plain SGD's in-place update allocates nothing on CPU captures:
-# no optimizer step to replace, which the what-if says in one line).
+# and Adam or AdamW in its place.
 WHATIF_PAIRS.append(("gpt2-base-wi-zero-grad-zeros", "zero-grad=none", "gpt2-base"))
 WHATIF_PAIRS.append(("gpt2-sgd", "optimizer=adamw", "gpt2-base"))
 WHATIF_HEADS["gpt2-sgd-wi-optimizer-adam"] = ("gpt2", ["--optimizer", "adam"])
@@ -158,7 +157,11 @@ LOOPS = {
     "distilbert-keep-grads": ("distilbert", ["--keep-grads", "--truth"]),
     "bart-base": ("bart", ["--truth"]),
     "bart-keep-grads": ("bart", ["--keep-grads", "--truth"]),
+    # Issue 42: AdamW's foreach update (_multi_tensor_adam's _foreach_sqrt), with ground truth.
+    "gpt2-foreach": ("gpt2", ["--optimizer", "adamw-foreach", "--truth"]),
 }
+# Issue 42: plain SGD's update allocates nothing (in place); its step shows by the weights' new versions.
+WHATIF_PAIRS.append(("gpt2-sgd-plain", "optimizer=sgd-momentum", "gpt2-sgd"))
 SCENARIOS: Dict[str, Tuple[str, List[str]]] = {**SCENARIOS_SO_FAR, **WHATIF_BASES, **WHATIF_HEADS, **LOOPS}
 
 # PyTorch's data-flow categories in memdiff's terms.
@@ -198,9 +201,10 @@ def truth_of(snapshot: Path) -> List[Tuple[Optional[int], Optional[str]]]:
 
 
 # Where PyTorch's label is arguable, memdiff documents its own (docs/categories.md): update
-# temporaries of built-in optimizers (PyTorch: activation, parameter or input) are `autograd`;
+# temporaries of built-in optimizers (PyTorch: temporary, unknown, activation, parameter or input) are
+# `optimizer_temporary`;
 # Hugging Face cache tensors (PyTorch: input) are `activation`, made by the forward.
-ARGUABLE = ((re.compile(r"torch/optim/\w+\.py\(\d+\): _(single_tensor|multi_tensor|fused)_"), "autograd"),
+ARGUABLE = ((re.compile(r"torch/optim/\w+\.py\(\d+\): _(single_tensor|multi_tensor|fused)_"), "optimizer_temporary"),
             (re.compile(r"transformers/cache_utils\.py"), "activation"))
 
 

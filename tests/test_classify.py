@@ -50,9 +50,9 @@ CASES = {
         native("at::_ops::zeros_like::call(at::Tensor const&)")
         + py_frames("mypkg/lion.py:40:step", SP + "torch/optim/optimizer.py:509:wrapper", "train.py:20:<module>"),
         "optimizer_state"),
-    "autograd: optimizer temporaries": (
+    "optimizer_temporary: the update's math": (
         py_frames(SP + "torch/optim/adam.py:347:_single_tensor_adam", SP + "torch/optim/adam.py:214:step",
-                  SP + "torch/optim/optimizer.py:509:wrapper"), "autograd"),
+                  SP + "torch/optim/optimizer.py:509:wrapper"), "optimizer_temporary"),
     "autograd: backward node": (
         native("at::_ops::mm::call(at::Tensor const&, at::Tensor const&)",
                "torch::autograd::generated::AddmmBackward0::apply(std::vector<at::Tensor>&&)",

@@ -181,6 +181,27 @@ def test_the_lightning_example_records_its_window_and_logs_peaks(torch, tmp_path
 
 
 @pytest.mark.slow
+def test_the_extras_allow_no_version_older_than_the_examples_ran_on():
+    """Issue 42 item 10: the transformers and lightning extras allow nothing older than the versions
+    the test extra pins, which the examples above run on (CI runs them again on the newest):
+    `transformers>=4.40` allowed 5.17, where the Trainer example fails (no activation_checkpointing)."""
+    from packaging.requirements import Requirement
+    from packaging.version import Version
+    try:
+        import tomllib
+    except ImportError:  # Python < 3.11
+        import tomli as tomllib
+
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]["optional-dependencies"]
+    pins = {r.name: r.specifier for r in map(Requirement, extras["test"])}
+    for extra in ("transformers", "lightning"):
+        for requirement in map(Requirement, extras[extra]):
+            (pin,) = list(pins[requirement.name])
+            assert pin.operator == "==", (requirement, pin)
+            (floor,) = [s for s in requirement.specifier if s.operator == ">="]
+            assert Version(floor.version) == Version(pin.version), (requirement, pin)
+
+
 def test_a_failed_dump_is_one_warning_and_training_goes_on(torch, tmp_path):
     from memdiff.integrations.monitor import Monitor
 

@@ -338,3 +338,50 @@ def test_every_training_step_runs_a_backward(phases, starts):
     """Issue 32 item 4: steps are the loop's steps, never a forward with no backward."""
     from memdiff.lifetimes import _inferred_step_starts
     assert _inferred_step_starts(phases) == starts
+
+
+ZERO_GRAD = prof("torch/optim/optimizer.py(1042): zero_grad", LOOP)
+
+
+def plain_sgd(show: str, steps: int = 3) -> Dict[str, Any]:
+    """A plain-SGD loop, whose in-place update allocates nothing: each step a batch, a forward, a
+    backward making the weight's gradient, then the step shown only as `show` says: `zero_grad`
+    freeing the gradient (set_to_none), the profiler's new version of the weight (the in-place
+    update), the `Optimizer.step#SGD.step` scope, or `nothing` (a backward with no step after it)."""
+    t = Trace()
+    annotations: List[Dict[str, Any]] = []
+    for _ in range(steps):
+        batch = t.new(1000, BATCH)
+        acts = [t.new(100_000, FWD) for _ in range(2)]
+        backward_tmp = t.new(50_000, BWD)
+        grad = t.new(4096, BWD)
+        t.drop(backward_tmp, 50_000, BWD)
+        for a in acts:
+            t.drop(a, 100_000, FWD)
+        time_us = len(t.events)
+        if show == "scope":
+            annotations += [{"name": "Optimizer.step#SGD.step", "stage": s, "device": 0, "time_us": time_us + k}
+                            for k, s in enumerate(("START", "END"))]
+        if show == "update":
+            for addr, size in t.params:
+                t.events += [free(addr, size, [], completed=False), free(addr, size, []), alloc(addr, size, [])]
+        t.drop(grad, 4096, ZERO_GRAD if show == "zero_grad" else BWD)
+        t.drop(batch, 1000, BATCH)
+    for k, e in enumerate(t.events):
+        e["time_us"] = k
+    return {**t.snapshot(), "external_annotations": annotations}
+
+
+@pytest.mark.parametrize("show", ["zero_grad", "update", "scope"])
+def test_a_step_that_allocates_nothing_is_an_optimizer_phase_all_the_same(write_snapshot, show):
+    """Issue 42 item 2: plain SGD's step shows by zero_grad's frees, the weight's new version or
+    its scope; each step reads forward, backward, optimizer, and the gradient is one."""
+    d = summary_of(write_snapshot, plain_sgd(show))
+    assert [[p.phase for p in s.phases] for s in d.steps] == [["forward", "backward", "optimizer"]] * 3
+    optimizer = next(p for p in d.phase_peaks if p.phase == "optimizer")
+    assert optimizer.categories.get("gradient") == 4096
+
+
+def test_a_backward_with_no_step_after_it_makes_no_optimizer_phase(write_snapshot):
+    d = summary_of(write_snapshot, plain_sgd("nothing"))
+    assert [[p.phase for p in s.phases] for s in d.steps] == [["forward", "backward"]] * 3

@@ -9,15 +9,20 @@ record_function scopes, never against memdiff's own answer.
 
 from __future__ import annotations
 
+import pickle
+from collections import Counter
 from pathlib import Path
 from typing import Dict
+
+import numpy as np
 
 import pytest
 
 from memdiff.api import diff as report_of
-from memdiff.classify import PERSISTENT
+from memdiff.classify import PERSISTENT, load_rules
 from memdiff.cli import main
 from memdiff.differ import DeviceDiff, diff
+from memdiff.forecasting import read_course
 from memdiff.model import Summary
 from memdiff.units import format_bytes
 from scenario_suite import LOOPS, facts, summaries_of, truth_of
@@ -157,3 +162,29 @@ def test_loops_that_change_no_weight_leave_weights_and_state_alone(runs, summari
         assert f"gradient +{format_bytes(f_head['trainable_bytes'])} (new)" in headline
     else:
         assert ": activation -" in headline
+
+
+@pytest.mark.parametrize("name", ["gpt2-base", "gpt2-foreach"])
+def test_the_optimizer_s_temporaries_are_the_optimizer_step_s(runs, name):
+    """Issue 42 item 7: what the run's own scopes say the optimizer step made and freed inside it
+    (AdamW's update: `_single_tensor_adam`'s sqrt and division; foreach, `_multi_tensor_adam <-
+    _foreach_sqrt`), with a stack of its own (the profiler writes a weight's new version without
+    one), is the optimizer step's temporary memory, however PyTorch labels it by data flow
+    (temporary, unknown, activation, parameter, input; never autograd_detail or gradient: no
+    backward memory), and nothing made outside the step is."""
+    course = read_course(str(runs[name]), 0, load_rules()).devices[0]
+    trace = pickle.loads(runs[name].read_bytes())["device_traces"][0]
+    truth = truth_of(runs[name])
+    category = np.array(course.categories, dtype=object)[course.category]
+    temporaries, pytorch = Counter(), Counter()
+    for k in np.flatnonzero(~course.before).tolist():
+        born, freed = int(course.start[k]), int(course.end[k])
+        inside = (truth[born][1] == "optimizer" and freed < len(trace) and truth[freed] == truth[born]
+                  and bool(trace[born].get("frames")) and trace[born].get("category") != "optimizer_state")
+        if inside:
+            temporaries[category[k]] += int(course.size[k])
+            pytorch[trace[born].get("category")] += int(course.size[k])
+        else:
+            assert category[k] != "optimizer_temporary", (born, truth[born], trace[born].get("category"))
+    assert set(temporaries) == {"optimizer_temporary"}, temporaries
+    assert not {"autograd_detail", "gradient"} & set(pytorch), pytorch

@@ -240,6 +240,30 @@ def test_predicted_within_10pct_of_the_change_really_made(rows, base, change):
     assert abs(r["error_pct"]) <= 10.0, r
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("script, change", [("train_adamw_to_rmsprop.py", "optimizer=rmsprop"),
+                                            ("finetune_adafactor.py", "optimizer=adafactor")])
+def test_the_optimizer_is_named_by_torch_never_by_the_user_s_script(scenarios, write_snapshot, script, change):
+    """Issue 42 item 1, on the profiler route (the file in each frame's name): gpt2-base, an AdamW
+    run, as if its script were named after another optimizer, reads as AdamW, and the change to
+    that optimizer predicts the loop really run with it as from the run's own name."""
+    head = f"gpt2-base-wi-{change.replace('=', '-')}"
+    paths = scenarios("gpt2-base", head)
+    snapshot = __import__("pickle").loads(paths["gpt2-base"].read_bytes())
+    for trace in snapshot["device_traces"]:
+        for e in trace:
+            for f in e.get("frames") or []:
+                f["name"] = f["name"].replace("train.py(", f"{script}(")
+    d = memdiff.whatif(write_snapshot(snapshot, "renamed.pickle"), change).devices[0]
+    # No scopes on the profiler route: AdamW runs Adam's update code (torch/optim/adam.py), the
+    # same memory, and reads as "Adam or AdamW".
+    assert d.optimizer == "adam"
+    predicted = d.changes[0]
+    assert predicted.applies, predicted.reason
+    measured = memdiff.summarize(paths[head]).devices[0].peak_bytes
+    assert abs(predicted.predicted_peak_bytes - measured) <= 0.10 * measured, (predicted.predicted_peak_bytes, measured)
+
+
 def test_names_from_the_run_and_the_change_bend_no_output(tmp_path):
     from test_inert import assert_markdown_inert, assert_no_command_from_data, assert_plain, run
 
