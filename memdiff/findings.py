@@ -277,14 +277,16 @@ CATALOGUE: Tuple[Code, ...] = (
     Code("C001", "category-guessed", INFO,
          "{amount} live before the trace without a stack read as {categories} by a guess",
          "Blocks older than the trace, never freed and never updated in a way that tells what they are: memdiff "
-         "gives them a category by a guess (weights; optimizer state where their sizes repeat the weights').",
+         "gives them a category by a guess (weights; optimizer state where their sizes repeat the weights'; a "
+         "BLAS workspace, by its size, for each handle the trace runs products on without making its "
+         "workspace).",
          "The category table and category limits count them by the guess; a wrong guess moves bytes between "
          "categories.",
          "Start recording before the model and optimizer are built to have their stacks, or give rules of your "
          "own (`--rules`); docs/categories.md says how the guess is made.",
          "memdiff peak tests/data/cuda/gpt2-warm.pickle.gz",
          "note: C001 device 0: 1.45 GiB live before the trace without a stack read as optimizer_state (949.40 "
-         "MiB), parameter (539.70 MiB) by a guess"),
+         "MiB), parameter (474.70 MiB), workspace (65.00 MiB) by a guess"),
 
     # --- A: the allocator ------------------------------------------------------------------------
     Code("A001", "reserved-moved-alone", INFO,

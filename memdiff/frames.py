@@ -139,8 +139,12 @@ NO_STACK_GUESSED = "<no stack: live before the trace, category guessed>"
 # ...of which, on CUDA captures, further copies of the sizes of the weights the backward makes
 # gradients for: optimizer state made before recording, by guess (normalize._state_by_sizes).
 NO_STACK_STATE_GUESSED = "<no stack: live before the trace, optimizer state by its sizes, guessed>"
-GUESS_PARAMETER, GUESS_STATE = "parameter", "optimizer_state"
-GUESSED_LABELS = {GUESS_PARAMETER: NO_STACK_GUESSED, GUESS_STATE: NO_STACK_STATE_GUESSED}
+# ...or a BLAS handle's workspace: of a workspace's size, one per handle the trace uses and makes
+# no workspace for (normalize._workspaces_by_handles).
+NO_STACK_WORKSPACE_GUESSED = "<no stack: live before the trace, a BLAS workspace by its size, guessed>"
+GUESS_PARAMETER, GUESS_STATE, GUESS_WORKSPACE = "parameter", "optimizer_state", "workspace"
+GUESSED_LABELS = {GUESS_PARAMETER: NO_STACK_GUESSED, GUESS_STATE: NO_STACK_STATE_GUESSED,
+                  GUESS_WORKSPACE: NO_STACK_WORKSPACE_GUESSED}
 
 
 def names_autograd_node(frame_name: str) -> bool:
