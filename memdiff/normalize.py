@@ -438,8 +438,8 @@ def _handles(trace: List[Dict[str, Any]]) -> Tuple[Dict[str, Set[str]], Dict[str
     made = {"blas": 0, "lt": 0}
     seen: Set[int] = set()
     for e in trace:
-        frames = e.get("frames")
-        if not frames or id(frames) in seen or e.get("action") != "alloc":
+        frames = e.get("frames") if isinstance(e, dict) else None
+        if not isinstance(frames, list) or not frames or id(frames) in seen or e.get("action") != "alloc":
             continue
         if len(seen) >= MAX_HANDLE_STACKS:
             break

@@ -242,3 +242,33 @@ def test_the_hugging_face_trainer_trains_on_the_emulated_gpu(tmp_path):
     # the device too (foreach and single-tensor AdamW keep those on the CPU).
     state = sum(g.bytes for g in device_summary.groups if g.site.startswith("adam.py:_init_group"))
     assert state == 2 * int(weights) + 4 * int(count)
+
+
+ACCELERATOR = """
+import json, sys
+import torch
+out = {"accelerator": str(torch.accelerator.current_accelerator()),
+       "capturing": torch.cuda.is_current_stream_capturing()}
+pinned = torch.empty(1024, pin_memory=True)  # host memory: no device allocation
+x = torch.empty(1 << 28, device="cuda")  # 1 GiB
+out["same"] = torch.accelerator.max_memory_allocated() == torch.cuda.max_memory_allocated() == 1 << 30
+torch.cuda.set_per_process_memory_fraction(0.01)  # 0.79 GiB of the H100's 79.19 GiB
+try:
+    torch.empty(1 << 28, device="cuda")
+    out["refused"] = False
+except torch.OutOfMemoryError:
+    out["refused"] = True
+json.dump(out, sys.stdout)
+"""
+
+
+@pytest.mark.slow
+def test_torch_accelerator_and_the_allocator_settings_answer_as_the_gpu(tmp_path):
+    # An Adam-family step asks torch.accelerator whether a CUDA graph is being captured: on a CUDA
+    # build of torch without a driver, an unpatched torch.accelerator reaches the CUDA runtime and fails.
+    (tmp_path / "accelerator.py").write_text(ACCELERATOR)
+    done = subprocess.run([sys.executable, "-m", "memdiff", "record", "--emulate", "h100", "-o",
+                           str(tmp_path / "run.pickle"), "--", "python", str(tmp_path / "accelerator.py")],
+                          capture_output=True, text=True, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(done.stdout) == {"accelerator": "cuda", "capturing": False, "same": True, "refused": True}

@@ -48,7 +48,7 @@ SCHEMAS = Path(__file__).resolve().parent.parent / "memdiff" / "schemas"
 HOSTILE = ("evil\n::stop-commands::tok\n::add-mask::x\n::error file=a.py::INJ\x1b[2J"
            "\x1b]8;;https://evil.example\x07link\x1b]8;;\x07\n```\n### :white_check_mark: memdiff: PASS (forged)\n"
            "cc @octocat #123 <!-- memdiff:other-gate --> [x](https://evil.example) | \x9b2J \u2028 $(touch PWNED)")
-OUR_COMMAND = re.compile(r"::(error|warning) title=memdiff::")
+OUR_COMMAND = re.compile(r"::(error|warning) title=memdiff( [A-Z][0-9]{3} [a-z0-9-]+)?::")
 # What no byte of output may hold, whatever a name held: ESC, the C1 CSI, a carriage return, BEL,
 # the Unicode line separator, a bidi override.
 RAW_CONTROLS = re.compile("[\x00-\x09\x0b-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069]")
@@ -141,7 +141,8 @@ def test_no_stdout_line_starts_a_workflow_command_from_a_snapshot_or_a_baseline(
     assert_no_command_from_data(out)
     assert_no_command_from_data(err)
     outputs = Path(github_env["GITHUB_OUTPUT"]).read_text().splitlines()
-    assert [line.split("=", 1)[0] for line in outputs] == ["verdict", "peak-delta-bytes", "report"] * 2
+    assert [line.split("=", 1)[0] for line in outputs] == ["verdict", "peak-delta-bytes", "report", "findings",
+                                                           "failed-findings"] * 2
 
 
 @pytest.mark.parametrize("github", [False, True])
@@ -276,7 +277,8 @@ def test_every_renderer_keeps_any_name_inert(github_env, name):
         assert_markdown_inert((tmp / "r.md").read_text(), headings=2)
         assert_markdown_inert(run(base, head, "--format", "markdown")[1], headings=2)
         for line in outputs.read_text().splitlines():
-            assert re.fullmatch(r"(verdict|peak-delta-bytes|report)=.*", line), line
+            assert re.fullmatch(r"(verdict|peak-delta-bytes|report)=.*|(failed-)?findings=([A-Z][0-9]{3}( |$))*",
+                                line), line
         assert_plain(run(base, head, "--format", "json")[1])
         json.loads(run(base, head, "--format", "json")[1])
         run(base, head, "--html", tmp / "r.html")

@@ -101,6 +101,10 @@ class DeviceMode(TorchFunctionMode):
             return None
         if "device" in kwargs:
             kwargs["device"] = to_meta(kwargs["device"])
+            if kwargs.get("pin_memory") and kwargs["device"] is META:
+                kwargs["pin_memory"] = False  # pinned host memory is for copies to a device that is not here
+        elif kwargs.get("pin_memory"):
+            kwargs["pin_memory"] = False
         if func is torch.Tensor.to and len(args) > 1 and not isinstance(args[1], (torch.dtype, torch.Tensor)):
             args = (args[0], to_meta(args[1]), *args[2:])
         name = aten_name(func)

@@ -53,6 +53,10 @@ class Stream:
         """Always done."""
         return True
 
+    def is_capturing(self) -> bool:
+        """No CUDA graph is being captured (an optimizer's step asks, through torch.accelerator)."""
+        return False
+
     def __enter__(self) -> "Stream":
         return self
 
@@ -155,20 +159,52 @@ def _answers(emulator: Emulator, saved: Dict[Tuple[Any, str], Any]) -> Dict[str,
         "memory_summary": summary,
         "reset_peak_memory_stats": reset_peaks, "reset_max_memory_allocated": reset_peaks,
         "reset_max_memory_cached": reset_peaks, "reset_accumulated_memory_stats": nothing,
-        "mem_get_info": lambda device=None: (emulator.gpu.capacity - allocator.reserved, emulator.gpu.total_memory),
+        "mem_get_info": lambda device=None: (emulator.capacity - allocator.reserved, emulator.gpu.total_memory),
         "manual_seed": nothing, "manual_seed_all": nothing, "seed": nothing, "seed_all": nothing,
         "initial_seed": lambda: 0, "get_rng_state": rng_state, "set_rng_state": nothing,
         "get_rng_state_all": lambda: [rng_state()], "set_rng_state_all": nothing,
         "Stream": Stream, "Event": Event, "current_stream": lambda device=None: stream,
         "default_stream": lambda device=None: stream, "stream": lambda s=None: contextlib.nullcontext(),
         "set_stream": nothing, "device": _Device, "device_of": _Device,
-        "_record_memory_history": emulator.record_history, "_snapshot": lambda device=None: emulator.snapshot(),
+        "_record_memory_history": emulator.record_history,
+        "_snapshot": lambda device=None, augment_with_fx_traces=False: emulator.snapshot(),
+        "is_current_stream_capturing": lambda: False,
+        "set_per_process_memory_fraction": lambda fraction, device=None: emulator.limit(fraction),
+        "get_per_process_memory_fraction": lambda device=None: emulator.fraction,
         "_dump_snapshot": emulator.dump_snapshot,
         "clear_autocast_cache": clear_autocast_cache, "compile": compile,
     }
     # One function object per name: torch._dynamo maps torch's functions to rules by identity, and
     # refuses one object under two names.
     return {name: _own(name, value) for name, value in answers.items()}
+
+
+def _accelerator_answers(emulator: Emulator, cuda: Dict[str, Any]) -> Dict[str, Callable[..., Any]]:
+    """torch.accelerator's answers (and torch.accelerator.memory's), as the emulated GPU. On a CUDA
+    build of torch they reach the CUDA runtime through torch._C, which fails without a driver (every
+    Adam-family step asks `torch.accelerator.current_stream().is_capturing()`); on a CPU build they
+    would say there is no accelerator."""
+    allocator = emulator.allocator
+    same = ("is_available", "device_count", "synchronize", "empty_cache", "memory_stats", "memory_allocated",
+            "max_memory_allocated", "memory_reserved", "max_memory_reserved", "reset_peak_memory_stats",
+            "reset_accumulated_memory_stats", "current_stream", "set_stream", "_snapshot")
+    answers: Dict[str, Any] = {name: _wrap(cuda[name]) for name in same}
+    answers.update({
+        "current_accelerator": lambda check_available=False: torch.device("cuda"),
+        "current_device_index": lambda: 0, "current_device_idx": lambda: 0,
+        "set_device_index": nothing, "set_device_idx": nothing, "device_index": _Device,
+        "get_device_capability": lambda device=None: {"major": emulator.gpu.major, "minor": emulator.gpu.minor},
+        "get_memory_info": lambda device=None: (emulator.capacity - allocator.reserved, emulator.gpu.total_memory),
+        "empty_host_cache": nothing,
+    })
+    return {name: _own(f"accelerator.{name}", value) for name, value in answers.items()}
+
+
+def _wrap(answer: Any) -> Any:
+    """A fresh function calling `answer` (torch._dynamo refuses one function object under two names)."""
+    if not isinstance(answer, types.FunctionType):
+        return answer
+    return lambda *args, **kwargs: answer(*args, **kwargs)
 
 
 def nothing(*args: Any, **kwargs: Any) -> None:
@@ -210,6 +246,16 @@ def cuda_answers_as(emulator: Emulator) -> Iterator[None]:
                 continue
             replaced.append((module, name, getattr(module, name, _MISSING)))
             setattr(module, name, value)
+    accelerator = getattr(torch, "accelerator", None)  # torch 2.6+
+    if isinstance(accelerator, types.ModuleType):
+        accelerated = _accelerator_answers(emulator, answers)
+        for module in (accelerator, getattr(accelerator, "memory", None)):
+            if not isinstance(module, types.ModuleType):
+                continue
+            for name, value in accelerated.items():
+                if hasattr(module, name):  # only what this torch has
+                    replaced.append((module, name, getattr(module, name)))
+                    setattr(module, name, value)
     nvtx = getattr(torch.cuda, "nvtx", None)
     if isinstance(nvtx, types.ModuleType):
         for name in ("range_push", "range_pop", "mark"):

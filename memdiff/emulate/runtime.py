@@ -143,6 +143,7 @@ class Emulator:
             raise InputError("PYTORCH_CUDA_ALLOC_CONF", str(exc)) from None
         self.allocator = CachingAllocator(gpu.capacity, config)
         self.allocator.trace = self._on_event
+        self.fraction = 1.0  # torch.cuda.set_per_process_memory_fraction's
         self.recording: Optional[Dict[str, Any]] = None  # _record_memory_history's settings while on
         self.trace: List[Dict[str, Any]] = []
         self.annotations: List[Dict[str, Any]] = []
@@ -180,6 +181,18 @@ class Emulator:
         limit = self.recording["max_entries"]
         if len(self.trace) > limit:
             del self.trace[: len(self.trace) - limit]
+
+    @property
+    def capacity(self) -> int:
+        """What the allocator may reserve now: the GPU's less the CUDA context's, or the fraction set."""
+        return self.allocator.total_memory
+
+    def limit(self, fraction: float) -> None:
+        """torch.cuda.set_per_process_memory_fraction: the allocator may reserve this share of the device."""
+        if not 0 <= fraction <= 1:
+            raise ValueError(f"invalid fraction: {fraction}, must be between 0 and 1")
+        self.fraction = fraction
+        self.allocator.total_memory = min(self.gpu.capacity, int(fraction * self.gpu.total_memory))
 
     def allocate(self, nbytes: int, frames: List[Dict[str, Any]]) -> Block:
         """A device allocation of `nbytes` made at `frames`; torch's OutOfMemoryError when it does not fit."""
