@@ -20,10 +20,12 @@ from memdiff import __version__
 from memdiff.atomic import check_output, make_folder, write_output
 from memdiff.differ import PEAK
 from memdiff.errors import InputError, clip, version_shown
+from memdiff.findings import finding
 from memdiff.frames import signature_of
+from memdiff.inert import baseline_command
 from memdiff.limits import Thresholds, thresholds_from_dict
 from memdiff.load import read_json
-from memdiff.model import DeviceSummary, Group, PhasePeak, Range, Source, Spread, Summary
+from memdiff.model import DeviceSummary, Finding, Group, PhasePeak, Range, Source, Spread, Summary
 from memdiff.sameloop import loop_difference
 from memdiff.schema import validate
 from memdiff.units import format_bytes
@@ -386,6 +388,16 @@ def _pooled_groups(groups: List[Group], stored: List[Dict[str, Any]]) -> List[Gr
     pooled = kept + [_rest_group(c, sum(g.count for g in gs), sum(g.bytes for g in gs),
                                  sum(g.bytes_from_earlier_steps for g in gs)) for c, gs in rest.items()]
     return sorted(pooled, key=lambda g: (-g.bytes, g.signature))
+
+
+def no_baseline(run: str, path: str, required: bool) -> Finding:
+    """Finding G008: `run` has no baseline at `path`, with the command that makes it; `required`
+    when that fails the gate (else the line says the run is not gated)."""
+    folder = os.path.dirname(path)
+    absent = f" (the folder {folder} does not exist yet; that command makes it)" if folder and \
+        not os.path.isdir(folder) else ""
+    return finding("G008", snapshot=run, path=path, command=baseline_command(run, path), absent=absent,
+                   gated="" if required else " (not gated; --require-baseline makes this fail)")
 
 
 def comparable_pair(path: str, baseline: Baseline, head: Summary, mixed_routes: bool = False

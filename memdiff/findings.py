@@ -495,6 +495,16 @@ CATALOGUE: Tuple[Code, ...] = (
          "hand-built in tests/test_ranks.py",
          "error: G005 rank 3: in the baseline but not in the run (a rank that crashed?); --allow-missing-ranks "
          "gates the others only"),
+    Code("G008", "no-baseline", WARNING,
+         "{snapshot}: no baseline at {path}: make it with `{command}`{absent}{gated}",
+         "Gating runs against a folder of baselines, a run has none of its name (its stem).",
+         "Nothing was compared for that run. With --require-baseline (the Action's default) it fails the gate, "
+         "exit 2; without, the others are gated and it is reported; a gate where no run had its baseline is "
+         "never green.",
+         "Make the baseline with the command the line gives and commit it, or name the run after the baseline.",
+         "hand-built in tests/test_gate.py",
+         "warning: G008 eval.pickle: no baseline at baselines/eval.json: make it with `memdiff baseline "
+         "eval.pickle -o baselines/eval.json` (not gated; --require-baseline makes this fail)"),
     Code("G006", "rank-without-baseline", ERROR,
          "{ranks}: no baseline (--require-baseline)",
          "Gating a job with `--require-baseline`, a rank of the run has no baseline.",

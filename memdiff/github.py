@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 from memdiff.atomic import append_text, write_output
+from memdiff.baseline import no_baseline
 from memdiff.errors import InputError
 from memdiff.findings import INFO
 from memdiff.inert import baseline_command, md_code, md_fence, shell, text
@@ -144,8 +145,9 @@ class Publisher:
         self.without_baseline.append(run)
         if self.annotate:
             level = "error" if required else "warning"
-            message = f"{run}: no baseline at {path}, nothing compared; make it with `{command}` and commit it"
-            print(f"::{level} title=memdiff::{escape_annotation(message)}")
+            f = no_baseline(run, path, required)
+            said = escape_annotation(f"{f.text} (memdiff rule {f.code})")
+            print(f"::{level} title=memdiff {f.code} {f.name}::{said}")
 
     def verdict(self) -> str:
         """fail on any failed check; else no-baseline when a run had none; else pass."""

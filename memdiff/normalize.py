@@ -294,12 +294,25 @@ class _Walk:
         return allocs[np.frombuffer(self.closed, dtype=np.int64)[allocs] > p]
 
 
+# What makes a new tensor and never writes one in place: a loop that draws a batch (`randint`) at
+# the same line each step frees the old and allocates the new, and the host allocator hands back
+# the same address as often as not; that is no new version of the old batch.
+FACTORY_CALL = re.compile(r"^<built-in (?:method|function) (randint|randn|rand|randperm|normal|zeros|ones|empty|full"
+                          r"|arange|linspace|tensor|eye|as_tensor|from_numpy)\b")
+
+
 def _is_reversion(freed: Dict[str, Any], e: Dict[str, Any]) -> bool:
     """Whether alloc `e`, right after the free `freed`, is the profiler route writing a new
     version of the same tensor (an in-place update): same address and size, and no stack or
-    the freed version's stack."""
-    return (freed.get("addr") == e["addr"] and freed.get("size") == e["size"]
-            and (not e.get("frames") or e.get("frames") == freed.get("frames")))
+    the freed version's stack, which is no factory's."""
+    if freed.get("addr") != e["addr"] or freed.get("size") != e["size"]:
+        return False
+    frames = e.get("frames")
+    if not frames:
+        return True
+    first = frames[0] if isinstance(frames, list) else None
+    factory = isinstance(first, dict) and isinstance(first.get("name"), str) and FACTORY_CALL.match(first["name"])
+    return frames == freed.get("frames") and not factory
 
 
 # A re-versioned tensor of at most this many bytes is a step counter (`state["step"]`, one float32),

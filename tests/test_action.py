@@ -56,7 +56,7 @@ def test_a_run_without_its_baseline_fails_by_default(action, shared, tmp_path):
     run.write_bytes((shared / "linear-grad.pickle").read_bytes())
     outputs, log = action(tmp_path, head="*.pickle", baseline="baselines")
     assert outputs["exit-code"] == "2" and outputs["verdict"] == "no-baseline"
-    assert "::error title=memdiff::train.pickle: no baseline at baselines/train.json" in log
+    assert "::error title=memdiff G008 no-baseline::train.pickle: no baseline at baselines/train.json" in log
     assert "memdiff baseline train.pickle -o baselines/train.json" in (tmp_path / "summary.md").read_text()
     # require-baseline: false reports the run without a baseline and gates the others ...
     (tmp_path / "eval.pickle").write_bytes(run.read_bytes())
@@ -64,7 +64,7 @@ def test_a_run_without_its_baseline_fails_by_default(action, shared, tmp_path):
                           cwd=tmp_path).returncode == 0
     outputs, log = action(tmp_path, head="*.pickle", baseline="baselines", require_baseline="false")
     assert outputs["exit-code"] == "0" and outputs["verdict"] == "no-baseline"
-    assert "::warning title=memdiff::train.pickle: no baseline at baselines/train.json" in log
+    assert "::warning title=memdiff G008 no-baseline::train.pickle: no baseline at baselines/train.json" in log
     # ... but a gate where no run had its baseline compared nothing: never green.
     (tmp_path / "eval.pickle").unlink()
     outputs, _ = action(tmp_path, head="*.pickle", baseline="baselines", require_baseline="false")

@@ -193,10 +193,11 @@ def test_baselines_folder_matches_runs_by_stem(baseline, tmp_path, capsys):
     assert code == 0
     assert f"== {head} against {b}" in out
     make = f"make it with `memdiff baseline {other} -o {b.parent / 'eval.json'}`"
-    assert err == f"memdiff: {other}: no baseline at {b.parent / 'eval.json'}: {make} (not gated; --require-baseline makes this fail)\n"
+    assert err == (f"memdiff: warning: G008 {other}: no baseline at {b.parent / 'eval.json'}: {make} (not gated; "
+                   f"--require-baseline makes this fail)\n")
     # A required baseline that is missing is bad input, not a regression: nothing was compared.
     code, _, err = run(capsys, "gate", "--baselines", b.parent, "--require-baseline", head, other)
-    assert code == 2 and err == f"memdiff: {other}: no baseline at {b.parent / 'eval.json'}: {make}\n"
+    assert code == 2 and err == f"memdiff: warning: G008 {other}: no baseline at {b.parent / 'eval.json'}: {make}\n"
     # Nor is a gate green when no run had its baseline, whatever the flags.
     code, _, _ = run(capsys, "gate", "--baselines", b.parent, other)
     assert code == 2
@@ -232,7 +233,7 @@ def test_the_first_run_without_a_baseline_says_how_to_make_it_on_github(tmp_path
             code, out, err = run(capsys, "gate", "--baselines", folder, "--require-baseline", run_file, "--github")
         assert code == 2
         wanted = folder / "train.json"
-        assert f"::error title=memdiff::{run_file}: no baseline at {wanted}, nothing compared" in out
+        assert f"::error title=memdiff G008 no-baseline::{run_file}: no baseline at {wanted}: make it with" in out
         text = summary.read_text()
         assert f"### memdiff: no baseline for `{run_file}`" in text and f"memdiff baseline {run_file} -o {wanted}" in text
         assert ("mkdir -p" in text) == (folder.name == "not-yet")

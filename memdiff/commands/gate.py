@@ -8,7 +8,7 @@ import sys
 from typing import Dict, List, Optional, Tuple
 
 from memdiff.atomic import check_output, make_folder
-from memdiff.baseline import Baseline, baseline_path_for, comparable_pair, read_baseline, stem
+from memdiff.baseline import Baseline, baseline_path_for, comparable_pair, no_baseline, read_baseline, stem
 from memdiff.classify import Rule
 from memdiff.commands.args import (
     add_category_threshold_argument,
@@ -29,6 +29,7 @@ from memdiff.commands.args import (
 )
 from memdiff.commands.diff import write_html
 from memdiff.errors import EXIT_BAD_INPUT, EXIT_OK, EXIT_REGRESSION, InputError, clip
+from memdiff.findings import shown
 from memdiff.inert import baseline_command, md_code, text
 from memdiff.inputs import read_summary
 from memdiff.job import is_job, ranges, summarize_ranks
@@ -194,12 +195,7 @@ def run(args: argparse.Namespace) -> int:
     for snap, path in missing:
         if publisher:
             publisher.add_missing(snap, path, args.require_baseline)
-        folder = os.path.dirname(path)
-        absent = f" (the folder {text(folder)} does not exist yet; that command makes it)" if folder and \
-            not os.path.isdir(folder) else ""
-        print(f"memdiff: {text(snap)}: no baseline at {text(path)}: "
-              f"make it with `{baseline_command(snap, path)}`{absent}"
-              + ("" if args.require_baseline or not pairs else " (not gated; --require-baseline makes this fail)"),
+        print(f"memdiff: {text(shown(no_baseline(snap, path, args.require_baseline or not pairs)))}",
               file=sys.stderr)
     if publisher:
         publisher.finish()
