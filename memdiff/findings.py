@@ -505,6 +505,16 @@ CATALOGUE: Tuple[Code, ...] = (
          "hand-built in tests/test_gate.py",
          "warning: G008 eval.pickle: no baseline at baselines/eval.json: make it with `memdiff baseline "
          "eval.pickle -o baselines/eval.json` (not gated; --require-baseline makes this fail)"),
+    Code("G009", "unreadable-baseline-replaced", WARNING,
+         "{path}: {problem}: replaced by --memdiff-update",
+         "`pytest --memdiff-update` found a marked test's own baseline that it cannot read (not JSON, another "
+         "schema version, cut short) and wrote a new one in its place.",
+         "The old file's thresholds are gone with it: the new baseline has only the marker's.",
+         "Look at the file's history (`git log -p baselines/...`) if its thresholds were set by hand, and put "
+         "them in the marker, where they are kept.",
+         "hand-built in tests/test_pytest_plugin.py",
+         "warning: G009 baselines/test_model.py-test_step.json: invalid JSON at line 1 column 10: Expecting "
+         "value: replaced by --memdiff-update"),
     Code("G006", "rank-without-baseline", ERROR,
          "{ranks}: no baseline (--require-baseline)",
          "Gating a job with `--require-baseline`, a rank of the run has no baseline.",

@@ -294,17 +294,18 @@ class _Walk:
         return allocs[np.frombuffer(self.closed, dtype=np.int64)[allocs] > p]
 
 
-# What makes a new tensor and never writes one in place: a loop that draws a batch (`randint`) at
-# the same line each step frees the old and allocates the new, and the host allocator hands back
-# the same address as often as not; that is no new version of the old batch.
-FACTORY_CALL = re.compile(r"^<built-in (?:method|function) (randint|randn|rand|randperm|normal|zeros|ones|empty|full"
-                          r"|arange|linspace|tensor|eye|as_tensor|from_numpy)\b")
+# Random draws make a new tensor: a loop that draws a batch (`randint`) at the same line each step
+# frees the old one and allocates the new, and the host allocator hands back the same address as
+# often as not; that is no new version of the old batch. (Factories that init fills in place,
+# `empty` under `uniform_`, do leave versions of one tensor.)
+FACTORY_CALL = re.compile(r"^<built-in (?:method|function) (randint|randn|rand|randperm|randint_like|randn_like"
+                          r"|rand_like)\b")
 
 
 def _is_reversion(freed: Dict[str, Any], e: Dict[str, Any]) -> bool:
     """Whether alloc `e`, right after the free `freed`, is the profiler route writing a new
     version of the same tensor (an in-place update): same address and size, and no stack or
-    the freed version's stack, which is no factory's."""
+    the freed version's stack, which is no random draw's."""
     if freed.get("addr") != e["addr"] or freed.get("size") != e["size"]:
         return False
     frames = e.get("frames")

@@ -208,7 +208,9 @@ def _replace_unreadable(path: str) -> None:
     try:
         api.load_baseline(path)
     except InputError as exc:
-        warnings.warn(f"memdiff: {exc.path}: {exc.message}: replaced by --memdiff-update", stacklevel=1)
+        from memdiff.findings import finding, shown
+
+        warnings.warn(f"memdiff: {shown(finding('G009', path=exc.path, problem=exc.message))}", stacklevel=1)
         os.remove(path)
 
 

@@ -75,7 +75,8 @@ def _reads_without_hovering(seen: Opened, data: dict) -> None:
     order = seen.legend_categories
     # One order for the page: the built-in categories longest-lived first. Base and head stack
     # them alike (the payload lists each run's by its own bytes: activation first in head's, last in base's).
-    assert order == ["parameter", "optimizer_state", "gradient", "activation", "autograd", "optimizer_temporary"]
+    assert order == ["parameter", "optimizer_state", "gradient", "activation", "autograd", "optimizer_temporary",
+                     "workspace"]
     runs = data["devices"][0]["runs"]
     assert [list(r["history"]["categories"]) for r in runs] != [order[:len(r["history"]["categories"])] for r in runs]
     assert seen.areas == [[c for c in order if c in r["history"]["categories"]] for r in runs]

@@ -41,12 +41,17 @@ torch.cuda.memory._dump_snapshot("own.pickle")
 """
 
 
-def _record(tmp_path, extra="", gpu="h100"):
-    script = tmp_path / "train.py"
-    script.write_text(SCRIPT.replace("{extra}", extra))
+def _emulate(tmp_path, source, name="train.py", gpu="h100", **env):
+    """`memdiff record --emulate GPU -o run.pickle -- python NAME` of a script written from `source`."""
+    script = tmp_path / name
+    script.write_text(source)
     return subprocess.run([sys.executable, "-m", "memdiff", "record", "--emulate", gpu, "-o",
                            str(tmp_path / "run.pickle"), "--", "python", str(script)],
-                          capture_output=True, text=True, cwd=tmp_path)
+                          capture_output=True, text=True, cwd=tmp_path, env={**os.environ, **env})
+
+
+def _record(tmp_path, extra="", gpu="h100"):
+    return _emulate(tmp_path, SCRIPT.replace("{extra}", extra), gpu=gpu)
 
 
 @pytest.mark.slow
@@ -195,10 +200,7 @@ json.dump({"states": states, "scale": scaler.get_scale()}, sys.stdout)
 
 @pytest.mark.slow
 def test_checkpointing_optimizer_paths_and_gradscaler_run_as_on_a_gpu(tmp_path):
-    (tmp_path / "loops.py").write_text(LOOPS)
-    done = subprocess.run([sys.executable, "-m", "memdiff", "record", "--emulate", "h100", "-o",
-                           str(tmp_path / "run.pickle"), "--", "python", str(tmp_path / "loops.py")],
-                          capture_output=True, text=True, cwd=tmp_path)
+    done = _emulate(tmp_path, LOOPS, "loops.py")
     assert done.returncode == 0, done.stderr[-3000:]
     out = json.loads(done.stdout)
     # Where torch.optim keeps each path's state on a GPU: the step counters on the CPU but for fused.
@@ -228,11 +230,7 @@ def test_the_hugging_face_trainer_trains_on_the_emulated_gpu(tmp_path):
     pytest.importorskip("accelerate")
     from memdiff import api
 
-    (tmp_path / "trainer.py").write_text(TRAINER)
-    done = subprocess.run([sys.executable, "-m", "memdiff", "record", "--emulate", "h100", "-o",
-                           str(tmp_path / "run.pickle"), "--", "python", str(tmp_path / "trainer.py")],
-                          capture_output=True, text=True, cwd=tmp_path,
-                          env={**os.environ, "TRANSFORMERS_VERBOSITY": "error"})
+    done = _emulate(tmp_path, TRAINER, "trainer.py", TRANSFORMERS_VERBOSITY="error")
     assert done.returncode == 0, done.stderr[-3000:]
     device, weights, count = done.stdout.split()[-3:]
     assert device == "cuda:0"
@@ -266,9 +264,6 @@ json.dump(out, sys.stdout)
 def test_torch_accelerator_and_the_allocator_settings_answer_as_the_gpu(tmp_path):
     # An Adam-family step asks torch.accelerator whether a CUDA graph is being captured: on a CUDA
     # build of torch without a driver, an unpatched torch.accelerator reaches the CUDA runtime and fails.
-    (tmp_path / "accelerator.py").write_text(ACCELERATOR)
-    done = subprocess.run([sys.executable, "-m", "memdiff", "record", "--emulate", "h100", "-o",
-                           str(tmp_path / "run.pickle"), "--", "python", str(tmp_path / "accelerator.py")],
-                          capture_output=True, text=True, cwd=tmp_path)
+    done = _emulate(tmp_path, ACCELERATOR, "accelerator.py")
     assert done.returncode == 0, done.stderr[-3000:]
     assert json.loads(done.stdout) == {"accelerator": "cuda", "capturing": False, "same": True, "refused": True}

@@ -205,7 +205,7 @@ def test_a_corrupt_baseline_is_bad_input_and_update_replaces_it(suite):
     assert "During handling" not in out
     result = run(suite, "--memdiff-update")
     result.assert_outcomes(passed=1, warnings=1)
-    assert "replaced by --memdiff-update" in result.stdout.str()
+    assert "memdiff: warning: G009 " in result.stdout.str() and "replaced by --memdiff-update" in result.stdout.str()
     assert baseline_of(suite)["name"] == "test_model.py::test_step"
     run(suite).assert_outcomes(passed=1)
 
