@@ -210,7 +210,8 @@ def _replace_unreadable(path: str) -> None:
     except InputError as exc:
         from memdiff.findings import finding, shown
 
-        warnings.warn(f"memdiff: {shown(finding('G009', path=exc.path, problem=exc.message))}", stacklevel=1)
+        replaced = finding("G009", path=exc.path, problem=exc.message)
+        warnings.warn(f"memdiff: {shown(replaced)}", stacklevel=1)
         os.remove(path)
 
 
