@@ -515,6 +515,15 @@ CATALOGUE: Tuple[Code, ...] = (
          "hand-built in tests/test_pytest_plugin.py",
          "warning: G009 baselines/test_model.py-test_step.json: invalid JSON at line 1 column 10: Expecting "
          "value: replaced by --memdiff-update"),
+    Code("G010", "history-not-yet", WARNING,
+         "history {path} does not exist yet: no trend (`memdiff history append` on pushes to main makes it)",
+         "`--history` (the Action's `history` input) names a file that is not there: the main branch has not "
+         "appended a peak yet, or the path is wrong.",
+         "The report has no trend of the main branch's peaks; the gate itself is unchanged.",
+         "Run `memdiff history append RUN --to FILE --commit SHA` on each push to main, or fix the path.",
+         "hand-built in tests/test_action.py",
+         "warning: G010 history main.jsonl does not exist yet: no trend (`memdiff history append` on pushes to "
+         "main makes it)"),
     Code("G006", "rank-without-baseline", ERROR,
          "{ranks}: no baseline (--require-baseline)",
          "Gating a job with `--require-baseline`, a rank of the run has no baseline.",

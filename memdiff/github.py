@@ -24,6 +24,7 @@ from memdiff.errors import InputError
 from memdiff.findings import INFO
 from memdiff.inert import baseline_command, md_code, md_fence, shell, text
 from memdiff.load import read_json
+from memdiff.model import Finding
 from memdiff.render.markdown import Options, render_diff
 from memdiff.report import Report
 
@@ -143,9 +144,12 @@ class Publisher:
                "Not gated: without `--require-baseline` such a run is reported and the others are gated; when no "
                "run has its baseline, nothing was compared and the gate fails.\n"))
         self.without_baseline.append(run)
+        self.annotation(no_baseline(run, path, required), "error" if required else "warning")
+
+    def annotation(self, f: Finding, level: str) -> None:
+        """A finding outside any report (a run without its baseline, a history not there yet) as a
+        workflow annotation, when annotating."""
         if self.annotate:
-            level = "error" if required else "warning"
-            f = no_baseline(run, path, required)
             said = escape_annotation(f"{f.text} (memdiff rule {f.code})")
             print(f"::{level} title=memdiff {f.code} {f.name}::{said}")
 

@@ -29,7 +29,7 @@ from memdiff.commands.args import (
 )
 from memdiff.commands.diff import write_html
 from memdiff.errors import EXIT_BAD_INPUT, EXIT_OK, EXIT_REGRESSION, InputError, clip
-from memdiff.findings import shown
+from memdiff.findings import finding, shown
 from memdiff.inert import baseline_command, md_code, text
 from memdiff.inputs import read_summary
 from memdiff.job import is_job, ranges, summarize_ranks
@@ -68,7 +68,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_github_arguments(p)
     p.add_argument("--history", metavar="FILE",
                    help="the main branch's history (`memdiff history append`): the reports show each workload's "
-                        "last peaks on main (the baseline's name) as a trend, with this run's point after them")
+                        "last peaks on main (the baseline's name) as a trend, with this run's point after them; a "
+                        "file not there yet is warning G010 and no trend")
     p.add_argument("--history-points", type=count_arg, default=DEFAULT_POINTS, metavar="N",
                    help=f"main-branch peaks a trend shows (default: {DEFAULT_POINTS})")
     add_job_arguments(p)
@@ -171,7 +172,15 @@ def run(args: argparse.Namespace) -> int:
     status = EXIT_OK
     documents = []
     publisher = publisher_from(args, expected=len(pairs))
-    history = read_history(args.history) if args.history is not None else None
+    history = None
+    if args.history is not None and not os.path.exists(args.history):
+        # The first push to main has not appended yet: said, and the gate goes on without a trend.
+        missing_history = finding("G010", path=args.history)
+        print(f"memdiff: {text(shown(missing_history))}", file=sys.stderr)
+        if publisher:
+            publisher.annotation(missing_history, "warning")
+    elif args.history is not None:
+        history = read_history(args.history)
     for snap, path in pairs:
         report = _gate(args, snap, path, read_baseline(path), rules, snap in html_paths, history)
         status = status or (EXIT_OK if report.passed else EXIT_REGRESSION)
