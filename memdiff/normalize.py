@@ -27,11 +27,9 @@ from memdiff.accel import is_columns
 from memdiff.classify import Rule
 from memdiff.errors import InputError, brief, number
 from memdiff.frames import (
-    GENERATED_FILE,
     GUESS_PARAMETER,
     GUESS_STATE,
     GUESS_WORKSPACE,
-    NODE_NATIVE,
     Stack,
     StackNormalizer,
     frames_lists,
@@ -401,7 +399,7 @@ def _state_by_sizes(blocks: List[_DumpBlock], walk: _Walk, trace: List[Dict[str,
             keeps = _keeps_what_it_makes(walk, run)
             grads = _gradient_sizes(walk, trace, [], backwards, run)
             break
-    _workspaces_by_handles(frameless, trace, grads)
+    _workspaces_by_handles(frameless, walk, trace, timeline, grads)
     frameless = [b for b in frameless if b.guess == GUESS_PARAMETER]
     if keeps:
         # The state is made in the trace, with its stack: frozen weights of the trainable ones'
@@ -433,42 +431,25 @@ WORKSPACE_SIZES = (33_554_432, 8_519_680)
 LT_WORKSPACE_SIZES = (1_048_576,)
 WORKSPACE_NATIVE = re.compile(r"^at::cuda::setWorkspaceForHandle\b")
 LT_NATIVE = re.compile(r"^at::cuda::getCUDABlasLtWorkspace\b")
-BLAS_OP = re.compile(r"^at::_ops::(mm|addmm|bmm|baddbmm|addbmm|addmv|mv|addr|_addmm_activation)(_out)?::call\b")
-LT_OP = re.compile(r"^at::_ops::(addmm|_addmm_activation)(_out)?::call\b")
-# A stack on autograd's backward thread: the engine runs every node there (generated ones, and
-# Python ones: a custom Function's, a compiled graph's backward).
-ENGINE_NATIVE = re.compile(r"^torch::autograd::Engine::(evaluate_function|thread_main)\b")
-# Of the distinct stacks of a trace, the most read for the handles it uses (as MAX_HINTS bounds
-# the phase hints): a hostile file of a million distinct stacks costs no more than this.
-MAX_HANDLE_STACKS = 100_000
-
-
-def _handles(trace: List[Dict[str, Any]]) -> Tuple[Dict[str, Set[str]], Dict[str, int]]:
-    """({"blas", "lt"} -> the threads, `forward` or `backward`, whose products the trace shows),
-    and how many of each workspace the trace makes: a handle is one thread's, and makes its
-    workspace at its first product, its cuBLASLt one at its first product cuBLASLt runs. Read
-    once per distinct stack (a workspace is made once per handle, each with its own stack)."""
-    used: Dict[str, Set[str]] = {"blas": set(), "lt": set()}
+def _handles(walk: _Walk, trace: List[Dict[str, Any]], timeline: Timeline
+             ) -> Tuple[Dict[str, Set[str]], Dict[str, int]]:
+    """({"blas", "lt"} -> the threads, `forward` or `backward`, that run matrix products), and how
+    many of each workspace the trace makes. A handle is one thread's: the script's runs the
+    forward and autograd's the backward, and every model runs products in both (a compiled
+    graph's run as extern kernels that allocate nothing, so stacks cannot be asked); cuBLASLt
+    (addmm with its bias) runs in the forward. Only allocations of a workspace's size are read
+    for the workspaces made, by their stacks: the trace is not walked."""
+    phases = {run.phase for run in timeline.runs}
+    threads = ({"forward"} if phases - {BACKWARD} else set()) | ({"backward"} if BACKWARD in phases else set())
+    used = {"blas": threads, "lt": threads & {"forward"}}
     made = {"blas": 0, "lt": 0}
-    seen: Set[int] = set()
-    for e in trace:
-        frames = e.get("frames") if isinstance(e, dict) else None
-        if not isinstance(frames, list) or not frames or id(frames) in seen or e.get("action") != "alloc":
+    allocs = np.frombuffer(walk.allocs, dtype=np.int64) if len(walk.allocs) else np.zeros(0, np.int64)
+    sized = allocs[np.isin(walk.deltas_at(allocs), WORKSPACE_SIZES + LT_WORKSPACE_SIZES)]
+    for j in sized.tolist():
+        frames = trace[j].get("frames") if isinstance(trace[j], dict) else None
+        if not isinstance(frames, list):
             continue
-        if len(seen) >= MAX_HANDLE_STACKS:
-            break
-        seen.add(id(frames))
-        names = [f["name"] for f in frames if isinstance(f, dict) and isinstance(f.get("name"), str)]
-        thread = "backward" if any(ENGINE_NATIVE.match(n) or NODE_NATIVE.match(n) for n in names) else "forward"
-        # Compiled code runs its products as extern kernels writing into buffers it allocated
-        # itself, so no stack shows them: a thread running generated code runs products.
-        compiled = any(isinstance(f, dict) and isinstance(f.get("filename"), str)
-                       and GENERATED_FILE.search(f["filename"]) for f in frames)
-        if compiled or any(BLAS_OP.match(n) for n in names):
-            used["blas"].add(thread)
-        if compiled or any(LT_OP.match(n) for n in names):
-            used["lt"].add(thread)
-        inner = names[:8]
+        inner = [f["name"] for f in frames[:8] if isinstance(f, dict) and isinstance(f.get("name"), str)]
         if any(WORKSPACE_NATIVE.match(n) for n in inner):
             made["blas"] += 1
         elif any(LT_NATIVE.match(n) for n in inner):
@@ -476,18 +457,19 @@ def _handles(trace: List[Dict[str, Any]]) -> Tuple[Dict[str, Set[str]], Dict[str
     return used, made
 
 
-def _workspaces_by_handles(blocks: List[_DumpBlock], trace: List[Dict[str, Any]], grads: Dict[int, int]) -> None:
+def _workspaces_by_handles(blocks: List[_DumpBlock], walk: _Walk, trace: List[Dict[str, Any]], timeline: Timeline,
+                           grads: Dict[int, int]) -> None:
     """Frameless blocks older than the trace that are a BLAS handle's workspaces, not weights.
 
     A handle belongs to a thread (the script's, autograd's backward one) and makes its workspace,
-    of a size fixed per GPU generation, at its first product: a trace whose stacks show products
-    on a thread without showing that thread's workspace being made had it made before recording
-    started (a warm-up step, torch.compile's compilation). Of each such size, the blocks beyond
+    of a size fixed per GPU generation, at its first product: a trace that runs a thread's phase
+    without showing that thread's workspace being made had it made before recording started (a
+    warm-up step, torch.compile's compilation). Of each such size, the blocks beyond
     the weights of that size (one per gradient of it) are marked, one per handle missing.
     """
     if not any(b.size in WORKSPACE_SIZES + LT_WORKSPACE_SIZES for b in blocks):
         return  # no block of a workspace's size: nothing to read the trace for
-    used, made = _handles(trace)
+    used, made = _handles(walk, trace, timeline)
     for kind, sizes in (("blas", WORKSPACE_SIZES), ("lt", LT_WORKSPACE_SIZES)):
         missing = len(used[kind]) - made[kind]
         for size in sizes:
