@@ -441,6 +441,10 @@ def _handles(walk: _Walk, trace: List[Dict[str, Any]], timeline: Timeline
     for the workspaces made, by their stacks: the trace is not walked."""
     phases = {run.phase for run in timeline.runs}
     threads = ({"forward"} if phases - {BACKWARD} else set()) | ({"backward"} if BACKWARD in phases else set())
+    if not _native_stacks(walk, trace):
+        # Stacks without C++ frames (stacks="python", a hand-built trace) never show a workspace
+        # being made: that none is shown says nothing.
+        threads = set()
     used = {"blas": threads, "lt": threads & {"forward"}}
     made = {"blas": 0, "lt": 0}
     allocs = np.frombuffer(walk.allocs, dtype=np.int64) if len(walk.allocs) else np.zeros(0, np.int64)
@@ -455,6 +459,16 @@ def _handles(walk: _Walk, trace: List[Dict[str, Any]], timeline: Timeline
         elif any(LT_NATIVE.match(n) for n in inner):
             made["lt"] += 1
     return used, made
+
+
+def _native_stacks(walk: _Walk, trace: List[Dict[str, Any]], looked: int = 64) -> bool:
+    """Whether the trace's stacks carry C++ frames (CUDA's stacks="all"), read off its first allocations."""
+    for j in walk.allocs[:looked]:
+        frames = trace[j].get("frames") if isinstance(trace[j], dict) else None
+        if isinstance(frames, list) and any(isinstance(f, dict) and isinstance(f.get("name"), str)
+                                            and f["name"].startswith(("at::", "c10::", "torch::")) for f in frames):
+            return True
+    return False
 
 
 def _workspaces_by_handles(blocks: List[_DumpBlock], walk: _Walk, trace: List[Dict[str, Any]], timeline: Timeline,
