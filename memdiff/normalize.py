@@ -429,6 +429,7 @@ def _state_by_sizes(blocks: List[_DumpBlock], walk: _Walk, trace: List[Dict[str,
 # x 8 before) and its cuBLASLt workspace (1 MiB), as CUDA stacks name the functions that make them.
 WORKSPACE_SIZES = (33_554_432, 8_519_680)
 LT_WORKSPACE_SIZES = (1_048_576,)
+MAX_WORKSPACE_READS = 100_000
 WORKSPACE_NATIVE = re.compile(r"^at::cuda::setWorkspaceForHandle\b")
 LT_NATIVE = re.compile(r"^at::cuda::getCUDABlasLtWorkspace\b")
 def _handles(walk: _Walk, trace: List[Dict[str, Any]], timeline: Timeline
@@ -448,7 +449,9 @@ def _handles(walk: _Walk, trace: List[Dict[str, Any]], timeline: Timeline
     used = {"blas": threads, "lt": threads & {"forward"}}
     made = {"blas": 0, "lt": 0}
     allocs = np.frombuffer(walk.allocs, dtype=np.int64) if len(walk.allocs) else np.zeros(0, np.int64)
-    sized = allocs[np.isin(walk.deltas_at(allocs), WORKSPACE_SIZES + LT_WORKSPACE_SIZES)]
+    # A handle makes its workspace at its first product, early in its phase: the first allocations
+    # of those sizes are read, so that a hostile file of millions of them costs a bounded scan.
+    sized = allocs[np.isin(walk.deltas_at(allocs), WORKSPACE_SIZES + LT_WORKSPACE_SIZES)][:MAX_WORKSPACE_READS]
     for j in sized.tolist():
         frames = trace[j].get("frames") if isinstance(trace[j], dict) else None
         if not isinstance(frames, list):
