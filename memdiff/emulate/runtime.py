@@ -21,10 +21,9 @@ import ast
 import contextlib
 import os
 import sys
-import threading
 import time
 import weakref
-from typing import Any, Dict, Iterator, List, Optional, Set
+from typing import Any, Dict, List, Optional, Set
 
 from memdiff.emulate.allocator import AllocatorConfig, Block, CachingAllocator, OutOfMemory
 from memdiff.emulate.gpus import Gpu, kernels
@@ -155,7 +154,6 @@ class Emulator:
         self.context: List[str] = []  # the builtin torch functions running now, outermost first
         self.blas = set(kernels()["blas"]["ops"])
         self.blas_lt = set(kernels()["blas"]["lt"])
-        self.thread = threading.get_ident()
         self._stack: Optional[contextlib.ExitStack] = None
         self.autocast: Any = None  # autocast.Autocast, made on entry (it imports torch)
         self.device_mode: Any = None  # modes.DeviceMode, made on entry
@@ -352,11 +350,3 @@ class Emulator:
         if self._stack is not None:
             self._stack.close()
             self._stack = None
-
-
-@contextlib.contextmanager
-def emulated(gpu: Gpu, alloc_conf: Optional[str] = None) -> Iterator[Emulator]:
-    """Run the block with `cuda` as the emulated `gpu`."""
-    with Emulator(gpu, alloc_conf) as emulator:
-        yield emulator
-
