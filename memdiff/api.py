@@ -206,7 +206,7 @@ def html_report(report: Report) -> str:
 
 
 def record(path: Union[str, "os.PathLike[str]"], **options: Any) -> ContextManager[None]:
-    """`memdiff.capture.record`: a context manager writing the snapshot of the block to `path`."""
-    from memdiff.capture import record as _record
+    """`memdiff.recording.capture.record`: a context manager writing the snapshot of the block to `path`."""
+    from memdiff.recording.capture import record as _record
 
     return _record(os.fspath(path), **options)

@@ -21,9 +21,9 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence
 from memdiff.classify import Rule
 from memdiff.errors import InputError
 from memdiff.inputs import read_summaries, read_summary
-from memdiff.manifest import MANIFEST, RecordedJob, read_manifest
 from memdiff.model import Summary
 from memdiff.patterns import Pattern
+from memdiff.recording.manifest import MANIFEST, RecordedJob, read_manifest
 from memdiff.units import count_of
 
 if TYPE_CHECKING:

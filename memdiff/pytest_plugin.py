@@ -7,7 +7,7 @@
     @pytest.mark.memdiff(emulate="h100")                 # a CUDA test body on a machine without a GPU
     def test_train_step(): ...
 
-The body of a marked test is recorded with `memdiff.capture.record` (CUDA when available, else
+The body of a marked test is recorded with `memdiff.recording.capture.record` (CUDA when available, else
 the CPU profiler route), summarized and judged; a test that breaks a limit fails with the
 diff's first screen. `--memdiff-update` writes or refreshes the baselines instead. Tests without
 the marker are left alone: nothing is recorded and torch is never imported for them.
@@ -121,8 +121,8 @@ def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
         _bad_input(item, f"@pytest.mark.memdiff: limit is a ceiling with no baseline, so {', '.join(others)} "
                          f"would check nothing: give one or the other")
     from memdiff import api
-    from memdiff.emulate.gpus import gpu
     from memdiff.errors import InputError
+    from memdiff.recording.emulate.gpus import gpu
 
     emulate = marker.kwargs.get("emulate") or item.config.getoption("memdiff_emulate")
     if emulate is not None:

@@ -13,7 +13,7 @@ from typing import Dict
 import pytest
 from tabulate import tabulate
 
-from memdiff.capture import CaptureError, record
+from memdiff.recording.capture import CaptureError, record
 from memdiff.classify import load_rules
 from memdiff.differ import GONE, GREW, NEW, SHRANK, diff
 from memdiff.inputs import read_summary
@@ -263,7 +263,7 @@ def test_frees_on_a_thread_the_profiler_does_not_follow_still_leave_a_snapshot(t
 def test_the_allocation_events_give_the_numbers_torchs_converter_gives(torch, tmp_path):
     from torch.cuda import _memory_viz
 
-    from memdiff.capture import from_allocations
+    from memdiff.recording.capture import from_allocations
     from memdiff.examples.gpt import Config, train
 
     profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True,

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from memdiff.emulate.allocator import (
+from memdiff.recording.emulate.allocator import (
     LARGE_BUFFER,
     SMALL_BUFFER,
     AllocatorConfig,
@@ -135,7 +135,7 @@ def test_an_unknown_gpu_is_a_usage_error(tmp_path):
 
 
 def test_gpus_and_kernel_rules_are_data():
-    from memdiff.emulate.gpus import gpu, kernels, names
+    from memdiff.recording.emulate.gpus import gpu, kernels, names
 
     assert {"h100", "h200", "a100", "l4"} <= set(names())
     assert gpu("H100").total_memory > gpu("L4").total_memory

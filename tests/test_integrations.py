@@ -20,7 +20,7 @@ import pytest
 
 import memdiff
 from conftest import ROOT, missing_capture_dependency
-from memdiff.capture import StepWindow, parse_steps
+from memdiff.recording.capture import StepWindow, parse_steps
 from memdiff.load import decode
 
 SCENARIOS = ROOT / "tests" / "scenarios"
@@ -40,7 +40,7 @@ def test_step_windows_read_as_python_slices():
 
 
 def test_importing_memdiff_imports_no_framework():
-    code = "import sys, memdiff, memdiff.integrations; print(sorted({'transformers', 'lightning', 'torch'} & set(sys.modules)))"
+    code = "import sys, memdiff, memdiff.recording.integrations; print(sorted({'transformers', 'lightning', 'torch'} & set(sys.modules)))"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                           env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert done.stdout.strip() == "[]"
@@ -203,7 +203,7 @@ def test_the_extras_allow_no_version_older_than_the_examples_ran_on():
 
 
 def test_a_failed_dump_is_one_warning_and_training_goes_on(torch, tmp_path):
-    from memdiff.integrations.monitor import Monitor
+    from memdiff.recording.integrations.monitor import Monitor
 
     (tmp_path / "rank0.pickle").mkdir()  # where the snapshot goes: it cannot be written
     warnings: List[str] = []
@@ -222,7 +222,7 @@ def test_a_failed_dump_is_one_warning_and_training_goes_on(torch, tmp_path):
 
 
 def test_a_folder_that_cannot_be_made_is_one_warning(tmp_path):
-    from memdiff.integrations.monitor import Monitor
+    from memdiff.recording.integrations.monitor import Monitor
 
     (tmp_path / "taken").write_text("a file where the job folder goes")
     warnings: List[str] = []
@@ -235,7 +235,7 @@ def test_a_folder_that_cannot_be_made_is_one_warning(tmp_path):
 
 @pytest.mark.slow
 def test_a_block_that_fails_inside_its_window_writes_what_led_to_it(torch, tmp_path):
-    from memdiff.capture import record
+    from memdiff.recording.capture import record
 
     model = torch.nn.Linear(8, 8)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -259,7 +259,7 @@ def test_the_trainer_callback_runs_ahead_of_the_reporting_callbacks():
     from transformers import TrainerCallback, TrainerControl, TrainerState
     from transformers.trainer_callback import CallbackHandler, DefaultFlowCallback
 
-    from memdiff.integrations.transformers import MemdiffCallback
+    from memdiff.recording.integrations.transformers import MemdiffCallback
 
     class Reporter(TrainerCallback):
         seen: List[str] = []
@@ -288,7 +288,7 @@ def test_cuda_peaks_are_read_per_device_used():
     # No GPU here: torch.cuda's peak counters, as a process on two devices (current: 1) reads them.
     from types import SimpleNamespace
 
-    from memdiff.integrations.monitor import read_peaks
+    from memdiff.recording.integrations.monitor import read_peaks
 
     allocated, reserved = {0: 3 * GIB, 1: GIB // 2, 2: 0}, {0: 4 * GIB, 1: GIB, 2: 0}
     cuda = SimpleNamespace(device_count=lambda: 3, is_initialized=lambda: True, current_device=lambda: 1,

@@ -143,7 +143,7 @@ def test_an_unmarked_suite_records_nothing_and_never_imports_torch(pytester):
         import sys
 
         def pytest_sessionfinish(session):
-            loaded = [m for m in ("torch", "memdiff.capture", "memdiff.api") if m in sys.modules]
+            loaded = [m for m in ("torch", "memdiff.recording.capture", "memdiff.api") if m in sys.modules]
             session.config.rootpath.joinpath("loaded.txt").write_text(",".join(loaded))
     """))
     pytester.makepyfile(test_plain="def test_one():\n    assert 1 + 1 == 2\n")

@@ -9,11 +9,11 @@ import tempfile
 import time
 
 from memdiff.atomic import make_folder
-from memdiff.capture import record
 from memdiff.classify import load_rules
 from memdiff.commands.diff import write_html
 from memdiff.errors import InputError
 from memdiff.inputs import read_summary
+from memdiff.recording.capture import record
 from memdiff.render import render
 from memdiff.report import Run, Settings, compare
 
@@ -33,7 +33,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Record both runs with progress on stderr, then print the diff."""
-    from memdiff.capture import torch_module
+    from memdiff.recording.capture import torch_module
 
     if args.dir is not None:  # before the minutes of training, not after
         make_folder(args.dir)

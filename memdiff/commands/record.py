@@ -19,15 +19,15 @@ from typing import Any, Dict, List, Optional, Tuple
 import memdiff
 from memdiff.atomic import check_folder, check_output, commit, temporary_name
 from memdiff.baseline import stem
-from memdiff.capture import STACKS, StepWindow, parse_steps, record, recorded_nothing
 from memdiff.commands.args import count_arg
-from memdiff.emulate.gpus import gpu
-from memdiff.emulate.gpus import names as gpu_names
 from memdiff.errors import EXIT_BAD_INPUT, InputError
 from memdiff.inert import shell, text
 from memdiff.job import MAX_RANKS, rank_of, rank_patterns
 from memdiff.load import decode
-from memdiff.manifest import MANIFEST, clear_statuses, collect, write_manifest
+from memdiff.recording.capture import STACKS, StepWindow, parse_steps, record, recorded_nothing
+from memdiff.recording.emulate.gpus import gpu
+from memdiff.recording.emulate.gpus import names as gpu_names
+from memdiff.recording.manifest import MANIFEST, clear_statuses, collect, write_manifest
 from memdiff.units import format_bytes
 
 PYTHON = re.compile(r"^python(\d+(\.\d+)?)?(\.exe)?$")
@@ -237,7 +237,7 @@ def _run_launcher(args: argparse.Namespace) -> int:
     os.makedirs(folder, exist_ok=True)
     clear_statuses(folder)
     before = {n: os.stat(os.path.join(folder, n)).st_mtime_ns for n in os.listdir(folder)}
-    hook = str(resources.files("memdiff").joinpath("rank_hook"))
+    hook = str(resources.files("memdiff.recording").joinpath("rank_hook"))
     env = dict(os.environ, MEMDIFF_RECORD_DIR=folder, MEMDIFF_RECORD_MAX_ENTRIES=str(args.max_entries),
                MEMDIFF_RECORD_STACKS=args.stacks, MEMDIFF_RECORD_STEPS=str(args.steps or ""),
                MEMDIFF_PACKAGE_PARENT=os.path.dirname(os.path.dirname(os.path.abspath(memdiff.__file__))),

@@ -21,7 +21,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 import torch
 from torch import nn
 
-from memdiff.capture import record
+from memdiff.recording.capture import record
 
 VOCAB = 1000
 POSITIONS = 128

@@ -3,7 +3,7 @@
     python tests/data/cuda/capture.py OUTDIR [RUN ...]
 
 GPT-2 from the library's default config (124M weights), batch 4, seq 512, three AdamW steps,
-recorded by `memdiff.capture.record` (the caching allocator's history with C++ stacks), with
+recorded by `memdiff.recording.capture.record` (the caching allocator's history with C++ stacks), with
 and without the changes teams make to a loop; and a torchrun job of two ranks recorded by
 `memdiff record -o DIR/`. Every file is gzipped.
 """

@@ -1,6 +1,6 @@
 """`MemdiffCallback` for Lightning (the `lightning` package).
 
-    from memdiff.integrations.lightning import MemdiffCallback
+    from memdiff.recording.integrations.lightning import MemdiffCallback
     trainer = lightning.Trainer(max_steps=100, callbacks=[MemdiffCallback(steps="2:4")])
 
 Every rank records optimizer steps 2 and 3 into `default_root_dir/memdiff/rank{RANK}.pickle` beside
@@ -16,8 +16,8 @@ from typing import Any, Optional
 
 from lightning.pytorch import Callback
 
-from memdiff.capture import DEFAULT_WINDOW, StepWindow
-from memdiff.integrations.monitor import Monitor, checked_options
+from memdiff.recording.capture import DEFAULT_WINDOW, StepWindow
+from memdiff.recording.integrations.monitor import Monitor, checked_options
 
 
 def _warn(message: str) -> None:

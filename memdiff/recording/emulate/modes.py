@@ -11,9 +11,9 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from memdiff.emulate.gpus import kernels
-from memdiff.emulate.runtime import ALL_ELEMENTS_OPS, EmulationError, Emulator, op_name, python_frames
-from memdiff.emulate.values import Values
+from memdiff.recording.emulate.gpus import kernels
+from memdiff.recording.emulate.runtime import ALL_ELEMENTS_OPS, EmulationError, Emulator, op_name, python_frames
+from memdiff.recording.emulate.values import Values
 
 META = torch.device("meta")
 CUDA0 = torch.device("cuda", 0)

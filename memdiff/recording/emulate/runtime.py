@@ -25,9 +25,9 @@ import time
 import weakref
 from typing import Any, Dict, List, Optional, Set
 
-from memdiff.emulate.allocator import AllocatorConfig, Block, CachingAllocator, OutOfMemory
-from memdiff.emulate.gpus import Gpu, kernels
 from memdiff.errors import InputError
+from memdiff.recording.emulate.allocator import AllocatorConfig, Block, CachingAllocator, OutOfMemory
+from memdiff.recording.emulate.gpus import Gpu, kernels
 from memdiff.units import format_bytes
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -312,7 +312,7 @@ class Emulator:
 
     def dump_snapshot(self, filename: str = "dump_snapshot.pickle") -> None:
         """torch.cuda.memory._dump_snapshot(filename)."""
-        from memdiff.capture import dump
+        from memdiff.recording.capture import dump
         dump(self.snapshot(), filename)
 
     def annotate(self, stage: str, name: str) -> None:
@@ -333,9 +333,9 @@ class Emulator:
         import torch
 
         _torch = torch
-        from memdiff.emulate import patches
-        from memdiff.emulate.autocast import Autocast
-        from memdiff.emulate.modes import AllocMode, DeviceMode
+        from memdiff.recording.emulate import patches
+        from memdiff.recording.emulate.autocast import Autocast
+        from memdiff.recording.emulate.modes import AllocMode, DeviceMode
 
         self.autocast = Autocast()
         stack = contextlib.ExitStack()

@@ -9,7 +9,7 @@ from typing import Any, Callable, Dict, Iterator, List, Tuple
 
 import torch
 
-from memdiff.emulate.runtime import Emulator
+from memdiff.recording.emulate.runtime import Emulator
 
 
 class _Properties:

@@ -1,6 +1,6 @@
 """`MemdiffCallback` for the Hugging Face `Trainer` (and what runs on it, such as TRL's trainers).
 
-    from memdiff.integrations.transformers import MemdiffCallback
+    from memdiff.recording.integrations.transformers import MemdiffCallback
     trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[MemdiffCallback(steps="2:4")])
 
 Every rank records optimizer steps 2 and 3 into `output_dir/memdiff/rank{RANK}.pickle` beside the
@@ -18,8 +18,8 @@ from transformers import TrainerCallback
 from transformers.trainer_callback import CallbackHandler
 from transformers.utils import logging
 
-from memdiff.capture import DEFAULT_WINDOW, StepWindow
-from memdiff.integrations.monitor import Monitor, checked_options
+from memdiff.recording.capture import DEFAULT_WINDOW, StepWindow
+from memdiff.recording.integrations.monitor import Monitor, checked_options
 
 logger = logging.get_logger(__name__)
 

@@ -440,7 +440,7 @@ def record(path: str, *, max_entries: int = 1_000_000, stacks: str = "all",
     that ends inside the window writes what was recorded; one that ends before it writes nothing
     and warns.
 
-    `emulate="h100"` runs the block's CUDA code with no GPU (memdiff.emulate, docs/emulate.md): its
+    `emulate="h100"` runs the block's CUDA code with no GPU (memdiff.recording.emulate, docs/emulate.md): its
     `cuda` tensors run on the meta device, `torch.cuda` answers as that GPU, and the snapshot is
     the one that GPU's caching allocator would record, marked as emulated.
     """
@@ -448,8 +448,8 @@ def record(path: str, *, max_entries: int = 1_000_000, stacks: str = "all",
         raise ValueError(f"stacks must be one of {STACKS}, not {stacks!r}")
     torch = torch_module()
     if emulate is not None:
-        from memdiff.emulate.gpus import gpu
-        from memdiff.emulate.runtime import Emulator
+        from memdiff.recording.emulate.gpus import gpu
+        from memdiff.recording.emulate.runtime import Emulator
 
         with Emulator(gpu(emulate)):
             with record(path, max_entries=max_entries, stacks=stacks, steps=steps):

@@ -210,7 +210,7 @@ def _die_of_sigterm():
 def _start(torch, folder):
     sys.path.insert(0, os.environ["MEMDIFF_PACKAGE_PARENT"])
     try:
-        from memdiff import capture
+        from memdiff.recording import capture
     finally:
         sys.path.pop(0)
     _Recording(torch, folder, capture).start()

@@ -1,7 +1,7 @@
 """The manifest of a recorded job: how many ranks it had, and what became of each rank's recording.
 
 `memdiff record -o DIR/` starts a launcher whose ranks each leave a hidden `.rank{R}.status`
-file (memdiff/rank_hook); after the launcher exits, those are gathered into DIR/memdiff-job.json.
+file (memdiff/recording/rank_hook); after the launcher exits, those are gathered into DIR/memdiff-job.json.
 Reading the job later, the manifest's world size is what makes a missing *last* rank visible:
 from the rank files alone, a 2-rank job that lost rank 1 reads as a complete 1-rank job.
 The manifest has a visible name so that it travels with the rank files (artifact uploads skip

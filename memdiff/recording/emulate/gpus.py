@@ -36,7 +36,7 @@ class Gpu:
 
 @lru_cache(maxsize=None)
 def _table() -> Dict[str, Dict[str, Any]]:
-    text = resources.files("memdiff.emulate").joinpath("gpus.json").read_text(encoding="utf-8")
+    text = resources.files("memdiff.recording.emulate").joinpath("gpus.json").read_text(encoding="utf-8")
     return {k: v for k, v in json.loads(text).items() if not k.startswith("_")}
 
 
@@ -62,5 +62,5 @@ def gpu(key: str) -> Gpu:
 @lru_cache(maxsize=None)
 def kernels() -> Dict[str, Any]:
     """The kernels' memory rules (kernels.json)."""
-    text = resources.files("memdiff.emulate").joinpath("kernels.json").read_text(encoding="utf-8")
+    text = resources.files("memdiff.recording.emulate").joinpath("kernels.json").read_text(encoding="utf-8")
     return dict(json.loads(text))

@@ -13,7 +13,7 @@ import os
 import re
 from typing import Any, Callable, Dict, List, Tuple
 
-from memdiff.capture import (
+from memdiff.recording.capture import (
     STACKS,
     StepWindow,
     WindowRecording,
@@ -22,7 +22,7 @@ from memdiff.capture import (
     torch_module,
     write_status,
 )
-from memdiff.manifest import FAILED, NOTHING, UNFINISHED, WRITTEN, collect, write_manifest
+from memdiff.recording.manifest import FAILED, NOTHING, UNFINISHED, WRITTEN, collect, write_manifest
 
 GIB = float(1 << 30)
 # Linux keeps a process's peak resident set (VmHWM) and resets it when "5" is written to
