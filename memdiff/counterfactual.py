@@ -38,7 +38,7 @@ import difflib
 import re
 from dataclasses import asdict, dataclass, field
 from fractions import Fraction
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
 import numpy as np
 
@@ -83,6 +83,9 @@ MODULE_FRAME = re.compile(r"^nn\.Module: (\w+?)_(\d+)$")
 GENERIC = frozenset(("Linear", "Conv1D", "Conv1d", "Conv2d", "Conv3d", "Embedding", "LayerNorm", "RMSNorm",
                      "GroupNorm", "BatchNorm1d", "BatchNorm2d", "Dropout", "GELU", "ReLU", "SiLU", "Tanh",
                      "Softmax", "Identity", "NewGELUActivation", "GELUActivation", "Sequential", "ModuleList"))
+# The share of a repeated module's bytes that a class nested in it, with more instances, must
+# hold to be the block instead (T5's blocks hold about 90% of what its two stacks make).
+NESTED_SHARE = 0.75
 SCALAR_BYTES = 8  # a one-element tensor (an optimizer's step count): its dtype does not follow the model's
 # torch.optim's optimizers, by their class names lowercased (`torch.optim.RMSprop`: rmsprop), which
 # are also the names of the files their update code lives in (Adafactor's: `_adafactor.py`).
@@ -282,7 +285,9 @@ def repeated_blocks(course: DeviceCourse) -> Tuple[List[str], np.ndarray]:
 
     The repeated block is the module class with at least two instances under one parent on the
     stacks (the profiler's `nn.Module: GPT2Block_0` frames) whose instances made the most bytes;
-    a generic one (Linear, Embedding) only when no other repeats."""
+    a generic one (Linear, Embedding) only when no other repeats. When a class nested inside it
+    has more instances holding most of those bytes (an encoder-decoder's layers inside its two
+    stacks), that class is the block."""
     if not course.origins or not len(course.origin):
         return [], np.full(len(course.size), -1, dtype=np.int64)
     paths: List[List[Tuple[str, int]]] = []
@@ -300,7 +305,19 @@ def repeated_blocks(course: DeviceCourse) -> Tuple[List[str], np.ndarray]:
                   for (parent, cls), v in instances.items() if len(v) >= 2]
     if not candidates:
         return [], np.full(len(course.size), -1, dtype=np.int64)
-    _, _, _, cls, parent = max(candidates)
+    _, held, _, cls, parent = max(candidates)
+    # An encoder-decoder repeats its stacks (T5Stack_0, T5Stack_1), which are not alike (only the
+    # decoder's layers attend to the encoder), and, inside them, its layers: the layers are the
+    # blocks (what gradient checkpointing wraps) when they are more and hold most of what the stacks
+    # made. Alike instances (a Mixtral layer's experts inside its decoder layers) keep the outer one.
+    while not _alike(paths, parent, cls):
+        count = len(instances[(parent, cls)])
+        inner = [(b, p, c) for specific, b, _, c, p in candidates
+                 if specific and p[:len(parent) + 1] == (*parent, cls) and len(instances[(p, c)]) > count
+                 and b >= NESTED_SHARE * held]
+        if not inner:
+            break
+        held, parent, cls = max(inner)
     numbers = sorted(instances[(parent, cls)])
     index = {n: k for k, n in enumerate(numbers)}
     of_origin = np.full(len(paths), -1, dtype=np.int64)
@@ -309,6 +326,16 @@ def repeated_blocks(course: DeviceCourse) -> Tuple[List[str], np.ndarray]:
         if inside and path[len(parent)][0] == cls:
             of_origin[o] = index[path[len(parent)][1]]
     return [f"{cls}_{n}" for n in numbers], of_origin[course.origin]
+
+
+def _alike(paths: List[List[Tuple[str, int]]], parent: Tuple[str, ...], cls: str) -> bool:
+    """Whether every instance of `cls` under `parent` runs the same module classes inside it."""
+    inside: Dict[int, Set[str]] = {}
+    depth = len(parent)
+    for path in paths:
+        if len(path) > depth and path[depth][0] == cls and tuple(c for c, _ in path[:depth]) == parent:
+            inside.setdefault(path[depth][1], set()).update(c for c, _ in path[depth + 1:])
+    return len({frozenset(s) for s in inside.values()}) <= 1
 
 
 # Calls tried as the repeated block, those holding the most forward bytes first.

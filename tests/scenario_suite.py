@@ -86,7 +86,9 @@ REPEATS = {f"gpt2-repeat-{k}": ("gpt2", ["--lengths-seed", str(k)]) for k in (1,
 # the change really made. The plain torch models run wider batches, so that their activations and
 # not their optimizer step hold the peak.
 WHATIF_BASES = {"mlp-wide": ("mlp", ["--batch", "256", "--steps", "2"]),
-                "cnn-wide": ("cnn", ["--batch", "32", "--steps", "2"])}
+                "cnn-wide": ("cnn", ["--batch", "32", "--steps", "2"]),
+                # torch.nn.TransformerEncoder's layers, called one by one (issue 42 item 4).
+                "tenc-base": ("tenc", [])}
 WHATIF_HEADS: Dict[str, Tuple[str, List[str]]] = {}
 # (base, change, head): heads named <base>-wi-<slug> are captured here; others are the suite's own.
 WHATIF_PAIRS: List[Tuple[str, str, str]] = []
@@ -126,6 +128,11 @@ for _base in ("mlp-wide", "cnn-wide"):
                             ("autocast=bf16", ["--autocast"]), ("accumulate=2", ["--accum", "2"])):
         _whatif_pair(_base, _change, _flags)
 _whatif_pair("mlp-wide", "optimizer=sgd-momentum", ["--optimizer", "sgd-momentum"])
+# Issue 42 item 4: an encoder-decoder repeats two stacks and its layers inside them (the layers are
+# what checkpointing wraps), and torch.nn.TransformerEncoder checkpointed in part.
+for _base in ("t5-base", "tenc-base"):
+    _whatif_pair(_base, "checkpoint", ["--checkpoint"])
+    _whatif_pair(_base, "checkpoint=0.5", ["--checkpoint-fraction", "0.5"])
 _whatif_pair("mlp-wide", "zero-grad=zeros", ["--keep-grads"])
 # A regression bought back (`--whatif`): the batch doubled, then checkpointed or accumulated in two
 # micro-batches of the old batch, as the report suggests.

@@ -307,3 +307,40 @@ def test_calls_that_make_different_allocations_are_no_repeated_block(write_snaps
                                if not ("nn.Module: Block_1" in n and "model.py(12): forward" in n)]
     c = memdiff.whatif(write_snapshot(without_modules(run), "uneven.pickle"), "checkpoint").devices[0].changes[0]
     assert not c.applies and c.reason.startswith("no repeated blocks on the stacks")
+
+
+def encoder_decoder(alike: bool = False) -> Dict[str, Any]:
+    """Two stacks (an encoder, a decoder) of two layers each, as T5 is built: each layer saves an
+    activation for the backward (the decoder's in a cross-attention module), each stack adds a
+    small one of its own (its final norm). With `alike`, the decoder has no cross-attention."""
+    trace = [alloc(1, W, PARAM)]
+    addr = 100
+    for _ in range(2):
+        saved = []
+        for s in (0, 1):
+            for k in (2 * s, 2 * s + 1):
+                # The decoder's layers attend to the encoder's output: a module the encoder's have not.
+                inner = ("model.py(5): forward", f"nn.Module: Cross_{k}") if s and not alike else ()
+                stack = frames(*inner, "model.py(11): forward", f"nn.Module: Layer_{k}", "model.py(20): forward",
+                               f"nn.Module: Stack_{s}", "model.py(30): forward", "nn.Module: Net_0", "train.py(8): step")
+                trace.append(alloc(addr, A, stack))
+                saved.append((addr, A))
+                addr += 1
+            norm = frames("model.py(21): forward", f"nn.Module: Stack_{s}", "model.py(30): forward", "nn.Module: Net_0",
+                          "train.py(8): step")
+            trace.append(alloc(addr, O, norm))
+            saved.append((addr, O))
+            addr += 1
+        trace += [alloc(addr, W, GRAD)] + [free(a, size, BWD) for a, size in saved[::-1]] + [free(addr, W, ZERO)]
+        addr += 1
+    return {"segments": [], "device_traces": [trace]}
+
+
+def test_an_encoder_decoder_s_blocks_are_its_layers_inside_its_two_stacks(write_snapshot):
+    """Issue 42 item 4: the two stacks repeat, and so do the layers inside them; checkpointing wraps
+    the layers (Hugging Face's T5Block), so the blocks are the four layers, not the two stacks."""
+    d = memdiff.whatif(write_snapshot(encoder_decoder(), "t5-like.pickle"), "checkpoint").devices[0]
+    assert d.blocks == ["Layer_0", "Layer_1", "Layer_2", "Layer_3"]
+    # Stacks alike inside (a Mixtral layer's experts inside its layers) stay the blocks.
+    d = memdiff.whatif(write_snapshot(encoder_decoder(alike=True), "alike.pickle"), "checkpoint").devices[0]
+    assert d.blocks == ["Stack_0", "Stack_1"]

@@ -16,7 +16,7 @@ import argparse
 import contextlib
 import json
 import random
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Set, Tuple
 
 import torch
 from torch import nn
@@ -26,7 +26,7 @@ from memdiff.recording.capture import record
 VOCAB = 1000
 POSITIONS = 128
 HF_TEXT = ("gpt2", "bert", "llama", "t5", "mixtral", "neox", "distilbert", "bart")
-MODELS = (*HF_TEXT, "vit", "convnext", "lstm", "mlp", "cnn", "gpt")
+MODELS = (*HF_TEXT, "vit", "convnext", "lstm", "mlp", "cnn", "gpt", "tenc")
 
 
 def hf_model(name: str, vocab: int = VOCAB, positions: int = POSITIONS,
@@ -51,7 +51,8 @@ def hf_model(name: str, vocab: int = VOCAB, positions: int = POSITIONS,
         model = hf.T5ForConditionalGeneration(hf.T5Config(
             vocab_size=vocab, d_model=128, d_kv=32, d_ff=256, num_layers=2, num_decoder_layers=2, num_heads=4,
             decoder_start_token_id=0, pad_token_id=0))
-        return model, list(model.encoder.block), 128
+        # Both stacks' layers: what gradient checkpointing wraps, encoder then decoder.
+        return model, [*model.encoder.block, *model.decoder.block], 128
     if name == "mixtral":
         model = hf.MixtralForCausalLM(hf.MixtralConfig(
             num_hidden_layers=2, hidden_size=128, num_attention_heads=4, num_key_value_heads=2, intermediate_size=256,
@@ -119,6 +120,25 @@ class LSTM(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self.rnn(self.embed(x))[0])
+
+
+class TransformerEncoderLM(nn.Module):
+    """torch.nn.TransformerEncoder's layers (its defaults: post-norm, ReLU, dropout 0.1) over token
+    ids, called one by one as a script that checkpoints some of them does."""
+
+    def __init__(self, hidden: int = 128, layers: int = 4) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, hidden)
+        self.encoder = nn.TransformerEncoder(nn.TransformerEncoderLayer(hidden, 4, 4 * hidden, batch_first=True),
+                                             layers, enable_nested_tensor=False)
+        self.head = nn.Linear(hidden, VOCAB)
+        self.checkpointed: Set[int] = set()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        for k, layer in enumerate(self.encoder.layers):
+            h = torch.utils.checkpoint.checkpoint(layer, h, use_reentrant=False) if k in self.checkpointed else layer(h)
+        return self.head(h)
 
 
 class CNN(nn.Module):
@@ -199,6 +219,13 @@ def build(args: argparse.Namespace) -> Tuple[nn.Module, List[nn.Module], int, Ca
         def ids() -> Dict[str, torch.Tensor]:
             return {"idx": torch.randint(0, 512, (b, s)), "targets": torch.randint(0, 512, (b, s))}
         return gpt, list(gpt.blocks), 64, ids, lambda m, x: m(x["idx"], x["targets"])
+    if args.model == "tenc":
+        tenc = TransformerEncoderLM()
+
+        def sequences() -> Dict[str, torch.Tensor]:
+            return {"x": torch.randint(0, VOCAB, (b, s)), "y": torch.randint(0, VOCAB, (b, s))}
+        return (tenc, list(tenc.encoder.layers), 128, sequences,
+                lambda m, x: nn.functional.cross_entropy(m(x["x"]).flatten(0, 1), x["y"].flatten()))
     if args.model == "lstm":
         lstm = LSTM()
 
@@ -302,6 +329,9 @@ def setup(args: argparse.Namespace) -> Tuple[nn.Module, List[nn.Parameter], torc
                 f = args.checkpoint_fraction
                 for k, layer in enumerate(layers):
                     layer.gradient_checkpointing = int((k + 1) * f) > int(k * f)
+        elif isinstance(model, TransformerEncoderLM):
+            f = args.checkpoint_fraction or 1.0
+            model.checkpointed = {k for k in range(len(layers)) if int((k + 1) * f) > int(k * f)}
         else:
             model.checkpoint = True
     projections, extra = add_debug_projections(layers, hidden) if args.debug_projections else ([], [])
