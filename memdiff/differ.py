@@ -11,9 +11,9 @@ Alignment, in order:
    made largest first;
 3. what is left is NEW (head only) or GONE (base only).
 Before all of these, the buffers of one compiled graph (`compiled buffer N`, numbered by their place
-in the graph: frames.py) are paired in their order in the graph, not by their number: the graph
-compiled for another shape may reuse a freed buffer where this one allocates, and every number
-after that one shifts (_compiled_pairs).
+in the graph: frames.py) are paired by their growth and order in the graph, not by their number:
+the graph compiled for another shape may reuse a freed buffer where this one allocates, and every
+number after that one shifts (_compiled_pairs).
 Because each summary's groups add up to its peak, the rows' deltas add up to the peak delta.
 """
 
@@ -53,7 +53,7 @@ BY_OLDER = "older"
 # Buffers of one compiled graph paired by their order in it where their numbers differ (_compiled_pairs).
 BY_COMPILED = "compiled"
 COMPILED_BUFFER = re.compile(r"^compiled buffer (\d+)$")
-# The most cells of the table that pairs one graph's buffers in order; past it they pair by number only.
+# The most candidate pairs of one graph's buffers weighed (_by_growth); past it they pair by number only.
 MAX_COMPILED_CELLS = 1_000_000
 
 
@@ -434,55 +434,36 @@ def _per_allocation(g: Group) -> float:
     return g.bytes / max(g.count, 1)
 
 
-def _median(values: List[float]) -> float:
-    ordered = sorted(values)
-    return ordered[len(ordered) // 2]
+def _growth(g: Group, k: Group) -> float:
+    return math.log2((_per_allocation(k) or 1) / (_per_allocation(g) or 1))
 
 
-def _in_order(base: List[Group], head: List[Group]) -> List[Tuple[int, int]]:
+def _by_growth(base: List[Group], head: List[Group], typical: float) -> List[Tuple[int, int]]:
     """(base index, head index) pairs of two lists of one graph's buffers, each in the order of the
-    graph: as many pairs as order allows, then the pairs whose growth is nearest the graph's typical
-    growth (the ratio of the median sizes: a buffer for another sequence length grows as the
-    others do), then pairs of the same number. Same-numbered buffers of equal size are paired
-    first, which is every pair where the graph did not change."""
+    graph: first the pairs whose growth is nearest `typical` (a buffer for another sequence length
+    grows as the others do; a weight's gradient not at all), then the nearest in order, then those
+    of one number. Where the graph did not change, that is every buffer with itself."""
+    if len(base) * len(head) > MAX_COMPILED_CELLS:
+        numbers = {g.signature: j for j, g in enumerate(head)}
+        return [(i, numbers[g.signature]) for i, g in enumerate(base) if g.signature in numbers]
+    candidates = sorted((round(abs(_growth(g, k) - typical), 3), abs(i - j), g.signature != k.signature, i, j)
+                        for i, g in enumerate(base) for j, k in enumerate(head))
     pairs: List[Tuple[int, int]] = []
-    lo = 0
-    while lo < min(len(base), len(head)) and base[lo].signature == head[lo].signature and \
-            _per_allocation(base[lo]) == _per_allocation(head[lo]):
-        pairs.append((lo, lo))
-        lo += 1
-    b, h = base[lo:], head[lo:]
-    if not b or not h or len(b) * len(h) > MAX_COMPILED_CELLS:
-        return pairs + [(lo + i, lo + j) for i, g in enumerate(b) for j, k in enumerate(h)
-                        if g.signature == k.signature]
-    typical = math.log2(_median([_per_allocation(g) or 1 for g in h]) / _median([_per_allocation(g) or 1 for g in b]))
-
-    def score(g: Group, k: Group) -> float:
-        growth = math.log2((_per_allocation(k) or 1) / (_per_allocation(g) or 1))
-        # a pair outweighs any sum of the others; nearness to the typical growth any sum of numbers
-        return 1e9 - 1e3 * min(abs(growth - typical), 60.0) + (1.0 if g.signature == k.signature else 0.0)
-    n, m = len(b), len(h)
-    best = [[0.0] * (m + 1) for _ in range(n + 1)]
-    for i in range(n - 1, -1, -1):
-        row, below = best[i], best[i + 1]
-        for j in range(m - 1, -1, -1):
-            row[j] = max(below[j], row[j + 1], below[j + 1] + score(b[i], h[j]))
-    i = j = 0
-    while i < n and j < m:
-        if best[i][j] == best[i + 1][j + 1] + score(b[i], h[j]):
-            pairs.append((lo + i, lo + j))
-            i, j = i + 1, j + 1
-        elif best[i][j] == best[i + 1][j]:
-            i += 1
-        else:
-            j += 1
+    taken_b: Set[int] = set()
+    taken_h: Set[int] = set()
+    for *_, i, j in candidates:
+        if i not in taken_b and j not in taken_h:
+            pairs.append((i, j))
+            taken_b.add(i)
+            taken_h.add(j)
     return pairs
 
 
 def _compiled_pairs(base: List[Group], head: List[Group]) -> Tuple[List[Tuple[Group, Group]], List[Group], List[Group]]:
-    """Compiled buffers of one graph and category paired in their order in the graph (_in_order),
-    and the groups left. One buffer of a graph compiled for two shapes is numbered alike in both
-    only until the first buffer one of them reuses and the other allocates."""
+    """Compiled buffers of one graph and category paired by their growth and order in the graph
+    (_by_growth), and the groups left. One buffer of a graph compiled for two shapes is numbered
+    alike in both only until the first buffer one of them reuses and the other allocates (or
+    allocates in another order). The typical growth is that of the buffers of one number."""
     graphs: Dict[Tuple, List[List[Tuple[int, Group]]]] = defaultdict(lambda: [[], []])
     for side, groups in enumerate((base, head)):
         for g in groups:
@@ -491,12 +472,16 @@ def _compiled_pairs(base: List[Group], head: List[Group]) -> Tuple[List[Tuple[Gr
                 graphs[place[0]][side].append((place[1], g))
     paired: List[Tuple[Group, Group]] = []
     taken: Set[int] = set()
+    signed = {g.signature: g for olds, _ in graphs.values() for _, g in olds}
+    growths = sorted(_growth(signed[k.signature], k) for _, news in graphs.values() for _, k in news
+                     if k.signature in signed)
+    typical = growths[len(growths) // 2] if growths else 0.0
     for olds, news in graphs.values():
         if not (olds and news):
             continue
         b = [g for _, g in sorted(olds, key=lambda x: (x[0], x[1].signature))]
         h = [g for _, g in sorted(news, key=lambda x: (x[0], x[1].signature))]
-        for i, j in _in_order(b, h):
+        for i, j in _by_growth(b, h, typical):
             paired.append((b[i], h[j]))
             taken.update((id(b[i]), id(h[j])))
     return paired, [g for g in base if id(g) not in taken], [g for g in head if id(g) not in taken]
