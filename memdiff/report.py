@@ -642,7 +642,7 @@ def _cells(r: DiffRow) -> List[str]:
     elif r.matched_by == BY_OLDER:
         site += " (older than the trace, without a stack: matched by category)"
     elif r.matched_by == BY_COMPILED:
-        site += f" ({_compiled_numbers(r)}: matched by its order in the graph)"
+        site += f" ({_compiled_numbers(r)}: matched by its growth and place in the graph)"
     elif r.matched_by == GRADIENTS:
         site += f" (with {count_of(len(r.members) - 1, 'other gradient group')}: the same total, made by other nodes)"
     elif r.matched_by == TEMPORARIES:
