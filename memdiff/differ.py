@@ -10,11 +10,16 @@ Alignment, in order:
    An edit to an outer caller then reads as GREW or SHRANK rather than GONE + NEW. Pairs are
    made largest first;
 3. what is left is NEW (head only) or GONE (base only).
+Before all of these, the buffers of one compiled graph (`compiled buffer N`, numbered by their place
+in the graph: frames.py) are paired by their growth and order in the graph, not by their number:
+the graph compiled for another shape may reuse a freed buffer where this one allocates, and every
+number after that one shifts (_compiled_pairs).
 Because each summary's groups add up to its peak, the rows' deltas add up to the peak delta.
 """
 
 from __future__ import annotations
 
+import math
 import posixpath
 import re
 from collections import defaultdict
@@ -24,7 +29,7 @@ from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 from memdiff.classify import PERSISTENT
 from memdiff.errors import InputError
 from memdiff.findings import finding
-from memdiff.frames import PROFILER_MODULE, names_autograd_node
+from memdiff.frames import COMPILED_FILE, PROFILER_MODULE, names_autograd_node
 from memdiff.lifetimes import BACKWARD, BEFORE_TRACE, FORWARD, OPTIMIZER, frame_phase
 from memdiff.model import DeviceSummary, Finding, Frame, Group, Moment, OomEvent, Source, Summary
 from memdiff.units import count_of, format_bytes
@@ -45,6 +50,11 @@ BY_SIZE = "size"
 # Groups of one category older than the trace and without a stack, whatever their labels say of
 # how their category was found (a weight the update order told, a frozen weight guessed).
 BY_OLDER = "older"
+# Buffers of one compiled graph paired by their order in it where their numbers differ (_compiled_pairs).
+BY_COMPILED = "compiled"
+COMPILED_BUFFER = re.compile(r"^compiled buffer (\d+)$")
+# The most candidate pairs of one graph's buffers weighed (_by_growth); past it they pair by number only.
+MAX_COMPILED_CELLS = 1_000_000
 
 
 @dataclass
@@ -274,7 +284,7 @@ def _row(base: Sequence[Group], head: Sequence[Group], matched_by: Optional[str]
                    matched_by=matched_by, context=context_of(shown.frames), label=shown.site,
                    base_earlier_bytes=sum(g.bytes_from_earlier_steps for g in base),
                    head_earlier_bytes=sum(g.bytes_from_earlier_steps for g in head),
-                   members=members if len(members) > 2 or matched_by in (BY_SITE, BY_OLDER) else [],
+                   members=members if len(members) > 2 or matched_by in (BY_SITE, BY_OLDER, BY_COMPILED) else [],
                    base_forward_bytes=sum(g.bytes_from_earlier_forwards for g in base),
                    head_forward_bytes=sum(g.bytes_from_earlier_forwards for g in head),
                    head_forwards=max((g.earlier_forwards for g in head), default=0))
@@ -406,6 +416,77 @@ def _relabelled(base: Sequence[Group], head: Sequence[Group]) -> bool:
     return any(d > 0 for d in moved.values()) and any(d < 0 for d in moved.values())
 
 
+def _compiled_place(g: Group) -> Optional[Tuple[Tuple, int]]:
+    """(graph key, number) of a compiled buffer's group, else None. The key is the group's category
+    and every frame but the buffer's number (file name and function, no lines, as signatures read
+    them): the model code that ran the graph, forward or backward, and any op inside it."""
+    for i, f in enumerate(g.frames):
+        if f.file == COMPILED_FILE:
+            m = COMPILED_BUFFER.match(f.name)
+            if not m:
+                return None
+            rest = [(posixpath.basename(x.file), x.name) for k, x in enumerate(g.frames) if k != i]
+            return (g.category, *rest), int(m.group(1))
+    return None
+
+
+def _per_allocation(g: Group) -> float:
+    return g.bytes / max(g.count, 1)
+
+
+def _growth(g: Group, k: Group) -> float:
+    return math.log2((_per_allocation(k) or 1) / (_per_allocation(g) or 1))
+
+
+def _by_growth(base: List[Group], head: List[Group], typical: float) -> List[Tuple[int, int]]:
+    """(base index, head index) pairs of two lists of one graph's buffers, each in the order of the
+    graph: first the pairs whose growth is nearest `typical` (a buffer for another sequence length
+    grows as the others do; a weight's gradient not at all), then the nearest in order, then those
+    of one number. Where the graph did not change, that is every buffer with itself."""
+    if len(base) * len(head) > MAX_COMPILED_CELLS:
+        numbers = {g.signature: j for j, g in enumerate(head)}
+        return [(i, numbers[g.signature]) for i, g in enumerate(base) if g.signature in numbers]
+    candidates = sorted((round(abs(_growth(g, k) - typical), 3), abs(i - j), g.signature != k.signature, i, j)
+                        for i, g in enumerate(base) for j, k in enumerate(head))
+    pairs: List[Tuple[int, int]] = []
+    taken_b: Set[int] = set()
+    taken_h: Set[int] = set()
+    for *_, i, j in candidates:
+        if i not in taken_b and j not in taken_h:
+            pairs.append((i, j))
+            taken_b.add(i)
+            taken_h.add(j)
+    return pairs
+
+
+def _compiled_pairs(base: List[Group], head: List[Group]) -> Tuple[List[Tuple[Group, Group]], List[Group], List[Group]]:
+    """Compiled buffers of one graph and category paired by their growth and order in the graph
+    (_by_growth), and the groups left. One buffer of a graph compiled for two shapes is numbered
+    alike in both only until the first buffer one of them reuses and the other allocates (or
+    allocates in another order). The typical growth is that of the buffers of one number."""
+    graphs: Dict[Tuple, List[List[Tuple[int, Group]]]] = defaultdict(lambda: [[], []])
+    for side, groups in enumerate((base, head)):
+        for g in groups:
+            place = _compiled_place(g)
+            if place is not None:
+                graphs[place[0]][side].append((place[1], g))
+    paired: List[Tuple[Group, Group]] = []
+    taken: Set[int] = set()
+    signed = {g.signature: g for olds, _ in graphs.values() for _, g in olds}
+    growths = sorted(_growth(signed[k.signature], k) for _, news in graphs.values() for _, k in news
+                     if k.signature in signed)
+    typical = growths[len(growths) // 2] if growths else 0.0
+    for olds, news in graphs.values():
+        if not (olds and news):
+            continue
+        b = [g for _, g in sorted(olds, key=lambda x: (x[0], x[1].signature))]
+        h = [g for _, g in sorted(news, key=lambda x: (x[0], x[1].signature))]
+        for i, j in _by_growth(b, h, typical):
+            paired.append((b[i], h[j]))
+            taken.update((id(b[i]), id(h[j])))
+    return paired, [g for g in base if id(g) not in taken], [g for g in head if id(g) not in taken]
+
+
 def align(base: Sequence[Group], head: Sequence[Group]) -> List[DiffRow]:
     """Rows for two group lists, sorted by the size of the change (largest first)."""
     rows: List[DiffRow] = []
@@ -423,15 +504,18 @@ def align(base: Sequence[Group], head: Sequence[Group]) -> List[DiffRow]:
     rows.extend(_row(olds, news, BY_OLDER) for olds, news in relabelled)
     base = [g for g in base if id(g) not in stackless]
     head = [g for g in head if id(g) not in stackless]
-    head_by_sig = {g.signature: g for g in head}
-    base_left: List[Group] = []
-    for g in base:
+    compiled, base_left, head_left = _compiled_pairs(base, head)
+    rows.extend(_row([g], [k], BY_SIGNATURE if g.signature == k.signature else BY_COMPILED) for g, k in compiled)
+    head_by_sig = {g.signature: g for g in head_left}
+    base_left_: List[Group] = []
+    for g in base_left:
         match = head_by_sig.pop(g.signature, None)
         if match is None:
-            base_left.append(g)
+            base_left_.append(g)
         else:
             rows.append(_row([g], [match], BY_SIGNATURE))
-    head_left = [g for g in head if g.signature in head_by_sig]
+    base_left = base_left_
+    head_left = [g for g in head_left if g.signature in head_by_sig]
 
     # Many to many: every left-over group of a site, in either run, is one row, so a site that
     # splits into two groups in one run cannot read as a NEW beside a SHRANK.

@@ -18,9 +18,11 @@ from memdiff.baseline import stem
 from memdiff.classify import Rule
 from memdiff.counterfactual import BuyBackPart, BuyBackTarget, buy_back
 from memdiff.differ import (
+    BY_COMPILED,
     BY_OLDER,
     BY_SITE,
     BY_SIZE,
+    COMPILED_BUFFER,
     GRADIENTS,
     NEW,
     PEAK,
@@ -622,6 +624,15 @@ def _count(r: DiffRow) -> str:
     return counts
 
 
+def _compiled_numbers(r: DiffRow) -> str:
+    """`base's buffer 101` for a row of one compiled buffer paired by its order (the site shows head's)."""
+    numbers = {}
+    for m in r.member_groups():
+        numbers[m.side] = next((COMPILED_BUFFER.match(f.name).group(1) for f in m.frames  # type: ignore[union-attr]
+                                if COMPILED_BUFFER.match(f.name)), "?")
+    return f"base's buffer {numbers.get('base', '?')}"
+
+
 def _cells(r: DiffRow) -> List[str]:
     site = r.label or r.site
     if r.matched_by == BY_SITE:
@@ -630,6 +641,8 @@ def _cells(r: DiffRow) -> List[str]:
         site += " (older than one run's trace: matched by size)"
     elif r.matched_by == BY_OLDER:
         site += " (older than the trace, without a stack: matched by category)"
+    elif r.matched_by == BY_COMPILED:
+        site += f" ({_compiled_numbers(r)}: matched by its growth and place in the graph)"
     elif r.matched_by == GRADIENTS:
         site += f" (with {count_of(len(r.members) - 1, 'other gradient group')}: the same total, made by other nodes)"
     elif r.matched_by == TEMPORARIES:

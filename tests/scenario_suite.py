@@ -78,6 +78,11 @@ EDGES = {
 COMPILED = {
     "gpt-compile": ("gpt", ["--compile", "--steps", "2", "--seq", "64"]),
     "gpt-compile-seq128": ("gpt", ["--compile", "--steps", "2", "--seq", "128"]),
+    # Issue 42: Llama at two sequence lengths whose backward graphs allocate differently (Inductor
+    # reuses a freed buffer at one length and not the other, and allocates in another order), with
+    # a small vocabulary so that the backward's peak holds many of its buffers.
+    "llama-compile-seq32": ("llama", ["--compile", "--steps", "2", "--seq", "32", "--vocab", "64"]),
+    "llama-compile-seq64": ("llama", ["--compile", "--steps", "2", "--seq", "64", "--vocab", "64"]),
 }
 # Issue 37: repeats of one loop whose memory depends on the data (each batch its own sequence
 # length, drawn with a different seed per run, as data order differs between runs): a real spread.

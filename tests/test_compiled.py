@@ -14,6 +14,7 @@ import json
 import re
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -209,3 +210,83 @@ def test_cpu_route_fx_graph_code_reads_as_the_model_code_that_ran_it():
         sites.append([(n.stack(e["frames"]).site, n.stack(e["frames"]).signature) for e in t])
     assert [site for site, _ in sites[0]] == [f"model.py:forward <- compiled buffer {k}" for k in (1, 2)]
     assert sites[0] == sites[1]
+
+
+def compiled_live_at_peak(snapshot: Path):
+    """From the raw trace, never from memdiff: the compiled buffers (allocated by Inductor's generated
+    code) live at the trace's peak (the first highest running total of allocations less completed
+    frees), as (graph, PyTorch's category, bytes) each; graph is "backward" where the stack runs
+    through the compiled backward's autograd node."""
+    import pickle
+
+    with open(snapshot, "rb") as f:
+        trace = pickle.load(f)["device_traces"][0]
+    live, total, best, at_peak = {}, 0, None, []
+    for e in trace:
+        if e["action"] == "alloc":
+            live[e["addr"]] = e
+            total += e["size"]
+        elif e["action"] == "free_completed":
+            live.pop(e["addr"], None)
+            total -= e["size"]
+        else:
+            continue
+        if best is None or total > best:
+            best, at_peak = total, list(live.values())
+    out = []
+    for e in at_peak:
+        names = [f["name"] for f in e.get("frames") or []]
+        if any("torchinductor_" in n for n in names):
+            graph = "backward" if any("CompiledFunctionBackward" in n for n in names) else "forward"
+            out.append((graph, e.get("category"), e["size"]))
+    return out
+
+
+def compiled_members(row):
+    """(side, graph, bytes, count) of each compiled buffer group a diff row holds."""
+    members = row.get("members") or [
+        {"side": side, "bytes": row[f"{side}_bytes"], "count": row[f"{side}_count"], "frames": row["frames"]}
+        for side in ("base", "head") if row[f"{side}_count"]]
+    out = []
+    for m in members:
+        names = [f["name"] for f in m["frames"]]
+        if any(n.startswith("compiled buffer ") for n in names):
+            graph = "backward" if any("CompiledFunctionBackward" in n for n in names) else "forward"
+            out.append((m["side"], graph, m["bytes"], m["count"]))
+    return out
+
+
+@pytest.mark.slow
+def test_a_compiled_graph_that_allocates_differently_at_another_length_pairs_its_buffers(scenarios):
+    """Llama compiled at sequence 32 and 64: Inductor's backward graph reuses a freed buffer at one
+    length where it allocates at the other and allocates two gradients in the other order, so a
+    buffer's number differs between the runs. Truth from each run's raw trace: the compiled buffers
+    live at its peak, by graph and PyTorch's category."""
+    runs = scenarios("llama-compile-seq32", "llama-compile-seq64")
+    truth = {side: compiled_live_at_peak(runs[name])
+             for side, name in (("base", "llama-compile-seq32"), ("head", "llama-compile-seq64"))}
+    done = subprocess.run([sys.executable, "-m", "memdiff", "diff", str(runs["llama-compile-seq32"]),
+                           str(runs["llama-compile-seq64"]), "--format", "json"], capture_output=True, text=True)
+    assert done.returncode in (0, 1), done.stderr
+    rows = json.loads(done.stdout)["devices"][0]["rows"]
+    held = [(r, compiled_members(r)) for r in rows]
+    # every compiled byte live at each run's peak is in a row, and nothing else is read as compiled
+    for side in ("base", "head"):
+        assert sum(b for r, ms in held for s, _, b, _ in ms if s == side) == sum(b for _, _, b in truth[side])
+    # A compiled buffer reads as NEW (or GONE) only where its run holds more buffers of that graph and
+    # category at its peak than the other run does.
+    for graph in ("forward", "backward"):
+        counts = {side: Counter((c for g, c, _ in truth[side] if g == graph)) for side in truth}
+        for status, side, other in (("NEW", "head", "base"), ("GONE", "base", "head")):
+            more = sum(max(0, n - counts[other][c]) for c, n in counts[side].items())
+            unpaired = sum(n for r, ms in held if r["status"] == status for s, g, _, n in ms if g == graph)
+            assert unpaired <= more, (status, graph, unpaired, more)
+    # A weight's gradient is of one size at any length: each gradient the backward graph holds at both
+    # peaks, of a size no other buffer of its run has, is in one row with itself (its delta 0).
+    for size in {b for g, c, b in truth["base"] if c == "gradient"}:
+        once = all([b for _, _, b in truth[side]].count(size) == 1 for side in truth)
+        if not once or size not in [b for g, c, b in truth["head"] if c == "gradient"]:
+            continue
+        (row,) = [r for r, ms in held if any(s == "base" and b == size and n == 1 for s, _, b, n in ms)]
+        assert any(s == "head" and b == size for s, _, b, _ in compiled_members(row)), row["site"]
+        assert not any(s == "head" and b != size for s, _, b, _ in compiled_members(row)), row["site"]
