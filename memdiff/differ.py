@@ -54,7 +54,7 @@ BY_OLDER = "older"
 BY_COMPILED = "compiled"
 COMPILED_BUFFER = re.compile(r"^compiled buffer (\d+)$")
 # The most candidate pairs of one graph's buffers weighed (_by_growth); past it they pair by number only.
-MAX_COMPILED_CELLS = 1_000_000
+MAX_COMPILED_CELLS = 200_000
 
 
 @dataclass
