@@ -28,9 +28,11 @@ pytestmark = pytest.mark.slow
 
 TRUTH = [*BASES, "mlp-small-batch", "bert-frozen", "bert-frozen-checkpoint", *EDGE_BASES,
          *(name for name, (_, flags) in EDGES.items() if "--truth" in flags)]
-# Compared with PyTorch's categories: the captures with ground truth, and Hugging Face gradient
-# checkpointing on GPT-2 (its recomputation in the backward is PyTorch's autograd).
-AGREEMENT = [*TRUTH, "gpt2-checkpoint"]
+# Compared with PyTorch's categories: the captures with ground truth, Hugging Face gradient
+# checkpointing on GPT-2 (its recomputation in the backward is PyTorch's autograd), and BART's
+# gradients kept with zero_grad(set_to_none=False) from a warm-up step before recording (PyTorch
+# writes `gradient` on each new version the backward accumulates into).
+AGREEMENT = [*TRUTH, "gpt2-checkpoint", "bart-keep-grads-warm"]
 
 
 def in_trace_summary(path, tmp_path):
@@ -81,9 +83,9 @@ def test_categories_agree_with_pytorch_on_models_we_did_not_write(agreements):
               f"read as documented")
     print(f"\nagreement over {len(strict)} captures: median {statistics.median(strict):.1%}, worst {min(strict):.1%}; "
           f"arguable labels as documented: median {statistics.median(documented):.1%}, worst {min(documented):.1%}")
-    assert min(documented) >= 0.90
+    assert min(documented) >= 0.98
     # What is arguable stays small: optimizer temporaries and caches, never the bulk of a peak.
-    assert min(strict) >= 0.80
+    assert min(strict) >= 0.83 and statistics.median(strict) >= 0.98
 
 
 @pytest.mark.parametrize("name", TRUTH)
