@@ -148,6 +148,16 @@ def test_gradients_kept_through_the_forward_read_as_gradients(runs, summaries, b
     assert max(d.categories, key=lambda c: c.delta_bytes).category == "gradient"
 
 
+def test_gradients_kept_from_before_recording_are_told_from_weights_and_state(runs, summaries):
+    """Issue 42 item 8: recorded after a warm-up step with zero_grad(set_to_none=False), the weights,
+    their kept gradients and AdamW's state are all older than the trace; at the peak each category
+    holds the model's and the optimizer's own byte counts (the gradients read as weights before)."""
+    f = facts(runs, "bart-keep-grads-warm")
+    categories = summaries["bart-keep-grads-warm"].devices[0].categories
+    assert (categories.get("parameter"), categories.get("gradient"), categories.get("optimizer_state")) == (
+        f["parameter_bytes"], f["trainable_bytes"], f["state_bytes"])
+
+
 @pytest.mark.parametrize("head", ["gpt2-accum", "gpt2-autocast", "gpt2-checkpoint"])
 def test_loops_that_change_no_weight_leave_weights_and_state_alone(runs, summaries, head, capsys):
     """Item 7: gradient accumulation, autocast and Hugging Face gradient checkpointing change no
