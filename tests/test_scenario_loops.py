@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import Dict
 
 import numpy as np
-
 import pytest
+from scenario_suite import LOOPS, facts, summaries_of, truth_of
 
 from memdiff.api import diff as report_of
 from memdiff.classify import PERSISTENT, load_rules
@@ -25,7 +25,6 @@ from memdiff.differ import DeviceDiff, diff
 from memdiff.forecasting import read_course
 from memdiff.model import Summary
 from memdiff.units import format_bytes
-from scenario_suite import LOOPS, facts, summaries_of, truth_of
 
 # Slow (the fast loop, -m "not slow", leaves it out): captures of the scenario models.
 pytestmark = pytest.mark.slow
