@@ -675,8 +675,8 @@ def _peak_of_set(c: DeviceCourse, members: np.ndarray, size: Optional[np.ndarray
 def _weights(run: _Run, edit: _Edit, value: str) -> None:
     c = run.course
     # A BLAS workspace is sized by the library per handle (CUBLAS_WORKSPACE_CONFIG), whatever the dtype.
-    halved = run.of("parameter", "gradient", "optimizer_state", "optimizer_temporary", "activation", "autograd",
-                    "other") & ~run.loss & ~run.indices & (c.size > SCALAR_BYTES)
+    halved = run.of("parameter", "gradient", "optimizer_state", "optimizer_temporary", "activation",
+                    "recomputed_activation", "autograd", "other") & ~run.loss & ~run.indices & (c.size > SCALAR_BYTES)
     edit.size[halved] = edit.size[halved] // 2
     edit.assumptions.append(f"{value} weights: parameters, gradients, optimizer state and activations in 2 bytes; "
                             "the loss (computed in fp32 by the libraries), inputs, int64 indices (max pooling's), "
@@ -686,8 +686,8 @@ def _weights(run: _Run, edit: _Edit, value: str) -> None:
 
 def _autocast(run: _Run, edit: _Edit, value: str) -> None:
     c = run.course
-    work = run.of("activation", "autograd") & np.isin(run.phase, [FORWARD, BACKWARD]) & ~run.loss \
-        & ~run.indices & (c.size > SCALAR_BYTES)
+    work = run.of("activation", "recomputed_activation", "autograd") & np.isin(run.phase, [FORWARD, BACKWARD]) \
+        & ~run.loss & ~run.indices & (c.size > SCALAR_BYTES)
     edit.size[work] = edit.size[work] // 2
     # The most parameter bytes live at once: an update in place makes a new version of each every step.
     params = _peak_of_set(c, np.flatnonzero(run.of("parameter")))
@@ -823,7 +823,8 @@ def _zero_grad(run: _Run, edit: _Edit, value: str) -> None:
 def _accumulate(run: _Run, edit: _Edit, value: str) -> None:
     k = int(value)
     c = run.course
-    batch = run.of("activation", "autograd", "input") & np.isin(run.phase, [FORWARD, BACKWARD]) & ~c.before
+    batch = run.of("activation", "recomputed_activation", "autograd", "input") \
+        & np.isin(run.phase, [FORWARD, BACKWARD]) & ~c.before
     edit.size[batch] = edit.size[batch] // k
     grads = np.flatnonzero(run.of("gradient") & (run.phase == BACKWARD))
     if not len(grads):

@@ -48,6 +48,7 @@ from memdiff.lifetimes import (
     Scopes,
     Timeline,
     build_timeline,
+    frame_phase,
 )
 from memdiff.load import MAX_BYTES, Snapshot
 from memdiff.model import KIND_KEY, WINDOW_KEY, DeviceSummary, Group, OomEvent, PhasePeak, Step, Summary, largest_first
@@ -608,6 +609,71 @@ def _optimizer_state_stand_ins(walk: _Walk, trace: List[Dict[str, Any]], timelin
     return stand_ins
 
 
+def _stand_ins(walk: _Walk, trace: List[Dict[str, Any]], timeline: Timeline) -> Dict[int, List[Any]]:
+    """Stacks standing in for tensors live before the trace, from their in-place updates: optimizer
+    state by the step's update order, gradients by the backward's accumulation (which wins: no
+    optimizer updates a gradient as its state)."""
+    return {**_optimizer_state_stand_ins(walk, trace, timeline), **_gradient_stand_ins(walk, trace, timeline)}
+
+
+# How far from a gradient's in-place accumulation its incoming gradient's events are looked for.
+ACCUMULATE_NEAR = 16
+
+
+def _gradient_stand_ins(walk: _Walk, trace: List[Dict[str, Any]], timeline: Timeline) -> Dict[int, List[Any]]:
+    """For tensors live before the trace that a backward updates in place (on profiler-route
+    captures, which write each in-place update as a frameless re-version): the unmatched free that
+    starts each one's chain -> the stack of the backward node whose gradient was accumulated into it.
+
+    Gradients kept with `zero_grad(set_to_none=False)` from steps before recording (a warm-up) are
+    zeroed in place and then accumulated into by the backward (`AccumulateGrad`: `grad += new`, the
+    new gradient freed right after): a weight, optimizer state or a buffer is never written by a
+    backward. The accumulation's stand-in is the backward stack of the nearest event, after it
+    first (the incoming gradient's free), else before it; a backward whose stack there is an
+    optimizer's (an optimizer step run in a post-accumulate-grad hook updates the weights inside
+    the backward) stands in for nothing."""
+    n = len(trace)
+    backwards = [(r.start_event, r.end_event) for r in timeline.runs if r.phase == BACKWARD]
+    if not backwards:
+        return {}
+    starts = [b for b, _ in backwards]
+    out: Dict[int, List[Any]] = {}
+    for root in walk.unmatched:
+        if root not in walk.continued_by:
+            continue
+        c = root
+        while True:
+            e = walk.continued_by[c]  # the new version's allocation
+            k = bisect.bisect_right(starts, e) - 1
+            if k >= 0 and e <= backwards[k][1]:
+                frames = _backward_stack_near(trace, e, *backwards[k])
+                if frames is not None:
+                    out[root] = frames
+                break
+            c = walk.closed[e]
+            if c >= n or c not in walk.continued_by:
+                break
+    return out
+
+
+def _backward_stack_near(trace: List[Dict[str, Any]], event: int, start: int, end: int) -> Optional[List[Any]]:
+    """The backward's stack nearest to the in-place update at `event` of a backward run (`start`..`end`),
+    after it first; None where the nearest stack is an optimizer's or none says backward."""
+    after = range(event + 1, min(end, event + ACCUMULATE_NEAR) + 1)
+    before = range(event - 1, max(start, event - ACCUMULATE_NEAR) - 1, -1)
+    for i in itertools.chain(after, before):
+        frames = trace[i].get("frames")
+        if not isinstance(frames, list) or not frames:
+            continue
+        if _is_optimizers(frames):
+            return None
+        if any(isinstance(f, dict) and isinstance(f.get("name"), str)
+               and frame_phase(f["name"], f.get("filename") if isinstance(f.get("filename"), str) else None)
+               == BACKWARD for f in frames):
+            return frames
+    return None
+
+
 def _optimizer_stack_near(walk: _Walk, trace: List[Dict[str, Any]], event: int, start: int, end: int
                           ) -> Optional[List[Any]]:
     """The optimizer's stack that stands in for an update at `event` of its run (`start`..`end`):
@@ -840,7 +906,7 @@ def window_kinds(snapshot: Snapshot, device: int, walk: _Walk, allocs: Sequence[
     running = walk.running_totals()
     timeline = build_timeline(trace, walk.allocs, running, 0, Scopes(snapshot.external_annotations, device),
                               walk.version_of)
-    stand_ins = _optimizer_state_stand_ins(walk, trace, timeline)
+    stand_ins = _stand_ins(walk, trace, timeline)
     _state_by_sizes(dump_only, walk, trace, timeline)
     found = _Origins(walk, trace, timeline, stand_ins).kinds(allocs, unmatched, dump_only)
     records = [trace[j].get(KIND_KEY) for j in allocs] + [trace[i].get(KIND_KEY) for i in unmatched]
@@ -1041,7 +1107,7 @@ def _device_summary(snapshot: Snapshot, device: int, stacks: StackNormalizer,
     timeline = build_timeline(trace, walk.allocs, running, static, scopes, walk.version_of)
     p = -1 if peak_index is None else peak_index
     n = len(trace)
-    stand_ins = _optimizer_state_stand_ins(walk, trace, timeline)
+    stand_ins = _stand_ins(walk, trace, timeline)
     _state_by_sizes(dump_only, walk, trace, timeline)
     stacks.mark_updates(stand_ins.values())
     # A window: what the full trace makes of memory, kept on its entries and blocks (KIND_KEY).

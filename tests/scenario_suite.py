@@ -27,6 +27,9 @@ CHANGES = {
     # The optimizer step holds the peak: parameters, gradients and AdamW state all live.
     "mlp-small-batch": ("mlp", ["--batch", "1", "--truth"]),
     "bert-frozen": ("bert", ["--freeze", "--truth"]),
+    # Issue 42 item 9: frozen layers and Hugging Face gradient checkpointing: the recomputation in the
+    # backward is autograd to PyTorch's data flow, made by forward code.
+    "bert-frozen-checkpoint": ("bert", ["--freeze", "--checkpoint", "--truth"]),
 }
 FAMILIES = ("gpt2", "bert", "llama")
 for _m in FAMILIES:
@@ -169,6 +172,10 @@ LOOPS = {
     "distilbert-keep-grads": ("distilbert", ["--keep-grads", "--truth"]),
     "bart-base": ("bart", ["--truth"]),
     "bart-keep-grads": ("bart", ["--keep-grads", "--truth"]),
+    # Issue 42 item 8, as a reviewer tries it: recorded after a warm-up step, so the kept gradients
+    # are older than the trace (the backward accumulates into them in place).
+    "bart-warm": ("bart", ["--warmup", "1", "--truth"]),
+    "bart-keep-grads-warm": ("bart", ["--warmup", "1", "--keep-grads", "--truth"]),
     # Issue 42: AdamW's foreach update (_multi_tensor_adam's _foreach_sqrt), with ground truth.
     "gpt2-foreach": ("gpt2", ["--optimizer", "adamw-foreach", "--truth"]),
 }

@@ -5,10 +5,11 @@ from __future__ import annotations
 import json
 import pickle
 import re
+from dataclasses import replace
 
 import pytest
-
 from conftest import alloc, py_frames
+
 from memdiff.classify import category_of, load_rules
 from memdiff.cli import main
 from memdiff.errors import InputError
@@ -114,6 +115,42 @@ def test_builtin_rules(case):
 ])
 def test_memory_known_by_the_stack_that_freed_it(frames, category):
     assert category_of(group_for(frames, freed=True, before_trace=True), load_rules()) == category
+
+
+RECOMPUTE = (native("at::_ops::addmm::call(at::Tensor const&)")
+             + py_frames(SP + "torch/nn/modules/linear.py:125:forward", "model.py:40:forward",
+                         SP + "torch/utils/checkpoint.py:1100:recompute_fn")
+             + native("torch::autograd::Engine::evaluate_function(std::shared_ptr<torch::autograd::GraphTask>&)"))
+
+
+@pytest.mark.parametrize("born, category", [
+    ("backward", "recomputed_activation"),  # the forward run again for the backward: PyTorch's autograd
+    ("forward", "activation"),  # what the checkpointed forward keeps
+])
+def test_checkpointing_s_recomputation_is_told_by_when_it_is_made(born, category):
+    group = replace(group_for(RECOMPUTE), lifetime={"born": born, "freed": "backward", "outlives": "phase"})
+    assert category_of(group, load_rules()) == category
+
+
+BACKWARD_NODE = [{"filename": "none", "line": 0, "name": name} for name in (
+    "autograd::engine::evaluate_function: AddmmBackward0",
+    "<built-in method run_backward of torch._C._EngineBase object>", "train.py(30): <module>")]
+
+
+@pytest.mark.parametrize("frames, born, category", [
+    # A gradient kept from before recording, accumulated into in place by the backward.
+    (BACKWARD_NODE, "before_trace", "gradient"),
+    # The same stack standing in for memory made in the trace is no such gradient.
+    (BACKWARD_NODE, "forward", "activation"),
+])
+def test_an_update_in_place_by_the_backward_is_a_gradient_s(frames, born, category):
+    s = StackNormalizer()
+    s.mark_updates([frames])
+    stack = s.stack(frames, freed=True, before_trace=True)
+    group = Group(signature=stack.signature, site=stack.site, frames=list(stack.frames), count=1, bytes=1,
+                  lifetime={"born": born, "freed": "never", "outlives": "trace"})
+    assert stack.site.startswith("updated in place at ")
+    assert category_of(group, load_rules()) == category
 
 
 def test_stackless_memory():

@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import Dict
 
 import numpy as np
-
 import pytest
+from scenario_suite import LOOPS, facts, summaries_of, truth_of
 
 from memdiff.api import diff as report_of
 from memdiff.classify import PERSISTENT, load_rules
@@ -25,7 +25,6 @@ from memdiff.differ import DeviceDiff, diff
 from memdiff.forecasting import read_course
 from memdiff.model import Summary
 from memdiff.units import format_bytes
-from scenario_suite import LOOPS, facts, summaries_of, truth_of
 
 # Slow (the fast loop, -m "not slow", leaves it out): captures of the scenario models.
 pytestmark = pytest.mark.slow
@@ -123,7 +122,7 @@ def test_an_averaged_model_built_before_training_is_no_optimizer_state(runs, sum
     assert "optimizer_state +" not in first_screen(runs, "convnext-base", "convnext-ema-averaged", capsys)
 
 
-@pytest.mark.parametrize("name", ["distilbert-keep-grads", "bart-keep-grads", "bart-base"])
+@pytest.mark.parametrize("name", ["distilbert-keep-grads", "bart-keep-grads", "bart-base", "bart-keep-grads-warm"])
 def test_gradients_kept_through_the_forward_keep_the_loop_s_steps(runs, summaries, name):
     """Item 4: zero_grad(set_to_none=False): the run has the steps the loop ran, and the peak is
     in the step and phase the run's own scopes say."""
@@ -133,16 +132,29 @@ def test_gradients_kept_through_the_forward_keep_the_loop_s_steps(runs, summarie
     assert (d.step_at_peak, d.phase_at_peak) == tuple(truth[d.peak_event_index])
 
 
-@pytest.mark.parametrize("base,head", [("bart-base", "bart-keep-grads"), ("distilbert-base", "distilbert-keep-grads")])
+@pytest.mark.parametrize("base,head", [("bart-base", "bart-keep-grads"), ("distilbert-base", "distilbert-keep-grads"),
+                                       ("bart-warm", "bart-keep-grads-warm")])
 def test_gradients_kept_through_the_forward_read_as_gradients(runs, summaries, base, head):
     """Item 4: the gradients kept through the next forward are gradients: compared at the forward
     peak they are what grew, by the trainable weights' bytes, and at the peak the largest growing
-    category is gradient."""
+    category is gradient. Issue 42 item 8: also when recording starts after a warm-up step, where
+    the kept gradients are older than the trace and the backward accumulates into them in place
+    (they read as parameter +3.14 MiB)."""
     grads = facts(runs, head)["trainable_bytes"]
     at_forward = diff(summaries[base], summaries[head], at="forward").devices[0]
     assert close(category_delta(at_forward, "gradient"), grads)
     d = diff(summaries[base], summaries[head]).devices[0]
     assert max(d.categories, key=lambda c: c.delta_bytes).category == "gradient"
+
+
+def test_gradients_kept_from_before_recording_are_told_from_weights_and_state(runs, summaries):
+    """Issue 42 item 8: recorded after a warm-up step with zero_grad(set_to_none=False), the weights,
+    their kept gradients and AdamW's state are all older than the trace; at the peak each category
+    holds the model's and the optimizer's own byte counts (the gradients read as weights before)."""
+    f = facts(runs, "bart-keep-grads-warm")
+    categories = summaries["bart-keep-grads-warm"].devices[0].categories
+    assert (categories.get("parameter"), categories.get("gradient"), categories.get("optimizer_state")) == (
+        f["parameter_bytes"], f["trainable_bytes"], f["state_bytes"])
 
 
 @pytest.mark.parametrize("head", ["gpt2-accum", "gpt2-autocast", "gpt2-checkpoint"])

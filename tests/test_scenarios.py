@@ -9,22 +9,30 @@ from __future__ import annotations
 
 import pickle
 import statistics
+from collections import Counter
 from typing import Dict, List, Tuple
 
+import numpy as np
 import pytest
+from scenario_suite import BASES, EDGE_BASES, EDGES, PYTORCH_TO_MEMDIFF, pytorch_categories_at, truth_of
 from tabulate import tabulate
 
-from memdiff.classify import PERSISTENT, load_rules
+from memdiff.classify import PERSISTENT, PYTORCH_CATEGORY, load_rules
 from memdiff.cli import main
+from memdiff.forecasting import read_course
 from memdiff.inputs import read_summary
 from memdiff.load import decode
-from scenario_suite import BASES, EDGE_BASES, EDGES, pytorch_categories_at, truth_of
 
 # Slow (the fast loop, -m "not slow", leaves it out): captures of the scenario models.
 pytestmark = pytest.mark.slow
 
-TRUTH = [*BASES, "mlp-small-batch", "bert-frozen", *EDGE_BASES, *(name for name, (_, flags) in EDGES.items()
-                                                                   if "--truth" in flags)]
+TRUTH = [*BASES, "mlp-small-batch", "bert-frozen", "bert-frozen-checkpoint", *EDGE_BASES,
+         *(name for name, (_, flags) in EDGES.items() if "--truth" in flags)]
+# Compared with PyTorch's categories: the captures with ground truth, Hugging Face gradient
+# checkpointing on GPT-2 (its recomputation in the backward is PyTorch's autograd), and BART's
+# gradients kept with zero_grad(set_to_none=False) from a warm-up step before recording (PyTorch
+# writes `gradient` on each new version the backward accumulates into).
+AGREEMENT = [*TRUTH, "gpt2-checkpoint", "bart-keep-grads-warm"]
 
 
 def in_trace_summary(path, tmp_path):
@@ -37,7 +45,17 @@ def in_trace_summary(path, tmp_path):
     return read_summary(str(stripped), load_rules()).devices[0], raw["device_traces"][-1]
 
 
+def as_pytorch(ours: Dict[str, int]) -> Counter:
+    """memdiff's bytes per category in PyTorch's: a category that splits one of PyTorch's (the
+    recomputation of checkpointing, autograd to PyTorch) counted as PyTorch's, as documented."""
+    out: Counter = Counter()
+    for c, b in ours.items():
+        out[PYTORCH_CATEGORY.get(c, c)] += b
+    return out
+
+
 def agreement(theirs: Dict[str, int], ours: Dict[str, int]) -> float:
+    ours = as_pytorch(ours)
     return sum(min(theirs.get(c, 0), ours.get(c, 0)) for c in set(theirs) | set(ours)) / sum(theirs.values())
 
 
@@ -46,7 +64,7 @@ def agreements(scenarios, tmp_path_factory) -> Dict[str, Tuple[float, float, str
     """Per capture: (agreement with PyTorch, with its arguable labels read as documented, table)."""
     folder = tmp_path_factory.mktemp("in-trace")
     out = {}
-    for name, path in scenarios(*TRUTH).items():
+    for name, path in scenarios(*AGREEMENT).items():
         d, trace = in_trace_summary(path, folder)
         strict = pytorch_categories_at(trace, d.peak_event_index)
         documented = pytorch_categories_at(trace, d.peak_event_index, documented=True)
@@ -65,9 +83,9 @@ def test_categories_agree_with_pytorch_on_models_we_did_not_write(agreements):
               f"read as documented")
     print(f"\nagreement over {len(strict)} captures: median {statistics.median(strict):.1%}, worst {min(strict):.1%}; "
           f"arguable labels as documented: median {statistics.median(documented):.1%}, worst {min(documented):.1%}")
-    assert min(documented) >= 0.90
+    assert min(documented) >= 0.98
     # What is arguable stays small: optimizer temporaries and caches, never the bulk of a peak.
-    assert min(strict) >= 0.80
+    assert min(strict) >= 0.83 and statistics.median(strict) >= 0.98
 
 
 @pytest.mark.parametrize("name", TRUTH)
@@ -163,3 +181,30 @@ def test_a_loss_logged_without_item_keeps_its_graph(scenarios, capsys):
     assert main(["peak", str(runs["gpt2-log-item"])]) == 0
     out = capsys.readouterr().out
     assert "kept from earlier steps" not in out and "made by 1 earlier forward that" in out
+
+
+@pytest.mark.parametrize("name", ["gpt2-checkpoint", "bert-frozen-checkpoint"])
+def test_checkpointing_s_recomputation_is_what_pytorch_calls_autograd(scenarios, name):
+    """Issue 42 item 9: Hugging Face gradient checkpointing runs each block's forward again inside
+    the backward. Those tensors are `recomputed_activation` to memdiff, one category that PyTorch's
+    data flow counts as autograd: every byte memdiff calls so, PyTorch calls autograd (the category
+    its profiler wrote on the allocation), and at the peak the two agree. On the capture with the
+    run's own scopes, the memory PyTorch calls autograd that the backward allocated is memdiff's
+    autograd or recomputed_activation, never an activation."""
+    path = scenarios(name)[name]
+    course = read_course(str(path), 0, load_rules()).devices[0]
+    trace = pickle.loads(path.read_bytes())["device_traces"][0]
+    category = np.array(course.categories, dtype=object)[course.category]
+    recomputed: Counter = Counter()  # memdiff's recomputed_activation, by PyTorch's category
+    backward: Counter = Counter()  # what the backward allocated that PyTorch calls autograd, by memdiff's category
+    truth = truth_of(path) if path.with_suffix(".truth.json").exists() else None
+    for k in np.flatnonzero(~course.before).tolist():
+        born = int(course.start[k])
+        theirs = PYTORCH_TO_MEMDIFF.get(trace[born].get("category"), trace[born].get("category"))
+        if category[k] == "recomputed_activation":
+            recomputed[theirs] += int(course.size[k])
+        if truth is not None and truth[born][1] == "backward" and theirs == "autograd":
+            backward[category[k]] += int(course.size[k])
+    assert recomputed and set(recomputed) == {"autograd"}, recomputed
+    if truth is not None:
+        assert backward["recomputed_activation"] and set(backward) <= {"autograd", "recomputed_activation"}, backward
