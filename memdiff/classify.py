@@ -27,11 +27,6 @@ from memdiff.schema import validate
 OTHER = "other"
 # Categories expected to live across steps; memory of any other kept from an earlier step is a leak.
 PERSISTENT = ("parameter", "gradient", "optimizer_state", "workspace")
-# Built-in categories that split one of PyTorch's data-flow categories (its profiler's `category` on
-# profiler-route allocations) by what made the memory: activation checkpointing's recomputation is
-# forward code run for the backward, autograd to PyTorch. Every other built-in category that PyTorch
-# also has is its own name there (docs/categories.md, "Measured against PyTorch's categories").
-PYTORCH_CATEGORY = {"recomputed_activation": "autograd"}
 USER_PRIORITY = 10_000  # user rules without a priority rank above every built-in rule
 
 @dataclass(frozen=True)

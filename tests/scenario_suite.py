@@ -183,6 +183,10 @@ LOOPS = {
 WHATIF_PAIRS.append(("gpt2-sgd-plain", "optimizer=sgd-momentum", "gpt2-sgd"))
 SCENARIOS: Dict[str, Tuple[str, List[str]]] = {**SCENARIOS_SO_FAR, **WHATIF_BASES, **WHATIF_HEADS, **LOOPS}
 
+# memdiff's built-in categories that split one of PyTorch's data-flow categories (its profiler's
+# `category`) by what made the memory: activation checkpointing's recomputation is forward code run
+# for the backward, autograd to PyTorch (docs/categories.md, "Measured against PyTorch's categories").
+PYTORCH_CATEGORY = {"recomputed_activation": "autograd"}
 # PyTorch's data-flow categories in memdiff's terms.
 PYTORCH_TO_MEMDIFF = {"temporary": "autograd", "autograd_detail": "autograd", "unknown": "other", None: "other"}
 

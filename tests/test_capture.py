@@ -66,7 +66,7 @@ def test_categories_agree_with_pytorch(captured, ckpt):
     summary = read_summary(captured[ckpt], load_rules())
     assert summary.source.generation == "profiler"
     d = summary.devices[0]
-    from memdiff.classify import PYTORCH_CATEGORY  # recomputed_activation is PyTorch's autograd
+    from scenario_suite import PYTORCH_CATEGORY  # recomputed_activation is PyTorch's autograd
 
     theirs = pytorch_categories_at(captured[ckpt], d.peak_event_index)
     assert sum(theirs.values()) == d.peak_bytes  # the same live set, so the comparison is fair

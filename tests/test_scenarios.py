@@ -14,10 +14,10 @@ from typing import Dict, List, Tuple
 
 import numpy as np
 import pytest
-from scenario_suite import BASES, EDGE_BASES, EDGES, PYTORCH_TO_MEMDIFF, pytorch_categories_at, truth_of
+from scenario_suite import BASES, EDGE_BASES, EDGES, PYTORCH_CATEGORY, PYTORCH_TO_MEMDIFF, pytorch_categories_at, truth_of
 from tabulate import tabulate
 
-from memdiff.classify import PERSISTENT, PYTORCH_CATEGORY, load_rules
+from memdiff.classify import PERSISTENT, load_rules
 from memdiff.cli import main
 from memdiff.forecasting import read_course
 from memdiff.inputs import read_summary
