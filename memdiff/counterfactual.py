@@ -20,7 +20,9 @@ The changes (`--change`, several joined by `+` apply together):
   their size.
 - `autocast=bf16|fp16`: activations and their gradients made in the forward and backward halve
   (the loss excepted); a half-precision copy of the weights is made in each forward and lives
-  to the end of its backward (autocast's weight casts, saved for the backward).
+  to the end of its backward (autocast's weight casts, saved for the backward). Where the stacks
+  name the ATen ops (CUDA), what autocast runs in fp32 and what its line computes after it stay
+  fp32 (_fp32_regions).
 - `optimizer=NAME`: the run's optimizer state scaled to NAME's tensors per parameter, its step
   temporaries replaced by NAME's, in the run's form (single-tensor: a few of the largest
   parameter's size; foreach: a few of every parameter's).
@@ -35,9 +37,11 @@ Nothing here imports torch.
 from __future__ import annotations
 
 import difflib
+import json
 import re
 from dataclasses import asdict, dataclass, field
 from fractions import Fraction
+from importlib import resources
 from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
 import numpy as np
@@ -86,6 +90,13 @@ GENERIC = frozenset(("Linear", "Conv1D", "Conv1d", "Conv2d", "Conv3d", "Embeddin
 # The share of a repeated module's bytes that a class nested in it, with more instances, must
 # hold to be the block instead (T5's blocks hold about 90% of what its two stacks make).
 NESTED_SHARE = 0.75
+# CUDA autocast's op lists (rules/autocast.json, shared with the emulator), by ATen op name.
+_AUTOCAST = json.loads((resources.files("memdiff") / "rules" / "autocast.json").read_text(encoding="utf-8"))["cuda"]
+AUTOCAST_LOWER = frozenset(_AUTOCAST["lower"])
+AUTOCAST_FP32 = frozenset(_AUTOCAST["fp32"])
+AUTOCAST_SAVES_INPUT = frozenset(_AUTOCAST["saves_input"])
+# An ATen op's frame on the caching allocator's C++ stacks: the op, without its overload's name.
+ATEN_OP = re.compile(r"^at::_ops::(\w+?)(?:_[A-Z]\w*)?::call$")
 SCALAR_BYTES = 8  # a one-element tensor (an optimizer's step count): its dtype does not follow the model's
 # torch.optim's optimizers, by their class names lowercased (`torch.optim.RMSprop`: rmsprop), which
 # are also the names of the files their update code lives in (Adafactor's: `_adafactor.py`).
@@ -684,11 +695,81 @@ def _weights(run: _Run, edit: _Edit, value: str) -> None:
                             "fp32 in the run")
 
 
+def _aten_op(frames: Sequence[Any]) -> str:
+    """The ATen op the innermost Python frame called (`at::_ops::pow_Tensor_Scalar::call`: pow), from
+    the C++ frames of the caching allocator's stacks; "" when the stack shows none."""
+    op = ""
+    for f in frames:
+        if f.file:
+            break
+        m = ATEN_OP.match(f.name)
+        if m:
+            op = m.group(1)  # the outermost op frame below the Python code wins: what it called
+    return op
+
+
+def _fp32_regions(run: _Run) -> Tuple[np.ndarray, List[Tuple[int, int, int]]]:
+    """(the forward allocations CUDA autocast leaves in fp32, the fp32 copies of half-precision
+    inputs it makes and keeps: (start, end, size) each), from the ATen ops on the stacks.
+
+    An op of autocast's fp32 list (`pow`, `layer_norm`) makes an fp32 result, and what the same
+    line of Python computes after it from that result promotes to fp32 too (Hugging Face GPT-2's
+    GELU: `0.5 * x * (1 + tanh(c * (x + 0.044715 * pow(x, 3))))`: the pow, and the add, tanh and
+    products after it). The line's last result goes on to a matrix product, which saves a
+    half-precision copy of it in its place: it halves. An fp32 op that keeps its input for the
+    backward (`pow`) keeps an fp32 copy of a half-precision one: the input is half precision when
+    a product made it or the line computed it before the op."""
+    c = run.course
+    full = np.zeros(len(c.size), dtype=bool)
+    casts: List[Tuple[int, int, int]] = []
+    if not c.origins or not len(c.origin):
+        return full, casts
+    ops = [_aten_op(frames) for frames in c.origins]
+    if not any(ops):
+        return full, casts
+    numbered: Dict[Tuple[Any, ...], int] = {}
+    lines = [numbered.setdefault(tuple(f for f in frames if f.file), len(numbered)) for frames in c.origins]
+    fwd = np.flatnonzero((run.phase == FORWARD) & ~c.before)
+    fwd = fwd[np.lexsort((c.start[fwd], run.born_run[fwd]))]
+    region: List[int] = []  # the current line's allocations from its fp32 op on
+    pending: List[Tuple[int, int]] = []  # (start, size) of its input copies, kept as long as the line's results
+    prev = -1
+
+    def close(next_op: str) -> None:
+        if region:
+            end = int(c.end[region].max())
+            casts.extend((start, end, size) for start, size in pending)
+            if next_op in AUTOCAST_LOWER:
+                full[region[-1]] = False
+        region.clear()
+        pending.clear()
+
+    for k in fwd.tolist():
+        o = int(c.origin[k])
+        op, line = ops[o], lines[o]
+        if region and (line != lines[int(c.origin[region[0]])] or run.born_run[k] != run.born_run[region[0]]):
+            close(op)
+        if op in AUTOCAST_FP32 or region:
+            if op in AUTOCAST_SAVES_INPUT and prev >= 0 and not full[prev]:
+                p_origin = int(c.origin[prev])
+                if ops[p_origin] in AUTOCAST_LOWER or lines[p_origin] == line:
+                    pending.append((int(c.start[k]), int(c.size[k])))
+            full[k] = True
+            region.append(k)
+        prev = k
+    close("")
+    return full, casts
+
+
 def _autocast(run: _Run, edit: _Edit, value: str) -> None:
     c = run.course
     work = run.of("activation", "recomputed_activation", "autograd") & np.isin(run.phase, [FORWARD, BACKWARD]) \
         & ~run.loss & ~run.indices & (c.size > SCALAR_BYTES)
+    full, casts = _fp32_regions(run)
+    work &= ~full
     edit.size[work] = edit.size[work] // 2
+    for start, end, size in casts:
+        edit.add(start, end, size, "activation")
     # The most parameter bytes live at once: an update in place makes a new version of each every step.
     params = _peak_of_set(c, np.flatnonzero(run.of("parameter")))
     grads = np.flatnonzero(run.of("gradient") & (run.phase == BACKWARD))
@@ -710,7 +791,11 @@ def _autocast(run: _Run, edit: _Edit, value: str) -> None:
     edit.assumptions.append(f"{value} autocast: activations of the forward and their gradients in the backward "
                             "halve (the loss stays fp32); weights, gradients and optimizer state stay fp32; each "
                             "forward casts every weight to 2 bytes, each cast kept until its weight's gradient "
-                            "is made in the backward")
+                            "is made in the backward"
+                            + ("; where the stacks name the ATen ops (CUDA), what autocast runs in fp32 (pow, "
+                               "layer_norm, ...) and what the same line computes after it stay fp32, with an fp32 "
+                               f"copy of a half-precision input the op keeps ({len(casts)} made)"
+                               if full.any() else ""))
 
 
 def _optimizer(run: _Run, edit: _Edit, value: str) -> None:

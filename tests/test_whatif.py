@@ -344,3 +344,52 @@ def test_an_encoder_decoder_s_blocks_are_its_layers_inside_its_two_stacks(write_
     # Stacks alike inside (a Mixtral layer's experts inside its layers) stay the blocks.
     d = memdiff.whatif(write_snapshot(encoder_decoder(alike=True), "alike.pickle"), "checkpoint").devices[0]
     assert d.blocks == ["Stack_0", "Stack_1"]
+
+
+def cuda_frames(op: str, *python: str) -> List[Dict[str, Any]]:
+    """A caching-allocator stack: the ATen op's C++ frame innermost, then Python frames."""
+    return [{"filename": "", "line": 0, "name": f"at::_ops::{op}::call"},
+            *({"filename": f.split(":")[0], "line": int(f.split(":")[1]), "name": f.split(":")[2]} for f in python)]
+
+
+def gelu_loop() -> Dict[str, Any]:
+    """One fp32 step of a product, Hugging Face GPT-2's GELU on one line (`0.5 * x * (1 + tanh(c *
+    (x + 0.044715 * pow(x, 3))))`) and a second product, as CUDA records it, then the backward."""
+    line = ("act.py:10:forward", "model.py:6:forward", "train.py:8:step")
+    trace = [alloc(1, W, frames("torch/nn/parameter.py(1): __new__", "train.py(5): build"))]
+    made = [(10, 400, cuda_frames("addmm", "model.py:5:forward", "train.py:8:step")),
+            (11, 400, cuda_frames("mul_Tensor", *line)),  # 0.5 * x, saved
+            (12, 400, cuda_frames("pow_Tensor_Scalar", *line)),
+            (13, 400, cuda_frames("mul_Tensor", *line)),
+            (14, 400, cuda_frames("add_Tensor", *line)),
+            (15, 400, cuda_frames("tanh", *line)),  # saved by tanh's backward
+            (16, 400, cuda_frames("add_Tensor", *line)),  # 1 + tanh, saved
+            (17, 400, cuda_frames("mul_Tensor", *line)),  # the GELU's result, saved by the next product
+            (18, 100, cuda_frames("addmm", "model.py:7:forward", "train.py:8:step"))]
+    transient = {12: 13, 13: 14, 14: 15}  # freed once the next result is made
+    sizes = {a: s for a, s, _ in made}
+    for a, size, stack in made:
+        trace.append(alloc(a, size, stack))
+        for t, after in transient.items():
+            if after == a:
+                trace.append(free(t, sizes[t], stack))
+    grad = [{"filename": "", "line": 0, "name": "torch::autograd::AccumulateGrad::apply"},
+            {"filename": "torch/autograd/__init__.py", "line": 1, "name": "backward"},
+            {"filename": "train.py", "line": 9, "name": "step"}]
+    trace += [free(a, size, grad) for a, size, _ in made[::-1][:4] if a not in transient]
+    trace += [alloc(2, W, grad)]  # the weight's gradient, once the backward reaches it
+    trace += [free(a, size, grad) for a, size, _ in made[::-1][4:] if a not in transient]
+    return {"segments": [], "device_traces": [trace]}
+
+
+def test_autocast_keeps_what_cuda_runs_in_fp32_and_the_copy_it_saves(write_snapshot):
+    """Issue 42 item 3: from the ATen ops on CUDA stacks, the pow autocast runs in fp32 and what
+    its line computes after it stay fp32 (the add, tanh, product), the line's result halves (the
+    next product saves a bf16 copy of it), and pow keeps an fp32 copy of its bf16 input. Worked
+    out by hand at the forward's end: the weight 1000 and its bf16 cast 500; the first product
+    and 0.5 * x halved, 200 each; tanh and 1 + tanh, 400 each; the GELU's result 200; the second
+    product 50; pow's fp32 input 400: 3350 (the fp32 run: 3100)."""
+    run = write_snapshot(gelu_loop(), "gelu.pickle")
+    assert memdiff.summarize(run).devices[0].peak_bytes == 3100
+    predicted = memdiff.whatif(run, "autocast=bf16").devices[0].changes[0]
+    assert (predicted.predicted_peak_bytes, predicted.predicted_peak_phase) == (3350, "forward")

@@ -11,7 +11,7 @@ from typing import Any, Dict, Optional, Set, Tuple
 import torch
 from torch.utils._pytree import tree_map
 
-_LISTS = json.loads(resources.files("memdiff.recording.emulate").joinpath("autocast.json").read_text(encoding="utf-8"))
+_LISTS = json.loads((resources.files("memdiff") / "rules" / "autocast.json").read_text(encoding="utf-8"))["cuda"]
 LOWER: Set[str] = set(_LISTS["lower"])
 FP32: Set[str] = set(_LISTS["fp32"])
 PROMOTE: Set[str] = set(_LISTS["promote"])
