@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+import memdiff
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -267,3 +269,40 @@ def test_torch_accelerator_and_the_allocator_settings_answer_as_the_gpu(tmp_path
     done = _emulate(tmp_path, ACCELERATOR, "accelerator.py")
     assert done.returncode == 0, done.stderr[-3000:]
     assert json.loads(done.stdout) == {"accelerator": "cuda", "capturing": False, "same": True, "refused": True}
+
+
+WINDOW = """
+import torch
+from memdiff.recording.capture import record
+
+model = torch.nn.Linear(512, 512).cuda()
+opt = torch.optim.AdamW(model.parameters())
+with record("window.pickle", steps="2:4"):
+    for _ in range(6):
+        model(torch.randn(8, 512, device="cuda")).sum().backward()
+        opt.step()
+        opt.zero_grad()
+"""
+
+
+@pytest.mark.slow
+def test_a_window_recorded_inside_the_emulated_run_holds_its_steps_and_leaves_the_run_whole(tmp_path):
+    """A callback's window (record(steps="2:4")) inside a script run under `memdiff record --emulate`:
+    the history is one per process, so the window holds steps 2 and 3 only, with what was live
+    before them as static memory, as `--steps 2:4` records it, and the outer snapshot keeps all six
+    steps. The window read the trace from the run's start (4 steps, nothing static), and its end
+    stopped the outer recording."""
+    done = _emulate(tmp_path, WINDOW, "window.py")
+    assert done.returncode == 0, done.stderr[-3000:]
+    whole, window = (memdiff.summarize(tmp_path / n).devices[0] for n in ("run.pickle", "window.pickle"))
+    assert [len(d.steps) for d in (whole, window)] == [6, 2]
+    # Live before the window: the weights, their AdamW moments and the cuBLAS workspace.
+    assert window.static_bytes >= 3 * 512 * 513 * 4
+    script = tmp_path / "window.py"
+    script.write_text(WINDOW.replace('with record("window.pickle", steps="2:4"):', "if True:"))
+    steps = subprocess.run([sys.executable, "-m", "memdiff", "record", "--emulate", "h100", "--steps", "2:4", "-o",
+                            str(tmp_path / "steps.pickle"), "--", "python", str(script)],
+                           capture_output=True, text=True, cwd=tmp_path)
+    assert steps.returncode == 0, steps.stderr[-3000:]
+    alone = memdiff.summarize(tmp_path / "steps.pickle").devices[0]
+    assert (window.trace_events, window.static_bytes) == (alone.trace_events, alone.static_bytes)

@@ -92,21 +92,61 @@ def _without_checkpoint_early_stop(torch: Any) -> contextlib.AbstractContextMana
 SYMBOLIZE_MODE = ("TORCH_SYMBOLIZE_MODE", "fast")
 
 
+# How many of memdiff's own recordings of the caching allocator's history are open in this process.
+# The history is one per process: a recording opened inside another (a Trainer callback's window in a
+# script run under `memdiff record`) reads the trace from where it stood when it opened, and leaves the
+# history on for the outer one.
+_OPEN_CUDA_RECORDINGS = [0]
+
+
 def start_cuda(torch: Any, max_entries: int, stacks: str) -> Callable[[], Any]:
     """Start the caching allocator's history; the returned function stops it and gives the snapshot."""
     os.environ.setdefault(*SYMBOLIZE_MODE)  # read by torch when it first names frames: at the snapshot
-    record_history = torch.cuda.memory._record_memory_history
-    record_history(enabled="all", stacks=stacks, max_entries=max_entries, **_history_options(record_history))
-    early_stop = _without_checkpoint_early_stop(torch)  # on only once the history is
-    early_stop.__enter__()
+    inner = _OPEN_CUDA_RECORDINGS[0] > 0
+    if inner:
+        marks = _trace_marks(torch.cuda.memory._snapshot())
+    else:
+        record_history = torch.cuda.memory._record_memory_history
+        record_history(enabled="all", stacks=stacks, max_entries=max_entries, **_history_options(record_history))
+        early_stop = _without_checkpoint_early_stop(torch)  # on only once the history is
+        early_stop.__enter__()
+    _OPEN_CUDA_RECORDINGS[0] += 1
 
     def finish() -> Any:
         try:
-            return torch.cuda.memory._snapshot()
+            snapshot = torch.cuda.memory._snapshot()
+            return _since(snapshot, marks) if inner else snapshot
         finally:
-            torch.cuda.memory._record_memory_history(enabled=None)
-            early_stop.__exit__(None, None, None)
+            _OPEN_CUDA_RECORDINGS[0] -= 1
+            if not inner:
+                torch.cuda.memory._record_memory_history(enabled=None)
+                early_stop.__exit__(None, None, None)
     return finish
+
+
+def _trace_marks(snapshot: Dict[str, Any]) -> List[Tuple[int, Optional[int]]]:
+    """Per device trace: (its length, the time of its last entry) when an inner recording opens."""
+    marks = []
+    for trace in snapshot.get("device_traces") or []:
+        last = trace[-1].get("time_us") if trace else None
+        marks.append((len(trace), last if isinstance(last, int) else None))
+    return marks
+
+
+def _since(snapshot: Dict[str, Any], marks: List[Tuple[int, Optional[int]]]) -> Dict[str, Any]:
+    """The snapshot with each device trace cut to the entries after its mark: those past its length
+    then, while the entry at the mark is still the one marked; once a full ring buffer has dropped
+    its oldest entries (places move), those later than the mark's time."""
+    traces = []
+    for i, trace in enumerate(snapshot.get("device_traces") or []):
+        count, last = marks[i] if i < len(marks) else (0, None)
+        if count == 0 or (count <= len(trace) and trace[count - 1].get("time_us") == last):
+            traces.append(trace[count:])
+        elif last is not None:
+            traces.append([e for e in trace if isinstance(e.get("time_us"), int) and e["time_us"] > last])
+        else:
+            traces.append(trace)
+    return {**snapshot, "device_traces": traces}
 
 
 def has_cuda(torch: Any) -> bool:
