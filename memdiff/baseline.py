@@ -116,6 +116,7 @@ def _devices_json(devices: List[Dict[str, Any]], pad: str) -> str:
             if d.get("phase_groups") else []
         fields += [f'"at_peak": {json.dumps(d["at_peak"])}'] if d.get("at_peak") else []
         fields += [f'"earlier_rest": {json.dumps(d["earlier_rest"])}'] if d.get("earlier_rest") else []
+        fields += [f'"rest_counts": {json.dumps(d["rest_counts"])}'] if d.get("rest_counts") else []
         fields += [f'"{k}": {d[k]}' for k in ("reserved_peak_bytes", "fragmentation_bytes") if d.get(k) is not None]
         fields += [f'"spread": {json.dumps(d["spread"])}'] if d.get("spread") else []
         fields.append(f'"groups": [\n{groups}\n{pad}    ]')
@@ -138,6 +139,14 @@ def _earlier_rest(groups: List[Group]) -> Dict[str, int]:
     for g in groups[TOP_GROUPS:]:
         if g.bytes_from_earlier_steps:
             rest[g.category or "other"] = rest.get(g.category or "other", 0) + g.bytes_from_earlier_steps
+    return rest
+
+
+def _rest_counts(groups: List[Group]) -> Dict[str, int]:
+    """Per category, the allocations of the groups not stored: the `rest` rows count them."""
+    rest: Dict[str, int] = {}
+    for g in groups[TOP_GROUPS:]:
+        rest[g.category or "other"] = rest.get(g.category or "other", 0) + g.count
     return rest
 
 
@@ -170,6 +179,9 @@ def from_summary(summary: Summary, name: str, thresholds: Thresholds, git_sha: O
         "earlier_rest": {moment: rest for moment, rest in
                          [(PEAK, _earlier_rest(d.groups))] + [(p.phase, _earlier_rest(p.groups)) for p in d.phase_peaks
                                                               if p.groups is not None] if rest},
+        "rest_counts": {moment: rest for moment, rest in
+                        [(PEAK, _rest_counts(d.groups))] + [(p.phase, _rest_counts(p.groups)) for p in d.phase_peaks
+                                                            if p.groups is not None] if rest},
         **{k: getattr(d, k) for k in ("reserved_peak_bytes", "fragmentation_bytes") if getattr(d, k) is not None},
         "groups": _stored_groups(d.groups),
     } for d in summary.devices]
@@ -320,10 +332,11 @@ def _rest_group(category: str, count: int, size: int, earlier: int = 0) -> Group
                  category=category, bytes_from_earlier_steps=earlier)
 
 
-def _groups_of(stored: List[Dict[str, Any]], categories: Dict[str, int], earlier: Dict[str, int]) -> List[Group]:
+def _groups_of(stored: List[Dict[str, Any]], categories: Dict[str, int], earlier: Dict[str, int],
+               counts: Dict[str, int]) -> List[Group]:
     """The stored groups, and a `rest` group per category for its bytes outside them: they add up
-    to the moment's total exactly, and so do their bytes from earlier steps (baselines written
-    before they were stored: none)."""
+    to the moment's total exactly, and so do their bytes from earlier steps and their allocations
+    (baselines written before they were stored: none, and one allocation a rest)."""
     groups = [Group(signature=g["signature"], site=g["site"], frames=[], count=g["count"], bytes=g["bytes"],
                     category=g["category"], bytes_from_earlier_steps=g.get("bytes_from_earlier_steps", 0),
                     bytes_from_earlier_forwards=g.get("bytes_from_earlier_forwards", 0),
@@ -332,15 +345,15 @@ def _groups_of(stored: List[Dict[str, Any]], categories: Dict[str, int], earlier
     held: Dict[str, int] = {}
     for g in stored:
         held[g["category"]] = held.get(g["category"], 0) + g["bytes"]
-    return groups + [_rest_group(c, 0, total - held.get(c, 0), earlier.get(c, 0)) for c, total in categories.items()
-                     if total > held.get(c, 0)]
+    return groups + [_rest_group(c, counts.get(c, 0), total - held.get(c, 0), earlier.get(c, 0))
+                     for c, total in categories.items() if total > held.get(c, 0)]
 
 
 def _stored_summary(b: Baseline) -> Summary:
     devices = []
     for d in b.devices:
-        earlier = d.get("earlier_rest", {})
-        groups = _groups_of(d["groups"], d["categories"], earlier.get(PEAK, {}))
+        earlier, counts = d.get("earlier_rest", {}), d.get("rest_counts", {})
+        groups = _groups_of(d["groups"], d["categories"], earlier.get(PEAK, {}), counts.get(PEAK, {}))
         at_peak = d.get("at_peak") or {}  # where the peak was (baselines written before it: unknown)
         # The phases' peak bytes (for phase thresholds), each category's bytes then (category
         # thresholds) and, in baselines that carry them, the groups live then (site thresholds,
@@ -349,7 +362,8 @@ def _stored_summary(b: Baseline) -> Summary:
         by_phase, phase_groups = d.get("phase_categories", {}), d.get("phase_groups")
         phases = [PhasePeak(phase, None, size, 0, categories=by_phase.get(phase, {}),
                             groups=[] if phase_groups is None else
-                            _groups_of(phase_groups[phase], by_phase.get(phase, {}), earlier.get(phase, {}))
+                            _groups_of(phase_groups[phase], by_phase.get(phase, {}), earlier.get(phase, {}),
+                                       counts.get(phase, {}))
                             if phase in phase_groups
                             else None if phase == at_peak.get("phase") else [])
                   for phase, size in d.get("phases", {}).items()]

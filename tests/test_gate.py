@@ -401,3 +401,15 @@ def test_a_gate_is_never_green_when_neither_side_holds_device_memory(write_snaps
                                  "thresholds": {"peak": {"fail-over-pct": 1.0}}, "devices": []}))
     assert main(["gate", "--baseline", str(empty), nothing]) == 2
     assert "nothing to gate" in capsys.readouterr().err
+
+
+def test_a_run_against_its_own_baseline_counts_the_allocations_the_baseline_pools(shared, tmp_path):
+    """A baseline stores the 25 largest groups and pools the rest per category: the rest rows count
+    the pooled groups' allocations as the run's own rows do (they counted one per category), so the
+    rows of a run gated against its own baseline read N -> N allocations, N the run's count at its peak."""
+    snap = shared / "cs336-medium-ctx256-train.pickle"
+    live = memdiff.summarize(snap).devices[0]
+    assert len(live.groups) > 25  # some groups are pooled
+    memdiff.write_baseline(snap, tmp_path / "b.json")
+    rows = memdiff.gate(snap, tmp_path / "b.json").diff.devices[0].rows
+    assert sum(r.base_count for r in rows) == sum(r.head_count for r in rows) == sum(g.count for g in live.groups)
