@@ -126,10 +126,13 @@ def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
 
     emulate = marker.kwargs.get("emulate") or item.config.getoption("memdiff_emulate")
     if emulate is not None:
+        unknown_gpu = None
         try:
             emulate = gpu(str(emulate)).key
         except InputError as exc:
-            _bad_input(item, f"@pytest.mark.memdiff: emulate: {exc.message}")
+            unknown_gpu = exc.message
+        if unknown_gpu is not None:  # failed outside the except: one line, no chained exception
+            _bad_input(item, f"@pytest.mark.memdiff: emulate: {unknown_gpu}")
     folder = tempfile.mkdtemp(prefix="memdiff-")
     snapshot = os.path.join(folder, "test.pickle")
     try:
