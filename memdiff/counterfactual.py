@@ -715,8 +715,9 @@ def _fp32_regions(run: _Run) -> Tuple[np.ndarray, List[Tuple[int, int, int]]]:
     An op of autocast's fp32 list (`pow`, `layer_norm`) makes an fp32 result, and what the same
     line of Python computes after it from that result promotes to fp32 too (Hugging Face GPT-2's
     GELU: `0.5 * x * (1 + tanh(c * (x + 0.044715 * pow(x, 3))))`: the pow, and the add, tanh and
-    products after it). The line's last result goes on to a matrix product, which saves a
-    half-precision copy of it in its place: it halves. An fp32 op that keeps its input for the
+    products after it). The line's result (its last allocation of the largest size: a layer norm's
+    output, not its mean and rstd) goes on to a matrix product, which saves a half-precision copy
+    of it in its place: it halves. An fp32 op that keeps its input for the
     backward (`pow`) keeps an fp32 copy of a half-precision one: the input is half precision when
     a product made it or the line computed it before the op."""
     c = run.course
@@ -740,7 +741,10 @@ def _fp32_regions(run: _Run) -> Tuple[np.ndarray, List[Tuple[int, int, int]]]:
             end = int(c.end[region].max())
             casts.extend((start, end, size) for start, size in pending)
             if next_op in AUTOCAST_LOWER:
-                full[region[-1]] = False
+                # The line's result: its last allocation of the largest size (a layer norm's output,
+                # not the mean and rstd it makes after it).
+                largest = int(c.size[region].max())
+                full[[k for k in region if c.size[k] == largest][-1]] = False
         region.clear()
         pending.clear()
 

@@ -353,11 +353,16 @@ def cuda_frames(op: str, *python: str) -> List[Dict[str, Any]]:
 
 
 def gelu_loop() -> Dict[str, Any]:
-    """One fp32 step of a product, Hugging Face GPT-2's GELU on one line (`0.5 * x * (1 + tanh(c *
-    (x + 0.044715 * pow(x, 3))))`) and a second product, as CUDA records it, then the backward."""
+    """One fp32 step of a layer norm, a product, Hugging Face GPT-2's GELU on one line (`0.5 * x *
+    (1 + tanh(c * (x + 0.044715 * pow(x, 3))))`) and a second product, as CUDA records it, then
+    the backward."""
     line = ("act.py:10:forward", "model.py:6:forward", "train.py:8:step")
     trace = [alloc(1, W, frames("torch/nn/parameter.py(1): __new__", "train.py(5): build"))]
-    made = [(10, 400, cuda_frames("addmm", "model.py:5:forward", "train.py:8:step")),
+    norm = ("functional.py:2900:layer_norm", "model.py:4:forward", "train.py:8:step")
+    made = [(7, 400, cuda_frames("layer_norm", *norm)),  # its output, saved by the product after it
+            (8, 16, cuda_frames("layer_norm", *norm)),  # its mean and rstd, saved by its backward
+            (9, 16, cuda_frames("layer_norm", *norm)),
+            (10, 400, cuda_frames("addmm", "model.py:5:forward", "train.py:8:step")),
             (11, 400, cuda_frames("mul_Tensor", *line)),  # 0.5 * x, saved
             (12, 400, cuda_frames("pow_Tensor_Scalar", *line)),
             (13, 400, cuda_frames("mul_Tensor", *line)),
@@ -376,20 +381,21 @@ def gelu_loop() -> Dict[str, Any]:
     grad = [{"filename": "", "line": 0, "name": "torch::autograd::AccumulateGrad::apply"},
             {"filename": "torch/autograd/__init__.py", "line": 1, "name": "backward"},
             {"filename": "train.py", "line": 9, "name": "step"}]
-    trace += [free(a, size, grad) for a, size, _ in made[::-1][:4] if a not in transient]
+    trace += [free(a, size, grad) for a, size, _ in made[::-1][:4] if a not in transient]  # 18, 17, 16, 15
     trace += [alloc(2, W, grad)]  # the weight's gradient, once the backward reaches it
     trace += [free(a, size, grad) for a, size, _ in made[::-1][4:] if a not in transient]
     return {"segments": [], "device_traces": [trace]}
 
 
 def test_autocast_keeps_what_cuda_runs_in_fp32_and_the_copy_it_saves(write_snapshot):
-    """Issue 42 item 3: from the ATen ops on CUDA stacks, the pow autocast runs in fp32 and what
-    its line computes after it stay fp32 (the add, tanh, product), the line's result halves (the
-    next product saves a bf16 copy of it), and pow keeps an fp32 copy of its bf16 input. Worked
-    out by hand at the forward's end: the weight 1000 and its bf16 cast 500; the first product
-    and 0.5 * x halved, 200 each; tanh and 1 + tanh, 400 each; the GELU's result 200; the second
-    product 50; pow's fp32 input 400: 3350 (the fp32 run: 3100)."""
+    """Issue 42 item 3: from the ATen ops on CUDA stacks, the layer norm and the pow autocast runs
+    in fp32 and what the pow's line computes after it stay fp32 (the add, tanh, product), each
+    line's result halves (the product after it saves a bf16 copy of it: the norm's output, not its
+    mean and rstd), and pow keeps an fp32 copy of its bf16 input. Worked out by hand at the
+    forward's end: the weight 1000 and its bf16 cast 500; the norm's output 200, its mean and rstd
+    16 each; the first product and 0.5 * x halved, 200 each; tanh and 1 + tanh, 400 each; the
+    GELU's result 200; the second product 50; pow's fp32 input 400: 3582 (the fp32 run: 3532)."""
     run = write_snapshot(gelu_loop(), "gelu.pickle")
-    assert memdiff.summarize(run).devices[0].peak_bytes == 3100
+    assert memdiff.summarize(run).devices[0].peak_bytes == 3532
     predicted = memdiff.whatif(run, "autocast=bf16").devices[0].changes[0]
-    assert (predicted.predicted_peak_bytes, predicted.predicted_peak_phase) == (3350, "forward")
+    assert (predicted.predicted_peak_bytes, predicted.predicted_peak_phase) == (3582, "forward")
