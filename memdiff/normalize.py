@@ -646,7 +646,7 @@ def _gradient_stand_ins(walk: _Walk, trace: List[Dict[str, Any]], timeline: Time
             e = walk.continued_by[c]  # the new version's allocation
             k = bisect.bisect_right(starts, e) - 1
             if k >= 0 and e <= backwards[k][1]:
-                frames = _backward_stack_near(trace, e, *backwards[k])
+                frames = _backward_stack_near(trace, e, backwards[k][0])
                 if frames is not None:
                     out[root] = frames
                 break
@@ -656,10 +656,13 @@ def _gradient_stand_ins(walk: _Walk, trace: List[Dict[str, Any]], timeline: Time
     return out
 
 
-def _backward_stack_near(trace: List[Dict[str, Any]], event: int, start: int, end: int) -> Optional[List[Any]]:
-    """The backward's stack nearest to the in-place update at `event` of a backward run (`start`..`end`),
-    after it first; None where the nearest stack is an optimizer's or none says backward."""
-    after = range(event + 1, min(end, event + ACCUMULATE_NEAR) + 1)
+def _backward_stack_near(trace: List[Dict[str, Any]], event: int, start: int) -> Optional[List[Any]]:
+    """The backward's stack nearest to the in-place update at `event` of a backward run from `start`,
+    after it first; None where the nearest stack is an optimizer's or none says backward. What comes
+    after is looked at past the run's end: the run ends at the last stack that says backward, and a
+    step's updates that come before its first stack of its own (Adagrad's step count and state sum)
+    fall inside it, with the optimizer's stack just after."""
+    after = range(event + 1, min(len(trace) - 1, event + ACCUMULATE_NEAR) + 1)
     before = range(event - 1, max(start, event - ACCUMULATE_NEAR) - 1, -1)
     for i in itertools.chain(after, before):
         frames = trace[i].get("frames")
