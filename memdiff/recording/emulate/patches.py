@@ -324,7 +324,9 @@ def _keeping_ties(apply: Callable[..., Any]) -> Callable[..., Any]:
 
     Moving to `cuda` here is moving to meta, which torch does by making new Parameters (a CPU tensor
     cannot take a meta tensor as its .data), so each module holding the weight would get its own
-    copy: twice the memory, twice the optimizer state. The GPU keeps one.
+    copy: twice the memory, twice the optimizer state. The GPU keeps one. Nor does the GPU copy the
+    shared weight twice (its second holder finds it moved already): `fn` runs once per tensor, so
+    the second holder's copy is the first's, and no second storage is allocated and freed.
     """
     depth = [0]
 
@@ -333,11 +335,18 @@ def _keeping_ties(apply: Callable[..., Any]) -> Callable[..., Any]:
             return apply(self, fn, *args, **kwargs)
         slots = [(m, kind, n, t) for m in self.modules() for kind in ("_parameters", "_buffers")
                  for n, t in getattr(m, kind).items() if t is not None]
+        done: Dict[int, Any] = {}  # id(tensor) -> (tensor, what fn made of it); the tensor keeps the id
+
+        def once(t: Any) -> Any:
+            if id(t) not in done:
+                done[id(t)] = (t, fn(t))
+            return done[id(t)][1]
         depth[0] += 1
         try:
-            out = apply(self, fn, *args, **kwargs)
+            out = apply(self, once, *args, **kwargs)
         finally:
             depth[0] -= 1
+            done.clear()
         first: Dict[int, Any] = {}
         for module, kind, name, before in slots:
             table = getattr(module, kind)
