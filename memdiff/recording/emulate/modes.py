@@ -11,6 +11,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from memdiff.recording.emulate import distributed
 from memdiff.recording.emulate.gpus import kernels
 from memdiff.recording.emulate.runtime import ALL_ELEMENTS_OPS, EmulationError, Emulator, op_name, python_frames
 from memdiff.recording.emulate.values import Values
@@ -195,13 +196,24 @@ class AllocMode(TorchDispatchMode):
         if namespace == "profiler":
             return self.scope(func, args, kwargs)
         base = func._schema.name.split("::", 1)[-1]
+        if namespace == "c10d":  # a collective on the fake group: nothing moves, nothing is allocated
+            out = func(*args, **kwargs)
+            distributed.follow(base, args, self.values)
+            if self.emulator.native:
+                self.emulator.native[-1].collective()
+            return distributed.completed(out, args)
         first = args[0] if args else None
         if _is_meta(first):
             read = self.read_back(base, first, args, kwargs)
             if read is not None:
                 return read[0]
         elif base == "copy_" and len(args) > 1 and _is_meta(args[1]) and isinstance(first, torch.Tensor):
-            return first  # a host tensor filled from the device: zeros, as read-backs are
+            # A host tensor filled from the device: its known values (a size DDP checks, a count), else
+            # zeros, as read-backs are.
+            known = self.values.of(args[1])
+            if known is not None and known.shape == first.shape:
+                return first.copy_(known)
+            return first.zero_()
         try:
             if base in ALL_ELEMENTS_OPS and _is_meta(first):
                 out = self.sized_by_values(func, base, args, kwargs)

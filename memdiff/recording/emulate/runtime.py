@@ -152,6 +152,9 @@ class Emulator:
         self.lt_handles: Set[str] = set()  # the handles whose cuBLASLt workspace is made
         self.rules = {name: self._compile(rule) for name, rule in kernels()["ops"].items()}
         self.context: List[str] = []  # the builtin torch functions running now, outermost first
+        # torch's C++ code running now that a GPU's stack names (DDP's Reducer, c10d's helpers),
+        # outermost first: each a NativeScope (distributed.py)
+        self.native: List[Any] = []
         self.blas = set(kernels()["blas"]["ops"])
         self.blas_lt = set(kernels()["blas"]["lt"])
         self._stack: Optional[contextlib.ExitStack] = None
@@ -216,7 +219,8 @@ class Emulator:
         if "backward" in outer and _in_backward():
             # A GPU runs the backward on its own thread: only the ops the engine calls are on its stack.
             outer = outer[len(outer) - outer[::-1].index("backward"):]
-        return _op_frames(name, inner, reversed(outer)) + python_frames(4)
+        native = [frame for scope in reversed(self.native) for frame in scope.frames()]
+        return _op_frames(name, inner, reversed(outer)) + native + python_frames(4)
 
     def track(self, storage: Any, name: str, inner: Any = ()) -> None:
         """Allocate a new meta storage on the device, freed when torch frees it."""
@@ -333,7 +337,7 @@ class Emulator:
         import torch
 
         _torch = torch
-        from memdiff.recording.emulate import patches
+        from memdiff.recording.emulate import distributed, patches
         from memdiff.recording.emulate.autocast import Autocast
         from memdiff.recording.emulate.modes import AllocMode, DeviceMode
 
@@ -341,6 +345,7 @@ class Emulator:
         stack = contextlib.ExitStack()
         self.device_mode = DeviceMode(self)
         stack.enter_context(patches.cuda_answers_as(self))
+        stack.enter_context(distributed.fake_process_groups(self))
         stack.enter_context(self.device_mode)
         stack.enter_context(AllocMode(self))
         self._stack = stack

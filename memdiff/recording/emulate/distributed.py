@@ -1,0 +1,282 @@
+"""torch.distributed under emulation: process groups that do no communication.
+
+A rank of a job runs alone on the emulated GPU: there is no NCCL on a CPU build of torch, and
+gloo cannot move tensors that have no data. So `init_process_group` (any backend: nccl, gloo, the
+default) makes torch's own `fake` process group, with an in-memory store instead of a
+rendezvous: every collective returns at once, as complete, without moving data. DDP and FSDP
+then build and run as on the GPU, with the buckets and flat buffers they allocate through torch
+ops (which the emulator's allocator sees like any other storage).
+
+Values follow the fake group's rule, that every rank holds what this rank holds: a broadcast
+leaves each tensor as this rank has it, an all-gather fills every slot with this rank's input,
+an all-reduce of known small values (a count, a flag) sums as `world_size` equal ranks would,
+and anything else is a tensor of unknown values (values.py). DDP's check that every rank has the
+same parameters reads its own shapes back, and so passes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+from importlib import resources
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+
+import torch
+
+# Whatever backend the script asked for, per group: `dist.get_backend()` answers with it.
+_asked: Dict[Any, str] = {}
+
+
+def _env_int(name: str, default: int) -> int:
+    value = os.environ.get(name, "")
+    return int(value) if value.isdigit() else default
+
+
+def _backend_name(backend: Any) -> str:
+    """The backend a script named (`nccl`, `cpu:gloo,cuda:nccl`), or what a CUDA job gets by default."""
+    return str(backend).lower() if backend else "nccl"
+
+
+def _init(real: Callable[..., Any]) -> Callable[..., Any]:
+    def init_process_group(backend: Any = None, init_method: Optional[str] = None, timeout: Any = None,
+                           world_size: int = -1, rank: int = -1, store: Any = None, group_name: str = "",
+                           pg_options: Any = None, device_id: Any = None, **_: Any) -> Any:
+        import torch.distributed as dist
+
+        # No rendezvous: the other ranks are not waited for, nor needed (nothing is communicated).
+        world_size = world_size if world_size is not None and world_size > 0 else _env_int("WORLD_SIZE", 1)
+        rank = rank if rank is not None and rank >= 0 else _env_int("RANK", 0)
+        options: Dict[str, Any] = {"group_name": group_name} if group_name else {}
+        if timeout is not None:
+            options["timeout"] = timeout
+        out = real(backend="fake", store=dist.HashStore(), world_size=world_size, rank=rank, **options)
+        _asked[None] = _backend_name(backend)
+        return out
+    init_process_group.__wrapped__ = real  # type: ignore[attr-defined]
+    return init_process_group
+
+
+def _new_group(real: Callable[..., Any]) -> Callable[..., Any]:
+    def new_group(ranks: Any = None, timeout: Any = None, backend: Any = None, pg_options: Any = None,
+                  *args: Any, **kwargs: Any) -> Any:
+        # The default group's backend (fake): `nccl` or `gloo` named here would look for the real one.
+        kwargs.pop("device_id", None)
+        group = real(ranks, timeout, None, None, *args, **kwargs)
+        if group is not None:
+            _asked[group] = _backend_name(backend) if backend else _asked.get(None, "nccl")
+        return group
+    new_group.__wrapped__ = real  # type: ignore[attr-defined]
+    return new_group
+
+
+def _get_backend(real: Callable[..., Any]) -> Callable[..., Any]:
+    def get_backend(group: Any = None) -> Any:
+        name = real(group)
+        if str(name) != "fake":
+            return name
+        import torch.distributed as dist
+
+        world = dist.GroupMember.WORLD
+        return _asked.get(None if group is None or group is world else group, _asked.get(None, "nccl"))
+    get_backend.__wrapped__ = real  # type: ignore[attr-defined]
+    return get_backend
+
+
+class NativeScope:
+    """torch's C++ code running now, as a GPU's stack names it (c10d.json): its frames under the op's
+    own, innermost first. A scope in stages moves to its next stage after each collective it runs
+    (DDP's rebuild of its buckets syncs the bucket order, a broadcast, then makes the buckets)."""
+
+    def __init__(self, rule: Dict[str, Any]) -> None:
+        self.stages: List[List[str]] = rule["stages"]
+        self.outer: List[str] = rule["outer"]
+        self.stage = 0
+
+    def frames(self) -> List[Dict[str, Any]]:
+        """This scope's native frames now, innermost first."""
+        names = self.stages[self.stage] + self.outer
+        return [{"filename": "", "line": 0, "name": name} for name in names]
+
+    def collective(self) -> None:
+        """A collective ran inside this scope."""
+        self.stage = min(self.stage + 1, len(self.stages) - 1)
+
+
+def scopes() -> Dict[str, Any]:
+    """The native frames of torch.distributed's C++ entry points (c10d.json)."""
+    text = resources.files("memdiff.recording.emulate").joinpath("c10d.json").read_text(encoding="utf-8")
+    return dict(json.loads(text)["scopes"])
+
+
+def _in_scope(emulator: Any, rule: Dict[str, Any], call: Callable[..., Any]) -> Callable[..., Any]:
+    def run(*args: Any, **kwargs: Any) -> Any:
+        emulator.native.append(NativeScope(rule))
+        try:
+            return call(*args, **kwargs)
+        finally:
+            emulator.native.pop()
+    run.__wrapped__ = call  # type: ignore[attr-defined]
+    return run
+
+
+def _reducer(emulator: Any, real: Any, rules: Dict[str, Any]) -> Any:
+    """DDP's Reducer, whose construction and bucket rebuild allocate its gradient buckets on the device."""
+    made = _in_scope(emulator, rules["Reducer"], lambda self, *a, **k: real.__init__(self, *a, **k))
+    rebuild = _in_scope(emulator, rules["rebuild_buckets"], lambda self: real._rebuild_buckets(self))
+
+    class Reducer(real):
+        __doc__ = real.__doc__
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            made(self, *args, **kwargs)
+
+        def _rebuild_buckets(self) -> bool:
+            return bool(rebuild(self))
+    Reducer.__name__ = Reducer.__qualname__ = real.__name__
+    Reducer.__module__ = real.__module__
+    return Reducer
+
+
+@contextlib.contextmanager
+def fake_process_groups(emulator: Any) -> Iterator[None]:
+    """For the block: every process group torch.distributed makes is the fake one (no communication),
+    and the device allocations of its C++ code carry the native frames a GPU's stack has."""
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        yield
+        return
+    import torch.distributed.distributed_c10d as c10d
+
+    try:  # registers the `fake` backend where torch does not have it built in (before 2.9 or so)
+        import torch.testing._internal.distributed.fake_pg  # noqa: F401
+    except ImportError:
+        pass
+    wrappers = {"init_process_group": _init, "new_group": _new_group, "get_backend": _get_backend}
+    answers: Dict[str, Any] = {"is_nccl_available": lambda: True}
+    replaced: List[Tuple[Any, str, Any]] = []
+    for name, wrap in wrappers.items():
+        real = getattr(c10d, name)
+        answers[name] = wrap(real)
+        # Every torch.distributed module that imported the function by name (device_mesh, ...).
+        for module_name, module in list(sys.modules.items()):
+            if module_name.startswith("torch.distributed") and getattr(module, name, None) is real:
+                replaced.append((module, name, real))
+                setattr(module, name, answers[name])
+    for module in (dist, c10d):
+        replaced.append((module, "is_nccl_available", module.is_nccl_available))
+        setattr(module, "is_nccl_available", answers["is_nccl_available"])  # noqa: B010
+    rules = scopes()
+    for name in ("_verify_params_across_processes", "_broadcast_coalesced", "Reducer"):
+        real = getattr(dist, name, None)
+        if real is None:
+            continue
+        if name == "Reducer":
+            value = _reducer(emulator, real, rules)
+        else:
+            value = _in_scope(emulator, rules[name.strip("_")], real)
+        replaced.append((dist, name, real))
+        setattr(dist, name, value)
+    try:
+        yield
+    finally:
+        for module, name, value in reversed(replaced):
+            setattr(module, name, value)
+
+
+def completed(out: Any, args: Tuple[Any, ...]) -> Any:
+    """A collective's result with its Work done and its future holding the tensors, as NCCL's and
+    gloo's futures do: the fake group's future holds nothing, and DDP's reducer reads its buckets back
+    from the future of their all-reduce."""
+    from torch._C import _distributed_c10d as c10d
+
+    make = getattr(c10d, "_create_work_from_future", None)
+    if make is None or not hasattr(c10d.Work, "boxed"):
+        return out
+
+    def done(value: Any) -> Any:
+        future: Any = torch.futures.Future()
+        future.set_result(value)
+        return make(future).boxed()
+    if isinstance(out, tuple) and len(out) == 2 and _is_work(out[1]):
+        return out[0], done(out[0])
+    if _is_work(out):
+        first = args[0] if args else None
+        return done(first if isinstance(first, list) else [first] if isinstance(first, torch.Tensor) else None)
+    return out
+
+
+def _is_work(x: Any) -> bool:
+    if not isinstance(x, torch.ScriptObject):
+        return False
+    try:
+        return str(x._type().qualified_name()).endswith(".Work")
+    except Exception:  # not a TorchScript class torch can name
+        return False
+
+
+# -- the values collectives leave, as the fake group's every-rank-holds-mine rule gives them -------
+
+ALLGATHER_LISTS = {"allgather_", "allgather_coalesced_"}
+ALLGATHER_FLAT = {"_allgather_base_", "allgather_into_tensor_coalesced_"}
+SAME_VALUE_OPS = {"MIN", "MAX", "AVG", "BAND", "BOR"}
+
+
+def follow(base: str, args: Tuple[Any, ...], values: Any) -> None:
+    """After c10d op `base` ran on meta tensors: the values its written tensors hold now."""
+    known = values.known
+    if base == "broadcast_" or base.startswith("barrier") or base == "monitored_barrier_":
+        return  # this rank's tensors are the source's
+    if base in ALLGATHER_LISTS:  # allgather_: [[one per rank]] of [input]; coalesced: [per rank] of inputs
+        outputs, inputs = args[0], args[1]
+        for slots in outputs:
+            for i, slot in enumerate(slots):
+                _give(known, slot, values.of(inputs[0] if base == "allgather_" else inputs[i]))
+        return
+    if base in ALLGATHER_FLAT:  # one flat output per input, this rank's input once per rank
+        pairs = [(args[0], args[1])] if base == "_allgather_base_" else list(zip(args[0], args[1]))
+        for out, source in pairs:
+            value = values.of(source)
+            if value is None or out.numel() % max(value.numel(), 1):
+                known.pop(out, None)
+                continue
+            _give(known, out, value.reshape(-1).repeat(out.numel() // max(value.numel(), 1)).reshape(out.shape))
+        return
+    if base in ("allreduce_", "allreduce_coalesced_"):
+        tensors, group, op = args[0], args[1], args[2]
+        kind = str(getattr(op, "op", op)).rsplit(".", 1)[-1].upper()
+        for t in tensors:
+            value = values.of(t)
+            if value is None:
+                continue
+            if kind == "SUM":
+                known[t] = value * _size(group)
+            elif kind in SAME_VALUE_OPS:
+                continue
+            else:
+                known.pop(t, None)
+        return
+    for t in _written(args):  # reduce-scatter, all-to-all, scatter, gather, recv: values unknown
+        known.pop(t, None)
+
+
+def _give(known: Any, tensor: Any, value: Optional[torch.Tensor]) -> None:
+    if value is None or tuple(value.shape) != tuple(tensor.shape):
+        known.pop(tensor, None)
+    else:
+        known[tensor] = value.to(tensor.dtype).clone()
+
+
+def _size(group: Any) -> int:
+    try:
+        return int(group.size())
+    except Exception:  # not a process group torch can ask: the job's size
+        return _env_int("WORLD_SIZE", 1)
+
+
+def _written(args: Tuple[Any, ...]) -> List[Any]:
+    from torch.utils._pytree import tree_leaves
+
+    return [t for t in tree_leaves(list(args)) if isinstance(t, torch.Tensor)]
