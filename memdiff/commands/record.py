@@ -242,6 +242,10 @@ def _run_launcher(args: argparse.Namespace) -> int:
                MEMDIFF_RECORD_STACKS=args.stacks, MEMDIFF_RECORD_STEPS=str(args.steps or ""),
                MEMDIFF_PACKAGE_PARENT=os.path.dirname(os.path.dirname(os.path.abspath(memdiff.__file__))),
                PYTHONPATH=os.pathsep.join(p for p in (hook, os.environ.get("PYTHONPATH")) if p))
+    if args.emulate:  # every process that imports torch runs on the emulated GPU (docs/emulate.md)
+        env["MEMDIFF_RECORD_EMULATE"] = args.emulate
+    else:
+        env.pop("MEMDIFF_RECORD_EMULATE", None)
     env.pop("MEMDIFF_RECORD_RANK_PID", None)  # set by each rank for its own children, never inherited from us
     child = subprocess.Popen(command, env=env)
     interrupted = _wait_forwarding_signals(child)
@@ -298,9 +302,6 @@ def run(args: argparse.Namespace) -> int:
     if args.repeat > 1:
         return _run_repeats(args)
     if is_folder(args.output):
-        if args.emulate:
-            raise InputError(args.output, "--emulate records one process: give -o FILE (a launcher's ranks "
-                                          "are not emulated yet)")
         return _run_launcher(args)
     target = _target(args.command)
     # Checked (and its folder made) before the script runs: a bad path must not cost the run.

@@ -32,6 +32,8 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 # The pid of the process that is rank RANK, set by that process for everything it starts.
 OWNER = "MEMDIFF_RECORD_RANK_PID"
+# The GPU to emulate (`memdiff record --emulate GPU -o DIR/`): every process runs on it, with no GPU.
+EMULATE = "MEMDIFF_RECORD_EMULATE"
 
 
 def _say(message):
@@ -161,6 +163,8 @@ class _Recording:
     def _start_cuda(self):
         self.finish = self.capture.start_cuda(self.torch, int(os.environ.get("MEMDIFF_RECORD_MAX_ENTRIES", "1000000")),
                                               os.environ.get("MEMDIFF_RECORD_STACKS", "all"))
+        if os.environ.get(EMULATE):  # an emulated out-of-memory error is a Python exception: written at exit
+            return
         observer = getattr(self.torch._C, "_cuda_attach_out_of_memory_observer", None)
         if observer is not None:  # an OOM kills the rank: write what led to it first
             observer(lambda *_: self.write("out of memory"))
@@ -210,10 +214,47 @@ def _die_of_sigterm():
 def _start(torch, folder):
     sys.path.insert(0, os.environ["MEMDIFF_PACKAGE_PARENT"])
     try:
+        from memdiff.errors import InputError
         from memdiff.recording import capture
     finally:
         sys.path.pop(0)
+    emulate = os.environ.get(EMULATE)
+    if emulate:
+        _emulate(emulate, InputError)
     _Recording(torch, folder, capture).start()
+
+
+def _emulate(key, input_error):
+    """Run this process on the emulated GPU `key` from here on (`memdiff record --emulate GPU -o DIR/`):
+    its cuda tensors on the meta device, torch.cuda answering as the GPU, process groups that do no
+    communication. The emulator stays on until the process ends."""
+    from memdiff.recording.emulate.gpus import gpu
+    from memdiff.recording.emulate.runtime import Emulator
+
+    Emulator(gpu(key)).__enter__()
+    previous = sys.excepthook
+
+    def refused(kind, value, traceback):
+        # The emulator refusing an op: one line naming the op and the script's line, as one process
+        # records it, and exit 2 (the rank's snapshot up to there is written at exit).
+        if isinstance(value, input_error):
+            _say(f"rank {os.environ.get('RANK', '?')}: {value}")
+            sys.stderr.flush()
+            _exit_status[0] = 2
+            return
+        previous(kind, value, traceback)
+    sys.excepthook = refused
+    atexit.register(_exit_with_status)  # registered first: runs after the recording is written
+
+
+# An exit status to end with instead of Python's own (1 after an uncaught exception).
+_exit_status = [None]
+
+
+def _exit_with_status():
+    if _exit_status[0] is not None:
+        sys.stdout.flush()
+        os._exit(_exit_status[0])
 
 
 class _AfterTorch:
