@@ -90,18 +90,21 @@ class NativeScope:
     (DDP's rebuild of its buckets syncs the bucket order, a broadcast, then makes the buckets)."""
 
     def __init__(self, rule: Dict[str, Any]) -> None:
-        self.stages: List[List[str]] = rule["stages"]
+        self.stages: List[Dict[str, Any]] = rule["stages"]
         self.outer: List[str] = rule["outer"]
         self.stage = 0
+        self.collectives = 0  # run in this stage so far
 
     def frames(self) -> List[Dict[str, Any]]:
         """This scope's native frames now, innermost first."""
-        names = self.stages[self.stage] + self.outer
+        names = self.stages[self.stage]["frames"] + self.outer
         return [{"filename": "", "line": 0, "name": name} for name in names]
 
     def collective(self) -> None:
-        """A collective ran inside this scope."""
-        self.stage = min(self.stage + 1, len(self.stages) - 1)
+        """A collective ran inside this scope: the stage ends after its last one."""
+        self.collectives += 1
+        if self.stage + 1 < len(self.stages) and self.collectives >= self.stages[self.stage].get("collectives", 1):
+            self.stage, self.collectives = self.stage + 1, 0
 
 
 def scopes() -> Dict[str, Any]:
