@@ -107,6 +107,51 @@ class _Device:
         return None
 
 
+_RealGenerator: Any = torch._C.Generator
+_GeneratorMeta: Any = type(_RealGenerator)  # torch's metaclass for its C types
+
+
+def _names_cuda(device: Any) -> bool:
+    """Whether a Generator's device argument is the (emulated) GPU: `cuda`, `cuda:0`, a torch.device, an index."""
+    if isinstance(device, int) and not isinstance(device, bool):
+        return True
+    if isinstance(device, str):
+        return device.split(":")[0] == "cuda"
+    return isinstance(device, torch.device) and device.type == "cuda"
+
+
+class _GeneratorType(_GeneratorMeta):
+    """Every torch generator is a torch.Generator still (isinstance checks in torch and in scripts)."""
+
+    def __instancecheck__(cls, obj: Any) -> bool:
+        return isinstance(obj, _RealGenerator)
+
+    def __subclasscheck__(cls, sub: Any) -> bool:
+        return issubclass(sub, _RealGenerator)
+
+
+class Generator(_RealGenerator, metaclass=_GeneratorType):
+    """torch.Generator while the emulator runs: a `cuda` generator is a CPU generator standing in (the
+    emulated device draws no values, and ops on it take a CPU generator), reported as on `cuda:0`;
+    seeding it, reading and setting its state work as on any generator."""
+
+    def __new__(cls, device: Any = "cpu") -> "Generator":
+        emulated = _names_cuda(device)
+        made = super().__new__(cls, "cpu" if emulated else device)
+        made.emulated = emulated
+        return made
+
+    def __init__(self, device: Any = "cpu") -> None:
+        """Made whole by __new__ (torch's generator takes its device there)."""
+
+    @property
+    def device(self) -> Any:
+        return torch.device("cuda", 0) if self.emulated else _RealGenerator.device.__get__(self)
+
+
+Generator.__module__, Generator.__qualname__ = "torch._C", "Generator"  # as torch's own reads in a repr
+
+
 def _answers(emulator: Emulator, saved: Dict[Tuple[Any, str], Any]) -> Dict[str, Callable[..., Any]]:
     allocator = emulator.allocator
     properties = _Properties(emulator)
@@ -137,8 +182,25 @@ def _answers(emulator: Emulator, saved: Dict[Tuple[Any, str], Any]) -> Dict[str,
                 f"(peak {s['allocated_bytes.all.peak']} B), reserved {s['reserved_bytes.all.current']} B "
                 f"(peak {s['reserved_bytes.all.peak']} B)")
 
+    generator = Generator("cuda")  # the device's default generator, standing in
+
     def rng_state(device: Any = None) -> torch.Tensor:
-        return torch.zeros(16, dtype=torch.uint8)
+        return generator.get_state()
+
+    def set_rng_state(state: Any, device: Any = None) -> None:
+        # A state saved on a real GPU (Philox's 16 bytes) has no meaning for the stand-in: no values are drawn.
+        if isinstance(state, torch.Tensor) and state.shape == generator.get_state().shape:
+            generator.set_state(state)
+
+    def set_rng_state_all(states: Any) -> None:
+        for state in list(states)[:1]:
+            set_rng_state(state)
+
+    def manual_seed(seed: int) -> None:
+        generator.manual_seed(int(seed))
+
+    def seed() -> None:
+        generator.seed()
 
     answers = {
         "is_available": lambda: True, "device_count": lambda: 1, "current_device": lambda: 0,
@@ -160,9 +222,10 @@ def _answers(emulator: Emulator, saved: Dict[Tuple[Any, str], Any]) -> Dict[str,
         "reset_peak_memory_stats": reset_peaks, "reset_max_memory_allocated": reset_peaks,
         "reset_max_memory_cached": reset_peaks, "reset_accumulated_memory_stats": nothing,
         "mem_get_info": lambda device=None: (emulator.capacity - allocator.reserved, emulator.gpu.total_memory),
-        "manual_seed": nothing, "manual_seed_all": nothing, "seed": nothing, "seed_all": nothing,
-        "initial_seed": lambda: 0, "get_rng_state": rng_state, "set_rng_state": nothing,
-        "get_rng_state_all": lambda: [rng_state()], "set_rng_state_all": nothing,
+        "manual_seed": manual_seed, "manual_seed_all": manual_seed, "seed": seed, "seed_all": seed,
+        "initial_seed": lambda: generator.initial_seed(), "default_generators": (generator,),
+        "get_rng_state": rng_state, "set_rng_state": set_rng_state,
+        "get_rng_state_all": lambda: [rng_state()], "set_rng_state_all": set_rng_state_all,
         "Stream": Stream, "Event": Event, "current_stream": lambda device=None: stream,
         "default_stream": lambda device=None: stream, "stream": lambda s=None: contextlib.nullcontext(),
         "set_stream": nothing, "device": _Device, "device_of": _Device,
@@ -263,6 +326,8 @@ def cuda_answers_as(emulator: Emulator) -> Iterator[None]:
             setattr(nvtx, name, lambda *a, **k: 0)
         replaced.append((nvtx, "range", getattr(nvtx, "range", _MISSING)))
         setattr(nvtx, "range", lambda *a, **k: contextlib.nullcontext())  # noqa: B010 (mypy: torch is Any-typed)
+    replaced.append((torch, "Generator", torch.Generator))
+    torch.Generator = Generator
     storage_pointer = torch.UntypedStorage.data_ptr
     replaced.append((torch.UntypedStorage, "data_ptr", storage_pointer))
 
