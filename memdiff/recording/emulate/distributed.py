@@ -249,7 +249,7 @@ def follow(base: str, args: Tuple[Any, ...], values: Any) -> None:
         return
     if base in ("allreduce_", "allreduce_coalesced_"):
         tensors, group, op = args[0], args[1], args[2]
-        kind = str(getattr(op, "op", op)).rsplit(".", 1)[-1].upper()
+        kind = _reduce_kind(op)
         for t in tensors:
             value = values.of(t)
             if value is None:
@@ -263,6 +263,18 @@ def follow(base: str, args: Tuple[Any, ...], values: Any) -> None:
         return
     for t in _written(args):  # reduce-scatter, all-to-all, scatter, gather, recv: values unknown
         known.pop(t, None)
+
+
+def _reduce_kind(op: Any) -> str:
+    """`SUM`, `MAX`, ...: the reduction a dispatched collective was given (a boxed ReduceOp whose `op()`
+    is RedOpType's number), or "" when it cannot be told."""
+    import torch.distributed as dist
+
+    try:
+        code = op.op() if callable(getattr(op, "op", None)) else getattr(op, "op", op)
+        return str(dist.ReduceOp.RedOpType(int(code)).name)
+    except Exception:  # a ReduceOp this torch boxes otherwise: its values are dropped
+        return ""
 
 
 def _give(known: Any, tensor: Any, value: Optional[torch.Tensor]) -> None:
