@@ -186,6 +186,7 @@ class _JobOutcome:
 
     written: List[str]  # snapshot files this run wrote
     lost: List[str]  # one line per rank that left no snapshot, saying why
+    refused: List[int]  # under --emulate: the ranks the emulator stopped at an op it cannot run
 
 
 def _report_job(args: argparse.Namespace, folder: str, before: Dict[str, int], status: int) -> _JobOutcome:
@@ -214,7 +215,8 @@ def _report_job(args: argparse.Namespace, folder: str, before: Dict[str, int], s
                  f"{'s' if manifest.world_size != 1 else ''})" if manifest else ""), file=sys.stderr)
     lost = ([f"rank {r.rank} of {manifest.world_size} has no snapshot: {r.why_missing()}"
              for r in manifest.missing(folder)] if manifest is not None else [])
-    return _JobOutcome(written, lost)
+    refused = [r.rank for r in manifest.ranks if r.refused] if manifest is not None else []
+    return _JobOutcome(written, lost, refused)
 
 
 def _by_rank(name: str) -> Tuple[int, str]:
@@ -260,6 +262,8 @@ def _run_launcher(args: argparse.Namespace) -> int:
         print(f"memdiff: no process of `{' '.join(command)}` recorded an allocation (none imported torch?); "
               f"nothing written to {args.output}", file=sys.stderr)
         return status or EXIT_BAD_INPUT
+    if outcome.refused:  # each such rank said which op, in one line: the run is bad input, not a crash
+        return EXIT_BAD_INPUT
     return status or (EXIT_BAD_INPUT if outcome.lost else 0)
 
 

@@ -39,6 +39,7 @@ class RankRecording:
     file: Optional[str] = None
     error: Optional[str] = None
     at: Optional[str] = None  # what stopped it: exit, SIGTERM, destroy_process_group, out of memory
+    refused: Optional[str] = None  # under --emulate: the op the emulator could not run, which ended the rank
 
     def why_missing(self) -> str:
         """Why this rank has no snapshot, in a reader's words."""
@@ -116,7 +117,7 @@ def collect(folder: str, keep: bool = False) -> Optional[JobManifest]:
         if document is None:
             ranks.append(RankRecording(rank, NOT_STARTED))
             continue
-        text = {k: str(document[k])[:500] for k in ("file", "error", "at") if isinstance(document.get(k), str)}
+        text = {k: str(document[k])[:500] for k in ("file", "error", "at", "refused") if isinstance(document.get(k), str)}
         state = document.get("state")
         if state not in (WRITTEN, FAILED, NOTHING, UNFINISHED):
             state, text["error"] = FAILED, text.get("error", "its status file says no state memdiff writes")

@@ -74,6 +74,8 @@ class _Recording:
         if self.rank is None:
             return
         document = {"rank": self.rank, "world_size": _world_size(), "pid": self.pid, "state": state, **facts}
+        if _refused:
+            document["refused"] = _refused[0]
         self.capture.write_status(os.path.join(self.folder, f".rank{self.rank}.status"), document)
 
     def write(self, why):
@@ -240,6 +242,7 @@ def _emulate(key, input_error):
         if isinstance(value, input_error):
             _say(f"rank {os.environ.get('RANK', '?')}: {value}")
             sys.stderr.flush()
+            _refused.append(str(value)[:500])
             _exit_status[0] = 2
             return
         previous(kind, value, traceback)
@@ -249,6 +252,8 @@ def _emulate(key, input_error):
 
 # An exit status to end with instead of Python's own (1 after an uncaught exception).
 _exit_status = [None]
+# What the emulator refused in this process, told to `memdiff record` in the rank's status.
+_refused = []
 
 
 def _exit_with_status():
