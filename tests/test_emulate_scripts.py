@@ -308,3 +308,41 @@ def test_a_window_recorded_inside_the_emulated_run_holds_its_steps_and_leaves_th
     assert steps.returncode == 0, steps.stderr[-3000:]
     alone = memdiff.summarize(tmp_path / "steps.pickle").devices[0]
     assert (window.trace_events, window.static_bytes) == (alone.trace_events, alone.static_bytes)
+
+
+GENERATORS = """
+import json, sys
+import torch
+
+g = torch.Generator("cuda")
+g.manual_seed(1234)
+other = torch.Generator(device="cuda")
+assert isinstance(g, torch.Generator) and isinstance(torch.default_generator, torch.Generator)
+x = torch.randn(256, 256, device="cuda", generator=g)  # 256 KiB drawn on the device
+torch.nn.init.normal_(x, generator=other)
+mask = torch.bernoulli(torch.full((1024,), 0.5, device="cuda"), generator=g)
+order = torch.randperm(4096, device="cuda", generator=g)
+torch.manual_seed(0)  # seeds the CUDA generators too
+torch.cuda.manual_seed(7)
+torch.cuda.manual_seed_all(7)
+state = torch.cuda.get_rng_state()
+torch.cuda.set_rng_state(state)
+torch.cuda.set_rng_state(torch.zeros(16, dtype=torch.uint8))  # a state saved on a real GPU
+g.set_state(g.get_state())
+json.dump({"device": str(g.device), "other": str(other.device), "seed": g.initial_seed(),
+           "cuda_seed": torch.cuda.initial_seed(), "state": state.dtype == torch.uint8,
+           "cpu": str(torch.Generator().device), "x": str(x.device), "order": str(order.device),
+           "default": str(torch.cuda.default_generators[0].device),
+           "allocated": torch.cuda.memory_allocated()}, sys.stdout)
+"""
+
+
+@pytest.mark.slow
+def test_cuda_generators_and_rng_state_work_with_a_cpu_generator_standing_in(tmp_path):
+    # A CPU build of torch has no CUDA generator: torch.Generator("cuda") failed under emulation.
+    done = _emulate(tmp_path, GENERATORS, "generators.py", PYTHONPATH=str(ROOT))
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout)
+    assert out.pop("allocated") >= 256 * 256 * 4 + 1024 * 4 + 4096 * 8  # what was drawn is on the device
+    assert out == {"device": "cuda:0", "other": "cuda:0", "seed": 1234, "cuda_seed": 7, "state": True,
+                   "cpu": "cpu", "x": "cuda:0", "order": "cuda:0", "default": "cuda:0"}
