@@ -117,7 +117,8 @@ def collect(folder: str, keep: bool = False) -> Optional[JobManifest]:
         if document is None:
             ranks.append(RankRecording(rank, NOT_STARTED))
             continue
-        text = {k: str(document[k])[:500] for k in ("file", "error", "at", "refused") if isinstance(document.get(k), str)}
+        text = {k: str(document[k])[:500] for k in ("file", "error", "at", "refused")
+                if isinstance(document.get(k), str)}
         state = document.get("state")
         if state not in (WRITTEN, FAILED, NOTHING, UNFINISHED):
             state, text["error"] = FAILED, text.get("error", "its status file says no state memdiff writes")

@@ -253,7 +253,7 @@ def _emulate(key, input_error):
 # An exit status to end with instead of Python's own (1 after an uncaught exception).
 _exit_status = [None]
 # What the emulator refused in this process, told to `memdiff record` in the rank's status.
-_refused = []
+_refused: list = []
 
 
 def _exit_with_status():
