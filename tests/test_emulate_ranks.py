@@ -134,6 +134,41 @@ def test_an_op_the_emulator_cannot_run_in_a_rank_is_one_line_and_exit_2(torch, t
     assert manifest["ranks"][0]["state"] == "written"  # what ran up to the op
 
 
+FSDP2 = textwrap.dedent("""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group("nccl")
+    model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(4)]).cuda()
+    for layer in model:
+        fully_shard(layer)
+    fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters())
+    for _ in range(2):
+        model(torch.randn(8, 1024, device="cuda")).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    dist.destroy_process_group()
+""")
+
+
+def test_fsdp2_shards_and_its_optimizer_state_is_the_shards(torch, tmp_path):
+    # No real FSDP run yet: the truth is the model's own. FSDP2 picks its mesh's device from
+    # torch's accelerator (cuda, emulated), and its DTensor parameters hold a shard each: AdamW's
+    # two moments are the shard's size, not the whole weight's.
+    (tmp_path / "fsdp.py").write_text(FSDP2)
+    done = _memdiff(tmp_path, "record", "--emulate", "h100", "-o", "run.pickle", "--", "python", "fsdp.py",
+                    env={"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    from memdiff import api
+
+    categories = api.summarize(tmp_path / "run.pickle").devices[0].categories
+    shard = BUCKET * 4 // 2  # four Linear(1024, 1024), halved between two ranks
+    assert categories["parameter"] == shard
+    assert categories["optimizer_state"] == 2 * shard
+
+
 @pytest.fixture(scope="module")
 def emulated_ddp(tmp_path_factory):
     """The real DDP job of tests/data/cuda/ddp, run again on the emulated H100."""

@@ -8,7 +8,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass_type
 from torch.utils._pytree import tree_leaves
 
 from memdiff.recording.emulate import distributed
@@ -185,6 +185,10 @@ class AllocMode(TorchDispatchMode):
         self.values = Values()
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Tuple[Any, ...] = (), kwargs: Optional[Dict] = None):
+        if any(is_traceable_wrapper_subclass_type(t) for t in types):
+            # A tensor subclass (FSDP2's and tensor parallelism's DTensor) runs the op on its local
+            # tensors, which come back here: the memory is theirs (a shard), not the wrapper's shape.
+            return NotImplemented
         # Below autograd a tensor is what it is: the device mode (on during a backward) must not tell
         # this code that a meta tensor is cuda.
         with torch._C.DisableTorchFunction():

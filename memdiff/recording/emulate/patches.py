@@ -309,6 +309,9 @@ def cuda_answers_as(emulator: Emulator) -> Iterator[None]:
                 continue
             replaced.append((module, name, getattr(module, name, _MISSING)))
             setattr(module, name, value)
+    if hasattr(torch._C, "_get_accelerator"):  # what torch's own code asks (FSDP2's default mesh): the GPU
+        replaced.append((torch._C, "_get_accelerator", torch._C._get_accelerator))
+        setattr(torch._C, "_get_accelerator", lambda check=False: torch.device("cuda"))  # noqa: B010
     accelerator = getattr(torch, "accelerator", None)  # torch 2.6+
     if isinstance(accelerator, types.ModuleType):
         accelerated = _accelerator_answers(emulator, answers)
