@@ -94,8 +94,12 @@ class DeviceMode(TorchFunctionMode):
             return 0
         if func is torch.Tensor.data_ptr and _is_meta(args[0]):
             return self.emulator.address(args[0].untyped_storage()) + args[0].storage_offset() * args[0].element_size()
-        if func is torch.Tensor.cuda:
-            return args[0].to(META, non_blocking=bool(kwargs.get("non_blocking", False)))
+        if func is torch.Tensor.cuda:  # Tensor.cuda() is a .to() (to_dtype_layout) in torch's C++
+            self.emulator.context.append("to_dtype_layout")
+            try:
+                return args[0].to(META, non_blocking=bool(kwargs.get("non_blocking", False)))
+            finally:
+                self.emulator.context.pop()
         if func in (torch.Tensor.pin_memory,):
             return args[0]
         if func is torch.Tensor.record_stream:
