@@ -212,3 +212,13 @@ def test_each_emulated_rank_diffs_as_no_change_against_the_real_rank(emulated_dd
     # Every site holds the same bytes at the peak: DDP's buckets, the weights moved by .cuda(), all of them.
     rows = done.stdout[done.stdout.index("\nstatus "):].splitlines()[3:]
     assert not [row for row in rows if row.split()[:1] in (["NEW"], ["GONE"], ["GREW"], ["SHRANK"])], rows
+
+
+def test_an_allocator_setting_the_emulator_lacks_is_one_line_before_any_rank_starts(tmp_path):
+    (tmp_path / "train.py").write_text("raise SystemExit('never run')\n")
+    done = _memdiff(tmp_path, "record", "--emulate", "h100", "-o", "runs/", "--", *_torchrun("train.py"),
+                    env={"PYTORCH_CUDA_ALLOC_CONF": "bogus:1"})
+    assert done.returncode == 2
+    assert done.stderr.splitlines() == ["memdiff: PYTORCH_CUDA_ALLOC_CONF: PYTORCH_CUDA_ALLOC_CONF setting 'bogus' "
+                                        "is not emulated"]
+    assert not (tmp_path / "runs").exists()

@@ -25,6 +25,7 @@ from memdiff.inert import shell, text
 from memdiff.job import MAX_RANKS, rank_of, rank_patterns
 from memdiff.load import decode
 from memdiff.recording.capture import STACKS, StepWindow, parse_steps, record, recorded_nothing
+from memdiff.recording.emulate.allocator import AllocatorConfig
 from memdiff.recording.emulate.gpus import gpu
 from memdiff.recording.emulate.gpus import names as gpu_names
 from memdiff.recording.manifest import MANIFEST, clear_statuses, collect, write_manifest
@@ -235,6 +236,11 @@ def _run_launcher(args: argparse.Namespace) -> int:
     success (2 when the command itself succeeded), and a run ended by Ctrl-C is 130."""
     check_folder(args.output)
     command = _launched(args.command)
+    if args.emulate:  # each rank's emulator reads it: a bad setting is one line here, before any rank starts
+        try:
+            AllocatorConfig.parse(os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""))
+        except ValueError as exc:
+            raise InputError("PYTORCH_CUDA_ALLOC_CONF", str(exc)) from None
     folder = os.path.abspath(args.output)
     os.makedirs(folder, exist_ok=True)
     clear_statuses(folder)

@@ -222,7 +222,11 @@ def _start(torch, folder):
         sys.path.pop(0)
     emulate = os.environ.get(EMULATE)
     if emulate:
-        _emulate(emulate, InputError)
+        try:
+            _emulate(emulate, InputError)
+        except InputError as exc:  # the CUDA script cannot run without it: one line, exit 2
+            _say(f"process {os.getpid()}: cannot emulate {emulate}: {exc}")
+            os._exit(2)
     _Recording(torch, folder, capture).start()
 
 
