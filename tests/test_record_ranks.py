@@ -80,6 +80,20 @@ def test_a_process_that_never_imports_torch_is_not_slowed_and_writes_nothing(tor
     assert existing.read_bytes() == b"an earlier run"  # never replaced by a recording of nothing
 
 
+def test_a_lone_process_that_never_reaches_the_window_says_so(torch, tmp_path):
+    """`-o DIR/` with a window, one process (no launcher, so no rank and no manifest): the process
+    says the window was not reached and how many steps ran, and memdiff record no longer guesses
+    that torch was never imported."""
+    script = tmp_path / "train.py"
+    script.write_text("import torch\nw = torch.nn.Parameter(torch.ones(64))\nopt = torch.optim.SGD([w], lr=0.1)\n"
+                      "for _ in range(6):\n    (w * 2).sum().backward()\n    opt.step()\n    opt.zero_grad()\n")
+    done = subprocess.run([sys.executable, "-m", "memdiff", "record", "--steps", "7:9", "-o", "runs/", "--",
+                           sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 2, done.stderr
+    assert "memdiff: the window 7:9 was not reached: 6 optimizer step(s) ran; nothing recorded" in done.stderr
+    assert "(none imported torch, or none reached the window); nothing written to runs/" in done.stderr
+
+
 def test_the_users_own_sitecustomize_still_runs(torch, tmp_path):
     mine = tmp_path / "site"
     mine.mkdir()

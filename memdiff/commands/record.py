@@ -265,7 +265,8 @@ def _run_launcher(args: argparse.Namespace) -> int:
     for line in outcome.lost:
         print(f"memdiff: {line}", file=sys.stderr)
     if not outcome.written and not outcome.lost:
-        print(f"memdiff: no process of `{' '.join(command)}` recorded an allocation (none imported torch?); "
+        guess = "none imported torch, or none reached the window" if args.steps else "none imported torch?"
+        print(f"memdiff: no process of `{' '.join(command)}` recorded an allocation ({guess}); "
               f"nothing written to {args.output}", file=sys.stderr)
         return status or EXIT_BAD_INPUT
     if outcome.refused:  # each such rank said which op, in one line: the run is bad input, not a crash

@@ -87,6 +87,8 @@ class _Recording:
         if finish is None:  # on a GPU machine, a process that never initialized CUDA; a window not reached
             if self.unreached is not None:
                 self.status("nothing recorded", at=why, error=self.unreached)
+                if self.rank is None:  # no manifest says it for a lone process: say it here
+                    _say(f"{self.unreached}; nothing recorded")
             else:
                 self.status("nothing recorded", at=why)
             return
