@@ -97,6 +97,9 @@ AUTOCAST_FP32 = frozenset(_AUTOCAST["fp32"])
 AUTOCAST_SAVES_INPUT = frozenset(_AUTOCAST["saves_input"])
 # An ATen op's frame on the caching allocator's C++ stacks: the op, without its overload's name.
 ATEN_OP = re.compile(r"^at::_ops::(\w+?)(?:_[A-Z]\w*)?::call$")
+# CPU attention on the profiler route: the call's frame, and what CPU flash attention allocates in it.
+SDPA_CALL = "<built-in function scaled_dot_product_attention>"
+FLASH_CPU_ALLOCATIONS = 2
 SCALAR_BYTES = 8  # a one-element tensor (an optimizer's step count): its dtype does not follow the model's
 # torch.optim's optimizers, by their class names lowercased (`torch.optim.RMSprop`: rmsprop), which
 # are also the names of the files their update code lives in (Adafactor's: `_adafactor.py`).
@@ -683,16 +686,53 @@ def _peak_of_set(c: DeviceCourse, members: np.ndarray, size: Optional[np.ndarray
     return int(max(0, np.cumsum(sizes[order]).max()))
 
 
+def _cpu_math_attention(run: _Run) -> np.ndarray:
+    """The forward allocations of CPU `scaled_dot_product_attention` calls that ran PyTorch's math
+    backend: it computes half-precision inputs in fp32 ("keep query, key, value in high precision",
+    unless `allow_fp16_bf16_reduction_math_sdp(True)`), so they keep their size in half precision.
+    The profiler route names the call (`<built-in function scaled_dot_product_attention>`); the math
+    backend makes the scores, softmax, dropout mask and products inside it (GPT-2 with attention
+    dropout: 22 allocations a call), where CPU flash attention makes its output and logsumexp (2)."""
+    c = run.course
+    out = np.zeros(len(c.size), dtype=bool)
+    if not c.origins or not len(c.origin):
+        return out
+    inside = np.array([bool(frames) and frames[0].name.startswith(SDPA_CALL) for frames in c.origins], dtype=bool)
+    if not inside.any():
+        return out
+    fwd = np.flatnonzero((run.phase == FORWARD) & ~c.before)
+    fwd = fwd[np.lexsort((c.start[fwd], run.born_run[fwd]))]
+    call: List[int] = []
+    for k in [*fwd.tolist(), -1]:
+        if k >= 0 and inside[c.origin[k]]:
+            call.append(k)
+            continue
+        if len(call) > FLASH_CPU_ALLOCATIONS:
+            out[call] = True
+        call = []
+    return out
+
+
+def _math_note(math: np.ndarray) -> str:
+    """The assumption said when CPU math attention keeps its size (_cpu_math_attention)."""
+    if not math.any():
+        return ""
+    return (f"; CPU attention's math backend computes in fp32: the {int(math.sum())} allocations of its calls in "
+            "the forward keep their size")
+
+
 def _weights(run: _Run, edit: _Edit, value: str) -> None:
     c = run.course
     # A BLAS workspace is sized by the library per handle (CUBLAS_WORKSPACE_CONFIG), whatever the dtype.
     halved = run.of("parameter", "gradient", "optimizer_state", "optimizer_temporary", "activation",
                     "recomputed_activation", "autograd", "other") & ~run.loss & ~run.indices & (c.size > SCALAR_BYTES)
+    math = _cpu_math_attention(run)
+    halved &= ~math
     edit.size[halved] = edit.size[halved] // 2
     edit.assumptions.append(f"{value} weights: parameters, gradients, optimizer state and activations in 2 bytes; "
                             "the loss (computed in fp32 by the libraries), inputs, int64 indices (max pooling's), "
                             "BLAS workspaces and one-element tensors keep their size; every float tensor is assumed "
-                            "fp32 in the run")
+                            "fp32 in the run" + _math_note(math))
 
 
 def _aten_op(frames: Sequence[Any]) -> str:
@@ -770,7 +810,8 @@ def _autocast(run: _Run, edit: _Edit, value: str) -> None:
     work = run.of("activation", "recomputed_activation", "autograd") & np.isin(run.phase, [FORWARD, BACKWARD]) \
         & ~run.loss & ~run.indices & (c.size > SCALAR_BYTES)
     full, casts = _fp32_regions(run)
-    work &= ~full
+    math = _cpu_math_attention(run)
+    work &= ~full & ~math
     edit.size[work] = edit.size[work] // 2
     for start, end, size in casts:
         edit.add(start, end, size, "activation")
@@ -799,7 +840,7 @@ def _autocast(run: _Run, edit: _Edit, value: str) -> None:
                             + ("; where the stacks name the ATen ops (CUDA), what autocast runs in fp32 (pow, "
                                "layer_norm, ...) and what the same line computes after it stay fp32, with an fp32 "
                                f"copy of a half-precision input the op keeps ({len(casts)} made)"
-                               if full.any() else ""))
+                               if full.any() else "") + _math_note(math))
 
 
 def _optimizer(run: _Run, edit: _Edit, value: str) -> None:

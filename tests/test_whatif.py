@@ -399,3 +399,36 @@ def test_autocast_keeps_what_cuda_runs_in_fp32_and_the_copy_it_saves(write_snaps
     assert memdiff.summarize(run).devices[0].peak_bytes == 3532
     predicted = memdiff.whatif(run, "autocast=bf16").devices[0].changes[0]
     assert (predicted.predicted_peak_bytes, predicted.predicted_peak_phase) == (3582, "forward")
+
+
+def attention_loop(calls: Dict[str, int]) -> Dict[str, Any]:
+    """A forward of CPU `scaled_dot_product_attention` calls as the profiler records them, `calls`
+    naming each call's allocations (each 100 bytes, kept for the backward), then a backward
+    that frees them."""
+    trace = []
+    addr = 10
+    for name, count in calls.items():
+        for _ in range(count):
+            trace.append(alloc(addr, 100, frames("<built-in function scaled_dot_product_attention>",
+                                                 f"model.py(5): {name}", "train.py(8): step")))
+            addr += 1
+        trace.append(alloc(addr, 100, frames("<built-in function linear>", "model.py(6): forward",
+                                             "train.py(8): step")))
+        addr += 1
+    grad = frames("<built-in method run_backward of torch._C._EngineBase object>",
+                  "torch/autograd/graph.py(1): _engine_run_backward", "train.py(9): step")
+    trace.append(alloc(addr, 8 * 100, grad))
+    trace += [free(a, 100, grad) for a in range(10, addr)]
+    return {"segments": [], "device_traces": [trace]}
+
+
+def test_cpu_math_attention_keeps_its_fp32_size_in_half_precision(write_snapshot):
+    """CPU attention's math backend (many allocations a call: scores, softmax, dropout mask,
+    products) computes half-precision inputs in fp32, so its allocations keep their size; CPU flash
+    attention (its output and logsumexp: 2) halves, as the products after each call and the
+    gradient do. At the gradient, by hand: math 5 x 100, flash 2 x 50, the two products 2 x 50, the
+    gradient 400: 1100 (fp32: 900 + 800; halving everything: 850)."""
+    run = write_snapshot(attention_loop({"math": 5, "flash": 2}), "attention.pickle")
+    assert memdiff.summarize(run).devices[0].peak_bytes == 1700
+    predicted = memdiff.whatif(run, "weights=bf16").devices[0].changes[0]
+    assert predicted.predicted_peak_bytes == 1100
