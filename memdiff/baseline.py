@@ -132,22 +132,21 @@ def _stored_groups(groups: List[Group]) -> List[Dict[str, Any]]:
                 if g.bytes_from_earlier_forwards else {})} for g in groups[:TOP_GROUPS]]
 
 
-def _earlier_rest(groups: List[Group]) -> Dict[str, int]:
-    """Per category, the bytes allocated in an earlier step of the groups not stored: the run's
-    `kept from earlier steps` compares with them, however small the groups that hold them."""
+def _rest(groups: List[Group], value: Callable[[Group], int]) -> Dict[str, int]:
+    """Per category, `value` summed over the groups not stored: their bytes from earlier steps
+    (`earlier_rest`: the run's `kept from earlier steps` compares with them, however small the groups
+    that hold them) or their allocations (`rest_counts`: the `rest` rows count them)."""
     rest: Dict[str, int] = {}
     for g in groups[TOP_GROUPS:]:
-        if g.bytes_from_earlier_steps:
-            rest[g.category or "other"] = rest.get(g.category or "other", 0) + g.bytes_from_earlier_steps
+        if value(g):
+            rest[g.category or "other"] = rest.get(g.category or "other", 0) + value(g)
     return rest
 
 
-def _rest_counts(groups: List[Group]) -> Dict[str, int]:
-    """Per category, the allocations of the groups not stored: the `rest` rows count them."""
-    rest: Dict[str, int] = {}
-    for g in groups[TOP_GROUPS:]:
-        rest[g.category or "other"] = rest.get(g.category or "other", 0) + g.count
-    return rest
+def _rest_by_moment(d: DeviceSummary, value: Callable[[Group], int]) -> Dict[str, Dict[str, int]]:
+    """_rest at the peak and at each phase's peak whose groups are stored, where there is any."""
+    moments = [(PEAK, d.groups)] + [(p.phase, p.groups) for p in d.phase_peaks if p.groups is not None]
+    return {moment: rest for moment, rest in ((m, _rest(gs, value)) for m, gs in moments) if rest}
 
 
 def from_summaries(summaries: Dict[int, Summary], name: str, thresholds: Thresholds, git_sha: Optional[str] = None,
@@ -176,12 +175,8 @@ def from_summary(summary: Summary, name: str, thresholds: Thresholds, git_sha: O
         # like-for-like view compare the same moment of both runs.
         "phase_groups": {p.phase: _stored_groups(p.groups) for p in d.phase_peaks if p.groups is not None},
         "at_peak": {"phase": d.phase_at_peak, "step": d.step_at_peak, "scope": d.scope_at_peak},
-        "earlier_rest": {moment: rest for moment, rest in
-                         [(PEAK, _earlier_rest(d.groups))] + [(p.phase, _earlier_rest(p.groups)) for p in d.phase_peaks
-                                                              if p.groups is not None] if rest},
-        "rest_counts": {moment: rest for moment, rest in
-                        [(PEAK, _rest_counts(d.groups))] + [(p.phase, _rest_counts(p.groups)) for p in d.phase_peaks
-                                                            if p.groups is not None] if rest},
+        "earlier_rest": _rest_by_moment(d, lambda g: g.bytes_from_earlier_steps),
+        "rest_counts": _rest_by_moment(d, lambda g: g.count),
         **{k: getattr(d, k) for k in ("reserved_peak_bytes", "fragmentation_bytes") if getattr(d, k) is not None},
         "groups": _stored_groups(d.groups),
     } for d in summary.devices]
