@@ -366,10 +366,9 @@ def repeated_calls(run: _Run) -> Tuple[List[str], np.ndarray]:
     c = run.course
     none = np.full(len(c.size), -1, dtype=np.int64)
     # A workspace (cuBLAS's, made by the first matrix product) is made once, not per block.
-    fwd = np.flatnonzero((run.phase == FORWARD) & ~c.before & ~run.of("workspace"))
+    fwd = _forward_in_order(run, ~run.of("workspace"))
     if not c.origins or not len(c.origin) or not len(fwd):
         return [], none
-    fwd = fwd[np.lexsort((c.start[fwd], run.born_run[fwd]))]  # by forward, then in order
     # Origins are kinds, told apart by their lifetimes too: a block's allocations are the same by their frames.
     numbered: Dict[Tuple[Any, ...], int] = {}
     same_frames = np.array([numbered.setdefault(tuple(frames), len(numbered)) for frames in c.origins], dtype=np.int64)
@@ -432,6 +431,14 @@ def repeated_calls(run: _Run) -> Tuple[List[str], np.ndarray]:
         count = max(count, len(mine) // period)
     where = f"{path[0].file.rpartition('/')[2]}:{path[0].line}"  # the innermost line the block runs under
     return [f"call {k + 1} at {where}" for k in range(count)], block
+
+
+def _forward_in_order(run: _Run, also: Optional[np.ndarray] = None) -> np.ndarray:
+    """The run's forward allocations made in the trace (and in `also`), by forward run, then in order."""
+    c = run.course
+    mask = (run.phase == FORWARD) & ~c.before
+    fwd = np.flatnonzero(mask if also is None else mask & also)
+    return fwd[np.lexsort((c.start[fwd], run.born_run[fwd]))]
 
 
 def _period(seq: np.ndarray) -> int:
@@ -700,8 +707,7 @@ def _cpu_math_attention(run: _Run) -> np.ndarray:
     inside = np.array([bool(frames) and frames[0].name.startswith(SDPA_CALL) for frames in c.origins], dtype=bool)
     if not inside.any():
         return out
-    fwd = np.flatnonzero((run.phase == FORWARD) & ~c.before)
-    fwd = fwd[np.lexsort((c.start[fwd], run.born_run[fwd]))]
+    fwd = _forward_in_order(run)
     call: List[int] = []
     for k in [*fwd.tolist(), -1]:
         if k >= 0 and inside[c.origin[k]]:
@@ -770,8 +776,7 @@ def _fp32_regions(run: _Run) -> Tuple[np.ndarray, List[Tuple[int, int, int]]]:
         return full, casts
     numbered: Dict[Tuple[Any, ...], int] = {}
     lines = [numbered.setdefault(tuple(f for f in frames if f.file), len(numbered)) for frames in c.origins]
-    fwd = np.flatnonzero((run.phase == FORWARD) & ~c.before)
-    fwd = fwd[np.lexsort((c.start[fwd], run.born_run[fwd]))]
+    fwd = _forward_in_order(run)
     region: List[int] = []  # the current line's allocations from its fp32 op on
     pending: List[Tuple[int, int]] = []  # (start, size) of its input copies, kept as long as the line's results
     prev = -1
