@@ -95,8 +95,16 @@ _AUTOCAST = json.loads((resources.files("memdiff") / "rules" / "autocast.json").
 AUTOCAST_LOWER = frozenset(_AUTOCAST["lower"])
 AUTOCAST_FP32 = frozenset(_AUTOCAST["fp32"])
 AUTOCAST_SAVES_INPUT = frozenset(_AUTOCAST["saves_input"])
-# An ATen op's frame on the caching allocator's C++ stacks: the op, without its overload's name.
-ATEN_OP = re.compile(r"^at::_ops::(\w+?)(?:_[A-Z]\w*)?::call$")
+# An ATen op's frame on the caching allocator's C++ stacks: `at::_ops::` names the op and its
+# overload joined by "_" (`sum_dim_IntList`, `pow_Tensor_Scalar`, `max_dim`).
+ATEN_OP = re.compile(r"^at::_ops::(\w+)::call$")
+# Ops whose result is bool or an integer whatever the floating type of their inputs (a mask from
+# `eq`, `argmax`'s indices): neither half-precision weights nor autocast change their size.
+NOT_FLOAT_OPS = frozenset(("eq", "ne", "lt", "gt", "le", "ge", "logical_and", "logical_or", "logical_not",
+                           "logical_xor", "isnan", "isinf", "isfinite", "isposinf", "isneginf", "argmax", "argmin",
+                           "nonzero", "bitwise_and", "bitwise_or", "bitwise_not", "bitwise_xor"))
+# The op names an overload's suffix is taken off to find (`sum_dim_IntList`: sum).
+_KNOWN_OPS = AUTOCAST_LOWER | AUTOCAST_FP32 | frozenset(_AUTOCAST["promote"]) | NOT_FLOAT_OPS
 # CPU attention on the profiler route: the call's frame, and what CPU flash attention allocates in it.
 SDPA_CALL = "<built-in function scaled_dot_product_attention>"
 FLASH_CPU_ALLOCATIONS = 2
@@ -246,6 +254,7 @@ class _Run:
     phase: np.ndarray  # the phase each allocation opened in
     loss: np.ndarray  # made by the loss (kept in fp32 by the libraries)
     indices: np.ndarray  # int64 indices an op returns beside its values
+    op: np.ndarray  # the ATen op that made each allocation, "" where the stacks name none (CUDA's name them)
     base: Replayed
 
     def of(self, *names: str) -> np.ndarray:
@@ -275,7 +284,11 @@ def _facts(course: DeviceCourse, spans: List[PhaseSpan], steps: List[Step]) -> _
         loss_origin = np.array([any(LOSS_SITE.search(f.name) for f in frames) for frames in course.origins], dtype=bool)
         loss = loss | loss_origin[course.origin]
     base = replay_course(course, course.size, spans, steps)
-    return _Run(course, spans, steps, category, born_run, end_run, phase, loss, _indices(course), base)
+    if course.origins and len(course.origin):
+        op = np.array([_aten_op(frames) for frames in course.origins], dtype=object)[course.origin]
+    else:
+        op = np.full(len(course.size), "", dtype=object)
+    return _Run(course, spans, steps, category, born_run, end_run, phase, loss, _indices(course), op, base)
 
 
 def _indices(course: DeviceCourse) -> np.ndarray:
@@ -727,18 +740,31 @@ def _math_note(math: np.ndarray) -> str:
             "the forward keep their size")
 
 
+def _not_float(run: _Run) -> np.ndarray:
+    """The allocations an op of NOT_FLOAT_OPS made (a mask, indices): their size is not the model's dtype's."""
+    return np.isin(run.op, list(NOT_FLOAT_OPS))
+
+
+def _not_float_note(kept: np.ndarray) -> str:
+    """The assumption said when bool or integer results keep their size (_not_float)."""
+    return (f"; the {int(kept.sum())} bool or integer results of comparisons and arg-reductions (a mask from eq) "
+            "keep their size" if kept.any() else "")
+
+
 def _weights(run: _Run, edit: _Edit, value: str) -> None:
     c = run.course
     # A BLAS workspace is sized by the library per handle (CUBLAS_WORKSPACE_CONFIG), whatever the dtype.
     halved = run.of("parameter", "gradient", "optimizer_state", "optimizer_temporary", "activation",
                     "recomputed_activation", "autograd", "other") & ~run.loss & ~run.indices & (c.size > SCALAR_BYTES)
+    kept = halved & _not_float(run)
+    halved &= ~kept
     math = _cpu_math_attention(run)
     halved &= ~math
     edit.size[halved] = edit.size[halved] // 2
     edit.assumptions.append(f"{value} weights: parameters, gradients, optimizer state and activations in 2 bytes; "
                             "the loss (computed in fp32 by the libraries), inputs, int64 indices (max pooling's), "
                             "BLAS workspaces and one-element tensors keep their size; every float tensor is assumed "
-                            "fp32 in the run" + _math_note(math))
+                            "fp32 in the run" + _not_float_note(kept) + _math_note(math))
 
 
 def _aten_op(frames: Sequence[Any]) -> str:
@@ -750,13 +776,32 @@ def _aten_op(frames: Sequence[Any]) -> str:
             break
         m = ATEN_OP.match(f.name)
         if m:
-            op = m.group(1)  # the outermost op frame below the Python code wins: what it called
+            op = _op_name(m.group(1))  # the outermost op frame below the Python code wins: what it called
     return op
 
 
-def _fp32_regions(run: _Run) -> Tuple[np.ndarray, List[Tuple[int, int, int]]]:
-    """(the forward allocations CUDA autocast leaves in fp32, the fp32 copies of half-precision
-    inputs it makes and keeps: (start, end, size) each), from the ATen ops on the stacks.
+def _op_name(joined: str) -> str:
+    """The op of an `at::_ops::` name: the longest known op it starts with (`sum_dim_IntList`: sum;
+    `layer_norm`: layer_norm), else the name up to a capitalised overload (`mul_Tensor`: mul)."""
+    parts = joined.split("_")
+    for k in range(len(parts), 0, -1):
+        name = "_".join(parts[:k])
+        if name in _KNOWN_OPS:
+            return name
+    return re.sub(r"_[A-Z]\w*$", "", joined)
+
+
+@dataclass
+class _Fp32Regions:
+    """What CUDA autocast leaves in fp32 in a run's forward (_fp32_regions)."""
+
+    full: np.ndarray  # the forward allocations that keep their fp32 size
+    casts: List[Tuple[int, int, int]]  # (start, end, size): fp32 copies of half-precision inputs, kept
+    released: List[Tuple[int, int]]  # (allocation, end): half-precision inputs only such a copy kept
+
+
+def _fp32_regions(run: _Run) -> _Fp32Regions:
+    """What CUDA autocast leaves in fp32 in the forward, from the ATen ops on the stacks.
 
     An op of autocast's fp32 list (`pow`, `layer_norm`) makes an fp32 result, and what the same
     line of Python computes after it from that result promotes to fp32 too (Hugging Face GPT-2's
@@ -765,26 +810,27 @@ def _fp32_regions(run: _Run) -> Tuple[np.ndarray, List[Tuple[int, int, int]]]:
     output, not its mean and rstd) goes on to a matrix product, which saves a half-precision copy
     of it in its place: it halves. An fp32 op that keeps its input for the
     backward (`pow`) keeps an fp32 copy of a half-precision one: the input is half precision when
-    a product made it or the line computed it before the op."""
+    a product made it or the line computed it before the op. A product's output the op kept in the
+    fp32 run is then kept by nothing: it is freed when the line ends (GPT-2's `c_fc` output)."""
     c = run.course
-    full = np.zeros(len(c.size), dtype=bool)
-    casts: List[Tuple[int, int, int]] = []
-    if not c.origins or not len(c.origin):
-        return full, casts
-    ops = [_aten_op(frames) for frames in c.origins]
-    if not any(ops):
-        return full, casts
+    out = _Fp32Regions(np.zeros(len(c.size), dtype=bool), [], [])
+    full, casts = out.full, out.casts
+    if not c.origins or not len(c.origin) or not (run.op != "").any():
+        return out
     numbered: Dict[Tuple[Any, ...], int] = {}
     lines = [numbered.setdefault(tuple(f for f in frames if f.file), len(numbered)) for frames in c.origins]
     fwd = _forward_in_order(run)
     region: List[int] = []  # the current line's allocations from its fp32 op on
     pending: List[Tuple[int, int]] = []  # (start, size) of its input copies, kept as long as the line's results
+    inputs: List[int] = []  # products' outputs whose fp32 copy the line keeps
     prev = -1
+    before_line = -1  # the allocation made before the current line's first
 
-    def close(next_op: str) -> None:
+    def close(next_op: str, next_start: int) -> None:
         if region:
             end = int(c.end[region].max())
             casts.extend((start, end, size) for start, size in pending)
+            out.released.extend((k, next_start) for k in inputs)
             if next_op in AUTOCAST_LOWER:
                 # The line's result: its last allocation of the largest size (a layer norm's output,
                 # not the mean and rstd it makes after it).
@@ -792,44 +838,81 @@ def _fp32_regions(run: _Run) -> Tuple[np.ndarray, List[Tuple[int, int, int]]]:
                 full[[k for k in region if c.size[k] == largest][-1]] = False
         region.clear()
         pending.clear()
+        inputs.clear()
 
     for k in fwd.tolist():
         o = int(c.origin[k])
-        op, line = ops[o], lines[o]
+        op, line = run.op[k], lines[o]
         if region and (line != lines[int(c.origin[region[0]])] or run.born_run[k] != run.born_run[region[0]]):
-            close(op)
+            close(op, int(c.start[k]))
+        if prev < 0 or lines[int(c.origin[prev])] != line:
+            before_line = prev
         if op in AUTOCAST_FP32 or region:
             if op in AUTOCAST_SAVES_INPUT and prev >= 0 and not full[prev]:
                 p_origin = int(c.origin[prev])
-                if ops[p_origin] in AUTOCAST_LOWER or lines[p_origin] == line:
+                if run.op[prev] in AUTOCAST_LOWER or lines[p_origin] == line:
                     pending.append((int(c.start[k]), int(c.size[k])))
+                    # The product's output the line reads (GPT-2's c_fc output, whose fp32 copy pow keeps).
+                    if before_line >= 0 and run.op[before_line] in AUTOCAST_LOWER and before_line not in inputs:
+                        inputs.append(before_line)
             full[k] = True
             region.append(k)
         prev = k
-    close("")
-    return full, casts
+    close("", c.events)
+    return out
 
 
-def _autocast(run: _Run, edit: _Edit, value: str) -> None:
+def _residual_adds(run: _Run, block: np.ndarray) -> np.ndarray:
+    """The forward's `add`s of the residual stream, where the stacks name the ATen ops: adds of the
+    size the repeated blocks end with (each block's last forward allocation: `x = x + h`, or the
+    layer norm after it). Autocast keeps the residual stream in fp32: the embedding and the layer
+    norms give fp32, and an add promotes to the wider of its inputs (GPT-2, a Llama and the cs336
+    transformer each keep their residual adds at fp32 size on the GPU)."""
+    out = np.zeros(len(run.course.size), dtype=bool)
+    if not (block >= 0).any() or not (run.op != "").any():
+        return out
+    c = run.course
+    fwd = _forward_in_order(run, block >= 0)
+    last: Dict[Tuple[int, int], int] = {}
+    for k in fwd.tolist():
+        last[(int(block[k]), int(run.born_run[k]))] = k
+    if not last:
+        return out
+    sizes, counts = np.unique(c.size[list(last.values())], return_counts=True)
+    width = int(sizes[counts.argmax()])
+    return (run.phase == FORWARD) & (run.op == "add") & (c.size == width)
+
+
+def _autocast(run: _Run, edit: _Edit, value: str, block: np.ndarray) -> None:
     c = run.course
     work = run.of("activation", "recomputed_activation", "autograd") & np.isin(run.phase, [FORWARD, BACKWARD]) \
         & ~run.loss & ~run.indices & (c.size > SCALAR_BYTES)
-    full, casts = _fp32_regions(run)
+    kept = work & _not_float(run)
+    residual = _residual_adds(run, block)
+    work &= ~kept
+    work &= ~residual
+    regions = _fp32_regions(run)
+    full, casts = regions.full, regions.casts
     math = _cpu_math_attention(run)
     work &= ~full & ~math
     edit.size[work] = edit.size[work] // 2
     for start, end, size in casts:
         edit.add(start, end, size, "activation")
+    for k, end in regions.released:
+        edit.end[k] = min(int(edit.end[k]), end)
     # The most parameter bytes live at once: an update in place makes a new version of each every step.
     params = _peak_of_set(c, np.flatnonzero(run.of("parameter")))
     grads = np.flatnonzero(run.of("gradient") & (run.phase == BACKWARD))
+    alone = 0  # forwards no backward follows
     for step in run.steps:
         # One forward per backward (a micro-batch): the forward runs before each backward run.
         first: Optional[int] = None
-        for p in step.phases:
-            if p.phase == FORWARD and first is None:
-                first = p.start_event
-            elif p.phase == BACKWARD and first is not None:
+        last_forward_end = 0
+        for p in [*step.phases, None]:
+            if p is not None and p.phase == FORWARD:
+                first = p.start_event if first is None else first
+                last_forward_end = p.end_event
+            elif p is not None and p.phase == BACKWARD and first is not None:
                 # Each weight's cast is saved for its backward: freed when its gradient is made
                 # (where the run made it); without gradients in the run, when the backward starts.
                 mine = grads[(c.start[grads] >= p.start_event) & (c.start[grads] <= p.end_event)]
@@ -838,14 +921,25 @@ def _autocast(run: _Run, edit: _Edit, value: str) -> None:
                 if not len(mine):
                     edit.add(first, p.start_event, params // 2, "autocast_weights")
                 first = None
+            elif first is not None:
+                # No backward follows (an evaluation, a forward measured alone): autocast still
+                # caches the cast of every weight that requires grad, until the context exits,
+                # which the trace shows no sooner than the forward's end.
+                edit.add(first, last_forward_end + 1, params // 2, "autocast_weights")
+                alone += 1
+                first = None
     edit.assumptions.append(f"{value} autocast: activations of the forward and their gradients in the backward "
                             "halve (the loss stays fp32); weights, gradients and optimizer state stay fp32; each "
                             "forward casts every weight to 2 bytes, each cast kept until its weight's gradient "
                             "is made in the backward"
+                            + (f" (in the {alone} forward{'s' if alone > 1 else ''} no backward follows, "
+                               "to the forward's end: autocast caches the casts until it exits)" if alone else "")
+                            + (f"; the residual stream's {int(residual.sum())} adds stay fp32 (an add promotes "
+                               "to its wider input)" if residual.any() else "")
                             + ("; where the stacks name the ATen ops (CUDA), what autocast runs in fp32 (pow, "
                                "layer_norm, ...) and what the same line computes after it stay fp32, with an fp32 "
                                f"copy of a half-precision input the op keeps ({len(casts)} made)"
-                               if full.any() else "") + _math_note(math))
+                               if full.any() else "") + _not_float_note(kept) + _math_note(math))
 
 
 def _optimizer(run: _Run, edit: _Edit, value: str) -> None:
@@ -998,7 +1092,7 @@ def _predict(run: _Run, change: Change, blocks: List[str], block: np.ndarray,
                 if any(n == "weights" for n, _ in change.parts):
                     raise CannotApply("autocast and half-precision weights together: the weights are already "
                                       "in 2 bytes")
-                _autocast(run, edit, str(value))
+                _autocast(run, edit, str(value), block)
             elif name == "optimizer":
                 _optimizer(run, edit, str(value))
             elif name == "zero-grad":
