@@ -105,6 +105,14 @@ NOT_FLOAT_OPS = frozenset(("eq", "ne", "lt", "gt", "le", "ge", "logical_and", "l
                            "nonzero", "bitwise_and", "bitwise_or", "bitwise_not", "bitwise_xor"))
 # The op names an overload's suffix is taken off to find (`sum_dim_IntList`: sum).
 _KNOWN_OPS = AUTOCAST_LOWER | AUTOCAST_FP32 | frozenset(_AUTOCAST["promote"]) | NOT_FLOAT_OPS
+# The matrix products of autocast's lower list that take one activation and a weight (a layer's
+# projections); attention, which casts q, k and v together, is not one.
+MATRIX_PRODUCTS = AUTOCAST_LOWER - {"scaled_dot_product_attention"}
+# Normalisations whose output is fp32 under autocast: on CUDA's fp32 list, and on the CPU fed the
+# fp32 residual stream (CPU autocast runs them in their input's dtype).
+NORM_OPS = frozenset(("layer_norm", "group_norm", "rms_norm"))
+# The profiler's frame for a built-in the Python code called: its name.
+BUILTIN_CALL = re.compile(r"^<built-in (?:method|function) (\w+)")
 # CPU attention on the profiler route: the call's frame, and what CPU flash attention allocates in it.
 SDPA_CALL = "<built-in function scaled_dot_product_attention>"
 FLASH_CPU_ALLOCATIONS = 2
@@ -751,6 +759,100 @@ def _not_float_note(kept: np.ndarray) -> str:
             "keep their size" if kept.any() else "")
 
 
+def _called(frames: Sequence[Any]) -> str:
+    """The op a stack shows: the ATen op on CUDA's C++ frames, else the built-in the profiler's
+    innermost frame names (`<built-in method pow of Tensor object at 0x..>`: pow); "" for neither."""
+    op = _aten_op(frames)
+    if op or not frames:
+        return op
+    m = BUILTIN_CALL.match(frames[0].name)
+    return m.group(1) if m else ""
+
+
+@dataclass
+class _Upcasts:
+    """The fp32 copies half-precision RMS norms keep (_variance_upcasts), and the inputs they replace."""
+
+    copies: List[Tuple[int, int, int]]  # (start, end, size)
+    released: List[Tuple[int, int]]  # (allocation, end): a norm's input, kept in the fp32 run by its pow
+
+
+def _variance_upcasts(run: _Run) -> _Upcasts:
+    """The fp32 copies a half-precision model's RMS norms make and keep: the RMS-norm idiom of
+    Llama, T5 and most Hugging Face models computes the variance in fp32
+    (`hidden_states.to(torch.float32).pow(2).mean(-1)`), and `pow` keeps that fp32 copy of its
+    input for the backward. The fp32 run shows the line as a `pow` then a `mean`; the copy has the
+    pow's fp32 size and is kept as long as the normalised product after it (the next allocation of
+    that size), which the backward frees with it. The norm's input (the last allocation of that size
+    before it: the residual stream), which pow kept in the fp32 run, is then kept by nothing: it
+    goes once the next norm starts (Llama's residual add after the attention has read it)."""
+    c = run.course
+    out = _Upcasts([], [])
+    if not c.origins or not len(c.origin):
+        return out
+    called = [_called(frames) for frames in c.origins]
+    if "pow" not in called:
+        return out
+    lines = [tuple(f for f in frames if f.file)[:1] for frames in c.origins]
+    fwd = _forward_in_order(run).tolist()
+    origin = [int(c.origin[k]) for k in fwd]
+    pows = [i for i in range(len(fwd) - 1) if called[origin[i]] == "pow" and called[origin[i + 1]] == "mean"
+            and lines[origin[i]] == lines[origin[i + 1]]]
+    for n, i in enumerate(pows):
+        k = fwd[i]
+        kept = next((j for j in fwd[i + 2:] if c.size[j] == c.size[k]), None)
+        if kept is None:
+            continue
+        out.copies.append((int(c.start[k]), int(c.end[kept]), int(c.size[k])))
+        line = lines[int(c.origin[k])]
+        source = next((j for j in reversed(fwd[:i]) if c.size[j] == c.size[k] and lines[int(c.origin[j])] != line
+                       and run.born_run[j] == run.born_run[k]), None)
+        if source is not None:
+            following = fwd[pows[n + 1]] if n + 1 < len(pows) else None
+            same_run = following is not None and run.born_run[following] == run.born_run[k]
+            out.released.append((source, int(c.start[following]) if same_run else int(c.end[kept])))
+    return out
+
+
+def _loss_upcasts(run: _Run) -> List[Tuple[int, int, int]]:
+    """(start, end, size) of the fp32 copy of the logits each forward's loss reads in half
+    precision: Hugging Face's loss functions upcast them (`logits = logits.float()`) and autocast
+    casts the input of `cross_entropy`, on its fp32 list. The fp32 run shows neither (the copy of an
+    fp32 tensor is the tensor). The logits are the last matrix product before the loss's first
+    allocation; the copy lives until the forward computes something else (the loss function
+    returned: log_softmax keeps its output, not its input)."""
+    c = run.course
+    if not c.origins or not len(c.origin) or not run.loss.any():
+        return []
+    called = [_called(frames) for frames in c.origins]
+    fwd = _forward_in_order(run).tolist()
+    out = []
+    i = 0
+    while i < len(fwd):
+        if not run.loss[fwd[i]]:
+            i += 1
+            continue
+        first = fwd[i]
+        j = i
+        while j < len(fwd) and run.loss[fwd[j]] and run.born_run[fwd[j]] == run.born_run[first]:
+            j += 1
+        logits = next((fwd[h] for h in range(i - 1, max(i - 8, -1), -1)
+                       if called[int(c.origin[fwd[h]])] in MATRIX_PRODUCTS
+                       and run.born_run[fwd[h]] == run.born_run[first]), None)
+        if logits is not None:
+            end = int(c.start[fwd[j]]) if j < len(fwd) and run.born_run[fwd[j]] == run.born_run[first] \
+                else int(max(c.end[fwd[h]] for h in range(i, j)))
+            out.append((int(c.start[first]), end, int(c.size[logits])))
+        i = j
+    return out
+
+
+def _loss_note(upcasts: List[Tuple[int, int, int]]) -> str:
+    """The assumption said when the loss reads an fp32 copy of half-precision logits (_loss_upcasts)."""
+    return ("; the loss reads an fp32 copy of the half-precision logits (`logits.float()`, or autocast's cast "
+            f"for cross_entropy), kept while it is computed ({len(upcasts)} made)" if upcasts else "")
+
+
 def _weights(run: _Run, edit: _Edit, value: str) -> None:
     c = run.course
     # A BLAS workspace is sized by the library per handle (CUBLAS_WORKSPACE_CONFIG), whatever the dtype.
@@ -761,10 +863,21 @@ def _weights(run: _Run, edit: _Edit, value: str) -> None:
     math = _cpu_math_attention(run)
     halved &= ~math
     edit.size[halved] = edit.size[halved] // 2
+    upcasts = _variance_upcasts(run)
+    for start, end, size in upcasts.copies:
+        edit.add(start, end, size, "activation")
+    logits = _loss_upcasts(run)
+    for start, end, size in logits:
+        edit.add(start, end, size, "activation")
+    for k, end in upcasts.released:
+        edit.end[k] = min(int(edit.end[k]), end)
     edit.assumptions.append(f"{value} weights: parameters, gradients, optimizer state and activations in 2 bytes; "
                             "the loss (computed in fp32 by the libraries), inputs, int64 indices (max pooling's), "
                             "BLAS workspaces and one-element tensors keep their size; every float tensor is assumed "
-                            "fp32 in the run" + _not_float_note(kept) + _math_note(math))
+                            "fp32 in the run" + _not_float_note(kept) + _math_note(math)
+                            + (f"; each of the {len(upcasts.copies)} RMS norms that computes its variance as pow then "
+                               "mean keeps an fp32 copy of its input in its place (the variance is computed in fp32)"
+                               if upcasts.copies else "") + _loss_note(logits))
 
 
 def _aten_op(frames: Sequence[Any]) -> str:
@@ -863,24 +976,71 @@ def _fp32_regions(run: _Run) -> _Fp32Regions:
 
 
 def _residual_adds(run: _Run, block: np.ndarray) -> np.ndarray:
-    """The forward's `add`s of the residual stream, where the stacks name the ATen ops: adds of the
-    size the repeated blocks end with (each block's last forward allocation: `x = x + h`, or the
-    layer norm after it). Autocast keeps the residual stream in fp32: the embedding and the layer
-    norms give fp32, and an add promotes to the wider of its inputs (GPT-2, a Llama and the cs336
-    transformer each keep their residual adds at fp32 size on the GPU)."""
-    out = np.zeros(len(run.course.size), dtype=bool)
-    if not (block >= 0).any() or not (run.op != "").any():
-        return out
+    """The forward's adds of the residual stream: allocations of the size the repeated blocks end
+    with (each block's last forward allocation: `x = x + h`, or the layer norm after it) made by
+    `add` where the stacks name the ATen ops, or on the profiler route, which names the built-ins
+    a line calls but not its operators, by an operator of a line of Python (`residual + h`).
+    Autocast keeps the residual stream in fp32: the embedding and the layer norms give fp32, and an
+    add promotes to the wider of its inputs (GPT-2, a Llama and the cs336 transformer each keep
+    their residual adds at fp32 size on the GPU; GPT-2 and Llama on the CPU)."""
     c = run.course
-    fwd = _forward_in_order(run, block >= 0)
-    last: Dict[Tuple[int, int], int] = {}
-    for k in fwd.tolist():
-        last[(int(block[k]), int(run.born_run[k]))] = k
-    if not last:
+    out = np.zeros(len(c.size), dtype=bool)
+    if not (block >= 0).any() or not c.origins or not len(c.origin):
         return out
-    sizes, counts = np.unique(c.size[list(last.values())], return_counts=True)
+    if (run.op != "").any():
+        made = run.op == "add"
+    else:
+        operator = np.array([bool(frames) and bool(frames[0].file) for frames in c.origins], dtype=bool)
+        made = operator[c.origin]
+    line = [tuple(f for f in frames if f.file)[:1] for frames in c.origins]
+    fwd = _forward_in_order(run, block >= 0)
+    # Each block run's last line, and the largest allocation on it (a layer norm's output, not the
+    # mean and rstd it makes after it).
+    ends: Dict[Tuple[int, int], Tuple[Any, int]] = {}
+    for k in fwd.tolist():
+        key, here = (int(block[k]), int(run.born_run[k])), line[int(c.origin[k])]
+        was = ends.get(key)
+        ends[key] = (here, max(int(c.size[k]), was[1]) if was is not None and was[0] == here else int(c.size[k]))
+    if not ends:
+        return out
+    sizes, counts = np.unique([size for _, size in ends.values()], return_counts=True)
     width = int(sizes[counts.argmax()])
-    return (run.phase == FORWARD) & (run.op == "add") & (c.size == width)
+    return (run.phase == FORWARD) & made & (c.size == width) & ~c.before
+
+
+def _shared_reads(run: _Run, fp32: np.ndarray) -> List[Tuple[int, List[int]]]:
+    """(an fp32 forward allocation, the products that read it) where two or more matrix products
+    come straight after the line that made it: the query, key and value projections of a layer
+    norm's output (the line's last allocation of its largest size: not the mean and rstd, nor an
+    RMS norm's pow). Under autocast each
+    product casts its fp32 input to half precision itself and keeps its own copy for the backward,
+    where the fp32 run's products keep the one tensor (ViT, BERT and Llama on the CPU, the cs336
+    transformer on the GPU)."""
+    c = run.course
+    if not fp32.any() or not c.origins:
+        return []
+    called = [_called(frames) for frames in c.origins]
+    line = [tuple(f for f in frames if f.file)[:1] for frames in c.origins]
+    fwd = _forward_in_order(run).tolist()
+    out = []
+    i = 0
+    while i < len(fwd):
+        j = i + 1  # the line's allocations: fwd[i:j]
+        while j < len(fwd) and line[int(c.origin[fwd[j]])] == line[int(c.origin[fwd[i]])] \
+                and run.born_run[fwd[j]] == run.born_run[fwd[i]]:
+            j += 1
+        made = fwd[i:j]
+        largest = max(int(c.size[a]) for a in made)
+        k = [a for a in made if c.size[a] == largest][-1]  # a norm's output, after its pow; before its mean
+        products = []
+        while j < len(fwd) and called[int(c.origin[fwd[j]])] in MATRIX_PRODUCTS \
+                and run.born_run[fwd[j]] == run.born_run[k]:
+            products.append(fwd[j])
+            j += 1
+        if fp32[k] and len(products) >= 2:
+            out.append((k, products))
+        i = j if products else i + len(made)
+    return out
 
 
 def _autocast(run: _Run, edit: _Edit, value: str, block: np.ndarray) -> None:
@@ -900,6 +1060,17 @@ def _autocast(run: _Run, edit: _Edit, value: str, block: np.ndarray) -> None:
         edit.add(start, end, size, "activation")
     for k, end in regions.released:
         edit.end[k] = min(int(edit.end[k]), end)
+    logits = _loss_upcasts(run)
+    for start, end, size in logits:
+        edit.add(start, end, size, "activation")
+    norms = np.isin(np.array([_called(frames) for frames in c.origins], dtype=object)[c.origin]
+                    if c.origins and len(c.origin) else np.zeros(0, dtype=object), list(NORM_OPS))
+    shared = _shared_reads(run, (residual | norms) & (run.phase == FORWARD))
+    for k, products in shared:
+        # The fp32 tensor itself is then kept by nothing: each product's half-size copy is.
+        edit.size[k] = c.size[k] // 2
+        for _ in products[1:]:
+            edit.add(int(c.start[products[0]]), int(c.end[k]), int(c.size[k]) // 2, "activation")
     # The most parameter bytes live at once: an update in place makes a new version of each every step.
     params = _peak_of_set(c, np.flatnonzero(run.of("parameter")))
     grads = np.flatnonzero(run.of("gradient") & (run.phase == BACKWARD))
@@ -936,10 +1107,13 @@ def _autocast(run: _Run, edit: _Edit, value: str, block: np.ndarray) -> None:
                                "to the forward's end: autocast caches the casts until it exits)" if alone else "")
                             + (f"; the residual stream's {int(residual.sum())} adds stay fp32 (an add promotes "
                                "to its wider input)" if residual.any() else "")
+                            + (f"; each of the {sum(len(p) for _, p in shared)} products that read one of "
+                               f"{len(shared)} fp32 tensors (a norm's output) keeps its own half-size copy of it"
+                               if shared else "")
                             + ("; where the stacks name the ATen ops (CUDA), what autocast runs in fp32 (pow, "
                                "layer_norm, ...) and what the same line computes after it stay fp32, with an fp32 "
                                f"copy of a half-precision input the op keeps ({len(casts)} made)"
-                               if full.any() else "") + _not_float_note(kept) + _math_note(math))
+                               if full.any() else "") + _not_float_note(kept) + _loss_note(logits) + _math_note(math))
 
 
 def _optimizer(run: _Run, edit: _Edit, value: str) -> None:
