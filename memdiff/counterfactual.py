@@ -1111,8 +1111,9 @@ def _autocast(run: _Run, edit: _Edit, value: str, block: np.ndarray) -> None:
                                f"{len(shared)} fp32 tensors (a norm's output) keeps its own half-size copy of it"
                                if shared else "")
                             + ("; where the stacks name the ATen ops (CUDA), what autocast runs in fp32 (pow, "
-                               "layer_norm, ...) and what the same line computes after it stay fp32, with an fp32 "
-                               f"copy of a half-precision input the op keeps ({len(casts)} made)"
+                               "layer_norm, ...) and what the same line computes after it stay fp32"
+                               + (f", with an fp32 copy of a half-precision input the op keeps ({len(casts)} made)"
+                                  if casts else "")
                                if full.any() else "") + _not_float_note(kept) + _loss_note(logits) + _math_note(math))
 
 
