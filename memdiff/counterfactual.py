@@ -263,6 +263,8 @@ class _Run:
     loss: np.ndarray  # made by the loss (kept in fp32 by the libraries)
     indices: np.ndarray  # int64 indices an op returns beside its values
     op: np.ndarray  # the ATen op that made each allocation, "" where the stacks name none (CUDA's name them)
+    call: np.ndarray  # the op or built-in each allocation's stack shows (_called), "" for neither
+    line: np.ndarray  # each allocation's innermost line of Python (a 1-tuple of its frame; () for none)
     base: Replayed
 
     def of(self, *names: str) -> np.ndarray:
@@ -293,10 +295,19 @@ def _facts(course: DeviceCourse, spans: List[PhaseSpan], steps: List[Step]) -> _
         loss = loss | loss_origin[course.origin]
     base = replay_course(course, course.size, spans, steps)
     if course.origins and len(course.origin):
-        op = np.array([_aten_op(frames) for frames in course.origins], dtype=object)[course.origin]
+        ops = [_aten_op(frames) for frames in course.origins]
+        op = np.array(ops, dtype=object)[course.origin]
+        call = np.array([o or _called(frames) for o, frames in zip(ops, course.origins)], dtype=object)[course.origin]
+        lines = np.empty(len(course.origins), dtype=object)
+        lines[:] = [tuple(f for f in frames if f.file)[:1] for frames in course.origins]
+        line = lines[course.origin]
     else:
         op = np.full(len(course.size), "", dtype=object)
-    return _Run(course, spans, steps, category, born_run, end_run, phase, loss, _indices(course), op, base)
+        call = op.copy()
+        line = np.empty(len(course.size), dtype=object)
+        line[:] = [()] * len(course.size)
+    return _Run(course, spans, steps, category, born_run, end_run, phase, loss, _indices(course), op, call, line,
+                base)
 
 
 def _indices(course: DeviceCourse) -> np.ndarray:
@@ -788,24 +799,18 @@ def _variance_upcasts(run: _Run) -> _Upcasts:
     goes once the next norm starts (Llama's residual add after the attention has read it)."""
     c = run.course
     out = _Upcasts([], [])
-    if not c.origins or not len(c.origin):
+    if not (run.call == "pow").any():
         return out
-    called = [_called(frames) for frames in c.origins]
-    if "pow" not in called:
-        return out
-    lines = [tuple(f for f in frames if f.file)[:1] for frames in c.origins]
     fwd = _forward_in_order(run).tolist()
-    origin = [int(c.origin[k]) for k in fwd]
-    pows = [i for i in range(len(fwd) - 1) if called[origin[i]] == "pow" and called[origin[i + 1]] == "mean"
-            and lines[origin[i]] == lines[origin[i + 1]]]
+    pows = [i for i in range(len(fwd) - 1) if run.call[fwd[i]] == "pow" and run.call[fwd[i + 1]] == "mean"
+            and run.line[fwd[i]] == run.line[fwd[i + 1]]]
     for n, i in enumerate(pows):
         k = fwd[i]
         kept = next((j for j in fwd[i + 2:] if c.size[j] == c.size[k]), None)
         if kept is None:
             continue
         out.copies.append((int(c.start[k]), int(c.end[kept]), int(c.size[k])))
-        line = lines[int(c.origin[k])]
-        source = next((j for j in reversed(fwd[:i]) if c.size[j] == c.size[k] and lines[int(c.origin[j])] != line
+        source = next((j for j in reversed(fwd[:i]) if c.size[j] == c.size[k] and run.line[j] != run.line[k]
                        and run.born_run[j] == run.born_run[k]), None)
         if source is not None:
             following = fwd[pows[n + 1]] if n + 1 < len(pows) else None
@@ -822,9 +827,8 @@ def _loss_upcasts(run: _Run) -> List[Tuple[int, int, int]]:
     allocation; the copy lives until the forward computes something else (the loss function
     returned: log_softmax keeps its output, not its input)."""
     c = run.course
-    if not c.origins or not len(c.origin) or not run.loss.any():
+    if not run.loss.any():
         return []
-    called = [_called(frames) for frames in c.origins]
     fwd = _forward_in_order(run).tolist()
     out = []
     i = 0
@@ -837,7 +841,7 @@ def _loss_upcasts(run: _Run) -> List[Tuple[int, int, int]]:
         while j < len(fwd) and run.loss[fwd[j]] and run.born_run[fwd[j]] == run.born_run[first]:
             j += 1
         logits = next((fwd[h] for h in range(i - 1, max(i - 8, -1), -1)
-                       if called[int(c.origin[fwd[h]])] in MATRIX_PRODUCTS
+                       if run.call[fwd[h]] in MATRIX_PRODUCTS
                        and run.born_run[fwd[h]] == run.born_run[first]), None)
         if logits is not None:
             end = int(c.start[fwd[j]]) if j < len(fwd) and run.born_run[fwd[j]] == run.born_run[first] \
@@ -992,13 +996,12 @@ def _residual_adds(run: _Run, block: np.ndarray) -> np.ndarray:
     else:
         operator = np.array([bool(frames) and bool(frames[0].file) for frames in c.origins], dtype=bool)
         made = operator[c.origin]
-    line = [tuple(f for f in frames if f.file)[:1] for frames in c.origins]
     fwd = _forward_in_order(run, block >= 0)
     # Each block run's last line, and the largest allocation on it (a layer norm's output, not the
     # mean and rstd it makes after it).
     ends: Dict[Tuple[int, int], Tuple[Any, int]] = {}
     for k in fwd.tolist():
-        key, here = (int(block[k]), int(run.born_run[k])), line[int(c.origin[k])]
+        key, here = (int(block[k]), int(run.born_run[k])), run.line[k]
         was = ends.get(key)
         ends[key] = (here, max(int(c.size[k]), was[1]) if was is not None and was[0] == here else int(c.size[k]))
     if not ends:
@@ -1017,24 +1020,20 @@ def _shared_reads(run: _Run, fp32: np.ndarray) -> List[Tuple[int, List[int]]]:
     where the fp32 run's products keep the one tensor (ViT, BERT and Llama on the CPU, the cs336
     transformer on the GPU)."""
     c = run.course
-    if not fp32.any() or not c.origins:
+    if not fp32.any():
         return []
-    called = [_called(frames) for frames in c.origins]
-    line = [tuple(f for f in frames if f.file)[:1] for frames in c.origins]
     fwd = _forward_in_order(run).tolist()
     out = []
     i = 0
     while i < len(fwd):
         j = i + 1  # the line's allocations: fwd[i:j]
-        while j < len(fwd) and line[int(c.origin[fwd[j]])] == line[int(c.origin[fwd[i]])] \
-                and run.born_run[fwd[j]] == run.born_run[fwd[i]]:
+        while j < len(fwd) and run.line[fwd[j]] == run.line[fwd[i]] and run.born_run[fwd[j]] == run.born_run[fwd[i]]:
             j += 1
         made = fwd[i:j]
         largest = max(int(c.size[a]) for a in made)
         k = [a for a in made if c.size[a] == largest][-1]  # a norm's output, after its pow; before its mean
         products = []
-        while j < len(fwd) and called[int(c.origin[fwd[j]])] in MATRIX_PRODUCTS \
-                and run.born_run[fwd[j]] == run.born_run[k]:
+        while j < len(fwd) and run.call[fwd[j]] in MATRIX_PRODUCTS and run.born_run[fwd[j]] == run.born_run[k]:
             products.append(fwd[j])
             j += 1
         if fp32[k] and len(products) >= 2:
@@ -1063,9 +1062,7 @@ def _autocast(run: _Run, edit: _Edit, value: str, block: np.ndarray) -> None:
     logits = _loss_upcasts(run)
     for start, end, size in logits:
         edit.add(start, end, size, "activation")
-    norms = np.isin(np.array([_called(frames) for frames in c.origins], dtype=object)[c.origin]
-                    if c.origins and len(c.origin) else np.zeros(0, dtype=object), list(NORM_OPS))
-    shared = _shared_reads(run, (residual | norms) & (run.phase == FORWARD))
+    shared = _shared_reads(run, (residual | np.isin(run.call, list(NORM_OPS))) & (run.phase == FORWARD))
     for k, products in shared:
         # The fp32 tensor itself is then kept by nothing: each product's half-size copy is.
         edit.size[k] = c.size[k] // 2
