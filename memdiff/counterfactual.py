@@ -265,6 +265,7 @@ class _Run:
     op: np.ndarray  # the ATen op that made each allocation, "" where the stacks name none (CUDA's name them)
     call: np.ndarray  # the op or built-in each allocation's stack shows (_called), "" for neither
     line: np.ndarray  # each allocation's innermost line of Python (a 1-tuple of its frame; () for none)
+    forward: np.ndarray  # the forward allocations made in the trace, by forward run, then in order
     base: Replayed
 
     def of(self, *names: str) -> np.ndarray:
@@ -306,8 +307,10 @@ def _facts(course: DeviceCourse, spans: List[PhaseSpan], steps: List[Step]) -> _
         call = op.copy()
         line = np.empty(len(course.size), dtype=object)
         line[:] = [()] * len(course.size)
+    made = np.flatnonzero((phase == FORWARD) & ~course.before)
+    forward = made[np.lexsort((course.start[made], born_run[made]))]
     return _Run(course, spans, steps, category, born_run, end_run, phase, loss, _indices(course), op, call, line,
-                base)
+                forward, base)
 
 
 def _indices(course: DeviceCourse) -> np.ndarray:
@@ -467,10 +470,7 @@ def repeated_calls(run: _Run) -> Tuple[List[str], np.ndarray]:
 
 def _forward_in_order(run: _Run, also: Optional[np.ndarray] = None) -> np.ndarray:
     """The run's forward allocations made in the trace (and in `also`), by forward run, then in order."""
-    c = run.course
-    mask = (run.phase == FORWARD) & ~c.before
-    fwd = np.flatnonzero(mask if also is None else mask & also)
-    return fwd[np.lexsort((c.start[fwd], run.born_run[fwd]))]
+    return run.forward if also is None else run.forward[also[run.forward]]
 
 
 def _period(seq: np.ndarray) -> int:
