@@ -125,9 +125,9 @@ def test_an_op_the_emulator_cannot_run_in_a_rank_is_one_line_and_exit_2(torch, t
     """))
     done = _memdiff(tmp_path, "record", "--emulate", "h100", "-o", "runs/", "--", *_torchrun("refused.py"))
     assert done.returncode == 2, done.stderr[-3000:]
-    said = [line for line in done.stderr.splitlines() if "has no meta kernel" in line]
+    said = [line for line in done.stderr.splitlines() if "no fake (meta) implementation" in line]
     # One line from rank 0 (torchrun puts its own [rank0]: before it), naming the op and the script's line.
-    assert len(said) == 1 and "memdiff: rank 0: mine::kernel: has no meta kernel" in said[0], done.stderr[-3000:]
+    assert len(said) == 1 and "memdiff: rank 0: mine::kernel: a custom op" in said[0], done.stderr[-3000:]
     assert "called at refused.py:10" in said[0]
     manifest = json.loads((tmp_path / "runs" / "memdiff-job.json").read_text())
     assert "mine::kernel" in manifest["ranks"][0]["refused"] and "refused" not in manifest["ranks"][1]

@@ -89,9 +89,23 @@ def test_an_op_without_a_meta_kernel_is_one_line_naming_it_and_the_script_line(t
     done = _record(tmp_path, extra)
     assert done.returncode == 2
     last = done.stderr.strip().splitlines()[-1]
-    assert last.startswith("memdiff: memdifftest::double: has no meta kernel") and "train.py:18" in last
+    assert last.startswith("memdiff: memdifftest::double: a custom op with no fake (meta) implementation") \
+        and "train.py:18" in last and "torch.library.register_fake" in last
     assert "Traceback" not in done.stderr
     assert (tmp_path / "run.pickle").exists()  # what ran until then is kept
+
+
+@pytest.mark.slow
+def test_a_call_around_the_emulator_to_cuda_is_one_line_naming_the_feature_and_the_script_line(tmp_path):
+    # CUDA graph capture reaches CUDA itself (on the CPU build, torch's stand-in class refuses): the
+    # refusal names the feature, the script's line and what to do, never the script's traceback.
+    done = _record(tmp_path, "graph = torch.cuda.CUDAGraph()\n")
+    assert done.returncode == 2, done.stderr[-2000:]
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("memdiff: CUDA graphs") and "called at train.py:15" in last, last
+    assert "without graph capture" in last
+    assert "Traceback" not in done.stderr
+    assert (tmp_path / "run.pickle").exists()
 
 
 @pytest.mark.slow

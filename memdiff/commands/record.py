@@ -26,6 +26,7 @@ from memdiff.job import MAX_RANKS, rank_of, rank_patterns
 from memdiff.load import decode
 from memdiff.recording.capture import STACKS, StepWindow, parse_steps, record, recorded_nothing
 from memdiff.recording.emulate.allocator import AllocatorConfig
+from memdiff.recording.emulate.escapes import escaped
 from memdiff.recording.emulate.gpus import gpu
 from memdiff.recording.emulate.gpus import names as gpu_names
 from memdiff.recording.manifest import MANIFEST, clear_statuses, collect, write_manifest
@@ -117,8 +118,10 @@ def _target(command: List[str]) -> List[str]:
     return command
 
 
-def _run_target(target: List[str]) -> int:
-    """Run the script or module as `python` would; its exit status."""
+def _run_target(target: List[str], emulated: bool = False) -> int:
+    """Run the script or module as `python` would; its exit status. Under emulation, an exception
+    that came from a call around the emulator to CUDA itself is the emulator's refusal (one line,
+    exit 2), not the script's failure."""
     saved_argv, saved_path = sys.argv[:], sys.path[:]
     try:
         if target[0] == "-m":
@@ -137,7 +140,10 @@ def _run_target(target: List[str]) -> int:
             return exc.code or 0
         print(exc.code, file=sys.stderr)  # sys.exit("message"): Python prints it and exits 1
         return 1
-    except Exception:  # the user's program failed: show its traceback as python would
+    except Exception as exc:  # the user's program failed: show its traceback as python would
+        refusal = escaped(exc) if emulated else None
+        if refusal is not None:
+            raise refusal from None
         traceback.print_exc()
         return 1
     finally:
@@ -324,7 +330,7 @@ def run(args: argparse.Namespace) -> int:
         with record(partial, max_entries=args.max_entries, stacks=args.stacks, steps=args.steps,
                     emulate=args.emulate):
             try:
-                status = _run_target(target)
+                status = _run_target(target, emulated=bool(args.emulate))
             except KeyboardInterrupt:  # Ctrl-C ends the script, not the recording: what it did is kept
                 interrupted, status = True, 130
             except InputError as exc:  # the emulator refused an op: what ran until then is kept

@@ -12,8 +12,9 @@ from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper
 from torch.utils._pytree import tree_leaves
 
 from memdiff.recording.emulate import distributed
+from memdiff.recording.emulate.escapes import op_refusal
 from memdiff.recording.emulate.gpus import kernels
-from memdiff.recording.emulate.runtime import ALL_ELEMENTS_OPS, EmulationError, Emulator, op_name, python_frames
+from memdiff.recording.emulate.runtime import ALL_ELEMENTS_OPS, Emulator, op_name, python_frames
 from memdiff.recording.emulate.values import Values
 
 META = torch.device("meta")
@@ -232,10 +233,7 @@ class AllocMode(TorchDispatchMode):
             said = str(exc).lower()
             if isinstance(exc, RuntimeError) and "meta" not in said and "fake impl" not in said:
                 raise
-            where = _script_line()
-            raise EmulationError(f"{namespace}::{base}", f"has no meta kernel, so the emulator cannot run it{where} "
-                                                  f"(a custom CUDA extension or an op PyTorch has not given "
-                                                  f"shapes without data)") from None
+            raise op_refusal(namespace, base, _script_line()) from None
         emulator = self.emulator
         name = op_name(func)
         rule = emulator.rules.get(base)

@@ -236,6 +236,7 @@ def _emulate(key, input_error):
     """Run this process on the emulated GPU `key` from here on (`memdiff record --emulate GPU -o DIR/`):
     its cuda tensors on the meta device, torch.cuda answering as the GPU, process groups that do no
     communication. The emulator stays on until the process ends."""
+    from memdiff.recording.emulate.escapes import escaped
     from memdiff.recording.emulate.gpus import gpu
     from memdiff.recording.emulate.runtime import Emulator
 
@@ -243,8 +244,11 @@ def _emulate(key, input_error):
     previous = sys.excepthook
 
     def refused(kind, value, traceback):
-        # The emulator refusing an op: one line naming the op and the script's line, as one process
-        # records it, and exit 2 (the rank's snapshot up to there is written at exit).
+        # The emulator refusing an op, or a call that went around it to CUDA itself: one line naming
+        # what and the script's line, as one process records it, and exit 2 (the rank's snapshot up
+        # to there is written at exit).
+        if not isinstance(value, input_error) and isinstance(value, Exception):
+            value = escaped(value) or value
         if isinstance(value, input_error):
             _say(f"rank {os.environ.get('RANK', '?')}: {value}")
             sys.stderr.flush()

@@ -1,0 +1,113 @@
+"""What the emulator does not cover, said as such: the refusals a user sees, one line each.
+
+Two ways a script reaches what the emulator cannot run:
+- an op with no meta kernel (PyTorch gives it no shapes without data, or a custom op has no fake
+  implementation): the dispatch mode refuses it (`op_refusal`);
+- a call that goes around the emulator to the CUDA driver or runtime (a CUDA build's C++ reaching
+  the driver, a CPU build's stand-in classes for CUDA ones, NVML): the script's own exception,
+  which `escaped` names by the torch feature it came from and the script's line.
+
+Both are bad input for memdiff (exit 2, one line), never a guess at the user's code.
+"""
+
+from __future__ import annotations
+
+import traceback
+from typing import List, Optional, Tuple
+
+from memdiff.errors import InputError
+
+# Namespaces of PyTorch's own ops: a refusal there is PyTorch's missing shape function, not the user's.
+TORCH_NAMESPACES = ("aten", "prims", "c10d", "_c10d_functional", "quantized", "profiler")
+
+# What an exception says when it came from reaching CUDA itself (lower case).
+CUDA_MESSAGES = ("found no nvidia driver", "torch not compiled with cuda enabled",
+                 "cuda driver version is insufficient", "no cuda gpus are available",
+                 "tried to instantiate dummy base class", "cuda error", "cudaerror", "nvidia-ml-py", "nvml",
+                 "libcuda", "cuda runtime")
+
+# The torch source each feature lives in, the feature's name and what to do instead; first match wins.
+FEATURES: Tuple[Tuple[str, str, str], ...] = (
+    ("torch/cuda/graphs.py", "CUDA graphs (torch.cuda.graph, CUDAGraph, make_graphed_callables)",
+     "record a run without graph capture (most scripts have a flag for it)"),
+    ("torch/cuda/jiterator.py", "jiterator kernels",
+     "wrap the kernel in a torch.library op with a fake implementation"),
+    ("torch/cuda/__init__.py:utilization", "NVML queries (utilization, temperature, power)",
+     "guard them with an environment variable or skip them when memdiff records"),
+    ("torch/cuda/memory.py:list_gpu_processes", "NVML queries (list_gpu_processes)",
+     "guard them with an environment variable or skip them when memdiff records"),
+    ("torch/nn/parallel/", "nn.DataParallel's device-to-device transfers",
+     "use DistributedDataParallel under torchrun"),
+    ("torch/nn/modules/rnn.py", "cuDNN RNNs (nn.LSTM, nn.GRU, nn.RNN)", "none yet: record this model on a GPU"),
+    ("torch/utils/data/", "the DataLoader's pinned memory", "pin_memory=False records the same device memory"),
+    ("torch/_inductor/", "torch.compile's generated kernels", "record the model uncompiled"),
+    ("triton/", "a Triton kernel launched directly",
+     "wrap it in a torch.library custom op and register its fake implementation"),
+    ("torch/distributed/", "torch.distributed's device-side calls", "none yet: record this job on GPUs"),
+)
+
+
+def op_refusal(namespace: str, name: str, where: str) -> InputError:
+    """The one line for an op the dispatch mode could not run on the meta device."""
+    op = f"{namespace}::{name}"
+    if namespace in TORCH_NAMESPACES:
+        why = (f"PyTorch has no meta kernel for it (no shapes without data), so the emulator cannot run it{where}; "
+               f"record this step on a GPU, or run the code that calls it outside emulation")
+    else:
+        why = (f"a custom op with no fake (meta) implementation{where}: register one with "
+               f"torch.library.register_fake and the emulator runs it")
+    return _error(op, why)
+
+
+def _error(path: str, message: str) -> InputError:
+    # Imported here: runtime imports torch-free modules only at import time, and so does this one.
+    from memdiff.recording.emulate.runtime import EmulationError
+
+    return EmulationError(path, message)
+
+
+def _is_torch(filename: str) -> bool:
+    path = filename.replace("\\", "/")
+    return "/torch/" in path or "/triton/" in path
+
+
+def _is_script(filename: str) -> bool:
+    path = filename.replace("\\", "/")
+    return not (_is_torch(path) or "/memdiff/" in path or "/site-packages/" in path or "/dist-packages/" in path
+                or path.startswith("<") or "/lib/python" in path)
+
+
+def escaped(exc: BaseException) -> Optional[InputError]:
+    """The refusal for an exception the script raised because a call went around the emulator to
+    CUDA itself, naming the torch feature and the script's line; None for any other exception (the
+    script's own failure, shown as Python shows it)."""
+    said = str(exc).lower()
+    if not isinstance(exc, (RuntimeError, AssertionError, ModuleNotFoundError, OSError, AttributeError)):
+        return None
+    if not any(text in said for text in CUDA_MESSAGES):
+        return None
+    frames: List[traceback.FrameSummary] = traceback.extract_tb(exc.__traceback__)
+    script = [f for f in frames if _is_script(f.filename)]
+    where = f", called at {script[-1].filename.replace(chr(92), '/').rsplit('/', 1)[-1]}:{script[-1].lineno}" \
+        if script else ""
+    inner = [f for f in frames if _is_torch(f.filename)]
+    for marker, feature, instead in FEATURES:
+        path, _, function = marker.partition(":")
+        if any(path in f.filename.replace("\\", "/") and (not function or f.name == function) for f in inner):
+            return _error(feature, f"not emulated: it reached CUDA itself{where} ({_first_line(exc)}); {instead}")
+    called = f"{_module_of(inner[0].filename)}.{inner[0].name}" if inner else type(exc).__name__
+    return _error(called, f"not emulated: it reached CUDA itself{where} ({_first_line(exc)})")
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    line = text[0] if text else type(exc).__name__
+    return line if len(line) <= 120 else line[:117] + "..."
+
+
+def _module_of(filename: str) -> str:
+    """torch/cuda/graphs.py -> torch.cuda.graphs."""
+    path = filename.replace("\\", "/")
+    start = max(path.rfind("/torch/"), path.rfind("/triton/"))
+    dotted = path[start + 1:] if start >= 0 else path.rsplit("/", 1)[-1]
+    return dotted[:-3].replace("/", ".").removesuffix(".__init__") if dotted.endswith(".py") else dotted
