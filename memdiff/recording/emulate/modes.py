@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from types import FunctionType
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -11,7 +12,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass_type
 from torch.utils._pytree import tree_leaves
 
-from memdiff.recording.emulate import distributed
+from memdiff.recording.emulate import distributed, printing
 from memdiff.recording.emulate.escapes import op_refusal
 from memdiff.recording.emulate.gpus import kernels
 from memdiff.recording.emulate.runtime import ALL_ELEMENTS_OPS, Emulator, op_name, python_frames
@@ -91,6 +92,10 @@ class DeviceMode(TorchFunctionMode):
             if owner is TensorBase.is_meta:
                 return False
             return func(*args, **kwargs)
+        if func is torch.Tensor.__format__ and _is_meta(args[0]):
+            return printing.formatted(self, args[0], args[1] if len(args) > 1 else kwargs.get("format_spec", ""))
+        if func is torch.Tensor.__repr__ and _is_meta(args[0]):
+            return printing.printed(self, args[0], kwargs.get("tensor_contents"))
         if func is torch.Tensor.get_device and _is_meta(args[0]):
             return 0
         if func is torch.Tensor.data_ptr and _is_meta(args[0]):
@@ -211,6 +216,15 @@ class AllocMode(TorchDispatchMode):
             if self.emulator.native:
                 self.emulator.native[-1].collective()
             return distributed.completed(out, args)
+        if _runs_as_its_parts(func):
+            # Under inference_mode autograd's dispatch keys are skipped, and with them the step that
+            # runs an op made of others (item, linear, to) as its parts: it comes here whole. Run its
+            # parts through this mode, as autograd's key does otherwise: `item` is then the read-back
+            # of `_local_scalar_dense`, `linear` the GPU's addmm (its cuBLAS workspace included).
+            with self:
+                out = func.decompose(*args, **kwargs)
+            if out is not NotImplemented:
+                return out
         first = args[0] if args else None
         if _is_meta(first):
             read = self.read_back(base, first, args, kwargs)
@@ -288,6 +302,12 @@ class AllocMode(TorchDispatchMode):
         elif name.endswith("_record_function_exit") and self.scopes:
             self.emulator.annotate("END", self.scopes.pop())
         return out
+
+
+@functools.lru_cache(maxsize=None)
+def _runs_as_its_parts(func: Any) -> bool:
+    """Whether an op is made of other ops (a CompositeImplicitAutograd kernel), which no backend runs whole."""
+    return torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), torch._C.DispatchKey.CompositeImplicitAutograd)
 
 
 def _attention_values(args: Tuple[Any, ...], q_index: int) -> Dict[str, int]:
