@@ -39,7 +39,6 @@ FEATURES: Tuple[Tuple[str, str, str], ...] = (
     ("torch/nn/parallel/", "nn.DataParallel's device-to-device transfers",
      "use DistributedDataParallel under torchrun"),
     ("torch/nn/modules/rnn.py", "cuDNN RNNs (nn.LSTM, nn.GRU, nn.RNN)", "none yet: record this model on a GPU"),
-    ("torch/utils/data/", "the DataLoader's pinned memory", "pin_memory=False records the same device memory"),
     ("torch/_inductor/", "torch.compile's generated kernels", "record the model uncompiled"),
     ("triton/", "a Triton kernel launched directly",
      "wrap it in a torch.library custom op and register its fake implementation"),

@@ -106,10 +106,6 @@ class DeviceMode(TorchFunctionMode):
                 return args[0].to(META, non_blocking=bool(kwargs.get("non_blocking", False)))
             finally:
                 self.emulator.context.pop()
-        if func in (torch.Tensor.pin_memory,):
-            return args[0]
-        if func is torch.Tensor.record_stream:
-            return None
         if "device" in kwargs:
             kwargs["device"] = to_meta(kwargs["device"])
             if kwargs.get("pin_memory") and kwargs["device"] is META:

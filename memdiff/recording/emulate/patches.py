@@ -4,10 +4,12 @@ device, its memory and its history, replaced while the emulator runs and put bac
 from __future__ import annotations
 
 import contextlib
+import time
 import types
-from typing import Any, Callable, Dict, Iterator, List, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
+from torch.utils.weak import WeakTensorKeyDictionary
 
 from memdiff.recording.emulate.runtime import Emulator
 
@@ -30,11 +32,27 @@ class _Properties:
                 f"emulated=True)")
 
 
-class Stream:
-    """A CUDA stream on the emulated device: work is ordered and instant, so waiting is nothing."""
+# Where the handles of the streams a script makes start (a cudaStream_t is a host pointer; the
+# default stream's is 0, as a snapshot records it).
+STREAM_HANDLES = 0x560000000000
 
-    def __init__(self, device: Any = None, priority: int = 0, **_: Any) -> None:
-        self.device, self.priority, self.cuda_stream = torch.device("cuda", 0), priority, 0
+
+class Stream:
+    """A CUDA stream on the emulated device: work is ordered and instant, so waiting is nothing. What
+    a side stream changes is where memory comes from: while it is current (`with torch.cuda.stream(s)`,
+    `set_stream`), allocations come from its own pool of blocks and segments, as the caching
+    allocator keeps one per stream."""
+
+    made = 0
+    emulator: Any = None  # the running emulator, whose current stream `with stream:` sets
+
+    def __init__(self, device: Any = None, priority: int = 0, stream_id: Any = None, **_: Any) -> None:
+        self.device, self.priority = torch.device("cuda", 0), priority
+        if stream_id is None:
+            Stream.made += 1
+            stream_id = STREAM_HANDLES + 16 * Stream.made
+        self.stream_id = self.cuda_stream = int(stream_id)
+        self.prior: List[Any] = []
 
     def wait_stream(self, stream: Any) -> None:
         """Nothing to wait for."""
@@ -43,8 +61,10 @@ class Stream:
         """Nothing to wait for."""
 
     def record_event(self, event: Any = None) -> "Event":
-        """An event, already complete."""
-        return event or Event()
+        """An event recorded on this stream, already complete."""
+        event = event or Event()
+        event.record(self)
+        return event
 
     def synchronize(self) -> None:
         """Nothing to wait for."""
@@ -58,26 +78,37 @@ class Stream:
         return False
 
     def __enter__(self) -> "Stream":
+        emulator = Stream.emulator
+        if emulator is not None:
+            self.prior.append(emulator.stream)
+            emulator.stream = self
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        return None
+        if Stream.emulator is not None and self.prior:
+            Stream.emulator.stream = self.prior.pop()
 
     def __eq__(self, other: Any) -> bool:
-        return isinstance(other, Stream)
+        return isinstance(other, Stream) and other.cuda_stream == self.cuda_stream
 
     def __hash__(self) -> int:
-        return 0
+        return hash(self.cuda_stream)
+
+    def __repr__(self) -> str:
+        return f"<torch.cuda.Stream device=cuda:0 cuda_stream={self.cuda_stream:#x}>"
 
 
 class Event:
-    """A CUDA event on the emulated device: complete as soon as recorded."""
+    """A CUDA event on the emulated device: complete as soon as recorded. Its time is the host's when
+    it was recorded, the only clock the emulated device has (its work takes none)."""
 
     def __init__(self, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False) -> None:
         self.enable_timing = enable_timing
+        self.recorded_at: Optional[float] = None
 
     def record(self, stream: Any = None) -> None:
-        """Recorded."""
+        """Recorded now."""
+        self.recorded_at = time.perf_counter()
 
     def wait(self, stream: Any = None) -> None:
         """Nothing to wait for."""
@@ -89,9 +120,14 @@ class Event:
     def synchronize(self) -> None:
         """Nothing to wait for."""
 
-    def elapsed_time(self, end: Any) -> float:
-        """No time passes on the emulated device."""
-        return 0.0
+    def elapsed_time(self, end: "Event") -> float:
+        """Milliseconds from this event to `end`, both recorded with timing on (as CUDA requires): the
+        host's time between the two records, so throughput a script works out from it is finite."""
+        if not (self.enable_timing and end.enable_timing):
+            raise RuntimeError("Both events must be created with argument 'enable_timing=True'.")
+        if self.recorded_at is None or end.recorded_at is None:
+            raise RuntimeError("Both events must be recorded before calculating elapsed time.")
+        return (end.recorded_at - self.recorded_at) * 1000.0
 
 
 class _Device:
@@ -105,6 +141,35 @@ class _Device:
 
     def __exit__(self, *exc: Any) -> None:
         return None
+
+
+def _tensor_methods() -> Dict[str, Callable[..., Any]]:
+    """Tensor.pin_memory, is_pinned and record_stream while the emulator runs, on every thread
+    (record_stream's binding takes only torch's own streams).
+
+    The DataLoader pins batches on a thread of its own, where the emulator's modes (thread-local)
+    are off: torch's own pin_memory would ask the CUDA driver for page-locked memory (a CUDA build)
+    or find no accelerator (a CPU build). Pinned memory is host memory the driver can copy from
+    without staging, not device memory: a GPU's snapshot does not show it, so the copy here is an
+    ordinary host tensor, remembered as pinned."""
+    pinned = WeakTensorKeyDictionary()
+
+    def pin_memory(self: torch.Tensor, device: Any = None) -> torch.Tensor:
+        if self.device.type != "cpu":
+            raise RuntimeError(f"cannot pin a tensor on {self.device}: only dense CPU tensors can be pinned")
+        if self in pinned:
+            return self
+        copy = self.clone()
+        pinned[copy] = True
+        return copy
+
+    def is_pinned(self: torch.Tensor, device: Any = None) -> bool:
+        return self in pinned
+
+    def record_stream(self: torch.Tensor, stream: Any) -> None:
+        """On a GPU the block of a tensor used on another stream waits, once freed, for that stream's
+        work before it is reused; the emulated device's work is done at once, so it waits for nothing."""
+    return {"pin_memory": pin_memory, "is_pinned": is_pinned, "record_stream": record_stream}
 
 
 _RealGenerator: Any = torch._C.Generator
@@ -155,7 +220,21 @@ Generator.__module__, Generator.__qualname__ = "torch._C", "Generator"  # as tor
 def _answers(emulator: Emulator, saved: Dict[Tuple[Any, str], Any]) -> Dict[str, Callable[..., Any]]:
     allocator = emulator.allocator
     properties = _Properties(emulator)
-    stream = Stream()
+    default_stream = Stream(stream_id=0)
+
+    def current_stream(device: Any = None) -> Stream:
+        return emulator.stream or default_stream
+
+    @contextlib.contextmanager
+    def stream(stream: Any = None) -> Iterator[None]:
+        if stream is None:  # torch.cuda.stream(None) changes nothing
+            yield
+            return
+        with stream:
+            yield
+
+    def set_stream(stream: Any) -> None:
+        emulator.stream = None if stream is None or stream == default_stream else stream
     original_clear = saved.get((torch, "clear_autocast_cache"))
 
     def stat(name: str) -> Callable[..., int]:
@@ -226,9 +305,9 @@ def _answers(emulator: Emulator, saved: Dict[Tuple[Any, str], Any]) -> Dict[str,
         "initial_seed": lambda: generator.initial_seed(), "default_generators": (generator,),
         "get_rng_state": rng_state, "set_rng_state": set_rng_state,
         "get_rng_state_all": lambda: [rng_state()], "set_rng_state_all": set_rng_state_all,
-        "Stream": Stream, "Event": Event, "current_stream": lambda device=None: stream,
-        "default_stream": lambda device=None: stream, "stream": lambda s=None: contextlib.nullcontext(),
-        "set_stream": nothing, "device": _Device, "device_of": _Device,
+        "Stream": Stream, "Event": Event, "current_stream": current_stream,
+        "default_stream": lambda device=None: default_stream, "stream": stream,
+        "set_stream": set_stream, "device": _Device, "device_of": _Device,
         "_record_memory_history": emulator.record_history,
         "_snapshot": lambda device=None, augment_with_fx_traces=False: emulator.snapshot(),
         "is_current_stream_capturing": lambda: False,
@@ -329,6 +408,11 @@ def cuda_answers_as(emulator: Emulator) -> Iterator[None]:
             setattr(nvtx, name, lambda *a, **k: 0)
         replaced.append((nvtx, "range", getattr(nvtx, "range", _MISSING)))
         setattr(nvtx, "range", lambda *a, **k: contextlib.nullcontext())  # noqa: B010 (mypy: torch is Any-typed)
+    replaced.append((Stream, "emulator", None))
+    Stream.emulator = emulator
+    for name, value in _tensor_methods().items():
+        replaced.append((torch.Tensor, name, torch.Tensor.__dict__.get(name, _MISSING)))
+        setattr(torch.Tensor, name, value)
     replaced.append((torch, "Generator", torch.Generator))
     torch.Generator = Generator
     storage_pointer = torch.UntypedStorage.data_ptr

@@ -160,6 +160,9 @@ class Emulator:
         self._stack: Optional[contextlib.ExitStack] = None
         self.autocast: Any = None  # autocast.Autocast, made on entry (it imports torch)
         self.device_mode: Any = None  # modes.DeviceMode, made on entry
+        # The side stream the script made current (patches.Stream), whose pool allocations come from;
+        # None for the default stream.
+        self.stream: Any = None
 
     @staticmethod
     def _compile(rule: Dict[str, Any]) -> Dict[str, Any]:
@@ -198,7 +201,8 @@ class Emulator:
     def allocate(self, nbytes: int, frames: List[Dict[str, Any]]) -> Block:
         """A device allocation of `nbytes` made at `frames`; torch's OutOfMemoryError when it does not fit."""
         try:
-            return self.allocator.malloc(nbytes, 0, frames if self.recording is not None else None)
+            stream = self.stream.cuda_stream if self.stream is not None else 0
+            return self.allocator.malloc(nbytes, stream, frames if self.recording is not None else None)
         except OutOfMemory as exc:
             raise _torch.OutOfMemoryError(
                 f"CUDA out of memory (emulated {self.gpu.name}). Tried to allocate {format_bytes(exc.requested)}. "
