@@ -112,6 +112,9 @@ class DeviceMode(TorchFunctionMode):
                 kwargs["pin_memory"] = False  # pinned host memory is for copies to a device that is not here
         elif kwargs.get("pin_memory"):
             kwargs["pin_memory"] = False
+        if func in (torch.tensor, torch.as_tensor) and kwargs.get("device") is META and args \
+                and not isinstance(args[0], torch.Tensor):
+            return self.from_data(func, args, kwargs)
         if func is torch.Tensor.to and len(args) > 1 and not isinstance(args[1], (torch.dtype, torch.Tensor)):
             args = (args[0], to_meta(args[1]), *args[2:])
         name = aten_name(func)
@@ -133,6 +136,20 @@ class DeviceMode(TorchFunctionMode):
             return func(*args, **kwargs)
         finally:
             context.pop()
+
+    def from_data(self, func: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> torch.Tensor:
+        """torch.tensor(data, device="cuda") and as_tensor: made on the host and copied to the device, as
+        torch does. Torch makes a meta tensor from data below the dispatch modes, where its storage
+        would be no allocation and its values (a count, a constant, a list of ids) would be lost."""
+        grad = bool(kwargs.pop("requires_grad", False))
+        del kwargs["device"]
+        host = func(*args, **kwargs)
+        self.emulator.context.append("to_device")
+        try:
+            out = host.to(META)
+        finally:
+            self.emulator.context.pop()
+        return out.requires_grad_() if grad else out
 
     def attention(self, func: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
         """scaled_dot_product_attention with the backend PyTorch picks on the emulated GPU."""
