@@ -122,7 +122,7 @@ class Event:
 
     def elapsed_time(self, end: "Event") -> float:
         """Milliseconds from this event to `end`, both recorded with timing on (as CUDA requires): the
-        host's time between the two records, so throughput a script works out from it is finite."""
+        host's time between the two records."""
         if not (self.enable_timing and end.enable_timing):
             raise RuntimeError("Both events must be created with argument 'enable_timing=True'.")
         if self.recorded_at is None or end.recorded_at is None:
