@@ -12,14 +12,34 @@ from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper
 from torch.utils._pytree import tree_leaves
 
 from memdiff.recording.emulate import distributed
+from memdiff.recording.emulate.devices import cuda_index, first_meta
 from memdiff.recording.emulate.gpus import kernels
 from memdiff.recording.emulate.runtime import ALL_ELEMENTS_OPS, EmulationError, Emulator, op_name, python_frames
 from memdiff.recording.emulate.values import Values
 
 META = torch.device("meta")
-CUDA0 = torch.device("cuda", 0)
 TensorBase = torch._C.TensorBase
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
+
+
+def cuda(index: int) -> torch.device:
+    """torch.device("cuda", index), made once per index (a tensor's device is asked for often)."""
+    found = _CUDA.get(index)
+    if found is None:
+        found = _CUDA[index] = torch.device("cuda", index)
+    return found
+
+
+_CUDA: Dict[int, torch.device] = {}
+
+
+def _copying(args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Tuple[Tuple[Any, ...], Dict[str, Any]]:
+    """A Tensor.to call made to copy: to another emulated GPU is meta to meta, which torch would not copy."""
+    # copy's place: to(other, non_blocking, copy), to(device, dtype, non_blocking, copy)
+    at = 3 if len(args) > 1 and isinstance(args[1], torch.Tensor) else 4
+    if len(args) > at:
+        return (*args[:at], True, *args[at + 1:]), kwargs
+    return args, {**kwargs, "copy": True}
 
 
 def to_meta(device: Any) -> Any:
@@ -70,7 +90,8 @@ def _is_meta(x: Any) -> bool:
 
 
 class DeviceMode(TorchFunctionMode):
-    """`cuda` is the meta device, reported back as `cuda:0`; attention and autocast as the GPU runs them."""
+    """`cuda` is the meta device, reported back as the GPU each tensor is on; attention and autocast as the
+    GPU runs them."""
 
     def __init__(self, emulator: Emulator) -> None:
         super().__init__()
@@ -80,38 +101,46 @@ class DeviceMode(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: Tuple[Any, ...] = (), kwargs: Optional[Dict] = None):
         kwargs = dict(kwargs or {})
+        placement = self.emulator.placement
         if getattr(func, "__name__", "") == "__get__":
             owner = getattr(func, "__self__", None)
             if owner is TensorBase.device:
                 device = func(*args, **kwargs)
-                return CUDA0 if device.type == "meta" else device
+                return cuda(placement.tensor_index(args[0])) if device.type == "meta" else device
             if owner is TensorBase.is_cuda:
                 return bool(args[0].is_meta) or func(*args, **kwargs)
             if owner is TensorBase.is_meta:
                 return False
             return func(*args, **kwargs)
+        if func is torch.device and len(args) == 1 and not kwargs and type(args[0]) is int:
+            return cuda(args[0])  # a bare index names a device of the accelerator: the emulated GPU
         if func is torch.Tensor.get_device and _is_meta(args[0]):
-            return 0
+            return placement.tensor_index(args[0])
         if func is torch.Tensor.data_ptr and _is_meta(args[0]):
             return self.emulator.address(args[0].untyped_storage()) + args[0].storage_offset() * args[0].element_size()
         if func is torch.Tensor.cuda:  # Tensor.cuda() is a .to() (to_dtype_layout) in torch's C++
-            self.emulator.context.append("to_dtype_layout")
-            try:
-                return args[0].to(META, non_blocking=bool(kwargs.get("non_blocking", False)))
-            finally:
-                self.emulator.context.pop()
+            return self.to_gpu(args, kwargs)
         if func in (torch.Tensor.pin_memory,):
             return args[0]
         if func is torch.Tensor.record_stream:
             return None
+        named = None  # the GPU the call names, if any
         if "device" in kwargs:
+            named = cuda_index(kwargs["device"], placement.current)
             kwargs["device"] = to_meta(kwargs["device"])
             if kwargs.get("pin_memory") and kwargs["device"] is META:
                 kwargs["pin_memory"] = False  # pinned host memory is for copies to a device that is not here
         elif kwargs.get("pin_memory"):
             kwargs["pin_memory"] = False
         if func is torch.Tensor.to and len(args) > 1 and not isinstance(args[1], (torch.dtype, torch.Tensor)):
+            named = cuda_index(args[1], placement.current)
             args = (args[0], to_meta(args[1]), *args[2:])
+        elif func is torch.Tensor.to and len(args) > 1 and _is_meta(args[1]):
+            named = placement.tensor_index(args[1])
+        if named is not None:
+            placement.check(named)
+            if func is torch.Tensor.to and _is_meta(args[0]) and placement.tensor_index(args[0]) != named:
+                args, kwargs = _copying(args, kwargs)  # meta to meta is no copy: another GPU is
         name = aten_name(func)
         if name == "to_dtype_layout" and len(args) > 1:
             # the overload torch's binding calls: `.to(tensor)`, `.to(dtype)`, else `.to(device, ...)`
@@ -123,14 +152,40 @@ class DeviceMode(TorchFunctionMode):
         cast = self.autocast.cast(name, args, kwargs)
         if cast is not None:
             args, kwargs = cast
+        if named is None:
+            first = first_meta(args)
+            named = placement.tensor_index(first) if first is not None else None
         context = self.emulator.context
         context.append(name)
+        stack = placement.stack()
+        stack.append(named)
         try:
             if func is F.scaled_dot_product_attention:
                 return self.attention(func, args, kwargs)
             return func(*args, **kwargs)
         finally:
+            stack.pop()
             context.pop()
+
+    def to_gpu(self, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
+        """Tensor.cuda(device=None): onto that GPU (the current one by default); a tensor already there is itself."""
+        placement = self.emulator.placement
+        x = args[0]
+        device = args[1] if len(args) > 1 else kwargs.get("device")
+        index = placement.current() if device is None else cuda_index(device, placement.current)
+        if index is None:
+            raise RuntimeError(f"Invalid device, must be cuda device (got {device})")
+        placement.check(index)
+        if x.is_meta and placement.tensor_index(x) == index:
+            return x
+        self.emulator.context.append("to_dtype_layout")
+        stack = placement.stack()
+        stack.append(index)
+        try:
+            return x.to(META, non_blocking=bool(kwargs.get("non_blocking", False)), copy=x.is_meta)
+        finally:
+            stack.pop()
+            self.emulator.context.pop()
 
     def attention(self, func: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
         """scaled_dot_product_attention with the backend PyTorch picks on the emulated GPU."""
@@ -240,15 +295,14 @@ class AllocMode(TorchDispatchMode):
         name = op_name(func)
         rule = emulator.rules.get(base)
         host = rule["host_outputs"] if rule else ()
+        index = emulator.placement.for_new(args, kwargs)  # the GPU the op runs on
         for i, leaf in enumerate(tree_leaves(out)):
             if isinstance(leaf, torch.Tensor) and leaf.is_meta and i not in host:
-                storage = leaf.untyped_storage()
-                if storage.nbytes():
-                    emulator.track(storage, name, rule["frames"] if rule else ())
+                emulator.track(leaf.untyped_storage(), name, rule["frames"] if rule else (), index)
         if base in emulator.blas:
-            emulator.workspace(name)
+            emulator.workspace(name, index)
         if rule and rule["steps"]:
-            emulator.temporaries(base, name, _attention_values(args, rule["q"]))
+            emulator.temporaries(base, name, _attention_values(args, rule["q"]), index)
         return out
 
     def read_back(self, base: str, first: torch.Tensor, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
