@@ -223,3 +223,53 @@ def test_data_parallel_replicates_scatters_and_gathers_over_two_emulated_gpus(to
     peaks = [int(x) for x in done.stdout.split("peaks [")[1].split("]")[0].split(", ")]
     for index in (0, 1):  # the script's own allocator stats, per GPU, at or above each trace's peak
         assert devices[index].peak_bytes <= peaks[index] <= devices[index].peak_bytes * 1.05
+
+
+FSDP = textwrap.dedent("""
+    import os
+    import sys
+
+    import torch
+    import torch.distributed as dist
+
+    local_rank = int(os.environ["LOCAL_RANK"])
+    if sys.argv[1] == "fsdp2":  # the mesh sets the rank's GPU from LOCAL_RANK, as on a GPU
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cuda", (int(os.environ["WORLD_SIZE"]),))
+        model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(4)]).to(f"cuda:{local_rank}")
+        for layer in model:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    else:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        torch.cuda.set_device(local_rank)
+        dist.init_process_group("nccl")
+        model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(4)]).cuda()
+        model = FullyShardedDataParallel(model, device_id=local_rank)
+    opt = torch.optim.AdamW(model.parameters())
+    for _ in range(2):
+        model(torch.randn(8, 1024, device="cuda")).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    dist.destroy_process_group()
+""")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["fsdp2", "fsdp"])
+def test_fsdp_shards_each_torchrun_rank_on_its_own_gpu(torch, tmp_path, kind):
+    (tmp_path / "fsdp.py").write_text(FSDP)
+    done = _memdiff(tmp_path, "record", "--emulate", "h100", "-o", "runs/", "--", sys.executable, "-m",
+                    "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "fsdp.py", kind)
+    assert done.returncode == 0, done.stderr[-3000:]
+    from memdiff import api
+
+    shard = 4 * LINEAR // 2  # four Linear(1024, 1024) halved between the two ranks
+    for rank in (0, 1):
+        assert _used(_load(tmp_path / "runs" / f"rank{rank}.pickle")) == {rank}
+        device = api.summarize(tmp_path / "runs" / f"rank{rank}.pickle").devices[0]
+        assert device.device == rank
+        assert device.categories["optimizer_state"] == 2 * shard  # AdamW's two moments of this rank's shard

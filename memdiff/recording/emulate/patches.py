@@ -122,6 +122,7 @@ def _device_context(emulator: Emulator) -> Tuple[type, type]:
             if self.idx >= 0:
                 self.prev_idx = placement.current()
                 placement.set_current(self.idx)
+                emulator.initialized = True
             return self
 
         def __exit__(self, *exc: Any) -> None:
@@ -214,6 +215,14 @@ def _answers(emulator: Emulator, saved: Dict[Tuple[Any, str], Any]) -> Dict[str,
         index = cuda_index(device, placement.current)
         if index is not None and index >= 0:
             placement.set_current(index)
+            init()
+
+    def init() -> None:
+        emulator.initialized = True
+
+    def current_device() -> int:
+        init()  # as torch.cuda.current_device() initializes CUDA
+        return placement.current()
 
     def clear_autocast_cache() -> None:
         emulator.autocast.clear()
@@ -255,8 +264,11 @@ def _answers(emulator: Emulator, saved: Dict[Tuple[Any, str], Any]) -> Dict[str,
 
     answers = {
         "is_available": lambda: True, "device_count": lambda: emulator.count,
-        "current_device": lambda: placement.current(),
-        "is_initialized": lambda: True, "init": nothing, "_lazy_init": nothing, "set_device": set_device,
+        "current_device": current_device,
+        # CUDA starts at the process's first use of the GPU (torch's own code, such as DeviceMesh, picks
+        # the rank's GPU only before it); what torch defers to then runs now, as the emulator is up
+        "is_initialized": lambda: emulator.initialized, "init": init, "_lazy_init": init,
+        "_lazy_call": lambda callable, **kwargs: callable(), "set_device": set_device,
         "get_device_name": lambda device=None: emulator.gpu.name,
         "get_device_capability": lambda device=None: (emulator.gpu.major, emulator.gpu.minor),
         "get_device_properties": lambda device=None: properties,

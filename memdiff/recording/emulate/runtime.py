@@ -163,6 +163,7 @@ class Emulator:
             raise InputError("PYTORCH_CUDA_ALLOC_CONF", str(exc)) from None
         self.placement = Placement(gpus_per_node(gpus))
         self.gpus: Dict[int, EmulatedGpu] = {}  # the GPUs this process used, each made at its first use
+        self.initialized = False  # torch.cuda.is_initialized(): the process used a GPU
         self.recording: Optional[Dict[str, Any]] = None  # _record_memory_history's settings while on
         self.annotations: List[Dict[str, Any]] = []
         self.notes: List[str] = []
@@ -194,6 +195,7 @@ class Emulator:
     def device(self, index: Optional[int] = None) -> EmulatedGpu:
         """GPU `index` (the current one when None), made at its first use."""
         index = self.placement.current() if index is None else self.placement.check(index)
+        self.initialized = True
         found = self.gpus.get(index)
         if found is None:
             found = self.gpus[index] = EmulatedGpu(index, self.gpu.capacity, self.config, self._on_event)
