@@ -77,6 +77,28 @@ def test_a_process_sees_the_gpus_it_is_given_and_each_tensor_stays_on_its_own(to
         assert {s["device"] for s in snapshot["segments"] if s["address"]} >= {0, 1}
 
 
+def test_a_model_split_over_two_gpus_sends_the_gradient_back_to_the_first(torch, tmp_path):
+    import memdiff
+
+    with memdiff.record(str(tmp_path / "run.pickle"), emulate="h100", gpus=2):
+        first = torch.nn.Linear(1024, 1024).to("cuda:0")
+        second = torch.nn.Linear(1024, 1024).to("cuda:1")
+        hidden = first(torch.randn(64, 1024, device="cuda:0")).to("cuda:1")
+        second(hidden).sum().backward()
+        grads = [str(first.weight.grad.device), str(second.weight.grad.device)]
+    assert grads == ["cuda:0", "cuda:1"]
+    traces = _load(tmp_path / "run.pickle")["device_traces"]
+    activation = 64 * 1024 * 4
+    # The copy's backward copies the activation's gradient from GPU 1 to GPU 0, whose weight gradient
+    # is made there: each GPU makes its own layer's 4 MiB weight gradient.
+    backward0 = [e for e in traces[0] if e["action"] == "alloc" and
+                 any("ToCopyBackward0" in f["name"] for f in e["frames"])]
+    assert [e["size"] for e in backward0] == [activation]
+    for trace in traces:
+        assert any(e["action"] == "alloc" and e["size"] == 1024 * 1024 * 4 and
+                   any("AddmmBackward0" in f["name"] for f in e["frames"]) for e in trace)
+
+
 def test_the_gpu_count_is_gpus_else_the_launchers_processes_per_node_else_one(torch, tmp_path):
     (tmp_path / "count.py").write_text("import torch\nprint('count', torch.cuda.device_count())\n"
                                        "torch.ones(1, device='cuda')\n")

@@ -125,8 +125,7 @@ def _in_scope(emulator: Any, rule: Dict[str, Any], call: Callable[..., Any],
         if where is not None:
             index = where(*args)
         else:
-            first = first_meta(args)
-            index = placement.tensor_index(first) if first is not None else None
+            index = _gpu_of(placement, args)
         emulator.native.append(NativeScope(rule))
         stack = placement.stack()
         stack.append(index)
@@ -137,6 +136,14 @@ def _in_scope(emulator: Any, rule: Dict[str, Any], call: Callable[..., Any],
             emulator.native.pop()
     run.__wrapped__ = call  # type: ignore[attr-defined]
     return run
+
+
+def _gpu_of(placement: Any, args: Any) -> Optional[int]:
+    """The GPU of the first device tensor among `args`, None if none is. Read with the device mode off:
+    under it a meta tensor says it is not meta."""
+    with torch._C.DisableTorchFunction():
+        first = first_meta(args)
+        return placement.tensor_index(first) if first is not None else None
 
 
 def _reducer(emulator: Any, real: Any, rules: Dict[str, Any]) -> Any:
@@ -151,8 +158,7 @@ def _reducer(emulator: Any, real: Any, rules: Dict[str, Any]) -> Any:
 
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             made(self, *args, **kwargs)
-            first = first_meta(args[:1] + tuple(kwargs.get("params", ())))
-            self._emulated_gpu = emulator.placement.tensor_index(first) if first is not None else None
+            self._emulated_gpu = _gpu_of(emulator.placement, args[:1] + tuple(kwargs.get("params", ())))
 
         def _rebuild_buckets(self) -> bool:
             return bool(rebuild(self))

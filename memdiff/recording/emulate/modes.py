@@ -42,6 +42,34 @@ def _copying(args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Tuple[Tuple[Any, 
     return args, {**kwargs, "copy": True}
 
 
+def _backward_on(copy: Any, index: int, placement: Any) -> None:
+    """The backward of a copy between GPUs copies the gradient back to GPU `index`. Autograd's node
+    knows only that the source was on `cuda` (meta), as the gradient is, so it would copy nothing: it
+    runs with `index` named, and a gradient it leaves on the other GPU is copied to `index`."""
+    node = getattr(copy, "grad_fn", None)
+    if node is None:
+        return
+    stack = placement.stack
+
+    def onto(grad: Any) -> Any:
+        # with the device mode off: it would say the gradient is not meta, and guess the copy's GPU
+        with torch._C.DisableTorchFunction():
+            if not _is_meta(grad) or placement.tensor_index(grad) == index:
+                return grad
+            return grad.to(META, copy=True)  # on `index`, named on the stack
+
+    def before(grad_outputs: Any) -> None:
+        stack().append(index)
+
+    def after(grad_inputs: Any, grad_outputs: Any) -> Any:
+        try:
+            return tuple(onto(grad) for grad in grad_inputs)
+        finally:
+            stack().pop()
+    node.register_prehook(before)
+    node.register_hook(after)
+
+
 def to_meta(device: Any) -> Any:
     """A `cuda` device (a name, a torch.device or a bare index) as the meta device; others unchanged."""
     if isinstance(device, int) and not isinstance(device, bool):
@@ -137,9 +165,11 @@ class DeviceMode(TorchFunctionMode):
             args = (args[0], to_meta(args[1]), *args[2:])
         elif func is torch.Tensor.to and len(args) > 1 and _is_meta(args[1]):
             named = placement.tensor_index(args[1])
+        moved_from = None  # the GPU a copy to another GPU leaves
         if named is not None:
             placement.check(named)
             if func is torch.Tensor.to and _is_meta(args[0]) and placement.tensor_index(args[0]) != named:
+                moved_from = placement.tensor_index(args[0])
                 args, kwargs = _copying(args, kwargs)  # meta to meta is no copy: another GPU is
         name = aten_name(func)
         if name == "to_dtype_layout" and len(args) > 1:
@@ -162,7 +192,10 @@ class DeviceMode(TorchFunctionMode):
         try:
             if func is F.scaled_dot_product_attention:
                 return self.attention(func, args, kwargs)
-            return func(*args, **kwargs)
+            out = func(*args, **kwargs)
+            if moved_from is not None:
+                _backward_on(out, moved_from, placement)
+            return out
         finally:
             stack.pop()
             context.pop()
@@ -182,7 +215,10 @@ class DeviceMode(TorchFunctionMode):
         stack = placement.stack()
         stack.append(index)
         try:
-            return x.to(META, non_blocking=bool(kwargs.get("non_blocking", False)), copy=x.is_meta)
+            out = x.to(META, non_blocking=bool(kwargs.get("non_blocking", False)), copy=x.is_meta)
+            if x.is_meta:
+                _backward_on(out, placement.tensor_index(x), placement)
+            return out
         finally:
             stack.pop()
             self.emulator.context.pop()

@@ -27,7 +27,7 @@ import weakref
 from typing import Any, Dict, List, Optional
 
 from memdiff.errors import InputError
-from memdiff.recording.emulate.allocator import AllocatorConfig, Block, CachingAllocator, OutOfMemory
+from memdiff.recording.emulate.allocator import AllocatorConfig, Block, OutOfMemory
 from memdiff.recording.emulate.devices import EmulatedGpu, Placement, gpus_per_node
 from memdiff.recording.emulate.gpus import Gpu, kernels
 from memdiff.units import format_bytes
@@ -201,11 +201,6 @@ class Emulator:
             found = self.gpus[index] = EmulatedGpu(index, self.gpu.capacity, self.config, self._on_event)
         return found
 
-    @property
-    def allocator(self) -> CachingAllocator:
-        """The current GPU's caching allocator."""
-        return self.device().allocator
-
     # -- the allocator's events, as the history records them ------------------------------------
 
     def _on_event(self, index: int, action: str, address: int, size: int, stream: int, context: Any) -> None:
@@ -222,10 +217,6 @@ class Emulator:
         limit = self.recording["max_entries"]
         if len(trace) > limit:
             del trace[: len(trace) - limit]
-
-    def capacity(self, index: Optional[int] = None) -> int:
-        """What GPU `index`'s allocator may reserve now: the GPU's less the CUDA context's, or the fraction set."""
-        return self.device(index).allocator.total_memory
 
     def limit(self, fraction: float, index: Optional[int] = None) -> None:
         """torch.cuda.set_per_process_memory_fraction: the allocator may reserve this share of the device."""
