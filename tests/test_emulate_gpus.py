@@ -99,6 +99,7 @@ def test_a_model_split_over_two_gpus_sends_the_gradient_back_to_the_first(torch,
                    any("AddmmBackward0" in f["name"] for f in e["frames"]) for e in trace)
 
 
+@pytest.mark.slow
 def test_the_gpu_count_is_gpus_else_the_launchers_processes_per_node_else_one(torch, tmp_path):
     (tmp_path / "count.py").write_text("import torch\nprint('count', torch.cuda.device_count())\n"
                                        "torch.ones(1, device='cuda')\n")
