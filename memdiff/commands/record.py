@@ -26,6 +26,7 @@ from memdiff.job import MAX_RANKS, rank_of, rank_patterns
 from memdiff.load import decode
 from memdiff.recording.capture import STACKS, StepWindow, parse_steps, record, recorded_nothing
 from memdiff.recording.emulate.allocator import AllocatorConfig
+from memdiff.recording.emulate.devices import GPUS
 from memdiff.recording.emulate.escapes import escaped
 from memdiff.recording.emulate.gpus import gpu
 from memdiff.recording.emulate.gpus import names as gpu_names
@@ -67,6 +68,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="run the CUDA script with no GPU and write the snapshot GPU would record (one of "
                         f"{', '.join(gpu_names())}): its cuda tensors have shapes and no data, torch.cuda answers "
                         "as that GPU, kernels and the caching allocator as it allocates (docs/emulate.md)")
+    p.add_argument("--gpus", type=count_arg, metavar="N",
+                   help="with --emulate: the GPUs each process sees (torch.cuda.device_count()), for a script that "
+                        "starts its own ranks (torch.multiprocessing.spawn) or runs nn.DataParallel; without it, a "
+                        "launcher's LOCAL_WORLD_SIZE (its processes per node), else 1")
     p.add_argument("command", nargs=argparse.REMAINDER,
                    help="-- python SCRIPT ARGS | -- python -m MODULE ARGS "
                         "| with -o DIR/, any launcher: -- torchrun ...")
@@ -260,6 +265,10 @@ def _run_launcher(args: argparse.Namespace) -> int:
         env["MEMDIFF_RECORD_EMULATE"] = args.emulate
     else:
         env.pop("MEMDIFF_RECORD_EMULATE", None)
+    if args.gpus is not None:  # each process sees this many emulated GPUs, whatever its launcher says
+        env[GPUS] = str(args.gpus)
+    else:
+        env.pop(GPUS, None)
     env.pop("MEMDIFF_RECORD_RANK_PID", None)  # set by each rank for its own children, never inherited from us
     child = subprocess.Popen(command, env=env)
     interrupted = _wait_forwarding_signals(child)
@@ -303,6 +312,7 @@ def _run_repeats(args: argparse.Namespace) -> int:
     for k, path in enumerate(paths, 1):
         window = ["--steps", str(args.steps)] if args.steps else []
         emulate = ["--emulate", args.emulate] if args.emulate else []
+        emulate += ["--gpus", str(args.gpus)] if args.gpus is not None else []
         done = subprocess.run([sys.executable, "-m", "memdiff", "record", "-o", path, "--max-entries",
                                str(args.max_entries), "--stacks", args.stacks, *window, *emulate, "--", *command])
         if done.returncode:
@@ -316,6 +326,9 @@ def _run_repeats(args: argparse.Namespace) -> int:
 
 def run(args: argparse.Namespace) -> int:
     """Record the target and report where the snapshot went."""
+    if args.gpus is not None and not args.emulate:
+        raise InputError("--gpus", "sets how many GPUs the emulated job has: give it with --emulate GPU (a real "
+                                   "run sees the GPUs the machine has)")
     if args.repeat > 1:
         return _run_repeats(args)
     if is_folder(args.output):
@@ -328,7 +341,7 @@ def run(args: argparse.Namespace) -> int:
         interrupted = False
         refused: Optional[InputError] = None
         with record(partial, max_entries=args.max_entries, stacks=args.stacks, steps=args.steps,
-                    emulate=args.emulate):
+                    emulate=args.emulate, gpus=args.gpus):
             try:
                 status = _run_target(target, emulated=bool(args.emulate))
             except KeyboardInterrupt:  # Ctrl-C ends the script, not the recording: what it did is kept

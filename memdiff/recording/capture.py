@@ -466,7 +466,8 @@ def count_optimizer_steps(on_step: Callable[[int], None]) -> Iterator[None]:
 
 @contextlib.contextmanager
 def record(path: str, *, max_entries: int = 1_000_000, stacks: str = "all",
-           steps: "str | StepWindow | None" = None, emulate: Optional[str] = None) -> Iterator[None]:
+           steps: "str | StepWindow | None" = None, emulate: Optional[str] = None,
+           gpus: Optional[int] = None) -> Iterator[None]:
     """Record every allocation made inside the block and write the snapshot to `path`.
 
     With CUDA: the caching allocator's history (`max_entries` is its ring buffer), with
@@ -482,7 +483,9 @@ def record(path: str, *, max_entries: int = 1_000_000, stacks: str = "all",
 
     `emulate="h100"` runs the block's CUDA code with no GPU (memdiff.recording.emulate, docs/emulate.md): its
     `cuda` tensors run on the meta device, `torch.cuda` answers as that GPU, and the snapshot is
-    the one that GPU's caching allocator would record, marked as emulated.
+    the one that GPU's caching allocator would record, marked as emulated. `gpus=N` is how many such GPUs
+    the block sees (torch.cuda.device_count(); else LOCAL_WORLD_SIZE, else 1), each with its own allocator
+    and its own trace in the snapshot.
     """
     if stacks not in STACKS:
         raise ValueError(f"stacks must be one of {STACKS}, not {stacks!r}")
@@ -491,7 +494,7 @@ def record(path: str, *, max_entries: int = 1_000_000, stacks: str = "all",
         from memdiff.recording.emulate.gpus import gpu
         from memdiff.recording.emulate.runtime import Emulator
 
-        with Emulator(gpu(emulate)):
+        with Emulator(gpu(emulate), gpus=gpus):
             with record(path, max_entries=max_entries, stacks=stacks, steps=steps):
                 yield
         return

@@ -25,6 +25,8 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
+from memdiff.recording.emulate.devices import first_meta
+
 # Whatever backend the script asked for, per group: `dist.get_backend()` answers with it.
 _asked: Dict[Any, str] = {}
 
@@ -113,27 +115,50 @@ def scopes() -> Dict[str, Any]:
     return dict(json.loads(text)["scopes"])
 
 
-def _in_scope(emulator: Any, rule: Dict[str, Any], call: Callable[..., Any]) -> Callable[..., Any]:
+def _in_scope(emulator: Any, rule: Dict[str, Any], call: Callable[..., Any],
+              where: Optional[Callable[..., Optional[int]]] = None) -> Callable[..., Any]:
+    """`call` with its native frames on the stack, and its buffers on the GPU of its tensors (`where`
+    tells which when its arguments hold none): the C++ code sets its device from its tensors."""
+    placement = emulator.placement
+
     def run(*args: Any, **kwargs: Any) -> Any:
+        if where is not None:
+            index = where(*args)
+        else:
+            index = _gpu_of(placement, args)
         emulator.native.append(NativeScope(rule))
+        stack = placement.stack()
+        stack.append(index)
         try:
             return call(*args, **kwargs)
         finally:
+            stack.pop()
             emulator.native.pop()
     run.__wrapped__ = call  # type: ignore[attr-defined]
     return run
 
 
+def _gpu_of(placement: Any, args: Any) -> Optional[int]:
+    """The GPU of the first device tensor among `args`, None if none is. Read with the device mode off:
+    under it a meta tensor says it is not meta."""
+    with torch._C.DisableTorchFunction():
+        first = first_meta(args)
+        return placement.tensor_index(first) if first is not None else None
+
+
 def _reducer(emulator: Any, real: Any, rules: Dict[str, Any]) -> Any:
-    """DDP's Reducer, whose construction and bucket rebuild allocate its gradient buckets on the device."""
+    """DDP's Reducer, whose construction and bucket rebuild allocate its gradient buckets on the device
+    of its parameters."""
     made = _in_scope(emulator, rules["Reducer"], lambda self, *a, **k: real.__init__(self, *a, **k))
-    rebuild = _in_scope(emulator, rules["rebuild_buckets"], lambda self: real._rebuild_buckets(self))
+    rebuild = _in_scope(emulator, rules["rebuild_buckets"], lambda self: real._rebuild_buckets(self),
+                        where=lambda self: getattr(self, "_emulated_gpu", None))
 
     class Reducer(real):
         __doc__ = real.__doc__
 
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             made(self, *args, **kwargs)
+            self._emulated_gpu = _gpu_of(emulator.placement, args[:1] + tuple(kwargs.get("params", ())))
 
         def _rebuild_buckets(self) -> bool:
             return bool(rebuild(self))

@@ -13,15 +13,63 @@ from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper
 from torch.utils._pytree import tree_leaves
 
 from memdiff.recording.emulate import distributed, printing
+from memdiff.recording.emulate.devices import cuda_index, first_meta
 from memdiff.recording.emulate.escapes import op_refusal
 from memdiff.recording.emulate.gpus import kernels
 from memdiff.recording.emulate.runtime import ALL_ELEMENTS_OPS, Emulator, op_name, python_frames
 from memdiff.recording.emulate.values import Values
 
 META = torch.device("meta")
-CUDA0 = torch.device("cuda", 0)
 TensorBase = torch._C.TensorBase
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
+
+
+def cuda(index: int) -> torch.device:
+    """torch.device("cuda", index), made once per index (a tensor's device is asked for often)."""
+    found = _CUDA.get(index)
+    if found is None:
+        found = _CUDA[index] = torch.device("cuda", index)
+    return found
+
+
+_CUDA: Dict[int, torch.device] = {}
+
+
+def _copying(args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Tuple[Tuple[Any, ...], Dict[str, Any]]:
+    """A Tensor.to call made to copy: to another emulated GPU is meta to meta, which torch would not copy."""
+    # copy's place: to(other, non_blocking, copy), to(device, dtype, non_blocking, copy)
+    at = 3 if len(args) > 1 and isinstance(args[1], torch.Tensor) else 4
+    if len(args) > at:
+        return (*args[:at], True, *args[at + 1:]), kwargs
+    return args, {**kwargs, "copy": True}
+
+
+def _backward_on(copy: Any, index: int, placement: Any) -> None:
+    """The backward of a copy between GPUs copies the gradient back to GPU `index`. Autograd's node
+    knows only that the source was on `cuda` (meta), as the gradient is, so it would copy nothing: it
+    runs with `index` named, and a gradient it leaves on the other GPU is copied to `index`."""
+    node = getattr(copy, "grad_fn", None)
+    if node is None:
+        return
+    stack = placement.stack
+
+    def onto(grad: Any) -> Any:
+        # with the device mode off: it would say the gradient is not meta, and guess the copy's GPU
+        with torch._C.DisableTorchFunction():
+            if not _is_meta(grad) or placement.tensor_index(grad) == index:
+                return grad
+            return grad.to(META, copy=True)  # on `index`, named on the stack
+
+    def before(grad_outputs: Any) -> None:
+        stack().append(index)
+
+    def after(grad_inputs: Any, grad_outputs: Any) -> Any:
+        try:
+            return tuple(onto(grad) for grad in grad_inputs)
+        finally:
+            stack().pop()
+    node.register_prehook(before)
+    node.register_hook(after)
 
 
 def to_meta(device: Any) -> Any:
@@ -72,7 +120,8 @@ def _is_meta(x: Any) -> bool:
 
 
 class DeviceMode(TorchFunctionMode):
-    """`cuda` is the meta device, reported back as `cuda:0`; attention and autocast as the GPU runs them."""
+    """`cuda` is the meta device, reported back as the GPU each tensor is on; attention and autocast as the
+    GPU runs them."""
 
     def __init__(self, emulator: Emulator) -> None:
         super().__init__()
@@ -82,11 +131,12 @@ class DeviceMode(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: Tuple[Any, ...] = (), kwargs: Optional[Dict] = None):
         kwargs = dict(kwargs or {})
+        placement = self.emulator.placement
         if getattr(func, "__name__", "") == "__get__":
             owner = getattr(func, "__self__", None)
             if owner is TensorBase.device:
                 device = func(*args, **kwargs)
-                return CUDA0 if device.type == "meta" else device
+                return cuda(placement.tensor_index(args[0])) if device.type == "meta" else device
             if owner is TensorBase.is_cuda:
                 return bool(args[0].is_meta) or func(*args, **kwargs)
             if owner is TensorBase.is_meta:
@@ -96,17 +146,17 @@ class DeviceMode(TorchFunctionMode):
             return printing.formatted(self, args[0], args[1] if len(args) > 1 else kwargs.get("format_spec", ""))
         if func is torch.Tensor.__repr__ and _is_meta(args[0]):
             return printing.printed(self, args[0], kwargs.get("tensor_contents"))
+        if func is torch.device and len(args) == 1 and not kwargs and type(args[0]) is int:
+            return cuda(args[0])  # a bare index names a device of the accelerator: the emulated GPU
         if func is torch.Tensor.get_device and _is_meta(args[0]):
-            return 0
+            return placement.tensor_index(args[0])
         if func is torch.Tensor.data_ptr and _is_meta(args[0]):
             return self.emulator.address(args[0].untyped_storage()) + args[0].storage_offset() * args[0].element_size()
         if func is torch.Tensor.cuda:  # Tensor.cuda() is a .to() (to_dtype_layout) in torch's C++
-            self.emulator.context.append("to_dtype_layout")
-            try:
-                return args[0].to(META, non_blocking=bool(kwargs.get("non_blocking", False)))
-            finally:
-                self.emulator.context.pop()
+            return self.to_gpu(args, kwargs)
+        named = None  # the GPU the call names, if any
         if "device" in kwargs:
+            named = cuda_index(kwargs["device"], placement.current)
             kwargs["device"] = to_meta(kwargs["device"])
             if kwargs.get("pin_memory") and kwargs["device"] is META:
                 kwargs["pin_memory"] = False  # pinned host memory is for copies to a device that is not here
@@ -114,9 +164,18 @@ class DeviceMode(TorchFunctionMode):
             kwargs["pin_memory"] = False
         if func in (torch.tensor, torch.as_tensor) and kwargs.get("device") is META and args \
                 and not isinstance(args[0], torch.Tensor):
-            return self.from_data(func, args, kwargs)
+            return self.from_data(func, args, kwargs, named)
         if func is torch.Tensor.to and len(args) > 1 and not isinstance(args[1], (torch.dtype, torch.Tensor)):
+            named = cuda_index(args[1], placement.current)
             args = (args[0], to_meta(args[1]), *args[2:])
+        elif func is torch.Tensor.to and len(args) > 1 and _is_meta(args[1]):
+            named = placement.tensor_index(args[1])
+        moved_from = None  # the GPU a copy to another GPU leaves
+        if named is not None:
+            placement.check(named)
+            if func is torch.Tensor.to and _is_meta(args[0]) and placement.tensor_index(args[0]) != named:
+                moved_from = placement.tensor_index(args[0])
+                args, kwargs = _copying(args, kwargs)  # meta to meta is no copy: another GPU is
         name = aten_name(func)
         if name == "to_dtype_layout" and len(args) > 1:
             # the overload torch's binding calls: `.to(tensor)`, `.to(dtype)`, else `.to(device, ...)`
@@ -128,16 +187,26 @@ class DeviceMode(TorchFunctionMode):
         cast = self.autocast.cast(name, args, kwargs)
         if cast is not None:
             args, kwargs = cast
+        if named is None:
+            first = first_meta(args)
+            named = placement.tensor_index(first) if first is not None else None
         context = self.emulator.context
         context.append(name)
+        stack = placement.stack()
+        stack.append(named)
         try:
             if func is F.scaled_dot_product_attention:
                 return self.attention(func, args, kwargs)
-            return func(*args, **kwargs)
+            out = func(*args, **kwargs)
+            if moved_from is not None:
+                _backward_on(out, moved_from, placement)
+            return out
         finally:
+            stack.pop()
             context.pop()
 
-    def from_data(self, func: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> torch.Tensor:
+    def from_data(self, func: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any],
+                  named: Optional[int]) -> torch.Tensor:
         """torch.tensor(data, device="cuda") and as_tensor: made on the host and copied to the device, as
         torch does. Torch makes a meta tensor from data below the dispatch modes, where its storage
         would be no allocation and its values (a count, a constant, a list of ids) would be lost."""
@@ -145,11 +214,37 @@ class DeviceMode(TorchFunctionMode):
         del kwargs["device"]
         host = func(*args, **kwargs)
         self.emulator.context.append("to_device")
+        stack = self.emulator.placement.stack()
+        stack.append(named)
         try:
             out = host.to(META)
         finally:
+            stack.pop()
             self.emulator.context.pop()
         return out.requires_grad_() if grad else out
+
+    def to_gpu(self, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
+        """Tensor.cuda(device=None): onto that GPU (the current one by default); a tensor already there is itself."""
+        placement = self.emulator.placement
+        x = args[0]
+        device = args[1] if len(args) > 1 else kwargs.get("device")
+        index = placement.current() if device is None else cuda_index(device, placement.current)
+        if index is None:
+            raise RuntimeError(f"Invalid device, must be cuda device (got {device})")
+        placement.check(index)
+        if x.is_meta and placement.tensor_index(x) == index:
+            return x
+        self.emulator.context.append("to_dtype_layout")
+        stack = placement.stack()
+        stack.append(index)
+        try:
+            out = x.to(META, non_blocking=bool(kwargs.get("non_blocking", False)), copy=x.is_meta)
+            if x.is_meta:
+                _backward_on(out, placement.tensor_index(x), placement)
+            return out
+        finally:
+            stack.pop()
+            self.emulator.context.pop()
 
     def attention(self, func: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
         """scaled_dot_product_attention with the backend PyTorch picks on the emulated GPU."""
@@ -265,15 +360,14 @@ class AllocMode(TorchDispatchMode):
         name = op_name(func)
         rule = emulator.rules.get(base)
         host = rule["host_outputs"] if rule else ()
+        index = emulator.placement.for_new(args, kwargs)  # the GPU the op runs on
         for i, leaf in enumerate(tree_leaves(out)):
             if isinstance(leaf, torch.Tensor) and leaf.is_meta and i not in host:
-                storage = leaf.untyped_storage()
-                if storage.nbytes():
-                    emulator.track(storage, name, rule["frames"] if rule else ())
+                emulator.track(leaf.untyped_storage(), name, rule["frames"] if rule else (), index)
         if base in emulator.blas:
-            emulator.workspace(name)
+            emulator.workspace(name, index)
         if rule and rule["steps"]:
-            emulator.temporaries(base, name, _attention_values(args, rule["q"]))
+            emulator.temporaries(base, name, _attention_values(args, rule["q"]), index)
         return out
 
     def read_back(self, base: str, first: torch.Tensor, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:

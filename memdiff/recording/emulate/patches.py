@@ -11,6 +11,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 import torch
 from torch.utils.weak import WeakTensorKeyDictionary
 
+from memdiff.recording.emulate.devices import cuda_index
 from memdiff.recording.emulate.runtime import Emulator
 
 
@@ -37,21 +38,29 @@ class _Properties:
 STREAM_HANDLES = 0x560000000000
 
 
-class Stream:
-    """A CUDA stream on the emulated device: work is ordered and instant, so waiting is nothing. What
-    a side stream changes is where memory comes from: while it is current (`with torch.cuda.stream(s)`,
-    `set_stream`), allocations come from its own pool of blocks and segments, as the caching
-    allocator keeps one per stream."""
+class Stream(torch._C.Stream):
+    """A CUDA stream on the emulated device: work is ordered and instant, so waiting is nothing. A
+    torch.Stream on its GPU, so that torch's own calls taking one (record_stream) accept it. What a
+    side stream changes is where memory comes from: while it is current (`with torch.cuda.stream(s)`,
+    `set_stream`), allocations on its GPU come from its own pool of blocks and segments, as the
+    caching allocator keeps one per stream."""
 
     made = 0
     emulator: Any = None  # the running emulator, whose current stream `with stream:` sets
 
-    def __init__(self, device: Any = None, priority: int = 0, stream_id: Any = None, **_: Any) -> None:
-        self.device, self.priority = torch.device("cuda", 0), priority
+    def __new__(cls, device: Any = None, priority: int = 0, stream_id: Any = None, **_: Any) -> "Stream":
+        if device is None or isinstance(device, int):
+            index = torch.cuda.current_device() if device is None else device
+        else:
+            index = torch.device(device).index
+            index = torch.cuda.current_device() if index is None else index
         if stream_id is None:
             Stream.made += 1
             stream_id = STREAM_HANDLES + 16 * Stream.made
-        self.stream_id = self.cuda_stream = int(stream_id)
+        return super().__new__(cls, stream_id=int(stream_id), device_index=index, device_type=CUDA_TYPE)
+
+    def __init__(self, device: Any = None, priority: int = 0, stream_id: Any = None, **_: Any) -> None:
+        self.priority, self.cuda_stream = priority, int(self.stream_id)
         self.prior: List[Any] = []
 
     def wait_stream(self, stream: Any) -> None:
@@ -89,13 +98,17 @@ class Stream:
             Stream.emulator.stream = self.prior.pop()
 
     def __eq__(self, other: Any) -> bool:
-        return isinstance(other, Stream) and other.cuda_stream == self.cuda_stream
+        return isinstance(other, Stream) and (other.cuda_stream, other.device_index) == \
+            (self.cuda_stream, self.device_index)
 
     def __hash__(self) -> int:
-        return hash(self.cuda_stream)
+        return hash((self.cuda_stream, self.device_index))
 
     def __repr__(self) -> str:
-        return f"<torch.cuda.Stream device=cuda:0 cuda_stream={self.cuda_stream:#x}>"
+        return f"<torch.cuda.Stream device=cuda:{self.device_index} cuda_stream={self.cuda_stream:#x}>"
+
+
+CUDA_TYPE = 1  # c10::DeviceType::CUDA
 
 
 class Event:
@@ -130,17 +143,33 @@ class Event:
         return (end.recorded_at - self.recorded_at) * 1000.0
 
 
-class _Device:
-    """torch.cuda.device(i) / device_of(t): there is one device, so entering changes nothing."""
+def _device_context(emulator: Emulator) -> Tuple[type, type]:
+    """torch.cuda.device(i) (and torch.accelerator.device_index(i)): the current GPU is `i` inside the
+    block, put back after; device_of(t) is the context of `t`'s GPU. None or a negative index changes nothing."""
+    placement = emulator.placement
 
-    def __init__(self, *_: Any, **__: Any) -> None:
-        self.idx = 0
+    class device:
+        def __init__(self, device: Any) -> None:
+            index = cuda_index(device, placement.current) if device is not None else -1
+            self.idx = -1 if index is None else index
+            self.prev_idx = -1
 
-    def __enter__(self) -> "_Device":
-        return self
+        def __enter__(self) -> "device":
+            if self.idx >= 0:
+                self.prev_idx = placement.current()
+                placement.set_current(self.idx)
+                emulator.initialized = True
+            return self
 
-    def __exit__(self, *exc: Any) -> None:
-        return None
+        def __exit__(self, *exc: Any) -> None:
+            if self.prev_idx >= 0:
+                placement.set_current(self.prev_idx)
+
+    class device_of(device):
+        def __init__(self, obj: Any) -> None:
+            super().__init__(obj.get_device() if isinstance(obj, torch.Tensor) and obj.is_cuda else -1)
+
+    return device, device_of
 
 
 def _tensor_methods() -> Dict[str, Callable[..., Any]]:
@@ -217,13 +246,26 @@ class Generator(_RealGenerator, metaclass=_GeneratorType):
 Generator.__module__, Generator.__qualname__ = "torch._C", "Generator"  # as torch's own reads in a repr
 
 
+def _allocator(emulator: Emulator, device: Any) -> Any:
+    """The caching allocator of the GPU a memory function names (`device=None`: the current one)."""
+    placement = emulator.placement
+    index = placement.current() if device is None else cuda_index(device, placement.current)
+    if index is None:
+        raise ValueError(f"Expected a cuda device, but got: {device}")
+    return emulator.device(index).allocator
+
+
 def _answers(emulator: Emulator, saved: Dict[Tuple[Any, str], Any]) -> Dict[str, Callable[..., Any]]:
-    allocator = emulator.allocator
     properties = _Properties(emulator)
-    default_stream = Stream(stream_id=0)
+    placement = emulator.placement
+    default_streams = {i: Stream(i, stream_id=0) for i in range(emulator.count)}
 
     def current_stream(device: Any = None) -> Stream:
-        return emulator.stream or default_stream
+        index = placement.current() if device is None else cuda_index(device, placement.current)
+        side = emulator.stream
+        if side is not None and side.device_index == index:
+            return side
+        return default_streams[index if index is not None else placement.current()]
 
     @contextlib.contextmanager
     def stream(stream: Any = None) -> Iterator[None]:
@@ -234,14 +276,36 @@ def _answers(emulator: Emulator, saved: Dict[Tuple[Any, str], Any]) -> Dict[str,
             yield
 
     def set_stream(stream: Any) -> None:
-        emulator.stream = None if stream is None or stream == default_stream else stream
+        emulator.stream = None if stream is None or stream.cuda_stream == 0 else stream
     original_clear = saved.get((torch, "clear_autocast_cache"))
+    device_class, device_of_class = _device_context(emulator)
 
     def stat(name: str) -> Callable[..., int]:
-        return lambda device=None: allocator.memory_stats()[name]
+        return lambda device=None: _allocator(emulator, device).memory_stats()[name]
 
     def reset_peaks(device: Any = None) -> None:
-        allocator.reset_peaks()
+        _allocator(emulator, device).reset_peaks()
+
+    def empty_cache() -> None:  # every GPU's cached segments, as CUDA's emptyCache
+        for gpu in emulator.gpus.values():
+            gpu.allocator.empty_cache()
+
+    def mem_get_info(device: Any = None) -> Tuple[int, int]:
+        allocator = _allocator(emulator, device)
+        return allocator.total_memory - allocator.reserved, emulator.gpu.total_memory
+
+    def set_device(device: Any) -> None:
+        index = cuda_index(device, placement.current)
+        if index is not None and index >= 0:
+            placement.set_current(index)
+            init()
+
+    def init() -> None:
+        emulator.initialized = True
+
+    def current_device() -> int:
+        init()  # as torch.cuda.current_device() initializes CUDA
+        return placement.current()
 
     def clear_autocast_cache() -> None:
         emulator.autocast.clear()
@@ -256,7 +320,7 @@ def _answers(emulator: Emulator, saved: Dict[Tuple[Any, str], Any]) -> Dict[str,
         return model
 
     def summary(device: Any = None, abbreviated: bool = False) -> str:
-        s = allocator.memory_stats()
+        s = _allocator(emulator, device).memory_stats()
         return (f"emulated {emulator.gpu.name}: allocated {s['allocated_bytes.all.current']} B "
                 f"(peak {s['allocated_bytes.all.peak']} B), reserved {s['reserved_bytes.all.current']} B "
                 f"(peak {s['reserved_bytes.all.peak']} B)")
@@ -282,37 +346,45 @@ def _answers(emulator: Emulator, saved: Dict[Tuple[Any, str], Any]) -> Dict[str,
         generator.seed()
 
     answers = {
-        "is_available": lambda: True, "device_count": lambda: 1, "current_device": lambda: 0,
-        "is_initialized": lambda: True, "init": nothing, "_lazy_init": nothing, "set_device": nothing,
+        "is_available": lambda: True, "device_count": lambda: emulator.count,
+        "current_device": current_device,
+        # CUDA starts at the process's first use of the GPU (torch's own code, such as DeviceMesh, picks
+        # the rank's GPU only before it); what torch defers to then runs now, as the emulator is up
+        "is_initialized": lambda: emulator.initialized, "init": init, "_lazy_init": init,
+        "_lazy_call": lambda callable, **kwargs: callable(), "set_device": set_device,
         "get_device_name": lambda device=None: emulator.gpu.name,
         "get_device_capability": lambda device=None: (emulator.gpu.major, emulator.gpu.minor),
         "get_device_properties": lambda device=None: properties,
         "get_arch_list": lambda: [f"sm_{emulator.gpu.major}{emulator.gpu.minor}"],
         "is_bf16_supported": lambda including_emulation=True: emulator.gpu.major >= 8,
-        "synchronize": nothing, "empty_cache": lambda: allocator.empty_cache(), "ipc_collect": nothing,
+        "synchronize": nothing, "empty_cache": empty_cache, "ipc_collect": nothing,
         "memory_allocated": stat("allocated_bytes.all.current"),
         "max_memory_allocated": stat("allocated_bytes.all.peak"),
         "memory_reserved": stat("reserved_bytes.all.current"),
         "max_memory_reserved": stat("reserved_bytes.all.peak"),
         "memory_cached": stat("reserved_bytes.all.current"),
         "max_memory_cached": stat("reserved_bytes.all.peak"),
-        "memory_stats": lambda device=None: allocator.memory_stats(),
+        "memory_stats": lambda device=None: _allocator(emulator, device).memory_stats(),
         "memory_summary": summary,
         "reset_peak_memory_stats": reset_peaks, "reset_max_memory_allocated": reset_peaks,
         "reset_max_memory_cached": reset_peaks, "reset_accumulated_memory_stats": nothing,
-        "mem_get_info": lambda device=None: (emulator.capacity - allocator.reserved, emulator.gpu.total_memory),
+        "mem_get_info": mem_get_info,
         "manual_seed": manual_seed, "manual_seed_all": manual_seed, "seed": seed, "seed_all": seed,
-        "initial_seed": lambda: generator.initial_seed(), "default_generators": (generator,),
+        "initial_seed": lambda: generator.initial_seed(), "default_generators": (generator,) * emulator.count,
         "get_rng_state": rng_state, "set_rng_state": set_rng_state,
-        "get_rng_state_all": lambda: [rng_state()], "set_rng_state_all": set_rng_state_all,
+        "get_rng_state_all": lambda: [rng_state() for _ in range(emulator.count)],
+        "set_rng_state_all": set_rng_state_all,
         "Stream": Stream, "Event": Event, "current_stream": current_stream,
-        "default_stream": lambda device=None: default_stream, "stream": stream,
-        "set_stream": set_stream, "device": _Device, "device_of": _Device,
+        "default_stream": lambda device=None: default_streams[placement.current() if device is None else
+                                                              cuda_index(device, placement.current) or 0],
+        "stream": stream, "set_stream": set_stream, "device": device_class, "device_of": device_of_class,
         "_record_memory_history": emulator.record_history,
         "_snapshot": lambda device=None, augment_with_fx_traces=False: emulator.snapshot(),
         "is_current_stream_capturing": lambda: False,
-        "set_per_process_memory_fraction": lambda fraction, device=None: emulator.limit(fraction),
-        "get_per_process_memory_fraction": lambda device=None: emulator.fraction,
+        "set_per_process_memory_fraction": lambda fraction, device=None: emulator.limit(
+            fraction, None if device is None else cuda_index(device, placement.current)),
+        "get_per_process_memory_fraction": lambda device=None: emulator.device(
+            None if device is None else cuda_index(device, placement.current)).fraction,
         "_dump_snapshot": emulator.dump_snapshot,
         "clear_autocast_cache": clear_autocast_cache, "compile": compile,
     }
@@ -326,17 +398,17 @@ def _accelerator_answers(emulator: Emulator, cuda: Dict[str, Any]) -> Dict[str, 
     build of torch they reach the CUDA runtime through torch._C, which fails without a driver (every
     Adam-family step asks `torch.accelerator.current_stream().is_capturing()`); on a CPU build they
     would say there is no accelerator."""
-    allocator = emulator.allocator
     same = ("is_available", "device_count", "synchronize", "empty_cache", "memory_stats", "memory_allocated",
             "max_memory_allocated", "memory_reserved", "max_memory_reserved", "reset_peak_memory_stats",
             "reset_accumulated_memory_stats", "current_stream", "set_stream", "_snapshot")
     answers: Dict[str, Any] = {name: _wrap(cuda[name]) for name in same}
     answers.update({
         "current_accelerator": lambda check_available=False: torch.device("cuda"),
-        "current_device_index": lambda: 0, "current_device_idx": lambda: 0,
-        "set_device_index": nothing, "set_device_idx": nothing, "device_index": _Device,
+        "current_device_index": _wrap(cuda["current_device"]), "current_device_idx": _wrap(cuda["current_device"]),
+        "set_device_index": _wrap(cuda["set_device"]), "set_device_idx": _wrap(cuda["set_device"]),
+        "device_index": cuda["device"],
         "get_device_capability": lambda device=None: {"major": emulator.gpu.major, "minor": emulator.gpu.minor},
-        "get_memory_info": lambda device=None: (emulator.capacity - allocator.reserved, emulator.gpu.total_memory),
+        "get_memory_info": _wrap(cuda["mem_get_info"]),
         "empty_host_cache": nothing,
     })
     return {name: _own(f"accelerator.{name}", value) for name, value in answers.items()}
@@ -413,6 +485,10 @@ def cuda_answers_as(emulator: Emulator) -> Iterator[None]:
     for name, value in _tensor_methods().items():
         replaced.append((torch.Tensor, name, torch.Tensor.__dict__.get(name, _MISSING)))
         setattr(torch.Tensor, name, value)
+    # torch.Stream(i), as torch.nn.parallel asks for a side stream of GPU i: on a CPU build there is
+    # no accelerator to make one on
+    replaced.append((torch, "Stream", torch.Stream))
+    torch.Stream = Stream
     replaced.append((torch, "Generator", torch.Generator))
     torch.Generator = Generator
     storage_pointer = torch.UntypedStorage.data_ptr
@@ -430,7 +506,7 @@ def cuda_answers_as(emulator: Emulator) -> Iterator[None]:
     extractor = getattr(checkpoint, "_DEFAULT_DETERMINISM_MODE", None)
     if isinstance(checks, dict) and extractor in checks:
         replaced.append((checks, extractor, checks[extractor]))
-        checks[extractor] = _cuda_metadata
+        checks[extractor] = _cuda_metadata(emulator)
     apply = torch.nn.Module._apply
     replaced.append((torch.nn.Module, "_apply", apply))
     torch.nn.Module._apply = _keeping_ties(apply)
@@ -449,11 +525,15 @@ def cuda_answers_as(emulator: Emulator) -> Iterator[None]:
 _MISSING = object()
 
 
-def _cuda_metadata(x: Any) -> Dict[str, Any]:
+def _cuda_metadata(emulator: Emulator) -> Callable[[Any], Dict[str, Any]]:
     """Checkpointing's check that the recomputation saved what the forward saved: shape, dtype and
-    device, with the emulated device named `cuda` whether the mode was on when it was read or not."""
-    device = x.device
-    return {"shape": x.shape, "dtype": x.dtype, "device": torch.device("cuda", 0) if device.type == "meta" else device}
+    device, with the emulated GPU named as the tensor's whether the mode was on when it was read or not."""
+    def metadata(x: Any) -> Dict[str, Any]:
+        device = x.device
+        if device.type == "meta":
+            device = torch.device("cuda", emulator.placement.tensor_index(x))
+        return {"shape": x.shape, "dtype": x.dtype, "device": device}
+    return metadata
 
 
 def _with_mode_on(engine: Callable[..., Any], emulator: Emulator) -> Callable[..., Any]:

@@ -3,7 +3,8 @@
 The script is not changed. Two of torch's own hooks do the work:
 
 - a TorchFunctionMode (`_DeviceMode`) sends every `cuda` device the script names (factories,
-  `.to()`, `.cuda()`) to the meta device and reports meta tensors back as `cuda:0`; it picks the
+  `.to()`, `.cuda()`) to the meta device and reports meta tensors back as on the GPU each is on
+  (devices.py: a process sees its job's GPUs per node, each with its own allocator); it picks the
   attention kernel the GPU would run, and applies CUDA's autocast op lists;
 - a TorchDispatchMode (`_AllocMode`) sees every op after autograd, as the GPU's allocator does:
   each new storage is a request to the caching allocator's model (allocator.py) with the
@@ -23,10 +24,11 @@ import os
 import sys
 import time
 import weakref
-from typing import Any, Dict, List, Optional, Set
+from typing import Any, Dict, List, Optional
 
 from memdiff.errors import InputError
-from memdiff.recording.emulate.allocator import AllocatorConfig, Block, CachingAllocator, OutOfMemory
+from memdiff.recording.emulate.allocator import AllocatorConfig, Block, OutOfMemory
+from memdiff.recording.emulate.devices import EmulatedGpu, Placement, gpus_per_node
 from memdiff.recording.emulate.gpus import Gpu, kernels
 from memdiff.units import format_bytes
 
@@ -129,27 +131,43 @@ class _Expr:
         return int(eval(self.code, {"__builtins__": {}, "up": lambda x, m: -(-x // m) * m}, dict(values)))
 
 
-class Emulator:
-    """One emulated GPU: the allocator's model, the recording PyTorch's history API keeps, and the
-    modes and patches that make the script's `cuda` run on it. Use as a context manager."""
+def _segment(index: int, segment: Any, blocks: List[Block]) -> Dict[str, Any]:
+    """A segment of GPU `index` as torch.cuda.memory._snapshot() gives it."""
+    out = []
+    allocated = requested = 0
+    for block in blocks:
+        out.append({"address": block.address, "size": block.size, "requested_size": block.requested,
+                    "state": "active_allocated" if block.allocated else "inactive",
+                    "frames": block.context if block.allocated and isinstance(block.context, list) else []})
+        if block.allocated:
+            allocated += block.size
+            requested += block.requested
+    return {"device": index, "address": segment.address, "total_size": segment.size,
+            "allocated_size": allocated, "active_size": allocated, "requested_size": requested,
+            "stream": segment.stream, "segment_type": "small" if segment.small else "large",
+            "segment_pool_id": (0, 0), "is_expandable": segment.expandable,
+            "frames": segment.context if isinstance(segment.context, list) else [], "blocks": out}
 
-    def __init__(self, gpu: Gpu, alloc_conf: Optional[str] = None) -> None:
+
+class Emulator:
+    """The emulated GPUs of one process (`gpus`, else the job's GPUs per node: devices.py), each with
+    its allocator's model; the recording PyTorch's history API keeps, and the modes and patches that
+    make the script's `cuda` run on them. Use as a context manager."""
+
+    def __init__(self, gpu: Gpu, alloc_conf: Optional[str] = None, gpus: Optional[int] = None) -> None:
         self.gpu = gpu
         text = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "") if alloc_conf is None else alloc_conf
         try:
-            config = AllocatorConfig.parse(text)
+            self.config = AllocatorConfig.parse(text)
         except ValueError as exc:
             raise InputError("PYTORCH_CUDA_ALLOC_CONF", str(exc)) from None
-        self.allocator = CachingAllocator(gpu.capacity, config)
-        self.allocator.trace = self._on_event
-        self.fraction = 1.0  # torch.cuda.set_per_process_memory_fraction's
+        self.placement = Placement(gpus_per_node(gpus))
+        self.gpus: Dict[int, EmulatedGpu] = {}  # the GPUs this process used, each made at its first use
+        self.initialized = False  # torch.cuda.is_initialized(): the process used a GPU
         self.recording: Optional[Dict[str, Any]] = None  # _record_memory_history's settings while on
-        self.trace: List[Dict[str, Any]] = []
         self.annotations: List[Dict[str, Any]] = []
         self.notes: List[str] = []
         self.blocks: Dict[int, Block] = {}  # id(storage) -> its block
-        self.handles: Set[str] = set()
-        self.lt_handles: Set[str] = set()  # the handles whose cuBLASLt workspace is made
         self.rules = {name: self._compile(rule) for name, rule in kernels()["ops"].items()}
         self.context: List[str] = []  # the builtin torch functions running now, outermost first
         # torch's C++ code running now that a GPU's stack names (DDP's Reducer, c10d's helpers),
@@ -170,9 +188,25 @@ class Emulator:
         return {"q": rule["q"], "host_outputs": set(rule["host_outputs"]), "steps": steps,
                 "frames": tuple(rule.get("frames", ()))}
 
+    # -- the GPUs -----------------------------------------------------------------------------------
+
+    @property
+    def count(self) -> int:
+        """torch.cuda.device_count(): the GPUs the process sees."""
+        return self.placement.count
+
+    def device(self, index: Optional[int] = None) -> EmulatedGpu:
+        """GPU `index` (the current one when None), made at its first use."""
+        index = self.placement.current() if index is None else self.placement.check(index)
+        self.initialized = True
+        found = self.gpus.get(index)
+        if found is None:
+            found = self.gpus[index] = EmulatedGpu(index, self.gpu.capacity, self.config, self._on_event)
+        return found
+
     # -- the allocator's events, as the history records them ------------------------------------
 
-    def _on_event(self, action: str, address: int, size: int, stream: int, context: Any) -> None:
+    def _on_event(self, index: int, action: str, address: int, size: int, stream: int, context: Any) -> None:
         if self.recording is None:
             return
         frames = context if isinstance(context, list) else []
@@ -181,40 +215,40 @@ class Emulator:
                  "frames": frames}
         if action == "oom":
             event.update(addr=0, device_free=context if isinstance(context, int) else 0, frames=[])
-        self.trace.append(event)
+        trace = self.gpus[index].trace
+        trace.append(event)
         limit = self.recording["max_entries"]
-        if len(self.trace) > limit:
-            del self.trace[: len(self.trace) - limit]
+        if len(trace) > limit:
+            del trace[: len(trace) - limit]
 
-    @property
-    def capacity(self) -> int:
-        """What the allocator may reserve now: the GPU's less the CUDA context's, or the fraction set."""
-        return self.allocator.total_memory
-
-    def limit(self, fraction: float) -> None:
+    def limit(self, fraction: float, index: Optional[int] = None) -> None:
         """torch.cuda.set_per_process_memory_fraction: the allocator may reserve this share of the device."""
         if not 0 <= fraction <= 1:
             raise ValueError(f"invalid fraction: {fraction}, must be between 0 and 1")
-        self.fraction = fraction
-        self.allocator.total_memory = min(self.gpu.capacity, int(fraction * self.gpu.total_memory))
+        device = self.device(index)
+        device.fraction = fraction
+        device.allocator.total_memory = min(self.gpu.capacity, int(fraction * self.gpu.total_memory))
 
-    def allocate(self, nbytes: int, frames: List[Dict[str, Any]]) -> Block:
-        """A device allocation of `nbytes` made at `frames`; torch's OutOfMemoryError when it does not fit."""
+    def allocate(self, nbytes: int, frames: List[Dict[str, Any]], index: Optional[int] = None) -> Block:
+        """A device allocation of `nbytes` on GPU `index` (the current one when None) made at `frames`;
+        torch's OutOfMemoryError when it does not fit."""
+        device = self.device(index)
         try:
-            stream = self.stream.cuda_stream if self.stream is not None else 0
-            return self.allocator.malloc(nbytes, stream, frames if self.recording is not None else None)
+            side = self.stream  # a side stream the script made current: its pool, on its own GPU only
+            stream = side.cuda_stream if side is not None and side.device_index == device.index else 0
+            return device.allocator.malloc(nbytes, stream, frames if self.recording is not None else None)
         except OutOfMemory as exc:
             raise _torch.OutOfMemoryError(
                 f"CUDA out of memory (emulated {self.gpu.name}). Tried to allocate {format_bytes(exc.requested)}. "
-                f"GPU 0 has a total capacity of {format_bytes(self.gpu.total_memory)} of which "
+                f"GPU {device.index} has a total capacity of {format_bytes(self.gpu.total_memory)} of which "
                 f"{format_bytes(exc.free)} is free. Of the allocated memory {format_bytes(exc.allocated)} is "
                 f"allocated by PyTorch, and {format_bytes(exc.reserved - exc.allocated)} is reserved by PyTorch "
                 f"but unallocated.") from None
 
-    def release(self, block: Block) -> None:
-        """Free a block (a storage torch let go of)."""
+    def release(self, block: Block, index: int) -> None:
+        """Free a block of GPU `index` (a storage torch let go of)."""
         if block.allocated:
-            self.allocator.free(block, python_frames(3) if self.recording is not None else None)
+            self.gpus[index].allocator.free(block, python_frames(3) if self.recording is not None else None)
 
     def _frames(self, name: str, inner: Any = ()) -> List[Dict[str, Any]]:
         if self.recording is None:
@@ -226,18 +260,24 @@ class Emulator:
         native = [frame for scope in reversed(self.native) for frame in scope.frames()]
         return _op_frames(name, inner, reversed(outer)) + native + python_frames(4)
 
-    def track(self, storage: Any, name: str, inner: Any = ()) -> None:
-        """Allocate a new meta storage on the device, freed when torch frees it."""
+    def track(self, storage: Any, name: str, inner: Any = (), index: Optional[int] = None) -> None:
+        """A new meta storage made on GPU `index` (the current one when None): allocated there, freed
+        when torch frees it. A storage stays on the GPU it was made on."""
         key = id(storage)
-        known = self.blocks.get(key)
+        placed = self.placement.of
+        if key not in placed:
+            placed[key] = self.placement.current() if index is None else index
+            weakref.finalize(storage, self._storage_freed, key)
+        index = placed[key]
         nbytes = storage.nbytes()
+        known = self.blocks.get(key)
         if known is not None:
             if known.requested == nbytes or not known.allocated:
                 return
-            self.release(known)  # resized in place: the GPU frees the old block and takes a new one
-        block = self.allocate(nbytes, self._frames(name, inner))
-        self.blocks[key] = block
-        weakref.finalize(storage, self._storage_freed, key, block)
+            self.release(known, index)  # resized in place: the GPU frees the old block and takes a new one
+            del self.blocks[key]
+        if nbytes:
+            self.blocks[key] = self.allocate(nbytes, self._frames(name, inner), index)
 
     def address(self, storage: Any) -> int:
         """Where the emulated GPU holds a storage: its block's address (code that tells tensors apart by
@@ -245,40 +285,44 @@ class Emulator:
         block = self.blocks.get(id(storage))
         return block.address if block is not None and block.allocated else 0
 
-    def _storage_freed(self, key: int, block: Block) -> None:
-        if self.blocks.get(key) is block:
-            del self.blocks[key]
-        self.release(block)
+    def _storage_freed(self, key: int) -> None:
+        index = self.placement.of.pop(key, 0)
+        block = self.blocks.pop(key, None)
+        if block is not None:
+            self.release(block, index)
 
-    def temporaries(self, base: str, name: str, values: Dict[str, int]) -> None:
-        """A kernel's own buffers (kernels.json): allocated and freed inside the op."""
+    def temporaries(self, base: str, name: str, values: Dict[str, int], index: Optional[int] = None) -> None:
+        """A kernel's own buffers (kernels.json) on GPU `index`: allocated and freed inside the op."""
         rule = self.rules.get(base)
         if rule is None or not rule["steps"]:
             return
+        index = self.device(index).index
         live: Dict[str, Block] = {}
         for action, label, size in rule["steps"]:
             if action == "alloc":
-                live[label] = self.allocate(size(values), self._frames(name, rule["frames"]))
+                live[label] = self.allocate(size(values), self._frames(name, rule["frames"]), index)
             else:
-                self.release(live.pop(label))
+                self.release(live.pop(label), index)
 
-    def workspace(self, name: str) -> None:
-        """A cuBLAS handle's workspace at its first product (the script's thread, autograd's backward
-        thread), and its cuBLASLt workspace at the first product that runs there (a checkpointed
-        forward recomputed in the backward makes the backward's): made once, kept for the process's life."""
+    def workspace(self, name: str, index: Optional[int] = None) -> None:
+        """A cuBLAS handle's workspace at its first product on GPU `index` (the script's thread,
+        autograd's backward thread), and its cuBLASLt workspace at the first product that runs there (a
+        checkpointed forward recomputed in the backward makes the backward's): made once, kept for the
+        process's life."""
+        device = self.device(index)
         handle = "backward" if _in_backward() else "forward"
         base = name.split("_")[0] if not name.startswith("_") else name
-        lt = base in self.blas_lt and handle not in self.lt_handles
-        if handle not in self.handles:
-            self.handles.add(handle)
+        lt = base in self.blas_lt and handle not in device.lt_handles
+        if handle not in device.handles:
+            device.handles.add(handle)
             # cuBLASLt asks for the handle first, so the handle's workspace is made under it.
             under = [_frame_dict("", 0, LT_WORKSPACE_FRAME)] if lt else []
             frames = [_frame_dict("", 0, WORKSPACE_FRAME)] + under + self._frames(name) if self.recording else []
-            self.allocate(self.gpu.cublas_workspace, frames)
+            self.allocate(self.gpu.cublas_workspace, frames, device.index)
         if lt:
-            self.lt_handles.add(handle)
+            device.lt_handles.add(handle)
             frames = [_frame_dict("", 0, LT_WORKSPACE_FRAME)] + self._frames(name) if self.recording else []
-            self.allocate(self.gpu.cublaslt_workspace, frames)
+            self.allocate(self.gpu.cublaslt_workspace, frames, device.index)
 
     # -- the history API (torch.cuda.memory._record_memory_history, _snapshot) -------------------
 
@@ -287,33 +331,25 @@ class Emulator:
                        compile_context: bool = False, global_record_annotations: bool = False) -> None:
         """torch.cuda.memory._record_memory_history, on the emulated device."""
         if clear_history:
-            self.trace.clear()
+            for device in self.gpus.values():
+                device.trace.clear()
         if enabled in (None, False):
             self.recording = None
             return
         self.recording = {"max_entries": max_entries, "annotations": bool(global_record_annotations)}
 
     def snapshot(self) -> Dict[str, Any]:
-        """torch.cuda.memory._snapshot(): segments, the trace, settings; marked as emulated."""
+        """torch.cuda.memory._snapshot(): segments, the trace, settings; marked as emulated. As CUDA's,
+        one trace per GPU the process sees (empty for those it never used), each segment naming its GPU."""
         segments = []
-        for segment in self.allocator.segments:
-            blocks = []
-            allocated = requested = 0
-            for block in self.allocator.blocks(segment):
-                blocks.append({"address": block.address, "size": block.size, "requested_size": block.requested,
-                               "state": "active_allocated" if block.allocated else "inactive",
-                               "frames": block.context if block.allocated and isinstance(block.context, list) else []})
-                if block.allocated:
-                    allocated += block.size
-                    requested += block.requested
-            segments.append({"device": 0, "address": segment.address, "total_size": segment.size,
-                             "allocated_size": allocated, "active_size": allocated, "requested_size": requested,
-                             "stream": segment.stream, "segment_type": "small" if segment.small else "large",
-                             "segment_pool_id": (0, 0), "is_expandable": segment.expandable,
-                             "frames": segment.context if isinstance(segment.context, list) else [],
-                             "blocks": blocks})
-        return {"segments": segments, "device_traces": [list(self.trace)],
-                "allocator_settings": self.allocator.config.settings(),
+        for index, device in sorted(self.gpus.items()):
+            for segment in device.allocator.segments:
+                segments.append(_segment(index, segment, device.allocator.blocks(segment)))
+        traces: List[List[Dict[str, Any]]] = [[] for _ in range(max([self.count, *[i + 1 for i in self.gpus]]))]
+        for index, device in self.gpus.items():
+            traces[index] = list(device.trace)
+        return {"segments": segments, "device_traces": traces,
+                "allocator_settings": self.config.settings(),
                 "external_annotations": list(self.annotations),
                 "emulated": {"gpu": self.gpu.name, "key": self.gpu.key, "torch": str(_torch.__version__),
                              "notes": list(self.notes)}}
@@ -326,7 +362,8 @@ class Emulator:
     def annotate(self, stage: str, name: str) -> None:
         """A record_function scope starting or ending, as global_record_annotations keeps it."""
         if self.recording is not None and self.recording["annotations"]:
-            self.annotations.append({"stage": stage, "name": name, "device": 0, "time_us": int(time.time() * 1e6)})
+            self.annotations.append({"stage": stage, "name": name, "device": self.placement.current(),
+                                     "time_us": int(time.time() * 1e6)})
 
     def note(self, text: str) -> None:
         """An approximation this run made, carried in the snapshot and shown by every report."""
@@ -341,7 +378,7 @@ class Emulator:
         import torch
 
         _torch = torch
-        from memdiff.recording.emulate import distributed, patches
+        from memdiff.recording.emulate import distributed, parallel, patches
         from memdiff.recording.emulate.autocast import Autocast
         from memdiff.recording.emulate.modes import AllocMode, DeviceMode
 
@@ -350,6 +387,7 @@ class Emulator:
         self.device_mode = DeviceMode(self)
         stack.enter_context(patches.cuda_answers_as(self))
         stack.enter_context(distributed.fake_process_groups(self))
+        stack.enter_context(parallel.data_parallel())
         stack.enter_context(self.device_mode)
         stack.enter_context(AllocMode(self))
         self._stack = stack

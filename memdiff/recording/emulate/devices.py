@@ -1,0 +1,136 @@
+"""The emulated GPUs of one process: how many the job has, which one each storage is on, which is current.
+
+A process sees as many GPUs as its node would give it (`device_count()`): `memdiff record --gpus N`
+(MEMDIFF_RECORD_GPUS) when given, else the launcher's LOCAL_WORLD_SIZE, else one. Each GPU it
+uses has its own caching allocator and its own trace, as on the GPU; every tensor is on the meta
+device, so which GPU a storage is on is kept here, beside it, and the current device (per thread,
+as CUDA keeps it) is where a bare `cuda` goes.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Any, Callable, Dict, List, Optional
+
+from memdiff.errors import InputError
+from memdiff.recording.emulate.allocator import AllocatorConfig, CachingAllocator
+
+GPUS = "MEMDIFF_RECORD_GPUS"  # `memdiff record --gpus N`, for the processes of a launched job
+
+
+def gpus_per_node(gpus: Optional[int] = None) -> int:
+    """The GPUs a process of the job sees: `gpus` (--gpus) when given, else MEMDIFF_RECORD_GPUS, else
+    the launcher's LOCAL_WORLD_SIZE (torchrun's processes per node), else 1."""
+    if gpus is not None:
+        if gpus < 1:
+            raise InputError("--gpus", f"{gpus} GPUs: give 1 or more")
+        return gpus
+    for name in (GPUS, "LOCAL_WORLD_SIZE"):
+        value = os.environ.get(name, "")
+        if value.isdigit() and int(value) > 0:
+            return int(value)
+    return 1
+
+
+def cuda_index(device: Any, current: Callable[[], int]) -> Optional[int]:
+    """The emulated GPU a device argument names (`cuda:1`, torch.device("cuda", 1), a bare index 1;
+    `cuda` alone is the current device), or None when it names no GPU (cpu, meta)."""
+    if isinstance(device, bool):
+        return None
+    if isinstance(device, int):
+        return device if device >= 0 else current()
+    if isinstance(device, str):
+        name, _, index = device.partition(":")
+        if name != "cuda":
+            return None
+        return int(index) if index.strip() else current()
+    if getattr(device, "type", None) == "cuda" and isinstance(device.index, (int, type(None))):
+        return device.index if device.index is not None else current()
+    return None
+
+
+class EmulatedGpu:
+    """One GPU of the process: its caching allocator, its trace, and what it made once (cuBLAS handles)."""
+
+    def __init__(self, index: int, capacity: int, config: AllocatorConfig,
+                 on_event: Callable[[int, str, int, int, int, Any], None]) -> None:
+        self.index = index
+        self.allocator = CachingAllocator(capacity, config)
+        self.allocator.trace = lambda *event: on_event(index, *event)
+        self.trace: List[Dict[str, Any]] = []
+        self.fraction = 1.0  # torch.cuda.set_per_process_memory_fraction's
+        self.handles: set = set()  # the cuBLAS handles made on this GPU (one per thread)
+        self.lt_handles: set = set()  # the handles whose cuBLASLt workspace is made
+
+
+class Placement:
+    """Which GPU each storage is on, and the current GPU of each thread.
+
+    A storage is on the GPU it was made on, for its whole life (keyed by the storage's id, dropped
+    when torch frees it). A new storage is made on the GPU its op names (a factory's or a copy's
+    `device`: the innermost torch call being run pushed it), else on its first input's GPU, else on
+    the current GPU: in CUDA an op runs on its inputs' device, and a bare `cuda` is the current one.
+    """
+
+    def __init__(self, count: int) -> None:
+        self.count = count
+        self.of: Dict[int, int] = {}  # id(storage) -> GPU index
+        self._local = threading.local()
+
+    def check(self, index: int) -> int:
+        """`index` when the process has that GPU, else CUDA's error for it."""
+        if not 0 <= index < self.count:
+            raise RuntimeError(f"CUDA error: invalid device ordinal (GPU {index} of a process that sees "
+                               f"{self.count}; memdiff record --gpus N sets how many)")
+        return index
+
+    def current(self) -> int:
+        """This thread's current GPU (0 until set, as in CUDA)."""
+        return int(getattr(self._local, "index", 0))
+
+    def set_current(self, index: int) -> None:
+        """torch.cuda.set_device on this thread."""
+        self._local.index = self.check(index)
+
+    def stack(self) -> List[Optional[int]]:
+        """The GPUs named by the torch calls running now on this thread, innermost last."""
+        stack = getattr(self._local, "stack", None)
+        if stack is None:
+            stack = self._local.stack = []
+        return stack
+
+    def device_of(self, storage: Any) -> int:
+        """The GPU a meta storage is on (the current GPU for one no op made, as a bare `cuda` is)."""
+        return self.of.get(id(storage), self.current())
+
+    def tensor_index(self, tensor: Any) -> int:
+        """The GPU a meta tensor's storage is on."""
+        try:
+            storage = tensor.untyped_storage()
+        except (RuntimeError, NotImplementedError):  # a tensor without a storage (a wrapper subclass)
+            return self.current()
+        return self.device_of(storage)
+
+    def for_new(self, args: Any, kwargs: Dict[str, Any]) -> int:
+        """Where the op with these arguments makes its new storages."""
+        stack = self.stack()
+        named = stack[-1] if stack else None
+        if named is not None and "device" in kwargs:
+            return named
+        first = first_meta(args)
+        if first is not None:
+            return self.tensor_index(first)
+        return named if named is not None else self.current()
+
+
+def first_meta(args: Any) -> Any:
+    """The first meta tensor among the arguments, looking one level into lists (torch.cat's)."""
+    for arg in args:
+        if isinstance(arg, (list, tuple)):
+            for item in arg:
+                if getattr(item, "is_meta", False) is True:
+                    return item
+        elif getattr(arg, "is_meta", False) is True:
+            return arg
+    return None
