@@ -11,7 +11,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass_type
 from torch.utils._pytree import tree_leaves
 
-from memdiff.recording.emulate import distributed
+from memdiff.recording.emulate import distributed, files
 from memdiff.recording.emulate.gpus import kernels
 from memdiff.recording.emulate.runtime import ALL_ELEMENTS_OPS, EmulationError, Emulator, op_name, python_frames
 from memdiff.recording.emulate.values import Values
@@ -214,11 +214,13 @@ class AllocMode(TorchDispatchMode):
         if _is_meta(first):
             read = self.read_back(base, first, args, kwargs)
             if read is not None:
+                files.from_device(read[0])  # a save of it must not write it (files.py)
                 return read[0]
         elif base == "copy_" and len(args) > 1 and _is_meta(args[1]) and isinstance(first, torch.Tensor):
             # A host tensor filled from the device: its known values (a size DDP checks, a count), else
             # zeros, as read-backs are.
             known = self.values.of(args[1])
+            files.from_device(first)
             if known is not None and known.shape == first.shape:
                 return first.copy_(known)
             return first.zero_()

@@ -337,7 +337,7 @@ class Emulator:
         import torch
 
         _torch = torch
-        from memdiff.recording.emulate import distributed, patches
+        from memdiff.recording.emulate import distributed, files, patches
         from memdiff.recording.emulate.autocast import Autocast
         from memdiff.recording.emulate.modes import AllocMode, DeviceMode
 
@@ -346,6 +346,7 @@ class Emulator:
         self.device_mode = DeviceMode(self)
         stack.enter_context(patches.cuda_answers_as(self))
         stack.enter_context(distributed.fake_process_groups(self))
+        stack.enter_context(files.guarded(self))
         stack.enter_context(self.device_mode)
         stack.enter_context(AllocMode(self))
         self._stack = stack
