@@ -35,6 +35,7 @@ import weakref
 from typing import Any, Callable, Dict, Iterator, List, Optional, Set, Tuple
 
 import torch
+from torch.utils._pytree import tree_leaves
 
 from memdiff.recording.emulate.runtime import Emulator, python_frames
 from memdiff.units import format_bytes
@@ -46,6 +47,13 @@ def from_device(tensor: Any) -> None:
     """Mark a host tensor as holding data read back from the emulated device (stand-in values)."""
     if _active is not None and isinstance(tensor, torch.Tensor):
         _active.mark(tensor)
+
+
+def follow(args: Any, kwargs: Any, out: Any) -> None:
+    """After a torch op: what it made on the host from read-back data is read-back data too
+    (`.cpu().float()`, a `torch.cat` of read-back predictions)."""
+    if _active is not None and _active.marked():
+        _active.follow(args, kwargs, out)
 
 
 class _Payload:
@@ -87,6 +95,19 @@ class Files:
         bisect.insort(self._starts, start)
         self._ends[start] = start + size
         weakref.finalize(storage, self._forget, start)
+
+    def marked(self) -> bool:
+        """Whether any host memory now holds read-back data."""
+        return bool(self._starts)
+
+    def follow(self, args: Any, kwargs: Any, out: Any) -> None:
+        """Mark the host outputs of an op that read read-back data."""
+        inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        if any(t.device.type == "cpu" and t.numel() and self._read_back(t.untyped_storage().data_ptr())
+               for t in inputs):
+            for t in tree_leaves(out):
+                if isinstance(t, torch.Tensor) and t.device.type == "cpu":
+                    self.mark(t)
 
     def _forget(self, start: int) -> None:
         if self._ends.pop(start, None) is not None:
@@ -188,7 +209,7 @@ class Files:
         the target as a note names it, and whether that file existed (None: not a path)."""
         target, existed = where
         what = "tensors on the emulated GPU, which have no data" if payload.emulated else \
-            "data read back from the emulated GPU (zeros standing in)"
+            "data read back from the emulated GPU, which has no values to give"
         state = "nothing was written into it" if existed is None else \
             f"{target} is unchanged" if existed else "no file was made"
         self.emulator.note(f"{call} to {target} not written: it holds {what} (a real run writes "
@@ -497,9 +518,15 @@ def guarded(emulator: Emulator) -> Iterator[Files]:
 
 def _mark_rng_states() -> Callable[[], None]:
     """torch.cuda.get_rng_state(_all) under emulation gives the state of the CPU generator standing
-    in for the GPU's, which a real GPU cannot take back: a checkpoint holding it is not written."""
+    in for the GPU's, which a real GPU cannot take back: a checkpoint holding it is not written.
+    torch.cuda.random's own names (the Trainer's) answer as torch.cuda's emulated ones."""
+    import torch.cuda.random as cuda_random
+
     cuda = torch.cuda
-    saved = {name: getattr(cuda, name) for name in ("get_rng_state", "get_rng_state_all") if hasattr(cuda, name)}
+    names = ("get_rng_state", "get_rng_state_all", "set_rng_state", "set_rng_state_all")
+    saved = [(module, name, getattr(module, name)) for module in (cuda, cuda_random) for name in names
+             if hasattr(module, name)]
+    emulated = {name: getattr(cuda, name) for name in names if hasattr(cuda, name)}
 
     def marked(real: Callable[..., Any]) -> Callable[..., Any]:
         def get(*args: Any, **kwargs: Any) -> Any:
@@ -508,10 +535,12 @@ def _mark_rng_states() -> Callable[[], None]:
                 from_device(state)
             return out
         return get
-    for name, real in saved.items():
-        setattr(cuda, name, marked(real))
+    answers = {name: marked(real) if name.startswith("get") else real for name, real in emulated.items()}
+    for module, name, _ in saved:
+        if name in answers:
+            setattr(module, name, answers[name])
 
     def restore() -> None:
-        for name, real in saved.items():
-            setattr(cuda, name, real)
+        for module, name, real in saved:
+            setattr(module, name, real)
     return restore

@@ -230,6 +230,7 @@ class AllocMode(TorchDispatchMode):
             else:
                 out = func(*args, **kwargs)
                 self.values.follow(func, args, kwargs, out)
+                files.follow(args, kwargs, out)
         except (NotImplementedError, RuntimeError) as exc:
             said = str(exc).lower()
             if isinstance(exc, RuntimeError) and "meta" not in said and "fake impl" not in said:
