@@ -92,7 +92,10 @@ def test_save_pretrained_writes_its_configs_and_no_weights(tmp_path):
         from transformers import GPT2Config, GPT2LMHeadModel
         torch.manual_seed(0)
         model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=256, n_positions=64))
-        if sys.argv[1] == "cuda":
+        if sys.argv[1] == "load":  # the real checkpoint, read on the CPU, then moved
+            model = GPT2LMHeadModel.from_pretrained(sys.argv[2]).cuda()
+            print(model.device, torch.cuda.memory_allocated())
+        elif sys.argv[1] == "cuda":
             model = model.cuda()
         model.save_pretrained(sys.argv[2])
     """
@@ -106,12 +109,15 @@ def test_save_pretrained_writes_its_configs_and_no_weights(tmp_path):
     with safe_open(weights, framework="pt") as real_file:  # what the real save wrote: the truth
         real_bytes = sum(real_file.get_tensor(k).nbytes for k in real_file.keys())
     (tmp_path / "train.py").write_text(textwrap.dedent(source))
-    for target in ("real", "fresh"):
+    for how, target in (("load", "real"), ("cuda", "fresh")):
         done = subprocess.run([sys.executable, "-m", "memdiff", "record", "--emulate", "h100", "-o",
-                               str(tmp_path / "run.pickle"), "--", "python", "train.py", "cuda", target],
+                               str(tmp_path / "run.pickle"), "--", "python", "train.py", how, target],
                               capture_output=True, text=True, cwd=tmp_path)
         assert done.returncode == 0, done.stderr
         assert _written(done.stderr, "safetensors save_file", f"{target}/model.safetensors") == real_bytes
+        if how == "load":
+            device, allocated = done.stdout.split()[:2]
+            assert device == "cuda:0" and int(allocated) >= real_bytes  # the loaded weights on the device
     assert _digest(weights) == before
     # the configs are host data, written as a real run writes them; no weight file is made
     assert sorted(os.listdir(tmp_path / "fresh")) == ["config.json", "generation_config.json"]

@@ -35,7 +35,6 @@ import weakref
 from typing import Any, Callable, Dict, Iterator, List, Optional, Set, Tuple
 
 import torch
-from torch.utils._pytree import tree_leaves
 
 from memdiff.recording.emulate.runtime import Emulator, python_frames
 from memdiff.units import format_bytes
@@ -54,6 +53,14 @@ def follow(args: Any, kwargs: Any, out: Any) -> None:
     (`.cpu().float()`, a `torch.cat` of read-back predictions)."""
     if _active is not None and _active.marked():
         _active.follow(args, kwargs, out)
+
+
+def _tensors(values: Any) -> Iterator[torch.Tensor]:
+    for value in values:
+        if isinstance(value, torch.Tensor):
+            yield value
+        elif isinstance(value, (list, tuple)):
+            yield from (v for v in value if isinstance(v, torch.Tensor))
 
 
 class _Payload:
@@ -101,13 +108,17 @@ class Files:
         return bool(self._starts)
 
     def follow(self, args: Any, kwargs: Any, out: Any) -> None:
-        """Mark the host outputs of an op that read read-back data."""
-        inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-        if any(t.device.type == "cpu" and t.numel() and self._read_back(t.untyped_storage().data_ptr())
-               for t in inputs):
-            for t in tree_leaves(out):
-                if isinstance(t, torch.Tensor) and t.device.type == "cpu":
+        """Mark the host outputs of an op that read read-back data. Runs after every op while any
+        read-back data lives (checkpointing keeps an rng state through the backward): tensors and
+        lists of them one level deep are all an op's inputs and outputs hold."""
+        if any(self._is_read_back(t) for t in _tensors(args)) or \
+                any(self._is_read_back(t) for t in _tensors(kwargs.values())):
+            for t in _tensors(out if isinstance(out, (list, tuple)) else (out,)):
+                if t.device.type == "cpu":
                     self.mark(t)
+
+    def _is_read_back(self, t: torch.Tensor) -> bool:
+        return t.device.type == "cpu" and bool(t.numel()) and self._read_back(t.untyped_storage().data_ptr())
 
     def _forget(self, start: int) -> None:
         if self._ends.pop(start, None) is not None:
@@ -488,6 +499,9 @@ class _PatchingLoader(importlib.abc.Loader):
     def exec_module(self, module: Any) -> None:
         self.loader.exec_module(module)
         self.patches.patch(self.name, module)
+
+    def __getattr__(self, name: str) -> Any:  # get_source, get_filename, is_package: the module's own loader's
+        return getattr(self.loader, name)
 
 
 @contextlib.contextmanager
