@@ -226,3 +226,64 @@ def test_leaving_the_emulator_puts_every_save_and_load_back(tmp_path):
     assert torch.load(tmp_path / "host.pt") == {"n": 1}
     torch.save({"n": 2}, tmp_path / "after.pt")
     assert torch.load(tmp_path / "after.pt") == {"n": 2}
+
+
+@pytest.mark.slow
+def test_the_hugging_face_trainers_checkpoints_hold_no_weights_optimizer_or_rng_state(tmp_path):
+    pytest.importorskip("transformers")
+    done = _emulate(tmp_path, """
+        import os, torch
+        from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+        model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=256, n_positions=64))
+        data = [{"input_ids": torch.randint(0, 256, (16,)), "labels": torch.randint(0, 256, (16,))} for _ in range(8)]
+        args = TrainingArguments("out", max_steps=2, save_steps=1, per_device_train_batch_size=4, report_to=[])
+        Trainer(model=model, args=args, train_dataset=data).train()
+        print(4 * sum(p.numel() for p in model.parameters()))  # the tied head counted once, as a save writes it
+        for step in (1, 2):
+            print(" ".join(sorted(os.listdir(f"out/checkpoint-{step}"))))
+    """)
+    assert done.returncode == 0, done.stderr[-3000:]
+    weights, *folders = done.stdout.splitlines()[-3:]
+    # what the Trainer writes from the host (configs, its state, the scheduler's) is there; the
+    # weights, AdamW's moments and the GPU's rng state are not
+    assert folders == ["config.json generation_config.json scheduler.pt trainer_state.json training_args.bin"] * 2
+    for step in (1, 2):
+        assert _written(done.stderr, "safetensors save_file", f"out/checkpoint-{step}/model.safetensors") == \
+            int(weights)
+        assert _written(done.stderr, "torch.save", f"out/checkpoint-{step}/optimizer.pt") > 2 * int(weights)
+        assert f"torch.save to out/checkpoint-{step}/rng_state.pth not written" in done.stderr
+
+
+@pytest.mark.slow
+def test_distributed_checkpoint_accelerate_and_many_files_write_nothing_and_say_it_once(tmp_path):
+    pytest.importorskip("accelerate")
+    done = _emulate(tmp_path, """
+        import os, torch
+        import torch.distributed.checkpoint as dcp
+        from accelerate import Accelerator
+        accelerator = Accelerator()
+        model = torch.nn.Linear(64, 32).to(accelerator.device)
+        opt = torch.optim.AdamW(model.parameters())
+        model, opt = accelerator.prepare(model, opt)
+        model(torch.randn(4, 64, device=accelerator.device)).sum().backward()
+        opt.step()
+        dcp.save({"model": model.state_dict()}, checkpoint_id="dcp")
+        print(dcp.async_save({"model": model.state_dict()}, checkpoint_id="dcp_async").result())
+        accelerator.save_state("state")
+        for step in range(8):
+            torch.save(model.state_dict(), f"step{step}.pt")
+        print(sorted(os.listdir("state")), os.path.exists("dcp"), os.path.exists("dcp_async"))
+    """)
+    assert done.returncode == 0, done.stderr[-3000:]
+    weights = 4 * (64 * 32 + 32)
+    assert done.stdout.splitlines()[-2:] == ["None", "[] False False"]
+    assert _written(done.stderr, "torch.distributed.checkpoint.save", "dcp") == weights
+    assert _written(done.stderr, "torch.distributed.checkpoint.async_save", "dcp_async") == weights
+    assert _written(done.stderr, "safetensors save_file", "state/model.safetensors") == weights
+    assert _written(done.stderr, "torch.save", "state/optimizer.bin") == 2 * weights + 2 * 4  # moments, steps
+    assert "torch.save to state/random_states_0.pkl not written" in done.stderr
+    # six files named one by one (five above, then step0.pt), then one line for the rest
+    named = [line for line in done.stderr.splitlines() if "torch.save to step" in line]
+    assert [line.split(" to ")[1].split()[0] for line in named] == ["step0.pt", "step1.pt"]
+    assert "every later save of emulated data not written either" in named[-1]
+    assert not list(tmp_path.glob("step*.pt"))

@@ -6,7 +6,7 @@ would look like a checkpoint and hold nothing: torch.save once replaced a user's
 meta tensors, and the Hugging Face Trainer wrote gigabytes of zeros. So while the emulator runs:
 
 - every save (torch.save, safetensors' save_file / save_model / save, numpy's save / savez /
-  savez_compressed, torch.distributed.checkpoint's save and async_save, Lightning's checkpoint
+  savez_compressed / savetxt, torch.distributed.checkpoint's save and async_save, Lightning's checkpoint
   writer; transformers' save_pretrained and accelerate's save_state end in these) looks at its
   payload first. One that holds an emulated tensor, or data read back from the device, is not
   written: no file is made or replaced, nothing goes into a file object or buffer, and the call
@@ -40,6 +40,9 @@ from memdiff.recording.emulate.runtime import Emulator, python_frames
 from memdiff.units import format_bytes
 
 _active: Optional["Files"] = None  # the running emulator's, while one runs
+# Files named one by one in the notes (two of the Trainer's checkpoints); a script that saves
+# every few steps would name hundreds.
+SAID = 6
 
 
 def from_device(tensor: Any) -> None:
@@ -87,6 +90,7 @@ class Files:
         self._starts: List[int] = []  # host ranges holding read-back data: sorted starts
         self._ends: Dict[int, int] = {}
         self.left_empty: "weakref.WeakSet[Any]" = weakref.WeakSet()  # file objects a skipped save did not fill
+        self.targets: Set[str] = set()  # the files skipped saves named, each said once
 
     # -- host memory read back from the device --------------------------------------------------
 
@@ -219,6 +223,14 @@ class Files:
         """Say once per file that a save was not written, and what the real run writes there. `where`:
         the target as a note names it, and whether that file existed (None: not a path)."""
         target, existed = where
+        if target in self.targets:
+            return
+        self.targets.add(target)
+        if len(self.targets) > SAID:
+            if len(self.targets) == SAID + 1:
+                self.emulator.note(f"{call} to {target} and every later save of emulated data not written either; "
+                                   f"memdiff names only the first {SAID} files")
+            return
         what = "tensors on the emulated GPU, which have no data" if payload.emulated else \
             "data read back from the emulated GPU, which has no values to give"
         state = "nothing was written into it" if existed is None else \
@@ -411,6 +423,7 @@ WRAPPERS: Dict[str, List[Tuple[str, Callable[..., Any]]]] = {
         ("save", _saver("numpy.save", _arg(1, "arr"), _numpy_target(".npy"))),
         ("savez", _saver("numpy.savez", lambda *a, **k: (a[1:], k), _numpy_target(".npz"))),
         ("savez_compressed", _saver("numpy.savez_compressed", lambda *a, **k: (a[1:], k), _numpy_target(".npz"))),
+        ("savetxt", _saver("numpy.savetxt", _arg(1, "X"), _numpy_target(""))),
     ],
     "safetensors.torch": [
         ("save_file", _saver("safetensors save_file", _arg(0, "tensors"),
