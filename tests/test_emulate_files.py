@@ -188,10 +188,14 @@ def test_safetensors_loads_to_the_device_and_file_objects_stay_empty(tmp_path):
     before = _digest(tmp_path / "real.safetensors")
     done = _emulate(tmp_path, """
         import io, torch
+        from safetensors import safe_open
         from safetensors.torch import load_file, save
         loaded = load_file("real.safetensors", device="cuda")
         print(*[f"{k}:{v.device}:{tuple(v.shape)}:{v.dtype}" for k, v in sorted(loaded.items())])
         print(torch.cuda.memory_allocated())
+        with safe_open("real.safetensors", framework="pt", device="cuda") as opened:
+            part = opened.get_slice("w")[:10, 90:]
+            print(part.device, tuple(part.shape), torch.cuda.memory_allocated())
         print(len(save(loaded)))
         buffer = io.BytesIO()
         torch.save(loaded, buffer)
@@ -205,7 +209,8 @@ def test_safetensors_loads_to_the_device_and_file_objects_stay_empty(tmp_path):
     lines = done.stdout.splitlines()
     assert lines[0] == "b:cuda:0:(5,):torch.float16 w:cuda:0:(128, 96):torch.float32"
     assert int(lines[1]) == 512 + 128 * 96 * 4  # each rounded to 512 bytes, as the caching allocator does
-    assert lines[2:] == ["0", "EOFError True"]
+    assert lines[2] == f"cuda:0 (10, 6) {int(lines[1]) + 512}"  # what the slice selects, no more
+    assert lines[3:] == ["0", "EOFError True"]
     assert _digest(tmp_path / "real.safetensors") == before
 
 

@@ -17,6 +17,7 @@ meta tensors, and the Hugging Face Trainer wrote gigabytes of zeros. So while th
 - storages moved to the device (`torch.load(map_location="cuda")`, a checkpoint saved on a GPU,
   `storage.cuda()`) become allocations on the emulated GPU, one per storage as a GPU makes them,
   without reading their bytes: torch.load maps the file and copies out only what stays on the host.
+  safetensors opened onto the device (`load_file`, `safe_open`) reads only the header.
 """
 
 from __future__ import annotations
@@ -349,22 +350,64 @@ def _storage_to(real: Callable[..., Any]) -> Callable[..., Any]:
     return _to
 
 
-def _safetensors_load(real: Callable[..., Any]) -> Callable[..., Any]:
-    def load_file(filename: Any, device: Any = "cpu", *args: Any, **kwargs: Any) -> Any:
+def _safe_open(real: Callable[..., Any]) -> Callable[..., Any]:
+    def safe_open(filename: Any, framework: str, device: Any = "cpu", *args: Any, **kwargs: Any) -> Any:
         if _active is None or not _names_cuda(device):
-            return real(filename, device, *args, **kwargs)
-        from safetensors import safe_open
-        from safetensors.torch import _getdtype
+            return real(filename, framework, device, *args, **kwargs)
+        return _OnDevice(real(filename, framework, "cpu", *args, **kwargs))
+    return safe_open
 
-        # Each tensor's shape and dtype from the header; its bytes are never read. One allocation
-        # per tensor, in the order safetensors moves them to the GPU.
-        out = {}
-        with safe_open(filename, framework="pt", device="cpu") as opened:
-            for name in opened.keys():
-                view = opened.get_slice(name)
-                out[name] = torch.empty(view.get_shape(), dtype=_getdtype(view.get_dtype()), device="meta")
-        return out
-    return load_file
+
+class _OnDevice:
+    """A safetensors file opened onto the emulated GPU (`safe_open(..., device="cuda")`, which
+    `load_file(..., device="cuda")` uses): each tensor from the header's shape and dtype, an
+    allocation on the device where the GPU makes it; its bytes are never read."""
+
+    def __init__(self, opened: Any) -> None:
+        self.opened = opened
+
+    def __enter__(self) -> "_OnDevice":
+        self.opened.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> Any:
+        return self.opened.__exit__(*exc)
+
+    def get_tensor(self, name: str) -> torch.Tensor:
+        """The tensor `name`, on the emulated GPU."""
+        view = self.opened.get_slice(name)
+        return torch.empty(view.get_shape(), dtype=_safetensors_dtype(view.get_dtype()), device="meta")
+
+    def get_tensors(self) -> Dict[str, torch.Tensor]:
+        """Every tensor of the file, on the emulated GPU."""
+        return {name: self.get_tensor(name) for name in self.opened.keys()}
+
+    def get_slice(self, name: str) -> "_SliceOnDevice":
+        """A slice of `name` that reads as the GPU's: indexing it allocates only what it selects."""
+        return _SliceOnDevice(self.opened.get_slice(name))
+
+    def __getattr__(self, name: str) -> Any:  # keys, metadata, offset_keys: the file's own
+        return getattr(self.opened, name)
+
+
+class _SliceOnDevice:
+    def __init__(self, view: Any) -> None:
+        self.view = view
+
+    def __getitem__(self, index: Any) -> torch.Tensor:
+        dtype = _safetensors_dtype(self.view.get_dtype())
+        # the shape indexing gives, from a host tensor that holds one element
+        shape = torch.zeros((), dtype=dtype).expand(self.view.get_shape())[index].shape
+        return torch.empty(shape, dtype=dtype, device="meta")
+
+    def __getattr__(self, name: str) -> Any:  # get_shape, get_dtype
+        return getattr(self.view, name)
+
+
+def _safetensors_dtype(name: str) -> Any:
+    from safetensors.torch import _getdtype
+
+    return _getdtype(name)
 
 
 def _names_cuda(device: Any) -> bool:
@@ -425,11 +468,11 @@ WRAPPERS: Dict[str, List[Tuple[str, Callable[..., Any]]]] = {
         ("savez_compressed", _saver("numpy.savez_compressed", lambda *a, **k: (a[1:], k), _numpy_target(".npz"))),
         ("savetxt", _saver("numpy.savetxt", _arg(1, "X"), _numpy_target(""))),
     ],
+    "safetensors": [("safe_open", _safe_open)],
     "safetensors.torch": [
         ("save_file", _saver("safetensors save_file", _arg(0, "tensors"),
                              lambda *a, **k: _target(a[1] if len(a) > 1 else k.get("filename")))),
         # bytes for the script to keep or write: empty, so nothing it writes from them looks like weights
-        ("load_file", _safetensors_load),
         ("save", _saver("safetensors save", _arg(0, "tensors"), lambda *a, **k: ("the bytes it returns", None),
                         returns=lambda: b"")),
     ],
