@@ -139,13 +139,24 @@ def test_a_real_checkpoint_loads_onto_the_emulated_gpu_from_its_shapes_and_dtype
             print(*[f"{k}:{v.device}:{tuple(v.shape)}:{v.dtype}" for k, v in loaded.items()],
                   loaded["embed"].data_ptr() == loaded["head"].data_ptr())
         print(torch.load("real.pt")["steps"].tolist())  # a load that stays on the host is the real data
+        on_gpu = torch.load("gpu.pt")  # saved on a GPU: its storages go back to it
+        print(on_gpu.device, tuple(on_gpu.shape))
     """
+    # A checkpoint as a GPU writes it: its storages tagged `cuda:0` (torch's own tagging hook).
+    (tmp_path / "gpu.py").write_text(textwrap.dedent("""
+        import torch, torch.serialization as s
+        s.register_package(0, lambda storage: "cuda:0" if storage.device.type == "cpu" else None, lambda *a: None)
+        torch.save(torch.randn(100, 30), "gpu.pt")
+    """))
+    made = subprocess.run([sys.executable, "gpu.py"], capture_output=True, text=True, cwd=tmp_path)
+    assert made.returncode == 0, made.stderr
     done = _emulate(tmp_path, script)
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
     want = " ".join(f"{k}:cuda:0:{tuple(v.shape)}:{v.dtype}" for k, v in real.items()) + " True"
     assert lines[:3] == [want] * 3
     assert lines[3] == str(list(range(7)))
+    assert lines[4] == "cuda:0 (100, 30)"
     assert _digest(tmp_path / "real.pt") == before
     # each load made one allocation per storage (the shared one once), from the script's line
     storages = sorted({id(t.untyped_storage()): t.untyped_storage().nbytes() for t in real.values()}.values())

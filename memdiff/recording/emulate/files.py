@@ -33,6 +33,7 @@ import pickle
 import sys
 import types
 import weakref
+import zipfile
 from typing import Any, Callable, Dict, Iterator, List, Optional, Set, Tuple
 
 import torch
@@ -329,14 +330,18 @@ def _is_meta(location: Any) -> bool:
 
 
 def _is_zip(f: Any) -> bool:
-    """Whether torch.load would read `f` as a zip archive (torch.save's format since 1.6)."""
-    if isinstance(f, (str, os.PathLike)):
-        try:
-            with open(f, "rb") as opened:
-                return opened.read(4) == b"PK\x03\x04"
-        except OSError:
-            return False  # torch.load says why, in its own words
-    return False
+    """Whether torch.load would read `f` as a zip archive of torch.save's (its format since 1.6),
+    not a TorchScript archive (which it hands to torch.jit.load)."""
+    if not isinstance(f, (str, os.PathLike)):
+        return False
+    try:
+        with open(f, "rb") as opened:
+            if opened.read(4) != b"PK\x03\x04":
+                return False
+        with zipfile.ZipFile(f) as archive:
+            return not any(name.endswith("/constants.pkl") for name in archive.namelist())
+    except (OSError, zipfile.BadZipFile):
+        return False  # torch.load says why, in its own words
 
 
 def _storage_to(real: Callable[..., Any]) -> Callable[..., Any]:
