@@ -12,7 +12,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass_type
 from torch.utils._pytree import tree_leaves
 
-from memdiff.recording.emulate import distributed, printing
+from memdiff.recording.emulate import distributed, files, printing
 from memdiff.recording.emulate.devices import cuda_index, first_meta
 from memdiff.recording.emulate.escapes import op_refusal
 from memdiff.recording.emulate.gpus import kernels
@@ -337,11 +337,13 @@ class AllocMode(TorchDispatchMode):
         if _is_meta(first):
             read = self.read_back(base, first, args, kwargs)
             if read is not None:
+                files.from_device(read[0])  # a save of it must not write it (files.py)
                 return read[0]
         elif base == "copy_" and len(args) > 1 and _is_meta(args[1]) and isinstance(first, torch.Tensor):
             # A host tensor filled from the device: its known values (a size DDP checks, a count), else
             # zeros, as read-backs are.
             known = self.values.of(args[1])
+            files.from_device(first)
             if known is not None and known.shape == first.shape:
                 return first.copy_(known)
             return first.zero_()
@@ -351,6 +353,7 @@ class AllocMode(TorchDispatchMode):
             else:
                 out = func(*args, **kwargs)
                 self.values.follow(func, args, kwargs, out)
+                files.follow(args, kwargs, out)
         except (NotImplementedError, RuntimeError) as exc:
             said = str(exc).lower()
             if isinstance(exc, RuntimeError) and "meta" not in said and "fake impl" not in said:

@@ -378,7 +378,7 @@ class Emulator:
         import torch
 
         _torch = torch
-        from memdiff.recording.emulate import distributed, parallel, patches
+        from memdiff.recording.emulate import distributed, files, parallel, patches
         from memdiff.recording.emulate.autocast import Autocast
         from memdiff.recording.emulate.modes import AllocMode, DeviceMode
 
@@ -388,6 +388,7 @@ class Emulator:
         stack.enter_context(patches.cuda_answers_as(self))
         stack.enter_context(distributed.fake_process_groups(self))
         stack.enter_context(parallel.data_parallel())
+        stack.enter_context(files.guarded(self))
         stack.enter_context(self.device_mode)
         stack.enter_context(AllocMode(self))
         self._stack = stack
