@@ -210,6 +210,9 @@ class AllocMode(TorchDispatchMode):
             if self.emulator.native:
                 self.emulator.native[-1].collective()
             return distributed.completed(out, args)
+        hosted = self.emulator.host.intercept(func, base, args, kwargs)  # CPU tensors made lazily (host.py)
+        if hosted is not None:
+            return hosted[0]
         first = args[0] if args else None
         if _is_meta(first):
             read = self.read_back(base, first, args, kwargs)

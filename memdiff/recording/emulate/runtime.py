@@ -160,6 +160,7 @@ class Emulator:
         self._stack: Optional[contextlib.ExitStack] = None
         self.autocast: Any = None  # autocast.Autocast, made on entry (it imports torch)
         self.device_mode: Any = None  # modes.DeviceMode, made on entry
+        self.host: Any = None  # host.Host: the CPU tensors whose data may never be needed, made on entry
 
     @staticmethod
     def _compile(rule: Dict[str, Any]) -> Dict[str, Any]:
@@ -339,11 +340,14 @@ class Emulator:
         _torch = torch
         from memdiff.recording.emulate import distributed, patches
         from memdiff.recording.emulate.autocast import Autocast
+        from memdiff.recording.emulate.host import Host
         from memdiff.recording.emulate.modes import AllocMode, DeviceMode
 
         self.autocast = Autocast()
         stack = contextlib.ExitStack()
         self.device_mode = DeviceMode(self)
+        self.host = Host()
+        stack.enter_context(self.host.readable())
         stack.enter_context(patches.cuda_answers_as(self))
         stack.enter_context(distributed.fake_process_groups(self))
         stack.enter_context(self.device_mode)
