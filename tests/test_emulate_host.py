@@ -161,13 +161,17 @@ def test_a_cpu_built_model_moved_to_the_gpu_costs_far_less_host_memory_than_its_
         import resource
         import torch
         from torch import nn
+
+        def step(model):
+            opt = torch.optim.AdamW(model.parameters())
+            model(torch.randn(8, model[0].in_features, device="cuda")).sum().backward()
+            opt.step()
+
+        step(nn.Sequential(nn.Linear(64, 64)).cuda())  # the imports a first step makes, before measuring
         before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         model = nn.Sequential(*[nn.Linear(4096, 4096) for _ in range(16)])
         nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
-        model = model.cuda()
-        opt = torch.optim.AdamW(model.parameters())
-        model(torch.randn(8, 4096, device="cuda")).sum().backward()
-        opt.step()
+        step(model.cuda())
         grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
         print(nbytes, grown, torch.cuda.max_memory_allocated())
     """))
@@ -177,5 +181,5 @@ def test_a_cpu_built_model_moved_to_the_gpu_costs_far_less_host_memory_than_its_
     assert done.returncode == 0, done.stderr[-2000:]
     nbytes, grown, peak = (int(v) for v in done.stdout.split())
     assert nbytes == 16 * (4096 * 4096 + 4096) * 4
-    assert grown < nbytes / 20  # the weights (1.07 GB) were never made on the host
+    assert grown < nbytes / 50  # the weights (1.07 GB) were never made on the host
     assert peak >= 4 * nbytes  # weights, gradients and AdamW's two states on the emulated GPU

@@ -50,10 +50,10 @@ DEFERRED = {
     "abs_", "sqrt_", "rsqrt_", "exp_", "log_", "tanh_", "sigmoid_", "pow_", "reciprocal_", "fmod_", "remainder_",
     "floor_", "ceil_", "round_", "trunc_", "sign_", "masked_fill_", "addcmul_", "addcdiv_", "lerp_",
 }
-# Ops that read a tensor's sizes, never its data.
+# Ops that read a tensor's sizes, never its data (`set_` makes another tensor share the lazy storage).
 SHAPE_ONLY = {"empty_like", "new_empty", "new_empty_strided", "zeros_like", "ones_like", "full_like", "new_zeros",
               "new_ones", "new_full", "rand_like", "randn_like", "is_same_size", "sym_size", "sym_stride",
-              "sym_numel", "sym_storage_offset", "_has_same_storage_numel", "is_set_to"}
+              "sym_numel", "sym_storage_offset", "_has_same_storage_numel", "is_set_to", "is_pinned", "set_"}
 # Factories whose large CPU outputs are made lazy: the in-place op that fills them (None: nothing
 # to fill) and where the fill value is among the factory's positional arguments.
 FACTORIES: Dict[str, Tuple[Optional[Any], Optional[int]]] = {
@@ -130,7 +130,6 @@ class Host:
     def __init__(self) -> None:
         self.lazy: Dict[int, List[Any]] = {}  # id(storage) -> its steps, in order
         self.storages: Dict[int, Any] = {}  # id(storage) -> a weak reference to it
-        self.replays = 0  # how many lazy storages were made real (a test's and a reader's figure)
 
     # -- the dispatch side: AllocMode asks before it runs each op ------------------------------
 
@@ -217,8 +216,9 @@ class Host:
             generator = kwargs.pop("generator", None) or torch.default_generator
             seed = int(torch.empty((), dtype=torch.int64).random_(generator=generator).item())
         steps = self.lazy[id(_storage_of(t))]
-        if func._schema.name.split("::")[-1] in ("zero_", "fill_", "copy_") and _whole(t):
-            steps.clear()  # a whole overwrite: nothing before it can be read again
+        overwrites = seed is not None or func._schema.name.split("::")[-1] in ("zero_", "fill_", "copy_")
+        if overwrites and _whole(t):
+            steps.clear()  # nothing recorded before a whole overwrite can be read again
         steps.append(Step(func, _where(t), args, kwargs, seed))
         return True
 
@@ -255,7 +255,6 @@ class Host:
             self.storages.pop(id(storage), None)
             if steps is None:
                 continue
-            self.replays += 1
             with _disable_current_modes(), torch._C.DisableTorchFunction(), torch.no_grad():
                 for step in steps:
                     step.run(storage)
