@@ -2,11 +2,12 @@
 diffusion scripts do: the weights are made and initialised on the host, `.to(device)` moves them.
 The emulator benchmark runs it under `memdiff record --emulate` and reads the process's peak RSS.
 
-    python benchmarks/cpu_built_step.py dit     # a DiT-XL/2-shaped diffusion transformer (~675M parameters)
+    python benchmarks/cpu_built_step.py dit     # a DiT-XL/2-shaped diffusion transformer (~675M parameters), with an EMA copy
     python benchmarks/cpu_built_step.py llama   # a 1B Llama (LlamaForCausalLM from a config, no checkpoint)
 """
 
 import argparse
+import copy
 import math
 
 import torch
@@ -113,7 +114,11 @@ def main() -> None:
     args = p.parse_args()
     torch.manual_seed(0)
     device = torch.device("cuda")
-    model = build(args.kind).to(device)
+    model = build(args.kind)
+    if args.kind == "dit":  # an EMA of the weights, copied before the move, as diffusion training keeps one
+        ema = copy.deepcopy(model).to(device)
+        ema.requires_grad_(False)
+    model = model.to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0)
     if args.kind == "dit":
         x = torch.randn(args.batch, 4, 32, 32, device=device)
@@ -126,6 +131,9 @@ def main() -> None:
     loss.backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
+    if args.kind == "dit":
+        with torch.no_grad():
+            torch._foreach_lerp_(list(ema.parameters()), list(model.parameters()), 1e-4)
     print(sum(p.numel() for p in model.parameters()), torch.cuda.max_memory_allocated())
 
 
