@@ -55,6 +55,20 @@ def test_a_cpu_built_model_moved_to_the_gpu_trains_with_its_parameter_bytes_on_t
         assert sum(s.numel() * s.element_size() for s in states) == 2 * sum(p.numel() * 4 for p in params)
 
 
+def test_a_cpu_built_model_converted_then_moved_holds_the_converted_bytes_and_its_copy_is_real_on_the_cpu():
+    with Emulator(gpu("h100")):
+        model = nn.Sequential(nn.Linear(1024, 4096), nn.Linear(4096, 1024))
+        kept = copy.deepcopy(model).to(torch.bfloat16)  # stays on the CPU
+        half = model.to(torch.bfloat16)
+        before = torch.cuda.memory_allocated()
+        half.cuda()
+        assert all(p.dtype == torch.bfloat16 and p.is_cuda for p in half.parameters())
+        assert torch.cuda.memory_allocated() - before == sum(_block(p.numel() * 2) for p in half.parameters())
+        bound = 1 / math.sqrt(1024)
+        top = kept[0].weight.detach().float().abs().max().item()
+        assert 0.99 * bound < top <= bound * (1 + 2 ** -8)  # kaiming_uniform_'s bound, rounded to bf16
+
+
 def test_tied_weights_stay_tied_moved_or_not():
     with Emulator(gpu("h100")):
         kept = Tied()
