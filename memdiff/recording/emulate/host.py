@@ -26,6 +26,7 @@ dropped when torch frees the storage.
 from __future__ import annotations
 
 import contextlib
+import gc
 import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
@@ -275,6 +276,8 @@ class Host:
         try:
             yield
         finally:
+            if self.storages:
+                gc.collect()  # tensors the script dropped but a cycle still holds need no data
             self.replay([s for s in (ref() for ref in list(self.storages.values())) if s is not None])
             for name, value in saved.items():
                 if value is None:
