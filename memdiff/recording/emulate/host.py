@@ -171,8 +171,8 @@ class Host:
 
     def is_lazy(self, t: Any) -> bool:
         """Whether `t` is a CPU tensor whose storage is lazy."""
-        return isinstance(t, torch.Tensor) and not is_traceable_wrapper_subclass(t) and t.device.type == "cpu" \
-            and t.layout == torch.strided and id(_storage_of(t)) in self.lazy
+        return isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.layout == torch.strided \
+            and not is_traceable_wrapper_subclass(t) and id(_storage_of(t)) in self.lazy
 
     def factory(self, func: Any, base: str, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Optional[torch.Tensor]:
         """A large CPU tensor from a factory: allocated, never written, its fill recorded."""
