@@ -247,9 +247,11 @@ class Files:
         storage = torch.UntypedStorage(nbytes, device="meta")
         if nbytes:
             emulator = self.emulator
-            block = emulator.allocate(nbytes, python_frames(2) if emulator.recording is not None else [])
-            emulator.blocks[id(storage)] = block
-            weakref.finalize(storage, emulator._storage_freed, id(storage), block)
+            key, index = id(storage), emulator.placement.current()
+            emulator.placement.of[key] = index  # on the current GPU, as torch.load's "cuda" is
+            weakref.finalize(storage, emulator._storage_freed, key)
+            emulator.blocks[key] = emulator.allocate(nbytes, python_frames(2) if emulator.recording is not None
+                                                     else [], index)
         return storage
 
 

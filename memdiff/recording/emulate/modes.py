@@ -333,6 +333,9 @@ class AllocMode(TorchDispatchMode):
                 out = func.decompose(*args, **kwargs)
             if out is not NotImplemented:
                 return out
+        hosted = self.emulator.host.intercept(func, base, args, kwargs)  # CPU tensors made lazily (host.py)
+        if hosted is not None:
+            return hosted[0]
         first = args[0] if args else None
         if _is_meta(first):
             read = self.read_back(base, first, args, kwargs)

@@ -181,6 +181,7 @@ class Emulator:
         # The side stream the script made current (patches.Stream), whose pool allocations come from;
         # None for the default stream.
         self.stream: Any = None
+        self.host: Any = None  # host.Host: the CPU tensors whose data may never be needed, made on entry
 
     @staticmethod
     def _compile(rule: Dict[str, Any]) -> Dict[str, Any]:
@@ -380,11 +381,14 @@ class Emulator:
         _torch = torch
         from memdiff.recording.emulate import distributed, files, parallel, patches
         from memdiff.recording.emulate.autocast import Autocast
+        from memdiff.recording.emulate.host import Host
         from memdiff.recording.emulate.modes import AllocMode, DeviceMode
 
         self.autocast = Autocast()
         stack = contextlib.ExitStack()
         self.device_mode = DeviceMode(self)
+        self.host = Host()
+        stack.enter_context(self.host.readable())
         stack.enter_context(patches.cuda_answers_as(self))
         stack.enter_context(distributed.fake_process_groups(self))
         stack.enter_context(parallel.data_parallel())
