@@ -11,7 +11,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass_type
 from torch.utils._pytree import tree_leaves
 
-from memdiff.recording.emulate import distributed
+from memdiff.recording.emulate import distributed, rnn
 from memdiff.recording.emulate.gpus import kernels
 from memdiff.recording.emulate.runtime import ALL_ELEMENTS_OPS, EmulationError, Emulator, op_name, python_frames
 from memdiff.recording.emulate.values import Values
@@ -128,6 +128,8 @@ class DeviceMode(TorchFunctionMode):
         try:
             if func is F.scaled_dot_product_attention:
                 return self.attention(func, args, kwargs)
+            if rnn.handles(func):
+                return rnn.call(self.emulator, func, args, kwargs)
             return func(*args, **kwargs)
         finally:
             context.pop()
@@ -222,6 +224,9 @@ class AllocMode(TorchDispatchMode):
             if known is not None and known.shape == first.shape:
                 return first.copy_(known)
             return first.zero_()
+        kernel = rnn.KERNELS.get(base)
+        if kernel is not None and _is_meta(first):  # cuDNN's RNN kernels: no meta kernel gives their buffers
+            return kernel(self.emulator, func, args, kwargs)
         try:
             if base in ALL_ELEMENTS_OPS and _is_meta(first):
                 out = self.sized_by_values(func, base, args, kwargs)

@@ -222,6 +222,11 @@ class Emulator:
         native = [frame for scope in reversed(self.native) for frame in scope.frames()]
         return _op_frames(name, inner, reversed(outer)) + native + python_frames(4)
 
+    def frames(self, name: str, inner: Any = ()) -> List[Dict[str, Any]]:
+        """The stack a GPU's snapshot gives an allocation made now by op `name` inside ops `inner`
+        (empty while the history is off)."""
+        return self._frames(name, inner)
+
     def track(self, storage: Any, name: str, inner: Any = ()) -> None:
         """Allocate a new meta storage on the device, freed when torch frees it."""
         key = id(storage)
@@ -337,7 +342,7 @@ class Emulator:
         import torch
 
         _torch = torch
-        from memdiff.recording.emulate import distributed, patches
+        from memdiff.recording.emulate import distributed, patches, rnn
         from memdiff.recording.emulate.autocast import Autocast
         from memdiff.recording.emulate.modes import AllocMode, DeviceMode
 
@@ -345,6 +350,7 @@ class Emulator:
         stack = contextlib.ExitStack()
         self.device_mode = DeviceMode(self)
         stack.enter_context(patches.cuda_answers_as(self))
+        stack.enter_context(rnn.cudnn_answers())
         stack.enter_context(distributed.fake_process_groups(self))
         stack.enter_context(self.device_mode)
         stack.enter_context(AllocMode(self))
