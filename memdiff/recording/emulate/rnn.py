@@ -204,10 +204,47 @@ def forward(emulator: Emulator, mode: str, func: Any, args: Tuple[Any, ...], kwa
     directions = 2 if bidirectional else 1
     weight_buf = _flat_buffer(params, stride0, mode, int(data.shape[-1]), hidden, proj, int(layers), directions)
     state = _dropout_state(emulator, float(dropout), bool(train))
+    if torch.is_autocast_enabled("cuda"):
+        emulator.context.append("_cudnn_rnn")
+        try:
+            data, params, weight_buf, hx, cx = _autocast(data, params, weight_buf, hx, cx, stride0, mode, hidden, proj,
+                                                         int(layers), directions)
+        finally:
+            emulator.context.pop()
     out = torch.ops.aten._cudnn_rnn.default(data, params, stride0, weight_buf, hx, cx, _cudnn_mode(mode), hidden,
                                             proj, int(layers), bool(batch_first), float(dropout), bool(train),
                                             bool(bidirectional), sizes, state)
     return (out[0], out[1], out[2]) if mode == "LSTM" else (out[0], out[1])
+
+
+def _eligible(t: Optional[torch.Tensor]) -> bool:
+    return t is not None and t.is_floating_point() and t.dtype != torch.float64
+
+
+def _autocast(data: torch.Tensor, params: List[torch.Tensor], weight_buf: Optional[torch.Tensor],
+              hx: torch.Tensor, cx: Optional[torch.Tensor], stride0: int, mode: str, hidden: int, proj: int,
+              layers: int, directions: int) -> Tuple[Any, ...]:
+    """CUDA autocast's wrapper of _cudnn_rnn (aten/src/ATen/cudnn/AutocastRNN.cpp): float16 whatever
+    autocast's dtype, the weights copied into a new zeroed float16 flat buffer (copies autograd
+    sees, so their backward casts each gradient back), input, hx and cx cast."""
+    half = torch.float16
+    source = weight_buf if weight_buf is not None else params[0]
+    if _eligible(source) and source.dtype != half:
+        n = weight_elements(mode, int(data.shape[-1]), hidden, proj, layers, directions)
+        weight_buf = torch.zeros(n, dtype=half, device=META)
+        storage = weight_buf.untyped_storage()
+        ordered = _ordered(params, stride0)
+        where = {id(t): offset for t, offset in zip(ordered, _layout(params, stride0, mode, hidden, proj))}
+        copies = []
+        for weight in params:
+            # set_ as cuDNN's get_parameters does: sharing the buffer's storage, not an autograd view of it
+            view = torch.empty(0, dtype=half, device=META).set_(storage, where[id(weight)], weight.shape)
+            copies.append(view.copy_(weight))
+        params = copies
+
+    def cast(t: Optional[torch.Tensor]) -> Any:
+        return t.to(half) if t is not None and _eligible(t) and t.dtype != half else t
+    return cast(data), params, weight_buf, cast(hx), cast(cx)
 
 
 # -- below autograd: the kernels, as the allocator sees them ---------------------------------------
