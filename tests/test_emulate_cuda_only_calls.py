@@ -42,3 +42,34 @@ def test_a_cuda_default_device_allocates_on_the_emulated_gpu_and_memory_snapshot
     assert {256 * 512 * 4, 512 * 4, 64 * 256 * 4} <= sizes
     # memory_snapshot() is the emulated allocator's: at least the weight, bias, input and gradients
     assert int(lines[1]) >= 2 * (256 * 512 * 4 + 512 * 4) + 64 * 256 * 4
+
+
+LEGACY_TYPES = """
+import torch, torch.nn as nn
+Tensor = torch.cuda.FloatTensor if torch.cuda.is_available() else torch.FloatTensor
+D = nn.Sequential(nn.Linear(32, 1), nn.Sigmoid()).cuda()
+imgs = torch.randn(8, 32)
+valid = Tensor(imgs.size(0), 1).fill_(1.0)
+real = imgs.type(Tensor)
+labels = torch.randint(0, 2, (8,)).type("torch.cuda.LongTensor")
+nn.BCELoss()(D(real), valid).backward()
+print(real.type(), real.device, isinstance(real, torch.cuda.FloatTensor), isinstance(real, torch.cuda.LongTensor),
+      isinstance(labels, torch.cuda.LongTensor), isinstance(imgs, torch.cuda.FloatTensor), Tensor([1.0, 2.0]).shape)
+"""
+
+
+@pytest.mark.slow
+def test_legacy_cuda_tensor_types_make_and_move_tensors_on_the_emulated_gpu(tmp_path: Path):
+    script = tmp_path / "gan.py"
+    script.write_text(LEGACY_TYPES)
+    out = tmp_path / "run.pickle"
+    done = subprocess.run([sys.executable, "-m", "memdiff", "record", "--emulate", "h100", "-o", str(out), "--",
+                           "python", str(script)], capture_output=True, text=True, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[-1] == "torch.cuda.FloatTensor cuda:0 True False True False torch.Size([2])"
+    with open(out, "rb") as f:
+        trace = pickle.load(f)["device_traces"][0]
+    made = {(e["size"], e["frames"][0]["name"]) for e in trace if e["action"] == "alloc"}
+    # `valid` (8 x 1 floats), `real` (8 x 32 floats moved by .type) and `labels` (8 longs) are device memory
+    assert (8 * 4, "at::_ops::empty_memory_format::call") in made
+    assert (8 * 32 * 4, "at::_ops::_to_copy::call") in made and (8 * 8, "at::_ops::_to_copy::call") in made

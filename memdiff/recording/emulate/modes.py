@@ -11,7 +11,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass_type
 from torch.utils._pytree import tree_leaves
 
-from memdiff.recording.emulate import distributed, rnn
+from memdiff.recording.emulate import distributed, legacy, rnn
 from memdiff.recording.emulate.gpus import kernels
 from memdiff.recording.emulate.runtime import ALL_ELEMENTS_OPS, EmulationError, Emulator, op_name, python_frames
 from memdiff.recording.emulate.values import Values
@@ -130,6 +130,8 @@ class DeviceMode(TorchFunctionMode):
                 return self.attention(func, args, kwargs)
             if rnn.handles(func):
                 return rnn.call(self.emulator, func, args, kwargs)
+            if legacy.handles(func):
+                return legacy.call(func, args, kwargs)
             return func(*args, **kwargs)
         finally:
             context.pop()

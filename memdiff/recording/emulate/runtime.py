@@ -342,7 +342,7 @@ class Emulator:
         import torch
 
         _torch = torch
-        from memdiff.recording.emulate import distributed, patches, rnn
+        from memdiff.recording.emulate import distributed, legacy, patches, rnn
         from memdiff.recording.emulate.autocast import Autocast
         from memdiff.recording.emulate.modes import AllocMode, DeviceMode
 
@@ -351,6 +351,7 @@ class Emulator:
         self.device_mode = DeviceMode(self)
         stack.enter_context(patches.cuda_answers_as(self))
         stack.enter_context(rnn.cudnn_answers())
+        stack.enter_context(legacy.legacy_cuda_types())
         stack.enter_context(distributed.fake_process_groups(self))
         stack.enter_context(self.device_mode)
         stack.enter_context(AllocMode(self))
