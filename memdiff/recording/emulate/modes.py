@@ -12,7 +12,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass_type
 from torch.utils._pytree import tree_leaves
 
-from memdiff.recording.emulate import distributed, files, printing
+from memdiff.recording.emulate import distributed, files, legacy, printing, rnn
 from memdiff.recording.emulate.devices import cuda_index, first_meta
 from memdiff.recording.emulate.escapes import op_refusal
 from memdiff.recording.emulate.gpus import kernels
@@ -197,6 +197,10 @@ class DeviceMode(TorchFunctionMode):
         try:
             if func is F.scaled_dot_product_attention:
                 return self.attention(func, args, kwargs)
+            if rnn.handles(func):
+                return rnn.call(self.emulator, func, args, kwargs)
+            if legacy.handles(func):
+                return legacy.call(func, args, kwargs)
             out = func(*args, **kwargs)
             if moved_from is not None:
                 _backward_on(out, moved_from, placement)
@@ -350,6 +354,9 @@ class AllocMode(TorchDispatchMode):
             if known is not None and known.shape == first.shape:
                 return first.copy_(known)
             return first.zero_()
+        kernel = rnn.KERNELS.get(base)
+        if kernel is not None and _is_meta(first):  # cuDNN's RNN kernels: no meta kernel gives their buffers
+            return kernel(self.emulator, func, args, kwargs)
         try:
             if base in ALL_ELEMENTS_OPS and _is_meta(first):
                 out = self.sized_by_values(func, base, args, kwargs)

@@ -387,6 +387,8 @@ def _answers(emulator: Emulator, saved: Dict[Tuple[Any, str], Any]) -> Dict[str,
             None if device is None else cuda_index(device, placement.current)).fraction,
         "_dump_snapshot": emulator.dump_snapshot,
         "clear_autocast_cache": clear_autocast_cache, "compile": compile,
+        # the CUDA build would answer from its own (empty) allocator, the CPU build has none
+        "memory_snapshot": lambda mempool_id=None: emulator.snapshot()["segments"],
     }
     # One function object per name: torch._dynamo maps torch's functions to rules by identity, and
     # refuses one object under two names.
@@ -491,6 +493,9 @@ def cuda_answers_as(emulator: Emulator) -> Iterator[None]:
     torch.Stream = Stream
     replaced.append((torch, "Generator", torch.Generator))
     torch.Generator = Generator
+    for name, value in _default_device_answers().items():
+        replaced.append((torch, name, getattr(torch, name)))
+        setattr(torch, name, value)
     storage_pointer = torch.UntypedStorage.data_ptr
     replaced.append((torch.UntypedStorage, "data_ptr", storage_pointer))
 
@@ -523,6 +528,22 @@ def cuda_answers_as(emulator: Emulator) -> Iterator[None]:
 
 
 _MISSING = object()
+
+
+def _default_device_answers() -> Dict[str, Callable[..., Any]]:
+    """torch.set_default_device / get_default_device with the emulated GPU: torch keeps a default
+    device in a function mode below every other, which fills in `device=` after the emulator's
+    device mode has looked, so a `cuda` default would reach the CUDA backend (the driver on the
+    CUDA build, nothing on the CPU build): the default is the meta device, reported as `cuda:0`."""
+    set_default, get_default = torch.set_default_device, torch.get_default_device
+
+    def set_default_device(device: Any) -> None:
+        set_default("meta" if device is not None and _names_cuda(device) else device)
+
+    def get_default_device() -> Any:
+        device = get_default()
+        return torch.device("cuda", 0) if device.type == "meta" else device
+    return {"set_default_device": set_default_device, "get_default_device": get_default_device}
 
 
 def _cuda_metadata(emulator: Emulator) -> Callable[[Any], Dict[str, Any]]:

@@ -261,6 +261,11 @@ class Emulator:
         native = [frame for scope in reversed(self.native) for frame in scope.frames()]
         return _op_frames(name, inner, reversed(outer)) + native + python_frames(4)
 
+    def frames(self, name: str, inner: Any = ()) -> List[Dict[str, Any]]:
+        """The stack a GPU's snapshot gives an allocation made now by op `name` inside ops `inner`
+        (empty while the history is off)."""
+        return self._frames(name, inner)
+
     def track(self, storage: Any, name: str, inner: Any = (), index: Optional[int] = None) -> None:
         """A new meta storage made on GPU `index` (the current one when None): allocated there, freed
         when torch frees it. A storage stays on the GPU it was made on."""
@@ -379,7 +384,7 @@ class Emulator:
         import torch
 
         _torch = torch
-        from memdiff.recording.emulate import distributed, files, parallel, patches
+        from memdiff.recording.emulate import distributed, files, legacy, parallel, patches, rnn
         from memdiff.recording.emulate.autocast import Autocast
         from memdiff.recording.emulate.host import Host
         from memdiff.recording.emulate.modes import AllocMode, DeviceMode
@@ -390,6 +395,8 @@ class Emulator:
         self.host = Host()
         stack.enter_context(self.host.readable())
         stack.enter_context(patches.cuda_answers_as(self))
+        stack.enter_context(rnn.cudnn_answers())
+        stack.enter_context(legacy.legacy_cuda_types())
         stack.enter_context(distributed.fake_process_groups(self))
         stack.enter_context(parallel.data_parallel())
         stack.enter_context(files.guarded(self))

@@ -1,0 +1,75 @@
+"""Calls a CUDA build of torch sends to the CUDA runtime before any op is dispatched (so they fail
+without a GPU there, and the CPU build has no CUDA backend to take them): under
+`memdiff record --emulate` they answer as on the emulated GPU."""
+
+from __future__ import annotations
+
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")
+
+DEFAULT_DEVICE = """
+import torch
+torch.set_default_device("cuda")
+model = torch.nn.Linear(256, 512)
+x = torch.randn(64, 256)
+model(x).sum().backward()
+print(torch.get_default_device(), model.weight.device, x.device)
+segments = torch.cuda.memory_snapshot()
+print(sum(b["size"] for s in segments for b in s["blocks"] if b["state"] == "active_allocated"))
+"""
+
+
+@pytest.mark.slow
+def test_a_cuda_default_device_allocates_on_the_emulated_gpu_and_memory_snapshot_reads_it(tmp_path: Path):
+    script = tmp_path / "train.py"
+    script.write_text(DEFAULT_DEVICE)
+    out = tmp_path / "run.pickle"
+    done = subprocess.run([sys.executable, "-m", "memdiff", "record", "--emulate", "h100", "-o", str(out), "--",
+                           "python", str(script)], capture_output=True, text=True, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0] == "cuda:0 cuda:0 cuda:0"
+    with open(out, "rb") as f:
+        trace = pickle.load(f)["device_traces"][0]
+    sizes = {e["size"] for e in trace if e["action"] == "alloc"}
+    # the weight, bias and input the default device made are device allocations, as on a GPU
+    assert {256 * 512 * 4, 512 * 4, 64 * 256 * 4} <= sizes
+    # memory_snapshot() is the emulated allocator's: at least the weight, bias, input and gradients
+    assert int(lines[1]) >= 2 * (256 * 512 * 4 + 512 * 4) + 64 * 256 * 4
+
+
+LEGACY_TYPES = """
+import torch, torch.nn as nn
+Tensor = torch.cuda.FloatTensor if torch.cuda.is_available() else torch.FloatTensor
+D = nn.Sequential(nn.Linear(32, 1), nn.Sigmoid()).cuda()
+imgs = torch.randn(8, 32)
+valid = Tensor(imgs.size(0), 1).fill_(1.0)
+real = imgs.type(Tensor)
+labels = torch.randint(0, 2, (8,)).type("torch.cuda.LongTensor")
+nn.BCELoss()(D(real), valid).backward()
+print(real.type(), real.device, isinstance(real, torch.cuda.FloatTensor), isinstance(real, torch.cuda.LongTensor),
+      isinstance(labels, torch.cuda.LongTensor), isinstance(imgs, torch.cuda.FloatTensor), Tensor([1.0, 2.0]).shape)
+"""
+
+
+@pytest.mark.slow
+def test_legacy_cuda_tensor_types_make_and_move_tensors_on_the_emulated_gpu(tmp_path: Path):
+    script = tmp_path / "gan.py"
+    script.write_text(LEGACY_TYPES)
+    out = tmp_path / "run.pickle"
+    done = subprocess.run([sys.executable, "-m", "memdiff", "record", "--emulate", "h100", "-o", str(out), "--",
+                           "python", str(script)], capture_output=True, text=True, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[-1] == "torch.cuda.FloatTensor cuda:0 True False True False torch.Size([2])"
+    with open(out, "rb") as f:
+        trace = pickle.load(f)["device_traces"][0]
+    made = {(e["size"], e["frames"][0]["name"]) for e in trace if e["action"] == "alloc"}
+    # `valid` (8 x 1 floats), `real` (8 x 32 floats moved by .type) and `labels` (8 longs) are device memory
+    assert (8 * 4, "at::_ops::empty_memory_format::call") in made
+    assert (8 * 32 * 4, "at::_ops::_to_copy::call") in made and (8 * 8, "at::_ops::_to_copy::call") in made
