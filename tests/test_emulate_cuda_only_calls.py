@@ -7,6 +7,7 @@ from __future__ import annotations
 import pickle
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -73,3 +74,33 @@ def test_legacy_cuda_tensor_types_make_and_move_tensors_on_the_emulated_gpu(tmp_
     # `valid` (8 x 1 floats), `real` (8 x 32 floats moved by .type) and `labels` (8 longs) are device memory
     assert (8 * 4, "at::_ops::empty_memory_format::call") in made
     assert (8 * 32 * 4, "at::_ops::_to_copy::call") in made and (8 * 8, "at::_ops::_to_copy::call") in made
+
+
+@pytest.mark.slow
+def test_nvml_readings_module_to_a_bare_index_and_cuda_random_answer_as_the_emulated_gpu(tmp_path):
+    # Log lines read NVML (an idle GPU here), DiT and the DDP tutorial move models with .to(rank), and
+    # the Trainer saves its rng state through torch.cuda.random: each ran into the driver before.
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent("""
+        import torch
+        model = torch.nn.Linear(256, 256).to(0)
+        other = torch.nn.Linear(256, 256).to(device=0)
+        print(next(model.parameters()).device, next(other.parameters()).device)
+        print("util", torch.cuda.utilization(), torch.cuda.temperature(), torch.cuda.memory_usage())
+        print("state", tuple(torch.cuda.random.get_rng_state().shape), len(torch.cuda.random.get_rng_state_all()))
+        torch.cuda.random.manual_seed(0)
+        x = torch.randn(512, 512)
+        y = x @ x  # a product on the host makes no cuBLAS workspace on the GPU
+        print("allocated", torch.cuda.memory_allocated())
+    """))
+    done = subprocess.run([sys.executable, "-m", "memdiff", "record", "--emulate", "h100", "-o",
+                           str(tmp_path / "run.pickle"), "--", "python", str(script)],
+                          capture_output=True, text=True, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    assert lines[0] == "cuda:0 cuda:0"
+    assert lines[1] == "util 0 0 0"
+    assert lines[2].startswith("state (") and lines[2].endswith(" 1")
+    # the two layers' weights and biases, each block rounded up to 512 bytes as the caching allocator does
+    weights = 2 * (-(-256 * 256 * 4 // 512) * 512 + -(-256 * 4 // 512) * 512)
+    assert lines[3] == f"allocated {weights}"

@@ -377,7 +377,7 @@ class AllocMode(TorchDispatchMode):
         for i, leaf in enumerate(tree_leaves(out)):
             if isinstance(leaf, torch.Tensor) and leaf.is_meta and i not in host:
                 emulator.track(leaf.untyped_storage(), name, rule["frames"] if rule else (), index)
-        if base in emulator.blas:
+        if base in emulator.blas and _is_meta(first):  # a product the CPU runs makes no cuBLAS workspace
             emulator.workspace(name, index)
         if rule and rule["steps"]:
             emulator.temporaries(base, name, _attention_values(args, rule["q"]), index)

@@ -347,6 +347,11 @@ def _answers(emulator: Emulator, saved: Dict[Tuple[Any, str], Any]) -> Dict[str,
 
     answers = {
         "is_available": lambda: True, "device_count": lambda: emulator.count,
+        # NVML's readings, which a GPU-less runner has none of: an idle GPU (scripts log them)
+        "utilization": lambda device=None: 0, "memory_usage": lambda device=None: 0,
+        "temperature": lambda device=None: 0, "power_draw": lambda device=None: 0,
+        "clock_rate": lambda device=None: 0,
+        "device_memory_used": lambda device=None: _allocator(emulator, device).reserved,
         "current_device": current_device,
         # CUDA starts at the process's first use of the GPU (torch's own code, such as DeviceMesh, picks
         # the rank's GPU only before it); what torch defers to then runs now, as the emulator is up
@@ -439,9 +444,11 @@ def _own(name: str, value: Any) -> Any:
 def _targets() -> List[Tuple[Any, List[str]]]:
     """Which module each answer replaces: torch.cuda and torch.cuda.memory, a few of torch's own."""
     import torch.cuda.memory as memory
+    import torch.cuda.random as random  # bound torch.cuda's functions at its import: the Trainer's rng state
 
     cuda_names = [n for n in dir(torch.cuda) if not n.startswith("__")]
     return [(torch.cuda, cuda_names), (memory, [n for n in dir(memory) if not n.startswith("__")]),
+            (random, [n for n in dir(random) if not n.startswith("__")]),
             (torch, ["clear_autocast_cache", "compile"])]
 
 
@@ -515,6 +522,9 @@ def cuda_answers_as(emulator: Emulator) -> Iterator[None]:
     apply = torch.nn.Module._apply
     replaced.append((torch.nn.Module, "_apply", apply))
     torch.nn.Module._apply = _keeping_ties(apply)
+    module_to = torch.nn.Module.to
+    replaced.append((torch.nn.Module, "to", module_to))
+    torch.nn.Module.to = _bare_index_is_cuda(module_to)
     try:
         yield
     finally:
@@ -570,6 +580,21 @@ def _with_mode_on(engine: Callable[..., Any], emulator: Emulator) -> Callable[..
         with mode:
             return engine(*args, **kwargs)
     return run
+
+
+def _bare_index_is_cuda(to: Callable[..., Any]) -> Callable[..., Any]:
+    """Module.to(0) / to(device=0): a bare index names the accelerator's device, the emulated GPU
+    (Module.to parses its arguments in C++, where the device mode never sees them, and a CPU build
+    of torch has no accelerator to resolve the index to)."""
+    def module_to(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if args and isinstance(args[0], int) and not isinstance(args[0], bool):
+            args = (torch.device("cuda", args[0]), *args[1:])
+        device = kwargs.get("device")
+        if isinstance(device, int) and not isinstance(device, bool):
+            kwargs["device"] = torch.device("cuda", device)
+        return to(self, *args, **kwargs)
+    module_to.__doc__, module_to.__wrapped__ = to.__doc__, to  # type: ignore[attr-defined]
+    return module_to
 
 
 def _keeping_ties(apply: Callable[..., Any]) -> Callable[..., Any]:
