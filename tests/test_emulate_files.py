@@ -303,3 +303,24 @@ def test_distributed_checkpoint_accelerate_and_many_files_write_nothing_and_say_
     assert [line.split(" to ")[1].split()[0] for line in named] == ["step0.pt", "step1.pt"]
     assert "every later save of emulated data not written either" in named[-1]
     assert not list(tmp_path.glob("step*.pt"))
+
+
+@pytest.mark.slow
+def test_a_saver_that_writes_a_temporary_then_renames_copies_and_prunes_leaves_the_users_files(tmp_path):
+    # timm's saver and atomic saves write a temporary name and rename it into place, copy the best
+    # checkpoint and delete old ones: the skipped save's file moves as the real run's, and a file the
+    # user had at a pruned path stays.
+    (tmp_path / "old.pt").write_bytes(b"the user's own checkpoint")
+    done = _emulate(tmp_path, """
+        import os, shutil, torch
+        model = torch.nn.Linear(64, 64).cuda()
+        torch.save(model.state_dict(), "tmp.pt")
+        os.replace("tmp.pt", "last.pt")
+        shutil.copyfile("last.pt", "best.pt")
+        torch.save(model.state_dict(), "old.pt")
+        os.remove("old.pt")
+        print(sorted(f for f in os.listdir(".") if f.endswith(".pt")))
+    """)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.splitlines()[-1] == "['old.pt']"
+    assert (tmp_path / "old.pt").read_bytes() == b"the user's own checkpoint"

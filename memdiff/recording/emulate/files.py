@@ -93,6 +93,9 @@ class Files:
         self._ends: Dict[int, int] = {}
         self.left_empty: "weakref.WeakSet[Any]" = weakref.WeakSet()  # file objects a skipped save did not fill
         self.targets: Set[str] = set()  # the files skipped saves named, each said once
+        # Paths a skipped save would have written (absolute): moving, copying or removing one is the
+        # real run's own file moving, not the user's (_moves).
+        self.unwritten: Set[str] = set()
 
     # -- host memory read back from the device --------------------------------------------------
 
@@ -225,6 +228,8 @@ class Files:
         """Say once per file that a save was not written, and what the real run writes there. `where`:
         the target as a note names it, and whether that file existed (None: not a path)."""
         target, existed = where
+        if existed is not None:
+            self.unwritten.add(os.path.abspath(target))
         if target in self.targets:
             return
         self.targets.add(target)
@@ -568,6 +573,57 @@ class _PatchingLoader(importlib.abc.Loader):
 
 
 @contextlib.contextmanager
+def _moves(files: Files) -> Iterator[None]:
+    """os.replace, os.rename, shutil.move, shutil.copyfile, os.link, os.remove of a file a skipped save
+    would have written: the move or copy names its destination as unwritten too and leaves whatever
+    is there alone, a removal forgets it (a file the user had at that path stays). Savers write to a
+    temporary name and rename it into place (timm's, atomic saves), or delete old checkpoints: the
+    real run moves and deletes its own files, never the user's."""
+    import shutil
+
+    def unwritten(path: Any) -> Optional[str]:
+        if not isinstance(path, (str, os.PathLike)) or not files.unwritten:
+            return None
+        full = os.path.abspath(os.fsdecode(path))
+        return full if full in files.unwritten else None
+
+    def moving(real: Callable[..., Any], keep_source: bool) -> Callable[..., Any]:
+        def move(src: Any, dst: Any, *args: Any, **kwargs: Any) -> Any:
+            source = unwritten(src)
+            if source is None:
+                return real(src, dst, *args, **kwargs)
+            if not keep_source:
+                files.unwritten.discard(source)
+            target = os.fsdecode(dst)
+            if os.path.isdir(target):
+                target = os.path.join(target, os.path.basename(source))
+            files.unwritten.add(os.path.abspath(target))
+            return dst
+        return move
+
+    def removing(real: Callable[..., Any]) -> Callable[..., Any]:
+        def remove(path: Any, *args: Any, **kwargs: Any) -> None:
+            found = unwritten(path)
+            if found is None:
+                return real(path, *args, **kwargs)
+            files.unwritten.discard(found)
+        return remove
+    wrapped = [(os, "replace", moving(os.replace, False)), (os, "rename", moving(os.rename, False)),
+               (os, "link", moving(os.link, True)), (shutil, "move", moving(shutil.move, False)),
+               (shutil, "copyfile", moving(shutil.copyfile, True)), (shutil, "copy", moving(shutil.copy, True)),
+               (shutil, "copy2", moving(shutil.copy2, True)), (os, "remove", removing(os.remove)),
+               (os, "unlink", removing(os.unlink))]
+    saved = [(module, name, getattr(module, name)) for module, name, _ in wrapped]
+    for module, name, value in wrapped:
+        setattr(module, name, value)
+    try:
+        yield
+    finally:
+        for module, name, value in saved:
+            setattr(module, name, value)
+
+
+@contextlib.contextmanager
 def guarded(emulator: Emulator) -> Iterator[Files]:
     """Guard the user's files while the emulator runs; everything is put back on exit."""
     global _active
@@ -584,7 +640,8 @@ def guarded(emulator: Emulator) -> Iterator[Files]:
     rng = _mark_rng_states()
     previous, _active = _active, files
     try:
-        yield files
+        with _moves(files):
+            yield files
     finally:
         _active = previous
         rng()
