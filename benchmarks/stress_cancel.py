@@ -103,6 +103,7 @@ def one_run(mode: str, folder: Path, rng: random.Random, within: float, latest: 
         os.killpg(child.pid, signal.SIGKILL)
         _, err = child.communicate()
         ended = None
+    (folder / "stderr.txt").write_text(err)
     if mode.endswith("launcher"):
         written = sum((folder / "runs" / f"rank{r}.pickle").is_file() for r in range(ranks))
     else:

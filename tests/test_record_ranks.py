@@ -200,7 +200,7 @@ def test_a_rank_without_a_snapshot_is_named_and_fails_the_recording(torch, tmp_p
     done = record(tmp_path, "runs/", sys.executable, str(script), env=as_rank(0, 2))
     assert done.returncode == 2
     assert "memdiff: wrote 1 snapshot of a job of 2 ranks" in done.stderr
-    assert "memdiff: rank 1 of 2 has no snapshot: it never recorded" in done.stderr
+    assert "memdiff: rank 1 of 2 has no snapshot: its process never ran memdiff's hook" in done.stderr
     # Read later, the job's manifest still says a rank is missing, the last one included.
     ranks = subprocess.run([sys.executable, "-m", "memdiff", "ranks", "runs/"], capture_output=True, text=True,
                            cwd=tmp_path)

@@ -392,7 +392,9 @@ def run(args: argparse.Namespace) -> int:
                         # The script has ended: a Ctrl-C from here until the snapshot is in place (a second
                         # one, or the first after a natural end) must not lose it.
                         holding.enter_context(sigint_held())
-            except KeyboardInterrupt:  # while recording started: nothing was recorded
+            except KeyboardInterrupt:
+                # While recording started (nothing recorded yet), or in the instant between the script's
+                # end and the hold above (the block's exit wrote the snapshot all the same).
                 interrupted, status = True, 130
             if not os.path.exists(partial):  # a window of steps the script never reached (it said so)
                 print(f"memdiff: nothing written to {args.output}", file=sys.stderr)

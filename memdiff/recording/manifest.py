@@ -25,6 +25,8 @@ MANIFEST_VERSION = 1
 STATUS = re.compile(r"^\.rank(\d+)\.status$")
 # Any other process of the job (the launcher, a process without RANK, a rank's child): what it did.
 PROCESS_STATUS = re.compile(r"^\.pid(\d+)\.status$")
+# A status being written (by the rank hook) when its process was killed.
+PARTIAL_STATUS = re.compile(r"^\.(rank|pid)\d+\.status\.\d+\.\d+\.tmp$")
 MAX_WORLD_SIZE = 1 << 20  # as many ranks as a job folder may hold (memdiff.job.MAX_RANKS)
 
 # A rank's recording, as the status it left says (or the absence of one).
@@ -88,7 +90,7 @@ class JobManifest:
 def clear_statuses(folder: str) -> None:
     """Remove an earlier run's status files and manifest, so that they never speak for this run."""
     for name in os.listdir(folder):
-        if STATUS.match(name) or PROCESS_STATUS.match(name) or name == MANIFEST:
+        if STATUS.match(name) or PROCESS_STATUS.match(name) or PARTIAL_STATUS.match(name) or name == MANIFEST:
             os.unlink(os.path.join(folder, name))
 
 
@@ -154,6 +156,8 @@ class ProcessRecord:
             return "ended before it imported torch, without running its exit handlers"
         if self.state == FAILED:
             return f"could not record: {self.error}"
+        if self.state == UNFINISHED:
+            return "ended without writing its snapshot (SIGKILL, os._exit(), or a crash in native code)"
         if self.state == NOTHING and self.error:
             return self.error
         return "imported torch and allocated nothing"

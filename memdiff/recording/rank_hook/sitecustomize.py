@@ -33,6 +33,7 @@ import _thread
 import atexit
 import importlib.machinery
 import importlib.util
+import itertools
 import os
 import signal
 import sys
@@ -73,6 +74,7 @@ class _Status:
                       "command": " ".join(sys.orig_argv if hasattr(sys, "orig_argv") else sys.argv)[:300]}
         self.started_without_hook = []  # commands this process started in an environment without the hook
         self.state, self.last = None, {}
+        self.writes = itertools.count()
 
     def write(self, state, **facts):
         """Say `state` (and `facts`) for this process; a forked copy says nothing."""
@@ -86,7 +88,8 @@ class _Status:
             document["started_without_hook"] = self.started_without_hook[:5]
         if _refused:
             document["refused"] = _refused[0]
-        temporary = f"{self.path}.{os.getpid()}.tmp"
+        # A name of its own per write: another thread, or a signal handler on this one, may be writing too.
+        temporary = f"{self.path}.{os.getpid()}.{next(self.writes)}.tmp"
         try:
             with open(temporary, "w") as f:
                 f.write(json.dumps(document))
@@ -262,13 +265,19 @@ def _die_of_sigterm():
     os.kill(os.getpid(), signal.SIGTERM)
 
 
-def _start(torch, folder):
+def _memdiff():
+    """memdiff's modules this hook uses, from the memdiff that started the job."""
     sys.path.insert(0, os.environ["MEMDIFF_PACKAGE_PARENT"])
     try:
         from memdiff.errors import InputError
         from memdiff.recording import capture
     finally:
         sys.path.pop(0)
+    return InputError, capture
+
+
+def _start(torch, folder):
+    InputError, capture = _memdiff()
     emulate = os.environ.get(EMULATE)
     if emulate:
         try:
@@ -393,11 +402,17 @@ _kept: list = []
 
 
 def _start_recording(module):
+    held = []
     try:
-        _start(module, os.environ["MEMDIFF_RECORD_DIR"])
+        # A Ctrl-C while recording starts comes once it has (and its write at exit is in place): raised
+        # in the middle, it would leave a profiler running and nothing to stop it.
+        with _memdiff()[1].sigint_held() as held:
+            _start(module, os.environ["MEMDIFF_RECORD_DIR"])
     except Exception as exc:
         _say(f"not recording process {os.getpid()}: {type(exc).__name__}: {exc}")
         _status.write("failed", at="import torch", error=f"{type(exc).__name__}: {exc}"[:500])
+    if held:
+        signal.raise_signal(signal.SIGINT)
 
 
 def _subprocess_ran(module):
