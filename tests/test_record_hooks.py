@@ -128,3 +128,17 @@ def test_a_child_started_without_the_hook_is_named_with_its_cause(torch, tmp_pat
     assert f"`{sys.executable} {script}`) never imported torch" in done.stderr
     assert (f"started `{sys.executable} -c import torch; kept = torch.ones(1 << 20)`: its PYTHONPATH does not "
             f"have memdiff's hook; nothing written to runs/") in done.stderr
+
+
+def test_torch_imported_by_the_users_own_sitecustomize_is_emulated_and_recorded(torch, tmp_path):
+    mine = tmp_path / "site"
+    mine.mkdir()
+    (mine / "sitecustomize.py").write_text("import torch\n")  # runs after memdiff's, which chains it
+    script = tmp_path / "train.py"
+    script.write_text(KEEP)
+    path = os.pathsep.join(p for p in (str(mine), os.environ.get("PYTHONPATH")) if p)
+    done = record(tmp_path, sys.executable, str(script), env={"PYTHONPATH": path})
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == "cuda:0\n"
+    [written] = (tmp_path / "runs").iterdir()
+    assert allocations(written) == [MIB4]

@@ -57,7 +57,7 @@ class RankRecording:
             return ("it ended without writing its snapshot (SIGKILL, os._exit(), or a crash in native code "
                     "end a process before it can)")
         if self.state == NO_TORCH:
-            return "it never imported torch"
+            return "it never imported torch" + (f" ({self.error})" if self.error else "")
         if self.state == BEFORE_TORCH:
             return ("it ended before it imported torch, without running its exit handlers (a signal, "
                     "os._exit(), or a crash in native code)")
@@ -151,7 +151,7 @@ class ProcessRecord:
     def why_nothing(self) -> str:
         """Why this process wrote no snapshot, in a reader's words."""
         if self.state == NO_TORCH:
-            return "never imported torch"
+            return "never imported torch" + (f" ({self.error})" if self.error else "")
         if self.state == BEFORE_TORCH:
             return "ended before it imported torch, without running its exit handlers"
         if self.state == FAILED:

@@ -286,7 +286,9 @@ def _start(torch, folder):
             _say(f"process {os.getpid()}: cannot emulate {emulate}: {exc}")
             _status.write("failed", at="import torch", error=f"cannot emulate {emulate}: {exc}"[:500])
             os._exit(2)
-    _Recording(torch, folder, capture, _status).start()
+    recording = _Recording(torch, folder, capture, _status)
+    recording.start()
+    return recording
 
 
 def _emulate(key, input_error):
@@ -353,11 +355,22 @@ class _AfterImport:
         run_module, finder = loader.exec_module, self
 
         def exec_module(module):
-            run_module(module)  # an import that fails leaves the hook in place for the next try
+            try:
+                run_module(module)  # an import that fails leaves the hook in place for the next try
+            except BaseException as exc:
+                finder.failed(name, exc)
+                raise
             if getattr(module, "__name__", None) == name:
                 finder.ran(name, module)
         loader.exec_module = exec_module
         return spec
+
+    def failed(self, name, exc):
+        """`name`'s module raised `exc` as it ran (a Ctrl-C in the middle of `import torch`): said, should
+        the process end without importing it."""
+        if name == "torch":
+            error = f"its import of torch raised {type(exc).__name__}"
+            _status.write(_status.state, **{**_status.last, "error": error})
 
     def ran(self, name, module):
         """`name`'s module has run: its callback, the first time only (a re-import or a reload runs it again)."""
@@ -402,16 +415,20 @@ _kept: list = []
 
 
 def _start_recording(module):
-    held = []
+    held, recording = [], None
     try:
-        # A Ctrl-C while recording starts comes once it has (and its write at exit is in place): raised
-        # in the middle, it would leave a profiler running and nothing to stop it.
+        # A Ctrl-C while recording starts is held until it has: raised in the middle, it would leave a
+        # profiler running and nothing to stop it.
         with _memdiff()[1].sigint_held() as held:
-            _start(module, os.environ["MEMDIFF_RECORD_DIR"])
+            recording = _start(module, os.environ["MEMDIFF_RECORD_DIR"])
     except Exception as exc:
         _say(f"not recording process {os.getpid()}: {type(exc).__name__}: {exc}")
         _status.write("failed", at="import torch", error=f"{type(exc).__name__}: {exc}"[:500])
     if held:
+        # Raised now, it fails the script's `import torch` and takes torch out of sys.modules, which a
+        # write at exit would import again (and fail at): this process ends here, written first.
+        if recording is not None:
+            recording.write("Ctrl-C")
         signal.raise_signal(signal.SIGINT)
 
 
@@ -459,7 +476,7 @@ def _check_child(args, real, rest, kwargs):
 
 def _exit_without_torch():
     if _status.state == "before torch":
-        _status.write("no torch")
+        _status.write("no torch", **_status.last)
 
 
 def _chain():
