@@ -7,6 +7,7 @@ Starts `nproc` busy-loop processes for the whole run, then for each mode records
 4 MiB on its device and then sleeps for an hour (it ends early only if the Ctrl-C reaches it):
 
 - file: `memdiff record -o run.pickle -- python job.py` (one process, recorded in memdiff's own)
+- folder: `memdiff record -o runs/ -- python job.py` as rank 0 of 1 (one process, a child of memdiff's)
 - launcher: `memdiff record -o runs/ -- python -m torch.distributed.run --nproc-per-node 2 job.py`
 - emulated-file, emulated-launcher: the same with `--emulate h100` (the job's tensors on "cuda")
 
@@ -36,7 +37,7 @@ from pathlib import Path
 from typing import Dict, List
 
 ROOT = Path(__file__).resolve().parent.parent
-MODES = ("file", "launcher", "emulated-file", "emulated-launcher")
+MODES = ("file", "folder", "launcher", "emulated-file", "emulated-launcher")
 
 JOB = """
 import os, pathlib, sys, time, torch
@@ -64,6 +65,8 @@ def command(mode: str, folder: Path) -> List[str]:
     """The memdiff record command line of a mode, run in `folder`."""
     emulate = ["--emulate", "h100"] if mode.startswith("emulated") else []
     device = "cuda" if emulate else "cpu"
+    if mode == "folder":
+        return [sys.executable, "-m", "memdiff", "record", "-o", "runs/", "--", sys.executable, "job.py", device]
     if mode.endswith("launcher"):
         job = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr",
                "127.0.0.1", "--master-port", str(free_port()), "job.py", device]
@@ -78,6 +81,8 @@ def one_run(mode: str, folder: Path, rng: random.Random, within: float, latest: 
     (folder / "job.py").write_text(JOB)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(
         p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
+    if mode == "folder":  # the rank of a job of one, as tests/test_record_ranks.py's Ctrl-C test runs it
+        env.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     ranks = 2 if mode.endswith("launcher") else 1
     to = rng.choice(TO)
     delay = rng.uniform(0, latest)
@@ -104,7 +109,7 @@ def one_run(mode: str, folder: Path, rng: random.Random, within: float, latest: 
         _, err = child.communicate()
         ended = None
     (folder / "stderr.txt").write_text(err)
-    if mode.endswith("launcher"):
+    if mode == "folder" or mode.endswith("launcher"):
         written = sum((folder / "runs" / f"rank{r}.pickle").is_file() for r in range(ranks))
     else:
         written = int((folder / "run.pickle").is_file())
