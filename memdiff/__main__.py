@@ -10,8 +10,10 @@ def run(argv: Optional[List[str]] = None) -> int:
     algebra, and OpenBLAS's workers spin for a while once started: about 2 s of CPU a command on a
     16-core machine, more than reading a 4M-event snapshot costs)."""
     os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
-    from memdiff.cli import main
-
+    try:
+        from memdiff.cli import main
+    except KeyboardInterrupt:  # Ctrl-C while memdiff starts: 130, as after it, not a traceback
+        return 130
     return main(argv)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import os
 import re
@@ -24,13 +25,20 @@ from memdiff.errors import EXIT_BAD_INPUT, InputError
 from memdiff.inert import shell, text
 from memdiff.job import MAX_RANKS, rank_of, rank_patterns
 from memdiff.load import decode
-from memdiff.recording.capture import STACKS, StepWindow, parse_steps, record, recorded_nothing
+from memdiff.recording.capture import STACKS, StepWindow, parse_steps, record, recorded_nothing, sigint_held
 from memdiff.recording.emulate.allocator import AllocatorConfig
 from memdiff.recording.emulate.devices import GPUS
 from memdiff.recording.emulate.escapes import escaped
 from memdiff.recording.emulate.gpus import gpu
 from memdiff.recording.emulate.gpus import names as gpu_names
-from memdiff.recording.manifest import MANIFEST, clear_statuses, collect, write_manifest
+from memdiff.recording.manifest import (
+    MANIFEST,
+    ProcessRecord,
+    clear_statuses,
+    collect,
+    collect_processes,
+    write_manifest,
+)
 from memdiff.units import format_bytes
 
 PYTHON = re.compile(r"^python(\d+(\.\d+)?)?(\.exe)?$")
@@ -174,22 +182,46 @@ def _launched(command: List[str]) -> List[str]:
     return command
 
 
-def _wait_forwarding_signals(child: "subprocess.Popen[bytes]") -> Optional[int]:
-    """Wait for the child, passing Ctrl-C and SIGTERM on to it (a CI runner cancelling the job
-    signals memdiff, not the launcher); the signal that ended the wait, or None."""
-    received: List[int] = []
+class _Forwarding:
+    """Ctrl-C and SIGTERM passed on to the job (a CI runner cancelling it signals memdiff, not the
+    launcher), from before the job starts until it has ended.
 
-    def forward(signum: int, _frame: Any) -> None:
-        received.append(signum)
-        if child.poll() is None:
-            child.send_signal(signum)
-    previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        child.wait()
-    finally:
-        for s, handler in previous.items():
+    The handler is in place before the child is started: a signal that comes while it starts is
+    passed on once it exists, never lost. And the child starts with both signals at their defaults
+    (exec resets a handled signal, where an ignored one would stay ignored: memdiff started in the
+    background by a shell script inherits SIGINT ignored, and a job that ignored the Ctrl-C memdiff
+    passes on would run to its end)."""
+
+    def __init__(self) -> None:
+        self.received: List[int] = []
+        self.child: "Optional[subprocess.Popen[bytes]]" = None
+        self._pending: List[int] = []
+        self._previous: Dict[int, Any] = {}
+
+    def __enter__(self) -> "_Forwarding":
+        for s in (signal.SIGINT, signal.SIGTERM):
+            self._previous[s] = signal.signal(s, self._forward)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for s, handler in self._previous.items():
             signal.signal(s, handler)
-    return received[0] if received else None
+
+    def _forward(self, signum: int, _frame: Any) -> None:
+        self.received.append(signum)
+        if self.child is None:
+            self._pending.append(signum)  # the child is being started: passed on once it exists
+        elif self.child.poll() is None:
+            self.child.send_signal(signum)
+
+    def started(self, child: "subprocess.Popen[bytes]") -> None:
+        """The child exists: pass on what came while it started, then each signal as it comes.
+        (A handler runs between two of this thread's bytecodes, so each signal goes once.)"""
+        self.child = child
+        while self._pending:
+            signum = self._pending.pop(0)
+            if child.poll() is None:
+                child.send_signal(signum)
 
 
 @dataclass(frozen=True)
@@ -199,6 +231,7 @@ class _JobOutcome:
     written: List[str]  # snapshot files this run wrote
     lost: List[str]  # one line per rank that left no snapshot, saying why
     refused: List[int]  # under --emulate: the ranks the emulator stopped at an op it cannot run
+    processes: List[ProcessRecord]  # what each process that is no rank said of itself
 
 
 def _report_job(args: argparse.Namespace, folder: str, before: Dict[str, int], status: int) -> _JobOutcome:
@@ -228,7 +261,19 @@ def _report_job(args: argparse.Namespace, folder: str, before: Dict[str, int], s
     lost = ([f"rank {r.rank} of {manifest.world_size} has no snapshot: {r.why_missing()}"
              for r in manifest.missing(folder)] if manifest is not None else [])
     refused = [r.rank for r in manifest.ranks if r.refused] if manifest is not None else []
-    return _JobOutcome(written, lost, refused)
+    return _JobOutcome(written, lost, refused, collect_processes(folder))
+
+
+def _why_nothing(outcome: _JobOutcome) -> str:
+    """Why no process wrote a snapshot, from what each one said of itself (never a guess)."""
+    if not outcome.processes:
+        return ("no Python process ran memdiff's hook (the command started none, or started it without "
+                "memdiff's sitecustomize: an environment without its PYTHONPATH, python -I, -E or -S)")
+    said = [f"process {p.pid} (`{p.command}`) {p.why_nothing()}" for p in outcome.processes[:3]]
+    if len(outcome.processes) > 3:
+        said.append(f"{len(outcome.processes) - 3} more processes likewise")
+    said += [f"process {p.pid} started {child}" for p in outcome.processes for child in p.started_without_hook]
+    return "; ".join(said)
 
 
 def _by_rank(name: str) -> Tuple[int, str]:
@@ -270,8 +315,11 @@ def _run_launcher(args: argparse.Namespace) -> int:
     else:
         env.pop(GPUS, None)
     env.pop("MEMDIFF_RECORD_RANK_PID", None)  # set by each rank for its own children, never inherited from us
-    child = subprocess.Popen(command, env=env)
-    interrupted = _wait_forwarding_signals(child)
+    with _Forwarding() as forwarding:
+        child = subprocess.Popen(command, env=env)
+        forwarding.started(child)
+        child.wait()
+    interrupted = forwarding.received[0] if forwarding.received else None
     if interrupted is not None:  # Ctrl-C: 130, as a shell says; SIGTERM: 143
         status = 130 if interrupted == signal.SIGINT else 128 + interrupted
     else:
@@ -280,8 +328,7 @@ def _run_launcher(args: argparse.Namespace) -> int:
     for line in outcome.lost:
         print(f"memdiff: {line}", file=sys.stderr)
     if not outcome.written and not outcome.lost:
-        guess = "none imported torch, or none reached the window" if args.steps else "none imported torch?"
-        print(f"memdiff: no process of `{' '.join(command)}` recorded an allocation ({guess}); "
+        print(f"memdiff: no process of `{' '.join(command)}` recorded an allocation: {_why_nothing(outcome)}; "
               f"nothing written to {args.output}", file=sys.stderr)
         return status or EXIT_BAD_INPUT
     if outcome.refused:  # each such rank said which op, in one line: the run is bad input, not a crash
@@ -337,24 +384,38 @@ def run(args: argparse.Namespace) -> int:
     # Checked (and its folder made) before the script runs: a bad path must not cost the run.
     check_output(args.output, in_place=False, make_folder=True)
     partial = temporary_name(args.output)
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        # Started with Ctrl-C ignored (in the background of a shell script): it stops the script all
+        # the same, as it stops a launched job (-o DIR/), and as the docs say.
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         interrupted = False
         refused: Optional[InputError] = None
-        with record(partial, max_entries=args.max_entries, stacks=args.stacks, steps=args.steps,
-                    emulate=args.emulate, gpus=args.gpus):
+        with contextlib.ExitStack() as holding:
             try:
-                status = _run_target(target, emulated=bool(args.emulate))
-            except KeyboardInterrupt:  # Ctrl-C ends the script, not the recording: what it did is kept
+                with record(partial, max_entries=args.max_entries, stacks=args.stacks, steps=args.steps,
+                            emulate=args.emulate, gpus=args.gpus):
+                    try:
+                        status = _run_target(target, emulated=bool(args.emulate))
+                    except KeyboardInterrupt:  # Ctrl-C ends the script, not the recording: what it did is kept
+                        interrupted, status = True, 130
+                    except InputError as exc:  # the emulator refused an op: what ran until then is kept
+                        refused, status = exc, EXIT_BAD_INPUT
+                    finally:
+                        # The script has ended: a Ctrl-C from here until the snapshot is in place (a second
+                        # one, or the first after a natural end) must not lose it.
+                        holding.enter_context(sigint_held())
+            except KeyboardInterrupt:
+                # While recording started (nothing recorded yet), or in the instant between the script's
+                # end and the hold above (the block's exit wrote the snapshot all the same).
                 interrupted, status = True, 130
-            except InputError as exc:  # the emulator refused an op: what ran until then is kept
-                refused, status = exc, EXIT_BAD_INPUT
-        if not os.path.exists(partial):  # a window of steps the script never reached (it said so)
-            print(f"memdiff: nothing written to {args.output}", file=sys.stderr)
-            return status or EXIT_BAD_INPUT
-        if os.path.exists(args.output) and recorded_nothing(decode(partial)[0]):
-            print(f"memdiff: the run recorded no allocation; kept the existing {args.output}", file=sys.stderr)
-            return status
-        commit(partial, args.output)
+            if not os.path.exists(partial):  # a window of steps the script never reached (it said so)
+                print(f"memdiff: nothing written to {args.output}", file=sys.stderr)
+                return status or EXIT_BAD_INPUT
+            if os.path.exists(args.output) and recorded_nothing(decode(partial)[0]):
+                print(f"memdiff: the run recorded no allocation; kept the existing {args.output}", file=sys.stderr)
+                return status
+            commit(partial, args.output)
     finally:
         if os.path.exists(partial):
             os.unlink(partial)

@@ -11,6 +11,7 @@ import json
 import os
 import pickle
 import re
+import signal
 import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
@@ -49,6 +50,24 @@ def dump(snapshot: Any, path: str) -> None:
 def write_status(path: str, document: Dict[str, Any]) -> None:
     """Write a rank's small status document (JSON) atomically, for `memdiff record` to read."""
     write_output(path, json.dumps(document))
+
+
+@contextlib.contextmanager
+def sigint_held() -> Iterator[List[int]]:
+    """Hold Ctrl-C while a snapshot is written: a second Ctrl-C (or the one a launcher passes on after
+    the terminal's own) must not cut the write short and lose what was recorded. Yields the list the
+    SIGINTs that came are put in; off the main thread, where no handler can be set (and where no
+    signal is handled), it holds nothing."""
+    held: List[int] = []
+    try:
+        previous = signal.signal(signal.SIGINT, lambda signum, _frame: held.append(signum))
+    except ValueError:
+        yield held
+        return
+    try:
+        yield held
+    finally:
+        signal.signal(signal.SIGINT, previous if previous is not None else signal.SIG_DFL)
 
 
 def recorded_nothing(snapshot: Dict[str, Any]) -> bool:
@@ -505,11 +524,13 @@ def record(path: str, *, max_entries: int = 1_000_000, stacks: str = "all",
             try:
                 yield
             finally:
-                window.close("the block ended")
+                with sigint_held():
+                    window.close("the block ended")
         return
     finish = start_cuda(torch, max_entries, stacks) if has_cuda(torch) else start_cpu(torch)
     try:
         yield
     finally:
         # Dump even when the block raised: an OOM is when the file is wanted most.
-        dump(finish(), path)
+        with sigint_held():
+            dump(finish(), path)

@@ -14,7 +14,7 @@ import json
 import os
 import re
 from dataclasses import asdict, dataclass
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 from memdiff.atomic import write_output
 from memdiff.errors import InputError, brief
@@ -23,11 +23,17 @@ from memdiff.load import read_json
 MANIFEST = "memdiff-job.json"
 MANIFEST_VERSION = 1
 STATUS = re.compile(r"^\.rank(\d+)\.status$")
+# Any other process of the job (the launcher, a process without RANK, a rank's child): what it did.
+PROCESS_STATUS = re.compile(r"^\.pid(\d+)\.status$")
+# A status being written (by the rank hook) when its process was killed.
+PARTIAL_STATUS = re.compile(r"^\.(rank|pid)\d+\.status\.\d+\.\d+\.tmp$")
 MAX_WORLD_SIZE = 1 << 20  # as many ranks as a job folder may hold (memdiff.job.MAX_RANKS)
 
 # A rank's recording, as the status it left says (or the absence of one).
 WRITTEN, FAILED, NOTHING, UNFINISHED, NOT_STARTED = ("written", "failed", "nothing recorded", "recording",
                                                      "not started")
+# The process ran memdiff's hook and had not imported torch (yet); it ended without importing torch.
+BEFORE_TORCH, NO_TORCH = "before torch", "no torch"
 
 
 @dataclass(frozen=True)
@@ -50,8 +56,14 @@ class RankRecording:
         if self.state == UNFINISHED:
             return ("it ended without writing its snapshot (SIGKILL, os._exit(), or a crash in native code "
                     "end a process before it can)")
+        if self.state == NO_TORCH:
+            return "it never imported torch" + (f" ({self.error})" if self.error else "")
+        if self.state == BEFORE_TORCH:
+            return ("it ended before it imported torch, without running its exit handlers (a signal, "
+                    "os._exit(), or a crash in native code)")
         if self.state == NOT_STARTED:
-            return "it never recorded (it did not start, or never imported torch)"
+            return ("its process never ran memdiff's hook: it did not start, or started without memdiff's "
+                    "sitecustomize (an environment without its PYTHONPATH, python -I, -E or -S)")
         return f"its file {self.file} is gone"
 
 
@@ -78,7 +90,7 @@ class JobManifest:
 def clear_statuses(folder: str) -> None:
     """Remove an earlier run's status files and manifest, so that they never speak for this run."""
     for name in os.listdir(folder):
-        if STATUS.match(name) or name == MANIFEST:
+        if STATUS.match(name) or PROCESS_STATUS.match(name) or PARTIAL_STATUS.match(name) or name == MANIFEST:
             os.unlink(os.path.join(folder, name))
 
 
@@ -120,10 +132,53 @@ def collect(folder: str, keep: bool = False) -> Optional[JobManifest]:
         text = {k: str(document[k])[:500] for k in ("file", "error", "at", "refused")
                 if isinstance(document.get(k), str)}
         state = document.get("state")
-        if state not in (WRITTEN, FAILED, NOTHING, UNFINISHED):
+        if state not in (WRITTEN, FAILED, NOTHING, UNFINISHED, BEFORE_TORCH, NO_TORCH):
             state, text["error"] = FAILED, text.get("error", "its status file says no state memdiff writes")
         ranks.append(RankRecording(rank, state, **text))
     return JobManifest(world_size, ranks)
+
+
+@dataclass(frozen=True)
+class ProcessRecord:
+    """What one process of a job that is no rank (or a rank's status, read the same way) said of itself."""
+
+    pid: int
+    command: str
+    state: str
+    error: Optional[str] = None
+    started_without_hook: Tuple[str, ...] = ()  # processes it started that memdiff's hook cannot reach
+
+    def why_nothing(self) -> str:
+        """Why this process wrote no snapshot, in a reader's words."""
+        if self.state == NO_TORCH:
+            return "never imported torch" + (f" ({self.error})" if self.error else "")
+        if self.state == BEFORE_TORCH:
+            return "ended before it imported torch, without running its exit handlers"
+        if self.state == FAILED:
+            return f"could not record: {self.error}"
+        if self.state == UNFINISHED:
+            return "ended without writing its snapshot (SIGKILL, os._exit(), or a crash in native code)"
+        if self.state == NOTHING and self.error:
+            return self.error
+        return "imported torch and allocated nothing"
+
+
+def collect_processes(folder: str) -> List[ProcessRecord]:
+    """Gather (and remove) the status files of the job's processes that are no rank, in pid order."""
+    found = []
+    for name in os.listdir(folder):
+        match = PROCESS_STATUS.match(name)
+        if not match:
+            continue
+        path = os.path.join(folder, name)
+        document = _read_status(path) or {"state": FAILED, "error": "its status file was unreadable"}
+        os.unlink(path)
+        started = document.get("started_without_hook")
+        found.append(ProcessRecord(
+            int(match.group(1)), str(document.get("command", ""))[:300], str(document.get("state", "")),
+            str(document["error"])[:500] if isinstance(document.get("error"), str) else None,
+            tuple(str(c)[:300] for c in started[:5]) if isinstance(started, list) else ()))
+    return sorted(found, key=lambda p: p.pid)
 
 
 def write_manifest(folder: str, manifest: JobManifest) -> None:

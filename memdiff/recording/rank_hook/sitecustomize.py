@@ -3,8 +3,12 @@
 Python imports `sitecustomize` at start-up in every process, so each rank a launcher starts
 (torchrun, accelerate, deepspeed) runs this without any change to the user's code, the way
 coverage.py measures subprocesses. It does nothing unless MEMDIFF_RECORD_DIR is set, and never
-imports torch itself: when the process's own `import torch` finishes, recording starts (CUDA:
-at CUDA's lazy initialization, after the script has picked its device; else the profiler).
+imports torch itself: when torch's module has run, recording starts, once (CUDA: at CUDA's lazy
+initialization, after the script has picked its device; else the profiler). The hook is a finder
+on sys.meta_path that stays there until then: `importlib.util.find_spec("torch")` (transformers'
+`is_torch_available`), `importlib.import_module`, lazy loaders and imports from a thread all ask it,
+and only the module's execution starts the recording. torch imported before this file ran (by a
+`.pth` file) starts it here.
 
 Where the snapshot is written, and when:
 - The process a launcher started as rank R (it has RANK in its environment first) writes
@@ -14,17 +18,22 @@ Where the snapshot is written, and when:
   default group (before torch.distributed tears its threads down, which must never happen
   while the profiler still runs), SIGTERM (a launcher ending the other ranks after one failed:
   that is the run people debug), a CUDA out-of-memory error, and the process's exit.
-- A rank reports what became of its recording in a hidden DIR/.rank{R}.status file (its
-  WORLD_SIZE, then written, failed and why, or nothing recorded), from which `memdiff record`
-  tells which ranks are missing and why. A process that allocated nothing writes no snapshot.
+- Every process reports what became of its recording in a hidden status file, DIR/.rank{R}.status
+  for a rank and DIR/.pid{PID}.status for any other process: it started (before torch), it never
+  imported torch, it started Python processes without this hook (an environment without its
+  PYTHONPATH), then written, failed and why, or nothing recorded. From them `memdiff record` tells
+  which ranks are missing and why a run wrote nothing. A process that allocated nothing writes no
+  snapshot.
 
 Any other sitecustomize on the path still runs, and a failure here prints one line and lets the
 program go on.
 """
 
+import _thread
 import atexit
 import importlib.machinery
 import importlib.util
+import itertools
 import os
 import signal
 import sys
@@ -53,13 +62,49 @@ def _world_size():
     return int(size) if size.isdigit() else None
 
 
+class _Status:
+    """This process's status file: what `memdiff record` is told of it, rewritten whole at each change
+    (atomically: a process killed mid-write leaves the previous one)."""
+
+    def __init__(self, folder):
+        self.rank = _rank()
+        name = f".rank{self.rank}.status" if self.rank is not None else f".pid{os.getpid()}.status"
+        self.path = os.path.join(folder, name)
+        self.facts = {"rank": self.rank, "world_size": _world_size(), "pid": os.getpid(),
+                      "command": " ".join(sys.orig_argv if hasattr(sys, "orig_argv") else sys.argv)[:300]}
+        self.started_without_hook = []  # commands this process started in an environment without the hook
+        self.state, self.last = None, {}
+        self.writes = itertools.count()
+
+    def write(self, state, **facts):
+        """Say `state` (and `facts`) for this process; a forked copy says nothing."""
+        if os.getpid() != self.facts["pid"]:
+            return
+        import json
+
+        self.state, self.last = state, facts
+        document = {**self.facts, "state": state, **facts}
+        if self.started_without_hook:
+            document["started_without_hook"] = self.started_without_hook[:5]
+        if _refused:
+            document["refused"] = _refused[0]
+        # A name of its own per write: another thread, or a signal handler on this one, may be writing too.
+        temporary = f"{self.path}.{os.getpid()}.{next(self.writes)}.tmp"
+        try:
+            with open(temporary, "w") as f:
+                f.write(json.dumps(document))
+            os.replace(temporary, self.path)
+        except OSError as exc:  # the folder went away, or is full: the program goes on
+            _say(f"could not write {self.path}: {exc}")
+
+
 class _Recording:
     """One process's recording: started once, stopped and written once, at the first stop point."""
 
-    def __init__(self, torch, folder, capture):
-        self.torch, self.folder, self.capture = torch, folder, capture
+    def __init__(self, torch, folder, capture, status):
+        self.torch, self.folder, self.capture, self._status = torch, folder, capture, status
         self.pid = os.getpid()
-        self.rank = _rank()
+        self.rank = status.rank
         name = f"rank{self.rank}.pickle" if self.rank is not None else f"pid{self.pid}.pickle"
         self.target = os.path.join(folder, name)
         self.finish = None
@@ -70,13 +115,8 @@ class _Recording:
         self.terminated = False
 
     def status(self, state, **facts):
-        """Tell `memdiff record` what became of this rank's recording (ranks only)."""
-        if self.rank is None:
-            return
-        document = {"rank": self.rank, "world_size": _world_size(), "pid": self.pid, "state": state, **facts}
-        if _refused:
-            document["refused"] = _refused[0]
-        self.capture.write_status(os.path.join(self.folder, f".rank{self.rank}.status"), document)
+        """Tell `memdiff record` what became of this process's recording."""
+        self._status.write(state, **facts)
 
     def write(self, why):
         """Stop recording and write the snapshot; later calls do nothing."""
@@ -87,12 +127,25 @@ class _Recording:
         if finish is None:  # on a GPU machine, a process that never initialized CUDA; a window not reached
             if self.unreached is not None:
                 self.status("nothing recorded", at=why, error=self.unreached)
-                if self.rank is None:  # no manifest says it for a lone process: say it here
-                    _say(f"{self.unreached}; nothing recorded")
             else:
                 self.status("nothing recorded", at=why)
             return
         self.writing = True
+        interrupted = False
+        try:
+            # A Ctrl-C now (the terminal's and the launcher's, one after the other) must not cut the
+            # write short: held, then passed on where the program goes on (at exit it ends anyway).
+            with self.capture.sigint_held() as held:
+                self._write(finish, why)
+            interrupted = bool(held)
+        finally:
+            self.writing = False
+            if self.terminated:  # SIGTERM came during the write: die of it now, as the process would have
+                _die_of_sigterm()
+        if interrupted and why != "exit":
+            signal.raise_signal(signal.SIGINT)
+
+    def _write(self, finish, why):
         try:
             snapshot = finish()
             if self.capture.recorded_nothing(snapshot):
@@ -107,13 +160,11 @@ class _Recording:
                 self.status("failed", at=why, error=reason)
             except Exception:
                 pass
-        finally:
-            self.writing = False
-            if self.terminated:  # SIGTERM came during the write: die of it now, as the process would have
-                _die_of_sigterm()
 
     def start(self):
         torch, capture = self.torch, self.capture
+        # Before recording starts: a SIGTERM from then on writes what was recorded.
+        self._write_on_sigterm()
         self.status("recording")
         steps = os.environ.get("MEMDIFF_RECORD_STEPS")
         if steps:
@@ -125,7 +176,6 @@ class _Recording:
         else:
             self.finish = capture.start_cpu(torch)
         self._stop_before_teardown()
-        self._write_on_sigterm()
         atexit.register(self.write, "exit")
 
     def _count_steps(self, window):
@@ -215,21 +265,30 @@ def _die_of_sigterm():
     os.kill(os.getpid(), signal.SIGTERM)
 
 
-def _start(torch, folder):
+def _memdiff():
+    """memdiff's modules this hook uses, from the memdiff that started the job."""
     sys.path.insert(0, os.environ["MEMDIFF_PACKAGE_PARENT"])
     try:
         from memdiff.errors import InputError
         from memdiff.recording import capture
     finally:
         sys.path.pop(0)
+    return InputError, capture
+
+
+def _start(torch, folder):
+    InputError, capture = _memdiff()
     emulate = os.environ.get(EMULATE)
     if emulate:
         try:
             _emulate(emulate, InputError)
         except InputError as exc:  # the CUDA script cannot run without it: one line, exit 2
             _say(f"process {os.getpid()}: cannot emulate {emulate}: {exc}")
+            _status.write("failed", at="import torch", error=f"cannot emulate {emulate}: {exc}"[:500])
             os._exit(2)
-    _Recording(torch, folder, capture).start()
+    recording = _Recording(torch, folder, capture, _status)
+    recording.start()
+    return recording
 
 
 def _emulate(key, input_error):
@@ -272,30 +331,152 @@ def _exit_with_status():
         os._exit(_exit_status[0])
 
 
-class _AfterTorch:
-    """A meta path finder that lets `import torch` run, then starts recording."""
+class _AfterImport:
+    """A meta path finder that lets the import of each module it watches run, then calls that module's
+    callback with it. It only ever wraps the loader the other finders give: a spec asked for without
+    an import (`importlib.util.find_spec`) runs nothing, and the finder stays until the module has run."""
 
-    def __init__(self, folder):
-        self.folder = folder
+    def __init__(self, callbacks):
+        self.callbacks = callbacks  # module name -> called once its module has run, and then dropped
 
     def find_spec(self, name, path=None, target=None):
-        if name != "torch":
+        if name not in self.callbacks or self not in sys.meta_path:
             return None
-        sys.meta_path.remove(self)
-        spec = importlib.machinery.PathFinder.find_spec(name, path)
-        if spec is None or spec.loader is None:
-            return spec
-        run_module = spec.loader.exec_module
-        folder = self.folder
+        # As the import system would have gone on: the finders after this one.
+        spec = None
+        for finder in sys.meta_path[sys.meta_path.index(self) + 1:]:
+            find = getattr(finder, "find_spec", None)
+            spec = find(name, path, target) if find is not None else None
+            if spec is not None:
+                break
+        loader = getattr(spec, "loader", None)
+        if loader is None or isinstance(loader, type) or not hasattr(loader, "exec_module"):
+            return spec  # a namespace package, or a loader shared by every module it loads: left alone
+        run_module, finder = loader.exec_module, self
 
         def exec_module(module):
-            run_module(module)
             try:
-                _start(module, folder)
-            except Exception as exc:
-                _say(f"not recording process {os.getpid()}: {type(exc).__name__}: {exc}")
-        spec.loader.exec_module = exec_module
+                run_module(module)  # an import that fails leaves the hook in place for the next try
+            except BaseException as exc:
+                finder.failed(name, exc)
+                raise
+            if getattr(module, "__name__", None) == name:
+                finder.ran(name, module)
+        loader.exec_module = exec_module
         return spec
+
+    def failed(self, name, exc):
+        """`name`'s module raised `exc` as it ran (a Ctrl-C in the middle of `import torch`): said, should
+        the process end without importing it."""
+        if name == "torch":
+            error = f"its import of torch raised {type(exc).__name__}"
+            _status.write(_status.state, **{**_status.last, "error": error})
+
+    def ran(self, name, module):
+        """`name`'s module has run: its callback, the first time only (a re-import or a reload runs it again)."""
+        with _lock:
+            callback = self.callbacks.pop(name, None)
+            if not self.callbacks and self in sys.meta_path:
+                sys.meta_path.remove(self)
+        if callback is not None:
+            callback(module)
+
+
+# One import finishing at a time: two threads importing torch must not both start recording.
+_lock = _thread.allocate_lock()
+
+
+def _torch_ran(module):
+    """torch's module has run in this process: record it from here on, on the main thread. torch's
+    modes (the emulator's) are per thread, and the main thread is the one that runs the script: an
+    `import torch` on another thread starts the recording there, at its next line."""
+    if _thread.get_ident() == _MAIN_THREAD:
+        _start_recording(module)
+        return
+    try:
+        import ctypes
+
+        def call(_):
+            _start_recording(module)
+            return 0
+        pending = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)(call)
+        _kept.append(pending)  # the C callback must outlive this call
+        add = ctypes.pythonapi.Py_AddPendingCall
+        add.argtypes, add.restype = [type(pending), ctypes.c_void_p], ctypes.c_int
+        if add(pending, None) == 0:
+            return
+    except Exception:  # no ctypes here: on this thread, then (its modes this thread's only)
+        pass
+    _start_recording(module)
+
+
+_MAIN_THREAD = _thread.get_ident()  # Python runs sitecustomize on the main thread
+_kept: list = []
+
+
+def _start_recording(module):
+    held, recording = [], None
+    try:
+        # A Ctrl-C while recording starts is held until it has: raised in the middle, it would leave a
+        # profiler running and nothing to stop it.
+        with _memdiff()[1].sigint_held() as held:
+            recording = _start(module, os.environ["MEMDIFF_RECORD_DIR"])
+    except Exception as exc:
+        _say(f"not recording process {os.getpid()}: {type(exc).__name__}: {exc}")
+        _status.write("failed", at="import torch", error=f"{type(exc).__name__}: {exc}"[:500])
+    if held:
+        # Raised now, it fails the script's `import torch` and takes torch out of sys.modules, which a
+        # write at exit would import again (and fail at): this process ends here, written first.
+        if recording is not None:
+            recording.write("Ctrl-C")
+        signal.raise_signal(signal.SIGINT)
+
+
+def _subprocess_ran(module):
+    """Note each process this one starts whose environment drops this hook: it will not be recorded, and
+    `memdiff record` says which and why instead of guessing."""
+    popen = module.Popen
+    real = popen.__init__
+
+    def __init__(self, args, *rest, **kwargs):
+        try:
+            _check_child(args, real, rest, kwargs)
+        except Exception:  # never in the way of the program's own subprocess
+            pass
+        real(self, args, *rest, **kwargs)
+    __init__.__wrapped__ = real
+    popen.__init__ = __init__
+
+
+def _check_child(args, real, rest, kwargs):
+    code = real.__code__
+    position = code.co_varnames[:code.co_argcount].index("env") - 2  # after self and args
+    env = kwargs.get("env", rest[position] if len(rest) > position else None)
+    env = os.environ if env is None else env
+    command = [args] if isinstance(args, (str, bytes, os.PathLike)) else list(args)
+    words = [os.fsdecode(a) if isinstance(a, (bytes, os.PathLike)) else str(a) for a in command]
+    why = None
+    if not env.get("MEMDIFF_RECORD_DIR"):
+        why = "its environment has no MEMDIFF_RECORD_DIR"
+    elif HERE not in [os.path.abspath(p) for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]:
+        why = "its PYTHONPATH does not have memdiff's hook"
+    elif words and os.path.basename(words[0]).startswith("python"):
+        for word in words[1:]:
+            if not word.startswith("-") or word.startswith("--") or word in ("-m", "-c"):
+                break
+            ignored = sorted(set(word[1:]) & set("IES"))
+            if ignored:
+                why = f"python -{ignored[0]} ignores PYTHONPATH or sitecustomize"
+                break
+    if why is not None:
+        with _lock:
+            _status.started_without_hook.append(f"`{' '.join(words)[:200]}`: {why}")
+        _status.write(_status.state, **_status.last)
+
+
+def _exit_without_torch():
+    if _status.state == "before torch":
+        _status.write("no torch", **_status.last)
 
 
 def _chain():
@@ -315,6 +496,18 @@ if os.environ.get("MEMDIFF_RECORD_DIR"):
     if os.environ.get("RANK", "").isdigit() and OWNER not in os.environ:
         # The first process with a RANK is that rank; whatever it starts inherits this and is not.
         os.environ[OWNER] = str(os.getpid())
+    _status = _Status(os.environ["MEMDIFF_RECORD_DIR"])
+    _status.write("before torch")
+    atexit.register(_exit_without_torch)
+    watched = {}
+    if "subprocess" in sys.modules:
+        _subprocess_ran(sys.modules["subprocess"])
+    else:
+        watched["subprocess"] = _subprocess_ran
     if "torch" not in sys.modules:
-        sys.meta_path.insert(0, _AfterTorch(os.environ["MEMDIFF_RECORD_DIR"]))
+        watched["torch"] = _torch_ran
+    if watched:
+        sys.meta_path.insert(0, _AfterImport(watched))
+    if "torch" in sys.modules:  # imported before this file ran (a .pth file): recorded from here
+        _torch_ran(sys.modules["torch"])
 _chain()
