@@ -324,3 +324,24 @@ def test_a_saver_that_writes_a_temporary_then_renames_copies_and_prunes_leaves_t
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.splitlines()[-1] == "['old.pt']"
     assert (tmp_path / "old.pt").read_bytes() == b"the user's own checkpoint"
+
+
+@pytest.mark.slow
+def test_a_save_into_a_file_the_script_opened_over_a_real_checkpoint_leaves_its_bytes(tmp_path):
+    # word_language_model's `with open(path, "wb") as f: torch.save(model, f)`: open() itself emptied
+    # the user's checkpoint before the skipped save; the script's closing torch.load then failed.
+    torch.save(_model().state_dict(), tmp_path / "model.pt")
+    before = _digest(tmp_path / "model.pt")
+    done = _emulate(tmp_path, """
+        import torch
+        model = torch.nn.Linear(64, 64).cuda()
+        with open("model.pt", "wb") as f:
+            torch.save(model.state_dict(), f)
+        with open("model.pt", "rb") as f:
+            print(sorted(torch.load(f)))
+        with open("notes.bin", "wb") as f:  # a file of the script's own bytes is written as open() gives it
+            f.write(b"abc")
+    """)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert _digest(tmp_path / "model.pt") == before
+    assert (tmp_path / "notes.bin").read_bytes() == b"abc"

@@ -9,6 +9,7 @@ import os
 import pickle
 import subprocess
 import sys
+import textwrap
 
 import pytest
 
@@ -217,3 +218,21 @@ def test_validation_under_inference_mode_reads_values_as_under_no_grad(tmp_path)
     assert "at::_ops::addmm::call" in ops and "at::_ops::linear::call" not in ops
     workspace = 32 << 20  # cuBLAS's workspace per handle on sm90 (PyTorch's CUBLAS_WORKSPACE_CONFIG default)
     assert any(e["size"] == workspace for e in first)
+
+
+@pytest.mark.slow
+def test_a_tensor_made_from_device_scalars_reads_their_values(tmp_path):
+    # The imagenet example's AverageMeter: torch.tensor([sum, count], device="cuda") where sum is a
+    # device scalar; torch reads each scalar's value (the read-back rule's: known small values here).
+    script = tmp_path / "meter.py"
+    script.write_text(textwrap.dedent("""
+        import torch
+        acc = torch.ones(8, device="cuda").mean() * 100
+        total = torch.tensor([acc * 8, 8], dtype=torch.float32, device="cuda")
+        print(total.device, total.tolist())
+    """))
+    done = subprocess.run([sys.executable, "-m", "memdiff", "record", "--emulate", "h100", "-o",
+                           str(tmp_path / "run.pickle"), "--", "python", str(script)],
+                          capture_output=True, text=True, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.splitlines()[-1] == "cuda:0 [800.0, 8.0]"

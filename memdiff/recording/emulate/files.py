@@ -572,6 +572,68 @@ class _PatchingLoader(importlib.abc.Loader):
         return getattr(self.loader, name)
 
 
+class _EmptiedAtFirstWrite:
+    """A binary file the script opened for writing over an existing file, opened without emptying it:
+    emptied at its first write instead. A skipped save into it writes nothing, so the user's file
+    keeps its bytes (`with open(path, "wb") as f: torch.save(model, f)` had emptied it before the
+    save was skipped); a script that writes its own bytes gets the file `open` would have given."""
+
+    def __init__(self, opened: Any) -> None:
+        self._file, self._emptied = opened, False
+
+    def _empty(self) -> None:
+        if not self._emptied:
+            self._emptied = True
+            self._file.truncate(0)
+
+    def write(self, data: Any) -> int:
+        """Empty the file (once), then write as the file does."""
+        self._empty()
+        return int(self._file.write(data))
+
+    def writelines(self, lines: Any) -> None:
+        """Empty the file (once), then write the lines."""
+        self._empty()
+        self._file.writelines(lines)
+
+    def truncate(self, size: Any = None) -> int:
+        """The script's own truncate: the file is as it asks from here on."""
+        self._emptied = True
+        return int(self._file.truncate(size))
+
+    def __enter__(self) -> "_EmptiedAtFirstWrite":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._file.close()
+
+    def __iter__(self) -> Iterator[bytes]:
+        return iter(self._file)
+
+    def __getattr__(self, name: str) -> Any:  # name, mode, seek, tell, flush, close, fileno: the file's own
+        return getattr(self._file, name)
+
+
+@contextlib.contextmanager
+def _lazy_truncation() -> Iterator[None]:
+    """open(path, "wb") / "w+b" of an existing regular file does not empty it until something is written."""
+    import builtins
+
+    real = builtins.open
+
+    def opening(file: Any, mode: str = "r", *args: Any, **kwargs: Any) -> Any:
+        if isinstance(mode, str) and "b" in mode and "w" in mode and isinstance(file, (str, os.PathLike)) \
+                and os.path.isfile(file):
+            return _EmptiedAtFirstWrite(real(file, mode.replace("w", "r+").replace("++", "+"), *args, **kwargs))
+        return real(file, mode, *args, **kwargs)
+    opening.__doc__ = real.__doc__
+    builtins.open = io.open = opening
+    try:
+        yield
+    finally:
+        builtins.open = io.open = real
+
+
 @contextlib.contextmanager
 def _moves(files: Files) -> Iterator[None]:
     """os.replace, os.rename, shutil.move, shutil.copyfile, os.link, os.remove of a file a skipped save
@@ -640,7 +702,7 @@ def guarded(emulator: Emulator) -> Iterator[Files]:
     rng = _mark_rng_states()
     previous, _active = _active, files
     try:
-        with _moves(files):
+        with _moves(files), _lazy_truncation():
             yield files
     finally:
         _active = previous

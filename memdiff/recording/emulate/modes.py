@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass_type
-from torch.utils._pytree import tree_leaves
+from torch.utils._pytree import tree_leaves, tree_map
 
 from memdiff.recording.emulate import distributed, files, legacy, printing, rnn
 from memdiff.recording.emulate.devices import cuda_index, first_meta
@@ -216,6 +216,12 @@ class DeviceMode(TorchFunctionMode):
         would be no allocation and its values (a count, a constant, a list of ids) would be lost."""
         grad = bool(kwargs.pop("requires_grad", False))
         del kwargs["device"]
+        if any(isinstance(x, torch.Tensor) for x in tree_leaves(args[0])):
+            # Device scalars in the data (an accuracy meter's `[sum, count]`): torch reads each one's
+            # value, which is the read-back rule's here.
+            with self:
+                data = tree_map(lambda x: x.item() if isinstance(x, torch.Tensor) else x, args[0])
+            args = (data, *args[1:])
         host = func(*args, **kwargs)
         self.emulator.context.append("to_device")
         stack = self.emulator.placement.stack()
@@ -366,7 +372,11 @@ class AllocMode(TorchDispatchMode):
                 files.follow(args, kwargs, out)
         except (NotImplementedError, RuntimeError) as exc:
             said = str(exc).lower()
-            if isinstance(exc, RuntimeError) and "meta" not in said and "fake impl" not in said:
+            # Only a missing kernel is the emulator's refusal; any other error is the op's own (a
+            # device mismatch, a bad shape) and must be seen as it is, not named a missing kernel.
+            missing = ("could not run" in said and "meta" in said) or "fake impl" in said or \
+                "fake kernel" in said or "no meta" in said or isinstance(exc, NotImplementedError)
+            if not missing:
                 raise
             raise op_refusal(namespace, base, _script_line()) from None
         emulator = self.emulator
