@@ -50,6 +50,11 @@ def cuda_index(device: Any, current: Callable[[], int]) -> Optional[int]:
     return None
 
 
+def names_cuda(device: Any) -> bool:
+    """Whether a device argument (`cuda`, `cuda:1`, a torch.device, a bare index) names an emulated GPU."""
+    return cuda_index(device, lambda: 0) is not None
+
+
 class EmulatedGpu:
     """One GPU of the process: its caching allocator, its trace, and what it made once (cuBLAS handles)."""
 

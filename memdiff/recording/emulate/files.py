@@ -38,6 +38,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Set, Tuple
 
 import torch
 
+from memdiff.recording.emulate.devices import names_cuda
 from memdiff.recording.emulate.runtime import Emulator, python_frames
 from memdiff.units import format_bytes
 
@@ -354,7 +355,7 @@ def _is_zip(f: Any) -> bool:
 def _storage_to(real: Callable[..., Any]) -> Callable[..., Any]:
     def _to(self: Any, device: Any, non_blocking: bool = False) -> Any:
         files = _active
-        if files is None or not _names_cuda(device) or isinstance(self, torch.TypedStorage):
+        if files is None or not names_cuda(device) or isinstance(self, torch.TypedStorage):
             return real(self, device, non_blocking)
         if self.device.type == "meta":
             return self  # on the emulated GPU already
@@ -364,7 +365,7 @@ def _storage_to(real: Callable[..., Any]) -> Callable[..., Any]:
 
 def _safe_open(real: Callable[..., Any]) -> Callable[..., Any]:
     def safe_open(filename: Any, framework: str, device: Any = "cpu", *args: Any, **kwargs: Any) -> Any:
-        if _active is None or not _names_cuda(device):
+        if _active is None or not names_cuda(device):
             return real(filename, framework, device, *args, **kwargs)
         return _OnDevice(real(filename, framework, "cpu", *args, **kwargs))
     return safe_open
@@ -421,14 +422,6 @@ def _safetensors_dtype(name: str) -> Any:
 
     return _getdtype(name)
 
-
-def _names_cuda(device: Any) -> bool:
-    """Whether a device argument (`cuda`, `cuda:1`, a torch.device, a bare index) is the emulated GPU."""
-    if isinstance(device, int) and not isinstance(device, bool):
-        return True
-    if isinstance(device, str):
-        return device.split(":")[0] == "cuda"
-    return isinstance(device, torch.device) and device.type == "cuda"
 
 
 def _saver(call: str, payload_of: Callable[..., Any], target_of: Callable[..., Any],

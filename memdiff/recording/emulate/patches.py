@@ -11,7 +11,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 import torch
 from torch.utils.weak import WeakTensorKeyDictionary
 
-from memdiff.recording.emulate.devices import cuda_index
+from memdiff.recording.emulate.devices import cuda_index, names_cuda
 from memdiff.recording.emulate.runtime import Emulator
 
 
@@ -205,14 +205,6 @@ _RealGenerator: Any = torch._C.Generator
 _GeneratorMeta: Any = type(_RealGenerator)  # torch's metaclass for its C types
 
 
-def _names_cuda(device: Any) -> bool:
-    """Whether a Generator's device argument is the (emulated) GPU: `cuda`, `cuda:0`, a torch.device, an index."""
-    if isinstance(device, int) and not isinstance(device, bool):
-        return True
-    if isinstance(device, str):
-        return device.split(":")[0] == "cuda"
-    return isinstance(device, torch.device) and device.type == "cuda"
-
 
 class _GeneratorType(_GeneratorMeta):
     """Every torch generator is a torch.Generator still (isinstance checks in torch and in scripts)."""
@@ -230,7 +222,7 @@ class Generator(_RealGenerator, metaclass=_GeneratorType):
     seeding it, reading and setting its state work as on any generator."""
 
     def __new__(cls, device: Any = "cpu") -> "Generator":
-        emulated = _names_cuda(device)
+        emulated = names_cuda(device)
         made = super().__new__(cls, "cpu" if emulated else device)
         made.emulated = emulated
         return made
@@ -548,7 +540,7 @@ def _default_device_answers() -> Dict[str, Callable[..., Any]]:
     set_default, get_default = torch.set_default_device, torch.get_default_device
 
     def set_default_device(device: Any) -> None:
-        set_default("meta" if device is not None and _names_cuda(device) else device)
+        set_default("meta" if device is not None and names_cuda(device) else device)
 
     def get_default_device() -> Any:
         device = get_default()
