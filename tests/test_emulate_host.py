@@ -85,6 +85,28 @@ def test_tied_weights_stay_tied_moved_or_not():
         assert torch.cuda.memory_allocated() - before == _block(shared) + others
 
 
+def test_an_optimizer_built_before_the_move_steps_the_moved_weights():
+    # minGPT-ddp builds its optimizer, then moves the model: the GPU's move keeps each Parameter
+    # (and what the user set on it), so the optimizer steps the weights on the device.
+    with Emulator(gpu("h100")):
+        model = nn.Sequential(nn.Linear(1024, 1024), nn.Linear(1024, 1024))
+        model[0].weight.tag = "decay"
+        params = list(model.parameters())
+        opt = torch.optim.AdamW(model.parameters())
+        model.to(0)
+        assert all(p is q and p.is_cuda for p, q in zip(params, model.parameters()))
+        assert model[0].weight.tag == "decay"
+        scaler = torch.amp.GradScaler("cuda")
+        with torch.autocast("cuda", dtype=torch.float16):
+            loss = model(torch.randn(8, 1024, device="cuda")).float().pow(2).mean()
+        scaler.scale(loss).backward()
+        scaler.step(opt)  # with no gradient on its weights: "No inf checks were recorded"
+        scaler.update()
+        states = [s for group in opt.state.values() for s in group.values() if s.dim() > 0]
+        assert all(s.is_cuda for s in states)
+        assert sum(s.numel() * s.element_size() for s in states) == 2 * sum(p.numel() * 4 for p in params)
+
+
 def test_weights_that_stay_on_the_cpu_follow_their_initialisation():
     reference = nn.init.trunc_normal_(torch.empty(2048, 512), std=0.02, a=-0.03, b=0.03).std().item()
     with Emulator(gpu("h100")):

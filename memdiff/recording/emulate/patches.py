@@ -12,6 +12,7 @@ import torch
 from torch.utils.weak import WeakTensorKeyDictionary
 
 from memdiff.recording.emulate.devices import cuda_index, names_cuda
+from memdiff.recording.emulate.escapes import refusing
 from memdiff.recording.emulate.runtime import Emulator
 
 
@@ -343,6 +344,8 @@ def _answers(emulator: Emulator, saved: Dict[Tuple[Any, str], Any]) -> Dict[str,
         "utilization": lambda device=None: 0, "memory_usage": lambda device=None: 0,
         "temperature": lambda device=None: 0, "power_draw": lambda device=None: 0,
         "clock_rate": lambda device=None: 0,
+        "CUDAGraph": refusing("torch/cuda/graphs.py"), "graph": refusing("torch/cuda/graphs.py"),
+        "make_graphed_callables": refusing("torch/cuda/graphs.py"),
         "device_memory_used": lambda device=None: _allocator(emulator, device).reserved,
         "current_device": current_device,
         # CUDA starts at the process's first use of the GPU (torch's own code, such as DeviceMesh, picks
@@ -597,6 +600,10 @@ def _keeping_ties(apply: Callable[..., Any]) -> Callable[..., Any]:
     copy: twice the memory, twice the optimizer state. The GPU keeps one. Nor does the GPU copy the
     shared weight twice (its second holder finds it moved already): `fn` runs once per tensor, so
     the second holder's copy is the first's, and no second storage is allocated and freed.
+
+    The GPU also keeps each Parameter object (`param.data = moved`): an optimizer built before
+    `model.to("cuda")` steps the moved weights. Here the new Parameter's tensor is swapped into the
+    old object, which keeps its attributes.
     """
     depth = [0]
 
@@ -623,6 +630,20 @@ def _keeping_ties(apply: Callable[..., Any]) -> Callable[..., Any]:
             if id(before) in first:
                 table[name] = first[id(before)]
             else:
-                first[id(before)] = table[name]
+                first[id(before)] = table[name] = _kept(before, table[name])
         return out
     return _apply
+
+
+def _kept(before: Any, now: Any) -> Any:
+    """The Parameter `before` holding `now`'s tensor, where torch made `now` a new Parameter for it;
+    `now` where the two cannot be swapped (a weak reference to one, another holder of its tensor)."""
+    if now is before or not isinstance(before, torch.nn.Parameter) or type(now) is not type(before):
+        return now
+    attributes = dict(before.__dict__)  # the set_data the GPU runs keeps them; a swap would not
+    try:
+        torch.utils.swap_tensors(before, now)
+    except RuntimeError:
+        return now
+    before.__dict__.update(attributes)
+    return before
