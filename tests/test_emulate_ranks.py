@@ -169,6 +169,35 @@ def test_fsdp2_shards_and_its_optimizer_state_is_the_shards(torch, tmp_path):
     assert categories["optimizer_state"] == 2 * shard
 
 
+DTENSOR_INIT = textwrap.dedent("""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cuda", (2,))
+    weight = distribute_tensor(torch.empty(4096, 1024, device="cuda"), mesh, [Shard(0)])
+    torch.nn.init.normal_(weight)
+    local = weight.to_local()
+    print(tuple(local.shape), local.device, torch.cuda.memory_allocated())
+    dist.destroy_process_group()
+""")
+
+
+def test_a_random_init_of_a_sharded_weight_runs_on_the_emulated_gpu(torch, tmp_path):
+    # The FSDP2 example's reset_parameters() after to_empty(device="cuda:N"): DTensor's first random
+    # op copies the CUDA generator's state to the mesh's GPU inside nn.init.normal_, a torch function
+    # whose body runs with the emulator's device mode off (it was refused as aten::_to_copy).
+    (tmp_path / "init.py").write_text(DTENSOR_INIT)
+    done = _memdiff(tmp_path, "record", "--emulate", "h100", "-o", "run.pickle", "--", "python", "init.py",
+                    env={"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    *_, rows, cols, device, allocated = done.stdout.split()
+    assert (rows, cols, device) == ("(2048,", "1024)", "cuda:0")
+    shard = 2048 * 1024 * 4  # this rank's half of the weight; the generator's state is a few bytes
+    assert shard <= int(allocated) < shard + 4096
+
+
 @pytest.fixture(scope="module")
 def emulated_ddp(tmp_path_factory):
     """The real DDP job of tests/data/cuda/ddp, run again on the emulated H100."""

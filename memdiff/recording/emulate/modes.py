@@ -334,6 +334,18 @@ class AllocMode(TorchDispatchMode):
             if self.emulator.native:
                 self.emulator.native[-1].collective()
             return distributed.completed(out, args)
+        placement = self.emulator.placement
+        named = cuda_index(kwargs.get("device"), placement.current)
+        if named is not None:
+            # A GPU named below the device mode: the Python body of a torch function the mode is
+            # handling runs with the mode off (DTensor's first random init copies the generator's
+            # state to its mesh's GPU, `.to(torch.device("cuda", rank))`, inside nn.init.normal_).
+            stack = placement.stack()
+            stack.append(placement.check(named))
+            try:
+                return self.dispatch(func, args, {**kwargs, "device": META})
+            finally:
+                stack.pop()
         if _runs_as_its_parts(func):
             # Under inference_mode autograd's dispatch keys are skipped, and with them the step that
             # runs an op made of others (item, linear, to) as its parts: it comes here whole. Run its
@@ -374,8 +386,12 @@ class AllocMode(TorchDispatchMode):
             said = str(exc).lower()
             # Only a missing kernel is the emulator's refusal; any other error is the op's own (a
             # device mismatch, a bad shape) and must be seen as it is, not named a missing kernel.
-            missing = ("could not run" in said and "meta" in said) or "fake impl" in said or \
-                "fake kernel" in said or "no meta" in said or isinstance(exc, NotImplementedError)
+            # "Could not run ... from the 'CUDA' backend" lists Meta among the backends it has: no
+            # meta kernel is missing there.
+            other_backend = "could not run" in said and "from the 'meta' backend" not in said
+            missing = not other_backend and (
+                "could not run" in said or "fake impl" in said or "fake kernel" in said or "no meta" in said
+                or isinstance(exc, NotImplementedError))
             if not missing:
                 raise
             raise op_refusal(namespace, base, _script_line()) from None
