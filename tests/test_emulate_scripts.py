@@ -97,7 +97,7 @@ def test_an_op_without_a_meta_kernel_is_one_line_naming_it_and_the_script_line(t
 
 @pytest.mark.slow
 def test_a_call_around_the_emulator_to_cuda_is_one_line_naming_the_feature_and_the_script_line(tmp_path):
-    # CUDA graph capture reaches CUDA itself (on the CPU build, torch's stand-in class refuses): the
+    # CUDA graph capture is not emulated (on either build torch would reach CUDA itself): the
     # refusal names the feature, the script's line and what to do, never the script's traceback.
     done = _record(tmp_path, "graph = torch.cuda.CUDAGraph()\n")
     assert done.returncode == 2, done.stderr[-2000:]

@@ -176,6 +176,13 @@ def has_cuda(torch: Any) -> bool:
     return bool(torch.cuda.device_count())
 
 
+def emulating(torch: Any) -> bool:
+    """Whether torch.cuda answers as an emulated GPU (memdiff.recording.emulate): then torch._C's CUDA
+    calls (a CUDA build's out-of-memory observer) reach a driver that is not there, and an emulated
+    out-of-memory error is a Python exception, written as any other."""
+    return str(getattr(torch.cuda.device_count, "__qualname__", "")).startswith("emulated.")
+
+
 def start_cpu(torch: Any) -> Callable[[], Any]:
     """Start the profiler's memory events; the returned function stops it and gives the snapshot."""
     from torch.cuda import _memory_viz
@@ -414,7 +421,7 @@ class WindowRecording:
             if has_cuda(torch):
                 self.finish = start_cuda(torch, self.max_entries, self.stacks)
                 observer = getattr(torch._C, "_cuda_attach_out_of_memory_observer", None)
-                if observer is not None:  # an OOM ends the job: write what led to it first
+                if observer is not None and not emulating(torch):  # an OOM ends the job: write what led to it first
                     observer(lambda *_: self.write("out of memory"))
             else:
                 self.finish = start_cpu(torch)

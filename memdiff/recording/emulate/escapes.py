@@ -13,7 +13,7 @@ Both are bad input for memdiff (exit 2, one line), never a guess at the user's c
 from __future__ import annotations
 
 import traceback
-from typing import List, Optional, Tuple
+from typing import Any, Callable, List, Optional, Tuple
 
 from memdiff.errors import InputError
 
@@ -91,6 +91,20 @@ def escaped(exc: BaseException) -> Optional[InputError]:
             return _error(feature, f"not emulated: it reached CUDA itself{where} ({_first_line(exc)}); {instead}")
     called = f"{_module_of(inner[0].filename)}.{inner[0].name}" if inner else type(exc).__name__
     return _error(called, f"not emulated: it reached CUDA itself{where} ({_first_line(exc)})")
+
+
+def refusing(marker: str) -> Callable[..., Any]:
+    """A stand-in for a torch feature the emulator does not cover (FEATURES' `marker`): called, it is
+    the one-line refusal naming the feature and the script's line, on both builds of torch (a CUDA
+    build's own class would reach the driver with a message that names no feature)."""
+    feature, instead = next((f, i) for m, f, i in FEATURES if m == marker)
+
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        script = [f for f in traceback.extract_stack()[:-1] if _is_script(f.filename)]
+        where = f", called at {script[-1].filename.replace(chr(92), '/').rsplit('/', 1)[-1]}:{script[-1].lineno}" \
+            if script else ""
+        raise _error(feature, f"not emulated{where}; {instead}")
+    return refuse
 
 
 def _first_line(exc: BaseException) -> str:
