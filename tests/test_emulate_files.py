@@ -345,3 +345,29 @@ def test_a_save_into_a_file_the_script_opened_over_a_real_checkpoint_leaves_its_
     assert done.returncode == 0, done.stderr[-3000:]
     assert _digest(tmp_path / "model.pt") == before
     assert (tmp_path / "notes.bin").read_bytes() == b"abc"
+
+
+@pytest.mark.slow
+def test_loading_what_the_run_saved_gives_back_what_it_held_on_the_emulated_gpu(tmp_path):
+    # word_language_model saves its best model through an open file and loads it back to test it: the
+    # load gives the saved module back (each tensor an allocation on the device), not the user's
+    # older file that the skipped save left in place.
+    torch.save(_model(), tmp_path / "model.pt")  # the user's older model, on the host
+    before = _digest(tmp_path / "model.pt")
+    done = _emulate(tmp_path, """
+        import torch
+        model = torch.nn.LSTM(32, 64, 2).cuda()
+        with open("model.pt", "wb") as f:
+            torch.save(model, f)
+        with open("model.pt", "rb") as f:
+            model = torch.load(f, weights_only=False)
+        print(type(model).__name__, {str(p.device) for p in model.parameters()})
+        torch.save(torch.nn.Linear(8, 8).cuda().state_dict(), "sd.pt")
+        print({k: tuple(v.shape) for k, v in torch.load("sd.pt").items()})
+    """)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    assert lines[-2] == "LSTM {'cuda:0'}"
+    assert lines[-1] == "{'weight': (8, 8), 'bias': (8,)}"
+    assert _digest(tmp_path / "model.pt") == before
+    assert not (tmp_path / "sd.pt").exists()

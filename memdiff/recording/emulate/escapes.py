@@ -13,7 +13,7 @@ Both are bad input for memdiff (exit 2, one line), never a guess at the user's c
 from __future__ import annotations
 
 import traceback
-from typing import Any, Callable, List, Optional, Tuple
+from typing import Any, List, Optional, Tuple
 
 from memdiff.errors import InputError
 
@@ -93,18 +93,21 @@ def escaped(exc: BaseException) -> Optional[InputError]:
     return _error(called, f"not emulated: it reached CUDA itself{where} ({_first_line(exc)})")
 
 
-def refusing(marker: str) -> Callable[..., Any]:
-    """A stand-in for a torch feature the emulator does not cover (FEATURES' `marker`): called, it is
-    the one-line refusal naming the feature and the script's line, on both builds of torch (a CUDA
-    build's own class would reach the driver with a message that names no feature)."""
+def refusing(marker: str) -> type:
+    """A stand-in class for a torch feature the emulator does not cover (FEATURES' `marker`): made or
+    called, it is the one-line refusal naming the feature and the script's line, on both builds of
+    torch (a CUDA build's own class would reach the driver with a message that names no feature). A
+    class, as what it stands for is one in annotations (`torch.cuda.CUDAGraph | None`)."""
     feature, instead = next((f, i) for m, f, i in FEATURES if m == marker)
 
-    def refuse(*args: Any, **kwargs: Any) -> Any:
-        script = [f for f in traceback.extract_stack()[:-1] if _is_script(f.filename)]
-        where = f", called at {script[-1].filename.replace(chr(92), '/').rsplit('/', 1)[-1]}:{script[-1].lineno}" \
-            if script else ""
-        raise _error(feature, f"not emulated{where}; {instead}")
-    return refuse
+    class Refused:
+        def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+            script = [f for f in traceback.extract_stack()[:-1] if _is_script(f.filename)]
+            where = f", called at {script[-1].filename.replace(chr(92), '/').rsplit('/', 1)[-1]}:" \
+                f"{script[-1].lineno}" if script else ""
+            raise _error(feature, f"not emulated{where}; {instead}")
+    Refused.__qualname__ = Refused.__name__ = f"emulated.{feature.split(' ')[0]}"
+    return Refused
 
 
 def _first_line(exc: BaseException) -> str:

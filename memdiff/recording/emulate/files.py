@@ -73,6 +73,7 @@ class _Payload:
     """What a save would write: whether it holds data the device never had, and the tensors' bytes."""
 
     def __init__(self) -> None:
+        self.skeleton: Optional[bytes] = None  # the object pickled with its tensors as shapes only
         self.emulated = False  # an emulated (meta) tensor
         self.read_back = False  # host data read back from the device
         self.nbytes = 0
@@ -97,6 +98,9 @@ class Files:
         # Paths a skipped save would have written (absolute): moving, copying or removing one is the
         # real run's own file moving, not the user's (_moves).
         self.unwritten: Set[str] = set()
+        # What each skipped torch.save held, by the path it named, as a skeleton with shapes and no
+        # data: a load of that path in the same run gives it back, as a GPU run loads what it saved.
+        self.saved: Dict[str, bytes] = {}
 
     # -- host memory read back from the device --------------------------------------------------
 
@@ -151,6 +155,9 @@ class Files:
             def reducer_override(self, value: Any) -> Any:
                 if isinstance(value, torch.Tensor):
                     files._tensor(value, payload, whole_storages)
+                    if type(value) in (torch.Tensor, torch.nn.Parameter):  # the skeleton's: its shape
+                        return (_empty_like_saved, (tuple(value.shape), value.dtype, value.requires_grad,
+                                                    isinstance(value, torch.nn.Parameter), value.is_meta))
                 elif isinstance(value, (torch.UntypedStorage, torch.TypedStorage)):
                     files._storage(value, payload)
                 elif type(value).__module__ == "numpy" and type(value).__name__ in ("ndarray", "memmap"):
@@ -159,9 +166,11 @@ class Files:
                     return NotImplemented
                 return (int, ())  # counted: nothing of it is pickled
 
+        skeleton = io.BytesIO()
         with torch._C.DisableTorchFunction():
             try:
-                Scanner(_Discard(), protocol=2).dump(obj)
+                Scanner(skeleton, protocol=2).dump(obj)
+                payload.skeleton = skeleton.getvalue()
             except Exception:  # something plain pickling cannot take (the save's own pickler may)
                 self._walk(obj, payload, whole_storages, set())
         return payload
@@ -290,6 +299,21 @@ def _target(f: Any, suffix: str = "") -> Tuple[str, Optional[bool]]:
 
 # -- the wrappers ---------------------------------------------------------------------------------
 
+def _path_of(f: Any) -> Optional[str]:
+    """The absolute path a save or load names, itself or through an open file's name; None for a buffer."""
+    name = f if isinstance(f, (str, os.PathLike)) else getattr(f, "name", None)
+    if isinstance(name, (str, os.PathLike)):
+        return os.path.abspath(os.fsdecode(name))
+    return None
+
+
+def _empty_like_saved(shape: Tuple[int, ...], dtype: Any, requires_grad: bool, parameter: bool,
+                      on_device: bool) -> torch.Tensor:
+    """A tensor of a skipped save, loaded back: on the emulated GPU where it was there, else the host."""
+    t = torch.empty(shape, dtype=dtype, device="cuda") if on_device else torch.zeros(shape, dtype=dtype)
+    return torch.nn.Parameter(t, requires_grad=requires_grad) if parameter else t.requires_grad_(requires_grad)
+
+
 def _torch_save(real: Callable[..., Any]) -> Callable[..., Any]:
     def save(obj: Any, f: Any, *args: Any, **kwargs: Any) -> None:
         files = _active
@@ -299,6 +323,9 @@ def _torch_save(real: Callable[..., Any]) -> Callable[..., Any]:
         if not payload.dataless:
             return real(obj, f, *args, **kwargs)
         files.skipped("torch.save", _target(f), payload)
+        path = _path_of(f)
+        if path is not None and payload.skeleton is not None:
+            files.saved[path] = payload.skeleton
         if not isinstance(f, (str, os.PathLike)):
             with contextlib.suppress(TypeError):  # not every file object takes a weak reference
                 files.left_empty.add(f)
@@ -310,6 +337,11 @@ def _torch_load(real: Callable[..., Any]) -> Callable[..., Any]:
     def load(f: Any, map_location: Any = None, pickle_module: Any = None, *, weights_only: Any = None,
              mmap: Any = None, **kwargs: Any) -> Any:
         call = dict(pickle_module=pickle_module, weights_only=weights_only, **kwargs)
+        path = _path_of(f)
+        if _active is not None and path is not None and path in _active.saved:
+            # What this run saved there and memdiff did not write: its tensors made anew on the
+            # emulated GPU (a load to the device allocates them), with their shapes and no data.
+            return pickle.loads(_active.saved[path])  # noqa: S301 (our own bytes, made from the script's save)
         if _active is not None and not isinstance(f, (str, os.PathLike)) and f in _active.left_empty:
             # torch.load's own error for it is a bare EOFError
             raise EOFError("memdiff: emulation: torch.load of a file object that torch.save did not fill: what "
