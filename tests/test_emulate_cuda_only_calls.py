@@ -9,13 +9,28 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any, Dict, Tuple
 
 import pytest
 
 pytest.importorskip("torch")
 
+
+def _emulate(tmp_path: Path, name: str, source: str) -> Tuple[subprocess.CompletedProcess, Dict[str, Any]]:
+    """`memdiff record --emulate h100` of a script written from `source`: the run and its snapshot."""
+    script = tmp_path / name
+    script.write_text(source)
+    out = tmp_path / "run.pickle"
+    done = subprocess.run([sys.executable, "-m", "memdiff", "record", "--emulate", "h100", "-o", str(out), "--",
+                           "python", str(script)], capture_output=True, text=True, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    with open(out, "rb") as f:
+        return done, pickle.load(f)
+
+
 DEFAULT_DEVICE = """
 import torch
+
 torch.set_default_device("cuda")
 model = torch.nn.Linear(256, 512)
 x = torch.randn(64, 256)
@@ -28,16 +43,10 @@ print(sum(b["size"] for s in segments for b in s["blocks"] if b["state"] == "act
 
 @pytest.mark.slow
 def test_a_cuda_default_device_allocates_on_the_emulated_gpu_and_memory_snapshot_reads_it(tmp_path: Path):
-    script = tmp_path / "train.py"
-    script.write_text(DEFAULT_DEVICE)
-    out = tmp_path / "run.pickle"
-    done = subprocess.run([sys.executable, "-m", "memdiff", "record", "--emulate", "h100", "-o", str(out), "--",
-                           "python", str(script)], capture_output=True, text=True, cwd=tmp_path)
-    assert done.returncode == 0, done.stderr
+    done, snapshot = _emulate(tmp_path, "train.py", DEFAULT_DEVICE)
     lines = done.stdout.splitlines()
     assert lines[0] == "cuda:0 cuda:0 cuda:0"
-    with open(out, "rb") as f:
-        trace = pickle.load(f)["device_traces"][0]
+    trace = snapshot["device_traces"][0]
     sizes = {e["size"] for e in trace if e["action"] == "alloc"}
     # the weight, bias and input the default device made are device allocations, as on a GPU
     assert {256 * 512 * 4, 512 * 4, 64 * 256 * 4} <= sizes
@@ -61,15 +70,9 @@ print(real.type(), real.device, isinstance(real, torch.cuda.FloatTensor), isinst
 
 @pytest.mark.slow
 def test_legacy_cuda_tensor_types_make_and_move_tensors_on_the_emulated_gpu(tmp_path: Path):
-    script = tmp_path / "gan.py"
-    script.write_text(LEGACY_TYPES)
-    out = tmp_path / "run.pickle"
-    done = subprocess.run([sys.executable, "-m", "memdiff", "record", "--emulate", "h100", "-o", str(out), "--",
-                           "python", str(script)], capture_output=True, text=True, cwd=tmp_path)
-    assert done.returncode == 0, done.stderr
+    done, snapshot = _emulate(tmp_path, "gan.py", LEGACY_TYPES)
     assert done.stdout.splitlines()[-1] == "torch.cuda.FloatTensor cuda:0 True False True False torch.Size([2])"
-    with open(out, "rb") as f:
-        trace = pickle.load(f)["device_traces"][0]
+    trace = snapshot["device_traces"][0]
     made = {(e["size"], e["frames"][0]["name"]) for e in trace if e["action"] == "alloc"}
     # `valid` (8 x 1 floats), `real` (8 x 32 floats moved by .type) and `labels` (8 longs) are device memory
     assert (8 * 4, "at::_ops::empty_memory_format::call") in made
@@ -80,8 +83,7 @@ def test_legacy_cuda_tensor_types_make_and_move_tensors_on_the_emulated_gpu(tmp_
 def test_nvml_readings_module_to_a_bare_index_and_cuda_random_answer_as_the_emulated_gpu(tmp_path):
     # Log lines read NVML (an idle GPU here), DiT and the DDP tutorial move models with .to(rank), and
     # the Trainer saves its rng state through torch.cuda.random: each ran into the driver before.
-    script = tmp_path / "train.py"
-    script.write_text(textwrap.dedent("""
+    done, _ = _emulate(tmp_path, "train.py", textwrap.dedent("""
         import torch
         model = torch.nn.Linear(256, 256).to(0)
         other = torch.nn.Linear(256, 256).to(device=0)
@@ -93,10 +95,6 @@ def test_nvml_readings_module_to_a_bare_index_and_cuda_random_answer_as_the_emul
         y = x @ x  # a product on the host makes no cuBLAS workspace on the GPU
         print("allocated", torch.cuda.memory_allocated())
     """))
-    done = subprocess.run([sys.executable, "-m", "memdiff", "record", "--emulate", "h100", "-o",
-                           str(tmp_path / "run.pickle"), "--", "python", str(script)],
-                          capture_output=True, text=True, cwd=tmp_path)
-    assert done.returncode == 0, done.stderr[-3000:]
     lines = done.stdout.splitlines()
     assert lines[0] == "cuda:0 cuda:0"
     assert lines[1] == "util 0 0 0"
