@@ -13,8 +13,8 @@ from scenario_suite import WHATIF_PAIRS, whatif_rows
 
 import memdiff
 from memdiff.cli import main
-from memdiff.counterfactual import parse_change
 from memdiff.errors import InputError
+from memdiff.predict.whatif.engine import parse_change
 from memdiff.schema import validate
 
 

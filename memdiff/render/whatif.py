@@ -8,9 +8,9 @@ from typing import List
 
 from tabulate import tabulate
 
-from memdiff.counterfactual import DeviceWhatIf, WhatIf
 from memdiff.findings import shown
 from memdiff.inert import md_cell, md_code, md_text
+from memdiff.predict.whatif.engine import DeviceWhatIf, WhatIf
 from memdiff.render.json import dumps
 from memdiff.units import format_bytes
 

@@ -1,0 +1,1 @@
+"""The what-if engine: `memdiff whatif`, one recorded run replayed with each change."""
