@@ -38,7 +38,7 @@ from memdiff.units import parse_size
 
 if TYPE_CHECKING:
     from memdiff.forecasting import Forecast
-    from memdiff.predict.whatif.engine import WhatIf
+    from memdiff.predict.whatif import WhatIf
 
 Run = Union[str, "os.PathLike[str]", Summary]
 Size = Union[int, str, None]
@@ -191,7 +191,7 @@ def whatif(run: Path, changes: Union[str, Sequence[str], None] = None, *, budget
     """The peak of a snapshot after changes nobody has made (`"checkpoint"`, `"weights=bf16"`,
     `"optimizer=sgd+accumulate=4"`; none: every applicable one), each fitting `budget` or not.
     `to_dict()` is `memdiff whatif --format json`."""
-    from memdiff.predict.whatif.engine import whatif as _whatif
+    from memdiff.predict.whatif import whatif as _whatif
 
     asked = [changes] if isinstance(changes, str) else list(changes or [])
     return _whatif(os.fspath(run), asked, _rules(rules), to_bytes(budget, "budget"))

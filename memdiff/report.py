@@ -44,7 +44,7 @@ from memdiff.job import ranges, ranks_text
 from memdiff.judge import Check, FindingCheck, Runs, Verdict, growth_pct, judge, judge_ranks, noise_limit
 from memdiff.limits import DEFAULT_PEAK, IGNORE, Limit, Thresholds
 from memdiff.model import Finding, Frame, Source, Spread, Summary, TrendEntry
-from memdiff.predict.whatif.engine import BuyBackPart, BuyBackTarget, buy_back
+from memdiff.predict.whatif import BuyBackPart, BuyBackTarget, buy_back
 from memdiff.trend import DEFAULT_POINTS, Trend, trend_of, workloads
 from memdiff.units import count_of, format_bytes
 from memdiff.window import Window
@@ -242,7 +242,7 @@ class Report:
     # `trend_note` says why there is none (the history has no line of this workload).
     trends: Optional[List[Trend]] = None
     trend_note: Optional[Finding] = None
-    # With --whatif on a regression: the changes that would bring head's peak back (predict.whatif.engine.buy_back).
+    # With --whatif on a regression: the changes that would bring head's peak back (predict.whatif.buyback).
     buy_back: Optional[BuyBackPart] = None
     # The catalogue's findings shown (those the gate ignores left out): the diff's, then the report's.
     findings: List[Finding] = field(default_factory=list)

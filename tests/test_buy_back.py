@@ -1,5 +1,5 @@
 """`--whatif` on `memdiff BASE HEAD` and `memdiff gate`: a regression's report says which changes buy
-it back, computed once (predict.whatif.engine.buy_back) and shown in every output. Figures come from the
+it back, computed once (predict.whatif.buyback) and shown in every output. Figures come from the
 hand-built loop of test_whatif.py (its peaks worked out by hand) and from the scenario suite's
 GPT-2 with the batch doubled, against the same loop with each suggested change really made."""
 

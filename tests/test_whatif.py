@@ -14,7 +14,7 @@ from scenario_suite import WHATIF_PAIRS, whatif_rows
 import memdiff
 from memdiff.cli import main
 from memdiff.errors import InputError
-from memdiff.predict.whatif.engine import parse_change
+from memdiff.predict.whatif import parse_change
 from memdiff.schema import validate
 
 

@@ -7,7 +7,7 @@ import sys
 
 from memdiff.atomic import check_output, write_output
 from memdiff.commands.args import add_rules_arguments, rules_from, size_arg
-from memdiff.predict.whatif.engine import whatif
+from memdiff.predict.whatif import whatif
 from memdiff.render import whatif as render
 
 DESCRIPTION = ("Predict the peak of a run after a change nobody has made yet, from that one run: its trace is "

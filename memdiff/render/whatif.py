@@ -10,7 +10,7 @@ from tabulate import tabulate
 
 from memdiff.findings import shown
 from memdiff.inert import md_cell, md_code, md_text
-from memdiff.predict.whatif.engine import DeviceWhatIf, WhatIf
+from memdiff.predict.whatif import DeviceWhatIf, WhatIf
 from memdiff.render.json import dumps
 from memdiff.units import format_bytes
 

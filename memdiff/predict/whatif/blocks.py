@@ -1,0 +1,181 @@
+"""The repeated blocks of a run's forward (a model's layers): from the profiler's module frames
+(`nn.Module: GPT2Block_3`), or without them (CUDA stacks) the call the forward repeats with the
+same allocations.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Dict, List, Optional, Set, Tuple
+
+import numpy as np
+
+from memdiff.forecasting import DeviceCourse
+from memdiff.predict.whatif.run import Run, forward_in_order
+
+MODULE_FRAME = re.compile(r"^nn\.Module: (\w+?)_(\d+)$")
+
+
+# Module classes too small to be "the repeated block" when a larger repeated one exists.
+GENERIC = frozenset(("Linear", "Conv1D", "Conv1d", "Conv2d", "Conv3d", "Embedding", "LayerNorm", "RMSNorm",
+                     "GroupNorm", "BatchNorm1d", "BatchNorm2d", "Dropout", "GELU", "ReLU", "SiLU", "Tanh",
+                     "Softmax", "Identity", "NewGELUActivation", "GELUActivation", "Sequential", "ModuleList"))
+
+
+# The share of a repeated module's bytes that a class nested in it, with more instances, must
+# hold to be the block instead (T5's blocks hold about 90% of what its two stacks make).
+NESTED_SHARE = 0.75
+
+
+def repeated_blocks(course: DeviceCourse) -> Tuple[List[str], np.ndarray]:
+    """(the repeated blocks' instance names in order, each allocation's index into them or -1).
+
+    The repeated block is the module class with at least two instances under one parent on the
+    stacks (the profiler's `nn.Module: GPT2Block_0` frames) whose instances made the most bytes;
+    a generic one (Linear, Embedding) only when no other repeats. When a class nested inside it
+    has more instances holding most of those bytes (an encoder-decoder's layers inside its two
+    stacks), that class is the block."""
+    if not course.origins or not len(course.origin):
+        return [], np.full(len(course.size), -1, dtype=np.int64)
+    paths: List[List[Tuple[str, int]]] = []
+    for frames in course.origins:
+        mods = [(m.group(1), int(m.group(2))) for m in (MODULE_FRAME.match(f.name) for f in frames) if m]
+        paths.append(mods[::-1])  # outermost first
+    by_origin = np.bincount(course.origin, weights=course.size.astype(np.float64), minlength=len(paths))
+    instances: Dict[Tuple[Tuple[str, ...], str], Dict[int, float]] = {}
+    for o, path in enumerate(paths):
+        for depth, (cls, number) in enumerate(path):
+            parent = tuple(c for c, _ in path[:depth])
+            slot = instances.setdefault((parent, cls), {})
+            slot[number] = slot.get(number, 0.0) + float(by_origin[o])
+    candidates = [(cls not in GENERIC, sum(v.values()), len(parent), cls, parent)
+                  for (parent, cls), v in instances.items() if len(v) >= 2]
+    if not candidates:
+        return [], np.full(len(course.size), -1, dtype=np.int64)
+    _, held, _, cls, parent = max(candidates)
+    # An encoder-decoder repeats its stacks (T5Stack_0, T5Stack_1), which are not alike (only the
+    # decoder's layers attend to the encoder), and, inside them, its layers: the layers are the
+    # blocks (what gradient checkpointing wraps) when they are more and hold most of what the stacks
+    # made. Alike instances (a Mixtral layer's experts inside its decoder layers) keep the outer one.
+    while not _alike(paths, parent, cls):
+        count = len(instances[(parent, cls)])
+        inner = [(b, p, c) for specific, b, _, c, p in candidates
+                 if specific and p[:len(parent) + 1] == (*parent, cls) and len(instances[(p, c)]) > count
+                 and b >= NESTED_SHARE * held]
+        if not inner:
+            break
+        held, parent, cls = max(inner)
+    numbers = sorted(instances[(parent, cls)])
+    index = {n: k for k, n in enumerate(numbers)}
+    of_origin = np.full(len(paths), -1, dtype=np.int64)
+    for o, path in enumerate(paths):
+        inside = len(path) > len(parent) and tuple(c for c, _ in path[:len(parent)]) == parent
+        if inside and path[len(parent)][0] == cls:
+            of_origin[o] = index[path[len(parent)][1]]
+    return [f"{cls}_{n}" for n in numbers], of_origin[course.origin]
+
+
+def _alike(paths: List[List[Tuple[str, int]]], parent: Tuple[str, ...], cls: str) -> bool:
+    """Whether every instance of `cls` under `parent` runs the same module classes inside it."""
+    inside: Dict[int, Set[str]] = {}
+    depth = len(parent)
+    for path in paths:
+        if len(path) > depth and path[depth][0] == cls and tuple(c for c, _ in path[:depth]) == parent:
+            inside.setdefault(path[depth][1], set()).update(c for c, _ in path[depth + 1:])
+    return len({frozenset(s) for s in inside.values()}) <= 1
+
+
+# Calls tried as the repeated block, those holding the most forward bytes first.
+MAX_CALLS = 64
+
+
+def repeated_calls(run: Run) -> Tuple[List[str], np.ndarray]:
+    """repeated_blocks for stacks without module frames (the caching allocator's, on CUDA): the
+    block is the call, one Python call path, under which every forward makes one sequence of
+    allocations k >= 2 times over (the same stacks, in the same order: the loop over a model's
+    layers), workspaces apart, each time more than one. Of such calls, the one whose allocations
+    hold the most bytes; on a tie, the innermost (the tightest call around the block). Each
+    allocation's block is its repeat's place in its forward."""
+    c = run.course
+    none = np.full(len(c.size), -1, dtype=np.int64)
+    # A workspace (cuBLAS's, made by the first matrix product) is made once, not per block.
+    fwd = forward_in_order(run, ~run.of("workspace"))
+    if not c.origins or not len(c.origin) or not len(fwd):
+        return [], none
+    # Origins are kinds, told apart by their lifetimes too: a block's allocations are the same by their frames.
+    numbered: Dict[Tuple[Any, ...], int] = {}
+    same_frames = np.array([numbered.setdefault(tuple(frames), len(numbered)) for frames in c.origins], dtype=np.int64)
+    # Each origin's call paths: its stack from the outermost frame down to each Python frame, each
+    # path a node numbered from its parent's, so a deep stack costs its depth, not its depth squared.
+    # Nested calls around the same allocations are one candidate: the innermost stands for them.
+    node_of: Dict[Tuple[Any, int], int] = {}
+    members: Dict[int, List[int]] = {}
+    place: Dict[int, Tuple[int, int]] = {}  # node -> (an origin, the index of the path's innermost frame)
+    for o, frames in enumerate(c.origins):
+        parent = -1
+        for i in range(len(frames) - 1, -1, -1):
+            parent = node_of.setdefault((frames[i], parent), len(node_of))
+            if frames[i].file:
+                members.setdefault(parent, []).append(o)
+                place[parent] = (o, i)
+    candidates: Dict[Tuple[int, ...], Tuple[int, int]] = {}  # origins -> (depth, node)
+    for node, origins in members.items():
+        key = tuple(origins)
+        o, i = place[node]
+        depth = len(c.origins[o]) - i
+        if depth > candidates.get(key, (0, -1))[0]:
+            candidates[key] = (depth, node)
+    origin = c.origin[fwd]
+    # The bytes under a call are those of its origins' forward allocations: the most first (on a tie,
+    # the innermost), and the first that repeats is the block. Only the first MAX_CALLS are tried,
+    # so that a file of thousands of distinct deep stacks costs a bounded number of passes.
+    held_by = np.bincount(origin, weights=c.size[fwd].astype(np.float64), minlength=len(c.origins))
+    ranked = sorted(((float(held_by[list(key)].sum()), depth, key, node) for key, (depth, node) in candidates.items()),
+                    key=lambda r: (r[0], r[1]), reverse=True)
+    cuts = np.flatnonzero(np.diff(run.born_run[fwd])) + 1
+    best: Optional[Tuple[Tuple[Any, ...], np.ndarray, int]] = None  # (path, under, period)
+    for _, _, key, node in ranked[:MAX_CALLS]:
+        mask = np.zeros(len(c.origins), dtype=bool)
+        mask[list(key)] = True
+        under = mask[origin]
+        period = 0
+        for part in np.split(np.arange(len(fwd)), cuts):
+            mine = part[under[part]]
+            if not len(mine):
+                continue
+            p = _period(same_frames[origin[mine]])
+            # A call that makes one allocation each time (a dropout) is no block to checkpoint.
+            if p == len(mine) or p < 2 or (period and p != period):
+                period = 0
+                break
+            period = p
+        if period:
+            o, i = place[node]
+            best = (c.origins[o][i:], under, period)
+            break
+    if best is None:
+        return [], none
+    path, under, period = best
+    block = none.copy()
+    count = 0
+    for part in np.split(np.arange(len(fwd)), cuts):
+        mine = part[under[part]]
+        block[fwd[mine]] = np.arange(len(mine)) // period
+        count = max(count, len(mine) // period)
+    where = f"{path[0].file.rpartition('/')[2]}:{path[0].line}"  # the innermost line the block runs under
+    return [f"call {k + 1} at {where}" for k in range(count)], block
+
+
+def _period(seq: np.ndarray) -> int:
+    """The shortest p that repeats to make `seq` whole (len(seq) when none shorter does)."""
+    n = len(seq)
+    for p in range(1, n // 2 + 1):
+        if n % p == 0 and np.array_equal(seq, np.tile(seq[:p], n // p)):
+            return p
+    return n
+
+
+def blocks_of(run: Run) -> Tuple[List[str], np.ndarray]:
+    """The repeated blocks: by the profiler's module frames, else by the calls that repeat."""
+    blocks, block = repeated_blocks(run.course)
+    return (blocks, block) if blocks else repeated_calls(run)

@@ -1,0 +1,128 @@
+"""`checkpoint`, `checkpoint=F`: non-reentrant activation checkpointing of the repeated blocks
+(all, or the fraction F: 0.5 is every other one). A block's activations saved for the backward
+are dropped but its output (the next block's input); before the block's backward they come back
+(the recomputation) together with the block's forward transient peak.
+"""
+
+from __future__ import annotations
+
+from fractions import Fraction
+from typing import Dict, List, Optional, Tuple
+
+import numpy as np
+
+from memdiff.errors import InputError
+from memdiff.lifetimes import BACKWARD, FORWARD
+from memdiff.predict.whatif.blocks import GENERIC
+from memdiff.predict.whatif.edit import CannotApply, ChangeRule, Edit
+from memdiff.predict.whatif.run import Run, peak_of_set, step_index
+
+
+def apply_checkpoint(run: Run, edit: Edit, value: Optional[str]) -> None:
+    """Checkpoint the fraction `value` (None: all) of the run's repeated blocks."""
+    blocks, block = run.blocks, run.block
+    if not blocks:
+        raise CannotApply("no repeated blocks on the stacks (no nn.Module frames, and no call that each "
+                          "forward makes again with the same allocations)")
+    if blocks[0].rpartition("_")[0] in GENERIC:
+        block = _by_position(run, block, len(blocks))
+    fraction = Fraction(value) if value is not None else Fraction(1)
+    chosen = [k for k in range(len(blocks)) if int((k + 1) * fraction) > int(k * fraction)]
+    c = run.course
+    spans = run.spans
+    fwd = (run.phase == FORWARD) & run.of("activation", "autograd", "other") & ~c.before
+    outlives = run.end_run != run.born_run  # kept past the forward run it was made in: saved for the backward
+    transient = fwd & ~outlives
+    saved = fwd & outlives
+    step_of = step_index(run, c.start)
+    dropped = 0
+    picked = np.zeros(len(blocks) + 1, dtype=bool)
+    picked[chosen] = True
+    in_chosen = picked[block]  # block -1 reads the last entry, False
+    saved_groups = _groups(np.flatnonzero(in_chosen & saved), block, step_of)
+    transient_groups = _groups(np.flatnonzero(in_chosen & transient), block, step_of)
+    for key, members in saved_groups.items():
+        if len(members) < 2:
+            continue
+        # Its output is the last tensor it makes that outlives its forward: the next block's
+        # input, which checkpointing keeps.
+        output = members[np.argmax(c.start[members])]
+        rest = members[members != output]
+        in_backward = rest[c.end[rest] < c.events]
+        # The recomputation runs when the backward first needs what the block saved: just
+        # before the first of those tensors is freed.
+        again = int(c.end[in_backward].min()) - 1 if len(in_backward) else None
+        for k in rest.tolist():
+            dropped += int(c.size[k])
+            freed_in_backward = run.end_run[k] < len(spans) and spans[run.end_run[k]].phase == BACKWARD
+            if again is not None and c.end[k] > again and freed_in_backward:
+                edit.start[k] = max(int(c.start[k]), again)
+            else:
+                edit.size[k] = 0
+        if again is not None:
+            temps = transient_groups.get(key, np.zeros(0, dtype=np.int64))
+            edit.add(again, again + 1, peak_of_set(c, temps, edit.size), "autograd")
+    edit.assumptions.append(
+        f"checkpointing {len(chosen)} of the {len(blocks)} repeated blocks ({', '.join(blocks[k] for k in chosen)}): "
+        "each keeps its output (the next block's input); what else it saved for the backward is remade just "
+        "before the backward first needs it, with the block's forward transient peak"
+        + ("; a generic module repeats, so each block is what the forward makes from one instance to the next"
+           if blocks[0].rpartition("_")[0] in GENERIC else ""))
+    if not dropped:
+        edit.assumptions.append("the chosen blocks save nothing for the backward in this run")
+
+
+def _groups(members: np.ndarray, block: np.ndarray, step_of: np.ndarray) -> Dict[Tuple[int, int], np.ndarray]:
+    """`members` grouped by (block, step), in one sort rather than a scan per block and step."""
+    if not len(members):
+        return {}
+    keys = np.stack([block[members], step_of[members]], axis=1)
+    order = np.lexsort((keys[:, 1], keys[:, 0]))
+    members, keys = members[order], keys[order]
+    cuts = np.flatnonzero(np.any(np.diff(keys, axis=0) != 0, axis=1)) + 1
+    return {(int(keys[i, 0]), int(keys[i, 1])): part
+            for i, part in zip(np.concatenate([[0], cuts]).tolist(), np.split(members, cuts))}
+
+
+def _by_position(run: Run, block: np.ndarray, count: int) -> np.ndarray:
+    """Block membership by position in each forward: a generic repeated module (a Linear, a
+    Conv2d) is usually checkpointed with what follows it outside any module (its activation
+    function, pooling, dropout), so everything the forward makes from one instance's first
+    allocation to the next's belongs to the first; the last instance spans as many events as the
+    others do (their median)."""
+    c = run.course
+    out = block.copy()
+    fwd = np.flatnonzero(run.phase == FORWARD)
+    step_of = step_index(run, c.start)
+    firsts: Dict[int, List[Tuple[int, int]]] = {}  # step -> (first event, block), in event order
+    for (b, step), members in _groups(fwd[block[fwd] >= 0], block, step_of).items():
+        firsts.setdefault(step, []).append((int(c.start[members].min()), b))
+    by_step = fwd[np.argsort(step_of[fwd], kind="stable")]
+    cuts = np.flatnonzero(np.diff(step_of[by_step])) + 1
+    for part in np.split(by_step, cuts) if len(by_step) else []:
+        known = sorted(firsts.get(int(step_of[part[0]]), []))
+        if len(known) < 2:
+            continue
+        starts = np.array([f for f, _ in known], dtype=np.int64)
+        length = int(np.median(np.diff(starts)))
+        ends = np.append(starts[1:], starts[-1] + length)
+        slot = np.searchsorted(starts, c.start[part], side="right") - 1
+        inside = (slot >= 0) & (c.start[part] < ends[np.maximum(slot, 0)])
+        owners = np.array([b for _, b in known], dtype=np.int64)
+        out[part[inside]] = owners[slot[inside]]
+    return out
+
+
+def check(value: Optional[str]) -> None:
+    """No value (every block), or the fraction of the blocks in (0, 1]."""
+    if value is None:
+        return
+    try:
+        f = float(value)
+    except ValueError:
+        raise InputError("--change", f"checkpoint={value}: give a fraction of the blocks in (0, 1]") from None
+    if not 0 < f <= 1:
+        raise InputError("--change", f"checkpoint={value}: give a fraction of the blocks in (0, 1]")
+
+
+RULE = ChangeRule("checkpoint", check, lambda run, edit, value: apply_checkpoint(run, edit, value))

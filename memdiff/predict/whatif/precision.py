@@ -1,0 +1,144 @@
+"""What keeps its size when the model's precision changes, shared by the weights and autocast
+rules: the loss (upcast to fp32 by the libraries), integer and bool results, the upcasts of
+variance and loss computations, the CPU's math attention.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Tuple
+
+import numpy as np
+
+from memdiff.predict.whatif.run import MATRIX_PRODUCTS, NOT_FLOAT_OPS, Run, forward_in_order
+
+PRECISIONS = ("bf16", "fp16")
+
+
+# CPU attention on the profiler route: the call's frame, and what CPU flash attention allocates in it.
+SDPA_CALL = "<built-in function scaled_dot_product_attention>"
+
+
+FLASH_CPU_ALLOCATIONS = 2
+
+
+def cpu_math_attention(run: Run) -> np.ndarray:
+    """The forward allocations of CPU `scaled_dot_product_attention` calls that ran PyTorch's math
+    backend: it computes half-precision inputs in fp32 ("keep query, key, value in high precision",
+    unless `allow_fp16_bf16_reduction_math_sdp(True)`), so they keep their size in half precision.
+    The profiler route names the call (`<built-in function scaled_dot_product_attention>`); the math
+    backend makes the scores, softmax, dropout mask and products inside it (GPT-2 with attention
+    dropout: 22 allocations a call), where CPU flash attention makes its output and logsumexp (2)."""
+    c = run.course
+    out = np.zeros(len(c.size), dtype=bool)
+    if not c.origins or not len(c.origin):
+        return out
+    inside = np.array([bool(frames) and frames[0].name.startswith(SDPA_CALL) for frames in c.origins], dtype=bool)
+    if not inside.any():
+        return out
+    fwd = forward_in_order(run)
+    call: List[int] = []
+    for k in [*fwd.tolist(), -1]:
+        if k >= 0 and inside[c.origin[k]]:
+            call.append(k)
+            continue
+        if len(call) > FLASH_CPU_ALLOCATIONS:
+            out[call] = True
+        call = []
+    return out
+
+
+def math_note(math: np.ndarray) -> str:
+    """The assumption said when CPU math attention keeps its size (cpu_math_attention)."""
+    if not math.any():
+        return ""
+    return (f"; CPU attention's math backend computes in fp32: the {int(math.sum())} allocations of its calls in "
+            "the forward keep their size")
+
+
+def not_float(run: Run) -> np.ndarray:
+    """The allocations an op of NOT_FLOAT_OPS made (a mask, indices): their size is not the model's dtype's."""
+    return np.isin(run.op, list(NOT_FLOAT_OPS))
+
+
+def not_float_note(kept: np.ndarray) -> str:
+    """The assumption said when bool or integer results keep their size (not_float)."""
+    return (f"; the {int(kept.sum())} bool or integer results of comparisons and arg-reductions (a mask from eq) "
+            "keep their size" if kept.any() else "")
+
+
+@dataclass
+class Upcasts:
+    """The fp32 copies half-precision RMS norms keep (variance_upcasts), and the inputs they replace."""
+
+    copies: List[Tuple[int, int, int]]  # (start, end, size)
+    released: List[Tuple[int, int]]  # (allocation, end): a norm's input, kept in the fp32 run by its pow
+
+
+def variance_upcasts(run: Run) -> Upcasts:
+    """The fp32 copies a half-precision model's RMS norms make and keep: the RMS-norm idiom of
+    Llama, T5 and most Hugging Face models computes the variance in fp32
+    (`hidden_states.to(torch.float32).pow(2).mean(-1)`), and `pow` keeps that fp32 copy of its
+    input for the backward. The fp32 run shows the line as a `pow` then a `mean`; the copy has the
+    pow's fp32 size and is kept as long as the normalised product after it (the next allocation of
+    that size), which the backward frees with it. The norm's input (the last allocation of that size
+    before it: the residual stream), which pow kept in the fp32 run, is then kept by nothing: it
+    goes once the next norm starts (Llama's residual add after the attention has read it)."""
+    c = run.course
+    out = Upcasts([], [])
+    if not (run.call == "pow").any():
+        return out
+    fwd = forward_in_order(run).tolist()
+    pows = [i for i in range(len(fwd) - 1) if run.call[fwd[i]] == "pow" and run.call[fwd[i + 1]] == "mean"
+            and run.line[fwd[i]] == run.line[fwd[i + 1]]]
+    for n, i in enumerate(pows):
+        k = fwd[i]
+        kept = next((j for j in fwd[i + 2:] if c.size[j] == c.size[k]), None)
+        if kept is None:
+            continue
+        out.copies.append((int(c.start[k]), int(c.end[kept]), int(c.size[k])))
+        source = next((j for j in reversed(fwd[:i]) if c.size[j] == c.size[k] and run.line[j] != run.line[k]
+                       and run.born_run[j] == run.born_run[k]), None)
+        if source is not None:
+            following = fwd[pows[n + 1]] if n + 1 < len(pows) else None
+            same_run = following is not None and run.born_run[following] == run.born_run[k]
+            out.released.append((source, int(c.start[following]) if same_run else int(c.end[kept])))
+    return out
+
+
+def loss_upcasts(run: Run) -> List[Tuple[int, int, int]]:
+    """(start, end, size) of the fp32 copy of the logits each forward's loss reads in half
+    precision: Hugging Face's loss functions upcast them (`logits = logits.float()`) and autocast
+    casts the input of `cross_entropy`, on its fp32 list. The fp32 run shows neither (the copy of an
+    fp32 tensor is the tensor). The logits are the last matrix product before the loss's first
+    allocation; the copy lives until the forward computes something else (the loss function
+    returned: log_softmax keeps its output, not its input)."""
+    c = run.course
+    if not run.loss.any():
+        return []
+    fwd = forward_in_order(run).tolist()
+    out = []
+    i = 0
+    while i < len(fwd):
+        if not run.loss[fwd[i]]:
+            i += 1
+            continue
+        first = fwd[i]
+        j = i
+        while j < len(fwd) and run.loss[fwd[j]] and run.born_run[fwd[j]] == run.born_run[first]:
+            j += 1
+        logits = next((fwd[h] for h in range(i - 1, max(i - 8, -1), -1)
+                       if run.call[fwd[h]] in MATRIX_PRODUCTS
+                       and run.born_run[fwd[h]] == run.born_run[first]), None)
+        if logits is not None:
+            end = int(c.start[fwd[j]]) if j < len(fwd) and run.born_run[fwd[j]] == run.born_run[first] \
+                else int(max(c.end[fwd[h]] for h in range(i, j)))
+            out.append((int(c.start[first]), end, int(c.size[logits])))
+        i = j
+    return out
+
+
+def loss_note(upcasts: List[Tuple[int, int, int]]) -> str:
+    """The assumption said when the loss reads an fp32 copy of half-precision logits (loss_upcasts)."""
+    return ("; the loss reads an fp32 copy of the half-precision logits (`logits.float()`, or autocast's cast "
+            f"for cross_entropy), kept while it is computed ({len(upcasts)} made)" if upcasts else "")
