@@ -32,6 +32,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from memdiff import __version__
+from memdiff.analyse.normalize.engine import summarize
 from memdiff.classify import Rule, classify
 from memdiff.errors import InputError
 from memdiff.findings import finding
@@ -42,7 +43,6 @@ from memdiff.lifetimes import Scopes
 from memdiff.limits import Headroom
 from memdiff.load import MAX_BYTES, decode, paused_gc, to_snapshot
 from memdiff.model import Finding, PhaseSpan, Step, Summary
-from memdiff.normalize import summarize
 from memdiff.sameloop import loop_difference
 from memdiff.units import format_bytes
 from memdiff.window import Window, windowed

@@ -11,12 +11,12 @@ from concurrent.futures import ProcessPoolExecutor
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, TypeVar
 
 from memdiff import progress
+from memdiff.analyse.normalize.engine import summarize
 from memdiff.classify import Rule, classify
 from memdiff.errors import InputError, version_shown
 from memdiff.inert import shell
 from memdiff.load import decode, paused_gc, to_snapshot
 from memdiff.model import READABLE_SCHEMA_VERSIONS, Summary
-from memdiff.normalize import summarize
 from memdiff.schema import validate
 
 if TYPE_CHECKING:

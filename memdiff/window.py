@@ -21,12 +21,12 @@ from typing import Any, Dict, List, Optional, Set, Tuple
 
 import numpy as np
 
+from memdiff.analyse.normalize.engine import _Walk, devices_of, dump_only_blocks, window_kinds
 from memdiff.differ import TRACE_BOOKKEEPING
 from memdiff.errors import InputError
 from memdiff.lifetimes import Scopes, build_timeline
 from memdiff.load import Snapshot, to_snapshot
 from memdiff.model import KIND_KEY, WINDOW_KEY, Source
-from memdiff.normalize import _Walk, devices_of, dump_only_blocks, window_kinds
 
 KINDS = ("steps", "events", "time_us")
 FLAGS = {"steps": "--steps", "events": "--events", "time_us": "--time-us"}

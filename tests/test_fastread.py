@@ -274,7 +274,7 @@ def test_the_walk_over_columns_matches_the_walk_over_dicts(tmp_path):
     # allocations never freed: every array and the open allocations in their order agree.
     import random
 
-    from memdiff.normalize import _Walk
+    from memdiff.analyse.normalize.engine import _Walk
     rng = random.Random(35)
     frames = py_frames("model.py:3:forward")
     trace, live = [], []

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import pytest
-
 from conftest import alloc, block, free, py_frames, segment
+
+from memdiff.analyse.normalize.engine import summarize
 from memdiff.load import load
-from memdiff.normalize import summarize
 
 FWD = py_frames("model.py:10:forward", "train.py:50:<module>")
 BWD = py_frames("model.py:20:backward_hook", "train.py:51:<module>")

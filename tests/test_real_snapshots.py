@@ -5,12 +5,12 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from conftest import real_snapshot_names
+
+from memdiff.analyse.normalize.engine import summarize
 from memdiff.cli import main
 from memdiff.load import load
 from memdiff.model import Summary
-from memdiff.normalize import summarize
 from memdiff.schema import validate
 
 

@@ -9,13 +9,13 @@ import pickle
 from typing import Any, Dict, List, Tuple
 
 import pytest
-
 from conftest import alloc, block, free, real_snapshot_names, segment
+from test_lifetimes import training
+
+from memdiff.analyse.normalize.engine import summarize
 from memdiff.cli import main
 from memdiff.load import load
-from memdiff.normalize import summarize
 from memdiff.window import Window, parse_window, windowed
-from test_lifetimes import training
 
 
 def totals(snap: Dict[str, Any], device: int = 0) -> Tuple[int, List[int]]:
@@ -358,10 +358,11 @@ def assert_cpu_windows_keep_pytorchs_categories(path: str) -> None:
     gradients and optimizer state that PyTorch's own `category` (its arguable labels read as
     docs/categories.md documents them) says are live at that event of the full trace (the
     weights' in-place updates are frees and new versions: a window alone read them as memory freed)."""
+    from scenario_suite import pytorch_categories_at
+
     from memdiff.classify import load_rules
     from memdiff.inputs import read_summary
     from memdiff.load import decode
-    from scenario_suite import pytorch_categories_at
 
     assert assert_window_moments_are_the_full_traces(path) > 0
     trace = decode(path)[0]["device_traces"][-1]
