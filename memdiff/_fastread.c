@@ -238,7 +238,7 @@ static PyObject *trace_richcompare(PyObject *a, PyObject *b, int op) {
  * the dicts), else (open dict, ooms, annotations, segment events), with deltas and closed (8 bytes
  * an entry each, writable) filled and the alloc and unmatched free indices appended to the two
  * array('q'). `codes` maps an action string to 1 alloc,
- * 2 free_completed, 3 oom, 4 annotate, 5 a segment action: the loop of normalize._Walk. */
+ * 2 free_completed, 3 oom, 4 annotate, 5 a segment action: the loop of normalize.walk.Walk. */
 /* Append the n indices at buf to the array('q') `to`, a block at a time (no copy of the whole). */
 static int flush(PyObject *to, int64_t *buf, Py_ssize_t *n) {
     if (!*n) return 0;
@@ -330,7 +330,7 @@ static int by_since(const void *a, const void *b) {
     return (x > y) - (x < y);
 }
 
-/* The open allocations as the dict normalize._Walk fills: address -> event, in its order. */
+/* The open allocations as the dict normalize.walk.Walk fills: address -> event, in its order. */
 static PyObject *open_dict(OpenSet *o) {
     Open **all = PyMem_Malloc((o->n ? o->n : 1) * sizeof(Open *));
     if (!all) return PyErr_NoMemory();
@@ -520,7 +520,7 @@ static PyObject *trace_nbytes(Trace *t, PyObject *unused) {
 }
 
 static PyMethodDef trace_methods[] = {
-    {"walk", (PyCFunction)trace_walk, METH_VARARGS, "normalize._Walk's loop over the columns; None when it cannot"},
+    {"walk", (PyCFunction)trace_walk, METH_VARARGS, "normalize.walk.Walk's loop over the columns; None when it cannot"},
     {"values", (PyCFunction)trace_values, METH_O, "[e.get(key) for e in trace], built from the columns"},
     {"nbytes", (PyCFunction)trace_nbytes, METH_NOARGS, "bytes held by the columns"},
     {"codes", (PyCFunction)trace_codes, METH_VARARGS, "ids into table() of a key's values at events (-1: ask the row)"},

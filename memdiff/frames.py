@@ -129,7 +129,7 @@ GENERATED_HINT = re.compile(r"torchinductor_|eval_with_key|fx_generated_|c[a-z0-
 
 FREED_PREFIX = "freed at "
 # Memory live before the trace known by the stack of an optimizer's in-place update of it (CPU
-# captures: normalize._optimizer_state_stand_ins); rules read it as they read a freeing stack.
+# captures: normalize.standins.optimizer_state_stand_ins); rules read it as they read a freeing stack.
 UPDATED_PREFIX = "updated in place at "
 NO_STACK = "<no stack>"
 NO_STACK_BEFORE_TRACE = "<no stack: live before the trace>"
@@ -137,10 +137,10 @@ NO_STACK_BEFORE_TRACE = "<no stack: live before the trace>"
 # (parameter, by the built-in rules; docs/categories.md).
 NO_STACK_GUESSED = "<no stack: live before the trace, category guessed>"
 # ...of which, on CUDA captures, further copies of the sizes of the weights the backward makes
-# gradients for: optimizer state made before recording, by guess (normalize._state_by_sizes).
+# gradients for: optimizer state made before recording, by guess (normalize.standins.state_by_sizes).
 NO_STACK_STATE_GUESSED = "<no stack: live before the trace, optimizer state by its sizes, guessed>"
 # ...or a BLAS handle's workspace: of a workspace's size, one per handle the trace uses and makes
-# no workspace for (normalize._workspaces_by_handles).
+# no workspace for (normalize.workspaces.workspaces_by_handles).
 NO_STACK_WORKSPACE_GUESSED = "<no stack: live before the trace, a BLAS workspace by its size, guessed>"
 GUESS_PARAMETER, GUESS_STATE, GUESS_WORKSPACE = "parameter", "optimizer_state", "workspace"
 GUESSED_LABELS = {GUESS_PARAMETER: NO_STACK_GUESSED, GUESS_STATE: NO_STACK_STATE_GUESSED,

@@ -21,7 +21,10 @@ from typing import Any, Dict, List, Optional, Set, Tuple
 
 import numpy as np
 
-from memdiff.analyse.normalize.engine import _Walk, devices_of, dump_only_blocks, window_kinds
+from memdiff.analyse.normalize.engine import devices_of
+from memdiff.analyse.normalize.kinds import window_kinds
+from memdiff.analyse.normalize.standins import dump_only_blocks
+from memdiff.analyse.normalize.walk import Walk
 from memdiff.differ import TRACE_BOOKKEEPING
 from memdiff.errors import InputError
 from memdiff.lifetimes import Scopes, build_timeline
@@ -91,7 +94,7 @@ def add_window_arguments(p: argparse.ArgumentParser, required: bool = False) -> 
                        help="only trace events whose time_us is in START to END-1 (microseconds since the epoch)")
 
 
-def _event_range(path: str, device: int, trace: List[Dict[str, Any]], walk: _Walk, window: Window,
+def _event_range(path: str, device: int, trace: List[Dict[str, Any]], walk: Walk, window: Window,
                  annotations: List[Any], seen: Set[int]) -> Optional[Tuple[int, int]]:
     """[a, b) of the device's events inside the window; None when it holds none of them (a window
     past the trace's end or before its first time is no window of it: carrying in what is live
@@ -128,7 +131,7 @@ def _block(addr: int, size: int, frames: Any, kind: Dict[str, Any]) -> Dict[str,
     return block
 
 
-def _carried(snapshot: Snapshot, device: int, trace: List[Dict[str, Any]], walk: _Walk, a: int, b: int
+def _carried(snapshot: Snapshot, device: int, trace: List[Dict[str, Any]], walk: Walk, a: int, b: int
              ) -> Tuple[List[Dict[str, Any]], List[Dict[str, Any]]]:
     """(the window's trace entries, blocks for what is live when the window begins and still live
     when it ends). The blocks: allocations opened before it and freed after it (or never), memory
@@ -239,7 +242,7 @@ def cut(snapshot: Snapshot, window: Window) -> Dict[str, Any]:
     seen: Set[int] = set()
     for device in devices_of(snapshot):
         trace = traces[device] if device < len(traces) else []
-        walk = _Walk(path, device, trace, reversions=profiler)
+        walk = Walk(path, device, trace, reversions=profiler)
         span = _event_range(path, device, trace, walk, window, snapshot.external_annotations, seen)
         if span is None:
             continue
@@ -247,7 +250,7 @@ def cut(snapshot: Snapshot, window: Window) -> Dict[str, Any]:
         a, b = span
         kept, blocks = _carried(snapshot, device, trace, walk, a, b)
         times += [t for e in kept[:1] + kept[-1:] if isinstance(t := e.get("time_us"), int)]
-        _readdress(blocks, set(_Walk(path, device, kept).open_at_end))
+        _readdress(blocks, set(Walk(path, device, kept).open_at_end))
         while len(out_traces) <= device:
             out_traces.append([])
         out_traces[device] = kept

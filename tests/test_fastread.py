@@ -274,7 +274,7 @@ def test_the_walk_over_columns_matches_the_walk_over_dicts(tmp_path):
     # allocations never freed: every array and the open allocations in their order agree.
     import random
 
-    from memdiff.analyse.normalize.engine import _Walk
+    from memdiff.analyse.normalize.walk import Walk
     rng = random.Random(35)
     frames = py_frames("model.py:3:forward")
     trace, live = [], []
@@ -292,7 +292,7 @@ def test_the_walk_over_columns_matches_the_walk_over_dicts(tmp_path):
     path = write(tmp_path, {"segments": [], "device_traces": [trace]})
     columns = decode(path, columns=True)[0]["device_traces"][0]
     assert isinstance(columns, accel._fastread.Trace)
-    a, b = _Walk(path, 0, columns), _Walk(path, 0, trace)
+    a, b = Walk(path, 0, columns), Walk(path, 0, trace)
     assert len(a.open_at_end) > 1024 and len(a.unmatched) > 500
     assert list(a.open_at_end.items()) == list(b.open_at_end.items())
     for name in ("deltas", "closed", "allocs", "unmatched"):
