@@ -26,11 +26,12 @@ from typing import TYPE_CHECKING, Any, ContextManager, Dict, Optional, Sequence,
 from memdiff.baseline import Baseline, comparable_pair, read_baseline, update_baseline
 from memdiff.classify import Rule, check_categories, load_rules
 from memdiff.differ import PEAK
-from memdiff.errors import InputError
-from memdiff.findings import parse_codes
+from memdiff.errors import InputError, clip
 from memdiff.inert import baseline_command
 from memdiff.inputs import read_summary
-from memdiff.limits import Limit, Thresholds, parse_limit, parse_pct, thresholds_over
+from memdiff.lifetimes import BACKWARD, FORWARD, OPTIMIZER
+from memdiff.limits import Limit, Thresholds, parse_pct, thresholds_over
+from memdiff.lists import chosen_codes, limit_of, named_limits, split_items
 from memdiff.model import Summary
 from memdiff.report import DEFAULT_TOP, Report, Settings, compare
 from memdiff.report import Run as ReportRun
@@ -42,10 +43,12 @@ if TYPE_CHECKING:
 
 Run = Union[str, "os.PathLike[str]", Summary]
 Size = Union[int, str, None]
+PHASES = (FORWARD, BACKWARD, OPTIMIZER)  # the phases a limit can name, as --phase-fail-over's
 
 
-def _rules(rules: Optional[Sequence[str]]) -> Sequence[Rule]:
-    return load_rules(list(rules or ()))
+def _rules(rules: Union[str, Sequence[str], None]) -> Sequence[Rule]:
+    # As --rules takes them: one path, several, or a comma list (a file whose name holds a comma kept whole).
+    return load_rules(split_items(rules, "rules", os.path.isfile) if rules is not None else [])
 
 
 def summarize(path: Union[str, "os.PathLike[str]"], *, rules: Optional[Sequence[str]] = None,
@@ -78,33 +81,43 @@ def to_bytes(value: Size, what: str) -> Optional[int]:
         raise InputError(what, f"{value!r} is not a size (examples: 512MiB, 0.5GiB, 64MB, 1e9)") from None
 
 
-def _limit(value: Size, what: str) -> Limit:
-    """A limit from `"256MiB"`, `1 << 28` or `"10%"`, as the CLI's flags take them."""
+def _limit(value: Union[Size, Sequence[str]], what: str) -> Limit:
+    """A limit from `"256MiB"`, `1 << 28`, `"10%"` or both parts (`"256MiB,10%"`, `["256MiB", "10%"]`),
+    as the CLI's flags take them."""
     if isinstance(value, int):
         return Limit(fail_over_bytes=to_bytes(value, what))
-    try:
-        return parse_limit(str(value))
-    except ValueError as exc:
-        raise InputError(what, str(exc)) from None
+    return limit_of(value if isinstance(value, (str, list, tuple)) else str(value), what)
+
+
+def _named(limits: Union[Dict[str, Any], str, Sequence[str], None], what: str,
+           names: Optional[Sequence[str]] = None) -> Dict[str, Limit]:
+    """Limits by name from a dict (`{"activation": "10%"}`) or as the flags write them
+    (`"activation=10%,gradient=256MiB"`, or a list of such strings)."""
+    if not isinstance(limits, dict):
+        return named_limits(limits or [], what, names)
+    unknown = [n for n in limits if names and n not in names]
+    if unknown:  # a misspelt phase would check nothing
+        raise InputError(what, f"{clip(str(unknown[0]))!r} is not a phase: use one of {', '.join(names or ())}")
+    return {name: _limit(v, f"{what}[{name!r}]") for name, v in limits.items()}
 
 
 def thresholds(*, fail_over: Size = None, fail_over_pct: Optional[float] = None,
-               categories: Optional[Dict[str, Size]] = None, phases: Optional[Dict[str, Size]] = None,
-               fail_on: Sequence[str] = (), ignore: Sequence[str] = (),
+               categories: Union[Dict[str, Any], str, Sequence[str], None] = None,
+               phases: Union[Dict[str, Any], str, Sequence[str], None] = None,
+               fail_on: Union[str, Sequence[str]] = (), ignore: Union[str, Sequence[str]] = (),
                base: Optional[Thresholds] = None) -> Thresholds:
     """Thresholds as the CLI's flags give them (`categories={"activation": "10%"}`,
-    `fail_on=["K002"]`, `ignore=["T003"]`: finding codes, as --fail-on and --ignore); over `base`
-    (a baseline's), each one given replaces its stored one whole."""
+    `fail_on=["K002"]`, `ignore=["T003"]`: finding codes, as --fail-on and --ignore); each list
+    takes the flags' forms too (`fail_on="K002,K003"`, `categories="activation=10%,gradient=256MiB"`,
+    `categories={"activation": "256MiB,10%"}`). Over `base` (a baseline's), each one given replaces
+    its stored one whole."""
     try:
         pct = None if fail_over_pct is None else parse_pct(str(fail_over_pct))
     except ValueError as exc:
         raise InputError("fail_over_pct", str(exc)) from None
     return thresholds_over(base, to_bytes(fail_over, "fail_over"), pct,
-                           {name: _limit(v, f"categories[{name!r}]") for name, v in (categories or {}).items()},
-                           {name: _limit(v, f"phases[{name!r}]") for name, v in (phases or {}).items()},
-                           choices=[("fail_on", "ignore", parse_codes("fail_on", [fail_on] if isinstance(fail_on, str)
-                                                                      else fail_on),
-                                     parse_codes("ignore", [ignore] if isinstance(ignore, str) else ignore))])
+                           _named(categories, "categories"), _named(phases, "phases", PHASES),
+                           choices=[("fail_on", "ignore", *chosen_codes(fail_on, ignore, "fail_on", "ignore"))])
 
 
 def load_baseline(path: Union[str, "os.PathLike[str]"]) -> Baseline:
@@ -151,12 +164,12 @@ def gate(run: Run, baseline: Union[str, "os.PathLike[str]", Baseline], *, rules:
     return compare([ReportRun(base)], [ReportRun(head)], settings)
 
 
-def _check_categories(limits: Dict[str, object], rules: Optional[Sequence[str]], stored: Optional[Thresholds],
+def _check_categories(limits: Dict[str, Any], rules: Optional[Sequence[str]], stored: Optional[Thresholds],
                       where: str) -> None:
     """A category limit, given or stored, that no rule gives is bad input: it would check nothing."""
-    known = load_rules(rules or ())
+    known = _rules(rules)
     given = limits.get("categories")
-    check_categories(given if isinstance(given, dict) else {}, known, "categories")
+    check_categories(_named(given, "categories") if given is not None else {}, known, "categories")
     if stored is not None:
         check_categories(stored.categories, known, where)
 
@@ -193,7 +206,7 @@ def whatif(run: Path, changes: Union[str, Sequence[str], None] = None, *, budget
     `to_dict()` is `memdiff whatif --format json`."""
     from memdiff.predict.whatif import whatif as _whatif
 
-    asked = [changes] if isinstance(changes, str) else list(changes or [])
+    asked = split_items(changes, "changes") if changes is not None else []  # as --change takes them
     return _whatif(os.fspath(run), asked, _rules(rules), to_bytes(budget, "budget"))
 
 

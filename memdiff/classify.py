@@ -17,8 +17,8 @@ from importlib import resources
 from typing import AbstractSet, Any, Dict, FrozenSet, Iterable, List, Optional, Sequence, Set, Tuple
 
 from memdiff.errors import InputError, clip
-from memdiff.findings import parse_codes
 from memdiff.frames import FREED_PREFIX, UPDATED_PREFIX
+from memdiff.lists import chosen_codes
 from memdiff.load import parse_json, read_json, read_small
 from memdiff.model import DeviceSummary, Frame, Group, Summary, largest_first
 from memdiff.patterns import TIMEOUT_S, Pattern
@@ -155,8 +155,8 @@ def findings_chosen(rules_files: Sequence[str]) -> List[Tuple[str, List[str], Li
         data = _read_rules_file(path)
         chosen = validate(path, data, "rules").get("findings")
         if chosen:
-            out.append((path, parse_codes(f"{path}: findings.fail-on", chosen.get("fail-on", [])),
-                        parse_codes(f"{path}: findings.ignore", chosen.get("ignore", []))))
+            out.append((path, *chosen_codes(chosen.get("fail-on", []), chosen.get("ignore", []),
+                                            f"{path}: findings.fail-on", f"{path}: findings.ignore")))
     return out
 
 

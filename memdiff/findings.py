@@ -603,12 +603,15 @@ def docs_page() -> str:
         "not shown and fails nothing. By default these codes fail: "
         + ", ".join(f"[{c}](#{BY_CODE[c].anchor})" for c in DEFAULT_FAIL_ON)
         + ". `memdiff gate` and `memdiff BASE HEAD` choose others with `--fail-on CODE ...` and "
-        "`--ignore CODE ...` (a family letter stands for its codes: `--ignore T`); a baseline's thresholds "
+        "`--ignore CODE ...` (a family letter stands for its codes: `--ignore T`; codes repeat the flag or "
+        "make a comma list: `--ignore K002 --ignore T003,T004`); a baseline's thresholds "
         "(`memdiff baseline --fail-on ...` stores them) and a rules file (`--rules`) keep the same as "
         "`\"findings\": {\"fail-on\": [\"K002\"], \"ignore\": [\"T003\"]}`; the Action takes the inputs "
         "`fail-on` and `ignore`, the pytest marker `fail_on=[...]` and `ignore=[...]`. The choices apply in that "
-        "order, the last choice of a code winning: the default, the baseline's, each rules file's, the flags'; an "
-        "ignore wins over a fail-on of the same code given together. The rule in force is printed with every "
+        "order, the last choice of a code winning: the default, the baseline's, each rules file's, the flags'. "
+        "Given together, a code (or family) named in both fail-on and ignore is an error (exit 2), and a code "
+        "named alone wins over its family in the other (`--fail-on K --ignore K004`: every K code but K004 "
+        "fails). The rule in force is printed with every "
         "verdict and recorded in the JSON as `finding_rules` (`code`, `action`, `source`); a finding that failed "
         "is a `finding_checks` entry and a `FAIL` line.", "",
         "| code | name | severity |", "| --- | --- | --- |",

@@ -232,3 +232,17 @@ def test_findings_fail_or_are_ignored_through_the_inputs_and_say_so_in_the_outpu
     assert (outputs["exit-code"], outputs["verdict"], outputs["findings"], outputs["failed-findings"]) == (
         "0", "pass", "", "")
     assert "K004" not in log.replace("are ignored (--ignore)", "").replace("K004, ", "")
+
+
+def test_list_inputs_take_comma_lists_as_the_cli_does(action, tmp_path):
+    # gpt2-log-tensor shows K002 and fails on K004 (the test above); both ignored through one input
+    # written as a comma list with a space, the run passes and shows neither.
+    cuda = ROOT / "tests" / "data" / "cuda"
+    stored = tmp_path / "b.json"
+    subprocess.run([sys.executable, "-m", "memdiff", "baseline", str(cuda / "gpt2-base.pickle.gz"), "-o", str(stored),
+                    "--fail-over-pct", "1000"], cwd=tmp_path, check=True, capture_output=True)
+    head = str(cuda / "gpt2-log-tensor.pickle.gz")
+    outputs, log = action(tmp_path, head=head, baseline=str(stored), ignore="K002, K004")
+    assert (outputs["exit-code"], outputs["verdict"], outputs["findings"]) == ("0", "pass", ""), log
+    outputs, log = action(tmp_path, head=head, baseline=str(stored), fail_on="K004,", ignore="K002,K004")
+    assert outputs["exit-code"] == "2" and "memdiff: --ignore: K004 also given to --fail-on" in log

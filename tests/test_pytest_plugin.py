@@ -255,3 +255,26 @@ def test_a_leak_growing_step_over_step_fails_the_test_unless_its_code_is_ignored
     assert "FAIL  finding K004 kept-grows-per-step: device 0: memory kept from earlier steps grows step over step" \
         in out and "(fails on K004: default)" in out
     assert "FAILED test_model.py::test_train " in out and result.ret == 1
+
+
+def test_the_marker_takes_the_flags_list_forms_and_refuses_a_contradiction(pytester, torch):
+    pytester.makepyfile(test_lists=textwrap.dedent("""
+        import pytest
+        import torch
+
+        @pytest.mark.memdiff(fail_on="K002, T003", ignore=["P001", "T004,T005"],
+                             categories={"activation": "256MiB,10%"})
+        def test_lists():
+            torch.zeros(65536).sum()
+
+        @pytest.mark.memdiff(fail_on="K004", ignore="K002,K004")
+        def test_both():
+            torch.zeros(65536).sum()
+    """))
+    result = run(pytester, "--memdiff-update")
+    result.assert_outcomes(passed=1, failed=1)
+    assert result.ret == 2  # bad input, as the CLI's exit 2
+    assert "memdiff: ignore: K004 also given to fail_on" in result.stdout.str()
+    stored = json.loads((pytester.path / "baselines" / "test_lists.py-test_lists.json").read_text())["thresholds"]
+    assert stored["findings"] == {"fail-on": ["K002", "T003"], "ignore": ["P001", "T004", "T005"]}
+    assert stored["categories"] == {"activation": {"fail-over": "256MiB", "fail-over-pct": 10.0}}

@@ -9,10 +9,11 @@ from typing import TYPE_CHECKING, Dict, List, Optional, Sequence, Tuple
 
 from memdiff.classify import Rule, check_categories, findings_chosen, load_rules
 from memdiff.errors import InputError
-from memdiff.findings import DEFAULT_FAIL_ON, parse_codes
+from memdiff.findings import DEFAULT_FAIL_ON
 from memdiff.job import Job, discover
 from memdiff.lifetimes import BACKWARD, FORWARD, OPTIMIZER
 from memdiff.limits import Limit, Thresholds, parse_limit, parse_pct, thresholds_over
+from memdiff.lists import LISTS, ListOption, chosen_codes, joined_limit, named_limits
 from memdiff.units import parse_size
 
 if TYPE_CHECKING:
@@ -53,11 +54,12 @@ def add_threshold_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fail-over-pct", type=pct_arg, metavar="P",
                    help="fail when a peak grows by more than P percent; with --fail-over both must be "
                         "exceeded (default without either: 1%% and 64MiB)")
-    p.add_argument("--fail-on", nargs="+", default=[], metavar="CODE",
+    p.add_argument("--fail-on", action=ListOption, nargs="+", metavar="CODE",
                    help="also fail on these findings (codes from `memdiff rule --all`, or a family letter: K); "
-                        f"by default {', '.join(DEFAULT_FAIL_ON)} fail (docs/findings.md)")
-    p.add_argument("--ignore", nargs="+", default=[], metavar="CODE",
-                   help="neither show nor fail on these findings (codes, or a family letter)")
+                        f"by default {', '.join(DEFAULT_FAIL_ON)} fail (docs/findings.md){LISTS}")
+    p.add_argument("--ignore", action=ListOption, nargs="+", metavar="CODE",
+                   help="neither show nor fail on these findings (codes, or a family letter; a code named alone "
+                        f"wins over its family given to --fail-on, and a code given to both is an error){LISTS}")
 
 
 def limit_arg(text: str) -> Limit:
@@ -79,15 +81,15 @@ def add_noise_arguments(p: argparse.ArgumentParser) -> None:
 
 def add_reserved_argument(p: argparse.ArgumentParser) -> None:
     """--reserved-fail-over: a limit on the caching allocator's reserved peak."""
-    p.add_argument("--reserved-fail-over", type=limit_arg, action="append", default=[], metavar="LIMIT",
+    p.add_argument("--reserved-fail-over", action=ListOption, item_type=limit_arg, metavar="LIMIT",
                    help="also fail when the caching allocator's reserved peak grows by more than LIMIT (a size or "
-                        "a percent; give it twice for both); by default the gate judges allocated memory only")
+                        "a percent, or both: 64MiB,5%%); by default the gate judges allocated memory only")
 
 
 def add_rules_arguments(p: argparse.ArgumentParser) -> None:
     """--rules and --custom-profile: user category rules, ranked above the built-in ones."""
-    p.add_argument("--rules", action="append", default=[], metavar="FILE",
-                   help="category rules file (JSON or TOML; see docs/categories.md); may repeat")
+    p.add_argument("--rules", action=ListOption, keep_whole=os.path.isfile, metavar="FILE",
+                   help=f"category rules file (JSON or TOML; see docs/categories.md){LISTS}")
     p.add_argument("--custom-profile", metavar="JSON",
                    help='categories by regex over frame names and files, e.g. \'{"kv_cache": "KVCache"}\'')
 
@@ -99,9 +101,10 @@ def rules_from(args: argparse.Namespace) -> List[Rule]:
 
 def add_category_threshold_argument(p: argparse.ArgumentParser) -> None:
     """--category-fail-over CAT=SIZE or CAT=P%, repeatable."""
-    p.add_argument("--category-fail-over", action="append", default=[], metavar="CAT=LIMIT",
+    p.add_argument("--category-fail-over", action=ListOption, metavar="CAT=LIMIT",
                    help="fail when a category's bytes grow by more than LIMIT (256MiB, or 10%%), each run taken "
-                        "where the category is highest (the peak or a phase's peak); give a category twice for both")
+                        "where the category is highest (the peak or a phase's peak); give a category twice for "
+                        f"both a size and a percent{LISTS}")
 
 
 GATED_PHASES = (FORWARD, BACKWARD, OPTIMIZER)
@@ -109,30 +112,9 @@ GATED_PHASES = (FORWARD, BACKWARD, OPTIMIZER)
 
 def add_phase_threshold_argument(p: argparse.ArgumentParser) -> None:
     """--phase-fail-over PHASE=SIZE or PHASE=P%, repeatable."""
-    p.add_argument("--phase-fail-over", action="append", default=[], metavar="PHASE=LIMIT",
+    p.add_argument("--phase-fail-over", action=ListOption, metavar="PHASE=LIMIT",
                    help="fail when the highest memory of a phase (forward, backward, optimizer) over all steps "
-                        "grows by more than LIMIT (512MiB, or 5%%); give a phase twice for both")
-
-
-def named_limits(values: List[str], flag: str, names: Optional[Sequence[str]] = None) -> Dict[str, Limit]:
-    """`["activation=256MiB", "activation=10%"]` -> {"activation": Limit(256 MiB, 10%)}; `names`, when
-    given, are the only names allowed (the phases)."""
-    out: Dict[str, Limit] = {}
-    what = "PHASE" if names else "CATEGORY"
-    for value in values:
-        name, sep, limit = value.partition("=")
-        if not sep or not name:
-            raise InputError(flag, f"{value!r} is not {what}=SIZE or {what}=P%")
-        if names and name not in names:
-            raise InputError(flag, f"{name!r} is not a phase: use one of {', '.join(names)}")
-        try:
-            part = parse_limit(limit)
-        except ValueError as exc:
-            raise InputError(flag, f"{name}: {exc}") from None
-        old = out.get(name, Limit())  # a name given twice: a size and a percent, both must be exceeded
-        out[name] = Limit(old.fail_over_bytes if part.fail_over_bytes is None else part.fail_over_bytes,
-                          old.fail_over_pct if part.fail_over_pct is None else part.fail_over_pct)
-    return out
+                        f"grows by more than LIMIT (512MiB, or 5%%); give a phase twice for both{LISTS}")
 
 
 def category_limits(values: List[str]) -> Dict[str, Limit]:
@@ -163,17 +145,14 @@ def finding_choices(args: argparse.Namespace) -> List[Tuple[str, str, List[str],
     """The choices of findings to fail on or ignore, in the order they apply: each rules file's
     (`findings` in it), then --fail-on and --ignore."""
     files = [(path, path, fail_on, ignore) for path, fail_on, ignore in findings_chosen(getattr(args, "rules", []))]
-    return files + [("--fail-on", "--ignore", parse_codes("--fail-on", args.fail_on),
-                     parse_codes("--ignore", args.ignore))]
+    return files + [("--fail-on", "--ignore", *chosen_codes(args.fail_on, args.ignore, "--fail-on", "--ignore"))]
 
 
 def reserved_limit(parts: Sequence[Limit]) -> Optional[Limit]:
     """--reserved-fail-over's parts as one limit (a size and a percent: both must be exceeded); None when not given."""
     reserved = None
     for part in parts:
-        old = reserved or Limit()
-        reserved = Limit(old.fail_over_bytes if part.fail_over_bytes is None else part.fail_over_bytes,
-                         old.fail_over_pct if part.fail_over_pct is None else part.fail_over_pct)
+        reserved = joined_limit(reserved or Limit(), part, "--reserved-fail-over")
     return reserved
 
 

@@ -10,6 +10,7 @@ from memdiff.baseline import read_baseline
 from memdiff.commands.args import add_rules_arguments, count_arg, rules_from, size_arg
 from memdiff.errors import EXIT_REGRESSION, InputError
 from memdiff.forecasting import forecast, judge_headroom, parse_run
+from memdiff.lists import LISTS, ListOption
 from memdiff.render import forecast as render
 from memdiff.units import format_bytes
 from memdiff.window import add_window_arguments
@@ -26,9 +27,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     """The subcommand's arguments."""
     p.add_argument("runs", nargs="+", metavar="RUN=VALUE",
                    help="a snapshot and its knob value (batch size, sequence length, ...): two or more runs")
-    p.add_argument("--at", type=count_arg, nargs="+", default=[], metavar="VALUE",
+    p.add_argument("--at", action=ListOption, item_type=count_arg, nargs="+", metavar="VALUE",
                    help="values to forecast (default: twice the largest run's); the first one is the JSON's "
-                        "predicted_peak_bytes")
+                        f"predicted_peak_bytes{LISTS}")
     p.add_argument("--budget", type=size_arg, metavar="SIZE",
                    help="also find the largest value whose predicted peak stays within SIZE (e.g. 80GiB)")
     p.add_argument("--baseline", metavar="FILE",

@@ -7,6 +7,7 @@ import sys
 
 from memdiff.errors import EXIT_OK, InputError
 from memdiff.findings import BY_CODE, docs_page, parse_codes, rule_section, rules_list
+from memdiff.lists import ListOption
 
 DESCRIPTION = ("Print the documentation of a finding code (what it means, why it matters, an example, what to "
                "do: the code's section of docs/findings.md), or with --all every code with its severity and "
@@ -15,7 +16,8 @@ DESCRIPTION = ("Print the documentation of a finding code (what it means, why it
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The subcommand's arguments."""
-    p.add_argument("codes", nargs="*", metavar="CODE", help="finding codes (P001, k004), or a family letter (K)")
+    p.add_argument("codes", action=ListOption, nargs="*", metavar="CODE",
+                   help="finding codes (P001, k004), or a family letter (K); several: P001 K004, or P001,K004")
     p.add_argument("--all", action="store_true", help="list every code: code, severity, name")
     p.add_argument("--markdown", action="store_true",
                    help="with --all, the whole documentation page in markdown (docs/findings.md)")

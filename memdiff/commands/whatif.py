@@ -7,6 +7,7 @@ import sys
 
 from memdiff.atomic import check_output, write_output
 from memdiff.commands.args import add_rules_arguments, rules_from, size_arg
+from memdiff.lists import LISTS, ListOption
 from memdiff.predict.whatif import whatif
 from memdiff.render import whatif as render
 
@@ -21,9 +22,9 @@ DESCRIPTION = ("Predict the peak of a run after a change nobody has made yet, fr
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The subcommand's arguments."""
     p.add_argument("snapshot", metavar="RUN", help="a snapshot (the profiler route's or a CUDA one)")
-    p.add_argument("--change", action="append", default=[], metavar="CHANGE",
+    p.add_argument("--change", action=ListOption, metavar="CHANGE",
                    help="a change to predict (checkpoint=0.5, weights=bf16, optimizer=sgd, accumulate=4, "
-                        "checkpoint+weights=bf16); may repeat; default: every applicable one")
+                        f"checkpoint+weights=bf16){LISTS}; default: every applicable one")
     p.add_argument("--budget", type=size_arg, metavar="SIZE",
                    help="say whether each predicted peak fits within SIZE (e.g. 80GiB)")
     p.add_argument("--format", choices=("text", "markdown", "json"), default="text",
