@@ -12,7 +12,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass_type
 from torch.utils._pytree import tree_leaves, tree_map
 
-from memdiff.recording.emulate import distributed, files, legacy, printing, rnn
+from memdiff.recording.emulate import conv, distributed, files, legacy, printing, rnn
 from memdiff.recording.emulate.devices import cuda_index, first_meta
 from memdiff.recording.emulate.escapes import op_refusal
 from memdiff.recording.emulate.gpus import kernels
@@ -375,6 +375,11 @@ class AllocMode(TorchDispatchMode):
         kernel = rnn.KERNELS.get(base)
         if kernel is not None and _is_meta(first):  # cuDNN's RNN kernels: no meta kernel gives their buffers
             return kernel(self.emulator, func, args, kwargs)
+        convolution = conv.KERNELS.get(base)  # cuDNN's convolutions: their workspaces (None: not cuDNN's route)
+        if convolution is not None and _is_meta(first):
+            done = convolution(self.emulator, func, args, kwargs)
+            if done is not None:
+                return done
         try:
             if base in ALL_ELEMENTS_OPS and _is_meta(first):
                 out = self.sized_by_values(func, base, args, kwargs)

@@ -1,4 +1,5 @@
-"""A stand-in for torchvision in tests: `torchvision.models.resnet50`, and the names transformers imports on finding a torchvision (see ../README.md)."""
+"""A stand-in for torchvision in tests: `torchvision.models.resnet50`, and the names transformers imports
+on finding a torchvision (see ../README.md)."""
 
 from . import io, models, transforms
 
