@@ -4,9 +4,12 @@ On a GPU, `aten::convolution` and `aten::convolution_backward` of a float tensor
 its v8/v9 frontend (aten/src/ATen/native/cudnn/Conv_v8.cpp, torch 2.11): `run_single_conv` makes an
 execution plan for (operation, shapes, dtype, alignment, deterministic, allow_tf32) and
 `run_conv_plan` asks the caching allocator for the plan's workspace right before the kernel and
-frees it when the kernel returns. The forward allocates its output, then the workspace. The
-backward runs the data gradient (its output, then its workspace), then the filter gradient (its
-output, then its workspace), then the bias gradient outside cuDNN (a sum). With
+frees it when the kernel returns. The forward allocates its output, copies of the input and weight
+where they are not in the output's memory format, then the workspace. The backward copies
+grad_output into the input's memory format where it is not (ViT's patch embedding: the gradient of
+a transposed view), runs the data gradient (its output, then its workspace), then the filter
+gradient (its output, then its workspace), frees the copy, and takes the bias gradient outside
+cuDNN (a sum). With
 `torch.backends.cudnn.benchmark` off the plan is the heuristics' first that runs; with it on, the
 first call per key runs cuDNN's find, which first allocates the largest workspace among the
 candidate plans and holds it while timing them, empties the cache (`conv_benchmark_empty_cache`,
@@ -32,6 +35,7 @@ FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 # What a GPU's stack names under the op for the outputs cuDNN's path makes, per operation.
 INNER = {"fwd": ("cudnn_convolution",), "data": ("cudnn_convolution_backward_input",),
          "filter": ("cudnn_convolution_backward_weight",)}
+COPY = ("_to_copy", "to_dtype_layout")  # Tensor.contiguous(memory_format) and .to(memory_format)
 # The plans benchmark mode has found, per emulator (cuDNN's benchmark_cache lives for the process).
 _FOUND: "weakref.WeakKeyDictionary[Emulator, Set[str]]" = weakref.WeakKeyDictionary()
 
@@ -71,14 +75,15 @@ def key(op: str, x: torch.Tensor, w: torch.Tensor, stride: Sequence[int], paddin
 
 
 def workspace(emulator: Emulator, op: str, x: torch.Tensor, w: torch.Tensor, y: torch.Tensor,
-              stride: Sequence[int], padding: Sequence[int], dilation: Sequence[int], groups: int) -> int:
-    """The bytes of the workspace cuDNN's heuristics' plan asks for: the calibrated size where the
+              stride: Sequence[int], padding: Sequence[int], dilation: Sequence[int], groups: int,
+              layout: torch.memory_format = torch.contiguous_format) -> int:
+    """The bytes of the workspace cuDNN's heuristics' plan asks for: the calibrated size where a
     real trace showed this operation and shape on this GPU's architecture with torch's defaults
-    (TF32 allowed, not deterministic, contiguous NCHW tensors), else the estimate."""
+    (TF32 allowed, not deterministic, run in NCHW `layout`), else the estimate."""
     table = rules()
     arch = f"sm{emulator.gpu.major}{emulator.gpu.minor}"
     defaults = torch.backends.cudnn.allow_tf32 and not torch.backends.cudnn.deterministic \
-        and x.is_contiguous() and w.is_contiguous() and y.is_contiguous()
+        and layout == torch.contiguous_format
     if defaults:
         known = table.calibrated.get(arch, {}).get(key(op, x, w, stride, padding, dilation, groups))
         if known is not None:
@@ -87,6 +92,16 @@ def workspace(emulator: Emulator, op: str, x: torch.Tensor, w: torch.Tensor, y: 
         and all(int(p) == 0 for p in padding)
     sizes = table.estimate[op]["pointwise" if pointwise else "other"]
     return min(size(_values(x, w, y)) for size in sizes)
+
+
+def _format(t: torch.Tensor) -> torch.memory_format:
+    """Tensor.suggest_memory_format: channels-last where the tensor is laid out so (and not also
+    contiguous), else contiguous; cuDNN runs in the output's (forward) or input's (backward)."""
+    if t.dim() == 4 and t.is_contiguous(memory_format=torch.channels_last) and not t.is_contiguous():
+        return torch.channels_last
+    if t.dim() == 5 and t.is_contiguous(memory_format=torch.channels_last_3d) and not t.is_contiguous():
+        return torch.channels_last_3d
+    return torch.contiguous_format
 
 
 def _values(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> Dict[str, int]:
@@ -108,11 +123,24 @@ def uses_cudnn(x: Any, w: Any, transposed: bool, groups: int) -> bool:
 
 
 class _Run:
-    """One cuDNN operation's workspace, allocated and freed as run_conv_plan does (with benchmark
-    mode's find before it at the first call of a key)."""
+    """One cuDNN call's own memory, in the order the kernel makes it: copies of tensors not laid out
+    in the memory format it runs in (`.contiguous(memory_format)`, kept until the call returns),
+    and each operation's workspace (with benchmark mode's find before it at a key's first call)."""
 
-    def __init__(self, emulator: Emulator, name: str, index: int) -> None:
-        self.emulator, self.name, self.index = emulator, name, index
+    def __init__(self, emulator: Emulator, name: str, index: int, layout: torch.memory_format) -> None:
+        self.emulator, self.name, self.index, self.layout = emulator, name, index, layout
+        self.copies: List[Any] = []
+
+    def copy(self, t: torch.Tensor, inner: Sequence[str]) -> None:
+        """`t.contiguous(layout)`: a new tensor where `t` is not laid out so."""
+        if not t.is_contiguous(memory_format=self.layout) and t.numel():
+            frames = self.emulator.frames(self.name, (*COPY, *inner))
+            self.copies.append(self.emulator.allocate(t.numel() * t.element_size(), frames, self.index))
+
+    def release(self) -> None:
+        """The call returns: its copies are freed, the last made first."""
+        while self.copies:
+            self.emulator.release(self.copies.pop(), self.index)
 
     def __call__(self, op: str, x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, stride: Sequence[int],
                  padding: Sequence[int], dilation: Sequence[int], groups: int) -> None:
@@ -120,11 +148,11 @@ class _Run:
         frames = emulator.frames(self.name, INNER[op])
         if torch.backends.cudnn.benchmark:
             found = _FOUND.setdefault(emulator, set())
-            plan = key(op, x, w, stride, padding, dilation, groups) + f" {x.stride()} {w.stride()}"
+            plan = f"{key(op, x, w, stride, padding, dilation, groups)} {self.layout}"
             if plan not in found:
                 found.add(plan)
                 self.find(rules().find(_values(x, w, y)), frames)
-        size = workspace(emulator, op, x, w, y, stride, padding, dilation, groups)
+        size = workspace(emulator, op, x, w, y, stride, padding, dilation, groups, self.layout)
         if size > 0:
             emulator.release(emulator.allocate(size, frames, self.index), self.index)
 
@@ -150,7 +178,9 @@ def _track(emulator: Emulator, out: Any, name: str, inner: Sequence[str], index:
 
 def convolution(emulator: Emulator, func: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
     """aten::convolution(input, weight, bias, stride, padding, dilation, transposed, output_padding,
-    groups): the output, then the workspace. A transposed convolution is cuDNN's data gradient."""
+    groups): the output, copies of the weight and input where they are not in the output's memory
+    format, then the workspace (ConvShared.cpp's cudnn_convolution_forward_out). A transposed
+    convolution is cuDNN's data gradient."""
     x, w = args[0], args[1]
     stride, padding, dilation, transposed, _, groups = args[3:9]
     if not uses_cudnn(x, w, bool(transposed), int(groups)):
@@ -159,24 +189,29 @@ def convolution(emulator: Emulator, func: Any, args: Tuple[Any, ...], kwargs: Di
     name, index = op_name(func), emulator.placement.for_new(args, kwargs)
     op = "data" if transposed else "fwd"
     _track(emulator, out, name, INNER[op], index)
-    run = _Run(emulator, name, index)
+    run = _Run(emulator, name, index, _format(out))
+    run.copy(w, INNER[op])
+    run.copy(x, INNER[op])
     if transposed:  # the output plays the forward's input, the input its output
         run(op, out, w, x, stride, padding, dilation, int(groups))
     else:
         run(op, x, w, out, stride, padding, dilation, int(groups))
+    run.release()
     return out
 
 
 def convolution_backward(emulator: Emulator, func: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
     """aten::convolution_backward(grad_output, input, weight, bias_sizes, stride, padding, dilation,
-    transposed, output_padding, groups, output_mask): the input's gradient and its workspace, the
-    weight's gradient and its workspace, then the bias's, in the order cuDNN's path makes them."""
+    transposed, output_padding, groups, output_mask): grad_output in the input's memory format (a
+    copy where it is not: a transposed view's gradient), the input's gradient and its workspace, the
+    weight's gradient and its workspace, then, outside cuDNN, the bias's, in the order a GPU makes them."""
     grad_output, x, w = args[0], args[1], args[2]
     stride, padding, dilation, transposed, _, groups, mask = args[4:11]
     if not uses_cudnn(x, w, bool(transposed), int(groups)):
         return None
     name, index = op_name(func), emulator.placement.for_new(args, kwargs)
-    run = _Run(emulator, name, index)
+    run = _Run(emulator, name, index, _format(x))
+    run.copy(grad_output, ("cudnn_convolution_backward",))
     head = args[:10]
     results: List[Optional[torch.Tensor]] = [None, None, None]
     # A transposed convolution's input gradient is a forward convolution of grad_output, and its
@@ -188,6 +223,7 @@ def convolution_backward(emulator: Emulator, func: Any, args: Tuple[Any, ...], k
             _track(emulator, part, name, INNER[op], index)
             run(op, fx, w, fy, stride, padding, dilation, int(groups))
             results[i] = part
+    run.release()
     if mask[2]:
         results[2] = func(*head, [False, False, True], **kwargs)[2]
         _track(emulator, results[2], name, ("sum_dim_IntList",), index)  # outside cuDNN
