@@ -155,6 +155,25 @@ def test_vits_patch_embedding_asks_the_workspace_the_real_h100_run_asked(torch, 
     assert real == asked * 3
 
 
+def test_batch_norm_in_evaluation_saves_nothing_on_the_gpu_as_cudnn_does(torch):
+    # cuDNN's batch norm (PyTorch's route on a GPU for this input) keeps no mean and deviation in
+    # evaluation: the output is its only allocation. Training keeps both, for the backward.
+    from memdiff.recording.emulate.gpus import gpu
+    from memdiff.recording.emulate.runtime import Emulator
+
+    with Emulator(gpu("h100")):
+        bn = torch.nn.BatchNorm2d(64).cuda()
+        x = torch.randn(8, 64, 32, 32, device="cuda")
+        output = x.numel() * 4
+        before = torch.cuda.memory_allocated()
+        y = bn.eval()(x)
+        assert torch.cuda.memory_allocated() - before == output
+        del y
+        y = bn.train()(x.requires_grad_())
+        assert torch.cuda.memory_allocated() - before == output + 2 * 512  # 64 floats each, in 512-byte blocks
+        assert type(y.grad_fn).__name__ == "CudnnBatchNormBackward0"
+
+
 # -- the whole run ----------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -186,3 +205,17 @@ def test_the_emulated_resnet50_has_the_real_h100_windows_memory(emulated, truth,
         assert abs(emu.categories.get(category, 0) - real.categories.get(category, 0)) <= 2**20, category
     for fact in ("weights_bytes", "trainable_bytes", "optimizer_state_bytes"):
         assert own[fact] == facts[fact], fact
+    # Batch norm runs cuDNN's kernels, as the real stacks name them, with the same allocations.
+    for op in ("cudnn_batch_norm", "cudnn_batch_norm_backward"):
+        real_sizes = allocations_in(truth / f"{NAME}.pickle.gz", op)
+        assert real_sizes and allocations_in(emulated / f"{NAME}.pickle", op) == real_sizes, op
+
+
+def allocations_in(path: Path, op: str) -> List[int]:
+    """The sizes of a snapshot's allocations made inside aten op `op`, in order."""
+    opener: Any = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rb") as f:
+        trace = pickle.load(f)["device_traces"][0]
+    frame = f"at::_ops::{op}::call"
+    return [event["size"] for event in trace
+            if event["action"] == "alloc" and any(fr["name"].startswith(frame) for fr in event["frames"])]

@@ -12,7 +12,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass_type
 from torch.utils._pytree import tree_leaves, tree_map
 
-from memdiff.recording.emulate import conv, distributed, files, legacy, printing, rnn
+from memdiff.recording.emulate import batchnorm, conv, distributed, files, legacy, printing, rnn
 from memdiff.recording.emulate.devices import cuda_index, first_meta
 from memdiff.recording.emulate.escapes import op_refusal
 from memdiff.recording.emulate.gpus import kernels
@@ -199,6 +199,8 @@ class DeviceMode(TorchFunctionMode):
                 return self.attention(func, args, kwargs)
             if rnn.handles(func):
                 return rnn.call(self.emulator, func, args, kwargs)
+            if batchnorm.handles(func):
+                return batchnorm.call(self.emulator, func, args, kwargs)
             if legacy.handles(func):
                 return legacy.call(func, args, kwargs)
             out = func(*args, **kwargs)
