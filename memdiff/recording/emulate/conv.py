@@ -176,7 +176,7 @@ def _track(emulator: Emulator, out: Any, name: str, inner: Sequence[str], index:
         emulator.track(out.untyped_storage(), name, inner, index)
 
 
-def convolution(emulator: Emulator, func: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
+def convolution(emulator: Emulator, func: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any], mode: Any) -> Any:
     """aten::convolution(input, weight, bias, stride, padding, dilation, transposed, output_padding,
     groups): the output, copies of the weight and input where they are not in the output's memory
     format, then the workspace (ConvShared.cpp's cudnn_convolution_forward_out). A transposed
@@ -200,7 +200,8 @@ def convolution(emulator: Emulator, func: Any, args: Tuple[Any, ...], kwargs: Di
     return out
 
 
-def convolution_backward(emulator: Emulator, func: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
+def convolution_backward(emulator: Emulator, func: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any],
+                         mode: Any) -> Any:
     """aten::convolution_backward(grad_output, input, weight, bias_sizes, stride, padding, dilation,
     transposed, output_padding, groups, output_mask): grad_output in the input's memory format (a
     copy where it is not: a transposed view's gradient), the input's gradient and its workspace, the
@@ -225,10 +226,17 @@ def convolution_backward(emulator: Emulator, func: Any, args: Tuple[Any, ...], k
             results[i] = part
     run.release()
     if mask[2]:
-        results[2] = func(*head, [False, False, True], **kwargs)[2]
-        _track(emulator, results[2], name, ("sum_dim_IntList",), index)  # outside cuDNN
+        # outside cuDNN: a sum over all but the channels, run as an op of its own (through `mode`,
+        # the dispatch mode this kernel runs under) so that the rules of sums apply to it
+        emulator.context.append(name)
+        try:
+            with mode:
+                results[2] = torch.sum(grad_output, [0, *range(2, grad_output.dim())])
+        finally:
+            emulator.context.pop()
     return tuple(results)
 
 
-KERNELS: Dict[str, Callable[[Emulator, Any, Tuple[Any, ...], Dict[str, Any]], Any]] = {
+# Each kernel takes the emulator, the op, its arguments and the dispatch mode it runs under; None: not cuDNN's route.
+KERNELS: Dict[str, Callable[[Emulator, Any, Tuple[Any, ...], Dict[str, Any], Any], Any]] = {
     "convolution": convolution, "convolution_backward": convolution_backward}

@@ -379,7 +379,7 @@ class AllocMode(TorchDispatchMode):
             return kernel(self.emulator, func, args, kwargs)
         convolution = conv.KERNELS.get(base)  # cuDNN's convolutions: their workspaces (None: not cuDNN's route)
         if convolution is not None and _is_meta(first):
-            done = convolution(self.emulator, func, args, kwargs)
+            done = convolution(self.emulator, func, args, kwargs, self)
             if done is not None:
                 return done
         try:
