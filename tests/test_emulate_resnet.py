@@ -155,6 +155,31 @@ def test_vits_patch_embedding_asks_the_workspace_the_real_h100_run_asked(torch, 
     assert real == asked * 3
 
 
+@pytest.mark.parametrize("searching", [False, True])
+def test_cudnn_benchmark_searches_at_a_shapes_first_convolution_only(torch, searching):
+    # torch.backends.cudnn.benchmark: the first call of a shape runs cuDNN's find, which holds a
+    # workspace of its own while it times the plans (Conv_v8.cpp's get_plans_from_find), then the
+    # chosen plan runs with its workspace; later calls reuse the plan. Without it, no search.
+    from memdiff.recording.emulate.gpus import gpu
+    from memdiff.recording.emulate.runtime import Emulator
+
+    old = torch.backends.cudnn.benchmark
+    requests = []
+    try:
+        with Emulator(gpu("h100")):
+            torch.backends.cudnn.benchmark = searching
+            conv = torch.nn.Conv2d(16, 32, 3, padding=1, bias=False).cuda()
+            x = torch.randn(8, 16, 32, 32, device="cuda")
+            for _ in range(2):
+                before = torch.cuda.memory_stats()["allocation.all.allocated"]
+                conv(x)
+                requests.append(torch.cuda.memory_stats()["allocation.all.allocated"] - before)
+    finally:
+        torch.backends.cudnn.benchmark = old
+    # the output and the workspace, and the find's workspace at the first call under benchmark
+    assert requests == ([3, 2] if searching else [2, 2])
+
+
 def test_batch_norm_in_evaluation_saves_nothing_on_the_gpu_as_cudnn_does(torch):
     # cuDNN's batch norm (PyTorch's route on a GPU for this input) keeps no mean and deviation in
     # evaluation: the output is its only allocation. Training keeps both, for the backward.
