@@ -12,7 +12,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass_type
 from torch.utils._pytree import tree_leaves, tree_map
 
-from memdiff.recording.emulate import distributed, files, legacy, printing, rnn
+from memdiff.recording.emulate import batchnorm, conv, distributed, files, legacy, printing, rnn
 from memdiff.recording.emulate.devices import cuda_index, first_meta
 from memdiff.recording.emulate.escapes import op_refusal
 from memdiff.recording.emulate.gpus import kernels
@@ -199,6 +199,8 @@ class DeviceMode(TorchFunctionMode):
                 return self.attention(func, args, kwargs)
             if rnn.handles(func):
                 return rnn.call(self.emulator, func, args, kwargs)
+            if batchnorm.handles(func):
+                return batchnorm.call(self.emulator, func, args, kwargs)
             if legacy.handles(func):
                 return legacy.call(func, args, kwargs)
             out = func(*args, **kwargs)
@@ -375,6 +377,11 @@ class AllocMode(TorchDispatchMode):
         kernel = rnn.KERNELS.get(base)
         if kernel is not None and _is_meta(first):  # cuDNN's RNN kernels: no meta kernel gives their buffers
             return kernel(self.emulator, func, args, kwargs)
+        convolution = conv.KERNELS.get(base)  # cuDNN's convolutions: their workspaces (None: not cuDNN's route)
+        if convolution is not None and _is_meta(first):
+            done = convolution(self.emulator, func, args, kwargs, self)
+            if done is not None:
+                return done
         try:
             if base in ALL_ELEMENTS_OPS and _is_meta(first):
                 out = self.sized_by_values(func, base, args, kwargs)
