@@ -266,8 +266,9 @@ class DeviceMode(TorchFunctionMode):
             return func(*args, **kwargs)
         q, k, v = self.autocast.attention(q, k, v)
         backend = self.backend(q, k, v, mask, dropout, causal, gqa)
-        if mask is not None and mask.dtype == torch.bool and backend != "cudnn":
-            mask = sdpa.boolean_mask(mask, q.dtype)  # convert_boolean_attn_mask, before every backend but cuDNN
+        if mask is not None and mask.dtype == torch.bool:
+            # convert_boolean_attn_mask (cuDNN's variant fills -65504 where this fills -inf: the same tensor)
+            mask = sdpa.boolean_mask(mask, q.dtype)
         if backend == "math":
             self.emulator.context.append("_scaled_dot_product_attention_math")
             try:
