@@ -197,7 +197,7 @@ def _under(allocs, frame):
 def test_a_learned_attention_bias_runs_the_math_path_with_its_ops(tmp_path, torch):
     """The bias's last stride is 8 (heads): no fused kernel takes it, and the emulated GPU runs
     _scaled_dot_product_attention_math's ops as the real H100 did for T5 (the scores' bmm, the
-    _safe_softmax, the fused dropout's bool mask), not the efficient kernel."""
+    _safe_softmax with its temporaries, the fused dropout's bool mask), not the efficient kernel."""
     B, H, S = 4, 8, 36
     allocs = _emulated_trace(tmp_path, contiguous=False)
     math = [(size, frames) for size, frames in allocs
@@ -206,6 +206,7 @@ def test_a_learned_attention_bias_runs_the_math_path_with_its_ops(tmp_path, torc
     scores = B * H * S * S * 4
     assert scores in _under(math, "bmm")
     assert scores in _under(math, "_safe_softmax")
+    assert B * H * S * S in _under(math, "isneginf")  # _safe_softmax's bool copy of the scores, as on the GPU
     assert B * H * S * S in _under(math, "native_dropout")  # the mask is bool, one byte an element
     assert not _under(allocs, "_scaled_dot_product_efficient_attention")
 

@@ -176,7 +176,20 @@ def math(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch
         context.pop()
     if mask is not None:
         attn.add_(mask)
-    attn = torch._safe_softmax(attn, -1)
+    scores, attn = attn, torch._safe_softmax(attn, -1)
+    # _safe_softmax (SoftMax.cpp) runs whole on the meta device, which hides the temporaries its
+    # CUDA run allocates after the softmax: the rows that are all -inf, found through a bool copy
+    # of the scores, and a zero to put there (the real H100's T5 window shows each, freed at once).
+    context.append("_safe_softmax")
+    try:
+        with torch.no_grad():
+            masked = scores.isneginf()
+            rows = masked.all(-1, keepdim=True)
+            zero = torch.scalar_tensor(0.0, dtype=attn.dtype, device=attn.device)
+            del zero, rows, masked
+    finally:
+        context.pop()
+    del scores
     if dropout > 0.0:
         context.append("dropout")
         try:
