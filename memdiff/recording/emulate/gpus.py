@@ -6,7 +6,7 @@ import json
 from dataclasses import dataclass
 from functools import lru_cache
 from importlib import resources
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List
 
 from memdiff.errors import InputError
 
@@ -26,7 +26,6 @@ class Gpu:
     warp_size: int
     cublas_workspace: int
     cublaslt_workspace: int
-    sdpa_order: Tuple[str, ...]
 
     @property
     def capacity(self) -> int:
@@ -55,8 +54,7 @@ def gpu(key: str) -> Gpu:
                total_memory=entry["total_memory"], context_bytes=entry["context_bytes"],
                multi_processor_count=entry["multi_processor_count"],
                l2_cache_size=entry["l2_cache_size"], warp_size=entry["warp_size"],
-               cublas_workspace=entry["cublas_workspace"], cublaslt_workspace=entry["cublaslt_workspace"],
-               sdpa_order=tuple(entry["sdpa_order"]))
+               cublas_workspace=entry["cublas_workspace"], cublaslt_workspace=entry["cublaslt_workspace"])
 
 
 @lru_cache(maxsize=None)

@@ -12,16 +12,14 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass_type
 from torch.utils._pytree import tree_leaves, tree_map
 
-from memdiff.recording.emulate import batchnorm, conv, distributed, files, legacy, printing, rnn
+from memdiff.recording.emulate import batchnorm, conv, distributed, files, legacy, printing, rnn, sdpa
 from memdiff.recording.emulate.devices import cuda_index, first_meta
 from memdiff.recording.emulate.escapes import op_refusal
-from memdiff.recording.emulate.gpus import kernels
 from memdiff.recording.emulate.runtime import ALL_ELEMENTS_OPS, Emulator, op_name, python_frames
 from memdiff.recording.emulate.values import Values
 
 META = torch.device("meta")
 TensorBase = torch._C.TensorBase
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
 
 
 def cuda(index: int) -> torch.device:
@@ -127,7 +125,6 @@ class DeviceMode(TorchFunctionMode):
         super().__init__()
         self.emulator = emulator
         self.autocast = emulator.autocast
-        self.sdpa = kernels()["sdpa"]
 
     def __torch_function__(self, func: Any, types: Any, args: Tuple[Any, ...] = (), kwargs: Optional[Dict] = None):
         kwargs = dict(kwargs or {})
@@ -259,50 +256,54 @@ class DeviceMode(TorchFunctionMode):
             self.emulator.context.pop()
 
     def attention(self, func: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
-        """scaled_dot_product_attention with the backend PyTorch picks on the emulated GPU."""
+        """scaled_dot_product_attention with the backend PyTorch picks on the emulated GPU, run as that
+        backend runs: attention.cpp's scaled_dot_product_attention after _fused_sdp_choice."""
         names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
         call = dict(zip(names, args))
         call.update(kwargs)
         q, k, v = call["query"], call["key"], call["value"]
         mask, dropout = call.get("attn_mask"), float(call.get("dropout_p", 0.0) or 0.0)
-        causal, scale = bool(call.get("is_causal", False)), call.get("scale")
-        if not (_is_meta(q) and q.dim() == 4):
+        causal, scale, gqa = bool(call.get("is_causal", False)), call.get("scale"), bool(call.get("enable_gqa", False))
+        if not _is_meta(q):
             return func(*args, **kwargs)
         q, k, v = self.autocast.attention(q, k, v)
-        backend = self.backend(q, k, mask)
+        backend = self.backend(q, k, v, mask, dropout, causal, gqa)
+        if mask is not None and mask.dtype == torch.bool:
+            # convert_boolean_attn_mask (cuDNN's variant fills -65504 where this fills -inf: the same tensor)
+            mask = sdpa.boolean_mask(mask, q.dtype)
+        if backend == "math":
+            self.emulator.context.append("_scaled_dot_product_attention_math")
+            try:
+                return sdpa.math(q, k, v, mask, dropout, causal, scale, gqa, self.emulator.context)
+            finally:
+                self.emulator.context.pop()
         grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
         if backend == "cudnn":
             out = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, mask, grad, dropout, causal, False,
                                                                      scale=scale)
         elif backend == "flash":
             out = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, dropout, causal, False, scale=scale)
-        elif backend == "efficient":
+        else:
+            if mask is not None:
+                mask = sdpa.efficient_mask(mask, q, k)
             out = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, mask, grad, dropout, causal,
                                                                          scale=scale)
-        else:
-            return func(q, k, v, **{n: call[n] for n in names[3:] if n in call})
         return out[0]
 
-    def backend(self, q: torch.Tensor, k: torch.Tensor, mask: Any) -> str:
-        """The first backend of the GPU's order that is enabled and takes these inputs."""
-        enabled = {"cudnn": torch.backends.cuda.cudnn_sdp_enabled(), "flash": torch.backends.cuda.flash_sdp_enabled(),
-                   "efficient": torch.backends.cuda.mem_efficient_sdp_enabled(),
-                   "math": torch.backends.cuda.math_sdp_enabled()}
-        for name in self.emulator.gpu.sdpa_order:
-            rule = self.sdpa[name]
-            if not enabled.get(name, False) or self.emulator.gpu.major < rule["min_major"]:
-                continue
-            if q.dtype not in [DTYPES[d] for d in rule["dtypes"]]:
-                continue
-            head = q.shape[-1]
-            if head > rule["max_head_dim"] or head % rule["head_dim_multiple"]:
-                continue
-            if mask is not None and not rule["mask"]:
-                continue
-            if q.shape[1] != k.shape[1] and name != "flash" and name != "math":
-                continue  # grouped-query attention: only flash and math take fewer key heads
-            return name
-        return "math"
+    def backend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor],
+                dropout: float, causal: bool, gqa: bool) -> str:
+        """The backend PyTorch's select_sdp_backend picks on the emulated GPU, by the rule table of the
+        torch that runs (kernels.json, sdpa_select); PyTorch's error when none takes the call."""
+        running = str(torch.__version__)
+        known, rules = sdpa.table(running)
+        if not sdpa.exact(running):
+            self.emulator.note(f"scaled_dot_product_attention's backend is chosen by torch {known}'s rules "
+                               f"(memdiff has none for torch {running})")
+        gpu = self.emulator.gpu
+        chosen, _ = sdpa.select(rules, sdpa.facts(q, k, v, mask, dropout, causal, gqa, gpu.major, gpu.minor))
+        if chosen is None:
+            raise RuntimeError("No available kernel. Aborting execution.")
+        return chosen
 
 
 class AllocMode(TorchDispatchMode):
