@@ -288,6 +288,8 @@ def _set_on_type(cls: Any, name: str, value: Any) -> None:
 def _tobytes(real: Callable[..., Any]) -> Callable[..., Any]:
     def tobytes(self: Any, *args: Any, **kwargs: Any) -> Any:
         out = real(self, *args, **kwargs)
+        # bytes' own constructor copies them into the subclass: for a moment the array's bytes are
+        # held twice (llm.c's padded embedding, 154 MB, adds that to the run's peak host memory)
         return MadeUpBytes(out) if made_up(self) else out
     tobytes.__doc__ = real.__doc__
     return tobytes
