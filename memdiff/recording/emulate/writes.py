@@ -258,8 +258,11 @@ def _opener(real: Callable[..., Any], files: "Files", opened: "weakref.WeakSet[S
         if not any(c in mode for c in "wx+a"):
             aside = files.aside.get(path)  # what the script wrote there and memdiff did not put in place
             return real(file if aside is None else aside, mode, *args, **kwargs)
-        if ("w" not in mode and "x" not in mode) or os.path.isdir(path) or ("x" in mode and os.path.exists(path)):
-            return real(file, mode, *args, **kwargs)  # appending, updating, or open()'s own error
+        exists = os.path.exists(path)
+        if ("w" not in mode and "x" not in mode) or (exists and ("x" in mode or not os.path.isfile(path))):
+            # appending, updating, open()'s own error, or no regular file (/dev/null, a pipe): a
+            # temporary file moved over one would replace the device itself
+            return real(file, mode, *args, **kwargs)
         target = os.path.realpath(path)  # through a link, as open() writes
         try:
             descriptor, temp = tempfile.mkstemp(prefix=f".{os.path.basename(target)}.", suffix=".memdiff",
@@ -269,7 +272,12 @@ def _opener(real: Callable[..., Any], files: "Files", opened: "weakref.WeakSet[S
                 return _EmptiedAtFirstWrite(real(file, mode.replace("w", "r+").replace("++", "+"), *args, **kwargs))
             return real(file, mode, *args, **kwargs)
         os.close(descriptor)
-        staged = Staged(real(temp, mode.replace("x", "w"), *args, **kwargs), temp, (path, target), file, mode, files)
+        try:
+            inner = real(temp, mode.replace("x", "w"), *args, **kwargs)
+        except BaseException:  # open()'s own refusal (a text encoding with "wb"): no temporary file stays
+            os.remove(temp)
+            raise
+        staged = Staged(inner, temp, (path, target), file, mode, files)
         opened.add(staged)
         return staged
     opening.__doc__ = real.__doc__
