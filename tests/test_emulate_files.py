@@ -502,3 +502,20 @@ def test_a_file_open_when_the_emulator_stops_is_put_in_place_and_numpy_and_open_
     plain.write_bytes(b"")
     assert (tmp_path / "new.bin").stat().st_mode == plain.stat().st_mode  # as open() makes a file
     assert sorted(p.name for p in tmp_path.iterdir()) == ["log.bin", "new.bin", "plain.bin"]
+
+
+def test_leaving_the_emulator_puts_pil_and_pickle_back(tmp_path):
+    image = pytest.importorskip("PIL.Image")
+    import pickle as pickle_module
+
+    from memdiff.recording.emulate.gpus import gpu
+    from memdiff.recording.emulate.runtime import Emulator
+
+    before = (image.Image.save, image.Image._new, image.frombuffer, image.frombytes, pickle_module.dump)
+    with Emulator(gpu("h100")):
+        assert image.Image.save is not before[0] and pickle_module.dump is not before[4]
+        pixels = torch.nn.Linear(8, 8).cuda().weight.detach().to("cpu", torch.uint8).numpy()
+        image.fromarray(pixels).save(tmp_path / "device.png")
+        image.fromarray(np.zeros((8, 8), dtype=np.uint8)).save(tmp_path / "host.png")
+    assert (image.Image.save, image.Image._new, image.frombuffer, image.frombytes, pickle_module.dump) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["host.png"]
