@@ -519,3 +519,28 @@ def test_leaving_the_emulator_puts_pil_and_pickle_back(tmp_path):
         image.fromarray(np.zeros((8, 8), dtype=np.uint8)).save(tmp_path / "host.png")
     assert (image.Image.save, image.Image._new, image.frombuffer, image.frombytes, pickle_module.dump) == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["host.png"]
+
+
+def test_a_file_renamed_while_still_open_lands_at_its_new_name_or_nowhere(tmp_path):
+    # the atomic-write idiom some savers use: write a temporary name, flush, rename, then close
+    from memdiff.recording.emulate.gpus import gpu
+    from memdiff.recording.emulate.runtime import Emulator
+
+    (tmp_path / "weights.bin").write_bytes(b"the user's weights")
+    with Emulator(gpu("h100")):
+        f = open(tmp_path / "config.tmp", "wb")
+        f.write(b"host bytes")
+        f.flush()
+        os.replace(tmp_path / "config.tmp", tmp_path / "config.bin")
+        f.close()
+        weights = torch.nn.Linear(4, 4).cuda().weight.detach().cpu()
+        g = open(tmp_path / "weights.tmp", "wb")
+        g.write(weights.numpy().tobytes())
+        g.flush()
+        os.replace(tmp_path / "weights.tmp", tmp_path / "weights.bin")
+        g.close()
+        with open(tmp_path / "weights.bin", "rb") as back:  # the layout the real run wrote there
+            assert len(back.read()) == 4 * 4 * 4
+    assert (tmp_path / "config.bin").read_bytes() == b"host bytes"
+    assert (tmp_path / "weights.bin").read_bytes() == b"the user's weights"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.bin", "weights.bin"]

@@ -106,6 +106,7 @@ class Files:
         # temporary file that holds what it wrote, which reading the path gives back in this run.
         self.aside: Dict[str, str] = {}
         self.temporaries: Set[str] = set()  # every such temporary file, removed when the emulator stops
+        self.writing: "weakref.WeakValueDictionary[str, Any]" = weakref.WeakValueDictionary()  # open ones, by path
 
     # -- host memory read back from the device --------------------------------------------------
 
@@ -642,9 +643,13 @@ def _moves(files: Files) -> Iterator[None]:
     import shutil
 
     def unwritten(path: Any) -> Optional[str]:
-        if not isinstance(path, (str, os.PathLike)) or not files.unwritten:
+        if not isinstance(path, (str, os.PathLike)):
             return None
         full = os.path.abspath(os.fsdecode(path))
+        writing = files.writing.get(full)
+        if writing is not None:  # still open (write, flush, rename, close): settled where it stands now
+            writing.flush()
+            writing.settle()
         return full if full in files.unwritten else None
 
     def moving(real: Callable[..., Any], keep_source: bool) -> Callable[..., Any]:

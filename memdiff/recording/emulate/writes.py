@@ -154,7 +154,7 @@ class Staged:
         """Close the file; put it in place if clean, else leave the path as it was and say so."""
         if self._file.closed:
             return
-        if not self._placed and not self.clean and self._made_up:
+        if self._made_up:
             self._file.seek(0, io.SEEK_END)
             if self._file.tell() < self._end:  # a hole at the end is no bytes until the size says so
                 self._file.truncate(self._end)
@@ -279,6 +279,7 @@ def _opener(real: Callable[..., Any], files: "Files", opened: "weakref.WeakSet[S
             raise
         staged = Staged(inner, temp, (path, target), file, mode, files)
         opened.add(staged)
+        files.writing[path] = staged
         return staged
     opening.__doc__ = real.__doc__
     return opening
