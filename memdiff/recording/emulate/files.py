@@ -18,6 +18,8 @@ meta tensors, and the Hugging Face Trainer wrote gigabytes of zeros. So while th
   `storage.cuda()`) become allocations on the emulated GPU, one per storage as a GPU makes them,
   without reading their bytes: torch.load maps the file and copies out only what stays on the host.
   safetensors opened onto the device (`load_file`, `safe_open`) reads only the header.
+- the script's own binary writes (`f.write(t.cpu().numpy().tobytes())`, PIL images of read-back
+  pixels) are writes.py's.
 """
 
 from __future__ import annotations
@@ -564,6 +566,8 @@ class _Patches:
             holder = module
             for owner in owners:
                 holder = getattr(holder, owner, None)
+            if holder is None:
+                continue
             real = vars(holder).get(attribute) if owners else getattr(holder, attribute, None)
             if real is None or id(real) in self.originals:
                 continue
