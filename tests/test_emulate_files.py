@@ -544,3 +544,22 @@ def test_a_file_renamed_while_still_open_lands_at_its_new_name_or_nowhere(tmp_pa
     assert (tmp_path / "config.bin").read_bytes() == b"host bytes"
     assert (tmp_path / "weights.bin").read_bytes() == b"the user's weights"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["config.bin", "weights.bin"]
+
+
+def test_numpys_copies_of_read_back_data_are_not_written_and_of_host_data_are(tmp_path):
+    from memdiff.recording.emulate.gpus import gpu
+    from memdiff.recording.emulate.runtime import Emulator
+
+    before = (np.ndarray.astype, np.ndarray.copy, np.ndarray.flatten)
+    with Emulator(gpu("h100")):
+        weight = torch.nn.Linear(16, 16).cuda().weight.detach().cpu().numpy()
+        with open(tmp_path / "half.bin", "wb") as f:
+            f.write(weight.astype(np.float16).tobytes())
+        weight.T.copy().tofile(tmp_path / "copy.raw")
+        with open(tmp_path / "flat.bin", "wb") as f:
+            f.write(weight.flatten())
+        with open(tmp_path / "host.bin", "wb") as f:
+            f.write(np.arange(4).astype(np.float16).tobytes())
+    assert (np.ndarray.astype, np.ndarray.copy, np.ndarray.flatten) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["host.bin"]
+    assert (tmp_path / "host.bin").read_bytes() == np.arange(4).astype(np.float16).tobytes()

@@ -119,11 +119,15 @@ class Files:
                 return
             storage = tensor.untyped_storage()
             start, size = storage.data_ptr(), storage.nbytes()
+        self.mark_memory(storage, start, size)
+
+    def mark_memory(self, owner: Any, start: int, size: int) -> None:
+        """Remember `size` bytes at `start`, which `owner` holds, as read-back data until it is freed."""
         if not size or start in self._ends:
             return
         bisect.insort(self._starts, start)
         self._ends[start] = start + size
-        weakref.finalize(storage, self._forget, start)
+        weakref.finalize(owner, self._forget, start)
 
     def marked(self) -> bool:
         """Whether any host memory now holds read-back data."""

@@ -10,8 +10,9 @@ after a header of its own, and an image of generated samples is a PIL `save` of 
 - the bytes are known by where they come from, never by their values: host memory read back from
   the device is marked by address (files.py), a buffer written from it (`f.write(arr)`,
   `memoryview`) is found by its address, and a copy numpy makes of it (`ndarray.tobytes`, which
-  loses the address) comes back as `MadeUpBytes`, a `bytes` that says where it came from.
-  `ndarray.tofile` of it writes nothing.
+  loses the address) comes back as `MadeUpBytes`, a `bytes` that says where it came from; its
+  copies by `astype`, `copy` and `flatten` are marked as it is. `ndarray.tofile` of it writes
+  nothing.
 - a file the script opens for binary writing (`open(path, "wb")`) is written into a temporary
   file beside it, and put in place when it is closed (`os.replace`, keeping the mode of the file
   it replaces) only if nothing written into it held read-back data and no skipped save targeted
@@ -321,6 +322,19 @@ def _tofile(real: Callable[..., Any]) -> Callable[..., Any]:
     return tofile
 
 
+def _copying(real: Callable[..., Any]) -> Callable[..., Any]:
+    """ndarray.astype / copy / flatten: a copy of read-back data is read-back data too (llm.c-style
+    `.numpy().astype(np.float16).tobytes()`)."""
+    def copy(self: Any, *args: Any, **kwargs: Any) -> Any:
+        out = real(self, *args, **kwargs)
+        files = _files
+        if files is not None and out is not self and made_up(self) and not made_up(out):
+            files.mark_memory(out, int(out.__array_interface__["data"][0]), int(out.nbytes))
+        return out
+    copy.__doc__ = real.__doc__
+    return copy
+
+
 @contextlib.contextmanager
 def _numpy() -> Iterator[None]:
     try:
@@ -328,9 +342,12 @@ def _numpy() -> Iterator[None]:
     except ImportError:
         yield
         return
-    saved = {name: np.ndarray.__dict__[name] for name in ("tobytes", "tofile")}
+    copies = ("astype", "copy", "flatten")
+    saved = {name: np.ndarray.__dict__[name] for name in ("tobytes", "tofile", *copies)}
     _set_on_type(np.ndarray, "tobytes", _tobytes(saved["tobytes"]))
     _set_on_type(np.ndarray, "tofile", _tofile(saved["tofile"]))
+    for name in copies:
+        _set_on_type(np.ndarray, name, _copying(saved[name]))
     try:
         yield
     finally:
