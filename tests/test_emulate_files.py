@@ -15,6 +15,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -371,3 +372,194 @@ def test_loading_what_the_run_saved_gives_back_what_it_held_on_the_emulated_gpu(
     assert lines[-1] == "{'weight': (8, 8), 'bias': (8,)}"
     assert _digest(tmp_path / "model.pt") == before
     assert not (tmp_path / "sd.pt").exists()
+
+
+# llm.c's train_gpt2.py exports its weights for its C code with its own writes: a header from a real
+# CPU tensor, then each weight read back from the device.
+LLMC_WRITER = f"""
+    import os, pickle, numpy as np, torch
+    model = {MODEL}.cuda()
+    model(torch.randn(8, 96, device="cuda")).sum().backward()
+
+    def write_fp32(tensor, file):
+        t = tensor.detach().cpu().to(torch.float32)
+        file.write(t.numpy().tobytes())
+
+    def write_bf16(tensor, file):
+        t = tensor.detach().cpu().to(torch.bfloat16).view(torch.int16)
+        file.write(t.numpy().tobytes())
+
+    header = torch.zeros(256, dtype=torch.int32)
+    header[0] = 20240326
+    params = {{name: p.cpu() for name, p in model.named_parameters()}}
+    with open("model.bin", "wb") as f:
+        f.write(header.numpy().tobytes())
+        for p in params.values():
+            write_fp32(p, f)
+    with open("model_bf16.bin", "wb") as f:
+        f.write(header.numpy().tobytes())
+        for p in model.parameters():
+            write_bf16(p.grad, f)
+    with open("tokenizer.bin", "wb") as f:  # the script's own data: written as a real run writes it
+        f.write(header.numpy().tobytes())
+        f.write(bytes(range(256)))
+    with open("model.bin", "rb") as f:  # reading back its header, as a real run would
+        print(int(np.frombuffer(f.read(1024), dtype=np.int32)[0]), len(f.read()))
+    weight = model[0].weight.detach().cpu().numpy()
+    weight.tofile("weight.raw")
+    with open("view.bin", "wb") as f:
+        f.write(memoryview(weight))
+    with open("arrays.pkl", "wb") as f:
+        pickle.dump({{"w": weight}}, f)
+    print("went on")
+"""
+
+
+@pytest.mark.slow
+def test_a_scripts_own_binary_writes_of_read_back_weights_leave_the_users_files(tmp_path):
+    users = {name: os.urandom(4096) for name in ("model.bin", "model_bf16.bin", "weight.raw", "arrays.pkl")}
+    for name, data in users.items():
+        (tmp_path / name).write_bytes(data)
+    done = _emulate(tmp_path, LLMC_WRITER)
+    assert done.returncode == 0, done.stderr[-3000:]
+    parameters = sum(p.numel() for p in _model().parameters())
+    # the header read back, and the size of the weights after it that a real run wrote
+    assert done.stdout.splitlines() == [f"20240326 {4 * parameters}", "went on"]
+    for name, data in users.items():
+        assert (tmp_path / name).read_bytes() == data, name
+    assert not (tmp_path / "view.bin").exists()
+    header = np.zeros(256, dtype=np.int32)
+    header[0] = 20240326
+    assert (tmp_path / "tokenizer.bin").read_bytes() == header.tobytes() + bytes(range(256))
+    for name, size in (("model.bin", 1024 + 4 * parameters), ("model_bf16.bin", 1024 + 2 * parameters)):
+        said = re.findall(rf"memdiff: emulation: the script's binary writes to {name} not written: it holds data "
+                          rf"read back from the emulated GPU.*?([\d,]+) bytes\); {name} is unchanged", done.stderr)
+        assert said == [f"{size:,}"], done.stderr
+    assert "numpy tofile to weight.raw not written" in done.stderr
+    assert "pickle.dump to arrays.pkl not written" in done.stderr
+    assert "the script's binary writes to view.bin not written" in done.stderr
+    notes = _snapshot(tmp_path)["emulated"]["notes"]
+    assert any(n.startswith("the script's binary writes to model.bin not written") for n in notes)
+    # no temporary file is left beside them
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([*users, "tokenizer.bin", "run.pickle", "train.py"])
+
+
+@pytest.mark.slow
+def test_an_image_of_read_back_pixels_is_not_saved_and_an_image_of_host_data_is(tmp_path):
+    # dcgan's `vutils.save_image(fake.detach(), path)`: torchvision's save_image ends in
+    # `Image.fromarray(grid.mul(255)...to("cpu", torch.uint8).numpy()).save(path)`.
+    pytest.importorskip("PIL")
+    from PIL import Image
+
+    (tmp_path / "fake_samples.png").write_bytes(b"the user's own samples")
+    done = _emulate(tmp_path, """
+        import numpy as np, torch
+        from PIL import Image
+        fake = torch.nn.Conv2d(4, 3, 3, padding=1).cuda()(torch.randn(1, 4, 32, 48, device="cuda"))[0]
+        pixels = fake.detach().mul(255).add_(0.5).clamp_(0, 255).permute(1, 2, 0).to("cpu", torch.uint8).numpy()
+        Image.fromarray(pixels).save("fake_samples.png")
+        Image.fromarray(pixels).convert("L").resize((24, 16)).save("gray.png")
+        with open("opened.png", "wb") as f:
+            Image.fromarray(pixels).save(f, format="PNG")
+        Image.fromarray(np.arange(48 * 32, dtype=np.uint8).reshape(32, 48)).save("host.png")
+        print("went on")
+    """)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.splitlines() == ["went on"]
+    assert (tmp_path / "fake_samples.png").read_bytes() == b"the user's own samples"
+    assert "PIL Image.save to fake_samples.png not written" in done.stderr
+    assert "(a real run writes a 48x32 RGB image, 4,608 bytes of pixels before encoding); fake_samples.png is " \
+           "unchanged" in done.stderr
+    assert not (tmp_path / "gray.png").exists() and not (tmp_path / "opened.png").exists()
+    expected = tmp_path / "expected.png"
+    Image.fromarray(np.arange(48 * 32, dtype=np.uint8).reshape(32, 48)).save(expected)
+    assert (tmp_path / "host.png").read_bytes() == expected.read_bytes()
+
+
+def test_a_file_open_when_the_emulator_stops_is_put_in_place_and_numpy_and_open_are_put_back(tmp_path):
+    import builtins
+
+    from memdiff.recording.emulate.gpus import gpu
+    from memdiff.recording.emulate.runtime import Emulator
+
+    before = (builtins.open, np.ndarray.tobytes, np.ndarray.tofile)
+    (tmp_path / "log.bin").write_bytes(b"old")
+    (tmp_path / "log.bin").chmod(0o600)
+    with Emulator(gpu("h100")):
+        f = open(tmp_path / "log.bin", "wb")
+        f.write(b"written under emulation;")
+        assert (tmp_path / "log.bin").read_bytes() == b"old"  # not in place before it is closed
+        made = open(tmp_path / "new.bin", "wb")
+        made.write(np.arange(4, dtype=np.int16).tobytes())
+        made.close()
+    f.write(b" and after")
+    f.close()
+    assert (builtins.open, np.ndarray.tobytes, np.ndarray.tofile) == before
+    assert (tmp_path / "log.bin").read_bytes() == b"written under emulation; and after"
+    assert (tmp_path / "log.bin").stat().st_mode & 0o777 == 0o600  # the mode of the file it replaced
+    assert (tmp_path / "new.bin").read_bytes() == np.arange(4, dtype=np.int16).tobytes()
+    plain = tmp_path / "plain.bin"
+    plain.write_bytes(b"")
+    assert (tmp_path / "new.bin").stat().st_mode == plain.stat().st_mode  # as open() makes a file
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["log.bin", "new.bin", "plain.bin"]
+
+
+def test_leaving_the_emulator_puts_pil_and_pickle_back(tmp_path):
+    image = pytest.importorskip("PIL.Image")
+    import pickle as pickle_module
+
+    from memdiff.recording.emulate.gpus import gpu
+    from memdiff.recording.emulate.runtime import Emulator
+
+    before = (image.Image.save, image.Image._new, image.frombuffer, image.frombytes, pickle_module.dump)
+    with Emulator(gpu("h100")):
+        assert image.Image.save is not before[0] and pickle_module.dump is not before[4]
+        pixels = torch.nn.Linear(8, 8).cuda().weight.detach().to("cpu", torch.uint8).numpy()
+        image.fromarray(pixels).save(tmp_path / "device.png")
+        image.fromarray(np.zeros((8, 8), dtype=np.uint8)).save(tmp_path / "host.png")
+    assert (image.Image.save, image.Image._new, image.frombuffer, image.frombytes, pickle_module.dump) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["host.png"]
+
+
+def test_a_file_renamed_while_still_open_lands_at_its_new_name_or_nowhere(tmp_path):
+    # the atomic-write idiom some savers use: write a temporary name, flush, rename, then close
+    from memdiff.recording.emulate.gpus import gpu
+    from memdiff.recording.emulate.runtime import Emulator
+
+    (tmp_path / "weights.bin").write_bytes(b"the user's weights")
+    with Emulator(gpu("h100")):
+        f = open(tmp_path / "config.tmp", "wb")
+        f.write(b"host bytes")
+        f.flush()
+        os.replace(tmp_path / "config.tmp", tmp_path / "config.bin")
+        f.close()
+        weights = torch.nn.Linear(4, 4).cuda().weight.detach().cpu()
+        g = open(tmp_path / "weights.tmp", "wb")
+        g.write(weights.numpy().tobytes())
+        g.flush()
+        os.replace(tmp_path / "weights.tmp", tmp_path / "weights.bin")
+        g.close()
+        with open(tmp_path / "weights.bin", "rb") as back:  # the layout the real run wrote there
+            assert len(back.read()) == 4 * 4 * 4
+    assert (tmp_path / "config.bin").read_bytes() == b"host bytes"
+    assert (tmp_path / "weights.bin").read_bytes() == b"the user's weights"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.bin", "weights.bin"]
+
+
+def test_numpys_copies_of_read_back_data_are_not_written_and_of_host_data_are(tmp_path):
+    from memdiff.recording.emulate.gpus import gpu
+    from memdiff.recording.emulate.runtime import Emulator
+
+    before = (np.ndarray.astype, np.ndarray.copy, np.ndarray.flatten)
+    with Emulator(gpu("h100")):
+        weight = torch.nn.Linear(16, 16).cuda().weight.detach().cpu().numpy()
+        with open(tmp_path / "half.bin", "wb") as f:
+            f.write(weight.astype(np.float16).tobytes())
+        weight.T.copy().tofile(tmp_path / "copy.raw")
+        with open(tmp_path / "flat.bin", "wb") as f:
+            f.write(weight.flatten())
+        with open(tmp_path / "host.bin", "wb") as f:
+            f.write(np.arange(4).astype(np.float16).tobytes())
+    assert (np.ndarray.astype, np.ndarray.copy, np.ndarray.flatten) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["host.bin"]
+    assert (tmp_path / "host.bin").read_bytes() == np.arange(4).astype(np.float16).tobytes()

@@ -18,6 +18,8 @@ meta tensors, and the Hugging Face Trainer wrote gigabytes of zeros. So while th
   `storage.cuda()`) become allocations on the emulated GPU, one per storage as a GPU makes them,
   without reading their bytes: torch.load maps the file and copies out only what stays on the host.
   safetensors opened onto the device (`load_file`, `safe_open`) reads only the header.
+- the script's own binary writes (`f.write(t.cpu().numpy().tobytes())`, PIL images of read-back
+  pixels) are writes.py's.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Set, Tuple
 
 import torch
 
+from memdiff.recording.emulate import writes
 from memdiff.recording.emulate.devices import names_cuda
 from memdiff.recording.emulate.runtime import Emulator, python_frames
 from memdiff.units import format_bytes
@@ -101,6 +104,11 @@ class Files:
         # What each skipped torch.save held, by the path it named, as a skeleton with shapes and no
         # data: a load of that path in the same run gives it back, as a GPU run loads what it saved.
         self.saved: Dict[str, bytes] = {}
+        # Files the script wrote itself holding read-back data (writes.py), by the path they name: the
+        # temporary file that holds what it wrote, which reading the path gives back in this run.
+        self.aside: Dict[str, str] = {}
+        self.temporaries: Set[str] = set()  # every such temporary file, removed when the emulator stops
+        self.writing: "weakref.WeakValueDictionary[str, Any]" = weakref.WeakValueDictionary()  # open ones, by path
 
     # -- host memory read back from the device --------------------------------------------------
 
@@ -111,11 +119,15 @@ class Files:
                 return
             storage = tensor.untyped_storage()
             start, size = storage.data_ptr(), storage.nbytes()
+        self.mark_memory(storage, start, size)
+
+    def mark_memory(self, owner: Any, start: int, size: int) -> None:
+        """Remember `size` bytes at `start`, which `owner` holds, as read-back data until it is freed."""
         if not size or start in self._ends:
             return
         bisect.insort(self._starts, start)
         self._ends[start] = start + size
-        weakref.finalize(storage, self._forget, start)
+        weakref.finalize(owner, self._forget, start)
 
     def marked(self) -> bool:
         """Whether any host memory now holds read-back data."""
@@ -133,6 +145,10 @@ class Files:
 
     def _is_read_back(self, t: torch.Tensor) -> bool:
         return t.device.type == "cpu" and bool(t.numel()) and self._read_back(t.untyped_storage().data_ptr())
+
+    def holds(self, address: int) -> bool:
+        """Whether host memory at `address` holds data read back from the device."""
+        return self._read_back(address)
 
     def _forget(self, start: int) -> None:
         if self._ends.pop(start, None) is not None:
@@ -234,9 +250,11 @@ class Files:
             payload._seen.add(key)
             payload.nbytes += int(a.nbytes)
 
-    def skipped(self, call: str, where: Tuple[str, Optional[bool]], payload: _Payload) -> None:
+    def skipped(self, call: str, where: Tuple[str, Optional[bool]], payload: _Payload,
+                written: Optional[str] = None) -> None:
         """Say once per file that a save was not written, and what the real run writes there. `where`:
-        the target as a note names it, and whether that file existed (None: not a path)."""
+        the target as a note names it, and whether that file existed (None: not a path); `written`:
+        what the real run writes, where it is not the payload's bytes of tensor data."""
         target, existed = where
         if existed is not None:
             self.unwritten.add(os.path.abspath(target))
@@ -252,8 +270,9 @@ class Files:
             "data read back from the emulated GPU, which has no values to give"
         state = "nothing was written into it" if existed is None else \
             f"{target} is unchanged" if existed else "no file was made"
-        self.emulator.note(f"{call} to {target} not written: it holds {what} (a real run writes "
-                           f"{format_bytes(payload.nbytes)}, {payload.nbytes:,} bytes of tensor data); {state}")
+        if written is None:
+            written = f"{format_bytes(payload.nbytes)}, {payload.nbytes:,} bytes of tensor data"
+        self.emulator.note(f"{call} to {target} not written: it holds {what} (a real run writes {written}); {state}")
 
     # -- storages to the device ----------------------------------------------------------------
 
@@ -291,6 +310,8 @@ def _target(f: Any, suffix: str = "") -> Tuple[str, Optional[bool]]:
         if suffix and not path.endswith(suffix):
             path += suffix
         return path, os.path.exists(path)
+    if isinstance(f, writes.Staged):  # a file the script opened to write: it stays as it was
+        return f.named, os.path.exists(f.named)
     name = getattr(f, "name", None)
     if isinstance(name, str):
         return f"the open file {name}", None
@@ -468,6 +489,9 @@ def _saver(call: str, payload_of: Callable[..., Any], target_of: Callable[..., A
             if not payload.dataless:
                 return real(*args, **kwargs)
             files.skipped(call, target_of(*args, **kwargs), payload)
+            for value in (*args, *kwargs.values()):
+                if isinstance(value, writes.Staged):  # numpy.save(f, ...) into a file the script opened
+                    value.skip()
             return returns()
         return save
     return wrap
@@ -519,6 +543,11 @@ WRAPPERS: Dict[str, List[Tuple[str, Callable[..., Any]]]] = {
                               returns=_done_future)),
     ],
 }
+# A script's own writes (writes.py): images of read-back data, and pickles into the files it opened.
+# A dotted attribute is a class's, put back by the patches' own record.
+WRAPPERS["PIL.Image"] = [("frombuffer", writes.pil_from), ("frombytes", writes.pil_from),
+                         ("Image._new", writes.pil_new), ("Image.save", writes.pil_save)]
+WRAPPERS["pickle"] = [("dump", writes.pickle_dump)]
 for _package in ("lightning.fabric", "lightning_fabric"):
     WRAPPERS[f"{_package}.utilities.cloud_io"] = [
         ("_atomic_save", _saver("Lightning's checkpoint save", _arg(0, "checkpoint"),
@@ -533,10 +562,17 @@ class _Patches:
         self.real: Dict[int, Any] = {}  # id(original) -> wrapper
         self.originals: Dict[int, Any] = {}  # id(wrapper) -> original
         self.keep: List[Any] = []
+        self.on_classes: List[Tuple[Any, str, Any]] = []  # (class, attribute, its own value)
 
     def patch(self, name: str, module: Any) -> None:
-        for attribute, factory in WRAPPERS.get(name, ()):
-            real = getattr(module, attribute, None)
+        for dotted, factory in WRAPPERS.get(name, ()):
+            *owners, attribute = dotted.split(".")
+            holder = module
+            for owner in owners:
+                holder = getattr(holder, owner, None)
+            if holder is None:
+                continue
+            real = vars(holder).get(attribute) if owners else getattr(holder, attribute, None)
             if real is None or id(real) in self.originals:
                 continue
             wrapper = self.real.get(id(real))
@@ -548,7 +584,15 @@ class _Patches:
                 self.real[id(real)] = wrapper
                 self.originals[id(wrapper)] = real
                 self.keep += [real, wrapper]
-            setattr(module, attribute, wrapper)
+            if owners:
+                self.on_classes.append((holder, attribute, real))
+            setattr(holder, attribute, wrapper)
+
+    def restore(self) -> None:
+        """Put every wrapped function back, on the modules that hold it and on the classes."""
+        self.rebind(self.originals)
+        for owner, attribute, value in reversed(self.on_classes):
+            setattr(owner, attribute, value)
 
     def rebind(self, table: Dict[int, Any]) -> None:
         """Every loaded module's globals that hold a key of `table` (by identity) take its value."""
@@ -597,68 +641,6 @@ class _PatchingLoader(importlib.abc.Loader):
         return getattr(self.loader, name)
 
 
-class _EmptiedAtFirstWrite:
-    """A binary file the script opened for writing over an existing file, opened without emptying it:
-    emptied at its first write instead. A skipped save into it writes nothing, so the user's file
-    keeps its bytes (`with open(path, "wb") as f: torch.save(model, f)` had emptied it before the
-    save was skipped); a script that writes its own bytes gets the file `open` would have given."""
-
-    def __init__(self, opened: Any) -> None:
-        self._file, self._emptied = opened, False
-
-    def _empty(self) -> None:
-        if not self._emptied:
-            self._emptied = True
-            self._file.truncate(0)
-
-    def write(self, data: Any) -> int:
-        """Empty the file (once), then write as the file does."""
-        self._empty()
-        return int(self._file.write(data))
-
-    def writelines(self, lines: Any) -> None:
-        """Empty the file (once), then write the lines."""
-        self._empty()
-        self._file.writelines(lines)
-
-    def truncate(self, size: Any = None) -> int:
-        """The script's own truncate: the file is as it asks from here on."""
-        self._emptied = True
-        return int(self._file.truncate(size))
-
-    def __enter__(self) -> "_EmptiedAtFirstWrite":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self._file.close()
-
-    def __iter__(self) -> Iterator[bytes]:
-        return iter(self._file)
-
-    def __getattr__(self, name: str) -> Any:  # name, mode, seek, tell, flush, close, fileno: the file's own
-        return getattr(self._file, name)
-
-
-@contextlib.contextmanager
-def _lazy_truncation() -> Iterator[None]:
-    """open(path, "wb") / "w+b" of an existing regular file does not empty it until something is written."""
-    import builtins
-
-    real = builtins.open
-
-    def opening(file: Any, mode: str = "r", *args: Any, **kwargs: Any) -> Any:
-        if isinstance(mode, str) and "b" in mode and "w" in mode and isinstance(file, (str, os.PathLike)) \
-                and os.path.isfile(file):
-            return _EmptiedAtFirstWrite(real(file, mode.replace("w", "r+").replace("++", "+"), *args, **kwargs))
-        return real(file, mode, *args, **kwargs)
-    opening.__doc__ = real.__doc__
-    builtins.open = io.open = opening
-    try:
-        yield
-    finally:
-        builtins.open = io.open = real
-
-
 @contextlib.contextmanager
 def _moves(files: Files) -> Iterator[None]:
     """os.replace, os.rename, shutil.move, shutil.copyfile, os.link, os.remove of a file a skipped save
@@ -669,9 +651,13 @@ def _moves(files: Files) -> Iterator[None]:
     import shutil
 
     def unwritten(path: Any) -> Optional[str]:
-        if not isinstance(path, (str, os.PathLike)) or not files.unwritten:
+        if not isinstance(path, (str, os.PathLike)):
             return None
         full = os.path.abspath(os.fsdecode(path))
+        writing = files.writing.get(full)
+        if writing is not None:  # still open (write, flush, rename, close): settled where it stands now
+            writing.flush()
+            writing.settle()
         return full if full in files.unwritten else None
 
     def moving(real: Callable[..., Any], keep_source: bool) -> Callable[..., Any]:
@@ -684,7 +670,11 @@ def _moves(files: Files) -> Iterator[None]:
             target = os.fsdecode(dst)
             if os.path.isdir(target):
                 target = os.path.join(target, os.path.basename(source))
-            files.unwritten.add(os.path.abspath(target))
+            target = os.path.abspath(target)
+            files.unwritten.add(target)
+            aside = files.aside.get(source) if keep_source else files.aside.pop(source, None)
+            if aside is not None:
+                files.aside[target] = aside
             return dst
         return move
 
@@ -694,6 +684,7 @@ def _moves(files: Files) -> Iterator[None]:
             if found is None:
                 return real(path, *args, **kwargs)
             files.unwritten.discard(found)
+            files.aside.pop(found, None)
         return remove
     wrapped = [(os, "replace", moving(os.replace, False)), (os, "rename", moving(os.rename, False)),
                (os, "link", moving(os.link, True)), (shutil, "move", moving(shutil.move, False)),
@@ -727,14 +718,14 @@ def guarded(emulator: Emulator) -> Iterator[Files]:
     rng = _mark_rng_states()
     previous, _active = _active, files
     try:
-        with _moves(files), _lazy_truncation():
+        with _moves(files), writes.guarded(files):
             yield files
     finally:
         _active = previous
         rng()
         with contextlib.suppress(ValueError):
             sys.meta_path.remove(finder)
-        patches.rebind(patches.originals)
+        patches.restore()
 
 
 def _mark_rng_states() -> Callable[[], None]:
