@@ -11,6 +11,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 import torch
 from torch.utils.weak import WeakTensorKeyDictionary
 
+from memdiff.recording.emulate.compiled import Planner
 from memdiff.recording.emulate.devices import cuda_index, names_cuda
 from memdiff.recording.emulate.escapes import refusing
 from memdiff.recording.emulate.runtime import Emulator
@@ -305,12 +306,10 @@ def _answers(emulator: Emulator, saved: Dict[Tuple[Any, str], Any]) -> Dict[str,
         if original_clear is not None:
             original_clear()
 
+    planner = Planner(emulator, saved[(torch, "compile")])
+
     def compile(model: Any = None, **kwargs: Any) -> Any:
-        emulator.note("torch.compile runs eagerly: Inductor's fused kernels and buffers are not emulated, so "
-                      "activations read as the uncompiled model's")
-        if model is None:
-            return lambda m: m
-        return model
+        return planner.compile(model, **kwargs)  # Inductor's memory plan, else eagerly (compiled.py)
 
     def summary(device: Any = None, abbreviated: bool = False) -> str:
         s = _allocator(emulator, device).memory_stats()
@@ -570,7 +569,8 @@ def _with_mode_on(engine: Callable[..., Any], emulator: Emulator) -> Callable[..
 
     def run(*args: Any, **kwargs: Any) -> Any:
         mode = emulator.device_mode
-        if any(m is mode for m in _get_current_function_mode_stack()):
+        # torch.compile's tracing runs with the modes off (compiled.py): its joint graph's backward too
+        if emulator.modes_off or any(m is mode for m in _get_current_function_mode_stack()):
             return engine(*args, **kwargs)
         with mode:
             return engine(*args, **kwargs)

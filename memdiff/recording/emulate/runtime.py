@@ -182,6 +182,7 @@ class Emulator:
         # None for the default stream.
         self.stream: Any = None
         self.host: Any = None  # host.Host: the CPU tensors whose data may never be needed, made on entry
+        self.modes_off = False  # torch.compile is tracing with the modes taken off (compiled.py)
 
     @staticmethod
     def _compile(rule: Dict[str, Any]) -> Dict[str, Any]:

@@ -1,0 +1,78 @@
+"""torch.compile under `memdiff record --emulate`: the buffers Inductor's own memory plan allocates
+(its fused kernels' outputs, the activations AOTAutograd's partitioner saves), not the eager model's."""
+
+from __future__ import annotations
+
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Dict
+
+import pytest
+
+pytest.importorskip("torch")
+
+ROWS, WIDTH = 4096, 1024
+ACTIVATION = ROWS * WIDTH * 4  # one fp32 [ROWS, WIDTH] tensor
+
+# A linear layer, then a chain of six pointwise ops and a sum: eagerly each pointwise op writes a
+# new [ROWS, WIDTH] tensor (and autograd keeps most of them for the backward); Inductor fuses the
+# chain and the sum into one kernel that reads the linear's output and writes one number.
+CHAIN = f"""
+import sys
+import torch
+
+class Chain(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear({WIDTH}, {WIDTH})
+
+    def forward(self, x):
+        y = self.linear(x)
+        return ((y.sin() * 2).relu().cos() + 1).tanh().exp().sum()
+
+model = Chain().cuda()
+if sys.argv[1] == "compiled":
+    model = torch.compile(model)
+x = torch.randn({ROWS}, {WIDTH}, device="cuda")
+model(x).backward()  # the first step compiles, as a training script's does
+torch.cuda.reset_peak_memory_stats()
+torch.cuda.memory._record_memory_history()
+model(x).backward()
+torch.cuda.memory._dump_snapshot(sys.argv[2])
+print(torch.cuda.max_memory_allocated())
+"""
+
+
+def _emulate(tmp_path: Path, how: str) -> Dict[str, Any]:
+    script = tmp_path / "chain.py"
+    script.write_text(CHAIN)
+    own = tmp_path / f"{how}.pickle"
+    done = subprocess.run([sys.executable, "-m", "memdiff", "record", "--emulate", "h100", "-o",
+                           str(tmp_path / f"{how}-run.pickle"), "--", sys.executable, str(script), how, str(own)],
+                          capture_output=True, text=True, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    with open(own, "rb") as f:
+        snapshot = pickle.load(f)
+    snapshot["max"] = int(done.stdout.split()[-1])
+    return snapshot
+
+
+@pytest.mark.slow
+def test_a_compiled_model_allocates_inductors_buffers_not_the_eager_chains_intermediates(tmp_path):
+    eager = _emulate(tmp_path, "eager")
+    compiled = _emulate(tmp_path, "compiled")
+    notes = compiled["emulated"]["notes"]
+    assert any("Inductor's memory plan" in n for n in notes), notes
+    assert not any("runs eagerly" in n for n in notes), notes
+
+    def activations(snapshot: Dict[str, Any]) -> int:
+        return sum(1 for e in snapshot["device_traces"][0] if e["action"] == "alloc" and e["size"] == ACTIVATION)
+    # Eagerly: the linear's output and one per pointwise op in the forward, and the gradients of the
+    # chain in the backward. Compiled: the linear's output, at most one tensor of the chain that the
+    # partitioner saves for the backward (the rest is recomputed inside the fused backward kernel),
+    # and the one gradient that kernel writes for the linear.
+    assert activations(eager) >= 7
+    assert activations(compiled) <= 3
+    assert compiled["max"] < eager["max"] - 4 * ACTIVATION
