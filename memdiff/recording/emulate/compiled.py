@@ -25,6 +25,7 @@ CUDA tensors) runs eagerly, noted: `compile` says which route ran.
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import sys
 import types
@@ -32,6 +33,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 
 import torch
 from torch.utils._python_dispatch import _pop_mode, _push_mode
+from torch.utils._pytree import tree_leaves
 
 from memdiff.recording.emulate.runtime import Emulator
 
@@ -204,15 +206,43 @@ class Planner:
         import torch._functorch.config as functorch_config
         from torch._inductor.compile_fx import compile_fx
 
+        kept = copy.deepcopy(gm)  # compile_fx changes the graph it is given: this one runs eagerly if need be
         try:
             # the backward graph lowered now, not at the first backward: a failure is caught here
             with self._inductor_on_this_machine(), functorch_config.patch(force_non_lazy_backward_lowering=True):
-                return compile_fx(gm, example_inputs, inner_compile=self._inner)
+                compiled = compile_fx(gm, example_inputs, inner_compile=self._inner)
         except Exception as exc:  # Inductor's own failure on this machine: the graph runs eagerly, noted
             said = str(exc).strip().splitlines()
             self.emulator.note(EAGER_NOTE.format(why=f"Inductor could not plan it here: "
                                                      f"{said[0][:200] if said else type(exc).__name__}"))
-            return self._eager(gm)
+            return self._eager(kept)
+        return self._checked(kept, compiled)
+
+    def _checked(self, gm: torch.fx.GraphModule, compiled: Any) -> Callable[..., Any]:
+        """The compiled graph, run eagerly from the first call whose outputs lost the gradient Dynamo's
+        trace gave them (AOTAutograd marks some outputs of graphs traced on the meta device as not
+        differentiable: a loss after a graph break, as Hugging Face's models compute it), which would
+        end the script's backward."""
+        output = next(n for n in gm.graph.nodes if n.op == "output")
+        values = [getattr(n, "meta", {}).get("example_value") for n in tree_leaves(output.args[0])]
+        wanted = [isinstance(v, torch.Tensor) and v.requires_grad for v in values]
+        eager = self._eager(gm)
+        lost = [False]
+
+        def run(*args: Any) -> Any:
+            if lost[0]:
+                return eager(*args)
+            out = compiled(*args)
+            got = tree_leaves(out)
+            if torch.is_grad_enabled() and len(got) == len(wanted) and any(
+                    w and isinstance(o, torch.Tensor) and not o.requires_grad for w, o in zip(wanted, got)):
+                lost[0] = True
+                self.emulator.note(EAGER_NOTE.format(why="a graph whose output lost its gradient under "
+                                                         "AOTAutograd on the meta device"))
+                del out, got
+                return eager(*args)
+            return out
+        return run
 
     def _eager(self, gm: torch.fx.GraphModule) -> Callable[..., Any]:
         """Dynamo's graph run as its ops, with the emulator's modes on."""
