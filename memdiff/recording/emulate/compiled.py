@@ -188,7 +188,7 @@ class Planner:
         def outside(*args: Any, **kwargs: Any) -> Any:
             if self.saved is not None:  # a compiled call inside a compiled call: already outside
                 return call(*args, **kwargs)
-            with _modes_off() as saved, _meta_tensors_as_constants():
+            with _modes_off() as saved, _meta_tensors_as_constants(), self._attention_as_on_the_gpu():
                 self.saved = saved
                 self.emulator.modes_off = True
                 try:
@@ -197,6 +197,26 @@ class Planner:
                     self.saved = None
                     self.emulator.modes_off = False
         return outside
+
+    @contextlib.contextmanager
+    def _attention_as_on_the_gpu(self) -> Iterator[None]:
+        """F.scaled_dot_product_attention traced as the kernel the emulated GPU picks (the device
+        mode's choice): on the meta device, with the modes off, it would decompose to the math
+        attention, whose score matrices a GPU's compiled model never allocates."""
+        import torch.nn.functional as F
+
+        original = F.scaled_dot_product_attention
+        device_mode = self.emulator.device_mode
+
+        def attention(*args: Any, **kwargs: Any) -> Any:
+            return device_mode.attention(original, args, kwargs)
+        # one node of Dynamo's graph, which AOTAutograd traces through: the device mode's Python is
+        # not Dynamo's to trace (it would break the graph at every attention)
+        setattr(F, "scaled_dot_product_attention", torch._dynamo.allow_in_graph(attention))  # noqa: B010
+        try:
+            yield
+        finally:
+            setattr(F, "scaled_dot_product_attention", original)  # noqa: B010
 
     # -- Dynamo's backend --------------------------------------------------------------------------
 
