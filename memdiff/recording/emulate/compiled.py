@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import gc
 import sys
 import types
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
@@ -124,6 +125,30 @@ def _meta_as_cuda(check: Callable[..., bool]) -> Callable[..., bool]:
     return supported
 
 
+@contextlib.contextmanager
+def _composites_as_on_the_gpu() -> Iterator[None]:
+    """Ops made of others (CompositeImplicitAutograd: `nll_loss`) run as their parts while Dynamo and
+    AOTAutograd trace, as on a GPU. torch registers their Python decompositions as meta kernels too,
+    which the Python dispatcher (on while tracing) runs whole on the meta device, where autograd has
+    no formula for them: the loss they make came back without its gradient."""
+    from torch._decomp import global_decomposition_table
+
+    meta = torch._C.DispatchKey.Meta
+    taken: List[Tuple[Any, Any]] = []
+    for table in ("meta", "post_autograd", "pre_autograd"):
+        for op in global_decomposition_table[table]:
+            if isinstance(op, torch._ops.OpOverload) and meta in op.py_kernels and \
+                    torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "CompositeImplicitAutograd"):
+                taken.append((op, op.py_kernels.pop(meta)))
+                op._dispatch_cache.clear()
+    try:
+        yield
+    finally:
+        for op, kernel in taken:
+            op.py_kernels[meta] = kernel
+            op._dispatch_cache.clear()
+
+
 class _Kernel:
     """A Triton kernel of the wrapper code: launched, it writes nothing (emulation computes no values)."""
 
@@ -153,6 +178,7 @@ class Planner:
         self.emulator = emulator
         self.original = original
         self.saved: Optional[Tuple[List[Any], List[Any]]] = None  # the modes popped while Dynamo runs
+        self.traced = False  # Dynamo traced a graph during the call now running
 
     # -- torch.compile -----------------------------------------------------------------------------
 
@@ -188,7 +214,8 @@ class Planner:
         def outside(*args: Any, **kwargs: Any) -> Any:
             if self.saved is not None:  # a compiled call inside a compiled call: already outside
                 return call(*args, **kwargs)
-            with _modes_off() as saved, _meta_tensors_as_constants(), self._attention_as_on_the_gpu():
+            with _modes_off() as saved, _meta_tensors_as_constants(), self._attention_as_on_the_gpu(), \
+                    _composites_as_on_the_gpu():
                 self.saved = saved
                 self.emulator.modes_off = True
                 try:
@@ -196,6 +223,13 @@ class Planner:
                 finally:
                     self.saved = None
                     self.emulator.modes_off = False
+                    if self.traced:
+                        # Dynamo's tracing state (its variable trackers) holds the traced call's
+                        # real outputs (a model's logits, its KV cache) in reference cycles until
+                        # Python's collector runs; the real gpt2-compile window starts with only
+                        # the weights and workspaces live, so they are collected here, once per compile.
+                        self.traced = False
+                        gc.collect()
         return outside
 
     @contextlib.contextmanager
@@ -226,6 +260,7 @@ class Planner:
         import torch._functorch.config as functorch_config
         from torch._inductor.compile_fx import compile_fx
 
+        self.traced = True
         kept = copy.deepcopy(gm)  # compile_fx changes the graph it is given: this one runs eagerly if need be
         try:
             # the backward graph lowered now, not at the first backward: a failure is caught here
