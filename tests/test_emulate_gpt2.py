@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import subprocess
 import sys
 from pathlib import Path
@@ -114,3 +115,25 @@ def test_the_emulated_h100_runs_out_of_memory_where_the_real_one_did(tmp_path, t
         oom = [e for e in snapshot["device_traces"][0] if e["action"] == "oom"]
         return len(oom), oom[0]["size"], sum(s["allocated_size"] for s in snapshot["segments"])
     assert at_oom(emulated) == at_oom(real)  # (1, 805306368, 83551025152)
+
+
+@pytest.mark.slow
+def test_the_compiled_gpt2_run_has_the_real_compiled_runs_peak(emulated):
+    # torch.compile emulated as Inductor plans it (compiled.py): the fused buffers, the partitioner's
+    # saved activations and the compiled loss, against the real H100's compiled run.
+    from memdiff import api
+
+    own = emulated("gpt2-compile")
+    real = api.summarize(CUDA / "gpt2-compile.pickle.gz").devices[0]
+    emu = api.summarize(own).devices[0]
+    assert abs(emu.peak_bytes / real.peak_bytes - 1) <= 0.02, (emu.peak_bytes, real.peak_bytes)
+    truth = json.loads((CUDA / "gpt2-compile.pickle.facts.json").read_text())["cuda_max_allocated_bytes"]
+    mine = json.loads(Path(str(own) + ".facts.json").read_text())["cuda_max_allocated_bytes"]
+    assert abs(mine / truth - 1) <= 0.02, (mine, truth)
+    assert emu.phase_at_peak == real.phase_at_peak
+    assert set(emu.categories) == set(real.categories)
+    for category in ("parameter", "optimizer_state", "gradient", "autograd"):
+        assert emu.categories.get(category, 0) == real.categories.get(category, 0), category
+    with open(own, "rb") as f:
+        notes = pickle.load(f)["emulated"]["notes"]
+    assert any("Inductor's memory plan" in n for n in notes) and not any("eagerly" in n for n in notes), notes
