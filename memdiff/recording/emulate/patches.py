@@ -274,19 +274,38 @@ def _answers(emulator: Emulator, saved: Dict[Tuple[Any, str], Any]) -> Dict[str,
     original_clear = saved.get((torch, "clear_autocast_cache"))
     device_class, device_of_class = _device_context(emulator)
 
+    # torch 2.13 counts allocations a memory fraction refused up front (throw_on_cudamalloc_oom, not
+    # emulated: always 0); torch 2.11 has no such key. What the running torch documents decides.
+    rejections = "num_oom_rejections" in (getattr(saved.get((torch.cuda.memory, "memory_stats")), "__doc__", "") or "")
+
+    def memory_stats(device: Any = None) -> Dict[str, int]:
+        if not emulator.initialized:  # torch's answer before the process used the GPU
+            return {}
+        stats = _allocator(emulator, device).memory_stats()
+        if rejections:
+            stats["num_oom_rejections"] = 0
+        return dict(sorted(stats.items()))
+
     def stat(name: str) -> Callable[..., int]:
-        return lambda device=None: _allocator(emulator, device).memory_stats()[name]
+        return lambda device=None: memory_stats(device).get(name, 0)
 
     def reset_peaks(device: Any = None) -> None:
         _allocator(emulator, device).reset_peaks()
+
+    def reset_accumulated(device: Any = None) -> None:
+        _allocator(emulator, device).reset_accumulated()
+
+    own_summary = saved.get((torch.cuda.memory, "memory_summary"))
 
     def empty_cache() -> None:  # every GPU's cached segments, as CUDA's emptyCache
         for gpu in emulator.gpus.values():
             gpu.allocator.empty_cache()
 
     def mem_get_info(device: Any = None) -> Tuple[int, int]:
+        # cudaMemGetInfo: the device's memory less the CUDA context's and what the allocator holds (a
+        # memory fraction limits the allocator, not what the device has free)
         allocator = _allocator(emulator, device)
-        return allocator.total_memory - allocator.reserved, emulator.gpu.total_memory
+        return emulator.gpu.capacity - allocator.reserved, emulator.gpu.total_memory
 
     def set_device(device: Any) -> None:
         index = cuda_index(device, placement.current)
@@ -312,10 +331,10 @@ def _answers(emulator: Emulator, saved: Dict[Tuple[Any, str], Any]) -> Dict[str,
         return planner.compile(model, **kwargs)  # Inductor's memory plan, else eagerly (compiled.py)
 
     def summary(device: Any = None, abbreviated: bool = False) -> str:
-        s = _allocator(emulator, device).memory_stats()
-        return (f"emulated {emulator.gpu.name}: allocated {s['allocated_bytes.all.current']} B "
-                f"(peak {s['allocated_bytes.all.peak']} B), reserved {s['reserved_bytes.all.current']} B "
-                f"(peak {s['reserved_bytes.all.peak']} B)")
+        # torch's own table, made from the emulated memory_stats (torch.cuda.memory's, replaced here)
+        if own_summary is None:
+            raise RuntimeError("this torch has no torch.cuda.memory_summary")
+        return str(own_summary(device=device, abbreviated=abbreviated))
 
     generator = Generator("cuda")  # the device's default generator, standing in
 
@@ -363,10 +382,11 @@ def _answers(emulator: Emulator, saved: Dict[Tuple[Any, str], Any]) -> Dict[str,
         "max_memory_reserved": stat("reserved_bytes.all.peak"),
         "memory_cached": stat("reserved_bytes.all.current"),
         "max_memory_cached": stat("reserved_bytes.all.peak"),
-        "memory_stats": lambda device=None: _allocator(emulator, device).memory_stats(),
+        "memory_stats": memory_stats,
+        "memory_stats_as_nested_dict": lambda device=None: _nested(memory_stats(device)),
         "memory_summary": summary,
         "reset_peak_memory_stats": reset_peaks, "reset_max_memory_allocated": reset_peaks,
-        "reset_max_memory_cached": reset_peaks, "reset_accumulated_memory_stats": nothing,
+        "reset_max_memory_cached": reset_peaks, "reset_accumulated_memory_stats": reset_accumulated,
         "mem_get_info": mem_get_info,
         "manual_seed": manual_seed, "manual_seed_all": manual_seed, "seed": seed, "seed_all": seed,
         "initial_seed": lambda: generator.initial_seed(), "default_generators": (generator,) * emulator.count,
@@ -413,6 +433,18 @@ def _accelerator_answers(emulator: Emulator, cuda: Dict[str, Any]) -> Dict[str, 
         "empty_host_cache": nothing,
     })
     return {name: _own(f"accelerator.{name}", value) for name, value in answers.items()}
+
+
+def _nested(flat: Dict[str, int]) -> Dict[str, Any]:
+    """memory_stats' dotted keys as torch's nested dictionary (`allocated_bytes` -> `all` -> `peak`)."""
+    out: Dict[str, Any] = {}
+    for key, value in flat.items():
+        *path, last = key.split(".")
+        node = out
+        for part in path:
+            node = node.setdefault(part, {})
+        node[last] = value
+    return out
 
 
 def _wrap(answer: Any) -> Any:

@@ -229,7 +229,8 @@ class Emulator:
             raise ValueError(f"invalid fraction: {fraction}, must be between 0 and 1")
         device = self.device(index)
         device.fraction = fraction
-        device.allocator.total_memory = min(self.gpu.capacity, int(fraction * self.gpu.total_memory))
+        # setMemoryFraction: a share of the device's whole memory (cudaMemGetInfo's total), as bytes
+        device.allocator.set_memory_fraction(int(fraction * self.gpu.total_memory))
 
     def allocate(self, nbytes: int, frames: List[Dict[str, Any]], index: Optional[int] = None) -> Block:
         """A device allocation of `nbytes` on GPU `index` (the current one when None) made at `frames`;
@@ -350,7 +351,8 @@ class Emulator:
         one trace per GPU the process sees (empty for those it never used), each segment naming its GPU."""
         segments = []
         for index, device in sorted(self.gpus.items()):
-            for segment in device.allocator.segments:
+            # in address order, as the allocator's snapshot() sorts them
+            for segment in sorted(device.allocator.segments, key=lambda s: s.address):
                 segments.append(_segment(index, segment, device.allocator.blocks(segment)))
         traces: List[List[Dict[str, Any]]] = [[] for _ in range(max([self.count, *[i + 1 for i in self.gpus]]))]
         for index, device in self.gpus.items():
