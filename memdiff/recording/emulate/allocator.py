@@ -54,7 +54,8 @@ ADDRESS_SLOT = 32 * MiB
 
 
 class OutOfMemory(Exception):
-    """The request does not fit in the device's memory, even after every cached segment went back."""
+    """The request does not fit in the device's memory, even after every cached segment went back;
+    `requested` is the segment it asked the device for, as torch's message says."""
 
     def __init__(self, requested: int, free: int, reserved: int, allocated: int, total: int) -> None:
         super().__init__(f"tried to allocate {requested} bytes with {free} free of {total} "
@@ -390,8 +391,9 @@ class CachingAllocator:
         if block is None:
             self.counters["num_ooms"] += 1
             free = self.total_memory - self.reserved
-            self._emit("oom", 0, requested, stream, free)
-            raise OutOfMemory(requested, free, self.reserved, self.allocated, self.total_memory)
+            # The trace names the rounded request; torch's message the segment it failed to get.
+            self._emit("oom", 0, size, stream, free)
+            raise OutOfMemory(allocation_size(size), free, self.reserved, self.allocated, self.total_memory)
         self._remove_free(block)
         rest = block.size - size
         # should_split: the small pool and expandable segments keep any rest of 512 bytes or more; the
