@@ -330,3 +330,16 @@ def test_the_emulated_llama_window_reserves_what_the_h100_reserved(tmp_path, tor
     assert answers["mem_get_info"] == [h100.capacity - reserved, h100.total_memory]
     row = next(line for line in answers["summary"].splitlines() if line.startswith("| GPU reserved memory"))
     assert f"{reserved // MiB} MiB" in row  # torch's own table, of the emulated statistics
+
+
+def test_a_large_request_takes_a_bigger_oversize_block_only_within_max_non_split_rounding():
+    # get_free_block: a request of max_split_size or more takes a cached block less than
+    # max_non_split_rounding_mb (kLargeBuffer unless set) bigger than itself, unsplit.
+    for conf, reused in (("max_split_size_mb:100", False),
+                         ("max_split_size_mb:100,max_non_split_rounding_mb:64", True)):
+        a = CachingAllocator(80 << 30, AllocatorConfig.parse(conf))
+        a.free(a.malloc(150 * MiB))
+        block = a.malloc(120 * MiB)
+        assert (block.size == 150 * MiB) == reused and a.reserved == (150 if reused else 270) * MiB
+    with pytest.raises(ValueError, match="max_non_split_rounding_mb too small"):
+        AllocatorConfig.parse("max_non_split_rounding_mb:8")

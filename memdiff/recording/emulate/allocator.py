@@ -112,6 +112,9 @@ class AllocatorConfig:
     """The settings PYTORCH_CUDA_ALLOC_CONF gives (the ones that change sizes and segments)."""
 
     max_split_size: int = NO_LIMIT
+    # how much bigger than a request of max_split_size or more a cached block it takes may be
+    # (max_non_split_rounding_mb; kLargeBuffer unless set, and never less)
+    max_non_split_rounding: int = LARGE_BUFFER
     roundup_power2_divisions: List[int] = field(default_factory=lambda: [0] * len(INTERVALS))
     garbage_collection_threshold: float = 0.0
     expandable_segments: bool = False
@@ -129,6 +132,10 @@ class AllocatorConfig:
             key, value = key.strip(), value.strip()
             if key == "max_split_size_mb":
                 config.max_split_size = max(int(value), 20) * MiB
+            elif key == "max_non_split_rounding_mb":
+                if int(value) * MiB < LARGE_BUFFER:
+                    raise ValueError("CachingAllocator option max_non_split_rounding_mb too small, must be >= 20")
+                config.max_non_split_rounding = int(value) * MiB
             elif key == "expandable_segments":
                 config.expandable_segments = value.lower() == "true"
             elif key == "garbage_collection_threshold":
@@ -361,10 +368,10 @@ class CachingAllocator:
         if limit != NO_LIMIT:
             # An oversized cached block serves neither small requests nor large ones it would waste
             # (get_free_block: a request under max_split_size never takes a block of it or more; one of
-            # it or more only a block less than kLargeBuffer bigger).
+            # it or more only a block less than max_non_split_rounding bigger).
             if size < limit and block.size >= limit:
                 return None
-            if size >= limit and block.size >= size + LARGE_BUFFER:
+            if size >= limit and block.size >= size + self.config.max_non_split_rounding:
                 return None
         return block
 
