@@ -20,8 +20,8 @@ from capture import GPT2, RUNS  # noqa: E402  (the arguments the real runs were 
 
 # The real runs the emulator is held to (each emulated in about 15 s of CPU): fp32 with the
 # memory-efficient attention, bf16 and fp16 weights with cuDNN's, optimizers with and without
-# state, accumulation, checkpointing.
-HELD = ["gpt2-base", "gpt2-bf16", "gpt2-sgd", "gpt2-adafactor", "gpt2-checkpoint", "gpt2-fused"]
+# state (SGD's momentum, Adafactor's factored moments), accumulation, checkpointing.
+HELD = ["gpt2-base", "gpt2-bf16", "gpt2-sgd", "gpt2-sgd-momentum", "gpt2-adafactor", "gpt2-checkpoint", "gpt2-fused"]
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +52,8 @@ def test_the_emulated_h100_run_has_the_real_h100_runs_peak(emulated, name):
     real = api.summarize(CUDA / f"{name}.pickle.gz").devices[0]
     emu = api.summarize(emulated(name)).devices[0]
     assert abs(emu.peak_bytes / real.peak_bytes - 1) <= 0.01, (name, emu.peak_bytes, real.peak_bytes)
-    assert abs(emu.reserved_peak_bytes / real.reserved_peak_bytes - 1) <= 0.05
+    # the caching allocator's segments: within 2% (all but gpt2-checkpoint, +0.5%, to the MiB)
+    assert abs(emu.reserved_peak_bytes / real.reserved_peak_bytes - 1) <= 0.02
     assert emu.phase_at_peak == real.phase_at_peak
     # The categories at the peak: the real snapshot's, byte for byte where the bytes are the model's.
     assert set(emu.categories) == set(real.categories)
