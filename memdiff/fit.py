@@ -43,6 +43,9 @@ PLACEHOLDER = re.compile(r"\{([A-Za-z_][A-Za-z0-9_]*)\}")
 DEFAULT_RANGE = (1, 4096)
 OVER_LIMIT = "over-limit"  # ran, but its reserved peak passed --max-memory's share of the GPU
 LOG_TAIL_LINES = 12
+# Why a value is run: the forecast's boundary, or a value below it that measures the allocator's overhead there.
+FORECAST, BELOW = "forecast", "below the boundary"
+MARGIN = 0.9
 
 
 @dataclass(frozen=True)
@@ -191,6 +194,7 @@ class Search:
         self.forecasts: List[str] = []
         self._forecast_of: Optional[Tuple[int, ...]] = None  # the fitting runs the last forecast used
         self._last: Optional[Tuple[int, str]] = None  # the last probe and why
+        self._steps: Optional[Tuple[int, int, int]] = None  # stepping from a forecast: (index, direction, step)
 
     def _lo_hi(self) -> Tuple[int, int]:
         """(the largest index that fits, or -1; the smallest that does not, or len(values))."""
@@ -221,44 +225,75 @@ class Search:
 
     def _next(self, lo: int, hi: int) -> Tuple[int, str]:
         last = self._last
-        if last is not None and last[1] == "forecast":
-            index = last[0]
-            step = index + 1 if self.runs[index].fits else index - 1
-            if lo < step < hi:
-                return step, "neighbour"
-        guess = self._forecast(lo, hi)
-        if guess is not None and lo < guess < hi and guess not in self.runs:
-            return guess, "forecast"
+        if last is not None and last[1] == FORECAST:
+            # From the forecast's value, steps of 1, 2, 4 ... toward the boundary, until one lands past it.
+            self._steps = (last[0], 1 if self.runs[last[0]].fits else -1, 1)
+        if self._steps is not None:
+            start, direction, size = self._steps
+            self._steps = (start, direction, 2 * size)
+            index = start + direction * size
+            if lo < index < hi:
+                return index, "neighbour" if size == 1 else "stepping"
+            self._steps = None
+        guess = self._forecast(lo)
+        if guess is not None and lo < guess[0] < hi and guess[0] not in self.runs:
+            return guess
         if hi == len(self.values):  # nothing failed yet: double the value
             target = 2 * self.values[lo]
             index = next((i for i in range(lo + 1, hi) if self.values[i] >= target), hi - 1)
             return index, "doubling"
         return (lo + hi) // 2, "halving"
 
-    def _forecast(self, lo: int, hi: int) -> Optional[int]:
-        """The grid index the forecast of the fitting runs puts at the boundary, or None (fewer than two
-        fitting runs, no new one since the last forecast, or runs that are not one loop)."""
-        from memdiff.forecasting import KnobRun, forecast
+    def _forecast(self, lo: int) -> Optional[Tuple[int, str]]:
+        """The grid index the forecast of the fitting runs puts at the boundary, and why; None with fewer
+        than two fitting runs, no new one since the last forecast, or runs that are not one loop.
 
-        fitting = tuple(sorted(i for i, r in self.runs.items() if r.fits))
+        The forecast predicts the allocated peak; what runs out is the reserved one, and the caching
+        allocator's overhead (reserved over allocated) grows with the tensors' sizes. So it is taken as
+        the fitting runs measured it, followed along the line through the two largest; and while the
+        largest is far from the limit (under half of it), the forecast aims at MARGIN of the limit: a
+        run just below the boundary, whose overhead is the boundary's, for the next one to aim at the
+        limit itself. From a forecast's value the runs step toward the boundary by 1, 2, 4, ...
+        """
+        from memdiff.forecasting import KnobRun, forecast_courses, read_courses
+
+        fitting = tuple(sorted(i for i, r in self.runs.items() if r.fits))[-3:]
         if len(fitting) < 2 or fitting == self._forecast_of:
             return None
         self._forecast_of = fitting
-        runs = [KnobRun(self.runs[i].snapshot, self.values[i]) for i in fitting]
+        largest_run = self.runs[lo]
+        measured = [(self.values[i], self.runs[i].reserved_peak_bytes, self.runs[i].peak_bytes) for i in fitting]
+        ratios = [(value, reserved / peak) for value, reserved, peak in measured if reserved and peak]
+        near = (largest_run.reserved_peak_bytes or 0) >= self.limit / 2
+        share, why = (1.0, FORECAST) if near else (MARGIN, BELOW)
+        aim = int(self.limit * share)
+        named = self._named(fitting)
         try:
-            result = forecast(runs, [], self.rules, budget=self.limit)
+            courses = read_courses([KnobRun(self.runs[i].snapshot, self.values[i]) for i in fitting], self.rules)
+            # forecast_courses compares the peak times its own overhead estimate with the budget: the budget
+            # given makes that the peak times `ratio` within `aim`.
+            overhead = forecast_courses(courses, [self.values[lo]]).overhead_ratio
+            largest: Optional[int] = self.values[lo]
+            ratio = ratios[-1][1] if ratios else 1.0
+            for _ in range(3):  # the overhead at the value found, then the value under that overhead
+                ratio = _ratio_at(ratios, largest or 1)
+                result = forecast_courses(courses, [self.values[lo]], budget=int(aim * overhead / ratio))
+                found = min((d.max_value_within_budget for d in result.devices),
+                            key=lambda v: -1 if v is None else v)
+                if found == largest:
+                    break
+                largest = found
         except InputError as exc:
-            self.forecasts.append(f"from {self._named(fitting)}: none ({exc.message})")
+            self.forecasts.append(f"from {named}: none ({exc.message})")
             return None
-        device = max(result.devices, key=lambda d: d.predicted_peak_bytes)
-        largest = device.max_value_within_budget
+        within = f"within {format_bytes(aim)}" + ("" if near else f" ({MARGIN:g} of the limit: {why})")
         if largest is None:
-            self.forecasts.append(f"from {self._named(fitting)}: not even 1 within {format_bytes(self.limit)}")
+            self.forecasts.append(f"from {named}: not even 1 {within}")
             return None
         index = max((i for i, v in enumerate(self.values) if v <= largest), default=-1)
-        self.forecasts.append(f"from {self._named(fitting)}: {largest:,} within {format_bytes(self.limit)} "
-                              f"(peak x {result.overhead_ratio:.3f}, the allocator's overhead)")
-        return index if index >= 0 else None
+        self.forecasts.append(f"from {named}: {largest:,} {within}, the peak times {ratio:.3f} (reserved over "
+                              f"allocated, as the runs' grows with the value)")
+        return (index, why) if index >= 0 else None
 
     def _named(self, indices: Sequence[int]) -> str:
         return ", ".join(f"{self.values[i]:,}" for i in indices)
@@ -299,6 +334,17 @@ class Search:
             return "runs out of memory"
         return (f"reserves {format_bytes(run.reserved_peak_bytes or 0)}, over the limit "
                 f"{format_bytes(self.limit)}")
+
+
+def _ratio_at(ratios: Sequence[Tuple[int, float]], value: int) -> float:
+    """Reserved over allocated at `value`, on the line through the two largest runs' (never below the
+    largest run's: the overhead is not assumed to shrink); 1 without runs."""
+    if not ratios:
+        return 1.0
+    if len(ratios) == 1 or ratios[-1][0] == ratios[-2][0]:
+        return ratios[-1][1]
+    (v0, r0), (v1, r1) = ratios[-2], ratios[-1]
+    return max(r1, r1 + (r1 - r0) * (value - v1) / (v1 - v0))
 
 
 # ---------------------------------------------------------------- running
