@@ -24,8 +24,10 @@ from __future__ import annotations
 import multiprocessing
 import os
 import re
+import signal
 import time
 from dataclasses import asdict, dataclass, field
+from itertools import zip_longest
 from multiprocessing.connection import wait
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -43,6 +45,7 @@ PLACEHOLDER = re.compile(r"\{([A-Za-z_][A-Za-z0-9_]*)\}")
 DEFAULT_RANGE = (1, 4096)
 OVER_LIMIT = "over-limit"  # ran, but its reserved peak passed --max-memory's share of the GPU
 LOG_TAIL_LINES = 12
+STOP_S = 60  # how long an interrupted run may take to write its snapshot
 # Why a value is run: the forecast's boundary, or a value below it that measures the allocator's overhead there.
 FORECAST, BELOW = "forecast", "below the boundary"
 MARGIN = 0.9
@@ -87,6 +90,7 @@ class FitRun:
     site: Optional[str]
     oom_message: Optional[str]
     seconds: float
+    cpu_seconds: float  # the run's process, user and system, the summary of its snapshot included
     why: str  # the probe's reason: "smallest values", "forecast", "neighbour", "halving", "doubling"
 
     @property
@@ -195,6 +199,7 @@ class Search:
         self._forecast_of: Optional[Tuple[int, ...]] = None  # the fitting runs the last forecast used
         self._last: Optional[Tuple[int, str]] = None  # the last probe and why
         self._steps: Optional[Tuple[int, int, int]] = None  # stepping from a forecast: (index, direction, step)
+        self._wanted: Optional[List[Tuple[int, str]]] = None  # what wants() decided in this state
 
     def _lo_hi(self) -> Tuple[int, int]:
         """(the largest index that fits, or -1; the smallest that does not, or len(values))."""
@@ -210,7 +215,13 @@ class Search:
         return hi == lo + 1 and not self.running
 
     def wants(self) -> List[Tuple[int, str]]:
-        """The values to run now, each with why (none while the ones running decide the next)."""
+        """The values to run now, each with why (none while the ones running decide the next). Decided once
+        per state of the search: asked again before a run starts or ends, it answers the same."""
+        if self._wanted is None:
+            self._wanted = self._decide()
+        return [w for w in self._wanted if w[0] not in self.running and w[0] not in self.runs]
+
+    def _decide(self) -> List[Tuple[int, str]]:
         smallest = [i for i in range(min(2, len(self.values))) if i not in self.runs]
         if smallest:  # run together: neither decides the other (unless the smallest fails, then one is spare)
             return [(i, "smallest values") for i in smallest if i not in self.running]
@@ -255,7 +266,7 @@ class Search:
         run just below the boundary, whose overhead is the boundary's, for the next one to aim at the
         limit itself. From a forecast's value the runs step toward the boundary by 1, 2, 4, ...
         """
-        from memdiff.forecasting import KnobRun, forecast_courses, read_courses
+        from memdiff.forecasting import KnobRun, read_courses
 
         fitting = tuple(sorted(i for i, r in self.runs.items() if r.fits))[-3:]
         if len(fitting) < 2 or fitting == self._forecast_of:
@@ -268,32 +279,44 @@ class Search:
         share, why = (1.0, FORECAST) if near else (MARGIN, BELOW)
         aim = int(self.limit * share)
         named = self._named(fitting)
-        try:
-            courses = read_courses([KnobRun(self.runs[i].snapshot, self.values[i]) for i in fitting], self.rules)
-            # forecast_courses compares the peak times its own overhead estimate with the budget: the budget
-            # given makes that the peak times `ratio` within `aim`.
-            overhead = forecast_courses(courses, [self.values[lo]]).overhead_ratio
-            largest: Optional[int] = self.values[lo]
-            ratio = ratios[-1][1] if ratios else 1.0
-            for _ in range(3):  # the overhead at the value found, then the value under that overhead
-                ratio = _ratio_at(ratios, largest or 1)
-                result = forecast_courses(courses, [self.values[lo]], budget=int(aim * overhead / ratio))
-                found = min((d.max_value_within_budget for d in result.devices),
-                            key=lambda v: -1 if v is None else v)
-                if found == largest:
-                    break
-                largest = found
-        except InputError as exc:
-            self.forecasts.append(f"from {named}: none ({exc.message})")
-            return None
+        courses = read_courses([KnobRun(self.runs[i].snapshot, self.values[i]) for i in fitting], self.rules)
+        while True:
+            try:
+                largest = self._within(courses, ratios, aim, lo)
+                break
+            except InputError as exc:
+                # A batch of 1 often takes other paths (Hugging Face's Llama lines up 45% of its allocations
+                # with batch 2's): the smallest run is left out while two remain.
+                if len(courses) <= 2:
+                    self.forecasts.append(f"from {named}: none ({exc.message})")
+                    return None
+                courses = courses[1:]
+                named = ", ".join(f"{c.value:,}" for c in courses)
         within = f"within {format_bytes(aim)}" + ("" if near else f" ({MARGIN:g} of the limit: {why})")
         if largest is None:
             self.forecasts.append(f"from {named}: not even 1 {within}")
             return None
         index = max((i for i, v in enumerate(self.values) if v <= largest), default=-1)
-        self.forecasts.append(f"from {named}: {largest:,} {within}, the peak times {ratio:.3f} (reserved over "
-                              f"allocated, as the runs' grows with the value)")
+        self.forecasts.append(f"from {named}: {largest:,} {within}, the peak times {_ratio_at(ratios, largest):.3f} "
+                              f"(reserved over allocated, as the runs' grows with the value)")
         return (index, why) if index >= 0 else None
+
+    def _within(self, courses: List[Any], ratios: List[Tuple[int, float]], aim: int, lo: int) -> Optional[int]:
+        """The largest value whose forecast peak, times the overhead at that value, stays within `aim`."""
+        from memdiff.forecasting import forecast_courses
+
+        # forecast_courses compares the peak times its own overhead estimate with the budget: the budget
+        # given makes that the peak times the overhead the runs measured within `aim`.
+        overhead = forecast_courses(courses, [self.values[lo]]).overhead_ratio
+        largest: Optional[int] = self.values[lo]
+        for _ in range(3):  # the overhead at the value found, then the value under that overhead
+            ratio = _ratio_at(ratios, largest or 1)
+            result = forecast_courses(courses, [self.values[lo]], budget=int(aim * overhead / ratio))
+            found = min((d.max_value_within_budget for d in result.devices), key=lambda v: -1 if v is None else v)
+            if found == largest:
+                break
+            largest = found
+        return largest
 
     def _named(self, indices: Sequence[int]) -> str:
         return ", ".join(f"{self.values[i]:,}" for i in indices)
@@ -302,11 +325,13 @@ class Search:
         """A run of `index` was started."""
         self.running[index] = why
         self._last = (index, why)
+        self._wanted = None
 
     def finished(self, index: int, run: FitRun) -> None:
         """The run of `index` ended (fitting or not)."""
         del self.running[index]
         self.runs[index] = run
+        self._wanted = None
 
     def answer(self) -> GpuFit:
         """The GPU's answer, once done."""
@@ -397,7 +422,7 @@ def _outcome(r: _Running, sent: Optional[Dict[str, Any]], limit: int, value: int
     return FitRun(gpu=gpu, value=value, outcome=outcome, snapshot=r.snapshot, log=r.log,
                   peak_bytes=sent["peak_bytes"], reserved_peak_bytes=sent["reserved_peak_bytes"],
                   phase=sent["phase"], step=sent["step"], site=sent["site"], oom_message=sent["oom_message"],
-                  seconds=round(sent["seconds"], 2), why=r.why)
+                  seconds=round(sent["seconds"], 2), cpu_seconds=round(sent["cpu_seconds"], 2), why=r.why)
 
 
 def run_fit(command: Sequence[str], gpus: Sequence[Gpu], output: str, grid: Grid, max_memory: float,
@@ -418,22 +443,22 @@ def run_fit(command: Sequence[str], gpus: Sequence[Gpu], output: str, grid: Grid
     total = 0
     try:
         while True:
-            for s in searches:
-                for index, why in s.wants():
-                    if len(running) >= jobs:
-                        break
-                    value = s.values[index]
-                    name = f"{s.gpu.key}-{grid.name}{value}"
-                    snapshot, log = os.path.join(output, name + ".pickle"), os.path.join(output, name + ".log")
-                    target = _target(with_value(command, grid.name, value))
-                    ours, theirs = context.Pipe(duplex=False)
-                    process = context.Process(target=child, args=(theirs, s.gpu.key, target, snapshot, log,
-                                                                  max_entries), daemon=True)
-                    process.start()
-                    theirs.close()
-                    s.started(index, why)
-                    running.append(_Running(s, index, why, process, ours, snapshot, log, time.monotonic()))
-                    total += 1
+            # Round robin over the GPUs, so that each has a run going when there are as many jobs.
+            wanted = [[(s, index, why) for index, why in s.wants()] for s in searches]
+            queue = [w for turn in zip_longest(*wanted) for w in turn if w is not None]
+            for s, index, why in queue[:max(0, jobs - len(running))]:
+                value = s.values[index]
+                name = f"{s.gpu.key}-{grid.name}{value}"
+                snapshot, log = os.path.join(output, name + ".pickle"), os.path.join(output, name + ".log")
+                target = _target(with_value(command, grid.name, value))
+                ours, theirs = context.Pipe(duplex=False)
+                process = context.Process(target=child, args=(theirs, s.gpu.key, target, snapshot, log,
+                                                              max_entries), daemon=True)
+                process.start()
+                theirs.close()
+                s.started(index, why)
+                running.append(_Running(s, index, why, process, ours, snapshot, log, time.monotonic()))
+                total += 1
             if not running:
                 break
             ready = wait([r.process.sentinel for r in running] + [r.conn for r in running])
@@ -447,9 +472,16 @@ def run_fit(command: Sequence[str], gpus: Sequence[Gpu], output: str, grid: Grid
                 running.remove(r)
                 r.search.finished(r.index, _outcome(r, sent, r.search.limit, r.search.values[r.index]))
     finally:
-        for r in running:  # a failure or Ctrl-C: the runs still going are ended, their snapshots written
-            r.process.terminate()
-            r.process.join()
+        # A failed run or Ctrl-C: the runs still going are interrupted as Ctrl-C interrupts `memdiff record`,
+        # which writes what each recorded; only one that does not end within STOP_S is killed.
+        for r in running:
+            if r.process.is_alive() and r.process.pid is not None:
+                os.kill(r.process.pid, signal.SIGINT)
+        for r in running:
+            r.process.join(STOP_S)
+            if r.process.is_alive():
+                r.process.kill()
+                r.process.join()
     return FitResult(command=command, knob=grid.name, grid=grid, max_memory=max_memory,
                      gpus=[s.answer() for s in searches], runs=total, seconds=time.monotonic() - started,
                      output=output)

@@ -170,6 +170,9 @@ def run(args: argparse.Namespace) -> int:
     if args.baseline is not None and len(args.snapshots) == 1 and fit_file(args.snapshots[0]):
         from memdiff.render.fit import render_gate
 
+        if args.github:
+            raise InputError("--github", "a fit result is gated on its own: print it with --format markdown and post "
+                                         "it with `memdiff comment --report FILE`")
         checked = gate_file(args.snapshots[0], args.baseline)  # a fit result (`memdiff fit --format json`)
         sys.stdout.write(render_gate(checked, args.format))
         return EXIT_OK if checked.passed else EXIT_REGRESSION

@@ -11,6 +11,7 @@ is a small dict (`RunOutcome.to_dict`): how it ended, whether the emulated GPU r
 from __future__ import annotations
 
 import os
+import resource
 import sys
 from dataclasses import asdict, dataclass
 from typing import Any, Dict, List, Optional
@@ -33,6 +34,7 @@ class RunOutcome:
     step: Optional[int]
     site: Optional[str]  # the allocation that reached the peak (memdiff peak's `reached by`)
     seconds: float
+    cpu_seconds: float  # the process's own CPU time, user and system: the run's cost on a shared machine
 
     def to_dict(self) -> Dict[str, Any]:
         """The outcome as sent back to the parent."""
@@ -82,15 +84,17 @@ def run_emulated(gpu: str, target: List[str], snapshot: str, log: str, max_entri
                 refused, status = f"{exc.path}: {exc.message}", EXIT_BAD_INPUT
             except KeyboardInterrupt:
                 status = 130
-    seconds = time.monotonic() - started
     sys.stdout.flush()
     sys.stderr.flush()
     oom = emulator.out_of_memory[0] if emulator.out_of_memory else None
     facts = _summary_facts(snapshot) if os.path.exists(snapshot) else {}
+    seconds = time.monotonic() - started
+    used = resource.getrusage(resource.RUSAGE_SELF)  # a forked process's count starts at its fork
     ended = OOM if oom is not None else FITS if status == 0 else FAILED
     return RunOutcome(status=ended, exit_status=status, oom_message=oom, refused=refused,
                       peak_bytes=facts.get("peak_bytes"), reserved_peak_bytes=facts.get("reserved_peak_bytes"),
-                      phase=facts.get("phase"), step=facts.get("step"), site=facts.get("site"), seconds=seconds)
+                      phase=facts.get("phase"), step=facts.get("step"), site=facts.get("site"), seconds=seconds,
+                      cpu_seconds=used.ru_utime + used.ru_stime)
 
 
 def child(conn: Any, gpu: str, target: List[str], snapshot: str, log: str, max_entries: int) -> None:
