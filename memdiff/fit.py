@@ -443,8 +443,9 @@ def run_fit(command: Sequence[str], gpus: Sequence[Gpu], output: str, grid: Grid
     total = 0
     try:
         while True:
-            # Round robin over the GPUs, so that each has a run going when there are as many jobs.
-            wanted = [[(s, index, why) for index, why in s.wants()] for s in searches]
+            # Turns over the GPUs, the one with the fewest runs first: each has a run going as soon as a job is free.
+            order = sorted(searches, key=lambda s: len(s.runs) + len(s.running))
+            wanted = [[(s, index, why) for index, why in s.wants()] for s in order]
             queue = [w for turn in zip_longest(*wanted) for w in turn if w is not None]
             for s, index, why in queue[:max(0, jobs - len(running))]:
                 value = s.values[index]
