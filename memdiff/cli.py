@@ -32,6 +32,8 @@ COMMANDS = {  # name: (module, one-line help); a module gives DESCRIPTION, add_a
                  "forecast the peak at a batch size or length not run, from runs that differ in that knob"),
     "whatif": ("memdiff.commands.whatif",
                "predict the peak after a change not made (checkpointing, bf16, another optimizer, accumulation)"),
+    "fit": ("memdiff.commands.fit",
+            "the largest batch size (or length) whose emulated run trains on each GPU: memdiff fit --emulate h100,l4"),
     "record": ("memdiff.commands.record", "run a Python script with memory recording on and write the snapshot"),
     "rule": ("memdiff.commands.rule", "explain a finding code (P001, K004, ...), or list them all with --all"),
     "demo": ("memdiff.commands.demo", "record a small GPT with and without activation checkpointing and diff them"),

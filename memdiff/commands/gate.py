@@ -30,6 +30,7 @@ from memdiff.commands.args import (
 from memdiff.commands.diff import write_html
 from memdiff.errors import EXIT_BAD_INPUT, EXIT_OK, EXIT_REGRESSION, InputError, clip
 from memdiff.findings import finding, shown
+from memdiff.fit import fit_file, gate_file
 from memdiff.inert import baseline_command, md_code, text
 from memdiff.inputs import read_summary
 from memdiff.job import is_job, ranges, summarize_ranks
@@ -166,6 +167,15 @@ def _gate(args: argparse.Namespace, snap: str, path: str, baseline: Baseline, ru
 
 def run(args: argparse.Namespace) -> int:
     """Gate every run; exit 1 when any check fails (or a required baseline is missing)."""
+    if args.baseline is not None and len(args.snapshots) == 1 and fit_file(args.snapshots[0]):
+        from memdiff.render.fit import render_gate
+
+        if args.github:
+            raise InputError("--github", "a fit result is gated on its own: print it with --format markdown and post "
+                                         "it with `memdiff comment --report FILE`")
+        checked = gate_file(args.snapshots[0], args.baseline)  # a fit result (`memdiff fit --format json`)
+        sys.stdout.write(render_gate(checked, args.format))
+        return EXIT_OK if checked.passed else EXIT_REGRESSION
     rules = rules_from(args)
     pairs, missing = _pairs(args)
     html_paths = _html_paths(args.html, [snap for snap, _ in pairs]) if args.html is not None else {}

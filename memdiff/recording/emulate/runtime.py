@@ -167,6 +167,9 @@ class Emulator:
         self.recording: Optional[Dict[str, Any]] = None  # _record_memory_history's settings while on
         self.annotations: List[Dict[str, Any]] = []
         self.notes: List[str] = []
+        # The out-of-memory errors raised to the script, as PyTorch words them: a script may catch one
+        # (accelerate's find_executable_batch_size), and `memdiff fit` must know it happened all the same.
+        self.out_of_memory: List[str] = []
         self.blocks: Dict[int, Block] = {}  # id(storage) -> its block
         self.rules = {name: self._compile(rule) for name, rule in kernels()["ops"].items()}
         self.context: List[str] = []  # the builtin torch functions running now, outermost first
@@ -241,12 +244,14 @@ class Emulator:
             stream = side.cuda_stream if side is not None and side.device_index == device.index else 0
             return device.allocator.malloc(nbytes, stream, frames if self.recording is not None else None)
         except OutOfMemory as exc:
-            raise _torch.OutOfMemoryError(
+            message = (
                 f"CUDA out of memory (emulated {self.gpu.name}). Tried to allocate {format_bytes(exc.requested)}. "
                 f"GPU {device.index} has a total capacity of {format_bytes(self.gpu.total_memory)} of which "
                 f"{format_bytes(exc.free)} is free. Of the allocated memory {format_bytes(exc.allocated)} is "
                 f"allocated by PyTorch, and {format_bytes(exc.reserved - exc.allocated)} is reserved by PyTorch "
-                f"but unallocated.") from None
+                f"but unallocated.")
+            self.out_of_memory.append(message)
+            raise _torch.OutOfMemoryError(message) from None
 
     def release(self, block: Block, index: int) -> None:
         """Free a block of GPU `index` (a storage torch let go of)."""

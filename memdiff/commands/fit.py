@@ -1,0 +1,80 @@
+"""`memdiff fit --emulate h100,l4 -o runs/ -- python train.py --batch-size {batch}`: the largest value that trains."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Dict, List, Tuple
+
+from memdiff.commands.args import add_rules_arguments, count_arg, rules_from
+from memdiff.commands.record import emulate_arg
+from memdiff.errors import EXIT_OK, EXIT_REGRESSION, InputError
+from memdiff.fit import DEFAULT_RANGE, Grid, gated, knob_of, parse_range, read_fit, run_fit
+from memdiff.recording.emulate.gpus import gpu
+from memdiff.recording.emulate.gpus import names as gpu_names
+from memdiff.render import fit as render
+
+DESCRIPTION = ("Find, for each emulated GPU, the largest value of the command's placeholder ({batch}, or any "
+               "{name}) whose run of the unmodified script trains without running out of memory: a forecast from "
+               "the two smallest values, then the runs that confirm the boundary (the largest value that fits and "
+               "the next that does not). Each run is `memdiff record --emulate GPU` in a fresh process; its "
+               "snapshot and output are kept in -o DIR/. Exit 0 when every GPU fits a value, 1 when one fits not "
+               "even the smallest or --baseline's value dropped, 2 when the script fails for another reason than "
+               "memory.")
+
+
+def _gpus(text: str) -> List[str]:
+    return [emulate_arg(part) for part in text.split(",") if part.strip()]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The subcommand's arguments."""
+    p.add_argument("--emulate", required=True, action="append", type=_gpus, metavar="GPU[,GPU...]",
+                   help=f"the GPUs to fit on, a comma list or repeated (of {', '.join(gpu_names())})")
+    p.add_argument("-o", "--output", required=True, metavar="DIR/",
+                   help="folder for every run's snapshot and output: GPU-NAMEVALUE.pickle and .log (l4-batch8.pickle)")
+    p.add_argument("--range", action="append", default=[], metavar="NAME=LOW:HIGH",
+                   help=f"the values the placeholder may take (default: {DEFAULT_RANGE[0]}:{DEFAULT_RANGE[1]})")
+    step = p.add_mutually_exclusive_group()
+    step.add_argument("--multiple", type=count_arg, default=1, metavar="N",
+                      help="only multiples of N (8: batch sizes a tensor core likes)")
+    step.add_argument("--pow2", action="store_true", help="only powers of two")
+    p.add_argument("--max-memory", type=float, default=1.0, metavar="F",
+                   help="a value fits only when its reserved peak (what the caching allocator holds, what runs "
+                        "out) stays within F of the GPU's capacity (0.9 leaves 10%% headroom; default 1: it runs "
+                        "without running out of memory)")
+    p.add_argument("--jobs", type=count_arg, default=2, metavar="N", help="emulated runs at a time (default: 2)")
+    p.add_argument("--baseline", metavar="FILE",
+                   help="a fit result (`memdiff fit ... --format json`): exit 1 when a GPU's largest value is "
+                        "below it (finding G011)")
+    p.add_argument("--format", choices=("text", "markdown", "json"), default="text",
+                   help="output format (default: text)")
+    add_rules_arguments(p)
+    p.add_argument("command", nargs=argparse.REMAINDER,
+                   help="-- python SCRIPT ARGS with a placeholder: --batch-size {batch}")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Fit, print, and exit by what was found."""
+    keys: List[str] = []
+    for group in args.emulate:
+        keys += [k for k in group if k not in keys]
+    if not keys:
+        raise InputError("--emulate", "name at least one GPU")
+    ranges: Dict[str, Tuple[int, int]] = dict(parse_range(r) for r in args.range)
+    command = args.command[1:] if args.command and args.command[0] == "--" else args.command
+    if not command:
+        raise InputError("fit", "nothing to run: give `-- python train.py --batch-size {batch}`")
+    knob = knob_of(command, ranges)
+    low, high = ranges.get(knob, DEFAULT_RANGE)
+    grid = Grid(knob, low, high, 1 if args.pow2 else args.multiple, args.pow2)
+    baseline = read_fit(args.baseline) if args.baseline is not None else None  # read before any run
+    result = run_fit(command, [gpu(k) for k in keys], args.output, grid, args.max_memory, rules_from(args),
+                     args.jobs)
+    if baseline is not None:
+        result = gated(result, baseline, args.baseline)
+    shown = {"json": render.render_json, "markdown": render.render_markdown}.get(args.format, render.render_text)
+    sys.stdout.write(shown(result))
+    if result.passed is False or any(g.value is None for g in result.gpus):
+        return EXIT_REGRESSION
+    return EXIT_OK

@@ -1,0 +1,591 @@
+"""fit: the largest value of a knob (batch size, sequence length) whose emulated run trains on each GPU.
+
+`memdiff fit --emulate h100,l4 -o runs/ -- python train.py --batch-size {batch}` runs the unmodified
+script on each emulated GPU (memdiff.recording.fitrun: the machinery of `memdiff record --emulate`, one
+fresh process per run) at as few values as it can:
+
+1. the two smallest values of the grid (the range, a multiple, or powers of two);
+2. the forecast (memdiff.forecasting) of the runs that fit gives the largest value whose peak, times
+   the allocator's overhead, stays within the limit: that value is run, then its neighbour on the
+   grid (the next one up when it fit, the next one down when it did not);
+3. when the neighbour does not close the boundary (the forecast was off), the forecast is made again
+   with the runs that fit since, and where it gives nothing new the interval is halved (doubled while
+   nothing has failed yet).
+
+A value fits when its run ends with status 0 without the emulated GPU running out of memory and,
+under `--max-memory F`, its reserved peak (what the caching allocator holds: what runs out) stays
+within F of the GPU's capacity. Every run is real: the answer is the largest value that was run and
+fit, next to a value one grid step up that was run and did not. A run that fails for another reason
+stops the fit (exit 2, with its output's last lines): it is never taken for out of memory.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import re
+import signal
+import time
+from dataclasses import asdict, dataclass, field
+from itertools import zip_longest
+from multiprocessing.connection import wait
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+from memdiff import __version__
+from memdiff.errors import InputError, clip
+from memdiff.findings import finding
+from memdiff.inert import text
+from memdiff.model import Finding
+from memdiff.recording.emulate.gpus import Gpu
+from memdiff.recording.fitrun import FAILED, FITS, OOM, child
+from memdiff.units import format_bytes
+
+SCHEMA_VERSION = 1
+PLACEHOLDER = re.compile(r"\{([A-Za-z_][A-Za-z0-9_]*)\}")
+DEFAULT_RANGE = (1, 4096)
+OVER_LIMIT = "over-limit"  # ran, but its reserved peak passed --max-memory's share of the GPU
+LOG_TAIL_LINES = 12
+STOP_S = 60  # how long an interrupted run may take to write its snapshot
+# Why a value is run: the forecast's boundary, or a value below it that measures the allocator's overhead there.
+FORECAST, BELOW = "forecast", "below the boundary"
+MARGIN = 0.9
+
+
+@dataclass(frozen=True)
+class Grid:
+    """The values a knob may take: the multiples of `multiple` in [low, high], or its powers of two."""
+
+    name: str
+    low: int
+    high: int
+    multiple: int = 1
+    pow2: bool = False
+
+    def values(self) -> List[int]:
+        """Every value, smallest first."""
+        if self.pow2:
+            return [1 << k for k in range(self.high.bit_length()) if self.low <= 1 << k <= self.high]
+        first = -(-self.low // self.multiple) * self.multiple
+        return list(range(first, self.high + 1, self.multiple))
+
+    def describe(self) -> str:
+        """The grid in words: `batch in 1..4096, multiples of 8`."""
+        kind = ", powers of two" if self.pow2 else f", multiples of {self.multiple}" if self.multiple > 1 else ""
+        return f"{self.name} in {self.low:,}..{self.high:,}{kind}"
+
+
+@dataclass
+class FitRun:
+    """One emulated run of the fit: a GPU, a value, how it ended and what it used."""
+
+    gpu: str
+    value: int
+    outcome: str  # FITS, OOM or OVER_LIMIT
+    snapshot: str
+    log: str
+    peak_bytes: Optional[int]
+    reserved_peak_bytes: Optional[int]
+    phase: Optional[str]
+    step: Optional[int]
+    site: Optional[str]
+    oom_message: Optional[str]
+    seconds: float
+    cpu_seconds: float  # the run's process, user and system, the summary of its snapshot included
+    why: str  # the probe's reason: "smallest values", "forecast", "neighbour", "halving", "doubling"
+
+    @property
+    def fits(self) -> bool:
+        """Whether the value fits."""
+        return self.outcome == FITS
+
+
+@dataclass
+class GpuFit:
+    """The answer for one GPU: the largest value that fits, its run, and the first run that did not."""
+
+    gpu: str
+    name: str
+    capacity_bytes: int  # what PyTorch's allocator can reserve there (total memory less the CUDA context)
+    limit_bytes: int  # --max-memory's share of it: a run fits when its reserved peak stays within
+    value: Optional[int]  # None: not even the smallest value fits
+    fits: Optional[FitRun]
+    fails: Optional[FitRun]  # the next value up, run; None when the top of the range fits
+    headroom_bytes: Optional[int]  # capacity less the fitting run's reserved peak
+    runs: List[FitRun]
+    forecasts: List[str]  # each forecast made, in words
+    line: str  # the answer in one line
+
+
+@dataclass
+class FitResult:
+    """The whole fit, every number and sentence any output shows."""
+
+    command: List[str]
+    knob: str
+    grid: Grid
+    max_memory: float
+    gpus: List[GpuFit]
+    runs: int
+    seconds: float
+    output: str
+    findings: List[Finding] = field(default_factory=list)  # the gate's, with a baseline
+    baseline: Optional[str] = None
+    passed: Optional[bool] = None  # the gate's verdict, with a baseline
+    tool: str = f"memdiff {__version__}"
+
+    def to_dict(self) -> Dict[str, Any]:
+        """The JSON document (schemas/fit.schema.json)."""
+        return {"schema_version": SCHEMA_VERSION, "kind": "fit", "tool": self.tool, "command": self.command,
+                "knob": self.knob, "grid": asdict(self.grid), "max_memory": self.max_memory,
+                "runs": self.runs, "seconds": round(self.seconds, 2), "output": self.output,
+                "gpus": [{**asdict(g), "fits": None if g.fits is None else asdict(g.fits),
+                          "fails": None if g.fails is None else asdict(g.fails)} for g in self.gpus],
+                "baseline": self.baseline, "passed": self.passed,
+                "findings": [f.to_dict() for f in self.findings]}
+
+
+# ---------------------------------------------------------------- the command and its knob
+
+
+def knob_of(command: Sequence[str], ranges: Dict[str, Tuple[int, int]]) -> str:
+    """The one placeholder the command carries (`{batch}`); InputError when it has none or several, or
+    when a --range names another."""
+    names = sorted({m for arg in command for m in PLACEHOLDER.findall(arg)})
+    if not names:
+        raise InputError("fit", "the command has no placeholder: put the knob where its value goes, e.g. "
+                                "`-- python train.py --batch-size {batch}`")
+    if len(names) > 1:
+        raise InputError("fit", f"the command has {len(names)} placeholders ({', '.join(names)}): fit searches one")
+    for name in ranges:
+        if name != names[0]:
+            raise InputError("--range", f"names {clip(name)!r}, and the command's placeholder is {{{names[0]}}}")
+    return names[0]
+
+
+def with_value(command: Sequence[str], knob: str, value: int) -> List[str]:
+    """The command with the placeholder replaced by `value`."""
+    return [arg.replace("{" + knob + "}", str(value)) for arg in command]
+
+
+def parse_range(text_: str) -> Tuple[str, Tuple[int, int]]:
+    """`batch=1:4096` -> ("batch", (1, 4096)); InputError when it is not that."""
+    name, sep, span = text_.partition("=")
+    low, colon, high = span.partition(":")
+    try:
+        lo, hi = int(low), int(high)
+    except ValueError:
+        lo = hi = 0
+    if not sep or not colon or not PLACEHOLDER.fullmatch("{" + name + "}") or not 1 <= lo <= hi:
+        raise InputError("--range", f"{clip(text_)!r}: give NAME=LOW:HIGH with 1 <= LOW <= HIGH (batch=1:4096)")
+    return name, (lo, hi)
+
+
+# ---------------------------------------------------------------- the search on one GPU
+
+
+class Search:
+    """The runs of one GPU, and which value to run next."""
+
+    def __init__(self, gpu: Gpu, grid: Grid, max_memory: float, forecast_rules: Any) -> None:
+        self.gpu = gpu
+        self.values = grid.values()
+        if not self.values:
+            raise InputError("--range", f"{grid.describe()} holds no value")
+        self.limit = int(max_memory * gpu.capacity)
+        self.rules = forecast_rules
+        self.runs: Dict[int, FitRun] = {}  # by grid index
+        self.running: Dict[int, str] = {}  # grid index -> why it runs
+        self.forecasts: List[str] = []
+        self._forecast_of: Optional[Tuple[int, ...]] = None  # the fitting runs the last forecast used
+        self._last: Optional[Tuple[int, str]] = None  # the last probe and why
+        self._steps: Optional[Tuple[int, int, int]] = None  # stepping from a forecast: (index, direction, step)
+        self._wanted: Optional[List[Tuple[int, str]]] = None  # what wants() decided in this state
+
+    def _lo_hi(self) -> Tuple[int, int]:
+        """(the largest index that fits, or -1; the smallest that does not, or len(values))."""
+        lo = max((i for i, r in self.runs.items() if r.fits), default=-1)
+        hi = min((i for i, r in self.runs.items() if not r.fits), default=len(self.values))
+        return lo, hi
+
+    @property
+    def done(self) -> bool:
+        """Whether the boundary is found: the largest fitting value's next one was run and did not fit
+        (or it is the top of the range), or the smallest does not fit."""
+        lo, hi = self._lo_hi()
+        return hi == lo + 1 and not self.running
+
+    def wants(self) -> List[Tuple[int, str]]:
+        """The values to run now, each with why (none while the ones running decide the next). Decided once
+        per state of the search: asked again before a run starts or ends, it answers the same."""
+        if self._wanted is None:
+            self._wanted = self._decide()
+        return [w for w in self._wanted if w[0] not in self.running and w[0] not in self.runs]
+
+    def _decide(self) -> List[Tuple[int, str]]:
+        smallest = [i for i in range(min(2, len(self.values))) if i not in self.runs]
+        if smallest:  # run together: neither decides the other (unless the smallest fails, then one is spare)
+            return [(i, "smallest values") for i in smallest if i not in self.running]
+        if self.running or self.done:
+            return []
+        lo, hi = self._lo_hi()
+        if lo >= hi:
+            raise InputError("fit", f"{self.gpu.key}: {self.values[lo]:,} fits and {self.values[hi]:,}, smaller, "
+                                    "does not: memory does not grow with the knob, so there is no largest value")
+        index, why = self._next(lo, hi)
+        return [(index, why)]
+
+    def _next(self, lo: int, hi: int) -> Tuple[int, str]:
+        last = self._last
+        if last is not None and last[1] == FORECAST:
+            # From the forecast's value, steps of 1, 2, 4 ... toward the boundary, until one lands past it.
+            self._steps = (last[0], 1 if self.runs[last[0]].fits else -1, 1)
+        if self._steps is not None:
+            start, direction, size = self._steps
+            self._steps = (start, direction, 2 * size)
+            index = start + direction * size
+            if lo < index < hi:
+                return index, "neighbour" if size == 1 else "stepping"
+            self._steps = None
+        guess = self._forecast(lo)
+        if guess is not None and lo < guess[0] < hi and guess[0] not in self.runs:
+            return guess
+        if hi == len(self.values):  # nothing failed yet: double the value
+            target = 2 * self.values[lo]
+            index = next((i for i in range(lo + 1, hi) if self.values[i] >= target), hi - 1)
+            return index, "doubling"
+        return (lo + hi) // 2, "halving"
+
+    def _forecast(self, lo: int) -> Optional[Tuple[int, str]]:
+        """The grid index the forecast of the fitting runs puts at the boundary, and why; None with fewer
+        than two fitting runs, no new one since the last forecast, or runs that are not one loop.
+
+        The forecast predicts the allocated peak; what runs out is the reserved one, and the caching
+        allocator's overhead (reserved over allocated) grows with the tensors' sizes. So it is taken as
+        the fitting runs measured it, followed along the line through the two largest; and while the
+        largest is far from the limit (under half of it), the forecast aims at MARGIN of the limit: a
+        run just below the boundary, whose overhead is the boundary's, for the next one to aim at the
+        limit itself. From a forecast's value the runs step toward the boundary by 1, 2, 4, ...
+        """
+        from memdiff.forecasting import KnobRun, read_courses
+
+        fitting = tuple(sorted(i for i, r in self.runs.items() if r.fits))[-3:]
+        if len(fitting) < 2 or fitting == self._forecast_of:
+            return None
+        self._forecast_of = fitting
+        largest_run = self.runs[lo]
+        measured = [(self.values[i], self.runs[i].reserved_peak_bytes, self.runs[i].peak_bytes) for i in fitting]
+        ratios = [(value, reserved / peak) for value, reserved, peak in measured if reserved and peak]
+        near = (largest_run.reserved_peak_bytes or 0) >= self.limit / 2
+        share, why = (1.0, FORECAST) if near else (MARGIN, BELOW)
+        aim = int(self.limit * share)
+        named = self._named(fitting)
+        courses = read_courses([KnobRun(self.runs[i].snapshot, self.values[i]) for i in fitting], self.rules)
+        while True:
+            try:
+                largest = self._within(courses, ratios, aim, lo)
+                break
+            except InputError as exc:
+                # A batch of 1 often takes other paths (Hugging Face's Llama lines up 45% of its allocations
+                # with batch 2's): the smallest run is left out while two remain.
+                if len(courses) <= 2:
+                    self.forecasts.append(f"from {named}: none ({exc.message})")
+                    return None
+                courses = courses[1:]
+                named = ", ".join(f"{c.value:,}" for c in courses)
+        within = f"within {format_bytes(aim)}" + ("" if near else f" ({MARGIN:g} of the limit: {why})")
+        if largest is None:
+            self.forecasts.append(f"from {named}: not even 1 {within}")
+            return None
+        index = max((i for i, v in enumerate(self.values) if v <= largest), default=-1)
+        self.forecasts.append(f"from {named}: {largest:,} {within}, the peak times {_ratio_at(ratios, largest):.3f} "
+                              f"(reserved over allocated, as the runs' grows with the value)")
+        return (index, why) if index >= 0 else None
+
+    def _within(self, courses: List[Any], ratios: List[Tuple[int, float]], aim: int, lo: int) -> Optional[int]:
+        """The largest value whose forecast peak, times the overhead at that value, stays within `aim`."""
+        from memdiff.forecasting import forecast_courses
+
+        # forecast_courses compares the peak times its own overhead estimate with the budget: the budget
+        # given makes that the peak times the overhead the runs measured within `aim`.
+        overhead = forecast_courses(courses, [self.values[lo]]).overhead_ratio
+        largest: Optional[int] = self.values[lo]
+        for _ in range(3):  # the overhead at the value found, then the value under that overhead
+            ratio = _ratio_at(ratios, largest or 1)
+            result = forecast_courses(courses, [self.values[lo]], budget=int(aim * overhead / ratio))
+            found = min((d.max_value_within_budget for d in result.devices), key=lambda v: -1 if v is None else v)
+            if found == largest:
+                break
+            largest = found
+        return largest
+
+    def _named(self, indices: Sequence[int]) -> str:
+        return ", ".join(f"{self.values[i]:,}" for i in indices)
+
+    def started(self, index: int, why: str) -> None:
+        """A run of `index` was started."""
+        self.running[index] = why
+        self._last = (index, why)
+        self._wanted = None
+
+    def finished(self, index: int, run: FitRun) -> None:
+        """The run of `index` ended (fitting or not)."""
+        del self.running[index]
+        self.runs[index] = run
+        self._wanted = None
+
+    def answer(self) -> GpuFit:
+        """The GPU's answer, once done."""
+        lo, hi = self._lo_hi()
+        fits = self.runs.get(lo)
+        fails = self.runs.get(hi)
+        key = self.gpu.key
+        if fits is None:
+            assert fails is not None
+            line = f"{key}: does not fit at {self.values[0]:,}: {self._why_not(fails)}"
+        else:
+            headroom = self.gpu.capacity - (fits.reserved_peak_bytes or 0)
+            line = (f"{key}: largest {fits.value:,}, reserved peak {format_bytes(fits.reserved_peak_bytes or 0)} "
+                    f"of {format_bytes(self.gpu.capacity)} ({format_bytes(headroom)} headroom); "
+                    + (f"{fails.value:,} {self._why_not(fails)}" if fails is not None
+                       else "the top of the range fits"))
+        return GpuFit(gpu=key, name=self.gpu.name, capacity_bytes=self.gpu.capacity, limit_bytes=self.limit,
+                      value=None if fits is None else fits.value, fits=fits, fails=fails,
+                      headroom_bytes=None if fits is None else self.gpu.capacity - (fits.reserved_peak_bytes or 0),
+                      runs=sorted(self.runs.values(), key=lambda r: r.value), forecasts=self.forecasts,
+                      line=text(line))
+
+    def _why_not(self, run: FitRun) -> str:
+        if run.outcome == OOM:
+            return "runs out of memory"
+        return (f"reserves {format_bytes(run.reserved_peak_bytes or 0)}, over the limit "
+                f"{format_bytes(self.limit)}")
+
+
+def _ratio_at(ratios: Sequence[Tuple[int, float]], value: int) -> float:
+    """Reserved over allocated at `value`, on the line through the two largest runs' (never below the
+    largest run's: the overhead is not assumed to shrink); 1 without runs."""
+    if not ratios:
+        return 1.0
+    if len(ratios) == 1 or ratios[-1][0] == ratios[-2][0]:
+        return ratios[-1][1]
+    (v0, r0), (v1, r1) = ratios[-2], ratios[-1]
+    return max(r1, r1 + (r1 - r0) * (value - v1) / (v1 - v0))
+
+
+# ---------------------------------------------------------------- running
+
+
+@dataclass
+class _Running:
+    search: Search
+    index: int
+    why: str
+    process: Any
+    conn: Any
+    snapshot: str
+    log: str
+    started: float
+
+
+def _target(command: Sequence[str]) -> List[str]:
+    from memdiff.commands.record import _target as checked
+
+    return checked(list(command))
+
+
+def _log_tail(log: str) -> str:
+    try:
+        with open(log, encoding="utf-8", errors="replace") as f:
+            lines = [line.rstrip() for line in f.read().splitlines() if line.strip()]
+    except OSError:
+        return "(no output)"
+    return " | ".join(lines[-LOG_TAIL_LINES:]) or "(no output)"
+
+
+def _outcome(r: _Running, sent: Optional[Dict[str, Any]], limit: int, value: int) -> FitRun:
+    """The run's FitRun, or InputError when it failed for another reason than memory (never read as OOM)."""
+    gpu = r.search.gpu.key
+    where = f"{gpu} at {value:,}"
+    if sent is None:
+        raise InputError("fit", f"the run {where} ended without a report (exit {r.process.exitcode}); "
+                                f"its output ({r.log}): {clip(_log_tail(r.log), 1500)}")
+    if "internal_error" in sent:
+        raise RuntimeError(f"memdiff fit's run {where}: {sent['internal_error']}")
+    if sent["refused"]:
+        raise InputError("fit", f"the emulator cannot run the script ({where}): {sent['refused']}")
+    if sent["status"] == FAILED:
+        raise InputError("fit", f"the script failed {where} (exit {sent['exit_status']}), not out of memory; "
+                                f"its output ({r.log}): {clip(_log_tail(r.log), 1500)}")
+    outcome = sent["status"]
+    if outcome == FITS and sent["reserved_peak_bytes"] is not None and sent["reserved_peak_bytes"] > limit:
+        outcome = OVER_LIMIT
+    return FitRun(gpu=gpu, value=value, outcome=outcome, snapshot=r.snapshot, log=r.log,
+                  peak_bytes=sent["peak_bytes"], reserved_peak_bytes=sent["reserved_peak_bytes"],
+                  phase=sent["phase"], step=sent["step"], site=sent["site"], oom_message=sent["oom_message"],
+                  seconds=round(sent["seconds"], 2), cpu_seconds=round(sent["cpu_seconds"], 2), why=r.why)
+
+
+def run_fit(command: Sequence[str], gpus: Sequence[Gpu], output: str, grid: Grid, max_memory: float,
+            rules: Any, jobs: int, max_entries: int = 1_000_000) -> FitResult:
+    """Search each GPU's largest value, running up to `jobs` emulated runs at a time; every snapshot is
+    kept in `output` as GPU-NAMEVALUE.pickle, with the script's output as GPU-NAMEVALUE.log."""
+    if not 0 < max_memory <= 1:
+        raise InputError("--max-memory", f"{max_memory:g} is not a share of the GPU: give a number in (0, 1]")
+    command = list(command[1:] if command and command[0] == "--" else command)
+    _target(with_value(command, grid.name, grid.values()[0] if grid.values() else 1))
+    os.makedirs(output, exist_ok=True)
+    searches = [Search(g, grid, max_memory, rules) for g in gpus]
+    context = multiprocessing.get_context("forkserver")
+    # The server imports torch once; each run is forked from it with nothing of the script loaded.
+    context.set_forkserver_preload(["torch", "memdiff.recording.fitrun", "memdiff.recording.emulate.runtime"])
+    running: List[_Running] = []
+    started = time.monotonic()
+    total = 0
+    try:
+        while True:
+            # Turns over the GPUs, the one with the fewest runs first: each has a run going as soon as a job is free.
+            order = sorted(searches, key=lambda s: len(s.runs) + len(s.running))
+            wanted = [[(s, index, why) for index, why in s.wants()] for s in order]
+            queue = [w for turn in zip_longest(*wanted) for w in turn if w is not None]
+            for s, index, why in queue[:max(0, jobs - len(running))]:
+                value = s.values[index]
+                name = f"{s.gpu.key}-{grid.name}{value}"
+                snapshot, log = os.path.join(output, name + ".pickle"), os.path.join(output, name + ".log")
+                target = _target(with_value(command, grid.name, value))
+                ours, theirs = context.Pipe(duplex=False)
+                process = context.Process(target=child, args=(theirs, s.gpu.key, target, snapshot, log,
+                                                              max_entries), daemon=True)
+                process.start()
+                theirs.close()
+                s.started(index, why)
+                running.append(_Running(s, index, why, process, ours, snapshot, log, time.monotonic()))
+                total += 1
+            if not running:
+                break
+            ready = wait([r.process.sentinel for r in running] + [r.conn for r in running])
+            for r in [r for r in running if r.process.sentinel in ready or r.conn in ready]:
+                sent: Optional[Dict[str, Any]] = None
+                try:
+                    sent = r.conn.recv()
+                except EOFError:
+                    pass
+                r.process.join()
+                running.remove(r)
+                r.search.finished(r.index, _outcome(r, sent, r.search.limit, r.search.values[r.index]))
+    finally:
+        # A failed run or Ctrl-C: the runs still going are interrupted as Ctrl-C interrupts `memdiff record`,
+        # which writes what each recorded; only one that does not end within STOP_S is killed.
+        for r in running:
+            if r.process.is_alive() and r.process.pid is not None:
+                os.kill(r.process.pid, signal.SIGINT)
+        for r in running:
+            r.process.join(STOP_S)
+            if r.process.is_alive():
+                r.process.kill()
+                r.process.join()
+    return FitResult(command=command, knob=grid.name, grid=grid, max_memory=max_memory,
+                     gpus=[s.answer() for s in searches], runs=total, seconds=time.monotonic() - started,
+                     output=output)
+
+
+# ---------------------------------------------------------------- the gate
+
+
+def is_fit_document(doc: Any) -> bool:
+    """Whether a JSON document is a fit result (`memdiff fit --format json`)."""
+    return isinstance(doc, dict) and doc.get("kind") == "fit" and "gpus" in doc
+
+
+def read_fit(path: str) -> Dict[str, Any]:
+    """A fit result written by `memdiff fit --format json`, schema-checked; InputError otherwise."""
+    from memdiff.load import read_json
+    from memdiff.schema import validate
+
+    doc = read_json(path, "a fit result")
+    if not is_fit_document(doc):
+        raise InputError(path, "is not a fit result (`memdiff fit ... --format json` writes one)")
+    if doc.get("schema_version") != SCHEMA_VERSION:
+        raise InputError(path, f"fit schema_version {clip(str(doc.get('schema_version')))} is not one this memdiff "
+                               f"reads ({SCHEMA_VERSION})")
+    return validate(path, doc, "fit")
+
+
+def judge(values: Dict[str, Optional[int]], knob: str, baseline: Dict[str, Any], path: str) -> List[Finding]:
+    """A G011 finding for each GPU whose largest value fell below the baseline's (`values`: the fit's,
+    by GPU; a GPU only one side has is not compared)."""
+    if baseline["knob"] != knob:
+        raise InputError(path, f"the baseline fits {{{clip(baseline['knob'])}}} and this fit {{{knob}}}: they cannot "
+                               "be compared")
+    out = []
+    for g in baseline["gpus"]:
+        key = g["gpu"]
+        if key not in values:
+            continue
+        old, new = g["value"], values[key]
+        if old is not None and (new is None or new < old):
+            out.append(finding("G011", gpu=key, knob=knob, old=f"{old:,}",
+                               new="nothing" if new is None else f"{new:,}", baseline=path))
+    return out
+
+
+def gated(result: FitResult, baseline: Dict[str, Any], baseline_path: str) -> FitResult:
+    """The result with its baseline's check (`read_fit`'s document): findings and verdict."""
+    result.findings = judge({g.gpu: g.value for g in result.gpus}, result.knob, baseline, baseline_path)
+    result.baseline = baseline_path
+    result.passed = not result.findings
+    return result
+
+
+def value_lines(doc: Dict[str, Any]) -> List[str]:
+    """One line per GPU of a fit document: `h100 batch 48`."""
+    return [f"{g['gpu']} {doc['knob']} {'nothing' if g['value'] is None else format(g['value'], ',')}"
+            for g in doc["gpus"]]
+
+
+
+
+
+@dataclass
+class FitGate:
+    """`memdiff gate FIT.json --baseline FIT.json`: a stored fit result against the baseline's."""
+
+    run: str
+    baseline: str
+    values: List[str]  # one line per GPU of the run: `h100 batch 48`
+    findings: List[Finding]
+    passed: bool
+
+    def to_dict(self) -> Dict[str, Any]:
+        """The JSON document (gate's list entry for a fit)."""
+        return {"run": self.run, "baseline": self.baseline, "verdict": "pass" if self.passed else "fail",
+                "values": self.values, "findings": [f.to_dict() for f in self.findings]}
+
+
+def gate_file(run: str, baseline_path: str) -> FitGate:
+    """Gate the fit result `run` against the fit result `baseline_path`."""
+    doc, baseline = read_fit(run), read_fit(baseline_path)
+    found = judge({g["gpu"]: g["value"] for g in doc["gpus"]}, doc["knob"], baseline, baseline_path)
+    return FitGate(run, baseline_path, value_lines(doc), found, not found)
+
+
+def fit_file(path: str) -> bool:
+    """Whether `path` is a JSON file holding a fit result (so `memdiff gate` gates it as one)."""
+    import json
+
+    if not path.endswith(".json") or not os.path.isfile(path):
+        return False
+    try:
+        with open(path, encoding="utf-8") as f:
+            head = f.read(4096)
+    except OSError:
+        return False
+    try:
+        return is_fit_document(json.loads(head))
+    except ValueError:  # longer than the head read, or not JSON: read whole only if it names itself a fit
+        return '"kind": "fit"' in head and is_fit_document(_whole(path))
+
+
+def _whole(path: str) -> Any:
+    from memdiff.load import read_json
+
+    return read_json(path, "a fit result")

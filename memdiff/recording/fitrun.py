@@ -1,0 +1,111 @@
+"""One emulated run of `memdiff fit`: the unmodified script in a process of its own on the emulated GPU,
+as `memdiff record --emulate GPU -o FILE -- python SCRIPT ARGS` runs it, and what it left.
+
+The process is forked from a server that has imported torch and nothing of the script's (Python's
+forkserver), so each run starts as `memdiff record` does: torch imported, no module of the script,
+a fresh allocator. Its stdout and stderr go to a log file beside the snapshot; what it sends back
+is a small dict (`RunOutcome.to_dict`): how it ended, whether the emulated GPU ran out of memory
+(the error PyTorch's words, even when the script caught it), and its peaks from the snapshot's summary.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import sys
+from dataclasses import asdict, dataclass
+from typing import Any, Dict, List, Optional
+
+# How each run ended.
+FITS, OOM, FAILED = "fits", "oom", "failed"
+
+
+@dataclass
+class RunOutcome:
+    """What one emulated run left: its ending, its peaks, where it peaked, and its out-of-memory error."""
+
+    status: str  # FITS (ran to its end, exit 0, no out-of-memory), OOM, FAILED (anything else)
+    exit_status: int
+    oom_message: Optional[str]
+    refused: Optional[str]  # the emulator's one-line refusal of an op it cannot run
+    peak_bytes: Optional[int]
+    reserved_peak_bytes: Optional[int]
+    phase: Optional[str]
+    step: Optional[int]
+    site: Optional[str]  # the allocation that reached the peak (memdiff peak's `reached by`)
+    seconds: float
+    cpu_seconds: float  # the process's own CPU time, user and system: the run's cost on a shared machine
+
+    def to_dict(self) -> Dict[str, Any]:
+        """The outcome as sent back to the parent."""
+        return asdict(self)
+
+
+def _summary_facts(path: str) -> Dict[str, Any]:
+    """The peaks, phase and site of the snapshot at `path`, as `memdiff peak` reads them."""
+    from memdiff.classify import load_rules
+    from memdiff.inputs import read_summary
+
+    summary = read_summary(path, load_rules())
+    device = max(summary.devices, key=lambda d: d.peak_bytes, default=None)
+    if device is None:
+        return {}
+    site = next((g.site for g in device.groups if g.signature == device.peak_event_signature), None)
+    return {"peak_bytes": device.peak_bytes, "reserved_peak_bytes": device.reserved_peak_bytes,
+            "phase": device.phase_at_peak, "step": device.step_at_peak, "site": site}
+
+
+def run_emulated(gpu: str, target: List[str], snapshot: str, log: str, max_entries: int) -> RunOutcome:
+    """Run `target` (`[SCRIPT, ARGS...]` or `[-m, MODULE, ARGS...]`) on emulated `gpu`, writing its snapshot
+    to `snapshot` and its output to `log`."""
+    import time
+
+    from memdiff.commands.record import _run_target
+    from memdiff.errors import EXIT_BAD_INPUT, InputError
+    from memdiff.recording.capture import record, torch_module
+    from memdiff.recording.emulate.gpus import gpu as gpu_named
+    from memdiff.recording.emulate.runtime import Emulator
+
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    torch_module()
+    started = time.monotonic()
+    refused: Optional[str] = None
+    emulator = Emulator(gpu_named(gpu))
+    with emulator:
+        with record(snapshot, max_entries=max_entries):
+            try:
+                status = _run_target(target, emulated=True)
+            except InputError as exc:  # the emulator refused an op: the script cannot be fitted as it is
+                refused, status = f"{exc.path}: {exc.message}", EXIT_BAD_INPUT
+            except KeyboardInterrupt:
+                status = 130
+    sys.stdout.flush()
+    sys.stderr.flush()
+    oom = emulator.out_of_memory[0] if emulator.out_of_memory else None
+    facts = _summary_facts(snapshot) if os.path.exists(snapshot) else {}
+    seconds = time.monotonic() - started
+    used = resource.getrusage(resource.RUSAGE_SELF)  # a forked process's count starts at its fork
+    ended = OOM if oom is not None else FITS if status == 0 else FAILED
+    return RunOutcome(status=ended, exit_status=status, oom_message=oom, refused=refused,
+                      peak_bytes=facts.get("peak_bytes"), reserved_peak_bytes=facts.get("reserved_peak_bytes"),
+                      phase=facts.get("phase"), step=facts.get("step"), site=facts.get("site"), seconds=seconds,
+                      cpu_seconds=used.ru_utime + used.ru_stime)
+
+
+def child(conn: Any, gpu: str, target: List[str], snapshot: str, log: str, max_entries: int) -> None:
+    """The forked process's entry: run, send the outcome's dict back, close."""
+    try:
+        outcome = run_emulated(gpu, target, snapshot, log, max_entries)
+        conn.send(outcome.to_dict())
+    except BaseException as exc:  # memdiff's own failure in the child: said to the parent, never lost
+        import traceback
+
+        traceback.print_exc()
+        conn.send({"internal_error": f"{type(exc).__name__}: {exc}"})
+    finally:
+        conn.close()

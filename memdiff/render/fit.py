@@ -1,0 +1,106 @@
+"""What `memdiff fit` prints (text, markdown, json): it lays out the FitResult and decides nothing."""
+
+from __future__ import annotations
+
+from typing import List, Optional
+
+from tabulate import tabulate
+
+from memdiff.findings import shown
+from memdiff.fit import FitGate, FitResult, FitRun, GpuFit
+from memdiff.inert import md_cell, md_code, md_text
+from memdiff.render.json import dumps
+from memdiff.units import format_bytes
+
+
+def _bytes(n: Optional[int]) -> str:
+    return "" if n is None else format_bytes(n)
+
+
+def _where(run: Optional[FitRun]) -> str:
+    if run is None:
+        return ""
+    parts = [p for p in (run.phase, None if run.step is None else f"step {run.step}") if p]
+    return ", ".join(parts) + (f" at {run.site}" if run.site else "")
+
+
+def _rows(result: FitResult) -> List[List[str]]:
+    rows = []
+    for g in result.gpus:
+        fails = g.fails
+        fits = g.fits
+        rows.append([g.gpu, "none" if g.value is None else f"{g.value:,}", _bytes(fits.peak_bytes if fits else None),
+                     _bytes(fits.reserved_peak_bytes if fits else None), _bytes(g.headroom_bytes),
+                     format_bytes(g.capacity_bytes), "" if fails is None else f"{fails.value:,} ({fails.outcome})",
+                     str(len(g.runs))])
+    return rows
+
+
+HEADERS = ["gpu", "largest", "allocated peak", "reserved peak", "headroom", "capacity", "first not fitting", "runs"]
+ALIGN = ("left", "right", "right", "right", "right", "right", "left", "right")
+
+
+def _details(g: GpuFit) -> List[str]:
+    out = []
+    if g.fits is not None:
+        out.append(f"  fits at {g.fits.value:,}: peak in {_where(g.fits)}")
+    if g.fails is not None:
+        f = g.fails
+        out.append(f"  {f.value:,} does not fit: peak in {_where(f)}")
+        if f.oom_message:
+            out.append(f"    {f.oom_message}")
+        elif f.outcome != "oom":
+            out.append(f"    reserved peak {_bytes(f.reserved_peak_bytes)} over the limit "
+                       f"{format_bytes(g.limit_bytes)}")
+    out.append("  runs: " + ", ".join(f"{r.value:,} {r.outcome} ({r.why})" for r in g.runs))
+    out += [f"  forecast {line}" for line in g.forecasts]
+    return out
+
+
+def render_text(result: FitResult) -> str:
+    """The fit for a terminal: one line per GPU, the table, each GPU's runs and failing request."""
+    out = [f"memdiff: {g.line}" for g in result.gpus]
+    out += [shown(f) for f in result.findings]
+    if result.passed is not None:
+        out.append(f"{'PASS' if result.passed else 'FAIL'}  fit against {result.baseline}")
+    limit = "" if result.max_memory == 1 else f"; a value fits when its reserved peak is within " \
+                                                f"{result.max_memory:g} of the capacity"
+    out += ["", f"knob   {result.grid.describe()}{limit}",
+            f"runs   {result.runs} emulated runs in {result.seconds:.1f} s, snapshots in {result.output}", "",
+            tabulate(_rows(result), headers=HEADERS, tablefmt="simple", colalign=ALIGN), ""]
+    for g in result.gpus:
+        out.append(f"{g.gpu} ({g.name})")
+        out += _details(g)
+    return "\n".join(out) + "\n"
+
+
+def render_markdown(result: FitResult) -> str:
+    """The fit as a pull-request comment: the gate's finding in one line, then the table."""
+    out = []
+    if result.passed is not None:
+        out.append(("✅ " if result.passed else "❌ ") + md_text(f"fit against {result.baseline}: "
+                                                            f"{'pass' if result.passed else 'fail'}"))
+    out += [("❌ " if f.severity == "error" else "") + md_text(shown(f)) for f in result.findings]
+    rows = [[md_cell(c) for c in row] for row in _rows(result)]
+    out += ["", f"Largest {md_code(result.knob)} that trains, per emulated GPU ({result.runs} runs):", "",
+            tabulate(rows, headers=HEADERS, tablefmt="github", colalign=ALIGN), ""]
+    for g in result.gpus:
+        if g.fails is not None and g.fails.oom_message:
+            out.append(f"- {md_text(g.gpu)} at {g.fails.value:,}: {md_text(g.fails.oom_message)}")
+    return "\n".join(out) + "\n"
+
+
+def render_json(result: FitResult) -> str:
+    """The fit as its JSON document (schemas/fit.schema.json)."""
+    return dumps(result.to_dict())
+
+
+def render_gate(gate: FitGate, fmt: str) -> str:
+    """`memdiff gate FIT.json --baseline FIT.json`: the verdict and each finding in one line."""
+    if fmt == "json":
+        return dumps([gate.to_dict()])
+    verdict = f"{'PASS' if gate.passed else 'FAIL'}  fit {gate.run} against {gate.baseline}"
+    if fmt == "markdown":
+        return "\n".join([("✅ " if gate.passed else "❌ ") + md_text(verdict)]
+                         + ["❌ " + md_text(shown(f)) for f in gate.findings]) + "\n"
+    return "\n".join([verdict, *(shown(f) for f in gate.findings), *gate.values]) + "\n"

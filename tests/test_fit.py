@@ -1,0 +1,179 @@
+"""`memdiff fit`: the largest batch whose emulated run trains on a GPU, checked against the emulator's own
+out-of-memory error. The ground truth is `memdiff record --emulate GPU` of the unmodified scenario script at
+the value fit gives (it trains, exit 0) and at the next one (the script dies of torch.OutOfMemoryError),
+never fit's own arithmetic.
+
+The scenario (tests/scenarios/fit_mlp.py) is a 4-layer, 8192-wide MLP trained with Adam on batches of
+128 tokens: about 1 GiB of weights and 4 GiB with gradients and Adam's state, and some 36 MiB of
+activations per sample, so an L4's 21 GiB runs out near batch 470 (the emulated runs settle where).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import List
+
+import pytest
+
+from memdiff.errors import InputError
+from memdiff.fit import Grid, judge, knob_of, parse_range
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "tests" / "scenarios" / "fit_mlp.py"
+MLP = ["--width", "8192", "--layers", "4", "--seq", "128"]
+# The runs fit may make for one GPU: the two smallest values, one below the boundary, the forecast's value
+# and its neighbour, and one more step for a forecast that is off by one or two.
+MAX_RUNS = 6
+
+
+def memdiff(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "memdiff", *args], capture_output=True, text=True, cwd=ROOT)
+
+
+def fit(out: Path, *flags: str, script: List[str] = MLP) -> subprocess.CompletedProcess:
+    return memdiff("fit", "--emulate", "l4", "-o", f"{out}/", "--format", "json", *flags, "--",
+                   "python", str(SCRIPT), "--batch-size", "{batch}", *script)
+
+
+def record(out: Path, batch: int, *flags: str) -> subprocess.CompletedProcess:
+    return memdiff("record", "--emulate", "l4", "-o", str(out / f"truth-{batch}.pickle"), "--",
+                   "python", str(SCRIPT), "--batch-size", str(batch), *MLP, *flags)
+
+
+@pytest.fixture(scope="module")
+def l4_fit(tmp_path_factory, torch):
+    """The fit of the scenario on an emulated L4, by a script that catches its own out-of-memory errors."""
+    out = tmp_path_factory.mktemp("fit")
+    done = fit(out / "runs", script=[*MLP, "--catch-oom"])
+    assert done.returncode == 0, done.stderr
+    return out, json.loads(done.stdout)
+
+
+@pytest.mark.slow
+def test_the_value_found_trains_and_the_next_runs_out_of_memory(l4_fit):
+    out, doc = l4_fit
+    (gpu,) = doc["gpus"]
+    value = gpu["value"]
+    assert gpu["fails"]["value"] == value + 1 and gpu["fails"]["outcome"] == "oom"
+    # The ground truth: the emulated script itself, without the catch.
+    fits = record(out, value)
+    assert fits.returncode == 0, fits.stderr
+    fails = record(out, value + 1)
+    assert fails.returncode == 1 and "torch.OutOfMemoryError: CUDA out of memory" in fails.stderr, fails.stderr
+    # The script caught its error and exited 0 at value + 1: fit still read the run as out of memory, and
+    # words the failing request as the script saw it.
+    said = fails.stderr.split("torch.OutOfMemoryError: ")[1].splitlines()[0]
+    assert gpu["fails"]["oom_message"] == said
+    assert "Tried to allocate" in said and "of which" in said
+
+
+@pytest.mark.slow
+def test_the_fit_reports_peaks_headroom_and_keeps_every_run(l4_fit):
+    out, doc = l4_fit
+    (gpu,) = doc["gpus"]
+    runs = gpu["runs"]
+    assert len(runs) <= MAX_RUNS, [(r["value"], r["why"]) for r in runs]
+    assert doc["runs"] == len(runs)
+    for r in runs:  # one snapshot per run, named by GPU and value
+        assert Path(r["snapshot"]).name == f"l4-batch{r['value']}.pickle" and Path(r["snapshot"]).is_file()
+    fits = gpu["fits"]
+    assert fits["outcome"] == "fits" and fits["peak_bytes"] <= fits["reserved_peak_bytes"] <= gpu["capacity_bytes"]
+    assert gpu["headroom_bytes"] == gpu["capacity_bytes"] - fits["reserved_peak_bytes"]
+    # The L4 of gpus.json: 23,570,219,008 bytes less the CUDA context's 729,743,360.
+    assert gpu["capacity_bytes"] == 23_570_219_008 - 729_743_360
+    assert fits["phase"] in ("forward", "backward", "optimizer") and fits["site"]
+
+
+@pytest.mark.slow
+def test_max_memory_leaves_headroom_by_the_reserved_peak(tmp_path, l4_fit, torch):
+    _, whole = l4_fit
+    done = fit(tmp_path / "runs", "--max-memory", "0.5")
+    assert done.returncode == 0, done.stderr
+    (gpu,) = json.loads(done.stdout)["gpus"]
+    limit = gpu["limit_bytes"]
+    assert limit == int(0.5 * gpu["capacity_bytes"])
+    assert gpu["fits"]["reserved_peak_bytes"] <= limit < gpu["fails"]["reserved_peak_bytes"]
+    assert gpu["fails"]["outcome"] == "over-limit" and gpu["fails"]["value"] == gpu["value"] + 1
+    assert gpu["value"] < whole["gpus"][0]["value"]
+
+
+@pytest.mark.slow
+def test_a_lower_value_than_the_baseline_fails_the_gate_in_one_line(tmp_path, l4_fit):
+    _, doc = l4_fit
+    run, base = tmp_path / "fit.json", tmp_path / "baseline.json"
+    run.write_text(json.dumps(doc))
+    higher = copy.deepcopy(doc)
+    higher["gpus"][0]["value"] += 8
+    base.write_text(json.dumps(higher))
+    same = memdiff("gate", str(run), "--baseline", str(run))
+    assert same.returncode == 0 and same.stdout.startswith("PASS"), same.stdout + same.stderr
+    dropped = memdiff("gate", str(run), "--baseline", str(base), "--format", "markdown")
+    assert dropped.returncode == 1, dropped.stderr
+    value = doc["gpus"][0]["value"]
+    lines = [line for line in dropped.stdout.splitlines() if "G011" in line]
+    assert len(lines) == 1 and f"fit: l4 batch {value + 8:,} -> {value:,}" in lines[0]
+
+
+@pytest.mark.slow
+def test_a_script_failing_otherwise_is_one_line_exit_2_never_out_of_memory(tmp_path, torch):
+    done = fit(tmp_path / "runs", script=[*MLP, "--fail"])
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.count("\n") == 1 and "not out of memory" in done.stderr
+    assert "ValueError: the data set is missing" in done.stderr
+
+
+@pytest.mark.slow
+def test_a_model_that_does_not_fit_at_the_smallest_value_exits_1(tmp_path, torch):
+    # 2 layers of 65536 x 65536 fp32 weights: 34 GB, more than an L4 holds before any batch.
+    done = memdiff("fit", "--emulate", "l4", "-o", f"{tmp_path}/runs/", "--range", "batch=1:64", "--", "python",
+                   str(SCRIPT), "--batch-size", "{batch}", "--width", "65536", "--layers", "2")
+    assert done.returncode == 1, done.stderr
+    assert "l4: does not fit at 1: runs out of memory" in done.stdout
+
+
+def test_a_command_without_a_placeholder_is_one_line_exit_2(tmp_path):
+    done = memdiff("fit", "--emulate", "l4", "-o", f"{tmp_path}/", "--", "python", str(SCRIPT), "--batch-size", "8")
+    assert done.returncode == 2 and done.stderr.count("\n") == 1 and "no placeholder" in done.stderr
+    assert not any(tmp_path.iterdir())
+
+
+def test_a_missing_baseline_is_refused_before_any_run(tmp_path):
+    done = memdiff("fit", "--emulate", "l4", "-o", f"{tmp_path}/runs/", "--baseline", str(tmp_path / "none.json"),
+                   "--", "python", str(SCRIPT), "--batch-size", "{batch}")
+    assert done.returncode == 2 and done.stderr.count("\n") == 1
+    assert not (tmp_path / "runs").exists()
+
+
+def test_an_unknown_gpu_is_refused():
+    done = memdiff("fit", "--emulate", "h100,v100", "-o", "x/", "--", "python", str(SCRIPT), "--batch-size",
+                   "{batch}")
+    assert done.returncode == 2 and "no GPU named 'v100'" in done.stderr
+
+
+def test_the_knob_is_the_one_placeholder_and_its_range_names_it():
+    assert knob_of(["train.py", "--seq-len", "{seq}"], {}) == "seq"
+    with pytest.raises(InputError, match="2 placeholders"):
+        knob_of(["train.py", "--batch", "{batch}", "--seq", "{seq}"], {})
+    with pytest.raises(InputError, match="placeholder is {batch}"):
+        knob_of(["train.py", "--batch", "{batch}"], dict([parse_range("seq=1:8")]))
+    with pytest.raises(InputError):
+        parse_range("batch=8:1")
+
+
+def test_the_grid_holds_multiples_or_powers_of_two():
+    assert Grid("batch", 1, 40, multiple=8).values() == [8, 16, 24, 32, 40]
+    assert Grid("batch", 3, 100, pow2=True).values() == [4, 8, 16, 32, 64]
+    assert Grid("batch", 1, 3).values() == [1, 2, 3]
+
+
+def test_a_gpu_only_one_side_fits_is_not_compared_and_nothing_is_a_drop():
+    baseline = {"knob": "batch", "gpus": [{"gpu": "h100", "value": 48}, {"gpu": "l4", "value": 8}]}
+    found = judge({"h100": 40, "a100": 4}, "batch", baseline, "b.json")
+    assert [f.code for f in found] == ["G011"] and found[0].message.startswith("fit: h100 batch 48 -> 40")
+    assert judge({"l4": None}, "batch", baseline, "b.json")[0].message.startswith("fit: l4 batch 8 -> nothing")
+    with pytest.raises(InputError, match="cannot be compared"):
+        judge({"h100": 48}, "seq", baseline, "b.json")
