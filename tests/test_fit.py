@@ -20,7 +20,7 @@ from typing import List
 import pytest
 
 from memdiff.errors import InputError
-from memdiff.fit import Grid, judge, knob_of, parse_range
+from memdiff.predict.fit import Grid, judge, knob_of, parse_range
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "tests" / "scenarios" / "fit_mlp.py"

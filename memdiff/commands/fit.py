@@ -9,7 +9,7 @@ from typing import Dict, List, Tuple
 from memdiff.commands.args import add_rules_arguments, count_arg, rules_from
 from memdiff.commands.record import emulate_arg
 from memdiff.errors import EXIT_OK, EXIT_REGRESSION, InputError
-from memdiff.fit import DEFAULT_RANGE, Grid, gated, knob_of, parse_range, read_fit, run_fit
+from memdiff.predict.fit import DEFAULT_RANGE, Grid, gated, knob_of, parse_range, read_fit, run_fit
 from memdiff.recording.emulate.gpus import gpu
 from memdiff.recording.emulate.gpus import names as gpu_names
 from memdiff.render import fit as render

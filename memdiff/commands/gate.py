@@ -30,11 +30,11 @@ from memdiff.commands.args import (
 from memdiff.commands.diff import write_html
 from memdiff.errors import EXIT_BAD_INPUT, EXIT_OK, EXIT_REGRESSION, InputError, clip
 from memdiff.findings import finding, shown
-from memdiff.fit import fit_file, gate_file
 from memdiff.inert import baseline_command, md_code, text
 from memdiff.inputs import read_summary
 from memdiff.job import is_job, ranges, summarize_ranks
 from memdiff.model import Summary, TrendEntry
+from memdiff.predict.fit import fit_file, gate_file
 from memdiff.render import render
 from memdiff.render.json import dumps
 from memdiff.report import Report, Run, Settings, compare
