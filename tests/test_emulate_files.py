@@ -231,9 +231,10 @@ def test_leaving_the_emulator_puts_every_save_and_load_back(tmp_path):
 
     from memdiff.recording.emulate.gpus import gpu
     from memdiff.recording.emulate.runtime import Emulator
+    from memdiff.recording.emulate.session import emulating
 
     before = (torch.save, torch.load, torch.serialization.save, np.save, np.savez, torch.storage._to)
-    with Emulator(gpu("h100")):
+    with emulating(Emulator(gpu("h100"))):
         assert torch.save is not before[0] and np.save is not before[3]
         weights = torch.nn.Linear(4, 4).cuda().state_dict()
         torch.save(weights, tmp_path / "emulated.pt")
@@ -481,11 +482,12 @@ def test_a_file_open_when_the_emulator_stops_is_put_in_place_and_numpy_and_open_
 
     from memdiff.recording.emulate.gpus import gpu
     from memdiff.recording.emulate.runtime import Emulator
+    from memdiff.recording.emulate.session import emulating
 
     before = (builtins.open, np.ndarray.tobytes, np.ndarray.tofile)
     (tmp_path / "log.bin").write_bytes(b"old")
     (tmp_path / "log.bin").chmod(0o600)
-    with Emulator(gpu("h100")):
+    with emulating(Emulator(gpu("h100"))):
         f = open(tmp_path / "log.bin", "wb")
         f.write(b"written under emulation;")
         assert (tmp_path / "log.bin").read_bytes() == b"old"  # not in place before it is closed
@@ -510,9 +512,10 @@ def test_leaving_the_emulator_puts_pil_and_pickle_back(tmp_path):
 
     from memdiff.recording.emulate.gpus import gpu
     from memdiff.recording.emulate.runtime import Emulator
+    from memdiff.recording.emulate.session import emulating
 
     before = (image.Image.save, image.Image._new, image.frombuffer, image.frombytes, pickle_module.dump)
-    with Emulator(gpu("h100")):
+    with emulating(Emulator(gpu("h100"))):
         assert image.Image.save is not before[0] and pickle_module.dump is not before[4]
         pixels = torch.nn.Linear(8, 8).cuda().weight.detach().to("cpu", torch.uint8).numpy()
         image.fromarray(pixels).save(tmp_path / "device.png")
@@ -525,9 +528,10 @@ def test_a_file_renamed_while_still_open_lands_at_its_new_name_or_nowhere(tmp_pa
     # the atomic-write idiom some savers use: write a temporary name, flush, rename, then close
     from memdiff.recording.emulate.gpus import gpu
     from memdiff.recording.emulate.runtime import Emulator
+    from memdiff.recording.emulate.session import emulating
 
     (tmp_path / "weights.bin").write_bytes(b"the user's weights")
-    with Emulator(gpu("h100")):
+    with emulating(Emulator(gpu("h100"))):
         f = open(tmp_path / "config.tmp", "wb")
         f.write(b"host bytes")
         f.flush()
@@ -549,9 +553,10 @@ def test_a_file_renamed_while_still_open_lands_at_its_new_name_or_nowhere(tmp_pa
 def test_numpys_copies_of_read_back_data_are_not_written_and_of_host_data_are(tmp_path):
     from memdiff.recording.emulate.gpus import gpu
     from memdiff.recording.emulate.runtime import Emulator
+    from memdiff.recording.emulate.session import emulating
 
     before = (np.ndarray.astype, np.ndarray.copy, np.ndarray.flatten)
-    with Emulator(gpu("h100")):
+    with emulating(Emulator(gpu("h100"))):
         weight = torch.nn.Linear(16, 16).cuda().weight.detach().cpu().numpy()
         with open(tmp_path / "half.bin", "wb") as f:
             f.write(weight.astype(np.float16).tobytes())

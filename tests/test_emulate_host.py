@@ -17,6 +17,7 @@ nn = torch.nn
 
 from memdiff.recording.emulate.gpus import gpu  # noqa: E402
 from memdiff.recording.emulate.runtime import Emulator  # noqa: E402
+from memdiff.recording.emulate.session import emulating  # noqa: E402
 
 
 def _block(nbytes: int) -> int:
@@ -39,7 +40,7 @@ class Tied(nn.Module):
 
 
 def test_a_cpu_built_model_moved_to_the_gpu_trains_with_its_parameter_bytes_on_the_device():
-    with Emulator(gpu("h100")):
+    with emulating(Emulator(gpu("h100"))):
         model = nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(4)], nn.LayerNorm(1024))
         params = list(model.parameters())
         expected = sum(_block(p.numel() * p.element_size()) for p in params)
@@ -56,7 +57,7 @@ def test_a_cpu_built_model_moved_to_the_gpu_trains_with_its_parameter_bytes_on_t
 
 
 def test_a_cpu_built_model_converted_then_moved_holds_the_converted_bytes_and_its_copy_is_real_on_the_cpu():
-    with Emulator(gpu("h100")):
+    with emulating(Emulator(gpu("h100"))):
         model = nn.Sequential(nn.Linear(1024, 4096), nn.Linear(4096, 1024))
         kept = copy.deepcopy(model).to(torch.bfloat16)  # stays on the CPU
         half = model.to(torch.bfloat16)
@@ -70,7 +71,7 @@ def test_a_cpu_built_model_converted_then_moved_holds_the_converted_bytes_and_it
 
 
 def test_tied_weights_stay_tied_moved_or_not():
-    with Emulator(gpu("h100")):
+    with emulating(Emulator(gpu("h100"))):
         kept = Tied()
         # on the CPU: one storage, written through one module, read through the other
         nn.init.constant_(kept.embed.weight, 0.25)
@@ -88,7 +89,7 @@ def test_tied_weights_stay_tied_moved_or_not():
 def test_an_optimizer_built_before_the_move_steps_the_moved_weights():
     # minGPT-ddp builds its optimizer, then moves the model: the GPU's move keeps each Parameter
     # (and what the user set on it), so the optimizer steps the weights on the device.
-    with Emulator(gpu("h100")):
+    with emulating(Emulator(gpu("h100"))):
         model = nn.Sequential(nn.Linear(1024, 1024), nn.Linear(1024, 1024))
         model[0].weight.tag = "decay"
         params = list(model.parameters())
@@ -109,7 +110,7 @@ def test_an_optimizer_built_before_the_move_steps_the_moved_weights():
 
 def test_weights_that_stay_on_the_cpu_follow_their_initialisation():
     reference = nn.init.trunc_normal_(torch.empty(2048, 512), std=0.02, a=-0.03, b=0.03).std().item()
-    with Emulator(gpu("h100")):
+    with emulating(Emulator(gpu("h100"))):
         torch.manual_seed(0)
         linear = nn.Linear(1024, 2048)
         embed = nn.Embedding(4096, 512, padding_idx=3)
@@ -133,7 +134,7 @@ def test_weights_that_stay_on_the_cpu_follow_their_initialisation():
 
 def test_a_cpu_model_computes_on_the_cpu_what_its_weights_give_without_emulation():
     x = torch.randn(16, 1024, generator=torch.Generator().manual_seed(1))
-    with Emulator(gpu("h100")):
+    with emulating(Emulator(gpu("h100"))):
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(1024, 1024), nn.GELU(), nn.Linear(1024, 8))
         emulated = nn.functional.cross_entropy(model(x), torch.arange(16) % 8).item()
@@ -145,7 +146,7 @@ def test_a_cpu_model_computes_on_the_cpu_what_its_weights_give_without_emulation
 
 
 def test_the_same_seed_gives_the_same_weights_and_a_copy_equals_its_source():
-    with Emulator(gpu("h100")):
+    with emulating(Emulator(gpu("h100"))):
         torch.manual_seed(7)
         a = nn.Linear(1024, 1024)
         ema = copy.deepcopy(a)
@@ -164,7 +165,7 @@ def test_the_same_seed_gives_the_same_weights_and_a_copy_equals_its_source():
 
 def test_a_state_dict_loaded_into_a_cpu_built_model_is_what_was_loaded():
     source = nn.Linear(1024, 1024)
-    with Emulator(gpu("h100")):
+    with emulating(Emulator(gpu("h100"))):
         model = nn.Linear(1024, 1024)
         model.load_state_dict(source.state_dict())
         assert torch.equal(model.weight, source.weight)
@@ -173,7 +174,7 @@ def test_a_state_dict_loaded_into_a_cpu_built_model_is_what_was_loaded():
 def test_files_written_from_a_cpu_model_hold_its_weights(tmp_path):
     from safetensors.torch import load_file, save_file
 
-    with Emulator(gpu("h100")):
+    with emulating(Emulator(gpu("h100"))):
         model = nn.Linear(1024, 1024)
         torch.save(model.state_dict(), tmp_path / "model.pt")
         other = nn.Linear(1024, 1024)
@@ -185,7 +186,7 @@ def test_files_written_from_a_cpu_model_hold_its_weights(tmp_path):
 
 
 def test_a_cpu_tensor_made_under_emulation_is_real_after_it_ends():
-    with Emulator(gpu("h100")):
+    with emulating(Emulator(gpu("h100"))):
         w = nn.init.normal_(torch.empty(1024, 1024), std=3.0)
     assert abs(w.std().item() - 3.0) < 0.03
 

@@ -162,11 +162,12 @@ def test_cudnn_benchmark_searches_at_a_shapes_first_convolution_only(torch, sear
     # chosen plan runs with its workspace; later calls reuse the plan. Without it, no search.
     from memdiff.recording.emulate.gpus import gpu
     from memdiff.recording.emulate.runtime import Emulator
+    from memdiff.recording.emulate.session import emulating
 
     old = torch.backends.cudnn.benchmark
     requests = []
     try:
-        with Emulator(gpu("h100")):
+        with emulating(Emulator(gpu("h100"))):
             torch.backends.cudnn.benchmark = searching
             conv = torch.nn.Conv2d(16, 32, 3, padding=1, bias=False).cuda()
             x = torch.randn(8, 16, 32, 32, device="cuda")
@@ -185,8 +186,9 @@ def test_batch_norm_in_evaluation_saves_nothing_on_the_gpu_as_cudnn_does(torch):
     # evaluation: the output is its only allocation. Training keeps both, for the backward.
     from memdiff.recording.emulate.gpus import gpu
     from memdiff.recording.emulate.runtime import Emulator
+    from memdiff.recording.emulate.session import emulating
 
-    with Emulator(gpu("h100")):
+    with emulating(Emulator(gpu("h100"))):
         bn = torch.nn.BatchNorm2d(64).cuda()
         x = torch.randn(8, 64, 32, 32, device="cuda")
         output = x.numel() * 4

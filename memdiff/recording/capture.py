@@ -9,18 +9,16 @@ import contextlib
 import inspect
 import json
 import os
-import pickle
 import re
 import signal
 import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
-from memdiff.atomic import write_output, write_stream
+from memdiff.atomic import write_output
 from memdiff.errors import InputError
+from memdiff.recording.snapshot_file import dump
 
-# Protocol 4 keeps the file readable by pytorch.org/memory_viz and by Python 3.4+.
-PICKLE_PROTOCOL = 4
 STACKS = ("python", "all")
 # How the profiler names the autograd engine running a node: `...: AddmmBackward0`.
 AUTOGRAD_NODE = "autograd::engine::evaluate_function: "
@@ -40,11 +38,6 @@ def torch_module() -> Any:
                                     "pip install torch --index-url https://download.pytorch.org/whl/cpu); "
                                     "the analysis commands do not") from None
     return torch
-
-
-def dump(snapshot: Any, path: str) -> None:
-    """Write `snapshot` to `path` atomically (memdiff.atomic); a pipe or device there is refused, never replaced."""
-    write_stream(path, lambda f: pickle.dump(snapshot, f, protocol=PICKLE_PROTOCOL), in_place=False)
 
 
 def write_status(path: str, document: Dict[str, Any]) -> None:
@@ -519,8 +512,9 @@ def record(path: str, *, max_entries: int = 1_000_000, stacks: str = "all",
     if emulate is not None:
         from memdiff.recording.emulate.gpus import gpu
         from memdiff.recording.emulate.runtime import Emulator
+        from memdiff.recording.emulate.session import emulating
 
-        with Emulator(gpu(emulate), gpus=gpus):
+        with emulating(Emulator(gpu(emulate), gpus=gpus)):
             with record(path, max_entries=max_entries, stacks=stacks, steps=steps):
                 yield
         return

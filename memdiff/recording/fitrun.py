@@ -65,6 +65,7 @@ def run_emulated(gpu: str, target: List[str], snapshot: str, log: str, max_entri
     from memdiff.recording.capture import record, torch_module
     from memdiff.recording.emulate.gpus import gpu as gpu_named
     from memdiff.recording.emulate.runtime import Emulator
+    from memdiff.recording.emulate.session import emulating
 
     fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     sys.stdout.flush()
@@ -76,7 +77,7 @@ def run_emulated(gpu: str, target: List[str], snapshot: str, log: str, max_entri
     started = time.monotonic()
     refused: Optional[str] = None
     emulator = Emulator(gpu_named(gpu))
-    with emulator:
+    with emulating(emulator):
         with record(snapshot, max_entries=max_entries):
             try:
                 status = _run_target(target, emulated=True)

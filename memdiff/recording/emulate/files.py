@@ -250,6 +250,17 @@ class Files:
             payload._seen.add(key)
             payload.nbytes += int(a.nbytes)
 
+    def skipped_read_back(self, call: str, target: Any, nbytes: int = 0, what: Optional[str] = None) -> None:
+        """A write of host data read back from the device (writes.py) left out: said as a skipped save.
+        `target`: the path or file it named, or (how it reads, whether it existed) already worked out."""
+        payload = _Payload()
+        payload.read_back, payload.nbytes = True, nbytes
+        self.skipped(call, target if isinstance(target, tuple) else _target(target), payload, what)
+
+    def target(self, f: Any) -> Tuple[str, Optional[bool]]:
+        """How the file `f` (a path or a file object) reads in a note, and whether it existed."""
+        return _target(f)
+
     def skipped(self, call: str, where: Tuple[str, Optional[bool]], payload: _Payload,
                 written: Optional[str] = None) -> None:
         """Say once per file that a save was not written, and what the real run writes there. `where`:

@@ -19,7 +19,6 @@ is PyTorch's own format, marked `emulated` with the GPU named.
 from __future__ import annotations
 
 import ast
-import contextlib
 import os
 import sys
 import time
@@ -30,6 +29,7 @@ from memdiff.errors import InputError
 from memdiff.recording.emulate.allocator import AllocatorConfig, Block, OutOfMemory
 from memdiff.recording.emulate.devices import EmulatedGpu, Placement, gpus_per_node
 from memdiff.recording.emulate.gpus import Gpu, kernels
+from memdiff.recording.snapshot_file import dump
 from memdiff.units import format_bytes
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -82,6 +82,12 @@ def _rest(frame: Any) -> List[Dict[str, Any]]:
 
 
 _torch: Any = None
+
+
+def use_torch(torch: Any) -> None:
+    """The torch the emulator runs on, set by session.start: this module imports none of its own."""
+    global _torch
+    _torch = torch
 
 
 def _in_backward() -> bool:
@@ -178,13 +184,12 @@ class Emulator:
         self.native: List[Any] = []
         self.blas = set(kernels()["blas"]["ops"])
         self.blas_lt = set(kernels()["blas"]["lt"])
-        self._stack: Optional[contextlib.ExitStack] = None
-        self.autocast: Any = None  # autocast.Autocast, made on entry (it imports torch)
-        self.device_mode: Any = None  # modes.DeviceMode, made on entry
+        self.autocast: Any = None  # autocast.Autocast, made by session.start (it imports torch)
+        self.device_mode: Any = None  # modes.DeviceMode, made by session.start
         # The side stream the script made current (patches.Stream), whose pool allocations come from;
         # None for the default stream.
         self.stream: Any = None
-        self.host: Any = None  # host.Host: the CPU tensors whose data may never be needed, made on entry
+        self.host: Any = None  # host.Host: the CPU tensors whose data may never be needed, made by session.start
         self.modes_off = False  # torch.compile is tracing with the modes taken off (compiled.py)
 
     @staticmethod
@@ -370,7 +375,6 @@ class Emulator:
 
     def dump_snapshot(self, filename: str = "dump_snapshot.pickle") -> None:
         """torch.cuda.memory._dump_snapshot(filename)."""
-        from memdiff.recording.capture import dump
         dump(self.snapshot(), filename)
 
     def annotate(self, stage: str, name: str) -> None:
@@ -384,36 +388,3 @@ class Emulator:
         if text not in self.notes:
             self.notes.append(text)
             print(f"memdiff: emulation: {text}", file=sys.stderr)
-
-    # -- entering and leaving ----------------------------------------------------------------------
-
-    def __enter__(self) -> "Emulator":
-        global _torch
-        import torch
-
-        _torch = torch
-        from memdiff.recording.emulate import distributed, files, legacy, parallel, patches, rnn
-        from memdiff.recording.emulate.autocast import Autocast
-        from memdiff.recording.emulate.host import Host
-        from memdiff.recording.emulate.modes import AllocMode, DeviceMode
-
-        self.autocast = Autocast()
-        stack = contextlib.ExitStack()
-        self.device_mode = DeviceMode(self)
-        self.host = Host()
-        stack.enter_context(self.host.readable())
-        stack.enter_context(patches.cuda_answers_as(self))
-        stack.enter_context(rnn.cudnn_answers())
-        stack.enter_context(legacy.legacy_cuda_types())
-        stack.enter_context(distributed.fake_process_groups(self))
-        stack.enter_context(parallel.data_parallel())
-        stack.enter_context(files.guarded(self))
-        stack.enter_context(self.device_mode)
-        stack.enter_context(AllocMode(self))
-        self._stack = stack
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        if self._stack is not None:
-            self._stack.close()
-            self._stack = None

@@ -184,12 +184,8 @@ class Staged:
         files.temporaries.add(self._temp)
         if self._made_up:  # what a skipped save left out it said itself
             files.aside[self._path] = self._temp
-            from memdiff.recording.emulate.files import _Payload
-
-            payload = _Payload()
-            payload.read_back = True
-            files.skipped(CALL, (self.named, os.path.exists(self._target)), payload,
-                          f"a file of {format_bytes(self._end)}, {self._end:,} bytes")
+            files.skipped_read_back(CALL, (self.named, os.path.exists(self._target)),
+                                    what=f"a file of {format_bytes(self._end)}, {self._end:,} bytes")
 
     def __enter__(self) -> "Staged":
         return self
@@ -312,11 +308,7 @@ def _tofile(real: Callable[..., Any]) -> Callable[..., Any]:
             return real(self, fid, *args, **kwargs)
         if isinstance(fid, Staged):
             return fid.hole(int(self.nbytes))
-        from memdiff.recording.emulate.files import _Payload, _target
-
-        payload = _Payload()
-        payload.read_back, payload.nbytes = True, int(self.nbytes)
-        files.skipped("numpy tofile", _target(fid), payload)
+        files.skipped_read_back("numpy tofile", fid, nbytes=int(self.nbytes))
         return None
     tofile.__doc__ = real.__doc__
     return tofile
@@ -383,15 +375,11 @@ def pil_save(real: Callable[..., Any]) -> Callable[..., Any]:
         files = _files
         if files is None or not _is_made_up_image(self) or not isinstance(fp, (str, os.PathLike, Staged)):
             return real(self, fp, *args, **kwargs)
-        from memdiff.recording.emulate.files import _Payload, _target
-
-        payload = _Payload()
-        payload.read_back = True
         pixels = self.width * self.height * len(self.getbands())
         if isinstance(fp, Staged):
             fp.skip()
-        files.skipped("PIL Image.save", _target(fp), payload, f"a {self.width}x{self.height} {self.mode} image, "
-                      f"{pixels:,} bytes of pixels before encoding")
+        files.skipped_read_back("PIL Image.save", fp, what=f"a {self.width}x{self.height} {self.mode} image, "
+                                f"{pixels:,} bytes of pixels before encoding")
         return None
     return save
 
@@ -401,12 +389,10 @@ def pickle_dump(real: Callable[..., Any]) -> Callable[..., Any]:
     def dump(obj: Any, file: Any, *args: Any, **kwargs: Any) -> Any:
         files = _files
         if files is not None and isinstance(file, Staged):
-            from memdiff.recording.emulate.files import _target
-
             payload = files.scan(obj, whole_storages=False)
             if payload.dataless:
                 file.skip()
-                files.skipped("pickle.dump", _target(file), payload)
+                files.skipped("pickle.dump", files.target(file), payload)
         return real(obj, file, *args, **kwargs)
     return dump
 

@@ -291,6 +291,9 @@ def _start(torch, folder):
     return recording
 
 
+_EMULATION = None  # the running emulation of this process (session.start's stack), kept alive
+
+
 def _emulate(key, input_error):
     """Run this process on the emulated GPU `key` from here on (`memdiff record --emulate GPU -o DIR/`):
     its cuda tensors on the meta device, torch.cuda answering as the GPU, process groups that do no
@@ -298,8 +301,10 @@ def _emulate(key, input_error):
     from memdiff.recording.emulate.escapes import escaped
     from memdiff.recording.emulate.gpus import gpu
     from memdiff.recording.emulate.runtime import Emulator
+    from memdiff.recording.emulate.session import start
 
-    Emulator(gpu(key)).__enter__()
+    global _EMULATION
+    _EMULATION = start(Emulator(gpu(key)))  # held, never closed: the emulator stays on until the process ends
     previous = sys.excepthook
 
     def refused(kind, value, traceback):

@@ -1,0 +1,44 @@
+"""Starting and stopping an emulation: the Emulator's state (runtime.py) given the modes, patches
+and guards that make a script's CUDA calls run on it. They import the runtime; the runtime imports
+none of them, so that each module of the emulator imports on its own (no circle)."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+from memdiff.recording.emulate.runtime import Emulator, use_torch
+
+
+def start(emulator: Emulator) -> contextlib.ExitStack:
+    """Put `emulator` in force (torch's CUDA calls answer as its GPU); closing the stack returned
+    undoes it. For a process that emulates until it ends (a launched rank), keep the stack."""
+    import torch
+
+    use_torch(torch)
+    from memdiff.recording.emulate import distributed, files, legacy, parallel, patches, rnn
+    from memdiff.recording.emulate.autocast import Autocast
+    from memdiff.recording.emulate.host import Host
+    from memdiff.recording.emulate.modes import AllocMode, DeviceMode
+
+    emulator.autocast = Autocast()
+    stack = contextlib.ExitStack()
+    emulator.device_mode = DeviceMode(emulator)
+    emulator.host = Host()
+    stack.enter_context(emulator.host.readable())
+    stack.enter_context(patches.cuda_answers_as(emulator))
+    stack.enter_context(rnn.cudnn_answers())
+    stack.enter_context(legacy.legacy_cuda_types())
+    stack.enter_context(distributed.fake_process_groups(emulator))
+    stack.enter_context(parallel.data_parallel())
+    stack.enter_context(files.guarded(emulator))
+    stack.enter_context(emulator.device_mode)
+    stack.enter_context(AllocMode(emulator))
+    return stack
+
+
+@contextlib.contextmanager
+def emulating(emulator: Emulator) -> Iterator[Emulator]:
+    """`emulator` in force for the block."""
+    with start(emulator):
+        yield emulator

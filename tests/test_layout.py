@@ -1,0 +1,105 @@
+"""The house's layout holds: no module of memdiff imports, directly or round about, one that
+imports it back (imports under TYPE_CHECKING aside: they never run), and each of the emulator's
+modules imports on its own, as a reader or a test would import it."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+from typing import Dict, List, Set
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "memdiff"
+
+
+def _modules() -> Dict[str, Path]:
+    found = {}
+    for path in PACKAGE.rglob("*.py"):
+        name = ".".join(path.relative_to(ROOT).with_suffix("").parts)
+        found[name[: -len(".__init__")] if name.endswith(".__init__") else name] = path
+    return found
+
+
+def _imports(tree: ast.AST, modules: Dict[str, Path]) -> List[str]:
+    """memdiff modules imported anywhere in the module (functions' included), TYPE_CHECKING blocks
+    left out; `from package import module` names the module, not the package's __init__."""
+    out: List[str] = []
+
+    def visit(node: ast.AST) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
+                continue
+            if isinstance(child, ast.ImportFrom) and child.module and child.module.startswith("memdiff"):
+                for a in child.names:
+                    full = f"{child.module}.{a.name}"
+                    out.append(full if full in modules else child.module)
+            elif isinstance(child, ast.Import):
+                out.extend(a.name for a in child.names if a.name.startswith("memdiff"))
+            visit(child)
+    visit(tree)
+    return out
+
+
+def _graph() -> Dict[str, Set[str]]:
+    modules = _modules()
+    graph = {}
+    for name, path in modules.items():
+        targets = set()
+        for imported in _imports(ast.parse(path.read_text(encoding="utf-8")), modules):
+            if imported in modules and imported != name:
+                targets.add(imported)
+        graph[name] = targets
+    return graph
+
+
+def _circles(graph: Dict[str, Set[str]]) -> List[List[str]]:
+    """Strongly connected groups of more than one module (Tarjan), each sorted."""
+    index: Dict[str, int] = {}
+    low: Dict[str, int] = {}
+    stack: List[str] = []
+    on: Set[str] = set()
+    found: List[List[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                group.append(w)
+                if w == v:
+                    break
+            if len(group) > 1:
+                found.append(sorted(group))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_module_imports_one_that_imports_it_back():
+    assert _circles(_graph()) == []
+
+
+def test_the_circle_finder_finds_a_circle():
+    assert _circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+@pytest.mark.parametrize("module", sorted(m for m in _modules() if m.startswith("memdiff.recording.emulate.")))
+def test_each_emulator_module_imports_on_its_own(module, torch):
+    done = subprocess.run([sys.executable, "-c", f"import {module}"], capture_output=True, text=True, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-2000:]
