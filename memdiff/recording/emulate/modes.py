@@ -12,7 +12,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass_type
 from torch.utils._pytree import tree_leaves, tree_map
 
-from memdiff.recording.emulate import distributed, files, legacy, printing, rnn
+from memdiff.recording.emulate import distributed, files, legacy, printing, reductions, rnn
 from memdiff.recording.emulate.devices import cuda_index, first_meta
 from memdiff.recording.emulate.escapes import op_refusal
 from memdiff.recording.emulate.gpus import kernels
@@ -311,6 +311,7 @@ class AllocMode(TorchDispatchMode):
         self.emulator = emulator
         self.scopes: List[str] = []
         self.values = Values()
+        self.reductions = reductions.table()
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Tuple[Any, ...] = (), kwargs: Optional[Dict] = None):
         if any(is_traceable_wrapper_subclass_type(t) for t in types):
@@ -407,6 +408,9 @@ class AllocMode(TorchDispatchMode):
             emulator.workspace(name, index)
         if rule and rule["steps"]:
             emulator.temporaries(base, name, _attention_values(args, rule["q"]), index)
+        reduction = self.reductions.get(name)
+        if reduction is not None and _is_meta(first):  # CUDA's reduction kernel's own buffers
+            reductions.run(emulator, name, reduction, args, kwargs, out, index)
         return out
 
     def read_back(self, base: str, first: torch.Tensor, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:

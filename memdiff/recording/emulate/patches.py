@@ -25,7 +25,7 @@ class _Properties:
         self.total_memory, self.multi_processor_count = gpu.total_memory, gpu.multi_processor_count
         self.L2_cache_size, self.warp_size = gpu.l2_cache_size, gpu.warp_size
         self.is_integrated, self.is_multi_gpu_board = False, False
-        self.max_threads_per_multi_processor, self.regs_per_multiprocessor = 2048, 65536
+        self.max_threads_per_multi_processor, self.regs_per_multiprocessor = gpu.max_threads_per_multi_processor, 65536
         self.gcnArchName, self.uuid = "", "emulated"
 
     def __repr__(self) -> str:
