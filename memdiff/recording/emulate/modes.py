@@ -312,6 +312,7 @@ class AllocMode(TorchDispatchMode):
         self.scopes: List[str] = []
         self.values = Values()
         self.reductions = reductions.table()
+        self.inside = reductions.inside()
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Tuple[Any, ...] = (), kwargs: Optional[Dict] = None):
         if any(is_traceable_wrapper_subclass_type(t) for t in types):
@@ -411,6 +412,8 @@ class AllocMode(TorchDispatchMode):
         reduction = self.reductions.get(name)
         if reduction is not None and _is_meta(first):  # CUDA's reduction kernel's own buffers
             reductions.run(emulator, name, reduction, args, kwargs, out, index)
+        elif name in self.inside and _is_meta(first):
+            reductions.run_inside(emulator, name, self.inside[name], self.reductions, args, kwargs, out, index)
         return out
 
     def read_back(self, base: str, first: torch.Tensor, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:

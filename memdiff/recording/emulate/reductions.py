@@ -401,7 +401,7 @@ def table() -> Dict[str, Kernel]:
     """The ops that run gpu_reduce_kernel, by the name a CUDA snapshot's frame gives them (kernels.json)."""
     from memdiff.recording.emulate.gpus import kernels
 
-    return {name: kernel(rule) for name, rule in kernels()["reductions"]["ops"].items()}
+    return {name: kernel(rule) for name, rule in kernels()["reductions"]["ops"].items() if not name.startswith("_")}
 
 
 def _argument(args: Sequence[Any], kwargs: Dict[str, Any], where: Optional[Tuple[int, str]], default: Any) -> Any:
@@ -419,16 +419,55 @@ def run(emulator: Any, name: str, rule: Kernel, args: Sequence[Any], kwargs: Dic
     inside its reduction kernel, in the order the GPU's trace shows them."""
     import torch
 
-    x = args[0]
     outs = [t for t in (out if isinstance(out, (tuple, list)) else (out,)) if isinstance(t, torch.Tensor)]
     dims = _argument(args, kwargs, rule.dims, None)
     keepdim = bool(_argument(args, kwargs, rule.keepdim, False))
-    found = plan(rule, x, outs, dims, keepdim, emulator.gpu)
+    _allocate(emulator, name, (), plan(rule, args[0], outs, dims, keepdim, emulator.gpu), index)
+
+
+@dataclass(frozen=True)
+class Inside:
+    """An op that runs a reduction of its own inside it (kernels.json `reductions.inside`)."""
+
+    reduction: str  # the op whose kernel it runs, as the GPU's stack names it
+    input: int  # the argument reduced
+    keep: Tuple[int, ...]  # the dims not reduced
+    when: Tuple[int, str, int]  # the bool-list argument ([position, name]) and its item that asks for it
+    output: int  # the op's output the reduction writes
+
+
+def inside() -> Dict[str, Inside]:
+    """The ops that reduce inside them, by the name a CUDA snapshot's frame gives them."""
+    from memdiff.recording.emulate.gpus import kernels
+
+    rules = kernels()["reductions"]["inside"]
+    return {name: Inside(reduction=r["reduction"], input=r["input"], keep=tuple(r["keep"]),
+                         when=(r["when"][0], r["when"][1], r["when"][2]), output=r["output"])
+            for name, r in rules.items() if not name.startswith("_")}
+
+
+def run_inside(emulator: Any, name: str, rule: Inside, kernels: Dict[str, Kernel], args: Sequence[Any],
+               kwargs: Dict[str, Any], out: Any, index: Optional[int]) -> None:
+    """The buffers of the reduction op `name` runs inside it (convolution_backward's bias gradient),
+    when the argument that asks for it does."""
+    flags = _argument(args, kwargs, (rule.when[0], rule.when[1]), None)
+    if not flags or not flags[rule.when[2]]:
+        return
+    x = args[rule.input]
+    result = out[rule.output] if isinstance(out, (tuple, list)) else None
+    if result is None:
+        return
+    dims = [d for d in range(x.dim()) if d not in rule.keep]
+    found = plan(kernels[rule.reduction], x, [result], dims, False, emulator.gpu)
+    _allocate(emulator, name, (rule.reduction,), found, index)
+
+
+def _allocate(emulator: Any, name: str, inner: Tuple[str, ...], found: Buffers, index: Optional[int]) -> None:
     if not (found.cast or found.accumulation or any(p.buffer for p in found.pieces)):
         return
     index = emulator.device(index).index
-    frames = emulator.frames(name)
-    cast = emulator.allocate(found.cast, emulator.frames(name, ("_to_copy",)), index) if found.cast else None
+    frames = emulator.frames(name, inner)
+    cast = emulator.allocate(found.cast, emulator.frames(name, ("_to_copy", *inner)), index) if found.cast else None
     accumulation = emulator.allocate(found.accumulation, frames, index) if found.accumulation else None
     for piece in found.pieces:
         if piece.buffer:
