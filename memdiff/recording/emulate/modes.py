@@ -12,7 +12,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass_type
 from torch.utils._pytree import tree_leaves, tree_map
 
-from memdiff.recording.emulate import distributed, files, legacy, printing, reductions, rnn
+from memdiff.recording.emulate import distributed, files, legacy, printing, reductions, rnn, scratch
 from memdiff.recording.emulate.devices import cuda_index, first_meta
 from memdiff.recording.emulate.escapes import op_refusal
 from memdiff.recording.emulate.gpus import kernels
@@ -414,6 +414,8 @@ class AllocMode(TorchDispatchMode):
             reductions.run(emulator, name, reduction, args, kwargs, out, index)
         elif name in self.inside and _is_meta(first):
             reductions.run_inside(emulator, name, self.inside[name], self.reductions, args, kwargs, out, index)
+        if base in scratch.RULES and first_meta(args) is not None:  # other kernels' own buffers
+            scratch.run(emulator, base, args, kwargs, out, index)
         return out
 
     def read_back(self, base: str, first: torch.Tensor, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:

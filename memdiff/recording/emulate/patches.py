@@ -504,6 +504,14 @@ def cuda_answers_as(emulator: Emulator) -> Iterator[None]:
     def data_ptr(self: Any) -> int:
         return emulator.address(self) if self.device.type == "meta" else storage_pointer(self)
     setattr(torch.UntypedStorage, "data_ptr", data_ptr)  # noqa: B010
+    import torch.utils._foreach_utils as foreach_utils
+
+    # The emulated GPU's tensors are meta, and torch's grouping by device names them so:
+    # clip_grad_norm_ would take the per-tensor norms a GPU does not run, for want of foreach kernels.
+    foreach_devices = foreach_utils._get_foreach_kernels_supported_devices
+    replaced.append((foreach_utils, "_get_foreach_kernels_supported_devices", foreach_devices))
+    setattr(foreach_utils, "_get_foreach_kernels_supported_devices",  # noqa: B010
+            lambda: [*foreach_devices(), "meta"])
     engine = torch.autograd._engine_run_backward
     replaced.append((torch.autograd, "_engine_run_backward", engine))
     setattr(torch.autograd, "_engine_run_backward", _with_mode_on(engine, emulator))  # noqa: B010
