@@ -125,3 +125,99 @@ def test_the_bias_gradients_staging_buffer_is_allocated_and_freed_inside_the_sum
     names = [frame["name"] for frame in staging["frames"]]
     assert "at::_ops::sum_dim_IntList::call" in names
     assert "torch::autograd::generated::AddmmBackward0::apply" in names
+
+
+# -- the other kernels' own buffers (scratch.py), held to the real traces' sequences ---------------
+
+def _real_runs(path: Path, native: str) -> List[List[Tuple[str, int]]]:
+    """The (action, size) of each run of allocations and frees made inside the native function
+    `native` (consecutive in the trace), in trace order."""
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rb") as f:
+        trace = pickle.load(f)["device_traces"][0]
+    runs: List[List[Tuple[str, int]]] = []
+    last = -10
+    for i, e in enumerate(trace):
+        if e["action"] in ("alloc", "free_requested") and any(native in fr["name"] for fr in e["frames"]):
+            if i - last > 3:
+                runs.append([])
+            runs[-1].append((e["action"], e["size"]))
+            last = i
+    return runs
+
+
+def _steps_as_events(steps: List[Any]) -> List[Tuple[str, int]]:
+    sizes: Dict[str, int] = {}
+    events = []
+    for step in steps:
+        if step[0] == "alloc":
+            sizes[step[1]] = step[2]
+            events.append(("alloc", step[2]))
+        else:
+            events.append(("free_requested", sizes[step[1]]))
+    return events
+
+
+def test_the_token_embeddings_backward_sorts_and_sums_per_segment_as_gpt2_batch8_did():
+    # GPT-2 at batch 8 x 512: 4,096 token ids (past 3,072: the sorted path, two-pass kernel)
+    from memdiff.recording.emulate import scratch
+
+    grad = torch.empty(8, 512, 768, device="meta")
+    ids = torch.empty(8, 512, dtype=torch.long, device="meta")
+    steps = scratch.embedding_dense_backward((grad, ids, 50257, -1, False), {}, None, gpu("h100"))
+    real = _real_runs(CUDA / "gpt2-batch8.pickle.gz", "embedding_dense_backward")[1]
+    output = ("alloc", 50257 * 768 * 4)  # the gradient itself, which the meta kernel makes
+    assert _steps_as_events(steps) == [e for e in real if e != output]
+
+
+def test_t5s_position_bias_backward_takes_the_fused_atomic_kernel_as_the_real_run_did():
+    from memdiff.recording.emulate import scratch
+
+    path = TRUTH / "t5-base.pickle.gz"
+    if not path.is_file():
+        pytest.skip(f"{path} not found")
+    real = _real_runs(path, "embedding_dense_backward")
+    for length in (128, 384):  # the decoder's and the encoder's tables: (q, k) buckets of 8 heads
+        grad = torch.empty(8, length, length, device="meta").permute(1, 2, 0)  # comes back permuted
+        buckets = torch.empty(length, length, dtype=torch.long, device="meta")
+        steps = scratch.embedding_dense_backward((grad, buckets, 32, -1, False), {}, None, gpu("h100"))
+        planned = _steps_as_events(steps)
+        sort = planned.index(("alloc", scratch.cub_radix_sort_pairs(length * length)))
+        output = ("alloc", 32 * 8 * 4)
+        runs = [[e for e in run if e != output] for run in real]
+        same = [run for run in runs if len(run) == len(planned)
+                and run[:sort] + run[sort + 2:] == planned[:sort] + planned[sort + 2:]]
+        assert same, (length, planned)
+        # cub's sort storage is an estimate: within 1% of the real run's
+        assert abs(planned[sort][1] / same[0][sort][1] - 1) < 0.01
+
+
+def test_clip_grad_norms_foreach_norm_buffer_is_gpt2_clips():
+    pytest.importorskip("transformers")
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from memdiff.recording.emulate import scratch
+
+    with torch.device("meta"):
+        model = GPT2LMHeadModel(GPT2Config())
+    grads = [p for p in model.parameters()]
+    steps = scratch.foreach_norm((grads, 2.0), {}, None, gpu("h100"))
+    real = _real_runs(CUDA / "gpt2-clip.pickle.gz", "foreach_tensor_norm_cuda_internal")
+    buffers = {size for run in real for action, size in run if action == "alloc" and size > 4}
+    assert {step[2] for step in steps if step[0] == "alloc"} == buffers == {348688}
+
+
+def test_softmax_backward_makes_grad_times_output_as_t5s_math_attention_did():
+    from memdiff.recording.emulate import scratch
+
+    path = TRUTH / "t5-base.pickle.gz"
+    if not path.is_file():
+        pytest.skip(f"{path} not found")
+    real = {size for run in _real_runs(path, "softmax_backward_cuda_out") for action, size in run
+            if action == "alloc"}
+    planned = set()
+    for length in (384, 128):  # the encoder's and the decoder's self-attention scores
+        scores = torch.empty(8, 8, length, length, device="meta")
+        planned |= {step[2] for step in scratch.softmax_backward((scores, scores, -1, torch.float32), {}, None,
+                                                                 gpu("h100")) if step[0] == "alloc"}
+    assert planned <= real
