@@ -22,6 +22,7 @@ class Gpu:
     total_memory: int
     context_bytes: int  # taken by the CUDA context and libraries, never PyTorch's to allocate
     multi_processor_count: int
+    max_threads_per_multi_processor: int
     l2_cache_size: int
     warp_size: int
     cublas_workspace: int
@@ -53,6 +54,7 @@ def gpu(key: str) -> Gpu:
     return Gpu(key=wanted, name=entry["name"], major=entry["major"], minor=entry["minor"],
                total_memory=entry["total_memory"], context_bytes=entry["context_bytes"],
                multi_processor_count=entry["multi_processor_count"],
+               max_threads_per_multi_processor=entry["max_threads_per_multi_processor"],
                l2_cache_size=entry["l2_cache_size"], warp_size=entry["warp_size"],
                cublas_workspace=entry["cublas_workspace"], cublaslt_workspace=entry["cublaslt_workspace"])
 

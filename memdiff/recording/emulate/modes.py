@@ -12,7 +12,18 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass_type
 from torch.utils._pytree import tree_leaves, tree_map
 
-from memdiff.recording.emulate import batchnorm, conv, distributed, files, legacy, printing, rnn, sdpa
+from memdiff.recording.emulate import (
+    batchnorm,
+    conv,
+    distributed,
+    files,
+    legacy,
+    printing,
+    reductions,
+    rnn,
+    scratch,
+    sdpa,
+)
 from memdiff.recording.emulate.devices import cuda_index, first_meta
 from memdiff.recording.emulate.escapes import op_refusal
 from memdiff.recording.emulate.runtime import ALL_ELEMENTS_OPS, Emulator, op_name, python_frames
@@ -314,6 +325,8 @@ class AllocMode(TorchDispatchMode):
         self.emulator = emulator
         self.scopes: List[str] = []
         self.values = Values()
+        self.reductions = reductions.table()
+        self.inside = reductions.inside()
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Tuple[Any, ...] = (), kwargs: Optional[Dict] = None):
         if any(is_traceable_wrapper_subclass_type(t) for t in types):
@@ -415,6 +428,13 @@ class AllocMode(TorchDispatchMode):
             emulator.workspace(name, index)
         if rule and rule["steps"]:
             emulator.temporaries(base, name, _attention_values(args, rule["q"]), index)
+        reduction = self.reductions.get(name)
+        if reduction is not None and _is_meta(first):  # CUDA's reduction kernel's own buffers
+            reductions.run(emulator, name, reduction, args, kwargs, out, index)
+        elif name in self.inside and _is_meta(first):
+            reductions.run_inside(emulator, name, self.inside[name], self.reductions, args, kwargs, out, index)
+        if base in scratch.RULES and first_meta(args) is not None:  # other kernels' own buffers
+            scratch.run(emulator, base, args, kwargs, out, index)
         return out
 
     def read_back(self, base: str, first: torch.Tensor, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:

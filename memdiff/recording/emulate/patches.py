@@ -26,7 +26,7 @@ class _Properties:
         self.total_memory, self.multi_processor_count = gpu.total_memory, gpu.multi_processor_count
         self.L2_cache_size, self.warp_size = gpu.l2_cache_size, gpu.warp_size
         self.is_integrated, self.is_multi_gpu_board = False, False
-        self.max_threads_per_multi_processor, self.regs_per_multiprocessor = 2048, 65536
+        self.max_threads_per_multi_processor, self.regs_per_multiprocessor = gpu.max_threads_per_multi_processor, 65536
         self.gcnArchName, self.uuid = "", "emulated"
 
     def __repr__(self) -> str:
@@ -535,6 +535,14 @@ def cuda_answers_as(emulator: Emulator) -> Iterator[None]:
     def data_ptr(self: Any) -> int:
         return emulator.address(self) if self.device.type == "meta" else storage_pointer(self)
     setattr(torch.UntypedStorage, "data_ptr", data_ptr)  # noqa: B010
+    import torch.utils._foreach_utils as foreach_utils
+
+    # The emulated GPU's tensors are meta, and torch's grouping by device names them so:
+    # clip_grad_norm_ would take the per-tensor norms a GPU does not run, for want of foreach kernels.
+    foreach_devices = foreach_utils._get_foreach_kernels_supported_devices
+    replaced.append((foreach_utils, "_get_foreach_kernels_supported_devices", foreach_devices))
+    setattr(foreach_utils, "_get_foreach_kernels_supported_devices",  # noqa: B010
+            lambda: [*foreach_devices(), "meta"])
     engine = torch.autograd._engine_run_backward
     replaced.append((torch.autograd, "_engine_run_backward", engine))
     setattr(torch.autograd, "_engine_run_backward", _with_mode_on(engine, emulator))  # noqa: B010
