@@ -9,6 +9,7 @@ from typing import Dict, List, Tuple
 from memdiff.commands.args import add_rules_arguments, count_arg, rules_from
 from memdiff.commands.record import emulate_arg
 from memdiff.errors import EXIT_OK, EXIT_REGRESSION, InputError
+from memdiff.lists import LISTS, ListOption
 from memdiff.predict.fit import DEFAULT_RANGE, Grid, gated, knob_of, parse_range, read_fit, run_fit
 from memdiff.recording.emulate.gpus import gpu
 from memdiff.recording.emulate.gpus import names as gpu_names
@@ -23,18 +24,14 @@ DESCRIPTION = ("Find, for each emulated GPU, the largest value of the command's 
                "memory.")
 
 
-def _gpus(text: str) -> List[str]:
-    return [emulate_arg(part) for part in text.split(",") if part.strip()]
-
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The subcommand's arguments."""
-    p.add_argument("--emulate", required=True, action="append", type=_gpus, metavar="GPU[,GPU...]",
-                   help=f"the GPUs to fit on, a comma list or repeated (of {', '.join(gpu_names())})")
+    p.add_argument("--emulate", required=True, action=ListOption, item_type=emulate_arg, metavar="GPU",
+                   help=f"the GPUs to fit on (of {', '.join(gpu_names())}){LISTS}")
     p.add_argument("-o", "--output", required=True, metavar="DIR/",
                    help="folder for every run's snapshot and output: GPU-NAMEVALUE.pickle and .log (l4-batch8.pickle)")
-    p.add_argument("--range", action="append", default=[], metavar="NAME=LOW:HIGH",
-                   help=f"the values the placeholder may take (default: {DEFAULT_RANGE[0]}:{DEFAULT_RANGE[1]})")
+    p.add_argument("--range", action=ListOption, metavar="NAME=LOW:HIGH",
+                   help=f"the values the placeholder may take (default: {DEFAULT_RANGE[0]}:{DEFAULT_RANGE[1]}){LISTS}")
     step = p.add_mutually_exclusive_group()
     step.add_argument("--multiple", type=count_arg, default=1, metavar="N",
                       help="only multiples of N (8: batch sizes a tensor core likes)")
@@ -57,8 +54,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """Fit, print, and exit by what was found."""
     keys: List[str] = []
-    for group in args.emulate:
-        keys += [k for k in group if k not in keys]
+    keys += [k for k in args.emulate if k not in keys]
     if not keys:
         raise InputError("--emulate", "name at least one GPU")
     ranges: Dict[str, Tuple[int, int]] = dict(parse_range(r) for r in args.range)
