@@ -216,11 +216,11 @@ def test_ctrl_c_in_the_script_still_writes_its_recording(torch, tmp_path, capsys
 
 
 def test_ctrl_c_while_the_recording_is_written_leaves_no_partial_file(torch, tmp_path, monkeypatch):
-    import memdiff.recording.capture
+    import memdiff.recording.snapshot_file
 
     def interrupted(*_, **__):
         raise KeyboardInterrupt
-    monkeypatch.setattr(memdiff.recording.capture.pickle, "dump", interrupted)
+    monkeypatch.setattr(memdiff.recording.snapshot_file.pickle, "dump", interrupted)
     assert recorded(tmp_path, "") == (130, [])
 
 
