@@ -18,14 +18,18 @@ ROOT = Path(__file__).resolve().parent.parent
 SHARED = ROOT.parent / "shared" / "snapshots"
 
 
+def missing_shared(reason: str) -> None:
+    """Skip for `reason`, shared material being absent; under MEMDIFF_REQUIRE_SHARED=1 (CI), fail."""
+    if os.environ.get("MEMDIFF_REQUIRE_SHARED") == "1":
+        pytest.fail(reason + "; MEMDIFF_REQUIRE_SHARED=1 makes this a failure")
+    pytest.skip(reason)
+
+
 @pytest.fixture(scope="session")
 def shared() -> Path:
     """The real snapshots folder; skips (or fails, under MEMDIFF_REQUIRE_SHARED=1) when absent."""
     if not (SHARED / "expected.json").is_file():
-        reason = f"real snapshots not found at {SHARED} (they live in ../shared beside the project)"
-        if os.environ.get("MEMDIFF_REQUIRE_SHARED") == "1":
-            pytest.fail(reason + "; MEMDIFF_REQUIRE_SHARED=1 makes this a failure")
-        pytest.skip(reason)
+        missing_shared(f"real snapshots not found at {SHARED} (they live in ../shared beside the project)")
     return SHARED
 
 

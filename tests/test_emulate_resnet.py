@@ -17,6 +17,7 @@ from types import SimpleNamespace
 from typing import Any, Dict, List, Tuple
 
 import pytest
+from conftest import missing_shared
 
 ROOT = Path(__file__).resolve().parent.parent
 TRUTH = ROOT.parent / "shared" / "cuda-truth"
@@ -28,10 +29,7 @@ NAME = "resnet50-sgdm"
 def truth() -> Path:
     """The real windows' folder; skips (or fails, under MEMDIFF_REQUIRE_SHARED=1) when absent."""
     if not (TRUTH / f"{NAME}.facts.json").is_file():
-        reason = f"the real CUDA windows are not at {TRUTH} (they live in ../shared beside the project)"
-        if os.environ.get("MEMDIFF_REQUIRE_SHARED") == "1":
-            pytest.fail(reason + "; MEMDIFF_REQUIRE_SHARED=1 makes this a failure")
-        pytest.skip(reason)
+        missing_shared(f"the real CUDA windows are not at {TRUTH} (they live in ../shared beside the project)")
     return TRUTH
 
 

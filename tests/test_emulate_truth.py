@@ -1,17 +1,18 @@
 """The emulator against real H100 training windows it was not built on: each family of
 ../shared/cuda-truth (Llama, a 1B Llama with grouped-query attention in bf16, BERT, T5, ViT,
-ResNet-50) emulated from the script that made it, unmodified, with the libraries it ran with, and held to issue 49's targets: the allocated
-peak and `max_memory_allocated()` within 0.5%, the reserved peak within 2%, every category at the
-peak within 1 MiB. docs/emulate.md's table is these rows (docs/gen_truth.py writes it)."""
+ResNet-50) emulated from the script that made it, unmodified, with the libraries it ran with,
+and held to issue 49's targets: the allocated peak and `max_memory_allocated()` within 0.5%, the
+reserved peak within 2%, every category at the peak within 1 MiB. docs/emulate.md's table is
+these rows (docs/gen_truth.py writes it)."""
 
 from __future__ import annotations
 
 import importlib.util
-import os
 import sys
 from pathlib import Path
 
 import pytest
+from conftest import missing_shared
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -30,15 +31,9 @@ gen = _generator()
 @pytest.fixture(scope="module")
 def truth():
     if not (gen.TRUTH / "families.py").is_file():
-        reason = f"the real H100 windows are not at {gen.TRUTH} (they live in ../shared beside the project)"
-        if os.environ.get("MEMDIFF_REQUIRE_SHARED") == "1":
-            pytest.fail(reason + "; MEMDIFF_REQUIRE_SHARED=1 makes this a failure")
-        pytest.skip(reason)
+        missing_shared(f"the real H100 windows are not at {gen.TRUTH} (they live in ../shared beside the project)")
     if gen.libraries() is None:
-        reason = f"the real runs' libraries are not set up: {gen.LIBS_INSTALL}"
-        if os.environ.get("MEMDIFF_REQUIRE_SHARED") == "1":
-            pytest.fail(reason + "; MEMDIFF_REQUIRE_SHARED=1 makes this a failure")
-        pytest.skip(reason)
+        missing_shared(f"the real runs' libraries are not set up: {gen.LIBS_INSTALL}")
     return gen.TRUTH
 
 
