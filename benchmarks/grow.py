@@ -13,7 +13,7 @@ import pickle
 import sys
 from typing import Any, Dict, List
 
-from memdiff.load import load
+from memdiff.read.load import load
 
 
 def _matched_pairs(trace: List[Dict[str, Any]]) -> List[Dict[str, Any]]:

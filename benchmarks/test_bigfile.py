@@ -28,7 +28,7 @@ from typing import Dict, List, Tuple
 
 import pytest
 
-from memdiff import accel
+from memdiff.read import accel
 from test_speed import PEAK_MEMORY, load_code, memdiff_code, report
 
 ROUNDS = 3

@@ -47,7 +47,7 @@ HEAVY_SOURCE = Path(__file__).resolve().parents[2] / "shared" / "snapshots" / "c
 ONE = """
 import sys, timeit
 from memdiff.classify import load_rules
-from memdiff.inputs import read_summary
+from memdiff.read.inputs import read_summary
 rules = load_rules()
 print(min(timeit.repeat(lambda: read_summary(sys.argv[1], rules), number=1, repeat=3)))
 """
@@ -70,7 +70,7 @@ def make_job(folder: Path, rank_file: str, heavy_file: str) -> Path:
 
 
 def test_ranks_of_a_64_rank_job_run_in_parallel_in_bounded_memory(benchmark, grown, tmp_path):
-    from memdiff.inputs import PARALLEL_MIN_BYTES, worker_count
+    from memdiff.read.inputs import PARALLEL_MIN_BYTES, worker_count
 
     rank_file = grown(EVENTS)
     if not HEAVY_SOURCE.is_file():

@@ -28,11 +28,11 @@ from memdiff.classify import Rule, check_categories, load_rules
 from memdiff.differ import PEAK
 from memdiff.errors import InputError, clip
 from memdiff.inert import baseline_command
-from memdiff.inputs import read_summary
 from memdiff.lifetimes import BACKWARD, FORWARD, OPTIMIZER
 from memdiff.limits import Limit, Thresholds, parse_pct, thresholds_over
 from memdiff.lists import chosen_codes, limit_of, named_limits, split_items
 from memdiff.model import Summary
+from memdiff.read.inputs import read_summary
 from memdiff.report import DEFAULT_TOP, Report, Settings, compare
 from memdiff.report import Run as ReportRun
 from memdiff.units import parse_size

@@ -21,13 +21,13 @@ from memdiff.atomic import check_output, make_folder, write_output
 from memdiff.differ import PEAK
 from memdiff.errors import InputError, clip, version_shown
 from memdiff.findings import finding
-from memdiff.frames import signature_of
 from memdiff.inert import baseline_command
 from memdiff.limits import Thresholds, thresholds_from_dict
-from memdiff.load import read_json
 from memdiff.model import DeviceSummary, Finding, Group, PhasePeak, Range, Source, Spread, Summary
+from memdiff.read.frames import signature_of
+from memdiff.read.load import read_json
+from memdiff.read.schema import validate
 from memdiff.sameloop import loop_difference
-from memdiff.schema import validate
 from memdiff.units import format_bytes
 
 # Baselines keep their own version: summaries moved to 2 (lifetimes) without changing what a

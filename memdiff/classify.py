@@ -17,12 +17,12 @@ from importlib import resources
 from typing import AbstractSet, Any, Dict, FrozenSet, Iterable, List, Optional, Sequence, Set, Tuple
 
 from memdiff.errors import InputError, clip
-from memdiff.frames import FREED_PREFIX, UPDATED_PREFIX
 from memdiff.lists import chosen_codes
-from memdiff.load import parse_json, read_json, read_small
 from memdiff.model import DeviceSummary, Frame, Group, Summary, largest_first
 from memdiff.patterns import TIMEOUT_S, Pattern
-from memdiff.schema import validate
+from memdiff.read.frames import FREED_PREFIX, UPDATED_PREFIX
+from memdiff.read.load import parse_json, read_json, read_small
+from memdiff.read.schema import validate
 
 OTHER = "other"
 # Categories expected to live across steps; memory of any other kept from an earlier step is a leak.

@@ -29,9 +29,9 @@ from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 from memdiff.classify import PERSISTENT
 from memdiff.errors import InputError
 from memdiff.findings import finding
-from memdiff.frames import COMPILED_FILE, PROFILER_MODULE, names_autograd_node
 from memdiff.lifetimes import BACKWARD, BEFORE_TRACE, FORWARD, OPTIMIZER, frame_phase
 from memdiff.model import DeviceSummary, Finding, Frame, Group, Moment, OomEvent, Source, Summary
+from memdiff.read.frames import COMPILED_FILE, PROFILER_MODULE, names_autograd_node
 from memdiff.units import count_of, format_bytes
 
 SITE_CALLERS = 2

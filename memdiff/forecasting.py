@@ -38,14 +38,14 @@ from memdiff.errors import InputError
 from memdiff.findings import finding
 from memdiff.history import Allocations, category_codes
 from memdiff.inert import scrubbed, text
-from memdiff.inputs import is_summary, read_each, refuse_baseline
 from memdiff.lifetimes import Scopes
 from memdiff.limits import Headroom
-from memdiff.load import MAX_BYTES, decode, paused_gc, to_snapshot
 from memdiff.model import Finding, PhaseSpan, Step, Summary
+from memdiff.read.inputs import is_summary, read_each, refuse_baseline
+from memdiff.read.load import MAX_BYTES, decode, paused_gc, to_snapshot
+from memdiff.read.window import Window, windowed
 from memdiff.sameloop import loop_difference
 from memdiff.units import format_bytes
-from memdiff.window import Window, windowed
 
 SCHEMA_VERSION = 1
 FORMS = ("constant", "linear", "quadratic", "none")
@@ -793,7 +793,7 @@ def forecast(runs: Sequence[KnobRun], at: Sequence[int], rules: Sequence[Rule],
              budget: Optional[int] = None, window: Optional[Window] = None) -> Forecast:
     """The Forecast of snapshot files, each with its knob value, at the values `at` (default:
     twice the largest value), with the largest value within `budget` when one is given; with
-    `window`, of that window of each run only (memdiff.window)."""
+    `window`, of that window of each run only (memdiff.read.window)."""
     for v in at:
         if not 1 <= v <= MAX_VALUE:
             raise InputError("--at", f"{_shown(v)} is not a knob value: a positive integer up to {MAX_VALUE:,}")

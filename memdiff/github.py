@@ -23,8 +23,8 @@ from memdiff.baseline import no_baseline
 from memdiff.errors import InputError
 from memdiff.findings import INFO
 from memdiff.inert import baseline_command, md_code, md_fence, shell, text
-from memdiff.load import read_json
 from memdiff.model import Finding
+from memdiff.read.load import read_json
 from memdiff.render.markdown import Options, render_diff
 from memdiff.report import Report
 

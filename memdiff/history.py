@@ -21,9 +21,9 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple, cast
 import numpy as np
 
 from memdiff.classify import Categorizer, Rule
-from memdiff.frames import Stack
 from memdiff.lifetimes import LIFETIMES, Lifetime
 from memdiff.model import Bar, Group, History
+from memdiff.read.frames import Stack
 
 POINTS = 800  # windows of a history: about one per pixel of a report's chart
 BAR_GROUPS = 12  # groups live at the peak drawn as bars, largest first

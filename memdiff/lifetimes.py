@@ -32,9 +32,9 @@ from typing import Any, Collection, Dict, List, Mapping, Optional, Sequence, Tup
 
 import numpy as np
 
-from memdiff.accel import ObjectCodes
-from memdiff.frames import LIBRARY_PATH, MAX_STACK_FRAMES, STDLIB_PATH, PerFrames, profiler_frame
 from memdiff.model import PhaseSpan, Step
+from memdiff.read.accel import ObjectCodes
+from memdiff.read.frames import LIBRARY_PATH, MAX_STACK_FRAMES, STDLIB_PATH, PerFrames, profiler_frame
 
 FORWARD, BACKWARD, OPTIMIZER, OTHER = "forward", "backward", "optimizer", "other"
 PHASES = (FORWARD, BACKWARD, OPTIMIZER, OTHER)

@@ -9,10 +9,10 @@ from memdiff.classify import PERSISTENT
 from memdiff.differ import growing_data, growing_steps, kept_bytes, kept_data, oom_data, overflow_data
 from memdiff.errors import InputError
 from memdiff.findings import finding
-from memdiff.frames import GUESSED_LABELS
 from memdiff.inert import scrubbed
 from memdiff.lifetimes import BACKWARD, FORWARD, OPTIMIZER, OTHER
 from memdiff.model import WINDOW_KEY, DeviceSummary, Finding, Frame, Summary, largest_first
+from memdiff.read.frames import GUESSED_LABELS
 from memdiff.units import count_of, format_bytes
 
 PHASE_COLUMNS = (FORWARD, BACKWARD, OPTIMIZER, OTHER)

@@ -14,8 +14,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from memdiff.differ import Diff, diff
 from memdiff.inert import scrubbed
-from memdiff.job import RankFile
 from memdiff.model import DeviceSummary, Summary
+from memdiff.read.job import RankFile
 
 # A group holding at least this share of a rank's peak is part of the rank's shape.
 SHAPE_SHARE = 0.01

@@ -40,14 +40,14 @@ from memdiff.differ import (
 from memdiff.errors import InputError, clip
 from memdiff.findings import finding
 from memdiff.inert import scrubbed, text
-from memdiff.job import ranges, ranks_text
 from memdiff.judge import Check, FindingCheck, Runs, Verdict, growth_pct, judge, judge_ranks, noise_limit
 from memdiff.limits import DEFAULT_PEAK, IGNORE, Limit, Thresholds
 from memdiff.model import Finding, Frame, Source, Spread, Summary, TrendEntry
 from memdiff.predict.whatif import BuyBackPart, BuyBackTarget, buy_back
+from memdiff.read.job import ranges, ranks_text
+from memdiff.read.window import Window
 from memdiff.trend import DEFAULT_POINTS, Trend, trend_of, workloads
 from memdiff.units import count_of, format_bytes
-from memdiff.window import Window
 
 DEFAULT_TOP = 20
 STACK_FRAMES = 16  # frames of a stack any output shows; the rest are counted

@@ -19,9 +19,9 @@ from typing import List, Optional, Sequence
 from memdiff import __version__
 from memdiff.atomic import check_output, make_folder, write_output
 from memdiff.errors import InputError, clip
-from memdiff.load import parse_json, read_small
 from memdiff.model import Summary, TrendDevice, TrendEntry
-from memdiff.schema import validate
+from memdiff.read.load import parse_json, read_small
+from memdiff.read.schema import validate
 from memdiff.units import format_bytes
 
 HISTORY_SCHEMA_VERSION = 1

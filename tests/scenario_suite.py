@@ -303,7 +303,7 @@ def facts(runs: Dict[str, Path], name: str) -> Dict[str, Any]:
 def summaries_of(runs: Dict[str, Path]) -> Dict[str, Any]:
     """Each capture's Summary, classified by the shipped rules."""
     from memdiff.classify import load_rules
-    from memdiff.inputs import read_summary
+    from memdiff.read.inputs import read_summary
 
     rules = load_rules()
     return {name: read_summary(str(path), rules) for name, path in runs.items()}

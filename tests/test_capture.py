@@ -16,8 +16,8 @@ from tabulate import tabulate
 from memdiff.recording.capture import CaptureError, record
 from memdiff.classify import load_rules
 from memdiff.differ import GONE, GREW, NEW, SHRANK, diff
-from memdiff.inputs import read_summary
-from memdiff.load import decode
+from memdiff.read.inputs import read_summary
+from memdiff.read.load import decode
 
 # Slow (the fast loop, -m "not slow", leaves it out): records with torch.
 pytestmark = pytest.mark.slow

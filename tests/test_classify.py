@@ -13,8 +13,8 @@ from conftest import alloc, py_frames
 from memdiff.classify import category_of, load_rules
 from memdiff.cli import main
 from memdiff.errors import InputError
-from memdiff.frames import StackNormalizer
-from memdiff.inputs import read_summary
+from memdiff.read.frames import StackNormalizer
+from memdiff.read.inputs import read_summary
 from memdiff.model import Group
 
 SP = "/venv/lib/python3.12/site-packages/"
@@ -94,7 +94,7 @@ CASES = {
 def test_the_shipped_rules_satisfy_their_schema():
     from importlib import resources
 
-    from memdiff.schema import validate
+    from memdiff.read.schema import validate
 
     text = resources.files("memdiff").joinpath("rules", "categories.json").read_text()
     validate("categories.json", json.loads(text), "rules")

@@ -13,7 +13,7 @@ import pytest
 
 from conftest import alloc, py_frames
 from memdiff.cli import main
-from memdiff.schema import validate
+from memdiff.read.schema import validate
 
 SNAP = {"segments": [], "device_traces": [[alloc(1, 3 * 2**20, py_frames("model.py:3:forward")),
                                            alloc(2, 2**20, py_frames("model.py:9:loss"))]]}

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from memdiff.frames import StackNormalizer, frames_lists, number_compiled_buffers
+from memdiff.read.frames import StackNormalizer, frames_lists, number_compiled_buffers
 
 HASH_A = "czcopfae4wrbv3edcqap4z5wy5e5apiro6a6puhtdwjoll3yfn5u"
 HASH_B = "cmrvtsv372agr5azeeezfrl7dbh7fb3g5beuq5rydhksvdzpftig"

@@ -24,8 +24,8 @@ from memdiff.classify import PERSISTENT, load_rules
 from memdiff.cli import main
 from memdiff.differ import DeviceDiff, diff
 from memdiff.findings import BY_CODE, shown
-from memdiff.frames import NO_STACK_WORKSPACE_GUESSED, NO_STACK_STATE_GUESSED, names_autograd_node
-from memdiff.inputs import read_summary
+from memdiff.read.frames import NO_STACK_WORKSPACE_GUESSED, NO_STACK_STATE_GUESSED, names_autograd_node
+from memdiff.read.inputs import read_summary
 from memdiff.model import DeviceSummary, Summary
 
 DATA = Path(__file__).resolve().parent / "data" / "cuda"

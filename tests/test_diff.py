@@ -14,9 +14,9 @@ from memdiff.classify import load_rules
 from memdiff.cli import main
 from memdiff.differ import BY_SITE, GONE, GREW, NEW, SAME, SHRANK, diff
 from memdiff.findings import BY_CODE
-from memdiff.inputs import read_summary
+from memdiff.read.inputs import read_summary
 from memdiff.limits import Limit, Thresholds
-from memdiff.load import decode
+from memdiff.read.load import decode
 
 
 def run(capsys, *argv):

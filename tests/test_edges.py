@@ -7,8 +7,8 @@ from typing import Any, Dict, List
 
 from conftest import alloc, free
 from memdiff.classify import PERSISTENT, load_rules
-from memdiff.frames import NO_STACK_STATE_GUESSED
-from memdiff.inputs import read_summary
+from memdiff.read.frames import NO_STACK_STATE_GUESSED
+from memdiff.read.inputs import read_summary
 from memdiff.lifetimes import _inferred_step_starts
 from memdiff.report import pct_cell
 from test_lifetimes import BATCH, BWD, FWD, LOOP, LOSS, Trace, prof

@@ -11,7 +11,7 @@ from conftest import alloc, free
 from memdiff.classify import load_rules
 from memdiff.cli import main
 from memdiff.differ import GREW, diff
-from memdiff.inputs import read_summary
+from memdiff.read.inputs import read_summary
 from memdiff.report import device_report
 
 REAL_PAIRS = [

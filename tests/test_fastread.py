@@ -1,4 +1,4 @@
-"""The optional compiled reader (memdiff/_fastread.c) against the pure path: the same document,
+"""The optional compiled reader (memdiff/read/_fastread.c) against the pure path: the same document,
 the same summaries to the byte, the same refusals.
 
 CI builds the accelerator (MEMDIFF_REQUIRE_ACCEL=1 makes its absence a failure) and runs the
@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 from conftest import alloc, block, free, py_frames, real_snapshot_names, segment
 
-from memdiff import accel
+from memdiff.read import accel
 from memdiff.cli import main
 from memdiff.errors import InputError
-from memdiff.load import decode
+from memdiff.read.load import decode
 
 if accel.reader() is None:
     reason = "the accelerator is not built (pip install -e . with a C compiler) or MEMDIFF_PURE is set"

@@ -15,7 +15,7 @@ from conftest import ROOT, cli
 
 from memdiff.classify import load_rules
 from memdiff.findings import BY_CODE, CATALOGUE, DEFAULT_FAIL_ON, FAMILIES, SEVERITY_WORDS, docs_page, rule_section
-from memdiff.inputs import read_summary
+from memdiff.read.inputs import read_summary
 from memdiff.peak import peak_report, source_findings
 from memdiff.report import Run, Settings, compare
 

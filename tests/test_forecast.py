@@ -17,8 +17,8 @@ from memdiff.classify import load_rules
 from memdiff.cli import main
 from memdiff.errors import InputError
 from memdiff.forecasting import KnobRun, _fit, parse_run
-from memdiff.inputs import read_summary
-from memdiff.schema import validate
+from memdiff.read.inputs import read_summary
+from memdiff.read.schema import validate
 
 FWD = py_frames("model.py:10:forward")
 BWD = py_frames("/v/site-packages/torch/autograd/__init__.py:1:backward")

@@ -6,8 +6,8 @@ import copy
 
 import pytest
 
-from memdiff import accel
-from memdiff.frames import PerFrames, StackNormalizer, normalize_path, relativize
+from memdiff.read import accel
+from memdiff.read.frames import PerFrames, StackNormalizer, normalize_path, relativize
 from memdiff.model import Frame
 
 ALLOCATOR = [

@@ -22,7 +22,7 @@ from typing import Any, Callable, Dict, List, Tuple
 import pytest
 
 from memdiff.cli import main
-from memdiff.schema import validate
+from memdiff.read.schema import validate
 
 SEED = 20261122
 CASE_S = 10
@@ -170,7 +170,7 @@ WINDOWS = (("--events", "3:30"), ("--steps", "0"), ("--time-us", "1:"), ("--even
 
 @pytest.mark.slow  # reads many mutated real snapshots
 def test_windows_of_structured_mutations(bases, tmp_path, capsys):
-    """The same mutants read through a window (memdiff.window walks and cuts them first)."""
+    """The same mutants read through a window (memdiff.read.window walks and cuts them first)."""
     codes = _run_cases(_mutants(bases), STRUCTURED // 2, tmp_path, capsys, SEED + 3, WINDOWS)
     print(f"\nstructured mutants through windows: {STRUCTURED // 2}, exit codes {codes}")
     assert codes.get(0) and codes.get(2)

@@ -8,9 +8,9 @@ import pytest
 from conftest import real_snapshot_names
 from memdiff.classify import load_rules
 from memdiff.history import window_maxima
-from memdiff.inputs import read_summary
+from memdiff.read.inputs import read_summary
 from memdiff.model import Summary
-from memdiff.schema import validate
+from memdiff.read.schema import validate
 from test_lifetimes import training
 
 

@@ -21,7 +21,7 @@ import pytest
 import memdiff
 from conftest import ROOT, missing_capture_dependency
 from memdiff.recording.capture import StepWindow, parse_steps
-from memdiff.load import decode
+from memdiff.read.load import decode
 
 SCENARIOS = ROOT / "tests" / "scenarios"
 MARKED = SCENARIOS / "marked.py"

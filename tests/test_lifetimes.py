@@ -10,7 +10,7 @@ import pytest
 from conftest import alloc, free
 from memdiff.classify import PERSISTENT, load_rules
 from memdiff.cli import main
-from memdiff.inputs import read_summary
+from memdiff.read.inputs import read_summary
 from memdiff.lifetimes import Lifetime
 
 SP = "/venv/lib/python3.12/site-packages/"

@@ -112,7 +112,7 @@ def test_a_mistyped_command_is_named(shared, capsys):
 def test_peak_has_a_json_form(shared, capsys):
     import json
 
-    from memdiff.schema import validate
+    from memdiff.read.schema import validate
 
     assert main(["peak", str(shared / "bert-4gpu.pickle"), "--format", "json", "--device", "0"]) == 0
     data = validate("peak", json.loads(capsys.readouterr().out), "summary")

@@ -13,7 +13,7 @@ from conftest import alloc, block, cli, free, py_frames, segment, weights_and_ac
 from memdiff.baseline import _stored_summary, comparable_pair, read_baseline
 from memdiff.classify import load_rules
 from memdiff.findings import BY_CODE
-from memdiff.inputs import read_summary
+from memdiff.read.inputs import read_summary
 from memdiff.report import Run, Settings, compare
 
 MiB = 2**20

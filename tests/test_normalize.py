@@ -6,7 +6,7 @@ import pytest
 from conftest import alloc, block, free, py_frames, segment
 
 from memdiff.analyse.normalize.engine import summarize
-from memdiff.load import load
+from memdiff.read.load import load
 
 FWD = py_frames("model.py:10:forward", "train.py:50:<module>")
 BWD = py_frames("model.py:20:backward_hook", "train.py:51:<module>")
@@ -189,11 +189,11 @@ def test_malformed_trace_entries_name_the_entry(write_snapshot, bad, message):
 def test_frames_are_normalized_once_per_distinct_frames_list(write_snapshot, monkeypatch):
     # Real snapshots share frames lists between events (pickle memo references): the normalizer
     # must work once per distinct list, not once per event.
-    import memdiff.frames
+    import memdiff.read.frames
 
     calls = []
-    real_site = memdiff.frames._site
-    monkeypatch.setattr(memdiff.frames, "_site", lambda kept: calls.append(1) or real_site(kept))
+    real_site = memdiff.read.frames._site
+    monkeypatch.setattr(memdiff.read.frames, "_site", lambda kept: calls.append(1) or real_site(kept))
     shared_fwd, shared_bwd = list(FWD), list(BWD)
     trace = [alloc(i, 10, shared_fwd) for i in range(500)] + [alloc(1000 + i, 20, shared_bwd) for i in range(500)]
     d = summary_of(write_snapshot, {"segments": [], "device_traces": [trace]}).devices[0]
@@ -269,7 +269,7 @@ def test_the_fsdp2_rank_ci_misread_reads_as_its_own_trace():
             running -= live.pop(e["addr"])
         peak = max(peak, running)
     from memdiff.classify import load_rules
-    from memdiff.inputs import read_summary
+    from memdiff.read.inputs import read_summary
 
     d = read_summary(str(path), load_rules()).devices[0]
     assert (d.static_bytes, d.peak_bytes) == (0, peak)

@@ -10,7 +10,7 @@ import pytest
 
 from memdiff import progress
 from memdiff.cli import main
-from memdiff.load import load
+from memdiff.read.load import load
 from test_lifetimes import training
 
 
@@ -76,8 +76,7 @@ def test_the_cli_shows_it_unless_json_goes_to_stdout(tmp_path, monkeypatch, caps
 
 @pytest.mark.slow  # spawns worker processes
 def test_worker_processes_show_it_when_the_parent_does(tmp_path, monkeypatch):
-    from memdiff import inputs
-
+    from memdiff.read import inputs
     monkeypatch.setattr(inputs, "PARALLEL_MIN_BYTES", 0)  # two small files in two workers
     monkeypatch.setattr(inputs, "worker_count", lambda sizes: 2)
     paths = []

@@ -16,7 +16,7 @@ from memdiff.classify import load_rules
 from memdiff.cli import main
 from memdiff.errors import InputError
 from memdiff.findings import BY_CODE
-from memdiff.job import discover, ranges, rank_of, rank_patterns, summarize_ranks
+from memdiff.read.job import discover, ranges, rank_of, rank_patterns, summarize_ranks
 
 MiB = 2**20
 PARAMS = py_frames("model.py:3:__init__", "train.py:4:<module>")
@@ -253,8 +253,7 @@ def test_a_run_baseline_does_not_gate_a_job(tmp_path, capsys):
 
 
 def test_workers_are_as_many_as_the_cores_and_the_memory_allow(monkeypatch):
-    from memdiff import inputs
-
+    from memdiff.read import inputs
     monkeypatch.setattr(inputs.os, "cpu_count", lambda: 16)
     monkeypatch.setattr(inputs, "_available_memory", lambda: 8 * 2**30)
     assert inputs.worker_count([100 * MiB] * 64) == 7  # 8 GiB / (150 MiB + 10 x 100 MiB)

@@ -9,9 +9,9 @@ from conftest import real_snapshot_names
 
 from memdiff.analyse.normalize.engine import summarize
 from memdiff.cli import main
-from memdiff.load import load
+from memdiff.read.load import load
 from memdiff.model import Summary
-from memdiff.schema import validate
+from memdiff.read.schema import validate
 
 
 @pytest.fixture(scope="module")

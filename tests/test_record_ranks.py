@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT
-from memdiff.load import load
+from memdiff.read.load import load
 
 # Slow (the fast loop, -m "not slow", leaves it out): launches recorded jobs (torchrun).
 pytestmark = pytest.mark.slow

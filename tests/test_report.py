@@ -10,7 +10,7 @@ import pytest
 
 from memdiff.classify import load_rules
 from memdiff.cli import main
-from memdiff.inputs import read_summary
+from memdiff.read.inputs import read_summary
 from memdiff.units import format_bytes
 
 CTX128, CTX256 = "cs336-medium-ctx128-train.pickle", "cs336-medium-ctx256-train.pickle"

@@ -12,7 +12,7 @@ import pytest
 
 from memdiff.classify import load_rules
 from memdiff.differ import GONE, GREW, NEW, SHRANK, DeviceDiff, diff
-from memdiff.inputs import read_summary
+from memdiff.read.inputs import read_summary
 from memdiff.model import Summary
 from scenario_suite import FAMILIES
 

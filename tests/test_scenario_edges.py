@@ -15,8 +15,8 @@ import pytest
 
 from memdiff.classify import PERSISTENT, load_rules
 from memdiff.differ import NEW, DeviceDiff, diff
-from memdiff.inputs import read_summary
-from memdiff.load import decode
+from memdiff.read.inputs import read_summary
+from memdiff.read.load import decode
 from memdiff.model import DeviceSummary, Summary
 from scenario_suite import EDGES, facts, summaries_of, truth_of
 

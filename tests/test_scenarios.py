@@ -20,8 +20,8 @@ from tabulate import tabulate
 from memdiff.classify import PERSISTENT, load_rules
 from memdiff.cli import main
 from memdiff.forecasting import read_course
-from memdiff.inputs import read_summary
-from memdiff.load import decode
+from memdiff.read.inputs import read_summary
+from memdiff.read.load import decode
 
 # Slow (the fast loop, -m "not slow", leaves it out): captures of the scenario models.
 pytestmark = pytest.mark.slow

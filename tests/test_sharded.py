@@ -15,7 +15,7 @@ import pytest
 from conftest import ROOT, py_frames
 
 from memdiff.classify import category_of, load_rules
-from memdiff.frames import StackNormalizer
+from memdiff.read.frames import StackNormalizer
 from memdiff.model import Group
 
 FSDP_TRAIN = ROOT / "tests" / "scenarios" / "fsdp_train.py"

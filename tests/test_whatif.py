@@ -15,7 +15,7 @@ import memdiff
 from memdiff.cli import main
 from memdiff.errors import InputError
 from memdiff.predict.whatif import parse_change
-from memdiff.schema import validate
+from memdiff.read.schema import validate
 
 
 def frames(*names: str) -> List[Dict[str, Any]]:

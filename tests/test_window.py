@@ -14,8 +14,8 @@ from test_lifetimes import training
 
 from memdiff.analyse.normalize.engine import summarize
 from memdiff.cli import main
-from memdiff.load import load
-from memdiff.window import Window, parse_window, windowed
+from memdiff.read.load import load
+from memdiff.read.window import Window, parse_window, windowed
 
 
 def totals(snap: Dict[str, Any], device: int = 0) -> Tuple[int, List[int]]:
@@ -301,7 +301,7 @@ def assert_window_moments_are_the_full_traces(path: str) -> int:
     categories and groups: memory carried in keeps the category the full trace gives it. Returns how
     many windows were compared."""
     from memdiff.classify import load_rules
-    from memdiff.inputs import read_summary
+    from memdiff.read.inputs import read_summary
 
     rules = load_rules()
     full = read_summary(path, rules)
@@ -361,8 +361,8 @@ def assert_cpu_windows_keep_pytorchs_categories(path: str) -> None:
     from scenario_suite import pytorch_categories_at
 
     from memdiff.classify import load_rules
-    from memdiff.inputs import read_summary
-    from memdiff.load import decode
+    from memdiff.read.inputs import read_summary
+    from memdiff.read.load import decode
 
     assert assert_window_moments_are_the_full_traces(path) > 0
     trace = decode(path)[0]["device_traces"][-1]

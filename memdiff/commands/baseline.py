@@ -23,11 +23,11 @@ from memdiff.commands.args import (
 )
 from memdiff.errors import EXIT_BAD_INPUT, EXIT_OK, InputError
 from memdiff.inert import text
-from memdiff.inputs import read_summary
-from memdiff.job import is_job, summarize_ranks
 from memdiff.model import Summary
+from memdiff.read.inputs import read_summary
+from memdiff.read.job import is_job, summarize_ranks
+from memdiff.read.window import add_window_arguments
 from memdiff.units import count_of, format_bytes
-from memdiff.window import add_window_arguments
 
 DESCRIPTION = ("Write a baseline of SNAPSHOT to FILE, atomically. Updating an existing file keeps its name "
                "and thresholds unless flags replace them. With --check, validate baseline files instead.")

@@ -12,7 +12,7 @@ from memdiff.atomic import make_folder
 from memdiff.classify import load_rules
 from memdiff.commands.diff import write_html
 from memdiff.errors import InputError
-from memdiff.inputs import read_summary
+from memdiff.read.inputs import read_summary
 from memdiff.recording.capture import record
 from memdiff.render import render
 from memdiff.report import Run, Settings, compare

@@ -25,13 +25,13 @@ from memdiff.commands.args import (
 )
 from memdiff.differ import MOMENTS, PEAK
 from memdiff.errors import EXIT_OK, EXIT_REGRESSION, InputError
-from memdiff.inputs import read_summaries
-from memdiff.job import is_job, summarize_ranks
 from memdiff.limits import Limit, Thresholds, thresholds_over
+from memdiff.read.inputs import read_summaries
+from memdiff.read.job import is_job, summarize_ranks
+from memdiff.read.window import add_window_arguments
 from memdiff.render import html as render_html
 from memdiff.render import render
 from memdiff.report import Report, Run, Settings, compare
-from memdiff.window import add_window_arguments
 
 DESCRIPTION = ("Align two runs by stack signature and explain the peak difference. Either input "
                "may be a snapshot or a summary JSON. Exit 1 when a peak grew beyond the rule.")

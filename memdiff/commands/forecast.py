@@ -11,9 +11,9 @@ from memdiff.commands.args import add_rules_arguments, count_arg, rules_from, si
 from memdiff.errors import EXIT_REGRESSION, InputError
 from memdiff.forecasting import forecast, judge_headroom, parse_run
 from memdiff.lists import LISTS, ListOption
+from memdiff.read.window import add_window_arguments
 from memdiff.render import forecast as render
 from memdiff.units import format_bytes
-from memdiff.window import add_window_arguments
 
 DESCRIPTION = ("Forecast the peak at a batch size or length not run, from runs of one loop that differ in that "
                "one knob: each allocation's size is fitted as a constant, linear or quadratic function of the "

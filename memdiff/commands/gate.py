@@ -31,15 +31,15 @@ from memdiff.commands.diff import write_html
 from memdiff.errors import EXIT_BAD_INPUT, EXIT_OK, EXIT_REGRESSION, InputError, clip
 from memdiff.findings import finding, shown
 from memdiff.inert import baseline_command, md_code, text
-from memdiff.inputs import read_summary
-from memdiff.job import is_job, ranges, summarize_ranks
 from memdiff.model import Summary, TrendEntry
 from memdiff.predict.fit import fit_file, gate_file
+from memdiff.read.inputs import read_summary
+from memdiff.read.job import is_job, ranges, summarize_ranks
+from memdiff.read.window import add_window_arguments
 from memdiff.render import render
 from memdiff.render.json import dumps
 from memdiff.report import Report, Run, Settings, compare
 from memdiff.trend import DEFAULT_POINTS, read_history
-from memdiff.window import add_window_arguments
 
 DESCRIPTION = ("Compare each run with its baseline under the baseline's thresholds (flags override them) "
                "and print the report and one line per threshold. Exit 0 pass, 1 regression, 2 bad input.")

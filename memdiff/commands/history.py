@@ -9,7 +9,7 @@ from memdiff.baseline import stem
 from memdiff.commands.args import add_rules_arguments, rules_from
 from memdiff.errors import InputError
 from memdiff.inert import text
-from memdiff.inputs import read_summary
+from memdiff.read.inputs import read_summary
 from memdiff.trend import append_entry, entry_of
 from memdiff.units import count_of, format_bytes
 

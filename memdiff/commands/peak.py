@@ -8,12 +8,12 @@ from dataclasses import replace
 
 from memdiff.atomic import check_output, write_output
 from memdiff.commands.args import add_html_argument, add_rules_arguments, count_arg, rules_from
-from memdiff.inputs import read_summary
 from memdiff.peak import peak_report, source_findings
+from memdiff.read.inputs import read_summary
+from memdiff.read.window import add_window_arguments
 from memdiff.render.html import render_peak as render_peak_html
 from memdiff.render.json import render_summary
 from memdiff.render.text import render_peak
-from memdiff.window import add_window_arguments
 
 DESCRIPTION = ("Show per device the peak (as PyTorch's memory viewer counts it), static memory, "
                "where the peak happens and the top stack groups live at the peak.")

@@ -15,12 +15,12 @@ from memdiff.commands.args import (
     size_arg,
 )
 from memdiff.errors import EXIT_OK, EXIT_REGRESSION
-from memdiff.job import summarize_ranks
 from memdiff.judge import imbalance_check
 from memdiff.ranks import compare_ranks
+from memdiff.read.job import summarize_ranks
+from memdiff.read.window import add_window_arguments
 from memdiff.render import ranks as render_ranks
 from memdiff.report import device_report
-from memdiff.window import add_window_arguments
 
 DESCRIPTION = ("Read a job (a folder or glob of per-rank snapshots or summaries; the rank comes from each "
                "file name) and show per rank the peak, where it is, static and category bytes; the spread "

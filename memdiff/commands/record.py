@@ -23,8 +23,8 @@ from memdiff.baseline import stem
 from memdiff.commands.args import count_arg
 from memdiff.errors import EXIT_BAD_INPUT, InputError
 from memdiff.inert import shell, text
-from memdiff.job import MAX_RANKS, rank_of, rank_patterns
-from memdiff.load import decode
+from memdiff.read.job import MAX_RANKS, rank_of, rank_patterns
+from memdiff.read.load import decode
 from memdiff.recording.capture import STACKS, StepWindow, parse_steps, record, recorded_nothing, sigint_held
 from memdiff.recording.emulate.allocator import AllocatorConfig
 from memdiff.recording.emulate.devices import GPUS

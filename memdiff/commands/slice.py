@@ -9,10 +9,10 @@ from typing import Any, Dict
 
 from memdiff.atomic import check_output, write_stream
 from memdiff.inert import text
-from memdiff.inputs import read_summary
-from memdiff.load import load, paused_gc
+from memdiff.read.inputs import read_summary
+from memdiff.read.load import load, paused_gc
+from memdiff.read.window import add_window_arguments, cut
 from memdiff.units import format_bytes
-from memdiff.window import add_window_arguments, cut
 
 DESCRIPTION = ("Write one window of a snapshot (some steps, trace events or microseconds) as a snapshot of "
                "its own, pickle protocol 4, which PyTorch's viewer opens and every memdiff command reads. "

@@ -7,11 +7,11 @@ import sys
 
 from memdiff.atomic import check_output, write_output
 from memdiff.commands.args import add_rules_arguments, rules_from
-from memdiff.inputs import read_summary
 from memdiff.peak import peak_report
+from memdiff.read.inputs import read_summary
+from memdiff.read.window import add_window_arguments
 from memdiff.render.json import render_summary
 from memdiff.render.text import render_peak
-from memdiff.window import add_window_arguments
 
 DESCRIPTION = ("Reduce a snapshot to a small, versioned summary: peak, static memory and every "
                "byte live at the peak grouped by stack signature.")

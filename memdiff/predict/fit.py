@@ -498,8 +498,8 @@ def is_fit_document(doc: Any) -> bool:
 
 def read_fit(path: str) -> Dict[str, Any]:
     """A fit result written by `memdiff fit --format json`, schema-checked; InputError otherwise."""
-    from memdiff.load import read_json
-    from memdiff.schema import validate
+    from memdiff.read.load import read_json
+    from memdiff.read.schema import validate
 
     doc = read_json(path, "a fit result")
     if not is_fit_document(doc):
@@ -586,6 +586,6 @@ def fit_file(path: str) -> bool:
 
 
 def _whole(path: str) -> Any:
-    from memdiff.load import read_json
+    from memdiff.read.load import read_json
 
     return read_json(path, "a fit result")

@@ -44,7 +44,7 @@ class RunOutcome:
 def _summary_facts(path: str) -> Dict[str, Any]:
     """The peaks, phase and site of the snapshot at `path`, as `memdiff peak` reads them."""
     from memdiff.classify import load_rules
-    from memdiff.inputs import read_summary
+    from memdiff.read.inputs import read_summary
 
     summary = read_summary(path, load_rules())
     device = max(summary.devices, key=lambda d: d.peak_bytes, default=None)

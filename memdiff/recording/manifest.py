@@ -18,7 +18,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from memdiff.atomic import write_output
 from memdiff.errors import InputError, brief
-from memdiff.load import read_json
+from memdiff.read.load import read_json
 
 MANIFEST = "memdiff-job.json"
 MANIFEST_VERSION = 1
@@ -27,7 +27,7 @@ STATUS = re.compile(r"^\.rank(\d+)\.status$")
 PROCESS_STATUS = re.compile(r"^\.pid(\d+)\.status$")
 # A status being written (by the rank hook) when its process was killed.
 PARTIAL_STATUS = re.compile(r"^\.(rank|pid)\d+\.status\.\d+\.\d+\.tmp$")
-MAX_WORLD_SIZE = 1 << 20  # as many ranks as a job folder may hold (memdiff.job.MAX_RANKS)
+MAX_WORLD_SIZE = 1 << 20  # as many ranks as a job folder may hold (memdiff.read.job.MAX_RANKS)
 
 # A rank's recording, as the status it left says (or the absence of one).
 WRITTEN, FAILED, NOTHING, UNFINISHED, NOT_STARTED = ("written", "failed", "nothing recorded", "recording",

@@ -12,9 +12,9 @@ from memdiff import __version__
 from memdiff.differ import where_text
 from memdiff.findings import shown
 from memdiff.inert import text
-from memdiff.job import ranges, ranks_text
 from memdiff.judge import Check
 from memdiff.ranks import RanksReport, Role
+from memdiff.read.job import ranges, ranks_text
 from memdiff.render.json import dumps
 from memdiff.render.table import layout, row_table
 from memdiff.report import RANKS_SCHEMA_VERSION, DeviceReport, check_line, pct_cell

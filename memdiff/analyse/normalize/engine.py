@@ -25,12 +25,6 @@ from memdiff.analyse.normalize.standins import dump_only_blocks, stand_ins_of, s
 from memdiff.analyse.normalize.walk import DumpBlock, Walk, reserved_totals
 from memdiff.classify import Rule
 from memdiff.errors import InputError, brief, number
-from memdiff.frames import (
-    StackNormalizer,
-    frames_lists,
-    number_compiled_buffers,
-    relativize,
-)
 from memdiff.history import Allocations, history_of, peak_bars, window_maxima
 from memdiff.lifetimes import (
     BACKWARD,
@@ -41,8 +35,14 @@ from memdiff.lifetimes import (
     Timeline,
     build_timeline,
 )
-from memdiff.load import MAX_BYTES, Snapshot
 from memdiff.model import WINDOW_KEY, DeviceSummary, OomEvent, PhasePeak, Step, Summary, largest_first
+from memdiff.read.frames import (
+    StackNormalizer,
+    frames_lists,
+    number_compiled_buffers,
+    relativize,
+)
+from memdiff.read.load import MAX_BYTES, Snapshot
 
 TIMELINE_POINTS = 100
 

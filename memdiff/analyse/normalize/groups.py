@@ -15,17 +15,17 @@ from memdiff.analyse.normalize.kinds import Kind, Origins, kind_of
 from memdiff.analyse.normalize.standins import SCALAR_BYTES
 from memdiff.analyse.normalize.walk import DumpBlock, Walk
 from memdiff.errors import InputError, brief
-from memdiff.frames import (
-    Stack,
-    StackNormalizer,
-    signature_of,
-)
 from memdiff.lifetimes import (
     LIFETIMES,
     Lifetime,
     Timeline,
 )
 from memdiff.model import KIND_KEY, Group
+from memdiff.read.frames import (
+    Stack,
+    StackNormalizer,
+    signature_of,
+)
 
 # Groups kept per peak. Real runs have tens to hundreds (the 13 shared snapshots: at most 27); a
 # file with hundreds of thousands of distinct stacks live at once would make a summary of

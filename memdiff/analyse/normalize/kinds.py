@@ -13,13 +13,6 @@ import numpy as np
 from memdiff.analyse.normalize.standins import dump_only_blocks, stand_ins_of, state_by_sizes
 from memdiff.analyse.normalize.walk import DumpBlock, Walk
 from memdiff.errors import InputError, brief
-from memdiff.frames import (
-    GUESS_PARAMETER,
-    GUESS_STATE,
-    GUESS_WORKSPACE,
-    Stack,
-    StackNormalizer,
-)
 from memdiff.history import Allocations
 from memdiff.lifetimes import (
     LIFETIMES,
@@ -27,8 +20,15 @@ from memdiff.lifetimes import (
     Timeline,
     build_timeline,
 )
-from memdiff.load import Snapshot
 from memdiff.model import KIND_KEY, WINDOW_KEY
+from memdiff.read.frames import (
+    GUESS_PARAMETER,
+    GUESS_STATE,
+    GUESS_WORKSPACE,
+    Stack,
+    StackNormalizer,
+)
+from memdiff.read.load import Snapshot
 
 
 @dataclass(frozen=True)

@@ -14,10 +14,6 @@ import numpy as np
 
 from memdiff.analyse.normalize.walk import DumpBlock, Walk
 from memdiff.analyse.normalize.workspaces import workspaces_by_handles
-from memdiff.frames import (
-    GUESS_PARAMETER,
-    GUESS_STATE,
-)
 from memdiff.lifetimes import (
     BACKWARD,
     OPTIMIZER,
@@ -25,6 +21,10 @@ from memdiff.lifetimes import (
     frame_phase,
 )
 from memdiff.model import KIND_KEY
+from memdiff.read.frames import (
+    GUESS_PARAMETER,
+    GUESS_STATE,
+)
 
 # A re-versioned tensor of at most this many bytes is a step counter (`state["step"]`, one float32),
 # not a weight (a one-element weight is rare): in a single-tensor update each weight's turn begins with one.

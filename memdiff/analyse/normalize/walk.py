@@ -14,9 +14,9 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from memdiff.accel import is_columns
 from memdiff.errors import InputError, brief, number
-from memdiff.load import MAX_BYTES
+from memdiff.read.accel import is_columns
+from memdiff.read.load import MAX_BYTES
 
 # Segment events and the sign they change the reserved total by.
 SEGMENT_ACTIONS = {"segment_alloc": 1, "segment_map": 1, "segment_free": -1, "segment_unmap": -1}

@@ -11,13 +11,13 @@ from typing import Any, Dict, List, Set, Tuple
 import numpy as np
 
 from memdiff.analyse.normalize.walk import DumpBlock, Walk
-from memdiff.frames import (
-    GUESS_PARAMETER,
-    GUESS_WORKSPACE,
-)
 from memdiff.lifetimes import (
     BACKWARD,
     Timeline,
+)
+from memdiff.read.frames import (
+    GUESS_PARAMETER,
+    GUESS_WORKSPACE,
 )
 
 # A cuBLAS handle's workspace (PyTorch's default: 32 MiB on sm90 and newer, 4096 KiB x 2 + 16 KiB

@@ -15,8 +15,8 @@ from memdiff.inert import scrubbed
 from memdiff.model import Finding
 from memdiff.predict.whatif.engine import ChangePrediction, every_change, facts, predict
 from memdiff.predict.whatif.optimizer import run_optimizer
+from memdiff.read.window import Window
 from memdiff.units import format_bytes
-from memdiff.window import Window
 
 
 @dataclass

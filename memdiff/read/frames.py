@@ -20,10 +20,10 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any, Callable, Dict, Generic, Iterable, Iterator, List, Optional, Sequence, Tuple, TypeVar
 
-from memdiff.accel import TRACES, identities, is_columns
 from memdiff.errors import brief, clip, number
 from memdiff.inert import text
 from memdiff.model import Frame
+from memdiff.read.accel import TRACES, identities, is_columns
 
 # Python's recursion limit is 1,000 frames and C++ adds a few dozen per Python call; a stack far
 # deeper than this is pickle memo references repeating one frame.

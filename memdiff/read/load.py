@@ -24,11 +24,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
-from memdiff import accel
 from memdiff.errors import InputError, brief, clip, number
-from memdiff.frames import profiler_frame
 from memdiff.model import Source
 from memdiff.progress import Progress
+from memdiff.read import accel
+from memdiff.read.frames import profiler_frame
 
 # Magic numbers, checked in order; each names the codec and how to open a decompressing stream.
 _COMPRESSIONS = (
@@ -484,7 +484,7 @@ def to_snapshot(path: str, raw: Any, source: Source, decoded_bytes: Optional[int
 def decode(path: str, columns: bool = False) -> Tuple[Any, Source, int]:
     """Read, decompress and decode a file: (the document, its Source with generation still unset,
     the number of bytes decoded). With `columns`, a device's trace may come as the accelerator's
-    read-only columns (memdiff.accel) rather than a list of dicts: for readers that only analyse.
+    read-only columns (memdiff.read.accel) rather than a list of dicts: for readers that only analyse.
 
     The file is streamed into the decoder, never held whole in memory beside what it decodes to.
     """

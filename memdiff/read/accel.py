@@ -1,4 +1,4 @@
-"""The optional compiled reader (memdiff/_fastread.c), when it was built, and the switch that
+"""The optional compiled reader (memdiff/read/_fastread.c), when it was built, and the switch that
 turns it off: MEMDIFF_PURE=1 reads every file with the pure-Python path, which gives the same
 summaries byte for byte (tests run both)."""
 
@@ -13,7 +13,7 @@ import numpy as np
 
 def _compiled() -> Optional[Any]:
     try:
-        return importlib.import_module("memdiff._fastread")
+        return importlib.import_module("memdiff.read._fastread")
     except ImportError:  # installed without a compiler: the pure path reads everything
         return None
 

@@ -28,8 +28,8 @@ from memdiff.analyse.normalize.walk import Walk
 from memdiff.differ import TRACE_BOOKKEEPING
 from memdiff.errors import InputError
 from memdiff.lifetimes import Scopes, build_timeline
-from memdiff.load import Snapshot, to_snapshot
 from memdiff.model import KIND_KEY, WINDOW_KEY, Source
+from memdiff.read.load import Snapshot, to_snapshot
 
 KINDS = ("steps", "events", "time_us")
 FLAGS = {"steps": "--steps", "events": "--events", "time_us": "--time-us"}

@@ -15,12 +15,12 @@ from memdiff.analyse.normalize.engine import summarize
 from memdiff.classify import Rule, classify
 from memdiff.errors import InputError, version_shown
 from memdiff.inert import shell
-from memdiff.load import decode, paused_gc, to_snapshot
 from memdiff.model import READABLE_SCHEMA_VERSIONS, Summary
-from memdiff.schema import validate
+from memdiff.read.load import decode, paused_gc, to_snapshot
+from memdiff.read.schema import validate
 
 if TYPE_CHECKING:
-    from memdiff.window import Window
+    from memdiff.read.window import Window
 
 
 def is_summary(raw: Any) -> bool:
@@ -39,7 +39,7 @@ def read_summary(path: str, rules: Sequence[Rule], history: bool = False,
                  window: Optional["Window"] = None) -> Summary:
     """The classified Summary of `path`, a snapshot or a summary written by `memdiff summarize`;
     with `history`, a snapshot's devices carry their history (a stored summary keeps what it has);
-    with `window`, of that window of the snapshot only (memdiff.window).
+    with `window`, of that window of the snapshot only (memdiff.read.window).
 
     A stored summary is classified again, so `--rules` applies to it as to a snapshot.
     """
@@ -49,7 +49,7 @@ def read_summary(path: str, rules: Sequence[Rule], history: bool = False,
             snapshot = to_snapshot(path, raw, source, decoded)
             del raw  # freed by reference counting before the collector resumes
             if window is not None:
-                from memdiff.window import windowed
+                from memdiff.read.window import windowed
 
                 snapshot = windowed(snapshot, window)
             summary = summarize(snapshot, rules if history else None)

@@ -20,14 +20,14 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence
 
 from memdiff.classify import Rule
 from memdiff.errors import InputError
-from memdiff.inputs import read_summaries, read_summary
 from memdiff.model import Summary
 from memdiff.patterns import Pattern
+from memdiff.read.inputs import read_summaries, read_summary
 from memdiff.recording.manifest import MANIFEST, RecordedJob, read_manifest
 from memdiff.units import count_of
 
 if TYPE_CHECKING:
-    from memdiff.window import Window
+    from memdiff.read.window import Window
 
 # `rank3`, `rank-3`, `rank_3`, `rank3_memory_snapshot`, `rank3.0.memory_snapshot`; then a
 # trailing number (`memory_trace_3.pickle`, `snapshot-3.json.gz`).
@@ -70,7 +70,7 @@ def rank_of(name: str, patterns: Sequence[Pattern]) -> Optional[int]:
 def rank_patterns(user: Optional[str]) -> List[Pattern]:
     """The documented patterns, or the user's `--rank-pattern` alone."""
     if user is None:
-        return [Pattern(p, "memdiff.job.RANK_PATTERNS", timeout=None) for p in RANK_PATTERNS]
+        return [Pattern(p, "memdiff.read.job.RANK_PATTERNS", timeout=None) for p in RANK_PATTERNS]
     try:
         return [Pattern(user, "--rank-pattern")]
     except ValueError as exc:
