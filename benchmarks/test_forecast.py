@@ -31,7 +31,7 @@ def batch_series(grown):
 
 def test_forecast_of_three_runs_costs_at_most_one_and_a_half_readings(benchmark, batch_series):
     runs = [f"{p}={v}" for p, v in zip(batch_series, (1, 2, 4))]
-    reading = ("from memdiff.read.inputs import read_summaries\nfrom memdiff.classify import load_rules\n"
+    reading = ("from memdiff.read.inputs import read_summaries\nfrom memdiff.analyse.classify import load_rules\n"
                f"read_summaries({batch_series!r}, load_rules([]))")
     best = interleaved(benchmark, reading, memdiff_code(["forecast", *runs, "--at", "8", "16", "--budget", "80GiB",
                                                          "--format", "json"]))

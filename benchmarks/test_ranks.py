@@ -46,7 +46,7 @@ HEAVY_SOURCE = Path(__file__).resolve().parents[2] / "shared" / "snapshots" / "c
 
 ONE = """
 import sys, timeit
-from memdiff.classify import load_rules
+from memdiff.analyse.classify import load_rules
 from memdiff.read.inputs import read_summary
 rules = load_rules()
 print(min(timeit.repeat(lambda: read_summary(sys.argv[1], rules), number=1, repeat=3)))

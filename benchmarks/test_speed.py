@@ -91,7 +91,7 @@ def test_gzip_costs_only_its_decompression(benchmark, grown):
 
 def test_cost_grows_linearly(benchmark, grown):
     """In-process, start-up excluded: seconds per event at 1M within 1.5x of those at 20k."""
-    code = ("import sys, time\nfrom memdiff.classify import load_rules\nfrom memdiff.read.inputs import read_summary\n"
+    code = ("import sys, time\nfrom memdiff.analyse.classify import load_rules\nfrom memdiff.read.inputs import read_summary\n"
             "rules = load_rules()\nbest = min(__import__('timeit').repeat(lambda: read_summary(sys.argv[1], rules), "
             "number=1, repeat=3))\nprint(best / int(sys.argv[2]))")
 

@@ -23,12 +23,12 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING, Any, ContextManager, Dict, Optional, Sequence, Tuple, Union
 
+from memdiff.analyse.classify import Rule, check_categories, load_rules
+from memdiff.analyse.lifetimes import BACKWARD, FORWARD, OPTIMIZER
 from memdiff.baseline import Baseline, comparable_pair, read_baseline, update_baseline
-from memdiff.classify import Rule, check_categories, load_rules
 from memdiff.differ import PEAK
 from memdiff.errors import InputError, clip
 from memdiff.inert import baseline_command
-from memdiff.lifetimes import BACKWARD, FORWARD, OPTIMIZER
 from memdiff.limits import Limit, Thresholds, parse_pct, thresholds_over
 from memdiff.lists import chosen_codes, limit_of, named_limits, split_items
 from memdiff.model import Summary

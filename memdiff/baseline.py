@@ -17,6 +17,7 @@ from datetime import datetime, timezone
 from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 from memdiff import __version__
+from memdiff.analyse.sameloop import loop_difference
 from memdiff.atomic import check_output, make_folder, write_output
 from memdiff.differ import PEAK
 from memdiff.errors import InputError, clip, version_shown
@@ -27,7 +28,6 @@ from memdiff.model import DeviceSummary, Finding, Group, PhasePeak, Range, Sourc
 from memdiff.read.frames import signature_of
 from memdiff.read.load import read_json
 from memdiff.read.schema import validate
-from memdiff.sameloop import loop_difference
 from memdiff.units import format_bytes
 
 # Baselines keep their own version: summaries moved to 2 (lifetimes) without changing what a

@@ -32,19 +32,19 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from memdiff import __version__
+from memdiff.analyse.classify import Rule, classify
+from memdiff.analyse.history import Allocations, category_codes
+from memdiff.analyse.lifetimes import Scopes
 from memdiff.analyse.normalize.engine import summarize
-from memdiff.classify import Rule, classify
+from memdiff.analyse.sameloop import loop_difference
 from memdiff.errors import InputError
 from memdiff.findings import finding
-from memdiff.history import Allocations, category_codes
 from memdiff.inert import scrubbed, text
-from memdiff.lifetimes import Scopes
 from memdiff.limits import Headroom
 from memdiff.model import Finding, PhaseSpan, Step, Summary
 from memdiff.read.inputs import is_summary, read_each, refuse_baseline
 from memdiff.read.load import MAX_BYTES, decode, paused_gc, to_snapshot
 from memdiff.read.window import Window, windowed
-from memdiff.sameloop import loop_difference
 from memdiff.units import format_bytes
 
 SCHEMA_VERSION = 1

@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+from memdiff.analyse.patterns import Pattern
 from memdiff.errors import InputError, clip
 from memdiff.findings import DEFAULT_FAIL_ON, parse_codes
-from memdiff.patterns import Pattern
 from memdiff.units import format_bytes, parse_size
 
 DEFAULT_FAIL_OVER_BYTES = 64 * 2**20

@@ -14,8 +14,8 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from memdiff import __version__
+from memdiff.analyse.classify import Rule
 from memdiff.baseline import stem
-from memdiff.classify import Rule
 from memdiff.differ import (
     BY_COMPILED,
     BY_OLDER,

@@ -302,7 +302,7 @@ def facts(runs: Dict[str, Path], name: str) -> Dict[str, Any]:
 
 def summaries_of(runs: Dict[str, Path]) -> Dict[str, Any]:
     """Each capture's Summary, classified by the shipped rules."""
-    from memdiff.classify import load_rules
+    from memdiff.analyse.classify import load_rules
     from memdiff.read.inputs import read_summary
 
     rules = load_rules()

@@ -14,7 +14,7 @@ import pytest
 from tabulate import tabulate
 
 from memdiff.recording.capture import CaptureError, record
-from memdiff.classify import load_rules
+from memdiff.analyse.classify import load_rules
 from memdiff.differ import GONE, GREW, NEW, SHRANK, diff
 from memdiff.read.inputs import read_summary
 from memdiff.read.load import decode

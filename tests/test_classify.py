@@ -10,7 +10,7 @@ from dataclasses import replace
 import pytest
 from conftest import alloc, py_frames
 
-from memdiff.classify import category_of, load_rules
+from memdiff.analyse.classify import category_of, load_rules
 from memdiff.cli import main
 from memdiff.errors import InputError
 from memdiff.read.frames import StackNormalizer

@@ -20,7 +20,7 @@ from typing import Dict, List
 import pytest
 
 from memdiff import api
-from memdiff.classify import PERSISTENT, load_rules
+from memdiff.analyse.classify import PERSISTENT, load_rules
 from memdiff.cli import main
 from memdiff.differ import DeviceDiff, diff
 from memdiff.findings import BY_CODE, shown

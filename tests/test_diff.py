@@ -10,7 +10,7 @@ from typing import Any, Dict, List
 import pytest
 from conftest import alloc, py_frames
 
-from memdiff.classify import load_rules
+from memdiff.analyse.classify import load_rules
 from memdiff.cli import main
 from memdiff.differ import BY_SITE, GONE, GREW, NEW, SAME, SHRANK, diff
 from memdiff.findings import BY_CODE

@@ -6,10 +6,10 @@ from __future__ import annotations
 from typing import Any, Dict, List
 
 from conftest import alloc, free
-from memdiff.classify import PERSISTENT, load_rules
+from memdiff.analyse.classify import PERSISTENT, load_rules
 from memdiff.read.frames import NO_STACK_STATE_GUESSED
 from memdiff.read.inputs import read_summary
-from memdiff.lifetimes import _inferred_step_starts
+from memdiff.analyse.lifetimes import _inferred_step_starts
 from memdiff.report import pct_cell
 from test_lifetimes import BATCH, BWD, FWD, LOOP, LOSS, Trace, prof
 

@@ -8,7 +8,7 @@ from typing import Any, Dict, List
 import pytest
 
 from conftest import alloc, free
-from memdiff.classify import load_rules
+from memdiff.analyse.classify import load_rules
 from memdiff.cli import main
 from memdiff.differ import GREW, diff
 from memdiff.read.inputs import read_summary

@@ -302,7 +302,7 @@ def test_the_walk_over_columns_matches_the_walk_over_dicts(tmp_path):
 def test_forward_passes_of_a_validation_loop_on_columns(tmp_path):
     # A loop without no_grad: each batch copied by the loop's own stack, then the model's forward;
     # both paths find one pass per batch.
-    from memdiff.lifetimes import _Hints, forward_passes
+    from memdiff.analyse.lifetimes import _Hints, forward_passes
     from memdiff.model import PhaseSpan
     batch = py_frames("validate.py:30:run_validation")
     layer = py_frames("site-packages/torch/nn/modules/linear.py:125:forward", "model.py:12:forward",

@@ -13,10 +13,10 @@ import pytest
 import test_schemas
 from conftest import ROOT, cli
 
-from memdiff.classify import load_rules
+from memdiff.analyse.classify import load_rules
 from memdiff.findings import BY_CODE, CATALOGUE, DEFAULT_FAIL_ON, FAMILIES, SEVERITY_WORDS, docs_page, rule_section
 from memdiff.read.inputs import read_summary
-from memdiff.peak import peak_report, source_findings
+from memdiff.analyse.peak import peak_report, source_findings
 from memdiff.report import Run, Settings, compare
 
 CUDA = ROOT / "tests" / "data" / "cuda"

@@ -13,7 +13,7 @@ import pytest
 from conftest import alloc, free, py_frames
 
 import memdiff
-from memdiff.classify import load_rules
+from memdiff.analyse.classify import load_rules
 from memdiff.cli import main
 from memdiff.errors import InputError
 from memdiff.forecasting import KnobRun, _fit, parse_run

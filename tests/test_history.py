@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from conftest import real_snapshot_names
-from memdiff.classify import load_rules
-from memdiff.history import window_maxima
+from memdiff.analyse.classify import load_rules
+from memdiff.analyse.history import window_maxima
 from memdiff.read.inputs import read_summary
 from memdiff.model import Summary
 from memdiff.read.schema import validate

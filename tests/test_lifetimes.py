@@ -8,10 +8,10 @@ from typing import Any, Dict, List, Optional
 import pytest
 
 from conftest import alloc, free
-from memdiff.classify import PERSISTENT, load_rules
+from memdiff.analyse.classify import PERSISTENT, load_rules
 from memdiff.cli import main
 from memdiff.read.inputs import read_summary
-from memdiff.lifetimes import Lifetime
+from memdiff.analyse.lifetimes import Lifetime
 
 SP = "/venv/lib/python3.12/site-packages/"
 
@@ -268,7 +268,7 @@ def test_the_per_phase_table_in_memdiff_peak(write_snapshot, capsys):
     (0, 60, Lifetime("forward", "forward", "step")),
 ])
 def test_lifetime_facts(write_snapshot, born, end, expected):
-    from memdiff.lifetimes import Timeline
+    from memdiff.analyse.lifetimes import Timeline
     from memdiff.model import PhaseSpan, Step
 
     runs = [PhaseSpan("forward", 0, 9), PhaseSpan("backward", 10, 49), PhaseSpan("forward", 50, 98)]
@@ -336,7 +336,7 @@ def test_kept_forwards_are_named_in_the_peak_report_and_the_diff(write_snapshot,
 ])
 def test_every_training_step_runs_a_backward(phases, starts):
     """Issue 32 item 4: steps are the loop's steps, never a forward with no backward."""
-    from memdiff.lifetimes import _inferred_step_starts
+    from memdiff.analyse.lifetimes import _inferred_step_starts
     assert _inferred_step_starts(phases) == starts
 
 

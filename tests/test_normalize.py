@@ -268,7 +268,7 @@ def test_the_fsdp2_rank_ci_misread_reads_as_its_own_trace():
         elif e["action"] == "free_completed" and e["addr"] in live:
             running -= live.pop(e["addr"])
         peak = max(peak, running)
-    from memdiff.classify import load_rules
+    from memdiff.analyse.classify import load_rules
     from memdiff.read.inputs import read_summary
 
     d = read_summary(str(path), load_rules()).devices[0]

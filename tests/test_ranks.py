@@ -12,7 +12,7 @@ from typing import Dict
 import pytest
 from conftest import alloc, free, py_frames
 
-from memdiff.classify import load_rules
+from memdiff.analyse.classify import load_rules
 from memdiff.cli import main
 from memdiff.errors import InputError
 from memdiff.findings import BY_CODE

@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from memdiff.classify import load_rules
+from memdiff.analyse.classify import load_rules
 from memdiff.cli import main
 from memdiff.read.inputs import read_summary
 from memdiff.units import format_bytes

@@ -10,7 +10,7 @@ from typing import Dict, List
 
 import pytest
 
-from memdiff.classify import load_rules
+from memdiff.analyse.classify import load_rules
 from memdiff.differ import GONE, GREW, NEW, SHRANK, DeviceDiff, diff
 from memdiff.read.inputs import read_summary
 from memdiff.model import Summary

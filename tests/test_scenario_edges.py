@@ -13,7 +13,7 @@ from typing import Dict, List, Tuple
 
 import pytest
 
-from memdiff.classify import PERSISTENT, load_rules
+from memdiff.analyse.classify import PERSISTENT, load_rules
 from memdiff.differ import NEW, DeviceDiff, diff
 from memdiff.read.inputs import read_summary
 from memdiff.read.load import decode

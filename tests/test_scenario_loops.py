@@ -19,7 +19,7 @@ import pytest
 from scenario_suite import LOOPS, facts, summaries_of, truth_of
 
 from memdiff.api import diff as report_of
-from memdiff.classify import PERSISTENT, load_rules
+from memdiff.analyse.classify import PERSISTENT, load_rules
 from memdiff.cli import main
 from memdiff.differ import DeviceDiff, diff
 from memdiff.forecasting import read_course

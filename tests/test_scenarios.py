@@ -17,7 +17,7 @@ import pytest
 from scenario_suite import BASES, EDGE_BASES, EDGES, PYTORCH_CATEGORY, PYTORCH_TO_MEMDIFF, pytorch_categories_at, truth_of
 from tabulate import tabulate
 
-from memdiff.classify import PERSISTENT, load_rules
+from memdiff.analyse.classify import PERSISTENT, load_rules
 from memdiff.cli import main
 from memdiff.forecasting import read_course
 from memdiff.read.inputs import read_summary

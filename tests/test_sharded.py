@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from conftest import ROOT, py_frames
 
-from memdiff.classify import category_of, load_rules
+from memdiff.analyse.classify import category_of, load_rules
 from memdiff.read.frames import StackNormalizer
 from memdiff.model import Group
 

@@ -300,7 +300,7 @@ def assert_window_moments_are_the_full_traces(path: str) -> int:
     """Every window around a moment of the full trace whose own peak is that event has its bytes,
     categories and groups: memory carried in keeps the category the full trace gives it. Returns how
     many windows were compared."""
-    from memdiff.classify import load_rules
+    from memdiff.analyse.classify import load_rules
     from memdiff.read.inputs import read_summary
 
     rules = load_rules()
@@ -360,7 +360,7 @@ def assert_cpu_windows_keep_pytorchs_categories(path: str) -> None:
     weights' in-place updates are frees and new versions: a window alone read them as memory freed)."""
     from scenario_suite import pytorch_categories_at
 
-    from memdiff.classify import load_rules
+    from memdiff.analyse.classify import load_rules
     from memdiff.read.inputs import read_summary
     from memdiff.read.load import decode
 

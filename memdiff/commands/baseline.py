@@ -8,8 +8,8 @@ import os
 import sys
 from typing import Dict, List, Union
 
+from memdiff.analyse.classify import Rule, check_categories
 from memdiff.baseline import read_baseline, update_baseline
-from memdiff.classify import Rule, check_categories
 from memdiff.commands.args import (
     add_category_threshold_argument,
     add_job_arguments,

@@ -8,8 +8,8 @@ import sys
 import tempfile
 import time
 
+from memdiff.analyse.classify import load_rules
 from memdiff.atomic import make_folder
-from memdiff.classify import load_rules
 from memdiff.commands.diff import write_html
 from memdiff.errors import InputError
 from memdiff.read.inputs import read_summary

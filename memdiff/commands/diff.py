@@ -6,8 +6,8 @@ import argparse
 import sys
 from typing import List, Tuple
 
+from memdiff.analyse.classify import Rule
 from memdiff.atomic import check_output, write_output
-from memdiff.classify import Rule
 from memdiff.commands.args import (
     add_github_arguments,
     add_html_argument,

@@ -7,9 +7,9 @@ import os
 import sys
 from typing import Dict, List, Optional, Tuple
 
+from memdiff.analyse.classify import Rule
 from memdiff.atomic import check_output, make_folder
 from memdiff.baseline import Baseline, baseline_path_for, comparable_pair, no_baseline, read_baseline, stem
-from memdiff.classify import Rule
 from memdiff.commands.args import (
     add_category_threshold_argument,
     add_github_arguments,

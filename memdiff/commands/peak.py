@@ -6,9 +6,9 @@ import argparse
 import sys
 from dataclasses import replace
 
+from memdiff.analyse.peak import peak_report, source_findings
 from memdiff.atomic import check_output, write_output
 from memdiff.commands.args import add_html_argument, add_rules_arguments, count_arg, rules_from
-from memdiff.peak import peak_report, source_findings
 from memdiff.read.inputs import read_summary
 from memdiff.read.window import add_window_arguments
 from memdiff.render.html import render_peak as render_peak_html

@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 import sys
 
+from memdiff.analyse.peak import peak_report
 from memdiff.atomic import check_output, write_output
 from memdiff.commands.args import add_rules_arguments, rules_from
-from memdiff.peak import peak_report
 from memdiff.read.inputs import read_summary
 from memdiff.read.window import add_window_arguments
 from memdiff.render.json import render_summary

@@ -11,8 +11,8 @@ from concurrent.futures import ProcessPoolExecutor
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, TypeVar
 
 from memdiff import progress
+from memdiff.analyse.classify import Rule, classify
 from memdiff.analyse.normalize.engine import summarize
-from memdiff.classify import Rule, classify
 from memdiff.errors import InputError, version_shown
 from memdiff.inert import shell
 from memdiff.model import READABLE_SCHEMA_VERSIONS, Summary

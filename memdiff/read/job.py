@@ -18,10 +18,10 @@ import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence
 
-from memdiff.classify import Rule
+from memdiff.analyse.classify import Rule
+from memdiff.analyse.patterns import Pattern
 from memdiff.errors import InputError
 from memdiff.model import Summary
-from memdiff.patterns import Pattern
 from memdiff.read.inputs import read_summaries, read_summary
 from memdiff.recording.manifest import MANIFEST, RecordedJob, read_manifest
 from memdiff.units import count_of

@@ -21,13 +21,13 @@ from typing import Any, Dict, List, Optional, Set, Tuple
 
 import numpy as np
 
+from memdiff.analyse.lifetimes import Scopes, build_timeline
 from memdiff.analyse.normalize.engine import devices_of
 from memdiff.analyse.normalize.kinds import window_kinds
 from memdiff.analyse.normalize.standins import dump_only_blocks
 from memdiff.analyse.normalize.walk import Walk
 from memdiff.differ import TRACE_BOOKKEEPING
 from memdiff.errors import InputError
-from memdiff.lifetimes import Scopes, build_timeline
 from memdiff.model import KIND_KEY, WINDOW_KEY, Source
 from memdiff.read.load import Snapshot, to_snapshot
 

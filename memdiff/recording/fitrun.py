@@ -43,7 +43,7 @@ class RunOutcome:
 
 def _summary_facts(path: str) -> Dict[str, Any]:
     """The peaks, phase and site of the snapshot at `path`, as `memdiff peak` reads them."""
-    from memdiff.classify import load_rules
+    from memdiff.analyse.classify import load_rules
     from memdiff.read.inputs import read_summary
 
     summary = read_summary(path, load_rules())

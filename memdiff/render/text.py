@@ -7,11 +7,11 @@ from typing import List, Optional
 
 from tabulate import tabulate
 
+from memdiff.analyse.peak import PHASE_COLUMNS, DevicePeak, PeakRow, StepRow, source_findings
 from memdiff.differ import where_text
 from memdiff.findings import shown
 from memdiff.inert import text
 from memdiff.model import Summary
-from memdiff.peak import PHASE_COLUMNS, DevicePeak, PeakRow, StepRow, source_findings
 from memdiff.render.table import layout, row_table
 from memdiff.report import DeviceReport, Report, frame_line
 from memdiff.units import count_of, format_bytes

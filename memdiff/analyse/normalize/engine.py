@@ -19,14 +19,9 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from memdiff import __version__
-from memdiff.analyse.normalize.groups import group_live, labels_of, live_at
-from memdiff.analyse.normalize.kinds import Kind, mark_kept_updates, read_allocations
-from memdiff.analyse.normalize.standins import dump_only_blocks, stand_ins_of, state_by_sizes
-from memdiff.analyse.normalize.walk import DumpBlock, Walk, reserved_totals
-from memdiff.classify import Rule
-from memdiff.errors import InputError, brief, number
-from memdiff.history import Allocations, history_of, peak_bars, window_maxima
-from memdiff.lifetimes import (
+from memdiff.analyse.classify import Rule
+from memdiff.analyse.history import Allocations, history_of, peak_bars, window_maxima
+from memdiff.analyse.lifetimes import (
     BACKWARD,
     FORWARD,
     MAX_STEPS,
@@ -35,6 +30,11 @@ from memdiff.lifetimes import (
     Timeline,
     build_timeline,
 )
+from memdiff.analyse.normalize.groups import group_live, labels_of, live_at
+from memdiff.analyse.normalize.kinds import Kind, mark_kept_updates, read_allocations
+from memdiff.analyse.normalize.standins import dump_only_blocks, stand_ins_of, state_by_sizes
+from memdiff.analyse.normalize.walk import DumpBlock, Walk, reserved_totals
+from memdiff.errors import InputError, brief, number
 from memdiff.model import WINDOW_KEY, DeviceSummary, OomEvent, PhasePeak, Step, Summary, largest_first
 from memdiff.read.frames import (
     StackNormalizer,

@@ -11,15 +11,15 @@ from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
 import numpy as np
 
-from memdiff.analyse.normalize.kinds import Kind, Origins, kind_of
-from memdiff.analyse.normalize.standins import SCALAR_BYTES
-from memdiff.analyse.normalize.walk import DumpBlock, Walk
-from memdiff.errors import InputError, brief
-from memdiff.lifetimes import (
+from memdiff.analyse.lifetimes import (
     LIFETIMES,
     Lifetime,
     Timeline,
 )
+from memdiff.analyse.normalize.kinds import Kind, Origins, kind_of
+from memdiff.analyse.normalize.standins import SCALAR_BYTES
+from memdiff.analyse.normalize.walk import DumpBlock, Walk
+from memdiff.errors import InputError, brief
 from memdiff.model import KIND_KEY, Group
 from memdiff.read.frames import (
     Stack,

@@ -10,16 +10,16 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from memdiff.analyse.normalize.standins import dump_only_blocks, stand_ins_of, state_by_sizes
-from memdiff.analyse.normalize.walk import DumpBlock, Walk
-from memdiff.errors import InputError, brief
-from memdiff.history import Allocations
-from memdiff.lifetimes import (
+from memdiff.analyse.history import Allocations
+from memdiff.analyse.lifetimes import (
     LIFETIMES,
     Scopes,
     Timeline,
     build_timeline,
 )
+from memdiff.analyse.normalize.standins import dump_only_blocks, stand_ins_of, state_by_sizes
+from memdiff.analyse.normalize.walk import DumpBlock, Walk
+from memdiff.errors import InputError, brief
 from memdiff.model import KIND_KEY, WINDOW_KEY
 from memdiff.read.frames import (
     GUESS_PARAMETER,

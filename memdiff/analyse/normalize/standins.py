@@ -12,14 +12,14 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from memdiff.analyse.normalize.walk import DumpBlock, Walk
-from memdiff.analyse.normalize.workspaces import workspaces_by_handles
-from memdiff.lifetimes import (
+from memdiff.analyse.lifetimes import (
     BACKWARD,
     OPTIMIZER,
     Timeline,
     frame_phase,
 )
+from memdiff.analyse.normalize.walk import DumpBlock, Walk
+from memdiff.analyse.normalize.workspaces import workspaces_by_handles
 from memdiff.model import KIND_KEY
 from memdiff.read.frames import (
     GUESS_PARAMETER,

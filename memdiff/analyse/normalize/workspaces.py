@@ -10,11 +10,11 @@ from typing import Any, Dict, List, Set, Tuple
 
 import numpy as np
 
-from memdiff.analyse.normalize.walk import DumpBlock, Walk
-from memdiff.lifetimes import (
+from memdiff.analyse.lifetimes import (
     BACKWARD,
     Timeline,
 )
+from memdiff.analyse.normalize.walk import DumpBlock, Walk
 from memdiff.read.frames import (
     GUESS_PARAMETER,
     GUESS_WORKSPACE,

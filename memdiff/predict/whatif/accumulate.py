@@ -8,8 +8,8 @@ from typing import Optional
 
 import numpy as np
 
+from memdiff.analyse.lifetimes import BACKWARD, FORWARD
 from memdiff.errors import InputError
-from memdiff.lifetimes import BACKWARD, FORWARD
 from memdiff.predict.whatif.edit import CannotApply, ChangeRule, Edit
 from memdiff.predict.whatif.run import Run, step_index
 

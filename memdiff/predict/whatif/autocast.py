@@ -12,7 +12,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
-from memdiff.lifetimes import BACKWARD, FORWARD
+from memdiff.analyse.lifetimes import BACKWARD, FORWARD
 from memdiff.predict.whatif.edit import ChangeRule, Edit, one_of
 from memdiff.predict.whatif.precision import (
     PRECISIONS,

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import List, Optional, Sequence
 
-from memdiff.classify import Rule
+from memdiff.analyse.classify import Rule
 from memdiff.errors import InputError
 from memdiff.findings import finding
 from memdiff.forecasting import read_course, structure

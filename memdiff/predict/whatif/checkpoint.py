@@ -11,8 +11,8 @@ from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
+from memdiff.analyse.lifetimes import BACKWARD, FORWARD
 from memdiff.errors import InputError
-from memdiff.lifetimes import BACKWARD, FORWARD
 from memdiff.predict.whatif.blocks import GENERIC
 from memdiff.predict.whatif.edit import CannotApply, ChangeRule, Edit
 from memdiff.predict.whatif.run import Run, peak_of_set, step_index

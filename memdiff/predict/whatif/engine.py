@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from memdiff import __version__
-from memdiff.classify import Rule
+from memdiff.analyse.classify import Rule
 from memdiff.errors import InputError
 from memdiff.findings import finding
 from memdiff.forecasting import DeviceCourse, read_course, replay_course, structure

@@ -10,7 +10,7 @@ from typing import Dict, Optional, Tuple
 
 import numpy as np
 
-from memdiff.lifetimes import OPTIMIZER
+from memdiff.analyse.lifetimes import OPTIMIZER
 from memdiff.model import PhaseSpan
 from memdiff.predict.whatif.edit import CannotApply, ChangeRule, Edit, one_of
 from memdiff.predict.whatif.run import SCALAR_BYTES, Run, peak_of_set

@@ -12,8 +12,8 @@ from typing import Any, List, Optional, Sequence
 
 import numpy as np
 
+from memdiff.analyse.lifetimes import FORWARD
 from memdiff.forecasting import DeviceCourse, Replayed, replay_course
-from memdiff.lifetimes import FORWARD
 from memdiff.model import PhaseSpan, Step
 
 # Loss computations that libraries run in fp32 whatever the model's precision (Hugging Face

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from memdiff.lifetimes import BACKWARD, OPTIMIZER
+from memdiff.analyse.lifetimes import BACKWARD, OPTIMIZER
 from memdiff.predict.whatif.edit import CannotApply, ChangeRule, Edit, one_of
 from memdiff.predict.whatif.run import Run, step_index
 

@@ -187,7 +187,7 @@ def read_peaks(torch: Any) -> Dict[str, float]:
 
 def window_peak(path: str) -> int:
     """The peak of a written window's snapshot as memdiff reads it (its busiest device)."""
-    from memdiff.classify import load_rules
+    from memdiff.analyse.classify import load_rules
     from memdiff.read.inputs import read_summary
 
     return max((d.peak_bytes for d in read_summary(path, load_rules()).devices), default=0)

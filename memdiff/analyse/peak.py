@@ -5,12 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
-from memdiff.classify import PERSISTENT
+from memdiff.analyse.classify import PERSISTENT
+from memdiff.analyse.lifetimes import BACKWARD, FORWARD, OPTIMIZER, OTHER
 from memdiff.differ import growing_data, growing_steps, kept_bytes, kept_data, oom_data, overflow_data
 from memdiff.errors import InputError
 from memdiff.findings import finding
 from memdiff.inert import scrubbed
-from memdiff.lifetimes import BACKWARD, FORWARD, OPTIMIZER, OTHER
 from memdiff.model import WINDOW_KEY, DeviceSummary, Finding, Frame, Summary, largest_first
 from memdiff.read.frames import GUESSED_LABELS
 from memdiff.units import count_of, format_bytes

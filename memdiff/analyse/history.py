@@ -20,8 +20,8 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple, cast
 
 import numpy as np
 
-from memdiff.classify import Categorizer, Rule
-from memdiff.lifetimes import LIFETIMES, Lifetime
+from memdiff.analyse.classify import Categorizer, Rule
+from memdiff.analyse.lifetimes import LIFETIMES, Lifetime
 from memdiff.model import Bar, Group, History
 from memdiff.read.frames import Stack
 

@@ -16,10 +16,10 @@ from dataclasses import dataclass, replace
 from importlib import resources
 from typing import AbstractSet, Any, Dict, FrozenSet, Iterable, List, Optional, Sequence, Set, Tuple
 
+from memdiff.analyse.patterns import TIMEOUT_S, Pattern
 from memdiff.errors import InputError, clip
 from memdiff.lists import chosen_codes
 from memdiff.model import DeviceSummary, Frame, Group, Summary, largest_first
-from memdiff.patterns import TIMEOUT_S, Pattern
 from memdiff.read.frames import FREED_PREFIX, UPDATED_PREFIX
 from memdiff.read.load import parse_json, read_json, read_small
 from memdiff.read.schema import validate
