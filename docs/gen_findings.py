@@ -1,4 +1,4 @@
-"""Write docs/findings.md, one section per finding code, from memdiff's catalogue (memdiff/findings.py).
+"""Write docs/findings.md, one section per finding code, from memdiff's catalogue (memdiff/compare/findings.py).
 
     python docs/gen_findings.py            # rewrite docs/findings.md
     python docs/gen_findings.py --check    # exit 1 when docs/findings.md is stale
@@ -19,7 +19,7 @@ OUTPUT = ROOT / "docs" / "findings.md"
 def main() -> int:
     """Write the page, or with --check say whether the committed one is current."""
     sys.path.insert(0, str(ROOT))
-    from memdiff.findings import docs_page
+    from memdiff.compare.findings import docs_page
 
     page = docs_page()
     if "--check" in sys.argv[1:]:

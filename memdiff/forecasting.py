@@ -37,10 +37,10 @@ from memdiff.analyse.history import Allocations, category_codes
 from memdiff.analyse.lifetimes import Scopes
 from memdiff.analyse.normalize.engine import summarize
 from memdiff.analyse.sameloop import loop_difference
+from memdiff.compare.findings import finding
+from memdiff.compare.limits import Headroom
 from memdiff.errors import InputError
-from memdiff.findings import finding
 from memdiff.inert import scrubbed, text
-from memdiff.limits import Headroom
 from memdiff.model import Finding, PhaseSpan, Step, Summary
 from memdiff.read.inputs import is_summary, read_each, refuse_baseline
 from memdiff.read.load import MAX_BYTES, decode, paused_gc, to_snapshot

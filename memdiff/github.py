@@ -19,9 +19,9 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 from memdiff.atomic import append_text, write_output
-from memdiff.baseline import no_baseline
+from memdiff.compare.baseline import no_baseline
+from memdiff.compare.findings import INFO
 from memdiff.errors import InputError
-from memdiff.findings import INFO
 from memdiff.inert import baseline_command, md_code, md_fence, shell, text
 from memdiff.model import Finding
 from memdiff.read.load import read_json

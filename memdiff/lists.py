@@ -8,9 +8,9 @@ from __future__ import annotations
 import argparse
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
+from memdiff.compare.findings import parse_codes
+from memdiff.compare.limits import Limit, parse_limit, pct_text
 from memdiff.errors import InputError, clip
-from memdiff.findings import parse_codes
-from memdiff.limits import Limit, parse_limit, pct_text
 from memdiff.units import format_bytes
 
 

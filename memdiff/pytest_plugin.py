@@ -211,7 +211,7 @@ def _replace_unreadable(path: str) -> None:
     try:
         api.load_baseline(path)
     except InputError as exc:
-        from memdiff.findings import finding, shown
+        from memdiff.compare.findings import finding, shown
 
         replaced = finding("G009", path=exc.path, problem=exc.message)
         warnings.warn(f"memdiff: {shown(replaced)}", stacklevel=1)
@@ -220,7 +220,7 @@ def _replace_unreadable(path: str) -> None:
 
 def _ceiling(summary: Any, limit: Any) -> None:
     from memdiff.api import to_bytes
-    from memdiff.differ import where_text
+    from memdiff.compare.differ import where_text
     from memdiff.units import format_bytes
 
     ceiling = to_bytes(limit, "limit")

@@ -15,8 +15,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from memdiff import __version__
 from memdiff.analyse.classify import Rule
-from memdiff.baseline import stem
-from memdiff.differ import (
+from memdiff.compare.baseline import stem
+from memdiff.compare.differ import (
     BY_COMPILED,
     BY_OLDER,
     BY_SITE,
@@ -37,16 +37,16 @@ from memdiff.differ import (
     kept_from,
     where_text,
 )
+from memdiff.compare.findings import finding
+from memdiff.compare.judge import Check, FindingCheck, Runs, Verdict, growth_pct, judge, judge_ranks, noise_limit
+from memdiff.compare.limits import DEFAULT_PEAK, IGNORE, Limit, Thresholds
+from memdiff.compare.trend import DEFAULT_POINTS, Trend, trend_of, workloads
 from memdiff.errors import InputError, clip
-from memdiff.findings import finding
 from memdiff.inert import scrubbed, text
-from memdiff.judge import Check, FindingCheck, Runs, Verdict, growth_pct, judge, judge_ranks, noise_limit
-from memdiff.limits import DEFAULT_PEAK, IGNORE, Limit, Thresholds
 from memdiff.model import Finding, Frame, Source, Spread, Summary, TrendEntry
 from memdiff.predict.whatif import BuyBackPart, BuyBackTarget, buy_back
 from memdiff.read.job import ranges, ranks_text
 from memdiff.read.window import Window
-from memdiff.trend import DEFAULT_POINTS, Trend, trend_of, workloads
 from memdiff.units import count_of, format_bytes
 
 DEFAULT_TOP = 20

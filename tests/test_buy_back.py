@@ -17,9 +17,9 @@ from test_inert import run
 
 import memdiff
 from memdiff.errors import InputError
-from memdiff.findings import BY_CODE
+from memdiff.compare.findings import BY_CODE
 from memdiff.inert import md_text
-from memdiff.limits import Limit
+from memdiff.compare.limits import Limit
 
 # The fixture that validates against the schemas side by side (the gate's names the diff's).
 validate = test_schemas.validate

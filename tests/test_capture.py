@@ -15,7 +15,7 @@ from tabulate import tabulate
 
 from memdiff.recording.capture import CaptureError, record
 from memdiff.analyse.classify import load_rules
-from memdiff.differ import GONE, GREW, NEW, SHRANK, diff
+from memdiff.compare.differ import GONE, GREW, NEW, SHRANK, diff
 from memdiff.read.inputs import read_summary
 from memdiff.read.load import decode
 

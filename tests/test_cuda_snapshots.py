@@ -22,8 +22,8 @@ import pytest
 from memdiff import api
 from memdiff.analyse.classify import PERSISTENT, load_rules
 from memdiff.cli import main
-from memdiff.differ import DeviceDiff, diff
-from memdiff.findings import BY_CODE, shown
+from memdiff.compare.differ import DeviceDiff, diff
+from memdiff.compare.findings import BY_CODE, shown
 from memdiff.read.frames import NO_STACK_WORKSPACE_GUESSED, NO_STACK_STATE_GUESSED, names_autograd_node
 from memdiff.read.inputs import read_summary
 from memdiff.model import DeviceSummary, Summary
@@ -170,7 +170,7 @@ def test_a_category_that_moved_both_ways_names_both_sides_in_the_headline(capsys
 def test_recording_after_a_warm_up_changes_no_category_that_matters(summaries):
     """The AdamW moments, made in the trace of one run and before the other's: one unchanged row,
     shown by the stack that made them, not a GONE beside a NEW of the same bytes."""
-    from memdiff.differ import BY_SIZE, SAME
+    from memdiff.compare.differ import BY_SIZE, SAME
 
     d = diff(summaries["gpt2-base"], summaries["gpt2-warm"]).devices[0]
     assert d.peak_delta_bytes == 0

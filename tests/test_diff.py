@@ -12,10 +12,10 @@ from conftest import alloc, py_frames
 
 from memdiff.analyse.classify import load_rules
 from memdiff.cli import main
-from memdiff.differ import BY_SITE, GONE, GREW, NEW, SAME, SHRANK, diff
-from memdiff.findings import BY_CODE
+from memdiff.compare.differ import BY_SITE, GONE, GREW, NEW, SAME, SHRANK, diff
+from memdiff.compare.findings import BY_CODE
 from memdiff.read.inputs import read_summary
-from memdiff.limits import Limit, Thresholds
+from memdiff.compare.limits import Limit, Thresholds
 from memdiff.read.load import decode
 
 
@@ -405,7 +405,7 @@ def test_snapshots_from_different_torch_versions_are_flagged(shared, capsys):
 def test_a_site_key_keeps_as_many_callers_with_module_frames_between_them():
     # CPU captures put the profiler's `nn.Module: X` frames between the Python ones; the key must
     # count callers among the frames it keeps, or it keeps one caller too many per module frame.
-    from memdiff.differ import _site_key
+    from memdiff.compare.differ import _site_key
     from memdiff.model import Frame, Group
 
     def group(*names):
@@ -419,7 +419,7 @@ def test_a_site_key_keeps_as_many_callers_with_module_frames_between_them():
 
 
 def test_a_context_never_names_line_0():
-    from memdiff.differ import context_of
+    from memdiff.compare.differ import context_of
     from memdiff.model import Frame
 
     assert context_of([Frame("train.py", 0, "<module>")]) == "train.py"

@@ -10,7 +10,7 @@ import pytest
 from conftest import alloc, free
 from memdiff.analyse.classify import load_rules
 from memdiff.cli import main
-from memdiff.differ import GREW, diff
+from memdiff.compare.differ import GREW, diff
 from memdiff.read.inputs import read_summary
 from memdiff.report import device_report
 
@@ -203,7 +203,7 @@ def test_node_temporaries_at_peaks_in_different_nodes_are_one_row():
     set: when the peak instant moves to another node, rows of such memory moving both ways would
     say which node ran, not what changed (bert with debug projections: AddmmBackward0 -384 KiB,
     MeanBackward0 +1 MiB new, ...). They are one row, by the largest; gradients stay apart."""
-    from memdiff.differ import TEMPORARIES, align
+    from memdiff.compare.differ import TEMPORARIES, align
     from memdiff.model import Frame, Group
 
     def group(site: str, size: int, outlives: str = "none", category: str = "autograd") -> Group:
@@ -230,7 +230,7 @@ def test_the_phase_that_moved_most_is_compared_like_for_like():
     through the forward (+1.74 MiB), the peak moves from the optimizer step into the backward by
     far less (+324.5 KiB). The forward is where the change is; a peak that moved less than the
     forward is compared at its own phase."""
-    from memdiff.differ import PhaseDelta
+    from memdiff.compare.differ import PhaseDelta
     from memdiff.report import _moved_phase
 
     def device(phases, base_phase, head_phase):
@@ -252,7 +252,7 @@ def test_the_phase_that_moved_most_is_compared_like_for_like():
 
 
 def diff_device(base_peak, head_peak, base_phase, head_phase, phases):
-    from memdiff.differ import DeviceDiff
+    from memdiff.compare.differ import DeviceDiff
     return DeviceDiff(device=0, base_peak_bytes=base_peak, head_peak_bytes=head_peak,
                       peak_delta_bytes=head_peak - base_peak, base_static_bytes=0, head_static_bytes=0, rows=[],
                       categories=[], chart=[], base_peak_phase=base_phase, head_peak_phase=head_phase, phases=phases)
@@ -263,7 +263,7 @@ def test_gradients_made_by_other_nodes_to_the_same_total_are_one_row():
     `ToCopyBackward0` (the cast back to fp32) where `AddmmBackward0` and `EmbeddingBackward0` made
     them; the gradient bytes are the same. One SAME row, not a NEW beside three GONE. Gradients
     that moved both ways to another total (a frozen embedding and a new layer) keep their rows."""
-    from memdiff.differ import GRADIENTS, SAME, align
+    from memdiff.compare.differ import GRADIENTS, SAME, align
     from memdiff.model import Frame, Group
 
     def grad(site: str, size: int) -> Group:

@@ -1,4 +1,4 @@
-"""Findings: one catalogue of stable codes (memdiff/findings.py), its generated page, `memdiff rule`,
+"""Findings: one catalogue of stable codes (memdiff/compare/findings.py), its generated page, `memdiff rule`,
 the gate's choice of findings, and the codes the real snapshots emit, pinned."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import test_schemas
 from conftest import ROOT, cli
 
 from memdiff.analyse.classify import load_rules
-from memdiff.findings import BY_CODE, CATALOGUE, DEFAULT_FAIL_ON, FAMILIES, SEVERITY_WORDS, docs_page, rule_section
+from memdiff.compare.findings import BY_CODE, CATALOGUE, DEFAULT_FAIL_ON, FAMILIES, SEVERITY_WORDS, docs_page, rule_section
 from memdiff.read.inputs import read_summary
 from memdiff.analyse.peak import peak_report, source_findings
 from memdiff.report import Run, Settings, compare

@@ -351,7 +351,7 @@ def test_memory_from_before_the_trace_can_be_the_peak(write_snapshot, capsys):
 
 def test_the_notes_are_the_catalogues_findings(write_snapshot, capsys):
     """docs/findings.md's hand-built examples of W009, W011 and W013, as `memdiff forecast` prints them."""
-    from memdiff.findings import BY_CODE
+    from memdiff.compare.findings import BY_CODE
 
     def runs(name, sizes_at):
         return [f"{write_snapshot({'segments': [], 'device_traces': [[alloc(k + 1, s) for k, s in enumerate(sizes)]]}, f'{name}{v}.pickle')}={v}"

@@ -14,7 +14,7 @@ from conftest import ROOT, cli, weights_and_activations
 import memdiff
 from memdiff.cli import main
 from memdiff.errors import InputError
-from memdiff.findings import BY_CODE
+from memdiff.compare.findings import BY_CODE
 
 MiB = 2**20
 

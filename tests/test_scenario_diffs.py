@@ -11,7 +11,7 @@ from typing import Dict, List
 import pytest
 
 from memdiff.analyse.classify import load_rules
-from memdiff.differ import GONE, GREW, NEW, SHRANK, DeviceDiff, diff
+from memdiff.compare.differ import GONE, GREW, NEW, SHRANK, DeviceDiff, diff
 from memdiff.read.inputs import read_summary
 from memdiff.model import Summary
 from scenario_suite import FAMILIES

@@ -14,7 +14,7 @@ from typing import Dict, List, Tuple
 import pytest
 
 from memdiff.analyse.classify import PERSISTENT, load_rules
-from memdiff.differ import NEW, DeviceDiff, diff
+from memdiff.compare.differ import NEW, DeviceDiff, diff
 from memdiff.read.inputs import read_summary
 from memdiff.read.load import decode
 from memdiff.model import DeviceSummary, Summary

@@ -21,7 +21,7 @@ from scenario_suite import LOOPS, facts, summaries_of, truth_of
 from memdiff.api import diff as report_of
 from memdiff.analyse.classify import PERSISTENT, load_rules
 from memdiff.cli import main
-from memdiff.differ import DeviceDiff, diff
+from memdiff.compare.differ import DeviceDiff, diff
 from memdiff.forecasting import read_course
 from memdiff.model import Summary
 from memdiff.units import format_bytes

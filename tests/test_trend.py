@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 from conftest import cli, py_frames, weights_and_activations
 
-from memdiff.findings import BY_CODE
-from memdiff.trend import BLOCKS, read_history, sparkline, trend_of
+from memdiff.compare.findings import BY_CODE
+from memdiff.compare.trend import BLOCKS, read_history, sparkline, trend_of
 from memdiff.units import format_bytes
 
 MiB = 2**20

@@ -9,9 +9,9 @@ from typing import TYPE_CHECKING, Dict, List, Optional, Sequence, Tuple
 
 from memdiff.analyse.classify import Rule, check_categories, findings_chosen, load_rules
 from memdiff.analyse.lifetimes import BACKWARD, FORWARD, OPTIMIZER
+from memdiff.compare.findings import DEFAULT_FAIL_ON
+from memdiff.compare.limits import Limit, Thresholds, parse_limit, parse_pct, thresholds_over
 from memdiff.errors import InputError
-from memdiff.findings import DEFAULT_FAIL_ON
-from memdiff.limits import Limit, Thresholds, parse_limit, parse_pct, thresholds_over
 from memdiff.lists import LISTS, ListOption, chosen_codes, joined_limit, named_limits
 from memdiff.read.job import Job, discover
 from memdiff.units import parse_size

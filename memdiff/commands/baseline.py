@@ -9,7 +9,6 @@ import sys
 from typing import Dict, List, Union
 
 from memdiff.analyse.classify import Rule, check_categories
-from memdiff.baseline import read_baseline, update_baseline
 from memdiff.commands.args import (
     add_category_threshold_argument,
     add_job_arguments,
@@ -21,6 +20,7 @@ from memdiff.commands.args import (
     rules_from,
     thresholds_from,
 )
+from memdiff.compare.baseline import read_baseline, update_baseline
 from memdiff.errors import EXIT_BAD_INPUT, EXIT_OK, InputError
 from memdiff.inert import text
 from memdiff.model import Summary

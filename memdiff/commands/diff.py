@@ -23,9 +23,9 @@ from memdiff.commands.args import (
     reserved_limit,
     rules_from,
 )
-from memdiff.differ import MOMENTS, PEAK
+from memdiff.compare.differ import MOMENTS, PEAK
+from memdiff.compare.limits import Limit, Thresholds, thresholds_over
 from memdiff.errors import EXIT_OK, EXIT_REGRESSION, InputError
-from memdiff.limits import Limit, Thresholds, thresholds_over
 from memdiff.read.inputs import read_summaries
 from memdiff.read.job import is_job, summarize_ranks
 from memdiff.read.window import add_window_arguments

@@ -6,8 +6,8 @@ import argparse
 import sys
 
 from memdiff.atomic import check_output, write_output
-from memdiff.baseline import read_baseline
 from memdiff.commands.args import add_rules_arguments, count_arg, rules_from, size_arg
+from memdiff.compare.baseline import read_baseline
 from memdiff.errors import EXIT_REGRESSION, InputError
 from memdiff.forecasting import forecast, judge_headroom, parse_run
 from memdiff.lists import LISTS, ListOption

@@ -9,7 +9,6 @@ from typing import Dict, List, Optional, Tuple
 
 from memdiff.analyse.classify import Rule
 from memdiff.atomic import check_output, make_folder
-from memdiff.baseline import Baseline, baseline_path_for, comparable_pair, no_baseline, read_baseline, stem
 from memdiff.commands.args import (
     add_category_threshold_argument,
     add_github_arguments,
@@ -28,8 +27,10 @@ from memdiff.commands.args import (
     thresholds_from,
 )
 from memdiff.commands.diff import write_html
+from memdiff.compare.baseline import Baseline, baseline_path_for, comparable_pair, no_baseline, read_baseline, stem
+from memdiff.compare.findings import finding, shown
+from memdiff.compare.trend import DEFAULT_POINTS, read_history
 from memdiff.errors import EXIT_BAD_INPUT, EXIT_OK, EXIT_REGRESSION, InputError, clip
-from memdiff.findings import finding, shown
 from memdiff.inert import baseline_command, md_code, text
 from memdiff.model import Summary, TrendEntry
 from memdiff.predict.fit import fit_file, gate_file
@@ -39,7 +40,6 @@ from memdiff.read.window import add_window_arguments
 from memdiff.render import render
 from memdiff.render.json import dumps
 from memdiff.report import Report, Run, Settings, compare
-from memdiff.trend import DEFAULT_POINTS, read_history
 
 DESCRIPTION = ("Compare each run with its baseline under the baseline's thresholds (flags override them) "
                "and print the report and one line per threshold. Exit 0 pass, 1 regression, 2 bad input.")

@@ -5,12 +5,12 @@ from __future__ import annotations
 import argparse
 import sys
 
-from memdiff.baseline import stem
 from memdiff.commands.args import add_rules_arguments, rules_from
+from memdiff.compare.baseline import stem
+from memdiff.compare.trend import append_entry, entry_of
 from memdiff.errors import InputError
 from memdiff.inert import text
 from memdiff.read.inputs import read_summary
-from memdiff.trend import append_entry, entry_of
 from memdiff.units import count_of, format_bytes
 
 DESCRIPTION = ("Append a run's line to a history file (JSON Lines): the commit, the date, the workload, and per "

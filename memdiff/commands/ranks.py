@@ -14,9 +14,9 @@ from memdiff.commands.args import (
     rules_from,
     size_arg,
 )
+from memdiff.compare.judge import imbalance_check
+from memdiff.compare.ranks import compare_ranks
 from memdiff.errors import EXIT_OK, EXIT_REGRESSION
-from memdiff.judge import imbalance_check
-from memdiff.ranks import compare_ranks
 from memdiff.read.job import summarize_ranks
 from memdiff.read.window import add_window_arguments
 from memdiff.render import ranks as render_ranks

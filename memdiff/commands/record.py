@@ -19,8 +19,8 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import memdiff
 from memdiff.atomic import check_folder, check_output, commit, temporary_name
-from memdiff.baseline import stem
 from memdiff.commands.args import count_arg
+from memdiff.compare.baseline import stem
 from memdiff.errors import EXIT_BAD_INPUT, InputError
 from memdiff.inert import shell, text
 from memdiff.read.job import MAX_RANKS, rank_of, rank_patterns

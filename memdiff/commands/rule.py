@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from memdiff.compare.findings import BY_CODE, docs_page, parse_codes, rule_section, rules_list
 from memdiff.errors import EXIT_OK, InputError
-from memdiff.findings import BY_CODE, docs_page, parse_codes, rule_section, rules_list
 from memdiff.lists import ListOption
 
 DESCRIPTION = ("Print the documentation of a finding code (what it means, why it matters, an example, what to "

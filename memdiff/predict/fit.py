@@ -32,8 +32,8 @@ from multiprocessing.connection import wait
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from memdiff import __version__
+from memdiff.compare.findings import finding
 from memdiff.errors import InputError, clip
-from memdiff.findings import finding
 from memdiff.inert import text
 from memdiff.model import Finding
 from memdiff.recording.emulate.gpus import Gpu

@@ -6,7 +6,7 @@ from typing import List, Optional
 
 from tabulate import tabulate
 
-from memdiff.findings import shown
+from memdiff.compare.findings import shown
 from memdiff.inert import md_cell, md_code, md_text
 from memdiff.predict.fit import FitGate, FitResult, FitRun, GpuFit
 from memdiff.render.json import dumps

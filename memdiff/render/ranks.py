@@ -9,11 +9,11 @@ from typing import Any, Dict, Optional
 from tabulate import tabulate
 
 from memdiff import __version__
-from memdiff.differ import where_text
-from memdiff.findings import shown
+from memdiff.compare.differ import where_text
+from memdiff.compare.findings import shown
+from memdiff.compare.judge import Check
+from memdiff.compare.ranks import RanksReport, Role
 from memdiff.inert import text
-from memdiff.judge import Check
-from memdiff.ranks import RanksReport, Role
 from memdiff.read.job import ranges, ranks_text
 from memdiff.render.json import dumps
 from memdiff.render.table import layout, row_table

@@ -8,7 +8,7 @@ from typing import List
 
 from tabulate import tabulate
 
-from memdiff.findings import shown
+from memdiff.compare.findings import shown
 from memdiff.inert import md_cell, md_code, md_text
 from memdiff.predict.whatif import DeviceWhatIf, WhatIf
 from memdiff.render.json import dumps

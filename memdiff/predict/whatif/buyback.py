@@ -8,8 +8,8 @@ from dataclasses import dataclass
 from typing import List, Optional, Sequence
 
 from memdiff.analyse.classify import Rule
+from memdiff.compare.findings import finding
 from memdiff.errors import InputError
-from memdiff.findings import finding
 from memdiff.forecasting import read_course, structure
 from memdiff.inert import scrubbed
 from memdiff.model import Finding

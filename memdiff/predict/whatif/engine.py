@@ -24,8 +24,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from memdiff import __version__
 from memdiff.analyse.classify import Rule
+from memdiff.compare.findings import finding
 from memdiff.errors import InputError
-from memdiff.findings import finding
 from memdiff.forecasting import DeviceCourse, read_course, replay_course, structure
 from memdiff.inert import scrubbed
 from memdiff.model import Finding, PhaseSpan, Step

@@ -28,8 +28,8 @@ from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
 from memdiff.analyse.classify import PERSISTENT
 from memdiff.analyse.lifetimes import BACKWARD, BEFORE_TRACE, FORWARD, OPTIMIZER, frame_phase
+from memdiff.compare.findings import finding
 from memdiff.errors import InputError
-from memdiff.findings import finding
 from memdiff.model import DeviceSummary, Finding, Frame, Group, Moment, OomEvent, Source, Summary
 from memdiff.read.frames import COMPILED_FILE, PROFILER_MODULE, names_autograd_node
 from memdiff.units import count_of, format_bytes

@@ -14,8 +14,8 @@ from fractions import Fraction
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from memdiff.analyse.patterns import Pattern
+from memdiff.compare.findings import DEFAULT_FAIL_ON, parse_codes
 from memdiff.errors import InputError, clip
-from memdiff.findings import DEFAULT_FAIL_ON, parse_codes
 from memdiff.units import format_bytes, parse_size
 
 DEFAULT_FAIL_OVER_BYTES = 64 * 2**20

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from memdiff.differ import Diff, diff
+from memdiff.compare.differ import Diff, diff
 from memdiff.inert import scrubbed
 from memdiff.model import DeviceSummary, Summary
 from memdiff.read.job import RankFile

@@ -604,7 +604,8 @@ def docs_page() -> str:
     """docs/findings.md: how codes work, the default set, then one section per code (`python docs/gen_findings.py`)."""
     head = [
         "# Findings", "",
-        "<!-- Generated from memdiff/findings.py by `python docs/gen_findings.py`; do not edit by hand. -->", "",
+        "<!-- Generated from memdiff/compare/findings.py by `python docs/gen_findings.py`; "
+        "do not edit by hand. -->", "",
         "Everything memdiff says beyond the numbers is a finding with a stable code: a family letter and a "
         "number. The JSON documents carry them as `findings` (`code`, `name`, `severity`, `device`, `run`, "
         "`message`, `data`); the text, markdown and HTML reports and the GitHub annotations show the code beside "
