@@ -28,6 +28,8 @@ BY_HAND = {"checkpoint": ("checkpoint", ["--checkpoint", "1"]),
            "weights=bf16": ("weights-bf16", ["--weights", "bf16"]),
            "autocast=bf16": ("autocast-bf16", ["--autocast", "bf16"]),
            "optimizer=sgd": ("optimizer-sgd", ["--optimizer", "sgd"]),
+           # AdamW built as AdamW with amsgrad: Python calls __init__ again on an instance of the class asked
+           "optimizer=adamw-amsgrad": ("optimizer-adamw-amsgrad", ["--optimizer", "adamw-amsgrad"]),
            "zero-grad=zeros": ("zero-grad-zeros", ["--zero-grad", "zeros"]),
            "accumulate=2": ("accumulate-2", ["--accumulate", "2"])}
 MAX_ALLOCATED = re.compile(r"max_memory_allocated (\d+)")

@@ -25,7 +25,7 @@ parser.add_argument("--steps", type=int, default=3)
 parser.add_argument("--checkpoint", type=float, default=0.0, help="checkpoint the first ceil(F * layers) blocks")
 parser.add_argument("--weights", choices=("bf16", "fp16"))
 parser.add_argument("--autocast", choices=("bf16", "fp16"))
-parser.add_argument("--optimizer", choices=("adamw", "sgd", "sgd-momentum", "adam", "adagrad", "rmsprop",
+parser.add_argument("--optimizer", choices=("adamw", "adamw-amsgrad", "sgd", "sgd-momentum", "adam", "adagrad", "rmsprop",
                                             "adafactor"), default="adamw")
 parser.add_argument("--zero-grad", choices=("none", "zeros"), default="none")
 parser.add_argument("--accumulate", type=int, default=1, help="micro-batches of 1/K the batch per step")
@@ -88,6 +88,7 @@ if args.weights:
     model = model.to(DTYPES[args.weights])
 params = model.parameters()
 optimizer = {"adamw": lambda: torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01),
+             "adamw-amsgrad": lambda: torch.optim.AdamW(params, lr=1e-3, amsgrad=True),
              "sgd": lambda: torch.optim.SGD(params, lr=1e-3),
              "sgd-momentum": lambda: torch.optim.SGD(params, lr=1e-3, momentum=0.9),
              "adam": lambda: torch.optim.Adam(params, lr=1e-3),

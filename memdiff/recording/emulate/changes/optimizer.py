@@ -34,6 +34,12 @@ def _arguments(cls: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Dict[
     return out
 
 
+def _built(cls: Any) -> Any:
+    """`cls` with an __init__ that does nothing, under `cls`'s own names (torch's step scope reads them)."""
+    return type(cls.__name__, (cls,), {"__init__": lambda self, *args, **kwargs: None,
+                                       "__qualname__": cls.__qualname__, "__module__": cls.__module__})
+
+
 def watch(session: Any) -> None:
     """Note the first torch.optim optimizer the script builds (`seen["optimizer"]`), building it as
     `session.seen["optimizer="]`'s NAME when that change is asked (install)."""
@@ -60,7 +66,11 @@ def watch(session: Any) -> None:
         session.pending.pop("optimizer", None)
         session.notes.append(f"{name}({', '.join([*given, *extra])}) built where the script builds "
                              f"{cls.__name__}, with its parameters")
-        # Not an instance of `cls`: Python calls no __init__ on it again.
+        if isinstance(made, cls):
+            # Python calls __init__ again, with the script's arguments, on what __new__ returns when it is an
+            # instance of `cls` (AdamW is an Adam; amsgrad's AdamW an AdamW): a subclass of the same name
+            # whose __init__ does nothing keeps the optimizer as built.
+            made.__class__ = _built(type(made))
         return made
 
     session.patch(base, "__new__", staticmethod(new))
