@@ -75,6 +75,15 @@ def test_each_rerun_is_the_run_with_the_change_made_by_hand_to_the_byte(rerun, t
 
 
 @pytest.mark.slow
+def test_the_baseline_is_the_script_as_given(rerun, tmp_path):
+    out, doc = rerun
+    hand = tmp_path / "hand.pickle"
+    done = memdiff("record", "--emulate", "h100", "-o", str(hand), "--", "python", str(SCRIPT), *SMALL)
+    assert done.returncode == 0, done.stderr
+    assert peaks(out / "baseline.pickle", (out / "baseline.log").read_text()) == peaks(hand, done.stdout)
+
+
+@pytest.mark.slow
 def test_the_table_is_the_whatif_table_marked_rerun_against_the_baseline_run(rerun):
     out, doc = rerun
     jsonschema = pytest.importorskip("jsonschema")
