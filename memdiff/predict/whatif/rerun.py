@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from multiprocessing.connection import wait
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+from memdiff.compare.findings import finding
 from memdiff.errors import InputError, clip
-from memdiff.findings import finding
 from memdiff.inert import scrubbed
 from memdiff.predict.fit import LOG_TAIL_LINES, STOP_S, _target
 from memdiff.predict.whatif.engine import Change, ChangePrediction, DeviceWhatIf, WhatIf, headline, parse_change
