@@ -14,7 +14,7 @@ import os
 import resource
 import sys
 from dataclasses import asdict, dataclass
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 # How each run ended.
 FITS, OOM, FAILED = "fits", "oom", "failed"
@@ -35,6 +35,11 @@ class RunOutcome:
     site: Optional[str]  # the allocation that reached the peak (memdiff peak's `reached by`)
     seconds: float
     cpu_seconds: float  # the process's own CPU time, user and system: the run's cost on a shared machine
+    # `memdiff whatif --emulate`: what the change made (one sentence each), why it made nothing (None: it
+    # did), and what the script used (its optimizer, as `--change optimizer=` names it)
+    change_notes: Optional[List[str]] = None
+    change_unmade: Optional[str] = None
+    seen: Optional[Dict[str, Any]] = None
 
     def to_dict(self) -> Dict[str, Any]:
         """The outcome as sent back to the parent."""
@@ -55,14 +60,18 @@ def _summary_facts(path: str) -> Dict[str, Any]:
             "phase": device.phase_at_peak, "step": device.step_at_peak, "site": site}
 
 
-def run_emulated(gpu: str, target: List[str], snapshot: str, log: str, max_entries: int) -> RunOutcome:
+def run_emulated(gpu: str, target: List[str], snapshot: str, log: str, max_entries: int,
+                 change: Optional[Sequence[Tuple[str, Optional[str]]]] = None) -> RunOutcome:
     """Run `target` (`[SCRIPT, ARGS...]` or `[-m, MODULE, ARGS...]`) on emulated `gpu`, writing its snapshot
-    to `snapshot` and its output to `log`."""
+    to `snapshot` and its output to `log`; with `change` (`memdiff whatif --change`'s parts, maybe none),
+    those changes made inside the emulator (emulate/changes) and what they did reported."""
+    import contextlib
     import time
 
     from memdiff.commands.record import _run_target
     from memdiff.errors import EXIT_BAD_INPUT, InputError
     from memdiff.recording.capture import record, torch_module
+    from memdiff.recording.emulate.changes import applying
     from memdiff.recording.emulate.gpus import gpu as gpu_named
     from memdiff.recording.emulate.runtime import Emulator
     from memdiff.recording.emulate.session import emulating
@@ -77,7 +86,8 @@ def run_emulated(gpu: str, target: List[str], snapshot: str, log: str, max_entri
     started = time.monotonic()
     refused: Optional[str] = None
     emulator = Emulator(gpu_named(gpu))
-    with emulating(emulator):
+    with emulating(emulator), contextlib.ExitStack() as changes:
+        session = changes.enter_context(applying(change)) if change is not None else None
         with record(snapshot, max_entries=max_entries):
             try:
                 status = _run_target(target, emulated=True)
@@ -95,13 +105,17 @@ def run_emulated(gpu: str, target: List[str], snapshot: str, log: str, max_entri
     return RunOutcome(status=ended, exit_status=status, oom_message=oom, refused=refused,
                       peak_bytes=facts.get("peak_bytes"), reserved_peak_bytes=facts.get("reserved_peak_bytes"),
                       phase=facts.get("phase"), step=facts.get("step"), site=facts.get("site"), seconds=seconds,
-                      cpu_seconds=used.ru_utime + used.ru_stime)
+                      cpu_seconds=used.ru_utime + used.ru_stime,
+                      change_notes=None if session is None else session.notes,
+                      change_unmade=None if session is None else session.unmade(),
+                      seen=None if session is None else session.seen)
 
 
-def child(conn: Any, gpu: str, target: List[str], snapshot: str, log: str, max_entries: int) -> None:
+def child(conn: Any, gpu: str, target: List[str], snapshot: str, log: str, max_entries: int,
+          change: Optional[Sequence[Tuple[str, Optional[str]]]] = None) -> None:
     """The forked process's entry: run, send the outcome's dict back, close."""
     try:
-        outcome = run_emulated(gpu, target, snapshot, log, max_entries)
+        outcome = run_emulated(gpu, target, snapshot, log, max_entries, change)
         conn.send(outcome.to_dict())
     except BaseException as exc:  # memdiff's own failure in the child: said to the parent, never lost
         import traceback

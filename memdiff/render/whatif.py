@@ -15,7 +15,16 @@ from memdiff.render.json import dumps
 from memdiff.units import format_bytes
 
 
-def _table(d: DeviceWhatIf, fmt: str, budget: bool) -> str:
+def _peak_header(w: WhatIf) -> str:
+    return "re-run peak" if w.rerun_on else "predicted peak"
+
+
+def _title(w: WhatIf) -> str:
+    """What the figures are: predicted from the run, or the script re-run with each change."""
+    return f" (re-run on emulated {w.rerun_on}, each change a run)" if w.rerun_on else ""
+
+
+def _table(d: DeviceWhatIf, fmt: str, budget: bool, peak: str = "predicted peak") -> str:
     rows: List[List[str]] = []
     for c in d.changes:
         if not c.applies:
@@ -25,7 +34,7 @@ def _table(d: DeviceWhatIf, fmt: str, budget: bool) -> str:
         if budget:
             row.append("yes" if c.fits_budget else "no")
         rows.append(row)
-    headers = ["change", "predicted peak", "phase", "delta", "%"] + (["fits"] if budget else [])
+    headers = ["change", peak, "phase", "delta", "%"] + (["fits"] if budget else [])
     if fmt == "github":  # markdown escapes every cell: the change is the user's text
         rows = [[md_cell(c) for c in row] for row in rows]
     return tabulate(rows, headers=headers, tablefmt=fmt,
@@ -36,33 +45,34 @@ def _table(d: DeviceWhatIf, fmt: str, budget: bool) -> str:
 
 def render_text(w: WhatIf) -> str:
     """The what-if for a terminal."""
-    out = [f"memdiff whatif {os.path.basename(w.file)}" + (f" (budget {format_bytes(w.budget_bytes)})"
-                                                          if w.budget_bytes is not None else "")]
+    out = [f"memdiff whatif {os.path.basename(w.file)}{_title(w)}"
+           + (f" (budget {format_bytes(w.budget_bytes)})" if w.budget_bytes is not None else "")]
     out += [shown(n) for n in w.notes]
     for d in w.devices:
         out += ["", d.headline]
         if any(c.applies for c in d.changes):
-            out += ["", _table(d, "simple", w.budget_bytes is not None)]
+            out += ["", _table(d, "simple", w.budget_bytes is not None, _peak_header(w))]
         if d.findings:
             out += [""] + [shown(f) for f in d.findings]
         assumed = [f"  {c.change}: {a}" for c in d.changes for a in c.assumptions]
-        out += ["", "assumed:", *assumed] if assumed else []
+        out += ["", "made:" if w.rerun_on else "assumed:", *assumed] if assumed else []
     return "\n".join(out) + "\n"
 
 
 def render_markdown(w: WhatIf) -> str:
     """The what-if for a pull-request comment or a job summary."""
-    out = ["### memdiff whatif", "", f"run: {md_code(os.path.basename(w.file))}"]
+    out = ["### memdiff whatif", "", f"run: {md_code(os.path.basename(w.file))}{md_text(_title(w))}"]
     if w.budget_bytes is not None:
         out += [f"budget: {format_bytes(w.budget_bytes)}"]
     for d in w.devices:
         out += ["", f"**{md_text(d.headline)}**", ""]
         if any(c.applies for c in d.changes):
-            out += [_table(d, "github", w.budget_bytes is not None), ""]
+            out += [_table(d, "github", w.budget_bytes is not None, _peak_header(w)), ""]
         out += [f"> `{f.code}` {md_text(f.message)}" for f in d.findings]
         assumed = [f"- {md_code(c.change)}: {md_text(a)}" for c in d.changes for a in c.assumptions]
         if assumed:
-            out += ["", "<details><summary>what each change assumed</summary>", "", *assumed, "", "</details>"]
+            what = "made" if w.rerun_on else "assumed"
+            out += ["", f"<details><summary>what each change {what}</summary>", "", *assumed, "", "</details>"]
     return "\n".join(out) + "\n"
 
 
@@ -77,12 +87,12 @@ def render_html(w: WhatIf) -> str:
     for d in w.devices:
         body.append(f"<h2>{html.escape(d.headline)}</h2>")
         if any(c.applies for c in d.changes):
-            body.append(_table(d, "html", w.budget_bytes is not None))
+            body.append(_table(d, "html", w.budget_bytes is not None, _peak_header(w)))
         body += [f"<p class=note>{f.code} {html.escape(f.message)}</p>" for f in d.findings]
         body.append("<ul>" + "".join(f"<li><b>{html.escape(c.change)}</b>: {html.escape(a)}</li>"
                                      for c in d.changes for a in c.assumptions) + "</ul>")
     style = ("body{font:14px system-ui,sans-serif;margin:2em}table{border-collapse:collapse;margin:1em 0}"
              "td,th{padding:2px 10px;border-bottom:1px solid #ddd;text-align:right}.note{color:#555}")
     return ("<!doctype html><html><head><meta charset=utf-8><title>memdiff whatif</title>"
-            f"<style>{style}</style></head><body><h1>memdiff whatif {html.escape(os.path.basename(w.file))}</h1>"
-            f"{''.join(body)}</body></html>\n")
+            f"<style>{style}</style></head><body><h1>memdiff whatif {html.escape(os.path.basename(w.file))}"
+            f"{html.escape(_title(w))}</h1>{''.join(body)}</body></html>\n")

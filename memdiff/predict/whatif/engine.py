@@ -98,11 +98,15 @@ class WhatIf:
     devices: List[DeviceWhatIf]
     notes: List[Finding] = field(default_factory=list)  # the catalogue's (findings.py)
     tool: str = f"memdiff {__version__}"
+    # `memdiff whatif --emulate GPU`: each row is the script re-run with the change on that emulated GPU, not
+    # a prediction (predict/whatif/rerun.py); None for a replay of a recorded run
+    rerun_on: Optional[str] = None
 
     def to_dict(self) -> Dict[str, Any]:
         """The JSON document (schemas/whatif.schema.json)."""
         return {"schema_version": SCHEMA_VERSION, "tool": self.tool, "file": self.file,
-                "budget_bytes": self.budget_bytes, "asked": self.asked, "notes": [n.text for n in self.notes],
+                "budget_bytes": self.budget_bytes, "rerun_on": self.rerun_on,
+                "asked": self.asked, "notes": [n.text for n in self.notes],
                 "findings": [n.to_dict() for n in self.notes],
                 "devices": [{**asdict(d), "findings": [f.to_dict() for f in d.findings]} for d in self.devices]}
 
@@ -169,11 +173,11 @@ def every_change(run: Run, optimizer: Optional[str]) -> List[Change]:
     return [parse_change(t) for t in texts]
 
 
-def _headline(device: int, run: Run, blocks: List[str], optimizer: Optional[str],
-              predictions: Sequence[ChangePrediction]) -> str:
-    where = f"in the {run.base.phase}" if run.base.phase else "before the trace's first event"
-    step = "" if run.base.step is None else f" of step {run.base.step}"
-    line = f"device {device}: peak {format_bytes(run.base.peak_bytes)} {where}{step}"
+def headline(device: int, peak: int, phase: Optional[str], step: Optional[int], blocks: List[str],
+             optimizer: Optional[str], predictions: Sequence[ChangePrediction]) -> str:
+    """A device's peak (at `phase` of `step`) and the change that saves most, in one line."""
+    where = f"in the {phase}" if phase else "before the trace's first event"
+    line = f"device {device}: peak {format_bytes(peak)} {where}" + ("" if step is None else f" of step {step}")
     line += f"; repeated blocks {blocks[0]} .. {blocks[-1]} ({len(blocks)})" if blocks else ""
     line += f"; optimizer {optimizer}" if optimizer else ""
     applied = [p for p in predictions if p.applies and p.delta_bytes is not None]
@@ -182,8 +186,7 @@ def _headline(device: int, run: Run, blocks: List[str], optimizer: Optional[str]
     best = min(applied, key=lambda p: (p.delta_bytes or 0, p.change))
     if (best.delta_bytes or 0) >= 0:
         return line + "; no change asked lowers the peak"
-    moved = f", the peak moves to the {best.predicted_peak_phase}" if best.predicted_peak_phase != run.base.phase \
-        else ""
+    moved = f", the peak moves to the {best.predicted_peak_phase}" if best.predicted_peak_phase != phase else ""
     return line + (f"; most saved by {best.change}: {format_bytes(best.delta_bytes or 0, signed=True)} "
                    f"({best.delta_pct or 0:+.1f}%){moved}")
 
@@ -208,8 +211,9 @@ def whatif_course(path: str, courses: Dict[int, DeviceCourse],
             predictions = applied + [p for p in predictions if not p.applies]
         devices.append(DeviceWhatIf(device=device, base_peak_bytes=run.base.peak_bytes, base_peak_phase=run.base.phase,
                                     base_peak_step=run.base.step, blocks=blocks, optimizer=optimizer,
-                                    changes=predictions, headline=_headline(device, run, blocks, optimizer,
-                                                                            predictions),
+                                    changes=predictions,
+                                    headline=headline(device, run.base.peak_bytes, run.base.phase, run.base.step,
+                                                      blocks, optimizer, predictions),
                                     findings=[finding("W014", device, change=p.change, why=p.reason or "")
                                               for p in predictions if not p.applies]))
     notes = [finding("W006")]

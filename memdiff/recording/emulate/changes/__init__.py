@@ -1,0 +1,114 @@
+"""The changes `memdiff whatif --emulate` makes inside the emulator to an unmodified script, one module a
+change (the names and values of `memdiff whatif --change`): each is made where the script would make it by
+hand, through a few of torch's own entry points patched for the run (never the script's code):
+
+- `Module.to` / `Module.cuda`: the first module with parameters the script moves to the GPU is the
+  trained root; `weights=` casts it there (weights.py), `autocast=` wraps its forward (autocast.py),
+  `checkpoint` wraps its repeated blocks' forwards (checkpoint.py);
+- `Optimizer.__new__`: a torch.optim optimizer the script builds is built as another (optimizer.py);
+- `Optimizer.zero_grad` / `Module.zero_grad`: `set_to_none` forced (zero_grad.py).
+
+`accumulate=K` is not made here: the script's own flag takes it (memdiff.predict.whatif.rerun).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+
+from memdiff.recording.emulate.changes import autocast, checkpoint, optimizer, weights, zero_grad
+
+# The changes made in the emulator, by `--change` name; each module's `install(session, value)`.
+INSTALLERS: Dict[str, Callable[["ChangeSession", str], None]] = {
+    "checkpoint": checkpoint.install, "weights": weights.install, "autocast": autocast.install,
+    "optimizer": optimizer.install, "zero-grad": zero_grad.install}
+
+
+class ChangeSession:
+    """The changes in force in one emulated run: what each did (`notes`), why one did nothing
+    (`pending`, until it is made), and what the script itself used (`seen`: its optimizer)."""
+
+    def __init__(self, parts: Sequence[Tuple[str, Optional[str]]]) -> None:
+        self.parts = list(parts)
+        self.notes: List[str] = []
+        self.pending: Dict[str, str] = {}
+        self.seen: Dict[str, Any] = {}
+        self.stack = contextlib.ExitStack()
+        self._on_root: List[Callable[[Any], None]] = []
+        self._on_move: List[Callable[[Any], None]] = []
+        self._root: Optional[Any] = None
+
+    def patch(self, owner: Any, name: str, value: Any) -> None:
+        """Set `owner.name` to `value` for the run, put back when the session closes."""
+        had = name in owner.__dict__
+        old = owner.__dict__.get(name)
+        setattr(owner, name, value)
+        self.stack.callback(lambda: setattr(owner, name, old) if had else delattr(owner, name))
+
+    def on_root(self, call: Callable[[Any], None]) -> None:
+        """Call `call(module)` once, on the trained root (the first module with parameters moved to the GPU)."""
+        self._hook_moves()
+        self._on_root.append(call)
+
+    def on_move(self, call: Callable[[Any], None]) -> None:
+        """Call `call(module)` on every module with parameters the script moves to the GPU, as it returns."""
+        self._hook_moves()
+        self._on_move.append(call)
+
+    @property
+    def root(self) -> Optional[Any]:
+        """The trained root, once the script has moved it."""
+        return self._root
+
+    def _hook_moves(self) -> None:
+        if self._on_root or self._on_move:
+            return
+        import torch
+
+        module = torch.nn.Module
+        to, cuda = module.to, module.cuda
+
+        def moved(m: Any) -> None:
+            if next(m.parameters(), None) is None:
+                return
+            for call in self._on_move:
+                call(m)
+            if self._root is None:
+                self._root = weakref.ref(m)
+                for call in self._on_root:
+                    call(m)
+
+        def patched_to(m: Any, *args: Any, **kwargs: Any) -> Any:
+            device = torch._C._nn._parse_to(*args, **kwargs)[0]
+            out = to(m, *args, **kwargs)
+            if device is not None and device.type == "cuda":
+                moved(m)
+            return out
+
+        def patched_cuda(m: Any, device: Any = None) -> Any:
+            out = cuda(m, device)
+            moved(m)
+            return out
+
+        self.patch(module, "to", patched_to)
+        self.patch(module, "cuda", patched_cuda)
+
+    def unmade(self) -> Optional[str]:
+        """Why a change asked was not made by the script's end (the first), else None."""
+        return next(iter(self.pending.values()), None)
+
+
+@contextlib.contextmanager
+def applying(parts: Sequence[Tuple[str, Optional[str]]]) -> Iterator[ChangeSession]:
+    """The changes `parts` ((name, value) as `memdiff whatif --change` parses them) in force for the block;
+    with none, only what the script uses is noted (its optimizer)."""
+    session = ChangeSession(parts)
+    with session.stack:
+        optimizer.watch(session)
+        for name, value in parts:
+            install = INSTALLERS.get(name)
+            if install is None:
+                raise ValueError(f"{name} is not a change the emulator makes")
+            install(session, value or "")
+        yield session

@@ -1,0 +1,136 @@
+"""`memdiff whatif --emulate GPU -- python train.py`: each change made inside the emulator to the unmodified
+script must be the run of the same script with the change made by hand (tests/scenarios/whatif_llama.py's
+flags, the ordinary way: `checkpoint(layer, x, use_reentrant=False)`, `model.to(bf16)`, `torch.autocast`
+around the model's call, `torch.optim.SGD`, `zero_grad(set_to_none=False)`, two micro-batches of half the
+batch), to the byte: the allocated and reserved peaks of its snapshot and the max_memory_allocated the
+script prints.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from memdiff.analyse.classify import load_rules
+from memdiff.read.inputs import read_summary
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "tests" / "scenarios" / "whatif_llama.py"
+SMALL = ["--layers", "4", "--dim", "128", "--vocab", "1024", "--batch", "4", "--seq", "64", "--steps", "2"]
+# Each change, the file its re-run is kept as, and the script's own flag for it.
+BY_HAND = {"checkpoint": ("checkpoint", ["--checkpoint", "1"]),
+           "checkpoint=0.5": ("checkpoint-0.5", ["--checkpoint", "0.5"]),
+           "weights=bf16": ("weights-bf16", ["--weights", "bf16"]),
+           "autocast=bf16": ("autocast-bf16", ["--autocast", "bf16"]),
+           "optimizer=sgd": ("optimizer-sgd", ["--optimizer", "sgd"]),
+           # AdamW built as AdamW with amsgrad: Python calls __init__ again on an instance of the class asked
+           "optimizer=adamw-amsgrad": ("optimizer-adamw-amsgrad", ["--optimizer", "adamw-amsgrad"]),
+           "zero-grad=zeros": ("zero-grad-zeros", ["--zero-grad", "zeros"]),
+           "accumulate=2": ("accumulate-2", ["--accumulate", "2"])}
+MAX_ALLOCATED = re.compile(r"max_memory_allocated (\d+)")
+
+
+def memdiff(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "memdiff", *args], capture_output=True, text=True, cwd=ROOT)
+
+
+def whatif(out: Path, *flags: str, script=()) -> subprocess.CompletedProcess:
+    return memdiff("whatif", "--emulate", "h100", "-o", f"{out}/", *flags, "--", "python", str(SCRIPT), *SMALL,
+                   "--accumulate", "{accumulate}", *script)
+
+
+def peaks(snapshot: Path, output: str):
+    device = read_summary(str(snapshot), load_rules()).devices[0]
+    printed = MAX_ALLOCATED.search(output)
+    return device.peak_bytes, device.reserved_peak_bytes, int(printed.group(1)) if printed else None
+
+
+@pytest.fixture(scope="module")
+def rerun(tmp_path_factory, torch):
+    out = tmp_path_factory.mktemp("whatif") / "runs"
+    changes = [a for change in BY_HAND for a in ("--change", change)]
+    done = whatif(out, "--format", "json", "--budget", "100GiB", *changes)
+    assert done.returncode == 0, done.stderr
+    return out, json.loads(done.stdout)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("change", list(BY_HAND))
+def test_each_rerun_is_the_run_with_the_change_made_by_hand_to_the_byte(rerun, tmp_path, change):
+    out, doc = rerun
+    name, flags = BY_HAND[change]
+    hand = tmp_path / "hand.pickle"
+    done = memdiff("record", "--emulate", "h100", "-o", str(hand), "--", "python", str(SCRIPT), *SMALL, *flags)
+    assert done.returncode == 0, done.stderr
+    emulated = peaks(out / f"{name}.pickle", (out / f"{name}.log").read_text())
+    assert emulated == peaks(hand, done.stdout)
+    assert emulated[2] is not None  # the script's own max_memory_allocated was compared too
+    row = next(c for c in doc["devices"][0]["changes"] if c["change"] == change)
+    assert row["applies"] and row["predicted_peak_bytes"] == emulated[0]
+
+
+@pytest.mark.slow
+def test_the_baseline_is_the_script_as_given(rerun, tmp_path):
+    out, doc = rerun
+    hand = tmp_path / "hand.pickle"
+    done = memdiff("record", "--emulate", "h100", "-o", str(hand), "--", "python", str(SCRIPT), *SMALL)
+    assert done.returncode == 0, done.stderr
+    assert peaks(out / "baseline.pickle", (out / "baseline.log").read_text()) == peaks(hand, done.stdout)
+
+
+@pytest.mark.slow
+def test_the_table_is_the_whatif_table_marked_rerun_against_the_baseline_run(rerun):
+    out, doc = rerun
+    jsonschema = pytest.importorskip("jsonschema")
+    schema = json.loads((ROOT / "memdiff" / "schemas" / "whatif.schema.json").read_text())
+    jsonschema.validate(doc, schema)
+    assert doc["rerun_on"] == "h100" and doc["file"] == str(out / "baseline.pickle")
+    base = read_summary(str(out / "baseline.pickle"), load_rules()).devices[0].peak_bytes
+    device = doc["devices"][0]
+    assert device["base_peak_bytes"] == base and device["optimizer"] == "adamw"
+    assert [c["change"] for c in device["changes"]] == list(BY_HAND)
+    for c in device["changes"]:
+        assert c["delta_bytes"] == c["predicted_peak_bytes"] - base and c["fits_budget"] is True
+    # A change made by hand the script already has its own way: the baseline is the script as given.
+    assert next(c for c in device["changes"] if c["change"] == "zero-grad=zeros")["delta_bytes"] > 0
+    text = memdiff("whatif", str(out / "baseline.pickle"))  # the baseline is an ordinary snapshot
+    assert text.returncode == 0, text.stderr
+
+
+@pytest.mark.slow
+def test_text_output_says_re_run_and_a_change_that_finds_nothing_to_change_says_why(tmp_path, torch):
+    done = whatif(tmp_path / "runs", "--change", "optimizer=rmsprop", "--change", "zero-grad=none",
+                  script=["--steps", "1"])
+    assert done.returncode == 0, done.stderr
+    assert "(re-run on emulated h100, each change a run)" in done.stdout
+    assert "re-run peak" in done.stdout and "predicted" not in done.stdout
+    assert "RMSprop(lr) built where the script builds AdamW" in done.stdout
+    assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == [
+        "baseline.log", "baseline.pickle", "optimizer-rmsprop.log", "optimizer-rmsprop.pickle",
+        "zero-grad-none.log", "zero-grad-none.pickle"]
+
+
+@pytest.mark.slow
+def test_a_script_failure_is_one_line_exit_2(tmp_path, torch):
+    done = whatif(tmp_path / "runs", "--change", "checkpoint", script=["--fail"])
+    assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
+    assert "the script failed" in done.stderr and "ValueError: the data set is missing" in done.stderr
+
+
+def test_accumulation_without_the_scripts_flag_is_refused_before_any_run(tmp_path):
+    done = memdiff("whatif", "--emulate", "h100", "-o", f"{tmp_path}/runs/", "--change", "accumulate=2", "--",
+                   "python", str(SCRIPT))
+    assert done.returncode == 2 and done.stderr.count("\n") == 1 and "{accumulate}" in done.stderr
+    assert not (tmp_path / "runs").exists()
+
+
+def test_emulate_needs_an_output_folder_and_a_run_is_not_a_command():
+    done = memdiff("whatif", "--emulate", "h100", "--", "python", str(SCRIPT))
+    assert done.returncode == 2 and done.stderr.count("\n") == 1 and "-o DIR/" in done.stderr
+    done = memdiff("whatif", "run.pickle", "--", "python", str(SCRIPT))
+    assert done.returncode == 2 and done.stderr.count("\n") == 1
