@@ -134,3 +134,34 @@ def test_emulate_needs_an_output_folder_and_a_run_is_not_a_command():
     assert done.returncode == 2 and done.stderr.count("\n") == 1 and "-o DIR/" in done.stderr
     done = memdiff("whatif", "run.pickle", "--", "python", str(SCRIPT))
     assert done.returncode == 2 and done.stderr.count("\n") == 1
+
+
+# Each change re-run on tests/scenarios/train.py's GPT-2 (as the real windows were captured) and the real
+# H100 window of the same script with the change made by its own flag (tests/data/cuda/README.md).
+REAL = {"weights=bf16": "gpt2-bf16", "optimizer=sgd": "gpt2-sgd", "optimizer=sgd-momentum": "gpt2-sgd-momentum",
+        "optimizer=adafactor": "gpt2-adafactor", "checkpoint": "gpt2-checkpoint",
+        "checkpoint=0.5": "gpt2-checkpoint-half", "zero-grad=zeros": "gpt2-keep-grads",
+        "autocast=bf16": "gpt2-autocast"}
+
+
+@pytest.mark.slow
+def test_each_rerun_of_the_gpt2_script_is_within_1pct_of_the_real_h100_run_with_that_change(tmp_path, torch):
+    pytest.importorskip("transformers")
+    cuda = ROOT / "tests" / "data" / "cuda"
+    sys.path.insert(0, str(cuda))
+    from capture import GPT2  # the arguments the real runs were captured with
+
+    out = tmp_path / "runs"
+    changes = [a for change in REAL for a in ("--change", change)]
+    done = memdiff("whatif", "--emulate", "h100", "-o", f"{out}/", "--format", "json", *changes, "--", "python",
+                   str(ROOT / "tests" / "scenarios" / "train.py"), *GPT2, "--out", str(tmp_path / "own.pickle"))
+    assert done.returncode == 0, done.stderr
+    rows = {c["change"]: c for c in json.loads(done.stdout)["devices"][0]["changes"]}
+    real_base = read_summary(str(cuda / "gpt2-base.pickle.gz"), load_rules()).devices[0]
+    assert rows and all(row["applies"] for row in rows.values())
+    for change, window in REAL.items():
+        real = read_summary(str(cuda / f"{window}.pickle.gz"), load_rules()).devices[0]
+        assert abs(rows[change]["predicted_peak_bytes"] / real.peak_bytes - 1) <= 0.01, (change, real.peak_bytes)
+        # the saving, as the real pair measures it, within 1% of the real peak too
+        saving = rows[change]["delta_bytes"]
+        assert abs(saving - (real.peak_bytes - real_base.peak_bytes)) <= 0.01 * real.peak_bytes, change

@@ -8,7 +8,7 @@ without them (tests/test_whatif_rerun.py).
 """
 
 import argparse
-import math
+from fractions import Fraction
 
 import torch
 import torch.nn.functional as F
@@ -22,7 +22,7 @@ parser.add_argument("--vocab", type=int, default=2048)
 parser.add_argument("--batch", type=int, default=4)
 parser.add_argument("--seq", type=int, default=128)
 parser.add_argument("--steps", type=int, default=3)
-parser.add_argument("--checkpoint", type=float, default=0.0, help="checkpoint the first ceil(F * layers) blocks")
+parser.add_argument("--checkpoint", type=float, default=0.0, help="checkpoint every 1/F-th block (0.5: the 2nd, 4th, ...)")
 parser.add_argument("--weights", choices=("bf16", "fp16"))
 parser.add_argument("--autocast", choices=("bf16", "fp16"))
 parser.add_argument("--optimizer", choices=("adamw", "adamw-amsgrad", "sgd", "sgd-momentum", "adam", "adagrad", "rmsprop",
@@ -71,12 +71,13 @@ class Decoder(nn.Module):
         self.layers = nn.ModuleList(Block(args.dim) for _ in range(args.layers))
         self.norm = RMSNorm(args.dim)
         self.head = nn.Linear(args.dim, args.vocab, bias=False)
-        self.checkpointed = math.ceil(args.checkpoint * args.layers)
+        f = Fraction(args.checkpoint).limit_denominator(1000)
+        self.checkpointed = {k for k in range(args.layers) if int((k + 1) * f) > int(k * f)}
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         x = self.embed(ids)
         for i, layer in enumerate(self.layers):
-            x = checkpoint(layer, x, use_reentrant=False) if i < self.checkpointed else layer(x)
+            x = checkpoint(layer, x, use_reentrant=False) if i in self.checkpointed else layer(x)
         return self.head(self.norm(x))
 
 

@@ -6,7 +6,6 @@ are dropped but its output (the next block's input); before the block's backward
 
 from __future__ import annotations
 
-from fractions import Fraction
 from typing import Dict, List, Optional, Tuple
 
 import numpy as np
@@ -16,6 +15,7 @@ from memdiff.errors import InputError
 from memdiff.predict.whatif.blocks import GENERIC
 from memdiff.predict.whatif.edit import CannotApply, ChangeRule, Edit
 from memdiff.predict.whatif.run import Run, peak_of_set, step_index
+from memdiff.recording.emulate.changes.checkpoint import spread
 
 
 def apply_checkpoint(run: Run, edit: Edit, value: Optional[str]) -> None:
@@ -26,8 +26,7 @@ def apply_checkpoint(run: Run, edit: Edit, value: Optional[str]) -> None:
                           "forward makes again with the same allocations)")
     if blocks[0].rpartition("_")[0] in GENERIC:
         block = _by_position(run, block, len(blocks))
-    fraction = Fraction(value) if value is not None else Fraction(1)
-    chosen = [k for k in range(len(blocks)) if int((k + 1) * fraction) > int(k * fraction)]
+    chosen = spread(len(blocks), value if value is not None else 1)
     c = run.course
     spans = run.spans
     fwd = (run.phase == FORWARD) & run.of("activation", "autograd", "other") & ~c.before
