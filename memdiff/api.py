@@ -38,7 +38,7 @@ from memdiff.report import Run as ReportRun
 from memdiff.units import parse_size
 
 if TYPE_CHECKING:
-    from memdiff.forecasting import Forecast
+    from memdiff.predict.forecast.engine import Forecast
     from memdiff.predict.whatif import WhatIf
 
 Run = Union[str, "os.PathLike[str]", Summary]
@@ -183,8 +183,8 @@ def forecast(runs: Union[Dict[Path, int], Sequence[Tuple[Path, int]]], *, at: Un
     (`{"b1.pickle": 1, "b2.pickle": 2, "b4.pickle": 4}`), at `at` (default: twice the largest),
     and with `budget` the largest value that fits; with `baseline`, its headroom limit checked
     (`result.headroom.passed`). `to_dict()` is `memdiff forecast --format json`."""
-    from memdiff.forecasting import KnobRun, judge_headroom
-    from memdiff.forecasting import forecast as _forecast
+    from memdiff.predict.forecast.engine import KnobRun, judge_headroom
+    from memdiff.predict.forecast.engine import forecast as _forecast
 
     pairs = list(runs.items()) if isinstance(runs, dict) else list(runs)
     values = [at] if isinstance(at, int) else list(at or [])

@@ -16,7 +16,7 @@ import memdiff
 from memdiff.analyse.classify import load_rules
 from memdiff.cli import main
 from memdiff.errors import InputError
-from memdiff.forecasting import KnobRun, _fit, parse_run
+from memdiff.predict.forecast.engine import KnobRun, _fit, parse_run
 from memdiff.read.inputs import read_summary
 from memdiff.read.schema import validate
 

@@ -22,7 +22,7 @@ from memdiff.api import diff as report_of
 from memdiff.analyse.classify import PERSISTENT, load_rules
 from memdiff.cli import main
 from memdiff.compare.differ import DeviceDiff, diff
-from memdiff.forecasting import read_course
+from memdiff.predict.forecast.engine import read_course
 from memdiff.model import Summary
 from memdiff.units import format_bytes
 

@@ -19,7 +19,7 @@ from tabulate import tabulate
 
 from memdiff.analyse.classify import PERSISTENT, load_rules
 from memdiff.cli import main
-from memdiff.forecasting import read_course
+from memdiff.predict.forecast.engine import read_course
 from memdiff.read.inputs import read_summary
 from memdiff.read.load import decode
 

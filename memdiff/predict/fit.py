@@ -5,7 +5,7 @@ script on each emulated GPU (memdiff.recording.fitrun: the machinery of `memdiff
 fresh process per run) at as few values as it can:
 
 1. the two smallest values of the grid (the range, a multiple, or powers of two);
-2. the forecast (memdiff.forecasting) of the runs that fit gives the largest value whose peak, times
+2. the forecast (memdiff.predict.forecast.engine) of the runs that fit gives the largest value whose peak, times
    the allocator's overhead, stays within the limit: that value is run, then its neighbour on the
    grid (the next one up when it fit, the next one down when it did not);
 3. when the neighbour does not close the boundary (the forecast was off), the forecast is made again
@@ -266,7 +266,7 @@ class Search:
         run just below the boundary, whose overhead is the boundary's, for the next one to aim at the
         limit itself. From a forecast's value the runs step toward the boundary by 1, 2, 4, ...
         """
-        from memdiff.forecasting import KnobRun, read_courses
+        from memdiff.predict.forecast.engine import KnobRun, read_courses
 
         fitting = tuple(sorted(i for i, r in self.runs.items() if r.fits))[-3:]
         if len(fitting) < 2 or fitting == self._forecast_of:
@@ -303,7 +303,7 @@ class Search:
 
     def _within(self, courses: List[Any], ratios: List[Tuple[int, float]], aim: int, lo: int) -> Optional[int]:
         """The largest value whose forecast peak, times the overhead at that value, stays within `aim`."""
-        from memdiff.forecasting import forecast_courses
+        from memdiff.predict.forecast.engine import forecast_courses
 
         # forecast_courses compares the peak times its own overhead estimate with the budget: the budget
         # given makes that the peak times the overhead the runs measured within `aim`.

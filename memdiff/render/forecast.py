@@ -9,8 +9,8 @@ from typing import List
 from tabulate import tabulate
 
 from memdiff.compare.findings import shown
-from memdiff.forecasting import DeviceForecast, Forecast
 from memdiff.inert import md_cell, md_code, md_text
+from memdiff.predict.forecast.engine import DeviceForecast, Forecast
 from memdiff.render.json import dumps
 from memdiff.units import format_bytes
 

@@ -26,9 +26,9 @@ from memdiff import __version__
 from memdiff.analyse.classify import Rule
 from memdiff.compare.findings import finding
 from memdiff.errors import InputError
-from memdiff.forecasting import DeviceCourse, read_course, replay_course, structure
 from memdiff.inert import scrubbed
 from memdiff.model import Finding, PhaseSpan, Step
+from memdiff.predict.forecast.engine import DeviceCourse, read_course, replay_course, structure
 from memdiff.predict.whatif import accumulate, autocast, checkpoint, optimizer, weights, zero_grad
 from memdiff.predict.whatif.blocks import blocks_of
 from memdiff.predict.whatif.edit import CannotApply, ChangeRule, Edit, changed_course, closest
