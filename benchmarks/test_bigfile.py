@@ -27,9 +27,9 @@ import time
 from typing import Dict, List, Tuple
 
 import pytest
+from test_speed import PEAK_MEMORY, load_code, memdiff_code, report
 
 from memdiff.read import accel
-from test_speed import PEAK_MEMORY, load_code, memdiff_code, report
 
 ROUNDS = 3
 TARGET_TIME = 0.5  # x pickle.load of the same file

@@ -30,7 +30,6 @@ from pathlib import Path
 from typing import Dict, Tuple
 
 import pytest
-
 from test_speed import report
 
 pytest.importorskip("torch")

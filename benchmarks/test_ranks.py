@@ -35,7 +35,6 @@ from pathlib import Path
 from typing import Dict, List, Tuple
 
 import pytest
-
 from test_speed import PEAK_MEMORY, report
 
 RANKS = 64

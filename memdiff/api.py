@@ -183,8 +183,9 @@ def forecast(runs: Union[Dict[Path, int], Sequence[Tuple[Path, int]]], *, at: Un
     (`{"b1.pickle": 1, "b2.pickle": 2, "b4.pickle": 4}`), at `at` (default: twice the largest),
     and with `budget` the largest value that fits; with `baseline`, its headroom limit checked
     (`result.headroom.passed`). `to_dict()` is `memdiff forecast --format json`."""
-    from memdiff.predict.forecast.engine import KnobRun, judge_headroom
+    from memdiff.predict.forecast.course import KnobRun
     from memdiff.predict.forecast.engine import forecast as _forecast
+    from memdiff.predict.forecast.engine import judge_headroom
 
     pairs = list(runs.items()) if isinstance(runs, dict) else list(runs)
     values = [at] if isinstance(at, int) else list(at or [])

@@ -10,16 +10,16 @@ import json
 from typing import Any, Dict, List
 
 import pytest
-import test_schemas
 import test_ranks
+import test_schemas
 import test_whatif
 from test_inert import run
 
 import memdiff
-from memdiff.errors import InputError
 from memdiff.compare.findings import BY_CODE
-from memdiff.inert import md_text
 from memdiff.compare.limits import Limit
+from memdiff.errors import InputError
+from memdiff.inert import md_text
 
 # The fixture that validates against the schemas side by side (the gate's names the diff's).
 validate = test_schemas.validate

@@ -13,11 +13,11 @@ from typing import Dict
 import pytest
 from tabulate import tabulate
 
-from memdiff.recording.capture import CaptureError, record
 from memdiff.analyse.classify import load_rules
 from memdiff.compare.differ import GONE, GREW, NEW, SHRANK, diff
 from memdiff.read.inputs import read_summary
 from memdiff.read.load import decode
+from memdiff.recording.capture import CaptureError, record
 
 # Slow (the fast loop, -m "not slow", leaves it out): records with torch.
 pytestmark = pytest.mark.slow
@@ -268,8 +268,8 @@ def test_frees_on_a_thread_the_profiler_does_not_follow_still_leave_a_snapshot(t
 def test_the_allocation_events_give_the_numbers_torchs_converter_gives(torch, tmp_path):
     from torch.cuda import _memory_viz
 
-    from memdiff.recording.capture import from_allocations
     from memdiff.examples.gpt import Config, train
+    from memdiff.recording.capture import from_allocations
 
     profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True,
                                       record_shapes=True, with_stack=True)

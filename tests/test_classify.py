@@ -13,9 +13,9 @@ from conftest import alloc, py_frames
 from memdiff.analyse.classify import category_of, load_rules
 from memdiff.cli import main
 from memdiff.errors import InputError
+from memdiff.model import Group
 from memdiff.read.frames import StackNormalizer
 from memdiff.read.inputs import read_summary
-from memdiff.model import Group
 
 SP = "/venv/lib/python3.12/site-packages/"
 NATIVE_TAIL = [{"name": "__clone", "filename": "??", "line": 0}]

@@ -10,8 +10,8 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import alloc, py_frames
+
 from memdiff.cli import main
 from memdiff.read.schema import validate
 

@@ -24,9 +24,9 @@ from memdiff.analyse.classify import PERSISTENT, load_rules
 from memdiff.cli import main
 from memdiff.compare.differ import DeviceDiff, diff
 from memdiff.compare.findings import BY_CODE, shown
-from memdiff.read.frames import NO_STACK_WORKSPACE_GUESSED, NO_STACK_STATE_GUESSED, names_autograd_node
-from memdiff.read.inputs import read_summary
 from memdiff.model import DeviceSummary, Summary
+from memdiff.read.frames import NO_STACK_STATE_GUESSED, NO_STACK_WORKSPACE_GUESSED, names_autograd_node
+from memdiff.read.inputs import read_summary
 
 DATA = Path(__file__).resolve().parent / "data" / "cuda"
 RUNS = sorted(p.name[: -len(".pickle.gz")] for p in DATA.glob("gpt2-*.pickle.gz"))

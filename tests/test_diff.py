@@ -14,8 +14,8 @@ from memdiff.analyse.classify import load_rules
 from memdiff.cli import main
 from memdiff.compare.differ import BY_SITE, GONE, GREW, NEW, SAME, SHRANK, diff
 from memdiff.compare.findings import BY_CODE
-from memdiff.read.inputs import read_summary
 from memdiff.compare.limits import Limit, Thresholds
+from memdiff.read.inputs import read_summary
 from memdiff.read.load import decode
 
 

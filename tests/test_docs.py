@@ -9,8 +9,8 @@ from pathlib import Path
 from typing import Iterator, List, Tuple
 
 import pytest
-
 from conftest import ROOT
+
 from memdiff.cli import main
 
 README = ROOT / "README.md"

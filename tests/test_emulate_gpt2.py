@@ -17,7 +17,6 @@ CUDA = ROOT / "tests" / "data" / "cuda"
 sys.path.insert(0, str(CUDA))
 from capture import GPT2, RUNS  # noqa: E402  (the arguments the real runs were captured with)
 
-
 # The real runs the emulator is held to (each emulated in about 15 s of CPU): fp32 with the
 # memory-efficient attention, bf16 and fp16 weights with cuDNN's, optimizers with and without
 # state (SGD's momentum, Adafactor's factored moments), accumulation, checkpointing.

@@ -13,7 +13,6 @@ import textwrap
 from pathlib import Path
 
 import pytest
-
 from conftest import ROOT
 
 # A Linear(1024, 1024)'s weight and bias in fp32: what a model of two of them holds per copy.

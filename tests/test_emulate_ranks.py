@@ -13,7 +13,6 @@ import textwrap
 from pathlib import Path
 
 import pytest
-
 from conftest import ROOT
 
 # Slow (the fast loop, -m "not slow", leaves it out): every test runs emulated processes.

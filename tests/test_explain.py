@@ -6,8 +6,8 @@ import json
 from typing import Any, Dict, List
 
 import pytest
-
 from conftest import alloc, free
+
 from memdiff.analyse.classify import load_rules
 from memdiff.cli import main
 from memdiff.compare.differ import GREW, diff

@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 from conftest import alloc, block, free, py_frames, real_snapshot_names, segment
 
-from memdiff.read import accel
 from memdiff.cli import main
 from memdiff.errors import InputError
+from memdiff.read import accel
 from memdiff.read.load import decode
 
 if accel.reader() is None:

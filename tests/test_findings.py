@@ -14,9 +14,17 @@ import test_schemas
 from conftest import ROOT, cli
 
 from memdiff.analyse.classify import load_rules
-from memdiff.compare.findings import BY_CODE, CATALOGUE, DEFAULT_FAIL_ON, FAMILIES, SEVERITY_WORDS, docs_page, rule_section
-from memdiff.read.inputs import read_summary
 from memdiff.analyse.peak import peak_report, source_findings
+from memdiff.compare.findings import (
+    BY_CODE,
+    CATALOGUE,
+    DEFAULT_FAIL_ON,
+    FAMILIES,
+    SEVERITY_WORDS,
+    docs_page,
+    rule_section,
+)
+from memdiff.read.inputs import read_summary
 from memdiff.report import Run, Settings, compare
 
 CUDA = ROOT / "tests" / "data" / "cuda"

@@ -16,7 +16,8 @@ import memdiff
 from memdiff.analyse.classify import load_rules
 from memdiff.cli import main
 from memdiff.errors import InputError
-from memdiff.predict.forecast.engine import KnobRun, _fit, parse_run
+from memdiff.predict.forecast.course import KnobRun, parse_run
+from memdiff.predict.forecast.engine import _fit
 from memdiff.read.inputs import read_summary
 from memdiff.read.schema import validate
 

@@ -6,9 +6,9 @@ import copy
 
 import pytest
 
+from memdiff.model import Frame
 from memdiff.read import accel
 from memdiff.read.frames import PerFrames, StackNormalizer, normalize_path, relativize
-from memdiff.model import Frame
 
 ALLOCATOR = [
     {"name": "torch::unwind::unwind()", "filename": "??", "line": 0},

@@ -13,8 +13,8 @@ from conftest import ROOT, cli, weights_and_activations
 
 import memdiff
 from memdiff.cli import main
-from memdiff.errors import InputError
 from memdiff.compare.findings import BY_CODE
+from memdiff.errors import InputError
 
 MiB = 2**20
 

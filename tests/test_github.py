@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import Any, Dict, List
 
 import pytest
-
 from conftest import ROOT, alloc, py_frames
+
 from memdiff.cli import main
 from memdiff.github import SIZE_LIMIT, fit, marker
 

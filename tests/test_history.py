@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from conftest import real_snapshot_names
+from test_lifetimes import training
+
 from memdiff.analyse.classify import load_rules
 from memdiff.analyse.history import window_maxima
-from memdiff.read.inputs import read_summary
 from memdiff.model import Summary
+from memdiff.read.inputs import read_summary
 from memdiff.read.schema import validate
-from test_lifetimes import training
 
 
 def test_a_windows_maximum_survives_downsampling():

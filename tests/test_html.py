@@ -7,10 +7,10 @@ import json
 import re
 
 import pytest
-
 from conftest import alloc, free, py_frames
-from memdiff.cli import main
 from test_lifetimes import training
+
+from memdiff.cli import main
 
 HOSTILE = '</script><img src=x onerror="alert(1)">'
 

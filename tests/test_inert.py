@@ -28,12 +28,12 @@ import jsonschema
 import pytest
 import referencing
 import referencing.exceptions
+from conftest import alloc, free
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.configuration import set_hypothesis_home_dir
 from markdown_it import MarkdownIt
 
-from conftest import alloc, free
 from memdiff.cli import main
 
 # Hypothesis keeps caches in ./.hypothesis by default: tests write only into temporary folders,

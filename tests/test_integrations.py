@@ -17,11 +17,11 @@ from pathlib import Path
 from typing import Dict, List, Set
 
 import pytest
+from conftest import ROOT, missing_capture_dependency
 
 import memdiff
-from conftest import ROOT, missing_capture_dependency
-from memdiff.recording.capture import StepWindow, parse_steps
 from memdiff.read.load import decode
+from memdiff.recording.capture import StepWindow, parse_steps
 
 SCENARIOS = ROOT / "tests" / "scenarios"
 MARKED = SCENARIOS / "marked.py"

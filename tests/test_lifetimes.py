@@ -6,12 +6,12 @@ import re
 from typing import Any, Dict, List, Optional
 
 import pytest
-
 from conftest import alloc, free
+
 from memdiff.analyse.classify import PERSISTENT, load_rules
+from memdiff.analyse.lifetimes import Lifetime
 from memdiff.cli import main
 from memdiff.read.inputs import read_summary
-from memdiff.analyse.lifetimes import Lifetime
 
 SP = "/venv/lib/python3.12/site-packages/"
 

@@ -13,8 +13,8 @@ from conftest import ROOT, cli
 
 from memdiff import api
 from memdiff.cli import COMMANDS, build_parser
-from memdiff.errors import InputError
 from memdiff.compare.limits import Limit, parse_limit
+from memdiff.errors import InputError
 from memdiff.lists import ListOption
 
 CUDA = ROOT / "tests" / "data" / "cuda"

@@ -12,8 +12,8 @@ import struct
 from pathlib import Path
 
 import pytest
-
 from conftest import alloc, block, py_frames, segment
+
 from memdiff.cli import main
 
 SNAP = {"segments": [segment(0, 0, [block(0, 512, frames=py_frames("model.py:3:forward"))])],

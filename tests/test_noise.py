@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 from conftest import alloc, block, cli, free, py_frames, segment, weights_and_activations
 
-from memdiff.compare.baseline import _stored_summary, comparable_pair, read_baseline
 from memdiff.analyse.classify import load_rules
+from memdiff.compare.baseline import _stored_summary, comparable_pair, read_baseline
 from memdiff.compare.findings import BY_CODE
 from memdiff.read.inputs import read_summary
 from memdiff.report import Run, Settings, compare

@@ -7,11 +7,11 @@ import io
 import pickle
 
 import pytest
+from test_lifetimes import training
 
 from memdiff import progress
 from memdiff.cli import main
 from memdiff.read.load import load
-from test_lifetimes import training
 
 
 class Terminal(io.StringIO):

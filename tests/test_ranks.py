@@ -14,8 +14,8 @@ from conftest import alloc, free, py_frames
 
 from memdiff.analyse.classify import load_rules
 from memdiff.cli import main
-from memdiff.errors import InputError
 from memdiff.compare.findings import BY_CODE
+from memdiff.errors import InputError
 from memdiff.read.job import discover, ranges, rank_of, rank_patterns, summarize_ranks
 
 MiB = 2**20

@@ -9,8 +9,8 @@ from conftest import real_snapshot_names
 
 from memdiff.analyse.normalize.engine import summarize
 from memdiff.cli import main
-from memdiff.read.load import load
 from memdiff.model import Summary
+from memdiff.read.load import load
 from memdiff.read.schema import validate
 
 

@@ -6,14 +6,14 @@ import json
 import os
 import signal
 import socket
-import time
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
-
 from conftest import ROOT
+
 from memdiff.read.load import load
 
 # Slow (the fast loop, -m "not slow", leaves it out): launches recorded jobs (torchrun).

@@ -9,12 +9,12 @@ from __future__ import annotations
 from typing import Dict, List
 
 import pytest
+from scenario_suite import FAMILIES
 
 from memdiff.analyse.classify import load_rules
 from memdiff.compare.differ import GONE, GREW, NEW, SHRANK, DeviceDiff, diff
-from memdiff.read.inputs import read_summary
 from memdiff.model import Summary
-from scenario_suite import FAMILIES
+from memdiff.read.inputs import read_summary
 
 # Slow (the fast loop, -m "not slow", leaves it out): captures of the scenario models.
 pytestmark = pytest.mark.slow

@@ -12,13 +12,13 @@ from pathlib import Path
 from typing import Dict, List, Tuple
 
 import pytest
+from scenario_suite import EDGES, facts, summaries_of, truth_of
 
 from memdiff.analyse.classify import PERSISTENT, load_rules
 from memdiff.compare.differ import NEW, DeviceDiff, diff
+from memdiff.model import DeviceSummary, Summary
 from memdiff.read.inputs import read_summary
 from memdiff.read.load import decode
-from memdiff.model import DeviceSummary, Summary
-from scenario_suite import EDGES, facts, summaries_of, truth_of
 
 # Slow (the fast loop, -m "not slow", leaves it out): captures of the scenario models.
 pytestmark = pytest.mark.slow

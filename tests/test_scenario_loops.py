@@ -18,12 +18,12 @@ import numpy as np
 import pytest
 from scenario_suite import LOOPS, facts, summaries_of, truth_of
 
-from memdiff.api import diff as report_of
 from memdiff.analyse.classify import PERSISTENT, load_rules
+from memdiff.api import diff as report_of
 from memdiff.cli import main
 from memdiff.compare.differ import DeviceDiff, diff
-from memdiff.predict.forecast.engine import read_course
 from memdiff.model import Summary
+from memdiff.predict.forecast.course import read_course
 from memdiff.units import format_bytes
 
 # Slow (the fast loop, -m "not slow", leaves it out): captures of the scenario models.

@@ -14,12 +14,20 @@ from typing import Dict, List, Tuple
 
 import numpy as np
 import pytest
-from scenario_suite import BASES, EDGE_BASES, EDGES, PYTORCH_CATEGORY, PYTORCH_TO_MEMDIFF, pytorch_categories_at, truth_of
+from scenario_suite import (
+    BASES,
+    EDGE_BASES,
+    EDGES,
+    PYTORCH_CATEGORY,
+    PYTORCH_TO_MEMDIFF,
+    pytorch_categories_at,
+    truth_of,
+)
 from tabulate import tabulate
 
 from memdiff.analyse.classify import PERSISTENT, load_rules
 from memdiff.cli import main
-from memdiff.predict.forecast.engine import read_course
+from memdiff.predict.forecast.course import read_course
 from memdiff.read.inputs import read_summary
 from memdiff.read.load import decode
 

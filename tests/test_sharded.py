@@ -15,8 +15,8 @@ import pytest
 from conftest import ROOT, py_frames
 
 from memdiff.analyse.classify import category_of, load_rules
-from memdiff.read.frames import StackNormalizer
 from memdiff.model import Group
+from memdiff.read.frames import StackNormalizer
 
 FSDP_TRAIN = ROOT / "tests" / "scenarios" / "fsdp_train.py"
 SP = "/venv/lib/python3.12/site-packages/"

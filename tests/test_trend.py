@@ -161,9 +161,8 @@ def test_the_page_carries_the_trend(main_branch, tmp_path, capsys):
 
 @pytest.mark.slow
 def test_the_trend_draws_in_a_real_browser(main_branch, tmp_path, capsys):
-    from test_browser import _browser_or_skip
-
     from browser import open_report
+    from test_browser import _browser_or_skip
 
     executable = _browser_or_skip()
     head = snapshot(tmp_path / "train.pickle", 50 * MiB)

@@ -10,7 +10,8 @@ from memdiff.commands.args import add_rules_arguments, count_arg, rules_from, si
 from memdiff.compare.baseline import read_baseline
 from memdiff.errors import EXIT_REGRESSION, InputError
 from memdiff.lists import LISTS, ListOption
-from memdiff.predict.forecast.engine import forecast, judge_headroom, parse_run
+from memdiff.predict.forecast.course import parse_run
+from memdiff.predict.forecast.engine import forecast, judge_headroom
 from memdiff.read.window import add_window_arguments
 from memdiff.render import forecast as render
 from memdiff.units import format_bytes

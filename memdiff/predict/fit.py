@@ -266,7 +266,7 @@ class Search:
         run just below the boundary, whose overhead is the boundary's, for the next one to aim at the
         limit itself. From a forecast's value the runs step toward the boundary by 1, 2, 4, ...
         """
-        from memdiff.predict.forecast.engine import KnobRun, read_courses
+        from memdiff.predict.forecast.course import KnobRun, read_courses
 
         fitting = tuple(sorted(i for i, r in self.runs.items() if r.fits))[-3:]
         if len(fitting) < 2 or fitting == self._forecast_of:

@@ -22,8 +22,6 @@ imports torch.
 
 from __future__ import annotations
 
-import difflib
-import math
 import os
 from dataclasses import asdict, dataclass, field
 from fractions import Fraction
@@ -32,71 +30,24 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from memdiff import __version__
-from memdiff.analyse.classify import Rule, classify
-from memdiff.analyse.history import Allocations, category_codes
-from memdiff.analyse.lifetimes import Scopes
-from memdiff.analyse.normalize.engine import summarize
-from memdiff.analyse.sameloop import loop_difference
+from memdiff.analyse.classify import Rule
 from memdiff.compare.findings import finding
 from memdiff.compare.limits import Headroom
 from memdiff.errors import InputError
 from memdiff.inert import scrubbed, text
-from memdiff.model import Finding, PhaseSpan, Step, Summary
-from memdiff.read.inputs import is_summary, read_each, refuse_baseline
-from memdiff.read.load import MAX_BYTES, decode, paused_gc, to_snapshot
-from memdiff.read.window import Window, windowed
+from memdiff.model import Finding, PhaseSpan, Step
+from memdiff.predict.forecast.align import _lined_up, align, check_one_loop
+from memdiff.predict.forecast.course import MAX_VALUE, Course, DeviceCourse, KnobRun, _shown, read_courses, structure
+from memdiff.predict.forecast.replay import peak_of, replay, replay_course
+from memdiff.read.load import MAX_BYTES
+from memdiff.read.window import Window
 from memdiff.units import format_bytes
 
 SCHEMA_VERSION = 1
 FORMS = ("constant", "linear", "quadratic", "none")
 # Below this share of the largest run's allocations lined up in another run, the runs are not one loop.
 MIN_ALIGNED = 0.6
-# The largest knob value the budget search tries.
-MAX_VALUE = 2**40
 TOP_SITES = 5
-
-
-@dataclass(frozen=True)
-class KnobRun:
-    """A snapshot and the knob value it was recorded at (`b4.pickle=4`)."""
-
-    path: str
-    value: int
-
-
-@dataclass
-class DeviceCourse:
-    """Every allocation of one device of one run, in the order the trace opened them.
-
-    Allocation k holds `size[k]` bytes after events `start[k]` .. `end[k] - 1` (memory from
-    before the trace starts at 0); `stack[k]` indexes the run's `stacks` (signature, site) and
-    `category[k]` its `categories`."""
-
-    device: int
-    events: int
-    start: np.ndarray
-    end: np.ndarray
-    size: np.ndarray
-    stack: np.ndarray
-    category: np.ndarray
-    stacks: List[Tuple[str, str]]
-    categories: List[str]
-    before: np.ndarray  # live before the trace's first event (memory from before the trace)
-    # The display frames of each allocation's first version, instance numbers of the profiler's
-    # `nn.Module: GPT2Block_3` frames kept (signatures drop them): `origin[k]` indexes `origins`.
-    origin: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
-    origins: List[Tuple[Any, ...]] = field(default_factory=list)
-    scopes: List[str] = field(default_factory=list)  # the names of the device's record_function scopes
-
-
-@dataclass
-class Course:
-    """One run: its classified Summary and the allocations of each device."""
-
-    file: str
-    value: int
-    summary: Summary
-    devices: Dict[int, DeviceCourse]
 
 
 @dataclass
@@ -115,20 +66,6 @@ class Fit:
         # (the replay then reports sizes past MAX_BYTES instead of wrapping around).
         cap = float(MAX_BYTES // max(1, len(sizes)))
         return np.clip(np.rint(np.nan_to_num(sizes, nan=0.0, posinf=cap)), 0, cap).astype(np.int64)
-
-
-@dataclass
-class Alignment:
-    """For each run (in knob order), the index of its allocation matching each of the reference
-    run's allocations, or -1 where it has none."""
-
-    matched: List[np.ndarray]
-    aligned_pct: float  # the least share of the reference's allocations lined up in any run
-    exact: bool  # every run records the same allocations in the same order
-    same: List[bool]  # per run: it records the reference's allocations in the same order
-    # The least share of another run's own allocations lined up with the reference's: a run that
-    # records much more (a training step beside an inference run) is not the same loop either.
-    covered_pct: float = 100.0
 
 
 @dataclass
@@ -247,132 +184,7 @@ class Forecast:
 # ---------------------------------------------------------------- reading
 
 
-def read_course(path: str, value: int, rules: Sequence[Rule], window: Optional[Window] = None) -> Course:
-    """One run's Summary and allocations (of `window` only, when given): the snapshot is decoded and
-    walked once."""
-    with paused_gc():
-        raw, source, decoded = decode(path, columns=True)
-        if is_summary(raw):
-            refuse_baseline(path, raw)
-            raise InputError(path, "a stored summary holds only the peak; a forecast or a what-if replays every "
-                                   "allocation, so give it the snapshot itself")
-        keep: Dict[int, Allocations] = {}
-        snapshot = windowed(to_snapshot(path, raw, source, decoded), window)
-        summary = summarize(snapshot, None, keep)
-        # An allocation at event 0 opens there; any other that starts at 0 was live before the trace.
-        opens_at_0 = {d: bool(t) and isinstance(t[0], dict) and t[0].get("action") == "alloc"
-                      for d, t in enumerate(snapshot.device_traces)}
-        scopes = {d: Scopes(snapshot.external_annotations, d).names for d in range(len(snapshot.device_traces))}
-        del raw, snapshot
-    summary = classify(summary, rules)
-    devices = {}
-    for d in summary.devices:
-        allocations = keep[d.device]
-        names, codes = category_codes(allocations, rules)
-        stacks: Dict[str, int] = {}
-        kinds = [stacks.setdefault(stack.signature, len(stacks)) for stack, _ in allocations.kinds]
-        sites = {stack.signature: stack.site for stack, _ in allocations.kinds}
-        kind = allocations.kind
-        stack = np.array(kinds, dtype=np.int64)[kind] if len(kind) else kind
-        # Memory live for the whole trace (blocks found only at dump time) comes in address order,
-        # which differs from run to run: put it in one order, by stack then size.
-        start, end, size = allocations.start, allocations.end, allocations.size
-        order = np.arange(len(size))
-        whole = np.flatnonzero((start == 0) & (end >= d.trace_events))
-        if len(whole) > 1:
-            signatures = list(stacks)
-            ranked = sorted(whole.tolist(), key=lambda k: (signatures[int(stack[k])], int(size[k])))
-            order[whole] = ranked
-        before = start == 0
-        if len(before) and opens_at_0.get(d.device, False):
-            before[0] = False
-        devices[d.device] = DeviceCourse(
-            device=d.device, events=d.trace_events, start=start[order], end=end[order], size=size[order],
-            stack=stack[order], category=codes[order], stacks=[(sig, sites[sig]) for sig in stacks],
-            categories=names, before=before[order],
-            origin=kind[order] if len(kind) else kind, origins=[stack.frames for stack, _ in allocations.kinds],
-            scopes=scopes.get(d.device, []))
-    return Course(file=path, value=value, summary=summary, devices=devices)
-
-
-def read_courses(runs: Sequence[KnobRun], rules: Sequence[Rule], window: Optional[Window] = None) -> List[Course]:
-    """read_course of each (path, value), big inputs in parallel worker processes (inputs.read_each)."""
-    return read_each(read_course, [(r.path, r.value, rules, window) for r in runs])
-
-
 # ---------------------------------------------------------------- one loop?
-
-
-def check_one_loop(courses: Sequence[Course]) -> None:
-    """InputError naming what differs when the runs are not one loop (sameloop.loop_difference):
-    devices, steps, a training step beside none, or the weights."""
-    first = courses[0]
-    for c in courses[1:]:
-        why = loop_difference(c.summary, first.summary, first.file)
-        if why is not None:
-            raise InputError(c.file, f"not the same loop as {first.file}: {why}")
-
-
-def align(courses: Sequence[DeviceCourse], ref: int) -> Alignment:
-    """Each run's allocations matched to those of `courses[ref]` by their stack sequence."""
-    names: Dict[str, int] = {}
-    seqs: List[np.ndarray] = []
-    for c in courses:
-        codes = np.array([names.setdefault(sig, len(names)) for sig, _ in c.stacks], dtype=np.int64)
-        seqs.append(codes[c.stack] if len(c.stack) else c.stack)
-    n = len(seqs[ref])
-    same = [len(s) == n and bool(np.array_equal(s, seqs[ref])) for s in seqs]
-    if all(same):
-        return Alignment([np.arange(n, dtype=np.int64) for _ in seqs], 100.0, True, same)
-    matched = []
-    least = covered = 100.0
-    for k, s in enumerate(seqs):
-        if same[k]:
-            matched.append(np.arange(n, dtype=np.int64))
-            continue
-        m = _align_pair(seqs[ref], courses[ref].size, s, courses[k].size)
-        matched.append(m)
-        lined = float((m >= 0).sum())
-        least = min(least, 100.0 * lined / max(n, 1))
-        covered = min(covered, 100.0 * lined / max(len(s), 1))
-    return Alignment(matched, least, False, same, covered)
-
-
-def _share(pct: float) -> str:
-    """A share in words, rounded down so that only a whole match reads 100%."""
-    return f"{math.floor(pct * 10) / 10:.1f}%"
-
-
-def _lined_up(alignment: Alignment) -> str:
-    """How much of each side lines up by stack, in words that never contradict themselves."""
-    ours = ("every allocation of the largest run lines up by stack in every run" if alignment.aligned_pct >= 100
-            else f"{_share(alignment.aligned_pct)} of the largest run's allocations line up by stack in every run")
-    theirs = ("" if alignment.covered_pct >= 100 else
-              f", and {_share(alignment.covered_pct)} of each other run's (the rest is not replayed)")
-    return ours + theirs
-
-
-def _align_pair(ref_stack: np.ndarray, ref_size: np.ndarray, stack: np.ndarray, size: np.ndarray) -> np.ndarray:
-    """The index in a run of each reference allocation, or -1: first anchored on allocations of
-    equal stack and size (weights, gradients, optimizer state: they do not change with the knob),
-    then, between anchors, by stack alone (one for one when both sides have the same stacks)."""
-    tokens: Dict[Tuple[int, int], int] = {}
-    a = [tokens.setdefault(t, len(tokens)) for t in zip(ref_stack.tolist(), ref_size.tolist())]
-    b = [tokens.setdefault(t, len(tokens)) for t in zip(stack.tolist(), size.tolist())]
-    m = np.full(len(a), -1, dtype=np.int64)
-    ia = ib = 0
-    for xa, xb, length in difflib.SequenceMatcher(None, a, b, autojunk=False).get_matching_blocks():
-        ga, gb = ref_stack[ia:xa], stack[ib:xb]
-        if len(ga) and len(gb):
-            if len(ga) == len(gb) and np.array_equal(ga, gb):
-                m[ia:xa] = np.arange(ib, xb)
-            else:
-                for ya, yb, size_ in difflib.SequenceMatcher(None, ga.tolist(), gb.tolist(),
-                                                             autojunk=False).get_matching_blocks():
-                    m[ia + ya:ia + ya + size_] = np.arange(ib + yb, ib + yb + size_)
-        m[xa:xa + length] = np.arange(xb, xb + length)
-        ia, ib = xa + length, xb + length
-    return m
 
 
 # ---------------------------------------------------------------- fitting
@@ -455,66 +267,6 @@ class _Device:
     steps: List[Step]
 
 
-def replay(ref: DeviceCourse, sizes: np.ndarray) -> np.ndarray:
-    """Bytes live after each event of `ref`'s trace with allocation k holding `sizes[k]` (see
-    peak_of for the moment before the first event)."""
-    n = ref.events
-    delta = np.zeros(n + 1, dtype=np.int64)
-    np.add.at(delta, ref.start, sizes)
-    ends = np.minimum(ref.end, n)
-    np.subtract.at(delta, ends, sizes)
-    return np.cumsum(delta[:n]) if n else np.zeros(0, dtype=np.int64)
-
-
-def _phase_of(spans: Sequence[PhaseSpan], event: int) -> Optional[str]:
-    return next((s.phase for s in spans if s.start_event <= event <= s.end_event), None)
-
-
-@dataclass
-class Replayed:
-    """A course replayed with given sizes: its peak, where it is, each phase's peak, what is live there.
-
-    The one replay forecast and what-if share: a forecast changes every size by its fitted form,
-    a what-if drops, scales, replaces or adds allocations by its rules."""
-
-    totals: np.ndarray  # bytes live after each event
-    peak_bytes: int
-    event: Optional[int]  # the event after which the peak is reached; None: before the first event
-    at: int  # the event whose live allocations are the peak's (0 for memory from before the trace)
-    live: np.ndarray  # allocations live at the peak
-    phase: Optional[str]
-    step: Optional[int]
-    phase_peaks: Dict[str, int]
-    categories: Dict[str, int]
-
-
-def replay_course(ref: DeviceCourse, sizes: np.ndarray, spans: Sequence[PhaseSpan], steps: Sequence[Step]) -> Replayed:
-    """Replay `ref` with allocation k holding `sizes[k]`: the peak, its phase and step (from the
-    phase runs and steps of the run the course comes from), each phase's peak, the categories live."""
-    totals = replay(ref, sizes)
-    peak, event = peak_of(ref, sizes, totals)
-    if event is None:  # before the first event: only memory from before the trace is live
-        live = ref.before
-        at = 0
-    else:
-        at = event
-        live = (ref.start <= at) & (ref.end > at)
-    phase_peaks: Dict[str, int] = {}
-    for span in spans:
-        phase, start, end = span.phase, span.start_event, span.end_event
-        if start <= end < len(totals):
-            top = int(totals[start:end + 1].max())
-            phase_peaks[phase] = max(phase_peaks.get(phase, 0), top)
-    cats: Dict[str, int] = {}
-    for c, b in zip(ref.category[live].tolist(), sizes[live].tolist()):
-        name = ref.categories[c]
-        cats[name] = cats.get(name, 0) + b
-    step = None if event is None else next((s.step for s in steps if s.start_event <= at <= s.end_event), None)
-    return Replayed(totals=totals, peak_bytes=peak, event=event, at=at, live=live,
-                    phase=None if event is None else _phase_of(spans, at), step=step, phase_peaks=phase_peaks,
-                    categories=dict(sorted(cats.items(), key=lambda kv: (-kv[1], kv[0]))))
-
-
 def _predict(dev: _Device, value: int, overhead: float, largest: np.ndarray) -> Prediction:
     """Replay at `value`: the peak, its phase and step, each phase's peak, and what is live there."""
     ref = dev.ref
@@ -535,17 +287,6 @@ def _predict(dev: _Device, value: int, overhead: float, largest: np.ndarray) -> 
     return Prediction(value=value, peak_bytes=r.peak_bytes, phase=r.phase, step=r.step, event_index=r.at,
                       phase_peaks=r.phase_peaks, categories=r.categories, sites=rows[:TOP_SITES],
                       with_overhead_bytes=int(round(r.peak_bytes * overhead)))
-
-
-def peak_of(ref: DeviceCourse, sizes: np.ndarray, totals: np.ndarray) -> Tuple[int, Optional[int]]:
-    """(the peak, the event after which it is reached): as normalize counts it, memory from
-    before the trace is live before the first event, so a trace that starts by freeing it peaks
-    there (event None)."""
-    static = int(sizes[ref.before].sum())
-    top = int(totals.max()) if len(totals) else 0
-    if not len(totals) or static > top:
-        return static, None
-    return top, int(totals.argmax())
 
 
 def _peak_at(dev: _Device, value: int) -> int:
@@ -621,14 +362,6 @@ def _overhead(courses: Sequence[Course]) -> Tuple[float, str]:
     ratio = max(ratios)
     return ratio, (f"the budget is compared with the peak times {ratio:.3f}, the most reserved over allocated "
                    "any run measured (the caching allocator's overhead)")
-
-
-def structure(summary: Summary, device: int) -> Tuple[List[PhaseSpan], List[Step]]:
-    """The phase runs and steps of a run's device (kept in its Summary)."""
-    for d in summary.devices:
-        if d.device == device:
-            return [p for s in d.steps for p in s.phases], list(d.steps)
-    return [], []
 
 
 def _device_forecast(runs: List[DeviceCourse], courses: Sequence[Course], device: int, at: Sequence[int],
@@ -769,24 +502,6 @@ def judge_headroom(result: Forecast, baseline: str, headroom: Headroom) -> Forec
             f"(baseline {baseline})")
     result.headroom = HeadroomCheck(baseline, headroom.budget_bytes, headroom.min_value, passed, text(line))
     return result
-
-
-def parse_run(text: str) -> KnobRun:
-    """The run in `RUN=VALUE`; InputError when it is not that (the value a positive integer)."""
-    path, sep, value = text.rpartition("=")
-    if not sep or not path:
-        raise InputError(text, "give each run as RUN=VALUE (for example b4.pickle=4)")
-    try:
-        number = int(value)
-    except ValueError:
-        raise InputError(path, f"{value!r} is not a knob value: a positive integer (a batch size, a length)") from None
-    if not 1 <= number <= MAX_VALUE:
-        raise InputError(path, f"{_shown(number)} is not a knob value: a positive integer up to {MAX_VALUE:,}")
-    return KnobRun(path, number)
-
-
-def _shown(value: int) -> str:
-    return f"{value:,}" if value.bit_length() <= 128 else f"an integer of {value.bit_length():,} bits"
 
 
 def forecast(runs: Sequence[KnobRun], at: Sequence[int], rules: Sequence[Rule],

@@ -10,7 +10,7 @@ from typing import Any, Dict, List, Optional, Set, Tuple
 
 import numpy as np
 
-from memdiff.predict.forecast.engine import DeviceCourse
+from memdiff.predict.forecast.course import DeviceCourse
 from memdiff.predict.whatif.run import Run, forward_in_order
 
 MODULE_FRAME = re.compile(r"^nn\.Module: (\w+?)_(\d+)$")

@@ -12,7 +12,7 @@ from memdiff.compare.findings import finding
 from memdiff.errors import InputError
 from memdiff.inert import scrubbed
 from memdiff.model import Finding
-from memdiff.predict.forecast.engine import read_course, structure
+from memdiff.predict.forecast.course import read_course, structure
 from memdiff.predict.whatif.engine import ChangePrediction, every_change, facts, predict
 from memdiff.predict.whatif.optimizer import run_optimizer
 from memdiff.read.window import Window

@@ -10,7 +10,7 @@ from typing import Callable, List, Optional, Sequence, Tuple
 import numpy as np
 
 from memdiff.errors import InputError
-from memdiff.predict.forecast.engine import DeviceCourse
+from memdiff.predict.forecast.course import DeviceCourse
 from memdiff.predict.whatif.run import Run
 
 

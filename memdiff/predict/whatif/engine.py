@@ -28,7 +28,8 @@ from memdiff.compare.findings import finding
 from memdiff.errors import InputError
 from memdiff.inert import scrubbed
 from memdiff.model import Finding, PhaseSpan, Step
-from memdiff.predict.forecast.engine import DeviceCourse, read_course, replay_course, structure
+from memdiff.predict.forecast.course import DeviceCourse, read_course, structure
+from memdiff.predict.forecast.replay import replay_course
 from memdiff.predict.whatif import accumulate, autocast, checkpoint, optimizer, weights, zero_grad
 from memdiff.predict.whatif.blocks import blocks_of
 from memdiff.predict.whatif.edit import CannotApply, ChangeRule, Edit, changed_course, closest

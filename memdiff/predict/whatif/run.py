@@ -14,7 +14,8 @@ import numpy as np
 
 from memdiff.analyse.lifetimes import FORWARD
 from memdiff.model import PhaseSpan, Step
-from memdiff.predict.forecast.engine import DeviceCourse, Replayed, replay_course
+from memdiff.predict.forecast.course import DeviceCourse
+from memdiff.predict.forecast.replay import Replayed, replay_course
 
 # Loss computations that libraries run in fp32 whatever the model's precision (Hugging Face
 # upcasts the logits in its loss; log_softmax and nll_loss then stay fp32, and so do their grads).
