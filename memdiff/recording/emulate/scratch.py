@@ -15,12 +15,24 @@ the emulated windows hold the same blocks in these ops):
 - native_dropout and its backward (cuda/Dropout.cu): output and bool mask;
 - the _foreach_* arithmetic of AdamW, SGD, Adagrad, RMSprop (multi_tensor_apply: metadata by argument);
 - _fused_adamw_ (cuda/FusedAdamWKernel.cu): in place.
+- cross_entropy with label_smoothing: log_softmax, nll_loss and a sum of the log-probabilities, each
+  an op the dispatch mode sees (native/LossNLL.cpp), nothing inside them beyond the above;
+- topk over slices the single-block radix select takes (cuda/TensorTopK.cu should_use_multiblock:
+  e.g. under 20,000 elements for up to 20 slices, under 400 past 4,000 slices: every MoE router's
+  few experts): nothing but a contiguous copy of a strided input, and the sort of k <= 32 values in
+  place;
 - index_put_ with accumulate=True (the backward of `x[idx]`), modelled below: checked against
   cs336-medium-ctx128-train's real H100 trace (512 ids into a 10,000-row table).
 Not modelled, as no window has them to hold the sizes to: cub's temporary storage in cumsum past a
-block's length (cuda/ScanUtils.cuh), sort and topk (cuda/Sort.cpp, cuda/TensorTopK.cu), index_put_
-by boolean masks, embedding_dense_backward with scale_grad_by_freq's count scan, and
-_fused_rms_norm (Hugging Face's RMSNorm modules run as pow, mean, rsqrt and mul).
+block's length (cuda/ScanUtils.cuh), sort (cuda/Sort.cpp), topk's multi-block path (a top-k sampler
+over a vocabulary: kthValues, ks_to_find, desired, per-block digit counts and two cub scans by key,
+sized from the SM count), index_put_ by boolean masks, embedding_dense_backward with
+scale_grad_by_freq's count scan. torch.nn.RMSNorm and F.rms_norm: a CUDA build runs
+`_fused_rms_norm`'s CUDA kernel under its autograd formula (the output and an fp32 rstd, input and
+rstd saved), where the meta device takes its CompositeImplicitAutograd decomposition (pow, mean,
+rsqrt, mul: more activations than the GPU's); torch refuses a Meta kernel for an op with such a
+decomposition, so emulating it needs the op routed by the emulator itself (not done; Hugging Face's
+RMSNorm modules are their own pow, mean, rsqrt and mul on both).
 """
 
 from __future__ import annotations
