@@ -19,8 +19,8 @@ the emulated windows hold the same blocks in these ops):
   an op the dispatch mode sees (native/LossNLL.cpp), nothing inside them beyond the above;
 - topk over slices the single-block radix select takes (cuda/TensorTopK.cu should_use_multiblock:
   e.g. under 20,000 elements for up to 20 slices, under 400 past 4,000 slices: every MoE router's
-  few experts): nothing but a contiguous copy of a strided input, and the sort of k <= 32 values in
-  place;
+  few experts): nothing but a contiguous copy of a strided input, the k values then sorted in place
+  (sortKeyValueInplace) when k is small;
 - index_put_ with accumulate=True (the backward of `x[idx]`), modelled below: checked against
   cs336-medium-ctx128-train's real H100 trace (512 ids into a 10,000-row table).
 Not modelled, as no window has them to hold the sizes to: cub's temporary storage in cumsum past a
