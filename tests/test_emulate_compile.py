@@ -76,3 +76,41 @@ def test_a_compiled_model_allocates_inductors_buffers_not_the_eager_chains_inter
     assert activations(eager) >= 7
     assert activations(compiled) <= 3
     assert compiled["max"] < eager["max"] - 4 * ACTIVATION
+
+
+PADDED = """
+import sys
+import torch
+
+torch.cuda.memory._record_memory_history()  # from the start: the compile's own allocations
+head = torch.nn.Linear(768, 1001, bias=False).cuda()
+x = torch.randn(2048, 768, device="cuda", requires_grad=True)
+torch.compile(head)(x).sum().backward()
+torch.cuda.memory._dump_snapshot(sys.argv[1])
+"""
+
+
+@pytest.mark.slow
+def test_compiling_a_misaligned_product_benchmarks_its_padding_as_on_the_gpu(tmp_path):
+    """A product with a dimension that is no multiple of 4 fp32 elements (1,001 outputs) is one
+    Inductor's shape padding times on the GPU while it compiles the joint graph (fx_passes/pad_mm.py
+    _should_pad): random operands of the product's shapes (x: 2,048 x 768 x 4 B; the weight's
+    transpose: 768 x 1,001 x 4 B), the product (2,048 x 1,001 x 4 B) and its padded form (the weight
+    padded to 768 x 1,004, the product 2,048 x 1,004), each timed by benchmark_gpu, which holds an
+    int32 buffer the size of the H100's L2 cache (50 MiB) over the timed runs. All of it is freed
+    before the compiled step runs."""
+    script = tmp_path / "padded.py"
+    script.write_text(PADDED)
+    own = tmp_path / "own.pickle"
+    done = subprocess.run([sys.executable, "-m", "memdiff", "record", "--emulate", "h100", "-o",
+                           str(tmp_path / "run.pickle"), "--", sys.executable, str(script), str(own)],
+                          capture_output=True, text=True, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    with open(own, "rb") as f:
+        trace = pickle.load(f)["device_traces"][0]
+    made = [e["size"] for e in trace if e["action"] == "alloc"]
+    freed = [e["size"] for e in trace if e["action"] == "free_completed"]
+    for size in (50 * 1024 * 1024, 2048 * 768 * 4, 768 * 1001 * 4, 768 * 1004 * 4, 2048 * 1001 * 4, 2048 * 1004 * 4):
+        assert size in made, size
+    for size in (50 * 1024 * 1024, 768 * 1004 * 4, 2048 * 1004 * 4):  # only the benchmarks make these
+        assert made.count(size) == freed.count(size), size

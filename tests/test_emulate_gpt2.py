@@ -130,6 +130,10 @@ def test_the_compiled_gpt2_run_has_the_real_compiled_runs_peak(emulated):
     truth = json.loads((CUDA / "gpt2-compile.pickle.facts.json").read_text())["cuda_max_allocated_bytes"]
     mine = json.loads(Path(str(own) + ".facts.json").read_text())["cuda_max_allocated_bytes"]
     assert abs(mine / truth - 1) <= 0.02, (mine, truth)
+    # reserved: the segments the compile's benchmarks leave cached (autotune.py: shape padding's
+    # products with random operands and Triton autotuning's L2 flush buffer) were +9.2% without them
+    assert abs(emu.reserved_peak_bytes / real.reserved_peak_bytes - 1) <= 0.02, \
+        (emu.reserved_peak_bytes, real.reserved_peak_bytes)
     assert emu.phase_at_peak == real.phase_at_peak
     assert set(emu.categories) == set(real.categories)
     for category in ("parameter", "optimizer_state", "gradient", "autograd"):

@@ -36,6 +36,7 @@ import torch
 from torch.utils._python_dispatch import _pop_mode, _push_mode
 from torch.utils._pytree import tree_leaves
 
+from memdiff.recording.emulate import autotune
 from memdiff.recording.emulate.runtime import Emulator
 
 INDUCTOR_NOTE = ("torch.compile ran Inductor's memory plan: Dynamo and AOTAutograd traced on the emulated GPU, "
@@ -150,10 +151,17 @@ def _composites_as_on_the_gpu() -> Iterator[None]:
 
 
 class _Kernel:
-    """A Triton kernel of the wrapper code: launched, it writes nothing (emulation computes no values)."""
+    """A Triton kernel of the wrapper code: launched, it writes nothing (emulation computes no values);
+    its first launch allocates what Inductor's autotuning of it does (autotune.py)."""
+
+    def __init__(self, first: Optional[Callable[[Sequence[Any]], None]] = None) -> None:
+        self._first = first
 
     def run(self, *args: Any, **kwargs: Any) -> None:
-        """A launch: nothing to write."""
+        """A launch: nothing to write, but the autotuning's buffers the first time."""
+        first, self._first = self._first, None
+        if first is not None:
+            first(args)
 
     def __getattr__(self, name: str) -> Any:
         # grid helpers and autotuning attributes the wrapper may read
@@ -178,6 +186,7 @@ class Planner:
         self.emulator = emulator
         self.original = original
         self.saved: Optional[Tuple[List[Any], List[Any]]] = None  # the modes popped while Dynamo runs
+        self.padding = autotune.PadBench(emulator)
         self.traced = False  # Dynamo traced a graph during the call now running
 
     # -- torch.compile -----------------------------------------------------------------------------
@@ -389,6 +398,10 @@ class Planner:
             (cuda, "current_device", staticmethod(lambda: 0)),
             (cuda, "device_count", staticmethod(lambda: 1)),
         ]
+        # shape padding's benchmark of misaligned products, with real tensors on the GPU (autotune.py)
+        import torch._inductor.fx_passes.pad_mm as pad_mm
+        patches.append((pad_mm, "_should_pad", self.padding.should_pad))
+        patches.append((pad_mm, "check_device", lambda a, b: a.is_meta and b.is_meta))  # as the GPU's
         # indexing a tensor in Python takes its device's guard, which a CPU build has none of for `cuda`
         lookup = torch.ops.prims.inductor_lookup_seed.default
         patches.append((lookup, "prim_meta_impl",
@@ -413,12 +426,21 @@ class Planner:
             for owner, name, value in reversed(saved):
                 setattr(owner, name, value)
 
+    def _kernel(self, source: str) -> _Kernel:
+        """A Triton kernel of the wrapper, its first launch autotuned as on the GPU (autotune.py)."""
+        tuning = autotune.plan(source)
+        if tuning is None or tuning.configs <= 1:
+            return _Kernel()
+        return _Kernel(lambda args: autotune.benchmark(self.emulator, tuning, args))
+
     @contextlib.contextmanager
     def _wrapper_loads(self) -> Iterator[None]:
         """The wrapper module's top level runs here: its `import triton`, stream and kernel builds
         answered by stand-ins, its `empty_strided_cuda` an allocation of the emulated GPU."""
         from torch._inductor.async_compile import AsyncCompile
         from torch._inductor.codecache import PyCodeCache
+
+        planner = self
 
         load = PyCodeCache.__dict__["load_by_key_path"]
 
@@ -439,7 +461,7 @@ class Planner:
         guards = torch._C._dynamo.guards
         empty = guards._empty_strided_cuda
         triton = AsyncCompile.triton
-        setattr(AsyncCompile, "triton", lambda self, name, source, device_str="cuda": _Kernel())  # noqa: B010
+        setattr(AsyncCompile, "triton", lambda self, name, source, device_str="cuda": planner._kernel(source))  # noqa: B010
         guards._empty_strided_cuda = _empty_strided_cuda
         try:
             yield

@@ -399,6 +399,8 @@ class AllocMode(TorchDispatchMode):
         try:
             if base in ALL_ELEMENTS_OPS and _is_meta(first):
                 out = self.sized_by_values(func, base, args, kwargs)
+            elif base == "index_put" and _is_meta(first) and scratch.index_backward():
+                out = scratch.index_put_in_place(args, kwargs)  # the GPU writes into the zeros it made
             else:
                 out = func(*args, **kwargs)
                 self.values.follow(func, args, kwargs, out)

@@ -15,11 +15,24 @@ the emulated windows hold the same blocks in these ops):
 - native_dropout and its backward (cuda/Dropout.cu): output and bool mask;
 - the _foreach_* arithmetic of AdamW, SGD, Adagrad, RMSprop (multi_tensor_apply: metadata by argument);
 - _fused_adamw_ (cuda/FusedAdamWKernel.cu): in place.
+- cross_entropy with label_smoothing: log_softmax, nll_loss and a sum of the log-probabilities, each
+  an op the dispatch mode sees (native/LossNLL.cpp), nothing inside them beyond the above;
+- topk over slices the single-block radix select takes (cuda/TensorTopK.cu should_use_multiblock:
+  e.g. under 20,000 elements for up to 20 slices, under 400 past 4,000 slices: every MoE router's
+  few experts): nothing but a contiguous copy of a strided input, the k values then sorted in place
+  (sortKeyValueInplace) when k is small;
+- index_put_ with accumulate=True (the backward of `x[idx]`), modelled below: checked against
+  cs336-medium-ctx128-train's real H100 trace (512 ids into a 10,000-row table).
 Not modelled, as no window has them to hold the sizes to: cub's temporary storage in cumsum past a
-block's length (cuda/ScanUtils.cuh), sort and topk (cuda/Sort.cpp, cuda/TensorTopK.cu), index_put_
-with accumulate=True (cuda/Indexing.cu sorts its indices), embedding_dense_backward with
-scale_grad_by_freq's count scan, and _fused_rms_norm (Hugging Face's RMSNorm modules run as pow,
-mean, rsqrt and mul).
+block's length (cuda/ScanUtils.cuh), sort (cuda/Sort.cpp), topk's multi-block path (a top-k sampler
+over a vocabulary: kthValues, ks_to_find, desired, per-block digit counts and two cub scans by key,
+sized from the SM count), index_put_ by boolean masks, embedding_dense_backward with
+scale_grad_by_freq's count scan. torch.nn.RMSNorm and F.rms_norm: a CUDA build runs
+`_fused_rms_norm`'s CUDA kernel under its autograd formula (the output and an fp32 rstd, input and
+rstd saved), where the meta device takes its CompositeImplicitAutograd decomposition (pow, mean,
+rsqrt, mul: more activations than the GPU's); torch refuses a Meta kernel for an op with such a
+decomposition, so emulating it needs the op routed by the emulator itself (not done; Hugging Face's
+RMSNorm modules are their own pow, mean, rsqrt and mul on both).
 """
 
 from __future__ import annotations
@@ -37,19 +50,29 @@ DIRECT_INDICES = 3072
 NROWS_PER_THREAD = 10  # EmbeddingBackwardKernel.cu: rows of a segment one partial sum covers
 MAX_ATOMIC_ACCUM_BLOCKS_PER_SM = 4  # EmbeddingBackwardKernel.cu: the fused atomic kernel's threshold
 MAX_BLOCK_SIZE = 1024  # cuda/SortingCommon.cuh
+# cub::DeviceRadixSort's single-tile path (CCCL's radix sort policy for sm_80 and sm_90: 256 threads x
+# 19 nominal 4-byte items, scaled to 9 for 8-byte keys and values): one block sorts up to this many
+# and the temporary storage is 1 B. Real H100 traces agree: 512 indices sort in one tile
+# (cs336-medium-ctx128-train, _index_put_impl_), 4,096 do not (llama1b-bf16, embedding backward).
+SINGLE_TILE_ITEMS = 256 * 9
 
 
 def _up(x: int, m: int) -> int:
     return -(-x // m) * m
 
 
-def cub_radix_sort_pairs(n: int) -> int:
+def cub_radix_sort_pairs(n: int, bits: int = 64) -> int:
     """ESTIMATE of cub::DeviceRadixSort::SortPairs' temporary storage for n int64 keys and values over
-    all 64 bits (cuda/cub.cuh radix_sort_pairs): the keys' and values' alternate buffers (16 B each),
-    per-tile digit counts, plus cub's 255 B of alignment slack. Fitted to real H100 traces (torch 2.11):
-    4,096 indices 83,455 B (llama1b-bf16) and 16,384 indices 283,135 B (t5-base) exactly, 147,456
-    indices 2,408,959 B (t5-base) 0.2% over."""
-    return _up(16 * n + n // 4 + 16640, 256) + 255
+    `bits` bits (cuda/cub.cuh radix_sort_pairs): the keys' and values' alternate buffers (16 B each),
+    per-tile digit counts, a 2,048 B digit histogram per 8-bit pass, plus cub's 255 B of alignment
+    slack. Fitted to real H100 traces of 64-bit sorts (torch 2.11): 4,096 indices 83,455 B
+    (llama1b-bf16) and 16,384 indices 283,135 B (t5-base) exactly, 147,456 indices 2,408,959 B
+    (t5-base) 0.2% over; the histogram's share per pass is read off cub's onesweep layout (256
+    digits of 8 B), not measured for fewer bits."""
+    if n <= SINGLE_TILE_ITEMS:
+        return 1  # one block sorts it in shared memory: cub asks for 1 B so the pointer is not null
+    passes = max(1, -(-bits // 8))
+    return _up(16 * n + n // 4 + 256 + 2048 * passes, 256) + 255
 
 
 def cub_scan(n: int) -> int:
@@ -221,12 +244,122 @@ def foreach_norm(args: Sequence[Any], kwargs: Dict[str, Any], out: Any, gpu: Gpu
             ("free", "output_per_tensor")]
 
 
+def _broadcast_numel(tensors: Sequence[Any]) -> int:
+    import torch
+
+    shape = torch.broadcast_shapes(*(tuple(t.shape) for t in tensors))
+    n = 1
+    for size in shape:
+        n *= int(size)
+    return n
+
+
+def index_backward() -> bool:
+    """Whether the op runs in IndexBackward0 (the backward of `x[idx]`). On the GPU its formula,
+    index_backward (autograd/FunctionsManual.cpp), calls `_index_put_impl_(zeros, indices, grad,
+    accumulate=True, unsafe=True)` into the zeros it made; on the meta device the same formula takes
+    its subclass branch, a functional `index_put`, which would copy the zeros first."""
+    import torch
+
+    node = torch._C._current_autograd_node()
+    return node is not None and type(node).__name__ == "IndexBackward0"
+
+
+def index_put_in_place(args: Sequence[Any], kwargs: Dict[str, Any]) -> Any:
+    """IndexBackward0's index_put as the GPU runs it: into its zeros, no copy (index_backward)."""
+    import torch
+
+    return torch.ops.aten._index_put_impl_.default(args[0], args[1], args[2], True, True)
+
+
+def index_put_accumulate(args: Sequence[Any], kwargs: Dict[str, Any], out: Any, gpu: Gpu) -> List[Step]:
+    """index_put_ with accumulate=True on CUDA: `_index_put_impl_` (native/TensorAdvancedIndexing.cpp)
+    hands it to index_put_with_sort_kernel (cuda/Indexing.cu), read at pytorch/pytorch d4c7181 (the
+    function unchanged in its allocations since the cub sort replaced thrust's for CUDA >= 11.3).
+    It is the backward of advanced indexing (`x[idx]`: IndexBackward0's index_put). Inside it:
+    makeLinearIndex turns int32 indices into int64 copies and, per indexed dimension,
+    wrapIndexOnce checks the range with `index.max()` and `index.min()` (8 B each; skipped when
+    `unsafe`), then `index.remainder(size) * stride` (two N x 8 B tensors, the first freed at once;
+    a second dimension's is added into the first and freed); a value that is broadcast or not
+    contiguous is copied; then `sorted_indices` and `orig_indices` (N x 8 B), `arange(N)` and
+    cub's radix sort over the bits of the largest linear index, freed in reverse at the end.
+    Boolean masks (indices by nonzero) are not modelled."""
+    import torch
+
+    self, indices, value = args[0], args[1], args[2]
+    accumulate = bool(args[3]) if len(args) > 3 else bool(kwargs.get("accumulate", False))
+    if not accumulate and not torch.are_deterministic_algorithms_enabled():
+        return []
+    unsafe = bool(args[4]) if len(args) > 4 else bool(kwargs.get("unsafe", False)) or index_backward()
+    given = [(d, t) for d, t in enumerate(indices) if t is not None]
+    if not given or any(t.dtype not in (torch.int64, torch.int32) for _, t in given):
+        return []
+    n = _broadcast_numel([t for _, t in given])
+    dims = [d for d, _ in given]
+    adjacent = dims == list(range(dims[0], dims[0] + len(dims)))
+    slice_size = 1
+    for size in self.shape[dims[-1] + 1:] if adjacent else [s for d, s in enumerate(self.shape) if d not in dims]:
+        slice_size *= int(size)
+    before = 1
+    for size in self.shape[:dims[0]] if adjacent else ():
+        before *= int(size)
+    steps: List[Step] = []
+    live: List[str] = []
+
+    def alloc(label: str, size: int, inner: Tuple[str, ...] = ()) -> None:
+        steps.append(("alloc", label, size, inner))
+        live.append(label)
+
+    def free(label: str) -> None:
+        steps.append(("free", label))
+        live.remove(label)
+
+    elem = self.element_size()
+    if not self.is_contiguous():
+        alloc("self", self.numel() * elem, ("clone", "contiguous"))
+    for k, (_, t) in enumerate(given):
+        if t.dtype == torch.int32:
+            alloc(f"long_{k}", t.numel() * 8, ("_to_copy", "to"))
+    for k, _ in enumerate(given):
+        if not unsafe:
+            for check in ("max", "min"):
+                alloc(check, 8, (check,))
+                free(check)
+        alloc(f"wrapped_{k}", n * 8, ("remainder_Scalar",))
+        alloc(f"linear_{k}", n * 8, ("mul_Scalar",))
+        free(f"wrapped_{k}")
+        if k:
+            free(f"linear_{k}")  # added into the first dimension's linear index
+    for k, (_, t) in enumerate(given):
+        if t.dtype == torch.int32:
+            free(f"long_{k}")  # the int64 copies die with the list makeLinearIndex made them in
+    needed = n * before * slice_size
+    if value.numel() < needed or not value.is_contiguous():
+        alloc("value", max(value.numel(), needed) * value.element_size(), ("clone", "contiguous"))
+    if n and slice_size:
+        if not adjacent:
+            alloc("src", self.numel() * elem, ("clone", "contiguous"))
+        alloc("sorted_indices", n * 8, ("empty_like",))
+        alloc("orig_indices", n * 8, ("empty_like",))
+        alloc("range", n * 8, ("arange",))
+        bits = max(1, (max(1, self.numel() - 1) // slice_size).bit_length())
+        alloc("sort_temp", cub_radix_sort_pairs(n, bits))
+        free("sort_temp")
+        free("range")
+    for label in reversed(list(live)):
+        free(label)
+    return steps
+
+
 RULES: Dict[str, Callable[[Sequence[Any], Dict[str, Any], Any, Gpu], List[Step]]] = {
     "embedding": embedding,
     "embedding_dense_backward": embedding_dense_backward,
     "_softmax_backward_data": softmax_backward,
     "native_layer_norm_backward": layer_norm_backward,
     "_foreach_norm": foreach_norm,
+    "index_put": index_put_accumulate,
+    "index_put_": index_put_accumulate,
+    "_index_put_impl_": index_put_accumulate,
 }
 
 
