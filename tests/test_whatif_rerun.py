@@ -165,3 +165,23 @@ def test_each_rerun_of_the_gpt2_script_is_within_1pct_of_the_real_h100_run_with_
         # the saving, as the real pair measures it, within 1% of the real peak too
         saving = rows[change]["delta_bytes"]
         assert abs(saving - (real.peak_bytes - real_base.peak_bytes)) <= 0.01 * real.peak_bytes, change
+
+
+@pytest.mark.slow
+def test_a_model_built_on_the_gpu_is_found_through_its_optimizer(tmp_path, torch):
+    # `with torch.device("cuda"): model = ...` moves nothing; the changes on the trained root still apply,
+    # and equal the same script changed by hand.
+    out = tmp_path / "runs"
+    done = whatif(out, "--format", "json", "--change", "weights=bf16", "--change", "checkpoint",
+                  "--change", "autocast=bf16", script=["--on-gpu"])
+    assert done.returncode == 0, done.stderr
+    rows = {c["change"]: c for c in json.loads(done.stdout)["devices"][0]["changes"]}
+    for change, flags in (("weights=bf16", ["--weights", "bf16"]), ("checkpoint", ["--checkpoint", "1"]),
+                          ("autocast=bf16", ["--autocast", "bf16"])):
+        assert rows[change]["applies"], rows[change]
+        hand = tmp_path / "hand.pickle"
+        made = memdiff("record", "--emulate", "h100", "-o", str(hand), "--", "python", str(SCRIPT), *SMALL,
+                       "--on-gpu", *flags)
+        assert made.returncode == 0, made.stderr
+        name = BY_HAND[change][0]
+        assert peaks(out / f"{name}.pickle", (out / f"{name}.log").read_text()) == peaks(hand, made.stdout), change

@@ -29,6 +29,8 @@ parser.add_argument("--optimizer", choices=("adamw", "adamw-amsgrad", "sgd", "sg
                                             "adafactor"), default="adamw")
 parser.add_argument("--zero-grad", choices=("none", "zeros"), default="none")
 parser.add_argument("--accumulate", type=int, default=1, help="micro-batches of 1/K the batch per step")
+parser.add_argument("--on-gpu", action="store_true",
+                    help="build the model on the GPU (`with torch.device('cuda')`), never moving it")
 parser.add_argument("--fail", action="store_true", help="raise an error that is not out of memory")
 args = parser.parse_args()
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -84,7 +86,11 @@ class Decoder(nn.Module):
 if args.fail:
     raise ValueError("the data set is missing")
 torch.manual_seed(0)
-model = Decoder().to("cuda")
+if args.on_gpu:
+    with torch.device("cuda"):
+        model = Decoder()
+else:
+    model = Decoder().to("cuda")
 if args.weights:
     model = model.to(DTYPES[args.weights])
 params = model.parameters()

@@ -5,6 +5,9 @@ hand, through a few of torch's own entry points patched for the run (never the s
 - `Module.to` / `Module.cuda`: the first module with parameters the script moves to the GPU is the
   trained root; `weights=` casts it there (weights.py), `autocast=` wraps its forward (autocast.py),
   `checkpoint` wraps its repeated blocks' forwards (checkpoint.py);
+- `Optimizer.__init__`: a model built on the GPU directly (`with torch.device("cuda")`, a
+  `device_map`) is never moved; then the trained root is the innermost module that holds the most of
+  the first optimizer's parameters, found when that optimizer has been built;
 - `Optimizer.__new__`: a torch.optim optimizer the script builds is built as another (optimizer.py);
 - `Optimizer.zero_grad` / `Module.zero_grad`: `set_to_none` forced (zero_grad.py).
 
@@ -15,7 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Set, Tuple
 
 from memdiff.recording.emulate.changes import autocast, checkpoint, optimizer, weights, zero_grad
 
@@ -94,9 +97,37 @@ class ChangeSession:
         self.patch(module, "to", patched_to)
         self.patch(module, "cuda", patched_cuda)
 
+        base_init = torch.optim.Optimizer.__init__
+
+        def patched_init(opt: Any, *args: Any, **kwargs: Any) -> None:
+            base_init(opt, *args, **kwargs)
+            if self._root is None:
+                owner = _owner({id(p) for group in opt.param_groups for p in group["params"] if p.is_cuda})
+                if owner is not None:
+                    moved(owner)
+
+        self.patch(torch.optim.Optimizer, "__init__", patched_init)
+
     def unmade(self) -> Optional[str]:
         """Why a change asked was not made by the script's end (the first), else None."""
         return next(iter(self.pending.values()), None)
+
+
+def _owner(params: Set[int]) -> Optional[Any]:
+    """The innermost module holding the most of `params` (ids of GPU parameters), or None: the model
+    under any wrapper (DDP, a LightningModule) that holds the same parameters."""
+    import gc
+
+    import torch
+
+    if not params:
+        return None
+    held = [(sum(id(p) in params for p in m.parameters()), m) for m in gc.get_objects()
+            if isinstance(m, torch.nn.Module)]
+    most = max((n for n, _ in held), default=0)
+    tops = [m for n, m in held if n == most and n > 0]
+    inner = [m for m in tops if not any(o is not m and o in tops for o in m.modules())]
+    return inner[0] if inner else None
 
 
 @contextlib.contextmanager

@@ -6,6 +6,8 @@ from __future__ import annotations
 import functools
 from typing import Any
 
+from memdiff.recording.emulate.changes.root import NO_ROOT
+
 DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
 
 
@@ -14,7 +16,7 @@ def install(session: Any, value: str) -> None:
     import torch
 
     dtype = getattr(torch, DTYPES[value])
-    session.pending["autocast"] = "the script moves no module with parameters to the GPU (.to or .cuda)"
+    session.pending["autocast"] = NO_ROOT
 
     def wrap(root: Any) -> None:
         forward = root.forward

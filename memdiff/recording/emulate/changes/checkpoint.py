@@ -19,6 +19,8 @@ import functools
 from fractions import Fraction
 from typing import Any, List, Optional, Tuple, Union
 
+from memdiff.recording.emulate.changes.root import NO_ROOT
+
 
 def spread(count: int, fraction: Union[Fraction, float, str]) -> List[int]:
     """The indexes of the blocks `checkpoint=F` checkpoints, of `count`: every 1/F-th, evenly spread
@@ -50,7 +52,7 @@ def install(session: Any, value: str) -> None:
     from torch.utils.checkpoint import checkpoint
 
     fraction = value or "1"
-    session.pending["checkpoint"] = "the script moves no module with parameters to the GPU (.to or .cuda)"
+    session.pending["checkpoint"] = NO_ROOT
 
     def wrap(root: Any) -> None:
         found = repeated_blocks(root)

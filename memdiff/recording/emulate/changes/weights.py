@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from memdiff.recording.emulate.changes.root import NO_ROOT
+
 DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
 
 
@@ -13,7 +15,7 @@ def install(session: Any, value: str) -> None:
     import torch
 
     dtype = getattr(torch, DTYPES[value])
-    session.pending["weights"] = "the script moves no module with parameters to the GPU (.to or .cuda)"
+    session.pending["weights"] = NO_ROOT
 
     def cast(module: Any) -> None:
         # `Module.to` is ours while the session runs: the dtype alone names no device, so no move is seen.
