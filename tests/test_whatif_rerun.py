@@ -96,6 +96,10 @@ def test_the_table_is_the_whatif_table_marked_rerun_against_the_baseline_run(rer
     assert [c["change"] for c in device["changes"]] == list(BY_HAND)
     for c in device["changes"]:
         assert c["delta_bytes"] == c["predicted_peak_bytes"] - base and c["fits_budget"] is True
+        # each row carries its run's own phase peaks and categories at the peak, as its snapshot says
+        run = read_summary(str(out / f"{BY_HAND[c['change']][0]}.pickle"), load_rules()).devices[0]
+        assert c["categories"] == run.categories and sum(c["categories"].values()) == c["predicted_peak_bytes"]
+        assert c["phase_peaks"][c["predicted_peak_phase"]] == c["predicted_peak_bytes"]
     # A change made by hand the script already has its own way: the baseline is the script as given.
     assert next(c for c in device["changes"] if c["change"] == "zero-grad=zeros")["delta_bytes"] > 0
     text = memdiff("whatif", str(out / "baseline.pickle"))  # the baseline is an ordinary snapshot

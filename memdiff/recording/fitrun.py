@@ -37,6 +37,8 @@ class RunOutcome:
     cpu_seconds: float  # the process's own CPU time, user and system: the run's cost on a shared machine
     # `memdiff whatif --emulate`: what the change made (one sentence each), why it made nothing (None: it
     # did), and what the script used (its optimizer, as `--change optimizer=` names it)
+    phase_peaks: Optional[Dict[str, int]] = None  # each phase's highest bytes live, over the steps
+    categories: Optional[Dict[str, int]] = None  # bytes live at the peak, per category
     change_notes: Optional[List[str]] = None
     change_unmade: Optional[str] = None
     seen: Optional[Dict[str, Any]] = None
@@ -56,8 +58,12 @@ def _summary_facts(path: str) -> Dict[str, Any]:
     if device is None:
         return {}
     site = next((g.site for g in device.groups if g.signature == device.peak_event_signature), None)
+    phases: Dict[str, int] = {}
+    for p in device.phase_peaks:
+        phases[p.phase] = max(phases.get(p.phase, 0), p.peak_bytes)
     return {"peak_bytes": device.peak_bytes, "reserved_peak_bytes": device.reserved_peak_bytes,
-            "phase": device.phase_at_peak, "step": device.step_at_peak, "site": site}
+            "phase": device.phase_at_peak, "step": device.step_at_peak, "site": site,
+            "phase_peaks": phases, "categories": dict(device.categories)}
 
 
 def run_emulated(gpu: str, target: List[str], snapshot: str, log: str, max_entries: int,
@@ -105,6 +111,7 @@ def run_emulated(gpu: str, target: List[str], snapshot: str, log: str, max_entri
     return RunOutcome(status=ended, exit_status=status, oom_message=oom, refused=refused,
                       peak_bytes=facts.get("peak_bytes"), reserved_peak_bytes=facts.get("reserved_peak_bytes"),
                       phase=facts.get("phase"), step=facts.get("step"), site=facts.get("site"), seconds=seconds,
+                      phase_peaks=facts.get("phase_peaks"), categories=facts.get("categories"),
                       cpu_seconds=used.ru_utime + used.ru_stime,
                       change_notes=None if session is None else session.notes,
                       change_unmade=None if session is None else session.unmade(),

@@ -172,7 +172,8 @@ def _row(change: Change, sent: Dict[str, Any], base: Dict[str, Any], budget: Opt
     notes += [f"reserved peak {format_bytes(int(sent['reserved_peak_bytes'] or 0))}; snapshot {snapshot}"]
     return ChangePrediction(change=change.text, applies=True, reason=None, predicted_peak_bytes=peak,
                             predicted_peak_phase=phase, predicted_peak_step=sent["step"], delta_bytes=delta,
-                            delta_pct=pct, fits_budget=fits, phase_peaks={}, categories={}, assumptions=notes,
+                            delta_pct=pct, fits_budget=fits, phase_peaks=dict(sent.get("phase_peaks") or {}),
+                            categories=dict(sent.get("categories") or {}), assumptions=notes,
                             line=line)
 
 
