@@ -189,3 +189,13 @@ def test_a_model_built_on_the_gpu_is_found_through_its_optimizer(tmp_path, torch
         assert made.returncode == 0, made.stderr
         name = BY_HAND[change][0]
         assert peaks(out / f"{name}.pickle", (out / f"{name}.log").read_text()) == peaks(hand, made.stdout), change
+
+
+@pytest.mark.slow
+def test_each_rerun_row_is_categorized_by_the_rules_the_command_was_given(tmp_path, torch):
+    # the category rules are read once at the entry and travel to every run; the runs do not reload the defaults
+    done = whatif(tmp_path / "runs", "--format", "json", "--change", "optimizer=sgd",
+                  "--custom-profile", '{"head_logits": "^forward$"}', script=["--steps", "1"])
+    assert done.returncode == 0, done.stderr
+    row = json.loads(done.stdout)["devices"][0]["changes"][0]
+    assert row["categories"].get("head_logits", 0) > 0, row["categories"]

@@ -63,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
                                                                 else args.command)
         if args.html is not None:
             check_output(args.html)
-        result = rerun(command, args.emulate, args.output, args.change, args.budget, args.jobs)
+        result = rerun(command, args.emulate, args.output, args.change, rules_from(args), args.budget, args.jobs)
     else:
         if args.snapshot is None or args.command or args.output is not None:
             raise InputError("whatif", "give one recorded run (`memdiff whatif run.pickle`), or --emulate GPU -o "

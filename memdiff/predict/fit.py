@@ -454,7 +454,7 @@ def run_fit(command: Sequence[str], gpus: Sequence[Gpu], output: str, grid: Grid
                 target = _target(with_value(command, grid.name, value))
                 ours, theirs = context.Pipe(duplex=False)
                 process = context.Process(target=child, args=(theirs, s.gpu.key, target, snapshot, log,
-                                                              max_entries), daemon=True)
+                                                              max_entries, rules), daemon=True)
                 process.start()
                 theirs.close()
                 s.started(index, why)

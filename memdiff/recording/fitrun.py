@@ -48,12 +48,12 @@ class RunOutcome:
         return asdict(self)
 
 
-def _summary_facts(path: str) -> Dict[str, Any]:
-    """The peaks, phase and site of the snapshot at `path`, as `memdiff peak` reads them."""
-    from memdiff.analyse.classify import load_rules
+def _summary_facts(path: str, rules: Sequence[Any]) -> Dict[str, Any]:
+    """The peaks, phase and site of the snapshot at `path`, as `memdiff peak` reads them (categories by
+    `rules`, the category rules the command was given, loaded at its entry)."""
     from memdiff.read.inputs import read_summary
 
-    summary = read_summary(path, load_rules())
+    summary = read_summary(path, rules)
     device = max(summary.devices, key=lambda d: d.peak_bytes, default=None)
     if device is None:
         return {}
@@ -66,7 +66,7 @@ def _summary_facts(path: str) -> Dict[str, Any]:
             "phase_peaks": phases, "categories": dict(device.categories)}
 
 
-def run_emulated(gpu: str, target: List[str], snapshot: str, log: str, max_entries: int,
+def run_emulated(gpu: str, target: List[str], snapshot: str, log: str, max_entries: int, rules: Sequence[Any],
                  change: Optional[Sequence[Tuple[str, Optional[str]]]] = None) -> RunOutcome:
     """Run `target` (`[SCRIPT, ARGS...]` or `[-m, MODULE, ARGS...]`) on emulated `gpu`, writing its snapshot
     to `snapshot` and its output to `log`; with `change` (`memdiff whatif --change`'s parts, maybe none),
@@ -104,7 +104,7 @@ def run_emulated(gpu: str, target: List[str], snapshot: str, log: str, max_entri
     sys.stdout.flush()
     sys.stderr.flush()
     oom = emulator.out_of_memory[0] if emulator.out_of_memory else None
-    facts = _summary_facts(snapshot) if os.path.exists(snapshot) else {}
+    facts = _summary_facts(snapshot, rules) if os.path.exists(snapshot) else {}
     seconds = time.monotonic() - started
     used = resource.getrusage(resource.RUSAGE_SELF)  # a forked process's count starts at its fork
     ended = OOM if oom is not None else FITS if status == 0 else FAILED
@@ -118,11 +118,11 @@ def run_emulated(gpu: str, target: List[str], snapshot: str, log: str, max_entri
                       seen=None if session is None else session.seen)
 
 
-def child(conn: Any, gpu: str, target: List[str], snapshot: str, log: str, max_entries: int,
+def child(conn: Any, gpu: str, target: List[str], snapshot: str, log: str, max_entries: int, rules: Sequence[Any],
           change: Optional[Sequence[Tuple[str, Optional[str]]]] = None) -> None:
     """The forked process's entry: run, send the outcome's dict back, close."""
     try:
-        outcome = run_emulated(gpu, target, snapshot, log, max_entries, change)
+        outcome = run_emulated(gpu, target, snapshot, log, max_entries, rules, change)
         conn.send(outcome.to_dict())
     except BaseException as exc:  # memdiff's own failure in the child: said to the parent, never lost
         import traceback

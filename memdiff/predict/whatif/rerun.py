@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import wait
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+from memdiff.analyse.classify import Rule
 from memdiff.compare.findings import finding
 from memdiff.errors import InputError, clip
 from memdiff.inert import scrubbed
@@ -84,8 +85,10 @@ def every_change(seen: Dict[str, Any], has_knob: bool) -> List[Change]:
 class _Runner:
     """Runs up to `jobs` emulated runs at a time, each in a process forked from fit's server."""
 
-    def __init__(self, gpu: str, command: Sequence[str], output: str, jobs: int, max_entries: int) -> None:
+    def __init__(self, gpu: str, command: Sequence[str], output: str, jobs: int, max_entries: int,
+                 rules: Sequence[Rule]) -> None:
         self.gpu, self.command, self.output, self.jobs, self.max_entries = gpu, list(command), output, jobs, max_entries
+        self.rules = list(rules)
         self.context = multiprocessing.get_context("forkserver")
         self.context.set_forkserver_preload(["torch", "memdiff.recording.fitrun", "memdiff.recording.emulate.runtime"])
 
@@ -125,7 +128,8 @@ class _Runner:
         parts = [p for p in change.parts if p[0] != KNOB] if change is not None else []
         ours, theirs = self.context.Pipe(duplex=False)
         process = self.context.Process(target=child, args=(theirs, self.gpu, _target(_command(self.command, change)),
-                                                           snapshot, log, self.max_entries, parts), daemon=True)
+                                                           snapshot, log, self.max_entries, self.rules, parts),
+                                       daemon=True)
         process.start()
         theirs.close()
         return _Running(index, change, process, ours, snapshot, log)
@@ -177,10 +181,10 @@ def _row(change: Change, sent: Dict[str, Any], base: Dict[str, Any], budget: Opt
                             line=line)
 
 
-def rerun(command: Sequence[str], gpu: str, output: str, changes: Sequence[str], budget: Optional[int] = None,
-          jobs: int = 2, max_entries: int = 1_000_000) -> WhatIf:
+def rerun(command: Sequence[str], gpu: str, output: str, changes: Sequence[str], rules: Sequence[Rule],
+          budget: Optional[int] = None, jobs: int = 2, max_entries: int = 1_000_000) -> WhatIf:
     """The WhatIf of `command` re-run on emulated `gpu` with each change (none: every one worth trying),
-    against its run unchanged; every run's snapshot and output kept in `output`."""
+    against its run unchanged; every run's snapshot and output kept in `output`, its categories by `rules`."""
     command = list(command[1:] if command and command[0] == "--" else command)
     if not command:
         raise InputError("whatif", "nothing to run: give `-- python train.py ARGS`")
@@ -188,7 +192,7 @@ def rerun(command: Sequence[str], gpu: str, output: str, changes: Sequence[str],
     _checked(command, parsed)
     _target(_command(command, None))  # a typo in the command fails before any run
     os.makedirs(output, exist_ok=True)
-    runner = _Runner(gpu, command, output, jobs, max_entries)
+    runner = _Runner(gpu, command, output, jobs, max_entries, rules)
     if parsed:
         results = runner.run([None, *parsed])
         (base_run, base), rows = results[0], results[1:]
