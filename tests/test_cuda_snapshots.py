@@ -332,6 +332,25 @@ def test_whatif_predicts_the_change_really_made_on_the_gpu_within_10pct(change, 
     assert abs(predicted.predicted_peak_bytes - measured) <= 0.10 * measured, (predicted.predicted_peak_bytes, measured)
 
 
+def _optimizer_peak(phase_peaks) -> int:
+    return max(p.peak_bytes for p in phase_peaks if p.phase == "optimizer")
+
+
+@pytest.mark.parametrize("base, change, head", [("gpt2-base", "step=fused", "gpt2-fused"),
+                                                ("gpt2-fused", "step=foreach", "gpt2-base")])
+def test_whatif_step_form_predicts_the_optimizer_step_of_the_run_really_made_in_that_form(base, change, head):
+    """AdamW's update run fused (no temporaries) or foreach (one list the size of the weights: `_foreach_sqrt`
+    of the second moments), from a run in the other form: the optimizer step's peak, within 1% of the
+    real run's (the overall peak is the backward's in both)."""
+    predicted = api.whatif(DATA / f"{base}.pickle.gz", change).devices[0].changes[0]
+    assert predicted.applies, predicted.reason
+    real = api.summarize(DATA / f"{head}.pickle.gz").devices[0]
+    assert abs(predicted.phase_peaks["optimizer"] / _optimizer_peak(real.phase_peaks) - 1) <= 0.01
+    assert abs(predicted.predicted_peak_bytes / real.peak_bytes - 1) <= 0.01
+    already = api.whatif(DATA / f"{head}.pickle.gz", change).devices[0].changes[0]
+    assert not already.applies and "already" in (already.reason or "")
+
+
 # From the plain-SGD run, whose update allocates nothing (in place), each optimizer really made on
 # the GPU: the state the new optimizer adds is predicted from the step the run shows by its
 # `Optimizer.step#SGD.step` scope and the gradients zero_grad frees.

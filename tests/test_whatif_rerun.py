@@ -31,6 +31,8 @@ BY_HAND = {"checkpoint": ("checkpoint", ["--checkpoint", "1"]),
            # AdamW built as AdamW with amsgrad: Python calls __init__ again on an instance of the class asked
            "optimizer=adamw-amsgrad": ("optimizer-adamw-amsgrad", ["--optimizer", "adamw-amsgrad"]),
            "zero-grad=zeros": ("zero-grad-zeros", ["--zero-grad", "zeros"]),
+           "step=fused": ("step-fused", ["--step", "fused"]),
+           "step=single": ("step-single", ["--step", "single"]),
            "accumulate=2": ("accumulate-2", ["--accumulate", "2"])}
 MAX_ALLOCATED = re.compile(r"max_memory_allocated (\d+)")
 
@@ -145,7 +147,7 @@ def test_emulate_needs_an_output_folder_and_a_run_is_not_a_command():
 REAL = {"weights=bf16": "gpt2-bf16", "optimizer=sgd": "gpt2-sgd", "optimizer=sgd-momentum": "gpt2-sgd-momentum",
         "optimizer=adafactor": "gpt2-adafactor", "checkpoint": "gpt2-checkpoint",
         "checkpoint=0.5": "gpt2-checkpoint-half", "zero-grad=zeros": "gpt2-keep-grads",
-        "autocast=bf16": "gpt2-autocast"}
+        "autocast=bf16": "gpt2-autocast", "step=fused": "gpt2-fused"}
 
 
 @pytest.mark.slow
@@ -169,6 +171,10 @@ def test_each_rerun_of_the_gpt2_script_is_within_1pct_of_the_real_h100_run_with_
         # the saving, as the real pair measures it, within 1% of the real peak too
         saving = rows[change]["delta_bytes"]
         assert abs(saving - (real.peak_bytes - real_base.peak_bytes)) <= 0.01 * real.peak_bytes, change
+    # the fused step's saving is in the optimizer step, below this run's peak: its phase peak is the real one's
+    fused = max(p.peak_bytes for p in read_summary(str(cuda / "gpt2-fused.pickle.gz"),
+                                                   load_rules()).devices[0].phase_peaks if p.phase == "optimizer")
+    assert abs(rows["step=fused"]["phase_peaks"]["optimizer"] / fused - 1) <= 0.01
 
 
 @pytest.mark.slow

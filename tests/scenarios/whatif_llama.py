@@ -27,6 +27,7 @@ parser.add_argument("--weights", choices=("bf16", "fp16"))
 parser.add_argument("--autocast", choices=("bf16", "fp16"))
 parser.add_argument("--optimizer", choices=("adamw", "adamw-amsgrad", "sgd", "sgd-momentum", "adam", "adagrad", "rmsprop",
                                             "adafactor"), default="adamw")
+parser.add_argument("--step", choices=("single", "foreach", "fused"), help="the update's form (default: torch's)")
 parser.add_argument("--zero-grad", choices=("none", "zeros"), default="none")
 parser.add_argument("--accumulate", type=int, default=1, help="micro-batches of 1/K the batch per step")
 parser.add_argument("--on-gpu", action="store_true",
@@ -94,7 +95,8 @@ else:
 if args.weights:
     model = model.to(DTYPES[args.weights])
 params = model.parameters()
-optimizer = {"adamw": lambda: torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01),
+FORM = {None: {}, "single": {"foreach": False}, "foreach": {"foreach": True}, "fused": {"fused": True}}[args.step]
+optimizer = {"adamw": lambda: torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01, **FORM),
              "adamw-amsgrad": lambda: torch.optim.AdamW(params, lr=1e-3, amsgrad=True),
              "sgd": lambda: torch.optim.SGD(params, lr=1e-3),
              "sgd-momentum": lambda: torch.optim.SGD(params, lr=1e-3, momentum=0.9),

@@ -30,7 +30,7 @@ from memdiff.inert import scrubbed
 from memdiff.model import Finding, PhaseSpan, Step
 from memdiff.predict.forecast.course import DeviceCourse, read_course, structure
 from memdiff.predict.forecast.replay import replay_course
-from memdiff.predict.whatif import accumulate, autocast, checkpoint, optimizer, weights, zero_grad
+from memdiff.predict.whatif import accumulate, autocast, checkpoint, optimizer, step, weights, zero_grad
 from memdiff.predict.whatif.blocks import blocks_of
 from memdiff.predict.whatif.edit import CannotApply, ChangeRule, Edit, changed_course, closest
 from memdiff.predict.whatif.optimizer import OPTIMIZERS, run_optimizer
@@ -43,7 +43,7 @@ SCHEMA_VERSION = 1
 # Every change, in the order a combination applies them (`weights` first: see predict); one
 # module a rule, each with the facts it reads from the run.
 RULES: Dict[str, ChangeRule] = {rule.name: rule for rule in (
-    checkpoint.RULE, weights.RULE, autocast.RULE, optimizer.RULE, zero_grad.RULE, accumulate.RULE)}
+    checkpoint.RULE, weights.RULE, autocast.RULE, optimizer.RULE, step.RULE, zero_grad.RULE, accumulate.RULE)}
 NAMES = tuple(RULES)
 
 
@@ -170,7 +170,7 @@ def every_change(run: Run, optimizer: Optional[str]) -> List[Change]:
     texts = ["checkpoint", "checkpoint=0.5", "weights=bf16", "autocast=bf16"]
     same = ("adam", "adamw") if optimizer in ("adam", "adamw") else (optimizer,)
     texts += [f"optimizer={name}" for name in OPTIMIZERS if name not in same and name != "adam"]
-    texts += ["zero-grad=none", "zero-grad=zeros", "accumulate=2", "accumulate=4"]
+    texts += ["step=fused", "zero-grad=none", "zero-grad=zeros", "accumulate=2", "accumulate=4"]
     return [parse_change(t) for t in texts]
 
 

@@ -144,19 +144,16 @@ def apply_optimizer(run: Run, edit: Edit, value: str) -> None:
     elif want_state:
         opt_runs = [s for s in run.spans if s.phase == OPTIMIZER]
         first = opt_runs[0]
-        at = _peak_event(run, first)
+        at = peak_event(run, first)
         edit.add(at, c.events, int(grads * scale) * want_state, "optimizer_state")
         edit.assumptions.append("the state is made in the first optimizer step, as torch.optim does, and never freed")
-    # The update's temporaries: made and freed inside an optimizer phase run.
-    temps = run.of("optimizer_temporary", "autograd", "other", "activation") & (run.phase == OPTIMIZER) \
-        & (run.end_run == run.born_run)
-    edit.size[temps] = 0
+    edit.size[step_temporaries(run)] = 0
     params = run.of("parameter")
     largest = int(edit.size[params].max()) if params.any() else 0
     unit = int(grads * scale) if form == "foreach" else largest
     for span in run.spans:
         if span.phase == OPTIMIZER:
-            edit.add(_peak_event(run, span), _peak_event(run, span) + 1, want_temps * unit, "optimizer_temporary")
+            edit.add(peak_event(run, span), peak_event(run, span) + 1, want_temps * unit, "optimizer_temporary")
     edit.assumptions.append(
         f"{value} keeps {want_state} state tensor{'s' if want_state != 1 else ''} per parameter "
         f"(the run's {_shown_optimizer(name)} keeps {per}); its update makes {want_temps} temporar"
@@ -171,7 +168,14 @@ def _shown_optimizer(name: Optional[str]) -> str:
     return {None: "optimizer", "adam": "Adam or AdamW"}.get(name, name or "optimizer")
 
 
-def _peak_event(run: Run, span: PhaseSpan) -> int:
+def step_temporaries(run: Run) -> np.ndarray:
+    """The update's temporaries: what is made and freed inside one optimizer phase run."""
+    return (run.of("optimizer_temporary", "autograd", "other", "activation") & (run.phase == OPTIMIZER)
+            & (run.end_run == run.born_run))
+
+
+def peak_event(run: Run, span: PhaseSpan) -> int:
+    """The event of the run's highest memory within `span`."""
     totals = run.base.totals
     window = totals[span.start_event: span.end_event + 1]
     return span.start_event + (int(window.argmax()) if len(window) else 0)

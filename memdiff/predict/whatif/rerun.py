@@ -78,7 +78,8 @@ def every_change(seen: Dict[str, Any], has_knob: bool) -> List[Change]:
     own = seen.get("optimizer")
     same = ("adam", "adamw") if own in ("adam", "adamw") else (own,)
     texts += [f"optimizer={name}" for name in OPTIMIZERS if name not in same and name != "adam"]
-    texts += ["zero-grad=none", "zero-grad=zeros"] + (["accumulate=2", "accumulate=4"] if has_knob else [])
+    texts += ["step=fused", "zero-grad=none", "zero-grad=zeros"]
+    texts += ["accumulate=2", "accumulate=4"] if has_knob else []
     return [parse_change(t) for t in texts]
 
 

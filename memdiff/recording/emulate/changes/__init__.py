@@ -8,7 +8,8 @@ hand, through a few of torch's own entry points patched for the run (never the s
 - `Optimizer.__init__`: a model built on the GPU directly (`with torch.device("cuda")`, a
   `device_map`) is never moved; then the trained root is the innermost module that holds the most of
   the first optimizer's parameters, found when that optimizer has been built;
-- `Optimizer.__new__`: a torch.optim optimizer the script builds is built as another (optimizer.py);
+- `Optimizer.__new__`: a torch.optim optimizer the script builds is built as another, or with its
+  update in another form (optimizer.py);
 - `Optimizer.zero_grad` / `Module.zero_grad`: `set_to_none` forced (zero_grad.py).
 
 `accumulate=K` is not made here: the script's own flag takes it (memdiff.predict.whatif.rerun).
@@ -25,7 +26,7 @@ from memdiff.recording.emulate.changes import autocast, checkpoint, optimizer, w
 # The changes made in the emulator, by `--change` name; each module's `install(session, value)`.
 INSTALLERS: Dict[str, Callable[["ChangeSession", str], None]] = {
     "checkpoint": checkpoint.install, "weights": weights.install, "autocast": autocast.install,
-    "optimizer": optimizer.install, "zero-grad": zero_grad.install}
+    "optimizer": optimizer.install, "step": optimizer.install_step, "zero-grad": zero_grad.install}
 
 
 class ChangeSession:

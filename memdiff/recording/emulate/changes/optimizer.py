@@ -1,5 +1,7 @@
 """`optimizer=NAME`: the torch.optim optimizer the script builds built as NAME instead, with the same
-parameters (or parameter groups) and learning rate; also what the script's own optimizer is."""
+parameters (or parameter groups) and learning rate; `step=single|foreach|fused`: built with its
+update in that form (`foreach=False`, `foreach=True`, `fused=True`), its other arguments as the
+script gave them; also what the script's own optimizer is."""
 
 from __future__ import annotations
 
@@ -11,6 +13,10 @@ OPTIMIZERS: Dict[str, Tuple[str, Dict[str, Any]]] = {
     "sgd": ("SGD", {}), "sgd-momentum": ("SGD", {"momentum": 0.9}), "adam": ("Adam", {}), "adamw": ("AdamW", {}),
     "adamw-amsgrad": ("AdamW", {"amsgrad": True}), "adagrad": ("Adagrad", {}), "rmsprop": ("RMSprop", {}),
     "adafactor": ("Adafactor", {})}
+
+# step=FORM -> the keyword arguments torch.optim's optimizers take for it
+FORMS: Dict[str, Dict[str, bool]] = {"single": {"foreach": False}, "foreach": {"foreach": True},
+                                     "fused": {"fused": True}}
 
 
 def _named(cls: Any, arguments: Dict[str, Any]) -> str:
@@ -54,17 +60,26 @@ def watch(session: Any) -> None:
         arguments = _arguments(cls, args, kwargs)
         session.seen.setdefault("optimizer", _named(cls, arguments))
         wanted: Optional[str] = session.seen.get("optimizer=")
-        if wanted is None:
+        form: Optional[str] = session.seen.get("step=")
+        if wanted is None and form is None:
             return object.__new__(cls)
-        name, extra = OPTIMIZERS[wanted]
-        given = {k: arguments[k] for k in ("lr",) if k in arguments}
+        forms = {} if form is None else dict(FORMS[form])
+        if wanted is None:
+            maker, given, extra = cls, {k: v for k, v in arguments.items() if k not in ("foreach", "fused")}, forms
+        else:
+            name, extra = OPTIMIZERS[wanted]
+            maker, given, extra = getattr(torch.optim, name), {k: arguments[k] for k in ("lr",) if k in arguments}, \
+                {**extra, **forms}
+        params = given.pop("params", args[0] if args else None)
         building.append(True)
         try:
-            made = getattr(torch.optim, name)(arguments.get("params", args[0] if args else None), **given, **extra)
+            made = maker(params, **given, **extra)
         finally:
             building.pop()
-        session.pending.pop("optimizer", None)
-        session.notes.append(f"{name}({', '.join([*given, *extra])}) built where the script builds "
+        for change in ("optimizer", "step"):
+            session.pending.pop(change, None)
+        shown = [*given, *(f"{k}={v}" for k, v in extra.items())]
+        session.notes.append(f"{maker.__name__}({', '.join(shown)}) built where the script builds "
                              f"{cls.__name__}, with its parameters")
         if isinstance(made, cls):
             # Python calls __init__ again, with the script's arguments, on what __new__ returns when it is an
@@ -80,3 +95,9 @@ def install(session: Any, value: str) -> None:
     """Build the script's optimizer as `value` (watch does it)."""
     session.seen["optimizer="] = value
     session.pending["optimizer"] = "the script builds no torch.optim optimizer"
+
+
+def install_step(session: Any, value: str) -> None:
+    """Build the script's optimizer with its update in the `value` form (watch does it)."""
+    session.seen["step="] = value
+    session.pending["step"] = "the script builds no torch.optim optimizer"
