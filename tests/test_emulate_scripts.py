@@ -362,3 +362,28 @@ def test_cuda_generators_and_rng_state_work_with_a_cpu_generator_standing_in(tmp
     assert out.pop("allocated") >= 256 * 256 * 4 + 1024 * 4 + 4096 * 8  # what was drawn is on the device
     assert out == {"device": "cuda:0", "other": "cuda:0", "seed": 1234, "cuda_seed": 7, "state": True,
                    "cpu": "cpu", "x": "cuda:0", "order": "cuda:0", "default": "cuda:0"}
+
+
+FAKE_SHAPES = """
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+w = torch.zeros(4, device="cuda")
+before = torch.cuda.memory_allocated()
+with FakeTensorMode():
+    x = torch.empty_strided((1024, 1024), (1024, 1), device="cuda")
+    y = x @ x
+print("grew", torch.cuda.memory_allocated() - before, "max", torch.cuda.max_memory_allocated())
+print("shape", tuple(y.shape), "stride", y.stride())
+"""
+
+
+@pytest.mark.slow
+def test_fake_tensors_take_no_gpu_memory_as_dtensor_propagation_makes_them(tmp_path):
+    # Tensor parallelism (DTensor) works out each op's global shape by running it on fake tensors
+    # (torch/distributed/tensor/_sharding_prop.py), then reads the fake output's strides after its
+    # mode exits. On a GPU a fake tensor is no allocation: memory_allocated does not move, and the
+    # peak is the 4-float tensor's one 512-byte block. The emulated run had counted 8 MiB of fake
+    # matrices and a cuBLAS workspace, and failed on the stride read (`prim::device`).
+    done = _emulate(tmp_path, FAKE_SHAPES)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == ["grew 0 max 512", "shape (1024, 1024) stride (1024, 1)"]
