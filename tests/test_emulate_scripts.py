@@ -362,3 +362,68 @@ def test_cuda_generators_and_rng_state_work_with_a_cpu_generator_standing_in(tmp
     assert out.pop("allocated") >= 256 * 256 * 4 + 1024 * 4 + 4096 * 8  # what was drawn is on the device
     assert out == {"device": "cuda:0", "other": "cuda:0", "seed": 1234, "cuda_seed": 7, "state": True,
                    "cpu": "cpu", "x": "cuda:0", "order": "cuda:0", "default": "cuda:0"}
+
+
+FAKE_SHAPES = """
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+w = torch.zeros(4, device="cuda")
+before = torch.cuda.memory_allocated()
+with FakeTensorMode():
+    x = torch.empty_strided((1024, 1024), (1024, 1), device="cuda")
+    y = x @ x
+print("grew", torch.cuda.memory_allocated() - before, "max", torch.cuda.max_memory_allocated())
+print("shape", tuple(y.shape), "stride", y.stride())
+"""
+
+
+@pytest.mark.slow
+def test_fake_tensors_take_no_gpu_memory_as_dtensor_propagation_makes_them(tmp_path):
+    # Tensor parallelism (DTensor) works out each op's global shape by running it on fake tensors
+    # (torch/distributed/tensor/_sharding_prop.py), then reads the fake output's strides after its
+    # mode exits. On a GPU a fake tensor is no allocation: memory_allocated does not move, and the
+    # peak is the 4-float tensor's one 512-byte block. The emulated run had counted 8 MiB of fake
+    # matrices and a cuBLAS workspace, and failed on the stride read (`prim::device`).
+    done = _emulate(tmp_path, FAKE_SHAPES)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == ["grew 0 max 512", "shape (1024, 1024) stride (1024, 1)"]
+
+
+TENSOR_PARALLEL = """
+import os
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+mesh = init_device_mesh("cuda", (int(os.environ["WORLD_SIZE"]),))
+model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.ReLU(), torch.nn.Linear(512, 256)).cuda()
+model = parallelize_module(model, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+opt = torch.optim.AdamW(model.parameters())
+torch.cuda.memory._record_memory_history(max_entries=100000)
+for _ in range(2):
+    model(torch.rand(8, 256, device="cuda")).sum().backward()
+    opt.step()
+    opt.zero_grad()
+print("local", sum(p.to_local().untyped_storage().nbytes() for p in model.parameters()))
+torch.cuda.memory._dump_snapshot("own.pickle")
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.slow
+def test_tensor_parallel_shards_are_the_ranks_parameters(tmp_path):
+    # parallelize_module replaces each weight with this rank's shard, made by distribute_tensor
+    # under torch/distributed: those shards are the rank's parameters (what it keeps and updates),
+    # not communication buffers. Rank 1 of 2, alone: the emulated process group moves nothing.
+    done = _emulate(tmp_path, TENSOR_PARALLEL, RANK="1", LOCAL_RANK="0", WORLD_SIZE="2",
+                    MASTER_ADDR="127.0.0.1", MASTER_PORT="1")
+    assert done.returncode == 0, done.stderr
+    local = int(done.stdout.split("local")[1].split()[0])
+    assert local == 4 * (256 * 256 + 256 + 256 * 256 + 256)  # half of each weight and the first bias
+    # (the second bias whole: RowwiseParallel replicates it)
+    from memdiff import api
+
+    device = api.summarize(tmp_path / "own.pickle").devices[0]
+    assert device.categories["parameter"] == local
+    assert device.categories["optimizer_state"] == 2 * local  # AdamW's two moments of the shards

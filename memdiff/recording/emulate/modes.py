@@ -333,6 +333,11 @@ class AllocMode(TorchDispatchMode):
             # A tensor subclass (FSDP2's and tensor parallelism's DTensor) runs the op on its local
             # tensors, which come back here: the memory is theirs (a shard), not the wrapper's shape.
             return NotImplemented
+        if torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None:
+            # A fake tensor mode is on (DTensor's sharding propagation runs each op on fake tensors
+            # of its global shape): it makes no memory on the GPU, and its fake tensors answer their
+            # own metadata (`prim::device`). Infra modes run below this one, so it sees these first.
+            return func(*args, **(kwargs or {}))
         # Below autograd a tensor is what it is: the device mode (on during a backward) must not tell
         # this code that a meta tensor is cuda.
         with torch._C.DisableTorchFunction():
@@ -343,6 +348,10 @@ class AllocMode(TorchDispatchMode):
         namespace = func.namespace
         if namespace == "profiler":
             return self.scope(func, args, kwargs)
+        if namespace == "prim":
+            # Metadata a fake tensor answers in Python after its mode has exited (`.is_meta` of
+            # DTensor's propagated output): no allocation, and no kernel table to look it up in.
+            return func(*args, **kwargs)
         base = func._schema.name.split("::", 1)[-1]
         if namespace == "c10d":  # a collective on the fake group: nothing moves, nothing is allocated
             out = func(*args, **kwargs)
