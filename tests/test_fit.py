@@ -177,3 +177,65 @@ def test_a_gpu_only_one_side_fits_is_not_compared_and_nothing_is_a_drop():
     assert judge({"l4": None}, "batch", baseline, "b.json")[0].message.startswith("fit: l4 batch 8 -> nothing")
     with pytest.raises(InputError, match="cannot be compared"):
         judge({"h100": 48}, "seq", baseline, "b.json")
+
+
+def _fit_baseline(tmp_path: Path, doc: dict, raised_by: int) -> tuple:
+    """A baseline of the fit's own largest run, holding a fit whose L4 value is `raised_by` above this one's,
+    and the fit result of this change: what a pull request's gate is given."""
+    snapshot = doc["gpus"][0]["fits"]["snapshot"]
+    head_fit, base_fit, baseline = tmp_path / "fit.json", tmp_path / "base-fit.json", tmp_path / "b" / "train.json"
+    head_fit.write_text(json.dumps(doc))
+    higher = copy.deepcopy(doc)
+    higher["gpus"][0]["value"] += raised_by
+    base_fit.write_text(json.dumps(higher))
+    made = memdiff("baseline", snapshot, "-o", str(baseline), "--fit", str(base_fit))
+    assert made.returncode == 0, made.stderr
+    return snapshot, str(head_fit), str(baseline)
+
+
+@pytest.mark.slow
+def test_a_baseline_holds_the_fit_and_the_snapshot_gate_fails_when_it_drops(tmp_path, l4_fit):
+    _, doc = l4_fit
+    value = doc["gpus"][0]["value"]
+    snapshot, head_fit, baseline = _fit_baseline(tmp_path, doc, 8)
+    stored = json.loads(Path(baseline).read_text())
+    assert stored["schema_version"] == 3
+    assert stored["fit"]["knob"] == "batch" and stored["fit"]["gpus"] == [{"gpu": "l4", "value": value + 8}]
+    md = memdiff("gate", snapshot, "--baseline", baseline, "--fit", head_fit, "--format", "markdown")
+    assert md.returncode == 1, md.stdout + md.stderr
+    said = [line for line in md.stdout.splitlines() if "G011" in line]
+    assert len(said) == 1 and f"fit: l4 batch {value + 8:,} -> {value:,}" in said[0]
+    page = tmp_path / "gate.html"
+    js = memdiff("gate", snapshot, "--baseline", baseline, "--fit", head_fit, "--format", "json", "--html",
+                 str(page))
+    assert js.returncode == 1, js.stderr
+    (report,) = json.loads(js.stdout)
+    assert report["verdict"] == "fail"
+    assert any(n.startswith(f"fit: l4 batch {value + 8:,} -> {value:,}") for n in report["notes"])
+    # The snapshot against itself: every peak check passes, only the fit fails it.
+    assert all(c["passed"] for c in report["checks"])
+    assert f"fit: l4 batch {value + 8:,} -&gt; {value:,}" in page.read_text()
+
+
+@pytest.mark.slow
+def test_the_snapshot_gate_passes_an_equal_fit_and_never_skips_a_missing_one(tmp_path, l4_fit):
+    _, doc = l4_fit
+    value = doc["gpus"][0]["value"]
+    snapshot, head_fit, baseline = _fit_baseline(tmp_path, doc, 0)
+    same = memdiff("gate", snapshot, "--baseline", baseline, "--fit", head_fit)
+    assert same.returncode == 0, same.stdout + same.stderr
+    assert f"PASS  fit: l4 batch {value:,} -> {value:,}" in same.stdout.splitlines()
+    # The baseline holds fit values and no fit is given: nothing compared for that check, exit 2.
+    missing = memdiff("gate", snapshot, "--baseline", baseline)
+    assert missing.returncode == 2 and missing.stderr.count("\n") == 1 and "--fit" in missing.stderr
+    # A fit result and a baseline without fit values: nothing to gate it against, exit 2.
+    plain = tmp_path / "plain.json"
+    assert memdiff("baseline", snapshot, "-o", str(plain)).returncode == 0
+    unheld = memdiff("gate", snapshot, "--baseline", str(plain), "--fit", head_fit)
+    assert unheld.returncode == 2 and "holds no fit values" in unheld.stderr
+    # A fit of another GPU than the baseline's: the baseline's L4 was not fitted, which fails.
+    other = copy.deepcopy(doc)
+    other["gpus"][0]["gpu"] = "h100"
+    (tmp_path / "h100.json").write_text(json.dumps(other))
+    left_out = memdiff("gate", snapshot, "--baseline", baseline, "--fit", str(tmp_path / "h100.json"))
+    assert left_out.returncode == 1 and f"fit: l4 batch {value:,} -> not fitted" in left_out.stdout

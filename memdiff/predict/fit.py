@@ -510,9 +510,11 @@ def read_fit(path: str) -> Dict[str, Any]:
     return validate(path, doc, "fit")
 
 
-def judge(values: Dict[str, Optional[int]], knob: str, baseline: Dict[str, Any], path: str) -> List[Finding]:
+def judge(values: Dict[str, Optional[int]], knob: str, baseline: Dict[str, Any], path: str,
+          missing_fails: bool = False) -> List[Finding]:
     """A G011 finding for each GPU whose largest value fell below the baseline's (`values`: the fit's,
-    by GPU; a GPU only one side has is not compared)."""
+    by GPU). A GPU only the baseline has is not compared, unless `missing_fails` (a snapshot's gate:
+    a fit that left a GPU out must not pass for it); one only the fit has never is."""
     if baseline["knob"] != knob:
         raise InputError(path, f"the baseline fits {{{clip(baseline['knob'])}}} and this fit {{{knob}}}: they cannot "
                                "be compared")
@@ -520,6 +522,9 @@ def judge(values: Dict[str, Optional[int]], knob: str, baseline: Dict[str, Any],
     for g in baseline["gpus"]:
         key = g["gpu"]
         if key not in values:
+            if missing_fails and g["value"] is not None:
+                out.append(finding("G011", gpu=key, knob=knob, old=f"{g['value']:,}", new="not fitted",
+                                   baseline=path))
             continue
         old, new = g["value"], values[key]
         if old is not None and (new is None or new < old):
@@ -543,6 +548,35 @@ def value_lines(doc: Dict[str, Any]) -> List[str]:
 
 
 
+
+
+def stored_fit(path: str) -> Dict[str, Any]:
+    """What a baseline keeps of the fit result at `path` (`memdiff baseline --fit`): the knob, the
+    --max-memory share and the largest value per GPU."""
+    doc = read_fit(path)
+    return {"knob": doc["knob"], "max_memory": doc["max_memory"], "source": path,
+            "gpus": [{"gpu": g["gpu"], "value": g["value"]} for g in doc["gpus"]]}
+
+
+def check_fit(stored: Dict[str, Any], baseline_path: str, run: str) -> Tuple[List[Finding], List[str]]:
+    """The fit result `run` against the fit values a snapshot's baseline holds (`memdiff gate --fit`):
+    the G011 findings, and one line per GPU of the baseline (`PASS  fit: h100 batch 1,976 -> 1,984`).
+
+    A fit under another --max-memory share answers another question: InputError, as another knob is."""
+    doc = read_fit(run)
+    if doc["max_memory"] != stored["max_memory"]:
+        raise InputError(run, f"fits within {doc['max_memory']:g} of each GPU and the baseline {baseline_path}'s "
+                              f"values within {stored['max_memory']:g}: they cannot be compared")
+    values = {g["gpu"]: g["value"] for g in doc["gpus"]}
+    found = judge(values, doc["knob"], stored, baseline_path, missing_fails=True)
+    dropped = {f.data["gpu"] for f in found}
+    lines = []
+    for g in stored["gpus"]:
+        head = values.get(g["gpu"])
+        new = "not fitted" if g["gpu"] not in values else "nothing" if head is None else f"{head:,}"
+        old = "nothing" if g["value"] is None else f"{g['value']:,}"
+        lines.append(f"{'FAIL' if g['gpu'] in dropped else 'PASS'}  fit: {g['gpu']} {stored['knob']} {old} -> {new}")
+    return found, lines
 
 
 @dataclass
