@@ -14,6 +14,7 @@ import copy
 import json
 import subprocess
 import sys
+from html.parser import HTMLParser
 from pathlib import Path
 from typing import List
 
@@ -48,7 +49,7 @@ def record(out: Path, batch: int, *flags: str) -> subprocess.CompletedProcess:
 def l4_fit(tmp_path_factory, torch):
     """The fit of the scenario on an emulated L4, by a script that catches its own out-of-memory errors."""
     out = tmp_path_factory.mktemp("fit")
-    done = fit(out / "runs", script=[*MLP, "--catch-oom"])
+    done = fit(out / "runs", "--html", str(out / "fit.html"), script=[*MLP, "--catch-oom"])
     assert done.returncode == 0, done.stderr
     return out, json.loads(done.stdout)
 
@@ -148,6 +149,13 @@ def test_a_missing_baseline_is_refused_before_any_run(tmp_path):
     assert not (tmp_path / "runs").exists()
 
 
+def test_an_html_path_that_cannot_be_written_is_refused_before_any_run(tmp_path):
+    done = memdiff("fit", "--emulate", "l4", "-o", f"{tmp_path}/runs/", "--html", str(tmp_path), "--", "python",
+                   str(SCRIPT), "--batch-size", "{batch}")
+    assert done.returncode == 2 and done.stderr.count("\n") == 1 and "is a folder" in done.stderr
+    assert not (tmp_path / "runs").exists()
+
+
 def test_an_unknown_gpu_is_refused():
     done = memdiff("fit", "--emulate", "h100,v100", "-o", "x/", "--", "python", str(SCRIPT), "--batch-size",
                    "{batch}")
@@ -239,3 +247,52 @@ def test_the_snapshot_gate_passes_an_equal_fit_and_never_skips_a_missing_one(tmp
     (tmp_path / "h100.json").write_text(json.dumps(other))
     left_out = memdiff("gate", snapshot, "--baseline", baseline, "--fit", str(tmp_path / "h100.json"))
     assert left_out.returncode == 1 and f"fit: l4 batch {value:,} -> not fitted" in left_out.stdout
+
+
+class _Svg(HTMLParser):
+    """The fit page's charts as their elements' attributes, by GPU."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.charts: dict = {}
+        self.gpu = ""
+
+    def handle_starttag(self, tag, attrs):
+        a = dict(attrs)
+        if tag == "svg":
+            self.gpu = a["data-gpu"]
+            self.charts[self.gpu] = []
+        elif self.gpu and tag in ("line", "polyline", "circle"):
+            self.charts[self.gpu].append((tag, a))
+
+    def handle_endtag(self, tag):
+        if tag == "svg":
+            self.gpu = ""
+
+
+@pytest.mark.slow
+def test_the_html_page_plots_each_run_and_the_capacity_per_gpu(l4_fit):
+    out, doc = l4_fit
+    page = (out / "fit.html").read_text()
+    assert "<script" not in page and "http" not in page.split("</style>")[1]  # self-contained, nothing fetched
+    parsed = _Svg()
+    parsed.feed(page)
+    assert list(parsed.charts) == [g["gpu"] for g in doc["gpus"]]
+    (gpu,) = doc["gpus"]
+    elements = parsed.charts["l4"]
+    series = [a["data-series"] for tag, a in elements if tag == "polyline"]
+    assert series == ["allocated", "reserved"]
+    for name, key in (("allocated", "peak_bytes"), ("reserved", "reserved_peak_bytes")):
+        points = sorted((int(a["data-value"]), int(a["data-bytes"]), a["data-outcome"])
+                        for tag, a in elements if tag == "circle" and a["data-series"] == name)
+        assert points == sorted((r["value"], r[key], r["outcome"]) for r in gpu["runs"])
+    (capacity,) = [a for tag, a in elements if tag == "line" and a.get("class") == "capacity"]
+    assert int(capacity["data-bytes"]) == gpu["capacity_bytes"]
+    # Drawn at the capacity: every fitting run's reserved point on or below the line (SVG's y grows downwards),
+    # the first that ran out of memory reserved above what the largest that fits holds.
+    line_y = float(capacity["y1"])
+    reserved = {int(a["data-value"]): float(a["cy"]) for tag, a in elements
+                if tag == "circle" and a["data-series"] == "reserved"}
+    assert all(reserved[r["value"]] >= line_y for r in gpu["runs"] if r["outcome"] == "fits")
+    (found,) = [a for tag, a in elements if tag == "line" and a.get("class") == "found"]
+    assert int(found["data-value"]) == gpu["value"]

@@ -6,6 +6,7 @@ import argparse
 import sys
 from typing import Dict, List, Tuple
 
+from memdiff.atomic import check_output, write_output
 from memdiff.commands.args import add_rules_arguments, count_arg, rules_from
 from memdiff.commands.record import emulate_arg
 from memdiff.errors import EXIT_OK, EXIT_REGRESSION, InputError
@@ -14,6 +15,7 @@ from memdiff.predict.fit import DEFAULT_RANGE, Grid, gated, knob_of, parse_range
 from memdiff.recording.emulate.gpus import gpu
 from memdiff.recording.emulate.gpus import names as gpu_names
 from memdiff.render import fit as render
+from memdiff.render.fit_html import render_fit_html
 
 DESCRIPTION = ("Find, for each emulated GPU, the largest value of the command's placeholder ({batch}, or any "
                "{name}) whose run of the unmodified script trains without running out of memory: a forecast from "
@@ -44,6 +46,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--baseline", metavar="FILE",
                    help="a fit result (`memdiff fit ... --format json`): exit 1 when a GPU's largest value is "
                         "below it (finding G011)")
+    p.add_argument("--html", metavar="FILE",
+                   help="also write a self-contained page plotting each run's allocated and reserved peak against "
+                        "the knob per GPU, with the GPU's capacity as a line")
     p.add_argument("--format", choices=("text", "markdown", "json"), default="text",
                    help="output format (default: text)")
     add_rules_arguments(p)
@@ -65,10 +70,14 @@ def run(args: argparse.Namespace) -> int:
     low, high = ranges.get(knob, DEFAULT_RANGE)
     grid = Grid(knob, low, high, 1 if args.pow2 else args.multiple, args.pow2)
     baseline = read_fit(args.baseline) if args.baseline is not None else None  # read before any run
+    if args.html is not None:
+        check_output(args.html)
     result = run_fit(command, [gpu(k) for k in keys], args.output, grid, args.max_memory, rules_from(args),
                      args.jobs)
     if baseline is not None:
         result = gated(result, baseline, args.baseline)
+    if args.html is not None:
+        write_output(args.html, render_fit_html(result))
     shown = {"json": render.render_json, "markdown": render.render_markdown}.get(args.format, render.render_text)
     sys.stdout.write(shown(result))
     if result.passed is False or any(g.value is None for g in result.gpus):
