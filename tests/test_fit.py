@@ -296,3 +296,38 @@ def test_the_html_page_plots_each_run_and_the_capacity_per_gpu(l4_fit):
     assert all(reserved[r["value"]] >= line_y for r in gpu["runs"] if r["outcome"] == "fits")
     (found,) = [a for tag, a in elements if tag == "line" and a.get("class") == "found"]
     assert int(found["data-value"]) == gpu["value"]
+
+
+FSDP = ROOT / "tests" / "scenarios" / "fsdp_train.py"
+
+
+@pytest.mark.slow
+def test_nproc_finds_the_fewest_processes_on_which_every_rank_of_a_sharded_job_fits(tmp_path, torch):
+    # FSDP2 shards the weights, gradients and AdamW's state over the ranks: fewer ranks, more per rank.
+    # 0.0076 of an L4's capacity (about 166 MiB) lands the boundary within 1..4 processes.
+    done = memdiff("fit", "--emulate", "l4", "--max-memory", "0.0076", "--range", "nproc=1:4", "-o",
+                   f"{tmp_path}/runs/", "--format", "json", "--", sys.executable, "-m", "torch.distributed.run",
+                   "--nproc-per-node", "{nproc}", str(FSDP), "--cuda")
+    assert done.returncode == 0, done.stderr
+    doc = json.loads(done.stdout)
+    assert doc["direction"] == "smallest" and doc["knob"] == "nproc"
+    (gpu,) = doc["gpus"]
+    value, limit = gpu["value"], gpu["limit_bytes"]
+    assert 1 < value <= 4
+    # The value one fewer was run and did not fit; the answer's run fits on every rank, each with its snapshot.
+    assert gpu["fails"]["value"] == value - 1 and gpu["fails"]["outcome"] == "over-limit"
+    assert gpu["fails"]["reserved_peak_bytes"] > limit
+    ranks = sorted(Path(gpu["fits"]["snapshot"]).glob("rank*.pickle"))
+    assert len(ranks) == value
+    reserved = []
+    for rank in ranks:  # each rank runs on its own GPU, cuda:LOCAL_RANK
+        peak = memdiff("peak", str(rank), "--format", "json")
+        assert peak.returncode == 0, peak.stderr
+        reserved.append(max(d["reserved_peak_bytes"] or 0 for d in json.loads(peak.stdout)["devices"]))
+    assert max(reserved) <= limit and gpu["fits"]["reserved_peak_bytes"] == max(reserved)
+
+
+def test_nproc_needs_a_place_in_the_command(tmp_path):
+    done = memdiff("fit", "--emulate", "l4", "--nproc", "2", "-o", f"{tmp_path}/runs/", "--", "python", str(SCRIPT),
+                   "--batch-size", "{batch}")
+    assert done.returncode == 2 and done.stderr.count("\n") == 1 and "{nproc}" in done.stderr

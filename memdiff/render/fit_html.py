@@ -14,7 +14,7 @@ from typing import List, Optional, Tuple
 
 from tabulate import tabulate
 
-from memdiff.predict.fit import FitResult, FitRun, GpuFit
+from memdiff.predict.fit import SMALLEST, FitResult, FitRun, GpuFit
 from memdiff.units import format_bytes
 
 WIDTH, HEIGHT = 720, 300
@@ -77,7 +77,7 @@ def _svg(g: GpuFit, knob: str) -> str:
                    f'{html.escape(format_bytes(g.limit_bytes))}</title></line>')
     if g.value is not None:
         out.append(f'<line class="found" x1="{x(g.value):.1f}" x2="{x(g.value):.1f}" y1="{TOP}" y2="{TOP + h}" '
-                   f'data-value="{g.value}"><title>largest that fits: {g.value:,}</title></line>')
+                   f'data-value="{g.value}"><title>the answer: {g.value:,}</title></line>')
     for series, field in (("allocated", "peak_bytes"), ("reserved", "reserved_peak_bytes")):
         points = [(r, getattr(r, field)) for r in runs if getattr(r, field) is not None]
         line = " ".join(f"{x(r.value):.1f},{y(b):.1f}" for r, b in points)
@@ -116,11 +116,12 @@ def _gpu(g: GpuFit, knob: str) -> List[str]:
 def render_fit_html(result: FitResult) -> str:
     """The fit as a self-contained page: per GPU its chart of peak against the knob and its runs' table."""
     css = (resources.files("memdiff") / "render" / "report.css").read_text(encoding="utf-8")
-    body = [f"<h1>memdiff fit: largest {html.escape(result.knob)} that trains</h1>",
+    which = "fewest" if result.direction == SMALLEST else "largest"
+    body = [f"<h1>memdiff fit: {which} {html.escape(result.knob)} that trains</h1>",
             f"<p class=\"mono\">{html.escape(' '.join(result.command))}</p>",
             f"<p>{html.escape(result.grid.describe())}; {result.runs} emulated runs in {result.seconds:.1f} s</p>",
             '<p class="key muted"><span>— allocated peak</span><span>- - reserved peak</span>'
-            "<span>— capacity</span><span>┆ largest that fits</span><span>✕ out of memory</span></p>"]
+            f"<span>— capacity</span><span>┆ {which} that fits</span><span>✕ out of memory</span></p>"]
     for g in result.gpus:
         body += _gpu(g, result.knob)
     return "\n".join([
