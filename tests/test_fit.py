@@ -14,6 +14,7 @@ import copy
 import json
 import subprocess
 import sys
+from html.parser import HTMLParser
 from pathlib import Path
 from typing import List
 
@@ -48,7 +49,7 @@ def record(out: Path, batch: int, *flags: str) -> subprocess.CompletedProcess:
 def l4_fit(tmp_path_factory, torch):
     """The fit of the scenario on an emulated L4, by a script that catches its own out-of-memory errors."""
     out = tmp_path_factory.mktemp("fit")
-    done = fit(out / "runs", script=[*MLP, "--catch-oom"])
+    done = fit(out / "runs", "--html", str(out / "fit.html"), script=[*MLP, "--catch-oom"])
     assert done.returncode == 0, done.stderr
     return out, json.loads(done.stdout)
 
@@ -148,6 +149,13 @@ def test_a_missing_baseline_is_refused_before_any_run(tmp_path):
     assert not (tmp_path / "runs").exists()
 
 
+def test_an_html_path_that_cannot_be_written_is_refused_before_any_run(tmp_path):
+    done = memdiff("fit", "--emulate", "l4", "-o", f"{tmp_path}/runs/", "--html", str(tmp_path), "--", "python",
+                   str(SCRIPT), "--batch-size", "{batch}")
+    assert done.returncode == 2 and done.stderr.count("\n") == 1 and "is a folder" in done.stderr
+    assert not (tmp_path / "runs").exists()
+
+
 def test_an_unknown_gpu_is_refused():
     done = memdiff("fit", "--emulate", "h100,v100", "-o", "x/", "--", "python", str(SCRIPT), "--batch-size",
                    "{batch}")
@@ -177,3 +185,149 @@ def test_a_gpu_only_one_side_fits_is_not_compared_and_nothing_is_a_drop():
     assert judge({"l4": None}, "batch", baseline, "b.json")[0].message.startswith("fit: l4 batch 8 -> nothing")
     with pytest.raises(InputError, match="cannot be compared"):
         judge({"h100": 48}, "seq", baseline, "b.json")
+
+
+def _fit_baseline(tmp_path: Path, doc: dict, raised_by: int) -> tuple:
+    """A baseline of the fit's own largest run, holding a fit whose L4 value is `raised_by` above this one's,
+    and the fit result of this change: what a pull request's gate is given."""
+    snapshot = doc["gpus"][0]["fits"]["snapshot"]
+    head_fit, base_fit, baseline = tmp_path / "fit.json", tmp_path / "base-fit.json", tmp_path / "b" / "train.json"
+    head_fit.write_text(json.dumps(doc))
+    higher = copy.deepcopy(doc)
+    higher["gpus"][0]["value"] += raised_by
+    base_fit.write_text(json.dumps(higher))
+    made = memdiff("baseline", snapshot, "-o", str(baseline), "--fit", str(base_fit))
+    assert made.returncode == 0, made.stderr
+    return snapshot, str(head_fit), str(baseline)
+
+
+@pytest.mark.slow
+def test_a_baseline_holds_the_fit_and_the_snapshot_gate_fails_when_it_drops(tmp_path, l4_fit):
+    _, doc = l4_fit
+    value = doc["gpus"][0]["value"]
+    snapshot, head_fit, baseline = _fit_baseline(tmp_path, doc, 8)
+    stored = json.loads(Path(baseline).read_text())
+    assert stored["schema_version"] == 3
+    assert stored["fit"]["knob"] == "batch" and stored["fit"]["gpus"] == [{"gpu": "l4", "value": value + 8}]
+    md = memdiff("gate", snapshot, "--baseline", baseline, "--fit", head_fit, "--format", "markdown")
+    assert md.returncode == 1, md.stdout + md.stderr
+    said = [line for line in md.stdout.splitlines() if "G011" in line]
+    assert len(said) == 1 and f"fit: l4 batch {value + 8:,} -> {value:,}" in said[0]
+    page = tmp_path / "gate.html"
+    js = memdiff("gate", snapshot, "--baseline", baseline, "--fit", head_fit, "--format", "json", "--html",
+                 str(page))
+    assert js.returncode == 1, js.stderr
+    (report,) = json.loads(js.stdout)
+    assert report["verdict"] == "fail"
+    assert any(n.startswith(f"fit: l4 batch {value + 8:,} -> {value:,}") for n in report["notes"])
+    # The snapshot against itself: every peak check passes, only the fit fails it.
+    assert all(c["passed"] for c in report["checks"])
+    assert f"fit: l4 batch {value + 8:,} -&gt; {value:,}" in page.read_text()
+
+
+@pytest.mark.slow
+def test_the_snapshot_gate_passes_an_equal_fit_and_never_skips_a_missing_one(tmp_path, l4_fit):
+    _, doc = l4_fit
+    value = doc["gpus"][0]["value"]
+    snapshot, head_fit, baseline = _fit_baseline(tmp_path, doc, 0)
+    same = memdiff("gate", snapshot, "--baseline", baseline, "--fit", head_fit)
+    assert same.returncode == 0, same.stdout + same.stderr
+    assert f"PASS  fit: l4 batch {value:,} -> {value:,}" in same.stdout.splitlines()
+    # The baseline holds fit values and no fit is given: nothing compared for that check, exit 2.
+    missing = memdiff("gate", snapshot, "--baseline", baseline)
+    assert missing.returncode == 2 and missing.stderr.count("\n") == 1 and "--fit" in missing.stderr
+    # A fit result and a baseline without fit values: nothing to gate it against, exit 2.
+    plain = tmp_path / "plain.json"
+    assert memdiff("baseline", snapshot, "-o", str(plain)).returncode == 0
+    unheld = memdiff("gate", snapshot, "--baseline", str(plain), "--fit", head_fit)
+    assert unheld.returncode == 2 and "holds no fit values" in unheld.stderr
+    # A fit of another GPU than the baseline's: the baseline's L4 was not fitted, which fails.
+    other = copy.deepcopy(doc)
+    other["gpus"][0]["gpu"] = "h100"
+    (tmp_path / "h100.json").write_text(json.dumps(other))
+    left_out = memdiff("gate", snapshot, "--baseline", baseline, "--fit", str(tmp_path / "h100.json"))
+    assert left_out.returncode == 1 and f"fit: l4 batch {value:,} -> not fitted" in left_out.stdout
+
+
+class _Svg(HTMLParser):
+    """The fit page's charts as their elements' attributes, by GPU."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.charts: dict = {}
+        self.gpu = ""
+
+    def handle_starttag(self, tag, attrs):
+        a = dict(attrs)
+        if tag == "svg":
+            self.gpu = a["data-gpu"]
+            self.charts[self.gpu] = []
+        elif self.gpu and tag in ("line", "polyline", "circle"):
+            self.charts[self.gpu].append((tag, a))
+
+    def handle_endtag(self, tag):
+        if tag == "svg":
+            self.gpu = ""
+
+
+@pytest.mark.slow
+def test_the_html_page_plots_each_run_and_the_capacity_per_gpu(l4_fit):
+    out, doc = l4_fit
+    page = (out / "fit.html").read_text()
+    assert "<script" not in page and "http" not in page.split("</style>")[1]  # self-contained, nothing fetched
+    parsed = _Svg()
+    parsed.feed(page)
+    assert list(parsed.charts) == [g["gpu"] for g in doc["gpus"]]
+    (gpu,) = doc["gpus"]
+    elements = parsed.charts["l4"]
+    series = [a["data-series"] for tag, a in elements if tag == "polyline"]
+    assert series == ["allocated", "reserved"]
+    for name, key in (("allocated", "peak_bytes"), ("reserved", "reserved_peak_bytes")):
+        points = sorted((int(a["data-value"]), int(a["data-bytes"]), a["data-outcome"])
+                        for tag, a in elements if tag == "circle" and a["data-series"] == name)
+        assert points == sorted((r["value"], r[key], r["outcome"]) for r in gpu["runs"])
+    (capacity,) = [a for tag, a in elements if tag == "line" and a.get("class") == "capacity"]
+    assert int(capacity["data-bytes"]) == gpu["capacity_bytes"]
+    # Drawn at the capacity: every fitting run's reserved point on or below the line (SVG's y grows downwards),
+    # the first that ran out of memory reserved above what the largest that fits holds.
+    line_y = float(capacity["y1"])
+    reserved = {int(a["data-value"]): float(a["cy"]) for tag, a in elements
+                if tag == "circle" and a["data-series"] == "reserved"}
+    assert all(reserved[r["value"]] >= line_y for r in gpu["runs"] if r["outcome"] == "fits")
+    (found,) = [a for tag, a in elements if tag == "line" and a.get("class") == "found"]
+    assert int(found["data-value"]) == gpu["value"]
+
+
+FSDP = ROOT / "tests" / "scenarios" / "fsdp_train.py"
+
+
+@pytest.mark.slow
+def test_nproc_finds_the_fewest_processes_on_which_every_rank_of_a_sharded_job_fits(tmp_path, torch):
+    # FSDP2 shards the weights, gradients and AdamW's state over the ranks: fewer ranks, more per rank.
+    # 0.0076 of an L4's capacity (about 166 MiB) lands the boundary within 1..4 processes.
+    done = memdiff("fit", "--emulate", "l4", "--max-memory", "0.0076", "--range", "nproc=1:4", "-o",
+                   f"{tmp_path}/runs/", "--format", "json", "--", sys.executable, "-m", "torch.distributed.run",
+                   "--nproc-per-node", "{nproc}", str(FSDP), "--cuda")
+    assert done.returncode == 0, done.stderr
+    doc = json.loads(done.stdout)
+    assert doc["direction"] == "smallest" and doc["knob"] == "nproc"
+    (gpu,) = doc["gpus"]
+    value, limit = gpu["value"], gpu["limit_bytes"]
+    assert 1 < value <= 4
+    # The value one fewer was run and did not fit; the answer's run fits on every rank, each with its snapshot.
+    assert gpu["fails"]["value"] == value - 1 and gpu["fails"]["outcome"] == "over-limit"
+    assert gpu["fails"]["reserved_peak_bytes"] > limit
+    ranks = sorted(Path(gpu["fits"]["snapshot"]).glob("rank*.pickle"))
+    assert len(ranks) == value
+    reserved = []
+    for rank in ranks:  # each rank runs on its own GPU, cuda:LOCAL_RANK
+        peak = memdiff("peak", str(rank), "--format", "json")
+        assert peak.returncode == 0, peak.stderr
+        reserved.append(max(d["reserved_peak_bytes"] or 0 for d in json.loads(peak.stdout)["devices"]))
+    assert max(reserved) <= limit and gpu["fits"]["reserved_peak_bytes"] == max(reserved)
+
+
+def test_nproc_needs_a_place_in_the_command(tmp_path):
+    done = memdiff("fit", "--emulate", "l4", "--nproc", "2", "-o", f"{tmp_path}/runs/", "--", "python", str(SCRIPT),
+                   "--batch-size", "{batch}")
+    assert done.returncode == 2 and done.stderr.count("\n") == 1 and "{nproc}" in done.stderr

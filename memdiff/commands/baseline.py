@@ -24,6 +24,7 @@ from memdiff.compare.baseline import read_baseline, update_baseline
 from memdiff.errors import EXIT_BAD_INPUT, EXIT_OK, InputError
 from memdiff.inert import text
 from memdiff.model import Summary
+from memdiff.predict.fit import stored_fit
 from memdiff.read.inputs import read_summary
 from memdiff.read.job import is_job, summarize_ranks
 from memdiff.read.window import add_window_arguments
@@ -42,6 +43,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-o", "--output", metavar="FILE", help="baseline file to create or update")
     p.add_argument("--name", help="baseline name (default: kept when updating, else the file's stem)")
     p.add_argument("--git-sha", metavar="SHA", help="commit the run was made from, stored for reviewers")
+    p.add_argument("--fit", metavar="FIT.json",
+                   help="a fit result (`memdiff fit ... --format json`): the baseline keeps its largest value per GPU, "
+                        "and `memdiff gate --fit` fails when one drops (G011). Without it, an updated baseline keeps "
+                        "the values it had")
     p.add_argument("--check", metavar="PATH", help="validate a baseline file, or every *.json in a folder")
     add_threshold_arguments(p)
     add_category_threshold_argument(p)
@@ -97,9 +102,10 @@ def run(args: argparse.Namespace) -> int:
     if not args.snapshot or not args.output:
         raise InputError("baseline", "give SNAPSHOT -o FILE to write a baseline, or --check PATH")
     rules = rules_from(args)
+    fit = stored_fit(args.fit) if args.fit is not None else None  # a broken fit result stops before anything
     baseline, existed = update_baseline(args.output, lambda: _summaries(args, rules),
                                         lambda old: thresholds_from(args, rules, old, args.output), args.name,
-                                        args.git_sha)
+                                        args.git_sha, fit)
     name, thresholds = baseline.name, baseline.thresholds
     if baseline.ranks is not None:
         peaks = f"{count_of(len(baseline.ranks), 'rank')}, highest peak " + format_bytes(max(
@@ -110,6 +116,10 @@ def run(args: argparse.Namespace) -> int:
     if spreads:
         peaks += "; " + ", ".join(f"device {k} spread over {sp.runs} runs {format_bytes(sp.peak.min)} to "
                                   f"{format_bytes(sp.peak.max)}" for k, sp in spreads.items())
+    if baseline.fit is not None:
+        peaks += "; fit " + ", ".join(f"{g['gpu']} {baseline.fit['knob']} "
+                                      f"{'nothing' if g['value'] is None else format(g['value'], ',')}"
+                                      for g in baseline.fit["gpus"])
     noisy = next((sp.runs for sp in spreads.values() if sp.peak.max > sp.peak.min), None)
     print(f"memdiff: {'updated' if existed else 'wrote'} {text(args.output)}: baseline {text(repr(name))}, {peaks}; "
           f"{thresholds.describe(noisy)}", file=sys.stderr)

@@ -6,14 +6,27 @@ import argparse
 import sys
 from typing import Dict, List, Tuple
 
+from memdiff.atomic import check_output, write_output
 from memdiff.commands.args import add_rules_arguments, count_arg, rules_from
 from memdiff.commands.record import emulate_arg
 from memdiff.errors import EXIT_OK, EXIT_REGRESSION, InputError
 from memdiff.lists import LISTS, ListOption
-from memdiff.predict.fit import DEFAULT_RANGE, Grid, gated, knob_of, parse_range, read_fit, run_fit
+from memdiff.predict.fit import (
+    DEFAULT_RANGE,
+    NPROC,
+    NPROC_RANGE,
+    Grid,
+    gated,
+    knob_of,
+    parse_range,
+    read_fit,
+    run_fit,
+    with_value,
+)
 from memdiff.recording.emulate.gpus import gpu
 from memdiff.recording.emulate.gpus import names as gpu_names
 from memdiff.render import fit as render
+from memdiff.render.fit_html import render_fit_html
 
 DESCRIPTION = ("Find, for each emulated GPU, the largest value of the command's placeholder ({batch}, or any "
                "{name}) whose run of the unmodified script trains without running out of memory: a forecast from "
@@ -40,10 +53,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="a value fits only when its reserved peak (what the caching allocator holds, what runs "
                         "out) stays within F of the GPU's capacity (0.9 leaves 10%% headroom; default 1: it runs "
                         "without running out of memory)")
+    p.add_argument("--nproc", type=count_arg, metavar="N",
+                   help="a launched job's process count, put where the command says {nproc} (`torchrun "
+                        "--nproc-per-node {nproc} train.py --batch-size {batch}`), for a search of another knob; "
+                        "with {nproc} as the knob, fit finds the fewest processes on which every rank fits "
+                        f"(default range {NPROC_RANGE[0]}:{NPROC_RANGE[1]})")
     p.add_argument("--jobs", type=count_arg, default=2, metavar="N", help="emulated runs at a time (default: 2)")
     p.add_argument("--baseline", metavar="FILE",
                    help="a fit result (`memdiff fit ... --format json`): exit 1 when a GPU's largest value is "
                         "below it (finding G011)")
+    p.add_argument("--html", metavar="FILE",
+                   help="also write a self-contained page plotting each run's allocated and reserved peak against "
+                        "the knob per GPU, with the GPU's capacity as a line")
     p.add_argument("--format", choices=("text", "markdown", "json"), default="text",
                    help="output format (default: text)")
     add_rules_arguments(p)
@@ -61,14 +82,23 @@ def run(args: argparse.Namespace) -> int:
     command = args.command[1:] if args.command and args.command[0] == "--" else args.command
     if not command:
         raise InputError("fit", "nothing to run: give `-- python train.py --batch-size {batch}`")
+    if args.nproc is not None:
+        if not any("{" + NPROC + "}" in arg for arg in command):
+            raise InputError("--nproc", "the command has no {nproc} to put it in: `-- torchrun --nproc-per-node "
+                                        "{nproc} train.py --batch-size {batch}`")
+        command = with_value(command, NPROC, args.nproc)
     knob = knob_of(command, ranges)
-    low, high = ranges.get(knob, DEFAULT_RANGE)
+    low, high = ranges.get(knob, NPROC_RANGE if knob == NPROC else DEFAULT_RANGE)
     grid = Grid(knob, low, high, 1 if args.pow2 else args.multiple, args.pow2)
     baseline = read_fit(args.baseline) if args.baseline is not None else None  # read before any run
+    if args.html is not None:
+        check_output(args.html)
     result = run_fit(command, [gpu(k) for k in keys], args.output, grid, args.max_memory, rules_from(args),
                      args.jobs)
     if baseline is not None:
         result = gated(result, baseline, args.baseline)
+    if args.html is not None:
+        write_output(args.html, render_fit_html(result))
     shown = {"json": render.render_json, "markdown": render.render_markdown}.get(args.format, render.render_text)
     sys.stdout.write(shown(result))
     if result.passed is False or any(g.value is None for g in result.gpus):

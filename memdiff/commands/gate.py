@@ -29,11 +29,12 @@ from memdiff.commands.args import (
 from memdiff.commands.diff import write_html
 from memdiff.compare.baseline import Baseline, baseline_path_for, comparable_pair, no_baseline, read_baseline, stem
 from memdiff.compare.findings import finding, shown
+from memdiff.compare.fitcheck import with_fit
 from memdiff.compare.trend import DEFAULT_POINTS, read_history
 from memdiff.errors import EXIT_BAD_INPUT, EXIT_OK, EXIT_REGRESSION, InputError, clip
 from memdiff.inert import baseline_command, md_code, text
 from memdiff.model import Summary, TrendEntry
-from memdiff.predict.fit import fit_file, gate_file
+from memdiff.predict.fit import check_fit, fit_file, gate_file
 from memdiff.read.inputs import read_summary
 from memdiff.read.job import is_job, ranges, summarize_ranks
 from memdiff.read.window import add_window_arguments
@@ -76,6 +77,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_job_arguments(p)
     add_window_arguments(p)
     add_whatif_argument(p)
+    p.add_argument("--fit", metavar="FIT.json",
+                   help="this change's fit result (`memdiff fit ... --format json`), gated against the fit values "
+                        "the --baseline holds (`memdiff baseline ... --fit`): a GPU whose largest value dropped fails "
+                        "(G011). Required when the baseline holds fit values")
 
 
 def _pairs(args: argparse.Namespace) -> Tuple[List[Tuple[str, str]], List[Tuple[str, str]]]:
@@ -165,11 +170,28 @@ def _gate(args: argparse.Namespace, snap: str, path: str, baseline: Baseline, ru
     return compare(base_runs, head_runs, settings)
 
 
+def _check_fit_args(args: argparse.Namespace, baselines: Dict[str, Baseline]) -> None:
+    """--fit and the baselines' fit values go together: a check the baseline holds is never skipped, and a
+    fit result is never taken without a baseline value to gate it against (both: exit 2, nothing compared)."""
+    holding = [path for path, b in baselines.items() if b.fit is not None]
+    if args.fit is None and holding:
+        raise InputError(holding[0], "holds fit values (`memdiff baseline --fit`) and no fit result was given: "
+                                     "gate this change's with --fit FIT.json (`memdiff fit ... --format json`)")
+    if args.fit is not None:
+        if args.baseline is None:
+            raise InputError("--fit", "gates one run's fit: give --baseline FILE and its SNAPSHOT")
+        if not holding:
+            raise InputError(args.baseline, "holds no fit values to gate --fit against: store them with "
+                                            f"`memdiff baseline SNAPSHOT -o {args.baseline} --fit FIT.json`")
+
+
 def run(args: argparse.Namespace) -> int:
     """Gate every run; exit 1 when any check fails (or a required baseline is missing)."""
     if args.baseline is not None and len(args.snapshots) == 1 and fit_file(args.snapshots[0]):
         from memdiff.render.fit import render_gate
 
+        if args.fit is not None:
+            raise InputError("--fit", "gates a snapshot's fit next to it; here the fit result is the run itself")
         if args.github:
             raise InputError("--github", "a fit result is gated on its own: print it with --format markdown and post "
                                          "it with `memdiff comment --report FILE`")
@@ -191,8 +213,13 @@ def run(args: argparse.Namespace) -> int:
             publisher.annotation(missing_history, "warning")
     elif args.history is not None:
         history = read_history(args.history)
+    baselines = {path: read_baseline(path) for _, path in pairs}  # every file read before any is gated
+    _check_fit_args(args, baselines)
     for snap, path in pairs:
-        report = _gate(args, snap, path, read_baseline(path), rules, snap in html_paths, history)
+        baseline = baselines[path]
+        report = _gate(args, snap, path, baseline, rules, snap in html_paths, history)
+        if baseline.fit is not None:
+            report = with_fit(report, *check_fit(baseline.fit, path, args.fit))
         status = status or (EXIT_OK if report.passed else EXIT_REGRESSION)
         if snap in html_paths:
             write_html(html_paths[snap], report)

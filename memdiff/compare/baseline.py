@@ -35,10 +35,13 @@ from memdiff.units import format_bytes
 # spread refuses it rather than gating it with a tighter rule than it was made for.
 BASELINE_SCHEMA_VERSION = 1
 SPREAD_SCHEMA_VERSION = 2
+# A baseline holding fit values (`memdiff baseline ... --fit FIT.json`) is written as 3: a memdiff that
+# reads only 1 or 2 would gate the snapshot and silently skip the fit check, so it refuses the file.
+FIT_SCHEMA_VERSION = 3
 # Repeats of a loop whose steps peak alike differ by the allocator's noise alone: beyond this
 # share of the median peak they are not repeats.
 NOISE_FLOOR = 0.05
-READABLE_BASELINE_VERSIONS = (1, 2)
+READABLE_BASELINE_VERSIONS = (1, 2, 3)
 TOP_GROUPS = 25
 REST_SITE = "<groups not stored in the baseline: {category}>"
 
@@ -55,6 +58,9 @@ class Baseline:
     thresholds: Thresholds
     # A job's baseline: per rank {"rank", "source", "devices"}; `source` and `devices` are then empty.
     ranks: Optional[List[Dict[str, Any]]] = None
+    # The largest value per GPU of a fit (`memdiff baseline --fit`): {"knob", "max_memory", "gpus": [{"gpu",
+    # "value"}]}; `memdiff gate --fit` fails when a GPU's value drops (G011).
+    fit: Optional[Dict[str, Any]] = None
 
     def of_rank(self, rank: int) -> Optional["Baseline"]:
         """A job baseline's run of one rank, under the job's thresholds; None when it has no such rank."""
@@ -72,7 +78,9 @@ class Baseline:
         return f"baseline {self.name}" + (f" @ {sha[:12]}" if sha else "")
 
     def schema_version(self) -> int:
-        """The version this baseline is written with: 2 when it holds a spread, else 1."""
+        """The version this baseline is written with: 3 when it holds fit values, 2 when a spread, else 1."""
+        if self.fit is not None:
+            return FIT_SCHEMA_VERSION
         return SPREAD_SCHEMA_VERSION if any(d.get("spread") for d in self.devices) else BASELINE_SCHEMA_VERSION
 
     def to_dict(self) -> Dict[str, Any]:
@@ -87,6 +95,8 @@ class Baseline:
                 f'  "name": {json.dumps(self.name)},\n'
                 f'  "created": {json.dumps(self.created)},\n'
                 f'  "tool": {json.dumps(self.tool)},\n')
+        if self.fit is not None:
+            head += f'  "fit": {json.dumps(self.fit)},\n'
         if self.ranks is None:
             return (head + _source_json(self.source, "  ") + f'  "thresholds": {thresholds},\n'
                     + _devices_json(self.devices, "  ") + "\n}\n")
@@ -253,14 +263,15 @@ def _check_noise(summaries: List[Summary]) -> None:
 
 def update_baseline(path: str, summary_of: Callable[[], Union[Summary, Dict[int, Summary], List[Summary]]],
                     thresholds_for: Callable[[Optional[Thresholds]], Thresholds], name: Optional[str] = None,
-                    git_sha: Optional[str] = None) -> Tuple[Baseline, bool]:
+                    git_sha: Optional[str] = None, fit: Optional[Dict[str, Any]] = None) -> Tuple[Baseline, bool]:
     """Create or update the baseline at `path` atomically: (the baseline, whether one was there).
 
     `summary_of` gives the run's summary, a job's summaries by rank, or repeated runs' summaries
     (a list: the baseline keeps their spread). An existing baseline is
     read first, so a broken one stops everything before the run is summarized or anything is
     written; it keeps its name unless `name` is given, and `thresholds_for` gets its thresholds
-    to build on.
+    to build on. `fit` (fit values, `predict.fit.stored_fit`) replaces the old baseline's; without it an
+    updated baseline keeps them, as it keeps its thresholds.
     """
     folder = os.path.dirname(path)
     if folder and not os.path.lexists(folder):
@@ -284,6 +295,7 @@ def update_baseline(path: str, summary_of: Callable[[], Union[Summary, Dict[int,
         baseline = from_repeats(summary, label, limits, git_sha)
     else:
         baseline = from_summary(summary, label, limits, git_sha)
+    baseline = replace(baseline, fit=fit if fit is not None else old.fit if old else None)
     write_output(path, baseline.to_json())
     return baseline, old is not None
 
@@ -298,7 +310,7 @@ def read_baseline(path: str) -> Baseline:
     validate(path, doc, "baseline")
     return Baseline(name=doc["name"], created=doc["created"], tool=doc.get("tool", ""), source=doc.get("source", {}),
                     devices=doc.get("devices", []), thresholds=thresholds_from_dict(path, doc["thresholds"]),
-                    ranks=doc.get("ranks"))
+                    ranks=doc.get("ranks"), fit=doc.get("fit"))
 
 
 SUFFIXES = (".gz", ".bz2", ".xz", ".pickle", ".pkl", ".json")

@@ -37,7 +37,7 @@ from memdiff.errors import InputError, clip
 from memdiff.inert import text
 from memdiff.model import Finding
 from memdiff.recording.emulate.gpus import Gpu
-from memdiff.recording.fitrun import FAILED, FITS, OOM, child
+from memdiff.recording.fitrun import FAILED, FITS, OOM, child, launched_child
 from memdiff.units import format_bytes
 
 SCHEMA_VERSION = 1
@@ -49,6 +49,11 @@ STOP_S = 60  # how long an interrupted run may take to write its snapshot
 # Why a value is run: the forecast's boundary, or a value below it that measures the allocator's overhead there.
 FORECAST, BELOW = "forecast", "below the boundary"
 MARGIN = 0.9
+LARGEST, SMALLEST = "largest", "smallest"
+# `{nproc}`: the processes a launcher starts (`torchrun --nproc-per-node {nproc}`), searched for the fewest
+# that fit, over one node's GPUs unless --range says otherwise.
+NPROC = "nproc"
+NPROC_RANGE = (1, 8)
 
 
 @dataclass(frozen=True)
@@ -132,11 +137,15 @@ class FitResult:
     baseline: Optional[str] = None
     passed: Optional[bool] = None  # the gate's verdict, with a baseline
     tool: str = f"memdiff {__version__}"
+    # LARGEST (a batch: memory grows with it) or SMALLEST ({nproc}: a sharded job's ranks each hold less
+    # as there are more of them, so the answer is the fewest processes on which every rank fits)
+    direction: str = "largest"
 
     def to_dict(self) -> Dict[str, Any]:
         """The JSON document (schemas/fit.schema.json)."""
         return {"schema_version": SCHEMA_VERSION, "kind": "fit", "tool": self.tool, "command": self.command,
-                "knob": self.knob, "grid": asdict(self.grid), "max_memory": self.max_memory,
+                "knob": self.knob, "direction": self.direction, "grid": asdict(self.grid),
+                "max_memory": self.max_memory,
                 "runs": self.runs, "seconds": round(self.seconds, 2), "output": self.output,
                 "gpus": [{**asdict(g), "fits": None if g.fits is None else asdict(g.fits),
                           "fails": None if g.fails is None else asdict(g.fails)} for g in self.gpus],
@@ -361,6 +370,61 @@ class Search:
                 f"{format_bytes(self.limit)}")
 
 
+class Fewest(Search):
+    """The runs of one GPU for `{nproc}`: the smallest value that fits, as a job sharded over more ranks
+    holds less per rank. No forecast (the forecast fits memory that grows with its knob): the largest value
+    first (when it does not fit, none does), then the interval between the largest value that did not fit
+    and the smallest that did, halved. The answer is the smallest value run that fit, next to the value
+    one grid step down, run, that did not."""
+
+    def _lo_hi(self) -> Tuple[int, int]:
+        """(the largest index that does not fit, or -1; the smallest that fits, or len(values))."""
+        lo = max((i for i, r in self.runs.items() if not r.fits), default=-1)
+        hi = min((i for i, r in self.runs.items() if r.fits), default=len(self.values))
+        return lo, hi
+
+    @property
+    def done(self) -> bool:
+        """Whether the boundary is found: the smallest fitting value's next one down was run and did not
+        fit (or it is the bottom of the range), or the largest does not fit."""
+        lo, hi = self._lo_hi()
+        return not self.running and (hi == lo + 1 or lo == len(self.values) - 1)
+
+    def _decide(self) -> List[Tuple[int, str]]:
+        top = len(self.values) - 1
+        if top not in self.runs:
+            return [] if top in self.running else [(top, "largest value")]
+        if self.running or self.done:
+            return []
+        lo, hi = self._lo_hi()
+        if lo >= hi:
+            raise InputError("fit", f"{self.gpu.key}: {self.values[hi]:,} fits and {self.values[lo]:,}, larger, "
+                                    "does not: memory per process does not shrink with more of them, so there "
+                                    "is no fewest")
+        return [((lo + hi) // 2, "halving")]
+
+    def answer(self) -> GpuFit:
+        """The GPU's answer, once done: the fewest processes that fit, and the run of one fewer."""
+        lo, hi = self._lo_hi()
+        fits = self.runs.get(hi)
+        fails = self.runs.get(lo)
+        key = self.gpu.key
+        if fits is None:
+            assert fails is not None
+            line = f"{key}: does not fit at {self.values[-1]:,}: {self._why_not(fails)}"
+        else:
+            headroom = self.gpu.capacity - (fits.reserved_peak_bytes or 0)
+            line = (f"{key}: fewest {fits.value:,}, reserved peak {format_bytes(fits.reserved_peak_bytes or 0)} "
+                    f"of {format_bytes(self.gpu.capacity)} per rank ({format_bytes(headroom)} headroom); "
+                    + (f"{fails.value:,} {self._why_not(fails)}" if fails is not None
+                       else "the bottom of the range fits"))
+        return GpuFit(gpu=key, name=self.gpu.name, capacity_bytes=self.gpu.capacity, limit_bytes=self.limit,
+                      value=None if fits is None else fits.value, fits=fits, fails=fails,
+                      headroom_bytes=None if fits is None else self.gpu.capacity - (fits.reserved_peak_bytes or 0),
+                      runs=sorted(self.runs.values(), key=lambda r: r.value), forecasts=self.forecasts,
+                      line=text(line))
+
+
 def _ratio_at(ratios: Sequence[Tuple[int, float]], value: int) -> float:
     """Reserved over allocated at `value`, on the line through the two largest runs' (never below the
     largest run's: the overhead is not assumed to shrink); 1 without runs."""
@@ -391,6 +455,21 @@ def _target(command: Sequence[str]) -> List[str]:
     from memdiff.commands.record import _target as checked
 
     return checked(list(command))
+
+
+LAUNCHERS = ("torch.distributed.run", "torch.distributed.launch")
+
+
+def is_launched(command: Sequence[str]) -> bool:
+    """Whether the command starts a job of its own processes (`torchrun ...`, `python -m
+    torch.distributed.run ...`), each recorded as `memdiff record -o DIR/` records a launcher's, rather
+    than one script run in fit's own process."""
+    from memdiff.commands.record import PYTHON
+
+    first = os.path.basename(command[0]) if command else ""
+    if PYTHON.match(first):
+        return len(command) > 2 and command[1] == "-m" and command[2] in LAUNCHERS
+    return bool(command) and not first.endswith(".py") and first != "-m"
 
 
 def _log_tail(log: str) -> str:
@@ -432,9 +511,16 @@ def run_fit(command: Sequence[str], gpus: Sequence[Gpu], output: str, grid: Grid
     if not 0 < max_memory <= 1:
         raise InputError("--max-memory", f"{max_memory:g} is not a share of the GPU: give a number in (0, 1]")
     command = list(command[1:] if command and command[0] == "--" else command)
-    _target(with_value(command, grid.name, grid.values()[0] if grid.values() else 1))
+    launched = is_launched(command)
+    if launched:
+        from memdiff.commands.record import _launched
+
+        _launched(with_value(command, grid.name, grid.values()[0] if grid.values() else 1))
+    else:
+        _target(with_value(command, grid.name, grid.values()[0] if grid.values() else 1))
     os.makedirs(output, exist_ok=True)
-    searches = [Search(g, grid, max_memory, rules) for g in gpus]
+    kind = Fewest if grid.name == NPROC else Search
+    searches = [kind(g, grid, max_memory, rules) for g in gpus]
     context = multiprocessing.get_context("forkserver")
     # The server imports torch once; each run is forked from it with nothing of the script loaded.
     context.set_forkserver_preload(["torch", "memdiff.recording.fitrun", "memdiff.recording.emulate.runtime"])
@@ -451,10 +537,16 @@ def run_fit(command: Sequence[str], gpus: Sequence[Gpu], output: str, grid: Grid
                 value = s.values[index]
                 name = f"{s.gpu.key}-{grid.name}{value}"
                 snapshot, log = os.path.join(output, name + ".pickle"), os.path.join(output, name + ".log")
-                target = _target(with_value(command, grid.name, value))
                 ours, theirs = context.Pipe(duplex=False)
-                process = context.Process(target=child, args=(theirs, s.gpu.key, target, snapshot, log,
-                                                              max_entries, rules), daemon=True)
+                if launched:  # the job's rank snapshots go to a folder of their own: GPU-NAMEVALUE/rank0.pickle
+                    snapshot = os.path.join(output, name)
+                    process = context.Process(target=launched_child, args=(
+                        theirs, s.gpu.key, with_value(command, grid.name, value), snapshot, log, max_entries, rules),
+                        daemon=True)
+                else:
+                    target = _target(with_value(command, grid.name, value))
+                    process = context.Process(target=child, args=(theirs, s.gpu.key, target, snapshot, log,
+                                                                  max_entries, rules), daemon=True)
                 process.start()
                 theirs.close()
                 s.started(index, why)
@@ -485,7 +577,7 @@ def run_fit(command: Sequence[str], gpus: Sequence[Gpu], output: str, grid: Grid
                 r.process.join()
     return FitResult(command=command, knob=grid.name, grid=grid, max_memory=max_memory,
                      gpus=[s.answer() for s in searches], runs=total, seconds=time.monotonic() - started,
-                     output=output)
+                     output=output, direction=SMALLEST if grid.name == NPROC else LARGEST)
 
 
 # ---------------------------------------------------------------- the gate
@@ -510,9 +602,11 @@ def read_fit(path: str) -> Dict[str, Any]:
     return validate(path, doc, "fit")
 
 
-def judge(values: Dict[str, Optional[int]], knob: str, baseline: Dict[str, Any], path: str) -> List[Finding]:
+def judge(values: Dict[str, Optional[int]], knob: str, baseline: Dict[str, Any], path: str,
+          missing_fails: bool = False) -> List[Finding]:
     """A G011 finding for each GPU whose largest value fell below the baseline's (`values`: the fit's,
-    by GPU; a GPU only one side has is not compared)."""
+    by GPU). A GPU only the baseline has is not compared, unless `missing_fails` (a snapshot's gate:
+    a fit that left a GPU out must not pass for it); one only the fit has never is."""
     if baseline["knob"] != knob:
         raise InputError(path, f"the baseline fits {{{clip(baseline['knob'])}}} and this fit {{{knob}}}: they cannot "
                                "be compared")
@@ -520,9 +614,13 @@ def judge(values: Dict[str, Optional[int]], knob: str, baseline: Dict[str, Any],
     for g in baseline["gpus"]:
         key = g["gpu"]
         if key not in values:
+            if missing_fails and g["value"] is not None:
+                out.append(finding("G011", gpu=key, knob=knob, old=f"{g['value']:,}", new="not fitted",
+                                   baseline=path))
             continue
         old, new = g["value"], values[key]
-        if old is not None and (new is None or new < old):
+        fewer = baseline.get("direction", LARGEST) == SMALLEST  # {nproc}: more processes needed is the loss
+        if old is not None and (new is None or (new > old if fewer else new < old)):
             out.append(finding("G011", gpu=key, knob=knob, old=f"{old:,}",
                                new="nothing" if new is None else f"{new:,}", baseline=path))
     return out
@@ -543,6 +641,36 @@ def value_lines(doc: Dict[str, Any]) -> List[str]:
 
 
 
+
+
+def stored_fit(path: str) -> Dict[str, Any]:
+    """What a baseline keeps of the fit result at `path` (`memdiff baseline --fit`): the knob, the
+    --max-memory share and the largest value per GPU."""
+    doc = read_fit(path)
+    return {"knob": doc["knob"], "direction": doc.get("direction", LARGEST), "max_memory": doc["max_memory"],
+            "source": path,
+            "gpus": [{"gpu": g["gpu"], "value": g["value"]} for g in doc["gpus"]]}
+
+
+def check_fit(stored: Dict[str, Any], baseline_path: str, run: str) -> Tuple[List[Finding], List[str]]:
+    """The fit result `run` against the fit values a snapshot's baseline holds (`memdiff gate --fit`):
+    the G011 findings, and one line per GPU of the baseline (`PASS  fit: h100 batch 1,976 -> 1,984`).
+
+    A fit under another --max-memory share answers another question: InputError, as another knob is."""
+    doc = read_fit(run)
+    if doc["max_memory"] != stored["max_memory"]:
+        raise InputError(run, f"fits within {doc['max_memory']:g} of each GPU and the baseline {baseline_path}'s "
+                              f"values within {stored['max_memory']:g}: they cannot be compared")
+    values = {g["gpu"]: g["value"] for g in doc["gpus"]}
+    found = judge(values, doc["knob"], stored, baseline_path, missing_fails=True)
+    dropped = {f.data["gpu"] for f in found}
+    lines = []
+    for g in stored["gpus"]:
+        head = values.get(g["gpu"])
+        new = "not fitted" if g["gpu"] not in values else "nothing" if head is None else f"{head:,}"
+        old = "nothing" if g["value"] is None else f"{g['value']:,}"
+        lines.append(f"{'FAIL' if g['gpu'] in dropped else 'PASS'}  fit: {g['gpu']} {stored['knob']} {old} -> {new}")
+    return found, lines
 
 
 @dataclass

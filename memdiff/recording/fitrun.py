@@ -131,3 +131,55 @@ def child(conn: Any, gpu: str, target: List[str], snapshot: str, log: str, max_e
         conn.send({"internal_error": f"{type(exc).__name__}: {exc}"})
     finally:
         conn.close()
+
+
+def run_launched(gpu: str, command: List[str], folder: str, log: str, max_entries: int,
+                 rules: Sequence[Any]) -> RunOutcome:
+    """Run a launched job (`torchrun --nproc-per-node 4 train.py`) as `memdiff record --emulate GPU -o
+    folder/ -- COMMAND` runs it, every rank on its own emulated `gpu`, and judge it by its ranks: out of
+    memory when any rank's emulator raised the error (the rank's status says so, even when the script
+    caught it), refused when any rank's op was; its peaks are the rank's with the largest reserved peak."""
+    import json
+    import subprocess
+    import time
+
+    from memdiff.recording.manifest import MANIFEST
+
+    started = time.monotonic()
+    with open(log, "w", encoding="utf-8") as out:
+        done = subprocess.run([sys.executable, "-m", "memdiff", "record", "--emulate", gpu, "--max-entries",
+                               str(max_entries), "-o", folder.rstrip(os.sep) + os.sep, "--", *command],
+                              stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    seconds = time.monotonic() - started
+    used = resource.getrusage(resource.RUSAGE_CHILDREN)  # the job's processes, this forked child's only
+    try:
+        with open(os.path.join(folder, MANIFEST), encoding="utf-8") as f:
+            ranks = json.load(f).get("ranks", [])
+    except (OSError, ValueError):
+        ranks = []
+    oom = next((r["out_of_memory"] for r in ranks if r.get("out_of_memory")), None)
+    refused = next((f"rank {r['rank']}: {r['refused']}" for r in ranks if r.get("refused")), None)
+    facts: Dict[str, Any] = {}
+    for r in ranks:
+        path = os.path.join(folder, r.get("file") or "")
+        if r.get("file") and os.path.isfile(path):
+            rank_facts = _summary_facts(path, rules)
+            if rank_facts and (rank_facts["reserved_peak_bytes"] or 0) >= facts.get("reserved_peak_bytes", -1):
+                facts = {**rank_facts, "site": f"rank {r['rank']}: {rank_facts['site']}"}
+    status = done.returncode
+    ended = OOM if oom is not None else FITS if status == 0 and ranks else FAILED
+    return RunOutcome(status=ended, exit_status=status, oom_message=oom, refused=refused,
+                      peak_bytes=facts.get("peak_bytes"), reserved_peak_bytes=facts.get("reserved_peak_bytes"),
+                      phase=facts.get("phase"), step=facts.get("step"), site=facts.get("site"), seconds=seconds,
+                      cpu_seconds=used.ru_utime + used.ru_stime)
+
+
+def launched_child(conn: Any, gpu: str, command: List[str], folder: str, log: str, max_entries: int,
+                   rules: Sequence[Any]) -> None:
+    """The forked process's entry for a launched job: run it, send the outcome's dict back, close."""
+    try:
+        conn.send(run_launched(gpu, command, folder, log, max_entries, rules).to_dict())
+    except BaseException as exc:  # memdiff's own failure in the child: said to the parent, never lost
+        conn.send({"internal_error": f"{type(exc).__name__}: {exc}"})
+    finally:
+        conn.close()

@@ -8,7 +8,7 @@ from tabulate import tabulate
 
 from memdiff.compare.findings import shown
 from memdiff.inert import md_cell, md_code, md_text
-from memdiff.predict.fit import FitGate, FitResult, FitRun, GpuFit
+from memdiff.predict.fit import SMALLEST, FitGate, FitResult, FitRun, GpuFit
 from memdiff.render.json import dumps
 from memdiff.units import format_bytes
 
@@ -37,6 +37,13 @@ def _rows(result: FitResult) -> List[List[str]]:
 
 
 HEADERS = ["gpu", "largest", "allocated peak", "reserved peak", "headroom", "capacity", "first not fitting", "runs"]
+# {nproc}: the fewest processes that fit, and the run of one fewer that did not
+FEWEST_HEADERS = ["gpu", "fewest", "allocated peak", "reserved peak", "headroom", "capacity", "next down, not fitting",
+                  "runs"]
+
+
+def _headers(result: FitResult) -> List[str]:
+    return FEWEST_HEADERS if result.direction == SMALLEST else HEADERS
 ALIGN = ("left", "right", "right", "right", "right", "right", "left", "right")
 
 
@@ -67,7 +74,7 @@ def render_text(result: FitResult) -> str:
                                                 f"{result.max_memory:g} of the capacity"
     out += ["", f"knob   {result.grid.describe()}{limit}",
             f"runs   {result.runs} emulated runs in {result.seconds:.1f} s, snapshots in {result.output}", "",
-            tabulate(_rows(result), headers=HEADERS, tablefmt="simple", colalign=ALIGN), ""]
+            tabulate(_rows(result), headers=_headers(result), tablefmt="simple", colalign=ALIGN), ""]
     for g in result.gpus:
         out.append(f"{g.gpu} ({g.name})")
         out += _details(g)
@@ -82,8 +89,9 @@ def render_markdown(result: FitResult) -> str:
                                                             f"{'pass' if result.passed else 'fail'}"))
     out += [("❌ " if f.severity == "error" else "") + md_text(shown(f)) for f in result.findings]
     rows = [[md_cell(c) for c in row] for row in _rows(result)]
-    out += ["", f"Largest {md_code(result.knob)} that trains, per emulated GPU ({result.runs} runs):", "",
-            tabulate(rows, headers=HEADERS, tablefmt="github", colalign=ALIGN), ""]
+    which = "Fewest" if result.direction == SMALLEST else "Largest"
+    out += ["", f"{which} {md_code(result.knob)} that trains, per emulated GPU ({result.runs} runs):", "",
+            tabulate(rows, headers=_headers(result), tablefmt="github", colalign=ALIGN), ""]
     for g in result.gpus:
         if g.fails is not None and g.fails.oom_message:
             out.append(f"- {md_text(g.gpu)} at {g.fails.value:,}: {md_text(g.fails.oom_message)}")

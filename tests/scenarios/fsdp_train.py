@@ -10,6 +10,7 @@ size, for the tests to check memdiff's parameter and gradient bytes per rank aga
 
 import argparse
 import json
+import os
 
 import torch
 import torch.distributed as dist
@@ -36,17 +37,19 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--no-reshard", action="store_true", help="reshard_after_forward=False")
     p.add_argument("--facts", help="rank 0 writes the model's facts here")
+    p.add_argument("--cuda", action="store_true", help="train on the rank's GPU, cuda:LOCAL_RANK (memdiff fit)")
     args = p.parse_args()
     dist.init_process_group("gloo")
     torch.manual_seed(0)
-    model = nn.Sequential(*(Block() for _ in range(BLOCKS)))
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if args.cuda else torch.device("cpu")
+    model = nn.Sequential(*(Block() for _ in range(BLOCKS))).to(device)
     parameter_bytes = sum(t.numel() * t.element_size() for t in model.parameters())
     for block in model:
         fully_shard(block, reshard_after_forward=not args.no_reshard)
     fully_shard(model, reshard_after_forward=not args.no_reshard)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     for _ in range(2):
-        x = torch.randn(16, WIDTH)
+        x = torch.randn(16, WIDTH, device=device)
         loss = model(x).square().mean()
         loss.backward()
         opt.step()

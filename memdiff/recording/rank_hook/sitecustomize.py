@@ -88,6 +88,8 @@ class _Status:
             document["started_without_hook"] = self.started_without_hook[:5]
         if _refused:
             document["refused"] = _refused[0]
+        if _EMULATOR is not None and _EMULATOR.out_of_memory:  # even one the script caught (`memdiff fit`)
+            document["out_of_memory"] = _EMULATOR.out_of_memory[0][:500]
         # A name of its own per write: another thread, or a signal handler on this one, may be writing too.
         temporary = f"{self.path}.{os.getpid()}.{next(self.writes)}.tmp"
         try:
@@ -292,6 +294,7 @@ def _start(torch, folder):
 
 
 _EMULATION = None  # the running emulation of this process (session.start's stack), kept alive
+_EMULATOR = None  # its Emulator: the out-of-memory errors it raised go into the rank's status
 
 
 def _emulate(key, input_error):
@@ -303,8 +306,9 @@ def _emulate(key, input_error):
     from memdiff.recording.emulate.runtime import Emulator
     from memdiff.recording.emulate.session import start
 
-    global _EMULATION
-    _EMULATION = start(Emulator(gpu(key)))  # held, never closed: the emulator stays on until the process ends
+    global _EMULATION, _EMULATOR
+    _EMULATOR = Emulator(gpu(key))
+    _EMULATION = start(_EMULATOR)  # held, never closed: the emulator stays on until the process ends
     previous = sys.excepthook
 
     def refused(kind, value, traceback):
