@@ -16,7 +16,7 @@ from memdiff.predict.whatif.edit import CannotApply, ChangeRule, Edit, one_of
 from memdiff.predict.whatif.run import SCALAR_BYTES, Run, peak_of_set
 from memdiff.units import format_bytes
 
-# Per optimizer: (state tensors per parameter, step temporaries per parameter in the update).
+# Per optimizer: (state tensors per parameter, the update's temporaries in its single-tensor form).
 # From each optimizer's update in torch.optim: Adam's denominator is sqrt(v) then a division
 # (two tensors of the parameter's size at once); AMSGrad's max is taken in place; Adagrad's
 # and RMSprop's std is sqrt(state) + eps in place (one); SGD updates in place (none);
@@ -25,6 +25,16 @@ from memdiff.units import format_bytes
 OPTIMIZERS: Dict[str, Tuple[int, int]] = {
     "sgd": (0, 0), "sgd-momentum": (1, 0), "adam": (2, 2), "adamw": (2, 2), "adamw-amsgrad": (3, 2),
     "adagrad": (1, 1), "rmsprop": (1, 1), "adafactor": (0, 1)}
+
+# The update's temporaries per form (step=): single-tensor as above, in units of the largest
+# parameter; foreach in units of every parameter at once, where the multi-tensor update makes one
+# list (`_foreach_sqrt` of Adam's, Adagrad's and RMSprop's state, then in place: torch 2.13's
+# `_multi_tensor_adam` and its siblings); fused none (the kernels update in place), for the
+# optimizers that have it (Adam, AdamW, SGD, Adagrad).
+TEMPORARIES: Dict[str, Dict[str, int]] = {
+    name: {"single": temps, "foreach": min(temps, 1),
+           **({"fused": 0} if name in ("sgd", "sgd-momentum", "adam", "adamw", "adamw-amsgrad", "adagrad") else {})}
+    for name, (_, temps) in OPTIMIZERS.items()}
 
 
 # torch.optim's optimizers, by their class names lowercased (`torch.optim.RMSprop`: rmsprop), which
@@ -133,7 +143,8 @@ def apply_optimizer(run: Run, edit: Edit, value: str) -> None:
     if name == value or {name, value} == {"adam", "adamw"}:
         raise CannotApply(f"the run already uses {name}" + (" (Adam and AdamW keep the same memory)"
                                                              if name in ("adam", "adamw") else ""))
-    want_state, want_temps = OPTIMIZERS[value]
+    want_state = OPTIMIZERS[value][0]
+    want_temps = TEMPORARIES[value]["foreach" if form == "foreach" else "single"]
     # What an earlier rule (half-precision weights) did to the parameters, the new state and
     # temporaries follow.
     params_before = int(c.size[run.of("parameter")].sum())

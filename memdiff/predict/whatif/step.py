@@ -16,25 +16,17 @@ the update code of torch.optim (torch 2.13, `adam.py`, `sgd.py`, `adagrad.py`, `
 from __future__ import annotations
 
 import re
-from typing import Dict, Optional
+from typing import Optional
 
 from memdiff.analyse.lifetimes import OPTIMIZER
 from memdiff.predict.whatif.edit import CannotApply, ChangeRule, Edit, one_of
-from memdiff.predict.whatif.optimizer import peak_event, run_optimizer, step_temporaries
+from memdiff.predict.whatif.optimizer import TEMPORARIES, peak_event, run_optimizer, step_temporaries
 from memdiff.predict.whatif.run import Run
 from memdiff.units import format_bytes
 
 FORMS = ("single", "foreach", "fused")
 
-# Per optimizer (memdiff whatif's names): tensors the update makes at once, per form, in units of
-# the largest parameter (single) or of every parameter (foreach).
-TEMPORARIES: Dict[str, Dict[str, int]] = {
-    "sgd": {"single": 0, "foreach": 0, "fused": 0}, "sgd-momentum": {"single": 0, "foreach": 0, "fused": 0},
-    "adam": {"single": 2, "foreach": 1, "fused": 0}, "adamw": {"single": 2, "foreach": 1, "fused": 0},
-    "adamw-amsgrad": {"single": 2, "foreach": 1, "fused": 0}, "adagrad": {"single": 1, "foreach": 1, "fused": 0},
-    "rmsprop": {"single": 1, "foreach": 1}, "adafactor": {"single": 1, "foreach": 1}}
-
-# torch's single-tensor update functions (`_single_tensor_adam`), and its fused ones (`_fused_adamw`).
+# torch's single-tensor update functions (`_single_tensor_adam`).
 SINGLE_FRAME = re.compile(r"\b_single_tensor_\w")
 
 
