@@ -31,7 +31,7 @@ from memdiff.read.job import is_job, summarize_ranks
 from memdiff.read.window import add_window_arguments
 from memdiff.render import html as render_html
 from memdiff.render import render
-from memdiff.report import Report, Run, Settings, compare
+from memdiff.report.build import Report, Run, Settings, compare
 
 DESCRIPTION = ("Align two runs by stack signature and explain the peak difference. Either input "
                "may be a snapshot or a summary JSON. Exit 1 when a peak grew beyond the rule.")

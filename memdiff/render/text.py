@@ -13,7 +13,7 @@ from memdiff.compare.findings import shown
 from memdiff.inert import text
 from memdiff.model import Summary
 from memdiff.render.table import layout, row_table
-from memdiff.report import DeviceReport, Report, frame_line
+from memdiff.report.build import DeviceReport, Report, frame_line
 from memdiff.units import count_of, format_bytes
 
 STACK_LINES = 6
