@@ -33,8 +33,9 @@ from memdiff.inert import baseline_command
 from memdiff.lists import chosen_codes, limit_of, named_limits, split_items
 from memdiff.model import Summary
 from memdiff.read.inputs import read_summary
-from memdiff.report.build import DEFAULT_TOP, Report, Settings, compare
+from memdiff.report.build import Report, Settings, compare
 from memdiff.report.build import Run as ReportRun
+from memdiff.report.types import DEFAULT_TOP
 from memdiff.units import parse_size
 
 if TYPE_CHECKING:

@@ -26,7 +26,8 @@ from memdiff.compare.findings import BY_CODE, ERROR, INFO, WARNING
 from memdiff.compare.trend import TREND_HEADERS, Trend
 from memdiff.model import DeviceSummary, Finding, Frame, Summary
 from memdiff.render.table import row_table
-from memdiff.report.build import STACK_FRAMES, DeviceReport, Report, ShownRow, Table, frame_line
+from memdiff.report.build import Report
+from memdiff.report.types import STACK_FRAMES, DeviceReport, ShownRow, Table, frame_line
 from memdiff.units import format_bytes
 
 

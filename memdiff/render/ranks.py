@@ -17,7 +17,7 @@ from memdiff.inert import text
 from memdiff.read.job import ranges, ranks_text
 from memdiff.render.json import dumps
 from memdiff.render.table import layout, row_table
-from memdiff.report.build import RANKS_SCHEMA_VERSION, DeviceReport, check_line, pct_cell
+from memdiff.report.types import RANKS_SCHEMA_VERSION, DeviceReport, check_line, pct_cell
 from memdiff.units import count_of, format_bytes
 
 

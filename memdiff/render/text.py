@@ -13,7 +13,8 @@ from memdiff.compare.findings import shown
 from memdiff.inert import text
 from memdiff.model import Summary
 from memdiff.render.table import layout, row_table
-from memdiff.report.build import DeviceReport, Report, frame_line
+from memdiff.report.build import Report
+from memdiff.report.types import DeviceReport, frame_line
 from memdiff.units import count_of, format_bytes
 
 STACK_LINES = 6
