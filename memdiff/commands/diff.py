@@ -23,8 +23,9 @@ from memdiff.commands.args import (
     reserved_limit,
     rules_from,
 )
-from memdiff.compare.differ import MOMENTS, PEAK
+from memdiff.compare.differ import MOMENTS
 from memdiff.compare.limits import Limit, Thresholds, thresholds_over
+from memdiff.compare.observe import PEAK
 from memdiff.errors import EXIT_OK, EXIT_REGRESSION, InputError
 from memdiff.read.inputs import read_summaries
 from memdiff.read.job import is_job, summarize_ranks

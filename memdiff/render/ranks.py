@@ -9,9 +9,9 @@ from typing import Any, Dict, Optional
 from tabulate import tabulate
 
 from memdiff import __version__
-from memdiff.compare.differ import where_text
 from memdiff.compare.findings import shown
 from memdiff.compare.judge import Check
+from memdiff.compare.observe import where_text
 from memdiff.compare.ranks import RanksReport, Role
 from memdiff.inert import text
 from memdiff.read.job import ranges, ranks_text

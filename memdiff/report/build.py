@@ -24,22 +24,19 @@ from memdiff.compare.differ import (
     COMPILED_BUFFER,
     GRADIENTS,
     NEW,
-    PEAK,
     SAME,
     TEMPORARIES,
-    WARNING_STRINGS,
     CategoryDelta,
     DeviceDiff,
     Diff,
     DiffRow,
     PhaseDelta,
     diff,
-    kept_from,
-    where_text,
 )
 from memdiff.compare.findings import finding
 from memdiff.compare.judge import Check, Runs, Verdict, judge, judge_ranks, noise_limit
 from memdiff.compare.limits import DEFAULT_PEAK, IGNORE, Limit, Thresholds
+from memdiff.compare.observe import PEAK, WARNING_STRINGS, kept_from, where_text
 from memdiff.compare.trend import DEFAULT_POINTS, Trend, trend_of, workloads
 from memdiff.errors import InputError, clip
 from memdiff.inert import scrubbed, text

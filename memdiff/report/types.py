@@ -6,13 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import List, Optional
 
-from memdiff.compare.differ import (
-    PEAK,
-    DeviceDiff,
-    Diff,
-    DiffRow,
-)
+from memdiff.compare.differ import DeviceDiff, Diff, DiffRow
 from memdiff.compare.judge import Check, FindingCheck, Verdict, growth_pct
+from memdiff.compare.observe import PEAK
 from memdiff.model import Finding, Frame, Summary
 from memdiff.units import format_bytes
 
