@@ -1,5 +1,6 @@
 """A category rule file is read and checked once, at the entry, and travels down as the loaded rules
-(issue 51 item 4): no stage below the API reads it again. Counted on a real H100 window."""
+(issue 51 item 4): no stage below the API or the CLI reads it again, and the CLI
+reads it once for its categories and its choice of findings both. Counted on a real H100 window."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import pytest
 
 import memdiff.api as api
 from memdiff.analyse import classify
+from memdiff.cli import main
 
 WINDOW = Path(__file__).resolve().parent / "data" / "cuda" / "gpt2-warm.pickle.gz"
 
@@ -44,3 +46,10 @@ def test_the_api_reads_a_rule_file_once(inputs, reads):
     api.summarize(snapshot, rules=str(rules), history=True)
     assert reads == [str(rules)]
 
+
+
+def test_memdiff_diff_reads_a_rule_file_once(inputs, reads, capsys):
+    snapshot, rules = inputs
+    code = main(["diff", str(snapshot), str(snapshot), "--rules", str(rules)])
+    assert code == 0, capsys.readouterr().err
+    assert reads == [str(rules)]
