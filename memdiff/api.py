@@ -26,15 +26,16 @@ from typing import TYPE_CHECKING, Any, ContextManager, Dict, Optional, Sequence,
 from memdiff.analyse.classify import Rule, check_categories, load_rules
 from memdiff.analyse.lifetimes import BACKWARD, FORWARD, OPTIMIZER
 from memdiff.compare.baseline import Baseline, comparable_pair, read_baseline, update_baseline
-from memdiff.compare.differ import PEAK
 from memdiff.compare.limits import Limit, Thresholds, parse_pct, thresholds_over
+from memdiff.compare.observe import PEAK
 from memdiff.errors import InputError, clip
 from memdiff.inert import baseline_command
 from memdiff.lists import chosen_codes, limit_of, named_limits, split_items
 from memdiff.model import Summary
 from memdiff.read.inputs import read_summary
-from memdiff.report import DEFAULT_TOP, Report, Settings, compare
-from memdiff.report import Run as ReportRun
+from memdiff.report.build import Report, Settings, compare
+from memdiff.report.build import Run as ReportRun
+from memdiff.report.types import DEFAULT_TOP
 from memdiff.units import parse_size
 
 if TYPE_CHECKING:

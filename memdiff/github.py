@@ -26,7 +26,7 @@ from memdiff.inert import baseline_command, md_code, md_fence, shell, text
 from memdiff.model import Finding
 from memdiff.read.load import read_json
 from memdiff.render.markdown import Options, render_diff
-from memdiff.report import Report
+from memdiff.report.build import Report
 
 # GitHub's limit for a comment body; job summaries allow more, but one report serves both.
 SIZE_LIMIT = 65_536

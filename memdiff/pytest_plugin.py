@@ -220,7 +220,7 @@ def _replace_unreadable(path: str) -> None:
 
 def _ceiling(summary: Any, limit: Any) -> None:
     from memdiff.api import to_bytes
-    from memdiff.compare.differ import where_text
+    from memdiff.compare.observe import where_text
     from memdiff.units import format_bytes
 
     ceiling = to_bytes(limit, "limit")

@@ -56,7 +56,7 @@ def test_without_the_flag_or_a_regression_nothing_is_replayed(pair, monkeypatch)
 
     def refuse(*args, **kwargs):
         raise AssertionError("replayed without being asked")
-    monkeypatch.setattr("memdiff.report.buy_back", refuse)
+    monkeypatch.setattr("memdiff.report.build.buy_back", refuse)
     doc = as_json(base, head, "--fail-over-pct", "5")
     assert doc["verdict"] == "fail" and "buy_back" not in doc and "buy_back_notes" not in doc
     code, out, _ = run(base, head, "--fail-over-pct", "5", "--format", "markdown")

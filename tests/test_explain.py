@@ -12,7 +12,7 @@ from memdiff.analyse.classify import load_rules
 from memdiff.cli import main
 from memdiff.compare.differ import GREW, diff
 from memdiff.read.inputs import read_summary
-from memdiff.report import device_report
+from memdiff.report.build import device_report
 
 REAL_PAIRS = [
     ("cs336-medium-ctx128-train.pickle", "cs336-medium-ctx256-train.pickle"),
@@ -231,7 +231,7 @@ def test_the_phase_that_moved_most_is_compared_like_for_like():
     far less (+324.5 KiB). The forward is where the change is; a peak that moved less than the
     forward is compared at its own phase."""
     from memdiff.compare.differ import PhaseDelta
-    from memdiff.report import _moved_phase
+    from memdiff.report.build import _moved_phase
 
     def device(phases, base_phase, head_phase):
         base_peak = max(b for _, b, _ in phases)

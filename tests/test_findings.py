@@ -25,7 +25,7 @@ from memdiff.compare.findings import (
     rule_section,
 )
 from memdiff.read.inputs import read_summary
-from memdiff.report import Run, Settings, compare
+from memdiff.report.build import Run, Settings, compare
 
 CUDA = ROOT / "tests" / "data" / "cuda"
 validate = test_schemas.validate

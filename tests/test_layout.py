@@ -103,3 +103,27 @@ def test_the_circle_finder_finds_a_circle():
 def test_each_emulator_module_imports_on_its_own(module, torch):
     done = subprocess.run([sys.executable, "-c", f"import {module}"], capture_output=True, text=True, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+# The top of memdiff/ holds the thin entries, the shared small modules every stage uses, and the
+# public short paths; the stages live in their folders (docs/development.md), so a new module
+# lands in one of them, or is added here on purpose.
+ENTRIES = {"__init__", "__main__", "cli", "api", "github", "pytest_plugin"}
+SHARED = {"model", "errors", "units", "lists", "progress", "atomic", "inert"}
+PUBLIC_PATHS = {"baseline", "capture"}  # memdiff.baseline (public), memdiff.capture (deprecated, warns)
+FOLDERS = {"recording", "read", "analyse", "compare", "predict", "report", "render", "commands",
+           "integrations", "examples", "rules", "schemas"}
+MAX_LINES = 800
+
+
+def test_the_top_of_memdiff_holds_only_the_entries_and_the_shared_modules():
+    modules = {p.stem for p in PACKAGE.glob("*.py")}
+    folders = {p.name for p in PACKAGE.iterdir() if p.is_dir() and p.name != "__pycache__"}
+    assert modules == ENTRIES | SHARED | PUBLIC_PATHS
+    assert folders == FOLDERS
+
+
+def test_no_module_is_over_800_lines():
+    long = {str(p.relative_to(ROOT)): n for p in PACKAGE.rglob("*.py")
+            if (n := len(p.read_text(encoding="utf-8").splitlines())) > MAX_LINES}
+    assert long == {}

@@ -14,7 +14,7 @@ from memdiff.analyse.classify import load_rules
 from memdiff.compare.baseline import _stored_summary, comparable_pair, read_baseline
 from memdiff.compare.findings import BY_CODE
 from memdiff.read.inputs import read_summary
-from memdiff.report import Run, Settings, compare
+from memdiff.report.build import Run, Settings, compare
 
 MiB = 2**20
 INIT = py_frames("model.py:3:__init__", "train.py:4:<module>")

@@ -14,7 +14,7 @@ import json
 import sys
 from dataclasses import dataclass, replace
 from importlib import resources
-from typing import AbstractSet, Any, Dict, FrozenSet, Iterable, List, Optional, Sequence, Set, Tuple
+from typing import AbstractSet, Any, Dict, FrozenSet, Iterable, List, Optional, Sequence, Set, Tuple, Union
 
 from memdiff.analyse.patterns import TIMEOUT_S, Pattern
 from memdiff.errors import InputError, clip
@@ -136,23 +136,35 @@ def custom_profile_rules(text: str) -> List[Rule]:
     return parse_rules("--custom-profile", doc, USER_PRIORITY)
 
 
-def load_rules(rules_files: Sequence[str] = (), custom_profile: Optional[str] = None) -> List[Rule]:
+RuleFile = Union[str, Tuple[str, Any]]  # a path, or a path and the document read from it
+
+
+def read_rule_files(paths: Sequence[str]) -> List[Tuple[str, Any]]:
+    """Each rules file read once, as (path, document): what load_rules and findings_chosen both take,
+    so that an entry needing a file's categories and its choice of findings reads it one time."""
+    return [(path, _read_rules_file(path)) for path in paths]
+
+
+def _documents(rules_files: Sequence[RuleFile]) -> List[Tuple[str, Any]]:
+    return [f if isinstance(f, tuple) else (f, _read_rules_file(f)) for f in rules_files]
+
+
+def load_rules(rules_files: Sequence[RuleFile] = (), custom_profile: Optional[str] = None) -> List[Rule]:
     """User rules (files in order, then the custom profile) ranked above the built-in rules."""
     user: List[Rule] = []
-    for path in rules_files:
-        user += parse_rules(path, _read_rules_file(path), USER_PRIORITY)
+    for path, data in _documents(rules_files):
+        user += parse_rules(path, data, USER_PRIORITY)
     if custom_profile:
         user += custom_profile_rules(custom_profile)
     # sorted() is stable: equal priorities keep their order, user rules before built-in ones.
     return sorted(user + builtin_rules(), key=lambda r: -r.priority)
 
 
-def findings_chosen(rules_files: Sequence[str]) -> List[Tuple[str, List[str], List[str]]]:
+def findings_chosen(rules_files: Sequence[RuleFile]) -> List[Tuple[str, List[str], List[str]]]:
     """Each rules file's choice of findings (its `findings`: `fail-on` and `ignore` codes, checked
     against the catalogue), as (path, fail-on, ignore), in order; files without one are left out."""
     out = []
-    for path in rules_files:
-        data = _read_rules_file(path)
+    for path, data in _documents(rules_files):
         chosen = validate(path, data, "rules").get("findings")
         if chosen:
             out.append((path, *chosen_codes(chosen.get("fail-on", []), chosen.get("ignore", []),

@@ -7,8 +7,8 @@ from typing import Dict, List, Optional, Tuple
 
 from memdiff.analyse.classify import PERSISTENT
 from memdiff.analyse.lifetimes import BACKWARD, FORWARD, OPTIMIZER, OTHER
-from memdiff.compare.differ import growing_data, growing_steps, kept_bytes, kept_data, oom_data, overflow_data
 from memdiff.compare.findings import finding
+from memdiff.compare.observe import growing_data, growing_steps, kept_bytes, kept_data, oom_data, overflow_data
 from memdiff.errors import InputError
 from memdiff.inert import scrubbed
 from memdiff.model import WINDOW_KEY, DeviceSummary, Finding, Frame, Summary, largest_first

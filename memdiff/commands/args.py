@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import TYPE_CHECKING, Dict, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
 
-from memdiff.analyse.classify import Rule, check_categories, findings_chosen, load_rules
+from memdiff.analyse.classify import Rule, check_categories, findings_chosen, load_rules, read_rule_files
 from memdiff.analyse.lifetimes import BACKWARD, FORWARD, OPTIMIZER
 from memdiff.compare.findings import DEFAULT_FAIL_ON
 from memdiff.compare.limits import Limit, Thresholds, parse_limit, parse_pct, thresholds_over
@@ -94,9 +94,17 @@ def add_rules_arguments(p: argparse.ArgumentParser) -> None:
                    help='categories by regex over frame names and files, e.g. \'{"kv_cache": "KVCache"}\'')
 
 
+def _rule_files(args: argparse.Namespace) -> List[Tuple[str, Any]]:
+    """The --rules files, each read once per command: its categories and its choice of findings
+    come from the one reading."""
+    if getattr(args, "rule_documents", None) is None:
+        args.rule_documents = read_rule_files(getattr(args, "rules", None) or [])
+    return args.rule_documents
+
+
 def rules_from(args: argparse.Namespace) -> List[Rule]:
     """The rules the command line asks for, built-in ones included."""
-    return load_rules(args.rules, args.custom_profile)
+    return load_rules(_rule_files(args), args.custom_profile)
 
 
 def add_category_threshold_argument(p: argparse.ArgumentParser) -> None:
@@ -144,7 +152,7 @@ def thresholds_from(args: argparse.Namespace, rules: Sequence[Rule], stored: Opt
 def finding_choices(args: argparse.Namespace) -> List[Tuple[str, str, List[str], List[str]]]:
     """The choices of findings to fail on or ignore, in the order they apply: each rules file's
     (`findings` in it), then --fail-on and --ignore."""
-    files = [(path, path, fail_on, ignore) for path, fail_on, ignore in findings_chosen(getattr(args, "rules", []))]
+    files = [(path, path, fail_on, ignore) for path, fail_on, ignore in findings_chosen(_rule_files(args))]
     return files + [("--fail-on", "--ignore", *chosen_codes(args.fail_on, args.ignore, "--fail-on", "--ignore"))]
 
 

@@ -15,7 +15,7 @@ from memdiff.errors import InputError
 from memdiff.read.inputs import read_summary
 from memdiff.recording.capture import record
 from memdiff.render import render
-from memdiff.report import Run, Settings, compare
+from memdiff.report.build import Run, Settings, compare
 
 RUNS = (("baseline", False), ("checkpointing", True))
 

@@ -23,15 +23,16 @@ from memdiff.commands.args import (
     reserved_limit,
     rules_from,
 )
-from memdiff.compare.differ import MOMENTS, PEAK
+from memdiff.compare.differ import MOMENTS
 from memdiff.compare.limits import Limit, Thresholds, thresholds_over
+from memdiff.compare.observe import PEAK
 from memdiff.errors import EXIT_OK, EXIT_REGRESSION, InputError
 from memdiff.read.inputs import read_summaries
 from memdiff.read.job import is_job, summarize_ranks
 from memdiff.read.window import add_window_arguments
 from memdiff.render import html as render_html
 from memdiff.render import render
-from memdiff.report import Report, Run, Settings, compare
+from memdiff.report.build import Report, Run, Settings, compare
 
 DESCRIPTION = ("Align two runs by stack signature and explain the peak difference. Either input "
                "may be a snapshot or a summary JSON. Exit 1 when a peak grew beyond the rule.")

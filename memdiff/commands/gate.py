@@ -40,7 +40,7 @@ from memdiff.read.job import is_job, ranges, summarize_ranks
 from memdiff.read.window import add_window_arguments
 from memdiff.render import render
 from memdiff.render.json import dumps
-from memdiff.report import Report, Run, Settings, compare
+from memdiff.report.build import Report, Run, Settings, compare
 
 DESCRIPTION = ("Compare each run with its baseline under the baseline's thresholds (flags override them) "
                "and print the report and one line per threshold. Exit 0 pass, 1 regression, 2 bad input.")

@@ -20,7 +20,7 @@ from memdiff.errors import EXIT_OK, EXIT_REGRESSION
 from memdiff.read.job import summarize_ranks
 from memdiff.read.window import add_window_arguments
 from memdiff.render import ranks as render_ranks
-from memdiff.report import device_report
+from memdiff.report.build import device_report
 
 DESCRIPTION = ("Read a job (a folder or glob of per-rank snapshots or summaries; the rank comes from each "
                "file name) and show per rank the peak, where it is, static and category bytes; the spread "

@@ -19,9 +19,9 @@ from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 from memdiff import __version__
 from memdiff.analyse.sameloop import loop_difference
 from memdiff.atomic import check_output, make_folder, write_output
-from memdiff.compare.differ import PEAK
 from memdiff.compare.findings import finding
 from memdiff.compare.limits import Thresholds, thresholds_from_dict
+from memdiff.compare.observe import PEAK
 from memdiff.errors import InputError, clip, version_shown
 from memdiff.inert import baseline_command
 from memdiff.model import DeviceSummary, Finding, Group, PhasePeak, Range, Source, Spread, Summary

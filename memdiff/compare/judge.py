@@ -7,9 +7,10 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from memdiff.analyse.patterns import Pattern
-from memdiff.compare.differ import GREW, NEW, PEAK, CategoryHigh, Diff
+from memdiff.compare.differ import GREW, NEW, CategoryHigh, Diff
 from memdiff.compare.findings import finding
 from memdiff.compare.limits import DEFAULT_PEAK, FAIL, IGNORE, FindingSelection, Limit, Thresholds, pct_text
+from memdiff.compare.observe import PEAK
 from memdiff.errors import InputError
 from memdiff.model import DeviceSummary, Finding, Spread, Summary
 from memdiff.units import format_bytes

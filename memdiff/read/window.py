@@ -26,7 +26,7 @@ from memdiff.analyse.normalize.engine import devices_of
 from memdiff.analyse.normalize.kinds import window_kinds
 from memdiff.analyse.normalize.standins import dump_only_blocks
 from memdiff.analyse.normalize.walk import Walk
-from memdiff.compare.differ import TRACE_BOOKKEEPING
+from memdiff.compare.observe import TRACE_BOOKKEEPING
 from memdiff.errors import InputError
 from memdiff.model import KIND_KEY, WINDOW_KEY, Source
 from memdiff.read.load import Snapshot, to_snapshot

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from memdiff.report import Report
+from memdiff.report.build import Report
 
 FORMATS = ("text", "markdown", "json")
 

@@ -21,12 +21,13 @@ from importlib import resources
 from typing import Any, Dict, List, Optional, Sequence
 
 from memdiff.analyse.peak import DevicePeak, PeakRow
-from memdiff.compare.differ import where_text
 from memdiff.compare.findings import BY_CODE, ERROR, INFO, WARNING
+from memdiff.compare.observe import where_text
 from memdiff.compare.trend import TREND_HEADERS, Trend
 from memdiff.model import DeviceSummary, Finding, Frame, Summary
 from memdiff.render.table import row_table
-from memdiff.report import STACK_FRAMES, DeviceReport, Report, ShownRow, Table, frame_line
+from memdiff.report.build import Report
+from memdiff.report.types import STACK_FRAMES, DeviceReport, ShownRow, Table, frame_line
 from memdiff.units import format_bytes
 
 

@@ -7,7 +7,7 @@ from typing import Any, Optional, Sequence
 
 from memdiff.inert import json_text
 from memdiff.model import Finding, Summary
-from memdiff.report import Report
+from memdiff.report.build import Report
 
 
 def dumps(data: Any) -> str:

@@ -10,7 +10,8 @@ from memdiff.compare.findings import ERROR, INFO, WARNING
 from memdiff.compare.trend import TREND_HEADERS
 from memdiff.inert import md_cell, md_code, md_fence, md_text
 from memdiff.render.table import layout, row_table
-from memdiff.report import DeviceReport, Input, Report, Stack, Table
+from memdiff.report.build import Report
+from memdiff.report.types import DeviceReport, Input, Stack, Table
 from memdiff.units import count_of, format_bytes
 
 MARKERS = {NEW: "🆕 NEW", GREW: "🔺 GREW", SHRANK: "🔻 SHRANK", GONE: "✖️ GONE"}

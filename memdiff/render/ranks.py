@@ -9,15 +9,15 @@ from typing import Any, Dict, Optional
 from tabulate import tabulate
 
 from memdiff import __version__
-from memdiff.compare.differ import where_text
 from memdiff.compare.findings import shown
 from memdiff.compare.judge import Check
+from memdiff.compare.observe import where_text
 from memdiff.compare.ranks import RanksReport, Role
 from memdiff.inert import text
 from memdiff.read.job import ranges, ranks_text
 from memdiff.render.json import dumps
 from memdiff.render.table import layout, row_table
-from memdiff.report import RANKS_SCHEMA_VERSION, DeviceReport, check_line, pct_cell
+from memdiff.report.types import RANKS_SCHEMA_VERSION, DeviceReport, check_line, pct_cell
 from memdiff.units import count_of, format_bytes
 
 

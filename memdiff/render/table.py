@@ -6,7 +6,7 @@ from typing import Callable, List, Optional, Sequence
 
 from tabulate import tabulate
 
-from memdiff.report import ROW_HEADERS, DeviceReport, Table
+from memdiff.report.types import ROW_HEADERS, DeviceReport, Table
 
 
 def layout(t: Table, tablefmt: str, escape: Callable[[str], str] = str) -> str:

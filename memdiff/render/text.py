@@ -8,12 +8,13 @@ from typing import List, Optional
 from tabulate import tabulate
 
 from memdiff.analyse.peak import PHASE_COLUMNS, DevicePeak, PeakRow, StepRow, source_findings
-from memdiff.compare.differ import where_text
 from memdiff.compare.findings import shown
+from memdiff.compare.observe import where_text
 from memdiff.inert import text
 from memdiff.model import Summary
 from memdiff.render.table import layout, row_table
-from memdiff.report import DeviceReport, Report, frame_line
+from memdiff.report.build import Report
+from memdiff.report.types import DeviceReport, frame_line
 from memdiff.units import count_of, format_bytes
 
 STACK_LINES = 6

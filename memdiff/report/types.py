@@ -1,0 +1,182 @@
+"""What a Report holds: its tables, rows, stacks and checks as shown, and the text of a cell or a
+check that every output writes alike."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import List, Optional
+
+from memdiff.compare.differ import DeviceDiff, Diff, DiffRow
+from memdiff.compare.judge import Check, FindingCheck, Verdict, growth_pct
+from memdiff.compare.observe import PEAK
+from memdiff.model import Finding, Frame, Summary
+from memdiff.units import format_bytes
+
+DEFAULT_TOP = 20
+STACK_FRAMES = 16  # frames of a stack any output shows; the rest are counted
+SITES_NAMED = 2  # sites the headline names for the category that moved
+# Beyond this a percent is not read as a number any more: `x13.4` says it better.
+RATIO_FROM_PCT = 999
+# Growth past RATIO_FROM_PCT from less than this is growth from nothing: `x13,398,529.0` from a 4 B
+# scalar says less than `new`.
+NEW_BELOW_BYTES = 1024
+
+# The JSON documents' version: bumped when a field changes meaning or disappears.
+DIFF_SCHEMA_VERSION = 1
+RANKS_SCHEMA_VERSION = 1
+
+# The analysis values a Report carries beside what it shows: the JSON document reads them as
+# they are; every other string of a Report is shown, and made one line (inert.text).
+ANALYSIS_FIELDS = ("verdict", "results", "diff", "row")
+
+ROW_HEADERS = ["status", "count", "base", "head", "delta", "%", "site"]
+PHASE_HEADERS = ["phase peak", "base", "head", "delta", "%"]
+CATEGORY_HEADERS = ["category", "base", "head", "delta", "%"]
+RANK_HEADERS = ["rank", "device", "base peak", "head peak", "delta", "%", "verdict"]
+
+
+# --- wording shared by every output ----------------------------------------------------------
+
+def frame_line(f: Frame) -> str:
+    """One stack frame as every report prints it: `file:line function`, or a native frame's name."""
+    if not f.file:
+        return f.name
+    return f"{f.file}:{f.line} {f.name}" if f.line else f"{f.file} {f.name}"
+
+
+def pct_cell(base: int, head: int) -> str:
+    """Signed percent change; a ratio (`x13.4`) past +999%; `new` when there was (next to) nothing before."""
+    pct = growth_pct(base, head)
+    if pct is None:
+        return "new" if head else ""
+    if pct > RATIO_FROM_PCT:
+        return "new" if base < NEW_BELOW_BYTES else f"x{head / base:,.1f}"
+    return f"{pct:+.1f}%"
+
+
+def change_text(base: int, head: int) -> str:
+    """`+1.95 GiB (+29.8%)`, `+4.00 MiB (new)`."""
+    pct = pct_cell(base, head)
+    return format_bytes(head - base, signed=True) + (f" ({pct})" if pct else "")
+
+
+def check_line(c: Check) -> str:
+    """`FAIL  device 0 peak: 6.53 GiB -> 8.48 GiB, +1.95 GiB (+29.8%), limit: more than 1% and ...`."""
+    return (f"{'PASS' if c.passed else 'FAIL'}  {c.subject}: {format_bytes(c.base_bytes)} -> "
+            f"{format_bytes(c.head_bytes)}, {change_text(c.base_bytes, c.head_bytes)}, limit: {c.limit}")
+
+
+def finding_check_line(c: FindingCheck) -> str:
+    """`FAIL  finding K004 kept-grows-per-step: device 0: memory kept ... (fails on K004: default)`."""
+    return f"FAIL  finding {c.code} {c.name}: {c.text} (fails on {c.code}: {c.source})"
+
+
+def moment_name(at: str) -> str:
+    """`peak`, or `forward peak` when compared at a phase's peak."""
+    return "peak" if at == PEAK else f"{at} peak"
+
+
+# --- what crosses to the renderers -----------------------------------------------------------
+
+@dataclass
+class Table:
+    """A table as every output shows it: headers, cells, and which columns read left-aligned."""
+
+    headers: List[str]
+    rows: List[List[str]]
+    left: List[int] = field(default_factory=lambda: [0])
+
+
+@dataclass
+class Stack:
+    """One group's stack as shown: trimmed to STACK_FRAMES lines, the rest counted."""
+
+    side: str  # "base" or "head"
+    count: int
+    bytes: int
+    signature: str
+    lines: List[str]
+    more_frames: int
+
+
+@dataclass
+class ShownRow:
+    """A row of the diff table as every output shows it, and the groups behind it."""
+
+    row: DiffRow
+    cells: List[str]  # in ROW_HEADERS order
+    title: str  # `GREW linear <- addmm +4.00 MiB`
+    stacks: List[Stack]
+
+
+@dataclass
+class CheckLine:
+    """One threshold's result, in words."""
+
+    passed: bool
+    text: str
+
+
+@dataclass
+class DeviceReport:
+    """One device of the compared pair, ready to show."""
+
+    device: int
+    diff: DeviceDiff
+    heading: str  # `device 0: peak 6.53 GiB -> 8.48 GiB (+1.95 GiB, +29.8%); static ...`
+    where: Optional[str]  # where each run's peak is
+    phases: Optional[Table]
+    categories: Optional[Table]
+    rows: List[ShownRow]
+    others: Optional[List[str]]  # the folded rest's cells
+    total: List[str]
+    like_for_like: Optional["DeviceReport"] = None  # the same device at one phase's peak in both runs (_moved_phase)
+    noise: Optional[str] = None  # where the peak's change falls in a baseline's measured spread over repeats
+    noise_within: Optional[str] = None  # `within the spread of 3 runs (...)`, for the headline, when it is
+    reserved: Optional[str] = None  # the caching allocator's reserved peak and fragmentation
+    findings: List[Finding] = field(default_factory=list)  # what the report adds (A001 reserved moved, G001 noise)
+
+    @property
+    def lines(self) -> List[str]:
+        """The device's sentences under its heading, in order: where the peaks are, measured noise,
+        reserved memory (kept memory is a finding: K002)."""
+        return [line for line in (self.where, self.noise, self.reserved) if line]
+
+
+@dataclass
+class Input:
+    """One side of the comparison: its file and what it is."""
+
+    role: str  # "base" or "head"
+    file: str
+    facts: str  # `pickle, format 2.x, sha256 1a2b3c4d5e6f`
+
+
+@dataclass
+class RankResult:
+    """One rank of both jobs (or the one pair of a run), compared and judged."""
+
+    rank: Optional[int]
+    diff: Diff
+    verdict: Optional[Verdict]
+    base: Summary
+    head: Summary
+
+    @property
+    def peak_delta_bytes(self) -> int:
+        """The largest peak change over the pair's devices (growth before shrinkage)."""
+        return max((d.peak_delta_bytes for d in self.diff.devices), default=0)
+
+
+@dataclass
+class JobPart:
+    """What a job adds to the worst rank's report: the verdict over ranks, a line per rank, and
+    the failing checks of the ranks not shown in full."""
+
+    summary_line: str  # `FAIL: 4 ranks compared, failing: 1, 3`
+    table: Table
+    worst_rank: int
+    other_failures: List[str]
+    only_base: List[int]
+    only_head: List[int]
+    failures: List[Finding]  # why the job fails beyond its ranks' checks (G005, G006)
