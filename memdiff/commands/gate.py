@@ -29,7 +29,6 @@ from memdiff.commands.args import (
 from memdiff.commands.diff import write_html
 from memdiff.compare.baseline import Baseline, baseline_path_for, comparable_pair, no_baseline, read_baseline, stem
 from memdiff.compare.findings import finding, shown
-from memdiff.compare.fitcheck import with_fit
 from memdiff.compare.trend import DEFAULT_POINTS, read_history
 from memdiff.errors import EXIT_BAD_INPUT, EXIT_OK, EXIT_REGRESSION, InputError, clip
 from memdiff.inert import baseline_command, md_code, text
@@ -41,6 +40,7 @@ from memdiff.read.window import add_window_arguments
 from memdiff.render import render
 from memdiff.render.json import dumps
 from memdiff.report.build import Report, Run, Settings, compare
+from memdiff.report.fitcheck import with_fit
 
 DESCRIPTION = ("Compare each run with its baseline under the baseline's thresholds (flags override them) "
                "and print the report and one line per threshold. Exit 0 pass, 1 regression, 2 bad input.")

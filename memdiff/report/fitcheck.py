@@ -7,7 +7,8 @@ from dataclasses import replace
 from typing import List
 
 from memdiff.model import Finding
-from memdiff.report import CheckLine, Report
+from memdiff.report.build import Report
+from memdiff.report.types import CheckLine
 
 
 def with_fit(report: Report, findings: List[Finding], lines: List[str]) -> Report:
