@@ -303,11 +303,13 @@ FSDP = ROOT / "tests" / "scenarios" / "fsdp_train.py"
 
 @pytest.mark.slow
 def test_nproc_finds_the_fewest_processes_on_which_every_rank_of_a_sharded_job_fits(tmp_path, torch):
-    # FSDP2 shards the weights, gradients and AdamW's state over the ranks: fewer ranks, more per rank.
-    # 0.0076 of an L4's capacity (about 166 MiB) lands the boundary within 1..4 processes.
-    done = memdiff("fit", "--emulate", "l4", "--max-memory", "0.0076", "--range", "nproc=1:4", "-o",
+    # FSDP2 shards the weights, gradients and AdamW's state over the ranks: fewer ranks, more per rank. At
+    # width 2048 (256 MiB of fp32 weights, made whole on each rank before sharding) the rank that reserves most
+    # holds about 1.6 GiB at 1 process, 1.2 GiB at 2 and 0.9 GiB at 4; 0.064 of an L4's capacity (1.36 GiB)
+    # lands the boundary within 1..4 processes, with a margin of 0.18 GiB either side.
+    done = memdiff("fit", "--emulate", "l4", "--max-memory", "0.064", "--range", "nproc=1:4", "-o",
                    f"{tmp_path}/runs/", "--format", "json", "--", sys.executable, "-m", "torch.distributed.run",
-                   "--nproc-per-node", "{nproc}", str(FSDP), "--cuda")
+                   "--nproc-per-node", "{nproc}", str(FSDP), "--cuda", "--width", "2048")
     assert done.returncode == 0, done.stderr
     doc = json.loads(done.stdout)
     assert doc["direction"] == "smallest" and doc["knob"] == "nproc"

@@ -87,7 +87,7 @@ def test_every_option_that_takes_several_values_is_a_list_option():
     # Lists of paths given as positionals (runs, a job's files) and the command a run or a fit runs stay
     # as the shell gives them.
     positional_paths = {("gate", "snapshots"), ("baseline", "snapshot"), ("forecast", "runs"), ("record", "command"),
-                        ("fit", "command")}
+                        ("fit", "command"), ("whatif", "command")}
     for name in COMMANDS:
         sub = next(a for a in build_parser(name)._actions if a.dest == "command").choices[name]
         for action in sub._actions:

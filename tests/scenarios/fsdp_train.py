@@ -17,17 +17,16 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import fully_shard
 
-WIDTH = 512
 BLOCKS = 4
 
 
 class Block(nn.Module):
     """Linear(w, 2w), GELU, Linear(2w, w)."""
 
-    def __init__(self) -> None:
+    def __init__(self, width: int) -> None:
         super().__init__()
-        self.up = nn.Linear(WIDTH, 2 * WIDTH)
-        self.down = nn.Linear(2 * WIDTH, WIDTH)
+        self.up = nn.Linear(width, 2 * width)
+        self.down = nn.Linear(2 * width, width)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x + self.down(nn.functional.gelu(self.up(x)))
@@ -38,18 +37,19 @@ def main() -> None:
     p.add_argument("--no-reshard", action="store_true", help="reshard_after_forward=False")
     p.add_argument("--facts", help="rank 0 writes the model's facts here")
     p.add_argument("--cuda", action="store_true", help="train on the rank's GPU, cuda:LOCAL_RANK (memdiff fit)")
+    p.add_argument("--width", type=int, default=512, help="the blocks' width w (4 blocks of 4 w^2 weights)")
     args = p.parse_args()
     dist.init_process_group("gloo")
     torch.manual_seed(0)
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if args.cuda else torch.device("cpu")
-    model = nn.Sequential(*(Block() for _ in range(BLOCKS))).to(device)
+    model = nn.Sequential(*(Block(args.width) for _ in range(BLOCKS))).to(device)
     parameter_bytes = sum(t.numel() * t.element_size() for t in model.parameters())
     for block in model:
         fully_shard(block, reshard_after_forward=not args.no_reshard)
     fully_shard(model, reshard_after_forward=not args.no_reshard)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     for _ in range(2):
-        x = torch.randn(16, WIDTH, device=device)
+        x = torch.randn(16, args.width, device=device)
         loss = model(x).square().mean()
         loss.backward()
         opt.step()
