@@ -525,14 +525,16 @@ CATALOGUE: Tuple[Code, ...] = (
          "warning: G010 history main.jsonl does not exist yet: no trend (`memdiff history append` on pushes to "
          "main makes it)"),
     Code("G011", "fit-value-dropped", ERROR,
-         "fit: {gpu} {knob} {old} -> {new} (the largest value whose emulated run trains, baseline {baseline})",
-         "`memdiff fit` found a smaller largest value on a GPU than the fit result its baseline holds: the "
-         "emulated run at the baseline's value now runs out of memory (or passes --max-memory's share).",
+         "fit: {gpu} {knob} {old} -> {new} ({what}, baseline {baseline})",
+         "`memdiff fit` found a smaller largest value on a GPU than the fit result its baseline holds (for "
+         "`{nproc}`, more processes): the emulated run at the baseline's value now runs out of memory (or passes "
+         "--max-memory's share).",
          "A change that costs capacity fails here even when the peak at the batch a test runs grew little: the "
          "team loses the batch size it trains with on that GPU.",
          "Read the fit's table: the failing request and where the run peaked; `memdiff BASE HEAD` of the two runs "
          "at the old value says what grew. If the loss is meant, write the baseline again "
-         "(`memdiff fit ... --format json -o runs/ > baselines/fit.json`).",
+         "(`memdiff fit ... --format json -o runs/ > baselines/fit.json`, or `memdiff baseline RUN --fit FIT.json`"
+         " where the gate reads it).",
          "hand-built in tests/test_fit.py",
          "error: G011 fit: l4 batch 48 -> 40 (the largest value whose emulated run trains, baseline "
          "baselines/fit.json)"),

@@ -610,19 +610,21 @@ def judge(values: Dict[str, Optional[int]], knob: str, baseline: Dict[str, Any],
     if baseline["knob"] != knob:
         raise InputError(path, f"the baseline fits {{{clip(baseline['knob'])}}} and this fit {{{knob}}}: they cannot "
                                "be compared")
+    fewer = baseline.get("direction", LARGEST) == SMALLEST  # {nproc}: more processes needed is the loss
+    what = ("the fewest processes on which every rank's emulated run trains" if fewer
+            else "the largest value whose emulated run trains")
     out = []
     for g in baseline["gpus"]:
         key = g["gpu"]
         if key not in values:
             if missing_fails and g["value"] is not None:
                 out.append(finding("G011", gpu=key, knob=knob, old=f"{g['value']:,}", new="not fitted",
-                                   baseline=path))
+                                   what=what, baseline=path))
             continue
         old, new = g["value"], values[key]
-        fewer = baseline.get("direction", LARGEST) == SMALLEST  # {nproc}: more processes needed is the loss
         if old is not None and (new is None or (new > old if fewer else new < old)):
             out.append(finding("G011", gpu=key, knob=knob, old=f"{old:,}",
-                               new="nothing" if new is None else f"{new:,}", baseline=path))
+                               new="nothing" if new is None else f"{new:,}", what=what, baseline=path))
     return out
 
 
