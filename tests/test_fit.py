@@ -336,9 +336,8 @@ def test_nproc_needs_a_place_in_the_command(tmp_path):
 
 
 def test_a_process_count_that_rises_is_the_loss_and_says_so():
-    from memdiff.predict.fit import judge
-
-    baseline = {"knob": "nproc", "direction": "smallest", "gpus": [{"gpu": "l4", "value": 2}, {"gpu": "h100", "value": 1}]}
+    baseline = {"knob": "nproc", "direction": "smallest",
+                "gpus": [{"gpu": "l4", "value": 2}, {"gpu": "h100", "value": 1}]}
     (found,) = judge({"l4": 4, "h100": 1}, "nproc", baseline, "baselines/fit.json")
     assert found.code == "G011" and found.message == (
         "fit: l4 nproc 2 -> 4 (the fewest processes on which every rank's emulated run trains, baseline "
