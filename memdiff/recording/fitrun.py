@@ -124,6 +124,11 @@ def child(conn: Any, gpu: str, target: List[str], snapshot: str, log: str, max_e
     try:
         outcome = run_emulated(gpu, target, snapshot, log, max_entries, rules, change)
         conn.send(outcome.to_dict())
+    except KeyboardInterrupt:
+        # The parent stops a run it no longer needs with SIGINT (fit's boundary found, a what-if failed); one
+        # that lands before the script starts, while the child's output is still the user's terminal, is no
+        # failure to print there (a flaky second traceback beside fit's one-line error on a loaded machine).
+        pass
     except BaseException as exc:  # memdiff's own failure in the child: said to the parent, never lost
         import traceback
 
