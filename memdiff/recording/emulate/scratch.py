@@ -44,6 +44,31 @@ from memdiff.recording.emulate.gpus import Gpu
 
 Step = Tuple[Any, ...]
 
+
+class _Plan:
+    """A kernel's steps as its rule lists them, each buffer freed in reverse at the op's end unless freed
+    before (`done`)."""
+
+    def __init__(self) -> None:
+        self.steps: List[Step] = []
+        self.live: List[str] = []
+
+    def alloc(self, label: str, size: int, inner: Tuple[str, ...] = ()) -> None:
+        """The kernel allocates `size` bytes as `label` (`inner`: the ops the allocation runs under)."""
+        self.steps.append(("alloc", label, size, inner))
+        self.live.append(label)
+
+    def free(self, label: str) -> None:
+        """The kernel frees `label`."""
+        self.steps.append(("free", label))
+        self.live.remove(label)
+
+    def done(self) -> List[Step]:
+        """The steps, with what is still live freed in reverse order of allocation."""
+        for label in reversed(list(self.live)):
+            self.free(label)
+        return self.steps
+
 # embedding_dense_backward_cuda (cuda/Embedding.cu): up to this many indices it runs one kernel over
 # the features; beyond, it sorts the indices and reduces per segment (cuda/EmbeddingBackwardKernel.cu).
 DIRECT_INDICES = 3072
@@ -117,25 +142,15 @@ def embedding_dense_backward(args: Sequence[Any], kwargs: Dict[str, Any], out: A
     scale = bool(args[4]) if len(args) > 4 else bool(kwargs.get("scale_grad_by_freq", False))
     n = indices.numel()
     isz = indices.element_size()
-    steps: List[Step] = []
-    live: List[str] = []
-
-    def alloc(label: str, size: int, inner: Tuple[str, ...] = ()) -> None:
-        steps.append(("alloc", label, size, inner))
-        live.append(label)
-
-    def free(label: str) -> None:
-        steps.append(("free", label))
-        live.remove(label)
+    plan = _Plan()
+    alloc, free = plan.alloc, plan.free
 
     if not _contiguous(indices):
         alloc("indices", n * isz, ("clone", "contiguous"))
     if not _contiguous(grad):
         alloc("grad", grad.numel() * grad.element_size(), ("clone", "contiguous"))
     if n <= DIRECT_INDICES and not scale:
-        for label in reversed(list(live)):
-            free(label)
-        return steps
+        return plan.done()
     alloc("sorted_indices", n * isz)
     alloc("orig_indices", n * isz)
     alloc("range", n * isz, ("arange",))
@@ -174,9 +189,7 @@ def embedding_dense_backward(args: Sequence[Any], kwargs: Dict[str, Any], out: A
             free("grad_weight_acc")
     else:
         alloc("grad_weight_per_segment", max_partial * width * acc)
-    for label in reversed(list(live)):
-        free(label)
-    return steps
+    return plan.done()
 
 
 def softmax_backward(args: Sequence[Any], kwargs: Dict[str, Any], out: Any, gpu: Gpu) -> List[Step]:
@@ -303,16 +316,8 @@ def index_put_accumulate(args: Sequence[Any], kwargs: Dict[str, Any], out: Any, 
     before = 1
     for size in self.shape[:dims[0]] if adjacent else ():
         before *= int(size)
-    steps: List[Step] = []
-    live: List[str] = []
-
-    def alloc(label: str, size: int, inner: Tuple[str, ...] = ()) -> None:
-        steps.append(("alloc", label, size, inner))
-        live.append(label)
-
-    def free(label: str) -> None:
-        steps.append(("free", label))
-        live.remove(label)
+    plan = _Plan()
+    alloc, free = plan.alloc, plan.free
 
     elem = self.element_size()
     if not self.is_contiguous():
@@ -346,9 +351,7 @@ def index_put_accumulate(args: Sequence[Any], kwargs: Dict[str, Any], out: Any, 
         alloc("sort_temp", cub_radix_sort_pairs(n, bits))
         free("sort_temp")
         free("range")
-    for label in reversed(list(live)):
-        free(label)
-    return steps
+    return plan.done()
 
 
 RULES: Dict[str, Callable[[Sequence[Any], Dict[str, Any], Any, Gpu], List[Step]]] = {
