@@ -24,7 +24,6 @@ from __future__ import annotations
 import multiprocessing
 import os
 import re
-import signal
 import time
 from dataclasses import asdict, dataclass, field
 from itertools import zip_longest
@@ -37,15 +36,13 @@ from memdiff.errors import InputError, clip
 from memdiff.inert import text
 from memdiff.model import Finding
 from memdiff.recording.emulate.gpus import Gpu
-from memdiff.recording.fitrun import FAILED, FITS, OOM, child, launched_child
+from memdiff.recording.fitrun import FITS, OOM, checked, child, launched_child, stop
 from memdiff.units import format_bytes
 
 SCHEMA_VERSION = 1
 PLACEHOLDER = re.compile(r"\{([A-Za-z_][A-Za-z0-9_]*)\}")
 DEFAULT_RANGE = (1, 4096)
 OVER_LIMIT = "over-limit"  # ran, but its reserved peak passed --max-memory's share of the GPU
-LOG_TAIL_LINES = 12
-STOP_S = 60  # how long an interrupted run may take to write its snapshot
 # Why a value is run: the forecast's boundary, or a value below it that measures the allocator's overhead there.
 FORECAST, BELOW = "forecast", "below the boundary"
 MARGIN = 0.9
@@ -342,21 +339,28 @@ class Search:
         self.runs[index] = run
         self._wanted = None
 
+    # How the answer reads: the value found, the end of the range that fits nothing, per what, and when the
+    # other end fits too.
+    FOUND, FIRST, PER, OPEN_END = "largest", 0, "", "the top of the range fits"
+
+    def _ends(self) -> Tuple[Optional[FitRun], Optional[FitRun]]:
+        """(the answer's run, that fits; the next value's run, that does not), either None where not run."""
+        lo, hi = self._lo_hi()
+        return self.runs.get(lo), self.runs.get(hi)
+
     def answer(self) -> GpuFit:
         """The GPU's answer, once done."""
-        lo, hi = self._lo_hi()
-        fits = self.runs.get(lo)
-        fails = self.runs.get(hi)
+        fits, fails = self._ends()
         key = self.gpu.key
         if fits is None:
             assert fails is not None
-            line = f"{key}: does not fit at {self.values[0]:,}: {self._why_not(fails)}"
+            line = f"{key}: does not fit at {self.values[self.FIRST]:,}: {self._why_not(fails)}"
         else:
             headroom = self.gpu.capacity - (fits.reserved_peak_bytes or 0)
-            line = (f"{key}: largest {fits.value:,}, reserved peak {format_bytes(fits.reserved_peak_bytes or 0)} "
-                    f"of {format_bytes(self.gpu.capacity)} ({format_bytes(headroom)} headroom); "
-                    + (f"{fails.value:,} {self._why_not(fails)}" if fails is not None
-                       else "the top of the range fits"))
+            line = (f"{key}: {self.FOUND} {fits.value:,}, reserved peak "
+                    f"{format_bytes(fits.reserved_peak_bytes or 0)} of {format_bytes(self.gpu.capacity)}{self.PER} "
+                    f"({format_bytes(headroom)} headroom); "
+                    + (f"{fails.value:,} {self._why_not(fails)}" if fails is not None else self.OPEN_END))
         return GpuFit(gpu=key, name=self.gpu.name, capacity_bytes=self.gpu.capacity, limit_bytes=self.limit,
                       value=None if fits is None else fits.value, fits=fits, fails=fails,
                       headroom_bytes=None if fits is None else self.gpu.capacity - (fits.reserved_peak_bytes or 0),
@@ -376,6 +380,8 @@ class Fewest(Search):
     first (when it does not fit, none does), then the interval between the largest value that did not fit
     and the smallest that did, halved. The answer is the smallest value run that fit, next to the value
     one grid step down, run, that did not."""
+
+    FOUND, FIRST, PER, OPEN_END = "fewest", -1, " per rank", "the bottom of the range fits"
 
     def _lo_hi(self) -> Tuple[int, int]:
         """(the largest index that does not fit, or -1; the smallest that fits, or len(values))."""
@@ -403,26 +409,10 @@ class Fewest(Search):
                                     "is no fewest")
         return [((lo + hi) // 2, "halving")]
 
-    def answer(self) -> GpuFit:
-        """The GPU's answer, once done: the fewest processes that fit, and the run of one fewer."""
+    def _ends(self) -> Tuple[Optional[FitRun], Optional[FitRun]]:
+        """(the fewest processes' run, that fits; the run of one fewer, that does not)."""
         lo, hi = self._lo_hi()
-        fits = self.runs.get(hi)
-        fails = self.runs.get(lo)
-        key = self.gpu.key
-        if fits is None:
-            assert fails is not None
-            line = f"{key}: does not fit at {self.values[-1]:,}: {self._why_not(fails)}"
-        else:
-            headroom = self.gpu.capacity - (fits.reserved_peak_bytes or 0)
-            line = (f"{key}: fewest {fits.value:,}, reserved peak {format_bytes(fits.reserved_peak_bytes or 0)} "
-                    f"of {format_bytes(self.gpu.capacity)} per rank ({format_bytes(headroom)} headroom); "
-                    + (f"{fails.value:,} {self._why_not(fails)}" if fails is not None
-                       else "the bottom of the range fits"))
-        return GpuFit(gpu=key, name=self.gpu.name, capacity_bytes=self.gpu.capacity, limit_bytes=self.limit,
-                      value=None if fits is None else fits.value, fits=fits, fails=fails,
-                      headroom_bytes=None if fits is None else self.gpu.capacity - (fits.reserved_peak_bytes or 0),
-                      runs=sorted(self.runs.values(), key=lambda r: r.value), forecasts=self.forecasts,
-                      line=text(line))
+        return self.runs.get(hi), self.runs.get(lo)
 
 
 def _ratio_at(ratios: Sequence[Tuple[int, float]], value: int) -> float:
@@ -472,29 +462,10 @@ def is_launched(command: Sequence[str]) -> bool:
     return bool(command) and not first.endswith(".py") and first != "-m"
 
 
-def _log_tail(log: str) -> str:
-    try:
-        with open(log, encoding="utf-8", errors="replace") as f:
-            lines = [line.rstrip() for line in f.read().splitlines() if line.strip()]
-    except OSError:
-        return "(no output)"
-    return " | ".join(lines[-LOG_TAIL_LINES:]) or "(no output)"
-
-
 def _outcome(r: _Running, sent: Optional[Dict[str, Any]], limit: int, value: int) -> FitRun:
     """The run's FitRun, or InputError when it failed for another reason than memory (never read as OOM)."""
     gpu = r.search.gpu.key
-    where = f"{gpu} at {value:,}"
-    if sent is None:
-        raise InputError("fit", f"the run {where} ended without a report (exit {r.process.exitcode}); "
-                                f"its output ({r.log}): {clip(_log_tail(r.log), 1500)}")
-    if "internal_error" in sent:
-        raise RuntimeError(f"memdiff fit's run {where}: {sent['internal_error']}")
-    if sent["refused"]:
-        raise InputError("fit", f"the emulator cannot run the script ({where}): {sent['refused']}")
-    if sent["status"] == FAILED:
-        raise InputError("fit", f"the script failed {where} (exit {sent['exit_status']}), not out of memory; "
-                                f"its output ({r.log}): {clip(_log_tail(r.log), 1500)}")
+    sent = checked("fit", f"{gpu} at {value:,}", sent, r.process.exitcode, r.log)
     outcome = sent["status"]
     if outcome == FITS and sent["reserved_peak_bytes"] is not None and sent["reserved_peak_bytes"] > limit:
         outcome = OVER_LIMIT
@@ -564,17 +535,8 @@ def run_fit(command: Sequence[str], gpus: Sequence[Gpu], output: str, grid: Grid
                 r.process.join()
                 running.remove(r)
                 r.search.finished(r.index, _outcome(r, sent, r.search.limit, r.search.values[r.index]))
-    finally:
-        # A failed run or Ctrl-C: the runs still going are interrupted as Ctrl-C interrupts `memdiff record`,
-        # which writes what each recorded; only one that does not end within STOP_S is killed.
-        for r in running:
-            if r.process.is_alive() and r.process.pid is not None:
-                os.kill(r.process.pid, signal.SIGINT)
-        for r in running:
-            r.process.join(STOP_S)
-            if r.process.is_alive():
-                r.process.kill()
-                r.process.join()
+    finally:  # a failed run or Ctrl-C: the runs still going write what they recorded
+        stop([r.process for r in running])
     return FitResult(command=command, knob=grid.name, grid=grid, max_memory=max_memory,
                      gpus=[s.answer() for s in searches], runs=total, seconds=time.monotonic() - started,
                      output=output, direction=SMALLEST if grid.name == NPROC else LARGEST)

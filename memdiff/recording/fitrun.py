@@ -18,6 +18,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 # How each run ended.
 FITS, OOM, FAILED = "fits", "oom", "failed"
+LOG_TAIL_LINES = 12  # lines of a failed run's output its one-line error quotes
+STOP_S = 60  # how long an interrupted run may take to write its snapshot
 
 
 @dataclass
@@ -188,3 +190,48 @@ def launched_child(conn: Any, gpu: str, command: List[str], folder: str, log: st
         conn.send({"internal_error": f"{type(exc).__name__}: {exc}"})
     finally:
         conn.close()
+
+
+def log_tail(log: str) -> str:
+    """The last lines of a run's output (`log`), joined on one line."""
+    try:
+        with open(log, encoding="utf-8", errors="replace") as f:
+            lines = [line.rstrip() for line in f.read().splitlines() if line.strip()]
+    except OSError:
+        return "(no output)"
+    return " | ".join(lines[-LOG_TAIL_LINES:]) or "(no output)"
+
+
+def checked(command: str, where: str, sent: Optional[Dict[str, Any]], exitcode: Optional[int],
+            log: str) -> Dict[str, Any]:
+    """What a run sent (`child`), or why it is no answer: one line (InputError, `command`'s) when the run
+    ended without a report, the emulator refused an op or the script failed for another reason than memory;
+    RuntimeError for memdiff's own failure in the run."""
+    from memdiff.errors import InputError, clip
+
+    if sent is None:
+        raise InputError(command, f"the run {where} ended without a report (exit {exitcode}); its output "
+                                  f"({log}): {clip(log_tail(log), 1500)}")
+    if "internal_error" in sent:
+        raise RuntimeError(f"memdiff {command}'s run {where}: {sent['internal_error']}")
+    if sent["refused"]:
+        raise InputError(command, f"the emulator cannot run the script ({where}): {sent['refused']}")
+    if sent["status"] == FAILED:
+        raise InputError(command, f"the script failed {where} (exit {sent['exit_status']}), not out of memory; "
+                                  f"its output ({log}): {clip(log_tail(log), 1500)}")
+    return sent
+
+
+def stop(processes: Sequence[Any]) -> None:
+    """Interrupt the runs still going as Ctrl-C interrupts `memdiff record`, which writes what each
+    recorded; only one that does not end within STOP_S is killed."""
+    import signal
+
+    for process in processes:
+        if process.is_alive() and process.pid is not None:
+            os.kill(process.pid, signal.SIGINT)
+    for process in processes:
+        process.join(STOP_S)
+        if process.is_alive():
+            process.kill()
+            process.join()

@@ -13,19 +13,18 @@ from __future__ import annotations
 import multiprocessing
 import os
 import re
-import signal
 from dataclasses import dataclass
 from multiprocessing.connection import wait
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from memdiff.analyse.classify import Rule
 from memdiff.compare.findings import finding
-from memdiff.errors import InputError, clip
+from memdiff.errors import InputError
 from memdiff.inert import scrubbed
-from memdiff.predict.fit import LOG_TAIL_LINES, STOP_S, _target
+from memdiff.predict.fit import _target
 from memdiff.predict.whatif.engine import Change, ChangePrediction, DeviceWhatIf, WhatIf, headline, parse_change
 from memdiff.predict.whatif.optimizer import OPTIMIZERS
-from memdiff.recording.fitrun import FAILED, OOM, child
+from memdiff.recording.fitrun import OOM, checked, child, stop
 from memdiff.units import format_bytes
 
 KNOB = "accumulate"  # the placeholder `accumulate=K` fills in the command
@@ -50,15 +49,6 @@ def _slug(text: str) -> str:
 def _command(command: Sequence[str], change: Optional[Change]) -> List[str]:
     value = next((v for n, v in change.parts if n == KNOB), None) if change is not None else None
     return [arg.replace("{" + KNOB + "}", value or "1") for arg in command]
-
-
-def _log_tail(log: str) -> str:
-    try:
-        with open(log, encoding="utf-8", errors="replace") as f:
-            lines = [line.rstrip() for line in f.read().splitlines() if line.strip()]
-    except OSError:
-        return "(no output)"
-    return " | ".join(lines[-LOG_TAIL_LINES:]) or "(no output)"
 
 
 def _checked(command: Sequence[str], changes: Sequence[Change]) -> None:
@@ -112,15 +102,8 @@ class _Runner:
                     r.process.join()
                     running.remove(r)
                     done[r.index] = (r, self._checked(r, sent))
-        finally:
-            for r in running:  # a failed run or Ctrl-C: the others write what they recorded, as fit's do
-                if r.process.is_alive() and r.process.pid is not None:
-                    os.kill(r.process.pid, signal.SIGINT)
-            for r in running:
-                r.process.join(STOP_S)
-                if r.process.is_alive():
-                    r.process.kill()
-                    r.process.join()
+        finally:  # a failed run or Ctrl-C: the others write what they recorded, as fit's do
+            stop([r.process for r in running])
         return [done[i] for i in range(len(changes))]
 
     def _start(self, index: int, change: Optional[Change]) -> _Running:
@@ -137,16 +120,7 @@ class _Runner:
 
     def _checked(self, r: _Running, sent: Optional[Dict[str, Any]]) -> Dict[str, Any]:
         where = "unchanged" if r.change is None else f"with {r.change.text}"
-        if sent is None:
-            raise InputError("whatif", f"the run {where} ended without a report (exit {r.process.exitcode}); "
-                                       f"its output ({r.log}): {clip(_log_tail(r.log), 1500)}")
-        if "internal_error" in sent:
-            raise RuntimeError(f"memdiff whatif's run {where}: {sent['internal_error']}")
-        if sent["refused"]:
-            raise InputError("whatif", f"the emulator cannot run the script ({where}): {sent['refused']}")
-        if sent["status"] == FAILED:
-            raise InputError("whatif", f"the script failed {where} (exit {sent['exit_status']}); its output "
-                                       f"({r.log}): {clip(_log_tail(r.log), 1500)}")
+        sent = checked("whatif", where, sent, r.process.exitcode, r.log)
         if sent["status"] == OOM and r.change is None:
             raise InputError("whatif", f"the script runs out of memory on emulated {self.gpu} unchanged: "
                                        f"{sent['oom_message']} (its output: {r.log})")
