@@ -95,7 +95,7 @@ def buy_back(path: str, rules: Sequence[Rule], targets: Sequence[BuyBackTarget],
             continue
         run = facts(c, *structure(course.summary, t.device))
         predictions = [p for p in (predict(run, ch, None)
-                                   for ch in every_change(run, run_optimizer(run)[0]))
+                                   for ch in every_change(run_optimizer(run)[0]))
                        if p.applies and p.predicted_peak_bytes is not None]
         enough = sorted((p for p in predictions if int(p.predicted_peak_bytes or 0) <= t.allowed_peak_bytes),
                         key=lambda p: (-(p.delta_bytes or 0), p.change))

@@ -165,12 +165,15 @@ def predict(run: Run, change: Change, budget: Optional[int]) -> ChangePrediction
                             assumptions=edit.assumptions, line=line)
 
 
-def every_change(run: Run, optimizer: Optional[str]) -> List[Change]:
-    """Every change worth trying on this run (without --change)."""
+def every_change(optimizer: Optional[str], accumulate: bool = True) -> List[Change]:
+    """Every change worth trying (without --change) on a run whose optimizer is `optimizer`: another
+    optimizer than its own, and accumulation unless `accumulate` is False (a re-run whose command takes
+    no accumulation flag)."""
     texts = ["checkpoint", "checkpoint=0.5", "weights=bf16", "autocast=bf16"]
     same = ("adam", "adamw") if optimizer in ("adam", "adamw") else (optimizer,)
     texts += [f"optimizer={name}" for name in OPTIMIZERS if name not in same and name != "adam"]
-    texts += ["step=fused", "zero-grad=none", "zero-grad=zeros", "accumulate=2", "accumulate=4"]
+    texts += ["step=fused", "zero-grad=none", "zero-grad=zeros"]
+    texts += ["accumulate=2", "accumulate=4"] if accumulate else []
     return [parse_change(t) for t in texts]
 
 
@@ -205,7 +208,7 @@ def whatif_course(path: str, courses: Dict[int, DeviceCourse],
         run = facts(course, spans, steps)
         blocks = run.blocks
         optimizer = run_optimizer(run)[0]
-        asked = list(changes) or every_change(run, optimizer)
+        asked = list(changes) or every_change(optimizer)
         predictions = [predict(run, ch, budget) for ch in asked]
         if not changes:
             applied = sorted((p for p in predictions if p.applies), key=lambda p: (p.delta_bytes or 0, p.change))

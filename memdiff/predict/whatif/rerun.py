@@ -22,8 +22,15 @@ from memdiff.compare.findings import finding
 from memdiff.errors import InputError
 from memdiff.inert import scrubbed
 from memdiff.predict.fit import _target
-from memdiff.predict.whatif.engine import Change, ChangePrediction, DeviceWhatIf, WhatIf, headline, parse_change
-from memdiff.predict.whatif.optimizer import OPTIMIZERS
+from memdiff.predict.whatif.engine import (
+    Change,
+    ChangePrediction,
+    DeviceWhatIf,
+    WhatIf,
+    every_change,
+    headline,
+    parse_change,
+)
 from memdiff.recording.fitrun import OOM, checked, child, stop
 from memdiff.units import format_bytes
 
@@ -59,18 +66,6 @@ def _checked(command: Sequence[str], changes: Sequence[Change]) -> None:
             raise InputError("--change", f"{change.text}: the script takes accumulation as its own flag: put "
                                          f"{{{KNOB}}} where its value goes (`-- python train.py --grad-accum "
                                          f"{{{KNOB}}}`); memdiff cannot split a script's batch itself")
-
-
-def every_change(seen: Dict[str, Any], has_knob: bool) -> List[Change]:
-    """Every change worth re-running (without --change): those `memdiff whatif` tries, less the script's
-    own optimizer, and accumulation only where the command takes it."""
-    texts = ["checkpoint", "checkpoint=0.5", "weights=bf16", "autocast=bf16"]
-    own = seen.get("optimizer")
-    same = ("adam", "adamw") if own in ("adam", "adamw") else (own,)
-    texts += [f"optimizer={name}" for name in OPTIMIZERS if name not in same and name != "adam"]
-    texts += ["step=fused", "zero-grad=none", "zero-grad=zeros"]
-    texts += ["accumulate=2", "accumulate=4"] if has_knob else []
-    return [parse_change(t) for t in texts]
 
 
 class _Runner:
@@ -174,7 +169,7 @@ def rerun(command: Sequence[str], gpu: str, output: str, changes: Sequence[str],
         asked = parsed
     else:  # the baseline first: which optimizer the script builds decides the changes worth trying
         base_run, base = runner.run([None])[0]
-        asked = every_change(base.get("seen") or {}, any("{" + KNOB + "}" in a for a in command))
+        asked = every_change((base.get("seen") or {}).get("optimizer"), any("{" + KNOB + "}" in a for a in command))
         rows = runner.run(list(asked))
     predictions = [_row(ch, sent, base, budget, gpu, r.snapshot) for ch, (r, sent) in zip(asked, rows)]
     if not parsed:

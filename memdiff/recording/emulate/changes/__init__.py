@@ -18,7 +18,6 @@ hand, through a few of torch's own entry points patched for the run (never the s
 from __future__ import annotations
 
 import contextlib
-import weakref
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Set, Tuple
 
 from memdiff.recording.emulate.changes import autocast, checkpoint, optimizer, weights, zero_grad
@@ -41,7 +40,7 @@ class ChangeSession:
         self.stack = contextlib.ExitStack()
         self._on_root: List[Callable[[Any], None]] = []
         self._on_move: List[Callable[[Any], None]] = []
-        self._root: Optional[Any] = None
+        self._rooted = False  # the trained root was found (and each on_root call made)
 
     def patch(self, owner: Any, name: str, value: Any) -> None:
         """Set `owner.name` to `value` for the run, put back when the session closes."""
@@ -60,11 +59,6 @@ class ChangeSession:
         self._hook_moves()
         self._on_move.append(call)
 
-    @property
-    def root(self) -> Optional[Any]:
-        """The trained root, once the script has moved it."""
-        return self._root
-
     def _hook_moves(self) -> None:
         if self._on_root or self._on_move:
             return
@@ -78,8 +72,8 @@ class ChangeSession:
                 return
             for call in self._on_move:
                 call(m)
-            if self._root is None:
-                self._root = weakref.ref(m)
+            if not self._rooted:
+                self._rooted = True
                 for call in self._on_root:
                     call(m)
 
@@ -102,7 +96,7 @@ class ChangeSession:
 
         def patched_init(opt: Any, *args: Any, **kwargs: Any) -> None:
             base_init(opt, *args, **kwargs)
-            if self._root is None:
+            if not self._rooted:
                 owner = _owner({id(p) for group in opt.param_groups for p in group["params"] if p.is_cuda})
                 if owner is not None:
                     moved(owner)
