@@ -343,3 +343,38 @@ def test_a_process_count_that_rises_is_the_loss_and_says_so():
         "fit: l4 nproc 2 -> 4 (the fewest processes on which every rank's emulated run trains, baseline "
         "baselines/fit.json)")
     assert judge({"l4": 1, "h100": 1}, "nproc", baseline, "baselines/fit.json") == []  # fewer is a gain
+
+
+def _stopped_while_starting(log: str) -> None:
+    """A forked run that the parent's SIGINT stops while it still imports (what Python says then, and
+    the interrupt)."""
+    import multiprocessing
+
+    from memdiff.recording import fitrun
+
+    # As in a real run, Python's streams write to the file descriptors (pytest's capture swaps the objects).
+    sys.stdout, sys.stderr = open(1, "w", closefd=False), open(2, "w", closefd=False)
+
+    def interrupted(*args, **kwargs):
+        sys.stderr.write("Exception ignored in: <function _get_module_lock.<locals>.cb>\n")
+        sys.stderr.flush()
+        raise KeyboardInterrupt
+
+    fitrun.run_emulated = interrupted
+    ours, theirs = multiprocessing.Pipe(duplex=False)
+    fitrun.child(theirs, "h100", ["train.py"], log + ".pickle", log, 1000, [])
+
+
+def test_a_run_stopped_while_it_starts_says_nothing_on_the_users_terminal(tmp_path, capfd):
+    # fit and whatif --emulate stop runs they no longer need with SIGINT; one that lands before the script
+    # starts must neither print beside the one-line answer nor report a failure of memdiff's
+    import multiprocessing
+
+    log = tmp_path / "run.log"
+    process = multiprocessing.get_context("fork").Process(target=_stopped_while_starting, args=(str(log),))
+    process.start()
+    process.join(60)
+    assert process.exitcode == 0
+    out, err = capfd.readouterr()
+    assert out == "" and err == ""
+    assert "Exception ignored" in log.read_text()  # kept in the run's own output, beside its snapshot

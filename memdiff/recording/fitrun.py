@@ -68,6 +68,18 @@ def _summary_facts(path: str, rules: Sequence[Any]) -> Dict[str, Any]:
             "phase_peaks": phases, "categories": dict(device.categories)}
 
 
+def _output_to(log: str) -> None:
+    """Send this process's stdout and stderr (the file descriptors, so the script's and torch's too) to
+    `log`, made afresh: the first thing a forked run does, so that nothing it says, even as the parent
+    stops it with SIGINT in the middle of an import, reaches the user's terminal."""
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+
+
 def run_emulated(gpu: str, target: List[str], snapshot: str, log: str, max_entries: int, rules: Sequence[Any],
                  change: Optional[Sequence[Tuple[str, Optional[str]]]] = None) -> RunOutcome:
     """Run `target` (`[SCRIPT, ARGS...]` or `[-m, MODULE, ARGS...]`) on emulated `gpu`, writing its snapshot
@@ -84,12 +96,6 @@ def run_emulated(gpu: str, target: List[str], snapshot: str, log: str, max_entri
     from memdiff.recording.emulate.runtime import Emulator
     from memdiff.recording.emulate.session import emulating
 
-    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
-    os.close(fd)
     torch_module()
     started = time.monotonic()
     refused: Optional[str] = None
@@ -122,14 +128,14 @@ def run_emulated(gpu: str, target: List[str], snapshot: str, log: str, max_entri
 
 def child(conn: Any, gpu: str, target: List[str], snapshot: str, log: str, max_entries: int, rules: Sequence[Any],
           change: Optional[Sequence[Tuple[str, Optional[str]]]] = None) -> None:
-    """The forked process's entry: run, send the outcome's dict back, close."""
+    """The forked process's entry: run, its output in `log`, send the outcome's dict back, close."""
     try:
+        _output_to(log)
         outcome = run_emulated(gpu, target, snapshot, log, max_entries, rules, change)
         conn.send(outcome.to_dict())
     except KeyboardInterrupt:
-        # The parent stops a run it no longer needs with SIGINT (fit's boundary found, a what-if failed); one
-        # that lands before the script starts, while the child's output is still the user's terminal, is no
-        # failure to print there (a flaky second traceback beside fit's one-line error on a loaded machine).
+        # The parent stops a run it no longer needs with SIGINT (fit's boundary found, a what-if failed): one
+        # that lands before the script starts is no failure of memdiff's to report.
         pass
     except BaseException as exc:  # memdiff's own failure in the child: said to the parent, never lost
         import traceback
@@ -153,7 +159,7 @@ def run_launched(gpu: str, command: List[str], folder: str, log: str, max_entrie
     from memdiff.recording.manifest import MANIFEST
 
     started = time.monotonic()
-    with open(log, "w", encoding="utf-8") as out:
+    with open(log, "a", encoding="utf-8") as out:  # launched_child made it
         done = subprocess.run([sys.executable, "-m", "memdiff", "record", "--emulate", gpu, "--max-entries",
                                str(max_entries), "-o", folder.rstrip(os.sep) + os.sep, "--", *command],
                               stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
@@ -183,9 +189,13 @@ def run_launched(gpu: str, command: List[str], folder: str, log: str, max_entrie
 
 def launched_child(conn: Any, gpu: str, command: List[str], folder: str, log: str, max_entries: int,
                    rules: Sequence[Any]) -> None:
-    """The forked process's entry for a launched job: run it, send the outcome's dict back, close."""
+    """The forked process's entry for a launched job: run it, its output in `log`, send the outcome's dict
+    back, close."""
     try:
+        _output_to(log)
         conn.send(run_launched(gpu, command, folder, log, max_entries, rules).to_dict())
+    except KeyboardInterrupt:  # the parent stops a job it no longer needs, as `child`
+        pass
     except BaseException as exc:  # memdiff's own failure in the child: said to the parent, never lost
         conn.send({"internal_error": f"{type(exc).__name__}: {exc}"})
     finally:
