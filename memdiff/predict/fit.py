@@ -27,7 +27,6 @@ import re
 import time
 from dataclasses import asdict, dataclass, field
 from itertools import zip_longest
-from multiprocessing.connection import wait
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from memdiff import __version__
@@ -36,7 +35,7 @@ from memdiff.errors import InputError, clip
 from memdiff.inert import text
 from memdiff.model import Finding
 from memdiff.recording.emulate.gpus import Gpu
-from memdiff.recording.fitrun import FITS, OOM, checked, child, launched_child, stop
+from memdiff.recording.fitrun import FITS, OOM, checked, child, finished, launched_child, stop
 from memdiff.units import format_bytes
 
 SCHEMA_VERSION = 1
@@ -525,14 +524,7 @@ def run_fit(command: Sequence[str], gpus: Sequence[Gpu], output: str, grid: Grid
                 total += 1
             if not running:
                 break
-            ready = wait([r.process.sentinel for r in running] + [r.conn for r in running])
-            for r in [r for r in running if r.process.sentinel in ready or r.conn in ready]:
-                sent: Optional[Dict[str, Any]] = None
-                try:
-                    sent = r.conn.recv()
-                except EOFError:
-                    pass
-                r.process.join()
+            for r, sent in finished(running):
                 running.remove(r)
                 r.search.finished(r.index, _outcome(r, sent, r.search.limit, r.search.values[r.index]))
     finally:  # a failed run or Ctrl-C: the runs still going write what they recorded

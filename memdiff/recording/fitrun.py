@@ -14,7 +14,7 @@ import os
 import resource
 import sys
 from dataclasses import asdict, dataclass
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Protocol, Sequence, Tuple, TypeVar
 
 # How each run ended.
 FITS, OOM, FAILED = "fits", "oom", "failed"
@@ -230,6 +230,36 @@ def checked(command: str, where: str, sent: Optional[Dict[str, Any]], exitcode: 
         raise InputError(command, f"the script failed {where} (exit {sent['exit_status']}), not out of memory; "
                                   f"its output ({log}): {clip(log_tail(log), 1500)}")
     return sent
+
+
+class _Started(Protocol):
+    """A run started in a process of its own, which reports on `conn` (fit's and whatif's)."""
+
+    process: Any
+    conn: Any
+
+
+R = TypeVar("R", bound=_Started)
+
+
+def finished(running: Sequence[R]) -> List[Tuple[R, Optional[Dict[str, Any]]]]:
+    """Wait until one or more of `running` (each with its `process` and the `conn` it reports on) ends;
+    each that did, joined, with what it sent (None: nothing, it died first)."""
+    from multiprocessing.connection import wait
+
+    ready = wait([r.process.sentinel for r in running] + [r.conn for r in running])
+    out: List[Tuple[R, Optional[Dict[str, Any]]]] = []
+    for r in running:
+        process, conn = r.process, r.conn
+        if process.sentinel in ready or conn in ready:
+            sent: Optional[Dict[str, Any]] = None
+            try:
+                sent = conn.recv()
+            except EOFError:
+                pass
+            process.join()
+            out.append((r, sent))
+    return out
 
 
 def stop(processes: Sequence[Any]) -> None:

@@ -14,7 +14,6 @@ import multiprocessing
 import os
 import re
 from dataclasses import dataclass
-from multiprocessing.connection import wait
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from memdiff.analyse.classify import Rule
@@ -31,7 +30,7 @@ from memdiff.predict.whatif.engine import (
     headline,
     parse_change,
 )
-from memdiff.recording.fitrun import OOM, checked, child, stop
+from memdiff.recording.fitrun import OOM, checked, child, finished, stop
 from memdiff.units import format_bytes
 
 KNOB = "accumulate"  # the placeholder `accumulate=K` fills in the command
@@ -87,14 +86,7 @@ class _Runner:
             while queue or running:
                 while queue and len(running) < self.jobs:
                     running.append(self._start(len(changes) - len(queue), queue.pop(0)))
-                ready = wait([r.process.sentinel for r in running] + [r.conn for r in running])
-                for r in [r for r in running if r.process.sentinel in ready or r.conn in ready]:
-                    sent: Optional[Dict[str, Any]] = None
-                    try:
-                        sent = r.conn.recv()
-                    except EOFError:
-                        pass
-                    r.process.join()
+                for r, sent in finished(running):
                     running.remove(r)
                     done[r.index] = (r, self._checked(r, sent))
         finally:  # a failed run or Ctrl-C: the others write what they recorded, as fit's do
