@@ -21,7 +21,8 @@ from typing import List
 import pytest
 
 from memdiff.errors import InputError
-from memdiff.predict.fit import Grid, judge, knob_of, parse_range
+from memdiff.predict.fit import FITS, OVER_LIMIT, Fewest, FitRun, Grid, judge, knob_of, parse_range
+from memdiff.recording.emulate.gpus import gpu
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "tests" / "scenarios" / "fit_mlp.py"
@@ -327,6 +328,42 @@ def test_nproc_finds_the_fewest_processes_on_which_every_rank_of_a_sharded_job_f
         assert peak.returncode == 0, peak.stderr
         reserved.append(max(d["reserved_peak_bytes"] or 0 for d in json.loads(peak.stdout)["devices"]))
     assert max(reserved) <= limit and gpu["fits"]["reserved_peak_bytes"] == max(reserved)
+
+
+def _searched(reserved_by_value: dict, limit_share: float) -> Fewest:
+    """Fewest over the values given, each run it asks for ending with that value's reserved peak."""
+    values = sorted(reserved_by_value)
+    search = Fewest(gpu("l4"), Grid("nproc", values[0], values[-1]), limit_share, None)
+    while not search.done:
+        (index, why), = search.wants()
+        search.started(index, why)
+        value = search.values[index]
+        reserved = reserved_by_value[value]
+        search.finished(index, FitRun(
+            gpu="l4", value=value, outcome=FITS if reserved <= search.limit else OVER_LIMIT, snapshot="", log="",
+            peak_bytes=reserved, reserved_peak_bytes=reserved, phase=None, step=None, site=None, oom_message=None,
+            seconds=0.0, cpu_seconds=0.0, why=why))
+    return search
+
+
+def test_nproc_answers_the_fewest_processes_even_when_memory_does_not_fall_with_them():
+    # fsdp_train.py at its default width (16 MiB of weights), emulated on an L4: the heaviest rank reserves
+    # 122, 134, 134 and 118 MiB at 1, 2, 3 and 4 processes (rounding and the cuBLAS workspace outweigh the
+    # shards). With a limit of 125 MiB one process fits; a search that assumed memory falls with the
+    # processes (the largest first, then halving) answered 4 here. Every value below the answer is run and
+    # shown as not fitting.
+    mib = 1 << 20
+    reserved = {1: 122 * mib, 2: 134 * mib, 3: 134 * mib, 4: 118 * mib}
+    share = 125 * mib / gpu("l4").capacity
+    answer = _searched(reserved, share).answer()
+    assert answer.value == 1 and answer.fails is None and [r.value for r in answer.runs] == [1]
+    # A limit of 120 MiB: 1, 2 and 3 are run and do not fit; 4 is the fewest, 3 the value one down.
+    answer = _searched(reserved, 120 * mib / gpu("l4").capacity).answer()
+    assert answer.value == 4 and answer.fails is not None and answer.fails.value == 3
+    assert [(r.value, r.fits) for r in answer.runs] == [(1, False), (2, False), (3, False), (4, True)]
+    # None fits: every value was run, and the answer says the largest does not fit.
+    answer = _searched(reserved, 100 * mib / gpu("l4").capacity).answer()
+    assert answer.value is None and len(answer.runs) == 4 and "does not fit at 4" in answer.line
 
 
 def test_nproc_needs_a_place_in_the_command(tmp_path):

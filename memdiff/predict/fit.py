@@ -92,7 +92,7 @@ class FitRun:
     oom_message: Optional[str]
     seconds: float
     cpu_seconds: float  # the run's process, user and system, the summary of its snapshot included
-    why: str  # the probe's reason: "smallest values", "forecast", "neighbour", "halving", "doubling"
+    why: str  # the probe's reason: "smallest values", "ascending", "forecast", "neighbour", "halving", "doubling"
 
     @property
     def fits(self) -> bool:
@@ -374,42 +374,38 @@ class Search:
 
 
 class Fewest(Search):
-    """The runs of one GPU for `{nproc}`: the smallest value that fits, as a job sharded over more ranks
-    holds less per rank. No forecast (the forecast fits memory that grows with its knob): the largest value
-    first (when it does not fit, none does), then the interval between the largest value that did not fit
-    and the smallest that did, halved. The answer is the smallest value run that fit, next to the value
-    one grid step down, run, that did not."""
+    """The runs of one GPU for `{nproc}`: the fewest processes on which every rank fits. The values are run
+    from the smallest up, one at a time, and the first that fits is the answer, next to the value one grid
+    step down, run, that did not. Nothing is assumed of how memory moves with the processes: a sharded job
+    holds less per rank with more ranks only once its sharded state outweighs what every rank holds whole
+    (the allocator's rounding, the cuBLAS workspace, a model built whole before it is sharded), so a
+    bisection could skip the fewest, and a forecast, which fits memory that grows with its knob, does not
+    apply."""
 
     FOUND, FIRST, PER, OPEN_END = "fewest", -1, " per rank", "the bottom of the range fits"
 
     def _lo_hi(self) -> Tuple[int, int]:
-        """(the largest index that does not fit, or -1; the smallest that fits, or len(values))."""
-        lo = max((i for i, r in self.runs.items() if not r.fits), default=-1)
+        """(the largest index run below the first that fits, or -1; the first that fits, or len(values))."""
         hi = min((i for i, r in self.runs.items() if r.fits), default=len(self.values))
+        lo = max((i for i in self.runs if i < hi), default=-1)
         return lo, hi
 
     @property
     def done(self) -> bool:
-        """Whether the boundary is found: the smallest fitting value's next one down was run and did not
-        fit (or it is the bottom of the range), or the largest does not fit."""
+        """Whether the fewest is found: a value fits (every smaller one was run and did not), or every value
+        was run and none fits."""
         lo, hi = self._lo_hi()
-        return not self.running and (hi == lo + 1 or lo == len(self.values) - 1)
+        return not self.running and (hi < len(self.values) or lo == len(self.values) - 1)
 
     def _decide(self) -> List[Tuple[int, str]]:
-        top = len(self.values) - 1
-        if top not in self.runs:
-            return [] if top in self.running else [(top, "largest value")]
         if self.running or self.done:
             return []
-        lo, hi = self._lo_hi()
-        if lo >= hi:
-            raise InputError("fit", f"{self.gpu.key}: {self.values[hi]:,} fits and {self.values[lo]:,}, larger, "
-                                    "does not: memory per process does not shrink with more of them, so there "
-                                    "is no fewest")
-        return [((lo + hi) // 2, "halving")]
+        lo, _ = self._lo_hi()
+        return [(lo + 1, "ascending")]
 
     def _ends(self) -> Tuple[Optional[FitRun], Optional[FitRun]]:
-        """(the fewest processes' run, that fits; the run of one fewer, that does not)."""
+        """(the fewest processes' run, that fits; the run of one fewer, that does not; with none fitting,
+        the largest value's)."""
         lo, hi = self._lo_hi()
         return self.runs.get(hi), self.runs.get(lo)
 
