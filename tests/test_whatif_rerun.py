@@ -102,6 +102,9 @@ def test_the_table_is_the_whatif_table_marked_rerun_against_the_baseline_run(rer
         run = read_summary(str(out / f"{BY_HAND[c['change']][0]}.pickle"), load_rules()).devices[0]
         assert c["categories"] == run.categories and sum(c["categories"].values()) == c["predicted_peak_bytes"]
         assert c["phase_peaks"][c["predicted_peak_phase"]] == c["predicted_peak_bytes"]
+        # and the reserved peak (what runs out) of the snapshot it names
+        assert c["snapshot"] == str(out / f"{BY_HAND[c['change']][0]}.pickle")
+        assert c["reserved_peak_bytes"] == run.reserved_peak_bytes > c["predicted_peak_bytes"]
     # A change made by hand the script already has its own way: the baseline is the script as given.
     assert next(c for c in device["changes"] if c["change"] == "zero-grad=zeros")["delta_bytes"] > 0
     text = memdiff("whatif", str(out / "baseline.pickle"))  # the baseline is an ordinary snapshot
@@ -115,6 +118,8 @@ def test_text_output_says_re_run_and_a_change_that_finds_nothing_to_change_says_
     assert done.returncode == 0, done.stderr
     assert "(re-run on emulated h100, each change a run)" in done.stdout
     assert "re-run peak" in done.stdout and "predicted" not in done.stdout
+    header = next(line for line in done.stdout.splitlines() if line.startswith("change"))
+    assert header.split() == ["change", "re-run", "peak", "reserved", "phase", "delta", "%"]
     assert "RMSprop(lr) built where the script builds AdamW" in done.stdout
     assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == [
         "baseline.log", "baseline.pickle", "optimizer-rmsprop.log", "optimizer-rmsprop.pickle",

@@ -15,30 +15,30 @@ from memdiff.render.json import dumps
 from memdiff.units import format_bytes
 
 
-def _peak_header(w: WhatIf) -> str:
-    return "re-run peak" if w.rerun_on else "predicted peak"
-
-
 def _title(w: WhatIf) -> str:
     """What the figures are: predicted from the run, or the script re-run with each change."""
     return f" (re-run on emulated {w.rerun_on}, each change a run)" if w.rerun_on else ""
 
 
-def _table(d: DeviceWhatIf, fmt: str, budget: bool, peak: str = "predicted peak") -> str:
+def _table(d: DeviceWhatIf, fmt: str, budget: bool, rerun: bool) -> str:
     rows: List[List[str]] = []
     for c in d.changes:
         if not c.applies:
             continue
-        row = [c.change, format_bytes(c.predicted_peak_bytes or 0), c.predicted_peak_phase or "before the trace",
-               format_bytes(c.delta_bytes or 0, signed=True), f"{c.delta_pct or 0:+.1f}%"]
+        row = [c.change, format_bytes(c.predicted_peak_bytes or 0)]
+        row += [format_bytes(c.reserved_peak_bytes or 0)] if rerun else []
+        row += [c.predicted_peak_phase or "before the trace", format_bytes(c.delta_bytes or 0, signed=True),
+                f"{c.delta_pct or 0:+.1f}%"]
         if budget:
             row.append("yes" if c.fits_budget else "no")
         rows.append(row)
-    headers = ["change", peak, "phase", "delta", "%"] + (["fits"] if budget else [])
+    headers = (["change", "re-run peak", "reserved", "phase", "delta", "%"] if rerun
+               else ["change", "predicted peak", "phase", "delta", "%"]) + (["fits"] if budget else [])
     if fmt == "github":  # markdown escapes every cell: the change is the user's text
         rows = [[md_cell(c) for c in row] for row in rows]
     return tabulate(rows, headers=headers, tablefmt=fmt,
-                    colalign=("left", "right", "left", "right", "right") + (("left",) if budget else ()))
+                    colalign=("left", "right") + (("right",) if rerun else ()) + ("left", "right", "right")
+                    + (("left",) if budget else ()))
 
 
 
@@ -51,7 +51,7 @@ def render_text(w: WhatIf) -> str:
     for d in w.devices:
         out += ["", d.headline]
         if any(c.applies for c in d.changes):
-            out += ["", _table(d, "simple", w.budget_bytes is not None, _peak_header(w))]
+            out += ["", _table(d, "simple", w.budget_bytes is not None, bool(w.rerun_on))]
         if d.findings:
             out += [""] + [shown(f) for f in d.findings]
         assumed = [f"  {c.change}: {a}" for c in d.changes for a in c.assumptions]
@@ -67,7 +67,7 @@ def render_markdown(w: WhatIf) -> str:
     for d in w.devices:
         out += ["", f"**{md_text(d.headline)}**", ""]
         if any(c.applies for c in d.changes):
-            out += [_table(d, "github", w.budget_bytes is not None, _peak_header(w)), ""]
+            out += [_table(d, "github", w.budget_bytes is not None, bool(w.rerun_on)), ""]
         out += [f"> `{f.code}` {md_text(f.message)}" for f in d.findings]
         assumed = [f"- {md_code(c.change)}: {md_text(a)}" for c in d.changes for a in c.assumptions]
         if assumed:
@@ -87,7 +87,7 @@ def render_html(w: WhatIf) -> str:
     for d in w.devices:
         body.append(f"<h2>{html.escape(d.headline)}</h2>")
         if any(c.applies for c in d.changes):
-            body.append(_table(d, "html", w.budget_bytes is not None, _peak_header(w)))
+            body.append(_table(d, "html", w.budget_bytes is not None, bool(w.rerun_on)))
         body += [f"<p class=note>{f.code} {html.escape(f.message)}</p>" for f in d.findings]
         body.append("<ul>" + "".join(f"<li><b>{html.escape(c.change)}</b>: {html.escape(a)}</li>"
                                      for c in d.changes for a in c.assumptions) + "</ul>")

@@ -72,6 +72,10 @@ class ChangePrediction:
     categories: Dict[str, int]
     assumptions: List[str]
     line: str  # the change in one sentence
+    # `whatif --emulate`: the re-run's reserved peak (what the caching allocator held: what runs out) and its
+    # snapshot; None for a prediction, which replays allocations and knows no reserved memory
+    reserved_peak_bytes: Optional[int] = None
+    snapshot: Optional[str] = None
 
 
 @dataclass

@@ -135,12 +135,12 @@ def _row(change: Change, sent: Dict[str, Any], base: Dict[str, Any], budget: Opt
     notes = list(sent.get("change_notes") or [])
     notes += [f"the script's {KNOB} flag given {v}" for n, v in change.parts if n == KNOB]
     notes += [f"ran out of memory: {sent['oom_message']}"] if oom else []
-    notes += [f"reserved peak {format_bytes(int(sent['reserved_peak_bytes'] or 0))}; snapshot {snapshot}"]
+    notes += [f"snapshot {snapshot}"]
     return ChangePrediction(change=change.text, applies=True, reason=None, predicted_peak_bytes=peak,
                             predicted_peak_phase=phase, predicted_peak_step=sent["step"], delta_bytes=delta,
                             delta_pct=pct, fits_budget=fits, phase_peaks=dict(sent.get("phase_peaks") or {}),
                             categories=dict(sent.get("categories") or {}), assumptions=notes,
-                            line=line)
+                            line=line, reserved_peak_bytes=sent["reserved_peak_bytes"], snapshot=snapshot)
 
 
 def rerun(command: Sequence[str], gpu: str, output: str, changes: Sequence[str], rules: Sequence[Rule],
