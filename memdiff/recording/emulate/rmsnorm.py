@@ -1,13 +1,16 @@
 """torch.nn.RMSNorm and F.rms_norm on the emulated GPU take CUDA's fused kernel.
 
-`rms_norm` is made of other ops (aten/src/ATen/native/layer_norm.cpp `rms_norm_symint`, torch 2.13):
-past its own checks (a channels-last or complex input, a weight of another dtype than the input:
-`rms_norm_composite`'s pow, mean, rsqrt and muls) it calls `_fused_rms_norm` on every device. A CUDA
-build has a CUDA kernel for that op (cuda/layer_norm_kernel.cu `_fused_rms_norm_cuda`), so autograd
-runs its derivatives.yaml formula: FusedRmsNormBackward0 saves the input, the weight and the second
-output, the inverse RMS. The meta device has no kernel for it, so its CompositeImplicitAutograd
-decomposition runs above autograd and keeps the decomposition's activations (the input, its
-normalized copy, the inverse RMS): one more activation of the input's size per norm than the GPU.
+`rms_norm` is made of other ops (aten/src/ATen/native/layer_norm.cpp `rms_norm_symint`, read at a
+fork of pytorch main, cyyever/pytorch 0660972, the pytorch repository being too large to fetch at
+its tag): past its own checks (a channels-last or complex input, a weight of another dtype than the
+input, which torch 2.13's CPU build warns of: `rms_norm_composite`'s pow, mean, rsqrt and muls) it
+calls `_fused_rms_norm` on every device. A CUDA build has a CUDA kernel for that op
+(cuda/layer_norm_kernel.cu `_fused_rms_norm_cuda`), so autograd runs its derivatives.yaml formula:
+FusedRmsNormBackward0 saves the input, the weight and the second output, the inverse RMS (torch
+2.13's generated node, read on the meta device with this module's kernel). The meta device has no
+kernel for the op, so its CompositeImplicitAutograd decomposition runs above autograd and keeps the
+decomposition's activations (the input, its normalized copy, the inverse RMS; an fp32 copy of a
+16-bit input besides): one or two more activations of the input's size per norm than the GPU.
 
 `fused_kernel()` gives `_fused_rms_norm` a Meta kernel while the emulator runs: with a kernel for
 the backend, the dispatcher runs the op's autograd kernel, as it does for CUDA, and torch's own
@@ -26,10 +29,15 @@ import torch
 FUSED = "_fused_rms_norm"
 
 
+# The fused op's overload; None in an older torch that has none, where a GPU runs rms_norm's
+# decomposition as the meta device does.
+_OP = getattr(getattr(torch.ops.aten, FUSED, None), "default", None)
+
+
 def fused(func: Any) -> bool:
     """Whether `func` is the fused op, which runs whole on the emulated GPU though torch could
     decompose it (a Meta kernel stands for its CUDA kernel while the emulator runs)."""
-    return func is torch.ops.aten._fused_rms_norm.default
+    return _OP is not None and func is _OP
 
 
 def _check(x: torch.Tensor, normalized_shape: Sequence[int], weight: Optional[torch.Tensor]) -> Tuple[int, int]:
@@ -73,6 +81,9 @@ def _fused_rms_norm_meta(x: torch.Tensor, normalized_shape: List[int], weight: O
 @contextlib.contextmanager
 def fused_kernel() -> Iterator[None]:
     """`_fused_rms_norm` has a Meta kernel for the block, and none after it."""
+    if _OP is None:
+        yield
+        return
     library = torch.library.Library("aten", "IMPL")
     try:
         # torch.library's `impl` refuses a Meta kernel for an op that has a CompositeImplicitAutograd

@@ -27,12 +27,12 @@ Not modelled, as no window has them to hold the sizes to: cub's temporary storag
 block's length (cuda/ScanUtils.cuh), sort (cuda/Sort.cpp), topk's multi-block path (a top-k sampler
 over a vocabulary: kthValues, ks_to_find, desired, per-block digit counts and two cub scans by key,
 sized from the SM count), index_put_ by boolean masks, embedding_dense_backward with
-scale_grad_by_freq's count scan. torch.nn.RMSNorm and F.rms_norm: a CUDA build runs
-`_fused_rms_norm`'s CUDA kernel under its autograd formula (the output and an fp32 rstd, input and
-rstd saved), where the meta device takes its CompositeImplicitAutograd decomposition (pow, mean,
-rsqrt, mul: more activations than the GPU's); torch refuses a Meta kernel for an op with such a
-decomposition, so emulating it needs the op routed by the emulator itself (not done; Hugging Face's
-RMSNorm modules are their own pow, mean, rsqrt and mul on both).
+scale_grad_by_freq's count scan.
+torch.nn.RMSNorm and F.rms_norm run `_fused_rms_norm`'s CUDA kernel (rmsnorm.py gives the meta
+device its outputs): its and its backward's contiguous copies of strided inputs and, past 65,536 rows,
+the backward's per-block partial sums of the weight's gradient are modelled below, from
+cuda/layer_norm_kernel.cu (read at a fork of pytorch main, cyyever/pytorch 0660972; no real trace
+holds the op). Hugging Face's RMSNorm modules are their own pow, mean, rsqrt and mul on both.
 """
 
 from __future__ import annotations
