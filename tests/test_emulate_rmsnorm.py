@@ -166,8 +166,9 @@ def test_many_rows_of_few_features_sum_the_weight_gradient_by_blocks(tmp_path):
 
 def test_a_strided_input_is_copied_for_the_kernel_and_nothing_stays_after_the_run(torch, tmp_path):
     """`_fused_rms_norm_cuda` and its backward take `input.expect_contiguous()`: a transposed input is
-    copied inside each op, for the op. After the emulated block, torch is as it was: an RMS norm of
-    meta or CPU tensors decomposes as torch's CPU build does (the Meta kernel was the emulation's)."""
+    copied inside each op, for the op. Under inference_mode too the fused kernel runs. After the
+    emulated block, torch is as it was: an RMS norm of meta or CPU tensors decomposes as torch's CPU
+    build does (the Meta kernel was the emulation's)."""
     import torch.nn.functional as F
 
     import memdiff
@@ -177,11 +178,15 @@ def test_a_strided_input_is_copied_for_the_kernel_and_nothing_stays_after_the_ru
         w = torch.ones(1024, device="cuda", requires_grad=True)
         y = F.rms_norm(x.transpose(0, 2), (1024,), w)  # 256 x 8 rows of 1,024 features, strided
         y.backward(torch.ones_like(y))
+        with torch.inference_mode():  # autograd's keys skipped: rms_norm reaches the emulator whole
+            F.rms_norm(x.transpose(0, 2).contiguous(), (1024,), w)
         del x, w, y
     with open(tmp_path / "run.pickle", "rb") as f:
         trace = pickle.load(f)["device_traces"][0]
     act, rstd = 1024 * 8 * 256 * 4, 256 * 8 * 4
-    assert sorted(_inside(trace, "_fused_rms_norm")) == sorted([act, rstd, act])  # Y, rstd, the copy
+    forward = _inside(trace, "_fused_rms_norm")
+    assert sorted(forward[:3]) == sorted([act, rstd, act])  # Y, rstd, the copy
+    assert forward[3:] == [act, rstd]  # the fused kernel under inference_mode too, its input contiguous
     assert sorted(_inside(trace, "_fused_rms_norm_backward")) == sorted([act, 1024 * 4, act])  # dX, dgamma, copy
 
     assert not torch._C._dispatch_has_kernel_for_dispatch_key("aten::_fused_rms_norm", "Meta")
