@@ -70,7 +70,7 @@ def _fused_rms_norm_meta(x: torch.Tensor, normalized_shape: List[int], weight: O
     viewed as the input's leading dimensions followed by ones."""
     rows, _ = _check(x, normalized_shape, weight)
     if x.dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
-        raise RuntimeError(f"\"LayerNormKernelImpl\" not implemented for '{str(x.dtype).split('.')[-1]}'")
+        raise RuntimeError(f"\"LayerNormKernelImpl\" not implemented for {x.dtype}")  # AT_DISPATCH's floating types
     acc = torch.float64 if x.dtype == torch.float64 else torch.float32
     axis = x.dim() - len(normalized_shape)
     out = torch.empty(x.shape, dtype=x.dtype, device="meta")
