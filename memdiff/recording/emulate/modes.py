@@ -20,6 +20,7 @@ from memdiff.recording.emulate import (
     legacy,
     printing,
     reductions,
+    rmsnorm,
     rnn,
     scratch,
     sdpa,
@@ -371,7 +372,7 @@ class AllocMode(TorchDispatchMode):
                 return self.dispatch(func, args, {**kwargs, "device": META})
             finally:
                 stack.pop()
-        if _runs_as_its_parts(func):
+        if _runs_as_its_parts(func) and not rmsnorm.fused(func):  # the GPU runs its fused kernel whole
             # Under inference_mode autograd's dispatch keys are skipped, and with them the step that
             # runs an op made of others (item, linear, to) as its parts: it comes here whole. Run its
             # parts through this mode, as autograd's key does otherwise: `item` is then the read-back

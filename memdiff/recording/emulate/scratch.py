@@ -27,12 +27,12 @@ Not modelled, as no window has them to hold the sizes to: cub's temporary storag
 block's length (cuda/ScanUtils.cuh), sort (cuda/Sort.cpp), topk's multi-block path (a top-k sampler
 over a vocabulary: kthValues, ks_to_find, desired, per-block digit counts and two cub scans by key,
 sized from the SM count), index_put_ by boolean masks, embedding_dense_backward with
-scale_grad_by_freq's count scan. torch.nn.RMSNorm and F.rms_norm: a CUDA build runs
-`_fused_rms_norm`'s CUDA kernel under its autograd formula (the output and an fp32 rstd, input and
-rstd saved), where the meta device takes its CompositeImplicitAutograd decomposition (pow, mean,
-rsqrt, mul: more activations than the GPU's); torch refuses a Meta kernel for an op with such a
-decomposition, so emulating it needs the op routed by the emulator itself (not done; Hugging Face's
-RMSNorm modules are their own pow, mean, rsqrt and mul on both).
+scale_grad_by_freq's count scan.
+torch.nn.RMSNorm and F.rms_norm run `_fused_rms_norm`'s CUDA kernel (rmsnorm.py gives the meta
+device its outputs): its and its backward's contiguous copies of strided inputs and, past 65,536 rows,
+the backward's per-block partial sums of the weight's gradient are modelled below, from
+cuda/layer_norm_kernel.cu (read at a fork of pytorch main, cyyever/pytorch 0660972; no real trace
+holds the op). Hugging Face's RMSNorm modules are their own pow, mean, rsqrt and mul on both.
 """
 
 from __future__ import annotations
@@ -203,27 +203,19 @@ def softmax_backward(args: Sequence[Any], kwargs: Dict[str, Any], out: Any, gpu:
     return [("alloc", "tmp", size, ("mul_Tensor",)), ("free", "tmp")]
 
 
-def layer_norm_backward(args: Sequence[Any], kwargs: Dict[str, Any], out: Any, gpu: Gpu) -> List[Step]:
-    """native_layer_norm_backward past 65,536 rows of fewer than 32 x half the SMs' features
-    (cuda/layer_norm_kernel.cu LaunchGammaBetaBackwardCUDAKernel): per-block partial sums of gamma's
-    and beta's gradients (in their dtype), then `dgamma_blocks.sum(0)`, a reduction whose result
-    replaces the gradient first made (its own buffers: reductions.py)."""
+def _gamma_partials(m: int, n: int, dtype: Any, labels: Sequence[str], gpu: Gpu) -> List[Step]:
+    """LaunchGammaBetaBackwardCUDAKernel (cuda/layer_norm_kernel.cu), shared by layer norm's and RMS
+    norm's backward: past 65,536 rows of fewer than 32 x half the SMs' features, per-block partial
+    sums of each gradient in `labels` (gamma's, and beta's for layer norm; in the weight's dtype),
+    then `blocks.sum(0)`, a reduction whose result replaces the gradient first made (its own
+    buffers: reductions.py). Nothing below that size."""
     import torch
 
-    x, shape, weight = args[1], args[2], args[5]
-    mask = args[7] if len(args) > 7 else kwargs.get("output_mask", [True, True, True])
-    n = 1
-    for size in shape:
-        n *= int(size)
-    m = x.numel() // n if n else 0
-    wanted = [bool(mask[1]) and weight is not None, bool(mask[2]) and len(args) > 6 and args[6] is not None]
-    if not (m > 64 * 1024 and n // 32 < gpu.multi_processor_count // 2) or not any(wanted):
+    if not (m > 64 * 1024 and n // 32 < gpu.multi_processor_count // 2):
         return []
     blocks_x = -(-n // 32)
     blocks_y = min((64 * 1024 // 2) // blocks_x, -(-m // 32))
-    dtype = weight.dtype
     steps: List[Step] = []
-    labels = [label for label, want in zip(("dgamma_blocks", "dbeta_blocks"), wanted) if want]
     for label in labels:
         steps.append(("alloc", label, blocks_y * n * dtype.itemsize, ()))
     rule = reductions.table()["sum_dim_IntList"]
@@ -241,6 +233,56 @@ def layer_norm_backward(args: Sequence[Any], kwargs: Dict[str, Any], out: Any, g
     for label in reversed(labels):
         steps.append(("free", label))
     return steps
+
+
+def _rows(x: Any, shape: Sequence[Any]) -> Tuple[int, int]:
+    """The rows M and features N of a norm over `shape`, the input's last dimensions."""
+    n = 1
+    for size in shape:
+        n *= int(size)
+    return (x.numel() // n if n else 0), n
+
+
+def layer_norm_backward(args: Sequence[Any], kwargs: Dict[str, Any], out: Any, gpu: Gpu) -> List[Step]:
+    """native_layer_norm_backward: gamma's and beta's partial sums past 65,536 rows (_gamma_partials)."""
+    x, shape, weight = args[1], args[2], args[5]
+    mask = args[7] if len(args) > 7 else kwargs.get("output_mask", [True, True, True])
+    m, n = _rows(x, shape)
+    wanted = [bool(mask[1]) and weight is not None, bool(mask[2]) and len(args) > 6 and args[6] is not None]
+    labels = [label for label, want in zip(("dgamma_blocks", "dbeta_blocks"), wanted) if want]
+    if not labels:
+        return []
+    return _gamma_partials(m, n, (weight if weight is not None else args[6]).dtype, labels, gpu)
+
+
+def _contiguous_copy(plan: _Plan, label: str, t: Any) -> None:
+    """`expect_contiguous()` / `contiguous()` of a strided tensor: a copy, kept to the op's end."""
+    if not _contiguous(t):
+        plan.alloc(label, t.numel() * t.element_size(), ("clone", "contiguous"))
+
+
+def fused_rms_norm(args: Sequence[Any], kwargs: Dict[str, Any], out: Any, gpu: Gpu) -> List[Step]:
+    """_fused_rms_norm_cuda (cuda/layer_norm_kernel.cu): `input.expect_contiguous()` copies a strided
+    input for the kernel, freed at the op's end; Y and rstd are its outputs (rmsnorm.py)."""
+    plan = _Plan()
+    _contiguous_copy(plan, "input", args[0])
+    return plan.done()
+
+
+def fused_rms_norm_backward(args: Sequence[Any], kwargs: Dict[str, Any], out: Any, gpu: Gpu) -> List[Step]:
+    """_fused_rms_norm_backward_cuda (cuda/layer_norm_kernel.cu): a contiguous copy of a strided input,
+    dX and dgamma (its outputs), then RMSNormBackwardKernelImpl's `dY.contiguous()` and, past
+    65,536 rows, gamma's partial sums (_gamma_partials; no beta in RMS norm)."""
+    grad, x, shape, weight = args[0], args[1], args[2], args[4]
+    mask = args[5] if len(args) > 5 else kwargs.get("output_mask", [True, True])
+    plan = _Plan()
+    _contiguous_copy(plan, "input", x)
+    _contiguous_copy(plan, "grad_out", grad)
+    m, n = _rows(x, shape)
+    labels = ["dgamma_blocks"] if bool(mask[1]) and weight is not None else []
+    if labels:  # each of the partial sums' buffers is freed inside: the copies stay to the op's end
+        plan.steps.extend(_gamma_partials(m, n, weight.dtype, labels, gpu))
+    return plan.done()
 
 
 def foreach_norm(args: Sequence[Any], kwargs: Dict[str, Any], out: Any, gpu: Gpu) -> List[Step]:
@@ -359,6 +401,8 @@ RULES: Dict[str, Callable[[Sequence[Any], Dict[str, Any], Any, Gpu], List[Step]]
     "embedding_dense_backward": embedding_dense_backward,
     "_softmax_backward_data": softmax_backward,
     "native_layer_norm_backward": layer_norm_backward,
+    "_fused_rms_norm": fused_rms_norm,
+    "_fused_rms_norm_backward": fused_rms_norm_backward,
     "_foreach_norm": foreach_norm,
     "index_put": index_put_accumulate,
     "index_put_": index_put_accumulate,
