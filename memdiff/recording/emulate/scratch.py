@@ -86,9 +86,10 @@ def _up(x: int, m: int) -> int:
     return -(-x // m) * m
 
 
-def cub_radix_sort_pairs(n: int, bits: int = 64) -> int:
+def cub_radix_sort_pairs(n: int, bits: int = 64, key_bytes: int = 8, value_bytes: int = 8) -> int:
     """ESTIMATE of cub::DeviceRadixSort::SortPairs' temporary storage for n int64 keys and values over
-    `bits` bits (cuda/cub.cuh radix_sort_pairs): the keys' and values' alternate buffers (16 B each),
+    `bits` bits (cuda/cub.cuh radix_sort_pairs; SortKeys with value_bytes 0): the keys' and values'
+    alternate buffers (16 B each for int64 pairs; other widths DERIVED from that layout, not measured),
     per-tile digit counts, a 2,048 B digit histogram per 8-bit pass, plus cub's 255 B of alignment
     slack. Fitted to real H100 traces of 64-bit sorts (torch 2.11): 4,096 indices 83,455 B
     (llama1b-bf16) and 16,384 indices 283,135 B (t5-base) exactly, 147,456 indices 2,408,959 B
@@ -97,7 +98,7 @@ def cub_radix_sort_pairs(n: int, bits: int = 64) -> int:
     if n <= SINGLE_TILE_ITEMS:
         return 1  # one block sorts it in shared memory: cub asks for 1 B so the pointer is not null
     passes = max(1, -(-bits // 8))
-    return _up(16 * n + n // 4 + 256 + 2048 * passes, 256) + 255
+    return _up((key_bytes + value_bytes) * n + n // 4 + 256 + 2048 * passes, 256) + 255
 
 
 def cub_scan(n: int) -> int:
@@ -369,7 +370,11 @@ RULES: Dict[str, Callable[[Sequence[Any], Dict[str, Any], Any, Gpu], List[Step]]
 def run(emulator: Any, name: str, args: Sequence[Any], kwargs: Dict[str, Any], out: Any, index: Any) -> None:
     """Allocate and free on GPU `index` what op `name` (already run, its outputs `out` allocated) makes
     inside it, in the order its kernel does."""
-    steps = RULES[name](args, kwargs, out, emulator.gpu)
+    play(emulator, name, RULES[name](args, kwargs, out, emulator.gpu), index)
+
+
+def play(emulator: Any, name: str, steps: List[Step], index: Any) -> None:
+    """Allocate and free on GPU `index` the buffers `steps` lists, inside op `name`."""
     if not steps:
         return
     index = emulator.device(index).index

@@ -1,0 +1,256 @@
+"""Mixture-of-experts routing under emulation: the ops a router and its experts run whose meta kernels
+do not run them as CUDA does.
+
+`torch._grouped_mm` (torch.nn.functional.grouped_mm: Hugging Face's default experts implementation,
+torchtitan's MoE) runs CUTLASS's bf16 kernel only on sm90 and sm100 with bf16 operands; every other
+call (fp32 or fp16 experts, any dtype on an A100 or L4) takes `_grouped_mm_fallback`
+(native/GroupedMMUtils.h, torch 2.13): the output made as the fast path makes it, the offsets read to
+the host, then one cuBLAS `mm_out` per group into its rows. The meta kernel checks for the fast path's
+bf16 and refuses the rest, so the emulator makes the fallback's output itself: nothing else is
+allocated on the device (the offsets' copy is host memory), but the products run on cuBLAS, whose
+handle's workspace the first one makes.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, Optional, Sequence
+
+import torch
+
+from memdiff.recording.emulate.gpus import Gpu
+
+
+def grouped_mm_fallback(args: Sequence[Any], kwargs: Dict[str, Any], gpu: Gpu) -> bool:
+    """Whether `_grouped_mm_cuda` (cuda/GroupedBlas.cpp, torch 2.13) takes its fallback for this call:
+    its fast path needs an sm90 or sm100 GPU (_scaled_mm_allowed_device) and bf16 operands and output."""
+    a, b = args[0], args[1]
+    out_dtype = args[4] if len(args) > 4 else kwargs.get("out_dtype")
+    bf16 = a.dtype == b.dtype == torch.bfloat16 and out_dtype in (None, torch.bfloat16)
+    return not (bf16 and gpu.major in (9, 10))
+
+
+def grouped_mm_output(args: Sequence[Any], kwargs: Dict[str, Any]) -> torch.Tensor:
+    """The output of `_grouped_mm_fallback`, as create_grouped_gemm_output_tensor makes it
+    (native/GroupedMMUtils.h, torch 2.13): (offsets' groups x) rows x columns, the rows' stride
+    padded to 16 bytes for TMA, in mat_a's dtype; the checks of _grouped_mm_validate_inputs that
+    decide what runs (dtypes, dimensions, contraction, offsets' presence and dtype)."""
+    a, b = args[0], args[1]
+    offs: Optional[torch.Tensor] = args[2] if len(args) > 2 else kwargs.get("offs")
+    bias = args[3] if len(args) > 3 else kwargs.get("bias")
+    out_dtype = args[4] if len(args) > 4 else kwargs.get("out_dtype")
+    allowed = (torch.bfloat16, torch.float32, torch.float16)
+    torch._check(a.dtype in allowed, lambda: f"Expected mat_a to be Float32, BFloat16 or Float16 matrix, got {a.dtype}")
+    torch._check(b.dtype in allowed, lambda: f"Expected mat_b to be Float32, BFloat16 or Float16 matrix, got {b.dtype}")
+    torch._check(a.dim() in (2, 3) and b.dim() in (2, 3), lambda: "mat_a and mat_b have to be 2 or 3d")
+    a2, b2 = a.dim() == 2, b.dim() == 2
+    if not (a2 and b2):
+        torch._check(a.size(-1) == b.size(-2), lambda: "contraction dimension of mat_a and mat_b must match")
+    torch._check((offs is not None) == (a2 or b2),
+                 lambda: "Have to provide offsets if there is a 2d matrix, or no offset if both matrices are 3d")
+    if offs is not None:
+        torch._check(offs.dim() == 1 and offs.dtype == torch.int32, lambda: "Offsets have to be 1D int32")
+    torch._check(bias is None, lambda: "Bias not supported yet")
+    torch._check(out_dtype in (None, a.dtype), lambda: "Grouped gemm output dtype must match `mat_a` dtype")
+    if a2 and b2:
+        assert offs is not None
+        size = [int(offs.size(0)), int(a.size(0)), int(b.size(1))]
+    elif a2:
+        assert offs is not None
+        torch._check(offs.size(0) == b.size(0), lambda: "matrix batch sizes have to match")
+        size = [int(a.size(0)), int(b.size(-1))]
+    elif b2:
+        assert offs is not None
+        torch._check(offs.size(0) == a.size(0), lambda: "matrix batch sizes have to match")
+        size = [int(a.size(1)), int(b.size(1))]
+    else:
+        torch._check(a.size(0) == b.size(0), lambda: "batched dimension has to match")
+        size = [int(a.size(0)), int(a.size(1)), int(b.size(-1))]
+    alignment = 16 // a.element_size()
+    padded = -(-size[-1] // alignment) * alignment
+    stride = [padded, 1] if a2 != b2 else [size[1] * padded, padded, 1]
+    return torch.empty_strided(size, stride, dtype=a.dtype, device=a.device)
+
+
+# -- ops whose output size depends on values -------------------------------------------------------
+
+# Ops the meta device cannot run (no shapes without data) that a router or a sampler calls. Each is run
+# by `data_sized`: on the host copies where the inputs' values are known (values.py), else at the
+# size the GPU allocates whatever the values are, or refused where that size has no bound.
+DATA_SIZED = {"_unique2", "unique_consecutive", "unique_dim", "unique_dim_consecutive", "bincount"}
+
+
+class Sized:
+    """An op run by `data_sized`: its outputs (meta tensors), their host values where known, and the
+    buffers its CUDA kernel allocates beyond them (scratch.py's steps)."""
+
+    def __init__(self, out: Any, values: Optional[list], steps: list) -> None:
+        self.out = out
+        self.values = values
+        self.steps = steps
+
+
+def _shrunk(capacity: int, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+    """A meta tensor of `shape` over a storage of `capacity` elements: CUDA's unique allocates an
+    output for every input element, then `resize_`s it down to the count, which keeps the storage."""
+    t = torch.empty(capacity, dtype=dtype, device="meta")
+    return t.resize_(list(shape)) if list(shape) != [capacity] else t
+
+
+def unique(base: str, args: Sequence[Any], kwargs: Dict[str, Any], known: Optional[torch.Tensor],
+           func: Any) -> Sized:
+    """_unique2 and unique_consecutive without `dim` on CUDA: UniqueCub.cu (torch 2.13), all of whose
+    allocations are sized by the input, not by its values. Beyond the outputs: the sorted copy, for
+    the inverse the sort's arange and index output and the inclusive scan's int64 copy, cub's
+    temporary storage (radix sort, scan, unique or run-length encoding) and the 8 B count. The
+    output (and counts, when asked for) keeps a storage of every input element, `resize_`d down to
+    the distinct values' count; a bool input counts its true values instead (two-element outputs).
+    The count is the host values' where known, else every element (an upper bound: the memory is the
+    same, only the shape differs)."""
+    from memdiff.recording.emulate.scratch import cub_radix_sort_pairs, cub_scan
+
+    x = args[0]
+    names = ("sorted", "return_inverse", "return_counts") if base == "_unique2" else \
+        ("return_inverse", "return_counts", "dim")
+    call = dict(zip(names, args[1:]))
+    call.update(kwargs)
+    consecutive = base == "unique_consecutive"
+    inverse, counts = bool(call.get("return_inverse", False)), bool(call.get("return_counts", False))
+    if call.get("dim") is not None:
+        return unique_dim(x, int(call["dim"]), inverse, counts, known, consecutive)
+    n = x.numel()
+    values = list(func(known, *args[1:], **kwargs)) if known is not None else None
+    k = int(values[0].numel()) if values is not None else (min(n, 2) if x.dtype == torch.bool else n)
+    boolean = x.dtype == torch.bool and not consecutive and n > 0
+    capacity = 2 if boolean else n
+    out = _shrunk(capacity, [k], x.dtype)
+    inv = torch.empty(x.shape if inverse or n == 0 else (0,), dtype=torch.long, device="meta")
+    if boolean or counts:
+        cnt = _shrunk(capacity, [k], torch.long)
+    else:
+        cnt = torch.empty(0, dtype=torch.long, device="meta")
+    steps: list = []
+    if n == 0:
+        return Sized((out, inv, cnt), values, steps)
+    elem = x.element_size()
+    if boolean:
+        # the count of true values (DeviceArray<int>) and cub's reduce's temporary storage
+        steps += [("alloc", "num_true", 4, ()), ("alloc", "reduce_temp", cub_scan(n), ()),
+                  ("free", "reduce_temp"), ("free", "num_true")]
+        return Sized((out, inv, cnt), values, steps)
+    if not consecutive:
+        steps.append(("alloc", "sorted", n * elem, ("empty",)))
+        bits = elem * 8
+        if inverse:
+            steps += [("alloc", "range", n * 8, ("arange",)), ("alloc", "sorted_indices", n * 8, ("empty",)),
+                      ("alloc", "sort_temp", cub_radix_sort_pairs(n, bits, elem, 8), ()), ("free", "sort_temp"),
+                      ("free", "range")]
+        else:
+            steps += [("alloc", "sort_temp", cub_radix_sort_pairs(n, bits, elem, 0), ()), ("free", "sort_temp")]
+    if inverse:
+        loc = ("inv_loc", n * 4) if consecutive else ("inv_loc_out", n * 8)
+        steps += [("alloc", loc[0], loc[1], ("empty",)), ("alloc", "scan_temp", cub_scan(n), ()),
+                  ("free", "scan_temp"), ("free", loc[0])]
+    steps += [("alloc", "length", 8, ("empty",)), ("alloc", "unique_temp", cub_scan(n), ()),
+              ("free", "unique_temp"), ("free", "length")]
+    if not consecutive:
+        if inverse:
+            steps.append(("free", "sorted_indices"))
+        steps.append(("free", "sorted"))
+    return Sized((out, inv, cnt), values, steps)
+
+
+def unique_dim(x: torch.Tensor, dim: int, inverse: bool, counts: bool, known: Optional[torch.Tensor],
+               consecutive: bool) -> Sized:
+    """unique over a dimension (cuda/Unique.cu unique_dim_cuda_template, torch 2.13): the distinct
+    slices gathered by index_select, so the output is sized by their count (every slice where the
+    values are unknown); the inverse has one index per slice, the counts one per distinct slice.
+    Its thrust sort's buffers are not modelled."""
+    values = None
+    if known is not None:
+        run = torch.unique_consecutive if consecutive else torch.unique
+        values = list(run(known, return_inverse=True, return_counts=True, dim=dim))
+    dim %= max(1, x.dim())
+    k = int(values[0].shape[dim]) if values is not None else int(x.shape[dim])
+    shape = list(x.shape)
+    shape[dim] = k
+    out = torch.empty(shape, dtype=x.dtype, device="meta")
+    inv = torch.empty((int(x.shape[dim]),) if inverse else (0,), dtype=torch.long, device="meta")
+    cnt = torch.empty((k,) if counts else (0,), dtype=torch.long, device="meta")
+    if values is not None:
+        empty = torch.empty(0, dtype=torch.long)
+        values = [values[0], values[1] if inverse else empty, values[2] if counts else empty]
+    return Sized((out, inv, cnt), values, [])
+
+
+APPLY_THREADS = 512  # AT_APPLY_THREADS_PER_BLOCK (cuda/CUDAApplyUtils.cuh): getApplyGrid's elements per block
+MULTI_BLOCK_BINS = 100  # cuda/SummaryOps.cu THRESH_NUMBER_BINS_FOR_MULTI_BLOCK_MEM
+GLOBAL_BINS = 1000  # cuda/SummaryOps.cu THRESH_NUMBER_BINS_FOR_GLOBAL_MEM
+
+
+def histogram_partial(n: int, nbins: int, out_elem: int) -> int:
+    """Bytes of CUDA_tensor_histogram's per-block partial histograms (cuda/SummaryOps.cu, torch 2.13):
+    from 100 bins (past what shared memory takes) and under 1,000 (where it adds into the output
+    directly) each block of 512 elements keeps its own copy of the bins, zeroed: grid x nbins."""
+    if n == 0 or not MULTI_BLOCK_BINS <= nbins < GLOBAL_BINS:
+        return 0
+    return -(-n // APPLY_THREADS) * nbins * out_elem
+
+
+def bincount(args: Sequence[Any], kwargs: Dict[str, Any], known: Optional[torch.Tensor],
+             known_weights: Optional[torch.Tensor], say: Any) -> Sized:
+    """bincount on CUDA (cuda/SummaryOps.cu _bincount_cuda_template, torch 2.13): the input's min and
+    max read to the host (one-element reductions), nbins = max(max + 1, minlength) zeroed counts
+    (int64, or the weights' float/double), the histogram kernel's partial copies. Where the input's
+    values are unknown, nbins is `minlength` (a router's count of experts, whose ids lie below it),
+    said once; without minlength there is no size to give, and the emulator refuses the call."""
+    x = args[0]
+    weights = args[1] if len(args) > 1 else kwargs.get("weights")
+    minlength = int(args[2]) if len(args) > 2 else int(kwargs.get("minlength", 0))
+    dtype = torch.long if weights is None else \
+        (weights.dtype if weights.dtype == torch.float32 else torch.float64)
+    values = None
+    if x.numel() == 0:
+        nbins = minlength
+    elif known is not None:
+        nbins = max(int(known.max()) + 1, minlength)
+        if weights is None or known_weights is not None:
+            values = [torch.bincount(known, known_weights, minlength)]
+    elif minlength > 0:
+        nbins = minlength
+        say(f"bincount of values the emulator does not have: sized by its minlength ({minlength} bins), the "
+            f"size a GPU gives when every value is below it")
+    else:
+        raise ValueError("bincount of values the emulator does not have (computed on the device) and no "
+                         "minlength: its size is the largest value + 1; pass minlength (the number of bins "
+                         "the values lie below)")
+    out = torch.empty(nbins, dtype=dtype, device="meta")
+    steps: list = []
+    if x.numel():
+        elem = x.element_size()
+        if x.dtype != torch.uint8:
+            steps += [("alloc", "min", elem, ("min",)), ("free", "min")]
+        steps += [("alloc", "max", elem, ("max",)), ("free", "max")]
+        partial = histogram_partial(x.numel(), nbins, out.element_size())
+        if partial:
+            steps += [("alloc", "partial_output", partial, ("zeros",)), ("free", "partial_output")]
+    return Sized(out, values, steps)
+
+
+def histc_steps(args: Sequence[Any], kwargs: Dict[str, Any]) -> list:
+    """histc on CUDA (cuda/SummaryOps.cu _histc_cuda_template, torch 2.13): the input's min and max
+    read to the host when min == max (the range taken from the data), and the histogram kernel's
+    partial copies (histogram_partial); the output is the meta kernel's."""
+    x = args[0]
+    bins = int(args[1]) if len(args) > 1 else int(kwargs.get("bins", 100))
+    low = args[2] if len(args) > 2 else kwargs.get("min", 0)
+    high = args[3] if len(args) > 3 else kwargs.get("max", 0)
+    steps: list = []
+    if x.numel() == 0:
+        return steps
+    if float(low) == float(high):
+        steps += [("alloc", "min", x.element_size(), ("min",)), ("free", "min"),
+                  ("alloc", "max", x.element_size(), ("max",)), ("free", "max")]
+    partial = histogram_partial(x.numel(), bins, x.element_size())
+    if partial:
+        steps += [("alloc", "partial_output", partial, ("zeros",)), ("free", "partial_output")]
+    return steps
