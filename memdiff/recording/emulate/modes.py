@@ -456,8 +456,8 @@ class AllocMode(TorchDispatchMode):
             scratch.run(emulator, base, args, kwargs, out, index)
         if pending:
             scratch.play(emulator, base, pending, index)
-        elif base == "histc" and _is_meta(first):
-            scratch.play(emulator, base, routing.histc_steps(args, kwargs), index)
+        elif base in routing.RULES and _is_meta(first):  # sort's and histc's own buffers
+            scratch.play(emulator, base, routing.RULES[base](args, kwargs, out, emulator.gpu), index)
         return out
 
     def read_back(self, base: str, first: torch.Tensor, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:

@@ -254,3 +254,144 @@ def histc_steps(args: Sequence[Any], kwargs: Dict[str, Any]) -> list:
     if partial:
         steps += [("alloc", "partial_output", partial, ("zeros",)), ("free", "partial_output")]
     return steps
+
+
+# -- sort ------------------------------------------------------------------------------------------
+
+SMALL_SORT = 4096  # cuda/Sort.h should_use_small_sort: slices up to this long sort in place (bitonic)
+LARGE_SEGMENT = 1_000_000  # cuda/SortStable.cu: one cub sort per slice from this length
+FULL_SORT_SEGMENTS = 128  # cuda/SortStable.cu: fewer slices sort as one by value, then by slice
+
+
+def _sort_dim(x: Any, args: Sequence[Any], kwargs: Dict[str, Any]) -> int:
+    """The dimension sort runs over: sort(self, dim, descending) or sort.stable(self, *, stable, dim, ...)."""
+    dim = kwargs.get("dim")
+    if dim is None and len(args) > 1 and isinstance(args[1], int) and not isinstance(args[1], bool):
+        dim = args[1]
+    return int(dim if dim is not None else -1) % max(1, x.dim())
+
+
+def sort_plan(x: Any, dim: int) -> list:
+    """What sort allocates on CUDA beyond its values and indices (cuda/Sort.cpp sort_cuda_kernel and
+    cuda/SortStable.cu, torch 2.13), for a slice of nsort elements along `dim`:
+    up to 4,096, fillSliceWithIndex's `arange(nsort)` (int64), then an in-place sort;
+    beyond, a copy of the input with `dim` innermost and temporary values and indices when `dim` is not
+    innermost, then by the number of slices: one (or slices of a million) cub radix sort per slice
+    over a shared `arange` of its indices; fewer than 128 one global sort of (slice, index) int2 pairs
+    (two numel x 8 B buffers, the sort's own key output, its temporary storage) and a sort of those by
+    slice over ceil(log2(slices)) bits; more, a reverse index per element and cub's segmented sort,
+    whose temporary storage is not modelled. cub's radix sort temporary storage is
+    scratch.cub_radix_sort_pairs (an ESTIMATE fitted to 64-bit sorts, DERIVED for other widths)."""
+    from memdiff.recording.emulate.scratch import cub_radix_sort_pairs
+
+    n = x.numel()
+    nsort = int(x.shape[dim]) if x.dim() else 1
+    if n == 0 or nsort <= 1 and x.dim() == 0:
+        return []
+    if nsort <= SMALL_SORT:
+        return [("alloc", "range", nsort * 8, ("arange",)), ("free", "range")]
+    elem = x.element_size()
+    steps: list = []
+    innermost = all(int(s) == 1 for s in x.shape[dim + 1:])
+    if not (innermost and x.is_contiguous()):
+        steps.append(("alloc", "self", n * elem, ("empty_strided",)))
+    if not innermost:
+        steps += [("alloc", "values_tmp", n * elem, ("empty_strided",)),
+                  ("alloc", "indices_tmp", n * 8, ("empty_strided",))]
+    segments = n // nsort
+    if segments == 1 or nsort >= LARGE_SEGMENT:
+        steps.append(("alloc", "indices", nsort * 8, ()))
+        for _ in range(segments):
+            steps += [("alloc", "sort_temp", cub_radix_sort_pairs(nsort, elem * 8, elem, 8), ()),
+                      ("free", "sort_temp")]
+        steps.append(("free", "indices"))
+    elif segments < FULL_SORT_SEGMENTS:
+        bits = max(1, (segments - 1).bit_length())
+        steps += [("alloc", "indices_and_segment", n * 8, ()), ("alloc", "indices_and_segment2", n * 8, ()),
+                  ("alloc", "keys_out", n * elem, ()),
+                  ("alloc", "sort_temp", cub_radix_sort_pairs(n, elem * 8, elem, 8), ()),
+                  ("free", "sort_temp"), ("free", "keys_out"),
+                  ("alloc", "segment_sort_temp", cub_radix_sort_pairs(n, bits, 8, 0), ()),
+                  ("free", "segment_sort_temp"), ("free", "indices_and_segment2"), ("free", "indices_and_segment")]
+    else:
+        steps += [("alloc", "reverse_indices", n * 8, ()), ("free", "reverse_indices")]
+    for label in ("indices_tmp", "values_tmp", "self"):
+        if any(s[0] == "alloc" and s[1] == label for s in steps):
+            steps.append(("free", label))
+    return steps
+
+
+def sort(args: Sequence[Any], kwargs: Dict[str, Any], out: Any, gpu: Gpu) -> list:
+    """sort and argsort (aten::sort, both overloads): sort_plan."""
+    x = args[0]
+    return sort_plan(x, _sort_dim(x, args, kwargs))
+
+
+def histc(args: Sequence[Any], kwargs: Dict[str, Any], out: Any, gpu: Gpu) -> list:
+    """histc: histc_steps."""
+    return histc_steps(args, kwargs)
+
+
+def cumsum(args: Sequence[Any], kwargs: Dict[str, Any], out: Any, gpu: Gpu) -> list:
+    """cumsum on CUDA (native/ReduceOps.cpp impl_func_cum_ops, cuda/ScanUtils.cuh scan_dim, torch
+    2.13): the input converted to the output's dtype first (`self.to(result.scalar_type())`: an int
+    count summed as int64, or into a `dtype=` asked for), then, where the scan runs over every element
+    (a 1-D tensor: a router's per-expert counts into offsets), cub's inclusive scan with its
+    temporary storage (scratch.cub_scan, an ESTIMATE); other dimensions scan in blocks, in place."""
+    from memdiff.recording.emulate.scratch import cub_scan
+
+    x = args[0]
+    dim = int(args[1]) if len(args) > 1 else int(kwargs.get("dim", 0))
+    n = x.numel()
+    if x.dim() == 0 or n == 0 or not isinstance(out, torch.Tensor):
+        return []
+    steps: list = []
+    if out.dtype != x.dtype:
+        steps.append(("alloc", "converted", n * out.element_size(), ("_to_copy", "to")))
+    if n == int(x.shape[dim % x.dim()]):
+        steps += [("alloc", "scan_temp", cub_scan(n), ()), ("free", "scan_temp")]
+    if out.dtype != x.dtype:
+        steps.append(("free", "converted"))
+    return steps
+
+
+def nonzero(args: Sequence[Any], kwargs: Dict[str, Any], out: Any, gpu: Gpu) -> list:
+    """nonzero on CUDA (cuda/Nonzero.cu nonzero_cuda_out_impl, torch 2.13), one chunk (under 2**31
+    elements): a contiguous copy of a strided input, the device's count (an int per chunk), cub's
+    reduce and select-flagged temporary storage (scratch.cub_scan, an ESTIMATE for both), freed before
+    the op returns."""
+    from memdiff.recording.emulate.scratch import cub_scan
+
+    x = args[0]
+    n = x.numel()
+    steps: list = []
+    if not x.is_contiguous():
+        steps.append(("alloc", "self", n * x.element_size(), ("clone", "contiguous")))
+    steps += [("alloc", "num_nonzeros", 4, ()), ("alloc", "reduce_temp", cub_scan(n), ()), ("free", "reduce_temp")]
+    if x.dim() > 0:
+        steps += [("alloc", "select_temp", cub_scan(n), ()), ("free", "select_temp")]
+    steps.append(("free", "num_nonzeros"))
+    if not x.is_contiguous():
+        steps.append(("free", "self"))
+    return steps
+
+
+def multinomial(args: Sequence[Any], kwargs: Dict[str, Any], out: Any, gpu: Gpu) -> list:
+    """multinomial drawing one sample, or without replacement (native/Distributions.cpp multinomial_out,
+    torch 2.13: the Gumbel route, on CUDA as on the CPU): `q = empty_like(self).exponential_()`,
+    `self / q` into q, then argmax into the output, or for several samples topk into the output and
+    `vals`, a tensor of the output's shape in the probabilities' dtype. With replacement and several
+    samples CUDA runs its own kernel (cuda/MultinomialKernel.cu), not modelled."""
+    x = args[0]
+    samples = int(args[1]) if len(args) > 1 else int(kwargs.get("num_samples", 1))
+    replacement = bool(args[2]) if len(args) > 2 else bool(kwargs.get("replacement", False))
+    if replacement and samples > 1 or x.numel() == 0:
+        return []
+    steps: list = [("alloc", "q", x.numel() * x.element_size(), ("empty_like",))]
+    if samples > 1 and isinstance(out, torch.Tensor):
+        steps += [("alloc", "vals", out.numel() * x.element_size(), ("empty",)), ("free", "vals")]
+    steps.append(("free", "q"))
+    return steps
+
+
+RULES = {"sort": sort, "histc": histc, "cumsum": cumsum, "nonzero": nonzero, "multinomial": multinomial}
