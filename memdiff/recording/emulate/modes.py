@@ -455,9 +455,9 @@ class AllocMode(TorchDispatchMode):
         if base in scratch.RULES and first_meta(args) is not None:  # other kernels' own buffers
             scratch.run(emulator, base, args, kwargs, out, index)
         if pending:
-            scratch.play(emulator, base, pending, index)
-        elif base in routing.RULES and _is_meta(first):  # sort's and histc's own buffers
-            scratch.play(emulator, base, routing.RULES[base](args, kwargs, out, emulator.gpu), index)
+            scratch.play(emulator, name, pending, index)
+        elif base in routing.RULES and _is_meta(first):  # sort's, cumsum's, nonzero's... own buffers
+            scratch.play(emulator, name, routing.RULES[base](args, kwargs, out, emulator.gpu), index)
         return out
 
     def read_back(self, base: str, first: torch.Tensor, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
