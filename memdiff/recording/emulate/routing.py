@@ -17,7 +17,7 @@ from typing import Any, Dict, Optional, Sequence
 
 import torch
 
-from memdiff.recording.emulate.gpus import Gpu
+from memdiff.recording.emulate.gpus import Gpu, kernels
 
 
 def grouped_mm_fallback(args: Sequence[Any], kwargs: Dict[str, Any], gpu: Gpu) -> bool:
@@ -182,9 +182,10 @@ def unique_dim(x: torch.Tensor, dim: int, inverse: bool, counts: bool, known: Op
     return Sized((out, inv, cnt), values, [])
 
 
-APPLY_THREADS = 512  # AT_APPLY_THREADS_PER_BLOCK (cuda/CUDAApplyUtils.cuh): getApplyGrid's elements per block
-MULTI_BLOCK_BINS = 100  # cuda/SummaryOps.cu THRESH_NUMBER_BINS_FOR_MULTI_BLOCK_MEM
-GLOBAL_BINS = 1000  # cuda/SummaryOps.cu THRESH_NUMBER_BINS_FOR_GLOBAL_MEM
+_TABLE = kernels()["routing"]  # the thresholds, with their sources
+APPLY_THREADS = int(_TABLE["apply_threads"])
+MULTI_BLOCK_BINS = int(_TABLE["multi_block_bins"])
+GLOBAL_BINS = int(_TABLE["global_bins"])
 
 
 def histogram_partial(n: int, nbins: int, out_elem: int) -> int:
@@ -225,6 +226,9 @@ def bincount(args: Sequence[Any], kwargs: Dict[str, Any], known: Optional[torch.
                          "the values lie below)")
     out = torch.empty(nbins, dtype=dtype, device="meta")
     steps: list = []
+    doubled = weights is not None and weights.dtype != torch.float32 and x.numel() > 0
+    if doubled:  # _bincount_cuda: weights of any other dtype are summed as `weights.to(kDouble)`
+        steps.append(("alloc", "weights_double", weights.numel() * 8, ("_to_copy", "to")))
     if x.numel():
         elem = x.element_size()
         if x.dtype != torch.uint8:
@@ -233,6 +237,8 @@ def bincount(args: Sequence[Any], kwargs: Dict[str, Any], known: Optional[torch.
         partial = histogram_partial(x.numel(), nbins, out.element_size())
         if partial:
             steps += [("alloc", "partial_output", partial, ("zeros",)), ("free", "partial_output")]
+    if doubled:
+        steps.append(("free", "weights_double"))
     return Sized(out, values, steps)
 
 
@@ -258,9 +264,9 @@ def histc_steps(args: Sequence[Any], kwargs: Dict[str, Any]) -> list:
 
 # -- sort ------------------------------------------------------------------------------------------
 
-SMALL_SORT = 4096  # cuda/Sort.h should_use_small_sort: slices up to this long sort in place (bitonic)
-LARGE_SEGMENT = 1_000_000  # cuda/SortStable.cu: one cub sort per slice from this length
-FULL_SORT_SEGMENTS = 128  # cuda/SortStable.cu: fewer slices sort as one by value, then by slice
+SMALL_SORT = int(_TABLE["small_sort"])  # slices up to this long sort in place
+LARGE_SEGMENT = int(_TABLE["large_segment"])  # one cub sort per slice from this length
+FULL_SORT_SEGMENTS = int(_TABLE["full_sort_segments"])  # fewer slices sort as one by value, then by slice
 
 
 def _sort_dim(x: Any, args: Sequence[Any], kwargs: Dict[str, Any]) -> int:

@@ -23,11 +23,20 @@ the emulated windows hold the same blocks in these ops):
   (sortKeyValueInplace) when k is small;
 - index_put_ with accumulate=True (the backward of `x[idx]`), modelled below: checked against
   cs336-medium-ctx128-train's real H100 trace (512 ids into a 10,000-row table).
-Not modelled, as no window has them to hold the sizes to: cub's temporary storage in cumsum past a
-block's length (cuda/ScanUtils.cuh), sort (cuda/Sort.cpp), topk's multi-block path (a top-k sampler
+A router's and a sampler's kernels are modelled in routing.py from their sources, with no real
+window to hold them to (derived, not measured): sort's arange, copies and cub sorts (cuda/Sort.cpp,
+SortStable.cu), cumsum's dtype conversion and cub scan (cuda/ScanUtils.cuh), nonzero's count and cub
+buffers (cuda/Nonzero.cu), unique's sorted copy, sort, scan and run-length encoding (cuda/UniqueCub.cu),
+bincount's and histc's min/max and per-block histograms (cuda/SummaryOps.cu), multinomial's Gumbel
+buffer (native/Distributions.cpp), grouped_mm's fallback output (native/GroupedMMUtils.h).
+Not modelled, as no window has them to hold the sizes to: topk's multi-block path (a top-k sampler
 over a vocabulary: kthValues, ks_to_find, desired, per-block digit counts and two cub scans by key,
-sized from the SM count), index_put_ by boolean masks, embedding_dense_backward with
-scale_grad_by_freq's count scan. torch.nn.RMSNorm and F.rms_norm: a CUDA build runs
+sized from the SM count) and the sort topk runs past 4,096 results, cub's segmented sort's temporary
+storage (sort over 128 or more slices longer than 4,096), multinomial with replacement and several
+samples (cuda/MultinomialKernel.cu), the CUTLASS bf16 grouped_mm's workspace on sm90, index_put_ by
+boolean masks, embedding_dense_backward with scale_grad_by_freq's count scan. index_add_, scatter_add_
+and scatter_reduce_ (a router's combine) were not audited against cuda/Indexing.cu and
+ScatterGatherKernel.cu. torch.nn.RMSNorm and F.rms_norm: a CUDA build runs
 `_fused_rms_norm`'s CUDA kernel under its autograd formula (the output and an fp32 rstd, input and
 rstd saved), where the meta device takes its CompositeImplicitAutograd decomposition (pow, mean,
 rsqrt, mul: more activations than the GPU's); torch refuses a Meta kernel for an op with such a
