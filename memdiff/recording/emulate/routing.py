@@ -228,7 +228,7 @@ def bincount(args: Sequence[Any], kwargs: Dict[str, Any], known: Optional[torch.
     steps: list = []
     doubled = weights is not None and weights.dtype != torch.float32 and x.numel() > 0
     if doubled:  # _bincount_cuda: weights of any other dtype are summed as `weights.to(kDouble)`
-        steps.append(("alloc", "weights_double", weights.numel() * 8, ("_to_copy", "to")))
+        steps.append(("alloc", "weights_double", x.numel() * 8, ("_to_copy", "to")))
     if x.numel():
         elem = x.element_size()
         if x.dtype != torch.uint8:
