@@ -191,3 +191,22 @@ def test_bincount_of_unknown_values_without_minlength_is_refused_in_one_line(tmp
     last = done.stderr.strip().splitlines()[-1]
     assert last.startswith("memdiff: aten::bincount: ") and "pass minlength" in last and "script.py:4" in last
     assert "Traceback" not in done.stderr
+
+
+REPEAT = """
+import torch
+counts = torch.tensor([1, 0, 3], device="cuda")  # known: made from host data
+print(torch.repeat_interleave(counts).tolist(), torch.repeat_interleave(torch.arange(3, device="cuda"), counts).shape)
+drawn = torch.randn(5, device="cuda").argmax().reshape(1).repeat(3)  # computed on the device: no values
+print(torch.repeat_interleave(torch.arange(3, device="cuda"), drawn, output_size=7).shape)
+torch.repeat_interleave(drawn)
+"""
+
+
+def test_repeat_interleave_by_counts_is_sized_by_known_counts_and_refused_without(tmp_path):
+    done = _record(tmp_path, REPEAT)
+    assert done.stdout.splitlines()[:2] == ["[0, 2, 2, 2] torch.Size([4])", "torch.Size([7])"]
+    assert done.returncode == 2
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("memdiff: aten::repeat_interleave: ") and "pass output_size" in last
+    assert "script.py:7" in last and "Traceback" not in done.stderr

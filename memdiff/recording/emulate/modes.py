@@ -410,7 +410,7 @@ class AllocMode(TorchDispatchMode):
         try:
             if base in ALL_ELEMENTS_OPS and _is_meta(first):
                 out = self.sized_by_values(func, base, args, kwargs)
-            elif base in routing.DATA_SIZED and _is_meta(first):
+            elif base in routing.DATA_SIZED and _is_meta(first) and kwargs.get("output_size") is None:
                 out, pending = self.data_sized(func, base, args, kwargs)
             elif base == "_grouped_mm" and _is_meta(first) \
                     and routing.grouped_mm_fallback(args, kwargs, self.emulator.gpu):
@@ -489,17 +489,19 @@ class AllocMode(TorchDispatchMode):
         return torch.empty((int(first.numel()), first.dim()), dtype=torch.long, device=META)
 
     def data_sized(self, func: Any, base: str, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Tuple[Any, list]:
-        """unique and bincount, which have no meta kernel (routing.py): the outputs, with their values
-        where the input's are known, and the buffers their kernels allocate."""
+        """unique, bincount and repeat_interleave by counts, which have no meta kernel (routing.py): the
+        outputs, with their values where the input's are known, and the buffers their kernels allocate."""
         known = self.values.of(args[0])
-        if base == "bincount":
-            weights = args[1] if len(args) > 1 else kwargs.get("weights")
-            try:
+        try:
+            if base == "bincount":
+                weights = args[1] if len(args) > 1 else kwargs.get("weights")
                 sized = routing.bincount(args, kwargs, known, self.values.of(weights), self.emulator.note)
-            except ValueError as exc:
-                raise EmulationError("aten::bincount", f"{exc}{_script_line()}") from None
-        else:
-            sized = routing.unique(base, args, kwargs, known, func)
+            elif base == "repeat_interleave":
+                sized = routing.repeat_interleave(args, kwargs, known)
+            else:
+                sized = routing.unique(base, args, kwargs, known, func)
+        except ValueError as exc:  # a size with no bound without the values
+            raise EmulationError(f"aten::{base}", f"{exc}{_script_line()}") from None
         if sized.values is not None:
             for t, value in zip(tree_leaves(sized.out), sized.values):
                 if t.shape == value.shape:

@@ -76,7 +76,8 @@ def grouped_mm_output(args: Sequence[Any], kwargs: Dict[str, Any]) -> torch.Tens
 # Ops the meta device cannot run (no shapes without data) that a router or a sampler calls. Each is run
 # by `data_sized`: on the host copies where the inputs' values are known (values.py), else at the
 # size the GPU allocates whatever the values are, or refused where that size has no bound.
-DATA_SIZED = {"_unique2", "unique_consecutive", "unique_dim", "unique_dim_consecutive", "bincount"}
+DATA_SIZED = {"_unique2", "unique_consecutive", "unique_dim", "unique_dim_consecutive", "bincount",
+              "repeat_interleave"}
 
 
 class Sized:
@@ -401,3 +402,16 @@ def multinomial(args: Sequence[Any], kwargs: Dict[str, Any], out: Any, gpu: Gpu)
 
 
 RULES = {"sort": sort, "histc": histc, "cumsum": cumsum, "nonzero": nonzero, "multinomial": multinomial}
+
+
+def repeat_interleave(args: Sequence[Any], kwargs: Dict[str, Any], known: Optional[torch.Tensor]) -> Sized:
+    """repeat_interleave(repeats) without output_size (each index repeated its count of times, the
+    form torch.repeat_interleave(x, counts) reaches): the output has sum(repeats) elements, computed
+    from the counts' values where they are known. Counts made on the device have no values and no
+    bound, so the emulator refuses the call and asks for output_size, which the meta kernel takes."""
+    if known is None:
+        raise ValueError("repeat_interleave of counts the emulator does not have (computed on the device) and no "
+                         "output_size: its size is their sum; pass output_size")
+    value = torch.repeat_interleave(known)
+    return Sized(torch.empty(value.shape, dtype=value.dtype, device="meta"), [value], [])
+
