@@ -210,3 +210,32 @@ def test_repeat_interleave_by_counts_is_sized_by_known_counts_and_refused_withou
     last = done.stderr.strip().splitlines()[-1]
     assert last.startswith("memdiff: aten::repeat_interleave: ") and "pass output_size" in last
     assert "script.py:7" in last and "Traceback" not in done.stderr
+
+
+TOP_P = """
+import sys
+import torch
+torch.cuda.memory._record_memory_history()
+scores = torch.randn(2, 8192, device="cuda")
+ranked, order = torch.sort(scores, descending=True)   # top-p's sort over the vocabulary, per row
+torch.cuda.memory._dump_snapshot(sys.argv[1])
+"""
+
+
+def test_a_top_p_sort_over_a_vocabulary_sorts_the_rows_as_one(tmp_path):
+    # 2 slices of 8,192 (cuda/SortStable.cu, under 128 slices): the values and indices, then
+    # (slice, index) int2 pairs twice (2 x 8,192 x 8 B), the sort's own fp32 key output, cub's pair sort,
+    # and cub's sort of the pairs by slice; all freed before the op returns
+    done = _record(tmp_path, TOP_P, str(tmp_path / "own.pickle"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    trace = _trace(tmp_path / "own.pickle")
+    n = 2 * 8192
+    sizes = _inside(trace, "sort")
+    assert sizes[:5] == [n * 4, n * 8, n * 8, n * 8, n * 4]
+    assert len(sizes) == 7
+    allocs = [k for k, e in enumerate(trace) if e["action"] == "alloc"
+              and any("at::_ops::sort::" in frame["name"] for frame in e["frames"])]
+    for k in allocs[2:]:  # each of the kernel's own buffers is freed after it is made
+        assert any(e["action"] == "free_requested" and e["addr"] == trace[k]["addr"] for e in trace[k + 1:])
+    assert not any(e["action"] == "free_requested" and e["addr"] == trace[k]["addr"]
+                   for k in allocs[:2] for e in trace[k + 1:])  # the values and indices stay

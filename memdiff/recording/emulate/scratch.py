@@ -34,9 +34,11 @@ over a vocabulary: kthValues, ks_to_find, desired, per-block digit counts and tw
 sized from the SM count) and the sort topk runs past 4,096 results, cub's segmented sort's temporary
 storage (sort over 128 or more slices longer than 4,096), multinomial with replacement and several
 samples (cuda/MultinomialKernel.cu), the CUTLASS bf16 grouped_mm's workspace on sm90, index_put_ by
-boolean masks, embedding_dense_backward with scale_grad_by_freq's count scan. index_add_, scatter_add_
-and scatter_reduce_ (a router's combine) were not audited against cuda/Indexing.cu and
-ScatterGatherKernel.cu. torch.nn.RMSNorm and F.rms_norm: a CUDA build runs
+boolean masks, embedding_dense_backward with scale_grad_by_freq's count scan. index_add_ (a router's
+combine) allocates nothing beyond its output (cuda/Indexing.cu index_add_cuda_impl: indexFunc kernels,
+or scatter_add_ over an expanded view of the index); under deterministic algorithms it runs index_put_
+with accumulate over `source * alpha`, not modelled. scatter_add_ and scatter_reduce_ were not audited
+against cuda/ScatterGatherKernel.cu. torch.nn.RMSNorm and F.rms_norm: a CUDA build runs
 `_fused_rms_norm`'s CUDA kernel under its autograd formula (the output and an fp32 rstd, input and
 rstd saved), where the meta device takes its CompositeImplicitAutograd decomposition (pow, mean,
 rsqrt, mul: more activations than the GPU's); torch refuses a Meta kernel for an op with such a
