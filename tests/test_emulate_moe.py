@@ -239,3 +239,26 @@ def test_a_top_p_sort_over_a_vocabulary_sorts_the_rows_as_one(tmp_path):
         assert any(e["action"] == "free_requested" and e["addr"] == trace[k]["addr"] for e in trace[k + 1:])
     assert not any(e["action"] == "free_requested" and e["addr"] == trace[k]["addr"]
                    for k in allocs[:2] for e in trace[k + 1:])  # the values and indices stay
+
+
+EXPERT_CHOICE = """
+import sys
+import torch
+torch.cuda.memory._record_memory_history()
+affinity = torch.randn(4, 32768, device="cuda")        # 4 experts x 32,768 tokens
+weights, chosen = affinity.topk(8192, dim=-1)          # each expert picks its capacity of tokens
+torch.cuda.memory._dump_snapshot(sys.argv[1])
+"""
+
+
+def test_an_expert_choice_topk_sorts_its_results_past_4096(tmp_path):
+    # cuda/TensorTopK.cpp: 8,192 results per row are more than sort's in-place 4,096, so topk sorts them
+    # out of place: sortedIndices and sortedValues like the results, the sort's buffers (4 slices of
+    # 8,192: SortStable.cu's pair sort), then the gathered indices
+    done = _record(tmp_path, EXPERT_CHOICE, str(tmp_path / "own.pickle"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    n = 4 * 8192
+    sizes = _inside(_trace(tmp_path / "own.pickle"), "topk")
+    assert sizes[:4] == [n * 4, n * 8, n * 8, n * 4]  # values, indices, sortedIndices, sortedValues
+    assert sizes[4:7] == [n * 8, n * 8, n * 4]  # the (slice, index) pairs twice, the sort's key output
+    assert sizes[-1] == n * 8 and len(sizes) == 10  # the gather, after the two cub sorts

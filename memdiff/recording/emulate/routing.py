@@ -401,7 +401,30 @@ def multinomial(args: Sequence[Any], kwargs: Dict[str, Any], out: Any, gpu: Gpu)
     return steps
 
 
-RULES = {"sort": sort, "histc": histc, "cumsum": cumsum, "nonzero": nonzero, "multinomial": multinomial}
+def topk(args: Sequence[Any], kwargs: Dict[str, Any], out: Any, gpu: Gpu) -> list:
+    """topk's sort of its results past 4,096 of them (cuda/TensorTopK.cpp topk_out_cuda, torch 2.13;
+    an expert-choice router's capacity): `sortedIndices` and `sortedValues` like the results, the
+    sort's own buffers (sort_plan), then `indices.gather(dim, sortedIndices)` copied back, freed before
+    the op returns. Up to 4,096 results sort in place. The selection kernels' own buffers (the
+    multi-block radix select) are not modelled."""
+    x = args[0]
+    k = int(args[1]) if len(args) > 1 else int(kwargs.get("k", 1))
+    dim = (int(args[2]) if len(args) > 2 else int(kwargs.get("dim", -1))) % max(1, x.dim())
+    ordered = bool(args[4]) if len(args) > 4 else bool(kwargs.get("sorted", True))
+    if not isinstance(out, (tuple, list)) or not ordered or k <= SMALL_SORT:
+        return []
+    values, indices = out[0], out[1]
+    if values.numel() <= 1:
+        return []
+    steps: list = [("alloc", "sortedIndices", indices.numel() * 8, ("empty_like",)),
+                   ("alloc", "sortedValues", values.numel() * values.element_size(), ("empty_like",))]
+    steps += sort_plan(values, dim)
+    steps += [("alloc", "gathered", indices.numel() * 8, ("gather",)), ("free", "gathered"),
+              ("free", "sortedValues"), ("free", "sortedIndices")]
+    return steps
+
+
+RULES = {"sort": sort, "topk": topk, "histc": histc, "cumsum": cumsum, "nonzero": nonzero, "multinomial": multinomial}
 
 
 def repeat_interleave(args: Sequence[Any], kwargs: Dict[str, Any], known: Optional[torch.Tensor]) -> Sized:

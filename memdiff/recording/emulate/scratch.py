@@ -28,10 +28,11 @@ window to hold them to (derived, not measured): sort's arange, copies and cub so
 SortStable.cu), cumsum's dtype conversion and cub scan (cuda/ScanUtils.cuh), nonzero's count and cub
 buffers (cuda/Nonzero.cu), unique's sorted copy, sort, scan and run-length encoding (cuda/UniqueCub.cu),
 bincount's and histc's min/max and per-block histograms (cuda/SummaryOps.cu), multinomial's Gumbel
-buffer (native/Distributions.cpp), grouped_mm's fallback output (native/GroupedMMUtils.h).
+buffer (native/Distributions.cpp), grouped_mm's fallback output (native/GroupedMMUtils.h), topk's
+out-of-place sort of more than 4,096 results (cuda/TensorTopK.cpp).
 Not modelled, as no window has them to hold the sizes to: topk's multi-block path (a top-k sampler
 over a vocabulary: kthValues, ks_to_find, desired, per-block digit counts and two cub scans by key,
-sized from the SM count) and the sort topk runs past 4,096 results, cub's segmented sort's temporary
+sized from the SM count), cub's segmented sort's temporary
 storage (sort over 128 or more slices longer than 4,096), multinomial with replacement and several
 samples (cuda/MultinomialKernel.cu), the CUTLASS bf16 grouped_mm's workspace on sm90, index_put_ by
 boolean masks, embedding_dense_backward with scale_grad_by_freq's count scan. index_add_ (a router's
