@@ -22,12 +22,13 @@ from memdiff.recording.emulate import (
     reductions,
     rmsnorm,
     rnn,
+    routing,
     scratch,
     sdpa,
 )
 from memdiff.recording.emulate.devices import cuda_index, first_meta
 from memdiff.recording.emulate.escapes import op_refusal
-from memdiff.recording.emulate.runtime import ALL_ELEMENTS_OPS, Emulator, op_name, python_frames
+from memdiff.recording.emulate.runtime import ALL_ELEMENTS_OPS, EmulationError, Emulator, op_name, python_frames
 from memdiff.recording.emulate.values import Values
 
 META = torch.device("meta")
@@ -406,9 +407,16 @@ class AllocMode(TorchDispatchMode):
             done = convolution(self.emulator, func, args, kwargs, self)
             if done is not None:
                 return done
+        pending: List[Any] = []  # a data-sized op's kernel buffers (routing.py)
         try:
             if base in ALL_ELEMENTS_OPS and _is_meta(first):
                 out = self.sized_by_values(func, base, args, kwargs)
+            elif base in routing.DATA_SIZED and _is_meta(first) and kwargs.get("output_size") is None:
+                out, pending = self.data_sized(func, base, args, kwargs)
+            elif base == "_grouped_mm" and _is_meta(first) \
+                    and routing.grouped_mm_fallback(args, kwargs, self.emulator.gpu):
+                out = routing.grouped_mm_output(args, kwargs)  # one cuBLAS product per group
+                self.emulator.workspace("_grouped_mm", self.emulator.placement.for_new(args, kwargs))
             elif base == "index_put" and _is_meta(first) and scratch.index_backward():
                 out = scratch.index_put_in_place(args, kwargs)  # the GPU writes into the zeros it made
             else:
@@ -447,6 +455,10 @@ class AllocMode(TorchDispatchMode):
             reductions.run_inside(emulator, name, self.inside[name], self.reductions, args, kwargs, out, index)
         if base in scratch.RULES and first_meta(args) is not None:  # other kernels' own buffers
             scratch.run(emulator, base, args, kwargs, out, index)
+        if pending:
+            scratch.play(emulator, name, pending, index)
+        elif base in routing.RULES and _is_meta(first):  # sort's, cumsum's, nonzero's... own buffers
+            scratch.play(emulator, name, routing.RULES[base](args, kwargs, out, emulator.gpu), index)
         return out
 
     def read_back(self, base: str, first: torch.Tensor, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
@@ -476,6 +488,26 @@ class AllocMode(TorchDispatchMode):
         if base == "masked_select":
             return torch.empty(int(first.numel()), dtype=first.dtype, device=META)
         return torch.empty((int(first.numel()), first.dim()), dtype=torch.long, device=META)
+
+    def data_sized(self, func: Any, base: str, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Tuple[Any, list]:
+        """unique, bincount and repeat_interleave by counts, which have no meta kernel (routing.py): the
+        outputs, with their values where the input's are known, and the buffers their kernels allocate."""
+        known = self.values.of(args[0])
+        try:
+            if base == "bincount":
+                weights = args[1] if len(args) > 1 else kwargs.get("weights")
+                sized = routing.bincount(args, kwargs, known, self.values.of(weights), self.emulator.note)
+            elif base == "repeat_interleave":
+                sized = routing.repeat_interleave(args, kwargs, known)
+            else:
+                sized = routing.unique(base, args, kwargs, known, func)
+        except ValueError as exc:  # a size with no bound without the values
+            raise EmulationError(f"aten::{base}", f"{exc}{_script_line()}") from None
+        if sized.values is not None:
+            for t, value in zip(tree_leaves(sized.out), sized.values):
+                if t.shape == value.shape:
+                    self.values.known[t] = value
+        return sized.out, sized.steps
 
     def scope(self, func: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
         """record_function scopes (an optimizer's step, a user's own): the history's annotations."""

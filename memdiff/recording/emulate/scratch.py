@@ -23,11 +23,23 @@ the emulated windows hold the same blocks in these ops):
   (sortKeyValueInplace) when k is small;
 - index_put_ with accumulate=True (the backward of `x[idx]`), modelled below: checked against
   cs336-medium-ctx128-train's real H100 trace (512 ids into a 10,000-row table).
-Not modelled, as no window has them to hold the sizes to: cub's temporary storage in cumsum past a
-block's length (cuda/ScanUtils.cuh), sort (cuda/Sort.cpp), topk's multi-block path (a top-k sampler
+A router's and a sampler's kernels are modelled in routing.py from their sources, with no real
+window to hold them to (derived, not measured): sort's arange, copies and cub sorts (cuda/Sort.cpp,
+SortStable.cu), cumsum's dtype conversion and cub scan (cuda/ScanUtils.cuh), nonzero's count and cub
+buffers (cuda/Nonzero.cu), unique's sorted copy, sort, scan and run-length encoding (cuda/UniqueCub.cu),
+bincount's and histc's min/max and per-block histograms (cuda/SummaryOps.cu), multinomial's Gumbel
+buffer (native/Distributions.cpp), grouped_mm's fallback output (native/GroupedMMUtils.h), topk's
+out-of-place sort of more than 4,096 results (cuda/TensorTopK.cpp).
+Not modelled, as no window has them to hold the sizes to: topk's multi-block path (a top-k sampler
 over a vocabulary: kthValues, ks_to_find, desired, per-block digit counts and two cub scans by key,
-sized from the SM count), index_put_ by boolean masks, embedding_dense_backward with
-scale_grad_by_freq's count scan.
+sized from the SM count), cub's segmented sort's temporary
+storage (sort over 128 or more slices longer than 4,096), multinomial with replacement and several
+samples (cuda/MultinomialKernel.cu), the CUTLASS bf16 grouped_mm's workspace on sm90, index_put_ by
+boolean masks, embedding_dense_backward with scale_grad_by_freq's count scan. index_add_ (a router's
+combine) allocates nothing beyond its output (cuda/Indexing.cu index_add_cuda_impl: indexFunc kernels,
+or scatter_add_ over an expanded view of the index); under deterministic algorithms it runs index_put_
+with accumulate over `source * alpha`, not modelled. scatter_add_ and scatter_reduce_ were not audited
+against cuda/ScatterGatherKernel.cu.
 torch.nn.RMSNorm and F.rms_norm run `_fused_rms_norm`'s CUDA kernel (rmsnorm.py gives the meta
 device its outputs): its and its backward's contiguous copies of strided inputs and, past 65,536 rows,
 the backward's per-block partial sums of the weight's gradient are modelled below, from
@@ -86,9 +98,10 @@ def _up(x: int, m: int) -> int:
     return -(-x // m) * m
 
 
-def cub_radix_sort_pairs(n: int, bits: int = 64) -> int:
+def cub_radix_sort_pairs(n: int, bits: int = 64, key_bytes: int = 8, value_bytes: int = 8) -> int:
     """ESTIMATE of cub::DeviceRadixSort::SortPairs' temporary storage for n int64 keys and values over
-    `bits` bits (cuda/cub.cuh radix_sort_pairs): the keys' and values' alternate buffers (16 B each),
+    `bits` bits (cuda/cub.cuh radix_sort_pairs; SortKeys with value_bytes 0): the keys' and values'
+    alternate buffers (16 B each for int64 pairs; other widths DERIVED from that layout, not measured),
     per-tile digit counts, a 2,048 B digit histogram per 8-bit pass, plus cub's 255 B of alignment
     slack. Fitted to real H100 traces of 64-bit sorts (torch 2.11): 4,096 indices 83,455 B
     (llama1b-bf16) and 16,384 indices 283,135 B (t5-base) exactly, 147,456 indices 2,408,959 B
@@ -97,7 +110,7 @@ def cub_radix_sort_pairs(n: int, bits: int = 64) -> int:
     if n <= SINGLE_TILE_ITEMS:
         return 1  # one block sorts it in shared memory: cub asks for 1 B so the pointer is not null
     passes = max(1, -(-bits // 8))
-    return _up(16 * n + n // 4 + 256 + 2048 * passes, 256) + 255
+    return _up((key_bytes + value_bytes) * n + n // 4 + 256 + 2048 * passes, 256) + 255
 
 
 def cub_scan(n: int) -> int:
@@ -413,7 +426,11 @@ RULES: Dict[str, Callable[[Sequence[Any], Dict[str, Any], Any, Gpu], List[Step]]
 def run(emulator: Any, name: str, args: Sequence[Any], kwargs: Dict[str, Any], out: Any, index: Any) -> None:
     """Allocate and free on GPU `index` what op `name` (already run, its outputs `out` allocated) makes
     inside it, in the order its kernel does."""
-    steps = RULES[name](args, kwargs, out, emulator.gpu)
+    play(emulator, name, RULES[name](args, kwargs, out, emulator.gpu), index)
+
+
+def play(emulator: Any, name: str, steps: List[Step], index: Any) -> None:
+    """Allocate and free on GPU `index` the buffers `steps` lists, inside op `name`."""
     if not steps:
         return
     index = emulator.device(index).index

@@ -25,6 +25,13 @@ MAX_ELEMENTS = 1 << 16
 # no such value, so the flag keeps the value it had (no overflow), and the scale grows as on a GPU.
 FINITE_CHECKS = {"_amp_foreach_non_finite_check_and_unscale_", "_amp_non_finite_check_and_unscale_"}
 CPU = torch.device("cpu")
+# Boolean ops whose result one operand decides alone: `x | True` is true and `x & False` false (and
+# `n & 0` zero) whatever x is. Hugging Face's generate() stops on
+# `unfinished & ~(max_length_done | eos_found)`: the length criterion is known, the end-of-sequence one
+# reads sampled tokens, which have no values; without this the loop's stop flag never had a value and
+# generate() never stopped.
+ABSORBING = {"bitwise_or": True, "logical_or": True, "bitwise_or_": True, "logical_or_": True,
+             "bitwise_and": False, "logical_and": False, "bitwise_and_": False, "logical_and_": False}
 
 
 class Values:
@@ -68,7 +75,7 @@ class Values:
             return x
         cpu_args, cpu_kwargs = tree_map(value, args), tree_map(value, kwargs)
         if missing:
-            return None
+            return self._absorbed(func, cpu_args, outputs)
         try:
             result = func(*cpu_args, **cpu_kwargs)
         except Exception:  # an op the CPU does not run as the device would (dtype support): no value
@@ -77,3 +84,25 @@ class Values:
         if len(values) != len(outputs) or any(v.shape != t.shape for v, t in zip(values, outputs)):
             return None
         return values
+
+    @staticmethod
+    def _absorbed(func: Any, cpu_args: Tuple[Any, ...], outputs: list) -> Optional[list]:
+        """The value of an `or`/`and` that one known operand decides (ABSORBING), else None: an `or` with
+        an operand all true is all true; an `and` with an operand all false or zero is all zero, in the
+        output's dtype (`unfinished & ~done` is a long tensor)."""
+        absorbing = ABSORBING.get(func._schema.name.split("::", 1)[-1])
+        if absorbing is None or len(outputs) != 1 or outputs[0].is_floating_point() or outputs[0].is_complex():
+            return None
+        out = outputs[0]
+        if absorbing and out.dtype != torch.bool:
+            return None  # an integer `or` is decided only by all bits set, which no mask or count holds
+        for known in cpu_args[:2]:
+            if isinstance(known, (bool, int)) and not isinstance(known, torch.Tensor):
+                decides = known is True if absorbing else known == 0
+            elif isinstance(known, torch.Tensor) and not known.is_floating_point() and known.numel():
+                decides = bool(known.all()) if absorbing else not bool(known.any())
+            else:
+                continue
+            if decides:
+                return [torch.full(out.shape, absorbing, dtype=out.dtype)]
+        return None

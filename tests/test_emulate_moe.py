@@ -1,0 +1,264 @@
+"""Mixture-of-experts training and sampling under `memdiff record --emulate` (routing.py): Hugging
+Face's MoE models and a plain router run unmodified, hold what the model holds, and the kernels a
+router and a sampler run (sort, unique, bincount, histc, cumsum, nonzero, multinomial) allocate
+inside the op what their CUDA sources (torch 2.13) allocate for the shapes used."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Dict, List
+
+import pytest
+
+pytest.importorskip("torch")
+
+MOE = """
+import json, sys
+import torch
+import transformers as T
+
+name, out = sys.argv[1], sys.argv[2]
+common = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=128, output_router_logits=True)
+if name == "mixtral":
+    model = T.MixtralForCausalLM(T.MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=2))
+elif name == "qwen2_moe":
+    model = T.Qwen2MoeForCausalLM(T.Qwen2MoeConfig(**common, num_experts=4, num_experts_per_tok=2,
+                                                    moe_intermediate_size=64, shared_expert_intermediate_size=128))
+else:
+    model = T.OlmoeForCausalLM(T.OlmoeConfig(**common, num_experts=4, num_experts_per_tok=2))
+model = model.cuda()
+opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+ids = torch.randint(0, 512, (2, 64), device="cuda")
+for step in range(2):
+    model(input_ids=ids, labels=ids).loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=False)  # the gradients stay, so the second step's peak holds them all
+# what model.cuda() moved: its parameters and buffers (the rotary embedding's inverse frequencies)
+params = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+          for t in [*model.parameters(), *model.buffers()]}
+state = [t for s in opt.state.values() for t in s.values() if torch.is_tensor(t) and t.is_cuda]
+json.dump({"parameter_bytes": sum(params.values()),
+           "gradient_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
+           "state_bytes": sum(t.numel() * t.element_size() for t in state),
+           "max_allocated": torch.cuda.max_memory_allocated()}, open(out, "w"))
+"""
+
+
+def _record(tmp_path: Path, script: str, *args: str) -> subprocess.CompletedProcess:
+    path = tmp_path / "script.py"
+    path.write_text(script)
+    return subprocess.run([sys.executable, "-m", "memdiff", "record", "--emulate", "h100", "-o",
+                           str(tmp_path / "run.pickle"), "--", sys.executable, str(path), *args],
+                          capture_output=True, text=True, cwd=tmp_path,
+                          env={**os.environ, "TRANSFORMERS_VERBOSITY": "error"})
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe", "olmoe"])
+def test_hugging_face_moe_models_train_and_hold_what_the_model_holds(tmp_path, name):
+    # Transformers' default experts implementation on CUDA is torch's grouped_mm; in fp32 torch runs its
+    # fallback (one cuBLAS product per expert), whose meta kernel refused anything but bf16.
+    pytest.importorskip("transformers")
+    from memdiff import api
+
+    done = _record(tmp_path, MOE, name, str(tmp_path / "facts.json"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    facts = json.loads((tmp_path / "facts.json").read_text())
+    device = api.summarize(tmp_path / "run.pickle").devices[0]
+    assert device.categories["parameter"] == facts["parameter_bytes"]
+    assert device.categories["gradient"] == facts["gradient_bytes"]
+    # foreach AdamW's step counters stay on the CPU, as on a GPU: its exp_avg and exp_avg_sq are the state
+    assert device.categories["optimizer_state"] == facts["state_bytes"] == 2 * facts["gradient_bytes"]
+    held = facts["parameter_bytes"] + facts["gradient_bytes"] + facts["state_bytes"]
+    assert held < device.peak_bytes <= facts["max_allocated"]
+
+
+def _trace(path: Path) -> List[Dict[str, Any]]:
+    with open(path, "rb") as f:
+        return list(pickle.load(f)["device_traces"][0])
+
+
+def _inside(trace: List[Dict[str, Any]], op: str) -> List[int]:
+    """Sizes of the allocations made under `op`'s frame, in order."""
+    return [e["size"] for e in trace if e["action"] == "alloc"
+            and any(f"at::_ops::{op}::" in frame["name"] for frame in e["frames"])]
+
+
+ROUTER = """
+import sys
+import torch
+tokens, experts = int(sys.argv[2]), 8
+torch.cuda.memory._record_memory_history()
+logits = torch.randn(tokens, experts, device="cuda")
+weights, ids = logits.softmax(-1).topk(2, dim=-1)
+flat = ids.reshape(-1)                                   # 2 x tokens expert ids, values unknown
+order = flat.argsort(stable=True)
+counts = torch.bincount(flat, minlength=experts)
+hist = torch.histc(flat.float(), bins=experts, min=0, max=experts - 1)
+offsets = counts.cumsum(0)
+present, inverse = torch.unique(flat, return_inverse=True)
+x = torch.randn(tokens, 16, device="cuda")
+out = torch.zeros_like(x).index_add_(0, order[:tokens] // 2, x)
+torch.cuda.memory._dump_snapshot(sys.argv[1])
+print(counts.shape[0], present.shape[0], offsets.shape[0])
+"""
+
+
+@pytest.mark.slow
+def test_a_router_sorts_counts_and_dedups_with_the_buffers_its_kernels_allocate(tmp_path):
+    tokens = 4096
+    n = 2 * tokens  # the flattened top-2 ids: past sort's 4,096-element in-place limit (cuda/Sort.h)
+    done = _record(tmp_path, ROUTER, str(tmp_path / "own.pickle"), str(tokens))
+    assert done.returncode == 0, done.stderr[-3000:]
+    # bincount of ids with no values: minlength's bins (the GPU's size when every id is below it), said
+    assert "sized by its minlength (8 bins)" in done.stderr
+    assert done.stdout.split()[:3] == ["8", str(n), "8"]  # unique: every id where values are unknown
+    trace = _trace(tmp_path / "own.pickle")
+
+    sort = _inside(trace, "sort_stable")
+    # the output's values and indices, then launch_stable_sort_kernel's one slice (cuda/SortStable.cu
+    # segmented_sort_large_segments): an int64 arange of the slice, and cub's temporary storage
+    assert sort[:3] == [n * 8, n * 8, n * 8]
+    assert len(sort) == 4 and sort[3] > n * 16  # cub's alternate keys and values at least
+
+    # cuda/SummaryOps.cu: the ids' min and max read to the host (8 B each), the int64 counts; 8 bins
+    # fit shared memory, so no per-block copies
+    assert _inside(trace, "bincount") == [64, 8, 8]
+    assert _inside(trace, "histc") == [32]  # the range is given: no min and max, 8 fp32 bins
+
+    # cuda/UniqueCub.cu with the inverse: output and inverse (every element), the sorted copy, the
+    # sort's arange and index output, cub's pair sort, the scan's int64 copy, cub's scan, the count,
+    # cub's run-length encoding
+    unique = _inside(trace, "_unique2")
+    assert unique[:5] == [n * 8, n * 8, n * 8, n * 8, n * 8]
+    assert unique[6] == n * 8 and unique[8] == 8 and len(unique) == 10
+
+    # cumsum of int64 counts over one dimension: cub's inclusive scan's temporary storage only
+    assert len(_inside(trace, "cumsum")) == 2
+
+
+SAMPLER = """
+import sys
+import torch
+import transformers as T
+torch.manual_seed(0)
+model = T.GPT2LMHeadModel(T.GPT2Config(n_layer=2, n_head=4, n_embd=64, vocab_size=1000)).cuda().eval()
+ids = torch.randint(0, 1000, (2, 8), device="cuda")
+torch.cuda.memory._record_memory_history()
+with torch.no_grad():
+    seq = ids
+    for _ in range(3):  # a hand-written top-k sampling loop
+        logits = model(seq).logits[:, -1, :]
+        kth = torch.topk(logits, 50).values[:, [-1]]
+        logits[logits < kth] = -float("inf")
+        seq = torch.cat([seq, torch.multinomial(logits.softmax(-1), 1)], 1)
+    out = model.generate(ids, do_sample=True, top_k=50, top_p=0.9, max_new_tokens=4, pad_token_id=0)
+torch.cuda.memory._dump_snapshot(sys.argv[1])
+print(tuple(seq.shape), tuple(out.shape))
+"""
+
+
+@pytest.mark.slow
+def test_sampling_loops_run_and_generate_stops_at_its_length(tmp_path):
+    # generate() stops on `unfinished & ~(max_length_done | eos_found)`: the end-of-sequence check reads
+    # sampled tokens, which have no values; the known length decides it, as it would on a GPU.
+    pytest.importorskip("transformers")
+    done = _record(tmp_path, SAMPLER, str(tmp_path / "own.pickle"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split("\n")[-2] == "(2, 11) (2, 12)"
+    # multinomial's one sample (native/Distributions.cpp): q = empty_like(probabilities), 2 x 1,000 fp32,
+    # beside its 2 x 1 int64 output
+    sizes = _inside(_trace(tmp_path / "own.pickle"), "multinomial")
+    assert sizes[:2] == [16, 8000]
+
+
+BINCOUNT = """
+import torch
+ids = torch.randn(16, 4, device="cuda").argmax(-1)
+print(torch.bincount(ids).shape)
+"""
+
+
+def test_bincount_of_unknown_values_without_minlength_is_refused_in_one_line(tmp_path):
+    done = _record(tmp_path, BINCOUNT)
+    assert done.returncode == 2
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("memdiff: aten::bincount: ") and "pass minlength" in last and "script.py:4" in last
+    assert "Traceback" not in done.stderr
+
+
+REPEAT = """
+import torch
+counts = torch.tensor([1, 0, 3], device="cuda")  # known: made from host data
+print(torch.repeat_interleave(counts).tolist(), torch.repeat_interleave(torch.arange(3, device="cuda"), counts).shape)
+drawn = torch.randn(5, device="cuda").argmax().reshape(1).repeat(3)  # computed on the device: no values
+print(torch.repeat_interleave(torch.arange(3, device="cuda"), drawn, output_size=7).shape)
+torch.repeat_interleave(drawn)
+"""
+
+
+def test_repeat_interleave_by_counts_is_sized_by_known_counts_and_refused_without(tmp_path):
+    done = _record(tmp_path, REPEAT)
+    assert done.stdout.splitlines()[:2] == ["[0, 2, 2, 2] torch.Size([4])", "torch.Size([7])"]
+    assert done.returncode == 2
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("memdiff: aten::repeat_interleave: ") and "pass output_size" in last
+    assert "script.py:7" in last and "Traceback" not in done.stderr
+
+
+TOP_P = """
+import sys
+import torch
+torch.cuda.memory._record_memory_history()
+scores = torch.randn(2, 8192, device="cuda")
+ranked, order = torch.sort(scores, descending=True)   # top-p's sort over the vocabulary, per row
+torch.cuda.memory._dump_snapshot(sys.argv[1])
+"""
+
+
+def test_a_top_p_sort_over_a_vocabulary_sorts_the_rows_as_one(tmp_path):
+    # 2 slices of 8,192 (cuda/SortStable.cu, under 128 slices): the values and indices, then
+    # (slice, index) int2 pairs twice (2 x 8,192 x 8 B), the sort's own fp32 key output, cub's pair sort,
+    # and cub's sort of the pairs by slice; all freed before the op returns
+    done = _record(tmp_path, TOP_P, str(tmp_path / "own.pickle"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    trace = _trace(tmp_path / "own.pickle")
+    n = 2 * 8192
+    sizes = _inside(trace, "sort")
+    assert sizes[:5] == [n * 4, n * 8, n * 8, n * 8, n * 4]
+    assert len(sizes) == 7
+    allocs = [k for k, e in enumerate(trace) if e["action"] == "alloc"
+              and any("at::_ops::sort::" in frame["name"] for frame in e["frames"])]
+    for k in allocs[2:]:  # each of the kernel's own buffers is freed after it is made
+        assert any(e["action"] == "free_requested" and e["addr"] == trace[k]["addr"] for e in trace[k + 1:])
+    assert not any(e["action"] == "free_requested" and e["addr"] == trace[k]["addr"]
+                   for k in allocs[:2] for e in trace[k + 1:])  # the values and indices stay
+
+
+EXPERT_CHOICE = """
+import sys
+import torch
+torch.cuda.memory._record_memory_history()
+affinity = torch.randn(4, 32768, device="cuda")        # 4 experts x 32,768 tokens
+weights, chosen = affinity.topk(8192, dim=-1)          # each expert picks its capacity of tokens
+torch.cuda.memory._dump_snapshot(sys.argv[1])
+"""
+
+
+def test_an_expert_choice_topk_sorts_its_results_past_4096(tmp_path):
+    # cuda/TensorTopK.cpp: 8,192 results per row are more than sort's in-place 4,096, so topk sorts them
+    # out of place: sortedIndices and sortedValues like the results, the sort's buffers (4 slices of
+    # 8,192: SortStable.cu's pair sort), then the gathered indices
+    done = _record(tmp_path, EXPERT_CHOICE, str(tmp_path / "own.pickle"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    n = 4 * 8192
+    sizes = _inside(_trace(tmp_path / "own.pickle"), "topk")
+    assert sizes[:4] == [n * 4, n * 8, n * 8, n * 4]  # values, indices, sortedIndices, sortedValues
+    assert sizes[4:7] == [n * 8, n * 8, n * 4]  # the (slice, index) pairs twice, the sort's key output
+    assert sizes[-1] == n * 8 and len(sizes) == 10  # the gather, after the two cub sorts
