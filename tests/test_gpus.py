@@ -78,6 +78,20 @@ def test_each_gpus_figures_are_the_ones_its_sources_quote(key):
         assert abs(_held_outside_the_allocator(context["quote"]) - entry["context_bytes"]) <= CONTEXT_PRECISION, key
 
 
+def test_the_h100s_context_is_what_its_real_out_of_memory_left_unaccounted():
+    # The real H100 run that ran out of memory (tests/data/cuda/gpt2-oom): PyTorch's snapshot holds the
+    # segments it had reserved and the driver's free memory at the failed request.
+    import gzip
+    import pickle
+
+    with gzip.open(ROOT / "tests/data/cuda/gpt2-oom.pickle.gz", "rb") as f:
+        real = pickle.load(f)
+    (oom,) = [e for e in real["device_traces"][0] if e["action"] == "oom"]
+    reserved = sum(s["total_size"] for s in real["segments"])
+    h100 = TABLE["h100"]
+    assert h100["total_memory"] - reserved - oom["device_free"] == h100["context_bytes"]
+
+
 def test_the_real_messages_are_of_gpus_the_emulator_has():
     assert MESSAGES and set(MESSAGES) <= set(TABLE)
     for key, real in MESSAGES.items():
