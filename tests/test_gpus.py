@@ -29,9 +29,9 @@ CONTEXT_PRECISION = GIB // 100 + MIB // 100
 
 
 def _amount(text: str) -> float:
-    """'12.62 GiB' or '7.55 MiB' in bytes."""
+    """'12.62 GiB', '7.55 MiB' or '582.00 KiB' in bytes."""
     value, unit = text.split()
-    return float(value) * {"GiB": GIB, "MiB": MIB}[unit]
+    return float(value) * {"GiB": GIB, "MiB": MIB, "KiB": 1 << 10}[unit]
 
 
 def _capacity(message: str) -> str:
@@ -44,7 +44,7 @@ def _capacity(message: str) -> str:
 def _held_outside_the_allocator(quote: str) -> float:
     """What a real message says its process holds beyond PyTorch's allocator: in use less allocated
     less reserved-but-unallocated (the process's own 'this process has', else its one 'Process N has')."""
-    amount = r"([\d.]+ [GM]iB)"
+    amount = r"([\d.]+ [GMK]iB)"
     in_use = re.search(r"this process has " + amount, quote) or re.search(r"Process \d+ has " + amount, quote)
     allocated = re.search(r"allocated memory " + amount + " is allocated by PyTorch", quote)
     unallocated = re.search(amount + " is reserved by PyTorch but unallocated", quote)
