@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from conftest import ROOT
 
-from memdiff.units import format_bytes
+from memdiff.units import format_bytes, parse_size
 
 GPUS = json.loads((ROOT / "memdiff/recording/emulate/gpus.json").read_text())
 TABLE = {key: entry for key, entry in GPUS.items() if not key.startswith("_")}
@@ -111,6 +111,15 @@ def test_an_emulated_run_out_of_memory_reports_the_real_gpus_total_capacity(key,
     said = str(caught.value)
     assert f"total capacity of {real} of which" in said, (said, MESSAGES[key]["url"])
     assert f"(emulated {TABLE[key]['name']})" in said
+    # PyTorch's sentences in PyTorch's order, the process's own memory among them: what its allocator
+    # reserved and the CUDA context, which is all of the GPU but what is free (one process alone on it).
+    size = r"([\d.]+ [KMG]?i?B)"
+    found = re.search(rf"of which {size} is free\. Including non-PyTorch memory, this process has {size} memory "
+                      rf"in use\. Of the allocated memory {size} is allocated by PyTorch, and {size} is reserved",
+                      said)
+    assert found, said
+    free, held = parse_size(found.group(1)), parse_size(found.group(2))
+    assert abs(total - free - held) <= 0.01 * 2**30
 
 
 TINY = textwrap.dedent("""

@@ -252,7 +252,9 @@ class Emulator:
             message = (
                 f"CUDA out of memory (emulated {self.gpu.name}). Tried to allocate {format_bytes(exc.requested)}. "
                 f"GPU {device.index} has a total capacity of {format_bytes(self.gpu.total_memory)} of which "
-                f"{format_bytes(exc.free)} is free. Of the allocated memory {format_bytes(exc.allocated)} is "
+                f"{format_bytes(exc.free)} is free. Including non-PyTorch memory, this process has "
+                f"{format_bytes(exc.reserved + self.gpu.context_bytes)} memory in use. Of the allocated memory "
+                f"{format_bytes(exc.allocated)} is "
                 f"allocated by PyTorch, and {format_bytes(exc.reserved - exc.allocated)} is reserved by PyTorch "
                 f"but unallocated.")
             self.out_of_memory.append(message)
