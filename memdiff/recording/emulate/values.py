@@ -25,6 +25,10 @@ MAX_ELEMENTS = 1 << 16
 # no such value, so the flag keeps the value it had (no overflow), and the scale grows as on a GPU.
 FINITE_CHECKS = {"_amp_foreach_non_finite_check_and_unscale_", "_amp_non_finite_check_and_unscale_"}
 CPU = torch.device("cpu")
+# Ops whose outputs hold whatever the memory held: their CPU copies would be the host's uninitialised
+# memory, read back as any number (a compiled graph's loss, an Inductor buffer no dispatched op
+# writes). The emulated device's memory reads as zeros instead, the same every run.
+UNINITIALISED = {"empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided", "empty_permuted"}
 
 
 class Values:
@@ -73,6 +77,8 @@ class Values:
             result = func(*cpu_args, **cpu_kwargs)
         except Exception:  # an op the CPU does not run as the device would (dtype support): no value
             return None
+        if func._schema.name.split("::", 1)[-1] in UNINITIALISED:
+            result = result.zero_()
         values = [t for t in tree_leaves(result) if isinstance(t, torch.Tensor)]
         if len(values) != len(outputs) or any(v.shape != t.shape for v, t in zip(values, outputs)):
             return None
