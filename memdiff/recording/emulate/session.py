@@ -16,7 +16,7 @@ def start(emulator: Emulator) -> contextlib.ExitStack:
     import torch
 
     use_torch(torch)
-    from memdiff.recording.emulate import distributed, files, legacy, parallel, patches, rnn
+    from memdiff.recording.emulate import build, distributed, files, legacy, parallel, patches, rnn
     from memdiff.recording.emulate.autocast import Autocast
     from memdiff.recording.emulate.host import Host
     from memdiff.recording.emulate.modes import AllocMode, DeviceMode
@@ -28,6 +28,7 @@ def start(emulator: Emulator) -> contextlib.ExitStack:
     stack.enter_context(emulator.host.readable())
     stack.enter_context(patches.cuda_answers_as(emulator))
     stack.enter_context(rnn.cudnn_answers())
+    stack.enter_context(build.cuda_build_answers())
     stack.enter_context(legacy.legacy_cuda_types())
     stack.enter_context(distributed.fake_process_groups(emulator))
     stack.enter_context(parallel.data_parallel())
