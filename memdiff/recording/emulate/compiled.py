@@ -37,6 +37,7 @@ from torch.utils._python_dispatch import _pop_mode, _push_mode
 from torch.utils._pytree import tree_leaves
 
 from memdiff.recording.emulate import autotune
+from memdiff.recording.emulate.devices import names_cuda
 from memdiff.recording.emulate.runtime import Emulator
 
 INDUCTOR_NOTE = ("torch.compile ran Inductor's memory plan: Dynamo and AOTAutograd traced on the emulated GPU, "
@@ -100,6 +101,29 @@ def _meta_tensors_as_constants() -> Iterator[None]:
         yield
     finally:
         setattr(FakeTensorMode, "__init__", init)  # noqa: B010
+
+
+@contextlib.contextmanager
+def _cuda_factories_as_meta(planner: "Planner") -> Iterator[None]:
+    """While Dynamo and AOTAutograd trace (not while Inductor lowers for `cuda:0`), a tensor the traced
+    code makes on the GPU by name (`torch.arange(n, device="cuda")`, a mask built inside a compiled
+    `create_block_mask`) is a fake tensor on the meta device, as the script's own tensors are there: on
+    `cuda` it met them as another device ("Tensor device mismatch"). The graph keeps the op's `cuda`,
+    which Inductor lowers as the GPU's."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    dispatch = FakeTensorMode.__torch_dispatch__
+
+    def dispatched(self: Any, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if not planner.lowering and names_cuda(kwargs.get("device")):
+            kwargs = {**kwargs, "device": torch.device("meta")}
+        return dispatch(self, func, types, args, kwargs)
+    setattr(FakeTensorMode, "__torch_dispatch__", dispatched)  # noqa: B010
+    try:
+        yield
+    finally:
+        setattr(FakeTensorMode, "__torch_dispatch__", dispatch)  # noqa: B010
 
 
 def _seeded_on_cuda(factory: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
@@ -188,6 +212,7 @@ class Planner:
         self.saved: Optional[Tuple[List[Any], List[Any]]] = None  # the modes popped while Dynamo runs
         self.padding = autotune.PadBench(emulator)
         self.traced = False  # Dynamo traced a graph during the call now running
+        self.lowering = False  # Inductor lowers a partitioned graph for `cuda:0` (on fake GPU tensors)
 
     # -- torch.compile -----------------------------------------------------------------------------
 
@@ -224,7 +249,7 @@ class Planner:
             if self.saved is not None:  # a compiled call inside a compiled call: already outside
                 return call(*args, **kwargs)
             with _modes_off() as saved, _meta_tensors_as_constants(), self._attention_as_on_the_gpu(), \
-                    _composites_as_on_the_gpu():
+                    _composites_as_on_the_gpu(), _cuda_factories_as_meta(self):
                 self.saved = saved
                 self.emulator.modes_off = True
                 try:
@@ -331,10 +356,14 @@ class Planner:
             if self.saved is None:
                 stack.enter_context(_modes_off())
                 stack.enter_context(self._flag_modes_off())
-            inputs = _on_cuda(gm, example_inputs)
-            kwargs["cudagraphs"] = None
-            with self._inductor_on_this_machine(), self._wrapper_loads():
-                out = compile_fx_inner(gm, inputs, **kwargs)
+            lowering, self.lowering = self.lowering, True
+            try:
+                inputs = _on_cuda(gm, example_inputs)
+                kwargs["cudagraphs"] = None
+                with self._inductor_on_this_machine(), self._wrapper_loads():
+                    out = compile_fx_inner(gm, inputs, **kwargs)
+            finally:
+                self.lowering = lowering
         self.emulator.note(INDUCTOR_NOTE)
         # an OutputCode whose `current_callable` is the wrapper's `call`; a graph with nothing to
         # lower comes back as a plain function
