@@ -147,3 +147,56 @@ def test_a_cuda_graph_pool_is_refused_in_one_line(tmp_path):
     assert done.returncode == 2
     said = [line for line in done.stderr.splitlines() if line.strip() and "wrote" not in line]
     assert len(said) == 1 and said[0].startswith("memdiff: CUDA graphs") and "train.py:3" in said[0], done.stderr
+
+
+# FlexAttention as torchtitan runs it: a causal block mask, flex_attention compiled with Inductor
+# options (which the emulator runs eagerly), or called eagerly.
+FLEX = """
+import sys
+import torch
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+B, H, S, D = 2, 4, 1024, 64
+
+def causal(b, h, q, kv):
+    return q >= kv
+
+mask = create_block_mask(causal, B=None, H=None, Q_LEN=S, KV_LEN=S, device="cuda")
+attend = torch.compile(flex_attention, options={"max_autotune": False}) if sys.argv[1] == "compiled" else flex_attention
+q, k, v = (torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+torch.cuda.reset_peak_memory_stats()
+before = torch.cuda.memory_allocated()
+out = attend(q, k, v, block_mask=mask)
+out.sum().backward()
+print(tuple(out.shape), out.dtype, tuple(q.grad.shape), tuple(k.grad.shape), tuple(v.grad.shape))
+print("above", torch.cuda.max_memory_allocated() - before)
+"""
+
+
+def _flex(tmp_path: Path, how: str) -> list:
+    script = tmp_path / "flex.py"
+    script.write_text(FLEX)
+    done = subprocess.run([sys.executable, "-m", "memdiff", "record", "--emulate", "h100", "-o",
+                           str(tmp_path / f"{how}.pickle"), "--", "python", str(script), how],
+                          capture_output=True, text=True, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout.splitlines()
+
+
+@pytest.mark.slow
+def test_flex_attention_compiled_holds_no_scores_and_eager_holds_them(tmp_path):
+    # flex_attention reached the emulator's dispatch mode whole, with no rule for it: torchtitan's
+    # Llama 3 stopped at its first attention
+    pytest.importorskip("torch.nn.attention.flex_attention")
+    B, H, S, D, bf16 = 2, 4, 1024, 64, 2
+    shapes = f"({B}, {H}, {S}, {D}) torch.bfloat16" + f" ({B}, {H}, {S}, {D})" * 3
+    compiled, eager = _flex(tmp_path, "compiled"), _flex(tmp_path, "eager")
+    assert compiled[0] == eager[0] == shapes
+    scores = B * H * S * S * 4  # one float32 score matrix
+    # Inductor's fused kernels: the output, logsumexp and row maxima, then the three gradients
+    outputs = B * H * S * D * bf16 + 2 * B * H * S * 4
+    gradients = 3 * B * H * S * D * bf16
+    above_compiled, above_eager = int(compiled[1].split()[1]), int(eager[1].split()[1])
+    assert outputs + gradients <= above_compiled < outputs + gradients + (1 << 20)
+    # torch's dense implementation, which a GPU runs eagerly, holds the scores
+    assert above_eager > 2 * scores

@@ -36,7 +36,7 @@ import torch
 from torch.utils._python_dispatch import _pop_mode, _push_mode
 from torch.utils._pytree import tree_leaves
 
-from memdiff.recording.emulate import autotune
+from memdiff.recording.emulate import autotune, flex
 from memdiff.recording.emulate.devices import names_cuda
 from memdiff.recording.emulate.runtime import Emulator
 
@@ -223,7 +223,12 @@ class Planner:
         why = self._refusal(kwargs)
         if why:
             self.emulator.note(EAGER_NOTE.format(why=why))
-            return model
+            # Inductor compiles it on the GPU (another backend does not: torch's own eager
+            # flex_attention compiles with backend="eager")
+            if kwargs.get("backend", "inductor") != "inductor" or isinstance(model, torch.nn.Module) or \
+                    not callable(model):
+                return model
+            return functools.wraps(model)(_fused_as_compiled(model))
         options = {k: v for k, v in kwargs.items() if k in ("fullgraph", "disable")}
         compiled = self.original(model, backend=self._backend, dynamic=False, **options)
         if isinstance(model, torch.nn.Module):
@@ -519,6 +524,15 @@ def _empty_strided_cuda(size: Sequence[int], stride: Sequence[int], dtype: torch
     """Inductor's buffer: an allocation of the emulated GPU (the emulator's modes are on while the
     wrapper runs)."""
     return torch.empty_strided(size, stride, dtype=dtype, device="cuda")
+
+
+def _fused_as_compiled(function: Callable[..., Any]) -> Callable[..., Any]:
+    """A compiled function run eagerly, in which FlexAttention runs as Inductor's fused kernels, as
+    the GPU runs it compiled (flex.py), not as the dense scores an eager call holds."""
+    def run(*args: Any, **kwargs: Any) -> Any:
+        with flex.fused():
+            return function(*args, **kwargs)
+    return run
 
 
 def _on_cuda(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> List[Any]:
