@@ -547,7 +547,8 @@ def _on_cuda(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> List[An
     mode = FakeTensorMode(allow_non_fake_inputs=True)
 
     def moved(value: Any) -> Any:
-        if isinstance(value, torch.device) and value.type == "meta":
+        # a GPU the traced code named (`device="cuda:1"` on rank 1) is the one Inductor plans for too
+        if isinstance(value, torch.device) and value.type in ("meta", "cuda"):
             return cuda
         if isinstance(value, (list, tuple)):
             return type(value)(moved(v) for v in value)
