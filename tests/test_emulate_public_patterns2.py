@@ -217,3 +217,38 @@ def test_a_compiled_function_naming_the_second_gpu_is_planned_by_inductor(tmp_pa
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.splitlines()[-1] == "(8,)"
     assert "ran Inductor's memory plan" in done.stderr and "could not plan" not in done.stderr, done.stderr
+
+
+# The Trainer's gradient_checkpointing=True with torch_compile=True, as our own loop: Inductor's
+# wrapper saves and replays the generator's state around the checkpointed attention's dropout.
+CHECKPOINTED = """
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel
+
+model = GPT2LMHeadModel(GPT2Config(vocab_size=1000, n_layer=2, n_head=4, n_embd=128, n_positions=256)).cuda()
+weights = sum(p.numel() * p.element_size() for p in model.parameters())
+model.gradient_checkpointing_enable()
+model.train()
+step = torch.compile(model)
+for i in range(2):
+    ids = torch.randint(0, 1000, (4, 128), device="cuda")
+    loss = step(input_ids=ids, labels=ids).loss
+    loss.backward()
+    print("step", i, tuple(loss.shape), loss.requires_grad, f"{loss.item():.4f}")
+print("weights", weights)
+"""
+
+
+@pytest.mark.slow
+def test_a_compiled_checkpointed_model_saves_and_replays_the_generators_state(tmp_path):
+    # run_and_save_rng_state reached the emulator's dispatch mode whole, with no rule for it
+    pytest.importorskip("transformers")
+    from memdiff import api
+
+    done = _emulate(tmp_path, CHECKPOINTED)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = done.stdout.splitlines()
+    assert out[:2] == ["step 0 () True 0.0000", "step 1 () True 0.0000"]
+    assert "ran Inductor's memory plan" in done.stderr and "could not plan" not in done.stderr
+    device = api.summarize(tmp_path / "run.pickle").devices[0]
+    assert device.categories["parameter"] == int(out[2].split()[1])

@@ -16,7 +16,7 @@ def start(emulator: Emulator) -> contextlib.ExitStack:
     import torch
 
     use_torch(torch)
-    from memdiff.recording.emulate import build, distributed, files, flex, legacy, parallel, patches, rnn
+    from memdiff.recording.emulate import build, distributed, files, flex, legacy, parallel, patches, rngstate, rnn
     from memdiff.recording.emulate.autocast import Autocast
     from memdiff.recording.emulate.host import Host
     from memdiff.recording.emulate.modes import AllocMode, DeviceMode
@@ -35,6 +35,7 @@ def start(emulator: Emulator) -> contextlib.ExitStack:
     stack.enter_context(files.guarded(emulator))
     stack.enter_context(emulator.device_mode)
     stack.enter_context(flex.flex_attention_kernels(AllocMode))
+    stack.enter_context(rngstate.rng_state_operators(AllocMode))
     stack.enter_context(AllocMode(emulator))
     return stack
 
