@@ -203,20 +203,25 @@ def test_flex_attention_compiled_holds_no_scores_and_eager_holds_them(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_compiled_function_naming_the_second_gpu_is_planned_by_inductor(tmp_path):
+def test_a_compiled_function_on_the_second_gpu_is_planned_by_inductor_and_stays_there(tmp_path):
     # rank 1 of a torchrun job builds its block mask on `cuda:1` inside a compiled function; Inductor,
-    # which plans every graph on `cuda:0`, failed on the mix and the graph ran eagerly (noted)
+    # which plans every graph on `cuda:0`, failed on the mix and the graph ran eagerly (noted); and
+    # the wrapper's `set_device(0)` put its buffers, and the process's current GPU, on cuda:0
+    from memdiff import api
+
     source = ("import torch\ntorch.cuda.set_device(1)\n\n@torch.compile\ndef f(x):\n"
               "    return x + torch.arange(x.shape[0], device='cuda:1')\n\n"
-              "print(tuple(f(torch.randn(8, device='cuda:1')).shape))\n")
+              "y = f(torch.randn(8, device='cuda:1'))\n"
+              "print(tuple(y.shape), y.device, torch.cuda.current_device())\n")
     script = tmp_path / "rank1.py"
     script.write_text(source)
     done = subprocess.run([sys.executable, "-m", "memdiff", "record", "--emulate", "h100", "--gpus", "2", "-o",
                            str(tmp_path / "run.pickle"), "--", "python", str(script)],
                           capture_output=True, text=True, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.splitlines()[-1] == "(8,)"
+    assert done.stdout.splitlines()[-1] == "(8,) cuda:1 1"
     assert "ran Inductor's memory plan" in done.stderr and "could not plan" not in done.stderr, done.stderr
+    assert [d.device for d in api.summarize(tmp_path / "run.pickle").devices] == [1]
 
 
 # The Trainer's gradient_checkpointing=True with torch_compile=True, as our own loop: Inductor's

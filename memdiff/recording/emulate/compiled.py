@@ -377,8 +377,15 @@ class Planner:
         planner = self
 
         def run(args: List[Any]) -> Any:
-            guard = torch.cuda._DeviceGuard
+            guard, set_device = torch.cuda._DeviceGuard, torch.cuda.set_device
             torch.cuda._DeviceGuard = _DeviceGuard
+            # The wrapper's `torch.cuda.set_device(0)` names the GPU Inductor planned on (cuda:0, as
+            # every graph is lowered here); on a GPU it names the graph's own: rank 1's buffers and
+            # its current GPU stayed on cuda:0 after a compiled call.
+            placement = planner.emulator.placement
+            gpu = next((placement.tensor_index(a) for a in args if isinstance(a, torch.Tensor) and a.is_meta),
+                       placement.current())
+            torch.cuda.set_device = lambda device: placement.set_current(gpu)
             try:
                 if planner.saved is None:  # the backward, run by autograd's engine with the modes on
                     return call(args)
@@ -389,7 +396,7 @@ class Planner:
                 finally:
                     planner.emulator.modes_off = True
             finally:
-                torch.cuda._DeviceGuard = guard
+                torch.cuda._DeviceGuard, torch.cuda.set_device = guard, set_device
         if not boxed:
             run._boxed_call = True  # type: ignore[attr-defined]
             return run
