@@ -36,7 +36,8 @@ import torch
 from torch.utils._python_dispatch import _pop_mode, _push_mode
 from torch.utils._pytree import tree_leaves
 
-from memdiff.recording.emulate import autotune
+from memdiff.recording.emulate import autotune, flex
+from memdiff.recording.emulate.devices import names_cuda
 from memdiff.recording.emulate.runtime import Emulator
 
 INDUCTOR_NOTE = ("torch.compile ran Inductor's memory plan: Dynamo and AOTAutograd traced on the emulated GPU, "
@@ -100,6 +101,29 @@ def _meta_tensors_as_constants() -> Iterator[None]:
         yield
     finally:
         setattr(FakeTensorMode, "__init__", init)  # noqa: B010
+
+
+@contextlib.contextmanager
+def _cuda_factories_as_meta(planner: "Planner") -> Iterator[None]:
+    """While Dynamo and AOTAutograd trace (not while Inductor lowers for `cuda:0`), a tensor the traced
+    code makes on the GPU by name (`torch.arange(n, device="cuda")`, a mask built inside a compiled
+    `create_block_mask`) is a fake tensor on the meta device, as the script's own tensors are there: on
+    `cuda` it met them as another device ("Tensor device mismatch"). The graph keeps the op's `cuda`,
+    which Inductor lowers as the GPU's."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    dispatch = FakeTensorMode.__torch_dispatch__
+
+    def dispatched(self: Any, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if not planner.lowering and names_cuda(kwargs.get("device")):
+            kwargs = {**kwargs, "device": torch.device("meta")}
+        return dispatch(self, func, types, args, kwargs)
+    setattr(FakeTensorMode, "__torch_dispatch__", dispatched)  # noqa: B010
+    try:
+        yield
+    finally:
+        setattr(FakeTensorMode, "__torch_dispatch__", dispatch)  # noqa: B010
 
 
 def _seeded_on_cuda(factory: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
@@ -188,6 +212,7 @@ class Planner:
         self.saved: Optional[Tuple[List[Any], List[Any]]] = None  # the modes popped while Dynamo runs
         self.padding = autotune.PadBench(emulator)
         self.traced = False  # Dynamo traced a graph during the call now running
+        self.lowering = False  # Inductor lowers a partitioned graph for `cuda:0` (on fake GPU tensors)
 
     # -- torch.compile -----------------------------------------------------------------------------
 
@@ -198,7 +223,12 @@ class Planner:
         why = self._refusal(kwargs)
         if why:
             self.emulator.note(EAGER_NOTE.format(why=why))
-            return model
+            # Inductor compiles it on the GPU (another backend does not: torch's own eager
+            # flex_attention compiles with backend="eager")
+            if kwargs.get("backend", "inductor") != "inductor" or isinstance(model, torch.nn.Module) or \
+                    not callable(model):
+                return model
+            return functools.wraps(model)(_fused_as_compiled(model))
         options = {k: v for k, v in kwargs.items() if k in ("fullgraph", "disable")}
         compiled = self.original(model, backend=self._backend, dynamic=False, **options)
         if isinstance(model, torch.nn.Module):
@@ -224,7 +254,7 @@ class Planner:
             if self.saved is not None:  # a compiled call inside a compiled call: already outside
                 return call(*args, **kwargs)
             with _modes_off() as saved, _meta_tensors_as_constants(), self._attention_as_on_the_gpu(), \
-                    _composites_as_on_the_gpu():
+                    _composites_as_on_the_gpu(), _cuda_factories_as_meta(self):
                 self.saved = saved
                 self.emulator.modes_off = True
                 try:
@@ -331,10 +361,14 @@ class Planner:
             if self.saved is None:
                 stack.enter_context(_modes_off())
                 stack.enter_context(self._flag_modes_off())
-            inputs = _on_cuda(gm, example_inputs)
-            kwargs["cudagraphs"] = None
-            with self._inductor_on_this_machine(), self._wrapper_loads():
-                out = compile_fx_inner(gm, inputs, **kwargs)
+            lowering, self.lowering = self.lowering, True
+            try:
+                inputs = _on_cuda(gm, example_inputs)
+                kwargs["cudagraphs"] = None
+                with self._inductor_on_this_machine(), self._wrapper_loads():
+                    out = compile_fx_inner(gm, inputs, **kwargs)
+            finally:
+                self.lowering = lowering
         self.emulator.note(INDUCTOR_NOTE)
         # an OutputCode whose `current_callable` is the wrapper's `call`; a graph with nothing to
         # lower comes back as a plain function
@@ -343,8 +377,15 @@ class Planner:
         planner = self
 
         def run(args: List[Any]) -> Any:
-            guard = torch.cuda._DeviceGuard
+            guard, set_device = torch.cuda._DeviceGuard, torch.cuda.set_device
             torch.cuda._DeviceGuard = _DeviceGuard
+            # The wrapper's `torch.cuda.set_device(0)` names the GPU Inductor planned on (cuda:0, as
+            # every graph is lowered here); on a GPU it names the graph's own: rank 1's buffers and
+            # its current GPU stayed on cuda:0 after a compiled call.
+            placement = planner.emulator.placement
+            gpu = next((placement.tensor_index(a) for a in args if isinstance(a, torch.Tensor) and a.is_meta),
+                       placement.current())
+            torch.cuda.set_device = lambda device: placement.set_current(gpu)
             try:
                 if planner.saved is None:  # the backward, run by autograd's engine with the modes on
                     return call(args)
@@ -355,7 +396,7 @@ class Planner:
                 finally:
                     planner.emulator.modes_off = True
             finally:
-                torch.cuda._DeviceGuard = guard
+                torch.cuda._DeviceGuard, torch.cuda.set_device = guard, set_device
         if not boxed:
             run._boxed_call = True  # type: ignore[attr-defined]
             return run
@@ -492,6 +533,15 @@ def _empty_strided_cuda(size: Sequence[int], stride: Sequence[int], dtype: torch
     return torch.empty_strided(size, stride, dtype=dtype, device="cuda")
 
 
+def _fused_as_compiled(function: Callable[..., Any]) -> Callable[..., Any]:
+    """A compiled function run eagerly, in which FlexAttention runs as Inductor's fused kernels, as
+    the GPU runs it compiled (flex.py), not as the dense scores an eager call holds."""
+    def run(*args: Any, **kwargs: Any) -> Any:
+        with flex.fused():
+            return function(*args, **kwargs)
+    return run
+
+
 def _on_cuda(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> List[Any]:
     """The graph and its inputs moved from the meta device (where the emulator traced them) to
     `cuda:0`, on fake tensors: Inductor plans for the device its inputs are on. Each node's value is
@@ -504,7 +554,8 @@ def _on_cuda(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> List[An
     mode = FakeTensorMode(allow_non_fake_inputs=True)
 
     def moved(value: Any) -> Any:
-        if isinstance(value, torch.device) and value.type == "meta":
+        # a GPU the traced code named (`device="cuda:1"` on rank 1) is the one Inductor plans for too
+        if isinstance(value, torch.device) and value.type in ("meta", "cuda"):
             return cuda
         if isinstance(value, (list, tuple)):
             return type(value)(moved(v) for v in value)

@@ -364,6 +364,8 @@ def _answers(emulator: Emulator, saved: Dict[Tuple[Any, str], Any]) -> Dict[str,
         "clock_rate": lambda device=None: 0,
         "CUDAGraph": refusing("torch/cuda/graphs.py"), "graph": refusing("torch/cuda/graphs.py"),
         "make_graphed_callables": refusing("torch/cuda/graphs.py"),
+        # a graph's memory pool, which wrappers of CUDA graphs (torchtitan's) make before capturing
+        "graph_pool_handle": refusing("torch/cuda/graphs.py"),
         "device_memory_used": lambda device=None: _allocator(emulator, device).reserved,
         "current_device": current_device,
         # CUDA starts at the process's first use of the GPU (torch's own code, such as DeviceMesh, picks

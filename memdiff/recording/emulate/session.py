@@ -16,7 +16,18 @@ def start(emulator: Emulator) -> contextlib.ExitStack:
     import torch
 
     use_torch(torch)
-    from memdiff.recording.emulate import distributed, files, legacy, parallel, patches, rmsnorm, rnn
+    from memdiff.recording.emulate import (
+        build,
+        distributed,
+        files,
+        flex,
+        legacy,
+        parallel,
+        patches,
+        rmsnorm,
+        rngstate,
+        rnn,
+    )
     from memdiff.recording.emulate.autocast import Autocast
     from memdiff.recording.emulate.host import Host
     from memdiff.recording.emulate.modes import AllocMode, DeviceMode
@@ -29,11 +40,14 @@ def start(emulator: Emulator) -> contextlib.ExitStack:
     stack.enter_context(patches.cuda_answers_as(emulator))
     stack.enter_context(rnn.cudnn_answers())
     stack.enter_context(rmsnorm.fused_kernel())
+    stack.enter_context(build.cuda_build_answers())
     stack.enter_context(legacy.legacy_cuda_types())
     stack.enter_context(distributed.fake_process_groups(emulator))
     stack.enter_context(parallel.data_parallel())
     stack.enter_context(files.guarded(emulator))
     stack.enter_context(emulator.device_mode)
+    stack.enter_context(flex.flex_attention_kernels(AllocMode))
+    stack.enter_context(rngstate.rng_state_operators(AllocMode))
     stack.enter_context(AllocMode(emulator))
     return stack
 

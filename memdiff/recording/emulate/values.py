@@ -32,6 +32,10 @@ CPU = torch.device("cpu")
 # generate() never stopped.
 ABSORBING = {"bitwise_or": True, "logical_or": True, "bitwise_or_": True, "logical_or_": True,
              "bitwise_and": False, "logical_and": False, "bitwise_and_": False, "logical_and_": False}
+# Ops whose outputs hold whatever the memory held: their CPU copies would be the host's uninitialised
+# memory, read back as any number (a compiled graph's loss, an Inductor buffer no dispatched op
+# writes). The emulated device's memory reads as zeros instead, the same every run.
+UNINITIALISED = {"empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided", "empty_permuted"}
 
 
 class Values:
@@ -80,6 +84,8 @@ class Values:
             result = func(*cpu_args, **cpu_kwargs)
         except Exception:  # an op the CPU does not run as the device would (dtype support): no value
             return None
+        if func._schema.name.split("::", 1)[-1] in UNINITIALISED:
+            result = result.zero_()
         values = [t for t in tree_leaves(result) if isinstance(t, torch.Tensor)]
         if len(values) != len(outputs) or any(v.shape != t.shape for v, t in zip(values, outputs)):
             return None

@@ -1,0 +1,259 @@
+"""Patterns of public training scripts (torchtitan, Hugging Face's Trainer with its options, litgpt's
+Fabric loop) that failed or drifted under `memdiff record --emulate`, each as a small scenario of our
+own: the script exits 0, its data-independent output is the unemulated run's, and the snapshot holds
+what the model holds."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _emulate(tmp_path: Path, source: str, name: str = "train.py") -> subprocess.CompletedProcess:
+    """`memdiff record --emulate h100 -o run.pickle -- python NAME` of a script written from `source`."""
+    script = tmp_path / name
+    script.write_text(source)
+    return subprocess.run([sys.executable, "-m", "memdiff", "record", "--emulate", "h100", "-o",
+                           str(tmp_path / "run.pickle"), "--", "python", str(script)],
+                          capture_output=True, text=True, cwd=tmp_path,
+                          env={**os.environ, "TRANSFORMERS_VERBOSITY": "error"})
+
+
+# A compiled loss over a batch whose ids and labels the emulator knows (Hugging Face's Trainer with
+# torch_compile=True), with position ids made inside the compiled function on the GPU by name.
+COMPILED = """
+import torch
+import torch.nn.functional as F
+
+class Tiny(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.tok = torch.nn.Embedding(100, 64)
+        self.pos = torch.nn.Embedding(16, 64)
+        self.head = torch.nn.Linear(64, 100)
+
+    def forward(self, ids, labels):
+        positions = torch.arange(ids.shape[1], device="cuda")
+        logits = self.head(self.tok(ids) + self.pos(positions))
+        return F.cross_entropy(logits.view(-1, 100), labels.view(-1))
+
+model = Tiny().cuda()
+weights = sum(p.numel() * p.element_size() for p in model.parameters())
+step = torch.compile(model)
+for i in range(3):
+    ids = torch.arange(64, device="cuda").view(4, 16) % 100
+    loss = step(ids, ids)
+    loss.backward()
+    print("step", i, loss.device, tuple(loss.shape), loss.requires_grad)
+    print("value", loss.item(), f"{loss:.4f}")
+print("weights", weights, "max", torch.cuda.max_memory_allocated())
+"""
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory):
+    pytest.importorskip("torch")
+    tmp_path = tmp_path_factory.mktemp("compiled")
+    done = _emulate(tmp_path, COMPILED)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return tmp_path, done.stdout.splitlines()
+
+
+@pytest.mark.slow
+def test_a_tensor_a_compiled_function_makes_on_the_gpu_by_name_meets_the_scripts_tensors(compiled):
+    # `torch.arange(n, device="cuda")` inside the compiled forward was a fake on `cuda` while Dynamo
+    # traced the script's tensors on the meta device: "Tensor device mismatch" and exit 1
+    tmp_path, out = compiled
+    unemulated = subprocess.run([sys.executable, "-c", COMPILED.replace('device="cuda"', 'device="cpu"')
+                                 .replace(".cuda()", "")], capture_output=True, text=True)
+    assert unemulated.returncode == 0, unemulated.stderr[-3000:]
+    emulated_steps = [line.replace("cuda:0", "DEVICE") for line in out if line.startswith("step")]
+    cpu_steps = [line.replace("cpu", "DEVICE") for line in unemulated.stdout.splitlines() if line.startswith("step")]
+    assert emulated_steps == cpu_steps == [f"step {i} DEVICE () True" for i in range(3)]
+
+
+@pytest.mark.slow
+def test_a_compiled_loss_over_known_ids_reads_zero_every_run(compiled):
+    # Inductor's buffers are `empty_strided` that no dispatched op writes; their values were the
+    # host's uninitialised memory (a loss of 1.16e+27 one step, -59.2 the next)
+    from memdiff import api
+
+    tmp_path, out = compiled
+    assert [line for line in out if line.startswith("value")] == ["value 0.0 0.0000"] * 3
+    device = api.summarize(tmp_path / "run.pickle").devices[0]
+    weights, max_allocated = int(out[-1].split()[1]), int(out[-1].split()[3])
+    assert device.categories["parameter"] == weights
+    # the script's own max_memory_allocated() counts the allocator's rounded blocks of the same trace
+    assert device.peak_bytes <= max_allocated <= device.peak_bytes * 1.05 + (1 << 20)
+
+
+# The CUDA build's versions, which a CPU build of torch reports as absent.
+VERSIONS = """
+import os
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook
+from torch.nn.parallel import DistributedDataParallel
+from transformers import TrainingArguments
+
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29541")
+dist.init_process_group("nccl", rank=0, world_size=1)
+model = DistributedDataParallel(torch.nn.Linear(64, 64).cuda(), device_ids=[0])
+model.register_comm_hook(None, bf16_compress_hook)  # checks torch.cuda.nccl.version() >= (2, 10)
+model(torch.randn(8, 64, device="cuda")).sum().backward()
+args = TrainingArguments(output_dir="out", tf32=True, report_to="none")  # refused without CUDA >= 11
+print("tf32", args.tf32, "cuda", torch.version.cuda is not None, "cudnn", torch.backends.cudnn.is_available(),
+      "cudnn version", isinstance(torch.backends.cudnn.version(), int))
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.slow
+def test_tf32_and_ddps_bf16_hook_find_the_cuda_build_of_torch(tmp_path):
+    pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    done = _emulate(tmp_path, VERSIONS)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.splitlines()[-1] == "tf32 True cuda True cudnn True cudnn version True"
+    from memdiff import api
+
+    device = api.summarize(tmp_path / "run.pickle").devices[0]
+    assert device.categories["parameter"] == 4 * (64 * 64 + 64)
+
+
+def test_the_cuda_builds_versions_are_the_cpu_builds_again_after_the_emulator(tmp_path):
+    torch = pytest.importorskip("torch")
+    if torch.version.cuda is not None:
+        pytest.skip("a CUDA build of torch answers for itself")
+    import memdiff
+
+    with memdiff.record(str(tmp_path / "run.pickle"), emulate="h100"):
+        inside = (torch.version.cuda, torch.backends.cudnn.is_available(), torch.cuda.nccl.version())
+        torch.zeros(4, device="cuda")
+    assert inside[0] is not None and inside[1] and inside[2] >= (2, 10)
+    assert torch.version.cuda is None and not torch.backends.cudnn.is_available()
+
+
+def test_a_cuda_graph_pool_is_refused_in_one_line(tmp_path):
+    # torchtitan's default CUDA-graph wrapper asks for a pool before capturing: torch's CPU build
+    # answered with a traceback ("Tried to instantiate dummy base class _graph_pool_handle")
+    done = _emulate(tmp_path, "import torch\nx = torch.ones(4, device='cuda')\npool = torch.cuda.graph_pool_handle()\n")
+    assert done.returncode == 2
+    said = [line for line in done.stderr.splitlines() if line.strip() and "wrote" not in line]
+    assert len(said) == 1 and said[0].startswith("memdiff: CUDA graphs") and "train.py:3" in said[0], done.stderr
+
+
+# FlexAttention as torchtitan runs it: a causal block mask, flex_attention compiled with Inductor
+# options (which the emulator runs eagerly), or called eagerly.
+FLEX = """
+import sys
+import torch
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+B, H, S, D = 2, 4, 1024, 64
+
+def causal(b, h, q, kv):
+    return q >= kv
+
+mask = create_block_mask(causal, B=None, H=None, Q_LEN=S, KV_LEN=S, device="cuda")
+attend = torch.compile(flex_attention, options={"max_autotune": False}) if sys.argv[1] == "compiled" else flex_attention
+q, k, v = (torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+torch.cuda.reset_peak_memory_stats()
+before = torch.cuda.memory_allocated()
+out = attend(q, k, v, block_mask=mask)
+out.sum().backward()
+print(tuple(out.shape), out.dtype, tuple(q.grad.shape), tuple(k.grad.shape), tuple(v.grad.shape))
+print("above", torch.cuda.max_memory_allocated() - before)
+"""
+
+
+def _flex(tmp_path: Path, how: str) -> list:
+    script = tmp_path / "flex.py"
+    script.write_text(FLEX)
+    done = subprocess.run([sys.executable, "-m", "memdiff", "record", "--emulate", "h100", "-o",
+                           str(tmp_path / f"{how}.pickle"), "--", "python", str(script), how],
+                          capture_output=True, text=True, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout.splitlines()
+
+
+@pytest.mark.slow
+def test_flex_attention_compiled_holds_no_scores_and_eager_holds_them(tmp_path):
+    # flex_attention reached the emulator's dispatch mode whole, with no rule for it: torchtitan's
+    # Llama 3 stopped at its first attention
+    pytest.importorskip("torch.nn.attention.flex_attention")
+    B, H, S, D, bf16 = 2, 4, 1024, 64, 2
+    shapes = f"({B}, {H}, {S}, {D}) torch.bfloat16" + f" ({B}, {H}, {S}, {D})" * 3
+    compiled, eager = _flex(tmp_path, "compiled"), _flex(tmp_path, "eager")
+    assert compiled[0] == eager[0] == shapes
+    scores = B * H * S * S * 4  # one float32 score matrix
+    # Inductor's fused kernels: the output, logsumexp and row maxima, then the three gradients
+    outputs = B * H * S * D * bf16 + 2 * B * H * S * 4
+    gradients = 3 * B * H * S * D * bf16
+    above_compiled, above_eager = int(compiled[1].split()[1]), int(eager[1].split()[1])
+    assert outputs + gradients <= above_compiled < outputs + gradients + (1 << 20)
+    # torch's dense implementation, which a GPU runs eagerly, holds the scores
+    assert above_eager > 2 * scores
+
+
+@pytest.mark.slow
+def test_a_compiled_function_on_the_second_gpu_is_planned_by_inductor_and_stays_there(tmp_path):
+    # rank 1 of a torchrun job builds its block mask on `cuda:1` inside a compiled function; Inductor,
+    # which plans every graph on `cuda:0`, failed on the mix and the graph ran eagerly (noted); and
+    # the wrapper's `set_device(0)` put its buffers, and the process's current GPU, on cuda:0
+    from memdiff import api
+
+    source = ("import torch\ntorch.cuda.set_device(1)\n\n@torch.compile\ndef f(x):\n"
+              "    return x + torch.arange(x.shape[0], device='cuda:1')\n\n"
+              "y = f(torch.randn(8, device='cuda:1'))\n"
+              "print(tuple(y.shape), y.device, torch.cuda.current_device())\n")
+    script = tmp_path / "rank1.py"
+    script.write_text(source)
+    done = subprocess.run([sys.executable, "-m", "memdiff", "record", "--emulate", "h100", "--gpus", "2", "-o",
+                           str(tmp_path / "run.pickle"), "--", "python", str(script)],
+                          capture_output=True, text=True, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.splitlines()[-1] == "(8,) cuda:1 1"
+    assert "ran Inductor's memory plan" in done.stderr and "could not plan" not in done.stderr, done.stderr
+    assert [d.device for d in api.summarize(tmp_path / "run.pickle").devices] == [1]
+
+
+# The Trainer's gradient_checkpointing=True with torch_compile=True, as our own loop: Inductor's
+# wrapper saves and replays the generator's state around the checkpointed attention's dropout.
+CHECKPOINTED = """
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel
+
+model = GPT2LMHeadModel(GPT2Config(vocab_size=1000, n_layer=2, n_head=4, n_embd=128, n_positions=256)).cuda()
+weights = sum(p.numel() * p.element_size() for p in model.parameters())
+model.gradient_checkpointing_enable()
+model.train()
+step = torch.compile(model)
+for i in range(2):
+    ids = torch.randint(0, 1000, (4, 128), device="cuda")
+    loss = step(input_ids=ids, labels=ids).loss
+    loss.backward()
+    print("step", i, tuple(loss.shape), loss.requires_grad, f"{loss.item():.4f}")
+print("weights", weights)
+"""
+
+
+@pytest.mark.slow
+def test_a_compiled_checkpointed_model_saves_and_replays_the_generators_state(tmp_path):
+    # run_and_save_rng_state reached the emulator's dispatch mode whole, with no rule for it
+    pytest.importorskip("transformers")
+    from memdiff import api
+
+    done = _emulate(tmp_path, CHECKPOINTED)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = done.stdout.splitlines()
+    assert out[:2] == ["step 0 () True 0.0000", "step 1 () True 0.0000"]
+    assert "ran Inductor's memory plan" in done.stderr and "could not plan" not in done.stderr
+    device = api.summarize(tmp_path / "run.pickle").devices[0]
+    assert device.categories["parameter"] == int(out[2].split()[1])
