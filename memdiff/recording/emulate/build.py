@@ -16,6 +16,7 @@ from typing import Any, Iterator, List, Tuple
 
 import torch
 
+from memdiff.recording.emulate import swap
 from memdiff.recording.emulate.gpus import kernels
 
 
@@ -37,11 +38,5 @@ def cuda_build_answers() -> Iterator[None]:
         (cudnn, "is_available", lambda: True),
         (nccl, "version", lambda: nccl_version),
     ]
-    saved = [(owner, name, getattr(owner, name)) for owner, name, _ in replaced]
-    for owner, name, value in replaced:
-        setattr(owner, name, value)
-    try:
+    with swap.replaced(replaced):
         yield
-    finally:
-        for owner, name, value in reversed(saved):
-            setattr(owner, name, value)

@@ -36,7 +36,7 @@ import torch
 from torch.utils._python_dispatch import _pop_mode, _push_mode
 from torch.utils._pytree import tree_leaves
 
-from memdiff.recording.emulate import autotune, flex
+from memdiff.recording.emulate import autotune, flex, swap
 from memdiff.recording.emulate.devices import names_cuda
 from memdiff.recording.emulate.runtime import Emulator
 
@@ -457,15 +457,8 @@ class Planner:
         settings = {"fx_graph_cache": False, "fx_graph_remote_cache": False, "compile_threads": 1,
                     "autotune_local_cache": False, "autotune_remote_cache": False,
                     "triton.cudagraphs": False, "joint_graph_constant_folding": False}
-        saved = [(owner, name, owner.__dict__.get(name, getattr(owner, name))) for owner, name, _ in patches]
-        for owner, name, value in patches:
-            setattr(owner, name, value)
-        try:
-            with config.patch(settings):
-                yield
-        finally:
-            for owner, name, value in reversed(saved):
-                setattr(owner, name, value)
+        with swap.replaced(patches), config.patch(settings):
+            yield
 
     def _kernel(self, source: str) -> _Kernel:
         """A Triton kernel of the wrapper, its first launch autotuned as on the GPU (autotune.py)."""

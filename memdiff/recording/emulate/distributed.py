@@ -25,6 +25,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
+from memdiff.recording.emulate import swap
 from memdiff.recording.emulate.devices import first_meta
 
 # Whatever backend the script asked for, per group: `dist.get_backend()` answers with it.
@@ -191,11 +192,9 @@ def fake_process_groups(emulator: Any) -> Iterator[None]:
         # Every torch.distributed module that imported the function by name (device_mesh, ...).
         for module_name, module in list(sys.modules.items()):
             if module_name.startswith("torch.distributed") and getattr(module, name, None) is real:
-                replaced.append((module, name, real))
-                setattr(module, name, answers[name])
+                replaced.append((module, name, answers[name]))
     for module in (dist, c10d):
-        replaced.append((module, "is_nccl_available", module.is_nccl_available))
-        setattr(module, "is_nccl_available", answers["is_nccl_available"])  # noqa: B010
+        replaced.append((module, "is_nccl_available", answers["is_nccl_available"]))
     rules = scopes()
     for name in ("_verify_params_across_processes", "_broadcast_coalesced", "Reducer"):
         real = getattr(dist, name, None)
@@ -205,13 +204,9 @@ def fake_process_groups(emulator: Any) -> Iterator[None]:
             value = _reducer(emulator, real, rules)
         else:
             value = _in_scope(emulator, rules[name.strip("_")], real)
-        replaced.append((dist, name, real))
-        setattr(dist, name, value)
-    try:
+        replaced.append((dist, name, value))
+    with swap.replaced(replaced):
         yield
-    finally:
-        for module, name, value in reversed(replaced):
-            setattr(module, name, value)
 
 
 def completed(out: Any, args: Tuple[Any, ...]) -> Any:

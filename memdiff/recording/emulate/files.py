@@ -40,7 +40,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Set, Tuple
 
 import torch
 
-from memdiff.recording.emulate import writes
+from memdiff.recording.emulate import swap, writes
 from memdiff.recording.emulate.devices import names_cuda
 from memdiff.recording.emulate.runtime import Emulator, python_frames
 from memdiff.units import format_bytes
@@ -702,14 +702,8 @@ def _moves(files: Files) -> Iterator[None]:
                (shutil, "copyfile", moving(shutil.copyfile, True)), (shutil, "copy", moving(shutil.copy, True)),
                (shutil, "copy2", moving(shutil.copy2, True)), (os, "remove", removing(os.remove)),
                (os, "unlink", removing(os.unlink))]
-    saved = [(module, name, getattr(module, name)) for module, name, _ in wrapped]
-    for module, name, value in wrapped:
-        setattr(module, name, value)
-    try:
+    with swap.replaced(wrapped):
         yield
-    finally:
-        for module, name, value in saved:
-            setattr(module, name, value)
 
 
 @contextlib.contextmanager

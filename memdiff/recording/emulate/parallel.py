@@ -27,6 +27,7 @@ from typing import Any, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
+from memdiff.recording.emulate import swap
 from memdiff.recording.emulate.runtime import EmulationError
 
 COMM = ("_broadcast", "_broadcast_out", "_broadcast_coalesced", "_scatter", "_scatter_out", "_gather", "_gather_out")
@@ -152,22 +153,11 @@ def data_parallel() -> Iterator[None]:
     own = {"_broadcast": broadcast, "_broadcast_out": broadcast_out, "_broadcast_coalesced": broadcast_coalesced,
            "_scatter": scatter, "_scatter_out": scatter_out, "_gather": gather, "_gather_out": gather_out}
     own.update({name: _nothing_moves for name in NCCL})
-    missing = object()
-    replaced: List[Tuple[Any, str, Any]] = []
-    for name, value in own.items():
-        replaced.append((torch._C, name, getattr(torch._C, name, missing)))
-        setattr(torch._C, name, value)
+    replaced: List[Tuple[Any, str, Any]] = [(torch._C, name, value) for name, value in own.items()]
     # the package's `parallel_apply` is the function, which hides its module of that name
     real = importlib.import_module("torch.nn.parallel.parallel_apply").parallel_apply
     for module_name, module in list(sys.modules.items()):
         if module_name.startswith("torch.nn.parallel") and getattr(module, "parallel_apply", None) is real:
-            replaced.append((module, "parallel_apply", real))
-            setattr(module, "parallel_apply", parallel_apply)  # noqa: B010
-    try:
+            replaced.append((module, "parallel_apply", parallel_apply))
+    with swap.replaced(replaced):
         yield
-    finally:
-        for owner, name, value in reversed(replaced):
-            if value is missing:
-                delattr(owner, name)
-            else:
-                setattr(owner, name, value)
