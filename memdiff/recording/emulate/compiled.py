@@ -28,16 +28,18 @@ import contextlib
 import copy
 import functools
 import gc
+import re
 import sys
 import types
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
-from torch.utils._python_dispatch import _pop_mode, _push_mode
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack, _pop_mode, _push_mode
 from torch.utils._pytree import tree_leaves
 
 from memdiff.recording.emulate import autotune
 from memdiff.recording.emulate.runtime import Emulator
+from memdiff.recording.emulate.values import Values
 
 INDUCTOR_NOTE = ("torch.compile ran Inductor's memory plan: Dynamo and AOTAutograd traced on the emulated GPU, "
                  "Inductor fused and planned its buffers for CUDA, and its wrapper code ran with its Triton kernels "
@@ -151,17 +153,22 @@ def _composites_as_on_the_gpu() -> Iterator[None]:
 
 
 class _Kernel:
-    """A Triton kernel of the wrapper code: launched, it writes nothing (emulation computes no values);
-    its first launch allocates what Inductor's autotuning of it does (autotune.py)."""
+    """A Triton kernel of the wrapper code: launched, it writes nothing (emulation computes no values),
+    so what it writes has no value known any more; its first launch allocates what Inductor's
+    autotuning of it does (autotune.py)."""
 
-    def __init__(self, first: Optional[Callable[[Sequence[Any]], None]] = None) -> None:
+    def __init__(self, first: Optional[Callable[[Sequence[Any]], None]] = None,
+                 written: Tuple[int, ...] = ()) -> None:
         self._first = first
+        self._written = written
 
     def run(self, *args: Any, **kwargs: Any) -> None:
         """A launch: nothing to write, but the autotuning's buffers the first time."""
         first, self._first = self._first, None
         if first is not None:
             first(args)
+        if self._written:
+            _forget([args[i] for i in self._written if i < len(args)])
 
     def __getattr__(self, name: str) -> Any:
         # grid helpers and autotuning attributes the wrapper may read
@@ -169,6 +176,24 @@ class _Kernel:
 
     def __call__(self, *args: Any, **kwargs: Any) -> None:
         """A call of a kernel's helper: nothing to do."""
+
+
+def _written(source: str) -> Tuple[int, ...]:
+    """The positions of the arguments a generated Triton kernel writes: Inductor names its
+    parameters `in_ptr*` (read), `out_ptr*` and `in_out_ptr*` (written)."""
+    found = re.search(r"^def \w+\(([^)]*)\)", source, re.MULTILINE)
+    if found is None:
+        return ()
+    names = [p.split(":")[0].strip() for p in found.group(1).split(",")]
+    return tuple(i for i, name in enumerate(names) if name.startswith(("out_ptr", "in_out_ptr")))
+
+
+def _forget(written: List[Any]) -> None:
+    """What a launch wrote has no value known any more: without this a compiled loss kept the
+    (uninitialised) value of the buffer Inductor made for it, and `loss.item()` read it."""
+    for mode in _get_current_dispatch_mode_stack():
+        if isinstance(getattr(mode, "values", None), Values):
+            mode.values.forget(written)
 
 
 def _triton_stand_in() -> Dict[str, types.ModuleType]:
@@ -429,9 +454,10 @@ class Planner:
     def _kernel(self, source: str) -> _Kernel:
         """A Triton kernel of the wrapper, its first launch autotuned as on the GPU (autotune.py)."""
         tuning = autotune.plan(source)
+        written = _written(source)
         if tuning is None or tuning.configs <= 1:
-            return _Kernel()
-        return _Kernel(lambda args: autotune.benchmark(self.emulator, tuning, args))
+            return _Kernel(written=written)
+        return _Kernel(lambda args: autotune.benchmark(self.emulator, tuning, args), written)
 
     @contextlib.contextmanager
     def _wrapper_loads(self) -> Iterator[None]:
