@@ -78,3 +78,141 @@ def test_a_compiled_models_loss_reads_back_as_every_unknown_value_does(tmp_path)
     assert steps == [(str(i), "0.0", "0.0000", "(16, 8)") for i in range(3)], done.stdout
     assert "eval 0.0" in done.stdout.splitlines()
     assert "Inductor's memory plan" in done.stderr  # the compiled route ran, not the eager fallback
+
+
+# The DDP tutorials' pattern: a Trainer that resumes from `snapshot.pt` when it is there (loaded to
+# the rank's GPU), wraps the model in DDP with `device_ids`, trains past DDP's 10th iteration (where
+# its Logger samples runtime statistics) and saves a snapshot every epoch on rank 0. The device
+# and backend are the script's own choice, so the same script runs on the CPU without emulation.
+DDP_SNAPSHOTS = """
+import os
+import sys
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data.distributed import DistributedSampler
+
+cuda = torch.cuda.is_available()
+rank = int(os.environ["LOCAL_RANK"])
+if cuda:
+    torch.cuda.set_device(rank)
+dist.init_process_group(backend="nccl" if cuda else "gloo")
+device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+model = torch.nn.Linear(256, 16).to(device)
+optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+epochs_run = 0
+if os.path.exists("snapshot.pt"):
+    snapshot = torch.load("snapshot.pt", map_location=device)
+    model.load_state_dict(snapshot["MODEL_STATE"])
+    epochs_run = snapshot["EPOCHS_RUN"]
+    print(f"Resuming training from snapshot at Epoch {epochs_run}")
+ddp = DDP(model, device_ids=[rank] if cuda else None)
+data = TensorDataset(torch.rand(192, 256), torch.rand(192, 16))
+loader = DataLoader(data, batch_size=16, sampler=DistributedSampler(data), pin_memory=cuda)
+for epoch in range(epochs_run, int(sys.argv[1])):
+    loader.sampler.set_epoch(epoch)
+    print(f"Epoch {epoch} | Batchsize: {len(next(iter(loader))[0])} | Steps: {len(loader)}")
+    for source, targets in loader:
+        optimizer.zero_grad()
+        F.mse_loss(ddp(source.to(device)), targets.to(device)).backward()
+        optimizer.step()
+    if rank == 0:
+        torch.save({"MODEL_STATE": model.state_dict(), "EPOCHS_RUN": epoch}, "snapshot.pt")
+        print(f"Epoch {epoch} | Training snapshot saved at snapshot.pt")
+dist.destroy_process_group()
+"""
+
+
+def _free_port():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_a_ddp_trainer_resumes_from_the_users_snapshot_and_prints_what_the_cpu_run_prints(tmp_path):
+    """One rank of the DDP tutorials' Trainer, run first on the CPU without emulation (it trains two
+    epochs and leaves snapshot.pt), then under emulation and on the CPU again: both resume from that
+    file and print the same lines; the emulated run leaves the file as it was, prints nothing a GPU
+    run would not (DDP's Logger found no timer for the meta device: "Time stats are currently only
+    collected for CPU and CUDA devices" on every rank), and its parameter is the model's bytes."""
+    script = tmp_path / "multinode.py"
+    script.write_text(DDP_SNAPSHOTS)
+    env = {**os.environ, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}
+
+    def cpu(epochs):
+        done = subprocess.run([sys.executable, str(script), epochs], capture_output=True, text=True, cwd=tmp_path,
+                              env={**env, "MASTER_PORT": str(_free_port())})
+        assert done.returncode == 0, done.stderr[-3000:]
+        return done.stdout
+
+    first = cpu("2")
+    assert "Epoch 1 | Training snapshot saved at snapshot.pt" in first
+    saved = (tmp_path / "snapshot.pt").read_bytes()
+    emulated = subprocess.run([sys.executable, "-m", "memdiff", "record", "--emulate", "h100", "-o",
+                               str(tmp_path / "run.pickle"), "--", "python", str(script), "3"],
+                              capture_output=True, text=True, cwd=tmp_path, env={**env, "MASTER_PORT": "1"})
+    assert emulated.returncode == 0, emulated.stderr[-3000:]
+    assert (tmp_path / "snapshot.pt").read_bytes() == saved
+    assert emulated.stdout == cpu("3")
+    assert emulated.stdout.startswith("Resuming training from snapshot at Epoch 1\nEpoch 1 | Batchsize: 16 | Steps: 12")
+    assert "Time stats" not in emulated.stderr
+    from memdiff import api
+
+    categories = api.summarize(tmp_path / "run.pickle").devices[0].categories
+    assert categories["parameter"] == (256 * 16 + 16) * 4
+
+
+# FSDP2's own example's pattern (and torchtitan's): the model is built on the meta device, sharded,
+# materialised on the GPU with `to_empty` and initialised there by `reset_parameters()`, whose
+# `nn.Linear` draws kaiming_uniform_ into each DTensor shard.
+FSDP2_META_INIT = """
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+
+dist.init_process_group("nccl")
+torch.cuda.set_device(0)
+with torch.device("meta"):
+    model = torch.nn.Sequential(*[torch.nn.Linear(512, 512) for _ in range(3)])
+for layer in model:
+    fully_shard(layer)
+fully_shard(model)
+model.to_empty(device="cuda")
+for layer in model:
+    layer.reset_parameters()
+print("sharded", all(isinstance(p, DTensor) for p in model.parameters()),
+      sorted({str(p.to_local().device) for p in model.parameters()}))
+opt = torch.optim.AdamW(model.parameters())
+for step in range(2):
+    model(torch.randn(8, 512, device="cuda")).sum().backward()
+    opt.step()
+    opt.zero_grad()
+print("done", step)
+dist.destroy_process_group()
+"""
+
+
+def test_an_fsdp2_model_made_on_the_meta_device_is_initialised_on_the_gpu_and_trains(tmp_path):
+    """`reset_parameters()` of a sharded `nn.Linear` failed in DTensor's sharding propagation: the
+    fake `uniform_` it runs there has no path on a CPU build of torch. Now it trains, and each rank
+    holds half the parameters and AdamW's two moments of them (facts of the model)."""
+    env = {**os.environ, "RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0"}
+    script = tmp_path / "fsdp.py"
+    script.write_text(FSDP2_META_INIT)
+    done = subprocess.run([sys.executable, "-m", "memdiff", "record", "--emulate", "h100", "-o",
+                           str(tmp_path / "run.pickle"), "--", "python", str(script)],
+                          capture_output=True, text=True, cwd=tmp_path, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.splitlines() == ["sharded True ['cuda:0']", "done 1"]
+    from memdiff import api
+
+    categories = api.summarize(tmp_path / "run.pickle").devices[0].categories
+    shard = 3 * (512 * 512 + 512) * 4 // 2
+    assert categories["parameter"] == shard
+    assert categories["optimizer_state"] == 2 * shard
