@@ -216,3 +216,38 @@ def test_an_fsdp2_model_made_on_the_meta_device_is_initialised_on_the_gpu_and_tr
     shard = 3 * (512 * 512 + 512) * 4 // 2
     assert categories["parameter"] == shard
     assert categories["optimizer_state"] == 2 * shard
+
+
+# Warnings torch raises for the caller's line: a sparse adjacency matrix built as the GAT example
+# builds its graph, a loss whose target broadcasts, and a tensor copy-constructed from a tensor.
+WARNS = """
+import torch
+import torch.nn.functional as F
+
+device = "cuda" if torch.cuda.is_available() else "cpu"
+edges = torch.tensor([[0, 1, 2], [1, 2, 0]])
+adjacency = torch.sparse_coo_tensor(edges, torch.ones(3), (3, 3), dtype=torch.int64)
+x = torch.randn(4, 3, device=device)
+loss = F.mse_loss(x, torch.randn(4, 1, device=device))
+copied = torch.tensor(x)
+print("done", tuple(adjacency.shape), tuple(loss.shape), tuple(copied.shape))
+"""
+
+
+def _warning_lines(stderr):
+    """(file:line, category) of each warning, the file without its folder."""
+    found = (re.match(r"^(?:\S*[/\\])?([^/\\\s]+:\d+): (\w*Warning):", line) for line in stderr.splitlines())
+    return [m.groups() for m in found if m]
+
+
+def test_warnings_name_the_scripts_line_as_without_emulation(tmp_path):
+    """Each warning names the script's line that called torch, as the same script run without
+    emulation does; it named the emulator's own line (`modes.py:214: UserWarning`)."""
+    emulated = _emulate(tmp_path, WARNS)
+    assert emulated.returncode == 0, emulated.stderr[-3000:]
+    plain = subprocess.run([sys.executable, str(tmp_path / "train.py")], capture_output=True, text=True, cwd=tmp_path)
+    assert plain.returncode == 0, plain.stderr[-3000:]
+    expected = _warning_lines(plain.stderr)
+    assert [where for where, _ in expected] == ["train.py:7", "train.py:9", "train.py:10"]
+    assert _warning_lines(emulated.stderr) == expected
+    assert emulated.stdout == plain.stdout

@@ -16,7 +16,7 @@ def start(emulator: Emulator) -> contextlib.ExitStack:
     import torch
 
     use_torch(torch)
-    from memdiff.recording.emulate import distributed, files, legacy, parallel, patches, rnn
+    from memdiff.recording.emulate import distributed, files, legacy, parallel, patches, rnn, warnlines
     from memdiff.recording.emulate.autocast import Autocast
     from memdiff.recording.emulate.host import Host
     from memdiff.recording.emulate.modes import AllocMode, DeviceMode
@@ -32,6 +32,7 @@ def start(emulator: Emulator) -> contextlib.ExitStack:
     stack.enter_context(distributed.fake_process_groups(emulator))
     stack.enter_context(parallel.data_parallel())
     stack.enter_context(files.guarded(emulator))
+    stack.enter_context(warnlines.at_the_script())
     stack.enter_context(emulator.device_mode)
     stack.enter_context(AllocMode(emulator))
     return stack
