@@ -251,3 +251,48 @@ def test_warnings_name_the_scripts_line_as_without_emulation(tmp_path):
     assert [where for where, _ in expected] == ["train.py:7", "train.py:9", "train.py:10"]
     assert _warning_lines(emulated.stderr) == expected
     assert emulated.stdout == plain.stdout
+
+
+# A checkpointer that makes a folder per save, as the FSDP2 example's does (`checkpoints/<time>/`),
+# and finds the latest one at start; beside it, a folder the run makes for a host-only file.
+FOLDERS = """
+import json
+import os
+import pathlib
+import torch
+
+root = "checkpoints/dtensor_api"
+found = sorted(os.listdir(root)) if os.path.isdir(root) else []
+print("resuming from", found[-1] if found else None)
+model = torch.nn.Linear(8, 8).cuda()
+folder = f"{root}/{len(found) + 1000}"
+os.makedirs(folder, exist_ok=True)
+torch.save(model.state_dict(), f"{folder}/model_state_dict.pt")
+print("saved", os.path.isdir(folder))
+pathlib.Path("logs/run").mkdir(parents=True)
+with open("logs/run/config.json", "w") as f:
+    json.dump({"width": 8}, f)
+os.makedirs("kept/sub")
+torch.save(model.state_dict(), "kept/sub/model.pt")
+"""
+
+
+def test_folders_made_only_for_unwritten_checkpoints_are_not_left_for_the_next_run(tmp_path):
+    """Left empty, the folder of a checkpoint that was not written made the next run of the FSDP2
+    example resume from it and fail to load `model_state_dict.pt`. The run sees its folders while
+    it runs; when it ends, those it made that hold nothing but skipped saves are gone, so a second
+    run starts afresh as the first did; a folder the user had, or one with a file written into
+    it, stays."""
+    (tmp_path / "kept").mkdir()
+    (tmp_path / "kept" / "notes.txt").write_text("the user's")
+    for _ in range(2):  # the second run finds no folder of the first's
+        done = _emulate(tmp_path, FOLDERS)
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert done.stdout.splitlines() == ["resuming from None", "saved True"], done.stdout
+        assert not (tmp_path / "checkpoints").exists()
+        assert not (tmp_path / "kept" / "sub").exists()
+        assert (tmp_path / "kept" / "notes.txt").read_text() == "the user's"
+        assert (tmp_path / "logs" / "run" / "config.json").read_text() == '{"width": 8}'
+        (tmp_path / "logs" / "run" / "config.json").unlink()
+        (tmp_path / "logs" / "run").rmdir()
+        (tmp_path / "logs").rmdir()
