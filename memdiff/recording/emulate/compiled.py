@@ -296,6 +296,7 @@ class Planner:
 
         self.traced = True
         kept = copy.deepcopy(gm)  # compile_fx changes the graph it is given: this one runs eagerly if need be
+        _autocast_as_on_the_gpu(gm)
         try:
             # the backward graph lowered now, not at the first backward: a failure is caught here
             with self._inductor_on_this_machine(), functorch_config.patch(force_non_lazy_backward_lowering=True):
@@ -497,6 +498,40 @@ class Planner:
             if not had_stream:
                 delattr(torch._C, "_cuda_getCurrentRawStream")
             setattr(PyCodeCache, "load_by_key_path", load)  # noqa: B010
+
+
+def _autocast_as_on_the_gpu(gm: torch.fx.GraphModule) -> None:
+    """Each call of Dynamo's graph that CUDA's autocast casts for (autocast.json's lists: `linear`
+    to bfloat16, `layer_norm` to float32, ...) made through the emulator's autocast while AOTAutograd
+    traces it. On a GPU the casts come from the dispatcher's AutocastCUDA key as the graph is traced;
+    meta tensors have none, so nanoGPT's model compiled under `torch.autocast("cuda", bfloat16)`
+    ran its products and kept its activations in float32 (2.37 GiB where the eager model's peak was
+    1.64 GiB). Attention casts its own inputs (the device mode's choice of kernel)."""
+    from memdiff.recording.emulate.autocast import FP32, LOWER, PROMOTE, Autocast
+    from memdiff.recording.emulate.modes import aten_name
+
+    if Autocast.dtype() is None:  # Dynamo guards on autocast's state: this graph runs without it
+        return
+    listed = LOWER | FP32 | PROMOTE
+    casts = Autocast()  # this graph's own cache of casted weights: its casts are nodes of its trace
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or not callable(node.target):
+            continue
+        name = aten_name(node.target)
+        if name in listed and name != "scaled_dot_product_attention":
+            node.target = _cast_for(node.target, name, casts)
+    gm.recompile()
+
+
+def _cast_for(target: Callable[..., Any], name: str, casts: Any) -> Callable[..., Any]:
+    """`target` called with its arguments as CUDA's autocast gives them, when autocast is on."""
+    @functools.wraps(target)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        cast = casts.cast(name, args, kwargs)
+        if cast is not None:
+            args, kwargs = cast
+        return target(*args, **kwargs)
+    return call
 
 
 class _DeviceGuard:
