@@ -28,17 +28,19 @@ import contextlib
 import copy
 import functools
 import gc
+import re
 import sys
 import types
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
-from torch.utils._python_dispatch import _pop_mode, _push_mode
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack, _pop_mode, _push_mode
 from torch.utils._pytree import tree_leaves
 
 from memdiff.recording.emulate import autotune, flex, swap
 from memdiff.recording.emulate.devices import names_cuda
 from memdiff.recording.emulate.runtime import Emulator
+from memdiff.recording.emulate.values import Values
 
 INDUCTOR_NOTE = ("torch.compile ran Inductor's memory plan: Dynamo and AOTAutograd traced on the emulated GPU, "
                  "Inductor fused and planned its buffers for CUDA, and its wrapper code ran with its Triton kernels "
@@ -175,17 +177,22 @@ def _composites_as_on_the_gpu() -> Iterator[None]:
 
 
 class _Kernel:
-    """A Triton kernel of the wrapper code: launched, it writes nothing (emulation computes no values);
-    its first launch allocates what Inductor's autotuning of it does (autotune.py)."""
+    """A Triton kernel of the wrapper code: launched, it writes nothing (emulation computes no values),
+    so what it writes has no value known any more; its first launch allocates what Inductor's
+    autotuning of it does (autotune.py)."""
 
-    def __init__(self, first: Optional[Callable[[Sequence[Any]], None]] = None) -> None:
+    def __init__(self, first: Optional[Callable[[Sequence[Any]], None]] = None,
+                 written: Tuple[int, ...] = ()) -> None:
         self._first = first
+        self._written = written
 
     def run(self, *args: Any, **kwargs: Any) -> None:
         """A launch: nothing to write, but the autotuning's buffers the first time."""
         first, self._first = self._first, None
         if first is not None:
             first(args)
+        if self._written:
+            _forget([args[i] for i in self._written if i < len(args)])
 
     def __getattr__(self, name: str) -> Any:
         # grid helpers and autotuning attributes the wrapper may read
@@ -193,6 +200,24 @@ class _Kernel:
 
     def __call__(self, *args: Any, **kwargs: Any) -> None:
         """A call of a kernel's helper: nothing to do."""
+
+
+def _written(source: str) -> Tuple[int, ...]:
+    """The positions of the arguments a generated Triton kernel writes: Inductor names its
+    parameters `in_ptr*` (read), `out_ptr*` and `in_out_ptr*` (written)."""
+    found = re.search(r"^def \w+\(([^)]*)\)", source, re.MULTILINE)
+    if found is None:
+        return ()
+    names = [p.split(":")[0].strip() for p in found.group(1).split(",")]
+    return tuple(i for i, name in enumerate(names) if name.startswith(("out_ptr", "in_out_ptr")))
+
+
+def _forget(written: List[Any]) -> None:
+    """What a launch wrote has no value known any more: without this a compiled loss kept the
+    (uninitialised) value of the buffer Inductor made for it, and `loss.item()` read it."""
+    for mode in _get_current_dispatch_mode_stack():
+        if isinstance(getattr(mode, "values", None), Values):
+            mode.values.forget(written)
 
 
 def _triton_stand_in() -> Dict[str, types.ModuleType]:
@@ -301,6 +326,7 @@ class Planner:
 
         self.traced = True
         kept = copy.deepcopy(gm)  # compile_fx changes the graph it is given: this one runs eagerly if need be
+        _autocast_as_on_the_gpu(gm)
         try:
             # the backward graph lowered now, not at the first backward: a failure is caught here
             with self._inductor_on_this_machine(), functorch_config.patch(force_non_lazy_backward_lowering=True):
@@ -463,9 +489,10 @@ class Planner:
     def _kernel(self, source: str) -> _Kernel:
         """A Triton kernel of the wrapper, its first launch autotuned as on the GPU (autotune.py)."""
         tuning = autotune.plan(source)
+        written = _written(source)
         if tuning is None or tuning.configs <= 1:
-            return _Kernel()
-        return _Kernel(lambda args: autotune.benchmark(self.emulator, tuning, args))
+            return _Kernel(written=written)
+        return _Kernel(lambda args: autotune.benchmark(self.emulator, tuning, args), written)
 
     @contextlib.contextmanager
     def _wrapper_loads(self) -> Iterator[None]:
@@ -505,6 +532,40 @@ class Planner:
             if not had_stream:
                 delattr(torch._C, "_cuda_getCurrentRawStream")
             setattr(PyCodeCache, "load_by_key_path", load)  # noqa: B010
+
+
+def _autocast_as_on_the_gpu(gm: torch.fx.GraphModule) -> None:
+    """Each call of Dynamo's graph that CUDA's autocast casts for (autocast.json's lists: `linear`
+    to bfloat16, `layer_norm` to float32, ...) made through the emulator's autocast while AOTAutograd
+    traces it. On a GPU the casts come from the dispatcher's AutocastCUDA key as the graph is traced;
+    meta tensors have none, so nanoGPT's model compiled under `torch.autocast("cuda", bfloat16)`
+    ran its products and kept its activations in float32 (2.37 GiB where the eager model's peak was
+    1.64 GiB). Attention casts its own inputs (the device mode's choice of kernel)."""
+    from memdiff.recording.emulate.autocast import FP32, LOWER, PROMOTE, Autocast
+    from memdiff.recording.emulate.modes import aten_name
+
+    if Autocast.dtype() is None:  # Dynamo guards on autocast's state: this graph runs without it
+        return
+    listed = LOWER | FP32 | PROMOTE
+    casts = Autocast()  # this graph's own cache of casted weights: its casts are nodes of its trace
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or not callable(node.target):
+            continue
+        name = aten_name(node.target)
+        if name in listed and name != "scaled_dot_product_attention":
+            node.target = _cast_for(node.target, name, casts)
+    gm.recompile()
+
+
+def _cast_for(target: Callable[..., Any], name: str, casts: Any) -> Callable[..., Any]:
+    """`target` called with its arguments as CUDA's autocast gives them, when autocast is on."""
+    @functools.wraps(target)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        cast = casts.cast(name, args, kwargs)
+        if cast is not None:
+            args, kwargs = cast
+        return target(*args, **kwargs)
+    return call
 
 
 class _DeviceGuard:

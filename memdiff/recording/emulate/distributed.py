@@ -168,6 +168,23 @@ def _reducer(emulator: Any, real: Any, rules: Dict[str, Any]) -> Any:
     return Reducer
 
 
+def _logger(real: Any) -> Any:
+    """DDP's Logger, without the runtime statistics it samples at the 10th, 20th, ... forward: it
+    times the forward and backward with the device's timer, the meta device has none, and C++ said
+    so on every rank's stderr ("Time stats are currently only collected for CPU and CUDA devices"),
+    a line a GPU run never prints. The emulated device takes no time to time; the construction's
+    logging data (`_get_ddp_logging_data()`) is the real Logger's."""
+
+    class Logger(real):
+        __doc__ = real.__doc__
+
+        def set_runtime_stats_and_log(self) -> None:
+            """Nothing to sample on the emulated device."""
+    Logger.__name__ = Logger.__qualname__ = real.__name__
+    Logger.__module__ = real.__module__
+    return Logger
+
+
 @contextlib.contextmanager
 def fake_process_groups(emulator: Any) -> Iterator[None]:
     """For the block: every process group torch.distributed makes is the fake one (no communication),
@@ -196,12 +213,14 @@ def fake_process_groups(emulator: Any) -> Iterator[None]:
     for module in (dist, c10d):
         replaced.append((module, "is_nccl_available", answers["is_nccl_available"]))
     rules = scopes()
-    for name in ("_verify_params_across_processes", "_broadcast_coalesced", "Reducer"):
+    for name in ("_verify_params_across_processes", "_broadcast_coalesced", "Reducer", "Logger"):
         real = getattr(dist, name, None)
         if real is None:
             continue
         if name == "Reducer":
             value = _reducer(emulator, real, rules)
+        elif name == "Logger":
+            value = _logger(real)
         else:
             value = _in_scope(emulator, rules[name.strip("_")], real)
         replaced.append((dist, name, value))

@@ -109,6 +109,11 @@ class Files:
         self.aside: Dict[str, str] = {}
         self.temporaries: Set[str] = set()  # every such temporary file, removed when the emulator stops
         self.writing: "weakref.WeakValueDictionary[str, Any]" = weakref.WeakValueDictionary()  # open ones, by path
+        # Folders the script made in this run (absolute, in the order made), and every folder a
+        # skipped save's path lies in: one left empty only because its saves were skipped is
+        # removed when the emulator stops (_folders).
+        self.made: List[str] = []
+        self.around_unwritten: Set[str] = set()
 
     # -- host memory read back from the device --------------------------------------------------
 
@@ -268,7 +273,12 @@ class Files:
         what the real run writes, where it is not the payload's bytes of tensor data."""
         target, existed = where
         if existed is not None:
-            self.unwritten.add(os.path.abspath(target))
+            full = os.path.abspath(target)
+            self.unwritten.add(full)
+            folder = os.path.dirname(full)
+            while folder not in self.around_unwritten and folder != os.path.dirname(folder):
+                self.around_unwritten.add(folder)
+                folder = os.path.dirname(folder)
         if target in self.targets:
             return
         self.targets.add(target)
@@ -707,6 +717,41 @@ def _moves(files: Files) -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def _folders(files: Files) -> Iterator[None]:
+    """Folders made for checkpoints that were not written: removed when the emulator stops if they
+    are empty. A script makes `checkpoints/<time>/` and saves into it; left there empty, the next
+    run took it for its latest checkpoint and failed to load a file that was never written (the
+    FSDP2 example's second run). A folder the user had, or one holding anything, stays. A launched
+    rank's emulator never stops (it runs until the process ends), so this also runs at exit."""
+    import atexit
+
+    real = os.mkdir  # os.makedirs and pathlib's mkdir call it
+    owner = os.getpid()
+
+    def mkdir(path: Any, *args: Any, **kwargs: Any) -> None:
+        real(path, *args, **kwargs)
+        if isinstance(path, (str, os.PathLike)):
+            files.made.append(os.path.abspath(os.fsdecode(path)))
+
+    def tidy() -> None:
+        if os.getpid() != owner:  # a forked worker's exit: the folders are the parent's
+            return
+        for folder in reversed(files.made):
+            if folder in files.around_unwritten:
+                with contextlib.suppress(OSError):  # not empty, or gone: left as it is
+                    os.rmdir(folder)
+        files.made.clear()
+    os.mkdir = mkdir
+    atexit.register(tidy)
+    try:
+        yield
+    finally:
+        os.mkdir = real
+        tidy()
+        atexit.unregister(tidy)
+
+
+@contextlib.contextmanager
 def guarded(emulator: Emulator) -> Iterator[Files]:
     """Guard the user's files while the emulator runs; everything is put back on exit."""
     global _active
@@ -723,7 +768,7 @@ def guarded(emulator: Emulator) -> Iterator[Files]:
     rng = _mark_rng_states()
     previous, _active = _active, files
     try:
-        with _moves(files), writes.guarded(files):
+        with _folders(files), _moves(files), writes.guarded(files):
             yield files
     finally:
         _active = previous

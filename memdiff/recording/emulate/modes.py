@@ -339,6 +339,13 @@ class AllocMode(TorchDispatchMode):
             # A fake tensor mode is on (DTensor's sharding propagation runs each op on fake tensors
             # of its global shape): it makes no memory on the GPU, and its fake tensors answer their
             # own metadata (`prim::device`). Infra modes run below this one, so it sees these first.
+            if _draws_in_place(func):
+                # What a draw into a tensor gives is that tensor. The fake mode would run torch's
+                # decomposition of `uniform_`, whose `prims::uniform` on a fake `cuda` tensor fails
+                # on a CPU build ("not linked with support for cuda devices"): FSDP2's
+                # `reset_parameters()` of a model made on the meta device (`nn.Linear`'s
+                # kaiming_uniform_) failed in DTensor's sharding propagation.
+                return args[0]
             return func(*args, **(kwargs or {}))
         # Below autograd a tensor is what it is: the device mode (on during a backward) must not tell
         # this code that a meta tensor is cuda.
@@ -520,6 +527,15 @@ class AllocMode(TorchDispatchMode):
         elif name.endswith("_record_function_exit") and self.scopes:
             self.emulator.annotate("END", self.scopes.pop())
         return out
+
+
+@functools.lru_cache(maxsize=None)
+def _draws_in_place(func: Any) -> bool:
+    """Whether an op fills its first argument with random numbers (`uniform_`, `normal_`, ...)."""
+    schema = func._schema
+    first = schema.arguments[0] if schema.arguments else None
+    return (torch.Tag.nondeterministic_seeded in func.tags and first is not None
+            and first.alias_info is not None and first.alias_info.is_write)
 
 
 @functools.lru_cache(maxsize=None)

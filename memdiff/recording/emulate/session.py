@@ -27,6 +27,7 @@ def start(emulator: Emulator) -> contextlib.ExitStack:
         rmsnorm,
         rngstate,
         rnn,
+        warnlines,
     )
     from memdiff.recording.emulate.autocast import Autocast
     from memdiff.recording.emulate.host import Host
@@ -45,6 +46,7 @@ def start(emulator: Emulator) -> contextlib.ExitStack:
     stack.enter_context(distributed.fake_process_groups(emulator))
     stack.enter_context(parallel.data_parallel())
     stack.enter_context(files.guarded(emulator))
+    stack.enter_context(warnlines.at_the_script())
     stack.enter_context(emulator.device_mode)
     stack.enter_context(flex.flex_attention_kernels(AllocMode))
     stack.enter_context(rngstate.rng_state_operators(AllocMode))

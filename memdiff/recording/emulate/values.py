@@ -24,6 +24,11 @@ MAX_ELEMENTS = 1 << 16
 # Checks that set a flag only when they find an inf or a NaN (GradScaler's): emulated tensors hold
 # no such value, so the flag keeps the value it had (no overflow), and the scale grows as on a GPU.
 FINITE_CHECKS = {"_amp_foreach_non_finite_check_and_unscale_", "_amp_non_finite_check_and_unscale_"}
+# Factories of uninitialised memory: run on the CPU they would give whatever the host's allocator
+# left there, a value that changes from run to run (a compiled loss read back as -1.9e+32). They
+# hold zeros, as values the emulator does not have read back, so what fills them later
+# (`fill_`, `copy_` of known values) still computes, and the same script gives the same snapshot.
+UNINITIALISED = {"empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided", "empty_permuted"}
 CPU = torch.device("cpu")
 # Boolean ops whose result one operand decides alone: `x | True` is true and `x & False` false (and
 # `n & 0` zero) whatever x is. Hugging Face's generate() stops on
@@ -32,10 +37,6 @@ CPU = torch.device("cpu")
 # generate() never stopped.
 ABSORBING = {"bitwise_or": True, "logical_or": True, "bitwise_or_": True, "logical_or_": True,
              "bitwise_and": False, "logical_and": False, "bitwise_and_": False, "logical_and_": False}
-# Ops whose outputs hold whatever the memory held: their CPU copies would be the host's uninitialised
-# memory, read back as any number (a compiled graph's loss, an Inductor buffer no dispatched op
-# writes). The emulated device's memory reads as zeros instead, the same every run.
-UNINITIALISED = {"empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided", "empty_permuted"}
 
 
 class Values:
@@ -60,8 +61,17 @@ class Values:
             for t in outputs + written:
                 self.known.pop(t, None)
             return
+        if func._schema.name.split("::", 1)[-1] in UNINITIALISED:
+            computed = [torch.zeros_like(value) for value in computed]
         for t, value in zip(outputs, computed):
             self.known[t] = value
+
+    def forget(self, written: Any) -> None:
+        """Tensors written by code the emulator does not run (a compiled graph's Triton kernels):
+        their values are no longer known."""
+        for t in tree_leaves(written):
+            if isinstance(t, torch.Tensor):
+                self.known.pop(t, None)
 
     def _compute(self, func: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any], outputs: list) -> Optional[list]:
         if torch.Tag.nondeterministic_seeded in func.tags or any(t.numel() > MAX_ELEMENTS for t in outputs):
@@ -84,8 +94,6 @@ class Values:
             result = func(*cpu_args, **cpu_kwargs)
         except Exception:  # an op the CPU does not run as the device would (dtype support): no value
             return None
-        if func._schema.name.split("::", 1)[-1] in UNINITIALISED:
-            result = result.zero_()
         values = [t for t in tree_leaves(result) if isinstance(t, torch.Tensor)]
         if len(values) != len(outputs) or any(v.shape != t.shape for v, t in zip(values, outputs)):
             return None
