@@ -202,6 +202,55 @@ def test_flex_attention_compiled_holds_no_scores_and_eager_holds_them(tmp_path):
     assert above_eager > 2 * scores
 
 
+# The same attention inside a module compiled whole with Inductor options or dynamic shapes (which
+# the emulator runs eagerly): on the GPU Inductor fuses the flex_attention inside it.
+FLEX_MODULE = """
+import sys
+import torch
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+B, H, S, D = 2, 4, 1024, 64
+
+def causal(b, h, q, kv):
+    return q >= kv
+
+class Attention(torch.nn.Module):
+    def forward(self, q, k, v, mask):
+        return flex_attention(q, k, v, block_mask=mask)
+
+mask = create_block_mask(causal, B=None, H=None, Q_LEN=S, KV_LEN=S, device="cuda")
+how = {"options": {"options": {"max_autotune": False}}, "dynamic": {"dynamic": True}}[sys.argv[1]]
+attend = torch.compile(Attention(), **how)
+q, k, v = (torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+torch.cuda.reset_peak_memory_stats()
+before = torch.cuda.memory_allocated()
+out = attend(q, k, v, mask)
+out.sum().backward()
+print(tuple(out.shape), out.dtype, tuple(q.grad.shape), tuple(k.grad.shape), tuple(v.grad.shape))
+print("above", torch.cuda.max_memory_allocated() - before)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["options", "dynamic"])
+def test_flex_attention_in_a_module_compiled_with_options_holds_no_scores(tmp_path, how):
+    # a module compiled with Inductor options was not marked compiled: its flex_attention was taken
+    # for an eager call and held the dense float32 scores (2 x 4 x 1024 x 1024 x 4 bytes, 32 MiB)
+    pytest.importorskip("torch.nn.attention.flex_attention")
+    script = tmp_path / "flex_module.py"
+    script.write_text(FLEX_MODULE)
+    done = subprocess.run([sys.executable, "-m", "memdiff", "record", "--emulate", "h100", "-o",
+                           str(tmp_path / "run.pickle"), "--", "python", str(script), how],
+                          capture_output=True, text=True, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = done.stdout.splitlines()
+    B, H, S, D, bf16 = 2, 4, 1024, 64, 2
+    assert out[0] == f"({B}, {H}, {S}, {D}) torch.bfloat16" + f" ({B}, {H}, {S}, {D})" * 3
+    outputs = B * H * S * D * bf16 + 2 * B * H * S * 4  # output, logsumexp, row maxima
+    gradients = 3 * B * H * S * D * bf16
+    assert outputs + gradients <= int(out[1].split()[1]) < outputs + gradients + (1 << 20)
+
+
 @pytest.mark.slow
 def test_a_compiled_function_on_the_second_gpu_is_planned_by_inductor_and_stays_there(tmp_path):
     # rank 1 of a torchrun job builds its block mask on `cuda:1` inside a compiled function; Inductor,

@@ -250,8 +250,12 @@ class Planner:
             self.emulator.note(EAGER_NOTE.format(why=why))
             # Inductor compiles it on the GPU (another backend does not: torch's own eager
             # flex_attention compiles with backend="eager")
-            if kwargs.get("backend", "inductor") != "inductor" or isinstance(model, torch.nn.Module) or \
-                    not callable(model):
+            if kwargs.get("backend", "inductor") != "inductor" or not callable(model):
+                return model
+            if isinstance(model, torch.nn.Module):
+                # its calls, hooks included, as `Module.compile` routes them: FlexAttention inside
+                # it was taken for an eager call (the dense scores) while a compiled function's was not
+                model._compiled_call_impl = _fused_as_compiled(model._call_impl)
                 return model
             return functools.wraps(model)(_fused_as_compiled(model))
         options = {k: v for k, v in kwargs.items() if k in ("fullgraph", "disable")}
@@ -365,7 +369,9 @@ class Planner:
         return run
 
     def _eager(self, gm: torch.fx.GraphModule) -> Callable[..., Any]:
-        """Dynamo's graph run as its ops, with the emulator's modes on."""
+        """Dynamo's graph run as its ops, with the emulator's modes on; its FlexAttention as the
+        fused kernels Inductor makes of it on the GPU."""
+        @_fused_as_compiled
         def eager(*args: Any) -> Any:
             if self.saved is None:
                 return gm(*args)
