@@ -218,7 +218,11 @@ class Files:
         flatten = getattr(type(t), "__tensor_flatten__", None)
         if flatten is not None:  # DTensor and other wrappers: what a rank writes is its local tensors
             for name in t.__tensor_flatten__()[0]:
-                self._tensor(getattr(t, name), payload, whole)
+                inner = getattr(t, name)
+                # torch 2.13's DTensor names its `device_mesh` there too, which holds no data a
+                # rank writes (FSDP2's sharded parameters in a checkpoint's state dict)
+                if isinstance(inner, torch.Tensor):
+                    self._tensor(inner, payload, whole)
             return
         if t.layout != torch.strided:
             if t.is_meta:
