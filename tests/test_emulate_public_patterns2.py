@@ -202,8 +202,9 @@ def test_flex_attention_compiled_holds_no_scores_and_eager_holds_them(tmp_path):
     assert above_eager > 2 * scores
 
 
-# The same attention inside a module compiled whole with Inductor options or dynamic shapes (which
-# the emulator runs eagerly): on the GPU Inductor fuses the flex_attention inside it.
+# The same attention inside a compiled module: with Inductor options or dynamic shapes (which the
+# emulator runs eagerly), or planned by Inductor (Dynamo traces flex_attention on the meta device).
+# On the GPU Inductor fuses the flex_attention inside it.
 FLEX_MODULE = """
 import sys
 import torch
@@ -219,8 +220,12 @@ class Attention(torch.nn.Module):
         return flex_attention(q, k, v, block_mask=mask)
 
 mask = create_block_mask(causal, B=None, H=None, Q_LEN=S, KV_LEN=S, device="cuda")
-how = {"options": {"options": {"max_autotune": False}}, "dynamic": {"dynamic": True}}[sys.argv[1]]
-attend = torch.compile(Attention(), **how)
+how = {"options": {"options": {"max_autotune": False}}, "dynamic": {"dynamic": True}, "default": {}}
+if sys.argv[1] == "method":  # torchtitan's `transformer_block.compile(...)`
+    attend = Attention()
+    attend.compile()
+else:
+    attend = torch.compile(Attention(), **how[sys.argv[1]])
 q, k, v = (torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
 torch.cuda.reset_peak_memory_stats()
 before = torch.cuda.memory_allocated()
@@ -232,10 +237,12 @@ print("above", torch.cuda.max_memory_allocated() - before)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("how", ["options", "dynamic"])
+@pytest.mark.parametrize("how", ["options", "dynamic", "default", "method"])
 def test_flex_attention_in_a_module_compiled_with_options_holds_no_scores(tmp_path, how):
     # a module compiled with Inductor options was not marked compiled: its flex_attention was taken
-    # for an eager call and held the dense float32 scores (2 x 4 x 1024 x 1024 x 4 bytes, 32 MiB)
+    # for an eager call and held the dense float32 scores (2 x 4 x 1024 x 1024 x 4 bytes, 32 MiB);
+    # compiled without options, Dynamo's trace stopped at flex_attention's device check ("only
+    # supported on CUDA, CPU, HPU, or MPS devices": the meta device), exit 1
     pytest.importorskip("torch.nn.attention.flex_attention")
     script = tmp_path / "flex_module.py"
     script.write_text(FLEX_MODULE)
@@ -289,6 +296,51 @@ def test_an_fsdp2_models_checkpoint_is_said_with_its_shards_bytes(tmp_path):
         assert f"{call} to {path} not written" in done.stderr
         said = done.stderr.split(f"{call} to {path} not written")[1].splitlines()[0]
         assert f"{weights:,} bytes of tensor data" in said
+
+
+# torchtitan's `--compile.enable`: each block compiled by `Module.compile`, then sharded by FSDP2,
+# whose hooks (all-gather before the forward, reshard after) Dynamo does not trace.
+FSDP2_COMPILED_BLOCKS = """
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
+
+dist.init_process_group("nccl")
+torch.cuda.set_device(0)
+model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.GELU())
+                              for _ in range(3)]).cuda()
+for block in model:
+    block.compile()
+    fully_shard(block)
+fully_shard(model)
+opt = torch.optim.AdamW(model.parameters())
+for step in range(2):
+    model(torch.randn(8, 256, device="cuda")).sum().backward()
+    opt.step()
+    opt.zero_grad()
+print("done", step)
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.slow
+def test_fsdp2_blocks_compiled_by_module_compile_train(tmp_path):
+    # FSDP2's all-gather ran inside the compiled call with the emulator's modes off: "Could not run
+    # 'aten::empty.memory_format' with arguments from the 'CUDA' backend" (exit 1)
+    script = tmp_path / "blocks.py"
+    script.write_text(FSDP2_COMPILED_BLOCKS)
+    env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": "1"}
+    done = subprocess.run([sys.executable, "-m", "memdiff", "record", "--emulate", "h100", "-o",
+                           str(tmp_path / "run.pickle"), "--", "python", str(script)],
+                          capture_output=True, text=True, cwd=tmp_path, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.splitlines() == ["done 1"]
+    assert "torch.compile ran Inductor's memory plan" in done.stderr
+    from memdiff import api
+
+    categories = api.summarize(tmp_path / "run.pickle").devices[0].categories
+    assert categories["parameter"] == 3 * (256 * 256 + 256) * 4
 
 
 @pytest.mark.slow

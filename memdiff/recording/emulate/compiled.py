@@ -28,6 +28,7 @@ import contextlib
 import copy
 import functools
 import gc
+import importlib
 import re
 import sys
 import types
@@ -126,6 +127,28 @@ def _cuda_factories_as_meta(planner: "Planner") -> Iterator[None]:
         yield
     finally:
         setattr(FakeTensorMode, "__torch_dispatch__", dispatch)  # noqa: B010
+
+
+@contextlib.contextmanager
+def _flex_on_meta_as_on_cuda() -> Iterator[None]:
+    """flex_attention traced by Dynamo on the emulator's meta tensors passes its device check as on
+    the GPU: it refused the meta device ("FlexAttention is only supported on CUDA, CPU, HPU, or MPS
+    devices"), which stopped a compiled model whose attention is FlexAttention (torchtitan's blocks)."""
+    try:
+        flex_module = importlib.import_module("torch.nn.attention.flex_attention")
+    except ImportError:  # a torch without FlexAttention
+        yield
+        return
+    check = getattr(flex_module, "_validate_device", None)
+    if check is None:
+        yield
+        return
+
+    def validated(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
+        if not query.is_meta:
+            check(query, key, value)
+    with swap.replaced([(flex_module, "_validate_device", validated)]):
+        yield
 
 
 def _seeded_on_cuda(factory: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
@@ -258,6 +281,14 @@ class Planner:
                 model._compiled_call_impl = _fused_as_compiled(model._call_impl)
                 return model
             return functools.wraps(model)(_fused_as_compiled(model))
+        owner = getattr(model, "__self__", None)
+        if isinstance(owner, torch.nn.Module) and getattr(model, "__func__", None) is torch.nn.Module._call_impl:
+            # `Module.compile`: its forward is planned, its hooks run as they are called. On the GPU
+            # Dynamo runs the hooks it may not trace (FSDP2's all-gathers and reshards, disabled for
+            # it) eagerly too; here they ran inside the compiled call with the emulator's modes off,
+            # and FSDP2's `empty(device="cuda")` reached the CPU build's CUDA backend.
+            owner.forward = self.compile(owner.forward, **kwargs)
+            return model
         options = {k: v for k, v in kwargs.items() if k in ("fullgraph", "disable")}
         compiled = self.original(model, backend=self._backend, dynamic=False, **options)
         if isinstance(model, torch.nn.Module):
@@ -283,7 +314,7 @@ class Planner:
             if self.saved is not None:  # a compiled call inside a compiled call: already outside
                 return call(*args, **kwargs)
             with _modes_off() as saved, _meta_tensors_as_constants(), self._attention_as_on_the_gpu(), \
-                    _composites_as_on_the_gpu(), _cuda_factories_as_meta(self):
+                    _composites_as_on_the_gpu(), _cuda_factories_as_meta(self), _flex_on_meta_as_on_cuda():
                 self.saved = saved
                 self.emulator.modes_off = True
                 try:
