@@ -9,13 +9,14 @@ ways, and so they do here:
   `sdpa_dense_backward`, with its warning that it "materializes the full scores matrix"): its ops
   run through the emulator as they run on the GPU, score matrices included;
 - inside a torch.compile that the emulator runs eagerly (Inductor `options`, as torchtitan compiles
-  flex_attention), the GPU runs Inductor's fused FlexAttention kernels, which never hold the scores:
-  their outputs are what torch's own fake implementations of the two operators give (`register_fake`
-  in torch/_higher_order_ops/flex_attention.py): the output, the logsumexp and the row maxima in
-  float32, and in the backward the gradients of query, key, value and the score_mod's captured
-  buffers (key and value's broadcast over the query's batch first, then summed, as there). Those are
-  the allocations made, under the operator's name. The kernels' own scratch (the backward's float32
-  `delta` rows, one per query row) is not modelled: an estimate of at most B x Hq x Sq x 4 bytes.
+  flex_attention; a graph Inductor could not plan here), the GPU runs Inductor's fused FlexAttention
+  kernels, which never hold the scores: their outputs are what torch's own fake implementations of
+  the two operators give (`register_fake` in torch/_higher_order_ops/flex_attention.py): the
+  output, the logsumexp and the row maxima in float32, and in the backward the gradients of query,
+  key, value and the score_mod's captured buffers (key and value's broadcast over the query's batch
+  first, then summed, as there). Those are the allocations made, under the operator's name. The
+  kernels' own scratch (the backward's float32 `delta` rows, one per query row) is not modelled: an
+  estimate of at most B x Hq x Sq x 4 bytes.
 
 A compile the emulator lowers itself (default mode, no options) traces the operator into Inductor's
 plan and never reaches this module.
