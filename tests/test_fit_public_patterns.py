@@ -35,12 +35,15 @@ def test_a_script_failing_at_a_large_batch_names_what_fit_and_the_range_below(tm
 
 
 @pytest.mark.slow
-def test_the_first_long_run_is_told_once_with_its_steps_and_log(tmp_path, torch):
+def test_dataloader_workers_train_and_the_first_long_run_is_told_once_with_its_steps(tmp_path, torch):
+    # Two DataLoader workers, as minGPT's trainer starts four: forked from the run, they must not re-run the
+    # script without the emulator (nor be refused as a daemon's children).
     from memdiff.predict.fit import Grid, run_fit
     from memdiff.recording.emulate.gpus import gpu
 
     said: List[str] = []
-    result = run_fit(["python", str(SCRIPT), "--batch_size={batch}", "--tokens=256"], [gpu("l4")], str(tmp_path),
+    result = run_fit(["python", str(SCRIPT), "--batch_size={batch}", "--tokens=256", "--workers=2"],
+                     [gpu("l4")], str(tmp_path),
                      Grid("batch", 1, 2), 1.0, [], 1, say=said.append, long_run_s=0.0)
     assert [g.value for g in result.gpus] == [2]
     assert len(said) == 1

@@ -520,8 +520,10 @@ def run_fit(command: Sequence[str], gpus: Sequence[Gpu], output: str, grid: Grid
                         daemon=True)
                 else:
                     target = _target(with_value(command, grid.name, value))
+                    # Not a daemon: a script's DataLoader workers are its children, which a daemonic process
+                    # may not start (minGPT's trainer has 4); `stop` ends the runs still going.
                     process = context.Process(target=child, args=(theirs, s.gpu.key, target, snapshot, log,
-                                                                  max_entries, rules), daemon=True)
+                                                                  max_entries, rules), daemon=False)
                 process.start()
                 theirs.close()
                 s.started(index, why)

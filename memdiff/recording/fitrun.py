@@ -130,8 +130,14 @@ def run_emulated(gpu: str, target: List[str], snapshot: str, log: str, max_entri
 def child(conn: Any, gpu: str, target: List[str], snapshot: str, log: str, max_entries: int, rules: Sequence[Any],
           change: Optional[Sequence[Tuple[str, Optional[str]]]] = None) -> None:
     """The forked process's entry: run, its output in `log`, send the outcome's dict back, close."""
+    import multiprocessing
+
     try:
         _output_to(log)
+        # The forkserver made this process its children's default start method: a script's DataLoader
+        # workers would then start afresh, without the emulator, and re-run the script from its top. A fresh
+        # `python train.py` has the platform's default (fork on Linux), which forks them from the run.
+        multiprocessing.set_start_method(None, force=True)
         outcome = run_emulated(gpu, target, snapshot, log, max_entries, rules, change)
         conn.send(outcome.to_dict())
     except KeyboardInterrupt:

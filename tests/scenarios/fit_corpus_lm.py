@@ -11,6 +11,7 @@ import argparse
 
 import torch
 from torch import nn
+from torch.utils.data import DataLoader
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--batch_size", type=int, required=True)
@@ -19,6 +20,7 @@ parser.add_argument("--vocab", type=int, default=2048)
 parser.add_argument("--bptt", type=int, default=8, help="tokens per window: one step per window of the columns")
 parser.add_argument("--width", type=int, default=256)
 parser.add_argument("--epochs", type=int, default=1)
+parser.add_argument("--workers", type=int, default=0, help="DataLoader worker processes handing out the windows")
 args = parser.parse_args()
 
 corpus = torch.randint(args.vocab, (args.tokens,))
@@ -33,7 +35,7 @@ model = nn.Sequential(nn.Embedding(args.vocab, args.width), nn.Linear(args.width
 optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
 steps = 0
 for _ in range(args.epochs):
-    for start in range(0, rows - 1, args.bptt):
+    for start in DataLoader(range(0, rows - 1, args.bptt), batch_size=None, num_workers=args.workers):
         length = min(args.bptt, rows - 1 - start)
         inputs, targets = columns[start:start + length], columns[start + 1:start + 1 + length]
         loss = nn.functional.cross_entropy(model(inputs).view(-1, args.vocab), targets.reshape(-1))
