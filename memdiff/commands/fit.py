@@ -94,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
     if args.html is not None:
         check_output(args.html)
     result = run_fit(command, [gpu(k) for k in keys], args.output, grid, args.max_memory, rules_from(args),
-                     args.jobs)
+                     args.jobs, say=lambda line: print(f"memdiff: {line}", file=sys.stderr, flush=True))
     if baseline is not None:
         result = gated(result, baseline, args.baseline)
     if args.html is not None:

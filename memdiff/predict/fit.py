@@ -27,13 +27,14 @@ import re
 import time
 from dataclasses import asdict, dataclass, field
 from itertools import zip_longest
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from memdiff import __version__
 from memdiff.compare.findings import finding
 from memdiff.errors import InputError, clip
 from memdiff.inert import text
 from memdiff.model import Finding
+from memdiff.predict.fit_notes import LONG_RUN_S, failed_above, long_run
 from memdiff.recording.emulate.gpus import Gpu
 from memdiff.recording.fitrun import FITS, OOM, checked, child, finished, launched_child, stop
 from memdiff.units import format_bytes
@@ -302,6 +303,8 @@ class Search:
             self.forecasts.append(f"from {named}: not even 1 {within}")
             return None
         index = max((i for i, v in enumerate(self.values) if v <= largest), default=-1)
+        if largest > self.values[-1]:  # the forecast is past the range: its top is run, for what it is
+            why = "largest value"
         self.forecasts.append(f"from {named}: {largest:,} {within}, the peak times {_ratio_at(ratios, largest):.3f} "
                               f"(reserved over allocated, as the runs' grows with the value)")
         return (index, why) if index >= 0 else None
@@ -457,10 +460,13 @@ def is_launched(command: Sequence[str]) -> bool:
     return bool(command) and not first.endswith(".py") and first != "-m"
 
 
-def _outcome(r: _Running, sent: Optional[Dict[str, Any]], limit: int, value: int) -> FitRun:
-    """The run's FitRun, or InputError when it failed for another reason than memory (never read as OOM)."""
+def _outcome(r: _Running, sent: Optional[Dict[str, Any]], limit: int, value: int, knob: str) -> FitRun:
+    """The run's FitRun, or InputError when it failed for another reason than memory (never read as OOM;
+    where smaller values fit, it names the --range below the value that failed)."""
     gpu = r.search.gpu.key
-    sent = checked("fit", f"{gpu} at {value:,}", sent, r.process.exitcode, r.log)
+    hint = failed_above(gpu, knob, value, [run.value for run in r.search.runs.values()
+                                                               if run.fits])
+    sent = checked("fit", f"{gpu} at {value:,}", sent, r.process.exitcode, r.log, hint)
     outcome = sent["status"]
     if outcome == FITS and sent["reserved_peak_bytes"] is not None and sent["reserved_peak_bytes"] > limit:
         outcome = OVER_LIMIT
@@ -471,9 +477,11 @@ def _outcome(r: _Running, sent: Optional[Dict[str, Any]], limit: int, value: int
 
 
 def run_fit(command: Sequence[str], gpus: Sequence[Gpu], output: str, grid: Grid, max_memory: float,
-            rules: Any, jobs: int, max_entries: int = 1_000_000) -> FitResult:
+            rules: Any, jobs: int, max_entries: int = 1_000_000, say: Callable[[str], None] = lambda _: None,
+            long_run_s: float = LONG_RUN_S) -> FitResult:
     """Search each GPU's largest value, running up to `jobs` emulated runs at a time; every snapshot is
-    kept in `output` as GPU-NAMEVALUE.pickle, with the script's output as GPU-NAMEVALUE.log."""
+    kept in `output` as GPU-NAMEVALUE.pickle, with the script's output as GPU-NAMEVALUE.log. The first run
+    that takes `long_run_s` or more is told to `say`, with how to keep runs short."""
     if not 0 < max_memory <= 1:
         raise InputError("--max-memory", f"{max_memory:g} is not a share of the GPU: give a number in (0, 1]")
     command = list(command[1:] if command and command[0] == "--" else command)
@@ -493,6 +501,7 @@ def run_fit(command: Sequence[str], gpus: Sequence[Gpu], output: str, grid: Grid
     running: List[_Running] = []
     started = time.monotonic()
     total = 0
+    told = False
     try:
         while True:
             # Turns over the GPUs, the one with the fewest runs first: each has a run going as soon as a job is free.
@@ -511,8 +520,10 @@ def run_fit(command: Sequence[str], gpus: Sequence[Gpu], output: str, grid: Grid
                         daemon=True)
                 else:
                     target = _target(with_value(command, grid.name, value))
+                    # Not a daemon: a script's DataLoader workers are its children, which a daemonic process
+                    # may not start (minGPT's trainer has 4); `stop` ends the runs still going.
                     process = context.Process(target=child, args=(theirs, s.gpu.key, target, snapshot, log,
-                                                                  max_entries, rules), daemon=True)
+                                                                  max_entries, rules), daemon=False)
                 process.start()
                 theirs.close()
                 s.started(index, why)
@@ -522,7 +533,11 @@ def run_fit(command: Sequence[str], gpus: Sequence[Gpu], output: str, grid: Grid
                 break
             for r, sent in finished(running):
                 running.remove(r)
-                r.search.finished(r.index, _outcome(r, sent, r.search.limit, r.search.values[r.index]))
+                value = r.search.values[r.index]
+                r.search.finished(r.index, _outcome(r, sent, r.search.limit, value, grid.name))
+                if sent is not None and not told and sent["seconds"] >= long_run_s:
+                    say(long_run(r.search.gpu.key, grid.name, value, sent, r.log))
+                    told = True
     finally:  # a failed run or Ctrl-C: the runs still going write what they recorded
         stop([r.process for r in running])
     return FitResult(command=command, knob=grid.name, grid=grid, max_memory=max_memory,

@@ -44,6 +44,7 @@ class RunOutcome:
     change_notes: Optional[List[str]] = None
     change_unmade: Optional[str] = None
     seen: Optional[Dict[str, Any]] = None
+    steps: Optional[int] = None  # the training steps the snapshot holds (fit's note on a long run counts them)
 
     def to_dict(self) -> Dict[str, Any]:
         """The outcome as sent back to the parent."""
@@ -65,7 +66,7 @@ def _summary_facts(path: str, rules: Sequence[Any]) -> Dict[str, Any]:
         phases[p.phase] = max(phases.get(p.phase, 0), p.peak_bytes)
     return {"peak_bytes": device.peak_bytes, "reserved_peak_bytes": device.reserved_peak_bytes,
             "phase": device.phase_at_peak, "step": device.step_at_peak, "site": site,
-            "phase_peaks": phases, "categories": dict(device.categories)}
+            "phase_peaks": phases, "categories": dict(device.categories), "steps": len(device.steps)}
 
 
 def _output_to(log: str) -> None:
@@ -123,14 +124,20 @@ def run_emulated(gpu: str, target: List[str], snapshot: str, log: str, max_entri
                       cpu_seconds=used.ru_utime + used.ru_stime,
                       change_notes=None if session is None else session.notes,
                       change_unmade=None if session is None else session.unmade(),
-                      seen=None if session is None else session.seen)
+                      seen=None if session is None else session.seen, steps=facts.get("steps"))
 
 
 def child(conn: Any, gpu: str, target: List[str], snapshot: str, log: str, max_entries: int, rules: Sequence[Any],
           change: Optional[Sequence[Tuple[str, Optional[str]]]] = None) -> None:
     """The forked process's entry: run, its output in `log`, send the outcome's dict back, close."""
+    import multiprocessing
+
     try:
         _output_to(log)
+        # The forkserver made this process its children's default start method: a script's DataLoader
+        # workers would then start afresh, without the emulator, and re-run the script from its top. A fresh
+        # `python train.py` has the platform's default (fork on Linux), which forks them from the run.
+        multiprocessing.set_start_method(None, force=True)
         outcome = run_emulated(gpu, target, snapshot, log, max_entries, rules, change)
         conn.send(outcome.to_dict())
     except KeyboardInterrupt:
@@ -213,10 +220,11 @@ def log_tail(log: str) -> str:
 
 
 def checked(command: str, where: str, sent: Optional[Dict[str, Any]], exitcode: Optional[int],
-            log: str) -> Dict[str, Any]:
+            log: str, hint: str = "") -> Dict[str, Any]:
     """What a run sent (`child`), or why it is no answer: one line (InputError, `command`'s) when the run
-    ended without a report, the emulator refused an op or the script failed for another reason than memory;
-    RuntimeError for memdiff's own failure in the run."""
+    ended without a report, the emulator refused an op or the script failed for another reason than memory
+    (`hint`, a clause the caller knows, said before the output's tail); RuntimeError for memdiff's own
+    failure in the run."""
     from memdiff.errors import InputError, clip
 
     if sent is None:
@@ -228,7 +236,7 @@ def checked(command: str, where: str, sent: Optional[Dict[str, Any]], exitcode: 
         raise InputError(command, f"the emulator cannot run the script ({where}): {sent['refused']}")
     if sent["status"] == FAILED:
         raise InputError(command, f"the script failed {where} (exit {sent['exit_status']}), not out of memory; "
-                                  f"its output ({log}): {clip(log_tail(log), 1500)}")
+                                  f"{hint}its output ({log}): {clip(log_tail(log), 1500)}")
     return sent
 
 

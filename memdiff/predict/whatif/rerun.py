@@ -100,7 +100,7 @@ class _Runner:
         ours, theirs = self.context.Pipe(duplex=False)
         process = self.context.Process(target=child, args=(theirs, self.gpu, _target(_command(self.command, change)),
                                                            snapshot, log, self.max_entries, self.rules, parts),
-                                       daemon=True)
+                                       daemon=False)  # a daemon may not start the script's DataLoader workers
         process.start()
         theirs.close()
         return _Running(index, change, process, ours, snapshot, log)
