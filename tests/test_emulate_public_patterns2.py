@@ -278,17 +278,22 @@ dist.destroy_process_group()
 """
 
 
+def _one_rank(tmp_path, script):
+    """`memdiff record --emulate h100` of a one-rank torch.distributed script, as torchrun would start it."""
+    env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": "1"}
+    return subprocess.run([sys.executable, "-m", "memdiff", "record", "--emulate", "h100", "-o",
+                           str(tmp_path / "run.pickle"), "--", "python", str(script)],
+                          capture_output=True, text=True, cwd=tmp_path, env=env)
+
+
 @pytest.mark.slow
 def test_an_fsdp2_models_checkpoint_is_said_with_its_shards_bytes(tmp_path):
     # torch 2.13's DTensor names its device mesh among its inner tensors: the save stopped with
     # "'DeviceMesh' object has no attribute 'layout'" (exit 1), torchtitan's first checkpoint too
     script = tmp_path / "save.py"
     script.write_text(FSDP2_SAVE)
-    env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": "1"}
-    done = subprocess.run([sys.executable, "-m", "memdiff", "record", "--emulate", "h100", "-o",
-                           str(tmp_path / "run.pickle"), "--", "python", str(script)],
-                          capture_output=True, text=True, cwd=tmp_path, env=env)
+    done = _one_rank(tmp_path, script)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.splitlines() == ["saved False False"]
     weights = 4 * (256 * 512 + 512 + 512 * 128 + 128)  # one rank holds every shard
@@ -329,11 +334,7 @@ def test_fsdp2_blocks_compiled_by_module_compile_train(tmp_path):
     # 'aten::empty.memory_format' with arguments from the 'CUDA' backend" (exit 1)
     script = tmp_path / "blocks.py"
     script.write_text(FSDP2_COMPILED_BLOCKS)
-    env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": "1"}
-    done = subprocess.run([sys.executable, "-m", "memdiff", "record", "--emulate", "h100", "-o",
-                           str(tmp_path / "run.pickle"), "--", "python", str(script)],
-                          capture_output=True, text=True, cwd=tmp_path, env=env)
+    done = _one_rank(tmp_path, script)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.splitlines() == ["done 1"]
     assert "torch.compile ran Inductor's memory plan" in done.stderr

@@ -99,11 +99,8 @@ def _meta_tensors_as_constants() -> Iterator[None]:
 
     def made(self: Any, *args: Any, **kwargs: Any) -> None:
         init(self, *args, **{**kwargs, "allow_non_fake_inputs": True})
-    setattr(FakeTensorMode, "__init__", made)  # noqa: B010
-    try:
+    with swap.replaced([(FakeTensorMode, "__init__", made)]):
         yield
-    finally:
-        setattr(FakeTensorMode, "__init__", init)  # noqa: B010
 
 
 @contextlib.contextmanager
@@ -122,11 +119,8 @@ def _cuda_factories_as_meta(planner: "Planner") -> Iterator[None]:
         if not planner.lowering and names_cuda(kwargs.get("device")):
             kwargs = {**kwargs, "device": torch.device("meta")}
         return dispatch(self, func, types, args, kwargs)
-    setattr(FakeTensorMode, "__torch_dispatch__", dispatched)  # noqa: B010
-    try:
+    with swap.replaced([(FakeTensorMode, "__torch_dispatch__", dispatched)]):
         yield
-    finally:
-        setattr(FakeTensorMode, "__torch_dispatch__", dispatch)  # noqa: B010
 
 
 @contextlib.contextmanager
