@@ -43,6 +43,7 @@ import torch
 from memdiff.recording.emulate import swap, writes
 from memdiff.recording.emulate.devices import names_cuda
 from memdiff.recording.emulate.runtime import Emulator, python_frames
+from memdiff.recording.emulate.tensorfiles import OnDevice
 from memdiff.units import format_bytes
 
 _active: Optional["Files"] = None  # the running emulator's, while one runs
@@ -445,61 +446,8 @@ def _safe_open(real: Callable[..., Any]) -> Callable[..., Any]:
     def safe_open(filename: Any, framework: str, device: Any = "cpu", *args: Any, **kwargs: Any) -> Any:
         if _active is None or not names_cuda(device):
             return real(filename, framework, device, *args, **kwargs)
-        return _OnDevice(real(filename, framework, "cpu", *args, **kwargs))
+        return OnDevice(real(filename, framework, "cpu", *args, **kwargs))
     return safe_open
-
-
-class _OnDevice:
-    """A safetensors file opened onto the emulated GPU (`safe_open(..., device="cuda")`, which
-    `load_file(..., device="cuda")` uses): each tensor from the header's shape and dtype, an
-    allocation on the device where the GPU makes it; its bytes are never read."""
-
-    def __init__(self, opened: Any) -> None:
-        self.opened = opened
-
-    def __enter__(self) -> "_OnDevice":
-        self.opened.__enter__()
-        return self
-
-    def __exit__(self, *exc: Any) -> Any:
-        return self.opened.__exit__(*exc)
-
-    def get_tensor(self, name: str) -> torch.Tensor:
-        """The tensor `name`, on the emulated GPU."""
-        view = self.opened.get_slice(name)
-        return torch.empty(view.get_shape(), dtype=_safetensors_dtype(view.get_dtype()), device="meta")
-
-    def get_tensors(self) -> Dict[str, torch.Tensor]:
-        """Every tensor of the file, on the emulated GPU."""
-        return {name: self.get_tensor(name) for name in self.opened.keys()}
-
-    def get_slice(self, name: str) -> "_SliceOnDevice":
-        """A slice of `name` that reads as the GPU's: indexing it allocates only what it selects."""
-        return _SliceOnDevice(self.opened.get_slice(name))
-
-    def __getattr__(self, name: str) -> Any:  # keys, metadata, offset_keys: the file's own
-        return getattr(self.opened, name)
-
-
-class _SliceOnDevice:
-    def __init__(self, view: Any) -> None:
-        self.view = view
-
-    def __getitem__(self, index: Any) -> torch.Tensor:
-        dtype = _safetensors_dtype(self.view.get_dtype())
-        # the shape indexing gives, from a host tensor that holds one element
-        shape = torch.zeros((), dtype=dtype).expand(self.view.get_shape())[index].shape
-        return torch.empty(shape, dtype=dtype, device="meta")
-
-    def __getattr__(self, name: str) -> Any:  # get_shape, get_dtype
-        return getattr(self.view, name)
-
-
-def _safetensors_dtype(name: str) -> Any:
-    from safetensors.torch import _getdtype
-
-    return _getdtype(name)
-
 
 
 def _saver(call: str, payload_of: Callable[..., Any], target_of: Callable[..., Any],
