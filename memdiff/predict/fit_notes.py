@@ -35,7 +35,7 @@ def failed_above(gpu: str, knob: str, value: int, fitting: Sequence[int]) -> str
     large batches, or that refuses them, fails there and not for lack of memory: the fit stops, as a
     failure is never taken for out of memory, and the range lets it search where the script runs)."""
     below = [v for v in fitting if v < value]
-    if not below or max(below) > value - 1:
+    if not below:
         return ""
     return (f"{gpu} trained at {knob} {max(below):,}: to search below {value:,}, give "
             f"--range {knob}={max(below)}:{value - 1}; ")
