@@ -14,7 +14,7 @@ import secrets
 import stat
 import tempfile
 import time
-from typing import BinaryIO, Callable, Optional, Sequence
+from typing import BinaryIO, Callable, List, Optional, Sequence
 
 from memdiff.errors import InputError
 from memdiff.inert import text
@@ -25,6 +25,15 @@ PIPE_READER_WAIT_S = 10.0
 TEMP_NAME_BYTES = 64
 
 Writer = Callable[[BinaryIO], object]  # what it returns (f.write's count) is ignored
+# Told of each path memdiff is about to write, and each folder it makes: an emulated run's overlay
+# (memdiff.recording.emulate.overlay_calls) lets them through to the disk as memdiff's own output (a
+# snapshot the script dumps, a window it records), while the script's own writes stay in the overlay.
+OWN_WRITES: List[Callable[[str], None]] = []
+
+
+def _own(path: str) -> None:
+    for hook in OWN_WRITES:
+        hook(path)
 
 
 def _reason(exc: OSError) -> str:
@@ -113,6 +122,7 @@ def check_output(path: str, *, in_place: bool = True, make_folder: bool = False,
     `make_folder` creates a missing folder (a recording must not be lost to one)."""
     if not path:
         raise InputError("''", "empty path: name a file to write")
+    _own(path)
     try:
         os.lstat(path)
         linked = os.path.islink(path)
@@ -324,6 +334,7 @@ def check_folder(path: str) -> None:
 
 def make_folder(path: str) -> None:
     """`check_folder`, then the folder made when missing; any failure an InputError."""
+    _own(path)
     check_folder(path)
     try:
         os.makedirs(path, exist_ok=True)

@@ -31,6 +31,7 @@ from memdiff.recording.emulate.devices import GPUS
 from memdiff.recording.emulate.escapes import escaped
 from memdiff.recording.emulate.gpus import gpu
 from memdiff.recording.emulate.gpus import names as gpu_names
+from memdiff.recording.emulate.overlay_calls import OWNED, ROOT, for_run
 from memdiff.recording.manifest import (
     MANIFEST,
     ProcessRecord,
@@ -80,6 +81,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="with --emulate: the GPUs each process sees (torch.cuda.device_count()), for a script that "
                         "starts its own ranks (torch.multiprocessing.spawn) or runs nn.DataParallel; without it, a "
                         "launcher's LOCAL_WORLD_SIZE (its processes per node), else 1")
+    p.add_argument("--keep-writes", metavar="DIR",
+                   help="with --emulate: keep what the run wrote in DIR (a new or empty folder) to look at. An "
+                        "emulated run never changes the user's files: all it writes, renames or deletes lands in an "
+                        "overlay the run reads back (DIR/upper/<absolute path>), removed after the run without this "
+                        "(docs/emulate.md, 'Your files')")
     p.add_argument("command", nargs=argparse.REMAINDER,
                    help="-- python SCRIPT ARGS | -- python -m MODULE ARGS "
                         "| with -o DIR/, any launcher: -- torchrun ...")
@@ -161,6 +167,24 @@ def _run_target(target: List[str], emulated: bool = False) -> int:
         return 1
     finally:
         sys.argv, sys.path[:] = saved_argv, saved_path
+
+
+def _say(line: str) -> None:
+    print(f"memdiff: emulation: {line}", file=sys.stderr)
+
+
+def _overlay(args: argparse.Namespace, owned: List[str], near: str, script: Optional[str]) -> Any:
+    """Under --emulate, the run's overlay (overlay_calls.for_run) over the user's working folder and the
+    script's; else nothing."""
+    if not args.emulate:
+        return contextlib.nullcontext()
+    folders = [os.getcwd()] + ([os.path.dirname(os.path.abspath(script))] if script else [])
+    return for_run(owned, args.keep_writes, near, folders, _say)
+
+
+def _script(command: List[str]) -> Optional[str]:
+    """The script a command runs (`python train.py`, `torchrun ... train.py`), if it names one."""
+    return next((c for c in command if c.endswith(".py") and os.path.isfile(c)), None)
 
 
 def is_folder(output: str) -> bool:
@@ -315,7 +339,8 @@ def _run_launcher(args: argparse.Namespace) -> int:
     else:
         env.pop(GPUS, None)
     env.pop("MEMDIFF_RECORD_RANK_PID", None)  # set by each rank for its own children, never inherited from us
-    with _Forwarding() as forwarding:
+    with _overlay(args, [folder], folder, _script(command)), _Forwarding() as forwarding:
+        env.update((k, os.environ[k]) for k in (ROOT, OWNED) if k in os.environ)
         child = subprocess.Popen(command, env=env)
         forwarding.started(child)
         child.wait()
@@ -376,6 +401,9 @@ def run(args: argparse.Namespace) -> int:
     if args.gpus is not None and not args.emulate:
         raise InputError("--gpus", "sets how many GPUs the emulated job has: give it with --emulate GPU (a real "
                                    "run sees the GPUs the machine has)")
+    if args.keep_writes is not None and not args.emulate:
+        raise InputError("--keep-writes", "keeps what an emulated run wrote: give it with --emulate GPU (a real run "
+                                          "writes the files themselves)")
     if args.repeat > 1:
         return _run_repeats(args)
     if is_folder(args.output):
@@ -392,6 +420,8 @@ def run(args: argparse.Namespace) -> int:
         interrupted = False
         refused: Optional[InputError] = None
         with contextlib.ExitStack() as holding:
+            holding.enter_context(_overlay(args, [args.output, partial], os.path.dirname(os.path.abspath(partial)),
+                                           target[0] if target[0] != "-m" else None))
             try:
                 with record(partial, max_entries=args.max_entries, stacks=args.stacks, steps=args.steps,
                             emulate=args.emulate, gpus=args.gpus):

@@ -1,32 +1,27 @@
-"""The user's files under emulation: no write of data the emulated GPU never had, loads without reading data.
+"""Saves and loads under emulation: what the run saves it can load back, and nothing reaches the user's files.
 
-Emulated tensors are shapes on the meta device, and what a script reads back from the device
-(`.cpu()`, `.numpy()`, a host tensor filled from it) is zeros standing in. Written to a file, either
-would look like a checkpoint and hold nothing: torch.save once replaced a user's real `ckpt.pt` with
-meta tensors, and the Hugging Face Trainer wrote gigabytes of zeros. So while the emulator runs:
+Every file the run writes lands in its overlay (overlay.py), so no save can replace a user's real
+checkpoint. What remains is what a save of emulated tensors holds, and what loading it gives:
 
-- every save (torch.save, safetensors' save_file / save_model / save, numpy's save / savez /
-  savez_compressed / savetxt, torch.distributed.checkpoint's save and async_save, Lightning's checkpoint
-  writer; transformers' save_pretrained and accelerate's save_state end in these) looks at its
-  payload first. One that holds an emulated tensor, or data read back from the device, is not
-  written: no file is made or replaced, nothing goes into a file object or buffer, and the call
-  returns as if it had written. memdiff says so once per file on stderr and in the snapshot's
-  notes, with the bytes of tensor data the real run would write there. A payload of host data
-  only (a config, a step count, a CPU tensor that never touched the device) is the user's own
-  data, written as the real run writes it.
+- a save whose payload holds an emulated tensor (shapes on the meta device, no data) writes a
+  stand-in: torch.save writes the payload pickled with its tensors as shapes (SKELETON, then the
+  bytes of tensor data a real run writes there), safetensors' save_file a real safetensors file
+  whose data is a hole (sparse: it costs no disk). Loading either in the same run, from any of its
+  processes, gives tensors of the same shapes and dtypes on the emulated GPU, as a GPU run loads
+  what it saved. torch.distributed.checkpoint's save of emulated tensors writes nothing, and says so.
 - storages moved to the device (`torch.load(map_location="cuda")`, a checkpoint saved on a GPU,
   `storage.cuda()`) become allocations on the emulated GPU, one per storage as a GPU makes them,
   without reading their bytes: torch.load maps the file and copies out only what stays on the host.
   safetensors opened onto the device (`load_file`, `safe_open`) reads only the header.
-- the script's own binary writes (`f.write(t.cpu().numpy().tobytes())`, PIL images of read-back
-  pixels) are writes.py's.
+- the savers and loaders that open a path in native code (torch's zip writer and mapped loads,
+  safetensors) are given the overlay's path for it, as Python's own file calls are.
 """
 
 from __future__ import annotations
 
-import bisect
 import concurrent.futures
 import contextlib
+import hashlib
 import importlib.abc
 import importlib.util
 import io
@@ -40,129 +35,40 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Set, Tuple
 
 import torch
 
-from memdiff.recording.emulate import swap, writes
+from memdiff.recording.emulate import overlay_calls
 from memdiff.recording.emulate.devices import names_cuda
+from memdiff.recording.emulate.overlay import SKELETON, Overlay, missing
 from memdiff.recording.emulate.runtime import Emulator, python_frames
-from memdiff.recording.emulate.tensorfiles import OnDevice
+from memdiff.recording.emulate.tensorfiles import OnDevice, write_shapes
 from memdiff.units import format_bytes
 
 _active: Optional["Files"] = None  # the running emulator's, while one runs
-# Files named one by one in the notes (two of the Trainer's checkpoints); a script that saves
-# every few steps would name hundreds.
+# Files named one by one in the notes of saves not written (torch.distributed.checkpoint's); a
+# script that saves every few steps would name hundreds.
 SAID = 6
 
 
-def from_device(tensor: Any) -> None:
-    """Mark a host tensor as holding data read back from the emulated device (stand-in values)."""
-    if _active is not None and isinstance(tensor, torch.Tensor):
-        _active.mark(tensor)
-
-
-def follow(args: Any, kwargs: Any, out: Any) -> None:
-    """After a torch op: what it made on the host from read-back data is read-back data too
-    (`.cpu().float()`, a `torch.cat` of read-back predictions)."""
-    if _active is not None and _active.marked():
-        _active.follow(args, kwargs, out)
-
-
-def _tensors(values: Any) -> Iterator[torch.Tensor]:
-    for value in values:
-        if isinstance(value, torch.Tensor):
-            yield value
-        elif isinstance(value, (list, tuple)):
-            yield from (v for v in value if isinstance(v, torch.Tensor))
-
-
 class _Payload:
-    """What a save would write: whether it holds data the device never had, and the tensors' bytes."""
+    """What a save would write: whether it holds emulated tensors, and the tensors' bytes."""
 
     def __init__(self) -> None:
         self.skeleton: Optional[bytes] = None  # the object pickled with its tensors as shapes only
         self.emulated = False  # an emulated (meta) tensor
-        self.read_back = False  # host data read back from the device
         self.nbytes = 0
         self._seen: Set[Any] = set()
         self._keep: List[Any] = []  # holds what was counted, so no id is reused during the scan
 
-    @property
-    def dataless(self) -> bool:
-        """Whether writing this would put data the real run has and this one does not into a file."""
-        return self.emulated or self.read_back
-
 
 class Files:
-    """The emulator's guard over files: which host memory holds read-back data, and the saves it skipped."""
+    """The emulator's saves and loads: the stand-ins it wrote, and the saves it did not write."""
 
-    def __init__(self, emulator: Emulator) -> None:
+    def __init__(self, emulator: Emulator, overlay: Overlay) -> None:
         self.emulator = emulator
-        self._starts: List[int] = []  # host ranges holding read-back data: sorted starts
-        self._ends: Dict[int, int] = {}
-        self.left_empty: "weakref.WeakSet[Any]" = weakref.WeakSet()  # file objects a skipped save did not fill
+        self.overlay = overlay
         self.targets: Set[str] = set()  # the files skipped saves named, each said once
-        # Paths a skipped save would have written (absolute): moving, copying or removing one is the
-        # real run's own file moving, not the user's (_moves).
-        self.unwritten: Set[str] = set()
-        # What each skipped torch.save held, by the path it named, as a skeleton with shapes and no
-        # data: a load of that path in the same run gives it back, as a GPU run loads what it saved.
-        self.saved: Dict[str, bytes] = {}
-        # Files the script wrote itself holding read-back data (writes.py), by the path they name: the
-        # temporary file that holds what it wrote, which reading the path gives back in this run.
-        self.aside: Dict[str, str] = {}
-        self.temporaries: Set[str] = set()  # every such temporary file, removed when the emulator stops
-        self.writing: "weakref.WeakValueDictionary[str, Any]" = weakref.WeakValueDictionary()  # open ones, by path
-        # Folders the script made in this run (absolute, in the order made), and every folder a
-        # skipped save's path lies in: one left empty only because its saves were skipped is
-        # removed when the emulator stops (_folders).
-        self.made: List[str] = []
-        self.around_unwritten: Set[str] = set()
-
-    # -- host memory read back from the device --------------------------------------------------
-
-    def mark(self, tensor: torch.Tensor) -> None:
-        """Remember the host storage of `tensor` as read-back data until torch frees it."""
-        with torch._C.DisableTorchFunction():
-            if tensor.device.type != "cpu":
-                return
-            storage = tensor.untyped_storage()
-            start, size = storage.data_ptr(), storage.nbytes()
-        self.mark_memory(storage, start, size)
-
-    def mark_memory(self, owner: Any, start: int, size: int) -> None:
-        """Remember `size` bytes at `start`, which `owner` holds, as read-back data until it is freed."""
-        if not size or start in self._ends:
-            return
-        bisect.insort(self._starts, start)
-        self._ends[start] = start + size
-        weakref.finalize(owner, self._forget, start)
-
-    def marked(self) -> bool:
-        """Whether any host memory now holds read-back data."""
-        return bool(self._starts)
-
-    def follow(self, args: Any, kwargs: Any, out: Any) -> None:
-        """Mark the host outputs of an op that read read-back data. Runs after every op while any
-        read-back data lives (checkpointing keeps an rng state through the backward): tensors and
-        lists of them one level deep are all an op's inputs and outputs hold."""
-        if any(self._is_read_back(t) for t in _tensors(args)) or \
-                any(self._is_read_back(t) for t in _tensors(kwargs.values())):
-            for t in _tensors(out if isinstance(out, (list, tuple)) else (out,)):
-                if t.device.type == "cpu":
-                    self.mark(t)
-
-    def _is_read_back(self, t: torch.Tensor) -> bool:
-        return t.device.type == "cpu" and bool(t.numel()) and self._read_back(t.untyped_storage().data_ptr())
-
-    def holds(self, address: int) -> bool:
-        """Whether host memory at `address` holds data read back from the device."""
-        return self._read_back(address)
-
-    def _forget(self, start: int) -> None:
-        if self._ends.pop(start, None) is not None:
-            self._starts.remove(start)
-
-    def _read_back(self, address: int) -> bool:
-        i = bisect.bisect_right(self._starts, address) - 1
-        return i >= 0 and address < self._ends[self._starts[i]]
+        # sha256 of each stand-in this process wrote: one read back from an in-memory buffer is
+        # unpickled only if it is the run's own (a buffer's bytes may come from anywhere)
+        self.stand_ins: Set[bytes] = set()
 
     # -- what a save would write ----------------------------------------------------------------
 
@@ -182,8 +88,6 @@ class Files:
                                                     isinstance(value, torch.nn.Parameter), value.is_meta))
                 elif isinstance(value, (torch.UntypedStorage, torch.TypedStorage)):
                     files._storage(value, payload)
-                elif type(value).__module__ == "numpy" and type(value).__name__ in ("ndarray", "memmap"):
-                    files._array(value, payload)
                 else:
                     return NotImplemented
                 return (int, ())  # counted: nothing of it is pickled
@@ -204,8 +108,6 @@ class Files:
         seen.add(id(obj))
         if isinstance(obj, torch.Tensor):
             self._tensor(obj, payload, whole)
-        elif type(obj).__module__ == "numpy" and type(obj).__name__ == "ndarray":
-            self._array(obj, payload)
         elif isinstance(obj, dict):
             for value in list(obj.values()):
                 self._walk(value, payload, whole, seen)
@@ -233,8 +135,6 @@ class Files:
         payload._keep.append(storage)
         if t.is_meta:
             payload.emulated = True
-        elif t.device.type == "cpu" and t.numel() and self._read_back(storage.data_ptr()):
-            payload.read_back = True
         key: Any = id(storage) if whole else (id(storage), t.storage_offset(), tuple(t.shape), t.dtype)
         if key not in payload._seen:
             payload._seen.add(key)
@@ -245,45 +145,14 @@ class Files:
         payload._keep.append(untyped)
         if untyped.device.type == "meta":
             payload.emulated = True
-        elif untyped.device.type == "cpu" and untyped.nbytes() and self._read_back(untyped.data_ptr()):
-            payload.read_back = True
         if id(untyped) not in payload._seen:
             payload._seen.add(id(untyped))
             payload.nbytes += untyped.nbytes()
 
-    def _array(self, a: Any, payload: _Payload) -> None:
-        address = a.__array_interface__["data"][0]
-        if a.size and self._read_back(address):
-            payload.read_back = True
-        key = (address, a.shape, a.dtype.str)
-        if key not in payload._seen:
-            payload._seen.add(key)
-            payload.nbytes += int(a.nbytes)
-
-    def skipped_read_back(self, call: str, target: Any, nbytes: int = 0, what: Optional[str] = None) -> None:
-        """A write of host data read back from the device (writes.py) left out: said as a skipped save.
-        `target`: the path or file it named, or (how it reads, whether it existed) already worked out."""
-        payload = _Payload()
-        payload.read_back, payload.nbytes = True, nbytes
-        self.skipped(call, target if isinstance(target, tuple) else _target(target), payload, what)
-
-    def target(self, f: Any) -> Tuple[str, Optional[bool]]:
-        """How the file `f` (a path or a file object) reads in a note, and whether it existed."""
-        return _target(f)
-
-    def skipped(self, call: str, where: Tuple[str, Optional[bool]], payload: _Payload,
-                written: Optional[str] = None) -> None:
+    def skipped(self, call: str, where: Tuple[str, Optional[bool]], payload: _Payload) -> None:
         """Say once per file that a save was not written, and what the real run writes there. `where`:
-        the target as a note names it, and whether that file existed (None: not a path); `written`:
-        what the real run writes, where it is not the payload's bytes of tensor data."""
+        the target as a note names it, and whether that file existed (None: not a path)."""
         target, existed = where
-        if existed is not None:
-            full = os.path.abspath(target)
-            self.unwritten.add(full)
-            folder = os.path.dirname(full)
-            while folder not in self.around_unwritten and folder != os.path.dirname(folder):
-                self.around_unwritten.add(folder)
-                folder = os.path.dirname(folder)
         if target in self.targets:
             return
         self.targets.add(target)
@@ -292,13 +161,51 @@ class Files:
                 self.emulator.note(f"{call} to {target} and every later save of emulated data not written either; "
                                    f"memdiff names only the first {SAID} files")
             return
-        what = "tensors on the emulated GPU, which have no data" if payload.emulated else \
-            "data read back from the emulated GPU, which has no values to give"
         state = "nothing was written into it" if existed is None else \
             f"{target} is unchanged" if existed else "no file was made"
-        if written is None:
-            written = f"{format_bytes(payload.nbytes)}, {payload.nbytes:,} bytes of tensor data"
-        self.emulator.note(f"{call} to {target} not written: it holds {what} (a real run writes {written}); {state}")
+        self.emulator.note(f"{call} to {target} not written: it holds tensors on the emulated GPU, which have no "
+                           f"data (a real run writes {format_bytes(payload.nbytes)}, {payload.nbytes:,} bytes of "
+                           f"tensor data); {state}")
+
+    # -- stand-ins ------------------------------------------------------------------------------
+
+    def stand_in(self, payload: _Payload) -> bytes:
+        """The bytes a save of emulated tensors writes: SKELETON, the tensor data a real run writes,
+        then the payload pickled with its tensors as shapes."""
+        data = SKELETON + f"{payload.nbytes}\n".encode() + (payload.skeleton or b"")
+        self.stand_ins.add(hashlib.sha256(data).digest())
+        return data
+
+    def read_stand_in(self, f: Any) -> Optional[bytes]:
+        """The skeleton of a stand-in this run wrote, read from path or file `f`; None for any other file
+        (it loads as torch.load loads it). A path's is the run's own where the overlay holds it."""
+        if isinstance(f, (str, os.PathLike)):
+            real = self.overlay.where(f)
+            if real is None:
+                return None
+            try:
+                with open(real, "rb") as opened:
+                    data = opened.read(len(SKELETON))
+                    if data != SKELETON:
+                        return None
+                    data += opened.read()
+            except OSError:
+                return None
+            trusted = real.startswith(self.overlay.upper + os.sep)
+        else:
+            try:
+                start = f.tell()
+                data = f.read(len(SKELETON))
+                if data != SKELETON:
+                    f.seek(start)
+                    return None
+                data += f.read()
+            except (AttributeError, OSError, io.UnsupportedOperation):
+                return None
+            trusted = False
+        if not trusted and hashlib.sha256(data).digest() not in self.stand_ins:
+            return None
+        return data.split(b"\n", 1)[1]
 
     # -- storages to the device ----------------------------------------------------------------
 
@@ -315,48 +222,42 @@ class Files:
         return storage
 
 
-class _Discard(io.RawIOBase):
-    """Where the scan's pickling goes: nowhere."""
-
-    def writable(self) -> bool:
-        return True
-
-    def write(self, data: Any) -> int:
-        return len(data)
-
-
 # -- the target of a save -----------------------------------------------------------------------
 
-def _target(f: Any, suffix: str = "") -> Tuple[str, Optional[bool]]:
+def _target(f: Any) -> Tuple[str, Optional[bool]]:
     """How a save's target reads in a note, and whether that file existed (None: not a path)."""
     if isinstance(f, (str, os.PathLike)):
-        path = os.fspath(f)
-        if isinstance(path, bytes):
-            path = path.decode(errors="replace")
-        if suffix and not path.endswith(suffix):
-            path += suffix
+        path = os.fsdecode(f)
         return path, os.path.exists(path)
-    if isinstance(f, writes.Staged):  # a file the script opened to write: it stays as it was
-        return f.named, os.path.exists(f.named)
     name = getattr(f, "name", None)
     if isinstance(name, str):
         return f"the open file {name}", None
     return f"an in-memory {type(f).__name__}", None
 
 
+def _for_writing(f: Any) -> Any:
+    """The path a native writer opens for path `f`: the overlay's; a file object as it is."""
+    if _active is None or not isinstance(f, (str, os.PathLike)):
+        return f
+    return _active.overlay.writable(f, keep=False)
+
+
+def _for_reading(f: Any) -> Any:
+    """The path a native reader opens for path `f`: where the run sees it (FileNotFoundError where the
+    run deleted it); a file object as it is."""
+    if _active is None or not isinstance(f, (str, os.PathLike)):
+        return f
+    real = _active.overlay.where(f)
+    if real is None:
+        raise missing(f)
+    return real
+
+
 # -- the wrappers ---------------------------------------------------------------------------------
-
-def _path_of(f: Any) -> Optional[str]:
-    """The absolute path a save or load names, itself or through an open file's name; None for a buffer."""
-    name = f if isinstance(f, (str, os.PathLike)) else getattr(f, "name", None)
-    if isinstance(name, (str, os.PathLike)):
-        return os.path.abspath(os.fsdecode(name))
-    return None
-
 
 def _empty_like_saved(shape: Tuple[int, ...], dtype: Any, requires_grad: bool, parameter: bool,
                       on_device: bool) -> torch.Tensor:
-    """A tensor of a skipped save, loaded back: on the emulated GPU where it was there, else the host."""
+    """A tensor of a stand-in save, loaded back: on the emulated GPU where it was there, else the host."""
     t = torch.empty(shape, dtype=dtype, device="cuda") if on_device else torch.zeros(shape, dtype=dtype)
     return torch.nn.Parameter(t, requires_grad=requires_grad) if parameter else t.requires_grad_(requires_grad)
 
@@ -367,15 +268,14 @@ def _torch_save(real: Callable[..., Any]) -> Callable[..., Any]:
         if files is None:
             return real(obj, f, *args, **kwargs)
         payload = files.scan(obj, whole_storages=True)
-        if not payload.dataless:
-            return real(obj, f, *args, **kwargs)
-        files.skipped("torch.save", _target(f), payload)
-        path = _path_of(f)
-        if path is not None and payload.skeleton is not None:
-            files.saved[path] = payload.skeleton
-        if not isinstance(f, (str, os.PathLike)):
-            with contextlib.suppress(TypeError):  # not every file object takes a weak reference
-                files.left_empty.add(f)
+        if not payload.emulated or payload.skeleton is None:
+            return real(obj, _for_writing(f), *args, **kwargs)
+        data = files.stand_in(payload)
+        if isinstance(f, (str, os.PathLike)):
+            with open(f, "wb") as out:  # through the overlay
+                out.write(data)
+        else:
+            f.write(data)
         return None
     return save
 
@@ -384,16 +284,15 @@ def _torch_load(real: Callable[..., Any]) -> Callable[..., Any]:
     def load(f: Any, map_location: Any = None, pickle_module: Any = None, *, weights_only: Any = None,
              mmap: Any = None, **kwargs: Any) -> Any:
         call = dict(pickle_module=pickle_module, weights_only=weights_only, **kwargs)
-        path = _path_of(f)
-        if _active is not None and path is not None and path in _active.saved:
-            # What this run saved there and memdiff did not write: its tensors made anew on the
-            # emulated GPU (a load to the device allocates them), with their shapes and no data.
-            return pickle.loads(_active.saved[path])  # noqa: S301 (our own bytes, made from the script's save)
-        if _active is not None and not isinstance(f, (str, os.PathLike)) and f in _active.left_empty:
-            # torch.load's own error for it is a bare EOFError
-            raise EOFError("memdiff: emulation: torch.load of a file object that torch.save did not fill: what "
-                           "was saved into it were tensors on the emulated GPU, which have no data")
-        if _active is None or _is_meta(map_location) or not _is_zip(f):
+        if _active is None:
+            return real(f, map_location, mmap=mmap, **call)
+        skeleton = _active.read_stand_in(f)
+        if skeleton is not None:
+            # What this run saved there: its tensors made anew on the emulated GPU (a load to the
+            # device allocates them), with their shapes and no data.
+            return pickle.loads(skeleton)  # noqa: S301 (the run's own stand-in, made from its save)
+        f = _for_reading(f)
+        if _is_meta(map_location) or not _is_zip(f):
             return real(f, map_location, mmap=mmap, **call)
         # Map a path's file rather than read it: storages bound for the device are never read, and
         # those that stay on the host are copied out of the mapping (below), as a plain load gives them.
@@ -444,27 +343,54 @@ def _storage_to(real: Callable[..., Any]) -> Callable[..., Any]:
 
 def _safe_open(real: Callable[..., Any]) -> Callable[..., Any]:
     def safe_open(filename: Any, framework: str, device: Any = "cpu", *args: Any, **kwargs: Any) -> Any:
-        if _active is None or not names_cuda(device):
+        if _active is None:
+            return real(filename, framework, device, *args, **kwargs)
+        filename = _for_reading(filename)
+        if not names_cuda(device):
             return real(filename, framework, device, *args, **kwargs)
         return OnDevice(real(filename, framework, "cpu", *args, **kwargs))
     return safe_open
 
 
+def _safetensors_save_file(real: Callable[..., Any]) -> Callable[..., Any]:
+    def save_file(tensors: Dict[str, torch.Tensor], filename: Any, metadata: Optional[Dict[str, str]] = None,
+                  *args: Any, **kwargs: Any) -> None:
+        files = _active
+        if files is None:
+            return real(tensors, filename, metadata, *args, **kwargs)
+        target = _for_writing(filename)
+        if not files.scan(tensors, whole_storages=False).emulated:
+            return real(tensors, target, metadata, *args, **kwargs)
+        write_shapes(tensors, metadata, target)
+        return None
+    return save_file
+
+
+def _native_opener(real: Callable[..., Any]) -> Callable[..., Any]:
+    """A reader that opens its path in native code (pyarrow's memory_map, which datasets reads its
+    cache through): given the path the run sees there, in the overlay or the user's tree."""
+    def opener(path: Any, mode: str = "r", *args: Any, **kwargs: Any) -> Any:
+        if _active is None or not isinstance(path, (str, os.PathLike)):
+            return real(path, mode, *args, **kwargs)
+        if mode == "r":
+            return real(_for_reading(path), mode, *args, **kwargs)
+        return real(_active.overlay.writable(path, keep="+" in mode), mode, *args, **kwargs)
+    return opener
+
+
 def _saver(call: str, payload_of: Callable[..., Any], target_of: Callable[..., Any],
-           whole: bool = False, returns: Callable[[], Any] = lambda: None) -> Callable[..., Callable[..., Any]]:
-    """A wrapper factory for a save: `payload_of(*args, **kwargs)` is what it writes, `target_of` where."""
+           returns: Callable[[], Any] = lambda: None) -> Callable[..., Callable[..., Any]]:
+    """A wrapper factory for a save that cannot write emulated tensors: `payload_of(*args, **kwargs)`
+    is what it writes, `target_of` where. One that holds them is not written, and said."""
     def wrap(real: Callable[..., Any]) -> Callable[..., Any]:
         def save(*args: Any, **kwargs: Any) -> Any:
             files = _active
             if files is None:
                 return real(*args, **kwargs)
-            payload = files.scan(payload_of(*args, **kwargs), whole_storages=whole)
-            if not payload.dataless:
+            payload = files.scan(payload_of(*args, **kwargs), whole_storages=False)
+            if not payload.emulated:
                 return real(*args, **kwargs)
             files.skipped(call, target_of(*args, **kwargs), payload)
-            for value in (*args, *kwargs.values()):
-                if isinstance(value, writes.Staged):  # numpy.save(f, ...) into a file the script opened
-                    value.skip()
             return returns()
         return save
     return wrap
@@ -472,10 +398,6 @@ def _saver(call: str, payload_of: Callable[..., Any], target_of: Callable[..., A
 
 def _arg(index: int, name: str) -> Callable[..., Any]:
     return lambda *args, **kwargs: args[index] if len(args) > index else kwargs.get(name)
-
-
-def _numpy_target(suffix: str) -> Callable[..., Any]:
-    return lambda *args, **kwargs: _target(args[0] if args else kwargs.get("file"), suffix)
 
 
 def _done_future() -> Any:
@@ -496,16 +418,10 @@ def _dcp_target(*args: Any, **kwargs: Any) -> Tuple[str, Optional[bool]]:
 WRAPPERS: Dict[str, List[Tuple[str, Callable[..., Any]]]] = {
     "torch.serialization": [("save", _torch_save), ("load", _torch_load)],
     "torch._utils": [("_to", _storage_to)],
-    "numpy": [
-        ("save", _saver("numpy.save", _arg(1, "arr"), _numpy_target(".npy"))),
-        ("savez", _saver("numpy.savez", lambda *a, **k: (a[1:], k), _numpy_target(".npz"))),
-        ("savez_compressed", _saver("numpy.savez_compressed", lambda *a, **k: (a[1:], k), _numpy_target(".npz"))),
-        ("savetxt", _saver("numpy.savetxt", _arg(1, "X"), _numpy_target(""))),
-    ],
     "safetensors": [("safe_open", _safe_open)],
+    "pyarrow": [("memory_map", _native_opener)],
     "safetensors.torch": [
-        ("save_file", _saver("safetensors save_file", _arg(0, "tensors"),
-                             lambda *a, **k: _target(a[1] if len(a) > 1 else k.get("filename")))),
+        ("save_file", _safetensors_save_file),
         # bytes for the script to keep or write: empty, so nothing it writes from them looks like weights
         ("save", _saver("safetensors save", _arg(0, "tensors"), lambda *a, **k: ("the bytes it returns", None),
                         returns=lambda: b"")),
@@ -516,15 +432,6 @@ WRAPPERS: Dict[str, List[Tuple[str, Callable[..., Any]]]] = {
                               returns=_done_future)),
     ],
 }
-# A script's own writes (writes.py): images of read-back data, and pickles into the files it opened.
-# A dotted attribute is a class's, put back by the patches' own record.
-WRAPPERS["PIL.Image"] = [("frombuffer", writes.pil_from), ("frombytes", writes.pil_from),
-                         ("Image._new", writes.pil_new), ("Image.save", writes.pil_save)]
-WRAPPERS["pickle"] = [("dump", writes.pickle_dump)]
-for _package in ("lightning.fabric", "lightning_fabric"):
-    WRAPPERS[f"{_package}.utilities.cloud_io"] = [
-        ("_atomic_save", _saver("Lightning's checkpoint save", _arg(0, "checkpoint"),
-                                lambda *a, **k: _target(a[1] if len(a) > 1 else k.get("filepath")), whole=True))]
 
 
 class _Patches:
@@ -615,146 +522,46 @@ class _PatchingLoader(importlib.abc.Loader):
 
 
 @contextlib.contextmanager
-def _moves(files: Files) -> Iterator[None]:
-    """os.replace, os.rename, shutil.move, shutil.copyfile, os.link, os.remove of a file a skipped save
-    would have written: the move or copy names its destination as unwritten too and leaves whatever
-    is there alone, a removal forgets it (a file the user had at that path stays). Savers write to a
-    temporary name and rename it into place (timm's, atomic saves), or delete old checkpoints: the
-    real run moves and deletes its own files, never the user's."""
-    import shutil
-
-    def unwritten(path: Any) -> Optional[str]:
-        if not isinstance(path, (str, os.PathLike)):
-            return None
-        full = os.path.abspath(os.fsdecode(path))
-        writing = files.writing.get(full)
-        if writing is not None:  # still open (write, flush, rename, close): settled where it stands now
-            writing.flush()
-            writing.settle()
-        return full if full in files.unwritten else None
-
-    def moving(real: Callable[..., Any], keep_source: bool) -> Callable[..., Any]:
-        def move(src: Any, dst: Any, *args: Any, **kwargs: Any) -> Any:
-            source = unwritten(src)
-            if source is None:
-                return real(src, dst, *args, **kwargs)
-            if not keep_source:
-                files.unwritten.discard(source)
-            target = os.fsdecode(dst)
-            if os.path.isdir(target):
-                target = os.path.join(target, os.path.basename(source))
-            target = os.path.abspath(target)
-            files.unwritten.add(target)
-            aside = files.aside.get(source) if keep_source else files.aside.pop(source, None)
-            if aside is not None:
-                files.aside[target] = aside
-            return dst
-        return move
-
-    def removing(real: Callable[..., Any]) -> Callable[..., Any]:
-        def remove(path: Any, *args: Any, **kwargs: Any) -> None:
-            found = unwritten(path)
-            if found is None:
-                return real(path, *args, **kwargs)
-            files.unwritten.discard(found)
-            files.aside.pop(found, None)
-        return remove
-    wrapped = [(os, "replace", moving(os.replace, False)), (os, "rename", moving(os.rename, False)),
-               (os, "link", moving(os.link, True)), (shutil, "move", moving(shutil.move, False)),
-               (shutil, "copyfile", moving(shutil.copyfile, True)), (shutil, "copy", moving(shutil.copy, True)),
-               (shutil, "copy2", moving(shutil.copy2, True)), (os, "remove", removing(os.remove)),
-               (os, "unlink", removing(os.unlink))]
-    with swap.replaced(wrapped):
-        yield
-
-
-@contextlib.contextmanager
-def _folders(files: Files) -> Iterator[None]:
-    """Folders made for checkpoints that were not written: removed when the emulator stops if they
-    are empty. A script makes `checkpoints/<time>/` and saves into it; left there empty, the next
-    run took it for its latest checkpoint and failed to load a file that was never written (the
-    FSDP2 example's second run). A folder the user had, or one holding anything, stays. A launched
-    rank's emulator never stops (it runs until the process ends), so this also runs at exit."""
-    import atexit
-
-    real = os.mkdir  # os.makedirs and pathlib's mkdir call it
-    owner = os.getpid()
-
-    def mkdir(path: Any, *args: Any, **kwargs: Any) -> None:
-        real(path, *args, **kwargs)
-        if isinstance(path, (str, os.PathLike)):
-            files.made.append(os.path.abspath(os.fsdecode(path)))
-
-    def tidy() -> None:
-        if os.getpid() != owner:  # a forked worker's exit: the folders are the parent's
-            return
-        for folder in reversed(files.made):
-            if folder in files.around_unwritten:
-                with contextlib.suppress(OSError):  # not empty, or gone: left as it is
-                    os.rmdir(folder)
-        files.made.clear()
-    os.mkdir = mkdir
-    atexit.register(tidy)
-    try:
-        yield
-    finally:
-        os.mkdir = real
-        tidy()
-        atexit.unregister(tidy)
-
-
-@contextlib.contextmanager
 def guarded(emulator: Emulator) -> Iterator[Files]:
-    """Guard the user's files while the emulator runs; everything is put back on exit."""
+    """The run's files in its overlay, and its saves and loads as above, while the emulator runs;
+    everything is put back on exit."""
     global _active
-    files = Files(emulator)
-    patches = _Patches()
-    for name in WRAPPERS:
-        module = sys.modules.get(name)
-        if module is not None:
-            patches.patch(name, module)
-    # torch.save and torch.load are torch.serialization's, bound on torch when it was imported
-    patches.rebind(patches.real)
-    finder = _Finder(patches)
-    sys.meta_path.insert(0, finder)
-    rng = _mark_rng_states()
-    previous, _active = _active, files
-    try:
-        with _folders(files), _moves(files), writes.guarded(files):
+    with overlay_calls.overlaid() as overlay:
+        files = Files(emulator, overlay)
+        patches = _Patches()
+        for name in WRAPPERS:
+            module = sys.modules.get(name)
+            if module is not None:
+                patches.patch(name, module)
+        # torch.save and torch.load are torch.serialization's, bound on torch when it was imported
+        patches.rebind(patches.real)
+        finder = _Finder(patches)
+        sys.meta_path.insert(0, finder)
+        rng = _cuda_random_names()
+        previous, _active = _active, files
+        emulator.reports.append(lambda: overlay_calls.note(overlay.changes()))
+        try:
             yield files
-    finally:
-        _active = previous
-        rng()
-        with contextlib.suppress(ValueError):
-            sys.meta_path.remove(finder)
-        patches.restore()
+        finally:
+            _active = previous
+            rng()
+            with contextlib.suppress(ValueError):
+                sys.meta_path.remove(finder)
+            patches.restore()
 
 
-def _mark_rng_states() -> Callable[[], None]:
-    """torch.cuda.get_rng_state(_all) under emulation gives the state of the CPU generator standing
-    in for the GPU's, which a real GPU cannot take back: a checkpoint holding it is not written.
-    torch.cuda.random's own names (the Trainer's) answer as torch.cuda's emulated ones."""
+def _cuda_random_names() -> Callable[[], None]:
+    """torch.cuda.random's own names (the Trainer's get_rng_state_all) answer as torch.cuda's emulated
+    ones; the returned function puts them back."""
     import torch.cuda.random as cuda_random
 
-    cuda = torch.cuda
     names = ("get_rng_state", "get_rng_state_all", "set_rng_state", "set_rng_state_all")
-    saved = [(module, name, getattr(module, name)) for module in (cuda, cuda_random) for name in names
-             if hasattr(module, name)]
-    emulated = {name: getattr(cuda, name) for name in names if hasattr(cuda, name)}
-
-    def marked(real: Callable[..., Any]) -> Callable[..., Any]:
-        def get(*args: Any, **kwargs: Any) -> Any:
-            out = real(*args, **kwargs)
-            for state in (out if isinstance(out, (list, tuple)) else [out]):
-                from_device(state)
-            return out
-        return get
-    answers = {name: marked(real) if name.startswith("get") else real for name, real in emulated.items()}
-    for module, name, _ in saved:
-        if name in answers:
-            setattr(module, name, answers[name])
+    saved = [(name, getattr(cuda_random, name)) for name in names if hasattr(cuda_random, name)]
+    for name, _ in saved:
+        if hasattr(torch.cuda, name):
+            setattr(cuda_random, name, getattr(torch.cuda, name))
 
     def restore() -> None:
-        for module, name, real in saved:
-            setattr(module, name, real)
+        for name, real in saved:
+            setattr(cuda_random, name, real)
     return restore

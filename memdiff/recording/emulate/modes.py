@@ -16,7 +16,6 @@ from memdiff.recording.emulate import (
     batchnorm,
     conv,
     distributed,
-    files,
     legacy,
     printing,
     reductions,
@@ -396,13 +395,11 @@ class AllocMode(TorchDispatchMode):
         if _is_meta(first):
             read = self.read_back(base, first, args, kwargs)
             if read is not None:
-                files.from_device(read[0])  # a save of it must not write it (files.py)
                 return read[0]
         elif base == "copy_" and len(args) > 1 and _is_meta(args[1]) and isinstance(first, torch.Tensor):
             # A host tensor filled from the device: its known values (a size DDP checks, a count), else
             # zeros, as read-backs are.
             known = self.values.of(args[1])
-            files.from_device(first)
             if known is not None and known.shape == first.shape:
                 return first.copy_(known)
             return first.zero_()
@@ -429,7 +426,6 @@ class AllocMode(TorchDispatchMode):
             else:
                 out = func(*args, **kwargs)
                 self.values.follow(func, args, kwargs, out)
-                files.follow(args, kwargs, out)
         except (NotImplementedError, RuntimeError) as exc:
             said = str(exc).lower()
             # Only a missing kernel is the emulator's refusal; any other error is the op's own (a

@@ -23,7 +23,7 @@ import os
 import sys
 import time
 import weakref
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 from memdiff.errors import InputError
 from memdiff.recording.emulate.allocator import AllocatorConfig, Block, OutOfMemory
@@ -173,6 +173,9 @@ class Emulator:
         self.recording: Optional[Dict[str, Any]] = None  # _record_memory_history's settings while on
         self.annotations: List[Dict[str, Any]] = []
         self.notes: List[str] = []
+        # Notes worked out when a snapshot is taken (what the run wrote so far: files.py), each None
+        # when it has nothing to say
+        self.reports: List[Callable[[], Optional[str]]] = []
         # The out-of-memory errors raised to the script, as PyTorch words them: a script may catch one
         # (accelerate's find_executable_batch_size), and `memdiff fit` must know it happened all the same.
         self.out_of_memory: List[str] = []
@@ -373,7 +376,7 @@ class Emulator:
                 "allocator_settings": self.config.settings(),
                 "external_annotations": list(self.annotations),
                 "emulated": {"gpu": self.gpu.name, "key": self.gpu.key, "torch": str(_torch.__version__),
-                             "notes": list(self.notes)}}
+                             "notes": self.notes + [n for n in (report() for report in self.reports) if n]}}
 
     def dump_snapshot(self, filename: str = "dump_snapshot.pickle") -> None:
         """torch.cuda.memory._dump_snapshot(filename)."""

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Any, Dict
+import json
+import struct
+from typing import Any, Dict, Optional
 
 import torch
 
@@ -57,3 +59,24 @@ def _safetensors_dtype(name: str) -> Any:
     from safetensors.torch import _getdtype
 
     return _getdtype(name)
+
+
+def write_shapes(tensors: Dict[str, torch.Tensor], metadata: Optional[Dict[str, str]], path: str) -> None:
+    """A safetensors file of `tensors` at `path` whose data is a hole: the header a real save writes
+    (names, dtypes, shapes, offsets, `metadata`), then the data's length unwritten, which the file
+    system keeps sparse. It loads as a real file does; its values read as zeros."""
+    from safetensors.torch import _TYPES
+
+    names = {dtype: name for name, dtype in _TYPES.items()}
+    header: Dict[str, Any] = {"__metadata__": dict(metadata)} if metadata else {}
+    offset = 0
+    # the order safetensors writes: larger elements first, then by name
+    for name, t in sorted(tensors.items(), key=lambda item: (-item[1].element_size(), item[0])):
+        size = t.numel() * t.element_size()
+        header[name] = {"dtype": names[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned, as safetensors pads it
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(text)) + text)
+        f.truncate(8 + len(text) + offset)

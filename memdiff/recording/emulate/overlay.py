@@ -1,0 +1,380 @@
+"""The run's own file world under emulation: every write lands in an overlay, the user's files never change.
+
+An emulated run is not the user's run: its tensors have no data, and what it would write (a checkpoint,
+a `trainer_state.json` beside old weights, a deletion of last epoch's `last.pth.tar`) must not reach
+the files a user keeps. So, as an overlay file system does, the run sees two layers:
+
+- the lower layer is the user's tree as it is, read and never written;
+- the upper layer is a folder of memdiff's (`<root>/upper/<absolute path>`), where everything the run
+  creates, changes, renames or links lives; a file changed in place is copied up first;
+- a deletion is a marker (`<root>/deleted/<absolute path>` + WHITEOUT): the path reads as gone, the
+  user's file stays. A folder deleted then made again hides what the lower layer had in it.
+
+Reading a path gives the upper layer's copy where there is one, nothing where the run deleted it,
+else the user's file: a checkpoint the run saved loads back in the same run, from any of its
+processes (the layers are on disk, shared by every rank and worker). Paths memdiff owns (its
+snapshot, a job's folder, its scratch space) pass through to the disk as they are.
+
+This module is the layers' bookkeeping, with the real functions of `os`; overlay_calls.py routes the
+script's file calls through it.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import stat
+from dataclasses import dataclass
+from typing import Any, Iterable, List, Optional, Tuple
+
+# The real functions, bound before anything is replaced: the overlay's own work must never go
+# through its own routing.
+_lstat, _stat, _listdir, _mkdir, _unlink, _rmdir, _rename = (os.lstat, os.stat, os.listdir, os.mkdir, os.unlink,
+                                                             os.rmdir, os.rename)
+_open, _symlink, _readlink, _chmod = os.open, os.symlink, os.readlink, os.chmod
+_builtin_open = open
+
+WHITEOUT = ".~memdiff-deleted"  # a deletion marker's suffix, in the deleted/ tree
+# The first line of a file the run saved holding emulated tensors (files.py): shapes, no data.
+SKELETON = b"MEMDIFF-EMULATED-SAVE "
+
+
+def full(path: Any) -> str:
+    """`path` (str, bytes or path-like) as an absolute, normalized str, as the run's file calls see it."""
+    return os.path.abspath(os.fsdecode(path))
+
+
+def _lexists(path: str) -> bool:
+    try:
+        _lstat(path)
+    except (OSError, ValueError):
+        return False
+    return True
+
+
+def _isdir(path: str) -> bool:
+    try:
+        return stat.S_ISDIR(_stat(path).st_mode)
+    except (OSError, ValueError):
+        return False
+
+
+def missing(path: Any) -> FileNotFoundError:
+    """The error a real call raises for a path that is not there."""
+    return FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), os.fsdecode(path))
+
+
+@dataclass(frozen=True)
+class Change:
+    """One path the run changed, as the overlay holds it."""
+
+    path: str  # absolute
+    kind: str  # "created", "changed" or "deleted"
+    size: int  # the bytes a real run leaves there (a save of emulated tensors: its tensor data); 0 when deleted
+    folder: bool
+    emulated: bool  # a save of emulated tensors: shapes kept, no tensor data
+
+
+class Overlay:
+    """The two layers under `root`; `owned`: paths (with everything below them, and the hidden
+    temporary siblings memdiff writes them through) that are memdiff's and pass through."""
+
+    def __init__(self, root: str, owned: Iterable[str] = ()) -> None:
+        self.root = full(root)
+        self.upper = os.path.join(self.root, "upper")
+        self.gone = os.path.join(self.root, "deleted")
+        self.scratch = os.path.join(self.root, "scratch")  # temporary files and compiler caches of the run
+        for folder in (self.upper, self.gone, self.scratch):
+            os.makedirs(folder, exist_ok=True)
+        self.owned: Tuple[str, ...] = tuple(full(p) for p in owned if p)
+        # memdiff writes its files through a hidden sibling first (memdiff.atomic): `.NAME.<random>.tmp`
+        self._siblings = tuple(os.path.join(os.path.dirname(p), "." + os.path.basename(p)[:16])
+                               for p in self.owned)
+
+    def own(self, path: Any) -> None:
+        """Let `path` through as memdiff's own (a snapshot it writes), with the folders above it that
+        are not there yet (made for it)."""
+        path = full(path)
+        while not self.passes(path):
+            self.owned += (path,)
+            self._siblings += (os.path.join(os.path.dirname(path), "." + os.path.basename(path)[:16]),)
+            parent = os.path.dirname(path)
+            if parent == path or _lexists(parent):
+                break
+            path = parent
+
+    # -- where a path lies ------------------------------------------------------------------------
+
+    def passes(self, path: str) -> bool:
+        """Whether absolute `path` is memdiff's own, read and written as it is."""
+        if path == self.root or path.startswith(self.root + os.sep):
+            return True
+        return path in self.owned or path.startswith(tuple(o + os.sep for o in self.owned)) \
+            or path.startswith(self._siblings)
+
+    def up(self, path: str) -> str:
+        """Where absolute `path` lies in the upper layer."""
+        return os.path.join(self.upper, path.lstrip(os.sep))
+
+    def _marker(self, path: str) -> str:
+        return os.path.join(self.gone, path.lstrip(os.sep) + WHITEOUT)
+
+    def hidden(self, path: str) -> bool:
+        """Whether the run deleted `path` or a folder above it (the lower layer's copy is not seen)."""
+        here = path
+        while True:
+            if _lexists(self._marker(here)):
+                return True
+            parent = os.path.dirname(here)
+            if parent == here:
+                return False
+            here = parent
+
+    def where(self, path: Any) -> Optional[str]:
+        """The real path that holds what the run sees at `path` (which may not exist: a call on it
+        then fails as it would), or None where the run deleted it."""
+        path = full(path)
+        if self.passes(path):
+            return path
+        upper = self.up(path)
+        if _lexists(upper):
+            return upper
+        return None if self.hidden(path) else path
+
+    def exists(self, path: str) -> bool:
+        """Whether absolute `path` is there, as the run sees it."""
+        real = self.where(path)
+        return real is not None and _lexists(real)
+
+    def _lower(self, path: str) -> bool:
+        """Whether the user's tree has `path` and the run still sees it there (not deleted above)."""
+        return not self.hidden(path) and _lexists(path)
+
+    # -- writing ----------------------------------------------------------------------------------
+
+    def _parent(self, path: str) -> None:
+        """The upper layer's folders down to `path`'s, where its folder is there as the run sees it."""
+        parent = os.path.dirname(path)
+        real = self.where(parent)
+        if real is None or not _isdir(real):
+            raise missing(path)
+        os.makedirs(os.path.dirname(self.up(path)), exist_ok=True)
+
+    def writable(self, path: Any, keep: bool, create: bool = True, exclusive: bool = False) -> str:
+        """The real path to write `path` at: its upper copy, copied up first where its content is kept
+        (`keep`: appending, read-write). `create`: the call may make the file; `exclusive`: it must."""
+        path = full(path)
+        if self.passes(path):
+            return path
+        upper = self.up(path)
+        there = self.exists(path)
+        if exclusive and there:
+            raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), path)
+        if not there and not create:
+            raise missing(path)
+        if not _lexists(upper):
+            self._parent(path)
+            if there and _isdir(path):
+                raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), path)
+            if there:  # the user's file, copied: its bytes where kept, its mode always (read before the
+                # copy is made: the path reads as the copy after)
+                mode = stat.S_IMODE(_stat(path).st_mode)
+                if keep:
+                    shutil.copyfile(path, upper)
+                else:
+                    os.close(_open(upper, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600))
+                _chmod(upper, mode)
+        return upper
+
+    def folder(self, path: Any) -> str:
+        """The upper copy of folder `path` (made, empty, where the run sees it in the user's tree), to
+        change its mode or times."""
+        path = full(path)
+        if self.passes(path):
+            return path
+        upper = self.up(path)
+        if not _lexists(upper):
+            if not self.exists(path):
+                raise missing(path)
+            mode = stat.S_IMODE(_stat(path).st_mode)
+            self._parent(path)
+            _mkdir(upper)
+            _chmod(upper, mode)
+        return upper
+
+    def make_folder(self, path: Any, mode: int = 0o777) -> None:
+        """mkdir, in the upper layer."""
+        path = full(path)
+        if self.passes(path):
+            _mkdir(path, mode)
+            return
+        if self.exists(path):
+            raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), path)
+        self._parent(path)
+        _mkdir(self.up(path), mode)
+
+    def _bury(self, path: str) -> None:
+        """Mark `path` deleted where the user's tree still shows it."""
+        if self._lower(path):
+            marker = self._marker(path)
+            os.makedirs(os.path.dirname(marker), exist_ok=True)
+            os.close(_open(marker, os.O_WRONLY | os.O_CREAT, 0o600))
+
+    def remove(self, path: Any) -> None:
+        """unlink: the upper copy goes, the user's file is marked deleted."""
+        path = full(path)
+        if self.passes(path):
+            _unlink(path)
+            return
+        real = self.where(path)
+        if real is None or not _lexists(real):
+            raise missing(path)
+        if stat.S_ISDIR(_lstat(real).st_mode):
+            raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), path)
+        if real != path:
+            _unlink(real)
+        self._bury(path)
+
+    def remove_folder(self, path: Any) -> None:
+        """rmdir: an empty folder, as the run sees it."""
+        path = full(path)
+        if self.passes(path):
+            _rmdir(path)
+            return
+        real = self.where(path)
+        if real is None or not _lexists(real):
+            raise missing(path)
+        if not _isdir(real):
+            raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), path)
+        if self.names(path):
+            raise OSError(errno.ENOTEMPTY, os.strerror(errno.ENOTEMPTY), path)
+        upper = self.up(path)
+        if _lexists(upper):
+            _rmdir(upper)
+        self._bury(path)
+
+    def move(self, source: Any, target: Any) -> None:
+        """rename / replace: what the run sees at `source` is at `target` after, and gone from `source`."""
+        source, target = full(source), full(target)
+        if self.passes(source) and self.passes(target):
+            _rename(source, target)
+            return
+        real = self.where(source)
+        if real is None or not _lexists(real):
+            raise missing(source)
+        if source == target:
+            return
+        folder = stat.S_ISDIR(_lstat(real).st_mode)
+        if folder and target.startswith(source + os.sep):
+            raise OSError(errno.EINVAL, os.strerror(errno.EINVAL), source)
+        if source.startswith(target + os.sep):  # onto a folder above it, as the kernel says
+            raise OSError(errno.ENOTEMPTY, os.strerror(errno.ENOTEMPTY), target)
+        there = self.where(target)
+        if there is not None and _lexists(there):  # rename's own checks, on what the run sees there
+            if stat.S_ISDIR(_lstat(there).st_mode):
+                if not folder:
+                    raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), target)
+                if self.names(target):
+                    raise OSError(errno.ENOTEMPTY, os.strerror(errno.ENOTEMPTY), target)
+            elif folder:
+                raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), target)
+        destination = target if self.passes(target) else self.up(target)
+        if not self.passes(target):
+            self._parent(target)
+        if folder and _lexists(destination) and _isdir(destination):
+            _rmdir(destination)  # empty as the run sees it: its upper copy holds nothing either
+        elif _lexists(destination) and not _isdir(destination):
+            _unlink(destination)  # a new file at that name, not new bytes in the old one (a hard link's)
+        if not self.passes(source) and (real == source or (folder and self._lower(source))):
+            # the user's own, or a folder holding some of it: what the run sees there copied, never moved
+            self.copy(source, destination)
+            if real != source:
+                shutil.rmtree(real)
+        else:
+            _rename(real, destination)
+        if not self.passes(source):
+            self._bury(source)
+
+    def copy(self, source: str, destination: str) -> None:
+        """What the run sees at `source` (a file, a link or a whole folder of both layers) copied to the
+        real path `destination`."""
+        real = self.where(source)
+        if real is None:
+            raise missing(source)
+        mode = _lstat(real).st_mode
+        if stat.S_ISLNK(mode):
+            if _lexists(destination):
+                _unlink(destination)
+            _symlink(_readlink(real), destination)
+        elif stat.S_ISDIR(mode):
+            if not _lexists(destination):
+                _mkdir(destination)
+            for name in self.names(source):
+                self.copy(os.path.join(source, name), os.path.join(destination, name))
+            shutil.copymode(real, destination)
+        else:
+            shutil.copy2(real, destination)
+
+    # -- folders ----------------------------------------------------------------------------------
+
+    def names(self, path: Any) -> List[str]:
+        """The names in folder `path` as the run sees it: the user's, less what it deleted, and its own."""
+        path = full(path)
+        if self.passes(path):
+            return _listdir(path)
+        upper = self.up(path)
+        lower = self._lower(path) and _isdir(path)
+        if not lower and not _isdir(upper):
+            real = self.where(path)
+            if real is not None and _lexists(real):
+                raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), path)
+            raise missing(path)
+        found = set(_listdir(upper)) if _isdir(upper) else set()
+        if lower:
+            for name in _listdir(path):
+                if name not in found and not _lexists(self._marker(os.path.join(path, name))):
+                    found.add(name)
+        if os.path.dirname(self.root) == path:  # the overlay itself, when it lies in the user's tree
+            found.discard(os.path.basename(self.root))
+        return sorted(found)
+
+    # -- what the run did -------------------------------------------------------------------------
+
+    def changes(self) -> List[Change]:
+        """Every path the run created, changed or deleted, by path."""
+        found = {}
+        for folder, dirs, files in os.walk(self.upper):
+            for name in dirs + files:
+                upper = os.path.join(folder, name)
+                path = os.sep + os.path.relpath(upper, self.upper)
+                info = _lstat(upper)
+                before = _lexists(path)  # the user has it: the run's copy replaces it
+                is_folder = stat.S_ISDIR(info.st_mode)
+                if is_folder and before and not self.hidden(path):
+                    continue  # a folder the user has, holding what the run wrote
+                size, emulated = (0, False) if is_folder else _written(upper, info.st_size)
+                found[path] = Change(path, "changed" if before else "created", size, is_folder, emulated)
+        for folder, _, files in os.walk(self.gone):
+            for name in files:
+                path = os.sep + os.path.relpath(os.path.join(folder, name), self.gone)[:-len(WHITEOUT)]
+                if path not in found and _lexists(path) and not self.hidden(os.path.dirname(path)):
+                    found[path] = Change(path, "deleted", 0, _isdir(path), False)
+        # a folder the run made is named by what it holds, where it holds anything the run wrote
+        holding = {os.path.dirname(p) for p in found}
+        return [found[p] for p in sorted(found) if not (found[p].folder and found[p].kind == "created"
+                                                        and p in holding)]
+
+
+def _written(path: str, size: int) -> Tuple[int, bool]:
+    """The bytes a real run leaves in the file at `path`, and whether it is a save of emulated tensors
+    (its first line names the tensor data a real run writes)."""
+    try:
+        with _builtin_open(path, "rb") as f:
+            head = f.read(len(SKELETON) + 24)
+    except OSError:
+        return size, False
+    if not head.startswith(SKELETON):
+        return size, False
+    digits = head[len(SKELETON):].split(b"\n", 1)[0]
+    return (int(digits), True) if digits.isdigit() else (size, False)

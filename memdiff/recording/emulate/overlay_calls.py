@@ -1,0 +1,461 @@
+"""The script's file calls routed through the overlay (overlay.py) while the emulator runs.
+
+Every Python file call reaches the file system through a few functions: `open` (builtins and io),
+and `os`'s open, stat, lstat, access, listdir, scandir, readlink, mkdir, rmdir, remove, unlink,
+rename, replace, link, symlink, truncate, chmod, utime and chown. pathlib, shutil, tempfile, glob,
+os.walk and os.makedirs call those by their module's name, and libraries (torch's file objects,
+numpy, PIL, datasets, logging) call them in turn: replacing them routes them all. What goes around
+them is stopped or named:
+
+- a call that would still change a path outside the overlay and memdiff's own files (a module that
+  bound `posix.open` itself, `io.FileIO`, a `dir_fd` call) is refused by an audit hook (PEP 578):
+  it raises PermissionError naming memdiff, rather than touching the user's file;
+- a writer outside Python (a C library opening the path itself, a program the run starts) is
+  found by TreeCheck, which compares the user's tree before and after the run, and named.
+
+The run's temporary files, compiler caches (Inductor's, Triton's) and bytecode go to the overlay's
+scratch folder or nowhere, so that programs the run starts (a C++ compiler) find what it wrote.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import io
+import os
+import shutil
+import stat
+import sys
+import tempfile
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+
+from memdiff import atomic
+from memdiff.errors import InputError
+from memdiff.recording.emulate import swap
+from memdiff.recording.emulate.overlay import Change, Overlay, full
+from memdiff.units import format_bytes
+
+ROOT = "MEMDIFF_OVERLAY"  # the overlay's folder, for every process of the run
+OWNED = "MEMDIFF_OVERLAY_OWNED"  # memdiff's own paths, os.pathsep-separated
+_WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
+_active: Optional[Overlay] = None
+_real_open = io.open
+_real = {name: getattr(os, name) for name in ("open", "stat", "lstat", "access", "listdir", "scandir", "readlink",
+                                              "mkdir", "rmdir", "remove", "unlink", "rename", "replace", "link",
+                                              "symlink", "truncate", "chmod", "utime", "chown", "statvfs")}
+
+
+def active() -> Optional[Overlay]:
+    """The overlay the running emulator writes to, if any."""
+    return _active
+
+
+def _path_arg(path: Any) -> bool:
+    """Whether `path` names a path (not a file descriptor)."""
+    return isinstance(path, (str, bytes, os.PathLike))
+
+
+def _like(path: Any, names: List[str]) -> List[Any]:
+    return [os.fsencode(n) for n in names] if isinstance(os.fspath(path), bytes) else names
+
+
+class _Entry:
+    """os.DirEntry for a name the overlay lists: its stat from the layer that holds it."""
+
+    def __init__(self, folder: Any, name: Any, overlay: Overlay) -> None:
+        self.name = name
+        self.path = os.path.join(os.fspath(folder), name)
+        self._overlay = overlay
+
+    def _real(self) -> str:
+        real = self._overlay.where(self.path)
+        if real is None:
+            raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), os.fsdecode(self.path))
+        return real
+
+    def __fspath__(self) -> Any:
+        return self.path
+
+    def stat(self, *, follow_symlinks: bool = True) -> os.stat_result:
+        return (_real["stat"] if follow_symlinks else _real["lstat"])(self._real())
+
+    def inode(self) -> int:
+        return self.stat(follow_symlinks=False).st_ino
+
+    def is_dir(self, *, follow_symlinks: bool = True) -> bool:
+        try:
+            return stat.S_ISDIR(self.stat(follow_symlinks=follow_symlinks).st_mode)
+        except OSError:
+            return False
+
+    def is_file(self, *, follow_symlinks: bool = True) -> bool:
+        try:
+            return stat.S_ISREG(self.stat(follow_symlinks=follow_symlinks).st_mode)
+        except OSError:
+            return False
+
+    def is_symlink(self) -> bool:
+        try:
+            return stat.S_ISLNK(self.stat(follow_symlinks=False).st_mode)
+        except OSError:
+            return False
+
+    def is_junction(self) -> bool:
+        return False
+
+    def __repr__(self) -> str:
+        return f"<DirEntry {self.name!r}>"
+
+
+class _Scan:
+    """os.scandir's iterator over a folder the overlay lists."""
+
+    def __init__(self, entries: List[_Entry]) -> None:
+        self._entries = iter(entries)
+
+    def __iter__(self) -> "_Scan":
+        return self
+
+    def __next__(self) -> _Entry:
+        return next(self._entries)
+
+    def __enter__(self) -> "_Scan":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._entries = iter(())
+
+
+def _mode_writes(mode: str) -> Tuple[bool, bool, bool, bool]:
+    """(writes, keeps what is there, may create, must create) for an open() mode."""
+    writes = any(c in mode for c in "wax+")
+    return writes, "a" in mode or ("+" in mode and "w" not in mode), "r" not in mode, "x" in mode
+
+
+def _routes(overlay: Overlay) -> List[Tuple[Any, str, Any]]:
+    """The replacements of builtins', io's and os's file calls that route them through `overlay`."""
+    real = _real
+
+    def opening(file: Any, mode: str = "r", *args: Any, **kwargs: Any) -> Any:
+        if not _path_arg(file):
+            return _real_open(file, mode, *args, **kwargs)
+        writes, keep, create, exclusive = _mode_writes(mode)
+        if writes:
+            target = overlay.writable(file, keep=keep, create=create, exclusive=exclusive)
+        else:
+            where = overlay.where(file)
+            if where is None:
+                raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), os.fsdecode(file))
+            target = where
+        opened: Any = _real_open(target, mode, *args, **kwargs)
+        if target != full(file):  # the name the script gave, as a GPU run's file object has it
+            raw = getattr(getattr(opened, "buffer", opened), "raw", getattr(opened, "buffer", opened))
+            with contextlib.suppress(AttributeError, TypeError):
+                raw.name = file
+        return opened
+
+    def os_open(path: Any, flags: int, mode: int = 0o777, *, dir_fd: Optional[int] = None) -> int:
+        if dir_fd is not None or not _path_arg(path):
+            return real["open"](path, flags, mode, dir_fd=dir_fd)  # the audit hook stops a write
+        if flags & _WRITE_FLAGS:
+            target = overlay.writable(path, keep=not flags & os.O_TRUNC, create=bool(flags & os.O_CREAT),
+                                      exclusive=bool(flags & os.O_CREAT and flags & os.O_EXCL))
+        else:
+            target = overlay.where(path) or _gone(path)
+        return real["open"](target, flags, mode)
+
+    def reading(name: str) -> Callable[..., Any]:
+        call = real[name]
+
+        def read(path: Any, *args: Any, **kwargs: Any) -> Any:
+            if not _path_arg(path) or kwargs.get("dir_fd") is not None:
+                return call(path, *args, **kwargs)
+            return call(overlay.where(path) or _gone(path), *args, **kwargs)
+        return read
+
+    def changing(name: str, folder_too: bool = True) -> Callable[..., Any]:
+        call = real[name]
+
+        def change(path: Any, *args: Any, **kwargs: Any) -> Any:
+            if not _path_arg(path) or kwargs.get("dir_fd") is not None:
+                return call(path, *args, **kwargs)
+            where = overlay.where(path) or _gone(path)
+            look = real["lstat"] if kwargs.get("follow_symlinks") is False else real["stat"]
+            if folder_too and stat.S_ISDIR(look(where).st_mode):
+                return call(overlay.folder(path), *args, **kwargs)
+            return call(overlay.writable(path, keep=True, create=False), *args, **kwargs)
+        return change
+
+    def listdir(path: Any = ".") -> List[Any]:
+        if not _path_arg(path):
+            return real["listdir"](path)
+        return _like(path, overlay.names(path))
+
+    def scandir(path: Any = ".") -> Any:
+        if not _path_arg(path):
+            return real["scandir"](path)
+        return _Scan([_Entry(path, name, overlay) for name in _like(path, overlay.names(path))])
+
+    def mkdir(path: Any, mode: int = 0o777, *, dir_fd: Optional[int] = None) -> None:
+        if dir_fd is not None:
+            return real["mkdir"](path, mode, dir_fd=dir_fd)
+        overlay.make_folder(path, mode)
+
+    def removing(name: str, how: Callable[[Any], None]) -> Callable[..., Any]:
+        def remove(path: Any, *, dir_fd: Optional[int] = None) -> None:
+            if dir_fd is not None:
+                return real[name](path, dir_fd=dir_fd)
+            how(path)
+        return remove
+
+    def moving(name: str) -> Callable[..., Any]:
+        def move(src: Any, dst: Any, *, src_dir_fd: Optional[int] = None, dst_dir_fd: Optional[int] = None) -> None:
+            if src_dir_fd is not None or dst_dir_fd is not None:
+                return real[name](src, dst, src_dir_fd=src_dir_fd, dst_dir_fd=dst_dir_fd)
+            overlay.move(src, dst)
+        return move
+
+    def link(src: Any, dst: Any, *args: Any, **kwargs: Any) -> None:
+        if args or any(v is not None for k, v in kwargs.items() if k.endswith("dir_fd")):
+            return real["link"](src, dst, *args, **kwargs)
+        # link's own checks, in its order: the source, the new name's folder, the new name, a folder
+        if not overlay.exists(full(src)):
+            _gone(src)
+        folder = overlay.where(os.path.dirname(full(dst)))
+        if folder is None or not os.path.isdir(folder):
+            _gone(dst)
+        if overlay.exists(full(dst)):
+            raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), os.fsdecode(dst))
+        if stat.S_ISDIR(real["lstat"](overlay.where(src) or _gone(src)).st_mode):  # no second name for a folder
+            raise PermissionError(errno.EPERM, os.strerror(errno.EPERM), os.fsdecode(src))
+        # a second name of the run's own copy, never of the user's file (a write through it would reach theirs)
+        real["link"](overlay.writable(src, keep=True, create=False), overlay.writable(dst, keep=False))
+
+    def symlink(src: Any, dst: Any, target_is_directory: bool = False, *, dir_fd: Optional[int] = None) -> None:
+        if dir_fd is not None:
+            return real["symlink"](src, dst, target_is_directory, dir_fd=dir_fd)
+        target = overlay.writable(dst, keep=False, exclusive=True)
+        with contextlib.suppress(FileNotFoundError):  # an upper copy of a file the run had deleted
+            real["unlink"](target)
+        real["symlink"](src, target, target_is_directory)
+
+    routes: List[Tuple[Any, str, Any]] = [(__import__("builtins"), "open", opening), (io, "open", opening),
+                                          (os, "open", os_open), (os, "listdir", listdir), (os, "scandir", scandir),
+                                          (os, "mkdir", mkdir), (os, "link", link), (os, "symlink", symlink),
+                                          (os, "remove", removing("remove", overlay.remove)),
+                                          (os, "unlink", removing("unlink", overlay.remove)),
+                                          (os, "rmdir", removing("rmdir", overlay.remove_folder)),
+                                          (os, "rename", moving("rename")), (os, "replace", moving("replace")),
+                                          (os, "truncate", changing("truncate", folder_too=False))]
+    routes += [(os, name, reading(name)) for name in ("stat", "lstat", "access", "readlink", "statvfs")]
+    routes += [(os, name, changing(name)) for name in ("chmod", "utime", "chown")]
+    # what each routed call takes, as os advertises it for the real one (shutil.copystat asks); not
+    # dir_fd, whose calls go around the overlay
+    for listing in ("supports_follow_symlinks", "supports_fd"):
+        owned = getattr(os, listing)
+        routes.append((os, listing, owned | {value for owner, name, value in routes
+                                             if owner is os and _real.get(name) in owned}))
+    # shutil.rmtree's descriptor-based walk (os.open of a folder, then unlink(dir_fd=)) would go around
+    # the routes: its path-based walk uses them
+    routes.append((shutil, "_use_fd_functions", False))
+    return routes
+
+
+def _gone(path: Any) -> str:
+    raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), os.fsdecode(path))
+
+
+# -- the audit hook: a write that went around the routes --------------------------------------------
+
+_CHANGING_EVENTS = {"os.remove": 1, "os.rmdir": 1, "os.mkdir": 1, "os.rename": 2, "os.link": 2, "os.symlink": 2,
+                    "os.truncate": 1, "os.chmod": 1, "os.utime": 1, "os.chown": 1}
+_hooked = False
+
+
+def _audit(event: str, args: Tuple[Any, ...]) -> None:
+    overlay = _active
+    if overlay is None:
+        return
+    if event == "open":
+        path, mode, flags = args
+        if not _path_arg(path) or not ((flags or 0) & _WRITE_FLAGS or (mode and any(c in mode for c in "wax+"))):
+            return
+        paths = [path]
+    elif event in _CHANGING_EVENTS:
+        paths = [p for p in args[:_CHANGING_EVENTS[event]] if _path_arg(p)]
+        if event in ("os.link", "os.symlink"):
+            paths = paths[1:]  # only the new name is written
+    else:
+        return
+    for path in paths:
+        target = full(path)
+        if not overlay.passes(target) and not target.startswith(overlay.upper + os.sep):
+            raise PermissionError(errno.EPERM, f"memdiff: emulation: {event} of {os.fsdecode(path)} stopped: it "
+                                               f"would change the user's file around memdiff's overlay",
+                                  os.fsdecode(path))
+
+
+# -- the whole run -------------------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def overlaid(owned: Tuple[str, ...] = ()) -> Iterator[Overlay]:
+    """Route the process's file calls through the run's overlay for the block: the one named by
+    MEMDIFF_OVERLAY (made by `memdiff record`, shared by every process of the run), else a new one
+    removed after the block. `owned`: memdiff's own paths, read and written as they are."""
+    global _active, _hooked
+    root = os.environ.get(ROOT)
+    made = root is None
+    if root is None:
+        root = tempfile.mkdtemp(prefix="memdiff-writes-")
+    owned = owned + tuple(p for p in os.environ.get(OWNED, "").split(os.pathsep) if p)
+    overlay = Overlay(root, owned)
+    cache = os.path.join(overlay.scratch, "caches")
+    os.makedirs(cache, exist_ok=True)
+    # What the run's programs find in the environment: its temporary folder, caches and no bytecode
+    # written beside the user's modules (children see the same overlay).
+    env = {ROOT: overlay.root, OWNED: os.pathsep.join(overlay.owned), "TMPDIR": overlay.scratch,
+           "TORCHINDUCTOR_CACHE_DIR": os.path.join(cache, "inductor"),
+           "TRITON_CACHE_DIR": os.path.join(cache, "triton"), "PYTHONDONTWRITEBYTECODE": "1"}
+    saved_env = {name: os.environ.get(name) for name in env}
+    os.environ.update(env)
+    changes = [*_routes(overlay), (tempfile, "tempdir", overlay.scratch), (sys, "dont_write_bytecode", True)]
+    if not _hooked:  # an audit hook cannot be removed: one, idle while no overlay is active
+        sys.addaudithook(_audit)
+        _hooked = True
+    previous, _active = _active, overlay
+    atomic.OWN_WRITES.append(overlay.own)
+    try:
+        with swap.replaced(changes):
+            yield overlay
+    finally:
+        atomic.OWN_WRITES.remove(overlay.own)
+        _active = previous
+        for name, value in saved_env.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+        if made:
+            shutil.rmtree(overlay.root, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def for_run(owned: List[str], kept: Optional[str], near: str, folders: List[str],
+            say: Callable[[str], None]) -> Iterator[str]:
+    """The overlay of one `memdiff record --emulate` run, its folder yielded: `kept` (--keep-writes,
+    which must be new or empty), else a hidden folder in `near` removed after the run. Every process
+    of the run finds it in the environment; `owned` are memdiff's paths. After the run, `say` is
+    given what the run wrote, and what changed in the user's `folders` around the overlay."""
+    if kept is not None:
+        root = full(kept)
+        if os.path.lexists(root) and (not os.path.isdir(root) or os.listdir(root)):
+            raise InputError("--keep-writes", f"{kept} is there already: give a new or empty folder for the "
+                                              f"run's writes")
+        os.makedirs(root, exist_ok=True)
+    else:
+        root = tempfile.mkdtemp(prefix=".memdiff-writes-", dir=near)
+    saved = {name: os.environ.get(name) for name in (ROOT, OWNED)}
+    os.environ[ROOT], os.environ[OWNED] = root, os.pathsep.join(full(p) for p in owned)
+    check = TreeCheck(folders, skip=(root, *owned))
+    try:
+        yield root
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+        for line in summary(Overlay(root).changes(), kept, where=os.getcwd()) + check.changed():
+            say(line)
+        if kept is None:
+            shutil.rmtree(root, ignore_errors=True)
+
+
+# -- what the run did, said once -------------------------------------------------------------------------
+
+SHOWN = 20  # changes named one by one; the rest counted
+
+
+def summary(changes: List[Change], kept: Optional[str] = None, where: Optional[str] = None,
+            hint: bool = True) -> List[str]:
+    """What the run would have written, created or deleted, in lines a user reads: a headline, then a
+    line per path (the first SHOWN). `kept`: the folder the overlay stays in; `where`: the folder the
+    paths are shown relative to; `hint`: say how to keep them."""
+    if not changes:
+        return []
+    counts: Dict[str, int] = {}
+    for change in changes:
+        counts[change.kind] = counts.get(change.kind, 0) + 1
+    total = sum(c.size for c in changes)
+    said = ", ".join(f"{n} {kind}" for kind, n in sorted(counts.items()))
+    look = f"; kept in {kept}" if kept else "; give --keep-writes DIR to keep them" if hint else ""
+    lines = [f"the run's writes went to its overlay, the user's files are unchanged: {said} "
+             f"({format_bytes(total)} a real run writes{look})"]
+    for change in changes[:SHOWN]:
+        name = os.path.relpath(change.path, where) if where else change.path
+        name = change.path if name.startswith("..") else name
+        size = "" if change.kind == "deleted" or change.folder else f" ({format_bytes(change.size)}" + \
+            (f", {change.size:,} bytes of tensor data, not written: emulated tensors have none)" if change.emulated
+             else ")")
+        lines.append(f"  {change.kind} {name}{'/' if change.folder else ''}{size}")
+    if len(changes) > SHOWN:
+        lines.append(f"  and {len(changes) - SHOWN} more")
+    return lines
+
+
+def note(changes: List[Change]) -> Optional[str]:
+    """summary() as one line, for a snapshot's notes (the first few paths named)."""
+    lines = summary(changes, where=os.getcwd(), hint=False)
+    if not lines:
+        return None
+    named = [line.strip() for line in lines[1:7]]
+    more = len(changes) - len(named)
+    return f"{lines[0]}: {'; '.join(named)}" + (f"; and {more} more" if more > 0 else "")
+
+
+class TreeCheck:
+    """The user's folders before and after the run (size, mtime, inode and mode of each path, to a
+    bound): what changed there went around the overlay (a C library, a program the run started)."""
+
+    LIMIT = 100_000  # paths looked at; beyond, the check says it stopped
+
+    def __init__(self, folders: List[str], skip: Tuple[str, ...]) -> None:
+        self.folders = sorted({full(f) for f in folders if os.path.isdir(f)})
+        self.skip = tuple(full(s) for s in skip)
+        self.stopped = False
+        self.before = self._look()
+
+    def _look(self) -> Dict[str, Tuple[int, int, int, int]]:
+        seen: Dict[str, Tuple[int, int, int, int]] = {}
+        for top in self.folders:
+            for folder, dirs, files in os.walk(top):
+                dirs[:] = [d for d in dirs if not os.path.join(folder, d).startswith(self.skip)]
+                for name in files + dirs:
+                    path = os.path.join(folder, name)
+                    if path.startswith(self.skip) or path in seen:
+                        continue
+                    if len(seen) >= self.LIMIT:
+                        self.stopped = True
+                        return seen
+                    with contextlib.suppress(OSError):
+                        info = os.lstat(path)
+                        seen[path] = (info.st_size, info.st_mtime_ns, info.st_ino, info.st_mode)
+        return seen
+
+    def changed(self) -> List[str]:
+        """Lines naming each path changed, made or removed since the check began."""
+        after = self._look()
+        lines = []
+        for path in sorted(set(self.before) | set(after)):
+            was, now = self.before.get(path), after.get(path)
+            if was == now or (was and now and stat.S_ISDIR(was[3]) and stat.S_ISDIR(now[3])):
+                continue
+            what = "made" if was is None else "removed" if now is None else "changed"
+            lines.append(f"{path} was {what} by a writer outside Python's file calls (a C library or a program "
+                         f"the run started), which the overlay cannot route")
+        if self.stopped:
+            lines.append(f"only the first {self.LIMIT:,} paths of {', '.join(self.folders)} were checked")
+        return lines
