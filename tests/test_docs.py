@@ -114,6 +114,8 @@ def test_links_between_pages_resolve(page):
             continue  # a web address
         file, _, anchor = target.partition("#")
         path = (page.parent / file).resolve() if file else page
+        # A clone has nothing beside it (no ../shared): a link leaving the repository is broken there.
+        assert path.is_relative_to(ROOT.resolve()), f"{page.name}: link to {target}: outside the repository"
         assert path.exists(), f"{page.name}: link to {target}: no such file"
         if anchor and path.suffix == ".md":
             assert anchor in _anchors(path), f"{page.name}: link to {target}: no such heading"
