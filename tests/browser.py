@@ -2,8 +2,8 @@
 
 Used by tests/test_browser.py, and run by hand to regenerate the screenshot in docs/:
 
-    memdiff ../shared/snapshots/cs336-medium-ctx128-train.pickle \\
-        ../shared/snapshots/cs336-medium-ctx256-train.pickle --html /tmp/report.html
+    memdiff tests/data/cuda/gpt2-base.pickle.gz \\
+        tests/data/cuda/gpt2-retain-graph.pickle.gz --html /tmp/report.html
     python tests/browser.py /tmp/report.html docs/report.png
 
 Playwright drives the Chromium that the system has (Debian's `chromium` package): Playwright's

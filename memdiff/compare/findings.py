@@ -119,8 +119,8 @@ CATALOGUE: Tuple[Code, ...] = (
          "Older formats lack fields (times, stacks' C++ frames, categories' evidence): what one run shows, the "
          "other may not, and rows that differ only by what the format records show as changes.",
          "Record both runs with the same torch.",
-         "memdiff ../shared/snapshots/opt13b-oom-legacy.pickle ../shared/snapshots/linear-grad.pickle",
-         "warning: T006 snapshot formats differ: base is legacy-history, head is trace-timed"),
+         "memdiff tests/data/cuda/gpt2-base.pickle.gz tests/data/cpu/fsdp2-missed-free-rank1.pickle.gz",
+         "warning: T006 snapshot formats differ: base is trace-timed, head is profiler"),
     Code("T007", "keys-differ", WARNING,
          "snapshot keys differ, so the torch versions may too ({detail})",
          "The snapshots have the same format but different top-level keys: torch wrote each with other fields.",
@@ -215,10 +215,10 @@ CATALOGUE: Tuple[Code, ...] = (
          "Rows at the two peaks compare different moments: gradients read as gone and activations as new though "
          "neither changed much. The phase table and `--at PHASE` compare like with like.",
          "Read the phase peaks, diff at one phase with `--at forward`, or gate a phase with `--phase-fail-over`.",
-         "memdiff ../shared/snapshots/cs336-medium-ctx128-train.pickle "
-         "../shared/snapshots/cs336-medium-ctx256-train.pickle",
-         "warning: P001 device 0: the peaks are in different phases: base in the optimizer step of step 0, head "
-         "in the forward of step 0; rows compare different moments (compare like with like: --at forward)"),
+         "memdiff tests/data/cuda/gpt2-base.pickle.gz tests/data/cuda/gpt2-retain-graph.pickle.gz",
+         "warning: P001 device 0: the peaks are in different phases: base in the backward of step 1, head in "
+         "the optimizer step of step 0; rows compare different moments (compare like with like: --at "
+         "optimizer)"),
     # --- K: kept memory -------------------------------------------------------------------------
     Code("K001", "kept-memory", INFO,
          "kept from {source} (not parameters, gradients, optimizer state or workspaces): {amount}{passes} "
@@ -229,12 +229,9 @@ CATALOGUE: Tuple[Code, ...] = (
          "validation loop without `torch.no_grad()`. Some is meant (a cache, a running statistic).",
          "Look at the sites named: detach what is logged (`loss.item()`), run evaluation under "
          "`torch.no_grad()`, drop references at the end of a step.",
-         "memdiff peak ../shared/snapshots/linear-grad.pickle",
-         "note: K001 device 0: kept from earlier forwards (not parameters, gradients, optimizer state or "
-         "workspaces): 1.15 GiB live at the peak, made by 1 earlier forward that a forward of the same code "
-         "followed (activation: linear.py:forward <- linear <- addmm 953.67 MiB, input: "
-         "profile_grad.py:<module> <- randn 190.73 MiB, activation: linear.py:forward <- linear <- addmm "
-         "32.00 MiB)"),
+         "memdiff peak tests/data/cuda/gpt2-keep-weights.pickle.gz",
+         "note: K001 device 0: kept from earlier steps (not parameters, gradients, optimizer state or "
+         "workspaces): 949.40 MiB live at the peak (other: train.py:one_step <- clone 949.40 MiB)"),
     Code("K002", "kept-memory-grew", WARNING,
          "kept from {source} (not parameters, gradients, optimizer state or workspaces): {amount}{passes} "
          "({sites})",
@@ -370,7 +367,7 @@ CATALOGUE: Tuple[Code, ...] = (
          "optimizer the run does not use.",
          "The change has no prediction: the run already has it, or has nothing it changes.",
          "Read the reason; ask for another change.",
-         "memdiff whatif ../shared/snapshots/cs336-medium-ctx128-infer.pickle --change zero-grad=none",
+         "memdiff whatif tests/data/cuda/gpt2-generate.pickle.gz --change zero-grad=none",
          "note: W014 device 0: zero-grad=none: does not apply: the run shows no gradients (category gradient)"),
     Code("W007", "runs-record-other-allocations", INFO,
          "{runs} record{s} other allocations than the largest run: left out of the fit, and predicted from the "
@@ -387,12 +384,10 @@ CATALOGUE: Tuple[Code, ...] = (
          "The forecast's runs do not allocate one for one: their allocations were lined up by stack and order.",
          "Allocations only some runs have are fitted from those runs; the forecast is less exact.",
          "Record the runs with the same code path and steps.",
-         "memdiff forecast ../shared/snapshots/cs336-medium-ctx128-train.pickle=128 "
-         "../shared/snapshots/cs336-medium-ctx256-train.pickle=256 --at 512 "
-         "--budget 80GiB",
-         "note: W008 device 0: the runs do not record the same allocations: 60.3% of the largest run's allocations "
-         "line up by stack in every run, and 61.1% of each other run's (the rest is not replayed); the others are "
-         "fitted from the runs that have them"),
+         "memdiff forecast tests/data/cuda/gpt2-base.pickle.gz=4 tests/data/cuda/gpt2-batch8.pickle.gz=8 --at "
+         "16 --budget 80GiB",
+         "note: W008 device 0: the runs do not record the same allocations: 98.8% of the largest run's "
+         "allocations line up by stack in every run; the others are fitted from the runs that have them"),
     Code("W009", "quadratic-under-leave-one-out", INFO,
          "with three runs, leaving one out fits the other two with lines: the leave-one-out error overstates the "
          "forecast's for sizes that grow quadratically (a fourth run checks them)",
@@ -409,11 +404,10 @@ CATALOGUE: Tuple[Code, ...] = (
          "The forecast fits each allocation's size from two runs.",
          "A size that grows quadratically is forecast as a line: far from the runs it is too small.",
          "Add a third run at another value.",
-         "memdiff forecast ../shared/snapshots/cs336-medium-ctx128-train.pickle=128 "
-         "../shared/snapshots/cs336-medium-ctx256-train.pickle=256 --at 512 "
-         "--budget 80GiB",
-         "note: W010 device 0: sizes are fitted from two runs: constant or linear only (a quadratic needs a third "
-         "run that lines up one for one)"),
+         "memdiff forecast tests/data/cuda/gpt2-base.pickle.gz=4 tests/data/cuda/gpt2-batch8.pickle.gz=8 --at "
+         "16 --budget 80GiB",
+         "note: W010 device 0: sizes are fitted from two runs: constant or linear only (a quadratic needs a "
+         "third run that lines up one for one)"),
     Code("W011", "sizes-fit-no-polynomial", WARNING,
          "{count:,} allocations ({amount} in the largest run) fit no polynomial up to quadratic; the quadratic "
          "through their three largest values stands in",
@@ -429,9 +423,8 @@ CATALOGUE: Tuple[Code, ...] = (
          "With `--budget`, the forecast's peak at the knob's smallest value is over the budget.",
          "Nothing fits: no value of the knob runs within the budget.",
          "Lower the memory at value 1 (checkpointing, bf16 weights: `memdiff whatif`), or raise the budget.",
-         "memdiff forecast ../shared/snapshots/cs336-medium-ctx128-train.pickle=128 "
-         "../shared/snapshots/cs336-medium-ctx256-train.pickle=256 --at 512 "
-         "--budget 1GiB",
+         "memdiff forecast tests/data/cuda/gpt2-base.pickle.gz=4 tests/data/cuda/gpt2-batch8.pickle.gz=8 --at "
+         "16 --budget 1GiB",
          "warning: W012 device 0: even at 1 the predicted peak exceeds the budget of 1.00 GiB"),
     Code("W013", "never-outgrows-budget", INFO,
          "the predicted peak does not outgrow the budget at any value",
@@ -465,10 +458,10 @@ CATALOGUE: Tuple[Code, ...] = (
          "A peak limit failed: the peak grew past the rule.",
          "The run needs more memory than the baseline allowed.",
          "Read the rows named; if the growth is meant, refresh the baseline (`memdiff baseline`).",
-         "memdiff ../shared/snapshots/cs336-medium-ctx128-train.pickle "
-         "../shared/snapshots/cs336-medium-ctx256-train.pickle",
-         "error: G002 device 0: peak grew by 1.95 GiB; top growth: functional.py:einsum <- einsum <- bmm "
-         "+787.53 MiB, model.py:forward <- mul_Tensor +776.00 MiB, model.py:silu <- mul_Tensor +384.00 MiB"),
+         "memdiff tests/data/cuda/gpt2-base.pickle.gz tests/data/cuda/gpt2-batch8.pickle.gz",
+         "error: G002 device 0: peak grew by 3.31 GiB; top growth: activations.py:forward <- mul_Tensor "
+         "+576.00 MiB, pytorch_utils.py:forward <- addmm +504.00 MiB, LogSoftmaxBackward0 <- "
+         "_log_softmax_backward_data +392.63 MiB"),
     Code("G003", "peak-went-down", INFO,
          "peak went down by {drop} ({pct}): consider updating the baseline: {command}",
          "Gated against a baseline, the peak went down.",
@@ -582,6 +575,23 @@ def parse_codes(where: str, codes: Sequence[str]) -> List[str]:
     return out
 
 
+# Where the public snapshots kept beside the project live (tests read them there); the repository does not ship them.
+OUTSIDE = "../shared/snapshots/"
+
+
+def _example_lines(c: Code) -> List[str]:
+    """The example as the page shows it: a command a clone runs, or a comment saying where it was seen."""
+    if c.example_command.startswith("hand-built"):
+        return [f"# {c.example_command}", c.example_output]
+    if OUTSIDE in c.example_command:
+        # No capture the repository ships shows this finding: name the public run's snapshot without a
+        # path that a clone would lack, so that nothing reads as a command to run.
+        seen = c.example_command.replace(OUTSIDE, "")
+        return [f"# seen by `{seen}`, on snapshots of public runs that the repository does not ship "
+                "(no capture in tests/data shows it)", c.example_output]
+    return [f"$ {c.example_command}", "...", c.example_output, "..."]
+
+
 def rule_section(c: Code) -> str:
     """The documentation of one code in its fixed shape, as docs/findings.md and `memdiff rule CODE` show it."""
     return "\n".join([
@@ -590,9 +600,7 @@ def rule_section(c: Code) -> str:
         f"Message: `{c.template}`", "",
         "### What it means", "", c.means, "",
         "### Why it matters", "", c.why, "",
-        "### Example", "", "```text",
-        *([f"# {c.example_command}", c.example_output] if c.example_command.startswith("hand-built")
-          else [f"$ {c.example_command}", "...", c.example_output, "..."]), "```", "",
+        "### Example", "", "```text", *_example_lines(c), "```", "",
         "### What to do", "", c.fix, ""])
 
 
