@@ -217,7 +217,7 @@ class Emulator:
     # -- the allocator's events, as the history records them ------------------------------------
 
     def _on_event(self, index: int, action: str, address: int, size: int, stream: int, context: Any) -> None:
-        if self.recording is None:
+        if self.recording is None or action in self.recording["skip"]:
             return
         frames = context if isinstance(context, list) else []
         event = {"action": action, "addr": address, "size": size, "stream": stream,
@@ -348,15 +348,21 @@ class Emulator:
 
     def record_history(self, enabled: Any = "all", context: Any = "all", stacks: str = "all",
                        max_entries: int = sys.maxsize, device: Any = None, clear_history: bool = False,
-                       compile_context: bool = False, global_record_annotations: bool = False) -> None:
+                       compile_context: bool = False, global_record_annotations: bool = False,
+                       skip_actions: Optional[List[str]] = None) -> None:
         """torch.cuda.memory._record_memory_history, on the emulated device."""
-        if clear_history:
-            for device in self.gpus.values():
-                device.trace.clear()
-        if enabled in (None, False):
+        off = enabled in (None, False)
+        # CUDA's allocator empties its trace when the history is turned off, not only on clear_history
+        # (recordHistory: `if (!enabled || clearHistory)`): a script that records, dumps, stops and
+        # records again writes files that each start clean, never the frees it made while off.
+        if off or clear_history:
+            for gpu in self.gpus.values():
+                gpu.trace.clear()
+        if off:
             self.recording = None
             return
-        self.recording = {"max_entries": max_entries, "annotations": bool(global_record_annotations)}
+        self.recording = {"max_entries": max_entries, "annotations": bool(global_record_annotations),
+                          "skip": frozenset(skip_actions or ())}
 
     def snapshot(self) -> Dict[str, Any]:
         """torch.cuda.memory._snapshot(): segments, the trace, settings; marked as emulated. As CUDA's,
