@@ -18,6 +18,7 @@ from memdiff.recording.emulate import (
     distributed,
     files,
     legacy,
+    masks,
     printing,
     reductions,
     rmsnorm,
@@ -414,6 +415,14 @@ class AllocMode(TorchDispatchMode):
             done = convolution(self.emulator, func, args, kwargs, self)
             if done is not None:
                 return done
+        if base in masks.OPS and _is_meta(first) and masks.expands(base, args, kwargs):
+            # CUDA's kernel indexes by nonzero of each mask: run it here, on the emulated GPU, inside the op
+            self.emulator.context.append(op_name(func))
+            try:
+                with self:
+                    args, kwargs = masks.expanded(args, kwargs)
+            finally:
+                self.emulator.context.pop()
         pending: List[Any] = []  # a data-sized op's kernel buffers (routing.py)
         try:
             if base in ALL_ELEMENTS_OPS and _is_meta(first):
