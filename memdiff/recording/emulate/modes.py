@@ -16,6 +16,7 @@ from memdiff.recording.emulate import (
     batchnorm,
     conv,
     distributed,
+    dynamic,
     files,
     legacy,
     masks,
@@ -441,17 +442,10 @@ class AllocMode(TorchDispatchMode):
                 files.follow(args, kwargs, out)
         except (NotImplementedError, RuntimeError) as exc:
             said = str(exc).lower()
-            # Only a missing kernel is the emulator's refusal; any other error is the op's own (a
-            # device mismatch, a bad shape) and must be seen as it is, not named a missing kernel.
-            # "Could not run ... from the 'CUDA' backend" lists Meta among the backends it has: no
-            # meta kernel is missing there.
-            other_backend = "could not run" in said and "from the 'meta' backend" not in said
-            missing = not other_backend and (
-                "could not run" in said or "fake impl" in said or "fake kernel" in said or "no meta" in said
-                or isinstance(exc, NotImplementedError))
-            if not missing:
-                raise
-            raise op_refusal(namespace, base, _script_line()) from None
+            if dynamic.ASKED in said:  # a custom op's fake asked for a size that depends on data
+                out = dynamic.sized(func, args, kwargs, self.values)
+            else:
+                self.refuse(namespace, base, exc, said)
         emulator = self.emulator
         name = op_name(func)
         rule = emulator.rules.get(base)
@@ -476,6 +470,21 @@ class AllocMode(TorchDispatchMode):
         elif base in routing.RULES and _is_meta(first):  # sort's, cumsum's, nonzero's... own buffers
             scratch.play(emulator, name, routing.RULES[base](args, kwargs, out, emulator.gpu), index)
         return out
+
+    @staticmethod
+    def refuse(namespace: str, base: str, exc: Exception, said: str) -> None:
+        """Raise the emulator's one-line refusal for an op with no meta kernel, or the op's own error."""
+        # Only a missing kernel is the emulator's refusal; any other error is the op's own (a
+        # device mismatch, a bad shape) and must be seen as it is, not named a missing kernel.
+        # "Could not run ... from the 'CUDA' backend" lists Meta among the backends it has: no
+        # meta kernel is missing there.
+        other_backend = "could not run" in said and "from the 'meta' backend" not in said
+        missing = not other_backend and (
+            "could not run" in said or "fake impl" in said or "fake kernel" in said or "no meta" in said
+            or isinstance(exc, NotImplementedError))
+        if not missing:
+            raise exc
+        raise op_refusal(namespace, base, _script_line()) from None
 
     def read_back(self, base: str, first: torch.Tensor, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
         """What ops that read values give without them: zeros, and every element where a size depends on them."""
