@@ -351,7 +351,7 @@ class AllocMode(TorchDispatchMode):
             return func(*args, **(kwargs or {}))
         # Below autograd a tensor is what it is: the device mode (on during a backward) must not tell
         # this code that a meta tensor is cuda.
-        with torch._C.DisableTorchFunction():
+        with torch._C.DisableTorchFunction(), self.emulator.lock:
             return self.dispatch(func, args, kwargs or {})
 
     def dispatch(self, func: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
