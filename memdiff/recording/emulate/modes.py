@@ -13,6 +13,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper
 from torch.utils._pytree import tree_leaves, tree_map
 
 from memdiff.recording.emulate import (
+    backward,
     batchnorm,
     conv,
     distributed,
@@ -436,6 +437,8 @@ class AllocMode(TorchDispatchMode):
                 self.emulator.workspace("_grouped_mm", self.emulator.placement.for_new(args, kwargs))
             elif base == "index_put" and _is_meta(first) and scratch.index_backward():
                 out = scratch.index_put_in_place(args, kwargs)  # the GPU writes into the zeros it made
+            elif base in backward.OPS and _is_meta(first) and (twin := backward.in_place(func, base)) is not None:
+                out = twin(*args, **kwargs)  # likewise: scatter_add_, scatter_, index_add_ into the zeros
             else:
                 out = func(*args, **kwargs)
                 self.values.follow(func, args, kwargs, out)
