@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 from types import FunctionType
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, NoReturn, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -475,7 +475,7 @@ class AllocMode(TorchDispatchMode):
         return out
 
     @staticmethod
-    def refuse(namespace: str, base: str, exc: Exception, said: str) -> None:
+    def refuse(namespace: str, base: str, exc: Exception, said: str) -> NoReturn:
         """Raise the emulator's one-line refusal for an op with no meta kernel, or the op's own error."""
         # Only a missing kernel is the emulator's refusal; any other error is the op's own (a
         # device mismatch, a bad shape) and must be seen as it is, not named a missing kernel.
