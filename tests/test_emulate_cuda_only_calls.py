@@ -102,3 +102,36 @@ def test_nvml_readings_module_to_a_bare_index_and_cuda_random_answer_as_the_emul
     # the two layers' weights and biases, each block rounded up to 512 bytes as the caching allocator does
     weights = 2 * (-(-256 * 256 * 4 // 512) * 512 + -(-256 * 4 // 512) * 512)
     assert lines[3] == f"allocated {weights}"
+
+
+NVTX_ANNOTATED = """
+import torch
+import torch.cuda.nvtx as nvtx
+
+model = torch.nn.Linear(256, 512).cuda()
+
+
+@torch.cuda.nvtx.range("fwd")  # profiling code's decorator form
+def forward(x):
+    return model(x)
+
+
+with nvtx.range("step {}", 3):  # the context-manager form, with range's format arguments
+    loss = forward(torch.randn(64, 256, device="cuda")).sum()
+print("push", nvtx.range_push("bwd"), "mark", nvtx.mark("here"))
+loss.backward()
+print("pop", nvtx.range_pop(), "start", nvtx.range_start("opt"), "end", nvtx.range_end(0))
+"""
+
+
+@pytest.mark.slow
+def test_nvtx_ranges_as_decorator_and_context_manager_run_as_on_a_gpu_without_a_profiler(tmp_path: Path):
+    # Profiling code decorates its forward with @torch.cuda.nvtx.range(...): the script stopped at import
+    # before. NVTX with no profiler attached answers -2 (depth not tracked) to push and pop, 0 to start.
+    done, snapshot = _emulate(tmp_path, "profiled.py", NVTX_ANNOTATED)
+    lines = done.stdout.splitlines()
+    assert lines[0] == "push -2 mark None"
+    assert lines[1] == "pop -2 start 0 end None"
+    outputs = [e for e in snapshot["device_traces"][0] if e["action"] == "alloc" and e["size"] == 64 * 512 * 4]
+    # the decorated forward ran on the emulated GPU: its 64 x 512 output is made inside it
+    assert any(f["name"] == "forward" and f["filename"].endswith("profiled.py") for e in outputs for f in e["frames"])

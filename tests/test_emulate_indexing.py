@@ -85,3 +85,54 @@ def test_a_sort_past_one_tile_and_an_expanded_gradient(tmp_path):
     assert sizes[:-1] == [8 * n, 8 * n, n * 64 * 4, 8 * n, 8 * n, 8 * n]
     temp = sizes[-1]
     assert 16 * n <= temp < 16 * n + 16 * 1024
+
+
+MASKED = """
+import sys
+import torch
+
+x = torch.randn(1000, 64, device="cuda", requires_grad=True)
+labels = torch.arange(1000, device="cuda") % 4  # made from known values, as a batch's labels are
+torch.cuda.memory._record_memory_history()
+kept = x[labels != 0]  # a mask whose values are known: 750 rows
+scores = x.detach().sum(1)  # the model's arithmetic: no values
+mask = scores > 0
+picked = x[mask]
+print("sizes", tuple(kept.shape), tuple(picked.shape), tuple(torch.nonzero(mask).shape),
+      tuple(torch.masked_select(x, mask[:, None]).shape))
+(kept.sum() + picked.sum()).backward()
+torch.cuda.memory._dump_snapshot(sys.argv[1])
+"""
+
+
+def test_boolean_mask_indexing_runs_nonzero_inside_the_op_and_follows_its_sizes(tmp_path):
+    """`x[mask]` was refused ("aten::index: PyTorch has no meta kernel") while nonzero and masked_select
+    of the same mask ran. CUDA's index turns a mask into long indices by nonzero inside the op
+    (expandTensors, native/IndexingUtils.h): its output (rows x 1 x 8 B) is allocated before the
+    index's own output and freed after it. Sizes follow nonzero's policy: the true count for a known
+    mask, every element for one the model computed. The backward's index_put expands the mask again."""
+    script = tmp_path / "mask.py"
+    script.write_text(MASKED)
+    own = tmp_path / "own.pickle"
+    done = subprocess.run([sys.executable, "-m", "memdiff", "record", "--emulate", "h100", "-o",
+                           str(tmp_path / "run.pickle"), "--", sys.executable, str(script), str(own)],
+                          capture_output=True, text=True, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "sizes (750, 64) (1000, 64) (1000, 1) (64000,)" in done.stdout
+    with open(own, "rb") as f:
+        trace = pickle.load(f)["device_traces"][0]
+    inside = [(e["action"], e["size"]) for e in trace if e["action"] in ("alloc", "free_completed")
+              and any("at::_ops::index_Tensor::" in f["name"] for f in e["frames"])]
+    # each forward index: nonzero's output, then the index's output (750 and 1,000 rows of 64 floats)
+    outputs = [size for action, size in inside if action == "alloc" and size in (750 * 256, 1000 * 256)]
+    assert outputs == [750 * 256, 1000 * 256]
+    start = next(i for i, e in enumerate(trace) if any("at::_ops::index_Tensor::" in f["name"] for f in e["frames"]))
+    events = [(e["action"], e["size"]) for e in trace[start:]]
+    for rows in (750, 1000):
+        nonzero_out, index_out = events.index(("alloc", rows * 8)), events.index(("alloc", rows * 256))
+        assert nonzero_out < index_out < events.index(("free_completed", rows * 8), index_out)
+    # the backward's two index_puts each index by nonzero of its mask again
+    backward = [e for e in trace if e["action"] == "alloc"
+                and any("IndexBackward0" in f["name"] for f in e["frames"])
+                and any("at::_ops::nonzero::" in f["name"] for f in e["frames"])]
+    assert sorted({e["size"] for e in backward} & {750 * 8, 1000 * 8}) == [750 * 8, 1000 * 8]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 from types import FunctionType
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, NoReturn, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -13,10 +13,13 @@ from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper
 from torch.utils._pytree import tree_leaves, tree_map
 
 from memdiff.recording.emulate import (
+    backward,
     batchnorm,
     conv,
     distributed,
+    dynamic,
     legacy,
+    masks,
     printing,
     reductions,
     rmsnorm,
@@ -348,7 +351,7 @@ class AllocMode(TorchDispatchMode):
             return func(*args, **(kwargs or {}))
         # Below autograd a tensor is what it is: the device mode (on during a backward) must not tell
         # this code that a meta tensor is cuda.
-        with torch._C.DisableTorchFunction():
+        with torch._C.DisableTorchFunction(), self.emulator.lock:
             return self.dispatch(func, args, kwargs or {})
 
     def dispatch(self, func: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
@@ -411,6 +414,14 @@ class AllocMode(TorchDispatchMode):
             done = convolution(self.emulator, func, args, kwargs, self)
             if done is not None:
                 return done
+        if base in masks.OPS and _is_meta(first) and masks.expands(base, args, kwargs):
+            # CUDA's kernel indexes by nonzero of each mask: run it here, on the emulated GPU, inside the op
+            self.emulator.context.append(op_name(func))
+            try:
+                with self:
+                    args, kwargs = masks.expanded(args, kwargs)
+            finally:
+                self.emulator.context.pop()
         pending: List[Any] = []  # a data-sized op's kernel buffers (routing.py)
         try:
             if base in ALL_ELEMENTS_OPS and _is_meta(first):
@@ -423,22 +434,17 @@ class AllocMode(TorchDispatchMode):
                 self.emulator.workspace("_grouped_mm", self.emulator.placement.for_new(args, kwargs))
             elif base == "index_put" and _is_meta(first) and scratch.index_backward():
                 out = scratch.index_put_in_place(args, kwargs)  # the GPU writes into the zeros it made
+            elif base in backward.OPS and _is_meta(first) and (twin := backward.in_place(func, base)) is not None:
+                out = twin(*args, **kwargs)  # likewise: scatter_add_, scatter_, index_add_ into the zeros
             else:
                 out = func(*args, **kwargs)
                 self.values.follow(func, args, kwargs, out)
         except (NotImplementedError, RuntimeError) as exc:
             said = str(exc).lower()
-            # Only a missing kernel is the emulator's refusal; any other error is the op's own (a
-            # device mismatch, a bad shape) and must be seen as it is, not named a missing kernel.
-            # "Could not run ... from the 'CUDA' backend" lists Meta among the backends it has: no
-            # meta kernel is missing there.
-            other_backend = "could not run" in said and "from the 'meta' backend" not in said
-            missing = not other_backend and (
-                "could not run" in said or "fake impl" in said or "fake kernel" in said or "no meta" in said
-                or isinstance(exc, NotImplementedError))
-            if not missing:
-                raise
-            raise op_refusal(namespace, base, _script_line()) from None
+            if dynamic.ASKED in said:  # a custom op's fake asked for a size that depends on data
+                out = dynamic.sized(func, args, kwargs, self.values)
+            else:
+                self.refuse(namespace, base, exc, said)
         emulator = self.emulator
         name = op_name(func)
         rule = emulator.rules.get(base)
@@ -463,6 +469,21 @@ class AllocMode(TorchDispatchMode):
         elif base in routing.RULES and _is_meta(first):  # sort's, cumsum's, nonzero's... own buffers
             scratch.play(emulator, name, routing.RULES[base](args, kwargs, out, emulator.gpu), index)
         return out
+
+    @staticmethod
+    def refuse(namespace: str, base: str, exc: Exception, said: str) -> NoReturn:
+        """Raise the emulator's one-line refusal for an op with no meta kernel, or the op's own error."""
+        # Only a missing kernel is the emulator's refusal; any other error is the op's own (a
+        # device mismatch, a bad shape) and must be seen as it is, not named a missing kernel.
+        # "Could not run ... from the 'CUDA' backend" lists Meta among the backends it has: no
+        # meta kernel is missing there.
+        other_backend = "could not run" in said and "from the 'meta' backend" not in said
+        missing = not other_backend and (
+            "could not run" in said or "fake impl" in said or "fake kernel" in said or "no meta" in said
+            or isinstance(exc, NotImplementedError))
+        if not missing:
+            raise exc
+        raise op_refusal(namespace, base, _script_line()) from None
 
     def read_back(self, base: str, first: torch.Tensor, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
         """What ops that read values give without them: zeros, and every element where a size depends on them."""

@@ -14,6 +14,7 @@ from torch.utils.weak import WeakTensorKeyDictionary
 from memdiff.recording.emulate.compiled import Planner
 from memdiff.recording.emulate.devices import cuda_index, names_cuda
 from memdiff.recording.emulate.escapes import refusing
+from memdiff.recording.emulate.nvtx import Markers
 from memdiff.recording.emulate.runtime import Emulator
 
 
@@ -511,12 +512,9 @@ def cuda_answers_as(emulator: Emulator) -> Iterator[None]:
                     replaced.append((module, name, getattr(module, name)))
                     setattr(module, name, value)
     nvtx = getattr(torch.cuda, "nvtx", None)
-    if isinstance(nvtx, types.ModuleType):
-        for name in ("range_push", "range_pop", "mark"):
-            replaced.append((nvtx, name, getattr(nvtx, name, _MISSING)))
-            setattr(nvtx, name, lambda *a, **k: 0)
-        replaced.append((nvtx, "range", getattr(nvtx, "range", _MISSING)))
-        setattr(nvtx, "range", lambda *a, **k: contextlib.nullcontext())  # noqa: B010 (mypy: torch is Any-typed)
+    if isinstance(nvtx, types.ModuleType):  # its own functions stay: `range` is a decorator too
+        replaced.append((nvtx, "_nvtx", getattr(nvtx, "_nvtx", _MISSING)))
+        setattr(nvtx, "_nvtx", Markers())  # noqa: B010 (mypy: torch is Any-typed)
     replaced.append((Stream, "emulator", None))
     Stream.emulator = emulator
     for name, value in _tensor_methods().items():

@@ -21,6 +21,7 @@ from __future__ import annotations
 import ast
 import os
 import sys
+import threading
 import time
 import weakref
 from typing import Any, Callable, Dict, List, Optional
@@ -181,7 +182,10 @@ class Emulator:
         self.out_of_memory: List[str] = []
         self.blocks: Dict[int, Block] = {}  # id(storage) -> its block
         self.rules = {name: self._compile(rule) for name, rule in kernels()["ops"].items()}
-        self.context: List[str] = []  # the builtin torch functions running now, outermost first
+        self._threads = threading.local()  # what each thread of the script runs now (context)
+        # Every thread of the script runs on the emulated GPU (threads.py): one op at a time changes
+        # the allocator, the trace and the known values, as a GPU's allocator takes its own lock.
+        self.lock = threading.RLock()
         # torch's C++ code running now that a GPU's stack names (DDP's Reducer, c10d's helpers),
         # outermost first: each a NativeScope (distributed.py)
         self.native: List[Any] = []
@@ -194,6 +198,15 @@ class Emulator:
         self.stream: Any = None
         self.host: Any = None  # host.Host: the CPU tensors whose data may never be needed, made by session.start
         self.modes_off = False  # torch.compile is tracing with the modes taken off (compiled.py)
+
+    @property
+    def context(self) -> List[str]:
+        """The builtin torch functions this thread is running now, outermost first (a thread's own
+        stack: a worker's `to` is not inside the main thread's forward)."""
+        found = getattr(self._threads, "context", None)
+        if found is None:
+            found = self._threads.context = []
+        return found
 
     @staticmethod
     def _compile(rule: Dict[str, Any]) -> Dict[str, Any]:
@@ -220,7 +233,7 @@ class Emulator:
     # -- the allocator's events, as the history records them ------------------------------------
 
     def _on_event(self, index: int, action: str, address: int, size: int, stream: int, context: Any) -> None:
-        if self.recording is None:
+        if self.recording is None or action in self.recording["skip"]:
             return
         frames = context if isinstance(context, list) else []
         event = {"action": action, "addr": address, "size": size, "stream": stream,
@@ -246,7 +259,10 @@ class Emulator:
     def allocate(self, nbytes: int, frames: List[Dict[str, Any]], index: Optional[int] = None) -> Block:
         """A device allocation of `nbytes` on GPU `index` (the current one when None) made at `frames`;
         torch's OutOfMemoryError when it does not fit."""
-        device = self.device(index)
+        with self.lock:
+            return self._allocate(nbytes, frames, self.device(index))
+
+    def _allocate(self, nbytes: int, frames: List[Dict[str, Any]], device: EmulatedGpu) -> Block:
         try:
             side = self.stream  # a side stream the script made current: its pool, on its own GPU only
             stream = side.cuda_stream if side is not None and side.device_index == device.index else 0
@@ -265,8 +281,9 @@ class Emulator:
 
     def release(self, block: Block, index: int) -> None:
         """Free a block of GPU `index` (a storage torch let go of)."""
-        if block.allocated:
-            self.gpus[index].allocator.free(block, python_frames(3) if self.recording is not None else None)
+        with self.lock:  # a storage dies on whichever thread lets go of it last
+            if block.allocated:
+                self.gpus[index].allocator.free(block, python_frames(3) if self.recording is not None else None)
 
     def _frames(self, name: str, inner: Any = ()) -> List[Dict[str, Any]]:
         if self.recording is None:
@@ -351,15 +368,21 @@ class Emulator:
 
     def record_history(self, enabled: Any = "all", context: Any = "all", stacks: str = "all",
                        max_entries: int = sys.maxsize, device: Any = None, clear_history: bool = False,
-                       compile_context: bool = False, global_record_annotations: bool = False) -> None:
+                       compile_context: bool = False, global_record_annotations: bool = False,
+                       skip_actions: Optional[List[str]] = None) -> None:
         """torch.cuda.memory._record_memory_history, on the emulated device."""
-        if clear_history:
-            for device in self.gpus.values():
-                device.trace.clear()
-        if enabled in (None, False):
+        off = enabled in (None, False)
+        # CUDA's allocator empties its trace when the history is turned off, not only on clear_history
+        # (recordHistory: `if (!enabled || clearHistory)`): a script that records, dumps, stops and
+        # records again writes files that each start clean, never the frees it made while off.
+        if off or clear_history:
+            for gpu in self.gpus.values():
+                gpu.trace.clear()
+        if off:
             self.recording = None
             return
-        self.recording = {"max_entries": max_entries, "annotations": bool(global_record_annotations)}
+        self.recording = {"max_entries": max_entries, "annotations": bool(global_record_annotations),
+                          "skip": frozenset(skip_actions or ())}
 
     def snapshot(self) -> Dict[str, Any]:
         """torch.cuda.memory._snapshot(): segments, the trace, settings; marked as emulated. As CUDA's,

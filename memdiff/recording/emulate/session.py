@@ -27,6 +27,7 @@ def start(emulator: Emulator) -> contextlib.ExitStack:
         rmsnorm,
         rngstate,
         rnn,
+        threads,
         warnlines,
     )
     from memdiff.recording.emulate.autocast import Autocast
@@ -47,10 +48,12 @@ def start(emulator: Emulator) -> contextlib.ExitStack:
     stack.enter_context(parallel.data_parallel())
     stack.enter_context(files.guarded(emulator))
     stack.enter_context(warnlines.at_the_script())
+    alloc = AllocMode(emulator)
+    stack.enter_context(threads.every_thread(emulator.device_mode, alloc))
     stack.enter_context(emulator.device_mode)
     stack.enter_context(flex.flex_attention_kernels(AllocMode))
     stack.enter_context(rngstate.rng_state_operators(AllocMode))
-    stack.enter_context(AllocMode(emulator))
+    stack.enter_context(alloc)
     return stack
 
 
