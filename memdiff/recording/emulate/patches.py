@@ -531,12 +531,6 @@ def cuda_answers_as(emulator: Emulator) -> Iterator[None]:
     for name, value in _default_device_answers().items():
         replaced.append((torch, name, getattr(torch, name)))
         setattr(torch, name, value)
-    storage_pointer = torch.UntypedStorage.data_ptr
-    replaced.append((torch.UntypedStorage, "data_ptr", storage_pointer))
-
-    def data_ptr(self: Any) -> int:
-        return emulator.address(self) if self.device.type == "meta" else storage_pointer(self)
-    setattr(torch.UntypedStorage, "data_ptr", data_ptr)  # noqa: B010
     import torch.utils._foreach_utils as foreach_utils
 
     # The emulated GPU's tensors are meta, and torch's grouping by device names them so:

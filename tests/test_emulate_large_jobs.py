@@ -1,0 +1,84 @@
+"""What large jobs' engines do that the emulator must see as a GPU does (issue 59's table): FSDP2
+frees and regrows each all-gathered weight with `UntypedStorage.resize_`, each scenario held to a
+count from the model's own sizes and CUDA's resize_bytes_cuda."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Optional
+
+import pytest
+
+# Slow (the fast loop, -m "not slow", leaves it out): every test runs an emulated process.
+pytestmark = pytest.mark.slow
+
+
+def _emulate(tmp_path: Path, source: str, env: Optional[dict] = None) -> subprocess.CompletedProcess:
+    """`memdiff record --emulate h100 -o run.pickle -- python train.py` of `source`."""
+    (tmp_path / "train.py").write_text(textwrap.dedent(source))
+    return subprocess.run([sys.executable, "-m", "memdiff", "record", "--emulate", "h100", "-o",
+                           str(tmp_path / "run.pickle"), "--", "python", "train.py"],
+                          capture_output=True, text=True, cwd=tmp_path, env={**os.environ, **(env or {})})
+
+
+RESIZE = """
+    import torch
+
+    x = torch.empty(1024, 1024, device="cuda")
+    storage = x.untyped_storage()
+    print(torch.cuda.memory_allocated())
+    storage.resize_(0)
+    print(torch.cuda.memory_allocated())
+    storage.resize_(2 * 1024 * 1024)
+    print(torch.cuda.memory_allocated())
+    torch.cuda.reset_peak_memory_stats()
+    storage.resize_(8 * 1024 * 1024)
+    print(torch.cuda.memory_allocated(), torch.cuda.max_memory_allocated())
+"""
+
+
+def test_resizing_a_storage_frees_and_allocates_as_cuda_does(tmp_path):
+    # resize_bytes_cuda: to 0 bytes frees the block; to n bytes takes a new block of n, copies the
+    # old bytes in, then frees the old block (both are held for a moment)
+    done = _emulate(tmp_path, RESIZE)
+    assert done.returncode == 0, done.stderr[-3000:]
+    mib = 1024 * 1024
+    assert done.stdout.split() == [str(4 * mib), "0", str(2 * mib), str(8 * mib), str(10 * mib)]
+
+
+FSDP2_FORWARD = """
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group("nccl")
+    with torch.no_grad():  # the forward's cuBLAS workspaces, made before the count starts
+        torch.nn.Linear(8, 8).cuda()(torch.ones(8, 8, device="cuda"))
+    model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(4)]).cuda()
+    for layer in model:
+        fully_shard(layer)
+    fully_shard(model)
+    x = torch.randn(8, 1024, device="cuda")
+    start = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    with torch.no_grad():
+        y = model(x)
+    print(torch.cuda.memory_allocated() - start, torch.cuda.max_memory_allocated() - start)
+    dist.destroy_process_group()
+"""
+
+
+def test_fsdp2_frees_each_gathered_weight_after_its_layer(tmp_path):
+    # Rank 0 of 2. Each layer's weights are all-gathered whole before its forward and freed after it
+    # (`resize_(0)`); FSDP2 keeps the previous layer's flat all-gather buffer until the next layer's
+    # copy-out (its AllGatherState). The peak is two flat buffers, one layer's gathered weights and
+    # one activation; after the forward only the output is left.
+    done = _emulate(tmp_path, FSDP2_FORWARD, env={"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    layer = (1024 * 1024 + 1024) * 4  # one Linear(1024, 1024) whole, in fp32
+    activation = 8 * 1024 * 4
+    assert done.stdout.split() == [str(activation), str(3 * layer + activation)]
