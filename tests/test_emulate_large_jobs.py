@@ -1,6 +1,8 @@
-"""What large jobs' engines do that the emulator must see as a GPU does (issue 59's table): FSDP2
-frees and regrows each all-gathered weight with `UntypedStorage.resize_`, each scenario held to a
-count from the model's own sizes and CUDA's resize_bytes_cuda."""
+"""What the engines of large jobs do that the emulator must take as a GPU does (issue 59's table):
+FSDP2's free and regrowth of each all-gathered weight (`UntypedStorage.resize_`), a model built on
+the meta device, `python -m` of a package that reads sys.argv at import, and the NCCL names torch
+reads behind `is_nccl_available()`; each held to a count from the model's own sizes or to what
+torch and python do."""
 
 from __future__ import annotations
 
@@ -82,3 +84,62 @@ def test_fsdp2_frees_each_gathered_weight_after_its_layer(tmp_path):
     layer = (1024 * 1024 + 1024) * 4  # one Linear(1024, 1024) whole, in fp32
     activation = 8 * 1024 * 4
     assert done.stdout.split() == [str(activation), str(3 * layer + activation)]
+
+
+META_MODEL = """
+    import torch
+
+    with torch.device("meta"):
+        model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(4)])
+    extra = [torch.empty(1024, device="meta"), torch.ones(1024).to("meta"), torch.zeros(4, 4).to(device="meta")]
+    weight = model[0].weight
+    print(torch.cuda.memory_allocated(), weight.device, weight.is_meta, weight.is_cuda, (weight * 2).device,
+          *[t.device for t in extra])
+    model.to_empty(device="cuda")
+    weight = model[0].weight
+    print(torch.cuda.memory_allocated(), weight.device, weight.is_meta, weight.is_cuda)
+    try:
+        torch.nn.Linear(8, 8, device="meta").cuda()
+    except NotImplementedError as exc:
+        print(str(exc).split(";")[0])
+"""
+
+
+def test_a_model_built_on_the_meta_device_costs_nothing_until_moved_to_the_gpu(tmp_path):
+    # FSDP2's recommended initialisation (torchtitan's): built on meta, no memory on the GPU; the
+    # emulated GPU's own tensors are meta tensors too, and must not be confused with the script's
+    done = _emulate(tmp_path, META_MODEL)
+    assert done.returncode == 0, done.stderr[-3000:]
+    weights = 4 * (1024 * 1024 + 1024) * 4
+    built, moved, refused = done.stdout.splitlines()
+    assert built.split() == ["0", "meta", "True", "False", "meta", "meta", "meta", "meta"]
+    assert moved.split() == [str(weights), "cuda:0", "False", "True"]
+    assert refused == "Cannot copy out of meta tensor"  # torch's own refusal: a meta tensor has no data
+
+
+FSDP2_META_INIT = """
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group("nccl")
+    with torch.device("meta"):
+        model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(4)])
+    for layer in model:
+        fully_shard(layer)
+    fully_shard(model)
+    print(torch.cuda.memory_allocated(), model[0].weight.device)
+    model.to_empty(device="cuda")
+    for layer in model:
+        layer.reset_parameters()
+    print(torch.cuda.memory_allocated(), model[0].weight.device)
+    dist.destroy_process_group()
+"""
+
+
+def test_an_fsdp2_model_built_on_meta_holds_its_shards_once_on_the_gpu(tmp_path):
+    done = _emulate(tmp_path, FSDP2_META_INIT, env={"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    shards = 4 * (1024 * 1024 + 1024) * 4 // 2  # rank 0's halves of four Linear(1024, 1024)
+    assert done.stdout.split() == ["0", "meta", str(shards), "cuda:0"]
+
