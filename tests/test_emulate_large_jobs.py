@@ -143,3 +143,52 @@ def test_an_fsdp2_model_built_on_meta_holds_its_shards_once_on_the_gpu(tmp_path)
     shards = 4 * (1024 * 1024 + 1024) * 4 // 2  # rank 0's halves of four Linear(1024, 1024)
     assert done.stdout.split() == ["0", "meta", str(shards), "cuda:0"]
 
+
+TRAIN = """\
+import sys
+import torch
+
+x = torch.empty(1024, device="cuda")
+print(sys.argv[1:], torch.cuda.memory_allocated())
+"""
+
+
+def _module(tmp_path: Path, init: str, module: str) -> subprocess.CompletedProcess:
+    """`memdiff record --emulate h100 -- python -m pkg.MODULE` of a package whose __init__ is `init`."""
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "__init__.py").write_text(textwrap.dedent(init))
+    (tmp_path / "pkg" / "train.py").write_text(TRAIN)
+    return subprocess.run([sys.executable, "-m", "memdiff", "record", "--emulate", "h100", "-o",
+                           str(tmp_path / "run.pickle"), "--", "python", "-m", module, "--steps", "2"],
+                          capture_output=True, text=True, cwd=tmp_path)
+
+
+ARGV_AT_IMPORT = """
+    import sys
+
+    if "record" in sys.argv:  # torchtitan parses sys.argv at import: memdiff's own options are not its
+        sys.exit("Unrecognized options: " + ", ".join(sys.argv[1:]))
+"""
+
+
+def test_a_package_that_reads_argv_at_import_runs_with_its_own_arguments(tmp_path):
+    done = _module(tmp_path, ARGV_AT_IMPORT, "pkg.train")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout == "['--steps', '2'] 4096\n"
+    assert "Unrecognized options" not in done.stderr
+
+
+def test_a_dependency_missing_inside_a_package_is_said_as_python_says_it(tmp_path):
+    # The package is there: its import of a dependency this machine lacks fails when it runs, and
+    # that is the script failing (exit 1, python's traceback), not a module memdiff could not find
+    done = _module(tmp_path, "import triton_for_a_gpu_this_machine_lacks\n", "pkg.train")
+    assert done.returncode == 1
+    assert "No module named 'triton_for_a_gpu_this_machine_lacks'" in done.stderr
+    assert "no such module" not in done.stderr
+
+
+def test_a_module_missing_from_a_package_is_refused_without_running_the_package(tmp_path):
+    done = _module(tmp_path, ARGV_AT_IMPORT, "pkg.missing")
+    assert done.returncode == 2
+    assert done.stderr == "memdiff: pkg.missing: no such module (run from the folder it is importable from)\n"
+
