@@ -192,3 +192,31 @@ def test_a_module_missing_from_a_package_is_refused_without_running_the_package(
     assert done.returncode == 2
     assert done.stderr == "memdiff: pkg.missing: no such module (run from the folder it is importable from)\n"
 
+
+NCCL_BEHIND_ITS_ANSWER = """
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+
+    options = dist.ProcessGroupNCCL.Options()  # Megatron's high-priority streams
+    options.is_high_priority_stream = True
+    dist.init_process_group("nccl", pg_options=options)
+    c10d._set_pg_timeout(timedelta(minutes=5))  # torchtitan, after its first step
+    c10d._add_ephemeral_timeout_for_all_pgs(timedelta(seconds=30))
+    c10d._get_process_group_uid(c10d._get_default_group())
+    t = torch.ones(4, device="cuda")
+    dist.all_reduce(t)
+    print(dist.is_nccl_available(), dist.get_backend(), t.device)
+    dist.destroy_process_group()
+"""
+
+
+def test_what_torch_reads_behind_is_nccl_available_is_there(tmp_path):
+    # A CPU build of torch never defines ProcessGroupNCCL; the emulated job answers that NCCL is
+    # available, and torch's own code then names the class: _set_pg_timeout stopped with NameError
+    done = _emulate(tmp_path, NCCL_BEHIND_ITS_ANSWER, env={"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout == "True nccl cuda:0\n"
+    assert "NameError" not in done.stderr
