@@ -91,17 +91,25 @@ META_MODEL = """
 
     with torch.device("meta"):
         model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(4)])
-    extra = [torch.empty(1024, device="meta"), torch.ones(1024).to("meta"), torch.zeros(4, 4).to(device="meta")]
+    extra = [torch.empty(1024, device="meta"), torch.ones(1024).to("meta"), torch.zeros(4, 4).to(device="meta"),
+             torch.tensor([1.0, 2.0], device="meta")]
     weight = model[0].weight
     print(torch.cuda.memory_allocated(), weight.device, weight.is_meta, weight.is_cuda, (weight * 2).device,
           *[t.device for t in extra])
     model.to_empty(device="cuda")
     weight = model[0].weight
-    print(torch.cuda.memory_allocated(), weight.device, weight.is_meta, weight.is_cuda)
+    moved = torch.cuda.memory_allocated()
+    print(moved, weight.device, weight.is_meta, weight.is_cuda)
     try:
         torch.nn.Linear(8, 8, device="meta").cuda()
     except NotImplementedError as exc:
         print(str(exc).split(";")[0])
+    torch.set_default_device("meta")
+    default = torch.nn.Linear(1024, 1024)
+    print(torch.cuda.memory_allocated() - moved, default.weight.device, torch.get_default_device())
+    torch.set_default_device("cuda")
+    x = torch.empty(1024)
+    print(torch.cuda.memory_allocated() - moved, x.device, torch.get_default_device())
 """
 
 
@@ -111,10 +119,12 @@ def test_a_model_built_on_the_meta_device_costs_nothing_until_moved_to_the_gpu(t
     done = _emulate(tmp_path, META_MODEL)
     assert done.returncode == 0, done.stderr[-3000:]
     weights = 4 * (1024 * 1024 + 1024) * 4
-    built, moved, refused = done.stdout.splitlines()
-    assert built.split() == ["0", "meta", "True", "False", "meta", "meta", "meta", "meta"]
+    built, moved, refused, default, default_gpu = done.stdout.splitlines()
+    assert built.split() == ["0", "meta", "True", "False", "meta", "meta", "meta", "meta", "meta"]
     assert moved.split() == [str(weights), "cuda:0", "False", "True"]
     assert refused == "Cannot copy out of meta tensor"  # torch's own refusal: a meta tensor has no data
+    assert default.split() == ["0", "meta", "meta"]  # torch.set_default_device("meta")
+    assert default_gpu.split() == [str(1024 * 4), "cuda:0", "cuda:0"]
 
 
 FSDP2_META_INIT = """

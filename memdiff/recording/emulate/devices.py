@@ -85,6 +85,7 @@ class Placement:
         # id(storage) of the script's own meta tensors (a model built under torch.device("meta")):
         # the emulated GPU's tensors are meta too, but these are on no GPU and cost nothing
         self.script_meta: Set[int] = set()
+        self.default_meta = False  # the script's torch.set_default_device("meta")
         self._local = threading.local()
 
     def check(self, index: int) -> int:
@@ -131,12 +132,13 @@ class Placement:
 
     def runs_on_meta(self, args: Any) -> bool:
         """Whether an op makes the script's meta tensors: it runs inside a call naming the meta
-        device, or (naming none) its first meta input is the script's."""
+        device, or (naming none) its first meta input is the script's, or it has none and the
+        script's default device is meta."""
         naming = self.naming()
         if naming:
             return naming[-1]
         first = first_meta(args)
-        return first is not None and self.on_meta(first)
+        return self.default_meta if first is None else self.on_meta(first)
 
     def keep_meta(self, out: Any) -> None:
         """The meta storages among an op's outputs (a list or tuple of them too) are the script's own."""

@@ -183,6 +183,10 @@ class DeviceMode(TorchFunctionMode):
             return self.emulator.address(args[0].untyped_storage()) + args[0].storage_offset() * args[0].element_size()
         if func is torch.Tensor.cuda:  # Tensor.cuda() is a .to() (to_dtype_layout) in torch's C++
             return self.to_gpu(args, kwargs)
+        if func is torch._C._nn._parse_to:
+            # Module.to's parse of its arguments makes nothing: the device it gives back is the
+            # script's, which each tensor's .to() then names (as meta, it would be the script's meta)
+            return func(*args, **kwargs)
         named = None  # the GPU the call names, if any
         meta = False  # whether the call names the meta device: the script's own meta tensors, on no GPU
         if "device" in kwargs:
@@ -193,7 +197,7 @@ class DeviceMode(TorchFunctionMode):
                 kwargs["pin_memory"] = False  # pinned host memory is for copies to a device that is not here
         elif kwargs.get("pin_memory"):
             kwargs["pin_memory"] = False
-        if func in (torch.tensor, torch.as_tensor) and kwargs.get("device") is META and args \
+        if func in (torch.tensor, torch.as_tensor) and kwargs.get("device") is META and not meta and args \
                 and not isinstance(args[0], torch.Tensor):
             return self.from_data(func, args, kwargs, named)
         if func is torch.Tensor.to and len(args) > 1 and not isinstance(args[1], (torch.dtype, torch.Tensor)):
@@ -243,6 +247,10 @@ class DeviceMode(TorchFunctionMode):
             if legacy.handles(func):
                 return legacy.call(func, args, kwargs)
             out = func(*args, **kwargs)
+            if meta or placement.default_meta:
+                # torch.tensor(data) on meta makes its tensor below the dispatch modes, where no op
+                # says it is the script's; a meta storage no GPU holds is (keep_meta leaves the GPU's)
+                placement.keep_meta(out)
             if moved_from is not None:
                 _backward_on(out, moved_from, placement)
             return out
