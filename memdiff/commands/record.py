@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.machinery
 import importlib.util
 import os
 import re
@@ -125,9 +126,7 @@ def _target(command: List[str]) -> List[str]:
     if command[0] == "-m":
         sys.path.insert(0, os.getcwd())
         try:
-            found = importlib.util.find_spec(command[1]) is not None
-        except (ImportError, ValueError):
-            found = False
+            found = _module_found(command[1])
         finally:
             sys.path.pop(0)
         if not found:
@@ -135,6 +134,25 @@ def _target(command: List[str]) -> List[str]:
     elif not os.path.isfile(command[0]):
         raise InputError(command[0], "no such script")
     return command
+
+
+def _module_found(name: str) -> bool:
+    """Whether module `name` is there to run, found without running any of it. importlib's find_spec
+    of `pkg.mod` imports `pkg` first, in memdiff's process and with memdiff's sys.argv: a package that
+    reads sys.argv at import (torchtitan's) would exit on memdiff's options, and one whose dependency is
+    missing would read as missing itself. Each package's folders are searched instead; what the
+    package's own code fails on is seen when it runs, as python shows it."""
+    parts = name.split(".")
+    try:
+        spec = importlib.util.find_spec(parts[0])  # a top-level name: no package of it is imported
+    except (ImportError, ValueError):
+        return False
+    for depth in range(1, len(parts)):
+        folders = spec.submodule_search_locations if spec is not None else None
+        if not folders:  # not a package: it has no submodules
+            return False
+        spec = importlib.machinery.PathFinder.find_spec(".".join(parts[:depth + 1]), list(folders))
+    return spec is not None
 
 
 def _run_target(target: List[str], emulated: bool = False) -> int:

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import os
 import threading
-from typing import Any, Callable, Dict, List, Optional
+import weakref
+from typing import Any, Callable, Dict, List, Optional, Set
 
 from memdiff.errors import InputError
 from memdiff.recording.emulate.allocator import AllocatorConfig, CachingAllocator
@@ -81,6 +82,10 @@ class Placement:
     def __init__(self, count: int) -> None:
         self.count = count
         self.of: Dict[int, int] = {}  # id(storage) -> GPU index
+        # id(storage) of the script's own meta tensors (a model built under torch.device("meta")):
+        # the emulated GPU's tensors are meta too, but these are on no GPU and cost nothing
+        self.script_meta: Set[int] = set()
+        self.default_meta = False  # the script's torch.set_default_device("meta")
         self._local = threading.local()
 
     def check(self, index: int) -> int:
@@ -104,6 +109,49 @@ class Placement:
         if stack is None:
             stack = self._local.stack = []
         return stack
+
+    def naming(self) -> List[bool]:
+        """For the torch calls running now on this thread that name a device, innermost last: whether
+        it names the meta device (the script's own meta tensors), not a GPU."""
+        naming = getattr(self._local, "naming", None)
+        if naming is None:
+            naming = self._local.naming = []
+        return naming
+
+    def on_meta(self, tensor: Any) -> bool:
+        """Whether a tensor is one of the script's own meta tensors (a wrapper, as DTensor, by its
+        inner tensor), not the emulated GPU's."""
+        flatten = getattr(tensor, "__tensor_flatten__", None)
+        if flatten is not None:  # a wrapper subclass: its storage, if any, is not its data's
+            names = flatten()[0]
+            return bool(names) and self.on_meta(getattr(tensor, names[0]))
+        try:
+            return id(tensor.untyped_storage()) in self.script_meta
+        except (RuntimeError, NotImplementedError):
+            return False
+
+    def runs_on_meta(self, args: Any) -> bool:
+        """Whether an op makes the script's meta tensors: it runs inside a call naming the meta
+        device, or (naming none) its first meta input is the script's, or it has none and the
+        script's default device is meta."""
+        naming = self.naming()
+        if naming:
+            return naming[-1]
+        first = first_meta(args)
+        return self.default_meta if first is None else self.on_meta(first)
+
+    def keep_meta(self, out: Any) -> None:
+        """The meta storages among an op's outputs (a list or tuple of them too) are the script's own."""
+        for leaf in out if isinstance(out, (list, tuple)) else (out,):
+            if isinstance(leaf, (list, tuple)):
+                self.keep_meta(leaf)
+            elif getattr(leaf, "is_meta", False) is True:
+                storage = leaf.untyped_storage()
+                # a storage of a GPU stays there: torch's own code sets a tensor it made on the meta
+                # device by name to one (torch.load's `empty(0, device=storage.device).set_(storage)`)
+                if id(storage) not in self.script_meta and id(storage) not in self.of:
+                    self.script_meta.add(id(storage))
+                    weakref.finalize(storage, self.script_meta.discard, id(storage))
 
     def device_of(self, storage: Any) -> int:
         """The GPU a meta storage is on (the current GPU for one no op made, as a bare `cuda` is)."""

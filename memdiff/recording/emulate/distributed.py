@@ -27,6 +27,7 @@ import torch
 
 from memdiff.recording.emulate import swap
 from memdiff.recording.emulate.devices import first_meta
+from memdiff.recording.emulate.runtime import EmulationError
 
 # Whatever backend the script asked for, per group: `dist.get_backend()` answers with it.
 _asked: Dict[Any, str] = {}
@@ -212,6 +213,8 @@ def fake_process_groups(emulator: Any) -> Iterator[None]:
                 replaced.append((module, name, answers[name]))
     for module in (dist, c10d):
         replaced.append((module, "is_nccl_available", answers["is_nccl_available"]))
+        if not hasattr(module, "ProcessGroupNCCL"):  # a CPU build never defined it
+            replaced.append((module, "ProcessGroupNCCL", ProcessGroupNCCL))
     rules = scopes()
     for name in ("_verify_params_across_processes", "_broadcast_coalesced", "Reducer", "Logger"):
         real = getattr(dist, name, None)
@@ -226,6 +229,23 @@ def fake_process_groups(emulator: Any) -> Iterator[None]:
         replaced.append((dist, name, value))
     with swap.replaced(replaced):
         yield
+
+
+class ProcessGroupNCCL:
+    """NCCL's backend class, for a CPU build of torch that has none, while `is_nccl_available()` answers
+    True: torch's own code reads it behind that answer (`_set_pg_timeout`, `_get_process_group_uid`:
+    `is_nccl_available() and isinstance(backend, ProcessGroupNCCL)`). No group is one: every group of
+    the emulated job is torch's fake backend, so torch takes its other branch, as for a gloo group."""
+
+    class Options:
+        """ProcessGroupNCCL.Options, as a script or library builds them before naming the backend."""
+
+        def __init__(self, is_high_priority_stream: bool = False) -> None:
+            self.is_high_priority_stream = is_high_priority_stream
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        raise EmulationError("ProcessGroupNCCL", "made directly: under emulation a process group is made by "
+                                                 "init_process_group or new_group (there is no NCCL to connect)")
 
 
 def completed(out: Any, args: Tuple[Any, ...]) -> Any:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import sys
 from types import FunctionType
 from typing import Any, Dict, List, NoReturn, Optional, Tuple
 
@@ -30,7 +31,7 @@ from memdiff.recording.emulate import (
 )
 from memdiff.recording.emulate.devices import cuda_index, first_meta
 from memdiff.recording.emulate.escapes import op_refusal
-from memdiff.recording.emulate.runtime import ALL_ELEMENTS_OPS, EmulationError, Emulator, op_name, python_frames
+from memdiff.recording.emulate.runtime import ALL_ELEMENTS_OPS, HERE, EmulationError, Emulator, op_name, python_frames
 from memdiff.recording.emulate.values import Values
 
 META = torch.device("meta")
@@ -132,6 +133,23 @@ def _is_meta(x: Any) -> bool:
     return isinstance(x, torch.Tensor) and x.is_meta
 
 
+def _names_meta(device: Any) -> bool:
+    """Whether a device argument names the meta device ("meta", torch.device("meta"))."""
+    return device == "meta" if isinstance(device, str) else isinstance(device, torch.device) and device.type == "meta"
+
+
+def _from_the_emulator() -> bool:
+    """Whether the torch call being handled was made by the emulator's own code (its tensors of the
+    emulated GPU are made on the meta device by name), not by the script or a library."""
+    frame: Any = sys._getframe(2)
+    while frame is not None and frame.f_code.co_filename.endswith(_MODE_FILES):
+        frame = frame.f_back
+    return frame is not None and frame.f_code.co_filename.startswith(HERE)
+
+
+_MODE_FILES = ("torch/overrides.py", "torch/utils/_device.py", "torch/utils/_python_dispatch.py")
+
+
 class DeviceMode(TorchFunctionMode):
     """`cuda` is the meta device, reported back as the GPU each tensor is on; attention and autocast as the
     GPU runs them."""
@@ -148,44 +166,55 @@ class DeviceMode(TorchFunctionMode):
             owner = getattr(func, "__self__", None)
             if owner is TensorBase.device:
                 device = func(*args, **kwargs)
-                return cuda(placement.tensor_index(args[0])) if device.type == "meta" else device
+                return cuda(placement.tensor_index(args[0])) if device.type == "meta" \
+                    and not placement.on_meta(args[0]) else device
             if owner is TensorBase.is_cuda:
-                return bool(args[0].is_meta) or func(*args, **kwargs)
+                return bool(args[0].is_meta) and not placement.on_meta(args[0]) or func(*args, **kwargs)
             if owner is TensorBase.is_meta:
-                return False
+                return bool(func(*args, **kwargs)) and placement.on_meta(args[0])
             return func(*args, **kwargs)
-        if func is torch.Tensor.__format__ and _is_meta(args[0]):
+        if func is torch.Tensor.__format__ and self.on_gpu(args[0]):
             return printing.formatted(self, args[0], args[1] if len(args) > 1 else kwargs.get("format_spec", ""))
-        if func is torch.Tensor.__repr__ and _is_meta(args[0]):
+        if func is torch.Tensor.__repr__ and self.on_gpu(args[0]):
             return printing.printed(self, args[0], kwargs.get("tensor_contents"))
         if func is torch.device and len(args) == 1 and not kwargs and type(args[0]) is int:
             return cuda(args[0])  # a bare index names a device of the accelerator: the emulated GPU
-        if func is torch.Tensor.get_device and _is_meta(args[0]):
+        if func is torch.Tensor.get_device and self.on_gpu(args[0]):
             return placement.tensor_index(args[0])
-        if func is torch.Tensor.data_ptr and _is_meta(args[0]):
+        if func is torch.Tensor.data_ptr and self.on_gpu(args[0]):
             return self.emulator.address(args[0].untyped_storage()) + args[0].storage_offset() * args[0].element_size()
         if func is torch.Tensor.cuda:  # Tensor.cuda() is a .to() (to_dtype_layout) in torch's C++
             return self.to_gpu(args, kwargs)
+        if func is torch._C._nn._parse_to:
+            # Module.to's parse of its arguments makes nothing: the device it gives back is the
+            # script's, which each tensor's .to() then names (as meta, it would be the script's meta)
+            return func(*args, **kwargs)
         named = None  # the GPU the call names, if any
+        meta = False  # whether the call names the meta device: the script's own meta tensors, on no GPU
         if "device" in kwargs:
             named = cuda_index(kwargs["device"], placement.current)
+            meta = _names_meta(kwargs["device"])
             kwargs["device"] = to_meta(kwargs["device"])
             if kwargs.get("pin_memory") and kwargs["device"] is META:
                 kwargs["pin_memory"] = False  # pinned host memory is for copies to a device that is not here
         elif kwargs.get("pin_memory"):
             kwargs["pin_memory"] = False
-        if func in (torch.tensor, torch.as_tensor) and kwargs.get("device") is META and args \
+        if func in (torch.tensor, torch.as_tensor) and kwargs.get("device") is META and not meta and args \
                 and not isinstance(args[0], torch.Tensor):
             return self.from_data(func, args, kwargs, named)
         if func is torch.Tensor.to and len(args) > 1 and not isinstance(args[1], (torch.dtype, torch.Tensor)):
             named = cuda_index(args[1], placement.current)
+            meta = meta or _names_meta(args[1])
             args = (args[0], to_meta(args[1]), *args[2:])
         elif func is torch.Tensor.to and len(args) > 1 and _is_meta(args[1]):
-            named = placement.tensor_index(args[1])
+            meta = placement.on_meta(args[1])
+            named = None if meta else placement.tensor_index(args[1])
+        if meta and _from_the_emulator():
+            meta = False  # the emulator's own code making a tensor of the emulated GPU
         moved_from = None  # the GPU a copy to another GPU leaves
         if named is not None:
             placement.check(named)
-            if func is torch.Tensor.to and _is_meta(args[0]) and placement.tensor_index(args[0]) != named:
+            if func is torch.Tensor.to and self.on_gpu(args[0]) and placement.tensor_index(args[0]) != named:
                 moved_from = placement.tensor_index(args[0])
                 args, kwargs = _copying(args, kwargs)  # meta to meta is no copy: another GPU is
         name = aten_name(func)
@@ -206,6 +235,10 @@ class DeviceMode(TorchFunctionMode):
         context.append(name)
         stack = placement.stack()
         stack.append(named)
+        naming = placement.naming()
+        names = meta or kwargs.get("device") is not None or named is not None and func is torch.Tensor.to
+        if names:
+            naming.append(meta)
         try:
             if func is F.scaled_dot_product_attention:
                 return self.attention(func, args, kwargs)
@@ -216,12 +249,22 @@ class DeviceMode(TorchFunctionMode):
             if legacy.handles(func):
                 return legacy.call(func, args, kwargs)
             out = func(*args, **kwargs)
+            if meta or placement.default_meta:
+                # torch.tensor(data) on meta makes its tensor below the dispatch modes, where no op
+                # says it is the script's; a meta storage no GPU holds is (keep_meta leaves the GPU's)
+                placement.keep_meta(out)
             if moved_from is not None:
                 _backward_on(out, moved_from, placement)
             return out
         finally:
+            if names:
+                naming.pop()
             stack.pop()
             context.pop()
+
+    def on_gpu(self, x: Any) -> bool:
+        """Whether `x` is a tensor of the emulated GPU (meta, and not one of the script's own meta tensors)."""
+        return _is_meta(x) and not self.emulator.placement.on_meta(x)
 
     def from_data(self, func: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any],
                   named: Optional[int]) -> torch.Tensor:
@@ -238,11 +281,13 @@ class DeviceMode(TorchFunctionMode):
             args = (data, *args[1:])
         host = func(*args, **kwargs)
         self.emulator.context.append("to_device")
-        stack = self.emulator.placement.stack()
+        stack, naming = self.emulator.placement.stack(), self.emulator.placement.naming()
         stack.append(named)
+        naming.append(False)
         try:
             out = host.to(META)
         finally:
+            naming.pop()
             stack.pop()
             self.emulator.context.pop()
         return out.requires_grad_() if grad else out
@@ -256,17 +301,19 @@ class DeviceMode(TorchFunctionMode):
         if index is None:
             raise RuntimeError(f"Invalid device, must be cuda device (got {device})")
         placement.check(index)
-        if x.is_meta and placement.tensor_index(x) == index:
+        if self.on_gpu(x) and placement.tensor_index(x) == index:
             return x
         self.emulator.context.append("to_dtype_layout")
-        stack = placement.stack()
+        stack, naming = placement.stack(), placement.naming()
         stack.append(index)
+        naming.append(False)
         try:
             out = x.to(META, non_blocking=bool(kwargs.get("non_blocking", False)), copy=x.is_meta)
             if x.is_meta:
                 _backward_on(out, placement.tensor_index(x), placement)
             return out
         finally:
+            naming.pop()
             stack.pop()
             self.emulator.context.pop()
 
@@ -376,12 +423,23 @@ class AllocMode(TorchDispatchMode):
             # A GPU named below the device mode: the Python body of a torch function the mode is
             # handling runs with the mode off (DTensor's first random init copies the generator's
             # state to its mesh's GPU, `.to(torch.device("cuda", rank))`, inside nn.init.normal_).
-            stack = placement.stack()
+            stack, naming = placement.stack(), placement.naming()
             stack.append(placement.check(named))
+            naming.append(False)
             try:
                 return self.dispatch(func, args, {**kwargs, "device": META})
             finally:
+                naming.pop()
                 stack.pop()
+        if placement.runs_on_meta(args):
+            # The script's own meta tensors (a model built under torch.device("meta")): they take
+            # no memory on the GPU, as on the meta device they run on
+            out = func(*args, **kwargs)
+            placement.keep_meta(out)
+            return out
+        source = args[1] if base == "copy_" and len(args) > 1 else args[0] if base == "_to_copy" and args else None
+        if isinstance(source, torch.Tensor) and source.is_meta and placement.on_meta(source):
+            raise NotImplementedError("Cannot copy out of meta tensor; no data!")  # torch's: there is none
         if _runs_as_its_parts(func) and not rmsnorm.fused(func):  # the GPU runs its fused kernel whole
             # Under inference_mode autograd's dispatch keys are skipped, and with them the step that
             # runs an op made of others (item, linear, to) as its parts: it comes here whole. Run its

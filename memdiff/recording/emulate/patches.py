@@ -526,15 +526,9 @@ def cuda_answers_as(emulator: Emulator) -> Iterator[None]:
     torch.Stream = Stream
     replaced.append((torch, "Generator", torch.Generator))
     torch.Generator = Generator
-    for name, value in _default_device_answers().items():
+    for name, value in _default_device_answers(emulator).items():
         replaced.append((torch, name, getattr(torch, name)))
         setattr(torch, name, value)
-    storage_pointer = torch.UntypedStorage.data_ptr
-    replaced.append((torch.UntypedStorage, "data_ptr", storage_pointer))
-
-    def data_ptr(self: Any) -> int:
-        return emulator.address(self) if self.device.type == "meta" else storage_pointer(self)
-    setattr(torch.UntypedStorage, "data_ptr", data_ptr)  # noqa: B010
     import torch.utils._foreach_utils as foreach_utils
 
     # The emulated GPU's tensors are meta, and torch's grouping by device names them so:
@@ -574,19 +568,22 @@ def cuda_answers_as(emulator: Emulator) -> Iterator[None]:
 _MISSING = object()
 
 
-def _default_device_answers() -> Dict[str, Callable[..., Any]]:
+def _default_device_answers(emulator: Emulator) -> Dict[str, Callable[..., Any]]:
     """torch.set_default_device / get_default_device with the emulated GPU: torch keeps a default
     device in a function mode below every other, which fills in `device=` after the emulator's
     device mode has looked, so a `cuda` default would reach the CUDA backend (the driver on the
-    CUDA build, nothing on the CPU build): the default is the meta device, reported as `cuda:0`."""
+    CUDA build, nothing on the CPU build): the default is the meta device, reported as `cuda:0`.
+    A `meta` default of the script's own is kept apart: what it makes is on no GPU (devices.py)."""
     set_default, get_default = torch.set_default_device, torch.get_default_device
+    placement = emulator.placement
 
     def set_default_device(device: Any) -> None:
+        placement.default_meta = isinstance(device, (str, torch.device)) and torch.device(device).type == "meta"
         set_default("meta" if device is not None and names_cuda(device) else device)
 
     def get_default_device() -> Any:
         device = get_default()
-        return torch.device("cuda", 0) if device.type == "meta" else device
+        return torch.device("cuda", 0) if device.type == "meta" and not placement.default_meta else device
     return {"set_default_device": set_default_device, "get_default_device": get_default_device}
 
 

@@ -319,6 +319,22 @@ class Emulator:
         if nbytes:
             self.blocks[key] = self.allocate(nbytes, self._frames(name, inner), index)
 
+    def resized(self, storage: Any) -> None:
+        """UntypedStorage.resize_ of a storage on an emulated GPU, as CUDA's resize_bytes_cuda runs it: a
+        block of the new size from the current GPU's allocator (the old bytes copied in), then the old
+        block freed; resized to 0 bytes, only the free (FSDP2 frees each all-gathered weight so)."""
+        key = id(storage)
+        old, index = self.blocks.get(key), self.placement.of[key]
+        nbytes = storage.nbytes()
+        if nbytes:
+            current = self.placement.current()
+            self.blocks[key] = self.allocate(nbytes, python_frames(2) if self.recording is not None else [], current)
+            self.placement.of[key] = current
+        else:
+            self.blocks.pop(key, None)
+        if old is not None:
+            self.release(old, index)
+
     def address(self, storage: Any) -> int:
         """Where the emulated GPU holds a storage: its block's address (code that tells tensors apart by
         data_ptr(), as tied-weight and shared-storage checks do, needs them distinct), 0 if it has none."""

@@ -27,6 +27,7 @@ def start(emulator: Emulator) -> contextlib.ExitStack:
         rmsnorm,
         rngstate,
         rnn,
+        storages,
         threads,
         warnlines,
     )
@@ -40,6 +41,7 @@ def start(emulator: Emulator) -> contextlib.ExitStack:
     emulator.host = Host()
     stack.enter_context(emulator.host.readable())
     stack.enter_context(patches.cuda_answers_as(emulator))
+    stack.enter_context(storages.storage_methods(emulator))
     stack.enter_context(rnn.cudnn_answers())
     stack.enter_context(rmsnorm.fused_kernel())
     stack.enter_context(build.cuda_build_answers())
