@@ -189,6 +189,7 @@ class Emulator:
         # The side stream the script made current (patches.Stream), whose pool allocations come from;
         # None for the default stream.
         self.stream: Any = None
+        self.values: Any = None  # values.Values: the known values of small device tensors, made by modes.AllocMode
         self.host: Any = None  # host.Host: the CPU tensors whose data may never be needed, made by session.start
         self.modes_off = False  # torch.compile is tracing with the modes taken off (compiled.py)
 

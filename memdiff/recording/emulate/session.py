@@ -27,6 +27,7 @@ def start(emulator: Emulator) -> contextlib.ExitStack:
         rmsnorm,
         rngstate,
         rnn,
+        shared,
         warnlines,
     )
     from memdiff.recording.emulate.autocast import Autocast
@@ -45,6 +46,7 @@ def start(emulator: Emulator) -> contextlib.ExitStack:
     stack.enter_context(legacy.legacy_cuda_types())
     stack.enter_context(distributed.fake_process_groups(emulator))
     stack.enter_context(parallel.data_parallel())
+    stack.enter_context(shared.device_storages_shared())
     stack.enter_context(files.guarded(emulator))
     stack.enter_context(warnlines.at_the_script())
     stack.enter_context(emulator.device_mode)
