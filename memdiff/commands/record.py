@@ -32,6 +32,7 @@ from memdiff.recording.emulate.escapes import escaped
 from memdiff.recording.emulate.gpus import gpu
 from memdiff.recording.emulate.gpus import names as gpu_names
 from memdiff.recording.manifest import (
+    COLLECTIVES,
     MANIFEST,
     ProcessRecord,
     clear_statuses,
@@ -300,6 +301,8 @@ def _run_launcher(args: argparse.Namespace) -> int:
     folder = os.path.abspath(args.output)
     os.makedirs(folder, exist_ok=True)
     clear_statuses(folder)
+    collectives = os.path.join(folder, COLLECTIVES)  # what the ranks' collectives carried (exchange.py)
+    shutil.rmtree(collectives, ignore_errors=True)
     before = {n: os.stat(os.path.join(folder, n)).st_mtime_ns for n in os.listdir(folder)}
     hook = str(resources.files("memdiff.recording").joinpath("rank_hook"))
     env = dict(os.environ, MEMDIFF_RECORD_DIR=folder, MEMDIFF_RECORD_MAX_ENTRIES=str(args.max_entries),
@@ -319,6 +322,7 @@ def _run_launcher(args: argparse.Namespace) -> int:
         child = subprocess.Popen(command, env=env)
         forwarding.started(child)
         child.wait()
+    shutil.rmtree(collectives, ignore_errors=True)
     interrupted = forwarding.received[0] if forwarding.received else None
     if interrupted is not None:  # Ctrl-C: 130, as a shell says; SIGTERM: 143
         status = 130 if interrupted == signal.SIGINT else 128 + interrupted

@@ -27,6 +27,9 @@ STATUS = re.compile(r"^\.rank(\d+)\.status$")
 PROCESS_STATUS = re.compile(r"^\.pid(\d+)\.status$")
 # A status being written (by the rank hook) when its process was killed.
 PARTIAL_STATUS = re.compile(r"^\.(rank|pid)\d+\.status\.\d+\.\d+\.tmp$")
+# Under --emulate, the values the ranks' collectives carry to each other (emulate/exchange.py), one
+# file per collective: removed when the job ends.
+COLLECTIVES = ".collectives"
 MAX_WORLD_SIZE = 1 << 20  # as many ranks as a job folder may hold (memdiff.read.job.MAX_RANKS)
 
 # A rank's recording, as the status it left says (or the absence of one).
