@@ -232,6 +232,7 @@ class _JobOutcome:
     written: List[str]  # snapshot files this run wrote
     lost: List[str]  # one line per rank that left no snapshot, saying why
     refused: List[int]  # under --emulate: the ranks the emulator stopped at an op it cannot run
+    died: List[str]  # one line per rank whose process failed (an exception, a failing exit), with its error
     processes: List[ProcessRecord]  # what each process that is no rank said of itself
 
 
@@ -262,7 +263,9 @@ def _report_job(args: argparse.Namespace, folder: str, before: Dict[str, int], s
     lost = ([f"rank {r.rank} of {manifest.world_size} has no snapshot: {r.why_missing()}"
              for r in manifest.missing(folder)] if manifest is not None else [])
     refused = [r.rank for r in manifest.ranks if r.refused] if manifest is not None else []
-    return _JobOutcome(written, lost, refused, collect_processes(folder))
+    died = ([f"rank {r.rank} of {manifest.world_size} died: {r.died}" for r in manifest.ranks
+             if r.died and not r.refused] if manifest is not None else [])
+    return _JobOutcome(written, lost, refused, died, collect_processes(folder))
 
 
 def _why_nothing(outcome: _JobOutcome) -> str:
@@ -289,8 +292,9 @@ RANK_NAMES = rank_patterns(None)
 def _run_launcher(args: argparse.Namespace) -> int:
     """Run a launcher (or any command) with every Python process it starts recorded into the folder.
 
-    Exit status: the command's; but a job whose ranks did not all leave a snapshot is never a
-    success (2 when the command itself succeeded), and a run ended by Ctrl-C is 130."""
+    Exit status: the command's; but a job with a rank that died is never a success (1 when the command
+    itself succeeded), nor one whose ranks did not all leave a snapshot (2), and a run ended by Ctrl-C
+    is 130."""
     check_folder(args.output)
     command = _launched(args.command)
     if args.emulate:  # each rank's emulator reads it: a bad setting is one line here, before any rank starts
@@ -329,7 +333,7 @@ def _run_launcher(args: argparse.Namespace) -> int:
     else:
         status = child.returncode if child.returncode >= 0 else 128 - child.returncode
     outcome = _report_job(args, folder, before, status)
-    for line in outcome.lost:
+    for line in outcome.died + outcome.lost:
         print(f"memdiff: {line}", file=sys.stderr)
     if not outcome.written and not outcome.lost:
         print(f"memdiff: no process of `{' '.join(command)}` recorded an allocation: {_why_nothing(outcome)}; "
@@ -337,6 +341,8 @@ def _run_launcher(args: argparse.Namespace) -> int:
         return status or EXIT_BAD_INPUT
     if outcome.refused:  # each such rank said which op, in one line: the run is bad input, not a crash
         return EXIT_BAD_INPUT
+    if outcome.died:  # the job failed, whatever its launcher said (Lightning's does not wait for its ranks)
+        return status or 1
     return status or (EXIT_BAD_INPUT if outcome.lost else 0)
 
 
