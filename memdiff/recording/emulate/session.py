@@ -17,6 +17,7 @@ def start(emulator: Emulator) -> contextlib.ExitStack:
 
     use_torch(torch)
     from memdiff.recording.emulate import (
+        asked,
         build,
         distributed,
         files,
@@ -47,6 +48,7 @@ def start(emulator: Emulator) -> contextlib.ExitStack:
     stack.enter_context(distributed.fake_process_groups(emulator))
     stack.enter_context(parallel.data_parallel())
     stack.enter_context(shared.device_storages_shared())
+    stack.enter_context(asked.devices_asked(emulator))
     stack.enter_context(files.guarded(emulator))
     stack.enter_context(warnlines.at_the_script())
     stack.enter_context(emulator.device_mode)
