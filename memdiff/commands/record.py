@@ -79,8 +79,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "as that GPU, kernels and the caching allocator as it allocates (docs/emulate.md)")
     p.add_argument("--gpus", type=count_arg, metavar="N",
                    help="with --emulate: the GPUs each process sees (torch.cuda.device_count()), for a script that "
-                        "starts its own ranks (torch.multiprocessing.spawn) or runs nn.DataParallel; without it, a "
-                        "launcher's LOCAL_WORLD_SIZE (its processes per node), else 1")
+                        "starts its own ranks (torch.multiprocessing.spawn) or runs nn.DataParallel; without it, the "
+                        "devices CUDA_VISIBLE_DEVICES lists, else a launcher's processes per node (LOCAL_WORLD_SIZE, "
+                        "spawn's nprocs), else as many as the script asks for (Lightning's devices=N), at least 1")
     p.add_argument("command", nargs=argparse.REMAINDER,
                    help="-- python SCRIPT ARGS | -- python -m MODULE ARGS "
                         "| with -o DIR/, any launcher: -- torchrun ...")
