@@ -108,8 +108,8 @@ class Values:
                 v = self.known.get(x)
                 if v is None:
                     missing.append(x)
-                else:
-                    found.append(v.numel())
+                else:  # the elements it holds: an expanded mask holds its own, not every position's
+                    found.append(min(v.numel(), v.untyped_storage().nbytes() // max(v.element_size(), 1)))
                 return v
             if isinstance(x, torch.device) and x.type == "meta":
                 return CPU
