@@ -199,9 +199,9 @@ def test_ranks_spawned_by_the_script_each_take_one_of_the_gpus_given(torch, tmp_
                     "spawn.py", "1")
     assert done.returncode == 0, done.stderr[-3000:]
     assert "rank 0 on cuda:0" in done.stdout and "rank 1 on cuda:1" in done.stdout
-    snapshots = [_load(p) for p in sorted((tmp_path / "runs").glob("pid*.pickle"))]
-    assert len(snapshots) == 2  # the parent allocated nothing: only the two ranks wrote
-    assert sorted(tuple(_used(s)) for s in snapshots) == [(0,), (1,)]
+    # each spawned process is named by the rank it gave init_process_group; the parent allocated nothing
+    assert sorted(p.name for p in (tmp_path / "runs").glob("*.pickle")) == ["rank0.pickle", "rank1.pickle"]
+    assert [tuple(_used(_load(tmp_path / "runs" / f"rank{r}.pickle"))) for r in (0, 1)] == [(0,), (1,)]
 
 
 DATA_PARALLEL = textwrap.dedent("""

@@ -34,6 +34,7 @@ from memdiff.recording.emulate.gpus import gpu
 from memdiff.recording.emulate.gpus import names as gpu_names
 from memdiff.recording.emulate.overlay_calls import OWNED, ROOT, for_run
 from memdiff.recording.manifest import (
+    COLLECTIVES,
     MANIFEST,
     ProcessRecord,
     clear_statuses,
@@ -80,8 +81,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "as that GPU, kernels and the caching allocator as it allocates (docs/emulate.md)")
     p.add_argument("--gpus", type=count_arg, metavar="N",
                    help="with --emulate: the GPUs each process sees (torch.cuda.device_count()), for a script that "
-                        "starts its own ranks (torch.multiprocessing.spawn) or runs nn.DataParallel; without it, a "
-                        "launcher's LOCAL_WORLD_SIZE (its processes per node), else 1")
+                        "starts its own ranks (torch.multiprocessing.spawn) or runs nn.DataParallel; without it, the "
+                        "devices CUDA_VISIBLE_DEVICES lists, else a launcher's processes per node (LOCAL_WORLD_SIZE, "
+                        "spawn's nprocs), else as many as the script asks for (Lightning's devices=N), at least 1")
     p.add_argument("--keep-writes", metavar="DIR",
                    help="with --emulate: keep what the run wrote in DIR (a new or empty folder) to look at. An "
                         "emulated run never changes the user's files: all it writes, renames or deletes lands in an "
@@ -273,6 +275,7 @@ class _JobOutcome:
     written: List[str]  # snapshot files this run wrote
     lost: List[str]  # one line per rank that left no snapshot, saying why
     refused: List[int]  # under --emulate: the ranks the emulator stopped at an op it cannot run
+    died: List[str]  # one line per rank whose process failed (an exception, a failing exit), with its error
     processes: List[ProcessRecord]  # what each process that is no rank said of itself
 
 
@@ -303,7 +306,9 @@ def _report_job(args: argparse.Namespace, folder: str, before: Dict[str, int], s
     lost = ([f"rank {r.rank} of {manifest.world_size} has no snapshot: {r.why_missing()}"
              for r in manifest.missing(folder)] if manifest is not None else [])
     refused = [r.rank for r in manifest.ranks if r.refused] if manifest is not None else []
-    return _JobOutcome(written, lost, refused, collect_processes(folder))
+    died = ([f"rank {r.rank} of {manifest.world_size} died: {r.died}" for r in manifest.ranks
+             if r.died and not r.refused] if manifest is not None else [])
+    return _JobOutcome(written, lost, refused, died, collect_processes(folder))
 
 
 def _why_nothing(outcome: _JobOutcome) -> str:
@@ -330,8 +335,9 @@ RANK_NAMES = rank_patterns(None)
 def _run_launcher(args: argparse.Namespace) -> int:
     """Run a launcher (or any command) with every Python process it starts recorded into the folder.
 
-    Exit status: the command's; but a job whose ranks did not all leave a snapshot is never a
-    success (2 when the command itself succeeded), and a run ended by Ctrl-C is 130."""
+    Exit status: the command's; but a job with a rank that died is never a success (1 when the command
+    itself succeeded), nor one whose ranks did not all leave a snapshot (2), and a run ended by Ctrl-C
+    is 130."""
     check_folder(args.output)
     command = _launched(args.command)
     if args.emulate:  # each rank's emulator reads it: a bad setting is one line here, before any rank starts
@@ -342,6 +348,8 @@ def _run_launcher(args: argparse.Namespace) -> int:
     folder = os.path.abspath(args.output)
     os.makedirs(folder, exist_ok=True)
     clear_statuses(folder)
+    collectives = os.path.join(folder, COLLECTIVES)  # what the ranks' collectives carried (exchange.py)
+    shutil.rmtree(collectives, ignore_errors=True)
     before = {n: os.stat(os.path.join(folder, n)).st_mtime_ns for n in os.listdir(folder)}
     hook = str(resources.files("memdiff.recording").joinpath("rank_hook"))
     env = dict(os.environ, MEMDIFF_RECORD_DIR=folder, MEMDIFF_RECORD_MAX_ENTRIES=str(args.max_entries),
@@ -362,13 +370,14 @@ def _run_launcher(args: argparse.Namespace) -> int:
         child = subprocess.Popen(command, env=env)
         forwarding.started(child)
         child.wait()
+    shutil.rmtree(collectives, ignore_errors=True)
     interrupted = forwarding.received[0] if forwarding.received else None
     if interrupted is not None:  # Ctrl-C: 130, as a shell says; SIGTERM: 143
         status = 130 if interrupted == signal.SIGINT else 128 + interrupted
     else:
         status = child.returncode if child.returncode >= 0 else 128 - child.returncode
     outcome = _report_job(args, folder, before, status)
-    for line in outcome.lost:
+    for line in outcome.died + outcome.lost:
         print(f"memdiff: {line}", file=sys.stderr)
     if not outcome.written and not outcome.lost:
         print(f"memdiff: no process of `{' '.join(command)}` recorded an allocation: {_why_nothing(outcome)}; "
@@ -376,6 +385,8 @@ def _run_launcher(args: argparse.Namespace) -> int:
         return status or EXIT_BAD_INPUT
     if outcome.refused:  # each such rank said which op, in one line: the run is bad input, not a crash
         return EXIT_BAD_INPUT
+    if outcome.died:  # the job failed, whatever its launcher said (Lightning's does not wait for its ranks)
+        return status or 1
     return status or (EXIT_BAD_INPUT if outcome.lost else 0)
 
 

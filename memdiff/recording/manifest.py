@@ -27,6 +27,9 @@ STATUS = re.compile(r"^\.rank(\d+)\.status$")
 PROCESS_STATUS = re.compile(r"^\.pid(\d+)\.status$")
 # A status being written (by the rank hook) when its process was killed.
 PARTIAL_STATUS = re.compile(r"^\.(rank|pid)\d+\.status\.\d+\.\d+\.tmp$")
+# Under --emulate, the values the ranks' collectives carry to each other (emulate/exchange.py), one
+# file per collective: removed when the job ends.
+COLLECTIVES = ".collectives"
 MAX_WORLD_SIZE = 1 << 20  # as many ranks as a job folder may hold (memdiff.read.job.MAX_RANKS)
 
 # A rank's recording, as the status it left says (or the absence of one).
@@ -47,6 +50,7 @@ class RankRecording:
     at: Optional[str] = None  # what stopped it: exit, SIGTERM, destroy_process_group, out of memory
     refused: Optional[str] = None  # under --emulate: the op the emulator could not run, which ended the rank
     out_of_memory: Optional[str] = None  # under --emulate: the first out-of-memory error raised, caught or not
+    died: Optional[str] = None  # the exception (or failing exit status) that ended the rank's process
 
     def why_missing(self) -> str:
         """Why this rank has no snapshot, in a reader's words."""
@@ -130,7 +134,7 @@ def collect(folder: str, keep: bool = False) -> Optional[JobManifest]:
         if document is None:
             ranks.append(RankRecording(rank, NOT_STARTED))
             continue
-        text = {k: str(document[k])[:500] for k in ("file", "error", "at", "refused", "out_of_memory")
+        text = {k: str(document[k])[:500] for k in ("file", "error", "at", "refused", "out_of_memory", "died")
                 if isinstance(document.get(k), str)}
         state = document.get("state")
         if state not in (WRITTEN, FAILED, NOTHING, UNFINISHED, BEFORE_TORCH, NO_TORCH):

@@ -1,7 +1,12 @@
 """The emulated GPUs of one process: how many the job has, which one each storage is on, which is current.
 
-A process sees as many GPUs as its node would give it (`device_count()`): `memdiff record --gpus N`
-(MEMDIFF_RECORD_GPUS) when given, else the launcher's LOCAL_WORLD_SIZE, else one. Each GPU it
+A process sees as many GPUs as its node would give it (`device_count()`), the first of: `memdiff
+record --gpus N` (MEMDIFF_RECORD_GPUS); the devices CUDA_VISIBLE_DEVICES lists (CUDA's own rule:
+ultralytics' `device=0,1` sets it to `0,1`); the launcher's LOCAL_WORLD_SIZE (torchrun's processes per
+node, accelerate's `--num_processes`; torch.multiprocessing.spawn's nprocs); else as many as the
+script asks for (Lightning's `devices=2`:
+its device parser asks for GPUs 0 and 1), at least one. As in CUDA, the count is read until the
+process first uses a GPU, and fixed from then on (a script sets CUDA_VISIBLE_DEVICES before). Each GPU it
 uses has its own caching allocator and its own trace, as on the GPU; every tensor is on the meta
 device, so which GPU a storage is on is kept here, beside it, and the current device (per thread,
 as CUDA keeps it) is where a bare `cuda` goes.
@@ -18,20 +23,42 @@ from memdiff.errors import InputError
 from memdiff.recording.emulate.allocator import AllocatorConfig, CachingAllocator
 
 GPUS = "MEMDIFF_RECORD_GPUS"  # `memdiff record --gpus N`, for the processes of a launched job
+# The processes torch.multiprocessing.spawn started with the one that started them (its nprocs), as
+# torchrun's LOCAL_WORLD_SIZE tells its own: set by the emulator for spawn's processes only (asked.py).
+SPAWNED = "MEMDIFF_RECORD_NPROCS"
 
 
-def gpus_per_node(gpus: Optional[int] = None) -> int:
-    """The GPUs a process of the job sees: `gpus` (--gpus) when given, else MEMDIFF_RECORD_GPUS, else
-    the launcher's LOCAL_WORLD_SIZE (torchrun's processes per node), else 1."""
+def gpus_per_node(gpus: Optional[int] = None, asked: int = 1) -> int:
+    """The GPUs a process of the job sees now: `gpus` (--gpus) when given, else MEMDIFF_RECORD_GPUS, else
+    the devices CUDA_VISIBLE_DEVICES lists, else the launcher's LOCAL_WORLD_SIZE, else `asked` (the
+    most the script asked for), at least 1."""
     if gpus is not None:
         if gpus < 1:
             raise InputError("--gpus", f"{gpus} GPUs: give 1 or more")
         return gpus
-    for name in (GPUS, "LOCAL_WORLD_SIZE"):
+    value = os.environ.get(GPUS, "")
+    if value.isdigit() and int(value) > 0:
+        return int(value)
+    visible = _visible(os.environ.get("CUDA_VISIBLE_DEVICES", ""))
+    if visible:
+        return visible
+    for name in ("LOCAL_WORLD_SIZE", SPAWNED):
         value = os.environ.get(name, "")
         if value.isdigit() and int(value) > 0:
             return int(value)
-    return 1
+    return max(asked, 1)
+
+
+def _visible(listed: str) -> int:
+    """How many devices CUDA_VISIBLE_DEVICES lists: its entries up to the first that names none (CUDA
+    ignores the rest, `0,-1,2` is one device). Empty or unset: 0, no rule (an emulated run has GPUs)."""
+    count = 0
+    for entry in listed.split(","):
+        entry = entry.strip()
+        if not entry or entry.startswith("-"):
+            break
+        count += 1
+    return count
 
 
 def cuda_index(device: Any, current: Callable[[], int]) -> Optional[int]:
@@ -79,14 +106,31 @@ class Placement:
     the current GPU: in CUDA an op runs on its inputs' device, and a bare `cuda` is the current one.
     """
 
-    def __init__(self, count: int) -> None:
-        self.count = count
+    def __init__(self, gpus: Optional[int] = None) -> None:
+        self.gpus = gpus  # --gpus, when given
+        self.asked = 1  # the most GPUs the script asked for (ask)
+        self.fixed: Optional[int] = None  # the count, once the process used a GPU
         self.of: Dict[int, int] = {}  # id(storage) -> GPU index
         # id(storage) of the script's own meta tensors (a model built under torch.device("meta")):
         # the emulated GPU's tensors are meta too, but these are on no GPU and cost nothing
         self.script_meta: Set[int] = set()
         self.default_meta = False  # the script's torch.set_default_device("meta")
         self._local = threading.local()
+
+    @property
+    def count(self) -> int:
+        """torch.cuda.device_count(): read from the environment until fixed (gpus_per_node)."""
+        return self.fixed if self.fixed is not None else gpus_per_node(self.gpus, self.asked)
+
+    def fix(self) -> None:
+        """The process uses a GPU now: its count no longer follows the environment, as CUDA's does not."""
+        if self.fixed is None:
+            self.fixed = self.count
+
+    def ask(self, count: int) -> None:
+        """The script asks for `count` GPUs (a framework's device parser): a node that has no other rule
+        for its count has them, until the process has used a GPU."""
+        self.asked = max(self.asked, count)
 
     def check(self, index: int) -> int:
         """`index` when the process has that GPU, else CUDA's error for it."""

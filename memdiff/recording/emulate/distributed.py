@@ -7,7 +7,11 @@ rendezvous: every collective returns at once, as complete, without moving data. 
 then build and run as on the GPU, with the buckets and flat buffers they allocate through torch
 ops (which the emulator's allocator sees like any other storage).
 
-Values follow the fake group's rule, that every rank holds what this rank holds: a broadcast
+In a launched job (`-o DIR/`) a broadcast, an all-gather, a gather and a scatter carry the values
+their senders know to the ranks that receive them (exchange.py): a receiving rank of
+`broadcast_object_list` gets rank 0's object. The object collectives put their tensors on the device
+the script's backend would (NCCL's: the GPU). Elsewhere values follow the fake group's rule, that every
+rank holds what this rank holds: a broadcast
 leaves each tensor as this rank has it, an all-gather fills every slot with this rank's input,
 an all-reduce of known small values (a count, a flag) sums as `world_size` equal ranks would,
 and anything else is a tensor of unknown values (values.py). DDP's check that every rank has the
@@ -25,7 +29,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
-from memdiff.recording.emulate import swap
+from memdiff.recording.emulate import exchange, swap
 from memdiff.recording.emulate.devices import first_meta
 from memdiff.recording.emulate.runtime import EmulationError
 
@@ -57,6 +61,7 @@ def _init(real: Callable[..., Any]) -> Callable[..., Any]:
             options["timeout"] = timeout
         out = real(backend="fake", store=dist.HashStore(), world_size=world_size, rank=rank, **options)
         _asked[None] = _backend_name(backend)
+        exchange.start(timeout)
         return out
     init_process_group.__wrapped__ = real  # type: ignore[attr-defined]
     return init_process_group
@@ -86,6 +91,45 @@ def _get_backend(real: Callable[..., Any]) -> Callable[..., Any]:
         return _asked.get(None if group is None or group is world else group, _asked.get(None, "nccl"))
     get_backend.__wrapped__ = real  # type: ignore[attr-defined]
     return get_backend
+
+
+def _object_device(real: Callable[..., Any]) -> Callable[..., Any]:
+    def _get_object_coll_device(group: Any = None) -> str:
+        import torch.distributed as dist
+
+        world = dist.GroupMember.WORLD
+        asked = _asked.get(None if group is None or group is world else group, _asked.get(None))
+        return real(group) if asked is None else object_device(asked)
+    _get_object_coll_device.__wrapped__ = real  # type: ignore[attr-defined]
+    return _get_object_coll_device
+
+
+def object_device(backend: str) -> str:
+    """Where the object collectives of a group of `backend` put their tensors, by torch's rule for the
+    devices a backend registers: NCCL's only device is the GPU; gloo and the others have the CPU, which
+    torch prefers; `cpu:gloo,cuda:nccl` names its devices. The fake group has every device, which sent
+    a receiving rank's sizes to the host (`torch.empty` there holds the host's leftover bytes)."""
+    devices = [pair.split(":", 1)[0].strip() for pair in backend.split(",") if ":" in pair]
+    if not devices:
+        return "cuda" if backend.strip() == "nccl" else "cpu"
+    return "cpu" if "cpu" in devices else devices[0]
+
+
+def _object_tensors(emulator: Any, real: Callable[..., Any]) -> Callable[..., Any]:
+    """c10d's `_object_to_tensor`: the pickled object made on the host, then copied to the device as
+    torch does, its bytes kept as the device copy's values whatever their number (values.py keeps those
+    of small tensors only), so that the ranks it is sent to can unpickle it."""
+    def _object_to_tensor(obj: Any, device: Any, *rest: Any) -> Tuple[torch.Tensor, torch.Tensor]:
+        host, size = real(obj, torch.device("cpu"), *rest)
+        if torch.device(device).type == "cpu":
+            return host, size
+        on_device, size_on_device = host.to(device), size.to(device)
+        with torch._C.DisableTorchFunction():
+            if on_device.is_meta and emulator.values is not None:
+                emulator.values.known[on_device] = host
+        return on_device, size_on_device
+    _object_to_tensor.__wrapped__ = real  # type: ignore[attr-defined]
+    return _object_to_tensor
 
 
 class NativeScope:
@@ -215,6 +259,10 @@ def fake_process_groups(emulator: Any) -> Iterator[None]:
         replaced.append((module, "is_nccl_available", answers["is_nccl_available"]))
         if not hasattr(module, "ProcessGroupNCCL"):  # a CPU build never defined it
             replaced.append((module, "ProcessGroupNCCL", ProcessGroupNCCL))
+    for name, wrap_object in (("_get_object_coll_device", _object_device),
+                              ("_object_to_tensor", lambda real: _object_tensors(emulator, real))):
+        if hasattr(c10d, name):
+            replaced.append((c10d, name, wrap_object(getattr(c10d, name))))
     rules = scopes()
     for name in ("_verify_params_across_processes", "_broadcast_coalesced", "Reducer", "Logger"):
         real = getattr(dist, name, None)
@@ -287,7 +335,10 @@ SAME_VALUE_OPS = {"MIN", "MAX", "AVG", "BAND", "BOR"}
 
 
 def follow(base: str, args: Tuple[Any, ...], values: Any) -> None:
-    """After c10d op `base` ran on meta tensors: the values its written tensors hold now."""
+    """After c10d op `base` ran on meta tensors: the values its written tensors hold now (what the other
+    ranks sent, in a launched job: exchange.py; else the rule of the module's docstring)."""
+    if exchange.carry(base, args, values):
+        return
     known = values.known
     if base == "broadcast_" or base.startswith("barrier") or base == "monitored_barrier_":
         return  # this rank's tensors are the source's

@@ -32,7 +32,7 @@ from memdiff.recording.emulate import (
 from memdiff.recording.emulate.devices import cuda_index, first_meta
 from memdiff.recording.emulate.escapes import op_refusal
 from memdiff.recording.emulate.runtime import ALL_ELEMENTS_OPS, HERE, EmulationError, Emulator, op_name, python_frames
-from memdiff.recording.emulate.values import Values
+from memdiff.recording.emulate.values import Values, read_back_scalar
 
 META = torch.device("meta")
 TensorBase = torch._C.TensorBase
@@ -255,6 +255,8 @@ class DeviceMode(TorchFunctionMode):
                 placement.keep_meta(out)
             if moved_from is not None:
                 _backward_on(out, moved_from, placement)
+            if name == "isfinite":  # torch runs it as its parts (abs, ne, eq, mul): its answer is given whole
+                self.emulator.values.checked(args[0] if args else kwargs.get("input"), out)
             return out
         finally:
             if names:
@@ -375,7 +377,7 @@ class AllocMode(TorchDispatchMode):
         super().__init__()
         self.emulator = emulator
         self.scopes: List[str] = []
-        self.values = Values()
+        self.values = emulator.values = Values()
         self.reductions = reductions.table()
         self.inside = reductions.inside()
 
@@ -544,12 +546,13 @@ class AllocMode(TorchDispatchMode):
         raise op_refusal(namespace, base, _script_line()) from None
 
     def read_back(self, base: str, first: torch.Tensor, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
-        """What ops that read values give without them: zeros, and every element where a size depends on them."""
+        """What ops that read values give without them (values.py's policy): a number the stand-in, a host
+        copy zeros."""
         known = self.values.of(first)
         if base == "_local_scalar_dense":
             if known is not None:
                 return (known.item(),)
-            return (False if first.dtype == torch.bool else 0 if not first.is_floating_point() else 0.0,)
+            return (read_back_scalar(first.dtype),)
         if base == "_to_copy" and kwargs.get("device") is not None and torch.device(kwargs["device"]).type == "cpu":
             dtype = kwargs.get("dtype") or first.dtype
             if known is not None:

@@ -253,14 +253,19 @@ def _allocator(emulator: Emulator, device: Any) -> Any:
 def _answers(emulator: Emulator, saved: Dict[Tuple[Any, str], Any]) -> Dict[str, Callable[..., Any]]:
     properties = _Properties(emulator)
     placement = emulator.placement
-    default_streams = {i: Stream(i, stream_id=0) for i in range(emulator.count)}
+    default_streams: Dict[int, Stream] = {}  # each GPU's, made at its first use: the count may grow until then
+
+    def default_stream_of(index: int) -> Stream:
+        if index not in default_streams:
+            default_streams[index] = Stream(index, stream_id=0)
+        return default_streams[index]
 
     def current_stream(device: Any = None) -> Stream:
         index = placement.current() if device is None else cuda_index(device, placement.current)
         side = emulator.stream
         if side is not None and side.device_index == index:
             return side
-        return default_streams[index if index is not None else placement.current()]
+        return default_stream_of(index if index is not None else placement.current())
 
     @contextlib.contextmanager
     def stream(stream: Any = None) -> Iterator[None]:
@@ -397,8 +402,8 @@ def _answers(emulator: Emulator, saved: Dict[Tuple[Any, str], Any]) -> Dict[str,
         "get_rng_state_all": lambda: [rng_state() for _ in range(emulator.count)],
         "set_rng_state_all": set_rng_state_all,
         "Stream": Stream, "Event": Event, "current_stream": current_stream,
-        "default_stream": lambda device=None: default_streams[placement.current() if device is None else
-                                                              cuda_index(device, placement.current) or 0],
+        "default_stream": lambda device=None: default_stream_of(placement.current() if device is None else
+                                                                cuda_index(device, placement.current) or 0),
         "stream": stream, "set_stream": set_stream, "device": device_class, "device_of": device_of_class,
         "_record_memory_history": emulator.record_history,
         "_snapshot": lambda device=None, augment_with_fx_traces=False: emulator.snapshot(),

@@ -168,7 +168,9 @@ class Emulator:
             self.config = AllocatorConfig.parse(text)
         except ValueError as exc:
             raise InputError("PYTORCH_CUDA_ALLOC_CONF", str(exc)) from None
-        self.placement = Placement(gpus_per_node(gpus))
+        if gpus is not None:
+            gpus_per_node(gpus)  # a bad --gpus is one line now, not at the first device_count()
+        self.placement = Placement(gpus)
         self.gpus: Dict[int, EmulatedGpu] = {}  # the GPUs this process used, each made at its first use
         self.initialized = False  # torch.cuda.is_initialized(): the process used a GPU
         self.recording: Optional[Dict[str, Any]] = None  # _record_memory_history's settings while on
@@ -196,6 +198,7 @@ class Emulator:
         # The side stream the script made current (patches.Stream), whose pool allocations come from;
         # None for the default stream.
         self.stream: Any = None
+        self.values: Any = None  # values.Values: the known values of small device tensors, made by modes.AllocMode
         self.host: Any = None  # host.Host: the CPU tensors whose data may never be needed, made by session.start
         self.modes_off = False  # torch.compile is tracing with the modes taken off (compiled.py)
 
@@ -225,6 +228,7 @@ class Emulator:
         """GPU `index` (the current one when None), made at its first use."""
         index = self.placement.current() if index is None else self.placement.check(index)
         self.initialized = True
+        self.placement.fix()
         found = self.gpus.get(index)
         if found is None:
             found = self.gpus[index] = EmulatedGpu(index, self.gpu.capacity, self.config, self._on_event)

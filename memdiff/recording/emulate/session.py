@@ -17,6 +17,7 @@ def start(emulator: Emulator) -> contextlib.ExitStack:
 
     use_torch(torch)
     from memdiff.recording.emulate import (
+        asked,
         build,
         distributed,
         files,
@@ -27,6 +28,7 @@ def start(emulator: Emulator) -> contextlib.ExitStack:
         rmsnorm,
         rngstate,
         rnn,
+        shared,
         storages,
         threads,
         warnlines,
@@ -48,6 +50,8 @@ def start(emulator: Emulator) -> contextlib.ExitStack:
     stack.enter_context(legacy.legacy_cuda_types())
     stack.enter_context(distributed.fake_process_groups(emulator))
     stack.enter_context(parallel.data_parallel())
+    stack.enter_context(shared.device_storages_shared())
+    stack.enter_context(asked.devices_asked(emulator))
     stack.enter_context(files.guarded(emulator))
     stack.enter_context(warnlines.at_the_script())
     alloc = AllocMode(emulator)

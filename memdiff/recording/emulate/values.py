@@ -9,6 +9,12 @@ values) stay shapes only. Ops that draw random numbers are not copied (they woul
 CPU's generator, which the GPU's run leaves alone), and an op that writes into a tensor with a
 value it cannot compute drops that value, but for the checks for infs and NaNs (GradScaler's),
 which find none.
+
+What a read-back gives where there is no value to read is one policy (docs/emulate.md, "Values read
+back"): a Python number (`.item()`, `float(t)`, a format) is the stand-in of `read_back_scalar`, a
+host copy (`.cpu()`, `.numpy()`, `.tolist()`) is zeros, uninitialised memory (`torch.empty`) holds
+zeros, and the checks for an inf or a NaN (`isfinite`, `isnan`, ...) answer as for finite numbers:
+emulated tensors hold none.
 """
 
 from __future__ import annotations
@@ -30,6 +36,11 @@ FINITE_CHECKS = {"_amp_foreach_non_finite_check_and_unscale_", "_amp_non_finite_
 # (`fill_`, `copy_` of known values) still computes, and the same script gives the same snapshot.
 UNINITIALISED = {"empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided", "empty_permuted"}
 CPU = torch.device("cpu")
+# The checks for an inf or a NaN, and what each answers for a tensor of finite numbers: emulated
+# tensors hold none (the rule FINITE_CHECKS follows), so a script's `torch.isfinite(loss).all()`
+# guard passes as on a GPU whose loss is finite. Given for an output of any size, as a constant
+# broadcast to its shape (no memory per element), so that `.all()` of a large one has its value too.
+FINITENESS = {"isfinite": True, "isnan": False, "isinf": False, "isposinf": False, "isneginf": False}
 # Boolean ops whose result one operand decides alone: `x | True` is true and `x & False` false (and
 # `n & 0` zero) whatever x is. Hugging Face's generate() stops on
 # `unfinished & ~(max_length_done | eos_found)`: the length criterion is known, the end-of-sequence one
@@ -51,9 +62,14 @@ class Values:
 
     def follow(self, func: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any], out: Any) -> None:
         """After op `func` ran on meta tensors: give its outputs values when they can be computed."""
-        if func._schema.name.split("::", 1)[-1] in FINITE_CHECKS:
+        base = func._schema.name.split("::", 1)[-1]
+        if base in FINITE_CHECKS:
             return
         outputs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.is_meta]
+        if base in FINITENESS and len(outputs) == 1:
+            self.checked(args[0] if args else None, outputs[0], base)
+            if self.of(outputs[0]) is not None:
+                return
         written = [a for a, spec in zip(args, func._schema.arguments)
                    if spec.alias_info is not None and spec.alias_info.is_write and isinstance(a, torch.Tensor)]
         computed = self._compute(func, args, kwargs, outputs) if outputs else None
@@ -61,10 +77,15 @@ class Values:
             for t in outputs + written:
                 self.known.pop(t, None)
             return
-        if func._schema.name.split("::", 1)[-1] in UNINITIALISED:
+        if base in UNINITIALISED:
             computed = [torch.zeros_like(value) for value in computed]
         for t, value in zip(outputs, computed):
             self.known[t] = value
+
+    def checked(self, x: Any, out: Any, check: str = "isfinite") -> None:
+        """`out` is `check` (FINITENESS) of `x`: where `x` has no values, the answer for finite numbers."""
+        if isinstance(out, torch.Tensor) and out.is_meta and isinstance(x, torch.Tensor) and self.of(x) is None:
+            self.known[out] = torch.tensor(FINITENESS[check]).expand(out.shape)
 
     def forget(self, written: Any) -> None:
         """Tensors written by code the emulator does not run (a compiled graph's Triton kernels):
@@ -74,20 +95,28 @@ class Values:
                 self.known.pop(t, None)
 
     def _compute(self, func: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any], outputs: list) -> Optional[list]:
-        if torch.Tag.nondeterministic_seeded in func.tags or any(t.numel() > MAX_ELEMENTS for t in outputs):
+        if torch.Tag.nondeterministic_seeded in func.tags:
             return None
-        missing = []
+        # A large output gets values only where that makes no more data than its inputs' known values
+        # hold: a view of them, a copy, a concatenation (an object collective's pickled bytes, the
+        # only large values there are); never a mask expanded to every head and position.
+        big = not _is_view(func) and any(t.numel() > MAX_ELEMENTS for t in outputs)
+        missing, found = [], []
 
         def value(x: Any) -> Any:
             if isinstance(x, torch.Tensor) and x.is_meta:
                 v = self.known.get(x)
                 if v is None:
                     missing.append(x)
+                else:  # the elements it holds: an expanded mask holds its own, not every position's
+                    found.append(min(v.numel(), v.untyped_storage().nbytes() // max(v.element_size(), 1)))
                 return v
             if isinstance(x, torch.device) and x.type == "meta":
                 return CPU
             return x
         cpu_args, cpu_kwargs = tree_map(value, args), tree_map(value, kwargs)
+        if big and (missing or sum(t.numel() for t in outputs) > sum(found)):
+            return None
         if missing:
             return self._absorbed(func, cpu_args, outputs)
         try:
@@ -120,3 +149,26 @@ class Values:
             if decides:
                 return [torch.full(out.shape, absorbing, dtype=out.dtype)]
         return None
+
+
+def _is_view(func: Any) -> bool:
+    """Whether op `func` returns views of its input (slice, view, select), whose values cost no memory."""
+    returns = func._schema.returns
+    return bool(returns) and all(r.alias_info is not None and not r.alias_info.is_write for r in returns)
+
+
+def read_back_scalar(dtype: torch.dtype) -> Any:
+    """The Python number a device value the emulator does not know reads back as (`.item()`): False
+    for a bool, 0 for an integer (an index and a class any tensor has: argmax, a label), and for a
+    float the smallest positive normal number its dtype holds (`torch.finfo(dtype).tiny`, 1.2e-38 for
+    float32). That is zero to every printed precision and in any sum, yet Python's float arithmetic,
+    which raises where a tensor's gives inf, never divides by it as by zero nor takes its log as of
+    zero: `10 * log10(1 / mse.item())` (pytorch/examples' super_resolution) runs, as on a GPU whose
+    loss is positive."""
+    if dtype == torch.bool:
+        return False
+    if dtype.is_floating_point:
+        return float(torch.finfo(dtype).tiny)
+    if dtype.is_complex:
+        return complex(float(torch.finfo(dtype).tiny), 0.0)
+    return 0

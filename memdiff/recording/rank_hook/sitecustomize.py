@@ -67,12 +67,14 @@ class _Status:
     (atomically: a process killed mid-write leaves the previous one)."""
 
     def __init__(self, folder):
+        self.folder = folder
         self.rank = _rank()
         name = f".rank{self.rank}.status" if self.rank is not None else f".pid{os.getpid()}.status"
         self.path = os.path.join(folder, name)
         self.facts = {"rank": self.rank, "world_size": _world_size(), "pid": os.getpid(),
                       "command": " ".join(sys.orig_argv if hasattr(sys, "orig_argv") else sys.argv)[:300]}
         self.started_without_hook = []  # commands this process started in an environment without the hook
+        self.died = None  # the exception (or exit status) that ended the process
         self.state, self.last = None, {}
         self.writes = itertools.count()
 
@@ -88,6 +90,8 @@ class _Status:
             document["started_without_hook"] = self.started_without_hook[:5]
         if _refused:
             document["refused"] = _refused[0]
+        if self.died:
+            document["died"] = self.died
         if _EMULATOR is not None and _EMULATOR.out_of_memory:  # even one the script caught (`memdiff fit`)
             document["out_of_memory"] = _EMULATOR.out_of_memory[0][:500]
         # A name of its own per write: another thread, or a signal handler on this one, may be writing too.
@@ -100,21 +104,46 @@ class _Status:
             _say(f"could not write {self.path}: {exc}")
 
 
+    def became(self, rank, world_size):
+        """This process is `rank` of `world_size`, as its launcher's process group says (Lightning's and
+        torch.multiprocessing's ranks have no RANK in their environment): its status is the rank's."""
+        if self.rank is not None or os.getpid() != self.facts["pid"]:
+            return
+        old = self.path
+        self.rank = rank
+        self.facts.update(rank=rank, world_size=world_size)
+        self.path = os.path.join(self.folder, f".rank{rank}.status")
+        self.write(self.state, **self.last)
+        try:
+            os.unlink(old)
+        except OSError:
+            pass
+
+    def ended(self, why):
+        """The process is ending of `why` (its exception's line, or a failing exit status)."""
+        if self.died is None and os.getpid() == self.facts["pid"]:
+            self.died = why[:500]
+            self.write(self.state, **self.last)
+
+
 class _Recording:
     """One process's recording: started once, stopped and written once, at the first stop point."""
 
     def __init__(self, torch, folder, capture, status):
         self.torch, self.folder, self.capture, self._status = torch, folder, capture, status
         self.pid = os.getpid()
-        self.rank = status.rank
-        name = f"rank{self.rank}.pickle" if self.rank is not None else f"pid{self.pid}.pickle"
-        self.target = os.path.join(folder, name)
         self.finish = None
         self.steps = 0  # optimizer steps run, counted with MEMDIFF_RECORD_STEPS
         self.unreached = None  # why a window of steps recorded nothing
         self.done = False
         self.writing = False  # a SIGTERM arriving now waits for the write, then ends the process
         self.terminated = False
+
+    @property
+    def target(self):
+        """The snapshot's path: the rank's file once the process knows its rank, else its pid's."""
+        rank = self._status.rank
+        return os.path.join(self.folder, f"rank{rank}.pickle" if rank is not None else f"pid{self.pid}.pickle")
 
     def status(self, state, **facts):
         """Tell `memdiff record` what became of this process's recording."""
@@ -178,6 +207,7 @@ class _Recording:
         else:
             self.finish = capture.start_cpu(torch)
         self._stop_before_teardown()
+        self._rank_from_process_group()
         atexit.register(self.write, "exit")
 
     def _count_steps(self, window):
@@ -243,6 +273,31 @@ class _Recording:
         c10d.destroy_process_group = destroy_process_group
         if dist is not None and getattr(dist, "destroy_process_group", None) is real:
             dist.destroy_process_group = destroy_process_group
+
+    def _rank_from_process_group(self):
+        """A process with no RANK (Lightning's ranks, torch.multiprocessing.spawn's) learns its rank when
+        it makes the default process group of a job of more than one."""
+        dist = sys.modules.get("torch.distributed")
+        c10d = sys.modules.get("torch.distributed.distributed_c10d")
+        real = getattr(c10d, "init_process_group", None)
+        if real is None or self._status.rank is not None:
+            return
+        status = self._status
+
+        def init_process_group(*args, **kwargs):
+            out = real(*args, **kwargs)
+            try:
+                world = c10d.get_world_size()
+                if world > 1:
+                    status.became(c10d.get_rank(), world)
+            except Exception as exc:  # the program goes on with the pid's name
+                _say(f"process {os.getpid()}: its rank is unknown: {type(exc).__name__}: {exc}")
+            return out
+        init_process_group.__doc__ = real.__doc__
+        init_process_group.__wrapped__ = real
+        c10d.init_process_group = init_process_group
+        if dist is not None and getattr(dist, "init_process_group", None) is real:
+            dist.init_process_group = init_process_group
 
     def _write_on_sigterm(self):
         """Write, then die of SIGTERM as the process would have: only where nobody else handles it."""
@@ -318,7 +373,8 @@ def _emulate(key, input_error):
         if not isinstance(value, input_error) and isinstance(value, Exception):
             value = escaped(value) or value
         if isinstance(value, input_error):
-            _say(f"rank {os.environ.get('RANK', '?')}: {value}")
+            rank = _status.rank if _status.rank is not None else os.environ.get("RANK")
+            _say(f"rank {rank}: {value}" if rank is not None else f"process {os.getpid()}: {value}")
             sys.stderr.flush()
             _refused.append(str(value)[:500])
             _exit_status[0] = 2
@@ -483,6 +539,42 @@ def _check_child(args, real, rest, kwargs):
         _status.write(_status.state, **_status.last)
 
 
+def _watch_for_death():
+    """Say in the status what ends this process, when it fails: an uncaught exception (its line, and the
+    line of the script it came from), or `sys.exit` with a failing status (torch.multiprocessing's
+    ranks end so after an exception, which it catches)."""
+    previous_hook, real_exit = sys.excepthook, sys.exit
+
+    def excepthook(kind, value, traceback):
+        if isinstance(value, Exception):
+            _status.ended(_exception_line(value, traceback))
+        previous_hook(kind, value, traceback)
+
+    def exit(status=None):
+        if status not in (None, 0):
+            caught = sys.exc_info()[1]
+            if isinstance(caught, Exception):
+                _status.ended(_exception_line(caught, caught.__traceback__))
+            else:
+                _status.ended(f"exit status {status}" if isinstance(status, int) else str(status))
+        real_exit(status)
+    exit.__doc__ = real_exit.__doc__
+    sys.excepthook, sys.exit = excepthook, exit
+
+
+def _exception_line(value, traceback):
+    """`RuntimeError: message (file.py:12)`: the exception's first line and the innermost frame it was raised at."""
+    text = str(value).strip().splitlines()
+    libraries = tuple(os.path.join(p, "lib") for p in {sys.prefix, sys.base_prefix})
+    where = None  # the innermost frame of the user's own code, else the innermost
+    while traceback is not None:
+        name = traceback.tb_frame.f_code.co_filename
+        if where is None or not (name.startswith(libraries) or "site-packages" in name or name.startswith("<")):
+            where = f"{name}:{traceback.tb_lineno}"
+        traceback = traceback.tb_next
+    return f"{type(value).__name__}{': ' + text[0] if text else ''}{f' (at {where})' if where else ''}"
+
+
 def _exit_without_torch():
     if _status.state == "before torch":
         _status.write("no torch", **_status.last)
@@ -508,6 +600,7 @@ if os.environ.get("MEMDIFF_RECORD_DIR"):
     _status = _Status(os.environ["MEMDIFF_RECORD_DIR"])
     _status.write("before torch")
     atexit.register(_exit_without_torch)
+    _watch_for_death()
     watched = {}
     if "subprocess" in sys.modules:
         _subprocess_ran(sys.modules["subprocess"])

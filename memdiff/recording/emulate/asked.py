@@ -1,0 +1,120 @@
+"""The GPUs a framework asks for, given to the emulated node before it checks that they are there.
+
+Lightning's `Trainer(devices=2)` (`--trainer.devices 2`) is parsed by its device parser into GPU
+indices [0, 1], then checked against `torch.cuda.device_count()`: a node that has no other rule for its
+count (devices.py: no --gpus, CUDA_VISIBLE_DEVICES or launcher) would answer 1 and Lightning would
+refuse ("You requested gpu: [0, 1] But your machine only has: [0]"). Here the parser's answer is told
+to the node first (Placement.ask), so the job sees the GPUs it asked for, and Lightning's own launcher
+starts one process per GPU (each told its count by the WORLD_SIZE and LOCAL_RANK Lightning sets).
+
+`torch.multiprocessing.spawn(fn, nprocs=N)` is a launcher too: each process it starts sees N GPUs,
+as torchrun's see their LOCAL_WORLD_SIZE (a script that spawns a rank per GPU calls
+`torch.cuda.set_device(rank)` in each).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import os
+import sys
+from typing import Any, Callable, Iterator, List, Optional, Tuple
+
+from memdiff.recording.emulate.devices import GPUS, SPAWNED
+
+# The modules of Lightning's device parser (both of its package names), and the function every
+# request for GPUs passes through there: an int N, a list of indices, or -1 (all there are).
+PARSERS = ("lightning.fabric.utilities.device_parser", "lightning_fabric.utilities.device_parser")
+TO_LIST = "_normalize_parse_gpu_input_to_list"
+
+
+def _asking(placement: Any, real: Callable[..., Any]) -> Callable[..., Any]:
+    def normalized(gpus: Any, *args: Any, **kwargs: Any) -> Any:
+        wanted = _wanted(gpus)
+        if wanted:
+            placement.ask(wanted)
+        return real(gpus, *args, **kwargs)
+    normalized.__wrapped__ = real  # type: ignore[attr-defined]
+    return normalized
+
+
+def _wanted(gpus: Any) -> int:
+    """How many GPUs a request names: N for the int N, one past the highest index of a list; 0 for none
+    or all (-1: as many as there are)."""
+    if isinstance(gpus, bool):
+        return 0
+    if isinstance(gpus, int):
+        return gpus if gpus > 0 else 0
+    if isinstance(gpus, (list, tuple)) and gpus and all(isinstance(g, int) and g >= 0 for g in gpus):
+        return max(gpus) + 1
+    return 0
+
+
+def _spawning(real: Callable[..., Any]) -> Callable[..., Any]:
+    def start_processes(fn: Any, args: Any = (), nprocs: int = 1, *rest: Any, **kwargs: Any) -> Any:
+        told = GPUS in os.environ or SPAWNED in os.environ or not isinstance(nprocs, int) or nprocs < 1
+        if told:
+            return real(fn, args, nprocs, *rest, **kwargs)
+        os.environ[SPAWNED] = str(nprocs)  # for the processes started now, which copy the environment
+        try:
+            return real(fn, args, nprocs, *rest, **kwargs)
+        finally:
+            os.environ.pop(SPAWNED, None)
+    start_processes.__wrapped__ = real  # type: ignore[attr-defined]
+    return start_processes
+
+
+class _Finder:
+    """Patches each parser module right after it runs, the first time it is imported."""
+
+    def __init__(self, patch: Callable[[Any], None]) -> None:
+        self.patch = patch
+
+    def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
+        if name not in PARSERS or self not in sys.meta_path:
+            return None
+        spec = None
+        for finder in sys.meta_path[sys.meta_path.index(self) + 1:]:
+            find = getattr(finder, "find_spec", None)
+            spec = find(name, path, target) if find is not None else None
+            if spec is not None:
+                break
+        loader = getattr(spec, "loader", None)
+        if loader is None or isinstance(loader, type) or not hasattr(loader, "exec_module"):
+            return spec
+        run, patch = loader.exec_module, self.patch
+
+        def exec_module(module: Any) -> None:
+            run(module)
+            patch(module)
+        loader.exec_module = exec_module
+        return spec
+
+
+@contextlib.contextmanager
+def devices_asked(emulator: Any) -> Iterator[None]:
+    """For the block: the GPUs Lightning's device parser asks for are the emulated node's, and each
+    process torch.multiprocessing.spawn starts sees as many GPUs as it starts processes."""
+    patched: List[Tuple[Any, str, Any]] = []
+
+    def patch(module: Any) -> None:
+        real: Optional[Callable[..., Any]] = getattr(module, TO_LIST, None)
+        if real is not None and not hasattr(real, "__wrapped__"):
+            patched.append((module, TO_LIST, real))
+            setattr(module, TO_LIST, _asking(emulator.placement, real))
+    for name in PARSERS:
+        if name in sys.modules:
+            patch(sys.modules[name])
+    # the module: torch.multiprocessing's attribute `spawn` is the function of that name
+    spawn: Any = importlib.import_module("torch.multiprocessing.spawn")
+    patched.append((spawn, "start_processes", spawn.start_processes))
+    spawn.start_processes = _spawning(spawn.start_processes)
+    finder = _Finder(patch)
+    sys.meta_path.insert(0, finder)
+    try:
+        yield
+    finally:
+        with contextlib.suppress(ValueError):
+            sys.meta_path.remove(finder)
+        for module, name, real in reversed(patched):
+            setattr(module, name, real)

@@ -1,0 +1,306 @@
+"""Launched jobs under `memdiff record --emulate GPU -o DIR/`: every rank is accounted for, object
+collectives carry rank 0's objects, a GPU's no-ops are no-ops, and values read back follow one policy
+(docs/emulate.md). The jobs are the patterns of public training scripts: torchrun, torch.multiprocessing
+.spawn, Lightning's own launcher with `devices=2`, Hogwild (pytorch/examples' mnist_hogwild with
+`--cuda`), a PSNR from `.item()` (pytorch/examples' super_resolution)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from conftest import missing_capture_dependency
+from test_record_ranks import free_port, torchrun
+
+# Slow (the fast loop, -m "not slow", leaves it out): every test runs emulated processes.
+pytestmark = pytest.mark.slow
+
+
+def _emulated(cwd: Path, output: str, *command: str) -> subprocess.CompletedProcess:
+    """`memdiff record --emulate h100 -o OUTPUT -- COMMAND`, on a node that says nothing of its GPUs."""
+    env = {k: v for k, v in os.environ.items() if k not in ("CUDA_VISIBLE_DEVICES", "LOCAL_WORLD_SIZE")}
+    return subprocess.run([sys.executable, "-m", "memdiff", "record", "--emulate", "h100", "-o", output, "--",
+                           *command], cwd=cwd, capture_output=True, text=True, timeout=600,
+                          env={**env, "OMP_NUM_THREADS": "1"})
+
+
+def _manifest(folder: Path) -> dict:
+    return json.loads((folder / "memdiff-job.json").read_text())
+
+
+# Each object collective, and a size then a buffer, as a rank of a job does them. Run under torchrun
+# with gloo on the CPU, torch itself moves the objects: what it prints is what a receiving rank gets.
+OBJECTS = textwrap.dedent("""
+    import os
+    import sys
+    import torch
+    import torch.distributed as dist
+
+
+    def print(*words):  # one write per line: the ranks share stdout
+        os.write(1, (" ".join(map(str, words)) + "\\n").encode())
+
+
+    backend, device = sys.argv[1], sys.argv[2]
+    dist.init_process_group(backend)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    objects = [{"epoch": 3, "files": ["x" * 70000]}, "best.pt"] if rank == 0 else [None, None]
+    dist.broadcast_object_list(objects, src=0)
+    print(rank, "broadcast", objects[0]["epoch"], len(objects[0]["files"][0]), objects[1])
+    everyone = [None] * world
+    dist.all_gather_object(everyone, {"rank": rank, "name": "r" * (rank + 1)})
+    print(rank, "all_gather", everyone)
+    at_root = [None] * world if rank == 0 else None
+    dist.gather_object(("from", rank), at_root, dst=0)
+    print(rank, "gather", at_root)
+    mine = [None]
+    dist.scatter_object_list(mine, [f"shard{r}" for r in range(world)] if rank == 0 else None, src=0)
+    print(rank, "scatter", mine)
+    size = torch.tensor([7 if rank == 0 else 0], device=device)
+    dist.broadcast(size, 0)
+    payload = torch.arange(7, dtype=torch.uint8, device=device) if rank == 0 else \\
+        torch.empty(int(size.item()), dtype=torch.uint8, device=device)
+    dist.broadcast(payload, 0)
+    print(rank, "size then buffer", size.item(), payload.tolist())
+    dist.destroy_process_group()
+""")
+
+
+@pytest.fixture(scope="module")
+def real_objects(tmp_path_factory):
+    """What torch's own gloo gives each rank of the job, on the CPU."""
+    pytest.importorskip("torch")
+    tmp_path = tmp_path_factory.mktemp("real")
+    (tmp_path / "objects.py").write_text(OBJECTS)
+    done = subprocess.run(torchrun("objects.py", "gloo", "cpu"), cwd=tmp_path, capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    return sorted(done.stdout.splitlines())
+
+
+@pytest.mark.parametrize("backend", ["nccl", "gloo"])
+def test_object_collectives_give_each_rank_what_torch_gives_it(real_objects, tmp_path, backend):
+    # Rank 1 used to unpickle its own None (or ask the host for 139,781,262,008,016 bytes: the sizes
+    # were `torch.empty` on the host); NCCL's object collectives run on the GPU, gloo's on the host.
+    (tmp_path / "objects.py").write_text(OBJECTS)
+    done = _emulated(tmp_path, "runs/", *torchrun("objects.py", backend, "cuda"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert sorted(done.stdout.splitlines()) == real_objects
+    assert "1 broadcast 3 70000 best.pt" in real_objects  # rank 0's object, 70,000 characters and all
+    assert [r["state"] for r in _manifest(tmp_path / "runs")["ranks"]] == ["written", "written"]
+    assert not (tmp_path / "runs" / ".collectives").exists()  # what the ranks exchanged is gone with the job
+
+
+# torch.multiprocessing.spawn's ranks (no RANK in their environment), one GPU each, as the PyTorch
+# DDP tutorial starts them; rank 1 fails after its collectives.
+SPAWNED = textwrap.dedent("""
+    import os
+    import sys
+    import torch
+    import torch.distributed as dist
+    import torch.multiprocessing as mp
+
+
+    def run(rank, world, port):
+        dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+        torch.cuda.set_device(rank)
+        model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(64, 64).cuda(), device_ids=[rank])
+        model(torch.randn(4, 64, device="cuda")).sum().backward()
+        settings = [{"lr": 0.1} if rank == 0 else None]
+        dist.broadcast_object_list(settings, src=0)
+        os.write(1, f"rank {rank} sees {torch.cuda.device_count()} GPUs, got {settings[0]}\\n".encode())
+        if rank == 1:
+            raise ValueError("the data of rank 1 is missing")
+        dist.destroy_process_group()
+
+
+    if __name__ == "__main__":
+        mp.spawn(run, args=(2, int(sys.argv[1])), nprocs=2)
+""")
+
+
+def test_a_spawned_rank_that_dies_is_named_with_its_error_and_fails_the_job(torch, tmp_path):
+    script = tmp_path / "spawned.py"
+    script.write_text(SPAWNED)
+    done = _emulated(tmp_path, "runs/", sys.executable, "spawned.py", str(free_port()))
+    assert done.returncode == 1, done.stderr[-3000:]
+    # each spawned process sees the two GPUs of the job it is a rank of, and is named by its rank
+    assert sorted(done.stdout.splitlines()) == [f"rank {r} sees 2 GPUs, got {{'lr': 0.1}}" for r in (0, 1)]
+    runs = tmp_path / "runs"
+    assert sorted(p.name for p in runs.glob("*.pickle")) == ["rank0.pickle", "rank1.pickle"]
+    line = next(n for n, text in enumerate(SPAWNED.splitlines(), 1) if "raise ValueError" in text)
+    died = f"ValueError: the data of rank 1 is missing (at {script}:{line})"
+    assert f"memdiff: rank 1 of 2 died: {died}" in done.stderr
+    assert [r.get("died") for r in _manifest(runs)["ranks"]] == [None, died]
+
+
+LIGHTNING = textwrap.dedent("""
+    import os
+
+    import torch
+    import lightning as L
+    from torch.utils.data import DataLoader, TensorDataset
+
+
+    class Tiny(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.layer = torch.nn.Linear(32, 4)
+
+        def training_step(self, batch, _):
+            x, y = batch
+            return torch.nn.functional.cross_entropy(self.layer(x), y)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+    if __name__ == "__main__":
+        data = DataLoader(TensorDataset(torch.randn(64, 32), torch.randint(0, 4, (64,))), batch_size=8)
+        trainer = L.Trainer(accelerator="gpu", devices=2, strategy="ddp", max_steps=2, logger=False,
+                            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+        trainer.fit(Tiny(), data)
+        line = f"rank {trainer.global_rank} of {trainer.world_size} steps {trainer.global_step}\\n"
+        os.write(1, line.encode())  # one write: the ranks share stdout
+""")
+
+
+def test_lightning_ddp_on_two_gpus_under_its_own_launcher_records_both_ranks(torch, tmp_path):
+    # Lightning re-runs the script for rank 1 with LOCAL_RANK, NODE_RANK and WORLD_SIZE, never RANK.
+    # It used to refuse `devices=2` on a node of one GPU; with --gpus 2, rank 1 died in
+    # broadcast_object_list, and memdiff wrote one pid....pickle and exited 0.
+    try:
+        import lightning  # noqa: F401
+    except ImportError:
+        missing_capture_dependency("lightning is not installed (pip install -e '.[test]')")
+    (tmp_path / "train.py").write_text(LIGHTNING)
+    done = _emulated(tmp_path, "runs/", sys.executable, "train.py")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert sorted(line for line in done.stdout.splitlines() if line.startswith("rank")) == \
+        ["rank 0 of 2 steps 2", "rank 1 of 2 steps 2"]
+    manifest = _manifest(tmp_path / "runs")
+    assert manifest["world_size"] == 2
+    assert [(r["rank"], r["state"], r["file"]) for r in manifest["ranks"]] == \
+        [(0, "written", "rank0.pickle"), (1, "written", "rank1.pickle")]
+
+
+# pytorch/examples' mnist_hogwild with --cuda: the model's memory shared, workers started by spawn.
+HOGWILD = textwrap.dedent("""
+    import os
+
+    import torch
+    import torch.multiprocessing as mp
+    import torch.nn.functional as F
+
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = torch.nn.Conv2d(1, 8, 5)
+            self.fc = torch.nn.Linear(8 * 12 * 12, 10)
+
+        def forward(self, x):
+            return F.log_softmax(self.fc(F.max_pool2d(F.relu(self.conv(x)), 2).flatten(1)), dim=1)
+
+
+    def train(rank, model, device):
+        opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.5)
+        for _ in range(2):
+            data, target = torch.randn(16, 1, 28, 28).to(device), torch.randint(0, 10, (16,)).to(device)
+            opt.zero_grad()
+            F.nll_loss(model(data), target).backward()
+            opt.step()
+        weight = next(model.parameters())
+        os.write(1, f"worker {rank} {weight.device} {weight.is_shared()}\\n".encode())  # one write per line
+
+
+    if __name__ == "__main__":
+        device = torch.device("cuda")
+        mp.set_start_method("spawn", force=True)
+        model = Net().to(device)
+        model.share_memory()
+        workers = [mp.Process(target=train, args=(rank, model, device)) for rank in range(2)]
+        for p in workers:
+            p.start()
+        for p in workers:
+            p.join()
+        print("exit codes", [p.exitcode for p in workers], flush=True)
+""")
+
+
+def test_hogwild_shares_the_models_gpu_memory_and_its_workers_train(torch, tmp_path):
+    # `share_memory_()` of a CUDA tensor is a no-op (CUDA IPC shares it): it raised
+    # "_share_fd_: only available on CPU" here, at `model.share_memory()`.
+    (tmp_path / "hogwild.py").write_text(HOGWILD)
+    done = _emulated(tmp_path, "runs/", sys.executable, "hogwild.py")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert sorted(done.stdout.splitlines()) == ["exit codes [0, 0]", "worker 0 cuda:0 True", "worker 1 cuda:0 True"]
+    assert len(list((tmp_path / "runs").glob("pid*.pickle"))) == 3  # the parent's and each worker's
+
+
+# pytorch/examples' super_resolution: the PSNR of each epoch from the loss read back, a guard that the
+# loss is finite, the best loss kept; and what uninitialised device memory reads as.
+PSNR = textwrap.dedent("""
+    import math
+    import torch
+
+    model = torch.nn.Sequential(torch.nn.Conv2d(1, 8, 3, padding=1), torch.nn.ReLU(),
+                                torch.nn.Conv2d(8, 1, 3, padding=1)).cuda()
+    criterion = torch.nn.MSELoss()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    x, y = torch.randn(4, 1, 32, 32, device="cuda"), torch.randn(4, 1, 32, 32, device="cuda")
+    best = float("inf")
+    for epoch in range(2):
+        loss = criterion(model(x), y)
+        if not torch.isfinite(loss):
+            raise SystemExit("the loss is not finite")
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        with torch.no_grad():
+            psnr = 10 * math.log10(1 / criterion(model(x), y).item())
+        best = min(best, loss.item())
+        print(f"epoch {epoch} loss {loss.item():.4f} psnr {psnr!r} best {best!r}")
+    print("uninitialised", torch.empty(3, dtype=torch.long, device="cuda").tolist(),
+          torch.empty((), device="cuda").item(), "labels", torch.arange(4, device="cuda").argmax().item())
+""")
+
+
+def test_metrics_from_values_read_back_compute_as_on_a_gpu(torch, tmp_path):
+    # `1 / mse.item()` raised ZeroDivisionError: values read back were 0.0. An unknown float reads back
+    # as its dtype's smallest normal number, uninitialised memory as zeros, known values as they are.
+    (tmp_path / "train.py").write_text(PSNR)
+    done = _emulated(tmp_path, "run.pickle", sys.executable, "train.py")
+    assert done.returncode == 0, done.stderr[-3000:]
+    tiny = torch.finfo(torch.float32).tiny
+    psnr = 10 * math.log10(1 / tiny)
+    assert done.stdout.splitlines() == [f"epoch {e} loss 0.0000 psnr {psnr!r} best {tiny!r}" for e in (0, 1)] + \
+        ["uninitialised [0, 0, 0] 0.0 labels 3"]
+
+
+# ultralytics' select_device("0,1"): CUDA_VISIBLE_DEVICES set by the script, then the GPUs counted.
+VISIBLE = textwrap.dedent("""
+    import os
+    import torch
+
+    print(torch.cuda.device_count())
+    os.environ["CUDA_VISIBLE_DEVICES"] = "0,1"
+    if not (torch.cuda.is_available() and torch.cuda.device_count() >= 2):
+        raise ValueError("Invalid CUDA 'device=0,1' requested")
+    x = torch.ones(1, device="cuda:1")
+    os.environ["CUDA_VISIBLE_DEVICES"] = "0"  # too late: CUDA counted its devices at its first use
+    print(torch.cuda.device_count(), x.device)
+""")
+
+
+def test_the_devices_a_script_makes_visible_before_using_a_gpu_are_the_ones_it_has(torch, tmp_path):
+    (tmp_path / "train.py").write_text(VISIBLE)
+    done = _emulated(tmp_path, "run.pickle", sys.executable, "train.py")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.splitlines() == ["1", "2 cuda:1"]
