@@ -11,6 +11,7 @@ import json
 import os
 import pickle
 import re
+import shlex
 import subprocess
 import sys
 import textwrap
@@ -86,7 +87,7 @@ def test_a_save_over_a_real_checkpoint_leaves_its_bytes_and_says_what_a_real_run
     assert _written(done.stderr, "created", "full.pt") == 3 * 4 * parameters + 4 * len(list(model.parameters()))
     assert "the user's files are unchanged: 1 changed, 1 created" in done.stderr
     notes = _snapshot(tmp_path)["emulated"]["notes"]
-    assert any("the user's files are unchanged" in n and "changed ckpt.pt" in n for n in notes)
+    assert any("the run's writes went to its overlay" in n and "changed ckpt.pt" in n for n in notes)
 
 
 # timm's CheckpointSaver, accelerate's save_state into a folder that exists, word_language_model's
@@ -295,3 +296,67 @@ def test_a_write_around_the_routes_is_stopped_and_one_outside_python_is_named(tm
     assert (tmp_path / "data.bin").read_bytes() == b"the user's"
     lines = check.changed()
     assert len(lines) == 1 and lines[0].startswith(f"{tmp_path / 'by_a_program.txt'} was made by a writer outside")
+
+
+# A Hugging Face script whose data is read from files: `datasets` writes its Arrow cache through
+# Python's files and a file lock, then reads it back through pyarrow's memory_map (native code).
+DATASETS_MAP = """
+    import os, torch
+    from datasets import load_dataset
+    rows = load_dataset("text", data_files={"train": "train.txt"}, cache_dir="hf-cache")["train"]
+    rows = rows.map(lambda batch: {"n": [len(t) for t in batch["text"]]}, batched=True)
+    print(len(rows), sum(rows["n"]), os.path.isdir("hf-cache"))
+    torch.nn.Linear(8, 8).cuda()
+"""
+
+
+@pytest.mark.slow
+def test_a_datasets_map_with_a_file_cache_reads_back_its_cache_and_leaves_no_file(tmp_path):
+    pytest.importorskip("datasets")  # the test extra has it on Python 3.11+, as transformers
+    lines = [f"line {i} of the corpus" for i in range(50)]
+    (tmp_path / "train.txt").write_text("\n".join(lines) + "\n")
+    (tmp_path / "train.py").write_text(textwrap.dedent(DATASETS_MAP))
+    done = subprocess.run([sys.executable, "-m", "memdiff", "record", "--emulate", "h100", "-o",
+                           str(tmp_path / "run.pickle"), "--", "python", str(tmp_path / "train.py")],
+                          capture_output=True, text=True, cwd=tmp_path, env={**os.environ, "HF_DATASETS_OFFLINE": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.splitlines()[-1] == f"50 {sum(len(line) for line in lines)} True"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run.pickle", "train.py", "train.txt"]
+    assert "created hf-cache/" in done.stderr
+
+
+# A launched job's every Python process, torch or not: a checkpoint one process saves and another
+# loads through an open file (word_language_model's generate.py, minGPT-ddp's resume), a data
+# preparation step that never imports torch (nanoGPT's prepare.py), tokenizers' native save (every
+# fast tokenizer's save_pretrained); and a writer outside Python, which is named, never hidden.
+JOB_SAVE = "import torch\ntorch.save(torch.nn.Linear(8, 4).cuda().state_dict(), 'ck.pt')\n"
+JOB_LOAD = "import torch\nwith open('ck.pt', 'rb') as f:\n    print(sorted(torch.load(f)))\n"
+JOB_PLAIN = """from tokenizers import Tokenizer, models
+open("notes.txt", "w").write("written by a process that never imports torch")
+Tokenizer(models.BPE()).save("tokenizer.json")
+print(open("notes.txt").read())
+"""
+
+
+@pytest.mark.slow
+def test_every_process_of_a_job_writes_into_the_overlay_and_a_writer_outside_python_is_named(tmp_path):
+    pytest.importorskip("tokenizers")
+    for name, source in (("save.py", JOB_SAVE), ("load.py", JOB_LOAD), ("plain.py", JOB_PLAIN)):
+        (tmp_path / name).write_text(source)
+    users = {name: os.urandom(64) for name in ("ck.pt", "notes.txt", "tokenizer.json")}
+    for name, data in users.items():
+        (tmp_path / name).write_bytes(data)
+    (tmp_path / "by_sh.txt").write_text("original")
+    python = shlex.quote(sys.executable)
+    job = f"{python} save.py && {python} load.py && {python} plain.py && echo new > by_sh.txt"
+    done = subprocess.run([sys.executable, "-m", "memdiff", "record", "--emulate", "h100", "-o",
+                           str(tmp_path / "runs") + "/", "--", "sh", "-c", job],
+                          capture_output=True, text=True, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.splitlines() == ["['bias', 'weight']", "written by a process that never imports torch"]
+    for name, data in users.items():
+        assert (tmp_path / name).read_bytes() == data, name
+    assert (tmp_path / "by_sh.txt").read_text() == "new\n"  # a shell's write: not Python's, so not routed
+    assert "the run's writes went to its overlay, but a writer outside it changed the user's files" in done.stderr
+    assert f"{tmp_path / 'by_sh.txt'} was changed by a writer outside Python's file calls" in done.stderr
+    assert "the user's files are unchanged" not in done.stderr

@@ -368,7 +368,8 @@ def for_run(owned: List[str], kept: Optional[str], near: str, folders: List[str]
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
-        for line in summary(Overlay(root).changes(), kept, where=os.getcwd()) + check.changed():
+        outside = check.changed()
+        for line in summary(Overlay(root).changes(), kept, where=os.getcwd(), unchanged=not outside) + outside:
             say(line)
         if kept is None:
             shutil.rmtree(root, ignore_errors=True)
@@ -380,10 +381,11 @@ SHOWN = 20  # changes named one by one; the rest counted
 
 
 def summary(changes: List[Change], kept: Optional[str] = None, where: Optional[str] = None,
-            hint: bool = True) -> List[str]:
+            hint: bool = True, unchanged: Optional[bool] = None) -> List[str]:
     """What the run would have written, created or deleted, in lines a user reads: a headline, then a
     line per path (the first SHOWN). `kept`: the folder the overlay stays in; `where`: the folder the
-    paths are shown relative to; `hint`: say how to keep them."""
+    paths are shown relative to; `hint`: say how to keep them; `unchanged`: whether the user's files
+    were checked and found unchanged (None: not checked, and not said)."""
     if not changes:
         return []
     counts: Dict[str, int] = {}
@@ -392,8 +394,9 @@ def summary(changes: List[Change], kept: Optional[str] = None, where: Optional[s
     total = sum(c.size for c in changes)
     said = ", ".join(f"{n} {kind}" for kind, n in sorted(counts.items()))
     look = f"; kept in {kept}" if kept else "; give --keep-writes DIR to keep them" if hint else ""
-    lines = [f"the run's writes went to its overlay, the user's files are unchanged: {said} "
-             f"({format_bytes(total)} a real run writes{look})"]
+    state = "" if unchanged is None else ", the user's files are unchanged" if unchanged else \
+        ", but a writer outside it changed the user's files (below)"
+    lines = [f"the run's writes went to its overlay{state}: {said} ({format_bytes(total)} a real run writes{look})"]
     for change in changes[:SHOWN]:
         name = os.path.relpath(change.path, where) if where else change.path
         name = change.path if name.startswith("..") else name

@@ -333,6 +333,22 @@ def _memdiff():
     return InputError, capture
 
 
+_OVERLAY = None  # this process's file calls routed through the run's overlay (held until it ends)
+
+
+def _overlay_from_start():
+    """Under `--emulate`, route this process's file calls through the run's overlay from its first
+    line, whether or not it ever imports torch (a job's data-preparation step, a helper script)."""
+    global _OVERLAY
+    sys.path.insert(0, os.environ["MEMDIFF_PACKAGE_PARENT"])
+    try:
+        from memdiff.recording.emulate.overlay_calls import overlaid
+    finally:
+        sys.path.pop(0)
+    _OVERLAY = overlaid()
+    _OVERLAY.__enter__()
+
+
 def _start(torch, folder):
     InputError, capture = _memdiff()
     emulate = os.environ.get(EMULATE)
@@ -599,6 +615,8 @@ if os.environ.get("MEMDIFF_RECORD_DIR"):
         os.environ[OWNER] = str(os.getpid())
     _status = _Status(os.environ["MEMDIFF_RECORD_DIR"])
     _status.write("before torch")
+    if os.environ.get(EMULATE) and os.environ.get("MEMDIFF_OVERLAY"):
+        _overlay_from_start()
     atexit.register(_exit_without_torch)
     _watch_for_death()
     watched = {}
