@@ -24,7 +24,8 @@ def _emulate(tmp_path, source, name):
     script.write_text(source)
     return subprocess.run([sys.executable, "-m", "memdiff", "record", "--emulate", "h100", "-o",
                            str(tmp_path / "run.pickle"), "--", "python", str(script)],
-                          capture_output=True, text=True, cwd=tmp_path, env=dict(os.environ))
+                          capture_output=True, text=True, cwd=tmp_path, env=dict(os.environ),
+                          timeout=900)  # a lost worker batch hangs the run: fail, never hang CI
 
 
 def _allocations(path):

@@ -117,3 +117,25 @@ def test_random_file_calls_under_the_overlay_change_nothing_and_read_back_as_wit
         assert _tree(user) == before
     finally:
         shutil.rmtree(base)
+
+
+def test_a_run_overlaid_deep_in_a_tree_hands_worker_batches_over_a_unix_socket(tmp_path, monkeypatch):
+    """multiprocessing hands a DataLoader worker's batch to the main process over a Unix socket bound
+    in the temporary folder, whose path holds at most 107 bytes. An overlay kept deep in the user's
+    tree (here 150 bytes) must still give the run a temporary folder where that socket binds, or
+    the worker's batch is lost and the run hangs."""
+    from multiprocessing.connection import Listener
+
+    root = tmp_path / ("deep-" * 30)
+    root.mkdir()
+    monkeypatch.setenv("MEMDIFF_OVERLAY", str(root))
+    assert len(str(root)) > 150
+    with overlaid() as overlay:
+        folder = tempfile.mkdtemp(prefix="pymp-")
+        with Listener(os.path.join(folder, "listener-abcdefgh"), family="AF_UNIX") as listener:
+            assert listener.address.startswith(overlay.scratch)
+        # the temporary folder is the run's, not the user's: it passes through to the disk
+        Path(folder, "scratch.txt").write_text("a run's temporary file")
+        assert Path(folder, "scratch.txt").is_file()
+    overlay.discard()
+    assert not os.path.exists(overlay.scratch)

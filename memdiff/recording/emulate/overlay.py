@@ -23,8 +23,10 @@ from __future__ import annotations
 
 import errno
 import os
+import secrets
 import shutil
 import stat
+import tempfile
 from dataclasses import dataclass
 from typing import Any, Iterable, List, Optional, Tuple
 
@@ -84,13 +86,46 @@ class Overlay:
         self.root = full(root)
         self.upper = os.path.join(self.root, "upper")
         self.gone = os.path.join(self.root, "deleted")
-        self.scratch = os.path.join(self.root, "scratch")  # temporary files and compiler caches of the run
-        for folder in (self.upper, self.gone, self.scratch):
+        for folder in (self.upper, self.gone):
             os.makedirs(folder, exist_ok=True)
+        self.scratch = self._scratch()  # temporary files and compiler caches of the run
         self.owned: Tuple[str, ...] = tuple(full(p) for p in owned if p)
         # memdiff writes its files through a hidden sibling first (memdiff.atomic): `.NAME.<random>.tmp`
         self._siblings = tuple(os.path.join(os.path.dirname(p), "." + os.path.basename(p)[:16])
                                for p in self.owned)
+
+    def _scratch(self) -> str:
+        """The run's temporary folder, made by the first process to ask: a short one in the system's
+        temporary folder, named by the link `<root>/scratch`. Not in root itself: a Unix socket's path
+        holds at most 107 bytes, and multiprocessing binds one in TMPDIR to hand a DataLoader worker's
+        batch to the main process; under a root deep in the user's tree the bind fails in the worker
+        and the batch never arrives (the run hangs)."""
+        link = os.path.join(self.root, "scratch")
+        if not _lexists(link):
+            base = tempfile.gettempdir()
+            while True:  # the real mkdir: this may run while the process's calls are routed
+                made = os.path.join(base, "memdiff-" + secrets.token_hex(4))
+                try:
+                    _mkdir(made, 0o700)
+                    break
+                except FileExistsError:
+                    continue
+            try:
+                _symlink(made, link)
+            except FileExistsError:  # another process of the run made it first
+                _rmdir(made)
+        return os.path.realpath(link)
+
+    def discard(self, keep: bool = False) -> None:
+        """Remove the run's scratch folder, and the layers unless `keep` (--keep-writes)."""
+        shutil.rmtree(self.scratch, ignore_errors=True)
+        if keep:
+            try:
+                _unlink(os.path.join(self.root, "scratch"))
+            except OSError:
+                pass
+        else:
+            shutil.rmtree(self.root, ignore_errors=True)
 
     def own(self, path: Any) -> None:
         """Let `path` through as memdiff's own (a snapshot it writes), with the folders above it that
@@ -108,7 +143,8 @@ class Overlay:
 
     def passes(self, path: str) -> bool:
         """Whether absolute `path` is memdiff's own, read and written as it is."""
-        if path == self.root or path.startswith(self.root + os.sep):
+        if path == self.root or path.startswith((self.root + os.sep, self.scratch + os.sep)) \
+                or path == self.scratch:
             return True
         return path in self.owned or path.startswith(tuple(o + os.sep for o in self.owned)) \
             or path.startswith(self._siblings)

@@ -339,7 +339,7 @@ def overlaid(owned: Tuple[str, ...] = ()) -> Iterator[Overlay]:
             else:
                 os.environ[name] = value
         if made:
-            shutil.rmtree(overlay.root, ignore_errors=True)
+            overlay.discard()
 
 
 @contextlib.contextmanager
@@ -357,9 +357,10 @@ def for_run(owned: List[str], kept: Optional[str], near: str, folders: List[str]
         os.makedirs(root, exist_ok=True)
     else:
         root = tempfile.mkdtemp(prefix=".memdiff-writes-", dir=near)
+    overlay = Overlay(root)
     saved = {name: os.environ.get(name) for name in (ROOT, OWNED)}
     os.environ[ROOT], os.environ[OWNED] = root, os.pathsep.join(full(p) for p in owned)
-    check = TreeCheck(folders, skip=(root, *owned))
+    check = TreeCheck(folders, skip=(root, overlay.scratch, *owned))
     try:
         yield root
     finally:
@@ -369,10 +370,9 @@ def for_run(owned: List[str], kept: Optional[str], near: str, folders: List[str]
             else:
                 os.environ[name] = value
         outside = check.changed()
-        for line in summary(Overlay(root).changes(), kept, where=os.getcwd(), unchanged=not outside) + outside:
+        for line in summary(overlay.changes(), kept, where=os.getcwd(), unchanged=not outside) + outside:
             say(line)
-        if kept is None:
-            shutil.rmtree(root, ignore_errors=True)
+        overlay.discard(keep=kept is not None)
 
 
 # -- what the run did, said once -------------------------------------------------------------------------
