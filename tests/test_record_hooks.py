@@ -142,3 +142,23 @@ def test_torch_imported_by_the_users_own_sitecustomize_is_emulated_and_recorded(
     assert done.stdout == "cuda:0\n"
     [written] = (tmp_path / "runs").iterdir()
     assert allocations(written) == [MIB4]
+
+
+def test_a_rank_that_died_inside_memdiff_is_placed_at_the_users_own_line(tmp_path, monkeypatch):
+    """A rank's `died (at FILE:LINE)` names the user's line that called into memdiff, not memdiff's own
+    frame, even where memdiff is installed in place (an editable install is no site-packages)."""
+    import importlib.util
+
+    import memdiff
+
+    monkeypatch.delenv("MEMDIFF_RECORD_DIR", raising=False)
+    monkeypatch.setenv("MEMDIFF_PACKAGE_PARENT", str(Path(memdiff.__file__).parent.parent))
+    spec = importlib.util.spec_from_file_location(
+        "memdiff_rank_hook_under_test", Path(memdiff.__file__).parent / "recording" / "rank_hook" / "sitecustomize.py")
+    hook = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hook)
+    try:
+        memdiff.summarize(tmp_path / "missing.pickle")  # fails inside memdiff: no such file
+    except Exception as exc:  # noqa: BLE001 - whatever memdiff raises, its line is what is checked
+        line, here = hook._exception_line(exc, exc.__traceback__), exc.__traceback__.tb_lineno  # this test's call
+    assert line.endswith(f"(at {__file__}:{here})"), line

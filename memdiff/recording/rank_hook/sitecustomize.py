@@ -582,6 +582,8 @@ def _exception_line(value, traceback):
     """`RuntimeError: message (file.py:12)`: the exception's first line and the innermost frame it was raised at."""
     text = str(value).strip().splitlines()
     libraries = tuple(os.path.join(p, "lib") for p in {sys.prefix, sys.base_prefix})
+    # memdiff's own frames are not the user's, installed or not (an editable install is no site-packages)
+    libraries += (os.path.join(os.environ.get("MEMDIFF_PACKAGE_PARENT", "/nonexistent"), "memdiff") + os.sep,)
     where = None  # the innermost frame of the user's own code, else the innermost
     while traceback is not None:
         name = traceback.tb_frame.f_code.co_filename
