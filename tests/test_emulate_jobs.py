@@ -140,6 +140,48 @@ def test_a_spawned_rank_that_dies_is_named_with_its_error_and_fails_the_job(torc
     assert [r.get("died") for r in _manifest(runs)["ranks"]] == [None, died]
 
 
+
+# A script recorded to one file that spawns its workers itself, each saving a checkpoint over one the
+# user has (pytorch/examples' Hogwild and DDP tutorials are run this way with `-o run.pickle`).
+SPAWNS_AND_SAVES = textwrap.dedent("""
+    import os
+    import torch
+    import torch.multiprocessing as mp
+
+
+    def work(index):
+        x = torch.ones(1 << 20, device="cuda")
+        torch.save({"x": x}, f"ckpt{index}.pt")
+        with open(os.devnull, "w") as quiet:
+            quiet.write("worker log")
+        os.write(1, f"worker {index} on {x.device}\\n".encode())
+
+
+    if __name__ == "__main__":
+        mp.spawn(work, nprocs=2)
+""")
+
+
+def test_processes_a_script_recorded_to_one_file_spawns_are_emulated_and_never_touch_the_users_files(
+        torch, tmp_path):
+    (tmp_path / "spawns.py").write_text(SPAWNS_AND_SAVES)
+    for index in (0, 1):
+        (tmp_path / f"ckpt{index}.pt").write_bytes(b"the user's checkpoint")
+    done = _emulated(tmp_path, "run.pickle", sys.executable, "spawns.py")
+    assert done.returncode == 0, done.stderr[-3000:]
+    # each spawned process ran on the emulated GPU (the machine's torch has no CUDA), saved into the
+    # run's overlay, and the user's checkpoints are as they were
+    assert sorted(done.stdout.splitlines()) == ["worker 0 on cuda:0", "worker 1 on cuda:0"]
+    assert [(tmp_path / f"ckpt{i}.pt").read_bytes() for i in (0, 1)] == [b"the user's checkpoint"] * 2
+    for index in (0, 1):
+        assert f"changed ckpt{index}.pt (4.00 MiB, 4,194,304 bytes of tensor data" in done.stderr
+    assert "/dev/null" not in done.stderr  # a device is no user's file
+    # the one file holds the script's own process: the user is told the workers' memory is elsewhere
+    assert "the script started 2 processes that used the emulated GPU" in done.stderr
+    assert "record with -o DIR/ for a snapshot of each" in done.stderr
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".memdiff-writes-")]
+
+
 LIGHTNING = textwrap.dedent("""
     import os
 

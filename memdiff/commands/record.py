@@ -16,7 +16,7 @@ import sys
 import traceback
 from dataclasses import dataclass, replace
 from importlib import resources
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import memdiff
 from memdiff.atomic import check_folder, check_output, commit, temporary_name
@@ -332,6 +332,62 @@ def _by_rank(name: str) -> Tuple[int, str]:
 RANK_NAMES = rank_patterns(None)
 
 
+def _hook_env(args: argparse.Namespace, folder: str) -> Dict[str, Optional[str]]:
+    """The environment every Python process started from here needs to run memdiff's rank hook and
+    record into `folder` (None: a name removed from it)."""
+    hook = str(resources.files("memdiff.recording").joinpath("rank_hook"))
+    return {"MEMDIFF_RECORD_DIR": folder, "MEMDIFF_RECORD_MAX_ENTRIES": str(args.max_entries),
+            "MEMDIFF_RECORD_STACKS": args.stacks, "MEMDIFF_RECORD_STEPS": str(args.steps or ""),
+            "MEMDIFF_PACKAGE_PARENT": os.path.dirname(os.path.dirname(os.path.abspath(memdiff.__file__))),
+            "PYTHONPATH": os.pathsep.join(p for p in (hook, os.environ.get("PYTHONPATH")) if p),
+            # every process that imports torch runs on the emulated GPU (docs/emulate.md)
+            "MEMDIFF_RECORD_EMULATE": args.emulate or None,
+            # each process sees this many emulated GPUs, whatever its launcher says
+            GPUS: str(args.gpus) if args.gpus is not None else None,
+            "MEMDIFF_RECORD_RANK_PID": None}  # set by each rank for its own children, never inherited from us
+
+
+@contextlib.contextmanager
+def _children_emulated(args: argparse.Namespace, folder: Optional[str]) -> Iterator[Optional[str]]:
+    """Under --emulate with -o FILE: every Python process the script starts (torch.multiprocessing's
+    spawned ranks, a subprocess) runs on the emulated GPU inside the run's overlay too, recorded into
+    `<overlay>/processes`, the folder yielded; never on the machine's own torch, free to write the
+    user's files. Else nothing (None)."""
+    if not args.emulate or folder is None:
+        yield None
+        return
+    processes = os.path.join(folder, "processes")
+    os.makedirs(processes, exist_ok=True)
+    saved = {name: os.environ.get(name) for name in _hook_env(args, processes)}
+    for name, value in _hook_env(args, processes).items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+    try:
+        yield processes
+    finally:
+        for name, old in saved.items():
+            if old is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = old
+
+
+def _children_said(processes: Optional[str], output: str) -> Optional[str]:
+    """The line that says which processes the script started used the emulated GPU, whose memory the
+    snapshot of this process does not hold; None when none did."""
+    if processes is None:
+        return None
+    names = sorted((stem(n) for n in os.listdir(processes) if n.endswith(".pickle") and not n.startswith(".")),
+                   key=_by_rank)
+    if not names:
+        return None
+    return (f"the script started {len(names)} process{'es' if len(names) != 1 else ''} that used the emulated GPU "
+            f"({', '.join(names)}); {output} holds the script's own process only: record with -o DIR/ for a "
+            f"snapshot of each")
+
+
 def _run_launcher(args: argparse.Namespace) -> int:
     """Run a launcher (or any command) with every Python process it starts recorded into the folder.
 
@@ -351,20 +407,7 @@ def _run_launcher(args: argparse.Namespace) -> int:
     collectives = os.path.join(folder, COLLECTIVES)  # what the ranks' collectives carried (exchange.py)
     shutil.rmtree(collectives, ignore_errors=True)
     before = {n: os.stat(os.path.join(folder, n)).st_mtime_ns for n in os.listdir(folder)}
-    hook = str(resources.files("memdiff.recording").joinpath("rank_hook"))
-    env = dict(os.environ, MEMDIFF_RECORD_DIR=folder, MEMDIFF_RECORD_MAX_ENTRIES=str(args.max_entries),
-               MEMDIFF_RECORD_STACKS=args.stacks, MEMDIFF_RECORD_STEPS=str(args.steps or ""),
-               MEMDIFF_PACKAGE_PARENT=os.path.dirname(os.path.dirname(os.path.abspath(memdiff.__file__))),
-               PYTHONPATH=os.pathsep.join(p for p in (hook, os.environ.get("PYTHONPATH")) if p))
-    if args.emulate:  # every process that imports torch runs on the emulated GPU (docs/emulate.md)
-        env["MEMDIFF_RECORD_EMULATE"] = args.emulate
-    else:
-        env.pop("MEMDIFF_RECORD_EMULATE", None)
-    if args.gpus is not None:  # each process sees this many emulated GPUs, whatever its launcher says
-        env[GPUS] = str(args.gpus)
-    else:
-        env.pop(GPUS, None)
-    env.pop("MEMDIFF_RECORD_RANK_PID", None)  # set by each rank for its own children, never inherited from us
+    env = {k: v for k, v in {**os.environ, **_hook_env(args, folder)}.items() if v is not None}
     with _overlay(args, [folder], folder, _script(command)), _Forwarding() as forwarding:
         env.update((k, os.environ[k]) for k in (ROOT, OWNED) if k in os.environ)
         child = subprocess.Popen(command, env=env)
@@ -449,8 +492,10 @@ def run(args: argparse.Namespace) -> int:
         interrupted = False
         refused: Optional[InputError] = None
         with contextlib.ExitStack() as holding:
-            holding.enter_context(_overlay(args, [args.output, partial], os.path.dirname(os.path.abspath(partial)),
-                                           target[0] if target[0] != "-m" else None))
+            root = holding.enter_context(_overlay(args, [args.output, partial],
+                                                  os.path.dirname(os.path.abspath(partial)),
+                                                  target[0] if target[0] != "-m" else None))
+            processes = holding.enter_context(_children_emulated(args, root))
             try:
                 with record(partial, max_entries=args.max_entries, stacks=args.stacks, steps=args.steps,
                             emulate=args.emulate, gpus=args.gpus):
@@ -475,6 +520,9 @@ def run(args: argparse.Namespace) -> int:
                 print(f"memdiff: the run recorded no allocation; kept the existing {args.output}", file=sys.stderr)
                 return status
             commit(partial, args.output)
+            children = _children_said(processes, args.output)
+            if children is not None:
+                _say(children)
     finally:
         if os.path.exists(partial):
             os.unlink(partial)

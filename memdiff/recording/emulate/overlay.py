@@ -37,6 +37,7 @@ _lstat, _stat, _listdir, _mkdir, _unlink, _rmdir, _rename = (os.lstat, os.stat, 
 _open, _symlink, _readlink, _chmod = os.open, os.symlink, os.readlink, os.chmod
 _builtin_open = open
 
+SYSTEM = ("/dev/", "/proc/", "/sys/")  # devices and kernel files: passed through, never the user's tree
 WHITEOUT = ".~memdiff-deleted"  # a deletion marker's suffix, in the deleted/ tree
 # The first line of a file the run saved holding emulated tensors (files.py): shapes, no data.
 SKELETON = b"MEMDIFF-EMULATED-SAVE "
@@ -142,8 +143,9 @@ class Overlay:
     # -- where a path lies ------------------------------------------------------------------------
 
     def passes(self, path: str) -> bool:
-        """Whether absolute `path` is memdiff's own, read and written as it is."""
-        if path == self.root or path.startswith((self.root + os.sep, self.scratch + os.sep)) \
+        """Whether absolute `path` is read and written as it is: memdiff's own, or the system's devices and
+        kernel files (/dev/null, /dev/shm, /proc), which are no user's files and which a copy would break."""
+        if path == self.root or path.startswith((self.root + os.sep, self.scratch + os.sep, *SYSTEM)) \
                 or path == self.scratch:
             return True
         return path in self.owned or path.startswith(tuple(o + os.sep for o in self.owned)) \

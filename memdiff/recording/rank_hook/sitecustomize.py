@@ -101,7 +101,8 @@ class _Status:
                 f.write(json.dumps(document))
             os.replace(temporary, self.path)
         except OSError as exc:  # the folder went away, or is full: the program goes on
-            _say(f"could not write {self.path}: {exc}")
+            if os.path.isdir(self.folder):  # gone: the run is over (a helper process that outlived it)
+                _say(f"could not write {self.path}: {exc}")
 
 
     def became(self, rank, world_size):
