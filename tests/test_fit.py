@@ -348,11 +348,10 @@ def _searched(reserved_by_value: dict, limit_share: float) -> Fewest:
 
 
 def test_nproc_answers_the_fewest_processes_even_when_memory_does_not_fall_with_them():
-    # fsdp_train.py at its default width (16 MiB of weights), emulated on an L4: the heaviest rank reserves
-    # 122, 134, 134 and 118 MiB at 1, 2, 3 and 4 processes (rounding and the cuBLAS workspace outweigh the
-    # shards). With a limit of 125 MiB one process fits; a search that assumed memory falls with the
-    # processes (the largest first, then halving) answered 4 here. Every value below the answer is run and
-    # shown as not fitting.
+    # A job whose memory does not fall with the processes: its heaviest rank reserves 122, 134, 134 and
+    # 118 MiB at 1, 2, 3 and 4 processes on an L4. With a limit of 125 MiB one process fits; a search that
+    # assumed memory falls with the processes (the largest first, then halving) answered 4 here. Every
+    # value below the answer is run and shown as not fitting.
     mib = 1 << 20
     reserved = {1: 122 * mib, 2: 134 * mib, 3: 134 * mib, 4: 118 * mib}
     share = 125 * mib / gpu("l4").capacity
