@@ -286,6 +286,48 @@ def test_hogwild_shares_the_models_gpu_memory_and_its_workers_train(torch, tmp_p
     assert len(list((tmp_path / "runs").glob("pid*.pickle"))) == 3  # the parent's and each worker's
 
 
+# A worker handed a tensor on the second GPU and a tensor the script made on the meta device (its
+# model's plan, built under torch.device("meta")), by spawn.
+SENT = textwrap.dedent("""
+    import os
+    import sys
+
+    import torch
+    import torch.multiprocessing as mp
+
+
+    def worker(weight, plan):
+        os.write(1, f"weight {weight.device} {tuple(weight.shape)}\\n".encode())
+        os.write(1, f"plan {plan.device} {tuple(plan.shape)} {plan.requires_grad}\\n".encode())
+
+
+    if __name__ == "__main__":
+        os.environ["CUDA_VISIBLE_DEVICES"] = "0,1"  # a node of two GPUs (no GPU used yet)
+        mp.set_start_method("spawn", force=True)
+        with torch.device("meta"):
+            plan = torch.nn.Linear(8, 2).weight
+        p = mp.Process(target=worker, args=(torch.ones(3, 4, device=sys.argv[1]), plan))
+        p.start()
+        p.join()
+        print("exit code", p.exitcode, flush=True)
+""")
+
+
+def test_a_worker_receives_a_gpu_tensor_on_its_gpu_and_the_scripts_meta_tensor_on_meta(torch, tmp_path):
+    # torch sends a CUDA tensor as an IPC handle, opened on the sender's GPU, and a meta tensor as a meta
+    # tensor. The emulated GPU's tensors are meta tensors underneath: the worker got the model as meta
+    # tensors (`worker 0 meta`), the script's own meta tensor's rule taking them for its.
+    (tmp_path / "sent.py").write_text(SENT)
+    done = _emulated(tmp_path, "runs/", sys.executable, "sent.py", "cuda:1")
+    assert done.returncode == 0, done.stderr[-3000:]
+    # The meta tensor as torch itself sends it, unemulated (the CPU tensor beside it).
+    plain = subprocess.run([sys.executable, "sent.py", "cpu"], cwd=tmp_path, capture_output=True, text=True,
+                           timeout=300)
+    assert plain.returncode == 0, plain.stderr[-3000:]
+    assert plain.stdout.splitlines() == ["weight cpu (3, 4)", "plan meta (2, 8) True", "exit code 0"]
+    assert done.stdout.splitlines() == ["weight cuda:1 (3, 4)", *plain.stdout.splitlines()[1:]]
+
+
 # pytorch/examples' super_resolution: the PSNR of each epoch from the loss read back, a guard that the
 # loss is finite, the best loss kept; and what uninitialised device memory reads as.
 PSNR = textwrap.dedent("""

@@ -306,9 +306,10 @@ FSDP = ROOT / "tests" / "scenarios" / "fsdp_train.py"
 def test_nproc_finds_the_fewest_processes_on_which_every_rank_of_a_sharded_job_fits(tmp_path, torch):
     # FSDP2 shards the weights, gradients and AdamW's state over the ranks: fewer ranks, more per rank. At
     # width 2048 (256 MiB of fp32 weights, made whole on each rank before sharding) the rank that reserves most
-    # holds about 1.6 GiB at 1 process, 1.2 GiB at 2 and 0.9 GiB at 4; 0.064 of an L4's capacity (1.39 GiB)
-    # lands the boundary within 1..4 processes, with a margin of 0.21 GiB either side.
-    done = memdiff("fit", "--emulate", "l4", "--max-memory", "0.064", "--range", "nproc=1:4", "-o",
+    # holds 1.35 GiB at 1 process, 0.99 GiB at 2, 0.81 GiB at 3 and 0.63 GiB at 4 (FSDP2 frees each block's
+    # all-gathered weights after its forward, with resize_(0)); 0.054 of an L4's capacity (1.17 GiB) lands
+    # the boundary within 1..4 processes, with a margin of 0.18 GiB either side.
+    done = memdiff("fit", "--emulate", "l4", "--max-memory", "0.054", "--range", "nproc=1:4", "-o",
                    f"{tmp_path}/runs/", "--format", "json", "--", sys.executable, "-m", "torch.distributed.run",
                    "--nproc-per-node", "{nproc}", str(FSDP), "--cuda", "--width", "2048")
     assert done.returncode == 0, done.stderr
@@ -347,11 +348,10 @@ def _searched(reserved_by_value: dict, limit_share: float) -> Fewest:
 
 
 def test_nproc_answers_the_fewest_processes_even_when_memory_does_not_fall_with_them():
-    # fsdp_train.py at its default width (16 MiB of weights), emulated on an L4: the heaviest rank reserves
-    # 122, 134, 134 and 118 MiB at 1, 2, 3 and 4 processes (rounding and the cuBLAS workspace outweigh the
-    # shards). With a limit of 125 MiB one process fits; a search that assumed memory falls with the
-    # processes (the largest first, then halving) answered 4 here. Every value below the answer is run and
-    # shown as not fitting.
+    # A job whose memory does not fall with the processes: its heaviest rank reserves 122, 134, 134 and
+    # 118 MiB at 1, 2, 3 and 4 processes on an L4. With a limit of 125 MiB one process fits; a search that
+    # assumed memory falls with the processes (the largest first, then halving) answered 4 here. Every
+    # value below the answer is run and shown as not fitting.
     mib = 1 << 20
     reserved = {1: 122 * mib, 2: 134 * mib, 3: 134 * mib, 4: 118 * mib}
     share = 125 * mib / gpu("l4").capacity

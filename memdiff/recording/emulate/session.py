@@ -51,6 +51,7 @@ def start(emulator: Emulator) -> contextlib.ExitStack:
     stack.enter_context(distributed.fake_process_groups(emulator))
     stack.enter_context(parallel.data_parallel())
     stack.enter_context(shared.device_storages_shared())
+    stack.enter_context(shared.device_tensors_sent(emulator.placement))
     stack.enter_context(asked.devices_asked(emulator))
     stack.enter_context(files.guarded(emulator))
     stack.enter_context(warnlines.at_the_script())
