@@ -177,6 +177,13 @@ def cli(capsys, *argv: Any):
     return code, out, err
 
 
+def kept_write(kept: Path, path: Any) -> Path:
+    """Where the file an emulated run wrote at `path` lies in the overlay that `memdiff record
+    --keep-writes kept` kept: its upper layer holds each write under its absolute path
+    (docs/emulate.md, "Your files"), as the run's file calls saw it (absolute, not resolved)."""
+    return kept / "upper" / os.path.abspath(os.fsdecode(path)).lstrip(os.sep)
+
+
 def weights_and_activations(path: Path, activation: int, parameter: int = 100 * 2**20,
                             forward: Optional[List[Dict[str, Any]]] = None) -> Path:
     """A run with `parameter` bytes of weights made in __init__ and `activation` bytes made in

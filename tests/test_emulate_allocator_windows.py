@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Tuple
 
 import pytest
+from conftest import kept_write
 
 from memdiff.recording.emulate.allocator import (
     LARGE_BUFFER,
@@ -305,8 +306,10 @@ def test_the_emulated_llama_window_reserves_what_the_h100_reserved(tmp_path, tor
     snapshot, facts = _load("llama-base")
     script = tmp_path / "stats_after.py"
     script.write_text(STATS_AFTER)
+    kept = tmp_path / "writes"  # the script's facts and stats files are its own writes: in the run's overlay
     done = subprocess.run([sys.executable, "-m", "memdiff", "record", "--emulate", "h100", "-o",
-                           str(tmp_path / "record.pickle"), "--", sys.executable, str(script),
+                           str(tmp_path / "record.pickle"), "--keep-writes", str(kept), "--",
+                           sys.executable, str(script),
                            str(TRUTH / "families.py"), str(tmp_path), "llama-base"],
                           capture_output=True, text=True, cwd=tmp_path,
                           env={**os.environ, "TRANSFORMERS_VERBOSITY": "error"})
@@ -314,9 +317,9 @@ def test_the_emulated_llama_window_reserves_what_the_h100_reserved(tmp_path, tor
     real = api.summarize(_path("llama-base")).devices[0]
     emulated = api.summarize(tmp_path / "llama-base.pickle").devices[0]
     assert emulated.reserved_peak_bytes == real.reserved_peak_bytes  # 4694 MiB
-    own = json.loads((tmp_path / "llama-base.facts.json").read_text())
+    own = json.loads(kept_write(kept, tmp_path / "llama-base.facts.json").read_text())
     assert own["cuda_max_allocated_bytes"] == facts["cuda_max_allocated_bytes"]
-    answers = json.loads((tmp_path / "llama-base.stats.json").read_text())
+    answers = json.loads(kept_write(kept, tmp_path / "llama-base.stats.json").read_text())
     stats = answers["stats"]
     segments = snapshot["segments"]
     reserved = sum(s["total_size"] for s in segments)

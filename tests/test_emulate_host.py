@@ -4,6 +4,7 @@ no initialisation, what stays on the CPU is real (docs/emulate.md, "Models built
 from __future__ import annotations
 
 import copy
+import io
 import math
 import os
 import subprocess
@@ -172,17 +173,22 @@ def test_a_state_dict_loaded_into_a_cpu_built_model_is_what_was_loaded():
 
 
 def test_files_written_from_a_cpu_model_hold_its_weights(tmp_path):
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import load
 
     with emulating(Emulator(gpu("h100"))):
+        from safetensors.torch import save_file  # imported in the run, as a script does: its writer routed
+
         model = nn.Linear(1024, 1024)
         torch.save(model.state_dict(), tmp_path / "model.pt")
         other = nn.Linear(1024, 1024)
         save_file({"weight": other.weight.detach()}, str(tmp_path / "model.safetensors"))
         read = model.weight.detach().numpy().copy(), other.weight.detach().numpy().copy()
-    saved = torch.load(tmp_path / "model.pt")["weight"]
+        # the files are in the run's overlay, which the block removes: read their bytes back as the run sees them
+        written = (tmp_path / "model.pt").read_bytes(), (tmp_path / "model.safetensors").read_bytes()
+    assert os.listdir(tmp_path) == []  # the user's folder is untouched: both writes went to the overlay
+    saved = torch.load(io.BytesIO(written[0]))["weight"]
     assert torch.equal(saved, torch.from_numpy(read[0])) and saved.abs().max() > 0
-    assert torch.equal(load_file(str(tmp_path / "model.safetensors"))["weight"], torch.from_numpy(read[1]))
+    assert torch.equal(load(written[1])["weight"], torch.from_numpy(read[1]))
 
 
 def test_a_cpu_tensor_made_under_emulation_is_real_after_it_ends():

@@ -11,9 +11,10 @@ import pickle
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 import pytest
+from conftest import kept_write
 
 pytest.importorskip("torch")
 
@@ -50,11 +51,13 @@ json.dump({"parameter_bytes": sum(params.values()),
 """
 
 
-def _record(tmp_path: Path, script: str, *args: str) -> subprocess.CompletedProcess:
+def _record(tmp_path: Path, script: str, *args: str, kept: Optional[Path] = None) -> subprocess.CompletedProcess:
+    """`script` run under `memdiff record --emulate h100`; its writes kept in `kept` where given."""
     path = tmp_path / "script.py"
     path.write_text(script)
+    keep = ["--keep-writes", str(kept)] if kept is not None else []
     return subprocess.run([sys.executable, "-m", "memdiff", "record", "--emulate", "h100", "-o",
-                           str(tmp_path / "run.pickle"), "--", sys.executable, str(path), *args],
+                           str(tmp_path / "run.pickle"), *keep, "--", sys.executable, str(path), *args],
                           capture_output=True, text=True, cwd=tmp_path,
                           env={**os.environ, "TRANSFORMERS_VERBOSITY": "error"})
 
@@ -67,9 +70,10 @@ def test_hugging_face_moe_models_train_and_hold_what_the_model_holds(tmp_path, n
     pytest.importorskip("transformers")
     from memdiff import api
 
-    done = _record(tmp_path, MOE, name, str(tmp_path / "facts.json"))
+    kept = tmp_path / "writes"  # the script's facts file is its own write: in the run's overlay
+    done = _record(tmp_path, MOE, name, str(tmp_path / "facts.json"), kept=kept)
     assert done.returncode == 0, done.stderr[-3000:]
-    facts = json.loads((tmp_path / "facts.json").read_text())
+    facts = json.loads(kept_write(kept, tmp_path / "facts.json").read_text())
     device = api.summarize(tmp_path / "run.pickle").devices[0]
     assert device.categories["parameter"] == facts["parameter_bytes"]
     assert device.categories["gradient"] == facts["gradient_bytes"]

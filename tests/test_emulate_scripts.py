@@ -14,6 +14,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from conftest import kept_write
 
 import memdiff
 
@@ -176,7 +177,7 @@ def family(tmp_path_factory):
                                   env={**os.environ, "TRANSFORMERS_VERBOSITY": "error", "PYTHONPATH": str(ROOT)},
                                   capture_output=True, text=True, cwd=folder)
             assert done.returncode == 0, done.stderr[-3000:]
-        facts = kept / "upper" / str(folder).lstrip(os.sep) / f"{name}.pickle.facts.json"
+        facts = kept_write(kept, folder / f"{name}.pickle.facts.json")
         return out, json.loads(facts.read_text())
     return run
 
