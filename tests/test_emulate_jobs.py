@@ -388,3 +388,45 @@ def test_the_devices_a_script_makes_visible_before_using_a_gpu_are_the_ones_it_h
     done = _emulated(tmp_path, "run.pickle", sys.executable, "train.py")
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.splitlines() == ["1", "2 cuda:1"]
+
+
+# A command that trains, then evaluates, each a job of two ranks under torchrun (a shell script many
+# repositories ship): the evaluation's rank 0 is not the training's, and neither snapshot is lost.
+PHASE = textwrap.dedent("""
+    import os
+    import sys
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("nccl")
+    mib = 8 if sys.argv[1] == "train" else 2
+    kept = torch.empty(mib << 20, dtype=torch.uint8, device="cuda")
+    os.write(1, f"{sys.argv[1]} rank {dist.get_rank()} {torch.cuda.max_memory_allocated() >> 20} MiB\\n".encode())
+    dist.destroy_process_group()
+""")
+
+
+def test_two_jobs_of_one_command_each_keep_their_ranks_snapshots(torch, tmp_path):
+    from memdiff.read.load import decode
+
+    (tmp_path / "phase.py").write_text(PHASE)
+    jobs = " && ".join(" ".join(torchrun("phase.py", phase)) for phase in ("train", "eval"))
+    done = _emulated(tmp_path, "runs/", "sh", "-c", jobs)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert sorted(done.stdout.splitlines()) == sorted(f"{phase} rank {r} {mib} MiB" for phase, mib in
+                                                      (("train", 8), ("eval", 2)) for r in (0, 1))
+    assert "the command ran 2 jobs with the same ranks; each job's snapshots are in a folder of its own: " \
+           "runs/, runs/job2/" in done.stderr
+    runs = tmp_path / "runs"
+    # each job's ranks in its folder, each with the memory its own phase allocated (PyTorch's own trace)
+    for folder, mib in ((runs, 8), (runs / "job2", 2)):
+        assert sorted(p.name for p in folder.glob("*.pickle")) == ["rank0.pickle", "rank1.pickle"]
+        for rank in (0, 1):
+            snapshot = decode(str(folder / f"rank{rank}.pickle"))[0]
+            sizes = [e["size"] for trace in snapshot["device_traces"] for e in trace if e["action"] == "alloc"]
+            assert mib << 20 in sizes and max(sizes) == mib << 20
+        assert _manifest(folder)["world_size"] == 2
+        assert not [p for p in folder.iterdir() if p.name.endswith(".claim")]
+    ranks = subprocess.run([sys.executable, "-m", "memdiff", "ranks", "runs/job2/"], cwd=tmp_path,
+                           capture_output=True, text=True)
+    assert ranks.returncode == 0, ranks.stderr

@@ -14,7 +14,7 @@ import signal
 import subprocess
 import sys
 import traceback
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from importlib import resources
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
@@ -37,9 +37,12 @@ from memdiff.recording.manifest import (
     COLLECTIVES,
     MANIFEST,
     ProcessRecord,
+    claimed,
+    clear_claims,
     clear_statuses,
     collect,
     collect_processes,
+    job_folders,
     write_manifest,
 )
 from memdiff.units import format_bytes
@@ -279,9 +282,25 @@ class _JobOutcome:
     processes: List[ProcessRecord]  # what each process that is no rank said of itself
 
 
-def _report_job(args: argparse.Namespace, folder: str, before: Dict[str, int], status: int) -> _JobOutcome:
+def _report_jobs(args: argparse.Namespace, folder: str, before: Dict[str, Dict[str, int]],
+                 status: int) -> _JobOutcome:
+    """_report_job for the job of `folder` and each later job the command ran with the same ranks (a
+    script that trains, then evaluates, each under torchrun: DIR/job2/, ...), their outcomes together."""
+    jobs = [here for here in job_folders(folder) if here == folder or claimed(here)]
+    shown = [args.output] + [os.path.join(args.output, os.path.basename(here), "") for here in jobs[1:]]
+    if len(jobs) > 1:
+        print(f"memdiff: the command ran {len(jobs)} jobs with the same ranks; each job's snapshots are in a "
+              f"folder of its own: {', '.join(shown)}", file=sys.stderr)
+    outcomes = []
+    for here, name in zip(jobs, shown):
+        outcomes.append(_report_job(here, before.get(here, {}), status, name))
+        clear_claims(here)
+    return _JobOutcome(*(sum((getattr(o, f.name) for o in outcomes), []) for f in fields(_JobOutcome)))
+
+
+def _report_job(folder: str, before: Dict[str, int], status: int, shown: str) -> _JobOutcome:
     """Gather the ranks' statuses into the job's manifest (with how the command ended) and say what
-    the run wrote."""
+    the run wrote; `shown`: the folder as the user named it."""
     manifest = collect(folder)
     if manifest is not None:
         manifest = replace(manifest, exit_status=status)
@@ -295,12 +314,12 @@ def _report_job(args: argparse.Namespace, folder: str, before: Dict[str, int], s
         sizes = ", ".join(f"{n} {format_bytes(os.path.getsize(os.path.join(folder, n)))}" for n in written)
         job = f" of a job of {manifest.world_size} rank{'s' if manifest.world_size != 1 else ''}" if manifest else ""
         # A job is read with `ranks`; files of processes without RANK are read one by one.
-        read = (f"memdiff ranks {shell(args.output)}" if manifest
-                else f"memdiff peak {shell(os.path.join(args.output, written[0]))}")
-        print(f"memdiff: wrote {len(written)} snapshot{'s' if len(written) != 1 else ''}{job} to {args.output} "
+        read = (f"memdiff ranks {shell(shown)}" if manifest
+                else f"memdiff peak {shell(os.path.join(shown, written[0]))}")
+        print(f"memdiff: wrote {len(written)} snapshot{'s' if len(written) != 1 else ''}{job} to {shown} "
               f"({sizes}); read {'them' if manifest else 'one'} with `{read}`", file=sys.stderr)
     if stale:
-        print(f"memdiff: {args.output}: {', '.join(stale)} not from this run"
+        print(f"memdiff: {shown}: {', '.join(stale)} not from this run"
               + (f": not read as this job's ({MANIFEST} says {manifest.world_size} rank"
                  f"{'s' if manifest.world_size != 1 else ''})" if manifest else ""), file=sys.stderr)
     lost = ([f"rank {r.rank} of {manifest.world_size} has no snapshot: {r.why_missing()}"
@@ -406,7 +425,8 @@ def _run_launcher(args: argparse.Namespace) -> int:
     clear_statuses(folder)
     collectives = os.path.join(folder, COLLECTIVES)  # what the ranks' collectives carried (exchange.py)
     shutil.rmtree(collectives, ignore_errors=True)
-    before = {n: os.stat(os.path.join(folder, n)).st_mtime_ns for n in os.listdir(folder)}
+    before = {here: {n: os.stat(os.path.join(here, n)).st_mtime_ns for n in os.listdir(here)}
+              for here in job_folders(folder)}
     env = {k: v for k, v in {**os.environ, **_hook_env(args, folder)}.items() if v is not None}
     with _overlay(args, [folder], folder, _script(command)), _Forwarding() as forwarding:
         env.update((k, os.environ[k]) for k in (ROOT, OWNED) if k in os.environ)
@@ -419,7 +439,7 @@ def _run_launcher(args: argparse.Namespace) -> int:
         status = 130 if interrupted == signal.SIGINT else 128 + interrupted
     else:
         status = child.returncode if child.returncode >= 0 else 128 - child.returncode
-    outcome = _report_job(args, folder, before, status)
+    outcome = _report_jobs(args, folder, before, status)
     for line in outcome.died + outcome.lost:
         print(f"memdiff: {line}", file=sys.stderr)
     if not outcome.written and not outcome.lost:

@@ -25,6 +25,9 @@ MANIFEST_VERSION = 1
 STATUS = re.compile(r"^\.rank(\d+)\.status$")
 # Any other process of the job (the launcher, a process without RANK, a rank's child): what it did.
 PROCESS_STATUS = re.compile(r"^\.pid(\d+)\.status$")
+# A rank's claim on a job folder (the rank hook's _claim), and a later job's folder of the same command.
+CLAIM = re.compile(r"^\.rank(\d+)\.claim$")
+JOB_FOLDER = re.compile(r"^job([2-9]|[1-9]\d+)$")
 # A status being written (by the rank hook) when its process was killed.
 PARTIAL_STATUS = re.compile(r"^\.(rank|pid)\d+\.status\.\d+\.\d+\.tmp$")
 # Under --emulate, the values the ranks' collectives carry to each other (emulate/exchange.py), one
@@ -92,11 +95,34 @@ class JobManifest:
                 "ranks": [{k: v for k, v in asdict(r).items() if v is not None} for r in self.ranks]}
 
 
-def clear_statuses(folder: str) -> None:
-    """Remove an earlier run's status files and manifest, so that they never speak for this run."""
+def job_folders(folder: str) -> List[str]:
+    """The job's folder, then the folders of the later jobs a command ran with the same ranks
+    (DIR/job2, DIR/job3, ...: the rank hook's claims put them there), in order."""
+    numbered = sorted((int(found.group(1)), name) for name in os.listdir(folder)
+                      if (found := JOB_FOLDER.match(name)) and os.path.isdir(os.path.join(folder, name)))
+    return [folder] + [os.path.join(folder, name) for _, name in numbered]
+
+
+def claimed(folder: str) -> bool:
+    """Whether a rank of this run claimed `folder` (the rank hook's `.rank{R}.claim`)."""
+    return any(CLAIM.match(name) for name in os.listdir(folder))
+
+
+def clear_claims(folder: str) -> None:
+    """Remove the ranks' claims once the command has ended: the next run claims afresh."""
     for name in os.listdir(folder):
-        if STATUS.match(name) or PROCESS_STATUS.match(name) or PARTIAL_STATUS.match(name) or name == MANIFEST:
+        if CLAIM.match(name):
             os.unlink(os.path.join(folder, name))
+
+
+def clear_statuses(folder: str) -> None:
+    """Remove an earlier run's status files, claims and manifest (in the job's folder and its later
+    jobs' folders), so that they never speak for this run."""
+    for here in job_folders(folder):
+        for name in os.listdir(here):
+            if STATUS.match(name) or PROCESS_STATUS.match(name) or PARTIAL_STATUS.match(name) \
+                    or CLAIM.match(name) or name == MANIFEST:
+                os.unlink(os.path.join(here, name))
 
 
 def _read_status(path: str) -> Optional[Dict[str, Any]]:

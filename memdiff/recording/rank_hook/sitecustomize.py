@@ -62,15 +62,32 @@ def _world_size():
     return int(size) if size.isdigit() else None
 
 
+def _claim(folder, rank):
+    """The folder this process writes rank `rank`'s files in: DIR, or DIR/job2, DIR/job3, ... when a job
+    run earlier by the same command already had a rank `rank` (a script that trains, then evaluates,
+    each under torchrun): its snapshot is never written over. A claim is a file made exclusively, so
+    two processes never both take one; `memdiff record` removes the claims when the command ends."""
+    for number in itertools.count(1):
+        here = folder if number == 1 else os.path.join(folder, f"job{number}")
+        try:
+            os.makedirs(here, exist_ok=True)
+            os.close(os.open(os.path.join(here, f".rank{rank}.claim"), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+            return here
+        except FileExistsError:
+            continue
+        except OSError:  # the folder went away or is read only: the write says so later
+            return here
+
+
 class _Status:
     """This process's status file: what `memdiff record` is told of it, rewritten whole at each change
     (atomically: a process killed mid-write leaves the previous one)."""
 
     def __init__(self, folder):
-        self.folder = folder
         self.rank = _rank()
+        self.folder = _claim(folder, self.rank) if self.rank is not None else folder
         name = f".rank{self.rank}.status" if self.rank is not None else f".pid{os.getpid()}.status"
-        self.path = os.path.join(folder, name)
+        self.path = os.path.join(self.folder, name)
         self.facts = {"rank": self.rank, "world_size": _world_size(), "pid": os.getpid(),
                       "command": " ".join(sys.orig_argv if hasattr(sys, "orig_argv") else sys.argv)[:300]}
         self.started_without_hook = []  # commands this process started in an environment without the hook
@@ -112,6 +129,7 @@ class _Status:
             return
         old = self.path
         self.rank = rank
+        self.folder = _claim(self.folder, rank)
         self.facts.update(rank=rank, world_size=world_size)
         self.path = os.path.join(self.folder, f".rank{rank}.status")
         self.write(self.state, **self.last)
@@ -144,7 +162,9 @@ class _Recording:
     def target(self):
         """The snapshot's path: the rank's file once the process knows its rank, else its pid's."""
         rank = self._status.rank
-        return os.path.join(self.folder, f"rank{rank}.pickle" if rank is not None else f"pid{self.pid}.pickle")
+        # the status's folder: a rank of a second job of the command writes in DIR/job2 (_claim)
+        return os.path.join(self._status.folder if rank is not None else self.folder,
+                            f"rank{rank}.pickle" if rank is not None else f"pid{self.pid}.pickle")
 
     def status(self, state, **facts):
         """Tell `memdiff record` what became of this process's recording."""
