@@ -4,19 +4,16 @@ they raise; `memdiff.compare.differ.diff` puts them on its Diff."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Set, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
 from memdiff.analyse.classify import PERSISTENT
 from memdiff.analyse.lifetimes import BACKWARD, OPTIMIZER, frame_phase
 from memdiff.compare.findings import finding
+from memdiff.compare.rows import PEAK, DeviceDiff
 from memdiff.model import DeviceSummary, Finding, OomEvent, Source, Summary
 from memdiff.read.frames import names_autograd_node
 from memdiff.units import count_of, format_bytes
 
-if TYPE_CHECKING:
-    from memdiff.compare.differ import DeviceDiff
-
-PEAK = "peak"
 EVENT_RATIO_WARNING = 2.0
 
 
