@@ -99,6 +99,26 @@ def test_an_op_without_a_meta_kernel_is_one_line_naming_it_and_the_script_line(t
 
 
 @pytest.mark.slow
+def test_an_op_refused_inside_a_library_names_its_package_path_and_the_scripts_line(tmp_path):
+    # A library installed in site-packages (trl's fused loss, a kernel package) calls the op: the line
+    # names the library's file by its path in the package, not a bare `ops.py`, and the script's call.
+    package = tmp_path / "venv" / "lib" / "python3" / "site-packages" / "fusedlib"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "ops.py").write_text(
+        "import torch\n\n\n"
+        "@torch.library.custom_op('fusedlib::double', mutates_args=())\n"
+        "def double(x: torch.Tensor) -> torch.Tensor:\n    return x * 2\n\n\n"
+        "def fused(x):\n    return double(x)\n")
+    done = _emulate(tmp_path, "import torch\nfrom fusedlib.ops import fused\n\n"
+                              "x = torch.ones(8, device='cuda')\nfused(x)\n",
+                    PYTHONPATH=os.pathsep.join(p for p in (str(package.parent), os.environ.get("PYTHONPATH")) if p))
+    assert done.returncode == 2, done.stderr[-2000:]
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("memdiff: fusedlib::double: a custom op with no fake (meta) implementation"), last
+    assert ", called at fusedlib/ops.py:10 from train.py:5" in last, last
+
+@pytest.mark.slow
 def test_a_call_around_the_emulator_to_cuda_is_one_line_naming_the_feature_and_the_script_line(tmp_path):
     # CUDA graph capture is not emulated (on either build torch would reach CUDA itself): the
     # refusal names the feature, the script's line and what to do, never the script's traceback.

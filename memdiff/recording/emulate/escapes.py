@@ -13,7 +13,7 @@ Both are bad input for memdiff (exit 2, one line), never a guess at the user's c
 from __future__ import annotations
 
 import traceback
-from typing import Any, List, Optional, Tuple
+from typing import Any, List, Optional, Sequence, Tuple
 
 from memdiff.errors import InputError
 
@@ -71,6 +71,36 @@ def _is_script(filename: str) -> bool:
                 or path.startswith("<") or "/lib/python" in path)
 
 
+def _library(filename: str) -> bool:
+    path = filename.replace("\\", "/")
+    return "/site-packages/" in path or "/dist-packages/" in path
+
+
+def located(filename: str, line: int) -> str:
+    """`train.py:42` for a script's own file; for a library's, its path in the installed package
+    (`trl/trainer/utils.py:1645`, not `utils.py:1645`), as a reader finds it."""
+    path = filename.replace("\\", "/")
+    for marker in ("/site-packages/", "/dist-packages/"):
+        if marker in path:
+            return f"{path.rsplit(marker, 1)[1]}:{line}"
+    return f"{path.rsplit('/', 1)[-1]}:{line}"
+
+
+def called_at(frames: Sequence[Tuple[str, int]]) -> str:
+    """`, called at train.py:42` from (filename, line) frames, innermost first: the innermost frame of
+    the script or a library (not torch, memdiff or Python's own), and where that is a library's code,
+    the script's own line that led there (`, called at trl/trainer/utils.py:1645 from train.py:88`);
+    "" when there is none."""
+    outside = [(f, n) for f, n in frames if _is_script(f) or (_library(f) and not _is_torch(f))]
+    if not outside:
+        return ""
+    where = f", called at {located(*outside[0])}"
+    if _library(outside[0][0]):
+        script = next(((f, n) for f, n in outside if _is_script(f)), None)
+        where += f" from {located(*script)}" if script else ""
+    return where
+
+
 def escaped(exc: BaseException) -> Optional[InputError]:
     """The refusal for an exception the script raised because a call went around the emulator to
     CUDA itself, naming the torch feature and the script's line; None for any other exception (the
@@ -81,9 +111,7 @@ def escaped(exc: BaseException) -> Optional[InputError]:
     if not any(text in said for text in CUDA_MESSAGES):
         return None
     frames: List[traceback.FrameSummary] = traceback.extract_tb(exc.__traceback__)
-    script = [f for f in frames if _is_script(f.filename)]
-    where = f", called at {script[-1].filename.replace(chr(92), '/').rsplit('/', 1)[-1]}:{script[-1].lineno}" \
-        if script else ""
+    where = called_at([(f.filename, f.lineno or 0) for f in reversed(frames)])
     inner = [f for f in frames if _is_torch(f.filename)]
     for marker, feature, instead in FEATURES:
         path, _, function = marker.partition(":")
@@ -102,9 +130,7 @@ def refusing(marker: str) -> type:
 
     class Refused:
         def __new__(cls, *args: Any, **kwargs: Any) -> Any:
-            script = [f for f in traceback.extract_stack()[:-1] if _is_script(f.filename)]
-            where = f", called at {script[-1].filename.replace(chr(92), '/').rsplit('/', 1)[-1]}:" \
-                f"{script[-1].lineno}" if script else ""
+            where = called_at([(f.filename, f.lineno or 0) for f in reversed(traceback.extract_stack()[:-1])])
             raise _error(feature, f"not emulated{where}; {instead}")
     Refused.__qualname__ = Refused.__name__ = f"emulated.{feature.split(' ')[0]}"
     return Refused

@@ -30,7 +30,7 @@ from memdiff.recording.emulate import (
     sdpa,
 )
 from memdiff.recording.emulate.devices import cuda_index, first_meta
-from memdiff.recording.emulate.escapes import op_refusal
+from memdiff.recording.emulate.escapes import called_at, op_refusal
 from memdiff.recording.emulate.runtime import ALL_ELEMENTS_OPS, HERE, EmulationError, Emulator, op_name, python_frames
 from memdiff.recording.emulate.values import Values, read_back_scalar
 
@@ -630,10 +630,6 @@ def _attention_values(args: Tuple[Any, ...], q_index: int) -> Dict[str, int]:
 
 
 def _script_line() -> str:
-    """`, called at train.py:42` for the innermost frame outside torch and memdiff, if any."""
-    for frame in python_frames(3):
-        path = frame["filename"].replace("\\", "/")
-        if "/torch/" not in path and "/memdiff/" not in path and not path.startswith("<"):
-            return f", called at {path.rsplit('/', 1)[-1]}:{frame['line']}"
-    return ""
+    """`, called at train.py:42` for the innermost frame outside torch and memdiff, if any (escapes.called_at)."""
+    return called_at([(frame["filename"], frame["line"]) for frame in python_frames(3)])
 
