@@ -430,3 +430,90 @@ def test_two_jobs_of_one_command_each_keep_their_ranks_snapshots(torch, tmp_path
     ranks = subprocess.run([sys.executable, "-m", "memdiff", "ranks", "runs/job2/"], cwd=tmp_path,
                            capture_output=True, text=True)
     assert ranks.returncode == 0, ranks.stderr
+
+
+# Each rank says what torchrun told it and what the job's collectives gave it, and keeps (rank + 1) MiB
+# on its GPU, so that its snapshot says which rank it is.
+ALONE = textwrap.dedent("""
+    import os
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("nccl")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    kept = torch.empty((rank + 1) << 20, dtype=torch.uint8, device="cuda")
+    settings = [{"lr": 0.1, "from": rank} if rank == 0 else None]
+    dist.broadcast_object_list(settings, src=0)
+    names = [None] * world
+    dist.all_gather_object(names, f"r{rank}")
+    os.write(1, (f"rank {rank} of {world} local {os.environ['LOCAL_RANK']} of {os.environ['LOCAL_WORLD_SIZE']} "
+                 f"node {os.environ['GROUP_RANK']} device {torch.cuda.current_device()} got {settings[0]} "
+                 f"names {names[0]} {names[rank]} {names[-1]}\\n").encode())
+    dist.destroy_process_group()
+""")
+
+
+def test_named_ranks_of_a_large_torchrun_job_each_run_alone_as_torchrun_would_start_them(torch, tmp_path):
+    (tmp_path / "alone.py").write_text(ALONE)
+    launch = ["torchrun", "--nnodes", "8", "--nproc_per_node=8", "alone.py"]
+    done = _emulated_ranks(tmp_path, "0,62-63", launch)
+    assert done.returncode == 0, done.stderr[-3000:]
+    # torchrun's environment for ranks 0, 62 and 63 of 8 nodes of 8; the object rank 0 broadcast reaches
+    # the others (it ran); a rank that did not run is taken to send what the receiving rank does
+    assert sorted(done.stdout.splitlines()) == [
+        "rank 0 of 64 local 0 of 8 node 0 device 0 got {'lr': 0.1, 'from': 0} names r0 r0 r63",
+        "rank 62 of 64 local 6 of 8 node 7 device 6 got {'lr': 0.1, 'from': 0} names r0 r62 r63",
+        "rank 63 of 64 local 7 of 8 node 7 device 7 got {'lr': 0.1, 'from': 0} names r0 r63 r63"]
+    runs = tmp_path / "runs"
+    assert sorted(p.name for p in runs.glob("*.pickle")) == ["rank0.pickle", "rank62.pickle", "rank63.pickle"]
+    manifest = _manifest(runs)
+    assert manifest["world_size"] == 64 and manifest["emulated_ranks"] == [0, 62, 63]
+    states = {r["rank"]: r["state"] for r in manifest["ranks"]}
+    assert [states[r] for r in (0, 62, 63)] == ["written"] * 3
+    assert {states[r] for r in range(1, 62)} == {"not emulated"}
+    assert "wrote 3 snapshots of a job of 64 ranks (ranks 0, 62-63, each run alone) to runs/" in done.stderr
+    # each file is its rank's: the (rank + 1) MiB it kept, on its own GPU
+    from memdiff.read.load import decode
+
+    for rank in (0, 62, 63):
+        snapshot = decode(str(runs / f"rank{rank}.pickle"))[0]
+        kept = [(device, e["size"]) for device, trace in enumerate(snapshot["device_traces"]) for e in trace
+                if e["action"] == "alloc" and e["size"] == (rank + 1) << 20]
+        assert kept == [(rank % 8, (rank + 1) << 20)]
+    # read like a whole job: no rank is missing, and the reader is told the others were not run
+    ranks = subprocess.run([sys.executable, "-m", "memdiff", "ranks", "runs/"], cwd=tmp_path, capture_output=True,
+                           text=True)
+    assert ranks.returncode == 0, ranks.stderr
+    assert "3 ranks of 64 ranks emulated, each alone (record --ranks 0,62-63): the others were not run" \
+        in ranks.stderr
+    # without rank 0, rank 63 hears from no one: the broadcast leaves its own list, the gather its own name
+    alone = _emulated_ranks(tmp_path, "63", launch)
+    assert alone.returncode == 0, alone.stderr[-3000:]
+    assert alone.stdout.splitlines() == ["rank 63 of 64 local 7 of 8 node 7 device 7 got None names r63 r63 r63"]
+    assert "runs/: rank0.pickle, rank62.pickle not from this run" in alone.stderr
+    # the first run's files left in the folder are not read as this job's
+    ranks = subprocess.run([sys.executable, "-m", "memdiff", "ranks", "runs/", "--format", "json"], cwd=tmp_path,
+                           capture_output=True, text=True)
+    assert ranks.returncode == 0, ranks.stderr
+    assert [r["rank"] for r in json.loads(ranks.stdout)["ranks"]] == [63]
+
+
+def test_ranks_that_name_no_rank_of_the_job_or_no_torchrun_job_are_one_line_exit_2(torch, tmp_path):
+    (tmp_path / "alone.py").write_text(ALONE)
+    for ranks, launch, said in (
+            ("8", ["torchrun", "--nproc-per-node", "8", "alone.py"], "the job has 8 ranks (1 node(s) of 8): no rank 8"),
+            ("0,x", ["torchrun", "alone.py"], "is no list of ranks"),
+            ("0", ["torchrun", "--nnodes", "1:4", "alone.py"], "torchrun's --nnodes 1:4 is no fixed count"),
+            ("0", [sys.executable, "alone.py"], "runs some ranks of a torchrun job")):
+        done = _emulated_ranks(tmp_path, ranks, launch)
+        lines = done.stderr.strip().splitlines()
+        assert done.returncode == 2 and len(lines) == 1 and said in lines[0], done.stderr
+    assert not (tmp_path / "runs").exists() or not list((tmp_path / "runs").glob("*.pickle"))
+
+
+def _emulated_ranks(cwd: Path, ranks: str, command: list) -> subprocess.CompletedProcess:
+    """`memdiff record --emulate h100 -o runs/ --ranks RANKS -- COMMAND`."""
+    return subprocess.run([sys.executable, "-m", "memdiff", "record", "--emulate", "h100", "-o", "runs/", "--ranks",
+                           ranks, "--", *command], cwd=cwd, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})

@@ -310,6 +310,22 @@ def test_a_recorded_jobs_manifest_keeps_an_earlier_runs_ranks_out(tmp_path, caps
     assert code == 2 and "no rank file of the job its memdiff-job.json describes (2 ranks)" in err
 
 
+def test_a_job_of_which_some_ranks_were_emulated_misses_none_of_the_others(tmp_path, capsys):
+    # record --ranks 0,63 of a 64-rank job: two files, the manifest naming the ranks run
+    folder = job(tmp_path / "runs", {r: rank_snapshot(100 * MiB) for r in (0, 5, 63)})
+    manifest = {"memdiff_job_version": 1, "world_size": 64, "emulated_ranks": [0, 63], "ranks": []}
+    (folder / "memdiff-job.json").write_text(json.dumps(manifest))
+    code, out, err = run(capsys, "ranks", folder)
+    assert code == 0 and out.startswith("2 ranks (0, 63)")
+    assert "2 ranks of 64 ranks emulated, each alone (record --ranks 0,63): the others were not run" in err
+    assert "rank5.pickle: not of this job" in err  # an earlier run's file of a rank not run now
+    # a manifest whose emulated ranks are not ranks of its job is bad input, one line
+    for bad in ([], [64], ["0"], [True], "0,63"):
+        (folder / "memdiff-job.json").write_text(json.dumps({**manifest, "emulated_ranks": bad}))
+        code, _, err = run(capsys, "ranks", folder)
+        assert code == 2 and "emulated_ranks must list ranks below world_size 64" in err, err
+
+
 def test_a_finding_that_fails_another_rank_is_listed_with_the_other_ranks(tmp_path, capsys):
     # Rank 1's head trace starts mid-run (a free of memory it never saw allocated); rank 0 grew most,
     # so it is shown in full, and rank 1's failing finding is listed with the other ranks.

@@ -24,7 +24,7 @@ from memdiff.commands.args import count_arg
 from memdiff.compare.baseline import stem
 from memdiff.errors import EXIT_BAD_INPUT, InputError
 from memdiff.inert import shell, text
-from memdiff.read.job import MAX_RANKS, rank_of, rank_patterns
+from memdiff.read.job import MAX_RANKS, ranges, rank_of, rank_patterns
 from memdiff.read.load import decode
 from memdiff.recording.capture import STACKS, StepWindow, parse_steps, record, recorded_nothing, sigint_held
 from memdiff.recording.emulate.allocator import AllocatorConfig
@@ -33,6 +33,7 @@ from memdiff.recording.emulate.escapes import escaped
 from memdiff.recording.emulate.gpus import gpu
 from memdiff.recording.emulate.gpus import names as gpu_names
 from memdiff.recording.emulate.overlay_calls import OWNED, ROOT, for_run
+from memdiff.recording.launch import Launch, parse_ranks, rank_env, read_torchrun
 from memdiff.recording.manifest import (
     COLLECTIVES,
     MANIFEST,
@@ -92,6 +93,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "emulated run never changes the user's files: all it writes, renames or deletes lands in an "
                         "overlay the run reads back (DIR/upper/<absolute path>), removed after the run without this "
                         "(docs/emulate.md, 'Your files')")
+    p.add_argument("--ranks", metavar="LIST",
+                   help="with --emulate and -o DIR/ around a torchrun command: run only these ranks of the job it "
+                        "describes (0,63 or 0-7,63), each alone in its own process with the environment torchrun gives "
+                        "it: any rank of a job of hundreds of GPUs from one CPU (docs/jobs.md)")
     p.add_argument("command", nargs=argparse.REMAINDER,
                    help="-- python SCRIPT ARGS | -- python -m MODULE ARGS "
                         "| with -o DIR/, any launcher: -- torchrun ...")
@@ -241,7 +246,7 @@ class _Forwarding:
 
     def __init__(self) -> None:
         self.received: List[int] = []
-        self.child: "Optional[subprocess.Popen[bytes]]" = None
+        self.children: "List[subprocess.Popen[bytes]]" = []  # the launcher, or each rank run alone (--ranks)
         self._pending: List[int] = []
         self._previous: Dict[int, Any] = {}
 
@@ -256,17 +261,16 @@ class _Forwarding:
 
     def _forward(self, signum: int, _frame: Any) -> None:
         self.received.append(signum)
-        if self.child is None:
-            self._pending.append(signum)  # the child is being started: passed on once it exists
-        elif self.child.poll() is None:
-            self.child.send_signal(signum)
+        self._pending.append(signum)  # for a child still being started: passed on once it exists
+        for child in self.children:
+            if child.poll() is None:
+                child.send_signal(signum)
 
     def started(self, child: "subprocess.Popen[bytes]") -> None:
-        """The child exists: pass on what came while it started, then each signal as it comes.
+        """A child exists: pass on what came while it started, then each signal as it comes.
         (A handler runs between two of this thread's bytecodes, so each signal goes once.)"""
-        self.child = child
-        while self._pending:
-            signum = self._pending.pop(0)
+        self.children.append(child)
+        for signum in self._pending:
             if child.poll() is None:
                 child.send_signal(signum)
 
@@ -283,7 +287,7 @@ class _JobOutcome:
 
 
 def _report_jobs(args: argparse.Namespace, folder: str, before: Dict[str, Dict[str, int]],
-                 status: int) -> _JobOutcome:
+                 status: int, emulated: Optional[List[int]]) -> _JobOutcome:
     """_report_job for the job of `folder` and each later job the command ran with the same ranks (a
     script that trains, then evaluates, each under torchrun: DIR/job2/, ...), their outcomes together."""
     jobs = [here for here in job_folders(folder) if here == folder or claimed(here)]
@@ -293,17 +297,19 @@ def _report_jobs(args: argparse.Namespace, folder: str, before: Dict[str, Dict[s
               f"folder of its own: {', '.join(shown)}", file=sys.stderr)
     outcomes = []
     for here, name in zip(jobs, shown):
-        outcomes.append(_report_job(here, before.get(here, {}), status, name))
+        outcomes.append(_report_job(here, before.get(here, {}), status, name, emulated))
         clear_claims(here)
     return _JobOutcome(*(sum((getattr(o, f.name) for o in outcomes), []) for f in fields(_JobOutcome)))
 
 
-def _report_job(folder: str, before: Dict[str, int], status: int, shown: str) -> _JobOutcome:
+def _report_job(folder: str, before: Dict[str, int], status: int, shown: str,
+                emulated: Optional[List[int]]) -> _JobOutcome:
     """Gather the ranks' statuses into the job's manifest (with how the command ended) and say what
-    the run wrote; `shown`: the folder as the user named it."""
+    the run wrote; `shown`: the folder as the user named it; `emulated`: the ranks run, when only some
+    were (--ranks)."""
     manifest = collect(folder)
     if manifest is not None:
-        manifest = replace(manifest, exit_status=status)
+        manifest = replace(manifest if emulated is None else manifest.only(emulated), exit_status=status)
         write_manifest(folder, manifest)
     names = [n for n in os.listdir(folder)
              if n.endswith(".pickle") and not n.startswith(".") and os.path.isfile(os.path.join(folder, n))]
@@ -312,7 +318,9 @@ def _report_job(folder: str, before: Dict[str, int], status: int, shown: str) ->
     stale = sorted((n for n in names if n in before and n not in written), key=_by_rank)
     if written:
         sizes = ", ".join(f"{n} {format_bytes(os.path.getsize(os.path.join(folder, n)))}" for n in written)
-        job = f" of a job of {manifest.world_size} rank{'s' if manifest.world_size != 1 else ''}" if manifest else ""
+        job = f" of a job of {manifest.world_size:,} rank{'s' if manifest.world_size != 1 else ''}" if manifest else ""
+        if manifest is not None and manifest.emulated is not None:
+            job += f" (rank{'s' if len(manifest.emulated) != 1 else ''} {ranges(manifest.emulated)}, each run alone)"
         # A job is read with `ranks`; files of processes without RANK are read one by one.
         read = (f"memdiff ranks {shell(shown)}" if manifest
                 else f"memdiff peak {shell(os.path.join(shown, written[0]))}")
@@ -407,6 +415,29 @@ def _children_said(processes: Optional[str], output: str) -> Optional[str]:
             f"snapshot of each")
 
 
+@dataclass(frozen=True)
+class _SomeRanks:
+    """The ranks of a torchrun job that --ranks runs, each alone."""
+
+    launch: Launch
+    ranks: List[int]
+
+
+def _some_ranks(args: argparse.Namespace, command: List[str]) -> Optional[_SomeRanks]:
+    """What --ranks asks to run, checked before anything runs; None without it."""
+    if args.ranks is None:
+        return None
+    if not args.emulate:
+        raise InputError("--ranks", "runs ranks of a job each alone, which only an emulated rank can (its "
+                                    "collectives wait for no one): give it with --emulate GPU")
+    ranks, launch = parse_ranks(args.ranks), read_torchrun(command)
+    beyond = [r for r in ranks if r >= launch.world_size]
+    if beyond:
+        raise InputError("--ranks", f"the job has {launch.world_size:,} ranks ({launch.nnodes} node(s) of "
+                                    f"{launch.nproc_per_node}): no rank {beyond[0]}")
+    return _SomeRanks(launch, ranks)
+
+
 def _run_launcher(args: argparse.Namespace) -> int:
     """Run a launcher (or any command) with every Python process it starts recorded into the folder.
 
@@ -420,6 +451,7 @@ def _run_launcher(args: argparse.Namespace) -> int:
             AllocatorConfig.parse(os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""))
         except ValueError as exc:
             raise InputError("PYTORCH_CUDA_ALLOC_CONF", str(exc)) from None
+    ranks = _some_ranks(args, command)
     folder = os.path.abspath(args.output)
     os.makedirs(folder, exist_ok=True)
     clear_statuses(folder)
@@ -430,16 +462,24 @@ def _run_launcher(args: argparse.Namespace) -> int:
     env = {k: v for k, v in {**os.environ, **_hook_env(args, folder)}.items() if v is not None}
     with _overlay(args, [folder], folder, _script(command)), _Forwarding() as forwarding:
         env.update((k, os.environ[k]) for k in (ROOT, OWNED) if k in os.environ)
-        child = subprocess.Popen(command, env=env)
-        forwarding.started(child)
-        child.wait()
+        if ranks is None:
+            forwarding.started(subprocess.Popen(command, env=env))
+        else:  # each named rank alone, as torchrun would have started it (launch.py)
+            for rank in ranks.ranks:
+                alone = {**env, **rank_env(ranks.launch, rank, ranks.ranks, port=29500)}
+                if ranks.launch.nproc_per_node > 1 and "OMP_NUM_THREADS" not in os.environ:
+                    alone["OMP_NUM_THREADS"] = "1"  # torchrun's own default for several ranks on a node
+                forwarding.started(subprocess.Popen(ranks.launch.target, env=alone))
+        for child in forwarding.children:
+            child.wait()
     shutil.rmtree(collectives, ignore_errors=True)
     interrupted = forwarding.received[0] if forwarding.received else None
     if interrupted is not None:  # Ctrl-C: 130, as a shell says; SIGTERM: 143
         status = 130 if interrupted == signal.SIGINT else 128 + interrupted
-    else:
-        status = child.returncode if child.returncode >= 0 else 128 - child.returncode
-    outcome = _report_jobs(args, folder, before, status)
+    else:  # the command's; of ranks run alone, the first rank's that failed
+        codes = [c.returncode if c.returncode >= 0 else 128 - c.returncode for c in forwarding.children]
+        status = next((code for code in codes if code), 0)
+    outcome = _report_jobs(args, folder, before, status, ranks.ranks if ranks is not None else None)
     for line in outcome.died + outcome.lost:
         print(f"memdiff: {line}", file=sys.stderr)
     if not outcome.written and not outcome.lost:

@@ -87,6 +87,7 @@ class Job:
     beyond: List[str] = field(default_factory=list)  # ranks past the manifest's world size: an earlier run's
     world_size: Optional[int] = None
     exit_status: Optional[int] = None  # how the recorded job's command ended, as its manifest says
+    emulated: Optional[List[int]] = None  # the ranks that ran, when only some did (record --ranks); None: all
 
     def unfinished(self) -> Optional[str]:
         """Why the job's memory is no finished run's, when its manifest says its command failed."""
@@ -105,6 +106,10 @@ class Job:
         if self.beyond:
             parts.append(f"{_shown(self.beyond)}: not of this job, whose {MANIFEST} says "
                          f"{count_of(self.world_size or 0, 'rank')} (an earlier run's?): not read")
+        if self.emulated is not None:
+            parts.append(f"{count_of(len(self.emulated), 'rank')} of {count_of(self.world_size or 0, 'rank')} "
+                         f"emulated, each alone (record --ranks {ranges(self.emulated).replace(', ', ',')}): "
+                         f"the others were not run")
         unfinished = self.unfinished()
         if unfinished:
             parts.append(unfinished)
@@ -153,19 +158,23 @@ def discover(arg: str, rank_pattern: Optional[str] = None, allow_missing: bool =
     world_size = recorded.world_size if recorded else None
     # The manifest of the run that wrote the folder says which ranks are its: files of higher
     # ranks are an earlier, larger run's, left in the folder, and never read as this job's.
-    beyond = sorted((r for r in by_rank if world_size is not None and r >= world_size))
+    # So are files of ranks its manifest says were not run (record --ranks).
+    emulated = recorded.emulated if recorded else None
+    beyond = sorted((r for r in by_rank if (world_size is not None and r >= world_size)
+                     or (emulated is not None and r not in emulated)))
     beyond_names = [os.path.basename(by_rank.pop(r)) for r in beyond]
     if not by_rank:
         raise InputError(arg, f"no rank file of the job its {MANIFEST} describes "
                               f"({count_of(world_size or 0, 'rank')}): {_shown(beyond_names)} are of an earlier run")
     expected = max(max(by_rank) + 1, world_size or 0)
-    missing = [r for r in range(expected) if r not in by_rank]
+    # A job of which only some ranks were emulated (--ranks) misses none of the others.
+    missing = [r for r in range(expected) if r not in by_rank and (emulated is None or r in emulated)]
     if missing and not allow_missing:
         said = f" (its {MANIFEST} says {world_size})" if world_size and world_size > max(by_rank) + 1 else ""
         raise InputError(arg, f"{len(missing):,} rank(s) missing of 0-{expected - 1}{said}: {ranges(missing)} "
                               f"(--allow-missing-ranks to read the job anyway)")
     return Job([RankFile(rank, by_rank[rank]) for rank in sorted(by_rank)], missing, extra, beyond_names, world_size,
-               recorded.exit_status if recorded else None)
+               recorded.exit_status if recorded else None, emulated)
 
 
 def ranges(numbers: Sequence[int]) -> str:

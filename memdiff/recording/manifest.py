@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import os
 import re
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any, Dict, List, Optional, Tuple
 
 from memdiff.atomic import write_output
@@ -40,6 +40,8 @@ WRITTEN, FAILED, NOTHING, UNFINISHED, NOT_STARTED = ("written", "failed", "nothi
                                                      "not started")
 # The process ran memdiff's hook and had not imported torch (yet); it ended without importing torch.
 BEFORE_TORCH, NO_TORCH = "before torch", "no torch"
+# A rank of the job that memdiff record did not run: only some were (--ranks, launch.py).
+NOT_EMULATED = "not emulated"
 
 
 @dataclass(frozen=True)
@@ -82,16 +84,25 @@ class JobManifest:
     world_size: int
     ranks: List[RankRecording]
     exit_status: Optional[int] = None  # the launched command's; 130 / 143 when interrupted
+    emulated: Optional[List[int]] = None  # the ranks run when only some were (--ranks); None: all
+
+    def only(self, emulated: List[int]) -> "JobManifest":
+        """The manifest of a job of which only the ranks `emulated` ran: the others are `not emulated`,
+        never missing."""
+        ranks = [replace(r, state=NOT_EMULATED) if r.rank not in emulated and r.state == NOT_STARTED else r
+                 for r in self.ranks]
+        return replace(self, ranks=ranks, emulated=sorted(emulated))
 
     def missing(self, folder: str) -> List[RankRecording]:
         """The ranks that left no snapshot in `folder`."""
-        return [r for r in self.ranks
-                if r.state != WRITTEN or not r.file or not os.path.isfile(os.path.join(folder, r.file))]
+        return [r for r in self.ranks if r.state != NOT_EMULATED and (
+            r.state != WRITTEN or not r.file or not os.path.isfile(os.path.join(folder, r.file)))]
 
     def to_dict(self) -> Dict[str, Any]:
         """The JSON form written to memdiff-job.json."""
         return {"memdiff_job_version": MANIFEST_VERSION, "world_size": self.world_size,
                 "exit_status": self.exit_status,
+                **({"emulated_ranks": self.emulated} if self.emulated is not None else {}),
                 "ranks": [{k: v for k, v in asdict(r).items() if v is not None} for r in self.ranks]}
 
 
@@ -223,6 +234,7 @@ class RecordedJob:
 
     world_size: int
     exit_status: Optional[int]  # None: a manifest that does not say (or the command's own 0)
+    emulated: Optional[List[int]] = None  # the ranks that ran, when only some did (--ranks); None: all
 
 
 def read_manifest(folder: str) -> Optional[RecordedJob]:
@@ -239,4 +251,8 @@ def read_manifest(folder: str) -> Optional[RecordedJob]:
     status = document.get("exit_status")
     if status is not None and not (isinstance(status, int) and not isinstance(status, bool) and 0 <= status < 256):
         raise InputError(path, f"exit_status must be an exit status (0-255), not {brief(status)}")
-    return RecordedJob(size, status)
+    emulated = document.get("emulated_ranks")
+    if emulated is not None and not (isinstance(emulated, list) and emulated and all(
+            isinstance(r, int) and not isinstance(r, bool) and 0 <= r < size for r in emulated)):
+        raise InputError(path, f"emulated_ranks must list ranks below world_size {size}, not {brief(emulated)}")
+    return RecordedJob(size, status, emulated)

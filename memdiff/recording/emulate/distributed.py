@@ -21,6 +21,7 @@ same parameters reads its own shapes back, and so passes.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import json
 import os
 import sys
@@ -245,7 +246,8 @@ def fake_process_groups(emulator: Any) -> Iterator[None]:
         import torch.testing._internal.distributed.fake_pg  # noqa: F401
     except ImportError:
         pass
-    wrappers = {"init_process_group": _init, "new_group": _new_group, "get_backend": _get_backend}
+    wrappers = {"init_process_group": _init, "new_group": _new_group, "get_backend": _get_backend,
+                "broadcast_object_list": _from_source, "scatter_object_list": _from_source}
     answers: Dict[str, Any] = {"is_nccl_available": lambda: True}
     replaced: List[Tuple[Any, str, Any]] = []
     for name, wrap in wrappers.items():
@@ -277,6 +279,29 @@ def fake_process_groups(emulator: Any) -> Iterator[None]:
         replaced.append((dist, name, value))
     with swap.replaced(replaced):
         yield
+
+
+def _from_source(real: Callable[..., Any]) -> Callable[..., Any]:
+    """broadcast_object_list and scatter_object_list on a rank that cannot hear from their source (a
+    rank run alone, or one whose source `--ranks` did not run): the list stays as this rank has it, as
+    a broadcast leaves a tensor. (Through the collectives, the size it received would read as 0, and
+    unpickling an object of 0 bytes fails inside torch.)"""
+    signature = inspect.signature(real)
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        import torch.distributed as dist
+
+        try:
+            given = signature.bind(*args, **kwargs).arguments
+        except TypeError:  # torch's own error for the call
+            return real(*args, **kwargs)
+        group, src, group_src = given.get("group"), given.get("src"), given.get("group_src")
+        if src is None:
+            src = dist.get_global_rank(group or dist.group.WORLD, group_src) if group_src is not None else 0
+        if not dist.is_initialized() or dist.get_rank() == src or exchange.hears_from(src):
+            return real(*args, **kwargs)
+        return None
+    return call
 
 
 class ProcessGroupNCCL:

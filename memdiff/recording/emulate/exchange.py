@@ -11,7 +11,8 @@ receive them, through a file per collective in the job's folder: `DIR/.collectiv
 the order the script runs them, as NCCL requires; a rank waits for its senders as long as its process
 group's timeout, and stops at once, with CUDA's kind of error, when the sender ended without sending.
 A process outside a launched job (one rank run alone) has no one to hear from: its collectives leave
-its own values (distributed.py's rule).
+its own values (distributed.py's rule). So does a rank for the ranks `memdiff record --ranks` did not
+run (launch.py): it hears only from the ranks that run.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
+from memdiff.recording.launch import RANKS
 from memdiff.recording.manifest import COLLECTIVES
 
 # The hook's states for a process that has ended (rank_hook/sitecustomize.py): it will send nothing more.
@@ -34,6 +36,8 @@ ENDED = {"written", "failed", "nothing recorded", "no torch"}
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)
 # The job's folder, read once: memdiff record sets it in every process it starts.
 _JOB = os.environ.get("MEMDIFF_RECORD_DIR")
+# The ranks of the job that run, when only some do (memdiff record --ranks: launch.py); None: all.
+_RUNNING = frozenset(int(r) for r in os.environ[RANKS].split(",")) if os.environ.get(RANKS) else None
 # The real file functions, taken before the emulator's guards of the user's files replace them: these
 # files are memdiff's own, in its output folder.
 _open, _replace, _exists, _makedirs = open, os.replace, os.path.exists, os.makedirs
@@ -115,6 +119,12 @@ def start(timeout: Optional[datetime.timedelta]) -> None:
     _exchange[:] = [Exchange(_JOB, timeout or DEFAULT_TIMEOUT)] if _JOB else []
 
 
+def hears_from(rank: int) -> bool:
+    """Whether this process hears what global `rank` sends: it is a rank of a launched job, and `rank`
+    runs (all do, unless --ranks named some)."""
+    return current() is not None and (_RUNNING is None or rank in _RUNNING)
+
+
 def current() -> Optional[Exchange]:
     """This process's exchange, None outside a launched job (or before a process group)."""
     return _exchange[0] if _exchange else None
@@ -140,10 +150,15 @@ def carry(base: str, args: Tuple, values: Any) -> bool:
         return False
     name = exchange.next(str(pg.group_name))
 
-    def hear(rank: int) -> Sent:
+    def hear(rank: int) -> Optional[Sent]:
+        """What group rank `rank` sent; None for a rank of the job that does not run (--ranks): this
+        rank then keeps its own values for it, as a rank run alone does."""
         import torch.distributed as dist
 
-        return exchange.receive(name, rank, dist.get_global_rank(pg, rank), f"{base.strip('_')} #{name}")
+        sender = dist.get_global_rank(pg, rank)
+        if not hears_from(sender):
+            return None
+        return exchange.receive(name, rank, sender, f"{base.strip('_')} #{name}")
 
     def send(tensors: Any) -> Sent:
         sent = [_value(values, t) for t in tensors]
@@ -163,14 +178,16 @@ def _broadcast(values: Any, args: Tuple, me: int, send: Any, hear: Any) -> None:
     if me == root:
         send(tensors)
         return
-    for t, value in zip(tensors, hear(root)):
+    for t, value in zip(tensors, hear(root) or ()):  # a root that does not run: this rank's own values
         _set(values, t, value)
 
 
 def _scatter(values: Any, args: Tuple, me: int, send: Any, hear: Any) -> None:
     """scatter_: the root sends each rank its slot of its list."""
     root = int(args[3])
-    sent: Sent = send(list(args[1][0]) if args[1] else []) if me == root else hear(root)
+    sent: Optional[Sent] = send(list(args[1][0]) if args[1] else []) if me == root else hear(root)
+    if sent is None:  # a root that does not run: this rank keeps its own values
+        return
     for t in args[0]:
         _set(values, t, sent[me] if len(sent) > me else None)
 
@@ -181,7 +198,8 @@ def _gather(values: Any, base: str, args: Tuple, me: int, size: int, send: Any, 
     mine: Sent = send([args[1]] if base == "_allgather_base_" else list(args[1]))
     if base == "gather_" and me != int(args[3]):
         return
-    sent = [mine if r == me else hear(r) for r in range(size)]
+    # a rank that does not run (--ranks) is taken to send what this one does, as a rank run alone takes it
+    sent = [mine if r == me else _or(hear(r), mine) for r in range(size)]
     if base == "_allgather_base_":
         parts = [s[0] if s else None for s in sent]
         whole = None if any(p is None for p in parts) else torch.cat([p.reshape(-1) for p in parts if p is not None])
@@ -191,6 +209,10 @@ def _gather(values: Any, base: str, args: Tuple, me: int, size: int, send: Any, 
     for i, slots in enumerate(args[0]):
         for r, slot in enumerate(slots):
             _set(values, slot, sent[r][i] if i < len(sent[r]) else None)
+
+
+def _or(heard: Optional[Sent], mine: Sent) -> Sent:
+    return mine if heard is None else heard
 
 
 def _group(boxed: Any) -> Any:

@@ -1,0 +1,126 @@
+"""Some ranks of a large job, each run alone: a torchrun command read for the job it describes.
+
+Under emulation each rank already runs alone: its collectives complete at once and move nothing, so
+rank 63 of a 512-GPU job needs neither the other 511 processes nor their GPUs. `memdiff record
+--emulate GPU -o DIR/ --ranks 0,63 -- torchrun --nnodes 64 --nproc-per-node 8 train.py` reads the
+job from torchrun's own options (its nodes, processes per node, the script or module and its
+arguments) and starts only the named ranks, each in a process of its own with the environment
+torchrun gives that rank (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK, ...). Time and
+memory grow with the ranks run, not with the world size. The values collectives carry between
+ranks (exchange.py) come only from the ranks that run: a rank that would hear from one that does
+not keeps its own values, as a rank run alone does.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Set
+
+from memdiff.errors import InputError
+
+# Told to every rank run this way: the ranks that run (exchange.py hears only from them).
+RANKS = "MEMDIFF_RECORD_RANKS"
+MAX_WORLD = 1 << 20  # more ranks than any job has: a typo, not a job
+
+# torchrun's options that take a value (either spelling), and those that take none.
+_VALUED = {f"--{name}" for name in (
+    "nnodes", "nproc-per-node", "node-rank", "master-addr", "master-port", "rdzv-backend", "rdzv-endpoint",
+    "rdzv-id", "rdzv-conf", "max-restarts", "monitor-interval", "start-method", "role", "log-dir", "redirects",
+    "tee", "local-ranks-filter", "logs-specs", "local-addr", "event-log-handler", "numa-binding",
+    "signals-to-handle", "virtual-local-rank", "duplicate-stdout-filters", "duplicate-stderr-filters")} | {"-r", "-t"}
+_FLAGS = {"--standalone", "--no-python", "--module", "-m", "--run-path"}
+
+
+@dataclass(frozen=True)
+class Launch:
+    """The job a torchrun command describes: its size and what each rank runs."""
+
+    nnodes: int
+    nproc_per_node: int
+    target: List[str]  # the command of one rank: python SCRIPT ARGS, python -m MODULE ARGS, or a program
+
+    @property
+    def world_size(self) -> int:
+        """How many ranks the job has."""
+        return self.nnodes * self.nproc_per_node
+
+
+def parse_ranks(text: str) -> List[int]:
+    """`0,63` or `0-7,63` as the sorted ranks it names; InputError when it names none or is not ranks."""
+    ranks: Set[int] = set()
+    for part in text.split(","):
+        first, dash, last = part.strip().partition("-")
+        if not first.isdigit() or (dash and not last.isdigit()):
+            raise InputError("--ranks", f"{text!r} is no list of ranks: give ranks and ranges, e.g. 0,63 or 0-7,63")
+        low, high = int(first), int(last) if dash else int(first)
+        if high < low or high >= MAX_WORLD:
+            raise InputError("--ranks", f"{part.strip()!r} is no range of ranks (low-high, below {MAX_WORLD:,})")
+        ranks.update(range(low, high + 1))
+    return sorted(ranks)
+
+
+def _spelled(option: str) -> str:
+    """--nproc_per_node and --nproc-per-node are one option to torchrun."""
+    return option.replace("_", "-") if option.startswith("--") else option
+
+
+def _count(option: str, value: Optional[str]) -> int:
+    """A count torchrun was given; elastic MIN:MAX only where MIN is MAX (a size must be known)."""
+    low, _, high = (value or "").partition(":")
+    if low.isdigit() and (not high or high == low) and int(low) > 0:
+        return int(low)
+    raise InputError("--ranks", f"torchrun's {option} {value} is no fixed count: give {option} N to say the job's size")
+
+
+def read_torchrun(command: List[str]) -> Launch:
+    """The job of `torchrun ...` or `python -m torch.distributed.run ...`; InputError for any other
+    command (--ranks reads torchrun's options only) or a size it does not fix."""
+    if command[:1] == ["torchrun"] or command[0].endswith("/torchrun"):
+        options = command[1:]
+    elif len(command) >= 3 and command[1:3] == ["-m", "torch.distributed.run"]:
+        options = command[3:]
+    else:
+        raise InputError("--ranks", "runs some ranks of a torchrun job: give `-- torchrun [options] train.py ...` "
+                                    "(or python -m torch.distributed.run); other launchers are not read yet")
+    given: Dict[str, Optional[str]] = {}
+    i = 0
+    while i < len(options) and options[i].startswith("-"):
+        option, eq, value = options[i].partition("=")
+        option = _spelled(option)
+        if option in _FLAGS:
+            given[option] = None
+            i += 1
+        elif option in _VALUED:
+            if not eq:
+                i += 1
+                value = options[i] if i < len(options) else ""
+            given[option] = value
+            i += 1
+        else:
+            raise InputError("--ranks", f"torchrun's option {option} is not one memdiff reads: give the job's "
+                                        f"size with --nnodes and --nproc-per-node")
+    rest = options[i:]
+    if not rest:
+        raise InputError("--ranks", "the torchrun command names no script to run")
+    nproc = _count("--nproc-per-node", given.get("--nproc-per-node", "1"))
+    nnodes = _count("--nnodes", given.get("--nnodes", "1"))
+    if "--no-python" in given:
+        target = rest
+    elif "--module" in given or "-m" in given:
+        target = [sys.executable, "-m", *rest]
+    else:
+        target = [sys.executable, "-u", *rest]  # torchrun runs each rank's Python unbuffered
+    return Launch(nnodes, nproc, target)
+
+
+def rank_env(launch: Launch, rank: int, ranks: List[int], port: int) -> Dict[str, str]:
+    """The environment torchrun gives `rank` of the job (one node's agent per `nproc_per_node` ranks),
+    with the ranks that run, for the collectives."""
+    local, node = rank % launch.nproc_per_node, rank // launch.nproc_per_node
+    return {"RANK": str(rank), "LOCAL_RANK": str(local), "WORLD_SIZE": str(launch.world_size),
+            "LOCAL_WORLD_SIZE": str(launch.nproc_per_node), "GROUP_RANK": str(node), "GROUP_WORLD_SIZE":
+            str(launch.nnodes), "ROLE_RANK": str(rank), "ROLE_NAME": "default", "ROLE_WORLD_SIZE":
+            str(launch.world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+            "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0", "TORCHELASTIC_RUN_ID": "none",
+            "TORCHELASTIC_USE_AGENT_STORE": "False", RANKS: ",".join(map(str, ranks))}
