@@ -22,10 +22,12 @@ from test_record_ranks import free_port, torchrun
 pytestmark = pytest.mark.slow
 
 
-def _emulated(cwd: Path, output: str, *command: str) -> subprocess.CompletedProcess:
-    """`memdiff record --emulate h100 -o OUTPUT -- COMMAND`, on a node that says nothing of its GPUs."""
+def _emulated(cwd: Path, output: str, *command: str, ranks: str = "") -> subprocess.CompletedProcess:
+    """`memdiff record --emulate h100 -o OUTPUT [--ranks RANKS] -- COMMAND`, on a node that says nothing
+    of its GPUs."""
     env = {k: v for k, v in os.environ.items() if k not in ("CUDA_VISIBLE_DEVICES", "LOCAL_WORLD_SIZE")}
-    return subprocess.run([sys.executable, "-m", "memdiff", "record", "--emulate", "h100", "-o", output, "--",
+    some = ["--ranks", ranks] if ranks else []
+    return subprocess.run([sys.executable, "-m", "memdiff", "record", "--emulate", "h100", "-o", output, *some, "--",
                            *command], cwd=cwd, capture_output=True, text=True, timeout=600,
                           env={**env, "OMP_NUM_THREADS": "1"})
 
@@ -457,7 +459,7 @@ ALONE = textwrap.dedent("""
 def test_named_ranks_of_a_large_torchrun_job_each_run_alone_as_torchrun_would_start_them(torch, tmp_path):
     (tmp_path / "alone.py").write_text(ALONE)
     launch = ["torchrun", "--nnodes", "8", "--nproc_per_node=8", "alone.py"]
-    done = _emulated_ranks(tmp_path, "0,62-63", launch)
+    done = _emulated(tmp_path, "runs/", *launch, ranks="0,62-63")
     assert done.returncode == 0, done.stderr[-3000:]
     # torchrun's environment for ranks 0, 62 and 63 of 8 nodes of 8; the object rank 0 broadcast reaches
     # the others (it ran); a rank that did not run is taken to send what the receiving rank does
@@ -488,7 +490,7 @@ def test_named_ranks_of_a_large_torchrun_job_each_run_alone_as_torchrun_would_st
     assert "3 ranks of 64 ranks emulated, each alone (record --ranks 0,62-63): the others were not run" \
         in ranks.stderr
     # without rank 0, rank 63 hears from no one: the broadcast leaves its own list, the gather its own name
-    alone = _emulated_ranks(tmp_path, "63", launch)
+    alone = _emulated(tmp_path, "runs/", *launch, ranks="63")
     assert alone.returncode == 0, alone.stderr[-3000:]
     assert alone.stdout.splitlines() == ["rank 63 of 64 local 7 of 8 node 7 device 7 got None names r63 r63 r63"]
     assert "runs/: rank0.pickle, rank62.pickle not from this run" in alone.stderr
@@ -506,14 +508,25 @@ def test_ranks_that_name_no_rank_of_the_job_or_no_torchrun_job_are_one_line_exit
             ("0,x", ["torchrun", "alone.py"], "is no list of ranks"),
             ("0", ["torchrun", "--nnodes", "1:4", "alone.py"], "torchrun's --nnodes 1:4 is no fixed count"),
             ("0", [sys.executable, "alone.py"], "runs some ranks of a torchrun job")):
-        done = _emulated_ranks(tmp_path, ranks, launch)
+        done = _emulated(tmp_path, "runs/", *launch, ranks=ranks)
         lines = done.stderr.strip().splitlines()
         assert done.returncode == 2 and len(lines) == 1 and said in lines[0], done.stderr
     assert not (tmp_path / "runs").exists() or not list((tmp_path / "runs").glob("*.pickle"))
 
 
-def _emulated_ranks(cwd: Path, ranks: str, command: list) -> subprocess.CompletedProcess:
-    """`memdiff record --emulate h100 -o runs/ --ranks RANKS -- COMMAND`."""
-    return subprocess.run([sys.executable, "-m", "memdiff", "record", "--emulate", "h100", "-o", "runs/", "--ranks",
-                           ranks, "--", *command], cwd=cwd, capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+def test_a_rank_run_alone_allocates_byte_for_byte_as_in_the_whole_job(torch, tmp_path):
+    # FSDP2 (tests/scenarios/fsdp_train.py) on two ranks: rank 1 of the whole job, and rank 1 alone
+    # (--ranks 1), make the same allocations and frees in the same order, to the byte.
+    from memdiff.read.load import decode
+
+    script = str(Path(__file__).parent / "scenarios" / "fsdp_train.py")
+    launch = ["torchrun", "--nproc-per-node", "2", script, "--cuda"]
+    whole = _emulated(tmp_path, "whole/", *launch)
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    alone = _emulated(tmp_path, "alone/", *launch, ranks="1")
+    assert alone.returncode == 0, alone.stderr[-3000:]
+    traces = []
+    for folder in ("whole", "alone"):
+        snapshot = decode(str(tmp_path / folder / "rank1.pickle"))[0]
+        traces.append([(e["action"], e["size"], e["stream"]) for trace in snapshot["device_traces"] for e in trace])
+    assert len(traces[0]) > 100 and traces[0] == traces[1]
