@@ -32,7 +32,7 @@ from memdiff.recording.emulate import (
 from memdiff.recording.emulate.devices import cuda_index, first_meta
 from memdiff.recording.emulate.escapes import called_at, op_refusal
 from memdiff.recording.emulate.runtime import ALL_ELEMENTS_OPS, HERE, EmulationError, Emulator, op_name, python_frames
-from memdiff.recording.emulate.values import Values, read_back_scalar
+from memdiff.recording.emulate.values import Values, read_back_host, read_back_scalar
 
 META = torch.device("meta")
 TensorBase = torch._C.TensorBase
@@ -461,11 +461,11 @@ class AllocMode(TorchDispatchMode):
                 return read[0]
         elif base == "copy_" and len(args) > 1 and _is_meta(args[1]) and isinstance(first, torch.Tensor):
             # A host tensor filled from the device: its known values (a size DDP checks, a count), else
-            # zeros, as read-backs are.
+            # what a host copy reads (values.read_back_host).
             known = self.values.of(args[1])
             if known is not None and known.shape == first.shape:
                 return first.copy_(known)
-            return first.zero_()
+            return first.fill_(read_back_scalar(first.dtype))
         kernel = rnn.KERNELS.get(base)
         if kernel is not None and _is_meta(first):  # cuDNN's RNN kernels: no meta kernel gives their buffers
             return kernel(self.emulator, func, args, kwargs)
@@ -547,7 +547,7 @@ class AllocMode(TorchDispatchMode):
 
     def read_back(self, base: str, first: torch.Tensor, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
         """What ops that read values give without them (values.py's policy): a number the stand-in, a host
-        copy zeros."""
+        copy that number in every element."""
         known = self.values.of(first)
         if base == "_local_scalar_dense":
             if known is not None:
@@ -557,7 +557,7 @@ class AllocMode(TorchDispatchMode):
             dtype = kwargs.get("dtype") or first.dtype
             if known is not None:
                 return (known.to(dtype=dtype, copy=True),)
-            return (torch.zeros(first.shape, dtype=dtype, device="cpu"),)
+            return (read_back_host(tuple(first.shape), dtype),)
         return None
 
     def sized_by_values(self, func: Any, base: str, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:

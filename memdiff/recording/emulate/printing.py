@@ -3,7 +3,7 @@
 torch's own printing runs with the device mode off (a torch function's handler always does), so it
 would see a meta tensor and print `tensor(..., device='meta', size=...)`, and `Tensor.__format__`
 refuses a format spec for one. Here the numbers come from the emulator's read-back rule (values.py:
-the values it knows, else zeros), formatted by torch's own formatter, and the rest of the text
+the values it knows, else what a host copy reads), formatted by torch's own formatter, and the rest of the text
 (device, dtype, grad_fn, requires_grad) is torch's own too, read with the device mode on, so it
 says `device='cuda:0'`.
 
@@ -20,7 +20,7 @@ from typing import Any, Optional
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
-from memdiff.recording.emulate.values import MAX_ELEMENTS
+from memdiff.recording.emulate.values import MAX_ELEMENTS, read_back_host
 
 
 def formatted(mode: Any, t: torch.Tensor, spec: str) -> str:
@@ -44,9 +44,10 @@ def printed(mode: Any, t: torch.Tensor, contents: Optional[str] = None) -> str:
 
 
 def _read_back(t: torch.Tensor) -> torch.Tensor:
-    """A host tensor holding what `t.cpu()` would: its known values, else zeros. A tensor too large to
-    have known values is zeros without being made (a GPU's print reads only the elements it shows)."""
+    """A host tensor holding what `t.cpu()` would: its known values, else values.read_back_host's. A
+    tensor too large to have known values is that without being made (a GPU's print reads only the
+    elements it shows)."""
     with torch.no_grad():
         if t.numel() <= MAX_ELEMENTS:
             return t.detach().to("cpu")
-        return torch.zeros((), dtype=t.dtype).expand(t.shape)
+        return read_back_host((), t.dtype).expand(t.shape)

@@ -12,9 +12,9 @@ which find none.
 
 What a read-back gives where there is no value to read is one policy (docs/emulate.md, "Values read
 back"): a Python number (`.item()`, `float(t)`, a format) is the stand-in of `read_back_scalar`, a
-host copy (`.cpu()`, `.numpy()`, `.tolist()`) is zeros, uninitialised memory (`torch.empty`) holds
-zeros, and the checks for an inf or a NaN (`isfinite`, `isnan`, ...) answer as for finite numbers:
-emulated tensors hold none.
+host copy (`.cpu()`, `.numpy()`, `.tolist()`) holds that number in every element, uninitialised
+memory (`torch.empty`) holds zeros, and the checks for an inf or a NaN (`isfinite`, `isnan`, ...)
+answer as for finite numbers: emulated tensors hold none.
 """
 
 from __future__ import annotations
@@ -155,6 +155,14 @@ def _is_view(func: Any) -> bool:
     """Whether op `func` returns views of its input (slice, view, select), whose values cost no memory."""
     returns = func._schema.returns
     return bool(returns) and all(r.alias_info is not None and not r.alias_info.is_write for r in returns)
+
+
+def read_back_host(shape: Tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """The host copy (`.cpu()`, `.numpy()`, `.tolist()`, a print) of a device tensor whose values the
+    emulator does not know: every element read_back_scalar's number, so that host arithmetic on it
+    runs where the GPU's would (`torch.multinomial(logits.exp().cpu(), 1)` samples, where zeros would
+    be no distribution at all)."""
+    return torch.full(shape, read_back_scalar(dtype), dtype=dtype)
 
 
 def read_back_scalar(dtype: torch.dtype) -> Any:
