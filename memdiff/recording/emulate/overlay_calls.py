@@ -261,7 +261,29 @@ def _routes(overlay: Overlay) -> List[Tuple[Any, str, Any]]:
     # shutil.rmtree's descriptor-based walk (os.open of a folder, then unlink(dir_fd=)) would go around
     # the routes: its path-based walk uses them
     routes.append((shutil, "_use_fd_functions", False))
-    return routes
+    return routes + _bound_by_name(routes)
+
+
+def _bound_by_name(routes: List[Tuple[Any, str, Any]]) -> List[Tuple[Any, str, Any]]:
+    """The same routes for the modules that bound a routed function under a name of their own when
+    they were imported (tarfile's `from builtins import open as bltn_open`, a `from os import remove`):
+    they call it directly, around the routes, and the audit hook could only stop their writes (a tar
+    archive extracted by the script). memdiff's own modules keep the real functions: the overlay's
+    own work must never go through its routing."""
+    routed = {id(_real_open): next(value for owner, name, value in routes if owner is io and name == "open")}
+    routed.update((id(_real[name]), value) for owner, name, value in routes if owner is os and name in _real)
+    found = []
+    for module_name, module in list(sys.modules.items()):
+        if module is None or module_name.startswith("memdiff") or module in (io, os, shutil) or \
+                module_name in ("builtins", "posix", "nt", "_io"):
+            continue
+        try:
+            names = list(vars(module).items())
+        except TypeError:  # a module stand-in without a __dict__
+            continue
+        found += [(module, name, routed[id(value)]) for name, value in names
+                  if callable(value) and id(value) in routed and not name.startswith("__")]
+    return found
 
 
 def _gone(path: Any) -> str:
