@@ -530,3 +530,37 @@ def test_a_rank_run_alone_allocates_byte_for_byte_as_in_the_whole_job(torch, tmp
         snapshot = decode(str(tmp_path / folder / "rank1.pickle"))[0]
         traces.append([(e["action"], e["size"], e["stream"]) for trace in snapshot["device_traces"] for e in trace])
     assert len(traces[0]) > 100 and traces[0] == traces[1]
+
+
+# Workers a script starts itself and never checks (pytorch/examples' mnist_hogwild joins them and
+# moves on): one of them fails.
+UNCHECKED = textwrap.dedent("""
+    import torch
+    import torch.multiprocessing as mp
+
+
+    def work(index):
+        x = torch.ones(1 << 20, device="cuda")
+        if index == 1:
+            raise ValueError(f"worker {index} found no data")
+
+
+    if __name__ == "__main__":
+        workers = [mp.get_context("spawn").Process(target=work, args=(i,)) for i in range(2)]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join()
+        print("done")
+""")
+
+
+def test_a_worker_process_that_died_is_named_and_fails_the_job_though_the_script_ignores_it(torch, tmp_path):
+    (tmp_path / "unchecked.py").write_text(UNCHECKED)
+    done = _emulated(tmp_path, "runs/", sys.executable, "unchecked.py")
+    assert done.stdout.splitlines() == ["done"]
+    assert done.returncode == 1, done.stderr[-3000:]
+    # multiprocessing prints the worker's traceback and ends it with exit status 1; memdiff names it
+    assert "ValueError: worker 1 found no data" in done.stderr
+    said = [s for s in done.stderr.splitlines() if s.startswith("memdiff: process ") and " died: " in s]
+    assert len(said) == 1 and "spawn_main" in said[0] and said[0].endswith("died: exit status 1"), done.stderr[-3000:]

@@ -282,7 +282,7 @@ class _JobOutcome:
     written: List[str]  # snapshot files this run wrote
     lost: List[str]  # one line per rank that left no snapshot, saying why
     refused: List[int]  # under --emulate: the ranks the emulator stopped at an op it cannot run
-    died: List[str]  # one line per rank whose process failed (an exception, a failing exit), with its error
+    died: List[str]  # one line per rank or other process that failed (an exception, a failing exit), with its error
     processes: List[ProcessRecord]  # what each process that is no rank said of itself
 
 
@@ -335,7 +335,11 @@ def _report_job(folder: str, before: Dict[str, int], status: int, shown: str,
     refused = [r.rank for r in manifest.ranks if r.refused] if manifest is not None else []
     died = ([f"rank {r.rank} of {manifest.world_size} died: {r.died}" for r in manifest.ranks
              if r.died and not r.refused] if manifest is not None else [])
-    return _JobOutcome(written, lost, refused, died, collect_processes(folder))
+    processes = collect_processes(folder)
+    # A process that is no rank (a Hogwild worker, a spawned helper) and died is as much the job's
+    # failure: the script may not look at its workers' exit codes, memdiff does.
+    died += [f"process {p.pid} (`{p.command}`) died: {p.died}" for p in processes if p.died]
+    return _JobOutcome(written, lost, refused, died, processes)
 
 
 def _why_nothing(outcome: _JobOutcome) -> str:

@@ -189,6 +189,7 @@ class ProcessRecord:
     state: str
     error: Optional[str] = None
     started_without_hook: Tuple[str, ...] = ()  # processes it started that memdiff's hook cannot reach
+    died: Optional[str] = None  # the exception (or failing exit status) that ended it
 
     def why_nothing(self) -> str:
         """Why this process wrote no snapshot, in a reader's words."""
@@ -219,7 +220,8 @@ def collect_processes(folder: str) -> List[ProcessRecord]:
         found.append(ProcessRecord(
             int(match.group(1)), str(document.get("command", ""))[:300], str(document.get("state", "")),
             str(document["error"])[:500] if isinstance(document.get("error"), str) else None,
-            tuple(str(c)[:300] for c in started[:5]) if isinstance(started, list) else ()))
+            tuple(str(c)[:300] for c in started[:5]) if isinstance(started, list) else (),
+            str(document["died"])[:500] if isinstance(document.get("died"), str) else None))
     return sorted(found, key=lambda p: p.pid)
 
 
