@@ -119,6 +119,21 @@ def test_an_op_refused_inside_a_library_names_its_package_path_and_the_scripts_l
     assert ", called at fusedlib/ops.py:10 from train.py:5" in last, last
 
 @pytest.mark.slow
+def test_a_sparse_tensor_moved_to_the_device_is_refused_in_one_line(tmp_path):
+    # pytorch/examples' gcn: a sparse COO adjacency matrix moved to the GPU. Its nonzeros do not reach
+    # the emulated device, so its memory would read as none: refused, never silently wrong.
+    done = _emulate(tmp_path, "import torch\n"
+                              "edges = torch.tensor([[0, 1, 2, 3], [1, 2, 3, 0]])\n"
+                              "adj = torch.sparse_coo_tensor(edges, torch.ones(4), (4096, 4096))\n"
+                              "adj = adj.to('cuda')\n")
+    assert done.returncode == 2, done.stderr[-2000:]
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("memdiff: aten::") and "a sparse_coo tensor on the device is not emulated yet" in last \
+        and "train.py:4" in last, last
+    assert "Traceback" not in done.stderr
+
+
+@pytest.mark.slow
 def test_a_call_around_the_emulator_to_cuda_is_one_line_naming_the_feature_and_the_script_line(tmp_path):
     # CUDA graph capture is not emulated (on either build torch would reach CUDA itself): the
     # refusal names the feature, the script's line and what to do, never the script's traceback.

@@ -512,6 +512,11 @@ class AllocMode(TorchDispatchMode):
         index = emulator.placement.for_new(args, kwargs)  # the GPU the op runs on
         for i, leaf in enumerate(tree_leaves(out)):
             if isinstance(leaf, torch.Tensor) and leaf.is_meta and i not in host:
+                if leaf.layout != torch.strided:  # no storage of its own, and its nonzeros not carried over
+                    raise EmulationError(f"{namespace}::{base}", f"a {str(leaf.layout).replace('torch.', '')} "
+                                         f"tensor on the device is not emulated yet{_script_line()}: its "
+                                         f"nonzeros would not be counted; keep it on the CPU, or record "
+                                         f"this step on a GPU")
                 emulator.track(leaf.untyped_storage(), name, rule["frames"] if rule else (), index)
         if base in emulator.blas and _is_meta(first):  # a product the CPU runs makes no cuBLAS workspace
             emulator.workspace(name, index)
@@ -537,7 +542,9 @@ class AllocMode(TorchDispatchMode):
         # device mismatch, a bad shape) and must be seen as it is, not named a missing kernel.
         # "Could not run ... from the 'CUDA' backend" lists Meta among the backends it has: no
         # meta kernel is missing there.
-        other_backend = "could not run" in said and "from the 'meta' backend" not in said
+        # on the meta device's sparse backend an op is as missing as on the meta backend itself
+        other_backend = "could not run" in said and not ("from the 'meta' backend" in said
+                                                          or "from the 'sparsemeta' backend" in said)
         missing = not other_backend and (
             "could not run" in said or "fake impl" in said or "fake kernel" in said or "no meta" in said
             or isinstance(exc, NotImplementedError))
