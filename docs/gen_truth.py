@@ -75,10 +75,18 @@ def emulate(name: str, folder: Path, env: Optional[Dict[str, str]] = None) -> su
     env = {**os.environ, "TRANSFORMERS_VERBOSITY": "error", **(env or {})}
     paths = (str(libraries() or ""), str(STANDINS), str(ROOT), env.get("PYTHONPATH", ""))
     env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
-    return subprocess.run([sys.executable, "-m", "memdiff", "record", "--emulate", "h100",
-                           "-o", str(folder / f"{name}.rec.pickle"), "--",
+    # The script's facts file is one of its writes, which an emulated run keeps in its overlay: kept
+    # (--keep-writes) and taken from there. Its snapshot (_dump_snapshot) is memdiff's own, written as is.
+    kept = folder / f"{name}.writes"
+    shutil.rmtree(kept, ignore_errors=True)
+    done = subprocess.run([sys.executable, "-m", "memdiff", "record", "--emulate", "h100",
+                           "-o", str(folder / f"{name}.rec.pickle"), "--keep-writes", str(kept), "--",
                            sys.executable, str(TRUTH / "families.py"), str(folder), name],
                           env=env, capture_output=True, text=True, cwd=folder)
+    facts = kept / "upper" / os.path.abspath(folder / f"{name}.facts.json").lstrip(os.sep)
+    if done.returncode == 0 and facts.is_file():
+        shutil.copyfile(facts, folder / f"{name}.facts.json")
+    return done
 
 
 def measure(name: str, folder: Path) -> Row:

@@ -61,6 +61,8 @@ def _record(tmp_path, extra="", gpu="h100"):
 def test_a_plain_cuda_script_runs_unmodified_and_its_own_dump_is_the_emulated_snapshot(torch, tmp_path):
     done = _record(tmp_path)
     assert done.returncode == 0, done.stderr
+    # the script's own dump is memdiff's to write: never taken for a writer around the overlay
+    assert "writer outside" not in done.stderr and (tmp_path / "own.pickle").is_file()
     out = done.stdout.splitlines()
     assert out[0] == "NVIDIA H100 80GB HBM3"
     # an unknown float reads back as float32's smallest normal number (docs/emulate.md); a value-sized op

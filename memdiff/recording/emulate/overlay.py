@@ -39,6 +39,7 @@ _builtin_open = open
 
 SYSTEM = ("/dev/", "/proc/", "/sys/")  # devices and kernel files: passed through, never the user's tree
 WHITEOUT = ".~memdiff-deleted"  # a deletion marker's suffix, in the deleted/ tree
+PASSED = "passed"  # the file in root listing what memdiff wrote as its own during the run (Overlay.own)
 # The first line of a file the run saved holding emulated tensors (files.py): shapes, no data.
 SKELETON = b"MEMDIFF-EMULATED-SAVE "
 
@@ -130,15 +131,29 @@ class Overlay:
 
     def own(self, path: Any) -> None:
         """Let `path` through as memdiff's own (a snapshot it writes), with the folders above it that
-        are not there yet (made for it)."""
+        are not there yet (made for it); said in `<root>/passed` for every process of the run and for
+        the check of the user's tree after it (passed_through)."""
         path = full(path)
+        added = []
         while not self.passes(path):
             self.owned += (path,)
             self._siblings += (os.path.join(os.path.dirname(path), "." + os.path.basename(path)[:16]),)
+            added.append(path)
             parent = os.path.dirname(path)
             if parent == path or _lexists(parent):
                 break
             path = parent
+        if added:
+            with _builtin_open(os.path.join(self.root, PASSED), "a", encoding="utf-8") as f:
+                f.write("".join(p + "\n" for p in added))
+
+    def passed_through(self) -> Tuple[str, ...]:
+        """The paths memdiff wrote as its own in any process of the run (own), with their folders."""
+        try:
+            with _builtin_open(os.path.join(self.root, PASSED), encoding="utf-8") as f:
+                return tuple(line.rstrip("\n") for line in f if line.strip())
+        except FileNotFoundError:
+            return ()
 
     # -- where a path lies ------------------------------------------------------------------------
 

@@ -397,7 +397,7 @@ def for_run(owned: List[str], kept: Optional[str], near: str, folders: List[str]
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
-        outside = check.changed()
+        outside = check.changed(own=overlay.passed_through())
         for line in summary(overlay.changes(), kept, where=os.getcwd(), unchanged=not outside) + outside:
             say(line)
         overlay.discard(keep=kept is not None)
@@ -476,11 +476,15 @@ class TreeCheck:
                         seen[path] = (info.st_size, info.st_mtime_ns, info.st_ino, info.st_mode)
         return seen
 
-    def changed(self) -> List[str]:
-        """Lines naming each path changed, made or removed since the check began."""
+    def changed(self, own: Tuple[str, ...] = ()) -> List[str]:
+        """Lines naming each path changed, made or removed since the check began, but `own`: what memdiff
+        itself wrote for the run (a snapshot the script dumped), which passed through on purpose."""
         after = self._look()
         lines = []
+        mine = set(own)
         for path in sorted(set(self.before) | set(after)):
+            if path in mine:
+                continue
             was, now = self.before.get(path), after.get(path)
             if was == now or (was and now and stat.S_ISDIR(was[3]) and stat.S_ISDIR(now[3])):
                 continue
