@@ -33,7 +33,7 @@ from memdiff.recording.emulate.escapes import escaped
 from memdiff.recording.emulate.gpus import gpu
 from memdiff.recording.emulate.gpus import names as gpu_names
 from memdiff.recording.emulate.overlay_calls import OWNED, ROOT, for_run
-from memdiff.recording.launch import Launch, parse_ranks, rank_env, read_torchrun
+from memdiff.recording.launch import STARTED_BY, Launch, parse_ranks, rank_env, read_torchrun
 from memdiff.recording.manifest import (
     COLLECTIVES,
     MANIFEST,
@@ -389,8 +389,10 @@ def _children_emulated(args: argparse.Namespace, folder: Optional[str]) -> Itera
         return
     processes = os.path.join(folder, "processes")
     os.makedirs(processes, exist_ok=True)
-    saved = {name: os.environ.get(name) for name in _hook_env(args, processes)}
-    for name, value in _hook_env(args, processes).items():
+    # this process runs the script and is no process of a job (exchange.py): only what it starts is
+    hooked = {**_hook_env(args, processes), STARTED_BY: str(os.getpid())}
+    saved = {name: os.environ.get(name) for name in hooked}
+    for name, value in hooked.items():
         if value is None:
             os.environ.pop(name, None)
         else:

@@ -21,6 +21,9 @@ from memdiff.errors import InputError
 
 # Told to every rank run this way: the ranks that run (exchange.py hears only from them).
 RANKS = "MEMDIFF_RECORD_RANKS"
+# The pid of the process that set a job's folder for the processes it starts while it is itself no
+# process of the job: `memdiff record -o FILE` runs the script in its own process (exchange.py).
+STARTED_BY = "MEMDIFF_RECORD_STARTED_BY"
 MAX_WORLD = 1 << 20  # more ranks than any job has: a typo, not a job
 
 # torchrun's options that take a value (either spelling), and those that take none.
