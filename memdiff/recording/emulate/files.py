@@ -381,14 +381,6 @@ def _native_opener(real: Callable[..., Any]) -> Callable[..., Any]:
     return opener
 
 
-def _tokenizer_save(real: Callable[..., Any]) -> Callable[..., Any]:
-    """tokenizers' Tokenizer.save, which writes its path in native code (every `save_pretrained` of a
-    fast tokenizer, the Trainer's checkpoints): given the overlay's path for it."""
-    def save(self: Any, path: Any, *args: Any, **kwargs: Any) -> Any:
-        return real(self, _for_writing(path), *args, **kwargs)
-    return save
-
-
 def _saver(call: str, payload_of: Callable[..., Any], target_of: Callable[..., Any],
            returns: Callable[[], Any] = lambda: None) -> Callable[..., Callable[..., Any]]:
     """A wrapper factory for a save that cannot write emulated tensors: `payload_of(*args, **kwargs)`
@@ -431,7 +423,6 @@ WRAPPERS: Dict[str, List[Tuple[str, Callable[..., Any]]]] = {
     "torch._utils": [("_to", _storage_to)],
     "safetensors": [("safe_open", _safe_open)],
     "pyarrow": [("memory_map", _native_opener)],
-    "tokenizers": [("Tokenizer.save", _tokenizer_save)],
     "safetensors.torch": [
         ("save_file", _safetensors_save_file),
         # bytes for the script to keep or write: empty, so nothing it writes from them looks like weights

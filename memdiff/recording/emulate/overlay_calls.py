@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import importlib.util
 import io
 import os
 import shutil
@@ -261,7 +262,23 @@ def _routes(overlay: Overlay) -> List[Tuple[Any, str, Any]]:
     # shutil.rmtree's descriptor-based walk (os.open of a folder, then unlink(dir_fd=)) would go around
     # the routes: its path-based walk uses them
     routes.append((shutil, "_use_fd_functions", False))
-    return routes + _bound_by_name(routes)
+    return routes + _bound_by_name(routes) + _native_writers(overlay)
+
+
+def _native_writers(overlay: Overlay) -> List[Tuple[Any, str, Any]]:
+    """Writers that open their path in native code, around Python's file calls, given the overlay's
+    path: tokenizers' Tokenizer.save (every fast tokenizer's `save_pretrained`, the Trainer's
+    checkpoints), in every process of the run, whether it imports torch or not. Imported here when
+    installed: a process that imports it later must find it routed already."""
+    if importlib.util.find_spec("tokenizers") is None:
+        return []
+    import tokenizers
+
+    real = tokenizers.Tokenizer.save
+
+    def save(self: Any, path: Any, *args: Any, **kwargs: Any) -> Any:
+        return real(self, overlay.writable(path, keep=False) if _path_arg(path) else path, *args, **kwargs)
+    return [(tokenizers.Tokenizer, "save", save)]
 
 
 def _bound_by_name(routes: List[Tuple[Any, str, Any]]) -> List[Tuple[Any, str, Any]]:
