@@ -33,6 +33,7 @@ from memdiff.recording.emulate.escapes import escaped
 from memdiff.recording.emulate.gpus import gpu
 from memdiff.recording.emulate.gpus import names as gpu_names
 from memdiff.recording.emulate.overlay_calls import OWNED, ROOT, for_run
+from memdiff.recording.emulate.swap import environment
 from memdiff.recording.launch import STARTED_BY, Launch, parse_ranks, rank_env, read_torchrun
 from memdiff.recording.manifest import (
     COLLECTIVES,
@@ -390,21 +391,8 @@ def _children_emulated(args: argparse.Namespace, folder: Optional[str]) -> Itera
     processes = os.path.join(folder, "processes")
     os.makedirs(processes, exist_ok=True)
     # this process runs the script and is no process of a job (exchange.py): only what it starts is
-    hooked = {**_hook_env(args, processes), STARTED_BY: str(os.getpid())}
-    saved = {name: os.environ.get(name) for name in hooked}
-    for name, value in hooked.items():
-        if value is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = value
-    try:
+    with environment({**_hook_env(args, processes), STARTED_BY: str(os.getpid())}):
         yield processes
-    finally:
-        for name, old in saved.items():
-            if old is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = old
 
 
 def _children_said(processes: Optional[str], output: str) -> Optional[str]:

@@ -364,8 +364,6 @@ def overlaid(owned: Tuple[str, ...] = ()) -> Iterator[Overlay]:
     env = {ROOT: overlay.root, OWNED: os.pathsep.join(overlay.owned), "TMPDIR": overlay.scratch,
            "TORCHINDUCTOR_CACHE_DIR": os.path.join(cache, "inductor"),
            "TRITON_CACHE_DIR": os.path.join(cache, "triton"), "PYTHONDONTWRITEBYTECODE": "1"}
-    saved_env = {name: os.environ.get(name) for name in env}
-    os.environ.update(env)
     changes = [*_routes(overlay), (tempfile, "tempdir", overlay.scratch), (sys, "dont_write_bytecode", True)]
     if not _hooked:  # an audit hook cannot be removed: one, idle while no overlay is active
         sys.addaudithook(_audit)
@@ -373,16 +371,11 @@ def overlaid(owned: Tuple[str, ...] = ()) -> Iterator[Overlay]:
     previous, _active = _active, overlay
     atomic.OWN_WRITES.append(overlay.own)
     try:
-        with swap.replaced(changes):
+        with swap.environment(env), swap.replaced(changes):
             yield overlay
     finally:
         atomic.OWN_WRITES.remove(overlay.own)
         _active = previous
-        for name, value in saved_env.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
         if made:
             overlay.discard()
 
@@ -403,17 +396,11 @@ def for_run(owned: List[str], kept: Optional[str], near: str, folders: List[str]
     else:
         root = tempfile.mkdtemp(prefix=".memdiff-writes-", dir=near)
     overlay = Overlay(root)
-    saved = {name: os.environ.get(name) for name in (ROOT, OWNED)}
-    os.environ[ROOT], os.environ[OWNED] = root, os.pathsep.join(full(p) for p in owned)
     check = TreeCheck(folders, skip=(root, overlay.scratch, *owned))
     try:
-        yield root
+        with swap.environment({ROOT: root, OWNED: os.pathsep.join(full(p) for p in owned)}):
+            yield root
     finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
         outside = check.changed(own=overlay.passed_through())
         for line in summary(overlay.changes(), kept, where=os.getcwd(), unchanged=not outside) + outside:
             say(line)

@@ -1,9 +1,11 @@
-"""Attributes of torch and the standard library replaced for the emulated run, and put back after it."""
+"""Attributes of torch and the standard library, and environment variables, replaced for the emulated
+run, and put back after it."""
 
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator, Sequence, Tuple
+import os
+from typing import Any, Iterator, Mapping, Optional, Sequence, Tuple
 
 _MISSING = object()
 
@@ -25,3 +27,24 @@ def replaced(changes: Sequence[Tuple[Any, str, Any]]) -> Iterator[None]:
                 setattr(owner, name, value)
             elif hasattr(owner, name):
                 delattr(owner, name)
+
+
+@contextlib.contextmanager
+def environment(changes: Mapping[str, Optional[str]]) -> Iterator[None]:
+    """For the block, each environment variable of `changes` is its value (None: unset); after it,
+    what it was (unset where it was not set)."""
+    saved = {name: os.environ.get(name) for name in changes}
+    try:
+        for name, value in changes.items():
+            _put(name, value)
+        yield
+    finally:
+        for name, value in saved.items():
+            _put(name, value)
+
+
+def _put(name: str, value: Optional[str]) -> None:
+    if value is None:
+        os.environ.pop(name, None)
+    else:
+        os.environ[name] = value
