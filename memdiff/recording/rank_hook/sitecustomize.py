@@ -148,8 +148,8 @@ class _Status:
 class _Recording:
     """One process's recording: started once, stopped and written once, at the first stop point."""
 
-    def __init__(self, torch, folder, capture, status):
-        self.torch, self.folder, self.capture, self._status = torch, folder, capture, status
+    def __init__(self, torch, capture, status):
+        self.torch, self.capture, self._status = torch, capture, status
         self.pid = os.getpid()
         self.finish = None
         self.steps = 0  # optimizer steps run, counted with MEMDIFF_RECORD_STEPS
@@ -163,8 +163,7 @@ class _Recording:
         """The snapshot's path: the rank's file once the process knows its rank, else its pid's."""
         rank = self._status.rank
         # the status's folder: a rank of a second job of the command writes in DIR/job2 (_claim)
-        return os.path.join(self._status.folder if rank is not None else self.folder,
-                            f"rank{rank}.pickle" if rank is not None else f"pid{self.pid}.pickle")
+        return os.path.join(self._status.folder, f"rank{rank}.pickle" if rank is not None else f"pid{self.pid}.pickle")
 
     def status(self, state, **facts):
         """Tell `memdiff record` what became of this process's recording."""
@@ -370,7 +369,7 @@ def _overlay_from_start():
     _OVERLAY.__enter__()
 
 
-def _start(torch, folder):
+def _start(torch):
     InputError, capture = _memdiff()
     emulate = os.environ.get(EMULATE)
     if emulate:
@@ -380,7 +379,7 @@ def _start(torch, folder):
             _say(f"process {os.getpid()}: cannot emulate {emulate}: {exc}")
             _status.write("failed", at="import torch", error=f"cannot emulate {emulate}: {exc}"[:500])
             os._exit(2)
-    recording = _Recording(torch, folder, capture, _status)
+    recording = _Recording(torch, capture, _status)
     recording.start()
     return recording
 
@@ -522,7 +521,7 @@ def _start_recording(module):
         # A Ctrl-C while recording starts is held until it has: raised in the middle, it would leave a
         # profiler running and nothing to stop it.
         with _memdiff()[1].sigint_held() as held:
-            recording = _start(module, os.environ["MEMDIFF_RECORD_DIR"])
+            recording = _start(module)
     except Exception as exc:
         _say(f"not recording process {os.getpid()}: {type(exc).__name__}: {exc}")
         _status.write("failed", at="import torch", error=f"{type(exc).__name__}: {exc}"[:500])
