@@ -1,7 +1,8 @@
 """The overlay an emulated run writes to (memdiff/recording/emulate/overlay.py): random sequences of
 file operations run under it leave the user's tree byte-identical, and the run reads back what it
 would have read without it: each call's result (or error) is the one the same call gives on a real
-copy of the tree, and the tree the run sees at the end is the copy's."""
+copy of the tree, and the tree the run sees at the end is the copy's. Links, the user's and the
+run's, relative and absolute, are followed as the kernel follows them in the tree the run sees."""
 
 from __future__ import annotations
 
@@ -15,13 +16,18 @@ from hypothesis import strategies as st
 
 from memdiff.recording.emulate.overlay_calls import overlaid
 
-NAMES = ["a", "b", "d", "d/c", "d/e", "d/e/f", "n", "d/n", "x/y"]
-OPS = ["write", "read", "rename", "replace", "link", "symlink", "unlink", "rmdir", "mkdir", "makedirs", "truncate",
-       "listdir", "scandir", "stat", "rmtree", "copy", "move", "chmod", "walk"]
+NAMES = ["a", "b", "d", "d/c", "d/e", "d/e/f", "n", "d/n", "x/y", "d/to_a", "d/to_e/f"]
+OPS = ["write", "read", "rename", "replace", "link", "symlink", "abslink", "unlink", "rmdir", "mkdir", "makedirs",
+       "truncate", "listdir", "scandir", "stat", "lstat", "readlink", "rmtree", "copy", "move", "chmod", "walk"]
 MODES = ["w", "a", "x", "r+", "wb", "ab"]
 
 operation = st.tuples(st.sampled_from(OPS), st.sampled_from(NAMES), st.sampled_from(NAMES), st.sampled_from(MODES),
                       st.binary(max_size=8), st.integers(0, 6))
+
+
+def _local(target: str, root: str) -> str:
+    """A link's target with the tree's own folder named `<root>`: the copy's absolute links read as the user's."""
+    return "<root>" + target[len(root):] if target.startswith(root + os.sep) else target
 
 
 def _tree(root: str) -> dict:
@@ -33,7 +39,7 @@ def _tree(root: str) -> dict:
             path = os.path.join(folder, name)
             rel = os.path.relpath(path, root)
             if os.path.islink(path):
-                seen[rel] = ("link", os.readlink(path))
+                seen[rel] = ("link", _local(os.readlink(path), root))
             elif os.path.isdir(path):
                 seen[rel] = None
             else:
@@ -58,6 +64,13 @@ def _apply(root: str, op: tuple) -> object:
             return getattr(os, kind)(p, q)
         if kind == "symlink":
             return os.symlink(one, q)  # a relative target, as the tree has it
+        if kind == "abslink":
+            return os.symlink(p, q)
+        if kind == "lstat":
+            info = os.lstat(p)
+            return (oct(info.st_mode), info.st_size if not os.path.islink(p) else None)
+        if kind == "readlink":
+            return _local(os.readlink(p), root)
         if kind in ("unlink", "rmdir", "mkdir"):
             return getattr(os, kind)(p)
         if kind == "makedirs":
@@ -73,6 +86,8 @@ def _apply(root: str, op: tuple) -> object:
             info = os.stat(p)
             return (info.st_size, oct(info.st_mode))
         if kind == "rmtree":
+            if os.path.islink(p):  # refused either way; shutil's descriptor walk may say FileNotFoundError,
+                return "a link"  # its path walk (the overlay's) says OSError
             return shutil.rmtree(p)
         if kind == "copy":
             shutil.copyfile(p, q)
@@ -94,7 +109,8 @@ def _make(root: str) -> None:
         os.makedirs(os.path.join(root, folder))
     for name, data in (("a", b"alpha"), ("b", b"beta"), ("d/c", b"charlie"), ("d/e/f", b"foxtrot")):
         Path(root, name).write_bytes(data)
-    os.symlink("a", os.path.join(root, "d", "to_a"))
+    os.symlink("../a", os.path.join(root, "d", "to_a"))
+    os.symlink(os.path.join(root, "d", "e"), os.path.join(root, "d", "to_e"))
 
 
 # no explain phase: tracing every line of the file calls makes a failure take minutes to report
@@ -104,7 +120,8 @@ def _make(root: str) -> None:
 def test_random_file_calls_under_the_overlay_change_nothing_and_read_back_as_without_it(ops):
     base = tempfile.mkdtemp()
     try:
-        user, copy = os.path.join(base, "user"), os.path.join(base, "copy")
+        # each tree one folder down in its own: a link that leads out of one ("../a" moved up) never reaches the other
+        user, copy = os.path.join(base, "user", "tree"), os.path.join(base, "copy", "tree")
         _make(user)
         _make(copy)
         before = _tree(user)
@@ -162,3 +179,28 @@ def test_a_tar_archive_extracted_by_the_run_lands_in_the_overlay_and_reads_back(
         seen = (Path(tmp_path, "cora", "cora.cites").read_bytes(), Path(tmp_path, "cora", "cora.content").read_bytes())
     assert seen == (b"35 1033\n", b"31336 0 1\n")
     assert _tree(str(tmp_path)) == before
+
+
+def test_a_write_through_a_link_lands_in_the_run_s_copy_and_never_in_the_user_s_file(tmp_path):
+    """A run that points `latest.pt` at the user's `best.pt` by an absolute link and saves to
+    `latest.pt` (checkpoint rotation) changes the file as the run sees it, both names read the new
+    bytes back, and the user's `best.pt` keeps its own. A user's link to a file the run rewrote
+    (the Hub cache's snapshots/ -> blobs/) reads the run's copy."""
+    best, latest = tmp_path / "best.pt", tmp_path / "latest.pt"
+    best.write_bytes(b"the user's weights")
+    (tmp_path / "blobs").mkdir()
+    (tmp_path / "blobs" / "0a1b").write_text('{"hidden_size": 64}')
+    (tmp_path / "snapshots").mkdir()
+    (tmp_path / "snapshots" / "config.json").symlink_to("../blobs/0a1b")
+    before = _tree(str(tmp_path))
+    with overlaid() as overlay:
+        os.symlink(best, latest)
+        with open(latest, "wb") as f:
+            f.write(b"the run's weights")
+        assert best.read_bytes() == latest.read_bytes() == b"the run's weights"
+        assert os.readlink(latest) == str(best)
+        Path(tmp_path, "blobs", "0a1b").write_text('{"hidden_size": 128}')
+        assert Path(tmp_path, "snapshots", "config.json").read_text() == '{"hidden_size": 128}'
+        assert [c.path for c in overlay.changes()] == [str(best), str(tmp_path / "blobs" / "0a1b"), str(latest)]
+    assert _tree(str(tmp_path)) == before
+    overlay.discard()

@@ -11,9 +11,13 @@ the files a user keeps. So, as an overlay file system does, the run sees two lay
   user's file stays. A folder deleted then made again hides what the lower layer had in it.
 
 Reading a path gives the upper layer's copy where there is one, nothing where the run deleted it,
-else the user's file: a checkpoint the run saved loads back in the same run, from any of its
-processes (the layers are on disk, shared by every rank and worker). Paths memdiff owns (its
-snapshot, a job's folder, its scratch space) pass through to the disk as they are.
+else the user's file. A link (the run's or the user's) is followed through the two layers, as the
+kernel would follow it in the tree the run sees: a link the run made to a file it never changed
+reads the user's file, a user's link to a file the run rewrote reads the run's copy, and a write
+through any link lands in the upper copy of what it names, never in the user's file. A checkpoint
+the run saved loads back in the same run, from any of its processes (the layers are on disk, shared
+by every rank and worker). Paths memdiff owns (its snapshot, a job's folder, its scratch space) pass
+through to the disk as they are.
 
 This module is the layers' bookkeeping, with the real functions of `os`; overlay_calls.py routes the
 script's file calls through it.
@@ -34,9 +38,10 @@ from typing import Any, Iterable, List, Optional, Tuple
 # through its own routing.
 _lstat, _stat, _listdir, _mkdir, _unlink, _rmdir, _rename = (os.lstat, os.stat, os.listdir, os.mkdir, os.unlink,
                                                              os.rmdir, os.rename)
-_open, _symlink, _readlink, _chmod = os.open, os.symlink, os.readlink, os.chmod
+_open, _symlink, _readlink, _chmod, _link = os.open, os.symlink, os.readlink, os.chmod, os.link
 _builtin_open = open
 
+MAX_LINKS = 40  # links the kernel follows in one lookup before it says ELOOP
 SYSTEM = ("/dev/", "/proc/", "/sys/")  # devices and kernel files: passed through, never the user's tree
 WHITEOUT = ".~memdiff-deleted"  # a deletion marker's suffix, in the deleted/ tree
 PASSED = "passed"  # the file in root listing what memdiff wrote as its own during the run (Overlay.own)
@@ -184,10 +189,49 @@ class Overlay:
                 return False
             here = parent
 
-    def where(self, path: Any) -> Optional[str]:
-        """The real path that holds what the run sees at `path` (which may not exist: a call on it
-        then fails as it would), or None where the run deleted it."""
-        path = full(path)
+    def resolve(self, path: Any, follow: bool = True) -> str:
+        """The absolute path the run means by `path` (str, bytes or path-like), with every link on
+        the way followed through the two layers as the kernel follows it (the last one only where
+        `follow`), and "." and ".." taken after the links before them. No part of what it returns
+        is a link, but its last where not `follow`. A part that is not there ends the walk: the
+        rest is left as given, and a call on it fails as it would (ENOENT, ENOTDIR)."""
+        raw = os.fsdecode(path)
+        if not os.path.isabs(raw):
+            raw = os.path.join(os.getcwd(), raw)
+        todo = raw.split(os.sep)[::-1]  # the parts left to walk, the next one last
+        here, links = os.sep, 0
+        while todo:
+            part = todo.pop()
+            if part in ("", "."):
+                continue
+            if part == "..":
+                here = os.path.dirname(here)
+                continue
+            there = os.path.join(here, part)
+            real = self._entry(there)
+            try:
+                kind = _lstat(real).st_mode if real is not None else None
+            except (OSError, ValueError):
+                kind = None
+            if real is None or kind is None:
+                return os.path.join(there, *todo[::-1])
+            if stat.S_ISLNK(kind) and (todo or follow):
+                links += 1
+                if links > MAX_LINKS:
+                    raise OSError(errno.ELOOP, os.strerror(errno.ELOOP), raw)
+                target = _readlink(real)
+                todo.extend(target.split(os.sep)[::-1])
+                if os.path.isabs(target):
+                    here = os.sep
+                continue
+            if not stat.S_ISDIR(kind) and any(todo):  # a file taken for a folder, as the kernel says
+                raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), raw)
+            here = there
+        return here
+
+    def _entry(self, path: str) -> Optional[str]:
+        """The real path holding what the run sees at `path` (absolute, its folders no links in the
+        run's view), itself not followed; None where the run deleted it."""
         if self.passes(path):
             return path
         upper = self.up(path)
@@ -195,9 +239,20 @@ class Overlay:
             return upper
         return None if self.hidden(path) else path
 
-    def exists(self, path: str) -> bool:
-        """Whether absolute `path` is there, as the run sees it."""
-        real = self.where(path)
+    def where(self, path: Any, follow: bool = True) -> Optional[str]:
+        """The real path that holds what the run sees at `path` (which may not exist: a call on it
+        then fails as it would), or None where the run deleted it; a link at its end followed where
+        `follow` (stat, open) and not (lstat, readlink)."""
+        return self._entry(self.resolve(path, follow))
+
+    def exists(self, path: Any, follow: bool = True) -> bool:
+        """Whether `path` is there, as the run sees it (a link to nothing is, where not `follow`)."""
+        real = self.where(path, follow)
+        return real is not None and _lexists(real)
+
+    def _seen(self, path: str) -> bool:
+        """Whether resolved `path` is there as the run sees it, a link not followed."""
+        real = self._entry(path)
         return real is not None and _lexists(real)
 
     def _lower(self, path: str) -> bool:
@@ -207,21 +262,25 @@ class Overlay:
     # -- writing ----------------------------------------------------------------------------------
 
     def _parent(self, path: str) -> None:
-        """The upper layer's folders down to `path`'s, where its folder is there as the run sees it."""
+        """The upper layer's folders down to `path`'s (resolved), where its folder is there as the run sees it."""
         parent = os.path.dirname(path)
-        real = self.where(parent)
-        if real is None or not _isdir(real):
+        real = self._entry(parent)
+        if real is None or not _lexists(real):
             raise missing(path)
+        if not _isdir(real):
+            raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), path)
         os.makedirs(os.path.dirname(self.up(path)), exist_ok=True)
 
     def writable(self, path: Any, keep: bool, create: bool = True, exclusive: bool = False) -> str:
         """The real path to write `path` at: its upper copy, copied up first where its content is kept
-        (`keep`: appending, read-write). `create`: the call may make the file; `exclusive`: it must."""
-        path = full(path)
+        (`keep`: appending, read-write). `create`: the call may make the file; `exclusive`: it must
+        (and a link there, even to nothing, is in the way). A link is followed: what it names is written."""
+        path = self.resolve(path, follow=not exclusive)
         if self.passes(path):
             return path
         upper = self.up(path)
-        there = self.exists(path)
+        real = self._entry(path)
+        there = real is not None and _lexists(real)
         if exclusive and there:
             raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), path)
         if not there and not create:
@@ -230,6 +289,7 @@ class Overlay:
             self._parent(path)
             if there and _isdir(path):
                 raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), path)
+            # (the user's file: no upper copy yet, so `path` is the real one)
             if there:  # the user's file, copied: its bytes where kept, its mode always (read before the
                 # copy is made: the path reads as the copy after)
                 mode = stat.S_IMODE(_stat(path).st_mode)
@@ -243,12 +303,12 @@ class Overlay:
     def folder(self, path: Any) -> str:
         """The upper copy of folder `path` (made, empty, where the run sees it in the user's tree), to
         change its mode or times."""
-        path = full(path)
+        path = self.resolve(path)
         if self.passes(path):
             return path
         upper = self.up(path)
         if not _lexists(upper):
-            if not self.exists(path):
+            if self.hidden(path) or not _lexists(path):
                 raise missing(path)
             mode = stat.S_IMODE(_stat(path).st_mode)
             self._parent(path)
@@ -256,13 +316,67 @@ class Overlay:
             _chmod(upper, mode)
         return upper
 
+    def link_copy(self, path: Any) -> str:
+        """The upper copy of the link at `path` itself (made where it is the user's), to change its
+        mode, owner or times (a call with follow_symlinks=False)."""
+        path = self.resolve(path, follow=False)
+        if self.passes(path):
+            return path
+        upper = self.up(path)
+        if not _lexists(upper):
+            if self.hidden(path) or not _lexists(path):
+                raise missing(path)
+            self._parent(path)
+            _symlink(_readlink(path), upper)
+        return upper
+
+    def make_link(self, target: Any, path: Any) -> None:
+        """symlink: a link at `path` naming `target` as given (a relative one is followed from the
+        link's folder, in the run's view), in the upper layer."""
+        path = self.resolve(path, follow=False)
+        if self.passes(path):
+            _symlink(target, path)
+            return
+        if self._seen(path):
+            raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), path)
+        self._parent(path)
+        upper = self.up(path)
+        if _lexists(upper):  # the upper copy of a path the run deleted since
+            _unlink(upper)
+        _symlink(target, upper)
+
+    def hard_link(self, source: Any, path: Any) -> None:
+        """link: a second name at `path` for what the run sees at `source` (a link itself, not
+        followed, as Linux's link does). The second name is of the run's own upper copy, never of
+        the user's file: a write through it would reach theirs."""
+        source, path = self.resolve(source, follow=False), self.resolve(path, follow=False)
+        if self.passes(source) and self.passes(path):
+            _link(source, path)
+            return
+        # link's own checks, in its order: the source, the new name's folder, the new name, a folder
+        real = self._entry(source)
+        if real is None or not _lexists(real):
+            raise missing(source)
+        folder = self._entry(os.path.dirname(path))
+        if folder is None or not _isdir(folder):
+            raise missing(path)
+        if self._seen(path):
+            raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), path)
+        kind = _lstat(real).st_mode
+        if stat.S_ISDIR(kind):  # no second name for a folder
+            raise PermissionError(errno.EPERM, os.strerror(errno.EPERM), source)
+        if stat.S_ISLNK(kind):  # a second name of a link reads as a copy of it
+            self.make_link(_readlink(real), path)
+            return
+        _link(self.writable(source, keep=True, create=False), self.writable(path, keep=False))
+
     def make_folder(self, path: Any, mode: int = 0o777) -> None:
-        """mkdir, in the upper layer."""
-        path = full(path)
+        """mkdir, in the upper layer (a link there, even to nothing, is in the way)."""
+        path = self.resolve(path, follow=False)
         if self.passes(path):
             _mkdir(path, mode)
             return
-        if self.exists(path):
+        if self._seen(path):
             raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), path)
         self._parent(path)
         _mkdir(self.up(path), mode)
@@ -275,12 +389,12 @@ class Overlay:
             os.close(_open(marker, os.O_WRONLY | os.O_CREAT, 0o600))
 
     def remove(self, path: Any) -> None:
-        """unlink: the upper copy goes, the user's file is marked deleted."""
-        path = full(path)
+        """unlink: the upper copy goes, the user's file is marked deleted (a link itself, not what it names)."""
+        path = self.resolve(path, follow=False)
         if self.passes(path):
             _unlink(path)
             return
-        real = self.where(path)
+        real = self._entry(path)
         if real is None or not _lexists(real):
             raise missing(path)
         if stat.S_ISDIR(_lstat(real).st_mode):
@@ -290,15 +404,15 @@ class Overlay:
         self._bury(path)
 
     def remove_folder(self, path: Any) -> None:
-        """rmdir: an empty folder, as the run sees it."""
-        path = full(path)
+        """rmdir: an empty folder, as the run sees it (a link to one is not)."""
+        path = self.resolve(path, follow=False)
         if self.passes(path):
             _rmdir(path)
             return
-        real = self.where(path)
+        real = self._entry(path)
         if real is None or not _lexists(real):
             raise missing(path)
-        if not _isdir(real):
+        if not stat.S_ISDIR(_lstat(real).st_mode):
             raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), path)
         if self.names(path):
             raise OSError(errno.ENOTEMPTY, os.strerror(errno.ENOTEMPTY), path)
@@ -308,22 +422,24 @@ class Overlay:
         self._bury(path)
 
     def move(self, source: Any, target: Any) -> None:
-        """rename / replace: what the run sees at `source` is at `target` after, and gone from `source`."""
-        source, target = full(source), full(target)
+        """rename / replace: what the run sees at `source` is at `target` after, and gone from `source`
+        (links at either end are moved or replaced, not followed)."""
+        source, target = self.resolve(source, follow=False), self.resolve(target, follow=False)
         if self.passes(source) and self.passes(target):
             _rename(source, target)
             return
-        real = self.where(source)
+        real = self._entry(source)
         if real is None or not _lexists(real):
             raise missing(source)
-        if source == target:
-            return
+        there = self._entry(target)
+        if source == target or (there is not None and _lexists(there)
+                                and os.path.samestat(_lstat(real), _lstat(there))):
+            return  # two names of one file: rename leaves both, as POSIX says
         folder = stat.S_ISDIR(_lstat(real).st_mode)
         if folder and target.startswith(source + os.sep):
             raise OSError(errno.EINVAL, os.strerror(errno.EINVAL), source)
         if source.startswith(target + os.sep):  # onto a folder above it, as the kernel says
             raise OSError(errno.ENOTEMPTY, os.strerror(errno.ENOTEMPTY), target)
-        there = self.where(target)
         if there is not None and _lexists(there):  # rename's own checks, on what the run sees there
             if stat.S_ISDIR(_lstat(there).st_mode):
                 if not folder:
@@ -350,9 +466,9 @@ class Overlay:
             self._bury(source)
 
     def copy(self, source: str, destination: str) -> None:
-        """What the run sees at `source` (a file, a link or a whole folder of both layers) copied to the
-        real path `destination`."""
-        real = self.where(source)
+        """What the run sees at resolved `source` (a file, a link or a whole folder of both layers)
+        copied to the real path `destination`."""
+        real = self._entry(source)
         if real is None:
             raise missing(source)
         mode = _lstat(real).st_mode
@@ -373,13 +489,13 @@ class Overlay:
 
     def names(self, path: Any) -> List[str]:
         """The names in folder `path` as the run sees it: the user's, less what it deleted, and its own."""
-        path = full(path)
+        path = self.resolve(path)
         if self.passes(path):
             return _listdir(path)
         upper = self.up(path)
         lower = self._lower(path) and _isdir(path)
         if not lower and not _isdir(upper):
-            real = self.where(path)
+            real = self._entry(path)
             if real is not None and _lexists(real):
                 raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), path)
             raise missing(path)

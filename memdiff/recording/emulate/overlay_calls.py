@@ -68,8 +68,8 @@ class _Entry:
         self.path = os.path.join(os.fspath(folder), name)
         self._overlay = overlay
 
-    def _real(self) -> str:
-        real = self._overlay.where(self.path)
+    def _real(self, follow: bool) -> str:
+        real = self._overlay.where(self.path, follow)
         if real is None:
             raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), os.fsdecode(self.path))
         return real
@@ -78,7 +78,7 @@ class _Entry:
         return self.path
 
     def stat(self, *, follow_symlinks: bool = True) -> os.stat_result:
-        return (_real["stat"] if follow_symlinks else _real["lstat"])(self._real())
+        return _real["lstat"](self._real(follow_symlinks))  # followed by the overlay, through its layers
 
     def inode(self) -> int:
         return self.stat(follow_symlinks=False).st_ino
@@ -164,17 +164,19 @@ def _routes(overlay: Overlay) -> List[Tuple[Any, str, Any]]:
         if flags & _WRITE_FLAGS:
             target = overlay.writable(path, keep=not flags & os.O_TRUNC, create=bool(flags & os.O_CREAT),
                                       exclusive=bool(flags & os.O_CREAT and flags & os.O_EXCL))
-        else:
-            target = overlay.where(path) or _gone(path)
+        else:  # O_NOFOLLOW: a link at the end is opened as one, and the real open refuses it (ELOOP)
+            target = overlay.where(path, follow=not flags & os.O_NOFOLLOW) or _gone(path)
         return real["open"](target, flags, mode)
 
     def reading(name: str) -> Callable[..., Any]:
         call = real[name]
+        ends_at_link = name in ("lstat", "readlink")  # the others follow a link at the end, as asked
 
         def read(path: Any, *args: Any, **kwargs: Any) -> Any:
             if not _path_arg(path) or kwargs.get("dir_fd") is not None:
                 return call(path, *args, **kwargs)
-            return call(overlay.where(path) or _gone(path), *args, **kwargs)
+            follow = not ends_at_link and kwargs.get("follow_symlinks", True)
+            return call(overlay.where(path, follow) or _gone(path), *args, **kwargs)
         return read
 
     def changing(name: str, folder_too: bool = True) -> Callable[..., Any]:
@@ -183,10 +185,13 @@ def _routes(overlay: Overlay) -> List[Tuple[Any, str, Any]]:
         def change(path: Any, *args: Any, **kwargs: Any) -> Any:
             if not _path_arg(path) or kwargs.get("dir_fd") is not None:
                 return call(path, *args, **kwargs)
-            where = overlay.where(path) or _gone(path)
-            look = real["lstat"] if kwargs.get("follow_symlinks") is False else real["stat"]
-            if folder_too and stat.S_ISDIR(look(where).st_mode):
+            follow = kwargs.get("follow_symlinks", True)
+            where = overlay.where(path, follow) or _gone(path)
+            kind = real["lstat"](where).st_mode
+            if folder_too and stat.S_ISDIR(kind):
                 return call(overlay.folder(path), *args, **kwargs)
+            if stat.S_ISLNK(kind):  # the link itself (follow_symlinks=False): its upper copy
+                return call(overlay.link_copy(path), *args, **kwargs)
             return call(overlay.writable(path, keep=True, create=False), *args, **kwargs)
         return change
 
@@ -220,28 +225,15 @@ def _routes(overlay: Overlay) -> List[Tuple[Any, str, Any]]:
         return move
 
     def link(src: Any, dst: Any, *args: Any, **kwargs: Any) -> None:
-        if args or any(v is not None for k, v in kwargs.items() if k.endswith("dir_fd")):
-            return real["link"](src, dst, *args, **kwargs)
-        # link's own checks, in its order: the source, the new name's folder, the new name, a folder
-        if not overlay.exists(full(src)):
-            _gone(src)
-        folder = overlay.where(os.path.dirname(full(dst)))
-        if folder is None or not os.path.isdir(folder):
-            _gone(dst)
-        if overlay.exists(full(dst)):
-            raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), os.fsdecode(dst))
-        if stat.S_ISDIR(real["lstat"](overlay.where(src) or _gone(src)).st_mode):  # no second name for a folder
-            raise PermissionError(errno.EPERM, os.strerror(errno.EPERM), os.fsdecode(src))
-        # a second name of the run's own copy, never of the user's file (a write through it would reach theirs)
-        real["link"](overlay.writable(src, keep=True, create=False), overlay.writable(dst, keep=False))
+        if args or kwargs.get("follow_symlinks") or \
+                any(v is not None for k, v in kwargs.items() if k.endswith("dir_fd")):
+            return real["link"](src, dst, *args, **kwargs)  # the audit hook stops it
+        overlay.hard_link(src, dst)
 
     def symlink(src: Any, dst: Any, target_is_directory: bool = False, *, dir_fd: Optional[int] = None) -> None:
         if dir_fd is not None:
             return real["symlink"](src, dst, target_is_directory, dir_fd=dir_fd)
-        target = overlay.writable(dst, keep=False, exclusive=True)
-        with contextlib.suppress(FileNotFoundError):  # an upper copy of a file the run had deleted
-            real["unlink"](target)
-        real["symlink"](src, target, target_is_directory)
+        overlay.make_link(src, dst)
 
     routes: List[Tuple[Any, str, Any]] = [(__import__("builtins"), "open", opening), (io, "open", opening),
                                           (os, "open", os_open), (os, "listdir", listdir), (os, "scandir", scandir),
