@@ -384,6 +384,80 @@ def test_an_encoder_decoder_s_blocks_are_its_layers_inside_its_two_stacks(write_
     assert d.blocks == ["Stack_0", "Stack_1"]
 
 
+def t5_like(layers: int = 3) -> Dict[str, Any]:
+    """Two steps of an encoder-decoder built as Hugging Face's T5: each stack loops over its layers
+    on one line (model.py 20), reached from the encoder's line (30) and the decoder's (31); the
+    first layer of each stack also makes the relative position bias the later ones reuse; each
+    layer saves two activations (the decoder's a third, its cross-attention's); each stack's final
+    norm saves one more; an Adam step follows each backward. Module frames as the profiler records them: `without_modules` makes the
+    caching allocator's stacks."""
+    trace = [alloc(1, W, PARAM)]
+    addr = 100
+    for step in range(2):
+        saved = []
+        for s in (0, 1):
+            stack = (f"nn.Module: Stack_{s}", f"model.py({30 + s}): forward", "nn.Module: Net_0", "train.py(8): step")
+            for k in range(layers):
+                layer = ("model.py(20): forward", *stack)
+                made = [(A, frames("model.py(11): forward", f"nn.Module: Layer_{s * layers + k}", *layer)),
+                        (A, frames("model.py(12): forward", f"nn.Module: Layer_{s * layers + k}", *layer))]
+                if k == 0:
+                    made.insert(0, (O, frames("model.py(15): compute_bias", "model.py(10): forward",
+                                              f"nn.Module: Layer_{s * layers}", *layer)))
+                if s:
+                    made.append((A, frames("model.py(5): forward", f"nn.Module: Cross_{k}", "model.py(13): forward",
+                                           f"nn.Module: Layer_{s * layers + k}", *layer)))
+                for size, stack_frames in made:
+                    trace.append(alloc(addr, size, stack_frames))
+                    saved.append((addr, size))
+                    addr += 1
+            trace.append(alloc(addr, O, frames("model.py(21): forward", *stack)))
+            saved.append((addr, O))
+            addr += 1
+        grad = addr
+        trace += [alloc(grad, W, GRAD)] + [free(a, size, BWD) for a, size in saved[::-1]]
+        if step == 0:
+            trace.append(alloc(2, 2 * W, STATE))
+        trace += [alloc(grad + 1, U, UPDATE), free(grad + 1, U, UPDATE), free(grad, W, ZERO)]
+        addr += 2
+    return {"segments": [], "device_traces": [trace]}
+
+
+@pytest.mark.parametrize("change", ["checkpoint", "checkpoint=0.5"])
+def test_on_cuda_stacks_an_encoder_decoder_s_blocks_are_both_stacks_layers(write_snapshot, change):
+    """Issue 60, T5 on an H200 (+77% with `checkpoint`): on the caching allocator's stacks T5's layers
+    are one call, the loop in its stack's forward, reached from the encoder and from the decoder, and
+    each stack's first layer makes more than the others (the relative position bias). The blocks
+    are every layer of both stacks, in the order the forward runs them, and the answer is the one
+    the module frames give."""
+    with_modules = memdiff.whatif(write_snapshot(t5_like(), "t5-like.pickle"), change).devices[0]
+    d = memdiff.whatif(write_snapshot(without_modules(t5_like()), "t5-cuda-like.pickle"), change).devices[0]
+    assert with_modules.blocks == [f"Layer_{k}" for k in range(6)]
+    assert d.blocks == [f"call {k} at model.py:20" for k in range(1, 7)]
+    got, want = d.changes[0], with_modules.changes[0]
+    assert got.applies and (got.predicted_peak_bytes, got.predicted_peak_phase) == (want.predicted_peak_bytes,
+                                                                                     want.predicted_peak_phase)
+    assert got.predicted_peak_bytes < d.base_peak_bytes
+
+
+# The repeated blocks of each real H100 window of ../shared/cuda-truth, from the models families.py
+# builds: T5's 6 encoder and 6 decoder layers; ResNet-50's 3 + 4 + 6 + 3 bottlenecks, each stage's
+# first with its downsample and without the others' copy of its input.
+LAYERS = {"t5-base": (12, "modeling_layers.py:109"), "resnet50-sgdm": (16, "container.py:253"),
+          "vit-base": (12, "modeling_layers.py:109"), "llama-base": (8, "modeling_layers.py:109"),
+          "bert-base": (6, "modeling_layers.py:109"), "llama1b-bf16": (16, "modeling_layers.py:109")}
+
+
+@pytest.mark.parametrize("name", sorted(LAYERS))
+def test_a_real_cuda_run_s_blocks_are_its_model_s_layers(shared, name):
+    """Issue 60, T5 on an H200 (+77% with `checkpoint`): on the real windows the blocks are every
+    layer of the model. Six were found on T5 before (a call of attention in the encoder's layers,
+    which left the decoder out of checkpointing), and three on ResNet-50 (a call in libtorch)."""
+    count, where = LAYERS[name]
+    d = memdiff.whatif(str(shared.parent / "cuda-truth" / f"{name}.pickle.gz"), "checkpoint").devices[0]
+    assert d.blocks == [f"call {k} at {where}" for k in range(1, count + 1)]
+
+
 def cuda_frames(op: str, *python: str) -> List[Dict[str, Any]]:
     """A caching-allocator stack: the ATen op's C++ frame innermost, then Python frames."""
     return [{"filename": "", "line": 0, "name": f"at::_ops::{op}::call"},

@@ -6,6 +6,8 @@ same allocations.
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
+from difflib import SequenceMatcher
 from typing import Any, Dict, List, Optional, Set, Tuple
 
 import numpy as np
@@ -133,46 +135,110 @@ def repeated_calls(run: Run) -> Tuple[List[str], np.ndarray]:
     ranked = sorted(((float(held_by[list(key)].sum()), depth, key, node) for key, (depth, node) in candidates.items()),
                     key=lambda r: (r[0], r[1]), reverse=True)
     cuts = np.flatnonzero(np.diff(run.born_run[fwd])) + 1
-    best: Optional[Tuple[Tuple[Any, ...], np.ndarray, int]] = None  # (path, under, period)
-    for _, _, key, node in ranked[:MAX_CALLS]:
+    parts = np.split(np.arange(len(fwd)), cuts)
+    chosen: List[Tuple[np.ndarray, Repeat]] = []  # (under the call, how it repeats), one per way it is reached
+    site = None  # the innermost frame of the block's call
+    for rank, (_, _, key, node) in enumerate(ranked):
+        o, i = place[node]
+        if site is None and rank >= MAX_CALLS:
+            break
+        if site is not None and c.origins[o][i] != site:
+            continue
         mask = np.zeros(len(c.origins), dtype=bool)
         mask[list(key)] = True
         under = mask[origin]
-        period = 0
-        for part in np.split(np.arange(len(fwd)), cuts):
-            mine = part[under[part]]
-            if not len(mine):
-                continue
-            p = _period(same_frames[origin[mine]])
-            # A call that makes one allocation each time (a dropout) is no block to checkpoint.
-            if p == len(mine) or p < 2 or (period and p != period):
-                period = 0
-                break
-            period = p
-        if period:
-            o, i = place[node]
-            best = (c.origins[o][i:], under, period)
-            break
-    if best is None:
+        if any((under & taken).any() for taken, _ in chosen):
+            continue
+        repeat = _repeat_in_every_forward(parts, under, same_frames[origin])
+        if repeat is None:
+            continue
+        chosen.append((under, repeat))
+        # The same call reached another way (an encoder-decoder's two stacks loop over their
+        # layers on one line): its repeats are blocks too, in the order the forward runs them.
+        site = c.origins[o][i]
+    if site is None:
         return [], none
-    path, under, period = best
     block = none.copy()
     count = 0
-    for part in np.split(np.arange(len(fwd)), cuts):
-        mine = part[under[part]]
-        block[fwd[mine]] = np.arange(len(mine)) // period
-        count = max(count, len(mine) // period)
-    where = f"{path[0].file.rpartition('/')[2]}:{path[0].line}"  # the innermost line the block runs under
+    for part in parts:
+        firsts: List[Tuple[int, np.ndarray]] = []  # (first event, its allocations), per instance of the call
+        for under, repeat in chosen:
+            mine = part[under[part]]
+            instance = repeat.instance(len(mine))
+            for k in range(int(instance.max()) + 1 if len(mine) else 0):
+                made = fwd[mine[instance == k]]
+                firsts.append((int(c.start[made].min()), made))
+        for k, (_, made) in enumerate(sorted(firsts, key=lambda f: f[0])):
+            block[made] = k
+        count = max(count, len(firsts))
+    where = f"{site.file.rpartition('/')[2]}:{site.line}"  # the innermost line the block runs under
     return [f"call {k + 1} at {where}" for k in range(count)], block
 
 
-def _period(seq: np.ndarray) -> int:
-    """The shortest p that repeats to make `seq` whole (len(seq) when none shorter does)."""
+@dataclass(frozen=True)
+class Repeat:
+    """How a call's allocations in one forward split into its instances: the first `first` of them
+    are its first instance, then one every `period`. The first may make more than the others (T5's
+    first layer makes the relative position bias every later layer reuses)."""
+
+    first: int
+    period: int
+
+    def instance(self, count: int) -> np.ndarray:
+        """Each of `count` allocations' instance, in order."""
+        k = np.arange(count)
+        return np.where(k < self.first, 0, 1 + (k - self.first) // self.period)
+
+
+def _repeat_in_every_forward(parts: List[np.ndarray], under: np.ndarray, kinds: np.ndarray) -> Optional[Repeat]:
+    """How the allocations `under` a call repeat in each forward run (`parts`), the same in every
+    one that has any; None where one does not repeat, or one makes a single allocation each time
+    (a dropout is no block to checkpoint)."""
+    found: Optional[Repeat] = None
+    for part in parts:
+        mine = part[under[part]]
+        if not len(mine):
+            continue
+        repeat = _repeat(kinds[mine])
+        if repeat is None or repeat.period < 2 or (found is not None and repeat != found):
+            return None
+        found = repeat
+    return found
+
+
+def _repeat(seq: np.ndarray) -> Optional[Repeat]:
+    """How `seq` is one sequence made again and again: the shortest p that repeats to make it whole;
+    else a first instance unlike the others (T5's first layer makes the relative position bias the
+    later ones reuse; ResNet's first bottleneck of a stage makes its downsample, and no copy of its
+    input) but mostly what each of them makes (LIKE), then at least two alike; None for neither."""
     n = len(seq)
     for p in range(1, n // 2 + 1):
         if n % p == 0 and np.array_equal(seq, np.tile(seq[:p], n // p)):
-            return p
-    return n
+            return Repeat(p, p)
+    # A period p repeats the last allocation p before it: only those are tried (a few, not n / 2).
+    periods = sorted({p for p in (n - 1 - np.flatnonzero(seq[:-1] == seq[-1])).tolist() if 2 <= p <= 2 * n // 5})
+    for p in periods:
+        same = seq[:-p] == seq[p:]  # where each element is the one a period later
+        alike = len(same) - (int(np.flatnonzero(~same)[-1]) + 1 if not same.all() else 0)
+        reps = (alike + p) // p  # the instances the tail is made of
+        first = n - reps * p
+        # The tail may have taken the first instance's last p allocations for one more instance:
+        # then the first is those too.
+        tries = ([(first, reps)] if 2 * first >= p else []) + ([(first + p, reps - 1)] if first < p else [])
+        for length, count in tries:
+            if count >= 2 and length < 2 * p and _like(seq[:length], seq[n - p:]):
+                return Repeat(length, p)
+    return None
+
+
+# How alike a first instance and the others must be: matching allocations over all of both, as
+# difflib counts them (T5's first layers: 0.79 and 0.86; ResNet-50's first bottlenecks: 0.82 to 1).
+LIKE = 2 / 3
+
+
+def _like(first: np.ndarray, unit: np.ndarray) -> bool:
+    """Whether `first` makes mostly what `unit` makes, in the same order."""
+    return SequenceMatcher(None, first.tolist(), unit.tolist(), autojunk=False).ratio() >= LIKE
 
 
 def blocks_of(run: Run) -> Tuple[List[str], np.ndarray]:
