@@ -327,6 +327,24 @@ def test_a_datasets_map_with_a_file_cache_reads_back_its_cache_and_leaves_no_fil
 
 # A launched job's every Python process, torch or not: a checkpoint one process saves and another
 # loads through an open file (word_language_model's generate.py, minGPT-ddp's resume), a data
+def test_the_file_the_user_sent_the_run_s_output_to_is_not_a_writer_outside_python(tmp_path):
+    """`memdiff record --emulate h100 -- python train.py > train.log 2>&1` run in the user's folder:
+    the log grows as on a GPU run, by the user's own redirection, and is not named as a change."""
+    (tmp_path / "data.bin").write_bytes(b"the user's")
+    script = ("import subprocess, sys\n"
+              "from memdiff.recording.emulate.overlay_calls import TreeCheck\n"
+              "check = TreeCheck([sys.argv[1]], skip=())\n"
+              "print('step 1: loss 2.31', flush=True)\n"
+              "subprocess.run(['sh', '-c', 'echo made > ' + sys.argv[1] + '/by_a_program.txt'], check=True)\n"
+              "print('\\n'.join(check.changed()), file=sys.stderr, flush=True)\n")
+    with open(tmp_path / "train.log", "w") as log:
+        subprocess.run([sys.executable, "-c", script, str(tmp_path)], stdout=log, stderr=log, check=True)
+    lines = (tmp_path / "train.log").read_text().splitlines()
+    assert lines[0] == "step 1: loss 2.31"
+    assert lines[1:] == [f"{tmp_path / 'by_a_program.txt'} was made by a writer outside Python's file calls (a C "
+                         f"library or a program the run started), which the overlay cannot route"]
+
+
 # preparation step that never imports torch (nanoGPT's prepare.py), tokenizers' native save (every
 # fast tokenizer's save_pretrained); and a writer outside Python, which is named, never hidden.
 JOB_SAVE = "import torch\ntorch.save(torch.nn.Linear(8, 4).cuda().state_dict(), 'ck.pt')\n"

@@ -28,7 +28,7 @@ import shutil
 import stat
 import sys
 import tempfile
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Set, Tuple
 
 from memdiff import atomic
 from memdiff.errors import InputError
@@ -452,6 +452,7 @@ class TreeCheck:
     def __init__(self, folders: List[str], skip: Tuple[str, ...]) -> None:
         self.folders = sorted({full(f) for f in folders if os.path.isdir(f)})
         self.skip = tuple(full(s) for s in skip)
+        self.streams = _streams()
         self.stopped = False
         self.before = self._look()
 
@@ -469,7 +470,8 @@ class TreeCheck:
                         return seen
                     with contextlib.suppress(OSError):
                         info = os.lstat(path)
-                        seen[path] = (info.st_size, info.st_mtime_ns, info.st_ino, info.st_mode)
+                        if (info.st_dev, info.st_ino) not in self.streams:
+                            seen[path] = (info.st_size, info.st_mtime_ns, info.st_ino, info.st_mode)
         return seen
 
     def changed(self, own: Tuple[str, ...] = ()) -> List[str]:
@@ -490,3 +492,15 @@ class TreeCheck:
         if self.stopped:
             lines.append(f"only the first {self.LIMIT:,} paths of {', '.join(self.folders)} were checked")
         return lines
+
+
+def _streams() -> Set[Tuple[int, int]]:
+    """The files memdiff's standard output and error go to (`> train.log 2>&1`): the user's own
+    redirection, which every process of the run inherits and writes as a GPU run does."""
+    found = set()
+    for fd in (1, 2):
+        with contextlib.suppress(OSError, ValueError):
+            info = os.fstat(fd)
+            if stat.S_ISREG(info.st_mode):
+                found.add((info.st_dev, info.st_ino))
+    return found
