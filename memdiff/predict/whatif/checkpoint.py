@@ -1,7 +1,7 @@
 """`checkpoint`, `checkpoint=F`: non-reentrant activation checkpointing of the repeated blocks
 (all, or the fraction F: 0.5 is every other one). A block's activations saved for the backward
 are dropped but its output (the next block's input); before the block's backward they come back
-(the recomputation) together with the block's forward transient peak.
+(the recomputation), the block's forward run again: at its height, its forward peak.
 """
 
 from __future__ import annotations
@@ -51,20 +51,26 @@ def apply_checkpoint(run: Run, edit: Edit, value: Optional[str]) -> None:
         # The recomputation runs when the backward first needs what the block saved: just
         # before the first of those tensors is freed.
         again = int(c.end[in_backward].min()) - 1 if len(in_backward) else None
+        temps = transient_groups.get(key, np.zeros(0, dtype=np.int64))
+        # The recomputation runs the block's forward again: at its height, what it saves so far and
+        # its temporaries then (the block's forward peak, its output made again included), not all
+        # it saves with its temporaries' own peak on top.
+        height = peak_of_set(c, np.concatenate([members, temps]), edit.size)
+        remade = 0
         for k in rest.tolist():
             dropped += int(c.size[k])
             freed_in_backward = run.end_run[k] < len(spans) and spans[run.end_run[k]].phase == BACKWARD
             if again is not None and c.end[k] > again and freed_in_backward:
                 edit.start[k] = max(int(c.start[k]), again)
+                remade += int(edit.size[k])
             else:
                 edit.size[k] = 0
         if again is not None:
-            temps = transient_groups.get(key, np.zeros(0, dtype=np.int64))
-            edit.add(again, again + 1, peak_of_set(c, temps, edit.size), "autograd")
+            edit.add(again, again + 1, max(0, height - remade), "autograd")
     edit.assumptions.append(
         f"checkpointing {len(chosen)} of the {len(blocks)} repeated blocks ({', '.join(blocks[k] for k in chosen)}): "
         "each keeps its output (the next block's input); what else it saved for the backward is remade just "
-        "before the backward first needs it, with the block's forward transient peak"
+        "before the backward first needs it, the block's forward run again (its forward peak)"
         + ("; a generic module repeats, so each block is what the forward makes from one instance to the next"
            if blocks[0].rpartition("_")[0] in GENERIC else ""))
     if not dropped:
