@@ -11,6 +11,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
+import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
@@ -18,7 +19,8 @@ from memdiff.recording.emulate.overlay_calls import overlaid
 
 NAMES = ["a", "b", "d", "d/c", "d/e", "d/e/f", "n", "d/n", "x/y", "d/to_a", "d/to_e/f"]
 OPS = ["write", "read", "rename", "replace", "link", "symlink", "abslink", "unlink", "rmdir", "mkdir", "makedirs",
-       "truncate", "listdir", "scandir", "stat", "lstat", "readlink", "rmtree", "copy", "move", "chmod", "walk"]
+       "truncate", "listdir", "scandir", "stat", "lstat", "readlink", "rmtree", "copy", "copy2", "copytree", "move",
+       "chmod", "walk"]
 MODES = ["w", "a", "x", "r+", "wb", "ab"]
 
 operation = st.tuples(st.sampled_from(OPS), st.sampled_from(NAMES), st.sampled_from(NAMES), st.sampled_from(MODES),
@@ -91,6 +93,12 @@ def _apply(root: str, op: tuple) -> object:
             return shutil.rmtree(p)
         if kind == "copy":
             shutil.copyfile(p, q)
+            return None
+        if kind == "copy2":  # the bytes, then the mode, times and extended attributes
+            shutil.copy2(p, q)
+            return None
+        if kind == "copytree":
+            shutil.copytree(p, q, symlinks=bool(n % 2))
             return None
         if kind == "move":
             shutil.move(p, q)
@@ -203,4 +211,22 @@ def test_a_write_through_a_link_lands_in_the_run_s_copy_and_never_in_the_user_s_
         assert Path(tmp_path, "snapshots", "config.json").read_text() == '{"hidden_size": 128}'
         assert [c.path for c in overlay.changes()] == [str(best), str(tmp_path / "blobs" / "0a1b"), str(latest)]
     assert _tree(str(tmp_path)) == before
+    overlay.discard()
+
+
+def test_extended_attributes_copied_with_a_file_are_the_run_s_and_never_reach_the_user_s_file(tmp_path):
+    """shutil.copy2 copies a file's extended attributes after its bytes: onto a user's file under
+    the overlay they land on the run's copy (read back there), and the user's file keeps its own."""
+    source, target = tmp_path / "tokens.bin", tmp_path / "cache.bin"
+    source.write_bytes(b"new")
+    target.write_bytes(b"old")
+    try:
+        os.setxattr(source, "user.origin", b"the dataset")
+        os.setxattr(target, "user.origin", b"the user's")
+    except (AttributeError, OSError) as exc:  # no xattrs on this system or file system
+        pytest.skip(f"extended attributes unsupported here: {exc}")
+    with overlaid() as overlay:
+        shutil.copy2(source, target)
+        assert target.read_bytes() == b"new" and os.getxattr(target, "user.origin") == b"the dataset"
+    assert target.read_bytes() == b"old" and os.getxattr(target, "user.origin") == b"the user's"
     overlay.discard()

@@ -179,15 +179,18 @@ class Overlay:
         return os.path.join(self.gone, path.lstrip(os.sep) + WHITEOUT)
 
     def hidden(self, path: str) -> bool:
-        """Whether the run deleted `path` or a folder above it (the lower layer's copy is not seen)."""
-        here = path
-        while True:
-            if _lexists(self._marker(here)):
+        """Whether the run deleted `path` or a folder above it (the lower layer's copy is not seen).
+        Looked for from the top down: below a folder the deleted/ tree lacks there is no marker, so
+        a path with no deletion near it costs a call or two, not one per folder above it (every
+        file call of the run asks, for each part of its path)."""
+        here = self.gone
+        for part in path.strip(os.sep).split(os.sep):
+            if _lexists(os.path.join(here, part) + WHITEOUT):
                 return True
-            parent = os.path.dirname(here)
-            if parent == here:
+            here = os.path.join(here, part)
+            if not _isdir(here):
                 return False
-            here = parent
+        return False
 
     def resolve(self, path: Any, follow: bool = True) -> str:
         """The absolute path the run means by `path` (str, bytes or path-like), with every link on

@@ -2,7 +2,8 @@
 
 Every Python file call reaches the file system through a few functions: `open` (builtins and io),
 and `os`'s open, stat, lstat, access, listdir, scandir, readlink, mkdir, rmdir, remove, unlink,
-rename, replace, link, symlink, truncate, chmod, utime and chown. pathlib, shutil, tempfile, glob,
+rename, replace, link, symlink, truncate, chmod, utime, chown and the extended attributes' calls
+(shutil.copy2 copies them). pathlib, shutil, tempfile, glob,
 os.walk and os.makedirs call those by their module's name, and libraries (torch's file objects,
 numpy, PIL, datasets, logging) call them in turn: replacing them routes them all. What goes around
 them is stopped or named:
@@ -44,6 +45,10 @@ _real_open = io.open
 _real = {name: getattr(os, name) for name in ("open", "stat", "lstat", "access", "listdir", "scandir", "readlink",
                                               "mkdir", "rmdir", "remove", "unlink", "rename", "replace", "link",
                                               "symlink", "truncate", "chmod", "utime", "chown", "statvfs")}
+# Extended attributes, where the system has them (Linux): shutil.copy2 copies them after the bytes.
+_XATTR_READS = tuple(n for n in ("listxattr", "getxattr") if hasattr(os, n))
+_XATTR_WRITES = tuple(n for n in ("setxattr", "removexattr") if hasattr(os, n))
+_real.update((name, getattr(os, name)) for name in _XATTR_READS + _XATTR_WRITES)
 
 
 def active() -> Optional[Overlay]:
@@ -243,8 +248,8 @@ def _routes(overlay: Overlay) -> List[Tuple[Any, str, Any]]:
                                           (os, "rmdir", removing("rmdir", overlay.remove_folder)),
                                           (os, "rename", moving("rename")), (os, "replace", moving("replace")),
                                           (os, "truncate", changing("truncate", folder_too=False))]
-    routes += [(os, name, reading(name)) for name in ("stat", "lstat", "access", "readlink", "statvfs")]
-    routes += [(os, name, changing(name)) for name in ("chmod", "utime", "chown")]
+    routes += [(os, name, reading(name)) for name in ("stat", "lstat", "access", "readlink", "statvfs", *_XATTR_READS)]
+    routes += [(os, name, changing(name)) for name in ("chmod", "utime", "chown", *_XATTR_WRITES)]
     # what each routed call takes, as os advertises it for the real one (shutil.copystat asks); not
     # dir_fd, whose calls go around the overlay
     for listing in ("supports_follow_symlinks", "supports_fd"):
@@ -308,7 +313,8 @@ def _gone(path: Any) -> str:
 # -- the audit hook: a write that went around the routes --------------------------------------------
 
 _CHANGING_EVENTS = {"os.remove": 1, "os.rmdir": 1, "os.mkdir": 1, "os.rename": 2, "os.link": 2, "os.symlink": 2,
-                    "os.truncate": 1, "os.chmod": 1, "os.utime": 1, "os.chown": 1}
+                    "os.truncate": 1, "os.chmod": 1, "os.utime": 1, "os.chown": 1, "os.setxattr": 1,
+                    "os.removexattr": 1}
 _hooked = False
 
 
