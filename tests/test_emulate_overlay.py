@@ -98,6 +98,10 @@ def _apply(root: str, op: tuple) -> object:
             shutil.copy2(p, q)
             return None
         if kind == "copytree":
+            if (os.path.realpath(q) + os.sep).startswith(os.path.realpath(p) + os.sep):
+                # into itself: it ends at Python's recursion limit or the longest path, whichever comes
+                # first, and the overlay's calls take frames of their own
+                return "into itself"
             shutil.copytree(p, q, symlinks=bool(n % 2))
             return None
         if kind == "move":
