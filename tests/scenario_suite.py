@@ -30,6 +30,9 @@ CHANGES = {
     # Issue 42 item 9: frozen layers and Hugging Face gradient checkpointing: the recomputation in the
     # backward is autograd to PyTorch's data flow, made by forward code.
     "bert-frozen-checkpoint": ("bert", ["--freeze", "--checkpoint", "--truth"]),
+    # Issue 60: the whole body frozen (embeddings, every layer, the pooler), only the classifier trained:
+    # frozen layers save nothing for the backward, so their forward outputs are freed by the next layer.
+    "bert-frozen-encoder": ("bert", ["--freeze-encoder", "--truth"]),
 }
 FAMILIES = ("gpt2", "bert", "llama")
 for _m in FAMILIES:

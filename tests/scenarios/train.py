@@ -317,6 +317,10 @@ def setup(args: argparse.Namespace) -> Tuple[nn.Module, List[nn.Parameter], torc
             frozen += list(layer.parameters())
         for p in frozen:
             p.requires_grad_(False)
+    if args.freeze_encoder:
+        # The pretrained body (embeddings, every layer, BERT's pooler) frozen: only the task head trains.
+        for p in model.base_model.parameters():
+            p.requires_grad_(False)
     if args.lora:
         add_lora(model, layers, args.lora)
         model.to(args.device)
@@ -629,6 +633,8 @@ def main() -> None:
     p.add_argument("--checkpoint-fraction", type=float,
                    help="checkpoint only this fraction of the Hugging Face models' layers (0.5: every other one)")
     p.add_argument("--freeze", action="store_true", help="freeze the embeddings and the lower half of the layers")
+    p.add_argument("--freeze-encoder", action="store_true",
+                   help="freeze the Hugging Face model's whole body (embeddings and every layer): only its head trains")
     p.add_argument("--accum", type=int, default=1, help="gradient accumulation: micro-batches per optimizer step")
     p.add_argument("--log-loss", choices=("none", "item", "tensor"), default="none",
                    help="a validation loss each step, logged with .item() or as a tensor (the leak)")
