@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -234,3 +236,25 @@ def test_extended_attributes_copied_with_a_file_are_the_run_s_and_never_reach_th
         assert target.read_bytes() == b"new" and os.getxattr(target, "user.origin") == b"the dataset"
     assert target.read_bytes() == b"old" and os.getxattr(target, "user.origin") == b"the user's"
     overlay.discard()
+
+
+def test_the_system_s_links_and_memdiff_s_own_paths_pass_as_named(tmp_path):
+    """A run that logs to /dev/stdout (a link to /proc/self/fd/1, which names a pipe the kernel alone
+    can open) writes to its output; a snapshot memdiff owns in a folder reached through a link is
+    written where memdiff named it, not into the overlay."""
+    script = ("import os, sys\n"
+              "from memdiff.recording.emulate.overlay_calls import overlaid\n"
+              "with overlaid() as overlay:\n"
+              "    with open('/dev/stdout', 'w') as f:\n"
+              "        f.write('step 1: loss 2.31\\n')\n"
+              "    overlay.own(sys.argv[1])\n"
+              "    with open(sys.argv[1], 'w') as f:\n"
+              "        f.write('snapshot')\n"
+              "overlay.discard()\n")
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "latest").symlink_to(tmp_path / "runs")
+    done = subprocess.run([sys.executable, "-c", script, str(tmp_path / "latest" / "run.pickle")],
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout == "step 1: loss 2.31\n"
+    assert (tmp_path / "runs" / "run.pickle").read_text() == "snapshot"

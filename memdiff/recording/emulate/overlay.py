@@ -201,6 +201,10 @@ class Overlay:
         raw = os.fsdecode(path)
         if not os.path.isabs(raw):
             raw = os.path.join(os.getcwd(), raw)
+        if self.passes(os.path.normpath(raw)):
+            # memdiff's own paths as memdiff named them, and the system's (/dev/stdout, /proc/self/fd/1:
+            # links the kernel alone can follow), whatever links lie on the way
+            return os.path.normpath(raw)
         todo = raw.split(os.sep)[::-1]  # the parts left to walk, the next one last
         here, links = os.sep, 0
         while todo:
@@ -211,6 +215,8 @@ class Overlay:
                 here = os.path.dirname(here)
                 continue
             there = os.path.join(here, part)
+            if self.passes(there) and ".." not in todo:
+                return os.path.join(there, *todo[::-1])
             real = self._entry(there)
             try:
                 kind = _lstat(real).st_mode if real is not None else None
