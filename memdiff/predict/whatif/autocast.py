@@ -32,6 +32,7 @@ from memdiff.predict.whatif.run import (
     Run,
     forward_in_order,
     peak_of_set,
+    python_frame,
 )
 
 # Normalisations whose output is fp32 under autocast: on CUDA's fp32 list, and on the CPU fed the
@@ -66,7 +67,7 @@ def _fp32_regions(run: Run) -> _Fp32Regions:
     if not c.origins or not len(c.origin) or not (run.op != "").any():
         return out
     numbered: Dict[Tuple[Any, ...], int] = {}
-    lines = [numbered.setdefault(tuple(f for f in frames if f.file), len(numbered)) for frames in c.origins]
+    lines = [numbered.setdefault(tuple(f for f in frames if python_frame(f)), len(numbered)) for frames in c.origins]
     fwd = forward_in_order(run)
     region: List[int] = []  # the current line's allocations from its fp32 op on
     pending: List[Tuple[int, int]] = []  # (start, size) of its input copies, kept as long as the line's results
@@ -125,7 +126,7 @@ def _residual_adds(run: Run, block: np.ndarray) -> np.ndarray:
     if (run.op != "").any():
         made = run.op == "add"
     else:
-        operator = np.array([bool(frames) and bool(frames[0].file) for frames in c.origins], dtype=bool)
+        operator = np.array([bool(frames) and python_frame(frames[0]) for frames in c.origins], dtype=bool)
         made = operator[c.origin]
     fwd = forward_in_order(run, block >= 0)
     # Each block run's last line, and the largest allocation on it (a layer norm's output, not the
