@@ -458,6 +458,29 @@ def test_a_real_cuda_run_s_blocks_are_its_model_s_layers(shared, name):
     assert d.blocks == [f"call {k} at {where}" for k in range(1, count + 1)]
 
 
+# Issue 60's held-back real H200 run of families.py's T5-base with bf16 weights (`m.to(torch.bfloat16)`):
+# its peak, as PyTorch's snapshot gives it.
+T5_BF16_REAL_PEAK = 1918 * 2**20
+
+
+def test_t5_with_bf16_weights_keeps_its_math_attention_in_fp32(shared):
+    """Issue 60, T5-base on an H200 with bf16 weights (1,608 MiB predicted, -16%): T5's position bias
+    (a mask that requires grad, last stride 8) leaves SDPA only its math backend in bf16 as in fp32
+    (the emulator's selection, PyTorch's checks), and the math backend computes bf16 in fp32. Each
+    step runs 12 such calls (the 6 encoder and 6 decoder self-attentions; the 6 cross-attentions,
+    with a bias of zeros, take the memory-efficient kernel) and 32 T5 RMS norms (2 a layer of the
+    encoder, 3 of the decoder, and each stack's last), which compute their variance in fp32; the
+    model's own CrossEntropyLoss runs in the logits' bf16. What remains (-3%) is T5's norm
+    multiplying its bf16 input, which it then keeps, where Llama's multiplies its fp32 copy: the
+    fp32 run shows the two alike."""
+    d = memdiff.whatif(str(shared.parent / "cuda-truth" / "t5-base.pickle.gz"), "weights=bf16").devices[0]
+    got = d.changes[0]
+    said = got.assumptions[0]
+    assert "36 scaled_dot_product_attention calls run PyTorch's math backend" in said, said
+    assert "each of the 96 RMS norms" in said and "the loss too" in said, said
+    assert abs(got.predicted_peak_bytes - T5_BF16_REAL_PEAK) <= 0.035 * T5_BF16_REAL_PEAK, got.predicted_peak_bytes
+
+
 # Where a real GPU's snapshot says its C++ frames are (torch's symbolizer: the library and the offset in it);
 # memdiff's own recordings leave the file empty.
 LIBTORCH = "/opt/torch/.venv/lib/python3.12/site-packages/torch/lib/libtorch_cpu.so"

@@ -5,6 +5,7 @@ variance and loss computations, the CPU's math attention.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import List, Tuple
 
@@ -57,13 +58,39 @@ def math_note(math: np.ndarray) -> str:
 
 
 def not_float(run: Run) -> np.ndarray:
-    """The allocations an op of NOT_FLOAT_OPS made (a mask, indices): their size is not the model's dtype's."""
-    return np.isin(run.op, list(NOT_FLOAT_OPS))
+    """The allocations an op of NOT_FLOAT_OPS made (a mask, indices), and CUDA dropout's masks
+    (dropout_masks): their size is not the model's dtype's."""
+    return np.isin(run.op, list(NOT_FLOAT_OPS)) | dropout_masks(run)
+
+
+# CUDA's dropout (`native_dropout`) returns its output and a bool mask of one byte an element,
+# a quarter of an fp32 output. (The CPU's keeps its mask in the input's dtype.)
+DROPOUT_OPS = frozenset(("dropout", "native_dropout"))
+
+
+def dropout_masks(run: Run) -> np.ndarray:
+    """The bool masks CUDA dropout keeps for its backward, where the stacks name the op: of the two
+    allocations one dropout makes, the one a quarter the size of the other (fp32)."""
+    out = np.zeros(len(run.course.size), dtype=bool)
+    made = np.isin(run.op, list(DROPOUT_OPS))
+    if not made.any():
+        return out
+    size = run.course.size
+    fwd = forward_in_order(run, made).tolist()
+    for a, b in zip(fwd[:-1], fwd[1:]):
+        if run.line[a] != run.line[b] or run.born_run[a] != run.born_run[b]:
+            continue
+        if 4 * size[a] == size[b]:
+            out[a] = True
+        elif 4 * size[b] == size[a]:
+            out[b] = True
+    return out
 
 
 def not_float_note(kept: np.ndarray) -> str:
     """The assumption said when bool or integer results keep their size (not_float)."""
     return (f"; the {int(kept.sum())} bool or integer results of comparisons and arg-reductions (a mask from eq) "
+            "and bool masks of CUDA dropout "
             "keep their size" if kept.any() else "")
 
 
@@ -104,6 +131,23 @@ def variance_upcasts(run: Run) -> Upcasts:
             same_run = following is not None and run.born_run[following] == run.born_run[k]
             out.released.append((source, int(c.start[following]) if same_run else int(c.end[kept])))
     return out
+
+
+# Hugging Face's loss functions (`ForCausalLMLoss`, `ForMaskedLMLoss`: transformers/loss/loss_utils.py),
+# which compute the loss of half-precision logits in fp32 (`logits = logits.float()`).
+UPCASTING_LOSS = re.compile(r"(^|/)loss_utils\.py|loss_utils\.py\(")
+
+
+def loss_in_fp32(run: Run) -> bool:
+    """Whether the run's loss is computed by a function that upcasts half-precision logits to fp32
+    (UPCASTING_LOSS on the loss's stacks). Where the model calls `nn.CrossEntropyLoss` on its logits
+    itself (T5, BERT's and ViT's classifiers), the loss runs in the logits' dtype."""
+    c = run.course
+    if not c.origins or not len(c.origin) or not run.loss.any():
+        return False
+    origins = np.unique(c.origin[run.loss])
+    return any(UPCASTING_LOSS.search(f.file) or UPCASTING_LOSS.search(f.name) for o in origins.tolist()
+               for f in c.origins[o])
 
 
 def loss_upcasts(run: Run) -> List[Tuple[int, int, int]]:

@@ -60,8 +60,9 @@ NOT_FLOAT_OPS = frozenset(("eq", "ne", "lt", "gt", "le", "ge", "logical_and", "l
                            "nonzero", "bitwise_and", "bitwise_or", "bitwise_not", "bitwise_xor"))
 
 
-# The op names an overload's suffix is taken off to find (`sum_dim_IntList`: sum).
-_KNOWN_OPS = AUTOCAST_LOWER | AUTOCAST_FP32 | frozenset(_AUTOCAST["promote"]) | NOT_FLOAT_OPS
+# The op names an overload's suffix is taken off to find (`sum_dim_IntList`: sum), with the
+# reduction of an RMS norm's variance (`mean_dim`: mean), which precision.variance_upcasts reads.
+_KNOWN_OPS = AUTOCAST_LOWER | AUTOCAST_FP32 | frozenset(_AUTOCAST["promote"]) | NOT_FLOAT_OPS | {"mean"}
 
 
 # The matrix products of autocast's lower list that take one activation and a weight (a layer's
