@@ -22,6 +22,8 @@ from memdiff.predict.whatif.precision import (
     math_note,
     not_float,
     not_float_note,
+    reduction_buffers,
+    reduction_note,
 )
 from memdiff.predict.whatif.run import (
     AUTOCAST_FP32,
@@ -181,8 +183,9 @@ def apply_autocast(run: Run, edit: Edit, value: str) -> None:
     work = run.of("activation", "recomputed_activation", "autograd") & np.isin(run.phase, [FORWARD, BACKWARD]) \
         & ~run.loss & ~run.indices & (c.size > SCALAR_BYTES)
     kept = work & not_float(run)
+    staging = work & reduction_buffers(run)
     residual = _residual_adds(run, block)
-    work &= ~kept
+    work &= ~kept & ~staging
     work &= ~residual
     regions = _fp32_regions(run)
     full, casts = regions.full, regions.casts
@@ -245,7 +248,8 @@ def apply_autocast(run: Run, edit: Edit, value: str) -> None:
                                "layer_norm, ...) and what the same line computes after it stay fp32"
                                + (f", with an fp32 copy of a half-precision input the op keeps ({len(casts)} made)"
                                   if casts else "")
-                               if full.any() else "") + not_float_note(kept) + loss_note(logits) + math_note(math))
+                               if full.any() else "") + not_float_note(kept) + reduction_note(staging)
+                            + loss_note(logits) + math_note(math))
 
 
 RULE = ChangeRule("autocast", one_of("autocast", PRECISIONS),

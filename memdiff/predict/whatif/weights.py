@@ -16,6 +16,8 @@ from memdiff.predict.whatif.precision import (
     math_note,
     not_float,
     not_float_note,
+    reduction_buffers,
+    reduction_note,
     variance_upcasts,
 )
 from memdiff.predict.whatif.run import SCALAR_BYTES, Run
@@ -31,7 +33,8 @@ def apply_weights(run: Run, edit: Edit, value: str) -> None:
                     "recomputed_activation", "autograd", "other") & ~(run.loss & upcast) & ~run.indices \
         & (c.size > SCALAR_BYTES)
     kept = halved & not_float(run)
-    halved &= ~kept
+    staging = halved & reduction_buffers(run)
+    halved &= ~kept & ~staging
     math = cpu_math_attention(run)
     attention = half_attention(run, value)
     halved &= ~math & ~attention.kept
@@ -50,7 +53,7 @@ def apply_weights(run: Run, edit: Edit, value: str) -> None:
                                "the loss too (the model's own cross entropy on its logits, no upcast); ")
                             + "inputs, int64 indices (max pooling's), "
                             "BLAS workspaces and one-element tensors keep their size; every float tensor is assumed "
-                            "fp32 in the run" + not_float_note(kept) + math_note(math)
+                            "fp32 in the run" + not_float_note(kept) + reduction_note(staging) + math_note(math)
                             + (f"; each of the {len(upcasts.copies)} RMS norms that computes its variance as pow then "
                                "mean keeps an fp32 copy of its input in its place (the variance is computed in fp32)"
                                if upcasts.copies else "") + loss_note(logits) + attention_note(attention))
