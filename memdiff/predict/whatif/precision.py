@@ -174,10 +174,13 @@ UPCASTING_LOSS = re.compile(r"(^|/)loss_utils\.py|loss_utils\.py\(")
 
 
 def loss_in_fp32(run: Run) -> bool:
-    """Whether the run's loss is computed by a function that upcasts half-precision logits to fp32
-    (UPCASTING_LOSS on the loss's stacks). Where the model calls `nn.CrossEntropyLoss` on its logits
-    itself (T5, BERT's and ViT's classifiers), the loss runs in the logits' dtype."""
+    """Whether the run's loss keeps fp32 sizes in half precision: computed by a function that upcasts
+    the logits (UPCASTING_LOSS on the loss's stacks), or on the CPU route (no ATen ops on the stacks),
+    where T5's pair measures it so. Where CUDA runs `nn.CrossEntropyLoss` on the model's half-precision
+    logits itself (T5, BERT's and ViT's classifiers), the loss runs in their dtype (the real T5 run)."""
     c = run.course
+    if not (run.op != "").any():
+        return True
     if not c.origins or not len(c.origin) or not run.loss.any():
         return False
     origins = np.unique(c.origin[run.loss])
