@@ -22,6 +22,8 @@ from memdiff.predict.whatif.precision import (
     math_note,
     not_float,
     not_float_note,
+    reduction_buffers,
+    reduction_note,
 )
 from memdiff.predict.whatif.run import (
     AUTOCAST_FP32,
@@ -32,6 +34,7 @@ from memdiff.predict.whatif.run import (
     Run,
     forward_in_order,
     peak_of_set,
+    python_frame,
 )
 
 # Normalisations whose output is fp32 under autocast: on CUDA's fp32 list, and on the CPU fed the
@@ -66,7 +69,7 @@ def _fp32_regions(run: Run) -> _Fp32Regions:
     if not c.origins or not len(c.origin) or not (run.op != "").any():
         return out
     numbered: Dict[Tuple[Any, ...], int] = {}
-    lines = [numbered.setdefault(tuple(f for f in frames if f.file), len(numbered)) for frames in c.origins]
+    lines = [numbered.setdefault(tuple(f for f in frames if python_frame(f)), len(numbered)) for frames in c.origins]
     fwd = forward_in_order(run)
     region: List[int] = []  # the current line's allocations from its fp32 op on
     pending: List[Tuple[int, int]] = []  # (start, size) of its input copies, kept as long as the line's results
@@ -125,7 +128,7 @@ def _residual_adds(run: Run, block: np.ndarray) -> np.ndarray:
     if (run.op != "").any():
         made = run.op == "add"
     else:
-        operator = np.array([bool(frames) and bool(frames[0].file) for frames in c.origins], dtype=bool)
+        operator = np.array([bool(frames) and python_frame(frames[0]) for frames in c.origins], dtype=bool)
         made = operator[c.origin]
     fwd = forward_in_order(run, block >= 0)
     # Each block run's last line, and the largest allocation on it (a layer norm's output, not the
@@ -180,8 +183,9 @@ def apply_autocast(run: Run, edit: Edit, value: str) -> None:
     work = run.of("activation", "recomputed_activation", "autograd") & np.isin(run.phase, [FORWARD, BACKWARD]) \
         & ~run.loss & ~run.indices & (c.size > SCALAR_BYTES)
     kept = work & not_float(run)
+    staging = work & reduction_buffers(run)
     residual = _residual_adds(run, block)
-    work &= ~kept
+    work &= ~kept & ~staging
     work &= ~residual
     regions = _fp32_regions(run)
     full, casts = regions.full, regions.casts
@@ -244,7 +248,8 @@ def apply_autocast(run: Run, edit: Edit, value: str) -> None:
                                "layer_norm, ...) and what the same line computes after it stay fp32"
                                + (f", with an fp32 copy of a half-precision input the op keeps ({len(casts)} made)"
                                   if casts else "")
-                               if full.any() else "") + not_float_note(kept) + loss_note(logits) + math_note(math))
+                               if full.any() else "") + not_float_note(kept) + reduction_note(staging)
+                            + loss_note(logits) + math_note(math))
 
 
 RULE = ChangeRule("autocast", one_of("autocast", PRECISIONS),

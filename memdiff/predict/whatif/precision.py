@@ -5,12 +5,15 @@ variance and loss computations, the CPU's math attention.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import List, Tuple
 
 import numpy as np
 
-from memdiff.predict.whatif.run import MATRIX_PRODUCTS, NOT_FLOAT_OPS, Run, forward_in_order
+from memdiff.predict.whatif.run import ATEN_OP, MATRIX_PRODUCTS, NOT_FLOAT_OPS, Run, forward_in_order, python_frame
+from memdiff.recording.emulate.gpus import kernels
+from memdiff.recording.emulate.reductions import arg_size, kernel
 
 PRECISIONS = ("bf16", "fp16")
 
@@ -57,13 +60,72 @@ def math_note(math: np.ndarray) -> str:
 
 
 def not_float(run: Run) -> np.ndarray:
-    """The allocations an op of NOT_FLOAT_OPS made (a mask, indices): their size is not the model's dtype's."""
-    return np.isin(run.op, list(NOT_FLOAT_OPS))
+    """The allocations an op of NOT_FLOAT_OPS made (a mask, indices), and CUDA dropout's masks
+    (dropout_masks): their size is not the model's dtype's."""
+    return np.isin(run.op, list(NOT_FLOAT_OPS)) | dropout_masks(run)
+
+
+# CUDA's dropout (`native_dropout`) returns its output and a bool mask of one byte an element,
+# a quarter of an fp32 output. (The CPU's keeps its mask in the input's dtype.)
+DROPOUT_OPS = frozenset(("dropout", "native_dropout"))
+
+
+def dropout_masks(run: Run) -> np.ndarray:
+    """The bool masks CUDA dropout keeps for its backward, where the stacks name the op: of the two
+    allocations one dropout makes, the one a quarter the size of the other (fp32)."""
+    out = np.zeros(len(run.course.size), dtype=bool)
+    made = np.isin(run.op, list(DROPOUT_OPS))
+    if not made.any():
+        return out
+    size = run.course.size
+    fwd = forward_in_order(run, made).tolist()
+    for a, b in zip(fwd[:-1], fwd[1:]):
+        if run.line[a] != run.line[b] or run.born_run[a] != run.born_run[b]:
+            continue
+        if 4 * size[a] == size[b]:
+            out[a] = True
+        elif 4 * size[b] == size[a]:
+            out[b] = True
+    return out
+
+
+def reduction_buffers(run: Run) -> np.ndarray:
+    """The staging buffers and semaphores CUDA's reduction kernel takes beyond an op's result (a
+    bias gradient's sum over 6,304 rows: 38.9 MB of staging for 768 sums), where the stacks name a
+    reduction of the emulator's table (kernels.json `reductions`): the allocations after the op's
+    first, with its stack, freed before it. They hold the accumulator, whose width the emulator's
+    arg_size gives: fp32 for fp32, bf16 and fp16 inputs alike, so they keep their size."""
+    c = run.course
+    out = np.zeros(len(c.size), dtype=bool)
+    if not c.origins or not len(c.origin):
+        return out
+    rules = kernels()["reductions"]["ops"]
+    same: List[bool] = []
+    for frames in c.origins:
+        op = next((m.group(1) for f in frames if not python_frame(f) for m in [ATEN_OP.match(f.name)] if m), "")
+        rule = rules.get(op)
+        same.append(rule is not None and arg_size(kernel(rule), 2, True) == arg_size(kernel(rule), 4, True))
+    kept = np.array(same, dtype=bool)[c.origin]
+    if not kept.any():
+        return out
+    order = np.argsort(c.start, kind="stable")
+    for p, x in zip(order[:-1].tolist(), order[1:].tolist()):
+        # Origins are kinds told apart by lifetimes too: the same frames are the same op's.
+        if kept[x] and c.end[x] < c.end[p] and tuple(c.origins[c.origin[x]]) == tuple(c.origins[c.origin[p]]):
+            out[x] = True
+    return out
+
+
+def reduction_note(staging: np.ndarray) -> str:
+    """The assumption said when reductions' staging buffers keep their size (reduction_buffers)."""
+    return (f"; the {int(staging.sum())} staging buffers and semaphores of CUDA reductions (a bias gradient's "
+            "sum) keep their size: they hold the fp32 accumulator" if staging.any() else "")
 
 
 def not_float_note(kept: np.ndarray) -> str:
     """The assumption said when bool or integer results keep their size (not_float)."""
     return (f"; the {int(kept.sum())} bool or integer results of comparisons and arg-reductions (a mask from eq) "
+            "and bool masks of CUDA dropout "
             "keep their size" if kept.any() else "")
 
 
@@ -104,6 +166,26 @@ def variance_upcasts(run: Run) -> Upcasts:
             same_run = following is not None and run.born_run[following] == run.born_run[k]
             out.released.append((source, int(c.start[following]) if same_run else int(c.end[kept])))
     return out
+
+
+# Hugging Face's loss functions (`ForCausalLMLoss`, `ForMaskedLMLoss`: transformers/loss/loss_utils.py),
+# which compute the loss of half-precision logits in fp32 (`logits = logits.float()`).
+UPCASTING_LOSS = re.compile(r"(^|/)loss_utils\.py|loss_utils\.py\(")
+
+
+def loss_in_fp32(run: Run) -> bool:
+    """Whether the run's loss keeps fp32 sizes in half precision: computed by a function that upcasts
+    the logits (UPCASTING_LOSS on the loss's stacks), or on the CPU route (no ATen ops on the stacks),
+    where T5's pair measures it so. Where CUDA runs `nn.CrossEntropyLoss` on the model's half-precision
+    logits itself (T5, BERT's and ViT's classifiers), the loss runs in their dtype (the real T5 run)."""
+    c = run.course
+    if not (run.op != "").any():
+        return True
+    if not c.origins or not len(c.origin) or not run.loss.any():
+        return False
+    origins = np.unique(c.origin[run.loss])
+    return any(UPCASTING_LOSS.search(f.file) or UPCASTING_LOSS.search(f.name) for o in origins.tolist()
+               for f in c.origins[o])
 
 
 def loss_upcasts(run: Run) -> List[Tuple[int, int, int]]:

@@ -16,6 +16,7 @@ from memdiff.analyse.lifetimes import FORWARD
 from memdiff.model import PhaseSpan, Step
 from memdiff.predict.forecast.course import DeviceCourse
 from memdiff.predict.forecast.replay import Replayed, replay_course
+from memdiff.read.frames import SHARED_LIBRARY
 
 # Loss computations that libraries run in fp32 whatever the model's precision (Hugging Face
 # upcasts the logits in its loss; log_softmax and nll_loss then stay fp32, and so do their grads).
@@ -59,8 +60,9 @@ NOT_FLOAT_OPS = frozenset(("eq", "ne", "lt", "gt", "le", "ge", "logical_and", "l
                            "nonzero", "bitwise_and", "bitwise_or", "bitwise_not", "bitwise_xor"))
 
 
-# The op names an overload's suffix is taken off to find (`sum_dim_IntList`: sum).
-_KNOWN_OPS = AUTOCAST_LOWER | AUTOCAST_FP32 | frozenset(_AUTOCAST["promote"]) | NOT_FLOAT_OPS
+# The op names an overload's suffix is taken off to find (`sum_dim_IntList`: sum), with the
+# reduction of an RMS norm's variance (`mean_dim`: mean), which precision.variance_upcasts reads.
+_KNOWN_OPS = AUTOCAST_LOWER | AUTOCAST_FP32 | frozenset(_AUTOCAST["promote"]) | NOT_FLOAT_OPS | {"mean"}
 
 
 # The matrix products of autocast's lower list that take one activation and a weight (a layer's
@@ -131,7 +133,7 @@ def read_run(course: DeviceCourse, spans: List[PhaseSpan], steps: List[Step]) ->
         op = np.array(ops, dtype=object)[course.origin]
         call = np.array([o or called(frames) for o, frames in zip(ops, course.origins)], dtype=object)[course.origin]
         lines = np.empty(len(course.origins), dtype=object)
-        lines[:] = [tuple(f for f in frames if f.file)[:1] for frames in course.origins]
+        lines[:] = [tuple(f for f in frames if python_frame(f))[:1] for frames in course.origins]
         line = lines[course.origin]
     else:
         op = np.full(len(course.size), "", dtype=object)
@@ -183,6 +185,13 @@ def peak_of_set(c: DeviceCourse, members: np.ndarray, size: Optional[np.ndarray]
     return int(max(0, np.cumsum(sizes[order]).max()))
 
 
+def python_frame(frame: Any) -> bool:
+    """Whether a display frame is one of Python code: a native frame has no file where memdiff's
+    own recordings write it, and names its shared library (`libtorch_cpu.so`, line 0) where torch's
+    symbolizer does, as in a real GPU's snapshot."""
+    return bool(frame.file) and not SHARED_LIBRARY.search(frame.file)
+
+
 def called(frames: Sequence[Any]) -> str:
     """The op a stack shows: the ATen op on CUDA's C++ frames, else the built-in the profiler's
     innermost frame names (`<built-in method pow of Tensor object at 0x..>`: pow); "" for neither."""
@@ -198,7 +207,7 @@ def aten_op(frames: Sequence[Any]) -> str:
     the C++ frames of the caching allocator's stacks; "" when the stack shows none."""
     op = ""
     for f in frames:
-        if f.file:
+        if python_frame(f):
             break
         m = ATEN_OP.match(f.name)
         if m:

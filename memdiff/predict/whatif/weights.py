@@ -5,15 +5,19 @@ their size.
 
 from __future__ import annotations
 
+from memdiff.predict.whatif.attention import HalfAttention, half_attention
 from memdiff.predict.whatif.edit import ChangeRule, Edit, one_of
 from memdiff.predict.whatif.precision import (
     PRECISIONS,
     cpu_math_attention,
+    loss_in_fp32,
     loss_note,
     loss_upcasts,
     math_note,
     not_float,
     not_float_note,
+    reduction_buffers,
+    reduction_note,
     variance_upcasts,
 )
 from memdiff.predict.whatif.run import SCALAR_BYTES, Run
@@ -23,28 +27,66 @@ def apply_weights(run: Run, edit: Edit, value: str) -> None:
     """Keep the parameters, and what follows their dtype, in `value` (bf16 or fp16)."""
     c = run.course
     # A BLAS workspace is sized by the library per handle (CUBLAS_WORKSPACE_CONFIG), whatever the dtype.
+    # The loss keeps fp32 where the library upcasts the logits for it; else it runs in their dtype.
+    upcast = loss_in_fp32(run)
     halved = run.of("parameter", "gradient", "optimizer_state", "optimizer_temporary", "activation",
-                    "recomputed_activation", "autograd", "other") & ~run.loss & ~run.indices & (c.size > SCALAR_BYTES)
+                    "recomputed_activation", "autograd", "other") & ~(run.loss & upcast) & ~run.indices \
+        & (c.size > SCALAR_BYTES)
     kept = halved & not_float(run)
-    halved &= ~kept
+    staging = halved & reduction_buffers(run)
+    halved &= ~kept & ~staging
     math = cpu_math_attention(run)
-    halved &= ~math
+    attention = half_attention(run, value)
+    halved &= ~math & ~attention.kept
     edit.size[halved] = edit.size[halved] // 2
+    math_in_fp32(run, edit, attention)
     upcasts = variance_upcasts(run)
     for start, end, size in upcasts.copies:
         edit.add(start, end, size, "activation")
-    logits = loss_upcasts(run)
+    logits = loss_upcasts(run) if upcast else []
     for start, end, size in logits:
         edit.add(start, end, size, "activation")
     for k, end in upcasts.released:
         edit.end[k] = min(int(edit.end[k]), end)
     edit.assumptions.append(f"{value} weights: parameters, gradients, optimizer state and activations in 2 bytes; "
-                            "the loss (computed in fp32 by the libraries), inputs, int64 indices (max pooling's), "
+                            + ("the loss (computed in fp32 by Hugging Face's loss functions), " if upcast else
+                               "the loss too (the model's own cross entropy on its logits, no upcast); ")
+                            + "inputs, int64 indices (max pooling's), "
                             "BLAS workspaces and one-element tensors keep their size; every float tensor is assumed "
-                            "fp32 in the run" + not_float_note(kept) + math_note(math)
+                            "fp32 in the run" + not_float_note(kept) + reduction_note(staging) + math_note(math)
                             + (f"; each of the {len(upcasts.copies)} RMS norms that computes its variance as pow then "
                                "mean keeps an fp32 copy of its input in its place (the variance is computed in fp32)"
-                               if upcasts.copies else "") + loss_note(logits))
+                               if upcasts.copies else "") + loss_note(logits) + attention_note(attention))
+
+
+def math_in_fp32(run: Run, edit: Edit, attention: HalfAttention) -> None:
+    """What each attention call on the math path holds in fp32 in half precision (half_attention):
+    its fp32 query, key and value until it returns; its output, fp32 until it returns, then a
+    half-precision copy as long as the run kept the output; the half-precision copy of the
+    attention weights it returns beside it, dropped at once."""
+    c = run.course
+    for call in attention.calls:
+        begin = int(c.start[call.members[0]])
+        for size in call.copies:
+            edit.add(begin, call.returns, size, "activation")
+        out = call.output
+        edit.add(int(c.start[out]), call.returns, call.scores // 2, "activation")
+        edit.add(call.returns, int(edit.end[out]), int(c.size[out]) // 2, "activation")
+        edit.end[out] = min(int(edit.end[out]), call.returns)
+
+
+def attention_note(attention: HalfAttention) -> str:
+    """The assumption said of the attention calls' backends in half precision (half_attention)."""
+    out = ""
+    if attention.calls:
+        out += (f"; {len(attention.calls)} scaled_dot_product_attention calls run PyTorch's math backend in half "
+                "precision too (the emulator's backend selection, for an H100 and the newest torch it knows, "
+                "with the fp32 run's backend telling what the trace cannot show of the mask): it computes in "
+                "fp32, holding fp32 copies of the query, key and value, and casts its output back")
+    if attention.fused:
+        out += (f"; {attention.fused} calls the fp32 run ran on the math path take a fused kernel in half "
+                "precision: halved as the rest")
+    return out
 
 
 RULE = ChangeRule("weights", one_of("weights", PRECISIONS),
