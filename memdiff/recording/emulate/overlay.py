@@ -256,13 +256,20 @@ class Overlay:
 
     def exists(self, path: Any, follow: bool = True) -> bool:
         """Whether `path` is there, as the run sees it (a link to nothing is, where not `follow`)."""
-        real = self.where(path, follow)
-        return real is not None and _lexists(real)
+        return self._found(self.resolve(path, follow)) is not None
 
-    def _seen(self, path: str) -> bool:
-        """Whether resolved `path` is there as the run sees it, a link not followed."""
+    def _found(self, path: str) -> Optional[str]:
+        """The real path holding resolved `path` where the run sees something there (a link not
+        followed), else None."""
         real = self._entry(path)
-        return real is not None and _lexists(real)
+        return real if real is not None and _lexists(real) else None
+
+    def _existing(self, path: str) -> str:
+        """_found, or the error a real call raises where nothing is there."""
+        real = self._found(path)
+        if real is None:
+            raise missing(path)
+        return real
 
     def _lower(self, path: str) -> bool:
         """Whether the user's tree has `path` and the run still sees it there (not deleted above)."""
@@ -272,9 +279,8 @@ class Overlay:
 
     def _parent(self, path: str) -> None:
         """The upper layer's folders down to `path`'s (resolved), where its folder is there as the run sees it."""
-        parent = os.path.dirname(path)
-        real = self._entry(parent)
-        if real is None or not _lexists(real):
+        real = self._found(os.path.dirname(path))
+        if real is None:
             raise missing(path)
         if not _isdir(real):
             raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), path)
@@ -288,8 +294,7 @@ class Overlay:
         if self.passes(path):
             return path
         upper = self.up(path)
-        real = self._entry(path)
-        there = real is not None and _lexists(real)
+        there = self._found(path) is not None
         if exclusive and there:
             raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), path)
         if not there and not create:
@@ -298,7 +303,6 @@ class Overlay:
             self._parent(path)
             if there and _isdir(path):
                 raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), path)
-            # (the user's file: no upper copy yet, so `path` is the real one)
             if there:  # the user's file, copied: its bytes where kept, its mode always (read before the
                 # copy is made: the path reads as the copy after)
                 mode = stat.S_IMODE(_stat(path).st_mode)
@@ -317,7 +321,7 @@ class Overlay:
             return path
         upper = self.up(path)
         if not _lexists(upper):
-            if self.hidden(path) or not _lexists(path):
+            if not self._lower(path):
                 raise missing(path)
             mode = stat.S_IMODE(_stat(path).st_mode)
             self._parent(path)
@@ -333,7 +337,7 @@ class Overlay:
             return path
         upper = self.up(path)
         if not _lexists(upper):
-            if self.hidden(path) or not _lexists(path):
+            if not self._lower(path):
                 raise missing(path)
             self._parent(path)
             _symlink(_readlink(path), upper)
@@ -346,7 +350,7 @@ class Overlay:
         if self.passes(path):
             _symlink(target, path)
             return
-        if self._seen(path):
+        if self._found(path) is not None:
             raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), path)
         self._parent(path)
         upper = self.up(path)
@@ -363,13 +367,11 @@ class Overlay:
             _link(source, path)
             return
         # link's own checks, in its order: the source, the new name's folder, the new name, a folder
-        real = self._entry(source)
-        if real is None or not _lexists(real):
-            raise missing(source)
-        folder = self._entry(os.path.dirname(path))
+        real = self._existing(source)
+        folder = self._found(os.path.dirname(path))
         if folder is None or not _isdir(folder):
             raise missing(path)
-        if self._seen(path):
+        if self._found(path) is not None:
             raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), path)
         kind = _lstat(real).st_mode
         if stat.S_ISDIR(kind):  # no second name for a folder
@@ -385,7 +387,7 @@ class Overlay:
         if self.passes(path):
             _mkdir(path, mode)
             return
-        if self._seen(path):
+        if self._found(path) is not None:
             raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), path)
         self._parent(path)
         _mkdir(self.up(path), mode)
@@ -403,9 +405,7 @@ class Overlay:
         if self.passes(path):
             _unlink(path)
             return
-        real = self._entry(path)
-        if real is None or not _lexists(real):
-            raise missing(path)
+        real = self._existing(path)
         if stat.S_ISDIR(_lstat(real).st_mode):
             raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), path)
         if real != path:
@@ -418,9 +418,7 @@ class Overlay:
         if self.passes(path):
             _rmdir(path)
             return
-        real = self._entry(path)
-        if real is None or not _lexists(real):
-            raise missing(path)
+        real = self._existing(path)
         if not stat.S_ISDIR(_lstat(real).st_mode):
             raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), path)
         if self.names(path):
@@ -437,19 +435,16 @@ class Overlay:
         if self.passes(source) and self.passes(target):
             _rename(source, target)
             return
-        real = self._entry(source)
-        if real is None or not _lexists(real):
-            raise missing(source)
-        there = self._entry(target)
-        if source == target or (there is not None and _lexists(there)
-                                and os.path.samestat(_lstat(real), _lstat(there))):
+        real = self._existing(source)
+        there = self._found(target)
+        if source == target or (there is not None and os.path.samestat(_lstat(real), _lstat(there))):
             return  # two names of one file: rename leaves both, as POSIX says
         folder = stat.S_ISDIR(_lstat(real).st_mode)
         if folder and target.startswith(source + os.sep):
             raise OSError(errno.EINVAL, os.strerror(errno.EINVAL), source)
         if source.startswith(target + os.sep):  # onto a folder above it, as the kernel says
             raise OSError(errno.ENOTEMPTY, os.strerror(errno.ENOTEMPTY), target)
-        if there is not None and _lexists(there):  # rename's own checks, on what the run sees there
+        if there is not None:  # rename's own checks, on what the run sees there
             if stat.S_ISDIR(_lstat(there).st_mode):
                 if not folder:
                     raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), target)
@@ -477,9 +472,7 @@ class Overlay:
     def copy(self, source: str, destination: str) -> None:
         """What the run sees at resolved `source` (a file, a link or a whole folder of both layers)
         copied to the real path `destination`."""
-        real = self._entry(source)
-        if real is None:
-            raise missing(source)
+        real = self._existing(source)
         mode = _lstat(real).st_mode
         if stat.S_ISLNK(mode):
             if _lexists(destination):
@@ -504,8 +497,7 @@ class Overlay:
         upper = self.up(path)
         lower = self._lower(path) and _isdir(path)
         if not lower and not _isdir(upper):
-            real = self._entry(path)
-            if real is not None and _lexists(real):
+            if self._found(path) is not None:
                 raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), path)
             raise missing(path)
         found = set(_listdir(upper)) if _isdir(upper) else set()
