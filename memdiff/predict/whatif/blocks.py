@@ -138,6 +138,7 @@ def repeated_calls(run: Run) -> Tuple[List[str], np.ndarray]:
     parts = np.split(np.arange(len(fwd)), cuts)
     chosen: List[Tuple[np.ndarray, Repeat]] = []  # (under the call, how it repeats), one per way it is reached
     site = None  # the innermost frame of the block's call
+    taken = np.zeros(len(fwd), dtype=bool)  # the forward allocations under a call chosen
     for rank, (_, _, key, node) in enumerate(ranked):
         o, i = place[node]
         if site is None and rank >= MAX_CALLS:
@@ -147,12 +148,13 @@ def repeated_calls(run: Run) -> Tuple[List[str], np.ndarray]:
         mask = np.zeros(len(c.origins), dtype=bool)
         mask[list(key)] = True
         under = mask[origin]
-        if any((under & taken).any() for taken, _ in chosen):
+        if (under & taken).any():
             continue
         repeat = _repeat_in_every_forward(parts, under, same_frames[origin])
         if repeat is None:
             continue
         chosen.append((under, repeat))
+        taken |= under
         # The same call reached another way (an encoder-decoder's two stacks loop over their
         # layers on one line): its repeats are blocks too, in the order the forward runs them.
         site = c.origins[o][i]
@@ -178,8 +180,8 @@ def repeated_calls(run: Run) -> Tuple[List[str], np.ndarray]:
 @dataclass(frozen=True)
 class Repeat:
     """How a call's allocations in one forward split into its instances: the first `first` of them
-    are its first instance, then one every `period`. The first may make more than the others (T5's
-    first layer makes the relative position bias every later layer reuses)."""
+    are its first instance, then one every `period`. The first may make more or less than the others
+    (T5's first layer makes the relative position bias every later layer reuses)."""
 
     first: int
     period: int

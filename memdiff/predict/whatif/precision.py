@@ -99,12 +99,11 @@ def reduction_buffers(run: Run) -> np.ndarray:
     out = np.zeros(len(c.size), dtype=bool)
     if not c.origins or not len(c.origin):
         return out
-    rules = kernels()["reductions"]["ops"]
-    same: List[bool] = []
-    for frames in c.origins:
-        op = next((m.group(1) for f in frames if not python_frame(f) for m in [ATEN_OP.match(f.name)] if m), "")
-        rule = rules.get(op)
-        same.append(rule is not None and arg_size(kernel(rule), 2, True) == arg_size(kernel(rule), 4, True))
+    # per op of the table, once: whether its accumulator is as wide for 2-byte inputs as for 4-byte ones
+    wide = {op: arg_size(kernel(rule), 2, True) == arg_size(kernel(rule), 4, True)
+            for op, rule in kernels()["reductions"]["ops"].items()}
+    same = [wide.get(next((m.group(1) for f in frames if not python_frame(f) for m in [ATEN_OP.match(f.name)] if m),
+                          ""), False) for frames in c.origins]
     kept = np.array(same, dtype=bool)[c.origin]
     if not kept.any():
         return out
