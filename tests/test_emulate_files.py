@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import gzip
 import hashlib
+import inspect
 import json
 import os
 import pickle
@@ -296,6 +297,27 @@ def test_a_write_around_the_routes_is_stopped_and_one_outside_python_is_named(tm
     assert (tmp_path / "data.bin").read_bytes() == b"the user's"
     lines = check.changed()
     assert len(lines) == 1 and lines[0].startswith(f"{tmp_path / 'by_a_program.txt'} was made by a writer outside")
+
+
+def test_a_folder_deeper_than_python_s_recursion_limit_is_checked_to_its_bottom(tmp_path):
+    """A tree nested deeper than Python's recursion limit (a folder copied into itself, left beside
+    the script by an earlier run): the check walked it with os.walk and stopped the run with
+    memdiff's exit 3 (RecursionError) before the script began; it must look to the bottom."""
+    from memdiff.recording.emulate.overlay_calls import TreeCheck
+
+    depth = len(inspect.stack())  # the frames already in use, pytest's
+    bottom = tmp_path.joinpath(*["d"] * 300)
+    bottom.mkdir(parents=True)
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(depth + 150)  # the tree is deeper than what is left
+    try:
+        check = TreeCheck([str(tmp_path)], skip=())
+        (bottom / "by_a_program.txt").write_text("made")
+        lines = check.changed()
+    finally:
+        sys.setrecursionlimit(limit)
+    assert lines == [f"{bottom / 'by_a_program.txt'} was made by a writer outside Python's file calls "
+                     f"(a C library or a program the run started), which the overlay cannot route"]
 
 
 # A Hugging Face script whose data is read from files: `datasets` writes its Arrow cache through

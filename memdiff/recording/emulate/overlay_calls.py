@@ -463,21 +463,27 @@ class TreeCheck:
         self.before = self._look()
 
     def _look(self) -> Dict[str, Tuple[int, int, int, int]]:
+        # A stack of folders, not os.walk: a tree deeper than Python's recursion limit (a copy of a
+        # folder into itself, left by an earlier run) is walked as any other, to LIMIT.
         seen: Dict[str, Tuple[int, int, int, int]] = {}
         for top in self.folders:
-            for folder, dirs, files in os.walk(top):
-                dirs[:] = [d for d in dirs if not os.path.join(folder, d).startswith(self.skip)]
-                for name in files + dirs:
-                    path = os.path.join(folder, name)
-                    if path.startswith(self.skip) or path in seen:
-                        continue
-                    if len(seen) >= self.LIMIT:
-                        self.stopped = True
-                        return seen
-                    with contextlib.suppress(OSError):
-                        info = os.lstat(path)
-                        if (info.st_dev, info.st_ino) not in self.streams:
-                            seen[path] = (info.st_size, info.st_mtime_ns, info.st_ino, info.st_mode)
+            todo = [top]
+            while todo:
+                folder = todo.pop()
+                with contextlib.suppress(OSError), os.scandir(folder) as entries:
+                    for entry in entries:
+                        path = entry.path
+                        if path.startswith(self.skip) or path in seen:
+                            continue
+                        if len(seen) >= self.LIMIT:
+                            self.stopped = True
+                            return seen
+                        with contextlib.suppress(OSError):
+                            info = entry.stat(follow_symlinks=False)
+                            if (info.st_dev, info.st_ino) not in self.streams:
+                                seen[path] = (info.st_size, info.st_mtime_ns, info.st_ino, info.st_mode)
+                            if stat.S_ISDIR(info.st_mode):
+                                todo.append(path)
         return seen
 
     def changed(self, own: Tuple[str, ...] = ()) -> List[str]:
