@@ -586,6 +586,40 @@ def test_autocast_keeps_what_cuda_runs_in_fp32_and_the_copy_it_saves(write_snaps
     assert (predicted.predicted_peak_bytes, predicted.predicted_peak_phase) == (3532, "forward")
 
 
+def embedding_loop(library: str = "") -> Dict[str, Any]:
+    """One fp32 step of an embedding lookup and a product, as CUDA records it: the table's
+    gradient made by `embedding_backward`, the product's weight's by `mm`."""
+    weight = frames("torch/nn/parameter.py(1): __new__", "train.py(5): build")
+    lookup = cuda_stack("embedding", "functional.py:2500:embedding", "model.py:4:forward", "train.py:8:step",
+                        library=library)
+    product = cuda_stack("addmm", "model.py:5:forward", "train.py:8:step", library=library)
+
+    def grad(op: str) -> List[Dict[str, Any]]:
+        return [{"filename": library, "line": 0, "name": f"at::_ops::{op}::call"},
+                {"filename": library, "line": 0, "name": "torch::autograd::AccumulateGrad::apply"},
+                {"filename": "torch/autograd/__init__.py", "line": 1, "name": "backward"},
+                {"filename": "train.py", "line": 9, "name": "step"}]
+    trace = [alloc(1, 1000, weight), alloc(2, 1000, weight),  # the table, the product's weight
+             alloc(7, 4000, lookup), alloc(8, 4000, product),
+             free(8, 4000, grad("mm")), alloc(3, 1000, grad("mm")),
+             free(7, 4000, grad("embedding_backward")), alloc(4, 1000, grad("embedding_backward"))]
+    return {"segments": [], "device_traces": [trace]}
+
+
+@pytest.mark.parametrize("library", ["", LIBTORCH], ids=["memdiff-recording", "real-gpu-snapshot"])
+def test_autocast_casts_no_embedding_table_and_its_lookup_stays_fp32(write_snapshot, library):
+    """Issue 60, BERT-base on an H100 under bf16 autocast (+2.0%): an embedding is on none of
+    autocast's lists, so its table gets no bf16 copy and its rows stay fp32 (the rule cast the
+    table, 45 MiB of BERT's word embeddings, and halved the rows). Worked out by hand at the
+    forward's end: the table and the weight 1000 each, the weight's cast 500, the fp32 rows 4000,
+    the product's bf16 output 2000: 8500 (the fp32 run: 10000)."""
+    run = write_snapshot(embedding_loop(library), "embedding.pickle")
+    assert memdiff.summarize(run).devices[0].peak_bytes == 10000
+    predicted = memdiff.whatif(run, "autocast=bf16").devices[0].changes[0]
+    assert (predicted.predicted_peak_bytes, predicted.predicted_peak_phase) == (8500, "forward")
+    assert "embeddings and norms excepted" in predicted.assumptions[0]
+
+
 def test_autocast_of_a_forward_alone_matches_the_real_gpu_run(shared, expected):
     """Issue 42 item 3, on a GPU run nobody here wrote (the cs336 2.7B transformer, context 128,
     one forward with grad and no backward, fp32 then under torch.autocast(bf16) on the GPU).

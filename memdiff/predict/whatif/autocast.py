@@ -41,6 +41,17 @@ from memdiff.predict.whatif.run import (
 # fp32 residual stream (CPU autocast runs them in their input's dtype).
 NORM_OPS = frozenset(("layer_norm", "group_norm", "rms_norm"))
 
+# The backward ops that make the gradient of a weight autocast never casts: an embedding's (the
+# lookup is on none of autocast's lists, so it reads its fp32 table) and a norm's (on the fp32
+# list). Where the stacks name the ATen ops (CUDA), their weights get no half-precision copy.
+UNCAST_WEIGHT_GRADS = frozenset((
+    "embedding_backward", "embedding_dense_backward", "embedding_bag_backward", "_embedding_bag_backward",
+    "native_layer_norm_backward", "native_group_norm_backward", "native_batch_norm_backward",
+    "cudnn_batch_norm_backward", "_fused_rms_norm_backward"))
+
+# Lookups autocast leaves alone: they read the fp32 table and give fp32 rows.
+EMBEDDINGS = ("embedding", "embedding_bag", "_embedding_bag")
+
 
 @dataclass
 class _Fp32Regions:
@@ -187,6 +198,8 @@ def apply_autocast(run: Run, edit: Edit, value: str) -> None:
     residual = _residual_adds(run, block)
     work &= ~kept & ~staging
     work &= ~residual
+    looked_up = np.isin(run.op, EMBEDDINGS) & (run.phase == FORWARD)
+    work &= ~looked_up
     regions = _fp32_regions(run)
     full, casts = regions.full, regions.casts
     math = cpu_math_attention(run)
@@ -208,6 +221,10 @@ def apply_autocast(run: Run, edit: Edit, value: str) -> None:
     # The most parameter bytes live at once: an update in place makes a new version of each every step.
     params = peak_of_set(c, np.flatnonzero(run.of("parameter")))
     grads = np.flatnonzero(run.of("gradient") & (run.phase == BACKWARD))
+    uncast = np.isin(run.op[grads], list(UNCAST_WEIGHT_GRADS))
+    # Weights no op casts (embeddings, norms) take no copy in a forward no backward follows either.
+    params -= max((int(c.size[grads[uncast & (c.start[grads] >= s.start_event) & (c.start[grads] <= s.end_event)]]
+                       .sum()) for s in run.spans if s.phase == BACKWARD), default=0)
     alone = 0  # forwards no backward follows
     for step in run.steps:
         # One forward per backward (a micro-batch): the forward runs before each backward run.
@@ -220,8 +237,9 @@ def apply_autocast(run: Run, edit: Edit, value: str) -> None:
             elif p is not None and p.phase == BACKWARD and first is not None:
                 # Each weight's cast is saved for its backward: freed when its gradient is made
                 # (where the run made it); without gradients in the run, when the backward starts.
-                mine = grads[(c.start[grads] >= p.start_event) & (c.start[grads] <= p.end_event)]
-                for g in mine.tolist():
+                within = (c.start[grads] >= p.start_event) & (c.start[grads] <= p.end_event)
+                mine = grads[within]
+                for g in grads[within & ~uncast].tolist():
                     edit.add(first, int(c.start[g]) + 1, int(edit.size[g]) // 2, "autocast_weights")
                 if not len(mine):
                     edit.add(first, p.start_event, params // 2, "autocast_weights")
@@ -237,6 +255,8 @@ def apply_autocast(run: Run, edit: Edit, value: str) -> None:
                             "halve (the loss stays fp32); weights, gradients and optimizer state stay fp32; each "
                             "forward casts every weight to 2 bytes, each cast kept until its weight's gradient "
                             "is made in the backward"
+                            + (" (embeddings and norms excepted: autocast casts no weight of theirs)"
+                               if uncast.any() else "")
                             + (f" (in the {alone} forward{'s' if alone > 1 else ''} no backward follows, "
                                "to the forward's end: autocast caches the casts until it exits)" if alone else "")
                             + (f"; the residual stream's {int(residual.sum())} adds stay fp32 (an add promotes "
@@ -244,6 +264,8 @@ def apply_autocast(run: Run, edit: Edit, value: str) -> None:
                             + (f"; each of the {sum(len(p) for _, p in shared)} products that read one of "
                                f"{len(shared)} fp32 tensors (a norm's output) keeps its own half-size copy of it"
                                if shared else "")
+                            + (f"; the {int(looked_up.sum())} embedding lookups stay fp32 (autocast casts no "
+                               "table)" if looked_up.any() else "")
                             + ("; where the stacks name the ATen ops (CUDA), what autocast runs in fp32 (pow, "
                                "layer_norm, ...) and what the same line computes after it stay fp32"
                                + (f", with an fp32 copy of a half-precision input the op keeps ({len(casts)} made)"
