@@ -96,10 +96,10 @@ class Overlay:
         for folder in (self.upper, self.gone):
             os.makedirs(folder, exist_ok=True)
         self.scratch = self._scratch()  # temporary files and compiler caches of the run
-        self.owned: Tuple[str, ...] = tuple(full(p) for p in owned if p)
-        # memdiff writes its files through a hidden sibling first (memdiff.atomic): `.NAME.<random>.tmp`
-        self._siblings = tuple(os.path.join(os.path.dirname(p), "." + os.path.basename(p)[:16])
-                               for p in self.owned)
+        self.owned: Tuple[str, ...] = ()
+        self._siblings: Tuple[str, ...] = ()
+        self._passing: Tuple[str, ...] = ()  # what passes() looks for at a path's start
+        self._let_through(full(p) for p in owned if p)
 
     def _scratch(self) -> str:
         """The run's temporary folder, made by the first process to ask: a short one in the system's
@@ -141,8 +141,7 @@ class Overlay:
         path = full(path)
         added = []
         while not self.passes(path):
-            self.owned += (path,)
-            self._siblings += (os.path.join(os.path.dirname(path), "." + os.path.basename(path)[:16]),)
+            self._let_through([path])
             added.append(path)
             parent = os.path.dirname(path)
             if parent == path or _lexists(parent):
@@ -160,16 +159,22 @@ class Overlay:
         except FileNotFoundError:
             return ()
 
+    def _let_through(self, paths: Iterable[str]) -> None:
+        """Add absolute `paths` to memdiff's own, and the prefixes passes() looks for (worked out here
+        once: passes() runs for every part of every path the run's file calls name)."""
+        for path in paths:
+            self.owned += (path,)
+            # memdiff writes its files through a hidden sibling first (memdiff.atomic): `.NAME.<random>.tmp`
+            self._siblings += (os.path.join(os.path.dirname(path), "." + os.path.basename(path)[:16]),)
+        self._passing = (self.root + os.sep, self.scratch + os.sep, *SYSTEM, *(o + os.sep for o in self.owned),
+                         *self._siblings)
+
     # -- where a path lies ------------------------------------------------------------------------
 
     def passes(self, path: str) -> bool:
         """Whether absolute `path` is read and written as it is: memdiff's own, or the system's devices and
         kernel files (/dev/null, /dev/shm, /proc), which are no user's files and which a copy would break."""
-        if path == self.root or path.startswith((self.root + os.sep, self.scratch + os.sep, *SYSTEM)) \
-                or path == self.scratch:
-            return True
-        return path in self.owned or path.startswith(tuple(o + os.sep for o in self.owned)) \
-            or path.startswith(self._siblings)
+        return path.startswith(self._passing) or path == self.root or path == self.scratch or path in self.owned
 
     def up(self, path: str) -> str:
         """Where absolute `path` lies in the upper layer."""
@@ -207,17 +212,27 @@ class Overlay:
             return os.path.normpath(raw)
         todo = raw.split(os.sep)[::-1]  # the parts left to walk, the next one last
         here, links = os.sep, 0
+        # What the two layers hold at `here`, kept as the walk goes down a part at a time, so that each
+        # part costs a call or two, not _entry's four: whether the upper layer has `here` as a folder
+        # (below a path it lacks it has nothing), whether the deleted/ tree has it as a folder (below,
+        # no marker), and whether a folder at or above `here` was deleted (then what the upper layer
+        # lacks below is hidden).
+        up_dir, gone_dir, deleted = True, True, False
         while todo:
             part = todo.pop()
             if part in ("", "."):
                 continue
             if part == "..":
                 here = os.path.dirname(here)
+                up_dir, gone_dir, deleted = self._layers(here)
                 continue
-            there = os.path.join(here, part)
+            there = here + part if here == os.sep else here + os.sep + part
             if self.passes(there) and ".." not in todo:
                 return os.path.join(there, *todo[::-1])
-            real = self._entry(there)
+            upper = self.up(there) if up_dir else ""
+            in_upper = up_dir and _lexists(upper)
+            marked = gone_dir and _lexists(self._marker(there))
+            real = upper if in_upper else there if not (deleted or marked) or self.passes(there) else None
             try:
                 kind = _lstat(real).st_mode if real is not None else None
             except (OSError, ValueError):
@@ -231,12 +246,21 @@ class Overlay:
                 target = _readlink(real)
                 todo.extend(target.split(os.sep)[::-1])
                 if os.path.isabs(target):
-                    here = os.sep
+                    here, up_dir, gone_dir, deleted = os.sep, True, True, False
                 continue
             if not stat.S_ISDIR(kind) and any(todo):  # a file taken for a folder, as the kernel says
                 raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), raw)
             here = there
+            up_dir = in_upper and stat.S_ISDIR(kind)
+            deleted = deleted or marked
+            gone_dir = gone_dir and _isdir(os.path.join(self.gone, there.lstrip(os.sep)))
         return here
+
+    def _layers(self, path: str) -> Tuple[bool, bool, bool]:
+        """resolve()'s view of the layers at absolute `path`, worked out afresh: (the upper layer has it
+        as a folder, the deleted/ tree has it as a folder, it or a folder above it was deleted)."""
+        gone = os.path.join(self.gone, path.lstrip(os.sep)).rstrip(os.sep)
+        return _isdir(self.up(path)), _isdir(gone), path != os.sep and self.hidden(path)
 
     def _entry(self, path: str) -> Optional[str]:
         """The real path holding what the run sees at `path` (absolute, its folders no links in the
