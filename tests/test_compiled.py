@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import copy
 import json
+import os
+import pickle
 import re
 import subprocess
 import sys
@@ -18,6 +20,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+from conftest import missing_capture_dependency
 
 from memdiff.read.frames import StackNormalizer, frames_lists, number_compiled_buffers
 
@@ -217,8 +220,6 @@ def compiled_live_at_peak(snapshot: Path):
     code) live at the trace's peak (the first highest running total of allocations less completed
     frees), as (graph, PyTorch's category, bytes) each; graph is "backward" where the stack runs
     through the compiled backward's autograd node."""
-    import pickle
-
     with open(snapshot, "rb") as f:
         trace = pickle.load(f)["device_traces"][0]
     live, total, best, at_peak = {}, 0, None, []
@@ -290,3 +291,72 @@ def test_a_compiled_graph_that_allocates_differently_at_another_length_pairs_its
         (row,) = [r for r, ms in held if any(s == "base" and b == size and n == 1 for s, _, b, n in ms)]
         assert any(s == "head" and b == size for s, _, b, _ in compiled_members(row)), row["site"]
         assert not any(s == "head" and b != size for s, _, b, _ in compiled_members(row)), row["site"]
+
+
+@pytest.fixture(scope="module")
+def warm_llama(torch, tmp_path_factory):
+    """tests/scenarios/llama_compile_warm.py under `memdiff record --emulate h200 --steps 1:3`: a
+    compiled Llama recorded once warm, its weights, AdamW moments, workspaces and graphs all older
+    than the trace. (snapshot, the script's own facts)."""
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        missing_capture_dependency("transformers is not installed (pip install -e '.[test]')")
+    folder = tmp_path_factory.mktemp("warm-llama")
+    snapshot, kept = folder / "run.pickle", folder / "writes"
+    facts = folder / "facts.json"
+    script = Path(__file__).resolve().parent / "scenarios" / "llama_compile_warm.py"
+    done = subprocess.run([sys.executable, "-m", "memdiff", "record", "--emulate", "h200", "--steps", "1:3",
+                           "-o", str(snapshot), "--keep-writes", str(kept), "--", sys.executable, str(script),
+                           str(facts)], capture_output=True, text=True, cwd=folder,
+                          env={**os.environ, "TRANSFORMERS_VERBOSITY": "error"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    # the facts file is one of the run's writes, kept in its overlay (an emulated run writes no user file)
+    written = kept / "upper" / str(facts).lstrip(os.sep)
+    return snapshot, json.loads(written.read_text())
+
+
+@pytest.mark.slow
+def test_a_compiled_llamas_rotary_backward_is_planned_by_inductor_on_the_emulated_gpu(warm_llama):
+    """The rotary embedding's `rotate_half` leaves a slice scatter in the backward graph, which
+    Inductor's reinplace pass ran on the emulated GPU's tensors with a copy a CPU build cannot take
+    (`PyTorch is not linked with support for cuda devices`): every Hugging Face Llama ran eagerly."""
+    with open(warm_llama[0], "rb") as f:
+        snapshot = pickle.load(f)
+    notes = snapshot["emulated"]["notes"]
+    assert any("Inductor's memory plan" in n for n in notes), notes
+    assert not any("runs eagerly" in n for n in notes), notes
+    allocs = [e for e in snapshot["device_traces"][0] if e["action"] == "alloc"]
+    # The backward is Inductor's wrapper code (a `call` in a hash-named file) under the compiled
+    # graph's autograd node, not the eager model's nodes (on the fallback: 116 allocations in MmBackward0).
+    generated = re.compile(r"(^|/)c[a-z0-9]{51}\.py$")
+    compiled = [e for e in allocs if any("CompiledFunctionBackward" in f["name"] for f in e["frames"])
+                and any(f["name"] == "call" and generated.search(f["filename"]) for f in e["frames"])]
+    assert len(compiled) > 50
+    assert not [e for e in allocs if any("MmBackward0" in f["name"] for f in e["frames"])]
+
+
+@pytest.mark.slow
+def test_a_warm_compiled_runs_categories_are_the_models_own_bytes(warm_llama):
+    """Issue 60: recorded warm, everything the model and AdamW hold is older than the trace and
+    frameless, its category guessed by sizes. Its 512 x 512 attention weights are a cuBLASLt
+    workspace's 1 MiB, and a model without biases never makes one: the workspace guess took one of
+    their moments, the 1 MiB size no longer held three blocks per weight, and AdamW's two moments
+    per weight read as one (parameter 297.27 MiB, optimizer state 149.14 MiB). At the peak and at
+    each phase's peak, parameter is the weights and optimizer state the optimizer's tensors, to the byte."""
+    from memdiff import api
+
+    snapshot, facts = warm_llama
+    assert not facts["tied"]
+    device = api.summarize(snapshot).devices[0]
+    assert device.categories["parameter"] == facts["weights_bytes"]
+    assert device.categories["optimizer_state"] == facts["state_bytes_on_device"]
+    assert device.categories["workspace"] == 2 * 32 << 20  # the forward's and the backward's cuBLAS handles
+    for phase in device.phase_peaks:
+        if phase.groups is None:  # the phase's peak is the peak
+            continue
+        held = Counter()
+        for g in phase.groups:
+            held[g.category] += g.bytes
+        assert (phase.phase, held["parameter"], held["optimizer_state"]) == \
+            (phase.phase, facts["weights_bytes"], facts["state_bytes_on_device"])

@@ -116,12 +116,16 @@ STEP_MATH = prof("<built-in method sqrt of Tensor object at 0x7f>", "torch/optim
                  "torch/optim/adam.py(214): step", LOOP)
 
 
-def frozen_layers(trainable: int, state_in_trace: bool) -> Dict[str, Any]:
+def frozen_layers(trainable: int, state_in_trace: bool, native: bool = False) -> Dict[str, Any]:
     """Twelve same-shaped weights allocated before recording, all but `trainable` frozen, as a
     CUDA capture holds them (dump blocks without frames); AdamW makes its two moments per
-    trainable weight in the first recorded step, or made them before recording (a warm-up)."""
+    trainable weight in the first recorded step, or made them before recording (a warm-up).
+    With `native`, the forward's and the backward's stacks carry the C++ frame of their matrix
+    product, as CUDA's stacks="all" writes them."""
     events: List[Dict[str, Any]] = []
     addr = [0x10_000_000]
+    mm = [{"name": "at::_ops::mm::call(at::Tensor const&, at::Tensor const&)", "filename": "??", "line": 0}]
+    fwd, bwd = (mm + FWD, mm + BWD) if native else (FWD, BWD)
 
     def new(size: int, frames: List[Dict[str, Any]]) -> int:
         addr[0] += 0x1_000_000
@@ -134,11 +138,11 @@ def frozen_layers(trainable: int, state_in_trace: bool) -> Dict[str, Any]:
     older = 12 + (0 if state_in_trace else 2 * trainable)
     for step in range(3):
         batch = new(1000, BATCH)
-        acts = [new(100_000, FWD) for _ in range(3)]
+        acts = [new(100_000, fwd) for _ in range(3)]
         loss = new(4, LOSS)
-        grads = [new(LAYER, BWD) for _ in range(trainable)]
+        grads = [new(LAYER, bwd) for _ in range(trainable)]
         for a in acts:
-            drop(a, 100_000, FWD)
+            drop(a, 100_000, fwd)
         if step == 0 and state_in_trace:
             for _ in range(2 * trainable):
                 new(LAYER, STEP_STATE)
@@ -164,3 +168,15 @@ def test_frozen_weights_of_the_trainable_ones_sizes_are_no_state(write_snapshot)
     d = read_summary(write_snapshot(frozen_layers(12, state_in_trace=False)), load_rules()).devices[0]
     assert (d.categories["parameter"], d.categories["optimizer_state"]) == (12 * LAYER, 24 * LAYER)
     assert [g.bytes for g in d.groups if g.site == NO_STACK_STATE_GUESSED] == [24 * LAYER]
+
+
+def test_weights_of_a_cublaslt_workspaces_size_keep_their_state(write_snapshot):
+    """Issue 60: the weights are 1 MiB each, a cuBLASLt workspace's size, and the stacks show
+    products in the forward and the backward without one being made: a model without biases makes
+    none (cuBLASLt runs `addmm` with its bias). The workspace guess took one of the moments first,
+    the size no longer held three blocks per weight, and AdamW's two moments read as one (12 MiB of
+    state, 23 MiB of parameter, a 1 MiB workspace). What the weights and their state leave over is
+    the workspace: here nothing."""
+    d = read_summary(write_snapshot(frozen_layers(12, state_in_trace=False, native=True)), load_rules()).devices[0]
+    assert (d.categories["parameter"], d.categories["optimizer_state"]) == (12 * LAYER, 24 * LAYER)
+    assert "workspace" not in d.categories

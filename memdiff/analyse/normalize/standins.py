@@ -76,7 +76,7 @@ def _keeps_what_it_makes(walk: Walk, run: Any) -> bool:
 
 def state_by_sizes(blocks: List[DumpBlock], walk: Walk, trace: List[Dict[str, Any]], timeline: Timeline) -> None:
     """Guess the category of the frameless blocks older than the trace (CUDA captures): parameter,
-    or optimizer state where their sizes hold further copies of the gradients'.
+    optimizer state where their sizes hold further copies of the gradients', or a BLAS workspace.
 
     An optimizer keeps each state tensor the shape of its weight, so state made before recording
     (in a constructor, as Adagrad's; in a warm-up step) leaves, of every gradient's size, 1 + k
@@ -86,7 +86,8 @@ def state_by_sizes(blocks: List[DumpBlock], walk: Walk, trace: List[Dict[str, An
     ones' sizes are no state); the largest k (at most MAX_STATE_PER_WEIGHT) whose copies are
     there for nearly all their bytes is taken, and k blocks per gradient of each size are marked
     state. Which block of a size is a weight and which state cannot be told: the bytes can, and
-    the site says they are a guess.
+    the site says they are a guess. A workspace is what a workspace's size holds beyond the
+    weights and their state (a 512 x 512 float32 weight is a cuBLASLt workspace's 1 MiB).
     """
     frameless = [b for b in blocks if not b.frames]
     if not frameless:
@@ -103,30 +104,37 @@ def state_by_sizes(blocks: List[DumpBlock], walk: Walk, trace: List[Dict[str, An
             keeps = _keeps_what_it_makes(walk, run)
             grads = gradient_sizes(walk, trace, [], backwards, run)
             break
-    workspaces_by_handles(frameless, walk, trace, timeline, grads)
-    frameless = [b for b in frameless if b.guess == GUESS_PARAMETER]
-    if keeps:
-        # The state is made in the trace, with its stack: frozen weights of the trainable ones'
-        # sizes are older than the trace too, and no state.
-        return
-    by_size: Dict[int, List[DumpBlock]] = {}
+    # A first step that keeps what it makes has its state in the trace, with its stack: frozen
+    # weights of the trainable ones' sizes are older than the trace too, and no state.
+    per_weight = {} if keeps else _state_per_weight(frameless, grads)
+    # The state is counted before the workspaces: a workspace missing from the trace may never
+    # have been made (no biases, no cuBLASLt), and must not take a block of the state's.
+    workspaces_by_handles(frameless, walk, trace, timeline,
+                          {size: count * (1 + per_weight.get(size, 0)) for size, count in grads.items()})
+    for size, k in per_weight.items():
+        of_size = [b for b in frameless if b.size == size and b.guess == GUESS_PARAMETER]
+        for b in of_size[max(0, len(of_size) - k * grads[size]):]:
+            b.guess = GUESS_STATE
+
+
+def _state_per_weight(frameless: List[DumpBlock], grads: Dict[int, int]) -> Dict[int, int]:
+    """size -> state tensors per weight of that size, for the gradients' sizes whose frameless blocks
+    hold further copies of them (state_by_sizes); {} where they do not."""
+    by_size: Dict[int, int] = {}
     for b in frameless:
-        by_size.setdefault(b.size, []).append(b)
+        by_size[b.size] = by_size.get(b.size, 0) + 1
     # A weight older than the trace has a block of its gradient's size there: what else the
     # backward kept (a BLAS workspace, a buffer a hook holds) does not. Weights made in the trace
     # (most of the gradients' bytes without such blocks) leave nothing to guess.
-    weights_older = {size: count for size, count in grads.items() if len(by_size.get(size, ())) >= count}
+    weights_older = {size: count for size, count in grads.items() if by_size.get(size, 0) >= count}
     total = sum(size * count for size, count in weights_older.items())
     if not total or total < sum(size * count for size, count in grads.items()) / 2:
-        return
-    grads = weights_older
+        return {}
     for k in range(MAX_STATE_PER_WEIGHT, 0, -1):
-        covered = [size for size, count in grads.items() if len(by_size.get(size, ())) >= (1 + k) * count]
-        if sum(size * grads[size] for size in covered) >= STATE_COVERAGE * total:
-            for size in covered:
-                for b in by_size[size][-k * grads[size]:]:
-                    b.guess = GUESS_STATE
-            return
+        covered = [size for size, count in weights_older.items() if by_size.get(size, 0) >= (1 + k) * count]
+        if sum(size * weights_older[size] for size in covered) >= STATE_COVERAGE * total:
+            return {size: k for size in covered}
+    return {}
 
 
 def optimizer_state_stand_ins(walk: Walk, trace: List[Dict[str, Any]], timeline: Timeline

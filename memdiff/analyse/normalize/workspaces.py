@@ -80,14 +80,17 @@ def _native_stacks(walk: Walk, trace: List[Dict[str, Any]], looked: int = 64) ->
 
 
 def workspaces_by_handles(blocks: List[DumpBlock], walk: Walk, trace: List[Dict[str, Any]], timeline: Timeline,
-                           grads: Dict[int, int]) -> None:
+                           claimed: Dict[int, int]) -> None:
     """Frameless blocks older than the trace that are a BLAS handle's workspaces, not weights.
 
     A handle belongs to a thread (the script's, autograd's backward one) and makes its workspace,
     of a size fixed per GPU generation, at its first product: a trace that runs a thread's phase
     without showing that thread's workspace being made had it made before recording started (a
-    warm-up step, torch.compile's compilation). Of each such size, the blocks beyond
-    the weights of that size (one per gradient of it) are marked, one per handle missing.
+    warm-up step, torch.compile's compilation). Of each such size, the blocks beyond those
+    `claimed` (size -> the weights of that size and their optimizer state older than the trace)
+    are marked, one per handle missing: a missing handle is a thread that may run products
+    without one (a model without biases never runs cuBLASLt), so only what the weights leave over
+    is a workspace.
     """
     if not any(b.size in WORKSPACE_SIZES + LT_WORKSPACE_SIZES for b in blocks):
         return  # no block of a workspace's size: nothing to read the trace for
@@ -97,7 +100,7 @@ def workspaces_by_handles(blocks: List[DumpBlock], walk: Walk, trace: List[Dict[
         for size in sizes:
             if missing <= 0:
                 break
-            spare = [b for b in blocks if b.size == size and b.guess == GUESS_PARAMETER][grads.get(size, 0):]
+            spare = [b for b in blocks if b.size == size and b.guess == GUESS_PARAMETER][claimed.get(size, 0):]
             for b in spare[:missing]:
                 b.guess = GUESS_WORKSPACE
             missing -= len(spare[:missing])

@@ -169,6 +169,20 @@ def _meta_as_cuda(check: Callable[..., bool]) -> Callable[..., bool]:
     return supported
 
 
+def _scatter_checked_on_meta(scatter: Callable[..., Any]) -> Callable[..., Any]:
+    """The reinplace pass's fake run of a view scatter (a slice's gradient, as a rotary embedding's
+    `rotate_half` makes in the backward) copies into a view of the input, which takes its device's
+    guard: a CPU build has none for `cuda`. On the emulated GPU's tensors the copy is checked on
+    the meta device, where it checks the same shapes, and the input, all the pass reads of the
+    result, is given back."""
+    def checked(inp: torch.Tensor, src: torch.Tensor, view_ops: Any) -> torch.Tensor:
+        if inp.device.type != "cuda":
+            return scatter(inp, src, view_ops)
+        scatter(inp.to("meta"), src.to("meta"), view_ops)
+        return inp
+    return checked
+
+
 @contextlib.contextmanager
 def _composites_as_on_the_gpu() -> Iterator[None]:
     """Ops made of others (CompositeImplicitAutograd: `nll_loss`) run as their parts while Dynamo and
@@ -500,6 +514,9 @@ class Planner:
         import torch._inductor.fx_passes.pad_mm as pad_mm
         patches.append((pad_mm, "_should_pad", self.padding.should_pad))
         patches.append((pad_mm, "check_device", lambda a, b: a.is_meta and b.is_meta))  # as the GPU's
+        import torch._inductor.fx_passes.reinplace as reinplace
+        patches.append((reinplace, "_inplace_generalized_scatter",
+                        _scatter_checked_on_meta(reinplace._inplace_generalized_scatter)))
         # indexing a tensor in Python takes its device's guard, which a CPU build has none of for `cuda`
         lookup = torch.ops.prims.inductor_lookup_seed.default
         patches.append((lookup, "prim_meta_impl",
