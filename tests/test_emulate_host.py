@@ -226,3 +226,24 @@ def test_a_cpu_built_model_moved_to_the_gpu_costs_far_less_host_memory_than_its_
     assert nbytes == 16 * (4096 * 4096 + 4096) * 4
     assert grown < nbytes / 50  # the weights (1.07 GB) were never made on the host
     assert peak >= 4 * nbytes  # weights, gradients and AdamW's two states on the emulated GPU
+
+
+def test_autocast_caches_only_the_casts_torch_caches():
+    """Issue 58: torch's cached_cast keeps a weight's cast until autocast exits only for an fp32
+    leaf that requires grad and is no view; any other cast is freed after its op. The emulator
+    cached every leaf's: fp16 weights under bf16 autocast kept each layer's bf16 copy to the
+    forward's end. Four 1024 x 1024 layers in a forward under inference_mode: fp32 weights keep
+    their four 2 MiB casts, fp16 weights none."""
+    with emulating(Emulator(gpu("h100"))):
+        for dtype, cached in ((torch.float32, True), (torch.float16, False)):
+            model = nn.Sequential(*(nn.Linear(1024, 1024, bias=False) for _ in range(4))).to("cuda", dtype)
+            x = torch.randn(8, 1024, device="cuda", dtype=dtype)
+            with torch.inference_mode(), torch.autocast("cuda", dtype=torch.bfloat16):
+                model[0](x)  # the thread's first product makes its cuBLAS workspace
+                torch.clear_autocast_cache()
+                before = torch.cuda.memory_allocated()
+                y = model(x)
+                held = torch.cuda.memory_allocated() - before
+            casts = 4 * _block(1024 * 1024 * 2) if cached else 0
+            assert (dtype, held) == (dtype, _block(y.numel() * 2) + casts)
+            del model, x, y

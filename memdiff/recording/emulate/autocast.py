@@ -41,7 +41,10 @@ class Autocast:
             return t
         if t.dtype in (dtype, torch.float64):
             return t
-        if t.is_leaf and t.requires_grad and torch.is_autocast_cache_enabled():
+        # torch's cached_cast: only an fp32 leaf that requires grad and is no view (under
+        # inference_mode or no_grad, `weight.T` has no grad_fn and reads as a leaf: not cached).
+        if t.dtype == torch.float32 and t.is_leaf and t.requires_grad and not t._is_view() \
+                and torch.is_autocast_cache_enabled():
             hit = self.cache.get(id(t))
             if hit is not None and hit[0] is t:
                 return hit[1]
