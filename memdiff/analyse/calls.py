@@ -33,6 +33,9 @@ from memdiff.read.frames import MAX_STACK_FRAMES
 # capture names the backward node an allocation was made in (recording/capture.py).
 NATIVE_CALL = "<built-in "
 AUTOGRAD_NODE = "autograd::engine::evaluate_function: "
+# The call that runs a whole backward (`<built-in method run_backward of torch._C._EngineBase ...>`):
+# where a capture does not name the nodes inside it, its stacks end there, and no op's call is known.
+ENGINE = "run_backward"
 
 
 def _call_key(frames: Any) -> Tuple[Tuple[Any, ...], bool]:
@@ -51,7 +54,7 @@ def _call_key(frames: Any) -> Tuple[Tuple[Any, ...], bool]:
     if node is not None:
         opens = not all(name.startswith(("aten::", AUTOGRAD_NODE)) for name in names[:node])
         frames = frames[node:]
-    elif names[0].startswith(NATIVE_CALL):
+    elif names[0].startswith(NATIVE_CALL) and ENGINE not in names[0]:
         opens = True
     else:
         return (), False
