@@ -197,8 +197,9 @@ SCENARIOS: Dict[str, Tuple[str, List[str]]] = {**SCENARIOS_SO_FAR, **WHATIF_BASE
 # `category`) by what made the memory: activation checkpointing's recomputation is forward code run
 # for the backward, autograd to PyTorch (docs/categories.md, "Measured against PyTorch's categories").
 PYTORCH_CATEGORY = {"recomputed_activation": "autograd"}
-# PyTorch's data-flow categories in memdiff's terms.
-PYTORCH_TO_MEMDIFF = {"temporary": "autograd", "autograd_detail": "autograd", "unknown": "other", None: "other"}
+# PyTorch's data-flow categories in memdiff's terms: its `temporary` (what one op allocates and frees
+# before it returns) is memdiff's own, in every phase (issue 60).
+PYTORCH_TO_MEMDIFF = {"autograd_detail": "autograd", "unknown": "other", None: "other"}
 
 
 def capture(names: Sequence[str], folder: Path) -> Dict[str, Path]:

@@ -238,3 +238,53 @@ def test_the_differ_shows_category_deltas(shared, capsys):
     table = out[out.index("category"):].split("\n\n")[0]
     assert "activation" in table and "+3.71 GiB" in table
     assert "gradient" in table and "-1.58 GiB" in table
+
+
+def test_an_op_s_scratch_is_what_pytorch_calls_temporary(torch, tmp_path):
+    """Issue 60: a classifier trained on a frozen attention body, recorded on CPU. The math path of
+    scaled_dot_product_attention (an attention mask keeps it there) makes scratch it frees before
+    it returns, which PyTorch's profiler calls `temporary` (the category it writes on each
+    allocation); memdiff, reading stacks and the trace's order alone, calls the same bytes so, and
+    nothing else: the frozen layers' outputs, freed by the next layer, stay activations. The
+    optimizer step's own temporaries are `optimizer_temporary` (docs/categories.md)."""
+    import numpy as np
+    from torch import nn
+    from torch.nn import functional as F
+
+    from memdiff.predict.forecast.course import read_course
+    from memdiff.recording.capture import record
+
+    class Attention(nn.Module):
+        def __init__(self, width: int = 64, heads: int = 4) -> None:
+            super().__init__()
+            self.qkv, self.out, self.heads = nn.Linear(width, 3 * width), nn.Linear(width, width), heads
+
+        def forward(self, x, mask):
+            b, s, d = x.shape
+            q, k, v = self.qkv(x).view(b, s, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+            return self.out(F.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2).reshape(b, s, d))
+
+    torch.manual_seed(0)
+    body, head = nn.ModuleList([Attention(), Attention()]), nn.Linear(64, 2)
+    body.requires_grad_(False)
+    optimizer = torch.optim.AdamW(head.parameters())
+    x, mask, y = torch.randn(4, 32, 64), torch.zeros(4, 1, 32, 32), torch.tensor([0, 1, 0, 1])
+    path = tmp_path / "frozen-body.pickle"
+    with record(str(path)):
+        for _ in range(2):
+            h = x
+            for layer in body:
+                h = layer(h, mask)
+            F.cross_entropy(head(h[:, 0]), y).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    course = read_course(str(path), 0, load_rules()).devices[0]
+    trace = pickle.loads(path.read_bytes())["device_traces"][0]
+    ours = np.array(course.categories, dtype=object)[course.category]
+    pairs = {}  # (PyTorch's category, memdiff's) -> bytes
+    for k in np.flatnonzero(~course.before).tolist():
+        key = (trace[int(course.start[k])]["category"], ours[k])
+        pairs[key] = pairs.get(key, 0) + int(course.size[k])
+    temporary = {key: size for key, size in pairs.items() if "temporary" in key}
+    assert temporary.get(("temporary", "temporary"), 0) >= 8 << 10, pairs
+    assert set(temporary) <= {("temporary", "temporary"), ("temporary", "optimizer_temporary")}, pairs

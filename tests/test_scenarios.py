@@ -36,15 +36,11 @@ pytestmark = pytest.mark.slow
 
 TRUTH = [*BASES, "mlp-small-batch", "bert-frozen", "bert-frozen-checkpoint", "bert-frozen-encoder", *EDGE_BASES,
          *(name for name, (_, flags) in EDGES.items() if "--truth" in flags)]
-# Issue 60, open: BERT with its whole encoder frozen peaks in a forward, inside the math path of
-# scaled_dot_product_attention, whose scratch (freed before the call returns) PyTorch calls
-# `temporary`; memdiff has no category for a forward op's scratch (test_a_frozen_encoder_...).
-OPEN = ["bert-frozen-encoder"]
 # Compared with PyTorch's categories: the captures with ground truth, Hugging Face gradient
 # checkpointing on GPT-2 (its recomputation in the backward is PyTorch's autograd), and BART's
 # gradients kept with zero_grad(set_to_none=False) from a warm-up step before recording (PyTorch
 # writes `gradient` on each new version the backward accumulates into).
-AGREEMENT = [*(name for name in TRUTH if name not in OPEN), "gpt2-checkpoint", "bart-keep-grads-warm"]
+AGREEMENT = [*TRUTH, "gpt2-checkpoint", "bart-keep-grads-warm"]
 
 
 def in_trace_summary(path, tmp_path):
@@ -102,13 +98,11 @@ def test_categories_agree_with_pytorch_on_models_we_did_not_write(agreements):
     assert min(strict) >= 0.83 and statistics.median(strict) >= 0.98
 
 
-@pytest.mark.xfail(strict=True, reason="issue 60: the scratch of a forward op (PyTorch's `temporary`) has no "
-                                       "category in memdiff and reads as activation")
 def test_a_frozen_encoder_s_categories_agree_with_pytorch(scenarios, tmp_path):
     """Issue 60: BertForSequenceClassification with its embeddings, layers and pooler frozen, only the
     classifier trained. Its frozen layers save nothing for the backward, so its peak is a forward's,
     inside scaled_dot_product_attention's math path: 896 KiB of scratch the call frees before it
-    returns, PyTorch's `temporary` (counted as autograd), memdiff's activation (41.9% agree)."""
+    returns, PyTorch's `temporary` and memdiff's (41.9% agreed while memdiff called it activation)."""
     strict, _, table = compared("bert-frozen-encoder", scenarios("bert-frozen-encoder")["bert-frozen-encoder"],
                                 tmp_path)
     print(f"\n{table}\nbert-frozen-encoder: {strict:.1%} of in-trace bytes agree")

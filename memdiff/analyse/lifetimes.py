@@ -9,7 +9,9 @@ each allocation live at the peak its lifetime facts, which category rules may te
   `other`), or `before_trace`;
 - `freed`: the phase its last version was freed in, or `never` (still live when the trace ends);
 - `outlives`: `none` (freed inside the phase run it was born in), `phase` (outlived that run,
-  freed inside its step), `step` (outlived its step) or `trace` (never freed).
+  freed inside its step), `step` (outlived its step) or `trace` (never freed);
+- `call`: `freed` when the call into native code that allocated it freed it before returning
+  (PyTorch's `temporary`: see calls.py); groups carry it only then.
 
 Phases come from `record_function` annotations when the snapshot has them (`ProfilerStep#N`,
 `Optimizer.step#...`, user scopes naming forward/backward/optimizer) and otherwise from the
@@ -32,6 +34,7 @@ from typing import Any, Collection, Dict, List, Mapping, Optional, Sequence, Tup
 
 import numpy as np
 
+from memdiff.analyse.calls import NO_CALLS, Calls, call_runs
 from memdiff.model import PhaseSpan, Step
 from memdiff.read.accel import ObjectCodes
 from memdiff.read.frames import LIBRARY_PATH, MAX_STACK_FRAMES, STDLIB_PATH, PerFrames, profiler_frame
@@ -78,14 +81,20 @@ class Lifetime:
     born: str
     freed: str
     outlives: str
+    call: str = "kept"
 
     def to_dict(self) -> Dict[str, str]:
-        """The JSON form a group carries."""
-        return {"born": self.born, "freed": self.freed, "outlives": self.outlives}
+        """The JSON form a group carries: `call` only when the call freed it (a key added within
+        the summary's version, absent where nothing was told)."""
+        out = {"born": self.born, "freed": self.freed, "outlives": self.outlives}
+        if self.call == CALL_FREED:
+            out["call"] = CALL_FREED
+        return out
 
     def key(self) -> str:
-        """The form hashed into a group's signature and shown in reports."""
-        return f"{self.born}>{self.freed}:{self.outlives}"
+        """The form hashed into a group's signature and shown in reports. Memory its call kept has
+        the form it had before `call` was told, so that its groups keep their signatures."""
+        return f"{self.born}>{self.freed}:{self.outlives}" + ("/call" if self.call == CALL_FREED else "")
 
 
 class _Hints:
@@ -365,6 +374,8 @@ class Timeline:
     _run_starts: List[int]
     _run_step: List[Optional[int]]  # index into steps of each run (None: outside any step)
     passes: Passes = field(default_factory=lambda: Passes([], [], []))
+    # Per event, the call (an op, a backward node) it falls in (calls.py); empty: none told.
+    calls: Calls = NO_CALLS
 
     def run_at(self, event: int) -> int:
         """Index of the phase run that holds `event`."""
@@ -414,15 +425,18 @@ class Timeline:
         # Memory from before the trace: "trace" when never freed, else "none" (its birth is unknown).
         born_phase = np.where(before, len(PHASES), born_phase)
         outlives = np.where(before, np.where(never, _OUTLIVES_INDEX["trace"], _OUTLIVES_INDEX["none"]), outlives)
-        return (born_phase * (len(PHASES) + 1) + freed_phase) * len(OUTLIVES) + outlives
+        in_call = self.calls.freed_inside(born, end).astype(np.int64)
+        return ((born_phase * (len(PHASES) + 1) + freed_phase) * len(OUTLIVES) + outlives) * len(CALLS) + in_call
 
 
 OUTLIVES = ("none", "phase", "step", "trace")
+CALL_KEPT, CALL_FREED = "kept", "freed"
+CALLS = (CALL_KEPT, CALL_FREED)  # indexed by whether the call that allocated it freed it
 _PHASE_INDEX = {phase: k for k, phase in enumerate(PHASES)}
 _OUTLIVES_INDEX = {name: k for k, name in enumerate(OUTLIVES)}
 # Every lifetime, indexed as Timeline.lifetime_codes numbers them.
-LIFETIMES = [Lifetime(born, freed, outlives) for born in PHASES + (BEFORE_TRACE,) for freed in PHASES + (NEVER,)
-             for outlives in OUTLIVES]
+LIFETIMES = [Lifetime(born, freed, outlives, call) for born in PHASES + (BEFORE_TRACE,) for freed in PHASES + (NEVER,)
+             for outlives in OUTLIVES for call in CALLS]
 
 
 def build_timeline(trace: List[Any], allocs: Sequence[int], running: np.ndarray, static: int, scopes: Scopes,
@@ -473,7 +487,7 @@ def build_timeline(trace: List[Any], allocs: Sequence[int], running: np.ndarray,
             run_step[k] = len(steps)
         steps.append(Step(number, spans[first].start_event, spans[last - 1].end_event, spans[first:last]))
     return Timeline(spans, steps, [s.start_event for s in spans], run_step,
-                    forward_passes(trace, allocs, spans, versions, hints))
+                    forward_passes(trace, allocs, spans, versions, hints), call_runs(trace))
 
 
 def _with_silent_steps(trace: List[Any], allocs: Sequence[int], runs: List[Tuple[str, int]], scopes: Scopes,

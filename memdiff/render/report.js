@@ -6,7 +6,8 @@
   var NS = "http://www.w3.org/2000/svg";
   var COLORS = {
     parameter: "#4e79a7", gradient: "#f28e2b", optimizer_state: "#e15759", activation: "#59a14f",
-    recomputed_activation: "#a6d49f", autograd: "#76b7b2", optimizer_temporary: "#d4a6c8", input: "#edc948",
+    recomputed_activation: "#a6d49f", autograd: "#76b7b2", temporary: "#9370db", optimizer_temporary: "#d4a6c8",
+    input: "#edc948",
     communication: "#b07aa1", workspace: "#79706e",
     untracked: "#9c755f", other: "#bab0ac"
   };
@@ -15,7 +16,7 @@
   // (first at the top), the legend and the tooltips. The built-in categories in this order, what
   // lives longest first, then the rules' own categories, largest first, then "other".
   var CANONICAL = ["parameter", "optimizer_state", "gradient", "activation", "recomputed_activation", "autograd",
-    "optimizer_temporary", "input", "communication", "workspace", "untracked"];
+    "temporary", "optimizer_temporary", "input", "communication", "workspace", "untracked"];
   var PHASES = ["forward", "backward", "optimizer", "other"];
   var HEIGHT = 230, LEFT = 74, RIGHT = 12, TOP = 18, BOTTOM = 26, LANE = 24;
   var state = { x0: 0, x1: 1, time: false, overlay: false, selected: null };

@@ -20,7 +20,7 @@ def apply_accumulate(run: Run, edit: Edit, value: str) -> None:
     """Split each step into `value` micro-batches."""
     k = int(value)
     c = run.course
-    batch = run.of("activation", "recomputed_activation", "autograd", "input") \
+    batch = run.of("activation", "temporary", "recomputed_activation", "autograd", "input") \
         & np.isin(run.phase, [FORWARD, BACKWARD]) & ~c.before
     edit.size[batch] = edit.size[batch] // k
     grads = np.flatnonzero(run.of("gradient") & (run.phase == BACKWARD))

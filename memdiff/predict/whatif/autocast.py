@@ -191,8 +191,8 @@ def apply_autocast(run: Run, edit: Edit, value: str) -> None:
     """Run the forward and backward under autocast to `value` (bf16 or fp16)."""
     block = run.block
     c = run.course
-    work = run.of("activation", "recomputed_activation", "autograd") & np.isin(run.phase, [FORWARD, BACKWARD]) \
-        & ~run.loss & ~run.indices & (c.size > SCALAR_BYTES)
+    work = run.of("activation", "temporary", "recomputed_activation", "autograd") \
+        & np.isin(run.phase, [FORWARD, BACKWARD]) & ~run.loss & ~run.indices & (c.size > SCALAR_BYTES)
     kept = work & not_float(run)
     staging = work & reduction_buffers(run)
     residual = _residual_adds(run, block)

@@ -29,7 +29,7 @@ def apply_checkpoint(run: Run, edit: Edit, value: Optional[str]) -> None:
     chosen = spread(len(blocks), value if value is not None else 1)
     c = run.course
     spans = run.spans
-    fwd = (run.phase == FORWARD) & run.of("activation", "autograd", "other") & ~c.before
+    fwd = (run.phase == FORWARD) & run.of("activation", "temporary", "autograd", "other") & ~c.before
     outlives = run.end_run != run.born_run  # kept past the forward run it was made in: saved for the backward
     transient = fwd & ~outlives
     saved = fwd & outlives

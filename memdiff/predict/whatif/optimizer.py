@@ -181,7 +181,7 @@ def _shown_optimizer(name: Optional[str]) -> str:
 
 def step_temporaries(run: Run) -> np.ndarray:
     """The update's temporaries: what is made and freed inside one optimizer phase run."""
-    return (run.of("optimizer_temporary", "autograd", "other", "activation") & (run.phase == OPTIMIZER)
+    return (run.of("optimizer_temporary", "temporary", "autograd", "other", "activation") & (run.phase == OPTIMIZER)
             & (run.end_run == run.born_run))
 
 

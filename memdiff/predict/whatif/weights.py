@@ -30,7 +30,7 @@ def apply_weights(run: Run, edit: Edit, value: str) -> None:
     # The loss keeps fp32 where the library upcasts the logits for it; else it runs in their dtype.
     upcast = loss_in_fp32(run)
     halved = run.of("parameter", "gradient", "optimizer_state", "optimizer_temporary", "activation",
-                    "recomputed_activation", "autograd", "other") & ~(run.loss & upcast) & ~run.indices \
+                    "temporary", "recomputed_activation", "autograd", "other") & ~(run.loss & upcast) & ~run.indices \
         & (c.size > SCALAR_BYTES)
     kept = halved & not_float(run)
     staging = halved & reduction_buffers(run)
