@@ -137,7 +137,7 @@ TINY = textwrap.dedent("""
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("key", ["a10g", "l40s", "rtx4090"])
+@pytest.mark.parametrize("key", ["a10g", "l40s", "rtx4090", "h100-nvl", "b200"])
 def test_record_emulates_a_tiny_training_script_on_the_added_gpus(key, tmp_path, torch):
     (tmp_path / "tiny.py").write_text(TINY)
     done = subprocess.run([sys.executable, "-m", "memdiff", "record", "--emulate", key, "-o", "run.pickle", "--",
