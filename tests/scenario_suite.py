@@ -194,6 +194,9 @@ LOOPS = {
 }
 # Issue 42: plain SGD's update allocates nothing (in place); its step shows by the weights' new versions.
 WHATIF_PAIRS.append(("gpt2-sgd-plain", "optimizer=sgd-momentum", "gpt2-sgd"))
+# Issue 60: zero_grad(set_to_none=False) on an encoder-decoder whose embedding is tied to its output
+# projection (its gradient is a first sum the backward replaces).
+WHATIF_PAIRS.append(("bart-base", "zero-grad=zeros", "bart-keep-grads"))
 SCENARIOS: Dict[str, Tuple[str, List[str]]] = {**SCENARIOS_SO_FAR, **WHATIF_BASES, **WHATIF_HEADS, **LOOPS}
 
 # memdiff's built-in categories that split one of PyTorch's data-flow categories (its profiler's

@@ -1,6 +1,7 @@
 """memdiff whatif: each rule on a hand-built loop whose answer is worked out by hand, refusals and
 the JSON contract; and the scenario suite's pairs (a run, and the same loop with the change really
-made, captured on CPU) predicted within 10% of the head's measured peak, in its phase."""
+made, captured on CPU) predicted within 2% of the head's measured peak (OPEN: the few still over
+it, each held to what it measures), in its phase."""
 
 from __future__ import annotations
 
@@ -157,6 +158,23 @@ def test_half_precision_keeps_max_pool_indices_and_halves_its_backward(write_sna
     assert (c.predicted_peak_bytes, c.predicted_peak_phase) == (15 * MiB // 2, "backward")
 
 
+def test_kept_gradients_keep_one_version_of_a_weight_used_twice(write_snapshot):
+    """Issue 60, BART with zero_grad(set_to_none=False) (read +2.3% on the suite's CPU pair, now
+    exact): a weight used twice (BART's embedding, tied to its output projection) gets its
+    gradient as a first sum the backward replaces by the next one. Only the version the step
+    leaves is kept from the first step on; the replaced one lives as it did. loop() with block 0's
+    weight used twice: by hand as BY_HAND's zero-grad=zeros, 14600 in the forward (15600 with the
+    replaced sum kept too)."""
+    run = loop()
+    trace = run["device_traces"][0]
+    firsts = [k for k, e in enumerate(trace) if e["action"] == "alloc" and e["frames"] == GRAD]
+    for n, k in enumerate(sorted(firsts[1::2], reverse=True)):  # block 0's gradient, in each step
+        addr = 900 + n
+        trace[k:k + 1] = [alloc(addr, W, GRAD), trace[k], free(addr, W, BWD)]
+    c = memdiff.whatif(write_snapshot(run, "tied.pickle"), "zero-grad=zeros").devices[0].changes[0]
+    assert (c.predicted_peak_bytes, c.predicted_peak_phase) == BY_HAND["zero-grad=zeros"]
+
+
 @pytest.mark.parametrize("other", ["optimizer=sgd", "optimizer=adamw-amsgrad", "checkpoint", "checkpoint=0.5",
                                    "zero-grad=zeros", "accumulate=2"])
 def test_changes_joined_by_plus_apply_together(run, other):
@@ -235,13 +253,28 @@ def rows(scenarios) -> Dict[Any, Dict[str, Any]]:
     return {(r["base"], r["change"]): r for r in whatif_rows(scenarios(*names))}
 
 
+# Issue 60's target: every one-run what-if within 2% of the change really made. The pairs still
+# over it, each held to what it measures now (rounded up), with what it misses.
+OPEN = {
+    # CPU autocast names no ATen op; the CNN's convolutions and pooling (issue 60, the lead's autocast work).
+    ("cnn-wide", "autocast=bf16"): 5.0,  # -4.6%
+    # Llama's RMS norms and rotary embedding under autocast: +2.3%.
+    ("llama-base", "autocast=bf16"): 2.5,
+    # Mixtral's experts run through grouped_mm, which autocast does not cast: -2.3%.
+    ("mixtral-base", "autocast=bf16"): 2.5,
+    # The float input batch, which the scenario casts to bf16 (a model in bf16 takes no fp32 input)
+    # and the rule keeps at its size, as it cannot tell it from the integer labels: +2.0%.
+    ("mlp-wide", "weights=bf16"): 2.5,
+}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("base, change", [(base, change) for base, change, _ in WHATIF_PAIRS])
-def test_predicted_within_10pct_of_the_change_really_made(rows, base, change):
+def test_predicted_within_2pct_of_the_change_really_made(rows, base, change):
     r = rows[(base, change)]
     assert r["predicted"] is not None, r["reason"]
     assert r["predicted_phase"] == r["measured_phase"]
-    assert abs(r["error_pct"]) <= 10.0, r
+    assert abs(r["error_pct"]) <= OPEN.get((base, change), 2.0), r
 
 
 @pytest.mark.slow
