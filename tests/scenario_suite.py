@@ -99,7 +99,9 @@ REPEATS = {f"gpt2-repeat-{k}": ("gpt2", ["--lengths-seed", str(k)]) for k in (1,
 WHATIF_BASES = {"mlp-wide": ("mlp", ["--batch", "256", "--steps", "2"]),
                 "cnn-wide": ("cnn", ["--batch", "32", "--steps", "2"]),
                 # torch.nn.TransformerEncoder's layers, called one by one (issue 42 item 4).
-                "tenc-base": ("tenc", [])}
+                "tenc-base": ("tenc", []),
+                # Issue 60: Qwen2 (Llama's layout, biased query, key and value projections, tied head).
+                "qwen2-base": ("qwen2", [])}
 WHATIF_HEADS: Dict[str, Tuple[str, List[str]]] = {}
 # (base, change, head): heads named <base>-wi-<slug> are captured here; others are the suite's own.
 WHATIF_PAIRS: List[Tuple[str, str, str]] = []
@@ -149,6 +151,7 @@ _whatif_pair("mlp-wide", "zero-grad=zeros", ["--keep-grads"])
 # the query, key and value projections, each keeping its own bf16 copy) and a mixture of experts.
 for _base in ("vit-base", "mixtral-base"):
     _whatif_pair(_base, "autocast=bf16", ["--autocast"])
+_whatif_pair("qwen2-base", "weights=bf16", ["--bf16"])
 # Issue 42 item 4: T5 with bf16 weights, whose forward and backward peaks are 1% apart (compared
 # phase by phase in test_whatif, not as a pair).
 WHATIF_HEADS["t5-bf16"] = ("t5", ["--bf16"])
@@ -191,6 +194,9 @@ LOOPS = {
 }
 # Issue 42: plain SGD's update allocates nothing (in place); its step shows by the weights' new versions.
 WHATIF_PAIRS.append(("gpt2-sgd-plain", "optimizer=sgd-momentum", "gpt2-sgd"))
+# Issue 60: zero_grad(set_to_none=False) on an encoder-decoder whose embedding is tied to its output
+# projection (its gradient is a first sum the backward replaces).
+WHATIF_PAIRS.append(("bart-base", "zero-grad=zeros", "bart-keep-grads"))
 SCENARIOS: Dict[str, Tuple[str, List[str]]] = {**SCENARIOS_SO_FAR, **WHATIF_BASES, **WHATIF_HEADS, **LOOPS}
 
 # memdiff's built-in categories that split one of PyTorch's data-flow categories (its profiler's

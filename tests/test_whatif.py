@@ -1,15 +1,20 @@
 """memdiff whatif: each rule on a hand-built loop whose answer is worked out by hand, refusals and
 the JSON contract; and the scenario suite's pairs (a run, and the same loop with the change really
-made, captured on CPU) predicted within 10% of the head's measured peak, in its phase."""
+made, captured on CPU) predicted within 2% of the head's measured peak (OPEN: the few still over
+it, each held to what it measures), in its phase."""
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any, Dict, List
 
 import pytest
 from conftest import alloc, free
-from scenario_suite import WHATIF_PAIRS, whatif_rows
+from scenario_suite import TRAIN, WHATIF_PAIRS, whatif_rows
 
 import memdiff
 from memdiff.cli import main
@@ -153,6 +158,23 @@ def test_half_precision_keeps_max_pool_indices_and_halves_its_backward(write_sna
     assert (c.predicted_peak_bytes, c.predicted_peak_phase) == (15 * MiB // 2, "backward")
 
 
+def test_kept_gradients_keep_one_version_of_a_weight_used_twice(write_snapshot):
+    """Issue 60, BART with zero_grad(set_to_none=False) (read +2.3% on the suite's CPU pair, now
+    exact): a weight used twice (BART's embedding, tied to its output projection) gets its
+    gradient as a first sum the backward replaces by the next one. Only the version the step
+    leaves is kept from the first step on; the replaced one lives as it did. loop() with block 0's
+    weight used twice: by hand as BY_HAND's zero-grad=zeros, 14600 in the forward (15600 with the
+    replaced sum kept too)."""
+    run = loop()
+    trace = run["device_traces"][0]
+    firsts = [k for k, e in enumerate(trace) if e["action"] == "alloc" and e["frames"] == GRAD]
+    for n, k in enumerate(sorted(firsts[1::2], reverse=True)):  # block 0's gradient, in each step
+        addr = 900 + n
+        trace[k:k + 1] = [alloc(addr, W, GRAD), trace[k], free(addr, W, BWD)]
+    c = memdiff.whatif(write_snapshot(run, "tied.pickle"), "zero-grad=zeros").devices[0].changes[0]
+    assert (c.predicted_peak_bytes, c.predicted_peak_phase) == BY_HAND["zero-grad=zeros"]
+
+
 @pytest.mark.parametrize("other", ["optimizer=sgd", "optimizer=adamw-amsgrad", "checkpoint", "checkpoint=0.5",
                                    "zero-grad=zeros", "accumulate=2"])
 def test_changes_joined_by_plus_apply_together(run, other):
@@ -231,13 +253,28 @@ def rows(scenarios) -> Dict[Any, Dict[str, Any]]:
     return {(r["base"], r["change"]): r for r in whatif_rows(scenarios(*names))}
 
 
+# Issue 60's target: every one-run what-if within 2% of the change really made. The pairs still
+# over it, each held to what it measures now (rounded up), with what it misses.
+OPEN = {
+    # CPU autocast names no ATen op; the CNN's convolutions and pooling (issue 60, the lead's autocast work).
+    ("cnn-wide", "autocast=bf16"): 5.0,  # -4.6%
+    # Llama's RMS norms and rotary embedding under autocast: +2.3%.
+    ("llama-base", "autocast=bf16"): 2.5,
+    # Mixtral's experts run through grouped_mm, which autocast does not cast: -2.3%.
+    ("mixtral-base", "autocast=bf16"): 2.5,
+    # The float input batch, which the scenario casts to bf16 (a model in bf16 takes no fp32 input)
+    # and the rule keeps at its size, as it cannot tell it from the integer labels: +2.0%.
+    ("mlp-wide", "weights=bf16"): 2.5,
+}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("base, change", [(base, change) for base, change, _ in WHATIF_PAIRS])
-def test_predicted_within_10pct_of_the_change_really_made(rows, base, change):
+def test_predicted_within_2pct_of_the_change_really_made(rows, base, change):
     r = rows[(base, change)]
     assert r["predicted"] is not None, r["reason"]
     assert r["predicted_phase"] == r["measured_phase"]
-    assert abs(r["error_pct"]) <= 10.0, r
+    assert abs(r["error_pct"]) <= OPEN.get((base, change), 2.0), r
 
 
 @pytest.mark.slow
@@ -339,6 +376,58 @@ def test_a_recomputation_rises_to_the_block_s_forward_peak_not_its_saved_plus_it
         trace[k:k + 3] = [trace[k + 1], trace[k + 2], trace[k]]
     c = memdiff.whatif(write_snapshot(run, "transient-first.pickle"), "checkpoint").devices[0].changes[0]
     assert (c.predicted_peak_bytes, c.predicted_peak_phase) == (11200, "backward")
+
+
+def post_norm_loop() -> Dict[str, Any]:
+    """Two post-norm encoder layers as torch.nn.TransformerEncoderLayer runs them (weights of 100
+    bytes here): each reads its input through a contiguous copy C that its projection saves (300),
+    so its input is freed as soon as the copy is made; a transient T (500); then its layer norm's
+    output O (100, the next layer's input), mean and rstd S (10 each, saved). The head saves the last
+    output (H, 50). Backward: the head's, then each layer's gradient (100) and what it saved freed;
+    Adam's state (2 weights per weight) made in step 0; zero_grad(set_to_none=True)."""
+    w, c_, t, o, s, h = 100, 300, 500, 100, 10, 50
+    head = frames("model.py(40): forward", "nn.Module: Net_0", "train.py(8): step")
+    trace = [alloc(1, w, PARAM), alloc(2, w, PARAM)]
+    addr = 100
+    for step in range(2):
+        saved: Dict[int, List[int]] = {}
+        out = None
+        for b in (0, 1):
+            copy, tmp, norm, mean, rstd = range(addr, addr + 5)
+            addr += 5
+            trace.append(alloc(copy, c_, in_block(b, 11)))
+            if out is not None:
+                trace.append(free(out, o, in_block(b, 11)))
+            trace += [alloc(tmp, t, in_block(b, 12)), free(tmp, t, in_block(b, 12)),
+                      alloc(norm, o, in_block(b, 14)), alloc(mean, s, in_block(b, 14)), alloc(rstd, s, in_block(b, 14))]
+            saved[b] = [copy, mean, rstd]
+            out = norm
+        trace += [alloc(addr, h, head), free(addr, h, BWD), free(out, o, BWD)]
+        grads = {b: addr + 1 + b for b in (0, 1)}
+        addr += 3
+        for b in (1, 0):
+            trace.append(alloc(grads[b], w, GRAD))
+            trace += [free(k, size, BWD) for k, size in zip(saved[b], (c_, s, s))]
+        if step == 0:
+            trace += [alloc(3, 2 * w, STATE), alloc(4, 2 * w, STATE)]
+        trace += [alloc(addr, w, UPDATE), free(addr, w, UPDATE)]
+        addr += 1
+        trace += [free(grads[b], w, ZERO) for b in (0, 1)]
+    return {"segments": [], "device_traces": [trace]}
+
+
+def test_a_checkpointed_layer_keeps_its_input_until_its_backward(write_snapshot):
+    """Issue 60, torch.nn.TransformerEncoder checkpointed every other layer (read 1% under the run
+    really made on CPU): checkpoint() holds the layer's input for the recomputation until the
+    layer's backward is done, though the run freed it in the forward (read through a copy), and
+    the layer's output is its layer norm's output, not the rstd made last. Layer 1 checkpointed, at
+    its recomputation in step 1, by hand: weights and state 600, layer 0's copy, mean and rstd 320,
+    layer 1's input held 100, its gradient 100 and its forward again (copy and transient) 800: 1920
+    (without the input held, 1820)."""
+    d = memdiff.whatif(write_snapshot(post_norm_loop(), "post-norm.pickle"), "checkpoint=0.5").devices[0]
+    assert d.blocks == ["Block_0", "Block_1"]
+    c = d.changes[0]
+    assert (c.predicted_peak_bytes, c.predicted_peak_phase) == (1920, "backward")
 
 
 @pytest.mark.parametrize("change", ["checkpoint", "checkpoint=0.5"])
@@ -665,3 +754,31 @@ def test_cpu_math_attention_keeps_its_fp32_size_in_half_precision(write_snapshot
     assert memdiff.summarize(run).devices[0].peak_bytes == 1700
     predicted = memdiff.whatif(run, "weights=bf16").devices[0].changes[0]
     assert predicted.predicted_peak_bytes == 1100
+
+
+@pytest.mark.slow
+def test_bf16_grouped_query_attention_leaves_the_math_path_for_cudnn(tmp_path, torch):
+    """Issue 60, Qwen2 with bf16 weights (+5.5% filed; families.py's Qwen2-0.5B at 4 x 1024 on an
+    emulated H100 read +19.3%): its grouped-query attention runs PyTorch's math backend in fp32 (the
+    memory-efficient kernel takes one number of heads only) and cuDNN in bf16 (PyTorch's selection,
+    as the emulator runs it). cuDNN makes none of the math path's scores, softmax or repeated key and
+    value, and keeps the query, key and value the math path had copied. The scenario suite's Qwen2,
+    sequence 512, run twice on the emulated H100 (the bf16 run is the change really made): +14.9%
+    before, +0.4% now."""
+    runs = {}
+    for name, flags in (("fp32", []), ("bf16", ["--bf16"])):
+        runs[name] = tmp_path / f"{name}.pickle"
+        done = subprocess.run(
+            [sys.executable, "-m", "memdiff", "record", "--emulate", "h100", "-o", str(runs[name]), "--", "python",
+             str(TRAIN), "--model", "qwen2", "--device", "cuda", "--seq", "512", "--positions", "512", "--steps", "2",
+             "--out", str(tmp_path / f"{name}.own.pickle"), *flags],
+            capture_output=True, text=True, cwd=tmp_path,
+            env={**os.environ, "TRANSFORMERS_VERBOSITY": "error",
+                 "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"})
+        assert done.returncode == 0, done.stderr[-2000:]
+    c = memdiff.whatif(str(runs["fp32"]), "weights=bf16").devices[0].changes[0]
+    measured = memdiff.summarize(str(runs["bf16"])).devices[0]
+    assert "take a fused kernel in half precision" in c.assumptions[0], c.assumptions[0]
+    assert c.predicted_peak_phase == measured.phase_at_peak
+    assert abs(c.predicted_peak_bytes - measured.peak_bytes) <= 0.02 * measured.peak_bytes, (
+        c.predicted_peak_bytes, measured.peak_bytes)

@@ -25,7 +25,7 @@ from memdiff.recording.capture import record
 
 VOCAB = 1000
 POSITIONS = 128
-HF_TEXT = ("gpt2", "bert", "llama", "t5", "mixtral", "neox", "distilbert", "bart")
+HF_TEXT = ("gpt2", "bert", "llama", "t5", "mixtral", "neox", "distilbert", "bart", "qwen2")
 MODELS = (*HF_TEXT, "vit", "convnext", "lstm", "mlp", "cnn", "gpt", "tenc")
 
 
@@ -82,6 +82,13 @@ def hf_model(name: str, vocab: int = VOCAB, positions: int = POSITIONS,
             num_hidden_layers=2, hidden_size=128, num_attention_heads=4, intermediate_size=512, image_size=32,
             patch_size=4, num_labels=10))
         return model, list(model.vit.layers), 128
+    if name == "qwen2":
+        # Llama's layout with biased query, key and value projections, and the output head tied to the
+        # embedding, as Qwen2-0.5B and 1.5B have it.
+        model = hf.Qwen2ForCausalLM(hf.Qwen2Config(
+            num_hidden_layers=2, hidden_size=128, num_attention_heads=4, num_key_value_heads=2, intermediate_size=384,
+            vocab_size=vocab, max_position_embeddings=positions, tie_word_embeddings=True))
+        return model, list(model.model.layers), 128
     model = hf.LlamaForCausalLM(hf.LlamaConfig(
         num_hidden_layers=2, hidden_size=128, num_attention_heads=4, num_key_value_heads=2, intermediate_size=384,
         vocab_size=vocab, max_position_embeddings=positions))

@@ -8,6 +8,8 @@ it holds fp32 copies of the query, key and value until it returns, its scores, s
 products are fp32, and it returns its output and the attention weights cast back to half precision.
 A call the fp32 run shows on the math path keeps it in half precision unless a fused kernel that
 refuses fp32 (flash, cuDNN) takes the half-precision call; which one does is the selection's answer.
+A fused kernel makes none of the math path's scores, softmax, copies or masks: its output and its
+softmax's log-sum-exp (fp32, one a query row), which it keeps for the backward.
 """
 
 from __future__ import annotations
@@ -54,12 +56,23 @@ class MathCall:
 
 
 @dataclass
+class FusedCall:
+    """One call the fp32 run ran on the math path that a fused kernel takes in half precision."""
+
+    members: List[int]  # the math path's forward allocations, none of which the kernel makes
+    output: int  # the math path's result: the kernel's output, in half precision
+    logsumexp: int  # the bytes of the softmax's log-sum-exp the kernel keeps (fp32, one a query row)
+    until: int  # the event the call's backward frees what it kept: the math path's last saved tensor's
+    inputs: List[int]  # the query, key and value the fp32 run freed in the forward, which the kernel keeps
+
+
+@dataclass
 class HalfAttention:
     """What the half-precision run's attention calls do differently from halving (half_attention)."""
 
     kept: np.ndarray  # the allocations that keep their fp32 size (the math calls' members)
     calls: List[MathCall] = field(default_factory=list)
-    fused: int = 0  # math calls of the fp32 run that a fused kernel takes in half precision (halved as before)
+    fused: List[FusedCall] = field(default_factory=list)  # math calls of the fp32 run a fused kernel takes
 
 
 def _ops_inside(frames: Any) -> List[str]:
@@ -108,7 +121,9 @@ def _facts(run: Run, members: List[int], ops: List[List[str]]) -> Optional[Tuple
     c = run.course
     size = {k: int(c.size[k]) for k in members}
     direct = [o[-3] if len(o) > 2 else "" for o in ops]  # the op the math backend called
-    scaled = [k for k, d in zip(members, direct) if d.startswith("mul")]
+    # The key's scaling is the argument of the first matmul: the emulator's stacks put it inside.
+    scaled = [k for k, d, o in zip(members, direct, ops)
+              if d.startswith("mul") or (d == "matmul" and o[0].startswith("mul"))]
     products = [k for k, o in zip(members, ops) if o and o[0] == "bmm"]
     rows = next((k for k, o in zip(members, ops) if o and o[0].startswith("all")), None)
     if len(scaled) < 2 or len(products) < 2 or rows is None:
@@ -124,12 +139,17 @@ def _facts(run: Run, members: List[int], ops: List[List[str]]) -> Optional[Tuple
         return None
     sq = r // heads
     every = {name for o in ops for name in o}
+    # Grouped-query heads: the key and value repeated to the query's heads inside the call
+    # (repeat_interleave, a copy the math backend makes itself; the emulator's stacks name only the copy).
+    gqa = any(d.startswith("repeat_interleave") or d == "clone" for d in direct)
     return {"enabled_cudnn": True, "enabled_flash": True, "enabled_efficient": True, "enabled_math": True,
             "deterministic": False, "four_d": True, "same_dtype": True,
-            "bq": 1, "bk": 1, "bv": 1, "hq": heads, "hk": heads, "hv": heads, "sq": sq, "sk": sk,
+            # With grouped-query heads, fewer key and value heads than the query's (how many, the copies hide).
+            "bq": 1, "bk": 1, "bv": 1, "hq": heads, "hk": 1 if gqa else heads, "hv": 1 if gqa else heads,
+            "sq": sq, "sk": sk,
             "dq": dq, "dk": dq, "dv": dv, "qkv_last_stride_1": True, "q_offset": 0, "k_offset": 0, "v_offset": 0,
             "empty": False, "grad": True, "dropout": ASSUMED_DROPOUT if "native_dropout" in every else 0.0,
-            "causal": "tril" in every, "gqa": "repeat_interleave" in every}, \
+            "causal": "tril" in every, "gqa": gqa}, \
         (size[scaled[0]], size[scaled[1]], size[products[0]], products[-1])
 
 
@@ -167,6 +187,22 @@ def _newest() -> str:
     return max(known, key=lambda name: tuple(int(p) for p in name.split(".")))
 
 
+def _read_and_freed(run: Run, members: List[int], query: int) -> List[int]:
+    """The query, key and value of a math call that the fp32 run freed in the forward: the math path
+    reads them into copies of its own (the scaled query, the repeated key and value), where a fused
+    kernel keeps them for its backward. The query is the last tensor live at the call with the scaled
+    query's bytes (`query`); the key and value, what the forward made after it, live at the call."""
+    c = run.course
+    begin = int(c.start[members[0]])
+    here = run.born_run[members[0]]
+    live = np.flatnonzero((c.start < begin) & (c.end > begin) & (run.born_run == here) & (run.end_run == here))
+    q = live[c.size[live] == query]
+    if not len(q):
+        return []
+    first = int(c.start[q].max())
+    return live[c.start[live] >= first].tolist()
+
+
 def half_attention(run: Run, value: str) -> HalfAttention:
     """The forward's attention calls the fp32 run ran on the math path that run on it in `value`
     precision too (by half_backend), with what each keeps in fp32 and adds."""
@@ -182,7 +218,10 @@ def half_attention(run: Run, value: str) -> HalfAttention:
             continue
         known, (q, k, scores, output) = read
         if half_backend(known, value, "math") != "math":
-            out.fused += 1
+            saved = [m for m in members if run.end_run[m] != run.born_run[m] and m != output]
+            until = int(c.end[saved].max()) if saved else int(c.end[output])
+            out.fused.append(FusedCall(members, output, 4 * known["hq"] * known["sq"], until,
+                                       _read_and_freed(run, members, q)))
             continue
         after = place[members[-1]] + 1
         returns = int(c.start[fwd[after]]) if after < len(fwd) else int(c.end[members[-1]])

@@ -1,7 +1,9 @@
 """`checkpoint`, `checkpoint=F`: non-reentrant activation checkpointing of the repeated blocks
 (all, or the fraction F: 0.5 is every other one). A block's activations saved for the backward
 are dropped but its output (the next block's input); before the block's backward they come back
-(the recomputation), the block's forward run again: at its height, its forward peak.
+(the recomputation), the block's forward run again: at its height, its forward peak. The block's
+input is kept for that recomputation until the block's backward is done, whether or not the run
+kept it (a layer that reads its input through a copy does not).
 """
 
 from __future__ import annotations
@@ -40,14 +42,20 @@ def apply_checkpoint(run: Run, edit: Edit, value: Optional[str]) -> None:
     in_chosen = picked[block]  # block -1 reads the last entry, False
     saved_groups = _groups(np.flatnonzero(in_chosen & saved), block, step_of)
     transient_groups = _groups(np.flatnonzero(in_chosen & transient), block, step_of)
+    handed = _handed_over(run, block, in_chosen, step_of)
+    backward_runs = [k for k, span in enumerate(spans) if span.phase == BACKWARD]
     for key, members in saved_groups.items():
         if len(members) < 2:
             continue
-        # Its output is the last tensor it makes that outlives its forward: the next block's
-        # input, which checkpointing keeps.
-        output = members[np.argmax(c.start[members])]
+        given, output = handed.get(key, (-1, -1))
+        # Its output (the next block's input), if something after it saved it, stays as the run kept it.
         rest = members[members != output]
         in_backward = rest[c.end[rest] < c.events]
+        by_backward = in_backward[np.isin(run.end_run[in_backward], backward_runs)]
+        if given >= 0 and len(by_backward):
+            # The checkpoint holds the block's input until the block's backward is done: the run's
+            # own may have freed it in the forward, once the block had read it.
+            edit.end[given] = max(int(edit.end[given]), int(c.end[by_backward].max()))
         # The recomputation runs when the backward first needs what the block saved: just
         # before the first of those tensors is freed.
         again = int(c.end[in_backward].min()) - 1 if len(in_backward) else None
@@ -75,6 +83,56 @@ def apply_checkpoint(run: Run, edit: Edit, value: Optional[str]) -> None:
            if blocks[0].rpartition("_")[0] in GENERIC else ""))
     if not dropped:
         edit.assumptions.append("the chosen blocks save nothing for the backward in this run")
+
+
+def _handed_over(run: Run, block: np.ndarray, in_chosen: np.ndarray,
+                 step_of: np.ndarray) -> Dict[Tuple[int, int], Tuple[int, int]]:
+    """(block, step) -> (the allocation the chosen block reads as its input, the one it hands on as
+    its output; -1 for none). What one stage hands the next is the result of the last op the forward
+    ran before the next began that is still live then: of that op's allocations (a layer norm's
+    output, mean and rstd; dropout's mask and output), the largest, the last made on a tie."""
+    c = run.course
+    fwd = run.forward
+    out: Dict[Tuple[int, int], Tuple[int, int]] = {}
+    if not len(fwd):
+        return out
+    chosen = in_chosen[fwd] & (block[fwd] >= 0)
+    block = block[fwd]
+    frames = [tuple(f) for f in c.origins] if c.origins and len(c.origin) else None
+    # Where each stage of the forward starts: a change of block, or of forward run.
+    cuts = np.flatnonzero((np.diff(block) != 0) | (np.diff(run.born_run[fwd]) != 0)) + 1
+    starts = np.concatenate([[0], cuts]).astype(np.int64)
+    ends = np.append(cuts, len(fwd))
+    for a, b in zip(starts.tolist(), ends.tolist()):
+        if not chosen[a]:
+            continue
+        key = (int(block[a]), int(step_of[fwd[a]]))
+        here = int(run.born_run[fwd[a]])
+        out[key] = (_last_result(run, fwd, a, here, frames), _last_result(run, fwd, b, here, frames))
+    return out
+
+
+def _last_result(run: Run, fwd: np.ndarray, at: int, here: int, frames: Optional[List[Tuple[object, ...]]]) -> int:
+    """The result the forward run `here` hands on at position `at` of `fwd` (the forward's allocations
+    in order): of the last op before it in that run still live then, the largest allocation; -1 for none."""
+    c = run.course
+    when = int(c.start[fwd[at]]) if at < len(fwd) and run.born_run[fwd[at]] == here else run.spans[here].end_event
+    j = at - 1
+    while j >= 0 and run.born_run[fwd[j]] == here and c.end[fwd[j]] <= when:
+        j -= 1
+    if j < 0 or run.born_run[fwd[j]] != here:
+        return -1
+    op = int(fwd[j])
+    best = op
+    same = (lambda x: frames[c.origin[x]] == frames[c.origin[op]]) if frames is not None \
+        else (lambda x: c.stack[x] == c.stack[op])
+    i = j - 1
+    # The op's allocations are made one after another, its scratch (dropout's generator state) among them.
+    while i >= 0 and run.born_run[fwd[i]] == here and same(int(fwd[i])):
+        if c.end[fwd[i]] > when and c.size[fwd[i]] > c.size[best]:
+            best = int(fwd[i])
+        i -= 1
+    return best
 
 
 def _groups(members: np.ndarray, block: np.ndarray, step_of: np.ndarray) -> Dict[Tuple[int, int], np.ndarray]:

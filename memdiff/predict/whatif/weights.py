@@ -40,6 +40,7 @@ def apply_weights(run: Run, edit: Edit, value: str) -> None:
     halved &= ~math & ~attention.kept
     edit.size[halved] = edit.size[halved] // 2
     math_in_fp32(run, edit, attention)
+    fused_in_half(run, edit, attention)
     upcasts = variance_upcasts(run)
     for start, end, size in upcasts.copies:
         edit.add(start, end, size, "activation")
@@ -75,6 +76,20 @@ def math_in_fp32(run: Run, edit: Edit, attention: HalfAttention) -> None:
         edit.end[out] = min(int(edit.end[out]), call.returns)
 
 
+def fused_in_half(run: Run, edit: Edit, attention: HalfAttention) -> None:
+    """What each attention call a fused kernel takes in half precision makes instead of the math
+    path's (half_attention): its output (the math path's result, halved) and the softmax's log-sum-exp,
+    kept from the call to its backward, and its query, key and value kept as long, which the fp32 run
+    freed once the math path had its copies; none of the math path's scores, softmax, copies or masks."""
+    c = run.course
+    for call in attention.fused:
+        others = [m for m in call.members if m != call.output]
+        edit.size[others] = 0
+        edit.add(int(c.start[call.output]), call.until, call.logsumexp, "activation")
+        for k in call.inputs:
+            edit.end[k] = max(int(edit.end[k]), call.until)
+
+
 def attention_note(attention: HalfAttention) -> str:
     """The assumption said of the attention calls' backends in half precision (half_attention)."""
     out = ""
@@ -84,8 +99,9 @@ def attention_note(attention: HalfAttention) -> str:
                 "with the fp32 run's backend telling what the trace cannot show of the mask): it computes in "
                 "fp32, holding fp32 copies of the query, key and value, and casts its output back")
     if attention.fused:
-        out += (f"; {attention.fused} calls the fp32 run ran on the math path take a fused kernel in half "
-                "precision: halved as the rest")
+        out += (f"; {len(attention.fused)} calls the fp32 run ran on the math path take a fused kernel in half "
+                "precision (the emulator's backend selection): each makes its output and its softmax's fp32 "
+                "log-sum-exp, kept for its backward, and none of the math path's scores, softmax or copies")
     return out
 
 

@@ -27,11 +27,15 @@ def apply_zero_grad(run: Run, edit: Edit, value: str) -> None:
                                   "frees them shows only in the next step, which the trace does not hold")
             raise CannotApply("the run already keeps its gradients (zero_grad(set_to_none=False))")
         first = int(step_of[grads].min())
-        for k in grads.tolist():
-            if step_of[k] == first:
-                edit.end[k] = c.events
-            else:
+        # A gradient the backward frees is an earlier sum of a weight used twice (a tied embedding):
+        # the backward's next contribution replaced it, as it does however zero_grad runs.
+        replaced = np.array([run.end_run[k] < len(run.spans) and run.spans[run.end_run[k]].phase == BACKWARD
+                             for k in grads.tolist()], dtype=bool)
+        for k, gone in zip(grads.tolist(), replaced.tolist()):
+            if step_of[k] != first:
                 edit.size[k] = 0
+            elif not gone:
+                edit.end[k] = c.events
         edit.assumptions.append("the first step's gradients are kept and zeroed in place from then on")
         return
     if freed.all():
