@@ -564,21 +564,20 @@ class Planner:
                 for name in missing:
                     sys.modules.pop(name, None)
         setattr(PyCodeCache, "load_by_key_path", classmethod(lambda cls, *a, **k: loading(*a, **k)))  # noqa: B010
-        had_stream = hasattr(torch._C, "_cuda_getCurrentRawStream")
-        if not had_stream:
-            setattr(torch._C, "_cuda_getCurrentRawStream", lambda device=0: 0)  # noqa: B010
         guards = torch._C._dynamo.guards
         empty = guards._empty_strided_cuda
         triton = AsyncCompile.triton
         setattr(AsyncCompile, "triton", lambda self, name, source, device_str="cuda": planner._kernel(source))  # noqa: B010
         guards._empty_strided_cuda = _empty_strided_cuda
+        # The wrapper binds `get_raw_stream` as it loads: a CPU build has no such function, and a CUDA
+        # build's asks the driver for the current stream, which stopped every compiled run on the
+        # default wheel ("CUDA driver version is insufficient"); on both builds it is the stand-in.
         try:
-            yield
+            with swap.replaced([(torch._C, "_cuda_getCurrentRawStream", lambda device=0: 0)]):
+                yield
         finally:
             guards._empty_strided_cuda = empty
             setattr(AsyncCompile, "triton", triton)  # noqa: B010
-            if not had_stream:
-                delattr(torch._C, "_cuda_getCurrentRawStream")
             setattr(PyCodeCache, "load_by_key_path", load)  # noqa: B010
 
 
