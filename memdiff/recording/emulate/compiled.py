@@ -160,6 +160,17 @@ def _seeded_on_cuda(factory: Callable[..., torch.Tensor]) -> Callable[..., torch
     return drawn
 
 
+def _on_the_host(lazy_init: Callable[..., Any]) -> Callable[..., Any]:
+    """Inductor's joint-graph pattern tables built on the host, whatever device the caller names:
+    they are made by running ops on that device, which is the meta device here. The caller passes its
+    device positionally, which `functools.partial(lazy_init, cpu)` added to the host's: torch
+    versions whose `init_once_fakemode` forwards its arguments as given refused the two ("lazy_init()
+    takes from 0 to 1 positional arguments but 2 were given") and every compile fell back to eager."""
+    def built(*args: Any, **kwargs: Any) -> Any:
+        return lazy_init(torch.device("cpu"))
+    return built
+
+
 def _meta_as_cuda(check: Callable[..., bool]) -> Callable[..., bool]:
     """Inductor's check whether it can read a tensor, a meta tensor taken as the GPU's."""
     def supported(t: torch.Tensor, node: Any = None) -> bool:
@@ -500,7 +511,7 @@ class Planner:
             (scheduler, "has_triton", lambda: True),
             (triton_utils, "has_triton", lambda: True),
             (triton_utils, "triton_hash_with_backend", lambda: "emulated"),
-            (joint_graph, "lazy_init", functools.partial(joint_graph.lazy_init, torch.device("cpu"))),
+            (joint_graph, "lazy_init", _on_the_host(joint_graph.lazy_init)),
             # the pattern passes on the joint graph (random ops made Inductor's, fused patterns)
             # skip nodes on the meta device, where the emulator traced them
             (lowering, "unsupported_input_tensor", _meta_as_cuda(lowering.unsupported_input_tensor)),
