@@ -226,6 +226,9 @@ def test_checkpointing_s_recomputation_is_what_pytorch_calls_autograd(scenarios,
             recomputed[theirs] += int(course.size[k])
         if truth is not None and truth[born][1] == "backward" and theirs == "autograd":
             backward[category[k]] += int(course.size[k])
-    assert recomputed and set(recomputed) == {"autograd"}, recomputed
+    # What PyTorch calls temporary inside the recomputation (an op's scratch) was autograd to this
+    # check before memdiff had a temporary category; memdiff does not tell all of it there yet
+    # (bert-frozen-checkpoint: 262,144 B), so it stays accepted as the recomputation's.
+    assert recomputed["autograd"] and set(recomputed) <= {"autograd", "temporary"}, recomputed
     if truth is not None:
         assert backward["recomputed_activation"] and set(backward) <= {"autograd", "recomputed_activation"}, backward
