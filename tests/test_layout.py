@@ -5,6 +5,8 @@ modules imports on its own, as a reader or a test would import it."""
 from __future__ import annotations
 
 import ast
+import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -99,10 +101,56 @@ def test_the_circle_finder_finds_a_circle():
     assert _circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 
-@pytest.mark.parametrize("module", sorted(m for m in _modules() if m.startswith("memdiff.recording.emulate.")))
-def test_each_emulator_module_imports_on_its_own(module, torch):
-    done = subprocess.run([sys.executable, "-c", f"import {module}"], capture_output=True, text=True, cwd=ROOT)
+EMULATOR_MODULES = sorted(m for m in _modules() if m.startswith("memdiff.recording.emulate."))
+# One process imports torch (seconds) and forks a child per module, which imports that module
+# alone: no memdiff module is loaded before it, as in a fresh interpreter, and torch is imported
+# once rather than once per module (a fresh process each took about 8 s of CPU, 45 of them).
+_FORK_IMPORTS = """
+import json, os, sys, traceback
+import torch  # noqa: F401
+failed = {}
+for name in sys.argv[1:]:
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(r)
+        try:
+            __import__(name)
+        except BaseException:
+            os.write(w, traceback.format_exc()[-2000:].encode())
+            os._exit(1)
+        os._exit(0)
+    os.close(w)
+    with os.fdopen(r, "rb") as f:
+        text = f.read().decode()
+    if os.waitpid(pid, 0)[1] != 0:
+        failed[name] = text or "the child died"
+print(json.dumps(failed))
+"""
+
+
+@pytest.fixture(scope="module")
+def import_failures(torch) -> Dict[str, str]:
+    """module -> the traceback of importing it alone (modules that import cleanly are absent)."""
+    done = subprocess.run([sys.executable, "-c", _FORK_IMPORTS, *EMULATOR_MODULES], capture_output=True,
+                          text=True, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("module", EMULATOR_MODULES)
+def test_each_emulator_module_imports_on_its_own(module, import_failures):
+    assert module not in import_failures, import_failures.get(module)
+
+
+def test_an_emulator_module_that_fails_alone_is_caught(torch, tmp_path):
+    # The forked import must report a module whose import raises, not only a clean exit.
+    (tmp_path / "breaks_alone.py").write_text("import memdiff.no_such_module\n")
+    done = subprocess.run([sys.executable, "-c", _FORK_IMPORTS, "breaks_alone", "memdiff.units"],
+                          capture_output=True, text=True, cwd=ROOT,
+                          env={**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{ROOT}"})
+    failed = json.loads(done.stdout.strip().splitlines()[-1])
+    assert list(failed) == ["breaks_alone"] and "no_such_module" in failed["breaks_alone"]
 
 
 # The top of memdiff/ holds the thin entries, the shared small modules every stage uses, and the
