@@ -35,7 +35,8 @@ class Layout:
         self.groups: List[Dict[str, Any]] = []
         self.stages: List[Dict[str, Any]] = []
         self.sharded: Dict[str, Dict[str, Any]] = {}  # by group name: even, and the first uneven size
-        self._mesh_groups: Dict[Tuple[int, int], str] = {}  # (id of a mesh, its dimension): the group's name
+        # (id of a mesh, its dimension): the mesh, held so that its id is never another's, and the group's name
+        self._mesh_groups: Dict[Tuple[int, int], Tuple[Any, str]] = {}
 
     def write(self) -> None:
         """The file, replaced whole: a reader never sees half of it."""
@@ -82,8 +83,8 @@ class Layout:
     def _group_name(self, mesh: Any, dim: int) -> str:
         key = (id(mesh), dim)
         if key not in self._mesh_groups:
-            self._mesh_groups[key] = str(mesh.get_group(dim).group_name)
-        return self._mesh_groups[key]
+            self._mesh_groups[key] = (mesh, str(mesh.get_group(dim).group_name))
+        return self._mesh_groups[key][1]
 
 
 _layout: List[Layout] = []
