@@ -36,6 +36,7 @@ from memdiff.recording.emulate.layout import LAYOUT
 from memdiff.recording.emulate.overlay_calls import OWNED, ROOT, for_run
 from memdiff.recording.emulate.swap import environment
 from memdiff.recording.launch import STARTED_BY, Launch, parse_ranks, rank_env, read_torchrun
+from memdiff.recording.launch_accelerate import is_accelerate, read_accelerate
 from memdiff.recording.manifest import (
     COLLECTIVES,
     MANIFEST,
@@ -97,12 +98,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "overlay the run reads back (DIR/upper/<absolute path>), removed after the run without this "
                         "(docs/emulate.md, 'Your files')")
     p.add_argument("--ranks", metavar="LIST|auto",
-                   help="with --emulate and -o DIR/ around a torchrun command: run only these ranks of the job it "
-                        "describes (0,63 or 0-7,63), each alone in its own process with the environment torchrun gives "
-                        "it: any rank of a job of hundreds of GPUs from one CPU. auto: rank 0 first, then one rank "
-                        "per role of the layout its script built (the last rank, the last coordinate of each mesh "
-                        "dimension whose shards are uneven or not known to be even, each pipeline stage's first "
-                        "rank), each named with why (docs/jobs.md)")
+                   help="with --emulate and -o DIR/ around a torchrun or `accelerate launch` command: run only these "
+                        "ranks of the job it describes (0,63 or 0-7,63), each alone in its own process with the "
+                        "environment its launcher gives it: any rank of a job of hundreds of GPUs from one CPU. "
+                        "auto: rank 0 first, then one rank per role of the layout its script built (the last rank, "
+                        "the last coordinate of each mesh dimension whose shards are uneven or not known to be even, "
+                        "each pipeline stage's first rank), each named with why (docs/jobs.md)")
     p.add_argument("command", nargs=argparse.REMAINDER,
                    help="-- python SCRIPT ARGS | -- python -m MODULE ARGS "
                         "| with -o DIR/, any launcher: -- torchrun ...")
@@ -432,7 +433,8 @@ def _some_ranks(args: argparse.Namespace, command: List[str]) -> Optional[_SomeR
         raise InputError("--ranks", "runs ranks of a job each alone, which only an emulated rank can (its "
                                     "collectives wait for no one): give it with --emulate GPU")
     auto = args.ranks.strip() == "auto"
-    ranks, launch = [0] if auto else parse_ranks(args.ranks), read_torchrun(command)
+    ranks = [0] if auto else parse_ranks(args.ranks)
+    launch = read_accelerate(command) if is_accelerate(command) else read_torchrun(command)
     beyond = [r for r in ranks if r >= launch.world_size]
     if beyond:
         raise InputError("--ranks", f"the job has {launch.world_size:,} ranks ({launch.nnodes} node(s) of "
@@ -445,7 +447,7 @@ def _start_ranks(forwarding: _Forwarding, env: Dict[str, str], some: _SomeRanks,
     """Start each of `ranks` alone, as torchrun would have started it (launch.py), told that the ranks
     `running` run (their collectives carry values), with `extra` in its environment; wait for them."""
     for rank in ranks:
-        alone = {**env, **rank_env(some.launch, rank, running, port=29500), **extra}
+        alone = {**env, **some.launch.env, **rank_env(some.launch, rank, running, port=29500), **extra}
         if some.launch.nproc_per_node > 1 and "OMP_NUM_THREADS" not in os.environ:
             alone["OMP_NUM_THREADS"] = "1"  # torchrun's own default for several ranks on a node
         forwarding.started(subprocess.Popen(some.launch.target, env=alone))
