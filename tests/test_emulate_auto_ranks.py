@@ -41,7 +41,8 @@ def _said(done: subprocess.CompletedProcess) -> dict:
 
 
 # torchtitan's 2-D layout, small: a mesh of 2 (dp) by 4 (tp); the model's weights sharded by FSDP2 over
-# dp (128 and 64 rows over 2 ranks: even), an embedding table of 10 rows sharded over tp (3, 3, 3, 1).
+# dp (128 and 64 rows over 2 ranks: even), an embedding table of 10 rows sharded over tp (3, 3, 3, 1);
+# its data from a DataLoader's spawned worker.
 MESH = textwrap.dedent("""
     import os
     import torch
@@ -50,19 +51,28 @@ MESH = textwrap.dedent("""
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    dist.init_process_group("nccl")
-    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    mesh = init_device_mesh("cuda", (2, 4), mesh_dim_names=("dp", "tp"))
-    table = distribute_tensor(torch.randn(10, 64, device="cuda"), mesh["tp"], [Shard(0)])
-    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 64)).cuda()
-    fully_shard(model, mesh=mesh["dp"])
-    opt = torch.optim.AdamW(model.parameters())
-    for _ in range(2):
-        model(torch.randn(8, 64, device="cuda")).sum().backward()
-        opt.step()
-        opt.zero_grad()
-    os.write(1, f"rank {dist.get_rank()} holds {table.to_local().shape[0]} rows\\n".encode())
-    dist.destroy_process_group()
+
+    def main():
+        dist.init_process_group("nccl")
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        mesh = init_device_mesh("cuda", (2, 4), mesh_dim_names=("dp", "tp"))
+        table = distribute_tensor(torch.randn(10, 64, device="cuda"), mesh["tp"], [Shard(0)])
+        model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 64)).cuda()
+        fully_shard(model, mesh=mesh["dp"])
+        opt = torch.optim.AdamW(model.parameters())
+        # batches from a spawned worker: a process of its own that imports torch (and is no rank 0)
+        data = torch.utils.data.DataLoader(torch.randn(16, 64), batch_size=8, num_workers=1,
+                                           multiprocessing_context="spawn")
+        for batch in data:
+            model(batch.cuda()).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        os.write(1, f"rank {dist.get_rank()} holds {table.to_local().shape[0]} rows\\n".encode())
+        dist.destroy_process_group()
+
+
+    if __name__ == "__main__":
+        main()
 """)
 
 

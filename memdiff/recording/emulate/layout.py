@@ -145,7 +145,9 @@ class _Finder:
 def recorded() -> Iterator[None]:
     """For the block, when MEMDIFF_RECORD_LAYOUT names a file: the script's layout written there as it is
     built (the pipeline stage and the DTensor sharding patched in when torch's modules of them run)."""
-    path = os.environ.get(LAYOUT)
+    # Taken out of the environment: a process this one starts (a DataLoader worker, a subprocess that
+    # imports torch) is no rank 0 and must not write its own, empty, layout over this one's.
+    path = os.environ.pop(LAYOUT, None)
     if not path:
         yield
         return
