@@ -32,9 +32,11 @@ from memdiff.recording.emulate.devices import GPUS
 from memdiff.recording.emulate.escapes import escaped
 from memdiff.recording.emulate.gpus import gpu
 from memdiff.recording.emulate.gpus import names as gpu_names
+from memdiff.recording.emulate.layout import LAYOUT
 from memdiff.recording.emulate.overlay_calls import OWNED, ROOT, for_run
 from memdiff.recording.emulate.swap import environment
 from memdiff.recording.launch import STARTED_BY, Launch, parse_ranks, rank_env, read_torchrun
+from memdiff.recording.launch_accelerate import is_accelerate, read_accelerate
 from memdiff.recording.manifest import (
     COLLECTIVES,
     MANIFEST,
@@ -47,6 +49,7 @@ from memdiff.recording.manifest import (
     job_folders,
     write_manifest,
 )
+from memdiff.recording.pick import LAYOUT_FILE, Picked, pick, read_layout
 from memdiff.units import format_bytes
 
 PYTHON = re.compile(r"^python(\d+(\.\d+)?)?(\.exe)?$")
@@ -94,10 +97,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "emulated run never changes the user's files: all it writes, renames or deletes lands in an "
                         "overlay the run reads back (DIR/upper/<absolute path>), removed after the run without this "
                         "(docs/emulate.md, 'Your files')")
-    p.add_argument("--ranks", metavar="LIST",
-                   help="with --emulate and -o DIR/ around a torchrun command: run only these ranks of the job it "
-                        "describes (0,63 or 0-7,63), each alone in its own process with the environment torchrun gives "
-                        "it: any rank of a job of hundreds of GPUs from one CPU (docs/jobs.md)")
+    p.add_argument("--ranks", metavar="LIST|auto",
+                   help="with --emulate and -o DIR/ around a torchrun or `accelerate launch` command: run only these "
+                        "ranks of the job it describes (0,63 or 0-7,63), each alone in its own process with the "
+                        "environment its launcher gives it: any rank of a job of hundreds of GPUs from one CPU. "
+                        "auto: rank 0 first, then one rank per role of the layout its script built (the last rank, "
+                        "the last coordinate of each mesh dimension whose shards are uneven or not known to be even, "
+                        "each pipeline stage's first rank), each named with why (docs/jobs.md)")
     p.add_argument("command", nargs=argparse.REMAINDER,
                    help="-- python SCRIPT ARGS | -- python -m MODULE ARGS "
                         "| with -o DIR/, any launcher: -- torchrun ...")
@@ -288,7 +294,7 @@ class _JobOutcome:
 
 
 def _report_jobs(args: argparse.Namespace, folder: str, before: Dict[str, Dict[str, int]],
-                 status: int, emulated: Optional[List[int]]) -> _JobOutcome:
+                 status: int, emulated: Optional[List[int]], picked: Optional[List[Picked]]) -> _JobOutcome:
     """_report_job for the job of `folder` and each later job the command ran with the same ranks (a
     script that trains, then evaluates, each under torchrun: DIR/job2/, ...), their outcomes together."""
     jobs = [here for here in job_folders(folder) if here == folder or claimed(here)]
@@ -298,19 +304,20 @@ def _report_jobs(args: argparse.Namespace, folder: str, before: Dict[str, Dict[s
               f"folder of its own: {', '.join(shown)}", file=sys.stderr)
     outcomes = []
     for here, name in zip(jobs, shown):
-        outcomes.append(_report_job(here, before.get(here, {}), status, name, emulated))
+        outcomes.append(_report_job(here, before.get(here, {}), status, name, emulated, picked))
         clear_claims(here)
     return _JobOutcome(*(sum((getattr(o, f.name) for o in outcomes), []) for f in fields(_JobOutcome)))
 
 
 def _report_job(folder: str, before: Dict[str, int], status: int, shown: str,
-                emulated: Optional[List[int]]) -> _JobOutcome:
+                emulated: Optional[List[int]], picked: Optional[List[Picked]]) -> _JobOutcome:
     """Gather the ranks' statuses into the job's manifest (with how the command ended) and say what
     the run wrote; `shown`: the folder as the user named it; `emulated`: the ranks run, when only some
-    were (--ranks)."""
+    were (--ranks); `picked`: why each, when --ranks auto picked them."""
     manifest = collect(folder)
     if manifest is not None:
-        manifest = replace(manifest if emulated is None else manifest.only(emulated), exit_status=status)
+        why = [(p.rank, p.why) for p in picked] if picked is not None else None
+        manifest = replace(manifest if emulated is None else manifest.only(emulated, why), exit_status=status)
         write_manifest(folder, manifest)
     names = [n for n in os.listdir(folder)
              if n.endswith(".pickle") and not n.startswith(".") and os.path.isfile(os.path.join(folder, n))]
@@ -414,7 +421,8 @@ class _SomeRanks:
     """The ranks of a torchrun job that --ranks runs, each alone."""
 
     launch: Launch
-    ranks: List[int]
+    ranks: List[int]  # with --ranks auto: rank 0, run first; the others are picked once it has run
+    auto: bool = False
 
 
 def _some_ranks(args: argparse.Namespace, command: List[str]) -> Optional[_SomeRanks]:
@@ -424,12 +432,49 @@ def _some_ranks(args: argparse.Namespace, command: List[str]) -> Optional[_SomeR
     if not args.emulate:
         raise InputError("--ranks", "runs ranks of a job each alone, which only an emulated rank can (its "
                                     "collectives wait for no one): give it with --emulate GPU")
-    ranks, launch = parse_ranks(args.ranks), read_torchrun(command)
+    auto = args.ranks.strip() == "auto"
+    ranks = [0] if auto else parse_ranks(args.ranks)
+    launch = read_accelerate(command) if is_accelerate(command) else read_torchrun(command)
     beyond = [r for r in ranks if r >= launch.world_size]
     if beyond:
         raise InputError("--ranks", f"the job has {launch.world_size:,} ranks ({launch.nnodes} node(s) of "
                                     f"{launch.nproc_per_node}): no rank {beyond[0]}")
-    return _SomeRanks(launch, ranks)
+    return _SomeRanks(launch, ranks, auto)
+
+
+def _start_ranks(forwarding: _Forwarding, env: Dict[str, str], some: _SomeRanks, ranks: List[int],
+                 running: List[int], extra: Dict[str, str]) -> None:
+    """Start each of `ranks` alone, as torchrun would have started it (launch.py), told that the ranks
+    `running` run (their collectives carry values), with `extra` in its environment; wait for them."""
+    for rank in ranks:
+        alone = {**env, **some.launch.env, **rank_env(some.launch, rank, running, port=29500), **extra}
+        if some.launch.nproc_per_node > 1 and "OMP_NUM_THREADS" not in os.environ:
+            alone["OMP_NUM_THREADS"] = "1"  # torchrun's own default for several ranks on a node
+        forwarding.started(subprocess.Popen(some.launch.target, env=alone))
+    for child in forwarding.children:
+        child.wait()
+
+
+def _auto_ranks(forwarding: _Forwarding, env: Dict[str, str], some: _SomeRanks, folder: str) -> List[Picked]:
+    """--ranks auto: rank 0 alone first, writing the layout its script builds (emulate/layout.py); then
+    the ranks of the other roles that layout has (pick.py), all at once, each said with why. Only rank 0
+    when it failed or was interrupted: its failure is the job's, and it is what the user sees."""
+    path = os.path.join(folder, LAYOUT_FILE)
+    try:
+        _start_ranks(forwarding, env, some, [0], [0], {LAYOUT: path})
+        if forwarding.received or forwarding.children[0].returncode:
+            print("memdiff: --ranks auto: rank 0 did not finish, so no other rank was picked", file=sys.stderr)
+            return [Picked(0, "rank 0, run first to read the job's layout")]
+        picked, notes = pick(read_layout(path), some.launch.world_size)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+    for chosen in picked:
+        print(f"memdiff: --ranks auto: rank {chosen.rank}: {chosen.why}", file=sys.stderr)
+    for note in notes:
+        print(f"memdiff: --ranks auto: {note}", file=sys.stderr)
+    _start_ranks(forwarding, env, some, [p.rank for p in picked if p.rank], [p.rank for p in picked], {})
+    return picked
 
 
 def _run_launcher(args: argparse.Namespace) -> int:
@@ -454,18 +499,16 @@ def _run_launcher(args: argparse.Namespace) -> int:
     before = {here: {n: os.stat(os.path.join(here, n)).st_mtime_ns for n in os.listdir(here)}
               for here in job_folders(folder)}
     env = {k: v for k, v in {**os.environ, **_hook_env(args, folder)}.items() if v is not None}
+    picked: Optional[List[Picked]] = None
     with _overlay(args, [folder], folder, _script(command)), _Forwarding() as forwarding:
         env.update((k, os.environ[k]) for k in (ROOT, OWNED) if k in os.environ)
         if ranks is None:
             forwarding.started(subprocess.Popen(command, env=env))
-        else:  # each named rank alone, as torchrun would have started it (launch.py)
-            for rank in ranks.ranks:
-                alone = {**env, **rank_env(ranks.launch, rank, ranks.ranks, port=29500)}
-                if ranks.launch.nproc_per_node > 1 and "OMP_NUM_THREADS" not in os.environ:
-                    alone["OMP_NUM_THREADS"] = "1"  # torchrun's own default for several ranks on a node
-                forwarding.started(subprocess.Popen(ranks.launch.target, env=alone))
-        for child in forwarding.children:
-            child.wait()
+            forwarding.children[0].wait()
+        elif ranks.auto:
+            picked = _auto_ranks(forwarding, env, ranks, folder)
+        else:  # each named rank alone
+            _start_ranks(forwarding, env, ranks, ranks.ranks, ranks.ranks, {})
     shutil.rmtree(collectives, ignore_errors=True)
     interrupted = forwarding.received[0] if forwarding.received else None
     if interrupted is not None:  # Ctrl-C: 130, as a shell says; SIGTERM: 143
@@ -473,7 +516,8 @@ def _run_launcher(args: argparse.Namespace) -> int:
     else:  # the command's; of ranks run alone, the first rank's that failed
         codes = [c.returncode if c.returncode >= 0 else 128 - c.returncode for c in forwarding.children]
         status = next((code for code in codes if code), 0)
-    outcome = _report_jobs(args, folder, before, status, ranks.ranks if ranks is not None else None)
+    run = ([p.rank for p in picked] if picked is not None else ranks.ranks) if ranks is not None else None
+    outcome = _report_jobs(args, folder, before, status, run, picked)
     for line in outcome.died + outcome.lost:
         print(f"memdiff: {line}", file=sys.stderr)
     if not outcome.written and not outcome.lost:

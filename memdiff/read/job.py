@@ -88,6 +88,7 @@ class Job:
     world_size: Optional[int] = None
     exit_status: Optional[int] = None  # how the recorded job's command ended, as its manifest says
     emulated: Optional[List[int]] = None  # the ranks that ran, when only some did (record --ranks); None: all
+    picked: bool = False  # whether record --ranks auto picked them, one per role
 
     def unfinished(self) -> Optional[str]:
         """Why the job's memory is no finished run's, when its manifest says its command failed."""
@@ -108,12 +109,17 @@ class Job:
                          f"{count_of(self.world_size or 0, 'rank')} (an earlier run's?): not read")
         if self.emulated is not None:
             parts.append(f"{count_of(len(self.emulated), 'rank')} of {count_of(self.world_size or 0, 'rank')} "
-                         f"emulated, each alone (record --ranks {ranges(self.emulated).replace(', ', ',')}): "
+                         f"emulated, each alone (record --ranks {self._asked()}): "
                          f"the others were not run")
         unfinished = self.unfinished()
         if unfinished:
             parts.append(unfinished)
         return "; ".join(parts) or None
+
+    def _asked(self) -> str:
+        """The ranks as record's --ranks named them, or as --ranks auto picked them."""
+        listed = ranges(self.emulated or []).replace(", ", ",")
+        return f"auto picked {listed}, one per role, each with why in its {MANIFEST}" if self.picked else listed
 
 
 def _shown(names: Sequence[str]) -> str:
@@ -174,7 +180,7 @@ def discover(arg: str, rank_pattern: Optional[str] = None, allow_missing: bool =
         raise InputError(arg, f"{len(missing):,} rank(s) missing of 0-{expected - 1}{said}: {ranges(missing)} "
                               f"(--allow-missing-ranks to read the job anyway)")
     return Job([RankFile(rank, by_rank[rank]) for rank in sorted(by_rank)], missing, extra, beyond_names, world_size,
-               recorded.exit_status if recorded else None, emulated)
+               recorded.exit_status if recorded else None, emulated, bool(recorded and recorded.picked))
 
 
 def ranges(numbers: Sequence[int]) -> str:

@@ -14,7 +14,7 @@ not keeps its own values, as a rank run alone does.
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Set
 
 from memdiff.errors import InputError
@@ -42,6 +42,7 @@ class Launch:
     nnodes: int
     nproc_per_node: int
     target: List[str]  # the command of one rank: python SCRIPT ARGS, python -m MODULE ARGS, or a program
+    env: Dict[str, str] = field(default_factory=dict)  # what the launcher adds for every rank (accelerate's)
 
     @property
     def world_size(self) -> int:
@@ -84,8 +85,9 @@ def read_torchrun(command: List[str]) -> Launch:
     elif len(command) >= 3 and command[1:3] == ["-m", "torch.distributed.run"]:
         options = command[3:]
     else:
-        raise InputError("--ranks", "runs some ranks of a torchrun job: give `-- torchrun [options] train.py ...` "
-                                    "(or python -m torch.distributed.run); other launchers are not read yet")
+        raise InputError("--ranks", "runs some ranks of a torchrun job or an accelerate one: give `-- torchrun "
+                                    "[options] train.py ...` (or python -m torch.distributed.run) or `-- accelerate "
+                                    "launch [options] train.py ...`; other launchers are not read yet")
     given: Dict[str, Optional[str]] = {}
     i = 0
     while i < len(options) and options[i].startswith("-"):

@@ -85,13 +85,14 @@ class JobManifest:
     ranks: List[RankRecording]
     exit_status: Optional[int] = None  # the launched command's; 130 / 143 when interrupted
     emulated: Optional[List[int]] = None  # the ranks run when only some were (--ranks); None: all
+    picked: Optional[List[Tuple[int, str]]] = None  # --ranks auto: each rank it ran and why (pick.py)
 
-    def only(self, emulated: List[int]) -> "JobManifest":
-        """The manifest of a job of which only the ranks `emulated` ran: the others are `not emulated`,
-        never missing."""
+    def only(self, emulated: List[int], picked: Optional[List[Tuple[int, str]]] = None) -> "JobManifest":
+        """The manifest of a job of which only the ranks `emulated` ran (those `picked` by --ranks auto,
+        with why): the others are `not emulated`, never missing."""
         ranks = [replace(r, state=NOT_EMULATED) if r.rank not in emulated and r.state == NOT_STARTED else r
                  for r in self.ranks]
-        return replace(self, ranks=ranks, emulated=sorted(emulated))
+        return replace(self, ranks=ranks, emulated=sorted(emulated), picked=picked)
 
     def missing(self, folder: str) -> List[RankRecording]:
         """The ranks that left no snapshot in `folder`."""
@@ -103,6 +104,8 @@ class JobManifest:
         return {"memdiff_job_version": MANIFEST_VERSION, "world_size": self.world_size,
                 "exit_status": self.exit_status,
                 **({"emulated_ranks": self.emulated} if self.emulated is not None else {}),
+                **({"picked_ranks": [{"rank": rank, "why": why} for rank, why in self.picked]}
+                   if self.picked is not None else {}),
                 "ranks": [{k: v for k, v in asdict(r).items() if v is not None} for r in self.ranks]}
 
 
@@ -237,6 +240,7 @@ class RecordedJob:
     world_size: int
     exit_status: Optional[int]  # None: a manifest that does not say (or the command's own 0)
     emulated: Optional[List[int]] = None  # the ranks that ran, when only some did (--ranks); None: all
+    picked: bool = False  # whether --ranks auto picked them (the manifest's picked_ranks say why)
 
 
 def read_manifest(folder: str) -> Optional[RecordedJob]:
@@ -257,4 +261,4 @@ def read_manifest(folder: str) -> Optional[RecordedJob]:
     if emulated is not None and not (isinstance(emulated, list) and emulated and all(
             isinstance(r, int) and not isinstance(r, bool) and 0 <= r < size for r in emulated)):
         raise InputError(path, f"emulated_ranks must list ranks below world_size {size}, not {brief(emulated)}")
-    return RecordedJob(size, status, emulated)
+    return RecordedJob(size, status, emulated, emulated is not None and isinstance(document.get("picked_ranks"), list))

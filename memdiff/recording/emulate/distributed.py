@@ -30,7 +30,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
-from memdiff.recording.emulate import exchange, swap
+from memdiff.recording.emulate import exchange, layout, swap
 from memdiff.recording.emulate.devices import first_meta
 from memdiff.recording.emulate.runtime import EmulationError
 
@@ -76,6 +76,9 @@ def _new_group(real: Callable[..., Any]) -> Callable[..., Any]:
         group = real(ranks, timeout, None, None, *args, **kwargs)
         if group is not None:
             _asked[group] = _backend_name(backend) if backend else _asked.get(None, "nccl")
+        recording = layout.current()
+        if recording is not None:  # the job's layout, for --ranks auto
+            recording.group_made(group, None if ranks is None else list(ranks), kwargs.get("group_desc"))
         return group
     new_group.__wrapped__ = real  # type: ignore[attr-defined]
     return new_group

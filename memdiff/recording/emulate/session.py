@@ -22,6 +22,7 @@ def start(emulator: Emulator) -> contextlib.ExitStack:
         distributed,
         files,
         flex,
+        layout,
         legacy,
         parallel,
         patches,
@@ -49,6 +50,7 @@ def start(emulator: Emulator) -> contextlib.ExitStack:
     stack.enter_context(build.cuda_build_answers())
     stack.enter_context(legacy.legacy_cuda_types())
     stack.enter_context(distributed.fake_process_groups(emulator))
+    stack.enter_context(layout.recorded())
     stack.enter_context(parallel.data_parallel())
     stack.enter_context(shared.device_storages_shared())
     stack.enter_context(shared.device_tensors_sent(emulator.placement))

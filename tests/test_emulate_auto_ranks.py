@@ -1,0 +1,170 @@
+"""`memdiff record --emulate GPU -o DIR/ --ranks auto -- torchrun ...`: rank 0 runs first, the layout its
+script builds (a device mesh, its groups, the DTensors sharded over them, pipeline stages) names one rank
+per role, and only those run (docs/jobs.md, "Picking the ranks"). The jobs are small public patterns:
+FSDP2 over a mesh dimension with an embedding table sharded over the other (torchtitan's 2-D layout),
+a DDP script that builds no mesh, and a pipeline of torch.distributed.pipelining stages."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+# Slow (the fast loop, -m "not slow", leaves it out): every test runs emulated processes.
+pytestmark = pytest.mark.slow
+
+
+def _auto(cwd: Path, *command: str) -> subprocess.CompletedProcess:
+    """`memdiff record --emulate h100 -o runs/ --ranks auto -- COMMAND`, on a node that says nothing of its
+    GPUs."""
+    env = {k: v for k, v in os.environ.items() if k not in ("CUDA_VISIBLE_DEVICES", "LOCAL_WORLD_SIZE")}
+    return subprocess.run([sys.executable, "-m", "memdiff", "record", "--emulate", "h100", "-o", "runs/", "--ranks",
+                           "auto", "--", *command], cwd=cwd, capture_output=True, text=True, timeout=900,
+                          env={**env, "OMP_NUM_THREADS": "1"})
+
+
+def _started(done: subprocess.CompletedProcess) -> list:
+    """The ranks whose process ran the script: each prints `rank R` once, as its last line."""
+    return sorted(int(line.split()[1]) for line in done.stdout.splitlines() if line.startswith("rank "))
+
+
+def _said(done: subprocess.CompletedProcess) -> dict:
+    """Each rank `--ranks auto` picked, with the reason it gave on stderr."""
+    lines = [line.split("--ranks auto: rank ", 1)[1] for line in done.stderr.splitlines()
+             if "--ranks auto: rank " in line]
+    return {int(rank): why for rank, why in (line.split(": ", 1) for line in lines)}
+
+
+# torchtitan's 2-D layout, small: a mesh of 2 (dp) by 4 (tp); the model's weights sharded by FSDP2 over
+# dp (128 and 64 rows over 2 ranks: even), an embedding table of 10 rows sharded over tp (3, 3, 3, 1);
+# its data from a DataLoader's spawned worker.
+MESH = textwrap.dedent("""
+    import os
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+
+    def main():
+        dist.init_process_group("nccl")
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        mesh = init_device_mesh("cuda", (2, 4), mesh_dim_names=("dp", "tp"))
+        table = distribute_tensor(torch.randn(10, 64, device="cuda"), mesh["tp"], [Shard(0)])
+        model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 64)).cuda()
+        fully_shard(model, mesh=mesh["dp"])
+        opt = torch.optim.AdamW(model.parameters())
+        # batches from a spawned worker: a process of its own that imports torch (and is no rank 0)
+        data = torch.utils.data.DataLoader(torch.randn(16, 64), batch_size=8, num_workers=1,
+                                           multiprocessing_context="spawn")
+        for batch in data:
+            model(batch.cuda()).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        os.write(1, f"rank {dist.get_rank()} holds {table.to_local().shape[0]} rows\\n".encode())
+        dist.destroy_process_group()
+
+
+    if __name__ == "__main__":
+        main()
+""")
+
+
+def test_a_2x4_mesh_job_runs_rank_0_the_last_rank_and_the_last_of_its_uneven_dimension(torch, tmp_path):
+    (tmp_path / "mesh.py").write_text(MESH)
+    done = _auto(tmp_path, "torchrun", "--nproc-per-node", "8", "mesh.py")
+    assert done.returncode == 0, done.stderr[-3000:]
+    # By hand: rank 0; rank 7, the last; along tp (ranks 0-3 with rank 0) rank 3, whose 1 row of the table
+    # is not the 3 of the others; along dp (ranks 0, 4) nothing: FSDP2's shards are even there.
+    assert _said(done).keys() == {0, 3, 7}
+    assert "its shards are uneven (a tensor of shape [10, 64] sharded on its dim 0 over 4 ranks)" in _said(done)[3]
+    assert "mesh dimension dp (size 2, ranks 0, 4 with rank 0): every tensor sharded over it divides evenly" \
+        in done.stderr
+    # only the picked ranks' processes ran the script: 3 of 8, each holding its own shard of the table
+    assert done.stdout.splitlines().count("rank 3 holds 1 rows") == 1 and _started(done) == [0, 3, 7]
+    runs = tmp_path / "runs"
+    assert sorted(p.name for p in runs.glob("*.pickle")) == ["rank0.pickle", "rank3.pickle", "rank7.pickle"]
+    assert not (runs / ".layout.json").exists()
+    manifest = json.loads((runs / "memdiff-job.json").read_text())
+    assert manifest["world_size"] == 8 and manifest["emulated_ranks"] == [0, 3, 7]
+    assert [p["rank"] for p in manifest["picked_ranks"]] == [0, 3, 7]
+    assert manifest["picked_ranks"][1]["why"] == _said(done)[3]
+    assert [r["state"] for r in manifest["ranks"]] == ["written", *["not emulated"] * 2, "written",
+                                                       *["not emulated"] * 3, "written"]
+    # read like a whole job, the others marked as not run
+    ranks = subprocess.run([sys.executable, "-m", "memdiff", "ranks", "runs/", "--format", "json"], cwd=tmp_path,
+                           capture_output=True, text=True)
+    assert ranks.returncode == 0, ranks.stderr
+    assert [r["rank"] for r in json.loads(ranks.stdout)["ranks"]] == [0, 3, 7]
+    assert "3 ranks of 8 ranks emulated, each alone (record --ranks auto picked 0,3,7, one per role" in ranks.stderr
+
+
+# pytorch/examples' DDP tutorial, small: no mesh, no group but the world's.
+DDP = textwrap.dedent("""
+    import os
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    dist.init_process_group("nccl")
+    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    model = DDP(torch.nn.Linear(256, 256).cuda())
+    model(torch.randn(4, 256, device="cuda")).sum().backward()
+    os.write(1, f"rank {dist.get_rank()}\\n".encode())
+    dist.destroy_process_group()
+""")
+
+
+def test_a_job_of_64_ranks_with_no_layout_starts_two_processes(torch, tmp_path):
+    (tmp_path / "ddp.py").write_text(DDP)
+    done = _auto(tmp_path, "torchrun", "--nnodes", "8", "--nproc-per-node", "8", "ddp.py")
+    assert done.returncode == 0, done.stderr[-3000:]
+    # the processes started grow with the roles, not with the 64 ranks: rank 0 and the last
+    assert _started(done) == [0, 63] and _said(done).keys() == {0, 63}
+    assert ("the script built no device mesh, group or pipeline stage beyond the world's on rank 0: every rank but "
+            "rank 0 has one role, run as rank 63") in done.stderr
+    assert "wrote 2 snapshots of a job of 64 ranks (ranks 0, 63, each run alone)" in done.stderr
+
+
+# torchtitan's pipeline layout, small: a mesh of 4 (dp) by 2 (pp), each rank's stage of
+# torch.distributed.pipelining built over its pp group and sharded by FSDP2 over dp (64 rows over 4:
+# even). Each stage runs its part on its microbatches itself: a schedule's first step sends the stages'
+# shapes to each other (recv_object_list), which ranks run apart cannot do.
+PIPELINE = textwrap.dedent("""
+    import os
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.pipelining import PipelineStage
+
+    dist.init_process_group("nccl")
+    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    mesh = init_device_mesh("cuda", (4, 2), mesh_dim_names=("dp", "pp"))
+    stage_index = mesh["pp"].get_local_rank()
+    part = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU()).cuda()
+    fully_shard(part, mesh=mesh["dp"])
+    stage = PipelineStage(part, stage_index, 2, torch.device("cuda"), group=mesh["pp"].get_group())
+    for microbatch in torch.randn(8, 64, device="cuda").chunk(2):
+        part(microbatch).sum().backward()
+    os.write(1, f"rank {dist.get_rank()} stage {stage_index}\\n".encode())
+    dist.destroy_process_group()
+""")
+
+
+def test_each_pipeline_stage_runs_its_first_rank(torch, tmp_path):
+    (tmp_path / "pipeline.py").write_text(PIPELINE)
+    done = _auto(tmp_path, "torchrun", "--nproc-per-node", "8", "pipeline.py")
+    assert done.returncode == 0, done.stderr[-3000:]
+    # By hand: rank 0 (stage 0); rank 1, the first of stage 1 and the last along pp (ranks 0-1); rank 7,
+    # the last; along dp (ranks 0, 2, 4, 6) nothing: FSDP2's shards are even there.
+    said = _said(done)
+    assert said.keys() == {0, 1, 7} and _started(done) == [0, 1, 7]
+    assert "the first rank of pipeline stage 0 of 2" in said[0] and "the first rank of pipeline stage 1 of 2" in said[1]
+    assert "rank 1 stage 1" in done.stdout.splitlines()
