@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import sys
 from types import FunctionType
-from typing import Any, Dict, List, NoReturn, Optional, Tuple
+from typing import Any, Callable, Dict, List, NoReturn, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -370,8 +370,32 @@ class DeviceMode(TorchFunctionMode):
         return chosen
 
 
+def _dynamo_off_once_imported(dispatch: Callable[..., Any]) -> Callable[..., Any]:
+    """`dispatch` with Dynamo kept out of it, as torch does for every dispatch mode, but without
+    importing Dynamo to do so: torch's wrapper imports it at the first op (2 s of CPU in every
+    emulated process, as long as importing torch). Until something has imported it, nothing is
+    compiled and no frame can be traced, so there is nothing to keep out."""
+    disabled: Optional[Callable[..., Any]] = None
+
+    @functools.wraps(dispatch)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        nonlocal disabled
+        if disabled is None:
+            disable = getattr(sys.modules.get("torch._dynamo"), "disable", None)
+            if disable is None:
+                return dispatch(*args, **kwargs)
+            disabled = disable(dispatch, recursive=True)
+        return disabled(*args, **kwargs)
+    return call
+
+
 class AllocMode(TorchDispatchMode):
     """Every op after autograd: new storages are device allocations, with the kernels' own buffers."""
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # torch would wrap __torch_dispatch__ in its lazy Dynamo import; it is wrapped below instead.
+        return False
 
     def __init__(self, emulator: Emulator) -> None:
         super().__init__()
@@ -612,6 +636,9 @@ class AllocMode(TorchDispatchMode):
         elif name.endswith("_record_function_exit") and self.scopes:
             self.emulator.annotate("END", self.scopes.pop())
         return out
+
+
+AllocMode.__torch_dispatch__ = _dynamo_off_once_imported(AllocMode.__torch_dispatch__)  # type: ignore[method-assign]
 
 
 @functools.lru_cache(maxsize=None)
