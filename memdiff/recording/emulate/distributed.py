@@ -9,7 +9,8 @@ ops (which the emulator's allocator sees like any other storage).
 
 In a launched job (`-o DIR/`) a broadcast, an all-gather, a gather and a scatter carry the values
 their senders know to the ranks that receive them (exchange.py): a receiving rank of
-`broadcast_object_list` gets rank 0's object. The object collectives put their tensors on the device
+`broadcast_object_list` gets rank 0's object; a `send` reaches its `recv` (p2p.py: a pipeline's
+stages). The object collectives put their tensors on the device
 the script's backend would (NCCL's: the GPU). Elsewhere values follow the fake group's rule, that every
 rank holds what this rank holds: a broadcast
 leaves each tensor as this rank has it, an all-gather fills every slot with this rank's input,
@@ -30,7 +31,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
-from memdiff.recording.emulate import exchange, layout, swap
+from memdiff.recording.emulate import exchange, layout, p2p, swap
 from memdiff.recording.emulate.devices import first_meta
 from memdiff.recording.emulate.runtime import EmulationError
 
@@ -250,7 +251,8 @@ def fake_process_groups(emulator: Any) -> Iterator[None]:
     except ImportError:
         pass
     wrappers = {"init_process_group": _init, "new_group": _new_group, "get_backend": _get_backend,
-                "broadcast_object_list": _from_source, "scatter_object_list": _from_source}
+                "broadcast_object_list": _from_source, "scatter_object_list": _from_source,
+                "recv_object_list": p2p.objects_from_sender}
     answers: Dict[str, Any] = {"is_nccl_available": lambda: True}
     replaced: List[Tuple[Any, str, Any]] = []
     for name, wrap in wrappers.items():
@@ -324,10 +326,11 @@ class ProcessGroupNCCL:
                                                  "init_process_group or new_group (there is no NCCL to connect)")
 
 
-def completed(out: Any, args: Tuple[Any, ...]) -> Any:
+def completed(out: Any, args: Tuple[Any, ...], received: Optional[torch.futures.Future] = None) -> Any:
     """A collective's result with its Work done and its future holding the tensors, as NCCL's and
     gloo's futures do: the fake group's future holds nothing, and DDP's reducer reads its buckets back
-    from the future of their all-reduce."""
+    from the future of their all-reduce. A receive that waits on its sender (p2p.py) has that future,
+    done when the values are in."""
     from torch._C import _distributed_c10d as c10d
 
     make = getattr(c10d, "_create_work_from_future", None)
@@ -341,6 +344,8 @@ def completed(out: Any, args: Tuple[Any, ...]) -> Any:
     if isinstance(out, tuple) and len(out) == 2 and _is_work(out[1]):
         return out[0], done(out[0])
     if _is_work(out):
+        if received is not None:
+            return make(received).boxed()
         first = args[0] if args else None
         return done(first if isinstance(first, list) else [first] if isinstance(first, torch.Tensor) else None)
     return out
@@ -365,8 +370,8 @@ SAME_VALUE_OPS = {"MIN", "MAX", "AVG", "BAND", "BOR"}
 def follow(base: str, args: Tuple[Any, ...], values: Any) -> None:
     """After c10d op `base` ran on meta tensors: the values its written tensors hold now (what the other
     ranks sent, in a launched job: exchange.py; else the rule of the module's docstring)."""
-    if exchange.carry(base, args, values):
-        return
+    if base == "send" or exchange.carry(base, args, values):
+        return  # a send writes nothing; a carried collective has set what it received
     known = values.known
     if base == "broadcast_" or base.startswith("barrier") or base == "monitored_barrier_":
         return  # this rank's tensors are the source's

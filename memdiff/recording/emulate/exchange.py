@@ -146,7 +146,7 @@ def carry(base: str, args: Tuple, values: Any) -> bool:
     exchange = current()
     if exchange is None or base not in CARRIED:
         return False
-    pg = _group(args[1] if base == "broadcast_" else args[2])
+    pg = process_group(args[1] if base == "broadcast_" else args[2])
     if pg is None or pg.size() < 2:
         return False
     name = exchange.next(str(pg.group_name))
@@ -162,7 +162,7 @@ def carry(base: str, args: Tuple, values: Any) -> bool:
         return exchange.receive(name, rank, sender, f"{base.strip('_')} #{name}")
 
     def send(tensors: Any) -> Sent:
-        sent = [_value(values, t) for t in tensors]
+        sent = [known_value(values, t) for t in tensors]
         exchange.send(name, pg.rank(), sent)
         return sent
     if base == "broadcast_":
@@ -180,7 +180,7 @@ def _broadcast(values: Any, args: Tuple, me: int, send: Any, hear: Any) -> None:
         send(tensors)
         return
     for t, value in zip(tensors, hear(root) or ()):  # a root that does not run: this rank's own values
-        _set(values, t, value)
+        receive_into(values, t, value)
 
 
 def _scatter(values: Any, args: Tuple, me: int, send: Any, hear: Any) -> None:
@@ -190,7 +190,7 @@ def _scatter(values: Any, args: Tuple, me: int, send: Any, hear: Any) -> None:
     if sent is None:  # a root that does not run: this rank keeps its own values
         return
     for t in args[0]:
-        _set(values, t, sent[me] if len(sent) > me else None)
+        receive_into(values, t, sent[me] if len(sent) > me else None)
 
 
 def _gather(values: Any, base: str, args: Tuple, me: int, size: int, send: Any, hear: Any) -> None:
@@ -205,18 +205,18 @@ def _gather(values: Any, base: str, args: Tuple, me: int, size: int, send: Any, 
         parts = [s[0] if s else None for s in sent]
         whole = None if any(p is None for p in parts) else torch.cat([p.reshape(-1) for p in parts if p is not None])
         fits = whole is not None and whole.numel() == args[0].numel()
-        _set(values, args[0], whole.reshape(args[0].shape) if whole is not None and fits else None)
+        receive_into(values, args[0], whole.reshape(args[0].shape) if whole is not None and fits else None)
         return
     for i, slots in enumerate(args[0]):
         for r, slot in enumerate(slots):
-            _set(values, slot, sent[r][i] if i < len(sent[r]) else None)
+            receive_into(values, slot, sent[r][i] if i < len(sent[r]) else None)
 
 
 def _or(heard: Optional[Sent], mine: Sent) -> Sent:
     return mine if heard is None else heard
 
 
-def _group(boxed: Any) -> Any:
+def process_group(boxed: Any) -> Any:
     """The ProcessGroup a dispatched collective was given (boxed as a script object)."""
     try:
         return torch._C._distributed_c10d.ProcessGroup.unbox(boxed)
@@ -224,7 +224,7 @@ def _group(boxed: Any) -> Any:
         return None
 
 
-def _value(values: Any, t: Any) -> Optional[torch.Tensor]:
+def known_value(values: Any, t: Any) -> Optional[torch.Tensor]:
     """What a rank knows of tensor `t`: a device tensor's known value, a host tensor's data."""
     if not isinstance(t, torch.Tensor):
         return None
@@ -233,7 +233,7 @@ def _value(values: Any, t: Any) -> Optional[torch.Tensor]:
     return t.detach()
 
 
-def _set(values: Any, t: Any, value: Optional[torch.Tensor]) -> None:
+def receive_into(values: Any, t: Any, value: Optional[torch.Tensor]) -> None:
     """Tensor `t` received `value` (None: a value nobody knows). A host tensor holds it, or zeros, never
     what the host's allocator left in it."""
     if not isinstance(t, torch.Tensor):

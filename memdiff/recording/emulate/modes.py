@@ -21,6 +21,7 @@ from memdiff.recording.emulate import (
     dynamic,
     legacy,
     masks,
+    p2p,
     printing,
     reductions,
     rmsnorm,
@@ -440,9 +441,10 @@ class AllocMode(TorchDispatchMode):
         if namespace == "c10d":  # a collective on the fake group: nothing moves, nothing is allocated
             out = func(*args, **kwargs)
             distributed.follow(base, args, self.values)
+            received = p2p.carry(base, args, self.values)  # a receive completes when its sender sent
             if self.emulator.native:
                 self.emulator.native[-1].collective()
-            return distributed.completed(out, args)
+            return distributed.completed(out, args, received)
         placement = self.emulator.placement
         named = cuda_index(kwargs.get("device"), placement.current)
         if named is not None:

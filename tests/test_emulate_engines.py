@@ -1,0 +1,98 @@
+"""PyTorch's own parallel engines as large jobs run them, under `memdiff record --emulate` (issue 59, item 2):
+pipeline parallelism (torch.distributed.pipelining). Each held to what the model's shapes say a rank
+holds: its stage's weights, and the microbatches each schedule keeps in flight."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import ROOT
+
+# Slow (the fast loop, -m "not slow", leaves it out): every test runs emulated processes.
+pytestmark = pytest.mark.slow
+
+PIPELINE = ROOT / "tests" / "scenarios" / "pipeline_train.py"
+# pipeline_train.py's defaults: 4 blocks of width 64 on 2 ranks, a batch of 4096 rows in 8 microbatches.
+WIDTH, BATCH, MICROBATCHES, STAGES, BLOCKS = 64, 4096, 8, 2, 4
+ROWS = BATCH // MICROBATCHES
+BLOCK_WEIGHTS = (WIDTH * 2 * WIDTH + 2 * WIDTH + 2 * WIDTH * WIDTH + WIDTH) * 4  # two Linears, fp32
+# What one block keeps for its backward per microbatch: Linear(w, 2w)'s output and GELU's output
+# (rows x 2w each), and the block's output x + down(...) (rows x w), the next block's input or the
+# stage's output, which the stage keeps until that microbatch's backward.
+BLOCK_SAVED = (2 * ROWS * 2 * WIDTH + ROWS * WIDTH) * 4
+
+
+def _record(cwd: Path, output: str, *args: str, env=None) -> subprocess.CompletedProcess:
+    """`memdiff record --emulate h100 -o OUTPUT -- ARGS` on a node that says nothing of its GPUs."""
+    base = {k: v for k, v in os.environ.items() if k not in ("CUDA_VISIBLE_DEVICES", "LOCAL_WORLD_SIZE")}
+    return subprocess.run([sys.executable, "-m", "memdiff", "record", "--emulate", "h100", "-o", output, "--", *args],
+                          cwd=cwd, capture_output=True, text=True, timeout=600,
+                          env={**base, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), **(env or {})})
+
+
+def _pipeline(cwd: Path, schedule: str, *flags: str) -> Path:
+    """The two ranks' snapshots of pipeline_train.py under `schedule`, run by torchrun."""
+    done = _record(cwd, f"{schedule}/", sys.executable, "-m", "torch.distributed.run", "--standalone",
+                   "--nproc-per-node", str(STAGES), str(PIPELINE), "--schedule", schedule, *flags)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return cwd / schedule
+
+
+@pytest.fixture(scope="module")
+def schedules(tmp_path_factory):
+    """The three schedules' jobs, each stage's shapes inferred by torch and sent down the pipeline."""
+    pytest.importorskip("torch")
+    folder = tmp_path_factory.mktemp("pipeline")
+    return {"gpipe": _pipeline(folder, "gpipe"), "1f1b": _pipeline(folder, "1f1b"),
+            "interleaved": _pipeline(folder, "interleaved")}
+
+
+def _device(folder: Path, rank: int):
+    from memdiff import api
+
+    return api.summarize(folder / f"rank{rank}.pickle").devices[0]
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved"])
+def test_each_pipeline_rank_holds_its_stages_weights_and_their_gradients(schedules, schedule):
+    # 4 blocks over 2 ranks: one stage of 2 blocks each (GPipe, 1F1B), or two stages of 1 block
+    # each (interleaved: stages r and r + 2). Either way a rank's weights are 2 blocks', to the byte,
+    # and AdamW's two moments are twice that (the whole model's would be twice as much again).
+    for rank in range(STAGES):
+        categories = _device(schedules[schedule], rank).categories
+        assert categories["parameter"] == BLOCKS // STAGES * BLOCK_WEIGHTS, (schedule, rank)
+        assert categories["optimizer_state"] >= 2 * BLOCKS // STAGES * BLOCK_WEIGHTS, (schedule, rank)
+
+
+def test_gpipe_holds_every_microbatch_and_1f1b_only_the_stages_in_flight(schedules):
+    # Stage 0 of 2. GPipe runs all 8 forwards before the first backward: at its peak (the first
+    # backward) the activations of all 8 microbatches are live. 1F1B runs num_stages - stage = 2
+    # forwards, then one backward per forward: 2 microbatches' activations, and at most the output
+    # of one more that a finished send still holds. The ratio is the microbatch multiple, 8 / 2.
+    per_microbatch = BLOCKS // STAGES * BLOCK_SAVED
+    gpipe, one_f_one_b = (_device(schedules[s], 0) for s in ("gpipe", "1f1b"))
+    assert gpipe.categories["activation"] == MICROBATCHES * per_microbatch
+    stage_output = ROWS * WIDTH * 4
+    assert STAGES * per_microbatch <= one_f_one_b.categories["activation"] <= STAGES * per_microbatch + stage_output
+    # The receive buffers of the gradients stage 1 sends back: one per microbatch, made before the
+    # first step by either schedule, and the only communication memory of stage 0.
+    for device in (gpipe, one_f_one_b):
+        assert device.categories["communication"] == MICROBATCHES * ROWS * WIDTH * 4
+
+
+def test_a_pipeline_rank_run_alone_is_refused_in_one_line_naming_the_rank_it_needs(tmp_path):
+    # Rank 1 of 2 alone: its stage learns its input's shape from what rank 0 sends (recv_object_list),
+    # which no one sends here. Torch would fail unpickling 0 bytes; memdiff says why, in one line.
+    done = _record(tmp_path, "run.pickle", "python", str(PIPELINE), "--schedule", "gpipe",
+                   env={"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                        "MASTER_PORT": "1"})
+    assert done.returncode == 2, done.stderr[-3000:]
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("memdiff: recv_object_list: from rank 0, which does not run with this rank"), last
+    assert "called at pipeline_train.py:" in last and last.endswith("run rank 0 too"), last
+    assert "Traceback" not in done.stderr and "EOFError" not in done.stderr
+    assert (tmp_path / "run.pickle").exists()  # what ran until then is kept
