@@ -1,12 +1,14 @@
 """PyTorch's own parallel engines as large jobs run them, under `memdiff record --emulate` (issue 59, item 2):
-pipeline parallelism (torch.distributed.pipelining). Each held to what the model's shapes say a rank
-holds: its stage's weights, and the microbatches each schedule keeps in flight."""
+pipeline parallelism (torch.distributed.pipelining), HSDP (FSDP2 over a replicate x shard mesh) and
+FSDP1 (FullyShardedDataParallel). Each held to what the model's shapes say a rank holds: its stage's
+weights and the microbatches each schedule keeps in flight, its shard of the weights."""
 
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -96,3 +98,58 @@ def test_a_pipeline_rank_run_alone_is_refused_in_one_line_naming_the_rank_it_nee
     assert "called at pipeline_train.py:" in last and last.endswith("run rank 0 too"), last
     assert "Traceback" not in done.stderr and "EOFError" not in done.stderr
     assert (tmp_path / "run.pickle").exists()  # what ran until then is kept
+
+
+# Four Linear(1024, 1024) trained two AdamW steps, sharded by the engine ENGINE names; the script prints
+# the bytes of its rank's parameters as torch holds them.
+SHARDED = textwrap.dedent("""
+    import os
+    import torch
+    import torch.distributed as dist
+
+    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(4)]).cuda()
+    if "ENGINE" == "hsdp":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cuda", (2, 2), mesh_dim_names=("replicate", "shard"))
+        for layer in model:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        local = lambda p: p.to_local()
+    else:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        dist.init_process_group("nccl")
+        wrap = lambda module, recurse, nonwrapped_numel: recurse or isinstance(module, torch.nn.Linear)
+        model = FullyShardedDataParallel(model, auto_wrap_policy=wrap, device_id=torch.cuda.current_device())
+        local = lambda p: p
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for _ in range(2):
+        model(torch.randn(8, 1024, device="cuda")).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    print("local", sum(local(p).numel() * local(p).element_size() for p in model.parameters()))
+    dist.destroy_process_group()
+""")
+WEIGHTS = 4 * (1024 * 1024 + 1024) * 4  # the four Linears whole, fp32
+
+
+@pytest.mark.parametrize("engine, world", [("hsdp", 4), ("fsdp1", 2)])
+def test_a_sharded_rank_holds_its_shard_of_the_weights_and_of_adamws_state(torch, tmp_path, engine, world):
+    # Rank 1 alone (its collectives move nothing). HSDP over 4 ranks, a 2 x 2 mesh: each shard group of
+    # 2 splits the weights in two, and the 2 replicas hold the same halves; FSDP1 over 2 ranks wraps
+    # each Linear in a flat parameter of which a rank keeps half. Either way a rank holds WEIGHTS / 2
+    # (4,198,400 is even: no padding), and AdamW's two moments of it.
+    (tmp_path / "sharded.py").write_text(SHARDED.replace("ENGINE", engine))
+    done = _record(tmp_path, "run.pickle", "python", "sharded.py",
+                   env={"RANK": "1", "WORLD_SIZE": str(world), "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                        "MASTER_PORT": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split()[-1] == str(WEIGHTS // 2)  # what torch itself holds on the rank
+    from memdiff import api
+
+    categories = api.summarize(tmp_path / "run.pickle").devices[0].categories
+    assert categories["parameter"] == WEIGHTS // 2
+    assert categories["optimizer_state"] == 2 * WEIGHTS // 2
