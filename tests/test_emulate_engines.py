@@ -1,7 +1,8 @@
 """PyTorch's own parallel engines as large jobs run them, under `memdiff record --emulate` (issue 59, item 2):
-pipeline parallelism (torch.distributed.pipelining), HSDP (FSDP2 over a replicate x shard mesh) and
-FSDP1 (FullyShardedDataParallel). Each held to what the model's shapes say a rank holds: its stage's
-weights and the microbatches each schedule keeps in flight, its shard of the weights."""
+pipeline parallelism (torch.distributed.pipelining), HSDP (FSDP2 over a replicate x shard mesh),
+FSDP1 (FullyShardedDataParallel), tensor + sequence parallelism and context parallelism. Each held to
+what the model's shapes say a rank holds: its stage's weights and the microbatches each schedule
+keeps in flight, its shard of the weights, the activations of its part of the sequence."""
 
 from __future__ import annotations
 
@@ -153,3 +154,102 @@ def test_a_sharded_rank_holds_its_shard_of_the_weights_and_of_adamws_state(torch
     categories = api.summarize(tmp_path / "run.pickle").devices[0].categories
     assert categories["parameter"] == WEIGHTS // 2
     assert categories["optimizer_state"] == 2 * WEIGHTS // 2
+
+
+def _alone(tmp_path: Path, source: str) -> dict:
+    """Rank 1 of 2 of `source`, run alone: its device's categories at the peak."""
+    (tmp_path / "rank.py").write_text(textwrap.dedent(source))
+    done = _record(tmp_path, "run.pickle", "python", "rank.py",
+                   env={"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                        "MASTER_PORT": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    from memdiff import api
+
+    return dict(api.summarize(tmp_path / "run.pickle").devices[0].categories)
+
+
+# One pre-norm MLP block of width 256, its LayerNorm sequence parallel and its Linears tensor parallel
+# (Megatron's layout): each rank gets 128 positions of a sequence of 256, all-gathered before `up`.
+SEQUENCE_PARALLEL = """
+    import os
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel, SequenceParallel,
+                                                   parallelize_module)
+
+    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    mesh = init_device_mesh("cuda", (int(os.environ["WORLD_SIZE"]),))
+
+
+    class Block(torch.nn.Module):
+        def __init__(self, w):
+            super().__init__()
+            self.norm = torch.nn.LayerNorm(w)
+            self.up = torch.nn.Linear(w, 4 * w)
+            self.down = torch.nn.Linear(4 * w, w)
+
+        def forward(self, x):
+            return x + self.down(torch.nn.functional.gelu(self.up(self.norm(x))))
+
+
+    model = Block(256).cuda()
+    parallelize_module(model, mesh, {"norm": SequenceParallel(), "up": ColwiseParallel(input_layouts=Shard(1)),
+                                     "down": RowwiseParallel(output_layouts=Shard(1))})
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for _ in range(2):
+        model(torch.randn(4, 128, 256, device="cuda")).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    dist.destroy_process_group()
+"""
+
+
+def test_tensor_and_sequence_parallel_ranks_hold_their_shards_and_the_gathered_sequence(torch, tmp_path):
+    # Column- and row-wise Linears keep half of each weight (and of up's bias); down's bias and the
+    # LayerNorm's weights are whole (replicated). The activations at the peak, in the backward: up's and
+    # GELU's outputs over the whole sequence of 2 x 128 but half of the 1024 features, the LayerNorm's
+    # mean and rstd for this rank's 128 positions, and the loss.
+    categories = _alone(tmp_path, SEQUENCE_PARALLEL)
+    w, batch, local, world = 256, 4, 128, 2
+    shards = (w * 4 * w // world + 4 * w // world + 4 * w * w // world + w + 2 * w) * 4
+    assert categories["parameter"] == shards
+    assert categories["optimizer_state"] == 2 * shards
+    hidden = batch * world * local * (4 * w // world) * 4
+    assert categories["activation"] == 2 * hidden + 2 * batch * local * 4 + 4
+
+
+# Causal self-attention's QKV projection and scaled_dot_product_attention under context parallelism:
+# torch shards the batch's sequence of 256 over the 2 ranks and runs ring attention on the shards.
+CONTEXT_PARALLEL = """
+    import os
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.experimental import context_parallel
+
+    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    mesh = init_device_mesh("cuda", (int(os.environ["WORLD_SIZE"]),))
+    qkv = torch.nn.Linear(64, 3 * 64).cuda()
+    opt = torch.optim.AdamW(qkv.parameters(), lr=1e-3)
+    for _ in range(2):
+        x = torch.randn(2, 256, 64, device="cuda")
+        with context_parallel(mesh, buffers=[x], buffer_seq_dims=[1]):
+            q, k, v = qkv(x).view(2, -1, 3, 4, 16).permute(2, 0, 3, 1, 4)
+            F.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    dist.destroy_process_group()
+"""
+
+
+def test_context_parallel_ranks_keep_the_activations_of_their_half_of_the_sequence(torch, tmp_path):
+    # context_parallel wraps F.scaled_dot_product_attention; the emulated GPU's attention kernel must
+    # still be chosen under that wrapper, for DTensor's ring attention to run it on the shards. The
+    # weights are whole on every rank; the projection's output kept for the backward is this rank's
+    # 128 positions of 256 (and the loss).
+    categories = _alone(tmp_path, CONTEXT_PARALLEL)
+    assert categories["parameter"] == (64 * 192 + 192) * 4
+    assert categories["activation"] == 2 * (256 // 2) * 192 * 4 + 4

@@ -8,7 +8,6 @@ from types import FunctionType
 from typing import Any, Callable, Dict, List, NoReturn, Optional, Tuple
 
 import torch
-import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass_type
 from torch.utils._pytree import tree_leaves, tree_map
@@ -241,7 +240,7 @@ class DeviceMode(TorchFunctionMode):
         if names:
             naming.append(meta)
         try:
-            if func is F.scaled_dot_product_attention:
+            if func is torch._C._nn.scaled_dot_product_attention:  # F.'s, also under a wrapper (context parallel)
                 return self.attention(func, args, kwargs)
             if rnn.handles(func):
                 return rnn.call(self.emulator, func, args, kwargs)
