@@ -2,8 +2,8 @@
 
     memdiff record --emulate h100 -o runs/ -- torchrun --nproc-per-node 2 pipeline_train.py --schedule 1f1b
 
-The model is `BLOCKS` residual MLP blocks of width `--width`; each rank holds one stage of
-`BLOCKS / stages` consecutive blocks (`--schedule gpipe` or `1f1b`), or two (`interleaved`: stages
+The model is `--blocks` residual MLP blocks of width `--width`; each rank holds one stage of
+`blocks / stages` consecutive blocks (`--schedule gpipe` or `1f1b`), or two (`interleaved`: stages
 `rank` and `rank + world`, ScheduleInterleaved1F1B). A batch of `--batch` rows runs as
 `--microbatches` microbatches. The stages are built by hand (PipelineStage), with no example input, so
 torch infers each stage's shapes from the first microbatch and sends them on (`send_object_list`), as
@@ -17,8 +17,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
-
-BLOCKS = 4
 
 
 class Block(nn.Module):
@@ -41,6 +39,7 @@ def squared_error(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--schedule", choices=("gpipe", "1f1b", "interleaved"), default="1f1b")
+    p.add_argument("--blocks", type=int, default=4, help="a multiple of the stages")
     p.add_argument("--width", type=int, default=64)
     p.add_argument("--batch", type=int, default=4096)
     p.add_argument("--microbatches", type=int, default=8)
@@ -51,7 +50,7 @@ def main() -> None:
     dist.init_process_group("nccl")
     per_rank = 2 if args.schedule == "interleaved" else 1
     stages_total = world * per_rank
-    per_stage = BLOCKS // stages_total
+    per_stage = args.blocks // stages_total
     torch.manual_seed(0)
     stages, modules = [], []
     for k in range(per_rank):
