@@ -114,3 +114,50 @@ def test_compiling_a_misaligned_product_benchmarks_its_padding_as_on_the_gpu(tmp
         assert size in made, size
     for size in (50 * 1024 * 1024, 768 * 1004 * 4, 2048 * 1004 * 4):  # only the benchmarks make these
         assert made.count(size) == freed.count(size), size
+
+
+# Attention, then an orthogonality penalty on the projection's weight through a QR factorisation,
+# whose backward Inductor cannot plan on this machine (its reinplaced view scatter is left in the
+# graph: `SyntaxError` when the graph is regenerated), so the compiled graph runs eagerly, noted.
+UNPLANNED = """
+import sys
+import torch
+import torch.nn.functional as F
+
+class Attend(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.qkv = torch.nn.Linear(64, 192)
+
+    def forward(self, x):
+        q, k, v = (z.view(8, 256, 4, 16).transpose(1, 2) for z in self.qkv(x).split(64, dim=-1))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        r = torch.linalg.qr(self.qkv.weight[:64])[1]
+        return y.square().mean() + (r.diagonal().abs() - 1).square().sum()
+
+model = Attend().cuda()
+if sys.argv[1] == "compiled":
+    model = torch.compile(model)
+for _ in range(2):
+    model(torch.randn(8, 256, 64, device="cuda")).backward()
+print(torch.cuda.max_memory_allocated())
+"""
+
+
+@pytest.mark.slow
+def test_a_graph_inductor_cannot_plan_runs_as_the_eager_model_does(tmp_path):
+    """The eager run of a graph Inductor could not plan takes the attention kernel the GPU picks, as
+    the uncompiled model does: it ran the meta device's math attention (its 8 x 4 x 256 x 256 score
+    matrices, 8 MiB in float32, and their softmax) and read above the eager run."""
+    script = tmp_path / "unplanned.py"
+    script.write_text(UNPLANNED)
+    peaks = {}
+    for how in ("eager", "compiled"):
+        done = subprocess.run([sys.executable, "-m", "memdiff", "record", "--emulate", "h100", "-o",
+                               str(tmp_path / f"{how}.pickle"), "--", sys.executable, str(script), how],
+                              capture_output=True, text=True, cwd=tmp_path)
+        assert done.returncode == 0, done.stderr[-3000:]
+        peaks[how] = int(done.stdout.split()[-1])
+        notes = pickle.loads((tmp_path / f"{how}.pickle").read_bytes())["emulated"]["notes"]
+    assert any("Inductor could not plan it here" in n for n in notes), notes  # the graph this test is about
+    assert peaks["compiled"] <= peaks["eager"], peaks

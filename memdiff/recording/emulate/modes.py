@@ -8,7 +8,6 @@ from types import FunctionType
 from typing import Any, Dict, List, NoReturn, Optional, Tuple
 
 import torch
-import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass_type
 from torch.utils._pytree import tree_leaves, tree_map
@@ -240,7 +239,10 @@ class DeviceMode(TorchFunctionMode):
         if names:
             naming.append(meta)
         try:
-            if func is F.scaled_dot_product_attention:
+            # torch's own function, not the module's name for it: while a compiled call runs, that name
+            # is the compiler's stand-in (compiled.py), and a graph Inductor could not plan, run
+            # eagerly, took the meta device's math attention, score matrices and all
+            if func is torch._C._nn.scaled_dot_product_attention:
                 return self.attention(func, args, kwargs)
             if rnn.handles(func):
                 return rnn.call(self.emulator, func, args, kwargs)
