@@ -310,6 +310,16 @@ class Planner:
             return model
         options = {k: v for k, v in kwargs.items() if k in ("fullgraph", "disable")}
         compiled = self.original(model, backend=self._backend, dynamic=False, **options)
+        if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            # Dynamo runs DDP's own forward eagerly (torch.nn.parallel is in its skip list: the
+            # inputs' move to the GPU, the buffers' broadcast, the reducer's preparation) and compiles
+            # the wrapped module's forward, which DDPOptimizer splits at the buckets. Here DDP's
+            # forward ran inside the compiled call with the emulator's modes off, and its first
+            # `.to(device)` or broadcast reached the CPU build's CUDA; now it runs on the emulated GPU
+            # and only the wrapped forward is compiled, in the same OptimizedModule the script holds.
+            model.module.forward = self.compile(model.module.forward, **kwargs)
+            compiled.forward = model.__call__
+            return compiled
         if isinstance(model, torch.nn.Module):
             compiled.forward = self._outside_modes(compiled.forward)
             return compiled
