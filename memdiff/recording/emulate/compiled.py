@@ -393,7 +393,8 @@ class Planner:
         _autocast_as_on_the_gpu(gm)
         try:
             # the backward graph lowered now, not at the first backward: a failure is caught here
-            with self._inductor_on_this_machine(), functorch_config.patch(force_non_lazy_backward_lowering=True):
+            with self._inductor_on_this_machine(), functorch_config.patch(force_non_lazy_backward_lowering=True), \
+                    _aot_marks_undone_on_failure():
                 compiled = compile_fx(gm, example_inputs, inner_compile=self._inner)
         except Exception as exc:  # Inductor's own failure on this machine: the graph runs eagerly, noted
             said = str(exc).strip().splitlines()
@@ -600,6 +601,31 @@ class Planner:
             guards._empty_strided_cuda = empty
             setattr(AsyncCompile, "triton", triton)  # noqa: B010
             setattr(PyCodeCache, "load_by_key_path", load)  # noqa: B010
+
+
+@contextlib.contextmanager
+def _aot_marks_undone_on_failure() -> Iterator[None]:
+    """A compile that fails leaves no mark of AOTAutograd: its count of compiled graphs and the forward
+    metadata it put on Dynamo's tracing context are set back. Dynamo's DDPOptimizer (a DDP model's
+    graph split at its gradient buckets, each bucket's part compiled alone) reads the count to tell
+    whether a part went through AOTAutograd, and if it did, takes that part's metadata and calls it on
+    fake tensors for the next part's inputs; a part that fell back to eager after AOTAutograd began
+    was taken for AOTAutograd's ("AssertionError: fw_metadata must not be None, While executing
+    %submod_0 ... compiled_submod_0") and the rank died. With the marks undone it is run as DDPOptimizer
+    runs a part another backend compiled: uncompiled, on its fake tensors."""
+    from torch._dynamo.utils import counters
+    from torch._guards import TracingContext
+
+    count = counters["aot_autograd"]["total"]
+    context = TracingContext.try_get()
+    metadata = context.fw_metadata if context is not None else None
+    try:
+        yield
+    except Exception:
+        counters["aot_autograd"]["total"] = count
+        if context is not None:
+            context.fw_metadata = metadata
+        raise
 
 
 def _autocast_as_on_the_gpu(gm: torch.fx.GraphModule) -> None:
