@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import functools
 import gc
 import importlib
@@ -537,8 +538,16 @@ class Planner:
         patches.append((pad_mm, "_should_pad", self.padding.should_pad))
         patches.append((pad_mm, "check_device", lambda a, b: a.is_meta and b.is_meta))  # as the GPU's
         import torch._inductor.fx_passes.reinplace as reinplace
-        patches.append((reinplace, "_inplace_generalized_scatter",
-                        _scatter_checked_on_meta(reinplace._inplace_generalized_scatter)))
+        checked = _scatter_checked_on_meta(reinplace._inplace_generalized_scatter)
+        patches.append((reinplace, "_inplace_generalized_scatter", checked))
+        # ...and the pass's table of in-place forms names the same function, which the scatters'
+        # decomposition then finds: it looked for the stand-in, found the reinplaced nodes under the
+        # original and left them, and the regenerated graph failed ("SyntaxError: invalid syntax")
+        # wherever a view scatter was made in place (a QR's backward, `diagonal` of its gradient)
+        table = dict(reinplace.inplaceable_ops)
+        scatter = reinplace._generalized_scatter
+        table[scatter] = dataclasses.replace(table[scatter], inplace_op=checked)
+        patches.append((reinplace, "inplaceable_ops", table))
         # indexing a tensor in Python takes its device's guard, which a CPU build has none of for `cuda`
         lookup = torch.ops.prims.inductor_lookup_seed.default
         patches.append((lookup, "prim_meta_impl",
