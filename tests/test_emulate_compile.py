@@ -7,7 +7,7 @@ import pickle
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any, Dict
+from typing import Any, Dict, List, Tuple
 
 import pytest
 
@@ -114,3 +114,70 @@ def test_compiling_a_misaligned_product_benchmarks_its_padding_as_on_the_gpu(tmp
         assert size in made, size
     for size in (50 * 1024 * 1024, 768 * 1004 * 4, 2048 * 1004 * 4):  # only the benchmarks make these
         assert made.count(size) == freed.count(size), size
+
+
+# Attention, then an orthogonality penalty on the projection's weight through a QR factorisation,
+# whose backward makes a view scatter (the gradient of `diagonal`) that Inductor's reinplace pass
+# makes in place. With `unplanned`, Inductor's joint-graph pattern tables fail as they failed on
+# torch 2.11's CUDA wheel, so the compiled graph runs eagerly, noted.
+UNPLANNED = """
+import sys
+import torch
+import torch.nn.functional as F
+
+class Attend(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.qkv = torch.nn.Linear(64, 192)
+
+    def forward(self, x):
+        q, k, v = (z.view(8, 256, 4, 16).transpose(1, 2) for z in self.qkv(x).split(64, dim=-1))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        r = torch.linalg.qr(self.qkv.weight[:64])[1]
+        return y.square().mean() + (r.diagonal().abs() - 1).square().sum()
+
+if sys.argv[1] == "unplanned":
+    import torch._inductor.fx_passes.joint_graph as joint_graph
+
+    def lazy_init(*args):
+        raise TypeError("lazy_init() takes from 0 to 1 positional arguments but 2 were given")
+    joint_graph.lazy_init = lazy_init
+model = Attend().cuda()
+if sys.argv[1] != "eager":
+    model = torch.compile(model)
+for _ in range(2):
+    model(torch.randn(8, 256, 64, device="cuda")).backward()
+print(torch.cuda.max_memory_allocated())
+"""
+
+
+def _attend(tmp_path: Path, how: str) -> Tuple[int, List[str]]:
+    script = tmp_path / "attend.py"
+    script.write_text(UNPLANNED)
+    done = subprocess.run([sys.executable, "-m", "memdiff", "record", "--emulate", "h100", "-o",
+                           str(tmp_path / f"{how}.pickle"), "--", sys.executable, str(script), how],
+                          capture_output=True, text=True, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    notes = pickle.loads((tmp_path / f"{how}.pickle").read_bytes())["emulated"]["notes"]
+    return int(done.stdout.split()[-1]), notes
+
+
+@pytest.mark.slow
+def test_a_graph_inductor_cannot_plan_runs_as_the_eager_model_does(tmp_path):
+    """The eager run of a graph Inductor could not plan takes the attention kernel the GPU picks, as
+    the uncompiled model does: it ran the meta device's math attention (its 8 x 4 x 256 x 256 score
+    matrices, 8 MiB in float32, and their softmax) and read above the eager run."""
+    unplanned, notes = _attend(tmp_path, "unplanned")
+    assert any("Inductor could not plan it here: lazy_init()" in n for n in notes), notes
+    eager, _ = _attend(tmp_path, "eager")
+    assert unplanned <= eager + 2048, (unplanned, eager)  # to a small block; the math attention held 29 MiB more
+
+
+@pytest.mark.slow
+def test_a_qr_penaltys_backward_is_planned_by_inductor(tmp_path):
+    """The backward's view scatter made in place is decomposed as on the GPU: Inductor's table of
+    in-place forms named the original function while the emulator's stand-in was the one looked for,
+    and the regenerated graph failed ("SyntaxError: invalid syntax"): the graph ran eagerly."""
+    _, notes = _attend(tmp_path, "compiled")
+    assert any("Inductor's memory plan" in n for n in notes), notes
+    assert not any("runs eagerly" in n for n in notes), notes

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import functools
 import gc
 import importlib
@@ -310,6 +311,16 @@ class Planner:
             return model
         options = {k: v for k, v in kwargs.items() if k in ("fullgraph", "disable")}
         compiled = self.original(model, backend=self._backend, dynamic=False, **options)
+        if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            # Dynamo runs DDP's own forward eagerly (torch.nn.parallel is in its skip list: the
+            # inputs' move to the GPU, the buffers' broadcast, the reducer's preparation) and compiles
+            # the wrapped module's forward, which DDPOptimizer splits at the buckets. Here DDP's
+            # forward ran inside the compiled call with the emulator's modes off, and its first
+            # `.to(device)` or broadcast reached the CPU build's CUDA; now it runs on the emulated GPU
+            # and only the wrapped forward is compiled, in the same OptimizedModule the script holds.
+            model.module.forward = self.compile(model.module.forward, **kwargs)
+            compiled.forward = model.__call__
+            return compiled
         if isinstance(model, torch.nn.Module):
             compiled.forward = self._outside_modes(compiled.forward)
             return compiled
@@ -383,7 +394,8 @@ class Planner:
         _autocast_as_on_the_gpu(gm)
         try:
             # the backward graph lowered now, not at the first backward: a failure is caught here
-            with self._inductor_on_this_machine(), functorch_config.patch(force_non_lazy_backward_lowering=True):
+            with self._inductor_on_this_machine(), functorch_config.patch(force_non_lazy_backward_lowering=True), \
+                    _aot_marks_undone_on_failure():
                 compiled = compile_fx(gm, example_inputs, inner_compile=self._inner)
         except Exception as exc:  # Inductor's own failure on this machine: the graph runs eagerly, noted
             said = str(exc).strip().splitlines()
@@ -526,8 +538,16 @@ class Planner:
         patches.append((pad_mm, "_should_pad", self.padding.should_pad))
         patches.append((pad_mm, "check_device", lambda a, b: a.is_meta and b.is_meta))  # as the GPU's
         import torch._inductor.fx_passes.reinplace as reinplace
-        patches.append((reinplace, "_inplace_generalized_scatter",
-                        _scatter_checked_on_meta(reinplace._inplace_generalized_scatter)))
+        checked = _scatter_checked_on_meta(reinplace._inplace_generalized_scatter)
+        patches.append((reinplace, "_inplace_generalized_scatter", checked))
+        # ...and the pass's table of in-place forms names the same function, which the scatters'
+        # decomposition then finds: it looked for the stand-in, found the reinplaced nodes under the
+        # original and left them, and the regenerated graph failed ("SyntaxError: invalid syntax")
+        # wherever a view scatter was made in place (a QR's backward, `diagonal` of its gradient)
+        table = dict(reinplace.inplaceable_ops)
+        scatter = reinplace._generalized_scatter
+        table[scatter] = dataclasses.replace(table[scatter], inplace_op=checked)
+        patches.append((reinplace, "inplaceable_ops", table))
         # indexing a tensor in Python takes its device's guard, which a CPU build has none of for `cuda`
         lookup = torch.ops.prims.inductor_lookup_seed.default
         patches.append((lookup, "prim_meta_impl",
@@ -590,6 +610,31 @@ class Planner:
             guards._empty_strided_cuda = empty
             setattr(AsyncCompile, "triton", triton)  # noqa: B010
             setattr(PyCodeCache, "load_by_key_path", load)  # noqa: B010
+
+
+@contextlib.contextmanager
+def _aot_marks_undone_on_failure() -> Iterator[None]:
+    """A compile that fails leaves no mark of AOTAutograd: its count of compiled graphs and the forward
+    metadata it put on Dynamo's tracing context are set back. Dynamo's DDPOptimizer (a DDP model's
+    graph split at its gradient buckets, each bucket's part compiled alone) reads the count to tell
+    whether a part went through AOTAutograd, and if it did, takes that part's metadata and calls it on
+    fake tensors for the next part's inputs; a part that fell back to eager after AOTAutograd began
+    was taken for AOTAutograd's ("AssertionError: fw_metadata must not be None, While executing
+    %submod_0 ... compiled_submod_0") and the rank died. With the marks undone it is run as DDPOptimizer
+    runs a part another backend compiled: uncompiled, on its fake tensors."""
+    from torch._dynamo.utils import counters
+    from torch._guards import TracingContext
+
+    count = counters["aot_autograd"]["total"]
+    context = TracingContext.try_get()
+    metadata = context.fw_metadata if context is not None else None
+    try:
+        yield
+    except Exception:
+        counters["aot_autograd"]["total"] = count
+        if context is not None:
+            context.fw_metadata = metadata
+        raise
 
 
 def _autocast_as_on_the_gpu(gm: torch.fx.GraphModule) -> None:

@@ -240,7 +240,10 @@ class DeviceMode(TorchFunctionMode):
         if names:
             naming.append(meta)
         try:
-            if func is torch._C._nn.scaled_dot_product_attention:  # F.'s, also under a wrapper (context parallel)
+            # torch's own function, not the module's name for it: under a wrapper (context parallel's)
+            # and while a compiled call runs, when that name is the compiler's stand-in (compiled.py)
+            # and a graph Inductor could not plan, run eagerly, took the meta device's math attention
+            if func is torch._C._nn.scaled_dot_product_attention:
                 return self.attention(func, args, kwargs)
             if rnn.handles(func):
                 return rnn.call(self.emulator, func, args, kwargs)
