@@ -299,6 +299,20 @@ def test_a_write_around_the_routes_is_stopped_and_one_outside_python_is_named(tm
     assert len(lines) == 1 and lines[0].startswith(f"{tmp_path / 'by_a_program.txt'} was made by a writer outside")
 
 
+def test_another_emulated_run_s_overlay_beside_the_script_is_not_named_as_a_writer(tmp_path):
+    """Two emulated runs in one folder: each made its hidden overlay folder beside the script while
+    the other ran, and each named the other's as a change made by a writer outside Python."""
+    from memdiff.recording.emulate.overlay_calls import TreeCheck
+
+    check = TreeCheck([str(tmp_path)], skip=())
+    other = tmp_path / ".memdiff-writes-k3x9"  # as tempfile names the other run's
+    (other / "upper").mkdir(parents=True)
+    (other / "upper" / "ckpt.pt").write_bytes(b"the other run's write")
+    (tmp_path / "by_a_program.txt").write_text("made")
+    assert check.changed() == [f"{tmp_path / 'by_a_program.txt'} was made by a writer outside Python's file "
+                               f"calls (a C library or a program the run started), which the overlay cannot route"]
+
+
 def test_a_folder_deeper_than_python_s_recursion_limit_is_checked_to_its_bottom(tmp_path):
     """A tree nested deeper than Python's recursion limit (a folder copied into itself, left beside
     the script by an earlier run): the check walked it with os.walk and stopped the run with

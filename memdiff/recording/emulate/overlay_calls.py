@@ -392,7 +392,7 @@ def for_run(owned: List[str], kept: Optional[str], near: str, folders: List[str]
                                               f"run's writes")
         os.makedirs(root, exist_ok=True)
     else:
-        root = tempfile.mkdtemp(prefix=".memdiff-writes-", dir=near)
+        root = tempfile.mkdtemp(prefix=OVERLAY_PREFIX, dir=near)
     overlay = Overlay(root)
     check = TreeCheck(folders, skip=(root, overlay.scratch, *owned))
     try:
@@ -449,9 +449,15 @@ def note(changes: List[Change]) -> Optional[str]:
     return f"{lines[0]}: {'; '.join(named)}" + (f"; and {more} more" if more > 0 else "")
 
 
+# The hidden folder each run's overlay lives in, beside the script (for_run): memdiff's own, never
+# the user's. Another emulated run in the same folder makes and removes one while this one runs.
+OVERLAY_PREFIX = ".memdiff-writes-"
+
+
 class TreeCheck:
     """The user's folders before and after the run (size, mtime, inode and mode of each path, to a
-    bound): what changed there went around the overlay (a C library, a program the run started)."""
+    bound): what changed there went around the overlay (a C library, a program the run started).
+    Overlay folders of other emulated runs (OVERLAY_PREFIX) are memdiff's and are not looked at."""
 
     LIMIT = 100_000  # paths looked at; beyond, the check says it stopped
 
@@ -473,7 +479,7 @@ class TreeCheck:
                 with contextlib.suppress(OSError), os.scandir(folder) as entries:
                     for entry in entries:
                         path = entry.path
-                        if path.startswith(self.skip) or path in seen:
+                        if path.startswith(self.skip) or path in seen or entry.name.startswith(OVERLAY_PREFIX):
                             continue
                         if len(seen) >= self.LIMIT:
                             self.stopped = True
