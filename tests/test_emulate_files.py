@@ -281,6 +281,33 @@ def test_leaving_the_emulator_puts_every_file_call_back_and_leaves_nothing(tmp_p
     assert torch.load(tmp_path / "after.pt") == {"n": 2}
 
 
+def test_a_folder_the_run_made_can_be_worked_in_and_the_user_s_tree_stays_as_it_was(tmp_path, monkeypatch):
+    """A script that makes its run folder and moves into it (Hydra's outputs/DATE/TIME, a script's own
+    `os.chdir(out_dir)`): the folder exists only in the overlay, and os.chdir failed with ENOENT."""
+    from memdiff.recording.emulate.overlay_calls import overlaid
+
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "train.txt").write_text("the user's")
+    before = _tree(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    with overlaid():
+        os.makedirs("outputs/run1")
+        os.chdir("outputs/run1")
+        torch.save({"step": 3}, "ckpt.pt")
+        seen = (os.getcwd(), str(Path.cwd()), os.path.abspath("ckpt.pt"), os.listdir("."), torch.load("ckpt.pt"))
+        os.chdir("../../data")  # the user's own folder, entered as it is
+        in_data = (os.getcwd(), open("train.txt").read())
+        with open("log.txt", "w") as f:
+            f.write("a line")
+        assert sorted(os.listdir(".")) == ["log.txt", "train.txt"]
+        os.chdir(tmp_path / "outputs" / "run1")
+    run1 = str(tmp_path / "outputs" / "run1")
+    assert seen == (run1, run1, os.path.join(run1, "ckpt.pt"), ["ckpt.pt"], {"step": 3})
+    assert in_data == (str(tmp_path / "data"), "the user's")
+    assert os.getcwd() == str(tmp_path)  # out of the overlay's copy, which is gone
+    assert _tree(tmp_path) == before
+
+
 def test_a_write_around_the_routes_is_stopped_and_one_outside_python_is_named(tmp_path):
     import posix
 

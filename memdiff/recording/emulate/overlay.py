@@ -272,6 +272,12 @@ class Overlay:
             return upper
         return None if self.hidden(path) else path
 
+    def seen_as(self, real: str) -> str:
+        """The path the script names for `real`, a place on disk: an upper-layer copy's own path."""
+        if real.startswith(self.upper + os.sep):
+            return real[len(self.upper):]
+        return real
+
     def where(self, path: Any, follow: bool = True) -> Optional[str]:
         """The real path that holds what the run sees at `path` (which may not exist: a call on it
         then fails as it would), or None where the run deleted it; a link at its end followed where

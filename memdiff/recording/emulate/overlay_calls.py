@@ -2,7 +2,7 @@
 
 Every Python file call reaches the file system through a few functions: `open` (builtins and io),
 and `os`'s open, stat, lstat, access, listdir, scandir, readlink, mkdir, rmdir, remove, unlink,
-rename, replace, link, symlink, truncate, chmod, utime, chown and the extended attributes' calls
+rename, replace, link, symlink, truncate, chmod, utime, chown, chdir, getcwd and the extended attributes' calls
 (shutil.copy2 copies them). pathlib, shutil, tempfile, glob,
 os.walk and os.makedirs call those by their module's name, and libraries (torch's file objects,
 numpy, PIL, datasets, logging) call them in turn: replacing them routes them all. What goes around
@@ -44,7 +44,8 @@ _active: Optional[Overlay] = None
 _real_open = io.open
 _real = {name: getattr(os, name) for name in ("open", "stat", "lstat", "access", "listdir", "scandir", "readlink",
                                               "mkdir", "rmdir", "remove", "unlink", "rename", "replace", "link",
-                                              "symlink", "truncate", "chmod", "utime", "chown", "statvfs")}
+                                              "symlink", "truncate", "chmod", "utime", "chown", "statvfs",
+                                              "chdir", "getcwd", "getcwdb")}
 # Extended attributes, where the system has them (Linux): shutil.copy2 copies them after the bytes.
 _XATTR_READS = tuple(n for n in ("listxattr", "getxattr") if hasattr(os, n))
 _XATTR_WRITES = tuple(n for n in ("setxattr", "removexattr") if hasattr(os, n))
@@ -240,7 +241,28 @@ def _routes(overlay: Overlay) -> List[Tuple[Any, str, Any]]:
             return real["symlink"](src, dst, target_is_directory, dir_fd=dir_fd)
         overlay.make_link(src, dst)
 
+    def chdir(path: Any) -> None:
+        # A folder the run made lives only in the upper layer: the process moves into that copy and
+        # getcwd() names it as the script does (a script that makes outputs/run1 and works there,
+        # Hydra's run folder). A folder of the user's tree is entered as it is.
+        if not _path_arg(path):
+            return real["chdir"](path)
+        where = overlay.where(path) or _gone(path)
+        named = overlay.seen_as(where)
+        try:  # the user's folder itself where it has one, so that native code reads what it holds
+            on_disk = named != where and stat.S_ISDIR(real["stat"](named).st_mode)
+        except OSError:
+            on_disk = False
+        real["chdir"](named if on_disk else where)
+
+    def getcwd() -> str:
+        return overlay.seen_as(real["getcwd"]())
+
+    def getcwdb() -> bytes:
+        return os.fsencode(getcwd())
+
     routes: List[Tuple[Any, str, Any]] = [(__import__("builtins"), "open", opening), (io, "open", opening),
+                                          (os, "chdir", chdir), (os, "getcwd", getcwd), (os, "getcwdb", getcwdb),
                                           (os, "open", os_open), (os, "listdir", listdir), (os, "scandir", scandir),
                                           (os, "mkdir", mkdir), (os, "link", link), (os, "symlink", symlink),
                                           (os, "remove", removing("remove", overlay.remove)),
@@ -306,6 +328,17 @@ def _bound_by_name(routes: List[Tuple[Any, str, Any]]) -> List[Tuple[Any, str, A
     return found
 
 
+def _out_of_the_upper_layer(overlay: Overlay, started_in: str) -> None:
+    """After the routes: a process the script moved into a folder only the run made (chdir above) is
+    moved back to where it started, before the overlay that holds that folder is removed."""
+    try:
+        here = _real["getcwd"]()
+    except FileNotFoundError:  # the folder is gone already
+        here = overlay.upper
+    if here == overlay.upper or here.startswith(overlay.upper + os.sep):
+        _real["chdir"](started_in)
+
+
 def _gone(path: Any) -> str:
     raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), os.fsdecode(path))
 
@@ -368,12 +401,14 @@ def overlaid(owned: Tuple[str, ...] = ()) -> Iterator[Overlay]:
         _hooked = True
     previous, _active = _active, overlay
     atomic.OWN_WRITES.append(overlay.own)
+    started_in = os.getcwd()
     try:
         with swap.environment(env), swap.replaced(changes):
             yield overlay
     finally:
         atomic.OWN_WRITES.remove(overlay.own)
         _active = previous
+        _out_of_the_upper_layer(overlay, started_in)
         if made:
             overlay.discard()
 
