@@ -80,6 +80,28 @@ def _nbytes(tensors: Any) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
+def _train(case: Case, torch: Any, device: str, record: Dict[str, Any], before: int) -> None:
+    """Build `case`, train it one step and fill `record`; the model and optimizer are this function's
+    locals, so that they go when it returns or raises."""
+    with torch.device(device):  # the model and the batch the zoo makes
+        model = case.build()
+        model.to(device)  # buffers a builder made on the host from numpy or lists
+        model.train()
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        record["weights_bytes"] = _nbytes(list(model.parameters()) + list(model.buffers()))
+        record["trainable_bytes"] = _nbytes(trainable)
+        optimizer = torch.optim.AdamW(trainable, lr=1e-4)
+        loss = case.loss(model)
+        loss.backward()
+        del loss
+        # AdamW keeps state only for the parameters the loss reached (a gradient); unused ones have none
+        record["stepped_bytes"] = _nbytes(p for p in trainable if p.grad is not None)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    if device == "cuda":  # the weights and the optimizer's state, still held
+        record["allocated_after_step"] = torch.cuda.memory_allocated() - before
+
+
 def step(case: Case, torch: Any, device: str = "cuda") -> Dict[str, Any]:
     """One training step of `case` on `device`; the record of one JSON line. On "meta" (no emulation,
     no allocator: the triage of a failure, docs/emulate.md) the record has no memory figures."""
@@ -91,32 +113,17 @@ def step(case: Case, torch: Any, device: str = "cuda") -> Dict[str, Any]:
     before = torch.cuda.memory_allocated() if on_gpu else 0
     start = time.process_time()
     try:
-        with torch.device(device):  # the model and the batch the zoo makes
-            model = case.build()
-            model.to(device)  # buffers a builder made on the host from numpy or lists
-            model.train()
-            trainable = [p for p in model.parameters() if p.requires_grad]
-            record["weights_bytes"] = _nbytes(list(model.parameters()) + list(model.buffers()))
-            record["trainable_bytes"] = _nbytes(trainable)
-            optimizer = torch.optim.AdamW(trainable, lr=1e-4)
-            loss = case.loss(model)
-            loss.backward()
-            del loss
-            # AdamW keeps state only for the parameters the loss reached (a gradient); unused ones have none
-            record["stepped_bytes"] = _nbytes(p for p in trainable if p.grad is not None)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+        _train(case, torch, device, record, before)
         if on_gpu:
-            record["allocated_after_step"] = torch.cuda.memory_allocated() - before
             record["peak"] = torch.cuda.max_memory_allocated() - before
         record["status"] = "ok"
-        del model, optimizer, trainable
     except Exception as exc:  # noqa: BLE001 (each model's failure is a result of the sweep)
         refusal = _refusal_type()
         record["status"] = "skipped" if isinstance(exc, Skip) else \
             "refused" if refusal is not None and isinstance(exc, refusal) else "failed"
         record["error"] = f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0][:300]}"
         record["where"] = _where(exc)
+        traceback.clear_frames(exc.__traceback__)  # the failed step's frames hold the model
         del exc
     gc.collect()
     if on_gpu:

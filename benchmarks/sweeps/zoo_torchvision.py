@@ -1,6 +1,6 @@
 """Every classification, detection, segmentation and video builder of torchvision.models.list_models,
 weights=None, at a batch of two images (224 x 224; Inception v3 299; video 16 frames of 112 x 112,
-224 x 224 for MViT and Swin3D, whose windows ask for it; detection 2 images of 120 x 160 resized to
+224 x 224 for MViT, Swin3D and S3D, whose windows and kernels ask for it; detection 2 images of 120 x 160 resized to
 at most 160)."""
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ def _segment(torchvision: Any, torch: Any, name: str) -> Case:
 
 
 def _video(torchvision: Any, torch: Any, name: str) -> Case:
-    side = 224 if name.startswith(("mvit", "swin3d")) else 112
+    side = 224 if name.startswith(("mvit", "swin3d", "s3d")) else 112
     return Case(name, lambda: torchvision.models.get_model(name, weights=None),
                 lambda model: _leaves_loss(model(_images(torch, (2, 3, 16, side, side)))))
 
