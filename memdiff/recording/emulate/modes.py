@@ -16,6 +16,7 @@ from memdiff.recording.emulate import (
     backward,
     batchnorm,
     conv,
+    ctc,
     distributed,
     dynamic,
     legacy,
@@ -516,6 +517,8 @@ class AllocMode(TorchDispatchMode):
                 out = self.sized_by_values(func, base, args, kwargs)
             elif base in routing.DATA_SIZED and _is_meta(first) and kwargs.get("output_size") is None:
                 out, pending = self.data_sized(func, base, args, kwargs)
+            elif base in ctc.OPS and _is_meta(first):  # no meta kernel, sizes from the lengths' values
+                out, pending = ctc.run(base, args, kwargs, self.values)
             elif base == "_grouped_mm" and _is_meta(first) \
                     and routing.grouped_mm_fallback(args, kwargs, self.emulator.gpu):
                 out = routing.grouped_mm_output(args, kwargs)  # one cuBLAS product per group
