@@ -1,0 +1,110 @@
+"""`memdiff fit` across a cluster: `{nodes}`, `{tp}`, `{pp}`, `{dp}` searched for the fewest that fits, the other
+placeholders fixed with `--set`, and a job larger than one node run as the ranks `--ranks auto` picks."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from memdiff.errors import InputError
+from memdiff.predict.fit import fixed, knob_of, parse_set, runs_picked_ranks
+
+ROOT = Path(__file__).resolve().parents[1]
+FSDP = ROOT / "tests" / "scenarios" / "fsdp_train.py"
+MIB = 1 << 20
+
+
+def memdiff(*args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "PATH": os.path.dirname(sys.executable) + os.pathsep
+           + os.environ.get("PATH", "")}
+    return subprocess.run([sys.executable, "-m", "memdiff", *args], capture_output=True, text=True, env=env,
+                          cwd=ROOT)
+
+
+def test_set_fixes_the_placeholders_fit_does_not_search():
+    command = ["torchrun", "--nproc-per-node", "8", "train.py", "--tp", "{tp}", "--pp", "{pp}", "--dp", "{dp}"]
+    values = dict(parse_set(s) for s in ["tp=8", "pp=2"])
+    assert values == {"tp": 8, "pp": 2}
+    rest = fixed(command, values)
+    assert rest[4:] == ["--tp", "8", "--pp", "2", "--dp", "{dp}"]
+    assert knob_of(rest, {}) == "dp"  # the one left is searched
+
+
+@pytest.mark.parametrize("text", ["tp", "tp=", "tp=0", "tp=x", "=8", "t-p=8"])
+def test_a_set_that_is_not_name_equals_a_count_is_refused(text):
+    with pytest.raises(InputError) as caught:
+        parse_set(text)
+    assert caught.value.path == "--set" and "NAME=VALUE" in caught.value.message
+
+
+def test_a_set_the_command_has_no_place_for_is_refused():
+    with pytest.raises(InputError) as caught:
+        fixed(["torchrun", "train.py", "--tp", "{tp}"], {"pp": 2})
+    assert caught.value.path == "--set" and "{pp}" in caught.value.message
+
+
+def test_several_placeholders_say_how_to_fix_the_others():
+    with pytest.raises(InputError) as caught:
+        knob_of(["train.py", "--tp", "{tp}", "--dp", "{dp}"], {})
+    assert "fit searches one" in caught.value.message and "--set" in caught.value.message
+
+
+@pytest.mark.parametrize("command, knob, picked", [
+    # one node of 8: run whole, as fit always ran a launcher
+    (["torchrun", "--nproc-per-node", "8", "train.py"], "batch", False),
+    # two nodes cannot start whole on one machine; 16 ranks on a node are more than fit runs whole
+    (["torchrun", "--nnodes", "2", "--nproc-per-node", "8", "train.py"], "batch", True),
+    (["torchrun", "--nproc-per-node=16", "train.py"], "batch", True),
+    # {nodes} searched: every value runs alike, one node included
+    (["torchrun", "--nnodes", "1", "--nproc-per-node", "2", "train.py"], "nodes", True),
+    # accelerate's job of 16 processes is read as --ranks reads it; a launcher --ranks does not read runs whole
+    (["accelerate", "launch", "--multi_gpu", "--num_processes", "16", "train.py"], "batch", True),
+    (["deepspeed", "--num_gpus", "16", "train.py"], "batch", False),
+])
+def test_which_launched_jobs_run_as_their_picked_ranks(command, knob, picked):
+    assert runs_picked_ranks(command, knob) is picked
+
+
+def test_set_needs_a_place_in_the_command(tmp_path):
+    done = memdiff("fit", "--emulate", "l4", "--set", "tp=8", "-o", f"{tmp_path}/runs/", "--", "torchrun",
+                   "--nproc-per-node", "{nproc}", str(FSDP))
+    assert done.returncode == 2 and done.stderr.count("\n") == 1 and "{tp}" in done.stderr
+
+
+@pytest.mark.slow
+def test_nodes_finds_the_fewest_nodes_running_only_the_picked_ranks(tmp_path, torch):
+    # FSDP2 at width 2048: 4 blocks of 4 w^2 fp32 weights, 256 MiB (the script's facts say so). Each rank holds
+    # its shard of the weights, their gradients and AdamW's two moments, 4 x 256 MiB / world size, and beside
+    # them what does not shard. By hand, with 2 ranks a node: 1 node (2 ranks) holds at AdamW's step 512 MiB of
+    # shards and the square root of the second moment AdamW makes (128 MiB): at least 640 MiB allocated; 2
+    # nodes (4 ranks) hold 256 MiB of shards and at most a whole model's worth unsharded (256 MiB: one block's
+    # gathered weights and gradients in its backward, or the model made whole on the rank before sharding): at
+    # most 512 MiB. The caching allocator reserves some 1.3x what is allocated; a limit of 0.034 of an L4
+    # (755.6 MiB) is 1.48x the 2-node ceiling and 1.18x the 1-node floor: the fewest nodes is 2.
+    facts = tmp_path / "facts.json"
+    done = memdiff("fit", "--emulate", "l4", "--max-memory", "0.034", "--range", "nodes=1:4", "--jobs", "1",
+                   "-o", f"{tmp_path}/runs/", "--format", "json", "--", sys.executable, "-m",
+                   "torch.distributed.run", "--nnodes", "{nodes}", "--nproc-per-node", "2", str(FSDP), "--cuda",
+                   "--width", "2048", "--facts", str(facts))
+    assert done.returncode == 0, done.stderr
+    assert json.loads(facts.read_text())["parameter_bytes"] == 256 * MIB
+    doc = json.loads(done.stdout)
+    assert doc["knob"] == "nodes" and doc["direction"] == "smallest"
+    (gpu,) = doc["gpus"]
+    assert gpu["value"] == 2 and gpu["fails"]["value"] == 1 and gpu["fails"]["outcome"] == "over-limit"
+    assert [r["value"] for r in gpu["runs"]] == [1, 2]  # from the smallest up; 3 and 4 never ran
+    # Each value ran rank 0 and the last rank only (the world is one FSDP mesh): 2 of 2 ranks, then 2 of 4.
+    for run, world in ((gpu["fails"], 2), (gpu["fits"], 4)):
+        assert run["world_size"] == world and run["ranks_run"] == [0, world - 1]
+        manifest = json.loads((Path(run["snapshot"]) / "memdiff-job.json").read_text())
+        assert manifest["emulated_ranks"] == [0, world - 1]
+        assert sorted(p.name for p in Path(run["snapshot"]).glob("rank*.pickle")) == ["rank0.pickle",
+                                                                                     f"rank{world - 1}.pickle"]
+    assert "ran ranks 0, 3 of 4" in gpu["line"] and "the others not run" in gpu["line"]
+    assert gpu["fits"]["reserved_peak_bytes"] <= gpu["limit_bytes"] < gpu["fails"]["reserved_peak_bytes"]
+    assert gpu["fails"]["peak_bytes"] >= 640 * MIB and gpu["fits"]["peak_bytes"] <= 512 * MIB  # the hand bounds
