@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from memdiff.errors import InputError
-from memdiff.predict.fit import fixed, knob_of, parse_set, runs_picked_ranks
+from memdiff.predict.fit import fixed, judge, knob_of, parse_set, runs_picked_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
 FSDP = ROOT / "tests" / "scenarios" / "fsdp_train.py"
@@ -52,6 +52,13 @@ def test_several_placeholders_say_how_to_fix_the_others():
     with pytest.raises(InputError) as caught:
         knob_of(["train.py", "--tp", "{tp}", "--dp", "{dp}"], {})
     assert "fit searches one" in caught.value.message and "--set" in caught.value.message
+
+
+def test_more_nodes_needed_is_the_loss_and_says_nodes():
+    baseline = {"knob": "nodes", "direction": "smallest", "gpus": [{"gpu": "h100", "value": 2}]}
+    (found,) = judge({"h100": 3}, "nodes", baseline, "baselines/fit.json")
+    assert found.code == "G011" and "h100 nodes 2 -> 3 (the fewest nodes on which every rank's" in found.message
+    assert judge({"h100": 1}, "nodes", baseline, "baselines/fit.json") == []
 
 
 @pytest.mark.parametrize("command, knob, picked", [

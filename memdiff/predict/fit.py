@@ -409,7 +409,8 @@ class Search:
 
 
 class Fewest(Search):
-    """The runs of one GPU for `{nproc}`: the fewest processes on which every rank fits. The values are run
+    """The runs of one GPU for `{nproc}` (or `{nodes}`, `{tp}`, `{pp}`, `{dp}`): the fewest processes on which
+    every rank fits. The values are run
     from the smallest up, one at a time, and the first that fits is the answer, next to the value one grid
     step down, run, that did not. Nothing is assumed of how memory moves with the processes: a sharded job
     holds less per rank with more ranks only once its sharded state outweighs what every rank holds whole
@@ -634,8 +635,9 @@ def judge(values: Dict[str, Optional[int]], knob: str, baseline: Dict[str, Any],
     if baseline["knob"] != knob:
         raise InputError(path, f"the baseline fits {{{clip(baseline['knob'])}}} and this fit {{{knob}}}: they cannot "
                                "be compared")
-    fewer = baseline.get("direction", LARGEST) == SMALLEST  # {nproc}: more processes needed is the loss
-    what = ("the fewest processes on which every rank's emulated run trains" if fewer
+    fewer = baseline.get("direction", LARGEST) == SMALLEST  # {nproc}, {nodes}: more needed is the loss
+    unit = "processes" if knob == NPROC else knob if knob == NODES else f"{{{knob}}}"
+    what = (f"the fewest {unit} on which every rank's emulated run trains" if fewer
             else "the largest value whose emulated run trains")
     out = []
     for g in baseline["gpus"]:
