@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from memdiff.errors import InputError
-from memdiff.predict.fit import fixed, judge, knob_of, parse_set, runs_picked_ranks
+from memdiff.predict.fit import FITS, Fewest, FitRun, Grid, fixed, judge, knob_of, parse_set, runs_picked_ranks
+from memdiff.recording.emulate.gpus import gpu
 
 ROOT = Path(__file__).resolve().parents[1]
 FSDP = ROOT / "tests" / "scenarios" / "fsdp_train.py"
@@ -52,6 +53,24 @@ def test_several_placeholders_say_how_to_fix_the_others():
     with pytest.raises(InputError) as caught:
         knob_of(["train.py", "--tp", "{tp}", "--dp", "{dp}"], {})
     assert "fit searches one" in caught.value.message and "--set" in caught.value.message
+
+
+def _run(value: int, ranks: list, world: int) -> FitRun:
+    return FitRun(gpu="h100", value=value, outcome=FITS, snapshot="", log="", peak_bytes=MIB,
+                  reserved_peak_bytes=2 * MIB, phase=None, step=None, site=None, oom_message=None, seconds=1.0,
+                  cpu_seconds=1.0, why="ascending", ranks_run=ranks, world_size=world)
+
+
+def test_the_answer_says_which_ranks_ran_and_that_the_others_did_not():
+    search = Fewest(gpu("h100"), Grid("nodes", 1, 8), 1.0, None)
+    search.started(0, "ascending")
+    search.finished(0, _run(1, [0, 63], 64))
+    assert search.answer().line.endswith("at 1 ran ranks 0, 63 of 64 (one per role, --ranks auto), the others "
+                                         "not run")
+    search = Fewest(gpu("h100"), Grid("nodes", 1, 8), 1.0, None)
+    search.started(0, "ascending")
+    search.finished(0, _run(1, [0, 1], 2))
+    assert search.answer().line.endswith("at 1 ran each of its 2 ranks alone (--ranks auto)")
 
 
 def test_more_nodes_needed_is_the_loss_and_says_nodes():

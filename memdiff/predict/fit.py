@@ -452,6 +452,8 @@ def _ranks_said(run: Optional[FitRun]) -> str:
         return ""
     from memdiff.read.job import ranges
 
+    if len(run.ranks_run) == run.world_size:  # every role is a rank of its own: none was left out
+        return f"; at {run.value:,} ran each of its {run.world_size:,} ranks alone (--ranks auto)"
     return (f"; at {run.value:,} ran ranks {ranges(run.ranks_run)} of {run.world_size:,} (one per role, "
             f"--ranks auto), the others not run")
 
