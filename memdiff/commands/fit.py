@@ -13,15 +13,18 @@ from memdiff.errors import EXIT_OK, EXIT_REGRESSION, InputError
 from memdiff.lists import LISTS, ListOption
 from memdiff.predict.fit import (
     DEFAULT_RANGE,
+    FEWEST_KNOBS,
+    FEWEST_RANGE,
     NPROC,
-    NPROC_RANGE,
+    WHOLE_JOB_RANKS,
     Grid,
+    fixed,
     gated,
     knob_of,
     parse_range,
+    parse_set,
     read_fit,
     run_fit,
-    with_value,
 )
 from memdiff.recording.emulate.gpus import gpu
 from memdiff.recording.emulate.gpus import names as gpu_names
@@ -57,7 +60,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="a launched job's process count, put where the command says {nproc} (`torchrun "
                         "--nproc-per-node {nproc} train.py --batch-size {batch}`), for a search of another knob; "
                         "with {nproc} as the knob, fit finds the fewest processes on which every rank fits "
-                        f"(default range {NPROC_RANGE[0]}:{NPROC_RANGE[1]})")
+                        f"(default range {FEWEST_RANGE[0]}:{FEWEST_RANGE[1]})")
+    p.add_argument("--set", action=ListOption, metavar="NAME=VALUE",
+                   help="fix a placeholder fit does not search (`--set tp=8 --set pp=2` with {dp} searched); "
+                        "{nodes}, {tp}, {pp} and {dp} as the knob are searched as {nproc} is, for the fewest "
+                        f"that fits (default range {FEWEST_RANGE[0]}:{FEWEST_RANGE[1]}); a torchrun job of several "
+                        f"nodes or over {WHOLE_JOB_RANKS} ranks, and any whose {{nodes}} is searched, runs only the "
+                        f"ranks `memdiff record --ranks auto` picks{LISTS}")
     p.add_argument("--jobs", type=count_arg, default=2, metavar="N", help="emulated runs at a time (default: 2)")
     p.add_argument("--baseline", metavar="FILE",
                    help="a fit result (`memdiff fit ... --format json`): exit 1 when a GPU's largest value is "
@@ -86,9 +95,10 @@ def run(args: argparse.Namespace) -> int:
         if not any("{" + NPROC + "}" in arg for arg in command):
             raise InputError("--nproc", "the command has no {nproc} to put it in: `-- torchrun --nproc-per-node "
                                         "{nproc} train.py --batch-size {batch}`")
-        command = with_value(command, NPROC, args.nproc)
+        command = fixed(command, {NPROC: args.nproc})
+    command = fixed(command, dict(parse_set(s) for s in args.set))
     knob = knob_of(command, ranges)
-    low, high = ranges.get(knob, NPROC_RANGE if knob == NPROC else DEFAULT_RANGE)
+    low, high = ranges.get(knob, FEWEST_RANGE if knob in FEWEST_KNOBS else DEFAULT_RANGE)
     grid = Grid(knob, low, high, 1 if args.pow2 else args.multiple, args.pow2)
     baseline = read_fit(args.baseline) if args.baseline is not None else None  # read before any run
     if args.html is not None:

@@ -48,9 +48,14 @@ FORECAST, BELOW = "forecast", "below the boundary"
 MARGIN = 0.9
 LARGEST, SMALLEST = "largest", "smallest"
 # `{nproc}`: the processes a launcher starts (`torchrun --nproc-per-node {nproc}`), searched for the fewest
-# that fit, over one node's GPUs unless --range says otherwise.
-NPROC = "nproc"
-NPROC_RANGE = (1, 8)
+# that fit, over one node's GPUs unless --range says otherwise. `{nodes}` (`--nnodes {nodes}`) and the
+# parallel degrees `{tp}`, `{pp}`, `{dp}` are searched so too: each rank holds less with more of them.
+NPROC, NODES = "nproc", "nodes"
+FEWEST_KNOBS = (NPROC, NODES, "tp", "pp", "dp")
+FEWEST_RANGE = (1, 8)
+# A launched job runs whole (every rank a process) up to this many ranks on one node; a larger one, one of
+# several nodes, or any job whose `{nodes}` is searched runs only the ranks `memdiff record --ranks auto` picks.
+WHOLE_JOB_RANKS = 8
 
 
 @dataclass(frozen=True)
@@ -94,6 +99,9 @@ class FitRun:
     seconds: float
     cpu_seconds: float  # the run's process, user and system, the summary of its snapshot included
     why: str  # the probe's reason: "smallest values", "ascending", "forecast", "neighbour", "halving", "doubling"
+    # a launched job run as its picked ranks (--ranks auto): those ranks, and the job's size; None: run whole
+    ranks_run: Optional[List[int]] = None
+    world_size: Optional[int] = None
 
     @property
     def fits(self) -> bool:
@@ -154,14 +162,15 @@ class FitResult:
 
 
 def knob_of(command: Sequence[str], ranges: Dict[str, Tuple[int, int]]) -> str:
-    """The one placeholder the command carries (`{batch}`); InputError when it has none or several, or
-    when a --range names another."""
+    """The one placeholder the command carries (`{batch}`), the others fixed by --set; InputError when it has
+    none or several, or when a --range names another."""
     names = sorted({m for arg in command for m in PLACEHOLDER.findall(arg)})
     if not names:
         raise InputError("fit", "the command has no placeholder: put the knob where its value goes, e.g. "
                                 "`-- python train.py --batch-size {batch}`")
     if len(names) > 1:
-        raise InputError("fit", f"the command has {len(names)} placeholders ({', '.join(names)}): fit searches one")
+        raise InputError("fit", f"the command has {len(names)} placeholders ({', '.join(names)}): fit searches one: "
+                                f"fix the others with --set NAME=VALUE (--set {names[1]}=8)")
     for name in ranges:
         if name != names[0]:
             raise InputError("--range", f"names {clip(name)!r}, and the command's placeholder is {{{names[0]}}}")
@@ -171,6 +180,28 @@ def knob_of(command: Sequence[str], ranges: Dict[str, Tuple[int, int]]) -> str:
 def with_value(command: Sequence[str], knob: str, value: int) -> List[str]:
     """The command with the placeholder replaced by `value`."""
     return [arg.replace("{" + knob + "}", str(value)) for arg in command]
+
+
+def parse_set(text_: str) -> Tuple[str, int]:
+    """`tp=8` -> ("tp", 8): a placeholder fit does not search, fixed; InputError when it is not that."""
+    name, sep, value = text_.partition("=")
+    try:
+        number = int(value)
+    except ValueError:
+        number = 0
+    if not sep or not PLACEHOLDER.fullmatch("{" + name + "}") or number < 1:
+        raise InputError("--set", f"{clip(text_)!r}: give NAME=VALUE with VALUE a whole number >= 1 (tp=8)")
+    return name, number
+
+
+def fixed(command: Sequence[str], values: Dict[str, int], flag: str = "--set") -> List[str]:
+    """The command with each placeholder of `values` replaced by its value; InputError (`flag`'s) for one
+    the command does not carry."""
+    for name, value in values.items():
+        if not any("{" + name + "}" in arg for arg in command):
+            raise InputError(flag, f"the command has no {{{clip(name)}}} to put {value} in")
+        command = with_value(command, name, value)
+    return list(command)
 
 
 def parse_range(text_: str) -> Tuple[str, Tuple[int, int]]:
@@ -363,6 +394,7 @@ class Search:
                     f"{format_bytes(fits.reserved_peak_bytes or 0)} of {format_bytes(self.gpu.capacity)}{self.PER} "
                     f"({format_bytes(headroom)} headroom); "
                     + (f"{fails.value:,} {self._why_not(fails)}" if fails is not None else self.OPEN_END))
+        line += _ranks_said(fits or fails)
         return GpuFit(gpu=key, name=self.gpu.name, capacity_bytes=self.gpu.capacity, limit_bytes=self.limit,
                       value=None if fits is None else fits.value, fits=fits, fails=fails,
                       headroom_bytes=None if fits is None else self.gpu.capacity - (fits.reserved_peak_bytes or 0),
@@ -377,7 +409,8 @@ class Search:
 
 
 class Fewest(Search):
-    """The runs of one GPU for `{nproc}`: the fewest processes on which every rank fits. The values are run
+    """The runs of one GPU for `{nproc}` (or `{nodes}`, `{tp}`, `{pp}`, `{dp}`): the fewest processes on which
+    every rank fits. The values are run
     from the smallest up, one at a time, and the first that fits is the answer, next to the value one grid
     step down, run, that did not. Nothing is assumed of how memory moves with the processes: a sharded job
     holds less per rank with more ranks only once its sharded state outweighs what every rank holds whole
@@ -411,6 +444,18 @@ class Fewest(Search):
         the largest value's)."""
         lo, hi = self._lo_hi()
         return self.runs.get(hi), self.runs.get(lo)
+
+
+def _ranks_said(run: Optional[FitRun]) -> str:
+    """`; ran ranks 0, 3 of 4, the others not run` for a launched job run as its picked ranks; "" otherwise."""
+    if run is None or run.ranks_run is None or run.world_size is None:
+        return ""
+    from memdiff.read.job import ranges
+
+    if len(run.ranks_run) == run.world_size:  # every role is a rank of its own: none was left out
+        return f"; at {run.value:,} ran each of its {run.world_size:,} ranks alone (--ranks auto)"
+    return (f"; at {run.value:,} ran ranks {ranges(run.ranks_run)} of {run.world_size:,} (one per role, "
+            f"--ranks auto), the others not run")
 
 
 def _ratio_at(ratios: Sequence[Tuple[int, float]], value: int) -> float:
@@ -460,6 +505,21 @@ def is_launched(command: Sequence[str]) -> bool:
     return bool(command) and not first.endswith(".py") and first != "-m"
 
 
+def runs_picked_ranks(command: Sequence[str], knob: str) -> bool:
+    """Whether fit runs a launched job (`command`, its knob's value put in) as the ranks `memdiff record
+    --ranks auto` picks rather than whole: always while `{nodes}` is searched (every value then runs alike),
+    and for a job of several nodes (which one machine cannot start whole) or of more than WHOLE_JOB_RANKS
+    ranks; a torchrun or accelerate command only (the launchers --ranks reads)."""
+    from memdiff.recording.launch import read_torchrun
+    from memdiff.recording.launch_accelerate import is_accelerate, read_accelerate
+
+    try:
+        launch = read_accelerate(list(command)) if is_accelerate(list(command)) else read_torchrun(list(command))
+    except InputError:  # another launcher, or a job --ranks cannot split (one process): run whole, as before
+        return False
+    return knob == NODES or launch.nnodes > 1 or launch.world_size > WHOLE_JOB_RANKS
+
+
 def _outcome(r: _Running, sent: Optional[Dict[str, Any]], limit: int, value: int, knob: str) -> FitRun:
     """The run's FitRun, or InputError when it failed for another reason than memory (never read as OOM;
     where smaller values fit, it names the --range below the value that failed)."""
@@ -473,7 +533,8 @@ def _outcome(r: _Running, sent: Optional[Dict[str, Any]], limit: int, value: int
     return FitRun(gpu=gpu, value=value, outcome=outcome, snapshot=r.snapshot, log=r.log,
                   peak_bytes=sent["peak_bytes"], reserved_peak_bytes=sent["reserved_peak_bytes"],
                   phase=sent["phase"], step=sent["step"], site=sent["site"], oom_message=sent["oom_message"],
-                  seconds=round(sent["seconds"], 2), cpu_seconds=round(sent["cpu_seconds"], 2), why=r.why)
+                  seconds=round(sent["seconds"], 2), cpu_seconds=round(sent["cpu_seconds"], 2), why=r.why,
+                  ranks_run=sent.get("ranks_run"), world_size=sent.get("world_size"))
 
 
 def run_fit(command: Sequence[str], gpus: Sequence[Gpu], output: str, grid: Grid, max_memory: float,
@@ -493,7 +554,7 @@ def run_fit(command: Sequence[str], gpus: Sequence[Gpu], output: str, grid: Grid
     else:
         _target(with_value(command, grid.name, grid.values()[0] if grid.values() else 1))
     os.makedirs(output, exist_ok=True)
-    kind = Fewest if grid.name == NPROC else Search
+    kind = Fewest if grid.name in FEWEST_KNOBS else Search
     searches = [kind(g, grid, max_memory, rules) for g in gpus]
     context = multiprocessing.get_context("forkserver")
     # The server imports torch once; each run is forked from it with nothing of the script loaded.
@@ -515,9 +576,10 @@ def run_fit(command: Sequence[str], gpus: Sequence[Gpu], output: str, grid: Grid
                 ours, theirs = context.Pipe(duplex=False)
                 if launched:  # the job's rank snapshots go to a folder of their own: GPU-NAMEVALUE/rank0.pickle
                     snapshot = os.path.join(output, name)
+                    job = with_value(command, grid.name, value)
                     process = context.Process(target=launched_child, args=(
-                        theirs, s.gpu.key, with_value(command, grid.name, value), snapshot, log, max_entries, rules),
-                        daemon=True)
+                        theirs, s.gpu.key, job, snapshot, log, max_entries, rules,
+                        runs_picked_ranks(job, grid.name)), daemon=True)
                 else:
                     target = _target(with_value(command, grid.name, value))
                     # Not a daemon: a script's DataLoader workers are its children, which a daemonic process
@@ -542,7 +604,7 @@ def run_fit(command: Sequence[str], gpus: Sequence[Gpu], output: str, grid: Grid
         stop([r.process for r in running])
     return FitResult(command=command, knob=grid.name, grid=grid, max_memory=max_memory,
                      gpus=[s.answer() for s in searches], runs=total, seconds=time.monotonic() - started,
-                     output=output, direction=SMALLEST if grid.name == NPROC else LARGEST)
+                     output=output, direction=SMALLEST if grid.name in FEWEST_KNOBS else LARGEST)
 
 
 # ---------------------------------------------------------------- the gate
@@ -575,8 +637,9 @@ def judge(values: Dict[str, Optional[int]], knob: str, baseline: Dict[str, Any],
     if baseline["knob"] != knob:
         raise InputError(path, f"the baseline fits {{{clip(baseline['knob'])}}} and this fit {{{knob}}}: they cannot "
                                "be compared")
-    fewer = baseline.get("direction", LARGEST) == SMALLEST  # {nproc}: more processes needed is the loss
-    what = ("the fewest processes on which every rank's emulated run trains" if fewer
+    fewer = baseline.get("direction", LARGEST) == SMALLEST  # {nproc}, {nodes}: more needed is the loss
+    unit = "processes" if knob == NPROC else knob if knob == NODES else f"{{{knob}}}"
+    what = (f"the fewest {unit} on which every rank's emulated run trains" if fewer
             else "the largest value whose emulated run trains")
     out = []
     for g in baseline["gpus"]:

@@ -45,6 +45,8 @@ class RunOutcome:
     change_unmade: Optional[str] = None
     seen: Optional[Dict[str, Any]] = None
     steps: Optional[int] = None  # the training steps the snapshot holds (fit's note on a long run counts them)
+    ranks_run: Optional[List[int]] = None  # a launched job run as its picked ranks: those (None: run whole)
+    world_size: Optional[int] = None  # a launched job's ranks, run or not
 
     def to_dict(self) -> Dict[str, Any]:
         """The outcome as sent back to the parent."""
@@ -154,29 +156,32 @@ def child(conn: Any, gpu: str, target: List[str], snapshot: str, log: str, max_e
 
 
 def run_launched(gpu: str, command: List[str], folder: str, log: str, max_entries: int,
-                 rules: Sequence[Any]) -> RunOutcome:
+                 rules: Sequence[Any], picked: bool = False) -> RunOutcome:
     """Run a launched job (`torchrun --nproc-per-node 4 train.py`) as `memdiff record --emulate GPU -o
-    folder/ -- COMMAND` runs it, every rank on its own emulated `gpu`, and judge it by its ranks: out of
-    memory when any rank's emulator raised the error (the rank's status says so, even when the script
-    caught it), refused when any rank's op was; its peaks are the rank's with the largest reserved peak."""
+    folder/ -- COMMAND` runs it, every rank on its own emulated `gpu` (with `picked`, only the ranks
+    `--ranks auto` picks, each alone), and judge it by the ranks that ran: out of memory when any rank's
+    emulator raised the error (the rank's status says so, even when the script caught it), refused when
+    any rank's op was; its peaks are the rank's with the largest reserved peak."""
     import json
     import subprocess
     import time
 
-    from memdiff.recording.manifest import MANIFEST
+    from memdiff.recording.manifest import MANIFEST, NOT_EMULATED
 
     started = time.monotonic()
     with open(log, "a", encoding="utf-8") as out:  # launched_child made it
         done = subprocess.run([sys.executable, "-m", "memdiff", "record", "--emulate", gpu, "--max-entries",
-                               str(max_entries), "-o", folder.rstrip(os.sep) + os.sep, "--", *command],
+                               str(max_entries), *(["--ranks", "auto"] if picked else []), "-o",
+                               folder.rstrip(os.sep) + os.sep, "--", *command],
                               stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
     seconds = time.monotonic() - started
     used = resource.getrusage(resource.RUSAGE_CHILDREN)  # the job's processes, this forked child's only
     try:
         with open(os.path.join(folder, MANIFEST), encoding="utf-8") as f:
-            ranks = json.load(f).get("ranks", [])
+            manifest = json.load(f)
     except (OSError, ValueError):
-        ranks = []
+        manifest = {}
+    ranks = [r for r in manifest.get("ranks", []) if r.get("state") != NOT_EMULATED]
     oom = next((r["out_of_memory"] for r in ranks if r.get("out_of_memory")), None)
     refused = next((f"rank {r['rank']}: {r['refused']}" for r in ranks if r.get("refused")), None)
     facts: Dict[str, Any] = {}
@@ -191,16 +196,17 @@ def run_launched(gpu: str, command: List[str], folder: str, log: str, max_entrie
     return RunOutcome(status=ended, exit_status=status, oom_message=oom, refused=refused,
                       peak_bytes=facts.get("peak_bytes"), reserved_peak_bytes=facts.get("reserved_peak_bytes"),
                       phase=facts.get("phase"), step=facts.get("step"), site=facts.get("site"), seconds=seconds,
-                      cpu_seconds=used.ru_utime + used.ru_stime)
+                      cpu_seconds=used.ru_utime + used.ru_stime, ranks_run=manifest.get("emulated_ranks"),
+                      world_size=manifest.get("world_size") if picked else None)
 
 
 def launched_child(conn: Any, gpu: str, command: List[str], folder: str, log: str, max_entries: int,
-                   rules: Sequence[Any]) -> None:
+                   rules: Sequence[Any], picked: bool = False) -> None:
     """The forked process's entry for a launched job: run it, its output in `log`, send the outcome's dict
     back, close."""
     try:
         _output_to(log)
-        conn.send(run_launched(gpu, command, folder, log, max_entries, rules).to_dict())
+        conn.send(run_launched(gpu, command, folder, log, max_entries, rules, picked).to_dict())
     except KeyboardInterrupt:  # the parent stops a job it no longer needs, as `child`
         pass
     except BaseException as exc:  # memdiff's own failure in the child: said to the parent, never lost

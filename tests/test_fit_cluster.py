@@ -1,0 +1,153 @@
+"""`memdiff fit` across a cluster: `{nodes}`, `{tp}`, `{pp}`, `{dp}` searched for the fewest that fits, the other
+placeholders fixed with `--set`, and a job larger than one node run as the ranks `--ranks auto` picks."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from memdiff.errors import InputError
+from memdiff.predict.fit import FITS, Fewest, FitRun, Grid, fixed, judge, knob_of, parse_set, runs_picked_ranks
+from memdiff.recording.emulate.gpus import gpu
+
+ROOT = Path(__file__).resolve().parents[1]
+FSDP = ROOT / "tests" / "scenarios" / "fsdp_train.py"
+MIB = 1 << 20
+
+
+def memdiff(*args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "PATH": os.path.dirname(sys.executable) + os.pathsep
+           + os.environ.get("PATH", "")}
+    return subprocess.run([sys.executable, "-m", "memdiff", *args], capture_output=True, text=True, env=env,
+                          cwd=ROOT)
+
+
+def test_set_fixes_the_placeholders_fit_does_not_search():
+    command = ["torchrun", "--nproc-per-node", "8", "train.py", "--tp", "{tp}", "--pp", "{pp}", "--dp", "{dp}"]
+    values = dict(parse_set(s) for s in ["tp=8", "pp=2"])
+    assert values == {"tp": 8, "pp": 2}
+    rest = fixed(command, values)
+    assert rest[4:] == ["--tp", "8", "--pp", "2", "--dp", "{dp}"]
+    assert knob_of(rest, {}) == "dp"  # the one left is searched
+
+
+@pytest.mark.parametrize("text", ["tp", "tp=", "tp=0", "tp=x", "=8", "t-p=8"])
+def test_a_set_that_is_not_name_equals_a_count_is_refused(text):
+    with pytest.raises(InputError) as caught:
+        parse_set(text)
+    assert caught.value.path == "--set" and "NAME=VALUE" in caught.value.message
+
+
+def test_a_set_the_command_has_no_place_for_is_refused():
+    with pytest.raises(InputError) as caught:
+        fixed(["torchrun", "train.py", "--tp", "{tp}"], {"pp": 2})
+    assert caught.value.path == "--set" and "{pp}" in caught.value.message
+
+
+def test_several_placeholders_say_how_to_fix_the_others():
+    with pytest.raises(InputError) as caught:
+        knob_of(["train.py", "--tp", "{tp}", "--dp", "{dp}"], {})
+    assert "fit searches one" in caught.value.message and "--set" in caught.value.message
+
+
+def _run(value: int, ranks: list, world: int) -> FitRun:
+    return FitRun(gpu="h100", value=value, outcome=FITS, snapshot="", log="", peak_bytes=MIB,
+                  reserved_peak_bytes=2 * MIB, phase=None, step=None, site=None, oom_message=None, seconds=1.0,
+                  cpu_seconds=1.0, why="ascending", ranks_run=ranks, world_size=world)
+
+
+def test_the_answer_says_which_ranks_ran_and_that_the_others_did_not():
+    search = Fewest(gpu("h100"), Grid("nodes", 1, 8), 1.0, None)
+    search.started(0, "ascending")
+    search.finished(0, _run(1, [0, 63], 64))
+    assert search.answer().line.endswith("at 1 ran ranks 0, 63 of 64 (one per role, --ranks auto), the others "
+                                         "not run")
+    search = Fewest(gpu("h100"), Grid("nodes", 1, 8), 1.0, None)
+    search.started(0, "ascending")
+    search.finished(0, _run(1, [0, 1], 2))
+    assert search.answer().line.endswith("at 1 ran each of its 2 ranks alone (--ranks auto)")
+
+
+def test_more_nodes_needed_is_the_loss_and_says_nodes():
+    baseline = {"knob": "nodes", "direction": "smallest", "gpus": [{"gpu": "h100", "value": 2}]}
+    (found,) = judge({"h100": 3}, "nodes", baseline, "baselines/fit.json")
+    assert found.code == "G011" and "h100 nodes 2 -> 3 (the fewest nodes on which every rank's" in found.message
+    assert judge({"h100": 1}, "nodes", baseline, "baselines/fit.json") == []
+
+
+@pytest.mark.parametrize("command, knob, picked", [
+    # one node of 8: run whole, as fit always ran a launcher
+    (["torchrun", "--nproc-per-node", "8", "train.py"], "batch", False),
+    # two nodes cannot start whole on one machine; 16 ranks on a node are more than fit runs whole
+    (["torchrun", "--nnodes", "2", "--nproc-per-node", "8", "train.py"], "batch", True),
+    (["torchrun", "--nproc-per-node=16", "train.py"], "batch", True),
+    # {nodes} searched: every value runs alike, one node included
+    (["torchrun", "--nnodes", "1", "--nproc-per-node", "2", "train.py"], "nodes", True),
+    # accelerate's job of 16 processes is read as --ranks reads it; a launcher --ranks does not read runs whole
+    (["accelerate", "launch", "--multi_gpu", "--num_processes", "16", "train.py"], "batch", True),
+    (["deepspeed", "--num_gpus", "16", "train.py"], "batch", False),
+])
+def test_which_launched_jobs_run_as_their_picked_ranks(command, knob, picked):
+    assert runs_picked_ranks(command, knob) is picked
+
+
+def test_set_needs_a_place_in_the_command(tmp_path):
+    done = memdiff("fit", "--emulate", "l4", "--set", "tp=8", "-o", f"{tmp_path}/runs/", "--", "torchrun",
+                   "--nproc-per-node", "{nproc}", str(FSDP))
+    assert done.returncode == 2 and done.stderr.count("\n") == 1 and "{tp}" in done.stderr
+
+
+def _parameter_bytes(width: int) -> int:
+    """The scenario's model's parameter bytes, built on the meta device (no memory) from its own classes."""
+    import importlib.util
+
+    import torch
+    from torch import nn
+
+    spec = importlib.util.spec_from_file_location("fsdp_train", FSDP)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    with torch.device("meta"):
+        model = nn.Sequential(*(module.Block(width) for _ in range(module.BLOCKS)))
+    return sum(t.numel() * t.element_size() for t in model.parameters())
+
+
+@pytest.mark.slow
+def test_nodes_finds_the_fewest_nodes_running_only_the_picked_ranks(tmp_path, torch):
+    # FSDP2 at width 2048: 4 blocks of 4 w^2 fp32 weights and their biases, P = 256.1 MiB. Each rank holds
+    # its shard of the weights, their gradients and AdamW's two moments, 4 x 256 MiB / world size, and beside
+    # them what does not shard. By hand, with 2 ranks a node: 1 node (2 ranks) holds at AdamW's step 4P/2 of
+    # shards and the square root of the second moment AdamW makes (P/2): at least 5P/2 = 640 MiB allocated; 2
+    # nodes (4 ranks) hold 4P/4 of shards and at most a whole model's worth unsharded (P: one block's gathered
+    # weights and gradients in its backward, or the model made whole on the rank before sharding): at most
+    # 2P = 512 MiB. The caching allocator reserves some 1.3x what is allocated; a limit of 0.034 of an L4
+    # (755.6 MiB) is 1.48x the 2-node ceiling and 1.18x the 1-node floor: the fewest nodes is 2.
+    weights = _parameter_bytes(2048)
+    assert round(weights / MIB, 1) == 256.1
+    done = memdiff("fit", "--emulate", "l4", "--max-memory", "0.034", "--range", "nodes=1:4", "--jobs", "1",
+                   "-o", f"{tmp_path}/runs/", "--format", "json", "--", sys.executable, "-m",
+                   "torch.distributed.run", "--nnodes", "{nodes}", "--nproc-per-node", "2", str(FSDP), "--cuda",
+                   "--width", "2048")
+    assert done.returncode == 0, done.stderr
+    doc = json.loads(done.stdout)
+    assert doc["knob"] == "nodes" and doc["direction"] == "smallest"
+    (gpu,) = doc["gpus"]
+    assert gpu["value"] == 2 and gpu["fails"]["value"] == 1 and gpu["fails"]["outcome"] == "over-limit"
+    assert [r["value"] for r in gpu["runs"]] == [1, 2]  # from the smallest up; 3 and 4 never ran
+    # Each value ran rank 0 and the last rank only (the world is one FSDP mesh): 2 of 2 ranks, then 2 of 4.
+    for run, world in ((gpu["fails"], 2), (gpu["fits"], 4)):
+        assert run["world_size"] == world and run["ranks_run"] == [0, world - 1]
+        manifest = json.loads((Path(run["snapshot"]) / "memdiff-job.json").read_text())
+        assert manifest["emulated_ranks"] == [0, world - 1]
+        assert sorted(p.name for p in Path(run["snapshot"]).glob("rank*.pickle")) == ["rank0.pickle",
+                                                                                     f"rank{world - 1}.pickle"]
+    assert "ran ranks 0, 3 of 4" in gpu["line"] and "the others not run" in gpu["line"]
+    assert gpu["fits"]["reserved_peak_bytes"] <= gpu["limit_bytes"] < gpu["fails"]["reserved_peak_bytes"]
+    assert gpu["fails"]["peak_bytes"] >= 5 * weights // 2 and gpu["fits"]["peak_bytes"] <= 2 * weights  # by hand
+    assert 2 * weights < gpu["limit_bytes"] < 5 * weights // 2 * 1.3
