@@ -25,19 +25,9 @@ import json
 import sys
 import time
 import traceback
-from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional
+from typing import Any, Dict, Iterator, List, Optional
 
-
-class Case(NamedTuple):
-    """A model of a zoo: `build()` makes it and `loss(model)` runs its forward on a batch and returns a
-    scalar loss, both under `torch.device` of the sweep's device (their factories make on it)."""
-    name: str
-    build: Callable[[], Any]
-    loss: Callable[[Any], Any]
-
-
-class Skip(Exception):
-    """A case the zoo cannot make as the sweep asks (a config that does not shrink): `skipped`, not run."""
+from case import Case, Skip
 
 
 def _zoo(name: str) -> Iterator[Case]:
@@ -182,5 +172,4 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.modules["sweep"] = sys.modules[__name__]  # the zoos' `from sweep import Skip` is this module's Skip
     sys.exit(main())

@@ -7,7 +7,7 @@ from __future__ import annotations
 import re
 from typing import Any, Iterator, List
 
-from sweep import Case
+from case import Case
 from torchvision_ops import import_torchvision
 
 PER_MODULE = 2

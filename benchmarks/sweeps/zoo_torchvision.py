@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, Iterator
 
-from sweep import Case
+from case import Case
 from torchvision_ops import import_torchvision
 
 

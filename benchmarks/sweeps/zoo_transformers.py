@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, Iterator, List
 
-from sweep import Case, Skip
+from case import Case, Skip
 
 LAYERS = ("num_hidden_layers", "num_layers", "n_layer", "n_layers", "encoder_layers", "decoder_layers",
           "num_decoder_layers", "num_encoder_layers", "depth")
