@@ -21,6 +21,7 @@ import sys
 from typing import Any, Callable, Iterator, List, Optional, Tuple
 
 from memdiff.recording.emulate.devices import GPUS, SPAWNED
+from memdiff.recording.emulate.on_import import AfterImport
 
 # The modules of Lightning's device parser (both of its package names), and the function every
 # request for GPUs passes through there: an int N, a list of indices, or -1 (all there are).
@@ -64,33 +65,6 @@ def _spawning(real: Callable[..., Any]) -> Callable[..., Any]:
     return start_processes
 
 
-class _Finder:
-    """Patches each parser module right after it runs, the first time it is imported."""
-
-    def __init__(self, patch: Callable[[Any], None]) -> None:
-        self.patch = patch
-
-    def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
-        if name not in PARSERS or self not in sys.meta_path:
-            return None
-        spec = None
-        for finder in sys.meta_path[sys.meta_path.index(self) + 1:]:
-            find = getattr(finder, "find_spec", None)
-            spec = find(name, path, target) if find is not None else None
-            if spec is not None:
-                break
-        loader = getattr(spec, "loader", None)
-        if loader is None or isinstance(loader, type) or not hasattr(loader, "exec_module"):
-            return spec
-        run, patch = loader.exec_module, self.patch
-
-        def exec_module(module: Any) -> None:
-            run(module)
-            patch(module)
-        loader.exec_module = exec_module
-        return spec
-
-
 @contextlib.contextmanager
 def devices_asked(emulator: Any) -> Iterator[None]:
     """For the block: the GPUs Lightning's device parser asks for are the emulated node's, and each
@@ -109,7 +83,7 @@ def devices_asked(emulator: Any) -> Iterator[None]:
     spawn: Any = importlib.import_module("torch.multiprocessing.spawn")
     patched.append((spawn, "start_processes", spawn.start_processes))
     spawn.start_processes = _spawning(spawn.start_processes)
-    finder = _Finder(patch)
+    finder = AfterImport(PARSERS, lambda _, module: patch(module))
     sys.meta_path.insert(0, finder)
     try:
         yield

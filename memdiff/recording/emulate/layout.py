@@ -20,6 +20,8 @@ import os
 import sys
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
+from memdiff.recording.emulate.on_import import AfterImport
+
 LAYOUT = "MEMDIFF_RECORD_LAYOUT"
 # The real file functions, taken before the emulator's guards of the user's files replace them: the
 # layout file is memdiff's own, in its output folder.
@@ -114,33 +116,6 @@ def _post_init(layout: Layout, real: Callable[..., Any]) -> Callable[..., Any]:
     return __post_init__
 
 
-class _Finder:
-    """Patches a module of the layout right after it runs, the first time it is imported."""
-
-    def __init__(self, patch: Callable[[str, Any], None]) -> None:
-        self.patch = patch
-
-    def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
-        if name not in (_PIPELINE, _DTENSOR_SPEC) or self not in sys.meta_path:
-            return None
-        spec = None
-        for finder in sys.meta_path[sys.meta_path.index(self) + 1:]:
-            find = getattr(finder, "find_spec", None)
-            spec = find(name, path, target) if find is not None else None
-            if spec is not None:
-                break
-        loader = getattr(spec, "loader", None)
-        if loader is None or isinstance(loader, type) or not hasattr(loader, "exec_module"):
-            return spec
-        run, patch = loader.exec_module, self.patch
-
-        def exec_module(module: Any) -> None:
-            run(module)
-            patch(name, module)
-        loader.exec_module = exec_module
-        return spec
-
-
 @contextlib.contextmanager
 def recorded() -> Iterator[None]:
     """For the block, when MEMDIFF_RECORD_LAYOUT names a file: the script's layout written there as it is
@@ -164,7 +139,7 @@ def recorded() -> Iterator[None]:
     for name in (_PIPELINE, _DTENSOR_SPEC):
         if name in sys.modules:
             patch(name, sys.modules[name])
-    finder = _Finder(patch)
+    finder = AfterImport((_PIPELINE, _DTENSOR_SPEC), patch)
     sys.meta_path.insert(0, finder)
     _layout[:] = [layout]
     try:
