@@ -22,11 +22,11 @@ have stacks of their own: nothing is told there.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, Hashable, List, Tuple
 
 import numpy as np
 
-from memdiff.read.accel import ObjectCodes
+from memdiff.read.accel import ObjectCodes, identities
 from memdiff.read.frames import MAX_STACK_FRAMES
 
 # How the profiler names a Python-level call into native code (a PyCCall event), and how memdiff's
@@ -91,12 +91,21 @@ def call_runs(trace: Any) -> Calls:
         return NO_CALLS
     stacks = ObjectCodes(trace, "frames")
     codes = stacks.at(np.arange(n, dtype=np.int64))
-    # Equal stacks are often distinct lists (one per allocation): decided once per list, by value.
+    # Equal stacks are often distinct lists (one per allocation), most often of the same frame
+    # objects: decided once per list of the same frames (a hostile file repeats one deep list
+    # thousands of times), then numbered by value.
     by_value: Dict[Tuple[Any, ...], int] = {}
+    by_frames: Dict[Hashable, Tuple[Tuple[Any, ...], bool]] = {}
     value_of = np.full(len(stacks.objects), -1, dtype=np.int64)
     opens_of = np.zeros(len(stacks.objects), dtype=bool)
     for k, o in enumerate(stacks.objects):
-        key, opens = _call_key(o)
+        same = identities(o) if isinstance(o, list) else None
+        decided = by_frames.get(same) if same is not None else None
+        if decided is None:
+            decided = _call_key(o)
+            if same is not None:
+                by_frames[same] = decided
+        key, opens = decided
         if key:
             value_of[k] = by_value.setdefault(key, len(by_value))
             opens_of[k] = opens
