@@ -37,6 +37,8 @@ RANK_PATTERNS = (r"(?i)(?:^|[^a-z])rank[-_]?(\d+)(?!\d)", r"[-_.](\d+)(?:\.[a-z]
 PER_PROCESS = re.compile(r"^pid\d+\.pickle$")
 HIDDEN = (".", "_")  # recording leftovers (`.rank0.pickle.recording`) and editor files
 MAX_RANKS = 1 << 20
+# How long `--dask` waits for the scheduler: Dask retries a refused connection until then.
+DASK_CONNECT_TIMEOUT_S = 20
 
 
 @dataclass(frozen=True)
@@ -226,7 +228,7 @@ def _on_dask(address: str, paths: Sequence[str], rules: Sequence[Rule], history:
     except ImportError:
         raise InputError("--dask", "needs dask.distributed: pip install 'memdiff[dask]'") from None
     try:
-        client = Client(address, timeout="20s")
+        client = Client(address, timeout=f"{DASK_CONNECT_TIMEOUT_S}s")
     except (OSError, TimeoutError, ValueError) as exc:
         raise InputError(f"--dask {address}", f"cannot reach the scheduler: {exc}") from None
     with client:
