@@ -266,7 +266,7 @@ def test_peak_of_a_cpu_recording_shows_no_reserved_figure(torch, tmp_path):
 
 EXITING = """
 import os, signal, threading, time, torch
-kept = [torch.ones(16) for _ in range(30_000)]  # enough allocations that converting them takes a while
+kept = [torch.ones(16) for _ in range(10_000)]  # enough allocations that converting them takes seconds
 done = threading.Event()
 
 def terminate_while_exiting():  # torchrun's SIGTERM to the other ranks, while this one exits
