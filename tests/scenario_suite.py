@@ -229,8 +229,10 @@ def capture(names: Sequence[str], folder: Path) -> Dict[str, Path]:
         if done.returncode != 0:
             raise RuntimeError(f"capturing {model} failed:\n{done.stderr[-3000:]}")
 
+    # The families with the most runs first, so that the last to finish is a short one and neither
+    # core idles at the end while the other works through a long family.
     with ThreadPoolExecutor(max_workers=2) as pool:
-        list(pool.map(run, todo))
+        list(pool.map(run, sorted(todo, key=lambda model: -len(todo[model]))))
     return paths
 
 
