@@ -181,7 +181,9 @@ SPAWN = textwrap.dedent("""
         dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
         model = DistributedDataParallel(torch.nn.Linear(1024, 1024).cuda(), device_ids=[rank])
         model(torch.randn(8, 1024, device="cuda")).sum().backward()
-        print("rank", rank, "on", next(model.parameters()).device, flush=True)
+        # one write, so the two ranks' lines cannot interleave in the pipe they share (print writes each piece)
+        sys.stdout.write(f"rank {rank} on {next(model.parameters()).device}\\n")
+        sys.stdout.flush()
         dist.destroy_process_group()
 
 
