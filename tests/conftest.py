@@ -16,6 +16,10 @@ pytest_plugins = ["pytester"]
 
 ROOT = Path(__file__).resolve().parent.parent
 SHARED = ROOT.parent / "shared" / "snapshots"
+# A suite run inside a test (pytester.runpytest_subprocess): memdiff's plugin and xdist load from
+# their entry points as in a user's suite; this environment's other plugins, which those tests
+# never use, stay out (Hypothesis's and anyio's imports are 3 of a run's 10 s of CPU).
+INNER_PYTEST = ("-p", "no:cacheprovider", "-p", "no:hypothesispytest", "-p", "no:anyio", "-p", "no:benchmark")
 
 
 def missing_shared(reason: str) -> None:

@@ -18,10 +18,12 @@ CUDA = ROOT / "tests" / "data" / "cuda"
 sys.path.insert(0, str(CUDA))
 from capture import GPT2, RUNS  # noqa: E402  (the arguments the real runs were captured with)
 
-# The real runs the emulator is held to (each emulated in about 15 s of CPU): fp32 with the
-# memory-efficient attention, bf16 and fp16 weights with cuDNN's, optimizers with and without
-# state (SGD's momentum, Adafactor's factored moments), accumulation, checkpointing.
-HELD = ["gpt2-base", "gpt2-bf16", "gpt2-sgd", "gpt2-sgd-momentum", "gpt2-adafactor", "gpt2-checkpoint", "gpt2-fused"]
+# The real run the script's own recording under the emulator is held to (about 15 s of CPU). The
+# same script with bf16 weights, SGD with and without momentum, Adafactor, checkpointing (whole and
+# half), kept gradients, autocast and the fused AdamW step is held to the same targets against the
+# real runs made by its flags in tests/test_whatif_rerun.py, where `memdiff whatif --emulate` runs
+# each of them once (equal to the change made by hand, to the byte: test_whatif_rerun.py too).
+HELD = ["gpt2-base"]
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from conftest import kept_write
+from conftest import INNER_PYTEST, kept_write
 
 import memdiff
 
@@ -177,7 +177,7 @@ def test_the_pytest_plugin_gates_a_cuda_test_on_the_emulated_gpu(pytester, torch
         def test_over():
             torch.empty(1 << 20, device="cuda")
     """))
-    result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
+    result = pytester.runpytest_subprocess(*INNER_PYTEST)
     result.assert_outcomes(passed=1, failed=1)
     out = result.stdout.str()
     assert "device 0 peak 4.00 MiB" in out and "over the limit of 1.00 MiB" in out
@@ -188,7 +188,7 @@ def test_the_pytest_plugin_gates_a_cuda_test_on_the_emulated_gpu(pytester, torch
         def test_step():
             pass
     """))
-    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", str(bad))
+    result = pytester.runpytest_subprocess(*INNER_PYTEST, str(bad))
     out = result.stdout.str()
     assert result.ret == 2 and "emulate: no GPU named 'h900'" in out
     assert "During handling of the above exception" not in out  # one line, no chained exception

@@ -6,6 +6,7 @@ import json
 import textwrap
 
 import pytest
+from conftest import INNER_PYTEST
 
 # Slow (the fast loop, -m "not slow", leaves it out): each test runs a suite that records.
 pytestmark = pytest.mark.slow
@@ -34,7 +35,7 @@ def suite(pytester, torch):
 
 def run(pytester, *args, floats=65536):
     pytester._monkeypatch.setenv("MEMDIFF_TEST_FLOATS", str(floats))  # noqa: SLF001 - pytester's own
-    return pytester.runpytest_subprocess("-p", "no:cacheprovider", *args)
+    return pytester.runpytest_subprocess(*INNER_PYTEST, *args)
 
 
 def baseline_of(pytester):
@@ -113,7 +114,7 @@ def test_a_ceiling_needs_no_baseline(pytester, torch):
         def test_big():
             torch.zeros(1024 * 1024).sum()
     """))
-    result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
+    result = pytester.runpytest_subprocess(*INNER_PYTEST)
     result.assert_outcomes(passed=1, failed=1)
     result.stdout.fnmatch_lines(["*device 0 peak 4.00 MiB* is over the limit of 1.00 MiB; largest live at the peak:*"])
     assert not (pytester.path / "baselines").exists()
@@ -129,13 +130,13 @@ def test_two_xdist_workers_record_their_own_tests(pytester, torch):
         def test_step(n):
             torch.zeros(n * 4096).sum()
     """))
-    pytester.runpytest_subprocess("-p", "no:cacheprovider", "-n", "2", "--memdiff-update").assert_outcomes(passed=4)
+    pytester.runpytest_subprocess(*INNER_PYTEST, "-n", "2", "--memdiff-update").assert_outcomes(passed=4)
     stored = sorted(p.name for p in (pytester.path / "baselines").iterdir())
     assert stored == [f"test_many.py-test_step[{n}].json" for n in (1, 2, 3, 4)]
     peaks = [json.loads((pytester.path / "baselines" / name).read_text())["devices"][0]["peak_bytes"]
              for name in stored]
     assert peaks == sorted(peaks) and peaks[0] >= 4096 * 4
-    pytester.runpytest_subprocess("-p", "no:cacheprovider", "-n", "2").assert_outcomes(passed=4)
+    pytester.runpytest_subprocess(*INNER_PYTEST, "-n", "2").assert_outcomes(passed=4)
 
 
 def test_an_unmarked_suite_records_nothing_and_never_imports_torch(pytester):
@@ -147,7 +148,7 @@ def test_an_unmarked_suite_records_nothing_and_never_imports_torch(pytester):
             session.config.rootpath.joinpath("loaded.txt").write_text(",".join(loaded))
     """))
     pytester.makepyfile(test_plain="def test_one():\n    assert 1 + 1 == 2\n")
-    result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
+    result = pytester.runpytest_subprocess(*INNER_PYTEST)
     result.assert_outcomes(passed=1)
     assert (pytester.path / "loaded.txt").read_text() == ""
     assert "memdiff" in pytester.runpytest_subprocess("--markers").stdout.str()
@@ -164,7 +165,7 @@ def test_the_record_fixture_gives_the_summary_of_a_block(pytester, torch):
             d = run.summary.devices[0]
             assert d.peak_bytes >= 4 * (1 << 20)  # at least one of the two tensors
     """))
-    pytester.runpytest_subprocess("-p", "no:cacheprovider").assert_outcomes(passed=1)
+    pytester.runpytest_subprocess(*INNER_PYTEST).assert_outcomes(passed=1)
 
 
 def test_bad_input_fails_in_one_line_and_the_session_exits_2(pytester, torch):
@@ -182,7 +183,7 @@ def test_bad_input_fails_in_one_line_and_the_session_exits_2(pytester, torch):
         def test_both():
             torch.zeros(1024).sum()
     """))
-    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--memdiff-update")
+    result = pytester.runpytest_subprocess(*INNER_PYTEST, "--memdiff-update")
     result.assert_outcomes(failed=2)
     assert result.ret == 2
     out = result.stdout.str()
