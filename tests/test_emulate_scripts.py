@@ -194,7 +194,10 @@ def test_the_pytest_plugin_gates_a_cuda_test_on_the_emulated_gpu(pytester, torch
     assert "During handling of the above exception" not in out  # one line, no chained exception
 
 
-FAMILIES = ["bert", "llama", "t5", "vit", "cnn"]
+# Llama, BERT, T5 and ViT are held to real H100 windows of their own (tests/test_emulate_truth.py: every
+# category at the peak within 1 MiB, the peak and max_memory_allocated() within 0.5%), more than the
+# model's own facts below can say; the plain torch.nn CNN has no real window, so its facts hold it here.
+FAMILIES = ["cnn"]
 
 
 @pytest.fixture(scope="module")
@@ -222,7 +225,7 @@ def family(tmp_path_factory):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", FAMILIES)
 def test_other_families_run_unmodified_and_hold_what_the_model_holds(family, name):
-    # No real GPU run of these yet (docs/emulate.md): the truth here is the model's own, read by the
+    # No real GPU run of this one (docs/emulate.md): the truth here is the model's own, read by the
     # script under emulation, where the tensors and the optimizer's state are what they are on a GPU.
     from memdiff import api
 
