@@ -1,7 +1,7 @@
 """The scenario suite: models other people wrote, trained with the changes teams make, captured on CPU.
 
-Each scenario is a model and the flags of tests/scenarios/train.py. Captures run in one
-process per model family (importing transformers once), two families at a time, and are
+Each scenario is a model and the flags of tests/scenarios/train.py. Captures run in two
+processes, one per core, each importing torch and transformers once (record_jobs), and are
 kept for the session. Ground truth comes from PyTorch, never from memdiff: the `category` the
 profiler route writes on every allocation, and the step and phase each trace entry happened
 in, from record_function scopes the script opens (`--truth`).
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import re
 import subprocess
 import sys
@@ -20,6 +21,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 TRAIN = Path(__file__).resolve().parent / "scenarios" / "train.py"
+DONE = "scenario-suite: recorded"  # train.py's answer to each run of `--jobs -`
 
 # name: (model, flags). `base` runs also write ground truth.
 BASES = {f"{m}-base": (m, ["--truth"]) for m in ("gpt2", "bert", "llama", "mlp", "cnn")}
@@ -221,19 +223,57 @@ def capture(names: Sequence[str], folder: Path) -> Dict[str, Path]:
             argv += [flag, str(folder / f"{name}.truth.json")] if flag == "--truth" else [flag]
         todo.setdefault(model, []).append(argv)
 
-    def run(model: str) -> None:
-        jobs = folder / f"{model}.jobs.json"
-        jobs.write_text(json.dumps(todo[model]))
-        done = subprocess.run([sys.executable, str(TRAIN), "--jobs", str(jobs)], capture_output=True, text=True,
-                              env={**os.environ, "TRANSFORMERS_VERBOSITY": "error"})
-        if done.returncode != 0:
-            raise RuntimeError(f"capturing {model} failed:\n{done.stderr[-3000:]}")
-
-    # The families with the most runs first, so that the last to finish is a short one and neither
-    # core idles at the end while the other works through a long family.
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        list(pool.map(run, sorted(todo, key=lambda model: -len(todo[model]))))
+    record_jobs(todo, folder)
     return paths
+
+
+def record_jobs(todo: Dict[str, List[List[str]]], folder: Path) -> None:
+    """Record each of train.py's argument lists in `todo` (model -> its runs), logging into `folder`.
+
+    Two processes, one per core, each record family after family as they take them from a queue
+    (the families with the most runs first, so that the last to finish is a short one and neither
+    core idles at the end behind a long family). Each process pays for importing torch,
+    transformers and Dynamo once, not once per family: a run records the same in either (all 123
+    runs' peaks, categories, traces and ground truth compared equal)."""
+    families: "queue.Queue[str]" = queue.Queue()
+    for model in sorted(todo, key=lambda model: -len(todo[model])):
+        families.put(model)
+
+    def worker(number: int) -> None:
+        with open(folder / f"capture-{number}.log", "w+") as log:
+            process = subprocess.Popen([sys.executable, str(TRAIN), "--jobs", "-"], stdin=subprocess.PIPE,
+                                       stdout=subprocess.PIPE, stderr=log, text=True,
+                                       env={**os.environ, "TRANSFORMERS_VERBOSITY": "error"})
+            assert process.stdin is not None and process.stdout is not None
+            try:
+                while True:
+                    try:
+                        model = families.get_nowait()
+                    except queue.Empty:
+                        break
+                    for argv in todo[model]:
+                        try:
+                            process.stdin.write(json.dumps(argv) + "\n")
+                            process.stdin.flush()
+                        except BrokenPipeError:
+                            raise RuntimeError(_failed(model, argv, process, log)) from None
+                        # what the run prints is read up to its DONE line; none before the end is a failure
+                        if not any(line.startswith(DONE) for line in iter(process.stdout.readline, "")):
+                            raise RuntimeError(_failed(model, argv, process, log))
+            finally:
+                process.stdin.close()
+                process.wait()
+
+    processes = min(2, len(todo))
+    with ThreadPoolExecutor(max_workers=max(processes, 1)) as pool:
+        list(pool.map(worker, range(processes)))
+
+
+def _failed(model: str, argv: List[str], process: "subprocess.Popen[str]", log: Any) -> str:
+    """What a capture process that ended before recording `argv` said (the end of its stderr)."""
+    process.wait()
+    log.seek(0)
+    return f"capturing {model} ({' '.join(argv)}) failed, exit {process.returncode}:\n{log.read()[-3000:]}"
 
 
 def truth_of(snapshot: Path) -> List[Tuple[Optional[int], Optional[str]]]:

@@ -4,7 +4,6 @@ of real models whose forecast is checked against a capture at that size (PyTorch
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any, Dict, List
@@ -161,7 +160,6 @@ def test_api_is_the_cli_json(series, capsys):
 
 # ---------------------------------------------------------------- CPU captures of real models
 
-TRAIN = Path(__file__).resolve().parent / "scenarios" / "train.py"
 # name: (model, flags, knob flag, values given, values checked). Tiny models, two steps each.
 SERIES = {
     # a large vocabulary and a short sequence: the optimizer step holds the peak at batch 1-4,
@@ -176,7 +174,7 @@ SERIES = {
 
 @pytest.fixture(scope="session")
 def forecast_captures(torch, tmp_path_factory):
-    """{series: {value: snapshot}}, captured once per session, one process per model family."""
+    """{series: {value: snapshot}}, captured once per session (two processes, as the scenario suite)."""
     if sys.version_info < (3, 11):
         pytest.skip("the scenario suite's transformers needs Python 3.11+")
     pytest.importorskip("transformers")
@@ -190,16 +188,9 @@ def forecast_captures(torch, tmp_path_factory):
             paths[name][v] = out
             jobs.setdefault(model, []).append(["--model", model, "--out", str(out), "--steps", "2", *flags,
                                                knob, str(v)])
-    from concurrent.futures import ThreadPoolExecutor
+    from scenario_suite import record_jobs
 
-    def run(model: str) -> None:
-        spec = folder / f"{model}.jobs.json"
-        spec.write_text(json.dumps(jobs[model]))
-        done = subprocess.run([sys.executable, str(TRAIN), "--jobs", str(spec)], capture_output=True, text=True,
-                              env={**__import__("os").environ, "TRANSFORMERS_VERBOSITY": "error"})
-        assert done.returncode == 0, done.stderr[-3000:]
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        list(pool.map(run, jobs))
+    record_jobs(jobs, folder)
     return paths
 
 

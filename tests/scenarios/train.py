@@ -16,12 +16,16 @@ import argparse
 import contextlib
 import json
 import random
+import sys
 from typing import Any, Callable, Dict, Iterator, List, Optional, Set, Tuple
 
 import torch
 from torch import nn
 
 from memdiff.recording.capture import record
+
+# What `--jobs -` writes on stdout after each run it recorded (tests/scenario_suite.py waits for it).
+DONE = "scenario-suite: recorded"
 
 VOCAB = 1000
 POSITIONS = 128
@@ -662,16 +666,28 @@ def main() -> None:
     p.add_argument("--config", choices=("small", "full"), default="small",
                    help="full: GPT-2 from the library's default GPT2Config (124M weights; give --vocab 50257)")
     p.add_argument("--stacks", choices=("all", "python"), default="all", help="CUDA stacks (memdiff record's option)")
-    p.add_argument("--jobs", help="a JSON list of argument lists: record each in turn, in this one process")
+    p.add_argument("--jobs", help="a JSON list of argument lists: record each in turn, in this one process; "
+                                  f"'-': one JSON argument list per line of stdin, each answered by '{DONE} OUT' "
+                                  "on stdout once recorded")
     args = p.parse_args()
-    # Several runs in one process pay for importing torch and transformers once.
-    with open(args.jobs) if args.jobs else contextlib.nullcontext() as f:
-        jobs = [p.parse_args(argv) for argv in json.load(f)] if f else [args]
-    for job in jobs:
+
+    def run(job: argparse.Namespace) -> None:
         if not (job.model and job.out):
             p.error("--model and --out are required (or --jobs)")
         record_truth(job.truth)
         train(job)
+
+    # Several runs in one process pay for importing torch and transformers once.
+    if args.jobs == "-":
+        for line in iter(sys.stdin.readline, ""):
+            job = p.parse_args(json.loads(line))
+            run(job)
+            print(DONE, job.out, flush=True)
+        return
+    with open(args.jobs) if args.jobs else contextlib.nullcontext() as f:
+        jobs = [p.parse_args(argv) for argv in json.load(f)] if f else [args]
+    for job in jobs:
+        run(job)
 
 
 if __name__ == "__main__":
