@@ -5,6 +5,7 @@ detection model trains a step."""
 
 from __future__ import annotations
 
+import os
 import pickle
 import subprocess
 import sys
@@ -93,12 +94,17 @@ FASTER_RCNN = """
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not _torchvision_imports(), reason="torchvision does not import beside this torch")
 def test_a_torchvision_detection_model_trains_a_step(tmp_path: Path):
     """Faster R-CNN's RPN and box heads run nms (batched_nms) and roi_align at every step: one
     training step of fasterrcnn_mobilenet_v3_large_fpn finishes (before: exit 1 with torchvision's
     meta-kernel traceback), its losses are torchvision's four, and the SGD momentum buffers the step
     made hold the model's parameters again, to the byte (75,839,016 B with 3 classes)."""
+    if not _torchvision_imports():
+        # .ci/run installs torchvision in its CUDA-build lane and runs this test there, where it must run
+        reason = "torchvision's PyPI build imports only beside torch's CUDA build"
+        if os.environ.get("MEMDIFF_REQUIRE_TORCHVISION") == "1":
+            pytest.fail(reason + "; MEMDIFF_REQUIRE_TORCHVISION=1 makes this a failure")
+        pytest.skip(reason + " (CI runs this test in its CUDA-build lane)")
     done, snapshot = _emulate(tmp_path, FASTER_RCNN)
     lines = done.stdout.splitlines()
     assert lines[0] == "losses loss_box_reg loss_classifier loss_objectness loss_rpn_box_reg"
