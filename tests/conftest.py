@@ -22,11 +22,16 @@ SHARED = ROOT.parent / "shared" / "snapshots"
 INNER_PYTEST = ("-p", "no:cacheprovider", "-p", "no:hypothesispytest", "-p", "no:anyio", "-p", "no:benchmark")
 
 
+def required_or_skip(variable: str, reason: str) -> None:
+    """Skip for `reason`; where CI sets `variable`=1 (what it installs must be there), fail instead."""
+    if os.environ.get(variable) == "1":
+        pytest.fail(f"{reason}; {variable}=1 makes this a failure")
+    pytest.skip(reason)
+
+
 def missing_shared(reason: str) -> None:
     """Skip for `reason`, shared material being absent; under MEMDIFF_REQUIRE_SHARED=1 (CI), fail."""
-    if os.environ.get("MEMDIFF_REQUIRE_SHARED") == "1":
-        pytest.fail(reason + "; MEMDIFF_REQUIRE_SHARED=1 makes this a failure")
-    pytest.skip(reason)
+    required_or_skip("MEMDIFF_REQUIRE_SHARED", reason)
 
 
 @pytest.fixture(scope="session")
@@ -43,11 +48,21 @@ def expected(shared: Path) -> Dict[str, Any]:
     return json.loads((shared / "expected.json").read_text())
 
 
+def assert_held_to_real(emulated, real, label: str) -> None:
+    """An emulated run's device summary against the real GPU run's: the peak within 1%, the caching
+    allocator's segments within 2%, the peak in the same phase, the same categories at it, and the
+    model's bytes (parameters, optimizer state, gradients, workspace) equal to the byte."""
+    assert abs(emulated.peak_bytes / real.peak_bytes - 1) <= 0.01, (label, emulated.peak_bytes, real.peak_bytes)
+    assert abs(emulated.reserved_peak_bytes / real.reserved_peak_bytes - 1) <= 0.02, label
+    assert emulated.phase_at_peak == real.phase_at_peak, label
+    assert set(emulated.categories) == set(real.categories), label
+    for category in ("parameter", "optimizer_state", "gradient", "workspace"):
+        assert emulated.categories.get(category, 0) == real.categories.get(category, 0), (label, category)
+
+
 def missing_capture_dependency(reason: str) -> None:
     """Skip for a missing capture dependency, or fail where CI requires them (MEMDIFF_REQUIRE_TORCH=1)."""
-    if os.environ.get("MEMDIFF_REQUIRE_TORCH") == "1":
-        pytest.fail(reason + "; MEMDIFF_REQUIRE_TORCH=1 makes this a failure")
-    pytest.skip(reason)
+    required_or_skip("MEMDIFF_REQUIRE_TORCH", reason)
 
 
 @pytest.fixture(scope="session")

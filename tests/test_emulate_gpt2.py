@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import kept_write
+from conftest import assert_held_to_real, kept_write
 
 ROOT = Path(__file__).resolve().parent.parent
 CUDA = ROOT / "tests" / "data" / "cuda"
@@ -53,16 +53,8 @@ def emulated(tmp_path_factory, torch):
 def test_the_emulated_h100_run_has_the_real_h100_runs_peak(emulated, name):
     from memdiff import api
 
-    real = api.summarize(CUDA / f"{name}.pickle.gz").devices[0]
-    emu = api.summarize(emulated(name)).devices[0]
-    assert abs(emu.peak_bytes / real.peak_bytes - 1) <= 0.01, (name, emu.peak_bytes, real.peak_bytes)
-    # the caching allocator's segments: within 2% (all but gpt2-checkpoint, +0.5%, to the MiB)
-    assert abs(emu.reserved_peak_bytes / real.reserved_peak_bytes - 1) <= 0.02
-    assert emu.phase_at_peak == real.phase_at_peak
-    # The categories at the peak: the real snapshot's, byte for byte where the bytes are the model's.
-    assert set(emu.categories) == set(real.categories)
-    for category in ("parameter", "optimizer_state", "gradient", "workspace"):
-        assert emu.categories.get(category, 0) == real.categories.get(category, 0), category
+    assert_held_to_real(api.summarize(emulated(name)).devices[0], api.summarize(CUDA / f"{name}.pickle.gz").devices[0],
+                        name)
 
 
 @pytest.mark.slow

@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import assert_held_to_real
 
 from memdiff.analyse.classify import load_rules
 from memdiff.read.inputs import read_summary
@@ -168,30 +169,23 @@ def test_each_rerun_of_the_gpt2_script_is_within_1pct_of_the_real_h100_run_with_
                    str(ROOT / "tests" / "scenarios" / "train.py"), *GPT2, "--out", str(tmp_path / "own.pickle"))
     assert done.returncode == 0, done.stderr
     rows = {c["change"]: c for c in json.loads(done.stdout)["devices"][0]["changes"]}
-    real_base = read_summary(str(cuda / "gpt2-base.pickle.gz"), load_rules()).devices[0]
     assert rows and all(row["applies"] for row in rows.values())
-    for change, window in {None: "gpt2-base", **REAL}.items():
-        real = read_summary(str(cuda / f"{window}.pickle.gz"), load_rules()).devices[0]
-        snapshot = out / "baseline.pickle" if change is None else Path(rows[change]["snapshot"])
-        emu = read_summary(str(snapshot), load_rules()).devices[0]
-        # Each re-run is an emulated run of the script as any other, held as tests/test_emulate_gpt2.py
-        # holds the script's own: the peak within 1%, the caching allocator's segments within 2%, the
-        # peak in the same phase, the same categories at it and the model's bytes equal to the byte.
-        assert abs(emu.peak_bytes / real.peak_bytes - 1) <= 0.01, (window, emu.peak_bytes, real.peak_bytes)
-        assert abs(emu.reserved_peak_bytes / real.reserved_peak_bytes - 1) <= 0.02, window
-        assert emu.phase_at_peak == real.phase_at_peak and set(emu.categories) == set(real.categories), window
-        for category in ("parameter", "optimizer_state", "gradient", "workspace"):
-            assert emu.categories.get(category, 0) == real.categories.get(category, 0), (window, category)
-        if change is None:
-            continue
+    rules = load_rules()
+    real = {window: read_summary(str(cuda / f"{window}.pickle.gz"), rules).devices[0]
+            for window in ("gpt2-base", *REAL.values())}
+    # Each re-run is an emulated run of the script as any other, held as tests/test_emulate_gpt2.py holds
+    # the script's own recording.
+    assert_held_to_real(read_summary(str(out / "baseline.pickle"), rules).devices[0], real["gpt2-base"], "baseline")
+    for change, window in REAL.items():
+        emu = read_summary(rows[change]["snapshot"], rules).devices[0]
+        assert_held_to_real(emu, real[window], window)
         # what the table says is that run's figure
         assert rows[change]["predicted_peak_bytes"] == emu.peak_bytes, change
         # the saving, as the real pair measures it, within 1% of the real peak too
-        saving = rows[change]["delta_bytes"]
-        assert abs(saving - (real.peak_bytes - real_base.peak_bytes)) <= 0.01 * real.peak_bytes, change
+        saving, really = rows[change]["delta_bytes"], real[window].peak_bytes - real["gpt2-base"].peak_bytes
+        assert abs(saving - really) <= 0.01 * real[window].peak_bytes, change
     # the fused step's saving is in the optimizer step, below this run's peak: its phase peak is the real one's
-    fused = max(p.peak_bytes for p in read_summary(str(cuda / "gpt2-fused.pickle.gz"),
-                                                   load_rules()).devices[0].phase_peaks if p.phase == "optimizer")
+    fused = max(p.peak_bytes for p in real["gpt2-fused"].phase_peaks if p.phase == "optimizer")
     assert abs(rows["step=fused"]["phase_peaks"]["optimizer"] / fused - 1) <= 0.01
 
 
