@@ -7,12 +7,11 @@ MEMDIFF_REQUIRE_BROWSER=1, so in CI a skip is a failure.
 from __future__ import annotations
 
 import json
-import os
 import re
 
 import pytest
 from browser import Opened, chromium, open_report
-from conftest import alloc, free, py_frames
+from conftest import alloc, free, py_frames, required_or_skip
 
 from memdiff.cli import main
 from memdiff.units import format_bytes
@@ -31,10 +30,7 @@ def _browser_or_skip() -> str:
     except ImportError:
         reasons.append("playwright is not installed (pip install -e '.[test]')")
     if reasons:
-        reason = "; ".join(reasons)
-        if os.environ.get("MEMDIFF_REQUIRE_BROWSER") == "1":
-            pytest.fail(reason + "; MEMDIFF_REQUIRE_BROWSER=1 makes this a failure")
-        pytest.skip(reason)
+        required_or_skip("MEMDIFF_REQUIRE_BROWSER", "; ".join(reasons))
     return path
 
 

@@ -5,7 +5,6 @@ detection model trains a step."""
 
 from __future__ import annotations
 
-import os
 import pickle
 import subprocess
 import sys
@@ -14,6 +13,7 @@ from pathlib import Path
 from typing import Any, Dict, Tuple
 
 import pytest
+from conftest import required_or_skip
 
 pytest.importorskip("torch")
 
@@ -101,10 +101,8 @@ def test_a_torchvision_detection_model_trains_a_step(tmp_path: Path):
     made hold the model's parameters again, to the byte (75,839,016 B with 3 classes)."""
     if not _torchvision_imports():
         # .ci/run installs torchvision in its CUDA-build lane and runs this test there, where it must run
-        reason = "torchvision's PyPI build imports only beside torch's CUDA build"
-        if os.environ.get("MEMDIFF_REQUIRE_TORCHVISION") == "1":
-            pytest.fail(reason + "; MEMDIFF_REQUIRE_TORCHVISION=1 makes this a failure")
-        pytest.skip(reason + " (CI runs this test in its CUDA-build lane)")
+        required_or_skip("MEMDIFF_REQUIRE_TORCHVISION", "torchvision's PyPI build imports only beside torch's CUDA "
+                                                        "build (CI runs this test in its CUDA-build lane)")
     done, snapshot = _emulate(tmp_path, FASTER_RCNN)
     lines = done.stdout.splitlines()
     assert lines[0] == "losses loss_box_reg loss_classifier loss_objectness loss_rpn_box_reg"
