@@ -264,9 +264,9 @@ def record_jobs(todo: Dict[str, List[List[str]]], folder: Path) -> None:
                 process.stdin.close()
                 process.wait()
 
-    processes = min(2, len(todo))
-    with ThreadPoolExecutor(max_workers=max(processes, 1)) as pool:
-        list(pool.map(worker, range(processes)))
+    if todo:
+        with ThreadPoolExecutor(max_workers=2) as pool:
+            list(pool.map(worker, range(min(2, len(todo)))))
 
 
 def _failed(model: str, argv: List[str], process: "subprocess.Popen[str]", log: Any) -> str:
