@@ -333,3 +333,29 @@ def test_backward_memory_is_named_by_its_autograd_node_and_nothing_else_changes(
     assert {g.site for g in device.groups if g.category == "gradient"} == {"AddmmBackward0 <- mm", "AddmmBackward0 <- sum"}
     backward = next(p for p in device.phase_peaks if p.phase == "backward")
     assert "LogSoftmaxBackward0 <- _log_softmax_backward_data" in {g.site for g in backward.groups}
+
+
+def test_frames_of_code_that_ended_before_the_recording_keep_their_names(torch, tmp_path):
+    """A module imported inside the recording allocates as it loads, from its cached bytecode, as a
+    user's package does on any machine that has run it before. Its module code is freed once the
+    import ends; torch's profiler keeps only pointers to that code's names and reads them when the
+    recording stops. Strings made after the import take over the freed memory."""
+    package = tmp_path / "mypkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "tables.py").write_text("import torch\n\nTABLE = torch.ones(1024, 1024)\n")
+    (package / "train.py").write_text(
+        "from mypkg import tables\n"
+        "junk = ['j%07d' % i for i in range(300_000)]  # strings the size of '<module>'\n"
+        "print(float(tables.TABLE.sum()))\n")
+    subprocess.run([sys.executable, "-m", "compileall", "-q", "mypkg"], cwd=tmp_path, check=True)
+    done = subprocess.run([sys.executable, "-m", "memdiff", "record", "-o", "t.pickle", "--", "python", "-m",
+                           "mypkg.train"], capture_output=True, text=True, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "1048576.0" in done.stdout
+    trace = decode(str(tmp_path / "t.pickle"))[0]["device_traces"][-1]
+    table = [e for e in trace if e["action"] == "alloc" and e["size"] == 4 * 1024 * 1024]
+    assert table, "the table's allocation was not recorded"
+    names = [f["name"] for f in table[0]["frames"]]
+    assert any(re.search(r"mypkg/tables\.py\(\d+\): <module>$", n) for n in names), names
+    assert any(re.search(r"mypkg/train\.py\(\d+\): <module>$", n) for n in names), names

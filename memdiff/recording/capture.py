@@ -187,23 +187,61 @@ def start_cpu(torch: Any) -> Callable[[], Any]:
                                     f"record memory without CUDA")
     profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True,
                                       record_shapes=True, with_stack=True)
+    _keep_code_run(True)
     profiler.__enter__()
 
     def finish() -> Any:
         profiler.__exit__(None, None, None)
         try:
-            # torch's converter builds the memory profile itself; handing it the one built here
-            # lets each allocation be matched to its profiler event (_name_autograd_nodes).
-            memory = _TimelineOnce(profiler._memory_profile())
-            snapshot = to_snapshot(_Built(memory))
-        except Exception as exc:  # a private API: under gloo's threads it fails with AssertionError or KeyError
-            print(f"memdiff: torch's memory profiler refused this run's records ({type(exc).__name__}: "
-                  f"{str(exc)[:120]}...); the snapshot is built from its allocation events instead, without "
-                  f"PyTorch's own categories", file=sys.stderr)
-            return from_allocations(torch, profiler)
-        _name_autograd_nodes(torch, snapshot, memory)
-        return snapshot
+            return _snapshot(torch, profiler, to_snapshot)
+        finally:
+            _keep_code_run(False)
     return finish
+
+
+# The code objects `exec` ran (imports, the script's own module, exec'd code) while the profiler
+# records, or None when it does not: see _keep_code_run.
+_code_run: Optional[List[Any]] = None
+_audit_hooked = False
+
+
+def _keep_code_run(keep: bool) -> None:
+    """From now on hold (or, with False, let go of) every code object `exec` runs.
+
+    torch's Python tracer keeps a frame's file and function names as pointers into its code object,
+    without a reference, and reads them once the recording ends. A module's own code is freed when
+    its import (or the script's run) ends, and names loaded from cached bytecode are shared with no
+    live object, so those frames would read freed memory: another name, or bytes that are not UTF-8.
+    Python's audit hook sees each code object `exec` is given. A hook cannot be removed, so one is
+    added per process, and it does nothing while no recording runs."""
+    global _code_run, _audit_hooked
+    if keep and not _audit_hooked:
+        sys.addaudithook(_hold_exec_code)
+        _audit_hooked = True
+    _code_run = [] if keep else None
+
+
+def _hold_exec_code(event: str, args: Tuple[Any, ...]) -> None:
+    """The audit hook of _keep_code_run: called on every audited event, so it does the least it can."""
+    if event == "exec" and _code_run is not None:
+        _code_run.append(args[0])
+
+
+def _snapshot(torch: Any, profiler: Any, to_snapshot: Callable[[Any], Any]) -> Any:
+    """The snapshot of a stopped profiler: torch's converter's, with backward's stacks named, or, where
+    torch's memory profiler refuses the records, one built from the allocation events."""
+    try:
+        # torch's converter builds the memory profile itself; handing it the one built here
+        # lets each allocation be matched to its profiler event (_name_autograd_nodes).
+        memory = _TimelineOnce(profiler._memory_profile())
+        snapshot = to_snapshot(_Built(memory))
+    except Exception as exc:  # a private API: under gloo's threads it fails with AssertionError or KeyError
+        print(f"memdiff: torch's memory profiler refused this run's records ({type(exc).__name__}: "
+              f"{str(exc)[:120]}...); the snapshot is built from its allocation events instead, without "
+              f"PyTorch's own categories", file=sys.stderr)
+        return from_allocations(torch, profiler)
+    _name_autograd_nodes(torch, snapshot, memory)
+    return snapshot
 
 
 class _Built:
