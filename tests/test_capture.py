@@ -359,3 +359,29 @@ def test_frames_of_code_that_ended_before_the_recording_keep_their_names(torch, 
     names = [f["name"] for f in table[0]["frames"]]
     assert any(re.search(r"mypkg/tables\.py\(\d+\): <module>$", n) for n in names), names
     assert any(re.search(r"mypkg/train\.py\(\d+\): <module>$", n) for n in names), names
+
+
+def test_a_frame_name_torch_can_no_longer_read_is_marked_and_the_stack_kept(torch):
+    """Code freed during a recording without passing through exec leaves torch's profiler reading
+    its names from freed memory; the allocation's stack keeps that frame, marked, and its others."""
+    from torch._C._profiler import _EventType
+
+    from memdiff.recording.capture import UNREADABLE, _stack
+
+    class Event:
+        def __init__(self, tag, name, parent=None):
+            self.tag, self._name, self.parent = tag, name, parent
+
+        @property
+        def name(self):
+            if self._name is None:
+                raise UnicodeDecodeError("utf-8", b"\x96", 0, 1, "invalid start byte")
+            return self._name
+
+    script = Event(_EventType.PyCall, "train.py(3): <module>")
+    freed = Event(_EventType.PyCall, None, script)
+    forward = Event(_EventType.PyCall, "model.py(9): forward", freed)
+    op = Event(_EventType.TorchOp, "aten::empty", forward)
+    allocation = Event(_EventType.Allocation, "[memory]", op)
+    assert [f["name"] for f in _stack(allocation, _EventType)] == [
+        "model.py(9): forward", UNREADABLE, "train.py(3): <module>"]

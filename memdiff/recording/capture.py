@@ -22,6 +22,8 @@ from memdiff.recording.snapshot_file import dump
 STACKS = ("python", "all")
 # How the profiler names the autograd engine running a node: `...: AddmmBackward0`.
 AUTOGRAD_NODE = "autograd::engine::evaluate_function: "
+# The name of a frame torch's profiler could no longer read (_name).
+UNREADABLE = "<a frame whose name torch's profiler lost>"
 
 
 class CaptureError(InputError):
@@ -372,12 +374,22 @@ def _stack(event: Any, event_type: Any) -> List[Dict[str, Any]]:
         return e.tag in (event_type.PyCall, event_type.PyCCall)
 
     def node(e: Any) -> bool:
-        return e.tag == event_type.TorchOp and e.name.startswith(AUTOGRAD_NODE)
+        return e.tag == event_type.TorchOp and _name(e).startswith(AUTOGRAD_NODE)
 
     first = next((i for i, e in enumerate(chain) if python(e) or node(e)), len(chain))
     own_ops = first < len(chain) and node(chain[first])
-    return [{"filename": "none", "line": 0, "name": e.name} for i, e in enumerate(chain)
-            if python(e) or node(e) or (own_ops and i < first and e.name.startswith("aten::"))]
+    return [{"filename": "none", "line": 0, "name": _name(e)} for i, e in enumerate(chain)
+            if python(e) or node(e) or (own_ops and i < first and _name(e).startswith("aten::"))]
+
+
+def _name(event: Any) -> str:
+    """A profiler event's name, or UNREADABLE where torch reads it from freed memory: code that
+    ended during the recording without passing through exec, which _keep_code_run cannot hold.
+    The allocation keeps its place and its other frames, and the snapshot is still written."""
+    try:
+        return str(event.name)
+    except UnicodeDecodeError:
+        return UNREADABLE
 
 
 def _say(message: str) -> None:
