@@ -85,9 +85,13 @@ def _inputs(torch: Any, kind: str, config: Any, model: Any) -> Dict[str, Any]:
     if model.main_input_name == "input_features":
         bins = getattr(config, "num_mel_bins", 80)
         frames = getattr(config, "max_length", None) or getattr(config, "max_source_positions", 1500) * 2
-        return {"input_features": torch.randn(2, frames, bins).transpose(1, 2)
-                if model.config.model_type == "whisper" else torch.randn(2, frames, bins),
-                "labels": labels}
+        inputs = {"input_features": torch.randn(2, frames, bins).transpose(1, 2)
+                  if model.config.model_type == "whisper" else torch.randn(2, frames, bins),
+                  "labels": labels}
+        if kind == "MODEL_FOR_CTC_MAPPING_NAMES":
+            # a CTC loss needs each clip's length: Parakeet reads it from the mask it is given (None without)
+            inputs["attention_mask"] = torch.ones(2, frames, dtype=torch.long)
+        return inputs
     return {model.main_input_name: torch.randn(2, 16000), "labels": labels}
 
 
