@@ -73,7 +73,12 @@ def _inputs(torch: Any, kind: str, config: Any, model: Any) -> Dict[str, Any]:
     vocab = min(int(getattr(text, "vocab_size", None) or 1000), 1000)
     ids = torch.randint(4, vocab, (2, 32))
     if kind.startswith(("MODEL_FOR_CAUSAL", "MODEL_FOR_SEQ_TO_SEQ")):
-        return {"input_ids": ids, "labels": ids}
+        inputs = {"input_ids": ids, "labels": ids}
+        if kind.startswith("MODEL_FOR_SEQ_TO_SEQ") and getattr(config, "decoder_start_token_id", None) is None:
+            # the decoder's inputs given, as a loop does for a config that names no token to shift
+            # the labels right with (T5's family as transformers 5 makes it from its defaults)
+            inputs["decoder_input_ids"] = ids
+        return inputs
     labels = torch.randint(0, 2, (2,))
     if kind == "MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES":
         side = getattr(config, "image_size", 224)
