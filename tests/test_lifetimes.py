@@ -119,7 +119,8 @@ def test_steps_and_phases_from_stacks(write_snapshot):
 # Lightning's automatic optimization (and LBFGS): the stepping batch's forward, loss and backward
 # run in a closure that `optimizer.step(closure)` calls.
 IN_STEP = prof("lightning/pytorch/loops/optimization/automatic.py(146): __call__",
-               "torch/optim/optimizer.py(485): _use_grad", "torch/optim/adam.py(223): step",
+               "lightning/pytorch/plugins/precision/precision.py(108): _wrap_closure",
+               "torch/optim/adam.py(223): step", "torch/optim/optimizer.py(485): _use_grad",
                "torch/optim/optimizer.py(509): wrapper", "lightning/pytorch/core/optimizer.py(154): step")
 
 
@@ -155,6 +156,100 @@ def test_a_forward_the_optimizer_step_calls_back_is_a_forward(write_snapshot, cl
     backwards, whether the last micro-batch runs before `step()` or inside it."""
     d = summary_of(write_snapshot, accumulating(2, closure))
     assert [[p.phase for p in s.phases] for s in d.steps] == [["forward", "backward"] * 2 + ["optimizer"]] * 2
+
+
+# The same loop as a CUDA snapshot records it (Python frames with their files; the backward on the
+# autograd engine's thread, C++ frames only), inside the step's own `record_function` scope.
+def py(*frames: str) -> List[Dict[str, Any]]:
+    """CUDA-route frames from "file:name", innermost first."""
+    return [{"filename": f, "line": 1, "name": n} for f, n in (frame.rsplit(":", 1) for frame in frames)]
+
+
+def cpp(*names: str) -> List[Dict[str, Any]]:
+    return [{"filename": "", "line": 0, "name": n} for n in names]
+
+
+ENGINE = cpp("at::_ops::mm::call", "torch::autograd::generated::MmBackward0::apply",
+             "torch::autograd::Engine::evaluate_function")
+GRAD = cpp("at::_ops::zeros_like::call", "torch::autograd::AccumulateGrad::apply",
+           "torch::autograd::Engine::evaluate_function")
+TORCH = SP + "torch/optim/"
+LIGHTNING = SP + "lightning/pytorch/"
+CLOSURE = py(f"{LIGHTNING}demos/model.py:training_step", f"{LIGHTNING}loops/optimization/automatic.py:closure",
+             f"{LIGHTNING}loops/optimization/automatic.py:__call__",
+             f"{LIGHTNING}plugins/precision/precision.py:_wrap_closure")
+WRAPPERS = py(f"{TORCH}optimizer.py:_use_grad", f"{TORCH}optimizer.py:wrapper", f"{LIGHTNING}core/optimizer.py:step",
+              "/work/train.py:<module>")
+
+
+def lightning(optimizer: str, steps: int = 2) -> Dict[str, Any]:
+    """Lightning's automatic optimization on a GPU: each step `optimizer.step(closure)` inside its
+    `Optimizer.step#...` scope, the closure running the forward, the loss, zero_grad (its own scope)
+    and the backward, then the update: Adam's (state made in the first step, a temporary each
+    step), plain SGD's (in place, nothing allocated) or a custom optimizer's `step`, code outside
+    torch inside torch.optim's wrappers (its state and temporaries by its own file)."""
+    step = py(f"{TORCH}adam.py:step") if optimizer != "custom" else py("/work/muon.py:step")
+    forward = py("torch/nn/modules/linear.py:forward", "/work/model.py:forward") + CLOSURE + step + WRAPPERS
+    loss = py("torch/nn/functional.py:cross_entropy") + CLOSURE + step + WRAPPERS
+    state = (py(f"{TORCH}adam.py:_init_group") if optimizer == "Adam" else py("/work/muon.py:zeros")) + step + WRAPPERS
+    update = (py(f"{TORCH}adam.py:_multi_tensor_adam", f"{TORCH}adam.py:adam") if optimizer == "Adam"
+              else py("/work/muon.py:newton_schulz")) + step + WRAPPERS
+    to_device = cpp("at::_ops::_to_copy::call") + py("/work/train.py:<module>")
+    t = Trace()
+    annotations: List[Dict[str, Any]] = []
+
+    def scope(name: str, stage: str) -> None:
+        annotations.append({"name": f"Optimizer.{name}#{optimizer}.{name}", "stage": stage, "device": 0,
+                            "time_us": 10 * len(t.events) - 5})  # before the next event
+
+    for k in range(steps):
+        batch = t.new(1000, to_device)
+        scope("step", "START")
+        acts = [t.new(100_000, forward) for _ in range(3)]
+        scores = t.new(400, loss)
+        scope("zero_grad", "START")
+        scope("zero_grad", "END")
+        tmp = t.new(50_000, ENGINE)
+        if k == 0:
+            t.new(4096, GRAD)
+        t.drop(tmp, 50_000, ENGINE)
+        for a in acts:
+            t.drop(a, 100_000, ENGINE)
+        t.drop(scores, 400, ENGINE)
+        if k == 0 and optimizer != "SGD":
+            t.new(4096, state), t.new(4096, state)
+        if optimizer != "SGD":
+            t.drop(t.new(4096, update), 4096, update)
+        scope("step", "END")
+        t.drop(batch, 1000, to_device)
+    for k, e in enumerate(t.events):
+        e["time_us"] = 10 * k
+    return {**t.snapshot(), "external_annotations": annotations}
+
+
+@pytest.mark.parametrize("optimizer", ["Adam", "SGD", "custom"])
+def test_lightnings_closure_is_the_forward_and_backward_inside_the_steps_scope(write_snapshot, optimizer):
+    """Lightning's forward and backward run inside `Optimizer.step#...`'s scope; they read as the
+    forward and the backward all the same, their memory as activations and gradients, and the
+    update after them as the optimizer step (plain SGD's, which allocates nothing, included)."""
+    d = summary_of(write_snapshot, lightning(optimizer))
+    assert [[p.phase for p in s.phases] for s in d.steps] == [["forward", "backward", "optimizer"]] * 2
+    # The second step's forward: its activations and loss, the batch, the gradient and state kept.
+    state = {} if optimizer == "SGD" else {"optimizer_state": 2 * 4096}
+    kept = {"input": 1000, "gradient": 4096, **state}
+    assert d.at("forward").categories == {"activation": 3 * 100_000 + 400, **kept}
+    update = {} if optimizer == "SGD" else {"optimizer_temporary": 4096}
+    assert d.at("optimizer").categories == {**kept, **update}
+
+
+def test_a_custom_optimizers_own_step_is_the_optimizer_step(write_snapshot):
+    """Without scopes (stacks alone), a custom optimizer's `step` (outside torch, called through
+    torch.optim's wrappers) is the optimizer step, not a call back: its state is born there."""
+    snap = lightning("custom")
+    del snap["external_annotations"]
+    d = summary_of(write_snapshot, snap)
+    assert [[p.phase for p in s.phases] for s in d.steps] == [["forward", "backward", "optimizer"]] * 2
+    assert {g.lifetime["born"] for g in d.groups if g.category == "optimizer_state"} == {"optimizer"}
 
 
 def test_a_copy_the_loop_keeps_after_the_update_is_no_activation(write_snapshot):

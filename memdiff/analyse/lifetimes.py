@@ -30,7 +30,7 @@ import bisect
 import re
 from array import array
 from dataclasses import dataclass, field
-from typing import Any, Collection, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Collection, Dict, Generic, List, Mapping, Optional, Sequence, Tuple, TypeVar
 
 import numpy as np
 
@@ -97,27 +97,69 @@ class Lifetime:
         return f"{self.born}>{self.freed}:{self.outlives}" + ("/call" if self.call == CALL_FREED else "")
 
 
+@dataclass(frozen=True)
+class StackHint:
+    """What one stack says about its phase: the hint (None: nothing), and whether it shows memory
+    that is no optimizer's work even inside an optimizer step's `record_function` scope: a backward
+    (the autograd engine's frames, with no optimizer frame outside them), or code the step called
+    back (`optimizer.step(closure)`)."""
+
+    phase: Optional[str]
+    outside_step: bool = False
+
+
+_NO_HINT = StackHint(None)
+
+
+@dataclass(frozen=True)
+class _FrameFacts:
+    phase: Optional[str]
+    outside: bool  # Python source of neither torch nor the standard library
+    optimizer_base: bool  # torch.optim.Optimizer's own wrappers (a custom step runs inside them)
+    closure: bool  # named as a closure is (`closure`, Lightning's `_wrap_closure`)
+
+
 class _Hints:
     """The phase hint of a raw frames list, cached per sequence of frame objects and per frame."""
 
     def __init__(self) -> None:
-        self._lists: PerFrames[Optional[str]] = PerFrames(self._scan)
-        self._frames: Dict[Tuple[Any, Any], Tuple[Optional[str], bool]] = {}
+        self._lists: PerFrames[StackHint] = PerFrames(self._scan)
+        self._frames: Dict[Tuple[Any, Any], _FrameFacts] = {}
 
     def of(self, frames: Any) -> Optional[str]:
+        """The phase the stack says, None when it says nothing."""
+        return self.scan(frames).phase
+
+    def scan(self, frames: Any) -> StackHint:
+        """The stack's hint, and whether it shows memory that is no optimizer's work."""
         if not frames or not isinstance(frames, list) or len(frames) > MAX_STACK_FRAMES:
-            return None  # a longer stack is refused when it is grouped
+            return _NO_HINT  # a longer stack is refused when it is grouped
         return self._lists.get(frames)
 
-    def _scan(self, frames: List[Any], _: Any) -> Optional[str]:
+    def _facts(self, name: str, filename: Optional[str]) -> _FrameFacts:
+        known = self._frames.get((name, filename))
+        if known is None:
+            text = _frame_text(name, filename)
+            known = self._frames[(name, filename)] = _FrameFacts(
+                frame_phase(name, filename), _outside_torch(name, filename), bool(_OPTIMIZER_BASE.search(text)),
+                bool(CLOSURE_FRAME.search(name[:1000])))
+        return known
+
+    def _scan(self, frames: List[Any], _: Any) -> StackHint:
         """The strongest hint of the stack's frames (innermost first), but where the step called
         back into other code (`optimizer.step(closure)`: Lightning's automatic optimization,
         LBFGS), what that code did is not the optimizer's: the forward and the loss the closure
         computes take the hints of the frames inside the callback (none for the loss: the phase
-        around it), and its backward stays a backward."""
+        around it), and its backward stays a backward.
+
+        A call back is a frame named as a closure is inside the innermost optimizer frame, or code
+        outside torch inside one of torch's own optimizers' steps (`SGD.step` calling whatever it
+        was handed). A custom optimizer's `step` is code outside torch too, but it runs inside
+        `torch.optim.Optimizer`'s wrappers, and what it does is the optimizer's."""
         best: Optional[str] = None
         inner: Optional[str] = None  # the strongest hint before (inside) the first optimizer frame
-        called_back = False  # a frame of code outside torch inside the first optimizer frame
+        outside = closure = False  # code outside torch, a closure, inside the first optimizer frame
+        called_back = False
         stepped = False  # an optimizer frame was met
         for raw in frames:
             if not isinstance(raw, dict):
@@ -125,36 +167,52 @@ class _Hints:
             name, filename = raw.get("name"), raw.get("filename")
             if not isinstance(name, str):
                 continue  # a malformed frame says nothing (the stack normalizer reports it)
-            filename = filename if isinstance(filename, str) else None
-            known = self._frames.get((name, filename))
-            if known is None:
-                known = self._frames[(name, filename)] = (frame_phase(name, filename), _outside_torch(name, filename))
-            hint, outside = known
+            facts = self._facts(name, filename if isinstance(filename, str) else None)
+            hint = facts.phase
             if hint == BACKWARD:
-                return BACKWARD
+                # Outside an optimizer's frames: an optimizer run by a backward hook (optimizer in
+                # backward) is the step's work, though the stack's strongest hint is the backward.
+                return StackHint(BACKWARD, not stepped or called_back)
             if not stepped:
                 if hint == OPTIMIZER:
                     stepped = True
+                    called_back = closure or (outside and not facts.optimizer_base)
                 else:
-                    called_back = called_back or outside
+                    outside = outside or facts.outside
+                    closure = closure or facts.closure
                     if hint is not None and (inner is None or _RANK[hint] < _RANK[inner]):
                         inner = hint
             if hint is not None and (best is None or _RANK[hint] < _RANK[best]):
                 best = hint
-        return inner if stepped and (called_back or inner == FORWARD) else best
+        if stepped and (called_back or inner == FORWARD):
+            # Construction inside a closure is the loop's bookkeeping (Lightning's ClosureResult),
+            # no model being built: the phase around it.
+            return StackHint(None if inner == SETUP and called_back else inner, outside_step=called_back)
+        return StackHint(best)
 
 
 def frame_phase(name: str, filename: Optional[str]) -> Optional[str]:
     """The phase one frame says its allocation happened in (STACK_HINTS), or None."""
-    text = name if filename in (None, "", "none", "??") else f"{filename}:{name}"
-    text = text[:1000]  # the hints look at short names; a hostile 60 KB name costs nothing more
+    text = _frame_text(name, filename)
     for phase, pattern in STACK_HINTS:
         if pattern.search(text):
             return phase
     return None
 
 
+def _frame_text(name: str, filename: Optional[str]) -> str:
+    """"file:name" of a raw frame, just the name where that holds the file (profiler frames) or
+    there is none (C++ frames), cut short: a hostile 60 KB name costs nothing more."""
+    return (name if filename in (None, "", "none", "??") else f"{filename}:{name}")[:1000]
+
+
 _TORCH_FILE = re.compile(r"(^|/)torch/")
+# torch.optim.Optimizer's wrappers around every optimizer's `step` (the profiling scope, the hooks,
+# `_use_grad`), as a frame's "file:name" or a profiler frame's name.
+_OPTIMIZER_BASE = re.compile(r"torch/optim/optimizer\.py")
+# A frame that runs a closure handed to `optimizer.step`: LBFGS's documented `def closure()`,
+# Lightning's `Closure.closure` and `_wrap_closure`.
+CLOSURE_FRAME = re.compile(r"(^|[_.:\s])closure$", re.IGNORECASE)
 
 
 def _outside_torch(name: str, filename: Optional[str]) -> bool:
@@ -168,7 +226,10 @@ def _outside_torch(name: str, filename: Optional[str]) -> bool:
     return bool(LIBRARY_PATH.search(filename)) or not STDLIB_PATH.search(filename)
 
 
-class _Intervals:
+V = TypeVar("V")
+
+
+class _Intervals(Generic[V]):
     """Time intervals with a value each, for asking which innermost one holds a time.
 
     record_function scopes nest, so each interval keeps the nearest earlier interval that
@@ -176,8 +237,8 @@ class _Intervals:
     before the time, a few steps rather than back over every interval of a long trace.
     """
 
-    def __init__(self, intervals: List[Tuple[int, float, str]]) -> None:
-        self.items = sorted(intervals)
+    def __init__(self, intervals: List[Tuple[int, float, V]]) -> None:
+        self.items = sorted(intervals, key=lambda item: (item[0], item[1]))
         self._starts = [start for start, _, _ in self.items]
         self._parents: List[int] = []
         open_: List[int] = []
@@ -187,7 +248,7 @@ class _Intervals:
             self._parents.append(open_[-1] if open_ else -1)
             open_.append(k)
 
-    def at(self, time_us: Any) -> Optional[str]:
+    def at(self, time_us: Any) -> Optional[V]:
         """The value of the innermost interval holding `time_us`, if any."""
         if not isinstance(time_us, int) or not self.items:
             return None
@@ -222,6 +283,8 @@ class Scopes:
         self._phases = _Intervals([(start, end, phase) for start, end, name in intervals
                                    if (phase := phase_of[name])])
         self.has_phases = bool(self._phases.items)
+        self._optimizer_ends = _Intervals([(start, end, end) for start, end, phase in self._phases.items
+                                           if phase == OPTIMIZER])
 
     def innermost(self, time_us: Optional[int]) -> Optional[str]:
         """The most recently opened scope still open at `time_us`, if any."""
@@ -234,6 +297,10 @@ class Scopes:
     def phase_at(self, time_us: Any) -> Optional[str]:
         """The phase named by the innermost phase scope open at `time_us`."""
         return self._phases.at(time_us)
+
+    def optimizer_end_at(self, time_us: Any) -> Optional[float]:
+        """When the innermost optimizer scope open at `time_us` closes (inf: never), if one is."""
+        return self._optimizer_ends.at(time_us)
 
 
 def _scope_phase(name: str) -> Optional[str]:
@@ -459,6 +526,12 @@ def build_timeline(trace: List[Any], allocs: Sequence[int], running: np.ndarray,
     for k in positions:
         e = trace[allocs[k]]
         label = scopes.phase_at(e.get("time_us")) if scopes.has_phases else None
+        if label == OPTIMIZER:
+            # The step's scope also holds what a closure it calls back computes: its forward and
+            # backward are theirs (Lightning runs every training_step so).
+            hint = hints.scan(e.get("frames"))
+            if hint.outside_step:
+                label = hint.phase
         labels.append(label or (CONTINUES if allocs[k] in versions else hints.of(e.get("frames"))))
     runs = _runs([allocs[k] for k in positions], _fill(labels))
     runs[0] = (runs[0][0], 0)  # the first run starts with the trace
@@ -495,7 +568,9 @@ def _with_silent_steps(trace: List[Any], allocs: Sequence[int], runs: List[Tuple
     """Runs with an optimizer run added after each backward run not followed by one, where the
     trace shows an optimizer step that allocated nothing (plain SGD's update is in place): from
     the first event after the backward's last allocation of its own that falls in an optimizer
-    scope opened since (`Optimizer.step#SGD.step`, `Optimizer.zero_grad#...`), that frees memory
+    scope opened since (`Optimizer.step#SGD.step`, `Optimizer.zero_grad#...`), that comes after the
+    optimizer scope the backward ran in closes (a closure's backward, which the step then follows
+    with its update: Lightning's automatic optimization), that frees memory
     from a stack of the optimizer's (`zero_grad` setting the gradients to None), or that writes a
     new version of memory older than the trace (the profiler route's record of a weight updated
     in place), to the next run."""
@@ -514,6 +589,7 @@ def _with_silent_steps(trace: List[Any], allocs: Sequence[int], runs: List[Tuple
         last = allocs[j]  # the backward's last allocation that is no new version of a tensor
         opened_at = trace[last].get("time_us") if isinstance(trace[last], dict) else None
         scope = bisect.bisect_right(starts, opened_at) if isinstance(opened_at, int) else len(starts)
+        closes = scopes.optimizer_end_at(opened_at)
         for i in range(last + 1, end):
             e = trace[i]
             if not isinstance(e, dict):
@@ -523,7 +599,9 @@ def _with_silent_steps(trace: List[Any], allocs: Sequence[int], runs: List[Tuple
             if action in ("free_requested", "free_completed") and stacks_left > 0:
                 stacks_left -= 1
                 freed_by_step = hints.of(e.get("frames")) == OPTIMIZER
-            if freed_by_step or (scope < len(starts) and isinstance(time_us, int) and time_us >= starts[scope]) or \
+            timed = isinstance(time_us, int)
+            if freed_by_step or (scope < len(starts) and timed and time_us >= starts[scope]) or \
+                    (closes is not None and timed and time_us >= closes) or \
                     (action == "alloc" and i in versions and _older_than_trace(i, versions, older)):
                 out.append((OPTIMIZER, i))
                 break
