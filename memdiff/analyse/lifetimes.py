@@ -599,9 +599,9 @@ def _with_silent_steps(trace: List[Any], allocs: Sequence[int], runs: List[Tuple
             if action in ("free_requested", "free_completed") and stacks_left > 0:
                 stacks_left -= 1
                 freed_by_step = hints.of(e.get("frames")) == OPTIMIZER
-            timed = isinstance(time_us, int)
-            if freed_by_step or (scope < len(starts) and timed and time_us >= starts[scope]) or \
-                    (closes is not None and timed and time_us >= closes) or \
+            at = time_us if isinstance(time_us, int) else None
+            if freed_by_step or (scope < len(starts) and at is not None and at >= starts[scope]) or \
+                    (closes is not None and at is not None and at >= closes) or \
                     (action == "alloc" and i in versions and _older_than_trace(i, versions, older)):
                 out.append((OPTIMIZER, i))
                 break
