@@ -18,6 +18,9 @@ import pytest
 from conftest import missing_capture_dependency
 from test_record_ranks import free_port, torchrun
 
+from memdiff.analyse.classify import load_rules
+from memdiff.read.inputs import read_summary
+
 # Slow (the fast loop, -m "not slow", leaves it out): every test runs emulated processes.
 pytestmark = pytest.mark.slow
 
@@ -232,6 +235,14 @@ def test_lightning_ddp_on_two_gpus_under_its_own_launcher_records_both_ranks(tor
     assert manifest["world_size"] == 2
     assert [(r["rank"], r["state"], r["file"]) for r in manifest["ranks"]] == \
         [(0, "written", "rank0.pickle"), (1, "written", "rank1.pickle")]
+    # Lightning runs training_step and backward in the closure inside `Optimizer.step#SGD.step`'s
+    # scope: each step still reads forward, backward, optimizer, and the Linear(32, 4)'s 528 bytes
+    # are the weights and their gradient, no optimizer state (plain SGD keeps none).
+    for rank in ("rank0.pickle", "rank1.pickle"):
+        d = read_summary(str(tmp_path / "runs" / rank), load_rules()).devices[0]
+        assert [[p.phase for p in s.phases] for s in d.steps] == [["forward", "backward", "optimizer"]] * 2
+        assert (d.categories["parameter"], d.categories["gradient"]) == (528, 528)
+        assert not {c for c in d.categories if c.startswith("optimizer")}
 
 
 # pytorch/examples' mnist_hogwild with --cuda: the model's memory shared, workers started by spawn.
