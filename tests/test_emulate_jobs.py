@@ -518,7 +518,7 @@ def test_ranks_that_name_no_rank_of_the_job_or_no_torchrun_job_are_one_line_exit
             ("8", ["torchrun", "--nproc-per-node", "8", "alone.py"], "the job has 8 ranks (1 node(s) of 8): no rank 8"),
             ("0,x", ["torchrun", "alone.py"], "is no list of ranks"),
             ("0", ["torchrun", "--nnodes", "1:4", "alone.py"], "torchrun's --nnodes 1:4 is no fixed count"),
-            ("0", [sys.executable, "alone.py"], "runs some ranks of a torchrun job")):
+            ("0", [sys.executable, "alone.py"], "runs some ranks of a torchrun, accelerate or DeepSpeed job")):
         done = _emulated(tmp_path, "runs/", *launch, ranks=ranks)
         lines = done.stderr.strip().splitlines()
         assert done.returncode == 2 and len(lines) == 1 and said in lines[0], done.stderr

@@ -35,8 +35,8 @@ from memdiff.recording.emulate.gpus import names as gpu_names
 from memdiff.recording.emulate.layout import LAYOUT
 from memdiff.recording.emulate.overlay_calls import OWNED, ROOT, for_run
 from memdiff.recording.emulate.swap import environment
-from memdiff.recording.launch import STARTED_BY, Launch, parse_ranks, rank_env, read_torchrun
-from memdiff.recording.launch_accelerate import is_accelerate, read_accelerate
+from memdiff.recording.launch import STARTED_BY, Launch, parse_ranks, rank_env
+from memdiff.recording.launchers import read_launch
 from memdiff.recording.manifest import (
     COLLECTIVES,
     MANIFEST,
@@ -98,9 +98,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "overlay the run reads back (DIR/upper/<absolute path>), removed after the run without this "
                         "(docs/emulate.md, 'Your files')")
     p.add_argument("--ranks", metavar="LIST|auto",
-                   help="with --emulate and -o DIR/ around a torchrun or `accelerate launch` command: run only these "
-                        "ranks of the job it describes (0,63 or 0-7,63), each alone in its own process with the "
-                        "environment its launcher gives it: any rank of a job of hundreds of GPUs from one CPU. "
+                   help="with --emulate and -o DIR/ around a torchrun, `accelerate launch` or `deepspeed` command: run "
+                        "only these ranks of the job it describes (0,63 or 0-7,63), each alone in its own process with "
+                        "the environment its launcher gives it: any rank of a job of hundreds of GPUs from one CPU. "
                         "auto: rank 0 first, then one rank per role of the layout its script built (the last rank, "
                         "the last coordinate of each mesh dimension whose shards are uneven or not known to be even, "
                         "each pipeline stage's first rank), each named with why (docs/jobs.md)")
@@ -132,6 +132,8 @@ def _target(command: List[str]) -> List[str]:
         command = command[1:]
     if command and PYTHON.match(os.path.basename(command[0])):
         command = command[1:]
+        if command[:1] == ["-u"]:  # unbuffered, as launchers run their ranks
+            command = command[1:]
     elif command and not command[0].endswith(".py") and command[0] != "-m":
         raise InputError("record", f"`{command[0]}` is not python: memdiff records a Python script in this "
                                    f"process (`-- python train.py ARGS` or `-- python -m MODULE ARGS`); to "
@@ -227,8 +229,9 @@ def is_folder(output: str) -> bool:
     return output.endswith(("/", os.sep)) or os.path.isdir(output)
 
 
-def _launched(command: List[str]) -> List[str]:
-    """The command to run in a child process, checked before anything runs."""
+def _launched(command: List[str], run: bool = True) -> List[str]:
+    """The command to run in a child process, checked before anything runs; with `run` False, a
+    launcher's command that is read, not run (--ranks), which need not be installed here."""
     if command and command[0] == "--":
         command = command[1:]
     if not command:
@@ -236,7 +239,7 @@ def _launched(command: List[str]) -> List[str]:
     if PYTHON.match(os.path.basename(command[0])):
         _target(command)  # the script or module must be there
         return command
-    if shutil.which(command[0]) is None:
+    if run and shutil.which(command[0]) is None:
         raise InputError(command[0], "no such command (not on PATH)")
     return command
 
@@ -434,7 +437,9 @@ def _some_ranks(args: argparse.Namespace, command: List[str]) -> Optional[_SomeR
                                     "collectives wait for no one): give it with --emulate GPU")
     auto = args.ranks.strip() == "auto"
     ranks = [0] if auto else parse_ranks(args.ranks)
-    launch = read_accelerate(command) if is_accelerate(command) else read_torchrun(command)
+    launch = read_launch(command)
+    if PYTHON.match(os.path.basename(launch.target[0])):
+        _target(launch.target)  # what each rank runs must be there: no launcher of ours starts and finds out
     beyond = [r for r in ranks if r >= launch.world_size]
     if beyond:
         raise InputError("--ranks", f"the job has {launch.world_size:,} ranks ({launch.nnodes} node(s) of "
@@ -450,7 +455,7 @@ def _start_ranks(forwarding: _Forwarding, env: Dict[str, str], some: _SomeRanks,
         alone = {**env, **some.launch.env, **rank_env(some.launch, rank, running, port=29500), **extra}
         if some.launch.nproc_per_node > 1 and "OMP_NUM_THREADS" not in os.environ:
             alone["OMP_NUM_THREADS"] = "1"  # torchrun's own default for several ranks on a node
-        forwarding.started(subprocess.Popen(some.launch.target, env=alone))
+        forwarding.started(subprocess.Popen(some.launch.command(rank), env=alone))
     for child in forwarding.children:
         child.wait()
 
@@ -484,7 +489,7 @@ def _run_launcher(args: argparse.Namespace) -> int:
     itself succeeded), nor one whose ranks did not all leave a snapshot (2), and a run ended by Ctrl-C
     is 130."""
     check_folder(args.output)
-    command = _launched(args.command)
+    command = _launched(args.command, run=args.ranks is None)
     if args.emulate:  # each rank's emulator reads it: a bad setting is one line here, before any rank starts
         try:
             AllocatorConfig.parse(os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""))

@@ -509,12 +509,11 @@ def runs_picked_ranks(command: Sequence[str], knob: str) -> bool:
     """Whether fit runs a launched job (`command`, its knob's value put in) as the ranks `memdiff record
     --ranks auto` picks rather than whole: always while `{nodes}` is searched (every value then runs alike),
     and for a job of several nodes (which one machine cannot start whole) or of more than WHOLE_JOB_RANKS
-    ranks; a torchrun or accelerate command only (the launchers --ranks reads)."""
-    from memdiff.recording.launch import read_torchrun
-    from memdiff.recording.launch_accelerate import is_accelerate, read_accelerate
+    ranks; a torchrun, accelerate or deepspeed command only (the launchers --ranks reads)."""
+    from memdiff.recording.launchers import read_launch
 
     try:
-        launch = read_accelerate(list(command)) if is_accelerate(list(command)) else read_torchrun(list(command))
+        launch = read_launch(list(command))
     except InputError:  # another launcher, or a job --ranks cannot split (one process): run whole, as before
         return False
     return knob == NODES or launch.nnodes > 1 or launch.world_size > WHOLE_JOB_RANKS

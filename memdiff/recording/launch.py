@@ -35,19 +35,32 @@ _VALUED = {f"--{name}" for name in (
 _FLAGS = {"--standalone", "--no-python", "--module", "-m", "--run-path"}
 
 
+TORCHRUN, DEEPSPEED = "torchrun", "deepspeed"  # whose per-rank environment a job's ranks get
+
+
 @dataclass(frozen=True)
 class Launch:
-    """The job a torchrun command describes: its size and what each rank runs."""
+    """The job a launcher's command describes: its size and what each rank runs."""
 
     nnodes: int
     nproc_per_node: int
     target: List[str]  # the command of one rank: python SCRIPT ARGS, python -m MODULE ARGS, or a program
     env: Dict[str, str] = field(default_factory=dict)  # what the launcher adds for every rank (accelerate's)
+    launcher: str = TORCHRUN  # torchrun's environment (accelerate starts torchrun), or DeepSpeed's launcher's
+    # DeepSpeed's launcher passes `--local_rank=N` to each rank after target[:local_rank_after]
+    local_rank_after: Optional[int] = None
 
     @property
     def world_size(self) -> int:
         """How many ranks the job has."""
         return self.nnodes * self.nproc_per_node
+
+    def command(self, rank: int) -> List[str]:
+        """What `rank` runs: the target, with its local rank where the launcher passes it."""
+        if self.local_rank_after is None:
+            return list(self.target)
+        at = self.local_rank_after
+        return [*self.target[:at], f"--local_rank={rank % self.nproc_per_node}", *self.target[at:]]
 
 
 def parse_ranks(text: str) -> List[int]:
@@ -85,9 +98,10 @@ def read_torchrun(command: List[str]) -> Launch:
     elif len(command) >= 3 and command[1:3] == ["-m", "torch.distributed.run"]:
         options = command[3:]
     else:
-        raise InputError("--ranks", "runs some ranks of a torchrun job or an accelerate one: give `-- torchrun "
-                                    "[options] train.py ...` (or python -m torch.distributed.run) or `-- accelerate "
-                                    "launch [options] train.py ...`; other launchers are not read yet")
+        raise InputError("--ranks", "runs some ranks of a torchrun, accelerate or DeepSpeed job: give `-- torchrun "
+                                    "[options] train.py ...` (or python -m torch.distributed.run), `-- accelerate "
+                                    "launch [options] train.py ...` or `-- deepspeed [options] train.py ...`; other "
+                                    "launchers are not read yet")
     given: Dict[str, Optional[str]] = {}
     i = 0
     while i < len(options) and options[i].startswith("-"):
@@ -120,9 +134,15 @@ def read_torchrun(command: List[str]) -> Launch:
 
 
 def rank_env(launch: Launch, rank: int, ranks: List[int], port: int) -> Dict[str, str]:
-    """The environment torchrun gives `rank` of the job (one node's agent per `nproc_per_node` ranks),
-    with the ranks that run, for the collectives."""
+    """The environment the job's launcher gives `rank` (one node's agent per `nproc_per_node` ranks),
+    with the ranks that run, for the collectives: torchrun's, or DeepSpeed's launcher's (its
+    deepspeed/launcher/launch.py: no torchrun variables, the node's GPUs made visible)."""
     local, node = rank % launch.nproc_per_node, rank // launch.nproc_per_node
+    if launch.launcher == DEEPSPEED:
+        return {"RANK": str(rank), "LOCAL_RANK": str(local), "WORLD_SIZE": str(launch.world_size),
+                "LOCAL_SIZE": str(launch.nproc_per_node), "CROSS_RANK": str(node), "CROSS_SIZE": str(launch.nnodes),
+                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), RANKS: ",".join(map(str, ranks)),
+                "CUDA_VISIBLE_DEVICES": ",".join(map(str, range(launch.nproc_per_node)))}
     return {"RANK": str(rank), "LOCAL_RANK": str(local), "WORLD_SIZE": str(launch.world_size),
             "LOCAL_WORLD_SIZE": str(launch.nproc_per_node), "GROUP_RANK": str(node), "GROUP_WORLD_SIZE":
             str(launch.nnodes), "ROLE_RANK": str(rank), "ROLE_NAME": "default", "ROLE_WORLD_SIZE":
