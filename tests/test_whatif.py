@@ -311,8 +311,12 @@ def rows(scenarios) -> Dict[Any, Dict[str, Any]]:
 # Issue 60's target: every one-run what-if within 2% of the change really made. The pairs still
 # over it, each held to what it measures now (rounded up), with what it misses.
 OPEN = {
-    # CPU autocast names no ATen op; the CNN's convolutions and pooling (issue 60, the lead's autocast work).
-    ("cnn-wide", "autocast=bf16"): 5.0,  # -4.6%
+    # The CNN under CPU autocast: -2.6% on an x86 CPU without AVX-512, where oneDNN has no bf16 and
+    # bf16 convolutions run ATen's _slow_conv2d, whose bias gradient sums (0, 2, 3) of the bf16
+    # output gradient through an fp32 copy (2 MiB at the second conv); the fp32 run cannot show which
+    # path the host takes, and with oneDNN (AVX-512) the run makes no copy (the table's earlier
+    # captures: 9.20 MiB measured, what is predicted now).
+    ("cnn-wide", "autocast=bf16"): 3.0,  # -2.6%
     # Llama's RMS norms and rotary embedding under autocast: +2.3%.
     ("llama-base", "autocast=bf16"): 2.5,
     # Mixtral's experts run through grouped_mm, which autocast does not cast: -2.3%.
