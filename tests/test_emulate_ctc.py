@@ -30,7 +30,8 @@ targets = torch.randint(1, {C}, ({B}, {S}), device="cuda")
 inputs = torch.full(({B},), {T}, dtype=torch.long).cuda()
 torch.cuda.memory._record_memory_history()
 for lengths, zero_infinity in ((torch.tensor({KNOWN}).cuda(), False),
-                               (torch.randint(1, {S} + 1, ({B},), device="cuda"), True)):  # values unknown
+                               # values unknown: a parameter's, which the emulator does not keep (values.py)
+                               (torch.nn.Parameter(torch.randint(1, {S} + 1, ({B},), device="cuda"), False), True)):
     F.ctc_loss(x.log_softmax(2), targets, inputs, lengths, zero_infinity=zero_infinity).backward()
 torch.cuda.memory._dump_snapshot(sys.argv[1])
 """

@@ -44,7 +44,7 @@ KEEP_POSITIVE = """
         return x.new_empty(count, dtype=torch.long)
 
 
-    scores = torch.randn(5000, device="cuda")  # the model's numbers: no values
+    scores = torch.nn.Parameter(torch.randn(5000, device="cuda")).detach()  # a weight's numbers: no values
     kept = keep_positive(scores)
     labels = torch.arange(5000, device="cuda") % 4 - 1  # known values: 2,500 of them positive
     known = keep_positive(labels.float())

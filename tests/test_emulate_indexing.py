@@ -91,7 +91,7 @@ MASKED = """
 import sys
 import torch
 
-x = torch.randn(1000, 64, device="cuda", requires_grad=True)
+x = torch.nn.Parameter(torch.randn(1000, 64, device="cuda"))  # a weight: no values
 labels = torch.arange(1000, device="cuda") % 4  # made from known values, as a batch's labels are
 torch.cuda.memory._record_memory_history()
 kept = x[labels != 0]  # a mask whose values are known: 750 rows

@@ -99,7 +99,7 @@ import sys
 import torch
 tokens, experts = int(sys.argv[2]), 8
 torch.cuda.memory._record_memory_history()
-logits = torch.randn(tokens, experts, device="cuda")
+logits = torch.nn.Parameter(torch.randn(tokens, experts, device="cuda"))  # a weight's numbers: no values
 weights, ids = logits.softmax(-1).topk(2, dim=-1)
 flat = ids.reshape(-1)                                   # 2 x tokens expert ids, values unknown
 order = flat.argsort(stable=True)
@@ -184,7 +184,7 @@ def test_sampling_loops_run_and_generate_stops_at_its_length(tmp_path):
 
 BINCOUNT = """
 import torch
-ids = torch.randn(16, 4, device="cuda").argmax(-1)
+ids = torch.nn.Parameter(torch.randn(16, 4, device="cuda")).argmax(-1)  # from a weight: no values
 print(torch.bincount(ids).shape)
 """
 
@@ -201,7 +201,7 @@ REPEAT = """
 import torch
 counts = torch.tensor([1, 0, 3], device="cuda")  # known: made from host data
 print(torch.repeat_interleave(counts).tolist(), torch.repeat_interleave(torch.arange(3, device="cuda"), counts).shape)
-drawn = torch.randn(5, device="cuda").argmax().reshape(1).repeat(3)  # computed on the device: no values
+drawn = torch.nn.Parameter(torch.randn(5, device="cuda")).argmax().reshape(1).repeat(3)  # from a weight: no values
 print(torch.repeat_interleave(torch.arange(3, device="cuda"), drawn, output_size=7).shape)
 torch.repeat_interleave(drawn)
 """

@@ -405,7 +405,7 @@ class AllocMode(TorchDispatchMode):
         super().__init__()
         self.emulator = emulator
         self.scopes: List[str] = []
-        self.values = emulator.values = Values()
+        self.values = emulator.values = Values(emulator.generator)
         self.reductions = reductions.table()
         self.inside = reductions.inside()
 

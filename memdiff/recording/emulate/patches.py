@@ -342,13 +342,14 @@ def _answers(emulator: Emulator, saved: Dict[Tuple[Any, str], Any]) -> Dict[str,
             raise RuntimeError("this torch has no torch.cuda.memory_summary")
         return str(own_summary(device=device, abbreviated=abbreviated))
 
-    generator = Generator("cuda")  # the device's default generator, standing in
+    generator = emulator.generator = Generator("cuda")  # the device's default generator, standing in
 
     def rng_state(device: Any = None) -> torch.Tensor:
         return generator.get_state()
 
     def set_rng_state(state: Any, device: Any = None) -> None:
-        # A state saved on a real GPU (Philox's 16 bytes) has no meaning for the stand-in: no values are drawn.
+        # A state saved on a real GPU (Philox's 16 bytes) has no meaning for the stand-in, whose draws
+        # differ from the GPU's anyway (values.py): it keeps its own state.
         if isinstance(state, torch.Tensor) and state.shape == generator.get_state().shape:
             generator.set_state(state)
 

@@ -199,6 +199,9 @@ class Emulator:
         # None for the default stream.
         self.stream: Any = None
         self.values: Any = None  # values.Values: the known values of small device tensors, made by modes.AllocMode
+        # The emulated device's default generator (patches.Generator, a CPU generator standing in), made by
+        # patches: what torch.cuda seeds and whose state it saves, and what values.Values draws small outputs from
+        self.generator: Any = None
         self.host: Any = None  # host.Host: the CPU tensors whose data may never be needed, made by session.start
         self.modes_off = False  # torch.compile is tracing with the modes taken off (compiled.py)
 

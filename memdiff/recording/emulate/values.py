@@ -5,10 +5,19 @@ mask that is all ones lets Hugging Face skip building a causal mask, labels and 
 read back, `nonzero` sizes its output by them. So every op whose device inputs all have known
 values and whose outputs are small also runs on the CPU copies: masks, ids, counters and their
 arithmetic keep their real values, while activations (large, or made from weights, which have no
-values) stay shapes only. Ops that draw random numbers are not copied (they would advance the
-CPU's generator, which the GPU's run leaves alone), and an op that writes into a tensor with a
-value it cannot compute drops that value, but for the checks for infs and NaNs (GradScaler's),
-which find none.
+values) stay shapes only. An op that writes into a tensor with a value it cannot compute drops that
+value, but for the checks for infs and NaNs (GradScaler's), which find none.
+
+Ops that draw random numbers (`randint`, `randperm`, `rand`, `random_`, `bernoulli`, `multinomial`)
+follow the same rule: a small output whose device inputs have known values is drawn on the CPU, from
+the emulated device's own generator (patches.Generator, seeded by `torch.cuda.manual_seed` and
+`torch.manual_seed`, its state what `torch.cuda.get_rng_state` saves), or from the one the script
+passes. Never from torch's CPU generator: the script's own CPU draws stay those of a GPU run. So
+random labels, ids, permutations and masks hold numbers of the distribution, dtype and bounds asked
+for (`torch.all(labels >= 0)` is true, as on every GPU), the same on every run of the same script,
+though not the numbers a GPU's generator gives. Weights the script initialises on the device are
+parameters, which have no values (a parameter is not the tensor it was made from), so their draws are
+not made; nor are large ones (dropout's masks), whose host memory would be the device's.
 
 What a read-back gives where there is no value to read is one policy (docs/emulate.md, "Values read
 back"): a Python number (`.item()`, `float(t)`, a format) is the stand-in of `read_back_scalar`, a
@@ -19,6 +28,7 @@ answer as for finite numbers: emulated tensors hold none.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Dict, Optional, Tuple
 
 import torch
@@ -53,8 +63,11 @@ ABSORBING = {"bitwise_or": True, "logical_or": True, "bitwise_or_": True, "logic
 class Values:
     """Known values of meta tensors (a CPU tensor of the same shape per meta tensor)."""
 
-    def __init__(self) -> None:
+    def __init__(self, generator: Optional[torch.Generator] = None) -> None:
+        """`generator`: the emulated device's default generator, which random ops draw from (None:
+        they get no values)."""
         self.known = WeakTensorKeyDictionary()
+        self.generator = generator
 
     def of(self, t: Any) -> Optional[torch.Tensor]:
         """The CPU value of meta tensor `t`, or None when it is unknown."""
@@ -96,7 +109,10 @@ class Values:
 
     def _compute(self, func: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any], outputs: list) -> Optional[list]:
         if torch.Tag.nondeterministic_seeded in func.tags:
-            return None
+            drawn = self._drawing(func, kwargs, outputs)
+            if drawn is None:
+                return None
+            func, kwargs = drawn
         # A large output gets values only where that makes no more data than its inputs' known values
         # hold: a view of them, a copy, a concatenation (an object collective's pickled bytes, the
         # only large values there are); never a mask expanded to every head and position.
@@ -128,6 +144,20 @@ class Values:
             return None
         return values
 
+    def _drawing(self, func: Any, kwargs: Dict[str, Any], outputs: list) -> Optional[Tuple[Any, Dict[str, Any]]]:
+        """Random op `func` as it draws on the CPU from the device's generator: its overload taking a
+        generator, and its arguments with one; None where it gets no values (a large output, an op
+        with no such overload, such as `native_dropout`)."""
+        if any(t.numel() > MAX_ELEMENTS for t in outputs):
+            return None  # checked before any draw: a dropout mask's host copy would be activation-sized
+        drawing = _with_generator(func)
+        # The generator a script passes arrives as a new wrapper of the same generator: it is the
+        # stand-in of a `cuda` one (patches.Generator), as a GPU refuses a CPU generator for its ops.
+        generator = kwargs.get("generator") or self.generator
+        if drawing is None or generator is None:
+            return None
+        return drawing, {**kwargs, "generator": generator}
+
     @staticmethod
     def _absorbed(func: Any, cpu_args: Tuple[Any, ...], outputs: list) -> Optional[list]:
         """The value of an `or`/`and` that one known operand decides (ABSORBING), else None: an `or` with
@@ -149,6 +179,22 @@ class Values:
             if decides:
                 return [torch.full(out.shape, absorbing, dtype=out.dtype)]
         return None
+
+
+@functools.lru_cache(maxsize=None)
+def _with_generator(func: Any) -> Any:
+    """The overload of random op `func` that takes a generator: itself (`uniform_`, `bernoulli`), its
+    twin (`randint.low` -> `randint.low_generator`, `randperm` -> `randperm.generator`), or None."""
+    names = [a.name for a in func._schema.arguments]
+    if "generator" in names:
+        return func
+    packet = func.overloadpacket
+    for overload in packet.overloads():
+        twin = getattr(packet, overload)
+        taken = [a.name for a in twin._schema.arguments]
+        if "generator" in taken and [n for n in taken if n != "generator"] == names:
+            return twin
+    return None
 
 
 def _is_view(func: Any) -> bool:
