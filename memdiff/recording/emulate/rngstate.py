@@ -7,7 +7,8 @@ torch/_prims/rng_prims.py, `run_and_save_rng_state(op, *args)` and `run_with_rng
 *args)`, which Inductor's wrapper code calls as they are. They reached the emulator's AllocMode whole,
 with no rule for them. On the GPU (their CUDA implementations) they read or set the device generator's
 state, a host tensor, and run `op`: here the state is the stand-in generator's (patches.py) and the op
-runs through the emulator like any other, so its outputs are allocations of the emulated GPU.
+runs through the emulator like any other, so its outputs are allocations of the emulated GPU (and a
+small draw's values are drawn from the state given, values.py).
 """
 
 from __future__ import annotations
@@ -25,9 +26,15 @@ def _save_and_run(mode: Any, op: Any, *args: Any, **kwargs: Any) -> Tuple[torch.
 
 
 def _run(mode: Any, rng_state: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
-    # no values are drawn on the emulated device: the state has nothing to replay
-    with mode:
-        return op(*args, **kwargs)
+    # As the CUDA implementation: the saved state replayed, then the generator's own put back, so a
+    # small draw recomputed in the backward has the values it had in the forward (values.py).
+    current = torch.cuda.get_rng_state()
+    torch.cuda.set_rng_state(rng_state)
+    try:
+        with mode:
+            return op(*args, **kwargs)
+    finally:
+        torch.cuda.set_rng_state(current)
 
 
 @contextlib.contextmanager
