@@ -410,6 +410,68 @@ def test_cuda_generators_and_rng_state_work_with_a_cpu_generator_standing_in(tmp
                    "cpu": "cpu", "x": "cuda:0", "order": "cuda:0", "default": "cuda:0"}
 
 
+DRAWN = """
+import json, resource, sys
+import torch
+
+V = 1000
+torch.manual_seed(0)
+cpu = torch.rand(3).tolist()  # the script's own CPU stream, which a GPU run leaves alone
+labels = torch.randint(0, V, (2, 32), device="cuda")  # a batch of random labels, as in a smoke test
+assert torch.all(labels >= 0).item(), labels.tolist()
+assert labels.max().item() < V
+shifted = labels.new_zeros(labels.shape)  # ProphetNet's _shift_right checks the ids it shifted
+shifted[:, 1:] = labels[:, :-1].clone()
+assert torch.all(shifted >= 0).item()
+order = torch.randperm(8, device="cuda").tolist()
+assert sorted(order) == list(range(8)), order
+keep = torch.rand(16, device="cuda") < 0.5  # an augmentation's coin flips
+like = torch.randint_like(labels, 3, 7)
+drawn = torch.empty(64, dtype=torch.long, device="cuda").random_(5, 9)
+coins = torch.bernoulli(torch.full((64,), 0.5, device="cuda"))
+picked = torch.multinomial(torch.tensor([0.0, 1.0, 0.0, 3.0], device="cuda"), 2)
+unit = torch.empty(64, device="cuda").uniform_(2.0, 3.0)
+g = torch.Generator("cuda").manual_seed(5)
+first = torch.randint(0, V, (4,), device="cuda", generator=g).tolist()
+g.manual_seed(5)
+state = torch.cuda.get_rng_state()
+again = torch.randperm(8, device="cuda").tolist()
+torch.cuda.set_rng_state(state)
+rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+big = torch.rand(1 << 28, device="cuda")  # 1 GiB on the device: no host copy
+masked = torch.nn.functional.dropout(torch.ones(1 << 26, device="cuda"), 0.1)
+json.dump({"cpu": cpu, "after": torch.rand(3).tolist(), "order": order, "keep": keep.tolist(),
+           "like": sorted(set(like.flatten().tolist())), "drawn": sorted(set(drawn.tolist())),
+           "coins": sorted(set(coins.tolist())), "picked": sorted(picked.tolist()),
+           "unit": [unit.min().item(), unit.max().item()],
+           "generator": first == torch.randint(0, V, (4,), device="cuda", generator=g).tolist(),
+           "replayed": again == torch.randperm(8, device="cuda").tolist(),
+           "host_grew": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss}, sys.stdout)
+"""
+
+
+@pytest.mark.slow
+def test_small_draws_on_the_device_have_values_of_their_distribution_and_leave_the_cpu_stream_alone(
+        tmp_path, torch):
+    # Issue 58: a draw on the emulated device had no values, so `torch.all(labels >= 0).item()` of random
+    # labels read False and ProphetNet's _shift_right assertion raised where every GPU passes.
+    done = _emulate(tmp_path, DRAWN, "drawn.py")
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout)
+    torch.manual_seed(0)  # what the same CPU draws give without emulation: the device's draws took none of them
+    assert out["cpu"] == torch.rand(3).tolist() and out["after"] == torch.rand(3).tolist()
+    assert sorted(out["order"]) == list(range(8)) and len(out["keep"]) == 16
+    assert set(out["like"]) <= {3, 4, 5, 6} and set(out["drawn"]) <= {5, 6, 7, 8} and len(out["drawn"]) > 1
+    assert out["coins"] == [0.0, 1.0] and out["picked"] == [1, 3]
+    assert 2.0 <= out["unit"][0] < out["unit"][1] < 3.0
+    assert out["generator"] and out["replayed"]
+    assert out.pop("host_grew") < 256 * 1024  # KiB: neither the 1 GiB draw nor dropout's mask was drawn on the host
+    # the same script gives the same values every run
+    again = json.loads(_emulate(tmp_path, DRAWN, "drawn.py").stdout)
+    again.pop("host_grew")
+    assert again == out
+
+
 FAKE_SHAPES = """
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
