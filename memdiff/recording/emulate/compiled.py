@@ -148,8 +148,8 @@ def _flex_on_meta_as_on_cuda() -> Iterator[None]:
 
 def _seeded_on_cuda(factory: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
     """torch.rand/randn/randint as Inductor's random ops' shape functions call them on fake `cuda`
-    tensors: a tensor of the shape (a CPU build has no CUDA generator to draw from, and no values
-    are drawn in emulation)."""
+    tensors: a tensor of the shape (a CPU build has no CUDA generator to draw from, and what a compiled
+    graph's kernels write has no values in emulation)."""
     @functools.wraps(factory)
     def drawn(*args: Any, **kwargs: Any) -> torch.Tensor:
         device = kwargs.get("device")

@@ -220,9 +220,9 @@ class _GeneratorType(_GeneratorMeta):
 
 
 class Generator(_RealGenerator, metaclass=_GeneratorType):
-    """torch.Generator while the emulator runs: a `cuda` generator is a CPU generator standing in (the
-    emulated device draws no values, and ops on it take a CPU generator), reported as on `cuda:0`;
-    seeding it, reading and setting its state work as on any generator."""
+    """torch.Generator while the emulator runs: a `cuda` generator is a CPU generator standing in (ops
+    on the emulated device take a CPU generator, and small draws there are drawn from it: values.py),
+    reported as on `cuda:0`; seeding it, reading and setting its state work as on any generator."""
 
     def __new__(cls, device: Any = "cpu") -> "Generator":
         emulated = names_cuda(device)
