@@ -11,7 +11,9 @@ from typing import List, Tuple
 
 import numpy as np
 
+from memdiff.model import Frame
 from memdiff.predict.whatif.run import ATEN_OP, MATRIX_PRODUCTS, NOT_FLOAT_OPS, Run, forward_in_order, python_frame
+from memdiff.read.source import source_line
 from memdiff.recording.emulate.gpus import kernels
 from memdiff.recording.emulate.reductions import arg_size, kernel
 
@@ -134,17 +136,35 @@ class Upcasts:
 
     copies: List[Tuple[int, int, int]]  # (start, end, size)
     released: List[Tuple[int, int]]  # (allocation, end): a norm's input, kept in the fp32 run by its pow
+    inline: int = 0  # norms that upcast inline (INLINE_UPCAST), whose product keeps their input as well
+
+
+# A variance of an fp32 copy made inline, on the variance's own line (T5's
+# `hidden_states.to(torch.float32).pow(2).mean(-1, keepdim=True)`): the copy has no name, so the
+# product on the next line multiplies the input itself, in its own dtype, and keeps it for the
+# backward (`hidden_states * torch.rsqrt(variance + eps)`), where Llama's idiom makes the copy on a
+# line before and multiplies that. In an fp32 run the copy is the input and the two allocate alike.
+INLINE_UPCAST = re.compile(r"\.(?:to\(\s*(?:dtype\s*=\s*)?torch\.float32\s*\)|float\(\s*\))\.pow\(")
+
+
+def upcasts_inline(line: Tuple[Frame, ...]) -> bool:
+    """Whether a variance's line of Python (a 1-tuple of its frame) upcasts its input inline
+    (INLINE_UPCAST), as its source reads where this machine has the file; False where it has not."""
+    text = source_line(line[0]) if line else None
+    return bool(text and INLINE_UPCAST.search(text))
 
 
 def variance_upcasts(run: Run) -> Upcasts:
     """The fp32 copies a half-precision model's RMS norms make and keep: the RMS-norm idiom of
-    Llama, T5 and most Hugging Face models computes the variance in fp32
-    (`hidden_states.to(torch.float32).pow(2).mean(-1)`), and `pow` keeps that fp32 copy of its
+    Llama, T5 and most Hugging Face models computes the variance in fp32 (of
+    `hidden_states.to(torch.float32)`: `.pow(2).mean(-1)`), and `pow` keeps that fp32 copy of its
     input for the backward. The fp32 run shows the line as a `pow` then a `mean`; the copy has the
     pow's fp32 size and is kept as long as the normalised product after it (the next allocation of
     that size), which the backward frees with it. The norm's input (the last allocation of that size
     before it: the residual stream), which pow kept in the fp32 run, is then kept by nothing: it
-    goes once the next norm starts (Llama's residual add after the attention has read it)."""
+    goes once the next norm starts (Llama's residual add after the attention has read it). Where
+    the variance's line upcasts inline (upcasts_inline: T5's norm), the product after it keeps the
+    input, as long as the fp32 run kept it."""
     c = run.course
     out = Upcasts([], [])
     if not (run.call == "pow").any():
@@ -158,6 +178,9 @@ def variance_upcasts(run: Run) -> Upcasts:
         if kept is None:
             continue
         out.copies.append((int(c.start[k]), int(c.end[kept]), int(c.size[k])))
+        if upcasts_inline(run.line[k]):
+            out.inline += 1
+            continue
         source = next((j for j in reversed(fwd[:i]) if c.size[j] == c.size[k] and run.line[j] != run.line[k]
                        and run.born_run[j] == run.born_run[k]), None)
         if source is not None:

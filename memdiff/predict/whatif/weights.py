@@ -9,6 +9,7 @@ from memdiff.predict.whatif.attention import HalfAttention, half_attention
 from memdiff.predict.whatif.edit import ChangeRule, Edit, one_of
 from memdiff.predict.whatif.precision import (
     PRECISIONS,
+    Upcasts,
     cpu_math_attention,
     loss_in_fp32,
     loss_note,
@@ -55,9 +56,23 @@ def apply_weights(run: Run, edit: Edit, value: str) -> None:
                             + "inputs, int64 indices (max pooling's), "
                             "BLAS workspaces and one-element tensors keep their size; every float tensor is assumed "
                             "fp32 in the run" + not_float_note(kept) + reduction_note(staging) + math_note(math)
-                            + (f"; each of the {len(upcasts.copies)} RMS norms that computes its variance as pow then "
-                               "mean keeps an fp32 copy of its input in its place (the variance is computed in fp32)"
-                               if upcasts.copies else "") + loss_note(logits) + attention_note(attention))
+                            + variance_note(upcasts) + loss_note(logits) + attention_note(attention))
+
+
+def variance_note(upcasts: Upcasts) -> str:
+    """The assumption said of the RMS norms' fp32 copies (variance_upcasts)."""
+    if not upcasts.copies:
+        return ""
+    out = (f"; each of the {len(upcasts.copies)} RMS norms that computes its variance as pow then mean keeps an fp32 "
+           "copy of its input (the variance is computed in fp32)")
+    if upcasts.inline == len(upcasts.copies):
+        return out + (", beside the input, which the product after it multiplies and keeps (its source upcasts "
+                      "inline: `.to(torch.float32).pow(2)`)")
+    out += ", in place of the input where the product after it multiplies the copy"
+    if upcasts.inline:
+        out += (f"; {upcasts.inline} of them upcast inline (`.to(torch.float32).pow(2)`, as their source reads) "
+                "and keep the input too, which their product multiplies")
+    return out
 
 
 def math_in_fp32(run: Run, edit: Edit, attention: HalfAttention) -> None:

@@ -1,0 +1,38 @@
+"""The text of a display frame's line of Python, where this machine has its file.
+
+A trace shows what was allocated, not the code that did: two lines that allocate alike in one
+precision may not in another (an inline `.to(torch.float32)` is no copy of an fp32 tensor). Rules
+that must tell such lines apart read the line itself. A library's display path is relative to
+site-packages (`transformers/models/t5/modeling_t5.py`: frames.normalize_path), so it is
+looked up under each entry of this Python's path; an absolute path is read as given. Nothing is
+imported; None where no file is found.
+"""
+
+from __future__ import annotations
+
+import linecache
+import os
+import sys
+from typing import Optional
+
+from memdiff.model import Frame
+
+
+def source_line(frame: Frame) -> Optional[str]:
+    """The stripped text of `frame`'s line, or None where its file is not on this machine."""
+    path = _find(frame.file)
+    if path is None or frame.line < 1:
+        return None
+    return linecache.getline(path, frame.line).strip() or None
+
+
+def _find(file: str) -> Optional[str]:
+    """The file a display path names here: itself when absolute, else the first match under sys.path."""
+    if not file.endswith(".py"):
+        return None
+    if os.path.isabs(file):
+        return file if os.path.isfile(file) else None
+    for entry in sys.path:
+        if entry and os.path.isfile(os.path.join(entry, file)):
+            return os.path.join(entry, file)
+    return None
