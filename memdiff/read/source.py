@@ -5,7 +5,8 @@ precision may not in another (an inline `.to(torch.float32)` is no copy of an fp
 that must tell such lines apart read the line itself. A library's display path is relative to
 site-packages (`transformers/models/t5/modeling_t5.py`: frames.normalize_path), so it is
 looked up under each entry of this Python's path; an absolute path is read as given. Nothing is
-imported; None where no file is found.
+imported; None where no file is found, or where what the path names is no source file a person
+wrote (past MAX_SOURCE_BYTES: the path comes from the snapshot, which may name any file).
 """
 
 from __future__ import annotations
@@ -16,6 +17,10 @@ import sys
 from typing import Optional
 
 from memdiff.model import Frame
+
+# Larger than any module of Python a person wrote (transformers' largest is about 300 KB): linecache
+# reads a file whole, and a snapshot's path could name a large generated file.
+MAX_SOURCE_BYTES = 8 << 20
 
 
 def source_line(frame: Frame) -> Optional[str]:
@@ -30,9 +35,14 @@ def _find(file: str) -> Optional[str]:
     """The file a display path names here: itself when absolute, else the first match under sys.path."""
     if not file.endswith(".py"):
         return None
-    if os.path.isabs(file):
-        return file if os.path.isfile(file) else None
-    for entry in sys.path:
-        if entry and os.path.isfile(os.path.join(entry, file)):
-            return os.path.join(entry, file)
-    return None
+    candidates = [file] if os.path.isabs(file) else [os.path.join(entry, file) for entry in sys.path if entry]
+    return next((path for path in candidates if _readable(path)), None)
+
+
+def _readable(path: str) -> bool:
+    """Whether `path` is a regular file small enough to be source (never a FIFO or a device, which a
+    read could wait on forever)."""
+    try:
+        return os.path.isfile(path) and os.path.getsize(path) <= MAX_SOURCE_BYTES
+    except OSError:
+        return False
