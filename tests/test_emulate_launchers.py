@@ -129,3 +129,15 @@ def test_a_deepspeed_job_memdiff_cannot_size_is_one_line_exit_2(tmp_path):
         lines = done.stderr.strip().splitlines()
         assert done.returncode == 2 and len(lines) == 1 and said in lines[0], done.stderr
     assert not (tmp_path / "runs").exists() or not list((tmp_path / "runs").glob("*.pickle"))
+
+
+def test_deepspeeds_runner_is_read_however_it_is_started(tmp_path):
+    """`deepspeed`, `python PATH/deepspeed` (the installed script run by a chosen Python) and `python -m
+    deepspeed.launcher.runner` are one launcher; each rank runs `python -u SCRIPT --local_rank=N ARGS`."""
+    from memdiff.recording.launch_deepspeed import read_deepspeed
+
+    options = ["--num_nodes", "2", "--num_gpus", "4", "train.py", "--lr", "1"]
+    for start in (["deepspeed"], ["python3", "/opt/venv/bin/deepspeed"], ["python", "-m", "deepspeed.launcher.runner"]):
+        launch = read_deepspeed(start + options)
+        assert (launch.nnodes, launch.nproc_per_node) == (2, 4)
+        assert launch.command(6)[1:] == ["-u", "train.py", "--local_rank=2", "--lr", "1"]

@@ -172,6 +172,23 @@ def test_a_run_overlaid_deep_in_a_tree_hands_worker_batches_over_a_unix_socket(t
     assert not os.path.exists(overlay.scratch)
 
 
+def test_an_extension_torch_builds_as_the_run_goes_builds_where_its_native_tools_can_enter(tmp_path, monkeypatch):
+    """torch.utils.cpp_extension makes its build folder under TORCH_EXTENSIONS_DIR (~/.cache by default)
+    and runs ninja there with `cwd=`: ninja is no Python, so a folder made in the overlay was missing to
+    it, and DeepSpeed's CPU Adam failed to build under emulation. The run's extensions build in its
+    scratch folder, a real one, and nothing lands in the user's cache."""
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "users-cache"))
+    monkeypatch.chdir(tmp_path)
+    with overlaid() as overlay:
+        build = os.path.join(os.environ["TORCH_EXTENSIONS_DIR"], "py311_cu130", "cpu_adam")
+        os.makedirs(build)
+        assert build.startswith(overlay.scratch)
+        assert subprocess.run(["ls"], cwd=build, capture_output=True).returncode == 0
+    overlay.discard()
+    assert os.environ["TORCH_EXTENSIONS_DIR"] == str(tmp_path / "users-cache")
+    assert not (tmp_path / "users-cache").exists()
+
+
 def test_a_tar_archive_extracted_by_the_run_lands_in_the_overlay_and_reads_back(tmp_path):
     """tarfile writes through `open` it bound at import (`bltn_open`), around builtins' routed one: a
     dataset archive the script unpacks over files the user has (pytorch/examples' gcn unpacks Cora)."""

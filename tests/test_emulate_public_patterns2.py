@@ -403,3 +403,19 @@ def test_a_compiled_checkpointed_model_saves_and_replays_the_generators_state(tm
     assert "ran Inductor's memory plan" in done.stderr and "could not plan" not in done.stderr
     device = api.summarize(tmp_path / "run.pickle").devices[0]
     assert device.categories["parameter"] == int(out[2].split()[1])
+
+
+def test_a_cuda_extension_built_as_the_script_runs_is_refused_in_one_line(tmp_path):
+    # DeepSpeed's FusedAdam builds its CUDA op with torch.utils.cpp_extension.load at
+    # deepspeed.initialize; on a machine without the CUDA toolkit torch raises "CUDA_HOME environment
+    # variable is not set" from cpp_extension, which reached the user as DeepSpeed's traceback, exit 1.
+    (tmp_path / "fused_adam.cu").write_text("__global__ void step(float *p) { p[0] -= 1; }\n")
+    done = _emulate(tmp_path, "import torch\nimport torch.utils.cpp_extension as ext\n"
+                              "ext.CUDA_HOME = None  # no CUDA toolkit here, as on a CPU runner\n"
+                              "ext.verify_ninja_availability = lambda: None  # with or without ninja\n"
+                              "x = torch.ones(4, device='cuda')\n"
+                              "fused = ext.load(name='fused_adam', sources=['fused_adam.cu'])\n")
+    assert done.returncode == 2
+    said = [line for line in done.stderr.splitlines() if line.strip() and "wrote" not in line]
+    assert len(said) == 1 and said[0].startswith("memdiff: a CUDA extension built as the script runs"), done.stderr
+    assert "train.py:6" in said[0] and '"torch_adam": true' in said[0] and "CUDA_HOME" in said[0]

@@ -32,11 +32,26 @@ DEFAULT_HOSTFILE = "/job/hostfile"  # DeepSpeed's default (DLTS_HOSTFILE), read 
 _HOST = re.compile(r"^(\S+)\s+slots=(\d+)")  # DeepSpeed's own hostfile line
 
 
+_RUNNER = ("deepspeed", "ds")  # the scripts DeepSpeed installs for its runner
+
+
+def _options_at(command: List[str]) -> Optional[int]:
+    """Where the runner's options start in `command`: after `deepspeed`, after `python PATH/deepspeed`
+    (the script run by a Python of one's choosing), after `python -m deepspeed.launcher.runner`;
+    None for any other command."""
+    if command and os.path.basename(command[0]) in _RUNNER:
+        return 1
+    if len(command) >= 2 and os.path.basename(command[0]).startswith("python"):
+        if os.path.basename(command[1]) in _RUNNER:
+            return 2
+        if command[1:3] == ["-m", "deepspeed.launcher.runner"]:
+            return 3
+    return None
+
+
 def is_deepspeed(command: List[str]) -> bool:
-    """Whether `command` is `deepspeed ...` (or `python -m deepspeed.launcher.runner ...`)."""
-    if command and os.path.basename(command[0]) in ("deepspeed", "ds"):
-        return True
-    return len(command) >= 3 and command[1:3] == ["-m", "deepspeed.launcher.runner"]
+    """Whether `command` runs DeepSpeed's launcher (_options_at)."""
+    return _options_at(command) is not None
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -95,7 +110,7 @@ def _hosts(path: str) -> Optional[Dict[str, int]]:
 def read_deepspeed(command: List[str]) -> Launch:
     """The job of a `deepspeed` command: its nodes and GPUs, and what each rank runs; InputError where
     DeepSpeed would refuse the command or its size is not fixed by what it says."""
-    options = command[1:] if is_deepspeed(command[:1]) else command[3:]
+    options = command[_options_at(command) or len(command):]
     said = io.StringIO()
     try:
         with contextlib.redirect_stderr(said):

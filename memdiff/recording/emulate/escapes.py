@@ -24,7 +24,7 @@ TORCH_NAMESPACES = ("aten", "prims", "c10d", "_c10d_functional", "quantized", "p
 CUDA_MESSAGES = ("found no nvidia driver", "torch not compiled with cuda enabled",
                  "cuda driver version is insufficient", "no cuda gpus are available",
                  "tried to instantiate dummy base class", "cuda error", "cudaerror", "nvidia-ml-py", "nvml",
-                 "libcuda", "cuda runtime")
+                 "libcuda", "cuda runtime", "cuda_home environment variable is not set")
 
 # The torch source each feature lives in, the feature's name and what to do instead; first match wins.
 FEATURES: Tuple[Tuple[str, str, str], ...] = (
@@ -35,6 +35,11 @@ FEATURES: Tuple[Tuple[str, str, str], ...] = (
     ("torch/cuda/memory.py:list_gpu_processes", "NVML queries (list_gpu_processes)",
      "guard them with an environment variable or skip them when memdiff records"),
     ("torch/_inductor/", "torch.compile's generated kernels", "record the model uncompiled"),
+    # torch.utils.cpp_extension.load builds for CUDA where torch says CUDA is there (DeepSpeed's
+    # FusedAdam and FusedLamb, apex): needing nvcc, and kernels that would run on no data.
+    ("torch/utils/cpp_extension.py", "a CUDA extension built as the script runs (torch.utils.cpp_extension: "
+     "DeepSpeed's FusedAdam, apex's fused kernels)",
+     "use the library's PyTorch path (DeepSpeed: \"torch_adam\": true in the optimizer's params)"),
     ("triton/", "a Triton kernel launched directly",
      "wrap it in a torch.library custom op and register its fake implementation"),
     ("torch/distributed/", "torch.distributed's device-side calls", "none yet: record this job on GPUs"),

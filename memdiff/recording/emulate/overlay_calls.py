@@ -391,10 +391,14 @@ def overlaid(owned: Tuple[str, ...] = ()) -> Iterator[Overlay]:
     cache = os.path.join(overlay.scratch, "caches")
     os.makedirs(cache, exist_ok=True)
     # What the run's programs find in the environment: its temporary folder, caches and no bytecode
-    # written beside the user's modules (children see the same overlay).
+    # written beside the user's modules (children see the same overlay). Extensions torch builds as the
+    # script runs (torch.utils.cpp_extension: DeepSpeed's CPU Adam) build in the scratch folder: ninja
+    # and the compiler are no Python, so they neither see the overlay's folders (a build folder made in
+    # the overlay is missing to them) nor write through it, and the user's own build cache stays theirs.
     env = {ROOT: overlay.root, OWNED: os.pathsep.join(overlay.owned), "TMPDIR": overlay.scratch,
            "TORCHINDUCTOR_CACHE_DIR": os.path.join(cache, "inductor"),
-           "TRITON_CACHE_DIR": os.path.join(cache, "triton"), "PYTHONDONTWRITEBYTECODE": "1"}
+           "TRITON_CACHE_DIR": os.path.join(cache, "triton"),
+           "TORCH_EXTENSIONS_DIR": os.path.join(cache, "torch_extensions"), "PYTHONDONTWRITEBYTECODE": "1"}
     changes = [*_routes(overlay), (tempfile, "tempdir", overlay.scratch), (sys, "dont_write_bytecode", True)]
     if not _hooked:  # an audit hook cannot be removed: one, idle while no overlay is active
         sys.addaudithook(_audit)
