@@ -51,7 +51,10 @@ STACK_HINTS: Tuple[Tuple[str, "re.Pattern[str]"], ...] = (
     (BACKWARD, re.compile(r"run_backward|torch::autograd::Engine::|Backward\d*::apply|AccumulateGrad"
                           r"|torch/autograd/(__init__|graph)\.py\S*:\s?(backward|grad|_engine_run_backward)$")),
     # torch/optim/swa_utils.py is the loop's averaging of the weights (AveragedModel), no optimizer.
-    (OPTIMIZER, re.compile(r"torch/optim/(?!swa_utils\.py)|:\s?zero_grad$|torch/nn/utils/clip_grad\.py")),
+    # DeepSpeed's engine.step is the loop's optimizer step: ZeRO's gradient partitions, norms and
+    # (offloaded) update run in it before, or without, any torch.optim frame.
+    (OPTIMIZER, re.compile(r"torch/optim/(?!swa_utils\.py)|:\s?zero_grad$|torch/nn/utils/clip_grad\.py"
+                           r"|deepspeed/runtime/engine\.py:\s?step$")),
     (FORWARD, re.compile(r":\s?forward$|^nn\.Module: |torch/nn/functional\.py")),
     (SETUP, re.compile(r":\s?(__init__|reset_parameters|_reset_parameters|_apply|to|cuda|to_empty|load_state_dict"
                        r"|_load_from_state_dict|from_pretrained|post_init|_init_weights|init_weights)$"
@@ -208,8 +211,9 @@ def _frame_text(name: str, filename: Optional[str]) -> str:
 
 _TORCH_FILE = re.compile(r"(^|/)torch/")
 # torch.optim.Optimizer's wrappers around every optimizer's `step` (the profiling scope, the hooks,
-# `_use_grad`), as a frame's "file:name" or a profiler frame's name.
-_OPTIMIZER_BASE = re.compile(r"torch/optim/optimizer\.py")
+# `_use_grad`), as a frame's "file:name" or a profiler frame's name; DeepSpeed's engine.step, whose
+# ZeRO optimizer (code outside torch) is the step's work, not a closure called back.
+_OPTIMIZER_BASE = re.compile(r"torch/optim/optimizer\.py|deepspeed/runtime/engine\.py:\s?step$")
 # A frame that runs a closure handed to `optimizer.step`: LBFGS's documented `def closure()`,
 # Lightning's `Closure.closure` and `_wrap_closure`.
 CLOSURE_FRAME = re.compile(r"(^|[_.:\s])closure$", re.IGNORECASE)
