@@ -480,3 +480,30 @@ def test_a_step_that_allocates_nothing_is_an_optimizer_phase_all_the_same(write_
 def test_a_backward_with_no_step_after_it_makes_no_optimizer_phase(write_snapshot):
     d = summary_of(write_snapshot, plain_sgd("nothing"))
     assert [[p.phase for p in s.phases] for s in d.steps] == [["forward", "backward"]] * 3
+
+
+@pytest.mark.parametrize("offload", [False, True], ids=["on-gpu", "offload"])
+def test_deepspeeds_engine_step_is_the_optimizer_step(write_snapshot, offload):
+    """DeepSpeed ZeRO: `engine.step` casts this rank's gradient partition and updates, inside
+    DeepSpeed's own code (outside torch) and, with offload_optimizer, with no torch.optim frame on
+    the device at all: still the optimizer phase of each step, not the backward's."""
+    ds = SP + "deepspeed/runtime/"
+    loop = py("/work/train.py:<module>")
+    engine_step = py(f"{ds}zero/stage_1_and_2.py:step", f"{ds}engine.py:_take_model_step", f"{ds}engine.py:step")
+    t = Trace()
+    for k in range(2):
+        act = t.new(100_000, py("torch/nn/modules/linear.py:forward", f"{ds}engine.py:forward") + loop)
+        grads = t.new(50_000, cpp("at::_ops::empty::call") + py(f"{ds}zero/stage_1_and_2.py:setup_buckets",
+                                                                 f"{ds}zero/stage_1_and_2.py:grad_handling_hook")
+                      + ENGINE)
+        t.drop(act, 100_000, ENGINE)
+        partition = t.new(100_000, engine_step + loop)
+        t.drop(grads, 50_000, engine_step + loop)
+        if not offload:
+            adam = py(f"{TORCH}adam.py:_init_group", f"{TORCH}adam.py:step", f"{TORCH}optimizer.py:wrapper")
+            if k == 0:
+                t.new(200_000, adam + engine_step + loop)
+            t.drop(t.new(100_000, adam + engine_step + loop), 100_000, adam + engine_step + loop)
+        t.drop(partition, 100_000, engine_step + loop)
+    d = summary_of(write_snapshot, t.snapshot())
+    assert [[p.phase for p in s.phases] for s in d.steps] == [["forward", "backward", "optimizer"]] * 2
