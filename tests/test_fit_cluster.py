@@ -88,9 +88,12 @@ def test_more_nodes_needed_is_the_loss_and_says_nodes():
     (["torchrun", "--nproc-per-node=16", "train.py"], "batch", True),
     # {nodes} searched: every value runs alike, one node included
     (["torchrun", "--nnodes", "1", "--nproc-per-node", "2", "train.py"], "nodes", True),
-    # accelerate's job of 16 processes is read as --ranks reads it; a launcher --ranks does not read runs whole
+    # accelerate's and DeepSpeed's jobs of 16 processes are read as --ranks reads them; a launcher --ranks
+    # does not read runs whole
     (["accelerate", "launch", "--multi_gpu", "--num_processes", "16", "train.py"], "batch", True),
-    (["deepspeed", "--num_gpus", "16", "train.py"], "batch", False),
+    (["deepspeed", "--num_gpus", "16", "train.py"], "batch", True),
+    (["deepspeed", "--num_gpus", "8", "train.py"], "batch", False),
+    (["mpirun", "-np", "16", "python", "train.py"], "batch", False),
 ])
 def test_which_launched_jobs_run_as_their_picked_ranks(command, knob, picked):
     assert runs_picked_ranks(command, knob) is picked
