@@ -136,8 +136,9 @@ DDP = textwrap.dedent("""
         out.sum().backward()
         opt.step()
         opt.zero_grad()
-    print("rank", dist.get_rank(), "on", torch.cuda.current_device(), out.device, next(model.parameters()).device,
-          "other GPU", torch.cuda.max_memory_allocated(1 - local_rank))
+    line = (f"rank {dist.get_rank()} on {torch.cuda.current_device()} {out.device} {next(model.parameters()).device} "
+            f"other GPU {torch.cuda.max_memory_allocated(1 - local_rank)}\\n")
+    os.write(1, line.encode())  # one write: the ranks share stdout, and print's pieces interleave
     dist.destroy_process_group()
 """)
 
