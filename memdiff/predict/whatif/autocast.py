@@ -1,7 +1,7 @@
 """`autocast=bf16|fp16`: activations and their gradients made in the forward and backward halve
 (the loss excepted); a half-precision copy of the weights is made in each forward and lives
 to the end of its backward (autocast's weight casts, saved for the backward), and so is the copy
-of the float batch a forward's first product or convolution reads (batch_cast). Where the stacks
+of the float batch a forward's first product or convolution reads (BatchCasts). Where the stacks
 name the ATen ops (CUDA), what autocast runs in fp32 and what its line computes after it stay
 fp32 (fp32_regions).
 """
@@ -188,25 +188,37 @@ def _shared_reads(run: Run, fp32: np.ndarray) -> List[Tuple[int, List[int]]]:
     return out
 
 
-def batch_cast(run: Run, start: int, end: int) -> Optional[Tuple[int, int]]:
-    """(when, size) of the half-precision copy autocast makes of the float batch in the forward
-    between events start and end, where that forward's first op (its first activation) is a matrix
-    product or a convolution (a CNN's first conv2d, an MLP's first linear, a
-    ViT's patch embedding): the op is on autocast's lower-precision list, so it casts its fp32
-    input to 2 bytes an element, and it saves that copy for its weight's gradient (the batch itself
-    stays fp32, held by the loop). The batch is the largest input live then: the labels are one
-    integer an example, and a product reads no integer tensor. None where the forward starts
-    otherwise (an embedding's lookup reads integer token ids) or no input is live."""
-    c = run.course
-    fwd = forward_in_order(run)
-    made = fwd[(c.start[fwd] >= start) & (c.start[fwd] < end) & run.of("activation")[fwd]]
-    if not len(made) or run.call[made[0]] not in MATRIX_PRODUCTS:
-        return None
-    when = int(c.start[made[0]])
-    batch = run.of("input") & (c.start < when) & (c.end > when)
-    if not batch.any():
-        return None
-    return when, int(c.size[batch].max()) // 2
+class BatchCasts:
+    """The half-precision copies autocast makes of the float batch, one per forward whose first op
+    (its first activation) is a matrix product or a convolution (a CNN's first conv2d, an MLP's
+    first linear, a ViT's patch embedding): the op is on autocast's lower-precision list, so it casts
+    its fp32 input to 2 bytes an element, and it saves that copy for its weight's gradient (the batch
+    itself stays fp32, held by the loop). The batch is the largest input live then: the labels are
+    one integer an example, and a product reads no integer tensor. What every forward is asked about
+    is gathered once: a run of a thousand steps asks a thousand times."""
+
+    def __init__(self, run: Run) -> None:
+        c = run.course
+        made = forward_in_order(run)
+        made = made[run.of("activation")[made]]
+        self._made = made[np.argsort(c.start[made], kind="stable")]  # the forward's activations, by start
+        self._starts = c.start[self._made]
+        self._inputs = np.flatnonzero(run.of("input"))
+        self._run = run
+
+    def at(self, start: int, end: int) -> Optional[Tuple[int, int]]:
+        """(when, size) of the copy made in the forward between events start and end; None where
+        that forward starts otherwise (an embedding's lookup reads integer token ids) or no input
+        is live."""
+        k = int(np.searchsorted(self._starts, start))
+        if k == len(self._made) or self._starts[k] >= end or self._run.call[self._made[k]] not in MATRIX_PRODUCTS:
+            return None
+        c = self._run.course
+        when = int(self._starts[k])
+        live = self._inputs[(c.start[self._inputs] < when) & (c.end[self._inputs] > when)]
+        if not len(live):
+            return None
+        return when, int(c.size[live].max()) // 2
 
 
 def apply_autocast(run: Run, edit: Edit, value: str) -> None:
@@ -248,7 +260,7 @@ def apply_autocast(run: Run, edit: Edit, value: str) -> None:
     params -= max((int(c.size[grads[uncast & (c.start[grads] >= s.start_event) & (c.start[grads] <= s.end_event)]]
                        .sum()) for s in run.spans if s.phase == BACKWARD), default=0)
     alone = 0  # forwards no backward follows
-    batches = 0  # the batch's casts added (batch_cast)
+    batch_casts, batch_copies = BatchCasts(run), 0  # the batch's casts, and how many were added
     for step in run.steps:
         # One forward per backward (a micro-batch): the forward runs before each backward run.
         first: Optional[int] = None
@@ -266,13 +278,13 @@ def apply_autocast(run: Run, edit: Edit, value: str) -> None:
                     edit.add(first, int(c.start[g]) + 1, int(edit.size[g]) // 2, "autocast_weights")
                 if not len(mine):
                     edit.add(first, p.start_event, params // 2, "autocast_weights")
-                cast = batch_cast(run, first, p.start_event)
+                cast = batch_casts.at(first, p.start_event)
                 if cast is not None:
                     # Kept, as the first layer's weight cast is, until that weight's gradient: the
                     # backward makes the first layer's last.
                     edit.add(cast[0], int(c.start[mine].max()) + 1 if len(mine) else p.start_event, cast[1],
                              "activation")
-                    batches += 1
+                    batch_copies += 1
                 first = None
             elif first is not None:
                 # No backward follows (an evaluation, a forward measured alone): autocast still
@@ -295,7 +307,8 @@ def apply_autocast(run: Run, edit: Edit, value: str) -> None:
                                f"{len(shared)} fp32 tensors (a norm's output) keeps its own half-size copy of it"
                                if shared else "")
                             + (f"; the float batch's {value} copy that each forward's first product or convolution "
-                               f"makes and saves ({batches} made), kept to its weight's gradient" if batches else "")
+                               f"makes and saves ({batch_copies} made), kept to its weight's gradient"
+                               if batch_copies else "")
                             + (f"; the {int(looked_up.sum())} embedding lookups stay fp32 (autocast casts no "
                                "table)" if looked_up.any() else "")
                             + ("; where the stacks name the ATen ops (CUDA), what autocast runs in fp32 (pow, "
