@@ -11,6 +11,7 @@ wrote (past MAX_SOURCE_BYTES: the path comes from the snapshot, which may name a
 
 from __future__ import annotations
 
+import functools
 import linecache
 import os
 import sys
@@ -31,8 +32,10 @@ def source_line(frame: Frame) -> Optional[str]:
     return linecache.getline(path, frame.line).strip() or None
 
 
+@functools.lru_cache(maxsize=1024)
 def _find(file: str) -> Optional[str]:
-    """The file a display path names here: itself when absolute, else the first match under sys.path."""
+    """The file a display path names here: itself when absolute, else the first match under sys.path.
+    Looked up once per file: a long run asks for the same few lines thousands of times."""
     if not file.endswith(".py"):
         return None
     candidates = [file] if os.path.isabs(file) else [os.path.join(entry, file) for entry in sys.path if entry]
