@@ -26,6 +26,10 @@ CUDA_MESSAGES = ("found no nvidia driver", "torch not compiled with cuda enabled
                  "tried to instantiate dummy base class", "cuda error", "cudaerror", "nvidia-ml-py", "nvml",
                  "libcuda", "cuda runtime", "cuda_home environment variable is not set")
 
+# A CUDA extension a library builds as the script runs, and what to do instead.
+EXTENSION = "a CUDA extension built as the script runs (torch.utils.cpp_extension: apex's fused kernels)"
+EXTENSION_INSTEAD = "use the library's PyTorch path"
+
 # The torch source each feature lives in, the feature's name and what to do instead; first match wins.
 FEATURES: Tuple[Tuple[str, str, str], ...] = (
     ("torch/cuda/graphs.py", "CUDA graphs (torch.cuda.graph, CUDAGraph, make_graphed_callables)",
@@ -35,11 +39,10 @@ FEATURES: Tuple[Tuple[str, str, str], ...] = (
     ("torch/cuda/memory.py:list_gpu_processes", "NVML queries (list_gpu_processes)",
      "guard them with an environment variable or skip them when memdiff records"),
     ("torch/_inductor/", "torch.compile's generated kernels", "record the model uncompiled"),
-    # torch.utils.cpp_extension.load builds for CUDA where torch says CUDA is there (DeepSpeed's
-    # FusedAdam and FusedLamb, apex): needing nvcc, and kernels that would run on no data.
-    ("torch/utils/cpp_extension.py", "a CUDA extension built as the script runs (torch.utils.cpp_extension: "
-     "DeepSpeed's FusedAdam, apex's fused kernels)",
-     "use the library's PyTorch path (DeepSpeed: \"torch_adam\": true in the optimizer's params)"),
+    # torch.utils.cpp_extension.load builds for CUDA where torch says CUDA is there (apex, a library's
+    # own kernels): needing nvcc, and kernels that would run on no data. DeepSpeed's op builders are
+    # answered before they build (deepspeed_ops.py).
+    ("torch/utils/cpp_extension.py", EXTENSION, EXTENSION_INSTEAD),
     ("triton/", "a Triton kernel launched directly",
      "wrap it in a torch.library custom op and register its fake implementation"),
     ("torch/distributed/", "torch.distributed's device-side calls", "none yet: record this job on GPUs"),
@@ -56,6 +59,14 @@ def op_refusal(namespace: str, name: str, where: str) -> InputError:
         why = (f"a custom op with no fake (meta) implementation{where}: register one with "
                f"torch.library.register_fake and the emulator runs it")
     return _error(op, why)
+
+
+def extension_refusal(op: str, frames: Sequence[Tuple[str, int]], emulated: str) -> InputError:
+    """The one line for a library's CUDA extension the emulator has no stand-in for (`op` names it),
+    asked for at `frames` (filename, line; innermost first), before it is built; `emulated` names
+    those of the library it runs."""
+    return _error(op, f"not emulated: a CUDA extension built as the script runs{called_at(frames)}; "
+                      f"{EXTENSION_INSTEAD} (the emulator runs {emulated})")
 
 
 def _error(path: str, message: str) -> InputError:

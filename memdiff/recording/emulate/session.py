@@ -19,6 +19,7 @@ def start(emulator: Emulator) -> contextlib.ExitStack:
     from memdiff.recording.emulate import (
         asked,
         build,
+        deepspeed_ops,
         distributed,
         files,
         flex,
@@ -48,6 +49,7 @@ def start(emulator: Emulator) -> contextlib.ExitStack:
     stack.enter_context(rnn.cudnn_answers())
     stack.enter_context(rmsnorm.fused_kernel())
     stack.enter_context(build.cuda_build_answers())
+    stack.enter_context(deepspeed_ops.fused_optimizers())
     stack.enter_context(legacy.legacy_cuda_types())
     stack.enter_context(distributed.fake_process_groups(emulator))
     stack.enter_context(layout.recorded())
