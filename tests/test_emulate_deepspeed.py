@@ -14,6 +14,9 @@ torch's AdamW:
   (2P) are held for the run.
 - offload_optimizer puts the master weights, the moments and the update on the CPU: the device
   keeps the bf16 weights (2N) and a staging buffer of the largest parameter's gradient.
+- DeepSpeed's own default optimizer, FusedAdam (`"type": "Adam"` without torch_adam), keeps the same
+  two fp32 moments of the partition (2 x 4P) and, beside them, its one-int no-op flag; its CUDA kernel
+  updates in place (csrc/adam/multi_tensor_adam.cu), so its step allocates nothing else.
 
 DeepSpeed is found in the folder MEMDIFF_DEEPSPEED_LIBS names (.ci/run installs 0.19.8 there);
 without it the tests skip, or fail where CI requires its capture dependencies.
@@ -23,10 +26,12 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
-from typing import Dict, Tuple
+from typing import Dict, List, Tuple
 
 import pytest
 from conftest import ROOT, missing_capture_dependency
@@ -51,7 +56,8 @@ def _libraries() -> str:
 
 @pytest.fixture(scope="module")
 def record(torch, tmp_path_factory):
-    """Rank 0 of the job with these flags, emulated on an H100 once per module: (facts, device summary)."""
+    """Rank 0 of the job with these flags, emulated on an H100 once per module: (facts, device summary,
+    the snapshot's path)."""
     libs = _libraries()
     from memdiff import api
 
@@ -67,7 +73,8 @@ def record(torch, tmp_path_factory):
                 env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join((str(ROOT), libs))})
             assert done.returncode == 0, done.stderr[-3000:]
             facts = json.loads(next(s for s in done.stdout.splitlines() if s.startswith("facts "))[len("facts "):])
-            runs[flags] = facts, api.summarize(folder / "runs" / "rank0.pickle").devices[0]
+            snapshot = folder / "runs" / "rank0.pickle"
+            runs[flags] = facts, api.summarize(snapshot).devices[0], snapshot
         return runs[flags]
 
     return run
@@ -88,7 +95,7 @@ def _partition(facts) -> int:
 
 @pytest.mark.parametrize("stage", ["1", "2"])
 def test_zero_1_and_2_hold_whole_bf16_weights_and_a_partition_of_the_rest(record, stage):
-    facts, device = record("--stage", stage)
+    facts, device, _ = record("--stage", stage)
     n, p, b = sum(facts["numels"]), _partition(facts), facts["bucket"]
     assert sum(facts["numels"]) % (2 * facts["world_size"]) == 0  # no padding in the partition
     peaks = _phase_peaks(device)
@@ -106,7 +113,7 @@ def test_zero_1_and_2_hold_whole_bf16_weights_and_a_partition_of_the_rest(record
 
 
 def test_zero_3_gathers_full_weights_as_unsharded_parameters(record):
-    facts, device = record("--stage", "3")
+    facts, device, _ = record("--stage", "3")
     n, p, b = sum(facts["numels"]), _partition(facts), facts["bucket"]
     peaks = _phase_peaks(device)
     forward, optimizer = peaks["forward"], peaks["optimizer"]
@@ -121,7 +128,7 @@ def test_zero_3_gathers_full_weights_as_unsharded_parameters(record):
 
 
 def test_zero_2_with_offload_keeps_only_bf16_weights_and_a_staging_buffer(record):
-    facts, device = record("--stage", "2", "--offload")
+    facts, device, _ = record("--stage", "2", "--offload")
     n = sum(facts["numels"])
     # two steps, though the update runs on the CPU: engine.step is the optimizer step
     assert len(device.steps) == 2
@@ -129,3 +136,73 @@ def test_zero_2_with_offload_keeps_only_bf16_weights_and_a_staging_buffer(record
     assert forward["parameter"] == BF16 * n
     assert forward["gradient"] == BF16 * max(facts["numels"])
     assert "optimizer_state" not in device.categories
+
+
+def _allocated_in(snapshot: Path, file: str, function: str) -> List[int]:
+    """The sizes the snapshot's trace allocated with `function` of DeepSpeed's `file` on the stack."""
+    with open(snapshot, "rb") as f:
+        trace = pickle.load(f)["device_traces"][0]
+    return [e["size"] for e in trace if e["action"] == "alloc"
+            and any(fr["filename"].endswith(file) and fr["name"] == function for fr in e["frames"])]
+
+
+def test_deepspeeds_default_fused_adam_holds_two_moments_of_the_partition_and_its_step_allocates_nothing(record):
+    # "type": "Adam" is FusedAdam, whose CUDA extension DeepSpeed builds as the script runs: refused
+    # in one line before the emulator gave its op builder a stand-in
+    facts, device, snapshot = record("--stage", "2", "--optimizer", "adam")
+    n, p = sum(facts["numels"]), _partition(facts)
+    forward = _phase_peaks(device)["forward"]
+    assert forward["parameter"] == BF16 * n + FP32 * p  # its no-op flag is no weight
+    assert 0 <= forward["optimizer_state"] - 2 * FP32 * p < SCALARS  # torch's AdamW's state (above)
+    # in two steps FusedAdam's step makes only exp_avg and exp_avg_sq, once (zeros_like of the fp32
+    # partition): the kernel updates in place; its __init__ makes the int32 no-op flag
+    file = "deepspeed/ops/adam/fused_adam.py"
+    assert _allocated_in(snapshot, file, "step") == [FP32 * p, FP32 * p]
+    assert _allocated_in(snapshot, file, "__init__") == [4]
+
+
+# FusedLamb and FusedLion stepping one fp32 Linear(256, 256) on the emulated GPU, without the engine:
+# the bytes each step leaves allocated and its peak above what was allocated before it.
+FUSED_STEPS = """
+    import torch
+    from torch import nn
+    from memdiff.recording.emulate.gpus import gpu
+    from memdiff.recording.emulate.runtime import Emulator
+    from memdiff.recording.emulate.session import emulating
+
+    with emulating(Emulator(gpu("h100"))):
+        from deepspeed.ops.lamb import FusedLamb
+        from deepspeed.ops.lion import FusedLion
+        for name, kind in (("lamb", FusedLamb), ("lion", FusedLion)):
+            model = nn.Linear(256, 256).cuda()
+            optimizer = kind(model.parameters(), lr=1e-3)
+            for step in range(2):
+                model(torch.randn(8, 256, device="cuda")).sum().backward()
+                before = torch.cuda.memory_allocated()
+                torch.cuda.reset_peak_memory_stats()
+                optimizer.step()
+                print(name, step, torch.cuda.memory_allocated() - before, torch.cuda.max_memory_allocated() - before)
+"""
+
+
+def test_fused_lamb_and_lion_keep_their_moments_and_lamb_its_kernels_norm_buffers(tmp_path):
+    libs = _libraries()
+    done = subprocess.run([sys.executable, "-c", textwrap.dedent(FUSED_STEPS)], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join((str(ROOT), libs))})
+    assert done.returncode == 0, done.stderr[-3000:]
+    said = {tuple(line.split()[:2]): tuple(int(v) for v in line.split()[2:]) for line in done.stdout.splitlines()}
+    weight, bias = FP32 * 256 * 256, FP32 * 256  # both whole 512-byte blocks
+    # FusedLion: one moment a parameter (exp_avg), made on the first step; its kernel updates in place
+    assert said[("lion", "0")] == (weight + bias, weight + bias)
+    assert said[("lion", "1")] == (0, 0)
+    # FusedLamb: two moments a parameter, and per parameter its kernel (fused_lamb_cuda.cpp) makes two
+    # 512-element fp32 norm buffers, freed as it returns, and a one-element coefficient FusedLamb keeps
+    # until its next step (a 512-byte block each): the peak is at the bias's update, the weight's
+    # coefficient kept
+    buffers, coefficient = 2 * FP32 * 512, 512
+    assert said[("lamb", "0")] == (2 * (weight + bias) + 2 * coefficient,
+                                   2 * (weight + bias) + coefficient + buffers + coefficient)
+    # the next step drops the last step's two coefficients first: at the bias's update the weight's new
+    # coefficient and the bias's stand where those two stood
+    assert said[("lamb", "1")] == (0, buffers)

@@ -1,11 +1,12 @@
-"""Two steps of a 4-layer MLP trained by DeepSpeed's ZeRO (bf16, torch's AdamW), as `deepspeed` runs it.
+"""Two steps of a 4-layer MLP trained by DeepSpeed's ZeRO (bf16), as `deepspeed` runs it.
 
     memdiff record --emulate h100 -o runs/ --ranks 0 -- \\
-        deepspeed --num_gpus 2 deepspeed_train.py --stage 2 [--offload]
+        deepspeed --num_gpus 2 deepspeed_train.py --stage 2 [--offload] [--optimizer adam]
 
 The config comes from the flags: ZeRO `--stage` (0-3), `--offload` (the optimizer and its fp32
-master weights on the CPU), bf16, `"torch_adam": true` (torch.optim.AdamW: DeepSpeed's FusedAdam and
-CPUAdam are JIT-built extensions), and reduce and all-gather buckets of `--bucket` elements, small
+master weights on the CPU), bf16, the `--optimizer` (torch's AdamW by default, `"torch_adam": true`;
+or DeepSpeed's FusedAdam, FusedLamb or FusedLion, CUDA extensions it builds as the script runs; with
+--offload, "adam" is DeepSpeedCPUAdam), and reduce and all-gather buckets of `--bucket` elements, small
 so the runs are fast and the buckets are seen. Rank 0 prints `facts {JSON}`: each parameter's
 element count, the world size and the bucket size, for the tests' counts by hand.
 """
@@ -18,6 +19,15 @@ import torch
 from torch import nn
 
 LAYERS = 4
+# --optimizer: the config's "optimizer" section for each. "adam" is DeepSpeed's default on a GPU
+# (FusedAdam, a CUDA extension DeepSpeed builds at run time); "lamb" and "lion" are its FusedLamb and
+# FusedLion, built the same way.
+OPTIMIZERS = {
+    "torch": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}},
+    "adam": {"type": "Adam", "params": {"lr": 1e-4}},
+    "lamb": {"type": "Lamb", "params": {"lr": 1e-4}},
+    "lion": {"type": "Lion", "params": {"lr": 1e-4}},
+}
 
 
 def main() -> None:
@@ -28,6 +38,8 @@ def main() -> None:
     p.add_argument("--width", type=int, default=512, help="the layers' width w (4 of w^2 + w parameters)")
     p.add_argument("--bucket", type=int, default=1 << 18, help="reduce and all-gather bucket sizes, in elements")
     p.add_argument("--steps", type=int, default=2)
+    p.add_argument("--optimizer", default="torch", choices=sorted(OPTIMIZERS),
+                   help="DeepSpeed's optimizer config: torch's AdamW, or one of DeepSpeed's fused CUDA optimizers")
     args = p.parse_args()
     deepspeed.init_distributed()
     torch.manual_seed(0)
@@ -41,10 +53,12 @@ def main() -> None:
         zero["offload_optimizer"] = {"device": "cpu"}
     config = {
         "train_micro_batch_size_per_gpu": 8,
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}},
+        "optimizer": OPTIMIZERS[args.optimizer],
         "bf16": {"enabled": True},
         "zero_optimization": zero,
         "steps_per_print": 1 << 30,
+        # DeepSpeed lists FusedLamb among no ZeRO stage's tested optimizers
+        "zero_allow_untested_optimizer": args.optimizer == "lamb",
     }
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
     for _ in range(args.steps):
