@@ -109,6 +109,29 @@ def test_an_optimizer_built_before_the_move_steps_the_moved_weights():
         assert sum(s.numel() * s.element_size() for s in states) == 2 * sum(p.numel() * 4 for p in params)
 
 
+def test_a_weakly_referenced_parameter_is_still_the_one_the_optimizer_steps_after_the_move():
+    # DeepSpeed keeps a finalizer on every weight (deepspeed/utils/debug.py's param_names, by id), and
+    # accelerate's users build a torch optimizer before `prepare` moves the model: on the GPU the move
+    # keeps each Parameter, so the optimizer (and the weak reference) still hold the model's weights.
+    import weakref
+
+    with emulating(Emulator(gpu("h100"))):
+        model = nn.Sequential(nn.Linear(256, 256), nn.Linear(256, 256))
+        names = {id(p): n for n, p in model.named_parameters()}
+        finalizers = [weakref.finalize(p, names.pop, id(p)) for p in model.parameters()]
+        model[1].bias.tag = "no_decay"
+        params = list(model.parameters())
+        opt = torch.optim.AdamW(model.parameters())
+        model.to("cuda")
+        assert all(p is q and p.is_cuda for p, q in zip(params, model.parameters()))
+        assert [names[id(p)] for p in model.parameters()] == ["0.weight", "0.bias", "1.weight", "1.bias"]
+        assert all(f.alive for f in finalizers)
+        assert model[1].bias.tag == "no_decay"
+        model(torch.randn(8, 256, device="cuda")).pow(2).mean().backward()
+        opt.step()
+        assert set(opt.state) == set(model.parameters())
+
+
 def test_weights_that_stay_on_the_cpu_follow_their_initialisation():
     reference = nn.init.trunc_normal_(torch.empty(2048, 512), std=0.02, a=-0.03, b=0.03).std().item()
     with emulating(Emulator(gpu("h100"))):

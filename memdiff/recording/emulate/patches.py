@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import time
 import types
+import weakref
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
@@ -680,9 +681,16 @@ def _keeping_ties(apply: Callable[..., Any]) -> Callable[..., Any]:
 
 def _kept(before: Any, now: Any) -> Any:
     """The Parameter `before` holding `now`'s tensor, where torch made `now` a new Parameter for it;
-    `now` where the two cannot be swapped (a weak reference to one, another holder of its tensor)."""
+    `now` where the two cannot be swapped (another holder of its tensor, a weak reference to `now`)."""
     if now is before or not isinstance(before, torch.nn.Parameter) or type(now) is not type(before):
         return now
+    if weakref.getweakrefs(before) and before._use_count() == 1 and now._use_count() == 1:
+        # A weak reference to the Parameter (DeepSpeed keeps one to every weight, utils/debug.py)
+        # goes on naming it, as on the GPU, whose `param.data = moved` keeps the object; swap_tensors
+        # refuses any object so referenced, so the tensors under the two are swapped here, where no
+        # other holder of either tensor (a use count of 1) can see the exchange. Its attributes stay.
+        torch._C._swap_tensor_impl(before, now)
+        return before
     attributes = dict(before.__dict__)  # the set_data the GPU runs keeps them; a swap would not
     try:
         torch.utils.swap_tensors(before, now)
