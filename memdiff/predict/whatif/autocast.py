@@ -1,7 +1,7 @@
 """`autocast=bf16|fp16`: activations and their gradients made in the forward and backward halve
 (the loss excepted); a half-precision copy of the weights is made in each forward and lives
 to the end of its backward (autocast's weight casts, saved for the backward), and so is the copy
-of the float batch a forward's first product or convolution reads (BatchCasts). Where the stacks
+of the float batch a forward's first product or convolution reads (precision.BatchReads). Where the stacks
 name the ATen ops (CUDA), what autocast runs in fp32 and what its line computes after it stay
 fp32 (fp32_regions).
 """
@@ -17,6 +17,7 @@ from memdiff.analyse.lifetimes import BACKWARD, FORWARD
 from memdiff.predict.whatif.edit import ChangeRule, Edit, one_of
 from memdiff.predict.whatif.precision import (
     PRECISIONS,
+    BatchReads,
     cpu_math_attention,
     loss_note,
     loss_upcasts,
@@ -188,39 +189,6 @@ def _shared_reads(run: Run, fp32: np.ndarray) -> List[Tuple[int, List[int]]]:
     return out
 
 
-class BatchCasts:
-    """The half-precision copies autocast makes of the float batch, one per forward whose first op
-    (its first activation) is a matrix product or a convolution (a CNN's first conv2d, an MLP's
-    first linear, a ViT's patch embedding): the op is on autocast's lower-precision list, so it casts
-    its fp32 input to 2 bytes an element, and it saves that copy for its weight's gradient (the batch
-    itself stays fp32, held by the loop). The batch is the largest input live then: the labels are
-    one integer an example, and a product reads no integer tensor. What every forward is asked about
-    is gathered once: a run of a thousand steps asks a thousand times."""
-
-    def __init__(self, run: Run) -> None:
-        c = run.course
-        made = forward_in_order(run)
-        made = made[run.of("activation")[made]]
-        self._made = made[np.argsort(c.start[made], kind="stable")]  # the forward's activations, by start
-        self._starts = c.start[self._made]
-        self._inputs = np.flatnonzero(run.of("input"))
-        self._run = run
-
-    def at(self, start: int, end: int) -> Optional[Tuple[int, int]]:
-        """(when, size) of the copy made in the forward between events start and end; None where
-        that forward starts otherwise (an embedding's lookup reads integer token ids) or no input
-        is live."""
-        k = int(np.searchsorted(self._starts, start))
-        if k == len(self._made) or self._starts[k] >= end or self._run.call[self._made[k]] not in MATRIX_PRODUCTS:
-            return None
-        c = self._run.course
-        when = int(self._starts[k])
-        live = self._inputs[(c.start[self._inputs] < when) & (c.end[self._inputs] > when)]
-        if not len(live):
-            return None
-        return when, int(c.size[live].max()) // 2
-
-
 def apply_autocast(run: Run, edit: Edit, value: str) -> None:
     """Run the forward and backward under autocast to `value` (bf16 or fp16)."""
     block = run.block
@@ -260,7 +228,7 @@ def apply_autocast(run: Run, edit: Edit, value: str) -> None:
     params -= max((int(c.size[grads[uncast & (c.start[grads] >= s.start_event) & (c.start[grads] <= s.end_event)]]
                        .sum()) for s in run.spans if s.phase == BACKWARD), default=0)
     alone = 0  # forwards no backward follows
-    batch_casts, batch_copies = BatchCasts(run), 0  # the batch's casts, and how many were added
+    batch_reads, batch_copies = BatchReads(run), 0  # the batch's casts, and how many were added
     for step in run.steps:
         # One forward per backward (a micro-batch): the forward runs before each backward run.
         first: Optional[int] = None
@@ -278,12 +246,13 @@ def apply_autocast(run: Run, edit: Edit, value: str) -> None:
                     edit.add(first, int(c.start[g]) + 1, int(edit.size[g]) // 2, "autocast_weights")
                 if not len(mine):
                     edit.add(first, p.start_event, params // 2, "autocast_weights")
-                cast = batch_casts.at(first, p.start_event)
-                if cast is not None:
-                    # Kept, as the first layer's weight cast is, until that weight's gradient: the
-                    # backward makes the first layer's last.
-                    edit.add(cast[0], int(c.start[mine].max()) + 1 if len(mine) else p.start_event, cast[1],
-                             "activation")
+                read = batch_reads.at(first, p.start_event)
+                if read is not None:
+                    # The first product casts the fp32 batch and saves the copy for its weight's
+                    # gradient, kept as the first layer's weight cast is: the backward makes the
+                    # first layer's last.
+                    edit.add(read.when, int(c.start[mine].max()) + 1 if len(mine) else p.start_event,
+                             int(c.size[read.batch]) // 2, "activation")
                     batch_copies += 1
                 first = None
             elif first is not None:

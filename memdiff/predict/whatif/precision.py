@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import List, Tuple
+from typing import List, Optional, Tuple
 
 import numpy as np
 
@@ -246,3 +246,44 @@ def loss_note(upcasts: List[Tuple[int, int, int]]) -> str:
     """The assumption said when the loss reads an fp32 copy of half-precision logits (loss_upcasts)."""
     return ("; the loss reads an fp32 copy of the half-precision logits (`logits.float()`, or autocast's cast "
             f"for cross_entropy), kept while it is computed ({len(upcasts)} made)" if upcasts else "")
+
+
+@dataclass(frozen=True)
+class BatchRead:
+    """The float batch a forward's first matrix product or convolution reads (BatchReads.at)."""
+
+    when: int  # the event at which the product's first activation is made
+    batch: int  # the allocation of the batch it reads
+
+
+class BatchReads:
+    """The float batch each forward's first op reads where that op (its first activation) is a matrix
+    product or a convolution (a CNN's first conv2d, an MLP's first linear, a ViT's patch embedding).
+    The batch is the largest input live then: the labels are one integer an example, and a product
+    reads no integer tensor. In half precision the batch follows: autocast casts it to 2 bytes an
+    element and saves that copy for the weight's gradient (the batch itself stays fp32, held by the
+    loop); half-precision weights take it in their dtype (a product of a bf16 weight refuses an fp32
+    input), so the script makes it in 2 bytes. What every forward is asked about is gathered once: a
+    run of a thousand steps asks a thousand times."""
+
+    def __init__(self, run: Run) -> None:
+        c = run.course
+        made = forward_in_order(run)
+        made = made[run.of("activation")[made]]
+        self._made = made[np.argsort(c.start[made], kind="stable")]  # the forward's activations, by start
+        self._starts = c.start[self._made]
+        self._inputs = np.flatnonzero(run.of("input"))
+        self._run = run
+
+    def at(self, start: int, end: int) -> Optional[BatchRead]:
+        """The batch read by the forward made between events start and end; None where that forward
+        starts otherwise (an embedding's lookup reads integer token ids) or no input is live."""
+        k = int(np.searchsorted(self._starts, start))
+        if k == len(self._made) or self._starts[k] >= end or self._run.call[self._made[k]] not in MATRIX_PRODUCTS:
+            return None
+        c = self._run.course
+        when = int(self._starts[k])
+        live = self._inputs[(c.start[self._inputs] < when) & (c.end[self._inputs] > when)]
+        if not len(live):
+            return None
+        return BatchRead(when, int(live[np.argmax(c.size[live])]))

@@ -1,14 +1,19 @@
-"""`weights=bf16|fp16`: parameters, gradients, optimizer state and activations in 2 bytes; the
-loss (upcast to fp32 by the libraries), inputs, BLAS workspaces and one-element tensors keep
-their size.
+"""`weights=bf16|fp16`: parameters, gradients, optimizer state and activations in 2 bytes, and the
+float batch a forward's first product or convolution reads (it must be in the weights' dtype); the
+loss (upcast to fp32 by the libraries), other inputs (token ids, labels), BLAS workspaces and
+one-element tensors keep their size.
 """
 
 from __future__ import annotations
 
+from typing import Set
+
+from memdiff.analyse.lifetimes import FORWARD
 from memdiff.predict.whatif.attention import HalfAttention, half_attention
 from memdiff.predict.whatif.edit import ChangeRule, Edit, one_of
 from memdiff.predict.whatif.precision import (
     PRECISIONS,
+    BatchReads,
     Upcasts,
     cpu_math_attention,
     loss_in_fp32,
@@ -40,6 +45,7 @@ def apply_weights(run: Run, edit: Edit, value: str) -> None:
     attention = half_attention(run, value)
     halved &= ~math & ~attention.kept
     edit.size[halved] = edit.size[halved] // 2
+    batches = half_batches(run, edit)
     math_in_fp32(run, edit, attention)
     fused_in_half(run, edit, attention)
     upcasts = variance_upcasts(run)
@@ -53,10 +59,25 @@ def apply_weights(run: Run, edit: Edit, value: str) -> None:
     edit.assumptions.append(f"{value} weights: parameters, gradients, optimizer state and activations in 2 bytes; "
                             + ("the loss (computed in fp32 by Hugging Face's loss functions), " if upcast else
                                "the loss too (the model's own cross entropy on its logits, no upcast); ")
+                            + (f"the float batch the first product or convolution reads ({len(batches)} "
+                               "made) in 2 bytes too, as that product takes its weight's dtype; other "
+                               if batches else "")
                             + "inputs, int64 indices (max pooling's), "
                             "BLAS workspaces and one-element tensors keep their size; every float tensor is assumed "
                             "fp32 in the run" + not_float_note(kept) + reduction_note(staging) + math_note(math)
                             + variance_note(upcasts) + loss_note(logits) + attention_note(attention))
+
+
+def half_batches(run: Run, edit: Edit) -> Set[int]:
+    """Halve the float batch each forward's first matrix product or convolution reads (BatchReads): a
+    product of half-precision weights refuses an fp32 input, so the script makes the batch in their
+    dtype (`x.to(device, torch.bfloat16)`), where the fp32 run kept it in 4 bytes. The batches halved."""
+    reads = BatchReads(run)
+    batches = {read.batch for s in run.spans if s.phase == FORWARD
+               for read in [reads.at(s.start_event, s.end_event + 1)] if read is not None}
+    for k in batches:
+        edit.size[k] = run.course.size[k] // 2
+    return batches
 
 
 def variance_note(upcasts: Upcasts) -> str:
