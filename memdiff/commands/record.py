@@ -453,6 +453,8 @@ def _start_ranks(forwarding: _Forwarding, env: Dict[str, str], some: _SomeRanks,
     `running` run (their collectives carry values), with `extra` in its environment; wait for them."""
     for rank in ranks:
         alone = {**env, **some.launch.env, **rank_env(some.launch, rank, running, port=29500), **extra}
+        if some.launch.pythonpath:
+            alone["PYTHONPATH"] = some.launch.path(env.get("PYTHONPATH", ""))
         if some.launch.nproc_per_node > 1 and "OMP_NUM_THREADS" not in os.environ:
             alone["OMP_NUM_THREADS"] = "1"  # torchrun's own default for several ranks on a node
         forwarding.started(subprocess.Popen(some.launch.command(rank), env=alone))

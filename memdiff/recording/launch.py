@@ -13,9 +13,10 @@ not keeps its own values, as a rank run alone does.
 
 from __future__ import annotations
 
+import os
 import sys
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Set
+from typing import Dict, List, Optional, Set, Tuple
 
 from memdiff.errors import InputError
 
@@ -49,6 +50,12 @@ class Launch:
     launcher: str = TORCHRUN  # torchrun's environment (accelerate starts torchrun), or DeepSpeed's launcher's
     # DeepSpeed's launcher passes `--local_rank=N` to each rank after target[:local_rank_after]
     local_rank_after: Optional[int] = None
+    # folders the launcher appends to every rank's PYTHONPATH (accelerate's DeepSpeed launch: its working folder)
+    pythonpath: Tuple[str, ...] = ()
+
+    def path(self, pythonpath: str) -> str:
+        """A rank's PYTHONPATH: `pythonpath` (memdiff's hook first, then the user's), then the launcher's."""
+        return os.pathsep.join(p for p in (pythonpath, *self.pythonpath) if p)
 
     @property
     def world_size(self) -> int:
