@@ -139,6 +139,11 @@ def read_deepspeed(command: List[str]) -> Launch:
             raise InputError(args.hostfile, f"its hosts have different slots ({', '.join(map(str, kept))}): memdiff "
                                             f"reads jobs whose nodes have the same GPUs; give --num_gpus N")
         nodes, per_node = len(kept), slots.pop()
+    if (args.force_multi or nodes > 1) and not args.no_ssh and args.launcher.lower() != "pdsh":
+        # DeepSpeed's MPI and Slurm runners start the ranks through mpirun or srun, not its launch.py
+        raise InputError("--ranks", f"deepspeed's --launcher {args.launcher} starts the ranks with that launcher's "
+                                    f"environment, which memdiff does not give: it reads pdsh's (the default) "
+                                    f"and --no_ssh's")
     if args.no_python:
         head = [args.user_script]
     elif args.module:
