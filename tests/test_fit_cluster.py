@@ -99,6 +99,15 @@ def test_which_launched_jobs_run_as_their_picked_ranks(command, knob, picked):
     assert runs_picked_ranks(command, knob) is picked
 
 
+def test_an_accelerate_deepspeed_job_of_16_processes_runs_as_its_picked_ranks(monkeypatch):
+    """accelerate's DeepSpeed launch is read as --ranks reads it (its launcher needs DeepSpeed importable)."""
+    pytest.importorskip("accelerate")
+    from test_emulate_deepspeed import _libraries
+
+    monkeypatch.syspath_prepend(_libraries())
+    assert runs_picked_ranks(["accelerate", "launch", "--use_deepspeed", "--num_processes", "16", "train.py"], "batch")
+
+
 def test_set_needs_a_place_in_the_command(tmp_path):
     done = memdiff("fit", "--emulate", "l4", "--set", "tp=8", "-o", f"{tmp_path}/runs/", "--", "torchrun",
                    "--nproc-per-node", "{nproc}", str(FSDP))
