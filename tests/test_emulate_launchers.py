@@ -4,16 +4,21 @@ it (docs/jobs.md, "Some ranks of a large job")."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 import textwrap
 
 import pytest
+from conftest import ROOT
+from test_emulate_deepspeed import _libraries as deepspeed_libraries
 from test_record_ranks import free_port
 
 # Slow (the fast loop, -m "not slow", leaves it out): every test runs processes that import torch.
 pytestmark = pytest.mark.slow
+
+ACCELERATE_DEEPSPEED = ROOT / "tests" / "scenarios" / "accelerate_deepspeed_train.py"
 
 # What a rank is told by its launcher, printed in one write (the ranks share stdout); the tensor makes
 # it a process that recorded something.
@@ -141,3 +146,159 @@ def test_deepspeeds_runner_is_read_however_it_is_started(tmp_path):
         launch = read_deepspeed(start + options)
         assert (launch.nnodes, launch.nproc_per_node) == (2, 4)
         assert launch.command(6)[1:] == ["-u", "train.py", "--local_rank=2", "--lr", "1"]
+
+
+# accelerate's DeepSpeed launch (accelerate 1.15's deepspeed_launcher) needs DeepSpeed where it runs: its
+# own launcher stops without it, and the ranks' Accelerator imports it.
+def _with_deepspeed(tmp_path) -> dict:
+    """This environment, with DeepSpeed importable (MEMDIFF_DEEPSPEED_LIBS) and no accelerate config of
+    this machine's."""
+    env = {k: v for k, v in os.environ.items() if k not in ("CUDA_VISIBLE_DEVICES", "LOCAL_WORLD_SIZE")}
+    return {**env, "OMP_NUM_THREADS": "1", "HF_HOME": str(tmp_path / "hf"),
+            "PYTHONPATH": os.pathsep.join((str(ROOT), deepspeed_libraries()))}
+
+
+def test_a_rank_of_an_accelerate_deepspeed_job_is_told_what_accelerates_launcher_tells_it(torch, tmp_path):
+    """On one machine accelerate's DeepSpeed launch is torchrun with accelerate's DeepSpeed variables and
+    the working folder appended to PYTHONPATH: the real launcher's rank 1 (run here on the CPU; its
+    ranks need no GPU to print) and `--ranks 1` of the same command say the same line."""
+    pytest.importorskip("accelerate")
+    (tmp_path / "says.py").write_text(SAYS + textwrap.dedent("""
+        path = os.environ.get("PYTHONPATH", "").split(os.pathsep)
+        os.write(1, f"working folder last on PYTHONPATH: {path[-1] == os.getcwd()}\\n".encode())
+    """))
+    options = ["--use_deepspeed", "--num_processes", "2", "--zero_stage", "2", "--mixed_precision", "bf16",
+               "--gradient_accumulation_steps", "4", "--main_process_port", str(free_port()), "says.py"]
+    env = _with_deepspeed(tmp_path)
+    real = subprocess.run(["accelerate", "launch", *options], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=600, env=env)
+    assert real.returncode == 0, real.stderr[-3000:]
+    told = sorted(real.stdout.splitlines())
+    rank1 = next(line for line in told if "RANK=1" in line.split())
+    assert told.count("working folder last on PYTHONPATH: True") == 2
+    assert {"ACCELERATE_USE_DEEPSPEED=true", "ACCELERATE_DEEPSPEED_ZERO_STAGE=2", "WORLD_SIZE=2",
+            "ACCELERATE_GRADIENT_ACCUMULATION_STEPS=4"} <= set(rank1.split())
+    done = subprocess.run([sys.executable, "-m", "memdiff", "record", "--emulate", "h100", "-o", "runs/", "--ranks",
+                           "1", "--", "accelerate", "launch", *options], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=600, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert sorted(done.stdout.splitlines()) == [rank1, "working folder last on PYTHONPATH: True"]
+    assert sorted(p.name for p in (tmp_path / "runs").glob("*.pickle")) == ["rank1.pickle"]
+    # without DeepSpeed, as accelerate's launcher does, the command is refused: one line, exit 2
+    done = subprocess.run([sys.executable, "-m", "memdiff", "record", "--emulate", "h100", "-o", "again/", "--ranks",
+                           "1", "--", "accelerate", "launch", *options], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=600, env={**env, "PYTHONPATH": str(ROOT)})
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and len(lines) == 1 and "needs DeepSpeed installed" in lines[0], done.stderr
+
+
+# The jobs of accelerate's DeepSpeed launches on several machines, read in one process: by its default
+# launcher (DeepSpeed's runner over pdsh, `--no_local_rank`, the variables accelerate writes to its
+# `.deepspeed_env`), by `nossh` (DeepSpeed's runner, which passes --local_rank) and by `standard` (torchrun).
+READ = textwrap.dedent("""
+    import json, sys
+    from memdiff.errors import InputError
+    from memdiff.recording.launch import rank_env
+    from memdiff.recording.launchers import read_launch
+
+    said = {}
+    for name, command in json.loads(sys.argv[1]).items():
+        try:
+            launch = read_launch(command)
+        except InputError as exc:
+            said[name] = str(exc)
+            continue
+        said[name] = {"nodes": launch.nnodes, "per_node": launch.nproc_per_node, "rank11": launch.command(11)[1:],
+                      "env": {**launch.env, **rank_env(launch, 11, [11], 29500)}}
+    print(json.dumps(said))
+""")
+
+
+def test_accelerate_deepspeed_jobs_of_two_machines_are_read_as_their_launchers_start_them(tmp_path):
+    pytest.importorskip("accelerate")
+    (tmp_path / "hosts").write_text("worker-0 slots=8\nworker-1 slots=8\n")
+    (tmp_path / "config.yaml").write_text(textwrap.dedent("""
+        compute_environment: LOCAL_MACHINE
+        distributed_type: DEEPSPEED
+        deepspeed_config: {zero_stage: 3, offload_param_device: cpu, gradient_accumulation_steps: 2}
+        mixed_precision: bf16
+        num_machines: 2
+        num_processes: 16
+        machine_rank: 0
+    """))
+    two = ["--num_processes", "16", "--num_machines", "2", "--machine_rank", "0"]
+    job = ["train.py", "--lr", "1e-4"]
+    commands = {
+        "pdsh": ["accelerate", "launch", "--use_deepspeed", *two, "--deepspeed_hostfile", "hosts", "--zero_stage",
+                 "3", "--offload_optimizer_device", "cpu", *job],
+        "nossh": ["accelerate", "launch", "--use_deepspeed", *two, "--deepspeed_hostfile", "hosts",
+                  "--deepspeed_multinode_launcher", "nossh", *job],
+        "standard": ["accelerate", "launch", "--config_file", "config.yaml", "--deepspeed_multinode_launcher",
+                     "standard", "--main_process_ip", "10.0.0.1", *job],
+        "no hostfile": ["accelerate", "launch", "--use_deepspeed", *two, *job],
+        "openmpi": ["accelerate", "launch", "--use_deepspeed", *two, "--deepspeed_hostfile", "hosts",
+                    "--deepspeed_multinode_launcher", "openmpi", *job]}
+    done = subprocess.run([sys.executable, "-c", READ, json.dumps(commands)], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=300, env=_with_deepspeed(tmp_path))
+    assert done.returncode == 0, done.stderr[-3000:]
+    read = json.loads(done.stdout)
+    pdsh, nossh, standard = read["pdsh"], read["nossh"], read["standard"]
+    for job_read in (pdsh, nossh, standard):
+        assert (job_read["nodes"], job_read["per_node"], job_read["env"]["WORLD_SIZE"]) == (2, 8, "16")
+        assert (job_read["env"]["RANK"], job_read["env"]["LOCAL_RANK"]) == ("11", "3")
+        assert job_read["env"]["ACCELERATE_USE_DEEPSPEED"] == "true"
+    # DeepSpeed's launcher's variables, the options accelerate gave as variables, and no --local_rank
+    # (accelerate starts its runner with --no_local_rank); the empty ACCELERATE_CONFIG_DS_FIELDS is one
+    # accelerate leaves out of `.deepspeed_env`
+    assert pdsh["rank11"] == ["-u", "train.py", "--lr", "1e-4"]
+    assert {k: pdsh["env"].get(k) for k in ("CROSS_RANK", "LOCAL_SIZE", "ACCELERATE_DEEPSPEED_ZERO_STAGE",
+                                            "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE",
+                                            "ACCELERATE_CONFIG_DS_FIELDS")} == \
+        {"CROSS_RANK": "1", "LOCAL_SIZE": "8", "ACCELERATE_DEEPSPEED_ZERO_STAGE": "3",
+         "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE": "cpu", "ACCELERATE_CONFIG_DS_FIELDS": None}
+    assert nossh["rank11"] == ["-u", "train.py", "--local_rank=3", "--lr", "1e-4"]
+    # torchrun's variables, and accelerate's from its config file, with the fields the config set named
+    assert (standard["env"]["GROUP_RANK"], standard["env"]["LOCAL_WORLD_SIZE"]) == ("1", "8")
+    assert {k: standard["env"].get(k) for k in ("ACCELERATE_DEEPSPEED_ZERO_STAGE", "ACCELERATE_MIXED_PRECISION",
+                                                "ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE",
+                                                "ACCELERATE_GRADIENT_ACCUMULATION_STEPS")} == \
+        {"ACCELERATE_DEEPSPEED_ZERO_STAGE": "3", "ACCELERATE_MIXED_PRECISION": "bf16",
+         "ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE": "cpu", "ACCELERATE_GRADIENT_ACCUMULATION_STEPS": "2"}
+    assert set(standard["env"]["ACCELERATE_CONFIG_DS_FIELDS"].split(",")) == \
+        {"zero_stage", "offload_param_device", "gradient_accumulation_steps", "mixed_precision"}
+    assert "give --deepspeed_hostfile FILE" in read["no hostfile"]
+    assert "--launcher openmpi starts the ranks with that launcher's environment" in read["openmpi"]
+
+
+def test_ranks_of_an_accelerate_deepspeed_zero2_job_run_alone_and_train(torch, tmp_path):
+    """Ranks 0 and 3 of 4 train two ZeRO 2 steps under the Accelerator, each alone: DeepSpeed's engine
+    says the world is 4 and gives each rank a quarter of the parameters as its fp32 partition, and each
+    rank's snapshot holds, at its forward's peak, the bf16 weights whole (2N bytes) and that partition
+    (4N/4 bytes), as test_emulate_deepspeed.py counts ZeRO 2."""
+    pytest.importorskip("accelerate")
+    from memdiff import api
+
+    (tmp_path / "ds.json").write_text(json.dumps({
+        "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto", "bf16": {"enabled": "auto"},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}},
+        "zero_optimization": {"stage": 2, "reduce_bucket_size": 1 << 16, "allgather_bucket_size": 1 << 16}}))
+    done = subprocess.run([sys.executable, "-m", "memdiff", "record", "--emulate", "h100", "-o", "runs/", "--ranks",
+                           "0,3", "--", "accelerate", "launch", "--use_deepspeed", "--num_processes", "4",
+                           "--deepspeed_config_file", "ds.json", "--mixed_precision", "bf16",
+                           "--main_process_port", str(free_port()), str(ACCELERATE_DEEPSPEED)],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=600, env=_with_deepspeed(tmp_path))
+    assert done.returncode == 0, done.stderr[-3000:]
+    facts = sorted((json.loads(s[len("facts "):]) for s in done.stdout.splitlines() if s.startswith("facts ")),
+                   key=lambda f: f["rank"])
+    n = sum(facts[0]["numels"])
+    assert [(f["rank"], f["world_size"], f["stage"], f["partition"]) for f in facts] == [(0, 4, 2, n // 4),
+                                                                                          (3, 4, 2, n // 4)]
+    assert "wrote 2 snapshots of a job of 4 ranks (ranks 0, 3, each run alone)" in done.stderr
+    manifest = json.loads((tmp_path / "runs" / "memdiff-job.json").read_text())
+    assert manifest["emulated_ranks"] == [0, 3]
+    assert [r["state"] for r in manifest["ranks"]] == ["written", "not emulated", "not emulated", "written"]
+    for rank in (0, 3):
+        device = api.summarize(tmp_path / "runs" / f"rank{rank}.pickle").devices[0]
+        last = max(p.step for p in device.phase_peaks)
+        forward = next(p.categories for p in device.phase_peaks if p.step == last and p.phase == "forward")
+        assert forward["parameter"] == 2 * n + 4 * (n // 4)

@@ -4,7 +4,8 @@
 `deepspeed --num_nodes 2 --num_gpus 8 train.py --deepspeed_config ds.json` runs its runner, which
 reads the job's nodes from a hostfile (`-H`, by default /job/hostfile when it exists: lines `host
 slots=N`) or takes this machine alone, keeps the first `--num_nodes` hosts and `--num_gpus` GPUs on
-each, and starts `deepspeed.launcher.launch` on every node. That launcher gives each rank an
+each, and starts `deepspeed.launcher.launch` on every node (over pdsh, or this node's with
+`--no_ssh`; its MPI and Slurm runners start the ranks otherwise, and are refused). That launcher gives each rank an
 environment of its own (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_SIZE, CROSS_RANK, CROSS_SIZE,
 MASTER_ADDR, MASTER_PORT, CUDA_VISIBLE_DEVICES: no torchrun variables) and passes `--local_rank=N`
 to the script, after it and before its arguments, unless `--no_local_rank`. memdiff reads the same
