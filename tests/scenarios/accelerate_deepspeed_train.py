@@ -5,8 +5,9 @@
         --num_processes 4 --deepspeed_config_file ds.json --mixed_precision bf16 accelerate_deepspeed_train.py
 
 The Accelerator takes DeepSpeed's settings from the environment accelerate's launcher gives each rank
-(ACCELERATE_USE_DEEPSPEED, ACCELERATE_DEEPSPEED_CONFIG_FILE, ACCELERATE_MIXED_PRECISION); the
-optimizer is the config file's (DummyOptim stands for it), whose "auto" values accelerate fills in.
+(ACCELERATE_USE_DEEPSPEED, ACCELERATE_DEEPSPEED_CONFIG_FILE, ACCELERATE_MIXED_PRECISION). The
+optimizer is torch's AdamW, made on the CPU model before `prepare` moves it, as accelerate's examples
+do: DeepSpeed's ZeRO takes it over, with the weights it was given, which must be the moved ones.
 Each rank prints `facts {JSON}`: its rank, the world size and ZeRO stage DeepSpeed's engine runs, each
 parameter's element count, and the elements of the fp32 partition DeepSpeed gave this rank.
 """
@@ -15,7 +16,6 @@ import json
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import DummyOptim
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -28,7 +28,8 @@ def main() -> None:
     model = nn.Sequential(*(nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.ReLU()) for _ in range(LAYERS)))
     numels = [t.numel() for t in model.parameters()]
     data = DataLoader(TensorDataset(torch.randn(8 * STEPS, WIDTH)), batch_size=8)
-    engine, optimizer, data = accelerator.prepare(model, DummyOptim(model.parameters()), data)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    engine, optimizer, data = accelerator.prepare(model, optimizer, data)
     for (x,) in data:
         loss = engine(x).float().square().mean()
         accelerator.backward(loss)
