@@ -183,7 +183,7 @@ def test_dask_gives_the_summaries_the_local_path_gives(tmp_path, shared):
 @pytest.mark.slow  # waits for Dask's connection timeout
 def test_an_unreachable_dask_scheduler_is_one_line(tmp_path, capsys, monkeypatch):
     # Dask retries a refused connection until its timeout: a second is enough to be refused here.
-    monkeypatch.setattr("memdiff.read.job.DASK_CONNECT_TIMEOUT_S", 1)
+    monkeypatch.setattr("memdiff.cluster.DASK_CONNECT_TIMEOUT_S", 1)
     folder = job(tmp_path / "job", {0: rank_snapshot(MiB)})
     code, _, err = run(capsys, "ranks", folder, "--dask", "tcp://127.0.0.1:9")
     assert code == 2 and err.count("\n") == 1 and "cannot reach the scheduler" in err

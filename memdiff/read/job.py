@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence
 
 from memdiff.analyse.classify import Rule
 from memdiff.analyse.patterns import Pattern
+from memdiff.cluster import connect, failed
 from memdiff.errors import InputError
 from memdiff.model import Summary
 from memdiff.read.inputs import read_summaries, read_summary
@@ -37,8 +38,6 @@ RANK_PATTERNS = (r"(?i)(?:^|[^a-z])rank[-_]?(\d+)(?!\d)", r"[-_.](\d+)(?:\.[a-z]
 PER_PROCESS = re.compile(r"^pid\d+\.pickle$")
 HIDDEN = (".", "_")  # recording leftovers (`.rank0.pickle.recording`) and editor files
 MAX_RANKS = 1 << 20
-# How long `--dask` waits for the scheduler: Dask retries a refused connection until then.
-DASK_CONNECT_TIMEOUT_S = 20
 
 
 @dataclass(frozen=True)
@@ -223,20 +222,12 @@ def _summary_document(path: str, rules: Sequence[Rule], history: bool,
 
 def _on_dask(address: str, paths: Sequence[str], rules: Sequence[Rule], history: bool,
              window: Optional["Window"] = None) -> List[Summary]:
-    try:
-        from distributed import Client
-    except ImportError:
-        raise InputError("--dask", "needs dask.distributed: pip install 'memdiff[dask]'") from None
-    try:
-        client = Client(address, timeout=f"{DASK_CONNECT_TIMEOUT_S}s")
-    except (OSError, TimeoutError, ValueError) as exc:
-        raise InputError(f"--dask {address}", f"cannot reach the scheduler: {exc}") from None
-    with client:
+    with connect(address) as client:
         # pure=False: a file may change between two runs under the same path.
         futures = client.map(_summary_document, list(paths), rules=list(rules), history=history, window=window,
                              pure=False)
         try:
             documents = client.gather(futures)  # a worker's InputError is raised here as it is
         except (OSError, TimeoutError) as exc:
-            raise InputError(f"--dask {address}", f"the cluster failed: {exc}") from None
+            raise failed(address, exc) from None
     return [Summary.from_dict(d) for d in documents]
