@@ -16,7 +16,7 @@ import sys
 import traceback
 from dataclasses import dataclass, fields, replace
 from importlib import resources
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Set, Tuple
 
 import memdiff
 from memdiff.atomic import check_folder, check_output, commit, temporary_name
@@ -27,6 +27,7 @@ from memdiff.inert import shell, text
 from memdiff.read.job import MAX_RANKS, ranges, rank_of, rank_patterns
 from memdiff.read.load import decode
 from memdiff.recording.capture import STACKS, StepWindow, parse_steps, record, recorded_nothing, sigint_held
+from memdiff.recording.dask_ranks import RankTask, cluster, run_on_dask
 from memdiff.recording.emulate.allocator import AllocatorConfig
 from memdiff.recording.emulate.devices import GPUS
 from memdiff.recording.emulate.escapes import escaped
@@ -50,9 +51,12 @@ from memdiff.recording.manifest import (
     write_manifest,
 )
 from memdiff.recording.pick import LAYOUT_FILE, Picked, pick, read_layout
-from memdiff.units import format_bytes
+from memdiff.units import count_of, format_bytes
 
 PYTHON = re.compile(r"^python(\d+(\.\d+)?)?(\.exe)?$")
+# The most ranks --ranks runs at once on this machine, each a process holding torch and its emulated
+# GPU's bookkeeping (about 0.3 GB each, docs/jobs.md): more is a job for --dask.
+LOCAL_RANKS = 64
 
 
 DESCRIPTION = ("Run a script (`-- python train.py ARGS` or `-- python -m pkg.module ARGS`) in this "
@@ -97,13 +101,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "emulated run never changes the user's files: all it writes, renames or deletes lands in an "
                         "overlay the run reads back (DIR/upper/<absolute path>), removed after the run without this "
                         "(docs/emulate.md, 'Your files')")
-    p.add_argument("--ranks", metavar="LIST|auto",
+    p.add_argument("--ranks", metavar="LIST|all|auto",
                    help="with --emulate and -o DIR/ around a torchrun, `accelerate launch` or `deepspeed` command: run "
-                        "only these ranks of the job it describes (0,63 or 0-7,63), each alone in its own process with "
-                        "the environment its launcher gives it: any rank of a job of hundreds of GPUs from one CPU. "
+                        "only these ranks of the job it describes (0,63 or 0-7,63; all: every rank), each alone in its "
+                        "own process with the environment its launcher gives it: any rank of a job of hundreds of GPUs "
+                        f"from one CPU, at most {LOCAL_RANKS} at once without --dask. "
                         "auto: rank 0 first, then one rank per role of the layout its script built (the last rank, "
                         "the last coordinate of each mesh dimension whose shards are uneven or not known to be even, "
                         "each pipeline stage's first rank), each named with why (docs/jobs.md)")
+    p.add_argument("--dask", metavar="ADDRESS",
+                   help="with --emulate and --ranks: run each rank as a task on this existing Dask scheduler "
+                        "(tcp://host:8786; needs memdiff[dask]), as many at once as its workers have threads; the "
+                        "workers must see the script, the output folder and memdiff's Python at the same paths (a "
+                        "shared filesystem). Rank 0 runs first; each rank hears only from the ranks that ended "
+                        "before it, so none waits for another (docs/jobs.md)")
     p.add_argument("command", nargs=argparse.REMAINDER,
                    help="-- python SCRIPT ARGS | -- python -m MODULE ARGS "
                         "| with -o DIR/, any launcher: -- torchrun ...")
@@ -435,8 +446,9 @@ def _some_ranks(args: argparse.Namespace, command: List[str]) -> Optional[_SomeR
     if not args.emulate:
         raise InputError("--ranks", "runs ranks of a job each alone, which only an emulated rank can (its "
                                     "collectives wait for no one): give it with --emulate GPU")
-    auto = args.ranks.strip() == "auto"
-    ranks = [0] if auto else parse_ranks(args.ranks)
+    asked = args.ranks.strip()
+    auto = asked == "auto"
+    ranks = [0] if auto else [] if asked == "all" else parse_ranks(args.ranks)
     launch = read_launch(command)
     if PYTHON.match(os.path.basename(launch.target[0])):
         _target(launch.target)  # what each rank runs must be there: no launcher of ours starts and finds out
@@ -444,34 +456,91 @@ def _some_ranks(args: argparse.Namespace, command: List[str]) -> Optional[_SomeR
     if beyond:
         raise InputError("--ranks", f"the job has {launch.world_size:,} ranks ({launch.nnodes} node(s) of "
                                     f"{launch.nproc_per_node}): no rank {beyond[0]}")
+    if asked == "all":
+        ranks = list(range(launch.world_size))
+    if len(ranks) > LOCAL_RANKS and not args.dask:
+        raise InputError("--ranks", f"{len(ranks):,} ranks are more than this machine runs at once (at most "
+                                    f"{LOCAL_RANKS}, each a process of its own): give --dask ADDRESS to run them "
+                                    f"as tasks on a Dask cluster, or fewer ranks")
     return _SomeRanks(launch, ranks, auto)
 
 
-def _start_ranks(forwarding: _Forwarding, env: Dict[str, str], some: _SomeRanks, ranks: List[int],
-                 running: List[int], extra: Dict[str, str]) -> None:
-    """Start each of `ranks` alone, as torchrun would have started it (launch.py), told that the ranks
-    `running` run (their collectives carry values), with `extra` in its environment; wait for them."""
-    for rank in ranks:
-        alone = {**env, **some.launch.env, **rank_env(some.launch, rank, running, port=29500), **extra}
-        if some.launch.pythonpath:
-            alone["PYTHONPATH"] = some.launch.path(env.get("PYTHONPATH", ""))
-        if some.launch.nproc_per_node > 1 and "OMP_NUM_THREADS" not in os.environ:
-            alone["OMP_NUM_THREADS"] = "1"  # torchrun's own default for several ranks on a node
-        forwarding.started(subprocess.Popen(some.launch.command(rank), env=alone))
-    for child in forwarding.children:
-        child.wait()
+# What runs some ranks of the job, each alone: (the ranks, the ranks that run with them, what to add to
+# their environment) -> each rank's exit status, of the ranks it ran.
+Runner = Callable[[List[int], List[int], Dict[str, str]], Dict[int, int]]
 
 
-def _auto_ranks(forwarding: _Forwarding, env: Dict[str, str], some: _SomeRanks, folder: str) -> List[Picked]:
+def _rank_env(env: Dict[str, str], some: _SomeRanks, rank: int, running: List[int],
+              extra: Dict[str, str]) -> Dict[str, str]:
+    """The environment of `rank` started as torchrun would have started it (launch.py), told that the
+    ranks `running` run (their collectives carry values), with `extra`."""
+    alone = {**env, **some.launch.env, **rank_env(some.launch, rank, running, port=29500), **extra}
+    if some.launch.pythonpath:
+        alone["PYTHONPATH"] = some.launch.path(env.get("PYTHONPATH", ""))
+    if some.launch.nproc_per_node > 1 and "OMP_NUM_THREADS" not in os.environ:
+        alone["OMP_NUM_THREADS"] = "1"  # torchrun's own default for several ranks on a node
+    return alone
+
+
+def _local_ranks(forwarding: _Forwarding, env: Dict[str, str], some: _SomeRanks) -> Runner:
+    """Ranks run here: each a process of this machine, all at once, then waited for."""
+    def start(ranks: List[int], running: List[int], extra: Dict[str, str]) -> Dict[int, int]:
+        children = []
+        for rank in ranks:
+            children.append(subprocess.Popen(some.launch.command(rank), env=_rank_env(env, some, rank, running, extra)))
+            forwarding.started(children[-1])
+        return {rank: _exit_status(child.wait()) for rank, child in zip(ranks, children)}
+    return start
+
+
+def _dask_ranks(client: Any, address: str, forwarding: _Forwarding, env: Dict[str, str], some: _SomeRanks,
+                folder: str) -> Runner:
+    """Ranks run as tasks on a Dask cluster (dask_ranks.py). The cluster may run fewer tasks at once
+    than there are ranks, so a rank that waited for another (exchange.py) could wait for one that
+    starts only once it ends: each rank is told that only itself and the ranks of this run that
+    already ended (exit 0) run with it. It hears what those sent, and never waits."""
+    ended_well: Set[int] = set()
+
+    def start(ranks: List[int], running: List[int], extra: Dict[str, str]) -> Dict[int, int]:
+        heard = set(running) & ended_well
+        tasks = {rank: RankTask(some.launch.command(rank), _rank_env(env, some, rank, sorted(heard | {rank}), extra),
+                                os.getcwd(), folder) for rank in ranks}
+        ended = run_on_dask(client, address, tasks, lambda: forwarding.received)
+        codes: Dict[int, int] = {}
+        for rank in ranks:
+            if rank not in ended:  # cancelled at a second Ctrl-C: run if its hook said it started
+                if os.path.exists(os.path.join(folder, f".rank{rank}.status")):
+                    codes[rank] = 128 + forwarding.received[0]
+            else:
+                status = ended[rank].status
+                if status is not None:  # None: stopped before it started
+                    codes[rank] = status
+        failed = [(rank, ended[rank].failed) for rank in ranks if rank in ended and ended[rank].failed]
+        if failed:
+            more = f" (and {count_of(len(failed) - 1, 'more rank')} likewise)" if len(failed) > 1 else ""
+            print(f"memdiff: --dask: rank {failed[0][0]} did not run: {failed[0][1]}{more}", file=sys.stderr)
+        ended_well.update(rank for rank, code in codes.items() if code == 0)
+        return codes
+    return start
+
+
+def _exit_status(code: int) -> int:
+    """A child's exit status as a shell says it: 128 + N when signal N killed it."""
+    return code if code >= 0 else 128 - code
+
+
+def _auto_ranks(run: Runner, forwarding: _Forwarding, some: _SomeRanks,
+                folder: str) -> Tuple[List[Picked], Dict[int, int]]:
     """--ranks auto: rank 0 alone first, writing the layout its script builds (emulate/layout.py); then
-    the ranks of the other roles that layout has (pick.py), all at once, each said with why. Only rank 0
-    when it failed or was interrupted: its failure is the job's, and it is what the user sees."""
+    the ranks of the other roles that layout has (pick.py), all at once, each said with why; with
+    each rank's exit status. Only rank 0 when it failed or was interrupted: its failure is the job's,
+    and it is what the user sees."""
     path = os.path.join(folder, LAYOUT_FILE)
     try:
-        _start_ranks(forwarding, env, some, [0], [0], {LAYOUT: path})
-        if forwarding.received or forwarding.children[0].returncode:
+        codes = run([0], [0], {LAYOUT: path})
+        if forwarding.received or codes.get(0) != 0:
             print("memdiff: --ranks auto: rank 0 did not finish, so no other rank was picked", file=sys.stderr)
-            return [Picked(0, "rank 0, run first to read the job's layout")]
+            return [Picked(0, "rank 0, run first to read the job's layout")], codes
         picked, notes = pick(read_layout(path), some.launch.world_size)
     finally:
         with contextlib.suppress(FileNotFoundError):
@@ -480,8 +549,22 @@ def _auto_ranks(forwarding: _Forwarding, env: Dict[str, str], some: _SomeRanks, 
         print(f"memdiff: --ranks auto: rank {chosen.rank}: {chosen.why}", file=sys.stderr)
     for note in notes:
         print(f"memdiff: --ranks auto: {note}", file=sys.stderr)
-    _start_ranks(forwarding, env, some, [p.rank for p in picked if p.rank], [p.rank for p in picked], {})
-    return picked
+    codes.update(run([p.rank for p in picked if p.rank], [p.rank for p in picked], {}))
+    return picked, codes
+
+
+def _listed_ranks(run: Runner, forwarding: _Forwarding, ranks: List[int], staged: bool) -> Dict[int, int]:
+    """The ranks --ranks names, each alone; their exit statuses. All at once; or `staged` (on Dask, where
+    a rank hears only from ranks that ended before it), rank 0 first, so that every other rank hears
+    what it sends (a broadcast's object, its sizes), and no other rank when it failed or was stopped."""
+    if not staged or 0 not in ranks or len(ranks) == 1:
+        return run(ranks, ranks, {})
+    codes = run([0], ranks, {})
+    if forwarding.received or codes.get(0) != 0:
+        print("memdiff: --dask: rank 0, run first, did not finish, so no other rank was run", file=sys.stderr)
+        return codes
+    codes.update(run([r for r in ranks if r], ranks, {}))
+    return codes
 
 
 def _run_launcher(args: argparse.Namespace) -> int:
@@ -498,6 +581,7 @@ def _run_launcher(args: argparse.Namespace) -> int:
         except ValueError as exc:
             raise InputError("PYTORCH_CUDA_ALLOC_CONF", str(exc)) from None
     ranks = _some_ranks(args, command)
+    client = cluster(args.dask) if args.dask else None  # reached before anything runs
     folder = os.path.abspath(args.output)
     os.makedirs(folder, exist_ok=True)
     clear_statuses(folder)
@@ -507,24 +591,30 @@ def _run_launcher(args: argparse.Namespace) -> int:
               for here in job_folders(folder)}
     env = {k: v for k, v in {**os.environ, **_hook_env(args, folder)}.items() if v is not None}
     picked: Optional[List[Picked]] = None
-    with _overlay(args, [folder], folder, _script(command)), _Forwarding() as forwarding:
+    codes: Dict[int, int] = {}
+    with contextlib.ExitStack() as holding:
+        if client is not None:
+            holding.enter_context(client)
+        holding.enter_context(_overlay(args, [folder], folder, _script(command)))
+        forwarding = holding.enter_context(_Forwarding())
         env.update((k, os.environ[k]) for k in (ROOT, OWNED) if k in os.environ)
         if ranks is None:
             forwarding.started(subprocess.Popen(command, env=env))
-            forwarding.children[0].wait()
-        elif ranks.auto:
-            picked = _auto_ranks(forwarding, env, ranks, folder)
-        else:  # each named rank alone
-            _start_ranks(forwarding, env, ranks, ranks.ranks, ranks.ranks, {})
+            codes = {-1: _exit_status(forwarding.children[0].wait())}  # the launcher's, which is no rank
+        else:
+            run = (_dask_ranks(client, args.dask, forwarding, env, ranks, folder) if client is not None
+                   else _local_ranks(forwarding, env, ranks))
+            if ranks.auto:
+                picked, codes = _auto_ranks(run, forwarding, ranks, folder)
+            else:  # each named rank alone
+                codes = _listed_ranks(run, forwarding, ranks.ranks, staged=client is not None)
     shutil.rmtree(collectives, ignore_errors=True)
     interrupted = forwarding.received[0] if forwarding.received else None
     if interrupted is not None:  # Ctrl-C: 130, as a shell says; SIGTERM: 143
         status = 130 if interrupted == signal.SIGINT else 128 + interrupted
     else:  # the command's; of ranks run alone, the first rank's that failed
-        codes = [c.returncode if c.returncode >= 0 else 128 - c.returncode for c in forwarding.children]
-        status = next((code for code in codes if code), 0)
-    run = ([p.rank for p in picked] if picked is not None else ranks.ranks) if ranks is not None else None
-    outcome = _report_jobs(args, folder, before, status, run, picked)
+        status = next((code for code in codes.values() if code), 0)
+    outcome = _report_jobs(args, folder, before, status, sorted(codes) if ranks is not None else None, picked)
     for line in outcome.died + outcome.lost:
         print(f"memdiff: {line}", file=sys.stderr)
     if not outcome.written and not outcome.lost:
@@ -573,6 +663,18 @@ def _run_repeats(args: argparse.Namespace) -> int:
     return 0
 
 
+def _dask_asked(args: argparse.Namespace) -> None:
+    """--dask runs an emulated job's ranks into a folder: InputError for anything else it is given with."""
+    if not args.emulate:
+        raise InputError("--dask", "runs the ranks of an emulated job as tasks on a Dask cluster: give it with "
+                                   "--emulate GPU and --ranks all (or a list)")
+    if args.ranks is None:
+        raise InputError("--dask", "runs the ranks --ranks names as tasks on a Dask cluster: give --ranks all "
+                                   "(or a list, or auto) with it")
+    if args.repeat > 1 or not is_folder(args.output):
+        raise InputError("--dask", "records each rank of a job into a folder: give -o DIR/ (and no --repeat)")
+
+
 def run(args: argparse.Namespace) -> int:
     """Record the target and report where the snapshot went."""
     if args.gpus is not None and not args.emulate:
@@ -581,6 +683,8 @@ def run(args: argparse.Namespace) -> int:
     if args.keep_writes is not None and not args.emulate:
         raise InputError("--keep-writes", "keeps what an emulated run wrote: give it with --emulate GPU (a real run "
                                           "writes the files themselves)")
+    if args.dask is not None:
+        _dask_asked(args)
     if args.repeat > 1:
         return _run_repeats(args)
     if is_folder(args.output):
