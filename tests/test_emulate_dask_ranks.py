@@ -1,0 +1,169 @@
+"""`memdiff record --emulate GPU -o DIR/ --ranks all --dask ADDRESS -- torchrun ...`: every rank of a job
+as a task on an existing Dask cluster (docs/jobs.md). One LocalCluster for the module (its start-up is
+the slow part): 2 worker processes of 1 thread, fewer than the job's ranks, as a real cluster often has."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+from conftest import ROOT
+
+from memdiff.analyse.classify import load_rules
+from memdiff.cli import main
+from memdiff.read.inputs import read_summary
+
+# Slow (the fast loop, -m "not slow", leaves it out): a Dask cluster and emulated processes.
+pytestmark = pytest.mark.slow
+
+# Each rank trains DDP on its GPU, then says what rank 0 broadcast and whose names the gather gave it.
+DDP = textwrap.dedent("""
+    import os
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("nccl")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(1024, 1024).cuda())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(2):
+        model(torch.randn(8, 1024, device="cuda")).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    settings = [{"from": rank} if rank == 0 else None]
+    dist.broadcast_object_list(settings, src=0)
+    names = [None] * world
+    dist.all_gather_object(names, f"r{rank}")
+    os.write(1, f"rank {rank} of {world} got {settings[0]} names {names}\\n".encode())
+    dist.destroy_process_group()
+""")
+PARAMETERS = (1024 * 1024 + 1024) * 4  # the Linear's weight and bias, in fp32
+
+# A rank that holds (rank + 1) MiB, says so, and waits to be stopped.
+WAITS = textwrap.dedent("""
+    import os
+    import time
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("nccl")
+    kept = torch.empty((dist.get_rank() + 1) << 20, dtype=torch.uint8, device="cuda")
+    time.sleep(300)
+""")
+
+
+@pytest.fixture(scope="module")
+def scheduler():
+    """The address of a LocalCluster of 2 worker processes, 1 thread each, for the module's tests."""
+    distributed = pytest.importorskip("distributed")
+    with distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=True, host="127.0.0.1",
+                                  dashboard_address=None) as cluster:
+        yield cluster.scheduler_address
+
+
+def _record(cwd: Path, output: str, ranks: str, *dask: str, script: str = "ddp.py") -> list:
+    return [sys.executable, "-m", "memdiff", "record", "--emulate", "h100", "-o", output, "--ranks", ranks, *dask,
+            "--", "torchrun", "--nproc-per-node", "4", script]
+
+
+def _env() -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("CUDA_VISIBLE_DEVICES", "LOCAL_WORLD_SIZE")}
+    return {**env, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+
+
+def test_every_rank_of_a_ddp_job_runs_as_a_task_and_holds_what_it_holds_run_here(torch, tmp_path, scheduler):
+    (tmp_path / "ddp.py").write_text(DDP)
+    done = subprocess.run(_record(tmp_path, "runs/", "all", "--dask", scheduler), cwd=tmp_path, capture_output=True,
+                          text=True, timeout=600, env=_env())
+    assert done.returncode == 0, done.stderr[-3000:]
+    runs = tmp_path / "runs"
+    assert sorted(p.name for p in runs.iterdir()) == ["memdiff-job.json", *(f"rank{r}.pickle" for r in range(4))]
+    manifest = json.loads((runs / "memdiff-job.json").read_text())
+    assert manifest["world_size"] == 4 and manifest["exit_status"] == 0 and manifest["emulated_ranks"] == [0, 1, 2, 3]
+    assert [(r["rank"], r["state"]) for r in manifest["ranks"]] == [(r, "written") for r in range(4)]
+    # Each rank's output comes back with its task. Rank 0 ran first: every other rank heard its
+    # broadcast and its name; the ranks that ran beside each other did not wait on each other, and
+    # keep their own values for them, as a rank run alone does.
+    assert sorted(done.stdout.splitlines()) == [
+        "rank 0 of 4 got {'from': 0} names ['r0', 'r0', 'r0', 'r0']",
+        *(f"rank {r} of 4 got {{'from': 0}} names ['r0', 'r{r}', 'r{r}', 'r{r}']" for r in (1, 2, 3))]
+    # Run here, beside each other, rank 0 and rank 1 (a replica like ranks 2 and 3) hold the same memory
+    here = subprocess.run(_record(tmp_path, "here/", "0,1"), cwd=tmp_path, capture_output=True, text=True, timeout=600,
+                          env=_env())
+    assert here.returncode == 0, here.stderr[-3000:]
+    rules = load_rules()
+    remote = [read_summary(str(runs / f"rank{r}.pickle"), rules).devices[0] for r in range(4)]
+    local = [read_summary(str(tmp_path / "here" / f"rank{r}.pickle"), rules).devices[0] for r in (0, 1, 1, 1)]
+    for rank in range(4):
+        assert remote[rank].categories.get("parameter") == PARAMETERS  # the model's own size
+        assert (remote[rank].peak_bytes, remote[rank].static_bytes) == (local[rank].peak_bytes,
+                                                                        local[rank].static_bytes)
+
+
+def test_ctrl_c_stops_the_running_ranks_with_their_snapshots_and_starts_no_other(torch, tmp_path, scheduler):
+    # Ranks 1-3 all at once (no rank 0 to run first) on 2 worker threads: two run, one waits its turn.
+    (tmp_path / "waits.py").write_text(WAITS)
+    job = subprocess.Popen(_record(tmp_path, "runs/", "1-3", "--dask", scheduler, script="waits.py"), cwd=tmp_path,
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
+    runs = tmp_path / "runs"
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:  # both running ranks recording (their hook says so)
+        states = [json.loads(p.read_text()).get("state") for p in runs.glob(".rank*.status") if p.stat().st_size]
+        if states.count("recording") == 2:
+            break
+        time.sleep(0.5)
+    assert states.count("recording") == 2, job.communicate(timeout=60)
+    job.send_signal(signal.SIGINT)
+    _, err = job.communicate(timeout=300)
+    assert job.returncode == 130, err[-3000:]
+    written = sorted(int(p.stem[4:]) for p in runs.glob("rank*.pickle"))
+    assert len(written) == 2
+    manifest = json.loads((runs / "memdiff-job.json").read_text())
+    # the rank that had not started never ran: the job is the two that ran, each stopped by the signal
+    assert manifest["exit_status"] == 130 and manifest["emulated_ranks"] == written
+    assert [r["state"] for r in manifest["ranks"] if r["rank"] in written] == ["written", "written"]
+
+
+@pytest.mark.parametrize(("argv", "said"), [
+    (["--emulate", "h100", "-o", "runs/", "--dask", "tcp://127.0.0.1:9"],
+     "--dask: runs the ranks --ranks names as tasks on a Dask cluster: give --ranks all"),
+    (["-o", "runs/", "--ranks", "all", "--dask", "tcp://127.0.0.1:9"],
+     "--dask: runs the ranks of an emulated job as tasks on a Dask cluster: give it with --emulate GPU"),
+    (["--emulate", "h100", "-o", "run.pickle", "--ranks", "all", "--dask", "tcp://127.0.0.1:9"],
+     "--dask: records each rank of a job into a folder: give -o DIR/"),
+    # locally, a job of 8 nodes of 16 GPUs is more processes than one machine runs at once
+    (["--emulate", "h100", "-o", "runs/", "--ranks", "all"],
+     "--ranks: 128 ranks are more than this machine runs at once (at most 64, each a process of its own): "
+     "give --dask ADDRESS"),
+])
+def test_what_dask_ranks_cannot_run_is_one_line_exit_2(tmp_path, capsys, monkeypatch, argv, said):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "ddp.py").write_text(DDP)
+    code = main(["record", *argv, "--", "torchrun", "--nnodes", "8", "--nproc-per-node", "16", "ddp.py"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and said in err, err
+    assert not (tmp_path / "runs").exists()
+
+
+def test_an_unreachable_scheduler_or_no_distributed_is_one_line_before_anything_runs(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "ddp.py").write_text(DDP)
+    argv = ["record", "--emulate", "h100", "-o", "runs/", "--ranks", "all", "--dask", "tcp://127.0.0.1:9", "--",
+            "torchrun", "--nproc-per-node", "4", "ddp.py"]
+    # Dask retries a refused connection until its timeout: a second is enough to be refused here.
+    monkeypatch.setattr("memdiff.cluster.DASK_CONNECT_TIMEOUT_S", 1)
+    code = main(argv)
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and "--dask tcp://127.0.0.1:9: cannot reach the scheduler" in err, err
+    monkeypatch.setitem(sys.modules, "distributed", None)  # as if not installed
+    code = main(argv)
+    err = capsys.readouterr().err
+    assert code == 2 and err == "memdiff: --dask: needs dask.distributed: pip install 'memdiff[dask]'\n"
+    assert not (tmp_path / "runs").exists()
