@@ -82,7 +82,8 @@ def carry(base: str, args: Tuple[Any, ...], values: Any) -> Optional[torch.futur
 
 def objects_from_sender(real: Callable[..., Any]) -> Callable[..., Any]:
     """`recv_object_list`, refused in one line on a rank that cannot hear from its sender (a rank run
-    alone, or one whose sender `--ranks` did not run): the objects (a pipeline stage's shapes, which
+    alone, one whose sender `--ranks` did not run, or one run on Dask whose sender had not ended
+    before it started: record.py's _dask_ranks): the objects (a pipeline stage's shapes, which
     torch infers on the stage before) are known only to the sender, and the received size would read
     as 0, which torch then fails to unpickle (`EOFError: Ran out of input`)."""
     signature = inspect.signature(real)
@@ -101,7 +102,8 @@ def objects_from_sender(real: Callable[..., Any]) -> Callable[..., Any]:
             return real(*args, **kwargs)  # from any source (or none): torch's own behaviour
         where = called_at([(f["filename"], f["line"]) for f in python_frames()])
         raise EmulationError("recv_object_list", f"from rank {src}, which does not run with this rank (a rank run "
-                                                 f"alone, or one --ranks did not name){where}: what it sends (a "
-                                                 f"pipeline stage's shapes) is known only to it; run rank {src} too")
+                                                 f"alone, one --ranks did not name, or on --dask one that had not "
+                                                 f"ended when this rank started){where}: what it sends (a pipeline "
+                                                 f"stage's shapes) is known only to it; run rank {src} too, here")
     call.__wrapped__ = real  # type: ignore[attr-defined]
     return call
