@@ -26,8 +26,10 @@ import transformers as T
 name, out = sys.argv[1], sys.argv[2]
 common = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=128, output_router_logits=True)
-if name == "mixtral":
-    model = T.MixtralForCausalLM(T.MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=2))
+if name.startswith("mixtral"):  # mixtral_eager: Transformers' own loop over the experts, by torch.where
+    implementation = "eager" if name.endswith("_eager") else None
+    model = T.MixtralForCausalLM(T.MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=2,
+                                                 experts_implementation=implementation))
 elif name == "qwen2_moe":
     model = T.Qwen2MoeForCausalLM(T.Qwen2MoeConfig(**common, num_experts=4, num_experts_per_tok=2,
                                                     moe_intermediate_size=64, shared_expert_intermediate_size=128))
@@ -101,7 +103,7 @@ tokens, experts = int(sys.argv[2]), 8
 torch.cuda.memory._record_memory_history()
 logits = torch.nn.Parameter(torch.randn(tokens, experts, device="cuda"))  # a weight's numbers: no values
 weights, ids = logits.softmax(-1).topk(2, dim=-1)
-flat = ids.reshape(-1)                                   # 2 x tokens expert ids, values unknown
+flat = ids.reshape(-1)                                   # 2 x tokens expert ids: a balanced router's
 order = flat.argsort(stable=True)
 counts = torch.bincount(flat, minlength=experts)
 hist = torch.histc(flat.float(), bins=experts, min=0, max=experts - 1)
@@ -120,9 +122,10 @@ def test_a_router_sorts_counts_and_dedups_with_the_buffers_its_kernels_allocate(
     n = 2 * tokens  # the flattened top-2 ids: past sort's 4,096-element in-place limit (cuda/Sort.h)
     done = _record(tmp_path, ROUTER, str(tmp_path / "own.pickle"), str(tokens))
     assert done.returncode == 0, done.stderr[-3000:]
-    # bincount of ids with no values: minlength's bins (the GPU's size when every id is below it), said
-    assert "sized by its minlength (8 bins)" in done.stderr
-    assert done.stdout.split()[:3] == ["8", str(n), "8"]  # unique: every id where values are unknown
+    # the choices have values (balanced routing): bincount and unique count the 8 experts chosen, as a
+    # GPU's do when every expert is picked among 8,192 choices; unique's storage still holds every id
+    assert "sized by its minlength" not in done.stderr
+    assert done.stdout.split()[:3] == ["8", "8", "8"]
     trace = _trace(tmp_path / "own.pickle")
 
     sort = _inside(trace, "sort_stable")
@@ -185,15 +188,18 @@ def test_sampling_loops_run_and_generate_stops_at_its_length(tmp_path):
 BINCOUNT = """
 import torch
 ids = torch.nn.Parameter(torch.randn(16, 4, device="cuda")).argmax(-1)  # from a weight: no values
+print(torch.bincount(ids, minlength=4).shape)
 print(torch.bincount(ids).shape)
 """
 
 
-def test_bincount_of_unknown_values_without_minlength_is_refused_in_one_line(tmp_path):
+def test_bincount_of_unknown_values_takes_minlength_and_is_refused_without(tmp_path):
     done = _record(tmp_path, BINCOUNT)
+    # minlength's bins (the GPU's size when every id is below it), said
+    assert done.stdout.splitlines()[0] == "torch.Size([4])" and "sized by its minlength (4 bins)" in done.stderr
     assert done.returncode == 2
     last = done.stderr.strip().splitlines()[-1]
-    assert last.startswith("memdiff: aten::bincount: ") and "pass minlength" in last and "script.py:4" in last
+    assert last.startswith("memdiff: aten::bincount: ") and "pass minlength" in last and "script.py:5" in last
     assert "Traceback" not in done.stderr
 
 
@@ -266,3 +272,126 @@ def test_an_expert_choice_topk_sorts_its_results_past_4096(tmp_path):
     assert sizes[:4] == [n * 4, n * 8, n * 8, n * 4]  # values, indices, sortedIndices, sortedValues
     assert sizes[4:7] == [n * 8, n * 8, n * 4]  # the (slice, index) pairs twice, the sort's key output
     assert sizes[-1] == n * 8 and len(sizes) == 10  # the gather, after the two cub sorts
+
+
+def _rows_at(trace: List[Dict[str, Any]], function: Any, text: str) -> List[int]:
+    """Sizes of the allocations made at the line of `function`'s source that holds `text`."""
+    import inspect
+
+    function = inspect.unwrap(function)  # Transformers wraps the experts' forward in its dispatcher
+    lines, first = inspect.getsourcelines(function)
+    line = first + next(i for i, source in enumerate(lines) if text in source)
+    path = inspect.getsourcefile(function)
+    return [e["size"] for e in trace if e["action"] == "alloc"
+            and any(f["filename"] == path and f["line"] == line for f in e["frames"])]
+
+
+BALANCED = """
+import sys
+import torch
+tokens, experts, k = int(sys.argv[1]), 8, 2
+logits = torch.nn.Parameter(torch.randn(tokens, experts, device="cuda"))  # a weight's numbers: no values
+weights, ids = logits.topk(k, dim=1)
+# JetMoE's router: the counts its rows are split by
+sizes = torch.zeros(tokens, experts, device="cuda").scatter(1, ids, 1).long().sum(0).tolist()
+parts = torch.randn(tokens * k, 16, device="cuda").split(sizes)
+# Mixtral's loop: each expert's tokens by torch.where of its one-hot mask
+mask = torch.nn.functional.one_hot(ids, num_classes=experts).permute(2, 1, 0)
+taken = [torch.where(mask[e])[1].shape[0] for e in range(experts)]
+print(sizes, taken, bool((ids[:, 0] != ids[:, 1]).all()), weights.sum().item())
+"""
+
+
+@pytest.mark.slow
+def test_a_routers_choices_are_balanced_at_any_batch_size(tmp_path):
+    # 32,768 tokens: the top-2 ids (65,536), their one-hot masks (524,288) and JetMoE's gates (262,144)
+    # are past the 65,536 elements other values are kept for; a GPU's counts sum to the rows whatever
+    # the batch, and split refuses counts that do not
+    tokens, experts, k = 32768, 8, 2
+    done = _record(tmp_path, BALANCED, str(tokens))
+    assert done.returncode == 0, done.stderr[-3000:]
+    share = tokens * k // experts  # a balanced router's: every expert the same share of the choices
+    # two distinct experts a token; topk's values are made from the weights and still read back as
+    # unknown floats do (float32's smallest normal number)
+    last = done.stdout.strip().splitlines()[-1]
+    assert last == f"{[share] * experts} {[share] * experts} True 1.1754943508222875e-38"
+
+
+JETMOE = """
+import json, sys
+import torch
+import transformers as T
+sys.path.insert(0, sys.argv[2])  # benchmarks/sweeps: the zoo's small config (two layers, 4 experts, 2 a token)
+from zoo_transformers import small_config
+model = T.AutoModelForCausalLM.from_config(small_config(T, "jetmoe")).cuda()
+sizes = []  # what each expert linear is given: its rows, split by the router's counts
+for module in model.modules():
+    if type(module).__name__ == "JetMoeParallelExperts":
+        module.register_forward_pre_hook(lambda module, args: sizes.append([int(args[0].shape[0]), list(args[1])]))
+opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+ids = torch.randint(4, 1000, (2, 32), device="cuda")
+for step in range(2):
+    model(input_ids=ids, labels=ids).loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=False)
+state = [t for s in opt.state.values() for t in s.values() if torch.is_tensor(t) and t.is_cuda]
+json.dump({"parameter_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
+           "buffer_bytes": sum(b.numel() * b.element_size() for b in model.buffers()),
+           "state_bytes": sum(t.numel() * t.element_size() for t in state),
+           "hidden": model.config.hidden_size, "experts": model.config.num_local_experts,
+           "per_token": model.config.num_experts_per_tok, "sizes": sizes}, open(sys.argv[1], "w"))
+"""
+
+
+@pytest.mark.slow
+def test_jetmoe_splits_its_rows_by_balanced_counts_and_trains(tmp_path):
+    # JetMoE's router reads its experts' counts back (`expert_size.tolist()`) to split the rows: they
+    # read as zeros where the choices had no values, and split refused 128 rows into [0, 0, 0, 0]
+    pytest.importorskip("transformers")
+    from transformers.models.jetmoe import modeling_jetmoe
+
+    from memdiff import api
+
+    kept = tmp_path / "writes"
+    done = _record(tmp_path, JETMOE, str(tmp_path / "facts.json"), str(Path(__file__).resolve().parent.parent /
+                                                                       "benchmarks" / "sweeps"), kept=kept)
+    assert done.returncode == 0, done.stderr[-3000:]
+    facts = json.loads(kept_write(kept, tmp_path / "facts.json").read_text())
+    tokens, k, n, hidden = 2 * 32, facts["per_token"], facts["experts"], facts["hidden"]
+    # every call of an expert linear (attention's and the MLP's, 2 layers, 2 forwards) gets tokens x k
+    # rows, and the counts sum to them: a balanced router's, the same share for each expert
+    assert len(facts["sizes"]) == 2 * 2 * 4  # attention's two (map, reduce) and the MLP's two
+    assert all(rows == tokens * k and counts == [tokens * k // n] * n for rows, counts in facts["sizes"])
+    device = api.summarize(tmp_path / "run.pickle").devices[0]
+    assert device.categories["parameter"] == facts["parameter_bytes"] + facts["buffer_bytes"]
+    assert device.categories["gradient"] == facts["parameter_bytes"]
+    assert device.categories["optimizer_state"] == facts["state_bytes"] == 2 * facts["parameter_bytes"]
+    # the MLP experts' input (saved for the backward of their products) is tokens x k rows of the hidden
+    # size, in each layer's forward, whatever the routing
+    saved = _rows_at(_trace(tmp_path / "run.pickle"), modeling_jetmoe.JetMoeMoE.forward,
+                     "expert_inputs = layer_input[batch_index]")
+    assert saved == [tokens * k * hidden * 4] * 4
+
+
+@pytest.mark.slow
+def test_mixtrals_loop_over_experts_gives_them_tokens_x_k_rows(tmp_path):
+    # Transformers' eager experts: `torch.where(expert_mask[e])` picks each expert's tokens. Without
+    # values every expert (and the mask's extra class) took every token and choice, 5 x 256 rows a layer
+    pytest.importorskip("transformers")
+    from transformers.models.mixtral import modeling_mixtral
+
+    from memdiff import api
+
+    kept = tmp_path / "writes"
+    done = _record(tmp_path, MOE, "mixtral_eager", str(tmp_path / "facts.json"), kept=kept)
+    assert done.returncode == 0, done.stderr[-3000:]
+    facts = json.loads(kept_write(kept, tmp_path / "facts.json").read_text())
+    device = api.summarize(tmp_path / "run.pickle").devices[0]
+    assert device.categories["parameter"] == facts["parameter_bytes"]
+    assert device.categories["gradient"] == facts["gradient_bytes"]
+    assert device.categories["optimizer_state"] == facts["state_bytes"] == 2 * facts["gradient_bytes"]
+    tokens, k, hidden = 2 * 64, 2, 64
+    states = _rows_at(_trace(tmp_path / "run.pickle"), modeling_mixtral.MixtralExperts.forward,
+                      "current_state = hidden_states[token_idx]")
+    # each layer's experts together take the tokens x k rows a GPU routes (2 layers, 2 steps), fp32
+    assert len(states) == 2 * 2 * 4 and sum(states) == 2 * 2 * tokens * k * hidden * 4

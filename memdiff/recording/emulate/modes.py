@@ -606,7 +606,7 @@ class AllocMode(TorchDispatchMode):
         if all(k is not None for k in known):
             value = func(*known, **kwargs)
             out = torch.empty(value.shape, dtype=value.dtype, device=META)
-            self.values.known[out] = value
+            self.values.join(out, value, args)
             return out
         if base == "masked_select":
             return torch.empty(int(first.numel()), dtype=first.dtype, device=META)
@@ -629,7 +629,7 @@ class AllocMode(TorchDispatchMode):
         if sized.values is not None:
             for t, value in zip(tree_leaves(sized.out), sized.values):
                 if t.shape == value.shape:
-                    self.values.known[t] = value
+                    self.values.join(t, value, (args, kwargs))
         return sized.out, sized.steps
 
     def scope(self, func: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:

@@ -24,6 +24,13 @@ back"): a Python number (`.item()`, `float(t)`, a format) is the stand-in of `re
 host copy (`.cpu()`, `.numpy()`, `.tolist()`) holds that number in every element, uninitialised
 memory (`torch.empty`) holds zeros, and the checks for an inf or a NaN (`isfinite`, `isnan`, ...)
 answer as for finite numbers: emulated tensors hold none.
+
+A router's choices (`topk` of a tensor without values: choices.py) and what is computed from them
+are `routed`: their values are kept at any size, past MAX_ELEMENTS, as the sizes that follow from
+them (the tokens each expert takes) must not change with the batch. A routed op computes from the
+number a constant factory (`torch.zeros`, `ones`, `full`, their `_like` and `new_` forms) filled its
+output with, at any size too (JetMoE scatters its choices into a `zeros` of tokens x experts); other
+ops see a constant's values only where it is small, as any output's.
 """
 
 from __future__ import annotations
@@ -35,8 +42,14 @@ import torch
 from torch.utils._pytree import tree_leaves, tree_map
 from torch.utils.weak import WeakTensorKeyDictionary
 
+from memdiff.recording.emulate import choices
+
 # Outputs up to this many elements get values: a batch's ids, masks and labels, not its activations.
 MAX_ELEMENTS = 1 << 16
+# Factories of one number (None: a `full`'s, given among its arguments). The number is remembered at
+# any size, for routed ops (module docstring) to compute with.
+CONSTANTS = {"zeros": 0, "zeros_like": 0, "new_zeros": 0, "ones": 1, "ones_like": 1, "new_ones": 1,
+             "full": None, "full_like": None, "new_full": None}
 # Checks that set a flag only when they find an inf or a NaN (GradScaler's): emulated tensors hold
 # no such value, so the flag keeps the value it had (no overflow), and the scale grows as on a GPU.
 FINITE_CHECKS = {"_amp_foreach_non_finite_check_and_unscale_", "_amp_non_finite_check_and_unscale_"}
@@ -67,6 +80,10 @@ class Values:
         """`generator`: the emulated device's default generator, which random ops draw from (None:
         they get no values)."""
         self.known = WeakTensorKeyDictionary()
+        # tensors whose values come from a router's balanced choices (choices.py): kept at any size
+        self.routed = WeakTensorKeyDictionary()
+        # the number each constant factory's output holds until written (CONSTANTS)
+        self.constants = WeakTensorKeyDictionary()
         self.generator = generator
 
     def of(self, t: Any) -> Optional[torch.Tensor]:
@@ -79,13 +96,24 @@ class Values:
         if base in FINITE_CHECKS:
             return
         outputs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.is_meta]
+        first = args[0] if args else kwargs.get("self")
+        if base == "topk" and len(outputs) == 2 and isinstance(first, torch.Tensor) and first.is_meta \
+                and self.of(first) is None:
+            self.chose(first, args, kwargs, outputs)
+            return
         if base in FINITENESS and len(outputs) == 1:
             self.checked(args[0] if args else None, outputs[0], base)
             if self.of(outputs[0]) is not None:
                 return
         written = [a for a, spec in zip(args, func._schema.arguments)
                    if spec.alias_info is not None and spec.alias_info.is_write and isinstance(a, torch.Tensor)]
-        computed = self._compute(func, args, kwargs, outputs) if outputs else None
+        routed = self._routed((args, kwargs))
+        computed = self._compute(func, args, kwargs, outputs, routed) if outputs else None
+        for t in outputs + written:
+            self.routed.pop(t, None)
+            self.constants.pop(t, None)
+        if base in CONSTANTS and len(outputs) == 1:
+            self.constants[outputs[0]] = _number(base, args, kwargs)
         if computed is None:
             for t in outputs + written:
                 self.known.pop(t, None)
@@ -94,6 +122,32 @@ class Values:
             computed = [torch.zeros_like(value) for value in computed]
         for t, value in zip(outputs, computed):
             self.known[t] = value
+            if routed:
+                self.routed[t] = True
+
+    def chose(self, x: torch.Tensor, args: Tuple[Any, ...], kwargs: Dict[str, Any], outputs: list) -> None:
+        """`topk` of `x`, which has no values, gave `outputs` (values, indices): the indices are a balanced
+        router's choices (choices.py), routed; the values stay without values (made from weights)."""
+        picked, indices = outputs
+        self.known.pop(picked, None)
+        self.routed.pop(picked, None)
+        dim = choices.topk_dim(x, args, kwargs)
+        n = int(x.shape[dim]) if x.dim() else 1
+        self.known[indices] = choices.balanced(tuple(indices.shape), dim if x.dim() else 0, n)
+        self.routed[indices] = True
+
+    def join(self, out: torch.Tensor, value: torch.Tensor, inputs: Any) -> None:
+        """`out`, made by an op the emulator sizes itself (nonzero, unique, bincount), has `value`,
+        computed from `inputs`' values: routed where any of them is."""
+        self.known[out] = value
+        if self._routed(inputs):
+            self.routed[out] = True
+        else:
+            self.routed.pop(out, None)
+
+    def _routed(self, inputs: Any) -> bool:
+        """Whether any device tensor among `inputs` holds values from a router's choices."""
+        return any(isinstance(t, torch.Tensor) and t.is_meta and t in self.routed for t in tree_leaves(inputs))
 
     def checked(self, x: Any, out: Any, check: str = "isfinite") -> None:
         """`out` is `check` (FINITENESS) of `x`: where `x` has no values, the answer for finite numbers."""
@@ -107,7 +161,8 @@ class Values:
             if isinstance(t, torch.Tensor):
                 self.known.pop(t, None)
 
-    def _compute(self, func: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any], outputs: list) -> Optional[list]:
+    def _compute(self, func: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any], outputs: list,
+                 routed: bool) -> Optional[list]:
         if torch.Tag.nondeterministic_seeded in func.tags:
             drawn = self._drawing(func, kwargs, outputs)
             if drawn is None:
@@ -115,13 +170,16 @@ class Values:
             func, kwargs = drawn
         # A large output gets values only where that makes no more data than its inputs' known values
         # hold: a view of them, a copy, a concatenation (an object collective's pickled bytes, the
-        # only large values there are); never a mask expanded to every head and position.
-        big = not _is_view(func) and any(t.numel() > MAX_ELEMENTS for t in outputs)
+        # only large values there are); never a mask expanded to every head and position. What comes
+        # from a router's choices is kept at any size (module docstring).
+        big = not routed and not _is_view(func) and any(t.numel() > MAX_ELEMENTS for t in outputs)
         missing, found = [], []
 
         def value(x: Any) -> Any:
             if isinstance(x, torch.Tensor) and x.is_meta:
                 v = self.known.get(x)
+                if v is None and routed and x in self.constants:  # a large constant, for a router's op
+                    v = torch.full(x.shape, self.constants[x], dtype=x.dtype)
                 if v is None:
                     missing.append(x)
                 else:  # the elements it holds: an expanded mask holds its own, not every position's
@@ -195,6 +253,15 @@ def _with_generator(func: Any) -> Any:
         if "generator" in taken and [n for n in taken if n != "generator"] == names:
             return twin
     return None
+
+
+def _number(base: str, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
+    """The number constant factory `base` (CONSTANTS) fills its output with."""
+    number = CONSTANTS[base]
+    if number is None:  # full(size, fill_value), full_like(self, fill_value), new_full(self, size, fill_value)
+        at = 2 if base == "new_full" else 1
+        number = args[at] if len(args) > at else kwargs["fill_value"]
+    return number
 
 
 def _is_view(func: Any) -> bool:
