@@ -7,7 +7,6 @@ import contextlib
 import importlib.machinery
 import importlib.util
 import os
-import re
 import runpy
 import shutil
 import signal
@@ -36,8 +35,9 @@ from memdiff.recording.emulate.gpus import names as gpu_names
 from memdiff.recording.emulate.layout import LAYOUT
 from memdiff.recording.emulate.overlay_calls import OWNED, ROOT, for_run
 from memdiff.recording.emulate.swap import environment
-from memdiff.recording.launch import STARTED_BY, Launch, parse_ranks, rank_env
-from memdiff.recording.launchers import read_launch
+from memdiff.recording.launch import LIGHTNING, PYTHON, STARTED_BY, Launch, parse_ranks, rank_env
+from memdiff.recording.launch_lightning import probe_env, read_probe
+from memdiff.recording.launchers import read_launch, runs_a_script
 from memdiff.recording.manifest import (
     COLLECTIVES,
     MANIFEST,
@@ -53,7 +53,6 @@ from memdiff.recording.manifest import (
 from memdiff.recording.pick import LAYOUT_FILE, Picked, pick, read_layout
 from memdiff.units import count_of, format_bytes
 
-PYTHON = re.compile(r"^python(\d+(\.\d+)?)?(\.exe)?$")
 # The most ranks --ranks runs at once on this machine, each a process holding torch and its emulated
 # GPU's bookkeeping (about 0.3 GB each, docs/jobs.md): more is a job for --dask.
 LOCAL_RANKS = 64
@@ -432,14 +431,22 @@ def _children_said(processes: Optional[str], output: str) -> Optional[str]:
 
 @dataclass(frozen=True)
 class _SomeRanks:
-    """The ranks of a torchrun job that --ranks runs, each alone."""
+    """The ranks of a launched job that --ranks runs, each alone."""
 
     launch: Launch
     ranks: List[int]  # with --ranks auto: rank 0, run first; the others are picked once it has run
     auto: bool = False
 
 
-def _some_ranks(args: argparse.Namespace, command: List[str]) -> Optional[_SomeRanks]:
+@dataclass(frozen=True)
+class _ScriptRanks:
+    """What --ranks asks of a script that starts its own ranks (Lightning's launcher), whose job is known
+    once it has run up to its launcher (_script_launch)."""
+
+    asked: str
+
+
+def _some_ranks(args: argparse.Namespace, command: List[str]) -> "_SomeRanks | _ScriptRanks | None":
     """What --ranks asks to run, checked before anything runs; None without it."""
     if args.ranks is None:
         return None
@@ -447,11 +454,21 @@ def _some_ranks(args: argparse.Namespace, command: List[str]) -> Optional[_SomeR
         raise InputError("--ranks", "runs ranks of a job each alone, which only an emulated rank can (its "
                                     "collectives wait for no one): give it with --emulate GPU")
     asked = args.ranks.strip()
-    auto = asked == "auto"
-    ranks = [0] if auto else [] if asked == "all" else parse_ranks(args.ranks)
+    if asked not in ("auto", "all"):
+        parse_ranks(asked)  # a bad list is one line now, before the script runs
+    if runs_a_script(command):  # _launched checked that the script is there
+        return _ScriptRanks(asked)
     launch = read_launch(command)
     if PYTHON.match(os.path.basename(launch.target[0])):
         _target(launch.target)  # what each rank runs must be there: no launcher of ours starts and finds out
+    return _sized(args, launch, asked)
+
+
+def _sized(args: argparse.Namespace, launch: Launch, asked: str) -> _SomeRanks:
+    """The ranks `asked` (auto, all, or a list) of the job `launch`; InputError where one is not the job's,
+    or they are more than this machine runs at once without --dask."""
+    auto = asked == "auto"
+    ranks = [0] if auto else [] if asked == "all" else parse_ranks(asked)
     beyond = [r for r in ranks if r >= launch.world_size]
     if beyond:
         raise InputError("--ranks", f"the job has {launch.world_size:,} ranks ({launch.nnodes} node(s) of "
@@ -472,14 +489,47 @@ Runner = Callable[[List[int], List[int], Dict[str, str]], Dict[int, int]]
 
 def _rank_env(env: Dict[str, str], some: _SomeRanks, rank: int, running: List[int],
               extra: Dict[str, str]) -> Dict[str, str]:
-    """The environment of `rank` started as torchrun would have started it (launch.py), told that the
-    ranks `running` run (their collectives carry values), with `extra`."""
-    alone = {**env, **some.launch.env, **rank_env(some.launch, rank, running, port=29500), **extra}
-    if some.launch.pythonpath:
-        alone["PYTHONPATH"] = some.launch.path(env.get("PYTHONPATH", ""))
-    if some.launch.nproc_per_node > 1 and "OMP_NUM_THREADS" not in os.environ:
-        alone["OMP_NUM_THREADS"] = "1"  # torchrun's own default for several ranks on a node
+    """The environment of `rank` started as its launcher would have started it (launch.py), told that
+    the ranks `running` run (their collectives carry values), with `extra`."""
+    launch = some.launch
+    alone = {**env, **launch.env, **rank_env(launch, rank, running, port=29500), **extra}
+    if launch.pythonpath:
+        alone["PYTHONPATH"] = launch.path(env.get("PYTHONPATH", ""))
+    # torchrun's own default for several ranks on a node; each of Lightning's ranks sets its own
+    if launch.nproc_per_node > 1 and "OMP_NUM_THREADS" not in os.environ and launch.launcher != LIGHTNING:
+        alone["OMP_NUM_THREADS"] = "1"
     return alone
+
+
+def _script_launch(args: argparse.Namespace, forwarding: _Forwarding, env: Dict[str, str], command: List[str],
+                   folder: str, asked: str) -> Tuple[Optional[_SomeRanks], int]:
+    """The ranks `asked` of the job a script starts from inside itself (Lightning's launcher): the script
+    run once, emulated and recorded nowhere, up to where its launcher would start the other ranks
+    (launch_lightning.py), its output kept back. None when it failed or was interrupted before that (its
+    output shown, its exit status returned); InputError where it started no ranks, or not those asked."""
+    place = os.path.join(folder, ".lightning-probe")
+    shutil.rmtree(place, ignore_errors=True)
+    os.makedirs(place)
+    try:
+        log = os.path.join(place, "output.log")
+        with open(log, "wb") as out:
+            child = subprocess.Popen(command, env={**env, **probe_env(place)}, stdout=out, stderr=subprocess.STDOUT)
+            forwarding.started(child)
+            status = _exit_status(child.wait())
+        if forwarding.received or status:
+            with open(log, "rb") as said:
+                sys.stderr.buffer.write(said.read())
+            sys.stderr.flush()
+            print(f"memdiff: --ranks: `{' '.join(command)}` {'was interrupted' if forwarding.received else 'failed'} "
+                  f"before a Lightning launcher started its ranks: no rank was run", file=sys.stderr)
+            return None, 130 if forwarding.received else status
+        launch = read_probe(place, command)
+    finally:
+        shutil.rmtree(place, ignore_errors=True)
+    some = _sized(args, launch, asked)
+    print(f"memdiff: --ranks: its Lightning launcher starts a job of {launch.world_size:,} ranks "
+          f"({launch.nnodes} node(s) of {launch.nproc_per_node} devices)", file=sys.stderr)
+    return some, 0
 
 
 def _local_ranks(forwarding: _Forwarding, env: Dict[str, str], some: _SomeRanks) -> Runner:
@@ -602,6 +652,11 @@ def _run_launcher(args: argparse.Namespace) -> int:
             forwarding.started(subprocess.Popen(command, env=env))
             codes = {-1: _exit_status(forwarding.children[0].wait())}  # the launcher's, which is no rank
         else:
+            if isinstance(ranks, _ScriptRanks):  # a script that starts its ranks itself: run it once to read its job
+                sized, failed = _script_launch(args, forwarding, env, command, folder, ranks.asked)
+                if sized is None:
+                    return failed
+                ranks = sized
             run = (_dask_ranks(client, args.dask, forwarding, env, ranks, folder) if client is not None
                    else _local_ranks(forwarding, env, ranks))
             if ranks.auto:

@@ -14,6 +14,7 @@ not keeps its own values, as a rank run alone does.
 from __future__ import annotations
 
 import os
+import re
 import sys
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Set, Tuple
@@ -26,6 +27,7 @@ RANKS = "MEMDIFF_RECORD_RANKS"
 # process of the job: `memdiff record -o FILE` runs the script in its own process (exchange.py).
 STARTED_BY = "MEMDIFF_RECORD_STARTED_BY"
 MAX_WORLD = 1 << 20  # more ranks than any job has: a typo, not a job
+PYTHON = re.compile(r"^python(\d+(\.\d+)?)?(\.exe)?$")  # a Python interpreter's name
 
 # torchrun's options that take a value (either spelling), and those that take none.
 _VALUED = {f"--{name}" for name in (
@@ -36,7 +38,8 @@ _VALUED = {f"--{name}" for name in (
 _FLAGS = {"--standalone", "--no-python", "--module", "-m", "--run-path"}
 
 
-TORCHRUN, DEEPSPEED = "torchrun", "deepspeed"  # whose per-rank environment a job's ranks get
+# whose per-rank environment a job's ranks get
+TORCHRUN, DEEPSPEED, LIGHTNING = "torchrun", "deepspeed", "lightning"
 
 
 @dataclass(frozen=True)
@@ -47,7 +50,8 @@ class Launch:
     nproc_per_node: int
     target: List[str]  # the command of one rank: python SCRIPT ARGS, python -m MODULE ARGS, or a program
     env: Dict[str, str] = field(default_factory=dict)  # what the launcher adds for every rank (accelerate's)
-    launcher: str = TORCHRUN  # torchrun's environment (accelerate starts torchrun), or DeepSpeed's launcher's
+    # whose environment each rank gets: torchrun's (accelerate starts torchrun), DeepSpeed's launcher's, Lightning's
+    launcher: str = TORCHRUN
     # DeepSpeed's launcher passes `--local_rank=N` to each rank after target[:local_rank_after]
     local_rank_after: Optional[int] = None
     # folders the launcher appends to every rank's PYTHONPATH (accelerate's DeepSpeed launch: its working folder)
@@ -97,18 +101,31 @@ def _count(option: str, value: Optional[str]) -> int:
     raise InputError("--ranks", f"torchrun's {option} {value} is no fixed count: give {option} N to say the job's size")
 
 
+def _torchrun_options(command: List[str]) -> Optional[List[str]]:
+    """torchrun's options and what follows them in `torchrun ...` or `python -m torch.distributed.run
+    ...`; None for any other command."""
+    if command[:1] == ["torchrun"] or (command and command[0].endswith("/torchrun")):
+        return command[1:]
+    if len(command) >= 3 and command[1:3] == ["-m", "torch.distributed.run"]:
+        return command[3:]
+    return None
+
+
+def is_torchrun(command: List[str]) -> bool:
+    """Whether `command` runs torchrun (_torchrun_options)."""
+    return _torchrun_options(command) is not None
+
+
 def read_torchrun(command: List[str]) -> Launch:
     """The job of `torchrun ...` or `python -m torch.distributed.run ...`; InputError for any other
     command (--ranks reads torchrun's options only) or a size it does not fix."""
-    if command[:1] == ["torchrun"] or command[0].endswith("/torchrun"):
-        options = command[1:]
-    elif len(command) >= 3 and command[1:3] == ["-m", "torch.distributed.run"]:
-        options = command[3:]
-    else:
-        raise InputError("--ranks", "runs some ranks of a torchrun, accelerate or DeepSpeed job: give `-- torchrun "
-                                    "[options] train.py ...` (or python -m torch.distributed.run), `-- accelerate "
-                                    "launch [options] train.py ...` or `-- deepspeed [options] train.py ...`; other "
-                                    "launchers are not read yet")
+    options = _torchrun_options(command)
+    if options is None:
+        raise InputError("--ranks", "runs some ranks of a torchrun, accelerate, DeepSpeed or Lightning job: give "
+                                    "`-- torchrun [options] train.py ...` (or python -m torch.distributed.run), "
+                                    "`-- accelerate launch [options] train.py ...`, `-- deepspeed [options] train.py "
+                                    "...` or `-- python train.py ...` whose Lightning Trainer or Fabric starts its "
+                                    f"own ranks; other launchers (`{os.path.basename(command[0])}`) are not read yet")
     given: Dict[str, Optional[str]] = {}
     i = 0
     while i < len(options) and options[i].startswith("-"):
@@ -142,9 +159,13 @@ def read_torchrun(command: List[str]) -> Launch:
 
 def rank_env(launch: Launch, rank: int, ranks: List[int], port: int) -> Dict[str, str]:
     """The environment the job's launcher gives `rank` (one node's agent per `nproc_per_node` ranks),
-    with the ranks that run, for the collectives: torchrun's, or DeepSpeed's launcher's (its
-    deepspeed/launcher/launch.py: no torchrun variables, the node's GPUs made visible)."""
+    with the ranks that run, for the collectives: torchrun's, DeepSpeed's launcher's (its
+    deepspeed/launcher/launch.py: no torchrun variables, the node's GPUs made visible), or Lightning's
+    (launch_lightning.py: a rank whose LOCAL_RANK is set starts no others)."""
     local, node = rank % launch.nproc_per_node, rank // launch.nproc_per_node
+    if launch.launcher == LIGHTNING:  # what Lightning's _call_children_scripts gives a rank: no RANK
+        return {"LOCAL_RANK": str(local), "NODE_RANK": str(node), "WORLD_SIZE": str(launch.world_size),
+                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), RANKS: ",".join(map(str, ranks))}
     if launch.launcher == DEEPSPEED:
         return {"RANK": str(rank), "LOCAL_RANK": str(local), "WORLD_SIZE": str(launch.world_size),
                 "LOCAL_SIZE": str(launch.nproc_per_node), "CROSS_RANK": str(node), "CROSS_SIZE": str(launch.nnodes),

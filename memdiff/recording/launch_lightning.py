@@ -1,0 +1,117 @@
+"""Some ranks of a job Lightning's own launcher starts: `python train.py` run once to read its job (--ranks).
+
+A script whose `Trainer(accelerator="gpu", devices=8, num_nodes=4, strategy="ddp")` (or Fabric) is run
+as `python train.py` starts its other local ranks itself: its strategy's `_SubprocessScriptLauncher`
+runs `_call_children_scripts`, which sets MASTER_ADDR, MASTER_PORT, NODE_RANK, LOCAL_RANK and
+WORLD_SIZE in its own environment and re-runs the script once per other local rank with LOCAL_RANK
+changed (lightning/fabric/strategies/launchers/subprocess_script.py; the pytorch package's is the
+same). A process that finds LOCAL_RANK in its environment is one created externally, and starts none
+(LightningEnvironment.creates_processes_externally); its global rank is NODE_RANK x devices +
+LOCAL_RANK. The job's size is in the script, not in the command, so the script is run once first, as
+a probe: emulated, recorded nowhere, with MEMDIFF_RECORD_LIGHTNING naming a folder; at the moment
+Lightning's launcher would start the children, the probe writes the launcher's devices per node and
+nodes there and ends. Each rank asked for then runs alone with what Lightning would have given it
+(launch.rank_env), so it spawns nothing. A probe that steps an optimizer first, or ends, started no
+ranks: a plain script, or a Lightning one of one device, has no job to pick ranks from.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+from typing import Any, Dict, Iterator, List, Tuple
+
+from memdiff.errors import InputError
+from memdiff.recording.emulate.on_import import AfterImport
+from memdiff.recording.launch import LIGHTNING, Launch
+
+# The folder the probe writes what it found in (set for the probe's process only).
+PROBE = "MEMDIFF_RECORD_LIGHTNING"
+FOUND = "launch.json"
+# Lightning's launcher of scripts, in each of its packages' names (lightning, and the standalone ones).
+LAUNCHERS = tuple(f"{package}.strategies.launchers.subprocess_script"
+                  for package in ("lightning.fabric", "lightning.pytorch", "lightning_fabric", "pytorch_lightning"))
+# The real file functions, taken before the emulator's guards of the user's files replace them: the
+# probe's folder is memdiff's own, in its output folder (as layout.py's file).
+_open, _replace = open, os.replace
+
+
+def _found(folder: str, facts: Dict[str, Any]) -> None:
+    """Write what the probe found, then end its process: nothing of the script runs past this point
+    (its output so far flushed; its exit handlers, its recording among them, do not run: the probe's
+    folder is thrown away)."""
+    partial = os.path.join(folder, f"{FOUND}.{os.getpid()}.tmp")
+    with _open(partial, "w", encoding="utf-8") as f:
+        json.dump(facts, f)
+    _replace(partial, os.path.join(folder, FOUND))
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(0)
+
+
+def _at_launch(folder: str) -> Any:
+    def _call_children_scripts(self: Any) -> None:
+        _found(folder, {"devices": int(self.num_processes), "num_nodes": int(self.num_nodes),
+                        "launcher": type(self).__module__})
+    return _call_children_scripts
+
+
+@contextlib.contextmanager
+def probed() -> Iterator[None]:
+    """For the block, when MEMDIFF_RECORD_LIGHTNING names a folder (this process is the probe): the
+    process ends where Lightning's launcher would start the other ranks, saying the job's size, or at
+    the first optimizer step, saying it started none."""
+    # Taken out of the environment: a process the probe starts is no probe.
+    folder = os.environ.pop(PROBE, None)
+    if not folder:
+        yield
+        return
+    patched: List[Tuple[Any, Any]] = []
+
+    def patch(_: str, module: Any) -> None:
+        owner = module._SubprocessScriptLauncher
+        patched.append((owner, owner.__dict__["_call_children_scripts"]))
+        owner._call_children_scripts = _at_launch(folder)
+    for name in LAUNCHERS:
+        if name in sys.modules:
+            patch(name, sys.modules[name])
+    finder = AfterImport(LAUNCHERS, patch)
+    sys.meta_path.insert(0, finder)
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    stepping = register_optimizer_step_pre_hook(lambda *_: _found(folder, {"stepped": True}))
+    try:
+        yield
+    finally:
+        stepping.remove()
+        with contextlib.suppress(ValueError):
+            sys.meta_path.remove(finder)
+        for owner, real in reversed(patched):
+            owner._call_children_scripts = real
+
+
+def probe_env(folder: str) -> Dict[str, str]:
+    """What the probe's process is run with on top of a rank's environment: recorded into `folder`
+    (thrown away after) and told to stop at Lightning's launcher."""
+    return {PROBE: folder, "MEMDIFF_RECORD_DIR": folder}
+
+
+def read_probe(folder: str, command: List[str]) -> Launch:
+    """The job the probe found: Lightning's launcher's nodes of `devices` ranks, each running the
+    command itself; InputError where the script started no ranks before it stepped an optimizer or ended."""
+    try:
+        with open(os.path.join(folder, FOUND), encoding="utf-8") as f:
+            facts = json.load(f)
+    except (OSError, ValueError):
+        facts = {}
+    devices, nodes = facts.get("devices"), facts.get("num_nodes")
+    if not (isinstance(devices, int) and isinstance(nodes, int) and devices > 0 and nodes > 0):
+        until = "stepped an optimizer" if facts.get("stepped") else "ended"
+        raise InputError("--ranks", f"`{' '.join(command)}` {until} before a Lightning launcher started its ranks "
+                                    f"(a Trainer or Fabric of devices= or num_nodes= over 1, strategy ddp or "
+                                    f"fsdp): no job to pick ranks from; record it without --ranks, or give the "
+                                    f"torchrun, accelerate or DeepSpeed command that starts its job")
+    return Launch(nodes, devices, list(command), launcher=LIGHTNING)
