@@ -245,6 +245,82 @@ def test_lightning_ddp_on_two_gpus_under_its_own_launcher_records_both_ranks(tor
         assert not {c for c in d.categories if c.startswith("optimizer")}
 
 
+# A job Lightning's launcher starts from inside the script: 2 nodes of 4 GPUs, DDP. Each rank says, at the
+# start of training, what Lightning made of it and of its environment, and how many processes it started.
+LIGHTNING_NODES = textwrap.dedent("""
+    import os
+
+    import torch
+    import lightning as L
+    from torch.utils.data import DataLoader, TensorDataset
+
+
+    class Says(L.Callback):
+        def on_train_start(self, trainer, module):
+            env = " ".join(f"{k}={os.environ.get(k)}" for k in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK"))
+            os.write(1, (f"rank {trainer.global_rank} of {trainer.world_size} node {trainer.node_rank} local "
+                         f"{trainer.local_rank} device {torch.cuda.current_device()} started "
+                         f"{len(trainer.strategy.launcher.procs)} {env} parent {os.getppid()}\\n").encode())
+
+
+    class Tiny(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
+
+        def training_step(self, batch, _):
+            x, y = batch
+            return torch.nn.functional.cross_entropy(self.net(x), y)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+    if __name__ == "__main__":
+        data = DataLoader(TensorDataset(torch.randn(64, 32), torch.randint(0, 4, (64,))), batch_size=8)
+        trainer = L.Trainer(accelerator="gpu", devices=4, num_nodes=2, strategy="ddp", max_steps=2, logger=False,
+                            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                            callbacks=[Says()])
+        trainer.fit(Tiny(), data)
+""")
+
+
+def test_named_ranks_of_a_job_lightnings_own_launcher_starts_run_alone_as_lightning_starts_them(torch, tmp_path):
+    # `python train.py` whose Trainer(devices=4, num_nodes=2) starts its own ranks: --ranks was refused
+    # ("runs some ranks of a torchrun, accelerate or DeepSpeed job"), the job's size being in the script.
+    try:
+        import lightning  # noqa: F401
+    except ImportError:
+        missing_capture_dependency("lightning is not installed (pip install -e '.[test]')")
+    (tmp_path / "train.py").write_text(LIGHTNING_NODES)
+    done = _emulated(tmp_path, "runs/", sys.executable, "train.py", ranks="0,5")
+    assert done.returncode == 0, done.stderr[-3000:]
+    said = sorted(line.split(" parent ") for line in done.stdout.splitlines() if line.startswith("rank"))
+    # Lightning's own view: global rank NODE_RANK x 4 + LOCAL_RANK of 8, on its local GPU, started from
+    # outside (its launcher started no process), with the environment Lightning's launcher gives a rank
+    assert [rank for rank, _ in said] == [
+        "rank 0 of 8 node 0 local 0 device 0 started 0 LOCAL_RANK=0 NODE_RANK=0 WORLD_SIZE=8 RANK=None",
+        "rank 5 of 8 node 1 local 1 device 1 started 0 LOCAL_RANK=1 NODE_RANK=1 WORLD_SIZE=8 RANK=None"]
+    # both started by memdiff (one parent), neither by the other
+    assert len({parent for _, parent in said}) == 1
+    assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["memdiff-job.json", "rank0.pickle",
+                                                                     "rank5.pickle"]
+    manifest = _manifest(tmp_path / "runs")
+    assert (manifest["world_size"], manifest["emulated_ranks"]) == (8, [0, 5])
+    assert [(r["rank"], r["state"]) for r in manifest["ranks"]] == \
+        [(r, "written" if r in (0, 5) else "not emulated") for r in range(8)]
+    # DDP replicates the model: each rank holds all of its parameters and their gradients
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    for rank in ("rank0.pickle", "rank5.pickle"):
+        d = read_summary(str(tmp_path / "runs" / rank), load_rules()).devices[0]
+        assert (d.categories["parameter"], d.categories["gradient"]) == (weights, weights)
+    ranks = subprocess.run([sys.executable, "-m", "memdiff", "ranks", "runs/"], cwd=tmp_path, capture_output=True,
+                           text=True)
+    assert ranks.returncode == 0, ranks.stderr
+    assert "2 ranks of 8 ranks emulated, each alone (record --ranks 0,5): the others were not run" in ranks.stderr
+
+
 # pytorch/examples' mnist_hogwild with --cuda: the model's memory shared, workers started by spawn.
 HOGWILD = textwrap.dedent("""
     import os
@@ -512,17 +588,41 @@ def test_named_ranks_of_a_large_torchrun_job_each_run_alone_as_torchrun_would_st
     assert [r["rank"] for r in json.loads(ranks.stdout)["ranks"]] == [63]
 
 
-def test_ranks_that_name_no_rank_of_the_job_or_no_torchrun_job_are_one_line_exit_2(torch, tmp_path):
+# A plain script of one process: it trains without starting any ranks.
+PLAIN = textwrap.dedent("""
+    import torch
+
+    model = torch.nn.Linear(8, 8).cuda()
+    model(torch.randn(4, 8, device="cuda")).sum().backward()
+    torch.optim.SGD(model.parameters(), lr=0.1).step()
+""")
+
+
+def test_ranks_that_name_no_rank_of_the_job_or_no_job_are_one_line_exit_2(torch, tmp_path):
     (tmp_path / "alone.py").write_text(ALONE)
+    (tmp_path / "plain.py").write_text(PLAIN)
     for ranks, launch, said in (
             ("8", ["torchrun", "--nproc-per-node", "8", "alone.py"], "the job has 8 ranks (1 node(s) of 8): no rank 8"),
             ("0,x", ["torchrun", "alone.py"], "is no list of ranks"),
             ("0", ["torchrun", "--nnodes", "1:4", "alone.py"], "torchrun's --nnodes 1:4 is no fixed count"),
-            ("0", [sys.executable, "alone.py"], "runs some ranks of a torchrun, accelerate or DeepSpeed job")):
+            ("0", ["srun", "alone.py"], "other launchers (`srun`) are not read yet"),
+            # run until its first optimizer step, which no script that launches ranks takes before it does
+            ("0", [sys.executable, "plain.py"], "plain.py` stepped an optimizer before a Lightning launcher started "
+                                                "its ranks")):
         done = _emulated(tmp_path, "runs/", *launch, ranks=ranks)
         lines = done.stderr.strip().splitlines()
         assert done.returncode == 2 and len(lines) == 1 and said in lines[0], done.stderr
     assert not (tmp_path / "runs").exists() or not list((tmp_path / "runs").glob("*.pickle"))
+
+
+def test_a_script_that_fails_before_its_launcher_starts_ranks_shows_its_error_and_runs_no_rank(tmp_path):
+    (tmp_path / "fails.py").write_text("import sys\nprint('no data in data/')\nsys.exit(3)\n")
+    done = _emulated(tmp_path, "runs/", sys.executable, "fails.py", ranks="0,5")
+    assert done.returncode == 3
+    lines = done.stderr.strip().splitlines()
+    assert lines[0] == "no data in data/"  # what the script said, kept back while it ran: it failed
+    assert lines[-1].endswith("fails.py` failed before a Lightning launcher started its ranks: no rank was run")
+    assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == []
 
 
 def test_a_rank_run_alone_allocates_byte_for_byte_as_in_the_whole_job(torch, tmp_path):
