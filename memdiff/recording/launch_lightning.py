@@ -30,9 +30,11 @@ from memdiff.recording.launch import LIGHTNING, Launch
 # The folder the probe writes what it found in (set for the probe's process only).
 PROBE = "MEMDIFF_RECORD_LIGHTNING"
 FOUND = "launch.json"
-# Lightning's launcher of scripts, in each of its packages' names (lightning, and the standalone ones).
-LAUNCHERS = tuple(f"{package}.strategies.launchers.subprocess_script"
-                  for package in ("lightning.fabric", "lightning.pytorch", "lightning_fabric", "pytorch_lightning"))
+# Lightning's launchers, in each of its packages' names (lightning, and the standalone ones): the one that
+# re-runs the script per rank, and the one that starts its ranks with torch.multiprocessing (ddp_spawn).
+_PACKAGES = ("lightning.fabric", "lightning.pytorch", "lightning_fabric", "pytorch_lightning")
+SCRIPTS = tuple(f"{package}.strategies.launchers.subprocess_script" for package in _PACKAGES)
+SPAWNS = tuple(f"{package}.strategies.launchers.multiprocessing" for package in _PACKAGES)
 # The real file functions, taken before the emulator's guards of the user's files replace them: the
 # probe's folder is memdiff's own, in its output folder (as layout.py's file).
 _open, _replace = open, os.replace
@@ -59,26 +61,34 @@ def _at_launch(folder: str) -> Any:
     return _call_children_scripts
 
 
+def _at_spawn(folder: str) -> Any:
+    def launch(self: Any, *args: Any, **kwargs: Any) -> None:
+        _found(folder, {"spawns": True})
+    return launch
+
+
 @contextlib.contextmanager
 def probed() -> Iterator[None]:
     """For the block, when MEMDIFF_RECORD_LIGHTNING names a folder (this process is the probe): the
     process ends where Lightning's launcher would start the other ranks, saying the job's size, or at
-    the first optimizer step, saying it started none."""
+    the first optimizer step, saying it started none (or where it would start them with
+    torch.multiprocessing, saying so)."""
     # Taken out of the environment: a process the probe starts is no probe.
     folder = os.environ.pop(PROBE, None)
     if not folder:
         yield
         return
-    patched: List[Tuple[Any, Any]] = []
+    patched: List[Tuple[Any, str, Any]] = []
 
-    def patch(_: str, module: Any) -> None:
-        owner = module._SubprocessScriptLauncher
-        patched.append((owner, owner.__dict__["_call_children_scripts"]))
-        owner._call_children_scripts = _at_launch(folder)
-    for name in LAUNCHERS:
+    def patch(name: str, module: Any) -> None:
+        owner, method, stop = ((module._SubprocessScriptLauncher, "_call_children_scripts", _at_launch)
+                               if name in SCRIPTS else (module._MultiProcessingLauncher, "launch", _at_spawn))
+        patched.append((owner, method, owner.__dict__[method]))
+        setattr(owner, method, stop(folder))
+    for name in SCRIPTS + SPAWNS:
         if name in sys.modules:
             patch(name, sys.modules[name])
-    finder = AfterImport(LAUNCHERS, patch)
+    finder = AfterImport(SCRIPTS + SPAWNS, patch)
     sys.meta_path.insert(0, finder)
     from torch.optim.optimizer import register_optimizer_step_pre_hook
 
@@ -89,8 +99,8 @@ def probed() -> Iterator[None]:
         stepping.remove()
         with contextlib.suppress(ValueError):
             sys.meta_path.remove(finder)
-        for owner, real in reversed(patched):
-            owner._call_children_scripts = real
+        for owner, method, real in reversed(patched):
+            setattr(owner, method, real)
 
 
 def probe_env(folder: str) -> Dict[str, str]:
@@ -108,6 +118,10 @@ def read_probe(folder: str, command: List[str]) -> Launch:
     except (OSError, ValueError):
         facts = {}
     devices, nodes = facts.get("devices"), facts.get("num_nodes")
+    if facts.get("spawns"):
+        raise InputError("--ranks", f"`{' '.join(command)}` starts its ranks with torch.multiprocessing (Lightning's "
+                                    f"strategy ddp_spawn or ddp_notebook), whose ranks --ranks does not start alone: "
+                                    f"use strategy=\"ddp\", or record the whole job without --ranks")
     if not (isinstance(devices, int) and isinstance(nodes, int) and devices > 0 and nodes > 0):
         until = "stepped an optimizer" if facts.get("stepped") else "ended"
         raise InputError("--ranks", f"`{' '.join(command)}` {until} before a Lightning launcher started its ranks "
