@@ -101,10 +101,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "overlay the run reads back (DIR/upper/<absolute path>), removed after the run without this "
                         "(docs/emulate.md, 'Your files')")
     p.add_argument("--ranks", metavar="LIST|all|auto",
-                   help="with --emulate and -o DIR/ around a torchrun, `accelerate launch` or `deepspeed` command: run "
-                        "only these ranks of the job it describes (0,63 or 0-7,63; all: every rank), each alone in its "
-                        "own process with the environment its launcher gives it: any rank of a job of hundreds of GPUs "
-                        f"from one CPU, at most {LOCAL_RANKS} at once without --dask. "
+                   help="with --emulate and -o DIR/ around a torchrun, `accelerate launch` or `deepspeed` command, "
+                        "or `python train.py` whose Lightning Trainer or Fabric starts its own ranks (run once first, "
+                        "up to its launcher, to read the job's size): run only these ranks of the job it describes "
+                        "(0,63 or 0-7,63; all: every rank), each alone in its own process with the environment its "
+                        "launcher gives it: any rank of a job of hundreds of GPUs from one CPU, at most "
+                        f"{LOCAL_RANKS} at once without --dask. "
                         "auto: rank 0 first, then one rank per role of the layout its script built (the last rank, "
                         "the last coordinate of each mesh dimension whose shards are uneven or not known to be even, "
                         "each pipeline stage's first rank), each named with why (docs/jobs.md)")
