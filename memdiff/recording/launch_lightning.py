@@ -12,7 +12,9 @@ a probe: emulated, recorded nowhere, with MEMDIFF_RECORD_LIGHTNING naming a fold
 Lightning's launcher would start the children, the probe writes the launcher's devices per node and
 nodes there and ends. Each rank asked for then runs alone with what Lightning would have given it
 (launch.rank_env), so it spawns nothing. A probe that steps an optimizer first, or ends, started no
-ranks: a plain script, or a Lightning one of one device, has no job to pick ranks from.
+ranks: a plain script, or a Lightning one of one device, has no job to pick ranks from. One whose
+strategy starts its ranks with torch.multiprocessing (ddp_spawn) is stopped there too: those ranks are
+functions of the launching process, not scripts that can be started alone.
 """
 
 from __future__ import annotations
@@ -56,8 +58,7 @@ def _found(folder: str, facts: Dict[str, Any]) -> None:
 
 def _at_launch(folder: str) -> Any:
     def _call_children_scripts(self: Any) -> None:
-        _found(folder, {"devices": int(self.num_processes), "num_nodes": int(self.num_nodes),
-                        "launcher": type(self).__module__})
+        _found(folder, {"devices": int(self.num_processes), "num_nodes": int(self.num_nodes)})
     return _call_children_scripts
 
 
@@ -116,6 +117,8 @@ def read_probe(folder: str, command: List[str]) -> Launch:
         with open(os.path.join(folder, FOUND), encoding="utf-8") as f:
             facts = json.load(f)
     except (OSError, ValueError):
+        facts = None
+    if not isinstance(facts, dict):  # the probe ended without a word: no launcher, no optimizer step
         facts = {}
     devices, nodes = facts.get("devices"), facts.get("num_nodes")
     if facts.get("spawns"):
