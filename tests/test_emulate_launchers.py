@@ -148,6 +148,19 @@ def test_deepspeeds_runner_is_read_however_it_is_started(tmp_path):
         assert launch.command(6)[1:] == ["-u", "train.py", "--local_rank=2", "--lr", "1"]
 
 
+def test_only_a_script_python_runs_itself_is_run_first_to_read_the_job_it_starts():
+    """`python train.py` (or `python -m MODULE`) may start its ranks from inside (Lightning's launcher): --ranks
+    runs it once to read its job (tests/test_emulate_jobs.py). A launcher that Python runs is read as that
+    launcher, never run to find out; any other program is no launcher --ranks reads."""
+    from memdiff.recording.launchers import runs_a_script
+
+    assert runs_a_script(["python", "train.py", "--lr", "1"]) and runs_a_script(["python3.11", "-m", "pkg.train"])
+    for launcher in (["python", "-m", "torch.distributed.run", "--nproc-per-node", "2", "train.py"],
+                     ["python", "-m", "accelerate.commands.launch", "--multi_gpu", "train.py"],
+                     ["python3", "/opt/venv/bin/deepspeed", "train.py"], ["torchrun", "train.py"], ["./train.sh"]):
+        assert not runs_a_script(launcher), launcher
+
+
 # accelerate's DeepSpeed launch (accelerate 1.15's deepspeed_launcher) needs DeepSpeed where it runs: its
 # own launcher stops without it, and the ranks' Accelerator imports it.
 def _with_deepspeed(tmp_path) -> dict:
