@@ -509,7 +509,8 @@ def runs_picked_ranks(command: Sequence[str], knob: str) -> bool:
     """Whether fit runs a launched job (`command`, its knob's value put in) as the ranks `memdiff record
     --ranks auto` picks rather than whole: always while `{nodes}` is searched (every value then runs alike),
     and for a job of several nodes (which one machine cannot start whole) or of more than WHOLE_JOB_RANKS
-    ranks; a torchrun, accelerate or deepspeed command only (the launchers --ranks reads)."""
+    ranks; a torchrun, accelerate or deepspeed command only (the launchers --ranks reads from the command
+    alone: a script whose Lightning launcher starts its ranks runs in a process of its own, as any script)."""
     from memdiff.recording.launchers import read_launch
 
     try:
