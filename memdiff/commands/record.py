@@ -36,7 +36,7 @@ from memdiff.recording.emulate.layout import LAYOUT
 from memdiff.recording.emulate.overlay_calls import OWNED, ROOT, for_run
 from memdiff.recording.emulate.swap import environment
 from memdiff.recording.launch import LIGHTNING, PYTHON, STARTED_BY, Launch, parse_ranks, rank_env
-from memdiff.recording.launch_lightning import probe_env, read_probe
+from memdiff.recording.launch_lightning import probe
 from memdiff.recording.launchers import read_launch, runs_a_script
 from memdiff.recording.manifest import (
     COLLECTIVES,
@@ -505,29 +505,12 @@ def _rank_env(env: Dict[str, str], some: _SomeRanks, rank: int, running: List[in
 
 def _script_launch(args: argparse.Namespace, forwarding: _Forwarding, env: Dict[str, str], command: List[str],
                    folder: str, asked: str) -> Tuple[Optional[_SomeRanks], int]:
-    """The ranks `asked` of the job a script starts from inside itself (Lightning's launcher): the script
-    run once, emulated and recorded nowhere, up to where its launcher would start the other ranks
-    (launch_lightning.py), its output kept back. None when it failed or was interrupted before that (its
-    output shown, its exit status returned); InputError where it started no ranks, or not those asked."""
-    place = os.path.join(folder, ".lightning-probe")
-    shutil.rmtree(place, ignore_errors=True)
-    os.makedirs(place)
-    try:
-        log = os.path.join(place, "output.log")
-        with open(log, "wb") as out:
-            child = subprocess.Popen(command, env={**env, **probe_env(place)}, stdout=out, stderr=subprocess.STDOUT)
-            forwarding.started(child)
-            status = _exit_status(child.wait())
-        if forwarding.received or status:
-            with open(log, "rb") as said:
-                sys.stderr.buffer.write(said.read())
-            sys.stderr.flush()
-            print(f"memdiff: --ranks: `{' '.join(command)}` {'was interrupted' if forwarding.received else 'failed'} "
-                  f"before a Lightning launcher started its ranks: no rank was run", file=sys.stderr)
-            return None, 130 if forwarding.received else status
-        launch = read_probe(place, command)
-    finally:
-        shutil.rmtree(place, ignore_errors=True)
+    """The ranks `asked` of the job a script starts from inside itself (Lightning's launcher), read by
+    running it once up to its launcher (launch_lightning.py); None and its exit status when that run
+    failed or was interrupted."""
+    launch, status = probe(command, env, folder, forwarding.started, lambda: bool(forwarding.received))
+    if launch is None:
+        return None, 130 if forwarding.received else status
     some = _sized(args, launch, asked)
     print(f"memdiff: --ranks: its Lightning launcher starts a job of {launch.world_size:,} ranks "
           f"({launch.nnodes} node(s) of {launch.nproc_per_node} devices)", file=sys.stderr)

@@ -22,8 +22,10 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
+import subprocess
 import sys
-from typing import Any, Dict, Iterator, List, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 from memdiff.errors import InputError
 from memdiff.recording.emulate.on_import import AfterImport
@@ -104,13 +106,37 @@ def probed() -> Iterator[None]:
             setattr(owner, method, real)
 
 
-def probe_env(folder: str) -> Dict[str, str]:
-    """What the probe's process is run with on top of a rank's environment: recorded into `folder`
-    (thrown away after) and told to stop at Lightning's launcher."""
-    return {PROBE: folder, "MEMDIFF_RECORD_DIR": folder}
+def probe(command: List[str], env: Dict[str, str], folder: str, started: Callable[[Any], None],
+          interrupted: Callable[[], bool]) -> Tuple[Optional[Launch], int]:
+    """The job `command` starts from inside itself: the script run once in the environment `env` of a
+    rank (memdiff's hook, the emulated GPU, the run's overlay), recorded nowhere (a hidden folder in the
+    job's `folder`, removed after), up to where Lightning's launcher would start the other ranks; its
+    output kept back (the ranks print the same). `started` is told of its process (to pass Ctrl-C on).
+    None and its exit status when it failed or was `interrupted` before that, its output shown; InputError
+    where it started no ranks."""
+    place = os.path.join(folder, ".lightning-probe")
+    shutil.rmtree(place, ignore_errors=True)
+    os.makedirs(place)
+    try:
+        log = os.path.join(place, "output.log")
+        with open(log, "wb") as out:
+            child = subprocess.Popen(command, env={**env, PROBE: place, "MEMDIFF_RECORD_DIR": place}, stdout=out,
+                                     stderr=subprocess.STDOUT)
+            started(child)
+            code = child.wait()
+        if interrupted() or code:
+            with open(log, "rb") as said:
+                sys.stderr.buffer.write(said.read())
+            sys.stderr.flush()
+            print(f"memdiff: --ranks: `{' '.join(command)}` {'was interrupted' if interrupted() else 'failed'} "
+                  f"before a Lightning launcher started its ranks: no rank was run", file=sys.stderr)
+            return None, code if code >= 0 else 128 - code  # killed by signal N: 128 + N, as a shell says
+        return _read(place, command), 0
+    finally:
+        shutil.rmtree(place, ignore_errors=True)
 
 
-def read_probe(folder: str, command: List[str]) -> Launch:
+def _read(folder: str, command: List[str]) -> Launch:
     """The job the probe found: Lightning's launcher's nodes of `devices` ranks, each running the
     command itself; InputError where the script started no ranks before it stepped an optimizer or ended."""
     try:
