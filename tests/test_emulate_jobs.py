@@ -6,9 +6,11 @@ collectives carry rank 0's objects, a GPU's no-ops are no-ops, and values read b
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -319,6 +321,66 @@ def test_named_ranks_of_a_job_lightnings_own_launcher_starts_run_alone_as_lightn
                            text=True)
     assert ranks.returncode == 0, ranks.stderr
     assert "2 ranks of 8 ranks emulated, each alone (record --ranks 0,5): the others were not run" in ranks.stderr
+
+
+# A Trainer whose launcher starts the script's second local rank itself, recorded as one script.
+LIGHTNING_TWO = textwrap.dedent("""
+    import os
+
+    import lightning as L
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
+
+
+    class Tiny(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
+
+        def training_step(self, batch, _):
+            x, y = batch
+            return torch.nn.functional.cross_entropy(self.net(x), y)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+    if __name__ == "__main__":
+        os.write(1, f"pid {os.getpid()}\\n".encode())
+        data = DataLoader(TensorDataset(torch.randn(32, 32), torch.randint(0, 4, (32,))), batch_size=8)
+        trainer = L.Trainer(accelerator="gpu", devices=2, strategy="ddp", max_steps=2, logger=False,
+                            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+        trainer.fit(Tiny(), data)
+        os.write(1, f"done rank {trainer.global_rank}\\n".encode())
+""")
+
+
+def test_a_script_whose_lightning_launcher_starts_its_ranks_ends_with_all_of_them(torch, tmp_path):
+    # `-o FILE -- python train.py` with Trainer(devices=2): the script is rank 0 and its launcher starts
+    # rank 1. Emulated collectives wait for no one, so rank 0 ended first, the run ended, and rank 1,
+    # waiting for rank 0's broadcasts, lost its emulated GPU ("not recording process ...") and
+    # outlived memdiff (and fit). On GPUs the ranks end together; here too.
+    try:
+        import lightning  # noqa: F401
+    except ImportError:
+        missing_capture_dependency("lightning is not installed (pip install -e '.[test]')")
+    (tmp_path / "train.py").write_text(LIGHTNING_TWO)
+    done = _emulated(tmp_path, "run.pickle", sys.executable, "train.py")
+    pids = [int(line.split()[1]) for line in done.stdout.splitlines() if line.startswith("pid ")]
+    try:
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert sorted(line for line in done.stdout.splitlines() if line.startswith("done")) == \
+            ["done rank 0", "done rank 1"], done.stdout
+        assert "the script started 1 process that used the emulated GPU (rank1)" in done.stderr
+        assert "not recording process" not in done.stderr
+        assert len(pids) == 2
+        for pid in pids:  # none outlived the run
+            with pytest.raises(ProcessLookupError):
+                os.kill(pid, 0)
+    finally:
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
 
 
 # pytorch/examples' mnist_hogwild with --cuda: the model's memory shared, workers started by spawn.

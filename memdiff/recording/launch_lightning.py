@@ -71,6 +71,30 @@ def _at_spawn(folder: str) -> Any:
 
 
 @contextlib.contextmanager
+def _patched(names: Tuple[str, ...], patch: Callable[[str, Any], Tuple[Any, str, Any]]) -> Iterator[None]:
+    """For the block: each of the modules `names`, imported before it or in it, patched by
+    `patch(name, module)`, which returns (owner, method, replacement); the methods restored after."""
+    patched: List[Tuple[Any, str, Any]] = []
+
+    def apply(name: str, module: Any) -> None:
+        owner, method, replacement = patch(name, module)
+        patched.append((owner, method, owner.__dict__[method]))
+        setattr(owner, method, replacement)
+    for name in names:
+        if name in sys.modules:
+            apply(name, sys.modules[name])
+    finder = AfterImport(names, apply)
+    sys.meta_path.insert(0, finder)
+    try:
+        yield
+    finally:
+        with contextlib.suppress(ValueError):
+            sys.meta_path.remove(finder)
+        for owner, method, real in reversed(patched):
+            setattr(owner, method, real)
+
+
+@contextlib.contextmanager
 def probed() -> Iterator[None]:
     """For the block, when MEMDIFF_RECORD_LIGHTNING names a folder (this process is the probe): the
     process ends where Lightning's launcher would start the other ranks, saying the job's size, or at
@@ -81,29 +105,45 @@ def probed() -> Iterator[None]:
     if not folder:
         yield
         return
-    patched: List[Tuple[Any, str, Any]] = []
 
-    def patch(name: str, module: Any) -> None:
-        owner, method, stop = ((module._SubprocessScriptLauncher, "_call_children_scripts", _at_launch)
-                               if name in SCRIPTS else (module._MultiProcessingLauncher, "launch", _at_spawn))
-        patched.append((owner, method, owner.__dict__[method]))
-        setattr(owner, method, stop(folder))
-    for name in SCRIPTS + SPAWNS:
-        if name in sys.modules:
-            patch(name, sys.modules[name])
-    finder = AfterImport(SCRIPTS + SPAWNS, patch)
-    sys.meta_path.insert(0, finder)
+    def stop(name: str, module: Any) -> Tuple[Any, str, Any]:
+        if name in SCRIPTS:
+            return module._SubprocessScriptLauncher, "_call_children_scripts", _at_launch(folder)
+        return module._MultiProcessingLauncher, "launch", _at_spawn(folder)
     from torch.optim.optimizer import register_optimizer_step_pre_hook
 
     stepping = register_optimizer_step_pre_hook(lambda *_: _found(folder, {"stepped": True}))
     try:
-        yield
+        with _patched(SCRIPTS + SPAWNS, stop):
+            yield
     finally:
         stepping.remove()
-        with contextlib.suppress(ValueError):
-            sys.meta_path.remove(finder)
-        for owner, method, real in reversed(patched):
-            setattr(owner, method, real)
+
+
+@contextlib.contextmanager
+def children_waited() -> Iterator[None]:
+    """For the block (an emulated process): the other local ranks a Lightning launcher of this process
+    started are waited for at its end. On GPUs the ranks end together, held by their last collectives;
+    emulated collectives wait for no one, so the launching rank could end first, and the run end (its
+    overlay removed, `memdiff record` and `fit` returned) while the others still train: they would
+    lose their emulated GPU and their snapshots, or outlive the run."""
+    launchers: List[Any] = []
+
+    def remembered(name: str, module: Any) -> Tuple[Any, str, Any]:
+        owner = module._SubprocessScriptLauncher
+        real = owner.__dict__["_call_children_scripts"]
+
+        def _call_children_scripts(self: Any) -> Any:
+            launchers.append(self)
+            return real(self)
+        return owner, "_call_children_scripts", _call_children_scripts
+    try:
+        with _patched(SCRIPTS, remembered):
+            yield
+    finally:
+        for launcher in launchers:
+            for child in getattr(launcher, "procs", []):
+                child.wait()
 
 
 def probe(command: List[str], env: Dict[str, str], folder: str, started: Callable[[Any], None],

@@ -27,16 +27,18 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from memdiff.recording.launch import RANKS, STARTED_BY
+from memdiff.recording.launch import RANKS
 from memdiff.recording.manifest import COLLECTIVES
 
 # The hook's states for a process that has ended (rank_hook/sitecustomize.py): it will send nothing more.
 ENDED = {"written", "failed", "nothing recorded", "no torch"}
 # torch's default_pg_timeout: how long a rank waits for another when the script gave no timeout.
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)
-# The job's folder, read once: memdiff record sets it in every process it starts (not in the one that
-# runs the script of `-o FILE` itself, which only its children's hook reads: STARTED_BY).
-_JOB = os.environ.get("MEMDIFF_RECORD_DIR") if os.environ.get(STARTED_BY) != str(os.getpid()) else None
+# The job's folder, read once: memdiff record sets it in every process it starts, and, under `-o FILE`,
+# in the one that runs the script itself, for the processes the script starts (STARTED_BY). That one
+# takes part too: a script that is rank 0 of the job it launches (Lightning's launcher) sends its
+# ranks what they wait for.
+_JOB = os.environ.get("MEMDIFF_RECORD_DIR")
 # The ranks of the job that run, when only some do (memdiff record --ranks: launch.py); None: all.
 _RUNNING = frozenset(int(r) for r in os.environ[RANKS].split(",")) if os.environ.get(RANKS) else None
 # The real file functions, taken before the emulator's guards of the user's files replace them: these

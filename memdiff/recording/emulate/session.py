@@ -38,7 +38,7 @@ def start(emulator: Emulator) -> contextlib.ExitStack:
     from memdiff.recording.emulate.autocast import Autocast
     from memdiff.recording.emulate.host import Host
     from memdiff.recording.emulate.modes import AllocMode, DeviceMode
-    from memdiff.recording.launch_lightning import probed
+    from memdiff.recording.launch_lightning import children_waited, probed
 
     emulator.autocast = Autocast()
     stack = contextlib.ExitStack()
@@ -55,6 +55,7 @@ def start(emulator: Emulator) -> contextlib.ExitStack:
     stack.enter_context(distributed.fake_process_groups(emulator))
     stack.enter_context(layout.recorded())
     stack.enter_context(probed())
+    stack.enter_context(children_waited())
     stack.enter_context(parallel.data_parallel())
     stack.enter_context(shared.device_storages_shared())
     stack.enter_context(shared.device_tensors_sent(emulator.placement))
