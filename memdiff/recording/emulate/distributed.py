@@ -7,15 +7,16 @@ rendezvous: every collective returns at once, as complete, without moving data. 
 then build and run as on the GPU, with the buckets and flat buffers they allocate through torch
 ops (which the emulator's allocator sees like any other storage).
 
-In a launched job (`-o DIR/`) a broadcast, an all-gather, a gather and a scatter carry the values
-their senders know to the ranks that receive them (exchange.py): a receiving rank of
+In a launched job (`-o DIR/`) a broadcast, an all-gather, a gather, a scatter and an all-to-all carry
+the values their senders know to the ranks that receive them (exchange.py): a receiving rank of
 `broadcast_object_list` gets rank 0's object; a `send` reaches its `recv` (p2p.py: a pipeline's
 stages). The object collectives put their tensors on the device
 the script's backend would (NCCL's: the GPU). Elsewhere values follow the fake group's rule, that every
 rank holds what this rank holds: a broadcast
 leaves each tensor as this rank has it, an all-gather fills every slot with this rank's input,
 an all-reduce of known small values (a count, a flag) sums as `world_size` equal ranks would,
-and anything else is a tensor of unknown values (values.py). DDP's check that every rank has the
+an all-to-all gives each rank back what it sends that rank (a router's token counts: as many tokens
+received as sent), and anything else is a tensor of unknown values (values.py). DDP's check that every rank has the
 same parameters reads its own shapes back, and so passes.
 """
 
@@ -404,8 +405,33 @@ def follow(base: str, args: Tuple[Any, ...], values: Any) -> None:
             else:
                 known.pop(t, None)
         return
-    for t in _written(args):  # reduce-scatter, all-to-all, scatter, gather, recv: values unknown
+    if base in exchange.ALL_TO_ALL:
+        pg = exchange.process_group(args[2])
+        if pg is not None:  # no peer heard from: each sends this rank what this rank sends it
+            exchange.all_to_all(values, base, args, pg.rank(), pg.size(),
+                                lambda tensors: [exchange.known_value(values, t) for t in tensors], lambda r: None)
+            return
+    for t in _written(args):  # reduce-scatter, scatter, gather, recv: values unknown
         known.pop(t, None)
+
+
+# Functional collectives (torch.distributed._functional_collectives, torchtitan's token dispatch) whose
+# values are carried: the c10d collective each runs inside is below this mode, which does not see it.
+FUNCTIONAL = {"all_to_all_single"}
+# Functional collectives' ops that give back their input on a GPU: `wait_tensor` returns the tensor it
+# waited for, and `_wrap_tensor_autograd` wraps it (an AsyncCollectiveTensor, whose wait is instant
+# here). Their meta kernels make a copy: each collective's output would be held twice.
+RETURN_INPUT = {"wait_tensor", "_wrap_tensor_autograd"}
+
+
+def follow_functional(base: str, args: Tuple[Any, ...], out: Any, values: Any) -> None:
+    """After functional collective `base` (FUNCTIONAL) ran on meta tensors: its output's values, as the
+    collective it runs inside leaves them (follow). `_c10d_functional::all_to_all_single(input, output
+    splits, input splits, group name)` is all_to_all_single into its new output."""
+    import torch.distributed.distributed_c10d as c10d
+
+    group = c10d._resolve_process_group(args[3])
+    follow("alltoall_base_", (out, args[0], group, list(args[1]), list(args[2])), values)
 
 
 def _reduce_kind(op: Any) -> str:

@@ -135,7 +135,10 @@ def current() -> Optional[Exchange]:
 
 # -- the collectives that carry values, by c10d op -----------------------------------------------
 
-CARRIED = {"broadcast_", "allgather_", "_allgather_base_", "gather_", "scatter_"}
+# all_to_all_single (one flat tensor each way, split on its first dimension) and all_to_all (a tensor
+# per rank each way): what a rank receives is what its peers send it (all_to_all below)
+ALL_TO_ALL = {"alltoall_base_", "alltoall_"}
+CARRIED = {"broadcast_", "allgather_", "_allgather_base_", "gather_", "scatter_"} | ALL_TO_ALL
 
 
 Sent = List[Optional[torch.Tensor]]  # what a rank sends in one collective: a value (or None) per tensor
@@ -171,6 +174,8 @@ def carry(base: str, args: Tuple, values: Any) -> bool:
         _broadcast(values, args, pg.rank(), send, hear)
     elif base == "scatter_":
         _scatter(values, args, pg.rank(), send, hear)
+    elif base in ALL_TO_ALL:
+        all_to_all(values, base, args, pg.rank(), pg.size(), send, hear)
     else:
         _gather(values, base, args, pg.rank(), pg.size(), send, hear)
     return True
@@ -214,12 +219,68 @@ def _gather(values: Any, base: str, args: Tuple, me: int, size: int, send: Any, 
             receive_into(values, slot, sent[r][i] if i < len(sent[r]) else None)
 
 
+def all_to_all(values: Any, base: str, args: Tuple, me: int, size: int, send: Any, hear: Any) -> None:
+    """alltoall_base_ (output, input, group, output splits, input splits: rank r's chunk of a rank's
+    input, split on its first dimension, evenly where no splits are given, goes to rank r, and a rank's
+    output is the chunks it receives in rank order) and alltoall_ (output and input lists, a tensor per
+    rank). A rank this rank does not hear from (`hear` gives None: a rank run alone, or one --ranks did
+    not run) is taken to send it what it sends that rank, every rank alike: an all-to-all of the token
+    counts a balanced router gives receives what it sends, so a rank run alone receives as many tokens
+    as it sends. The output is routed (values.py) where this rank's input is: what comes back from
+    ranks that route alike."""
+    if base == "alltoall_":
+        outputs, inputs = list(args[0]), list(args[1])
+        mine = send(inputs)
+        for r, out in enumerate(outputs):
+            heard = hear(r) if r != me else None
+            value = heard[me] if heard is not None and me < len(heard) else mine[r] if r < len(mine) else None
+            _received(values, out, value, inputs)
+        return
+    output, source, out_splits, in_splits = args[0], args[1], list(args[3]), list(args[4])
+    value, sizes = send([source, torch.tensor(in_splits, dtype=torch.long)])
+    mine = _chunks(value, sizes, size)
+    parts: List[Optional[torch.Tensor]] = []
+    for r in range(size):
+        heard = hear(r) if r != me else None
+        parts.append(_chunks(heard[0], heard[1], size)[me] if heard is not None else mine[r])
+    expected = (out_splits or [int(output.shape[0]) // size] * size) if output.dim() else []
+    fits = all(p is not None and p.dim() and int(p.shape[0]) == n for p, n in zip(parts, expected))
+    whole = torch.cat([p for p in parts if p is not None]) if fits and len(parts) == len(expected) else None
+    _received(values, output, whole, [source])
+
+
+def _chunks(value: Optional[torch.Tensor], splits: Optional[torch.Tensor], size: int) -> List[Optional[torch.Tensor]]:
+    """A sent flat input's chunk for each rank: split on its first dimension by `splits` (evenly where
+    there are none); None for each where its values are not known or the splits do not add up."""
+    if value is None or not value.dim():
+        return [None] * size
+    sizes = [int(n) for n in splits.tolist()] if splits is not None and splits.numel() else []
+    sizes = sizes or [int(value.shape[0]) // size] * size
+    if len(sizes) != size or sum(sizes) != int(value.shape[0]):
+        return [None] * size
+    return list(value.split(sizes))
+
+
+def _received(values: Any, out: Any, value: Optional[torch.Tensor], inputs: List[Any]) -> None:
+    """Tensor `out` received `value` in an all-to-all from `inputs`: routed where they are."""
+    receive_into(values, out, value)
+    if isinstance(out, torch.Tensor) and out.is_meta:
+        values.constants.pop(out, None)  # written: no longer the number it was made with
+        got = values.of(out)
+        if got is not None:
+            values.join(out, got, inputs)
+        else:
+            values.routed.pop(out, None)
+
+
 def _or(heard: Optional[Sent], mine: Sent) -> Sent:
     return mine if heard is None else heard
 
 
 def process_group(boxed: Any) -> Any:
-    """The ProcessGroup a dispatched collective was given (boxed as a script object)."""
+    """The ProcessGroup a dispatched collective was given (boxed as a script object), or itself."""
+    if isinstance(boxed, torch._C._distributed_c10d.ProcessGroup):
+        return boxed
     try:
         return torch._C._distributed_c10d.ProcessGroup.unbox(boxed)
     except Exception:  # a torch that boxes groups otherwise: nothing carried

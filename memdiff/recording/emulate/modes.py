@@ -448,6 +448,8 @@ class AllocMode(TorchDispatchMode):
             if self.emulator.native:
                 self.emulator.native[-1].collective()
             return distributed.completed(out, args, received)
+        if namespace == "_c10d_functional" and base in distributed.RETURN_INPUT:
+            return args[0]  # as on the GPU: no memory of its own (the meta kernels make a copy)
         placement = self.emulator.placement
         named = cuda_index(kwargs.get("device"), placement.current)
         if named is not None:
@@ -523,6 +525,9 @@ class AllocMode(TorchDispatchMode):
                     and routing.grouped_mm_fallback(args, kwargs, self.emulator.gpu):
                 out = routing.grouped_mm_output(args, kwargs)  # one cuBLAS product per group
                 self.emulator.workspace("_grouped_mm", self.emulator.placement.for_new(args, kwargs))
+            elif namespace == "_c10d_functional" and base in distributed.FUNCTIONAL:
+                out = func(*args, **kwargs)  # its collective, below this mode, moved no values
+                distributed.follow_functional(base, args, out, self.values)
             elif base == "index_put" and _is_meta(first) and scratch.index_backward():
                 out = scratch.index_put_in_place(args, kwargs)  # the GPU writes into the zeros it made
             elif base in backward.OPS and _is_meta(first) and (twin := backward.in_place(func, base)) is not None:
