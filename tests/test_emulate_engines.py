@@ -1,16 +1,20 @@
 """PyTorch's own parallel engines as large jobs run them, under `memdiff record --emulate` (issue 59, item 2):
 pipeline parallelism (torch.distributed.pipelining), HSDP (FSDP2 over a replicate x shard mesh),
-FSDP1 (FullyShardedDataParallel), tensor + sequence parallelism and context parallelism. Each held to
-what the model's shapes say a rank holds: its stage's weights and the microbatches each schedule
-keeps in flight, its shard of the weights, the activations of its part of the sequence."""
+FSDP1 (FullyShardedDataParallel), tensor + sequence parallelism, context parallelism and expert
+parallelism for a mixture of experts. Each held to what the model's shapes say a rank holds: its
+stage's weights and the microbatches each schedule keeps in flight, its shard of the weights, the
+activations of its part of the sequence, its experts and the tokens routed to them."""
 
 from __future__ import annotations
 
+import json
 import os
+import pickle
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import List
 
 import pytest
 from conftest import ROOT
@@ -29,10 +33,11 @@ BLOCK_WEIGHTS = (WIDTH * 2 * WIDTH + 2 * WIDTH + 2 * WIDTH * WIDTH + WIDTH) * 4 
 BLOCK_SAVED = (2 * ROWS * 2 * WIDTH + ROWS * WIDTH) * 4
 
 
-def _record(cwd: Path, output: str, *args: str, env=None) -> subprocess.CompletedProcess:
-    """`memdiff record --emulate h100 -o OUTPUT -- ARGS` on a node that says nothing of its GPUs."""
+def _record(cwd: Path, output: str, *args: str, env=None, flags=()) -> subprocess.CompletedProcess:
+    """`memdiff record --emulate h100 -o OUTPUT FLAGS -- ARGS` on a node that says nothing of its GPUs."""
     base = {k: v for k, v in os.environ.items() if k not in ("CUDA_VISIBLE_DEVICES", "LOCAL_WORLD_SIZE")}
-    return subprocess.run([sys.executable, "-m", "memdiff", "record", "--emulate", "h100", "-o", output, "--", *args],
+    return subprocess.run([sys.executable, "-m", "memdiff", "record", "--emulate", "h100", "-o", output, *flags,
+                           "--", *args],
                           cwd=cwd, capture_output=True, text=True, timeout=600,
                           env={**base, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), **(env or {})})
 
@@ -253,3 +258,68 @@ def test_context_parallel_ranks_keep_the_activations_of_their_half_of_the_sequen
     categories = _alone(tmp_path, CONTEXT_PARALLEL)
     assert categories["parameter"] == (64 * 192 + 192) * 4
     assert categories["activation"] == 2 * (256 // 2) * 192 * 4 + 4
+
+
+MOE = ROOT / "tests" / "scenarios" / "moe_ep_train.py"
+
+
+def _moe(cwd: Path, output: str, world: int, experts: int, flags=()) -> dict:
+    """moe_ep_train.py's experts sharded over `world` ranks, launched by torchrun: rank 0's facts."""
+    done = _record(cwd, output, sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                   str(world), str(MOE), "--experts", str(experts), flags=flags)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(next(line for line in done.stdout.splitlines() if line.startswith("facts "))[6:])
+
+
+def _dispatched(path: Path) -> List[int]:
+    """The sizes of the buffers the rank's all-to-alls of tokens allocated on its GPU, in order."""
+    with open(path, "rb") as f:
+        trace = max(pickle.load(f)["device_traces"], key=len)  # rank r of a node runs on cuda:r
+    return [e["size"] for e in trace if e["action"] == "alloc"
+            and any("::all_to_all_single::" in frame["name"] for frame in e["frames"])]
+
+
+@pytest.fixture(scope="module")
+def expert_parallel(tmp_path_factory):
+    """The whole job of 2 ranks (8 experts, 4 a rank), its values exchanged; and rank 0 of a job of 8 run
+    alone, with 32 experts: 4 a rank too."""
+    pytest.importorskip("torch")
+    folder = tmp_path_factory.mktemp("moe")
+    return {"job": (folder / "job", _moe(folder, "job/", 2, 8)),
+            "alone": (folder / "alone", _moe(folder, "alone/", 8, 32, flags=("--ranks", "0")))}
+
+
+def test_expert_parallel_ranks_hold_their_experts_and_receive_tokens_x_k_rows(expert_parallel):
+    # Each rank routes its 256 tokens, 2 experts a token, balanced over the 8 experts: it sends 256 of
+    # its 512 rows to each rank, and receives as many from each, its peer's real counts (the counts'
+    # all-to-all, read back with .tolist(), sizes the tokens'). Every all-to-all of rows, the dispatch
+    # and the combine in each layer's forward and their reverse in the backward, is then tokens x k
+    # rows of width 64 in fp32: 2 steps x 2 layers x 4 of them.
+    folder, facts = expert_parallel["job"]
+    rows = facts["tokens"] * facts["top_k"]
+    assert facts["received"] == [rows] * facts["layers"]
+    assert facts["expert_bytes"] == facts["layers"] * 8 // 2 * 2 * 64 * 128 * 4  # 4 experts a layer, 2 weights each
+    from memdiff import api
+
+    for rank in range(2):
+        categories = api.summarize(folder / f"rank{rank}.pickle").devices[0].categories
+        assert categories["parameter"] == facts["shared_bytes"] + facts["expert_bytes"], rank
+        assert categories["optimizer_state"] == 2 * categories["parameter"], rank
+        assert _dispatched(folder / f"rank{rank}.pickle") == [rows * facts["dim"] * 4] * (2 * facts["layers"] * 4)
+
+
+def test_an_expert_parallel_rank_alone_receives_what_it_sends_as_in_the_whole_job(expert_parallel):
+    # Rank 0 of 8, run alone (--ranks 0): no peer runs, so each is taken to send it what it sends that
+    # peer (balanced routing, ranks alike). With 4 experts a rank, as in the job of 2, it holds the same
+    # experts and its all-to-alls move the same rows as rank 0 of the whole job; only the router (over
+    # 32 experts, not 8) is larger.
+    (job, whole), (alone, facts) = expert_parallel["job"], expert_parallel["alone"]
+    assert facts["world"] == 8 and facts["expert_bytes"] == whole["expert_bytes"]
+    assert facts["received"] == whole["received"]
+    assert facts["shared_bytes"] - whole["shared_bytes"] == 2 * 64 * (32 - 8) * 4  # the two routers' weights
+    from memdiff import api
+
+    mine, theirs = (api.summarize(folder / "rank0.pickle").devices[0].categories for folder in (alone, job))
+    assert mine["parameter"] == facts["shared_bytes"] + facts["expert_bytes"]
+    assert mine["communication"] == theirs["communication"]
+    assert _dispatched(alone / "rank0.pickle") == _dispatched(job / "rank0.pickle")
