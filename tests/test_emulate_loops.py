@@ -266,3 +266,22 @@ def test_host_code_that_samples_from_the_models_output_runs_as_on_a_gpu(tmp_path
     assert done.returncode == 0, done.stderr[-3000:]
     # exp() of any logits is positive on a GPU: the host copy is a distribution to sample from
     assert done.stdout.splitlines() == ["word True torch.int64 weights torch.float32 (10,) True host True True"]
+
+
+@pytest.mark.slow
+def test_a_host_tensor_made_from_device_scalars_reads_their_values(tmp_path):
+    # Megatron-core's grad-norm fallback without apex (local_multi_tensor_l2_norm): torch.tensor of a
+    # list of device scalars, no device named, is a host tensor of their values, as on a GPU.
+    script = tmp_path / "norms.py"
+    script.write_text(textwrap.dedent("""
+        import torch
+        grads = [torch.ones(4, device="cuda"), torch.ones(3, device="cuda").sum() * 0 + 2]
+        norms = [[torch.norm(g) for g in grads]]
+        host = torch.tensor(norms)
+        print(host.device, host.dtype, tuple(host.shape), torch.tensor([grads[1], 5]).tolist())
+    """))
+    done = subprocess.run([sys.executable, "-m", "memdiff", "record", "--emulate", "h100", "-o",
+                           str(tmp_path / "run.pickle"), "--", "python", str(script)],
+                          capture_output=True, text=True, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.splitlines()[-1] == "cpu torch.float32 (1, 2) [2.0, 5.0]"

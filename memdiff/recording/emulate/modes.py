@@ -203,6 +203,10 @@ class DeviceMode(TorchFunctionMode):
         if func in (torch.tensor, torch.as_tensor) and kwargs.get("device") is META and not meta and args \
                 and not isinstance(args[0], torch.Tensor):
             return self.from_data(func, args, kwargs, named)
+        if func in (torch.tensor, torch.as_tensor) and args and isinstance(args[0], (list, tuple)) \
+                and torch.device(kwargs.get("device") or "cpu").type == "cpu":
+            # a host tensor of device scalars (Megatron's norm of the per-tensor norms)
+            return func(self.scalars_read(args[0]), *args[1:], **kwargs)
         if func is torch.Tensor.to and len(args) > 1 and not isinstance(args[1], (torch.dtype, torch.Tensor)):
             named = cuda_index(args[1], placement.current)
             meta = meta or _names_meta(args[1])
@@ -268,6 +272,15 @@ class DeviceMode(TorchFunctionMode):
             stack.pop()
             context.pop()
 
+    def scalars_read(self, data: Any) -> Any:
+        """torch.tensor's data with each tensor in it read as torch reads it, by its value: device scalars
+        (an accuracy meter's `[sum, count]`, Megatron's per-tensor norms) give the read-back rule's
+        numbers. Torch reads them below the dispatch modes, where a tensor of the emulated GPU has none."""
+        if not any(isinstance(x, torch.Tensor) for x in tree_leaves(data)):
+            return data
+        with self:
+            return tree_map(lambda x: x.item() if isinstance(x, torch.Tensor) else x, data)
+
     def on_gpu(self, x: Any) -> bool:
         """Whether `x` is a tensor of the emulated GPU (meta, and not one of the script's own meta tensors)."""
         return _is_meta(x) and not self.emulator.placement.on_meta(x)
@@ -279,13 +292,7 @@ class DeviceMode(TorchFunctionMode):
         would be no allocation and its values (a count, a constant, a list of ids) would be lost."""
         grad = bool(kwargs.pop("requires_grad", False))
         del kwargs["device"]
-        if any(isinstance(x, torch.Tensor) for x in tree_leaves(args[0])):
-            # Device scalars in the data (an accuracy meter's `[sum, count]`): torch reads each one's
-            # value, which is the read-back rule's here.
-            with self:
-                data = tree_map(lambda x: x.item() if isinstance(x, torch.Tensor) else x, args[0])
-            args = (data, *args[1:])
-        host = func(*args, **kwargs)
+        host = func(self.scalars_read(args[0]), *args[1:], **kwargs)
         self.emulator.context.append("to_device")
         stack, naming = self.emulator.placement.stack(), self.emulator.placement.naming()
         stack.append(named)
