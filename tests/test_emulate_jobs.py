@@ -737,3 +737,41 @@ def test_a_worker_process_that_died_is_named_and_fails_the_job_though_the_script
     assert "ValueError: worker 1 found no data" in done.stderr
     said = [s for s in done.stderr.splitlines() if s.startswith("memdiff: process ") and " died: " in s]
     assert len(said) == 1 and "spawn_main" in said[0] and said[0].endswith("died: exit status 1"), done.stderr[-3000:]
+
+
+# Collectives batched under torch's coalescing manager, as Megatron-core's distributed optimizer
+# gathers its buckets' weights (all_gather_into_tensor) and reduce-scatters their gradients: torch runs
+# each batch as one coalesced op, which torch 2.13 gives no meta kernel.
+COALESCED = textwrap.dedent("""
+    import os
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("nccl")
+    world = dist.get_world_size()
+    shards = [torch.ones(256, device="cuda") for _ in range(2)]
+    gathered = [torch.empty(256 * world, device="cuda") for _ in range(2)]
+    with dist._coalescing_manager(async_ops=True) as batch:
+        for out, shard in zip(gathered, shards):
+            dist.all_gather_into_tensor(out, shard)
+    batch.wait()
+    total = gathered[1].sum().item()
+    reduced = [torch.empty(128, device="cuda") for _ in range(2)]
+    with dist._coalescing_manager():
+        for out, whole in zip(reduced, gathered):
+            dist.reduce_scatter_tensor(out, whole)
+    counts = [torch.ones(4, device="cuda") for _ in range(2)]
+    with dist._coalescing_manager():
+        for count in counts:
+            dist.all_reduce(count)
+    os.write(1, f"gathered {total} summed {counts[1].tolist()}\\n".encode())
+    dist.destroy_process_group()
+""")
+
+
+def test_collectives_coalesced_as_megatrons_distributed_optimizer_batches_them_run(torch, tmp_path):
+    (tmp_path / "coalesced.py").write_text(COALESCED)
+    done = _emulated(tmp_path, "runs/", *torchrun("coalesced.py"), ranks="0")
+    assert done.returncode == 0, done.stderr[-3000:]
+    # every rank's shard of ones gathered; the counts summed over the two ranks
+    assert done.stdout.splitlines() == ["gathered 512.0 summed [2.0, 2.0, 2.0, 2.0]"]

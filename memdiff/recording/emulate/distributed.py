@@ -283,8 +283,42 @@ def fake_process_groups(emulator: Any) -> Iterator[None]:
         else:
             value = _in_scope(emulator, rules[name.strip("_")], real)
         replaced.append((dist, name, value))
-    with swap.replaced(replaced):
+    with swap.replaced(replaced), coalesced_collectives():
         yield
+
+
+# The coalesced collectives torch no longer gives a Meta kernel (torch 2.13's
+# torch/distributed/_meta_registrations.py keeps the four commented out), which libraries still call:
+# Megatron-core's distributed optimizer gathers its buckets' weights with all_gather_into_tensor under
+# `_coalescing_manager` (allgather_into_tensor_coalesced_), and DDP-style bucketing reduce-scatters
+# or all-reduces several tensors at once.
+COALESCED = ("allgather_into_tensor_coalesced_", "reduce_scatter_tensor_coalesced_", "allgather_coalesced_",
+             "allreduce_coalesced_")
+
+
+def _done_work(*_: Any) -> Any:
+    """What the fake group's coalesced collective returns: a Work, complete (nothing moves)."""
+    from torch._C._distributed_c10d import FakeWork
+
+    return FakeWork().boxed()
+
+
+@contextlib.contextmanager
+def coalesced_collectives() -> Iterator[None]:
+    """For the block: the coalesced collectives run on the emulated GPU's (meta) tensors as the others
+    do, complete at once; after it, torch's own table again."""
+    missing = [name for name in COALESCED if hasattr(torch.ops.c10d, name)
+               and not torch._C._dispatch_has_kernel_for_dispatch_key(f"c10d::{name}", "Meta")]
+    if not missing:
+        yield
+        return
+    library = torch.library.Library("c10d", "IMPL")
+    try:
+        for name in missing:
+            library.impl(name, _done_work, "Meta")
+        yield
+    finally:
+        library._destroy()
 
 
 def _from_source(real: Callable[..., Any]) -> Callable[..., Any]:
