@@ -9,9 +9,10 @@ model is Megatron's GPTModel with its local layer spec (Megatron's own modules, 
 TransformerEngine), wrapped in Megatron's DistributedDataParallel and trained in bf16 by
 Megatron's optimizer (torch's Adam underneath, without apex or TransformerEngine;
 --distributed-optimizer shards its state over the data-parallel ranks), stepped by Megatron's
-schedule (get_forward_backward_func: 1F1B across the stages when --pp > 1). The tokens are
-random ids made on the GPU. Each rank prints `facts {JSON}`: its parameter elements, counted on its
-own model, and the sizes, for the tests.
+schedule (get_forward_backward_func: 1F1B across the stages when --pp > 1). The tokens are random
+ids made on the GPU, or (--mock-data) Megatron's mock data (MockGPTDataset) moved there a microbatch
+at a time. Each rank prints `facts {JSON}`: its parameter elements, counted on its own model, and
+the sizes, for the tests.
 """
 
 import argparse
@@ -50,6 +51,7 @@ def arguments() -> argparse.Namespace:
     p.add_argument("--micro-batch", type=int, default=2)
     p.add_argument("--microbatches", type=int, default=2, help="microbatches per step (a pipeline's in flight)")
     p.add_argument("--steps", type=int, default=2)
+    p.add_argument("--mock-data", action="store_true", help="Megatron's MockGPTDataset, not random ids on the GPU")
     p.add_argument("--distributed-optimizer", action="store_true", help="shard Adam's state over data-parallel ranks")
     p.add_argument("--fusion", action="append", default=[], choices=FUSIONS,
                    help="a fused kernel of TransformerConfig to turn on (Megatron-LM's training turns them on)")
@@ -57,12 +59,29 @@ def arguments() -> argparse.Namespace:
 
 
 def batches(args: argparse.Namespace, device: torch.device):
-    """Random token ids on the GPU, with next-token labels and a full loss mask, forever."""
+    """Microbatches on the GPU, forever: random ids made there, with next-token labels and a full loss
+    mask; or (--mock-data) Megatron's mock GPT data (random documents of its NullTokenizer's ids, cut
+    into samples of --seq tokens) loaded on the host and moved to the GPU."""
+    if not args.mock_data:
+        while True:
+            tokens = torch.randint(0, args.vocab, (args.micro_batch, args.seq + 1), device=device)
+            yield {"tokens": tokens[:, :-1], "labels": tokens[:, 1:],
+                   "position_ids": torch.arange(args.seq, device=device).expand(args.micro_batch, -1),
+                   "loss_mask": torch.ones(args.micro_batch, args.seq, device=device)}
+    # imported here: the random ids need none of it (a second or two of imports a rank)
+    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+    from megatron.core.datasets.gpt_dataset import GPTDatasetConfig, MockGPTDataset
+    from megatron.core.tokenizers.text.libraries.null_tokenizer import NullTokenizer
+    from torch.utils.data import DataLoader
+
+    config = GPTDatasetConfig(random_seed=1234, sequence_length=args.seq, split="1,0,0",
+                              tokenizer=NullTokenizer(args.vocab - 1), reset_position_ids=False,
+                              reset_attention_mask=False, eod_mask_loss=False, create_attention_mask=False)
+    samples = args.steps * args.microbatches * args.micro_batch
+    train, _, _ = BlendedMegatronDatasetBuilder(MockGPTDataset, [samples, None, None], lambda: True, config).build()
     while True:
-        tokens = torch.randint(0, args.vocab, (args.micro_batch, args.seq + 1), device=device)
-        yield {"tokens": tokens[:, :-1], "labels": tokens[:, 1:],
-               "position_ids": torch.arange(args.seq, device=device).expand(args.micro_batch, -1),
-               "loss_mask": torch.ones(args.micro_batch, args.seq, device=device)}
+        for batch in DataLoader(train, batch_size=args.micro_batch):
+            yield {name: tensor.to(device, non_blocking=True) for name, tensor in batch.items()}
 
 
 def loss_of(loss_mask: torch.Tensor, losses: torch.Tensor):
