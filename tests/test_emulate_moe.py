@@ -317,6 +317,35 @@ def test_a_routers_choices_are_balanced_at_any_batch_size(tmp_path):
     assert last == f"{[share] * experts} {[share] * experts} True 1.1754943508222875e-38"
 
 
+MEGATRON_ROUTER = """
+import sys
+import torch
+tokens, experts, k = int(sys.argv[1]), 8, 2
+logits = torch.nn.Parameter(torch.randn(tokens, experts, device="cuda"))  # a weight's numbers: no values
+probs, top = logits.topk(k, dim=1)
+# Megatron-core 0.16.1's router (moe_utils.topk_routing_with_score_function): its choices scattered
+# into zeros shaped like the logits, then the tokens each expert takes, which its experts split by
+routing_map = torch.zeros_like(logits).int().scatter(1, top, 1).bool()
+routing_probs = torch.zeros_like(logits).scatter(1, top, probs)
+counts = routing_map.sum(dim=0).long().tolist()
+# its permutation (moe_utils.permute): each expert's probabilities, by the mask
+permuted = routing_probs.T.contiguous().masked_select(routing_map.T.contiguous())
+print(counts, permuted.shape[0])
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tokens", [256, 32768])
+def test_megatrons_router_counts_its_choices_scattered_into_zeros_like_its_logits(tmp_path, tokens):
+    # 32,768 tokens x 8 experts: the routing map (262,144 elements) is past the 65,536 other values
+    # are kept for. The logits have no values; zeros_like reads only their shape, so the map has the
+    # choices' values, and masked_select keeps the map's true elements, one per choice, as on a GPU
+    done = _record(tmp_path, MEGATRON_ROUTER, str(tokens))
+    assert done.returncode == 0, done.stderr[-3000:]
+    experts, k = 8, 2
+    assert done.stdout.strip().splitlines()[-1] == f"{[tokens * k // experts] * experts} {tokens * k}"
+
+
 JETMOE = """
 import json, sys
 import torch

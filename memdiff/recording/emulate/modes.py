@@ -621,7 +621,11 @@ class AllocMode(TorchDispatchMode):
             self.values.join(out, value, args)
             return out
         if base == "masked_select":
-            return torch.empty(int(first.numel()), dtype=first.dtype, device=META)
+            # the mask alone sizes it: known (a router's choices), its true elements, broadcast
+            mask = known[1] if len(known) > 1 and isinstance(known[1], torch.Tensor) else None
+            kept = first.numel() if mask is None else \
+                torch.broadcast_to(mask, torch.broadcast_shapes(first.shape, mask.shape)).sum()
+            return torch.empty(int(kept), dtype=first.dtype, device=META)
         return torch.empty((int(first.numel()), first.dim()), dtype=torch.long, device=META)
 
     def data_sized(self, func: Any, base: str, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Tuple[Any, list]:

@@ -28,9 +28,11 @@ answer as for finite numbers: emulated tensors hold none.
 A router's choices (`topk` of a tensor without values: choices.py) and what is computed from them
 are `routed`: their values are kept at any size, past MAX_ELEMENTS, as the sizes that follow from
 them (the tokens each expert takes) must not change with the batch. A routed op computes from the
-number a constant factory (`torch.zeros`, `ones`, `full`, their `_like` and `new_` forms) filled its
-output with, at any size too (JetMoE scatters its choices into a `zeros` of tokens x experts); other
-ops see a constant's values only where it is small, as any output's.
+number a constant factory (`torch.zeros`, `ones`, `full`, their `_like` and `new_` forms, and a cast
+or copy of one) filled its output with, at any size too (JetMoE scatters its choices into a `zeros` of
+tokens x experts, Megatron-core into `zeros_like(logits).int()`); other ops see a constant's values
+only where it is small, as any output's. A `_like` or `new_` factory reads only its template's shape
+and dtype, so its output has values though the template (logits made from weights) has none.
 """
 
 from __future__ import annotations
@@ -58,6 +60,12 @@ FINITE_CHECKS = {"_amp_foreach_non_finite_check_and_unscale_", "_amp_non_finite_
 # hold zeros, as values the emulator does not have read back, so what fills them later
 # (`fill_`, `copy_` of known values) still computes, and the same script gives the same snapshot.
 UNINITIALISED = {"empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided", "empty_permuted"}
+# Factories whose first tensor is a template: only its shape, dtype and device are read, never its
+# values, so their output has values though it has none (Megatron-core's router scatters its choices
+# into `zeros_like(logits)`, and logits are made from weights).
+TEMPLATED = {name for name in (*CONSTANTS, *UNINITIALISED) if name.endswith("_like") or name.startswith("new_")}
+# Casts and copies of a constant factory's output hold the same number (`zeros_like(x).int()`).
+CASTS = {"_to_copy", "clone"}
 CPU = torch.device("cpu")
 # The checks for an inf or a NaN, and what each answers for a tensor of finite numbers: emulated
 # tensors hold none (the rule FINITE_CHECKS follows), so a script's `torch.isfinite(loss).all()`
@@ -114,6 +122,9 @@ class Values:
             self.constants.pop(t, None)
         if base in CONSTANTS and len(outputs) == 1:
             self.constants[outputs[0]] = _number(base, args, kwargs)
+        elif base in CASTS and len(outputs) == 1 and isinstance(first, torch.Tensor) and first in self.constants:
+            number = torch.tensor(self.constants[first]).to(outputs[0].dtype).item()
+            self.constants[outputs[0]] = number
         if computed is None:
             for t in outputs + written:
                 self.known.pop(t, None)
@@ -174,10 +185,13 @@ class Values:
         # from a router's choices is kept at any size (module docstring).
         big = not routed and not _is_view(func) and any(t.numel() > MAX_ELEMENTS for t in outputs)
         missing, found = [], []
+        template = id(args[0]) if func._schema.name.split("::", 1)[-1] in TEMPLATED and args else None
 
         def value(x: Any) -> Any:
             if isinstance(x, torch.Tensor) and x.is_meta:
                 v = self.known.get(x)
+                if v is None and id(x) == template:  # its shape and dtype, in one element: no values are read
+                    return torch.empty((), dtype=x.dtype).expand(x.shape)
                 if v is None and routed and x in self.constants:  # a large constant, for a router's op
                     v = torch.full(x.shape, self.constants[x], dtype=x.dtype)
                 if v is None:
