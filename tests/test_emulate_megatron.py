@@ -1,7 +1,8 @@
 """Megatron-core under the emulator: a small GPT of Megatron's own modules, trained two steps by its
 schedule, its DistributedDataParallel and its optimizer (tests/scenarios/megatron_train.py): one rank
 of a torchrun job run alone (the last stage of a two-stage pipeline; rank 0 of tensor parallel 2 x
-data parallel 2 with the distributed optimizer), each held to what its own model counts.
+data parallel 2 with the distributed optimizer; rank 0 of expert parallel 2), each held to what its
+own model counts.
 
 The truth is each rank's parameter count N, counted on its model by the scenario, and how Megatron
 lays out its training state in bf16 with `grad_reduce_in_fp32` (megatron-core 0.16.1, read):
@@ -98,6 +99,17 @@ def test_the_distributed_optimizer_shards_the_master_weights_and_adams_moments_o
     # the bf16 parameter buffer and the fp32 gradient buffer whole, the master weights' shard
     assert device.categories["parameter"] == BF16 * n + FP32 * n + FP32 * n // dp + FOUND_INF
     assert device.categories["optimizer_state"] == 2 * FP32 * n // dp
+
+
+def test_an_expert_parallel_rank_holds_its_own_experts_and_the_dense_layers(record):
+    # four experts a layer over two expert-parallel ranks: rank 0's model holds two of them (and the
+    # attention, norms and embeddings whole); its tokens reach them by all-to-all from the router's
+    # choices. Megatron steps the experts' weights with an optimizer of their own: two found_inf flags
+    facts, device = record(2, 0, "--ep", "2", "--experts", "4")
+    n = facts["numel"]
+    assert facts["buffered"] == n
+    assert device.categories["parameter"] == BF16 * n + FP32 * n + FP32 * n + 2 * FOUND_INF
+    assert device.categories["optimizer_state"] == 2 * FP32 * n
 
 
 def test_a_pipeline_stage_keeps_what_it_receives_as_communication(record):

@@ -122,7 +122,10 @@ def main() -> None:
         pipeline_dtype=torch.bfloat16, tensor_model_parallel_size=args.tp,
         pipeline_model_parallel_size=args.pp, context_parallel_size=args.cp,
         expert_model_parallel_size=args.ep,
-        attention_backend="local", **{name: True for name in args.fusion})
+        attention_backend="local", **{name: True for name in args.fusion},
+        # MoE models' linears have no bias (Mixtral's, DeepSeek's); 0.16.1's experts with a bias
+        # add it in place to RowParallelLinear's output, which autograd refuses without EP or TP
+        add_bias_linear=not args.experts)
     model = GPTModel(
         config=config, transformer_layer_spec=get_gpt_layer_local_spec(num_experts=args.experts or None),
         vocab_size=args.vocab, max_sequence_length=args.seq,
