@@ -204,7 +204,8 @@ class DeviceMode(TorchFunctionMode):
                 and not isinstance(args[0], torch.Tensor):
             return self.from_data(func, args, kwargs, named)
         if func in (torch.tensor, torch.as_tensor) and args and isinstance(args[0], (list, tuple)) \
-                and torch.device(kwargs.get("device") or "cpu").type == "cpu":
+                and torch.device(kwargs.get("device") or "cpu").type == "cpu" \
+                and any(isinstance(x, torch.Tensor) for x in tree_leaves(args[0])):
             # a host tensor of device scalars (Megatron's norm of the per-tensor norms)
             return func(self.scalars_read(args[0]), *args[1:], **kwargs)
         if func is torch.Tensor.to and len(args) > 1 and not isinstance(args[1], (torch.dtype, torch.Tensor)):
