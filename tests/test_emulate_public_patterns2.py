@@ -420,3 +420,71 @@ def test_a_cuda_extension_built_as_the_script_runs_is_refused_in_one_line(tmp_pa
     said = [line for line in done.stderr.splitlines() if line.strip() and "wrote" not in line]
     assert len(said) == 1 and said[0].startswith("memdiff: a CUDA extension built as the script runs"), done.stderr
     assert "train.py:6" in said[0] and "the library's PyTorch path" in said[0] and "CUDA_HOME" in said[0]
+
+
+# A loss that folds each tile of logits with a Triton kernel of its own, launched directly
+# (`kernel[grid](...)`), as trl's SFT loss does where Triton is installed: the kernel writes the row
+# statistics it is given and reads the labels.
+TRITON_LAUNCH = """
+import torch
+import triton
+import triton.language as tl
+
+@triton.jit
+def _fold(tile_ptr, stride, labels_ptr, row_max_ptr, target_ptr, n_cols, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    z = tl.load(tile_ptr + row * stride + cols, mask=cols < n_cols, other=-float("inf")).to(tl.float32)
+    label = tl.load(labels_ptr + row)
+    out = row_max_ptr + row
+    tl.store(out, tl.maximum(tl.load(out), tl.max(z, axis=0)))
+    tl.store(target_ptr + row, tl.sum(tl.where(cols == label, z, 0.0), axis=0))
+
+hidden = torch.randn(4096, 256, device="cuda", dtype=torch.bfloat16)
+head = torch.randn(1024, 256, device="cuda", dtype=torch.bfloat16)
+labels = torch.arange(4096, device="cuda") % 1024
+row_max = torch.full((4096,), float("-inf"), device="cuda")
+target = torch.zeros(4096, device="cuda")
+tile = hidden @ head.t()
+before = torch.cuda.memory_allocated(), torch.cuda.max_memory_allocated()
+_fold[(4096,)](tile, tile.stride(0), labels, row_max, target, 1024, BLOCK=1024)
+print("launch", torch.cuda.memory_allocated() - before[0], torch.cuda.max_memory_allocated() - before[1])
+print("labels", labels.max().item(), int(labels.sum()))
+print("written", bool(torch.isinf(row_max).all()), bool((target == 0).all()))
+"""
+
+
+@pytest.mark.slow
+def test_a_triton_kernel_launched_directly_allocates_nothing_and_forgets_what_it_writes(tmp_path):
+    # trl's `sft` under emulation with Triton installed (as the CUDA build of torch installs it) stopped
+    # at its loss's first launch: "a Triton kernel launched directly: not emulated ... libcuda.so"
+    pytest.importorskip("triton")
+    done = _emulate(tmp_path, TRITON_LAUNCH)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = dict(line.split(" ", 1) for line in done.stdout.splitlines())
+    # a Triton kernel allocates nothing through torch's allocator: not even for a moment
+    assert out["launch"] == "0 0"
+    # the labels it only reads keep their values: 0..1023 four times over
+    assert out["labels"] == f"1023 {4 * sum(range(1024))}"
+    # what it wrote is no longer the -inf and zeros the script filled it with, as on a GPU
+    assert out["written"] == "False False"
+
+
+def test_a_triton_kernels_written_parameters_are_read_from_its_source():
+    # which tensors a launch leaves without values: those it stores through, however their pointers
+    # are offset, a descriptor's own store, and whatever it passes on to a function of its own
+    from memdiff.recording.emulate.triton_launch import written_parameters
+
+    fold = TRITON_LAUNCH.split("@triton.jit\n", 1)[1].split("\n\n", 1)[0]
+    params = ["tile_ptr", "stride", "labels_ptr", "row_max_ptr", "target_ptr", "n_cols", "BLOCK"]
+    assert written_parameters(fold, params) == {"row_max_ptr", "target_ptr"}
+    described = ("def k(x_ptr, y_ptr, n):\n"
+                 "    desc = tl.make_tensor_descriptor(y_ptr, shape=[n], strides=[1], block_shape=[16])\n"
+                 "    desc.store([0], tl.load(x_ptr + tl.arange(0, 16)))\n")
+    written = written_parameters(described, ["x_ptr", "y_ptr", "n"])
+    assert written is not None and "y_ptr" in written and "x_ptr" not in written  # n is no tensor: kept anyway
+    helper = ("def k(a_ptr, b_ptr, n):\n    offs = tl.arange(0, 16)\n"
+              "    _accumulate(b_ptr + offs, tl.load(a_ptr + offs))\n")
+    assert written_parameters(helper, ["a_ptr", "b_ptr", "n"]) == {"a_ptr", "b_ptr"}
+    assert written_parameters("not python (", ["a_ptr"]) is None
+

@@ -36,13 +36,13 @@ import types
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
-from torch.utils._python_dispatch import _get_current_dispatch_mode_stack, _pop_mode, _push_mode
+from torch.utils._python_dispatch import _pop_mode, _push_mode
 from torch.utils._pytree import tree_leaves
 
 from memdiff.recording.emulate import autotune, flex, swap
 from memdiff.recording.emulate.devices import names_cuda
 from memdiff.recording.emulate.runtime import Emulator
-from memdiff.recording.emulate.values import Values
+from memdiff.recording.emulate.values import forget_written
 
 INDUCTOR_NOTE = ("torch.compile ran Inductor's memory plan: Dynamo and AOTAutograd traced on the emulated GPU, "
                  "Inductor fused and planned its buffers for CUDA, and its wrapper code ran with its Triton kernels "
@@ -235,7 +235,7 @@ class _Kernel:
         if first is not None:
             first(args)
         if self._written:
-            _forget([args[i] for i in self._written if i < len(args)])
+            forget_written([args[i] for i in self._written if i < len(args)])
 
     def __getattr__(self, name: str) -> Any:
         # grid helpers and autotuning attributes the wrapper may read
@@ -254,13 +254,6 @@ def _written(source: str) -> Tuple[int, ...]:
     names = [p.split(":")[0].strip() for p in found.group(1).split(",")]
     return tuple(i for i, name in enumerate(names) if name.startswith(("out_ptr", "in_out_ptr")))
 
-
-def _forget(written: List[Any]) -> None:
-    """What a launch wrote has no value known any more: without this a compiled loss kept the
-    (uninitialised) value of the buffer Inductor made for it, and `loss.item()` read it."""
-    for mode in _get_current_dispatch_mode_stack():
-        if isinstance(getattr(mode, "values", None), Values):
-            mode.values.forget(written)
 
 
 def _triton_stand_in() -> Dict[str, types.ModuleType]:

@@ -43,8 +43,10 @@ FEATURES: Tuple[Tuple[str, str, str], ...] = (
     # own kernels): needing nvcc, and kernels that would run on no data. DeepSpeed's op builders are
     # answered before they build (deepspeed_ops.py).
     ("torch/utils/cpp_extension.py", EXTENSION, EXTENSION_INSTEAD),
-    ("triton/", "a Triton kernel launched directly",
-     "wrap it in a torch.library custom op and register its fake implementation"),
+    # a `@triton.jit` kernel's launch is emulated (triton_launch.py); autotuning's benchmarks and
+    # Triton's own queries of the driver are not
+    ("triton/", "Triton's own calls to the GPU (triton.autotune's benchmarks of several configs, driver queries)",
+     "give the kernel one config, or wrap it in a torch.library custom op and register its fake implementation"),
     ("torch/distributed/", "torch.distributed's device-side calls", "none yet: record this job on GPUs"),
 )
 

@@ -33,6 +33,7 @@ def start(emulator: Emulator) -> contextlib.ExitStack:
         shared,
         storages,
         threads,
+        triton_launch,
         warnlines,
     )
     from memdiff.recording.emulate.autocast import Autocast
@@ -51,6 +52,7 @@ def start(emulator: Emulator) -> contextlib.ExitStack:
     stack.enter_context(rmsnorm.fused_kernel())
     stack.enter_context(build.cuda_build_answers())
     stack.enter_context(deepspeed_ops.fused_optimizers())
+    stack.enter_context(triton_launch.launches_allocate_nothing())
     stack.enter_context(legacy.legacy_cuda_types())
     stack.enter_context(distributed.fake_process_groups(emulator))
     stack.enter_context(layout.recorded())

@@ -41,6 +41,7 @@ import functools
 from typing import Any, Dict, Optional, Tuple
 
 import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 from torch.utils._pytree import tree_leaves, tree_map
 from torch.utils.weak import WeakTensorKeyDictionary
 
@@ -282,6 +283,16 @@ def _is_view(func: Any) -> bool:
     """Whether op `func` returns views of its input (slice, view, select), whose values cost no memory."""
     returns = func._schema.returns
     return bool(returns) and all(r.alias_info is not None and not r.alias_info.is_write for r in returns)
+
+
+def forget_written(written: Any) -> None:
+    """Tensors written by code the emulator does not run (a compiled graph's Triton kernels, a Triton
+    kernel launched directly) have no value known any more, in every dispatch mode that keeps values:
+    without this a compiled loss kept the (uninitialised) value of the buffer Inductor made for it,
+    and `loss.item()` read it."""
+    for mode in _get_current_dispatch_mode_stack():
+        if isinstance(getattr(mode, "values", None), Values):
+            mode.values.forget(written)
 
 
 def read_back_host(shape: Tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
