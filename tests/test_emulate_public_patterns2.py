@@ -488,3 +488,35 @@ def test_a_triton_kernels_written_parameters_are_read_from_its_source():
     assert written_parameters(helper, ["a_ptr", "b_ptr", "n"]) == {"a_ptr", "b_ptr"}
     assert written_parameters("not python (", ["a_ptr"]) is None
 
+
+# Online log-sum-exp over chunks of a large logits matrix into small running statistics, each chunk's
+# rows written through a slice of them (trl's chunked log-probability loss does so, in torch where
+# Triton is not installed and in its Triton kernel where it is): the metric read back is finite.
+THROUGH_SLICES = """
+import math
+import torch
+
+logits = torch.randn(1024, 4096, device="cuda")
+running_max = torch.full((1024,), float("-inf"), device="cuda")
+sum_exp = torch.zeros(1024, device="cuda")
+for start in range(0, 1024, 256):
+    rows = slice(start, start + 256)
+    new_max = torch.maximum(running_max[rows], logits[rows].amax(-1))
+    sum_exp[rows].mul_(torch.exp(running_max[rows] - new_max)).add_(torch.exp(logits[rows] - new_max[:, None]).sum(-1))
+    running_max[rows] = new_max
+log_z = (running_max + sum_exp.log()).mean().item()
+print("log_z", math.isnan(log_z), math.isinf(log_z))
+print("zeros", bool((sum_exp == 0).any()))
+"""
+
+
+@pytest.mark.slow
+def test_statistics_written_through_slices_lose_their_initial_values(tmp_path):
+    # the emulator kept the -inf and zeros the statistics were filled with, as the writes went to
+    # slices of them: log_z read -inf (trl's logged entropy read nan and its token accuracy 1)
+    done = _emulate(tmp_path, THROUGH_SLICES)
+    assert done.returncode == 0, done.stderr[-3000:]
+    cpu = subprocess.run([sys.executable, "-c", THROUGH_SLICES.replace('device="cuda"', 'device="cpu"')],
+                         capture_output=True, text=True)
+    assert cpu.returncode == 0, cpu.stderr[-3000:]
+    assert done.stdout.splitlines() == cpu.stdout.splitlines() == ["log_z False False", "zeros False"]

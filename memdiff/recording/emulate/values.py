@@ -6,7 +6,8 @@ read back, `nonzero` sizes its output by them. So every op whose device inputs a
 values and whose outputs are small also runs on the CPU copies: masks, ids, counters and their
 arithmetic keep their real values, while activations (large, or made from weights, which have no
 values) stay shapes only. An op that writes into a tensor with a value it cannot compute drops that
-value, but for the checks for infs and NaNs (GradScaler's), which find none.
+value, and those of every tensor sharing its storage (a write to `x[:n]` writes `x`), but for the
+checks for infs and NaNs (GradScaler's), which find none.
 
 Ops that draw random numbers (`randint`, `randperm`, `rand`, `random_`, `bernoulli`, `multinomial`)
 follow the same rule: a small output whose device inputs have known values is drawn on the CPU, from
@@ -38,7 +39,7 @@ and dtype, so its output has values though the template (logits made from weight
 from __future__ import annotations
 
 import functools
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
@@ -127,8 +128,7 @@ class Values:
             number = torch.tensor(self.constants[first]).to(outputs[0].dtype).item()
             self.constants[outputs[0]] = number
         if computed is None:
-            for t in outputs + written:
-                self.known.pop(t, None)
+            self._drop(outputs + written)
             return
         if base in UNINITIALISED:
             computed = [torch.zeros_like(value) for value in computed]
@@ -169,8 +169,15 @@ class Values:
     def forget(self, written: Any) -> None:
         """Tensors written by code the emulator does not run (a compiled graph's Triton kernels):
         their values are no longer known."""
-        for t in tree_leaves(written):
-            if isinstance(t, torch.Tensor):
+        self._drop([t for t in tree_leaves(written) if isinstance(t, torch.Tensor)])
+
+    def _drop(self, tensors: List[torch.Tensor]) -> None:
+        """No value for `tensors` any more, nor for any tensor that shares its device storage with one
+        of them: a write through a view (`x[:n].add_(y)`, a kernel given `x[:n]`) writes its base and
+        every other view of it, on the GPU as here."""
+        storages = {t.untyped_storage()._cdata for t in tensors if self.known.pop(t, None) is not None}
+        if storages:
+            for t in [t for t in self.known.keys() if t.untyped_storage()._cdata in storages]:
                 self.known.pop(t, None)
 
     def _compute(self, func: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any], outputs: list,
