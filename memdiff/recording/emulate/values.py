@@ -175,9 +175,9 @@ class Values:
         """No value for `tensors` any more, nor for any tensor that shares its device storage with one
         of them: a write through a view (`x[:n].add_(y)`, a kernel given `x[:n]`) writes its base and
         every other view of it, on the GPU as here."""
-        storages = {t.untyped_storage()._cdata for t in tensors if self.known.pop(t, None) is not None}
+        storages = {_storage(t) for t in tensors if self.known.pop(t, None) is not None} - {None}
         if storages:
-            for t in [t for t in self.known.keys() if t.untyped_storage()._cdata in storages]:
+            for t in [t for t in self.known.keys() if _storage(t) in storages]:
                 self.known.pop(t, None)
 
     def _compute(self, func: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any], outputs: list,
@@ -290,6 +290,15 @@ def _is_view(func: Any) -> bool:
     """Whether op `func` returns views of its input (slice, view, select), whose values cost no memory."""
     returns = func._schema.returns
     return bool(returns) and all(r.alias_info is not None and not r.alias_info.is_write for r in returns)
+
+
+def _storage(t: torch.Tensor) -> Optional[int]:
+    """Which storage `t` views (the same for a tensor and its views); None for a layout without one
+    (sparse)."""
+    try:
+        return int(t.untyped_storage()._cdata)
+    except (RuntimeError, NotImplementedError):
+        return None
 
 
 def forget_written(written: Any) -> None:
