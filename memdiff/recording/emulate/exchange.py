@@ -27,7 +27,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from memdiff.recording.launch import RANKS
+from memdiff.recording.launch import RANKS, STARTED_BY
 from memdiff.recording.manifest import COLLECTIVES
 
 # The hook's states for a process that has ended (rank_hook/sitecustomize.py): it will send nothing more.
@@ -36,9 +36,11 @@ ENDED = {"written", "failed", "nothing recorded", "no torch"}
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)
 # The job's folder, read once: memdiff record sets it in every process it starts, and, under `-o FILE`,
 # in the one that runs the script itself, for the processes the script starts (STARTED_BY). That one
-# takes part too: a script that is rank 0 of the job it launches (Lightning's launcher) sends its
-# ranks what they wait for.
+# sends (a script that is rank 0 of the job it launches, as Lightning's launcher makes it, sends its
+# ranks what they wait for) but hears from no one: it may be a rank run alone (RANK=1 set by hand),
+# whose peers never send, and it keeps its own values, as a rank run alone does.
 _JOB = os.environ.get("MEMDIFF_RECORD_DIR")
+_HEARS = os.environ.get(STARTED_BY) != str(os.getpid())
 # The ranks of the job that run, when only some do (memdiff record --ranks: launch.py); None: all.
 _RUNNING = frozenset(int(r) for r in os.environ[RANKS].split(",")) if os.environ.get(RANKS) else None
 # The real file functions, taken before the emulator's guards of the user's files replace them: these
@@ -123,9 +125,9 @@ def start(timeout: Optional[datetime.timedelta]) -> None:
 
 
 def hears_from(rank: int) -> bool:
-    """Whether this process hears what global `rank` sends: it is a rank of a launched job, and `rank`
-    runs (all do, unless --ranks named some)."""
-    return current() is not None and (_RUNNING is None or rank in _RUNNING)
+    """Whether this process hears what global `rank` sends: it is a rank of a launched job (not the
+    process of `-o FILE` that runs the script), and `rank` runs (all do, unless --ranks named some)."""
+    return current() is not None and _HEARS and (_RUNNING is None or rank in _RUNNING)
 
 
 def current() -> Optional[Exchange]:
