@@ -101,7 +101,7 @@ def test_a_pipeline_rank_run_alone_is_refused_in_one_line_naming_the_rank_it_nee
     assert done.returncode == 2, done.stderr[-3000:]
     last = done.stderr.strip().splitlines()[-1]
     assert last.startswith("memdiff: recv_object_list: from rank 0, which does not run with this rank"), last
-    assert "called at pipeline_train.py:" in last and last.endswith("run rank 0 too"), last
+    assert "called at pipeline_train.py:" in last and last.endswith("run rank 0 too, here"), last
     assert "Traceback" not in done.stderr and "EOFError" not in done.stderr
     assert (tmp_path / "run.pickle").exists()  # what ran until then is kept
 
