@@ -28,7 +28,7 @@ import sys
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 from memdiff.errors import InputError
-from memdiff.recording.emulate.on_import import AfterImport
+from memdiff.recording.emulate.on_import import patched_on_import
 from memdiff.recording.launch import LIGHTNING, Launch
 
 # The folder the probe writes what it found in (set for the probe's process only).
@@ -71,30 +71,6 @@ def _at_spawn(folder: str) -> Any:
 
 
 @contextlib.contextmanager
-def _patched(names: Tuple[str, ...], patch: Callable[[str, Any], Tuple[Any, str, Any]]) -> Iterator[None]:
-    """For the block: each of the modules `names`, imported before it or in it, patched by
-    `patch(name, module)`, which returns (owner, method, replacement); the methods restored after."""
-    patched: List[Tuple[Any, str, Any]] = []
-
-    def apply(name: str, module: Any) -> None:
-        owner, method, replacement = patch(name, module)
-        patched.append((owner, method, owner.__dict__[method]))
-        setattr(owner, method, replacement)
-    for name in names:
-        if name in sys.modules:
-            apply(name, sys.modules[name])
-    finder = AfterImport(names, apply)
-    sys.meta_path.insert(0, finder)
-    try:
-        yield
-    finally:
-        with contextlib.suppress(ValueError):
-            sys.meta_path.remove(finder)
-        for owner, method, real in reversed(patched):
-            setattr(owner, method, real)
-
-
-@contextlib.contextmanager
 def probed() -> Iterator[None]:
     """For the block, when MEMDIFF_RECORD_LIGHTNING names a folder (this process is the probe): the
     process ends where Lightning's launcher would start the other ranks, saying the job's size, or at
@@ -114,7 +90,7 @@ def probed() -> Iterator[None]:
 
     stepping = register_optimizer_step_pre_hook(lambda *_: _found(folder, {"stepped": True}))
     try:
-        with _patched(SCRIPTS + SPAWNS, stop):
+        with patched_on_import(SCRIPTS + SPAWNS, stop):
             yield
     finally:
         stepping.remove()
@@ -138,7 +114,7 @@ def children_waited() -> Iterator[None]:
             return real(self)
         return owner, "_call_children_scripts", _call_children_scripts
     try:
-        with _patched(SCRIPTS, remembered):
+        with patched_on_import(SCRIPTS, remembered):
             yield
     finally:
         for launcher in launchers:

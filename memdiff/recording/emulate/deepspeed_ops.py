@@ -29,16 +29,15 @@ quantizer kernels) is refused at `load()` in one line naming it, before nvcc is 
 from __future__ import annotations
 
 import contextlib
-import sys
 import traceback
 import types
-from typing import Any, Callable, Dict, Iterator, List, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
 
 import torch
 
 from memdiff.recording.emulate.escapes import extension_refusal
 from memdiff.recording.emulate.legacy import NAMES
-from memdiff.recording.emulate.on_import import AfterImport
+from memdiff.recording.emulate.on_import import Setting, patched_on_import
 
 # Where OpBuilder lives: DeepSpeed's package, or its source tree's `op_builder` (a local install).
 BUILDERS = ("deepspeed.ops.op_builder.builder", "op_builder.builder")
@@ -159,24 +158,11 @@ def fused_optimizers() -> Iterator[None]:
     """For the block: DeepSpeed's op builders load the stand-ins above for FusedAdam, FusedLamb and
     FusedLion, and refuse other CUDA kernels in one line, whether DeepSpeed is imported before the
     block or in it (never imported here)."""
-    patched: List[Tuple[Any, Any]] = []
-
-    def patch(module: Any) -> None:
+    def patch(name: str, module: Any) -> Optional[Setting]:
         base, cuda_builder = getattr(module, "OpBuilder", None), getattr(module, "CUDAOpBuilder", None)
         real = getattr(base, "load", None)
         if base is None or cuda_builder is None or real is None or hasattr(real, "__wrapped__"):
-            return
-        patched.append((base, real))
-        base.load = _loading(real, cuda_builder)
-    for name in BUILDERS:
-        if name in sys.modules:
-            patch(sys.modules[name])
-    finder = AfterImport(BUILDERS, lambda _, module: patch(module))
-    sys.meta_path.insert(0, finder)
-    try:
+            return None
+        return base, "load", _loading(real, cuda_builder)
+    with patched_on_import(BUILDERS, patch):
         yield
-    finally:
-        with contextlib.suppress(ValueError):
-            sys.meta_path.remove(finder)
-        for base, real in reversed(patched):
-            base.load = real

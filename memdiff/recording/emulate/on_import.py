@@ -3,8 +3,12 @@ modules the emulator must change but which a script may import before or after t
 
 from __future__ import annotations
 
+import contextlib
 import sys
-from typing import Any, Callable, Collection
+from typing import Any, Callable, Collection, Iterator, List, Optional, Tuple
+
+# What a patch sets on a module it is given: (owner, attribute, replacement).
+Setting = Tuple[Any, str, Any]
 
 
 class AfterImport:
@@ -35,3 +39,29 @@ class AfterImport:
             patch(name, module)
         loader.exec_module = exec_module
         return spec
+
+
+@contextlib.contextmanager
+def patched_on_import(names: Collection[str], patch: Callable[[str, Any], Optional[Setting]]) -> Iterator[None]:
+    """For the block: `patch(name, module)` of each module of `names` imported before the block or in
+    it, the attribute it returns set to its replacement (None: nothing to set); each restored after."""
+    done: List[Tuple[Any, str, Any]] = []
+
+    def apply(name: str, module: Any) -> None:
+        setting = patch(name, module)
+        if setting is not None:
+            owner, attribute, replacement = setting
+            done.append((owner, attribute, owner.__dict__[attribute]))
+            setattr(owner, attribute, replacement)
+    for name in names:
+        if name in sys.modules:
+            apply(name, sys.modules[name])
+    finder = AfterImport(names, apply)
+    sys.meta_path.insert(0, finder)
+    try:
+        yield
+    finally:
+        with contextlib.suppress(ValueError):
+            sys.meta_path.remove(finder)
+        for owner, attribute, real in reversed(done):
+            setattr(owner, attribute, real)

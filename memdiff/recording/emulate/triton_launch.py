@@ -19,10 +19,9 @@ from __future__ import annotations
 import ast
 import builtins
 import contextlib
-import sys
 from typing import Any, Callable, Dict, FrozenSet, Iterator, List, Optional, Set
 
-from memdiff.recording.emulate.on_import import AfterImport
+from memdiff.recording.emulate.on_import import patched_on_import
 from memdiff.recording.emulate.values import forget_written
 
 _JIT = "triton.runtime.jit"
@@ -110,20 +109,5 @@ def launches_allocate_nothing() -> Iterator[None]:
     """For the block: every `@triton.jit` kernel's launch runs as above, whether Triton was imported
     before the emulator started or is imported while it runs."""
     cache: Dict[int, Any] = {}
-    patched: List[Any] = []
-
-    def patch(name: str, module: Any) -> None:
-        owner = module.JITFunction
-        patched.append((owner, owner.__dict__["run"]))
-        owner.run = _launch(cache)
-    if _JIT in sys.modules:
-        patch(_JIT, sys.modules[_JIT])
-    finder = AfterImport((_JIT,), patch)
-    sys.meta_path.insert(0, finder)
-    try:
+    with patched_on_import((_JIT,), lambda name, module: (module.JITFunction, "run", _launch(cache))):
         yield
-    finally:
-        with contextlib.suppress(ValueError):
-            sys.meta_path.remove(finder)
-        for owner, real in reversed(patched):
-            owner.run = real
