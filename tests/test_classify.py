@@ -76,6 +76,22 @@ CASES = {
         native("at::_ops::sub_Tensor::call(at::Tensor const&)")
         + py_frames("nn_utils.py:11:log_softmax", "nn_utils.py:17:cross_entropy", "train.py:69:<module>"),
         "activation"),
+    "parameter: transformers 5 loads a weight in its thread pool": (
+        # from_pretrained(..., device_map="cuda"): the worker's own stack, down to threading's bootstrap,
+        # without the from_pretrained that submitted the job (a real GPU's trace has the same)
+        native("at::_ops::_to_copy::call(at::Tensor const&)", "at::_ops::to_dtype_layout::call(at::Tensor const&)")
+        + py_frames(SP + "transformers/core_model_loading.py:1323:_materialize_copy",
+                    SP + "transformers/core_model_loading.py:1345:_job",
+                    "/usr/lib/python3.11/concurrent/futures/thread.py:58:run",
+                    "/usr/lib/python3.11/concurrent/futures/thread.py:83:_worker",
+                    "/usr/lib/python3.11/threading.py:982:run",
+                    "/usr/lib/python3.11/threading.py:1045:_bootstrap_inner",
+                    "/usr/lib/python3.11/threading.py:1002:_bootstrap"), "parameter"),
+    "input: batch moved to the device by a prefetching thread": (
+        native("at::_ops::_to_copy::call(at::Tensor const&)", "at::_ops::to_dtype_layout::call(at::Tensor const&)")
+        + py_frames("train.py:12:prefetch", "/usr/lib/python3.11/threading.py:982:run",
+                    "/usr/lib/python3.11/threading.py:1045:_bootstrap_inner",
+                    "/usr/lib/python3.11/threading.py:1002:_bootstrap"), "input"),
     "input: batch moved to the device": (
         native("at::_ops::_to_copy::call(at::Tensor const&)", "at::_ops::to_dtype_layout::call(at::Tensor const&)")
         + py_frames("train.py:22:<module>"), "input"),
