@@ -1,7 +1,7 @@
 """Every thread of the script runs on the emulated GPU under `memdiff record --emulate`: thread pools,
 plain threads, and transformers 5's `from_pretrained(..., device_map="cuda")`, which loads weights in
 a thread pool. Before, a worker started without the emulator's (per-thread) modes and reached CUDA
-itself."""
+itself. The weights those workers load read as parameters, as the main thread's do."""
 
 from __future__ import annotations
 
