@@ -21,9 +21,12 @@ Each runs the checks the CUDA code runs before its kernels (devices, contiguity,
 kernels are built for), with its errors. Nothing is computed: the emulated tensors hold no data, so the
 parameters and moments keep the stand-in values they had, as they do under torch's own optimizers.
 
-Any other op builder whose sources hold CUDA kernels (.cu files: DeepSpeed's transformer, inference,
-quantizer kernels) is refused at `load()` in one line naming it, before nvcc is run; host-side builders
-(DeepSpeedCPUAdam's, async I/O's) load as DeepSpeed loads them.
+The host optimizers' builders (DeepSpeedCPUAdam's, DeepSpeedCPUAdagrad's, DeepSpeedCPULion's: ZeRO's
+`offload_optimizer`) get the stand-ins of deepspeed_host_ops.py, which compute their updates with torch's
+ops, so no C++ compiler is needed either. Any other op builder whose sources hold CUDA kernels (.cu
+files: DeepSpeed's transformer, inference, quantizer kernels) is refused at `load()` in one line naming
+it, before nvcc is run; other host-side builders (async I/O's, pinned memory's) load as DeepSpeed loads
+them.
 """
 
 from __future__ import annotations
@@ -35,8 +38,9 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
 
 import torch
 
+from memdiff.recording.emulate import deepspeed_host_ops
+from memdiff.recording.emulate.deepspeed_host_ops import dtype_name
 from memdiff.recording.emulate.escapes import extension_refusal
-from memdiff.recording.emulate.legacy import NAMES
 from memdiff.recording.emulate.on_import import Setting, patched_on_import
 
 # Where OpBuilder lives: DeepSpeed's package, or its source tree's `op_builder` (a local install).
@@ -46,11 +50,6 @@ LAMB_PARTIALS = 512
 INT32_MAX = (1 << 31) - 1
 # The dtypes DISPATCH_DOUBLE_FLOAT_AND_HALF (csrc/includes/type_shim.h) builds the kernels for.
 MULTI_TENSOR_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    """c10's name of a dtype in errors: 'BFloat16', 'Long'."""
-    return NAMES[dtype].removesuffix("Tensor") if dtype in NAMES else str(dtype)
 
 
 def _check_lists(tensor_lists: Sequence[Sequence[torch.Tensor]], depth: int, name: str) -> None:
@@ -74,7 +73,7 @@ def _check_lists(tensor_lists: Sequence[Sequence[torch.Tensor]], depth: int, nam
             if tensor.numel() != reference.numel():
                 raise RuntimeError("Size mismatch")
     if first[0].dtype not in MULTI_TENSOR_DTYPES:
-        raise RuntimeError(f"\"{name}\" not implemented for '{_dtype_name(first[0].dtype)}'")
+        raise RuntimeError(f"\"{name}\" not implemented for '{dtype_name(first[0].dtype)}'")
 
 
 def multi_tensor_adam(chunk_size: int, noop_flag: torch.Tensor, tensor_lists: List[List[torch.Tensor]],
@@ -115,7 +114,7 @@ def lamb(p: torch.Tensor, p_copy: torch.Tensor, m: torch.Tensor, v: torch.Tensor
     if g.dtype == torch.float16 and p.dtype != torch.float32:
         raise RuntimeError("expected parameter to be of float type")
     if g.dtype not in (torch.float16, torch.float32, torch.float64):
-        raise RuntimeError(f"\"lamb_cuda_kernel\" not implemented for '{_dtype_name(g.dtype)}'")
+        raise RuntimeError(f"\"lamb_cuda_kernel\" not implemented for '{dtype_name(g.dtype)}'")
     # freed as the C++ function's locals are destroyed, the later first
     del update_norms
     del weight_norms
@@ -141,6 +140,9 @@ EMULATED = "DeepSpeed's FusedAdam, FusedLamb and FusedLion"
 
 def _loading(real: Callable[..., Any], cuda_builder: Any) -> Callable[..., Any]:
     def load(self: Any, verbose: bool = False) -> Any:
+        host = deepspeed_host_ops.standin(getattr(self, "name", None))
+        if host is not None:
+            return host
         if isinstance(self, cuda_builder):
             standin = STANDINS.get(getattr(self, "name", ""))
             if standin is not None:
@@ -156,8 +158,8 @@ def _loading(real: Callable[..., Any], cuda_builder: Any) -> Callable[..., Any]:
 @contextlib.contextmanager
 def fused_optimizers() -> Iterator[None]:
     """For the block: DeepSpeed's op builders load the stand-ins above for FusedAdam, FusedLamb and
-    FusedLion, and refuse other CUDA kernels in one line, whether DeepSpeed is imported before the
-    block or in it (never imported here)."""
+    FusedLion and deepspeed_host_ops.py's for its CPU optimizers, and refuse other CUDA kernels in one
+    line, whether DeepSpeed is imported before the block or in it (never imported here)."""
     def patch(name: str, module: Any) -> Optional[Setting]:
         base, cuda_builder = getattr(module, "OpBuilder", None), getattr(module, "CUDAOpBuilder", None)
         real = getattr(base, "load", None)
