@@ -132,39 +132,61 @@ def test_a_job_of_64_ranks_with_no_layout_starts_two_processes(torch, tmp_path):
     assert "wrote 2 snapshots of a job of 64 ranks (ranks 0, 63, each run alone)" in done.stderr
 
 
-# torchtitan's pipeline layout, small: a mesh of 4 (dp) by 2 (pp), each rank's stage of
-# torch.distributed.pipelining built over its pp group and sharded by FSDP2 over dp (64 rows over 4:
-# even). Each stage runs its part on its microbatches itself: a schedule's first step sends the stages'
-# shapes to each other (recv_object_list), which ranks run apart cannot do.
+# torchtitan's pipeline layout, small: a mesh of 2 (dp) by 2 (pp), each rank's stage of
+# torch.distributed.pipelining built over its pp group with no example input (torch infers the shapes
+# at the first step and sends them on, recv_object_list, as torchtitan's stages do) and sharded by
+# FSDP2 over dp (64 rows over 2: even); two AdamW steps of Schedule1F1B over 2 microbatches.
 PIPELINE = textwrap.dedent("""
     import os
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
-    from torch.distributed.pipelining import PipelineStage
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
     dist.init_process_group("nccl")
     torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    mesh = init_device_mesh("cuda", (4, 2), mesh_dim_names=("dp", "pp"))
+    mesh = init_device_mesh("cuda", (2, 2), mesh_dim_names=("dp", "pp"))
     stage_index = mesh["pp"].get_local_rank()
     part = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU()).cuda()
     fully_shard(part, mesh=mesh["dp"])
     stage = PipelineStage(part, stage_index, 2, torch.device("cuda"), group=mesh["pp"].get_group())
-    for microbatch in torch.randn(8, 64, device="cuda").chunk(2):
-        part(microbatch).sum().backward()
+    schedule = Schedule1F1B(stage, 2, loss_fn=lambda out, target: (out - target).square().mean())
+    opt = torch.optim.AdamW(part.parameters())
+    for _ in range(2):
+        if stage_index == 0:
+            schedule.step(torch.randn(8, 64, device="cuda"))
+        else:
+            schedule.step(target=torch.randn(8, 64, device="cuda"))
+        opt.step()
+        opt.zero_grad()
     os.write(1, f"rank {dist.get_rank()} stage {stage_index}\\n".encode())
     dist.destroy_process_group()
 """)
 
 
-def test_each_pipeline_stage_runs_its_first_rank(torch, tmp_path):
+def test_a_pipeline_runs_each_stage_and_its_ranks_equal_the_whole_jobs(torch, tmp_path):
     (tmp_path / "pipeline.py").write_text(PIPELINE)
-    done = _auto(tmp_path, "torchrun", "--nproc-per-node", "8", "pipeline.py")
+    done = _auto(tmp_path, "torchrun", "--nproc-per-node", "4", "pipeline.py")
     assert done.returncode == 0, done.stderr[-3000:]
-    # By hand: rank 0 (stage 0); rank 1, the first of stage 1 and the last along pp (ranks 0-1); rank 7,
-    # the last; along dp (ranks 0, 2, 4, 6) nothing: FSDP2's shards are even there.
+    # By hand: rank 0 (stage 0); rank 1, the first of stage 1 and the last along pp (ranks 0-1); rank 3,
+    # the last; along dp (ranks 0, 2) nothing: FSDP2's shards are even there.
     said = _said(done)
-    assert said.keys() == {0, 1, 7} and _started(done) == [0, 1, 7]
+    assert said.keys() == {0, 1, 3}
     assert "the first rank of pipeline stage 0 of 2" in said[0] and "the first rank of pipeline stage 1 of 2" in said[1]
-    assert "rank 1 stage 1" in done.stdout.splitlines()
+    # Rank 0 alone cannot learn stage 1's shapes: it runs again with the ranks picked, once more in all.
+    assert "running rank 0 again, with the ranks picked: its pipeline stage hears its shapes from rank 1, which " \
+           "did not run with it the first time" in done.stderr
+    assert _started(done) == [0, 1, 3] and "rank 3 stage 1" in done.stdout.splitlines()
+    # Rank 3's stage 0 (rank 2) does not run: it hears what rank 0 sent rank 1, the pipeline alike. Each
+    # rank run so holds what the same rank of the whole job holds, to the byte.
+    whole = subprocess.run([sys.executable, "-m", "memdiff", "record", "--emulate", "h100", "-o", "whole/", "--",
+                            "torchrun", "--nproc-per-node", "4", "pipeline.py"], cwd=tmp_path, capture_output=True,
+                           text=True, timeout=900, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    import memdiff
+
+    for rank in (0, 1, 3):
+        alone = memdiff.summarize(tmp_path / "runs" / f"rank{rank}.pickle").devices[0]
+        together = memdiff.summarize(tmp_path / "whole" / f"rank{rank}.pickle").devices[0]
+        assert (alone.peak_bytes, alone.categories) == (together.peak_bytes, together.categories), rank

@@ -569,14 +569,18 @@ def _auto_ranks(run: Runner, forwarding: _Forwarding, some: _SomeRanks,
     """--ranks auto: rank 0 alone first, writing the layout its script builds (emulate/layout.py); then
     the ranks of the other roles that layout has (pick.py), all at once, each said with why; with
     each rank's exit status. Only rank 0 when it failed or was interrupted: its failure is the job's,
-    and it is what the user sees."""
+    and it is what the user sees. Except where rank 0 stopped because its pipeline stage hears its
+    shapes from a rank that did not run (p2p.objects_from_sender): it runs again, with the others,
+    its pipeline's ranks among them."""
     path = os.path.join(folder, LAYOUT_FILE)
     try:
         codes = run([0], [0], {LAYOUT: path})
-        if forwarding.received or codes.get(0) != 0:
+        layout = read_layout(path) if not forwarding.received and (codes.get(0) == 0 or os.path.exists(path)) else {}
+        waits = layout.get("refused_from") if codes.get(0) != 0 and layout.get("stages") else None
+        if forwarding.received or (codes.get(0) != 0 and waits is None):
             print("memdiff: --ranks auto: rank 0 did not finish, so no other rank was picked", file=sys.stderr)
             return [Picked(0, "rank 0, run first to read the job's layout")], codes
-        picked, notes = pick(read_layout(path), some.launch.world_size)
+        picked, notes = pick(layout, some.launch.world_size)
     finally:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
@@ -584,7 +588,17 @@ def _auto_ranks(run: Runner, forwarding: _Forwarding, some: _SomeRanks,
         print(f"memdiff: --ranks auto: rank {chosen.rank}: {chosen.why}", file=sys.stderr)
     for note in notes:
         print(f"memdiff: --ranks auto: {note}", file=sys.stderr)
-    codes.update(run([p.rank for p in picked if p.rank], [p.rank for p in picked], {}))
+    again = [0] if waits is not None else []
+    if again:
+        print(f"memdiff: --ranks auto: running rank 0 again, with the ranks picked: its pipeline stage hears its "
+              f"shapes from rank {waits}, which did not run with it the first time", file=sys.stderr)
+        # Its first run's end, claim (rank_hook's) and what it sent are not this run's: its peers wait
+        # for the new one, which writes its snapshot in place of the first.
+        for name in (".rank0.status", ".rank0.claim"):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(folder, name))
+        shutil.rmtree(os.path.join(folder, COLLECTIVES), ignore_errors=True)
+    codes.update(run(again + [p.rank for p in picked if p.rank], [p.rank for p in picked], {}))
     return picked, codes
 
 

@@ -267,7 +267,7 @@ def fake_process_groups(emulator: Any) -> Iterator[None]:
         replaced.append((module, "is_nccl_available", answers["is_nccl_available"]))
         if not hasattr(module, "ProcessGroupNCCL"):  # a CPU build never defined it
             replaced.append((module, "ProcessGroupNCCL", ProcessGroupNCCL))
-    for name, wrap_object in (("_get_object_coll_device", _object_device),
+    for name, wrap_object in (("_get_object_coll_device", _object_device), ("_process_group_name", p2p.naming),
                               ("_object_to_tensor", lambda real: _object_tensors(emulator, real))):
         if hasattr(c10d, name):
             replaced.append((c10d, name, wrap_object(getattr(c10d, name))))

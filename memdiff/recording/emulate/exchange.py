@@ -130,6 +130,12 @@ def hears_from(rank: int) -> bool:
     return current() is not None and _HEARS and (_RUNNING is None or rank in _RUNNING)
 
 
+def running() -> Optional[frozenset]:
+    """The ranks of the job that run with this one (--ranks), when this process hears from them; None
+    when all run, or it hears from no one."""
+    return _RUNNING if _HEARS else None
+
+
 def current() -> Optional[Exchange]:
     """This process's exchange, None outside a launched job (or before a process group)."""
     return _exchange[0] if _exchange else None

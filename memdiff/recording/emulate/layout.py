@@ -7,7 +7,8 @@ file, and this module writes there what the script built, as it builds it:
   its description (`mesh_tp`: a mesh dimension's name) and, for a group rank 0 is in, its name;
 - for each group a DTensor is sharded over (FSDP2's parameters, tensor parallelism's weights), whether
   every sharded size divided evenly by the group's size, with the first that did not;
-- each pipeline stage built (torch.distributed.pipelining): the stage count and its group's ranks.
+- each pipeline stage built (torch.distributed.pipelining): the stage count and its group's ranks;
+- the rank it could not hear from (`recv_object_list`: a pipeline stage's shapes), when it stopped there.
 The file is rewritten whole at each change, so what rank 0 built before it failed is still there.
 Without the variable nothing here runs.
 """
@@ -37,6 +38,7 @@ class Layout:
         self.groups: List[Dict[str, Any]] = []
         self.stages: List[Dict[str, Any]] = []
         self.sharded: Dict[str, Dict[str, Any]] = {}  # by group name: even, and the first uneven size
+        self.refused_from: Optional[int] = None
         # (id of a mesh, its dimension): the mesh, held so that its id is never another's, and the group's name
         self._mesh_groups: Dict[Tuple[int, int], Tuple[Any, str]] = {}
 
@@ -44,7 +46,8 @@ class Layout:
         """The file, replaced whole: a reader never sees half of it."""
         partial = f"{self.path}.{os.getpid()}.tmp"
         with _open(partial, "w", encoding="utf-8") as f:
-            json.dump({"groups": self.groups, "stages": self.stages, "sharded": self.sharded}, f)
+            json.dump({"groups": self.groups, "stages": self.stages, "sharded": self.sharded,
+                       **({} if self.refused_from is None else {"refused_from": self.refused_from})}, f)
         _replace(partial, self.path)
 
     def group_made(self, group: Any, ranks: Optional[List[int]], desc: Optional[str]) -> None:
@@ -95,6 +98,15 @@ _layout: List[Layout] = []
 def current() -> Optional[Layout]:
     """The layout being recorded in this process; None when it records none (no MEMDIFF_RECORD_LAYOUT)."""
     return _layout[0] if _layout else None
+
+
+def refused_from(rank: int) -> None:
+    """Rank 0 stops: it cannot hear from `rank` (p2p.objects_from_sender), which --ranks auto then runs
+    with it."""
+    layout = current()
+    if layout is not None:
+        layout.refused_from = rank
+        layout.write()
 
 
 def _stage_init(layout: Layout, real: Callable[..., Any]) -> Callable[..., Any]:
