@@ -4,6 +4,7 @@ the slow part): 2 worker processes of 1 thread, fewer than the job's ranks, as a
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -56,6 +57,19 @@ WAITS = textwrap.dedent("""
     dist.init_process_group("nccl")
     kept = torch.empty((dist.get_rank() + 1) << 20, dtype=torch.uint8, device="cuda")
     time.sleep(300)
+""")
+
+
+# Rank 0 holds 1 MiB and ends; every other rank holds (rank + 1) MiB and waits to be stopped.
+ZERO_ENDS = textwrap.dedent("""
+    import time
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("nccl")
+    kept = torch.empty((dist.get_rank() + 1) << 20, dtype=torch.uint8, device="cuda")
+    if dist.get_rank():
+        time.sleep(300)
 """)
 
 
@@ -129,6 +143,88 @@ def test_ctrl_c_stops_the_running_ranks_with_their_snapshots_and_starts_no_other
     # the rank that had not started never ran: the job is the two that ran, each stopped by the signal
     assert manifest["exit_status"] == 130 and manifest["emulated_ranks"] == written
     assert [r["state"] for r in manifest["ranks"] if r["rank"] in written] == ["written", "written"]
+
+
+@contextlib.contextmanager
+def _killable_cluster(folder: Path):
+    """A scheduler and a worker (2 threads, under its nanny) each a process of its own, so that a test
+    can kill them as a machine's failure would; the scheduler's address and both processes."""
+    pytest.importorskip("distributed")
+    file = folder / "scheduler.json"
+    env, quiet = {**_env(), "DASK_DISTRIBUTED__LOGGING__DISTRIBUTED": "error"}, subprocess.DEVNULL
+    scheduler = subprocess.Popen([sys.executable, "-m", "distributed.cli.dask_scheduler", "--host", "127.0.0.1",
+                                  "--port", "0", "--no-dashboard", "--scheduler-file", str(file)], env=env,
+                                 stdout=quiet, stderr=quiet)
+    worker = None
+    try:
+        deadline = time.monotonic() + 120
+        while not (file.exists() and file.stat().st_size) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        address = json.loads(file.read_text())["address"]
+        worker = subprocess.Popen([sys.executable, "-m", "distributed.cli.dask_worker", address, "--nthreads", "2",
+                                   "--no-dashboard"], env=env, stdout=quiet, stderr=quiet)
+        yield address, scheduler, worker
+    finally:
+        for process in (worker, scheduler):
+            if process is not None and process.poll() is None:
+                process.kill()
+                process.wait()
+
+
+def _running(pid: int) -> bool:
+    """Whether process `pid` still runs (a killed orphan is a zombie until init reaps it: not running)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, IndexError):
+        return False
+
+
+def test_a_lost_scheduler_stops_the_running_ranks_and_the_manifest_marks_them_not_finished(torch, tmp_path,
+                                                                                            capsys):
+    (tmp_path / "zero_ends.py").write_text(ZERO_ENDS)
+    runs = tmp_path / "runs"
+    with _killable_cluster(tmp_path) as (address, scheduler, _):
+        job = subprocess.Popen(_record(tmp_path, "runs/", "0-2", "--dask", address, script="zero_ends.py"),
+                               cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
+        deadline, waiting = time.monotonic() + 300, {}
+        while time.monotonic() < deadline and len(waiting) < 2 and job.poll() is None:
+            for status in runs.glob(".rank*.status") if runs.is_dir() else ():
+                with contextlib.suppress(OSError, ValueError):  # being written
+                    said = json.loads(status.read_text())
+                    if said.get("state") == "recording" and said.get("rank"):
+                        waiting[said["rank"]] = said["pid"]
+            time.sleep(0.2)
+        assert sorted(waiting) == [1, 2], job.communicate(timeout=60)  # rank 0 ended; 1 and 2 hold memory
+        scheduler.kill()  # as a machine that fails would: no goodbye to anyone
+        killed = time.monotonic()
+        _, err = job.communicate(timeout=120)
+        ended = time.monotonic() - killed
+        deadline = time.monotonic() + 30
+        while any(_running(pid) for pid in waiting.values()) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        stopped = time.monotonic() - killed
+    assert job.returncode == 2, err[-3000:]
+    lines = [line for line in err.splitlines() if line.startswith(f"memdiff: --dask {address}: lost")]
+    assert len(lines) == 1 and lines[0].startswith(f"memdiff: --dask {address}: lost the connection to the "
+                                                   f"scheduler while the tasks of 2 ranks had not ended (1-2)"), err
+    for rank in (1, 2):  # and each missing rank, as any job's
+        assert f"memdiff: rank {rank} of 4 has no snapshot: its task had not ended when memdiff lost the " \
+               f"connection to the Dask scheduler {address}" in err
+    assert "Traceback" not in err, err
+    # the ranks the job still ran are stopped on their worker, not left holding its memory
+    assert not [rank for rank, pid in waiting.items() if _running(pid)], err
+    assert ended < 30 and stopped < 30, (ended, stopped)
+    # rank 0 finished and is read; ranks 1 and 2 are in the job, not finished, and say why
+    manifest = json.loads((runs / "memdiff-job.json").read_text())
+    assert manifest["exit_status"] == 2 and manifest["emulated_ranks"] == [0, 1, 2]
+    states = {r["rank"]: (r["state"], r.get("error", "")) for r in manifest["ranks"]}
+    assert states[0][0] == "written" and (runs / "rank0.pickle").is_file()
+    for rank in (1, 2):
+        assert states[rank][0] == "not finished" and "lost the connection to the Dask scheduler" in states[rank][1]
+        assert not (runs / f"rank{rank}.pickle").exists()
+    # read later, the job is not whole: the missing ranks are named
+    assert main(["ranks", str(runs)]) == 2
+    assert "2 rank(s) missing of 0-3 (its memdiff-job.json says 4): 1-2" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(("argv", "said"), [

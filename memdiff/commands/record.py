@@ -13,7 +13,7 @@ import signal
 import subprocess
 import sys
 import traceback
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from importlib import resources
 from typing import Any, Callable, Dict, Iterator, List, Optional, Set, Tuple
 
@@ -41,7 +41,10 @@ from memdiff.recording.launchers import read_launch, runs_a_script
 from memdiff.recording.manifest import (
     COLLECTIVES,
     MANIFEST,
+    NOT_STARTED,
+    JobManifest,
     ProcessRecord,
+    RankRecording,
     claimed,
     clear_claims,
     clear_statuses,
@@ -309,9 +312,11 @@ class _JobOutcome:
 
 
 def _report_jobs(args: argparse.Namespace, folder: str, before: Dict[str, Dict[str, int]],
-                 status: int, emulated: Optional[List[int]], picked: Optional[List[Picked]]) -> _JobOutcome:
+                 status: int, emulated: Optional[List[int]], picked: Optional[List[Picked]],
+                 lost: Optional[_Lost] = None) -> _JobOutcome:
     """_report_job for the job of `folder` and each later job the command ran with the same ranks (a
-    script that trains, then evaluates, each under torchrun: DIR/job2/, ...), their outcomes together."""
+    script that trains, then evaluates, each under torchrun: DIR/job2/, ...), their outcomes together.
+    `lost`: ranks run on Dask whose end was not waited for, marked in the job's manifest."""
     jobs = [here for here in job_folders(folder) if here == folder or claimed(here)]
     shown = [args.output] + [os.path.join(args.output, os.path.basename(here), "") for here in jobs[1:]]
     if len(jobs) > 1:
@@ -319,20 +324,29 @@ def _report_jobs(args: argparse.Namespace, folder: str, before: Dict[str, Dict[s
               f"folder of its own: {', '.join(shown)}", file=sys.stderr)
     outcomes = []
     for here, name in zip(jobs, shown):
-        outcomes.append(_report_job(here, before.get(here, {}), status, name, emulated, picked))
+        outcomes.append(_report_job(here, before.get(here, {}), status, name, emulated, picked,
+                                    lost if here == folder else None))
         clear_claims(here)
     return _JobOutcome(*(sum((getattr(o, f.name) for o in outcomes), []) for f in fields(_JobOutcome)))
 
 
 def _report_job(folder: str, before: Dict[str, int], status: int, shown: str,
-                emulated: Optional[List[int]], picked: Optional[List[Picked]]) -> _JobOutcome:
+                emulated: Optional[List[int]], picked: Optional[List[Picked]],
+                unwaited: Optional[_Lost] = None) -> _JobOutcome:
     """Gather the ranks' statuses into the job's manifest (with how the command ended) and say what
     the run wrote; `shown`: the folder as the user named it; `emulated`: the ranks run, when only some
-    were (--ranks); `picked`: why each, when --ranks auto picked them."""
+    were (--ranks); `picked`: why each, when --ranks auto picked them; `unwaited`: the ranks whose end was
+    not waited for, `not finished` unless they wrote their snapshot (a manifest even when none of them
+    had started: they are never silently absent)."""
     manifest = collect(folder)
+    if manifest is None and unwaited and unwaited.ranks:
+        manifest = JobManifest(unwaited.world_size, [RankRecording(r, NOT_STARTED)
+                                                     for r in range(unwaited.world_size)])
     if manifest is not None:
         why = [(p.rank, p.why) for p in picked] if picked is not None else None
         manifest = replace(manifest if emulated is None else manifest.only(emulated, why), exit_status=status)
+        if unwaited and unwaited.ranks:
+            manifest = manifest.unfinished(unwaited.ranks, folder)
         write_manifest(folder, manifest)
     names = [n for n in os.listdir(folder)
              if n.endswith(".pickle") and not n.startswith(".") and os.path.isfile(os.path.join(folder, n))]
@@ -528,18 +542,29 @@ def _local_ranks(forwarding: _Forwarding, env: Dict[str, str], some: _SomeRanks)
     return start
 
 
+@dataclass
+class _Lost:
+    """The ranks run on Dask whose end memdiff could not wait for (the scheduler, or their worker, was
+    lost), each with why; the job's world size, for a manifest when none of them left a status."""
+
+    world_size: int
+    ranks: Dict[int, str] = field(default_factory=dict)
+
+
 def _dask_ranks(client: Any, address: str, forwarding: _Forwarding, env: Dict[str, str], some: _SomeRanks,
-                folder: str) -> Runner:
+                folder: str, lost: _Lost) -> Runner:
     """Ranks run as tasks on a Dask cluster (dask_ranks.py). The cluster may run fewer tasks at once
     than there are ranks, so a rank that waited for another (exchange.py) could wait for one that
     starts only once it ends: each rank is told that only itself and the ranks of this run that
-    already ended (exit 0) run with it. It hears what those sent, and never waits."""
+    already ended (exit 0) run with it. It hears what those sent, and never waits. The ranks whose end
+    was not waited for are put in `lost`."""
     ended_well: Set[int] = set()
 
     def start(ranks: List[int], running: List[int], extra: Dict[str, str]) -> Dict[int, int]:
         heard = set(running) & ended_well
-        tasks = {rank: RankTask(some.launch.command(rank), _rank_env(env, some, rank, sorted(heard | {rank}), extra),
-                                os.getcwd(), folder) for rank in ranks}
+        tasks = {rank: RankTask(rank, some.launch.command(rank),
+                                _rank_env(env, some, rank, sorted(heard | {rank}), extra), os.getcwd(), folder)
+                 for rank in ranks}
         ended = run_on_dask(client, address, tasks, lambda: forwarding.received)
         codes: Dict[int, int] = {}
         for rank in ranks:
@@ -550,6 +575,9 @@ def _dask_ranks(client: Any, address: str, forwarding: _Forwarding, env: Dict[st
                 status = ended[rank].status
                 if status is not None:  # None: stopped before it started
                     codes[rank] = status
+                why = ended[rank].lost
+                if why:
+                    lost.ranks[rank] = why
         failed = [(rank, ended[rank].failed) for rank in ranks if rank in ended and ended[rank].failed]
         if failed:
             more = f" (and {count_of(len(failed) - 1, 'more rank')} likewise)" if len(failed) > 1 else ""
@@ -641,6 +669,7 @@ def _run_launcher(args: argparse.Namespace) -> int:
     env = {k: v for k, v in {**os.environ, **_hook_env(args, folder)}.items() if v is not None}
     picked: Optional[List[Picked]] = None
     codes: Dict[int, int] = {}
+    lost: Optional[_Lost] = None
     with contextlib.ExitStack() as holding:
         if client is not None:
             holding.enter_context(client)
@@ -656,8 +685,11 @@ def _run_launcher(args: argparse.Namespace) -> int:
                 if sized is None:
                     return failed
                 ranks = sized
-            run = (_dask_ranks(client, args.dask, forwarding, env, ranks, folder) if client is not None
-                   else _local_ranks(forwarding, env, ranks))
+            if client is not None:
+                lost = _Lost(ranks.launch.world_size)
+                run = _dask_ranks(client, args.dask, forwarding, env, ranks, folder, lost)
+            else:
+                run = _local_ranks(forwarding, env, ranks)
             if ranks.auto:
                 picked, codes = _auto_ranks(run, forwarding, ranks, folder)
             else:  # each named rank alone
@@ -668,7 +700,7 @@ def _run_launcher(args: argparse.Namespace) -> int:
         status = 130 if interrupted == signal.SIGINT else 128 + interrupted
     else:  # the command's; of ranks run alone, the first rank's that failed
         status = next((code for code in codes.values() if code), 0)
-    outcome = _report_jobs(args, folder, before, status, sorted(codes) if ranks is not None else None, picked)
+    outcome = _report_jobs(args, folder, before, status, sorted(codes) if ranks is not None else None, picked, lost)
     for line in outcome.died + outcome.lost:
         print(f"memdiff: {line}", file=sys.stderr)
     if not outcome.written and not outcome.lost:

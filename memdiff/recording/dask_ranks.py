@@ -12,30 +12,49 @@ started runs with it, and no rank waits for another (exchange.py).
 Ctrl-C (or SIGTERM) sets a Dask Event that every task waits on between looks at its rank (the signal
 in a Variable of the same name): a running rank is passed the signal and writes what it recorded, a task
 that starts afterwards returns without running its rank. A second one stops waiting for the tasks.
+
+No rank outlives what runs it. Dask never stops a running task (a thread), so each task watches for
+itself: when its worker closes (as a worker does when its scheduler is gone), when the scheduler no
+longer wants the task (its client is gone: the worker marks it cancelled), or when the scheduler
+cannot be asked, the task kills its rank (SIGKILL: no one is left to read what a rank would write).
+A worker that dies cannot: its rank holds the read end of a pipe whose only write end is the worker's,
+and the rank's hook kills the rank when that pipe ends (LEASE_FD). Dask runs the task of a worker that
+died again elsewhere; a rank's task starts its rank once a run (an exclusive file, `.rank{R}.task`),
+so the second run returns that the rank did not finish instead of running it again into its files.
+When the client loses the scheduler, the ranks whose tasks had not ended are said (RankEnded.lost).
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 import subprocess
 import sys
 import tempfile
 import uuid
+from concurrent.futures import CancelledError
 from dataclasses import asdict, dataclass
 from typing import IO, Any, Callable, Dict, List, Optional
 
-from memdiff.cluster import connect, failed
+from memdiff.cluster import connect
 from memdiff.errors import EXIT_BAD_INPUT
-from memdiff.units import format_bytes
+from memdiff.units import count_of, format_bytes
 
 POLL_S = 1.0  # how often a task asks whether to stop, and the client whether it was signalled
 TAIL = 64 * 1024  # the bytes of each of a rank's streams sent back: enough for its traceback
+# The rank hook's: the descriptor of the pipe that ends when the rank's worker is gone (rank_hook).
+LEASE_FD = "MEMDIFF_RECORD_LEASE_FD"
+# How long a rank outlives the loss of its client or scheduler at most: a worker closes at once when it
+# loses its scheduler, and a task looks at its own state every POLL_S (measured: docs/jobs.md).
+STOPPED_WITHIN_S = 5
 
 
 @dataclass(frozen=True)
 class RankTask:
     """What a worker needs to run one rank: its command, environment and folder, and the job's folder."""
 
+    rank: int
     command: List[str]
     env: Dict[str, str]
     cwd: str
@@ -50,11 +69,13 @@ class RankEnded:
     output: str = ""  # the tail of its stdout
     errors: str = ""  # the tail of its stderr
     failed: Optional[str] = None  # why its process did not run on the worker (a path the worker lacks)
+    lost: Optional[str] = None  # why how it ended is not known (its worker died, the scheduler was lost)
 
 
 def run_rank(task: Dict[str, Any], stop: str) -> Dict[str, Any]:
     """The task of one rank, run on a worker: the rank's process, passed the signal the client sets
-    (the Event `stop`, waited on POLL_S at a time); RankEnded's fields, plain data for any serializer."""
+    (the Event `stop`, waited on POLL_S at a time), and killed when no one is left to wait for it;
+    RankEnded's fields, plain data for any serializer."""
     from distributed import get_worker
 
     if _asked(stop, 0) is not None:
@@ -65,24 +86,78 @@ def run_rank(task: Dict[str, Any], stop: str) -> Dict[str, Any]:
             return asdict(RankEnded(EXIT_BAD_INPUT, failed=f"the {what} {path} is not on worker {where}: the "
                                                             f"workers must see it at the same path (a shared "
                                                             f"filesystem)"))
+    before = _first_run(task["folder"], task["rank"], where)
+    if before is not None:
+        return asdict(RankEnded(EXIT_BAD_INPUT, lost=f"its worker {before} died while it ran (Dask ran its task "
+                                                     f"again, on {where}, which did not run the rank twice)"))
+    lease, held = os.pipe()  # both ends closed at exec in any other child of the worker
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
         try:
-            child = subprocess.Popen(task["command"], env=task["env"], cwd=task["cwd"], stdin=subprocess.DEVNULL,
-                                     stdout=out, stderr=err)
+            child = subprocess.Popen(task["command"], env={**task["env"], LEASE_FD: str(lease)}, cwd=task["cwd"],
+                                     stdin=subprocess.DEVNULL, stdout=out, stderr=err, pass_fds=(lease,))
         except OSError as exc:  # its Python is not at this path on the worker
+            os.close(held)
             return asdict(RankEnded(EXIT_BAD_INPUT, failed=f"cannot start `{task['command'][0]}` on worker "
                                                            f"{where}: {exc.strerror or exc}"))
-        passed: Optional[int] = None
-        while True:
-            try:
-                code = child.wait(timeout=0.05 if passed is None else None)
-                break
-            except subprocess.TimeoutExpired:
-                passed = _asked(stop, POLL_S)
-                if passed is not None:
-                    child.send_signal(passed)
+        finally:
+            os.close(lease)
+        try:
+            code = _watch(child, stop)
+        finally:  # whatever ended the watch (the worker closing under it): the rank ends with it
+            if child.poll() is None:
+                child.kill()
+                child.wait()
+            os.close(held)
         status = code if code >= 0 else 128 - code  # killed by a signal: as a shell says it
         return asdict(RankEnded(status, _tail(out), _tail(err)))
+
+
+def _first_run(folder: str, rank: int, where: str) -> Optional[str]:
+    """None when this is the first task of `rank` this run (its claim made, naming worker `where`);
+    else the worker of the task that ran it before (one that died: Dask runs its tasks again)."""
+    path = os.path.join(folder, f".rank{rank}.task")
+    try:
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+    except FileExistsError:
+        with open(path, encoding="utf-8", errors="replace") as earlier:
+            return earlier.read().strip() or "(unknown)"
+    with os.fdopen(fd, "w") as claim:
+        claim.write(where)
+    return None
+
+
+def _watch(child: "subprocess.Popen[bytes]", stop: str) -> int:
+    """Wait for the rank's process, passing it the signal the client sets; its exit code. It is
+    killed as soon as its task is orphaned: the worker closing, the task cancelled, the scheduler
+    unreachable (an exception out of here, which the caller's kill answers)."""
+    passed: Optional[int] = None
+    while True:
+        try:
+            return child.wait(timeout=0.05 if passed is None else POLL_S)
+        except subprocess.TimeoutExpired:
+            pass
+        orphaned = _orphaned()
+        if orphaned:
+            child.kill()
+            return child.wait()
+        if passed is None:
+            passed = _asked(stop, POLL_S)
+            if passed is not None:
+                child.send_signal(passed)
+
+
+def _orphaned() -> bool:
+    """Whether this task's result has no one left to take it: its worker is closing (a worker closes
+    when it loses its scheduler), or the scheduler released the task (its client is gone), which the
+    worker marks cancelled (a running task is never stopped by Dask itself)."""
+    from distributed import get_worker
+    from distributed.core import Status
+
+    worker = get_worker()
+    if worker.status in (Status.closing, Status.closed, Status.failed):
+        return True
+    state = worker.state.tasks.get(worker.get_current_task())
+    return state is None or state.state in ("cancelled", "released", "forgotten")
 
 
 def _asked(stop: str, timeout: float) -> Optional[int]:
@@ -115,7 +190,9 @@ def run_on_dask(client: Any, address: str, tasks: Dict[int, RankTask],
                 signalled: Callable[[], List[int]]) -> Dict[int, RankEnded]:
     """Run each rank's task on the cluster of `client`, the rank's output relayed as its task ends;
     how each ended. `signalled`: the signals this process has received, polled (the first is passed
-    to the ranks; at a second, the ranks not back yet are cancelled and left out)."""
+    to the ranks; at a second, the ranks not back yet are cancelled and left out). When the client
+    loses the scheduler, the ranks whose tasks had not ended are `lost` (their tasks kill them), said
+    in one line."""
     from distributed import Event, Variable, wait
 
     ended: Dict[int, RankEnded] = {}
@@ -132,8 +209,13 @@ def run_on_dask(client: Any, address: str, tasks: Dict[int, RankTask],
                 pending = list(left)
             except TimeoutError:
                 done = set()
-            except OSError as exc:
-                raise failed(address, exc) from None
+            except Exception as exc:  # the client cancels every future when it loses the scheduler
+                _lost(client, address, exc, [futures[f] for f in pending], ended)
+                return ended
+            # ours are cancelled only at a second Ctrl-C, which stops here: any other is the client's
+            if client.status != "running" or any(f.cancelled() for f in pending):
+                _lost(client, address, None, [futures[f] for f in pending], ended)
+                return ended
             for future in done:
                 ended[futures[future]] = _ended(future)
             received = signalled()
@@ -145,10 +227,40 @@ def run_on_dask(client: Any, address: str, tasks: Dict[int, RankTask],
                 client.cancel(pending)
                 break
     finally:
-        if passed:
+        if passed and client.status == "running":
             Event(stop, client).clear()  # the scheduler forgets both
             Variable(stop, client).delete()
     return ended
+
+
+def _lost(client: Any, address: str, exc: Optional[Exception], ranks: List[int], ended: Dict[int, RankEnded]) -> None:
+    """The client lost the scheduler at `address`: mark `ranks` (whose tasks had not ended) lost, say so in
+    one line, and close the client (it would retry for its timeout, then log the failure at length)."""
+    from memdiff.read.job import ranges  # here: a worker, which imports this module, never needs it
+
+    why = (f"its task had not ended when memdiff lost the connection to the Dask scheduler {address} (its "
+           f"worker stops it)")
+    for rank in ranks:
+        ended[rank] = RankEnded(EXIT_BAD_INPUT, lost=why)
+    # the client's own cancellation of our futures says only that; anything else is worth its line
+    cause = (f" ({type(exc).__name__}: {_first_line(exc)})"
+             if exc is not None and str(exc) and not isinstance(exc, CancelledError) else "")
+    print(f"memdiff: --dask {address}: lost the connection to the scheduler{cause} while the tasks of "
+          f"{count_of(len(ranks), 'rank')} had not ended ({ranges(sorted(ranks))}): each is stopped on its "
+          f"worker within {STOPPED_WITHIN_S} s, and the job's manifest marks every rank that wrote no snapshot "
+          f"not finished", file=sys.stderr)
+    quiet = logging.getLogger("distributed.client")
+    level, quiet.level = quiet.level, logging.CRITICAL + 1
+    try:
+        with contextlib.suppress(Exception):  # a client that fails to close is closed enough: never used again
+            client.close(timeout=STOPPED_WITHIN_S)
+    finally:
+        quiet.setLevel(level)
+
+
+def _first_line(exc: Exception) -> str:
+    """An exception's first line (Dask's cancellations say much more)."""
+    return str(exc).strip().splitlines()[0]
 
 
 def _ended(future: Any) -> RankEnded:

@@ -27,6 +27,8 @@ STATUS = re.compile(r"^\.rank(\d+)\.status$")
 PROCESS_STATUS = re.compile(r"^\.pid(\d+)\.status$")
 # A rank's claim on a job folder (the rank hook's _claim), and a later job's folder of the same command.
 CLAIM = re.compile(r"^\.rank(\d+)\.claim$")
+# A rank's task's claim on its rank under --dask (dask_ranks.py): a task Dask runs again starts no rank.
+TASK_CLAIM = re.compile(r"^\.rank(\d+)\.task$")
 JOB_FOLDER = re.compile(r"^job([2-9]|[1-9]\d+)$")
 # A status being written (by the rank hook) when its process was killed.
 PARTIAL_STATUS = re.compile(r"^\.(rank|pid)\d+\.status\.\d+\.\d+\.tmp$")
@@ -42,6 +44,8 @@ WRITTEN, FAILED, NOTHING, UNFINISHED, NOT_STARTED = ("written", "failed", "nothi
 BEFORE_TORCH, NO_TORCH = "before torch", "no torch"
 # A rank of the job that memdiff record did not run: only some were (--ranks, launch.py).
 NOT_EMULATED = "not emulated"
+# A rank run on Dask whose end memdiff record could not wait for (its scheduler or worker was lost).
+NOT_FINISHED = "not finished"
 
 
 @dataclass(frozen=True)
@@ -71,6 +75,8 @@ class RankRecording:
         if self.state == BEFORE_TORCH:
             return ("it ended before it imported torch, without running its exit handlers (a signal, "
                     "os._exit(), or a crash in native code)")
+        if self.state == NOT_FINISHED:
+            return self.error or "it did not finish"
         if self.state == NOT_STARTED:
             return ("its process never ran memdiff's hook: it did not start, or started without memdiff's "
                     "sitecustomize (an environment without its PYTHONPATH, python -I, -E or -S)")
@@ -93,6 +99,14 @@ class JobManifest:
         ranks = [replace(r, state=NOT_EMULATED) if r.rank not in emulated and r.state == NOT_STARTED else r
                  for r in self.ranks]
         return replace(self, ranks=ranks, emulated=sorted(emulated), picked=picked)
+
+    def unfinished(self, lost: Dict[int, str], folder: str) -> "JobManifest":
+        """The manifest with each rank of `lost` (its end not waited for, and why) `not finished`, unless
+        it wrote its snapshot before: a rank that finished is read whatever became of its task."""
+        written = {r.rank for r in self.ranks if r not in self.missing(folder)}
+        ranks = [replace(r, state=NOT_FINISHED, error=lost[r.rank], file=None, at=None)
+                 if r.rank in lost and r.rank not in written else r for r in self.ranks]
+        return replace(self, ranks=ranks)
 
     def missing(self, folder: str) -> List[RankRecording]:
         """The ranks that left no snapshot in `folder`."""
@@ -123,9 +137,9 @@ def claimed(folder: str) -> bool:
 
 
 def clear_claims(folder: str) -> None:
-    """Remove the ranks' claims once the command has ended: the next run claims afresh."""
+    """Remove the ranks' (and their tasks') claims once the command has ended: the next run claims afresh."""
     for name in os.listdir(folder):
-        if CLAIM.match(name):
+        if CLAIM.match(name) or TASK_CLAIM.match(name):
             os.unlink(os.path.join(folder, name))
 
 
@@ -135,7 +149,7 @@ def clear_statuses(folder: str) -> None:
     for here in job_folders(folder):
         for name in os.listdir(here):
             if STATUS.match(name) or PROCESS_STATUS.match(name) or PARTIAL_STATUS.match(name) \
-                    or CLAIM.match(name) or name == MANIFEST:
+                    or CLAIM.match(name) or TASK_CLAIM.match(name) or name == MANIFEST:
                 os.unlink(os.path.join(here, name))
 
 

@@ -36,6 +36,7 @@ import importlib.util
 import itertools
 import os
 import signal
+import stat
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -43,6 +44,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 OWNER = "MEMDIFF_RECORD_RANK_PID"
 # The GPU to emulate (`memdiff record --emulate GPU -o DIR/`): every process runs on it, with no GPU.
 EMULATE = "MEMDIFF_RECORD_EMULATE"
+# A rank run as a Dask task: the read end of a pipe whose write end only its worker holds (dask_ranks.py).
+LEASE_FD = "MEMDIFF_RECORD_LEASE_FD"
 
 
 def _say(message):
@@ -342,6 +345,35 @@ def _die_of_sigterm():
     os.kill(os.getpid(), signal.SIGTERM)
 
 
+def _end_with_lease():
+    """A rank run by a Dask worker dies with the worker (SIGKILL, as its task kills it when orphaned):
+    a worker killed under it cannot end it, and Dask runs its task again elsewhere. The pipe's write end
+    is the worker's alone, so the read here ends exactly when the worker is gone. Its own children
+    do not watch it (the variable is taken out): they end with the rank."""
+    fd = os.environ.pop(LEASE_FD, "")
+    if not fd.isdigit():
+        return
+    fd = int(fd)
+    try:
+        if not stat.S_ISFIFO(os.fstat(fd).st_mode):
+            return
+    except OSError:  # not open in this process
+        return
+    read, kill, pid = os.read, os.kill, os.getpid()  # bound now: the emulated run patches the file world
+
+    def watch():
+        while True:
+            try:
+                if not read(fd, 1):
+                    break
+            except InterruptedError:
+                continue
+            except OSError:
+                break
+        kill(pid, signal.SIGKILL)
+    _thread.start_new_thread(watch, ())
+
+
 def _memdiff():
     """memdiff's modules this hook uses, from the memdiff that started the job."""
     sys.path.insert(0, os.environ["MEMDIFF_PACKAGE_PARENT"])
@@ -637,6 +669,7 @@ if os.environ.get("MEMDIFF_RECORD_DIR"):
         os.environ[OWNER] = str(os.getpid())
     _status = _Status(os.environ["MEMDIFF_RECORD_DIR"])
     _status.write("before torch")
+    _end_with_lease()
     if os.environ.get(EMULATE) and os.environ.get("MEMDIFF_OVERLAY"):
         _overlay_from_start()
     atexit.register(_exit_without_torch)
