@@ -45,9 +45,7 @@ POLL_S = 1.0  # how often a task asks whether to stop, and the client whether it
 TAIL = 64 * 1024  # the bytes of each of a rank's streams sent back: enough for its traceback
 # The rank hook's: the descriptor of the pipe that ends when the rank's worker is gone (rank_hook).
 LEASE_FD = "MEMDIFF_RECORD_LEASE_FD"
-# How long a rank outlives the loss of its client or scheduler at most: a worker closes at once when it
-# loses its scheduler, and a task looks at its own state every POLL_S (measured: docs/jobs.md).
-STOPPED_WITHIN_S = 5
+CLOSE_S = 5  # how long a client that lost its scheduler may take to close
 
 
 @dataclass(frozen=True)
@@ -136,8 +134,7 @@ def _watch(child: "subprocess.Popen[bytes]", stop: str) -> int:
             return child.wait(timeout=0.05 if passed is None else POLL_S)
         except subprocess.TimeoutExpired:
             pass
-        orphaned = _orphaned()
-        if orphaned:
+        if _orphaned():
             child.kill()
             return child.wait()
         if passed is None:
@@ -246,14 +243,13 @@ def _lost(client: Any, address: str, exc: Optional[Exception], ranks: List[int],
     cause = (f" ({type(exc).__name__}: {_first_line(exc)})"
              if exc is not None and str(exc) and not isinstance(exc, CancelledError) else "")
     print(f"memdiff: --dask {address}: lost the connection to the scheduler{cause} while the tasks of "
-          f"{count_of(len(ranks), 'rank')} had not ended ({ranges(sorted(ranks))}): each is stopped on its "
-          f"worker within {STOPPED_WITHIN_S} s, and the job's manifest marks every rank that wrote no snapshot "
-          f"not finished", file=sys.stderr)
+          f"{count_of(len(ranks), 'rank')} had not ended ({ranges(sorted(ranks))}): their workers stop them, "
+          f"and the job's manifest marks each that wrote no snapshot not finished", file=sys.stderr)
     quiet = logging.getLogger("distributed.client")
     level, quiet.level = quiet.level, logging.CRITICAL + 1
     try:
         with contextlib.suppress(Exception):  # a client that fails to close is closed enough: never used again
-            client.close(timeout=STOPPED_WITHIN_S)
+            client.close(timeout=CLOSE_S)
     finally:
         quiet.setLevel(level)
 
