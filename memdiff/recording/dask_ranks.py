@@ -206,7 +206,7 @@ def run_on_dask(client: Any, address: str, tasks: Dict[int, RankTask],
                 pending = list(left)
             except TimeoutError:
                 done = set()
-            except Exception as exc:  # the client cancels every future when it loses the scheduler
+            except (CancelledError, OSError) as exc:  # the client cancels every future when it loses the scheduler
                 _lost(client, address, exc, [futures[f] for f in pending], ended)
                 return ended
             # ours are cancelled only at a second Ctrl-C, which stops here: any other is the client's
