@@ -1,6 +1,7 @@
 """`memdiff record --emulate GPU -o DIR/ --ranks all --dask ADDRESS -- torchrun ...`: every rank of a job
 as a task on an existing Dask cluster (docs/jobs.md). One LocalCluster for the module (its start-up is
-the slow part): 2 worker processes of 1 thread, fewer than the job's ranks, as a real cluster often has."""
+the slow part): 2 worker processes of 1 thread, fewer than the job's ranks, as a real cluster often has.
+The test of a lost scheduler starts a scheduler of its own, a process it kills."""
 
 from __future__ import annotations
 
