@@ -159,6 +159,8 @@ class Values:
 
     def _routed(self, inputs: Any) -> bool:
         """Whether any device tensor among `inputs` holds values from a router's choices."""
+        if not self.routed:  # no router ran (most models): nothing to look for, op after op
+            return False
         return any(isinstance(t, torch.Tensor) and t.is_meta and t in self.routed for t in tree_leaves(inputs))
 
     def checked(self, x: Any, out: Any, check: str = "isfinite") -> None:
@@ -193,7 +195,12 @@ class Values:
         # from a router's choices is kept at any size (module docstring).
         big = not routed and not _is_view(func) and any(t.numel() > MAX_ELEMENTS for t in outputs)
         missing, found = [], []
-        template = id(args[0]) if func._schema.name.split("::", 1)[-1] in TEMPLATED and args else None
+        base = func._schema.name.split("::", 1)[-1]
+        template = id(args[0]) if base in TEMPLATED and args else None
+        if not routed and base not in ABSORBING and any(
+                isinstance(x, torch.Tensor) and x.is_meta and id(x) != template and x not in self.known
+                for x in tree_leaves((args, kwargs))):
+            return None  # an input without values (most ops of a model): below would find it missing, slower
 
         def value(x: Any) -> Any:
             if isinstance(x, torch.Tensor) and x.is_meta:
