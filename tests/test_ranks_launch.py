@@ -28,6 +28,7 @@ LAYOUT = textwrap.dedent("""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.pipelining import PipelineStage
     from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from memdiff.recording.emulate import distributed, layout, swap
@@ -39,6 +40,9 @@ LAYOUT = textwrap.dedent("""
         dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=8)
         mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("pp", "dp", "tp"))
         distribute_tensor(torch.randn(6, 4), mesh["dp"], [Shard(0)])  # 3 rows each
+        # a tensor-parallel layer over dp (2 rows each) run on a batch of 1: sharding propagation weighs
+        # placements no tensor takes (its output sharded on that batch of 1); only made tensors count
+        parallelize_module(torch.nn.Linear(4, 4), mesh["dp"], ColwiseParallel())(torch.randn(1, 4))
         distribute_tensor(torch.randn(5, 4), mesh["tp"], [Shard(0)])  # 3 rows, then 2
         for stage in (0, 2):  # an interleaved schedule's stages on rank 0's place of pp
             PipelineStage(torch.nn.Linear(4, 4), stage, 4, torch.device("cpu"), group=mesh["pp"].get_group())
@@ -61,7 +65,7 @@ def test_auto_picks_one_rank_per_role_of_a_3d_mesh_with_pipeline_stages_and_subg
     # By hand, rank = 4 pp + 2 dp + tp: rank 0 (stages 0 and 2); rank 1, the last along tp, whose 5 rows
     # split unevenly; rank 4, the last along pp (nothing sharded over it) and the first of stages 1 and 3;
     # rank 3, the last of the subgroup 0-3; rank 5, the first of a group without rank 0; rank 7, the last.
-    # dp (ranks 0, 2) adds none: its 6 rows split evenly.
+    # dp (ranks 0, 2) adds none: its 6 rows and its layer's 4 split evenly.
     assert sorted(picked) == [0, 1, 3, 4, 5, 7]
     assert "pipeline stages 0, 2 of 4" in picked[0] and "pipeline stages 1, 3 of 4" in picked[4]
     assert "mesh dimension tp" in picked[1] and "uneven (a tensor of shape [5, 4] sharded on its dim 0 over 2" \

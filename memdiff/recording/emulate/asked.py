@@ -17,11 +17,11 @@ from __future__ import annotations
 import contextlib
 import importlib
 import os
-import sys
-from typing import Any, Callable, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Iterator, Optional
 
+from memdiff.recording.emulate import swap
 from memdiff.recording.emulate.devices import GPUS, SPAWNED
-from memdiff.recording.emulate.on_import import AfterImport
+from memdiff.recording.emulate.on_import import Setting, patched_on_import
 
 # The modules of Lightning's device parser (both of its package names), and the function every
 # request for GPUs passes through there: an int N, a list of indices, or -1 (all there are).
@@ -69,26 +69,13 @@ def _spawning(real: Callable[..., Any]) -> Callable[..., Any]:
 def devices_asked(emulator: Any) -> Iterator[None]:
     """For the block: the GPUs Lightning's device parser asks for are the emulated node's, and each
     process torch.multiprocessing.spawn starts sees as many GPUs as it starts processes."""
-    patched: List[Tuple[Any, str, Any]] = []
-
-    def patch(module: Any) -> None:
+    def patch(_: str, module: Any) -> Optional[Setting]:
         real: Optional[Callable[..., Any]] = getattr(module, TO_LIST, None)
-        if real is not None and not hasattr(real, "__wrapped__"):
-            patched.append((module, TO_LIST, real))
-            setattr(module, TO_LIST, _asking(emulator.placement, real))
-    for name in PARSERS:
-        if name in sys.modules:
-            patch(sys.modules[name])
+        if real is None or hasattr(real, "__wrapped__"):
+            return None
+        return module, TO_LIST, _asking(emulator.placement, real)
     # the module: torch.multiprocessing's attribute `spawn` is the function of that name
     spawn: Any = importlib.import_module("torch.multiprocessing.spawn")
-    patched.append((spawn, "start_processes", spawn.start_processes))
-    spawn.start_processes = _spawning(spawn.start_processes)
-    finder = AfterImport(PARSERS, lambda _, module: patch(module))
-    sys.meta_path.insert(0, finder)
-    try:
+    with swap.replaced([(spawn, "start_processes", _spawning(spawn.start_processes))]), \
+            patched_on_import(PARSERS, patch):
         yield
-    finally:
-        with contextlib.suppress(ValueError):
-            sys.meta_path.remove(finder)
-        for module, name, real in reversed(patched):
-            setattr(module, name, real)

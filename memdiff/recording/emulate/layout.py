@@ -18,16 +18,15 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import sys
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
-from memdiff.recording.emulate.on_import import AfterImport
+from memdiff.recording.emulate.on_import import Setting, patched_on_import
 
 LAYOUT = "MEMDIFF_RECORD_LAYOUT"
 # The real file functions, taken before the emulator's guards of the user's files replace them: the
 # layout file is memdiff's own, in its output folder.
 _open, _replace = open, os.replace
-_PIPELINE, _DTENSOR_SPEC = "torch.distributed.pipelining.stage", "torch.distributed.tensor._dtensor_spec"
+_PIPELINE, _DTENSOR = "torch.distributed.pipelining.stage", "torch.distributed.tensor._api"
 
 
 class Layout:
@@ -120,12 +119,14 @@ def _stage_init(layout: Layout, real: Callable[..., Any]) -> Callable[..., Any]:
     return __init__
 
 
-def _post_init(layout: Layout, real: Callable[..., Any]) -> Callable[..., Any]:
-    def __post_init__(self: Any) -> None:
-        real(self)
-        layout.spec_made(self)
-    __post_init__.__wrapped__ = real  # type: ignore[attr-defined]
-    return __post_init__
+def _dtensor_init(layout: Layout, real: Callable[..., Any]) -> Callable[..., Any]:
+    # A DTensor made, not a sharding spec: sharding propagation makes specs of every candidate placement
+    # of an op's output (a hidden state sharded on its batch of 1, over tp), which no tensor has.
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        real(self, *args, **kwargs)
+        layout.spec_made(self._spec)
+    __init__.__wrapped__ = real  # type: ignore[attr-defined]
+    return __init__
 
 
 @contextlib.contextmanager
@@ -140,25 +141,14 @@ def recorded() -> Iterator[None]:
         return
     layout = Layout(path)
     layout.write()  # a script that builds nothing still says so
-    patched: List[Tuple[Any, str, Any]] = []
 
-    def patch(name: str, module: Any) -> None:
+    def patch(name: str, module: Any) -> Setting:
         owner, attribute, wrap = ((module._PipelineStageBase, "__init__", _stage_init) if name == _PIPELINE
-                                  else (module.DTensorSpec, "__post_init__", _post_init))
-        real = owner.__dict__[attribute]
-        patched.append((owner, attribute, real))
-        setattr(owner, attribute, wrap(layout, real))
-    for name in (_PIPELINE, _DTENSOR_SPEC):
-        if name in sys.modules:
-            patch(name, sys.modules[name])
-    finder = AfterImport((_PIPELINE, _DTENSOR_SPEC), patch)
-    sys.meta_path.insert(0, finder)
+                                  else (module.DTensor, "__init__", _dtensor_init))
+        return owner, attribute, wrap(layout, owner.__dict__[attribute])
     _layout[:] = [layout]
     try:
-        yield
+        with patched_on_import((_PIPELINE, _DTENSOR), patch):
+            yield
     finally:
         _layout.clear()
-        with contextlib.suppress(ValueError):
-            sys.meta_path.remove(finder)
-        for owner, attribute, real in reversed(patched):
-            setattr(owner, attribute, real)
