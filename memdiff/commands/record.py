@@ -13,9 +13,9 @@ import signal
 import subprocess
 import sys
 import traceback
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, fields, replace
 from importlib import resources
-from typing import Any, Callable, Dict, Iterator, List, Optional, Set, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import memdiff
 from memdiff.atomic import check_folder, check_output, commit, temporary_name
@@ -26,16 +26,15 @@ from memdiff.inert import shell, text
 from memdiff.read.job import MAX_RANKS, ranges, rank_of, rank_patterns
 from memdiff.read.load import decode
 from memdiff.recording.capture import STACKS, StepWindow, parse_steps, record, recorded_nothing, sigint_held
-from memdiff.recording.dask_ranks import RankTask, cluster, run_on_dask
+from memdiff.recording.dask_ranks import cluster
 from memdiff.recording.emulate.allocator import AllocatorConfig
 from memdiff.recording.emulate.devices import GPUS
 from memdiff.recording.emulate.escapes import escaped
 from memdiff.recording.emulate.gpus import gpu
 from memdiff.recording.emulate.gpus import names as gpu_names
-from memdiff.recording.emulate.layout import LAYOUT
 from memdiff.recording.emulate.overlay_calls import OWNED, ROOT, for_run
 from memdiff.recording.emulate.swap import environment
-from memdiff.recording.launch import LIGHTNING, PYTHON, STARTED_BY, Launch, parse_ranks, rank_env
+from memdiff.recording.launch import PYTHON, STARTED_BY, Launch, parse_ranks
 from memdiff.recording.launch_lightning import probe
 from memdiff.recording.launchers import read_launch, runs_a_script
 from memdiff.recording.manifest import (
@@ -53,8 +52,17 @@ from memdiff.recording.manifest import (
     job_folders,
     write_manifest,
 )
-from memdiff.recording.pick import LAYOUT_FILE, Picked, pick, read_layout
-from memdiff.units import count_of, format_bytes
+from memdiff.recording.pick import Picked
+from memdiff.recording.some_ranks import (
+    Lost,
+    SomeRanks,
+    auto_ranks,
+    dask_runner,
+    exit_status,
+    listed_ranks,
+    local_runner,
+)
+from memdiff.units import format_bytes
 
 # The most ranks --ranks runs at once on this machine, each a process holding torch and its emulated
 # GPU's bookkeeping (about 0.3 GB each, docs/jobs.md): more is a job for --dask.
@@ -313,7 +321,7 @@ class _JobOutcome:
 
 def _report_jobs(args: argparse.Namespace, folder: str, before: Dict[str, Dict[str, int]],
                  status: int, emulated: Optional[List[int]], picked: Optional[List[Picked]],
-                 lost: Optional[_Lost] = None) -> _JobOutcome:
+                 lost: Optional[Lost] = None) -> _JobOutcome:
     """_report_job for the job of `folder` and each later job the command ran with the same ranks (a
     script that trains, then evaluates, each under torchrun: DIR/job2/, ...), their outcomes together.
     `lost`: ranks run on Dask whose end was not waited for, marked in the job's manifest."""
@@ -332,7 +340,7 @@ def _report_jobs(args: argparse.Namespace, folder: str, before: Dict[str, Dict[s
 
 def _report_job(folder: str, before: Dict[str, int], status: int, shown: str,
                 emulated: Optional[List[int]], picked: Optional[List[Picked]],
-                unwaited: Optional[_Lost] = None) -> _JobOutcome:
+                unwaited: Optional[Lost] = None) -> _JobOutcome:
     """Gather the ranks' statuses into the job's manifest (with how the command ended) and say what
     the run wrote; `shown`: the folder as the user named it; `emulated`: the ranks run, when only some
     were (--ranks); `picked`: why each, when --ranks auto picked them; `unwaited`: the ranks whose end was
@@ -446,15 +454,6 @@ def _children_said(processes: Optional[str], output: str) -> Optional[str]:
 
 
 @dataclass(frozen=True)
-class _SomeRanks:
-    """The ranks of a launched job that --ranks runs, each alone."""
-
-    launch: Launch
-    ranks: List[int]  # with --ranks auto: rank 0, run first; the others are picked once it has run
-    auto: bool = False
-
-
-@dataclass(frozen=True)
 class _ScriptRanks:
     """What --ranks asks of a script that starts its own ranks (Lightning's launcher), whose job is known
     once it has run up to its launcher (_script_launch)."""
@@ -462,7 +461,7 @@ class _ScriptRanks:
     asked: str
 
 
-def _some_ranks(args: argparse.Namespace, command: List[str]) -> "_SomeRanks | _ScriptRanks | None":
+def _some_ranks(args: argparse.Namespace, command: List[str]) -> "SomeRanks | _ScriptRanks | None":
     """What --ranks asks to run, checked before anything runs; None without it."""
     if args.ranks is None:
         return None
@@ -480,7 +479,7 @@ def _some_ranks(args: argparse.Namespace, command: List[str]) -> "_SomeRanks | _
     return _sized(args, launch, asked)
 
 
-def _sized(args: argparse.Namespace, launch: Launch, asked: str) -> _SomeRanks:
+def _sized(args: argparse.Namespace, launch: Launch, asked: str) -> SomeRanks:
     """The ranks `asked` (auto, all, or a list) of the job `launch`; InputError where one is not the job's,
     or they are more than this machine runs at once without --dask."""
     auto = asked == "auto"
@@ -495,30 +494,11 @@ def _sized(args: argparse.Namespace, launch: Launch, asked: str) -> _SomeRanks:
         raise InputError("--ranks", f"{len(ranks):,} ranks are more than this machine runs at once (at most "
                                     f"{LOCAL_RANKS}, each a process of its own): give --dask ADDRESS to run them "
                                     f"as tasks on a Dask cluster, or fewer ranks")
-    return _SomeRanks(launch, ranks, auto)
-
-
-# What runs some ranks of the job, each alone: (the ranks, the ranks that run with them, what to add to
-# their environment) -> each rank's exit status, of the ranks it ran.
-Runner = Callable[[List[int], List[int], Dict[str, str]], Dict[int, int]]
-
-
-def _rank_env(env: Dict[str, str], some: _SomeRanks, rank: int, running: List[int],
-              extra: Dict[str, str]) -> Dict[str, str]:
-    """The environment of `rank` started as its launcher would have started it (launch.py), told that
-    the ranks `running` run (their collectives carry values), with `extra`."""
-    launch = some.launch
-    alone = {**env, **launch.env, **rank_env(launch, rank, running, port=29500), **extra}
-    if launch.pythonpath:
-        alone["PYTHONPATH"] = launch.path(env.get("PYTHONPATH", ""))
-    # torchrun's own default for several ranks on a node; each of Lightning's ranks sets its own
-    if launch.nproc_per_node > 1 and "OMP_NUM_THREADS" not in os.environ and launch.launcher != LIGHTNING:
-        alone["OMP_NUM_THREADS"] = "1"
-    return alone
+    return SomeRanks(launch, ranks, auto)
 
 
 def _script_launch(args: argparse.Namespace, forwarding: _Forwarding, env: Dict[str, str], command: List[str],
-                   folder: str, asked: str) -> Tuple[Optional[_SomeRanks], int]:
+                   folder: str, asked: str) -> Tuple[Optional[SomeRanks], int]:
     """The ranks `asked` of the job a script starts from inside itself (Lightning's launcher), read by
     running it once up to its launcher (launch_lightning.py); None and its exit status when that run
     failed or was interrupted."""
@@ -529,119 +509,6 @@ def _script_launch(args: argparse.Namespace, forwarding: _Forwarding, env: Dict[
     print(f"memdiff: --ranks: its Lightning launcher starts a job of {launch.world_size:,} ranks "
           f"({launch.nnodes} node(s) of {launch.nproc_per_node} devices)", file=sys.stderr)
     return some, 0
-
-
-def _local_ranks(forwarding: _Forwarding, env: Dict[str, str], some: _SomeRanks) -> Runner:
-    """Ranks run here: each a process of this machine, all at once, then waited for."""
-    def start(ranks: List[int], running: List[int], extra: Dict[str, str]) -> Dict[int, int]:
-        children = []
-        for rank in ranks:
-            children.append(subprocess.Popen(some.launch.command(rank), env=_rank_env(env, some, rank, running, extra)))
-            forwarding.started(children[-1])
-        return {rank: _exit_status(child.wait()) for rank, child in zip(ranks, children)}
-    return start
-
-
-@dataclass
-class _Lost:
-    """The ranks run on Dask whose end memdiff could not wait for (the scheduler, or their worker, was
-    lost), each with why; the job's world size, for a manifest when none of them left a status."""
-
-    world_size: int
-    ranks: Dict[int, str] = field(default_factory=dict)
-
-
-def _dask_ranks(client: Any, address: str, forwarding: _Forwarding, env: Dict[str, str], some: _SomeRanks,
-                folder: str, lost: _Lost) -> Runner:
-    """Ranks run as tasks on a Dask cluster (dask_ranks.py). The cluster may run fewer tasks at once
-    than there are ranks, so a rank that waited for another (exchange.py) could wait for one that
-    starts only once it ends: each rank is told that only itself and the ranks of this run that
-    already ended (exit 0) run with it. It hears what those sent, and never waits. The ranks whose end
-    was not waited for are put in `lost`."""
-    ended_well: Set[int] = set()
-
-    def start(ranks: List[int], running: List[int], extra: Dict[str, str]) -> Dict[int, int]:
-        heard = set(running) & ended_well
-        tasks = {rank: RankTask(rank, some.launch.command(rank),
-                                _rank_env(env, some, rank, sorted(heard | {rank}), extra), os.getcwd(), folder)
-                 for rank in ranks}
-        ended = run_on_dask(client, address, tasks, lambda: forwarding.received)
-        codes: Dict[int, int] = {}
-        for rank in ranks:
-            if rank not in ended:  # cancelled at a second Ctrl-C: run if its hook said it started
-                if os.path.exists(os.path.join(folder, f".rank{rank}.status")):
-                    codes[rank] = 128 + forwarding.received[0]
-            else:
-                status = ended[rank].status
-                if status is not None:  # None: stopped before it started
-                    codes[rank] = status
-                why = ended[rank].lost
-                if why:
-                    lost.ranks[rank] = why
-        failed = [(rank, ended[rank].failed) for rank in ranks if rank in ended and ended[rank].failed]
-        if failed:
-            more = f" (and {count_of(len(failed) - 1, 'more rank')} likewise)" if len(failed) > 1 else ""
-            print(f"memdiff: --dask: rank {failed[0][0]} did not run: {failed[0][1]}{more}", file=sys.stderr)
-        ended_well.update(rank for rank, code in codes.items() if code == 0)
-        return codes
-    return start
-
-
-def _exit_status(code: int) -> int:
-    """A child's exit status as a shell says it: 128 + N when signal N killed it."""
-    return code if code >= 0 else 128 - code
-
-
-def _auto_ranks(run: Runner, forwarding: _Forwarding, some: _SomeRanks,
-                folder: str) -> Tuple[List[Picked], Dict[int, int]]:
-    """--ranks auto: rank 0 alone first, writing the layout its script builds (emulate/layout.py); then
-    the ranks of the other roles that layout has (pick.py), all at once, each said with why; with
-    each rank's exit status. Only rank 0 when it failed or was interrupted: its failure is the job's,
-    and it is what the user sees. Except where rank 0 stopped because its pipeline stage hears its
-    shapes from a rank that did not run (p2p.objects_from_sender): it runs again, with the others,
-    its pipeline's ranks among them."""
-    path = os.path.join(folder, LAYOUT_FILE)
-    try:
-        codes = run([0], [0], {LAYOUT: path})
-        layout = read_layout(path) if not forwarding.received and (codes.get(0) == 0 or os.path.exists(path)) else {}
-        waits = layout.get("refused_from") if codes.get(0) != 0 and layout.get("stages") else None
-        if forwarding.received or (codes.get(0) != 0 and waits is None):
-            print("memdiff: --ranks auto: rank 0 did not finish, so no other rank was picked", file=sys.stderr)
-            return [Picked(0, "rank 0, run first to read the job's layout")], codes
-        picked, notes = pick(layout, some.launch.world_size)
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)
-    for chosen in picked:
-        print(f"memdiff: --ranks auto: rank {chosen.rank}: {chosen.why}", file=sys.stderr)
-    for note in notes:
-        print(f"memdiff: --ranks auto: {note}", file=sys.stderr)
-    again = [0] if waits is not None else []
-    if again:
-        print(f"memdiff: --ranks auto: running rank 0 again, with the ranks picked: its pipeline stage hears its "
-              f"shapes from rank {waits}, which did not run with it the first time", file=sys.stderr)
-        # Its first run's end, claim (rank_hook's) and what it sent are not this run's: its peers wait
-        # for the new one, which writes its snapshot in place of the first.
-        for name in (".rank0.status", ".rank0.claim"):
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(os.path.join(folder, name))
-        shutil.rmtree(os.path.join(folder, COLLECTIVES), ignore_errors=True)
-    codes.update(run(again + [p.rank for p in picked if p.rank], [p.rank for p in picked], {}))
-    return picked, codes
-
-
-def _listed_ranks(run: Runner, forwarding: _Forwarding, ranks: List[int], staged: bool) -> Dict[int, int]:
-    """The ranks --ranks names, each alone; their exit statuses. All at once; or `staged` (on Dask, where
-    a rank hears only from ranks that ended before it), rank 0 first, so that every other rank hears
-    what it sends (a broadcast's object, its sizes), and no other rank when it failed or was stopped."""
-    if not staged or 0 not in ranks or len(ranks) == 1:
-        return run(ranks, ranks, {})
-    codes = run([0], ranks, {})
-    if forwarding.received or codes.get(0) != 0:
-        print("memdiff: --dask: rank 0, run first, did not finish, so no other rank was run", file=sys.stderr)
-        return codes
-    codes.update(run([r for r in ranks if r], ranks, {}))
-    return codes
 
 
 def _run_launcher(args: argparse.Namespace) -> int:
@@ -669,7 +536,7 @@ def _run_launcher(args: argparse.Namespace) -> int:
     env = {k: v for k, v in {**os.environ, **_hook_env(args, folder)}.items() if v is not None}
     picked: Optional[List[Picked]] = None
     codes: Dict[int, int] = {}
-    lost: Optional[_Lost] = None
+    lost: Optional[Lost] = None
     with contextlib.ExitStack() as holding:
         if client is not None:
             holding.enter_context(client)
@@ -678,7 +545,7 @@ def _run_launcher(args: argparse.Namespace) -> int:
         env.update((k, os.environ[k]) for k in (ROOT, OWNED) if k in os.environ)
         if ranks is None:
             forwarding.started(subprocess.Popen(command, env=env))
-            codes = {-1: _exit_status(forwarding.children[0].wait())}  # the launcher's, which is no rank
+            codes = {-1: exit_status(forwarding.children[0].wait())}  # the launcher's, which is no rank
         else:
             if isinstance(ranks, _ScriptRanks):  # a script that starts its ranks itself: run it once to read its job
                 sized, failed = _script_launch(args, forwarding, env, command, folder, ranks.asked)
@@ -686,14 +553,14 @@ def _run_launcher(args: argparse.Namespace) -> int:
                     return failed
                 ranks = sized
             if client is not None:
-                lost = _Lost(ranks.launch.world_size)
-                run = _dask_ranks(client, args.dask, forwarding, env, ranks, folder, lost)
+                lost = Lost(ranks.launch.world_size)
+                run = dask_runner(client, args.dask, forwarding, env, ranks, folder, lost)
             else:
-                run = _local_ranks(forwarding, env, ranks)
+                run = local_runner(forwarding, env, ranks)
             if ranks.auto:
-                picked, codes = _auto_ranks(run, forwarding, ranks, folder)
+                picked, codes = auto_ranks(run, forwarding, ranks, folder)
             else:  # each named rank alone
-                codes = _listed_ranks(run, forwarding, ranks.ranks, staged=client is not None)
+                codes = listed_ranks(run, forwarding, ranks.ranks, staged=client is not None)
     shutil.rmtree(collectives, ignore_errors=True)
     interrupted = forwarding.received[0] if forwarding.received else None
     if interrupted is not None:  # Ctrl-C: 130, as a shell says; SIGTERM: 143

@@ -1,0 +1,181 @@
+"""Some ranks of a launched job, each run alone (`memdiff record --emulate GPU -o DIR/ --ranks ...`): here, as
+processes of this machine, or as tasks of a Dask cluster; the ranks a list names, or those `--ranks auto`
+picks from the layout rank 0 built (pick.py).
+
+Each rank starts as its launcher would have started it (launch.py), told which ranks run with it
+(their collectives carry values: emulate/exchange.py). The command wires these runners (commands/record.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Protocol, Set, Tuple
+
+from memdiff.recording.dask_ranks import RankTask, run_on_dask
+from memdiff.recording.emulate.layout import LAYOUT
+from memdiff.recording.launch import LIGHTNING, Launch, rank_env
+from memdiff.recording.manifest import COLLECTIVES
+from memdiff.recording.pick import LAYOUT_FILE, Picked, pick, read_layout
+from memdiff.units import count_of
+
+
+class Signals(Protocol):
+    """The command's Ctrl-C and SIGTERM forwarding: what it received, and each child it must pass them on to."""
+
+    received: List[int]
+
+    def started(self, child: "subprocess.Popen[bytes]") -> None:
+        """A child exists: signals are passed on to it from now."""
+
+
+@dataclass(frozen=True)
+class SomeRanks:
+    """The ranks of a launched job that --ranks runs, each alone."""
+
+    launch: Launch
+    ranks: List[int]  # with --ranks auto: rank 0, run first; the others are picked once it has run
+    auto: bool = False
+
+
+
+
+# What runs some ranks of the job, each alone: (the ranks, the ranks that run with them, what to add to
+# their environment) -> each rank's exit status, of the ranks it ran.
+Runner = Callable[[List[int], List[int], Dict[str, str]], Dict[int, int]]
+
+
+def rank_environment(env: Dict[str, str], some: SomeRanks, rank: int, running: List[int],
+              extra: Dict[str, str]) -> Dict[str, str]:
+    """The environment of `rank` started as its launcher would have started it (launch.py), told that
+    the ranks `running` run (their collectives carry values), with `extra`."""
+    launch = some.launch
+    alone = {**env, **launch.env, **rank_env(launch, rank, running, port=29500), **extra}
+    if launch.pythonpath:
+        alone["PYTHONPATH"] = launch.path(env.get("PYTHONPATH", ""))
+    # torchrun's own default for several ranks on a node; each of Lightning's ranks sets its own
+    if launch.nproc_per_node > 1 and "OMP_NUM_THREADS" not in os.environ and launch.launcher != LIGHTNING:
+        alone["OMP_NUM_THREADS"] = "1"
+    return alone
+
+
+
+
+def local_runner(forwarding: Signals, env: Dict[str, str], some: SomeRanks) -> Runner:
+    """Ranks run here: each a process of this machine, all at once, then waited for."""
+    def start(ranks: List[int], running: List[int], extra: Dict[str, str]) -> Dict[int, int]:
+        children = []
+        for rank in ranks:
+            environment = rank_environment(env, some, rank, running, extra)
+            children.append(subprocess.Popen(some.launch.command(rank), env=environment))
+            forwarding.started(children[-1])
+        return {rank: exit_status(child.wait()) for rank, child in zip(ranks, children)}
+    return start
+
+
+@dataclass
+class Lost:
+    """The ranks run on Dask whose end memdiff could not wait for (the scheduler, or their worker, was
+    lost), each with why; the job's world size, for a manifest when none of them left a status."""
+
+    world_size: int
+    ranks: Dict[int, str] = field(default_factory=dict)
+
+
+def dask_runner(client: Any, address: str, forwarding: Signals, env: Dict[str, str], some: SomeRanks,
+                folder: str, lost: Lost) -> Runner:
+    """Ranks run as tasks on a Dask cluster (dask_ranks.py). The cluster may run fewer tasks at once
+    than there are ranks, so a rank that waited for another (exchange.py) could wait for one that
+    starts only once it ends: each rank is told that only itself and the ranks of this run that
+    already ended (exit 0) run with it. It hears what those sent, and never waits. The ranks whose end
+    was not waited for are put in `lost`."""
+    ended_well: Set[int] = set()
+
+    def start(ranks: List[int], running: List[int], extra: Dict[str, str]) -> Dict[int, int]:
+        heard = set(running) & ended_well
+        tasks = {rank: RankTask(rank, some.launch.command(rank),
+                                rank_environment(env, some, rank, sorted(heard | {rank}), extra), os.getcwd(), folder)
+                 for rank in ranks}
+        ended = run_on_dask(client, address, tasks, lambda: forwarding.received)
+        codes: Dict[int, int] = {}
+        for rank in ranks:
+            if rank not in ended:  # cancelled at a second Ctrl-C: run if its hook said it started
+                if os.path.exists(os.path.join(folder, f".rank{rank}.status")):
+                    codes[rank] = 128 + forwarding.received[0]
+            else:
+                status = ended[rank].status
+                if status is not None:  # None: stopped before it started
+                    codes[rank] = status
+                why = ended[rank].lost
+                if why:
+                    lost.ranks[rank] = why
+        failed = [(rank, ended[rank].failed) for rank in ranks if rank in ended and ended[rank].failed]
+        if failed:
+            more = f" (and {count_of(len(failed) - 1, 'more rank')} likewise)" if len(failed) > 1 else ""
+            print(f"memdiff: --dask: rank {failed[0][0]} did not run: {failed[0][1]}{more}", file=sys.stderr)
+        ended_well.update(rank for rank, code in codes.items() if code == 0)
+        return codes
+    return start
+
+
+def exit_status(code: int) -> int:
+    """A child's exit status as a shell says it: 128 + N when signal N killed it."""
+    return code if code >= 0 else 128 - code
+
+
+def auto_ranks(run: Runner, forwarding: Signals, some: SomeRanks,
+                folder: str) -> Tuple[List[Picked], Dict[int, int]]:
+    """--ranks auto: rank 0 alone first, writing the layout its script builds (emulate/layout.py); then
+    the ranks of the other roles that layout has (pick.py), all at once, each said with why; with
+    each rank's exit status. Only rank 0 when it failed or was interrupted: its failure is the job's,
+    and it is what the user sees. Except where rank 0 stopped because its pipeline stage hears its
+    shapes from a rank that did not run (p2p.objects_from_sender): it runs again, with the others,
+    its pipeline's ranks among them."""
+    path = os.path.join(folder, LAYOUT_FILE)
+    try:
+        codes = run([0], [0], {LAYOUT: path})
+        layout = read_layout(path) if not forwarding.received and (codes.get(0) == 0 or os.path.exists(path)) else {}
+        waits = layout.get("refused_from") if codes.get(0) != 0 and layout.get("stages") else None
+        if forwarding.received or (codes.get(0) != 0 and waits is None):
+            print("memdiff: --ranks auto: rank 0 did not finish, so no other rank was picked", file=sys.stderr)
+            return [Picked(0, "rank 0, run first to read the job's layout")], codes
+        picked, notes = pick(layout, some.launch.world_size)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+    for chosen in picked:
+        print(f"memdiff: --ranks auto: rank {chosen.rank}: {chosen.why}", file=sys.stderr)
+    for note in notes:
+        print(f"memdiff: --ranks auto: {note}", file=sys.stderr)
+    again = [0] if waits is not None else []
+    if again:
+        print(f"memdiff: --ranks auto: running rank 0 again, with the ranks picked: its pipeline stage hears its "
+              f"shapes from rank {waits}, which did not run with it the first time", file=sys.stderr)
+        # Its first run's end, claim (rank_hook's) and what it sent are not this run's: its peers wait
+        # for the new one, which writes its snapshot in place of the first.
+        for name in (".rank0.status", ".rank0.claim"):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(folder, name))
+        shutil.rmtree(os.path.join(folder, COLLECTIVES), ignore_errors=True)
+    codes.update(run(again + [p.rank for p in picked if p.rank], [p.rank for p in picked], {}))
+    return picked, codes
+
+
+def listed_ranks(run: Runner, forwarding: Signals, ranks: List[int], staged: bool) -> Dict[int, int]:
+    """The ranks --ranks names, each alone; their exit statuses. All at once; or `staged` (on Dask, where
+    a rank hears only from ranks that ended before it), rank 0 first, so that every other rank hears
+    what it sends (a broadcast's object, its sizes), and no other rank when it failed or was stopped."""
+    if not staged or 0 not in ranks or len(ranks) == 1:
+        return run(ranks, ranks, {})
+    codes = run([0], ranks, {})
+    if forwarding.received or codes.get(0) != 0:
+        print("memdiff: --dask: rank 0, run first, did not finish, so no other rank was run", file=sys.stderr)
+        return codes
+    codes.update(run([r for r in ranks if r], ranks, {}))
+    return codes
+
+
