@@ -42,6 +42,12 @@ ALL_GATHER = py_frames(FSDP + "_fsdp_collectives.py:52:allocate", FSDP + "_fsdp_
 # gloo's reduce-scatter makes its own buffer under foreach_reduce; it is the collective's, not a .grad
 COLLECTIVE = py_frames(SP + "torch/distributed/distributed_c10d.py:4400:reduce_scatter_single",
                        SP + "torch/distributed/c10d_logger.py:80:wrapper") + REDUCE[1:]
+# gradient sync off (a pipeline's microbatches): each unsharded gradient upcast to reduce_dtype, kept for the
+# next microbatches to add theirs to, reduce-scattered in the last one's backward (its stack as recorded)
+ACCUMULATED = [{"filename": "??", "line": 0, "name": "at::_ops::_to_copy::call"},
+               {"filename": "??", "line": 0, "name": "torch::autograd::generated::RegisterPostBackwardFunctionBackward::apply"},
+               *py_frames(FSDP + "_fsdp_param.py:813:to_accumulated_grad_if_needed",
+                          FSDP + "_fsdp_param_group.py:611:post_backward", *TRAIN)]
 KEPT = {"born": "backward", "freed": "optimizer", "outlives": "phase"}
 INSIDE = {"born": "backward", "freed": "backward", "outlives": "none"}
 
@@ -53,9 +59,11 @@ INSIDE = {"born": "backward", "freed": "backward", "outlives": "none"}
     # the reduce-scatter's output is the sharded .grad, kept until zero_grad; its input is freed inside
     (REDUCE, KEPT, "gradient"),
     (REDUCE, INSIDE, "communication"),
+    (ACCUMULATED, INSIDE, "gradient"),
     (COLLECTIVE, KEPT, "communication"),
     (ALL_GATHER, {"born": "forward", "freed": "forward", "outlives": "none"}, "communication"),
-], ids=["sharded-param", "unsharded-held", "unsharded-resharded", "reduce-output", "reduce-input", "collective-own",
+], ids=["sharded-param", "unsharded-held", "unsharded-resharded", "reduce-output", "reduce-input",
+                                                         "accumulated-without-sync", "collective-own",
                                                          "all-gather"])
 def test_fsdp2_memory_is_named_for_what_it_holds(frames, lifetime, category):
     assert category_of(group(frames, lifetime), load_rules()) == category
