@@ -33,6 +33,7 @@ def start(emulator: Emulator) -> contextlib.ExitStack:
         shared,
         storages,
         threads,
+        triton_autotune,
         triton_launch,
         warnlines,
     )
@@ -53,6 +54,8 @@ def start(emulator: Emulator) -> contextlib.ExitStack:
     stack.enter_context(build.cuda_build_answers())
     stack.enter_context(deepspeed_ops.fused_optimizers())
     stack.enter_context(triton_launch.launches_allocate_nothing())
+    stack.enter_context(triton_autotune.tuned_without_benchmarks())
+    stack.enter_context(triton_autotune.tuned_without_benchmarks())
     stack.enter_context(legacy.legacy_cuda_types())
     stack.enter_context(distributed.fake_process_groups(emulator))
     stack.enter_context(layout.recorded())
