@@ -43,9 +43,10 @@ FEATURES: Tuple[Tuple[str, str, str], ...] = (
     # own kernels): needing nvcc, and kernels that would run on no data. DeepSpeed's op builders are
     # answered before they build (deepspeed_ops.py).
     ("torch/utils/cpp_extension.py", EXTENSION, EXTENSION_INSTEAD),
-    # a `@triton.jit` kernel's launch is emulated (triton_launch.py); autotuning's benchmarks and
-    # Triton's own queries of the driver are not
-    ("triton/", "Triton's own calls to the GPU (triton.autotune's benchmarks of several configs, driver queries)",
+    # a `@triton.jit` kernel's launch (triton_launch.py) and triton.autotune's tuning
+    # (triton_autotune.py) are emulated; Triton's own queries of the driver are not
+    ("triton/",
+     "Triton's own calls to the GPU (driver queries, a triton.autotune perf_model or hook asking the device)",
      "give the kernel one config, or wrap it in a torch.library custom op and register its fake implementation"),
     ("torch/distributed/", "torch.distributed's device-side calls", "none yet: record this job on GPUs"),
 )

@@ -55,7 +55,6 @@ def start(emulator: Emulator) -> contextlib.ExitStack:
     stack.enter_context(deepspeed_ops.fused_optimizers())
     stack.enter_context(triton_launch.launches_allocate_nothing())
     stack.enter_context(triton_autotune.tuned_without_benchmarks())
-    stack.enter_context(triton_autotune.tuned_without_benchmarks())
     stack.enter_context(legacy.legacy_cuda_types())
     stack.enter_context(distributed.fake_process_groups(emulator))
     stack.enter_context(layout.recorded())

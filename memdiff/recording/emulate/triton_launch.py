@@ -10,8 +10,8 @@ through the arithmetic that offsets them, and any passed on to another function 
 Without this the launch reached Triton's CUDA driver, which a machine without a GPU lacks
 (`libcuda.so cannot found`), and the run stopped.
 
-Not covered: `triton.autotune` with several configs benchmarks each on the device first (its
-`do_bench`), which still reaches the driver and is refused in one line (escapes.py).
+A kernel tuned by `triton.autotune` picks its config without benchmarks (triton_autotune.py) and
+is launched through this path.
 """
 
 from __future__ import annotations
