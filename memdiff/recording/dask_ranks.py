@@ -76,7 +76,7 @@ def run_rank(task: Dict[str, Any], stop: str) -> Dict[str, Any]:
     RankEnded's fields, plain data for any serializer."""
     from distributed import get_worker
 
-    if _asked(stop, 0) is not None:
+    if _stopped(stop):
         return asdict(RankEnded(None))
     where = get_worker().address
     for what, path in (("job's folder", task["folder"]), ("working folder", task["cwd"])):
@@ -155,6 +155,15 @@ def _orphaned() -> bool:
         return True
     state = worker.state.tasks.get(worker.get_current_task())
     return state is None or state.state in ("cancelled", "released", "forgotten")
+
+
+def _stopped(stop: str) -> bool:
+    """Whether the client has passed on a signal: asked of the scheduler, not waited for (a wait of no
+    time can end before the scheduler answers, on a loaded machine, and a rank would then start after
+    the signal was passed on, and be given it while Python starts, where it can be lost)."""
+    from distributed import Event
+
+    return bool(Event(stop).is_set())
 
 
 def _asked(stop: str, timeout: float) -> Optional[int]:
