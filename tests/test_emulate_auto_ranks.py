@@ -177,6 +177,8 @@ def test_a_pipeline_runs_each_stage_and_its_ranks_equal_the_whole_jobs(torch, tm
     # Rank 0 alone cannot learn stage 1's shapes: it runs again with the ranks picked, once more in all.
     assert "running rank 0 again, with the ranks picked: its pipeline stage hears its shapes from rank 1, which " \
            "did not run with it the first time" in done.stderr
+    assert "its pipeline stage's shapes come from rank 1; --ranks auto runs this rank again with it" in done.stderr
+    assert "run rank 1 too, here" not in done.stderr  # the refusal of a rank run alone is not said
     assert _started(done) == [0, 1, 3] and "rank 3 stage 1" in done.stdout.splitlines()
     # Rank 3's stage 0 (rank 2) does not run: it hears what rank 0 sent rank 1, the pipeline alike. Each
     # rank run so holds what the same rank of the whole job holds, to the byte.

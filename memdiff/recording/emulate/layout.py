@@ -99,13 +99,15 @@ def current() -> Optional[Layout]:
     return _layout[0] if _layout else None
 
 
-def refused_from(rank: int) -> None:
+def refused_from(rank: int) -> bool:
     """Rank 0 stops: it cannot hear from `rank` (p2p.objects_from_sender), which --ranks auto then runs
-    with it."""
+    with it. False where no layout is recorded (not --ranks auto's first run)."""
     layout = current()
-    if layout is not None:
-        layout.refused_from = rank
-        layout.write()
+    if layout is None:
+        return False
+    layout.refused_from = rank
+    layout.write()
+    return True
 
 
 def _stage_init(layout: Layout, real: Callable[..., Any]) -> Callable[..., Any]:
