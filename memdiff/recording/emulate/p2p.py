@@ -75,8 +75,10 @@ def stand_in(group: Any, peer: int) -> Optional[Tuple[str, int]]:
     if running is None or exchange.current() is None:
         return None
     ranks = dist.get_process_group_ranks(group)
-    sender = ranks[peer]
+    sender, me = ranks[peer], dist.get_rank()
     for other in sorted(running):
+        if other == me:  # a group alike in which this rank would hear itself: none of a mesh's (one a rank)
+            continue
         offset = sender - other
         moved = tuple(r - offset for r in ranks)
         name = _names.get(moved) if offset and min(moved) >= 0 else None
