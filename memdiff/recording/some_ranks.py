@@ -19,7 +19,7 @@ from typing import Any, Callable, Dict, List, Protocol, Set, Tuple
 from memdiff.recording.dask_ranks import RankTask, run_on_dask
 from memdiff.recording.emulate.layout import LAYOUT
 from memdiff.recording.launch import LIGHTNING, Launch, rank_env
-from memdiff.recording.manifest import COLLECTIVES
+from memdiff.recording.manifest import COLLECTIVES, clear_statuses
 from memdiff.recording.pick import LAYOUT_FILE, Picked, pick, read_layout
 from memdiff.units import count_of
 
@@ -138,9 +138,10 @@ def auto_ranks(run: Runner, forwarding: Signals, some: SomeRanks,
     path = os.path.join(folder, LAYOUT_FILE)
     try:
         codes = run([0], [0], {LAYOUT: path})
-        layout = read_layout(path) if not forwarding.received and (codes.get(0) == 0 or os.path.exists(path)) else {}
-        waits = layout.get("refused_from") if codes.get(0) != 0 and layout.get("stages") else None
-        if forwarding.received or (codes.get(0) != 0 and waits is None):
+        failed = codes.get(0) != 0
+        layout = {} if forwarding.received or (failed and not os.path.exists(path)) else read_layout(path)
+        waits = layout.get("refused_from") if failed and layout.get("stages") else None
+        if forwarding.received or (failed and waits is None):
             print("memdiff: --ranks auto: rank 0 did not finish, so no other rank was picked", file=sys.stderr)
             return [Picked(0, "rank 0, run first to read the job's layout")], codes
         picked, notes = pick(layout, some.launch.world_size)
@@ -157,9 +158,7 @@ def auto_ranks(run: Runner, forwarding: Signals, some: SomeRanks,
               f"shapes from rank {waits}, which did not run with it the first time", file=sys.stderr)
         # Its first run's end, claim (rank_hook's) and what it sent are not this run's: its peers wait
         # for the new one, which writes its snapshot in place of the first.
-        for name in (".rank0.status", ".rank0.claim"):
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(os.path.join(folder, name))
+        clear_statuses(folder)
         shutil.rmtree(os.path.join(folder, COLLECTIVES), ignore_errors=True)
     codes.update(run(again + [p.rank for p in picked if p.rank], [p.rank for p in picked], {}))
     return picked, codes
