@@ -34,7 +34,7 @@ import torch
 
 from memdiff.recording.emulate import exchange, layout, p2p, swap
 from memdiff.recording.emulate.devices import first_meta
-from memdiff.recording.emulate.runtime import EmulationError
+from memdiff.recording.emulate.runtime import EmulationError, frame_dict
 
 # Whatever backend the script asked for, per group: `dist.get_backend()` answers with it.
 _asked: Dict[Any, str] = {}
@@ -152,7 +152,7 @@ class NativeScope:
     def frames(self) -> List[Dict[str, Any]]:
         """This scope's native frames now, innermost first."""
         names = self.stages[self.stage]["frames"] + self.outer
-        return [{"filename": "", "line": 0, "name": name} for name in names]
+        return [frame_dict("", 0, name) for name in names]
 
     def collective(self) -> None:
         """A collective ran inside this scope: the stage ends after its last one."""
