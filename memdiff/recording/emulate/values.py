@@ -39,7 +39,7 @@ and dtype, so its output has values though the template (logits made from weight
 from __future__ import annotations
 
 import functools
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
@@ -199,7 +199,7 @@ class Values:
         template = id(args[0]) if base in TEMPLATED and args else None
         if not routed and base not in ABSORBING and any(
                 isinstance(x, torch.Tensor) and x.is_meta and id(x) != template and x not in self.known
-                for x in tree_leaves((args, kwargs))):
+                for x in _arguments(args, kwargs)):
             return None  # an input without values (most ops of a model): below would find it missing, slower
 
         def value(x: Any) -> Any:
@@ -291,6 +291,17 @@ def _number(base: str, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
         at = 2 if base == "new_full" else 1
         number = args[at] if len(args) > at else kwargs["fill_value"]
     return number
+
+
+def _arguments(args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Iterator[Any]:
+    """An aten op's arguments, lists opened (its lists hold tensors or numbers, never lists), lazily:
+    the first input without a value ends the search, where flattening every argument first cost a
+    foreach op over a model's parameters its whole list."""
+    for x in (*args, *kwargs.values()):
+        if isinstance(x, (list, tuple)):
+            yield from x
+        else:
+            yield x
 
 
 def _is_view(func: Any) -> bool:
