@@ -88,6 +88,10 @@ def test_a_2x4_mesh_job_runs_rank_0_the_last_rank_and_the_last_of_its_uneven_dim
         in done.stderr
     # only the picked ranks' processes ran the script: 3 of 8, each holding its own shard of the table
     assert done.stdout.splitlines().count("rank 3 holds 1 rows") == 1 and _started(done) == [0, 3, 7]
+    # The last rank, picked in every job, ran beside rank 0 while rank 0 read the layout (two cores take
+    # one rank's time for both); what it printed is shown once that run ended, before rank 3 ran.
+    assert "the last rank, 7, ran beside rank 0 (every job's picks hold it); what it printed:" in done.stderr
+    assert [line.split()[1] for line in done.stdout.splitlines() if line.startswith("rank ")] == ["0", "7", "3"]
     runs = tmp_path / "runs"
     assert sorted(p.name for p in runs.glob("*.pickle")) == ["rank0.pickle", "rank3.pickle", "rank7.pickle"]
     assert not (runs / ".layout.json").exists()
@@ -132,10 +136,40 @@ def test_a_job_of_64_ranks_with_no_layout_starts_two_processes(torch, tmp_path):
     assert "wrote 2 snapshots of a job of 64 ranks (ranks 0, 63, each run alone)" in done.stderr
 
 
-# torchtitan's pipeline layout, small: a mesh of 2 (dp) by 2 (pp), each rank's stage of
+# A script whose rank 0 stops before its first collective (a missing dataset); the others wait for it.
+NO_DATA = textwrap.dedent("""
+    import os
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("nccl")
+    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    if dist.get_rank() == 0:
+        raise SystemExit("no dataset at data/train.bin")
+    config = [None]
+    dist.broadcast_object_list(config, src=0)
+""")
+
+
+def test_when_rank_0_fails_its_failure_is_what_is_shown_and_the_last_ranks_output_is_kept(torch, tmp_path):
+    (tmp_path / "train.py").write_text(NO_DATA)
+    done = _auto(tmp_path, "torchrun", "--nproc-per-node", "4", "train.py")
+    assert done.returncode != 0
+    assert "no dataset at data/train.bin" in done.stderr
+    assert "memdiff: --ranks auto: rank 0 did not finish, so no other rank was picked" in done.stderr
+    # Rank 3 ran beside it, and stopped at the broadcast rank 0 never made: its traceback is not shown but
+    # kept, and the job's report says why it died.
+    assert f"the last rank, 3, ran beside it and exited 1: what it printed is in {tmp_path / 'runs'}/.rank3.stdout " \
+           "and .stderr" in done.stderr
+    assert "Traceback" not in done.stderr
+    assert "rank 3 of 4 died: RuntimeError: broadcast #g0.0: rank 0 ended without taking part in it" in done.stderr
+    assert "rank 0 ended without taking part in it" in (tmp_path / "runs" / ".rank3.stderr").read_text()
+
+
+# torchtitan's pipeline layout, small: a mesh of 2 (dp) by 3 (pp), each rank's stage of
 # torch.distributed.pipelining built over its pp group with no example input (torch infers the shapes
 # at the first step and sends them on, recv_object_list, as torchtitan's stages do) and sharded by
-# FSDP2 over dp (64 rows over 2: even); two AdamW steps of Schedule1F1B over 2 microbatches.
+# FSDP2 over dp (64 rows over 2: even); two AdamW steps of Schedule1F1B over 4 microbatches.
 PIPELINE = textwrap.dedent("""
     import os
     import torch
@@ -146,18 +180,20 @@ PIPELINE = textwrap.dedent("""
 
     dist.init_process_group("nccl")
     torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    mesh = init_device_mesh("cuda", (2, 2), mesh_dim_names=("dp", "pp"))
+    mesh = init_device_mesh("cuda", (2, 3), mesh_dim_names=("dp", "pp"))
     stage_index = mesh["pp"].get_local_rank()
     part = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU()).cuda()
     fully_shard(part, mesh=mesh["dp"])
-    stage = PipelineStage(part, stage_index, 2, torch.device("cuda"), group=mesh["pp"].get_group())
-    schedule = Schedule1F1B(stage, 2, loss_fn=lambda out, target: (out - target).square().mean())
+    stage = PipelineStage(part, stage_index, 3, torch.device("cuda"), group=mesh["pp"].get_group())
+    schedule = Schedule1F1B(stage, 4, loss_fn=lambda out, target: (out - target).square().mean())
     opt = torch.optim.AdamW(part.parameters())
     for _ in range(2):
         if stage_index == 0:
             schedule.step(torch.randn(8, 64, device="cuda"))
-        else:
+        elif stage_index == 2:
             schedule.step(target=torch.randn(8, 64, device="cuda"))
+        else:
+            schedule.step()
         opt.step()
         opt.zero_grad()
     os.write(1, f"rank {dist.get_rank()} stage {stage_index}\\n".encode())
@@ -167,28 +203,30 @@ PIPELINE = textwrap.dedent("""
 
 def test_a_pipeline_runs_each_stage_and_its_ranks_equal_the_whole_jobs(torch, tmp_path):
     (tmp_path / "pipeline.py").write_text(PIPELINE)
-    done = _auto(tmp_path, "torchrun", "--nproc-per-node", "4", "pipeline.py")
+    done = _auto(tmp_path, "torchrun", "--nproc-per-node", "6", "pipeline.py")
     assert done.returncode == 0, done.stderr[-3000:]
-    # By hand: rank 0 (stage 0); rank 1, the first of stage 1 and the last along pp (ranks 0-1); rank 3,
-    # the last; along dp (ranks 0, 2) nothing: FSDP2's shards are even there.
+    # By hand: rank 0 (stage 0); ranks 1 and 2, the first of stages 1 and 2 (2 also the last along pp,
+    # ranks 0-2); rank 5, the last; along dp (ranks 0, 3) nothing: FSDP2's shards are even there.
     said = _said(done)
-    assert said.keys() == {0, 1, 3}
-    assert "the first rank of pipeline stage 0 of 2" in said[0] and "the first rank of pipeline stage 1 of 2" in said[1]
-    # Rank 0 alone cannot learn stage 1's shapes: it runs again with the ranks picked, once more in all.
+    assert said.keys() == {0, 1, 2, 5}
+    assert "the first rank of pipeline stage 0 of 3" in said[0] and "the first rank of pipeline stage 2 of 3" in said[2]
+    # Rank 0, with rank 5 beside it, cannot learn stage 1's shapes (its rank 1, and rank 5's rank 4, do not
+    # run): both run again with the ranks picked, once more in all; the first run of rank 5 is not shown.
     assert "running rank 0 again, with the ranks picked: its pipeline stage hears its shapes from rank 1, which " \
            "did not run with it the first time" in done.stderr
     assert "its pipeline stage's shapes come from rank 1; --ranks auto runs this rank again with it" in done.stderr
     assert "run rank 1 too, here" not in done.stderr  # the refusal of a rank run alone is not said
-    assert _started(done) == [0, 1, 3] and "rank 3 stage 1" in done.stdout.splitlines()
-    # Rank 3's stage 0 (rank 2) does not run: it hears what rank 0 sent rank 1, the pipeline alike. Each
-    # rank run so holds what the same rank of the whole job holds, to the byte.
+    assert "what it printed" not in done.stderr and "Traceback" not in done.stderr
+    assert _started(done) == [0, 1, 2, 5] and "rank 5 stage 2" in done.stdout.splitlines()
+    # Rank 5's stages 0 and 1 (ranks 3 and 4) do not run: it hears what rank 1 sent rank 2, the pipeline
+    # alike. Each rank run so holds what the same rank of the whole job holds, to the byte.
     whole = subprocess.run([sys.executable, "-m", "memdiff", "record", "--emulate", "h100", "-o", "whole/", "--",
-                            "torchrun", "--nproc-per-node", "4", "pipeline.py"], cwd=tmp_path, capture_output=True,
+                            "torchrun", "--nproc-per-node", "6", "pipeline.py"], cwd=tmp_path, capture_output=True,
                            text=True, timeout=900, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert whole.returncode == 0, whole.stderr[-3000:]
     import memdiff
 
-    for rank in (0, 1, 3):
+    for rank in (0, 1, 2, 5):
         alone = memdiff.summarize(tmp_path / "runs" / f"rank{rank}.pickle").devices[0]
         together = memdiff.summarize(tmp_path / "whole" / f"rank{rank}.pickle").devices[0]
         assert (alone.peak_bytes, alone.categories) == (together.peak_bytes, together.categories), rank

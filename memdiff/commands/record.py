@@ -118,7 +118,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(0,63 or 0-7,63; all: every rank), each alone in its own process with the environment its "
                         "launcher gives it: any rank of a job of hundreds of GPUs from one CPU, at most "
                         f"{LOCAL_RANKS} at once without --dask. "
-                        "auto: rank 0 first, then one rank per role of the layout its script built (the last rank, "
+                        "auto: rank 0 first (the last rank beside it), then one rank per role of the layout its "
+                        "script built (the last rank, "
                         "the last coordinate of each mesh dimension whose shards are uneven or not known to be even, "
                         "each pipeline stage's first rank), each named with why (docs/jobs.md)")
     p.add_argument("--dask", metavar="ADDRESS",
@@ -558,7 +559,7 @@ def _run_launcher(args: argparse.Namespace) -> int:
             else:
                 run = local_runner(forwarding, env, ranks)
             if ranks.auto:
-                picked, codes = auto_ranks(run, forwarding, ranks, folder)
+                picked, codes = auto_ranks(run, forwarding, ranks, folder, beside=client is None)
             else:  # each named rank alone
                 codes = listed_ranks(run, forwarding, ranks.ranks, staged=client is not None)
     shutil.rmtree(collectives, ignore_errors=True)

@@ -44,9 +44,19 @@ class SomeRanks:
 
 
 
-# What runs some ranks of the job, each alone: (the ranks, the ranks that run with them, what to add to
-# their environment) -> each rank's exit status, of the ranks it ran.
-Runner = Callable[[List[int], List[int], Dict[str, str]], Dict[int, int]]
+@dataclass(frozen=True)
+class RankStart:
+    """Some ranks of the job started together, each alone (what a Runner is given)."""
+
+    ranks: List[int]  # the ranks started, a process each
+    running: List[int]  # the ranks that run with them: their collectives carry values (exchange.py)
+    extra: Dict[int, Dict[str, str]] = field(default_factory=dict)  # added to a rank's environment
+    # a rank whose output goes to PREFIX.stdout and PREFIX.stderr, not to the terminal (here, not on Dask)
+    held: Dict[int, str] = field(default_factory=dict)
+
+
+# What runs some ranks of the job, each alone: -> each rank's exit status, of the ranks it ran.
+Runner = Callable[[RankStart], Dict[int, int]]
 
 
 def rank_environment(env: Dict[str, str], some: SomeRanks, rank: int, running: List[int],
@@ -67,13 +77,17 @@ def rank_environment(env: Dict[str, str], some: SomeRanks, rank: int, running: L
 
 def local_runner(forwarding: Signals, env: Dict[str, str], some: SomeRanks) -> Runner:
     """Ranks run here: each a process of this machine, all at once, then waited for."""
-    def start(ranks: List[int], running: List[int], extra: Dict[str, str]) -> Dict[int, int]:
+    def start(run: RankStart) -> Dict[int, int]:
         children = []
-        for rank in ranks:
-            environment = rank_environment(env, some, rank, running, extra)
-            children.append(subprocess.Popen(some.launch.command(rank), env=environment))
+        for rank in run.ranks:
+            environment = rank_environment(env, some, rank, run.running, run.extra.get(rank, {}))
+            with contextlib.ExitStack() as files:  # the child keeps its own copies of them
+                prefix = run.held.get(rank)
+                out, err = (files.enter_context(open(prefix + suffix, "wb")) for suffix in (".stdout", ".stderr")) \
+                    if prefix else (None, None)
+                children.append(subprocess.Popen(some.launch.command(rank), env=environment, stdout=out, stderr=err))
             forwarding.started(children[-1])
-        return {rank: exit_status(child.wait()) for rank, child in zip(ranks, children)}
+        return {rank: exit_status(child.wait()) for rank, child in zip(run.ranks, children)}
     return start
 
 
@@ -95,10 +109,12 @@ def dask_runner(client: Any, address: str, forwarding: Signals, env: Dict[str, s
     was not waited for are put in `lost`."""
     ended_well: Set[int] = set()
 
-    def start(ranks: List[int], running: List[int], extra: Dict[str, str]) -> Dict[int, int]:
-        heard = set(running) & ended_well
+    def start(run: RankStart) -> Dict[int, int]:
+        ranks = run.ranks
+        heard = set(run.running) & ended_well
         tasks = {rank: RankTask(rank, some.launch.command(rank),
-                                rank_environment(env, some, rank, sorted(heard | {rank}), extra), os.getcwd(), folder)
+                                rank_environment(env, some, rank, sorted(heard | {rank}), run.extra.get(rank, {})),
+                                os.getcwd(), folder)
                  for rank in ranks}
         ended = run_on_dask(client, address, tasks, lambda: forwarding.received)
         codes: Dict[int, int] = {}
@@ -127,32 +143,81 @@ def exit_status(code: int) -> int:
     return code if code >= 0 else 128 - code
 
 
-def auto_ranks(run: Runner, forwarding: Signals, some: SomeRanks,
-                folder: str) -> Tuple[List[Picked], Dict[int, int]]:
-    """--ranks auto: rank 0 alone first, writing the layout its script builds (emulate/layout.py); then
+@dataclass(frozen=True)
+class Held:
+    """What a rank run beside rank 0's first run printed, held in the job's folder until that run ends."""
+
+    rank: int
+    prefix: str  # PREFIX.stdout, PREFIX.stderr
+
+    def show(self) -> None:
+        """Print what it printed, on the streams it printed it on, and remove the files."""
+        if not any(os.path.getsize(self.prefix + suffix) for suffix in (".stdout", ".stderr")):
+            self.drop()
+            return
+        print(f"memdiff: --ranks auto: the last rank, {self.rank}, ran beside rank 0 (every job's picks hold it); "
+              f"what it printed:", file=sys.stderr)
+        for suffix, stream in ((".stdout", sys.stdout), (".stderr", sys.stderr)):
+            stream.flush()
+            with open(self.prefix + suffix, "rb") as f:
+                buffer = getattr(stream, "buffer", None)
+                if buffer is not None:
+                    shutil.copyfileobj(f, buffer)
+                else:
+                    stream.write(f.read().decode(errors="replace"))
+            stream.flush()
+        self.drop()
+
+    def drop(self) -> None:
+        """Remove the files (its run does not stand: it runs again)."""
+        for suffix in (".stdout", ".stderr"):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.prefix + suffix)
+
+
+def auto_ranks(run: Runner, forwarding: Signals, some: SomeRanks, folder: str,
+               beside: bool) -> Tuple[List[Picked], Dict[int, int]]:
+    """--ranks auto: rank 0 first, writing the layout its script builds (emulate/layout.py); then
     the ranks of the other roles that layout has (pick.py), all at once, each said with why; with
     each rank's exit status. Only rank 0 when it failed or was interrupted: its failure is the job's,
     and it is what the user sees. Except where rank 0 stopped because its pipeline stage hears its
     shapes from a rank that did not run (p2p.objects_from_sender): it runs again, with the others,
-    its pipeline's ranks among them."""
+    its pipeline's among them.
+
+    Where `beside` (ranks run here, not on Dask), the last rank, which every job's picks hold, runs
+    beside rank 0's first run, as `--ranks 0,LAST` would run them: a machine of two cores then takes
+    the time of one rank, not two, when the layout adds no other (an FSDP job). What it prints is
+    shown once rank 0's run ended well; it runs again with rank 0 where rank 0 does."""
     path = os.path.join(folder, LAYOUT_FILE)
+    last = some.launch.world_size - 1
+    held = Held(last, os.path.join(folder, f".rank{last}")) if beside and last > 0 else None
+    first = [0] + ([last] if held else [])
     try:
-        codes = run([0], [0], {LAYOUT: path})
+        codes = run(RankStart(first, first, extra={0: {LAYOUT: path}}, held={last: held.prefix} if held else {}))
         failed = codes.get(0) != 0
         layout = {} if forwarding.received or (failed and not os.path.exists(path)) else read_layout(path)
         waits = layout.get("refused_from") if failed and layout.get("stages") else None
         if forwarding.received or (failed and waits is None):
             print("memdiff: --ranks auto: rank 0 did not finish, so no other rank was picked", file=sys.stderr)
-            return [Picked(0, "rank 0, run first to read the job's layout")], codes
+            if held:  # rank 0's failure is what the user sees; the last rank's output is kept
+                print(f"memdiff: --ranks auto: the last rank, {last}, ran beside it and exited {codes.get(last)}: "
+                      f"what it printed is in {held.prefix}.stdout and .stderr", file=sys.stderr)
+            beside_picks = [Picked(last, "the last rank, run beside rank 0")] if held else []
+            return [Picked(0, "rank 0, run first to read the job's layout")] + beside_picks, codes
         picked, notes = pick(layout, some.launch.world_size)
     finally:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
+    if held and waits is None:
+        held.show()
+    elif held:  # it heard from rank 0, which stopped early: it runs again with it
+        held.drop()
+        codes.pop(last, None)
     for chosen in picked:
         print(f"memdiff: --ranks auto: rank {chosen.rank}: {chosen.why}", file=sys.stderr)
     for note in notes:
         print(f"memdiff: --ranks auto: {note}", file=sys.stderr)
-    again = [0] if waits is not None else []
+    again = first if waits is not None else []
     if again:
         print(f"memdiff: --ranks auto: running rank 0 again, with the ranks picked: its pipeline stage hears its "
               f"shapes from rank {waits}, which did not run with it the first time", file=sys.stderr)
@@ -160,7 +225,9 @@ def auto_ranks(run: Runner, forwarding: Signals, some: SomeRanks,
         # for the new one, which writes its snapshot in place of the first.
         clear_statuses(folder)
         shutil.rmtree(os.path.join(folder, COLLECTIVES), ignore_errors=True)
-    codes.update(run(again + [p.rank for p in picked if p.rank], [p.rank for p in picked], {}))
+    rest = again + [p.rank for p in picked if p.rank not in first]
+    if rest:
+        codes.update(run(RankStart(rest, [p.rank for p in picked])))
     return picked, codes
 
 
@@ -169,12 +236,12 @@ def listed_ranks(run: Runner, forwarding: Signals, ranks: List[int], staged: boo
     a rank hears only from ranks that ended before it), rank 0 first, so that every other rank hears
     what it sends (a broadcast's object, its sizes), and no other rank when it failed or was stopped."""
     if not staged or 0 not in ranks or len(ranks) == 1:
-        return run(ranks, ranks, {})
-    codes = run([0], ranks, {})
+        return run(RankStart(ranks, ranks))
+    codes = run(RankStart([0], ranks))
     if forwarding.received or codes.get(0) != 0:
         print("memdiff: --dask: rank 0, run first, did not finish, so no other rank was run", file=sys.stderr)
         return codes
-    codes.update(run([r for r in ranks if r], ranks, {}))
+    codes.update(run(RankStart([r for r in ranks if r], ranks)))
     return codes
 
 
