@@ -34,6 +34,7 @@ from memdiff.predict.whatif.run import (
     MATRIX_PRODUCTS,
     SCALAR_BYTES,
     Run,
+    autograd_node,
     forward_in_order,
     peak_of_set,
     python_frame,
@@ -51,7 +52,17 @@ UNCAST_WEIGHT_GRADS = frozenset((
     "native_layer_norm_backward", "native_group_norm_backward", "native_batch_norm_backward",
     "cudnn_batch_norm_backward", "_fused_rms_norm_backward"))
 
-# Lookups autocast leaves alone: they read the fp32 table and give fp32 rows.
+# The autograd nodes that make the gradient of a weight autocast never casts, read where the stacks
+# name no ATen op (the CPU route): autocast casts a weight only for an op of its lists, so not an
+# embedding's table, a norm's weight, a weight scaling its input elementwise
+# (`weight * x`, on no list: Llama's and T5's RMS norms; the CPU route shows their gradient as
+# MulBackward0's sum).
+UNCAST_WEIGHT_NODES = frozenset((
+    "EmbeddingBackward0", "EmbeddingBagBackward0", "NativeLayerNormBackward0", "NativeGroupNormBackward0",
+    "NativeBatchNormBackward0", "CudnnBatchNormBackward0", "FusedRmsNormBackward0", "MulBackward0"))
+
+# Lookups autocast leaves alone: they read the fp32 table and give fp32 rows (by the ATen op on
+# CUDA's stacks, by the built-in called on the CPU route's).
 EMBEDDINGS = ("embedding", "embedding_bag", "_embedding_bag")
 
 
@@ -189,6 +200,22 @@ def _shared_reads(run: Run, fp32: np.ndarray) -> List[Tuple[int, List[int]]]:
     return out
 
 
+def _uncast_by_node(run: Run, grads: np.ndarray) -> np.ndarray:
+    """Which of the weight gradients `grads` an UNCAST_WEIGHT_NODES node made, where the stacks
+    name no ATen op (the CPU route; CUDA's are read by UNCAST_WEIGHT_GRADS). A gradient summed
+    from two reads of its weight (its innermost frame `aten::add`: a tied embedding, which the
+    output projection reads too, a product that casts it) is not one of them."""
+    c = run.course
+    out = np.zeros(len(grads), dtype=bool)
+    if not c.origins or not len(c.origin):
+        return out
+    for i, k in enumerate(grads.tolist()):
+        frames = c.origins[c.origin[k]]
+        out[i] = (not run.op[k] and autograd_node(frames) in UNCAST_WEIGHT_NODES
+                  and frames[0].name != "aten::add")
+    return out
+
+
 def apply_autocast(run: Run, edit: Edit, value: str) -> None:
     """Run the forward and backward under autocast to `value` (bf16 or fp16)."""
     block = run.block
@@ -200,7 +227,7 @@ def apply_autocast(run: Run, edit: Edit, value: str) -> None:
     residual = _residual_adds(run, block)
     work &= ~kept & ~staging
     work &= ~residual
-    looked_up = np.isin(run.op, EMBEDDINGS) & (run.phase == FORWARD)
+    looked_up = np.isin(run.call, EMBEDDINGS) & (run.phase == FORWARD)
     work &= ~looked_up
     regions = _fp32_regions(run)
     full, casts = regions.full, regions.casts
@@ -223,7 +250,7 @@ def apply_autocast(run: Run, edit: Edit, value: str) -> None:
     # The most parameter bytes live at once: an update in place makes a new version of each every step.
     params = peak_of_set(c, np.flatnonzero(run.of("parameter")))
     grads = np.flatnonzero(run.of("gradient") & (run.phase == BACKWARD))
-    uncast = np.isin(run.op[grads], list(UNCAST_WEIGHT_GRADS))
+    uncast = np.isin(run.op[grads], list(UNCAST_WEIGHT_GRADS)) | _uncast_by_node(run, grads)
     # Weights no op casts (embeddings, norms) take no copy in a forward no backward follows either.
     params -= max((int(c.size[grads[uncast & (c.start[grads] >= s.start_event) & (c.start[grads] <= s.end_event)]]
                        .sum()) for s in run.spans if s.phase == BACKWARD), default=0)

@@ -16,7 +16,7 @@ from memdiff.analyse.lifetimes import FORWARD
 from memdiff.model import PhaseSpan, Step
 from memdiff.predict.forecast.course import DeviceCourse
 from memdiff.predict.forecast.replay import Replayed, replay_course
-from memdiff.read.frames import SHARED_LIBRARY
+from memdiff.read.frames import NODE_NATIVE, PROFILER_NODE, SHARED_LIBRARY
 
 # Loss computations that libraries run in fp32 whatever the model's precision (Hugging Face
 # upcasts the logits in its loss; log_softmax and nll_loss then stay fp32, and so do their grads).
@@ -213,6 +213,17 @@ def aten_op(frames: Sequence[Any]) -> str:
         if m:
             op = _op_name(m.group(1))  # the outermost op frame below the Python code wins: what it called
     return op
+
+
+def autograd_node(frames: Sequence[Any]) -> str:
+    """The autograd node a backward allocation was made in (`MmBackward0`), as both routes' stacks
+    name it (CUDA's C++ frames; the CPU route's `evaluate_function` frames), where the CPU route names
+    no ATen op as aten_op reads them; "" outside a node."""
+    for f in frames:
+        m = PROFILER_NODE.match(f.name) or NODE_NATIVE.match(f.name)
+        if m:
+            return m.group(1)
+    return ""
 
 
 def _op_name(joined: str) -> str:
