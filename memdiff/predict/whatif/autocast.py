@@ -15,6 +15,7 @@ import numpy as np
 
 from memdiff.analyse.lifetimes import BACKWARD, FORWARD
 from memdiff.predict.whatif.edit import ChangeRule, Edit, one_of
+from memdiff.predict.whatif.experts import grouped_experts_backward, grouped_experts_forward
 from memdiff.predict.whatif.precision import (
     PRECISIONS,
     BatchReads,
@@ -45,21 +46,24 @@ from memdiff.predict.whatif.run import (
 NORM_OPS = frozenset(("layer_norm", "group_norm", "rms_norm"))
 
 # The backward ops that make the gradient of a weight autocast never casts: an embedding's (the
-# lookup is on none of autocast's lists, so it reads its fp32 table) and a norm's (on the fp32
-# list). Where the stacks name the ATen ops (CUDA), their weights get no half-precision copy.
+# lookup is on none of autocast's lists, so it reads its fp32 table), a norm's (on the fp32
+# list) and a grouped product's experts' (on none: experts.py). Where the stacks name the ATen
+# ops (CUDA), their weights get no half-precision copy.
 UNCAST_WEIGHT_GRADS = frozenset((
     "embedding_backward", "embedding_dense_backward", "embedding_bag_backward", "_embedding_bag_backward",
     "native_layer_norm_backward", "native_group_norm_backward", "native_batch_norm_backward",
-    "cudnn_batch_norm_backward", "_fused_rms_norm_backward"))
+    "cudnn_batch_norm_backward", "_fused_rms_norm_backward", "_grouped_mm"))
 
 # The autograd nodes that make the gradient of a weight autocast never casts, read where the stacks
 # name no ATen op (the CPU route): autocast casts a weight only for an op of its lists, so not an
 # embedding's table, a norm's weight, a weight scaling its input elementwise
 # (`weight * x`, on no list: Llama's and T5's RMS norms; the CPU route shows their gradient as
-# MulBackward0's sum).
+# MulBackward0's sum), nor the experts' weights of a grouped matrix product (torch registers no
+# AutocastCPU or AutocastCUDA kernel for aten::_grouped_mm).
 UNCAST_WEIGHT_NODES = frozenset((
     "EmbeddingBackward0", "EmbeddingBagBackward0", "NativeLayerNormBackward0", "NativeGroupNormBackward0",
-    "NativeBatchNormBackward0", "CudnnBatchNormBackward0", "FusedRmsNormBackward0", "MulBackward0"))
+    "NativeBatchNormBackward0", "CudnnBatchNormBackward0", "FusedRmsNormBackward0", "MulBackward0",
+    "GroupedMmBackward0"))
 
 # Lookups autocast leaves alone: they read the fp32 table and give fp32 rows (by the ATen op on
 # CUDA's stacks, by the built-in called on the CPU route's).
@@ -229,6 +233,9 @@ def apply_autocast(run: Run, edit: Edit, value: str) -> None:
     work &= ~residual
     looked_up = np.isin(run.call, EMBEDDINGS) & (run.phase == FORWARD)
     work &= ~looked_up
+    # The experts a grouped product runs stay fp32 (experts.py), forward and backward.
+    experts = grouped_experts_forward(run) | grouped_experts_backward(run)
+    work &= ~experts
     regions = _fp32_regions(run)
     full, casts = regions.full, regions.casts
     math = cpu_math_attention(run)
@@ -307,6 +314,9 @@ def apply_autocast(run: Run, edit: Edit, value: str) -> None:
                                if batch_copies else "")
                             + (f"; the {int(looked_up.sum())} embedding lookups stay fp32 (autocast casts no "
                                "table)" if looked_up.any() else "")
+                            + (f"; the experts' {int(experts.sum())} allocations of their grouped products stay fp32 "
+                               "(grouped_mm is on no autocast list: the tokens go to the experts' fp32 weights, which "
+                               "it does not cast)" if experts.any() else "")
                             + ("; where the stacks name the ATen ops (CUDA), what autocast runs in fp32 (pow, "
                                "layer_norm, ...) and what the same line computes after it stay fp32"
                                + (f", with an fp32 copy of a half-precision input the op keeps ({len(casts)} made)"
