@@ -214,7 +214,7 @@ def test_a_pipeline_runs_each_stage_and_its_ranks_equal_the_whole_jobs(torch, tm
     # run): both run again with the ranks picked, once more in all; the first run of rank 5 is not shown.
     assert "running rank 0 again, with the ranks picked: its pipeline stage hears its shapes from rank 1, which " \
            "did not run with it the first time" in done.stderr
-    assert "its pipeline stage's shapes come from rank 1; --ranks auto runs this rank again with it" in done.stderr
+    assert "its pipeline stage's shapes come from rank 1; memdiff runs this rank again with it" in done.stderr
     assert "run rank 1 too, here" not in done.stderr  # the refusal of a rank run alone is not said
     assert "what it printed" not in done.stderr and "Traceback" not in done.stderr
     assert _started(done) == [0, 1, 2, 5] and "rank 5 stage 2" in done.stdout.splitlines()

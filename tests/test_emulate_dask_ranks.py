@@ -311,6 +311,39 @@ def test_a_rank_whose_worker_dies_dies_with_it_and_is_never_run_twice(torch, tmp
     assert f"memdiff: rank 1 of 4 has no snapshot: {states[1][1]}" in err
 
 
+def test_a_pipelines_ranks_run_in_one_task_and_each_holds_what_it_holds_in_the_whole_job(torch, tmp_path, scheduler):
+    """A rank on Dask hears only the ranks that ended before it started, but a pipeline's stages hear each
+    other as they step (the shapes each sends the next, at the first step): so each pipeline's ranks run
+    in one task, side by side on its worker. Rank 0 first (its stage stops where it would hear stage 1),
+    then again in one task with its pipeline (ranks 0-2), then the other pipeline (ranks 3-5)."""
+    from test_emulate_auto_ranks import PIPELINE  # a 2 (dp) x 3 (pp) mesh, torch's shape inference
+
+    (tmp_path / "pipeline.py").write_text(PIPELINE)
+    command = ["--", "torchrun", "--nproc-per-node", "6", "pipeline.py"]
+    record = [sys.executable, "-m", "memdiff", "record", "--emulate", "h100"]
+    every = subprocess.run([*record, "-o", "runs/", "--ranks", "all", "--dask", scheduler, *command], cwd=tmp_path,
+                           capture_output=True, text=True, timeout=600, env=_env())
+    assert every.returncode == 0, every.stderr[-3000:]
+    assert "memdiff: --dask: rank 0 runs again, with the ranks of its pipeline named, in one task: its stage hears " \
+           "its shapes from rank 1, which had not run" in every.stderr
+    assert sorted(every.stdout.splitlines()) == [f"rank {r} stage {r % 3}" for r in range(6)]
+    # --ranks auto: rank 0, then its pipeline's picks (0, 1, 2) in one task, then the last rank, 5, whose
+    # stages 0 and 1 do not run: it hears what rank 1 sent rank 2, ended
+    auto = subprocess.run([*record, "-o", "auto/", "--ranks", "auto", "--dask", scheduler, *command], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=600, env=_env())
+    assert auto.returncode == 0, auto.stderr[-3000:]
+    assert sorted(auto.stdout.splitlines()) == [f"rank {r} stage {r % 3}" for r in (0, 1, 2, 5)]
+    whole = subprocess.run([*record, "-o", "whole/", *command], cwd=tmp_path, capture_output=True, text=True,
+                           timeout=600, env=_env())
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    rules = load_rules()
+    for folder, ranks in (("runs", range(6)), ("auto", (0, 1, 2, 5))):
+        for rank in ranks:
+            alone = read_summary(str(tmp_path / folder / f"rank{rank}.pickle"), rules).devices[0]
+            together = read_summary(str(tmp_path / "whole" / f"rank{rank}.pickle"), rules).devices[0]
+            assert (alone.peak_bytes, alone.categories) == (together.peak_bytes, together.categories), (folder, rank)
+
+
 @pytest.mark.parametrize(("argv", "said"), [
     (["--emulate", "h100", "-o", "runs/", "--dask", "tcp://127.0.0.1:9"],
      "--dask: runs the ranks --ranks names as tasks on a Dask cluster: give --ranks all"),

@@ -561,7 +561,7 @@ def _run_launcher(args: argparse.Namespace) -> int:
             if ranks.auto:
                 picked, codes = auto_ranks(run, forwarding, ranks, folder, beside=client is None)
             else:  # each named rank alone
-                codes = listed_ranks(run, forwarding, ranks.ranks, staged=client is not None)
+                codes = listed_ranks(run, forwarding, ranks.ranks, staged=client is not None, folder=folder)
     shutil.rmtree(collectives, ignore_errors=True)
     interrupted = forwarding.received[0] if forwarding.received else None
     if interrupted is not None:  # Ctrl-C: 130, as a shell says; SIGTERM: 143

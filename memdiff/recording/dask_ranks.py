@@ -2,12 +2,14 @@
 -o DIR/ --ranks all --dask ADDRESS -- torchrun ...`).
 
 Each rank is one task: the worker that takes it runs the rank's process (the command and environment
-memdiff record gives a rank it runs alone) and returns how it ended, with the tail of what it printed.
+memdiff record gives a rank it runs alone) and returns how it ended, with the tail of what it printed;
+but ranks that hear each other as they run (a pipeline's stages) are one task, which runs their
+processes side by side on its worker.
 The rank's own hook writes its snapshot and status into the job's folder, so the workers must see the
 folder, the script, the overlay and the Python environment at the paths this machine sees them (a
 shared filesystem). A cluster runs as many tasks at once as its workers have threads, often fewer than
 the job has ranks; record.py therefore never tells a rank run here that a rank which may not have
-started runs with it, and no rank waits for another (exchange.py).
+started runs with it, but the ranks of its own task, and no rank waits for another (exchange.py) but those.
 
 Ctrl-C (or SIGTERM) sets a Dask Event that every task waits on between looks at its rank (the signal
 in a Variable of the same name): a running rank is passed the signal and writes what it recorded, a task
@@ -35,7 +37,7 @@ import tempfile
 import uuid
 from concurrent.futures import CancelledError
 from dataclasses import asdict, dataclass
-from typing import IO, Any, Callable, Dict, List, Optional
+from typing import IO, Any, Callable, Dict, List, Optional, Sequence
 
 from memdiff.cluster import connect
 from memdiff.errors import EXIT_BAD_INPUT
@@ -70,44 +72,61 @@ class RankEnded:
     lost: Optional[str] = None  # why how it ended is not known (its worker died, the scheduler was lost)
 
 
-def run_rank(task: Dict[str, Any], stop: str) -> Dict[str, Any]:
-    """The task of one rank, run on a worker: the rank's process, passed the signal the client sets
-    (the Event `stop`, waited on POLL_S at a time), and killed when no one is left to wait for it;
-    RankEnded's fields, plain data for any serializer."""
+def run_ranks(tasks: List[Dict[str, Any]], stop: str) -> List[Dict[str, Any]]:
+    """The task of one rank, or of ranks that hear each other as they run, run on a worker: each rank's
+    process, side by side, passed the signal the client sets (the Event `stop`, waited on POLL_S at a
+    time), and killed when no one is left to wait for them; RankEnded's fields of each, in order, plain
+    data for any serializer. The ranks start together or not at all (one started alone would wait for
+    the others until its process group's timeout)."""
     from distributed import get_worker
 
     if _stopped(stop):
-        return asdict(RankEnded(None))
+        return [asdict(RankEnded(None)) for _ in tasks]
     where = get_worker().address
-    for what, path in (("job's folder", task["folder"]), ("working folder", task["cwd"])):
+    for what, path in (("job's folder", tasks[0]["folder"]), ("working folder", tasks[0]["cwd"])):
         if not os.path.isdir(path):
-            return asdict(RankEnded(EXIT_BAD_INPUT, failed=f"the {what} {path} is not on worker {where}: the "
-                                                            f"workers must see it at the same path (a shared "
-                                                            f"filesystem)"))
-    before = _first_run(task["folder"], task["rank"], where)
-    if before is not None:
-        return asdict(RankEnded(EXIT_BAD_INPUT, lost=f"its worker {before} died while it ran (Dask ran its task "
-                                                     f"again, on {where}, which did not run the rank twice)"))
-    lease, held = os.pipe()  # both ends closed at exec in any other child of the worker
-    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+            return [asdict(RankEnded(EXIT_BAD_INPUT, failed=f"the {what} {path} is not on worker {where}: the "
+                                                             f"workers must see it at the same path (a shared "
+                                                             f"filesystem)")) for _ in tasks]
+    before = [_first_run(task["folder"], task["rank"], where) for task in tasks]
+    earlier = next((worker for worker in before if worker is not None), None)
+    if earlier is not None:
+        return [asdict(RankEnded(EXIT_BAD_INPUT, lost=f"its worker {earlier} died while it ran (Dask ran its task "
+                                                      f"again, on {where}, which did not run the rank twice)"))
+                for _ in tasks]
+    with contextlib.ExitStack() as held:
+        outputs = [(held.enter_context(tempfile.TemporaryFile()), held.enter_context(tempfile.TemporaryFile()))
+                   for _ in tasks]
+        children: List["subprocess.Popen[bytes]"] = []
         try:
-            child = subprocess.Popen(task["command"], env={**task["env"], LEASE_FD: str(lease)}, cwd=task["cwd"],
-                                     stdin=subprocess.DEVNULL, stdout=out, stderr=err, pass_fds=(lease,))
+            for task, (out, err) in zip(tasks, outputs):
+                lease, kept = os.pipe()  # both ends closed at exec in any other child of the worker
+                held.callback(os.close, kept)  # the rank's lease ends with this task
+                try:
+                    children.append(subprocess.Popen(
+                        task["command"], env={**task["env"], LEASE_FD: str(lease)}, cwd=task["cwd"],
+                        stdin=subprocess.DEVNULL, stdout=out, stderr=err, pass_fds=(lease,)))
+                finally:
+                    os.close(lease)
         except OSError as exc:  # its Python is not at this path on the worker
-            os.close(held)
-            return asdict(RankEnded(EXIT_BAD_INPUT, failed=f"cannot start `{task['command'][0]}` on worker "
-                                                           f"{where}: {exc.strerror or exc}"))
-        finally:
-            os.close(lease)
+            _kill(children)
+            return [asdict(RankEnded(EXIT_BAD_INPUT, failed=f"cannot start `{task['command'][0]}` on worker "
+                                                            f"{where}: {exc.strerror or exc}")) for task in tasks]
         try:
-            code = _watch(child, stop)
-        finally:  # whatever ended the watch (the worker closing under it): the rank ends with it
-            if child.poll() is None:
-                child.kill()
-                child.wait()
-            os.close(held)
-        status = code if code >= 0 else 128 - code  # killed by a signal: as a shell says it
-        return asdict(RankEnded(status, _tail(out), _tail(err)))
+            codes = _watch(children, stop)
+        finally:  # whatever ended the watch (the worker closing under it): the ranks end with it
+            _kill(children)
+        # killed by a signal: as a shell says it
+        return [asdict(RankEnded(code if code >= 0 else 128 - code, _tail(out), _tail(err)))
+                for code, (out, err) in zip(codes, outputs)]
+
+
+def _kill(children: List["subprocess.Popen[bytes]"]) -> None:
+    """End every process of `children` still running, and wait for it."""
+    for child in children:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
 
 
 def _first_run(folder: str, rank: int, where: str) -> Optional[str]:
@@ -124,23 +143,27 @@ def _first_run(folder: str, rank: int, where: str) -> Optional[str]:
     return None
 
 
-def _watch(child: "subprocess.Popen[bytes]", stop: str) -> int:
-    """Wait for the rank's process, passing it the signal the client sets; its exit code. It is
-    killed as soon as its task is orphaned: the worker closing, the task cancelled, the scheduler
+def _watch(children: List["subprocess.Popen[bytes]"], stop: str) -> List[int]:
+    """Wait for the ranks' processes, passing them the signal the client sets; their exit codes. They are
+    killed as soon as their task is orphaned: the worker closing, the task cancelled, the scheduler
     unreachable (an exception out of here, which the caller's kill answers)."""
     passed: Optional[int] = None
     while True:
         try:
-            return child.wait(timeout=0.05 if passed is None else POLL_S)
+            for child in children:
+                child.wait(timeout=0.05 if passed is None else POLL_S / len(children))
+            return [child.wait() for child in children]
         except subprocess.TimeoutExpired:
             pass
         if _orphaned():
-            child.kill()
-            return child.wait()
+            _kill(children)
+            return [child.wait() for child in children]
         if passed is None:
             passed = _asked(stop, POLL_S)
             if passed is not None:
-                child.send_signal(passed)
+                for child in children:
+                    if child.poll() is None:
+                        child.send_signal(passed)
 
 
 def _orphaned() -> bool:
@@ -192,10 +215,11 @@ def cluster(address: str) -> Any:
     return client
 
 
-def run_on_dask(client: Any, address: str, tasks: Dict[int, RankTask],
-                signalled: Callable[[], List[int]]) -> Dict[int, RankEnded]:
+def run_on_dask(client: Any, address: str, tasks: Dict[int, RankTask], signalled: Callable[[], List[int]],
+                teams: Sequence[Sequence[int]] = ()) -> Dict[int, RankEnded]:
     """Run each rank's task on the cluster of `client`, the rank's output relayed as its task ends;
-    how each ended. `signalled`: the signals this process has received, polled (the first is passed
+    how each ended. The ranks of each of `teams` (ranks that hear each other as they run) are one task,
+    run side by side. `signalled`: the signals this process has received, polled (the first is passed
     to the ranks; at a second, the ranks not back yet are cancelled and left out). When the client
     loses the scheduler, the ranks whose tasks had not ended are `lost` (their tasks kill them), said
     in one line."""
@@ -204,9 +228,12 @@ def run_on_dask(client: Any, address: str, tasks: Dict[int, RankTask],
     ended: Dict[int, RankEnded] = {}
     run = uuid.uuid4().hex[:12]
     stop = f"memdiff-record-stop-{run}"
-    # a key per rank: the dashboard names each task after its rank; pure=False: each run is new
-    futures = {client.submit(run_rank, asdict(task), stop, key=f"memdiff-rank{rank}-{run}", pure=False): rank
-               for rank, task in tasks.items()}
+    together = [[rank for rank in team if rank in tasks] for team in teams]
+    alone = sorted(set(tasks) - {rank for team in together for rank in team})
+    # a key per task: the dashboard names each after its ranks; pure=False: each run is new
+    futures = {client.submit(run_ranks, [asdict(tasks[rank]) for rank in ranks], stop, pure=False,
+                             key=f"memdiff-rank{'+'.join(map(str, ranks))}-{run}"): ranks
+               for ranks in together + [[rank] for rank in alone] if ranks}
     pending, passed = list(futures), False
     try:
         while pending:
@@ -216,14 +243,14 @@ def run_on_dask(client: Any, address: str, tasks: Dict[int, RankTask],
             except TimeoutError:
                 done = set()
             except (CancelledError, OSError) as exc:  # the client cancels every future when it loses the scheduler
-                _lost(client, address, exc, [futures[f] for f in pending], ended)
+                _lost(client, address, exc, [rank for f in pending for rank in futures[f]], ended)
                 return ended
             # ours are cancelled only at a second Ctrl-C, which stops here: any other is the client's
             if client.status != "running" or any(f.cancelled() for f in pending):
-                _lost(client, address, None, [futures[f] for f in pending], ended)
+                _lost(client, address, None, [rank for f in pending for rank in futures[f]], ended)
                 return ended
             for future in done:
-                ended[futures[future]] = _ended(future)
+                ended.update(zip(futures[future], _ended(future, len(futures[future]))))
             received = signalled()
             if received and not passed:  # read by every task within POLL_S
                 Variable(stop, client).set(received[0])  # before the Event: a task that sees it reads it
@@ -268,15 +295,16 @@ def _first_line(exc: Exception) -> str:
     return str(exc).strip().splitlines()[0]
 
 
-def _ended(future: Any) -> RankEnded:
-    """What a finished task says; a task that raised (its worker died under it) as a rank that failed."""
+def _ended(future: Any, count: int) -> List[RankEnded]:
+    """What a finished task says of each of its `count` ranks; a task that raised (its worker died under
+    it) as ranks that failed."""
     if future.status == "finished":
-        document = future.result()
-        ended = RankEnded(**document)
+        ended = [RankEnded(**document) for document in future.result()]
     else:
         exc = future.exception() if future.status == "error" else None
-        ended = RankEnded(EXIT_BAD_INPUT, failed=f"its task {future.status}: {type(exc).__name__}: {exc}"
-                          if exc is not None else f"its task was {future.status}")
-    sys.stdout.write(ended.output)
-    sys.stderr.write(ended.errors)
+        ended = [RankEnded(EXIT_BAD_INPUT, failed=f"its task {future.status}: {type(exc).__name__}: {exc}"
+                           if exc is not None else f"its task was {future.status}")] * count
+    for rank in ended:
+        sys.stdout.write(rank.output)
+        sys.stderr.write(rank.errors)
     return ended

@@ -104,3 +104,23 @@ def pick(layout: Dict[str, Any], world_size: int) -> Tuple[List[Picked], List[st
         notes.append("the script built no device mesh, group or pipeline stage beyond the world's on rank 0: every "
                      "rank but rank 0 has one role" + (f", run as rank {world_size - 1}" if world_size > 1 else ""))
     return [Picked(rank, "; ".join(reasons[rank])) for rank in sorted(reasons)], notes
+
+
+def pipelines(layout: Dict[str, Any], ranks: List[int]) -> List[List[int]]:
+    """The ranks of `ranks` in each pipeline of the job, where two or more are: the ranks that hear each
+    other as they run (a stage its neighbours' shapes and gradients). A pipeline is rank 0's (its stages'
+    group, in the layout) or a group alike: the same ranks moved by one offset, as a device mesh makes
+    its pipeline dimension's groups (new_group makes every group on every rank, so the layout has them)."""
+    stages = layout.get("stages") or []
+    if not stages:
+        return []
+    mine = stages[0]["ranks"]
+    shape = [r - mine[0] for r in mine]
+    groups = [mine] + [g["ranks"] for g in layout.get("groups", [])
+                       if len(g.get("ranks", [])) == len(mine) and [r - g["ranks"][0] for r in g["ranks"]] == shape]
+    wanted, teams = set(ranks), []
+    for group in groups:
+        team = [r for r in group if r in wanted]
+        if len(team) > 1 and team not in teams:
+            teams.append(team)
+    return teams

@@ -20,7 +20,7 @@ from memdiff.recording.dask_ranks import RankTask, run_on_dask
 from memdiff.recording.emulate.layout import LAYOUT
 from memdiff.recording.launch import LIGHTNING, Launch, rank_env
 from memdiff.recording.manifest import COLLECTIVES, clear_statuses
-from memdiff.recording.pick import LAYOUT_FILE, Picked, pick, read_layout
+from memdiff.recording.pick import LAYOUT_FILE, Picked, pick, pipelines, read_layout
 from memdiff.units import count_of
 
 
@@ -53,6 +53,9 @@ class RankStart:
     extra: Dict[int, Dict[str, str]] = field(default_factory=dict)  # added to a rank's environment
     # a rank whose output goes to PREFIX.stdout and PREFIX.stderr, not to the terminal (here, not on Dask)
     held: Dict[int, str] = field(default_factory=dict)
+    # ranks that hear each other as they run (a pipeline's stages): on Dask one task, run side by side
+    # (here every rank started runs beside the others anyway)
+    teams: List[List[int]] = field(default_factory=list)
 
 
 # What runs some ranks of the job, each alone: -> each rank's exit status, of the ranks it ran.
@@ -104,19 +107,21 @@ def dask_runner(client: Any, address: str, forwarding: Signals, env: Dict[str, s
                 folder: str, lost: Lost) -> Runner:
     """Ranks run as tasks on a Dask cluster (dask_ranks.py). The cluster may run fewer tasks at once
     than there are ranks, so a rank that waited for another (exchange.py) could wait for one that
-    starts only once it ends: each rank is told that only itself and the ranks of this run that
-    already ended (exit 0) run with it. It hears what those sent, and never waits. The ranks whose end
-    was not waited for are put in `lost`."""
+    starts only once it ends: each rank is told that only itself, the ranks of this run that already
+    ended (exit 0) and the ranks of its team (run in its task) run with it. It hears what those sent,
+    and waits only for its team. The ranks whose end was not waited for are put in `lost`."""
     ended_well: Set[int] = set()
 
     def start(run: RankStart) -> Dict[int, int]:
         ranks = run.ranks
         heard = set(run.running) & ended_well
+        team_of = {rank: team for team in run.teams for rank in team}
         tasks = {rank: RankTask(rank, some.launch.command(rank),
-                                rank_environment(env, some, rank, sorted(heard | {rank}), run.extra.get(rank, {})),
+                                rank_environment(env, some, rank, sorted(heard | {rank, *team_of.get(rank, ())}),
+                                                 run.extra.get(rank, {})),
                                 os.getcwd(), folder)
                  for rank in ranks}
-        ended = run_on_dask(client, address, tasks, lambda: forwarding.received)
+        ended = run_on_dask(client, address, tasks, lambda: forwarding.received, run.teams)
         codes: Dict[int, int] = {}
         for rank in ranks:
             if rank not in ended:  # cancelled at a second Ctrl-C: run if its hook said it started
@@ -217,31 +222,70 @@ def auto_ranks(run: Runner, forwarding: Signals, some: SomeRanks, folder: str,
         print(f"memdiff: --ranks auto: rank {chosen.rank}: {chosen.why}", file=sys.stderr)
     for note in notes:
         print(f"memdiff: --ranks auto: {note}", file=sys.stderr)
-    again = first if waits is not None else []
-    if again:
+    ranks = [p.rank for p in picked]
+    teams = pipelines(layout, ranks)
+    ran = first
+    if waits is not None:
         print(f"memdiff: --ranks auto: running rank 0 again, with the ranks picked: its pipeline stage hears its "
               f"shapes from rank {waits}, which did not run with it the first time", file=sys.stderr)
-        # Its first run's end, claim (rank_hook's) and what it sent are not this run's: its peers wait
-        # for the new one, which writes its snapshot in place of the first.
-        clear_statuses(folder)
-        shutil.rmtree(os.path.join(folder, COLLECTIVES), ignore_errors=True)
-    rest = again + [p.rank for p in picked if p.rank not in first]
+        again = _again(run, folder, ranks, teams, local=beside)
+        codes.update(again)
+        if forwarding.received:
+            return picked, codes
+        ran = list(again)
+    rest = [r for r in ranks if r not in ran]
     if rest:
-        codes.update(run(RankStart(rest, [p.rank for p in picked])))
+        codes.update(run(RankStart(rest, ranks, teams=[t for t in teams if not set(t) & set(ran)])))
     return picked, codes
 
 
-def listed_ranks(run: Runner, forwarding: Signals, ranks: List[int], staged: bool) -> Dict[int, int]:
+def _again(run: Runner, folder: str, ranks: List[int], teams: List[List[int]], local: bool) -> Dict[int, int]:
+    """Rank 0 runs again, its pipeline stage having stopped where it would hear a rank that did not
+    run: here with every rank of `ranks` (all at once, as they hear each other), on Dask with the ranks
+    of its pipeline, in one task (a rank there hears only the ranks that ended, and the others then
+    hear this pipeline's, ended); the exit statuses of the ranks run."""
+    # Its first run's end, claims (the rank hook's, a Dask task's) and what it sent are not this run's:
+    # its peers wait for the new one, which writes its snapshot in place of the first.
+    clear_statuses(folder)
+    shutil.rmtree(os.path.join(folder, COLLECTIVES), ignore_errors=True)
+    if local:
+        return run(RankStart(ranks, ranks))
+    team = next((t for t in teams if 0 in t), [0])
+    return run(RankStart(team, ranks, teams=[team]))
+
+
+def listed_ranks(run: Runner, forwarding: Signals, ranks: List[int], staged: bool, folder: str) -> Dict[int, int]:
     """The ranks --ranks names, each alone; their exit statuses. All at once; or `staged` (on Dask, where
     a rank hears only from ranks that ended before it), rank 0 first, so that every other rank hears
-    what it sends (a broadcast's object, its sizes), and no other rank when it failed or was stopped."""
+    what it sends (a broadcast's object, its sizes), and no other rank when it failed or was stopped.
+    Staged, the ranks of one pipeline hear each other as they run: rank 0 writes the job's layout
+    (emulate/layout.py), and each pipeline's ranks named run in one task; where rank 0's own stage
+    stopped to hear a rank of its pipeline, it runs again with them first, in one task."""
     if not staged or 0 not in ranks or len(ranks) == 1:
         return run(RankStart(ranks, ranks))
-    codes = run(RankStart([0], ranks))
-    if forwarding.received or codes.get(0) != 0:
+    path = os.path.join(folder, LAYOUT_FILE)
+    try:
+        codes = run(RankStart([0], ranks, extra={0: {LAYOUT: path}}))
+        layout = read_layout(path) if os.path.exists(path) else {}
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+    waits = layout.get("refused_from") if codes.get(0) != 0 and layout.get("stages") else None
+    if forwarding.received or (codes.get(0) != 0 and waits is None):
         print("memdiff: --dask: rank 0, run first, did not finish, so no other rank was run", file=sys.stderr)
         return codes
-    codes.update(run(RankStart([r for r in ranks if r], ranks)))
+    teams = pipelines(layout, ranks)
+    ran = [0]
+    if waits is not None:
+        print(f"memdiff: --dask: rank 0 runs again, with the ranks of its pipeline named, in one task: its stage "
+              f"hears its shapes from rank {waits}, which had not run", file=sys.stderr)
+        again = _again(run, folder, ranks, teams, local=False)
+        codes.update(again)
+        if forwarding.received:
+            return codes
+        ran = list(again)
+    codes.update(run(RankStart([r for r in ranks if r not in ran], ranks,
+                               teams=[t for t in teams if not set(t) & set(ran)])))
     return codes
 
 

@@ -100,8 +100,8 @@ def current() -> Optional[Layout]:
 
 
 def refused_from(rank: int) -> bool:
-    """Rank 0 stops: it cannot hear from `rank` (p2p.objects_from_sender), which --ranks auto then runs
-    with it. False where no layout is recorded (not --ranks auto's first run)."""
+    """Rank 0 stops: it cannot hear from `rank` (p2p.objects_from_sender), which memdiff record then runs
+    with it. False where no layout is recorded (not rank 0's first run of --ranks auto, or on --dask)."""
     layout = current()
     if layout is None:
         return False

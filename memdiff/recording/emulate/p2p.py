@@ -155,7 +155,7 @@ def objects_from_sender(real: Callable[..., Any]) -> Callable[..., Any]:
         where = called_at([(f["filename"], f["line"]) for f in python_frames()])
         if layout.refused_from(src):
             raise EmulationError("recv_object_list", f"from rank {src}{where}: its pipeline stage's shapes come "
-                                                     f"from rank {src}; --ranks auto runs this rank again with it")
+                                                     f"from rank {src}; memdiff runs this rank again with it")
         raise EmulationError("recv_object_list", f"from rank {src}, which does not run with this rank (a rank run "
                                                  f"alone, one --ranks did not name, or on --dask one that had not "
                                                  f"ended when this rank started){where}: what it sends (a pipeline "
