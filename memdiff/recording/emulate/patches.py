@@ -15,6 +15,7 @@ from torch.utils.weak import WeakTensorKeyDictionary
 from memdiff.recording.emulate.compiled import Planner
 from memdiff.recording.emulate.devices import cuda_index, names_cuda
 from memdiff.recording.emulate.escapes import refusing
+from memdiff.recording.emulate.failed_backward import dropping_queued_nodes
 from memdiff.recording.emulate.nvtx import Markers
 from memdiff.recording.emulate.runtime import Emulator
 
@@ -546,7 +547,9 @@ def cuda_answers_as(emulator: Emulator) -> Iterator[None]:
             lambda: [*foreach_devices(), "meta"])
     engine = torch.autograd._engine_run_backward
     replaced.append((torch.autograd, "_engine_run_backward", engine))
-    setattr(torch.autograd, "_engine_run_backward", _with_mode_on(engine, emulator))  # noqa: B010
+    # a failed backward drops what it left queued, as a GPU's autograd thread does (failed_backward.py)
+    setattr(torch.autograd, "_engine_run_backward",  # noqa: B010
+            dropping_queued_nodes(_with_mode_on(engine, emulator)))
     import torch.utils.checkpoint as checkpoint
 
     checks = getattr(checkpoint, "_allowed_determinism_checks_to_fns", None)
