@@ -10,7 +10,8 @@ AdamW steps at 8,192 tokens a sequence), run in a fresh process tree:
   takes at least as many microbatches as stages). Its answer is that the first stages run out of
   the H100's memory, which the plan says and the test allows: ranks that died of the emulated GPU's
   out-of-memory error, with their snapshots written.
-`--ranks auto` runs rank 0 first, reads the layout it built and runs one rank per role (pick.py).
+`--ranks auto` runs rank 0 first (the last rank beside it), reads the layout it built and runs one rank
+per role (pick.py).
 
 Measured from a wrapper process: wall seconds; CPU seconds of the whole tree; the largest single
 process's peak RSS (RUSAGE_CHILDREN); and the most memory the tree held at once (its processes' RSS
@@ -142,6 +143,6 @@ def test_every_distinct_rank_of_a_llama_job_on_two_cores(benchmark, tmp_path, si
     report(benchmark, wall_s=figures["wall"], cpu_s=figures["cpu"], ranks_run=figures["ranks"],
            largest_process_mib=figures["kib"] / 1024, tree_most_mib=figures["tree_kib"] / 1024,
            heaviest_rank_peak_gib=figures["max_peak_gib"], ranks_out_of_memory=figures["out_of_memory"])
-    # Issue 59's bounds, on a machine of 2 cores: the time, and one process's memory.
+    # Issue 59's bounds, on a machine of 2 cores: the time, and the memory (the ranks at once, summed).
     assert figures["wall"] < minutes * 60
-    assert figures["kib"] < 4 * 2**20
+    assert figures["tree_kib"] < 4 * 2**20
