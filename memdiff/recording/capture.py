@@ -195,10 +195,39 @@ def start_cpu(torch: Any) -> Callable[[], Any]:
     def finish() -> Any:
         profiler.__exit__(None, None, None)
         try:
-            return _snapshot(torch, profiler, to_snapshot)
+            snapshot = _snapshot(torch, profiler, to_snapshot)
         finally:
             _keep_code_run(False)
+        snapshot[CPU_HOST] = cpu_host(torch)
+        return snapshot
     return finish
+
+
+# The snapshot key under which a CPU capture says how this host runs half-precision convolutions
+# (docs/json.md, "The CPU host"); memdiff.read.host reads it.
+CPU_HOST = "memdiff_cpu_host"
+
+
+def cpu_host(torch: Any) -> Dict[str, Any]:
+    """How this host's torch runs bf16 and fp16 convolutions, which the fp32 run cannot show: with
+    oneDNN where torch has it, the user left it on and the CPU has the instructions (Convolution.cpp's
+    `use_mkldnn`: `mkldnn_bf16_device_check`, AVX-512 for bf16; AVX-512 FP16 or AMX for fp16),
+    else with ATen's `_slow_conv2d`, whose bias gradient sums through an fp32 copy of the output's
+    gradient. A question this torch cannot answer is left out."""
+    out: Dict[str, Any] = {"torch": str(torch.__version__)}
+    capability = getattr(getattr(torch.backends, "cpu", None), "get_cpu_capability", None)
+    if capability is not None:
+        out["cpu_capability"] = str(capability())
+    mkldnn = torch.backends.mkldnn
+    for precision in ("bf16", "fp16"):
+        supported = getattr(torch.ops.mkldnn, f"_is_mkldnn_{precision}_supported", None)
+        try:
+            answer = bool(supported()) if supported is not None else None
+        except RuntimeError:  # an op this build registers without a CPU kernel
+            answer = None
+        if answer is not None:
+            out[f"onednn_{precision}_convolutions"] = bool(mkldnn.is_available() and mkldnn.enabled and answer)
+    return out
 
 
 # The code objects `exec` ran (imports, the script's own module, exec'd code) while the profiler

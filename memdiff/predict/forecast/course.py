@@ -15,6 +15,7 @@ from memdiff.analyse.lifetimes import Scopes
 from memdiff.analyse.normalize.engine import summarize
 from memdiff.errors import InputError
 from memdiff.model import PhaseSpan, Step, Summary
+from memdiff.read.host import CpuHost, read_cpu_host
 from memdiff.read.inputs import is_summary, read_each, refuse_baseline
 from memdiff.read.load import decode, paused_gc, to_snapshot
 from memdiff.read.window import Window, windowed
@@ -61,6 +62,8 @@ class Course:
     value: int
     summary: Summary
     devices: Dict[int, DeviceCourse]
+    # What a CPU capture says of its host (half precision's convolutions); None for other runs.
+    host: Optional[CpuHost] = None
 
 
 def read_course(path: str, value: int, rules: Sequence[Rule], window: Optional[Window] = None) -> Course:
@@ -73,6 +76,7 @@ def read_course(path: str, value: int, rules: Sequence[Rule], window: Optional[W
             raise InputError(path, "a stored summary holds only the peak; a forecast or a what-if replays every "
                                    "allocation, so give it the snapshot itself")
         keep: Dict[int, Allocations] = {}
+        host = read_cpu_host(raw)
         snapshot = windowed(to_snapshot(path, raw, source, decoded), window)
         summary = summarize(snapshot, None, keep)
         # An allocation at event 0 opens there; any other that starts at 0 was live before the trace.
@@ -108,7 +112,7 @@ def read_course(path: str, value: int, rules: Sequence[Rule], window: Optional[W
             categories=names, before=before[order],
             origin=kind[order] if len(kind) else kind, origins=[stack.frames for stack, _ in allocations.kinds],
             scopes=scopes.get(d.device, []))
-    return Course(file=path, value=value, summary=summary, devices=devices)
+    return Course(file=path, value=value, summary=summary, devices=devices, host=host)
 
 
 def read_courses(runs: Sequence[KnobRun], rules: Sequence[Rule], window: Optional[Window] = None) -> List[Course]:

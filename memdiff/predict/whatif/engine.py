@@ -35,6 +35,7 @@ from memdiff.predict.whatif.blocks import blocks_of
 from memdiff.predict.whatif.edit import CannotApply, ChangeRule, Edit, changed_course, closest
 from memdiff.predict.whatif.optimizer import OPTIMIZERS, run_optimizer
 from memdiff.predict.whatif.run import Run, read_run
+from memdiff.read.host import CpuHost
 from memdiff.units import format_bytes
 
 SCHEMA_VERSION = 1
@@ -201,8 +202,9 @@ def headline(device: int, peak: int, phase: Optional[str], step: Optional[int], 
 
 def whatif_course(path: str, courses: Dict[int, DeviceCourse],
                   spans_steps: Dict[int, Tuple[List[PhaseSpan], List[Step]]], changes: Sequence[Change],
-                  budget: Optional[int]) -> WhatIf:
-    """The WhatIf of a read run: each device replayed with each change."""
+                  budget: Optional[int], host: Optional[CpuHost] = None) -> WhatIf:
+    """The WhatIf of a read run: each device replayed with each change (`host`: what a CPU capture
+    says of the host it ran on)."""
     if not courses:
         raise InputError(path, "no device records any allocation: nothing to replay")
     devices = []
@@ -210,6 +212,7 @@ def whatif_course(path: str, courses: Dict[int, DeviceCourse],
         course = courses[device]
         spans, steps = spans_steps[device]
         run = facts(course, spans, steps)
+        run.host = host
         blocks = run.blocks
         optimizer = run_optimizer(run)[0]
         asked = list(changes) or every_change(optimizer)
@@ -235,7 +238,7 @@ def whatif(path: str, changes: Sequence[str], rules: Sequence[Rule], budget: Opt
     parsed = [parse_change(t) for t in changes]
     course = read_course(path, 1, rules)
     structures = {d: structure(course.summary, d) for d in course.devices}
-    return whatif_course(path, course.devices, structures, parsed, budget)
+    return whatif_course(path, course.devices, structures, parsed, budget, course.host)
 
 
 def facts(course: DeviceCourse, spans: List[PhaseSpan], steps: List[Step]) -> Run:

@@ -17,6 +17,7 @@ from memdiff.model import PhaseSpan, Step
 from memdiff.predict.forecast.course import DeviceCourse
 from memdiff.predict.forecast.replay import Replayed, replay_course
 from memdiff.read.frames import NODE_NATIVE, PROFILER_NODE, SHARED_LIBRARY
+from memdiff.read.host import CpuHost
 
 # Loss computations that libraries run in fp32 whatever the model's precision (Hugging Face
 # upcasts the logits in its loss; log_softmax and nll_loss then stay fp32, and so do their grads).
@@ -99,6 +100,8 @@ class Run:
     # none), as blocks.blocks_of reads them: set by the engine before any rule runs.
     blocks: List[str] = field(default_factory=list)
     block: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    # What a CPU capture says of its host (memdiff.read.host): None for other runs.
+    host: Optional[CpuHost] = None
 
     def of(self, *names: str) -> np.ndarray:
         """Allocations of these categories."""
