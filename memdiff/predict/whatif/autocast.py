@@ -27,6 +27,8 @@ from memdiff.predict.whatif.precision import (
     not_float_note,
     reduction_buffers,
     reduction_note,
+    slow_conv_bias_copies,
+    slow_conv_note,
 )
 from memdiff.predict.whatif.run import (
     AUTOCAST_FP32,
@@ -248,6 +250,9 @@ def apply_autocast(run: Run, edit: Edit, value: str) -> None:
     logits = loss_upcasts(run)
     for start, end, size in logits:
         edit.add(start, end, size, "activation")
+    convolutions = slow_conv_bias_copies(run, value)
+    for start, end, size in convolutions:
+        edit.add(start, end, size, "autograd")
     shared = _shared_reads(run, (residual | np.isin(run.call, list(NORM_OPS))) & (run.phase == FORWARD))
     for k, products in shared:
         # The fp32 tensor itself is then kept by nothing: each product's half-size copy is.
@@ -322,7 +327,7 @@ def apply_autocast(run: Run, edit: Edit, value: str) -> None:
                                + (f", with an fp32 copy of a half-precision input the op keeps ({len(casts)} made)"
                                   if casts else "")
                                if full.any() else "") + not_float_note(kept) + reduction_note(staging)
-                            + loss_note(logits) + math_note(math))
+                            + loss_note(logits) + math_note(math) + slow_conv_note(convolutions, value))
 
 
 RULE = ChangeRule("autocast", one_of("autocast", PRECISIONS),

@@ -11,8 +11,17 @@ from typing import List, Optional, Tuple
 
 import numpy as np
 
+from memdiff.analyse.lifetimes import BACKWARD
 from memdiff.model import Frame
-from memdiff.predict.whatif.run import ATEN_OP, MATRIX_PRODUCTS, NOT_FLOAT_OPS, Run, forward_in_order, python_frame
+from memdiff.predict.whatif.run import (
+    ATEN_OP,
+    MATRIX_PRODUCTS,
+    NOT_FLOAT_OPS,
+    Run,
+    autograd_node,
+    forward_in_order,
+    python_frame,
+)
 from memdiff.read.source import source_line
 from memdiff.recording.emulate.gpus import kernels
 from memdiff.recording.emulate.reductions import arg_size, kernel
@@ -287,3 +296,52 @@ class BatchReads:
         if not len(live):
             return None
         return BatchRead(when, int(live[np.argmax(c.size[live])]))
+
+
+# The autograd node of a convolution's backward, as both routes' stacks name it.
+CONVOLUTION_NODE = "ConvolutionBackward0"
+
+
+def slow_conv_bias_copies(run: Run, precision: str) -> List[Tuple[int, int, int]]:
+    """(start, end, size) of the fp32 copy of each convolution's output gradient that its bias
+    gradient sums through, on a CPU capture's host whose convolutions in `precision` do not take
+    oneDNN (memdiff.read.host: without AVX-512, bf16's). There ATen's `_slow_conv2d_backward` sums
+    the half-precision gradient over (0, 2, 3), and a sum of a reduced-precision tensor on the CPU
+    accumulates in an fp32 copy of it (ReduceOps.cpp's `should_use_acc_buffer`): the output
+    gradient's elements at 4 bytes, made after the input's gradient and freed before the weight's
+    (the head's trace). The fp32 run cannot show it: its convolutions take oneDNN, which sums in
+    place. The output gradient is the backward's latest-made gradient still live when the node
+    makes its first allocation (what the node before it gave it, freed once it returns); a node
+    has a bias when it makes two parameter gradients, or, where gradients are kept between steps
+    (no fresh `gradient`), three allocations (the input's, the weight's, the bias's)."""
+    host = run.host
+    c = run.course
+    if host is None or not host.slow_convolutions(precision) or not c.origins or not len(c.origin):
+        return []
+    is_conv = np.array([autograd_node(frames) == CONVOLUTION_NODE for frames in c.origins], dtype=bool)[c.origin]
+    backward = np.flatnonzero(run.phase == BACKWARD)
+    backward = backward[np.argsort(c.start[backward], kind="stable")]
+    grads = backward[run.of("autograd")[backward]]
+    calls: List[Tuple[int, List[int]]] = []  # (the output gradient, the node's allocations)
+    for k in backward[is_conv[backward]].tolist():
+        if calls and c.end[calls[-1][0]] > c.start[k] and run.born_run[calls[-1][1][0]] == run.born_run[k]:
+            calls[-1][1].append(k)
+            continue
+        live = grads[(c.start[grads] < c.start[k]) & (c.end[grads] > c.start[k])
+                     & (run.born_run[grads] == run.born_run[k])]
+        if len(live):
+            calls.append((int(live[-1]), [k]))
+    out = []
+    for output_grad, made in calls:
+        fresh = int(run.of("gradient")[made].sum())
+        if fresh >= 2 or len(made) >= 3:
+            start = int(c.start[made[0]])
+            # The fp32 run's gradient is already the copy's size (every float tensor is taken as fp32 there).
+            out.append((start, start + 1, int(c.size[output_grad])))
+    return out
+
+
+def slow_conv_note(copies: List[Tuple[int, int, int]], precision: str) -> str:
+    """The assumption said when convolutions' bias gradients sum through fp32 copies (slow_conv_bias_copies)."""
+    return (f"; this CPU capture's host runs {precision} convolutions without oneDNN (ATen's _slow_conv2d): each "
+            f"bias gradient sums an fp32 copy of its output's gradient ({len(copies)} made)" if copies else "")

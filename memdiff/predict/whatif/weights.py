@@ -24,6 +24,8 @@ from memdiff.predict.whatif.precision import (
     not_float_note,
     reduction_buffers,
     reduction_note,
+    slow_conv_bias_copies,
+    slow_conv_note,
     variance_upcasts,
 )
 from memdiff.predict.whatif.run import SCALAR_BYTES, Run
@@ -56,6 +58,9 @@ def apply_weights(run: Run, edit: Edit, value: str) -> None:
         edit.add(start, end, size, "activation")
     for k, end in upcasts.released:
         edit.end[k] = min(int(edit.end[k]), end)
+    convolutions = slow_conv_bias_copies(run, value)
+    for start, end, size in convolutions:
+        edit.add(start, end, size, "autograd")
     edit.assumptions.append(f"{value} weights: parameters, gradients, optimizer state and activations in 2 bytes; "
                             + ("the loss (computed in fp32 by Hugging Face's loss functions), " if upcast else
                                "the loss too (the model's own cross entropy on its logits, no upcast); ")
@@ -65,7 +70,8 @@ def apply_weights(run: Run, edit: Edit, value: str) -> None:
                             + "inputs, int64 indices (max pooling's), "
                             "BLAS workspaces and one-element tensors keep their size; every float tensor is assumed "
                             "fp32 in the run" + not_float_note(kept) + reduction_note(staging) + math_note(math)
-                            + variance_note(upcasts) + loss_note(logits) + attention_note(attention))
+                            + variance_note(upcasts) + loss_note(logits) + attention_note(attention)
+                            + slow_conv_note(convolutions, value))
 
 
 def half_batches(run: Run, edit: Edit) -> Set[int]:
