@@ -141,6 +141,23 @@ def test_record_writes_the_snapshot_even_when_the_block_raises(torch, tmp_path):
     assert read_summary(str(path), load_rules()).devices[0].peak_bytes >= x.numel() * 4
 
 
+def test_a_cpu_capture_says_whether_its_host_s_half_precision_convolutions_take_onednn(torch, tmp_path):
+    """The fp32 run cannot show which path a bf16 or fp16 convolution takes on its host (oneDNN, or
+    ATen's _slow_conv2d, whose bias gradient sums through an fp32 copy): the CPU capture writes
+    PyTorch's own answers (Convolution.cpp's use_mkldnn: oneDNN built and enabled, and the CPU's
+    instructions for it) under memdiff_cpu_host."""
+    path = tmp_path / "cpu.pickle"
+    with record(str(path)):
+        torch.ones(256)
+    host = pickle.loads(path.read_bytes())["memdiff_cpu_host"]
+    mkldnn = torch.backends.mkldnn
+    assert host["onednn_bf16_convolutions"] == (mkldnn.is_available() and mkldnn.enabled
+                                                and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    assert host["onednn_fp16_convolutions"] == (mkldnn.is_available() and mkldnn.enabled
+                                                and torch.ops.mkldnn._is_mkldnn_fp16_supported())
+    assert host["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
+
+
 def test_record_without_torch_says_how_to_install_it(no_torch, tmp_path):
     with pytest.raises(CaptureError, match=r"capturing needs PyTorch: pip install torch \(without a GPU, its CPU build"):
         with record(str(tmp_path / "x.pickle")):
