@@ -90,10 +90,18 @@ WAITS_FOR_GO = textwrap.dedent("""
 
 @pytest.fixture(scope="module")
 def scheduler():
-    """The address of a LocalCluster of 2 worker processes, 1 thread each, for the module's tests."""
+    """The address of a LocalCluster of 2 worker processes, 1 thread each, for the module's tests. Its
+    workers ignore SIGINT, as workers started in the background by a shell do (`dask worker ADDRESS &`,
+    a CI step): what they start inherits that, and the Ctrl-C test hung (300 s) under CI, where the
+    whole run starts so, until each rank took SIGINT back at its default."""
     distributed = pytest.importorskip("distributed")
-    with distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=True, host="127.0.0.1",
-                                  dashboard_address=None) as cluster:
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # inherited by the processes it starts
+    try:
+        cluster = distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=True, host="127.0.0.1",
+                                           dashboard_address=None)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    with cluster:
         yield cluster.scheduler_address
 
 

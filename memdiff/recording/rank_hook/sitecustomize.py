@@ -353,6 +353,14 @@ def _end_with_lease():
     fd = os.environ.pop(LEASE_FD, "")
     if not fd.isdigit():
         return
+    # A rank a Dask worker starts inherits what the worker ignores, and exec keeps an ignored signal
+    # ignored: a worker started in the background by a shell (`dask worker ADDRESS &`, a CI runner's
+    # step) ignores SIGINT, so the rank would sleep through the Ctrl-C memdiff passes on. It takes both
+    # signals at their defaults, as memdiff's own children do.
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    if signal.getsignal(signal.SIGTERM) is signal.SIG_IGN:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
     fd = int(fd)
     try:
         if not stat.S_ISFIFO(os.fstat(fd).st_mode):
