@@ -222,36 +222,38 @@ def auto_ranks(run: Runner, forwarding: Signals, some: SomeRanks, folder: str,
         print(f"memdiff: --ranks auto: rank {chosen.rank}: {chosen.why}", file=sys.stderr)
     for note in notes:
         print(f"memdiff: --ranks auto: {note}", file=sys.stderr)
-    ranks = [p.rank for p in picked]
-    teams = pipelines(layout, ranks)
-    ran = first
     if waits is not None:
         print(f"memdiff: --ranks auto: running rank 0 again, with the ranks picked: its pipeline stage hears its "
               f"shapes from rank {waits}, which did not run with it the first time", file=sys.stderr)
-        again = _again(run, folder, ranks, teams, local=beside)
-        codes.update(again)
-        if forwarding.received:
-            return picked, codes
-        ran = list(again)
-    rest = [r for r in ranks if r not in ran]
-    if rest:
-        codes.update(run(RankStart(rest, ranks, teams=[t for t in teams if not set(t) & set(ran)])))
+    ranks = [p.rank for p in picked]
+    codes.update(_after_rank_0(run, forwarding, folder, ranks, first, waits is not None, local=beside,
+                               layout=layout))
     return picked, codes
 
 
-def _again(run: Runner, folder: str, ranks: List[int], teams: List[List[int]], local: bool) -> Dict[int, int]:
-    """Rank 0 runs again, its pipeline stage having stopped where it would hear a rank that did not
-    run: here with every rank of `ranks` (all at once, as they hear each other), on Dask with the ranks
-    of its pipeline, in one task (a rank there hears only the ranks that ended, and the others then
-    hear this pipeline's, ended); the exit statuses of the ranks run."""
-    # Its first run's end, claims (the rank hook's, a Dask task's) and what it sent are not this run's:
-    # its peers wait for the new one, which writes its snapshot in place of the first.
-    clear_statuses(folder)
-    shutil.rmtree(os.path.join(folder, COLLECTIVES), ignore_errors=True)
-    if local:
-        return run(RankStart(ranks, ranks))
-    team = next((t for t in teams if 0 in t), [0])
-    return run(RankStart(team, ranks, teams=[team]))
+def _after_rank_0(run: Runner, forwarding: Signals, folder: str, ranks: List[int], ran: List[int], again: bool,
+                  local: bool, layout: Dict[str, Any]) -> Dict[int, int]:
+    """The ranks of `ranks` that rank 0's first run did not run (`ran`), each pipeline's (in the layout)
+    in one task on Dask; their exit statuses. Where `again`, rank 0's pipeline stage stopped where it
+    would hear a rank that did not run, and rank 0 runs again first: here with every rank of `ranks`
+    (all at once, as they hear each other), on Dask with the ranks of its pipeline, in one task (a rank
+    there hears only the ranks that ended, and the others then hear this pipeline's, ended)."""
+    teams = pipelines(layout, ranks)
+    codes: Dict[int, int] = {}
+    if again:
+        # Its first run's end, claims (the rank hook's, a Dask task's) and what it sent are not this run's:
+        # its peers wait for the new one, which writes its snapshot in place of the first.
+        clear_statuses(folder)
+        shutil.rmtree(os.path.join(folder, COLLECTIVES), ignore_errors=True)
+        team = ranks if local else next((t for t in teams if 0 in t), [0])
+        codes.update(run(RankStart(team, ranks, teams=[team])))
+        if forwarding.received:
+            return codes
+        ran = team
+    rest = [r for r in ranks if r not in ran]
+    if rest:
+        codes.update(run(RankStart(rest, ranks, teams=[t for t in teams if not set(t) & set(ran)])))
+    return codes
 
 
 def listed_ranks(run: Runner, forwarding: Signals, ranks: List[int], staged: bool, folder: str) -> Dict[int, int]:
@@ -274,18 +276,10 @@ def listed_ranks(run: Runner, forwarding: Signals, ranks: List[int], staged: boo
     if forwarding.received or (codes.get(0) != 0 and waits is None):
         print("memdiff: --dask: rank 0, run first, did not finish, so no other rank was run", file=sys.stderr)
         return codes
-    teams = pipelines(layout, ranks)
-    ran = [0]
     if waits is not None:
         print(f"memdiff: --dask: rank 0 runs again, with the ranks of its pipeline named, in one task: its stage "
               f"hears its shapes from rank {waits}, which had not run", file=sys.stderr)
-        again = _again(run, folder, ranks, teams, local=False)
-        codes.update(again)
-        if forwarding.received:
-            return codes
-        ran = list(again)
-    codes.update(run(RankStart([r for r in ranks if r not in ran], ranks,
-                               teams=[t for t in teams if not set(t) & set(ran)])))
+    codes.update(_after_rank_0(run, forwarding, folder, ranks, [0], waits is not None, local=False, layout=layout))
     return codes
 
 
