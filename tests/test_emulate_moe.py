@@ -185,6 +185,44 @@ def test_sampling_loops_run_and_generate_stops_at_its_length(tmp_path):
     assert sizes[:2] == [16, 8000]
 
 
+BEAMS = """
+import sys
+import torch
+import transformers as T
+torch.manual_seed(0)
+# No end-of-sequence token: no beam can finish, so every GPU generates max_new_tokens for each of them
+model = T.GPT2LMHeadModel(T.GPT2Config(n_layer=2, n_head=4, n_embd=64, vocab_size=1000, bos_token_id=None,
+                                       eos_token_id=None)).cuda().eval()
+calls = []
+model.transformer.register_forward_hook(lambda *_: calls.append(1))
+ids = torch.randint(0, 1000, (2, 8), device="cuda")
+torch.cuda.memory._record_memory_history()
+with torch.no_grad():
+    for early_stopping in (False, True):
+        calls.clear()
+        out = model.generate(ids, num_beams=4, max_new_tokens=12, early_stopping=early_stopping, pad_token_id=0)
+        print(tuple(out.shape), len(calls))
+torch.cuda.memory._dump_snapshot(sys.argv[1])
+"""
+
+
+@pytest.mark.slow
+def test_beam_search_runs_every_beam_to_its_length(tmp_path):
+    # Beam search goes on while a running beam's score (log-probabilities: no values here) beats its worst
+    # finished one, -1e9 while none has finished: a sentinel that decides the comparison for any finite
+    # score. It stopped after one token, its output 9 columns wide.
+    pytest.importorskip("transformers")
+    done = _record(tmp_path, BEAMS, str(tmp_path / "own.pickle"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    # the prompt's 8 tokens and 12 new ones, one forward a token, with and without early stopping
+    assert done.stdout.splitlines()[-2:] == ["(2, 20) 12", "(2, 20) 12"]
+    # each layer's keys and values grow to the last step's 19 positions, for 2 prompts x 4 beams, 4 heads
+    # of 16 fp32 channels: 2 layers x (key, value) x 2 generate() calls
+    grown = [e for e in _trace(tmp_path / "own.pickle") if e["action"] == "alloc" and e["size"] == 8 * 4 * 19 * 16 * 4
+             and any(frame["name"] == "update" and "cache_utils" in frame["filename"] for frame in e["frames"])]
+    assert len(grown) == 2 * 2 * 2
+
+
 BINCOUNT = """
 import torch
 ids = torch.nn.Parameter(torch.randn(16, 4, device="cuda")).argmax(-1)  # from a weight: no values

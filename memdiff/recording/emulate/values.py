@@ -24,7 +24,9 @@ What a read-back gives where there is no value to read is one policy (docs/emula
 back"): a Python number (`.item()`, `float(t)`, a format) is the stand-in of `read_back_scalar`, a
 host copy (`.cpu()`, `.numpy()`, `.tolist()`) holds that number in every element, uninitialised
 memory (`torch.empty`) holds zeros, and the checks for an inf or a NaN (`isfinite`, `isnan`, ...)
-answer as for finite numbers: emulated tensors hold none.
+answer as for finite numbers: emulated tensors hold none. An op with an input without values still has
+one where its known operands decide it alone (DECIDED): `x | True`, `x & False`, a comparison with a
+sentinel such as -1e9, `where` of a known condition all true or all false.
 
 A router's choices (`topk` of a tensor without values: choices.py) and what is computed from them
 are `routed`: their values are kept at any size, past MAX_ELEMENTS, as the sizes that follow from
@@ -81,6 +83,16 @@ FINITENESS = {"isfinite": True, "isnan": False, "isinf": False, "isposinf": Fals
 # generate() never stopped.
 ABSORBING = {"bitwise_or": True, "logical_or": True, "bitwise_or_": True, "logical_or_": True,
              "bitwise_and": False, "logical_and": False, "bitwise_and_": False, "logical_and_": False}
+# Comparisons that a known sentinel decides. Code marks "nothing here" with a number no model computes
+# (-1e9, a dtype's lowest, -inf) and compares with it: Hugging Face's beam search asks whether a running
+# beam's score (a sum of log-probabilities, which has no values here) beats its worst finished one,
+# -1e9 while none has finished. Emulated tensors hold finite numbers (FINITENESS), and of a model's
+# size: against a known operand of magnitude SENTINEL or more, every element compares as zero would.
+# Without this the answer read as False, and beam search stopped after its first token.
+COMPARISONS = {"gt", "ge", "lt", "le", "eq", "ne"}
+SENTINEL = 1e9
+# Ops that can have a value though one input has none: what a known operand decides alone.
+DECIDED = {*ABSORBING, *COMPARISONS, "where"}
 
 
 class Values:
@@ -197,7 +209,7 @@ class Values:
         missing, found = [], []
         base = func._schema.name.split("::", 1)[-1]
         template = id(args[0]) if base in TEMPLATED and args else None
-        if not routed and base not in ABSORBING and any(
+        if not routed and base not in DECIDED and any(
                 isinstance(x, torch.Tensor) and x.is_meta and id(x) != template and x not in self.known
                 for x in _arguments(args, kwargs)):
             return None  # an input without values (most ops of a model): below would find it missing, slower
@@ -221,7 +233,7 @@ class Values:
         if big and (missing or sum(t.numel() for t in outputs) > sum(found)):
             return None
         if missing:
-            return self._absorbed(func, cpu_args, outputs)
+            return _decided(base, args, cpu_args, outputs)
         try:
             result = func(*cpu_args, **cpu_kwargs)
         except Exception:  # an op the CPU does not run as the device would (dtype support): no value
@@ -245,27 +257,75 @@ class Values:
             return None
         return drawing, {**kwargs, "generator": generator}
 
-    @staticmethod
-    def _absorbed(func: Any, cpu_args: Tuple[Any, ...], outputs: list) -> Optional[list]:
-        """The value of an `or`/`and` that one known operand decides (ABSORBING), else None: an `or` with
-        an operand all true is all true; an `and` with an operand all false or zero is all zero, in the
-        output's dtype (`unfinished & ~done` is a long tensor)."""
-        absorbing = ABSORBING.get(func._schema.name.split("::", 1)[-1])
-        if absorbing is None or len(outputs) != 1 or outputs[0].is_floating_point() or outputs[0].is_complex():
-            return None
-        out = outputs[0]
-        if absorbing and out.dtype != torch.bool:
-            return None  # an integer `or` is decided only by all bits set, which no mask or count holds
-        for known in cpu_args[:2]:
-            if isinstance(known, (bool, int)) and not isinstance(known, torch.Tensor):
-                decides = known is True if absorbing else known == 0
-            elif isinstance(known, torch.Tensor) and not known.is_floating_point() and known.numel():
-                decides = bool(known.all()) if absorbing else not bool(known.any())
-            else:
-                continue
-            if decides:
-                return [torch.full(out.shape, absorbing, dtype=out.dtype)]
+
+def _absorbed(base: str, cpu_args: Tuple[Any, ...], outputs: list) -> Optional[list]:
+    """The value of an `or`/`and` that one known operand decides (ABSORBING), else None: an `or` with
+    an operand all true is all true; an `and` with an operand all false or zero is all zero, in the
+    output's dtype (`unfinished & ~done` is a long tensor)."""
+    absorbing = ABSORBING[base]
+    if len(outputs) != 1 or outputs[0].is_floating_point() or outputs[0].is_complex():
         return None
+    out = outputs[0]
+    if absorbing and out.dtype != torch.bool:
+        return None  # an integer `or` is decided only by all bits set, which no mask or count holds
+    for known in cpu_args[:2]:
+        if isinstance(known, (bool, int)) and not isinstance(known, torch.Tensor):
+            decides = known is True if absorbing else known == 0
+        elif isinstance(known, torch.Tensor) and not known.is_floating_point() and known.numel():
+            decides = bool(known.all()) if absorbing else not bool(known.any())
+        else:
+            continue
+        if decides:
+            return [torch.full(out.shape, absorbing, dtype=out.dtype)]
+    return None
+
+def _decided(base: str, args: Tuple[Any, ...], cpu_args: Tuple[Any, ...], outputs: list) -> Optional[list]:
+    """The value of op `base` (DECIDED), some of whose device inputs have no values (None among
+    `cpu_args`), where its known operands decide it alone; else None."""
+    if base in ABSORBING:
+        return _absorbed(base, cpu_args, outputs)
+    if base in COMPARISONS:
+        return _against_sentinel(base, args, cpu_args, outputs)
+    if base == "where":
+        return _selected(cpu_args, outputs)
+    return None
+
+
+def _against_sentinel(base: str, args: Tuple[Any, ...], cpu_args: Tuple[Any, ...], outputs: list) -> Optional[list]:
+    """Comparison `base` of a float without values with a known sentinel (COMPARISONS): every element
+    of the unknown side compares as zero does, broadcast to the output's shape; else None."""
+    if len(outputs) != 1 or len(cpu_args) < 2:
+        return None
+    sides = list(cpu_args[:2])
+    unknown = [i for i, v in enumerate(sides) if v is None]
+    if len(unknown) != 1:
+        return None
+    i = unknown[0]
+    template, known = args[i], sides[1 - i]
+    if not isinstance(template, torch.Tensor) or not template.is_floating_point():
+        return None
+    known_values = known if isinstance(known, torch.Tensor) else torch.tensor(known)
+    if isinstance(known, bool) or known_values.is_complex() or known_values.numel() == 0 \
+            or not bool((known_values.double().abs() >= SENTINEL).all()):
+        return None
+    sides[i] = torch.zeros((), dtype=template.dtype)
+    answer = getattr(torch, base)(*sides)
+    return [answer.to(outputs[0].dtype).expand(outputs[0].shape).clone()]  # small (MAX_ELEMENTS): writable
+
+
+def _selected(cpu_args: Tuple[Any, ...], outputs: list) -> Optional[list]:
+    """`where(condition, a, b)` with a known condition all true (all false) and a (b) known: that
+    operand, broadcast to the output's shape, whatever the other holds; else None."""
+    if len(outputs) != 1 or len(cpu_args) != 3 or not isinstance(cpu_args[0], torch.Tensor):
+        return None
+    condition, a, b = cpu_args
+    if condition.numel() == 0:
+        return None
+    chosen = a if bool(condition.all()) else b if not bool(condition.any()) else None
+    if chosen is None:
+        return None
+    out = outputs[0]
+    return [torch.as_tensor(chosen).to(out.dtype).expand(out.shape).clone()]
 
 
 @functools.lru_cache(maxsize=None)
