@@ -775,3 +775,47 @@ def test_collectives_coalesced_as_megatrons_distributed_optimizer_batches_them_r
     assert done.returncode == 0, done.stderr[-3000:]
     # every rank's shard of ones gathered; the counts summed over the two ranks
     assert done.stdout.splitlines() == ["gathered 512.0 summed [2.0, 2.0, 2.0, 2.0]"]
+
+
+# FSDP1 wraps a module built on the CPU and moves it to its device_id by `param.data = param.to(device)`.
+FSDP1_FROM_THE_CPU = textwrap.dedent("""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    dist.init_process_group("nccl")
+    torch.cuda.set_device(dist.get_rank())
+    # set_data on its own: the Parameter object, its attributes and requires_grad stay; its storage moves
+    weight = torch.nn.Parameter(torch.randn(8, 8))
+    weight.tag = "kept"
+    same = weight
+    weight.data = weight.to("cuda")
+    print("moved", same is weight, weight.is_cuda, weight.requires_grad, weight.tag, tuple(weight.shape), flush=True)
+    model = torch.nn.Sequential(torch.nn.Linear(1000, 1000), torch.nn.ReLU(), torch.nn.Linear(1000, 10))
+    numel = sum(p.numel() for p in model.parameters())
+    model = FullyShardedDataParallel(model, device_id=torch.cuda.current_device())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for _ in range(2):
+        model(torch.randn(16, 1000, device="cuda")).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    print("numel", numel, dist.get_world_size(), flush=True)
+""")
+
+
+def test_fsdp1_wraps_a_module_built_on_the_cpu_and_shards_it(torch, tmp_path):
+    # A host tensor cannot take a meta tensor as its .data: FSDP1 stopped at its first move to device_id
+    # ("variable and tensor have incompatible tensor type"), and so did Lightning's strategy="fsdp".
+    (tmp_path / "train.py").write_text(FSDP1_FROM_THE_CPU)
+    done = _emulated(tmp_path, "runs/", *torchrun("train.py"), ranks="1")
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = {line.split()[0]: line.split()[1:] for line in done.stdout.splitlines()
+             if line.startswith(("moved", "numel"))}
+    assert lines["moved"] == ["True", "True", "True", "kept", "(8,", "8)"]
+    numel, world = int(lines["numel"][0]), int(lines["numel"][1])
+    d = read_summary(str(tmp_path / "runs" / "rank1.pickle"), load_rules()).devices[0]
+    # rank 1's shard of the one flat parameter, padded to the world size (the 8 x 8 weight moved by hand is a
+    # `.to("cuda")` of the script's own, which reads as its input, as on a GPU)
+    shard = math.ceil(numel / world) * 4
+    assert d.categories["parameter"] == shard
+    assert d.categories["optimizer_state"] >= 2 * shard  # AdamW's two moments of the shard (and its steps)

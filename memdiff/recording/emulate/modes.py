@@ -21,6 +21,7 @@ from memdiff.recording.emulate import (
     dynamic,
     legacy,
     masks,
+    moved,
     p2p,
     printing,
     reductions,
@@ -148,6 +149,7 @@ def _from_the_emulator() -> bool:
     return frame is not None and frame.f_code.co_filename.startswith(HERE)
 
 
+_SET_DATA = TensorBase.data.__set__  # `tensor.data = other`: compared with ==, a new wrapper each time
 _MODE_FILES = ("torch/overrides.py", "torch/utils/_device.py", "torch/utils/_python_dispatch.py")
 
 
@@ -174,6 +176,9 @@ class DeviceMode(TorchFunctionMode):
             if owner is TensorBase.is_meta:
                 return bool(func(*args, **kwargs)) and placement.on_meta(args[0])
             return func(*args, **kwargs)
+        if func == _SET_DATA and len(args) == 2 and isinstance(args[1], torch.Tensor) \
+                and self.on_gpu(args[0]) != self.on_gpu(args[1]) and moved.set_data(args[0], args[1]):
+            return None  # `param.data = param.to(device)` across the host and the GPU (moved.py)
         if func is torch.Tensor.__format__ and self.on_gpu(args[0]):
             return printing.formatted(self, args[0], args[1] if len(args) > 1 else kwargs.get("format_spec", ""))
         if func is torch.Tensor.__repr__ and self.on_gpu(args[0]):

@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import time
 import types
-import weakref
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
@@ -16,6 +15,7 @@ from memdiff.recording.emulate.compiled import Planner
 from memdiff.recording.emulate.devices import cuda_index, names_cuda
 from memdiff.recording.emulate.escapes import refusing
 from memdiff.recording.emulate.failed_backward import dropping_queued_nodes
+from memdiff.recording.emulate.moved import kept
 from memdiff.recording.emulate.nvtx import Markers
 from memdiff.recording.emulate.runtime import Emulator
 
@@ -677,27 +677,6 @@ def _keeping_ties(apply: Callable[..., Any]) -> Callable[..., Any]:
             if id(before) in first:
                 table[name] = first[id(before)]
             else:
-                first[id(before)] = table[name] = _kept(before, table[name])
+                first[id(before)] = table[name] = kept(before, table[name])
         return out
     return _apply
-
-
-def _kept(before: Any, now: Any) -> Any:
-    """The Parameter `before` holding `now`'s tensor, where torch made `now` a new Parameter for it;
-    `now` where the two cannot be swapped (another holder of its tensor, a weak reference to `now`)."""
-    if now is before or not isinstance(before, torch.nn.Parameter) or type(now) is not type(before):
-        return now
-    if weakref.getweakrefs(before) and before._use_count() == 1 and now._use_count() == 1:
-        # A weak reference to the Parameter (DeepSpeed keeps one to every weight, utils/debug.py)
-        # goes on naming it, as on the GPU, whose `param.data = moved` keeps the object; swap_tensors
-        # refuses any object so referenced, so the tensors under the two are swapped here, where no
-        # other holder of either tensor (a use count of 1) can see the exchange. Its attributes stay.
-        torch._C._swap_tensor_impl(before, now)
-        return before
-    attributes = dict(before.__dict__)  # the set_data the GPU runs keeps them; a swap would not
-    try:
-        torch.utils.swap_tensors(before, now)
-    except RuntimeError:
-        return now
-    before.__dict__.update(attributes)
-    return before
