@@ -163,3 +163,88 @@ def test_nodes_finds_the_fewest_nodes_running_only_the_picked_ranks(tmp_path, to
     assert gpu["fits"]["reserved_peak_bytes"] <= gpu["limit_bytes"] < gpu["fails"]["reserved_peak_bytes"]
     assert gpu["fails"]["peak_bytes"] >= 5 * weights // 2 and gpu["fits"]["peak_bytes"] <= 2 * weights  # by hand
     assert 2 * weights < gpu["limit_bytes"] < 5 * weights // 2 * 1.3
+
+
+LIGHTNING_RANKS = '''
+import sys
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+NODES = int(sys.argv[1])
+
+
+class Tiny(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
+
+    def on_train_start(self):
+        if self.global_rank == 1:  # a rank that holds more than rank 0: 64 MiB over the nodes
+            self.held = torch.zeros((64 << 20) // 4 // NODES, device=self.device)
+
+    def training_step(self, batch, _):
+        x, y = batch
+        return torch.nn.functional.cross_entropy(self.net(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+if __name__ == "__main__":
+    data = DataLoader(TensorDataset(torch.randn(32, 32), torch.randint(0, 4, (32,))), batch_size=8)
+    trainer = L.Trainer(accelerator="gpu", devices=2, num_nodes=NODES, strategy="ddp", max_steps=2, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(Tiny(), data)
+'''
+
+
+@pytest.mark.slow
+def test_a_script_whose_lightning_launcher_starts_its_ranks_is_judged_by_every_rank_it_starts(tmp_path, torch):
+    # `python train.py NODES` whose Trainer(devices=2, num_nodes=NODES) starts its rank 1 itself. Rank 1 met the
+    # machine's own torch ("No supported gpu backend found!") and died, and fit judged the job by rank 0 alone:
+    # it fitted at 1 node. A job of 2 nodes here is its first node's ranks (the second node's never start), which
+    # waited for the second node's collectives for the group's timeout.
+    pytest.importorskip("lightning")
+    from memdiff import api
+
+    script = tmp_path / "train.py"
+    script.write_text(LIGHTNING_RANKS)
+    done = memdiff("fit", "--emulate", "l4", "--max-memory", "0.003", "--range", "nodes=1:2", "--jobs", "1",
+                   "-o", f"{tmp_path}/runs/", "--format", "json", "--", sys.executable, str(script), "{nodes}")
+    assert done.returncode == 0, done.stderr
+    (gpu,) = json.loads(done.stdout)["gpus"]
+    assert gpu["value"] == 2 and gpu["fails"]["value"] == 1 and gpu["fails"]["outcome"] == "over-limit"
+    for run, nodes in ((gpu["fails"], 1), (gpu["fits"], 2)):
+        own = Path(run["snapshot"])
+        started = own.with_name(f"{own.stem}.rank1.pickle")  # rank 1's snapshot, beside the script's own
+        rank0, rank1 = (api.summarize(p).devices[0] for p in (own, started))
+        # DDP's ranks are alike but for what rank 1 holds, which the model says: 64 MiB over the nodes
+        assert rank1.peak_bytes - rank0.peak_bytes == (64 << 20) // nodes
+        assert run["peak_bytes"] == rank1.peak_bytes and run["site"].startswith("rank 1: ")
+        assert rank0.reserved_peak_bytes < gpu["limit_bytes"]  # rank 0 alone fits at either value
+    assert gpu["fits"]["ranks_run"] == [0, 1] and gpu["fits"]["world_size"] == 4
+    assert gpu["fits"]["ranks_how"] == "first node" and gpu["fails"].get("ranks_run") is None
+    assert "ran ranks 0-1 of 4 (its first node's" in gpu["line"]
+
+
+@pytest.mark.slow
+def test_a_job_of_two_nodes_its_lightning_launcher_starts_records_its_first_node(tmp_path, torch):
+    # `record -o runs/ -- python train.py 2`: rank 0 and the rank 1 it starts waited for the second node's ranks,
+    # which never start here, in DDP's first collective, for the group's timeout (30 minutes).
+    pytest.importorskip("lightning")
+    script = tmp_path / "train.py"
+    script.write_text(LIGHTNING_RANKS)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, "-m", "memdiff", "record", "--emulate", "l4", "-o", f"{tmp_path}/runs/",
+                           "--", sys.executable, str(script), "2"], capture_output=True, text=True, env=env,
+                          cwd=tmp_path, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "(ranks 0-1, its first node's, as its Lightning launcher starts them)" in done.stderr
+    manifest = json.loads((tmp_path / "runs" / "memdiff-job.json").read_text())
+    assert (manifest["world_size"], manifest["emulated_ranks"], manifest["first_node"]) == (4, [0, 1], True)
+    assert [r["state"] for r in manifest["ranks"]] == ["written", "written", "not emulated", "not emulated"]
+    ranks = memdiff("ranks", f"{tmp_path}/runs/")
+    assert ranks.returncode == 0, ranks.stderr
+    assert "2 ranks of 4 ranks emulated, its first node's" in ranks.stderr

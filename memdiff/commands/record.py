@@ -366,7 +366,8 @@ def _report_job(folder: str, before: Dict[str, int], status: int, shown: str,
         sizes = ", ".join(f"{n} {format_bytes(os.path.getsize(os.path.join(folder, n)))}" for n in written)
         job = f" of a job of {manifest.world_size:,} rank{'s' if manifest.world_size != 1 else ''}" if manifest else ""
         if manifest is not None and manifest.emulated is not None:
-            job += f" (rank{'s' if len(manifest.emulated) != 1 else ''} {ranges(manifest.emulated)}, each run alone)"
+            how = "its first node's, as its Lightning launcher starts them" if manifest.first_node else "each run alone"
+            job += f" (rank{'s' if len(manifest.emulated) != 1 else ''} {ranges(manifest.emulated)}, {how})"
         # A job is read with `ranks`; files of processes without RANK are read one by one.
         read = (f"memdiff ranks {shell(shown)}" if manifest
                 else f"memdiff peak {shell(os.path.join(shown, written[0]))}")

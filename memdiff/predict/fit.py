@@ -36,7 +36,7 @@ from memdiff.inert import text
 from memdiff.model import Finding
 from memdiff.predict.fit_notes import LONG_RUN_S, failed_above, long_run
 from memdiff.recording.emulate.gpus import Gpu
-from memdiff.recording.fitrun import FITS, OOM, checked, child, finished, launched_child, stop
+from memdiff.recording.fitrun import FIRST_NODE, FITS, OOM, checked, child, finished, launched_child, stop
 from memdiff.units import format_bytes
 
 SCHEMA_VERSION = 1
@@ -102,6 +102,7 @@ class FitRun:
     # a launched job run as its picked ranks (--ranks auto): those ranks, and the job's size; None: run whole
     ranks_run: Optional[List[int]] = None
     world_size: Optional[int] = None
+    ranks_how: Optional[str] = None  # with ranks_run: ONE_PER_ROLE or FIRST_NODE (fitrun.py)
 
     @property
     def fits(self) -> bool:
@@ -452,6 +453,9 @@ def _ranks_said(run: Optional[FitRun]) -> str:
         return ""
     from memdiff.read.job import ranges
 
+    if run.ranks_how == FIRST_NODE:
+        return (f"; at {run.value:,} ran ranks {ranges(run.ranks_run)} of {run.world_size:,} (its first node's, "
+                f"which its Lightning launcher starts here), the other nodes' not run")
     if len(run.ranks_run) == run.world_size:  # every role is a rank of its own: none was left out
         return f"; at {run.value:,} ran each of its {run.world_size:,} ranks alone (--ranks auto)"
     return (f"; at {run.value:,} ran ranks {ranges(run.ranks_run)} of {run.world_size:,} (one per role, "
@@ -534,7 +538,7 @@ def _outcome(r: _Running, sent: Optional[Dict[str, Any]], limit: int, value: int
                   peak_bytes=sent["peak_bytes"], reserved_peak_bytes=sent["reserved_peak_bytes"],
                   phase=sent["phase"], step=sent["step"], site=sent["site"], oom_message=sent["oom_message"],
                   seconds=round(sent["seconds"], 2), cpu_seconds=round(sent["cpu_seconds"], 2), why=r.why,
-                  ranks_run=sent.get("ranks_run"), world_size=sent.get("world_size"))
+                  ranks_run=sent.get("ranks_run"), world_size=sent.get("world_size"), ranks_how=sent.get("ranks_how"))
 
 
 def run_fit(command: Sequence[str], gpus: Sequence[Gpu], output: str, grid: Grid, max_memory: float,

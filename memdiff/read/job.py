@@ -90,6 +90,7 @@ class Job:
     exit_status: Optional[int] = None  # how the recorded job's command ended, as its manifest says
     emulated: Optional[List[int]] = None  # the ranks that ran, when only some did (record --ranks); None: all
     picked: bool = False  # whether record --ranks auto picked them, one per role
+    first_node: bool = False  # whether they are its first node's, as a script's own Lightning launcher starts them
 
     def unfinished(self) -> Optional[str]:
         """Why the job's memory is no finished run's, when its manifest says its command failed."""
@@ -108,7 +109,11 @@ class Job:
         if self.beyond:
             parts.append(f"{_shown(self.beyond)}: not of this job, whose {MANIFEST} says "
                          f"{count_of(self.world_size or 0, 'rank')} (an earlier run's?): not read")
-        if self.emulated is not None:
+        if self.emulated is not None and self.first_node:
+            parts.append(f"{count_of(len(self.emulated), 'rank')} of {count_of(self.world_size or 0, 'rank')} "
+                         f"emulated, its first node's, as its Lightning launcher starts them here: the other "
+                         f"nodes' were not run")
+        elif self.emulated is not None:
             parts.append(f"{count_of(len(self.emulated), 'rank')} of {count_of(self.world_size or 0, 'rank')} "
                          f"emulated, each alone (record --ranks {self._asked()}): "
                          f"the others were not run")
@@ -181,7 +186,8 @@ def discover(arg: str, rank_pattern: Optional[str] = None, allow_missing: bool =
         raise InputError(arg, f"{len(missing):,} rank(s) missing of 0-{expected - 1}{said}: {ranges(missing)} "
                               f"(--allow-missing-ranks to read the job anyway)")
     return Job([RankFile(rank, by_rank[rank]) for rank in sorted(by_rank)], missing, extra, beyond_names, world_size,
-               recorded.exit_status if recorded else None, emulated, bool(recorded and recorded.picked))
+               recorded.exit_status if recorded else None, emulated, bool(recorded and recorded.picked),
+               bool(recorded and recorded.first_node))
 
 
 def ranges(numbers: Sequence[int]) -> str:

@@ -18,6 +18,9 @@ from typing import Any, Dict, List, Optional, Protocol, Sequence, Tuple, TypeVar
 
 # How each run ended.
 FITS, OOM, FAILED = "fits", "oom", "failed"
+# How the ranks that ran of a job some of whose ranks did not were chosen: by `--ranks auto`, or as the
+# ranks of its first node that a script's own Lightning launcher starts (its other nodes' never start here).
+ONE_PER_ROLE, FIRST_NODE = "one per role", "first node"
 LOG_TAIL_LINES = 12  # lines of a failed run's output its one-line error quotes
 STOP_S = 60  # how long an interrupted run may take to write its snapshot
 
@@ -47,6 +50,7 @@ class RunOutcome:
     steps: Optional[int] = None  # the training steps the snapshot holds (fit's note on a long run counts them)
     ranks_run: Optional[List[int]] = None  # a launched job run as its picked ranks: those (None: run whole)
     world_size: Optional[int] = None  # a launched job's ranks, run or not
+    ranks_how: Optional[str] = None  # with ranks_run: how they were chosen (ONE_PER_ROLE, FIRST_NODE)
 
     def to_dict(self) -> Dict[str, Any]:
         """The outcome as sent back to the parent."""
@@ -88,14 +92,16 @@ def run_emulated(gpu: str, target: List[str], snapshot: str, log: str, max_entri
     """Run `target` (`[SCRIPT, ARGS...]` or `[-m, MODULE, ARGS...]`) on emulated `gpu`, writing its snapshot
     to `snapshot` and its output to `log`; with `change` (`memdiff whatif --change`'s parts, maybe none),
     those changes made inside the emulator (emulate/changes) and what they did reported."""
+    import argparse
     import contextlib
     import time
 
-    from memdiff.commands.record import _run_target
+    from memdiff.commands.record import _children_emulated, _run_target
     from memdiff.errors import EXIT_BAD_INPUT, InputError
     from memdiff.recording.capture import record, torch_module
     from memdiff.recording.emulate.changes import applying
     from memdiff.recording.emulate.gpus import gpu as gpu_named
+    from memdiff.recording.emulate.overlay_calls import for_run
     from memdiff.recording.emulate.runtime import Emulator
     from memdiff.recording.emulate.session import emulating
 
@@ -103,19 +109,42 @@ def run_emulated(gpu: str, target: List[str], snapshot: str, log: str, max_entri
     started = time.monotonic()
     refused: Optional[str] = None
     emulator = Emulator(gpu_named(gpu))
-    with emulating(emulator), contextlib.ExitStack() as changes:
-        session = changes.enter_context(applying(change)) if change is not None else None
-        with record(snapshot, max_entries=max_entries):
-            try:
-                status = _run_target(target, emulated=True)
-            except InputError as exc:  # the emulator refused an op: the script cannot be fitted as it is
-                refused, status = f"{exc.path}: {exc.message}", EXIT_BAD_INPUT
-            except KeyboardInterrupt:
-                status = 130
-    sys.stdout.flush()
-    sys.stderr.flush()
-    oom = emulator.out_of_memory[0] if emulator.out_of_memory else None
+    hook = argparse.Namespace(max_entries=max_entries, stacks="all", steps=None, emulate=gpu, gpus=None)
+    with contextlib.ExitStack() as run:
+        # The run's overlay, and in it the folder that the processes the script starts record into (its
+        # Lightning launcher's other ranks, torch.multiprocessing's workers): each on the emulated GPU, as
+        # `memdiff record -o FILE` runs them. Without it they met the machine's own torch and died ("No
+        # supported gpu backend found!"), and the run was judged by the script's own process alone.
+        root = run.enter_context(for_run([snapshot], None, os.path.dirname(os.path.abspath(snapshot)), [],
+                                         lambda _: None))
+        processes = run.enter_context(_children_emulated(hook, root))
+        assert processes is not None  # emulated, with the overlay's folder: _children_emulated made it
+        with emulating(emulator), contextlib.ExitStack() as changes:
+            session = changes.enter_context(applying(change)) if change is not None else None
+            with record(snapshot, max_entries=max_entries):
+                try:
+                    status = _run_target(target, emulated=True)
+                except InputError as exc:  # the emulator refused an op: the script cannot be fitted as it is
+                    refused, status = f"{exc.path}: {exc.message}", EXIT_BAD_INPUT
+                except KeyboardInterrupt:
+                    status = 130
+        sys.stdout.flush()
+        sys.stderr.flush()
+        children = started_processes(processes, snapshot)
+    oom = emulator.out_of_memory[0] if emulator.out_of_memory else children.out_of_memory
+    refused = refused or children.refused
+    if status == 0 and children.failed is not None:  # a rank that died fails the job, as on GPUs
+        print(f"memdiff: {children.failed}", file=sys.stderr)
+        status = 1
+    # The script's own process is rank 0 of the job its launcher starts: where the job's other nodes never
+    # started (a job of several nodes run as `python train.py`), the answer says which ranks ran.
+    ran = sorted({0, *children.ranks})
+    some = children.world_size is not None and children.world_size > len(ran)
     facts = _summary_facts(snapshot, rules) if os.path.exists(snapshot) else {}
+    for name, path in children.files:
+        theirs = _summary_facts(path, rules)
+        if theirs and (theirs["reserved_peak_bytes"] or 0) > (facts.get("reserved_peak_bytes") or -1):
+            facts = {**theirs, "site": f"{name}: {theirs['site']}"}
     seconds = time.monotonic() - started
     used = resource.getrusage(resource.RUSAGE_SELF)  # a forked process's count starts at its fork
     ended = OOM if oom is not None else FITS if status == 0 else FAILED
@@ -126,7 +155,51 @@ def run_emulated(gpu: str, target: List[str], snapshot: str, log: str, max_entri
                       cpu_seconds=used.ru_utime + used.ru_stime,
                       change_notes=None if session is None else session.notes,
                       change_unmade=None if session is None else session.unmade(),
-                      seen=None if session is None else session.seen, steps=facts.get("steps"))
+                      seen=None if session is None else session.seen, steps=facts.get("steps"),
+                      ranks_run=ran if some else None, world_size=children.world_size if some else None,
+                      ranks_how=FIRST_NODE if some else None)
+
+
+@dataclass(frozen=True)
+class Started:
+    """What the processes a script started on the emulated GPU left (its Lightning launcher's other ranks,
+    torch.multiprocessing's ranks): their snapshots, copied beside the run's, and how they ended."""
+
+    files: List[Tuple[str, str]]  # (what it was: "rank 1", "process 123"; its snapshot's copy), ranks first
+    out_of_memory: Optional[str]  # the first one's error, "rank 1: CUDA out of memory. ..."
+    refused: Optional[str]  # the first op refused in one of them
+    failed: Optional[str]  # the first that died or left no snapshot, and why
+    ranks: List[int]  # the job's ranks among them
+    world_size: Optional[int]  # the job's size, as they said it (None: no rank among them)
+
+
+def started_processes(processes: str, snapshot: str) -> Started:
+    """Read the statuses and snapshots the processes the run's script started left in `processes` (the
+    folder `record -o FILE` gives them), copying each snapshot beside `snapshot` (`STEM.rank1.pickle`,
+    `STEM.pid123.pickle`)."""
+    import shutil
+
+    from memdiff.recording.manifest import NOT_EMULATED, NOT_STARTED, collect
+
+    manifest = collect(processes, keep=True)
+    ranks = [r for r in manifest.ranks if r.state not in (NOT_STARTED, NOT_EMULATED)] if manifest is not None else []
+    missing = set(manifest.missing(processes)) if manifest is not None else set()
+    stem = snapshot[:-len(".pickle")] if snapshot.endswith(".pickle") else snapshot
+    files: List[Tuple[str, str]] = []
+    written = [(f"rank {r.rank}", r.file) for r in ranks if r not in missing and r.file] + \
+        [(f"process {n[3:-len('.pickle')]}", n) for n in sorted(os.listdir(processes))
+         if n.startswith("pid") and n.endswith(".pickle")]
+    for name, file in written:
+        copy = f"{stem}.{file}"
+        shutil.copyfile(os.path.join(processes, file), copy)
+        files.append((name, copy))
+    return Started(
+        files=files, ranks=[r.rank for r in ranks], world_size=manifest.world_size if manifest is not None else None,
+        out_of_memory=next((f"rank {r.rank}: {r.out_of_memory}" for r in ranks if r.out_of_memory), None),
+        refused=next((f"rank {r.rank}: {r.refused}" for r in ranks if r.refused), None),
+        failed=next((f"rank {r.rank} the script started died: {r.died}" if r.died else
+                     f"rank {r.rank} the script started left no snapshot: {r.why_missing()}"
+                     for r in ranks if r.died or r in missing), None))
 
 
 def child(conn: Any, gpu: str, target: List[str], snapshot: str, log: str, max_entries: int, rules: Sequence[Any],
@@ -197,7 +270,8 @@ def run_launched(gpu: str, command: List[str], folder: str, log: str, max_entrie
                       peak_bytes=facts.get("peak_bytes"), reserved_peak_bytes=facts.get("reserved_peak_bytes"),
                       phase=facts.get("phase"), step=facts.get("step"), site=facts.get("site"), seconds=seconds,
                       cpu_seconds=used.ru_utime + used.ru_stime, ranks_run=manifest.get("emulated_ranks"),
-                      world_size=manifest.get("world_size") if picked else None)
+                      world_size=manifest.get("world_size") if picked else None,
+                      ranks_how=ONE_PER_ROLE if picked else None)
 
 
 def launched_child(conn: Any, gpu: str, command: List[str], folder: str, log: str, max_entries: int,

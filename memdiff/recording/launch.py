@@ -23,6 +23,9 @@ from memdiff.errors import InputError
 
 # Told to every rank run this way: the ranks that run (exchange.py hears only from them).
 RANKS = "MEMDIFF_RECORD_RANKS"
+# Set beside RANKS where they are a job's first node, as a script's own Lightning launcher starts them here
+# (launch_lightning.py), not ranks `--ranks` named: each rank's status says so (manifest.py).
+FIRST_NODE = "MEMDIFF_RECORD_FIRST_NODE"
 # The pid of the process that set a job's folder for the processes it starts while it is itself no
 # process of the job: `memdiff record -o FILE` runs the script in its own process (exchange.py).
 STARTED_BY = "MEMDIFF_RECORD_STARTED_BY"

@@ -29,7 +29,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 from memdiff.errors import InputError
 from memdiff.recording.emulate.on_import import patched_on_import
-from memdiff.recording.launch import LIGHTNING, Launch
+from memdiff.recording.launch import FIRST_NODE, LIGHTNING, RANKS, Launch
 
 # The folder the probe writes what it found in (set for the probe's process only).
 PROBE = "MEMDIFF_RECORD_LIGHTNING"
@@ -111,6 +111,9 @@ def children_waited() -> Iterator[None]:
 
         def _call_children_scripts(self: Any) -> Any:
             launchers.append(self)
+            node = _this_node(self)
+            if node is not None:  # this process, the node's rank 0, and the ranks it starts
+                os.environ[RANKS], os.environ[FIRST_NODE] = node, "1"
             return real(self)
         return owner, "_call_children_scripts", _call_children_scripts
     try:
@@ -120,6 +123,19 @@ def children_waited() -> Iterator[None]:
         for launcher in launchers:
             for child in getattr(launcher, "procs", []):
                 child.wait()
+
+
+def _this_node(launcher: Any) -> Optional[str]:
+    """The ranks that run of the job `launcher` starts, as RANKS (launch.py) says them, where it is a job
+    of several nodes run as `python train.py` here: its first node's ranks only (NODE_RANK says which
+    node this is; the other nodes' ranks are never started), which hear only from each other, where they
+    waited for the other nodes' collectives for as long as the group's timeout. None for one node, or
+    where memdiff record says which ranks run (--ranks)."""
+    nodes, devices = int(launcher.num_nodes), int(launcher.num_processes)
+    if nodes <= 1 or os.environ.get(RANKS):
+        return None
+    node = int(os.environ.get("NODE_RANK") or 0)
+    return ",".join(str(node * devices + local) for local in range(devices))
 
 
 def probe(command: List[str], env: Dict[str, str], folder: str, started: Callable[[Any], None],

@@ -92,6 +92,7 @@ class JobManifest:
     exit_status: Optional[int] = None  # the launched command's; 130 / 143 when interrupted
     emulated: Optional[List[int]] = None  # the ranks run when only some were (--ranks); None: all
     picked: Optional[List[Tuple[int, str]]] = None  # --ranks auto: each rank it ran and why (pick.py)
+    first_node: bool = False  # the ranks that ran are its first node's, as a script's Lightning launcher starts them
 
     def only(self, emulated: List[int], picked: Optional[List[Tuple[int, str]]] = None) -> "JobManifest":
         """The manifest of a job of which only the ranks `emulated` ran (those `picked` by --ranks auto,
@@ -120,6 +121,7 @@ class JobManifest:
                 **({"emulated_ranks": self.emulated} if self.emulated is not None else {}),
                 **({"picked_ranks": [{"rank": rank, "why": why} for rank, why in self.picked]}
                    if self.picked is not None else {}),
+                **({"first_node": True} if self.first_node else {}),
                 "ranks": [{k: v for k, v in asdict(r).items() if v is not None} for r in self.ranks]}
 
 
@@ -194,7 +196,15 @@ def collect(folder: str, keep: bool = False) -> Optional[JobManifest]:
         if state not in (WRITTEN, FAILED, NOTHING, UNFINISHED, BEFORE_TORCH, NO_TORCH):
             state, text["error"] = FAILED, text.get("error", "its status file says no state memdiff writes")
         ranks.append(RankRecording(rank, state, **text))
-    return JobManifest(world_size, ranks)
+    manifest = JobManifest(world_size, ranks)
+    # The ranks said to run (launch.RANKS), when only some do: the others are `not emulated`, never missing
+    # (a job of several nodes whose Lightning launcher starts its first node's ranks here).
+    running = {r for d in statuses.values() if isinstance(d.get("running"), str)
+               for r in d["running"].split(",") if r.isdigit() and int(r) < world_size}
+    if not running:
+        return manifest
+    first_node = any(d.get("first_node") is True for d in statuses.values())
+    return replace(manifest.only(sorted(int(r) for r in running)), first_node=first_node)
 
 
 @dataclass(frozen=True)
@@ -255,6 +265,7 @@ class RecordedJob:
     exit_status: Optional[int]  # None: a manifest that does not say (or the command's own 0)
     emulated: Optional[List[int]] = None  # the ranks that ran, when only some did (--ranks); None: all
     picked: bool = False  # whether --ranks auto picked them (the manifest's picked_ranks say why)
+    first_node: bool = False  # whether they are its first node's, as a script's own Lightning launcher starts them
 
 
 def read_manifest(folder: str) -> Optional[RecordedJob]:
@@ -275,4 +286,5 @@ def read_manifest(folder: str) -> Optional[RecordedJob]:
     if emulated is not None and not (isinstance(emulated, list) and emulated and all(
             isinstance(r, int) and not isinstance(r, bool) and 0 <= r < size for r in emulated)):
         raise InputError(path, f"emulated_ranks must list ranks below world_size {size}, not {brief(emulated)}")
-    return RecordedJob(size, status, emulated, emulated is not None and isinstance(document.get("picked_ranks"), list))
+    return RecordedJob(size, status, emulated, emulated is not None and isinstance(document.get("picked_ranks"), list),
+                       emulated is not None and document.get("first_node") is True)

@@ -18,6 +18,7 @@ run (launch.py): it hears only from the ranks that run.
 from __future__ import annotations
 
 import datetime
+import functools
 import json
 import os
 import pickle
@@ -41,8 +42,6 @@ DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)
 # whose peers never send, and it keeps its own values, as a rank run alone does.
 _JOB = os.environ.get("MEMDIFF_RECORD_DIR")
 _HEARS = os.environ.get(STARTED_BY) != str(os.getpid())
-# The ranks of the job that run, when only some do (memdiff record --ranks: launch.py); None: all.
-_RUNNING = frozenset(int(r) for r in os.environ[RANKS].split(",")) if os.environ.get(RANKS) else None
 # The real file functions, taken before the emulator's guards of the user's files replace them: these
 # files are memdiff's own, in its output folder.
 _open, _replace, _exists, _makedirs = open, os.replace, os.path.exists, os.makedirs
@@ -127,13 +126,26 @@ def start(timeout: Optional[datetime.timedelta]) -> None:
 def hears_from(rank: int) -> bool:
     """Whether this process hears what global `rank` sends: it is a rank of a launched job (not the
     process of `-o FILE` that runs the script), and `rank` runs (all do, unless --ranks named some)."""
-    return current() is not None and _HEARS and (_RUNNING is None or rank in _RUNNING)
+    ranks = _running()
+    return current() is not None and _HEARS and (ranks is None or rank in ranks)
 
 
 def running() -> Optional[frozenset]:
     """The ranks of the job that run with this one (--ranks), when this process hears from them; None
     when all run, or it hears from no one."""
-    return _RUNNING if _HEARS else None
+    return _running() if _HEARS else None
+
+
+def _running() -> Optional[frozenset]:
+    """The ranks of the job that run, when only some do (memdiff record --ranks: launch.py; a job of
+    several nodes whose Lightning launcher starts its first node's ranks here: launch_lightning.py);
+    None: all. Read from the environment at each call, as the launcher sets it in its own process too."""
+    return _parsed(os.environ.get(RANKS) or "")
+
+
+@functools.lru_cache(maxsize=8)
+def _parsed(ranks: str) -> Optional[frozenset]:
+    return frozenset(int(r) for r in ranks.split(",")) if ranks else None
 
 
 def current() -> Optional[Exchange]:

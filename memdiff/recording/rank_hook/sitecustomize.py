@@ -112,6 +112,11 @@ class _Status:
             document["refused"] = _refused[0]
         if self.died:
             document["died"] = self.died
+        running = os.environ.get("MEMDIFF_RECORD_RANKS")  # launch.RANKS: the job's ranks that run, when some do
+        if running:
+            document["running"] = running
+            if os.environ.get("MEMDIFF_RECORD_FIRST_NODE"):  # launch.FIRST_NODE: its launcher's node's ranks
+                document["first_node"] = True
         if _EMULATOR is not None and _EMULATOR.out_of_memory:  # even one the script caught (`memdiff fit`)
             document["out_of_memory"] = _EMULATOR.out_of_memory[0][:500]
         # A name of its own per write: another thread, or a signal handler on this one, may be writing too.
