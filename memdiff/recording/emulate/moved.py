@@ -25,6 +25,7 @@ def kept(before: Any, now: Any) -> Any:
         # refuses any object so referenced, so the tensors under the two are swapped here, where no
         # other holder of either tensor (a use count of 1) can see the exchange. Its attributes stay.
         torch._C._swap_tensor_impl(before, now)
+        _release(now)
         return before
     attributes = dict(before.__dict__)  # the set_data the GPU runs keeps them; a swap would not
     try:
@@ -32,7 +33,22 @@ def kept(before: Any, now: Any) -> Any:
     except RuntimeError:
         return now
     before.__dict__.update(attributes)
+    _release(now)
     return before
+
+
+def _release(orphan: Any) -> None:
+    """Let go of the moved-away tensor a swap left in `orphan`, and of its gradient.
+
+    The GPU's `param.data = moved` replaces the storage inside the one tensor every holder shares, so
+    the old storage is freed at once, and so is the old gradient (`grad.data = moved`). The swap
+    leaves the old tensor here, where a live graph still holds it (its AccumulateGrad node: a
+    checkpoint's `model.cpu()` while the step's loss is still named), with the weights and their
+    gradients on the emulated GPU until that graph goes.
+    """
+    with torch.no_grad():
+        orphan.grad = None
+        orphan.data = orphan.new_empty((0,))
 
 
 def set_data(variable: torch.Tensor, data: torch.Tensor) -> bool:
