@@ -275,3 +275,26 @@ def test_the_system_s_links_and_memdiff_s_own_paths_pass_as_named(tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout == "step 1: loss 2.31\n"
     assert (tmp_path / "runs" / "run.pickle").read_text() == "snapshot"
+
+
+def test_a_named_temporary_file_in_a_users_folder_is_written_to_the_overlay_and_reads_back(tmp_path, monkeypatch):
+    """tempfile.NamedTemporaryFile(dir=...) opens through open() with an opener that makes the file, and
+    open() is handed the folder, which the overlay took for a file to write (IsADirectoryError):
+    datasets' map() writes its cache files that way (accelerate's nlp_example stopped there)."""
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    monkeypatch.chdir(tmp_path)
+
+    def opener(path, flags):
+        return os.open(path, flags, 0o644)
+    with overlaid():
+        with tempfile.NamedTemporaryFile("wb", dir=cache, delete=False) as made:
+            made.write(b"rows")
+        with open("own.txt", "w", opener=opener) as own:
+            own.write("text")
+        with open(made.name, "rb") as f, open("own.txt") as g:
+            read = (f.read(), g.read())
+        listed = os.listdir(cache)
+    assert read == (b"rows", "text")
+    assert own.name == "own.txt" and listed == [os.path.basename(made.name)]
+    assert list(cache.iterdir()) == [] and not (tmp_path / "own.txt").exists()  # the user's tree as it was

@@ -149,6 +149,8 @@ def _routes(overlay: Overlay) -> List[Tuple[Any, str, Any]]:
     def opening(file: Any, mode: str = "r", *args: Any, **kwargs: Any) -> Any:
         if not _path_arg(file):
             return _real_open(file, mode, *args, **kwargs)
+        if len(args) > 5 and args[5] is not None or kwargs.get("opener") is not None:
+            return _opened_by_opener(file, mode, args, kwargs)
         writes, keep, create, exclusive = _mode_writes(mode)
         if writes:
             target = overlay.writable(file, keep=keep, create=create, exclusive=exclusive)
@@ -162,6 +164,27 @@ def _routes(overlay: Overlay) -> List[Tuple[Any, str, Any]]:
             raw = getattr(getattr(opened, "buffer", opened), "raw", getattr(opened, "buffer", opened))
             with contextlib.suppress(AttributeError, TypeError):
                 raw.name = file
+        return opened
+
+    def _opened_by_opener(file: Any, mode: str, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
+        """open() with an opener: the opener makes the descriptor (its os.open is routed) and `file` is
+        only what open() hands it, not a path that open() itself opens. tempfile.NamedTemporaryFile
+        passes its folder there (datasets' map() writes its cache through one), which the overlay took
+        for a file to write: IsADirectoryError. open() is given the overlay's scratch folder instead,
+        which its audit event names, and the script's opener still gets `file`."""
+        args, kwargs = list(args), dict(kwargs)
+        given = args[5] if len(args) > 5 else kwargs["opener"]
+
+        def opener(_name: Any, flags: int) -> int:
+            return int(given(file, flags))
+        if len(args) > 5:
+            args[5] = opener
+        else:
+            kwargs["opener"] = opener
+        opened = _real_open(overlay.scratch, mode, *args, **kwargs)
+        raw = getattr(getattr(opened, "buffer", opened), "raw", getattr(opened, "buffer", opened))
+        with contextlib.suppress(AttributeError, TypeError):
+            raw.name = file  # the name the script gave, as open() keeps it
         return opened
 
     def os_open(path: Any, flags: int, mode: int = 0o777, *, dir_fd: Optional[int] = None) -> int:
