@@ -159,12 +159,9 @@ def _routes(overlay: Overlay) -> List[Tuple[Any, str, Any]]:
             if where is None:
                 raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), os.fsdecode(file))
             target = where
-        opened: Any = _real_open(target, mode, *args, **kwargs)
-        if target != full(file):  # the name the script gave, as a GPU run's file object has it
-            raw = getattr(getattr(opened, "buffer", opened), "raw", getattr(opened, "buffer", opened))
-            with contextlib.suppress(AttributeError, TypeError):
-                raw.name = file
-        return opened
+        opened = _real_open(target, mode, *args, **kwargs)
+        # the name the script gave, as a GPU run's file object has it
+        return _named(opened, file) if target != full(file) else opened
 
     def _opened_by_opener(file: Any, mode: str, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
         """open() with an opener: the opener makes the descriptor (its os.open is routed) and `file` is
@@ -172,20 +169,16 @@ def _routes(overlay: Overlay) -> List[Tuple[Any, str, Any]]:
         passes its folder there (datasets' map() writes its cache through one), which the overlay took
         for a file to write: IsADirectoryError. open() is given the overlay's scratch folder instead,
         which its audit event names, and the script's opener still gets `file`."""
-        args, kwargs = list(args), dict(kwargs)
-        given = args[5] if len(args) > 5 else kwargs["opener"]
+        positional, named = list(args), dict(kwargs)
+        given = positional[5] if len(positional) > 5 else named["opener"]
 
         def opener(_name: Any, flags: int) -> int:
             return int(given(file, flags))
-        if len(args) > 5:
-            args[5] = opener
+        if len(positional) > 5:
+            positional[5] = opener
         else:
-            kwargs["opener"] = opener
-        opened = _real_open(overlay.scratch, mode, *args, **kwargs)
-        raw = getattr(getattr(opened, "buffer", opened), "raw", getattr(opened, "buffer", opened))
-        with contextlib.suppress(AttributeError, TypeError):
-            raw.name = file  # the name the script gave, as open() keeps it
-        return opened
+            named["opener"] = opener
+        return _named(_real_open(overlay.scratch, mode, *positional, **named), file)
 
     def os_open(path: Any, flags: int, mode: int = 0o777, *, dir_fd: Optional[int] = None) -> int:
         if dir_fd is not None or not _path_arg(path):
@@ -360,6 +353,14 @@ def _out_of_the_upper_layer(overlay: Overlay, started_in: str) -> None:
         here = overlay.upper
     if here == overlay.upper or here.startswith(overlay.upper + os.sep):
         _real["chdir"](started_in)
+
+
+def _named(opened: Any, file: Any) -> Any:
+    """`opened` with the name the script gave open(), where the overlay opened another path."""
+    raw = getattr(getattr(opened, "buffer", opened), "raw", getattr(opened, "buffer", opened))
+    with contextlib.suppress(AttributeError, TypeError):
+        raw.name = file
+    return opened
 
 
 def _gone(path: Any) -> str:
