@@ -177,7 +177,8 @@ class DeviceMode(TorchFunctionMode):
                 return bool(func(*args, **kwargs)) and placement.on_meta(args[0])
             return func(*args, **kwargs)
         if func == _SET_DATA and len(args) == 2 and isinstance(args[1], torch.Tensor) \
-                and self.on_gpu(args[0]) != self.on_gpu(args[1]) and moved.set_data(args[0], args[1]):
+                and self.on_gpu(args[0]) != self.on_gpu(args[1]) \
+                and moved.set_data(args[0], args[1], self.emulator.values.handed):
             return None  # `param.data = param.to(device)` across the host and the GPU (moved.py)
         if func is torch.Tensor.__format__ and self.on_gpu(args[0]):
             return printing.formatted(self, args[0], args[1] if len(args) > 1 else kwargs.get("format_spec", ""))

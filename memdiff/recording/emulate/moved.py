@@ -9,7 +9,7 @@ the object is exchanged for the moved one instead, where no other holder can see
 from __future__ import annotations
 
 import weakref
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -19,22 +19,27 @@ def kept(before: Any, now: Any) -> Any:
     `now` where the two cannot be swapped (another holder of its tensor, a weak reference to `now`)."""
     if now is before or not isinstance(before, torch.nn.Parameter) or type(now) is not type(before):
         return now
+    return before if _exchanged(before, now) else now
+
+
+def _exchanged(before: Any, now: Any) -> bool:
+    """Swap the tensors under `before` and `now` (of one class), `before` keeping its attributes, and let
+    go of what `now` is left with; False where they cannot be swapped."""
     if weakref.getweakrefs(before) and before._use_count() == 1 and now._use_count() == 1:
         # A weak reference to the Parameter (DeepSpeed keeps one to every weight, utils/debug.py)
         # goes on naming it, as on the GPU, whose `param.data = moved` keeps the object; swap_tensors
         # refuses any object so referenced, so the tensors under the two are swapped here, where no
         # other holder of either tensor (a use count of 1) can see the exchange. Its attributes stay.
         torch._C._swap_tensor_impl(before, now)
-        _release(now)
-        return before
-    attributes = dict(before.__dict__)  # the set_data the GPU runs keeps them; a swap would not
-    try:
-        torch.utils.swap_tensors(before, now)
-    except RuntimeError:
-        return now
-    before.__dict__.update(attributes)
+    else:
+        attributes = dict(before.__dict__)  # the set_data the GPU runs keeps them; a swap would not
+        try:
+            torch.utils.swap_tensors(before, now)
+        except RuntimeError:
+            return False
+        before.__dict__.update(attributes)
     _release(now)
-    return before
+    return True
 
 
 def _release(orphan: Any) -> None:
@@ -51,12 +56,13 @@ def _release(orphan: Any) -> None:
         orphan.data = orphan.new_empty((0,))
 
 
-def set_data(variable: torch.Tensor, data: torch.Tensor) -> bool:
+def set_data(variable: torch.Tensor, data: torch.Tensor, handed: Callable[[Any, Any], None]) -> bool:
     """`variable.data = data` where one is on the host and the other on the emulated GPU (FSDP1 moves a
     module so, `param.data = param.to(device_id)`, and `param.grad.data` and each buffer): the tensor
     under `variable` becomes `data`'s storage with `variable`'s own class, `requires_grad`, attributes and
     gradient, as set_data keeps them. False where it cannot be exchanged (another holder of the tensor):
-    the caller runs torch's own set_data, which refuses."""
+    the caller runs torch's own set_data, which refuses. `handed(old, new)`: what the emulator keeps of
+    tensor `old` (its values, values.py) is `new`'s now."""
     fresh = data.detach()
     if isinstance(variable, torch.nn.Parameter):
         fresh = type(variable)(fresh, requires_grad=variable.requires_grad)
@@ -65,7 +71,13 @@ def set_data(variable: torch.Tensor, data: torch.Tensor) -> bool:
     else:
         fresh.requires_grad_(variable.requires_grad)
     grad = variable.grad if variable.is_leaf else None
-    if kept(variable, fresh) is not variable:
+    if weakref.getweakrefs(fresh) and variable._use_count() == 1 and fresh._use_count() == 1:
+        # the emulator keeps a small tensor's values under a weak reference to it (BERT's position ids
+        # buffer), which swap_tensors refuses: the tensors under the two are swapped, the values follow
+        torch._C._swap_tensor_impl(variable, fresh)
+        handed(fresh, variable)
+        _release(fresh)
+    elif not _exchanged(variable, fresh):  # a buffer too, which kept() leaves alone
         return False
     if grad is not None and grad.device.type == variable.device.type:  # one on the other device cannot follow
         variable.grad = grad

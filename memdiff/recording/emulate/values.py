@@ -108,6 +108,13 @@ class Values:
         self.constants = WeakTensorKeyDictionary()
         self.generator = generator
 
+    def handed(self, old: torch.Tensor, new: torch.Tensor) -> None:
+        """What is kept of `old` (its values, a router's choices, its constant) is `new`'s from now on:
+        the tensor under `old` was swapped into `new` (moved.py's `.data =` across devices)."""
+        for table in (self.known, self.routed, self.constants):
+            if old in table:
+                table[new] = table.pop(old)
+
     def of(self, t: Any) -> Optional[torch.Tensor]:
         """The CPU value of meta tensor `t`, or None when it is unknown."""
         return self.known.get(t) if isinstance(t, torch.Tensor) and t.is_meta else None
