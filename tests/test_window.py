@@ -100,6 +100,20 @@ def test_blocks_carried_in_move_off_addresses_the_window_reuses(write_snapshot):
         assert (got.static_bytes, got.peak_bytes) == expected_window(snap, a, 4), a
 
 
+@pytest.mark.parametrize("addr", ["0x1000", None, 2.5, True])
+def test_allocations_carried_in_at_addresses_that_are_no_integers(write_snapshot, tmp_path, addr):
+    # The walk matches a free to its allocation by whatever `addr` holds; a window turns what is
+    # live at its start into segments, whose addresses must be integers.
+    snap = {"device_traces": [[alloc(addr, 100), alloc(0x2000, 7), free(0x2000, 7), free(addr, 100)]],
+            "segments": []}
+    path = write_snapshot(snap)
+    got = summarize(windowed(load(path), Window("events", 1, 3))).devices[0]
+    assert (got.static_bytes, got.peak_bytes) == expected_window(snap, 1, 3) == (100, 107)
+    out = str(tmp_path / "small.pickle")
+    assert main(["slice", path, "--events", "1:3", "-o", out]) == 0
+    assert all(type(seg["address"]) is int for seg in raw_of(out)["segments"])
+
+
 def test_slice_writes_a_protocol_4_snapshot_every_command_reads(write_snapshot, tmp_path, capsys):
     src = write_snapshot(training(steps=3, leak=True))
     out = str(tmp_path / "small.pickle")

@@ -166,14 +166,21 @@ def _carried(snapshot: Snapshot, device: int, trace: List[Dict[str, Any]], walk:
     return kept, blocks
 
 
+def _placed(address: Any) -> bool:
+    # The walk matches frees to allocations by any key a trace gives as `addr`; a segment's
+    # address must be an integer (the loader refuses anything else, bool included).
+    return isinstance(address, int) and not isinstance(address, bool)
+
+
 def _readdress(blocks: List[Dict[str, Any]], taken: Set[Any]) -> None:
-    """Blocks sharing an address with another or with an allocation the window leaves open move to
-    fresh addresses past every one used: a dump block at an open address is not counted."""
-    top = max([0] + [x for x in taken if isinstance(x, int)] + [blk["address"] for blk in blocks])
+    """Blocks sharing an address with another or with an allocation the window leaves open, and
+    blocks whose trace entry's address is no integer, move to fresh addresses past every one
+    used: a dump block at an open address is not counted."""
+    top = max([0] + [x for x in taken if _placed(x)] + [blk["address"] for blk in blocks if _placed(blk["address"])])
     fresh = -(-(top + 1) // ALIGN) * ALIGN
     used = set(taken)
     for blk in blocks:
-        if blk["address"] in used:
+        if not _placed(blk["address"]) or blk["address"] in used:
             blk["address"] = fresh
             fresh += -(-max(blk["size"], 1) // ALIGN) * ALIGN
         used.add(blk["address"])
