@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import shutil
 from pathlib import Path
 from unittest import mock
 
 import pytest
-from conftest import ROOT, cli, weights_and_activations
+from conftest import ROOT, block, cli, segment, weights_and_activations
 
 import memdiff
 from memdiff.cli import main
@@ -163,6 +164,20 @@ def test_broken_baselines_exit_2_and_nothing_is_written(baseline, tmp_path, caps
         code, _, err = run(capsys, "baseline", tmp_path / "train.pickle", "-o", b)
         assert code == 2 and message in err
         assert b.read_bytes() == broken
+
+
+def test_a_run_without_a_trace_is_not_gated_against_a_traced_baseline(baseline, tmp_path, capsys):
+    # The same training run dumped without memory history: its activations (300 MiB, freed by the
+    # dump) are not in it, only the 100 MiB of weights live at the dump. Gated, it read as a peak
+    # that fell from 200 MiB to 100 MiB and passed.
+    b = baseline()
+    dumped = tmp_path / "train.pickle"
+    dumped.write_bytes(pickle.dumps({"segments": [segment(0, 1 << 30, [block(1 << 30, 100 * MiB)])],
+                                     "device_traces": [[]]}, 4))
+    for flags in ([], ["--format", "markdown", "--github"]):
+        code, out, err = run(capsys, "gate", dumped, "--baseline", b, *flags)
+        assert code == 2 and out == "" and err.count("\n") == 1, err
+        assert err.startswith(f"memdiff: {b}: the run (train.pickle) has no trace on device 0 and the baseline has one")
 
 
 def test_check_names_each_broken_baseline(baseline, tmp_path, capsys):
