@@ -114,6 +114,19 @@ def test_allocations_carried_in_at_addresses_that_are_no_integers(write_snapshot
     assert all(type(seg["address"]) is int for seg in raw_of(out)["segments"])
 
 
+@pytest.mark.parametrize("field, value", [("size", True), ("frames", 0), ("frames", "")])
+def test_allocations_carried_in_with_values_the_full_read_takes(write_snapshot, tmp_path, capsys, field, value):
+    # The full read takes a bool size as the integer it is and a falsy `frames` as no stack; the
+    # window wrote them into its own blocks, then refused what it wrote, blaming fields the file lacks.
+    snap = {"device_traces": [[{**alloc(0x1000, 100), field: value}, alloc(0x2000, 7), free(0x2000, 7)]],
+            "segments": []}
+    path = write_snapshot(snap)
+    full = summarize(load(path)).devices[0]
+    got = summarize(windowed(load(path), Window("events", 1, 3))).devices[0]
+    assert (got.static_bytes, got.peak_bytes) == (full.peak_bytes - 7, full.peak_bytes)
+    assert main(["slice", path, "--events", "1:3", "-o", str(tmp_path / "small.pickle")]) == 0, capsys.readouterr().err
+
+
 def test_slice_writes_a_protocol_4_snapshot_every_command_reads(write_snapshot, tmp_path, capsys):
     src = write_snapshot(training(steps=3, leak=True))
     out = str(tmp_path / "small.pickle")

@@ -151,7 +151,9 @@ def _carried(snapshot: Snapshot, device: int, trace: List[Dict[str, Any]], walk:
                                      np.concatenate((carried, freed_inside, inside)).tolist(),
                                      np.concatenate((unmatched_after, unmatched_inside)).tolist())
     k = iter(kinds)
-    blocks = [_block(trace[j]["addr"], trace[j]["size"], trace[j].get("frames"), next(k)) for j in carried.tolist()]
+    # Sizes as the walk read them (an int64 each): a segment's size must be an integer.
+    blocks = [_block(trace[j]["addr"], size, trace[j].get("frames"), next(k))
+              for j, size in zip(carried.tolist(), walk.deltas_at(carried).tolist())]
     kept = trace[a:b]
     # Copies: the full trace's entries stay as they were.
     for i in closed[freed_inside].tolist() + inside.tolist():

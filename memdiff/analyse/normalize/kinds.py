@@ -97,7 +97,9 @@ class Origins:
             key = (id(frames), freed, before, guess, update, code)
             kind = shared.get(key)
             if kind is None:
-                kind = shared[key] = {"frames": frames, "freed": freed, "before_trace": before, "guess": guess,
+                # Frames the stack reads as none (None, [], 0, ...) are written as None, the one
+                # form kind_of takes back.
+                kind = shared[key] = {"frames": frames or None, "freed": freed, "before_trace": before, "guess": guess,
                                       "update": update, "lifetime": LIFETIMES[code].key()}
             out.append(kind)
         return out
