@@ -96,6 +96,24 @@ def test_leftovers_of_a_recording_are_not_ranks(tmp_path):
     assert [f.rank for f in discover(str(folder)).files] == [0, 1]
 
 
+@pytest.mark.parametrize("make", ["dangling link", "fifo"])
+def test_a_rank_file_that_is_no_file_is_bad_input_not_a_smaller_job(tmp_path, capsys, make):
+    # The last rank's file replaced by a link to a file that is gone (or a FIFO): it was dropped without a
+    # word, and the job read as 3 ranks, exit 0. A folder beside the ranks (another job's) is still no rank.
+    folder = job(tmp_path / "job", {r: rank_snapshot(MiB) for r in range(3)})
+    (folder / "job2").mkdir()
+    last = folder / "rank3.pickle"
+    if make == "fifo":
+        os.mkfifo(last)
+    else:
+        last.symlink_to(tmp_path / "gone.pickle")
+    code, out, err = run(capsys, "ranks", folder)
+    assert code == 2 and err.count("\n") == 1 and out == ""
+    assert "rank3.pickle: is no regular file" in err
+    last.unlink()
+    assert [f.rank for f in discover(str(folder)).files] == [0, 1, 2]
+
+
 def test_the_heaviest_rank_and_what_makes_it_heaviest(tmp_path, capsys):
     # Four data-parallel ranks, each on its own GPU; rank 0 also keeps 300 MiB of gathered logits.
     ranks = {r: rank_snapshot(100 * MiB + r * MiB, extra=300 * MiB if r == 0 else 0, device=r) for r in range(4)}

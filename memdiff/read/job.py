@@ -146,8 +146,15 @@ def discover(arg: str, rank_pattern: Optional[str] = None, allow_missing: bool =
         paths = [os.path.join(arg, n) for n in sorted(os.listdir(arg))]
     else:
         paths = sorted(glob.glob(arg))
-    paths = [p for p in paths if os.path.isfile(p) and not os.path.basename(p).startswith(HIDDEN)
-             and os.path.basename(p) != MANIFEST]
+    paths = [p for p in paths if not os.path.basename(p).startswith(HIDDEN) and os.path.basename(p) != MANIFEST]
+    # A folder beside the ranks is another job's (record's job2/); anything else that is no regular file (a
+    # dangling link, a FIFO, a device) may be a rank's file that is gone, and was dropped without a word: the
+    # job then read as one rank smaller.
+    odd = next((p for p in paths if not os.path.isfile(p) and not os.path.isdir(p)), None)
+    if odd is not None:
+        raise InputError(odd, "is no regular file (a dangling link, a FIFO, a device): a job's files must be "
+                              "snapshots; remove it or point at the ranks' files with a glob")
+    paths = [p for p in paths if os.path.isfile(p)]
     extra = [os.path.basename(p) for p in paths if PER_PROCESS.match(os.path.basename(p))]
     ranked = [p for p in paths if not PER_PROCESS.match(os.path.basename(p))]
     if not ranked:
