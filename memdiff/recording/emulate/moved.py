@@ -22,14 +22,17 @@ def kept(before: Any, now: Any) -> Any:
     return before if _exchanged(before, now) else now
 
 
-def _exchanged(before: Any, now: Any) -> bool:
+def _exchanged(before: Any, now: Any, weak_now: bool = False) -> bool:
     """Swap the tensors under `before` and `now` (of one class), `before` keeping its attributes, and let
-    go of what `now` is left with; False where they cannot be swapped."""
-    if weakref.getweakrefs(before) and before._use_count() == 1 and now._use_count() == 1:
-        # A weak reference to the Parameter (DeepSpeed keeps one to every weight, utils/debug.py)
-        # goes on naming it, as on the GPU, whose `param.data = moved` keeps the object; swap_tensors
-        # refuses any object so referenced, so the tensors under the two are swapped here, where no
-        # other holder of either tensor (a use count of 1) can see the exchange. Its attributes stay.
+    go of what `now` is left with; False where they cannot be swapped. `weak_now`: a weak reference to
+    `now` does not stop it (set_data's, where the emulator's own tables hold it)."""
+    weak = weakref.getweakrefs(before) or (weak_now and weakref.getweakrefs(now))
+    if weak and before._use_count() == 1 and now._use_count() == 1:
+        # A weak reference to the Parameter (DeepSpeed keeps one to every weight, utils/debug.py), or to
+        # the tensor moved in (the emulator keeps a small tensor's values under one: BERT's position ids
+        # buffer), goes on naming what it named; swap_tensors refuses any object so referenced, so the
+        # tensors under the two are swapped here, where no other holder of either tensor (a use count of
+        # 1) can see the exchange. Its attributes stay.
         torch._C._swap_tensor_impl(before, now)
     else:
         attributes = dict(before.__dict__)  # the set_data the GPU runs keeps them; a swap would not
@@ -71,14 +74,9 @@ def set_data(variable: torch.Tensor, data: torch.Tensor, handed: Callable[[Any, 
     else:
         fresh.requires_grad_(variable.requires_grad)
     grad = variable.grad if variable.is_leaf else None
-    if weakref.getweakrefs(fresh) and variable._use_count() == 1 and fresh._use_count() == 1:
-        # the emulator keeps a small tensor's values under a weak reference to it (BERT's position ids
-        # buffer), which swap_tensors refuses: the tensors under the two are swapped, the values follow
-        torch._C._swap_tensor_impl(variable, fresh)
-        handed(fresh, variable)
-        _release(fresh)
-    elif not _exchanged(variable, fresh):  # a buffer too, which kept() leaves alone
+    if not _exchanged(variable, fresh, weak_now=True):  # a buffer too, which kept() leaves alone
         return False
+    handed(fresh, variable)  # the values the emulator kept of what moved in are the variable's now
     if grad is not None and grad.device.type == variable.device.type:  # one on the other device cannot follow
         variable.grad = grad
     return True

@@ -286,6 +286,7 @@ def _absorbed(base: str, cpu_args: Tuple[Any, ...], outputs: list) -> Optional[l
             return [torch.full(out.shape, absorbing, dtype=out.dtype)]
     return None
 
+
 def _decided(base: str, args: Tuple[Any, ...], cpu_args: Tuple[Any, ...], outputs: list) -> Optional[list]:
     """The value of op `base` (DECIDED), some of whose device inputs have no values (None among
     `cpu_args`), where its known operands decide it alone; else None."""
