@@ -260,6 +260,28 @@ def test_a_summary_json_stands_in_for_its_snapshot(shared, tmp_path, capsys):
     assert from_summary["devices"] == from_pickles["devices"]
 
 
+def test_a_run_without_a_trace_is_not_judged_against_a_traced_one(shared, tmp_path, capsys):
+    # The same training run dumped with memory history off: only what was live at the dump
+    # (6.34 GiB) is in it, not the AdamW step's temporaries that made the traced peak (6.53 GiB).
+    # It read as "no regression: peak -195.31 MiB", exit 0, and the other way round as a regression.
+    traced = shared / "cs336-medium-ctx128-train.pickle"
+    raw = pickle.loads(traced.read_bytes())
+    raw["device_traces"] = [[] for _ in raw["device_traces"]]
+    dumped = write(tmp_path, "dumped.pickle", raw)
+    summary = tmp_path / "dumped.json"
+    assert main(["summarize", dumped, "-o", str(summary)]) == 0
+    capsys.readouterr()
+    for base, head, untraced, other in ((traced, dumped, "head (dumped.pickle)", "base"),
+                                        (dumped, traced, "base (dumped.pickle)", "head"),
+                                        (traced, summary, "head (dumped.pickle)", "base")):
+        for flags in ([], ["--format", "json"], ["--format", "markdown"]):
+            code, out, err = run(capsys, base, head, *flags)
+            assert code == 2 and out == "" and err.count("\n") == 1, err
+            assert f"the {untraced} has no trace on device 0 and the {other} " in err, err
+    # Two runs dumped alike compare what each held at its dump.
+    assert run(capsys, dumped, summary)[0] == 0
+
+
 def test_runs_that_do_not_compare_are_flagged(tmp_path, capsys):
     frames = py_frames("model.py:1:forward")
     base = {"segments": [], "device_traces": [[alloc(1, 100, frames)]],

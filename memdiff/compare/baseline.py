@@ -423,9 +423,8 @@ def no_baseline(run: str, path: str, required: bool) -> Finding:
 
 def comparable_pair(path: str, baseline: Baseline, head: Summary, mixed_routes: bool = False
                     ) -> Tuple[Summary, Summary]:
-    """(base, head) summaries the differ can align; InputError when the devices differ, when the
-    run has no trace where the baseline has one, or when one was emulated and the other recorded
-    (or emulated as another GPU) unless `mixed_routes`."""
+    """(base, head) summaries the differ can align; InputError when the devices differ, or when one
+    was emulated and the other recorded (or emulated as another GPU) unless `mixed_routes`."""
     base = _stored_summary(baseline)
     base_route = base.source.route()
     if base_route != head.source.route() and not mixed_routes:
@@ -438,16 +437,6 @@ def comparable_pair(path: str, baseline: Baseline, head: Summary, mixed_routes: 
         raise InputError(path, f"the baseline has devices {clip(str(want))} and the run has {clip(str(have))}: "
                                f"they cannot be gated against each other; re-create the baseline with "
                                f"`memdiff baseline`")
-    # A run without a trace (memory history off, or nothing recorded) has for its peak only what
-    # was live at the dump, which is at most the peak its trace would have had: against a
-    # baseline's traced peak it would pass whatever the run really reached.
-    untraced = [d.device for d, b in zip(head.devices, baseline.devices) if b["trace_events"] and not d.trace_events]
-    if untraced:
-        raise InputError(path, f"the run ({clip(head.source.file)}) has no trace on device {untraced[0]} and the "
-                               f"baseline has one: its peak is "
-                               f"only what was live when it was dumped, so it cannot be gated against the baseline's "
-                               f"traced peak; record the run with memory history on "
-                               f"(torch.cuda.memory._record_memory_history, or `memdiff record`)")
     stored = {d["device"]: d for d in baseline.devices}
     pooled = replace(head, devices=[_pooled(d, stored[d.device]) for d in head.devices])
     return base, pooled

@@ -212,6 +212,8 @@ def compare(base: Sequence[Run], head: Sequence[Run], settings: Optional[Setting
                                                                "(the snapshots record no allocation)")
     results = []
     for rank in common:
+        if s.thresholds is not None:
+            _traced_alike(s, rank, b[rank], h[rank])
         result = diff(b[rank], h[rank], at=s.at)
         verdict = (judge(result, s.thresholds, s.update_hint, Runs(b[rank], h[rank]),
                          s.spreads if rank is None else None) if s.thresholds is not None else None)
@@ -249,6 +251,31 @@ def compare(base: Sequence[Run], head: Sequence[Run], settings: Optional[Setting
            if not c.text.startswith(f"rank {worst.rank} ")],
         only_base=only_base, only_head=only_head, failures=failures)
     return _report(s, verdict, results, job)
+
+
+def _traced_alike(s: Settings, rank: Optional[int], base: Summary, head: Summary) -> None:
+    """InputError when a device has a trace in one run and none in the other: a run without one
+    (dumped with memory history off) has for its peak only what was live at the dump, at most what
+    its trace would have shown, so a verdict against a traced peak would pass a regression (or fail
+    on nothing). Runs with no trace on either side compare what each held at its dump."""
+    heads = {d.device: d for d in head.devices}
+    for b in base.devices:
+        h = heads.get(b.device)
+        if h is None or bool(b.trace_events) == bool(h.trace_events):
+            continue
+        where = f"rank {rank}, device {b.device}" if rank is not None else f"device {b.device}"
+        if s.baseline is not None:
+            run = f"the run ({clip(head.source.file)})"
+            untraced, traced, path = (run, "the baseline", s.baseline) if b.trace_events else \
+                ("the baseline", run, s.baseline)
+        else:
+            named = {role: f"the {role} ({clip(r.source.file)})" for role, r in (("base", base), ("head", head))}
+            untraced, traced = (named["head"], named["base"]) if b.trace_events else (named["base"], named["head"])
+            path = (head if b.trace_events else base).source.file or "run"
+        raise InputError(path, f"{untraced} has no trace on {where} and {traced} has one: its peak is only what "
+                               f"was live when it was dumped, so it cannot be judged against a traced peak; "
+                               f"record both runs with memory history on "
+                               f"(torch.cuda.memory._record_memory_history, or `memdiff record`)")
 
 
 def _report(s: Settings, verdict: Optional[Verdict], results: List[RankResult], job: Optional[JobPart]) -> Report:
