@@ -344,6 +344,13 @@ def test_a_job_of_which_some_ranks_were_emulated_misses_none_of_the_others(tmp_p
         (folder / "memdiff-job.json").write_text(json.dumps({**manifest, "emulated_ranks": bad}))
         code, _, err = run(capsys, "ranks", folder)
         assert code == 2 and "emulated_ranks must list ranks below world_size 64" in err, err
+    # A manifest of a version this memdiff does not know may mean other things by the same keys
+    # (which ranks ran): it was read as version 1 and the job gated as if it were.
+    for version, shown in ((99, "99"), ("1", "of type str"), (True, "of type bool"), (None, "of type NoneType")):
+        (folder / "memdiff-job.json").write_text(json.dumps({**manifest, "memdiff_job_version": version}))
+        code, out, err = run(capsys, "ranks", folder)
+        assert code == 2 and out == "" and err.count("\n") == 1, err
+        assert f"memdiff_job_version {shown} is not one this memdiff reads (1)" in err, err
 
 
 def test_a_finding_that_fails_another_rank_is_listed_with_the_other_ranks(tmp_path, capsys):

@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any, Dict, List, Optional, Tuple
 
 from memdiff.atomic import write_output
-from memdiff.errors import InputError, brief
+from memdiff.errors import InputError, brief, version_shown
 from memdiff.read.load import read_json
 
 MANIFEST = "memdiff-job.json"
@@ -275,6 +275,11 @@ def read_manifest(folder: str) -> Optional[RecordedJob]:
     if not os.path.isfile(path):
         return None
     document = read_json(path, "a job manifest")
+    version = document.get("memdiff_job_version", MANIFEST_VERSION) if isinstance(document, dict) else MANIFEST_VERSION
+    if type(version) is not int or version != MANIFEST_VERSION:
+        # A manifest of another version may say what this memdiff would misread (which ranks ran).
+        raise InputError(path, f"memdiff_job_version {version_shown(version)} is not one this memdiff reads "
+                               f"({MANIFEST_VERSION}): read the job with the memdiff that wrote it")
     size = _count(document.get("world_size")) if isinstance(document, dict) else None
     if size is None:
         value = document.get("world_size") if isinstance(document, dict) else document
