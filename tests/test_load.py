@@ -70,6 +70,24 @@ def test_a_pickle_that_asks_for_code_is_refused_and_runs_nothing(tmp_path, capsy
     assert not marker.exists()
 
 
+@pytest.mark.parametrize("protocol", [0, 1])
+def test_a_snapshot_pickled_with_protocol_0_or_1_reads_as_with_4_and_runs_nothing(tmp_path, capsys, protocol):
+    # torch writes protocol 2 or later; a snapshot re-pickled by a script may be 0 or 1 (no PROTO
+    # opcode). It was refused as "neither a pickle, JSON, gzip, bz2 nor xz".
+    path = tmp_path / "old.pickle"
+    path.write_bytes(pickle.dumps(SNAP, protocol=protocol))
+    assert peak_of(capsys, path) == 612
+    marker = tmp_path / "pwned"
+    evil = {0: b"(dp0\nS'k'\np1\ncos\nsystem\np2\n(S'touch %s'\np3\ntp4\nRp5\ns.",
+            1: b"}q\x00(X\x01\x00\x00\x00kcos\nsystem\nq\x01(S'touch %s'\ntRu."}[protocol] % str(marker).encode()
+    path.write_bytes(evil)
+    code, out, err = run_cli(capsys, "peak", str(path))
+    assert code == 2 and out == "" and "refused: the file asks to import os.system" in err, err
+    assert not marker.exists()
+    pickle.loads(evil)  # the payload is live: under plain pickle it runs
+    assert marker.exists()
+
+
 class _Opener:
     """Pickles as a call to builtins.open(path, 'w'): loading it with pickle.load creates the file."""
 
@@ -118,8 +136,11 @@ def _bad_inputs(tmp: Path):
             "segments[0].blocks[0].size: expected an integer, got str '5'"),
         "invalid json": (b'{"segments": [1, 2,\n x]', "invalid JSON at line 2 column 2: Expecting value"),
         "a list of numbers": (pickle.dumps([1, 2, 3], 4), "segments[0]: expected a dict, got int 1"),
-        "protocol 0": (pickle.dumps(SNAP, protocol=0), "not a memory snapshot: the content is neither"),
+        # A FIFO or a device has no end to bound the read by: they read as "empty file".
+        "fifo": (tmp / "pipe", "is a FIFO (a pipe), not a regular file"),
+        "character device": (Path("/dev/urandom"), "is a character device, not a regular file"),
     }
+    os.mkfifo(tmp / "pipe")
     out = {}
     for name, (content, message) in cases.items():
         if isinstance(content, bytes):
@@ -134,7 +155,7 @@ def _bad_inputs(tmp: Path):
 BAD = ["missing", "directory", "empty", "truncated", "random", "truncated gzip", "state_dict-like",
        "torch.save zip", "segments not a list", "size a string", "size negative", "size negative in json",
        "block size a string", "invalid json",
-       "a list of numbers", "protocol 0"]
+       "a list of numbers", "fifo", "character device"]
 
 
 @pytest.mark.parametrize("case", BAD)

@@ -19,6 +19,7 @@ import lzma
 import math
 import os
 import pickle
+import stat
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -141,10 +142,24 @@ def _check_file(path: str) -> int:
         raise InputError(path, "no such file")
     if os.path.isdir(path):
         raise InputError(path, "is a directory, not a snapshot file")
+    if not os.path.isfile(path):
+        # A FIFO or a device has no size to bound the read by (/dev/urandom never ends); it read as
+        # "empty file". Stat, not open: opening a FIFO with no writer would wait for one.
+        raise InputError(path, f"is {_kind(path)}, not a regular file: write the snapshot to a file and give that")
     size = os.path.getsize(path)
     if size == 0:
         raise InputError(path, "empty file")
     return size
+
+
+def _kind(path: str) -> str:
+    """What a path that is no regular file or folder is, in words."""
+    mode = os.stat(path).st_mode
+    for test, word in ((stat.S_ISFIFO, "a FIFO (a pipe)"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return word
+    return "no regular file"
 
 
 # A baseline is a few KB per rank, and a job's holds every rank: a thousand ranks make a few
@@ -253,8 +268,13 @@ def _is_codec_error(exc: BaseException, codec: Optional[str]) -> bool:
                                   or (isinstance(exc, EOFError) and "Compressed file ended" in str(exc)))
 
 
+# How a dict or list pickled with protocol 0 (`(dp0`, `(lp0`) or 1 (`}q`, `]q`, `}(` without a memo)
+# begins; anything else without a PROTO opcode is no pickle memdiff reads.
+_OLD_PICKLE_STARTS = (b"(d", b"(l", b"}q", b"]q", b"}r", b"]r", b"}(", b"](")
+
+
 def _parse(path: str, stream: io.BufferedReader, codec: Optional[str]) -> Tuple[Any, str]:
-    """Decode a pickle (protocols 2-5, data only) or JSON document from `stream`; (object, container)."""
+    """Decode a pickle (protocols 0-5, data only) or JSON document from `stream`; (object, container)."""
     head = stream.peek(64)[:64]
     if not head:
         raise InputError(path, f"empty after {codec} decompression")
@@ -263,9 +283,13 @@ def _parse(path: str, stream: io.BufferedReader, codec: Optional[str]) -> Tuple[
             raise InputError(path, f"not a memory snapshot: {what}")
     if head[0] == 0x80:
         protocol = head[1] if len(head) > 1 else -1
-        if not 2 <= protocol <= 5:
-            raise InputError(path, f"unsupported pickle protocol {protocol} (memdiff reads 2 to 5)")
+        if not 0 <= protocol <= 5:
+            raise InputError(path, f"unsupported pickle protocol {protocol} (memdiff reads 0 to 5)")
         return _DataOnlyUnpickler(stream).load(), f"pickle protocol {protocol}"
+    if head[:2] in _OLD_PICKLE_STARTS:
+        # No PROTO opcode: a dict or list pickled with protocol 0 (text) or 1 (binary), which torch
+        # never writes but a re-pickled snapshot may be; the same data-only unpickler reads it.
+        return _DataOnlyUnpickler(stream).load(), f"pickle protocol {0 if head[:1] == b'(' else 1}"
     if head.lstrip()[:1] in (b"{", b"["):
         return parse_json(path, stream.read()), "json"
     raise InputError(path, "not a memory snapshot: the content is neither a pickle, JSON, "
