@@ -265,6 +265,19 @@ def test_a_summary_with_a_negative_time_is_bad_input(shared, tmp_path):
     assert done.returncode == 2 and "peak_time_us" in done.stderr and done.stderr.count("\n") == 1
 
 
+def test_a_summary_with_a_million_timeline_points_is_refused_before_they_are_walked(shared, tmp_path):
+    # memdiff writes at most 100 points. A million were accepted, and validating them (jsonschema
+    # walks every item, then ranks every error) took 100 CPU-s at 2.5M points.
+    out = tmp_path / "summary.json"
+    assert memdiff("summarize", str(shared / "linear-grad.pickle"), "-o", str(out)).returncode == 0
+    doc = json.loads(out.read_text())
+    doc["devices"][0]["timeline"] = [[i, 4096] for i in range(1_000_000)]
+    out.write_text(json.dumps(doc))
+    done = memdiff("peak", str(out), cpu_s=10)
+    assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
+    assert "devices.0.timeline: a value outside the schema's maxItems of 100" in done.stderr, done.stderr
+
+
 def test_thousands_of_stacks_sharing_a_long_frame_list(tmp_path):
     # Each stack is one frame of its own plus the same 500 frame dicts (memo references, 5 bytes
     # each): every stack is distinct, so none is normalized only once. 90 KB of gzip asked for 2
