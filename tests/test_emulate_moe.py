@@ -33,9 +33,24 @@ if name.startswith("mixtral"):  # mixtral_eager: Transformers' own loop over the
 elif name == "qwen2_moe":
     model = T.Qwen2MoeForCausalLM(T.Qwen2MoeConfig(**common, num_experts=4, num_experts_per_tok=2,
                                                     moe_intermediate_size=64, shared_expert_intermediate_size=128))
+elif name == "deepseek_v3":  # a group-limited router: 8 experts in 4 groups, 2 groups a token
+    model = T.DeepseekV3ForCausalLM(T.DeepseekV3Config(
+        **common, moe_intermediate_size=64, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2,
+        n_group=4, topk_group=2, first_k_dense_replace=1, kv_lora_rank=32, q_lora_rank=64, qk_rope_head_dim=16,
+        v_head_dim=32, qk_nope_head_dim=16))
 else:
     model = T.OlmoeForCausalLM(T.OlmoeConfig(**common, num_experts=4, num_experts_per_tok=2))
 model = model.cuda()
+routes = []  # per forward of the router: tokens per expert, and the most groups one token's experts span
+for module in model.modules():
+    if type(module).__name__ == "DeepseekV3TopkRouter":
+        def spy(*args, _forward=module.forward, _group=8 // 4, **kwargs):
+            out = _forward(*args, **kwargs)
+            picks = out[2].cpu()
+            routes.append([torch.bincount(picks.flatten(), minlength=8).tolist(),
+                           max(len(set((row // _group).tolist())) for row in picks)])
+            return out
+        module.forward = spy
 opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
 ids = torch.randint(0, 512, (2, 64), device="cuda")
 for step in range(2):
@@ -49,7 +64,7 @@ state = [t for s in opt.state.values() for t in s.values() if torch.is_tensor(t)
 json.dump({"parameter_bytes": sum(params.values()),
            "gradient_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
            "state_bytes": sum(t.numel() * t.element_size() for t in state),
-           "max_allocated": torch.cuda.max_memory_allocated()}, open(out, "w"))
+           "max_allocated": torch.cuda.max_memory_allocated(), "routes": routes}, open(out, "w"))
 """
 
 
@@ -65,7 +80,7 @@ def _record(tmp_path: Path, script: str, *args: str, kept: Optional[Path] = None
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe", "olmoe"])
+@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe", "olmoe", "deepseek_v3"])
 def test_hugging_face_moe_models_train_and_hold_what_the_model_holds(tmp_path, name):
     # Transformers' default experts implementation on CUDA is torch's grouped_mm; in fp32 torch runs its
     # fallback (one cuBLAS product per expert), whose meta kernel refused anything but bf16.
@@ -83,6 +98,10 @@ def test_hugging_face_moe_models_train_and_hold_what_the_model_holds(tmp_path, n
     assert device.categories["optimizer_state"] == facts["state_bytes"] == 2 * facts["gradient_bytes"]
     held = facts["parameter_bytes"] + facts["gradient_bytes"] + facts["state_bytes"]
     assert held < device.peak_bytes <= facts["max_allocated"]
+    if name == "deepseek_v3":
+        # DeepSeek-V3 picks 2 of 4 groups, then 2 experts within them: balanced picks give each of the 8
+        # experts 32 of the 128 tokens x 2 rows, and no token's experts span more than its 2 groups
+        assert facts["routes"] == [[[32] * 8, 1]] * 2
 
 
 def _trace(path: Path) -> List[Dict[str, Any]]:
