@@ -272,6 +272,20 @@ def test_real_ctx128_baseline_against_ctx256(shared, tmp_path, capsys):
     assert code == 0 and "PASS  device 0 peak" in out
 
 
+def test_a_gate_never_says_a_baseline_recorded_no_steps(shared, tmp_path, capsys):
+    # The training run took one optimizer step inside its trace (PyTorch recorded the scope
+    # Optimizer.step#AdamW.step there); the inference run of the same model records 3,840 events
+    # to its 19,136. A baseline stores where its peak was, not its steps: the event counts are
+    # worth the warning, a step count of 0 for the training run is not true.
+    b = tmp_path / "train.json"
+    assert run(capsys, "baseline", shared / "cs336-medium-ctx128-train.pickle", "-o", b)[0] == 0
+    code, out, _ = run(capsys, "gate", shared / "cs336-medium-ctx128-infer.pickle", "--baseline", b)
+    assert code == 0, out
+    assert "warning: T010 device 0: event counts differ 5.0x (19,136 -> 3,840 events): the runs may not " \
+        "record the same work" in out
+    assert "0 -> 1 steps" not in out
+
+
 def test_category_limits_compare_each_category_at_its_height_in_both_runs(shared, tmp_path, capsys):
     # ctx128's peak is in its optimizer step (activations freed), ctx256's in its forward: at the
     # two peaks activations read 19.53 MiB -> 3.73 GiB (x195.7). At each run's forward peak, where

@@ -51,6 +51,11 @@ def _keys(source: Source) -> Set[str]:
     return set(source.keys) - {"emulated"}
 
 
+def _keeps_steps(s: Summary) -> bool:
+    """Whether a run's steps are known: a baseline stores where its peak was, not its steps."""
+    return s.source.container != "baseline"
+
+
 # The codes whose sentences the JSON's `warnings` lists: why the two runs may not compare.
 WARNING_STRINGS = ("T001", "T003", "T005", "T006", "T007", "T008", "T009", "T010", "T012", "T014", "P001")
 KEPT_SITES = 3  # sites the kept line names
@@ -103,9 +108,11 @@ def _findings(base: Summary, head: Summary, devices: Sequence[DeviceDiff] = (),
         lo, hi = sorted((b.trace_events, h.trace_events))
         # Runs that record the same number of steps record the same work, however many events
         # a bigger batch or gradient accumulation makes; only then is the count no evidence.
-        same_steps = bool(b.steps) and len(b.steps) == len(h.steps)
+        # A baseline keeps no steps: its count is unknown, never zero.
+        known = _keeps_steps(base) and _keeps_steps(head)
+        same_steps = known and bool(b.steps) and len(b.steps) == len(h.steps)
         if lo and hi / lo > EVENT_RATIO_WARNING and not same_steps:
-            steps = f", {len(b.steps)} -> {len(h.steps)} steps" if b.steps or h.steps else ""
+            steps = f", {len(b.steps)} -> {len(h.steps)} steps" if known and (b.steps or h.steps) else ""
             out.append(finding("T010", b.device, ratio=hi / lo, base_events=b.trace_events,
                                head_events=h.trace_events, steps=steps))
     base_devices = {b.device: b for b in base.devices}
