@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
 from memdiff.analyse.classify import Rule, check_categories, findings_chosen, load_rules, read_rule_files
 from memdiff.analyse.lifetimes import BACKWARD, FORWARD, OPTIMIZER
 from memdiff.compare.findings import DEFAULT_FAIL_ON
-from memdiff.compare.limits import Limit, Thresholds, parse_limit, parse_pct, thresholds_over
+from memdiff.compare.limits import DEFAULT_PEAK, Limit, Thresholds, parse_limit, parse_pct, thresholds_over
 from memdiff.errors import InputError
 from memdiff.lists import LISTS, ListOption, chosen_codes, joined_limit, named_limits
 from memdiff.read.job import Job, discover
@@ -53,7 +53,8 @@ def add_threshold_arguments(p: argparse.ArgumentParser) -> None:
                    help="fail when a peak grows by more than SIZE (512MiB, 0.5GiB, 1e9 bytes)")
     p.add_argument("--fail-over-pct", type=pct_arg, metavar="P",
                    help="fail when a peak grows by more than P percent; with --fail-over both must be "
-                        "exceeded (default without either: 1%% and 64MiB)")
+                        "exceeded (without either: a baseline's own limit, else the default rule, "
+                        f"{DEFAULT_PEAK.describe()})".replace("%", "%%"))
     p.add_argument("--fail-on", action=ListOption, nargs="+", metavar="CODE",
                    help="also fail on these findings (codes from `memdiff rule --all`, or a family letter: K); "
                         f"by default {', '.join(DEFAULT_FAIL_ON)} fail (docs/findings.md){LISTS}")
