@@ -129,8 +129,9 @@ class Publisher:
             print(f"::{level} title=memdiff {f.code} {f.name}::"
                   f"{escape_annotation(f'{f.text} (memdiff rule {f.code})')}")
 
-    def add_missing(self, run: str, path: str, required: bool) -> None:
-        """Say that `run` has no baseline at `path`, how to make one, and whether that fails the gate."""
+    def add_missing(self, run: str, path: str, required: bool, compared: bool = True) -> None:
+        """Say that `run` has no baseline at `path`, how to make one, and whether that fails the gate
+        (`required`, or no run `compared`)."""
         command = baseline_command(run, path)
         folder = os.path.dirname(path)
         make = f"mkdir -p {shell(folder)} && " if folder and not os.path.isdir(folder) else ""
@@ -144,7 +145,7 @@ class Publisher:
                "Not gated: without `--require-baseline` such a run is reported and the others are gated; when no "
                "run has its baseline, nothing was compared and the gate fails.\n"))
         self.without_baseline.append(run)
-        self.annotation(no_baseline(run, path, required), "error" if required else "warning")
+        self.annotation(no_baseline(run, path, required, compared), "error" if required or not compared else "warning")
 
     def annotation(self, f: Finding, level: str) -> None:
         """A finding outside any report (a run without its baseline, a history not there yet) as a

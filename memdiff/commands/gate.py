@@ -240,8 +240,8 @@ def run(args: argparse.Namespace) -> int:
         sys.stdout.write(dumps(documents))
     for snap, path in missing:
         if publisher:
-            publisher.add_missing(snap, path, args.require_baseline)
-        print(f"memdiff: {text(shown(no_baseline(snap, path, args.require_baseline or not pairs)))}",
+            publisher.add_missing(snap, path, args.require_baseline, compared=bool(pairs))
+        print(f"memdiff: {text(shown(no_baseline(snap, path, args.require_baseline, compared=bool(pairs))))}",
               file=sys.stderr)
     if publisher:
         publisher.finish()

@@ -411,14 +411,17 @@ def _pooled_groups(groups: List[Group], stored: List[Dict[str, Any]]) -> List[Gr
     return sorted(pooled, key=lambda g: (-g.bytes, g.signature))
 
 
-def no_baseline(run: str, path: str, required: bool) -> Finding:
-    """Finding G008: `run` has no baseline at `path`, with the command that makes it; `required`
-    when that fails the gate (else the line says the run is not gated)."""
+def no_baseline(run: str, path: str, required: bool, compared: bool = True) -> Finding:
+    """Finding G008: `run` has no baseline at `path`, with the command that makes it, and whether
+    that fails the gate: `required` (--require-baseline), or no run `compared` at all."""
     folder = os.path.dirname(path)
     absent = f" (the folder {folder} does not exist yet; that command makes it)" if folder and \
         not os.path.isdir(folder) else ""
-    return finding("G008", snapshot=run, path=path, command=baseline_command(run, path), absent=absent,
-                   gated="" if required else " (not gated; --require-baseline makes this fail)")
+    # The line is all a user reads of a gate that exits 2: it says that this fails it, and why.
+    gated = (" (no run had its baseline: nothing was compared, so the gate fails)" if not compared
+             else " (the gate fails: --require-baseline)" if required
+             else " (not gated; --require-baseline makes this fail)")
+    return finding("G008", snapshot=run, path=path, command=baseline_command(run, path), absent=absent, gated=gated)
 
 
 def comparable_pair(path: str, baseline: Baseline, head: Summary, mixed_routes: bool = False
