@@ -283,6 +283,21 @@ def test_real_runs_whose_traces_differ_are_lined_up_by_stack_and_say_so(shared, 
     assert doc["overhead_ratio"] > 1  # CUDA runs carry segments: reserved over allocated
 
 
+def test_what_only_the_largest_run_records_is_said_to_keep_its_size(shared, expected, capsys):
+    # Forecast at 128 from the runs at 128 and 256: PyTorch's trace of the run at 128 peaks at
+    # 7,013,335,044 B (expected.json), yet the replay of the run at 256 overshoots it, because
+    # the allocations only that run records (no other run to fit them with) stay at their size.
+    # The note must say so: "fitted from the runs that have them" read as if they were scaled.
+    a, b = shared / "cs336-medium-ctx128-train.pickle", shared / "cs336-medium-ctx256-train.pickle"
+    assert main(["forecast", f"{a}=128", f"{b}=256", "--at", "128", "--format", "json"]) == 0
+    d = json.loads(capsys.readouterr().out)["devices"][0]
+    assert d["predicted_peak_bytes"] > expected[a.name]["0"]["peak_bytes"] * 1.1
+    w008 = next(f for f in d["findings"] if f["code"] == "W008")
+    assert w008["data"]["alone"] > 0
+    assert w008["message"].endswith(f"; the {w008['data']['alone']:,} others, which only the largest run records, "
+                                    "keep their size in it at every value")
+
+
 def test_different_real_models_are_refused(shared, capsys):
     a, b = shared / "cs336-medium-ctx128-train.pickle", shared / "linear-grad.pickle"
     assert main(["forecast", f"{a}=1", f"{b}=2"]) == 2

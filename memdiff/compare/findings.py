@@ -382,12 +382,14 @@ CATALOGUE: Tuple[Code, ...] = (
     Code("W008", "runs-not-aligned", INFO,
          "the runs do not record the same allocations: {aligned}{others}",
          "The forecast's runs do not allocate one for one: their allocations were lined up by stack and order.",
-         "Allocations only some runs have are fitted from those runs; the forecast is less exact.",
+         "Allocations only some runs have are fitted from those runs, and those only the largest run has keep "
+         "their size at every value (a fit through one run is a constant); the forecast is less exact.",
          "Record the runs with the same code path and steps.",
          "memdiff forecast tests/data/cuda/gpt2-base.pickle.gz=4 tests/data/cuda/gpt2-batch8.pickle.gz=8 --at "
          "16 --budget 80GiB",
          "note: W008 device 0: the runs do not record the same allocations: 98.8% of the largest run's "
-         "allocations line up by stack in every run; the others are fitted from the runs that have them"),
+         "allocations line up by stack in every run; the 42 others, which only the largest run records, keep their "
+         "size in it at every value"),
     Code("W009", "quadratic-under-leave-one-out", INFO,
          "with three runs, leaving one out fits the other two with lines: the leave-one-out error overstates the "
          "forecast's for sizes that grow quadratically (a fourth run checks them)",

@@ -41,7 +41,7 @@ from memdiff.predict.forecast.course import MAX_VALUE, Course, DeviceCourse, Kno
 from memdiff.predict.forecast.replay import peak_of, replay, replay_course
 from memdiff.read.load import MAX_BYTES
 from memdiff.read.window import Window
-from memdiff.units import format_bytes
+from memdiff.units import count_of, format_bytes
 
 SCHEMA_VERSION = 1
 FORMS = ("constant", "linear", "quadratic", "none")
@@ -429,9 +429,18 @@ def _device_forecast(runs: List[DeviceCourse], courses: Sequence[Course], device
     if odd and len(fitted) >= 2:
         notes.append(finding("W007", device, runs=_names(odd), s="s" if len(odd) == 1 else "", fitted=len(fitted)))
     elif not alignment.exact:
+        # A fit through one run is a constant: what only the largest run records keeps its size
+        # there at every value, the forecast's blind spot, so the note counts it.
+        counts = present[fitted].sum(axis=0) if n else np.zeros(0, dtype=np.int64)
+        alone, others = int((counts <= 1).sum()), int((counts < len(fitted)).sum())
+        held = f"{'keeps its' if alone == 1 else 'keep their'} size in it at every value"
+        said = ("" if alignment.aligned_pct >= 100 else
+                f"; the {count_of(others, 'other')}, which only the largest run records, {held}" if alone == others
+                else f"; the others are fitted from the runs that have them, and the "
+                     f"{count_of(alone, 'allocation')} only the largest run records {held}" if alone
+                else "; the others are fitted from the runs that have them")
         notes.append(finding("W008", device, aligned=_lined_up(alignment), aligned_pct=alignment.aligned_pct,
-                             others="; the others are fitted from the runs that have them"
-                             if alignment.aligned_pct < 100 else ""))
+                             others=said, alone=alone))
     if len(fitted) == 3 and "quadratic" in forms.values():
         notes.append(finding("W009", device))
     if len(fitted) == 2:
