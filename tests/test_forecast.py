@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any, Dict, List
 
 import pytest
-from conftest import alloc, free, py_frames
+from conftest import ROOT, alloc, free, py_frames
 
 import memdiff
 from memdiff.analyse.classify import load_rules
@@ -298,6 +298,35 @@ def test_what_only_the_largest_run_records_is_said_to_keep_its_size(shared, expe
                                     "keep their size in it at every value")
 
 
+def test_one_snapshot_at_two_values_is_refused(shared, tmp_path, capsys):
+    # A copy-paste slip: the context-128 run given as 4 and as 8 (once by a copy). Nothing in it
+    # can grow with the knob; forecasting it said every value fits 80 GiB.
+    run = shared / "cs336-medium-ctx128-train.pickle"
+    copy = tmp_path / "b8.pickle"
+    copy.write_bytes(run.read_bytes())
+    for other in (run, copy):
+        assert main(["forecast", f"{run}=4", f"{other}=8", "--budget", "80GiB"]) == 2
+        out, err = capsys.readouterr()
+        assert out == "" and err == (f"memdiff: {other}: the same snapshot as {run} (sha256 8a8f19ab3d15), given at 4 "
+                                     "and at 8: a forecast needs a run recorded at each value\n")
+
+
+def test_runs_whose_peak_never_outgrows_the_budget_say_any_value_not_a_number(capsys):
+    # Two H100 repeats of GPT-2 at batch 4 (tests/data/cuda, both facts files say so) given as
+    # batch 4 and 8 by mistake: nothing grows, and the largest value within the budget is no
+    # value at all; the search's ceiling, 1,099,511,627,776, was printed as if it were one.
+    a, b = ROOT / "tests/data/cuda/gpt2-base.pickle.gz", ROOT / "tests/data/cuda/gpt2-base-again.pickle.gz"
+    assert main(["forecast", f"{a}=4", f"{b}=8", "--at", "16", "--budget", "80GiB"]) == 0
+    out = capsys.readouterr().out
+    assert "1,099,511,627,776" not in out
+    assert out.splitlines()[0].endswith("; largest value within 80.00 GiB: any (the predicted peak never outgrows it)")
+    assert "\nlargest value within the budget: any (the predicted peak never outgrows it)\n" in out
+    assert main(["forecast", f"{a}=4", f"{b}=8", "--at", "16", "--budget", "80GiB", "--format", "json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    validate("forecast", doc, "forecast")
+    assert doc["devices"][0]["within_text"] == "any (the predicted peak never outgrows it)"
+
+
 def test_different_real_models_are_refused(shared, capsys):
     a, b = shared / "cs336-medium-ctx128-train.pickle", shared / "linear-grad.pickle"
     assert main(["forecast", f"{a}=1", f"{b}=2"]) == 2
@@ -361,7 +390,8 @@ def test_the_notes_are_the_catalogues_findings(write_snapshot, capsys):
     from memdiff.compare.findings import BY_CODE
 
     def runs(name, sizes_at):
-        return [f"{write_snapshot({'segments': [], 'device_traces': [[alloc(k + 1, s) for k, s in enumerate(sizes)]]}, f'{name}{v}.pickle')}={v}"
+        # Each run at its own addresses: three files of one content are one snapshot, refused.
+        return [f"{write_snapshot({'segments': [], 'device_traces': [[alloc(512 * v + k, s) for k, s in enumerate(sizes)]]}, f'{name}{v}.pickle')}={v}"
                 for v, sizes in sizes_at]
     said = {}
     for argv in (runs("q", [(v, [100, 10 * v * v]) for v in (1, 2, 3)]),  # three runs, a quadratic size

@@ -70,8 +70,8 @@ def render_text(f: Forecast) -> str:
         p = d.predictions[0]
         out += ["", f"at the predicted peak for {p.value:,} ({p.where}):"]
         out += ["", *("\n\n".join(_at_peak_tables(d, "simple")).split("\n"))]
-        if d.max_value_within_budget is not None:
-            out += ["", f"largest value within the budget: {d.max_value_within_budget:,}"]
+        if d.within_text is not None:
+            out += ["", f"largest value within the budget: {d.within_text}"]
     return "\n".join(out) + "\n"
 
 

@@ -132,6 +132,9 @@ class DeviceForecast:
     headline: str
     alignment: str  # how the runs' allocations were lined up, in words
     notes: List[Finding] = field(default_factory=list)  # the catalogue's (findings.py)
+    # The largest value within the budget in words (`11`; `any (...)` when nothing outgrows it); None
+    # without a budget or when nothing fits. max_value_within_budget is then MAX_VALUE, no value.
+    within_text: Optional[str] = None
 
     @property
     def predicted_peak_bytes(self) -> int:
@@ -468,15 +471,17 @@ def _device_forecast(runs: List[DeviceCourse], courses: Sequence[Course], device
         trust = f"error on the runs left out of the fit at most {fit_error:.1f}%"
     headline = (f"device {device}: predicted peak {format_bytes(first.peak_bytes)} at {first.value}{moved}; "
                 + ("a linear forecast from two runs, " if len(fitted) == 2 else "") + trust)
+    within_text = (None if within is None else "any (the predicted peak never outgrows it)" if within == MAX_VALUE
+                   else f"{within:,}")
     if budget is not None:
-        headline += ("; nothing fits the budget" if within is None
-                     else f"; largest value within {format_bytes(budget)}: {within:,}")
+        headline += ("; nothing fits the budget" if within_text is None
+                     else f"; largest value within {format_bytes(budget)}: {within_text}")
     return DeviceForecast(
         device=device, method="events" if all(alignment.same[k] for k in fitted) else "aligned",
         aligned_pct=round(alignment.aligned_pct, 2),
         runs=checks, predictions=predictions, forms=forms,
         unfitted_allocations=int(unfitted.sum()), unfitted_bytes=unfitted_bytes, fit_error_pct=fit_error,
-        max_value_within_budget=within, headline=headline, notes=notes,
+        max_value_within_budget=within, headline=headline, notes=notes, within_text=within_text,
         alignment=(f"the {len(fitted)} fitted runs record the same allocations in the same order "
                    f"({len(ref.size):,} allocations)" if all(alignment.same[k] for k in fitted)
                    else _lined_up(alignment)))
@@ -523,4 +528,20 @@ def forecast(runs: Sequence[KnobRun], at: Sequence[int], rules: Sequence[Rule],
             raise InputError("--at", f"{_shown(v)} is not a knob value: a positive integer up to {MAX_VALUE:,}")
     if len(runs) < 2:
         raise InputError("forecast", "give at least two runs, each as RUN=VALUE")
-    return forecast_courses(read_courses(runs, rules, window), at, budget)
+    courses = read_courses(runs, rules, window)
+    _check_distinct(courses)
+    return forecast_courses(courses, at, budget)
+
+
+def _check_distinct(courses: Sequence[Course]) -> None:
+    """InputError when one snapshot is given at two values: nothing in it grows with the knob, so
+    the forecast would find nothing growing and every value fitting any budget."""
+    seen: Dict[str, Course] = {}
+    for c in courses:
+        if not c.devices:
+            continue  # a run that recorded nothing is said as such (forecast_courses)
+        first = seen.setdefault(c.summary.source.sha256, c)
+        if first is not c:
+            raise InputError(c.file, f"the same snapshot as {first.file} (sha256 {c.summary.source.sha256[:12]}), "
+                                     f"given at {first.value:,} and at {c.value:,}: a forecast needs a run recorded "
+                                     "at each value")
