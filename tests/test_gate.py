@@ -302,6 +302,19 @@ def test_a_gate_never_says_a_baseline_recorded_no_steps(shared, tmp_path, capsys
     assert "0 -> 1 steps" not in out
 
 
+def test_one_rank_against_a_jobs_baseline_is_bad_input_not_a_crash(tmp_path, capsys):
+    # The real two-rank DDP job of GPT-2 recorded on H100s (tests/data/cuda/ddp): its baseline
+    # keeps each rank's run. Gating rank 0's file alone against it was exit 3 (KeyError).
+    job = ROOT / "tests" / "data" / "cuda" / "ddp"
+    b = tmp_path / "job.json"
+    assert run(capsys, "baseline", f"{job}/", "-o", b)[0] == 0
+    code, out, err = run(capsys, "gate", job / "rank0.pickle.gz", "--baseline", b)
+    assert (code, out) == (2, "")
+    assert err == (f"memdiff: {b}: is the baseline of a job (2 ranks) and rank0.pickle.gz is one run: gate the "
+                   "job's folder against it, or make a baseline of the run alone\n")
+    assert run(capsys, "gate", f"{job}/", "--baseline", b)[0] == 0
+
+
 def test_category_limits_compare_each_category_at_its_height_in_both_runs(shared, tmp_path, capsys):
     # ctx128's peak is in its optimizer step (activations freed), ctx256's in its forward: at the
     # two peaks activations read 19.53 MiB -> 3.73 GiB (x195.7). At each run's forward peak, where

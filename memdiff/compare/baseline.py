@@ -28,7 +28,7 @@ from memdiff.model import DeviceSummary, Finding, Group, PhasePeak, Range, Sourc
 from memdiff.read.frames import signature_of
 from memdiff.read.load import read_json
 from memdiff.read.schema import validate
-from memdiff.units import format_bytes
+from memdiff.units import count_of, format_bytes
 
 # Baselines keep their own version: summaries moved to 2 (lifetimes) without changing what a
 # baseline stores. A baseline made from repeats is written as 2: a memdiff that cannot read its
@@ -426,8 +426,15 @@ def no_baseline(run: str, path: str, required: bool, compared: bool = True) -> F
 
 def comparable_pair(path: str, baseline: Baseline, head: Summary, mixed_routes: bool = False
                     ) -> Tuple[Summary, Summary]:
-    """(base, head) summaries the differ can align; InputError when the devices differ, or when one
-    was emulated and the other recorded (or emulated as another GPU) unless `mixed_routes`."""
+    """(base, head) summaries the differ can align; InputError when the devices differ, when one
+    was emulated and the other recorded (or emulated as another GPU) unless `mixed_routes`, and
+    when the baseline is a job's."""
+    if baseline.ranks is not None:
+        # A job's baseline keeps its runs per rank: one run is gated against a rank of it through
+        # the job (its folder), which also fails on the ranks it lacks.
+        raise InputError(path, f"is the baseline of a job ({count_of(len(baseline.ranks), 'rank')}) and "
+                               f"{clip(head.source.file)} is one run: gate the job's folder against it, or make a "
+                               f"baseline of the run alone")
     base = _stored_summary(baseline)
     base_route = base.source.route()
     if base_route != head.source.route() and not mixed_routes:
