@@ -169,6 +169,16 @@ def test_bad_input_exits_2_with_one_line_naming_file_and_problem(tmp_path, capsy
     assert err.count("\n") == 1 and "Traceback" not in err
 
 
+@pytest.mark.parametrize("command", ["peak", "summarize", "whatif"])
+def test_a_jobs_folder_given_to_a_one_run_command_says_which_commands_read_jobs(command, capsys):
+    # The real two-rank DDP job recorded on H100s: the README said every command takes a job.
+    job = Path(__file__).resolve().parent / "data" / "cuda" / "ddp"
+    code, out, err = run_cli(capsys, command, str(job))
+    assert (code, out) == (2, "")
+    assert err == (f"memdiff: {job}: is a directory, not a snapshot file: give one of its files (a job's folder of "
+                   "rank files is read by `memdiff ranks`, the diff, `gate` and `baseline`)\n")
+
+
 def test_debug_shows_the_traceback(tmp_path, capsys):
     path, _ = _bad_inputs(tmp_path)["truncated"]
     code, _, err = run_cli(capsys, "summarize", "--debug", str(path))

@@ -141,7 +141,9 @@ def _check_file(path: str) -> int:
     if not os.path.exists(path):
         raise InputError(path, "no such file")
     if os.path.isdir(path):
-        raise InputError(path, "is a directory, not a snapshot file")
+        # A job's folder is the likely one: say which commands read a job, and what this one takes.
+        raise InputError(path, "is a directory, not a snapshot file: give one of its files (a job's folder of rank "
+                               "files is read by `memdiff ranks`, the diff, `gate` and `baseline`)")
     if not os.path.isfile(path):
         # A FIFO or a device has no size to bound the read by (/dev/urandom never ends); it read as
         # "empty file". Stat, not open: opening a FIFO with no writer would wait for one.
