@@ -164,7 +164,8 @@ def _judge(item: pytest.Item, options: Mapping[str, Any], snapshot: str) -> None
             _ceiling(summary, options["limit"])
             return
         else:
-            limits = {k: v for k, v in options.items() if k != "limit" and v is not None}
+            # `emulate` chose how the body ran, not a limit: the rest are the gate's thresholds.
+            limits = {k: v for k, v in options.items() if k not in ("limit", "emulate") and v is not None}
             if updating:
                 make_folder(os.path.dirname(path))
                 _replace_unreadable(path)

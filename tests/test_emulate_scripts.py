@@ -194,6 +194,30 @@ def test_the_pytest_plugin_gates_a_cuda_test_on_the_emulated_gpu(pytester, torch
     assert "During handling of the above exception" not in out  # one line, no chained exception
 
 
+@pytest.mark.slow
+def test_the_pytest_plugin_gates_an_emulated_cuda_test_against_its_baseline(pytester, torch):
+    # docs/pytest.md's emulate="h100" beside a baseline's limit: `emulate` was passed on to the
+    # thresholds as if it were one (TypeError), so no emulated test could have a baseline.
+    pytester.makepyfile(test_cuda=textwrap.dedent("""
+        import os
+        import pytest
+        import torch
+
+        @pytest.mark.memdiff(emulate="h100", fail_over_pct=5)
+        def test_step():
+            model = torch.nn.Linear(1024, int(os.environ.get("WIDTH", "1024"))).cuda()
+            model(torch.randn(64, 1024, device="cuda")).sum().backward()
+    """))
+    pytester.runpytest_subprocess(*INNER_PYTEST, "--memdiff-update").assert_outcomes(passed=1)
+    stored = json.loads((pytester.path / "baselines" / "test_cuda.py-test_step.json").read_text())
+    assert stored["source"]["emulated"]["gpu"] == "NVIDIA H100 80GB HBM3"
+    # An 8192-wide layer: 8 times the weights (4 MiB to 32 MiB, what nn.Linear(1024, 8192) holds).
+    pytester._monkeypatch.setenv("WIDTH", "8192")  # noqa: SLF001 - pytester's own
+    result = pytester.runpytest_subprocess(*INNER_PYTEST)
+    result.assert_outcomes(failed=1)
+    assert "memdiff: device memory regressed against baselines/test_cuda.py-test_step.json" in result.stdout.str()
+
+
 # Llama, BERT, T5 and ViT are held to real H100 windows of their own (tests/test_emulate_truth.py: every
 # category at the peak within 1 MiB, the peak and max_memory_allocated() within 0.5%), more than the
 # model's own facts below can say; the plain torch.nn CNN has no real window, so its facts hold it here.
