@@ -76,6 +76,14 @@ def _check_folder_of(path: str, folder: str, make: bool) -> None:
         # access() answers EROFS for root too, so a read-only mount is caught here as well.
         raise InputError(path, f"cannot write into the folder {folder}: "
                                f"{'read-only file system' if _read_only(folder) else 'permission denied'}")
+    # access() grants root everything else: a folder of /proc, or an NFS mount that squashes root,
+    # refuses the file only when it is made. Making one is the check that holds before the work.
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".memdiff-probe-", dir=folder)
+    except OSError as exc:
+        raise InputError(path, f"cannot write into the folder {folder}: {_reason(exc)}") from None
+    os.close(fd)
+    os.unlink(probe)
 
 
 def _read_only(folder: str) -> bool:
