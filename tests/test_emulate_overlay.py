@@ -298,3 +298,41 @@ def test_a_named_temporary_file_in_a_users_folder_is_written_to_the_overlay_and_
     assert read == (b"rows", "text")
     assert own.name == "own.txt" and listed == [os.path.basename(made.name)]
     assert list(cache.iterdir()) == [] and not (tmp_path / "own.txt").exists()  # the user's tree as it was
+
+
+def test_modules_the_run_writes_import_as_the_run_sees_them(tmp_path, monkeypatch):
+    """evaluate.load and datasets copy a metric's or loader's script into a modules cache, put the cache
+    on sys.path and import it; transformers does the same for remote code. The import system reads the
+    disk around Python's file calls, so a cache the run made in the overlay was missing to it
+    (`No module named 'evaluate_modules'`, accelerate's FSDP example on a fresh HF_HOME). A module the
+    run writes imports, beside the user's own; one the run rewrote imports as rewritten; the user's
+    tree stays as it was."""
+    import importlib
+
+    users = tmp_path / "users_lib"
+    (users / "ulib_pkg").mkdir(parents=True)
+    (users / "ulib_pkg" / "__init__.py").write_text("WHO = 'the user'\n")
+    (users / "ulib_old.py").write_text("VALUE = 1\n")
+    monkeypatch.syspath_prepend(str(users))
+    before = _tree(str(tmp_path))
+    with overlaid():
+        cache = tmp_path / "hf_home" / "modules"
+        (cache / "runs_modules" / "metrics").mkdir(parents=True)  # a namespace package's folder
+        (cache / "runs_modules" / "__init__.py").write_text("")
+        (cache / "runs_modules" / "metrics" / "bleu.py").write_text("def score():\n    return 42\n")
+        sys.path.append(str(cache))
+        (users / "ulib_pkg" / "added.py").write_text("from . import WHO\nSEEN = WHO\n")
+        (users / "ulib_old.py").write_text("VALUE = 2\n")
+        importlib.invalidate_caches()
+        bleu = importlib.import_module("runs_modules.metrics.bleu")
+        added = importlib.import_module("ulib_pkg.added")
+        old = importlib.import_module("ulib_old")
+        seen = (bleu.score(), bleu.__file__, added.SEEN, old.VALUE)
+        with pytest.raises(ModuleNotFoundError):
+            importlib.import_module("runs_modules.metrics.missing")
+    for name in ("runs_modules", "runs_modules.metrics", "runs_modules.metrics.bleu", "ulib_pkg", "ulib_pkg.added",
+                 "ulib_old"):
+        sys.modules.pop(name, None)
+    sys.path.remove(str(cache))
+    assert seen == (42, str(cache / "runs_modules" / "metrics" / "bleu.py"), "the user", 2)
+    assert _tree(str(tmp_path)) == before

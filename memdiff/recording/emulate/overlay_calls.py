@@ -33,7 +33,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Set, Tuple
 
 from memdiff import atomic
 from memdiff.errors import InputError
-from memdiff.recording.emulate import swap
+from memdiff.recording.emulate import overlay_imports, swap
 from memdiff.recording.emulate.overlay import Change, Overlay, full
 from memdiff.units import format_bytes
 
@@ -423,7 +423,8 @@ def overlaid(owned: Tuple[str, ...] = ()) -> Iterator[Overlay]:
            "TORCHINDUCTOR_CACHE_DIR": os.path.join(cache, "inductor"),
            "TRITON_CACHE_DIR": os.path.join(cache, "triton"),
            "TORCH_EXTENSIONS_DIR": os.path.join(cache, "torch_extensions"), "PYTHONDONTWRITEBYTECODE": "1"}
-    changes = [*_routes(overlay), (tempfile, "tempdir", overlay.scratch), (sys, "dont_write_bytecode", True)]
+    changes = [*_routes(overlay), *overlay_imports.routes(overlay), (tempfile, "tempdir", overlay.scratch),
+               (sys, "dont_write_bytecode", True)]
     if not _hooked:  # an audit hook cannot be removed: one, idle while no overlay is active
         sys.addaudithook(_audit)
         _hooked = True
