@@ -308,6 +308,7 @@ def test_modules_the_run_writes_import_as_the_run_sees_them(tmp_path, monkeypatc
     run writes imports, beside the user's own; one the run rewrote imports as rewritten; the user's
     tree stays as it was."""
     import importlib
+    import pkgutil
 
     users = tmp_path / "users_lib"
     (users / "ulib_pkg").mkdir(parents=True)
@@ -328,6 +329,9 @@ def test_modules_the_run_writes_import_as_the_run_sees_them(tmp_path, monkeypatc
         added = importlib.import_module("ulib_pkg.added")
         old = importlib.import_module("ulib_old")
         seen = (bleu.score(), bleu.__file__, added.SEEN, old.VALUE)
+        # plugin discovery lists a folder's modules through its finder (pkgutil.iter_modules)
+        listed = ([name for _, name, _ in pkgutil.iter_modules([str(cache / "runs_modules" / "metrics")])],
+                  sorted(name for _, name, _ in pkgutil.iter_modules([str(users)])))
         with pytest.raises(ModuleNotFoundError):
             importlib.import_module("runs_modules.metrics.missing")
     for name in ("runs_modules", "runs_modules.metrics", "runs_modules.metrics.bleu", "ulib_pkg", "ulib_pkg.added",
@@ -335,4 +339,5 @@ def test_modules_the_run_writes_import_as_the_run_sees_them(tmp_path, monkeypatc
         sys.modules.pop(name, None)
     sys.path.remove(str(cache))
     assert seen == (42, str(cache / "runs_modules" / "metrics" / "bleu.py"), "the user", 2)
+    assert listed == (["bleu"], ["ulib_old", "ulib_pkg"])
     assert _tree(str(tmp_path)) == before

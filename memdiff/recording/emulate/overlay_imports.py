@@ -16,10 +16,11 @@ from __future__ import annotations
 
 import importlib.machinery as machinery
 import importlib.util
+import inspect
 import os
 import stat
 import sys
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 from memdiff.recording.emulate.overlay import Overlay, _builtin_open, _isdir, _stat, missing
 
@@ -132,6 +133,26 @@ class _Finder:
             made = _Sourceless(fullname, path, self.overlay)
         return importlib.util.spec_from_file_location(fullname, path, loader=made,
                                                       submodule_search_locations=package)
+
+    def iter_modules(self, prefix: str = "") -> Iterator[Tuple[str, bool]]:
+        """pkgutil.iter_modules(): the folder's modules and packages as the run sees them, by the
+        standard finder's rules (plugin discovery; pkgutil lists nothing for a finder without this)."""
+        try:
+            names = self.overlay.names(self.entry)
+        except OSError:  # unreadable, or gone: nothing, as import says
+            return
+        seen = set()
+        for name in names:  # sorted: a package before a module of the same name
+            module = inspect.getmodulename(name)
+            package = False
+            if not module and "." not in name:
+                kind = self._kind(os.path.join(self.entry, name))
+                inside = self.overlay.names(os.path.join(self.entry, name)) if kind and stat.S_ISDIR(kind) else []
+                package = any(inspect.getmodulename(n) == "__init__" for n in inside)
+                module = name if package else None
+            if module and module != "__init__" and "." not in module and module not in seen:
+                seen.add(module)
+                yield prefix + module, package
 
     def invalidate_caches(self) -> None:
         """importlib.invalidate_caches(): the standard finder reads its folder afresh."""
