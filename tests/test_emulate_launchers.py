@@ -70,6 +70,39 @@ def test_an_accelerate_launch_of_one_process_or_a_bad_option_is_one_line_exit_2(
     assert not (tmp_path / "runs").exists() or not list((tmp_path / "runs").glob("*.pickle"))
 
 
+
+def test_accelerate_launch_of_n_processes_without_multi_gpu_starts_n_ranks_as_on_a_node_of_n_gpus(torch, tmp_path,
+                                                                                                 monkeypatch):
+    """`accelerate launch --num_processes 2 train.py` (no --multi_gpu, no config: accelerate's nd_parallel
+    README) asks the node how many GPUs it has and launches multi-GPU when there are more than one. The
+    emulated launcher saw one GPU and started the script once, as a single process (accelerate's
+    `nd_parallel.py` then stopped: "Mesh should not be bigger than default world size 1"); a node has the
+    GPUs the job asks for."""
+    pytest.importorskip("accelerate")
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+
+    options = ["--num_processes", "2", "--main_process_port", str(free_port()), "says.py"]
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))  # no accelerate config of this machine's
+    # the truth: accelerate's own reading of the command on a node with 2 GPUs
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    args, _, _ = _validate_launch_command(launch_command_parser().parse_args(options))
+    assert args.multi_gpu and args.num_processes == 2
+    monkeypatch.undo()
+    # --ranks reads the command for the same job
+    from memdiff.recording.launch_accelerate import read_accelerate
+    assert read_accelerate(["accelerate", "launch", *options]).nproc_per_node == 2
+    (tmp_path / "says.py").write_text(SAYS)
+    env = {k: v for k, v in os.environ.items() if k not in ("CUDA_VISIBLE_DEVICES", "LOCAL_WORLD_SIZE")}
+    env.update(OMP_NUM_THREADS="1", HF_HOME=str(tmp_path / "hf"))
+    done = subprocess.run([sys.executable, "-m", "memdiff", "record", "--emulate", "h100", "-o", "runs/", "--",
+                           "accelerate", "launch", *options], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=600, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    told = sorted(done.stdout.splitlines())
+    assert len(told) == 2 and all("WORLD_SIZE=2" in line.split() for line in told), done.stdout
+    assert sorted(p.name for p in (tmp_path / "runs").glob("*.pickle")) == ["rank0.pickle", "rank1.pickle"]
+
 # A rank as DeepSpeed's launcher starts it (deepspeed/launcher/launch.py): its own variables, the node's
 # GPUs made visible, and `--local_rank=N` passed to the script, which DeepSpeed scripts parse.
 SAYS_DEEPSPEED = textwrap.dedent("""

@@ -25,9 +25,10 @@ import io
 import os
 import sys
 import warnings
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, Iterator, List, Tuple
 
 from memdiff.errors import InputError
+from memdiff.recording.emulate import swap
 from memdiff.recording.launch import Launch
 from memdiff.recording.launch_deepspeed import read_deepspeed
 
@@ -57,7 +58,8 @@ def read_accelerate(command: List[str]) -> Launch:
         # which it says as it reads the command: memdiff says what it runs
         with contextlib.redirect_stderr(said), contextlib.redirect_stdout(said):
             parsed = launch_command_parser().parse_args(options)
-            args, defaults, precision_from_config = _validate_launch_command(parsed)
+            with _a_node_of_its_gpus(parsed):
+                args, defaults, precision_from_config = _validate_launch_command(parsed)
     except SystemExit:
         lines = [line for line in said.getvalue().splitlines() if line.strip()]
         raise InputError("--ranks", f"accelerate launch refuses the command: {lines[-1] if lines else options}") \
@@ -79,6 +81,22 @@ def read_accelerate(command: List[str]) -> Launch:
         raise InputError("--ranks", f"accelerate launch refuses the command: {exc}") from None
     ours, path = _added(env)
     return Launch(int(args.num_machines), int(args.nproc_per_node), _target(args), ours, pythonpath=path)
+
+
+@contextlib.contextmanager
+def _a_node_of_its_gpus(parsed: Any) -> Iterator[None]:
+    """While accelerate reads the command: the node has the GPUs the command asks for on each machine, as
+    the emulated node of the whole run does (emulate/asked.py). Without --multi_gpu or a config file,
+    accelerate counts them to decide a multi-GPU launch; this machine has none."""
+    processes, machines = getattr(parsed, "num_processes", None), getattr(parsed, "num_machines", None)
+    if not isinstance(processes, int) or isinstance(processes, bool) or processes < 2:
+        yield
+        return
+    import torch
+
+    per_machine = max(processes // machines if isinstance(machines, int) and machines > 1 else processes, 1)
+    with swap.replaced([(torch.cuda, "is_available", lambda: True), (torch.cuda, "device_count", lambda: per_machine)]):
+        yield
 
 
 def _read_deepspeed(args: Any, defaults: Any, precision_from_config: bool) -> Launch:

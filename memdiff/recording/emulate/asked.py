@@ -7,6 +7,11 @@ refuse ("You requested gpu: [0, 1] But your machine only has: [0]"). Here the pa
 to the node first (Placement.ask), so the job sees the GPUs it asked for, and Lightning's own launcher
 starts one process per GPU (each told its count by the WORLD_SIZE and LOCAL_RANK Lightning sets).
 
+accelerate's launcher reads `accelerate launch --num_processes N` (no --multi_gpu, no config file) as a
+multi-GPU job when the node has more than one GPU (`_validate_launch_command`): the node is told the
+processes per machine it asks for first, so it starts N ranks through torchrun, as on a node of N GPUs,
+not the script once.
+
 `torch.multiprocessing.spawn(fn, nprocs=N)` is a launcher too: each process it starts sees N GPUs,
 as torchrun's see their LOCAL_WORLD_SIZE (a script that spawns a rank per GPU calls
 `torch.cuda.set_device(rank)` in each).
@@ -27,6 +32,9 @@ from memdiff.recording.emulate.on_import import Setting, patched_on_import
 # request for GPUs passes through there: an int N, a list of indices, or -1 (all there are).
 PARSERS = ("lightning.fabric.utilities.device_parser", "lightning_fabric.utilities.device_parser")
 TO_LIST = "_normalize_parse_gpu_input_to_list"
+# accelerate's launcher, and the function that reads its options (and counts the node's GPUs).
+ACCELERATE_LAUNCH = "accelerate.commands.launch"
+VALIDATE = "_validate_launch_command"
 
 
 def _asking(placement: Any, real: Callable[..., Any]) -> Callable[..., Any]:
@@ -37,6 +45,17 @@ def _asking(placement: Any, real: Callable[..., Any]) -> Callable[..., Any]:
         return real(gpus, *args, **kwargs)
     normalized.__wrapped__ = real  # type: ignore[attr-defined]
     return normalized
+
+
+def _launching(placement: Any, real: Callable[..., Any]) -> Callable[..., Any]:
+    def validate(args: Any, *rest: Any, **kwargs: Any) -> Any:
+        processes, machines = getattr(args, "num_processes", None), getattr(args, "num_machines", None)
+        if isinstance(processes, int) and not isinstance(processes, bool) and processes > 1:
+            per_machine = processes // machines if isinstance(machines, int) and machines > 1 else processes
+            placement.ask(max(per_machine, 1))
+        return real(args, *rest, **kwargs)
+    validate.__wrapped__ = real  # type: ignore[attr-defined]
+    return validate
 
 
 def _wanted(gpus: Any) -> int:
@@ -67,15 +86,17 @@ def _spawning(real: Callable[..., Any]) -> Callable[..., Any]:
 
 @contextlib.contextmanager
 def devices_asked(emulator: Any) -> Iterator[None]:
-    """For the block: the GPUs Lightning's device parser asks for are the emulated node's, and each
-    process torch.multiprocessing.spawn starts sees as many GPUs as it starts processes."""
-    def patch(_: str, module: Any) -> Optional[Setting]:
-        real: Optional[Callable[..., Any]] = getattr(module, TO_LIST, None)
+    """For the block: the GPUs Lightning's device parser asks for are the emulated node's, so are the
+    processes per machine accelerate's launcher is asked for, and each process torch.multiprocessing.spawn
+    starts sees as many GPUs as it starts processes."""
+    def patch(name: str, module: Any) -> Optional[Setting]:
+        attribute, wrap = (VALIDATE, _launching) if name == ACCELERATE_LAUNCH else (TO_LIST, _asking)
+        real: Optional[Callable[..., Any]] = getattr(module, attribute, None)
         if real is None or hasattr(real, "__wrapped__"):
             return None
-        return module, TO_LIST, _asking(emulator.placement, real)
+        return module, attribute, wrap(emulator.placement, real)
     # the module: torch.multiprocessing's attribute `spawn` is the function of that name
     spawn: Any = importlib.import_module("torch.multiprocessing.spawn")
     with swap.replaced([(spawn, "start_processes", _spawning(spawn.start_processes))]), \
-            patched_on_import(PARSERS, patch):
+            patched_on_import((*PARSERS, ACCELERATE_LAUNCH), patch):
         yield
