@@ -14,8 +14,10 @@ them is stopped or named:
 - a writer outside Python (a C library opening the path itself, a program the run starts) is
   found by TreeCheck, which compares the user's tree before and after the run, and named.
 
-The run's temporary files, compiler caches (Inductor's, Triton's) and bytecode go to the overlay's
-scratch folder or nowhere, so that programs the run starts (a C++ compiler) find what it wrote.
+Python's imports read the disk around these calls: overlay_imports.py gives them the run's view (a
+module the run wrote imports). The run's temporary files, compiler caches (Inductor's, Triton's) and
+bytecode go to the overlay's scratch folder or nowhere, so that programs the run starts (a C++
+compiler) find what it wrote.
 """
 
 from __future__ import annotations
