@@ -18,6 +18,7 @@ from memdiff.recording.emulate import (
     conv,
     ctc,
     distributed,
+    dtypes,
     dynamic,
     legacy,
     masks,
@@ -511,6 +512,8 @@ class AllocMode(TorchDispatchMode):
             if known is not None and known.shape == first.shape:
                 return first.copy_(known)
             return first.fill_(read_back_scalar(first.dtype))
+        if _is_meta(first):
+            dtypes.check(base, args)  # CUDA's kernels refuse two dtypes where the meta kernels go on
         kernel = rnn.KERNELS.get(base)
         if kernel is not None and _is_meta(first):  # cuDNN's RNN kernels: no meta kernel gives their buffers
             return kernel(self.emulator, func, args, kwargs)
