@@ -137,7 +137,8 @@ PINNED_RUNS: Dict[str, List[str]] = {
 S, C = "shared:", "cuda:"
 PINNED_PAIRS = [
     (S + "cs336-medium-ctx128-train.pickle", S + "cs336-medium-ctx256-train.pickle", ["G002", "P001"], False),
-    (S + "cs336-medium-ctx128-train.pickle", S + "cs336-medium-ctx128-infer.pickle", ["P001", "T003"], True),
+    (S + "cs336-medium-ctx128-train.pickle", S + "cs336-medium-ctx128-infer.pickle", ["P001", "P002", "T003"],
+     True),
     (S + "cs336-ctx128-fwd-fp32.pickle", S + "cs336-ctx128-fwd-mixed.pickle", ["G002"], False),
     (S + "cs336-ctx128-fwd-fp32.pickle", S + "cs336-medium-ctx128-train.pickle", ["P001", "T003", "T007", "T008"],
      True),

@@ -219,6 +219,29 @@ def test_baselines_folder_matches_runs_by_stem(baseline, tmp_path, capsys):
     assert code == 2
 
 
+def test_a_run_that_does_not_train_against_a_training_baseline_is_warned_and_never_made_the_baseline(
+        shared, tmp_path, capsys):
+    # cs336-medium's inference run gated against its training run's baseline: PyTorch's trace has no
+    # backward and no optimizer step in it, so its peak (1.62 GiB) is below the baseline's (6.53 GiB)
+    # whatever it allocates. It passed with a hint to replace the training baseline by it (G003).
+    base = tmp_path / "train.json"
+    assert run(capsys, "baseline", shared / "cs336-medium-ctx128-train.pickle", "-o", base)[0] == 0
+    code, out, err = run(capsys, "gate", shared / "cs336-medium-ctx128-infer.pickle", "--baseline", base,
+                         "--format", "json")
+    assert code == 0, err
+    report = json.loads(out)[0]  # the gate's document lists one report per run
+    codes = [f["code"] for f in report["findings"]]
+    assert "P002" in codes and "G003" not in codes, codes
+    lost = next(f for f in report["findings"] if f["code"] == "P002")
+    assert lost["data"]["phases"] == ["backward", "optimizer"]
+    warned = "\n".join(report["warnings"])
+    assert "device 0: the head runs no backward or optimizer step where the base does: " in warned
+    # A training run of more work against the same baseline: the phases are there, no warning.
+    code, out, _ = run(capsys, "gate", shared / "cs336-medium-ctx256-train.pickle", "--baseline", base,
+                       "--format", "json")
+    assert "P002" not in [f["code"] for f in json.loads(out)[0]["findings"]]
+
+
 def test_a_gate_that_compared_nothing_says_so_on_its_one_line(shared, tmp_path, capsys):
     # The first CI run of a repository: a real run (nn.Linear(10000, 50000), 3 forwards) and no
     # baseline yet. Exit 2, and its one line on stderr must say that nothing was compared and

@@ -219,6 +219,20 @@ CATALOGUE: Tuple[Code, ...] = (
          "warning: P001 device 0: the peaks are in different phases: base in the backward of step 1, head in "
          "the optimizer step of step 0; rows compare different moments (compare like with like: --at "
          "optimizer)"),
+    Code("P002", "phases-missing", WARNING,
+         "the head runs no {missing} where the base does: its peak leaves out the memory of those phases, so it "
+         "reads lower whatever the run allocates (compare runs of the same work)",
+         "The base run trains (a backward, an optimizer step) and the head run does not, and its peak is lower: "
+         "an inference run, or a training test whose loop stopped before its backward.",
+         "Gradients, optimizer state and the backward's buffers are in the base's peak and cannot be in the "
+         "head's: the peak falls whatever the head allocates, and a gate against a training baseline passes. "
+         "The gate's hint to replace the baseline with the lower peak is not given.",
+         "Compare a run with the phases of its baseline, or make a baseline of the run's own work.",
+         "memdiff ../shared/snapshots/cs336-medium-ctx128-train.pickle "
+         "../shared/snapshots/cs336-medium-ctx128-infer.pickle",
+         "warning: P002 device 0: the head runs no backward or optimizer step where the base does: its peak leaves out "
+         "the memory of those phases, so it reads lower whatever the run allocates (compare runs of the same "
+         "work)"),
     # --- K: kept memory -------------------------------------------------------------------------
     Code("K001", "kept-memory", INFO,
          "kept from {source} (not parameters, gradients, optimizer state or workspaces): {amount}{passes} "

@@ -182,7 +182,7 @@ def judge(diff: Diff, thresholds: Thresholds, update_hint: Optional[str] = None,
             if not high.base_bytes:
                 # A misspelt or stale pattern would check 0 B against whatever is new, and nothing else.
                 notes.append(finding("G004", d.device, pattern=s.pattern.pattern))
-        if d.peak_delta_bytes < 0 and update_hint:
+        if d.peak_delta_bytes < 0 and update_hint and not d.phases_lost():  # P002: a lower peak of less work
             drop = growth_pct(d.base_peak_bytes, d.head_peak_bytes)
             assert drop is not None  # the peak went down, so the base's is above 0
             notes.append(finding("G003", d.device, drop_bytes=-d.peak_delta_bytes,

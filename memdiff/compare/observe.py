@@ -57,7 +57,7 @@ def _keeps_steps(s: Summary) -> bool:
 
 
 # The codes whose sentences the JSON's `warnings` lists: why the two runs may not compare.
-WARNING_STRINGS = ("T001", "T003", "T005", "T006", "T007", "T008", "T009", "T010", "T012", "T014", "P001")
+WARNING_STRINGS = ("T001", "T003", "T005", "T006", "T007", "T008", "T009", "T010", "T012", "T014", "P001", "P002")
 KEPT_SITES = 3  # sites the kept line names
 
 
@@ -132,6 +132,11 @@ def _findings(base: Summary, head: Summary, devices: Sequence[DeviceDiff] = (),
             out.append(finding("P001", d.device, base_phase=d.base_peak_phase, head_phase=d.head_peak_phase,
                                base_where=where_text(d.base_peak_phase, d.base_peak_step),
                                head_where=where_text(d.head_peak_phase, d.head_peak_step), advice=advice))
+        # Only a peak that fell: one that grew fails on its own (a run out of memory in its forward).
+        lost = d.phases_lost() if d.peak_delta_bytes < 0 else []
+        if lost:
+            out.append(finding("P002", d.device, phases=lost,
+                               missing=" or ".join("optimizer step" if p == OPTIMIZER else p for p in lost)))
         k = d.kept
         if k is not None and k.head_bytes > k.base_bytes:
             out.append(finding("K002", d.device, **kept_data(

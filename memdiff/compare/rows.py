@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import List, Optional
 
+from memdiff.analyse.lifetimes import BACKWARD, OPTIMIZER
 from memdiff.model import Frame
 
 PEAK = "peak"  # the moment a diff compares unless --at names a phase's peak
@@ -140,3 +141,11 @@ class DeviceDiff:
     head_reserved_peak_bytes: Optional[int] = None
     base_fragmentation_bytes: Optional[int] = None
     head_fragmentation_bytes: Optional[int] = None
+
+    def phases_lost(self) -> List[str]:
+        """The training phases (backward, optimizer step) the base runs and the head does not, where
+        the head's phases are known: without them a run peaks lower whatever it allocates."""
+        if not any(p.head_peak_bytes is not None for p in self.phases):
+            return []
+        return [p.phase for p in self.phases if p.phase in (BACKWARD, OPTIMIZER)
+                and p.base_peak_bytes is not None and p.head_peak_bytes is None]
