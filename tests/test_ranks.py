@@ -12,6 +12,7 @@ from typing import Dict
 import pytest
 from conftest import alloc, free, py_frames
 
+from memdiff import api
 from memdiff.analyse.classify import load_rules
 from memdiff.cli import main
 from memdiff.compare.findings import BY_CODE
@@ -270,6 +271,30 @@ def test_a_run_baseline_does_not_gate_a_job(tmp_path, capsys):
     run(capsys, "baseline", base / "rank0.pickle", "-o", stored)
     code, _, err = run(capsys, "gate", base, "--baseline", stored)
     assert code == 2 and "is the baseline of one run" in err and f"memdiff baseline {base}" in err
+
+
+def test_a_job_baseline_does_not_gate_one_run(tmp_path, capsys):
+    # One rank's file gated against its job's baseline was exit 3 (KeyError 'file'), by the CLI and the API alike.
+    base = job(tmp_path / "train", {r: rank_snapshot(100 * MiB) for r in range(2)})
+    stored = tmp_path / "train.json"
+    run(capsys, "baseline", base, "-o", stored)
+    for fmt in ("text", "json"):
+        code, _, err = run(capsys, "gate", base / "rank0.pickle", "--baseline", stored, "--format", fmt)
+        assert code == 2 and err.count("\n") == 1 and "is the baseline of a job (2 ranks)" in err
+    with pytest.raises(InputError, match="is the baseline of a job"):
+        api.gate(base / "rank0.pickle", stored)
+
+
+def test_a_job_baseline_storing_a_rank_twice_is_bad_input(tmp_path, capsys):
+    base = job(tmp_path / "train", {r: rank_snapshot(100 * MiB) for r in range(2)})
+    stored = tmp_path / "train.json"
+    run(capsys, "baseline", base, "-o", stored)
+    doc = json.loads(stored.read_text())
+    doc["ranks"][1]["rank"] = 0  # a hand-merged file: which of the two would gate rank 0?
+    stored.write_text(json.dumps(doc))
+    for argv in (["gate", base, "--baseline", stored], ["baseline", "--check", stored]):
+        code, _, err = run(capsys, *argv)
+        assert code == 2 and err.count("\n") == 1 and "rank 0 is stored twice" in err
 
 
 def test_workers_are_as_many_as_the_cores_and_the_memory_allow(monkeypatch):

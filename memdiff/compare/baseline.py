@@ -308,6 +308,12 @@ def read_baseline(path: str) -> Baseline:
         raise InputError(path, f"baseline schema_version {version_shown(doc['schema_version'])} is not one this "
                                f"memdiff reads ({', '.join(map(str, READABLE_BASELINE_VERSIONS))})")
     validate(path, doc, "baseline")
+    seen: set = set()
+    for r in doc.get("ranks") or []:
+        if r["rank"] in seen:
+            # Gating would take one of the two runs stored for the rank and never say which.
+            raise InputError(path, f"rank {r['rank']} is stored twice in the baseline's ranks: keep one")
+        seen.add(r["rank"])
     return Baseline(name=doc["name"], created=doc["created"], tool=doc.get("tool", ""), source=doc.get("source", {}),
                     devices=doc.get("devices", []), thresholds=thresholds_from_dict(path, doc["thresholds"]),
                     ranks=doc.get("ranks"), fit=doc.get("fit"))
