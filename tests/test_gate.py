@@ -166,6 +166,25 @@ def test_broken_baselines_exit_2_and_nothing_is_written(baseline, tmp_path, caps
         assert b.read_bytes() == broken
 
 
+@pytest.mark.parametrize("where", ["peak", "category", "site"])
+def test_a_limit_with_a_misspelt_part_is_bad_input_not_no_limit(baseline, tmp_path, capsys, where):
+    # `fail_over` for `fail-over`, hand-edited in review: the limit read as none, and a run that doubled passed.
+    b = baseline("--fail-over", "10MiB", "--category-fail-over", "activation=10MiB")
+    doc = json.loads(b.read_text())
+    limits = doc["thresholds"]
+    limits["sites"] = [{"site": "forward", "fail-over": "10MiB"}]
+    limit = {"peak": limits["peak"], "category": limits["categories"]["activation"], "site": limits["sites"][0]}[where]
+    limit["fail_over"] = limit.pop("fail-over")
+    b.write_text(json.dumps(doc))
+    code, out, err = gate(capsys, tmp_path, b, 200 * MiB)
+    assert code == 2 and out == "" and err.count("\n") == 1
+    assert "none of the fields fail-over, fail-over-pct, or-fail-over-pct; one is required" in err
+    limit["fail-over-pct"] = 5  # with a part spelt right, the misspelt one is named as unknown
+    b.write_text(json.dumps(doc))
+    code, _, err = run(capsys, "baseline", "--check", b)
+    assert code == 2 and "a field the schema does not define (it defines " in err
+
+
 def test_a_run_without_a_trace_is_not_gated_against_a_traced_baseline(baseline, tmp_path, capsys):
     # The same training run dumped without memory history: its activations (300 MiB, freed by the
     # dump) are not in it, only the 100 MiB of weights live at the dump. Gated, it read as a peak

@@ -367,7 +367,7 @@ def test_a_sparse_3_5_gb_baseline_is_refused_before_it_is_read(run_and_baseline,
 @pytest.mark.parametrize("mutate, says", [
     (lambda d: d.update(schema_version="A" * 10_000_000), "schema_version of type str is not one"),
     (lambda d: d.update(created=["A" * 10_000_000]), "created: a value of type list, where the schema wants string"),
-    (lambda d: d["thresholds"].update(sites=[{"site": "(" * 10_000_000}]), "invalid regex str '(((("),
+    (lambda d: d["thresholds"].update(sites=[{"site": "(" * 10_000_000, "fail-over": 1}]), "invalid regex str '(((("),
     (lambda d: d["thresholds"].update(categories={"x" * 10_000_000: {"fail-over": "x"}}), "categories.xxxx"),
 ], ids=["schema-version", "created", "site", "category"])
 def test_ten_megabyte_values_in_a_baseline_make_a_short_line(run_and_baseline, tmp_path, mutate, says):

@@ -47,7 +47,11 @@ def rule_text(error: Any) -> str:
         missing = [k for k in wanted if isinstance(error.instance, dict) and k not in error.instance]
         return f"the field {missing[0]!r} is required" if missing else "a required field is missing"
     if rule in ("additionalProperties", "unevaluatedProperties"):
-        return "a field the schema does not define"
+        # The fields the schema defines are its own words: they show what a misspelt key meant.
+        defined = list(error.schema.get("properties", {}))
+        return "a field the schema does not define" + (f" (it defines {', '.join(defined)})" if defined else "")
+    if rule == "anyOf" and all(list(option) == ["required"] for option in wanted):
+        return f"none of the fields {', '.join(k for option in wanted for k in option['required'])}; one is required"
     if rule == "type":
         kinds = wanted if isinstance(wanted, list) else [wanted]
         return f"a value of type {type(error.instance).__name__}, where the schema wants {' or '.join(kinds)}"
