@@ -179,6 +179,19 @@ def test_the_grid_holds_multiples_or_powers_of_two():
     assert Grid("batch", 1, 3).values() == [1, 2, 3]
 
 
+@pytest.mark.parametrize("span", ["1:100000000", f"1:{2**70}"])
+def test_a_range_of_more_values_than_a_search_walks_is_refused_before_any_run(tmp_path, span):
+    # 1:100000000 built a list of a hundred million values (3.8 GB) before the first run; 2**70 was exit 3.
+    done = subprocess.run(["prlimit", "--as=1000000000", "--", sys.executable, "-m", "memdiff", "fit", "--emulate", "l4",
+                           "-o", f"{tmp_path}/runs/", "--range", f"batch={span}", "--", "python", str(SCRIPT),
+                           "--batch-size", "{batch}"], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
+    assert "and fit searches at most 1,048,576: narrow --range, or give --multiple N or --pow2" in done.stderr
+    assert not (tmp_path / "runs").exists()
+    assert Grid("seq", 1, 2**70, pow2=True).values()[-1] == 2**70  # powers of two are few at any height
+    assert len(Grid("seq", 1, 2**20).values()) == 2**20
+
+
 def test_a_gpu_only_one_side_fits_is_not_compared_and_nothing_is_a_drop():
     baseline = {"knob": "batch", "gpus": [{"gpu": "h100", "value": 48}, {"gpu": "l4", "value": 8}]}
     found = judge({"h100": 40, "a100": 4}, "batch", baseline, "b.json")

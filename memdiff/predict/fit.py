@@ -56,6 +56,10 @@ FEWEST_RANGE = (1, 8)
 # A launched job runs whole (every rank a process) up to this many ranks on one node; a larger one, one of
 # several nodes, or any job whose `{nodes}` is searched runs only the ranks `memdiff record --ranks auto` picks.
 WHOLE_JOB_RANKS = 8
+# The grid is a list the search indexes and walks: `--range batch=1:10000000000` would build ten
+# billion values before the first run (2**70: an OverflowError). A million is a sequence length of
+# 1:1M by ones, about 40 MB.
+MAX_GRID_VALUES = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -69,10 +73,14 @@ class Grid:
     pow2: bool = False
 
     def values(self) -> List[int]:
-        """Every value, smallest first."""
+        """Every value, smallest first; InputError past MAX_GRID_VALUES."""
         if self.pow2:
             return [1 << k for k in range(self.high.bit_length()) if self.low <= 1 << k <= self.high]
         first = -(-self.low // self.multiple) * self.multiple
+        count = max(0, (self.high - first) // self.multiple + 1)
+        if count > MAX_GRID_VALUES:
+            raise InputError("--range", f"{self.describe()} holds {count:,} values, and fit searches at most "
+                                        f"{MAX_GRID_VALUES:,}: narrow --range, or give --multiple N or --pow2")
         return list(range(first, self.high + 1, self.multiple))
 
     def describe(self) -> str:
