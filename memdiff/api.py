@@ -36,7 +36,7 @@ from memdiff.read.inputs import read_summary
 from memdiff.report.build import Report, Settings, compare
 from memdiff.report.build import Run as ReportRun
 from memdiff.report.types import DEFAULT_TOP
-from memdiff.units import parse_size
+from memdiff.units import MAX_SIZE, parse_size
 
 if TYPE_CHECKING:
     from memdiff.predict.forecast.engine import Forecast
@@ -73,13 +73,24 @@ def diff(base: Run, head: Run, *, at: str = PEAK, rules: Optional[Sequence[str]]
 
 
 def to_bytes(value: Size, what: str) -> Optional[int]:
-    """A size given as bytes or as text (`"512MiB"`, `"1e9"`); InputError naming `what` when it is neither."""
-    if value is None or isinstance(value, int):
+    """A size given as bytes (`1 << 28`, `1e9`) or as text (`"512MiB"`); InputError naming `what`
+    when it is neither, or past what a size can be (negative, NaN, over 8 EiB)."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        # True is an int to Python, and a list or a dict has no size: neither is what the caller meant.
+        raise InputError(what, f"a value of type {type(value).__name__} is not a size: give bytes (1 << 28) "
+                               f"or text (512MiB, 0.5GiB, 64MB, 1e9)")
+    if isinstance(value, int):
+        if not 0 <= value <= MAX_SIZE:
+            why = "it is negative" if value < 0 else "more than 8 EiB"
+            raise InputError(what, f"{value:,} bytes is not a size: {why}" if value.bit_length() <= 128
+                             else f"an integer of {value.bit_length():,} bits is not a size: {why}")
         return value
     try:
-        return parse_size(value)
-    except ValueError:
-        raise InputError(what, f"{value!r} is not a size (examples: 512MiB, 0.5GiB, 64MB, 1e9)") from None
+        return parse_size(value if isinstance(value, str) else repr(value))
+    except ValueError as exc:
+        raise InputError(what, clip(str(exc), 300)) from None
 
 
 def _limit(value: Union[Size, Sequence[str]], what: str) -> Limit:

@@ -6,7 +6,7 @@ Action's inputs. One place cuts them into items and says when two items contradi
 from __future__ import annotations
 
 import argparse
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 
 from memdiff.compare.findings import parse_codes
 from memdiff.compare.limits import Limit, parse_limit, pct_text
@@ -21,6 +21,10 @@ def split_items(values: Union[str, Iterable[str]], where: str,
     in a list is; a value with no item at all (`""`, `","`) names nothing, which nobody means:
     InputError naming `where`. `keep_whole(value)` true leaves that value uncut (a file whose name
     holds a comma)."""
+    if isinstance(values, (Mapping, bytes)) or not isinstance(values, Iterable):
+        # An int or a dict from the API or the pytest marker (`fail_on=5`): not a list of items.
+        raise InputError(where, f"a value of type {type(values).__name__} is not a list: give a string "
+                                f"(\"K002,K003\") or a list of strings")
     out: List[str] = []
     for value in [values] if isinstance(values, str) else values:
         value = str(value)

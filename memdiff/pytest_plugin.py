@@ -21,13 +21,15 @@ import shutil
 import tempfile
 import warnings
 from contextlib import contextmanager
-from typing import Any, Iterator, Mapping, Optional, Tuple
+from typing import Any, Dict, Iterator, Mapping, Optional, Tuple
 
 import pytest
 
 MARKER = "memdiff"
 # The marker's keywords and what they mean, for the error when one is misspelled.
-MARKER_KEYWORDS = ("limit", "fail_over", "fail_over_pct", "categories", "phases", "fail_on", "ignore", "emulate")
+# The marker's keywords that are thresholds (api.thresholds takes them), and the others.
+LIMIT_KEYWORDS = ("fail_over", "fail_over_pct", "categories", "phases", "fail_on", "ignore")
+MARKER_KEYWORDS = ("limit", *LIMIT_KEYWORDS, "emulate")
 UNSAFE = re.compile(r"[^A-Za-z0-9_.\[\]=,+-]+")
 SHOWN_ROWS = 8  # rows of the diff a failing test shows: its first screen
 
@@ -124,15 +126,23 @@ def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
     from memdiff.errors import InputError
     from memdiff.recording.emulate.gpus import gpu
 
-    emulate = marker.kwargs.get("emulate") or item.config.getoption("memdiff_emulate")
-    if emulate is not None:
-        unknown_gpu = None
-        try:
-            emulate = gpu(str(emulate)).key
-        except InputError as exc:
-            unknown_gpu = exc.message
-        if unknown_gpu is not None:  # failed outside the except: one line, no chained exception
-            _bad_input(item, f"@pytest.mark.memdiff: emulate: {unknown_gpu}")
+    emulate = marker.kwargs.get("emulate")
+    emulate = item.config.getoption("memdiff_emulate") if emulate is None else emulate
+    wrong = None
+    try:
+        # The marker's values are read before the body runs: a bad one is said without a recording.
+        if emulate is not None:
+            try:
+                emulate = gpu(str(emulate)).key
+            except InputError as exc:
+                raise InputError("emulate", exc.message) from None  # the marker's keyword, not the CLI's flag
+        if marker.kwargs.get("limit") is not None:
+            api.to_bytes(marker.kwargs["limit"], "limit")
+        api.thresholds(**_limits(marker.kwargs))
+    except InputError as exc:
+        wrong = f"{exc.path}: {exc.message}"
+    if wrong is not None:  # failed outside the except: one line, no chained exception
+        _bad_input(item, f"@pytest.mark.memdiff: {wrong}")
     folder = tempfile.mkdtemp(prefix="memdiff-")
     snapshot = os.path.join(folder, "test.pickle")
     try:
@@ -164,8 +174,7 @@ def _judge(item: pytest.Item, options: Mapping[str, Any], snapshot: str) -> None
             _ceiling(summary, options["limit"])
             return
         else:
-            # `emulate` chose how the body ran, not a limit: the rest are the gate's thresholds.
-            limits = {k: v for k, v in options.items() if k not in ("limit", "emulate") and v is not None}
+            limits = _limits(options)
             if updating:
                 make_folder(os.path.dirname(path))
                 _replace_unreadable(path)
@@ -199,6 +208,11 @@ def _judge(item: pytest.Item, options: Mapping[str, Any], snapshot: str) -> None
         # The first line is what pytest's short summary shows: the figures, not only the verdict.
         pytest.fail(f"memdiff: device memory regressed against {os.path.relpath(path)}: {report.headline}\n\n{text}",
                     pytrace=False)
+
+
+def _limits(options: Mapping[str, Any]) -> Dict[str, Any]:
+    """The marker's thresholds, as api.thresholds takes them (`emulate` and `limit` are not)."""
+    return {k: v for k, v in options.items() if k in LIMIT_KEYWORDS and v is not None}
 
 
 def _replace_unreadable(path: str) -> None:
