@@ -182,9 +182,10 @@ def test_the_grid_holds_multiples_or_powers_of_two():
 @pytest.mark.parametrize("span", ["1:100000000", f"1:{2**70}"])
 def test_a_range_of_more_values_than_a_search_walks_is_refused_before_any_run(tmp_path, span):
     # 1:100000000 built a list of a hundred million values (3.8 GB) before the first run; 2**70 was exit 3.
-    done = subprocess.run(["prlimit", "--as=1000000000", "--", sys.executable, "-m", "memdiff", "fit", "--emulate", "l4",
-                           "-o", f"{tmp_path}/runs/", "--range", f"batch={span}", "--", "python", str(SCRIPT),
-                           "--batch-size", "{batch}"], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    done = subprocess.run(["prlimit", "--as=1000000000", "--", sys.executable, "-m", "memdiff", "fit",
+                           "--emulate", "l4", "-o", f"{tmp_path}/runs/", "--range", f"batch={span}", "--", "python",
+                           str(SCRIPT), "--batch-size", "{batch}"], capture_output=True, text=True,
+                          cwd=ROOT, timeout=60)
     assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
     assert "and fit searches at most 1,048,576: narrow --range, or give --multiple N or --pow2" in done.stderr
     assert not (tmp_path / "runs").exists()

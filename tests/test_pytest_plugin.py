@@ -203,7 +203,8 @@ def test_bad_input_fails_in_one_line_and_the_session_exits_2(pytester, torch):
         # Values of the wrong type or range: a TypeError (exit 1, as a regression) or a baseline
         # memdiff cannot read back (fail_over=-5), said before the body runs.
         @pytest.mark.parametrize("case", [
-            pytest.param(1, marks=pytest.mark.memdiff(fail_over=-5)), pytest.param(2, marks=pytest.mark.memdiff(fail_on=5)),
+            pytest.param(1, marks=pytest.mark.memdiff(fail_over=-5)),
+            pytest.param(2, marks=pytest.mark.memdiff(fail_on=5)),
             pytest.param(3, marks=pytest.mark.memdiff(limit=float("nan"))),
             pytest.param(4, marks=pytest.mark.memdiff(fail_over_pct=True, categories={"activation": None}))])
         def test_wrong(case):
