@@ -255,7 +255,7 @@ def test_hostile_and_empty_runs_are_one_line_exit_2(write_snapshot, capsys):
     assert "nothing to forecast" in capsys.readouterr().err
     one = write_snapshot({"segments": [], "device_traces": [[alloc(1, 10)]]}, "one.pickle")
     two = write_snapshot({"segments": [], "device_traces": [[alloc(1, 20)]]}, "two.pickle")
-    for argv in (["--at", str(10**30)], [f"{one}={10**4000}"]):
+    for argv in (["--at", str(10**30)], [f"{one}={10**4000}"], [f"{one}={'9' * 5000}"]):  # past int()'s 4300 digits
         assert main(["forecast", f"{one}=1", f"{two}=2", *argv]) == 2
         err = capsys.readouterr().err
         assert "is not a knob value" in err and err.count("\n") == 1 and len(err) < 300

@@ -13,7 +13,7 @@ from memdiff.analyse.classify import Rule, classify
 from memdiff.analyse.history import Allocations, category_codes
 from memdiff.analyse.lifetimes import Scopes
 from memdiff.analyse.normalize.engine import summarize
-from memdiff.errors import InputError
+from memdiff.errors import InputError, clip
 from memdiff.model import PhaseSpan, Step, Summary
 from memdiff.read.host import CpuHost, read_cpu_host
 from memdiff.read.inputs import is_summary, read_each, refuse_baseline
@@ -136,7 +136,8 @@ def parse_run(text: str) -> KnobRun:
     try:
         number = int(value)
     except ValueError:
-        raise InputError(path, f"{value!r} is not a knob value: a positive integer (a batch size, a length)") from None
+        raise InputError(path, f"{clip(value)!r} is not a knob value: a positive integer (a batch size, a length)") \
+            from None
     if not 1 <= number <= MAX_VALUE:
         raise InputError(path, f"{_shown(number)} is not a knob value: a positive integer up to {MAX_VALUE:,}")
     return KnobRun(path, number)
