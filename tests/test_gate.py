@@ -148,6 +148,8 @@ def test_an_interrupted_update_leaves_the_old_file_intact(baseline, tmp_path, ca
      'thresholds.peak.fail-over: "5 parsecs" is not a size'),
     (lambda t: t.replace('"fail-over-pct": 1.0', '"fail-over-pct": -1'),
      "not a valid memdiff baseline: thresholds.peak.fail-over-pct: a value below the schema's minimum of 0"),
+    (lambda t: t.replace('"thresholds": {', '"thresholds": {"findings": {"fail-on": ["K003"], "ignore": ["k003"]}, '),
+     "thresholds.findings: K003 in both fail-on and ignore: a finding either fails or is ignored"),
     (lambda t: t.replace('"schema_version": 1', '"schema_version": 7'),
      "baseline schema_version 7 is not one this memdiff reads (1, 2, 3)"),
     (lambda t: t.replace('"device": 0', '"device": 1'),

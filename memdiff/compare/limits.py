@@ -320,6 +320,12 @@ def thresholds_from_dict(path: str, data: Dict[str, Any]) -> Thresholds:
     noise = _limit_from(path, "thresholds.noise-margin", data["noise-margin"]) if "noise-margin" in data else None
     reserved = _limit_from(path, "thresholds.reserved", data["reserved"]) if "reserved" in data else None
     chosen = data.get("findings", {})
+    both = sorted({c.strip().upper() for c in chosen.get("fail-on", [])}
+                  & {c.strip().upper() for c in chosen.get("ignore", [])})
+    if both:
+        # Read in order, the ignore won: a reviewer reading `fail-on` saw a gate that never failed on it.
+        raise InputError(path, f"thresholds.findings: {', '.join(both[:5])} in both fail-on and ignore: a finding "
+                               f"either fails or is ignored, so keep each code in one of them")
     findings = FindingSelection().chosen(parse_codes(f"{path}: thresholds.findings.fail-on", chosen.get("fail-on", [])),
                                          parse_codes(f"{path}: thresholds.findings.ignore", chosen.get("ignore", [])),
                                          "baseline", "baseline")
