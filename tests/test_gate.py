@@ -187,6 +187,16 @@ def test_a_limit_with_a_misspelt_part_is_bad_input_not_no_limit(baseline, tmp_pa
     assert code == 2 and "a field the schema does not define (it defines " in err
 
 
+def test_a_baseline_that_is_no_file_is_named_as_a_baseline(tmp_path, capsys):
+    # It was "is a directory, not a snapshot file" and "write the snapshot to a file", of a baseline.
+    (tmp_path / "train.json").mkdir()
+    os.mkfifo(tmp_path / "eval.json")
+    code, _, err = run(capsys, "baseline", "--check", tmp_path)
+    assert code == 2 and err.splitlines() == [
+        f"memdiff: {tmp_path / 'eval.json'}: is a FIFO (a pipe), not a regular file: write a baseline to a file "
+        f"and give that", f"memdiff: {tmp_path / 'train.json'}: is a directory, not a baseline file"]
+
+
 def test_a_run_without_a_trace_is_not_gated_against_a_traced_baseline(baseline, tmp_path, capsys):
     # The same training run dumped without memory history: its activations (300 MiB, freed by the
     # dump) are not in it, only the 100 MiB of weights live at the dump. Gated, it read as a peak

@@ -136,18 +136,20 @@ def paused_gc() -> Iterator[None]:
             gc.enable()
 
 
-def _check_file(path: str) -> int:
-    """The file's size, or an InputError saying why it cannot be a snapshot."""
+def _check_file(path: str, what: str = "a snapshot") -> int:
+    """The file's size, or an InputError saying why it cannot be `what` (a baseline said "snapshot")."""
     if not os.path.exists(path):
         raise InputError(path, "no such file")
     if os.path.isdir(path):
-        # A job's folder is the likely one: say which commands read a job, and what this one takes.
-        raise InputError(path, "is a directory, not a snapshot file: give one of its files (a job's folder of rank "
-                               "files is read by `memdiff ranks`, the diff, `gate` and `baseline`)")
+        if what == "a snapshot":
+            # A job's folder is the likely one: say which commands read a job, and what this one takes.
+            raise InputError(path, "is a directory, not a snapshot file: give one of its files (a job's folder of "
+                                   "rank files is read by `memdiff ranks`, the diff, `gate` and `baseline`)")
+        raise InputError(path, f"is a directory, not {what}{'' if what.endswith(' file') else ' file'}")
     if not os.path.isfile(path):
         # A FIFO or a device has no size to bound the read by (/dev/urandom never ends); it read as
         # "empty file". Stat, not open: opening a FIFO with no writer would wait for one.
-        raise InputError(path, f"is {_kind(path)}, not a regular file: write the snapshot to a file and give that")
+        raise InputError(path, f"is {_kind(path)}, not a regular file: write {what} to a file and give that")
     size = os.path.getsize(path)
     if size == 0:
         raise InputError(path, "empty file")
@@ -175,7 +177,7 @@ MAX_JSON_DEPTH = 64
 def read_small(path: str, what: str) -> bytes:
     """The bytes of a file meant to be small (a baseline, a rules file), its size checked before
     it is read: at most MAX_JSON_BYTES."""
-    size = _check_file(path)
+    size = _check_file(path, what)
     if size > MAX_JSON_BYTES:
         raise InputError(path, f"{size:,} bytes is too large for {what} (at most {MAX_JSON_BYTES:,})")
     try:
