@@ -31,7 +31,9 @@ def main() -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     engine, optimizer, data = accelerator.prepare(model, optimizer, data)
     for (x,) in data:
-        loss = engine(x).float().square().mean()
+        # DeepSpeed's bf16 engine holds bf16 weights and casts no input (accelerate adds no autocast
+        # under DeepSpeed): the batch takes the weights' dtype, or CUDA's product refuses it.
+        loss = engine(x.to(next(engine.parameters()).dtype)).float().square().mean()
         accelerator.backward(loss)
         optimizer.step()
         optimizer.zero_grad()
