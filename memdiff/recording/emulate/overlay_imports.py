@@ -38,32 +38,29 @@ def _real(overlay: Overlay, path: str) -> str:
     return real
 
 
-class _Source(machinery.SourceFileLoader):
-    """A source module as the run sees it: its reads the run's copy, never the user's old one."""
+class _RunsView:
+    """A file loader that reads the run's copy of a module, never the user's old one."""
 
     def __init__(self, fullname: str, path: str, overlay: Overlay) -> None:
-        super().__init__(fullname, path)
+        super().__init__(fullname, path)  # type: ignore[call-arg]  # the file loader's, next in the MRO
         self.overlay = overlay
 
     def get_data(self, path: str) -> bytes:
         with _builtin_open(_real(self.overlay, path), "rb") as f:
             return f.read()
+
+
+# typeshed's SourceLoader and InspectLoader disagree on source_to_code's signature; the mixin adds neither
+class _Source(_RunsView, machinery.SourceFileLoader):  # type: ignore[misc]
+    """A source module as the run sees it, its timestamps the run's copy's."""
 
     def path_stats(self, path: str) -> Dict[str, Any]:
         found = _stat(_real(self.overlay, path))
         return {"mtime": found.st_mtime, "size": found.st_size}
 
 
-class _Sourceless(machinery.SourcelessFileLoader):
+class _Sourceless(_RunsView, machinery.SourcelessFileLoader):
     """A bytecode-only module as the run sees it."""
-
-    def __init__(self, fullname: str, path: str, overlay: Overlay) -> None:
-        super().__init__(fullname, path)
-        self.overlay = overlay
-
-    def get_data(self, path: str) -> bytes:
-        with _builtin_open(_real(self.overlay, path), "rb") as f:
-            return f.read()
 
 
 class _Finder:
