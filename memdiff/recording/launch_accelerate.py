@@ -29,6 +29,7 @@ from typing import Any, Dict, Iterator, List, Tuple
 
 from memdiff.errors import InputError
 from memdiff.recording.emulate import swap
+from memdiff.recording.emulate.asked import gpus_per_machine
 from memdiff.recording.launch import Launch
 from memdiff.recording.launch_deepspeed import read_deepspeed
 
@@ -88,13 +89,12 @@ def _a_node_of_its_gpus(parsed: Any) -> Iterator[None]:
     """While accelerate reads the command: the node has the GPUs the command asks for on each machine, as
     the emulated node of the whole run does (emulate/asked.py). Without --multi_gpu or a config file,
     accelerate counts them to decide a multi-GPU launch; this machine has none."""
-    processes, machines = getattr(parsed, "num_processes", None), getattr(parsed, "num_machines", None)
-    if not isinstance(processes, int) or isinstance(processes, bool) or processes < 2:
+    per_machine = gpus_per_machine(parsed)
+    if per_machine is None:
         yield
         return
     import torch
 
-    per_machine = max(processes // machines if isinstance(machines, int) and machines > 1 else processes, 1)
     with swap.replaced([(torch.cuda, "is_available", lambda: True), (torch.cuda, "device_count", lambda: per_machine)]):
         yield
 

@@ -47,12 +47,20 @@ def _asking(placement: Any, real: Callable[..., Any]) -> Callable[..., Any]:
     return normalized
 
 
+def gpus_per_machine(args: Any) -> Optional[int]:
+    """The GPUs each machine needs for `accelerate launch` options `args` (its processes over its
+    machines); None for a launch of one process, which asks for no more than one."""
+    processes, machines = getattr(args, "num_processes", None), getattr(args, "num_machines", None)
+    if not isinstance(processes, int) or isinstance(processes, bool) or processes < 2:
+        return None
+    return max(processes // machines if isinstance(machines, int) and machines > 1 else processes, 1)
+
+
 def _launching(placement: Any, real: Callable[..., Any]) -> Callable[..., Any]:
     def validate(args: Any, *rest: Any, **kwargs: Any) -> Any:
-        processes, machines = getattr(args, "num_processes", None), getattr(args, "num_machines", None)
-        if isinstance(processes, int) and not isinstance(processes, bool) and processes > 1:
-            per_machine = processes // machines if isinstance(machines, int) and machines > 1 else processes
-            placement.ask(max(per_machine, 1))
+        wanted = gpus_per_machine(args)
+        if wanted is not None:
+            placement.ask(wanted)
         return real(args, *rest, **kwargs)
     validate.__wrapped__ = real  # type: ignore[attr-defined]
     return validate
