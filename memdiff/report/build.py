@@ -266,8 +266,8 @@ def _traced_alike(s: Settings, rank: Optional[int], base: Summary, head: Summary
         where = f"rank {rank}, device {b.device}" if rank is not None else f"device {b.device}"
         if s.baseline is not None:
             run = f"the run ({clip(head.source.file)})"
-            untraced, traced, path = (run, "the baseline", s.baseline) if b.trace_events else \
-                ("the baseline", run, s.baseline)
+            untraced, traced = (run, "the baseline") if b.trace_events else ("the baseline", run)
+            path = s.baseline
         else:
             named = {role: f"the {role} ({clip(r.source.file)})" for role, r in (("base", base), ("head", head))}
             untraced, traced = (named["head"], named["base"]) if b.trace_events else (named["base"], named["head"])
