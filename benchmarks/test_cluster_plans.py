@@ -90,20 +90,6 @@ def _scenario() -> Any:
     return module
 
 
-def parameter_bytes(size: str, tp: int, pp: int, dp: int, stage: int) -> int:
-    """A rank's fp32 shard of stage `stage`'s weights, by hand from the model's shape."""
-    scenario = _scenario()
-    shape = scenario.SHAPES[size]
-    head_dim = shape.dim // shape.heads
-    split_over_tp = shape.dim * head_dim * (2 * shape.heads + 2 * shape.kv_heads) + 3 * shape.dim * shape.ffn
-    per_rank = scenario.split(shape.layers, pp)[stage] * (split_over_tp // tp + 2 * shape.dim)  # 2 norms: whole
-    if stage == 0:
-        per_rank += shape.vocab * shape.dim // tp  # the embedding, by rows
-    if stage == pp - 1:
-        per_rank += shape.vocab * shape.dim // tp + shape.dim  # the head by rows of the vocabulary; the norm
-    return per_rank // dp * 4
-
-
 def plan(tmp: Path, size: str, nodes: int, tp: int, pp: int, local_batch: int) -> Dict[str, Any]:
     """Emulate every distinct rank of the job; its figures, and each rank's parameter bytes checked."""
     out = tmp / size
@@ -125,8 +111,8 @@ def plan(tmp: Path, size: str, nodes: int, tp: int, pp: int, local_batch: int) -
     peaks = {}
     for rank in ranks:
         device = memdiff.summarize(out / f"rank{rank}.pickle").devices[0]
-        stage = rank // (world // pp)
-        assert device.categories["parameter"] == parameter_bytes(size, tp, pp, dp, stage), (rank, device.categories)
+        shard = _scenario().shard_bytes(size, tp, pp, dp, stage=rank // (world // pp))
+        assert device.categories["parameter"] == shard, (rank, device.categories)
         peaks[rank] = device.peak_bytes
     print(f"\n{size} on {world} GPUs (dp {dp} x tp {tp} x pp {pp}): ranks {ranks}; peaks GiB "
           + ", ".join(f"{r}: {p / 2**30:.2f}" for r, p in peaks.items())

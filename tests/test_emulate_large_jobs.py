@@ -1,11 +1,13 @@
 """What the engines of large jobs do that the emulator must take as a GPU does (issue 59's table):
 FSDP2's free and regrowth of each all-gathered weight (`UntypedStorage.resize_`), a model built on
 the meta device, `python -m` of a package that reads sys.argv at import, and the NCCL names torch
-reads behind `is_nccl_available()`; each held to a count from the model's own sizes or to what
-torch and python do."""
+reads behind `is_nccl_available()`, and a job of FSDP2 x tensor x pipeline parallel run one rank a
+role; each held to a count from the model's own sizes or to what torch and python do."""
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -14,6 +16,8 @@ from pathlib import Path
 from typing import Optional
 
 import pytest
+
+import memdiff
 
 # Slow (the fast loop, -m "not slow", leaves it out): every test runs an emulated process.
 pytestmark = pytest.mark.slow
@@ -230,3 +234,41 @@ def test_what_torch_reads_behind_is_nccl_available_is_there(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout == "True nccl cuda:0\n"
     assert "NameError" not in done.stderr
+
+
+def _llama_3d() -> object:
+    """Our Llama-3-shaped 3-D scenario as a module, for its shapes and its by-hand shard sizes."""
+    script = Path(__file__).parent / "scenarios" / "llama_3d_train.py"
+    spec = importlib.util.spec_from_file_location("llama_3d_train", script)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_a_3d_llama_job_runs_one_rank_per_pipeline_stage_each_holding_its_shard(tmp_path):
+    # Issue 59's layout at a small size (the full 405B plan is benchmarks/test_cluster_plans.py): 8
+    # GPUs on 2 nodes as a (pp 2, dp 2, tp 2) mesh, FSDP2 over dp in bf16 with fp32 reduction,
+    # tensor parallel over tp, Schedule1F1B over 2 stages, two AdamW steps. `--ranks auto` runs
+    # rank 0 (stage 0), the first rank of stage 1 and the last rank, and no other. Each rank holds,
+    # to the byte, its fp32 shard of its stage's weights as parameters (worked out from the shape),
+    # AdamW's two moments of that shard (its steps stay on the CPU), and the stage's bf16 weights
+    # gathered over dp (kept from forward to backward under pipelining): dp x shard x 2 / 4.
+    scenario = _llama_3d()
+    script = Path(scenario.__file__)
+    done = subprocess.run(
+        [sys.executable, "-m", "memdiff", "record", "--emulate", "h100", "-o", "runs/", "--ranks", "auto", "--",
+         "torchrun", "--nnodes", "2", "--nproc-per-node", "4", str(script), "--size", "tiny", "--tp", "2",
+         "--pp", "2", "--seq", "64", "--local-batch", "2"],
+        capture_output=True, text=True, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    manifest = json.loads((tmp_path / "runs" / "memdiff-job.json").read_text())
+    assert manifest["world_size"] == 8 and manifest["emulated_ranks"] == [0, 4, 7]
+    assert [r["rank"] for r in manifest["ranks"] if r["state"] == "not emulated"] == [1, 2, 3, 5, 6]
+    tp, pp, dp = 2, 2, 2
+    for rank in (0, 4, 7):
+        device = memdiff.summarize(tmp_path / "runs" / f"rank{rank}.pickle").devices[0]
+        shard = scenario.shard_bytes("tiny", tp, pp, dp, stage=rank // 4)  # type: ignore[attr-defined]
+        assert device.categories["parameter"] == shard, (rank, device.categories)
+        assert device.categories["optimizer_state"] == 2 * shard, (rank, device.categories)
+        assert device.categories["unsharded_parameter"] == dp * shard * 2 // 4, (rank, device.categories)

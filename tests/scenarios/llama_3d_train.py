@@ -17,12 +17,11 @@ pipeline stages FSDP2 keeps each block's gathered weights from its forward to it
 is the cross-entropy of its vocabulary shard (what loss parallel computes on each tp rank, less the
 few scalars a token it all-reduces).
 
-Rank 0 writes `facts.json` beside its output (`--facts FILE`): the model's parameter count, its
-stages' block counts and the mesh, for the tests to check memdiff's parameter bytes against.
+`shard_bytes` works out a rank's fp32 shard of its stage's weights from the shape by hand, for the
+tests to hold memdiff's `parameter` bytes to.
 """
 
 import argparse
-import json
 import os
 from dataclasses import dataclass
 from typing import List, Optional
@@ -161,7 +160,6 @@ def main() -> None:
                                                   "else the local batch in one pass)")
     p.add_argument("--ac", choices=("full", "none"), default="full")
     p.add_argument("--steps", type=int, default=2)
-    p.add_argument("--facts", help="rank 0 writes the model's facts here")
     args = p.parse_args()
     shape = SHAPES[args.size]
     world = int(os.environ["WORLD_SIZE"])
@@ -212,19 +210,22 @@ def main() -> None:
             schedule.step()
         opt.step()
         opt.zero_grad(set_to_none=True)
-    if args.facts and dist.get_rank() == 0:
-        with open(args.facts, "w") as f:
-            json.dump({"parameters": shape_parameters(shape), "blocks": blocks,
-                       "pp": args.pp, "dp": dp, "tp": args.tp}, f)
     dist.destroy_process_group()
 
 
-def shape_parameters(shape: Shape) -> int:
-    """The whole model's parameter count, from its shape."""
+def shard_bytes(size: str, tp: int, pp: int, dp: int, stage: int) -> int:
+    """A rank's fp32 shard of stage `stage`'s weights, by hand from the model's shape: the stage's
+    blocks (and the embedding on the first, the norm and head on the last), the projections and the
+    embedding and head split over tp, everything then split over dp."""
+    shape = SHAPES[size]
     head_dim = shape.dim // shape.heads
-    attention = shape.dim * head_dim * (2 * shape.heads + 2 * shape.kv_heads)
-    block = attention + 3 * shape.dim * shape.ffn + 2 * shape.dim
-    return shape.layers * block + 2 * shape.vocab * shape.dim + shape.dim
+    split_over_tp = shape.dim * head_dim * (2 * shape.heads + 2 * shape.kv_heads) + 3 * shape.dim * shape.ffn
+    per_rank = split(shape.layers, pp)[stage] * (split_over_tp // tp + 2 * shape.dim)  # 2 norms: whole
+    if stage == 0:
+        per_rank += shape.vocab * shape.dim // tp  # the embedding, by rows
+    if stage == pp - 1:
+        per_rank += shape.vocab * shape.dim // tp + shape.dim  # the head by rows of the vocabulary; the norm
+    return per_rank // dp * 4
 
 
 if __name__ == "__main__":
