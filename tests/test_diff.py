@@ -359,7 +359,7 @@ def test_the_rule_applied_is_printed(tmp_path, capsys):
     assert "PASS  device 0 peak: 1000 B -> 1.95 KiB, +1000 B (+100.0%), limit: more than 512.00 MiB" in out
     assert Thresholds(Limit.from_options(None, None)).describe() == (
         "fail when the peak of a device grows by more than 1% and by more than 64.00 MiB, or by more than 50%; "
-        "findings K003, K004, A002 fail (default)")
+        "findings K003, K004, A002, P002 fail (default)")
 
 
 @pytest.mark.parametrize("base_bytes, head_bytes, fails", [

@@ -250,16 +250,18 @@ def test_baselines_folder_matches_runs_by_stem(baseline, tmp_path, capsys):
     assert code == 2
 
 
-def test_a_run_that_does_not_train_against_a_training_baseline_is_warned_and_never_made_the_baseline(
+def test_a_run_that_does_not_train_against_a_training_baseline_fails_and_is_never_made_the_baseline(
         shared, tmp_path, capsys):
     # cs336-medium's inference run gated against its training run's baseline: PyTorch's trace has no
     # backward and no optimizer step in it, so its peak (1.62 GiB) is below the baseline's (6.53 GiB)
-    # whatever it allocates. It passed with a hint to replace the training baseline by it (G003).
+    # whatever it allocates. It passed with a hint to replace the training baseline by it (G003); it
+    # then passed with a warning a green check hides. A test that stopped training judged none of the
+    # memory its baseline was judged on: it fails by default, saying so first.
     base = tmp_path / "train.json"
     assert run(capsys, "baseline", shared / "cs336-medium-ctx128-train.pickle", "-o", base)[0] == 0
     code, out, err = run(capsys, "gate", shared / "cs336-medium-ctx128-infer.pickle", "--baseline", base,
                          "--format", "json")
-    assert code == 0, err
+    assert code == 1, err
     report = json.loads(out)[0]  # the gate's document lists one report per run
     codes = [f["code"] for f in report["findings"]]
     assert "P002" in codes and "G003" not in codes, codes
@@ -267,6 +269,12 @@ def test_a_run_that_does_not_train_against_a_training_baseline_is_warned_and_nev
     assert lost["data"]["phases"] == ["backward", "optimizer"]
     warned = "\n".join(report["warnings"])
     assert "device 0: the head runs no backward or optimizer step where the base does: " in warned
+    assert [(c["code"], c["source"]) for c in report["finding_checks"]] == [("P002", "default")]
+    assert report["headline"].startswith("finding P002 phases-missing fails the gate; peak -4.91 GiB")
+    # Meant to stop training: --ignore P002 judges the peak alone, which fell.
+    code, out, _ = run(capsys, "gate", shared / "cs336-medium-ctx128-infer.pickle", "--baseline", base,
+                       "--ignore", "P002")
+    assert code == 0 and "P002 is ignored (--ignore)" in out and "FAIL" not in out, out
     # A training run of more work against the same baseline: the phases are there, no warning.
     code, out, _ = run(capsys, "gate", shared / "cs336-medium-ctx256-train.pickle", "--baseline", base,
                        "--format", "json")
@@ -350,7 +358,7 @@ def test_a_gate_never_says_a_baseline_recorded_no_steps(shared, tmp_path, capsys
     b = tmp_path / "train.json"
     assert run(capsys, "baseline", shared / "cs336-medium-ctx128-train.pickle", "-o", b)[0] == 0
     code, out, _ = run(capsys, "gate", shared / "cs336-medium-ctx128-infer.pickle", "--baseline", b)
-    assert code == 0, out
+    assert code == 1 and "FAIL  finding P002" in out, out  # it stopped training (test above)
     assert "warning: T010 device 0: event counts differ 5.0x (19,136 -> 3,840 events): the runs may not " \
         "record the same work" in out
     assert "0 -> 1 steps" not in out
@@ -477,7 +485,7 @@ def test_a_peak_flag_replaces_the_stored_peak_rule_whole(baseline, tmp_path, cap
     # 5% and by more than 512 MiB", under which a small run could never fail.
     b = baseline("--fail-over", "512MiB")
     code, out, _ = gate(capsys, tmp_path, b, 120 * MiB, "--fail-over-pct", "5")
-    assert "rule: fail when the peak of a device grows by more than 5%; findings K003, K004, A002 fail (default)\n" in out
+    assert "rule: fail when the peak of a device grows by more than 5%; findings K003, K004, A002, P002 fail (default)\n" in out
     assert code == 1 and "limit: more than 5%\n" in out
 
 

@@ -135,7 +135,7 @@ def test_repeated_ignores_all_apply_where_the_last_one_alone_did(capsys, tmp_pat
     assert code == 0 and rules == {("K002", "ignore", "baseline"), ("K003", "ignore", "baseline"),
                                    ("K004", "ignore", "baseline"), ("A002", "ignore", "--ignore"),
                                    ("T003", "fail", "--fail-on"), ("T004", "fail", "--fail-on"),
-                                   ("P001", "fail", "--fail-on")}
+                                   ("P001", "fail", "--fail-on"), ("P002", "fail", "default")}
 
 
 def test_limits_given_as_comma_lists_are_stored_whole(capsys, tmp_path, summary):

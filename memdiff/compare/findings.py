@@ -219,18 +219,20 @@ CATALOGUE: Tuple[Code, ...] = (
          "warning: P001 device 0: the peaks are in different phases: base in the backward of step 1, head in "
          "the optimizer step of step 0; rows compare different moments (compare like with like: --at "
          "optimizer)"),
-    Code("P002", "phases-missing", WARNING,
+    Code("P002", "phases-missing", ERROR,
          "the head runs no {missing} where the base does: its peak leaves out the memory of those phases, so it "
          "reads lower whatever the run allocates (compare runs of the same work)",
          "The base run trains (a backward, an optimizer step) and the head run does not, and its peak is lower: "
          "an inference run, or a training test whose loop stopped before its backward.",
          "Gradients, optimizer state and the backward's buffers are in the base's peak and cannot be in the "
-         "head's: the peak falls whatever the head allocates, and a gate against a training baseline passes. "
-         "The gate's hint to replace the baseline with the lower peak is not given.",
-         "Compare a run with the phases of its baseline, or make a baseline of the run's own work.",
+         "head's: the peak falls whatever the head allocates, and a gate against a training baseline would pass "
+         "having judged none of them. So it fails the gate by default, and the gate's hint to replace the "
+         "baseline with the lower peak is not given.",
+         "Compare a run with the phases of its baseline. If the run is meant to stop training, make a baseline of "
+         "its own work (`memdiff baseline RUN -o BASELINE`), or pass `--ignore P002` to judge the peak alone.",
          "memdiff ../shared/snapshots/cs336-medium-ctx128-train.pickle "
          "../shared/snapshots/cs336-medium-ctx128-infer.pickle",
-         "warning: P002 device 0: the head runs no backward or optimizer step where the base does: its peak leaves out "
+         "error: P002 device 0: the head runs no backward or optimizer step where the base does: its peak leaves out "
          "the memory of those phases, so it reads lower whatever the run allocates (compare runs of the same "
          "work)"),
     # --- K: kept memory -------------------------------------------------------------------------
@@ -559,8 +561,9 @@ CATALOGUE: Tuple[Code, ...] = (
 BY_CODE: Dict[str, Code] = {c.code: c for c in CATALOGUE}
 
 # The findings that fail a gate unless told otherwise: each says the run will fail or is failing,
-# whatever its peak did in a short test run.
-DEFAULT_FAIL_ON = ("K003", "K004", "A002")
+# whatever its peak did in a short test run, or (P002) that the head's lower peak leaves out the
+# phases its baseline was judged on, so a pass would judge nothing of them.
+DEFAULT_FAIL_ON = ("K003", "K004", "A002", "P002")
 
 
 def finding(code: str, device: Optional[int] = None, run: Optional[str] = None, **data: Any) -> Finding:

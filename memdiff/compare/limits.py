@@ -198,7 +198,7 @@ class FindingSelection:
         return FindingSelection(tuple(rules.values()))
 
     def describe(self) -> str:
-        """`findings K003, K004, A002 fail (default); T003 is ignored (--ignore)`; empty when none."""
+        """`findings K003, K004, A002, P002 fail (default); T003 is ignored (--ignore)`; empty when none."""
         parts = []
         for action, word in ((FAIL, "fail"), (IGNORE, "ignored")):
             for source in dict.fromkeys(r.source for r in self.rules if r.action == action):

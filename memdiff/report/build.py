@@ -302,6 +302,10 @@ def _report(s: Settings, verdict: Optional[Verdict], results: List[RankResult], 
         warnings = [f.text for f in ranks] + [f"rank {job.worst_rank}: {w}" for w in warnings]
         findings = ranks + [replace(f, rank=job.worst_rank) for f in findings]
     headline = _headline(devices)
+    if verdict is not None and not verdict.passed and all(c.passed for c in verdict.checks):
+        # Only findings failed it: the peak's own sentence would read as the regression (a fall, under P002).
+        named = list(dict.fromkeys(f"{c.code} {c.name}" for c in verdict.finding_checks))
+        headline = f"finding {', '.join(named)} fails the gate; {headline}"
     if job is not None:
         headline = f"rank {job.worst_rank} (of {len(results):,}): {headline}"
     trends, trend_note = _trends(s, shown.diff)
