@@ -21,7 +21,7 @@ from typing import List
 import pytest
 
 from memdiff.errors import InputError
-from memdiff.predict.fit import FITS, OVER_LIMIT, Fewest, FitRun, Grid, judge, knob_of, parse_range
+from memdiff.predict.fit import FITS, OVER_LIMIT, Fewest, FitRun, Grid, Search, judge, knob_of, parse_range
 from memdiff.recording.emulate.gpus import gpu
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -429,3 +429,48 @@ def test_a_run_stopped_while_it_starts_says_nothing_on_the_users_terminal(tmp_pa
     out, err = capfd.readouterr()
     assert out == "" and err == ""
     assert "Exception ignored" in log.read_text()  # kept in the run's own output, beside its snapshot
+
+
+class _LinedSearch(Search):
+    """The search with the forecast a flat, noisy line gives: the line through the two largest fitting runs'
+    reserved peaks, put where it reaches the limit (the top of the range when it does not rise). The real
+    forecast reads snapshots; this one stands for it where the peak is a constant plus a staircase."""
+
+    def _forecast(self, lo):
+        fitting = tuple(sorted(i for i, r in self.runs.items() if r.fits))[-2:]
+        if len(fitting) < 2 or fitting == self._forecast_of:
+            return None
+        self._forecast_of = fitting
+        (v0, p0), (v1, p1) = [(self.values[i], self.runs[i].reserved_peak_bytes) for i in fitting]
+        largest = self.values[-1] if p1 <= p0 else int(v1 + (self.limit - p1) * (v1 - v0) / (p1 - p0))
+        index = max((i for i, v in enumerate(self.values) if v <= largest), default=-1)
+        return (index, "forecast") if index > lo else None
+
+
+@pytest.mark.parametrize("share", [0.004, 0.005, 0.006])
+def test_a_forecast_from_a_flat_noisy_line_never_takes_more_runs_than_bisection_and_four(share):
+    # A tiny MLP on an L4 under --max-memory: its weights, Adam's state and the cuBLAS workspace reserve
+    # 86 MiB at batch 1 and 2 alike, and each sample adds 16 KiB of activations that the caching allocator
+    # reserves 2 MiB at a time (the emulated runs of such an MLP reserved 94, 102, 110, 114 MiB at batches
+    # 1,468 to 1,866). The line through two fitting runs is flat, or steep where it crosses a step: its
+    # forecasts land anywhere. Before, the steps of 1, 2, 4, ... from each wrong forecast made 26 to 31 runs
+    # on the 4,096 values bisection closes in 2 + 12.
+    mib = 1 << 20
+
+    def reserved(batch: int) -> int:
+        return 86 * mib + -(-batch * 16 * 1024 // (2 * mib)) * 2 * mib
+
+    search = _LinedSearch(gpu("l4"), Grid("batch", 1, 4096), share, None)
+    while not search.done:
+        for index, why in search.wants():
+            search.started(index, why)
+        for index, why in list(search.running.items()):
+            value = search.values[index]
+            search.finished(index, FitRun(
+                gpu="l4", value=value, outcome=FITS if reserved(value) <= search.limit else OVER_LIMIT, snapshot="",
+                log="", peak_bytes=reserved(value), reserved_peak_bytes=reserved(value), phase=None, step=None,
+                site=None, oom_message=None, seconds=0.0, cpu_seconds=0.0, why=why))
+    answer = search.answer()
+    assert answer.value == max(v for v in range(1, 4097) if reserved(v) <= search.limit)
+    assert answer.fails is not None and answer.fails.value == answer.value + 1
+    assert len(answer.runs) <= 2 + 12 + 4, [(r.value, r.why) for r in answer.runs]
