@@ -98,6 +98,52 @@ def test_two_runs_are_a_linear_forecast_and_say_so(series, capsys):
     assert "a linear forecast from two runs" in out and "constant or linear only" in out
 
 
+def attention_loop(seq: int) -> Dict[str, Any]:
+    """One step of a model at sequence length `seq`: weights (constant), a projection's output (64 seq bytes)
+    and attention scores (seq x seq, 4 bytes each), freed in the backward."""
+    trace = [alloc(1, 4096, py_frames("model.py:5:__init__")), alloc(2, 64 * seq, py_frames("model.py:20:project")),
+             alloc(3, 4 * seq * seq, py_frames("model.py:30:scores")),
+             alloc(4, 4096, BWD), free(3, 4 * seq * seq, BWD), free(2, 64 * seq, BWD)]
+    return {"segments": [], "device_traces": [trace]}
+
+
+def test_two_runs_say_what_grew_faster_than_a_line_and_by_what_power(write_snapshot, capsys):
+    # The scores are seq^2 x 4 bytes: from 64 to 128 they grow 4x, the knob's 2x to the power 2, the
+    # projection 2x, the power 1. Two runs fit lines; they still show that growth (before, the headline said
+    # "unchecked" and nothing of it), and the scores' line gives 114,688 B at 256 where the loop allocates 262,144.
+    runs = [f"{write_snapshot(attention_loop(s), f's{s}.pickle')}={s}" for s in (64, 128)]
+    assert main(["forecast", *runs, "--at", "256", "--format", "json"]) == 0
+    d = json.loads(capsys.readouterr().out)["devices"][0]
+    assert d["growth_between"] == [64, 128]
+    sites = {s["site"]: s for s in d["predictions"][0]["sites"]}
+    assert (sites["model.py:scores"]["runs_ratio"], sites["model.py:scores"]["runs_power"]) == (4.0, 2.0)
+    assert (sites["model.py:project"]["runs_ratio"], sites["model.py:project"]["runs_power"]) == (2.0, 1.0)
+    (w015,) = [f for f in d["findings"] if f["code"] == "W015"]
+    assert w015["severity"] == "warning" and w015["data"]["count"] == 1
+    assert "model.py:scores grew 4.00x for 2.00x the knob (64 to 128), as its power 2.00" in w015["message"]
+    assert "unchecked (no third run to leave out), and between the runs model.py:scores" in d["headline"]
+    assert main(["forecast", *runs, "--at", "256"]) == 0
+    out = capsys.readouterr().out
+    assert "64 to 128" in out and "4.00x (power 2.00)" in out and "2.00x (power 1.00)" in out
+
+
+def test_two_real_runs_show_attention_growing_with_the_square_of_the_context(shared, capsys):
+    # The cs336 Transformer at context 128 and 256: its attention scores (the softmax over q k^T, and the
+    # causal mask compared to make them) are context x context per head, so they grow 4x when the context
+    # doubles, and the q, k, v projections 2x. Two runs fit lines; before, the forecast called itself
+    # "unchecked" and said nothing of the 4x.
+    a, b = shared / "cs336-medium-ctx128-train.pickle", shared / "cs336-medium-ctx256-train.pickle"
+    assert main(["forecast", f"{a}=128", f"{b}=256", "--at", "512", "--format", "json"]) == 0
+    d = json.loads(capsys.readouterr().out)["devices"][0]
+    sites = {s["site"]: s for s in d["predictions"][0]["sites"]}
+    softmax = [s for name, s in sites.items() if name.startswith("nn_utils.py:softmax")]
+    assert len(softmax) == 2 and all(s["runs_power"] == 2.0 and s["runs_ratio"] == 4.0 for s in softmax)
+    assert sites["functional.py:einsum <- einsum <- clone"]["runs_power"] == 1.0
+    (w015,) = [f for f in d["findings"] if f["code"] == "W015"]
+    assert w015["data"]["count"] == 3  # the two softmax sites and the causal mask (model.py:forward <- ge_Tensor)
+    assert "nn_utils.py:softmax" in d["headline"] and "as its power 2.00" in d["headline"]
+
+
 def test_text_markdown_and_html(series, capsys, tmp_path):
     runs = series((1, 2, 4))
     page = tmp_path / "f.html"

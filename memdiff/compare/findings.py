@@ -426,6 +426,23 @@ CATALOGUE: Tuple[Code, ...] = (
          "16 --budget 80GiB",
          "note: W010 device 0: sizes are fitted from two runs: constant or linear only (a quadratic needs a "
          "third run that lines up one for one)"),
+    Code("W015", "faster-than-linear-between-two-runs", WARNING,
+         "between the two runs {sites}: a line through two sizes cannot follow that, and above the largest run "
+         "it forecasts {count:,} such site{s} too low (a third run fits a quadratic)",
+         "The forecast fits sizes from two runs, so each is a line; yet some sites live at the predicted peak "
+         "grew by more than the knob's ratio between them (4.0x for 2x: as the knob's power 2, as attention "
+         "scores grow with the sequence). The two runs cannot tell the shape, but they show the growth.",
+         "A size is a polynomial of the knob with non-negative terms (batch x sequence x sequence): through "
+         "two runs it lies above their line beyond the largest one, so the forecast there is too low for "
+         "those sites, and with them the peak.",
+         "Record a third run at another value: the sizes are then fitted with quadratics and checked by "
+         "leaving one out.",
+         "memdiff forecast ../shared/snapshots/cs336-medium-ctx128-train.pickle=128 "
+         "../shared/snapshots/cs336-medium-ctx256-train.pickle=256 --at 512",
+         "warning: W015 device 0: between the two runs nn_utils.py:softmax <- div_Tensor grew 4.00x for 2.00x "
+         "the knob (128 to 256), as its power 2.00 (2 other sites faster than linearly too): a line through two "
+         "sizes cannot follow that, and above the largest run it forecasts 3 such sites too low (a third run "
+         "fits a quadratic)"),
     Code("W011", "sizes-fit-no-polynomial", WARNING,
          "{count:,} allocations ({amount} in the largest run) fit no polynomial up to quadratic; the quadratic "
          "through their three largest values stands in",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import html
 import os
-from typing import List
+from typing import List, Optional
 
 from tabulate import tabulate
 
@@ -44,11 +44,19 @@ def _at_peak_tables(d: DeviceForecast, fmt: str) -> List[str]:
     p = d.predictions[0]
     cats = tabulate(_cells([[name, format_bytes(b), d.forms.get(name, "")] for name, b in p.categories.items()], fmt),
                     headers=["category", f"at {p.value:,}", "form"], tablefmt=fmt, colalign=("left", "right", "left"))
-    sites = tabulate(_cells([[s.site, s.category, s.form, format_bytes(s.largest_run_bytes), format_bytes(s.bytes),
+    low, high = d.growth_between
+    sites = tabulate(_cells([[s.site, s.category, s.form, _runs_growth(s.runs_ratio, s.runs_power),
+                              format_bytes(s.largest_run_bytes), format_bytes(s.bytes),
                               format_bytes(s.growth_bytes, signed=True)] for s in p.sites], fmt),
-                     headers=["growing site", "category", "form", "largest run", f"at {p.value:,}", "growth"],
-                     tablefmt=fmt, colalign=("left", "left", "left", "right", "right", "right"))
+                     headers=["growing site", "category", "form", f"{low:,} to {high:,}", "largest run",
+                              f"at {p.value:,}", "growth"],
+                     tablefmt=fmt, colalign=("left", "left", "left", "right", "right", "right", "right"))
     return [cats, sites]
+
+
+def _runs_growth(ratio: Optional[float], power: Optional[float]) -> str:
+    """A site's growth between the two runs as measured: `4.00x (power 2.00)`."""
+    return "" if ratio is None or power is None else f"{ratio:.2f}x (power {power:.2f})"
 
 
 def render_text(f: Forecast) -> str:

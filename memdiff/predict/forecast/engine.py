@@ -22,6 +22,7 @@ imports torch.
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import asdict, dataclass, field
 from fractions import Fraction
@@ -48,6 +49,10 @@ FORMS = ("constant", "linear", "quadratic", "none")
 # Below this share of the largest run's allocations lined up in another run, the runs are not one loop.
 MIN_ALIGNED = 0.6
 TOP_SITES = 5
+# A site whose bytes grew between the two largest runs as the knob to this power or more grew faster than any
+# line through its sizes allows with a non-negative constant (a line through zero is the power 1): a size
+# rounded to the allocator's 512-byte blocks moves the power of a linear one by far less.
+FASTER_THAN_LINEAR = 1.1
 
 
 @dataclass
@@ -79,6 +84,11 @@ class SitePrediction:
     bytes: int
     largest_run_bytes: int
     growth_bytes: int
+    # What the two largest fitted runs show of the site: its bytes live at the predicted peak in the largest
+    # run over the same allocations' bytes in the run before it, and that ratio as a power of the knob's
+    # ratio (4.0x for 2x the knob: 2.0). None where the run before has none of them.
+    runs_ratio: Optional[float] = None
+    runs_power: Optional[float] = None
 
 
 @dataclass
@@ -135,6 +145,8 @@ class DeviceForecast:
     # The largest value within the budget in words (`11`; `any (...)` when nothing outgrows it); None
     # without a budget or when nothing fits. max_value_within_budget is then MAX_VALUE, no value.
     within_text: Optional[str] = None
+    # The knob values of the two runs each site's runs_ratio compares (the fitted run before the largest, the largest).
+    growth_between: List[int] = field(default_factory=list)
 
     @property
     def predicted_peak_bytes(self) -> int:
@@ -270,26 +282,49 @@ class _Device:
     steps: List[Step]
 
 
-def _predict(dev: _Device, value: int, overhead: float, largest: np.ndarray) -> Prediction:
-    """Replay at `value`: the peak, its phase and step, each phase's peak, and what is live there."""
+@dataclass
+class _Before:
+    """The fitted run before the largest: its size of each of the largest run's allocations (-1: it has none),
+    and the knob's ratio between the two."""
+
+    sizes: np.ndarray
+    knob_ratio: float
+
+
+def _predict(dev: _Device, value: int, overhead: float, largest: np.ndarray,
+             before: _Before) -> Tuple[Prediction, List[SitePrediction]]:
+    """Replay at `value`: the peak, its phase and step, each phase's peak, and what is live there; and every
+    growing site live there, most growth first (the prediction keeps the first TOP_SITES)."""
     ref = dev.ref
     sizes = dev.fit.at(value)
     r = replay_course(ref, sizes, dev.spans, dev.steps)
     live = r.live
     sites: Dict[int, List[int]] = {}
-    for s, b, o, f, c in zip(ref.stack[live].tolist(), sizes[live].tolist(), largest[live].tolist(),
-                             dev.fit.form[live].tolist(), ref.category[live].tolist()):
-        slot = sites.setdefault(s, [0, 0, 0, c])
+    for s, b, o, f, c, e in zip(ref.stack[live].tolist(), sizes[live].tolist(), largest[live].tolist(),
+                                dev.fit.form[live].tolist(), ref.category[live].tolist(),
+                                before.sizes[live].tolist()):
+        slot = sites.setdefault(s, [0, 0, 0, c, 0, 0])
         slot[0] += b
         slot[1] += o
         slot[2] = max(slot[2], f)
+        if e >= 0:  # the same allocations in both runs: their ratio is the site's growth between them
+            slot[4] += o
+            slot[5] += e
     rows = [SitePrediction(site=ref.stacks[s][1], category=ref.categories[c], form=FORMS[f], bytes=b,
-                           largest_run_bytes=o, growth_bytes=b - o)
-            for s, (b, o, f, c) in sites.items() if f > 0]
+                           largest_run_bytes=o, growth_bytes=b - o, **_growth(same, earlier, before.knob_ratio))
+            for s, (b, o, f, c, same, earlier) in sites.items() if f > 0]
     rows.sort(key=lambda r: (-r.growth_bytes, -r.bytes, r.site))
-    return Prediction(value=value, peak_bytes=r.peak_bytes, phase=r.phase, step=r.step, event_index=r.at,
-                      phase_peaks=r.phase_peaks, categories=r.categories, sites=rows[:TOP_SITES],
-                      with_overhead_bytes=int(round(r.peak_bytes * overhead)))
+    return (Prediction(value=value, peak_bytes=r.peak_bytes, phase=r.phase, step=r.step, event_index=r.at,
+                       phase_peaks=r.phase_peaks, categories=r.categories, sites=rows[:TOP_SITES],
+                       with_overhead_bytes=int(round(r.peak_bytes * overhead))), rows)
+
+
+def _growth(largest: int, earlier: int, knob_ratio: float) -> Dict[str, Optional[float]]:
+    """A site's bytes in the largest run over the run before's, and that ratio as a power of the knob's."""
+    if earlier <= 0 or largest <= 0 or knob_ratio <= 1:
+        return {"runs_ratio": None, "runs_power": None}
+    ratio = largest / earlier
+    return {"runs_ratio": round(ratio, 4), "runs_power": round(math.log(ratio) / math.log(knob_ratio), 3)}
 
 
 def _peak_at(dev: _Device, value: int) -> int:
@@ -404,7 +439,12 @@ def _device_forecast(runs: List[DeviceCourse], courses: Sequence[Course], device
     fit = fit_sizes([values[k] for k in fitted], sizes, present, distinct, fitted)
     dev = _Device(ref, fit, spans, steps)
     largest = ref.size
-    predictions = [_predict(dev, v, overhead, largest) for v in at]
+    earlier = fitted[-2] if fitted[-1] == ref_index else fitted[-1]
+    before = _Before(np.where(present[earlier], sizes[earlier], -1), values[ref_index] / values[earlier])
+    replayed = [_predict(dev, v, overhead, largest, before) for v in at]
+    predictions = [p for p, _ in replayed]
+    # What two runs show and a line cannot: sites that grew faster than linearly between them (4.0x for 2x).
+    faster = [s for s in replayed[0][1] if s.runs_power is not None and s.runs_power >= FASTER_THAN_LINEAR]
 
     checks = []
     for k, c in enumerate(courses):
@@ -448,6 +488,9 @@ def _device_forecast(runs: List[DeviceCourse], courses: Sequence[Course], device
         notes.append(finding("W009", device))
     if len(fitted) == 2:
         notes.append(finding("W010", device))
+        if faster:
+            notes.append(finding("W015", device, **_faster_said(faster, values[earlier], values[ref_index]),
+                                 count=len(faster), s="" if len(faster) == 1 else "s"))
     if int(unfitted.sum()):
         notes.append(finding("W011", device, count=int(unfitted.sum()), amount=format_bytes(unfitted_bytes),
                              amount_bytes=unfitted_bytes))
@@ -463,8 +506,13 @@ def _device_forecast(runs: List[DeviceCourse], courses: Sequence[Course], device
     moved = ("" if first.phase is None else
              f", in the {first.phase} (the largest run, {largest_run.value}, peaks in the {largest_run.actual_phase})"
              if first.phase != largest_run.actual_phase else f", in the {first.phase}")
-    if fit_error is None:
-        trust = "unchecked"
+    if fit_error is None and faster:
+        grew = _faster_said(faster, values[earlier], values[ref_index])["sites"]
+        trust = (f"unchecked (no third run to leave out), and between the runs {grew}: above "
+                 f"{values[ref_index]:,} the line forecasts {'it' if len(faster) == 1 else 'them'} too low (W015)")
+    elif fit_error is None:
+        trust = ("unchecked (no third run to leave out), and no site live at the peak grew faster than linearly "
+                 "between the runs")
     elif len(fitted) >= 3:
         trust = f"leave-one-out error at most {fit_error:.1f}%"
     else:
@@ -482,9 +530,22 @@ def _device_forecast(runs: List[DeviceCourse], courses: Sequence[Course], device
         runs=checks, predictions=predictions, forms=forms,
         unfitted_allocations=int(unfitted.sum()), unfitted_bytes=unfitted_bytes, fit_error_pct=fit_error,
         max_value_within_budget=within, headline=headline, notes=notes, within_text=within_text,
+        growth_between=[values[earlier], values[ref_index]],
         alignment=(f"the {len(fitted)} fitted runs record the same allocations in the same order "
                    f"({len(ref.size):,} allocations)" if all(alignment.same[k] for k in fitted)
                    else _lined_up(alignment)))
+
+
+def _faster_said(faster: List[SitePrediction], low: int, high: int) -> Dict[str, str]:
+    """W015's words for the sites that grew faster than linearly between the runs at `low` and `high`:
+    the one that grew most by its power, and how many others."""
+    top = max(faster, key=lambda s: (s.runs_power or 0.0, s.bytes))
+    others = len(faster) - 1
+    said = (f"{top.site} grew {top.runs_ratio:.2f}x for {high / low:.2f}x the knob ({low:,} to {high:,}), as its "
+            f"power {top.runs_power:.2f}")
+    if others:
+        said += f" ({count_of(others, 'other site')} faster than linearly too)"
+    return {"sites": said}
 
 
 def _forms(ref: DeviceCourse, fit: Fit, at: int) -> Dict[str, str]:
