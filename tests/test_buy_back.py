@@ -209,3 +209,25 @@ def test_the_notes_are_the_catalogues_findings(pair, tmp_path):
     assert run("baseline", base, "-o", stored, "--fail-over-pct", "1000")[0] == 0
     code, out, _ = run("gate", head, "--baseline", stored, "--category-fail-over", "activation=0%", "--whatif")
     assert code == 1 and "  " + BY_CODE["W002"].example_output in out.splitlines()
+
+
+def test_a_change_bought_back_on_an_untraced_head_says_it_rests_on_a_guess(write_snapshot, tmp_path, validate):
+    # Two snapshots dumped without a trace: segments only, every block live before the trace with no stack,
+    # its category memdiff's guess (C001). The head holds 64 MiB where the base held 32 MiB; halving what
+    # is read as weights would bring it back, and every output says that reading is a guess (W016).
+    from conftest import block, segment
+
+    mib = 1 << 20
+    base, head = (write_snapshot({"segments": [segment(0, 0, [block(0, size)])], "device_traces": [[]]}, name)
+                  for size, name in ((32 * mib, "base.pickle"), (64 * mib, "head.pickle")))
+    doc = as_json(base, head, "--fail-over-pct", "5", "--whatif")
+    validate("diff", doc)
+    bf16 = next(b for b in doc["buy_back"] if b["change"] == "weights=bf16")
+    assert bf16["guessed_bytes"] == 64 * mib and bf16["predicted_peak_bytes"] == 32 * mib
+    assert "on a guess: 64.00 MiB it changes is" in bf16["text"]
+    assert any("W016" not in n and "its figure rests on a guess" in n for n in doc["buy_back_notes"])
+    page = tmp_path / "r.html"
+    _, text_out, _ = run(base, head, "--fail-over-pct", "5", "--whatif", "--html", page)
+    _, md_out, _ = run(base, head, "--fail-over-pct", "5", "--whatif", "--format", "markdown")
+    for shown in (text_out, md_out, page.read_text()):
+        assert "W016" in shown and "on a guess: 64.00 MiB" in shown

@@ -1129,3 +1129,40 @@ def test_a_bf16_convolution_without_onednn_sums_its_bias_gradient_through_an_fp3
     names = {e.name for e in prof.events()}
     copies = [e for e in prof.events() if e.name == "aten::_to_copy" and e.cpu_memory_usage == out.numel() * 4]
     assert "aten::_slow_conv2d_backward" in names and copies
+
+
+# ---------------------------------------------------------------- a run without a trace
+
+def test_a_change_to_an_untraced_snapshot_says_its_category_is_a_guess(shared, expected, tmp_path, capsys):
+    # A snapshot dumped with no trace holds only segments: every block is live before the trace, no stack
+    # says what it is, and memdiff reads it as weights by a guess (C001). weights=bf16 halves it; before,
+    # every output gave the -50% as if the category were known.
+    path = str(shared / "empty-trace.pickle")
+    assert expected["empty-trace.pickle"]["0"]["trace_events"] == 0
+    every_byte = expected["empty-trace.pickle"]["0"]["peak_bytes"]
+    assert main(["whatif", path, "--change", "weights=bf16", "--format", "json",
+                 "--html", str(tmp_path / "w.html")]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    validate("whatif", doc, "whatif")
+    (device,) = doc["devices"]
+    (change,) = device["changes"]
+    assert change["guessed_bytes"] == every_byte and change["guessed_categories"]
+    (w016,) = [f for f in device["findings"] if f["code"] == "W016"]
+    assert w016["data"]["amount_bytes"] == every_byte and w016["data"]["change"] == "weights=bf16"
+    assert "on a guess" in device["headline"] and "on a guess" in change["line"]
+    # Every output shows it: the table's column, the headline, the finding.
+    assert main(["whatif", path, "--change", "weights=bf16"]) == 0
+    text = capsys.readouterr().out
+    assert main(["whatif", path, "--change", "weights=bf16", "--format", "markdown"]) == 0
+    markdown = capsys.readouterr().out
+    page = (tmp_path / "w.html").read_text()
+    for shown in (text, markdown, page):
+        assert "W016" in shown and "on a guess" in shown and "on a guessed category" in shown
+
+
+def test_a_change_to_memory_the_trace_made_rests_on_no_guess(run, capsys):
+    # The hand-built loop's every allocation is made in the trace, with its stack: nothing is guessed.
+    assert main(["whatif", run, "--format", "json"]) == 0
+    device = json.loads(capsys.readouterr().out)["devices"][0]
+    assert all(c["guessed_bytes"] == 0 for c in device["changes"])
+    assert not [f for f in device["findings"] if f["code"] == "W016"] and "on a guess" not in device["headline"]

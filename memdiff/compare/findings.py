@@ -385,6 +385,20 @@ CATALOGUE: Tuple[Code, ...] = (
          "Read the reason; ask for another change.",
          "memdiff whatif tests/data/cuda/gpt2-generate.pickle.gz --change zero-grad=none",
          "note: W014 device 0: zero-grad=none: does not apply: the run shows no gradients (category gradient)"),
+    Code("W016", "whatif-on-a-guessed-category", WARNING,
+         "{change}: its figure rests on a guess: {amount} it changes is {categories} by memdiff's guess, memory "
+         "live before the trace that no stack says what it is (C001)",
+         "A change of `memdiff whatif` (or of `--whatif`'s buy-back) edits memory whose category memdiff guessed: "
+         "blocks older than the trace, never freed, without a stack (a snapshot with no trace holds only "
+         "those). The change is computed from that category (halved as weights, dropped as optimizer state) "
+         "with no stack or lifetime to confirm it.",
+         "Were the guess wrong (activations a data loader left, a cache read as weights), the change's figure "
+         "is wrong by as much.",
+         "Record with the trace on from before the model is built (`torch.cuda.memory._record_memory_history()` "
+         "first), so every block has its stack; or give rules of your own (`--rules`).",
+         "memdiff whatif ../shared/snapshots/empty-trace.pickle --change weights=bf16",
+         "warning: W016 device 0: weights=bf16: its figure rests on a guess: 8.13 MiB it changes is parameter by "
+         "memdiff's guess, memory live before the trace that no stack says what it is (C001)"),
     Code("W007", "runs-record-other-allocations", INFO,
          "{runs} record{s} other allocations than the largest run: left out of the fit, and predicted from the "
          "{fitted} runs that line up one for one, as a check",

@@ -21,6 +21,8 @@ def _title(w: WhatIf) -> str:
 
 
 def _table(d: DeviceWhatIf, fmt: str, budget: bool, rerun: bool) -> str:
+    # The bytes each change edited whose category is memdiff's guess (W016), where any change has them.
+    guessed = any(c.applies and c.guessed_bytes for c in d.changes)
     rows: List[List[str]] = []
     for c in d.changes:
         if not c.applies:
@@ -29,16 +31,18 @@ def _table(d: DeviceWhatIf, fmt: str, budget: bool, rerun: bool) -> str:
         row += [format_bytes(c.reserved_peak_bytes or 0)] if rerun else []
         row += [c.predicted_peak_phase or "before the trace", format_bytes(c.delta_bytes or 0, signed=True),
                 f"{c.delta_pct or 0:+.1f}%"]
+        row += [format_bytes(c.guessed_bytes) if c.guessed_bytes else ""] if guessed else []
         if budget:
             row.append("yes" if c.fits_budget else "no")
         rows.append(row)
-    headers = (["change", "re-run peak", "reserved", "phase", "delta", "%"] if rerun
-               else ["change", "predicted peak", "phase", "delta", "%"]) + (["fits"] if budget else [])
+    headers = ((["change", "re-run peak", "reserved", "phase", "delta", "%"] if rerun
+                else ["change", "predicted peak", "phase", "delta", "%"])
+               + (["on a guessed category"] if guessed else []) + (["fits"] if budget else []))
     if fmt == "github":  # markdown escapes every cell: the change is the user's text
         rows = [[md_cell(c) for c in row] for row in rows]
     return tabulate(rows, headers=headers, tablefmt=fmt,
                     colalign=("left", "right") + (("right",) if rerun else ()) + ("left", "right", "right")
-                    + (("left",) if budget else ()))
+                    + (("right",) if guessed else ()) + (("left",) if budget else ()))
 
 
 

@@ -13,7 +13,7 @@ from memdiff.errors import InputError
 from memdiff.inert import scrubbed
 from memdiff.model import Finding
 from memdiff.predict.forecast.course import read_course, structure
-from memdiff.predict.whatif.engine import ChangePrediction, every_change, facts, predict
+from memdiff.predict.whatif.engine import ChangePrediction, every_change, facts, guess_findings, on_a_guess, predict
 from memdiff.predict.whatif.optimizer import run_optimizer
 from memdiff.read.window import Window
 from memdiff.units import format_bytes
@@ -42,6 +42,7 @@ class BuyBack:
     target_bytes: int  # the base's peak
     enough: bool
     text: str
+    guessed_bytes: int = 0  # what the change edited whose category memdiff guessed (W016); 0: none
 
 
 @dataclass
@@ -65,8 +66,9 @@ def _buy_back_text(p: ChangePrediction, t: BuyBackTarget, head_phase: Optional[s
     else:
         within = (f"not enough: {format_bytes(peak - t.base_peak_bytes)} over {t.base_name}'s "
                   f"{format_bytes(t.base_peak_bytes)}")
+    guess = f"; {on_a_guess(p.guessed_bytes, p.guessed_categories)}, W016" if p.guessed_bytes else ""
     return (f"{prefix}{p.change}: {format_bytes(p.delta_bytes or 0, signed=True)}, peak {format_bytes(peak)}{where}"
-            f"{moved} ({within})")
+            f"{moved} ({within}{guess})")
 
 
 def buy_back(path: str, rules: Sequence[Rule], targets: Sequence[BuyBackTarget],
@@ -114,6 +116,7 @@ def buy_back(path: str, rules: Sequence[Rule], targets: Sequence[BuyBackTarget],
                                  predicted_peak_bytes=int(p.predicted_peak_bytes or 0),
                                  predicted_peak_phase=p.predicted_peak_phase, delta_bytes=int(p.delta_bytes or 0),
                                  target_bytes=t.base_peak_bytes, enough=bool(enough),
-                                 text=_buy_back_text(p, t, run.base.phase, prefix)))
+                                 text=_buy_back_text(p, t, run.base.phase, prefix), guessed_bytes=p.guessed_bytes))
+        notes += guess_findings(t.device, chosen)
     notes.append(finding("W005"))
     return scrubbed(BuyBackPart(items, notes))

@@ -77,6 +77,10 @@ class ChangePrediction:
     # snapshot; None for a prediction, which replays allocations and knows no reserved memory
     reserved_peak_bytes: Optional[int] = None
     snapshot: Optional[str] = None
+    # Bytes of the run's allocations the change edited whose category memdiff guessed (memory live before
+    # the trace without a stack, C001), and those categories: the figure rests on the guess (W016). 0: none.
+    guessed_bytes: int = 0
+    guessed_categories: List[str] = field(default_factory=list)
 
 
 @dataclass
@@ -91,7 +95,8 @@ class DeviceWhatIf:
     optimizer: Optional[str]  # the run's optimizer, as torch.optim's scope or code names it (run_optimizer)
     changes: List[ChangePrediction]
     headline: str  # the run's peak and the change that saves most, in one line
-    findings: List[Finding] = field(default_factory=list)  # each change that does not apply (W014)
+    # each change whose figure rests on a guessed category (W016), then each that does not apply (W014)
+    findings: List[Finding] = field(default_factory=list)
 
 
 @dataclass
@@ -154,6 +159,10 @@ def predict(run: Run, change: Change, budget: Optional[int]) -> ChangePrediction
                                 predicted_peak_phase=None, predicted_peak_step=None, delta_bytes=None,
                                 delta_pct=None, fits_budget=None, phase_peaks={}, categories={}, assumptions=[],
                                 line=finding("W014", change=change.text, why=str(why)).message)
+    # What the change read as weights or optimizer state without a stack to say so: its category is a guess.
+    touched = run.guessed & ((edit.size != c.size) | (edit.start != c.start) | (edit.end != c.end))
+    guessed = int(c.size[touched].sum())
+    guessed_categories = sorted(set(run.category[touched].tolist()))
     course, sizes = changed_course(run, edit)
     r = replay_course(course, sizes, run.spans, run.steps)
     base = run.base.peak_bytes
@@ -163,11 +172,25 @@ def predict(run: Run, change: Change, budget: Optional[int]) -> ChangePrediction
     where = f"in the {r.phase}" if r.phase else "before the trace's first event"
     moved = "" if r.phase == run.base.phase else f" (it was in the {run.base.phase})"
     line = (f"{change.text}: peak {format_bytes(r.peak_bytes)} ({format_bytes(delta, signed=True)}, {pct:+.1f}%), "
-            f"{where}{moved}" + ("" if fits is None else "; fits the budget" if fits else "; over the budget"))
+            f"{where}{moved}" + ("" if fits is None else "; fits the budget" if fits else "; over the budget")
+            + (f"; {on_a_guess(guessed, guessed_categories)}" if guessed else ""))
     return ChangePrediction(change=change.text, applies=True, reason=None, predicted_peak_bytes=r.peak_bytes,
                             predicted_peak_phase=r.phase, predicted_peak_step=r.step, delta_bytes=delta,
                             delta_pct=pct, fits_budget=fits, phase_peaks=r.phase_peaks, categories=r.categories,
-                            assumptions=edit.assumptions, line=line)
+                            assumptions=edit.assumptions, line=line, guessed_bytes=guessed,
+                            guessed_categories=guessed_categories)
+
+
+def on_a_guess(amount: int, categories: Sequence[str]) -> str:
+    """`on a guess: 8.13 MiB it changes is parameter by memdiff's guess`, the words every output says it in."""
+    return f"on a guess: {format_bytes(amount)} it changes is {' and '.join(categories)} by memdiff's guess"
+
+
+def guess_findings(device: int, predictions: Sequence[ChangePrediction]) -> List[Finding]:
+    """W016 for each change whose figure rests on a category memdiff guessed."""
+    return [finding("W016", device, change=p.change, amount=format_bytes(p.guessed_bytes), amount_bytes=p.guessed_bytes,
+                    categories=" and ".join(p.guessed_categories))
+            for p in predictions if p.applies and p.guessed_bytes]
 
 
 def every_change(optimizer: Optional[str], accumulate: bool = True) -> List[Change]:
@@ -196,8 +219,9 @@ def headline(device: int, peak: int, phase: Optional[str], step: Optional[int], 
     if (best.delta_bytes or 0) >= 0:
         return line + "; no change asked lowers the peak"
     moved = f", the peak moves to the {best.predicted_peak_phase}" if best.predicted_peak_phase != phase else ""
+    guess = f" ({on_a_guess(best.guessed_bytes, best.guessed_categories)}, W016)" if best.guessed_bytes else ""
     return line + (f"; most saved by {best.change}: {format_bytes(best.delta_bytes or 0, signed=True)} "
-                   f"({best.delta_pct or 0:+.1f}%){moved}")
+                   f"({best.delta_pct or 0:+.1f}%){moved}{guess}")
 
 
 def whatif_course(path: str, courses: Dict[int, DeviceCourse],
@@ -225,8 +249,9 @@ def whatif_course(path: str, courses: Dict[int, DeviceCourse],
                                     changes=predictions,
                                     headline=headline(device, run.base.peak_bytes, run.base.phase, run.base.step,
                                                       blocks, optimizer, predictions),
-                                    findings=[finding("W014", device, change=p.change, why=p.reason or "")
-                                              for p in predictions if not p.applies]))
+                                    findings=guess_findings(device, predictions)
+                                    + [finding("W014", device, change=p.change, why=p.reason or "")
+                                       for p in predictions if not p.applies]))
     notes = [finding("W006")]
     # Names from the snapshot (module instances, the file) are made one line each here, once for every output.
     return scrubbed(WhatIf(file=path, budget_bytes=budget, asked=[c.text for c in changes], devices=devices,

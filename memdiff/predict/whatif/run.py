@@ -16,7 +16,7 @@ from memdiff.analyse.lifetimes import FORWARD
 from memdiff.model import PhaseSpan, Step
 from memdiff.predict.forecast.course import DeviceCourse
 from memdiff.predict.forecast.replay import Replayed, replay_course
-from memdiff.read.frames import NODE_NATIVE, PROFILER_NODE, SHARED_LIBRARY
+from memdiff.read.frames import GUESSED_LABELS, NODE_NATIVE, PROFILER_NODE, SHARED_LIBRARY
 from memdiff.read.host import CpuHost
 
 # Loss computations that libraries run in fp32 whatever the model's precision (Hugging Face
@@ -102,6 +102,9 @@ class Run:
     block: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     # What a CPU capture says of its host (memdiff.read.host): None for other runs.
     host: Optional[CpuHost] = None
+    # Memory live before the trace without a stack whose category is memdiff's guess (C001: weights, optimizer
+    # state by its sizes, a BLAS workspace), per allocation: a rule that reads its category reads a guess.
+    guessed: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=bool))
 
     def of(self, *names: str) -> np.ndarray:
         """Allocations of these categories."""
@@ -146,7 +149,20 @@ def read_run(course: DeviceCourse, spans: List[PhaseSpan], steps: List[Step]) ->
     made = np.flatnonzero((phase == FORWARD) & ~course.before)
     forward = made[np.lexsort((course.start[made], born_run[made]))]
     return Run(course, spans, steps, category, born_run, end_run, phase, loss, _indices(course), op, call, line,
-                forward, base)
+               forward, base, guessed=_guessed(course, category))
+
+
+def _guessed(course: DeviceCourse, category: np.ndarray) -> np.ndarray:
+    """The allocations whose category is the guess made for memory without a stack (the site says the
+    guess, and the category is still the guessed one: rules of the user's own that name the site decide)."""
+    label = np.array([site for _, site in course.stacks], dtype=object)
+    out = np.zeros(len(course.size), dtype=bool)
+    if not len(course.stack):
+        return out
+    sites = label[course.stack]
+    for guess, said in GUESSED_LABELS.items():
+        out |= (sites == said) & (category == guess)
+    return out
 
 
 def _indices(course: DeviceCourse) -> np.ndarray:
