@@ -321,7 +321,7 @@ def _predict(dev: _Device, value: int, overhead: float, largest: np.ndarray,
 
 def _growth(largest: int, earlier: int, knob_ratio: float) -> Dict[str, Optional[float]]:
     """A site's bytes in the largest run over the run before's, and that ratio as a power of the knob's."""
-    if earlier <= 0 or largest <= 0 or knob_ratio <= 1:
+    if earlier <= 0 or largest <= 0:  # the runs' values differ (forecast_courses): knob_ratio > 1
         return {"runs_ratio": None, "runs_power": None}
     ratio = largest / earlier
     return {"runs_ratio": round(ratio, 4), "runs_power": round(math.log(ratio) / math.log(knob_ratio), 3)}

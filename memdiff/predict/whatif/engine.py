@@ -159,7 +159,7 @@ def predict(run: Run, change: Change, budget: Optional[int]) -> ChangePrediction
                                 predicted_peak_phase=None, predicted_peak_step=None, delta_bytes=None,
                                 delta_pct=None, fits_budget=None, phase_peaks={}, categories={}, assumptions=[],
                                 line=finding("W014", change=change.text, why=str(why)).message)
-    # What the change read as weights or optimizer state without a stack to say so: its category is a guess.
+    # What the change edited that no stack says what it is: its category, which the rule went by, is a guess.
     touched = run.guessed & ((edit.size != c.size) | (edit.start != c.start) | (edit.end != c.end))
     guessed = int(c.size[touched].sum())
     guessed_categories = sorted(set(run.category[touched].tolist()))
