@@ -10,7 +10,9 @@ fresh process per run) at as few values as it can:
    grid (the next one up when it fit, the next one down when it did not);
 3. when the neighbour does not close the boundary (the forecast was off), the forecast is made again
    with the runs that fit since, and where it gives nothing new the interval is halved (doubled while
-   nothing has failed yet).
+   nothing has failed yet);
+4. never more than bisection's runs plus GUIDED_RUNS: a value that would leave more than the runs left
+   can halve is moved to the nearest one that does not (Search._bounded).
 
 A value fits when its run ends with status 0 without the emulated GPU running out of memory and,
 under `--max-memory F`, its reserved peak (what the caching allocator holds: what runs out) stays
