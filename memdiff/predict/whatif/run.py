@@ -155,11 +155,8 @@ def read_run(course: DeviceCourse, spans: List[PhaseSpan], steps: List[Step]) ->
 def _guessed(course: DeviceCourse, category: np.ndarray) -> np.ndarray:
     """The allocations whose category is the guess made for memory without a stack (the site says the
     guess, and the category is still the guessed one: rules of the user's own that name the site decide)."""
-    label = np.array([site for _, site in course.stacks], dtype=object)
+    sites = np.array([site for _, site in course.stacks] or [""], dtype=object)[course.stack]
     out = np.zeros(len(course.size), dtype=bool)
-    if not len(course.stack):
-        return out
-    sites = label[course.stack]
     for guess, said in GUESSED_LABELS.items():
         out |= (sites == said) & (category == guess)
     return out
