@@ -16,7 +16,8 @@ lays out its training state in bf16 with `grad_reduce_in_fp32` (megatron-core 0.
 - the optimizer's one-element fp32 `found_inf` flag, 4 bytes, made in its `__init__`.
 
 Megatron's DistributedDataParallel makes its gradient buffer and its parameter buffer in one
-function (`_ParamAndGradBuffer.__init__`): memdiff reads both as `parameter` (docs/emulate.md).
+function (`_ParamAndGradBuffer.__init__`), the gradient buffer at its last allocating line: memdiff
+reads it as `gradient`, each buffer's N elements (`buffered`, counted on Megatron's buffers) in fp32.
 
 megatron-core is found in the folder MEMDIFF_MEGATRON_LIBS names (.ci/run installs 0.16.1 there);
 without it the tests skip, or fail where CI requires its capture dependencies.
@@ -86,7 +87,11 @@ def test_a_pipeline_stage_holds_its_weights_their_fp32_gradients_and_master_copy
     facts, device = record(2, 1, "--pp", "2")
     n = facts["numel"]
     assert facts["buffered"] == n  # Megatron pads nothing for this model: its buffers are N elements
-    assert device.categories["parameter"] == BF16 * n + FP32 * n + FP32 * n + FOUND_INF
+    # the fp32 gradient buffer, and the gradient of one microbatch's received activation, which the
+    # backward makes for the stage before and its next backward frees
+    seq, micro_batch, hidden = facts["activation"]
+    assert device.categories["gradient"] == FP32 * facts["buffered"] + seq * micro_batch * hidden * BF16
+    assert device.categories["parameter"] == BF16 * n + FP32 * n + FOUND_INF
     assert device.categories["optimizer_state"] == 2 * FP32 * n
 
 
@@ -96,8 +101,10 @@ def test_the_distributed_optimizer_shards_the_master_weights_and_adams_moments_o
     facts, device = record(4, 0, "--tp", "2", "--distributed-optimizer")
     n, dp = facts["numel"], facts["dp"]
     assert dp == 2 and facts["buffered"] == n and n % dp == 0
-    # the bf16 parameter buffer and the fp32 gradient buffer whole, the master weights' shard
-    assert device.categories["parameter"] == BF16 * n + FP32 * n + FP32 * n // dp + FOUND_INF
+    # the bf16 parameter buffer whole and the master weights' shard; the fp32 gradient buffer whole,
+    # made by the same function after the parameter buffer
+    assert device.categories["parameter"] == BF16 * n + FP32 * n // dp + FOUND_INF
+    assert device.categories["gradient"] == FP32 * facts["buffered"]
     assert device.categories["optimizer_state"] == 2 * FP32 * n // dp
 
 
@@ -108,7 +115,8 @@ def test_an_expert_parallel_rank_holds_its_own_experts_and_the_dense_layers(reco
     facts, device = record(2, 0, "--ep", "2", "--experts", "4")
     n = facts["numel"]
     assert facts["buffered"] == n
-    assert device.categories["parameter"] == BF16 * n + FP32 * n + FP32 * n + 2 * FOUND_INF
+    assert device.categories["parameter"] == BF16 * n + FP32 * n + 2 * FOUND_INF
+    assert device.categories["gradient"] == FP32 * facts["buffered"]  # the experts' buffer and the dense one
     assert device.categories["optimizer_state"] == 2 * FP32 * n
 
 

@@ -12,8 +12,9 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, py_frames
+from conftest import ROOT, alloc, free, py_frames
 
+from memdiff import api
 from memdiff.analyse.classify import category_of, load_rules
 from memdiff.model import Group
 from memdiff.read.frames import StackNormalizer
@@ -79,6 +80,38 @@ def test_ddp_buckets_are_communication():
         g = group(frames, {"born": "forward", "freed": "never", "outlives": "trace"})
         assert category_of(g, rules) == "communication"
         assert category_of(replace(g, lifetime=None), rules) == "communication"
+
+
+# Megatron-core 0.16.1's DistributedDataParallel: _ParamAndGradBuffer.__init__ makes the flat bf16
+# parameter buffer (line 797, with the distributed optimizer only), then the flat fp32 gradient buffer
+# every weight's main_grad is a view of (line 803), both by torch.zeros; frees of the model's old
+# weights follow at line 835 (`del old_param_data`), as recorded under the emulator.
+MEGATRON = SP + "megatron/core/distributed/"
+ZEROS = {"filename": "??", "line": 0, "name": "at::_ops::zeros::call(c10::ArrayRef<long>, ...)"}
+
+
+def _megatron_buffers(line: int) -> list:
+    return [ZEROS, *py_frames(MEGATRON + f"param_and_grad_buffer.py:{line}:__init__",
+                              MEGATRON + "distributed_data_parallel.py:200:_allocate_buffers_for_parameters",
+                              MEGATRON + "distributed_data_parallel.py:291:__init__", *TRAIN)]
+
+
+@pytest.mark.parametrize("distributed_optimizer", [True, False], ids=["distributed-optimizer", "plain"])
+def test_megatrons_flat_gradient_buffer_is_gradient_and_its_parameter_buffer_parameter(write_snapshot,
+                                                                                        distributed_optimizer):
+    numel = 1_878_016  # rank 0's parameters in tests/test_emulate_megatron.py's --tp 2 job
+    grad, param = 4 * numel, 2 * numel  # fp32 main grads (grad_reduce_in_fp32), bf16 weights
+    trace = [alloc(0x1000, param, _megatron_buffers(797))] if distributed_optimizer else []
+    trace += [alloc(0x900000, grad, _megatron_buffers(803))]
+    if distributed_optimizer:
+        old = py_frames("model.py:12:__init__", *TRAIN)
+        trace = [alloc(0x2000000, param, old), *trace, free(0x2000000, param, _megatron_buffers(835))]
+    trace.append(alloc(0x4000000, 3 * param, py_frames("model.py:30:forward", *TRAIN)))  # the peak: a forward's
+    device = api.summarize(write_snapshot({"segments": [], "device_traces": [trace]})).devices[0]
+    assert device.categories["gradient"] == grad
+    assert device.categories.get("parameter", 0) == (param if distributed_optimizer else 0)
+    assert {g.site for g in device.groups if g.category == "gradient"} == \
+        {"param_and_grad_buffer.py:__init__ (last allocating line) <- zeros"}
 
 
 def _memdiff(*args: str) -> subprocess.CompletedProcess:

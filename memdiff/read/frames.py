@@ -16,7 +16,7 @@ import bisect
 import hashlib
 import posixpath
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 from typing import Any, Callable, Dict, Generic, Iterable, Iterator, List, Optional, Sequence, Tuple, TypeVar
 
@@ -124,6 +124,20 @@ MAX_ORIGINAL_FRAMES = 64
 COMPILED_FILE = "<torch.compile>"
 # The module FX generates for a graph (its instance number changes with the graphs compiled before it).
 FX_MODULE = re.compile(r"^nn\.Module: GraphModule(_\d+)?$")
+# Functions that make several buffers with one op at different lines and keep them for the run,
+# which only their lines tell apart (a signature leaves lines out, so they would be one group):
+# such a frame is named by its line's place among the lines the function allocates at in the
+# snapshot, counted from the last, which is the buffer always made. Megatron-core's
+# _ParamAndGradBuffer.__init__ makes its flat parameter buffer (param_data, with the distributed
+# optimizer only) and then its flat gradient buffer (grad_data, every weight's main_grad is a view
+# of it), both with torch.zeros (0.16.1 and its main branch, read). Matched as (display file, function).
+TOLD_BY_LINE = (
+    (re.compile(r"(^|/)megatron/core/distributed/param_and_grad_buffer\.py$"), re.compile(r"^__init__$")),
+)
+# A cheap test before normalizing a raw frame's file: could it be one of TOLD_BY_LINE's?
+TOLD_BY_LINE_HINT = re.compile(r"param_and_grad_buffer\.py$")
+LAST_LINE = "last allocating line"
+
 # A cheap test before parsing a frame: could it be generated code?
 GENERATED_HINT = re.compile(r"torchinductor_|eval_with_key|fx_generated_|c[a-z0-9]{40,}\.py")
 
@@ -173,6 +187,7 @@ class _Kept:
     # A generated frame's original source frames (innermost first) and FX node target, when
     # the snapshot carries them (augment_with_fx_traces)
     original: Tuple["_Kept", ...] = ()
+    by_line: bool = False  # a TOLD_BY_LINE function's frame, with the line its code ran at
 
     @cached_property
     def frame(self) -> Frame:
@@ -241,6 +256,8 @@ def _keep(raw: Any) -> Optional[_Kept]:
     name = raw.get("name", "")
     filename = raw.get("filename", "")
     line = raw.get("line", 0)
+    # the profiler names a Python frame by its function's first line: no line tells statements apart
+    profiler = filename == "none"
     if not isinstance(name, str) or not isinstance(filename, str) or not isinstance(line, int) or \
             isinstance(line, bool):  # True is an int to Python, not a line number
         raise ValueError(f"a frame has wrong types: name {brief(name)}, filename {brief(filename)}, line {brief(line)}")
@@ -269,7 +286,8 @@ def _keep(raw: Any) -> Optional[_Kept]:
         path = normalize_path(filename)
         if "\n" not in path and GENERATED_FILE.search(path):
             return _Kept("generated", path, line, HEX.sub("0x…", name), name, path, _original(raw))
-        return _Kept("py", path, line, HEX.sub("0x…", name), name, _path_key(path))
+        by_line = not profiler and any(f.search(path) and n.search(name) for f, n in TOLD_BY_LINE)
+        return _Kept("py", path, line, HEX.sub("0x…", name), name, _path_key(path), by_line=by_line)
     if _is_noise(name, filename):
         return None
     for kind, pattern in LANDMARKS:
@@ -398,6 +416,9 @@ class StackNormalizer:
         # its buffer's place in the compiled graph, the same for the graph compiled for other shapes
         self._generated: Dict[str, List[int]] = {}
         self._generated_source: Optional[Callable[[], Iterable[Any]]] = None
+        # (file, function) of TOLD_BY_LINE -> the lines it allocates at in the snapshot, ascending
+        self._lines: Dict[Tuple[str, str], List[int]] = {}
+        self._lines_source: Optional[Callable[[], Iterable[Any]]] = None
 
     def learn_generated_from(self, source: Callable[[], Iterable[Any]]) -> None:
         """learn_generated(source()), once, when the first generated frame is met: a snapshot
@@ -435,6 +456,55 @@ class StackNormalizer:
                     lines.setdefault(kept.file, set()).add(kept.line)
         self._generated = {f: sorted(ls) for f, ls in lines.items()}
 
+    def learn_lines_from(self, source: Callable[[], Iterable[Any]]) -> None:
+        """Read, once, when the first frame of a TOLD_BY_LINE function is met, the lines such
+        functions allocate at in the frames lists `source()` gives (the allocations' and the dump
+        blocks', not the frees'): a snapshot without them pays nothing."""
+        self._lines_source = source
+
+    def _learn_lines(self, frames_lists: Iterable[Any]) -> None:
+        lines: Dict[Tuple[str, str], set] = {}
+        seen_lists: set = set()
+        seen_frames: set = set()
+        left = self._frame_budget
+        for frames in frames_lists:
+            if not isinstance(frames, list) or id(frames) in seen_lists:
+                continue
+            seen_lists.add(id(frames))
+            if left is not None:
+                left -= len(frames)
+                if left < 0:
+                    break
+            for raw in frames:
+                if id(raw) in seen_frames or not isinstance(raw, dict):
+                    continue
+                seen_frames.add(id(raw))
+                filename = raw.get("filename")
+                if not isinstance(filename, str) or not TOLD_BY_LINE_HINT.search(filename):
+                    continue
+                try:
+                    kept = self._keep(raw)
+                except ValueError:
+                    continue
+                if kept is not None and kept.by_line:
+                    lines.setdefault((kept.file, kept.name), set()).add(kept.line)
+        self._lines = {k: sorted(ls) for k, ls in lines.items()}
+
+    def _told_by_line(self, k: _Kept) -> _Kept:
+        """A TOLD_BY_LINE frame named by its line's place, counted from the last line its function
+        allocates at (`__init__ (last allocating line)`), in its site and its signature alike; as it
+        was when its line is not among those learnt (a stack normalized on its own)."""
+        if self._lines_source is not None:
+            source, self._lines_source = self._lines_source, None
+            self._learn_lines(source())
+        lines = self._lines.get((k.file, k.name), [])
+        i = bisect.bisect_left(lines, k.line)
+        if i == len(lines) or lines[i] != k.line:
+            return k
+        back = len(lines) - i
+        place = LAST_LINE if back == 1 else f"allocating line {back} from last"
+        return replace(k, label=f"{k.label} ({place})", key=f"{k.key}[-{back}]")
+
     def mark_updates(self, frames_lists: Iterable[Any]) -> None:
         """Frames lists memdiff made from an optimizer's in-place update, standing in for the stack
         of memory live before the trace: as freed stacks their sites read `updated in place at`,
@@ -467,6 +537,8 @@ class StackNormalizer:
         kept = [k for k in map(self._keep, raw_frames) if k is not None]
         if any(k.kind == "generated" for k in kept):
             kept = self._compiled(kept)
+        if any(k.by_line for k in kept):
+            kept = [self._told_by_line(k) if k.by_line else k for k in kept]
         chars = sum(len(k.name) + len(k.key) for k in kept)
         if chars > MAX_STACK_CHARS:
             raise ValueError(f"a stack of {chars:,} characters (pickle references repeating a long frame?): "
@@ -608,6 +680,22 @@ def frames_lists(device_traces: Any, segments: Any) -> Iterator[Any]:
             continue
         for e in trace if isinstance(trace, list) else ():
             if isinstance(e, dict):
+                yield e.get("frames")
+    for segment in segments if isinstance(segments, list) else ():
+        for block in segment.get("blocks", ()) if isinstance(segment, dict) else ():
+            if isinstance(block, dict):
+                yield block.get("frames")
+
+
+def allocation_frames_lists(device_traces: Any, segments: Any) -> Iterator[Any]:
+    """The frames lists of a snapshot's allocations (trace entries whose action is `alloc`), then
+    of the dump's blocks: where memory was asked for, never where it was freed."""
+    for trace in device_traces if isinstance(device_traces, list) else ():
+        if is_columns(trace):
+            yield from (f for a, f in zip(trace.values("action"), trace.values("frames")) if a == "alloc")
+            continue
+        for e in trace if isinstance(trace, list) else ():
+            if isinstance(e, dict) and e.get("action") == "alloc":
                 yield e.get("frames")
     for segment in segments if isinstance(segments, list) else ():
         for block in segment.get("blocks", ()) if isinstance(segment, dict) else ():

@@ -38,6 +38,7 @@ from memdiff.errors import InputError, brief, number
 from memdiff.model import WINDOW_KEY, DeviceSummary, OomEvent, PhasePeak, Step, Summary, largest_first
 from memdiff.read.frames import (
     StackNormalizer,
+    allocation_frames_lists,
     frames_lists,
     number_compiled_buffers,
     relativize,
@@ -226,6 +227,7 @@ def summarize(snapshot: Snapshot, history_rules: Optional[Sequence[Rule]] = None
     stacks = StackNormalizer(snapshot.decoded_bytes)
     number_compiled_buffers(snapshot.device_traces)
     stacks.learn_generated_from(lambda: frames_lists(snapshot.device_traces, snapshot.segments))
+    stacks.learn_lines_from(lambda: allocation_frames_lists(snapshot.device_traces, snapshot.segments))
     devices = [_device_summary(snapshot, d, stacks, history_rules, keep) for d in devices_of(snapshot)]
     all_groups = [g for d in devices for g in d.groups]
     all_groups += [g for d in devices for p in d.phase_peaks for g in (p.groups or [])]
