@@ -7,6 +7,10 @@ bias's (aten/src/ATen/native/Convolution.cpp). Their meta kernels give a result 
 that stops on the GPU (a float32 batch into bfloat16 weights outside autocast) ran on under
 emulation, and `whatif --emulate --change weights=bf16` measured a run the GPU never finishes.
 Autocast casts before these ops are dispatched: under it they see one dtype, as on the GPU.
+A bias of another dtype than the input is refused before any of this, by conv1d, conv2d and conv3d
+themselves (composites every device runs, Convolution.cpp: "Input type (c10::BFloat16) and bias type
+(float) should be the same"), so emulated and on CUDA alike; the bias check here is cuDNN's, for
+what reaches `convolution` without them (`conv_transpose2d`, `torch.convolution`).
 """
 
 from __future__ import annotations
