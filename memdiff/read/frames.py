@@ -430,6 +430,18 @@ class StackNormalizer:
         stack is normalized, so that each compiled buffer is numbered by its place in its graph.
         Stops quietly past the frame budget and skips what is not a frame: normalizing says why."""
         lines: Dict[str, set] = {}
+        for raw in self._distinct_frames(frames_lists):
+            text = raw.get("name") if raw.get("filename") == "none" else raw.get("filename")
+            if not isinstance(text, str) or not GENERATED_HINT.search(text):
+                continue
+            kept = self._kept_or_none(raw)
+            if kept is not None and kept.kind == "generated":
+                lines.setdefault(kept.file, set()).add(kept.line)
+        self._generated = {f: sorted(ls) for f, ls in lines.items()}
+
+    def _distinct_frames(self, frames_lists: Iterable[Any]) -> Iterator[Dict[str, Any]]:
+        """Each distinct raw frame (by identity) of the lists, read before normalizing; stops quietly
+        past the frame budget and passes over what is not a frame: normalizing says why."""
         seen_lists: set = set()
         seen_frames: set = set()
         left = self._frame_budget
@@ -440,21 +452,17 @@ class StackNormalizer:
             if left is not None:
                 left -= len(frames)
                 if left < 0:
-                    break
+                    return
             for raw in frames:
-                if id(raw) in seen_frames or not isinstance(raw, dict):
-                    continue
-                seen_frames.add(id(raw))
-                text = raw.get("name") if raw.get("filename") == "none" else raw.get("filename")
-                if not isinstance(text, str) or not GENERATED_HINT.search(text):
-                    continue
-                try:
-                    kept = self._keep(raw)
-                except ValueError:
-                    continue
-                if kept is not None and kept.kind == "generated":
-                    lines.setdefault(kept.file, set()).add(kept.line)
-        self._generated = {f: sorted(ls) for f, ls in lines.items()}
+                if id(raw) not in seen_frames and isinstance(raw, dict):
+                    seen_frames.add(id(raw))
+                    yield raw
+
+    def _kept_or_none(self, raw: Dict[str, Any]) -> Optional[_Kept]:
+        try:
+            return self._keep(raw)
+        except ValueError:
+            return None
 
     def learn_lines_from(self, source: Callable[[], Iterable[Any]]) -> None:
         """Read, once, when the first frame of a TOLD_BY_LINE function is met, the lines such
@@ -464,30 +472,13 @@ class StackNormalizer:
 
     def _learn_lines(self, frames_lists: Iterable[Any]) -> None:
         lines: Dict[Tuple[str, str], set] = {}
-        seen_lists: set = set()
-        seen_frames: set = set()
-        left = self._frame_budget
-        for frames in frames_lists:
-            if not isinstance(frames, list) or id(frames) in seen_lists:
+        for raw in self._distinct_frames(frames_lists):
+            filename = raw.get("filename")
+            if not isinstance(filename, str) or not TOLD_BY_LINE_HINT.search(filename):
                 continue
-            seen_lists.add(id(frames))
-            if left is not None:
-                left -= len(frames)
-                if left < 0:
-                    break
-            for raw in frames:
-                if id(raw) in seen_frames or not isinstance(raw, dict):
-                    continue
-                seen_frames.add(id(raw))
-                filename = raw.get("filename")
-                if not isinstance(filename, str) or not TOLD_BY_LINE_HINT.search(filename):
-                    continue
-                try:
-                    kept = self._keep(raw)
-                except ValueError:
-                    continue
-                if kept is not None and kept.by_line:
-                    lines.setdefault((kept.file, kept.name), set()).add(kept.line)
+            kept = self._kept_or_none(raw)
+            if kept is not None and kept.by_line:
+                lines.setdefault((kept.file, kept.name), set()).add(kept.line)
         self._lines = {k: sorted(ls) for k, ls in lines.items()}
 
     def _told_by_line(self, k: _Kept) -> _Kept:
