@@ -168,6 +168,53 @@ def test_broken_baselines_exit_2_and_nothing_is_written(baseline, tmp_path, caps
         assert b.read_bytes() == broken
 
 
+def _spread(doc, low, high, median):
+    """A spread over 3 runs, as `memdiff baseline RUN1 RUN2 RUN3` stores it (version 2)."""
+    doc["schema_version"] = 2
+    doc["devices"][0]["spread"] = {"runs": 3, "peak": {"min": low, "max": high, "median": median}}
+
+
+@pytest.mark.parametrize("mutate, message", [
+    # The spread's lowest run above its highest (by 2 bytes: GiB would show them alike).
+    (lambda d, peak: _spread(d, peak + 1, peak - 1, peak),
+     "devices.0.spread.peak: min 209,715,201 B, median 209,715,200 B and max 209,715,199 B are out of order"),
+    # A highest run of 8 EiB: under the noise rule every run passed.
+    (lambda d, peak: _spread(d, peak, 2**63 - 1, peak),
+     "devices.0.spread.peak.max: 9,223,372,036,854,775,807 bytes is more than any device holds (at most 1 PiB"),
+    (lambda d, peak: _spread(d, peak + 10 * MiB, peak + 20 * MiB, peak + 15 * MiB),
+     "devices.0.spread.peak: the stored run's 209,715,200 B is outside the spread's"),
+    # One group of 300 MiB in a category of 100 MiB, on a device whose peak is 200 MiB.
+    (lambda d, peak: d["devices"][0]["groups"][0].update(bytes=300 * MiB),
+     "devices.0.groups.0.bytes: the stored groups of category 'activation' hold 300.00 MiB by this one, more than "
+     "the category's 100.00 MiB at the peak"),
+    (lambda d, peak: d["devices"][0]["categories"].update(activation=150 * MiB),
+     "devices.0.categories: the categories add up to 250.00 MiB, more than the peak (devices.0.peak_bytes, "
+     "200.00 MiB)"),
+    (lambda d, peak: d["devices"][0]["categories"].update(activation=2**60),
+     "devices.0.categories.activation: 1,152,921,504,606,846,976 bytes is more than any device holds"),
+], ids=["min-above-max", "max-8-EiB", "stored-run-outside", "group-above-category", "categories-above-peak",
+        "category-2**60"])
+def test_a_baseline_whose_figures_contradict_each_other_is_refused(baseline, tmp_path, capsys, mutate, message):
+    b = baseline()
+    doc = json.loads(b.read_text())
+    assert [g["category"] for g in doc["devices"][0]["groups"]][0] == "activation"
+    mutate(doc, doc["devices"][0]["peak_bytes"])
+    b.write_text(json.dumps(doc))
+    for command in (["gate", snapshot(tmp_path / "train.pickle", 100 * MiB), "--baseline", b],
+                    ["baseline", "--check", b]):
+        code, out, err = run(capsys, *command)
+        assert code == 2 and err.count("\n") == 1 and err.startswith(f"memdiff: {b}: {message}"), err
+    assert "rather than editing its figures" in err
+
+
+def test_every_baseline_memdiff_writes_of_the_real_snapshots_reads_back(shared, tmp_path, capsys):
+    for snap in sorted(shared.glob("*.pickle")):
+        code, _, err = run(capsys, "baseline", snap, "-o", tmp_path / f"{snap.stem}.json")
+        assert code == 0, err
+    code, out, err = run(capsys, "baseline", "--check", tmp_path)
+    assert code == 0 and out.count("ok  ") == len(list(shared.glob("*.pickle"))) >= 13, err
+
+
 @pytest.mark.parametrize("where", ["peak", "category", "site"])
 def test_a_limit_with_a_misspelt_part_is_bad_input_not_no_limit(baseline, tmp_path, capsys, where):
     # `fail_over` for `fail-over`, hand-edited in review: the limit read as none, and a run that doubled passed.

@@ -19,6 +19,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 from memdiff import __version__
 from memdiff.analyse.sameloop import loop_difference
 from memdiff.atomic import check_output, make_folder, write_output
+from memdiff.compare.figures import check_figures
 from memdiff.compare.findings import finding
 from memdiff.compare.limits import Thresholds, thresholds_from_dict
 from memdiff.compare.observe import PEAK
@@ -296,6 +297,8 @@ def update_baseline(path: str, summary_of: Callable[[], Union[Summary, Dict[int,
     else:
         baseline = from_summary(summary, label, limits, git_sha)
     baseline = replace(baseline, fit=fit if fit is not None else old.fit if old else None)
+    # What the run gave is checked as a read checks it: never a file that the next read refuses.
+    check_figures(path, baseline.to_dict())
     write_output(path, baseline.to_json())
     return baseline, old is not None
 
@@ -314,6 +317,7 @@ def read_baseline(path: str) -> Baseline:
             # Gating would take one of the two runs stored for the rank and never say which.
             raise InputError(path, f"rank {r['rank']} is stored twice in the baseline's ranks: keep one")
         seen.add(r["rank"])
+    check_figures(path, doc)
     return Baseline(name=doc["name"], created=doc["created"], tool=doc.get("tool", ""), source=doc.get("source", {}),
                     devices=doc.get("devices", []), thresholds=thresholds_from_dict(path, doc["thresholds"]),
                     ranks=doc.get("ranks"), fit=doc.get("fit"))
