@@ -259,3 +259,38 @@ def test_a_misspelt_option_names_its_command_and_the_option_meant(shared, capsys
     assert capsys.readouterr().err == (
         "memdiff: gate: unrecognized arguments: --categroy-fail-over activation=10%; did you mean "
         "--category-fail-over? (see `memdiff gate --help`)\n")
+
+
+def _twice(text: str, key: str, value: str) -> str:
+    """`text` with the first `"key": ...` preceded by `"key": value`: one object naming the key twice."""
+    at = text.index(f'"{key}": ')
+    return text[:at] + f'"{key}": {value}, ' + text[at:]
+
+
+def test_a_key_given_twice_in_a_users_json_is_bad_input_naming_it(shared, tmp_path, capsys):
+    """Python's decoder keeps the last of two keys silently: a reviewer read `fail-over: 1MiB` first,
+    the gate used the 1 TiB after it. Baselines, rules files, summaries and job manifests alike."""
+    run = str(shared / "linear-grad.pickle")
+    baseline = tmp_path / "b.json"
+    assert main(["baseline", run, "-o", str(baseline)]) == 0
+    baseline.write_text(_twice(baseline.read_text(), "fail-over", '"1MiB"').replace('"64MiB"', '"1TiB"'))
+    rules = tmp_path / "rules.json"
+    rules.write_text('{"rules": [{"category": "kv_cache", "category": "activation", "frames": [{"name": "f"}]}]}')
+    summary = tmp_path / "s.json"
+    assert main(["summarize", run, "-o", str(summary)]) == 0
+    summary.write_text(_twice(summary.read_text(), "peak_bytes", "1"))
+    capsys.readouterr()
+    twice = "is given twice in one object (JSON keeps only the last, silently): keep one"
+    for argv, path, where in (
+            (["gate", run, "--baseline", str(baseline)], baseline, "thresholds.peak: the key 'fail-over'"),
+            (["peak", run, "--rules", str(rules)], rules, "rules.0: the key 'category'"),
+            (["peak", str(summary)], summary, "devices.0: the key 'peak_bytes'")):
+        assert main(argv) == 2
+        one_line(capsys, 2, f"memdiff: {path}: invalid JSON: {where} {twice}")
+    from memdiff.errors import InputError
+    from memdiff.recording.manifest import read_manifest
+
+    (tmp_path / "memdiff-job.json").write_text('{"memdiff_job_version": 1, "world_size": 2, "world_size": 8}')
+    with pytest.raises(InputError, match=r"^.*memdiff-job\.json: invalid JSON: \(top level\): the key 'world_size' "
+                                         r"is given twice"):
+        read_manifest(str(tmp_path))

@@ -30,6 +30,7 @@ from memdiff.model import Source
 from memdiff.progress import Progress
 from memdiff.read import accel
 from memdiff.read.frames import profiler_frame
+from memdiff.read.json_keys import DuplicateKey, duplicate_path, unique_object
 
 # Magic numbers, checked in order; each names the codec and how to open a decompressing stream.
 _COMPRESSIONS = (
@@ -205,9 +206,16 @@ def _not_json(name: str) -> Any:
 
 def parse_json(path: str, data: bytes, allow_nan: bool = True) -> Any:
     """Every JSON input's decoder: the document, or one InputError line saying what is wrong.
-    Without `allow_nan`, NaN and Infinity (not JSON, and compared as no limit at all) are refused."""
+    Without `allow_nan`, NaN and Infinity (not JSON, and compared as no limit at all) are refused.
+    A key given twice in one object is refused, naming its JSON path (read/json_keys.py)."""
     try:
-        doc = json.loads(data) if allow_nan else json.loads(data, parse_constant=_not_json)
+        doc = json.loads(data, object_pairs_hook=unique_object, parse_constant=None if allow_nan else _not_json)
+    except DuplicateKey:
+        where = duplicate_path(data)
+        said = "a key" if not where else \
+            f"{'.'.join(clip(str(p)) for p in where[:-1]) or '(top level)'}: the key {clip(str(where[-1]))!r}"
+        raise InputError(path, f"invalid JSON: {clip(said, 300)} is given twice in one object (JSON keeps only the "
+                               f"last, silently): keep one") from None
     except _NotJson as exc:
         raise InputError(path, f"invalid JSON: {exc} is not a number (JSON has no NaN or Infinity)") from None
     except UnicodeDecodeError as exc:
