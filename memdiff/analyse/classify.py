@@ -28,6 +28,10 @@ OTHER = "other"
 # Categories expected to live across steps; memory of any other kept from an earlier step is a leak.
 PERSISTENT = ("parameter", "gradient", "optimizer_state", "workspace")
 USER_PRIORITY = 10_000  # user rules without a priority rank above every built-in rule
+# Every distinct frame of a run is searched with every frame test, so a command's cost grows with
+# rules x frames: 20,000 rules made `memdiff peak` of a real run take 23 s. 1,000 (over 17x the
+# built-in 57) adds under a second to the real snapshots' (docs/categories.md).
+MAX_USER_RULES = 1_000
 
 @dataclass(frozen=True)
 class FrameTest:
@@ -126,12 +130,14 @@ def _read_rules_file(path: str) -> Any:
         raise InputError(path, "invalid TOML: nested deeper than Python can read") from None
 
 
-def custom_profile_rules(text: str) -> List[Rule]:
-    """Mosaic-style `{"category": "regex", ...}`: each regex is searched in frame names and files."""
+def custom_profile_rules(text: str, before: int = 0) -> List[Rule]:
+    """Mosaic-style `{"category": "regex", ...}`: each regex is searched in frame names and files;
+    `before`: the user rules from files, counted with these against MAX_USER_RULES."""
     data = parse_json("--custom-profile", text.encode("utf-8", "surrogateescape"))
     if not isinstance(data, dict) or not all(isinstance(v, str) for v in data.values()):
         raise InputError("--custom-profile", 'expected a JSON object of category names to regexes, '
                                              'e.g. {"kv_cache": "KVCache|kv_cache"}')
+    _check_count("--custom-profile", len(data), before + len(data))
     doc = {"rules": [{"category": k, "frames": [{"any": v}]} for k, v in data.items()]}
     return parse_rules("--custom-profile", doc, USER_PRIORITY)
 
@@ -146,7 +152,25 @@ def read_rule_files(paths: Sequence[str]) -> List[Tuple[str, Any]]:
 
 
 def _documents(rules_files: Sequence[RuleFile]) -> List[Tuple[str, Any]]:
-    return [f if isinstance(f, tuple) else (f, _read_rules_file(f)) for f in rules_files]
+    """The documents of the rules files, their rules counted (at most MAX_USER_RULES in all) before
+    any is validated or compiled."""
+    documents = [f if isinstance(f, tuple) else (f, _read_rules_file(f)) for f in rules_files]
+    total = 0
+    for path, data in documents:
+        rules = data.get("rules") if isinstance(data, dict) else None
+        count = len(rules) if isinstance(rules, list) else 0  # no list: the schema says what is wrong
+        total += count
+        _check_count(path, count, total)
+    return documents
+
+
+def _check_count(where: str, count: int, total: int) -> None:
+    """InputError naming `where` when the user rules so far (`total`, `count` of them here) pass MAX_USER_RULES."""
+    if total > MAX_USER_RULES:
+        before = f" (with the rules files before it, {total:,})" if total != count else ""
+        raise InputError(where, f"{count:,} rules{before}: at most {MAX_USER_RULES:,} user rules are read, as each "
+                                f"one is searched in every frame of the run; merge the rules of a category into one "
+                                f"regex (`attn|mlp`)")
 
 
 def load_rules(rules_files: Sequence[RuleFile] = (), custom_profile: Optional[str] = None) -> List[Rule]:
@@ -155,7 +179,7 @@ def load_rules(rules_files: Sequence[RuleFile] = (), custom_profile: Optional[st
     for path, data in _documents(rules_files):
         user += parse_rules(path, data, USER_PRIORITY)
     if custom_profile:
-        user += custom_profile_rules(custom_profile)
+        user += custom_profile_rules(custom_profile, len(user))
     # sorted() is stable: equal priorities keep their order, user rules before built-in ones.
     return sorted(user + builtin_rules(), key=lambda r: -r.priority)
 
