@@ -34,7 +34,9 @@ stderr: `memdiff: FILE: what is wrong`), `3` an internal error in memdiff (pleas
 
 Sizes (`SIZE`) accept `B`, `KB/MB/GB` (powers of 10), `KiB/MiB/GiB` (powers of 2) or plain
 bytes (`1e9`); output is always in binary units. A limit is inclusive: growing by exactly the
-limit passes.
+limit passes. Every number (sizes, percents, counts, windows, knob values) is written in the
+digits 0-9: `١٠` or `１０` is bad input naming the value, though Python's `int()` reads them
+(`memdiff/numbers.py`).
 
 | command | what it does |
 | --- | --- |

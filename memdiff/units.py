@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import re
 
+from memdiff.numbers import DECIMAL
+
 _UNITS = {
     "": 1, "b": 1,
     "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
     "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
 }
-_SIZE = re.compile(r"^\s*([+-]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d+)?)\s*([A-Za-z]*)\s*$")
+_SIZE = re.compile(rf"^\s*({DECIMAL.pattern})\s*([A-Za-z]*)\s*$", re.ASCII)  # ASCII: digits 0-9, not `١٢ GiB`
 MAX_SIZE = 2**63 - 1  # what an int64 running total holds
 _BINARY = ((2**40, "TiB"), (2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB"))
 

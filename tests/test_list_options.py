@@ -100,8 +100,28 @@ def test_a_bad_item_in_a_list_is_one_line_naming_the_option(capsys):
     with pytest.raises(SystemExit) as exit_:
         _parse("forecast", ["b1.pickle=1", "b2.pickle=2", "--at", "16,zero"])
     err = capsys.readouterr().err
-    assert exit_.value.code == 2 and err == ("memdiff: forecast: argument --at: 'zero' is not a whole number "
-                                             "(see `memdiff forecast --help`)\n")
+    assert exit_.value.code == 2 and err == ("memdiff: forecast: argument --at: 'zero' is not a whole number (digits "
+                                             "0-9) (see `memdiff forecast --help`)\n")
+
+
+@pytest.mark.parametrize("command, argv", [
+    ("gate", ["run.pickle", "--baseline", "b.json", "--fail-over-pct", "١٠"]),
+    ("gate", ["run.pickle", "--baseline", "b.json", "--fail-over", "١٠MiB"]),
+    ("gate", ["run.pickle", "--baseline", "b.json", "--history-points", "١٠"]),
+    ("diff", ["a.pickle", "b.pickle", "--steps", "١٠:"]),
+    ("peak", ["run.pickle", "--top", "١٠"]),
+    ("peak", ["run.pickle", "--device", "١٠"]),
+    ("forecast", ["b1.pickle=1", "b2.pickle=2", "--at", "١٠"]),
+    ("record", ["--steps", "١٠:٢٠", "--", "python", "train.py"]),
+    ("fit", ["--emulate", "H100", "--range", "batch=1:8", "--max-memory", "٠.٩", "--", "python", "t.py"]),
+], ids=["fail-over-pct", "fail-over", "history-points", "window", "top", "device", "at", "record-steps",
+        "max-memory"])
+def test_a_flag_takes_ascii_digits_only(capsys, command, argv):
+    """int('١٠') is 10 to Python: `--fail-over-pct ١٠` was a 10% limit that a reviewer reads as no number."""
+    with pytest.raises(SystemExit) as exit_:
+        _parse(command, argv)
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.count("\n") == 1 and ("١٠" in err or "٠.٩" in err), err
 
 
 def test_a_rules_file_whose_name_holds_a_comma_is_one_file(tmp_path):

@@ -27,3 +27,54 @@ def test_parse_size_rejects_what_is_not_a_size(text):
 ])
 def test_format_bytes_uses_binary_units(n, signed, text):
     assert format_bytes(n, signed=signed) == text
+
+
+# Arabic-Indic and full-width digits: int() and float() read them (`int('١٢')` is 12), a reviewer reads none.
+FOREIGN = ["١٢", "１２", "۱۲"]
+
+
+@pytest.mark.parametrize("digits", FOREIGN)
+def test_every_number_a_user_types_is_ascii_digits_only(digits):
+    """Each place user text becomes a number refuses what is not 0-9, naming the value, as bad input."""
+    from memdiff import api
+    from memdiff.compare.limits import parse_limit, parse_pct
+    from memdiff.errors import InputError
+    from memdiff.numbers import decimal, whole_number
+    from memdiff.predict.fit import parse_range, parse_set
+    from memdiff.predict.forecast.course import parse_run
+    from memdiff.read.job import rank_of, rank_patterns
+    from memdiff.read.window import parse_window
+
+    for parse, text in ((parse_size, f"{digits} GiB"), (parse_size, f"{digits}MiB"), (parse_pct, f"{digits}%"),
+                        (parse_limit, f"{digits}%"), (parse_limit, f"{digits}MiB"), (whole_number, digits),
+                        (decimal, f"{digits}.5"), (lambda t: parse_window("steps", t), f"{digits}:"),
+                        (lambda t: parse_window("events", t), f"3:{digits}")):
+        with pytest.raises(ValueError, match=digits):
+            parse(text)
+    for parse, text, where in ((parse_range, f"batch=1:{digits}", "--range"), (parse_set, f"tp={digits}", "--set"),
+                               (parse_run, f"b.pickle={digits}", "b.pickle"),
+                               (lambda t: api.thresholds(fail_over=t), f"{digits}GiB", "fail_over"),
+                               (lambda t: api.thresholds(fail_over_pct=t), digits, "fail_over_pct"),
+                               (lambda t: api.thresholds(categories={"activation": t}), f"{digits}%",
+                                "categories['activation']")):
+        with pytest.raises(InputError) as exc:
+            parse(text)
+        assert exc.value.path == where and digits in exc.value.message, exc.value
+    assert rank_of(f"rank{digits}.pickle", rank_patterns(None)) is None  # no rank 12
+    assert (parse_size("12 GiB"), parse_pct("12%"), whole_number(" 12 "), decimal("1e3")) == (12 * 2**30, 12.0, 12, 1e3)
+
+
+def test_a_superscript_is_no_count_and_no_crash():
+    """`'²'.isdigit()` is true and `int('²')` raises: `--change accumulate=²` ended in a traceback (exit 3)."""
+    from memdiff.errors import InputError
+    from memdiff.predict.whatif import accumulate
+    from memdiff.recording.capture import parse_steps
+    from memdiff.recording.launch import parse_ranks
+
+    with pytest.raises(InputError, match="accumulate=²: give the micro-batches per step"):
+        accumulate.check("²")
+    with pytest.raises(ValueError, match="steps must read START:STOP"):
+        parse_steps("²")
+    with pytest.raises(InputError, match="'0-²' is no list of ranks"):
+        parse_ranks("0-²")
+    assert (parse_steps("3").start, parse_steps("3").stop) == (3, 4)

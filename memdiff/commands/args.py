@@ -13,6 +13,7 @@ from memdiff.compare.findings import DEFAULT_FAIL_ON
 from memdiff.compare.limits import DEFAULT_PEAK, Limit, Thresholds, parse_limit, parse_pct, thresholds_over
 from memdiff.errors import InputError
 from memdiff.lists import LISTS, ListOption, chosen_codes, joined_limit, named_limits
+from memdiff.numbers import decimal, whole_number
 from memdiff.read.job import Job, discover
 from memdiff.units import parse_size
 
@@ -39,12 +40,31 @@ def pct_arg(text: str) -> float:
 def count_arg(text: str) -> int:
     """argparse type for a count of at least 1."""
     try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+        value = whole_number(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"{text} is not a positive count")
     return value
+
+
+def index_arg(text: str) -> int:
+    """argparse type for an index from 0 (a device's)."""
+    try:
+        value = whole_number(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text} is not an index: it is negative")
+    return value
+
+
+def share_arg(text: str) -> float:
+    """argparse type for a plain number (a share such as 0.9); the command checks its range."""
+    try:
+        return decimal(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def add_threshold_arguments(p: argparse.ArgumentParser) -> None:

@@ -7,7 +7,7 @@ import sys
 from typing import Dict, List, Tuple
 
 from memdiff.atomic import check_output, write_output
-from memdiff.commands.args import add_rules_arguments, count_arg, rules_from
+from memdiff.commands.args import add_rules_arguments, count_arg, rules_from, share_arg
 from memdiff.commands.record import emulate_arg
 from memdiff.errors import EXIT_OK, EXIT_REGRESSION, InputError
 from memdiff.lists import LISTS, ListOption
@@ -53,7 +53,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     step.add_argument("--multiple", type=count_arg, default=1, metavar="N",
                       help="only multiples of N (8: batch sizes a tensor core likes)")
     step.add_argument("--pow2", action="store_true", help="only powers of two")
-    p.add_argument("--max-memory", type=float, default=1.0, metavar="F",
+    p.add_argument("--max-memory", type=share_arg, default=1.0, metavar="F",
                    help="a value fits only when its reserved peak (what the caching allocator holds, what runs "
                         "out) stays within F of the GPU's capacity (0.9 leaves 10%% headroom; default 1: it runs "
                         "without running out of memory)")

@@ -8,7 +8,7 @@ from dataclasses import replace
 
 from memdiff.analyse.peak import peak_report, source_findings
 from memdiff.atomic import check_output, write_output
-from memdiff.commands.args import add_html_argument, add_rules_arguments, count_arg, rules_from
+from memdiff.commands.args import add_html_argument, add_rules_arguments, count_arg, index_arg, rules_from
 from memdiff.read.inputs import read_summary
 from memdiff.read.window import add_window_arguments
 from memdiff.render.html import render_peak as render_peak_html
@@ -23,7 +23,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     """The subcommand's arguments."""
     p.add_argument("snapshot", help="snapshot file (pickle or JSON, optionally gzip/bz2/xz)")
     p.add_argument("--top", type=count_arg, default=10, metavar="N", help="groups to list (default: 10)")
-    p.add_argument("--device", type=int, metavar="D", help="only this device index")
+    p.add_argument("--device", type=index_arg, metavar="D", help="only this device index")
     p.add_argument("--format", choices=("text", "json"), default="text",
                    help="text (default), or json: the summary of the devices shown (the contract of "
                         "`memdiff summarize`)")

@@ -16,6 +16,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 from memdiff.analyse.patterns import Pattern
 from memdiff.compare.findings import DEFAULT_FAIL_ON, parse_codes
 from memdiff.errors import InputError, clip
+from memdiff.numbers import decimal
 from memdiff.units import format_bytes, parse_size
 
 DEFAULT_FAIL_OVER_BYTES = 64 * 2**20
@@ -109,7 +110,7 @@ def parse_pct(text: str) -> float:
     """A percentage as users type it (`1`, `2.5`, `3%`); ValueError saying why when it is none a
     limit can use (negative, NaN, infinite: a limit nothing can exceed is no limit)."""
     try:
-        value = float(text.strip().rstrip("%"))
+        value = decimal(text.strip().rstrip("%"))
     except ValueError:
         raise ValueError(f"{text!r} is not a percentage") from None
     if value < 0:
@@ -126,7 +127,7 @@ def parse_limit(text: str) -> Limit:
     if text.strip().endswith("%"):
         return Limit(fail_over_pct=parse_pct(text))
     try:
-        float(text)
+        decimal(text)
     except ValueError:
         return Limit(fail_over_bytes=parse_size(text))
     raise ValueError(f"{text!r} has no unit: write {text.strip()}% for a percent, or a size such as "

@@ -36,6 +36,7 @@ from memdiff.compare.findings import finding
 from memdiff.errors import InputError, clip
 from memdiff.inert import text
 from memdiff.model import Finding
+from memdiff.numbers import whole_number
 from memdiff.predict.fit_notes import LONG_RUN_S, failed_above, long_run
 from memdiff.recording.emulate.gpus import Gpu
 from memdiff.recording.fitrun import FIRST_NODE, FITS, OOM, checked, child, finished, launched_child, stop
@@ -201,7 +202,7 @@ def parse_set(text_: str) -> Tuple[str, int]:
     """`tp=8` -> ("tp", 8): a placeholder fit does not search, fixed; InputError when it is not that."""
     name, sep, value = text_.partition("=")
     try:
-        number = int(value)
+        number = whole_number(value)
     except ValueError:
         number = 0
     if not sep or not PLACEHOLDER.fullmatch("{" + name + "}") or number < 1:
@@ -224,7 +225,7 @@ def parse_range(text_: str) -> Tuple[str, Tuple[int, int]]:
     name, sep, span = text_.partition("=")
     low, colon, high = span.partition(":")
     try:
-        lo, hi = int(low), int(high)
+        lo, hi = whole_number(low), whole_number(high)
     except ValueError:
         lo = hi = 0
     if not sep or not colon or not PLACEHOLDER.fullmatch("{" + name + "}") or not 1 <= lo <= hi:

@@ -23,6 +23,7 @@ from memdiff.analyse.patterns import Pattern
 from memdiff.cluster import connect, failed
 from memdiff.errors import InputError
 from memdiff.model import Summary
+from memdiff.numbers import whole_number
 from memdiff.read.inputs import read_summaries, read_summary
 from memdiff.recording.manifest import MANIFEST, RecordedJob, read_manifest
 from memdiff.units import count_of
@@ -32,7 +33,8 @@ if TYPE_CHECKING:
 
 # `rank3`, `rank-3`, `rank_3`, `rank3_memory_snapshot`, `rank3.0.memory_snapshot`; then a
 # trailing number (`memory_trace_3.pickle`, `snapshot-3.json.gz`).
-RANK_PATTERNS = (r"(?i)(?:^|[^a-z])rank[-_]?(\d+)(?!\d)", r"[-_.](\d+)(?:\.[a-z]+)*$")
+# [0-9], not \d: `rank١` is no rank 1 (memdiff.numbers).
+RANK_PATTERNS = (r"(?i)(?:^|[^a-z])rank[-_]?([0-9]+)(?![0-9])", r"[-_.]([0-9]+)(?:\.[a-z]+)*$")
 # What `memdiff record -o DIR/` writes for a process that is no rank: a launcher's, or a child
 # that inherited its rank's RANK (a DataLoader worker).
 PER_PROCESS = re.compile(r"^pid\d+\.pickle$")
@@ -61,8 +63,8 @@ def rank_of(name: str, patterns: Sequence[Pattern]) -> Optional[int]:
         found = pattern.search(name)
         if found is not None:
             try:
-                return int(found.group(1))
-            except (IndexError, ValueError):
+                return whole_number(found.group(1))
+            except (IndexError, ValueError, TypeError):
                 raise InputError(f"--rank-pattern {pattern.pattern}",
                                  "needs one group that captures the rank's digits, e.g. 'gpu(\\d+)'") from None
     return None

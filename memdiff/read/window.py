@@ -29,6 +29,7 @@ from memdiff.analyse.normalize.walk import Walk
 from memdiff.compare.observe import TRACE_BOOKKEEPING
 from memdiff.errors import InputError
 from memdiff.model import KIND_KEY, WINDOW_KEY, Source
+from memdiff.numbers import whole_number
 from memdiff.read.load import Snapshot, to_snapshot
 
 KINDS = ("steps", "events", "time_us")
@@ -58,8 +59,8 @@ def parse_window(kind: str, text: str) -> Window:
     """`3:5`, `3:`, `:5` or `3` (that one alone: 3:4) as a Window; ValueError saying why not."""
     start_text, sep, end_text = text.partition(":")
     try:
-        start = int(start_text) if start_text.strip() else None
-        end = int(end_text) if end_text.strip() else None
+        start = whole_number(start_text) if start_text.strip() else None
+        end = whole_number(end_text) if end_text.strip() else None
     except ValueError:
         raise ValueError(f"{text!r} is not START:END (whole numbers, either may be left out)") from None
     if not sep:

@@ -17,6 +17,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 from memdiff.atomic import write_output
 from memdiff.errors import InputError
+from memdiff.numbers import DIGITS, SPACE
 from memdiff.recording.snapshot_file import dump
 
 STACKS = ("python", "all")
@@ -443,7 +444,7 @@ class StepWindow:
         return self.stop - self.start
 
 
-WINDOW = re.compile(r"^\s*(\d*)\s*:\s*(\d+)\s*$")
+WINDOW = re.compile(r"^\s*(\d*)\s*:\s*(\d+)\s*$", re.ASCII)  # digits 0-9 (memdiff.numbers)
 # The default window of the training callbacks: after two warm-up steps (the first makes the
 # optimizer's state, the second is the first steady one), two steps, which is what a diff and a
 # gate need to see memory carried from one step to the next.
@@ -457,7 +458,7 @@ def parse_steps(text: "str | StepWindow") -> StepWindow:
         return text
     text = str(text)
     found = WINDOW.match(text)
-    if found is None and text.strip().isdigit():
+    if found is None and DIGITS.fullmatch(text.strip(SPACE)):
         return StepWindow(int(text), int(text) + 1)
     if found is None:
         raise ValueError(f"steps must read START:STOP (optimizer steps counted from 0, STOP not included, "

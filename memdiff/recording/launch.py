@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Set, Tuple
 
 from memdiff.errors import InputError
+from memdiff.numbers import DIGITS
 
 # Told to every rank run this way: the ranks that run (exchange.py hears only from them).
 RANKS = "MEMDIFF_RECORD_RANKS"
@@ -82,7 +83,7 @@ def parse_ranks(text: str) -> List[int]:
     ranks: Set[int] = set()
     for part in text.split(","):
         first, dash, last = part.strip().partition("-")
-        if not first.isdigit() or (dash and not last.isdigit()):
+        if not DIGITS.fullmatch(first) or (dash and not DIGITS.fullmatch(last)):
             raise InputError("--ranks", f"{text!r} is no list of ranks: give ranks and ranges, e.g. 0,63 or 0-7,63")
         low, high = int(first), int(last) if dash else int(first)
         if high < low or high >= MAX_WORLD:
@@ -99,7 +100,7 @@ def _spelled(option: str) -> str:
 def _count(option: str, value: Optional[str]) -> int:
     """A count torchrun was given; elastic MIN:MAX only where MIN is MAX (a size must be known)."""
     low, _, high = (value or "").partition(":")
-    if low.isdigit() and (not high or high == low) and int(low) > 0:
+    if DIGITS.fullmatch(low) and (not high or high == low) and int(low) > 0:
         return int(low)
     raise InputError("--ranks", f"torchrun's {option} {value} is no fixed count: give {option} N to say the job's size")
 

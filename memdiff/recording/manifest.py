@@ -18,6 +18,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from memdiff.atomic import write_output
 from memdiff.errors import InputError, brief, version_shown
+from memdiff.numbers import DIGITS
 from memdiff.read.load import read_json
 
 MANIFEST = "memdiff-job.json"
@@ -200,7 +201,7 @@ def collect(folder: str, keep: bool = False) -> Optional[JobManifest]:
     # The ranks said to run (launch.RANKS), when only some do: the others are `not emulated`, never missing
     # (a job of several nodes whose Lightning launcher starts its first node's ranks here).
     running = {r for d in statuses.values() if isinstance(d.get("running"), str)
-               for r in d["running"].split(",") if r.isdigit() and int(r) < world_size}
+               for r in d["running"].split(",") if DIGITS.fullmatch(r) and int(r) < world_size}
     if not running:
         return manifest
     first_node = any(d.get("first_node") is True for d in statuses.values())

@@ -15,6 +15,7 @@ from memdiff.analyse.lifetimes import Scopes
 from memdiff.analyse.normalize.engine import summarize
 from memdiff.errors import InputError, clip
 from memdiff.model import PhaseSpan, Step, Summary
+from memdiff.numbers import whole_number
 from memdiff.read.host import CpuHost, read_cpu_host
 from memdiff.read.inputs import is_summary, read_each, refuse_baseline
 from memdiff.read.load import decode, paused_gc, to_snapshot
@@ -134,7 +135,7 @@ def parse_run(text: str) -> KnobRun:
     if not sep or not path:
         raise InputError(text, "give each run as RUN=VALUE (for example b4.pickle=4)")
     try:
-        number = int(value)
+        number = whole_number(value)
     except ValueError:
         raise InputError(path, f"{clip(value)!r} is not a knob value: a positive integer (a batch size, a length)") \
             from None

@@ -10,6 +10,7 @@ import numpy as np
 
 from memdiff.analyse.lifetimes import BACKWARD, FORWARD
 from memdiff.errors import InputError
+from memdiff.numbers import DIGITS
 from memdiff.predict.whatif.edit import CannotApply, ChangeRule, Edit
 from memdiff.predict.whatif.run import Run, step_index
 
@@ -43,7 +44,7 @@ def apply_accumulate(run: Run, edit: Edit, value: str) -> None:
 
 def check(value: Optional[str]) -> None:
     """The micro-batches per step: a whole number from 2 to MAX_ACCUMULATE."""
-    if value is None or not value.isdigit() or not 2 <= int(value) <= MAX_ACCUMULATE:
+    if value is None or not DIGITS.fullmatch(value) or not 2 <= int(value) <= MAX_ACCUMULATE:
         raise InputError("--change", f"accumulate={value or ''}: give the micro-batches per step, "
                                      f"a whole number from 2 to {MAX_ACCUMULATE}")
 
