@@ -424,6 +424,26 @@ def test_one_rank_against_a_jobs_baseline_is_bad_input_not_a_crash(tmp_path, cap
     assert run(capsys, "gate", f"{job}/", "--baseline", b)[0] == 0
 
 
+def test_a_jobs_baseline_is_never_replaced_by_one_runs_unasked(tmp_path, capsys):
+    # `memdiff baseline rank0.pickle -o job.json` replaced the job's baseline (every rank gated) with
+    # rank 0's alone and printed only "updated": the other rank was no longer gated.
+    job = ROOT / "tests" / "data" / "cuda" / "ddp"
+    b = tmp_path / "job.json"
+    assert run(capsys, "baseline", f"{job}/", "-o", b)[0] == 0
+    kept = b.read_bytes()
+    code, out, err = run(capsys, "baseline", job / "rank0.pickle.gz", "-o", b)
+    assert (code, out) == (2, "") and err == (
+        f"memdiff: {b}: holds the baseline of a job (2 ranks), and this is one run: writing it would replace one "
+        f"kind of baseline with the other; give another -o, or pass --replace to write over it\n")
+    assert b.read_bytes() == kept
+    assert run(capsys, "baseline", job / "rank0.pickle.gz", "-o", b, "--replace")[0] == 0
+    assert "ranks" not in json.loads(b.read_text())
+    code, _, err = run(capsys, "baseline", f"{job}/", "-o", b)  # and back: one run's is not replaced by a job's
+    assert code == 2 and "holds the baseline of one run, and this is a job (2 ranks)" in err
+    assert run(capsys, "baseline", f"{job}/", "-o", b, "--replace")[0] == 0
+    assert len(json.loads(b.read_text())["ranks"]) == 2
+
+
 def test_category_limits_compare_each_category_at_its_height_in_both_runs(shared, tmp_path, capsys):
     # ctx128's peak is in its optimizer step (activations freed), ctx256's in its forward: at the
     # two peaks activations read 19.53 MiB -> 3.73 GiB (x195.7). At each run's forward peak, where

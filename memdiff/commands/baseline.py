@@ -48,6 +48,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "and `memdiff gate --fit` fails when one drops (G011). Without it, an updated baseline keeps "
                         "the values it had")
     p.add_argument("--check", metavar="PATH", help="validate a baseline file, or every *.json in a folder")
+    p.add_argument("--replace", action="store_true",
+                   help="write over a baseline of the other kind at FILE: a job's with one run's, or one run's "
+                        "with a job's (without it that is refused; a baseline of the same kind is updated)")
     add_threshold_arguments(p)
     add_category_threshold_argument(p)
     add_phase_threshold_argument(p)
@@ -105,7 +108,7 @@ def run(args: argparse.Namespace) -> int:
     fit = stored_fit(args.fit) if args.fit is not None else None  # a broken fit result stops before anything
     baseline, existed = update_baseline(args.output, lambda: _summaries(args, rules),
                                         lambda old: thresholds_from(args, rules, old, args.output), args.name,
-                                        args.git_sha, fit)
+                                        args.git_sha, fit, args.replace)
     name, thresholds = baseline.name, baseline.thresholds
     if baseline.ranks is not None:
         peaks = f"{count_of(len(baseline.ranks), 'rank')}, highest peak " + format_bytes(max(

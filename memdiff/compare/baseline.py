@@ -264,7 +264,8 @@ def _check_noise(summaries: List[Summary]) -> None:
 
 def update_baseline(path: str, summary_of: Callable[[], Union[Summary, Dict[int, Summary], List[Summary]]],
                     thresholds_for: Callable[[Optional[Thresholds]], Thresholds], name: Optional[str] = None,
-                    git_sha: Optional[str] = None, fit: Optional[Dict[str, Any]] = None) -> Tuple[Baseline, bool]:
+                    git_sha: Optional[str] = None, fit: Optional[Dict[str, Any]] = None,
+                    replace_kind: bool = False) -> Tuple[Baseline, bool]:
     """Create or update the baseline at `path` atomically: (the baseline, whether one was there).
 
     `summary_of` gives the run's summary, a job's summaries by rank, or repeated runs' summaries
@@ -272,7 +273,8 @@ def update_baseline(path: str, summary_of: Callable[[], Union[Summary, Dict[int,
     read first, so a broken one stops everything before the run is summarized or anything is
     written; it keeps its name unless `name` is given, and `thresholds_for` gets its thresholds
     to build on. `fit` (fit values, `predict.fit.stored_fit`) replaces the old baseline's; without it an
-    updated baseline keeps them, as it keeps its thresholds.
+    updated baseline keeps them, as it keeps its thresholds. A job's baseline is never replaced by one
+    run's, nor the other way round, unless `replace_kind` (`--replace`): InputError saying what is there.
     """
     folder = os.path.dirname(path)
     if folder and not os.path.lexists(folder):
@@ -289,6 +291,8 @@ def update_baseline(path: str, summary_of: Callable[[], Union[Summary, Dict[int,
     runs = list(summary.values()) if isinstance(summary, dict) else summary if isinstance(summary, list) else [summary]
     if not any(s.devices for s in runs):
         raise InputError(path, "the run records no device memory: a baseline of nothing would pass every gate")
+    if old is not None and (old.ranks is not None) != isinstance(summary, dict) and not replace_kind:
+        _refuse_other_kind(path, old, summary)
     label = name or (old.name if old else stem(path))
     if isinstance(summary, dict):
         baseline = from_summaries(summary, label, limits, git_sha)
@@ -301,6 +305,18 @@ def update_baseline(path: str, summary_of: Callable[[], Union[Summary, Dict[int,
     check_figures(path, baseline.to_dict())
     write_output(path, baseline.to_json())
     return baseline, old is not None
+
+
+def _refuse_other_kind(path: str, old: Baseline, summary: Union[Summary, Dict[int, Summary], List[Summary]]) -> None:
+    """InputError: writing would replace a job's baseline with one run's, or one run's with a job's.
+    A job's gates every rank; overwritten by rank 0's, the job's other ranks were no longer gated,
+    and all the command said was `updated`."""
+    there = (f"the baseline of a job ({count_of(len(old.ranks), 'rank')})" if old.ranks is not None
+             else "the baseline of one run")
+    given = (f"a job ({count_of(len(summary), 'rank')})" if isinstance(summary, dict)
+             else "repeated runs" if isinstance(summary, list) else "one run")
+    raise InputError(path, f"holds {there}, and this is {given}: writing it would replace one kind of baseline "
+                           f"with the other; give another -o, or pass --replace to write over it")
 
 
 def read_baseline(path: str) -> Baseline:
