@@ -118,10 +118,8 @@ class Publisher:
         self.failed_findings += [c for c in sorted(failing) if c not in self.failed_findings]
         if not self.annotate:
             return
-        for c in report.check_lines:
-            if not c.passed:
-                message = " ".join([f"{report.headline}.", c.text, *(f"{n.code} {n.text}" for n in report.notes)])
-                print(f"::error title=memdiff::{escape_annotation(message)}")
+        for message in report.annotations:
+            print(f"::error title=memdiff::{escape_annotation(message)}")
         for f in report.findings:
             if f.severity == INFO:
                 continue

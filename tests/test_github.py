@@ -80,11 +80,30 @@ def test_a_regression(github, tmp_path, capsys):
     assert "#### device 0: peak 1000.00 MiB -> 1.17 GiB (+200.00 MiB, +20.0%)" in summary
     assert "**base** `a1b2c3d4e5f6` · `base.pickle`" in summary and "**head** `0f9e8d7c6b5a` · `head.pickle`" in summary
     assert report.read_text() in summary
-    # The annotation opens with the report's headline, then the failing check as every output words it.
-    assert ("::error title=memdiff::peak +200.00 MiB (+20.0%25), in the forward: activation +200.00 MiB (+20.0%25) "
-            "(model.py:forward +200.00 MiB). FAIL  device 0 peak: 1000.00 MiB -> 1.17 GiB, +200.00 MiB (+20.0%25), "
-            "limit: more than 1%25 and by more than 64.00 MiB, or by more than 50%25 "
-            "G002 device 0: peak grew by 200.00 MiB; top growth: model.py:forward +200.00 MiB") in out
+    # One annotation says the report's headline and the judge's notes, one each failing check as every output
+    # words it (report.Report.annotations).
+    assert [line for line in out.splitlines() if line.startswith("::error")] == [
+        "::error title=memdiff::peak +200.00 MiB (+20.0%25), in the forward: activation +200.00 MiB (+20.0%25) "
+        "(model.py:forward +200.00 MiB). G002 device 0: peak grew by 200.00 MiB; top growth: model.py:forward "
+        "+200.00 MiB",
+        "::error title=memdiff::FAIL  device 0 peak: 1000.00 MiB -> 1.17 GiB, +200.00 MiB (+20.0%25), limit: more "
+        "than 1%25 and by more than 64.00 MiB, or by more than 50%25"]
+
+
+def test_each_failing_check_is_its_own_annotation_and_the_headline_is_said_once(github, tmp_path, capsys):
+    # Two checks failed: each annotation repeated the headline and the notes, the check lost in the middle.
+    run_pair(tmp_path, capsys, 1000, 1000)
+    assert main(["baseline", str(tmp_path / "base.pickle"), "-o", str(tmp_path / "b.json")]) == 0
+    run_pair(tmp_path, capsys, 1000, 1200)
+    code = main(["gate", str(tmp_path / "head.pickle"), "--baseline", str(tmp_path / "b.json"), "--github",
+                 "--category-fail-over", "activation=10MiB"])
+    errors = [line for line in capsys.readouterr().out.splitlines() if line.startswith("::error")]
+    assert code == 1 and errors[1:] == [
+        "::error title=memdiff::FAIL  device 0 peak: 1000.00 MiB -> 1.17 GiB, +200.00 MiB (+20.0%25), limit: more "
+        "than 1%25 and by more than 64.00 MiB, or by more than 50%25",
+        "::error title=memdiff::FAIL  device 0 activation (highest at the forward peak in both): 1000.00 MiB -> "
+        "1.17 GiB, +200.00 MiB (+20.0%25), limit: more than 10.00 MiB"]
+    assert len(errors) == 3 and sum("peak +200.00 MiB (+20.0%25), in the forward" in e for e in errors) == 1
 
 
 def test_a_pass(github, tmp_path, capsys):

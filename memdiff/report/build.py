@@ -112,6 +112,16 @@ class Report:
         return self.verdict.checks if self.verdict else []
 
     @property
+    def annotations(self) -> List[str]:
+        """A failed gate's workflow annotations (`--github`), each a sentence of its own: the headline
+        and the judge's notes once, then each failing check alone, saying what grew, by how much and
+        the limit it broke. Empty when nothing failed."""
+        failing = [c.text for c in self.check_lines if not c.passed]
+        if not failing:
+            return []
+        return [" ".join([f"{self.headline}.", *(f"{n.code} {n.text}" for n in self.notes)]), *failing]
+
+    @property
     def rule(self) -> Optional[str]:
         """The rule judged by, in words; None when not judged."""
         return text(self.verdict.rule) if self.verdict else None
