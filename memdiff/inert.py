@@ -79,9 +79,10 @@ def shell(path: str) -> str:
     return shlex.quote(text(path))
 
 
-def baseline_command(run: str, path: str) -> str:
-    """The command that makes or refreshes `path` from `run`, each path quoted for pasting."""
-    return f"memdiff baseline {shell(run)} -o {shell(path)}"
+def baseline_command(run: str, path: str, replace: bool = False) -> str:
+    """The command that makes or refreshes `path` from `run`, each path quoted for pasting; with
+    `replace`, one that writes over a baseline of the other kind (a job's for one run's, or back)."""
+    return f"memdiff baseline {shell(run)} -o {shell(path)}" + (" --replace" if replace else "")
 
 
 # --- markdown (GitHub-flavoured: comments, job summaries) -------------------------------------

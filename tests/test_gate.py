@@ -444,6 +444,20 @@ def test_a_jobs_baseline_is_never_replaced_by_one_runs_unasked(tmp_path, capsys)
     assert len(json.loads(b.read_text())["ranks"]) == 2
 
 
+def test_a_job_against_one_runs_baseline_names_a_command_that_works(tmp_path, capsys):
+    # The gate told a user whose baseline is rank 0's alone to run `memdiff baseline JOB -o FILE`,
+    # which `memdiff baseline` refuses over one run's baseline without --replace.
+    job = ROOT / "tests" / "data" / "cuda" / "ddp"
+    b = tmp_path / "job.json"
+    assert run(capsys, "baseline", job / "rank0.pickle.gz", "-o", b)[0] == 0
+    code, out, err = run(capsys, "gate", f"{job}/", "--baseline", b)
+    assert (code, out) == (2, "")
+    advised = err.split("`")[1].split()
+    assert advised[:2] == ["memdiff", "baseline"]
+    assert run(capsys, *advised[1:])[0] == 0
+    assert run(capsys, "gate", f"{job}/", "--baseline", b)[0] == 0
+
+
 def test_category_limits_compare_each_category_at_its_height_in_both_runs(shared, tmp_path, capsys):
     # ctx128's peak is in its optimizer step (activations freed), ctx256's in its forward: at the
     # two peaks activations read 19.53 MiB -> 3.73 GiB (x195.7). At each run's forward peak, where

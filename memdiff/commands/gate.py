@@ -148,8 +148,9 @@ def _gate(args: argparse.Namespace, snap: str, path: str, baseline: Baseline, ru
                                                                   window=args.window), args.mixed_routes)
         return compare([Run(base)], [Run(head)], settings)
     if baseline.ranks is None:
+        # `memdiff baseline` refuses to write a job's baseline over one run's unless --replace.
         raise InputError(path, f"is the baseline of one run and {snap} is a job: make a job baseline with "
-                               f"`{baseline_command(snap, path)}`")
+                               f"`{baseline_command(snap, path, replace=True)}`")
     files = job_from(args, snap, finished=True).files
     base_runs, head_runs = [], []
     for f, summary in zip(files, summarize_ranks(files, rules, args.dask, with_history, args.window)):
