@@ -192,8 +192,15 @@ def _spread(doc, low, high, median):
      "200.00 MiB)"),
     (lambda d, peak: d["devices"][0]["categories"].update(activation=2**60),
      "devices.0.categories.activation: 1,152,921,504,606,846,976 bytes is more than any device holds"),
+    # Static memory (live all through) above the peak, and a reserved peak below the allocated one:
+    # a run's reserved memory holds its tensors.
+    (lambda d, peak: d["devices"][0].update(static_bytes=peak + 1),
+     "devices.0.static_bytes: 200.00 MiB is above the device's peak (devices.0.peak_bytes, 200.00 MiB)"),
+    (lambda d, peak: d["devices"][0].update(reserved_peak_bytes=10, fragmentation_bytes=0),
+     "devices.0.reserved_peak_bytes: 10 B is below what was reserved at the peak, 200.00 MiB "
+     "(devices.0.peak_bytes 200.00 MiB plus devices.0.fragmentation_bytes 0 B)"),
 ], ids=["min-above-max", "max-8-EiB", "stored-run-outside", "group-above-category", "categories-above-peak",
-        "category-2**60"])
+        "category-2**60", "static-above-peak", "reserved-below-peak"])
 def test_a_baseline_whose_figures_contradict_each_other_is_refused(baseline, tmp_path, capsys, mutate, message):
     b = baseline()
     doc = json.loads(b.read_text())

@@ -4,9 +4,10 @@ The schema bounds each figure alone; a hand edit (or a hostile pull request) can
 figures no run has, and each one gates as a limit: a spread whose highest run is 8 EiB lets
 every run pass, a spread whose lowest is above its highest gates nothing sensible. What
 `memdiff baseline` writes always holds: byte figures within what a device can hold; each
-spread's min <= median <= max, holding the stored run's figure; at the peak and at each
-phase's peak, the categories adding up to at most that peak, and each category's stored
-groups to at most the category.
+spread's min <= median <= max, holding the stored run's figure; static memory at most the
+peak; the reserved peak at least the allocated peak plus the fragmentation at it; at the peak
+and at each phase's peak, the categories adding up to at most that peak, and each category's
+stored groups to at most the category.
 """
 
 from __future__ import annotations
@@ -43,6 +44,17 @@ def _contradiction(where: str, d: Dict[str, Any]) -> Optional[str]:
     for key, value in _byte_figures(where, d):
         if value > MAX_DEVICE_BYTES:
             return f"{key}: {number(value)} bytes is more than any device holds (at most 1 PiB, 2**50 bytes)"
+    peak = d["peak_bytes"]
+    if d["static_bytes"] > peak:
+        # Static memory is live before the trace and until its end, so at the peak too.
+        return (f"{where}.static_bytes: {format_bytes(d['static_bytes'])} is above the device's peak "
+                f"({where}.peak_bytes, {format_bytes(peak)}), which holds the memory live all through the run")
+    reserved, fragmentation = d.get("reserved_peak_bytes"), d.get("fragmentation_bytes")
+    if reserved is not None and fragmentation is not None and peak + fragmentation > reserved:
+        # The allocator reserved the peak's tensors and its cached free blocks at that moment.
+        return (f"{where}.reserved_peak_bytes: {format_bytes(reserved)} is below what was reserved at the peak, "
+                f"{format_bytes(peak + fragmentation)} ({where}.peak_bytes {format_bytes(peak)} plus "
+                f"{where}.fragmentation_bytes {format_bytes(fragmentation)})")
     phases = d.get("phases", {})
     for phase, size in phases.items():
         if size > d["peak_bytes"]:
