@@ -106,6 +106,18 @@ def test_each_failing_check_is_its_own_annotation_and_the_headline_is_said_once(
     assert len(errors) == 3 and sum("peak +200.00 MiB (+20.0%25), in the forward" in e for e in errors) == 1
 
 
+def test_a_failing_finding_is_one_annotation(github, shared, capsys):
+    # cs336-medium's inference run against its training run: P002 alone fails (the peak fell). The
+    # finding's own annotation (titled by its code) and its check's line said the same thing twice.
+    code = main([str(shared / "cs336-medium-ctx128-train.pickle"), str(shared / "cs336-medium-ctx128-infer.pickle"),
+                 "--github"])
+    errors = [line for line in capsys.readouterr().out.splitlines() if line.startswith("::error")]
+    assert code == 1 and len(errors) == 2, errors
+    assert errors[0].startswith("::error title=memdiff::finding P002 phases-missing fails the gate; peak -4.91 GiB")
+    assert errors[1].startswith("::error title=memdiff P002 phases-missing::device 0: the head runs no backward or "
+                                "optimizer step where the base does")
+
+
 def test_a_pass(github, tmp_path, capsys):
     code, out = run_pair(tmp_path, capsys, 1000, 1010)
     assert code == 0

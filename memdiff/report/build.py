@@ -115,10 +115,12 @@ class Report:
     def annotations(self) -> List[str]:
         """A failed gate's workflow annotations (`--github`), each a sentence of its own: the headline
         and the judge's notes once, then each failing check alone, saying what grew, by how much and
-        the limit it broke. Empty when nothing failed."""
-        failing = [c.text for c in self.check_lines if not c.passed]
-        if not failing:
+        the limit it broke. A failing finding shown is left out: it is annotated as the finding, by
+        its code (github.py), and a second annotation would say it twice. Empty when nothing failed."""
+        if all(c.passed for c in self.check_lines):
             return []
+        shown = {f.code for f in self.findings}
+        failing = [c.text for c in self.check_lines if not c.passed and c.finding not in shown]
         return [" ".join([f"{self.headline}.", *(f"{n.code} {n.text}" for n in self.notes)]), *failing]
 
     @property
@@ -326,8 +328,8 @@ def _report(s: Settings, verdict: Optional[Verdict], results: List[RankResult], 
                   base_label=s.base_label, head_label=s.head_label, warnings=warnings, devices=devices,
                   check_lines=[CheckLine(c.passed, check_line(c)) for c in (verdict.checks if verdict else [])
                                if _shown(c.subject, job)]
-                  + [CheckLine(False, finding_check_line(c)) for c in (verdict.finding_checks if verdict else [])
-                     if _shown(c.text, job)],
+                  + [CheckLine(False, finding_check_line(c), c.code)
+                     for c in (verdict.finding_checks if verdict else []) if _shown(c.text, job)],
                   notes=[n for n in (verdict.findings if verdict else []) if job is None or n in job.failures
                          or _shown(n.text, job)],
                   results=results, top=s.top, min_delta=s.min_delta, job=job, run=s.run, baseline=s.baseline,

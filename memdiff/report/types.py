@@ -115,6 +115,7 @@ class CheckLine:
 
     passed: bool
     text: str
+    finding: Optional[str] = None  # the code, when the check is a finding's (`--fail-on`, or by default)
 
 
 @dataclass
