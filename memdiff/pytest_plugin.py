@@ -206,7 +206,7 @@ def _judge(item: pytest.Item, options: Mapping[str, Any], snapshot: str) -> None
                 if error is not None:
                     _bad_input(item, error)
         # The first line is what pytest's short summary shows: the figures, not only the verdict.
-        pytest.fail(f"memdiff: device memory regressed against {os.path.relpath(path)}: {report.headline}\n\n{text}",
+        pytest.fail(f"memdiff: {report.failure} against {os.path.relpath(path)}: {report.headline}\n\n{text}",
                     pytrace=False)
 
 

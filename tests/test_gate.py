@@ -404,6 +404,18 @@ def test_real_ctx128_baseline_against_ctx256(shared, tmp_path, capsys):
     assert code == 0 and "PASS  device 0 peak" in out
 
 
+def test_a_failure_on_a_finding_alone_never_says_memory_regressed(shared, tmp_path):
+    # The pytest plugin's first line (what pytest's short summary shows) said "device memory regressed"
+    # of the inference run whose peak fell 75% and which failed on P002 alone.
+    base = tmp_path / "train.json"
+    memdiff.write_baseline(shared / "cs336-medium-ctx128-train.pickle", base)
+    stopped = memdiff.gate(shared / "cs336-medium-ctx128-infer.pickle", base)
+    assert stopped.passed is False and all(c.passed for c in stopped.checks) and stopped.failure == "failed"
+    grown = memdiff.gate(shared / "cs336-medium-ctx256-train.pickle", base)  # its peak grew 1.95 GiB
+    assert grown.failure == "device memory regressed"
+    assert memdiff.gate(shared / "cs336-medium-ctx128-train.pickle", base).failure is None
+
+
 def test_a_gate_never_says_a_baseline_recorded_no_steps(shared, tmp_path, capsys):
     # The training run took one optimizer step inside its trace (PyTorch recorded the scope
     # Optimizer.step#AdamW.step there); the inference run of the same model records 3,840 events

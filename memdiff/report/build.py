@@ -112,6 +112,15 @@ class Report:
         return self.verdict.checks if self.verdict else []
 
     @property
+    def failure(self) -> Optional[str]:
+        """What failed, to open a one-line summary (the pytest plugin's): "device memory regressed"
+        when a threshold failed, "failed" when only findings did (under P002 the peak fell: memory
+        did not regress); None when the gate passed or nothing was judged."""
+        if self.passed is not False:
+            return None
+        return "device memory regressed" if any(not c.passed for c in self.checks) else "failed"
+
+    @property
     def annotations(self) -> List[str]:
         """A failed gate's workflow annotations (`--github`), each a sentence of its own: the headline
         and the judge's notes once, then each failing check alone, saying what grew, by how much and
