@@ -327,6 +327,13 @@ def test_real_runs_whose_traces_differ_are_lined_up_by_stack_and_say_so(shared, 
     assert any("line up by stack" in n for n in d["notes"]) and any("two runs" in n for n in d["notes"])
     assert d["predicted_peak_bytes"] > d["runs"][-1]["actual_peak_bytes"]
     assert doc["overhead_ratio"] > 1  # CUDA runs carry segments: reserved over allocated
+    # The line's largest value within 80 GiB is no value the model fits: each softmax site holds
+    # context x context per head (384 MiB at 256), alone past the budget there. It said "12,058"
+    # plainly beside W015; it is an upper bound, and says so.
+    within = d["max_value_within_budget"]
+    softmax = next(s for s in d["predictions"][0]["sites"] if s["site"] == "nn_utils.py:softmax <- exp")
+    assert softmax["largest_run_bytes"] == 384 * 2**20 and 384 * 2**20 * (within / 256) ** 2 > 80 * 2**30
+    assert d["within_text"] == f"at most {within:,}" and d["headline"].endswith(f"80.00 GiB: at most {within:,}")
 
 
 def test_what_only_the_largest_run_records_is_said_to_keep_its_size(shared, expected, capsys):

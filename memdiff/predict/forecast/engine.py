@@ -519,8 +519,11 @@ def _device_forecast(runs: List[DeviceCourse], courses: Sequence[Course], device
         trust = f"error on the runs left out of the fit at most {fit_error:.1f}%"
     headline = (f"device {device}: predicted peak {format_bytes(first.peak_bytes)} at {first.value}{moved}; "
                 + ("a linear forecast from two runs, " if len(fitted) == 2 else "") + trust)
+    # Above the largest run the line forecasts a site that grew faster than linearly too low
+    # (W015), so the value it finds within the budget is only an upper bound there.
+    bound = "at most " if faster and within is not None and within > values[ref_index] else ""
     within_text = (None if within is None else "any (the predicted peak never outgrows it)" if within == MAX_VALUE
-                   else f"{within:,}")
+                   else f"{bound}{within:,}")
     if budget is not None:
         headline += ("; nothing fits the budget" if within_text is None
                      else f"; largest value within {format_bytes(budget)}: {within_text}")
