@@ -455,7 +455,9 @@ def test_a_jobs_baseline_is_never_replaced_by_one_runs_unasked(tmp_path, capsys)
         f"memdiff: {b}: holds the baseline of a job (2 ranks), and this is one run: writing it would replace one "
         f"kind of baseline with the other; give another -o, or pass --replace to write over it\n")
     assert b.read_bytes() == kept
-    assert run(capsys, "baseline", job / "rank0.pickle.gz", "-o", b, "--replace")[0] == 0
+    code, _, err = run(capsys, "baseline", job / "rank0.pickle.gz", "-o", b, "--replace")
+    # Said as a replacement: "updated" read as if the job's ranks were still gated.
+    assert code == 0 and err.startswith(f"memdiff: replaced the baseline of a job (2 ranks) in {b}: baseline ")
     assert "ranks" not in json.loads(b.read_text())
     code, _, err = run(capsys, "baseline", f"{job}/", "-o", b)  # and back: one run's is not replaced by a job's
     assert code == 2 and "holds the baseline of one run, and this is a job (2 ranks)" in err

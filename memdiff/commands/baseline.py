@@ -106,7 +106,7 @@ def run(args: argparse.Namespace) -> int:
         raise InputError("baseline", "give SNAPSHOT -o FILE to write a baseline, or --check PATH")
     rules = rules_from(args)
     fit = stored_fit(args.fit) if args.fit is not None else None  # a broken fit result stops before anything
-    baseline, existed = update_baseline(args.output, lambda: _summaries(args, rules),
+    baseline, done = update_baseline(args.output, lambda: _summaries(args, rules),
                                         lambda old: thresholds_from(args, rules, old, args.output), args.name,
                                         args.git_sha, fit, args.replace)
     name, thresholds = baseline.name, baseline.thresholds
@@ -124,6 +124,6 @@ def run(args: argparse.Namespace) -> int:
                                       f"{'nothing' if g['value'] is None else format(g['value'], ',')}"
                                       for g in baseline.fit["gpus"])
     noisy = next((sp.runs for sp in spreads.values() if sp.peak.max > sp.peak.min), None)
-    print(f"memdiff: {'updated' if existed else 'wrote'} {text(args.output)}: baseline {text(repr(name))}, {peaks}; "
+    print(f"memdiff: {done} {text(args.output)}: baseline {text(repr(name))}, {peaks}; "
           f"{thresholds.describe(noisy)}", file=sys.stderr)
     return 0

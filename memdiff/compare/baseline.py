@@ -265,8 +265,9 @@ def _check_noise(summaries: List[Summary]) -> None:
 def update_baseline(path: str, summary_of: Callable[[], Union[Summary, Dict[int, Summary], List[Summary]]],
                     thresholds_for: Callable[[Optional[Thresholds]], Thresholds], name: Optional[str] = None,
                     git_sha: Optional[str] = None, fit: Optional[Dict[str, Any]] = None,
-                    replace_kind: bool = False) -> Tuple[Baseline, bool]:
-    """Create or update the baseline at `path` atomically: (the baseline, whether one was there).
+                    replace_kind: bool = False) -> Tuple[Baseline, str]:
+    """Create or update the baseline at `path` atomically: (the baseline, what was done, as the
+    CLI says it: `wrote`, `updated`, or `replaced the baseline of a job (2 ranks) in`).
 
     `summary_of` gives the run's summary, a job's summaries by rank, or repeated runs' summaries
     (a list: the baseline keeps their spread). An existing baseline is
@@ -291,7 +292,8 @@ def update_baseline(path: str, summary_of: Callable[[], Union[Summary, Dict[int,
     runs = list(summary.values()) if isinstance(summary, dict) else summary if isinstance(summary, list) else [summary]
     if not any(s.devices for s in runs):
         raise InputError(path, "the run records no device memory: a baseline of nothing would pass every gate")
-    if old is not None and (old.ranks is not None) != isinstance(summary, dict) and not replace_kind:
+    other_kind = old is not None and (old.ranks is not None) != isinstance(summary, dict)
+    if old is not None and other_kind and not replace_kind:
         _refuse_other_kind(path, old, summary)
     label = name or (old.name if old else stem(path))
     if isinstance(summary, dict):
@@ -304,15 +306,22 @@ def update_baseline(path: str, summary_of: Callable[[], Union[Summary, Dict[int,
     # What the run gave is checked as a read checks it: never a file that the next read refuses.
     check_figures(path, baseline.to_dict())
     write_output(path, baseline.to_json())
-    return baseline, old is not None
+    # A kind replaced is said as such: `updated` read as if the job's ranks were still gated.
+    done = "wrote" if old is None else f"replaced {_kind_of(old)} in" if other_kind else "updated"
+    return baseline, done
+
+
+def _kind_of(old: Baseline) -> str:
+    """`the baseline of a job (2 ranks)` or `the baseline of one run`."""
+    return (f"the baseline of a job ({count_of(len(old.ranks), 'rank')})" if old.ranks is not None
+            else "the baseline of one run")
 
 
 def _refuse_other_kind(path: str, old: Baseline, summary: Union[Summary, Dict[int, Summary], List[Summary]]) -> None:
     """InputError: writing would replace a job's baseline with one run's, or one run's with a job's.
     A job's gates every rank; overwritten by rank 0's, the job's other ranks were no longer gated,
     and all the command said was `updated`."""
-    there = (f"the baseline of a job ({count_of(len(old.ranks), 'rank')})" if old.ranks is not None
-             else "the baseline of one run")
+    there = _kind_of(old)
     given = (f"a job ({count_of(len(summary), 'rank')})" if isinstance(summary, dict)
              else "repeated runs" if isinstance(summary, list) else "one run")
     raise InputError(path, f"holds {there}, and this is {given}: writing it would replace one kind of baseline "
