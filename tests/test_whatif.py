@@ -294,6 +294,7 @@ def test_a_change_that_cannot_apply_is_one_line_not_a_guess(write_snapshot, caps
     ("weights=fp8", "weights=fp8: unknown value"),
     ("checkpoint=2", "give a fraction of the blocks in (0, 1]"),
     ("checkpoint=half", "give a fraction of the blocks in (0, 1]"),
+    ("checkpoint=٠.٥", "give a fraction of the blocks in (0, 1]"),  # float() reads it as 0.5
     ("accumulate=1", "a whole number from 2"),
     ("zero-grad", "zero-grad needs a value"),
     ("checkpoint+checkpoint=0.5", "checkpoint is given twice"),

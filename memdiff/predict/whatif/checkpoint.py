@@ -14,6 +14,7 @@ import numpy as np
 
 from memdiff.analyse.lifetimes import BACKWARD, FORWARD
 from memdiff.errors import InputError
+from memdiff.numbers import decimal
 from memdiff.predict.whatif.blocks import GENERIC
 from memdiff.predict.whatif.edit import CannotApply, ChangeRule, Edit
 from memdiff.predict.whatif.run import Run, peak_of_set, step_index
@@ -181,7 +182,7 @@ def check(value: Optional[str]) -> None:
     if value is None:
         return
     try:
-        f = float(value)
+        f = decimal(value)  # ASCII digits only: float() reads `٠.٥` as 0.5
     except ValueError:
         raise InputError("--change", f"checkpoint={value}: give a fraction of the blocks in (0, 1]") from None
     if not 0 < f <= 1:
