@@ -32,6 +32,7 @@ from memdiff.errors import InputError, clip
 from memdiff.inert import baseline_command
 from memdiff.lists import chosen_codes, limit_of, named_limits, split_items
 from memdiff.model import Summary
+from memdiff.numbers import whole_number
 from memdiff.read.inputs import read_summary
 from memdiff.report.build import Report, Settings, compare
 from memdiff.report.build import Run as ReportRun
@@ -45,6 +46,19 @@ if TYPE_CHECKING:
 Run = Union[str, "os.PathLike[str]", Summary]
 Size = Union[int, str, None]
 PHASES = (FORWARD, BACKWARD, OPTIMIZER)  # the phases a limit can name, as --phase-fail-over's
+
+
+def _knob(value: Any, where: str) -> int:
+    """A knob value given to the API: an int, or text of ASCII digits; InputError naming `where`
+    otherwise (a float or a bool, which int() would truncate or count as 1)."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if isinstance(value, str):
+        try:
+            return whole_number(value)
+        except ValueError:
+            pass
+    raise InputError(where, f"{clip(repr(value))} is not a knob value: a positive integer (a batch size, a length)")
 
 
 def _rules(rules: Union[str, Sequence[str], None]) -> Sequence[Rule]:
@@ -195,19 +209,20 @@ def forecast(runs: Union[Dict[Path, int], Sequence[Tuple[Path, int]]], *, at: Un
     (`{"b1.pickle": 1, "b2.pickle": 2, "b4.pickle": 4}`), at `at` (default: twice the largest),
     and with `budget` the largest value that fits; with `baseline`, its headroom limit checked
     (`result.headroom.passed`). `to_dict()` is `memdiff forecast --format json`."""
-    from memdiff.predict.forecast.course import KnobRun
+    from memdiff.predict.forecast.course import parse_run
     from memdiff.predict.forecast.engine import forecast as _forecast
     from memdiff.predict.forecast.engine import judge_headroom
 
     pairs = list(runs.items()) if isinstance(runs, dict) else list(runs)
-    values = [at] if isinstance(at, int) else list(at or [])
+    values = [_knob(at, "at")] if isinstance(at, (int, str, float)) else [_knob(v, "at") for v in at or []]
     limit = None
     if baseline is not None:
         limit = load_baseline(baseline).thresholds.headroom
         if limit is None:
             raise InputError(os.fspath(baseline), "no headroom limit to check")
         budget = limit.budget_bytes
-    result = _forecast([KnobRun(os.fspath(p), int(v)) for p, v in pairs], values, _rules(rules),
+    # As the CLI reads RUN=VALUE: int() made 1.5 a run at 1 and True one at 1, and took `٤` as 4.
+    result = _forecast([parse_run(f"{os.fspath(p)}={_knob(v, os.fspath(p))}") for p, v in pairs], values, _rules(rules),
                        to_bytes(budget, "budget"))
     return result if limit is None or baseline is None else judge_headroom(result, os.fspath(baseline), limit)
 

@@ -202,6 +202,12 @@ def test_api_is_the_cli_json(series, capsys):
     with pytest.raises(InputError):
         memdiff.forecast({runs[0].split("=")[0]: 1})
     assert parse_run("a=b=3") == KnobRun("a=b", 3)
+    # int() made a run given at 1.5 one at 1 (and True one at 1), took "٤" as 4, and at=2.5 was a TypeError.
+    b1, b2 = (r.split("=")[0] for r in runs[:2])
+    for given, at in (({b1: 1.5, b2: 2}, None), ({b1: True, b2: 2}, None), ({b1: "٤", b2: 2}, None),
+                      ({b1: 1, b2: 2}, 2.5), ({b1: 1, b2: 2}, [2.5]), ({b1: 1, b2: 2}, ["١٦"])):
+        with pytest.raises(InputError, match="is not a knob value"):
+            memdiff.forecast(given, at=at)
 
 
 # ---------------------------------------------------------------- CPU captures of real models
