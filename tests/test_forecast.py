@@ -301,6 +301,24 @@ def test_a_baseline_headroom_limit_fails_a_forecast_that_costs_capacity(series, 
     assert "no headroom limit" in capsys.readouterr().err
 
 
+def test_a_headroom_check_on_a_line_that_forecasts_too_low_says_at_most(write_snapshot, tmp_path, capsys):
+    # Attention scores (seq x seq) grow 4x from 64 to 128: above 128 the line of two runs forecasts
+    # them too low (W015), so the largest value it finds within the budget is only an upper bound.
+    runs = [f"{write_snapshot(attention_loop(s), f's{s}.pickle')}={s}" for s in (64, 128)]
+    baseline = tmp_path / "attn.json"
+    assert main(["baseline", runs[0].split("=")[0], "-o", str(baseline)]) == 0
+    data = json.loads(baseline.read_text())
+    data["thresholds"]["headroom"] = {"budget": 2**20, "min-value": 256}
+    baseline.write_text(json.dumps(data))
+    capsys.readouterr()
+    assert main(["forecast", *runs, "--baseline", str(baseline), "--format", "json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    largest = doc["devices"][0]["max_value_within_budget"]
+    # the loop allocates 4 x seq^2 bytes of scores: past 1 MiB at that value, whatever the line says
+    assert 4 * largest**2 > 2**20 and doc["devices"][0]["within_text"] == f"at most {largest:,}"
+    assert f"the largest value within 1.00 MiB is at most {largest:,}, limit" in doc["headroom"]["line"]
+
+
 def test_hostile_and_empty_runs_are_one_line_exit_2(write_snapshot, capsys):
     empty = [write_snapshot({"segments": [], "device_traces": [[]]}, f"e{k}.pickle") for k in (1, 2)]
     assert main(["forecast", f"{empty[0]}=1", f"{empty[1]}=2"]) == 2

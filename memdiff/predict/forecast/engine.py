@@ -574,7 +574,9 @@ def judge_headroom(result: Forecast, baseline: str, headroom: Headroom) -> Forec
     worst = min(result.devices, key=lambda d: -1 if d.max_value_within_budget is None else d.max_value_within_budget)
     largest = worst.max_value_within_budget
     passed = largest is not None and largest >= headroom.min_value
-    shown = "nothing" if largest is None else f"{largest:,}"
+    # In the outputs' words: `at most N` where the line's value is only a bound (W015), never the
+    # search's ceiling as a number where the peak never outgrows the budget (W013).
+    shown = "nothing" if largest is None else worst.within_text or f"{largest:,}"
     line = (f"{'PASS' if passed else 'FAIL'}  headroom (device {worst.device}): the largest value within "
             f"{format_bytes(headroom.budget_bytes)} is {shown}, limit: fail below {headroom.min_value:,} "
             f"(baseline {baseline})")
