@@ -16,6 +16,7 @@ import memdiff
 from memdiff.cli import main
 from memdiff.compare.findings import BY_CODE
 from memdiff.errors import InputError
+from memdiff.render import render
 
 MiB = 2**20
 
@@ -324,7 +325,7 @@ def test_a_run_that_does_not_train_against_a_training_baseline_fails_and_is_neve
     warned = "\n".join(report["warnings"])
     assert "device 0: the head runs no backward or optimizer step where the base does: " in warned
     assert [(c["code"], c["source"]) for c in report["finding_checks"]] == [("P002", "default")]
-    assert report["headline"].startswith("finding P002 phases-missing fails the gate; peak -4.91 GiB")
+    assert report["headline"].startswith("P002 phases-missing fails the gate; peak -4.91 GiB")
     # Meant to stop training: --ignore P002 judges the peak alone, which fell.
     code, out, _ = run(capsys, "gate", shared / "cs336-medium-ctx128-infer.pickle", "--baseline", base,
                        "--ignore", "P002")
@@ -410,10 +411,16 @@ def test_a_failure_on_a_finding_alone_never_says_memory_regressed(shared, tmp_pa
     base = tmp_path / "train.json"
     memdiff.write_baseline(shared / "cs336-medium-ctx128-train.pickle", base)
     stopped = memdiff.gate(shared / "cs336-medium-ctx128-infer.pickle", base)
-    assert stopped.passed is False and all(c.passed for c in stopped.checks) and stopped.failure == "failed"
+    assert stopped.passed is False and all(c.passed for c in stopped.checks)
+    assert (stopped.failure, stopped.verdict_word) == ("failed on a finding", "failed on a finding")
+    # Every output opens with the report's word for it (renderers never word a verdict of their own).
+    assert render(stopped, "text").startswith("memdiff: failed on a finding: P002 phases-missing fails")
+    assert "❌ memdiff: failed on a finding" in render(stopped, "markdown")
+    assert "memdiff: failed on a finding</p>" in memdiff.html_report(stopped)
     grown = memdiff.gate(shared / "cs336-medium-ctx256-train.pickle", base)  # its peak grew 1.95 GiB
-    assert grown.failure == "device memory regressed"
-    assert memdiff.gate(shared / "cs336-medium-ctx128-train.pickle", base).failure is None
+    assert (grown.failure, grown.verdict_word) == ("device memory regressed", "regression")
+    same = memdiff.gate(shared / "cs336-medium-ctx128-train.pickle", base)
+    assert (same.failure, same.verdict_word) == (None, "no regression")
 
 
 def test_a_gate_never_says_a_baseline_recorded_no_steps(shared, tmp_path, capsys):
@@ -587,7 +594,8 @@ def test_a_peak_flag_replaces_the_stored_peak_rule_whole(baseline, tmp_path, cap
     # 5% and by more than 512 MiB", under which a small run could never fail.
     b = baseline("--fail-over", "512MiB")
     code, out, _ = gate(capsys, tmp_path, b, 120 * MiB, "--fail-over-pct", "5")
-    assert "rule: fail when the peak of a device grows by more than 5%; findings K003, K004, A002, P002 fail (default)\n" in out
+    assert ("rule: fail when the peak of a device grows by more than 5%; findings K003, K004, A002, P002 fail "
+            "(default)\n") in out
     assert code == 1 and "limit: more than 5%\n" in out
 
 

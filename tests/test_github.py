@@ -113,7 +113,7 @@ def test_a_failing_finding_is_one_annotation(github, shared, capsys):
                  "--github"])
     errors = [line for line in capsys.readouterr().out.splitlines() if line.startswith("::error")]
     assert code == 1 and len(errors) == 2, errors
-    assert errors[0].startswith("::error title=memdiff::finding P002 phases-missing fails the gate; peak -4.91 GiB")
+    assert errors[0].startswith("::error title=memdiff::P002 phases-missing fails the gate; peak -4.91 GiB")
     assert errors[1].startswith("::error title=memdiff P002 phases-missing::device 0: the head runs no backward or "
                                 "optimizer step where the base does")
 

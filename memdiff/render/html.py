@@ -146,8 +146,7 @@ def _rules(findings: Sequence[Finding]) -> List[str]:
 
 def _verdict(report: Report) -> List[str]:
     mark = "none" if report.passed is None else "pass" if report.passed else "fail"
-    text = ("memdiff: not judged" if report.passed is None else "memdiff: no regression" if report.passed
-            else "memdiff: regression")
+    text = f"memdiff: {report.verdict_word or 'not judged'}"
     passed = "null" if report.passed is None else str(report.passed).lower()
     out = [f'<p class="verdict {mark}" data-passed="{passed}">{html.escape(text)}</p>',
            f'<p class="headline">{html.escape(report.headline)}</p>',

@@ -127,8 +127,8 @@ def _buy_back(report: Report) -> List[str]:
 def render_diff(report: Report, options: Optional[Options] = None) -> str:
     """The report in GitHub-flavoured markdown: the verdict and headline first, details folded."""
     o = options or Options()
-    mark = ("memdiff" if report.verdict is None else "✅ memdiff: no regression" if report.passed
-            else "❌ memdiff: regression")
+    mark = ("memdiff" if report.verdict_word is None
+            else f"{'✅' if report.passed else '❌'} memdiff: {report.verdict_word}")
     lines = [f"### {mark}", "", f"**{md_text(report.headline)}**", ""]
     if report.job is not None:
         lines += [f"**{md_text(report.job.summary_line)}**", "", layout(report.job.table, "github", escape=md_cell), "",

@@ -152,7 +152,7 @@ def buy_back_lines(report: Report) -> List[str]:
 def render_diff(report: Report) -> str:
     """What `memdiff BASE HEAD` prints: the verdict and headline, the inputs, warnings, per device
     the phase, category and row tables, then the rule and each check; a job's ranks first."""
-    verdict = "" if report.verdict is None else "no regression: " if report.passed else "regression: "
+    verdict = "" if report.verdict_word is None else f"{report.verdict_word}: "
     lines = [f"memdiff: {verdict}{report.headline}", ""]
     if report.job is not None:
         lines += [report.job.summary_line, "", layout(report.job.table, "simple"), "",

@@ -112,13 +112,24 @@ class Report:
         return self.verdict.checks if self.verdict else []
 
     @property
+    def verdict_word(self) -> Optional[str]:
+        """The verdict as every output opens with it: "no regression", "regression" when a threshold
+        failed, "failed on a finding" when only findings did (under P002 the peak fell: nothing
+        regressed); None when nothing was judged."""
+        if self.passed is None:
+            return None
+        if self.passed:
+            return "no regression"
+        return "regression" if any(not c.passed for c in self.checks) else "failed on a finding"
+
+    @property
     def failure(self) -> Optional[str]:
         """What failed, to open a one-line summary (the pytest plugin's): "device memory regressed"
-        when a threshold failed, "failed" when only findings did (under P002 the peak fell: memory
+        when a threshold failed, "failed on a finding" when only findings did (under P002 the peak fell: memory
         did not regress); None when the gate passed or nothing was judged."""
         if self.passed is not False:
             return None
-        return "device memory regressed" if any(not c.passed for c in self.checks) else "failed"
+        return "device memory regressed" if self.verdict_word == "regression" else self.verdict_word
 
     @property
     def annotations(self) -> List[str]:
@@ -326,7 +337,7 @@ def _report(s: Settings, verdict: Optional[Verdict], results: List[RankResult], 
     if verdict is not None and not verdict.passed and all(c.passed for c in verdict.checks):
         # Only findings failed it: the peak's own sentence would read as the regression (a fall, under P002).
         named = list(dict.fromkeys(f"{c.code} {c.name}" for c in verdict.finding_checks))
-        headline = f"finding {', '.join(named)} fails the gate; {headline}"
+        headline = f"{', '.join(named)} {'fails' if len(named) == 1 else 'fail'} the gate; {headline}"
     if job is not None:
         headline = f"rank {job.worst_rank} (of {len(results):,}): {headline}"
     trends, trend_note = _trends(s, shown.diff)
