@@ -298,3 +298,18 @@ def test_fsdp_shards_each_torchrun_rank_on_its_own_gpu(torch, tmp_path, kind):
         device = api.summarize(tmp_path / "runs" / f"rank{rank}.pickle").devices[0]
         assert device.device == rank
         assert device.categories["optimizer_state"] == 2 * shard  # AdamW's two moments of this rank's shard
+
+
+@pytest.mark.parametrize("value", ["²", "٢", "２"])
+def test_a_gpu_count_in_the_environment_is_ascii_digits_or_not_taken(monkeypatch, value):
+    # A launcher's LOCAL_WORLD_SIZE (or memdiff's own --gpus variable) that is no ASCII number is not a
+    # count: str.isdigit() took "²", which int() then refused with a traceback in every rank, and int()
+    # read "٢" as 2 GPUs. The count falls to what the script asked for, as with no variable at all.
+    from memdiff.recording.emulate.devices import GPUS, SPAWNED, gpus_per_node
+
+    for name in (GPUS, SPAWNED, "CUDA_VISIBLE_DEVICES"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", value)
+    assert gpus_per_node(asked=3) == 3
+    monkeypatch.setenv(GPUS, value)
+    assert gpus_per_node(asked=3) == 3

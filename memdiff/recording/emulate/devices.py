@@ -20,6 +20,7 @@ import weakref
 from typing import Any, Callable, Dict, List, Optional, Set
 
 from memdiff.errors import InputError
+from memdiff.numbers import DIGITS
 from memdiff.recording.emulate.allocator import AllocatorConfig, CachingAllocator
 
 GPUS = "MEMDIFF_RECORD_GPUS"  # `memdiff record --gpus N`, for the processes of a launched job
@@ -37,14 +38,14 @@ def gpus_per_node(gpus: Optional[int] = None, asked: int = 1) -> int:
             raise InputError("--gpus", f"{gpus} GPUs: give 1 or more")
         return gpus
     value = os.environ.get(GPUS, "")
-    if value.isdigit() and int(value) > 0:
+    if DIGITS.fullmatch(value) and int(value) > 0:
         return int(value)
     visible = _visible(os.environ.get("CUDA_VISIBLE_DEVICES", ""))
     if visible:
         return visible
     for name in ("LOCAL_WORLD_SIZE", SPAWNED):
         value = os.environ.get(name, "")
-        if value.isdigit() and int(value) > 0:
+        if DIGITS.fullmatch(value) and int(value) > 0:
             return int(value)
     return max(asked, 1)
 

@@ -32,6 +32,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
+from memdiff.numbers import DIGITS
 from memdiff.recording.emulate import exchange, layout, p2p, swap
 from memdiff.recording.emulate.devices import first_meta
 from memdiff.recording.emulate.runtime import EmulationError, frame_dict
@@ -42,7 +43,7 @@ _asked: Dict[Any, str] = {}
 
 def _env_int(name: str, default: int) -> int:
     value = os.environ.get(name, "")
-    return int(value) if value.isdigit() else default
+    return int(value) if DIGITS.fullmatch(value) else default
 
 
 def _backend_name(backend: Any) -> str:

@@ -55,14 +55,20 @@ def _say(message):
 def _rank():
     """This process's rank when it is the rank itself (not a child that inherited RANK), else None."""
     rank = os.environ.get("RANK", "")
-    if rank.isdigit() and os.environ.get(OWNER) == str(os.getpid()):
+    if _digits(rank) and os.environ.get(OWNER) == str(os.getpid()):
         return int(rank)
     return None
 
 
+def _digits(text):
+    """Whether `text` is ASCII digits (memdiff.numbers.DIGITS; not imported here, where every process of the
+    job starts): str.isdigit() takes "²", which int() refuses, and int() reads "٢" as 2."""
+    return text.isascii() and text.isdigit()
+
+
 def _world_size():
     size = os.environ.get("WORLD_SIZE", "")
-    return int(size) if size.isdigit() else None
+    return int(size) if _digits(size) else None
 
 
 def _claim(folder, rank):
@@ -356,7 +362,7 @@ def _end_with_lease():
     is the worker's alone, so the read here ends exactly when the worker is gone. Its own children
     do not watch it (the variable is taken out): they end with the rank."""
     fd = os.environ.pop(LEASE_FD, "")
-    if not fd.isdigit():
+    if not _digits(fd):
         return
     # A rank a Dask worker starts inherits what the worker ignores, and exec keeps an ignored signal
     # ignored: a worker started in the background by a shell (`dask worker ADDRESS &`, a CI runner's
@@ -677,7 +683,7 @@ def _chain():
 
 
 if os.environ.get("MEMDIFF_RECORD_DIR"):
-    if os.environ.get("RANK", "").isdigit() and OWNER not in os.environ:
+    if _digits(os.environ.get("RANK", "")) and OWNER not in os.environ:
         # The first process with a RANK is that rank; whatever it starts inherits this and is not.
         os.environ[OWNER] = str(os.getpid())
     _status = _Status(os.environ["MEMDIFF_RECORD_DIR"])
