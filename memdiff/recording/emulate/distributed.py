@@ -63,6 +63,8 @@ def _init(real: Callable[..., Any]) -> Callable[..., Any]:
         options: Dict[str, Any] = {"group_name": group_name} if group_name else {}
         if timeout is not None:
             options["timeout"] = timeout
+        if device_id is not None:
+            options["device_id"] = device_id
         out = real(backend="fake", store=dist.HashStore(), world_size=world_size, rank=rank, **options)
         _asked[None] = _backend_name(backend)
         exchange.start(timeout)
@@ -396,6 +398,11 @@ def _is_work(x: Any) -> bool:
         return False
 
 
+# c10d ops only gloo runs, which the fake backend refuses ("Backend fake does not support
+# monitoredBarrier"): on the GPU a script makes a gloo group for them beside NCCL's (Lightning's
+# `rank_zero_first` barrier is `new_group(backend="gloo").monitored_barrier`). They return nothing.
+GLOO_ONLY = {"monitored_barrier_"}
+
 # -- the values collectives leave, as the fake group's every-rank-holds-mine rule gives them -------
 
 ALLGATHER_LISTS = {"allgather_", "allgather_coalesced_"}
@@ -409,7 +416,7 @@ def follow(base: str, args: Tuple[Any, ...], values: Any) -> None:
     if base == "send" or exchange.carry(base, args, values):
         return  # a send writes nothing; a carried collective has set what it received
     known = values.known
-    if base == "broadcast_" or base.startswith("barrier") or base == "monitored_barrier_":
+    if base == "broadcast_" or base.startswith("barrier"):
         return  # this rank's tensors are the source's
     if base in ALLGATHER_LISTS:  # allgather_: [[one per rank]] of [input]; coalesced: [per rank] of inputs
         outputs, inputs = args[0], args[1]
