@@ -41,6 +41,21 @@ from memdiff.recording.emulate.runtime import EmulationError, frame_dict
 _asked: Dict[Any, str] = {}
 
 
+# The GPU `init_process_group(device_id=...)` named, which torch binds the groups to. The fake group is
+# not bound to it: a bound group makes DeviceMesh split its groups (`split_group`), which the fake
+# backend cannot; what the binding changes for a script is kept by `barrier` below.
+_bound: Dict[Any, Optional[int]] = {}
+
+
+def _gpu_index(device_id: Any) -> Optional[int]:
+    """The GPU index of an `init_process_group` `device_id` (an int or a `cuda:N` device), else None."""
+    if isinstance(device_id, int):
+        return device_id
+    if isinstance(device_id, torch.device) and device_id.type == "cuda":
+        return device_id.index
+    return None
+
+
 def _env_int(name: str, default: int) -> int:
     value = os.environ.get(name, "")
     return int(value) if DIGITS.fullmatch(value) else default
@@ -63,10 +78,9 @@ def _init(real: Callable[..., Any]) -> Callable[..., Any]:
         options: Dict[str, Any] = {"group_name": group_name} if group_name else {}
         if timeout is not None:
             options["timeout"] = timeout
-        if device_id is not None:
-            options["device_id"] = device_id
         out = real(backend="fake", store=dist.HashStore(), world_size=world_size, rank=rank, **options)
         _asked[None] = _backend_name(backend)
+        _bound[None] = _gpu_index(device_id)
         exchange.start(timeout)
         return out
     init_process_group.__wrapped__ = real  # type: ignore[attr-defined]
@@ -87,6 +101,20 @@ def _new_group(real: Callable[..., Any]) -> Callable[..., Any]:
         return group
     new_group.__wrapped__ = real  # type: ignore[attr-defined]
     return new_group
+
+
+def _barrier(real: Callable[..., Any]) -> Callable[..., Any]:
+    def barrier(group: Any = None, async_op: bool = False, device_ids: Any = None) -> Any:
+        # On a group bound to its GPU a barrier without device_ids syncs that GPU; unbound, torch warns
+        # on rank 0 ("barrier(): using the device under current context"), as the GPU run does not.
+        bound = _bound.get(None)
+        if device_ids is None and bound is not None:
+            device_ids = [bound]
+        if group is None:
+            return real(async_op=async_op, device_ids=device_ids)
+        return real(group, async_op, device_ids)
+    barrier.__wrapped__ = real  # type: ignore[attr-defined]
+    return barrier
 
 
 def _get_backend(real: Callable[..., Any]) -> Callable[..., Any]:
@@ -254,7 +282,7 @@ def fake_process_groups(emulator: Any) -> Iterator[None]:
         import torch.testing._internal.distributed.fake_pg  # noqa: F401
     except ImportError:
         pass
-    wrappers = {"init_process_group": _init, "new_group": _new_group, "get_backend": _get_backend,
+    wrappers = {"init_process_group": _init, "new_group": _new_group, "get_backend": _get_backend, "barrier": _barrier,
                 "broadcast_object_list": _from_source, "scatter_object_list": _from_source,
                 "recv_object_list": p2p.objects_from_sender}
     answers: Dict[str, Any] = {"is_nccl_available": lambda: True}
