@@ -157,7 +157,7 @@ def test_an_emulator_module_that_fails_alone_is_caught(torch, tmp_path):
 # public short paths; the stages live in their folders (docs/development.md), so a new module
 # lands in one of them, or is added here on purpose.
 ENTRIES = {"__init__", "__main__", "cli", "api", "github", "pytest_plugin"}
-SHARED = {"model", "errors", "units", "lists", "progress", "atomic", "inert", "cluster"}
+SHARED = {"model", "errors", "units", "numbers", "lists", "progress", "atomic", "inert", "cluster"}
 PUBLIC_PATHS = {"baseline", "capture"}  # memdiff.baseline (public), memdiff.capture (deprecated, warns)
 FOLDERS = {"recording", "read", "analyse", "compare", "predict", "report", "render", "commands",
            "integrations", "examples", "rules", "schemas"}
