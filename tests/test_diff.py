@@ -384,6 +384,7 @@ def test_the_default_rule_scales_with_the_run(tmp_path, capsys, base_bytes, head
 @pytest.mark.parametrize("flags, message", [
     (["--fail-over", "5 parsecs"], "argument --fail-over: '5 parsecs' is not a size"),
     (["--fail-over-pct", "-3"], "argument --fail-over-pct: '-3' is not a percentage: it is negative"),
+    (["--fail-over-pct", "٥"], "argument --fail-over-pct: '٥' is not a percentage (digits 0-9, as in 2.5 or 5%)"),
     (["--top", "0"], "argument --top: 0 is not a positive count"),
 ])
 def test_bad_flags_exit_2(tmp_path, capsys, flags, message):

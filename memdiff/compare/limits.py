@@ -112,7 +112,7 @@ def parse_pct(text: str) -> float:
     try:
         value = decimal(text.strip().rstrip("%"))
     except ValueError:
-        raise ValueError(f"{text!r} is not a percentage") from None
+        raise ValueError(f"{text!r} is not a percentage (digits 0-9, as in 2.5 or 5%)") from None
     if value < 0:
         raise ValueError(f"{text!r} is not a percentage: it is negative")
     if not value <= MAX_PCT:
