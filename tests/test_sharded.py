@@ -157,11 +157,11 @@ def test_fsdp2_reshard_after_forward_reads_as_unsharded_parameters_held_per_rank
         # that capture)
         assert categories["parameter"]["base_bytes"] == categories["parameter"]["head_bytes"] == shard, \
             _parameter_rows(report, tmp_path)
-        # the full weights stay gathered from each block's forward to its backward, at the peak...
-        assert categories["unsharded_parameter"]["delta_bytes"] > 0
-        # ...and at the forward's, where the headline names them first, never the collective buffers
-        # (which of the phases peaks, and the collective buffers gloo's threads still hold there,
-        # vary from run to run)
+        # The full weights stay gathered from each block's forward to its backward. Not checked at the
+        # run's own peak: which phase peaks varies from run to run, and one in the optimizer step, after
+        # the backward resharded them, held none in either run (CI saw the delta 0 there). At the
+        # forward's peak they are held, and the headline names them first, never the collective buffers
+        # (which gloo's threads still hold there varies from run to run too).
         done = _memdiff("diff", base, head, "--format", "json", "--at", "forward")
         assert done.returncode in (0, 1), done.stderr
         report = json.loads(done.stdout)
