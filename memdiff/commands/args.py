@@ -37,26 +37,25 @@ def pct_arg(text: str) -> float:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def count_arg(text: str) -> int:
-    """argparse type for a count of at least 1."""
+def _whole_at_least(text: str, low: int, below: str) -> int:
+    """The whole number in `text`, at least `low`; argparse's error (`below` saying why) otherwise."""
     try:
         value = whole_number(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text} is not a positive count")
+    if value < low:
+        raise argparse.ArgumentTypeError(f"{text} {below}")
     return value
+
+
+def count_arg(text: str) -> int:
+    """argparse type for a count of at least 1."""
+    return _whole_at_least(text, 1, "is not a positive count")
 
 
 def index_arg(text: str) -> int:
     """argparse type for an index from 0 (a device's)."""
-    try:
-        value = whole_number(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{text} is not an index: it is negative")
-    return value
+    return _whole_at_least(text, 0, "is not an index: it is negative")
 
 
 def share_arg(text: str) -> float:
