@@ -328,3 +328,25 @@ def test_an_op_s_scratch_is_what_pytorch_calls_temporary(torch, tmp_path):
     temporary = {key: size for key, size in pairs.items() if "temporary" in key}
     assert temporary.get(("temporary", "temporary"), 0) >= 8 << 10, pairs
     assert set(temporary) <= {("temporary", "temporary"), ("temporary", "optimizer_temporary")}, pairs
+
+
+ACCUMULATED = native("at::_ops::mm::call(at::Tensor const&, at::Tensor const&)",
+                     "torch::autograd::generated::AddmmBackward0::apply(std::vector<at::Tensor>&&)",
+                     "torch::autograd::Engine::evaluate_function(std::shared_ptr<torch::autograd::GraphTask>&)")
+
+
+@pytest.mark.parametrize("freed, category", [
+    # zero_grad(set_to_none=False): a .grad made by a backward before the trace (its entries fell out
+    # of the ring buffer, or history was on before a warm-up step) is still live at the dump.
+    ("never", "gradient"),
+    # zero_grad(set_to_none=True) frees it in the step, or the next forward's zero_grad does.
+    ("optimizer", "gradient"),
+    ("forward", "gradient"),
+    # freed by the trace's first backward: a backward's buffer in flight when the trace starts.
+    ("backward", "autograd"),
+])
+def test_a_backward_s_allocation_older_than_the_trace_that_outlives_its_backward_is_a_gradient(freed, category):
+    outlives = "trace" if freed == "never" else "none"
+    group = replace(group_for(ACCUMULATED, before_trace=True),
+                    lifetime={"born": "before_trace", "freed": freed, "outlives": outlives})
+    assert category_of(group, load_rules()) == category

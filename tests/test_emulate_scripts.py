@@ -263,6 +263,37 @@ def test_other_families_run_unmodified_and_hold_what_the_model_holds(family, nam
     assert device.categories["workspace"] >= 32 << 20  # the forward's cuBLAS handle at least
 
 
+
+@pytest.mark.slow
+def test_gradients_kept_from_a_warm_up_read_as_gradients_when_their_blocks_keep_the_backward_s_stack(tmp_path):
+    """BART, zero_grad(set_to_none=False), recorded after one warm-up step: weights, gradients and
+    AdamW's state are all older than the trace, and the dump's blocks keep the stacks they were made
+    with (as a CUDA recording whose first steps fell out of the ring buffer does). The gradients' stack
+    is the backward node that made them; they outlive every backward of the trace, so they are
+    gradients, not the backward's buffers (they read as autograd, 3,297,280 B, even at the forward's
+    peak). Each category holds the model's and the optimizer's own byte counts."""
+    pytest.importorskip("transformers")
+    out, kept = tmp_path / "bart.pickle", tmp_path / "writes"
+    done = subprocess.run([sys.executable, "-m", "memdiff", "record", "--emulate", "h100", "-o",
+                           str(tmp_path / "record.pickle"), "--keep-writes", str(kept), "--", sys.executable,
+                           str(ROOT / "tests/scenarios/train.py"), "--model", "bart", "--device", "cuda",
+                           "--warmup", "1", "--keep-grads", "--out", str(out)],
+                          env={**os.environ, "TRANSFORMERS_VERBOSITY": "error", "PYTHONPATH": str(ROOT)},
+                          capture_output=True, text=True, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    facts = json.loads(kept_write(kept, tmp_path / "bart.pickle.facts.json").read_text())
+    from memdiff import api
+
+    device = api.summarize(out).devices[0]
+    forward = next(p for p in device.phase_peaks if p.phase == "forward")
+    for categories in (device.categories, forward.categories):
+        assert categories.get("gradient") == facts["trainable_bytes"]
+        assert categories.get("parameter") == facts["parameter_bytes"]
+        # AdamW's step counters live on the CPU, as on a GPU
+        assert categories.get("optimizer_state") == facts["state_bytes"] - facts["state_scalar_bytes"]
+    assert "autograd" not in forward.categories
+
+
 LOOPS = """
 import json, sys
 import torch
