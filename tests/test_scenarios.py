@@ -20,6 +20,7 @@ from scenario_suite import (
     EDGES,
     PYTORCH_CATEGORY,
     PYTORCH_TO_MEMDIFF,
+    facts,
     pytorch_categories_at,
     truth_of,
 )
@@ -96,6 +97,26 @@ def test_categories_agree_with_pytorch_on_models_we_did_not_write(agreements):
     assert min(documented) >= 0.98
     # What is arguable stays small: optimizer temporaries and caches, never the bulk of a peak.
     assert min(strict) >= 0.83 and statistics.median(strict) >= 0.98
+
+
+
+def test_below_95_percent_only_the_optimizer_step_s_temporaries_disagree(agreements, scenarios, tmp_path):
+    """Where the raw agreement is below 95% (the MLP's peaks inside AdamW's step, 83.5%), every byte
+    memdiff reads beyond PyTorch's count of a category is the update's temporaries, which PyTorch
+    labels by a wrapped Python float's data flow (parameter, activation, input, unknown;
+    docs/categories.md). PyTorch's parameter there holds more than the model's weights; memdiff's
+    holds them to the byte (the run's facts)."""
+    low = sorted(name for name, (strict, _, _) in agreements.items() if strict < 0.95)
+    assert low
+    for name in low:
+        path = scenarios(name)[name]
+        d, trace = in_trace_summary(path, tmp_path)
+        theirs, ours = pytorch_categories_at(trace, d.peak_event_index), as_pytorch(d.categories)
+        beyond = {c: b - theirs.get(c, 0) for c, b in ours.items() if b > theirs.get(c, 0)}
+        assert d.phase_at_peak == "optimizer" and set(beyond) == {"optimizer_temporary"}, (name, beyond)
+        weights = facts(scenarios(name), name)["parameter_bytes"]
+        # PyTorch's surplus of parameters is among the temporaries memdiff reads as the step's
+        assert ours["parameter"] == weights and theirs.get("parameter", 0) - weights <= beyond["optimizer_temporary"]
 
 
 def test_a_frozen_encoder_s_categories_agree_with_pytorch(scenarios, tmp_path):
