@@ -241,9 +241,9 @@ def whatif(run: Path, changes: Union[str, Sequence[str], None] = None, *, budget
 def html_report(report: Report) -> str:
     """The self-contained HTML page of a Report (what `memdiff gate --html` writes); summarize the
     runs with `history=True` for their memory over time to be drawn."""
-    from memdiff.render.html import render_diff
+    from memdiff.render import render
 
-    return render_diff(report)
+    return render(report, "html")
 
 
 def record(path: Union[str, "os.PathLike[str]"], **options: Any) -> ContextManager[None]:

@@ -7,10 +7,11 @@ import json
 import re
 
 import pytest
-from conftest import alloc, free, py_frames
+from conftest import ROOT, alloc, free, py_frames
 from test_lifetimes import training
 
 from memdiff.cli import main
+from memdiff.render import FORMATS, render
 
 HOSTILE = '</script><img src=x onerror="alert(1)">'
 
@@ -38,6 +39,19 @@ def test_a_diff_report_is_one_self_contained_page(write_snapshot, tmp_path, caps
     peak_line = next(line for line in text.splitlines() if line.startswith("device 0: peak"))
     assert html.escape(peak_line.split(": ", 1)[1].split(";")[0]) in page
     assert 'class="row' in page and data["devices"][0]["rows"]["r0"]["stacks"]
+
+
+def test_render_writes_html_as_the_page_and_refuses_a_format_it_lacks():
+    import memdiff
+
+    cuda = ROOT / "tests" / "data" / "cuda"
+    report = memdiff.diff(cuda / "gpt2-base.pickle.gz", cuda / "gpt2-retain-graph.pickle.gz")
+    page = render(report, "html")
+    assert page.startswith("<!DOCTYPE html>") and page == memdiff.html_report(report)
+    for fmt in ("pdf", "HTML", ""):  # never another format in its place
+        with pytest.raises(ValueError) as err:
+            render(report, fmt)
+        assert all(f in str(err.value) for f in FORMATS)
 
 
 def test_labels_from_a_snapshot_cannot_break_out_of_the_page(write_snapshot, tmp_path, capsys):

@@ -30,7 +30,6 @@ from memdiff.errors import EXIT_OK, EXIT_REGRESSION, InputError
 from memdiff.read.inputs import read_summaries
 from memdiff.read.job import is_job, summarize_ranks
 from memdiff.read.window import add_window_arguments
-from memdiff.render import html as render_html
 from memdiff.render import render
 from memdiff.report.build import Report, Run, Settings, compare
 
@@ -59,7 +58,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def write_html(path: str, report: Report) -> None:
     """The HTML report of one comparison, written atomically to `path`."""
-    write_output(path, render_html.render_diff(report))
+    write_output(path, render(report, "html"))
 
 
 def _sides(args: argparse.Namespace, rules: List[Rule]) -> Tuple[List[Run], List[Run]]:
