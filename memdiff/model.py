@@ -155,6 +155,15 @@ class DeviceSummary:
     # fake segment): the highest reserved total, and reserved minus allocated at the peak.
     reserved_peak_bytes: Optional[int] = None
     fragmentation_bytes: Optional[int] = None
+    # A baseline keeps how many steps its run recorded, not the steps: that count, so that a gate
+    # compares step counts as a diff of the two runs does (T010). None for a run (its steps are
+    # `steps`) and for a baseline made before baselines kept it.
+    step_count: Optional[int] = None
+
+    def steps_recorded(self, baseline: bool) -> Optional[int]:
+        """How many steps the run recorded: a run's `steps`, a baseline's stored count (`baseline`);
+        None when a baseline does not say."""
+        return self.step_count if baseline else len(self.steps)
 
     def at(self, phase: Optional[str]) -> Optional["Moment"]:
         """What was live at the peak of `phase` (None or "peak": the device's peak); None when
@@ -341,6 +350,8 @@ class Summary:
         """
         data = asdict(self)
         for d in data["devices"]:
+            if d["step_count"] is None:  # a run's steps are its `steps`; only a baseline's summary has a count
+                del d["step_count"]
             at_peak = {g["signature"] for g in d["groups"]}
             for p in d["phase_peaks"]:
                 for g in p["groups"] or []:

@@ -244,6 +244,38 @@ def test_an_oom_in_the_head_run_fails_the_diff_by_default(capsys):
             "free on the device (fails on A002: default)") in out
 
 
+def _warnings(out: str) -> List[str]:
+    return [line for line in out.splitlines() if re.match(r"(warning|error|note): [A-Z]\d{3} ", line)]
+
+
+def test_a_gate_warns_of_event_counts_as_the_diff_of_the_same_two_runs(tmp_path, capsys):
+    # Both record 3 steps (their .facts.json, written by the capture): gradient accumulation doubles
+    # the events of each step (8,291 -> 18,096), not the work recorded; the OOM run stops in step 0.
+    facts = {name: json.loads((CUDA / f"{name}.pickle.facts.json").read_text())["steps"]
+             for name in ("gpt2-sgd", "gpt2-accum2", "gpt2-base")}
+    assert facts == {"gpt2-sgd": 3, "gpt2-accum2": 3, "gpt2-base": 3}
+    for base, head, t010 in (("gpt2-sgd", "gpt2-accum2", None),
+                             ("gpt2-base", "gpt2-oom", "warning: T010 device 0: event counts differ 43.1x "
+                                                       "(9,922 -> 230 events, 3 -> 1 steps): the runs may not record "
+                                                       "the same work")):
+        b, h, stored = CUDA / f"{base}.pickle.gz", CUDA / f"{head}.pickle.gz", tmp_path / f"{base}.json"
+        _, said, _ = cli(capsys, b, h)
+        assert cli(capsys, "baseline", b, "-o", stored)[0] == 0
+        _, gated, _ = cli(capsys, "gate", h, "--baseline", stored)
+        assert [w for w in _warnings(said) if "T010" in w] == [w for w in _warnings(gated) if "T010" in w] == \
+            ([t010] if t010 else [])
+    # A baseline made before baselines kept their step count: the warning says the steps are unknown.
+    old = tmp_path / "old.json"
+    doc = json.loads((tmp_path / "gpt2-sgd.json").read_text())
+    del doc["devices"][0]["step_count"]
+    old.write_text(json.dumps(doc))
+    _, gated, _ = cli(capsys, "gate", CUDA / "gpt2-accum2.pickle.gz", "--baseline", old)
+    assert [w for w in _warnings(gated) if "T010" in w] == [
+        "warning: T010 device 0: event counts differ 2.2x (8,291 -> 18,096 events, steps unknown: the baseline was "
+        "made by an earlier memdiff, which kept no step count; `memdiff baseline` again stores it): the runs may not "
+        "record the same work"]
+
+
 def test_every_surface_shows_the_code(tmp_path, capsys, shared):
     base, head = shared / "cs336-medium-ctx128-train.pickle", shared / "cs336-medium-ctx256-train.pickle"
     page = tmp_path / "r.html"

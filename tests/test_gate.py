@@ -426,15 +426,17 @@ def test_a_failure_on_a_finding_alone_never_says_memory_regressed(shared, tmp_pa
 def test_a_gate_never_says_a_baseline_recorded_no_steps(shared, tmp_path, capsys):
     # The training run took one optimizer step inside its trace (PyTorch recorded the scope
     # Optimizer.step#AdamW.step there); the inference run of the same model records 3,840 events
-    # to its 19,136. A baseline stores where its peak was, not its steps: the event counts are
-    # worth the warning, a step count of 0 for the training run is not true.
+    # to its 19,136, in one step too (its forward). A baseline stores its run's step count, 1, never
+    # 0: the gate says of the event counts what the diff of the two runs says, nothing (P002 says
+    # what differs: the inference run stopped training).
     b = tmp_path / "train.json"
-    assert run(capsys, "baseline", shared / "cs336-medium-ctx128-train.pickle", "-o", b)[0] == 0
-    code, out, _ = run(capsys, "gate", shared / "cs336-medium-ctx128-infer.pickle", "--baseline", b)
+    train, infer = shared / "cs336-medium-ctx128-train.pickle", shared / "cs336-medium-ctx128-infer.pickle"
+    assert run(capsys, "baseline", train, "-o", b)[0] == 0
+    assert json.loads(b.read_text())["devices"][0]["step_count"] == 1
+    code, out, _ = run(capsys, "gate", infer, "--baseline", b)
     assert code == 1 and "FAIL  finding P002" in out, out  # it stopped training (test above)
-    assert "warning: T010 device 0: event counts differ 5.0x (19,136 -> 3,840 events): the runs may not " \
-        "record the same work" in out
-    assert "0 -> 1 steps" not in out
+    _, diffed, _ = run(capsys, train, infer)
+    assert "T010" not in out and "T010" not in diffed and "0 -> 1 steps" not in out
 
 
 def test_one_rank_against_a_jobs_baseline_is_bad_input_not_a_crash(tmp_path, capsys):

@@ -118,6 +118,7 @@ def _devices_json(devices: List[Dict[str, Any]], pad: str) -> str:
         fields = [f'"device": {d["device"]}', f'"peak_bytes": {d["peak_bytes"]}',
                   f'"static_bytes": {d["static_bytes"]}', f'"trace_events": {d["trace_events"]}',
                   f'"unmatched_free_count": {d["unmatched_free_count"]}',
+                  *([f'"step_count": {d["step_count"]}'] if d.get("step_count") is not None else []),
                   f'"categories": {json.dumps(d["categories"])}']
         fields += [f'"phases": {json.dumps(d["phases"])}'] if d.get("phases") else []
         fields += [f'"phase_categories": {json.dumps(d["phase_categories"])}'] if d.get("phase_categories") else []
@@ -178,6 +179,8 @@ def from_summary(summary: Summary, name: str, thresholds: Thresholds, git_sha: O
     devices = [{
         "device": d.device, "peak_bytes": d.peak_bytes, "static_bytes": d.static_bytes,
         "trace_events": d.trace_events, "unmatched_free_count": d.unmatched_free_count,
+        # How many steps the run recorded: a gate compares it with the run's, as a diff does (T010).
+        "step_count": len(d.steps),
         "categories": dict(sorted(d.categories.items())),
         "phases": {p.phase: p.peak_bytes for p in d.phase_peaks},
         # What each category held at each phase's peak: category limits compare like with like.
@@ -411,7 +414,8 @@ def _stored_summary(b: Baseline) -> Summary:
                   for phase, size in d.get("phases", {}).items()]
         devices.append(DeviceSummary.blank(
             d["device"], trace_events=d["trace_events"], static_bytes=d["static_bytes"], peak_bytes=d["peak_bytes"],
-            unmatched_free_count=d["unmatched_free_count"], groups=groups, categories=d["categories"],
+            unmatched_free_count=d["unmatched_free_count"], step_count=d.get("step_count"),
+            groups=groups, categories=d["categories"],
             phase_peaks=phases, phase_at_peak=at_peak.get("phase"), step_at_peak=at_peak.get("step"),
             scope_at_peak=at_peak.get("scope"),
             reserved_peak_bytes=d.get("reserved_peak_bytes"), fragmentation_bytes=d.get("fragmentation_bytes")))

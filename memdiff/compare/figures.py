@@ -21,7 +21,7 @@ from memdiff.units import format_bytes
 # run's, and as a spread's highest run it would let every run pass.
 MAX_DEVICE_BYTES = 2**50
 # The fields that count things (or say where), not bytes: a device's, a stored group's, a spread's.
-DEVICE_COUNTS = frozenset(("device", "trace_events", "unmatched_free_count", "rest_counts", "at_peak"))
+DEVICE_COUNTS = frozenset(("device", "trace_events", "unmatched_free_count", "step_count", "rest_counts", "at_peak"))
 GROUP_COUNTS = frozenset(("count", "earlier_forwards"))
 SPREAD_COUNTS = frozenset(("runs",))
 REMAKE = "remake the baseline with `memdiff baseline` rather than editing its figures"

@@ -158,7 +158,8 @@ CATALOGUE: Tuple[Code, ...] = (
          "event counts differ {ratio:.1f}x ({base_events:,} -> {head_events:,} events{steps}): the runs may not "
          "record the same work",
          "One trace has many times the events of the other, and the runs do not record the same number of "
-         "steps.",
+         "steps. Against a baseline, the step count it stores is compared; a baseline made before baselines "
+         "kept one has none, and the sentence says the steps are unknown.",
          "A run that records more steps, a warm-up, or an evaluation loop is other work: its peak may be another "
          "moment's.",
          "Record the same steps in both runs (`memdiff record --steps 3:5`), or compare a window of each "

@@ -51,9 +51,10 @@ def _keys(source: Source) -> Set[str]:
     return set(source.keys) - {"emulated"}
 
 
-def _keeps_steps(s: Summary) -> bool:
-    """Whether a run's steps are known: a baseline stores where its peak was, not its steps."""
-    return s.source.container != "baseline"
+def _step_count(s: Summary, d: DeviceSummary) -> Optional[int]:
+    """How many steps a device's run recorded: a run's steps, a baseline's stored count; None for a
+    baseline made before baselines kept it."""
+    return d.steps_recorded(baseline=s.source.container == "baseline")
 
 
 # The codes whose sentences the JSON's `warnings` lists: why the two runs may not compare.
@@ -108,13 +109,18 @@ def _findings(base: Summary, head: Summary, devices: Sequence[DeviceDiff] = (),
         lo, hi = sorted((b.trace_events, h.trace_events))
         # Runs that record the same number of steps record the same work, however many events
         # a bigger batch or gradient accumulation makes; only then is the count no evidence.
-        # A baseline keeps no steps: its count is unknown, never zero.
-        known = _keeps_steps(base) and _keeps_steps(head)
-        same_steps = known and bool(b.steps) and len(b.steps) == len(h.steps)
+        # A baseline keeps its run's count, so a gate says what a diff of the two runs says; one
+        # made before it did has no count, never zero, and the sentence says so.
+        b_steps, h_steps = _step_count(base, b), _step_count(head, h)
+        same_steps = bool(b_steps) and b_steps == h_steps
         if lo and hi / lo > EVENT_RATIO_WARNING and not same_steps:
-            steps = f", {len(b.steps)} -> {len(h.steps)} steps" if known and (b.steps or h.steps) else ""
+            if b_steps is None or h_steps is None:
+                steps = (", steps unknown: the baseline was made by an earlier memdiff, which kept no step count; "
+                         "`memdiff baseline` again stores it")
+            else:
+                steps = f", {b_steps} -> {h_steps} steps" if b_steps or h_steps else ""
             out.append(finding("T010", b.device, ratio=hi / lo, base_events=b.trace_events,
-                               head_events=h.trace_events, steps=steps))
+                               head_events=h.trace_events, base_steps=b_steps, head_steps=h_steps, steps=steps))
     base_devices = {b.device: b for b in base.devices}
     for d in devices:
         if d.at == PEAK and d.base_peak_phase and d.head_peak_phase and d.base_peak_phase != d.head_peak_phase:
