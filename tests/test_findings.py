@@ -209,8 +209,8 @@ def test_the_gate_fails_on_kept_memory_growing_step_over_step_whatever_the_peak(
         ("P002", "fail", "default"), ("K002", "fail", "--fail-on")}
     assert [(c["code"], c["device"], c["source"]) for c in doc["finding_checks"]] == [
         ("K002", 0, "--fail-on"), ("K004", 0, "default")]
-    assert [f["code"] for f in doc["findings"]] == ["K002", "K004"]
-    assert doc["findings"][1]["data"]["step_peaks_bytes"] == [7_845_166_096, 10_575_326_232]
+    assert [f["code"] for f in doc["findings"]] == ["K004", "K002"]  # the error first, as every output shows them
+    assert doc["findings"][0]["data"]["step_peaks_bytes"] == [7_845_166_096, 10_575_326_232]
 
 
 def test_a_baseline_and_a_rules_file_keep_the_choice_and_flags_come_last(tmp_path, capsys, shared):
@@ -274,6 +274,38 @@ def test_a_gate_warns_of_event_counts_as_the_diff_of_the_same_two_runs(tmp_path,
         "warning: T010 device 0: event counts differ 2.2x (8,291 -> 18,096 events, steps unknown: the baseline was "
         "made by an earlier memdiff, which kept no step count; `memdiff baseline` again stores it): the runs may not "
         "record the same work"]
+
+
+def test_every_format_shows_the_findings_in_the_reports_one_order(tmp_path, capsys, monkeypatch):
+    # gpt2-oom ran out of memory in step 0's forward (A002, an error) after 230 events (T010), with
+    # another torch's keys (T007) and its peak in the forward, not the backward (P001). Markdown grouped
+    # them by severity and the other formats kept the order they were found in: A002 came first there
+    # and last elsewhere. The report holds one order (severity, code, device) and every format shows it.
+    base, head, page = CUDA / "gpt2-base.pickle.gz", CUDA / "gpt2-oom.pickle.gz", tmp_path / "r.html"
+    order = ["A002", "P001", "T007", "T010"]
+    finding_line = re.compile(r"^(?:error|warning|note): ([A-Z]\d{3}) ")
+    _, text, _ = cli(capsys, base, head, "--html", page)
+    before_devices = text.split("\ndevice 0:")[0]
+    assert [m.group(1) for m in map(finding_line.match, before_devices.splitlines()) if m] == order
+    _, markdown, _ = cli(capsys, base, head, "--format", "markdown")
+    assert re.findall(r"^> `([A-Z]\d{3})`", markdown, re.M) == order
+    _, out, _ = cli(capsys, base, head, "--format", "json")
+    doc = json.loads(out)
+    assert [f["code"] for f in doc["findings"]] == order
+    warned = [f for f in doc["findings"] if f["code"] != "A002"]  # why the runs may not compare: the same order
+    assert len(doc["warnings"]) == len(warned) and all(w.endswith(f["message"]) for w, f in zip(doc["warnings"], warned))
+    # The page shows the verdict and its notes (G002) first, then the findings; each code's documentation
+    # at its foot follows the page.
+    html = page.read_text()
+    shown = re.findall(r'<p class="(?:error|warning|muted)"><a class="mono" href="#rule-[a-z0-9]+">([A-Z]\d{3})</a>',
+                       html.split('id="toolbar"')[0])
+    assert shown == ["G002", *order]
+    assert re.findall(r'<details id="rule-([a-z0-9]+)"', html) == [c.lower() for c in ["G002", *order]]
+    monkeypatch.setenv("RUNNER_TEMP", str(tmp_path))
+    for name in ("GITHUB_STEP_SUMMARY", "GITHUB_OUTPUT", "GITHUB_EVENT_PATH"):
+        monkeypatch.delenv(name, raising=False)
+    _, annotated, _ = cli(capsys, base, head, "--github")
+    assert re.findall(r"^::(?:error|warning) title=memdiff ([A-Z]\d{3}) ", annotated, re.M) == order
 
 
 def test_every_surface_shows_the_code(tmp_path, capsys, shared):

@@ -14,7 +14,7 @@ snapshots emit.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 from memdiff.errors import InputError, clip
 from memdiff.model import Finding
@@ -605,6 +605,17 @@ def finding(code: str, device: Optional[int] = None, run: Optional[str] = None, 
                    data=data, run=run)
 
 
+SEVERITY_ORDER = (ERROR, WARNING, INFO)
+
+
+def in_order(findings: Iterable[Finding]) -> List[Finding]:
+    """The one order every output shows a report's findings in: errors, then warnings, then notes;
+    within a severity by code, then rank and device (what is about the whole comparison first);
+    findings alike in all of these keep the order they were found in (one OOM after another)."""
+    return sorted(findings, key=lambda f: (SEVERITY_ORDER.index(f.severity), f.code,
+                                           -1 if f.rank is None else f.rank, -1 if f.device is None else f.device))
+
+
 def shown(f: Finding) -> str:
     """A finding as every text surface shows it: `warning: P001 device 0: the peaks ...`."""
     return f"{SEVERITY_WORDS[f.severity]}: {f.code} {f.text}"
@@ -670,7 +681,8 @@ def docs_page() -> str:
         "Everything memdiff says beyond the numbers is a finding with a stable code: a family letter and a "
         "number. The JSON documents carry them as `findings` (`code`, `name`, `severity`, `device`, `run`, "
         "`message`, `data`); the text, markdown and HTML reports and the GitHub annotations show the code beside "
-        "the message; `memdiff rule CODE` prints a code's section below and `memdiff rule --all` lists them.", "",
+        "the message, all in one order: errors, then warnings, then notes, each by code, then rank and "
+        "device; `memdiff rule CODE` prints a code's section below and `memdiff rule --all` lists them.", "",
         "| family | about |", "| --- | --- |", *(f"| {k} | {v} |" for k, v in FAMILIES.items()), "",
         "## Gating on findings", "",
         "A finding of a code the gate fails on fails the gate (exit 1) whatever the peak did; an ignored code is "

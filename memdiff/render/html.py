@@ -130,8 +130,9 @@ def _finding(f: Finding, css: str = "") -> str:
 
 
 def _rules(findings: Sequence[Finding]) -> List[str]:
-    """The documentation of each code shown (findings.py's catalogue), for the links to land on."""
-    codes = sorted({f.code for f in findings})
+    """The documentation of each code shown (findings.py's catalogue), for the links to land on, in
+    the order the page first shows each code."""
+    codes = list(dict.fromkeys(f.code for f in findings))
     if not codes:
         return []
     out = ["<h2>Findings</h2>"]
@@ -261,7 +262,7 @@ def render_diff(report: Report) -> str:
                                  _run("head", head_name, head_devices.get(d.device))],
                         "rows": {f"r{k}": _row_data(r) for k, r in enumerate(d.rows)}})
     body += _trends(report)
-    body += _rules([*report.findings, *report.notes, *(report.buy_back.notes if report.buy_back else []),
+    body += _rules([*report.notes, *(report.buy_back.notes if report.buy_back else []), *report.findings,
                     *([report.trend_note] if report.trend_note else [])])
     return _page(title, body, {"kind": "diff", "devices": devices})
 

@@ -33,7 +33,7 @@ from memdiff.compare.differ import (
     PhaseDelta,
     diff,
 )
-from memdiff.compare.findings import finding
+from memdiff.compare.findings import finding, in_order
 from memdiff.compare.judge import Check, Runs, Verdict, judge, judge_ranks, noise_limit
 from memdiff.compare.limits import DEFAULT_PEAK, IGNORE, Limit, Thresholds
 from memdiff.compare.observe import PEAK, WARNING_STRINGS, kept_from, where_text
@@ -97,7 +97,8 @@ class Report:
     trend_note: Optional[Finding] = None
     # With --whatif on a regression: the changes that would bring head's peak back (predict.whatif.buyback).
     buy_back: Optional[BuyBackPart] = None
-    # The catalogue's findings shown (those the gate ignores left out): the diff's, then the report's.
+    # The catalogue's findings shown (those the gate ignores left out): the diff's and the report's, in
+    # the one order every output shows them in (findings.in_order: severity, code, rank, device).
     findings: List[Finding] = field(default_factory=list)
 
     @property
@@ -326,13 +327,14 @@ def _report(s: Settings, verdict: Optional[Verdict], results: List[RankResult], 
         return s.thresholds is None or s.thresholds.findings.action(f.code) != IGNORE
 
     findings = [f for f in shown.diff.findings + [f for r in devices for f in r.findings] if kept(f)]
-    warnings = [f.text for f in shown.diff.findings if f.code in WARNING_STRINGS and kept(f)]
     if job is not None:
         ranks = [finding("T011", ranks=ranks_text(numbers), rank_numbers=numbers, side=side)
                  for side, numbers in (("base", job.only_base), ("head", job.only_head)) if numbers]
-        ranks = [f for f in ranks if kept(f)]
-        warnings = [f.text for f in ranks] + [f"rank {job.worst_rank}: {w}" for w in warnings]
-        findings = ranks + [replace(f, rank=job.worst_rank) for f in findings]
+        findings = [f for f in ranks if kept(f)] + [replace(f, rank=job.worst_rank) for f in findings]
+    # One order, held here: every output shows the findings as this list has them.
+    findings = in_order(findings)
+    warnings = [f.text if f.rank is None else f"rank {f.rank}: {f.text}" for f in findings
+                if f.code in WARNING_STRINGS or f.code == "T011"]
     headline = _headline(devices)
     if verdict is not None and not verdict.passed and all(c.passed for c in verdict.checks):
         # Only findings failed it: the peak's own sentence would read as the regression (a fall, under P002).
