@@ -142,6 +142,34 @@ def test_two_real_runs_show_attention_growing_with_the_square_of_the_context(sha
     (w015,) = [f for f in d["findings"] if f["code"] == "W015"]
     assert w015["data"]["count"] == 3  # the two softmax sites and the causal mask (model.py:forward <- ge_Tensor)
     assert "nn_utils.py:softmax" in d["headline"] and "as its power 2.00" in d["headline"]
+    # Each site the warning counts is a row of the table it points to: the mask, 1.50 MiB in the larger run,
+    # grew least of all and was beyond the five rows that grew most, so no output showed it.
+    counted = [x["site"] for x in w015["data"]["faster_sites"]]
+    assert "model.py:forward <- ge_Tensor" in counted and set(counted) <= set(sites)
+    assert main(["forecast", f"{a}=128", f"{b}=256", "--at", "512"]) == 0
+    table = capsys.readouterr().out.split("growing site", 1)[1]
+    assert all(f"\n{site} " in table for site in counted)
+
+
+def test_w015_says_how_many_sites_the_table_leaves_out_and_where_they_are(write_snapshot, capsys):
+    # Five projections grow with the sequence (64 x seq x 1,000 B each) and seven score tensors with its square
+    # (4 seq^2 B): the projections grow most, the scores faster. The table adds up to five of the seven; the
+    # warning counted seven and named none of the other two.
+    def loop(seq: int) -> Dict[str, Any]:
+        trace = [alloc(1 + k, 64_000 * seq, py_frames(f"model.py:{10 + k}:project{k}")) for k in range(5)]
+        trace += [alloc(10 + k, 4 * seq * seq, py_frames(f"model.py:{30 + k}:scores{k}")) for k in range(7)]
+        return {"segments": [], "device_traces": [trace]}
+    runs = [f"{write_snapshot(loop(s), f's{s}.pickle')}={s}" for s in (64, 128)]
+    assert main(["forecast", *runs, "--at", "256", "--format", "json"]) == 0
+    d = json.loads(capsys.readouterr().out)["devices"][0]
+    (w015,) = [f for f in d["findings"] if f["code"] == "W015"]
+    shown = {x["site"] for x in d["predictions"][0]["sites"]}
+    counted = {x["site"] for x in w015["data"]["faster_sites"]}
+    assert counted == {f"model.py:scores{k}" for k in range(7)} and len(shown & counted) == 5
+    assert {f"model.py:project{k}" for k in range(5)} <= shown
+    assert w015["message"].endswith("forecasts 7 such sites too low (a third run fits a quadratic); the growing-site "
+                                    "table shows 5 of them, and the forecast's JSON (--format json) names all 7 in "
+                                    "this warning's data")
 
 
 def test_text_markdown_and_html(series, capsys, tmp_path):

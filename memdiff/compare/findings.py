@@ -443,10 +443,12 @@ CATALOGUE: Tuple[Code, ...] = (
          "third run that lines up one for one)"),
     Code("W015", "faster-than-linear-between-two-runs", WARNING,
          "between the two runs {sites}: a line through two sizes cannot follow that, and above the largest run "
-         "it forecasts {count:,} such site{s} too low (a third run fits a quadratic)",
+         "it forecasts {count:,} such site{s} too low (a third run fits a quadratic){unlisted}",
          "The forecast fits sizes from two runs, so each is a line; yet some sites live at the predicted peak "
          "grew by more than the knob's ratio between them (4.0x for 2x: as the knob's power 2, as attention "
-         "scores grow with the sequence). The two runs cannot tell the shape, but they show the growth.",
+         "scores grow with the sequence). The two runs cannot tell the shape, but they show the growth. Each "
+         "such site is a row of the growing-site table (up to 5 beside the 5 that grow most); the sentence "
+         "counts any beyond those, and its JSON data names them all (`faster_sites`).",
          "A size is a polynomial of the knob with non-negative terms (batch x sequence x sequence): through "
          "two runs it lies above their line beyond the largest one, so the forecast there is too low for "
          "those sites, and with them the peak.",

@@ -444,7 +444,11 @@ def _device_forecast(runs: List[DeviceCourse], courses: Sequence[Course], device
     replayed = [_predict(dev, v, overhead, largest, before) for v in at]
     predictions = [p for p, _ in replayed]
     # What two runs show and a line cannot: sites that grew faster than linearly between them (4.0x for 2x).
-    faster = [s for s in replayed[0][1] if s.runs_power is not None and s.runs_power >= FASTER_THAN_LINEAR]
+    faster = _faster(replayed[0][1])
+    if len(fitted) == 2:
+        # W015 counts them: each is a row of the growing-site table, where a reader looks for it.
+        for p, rows in replayed:
+            p.sites = _with_faster(p.sites, _faster(rows))
 
     checks = []
     for k, c in enumerate(courses):
@@ -489,8 +493,15 @@ def _device_forecast(runs: List[DeviceCourse], courses: Sequence[Course], device
     if len(fitted) == 2:
         notes.append(finding("W010", device))
         if faster:
+            listed = sum(1 for x in predictions[0].sites if x in faster)
+            unlisted = (f"; the growing-site table shows {listed:,} of them, and the forecast's JSON "
+                        f"(--format json) names all {len(faster):,} in this warning's data"
+                        if listed < len(faster) else "")
             notes.append(finding("W015", device, **_faster_said(faster, values[earlier], values[ref_index]),
-                                 count=len(faster), s="" if len(faster) == 1 else "s"))
+                                 count=len(faster), s="" if len(faster) == 1 else "s", listed=listed,
+                                 unlisted=unlisted, faster_sites=[
+                                     {"site": x.site, "runs_ratio": x.runs_ratio, "runs_power": x.runs_power}
+                                     for x in faster]))
     if int(unfitted.sum()):
         notes.append(finding("W011", device, count=int(unfitted.sum()), amount=format_bytes(unfitted_bytes),
                              amount_bytes=unfitted_bytes))
@@ -537,6 +548,18 @@ def _device_forecast(runs: List[DeviceCourse], courses: Sequence[Course], device
         alignment=(f"the {len(fitted)} fitted runs record the same allocations in the same order "
                    f"({len(ref.size):,} allocations)" if all(alignment.same[k] for k in fitted)
                    else _lined_up(alignment)))
+
+
+def _faster(rows: List[SitePrediction]) -> List[SitePrediction]:
+    """The sites that grew faster than linearly between the two largest fitted runs (W015)."""
+    return [s for s in rows if s.runs_power is not None and s.runs_power >= FASTER_THAN_LINEAR]
+
+
+def _with_faster(shown: List[SitePrediction], faster: List[SitePrediction]) -> List[SitePrediction]:
+    """The growing-site table (the TOP_SITES that grew most) with the sites that grew faster than
+    linearly added, up to TOP_SITES more (the fastest first), in the table's order of growth."""
+    extra = sorted((s for s in faster if s not in shown), key=lambda s: (-(s.runs_power or 0.0), -s.bytes, s.site))
+    return sorted(shown + extra[:TOP_SITES], key=lambda r: (-r.growth_bytes, -r.bytes, r.site))
 
 
 def _faster_said(faster: List[SitePrediction], low: int, high: int) -> Dict[str, str]:
