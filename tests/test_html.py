@@ -54,6 +54,26 @@ def test_render_writes_html_as_the_page_and_refuses_a_format_it_lacks():
         assert all(f in str(err.value) for f in FORMATS)
 
 
+def test_a_cut_stack_ends_in_the_same_words_in_every_output(write_snapshot):
+    # A model 20 modules deep allocates 1 MiB more at its innermost layer, and a new 1 MiB 17 modules deep.
+    # Outputs show 16 frames of a stack; the page said "... 4 more frames" and "... 1 more frames", the
+    # markdown "... 4 more frames", the text "… 4 more frames".
+    import memdiff
+    from memdiff.render.text import render_stacks
+
+    deep, deeper = (py_frames(*[f"layer{k}.py:{k + 1}:forward" for k in range(n)]) for n in (17, 20))
+    base = write_snapshot({"segments": [], "device_traces": [[alloc(1, 2**20, deeper)]]}, "base.pickle")
+    head = write_snapshot({"segments": [], "device_traces": [[alloc(1, 2**21, deeper), alloc(2, 2**20, deep)]]},
+                          "head.pickle")
+    report = memdiff.diff(base, head)
+    said = ["… 4 more frames", "… 4 more frames", "… 1 more frame"]  # the grown row's base and head, the new row
+    page_stacks = [st["frames"][-1] for r in _data(render(report, "html"))["devices"][0]["rows"].values()
+                   for st in r["stacks"]]
+    assert page_stacks == said
+    assert [line.strip() for line in render_stacks(report).splitlines() if "more frame" in line] == said
+    assert [line for line in render(report, "markdown").splitlines() if "more frame" in line] == said
+
+
 def test_labels_from_a_snapshot_cannot_break_out_of_the_page(write_snapshot, tmp_path, capsys):
     frames = py_frames(f"model.py:3:{HOSTILE}", "train.py:9:main")
     snap = {"device_traces": [[alloc(0x100, 512, frames), alloc(0x200, 256, frames), free(0x200, 256, frames)]],

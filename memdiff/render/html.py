@@ -24,22 +24,15 @@ from memdiff.analyse.peak import DevicePeak, PeakRow
 from memdiff.compare.findings import BY_CODE, ERROR, INFO, WARNING
 from memdiff.compare.observe import where_text
 from memdiff.compare.trend import TREND_HEADERS, Trend
-from memdiff.model import DeviceSummary, Finding, Frame, Summary
+from memdiff.model import DeviceSummary, Finding, Summary
 from memdiff.render.table import row_table
 from memdiff.report.build import Report
-from memdiff.report.types import STACK_FRAMES, DeviceReport, ShownRow, Table, frame_line
+from memdiff.report.types import DeviceReport, ShownRow, Table, stack_lines
 from memdiff.units import format_bytes
 
 
 def _asset(name: str) -> str:
     return (resources.files("memdiff") / "render" / name).read_text(encoding="utf-8")
-
-
-def _stack(frames: Sequence[Frame]) -> List[str]:
-    lines = [frame_line(f) for f in frames[:STACK_FRAMES]]
-    if len(frames) > STACK_FRAMES:
-        lines.append(f"... {len(frames) - STACK_FRAMES} more frames")
-    return lines
 
 
 def _run(role: str, label: str, d: Optional[DeviceSummary]) -> Dict[str, Any]:
@@ -51,7 +44,7 @@ def _run(role: str, label: str, d: Optional[DeviceSummary]) -> Dict[str, Any]:
     bars = [asdict(b) for b in history.bars] if history else []
     drawn = {b["signature"] for b in bars}
     groups = {g.signature: {"site": g.site, "category": g.category or "other", "bytes": g.bytes, "count": g.count,
-                            "stack": _stack(g.frames)} for g in d.groups if g.signature in drawn}
+                            "stack": stack_lines(g.frames)} for g in d.groups if g.signature in drawn}
     bands = [{"phase": p.phase, "start": p.start_event, "end": p.end_event, "step": s.step, "first": k == 0}
              for s in d.steps for k, p in enumerate(s.phases)]
     return {"role": role, "label": label, "peak_bytes": d.peak_bytes, "peak_event": d.peak_event_index,
@@ -63,7 +56,7 @@ def _run(role: str, label: str, d: Optional[DeviceSummary]) -> Dict[str, Any]:
 def _row_data(r: ShownRow) -> Dict[str, Any]:
     return {"title": r.title, "signatures": sorted({st.signature for st in r.stacks}),
             "stacks": [{"side": st.side, "count": st.count, "bytes": st.bytes,
-                        "frames": st.lines + ([f"... {st.more_frames} more frames"] if st.more_frames else [])}
+                        "frames": st.shown}
                        for st in r.stacks]}
 
 
@@ -280,7 +273,7 @@ def _peak_rows(device: int, p: DevicePeak) -> str:
 
 def _peak_row_data(r: PeakRow) -> Dict[str, Any]:
     return {"title": f"{r.site} ({r.category}) {format_bytes(r.bytes)}", "signatures": [r.signature],
-            "stacks": [{"side": "run", "count": r.count, "bytes": r.bytes, "frames": _stack(r.frames)}]}
+            "stacks": [{"side": "run", "count": r.count, "bytes": r.bytes, "frames": stack_lines(r.frames)}]}
 
 
 def render_peak(summary: Summary, peaks: List[DevicePeak]) -> str:

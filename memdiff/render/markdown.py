@@ -35,8 +35,7 @@ def _input(label: Optional[str], i: Input) -> str:
 
 
 def _frame_lines(st: Stack) -> List[str]:
-    more = [f"... {count_of(st.more_frames, 'more frame')}"] if st.more_frames else []
-    return [*md_fence([*st.lines, *more]), ""]
+    return [*md_fence(st.shown), ""]
 
 
 def _stacks(d: DeviceReport) -> List[str]:

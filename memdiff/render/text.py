@@ -14,7 +14,7 @@ from memdiff.inert import text
 from memdiff.model import Summary
 from memdiff.render.table import layout, row_table
 from memdiff.report.build import Report
-from memdiff.report.types import DeviceReport, frame_line
+from memdiff.report.types import DeviceReport, stack_lines
 from memdiff.units import count_of, format_bytes
 
 STACK_LINES = 6
@@ -29,10 +29,7 @@ def _when(us: Optional[int], start_us: Optional[int]) -> str:
 
 
 def _site_cell(row: PeakRow) -> str:
-    lines = [row.site] + ["  " + frame_line(f) for f in row.frames[:STACK_LINES]]
-    if len(row.frames) > STACK_LINES:
-        lines.append(f"  … {count_of(len(row.frames) - STACK_LINES, 'more frame')}")
-    return "\n".join(lines)
+    return "\n".join([row.site] + ["  " + line for line in stack_lines(row.frames, STACK_LINES)])
 
 
 def _device_block(p: DevicePeak) -> List[str]:
@@ -119,8 +116,7 @@ def render_stacks(report: Report) -> str:
             for st in r.stacks:
                 lines.append(f"device {d.device} {r.title} ({st.side}: {count_of(st.count, 'allocation')}, "
                              f"{format_bytes(st.bytes)})")
-                lines += ["  " + line for line in st.lines]
-                lines += [f"  … {count_of(st.more_frames, 'more frame')}"] if st.more_frames else []
+                lines += ["  " + line for line in st.shown]
     return "\n".join(lines) + "\n"
 
 

@@ -4,13 +4,13 @@ check that every output writes alike."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import List, Optional, Sequence
 
 from memdiff.compare.differ import DeviceDiff, Diff, DiffRow
 from memdiff.compare.judge import Check, FindingCheck, Verdict, growth_pct
 from memdiff.compare.observe import PEAK
 from memdiff.model import Finding, Frame, Summary
-from memdiff.units import format_bytes
+from memdiff.units import count_of, format_bytes
 
 DEFAULT_TOP = 20
 STACK_FRAMES = 16  # frames of a stack any output shows; the rest are counted
@@ -42,6 +42,17 @@ def frame_line(f: Frame) -> str:
     if not f.file:
         return f.name
     return f"{f.file}:{f.line} {f.name}" if f.line else f"{f.file} {f.name}"
+
+
+def stack_lines(frames: Sequence[Frame], shown: int = STACK_FRAMES) -> List[str]:
+    """A stack as every output shows it: its first `shown` frames, then `… 3 more frames` when cut."""
+    cut = len(frames) - shown
+    return [frame_line(f) for f in frames[:shown]] + ([more_frames(cut)] if cut > 0 else [])
+
+
+def more_frames(count: int) -> str:
+    """`… 3 more frames`: the line that ends a cut stack, in every output."""
+    return f"… {count_of(count, 'more frame')}"
 
 
 def pct_cell(base: int, head: int) -> str:
@@ -95,8 +106,13 @@ class Stack:
     count: int
     bytes: int
     signature: str
-    lines: List[str]
+    lines: List[str]  # the frames shown, without the line that says how many more there are
     more_frames: int
+
+    @property
+    def shown(self) -> List[str]:
+        """The stack's lines as every output shows them: the frames, then `… 3 more frames` when cut."""
+        return self.lines + ([more_frames(self.more_frames)] if self.more_frames else [])
 
 
 @dataclass
