@@ -309,8 +309,11 @@ def test_a_trace_that_overflowed_its_ring_buffer_is_said_in_peak_and_warned_in_t
     b, h = write(tmp_path, "a.pickle", base), write(tmp_path, "b.pickle", head)
     said = ("the trace overflowed its ring buffer of 2 entries: its first events are gone, so memory allocated "
             "before them counts as static and their stacks are unknown (record with a larger max_entries)")
-    code, out, _ = run(capsys, "peak", h)
+    page = tmp_path / "peak.html"
+    code, out, _ = run(capsys, "peak", h, "--html", page)
     assert code == 0 and f"warning: T001 {said}" in out.splitlines() and BY_CODE["T001"].example_output in out
+    # The page shows what the text shows of the run as a whole (it showed only each device's findings).
+    assert f'<a class="mono" href="#rule-t001">T001</a> {said}</p>' in page.read_text()
     assert "overflowed" not in run(capsys, "peak", b)[1]
     _, data = json_diff(capsys, b, h)
     # Named once, as what it is; never as allocator settings that differ.

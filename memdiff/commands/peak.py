@@ -38,13 +38,14 @@ def run(args: argparse.Namespace) -> int:
         check_output(args.html, inputs=[args.snapshot])
     summary = read_summary(args.snapshot, rules_from(args), history=bool(args.html), window=args.window)
     peaks = peak_report(args.snapshot, summary, args.top, args.device)
+    run_findings = source_findings(summary)  # about the run as a whole: every output shows them
     if args.html:
-        write_output(args.html, render_peak_html(summary, peaks))
+        write_output(args.html, render_peak_html(summary, peaks, run_findings))
     if args.format == "json":
         shown = {p.device.device for p in peaks}
-        findings = source_findings(summary) + [f for p in peaks for f in p.findings]
+        findings = run_findings + [f for p in peaks for f in p.findings]
         sys.stdout.write(render_summary(replace(summary, devices=[d for d in summary.devices if d.device in shown]),
                                         findings))
     else:
-        sys.stdout.write(render_peak(summary, peaks))
+        sys.stdout.write(render_peak(summary, peaks, run_findings))
     return 0

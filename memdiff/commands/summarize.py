@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from memdiff.analyse.peak import peak_report
+from memdiff.analyse.peak import peak_report, source_findings
 from memdiff.atomic import check_output, write_output
 from memdiff.commands.args import add_rules_arguments, rules_from
 from memdiff.read.inputs import read_summary
@@ -34,7 +34,7 @@ def run(args: argparse.Namespace) -> int:
     if args.format == "json":
         text = render_summary(summary)
     else:
-        text = render_peak(summary, peak_report(args.snapshot, summary, top=None))
+        text = render_peak(summary, peak_report(args.snapshot, summary, top=None), source_findings(summary))
     if args.output is not None:
         write_output(args.output, text)
     else:

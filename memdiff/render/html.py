@@ -276,13 +276,15 @@ def _peak_row_data(r: PeakRow) -> Dict[str, Any]:
             "stacks": [{"side": "run", "count": r.count, "bytes": r.bytes, "frames": stack_lines(r.frames)}]}
 
 
-def render_peak(summary: Summary, peaks: List[DevicePeak]) -> str:
-    """The peak report of one run as one self-contained HTML page."""
+def render_peak(summary: Summary, peaks: List[DevicePeak], run_findings: Sequence[Finding]) -> str:
+    """The peak report of one run as one self-contained HTML page: the findings about the run as a
+    whole, then each device's."""
     name = summary.source.file
     title = f"memdiff peak: {name}"
     body = [f"<h1>{html.escape(title)}</h1>",
             f'<p class="muted"><code>{html.escape(name)}</code> ({html.escape(summary.source.container)}, '
-            f'{html.escape(summary.source.generation)})</p>', _toolbar(compare=False)]
+            f'{html.escape(summary.source.generation)})</p>', *(_finding(f) for f in run_findings),
+            _toolbar(compare=False)]
     devices = []
     for p in peaks:
         d = p.device
@@ -298,5 +300,5 @@ def render_peak(summary: Summary, peaks: List[DevicePeak]) -> str:
         body += ["<h3>Groups live at the peak</h3>", _peak_rows(d.device, p)]
         devices.append({"device": d.device, "runs": [_run("run", name, d)],
                         "rows": {f"r{k}": _peak_row_data(r) for k, r in enumerate(p.rows) if r.signature}})
-    body += _rules([f for p in peaks for f in p.findings])
+    body += _rules([*run_findings, *(f for p in peaks for f in p.findings)])
     return _page(title, body, {"kind": "peak", "devices": devices})

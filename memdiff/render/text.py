@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 from datetime import datetime, timezone
-from typing import List, Optional
+from typing import List, Optional, Sequence
 
 from tabulate import tabulate
 
-from memdiff.analyse.peak import PHASE_COLUMNS, DevicePeak, PeakRow, StepRow, source_findings
+from memdiff.analyse.peak import PHASE_COLUMNS, DevicePeak, PeakRow, StepRow
 from memdiff.compare.findings import shown
 from memdiff.compare.observe import where_text
 from memdiff.inert import text
-from memdiff.model import Summary
+from memdiff.model import Finding, Summary
 from memdiff.render.table import layout, row_table
 from memdiff.report.build import Report
 from memdiff.report.types import DeviceReport, stack_lines
@@ -95,13 +95,14 @@ def step_table(rows: List[StepRow], tablefmt: str) -> str:
                     colalign=("right", *["right"] * len(columns)))
 
 
-def render_peak(summary: Summary, peaks: List[DevicePeak]) -> str:
-    """What `memdiff peak` prints: per device the peak, static, where the peak happens and the top groups."""
+def render_peak(summary: Summary, peaks: List[DevicePeak], run_findings: Sequence[Finding]) -> str:
+    """What `memdiff peak` prints: the findings about the run as a whole (analyse.peak.source_findings),
+    then per device the peak, static, where the peak happens and the top groups."""
     s = summary.source
     lines = [f"{text(s.file)}: {s.container}, format {s.generation}, sha256 {s.sha256[:12]}"]
     if not peaks:
         lines.append("no device memory in this snapshot (no trace and no segments)")
-    lines += [text(shown(f)) for f in source_findings(summary)]  # a finding may quote the file (a GPU's name)
+    lines += [text(shown(f)) for f in run_findings]  # a finding may quote the file (a GPU's name)
     for p in peaks:
         lines.append("")
         lines.extend(_device_block(p))
