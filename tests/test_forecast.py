@@ -3,6 +3,7 @@ of real models whose forecast is checked against a capture at that size (PyTorch
 
 from __future__ import annotations
 
+import html
 import json
 import sys
 from pathlib import Path
@@ -317,9 +318,13 @@ def test_a_baseline_headroom_limit_fails_a_forecast_that_costs_capacity(series, 
     assert doc["headroom"]["passed"] and doc["devices"][0]["max_value_within_budget"] == 50
     # a change that costs capacity: heavier weights leave room for fewer samples
     heavier = [f"{write_snapshot(loop(v, weights=4100), f'h{v}.pickle')}={v}" for v in (1, 2, 4)]
-    assert main(["forecast", *heavier, "--baseline", str(baseline)]) == 1
+    page = tmp_path / "f.html"
+    assert main(["forecast", *heavier, "--baseline", str(baseline), "--html", str(page)]) == 1
     out = capsys.readouterr().out
     assert "FAIL  headroom (device 0): the largest value within" in out and "limit: fail below 50" in out
+    # The page says the failing check too (it showed the tables, and no verdict).
+    failed = next(line for line in out.splitlines() if line.startswith("FAIL  headroom"))
+    assert html.escape(failed) in page.read_text()
     result = memdiff.forecast({r.split("=")[0]: int(r.split("=")[1]) for r in heavier}, baseline=baseline)
     assert result.headroom is not None and not result.headroom.passed
     # a baseline without the limit is bad input for --baseline, and a second budget is refused

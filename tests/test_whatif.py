@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -274,6 +275,23 @@ def test_without_change_every_applicable_one_sorted_by_saving(run, capsys):
     assert main(["whatif", run, "--budget", "10000"]) == 0
     out = capsys.readouterr().out
     assert "zero-grad=none: does not apply: the run already frees its gradients" in out
+
+
+def test_every_format_shows_every_finding_of_the_document(run, capsys, tmp_path):
+    # W006 (what a what-if is) is the run's; W014 (zero-grad=none does not apply) the device's. The text said
+    # both; the markdown and the page left the run's out.
+    page = tmp_path / "w.html"
+    assert main(["whatif", run, "--format", "json", "--html", str(page)]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    codes = [f["code"] for f in doc["findings"]] + [f["code"] for d in doc["devices"] for f in d["findings"]]
+    assert codes == ["W006", "W014"]
+    assert main(["whatif", run, "--format", "markdown"]) == 0
+    markdown = capsys.readouterr().out
+    assert main(["whatif", run]) == 0
+    text = capsys.readouterr().out
+    for out, shown in ((text, r"^(?:note|warning): (W\d{3}) "), (markdown, r"^> `(W\d{3})`"),
+                       (page.read_text(), r"<p class=note>(W\d{3}) ")):
+        assert re.findall(shown, out, re.M) == codes
 
 
 def test_a_change_that_cannot_apply_is_one_line_not_a_guess(write_snapshot, capsys):

@@ -108,10 +108,11 @@ def render_json(f: Forecast) -> str:
 
 def render_html(f: Forecast) -> str:
     """One self-contained page: the markdown's tables as HTML tables."""
-    body = []
+    body = [f"<h2>{html.escape(d.headline)}</h2>" for d in f.devices]
+    body += [f"<p>{html.escape(f.headroom.line)}</p>"] if f.headroom is not None else []
+    body += [f"<p class=note>{html.escape(n)}</p>" for n in f.notes]
     for d in f.devices:
-        body.append(f"<h2>{html.escape(d.headline)}</h2>")
-        body += [f"<p class=note>{html.escape(n)}</p>" for n in f.notes]
+        body.append(f"<h3>device {d.device}</h3>")
         body += [f"<p class=note>{n.code} {html.escape(n.text)}</p>" for n in d.notes]
         tables = [_runs_table(d, "html"), _predictions_table(d, "html"), *_at_peak_tables(d, "html")]
         body += tables

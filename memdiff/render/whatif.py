@@ -68,6 +68,7 @@ def render_markdown(w: WhatIf) -> str:
     out = ["### memdiff whatif", "", f"run: {md_code(os.path.basename(w.file))}{md_text(_title(w))}"]
     if w.budget_bytes is not None:
         out += [f"budget: {format_bytes(w.budget_bytes)}"]
+    out += ["", *(f"> `{n.code}` {md_text(n.text)}" for n in w.notes)] if w.notes else []
     for d in w.devices:
         out += ["", f"**{md_text(d.headline)}**", ""]
         if any(c.applies for c in d.changes):
@@ -87,7 +88,7 @@ def render_json(w: WhatIf) -> str:
 
 def render_html(w: WhatIf) -> str:
     """One self-contained page: the markdown's tables as HTML tables."""
-    body = []
+    body = [f"<p class=note>{n.code} {html.escape(n.text)}</p>" for n in w.notes]
     for d in w.devices:
         body.append(f"<h2>{html.escape(d.headline)}</h2>")
         if any(c.applies for c in d.changes):
