@@ -248,9 +248,11 @@ def _warnings(out: str) -> List[str]:
     return [line for line in out.splitlines() if re.match(r"(warning|error|note): [A-Z]\d{3} ", line)]
 
 
-def test_a_gate_warns_of_event_counts_as_the_diff_of_the_same_two_runs(tmp_path, capsys):
+def test_a_gate_warns_of_the_trace_as_the_diff_of_the_same_two_runs(tmp_path, capsys):
     # Both record 3 steps (their .facts.json, written by the capture): gradient accumulation doubles
-    # the events of each step (8,291 -> 18,096), not the work recorded; the OOM run stops in step 0.
+    # the events of each step (8,291 -> 18,096), not the work recorded; the OOM run stops in step 0,
+    # recorded by a torch that writes trace.device_free (T007). A baseline kept neither the steps nor
+    # the keys: the gate warned of the first pair's events and never of the second's keys.
     facts = {name: json.loads((CUDA / f"{name}.pickle.facts.json").read_text())["steps"]
              for name in ("gpt2-sgd", "gpt2-accum2", "gpt2-base")}
     assert facts == {"gpt2-sgd": 3, "gpt2-accum2": 3, "gpt2-base": 3}
@@ -264,6 +266,8 @@ def test_a_gate_warns_of_event_counts_as_the_diff_of_the_same_two_runs(tmp_path,
         _, gated, _ = cli(capsys, "gate", h, "--baseline", stored)
         assert [w for w in _warnings(said) if "T010" in w] == [w for w in _warnings(gated) if "T010" in w] == \
             ([t010] if t010 else [])
+        trace_codes = [[w.split()[1] for w in _warnings(out) if w.split()[1].startswith("T")] for out in (said, gated)]
+        assert trace_codes[0] == trace_codes[1] == (["T007", "T010"] if t010 else [])
     # A baseline made before baselines kept their step count: the warning says the steps are unknown.
     old = tmp_path / "old.json"
     doc = json.loads((tmp_path / "gpt2-sgd.json").read_text())

@@ -174,7 +174,8 @@ def from_summary(summary: Summary, name: str, thresholds: Thresholds, git_sha: O
                  created: Optional[str] = None) -> Baseline:
     """A baseline of a classified summary."""
     s = summary.source
-    source = {"file": s.file, "sha256": s.sha256, "generation": s.generation,
+    # The snapshot's keys: a gate says when the run's differ (T007), as a diff of the two runs does.
+    source = {"file": s.file, "sha256": s.sha256, "generation": s.generation, "keys": sorted(s.keys),
               "allocator_settings": s.allocator_settings, "emulated": s.emulated, "git_sha": git_sha}
     devices = [{
         "device": d.device, "peak_bytes": d.peak_bytes, "static_bytes": d.static_bytes,
@@ -421,8 +422,8 @@ def _stored_summary(b: Baseline) -> Summary:
             reserved_peak_bytes=d.get("reserved_peak_bytes"), fragmentation_bytes=d.get("fragmentation_bytes")))
     s = b.source
     source = Source(file=f"baseline {b.name} ({s['file']})", sha256=s["sha256"], size_bytes=0, container="baseline",
-                    generation=s["generation"], keys=[], allocator_settings=s.get("allocator_settings"),
-                    emulated=s.get("emulated"))
+                    generation=s["generation"], keys=list(s.get("keys", [])),
+                    allocator_settings=s.get("allocator_settings"), emulated=s.get("emulated"))
     return Summary(source=source, devices=devices, tool=b.tool)
 
 
