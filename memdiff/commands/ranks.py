@@ -20,7 +20,7 @@ from memdiff.errors import EXIT_OK, EXIT_REGRESSION
 from memdiff.read.job import summarize_ranks
 from memdiff.read.window import add_window_arguments
 from memdiff.render import ranks as render_ranks
-from memdiff.report.build import device_report
+from memdiff.report.ranks import shown_ranks
 
 DESCRIPTION = ("Read a job (a folder or glob of per-rank snapshots or summaries; the rank comes from each "
                "file name) and show per rank the peak, where it is, static and category bytes; the spread "
@@ -54,6 +54,5 @@ def run(args: argparse.Namespace) -> int:
     if args.format == "json":
         sys.stdout.write(render_ranks.render_json(report, check))
     else:
-        detail = device_report(report.diff.devices[0], args.top, args.min_delta) if report.diff.devices else None
-        sys.stdout.write(render_ranks.render_text(report, detail, check))
+        sys.stdout.write(render_ranks.render_text(shown_ranks(report, args.top, args.min_delta, check)))
     return EXIT_OK if check is None or check.passed else EXIT_REGRESSION

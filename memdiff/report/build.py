@@ -588,13 +588,9 @@ def device_report(d: DeviceDiff, top: int, min_delta: int, like: Optional[Device
     shown = changed[:top]
     rest = [r for r in d.rows if id(r) not in kept_ids]
     others_label = count_of(len(rest), "other")
-    moment = moment_name(d.at)
     return scrubbed(DeviceReport(
         device=d.device, diff=d,
-        heading=(f"device {d.device}: {moment} {format_bytes(d.base_peak_bytes)} -> "
-                 f"{format_bytes(d.head_peak_bytes)} ({format_bytes(d.peak_delta_bytes, signed=True)}, "
-                 f"{pct_cell(d.base_peak_bytes, d.head_peak_bytes)}); static {format_bytes(d.base_static_bytes)} -> "
-                 f"{format_bytes(d.head_static_bytes)}"),
+        heading=f"device {d.device}: {change_line(d)}",
         where=_where(d),
         phases=Table(PHASE_HEADERS, [_phase_cells(p) for p in d.phases]) if d.phases else None,
         categories=Table(CATEGORY_HEADERS, [[c.category, format_bytes(c.base_bytes), format_bytes(c.head_bytes),
@@ -607,6 +603,14 @@ def device_report(d: DeviceDiff, top: int, min_delta: int, like: Optional[Device
         total=_sum_cells("TOTAL", d.rows),
         like_for_like=device_report(like, top, min_delta, None) if like is not None else None),
         skip=ANALYSIS_FIELDS)
+
+
+def change_line(d: DeviceDiff) -> str:
+    """`peak 6.53 GiB -> 8.48 GiB (+1.95 GiB, +29.8%); static 4.75 GiB -> 4.75 GiB`: a device's change,
+    as its heading says it after `device N: `."""
+    return (f"{moment_name(d.at)} {format_bytes(d.base_peak_bytes)} -> {format_bytes(d.head_peak_bytes)} "
+            f"({format_bytes(d.peak_delta_bytes, signed=True)}, {pct_cell(d.base_peak_bytes, d.head_peak_bytes)}); "
+            f"static {format_bytes(d.base_static_bytes)} -> {format_bytes(d.head_static_bytes)}")
 
 
 def _phase_cells(p: PhaseDelta) -> List[str]:
