@@ -223,7 +223,7 @@ def test_findings_fail_or_are_ignored_through_the_inputs_and_say_so_in_the_outpu
     head = str(cuda / "gpt2-log-tensor.pickle.gz")
     outputs, log = action(tmp_path, head=head, baseline=str(stored))
     assert (outputs["exit-code"], outputs["verdict"]) == ("1", "fail")
-    assert (outputs["findings"], outputs["failed-findings"]) == ("K002 K004", "K004")
+    assert (outputs["findings"], outputs["failed-findings"]) == ("K004 K002", "K004")  # the report's order: the error first
     assert "::error title=memdiff K004 kept-grows-per-step::device 0: memory kept from earlier steps" in log
     outputs, log = action(tmp_path, head=head, baseline=str(stored), fail_on="K002")
     assert outputs["exit-code"] == "1" and outputs["failed-findings"] == "K002 K004"
