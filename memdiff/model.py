@@ -159,6 +159,9 @@ class DeviceSummary:
     # compares step counts as a diff of the two runs does (T010). None for a run (its steps are
     # `steps`) and for a baseline made before baselines kept it.
     step_count: Optional[int] = None
+    # A baseline's too: the peaks of its run's steps after the first (compare.observe.step_peaks), so that
+    # a gate tells a baseline whose memory grew step over step too (K004) as a diff does. None for a run.
+    step_peaks: Optional[List[int]] = None
 
     def steps_recorded(self, baseline: bool) -> Optional[int]:
         """How many steps the run recorded: a run's `steps`, a baseline's stored count (`baseline`);
@@ -350,8 +353,9 @@ class Summary:
         """
         data = asdict(self)
         for d in data["devices"]:
-            if d["step_count"] is None:  # a run's steps are its `steps`; only a baseline's summary has a count
-                del d["step_count"]
+            for key in ("step_count", "step_peaks"):  # a run's steps are its `steps`: only a baseline's has these
+                if d[key] is None:
+                    del d[key]
             at_peak = {g["signature"] for g in d["groups"]}
             for p in d["phase_peaks"]:
                 for g in p["groups"] or []:

@@ -280,6 +280,28 @@ def test_a_gate_warns_of_the_trace_as_the_diff_of_the_same_two_runs(tmp_path, ca
         "record the same work"]
 
 
+def test_a_gate_fails_on_kept_memory_growing_step_over_step_as_the_diff_of_the_same_two_runs(tmp_path, capsys):
+    # Both runs keep something of every step, so each grows step over step (gpt2-keep-weights: a copy of
+    # the weights; gpt2-log-tensor: the loss as a tensor, 7.31 GiB then 9.85 GiB). The diff of the two says
+    # K002 and passes; the gate against keep-weights' baseline, which kept no step peaks, failed on K004.
+    base, head = CUDA / "gpt2-keep-weights.pickle.gz", CUDA / "gpt2-log-tensor.pickle.gz"
+    stored, old = tmp_path / "kw.json", tmp_path / "old.json"
+    code, said, _ = cli(capsys, base, head, "--fail-over-pct", "1000")
+    assert code == 0 and [w.split()[1] for w in _warnings(said)] == ["K002"]
+    assert cli(capsys, "baseline", base, "-o", stored, "--fail-over-pct", "1000")[0] == 0
+    doc = json.loads(stored.read_text())
+    assert len(doc["devices"][0]["step_peaks"]) == 2  # steps 1 and 2 (step 0 builds AdamW's state)
+    code, gated, _ = cli(capsys, "gate", head, "--baseline", stored)
+    assert code == 0 and [w.split()[1] for w in _warnings(gated)] == [w.split()[1] for w in _warnings(said)]
+    # A baseline made before it kept step peaks: the failure says what is unknown.
+    del doc["devices"][0]["step_peaks"]
+    old.write_text(json.dumps(doc))
+    code, gated, _ = cli(capsys, "gate", head, "--baseline", old)
+    assert code == 1 and "7.31 GiB, 9.85 GiB; 2.54 GiB live at the peak was allocated by earlier steps; whether " \
+        "the baseline's run grew too is unknown: it was made by an earlier memdiff, which kept no step peaks " \
+        "(`memdiff baseline` again stores them)" in gated
+
+
 def test_every_format_shows_the_findings_in_the_reports_one_order(tmp_path, capsys, monkeypatch):
     # gpt2-oom ran out of memory in step 0's forward (A002, an error) after 230 events (T010), with
     # another torch's keys (T007) and its peak in the forward, not the backward (P001). Markdown grouped

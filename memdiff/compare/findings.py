@@ -274,11 +274,12 @@ CATALOGUE: Tuple[Code, ...] = (
          "forward) that the base run does not keep: a graph or outputs held from one forward to the next"),
     Code("K004", "kept-grows-per-step", ERROR,
          "memory kept from earlier steps grows step over step: the steps after the first peak at {steps}; {kept} "
-         "live at the peak was allocated by earlier steps",
+         "live at the peak was allocated by earlier steps{unknown}",
          "Each step after the first peaks higher than the one before, and memory allocated by earlier steps is "
          "live at the peak: the run keeps something of every step. Comparing two runs, it is said of the head run "
-         "when the base run's steps do not grow so (a baseline keeps no steps) and the head keeps more memory from "
-         "earlier steps than the base.",
+         "when the base run's steps do not grow so and the head keeps more memory from earlier steps than the "
+         "base. A baseline keeps its run's step peaks for this; of one made before it did, whether its run grew "
+         "is unknown, and the sentence says so.",
          "A leak that grows by a step's worth each step: the run fails some steps later, however small the "
          "growth of a three-step test run.",
          "Find what each step keeps (K001's sites): a loss logged as a tensor, tensors appended to a list, a "

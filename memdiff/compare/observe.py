@@ -154,7 +154,12 @@ def _findings(base: Summary, head: Summary, devices: Sequence[DeviceDiff] = (),
         h_dev, b_dev = heads.get(d.device), base_devices.get(d.device)
         if (h_dev is not None and b_dev is not None and k is not None and k.head_bytes > k.base_bytes
                 and growing_steps(h_dev) and not growing_steps(b_dev)):
-            out.append(finding("K004", d.device, **growing_data(h_dev)))
+            said = growing_data(h_dev)
+            if base.source.container == "baseline" and b_dev.step_peaks is None:
+                # Whether the baseline's run grew too is unknown: say so, as the finding may fail the gate.
+                said["unknown"] = ("; whether the baseline's run grew too is unknown: it was made by an earlier "
+                                   "memdiff, which kept no step peaks (`memdiff baseline` again stores them)")
+            out.append(finding("K004", d.device, **said))
         if k is not None and k.head_forward_bytes and not k.base_forward_bytes:
             out.append(finding("K003", d.device, kept=format_bytes(k.head_forward_bytes),
                                kept_bytes=k.head_forward_bytes,
@@ -172,9 +177,12 @@ STEP_GROWTH_PCT = 1.0
 STEPS_GROWING = 2  # steps after the first that must each grow over the one before
 
 
-def _step_peaks(d: DeviceSummary) -> List[int]:
+def step_peaks(d: DeviceSummary) -> List[int]:
     """The peaks of the steps after the first that run the phases the second one runs: a step cut
-    short (the trace ends in its forward, a last evaluation) is no step to compare."""
+    short (the trace ends in its forward, a last evaluation) is no step to compare. A baseline's
+    are the ones it stored (none when made before baselines kept them)."""
+    if d.step_peaks is not None:
+        return list(d.step_peaks)
     steps = d.steps[1:]
     kinds = {p.phase for p in steps[0].phases} if steps else set()
     return [max((p.peak_bytes for p in s.phases), default=0) for s in steps if {p.phase for p in s.phases} == kinds]
@@ -191,7 +199,7 @@ def kept_bytes(d: DeviceSummary) -> Tuple[int, int, int]:
 def growing_steps(d: DeviceSummary) -> bool:
     """Whether the device keeps memory from earlier steps and each step after the first peaks at
     least STEP_GROWTH_PCT higher than the one before (over STEPS_GROWING steps at least)."""
-    peaks = _step_peaks(d)
+    peaks = step_peaks(d)
     if len(peaks) < STEPS_GROWING or not kept_bytes(d)[0]:
         return False
     return all(after * 100 > before * (100 + STEP_GROWTH_PCT) for before, after in zip(peaks, peaks[1:]))
@@ -199,10 +207,10 @@ def growing_steps(d: DeviceSummary) -> bool:
 
 def growing_data(d: DeviceSummary) -> Dict[str, Any]:
     """K004's figures: the step peaks after the first, and the bytes kept at the peak."""
-    peaks = _step_peaks(d)
+    peaks = step_peaks(d)
     kept = kept_bytes(d)[0]
     return {"step_peaks_bytes": peaks, "steps": ", ".join(format_bytes(p) for p in peaks),
-            "kept_bytes": kept, "kept": format_bytes(kept)}
+            "kept_bytes": kept, "kept": format_bytes(kept), "unknown": ""}
 
 
 def oom_data(o: OomEvent) -> Dict[str, Any]:
