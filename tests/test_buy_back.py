@@ -231,3 +231,16 @@ def test_a_change_bought_back_on_an_untraced_head_says_it_rests_on_a_guess(write
     _, md_out, _ = run(base, head, "--fail-over-pct", "5", "--whatif", "--format", "markdown")
     for shown in (text_out, md_out, page.read_text()):
         assert "W016" in shown and "on a guess: 64.00 MiB" in shown
+
+
+def test_a_change_bought_back_on_state_known_by_the_stack_that_freed_it_says_so(shared):
+    # cs336's medium model at context 128 against 256 (a regression, G002): on the head, AdamW's moments are
+    # older than the trace and known only by the stack that freed them (test_whatif); dropping them (SGD keeps
+    # no state) buys the regression back, and the line that says so names the guess, which it left out.
+    doc = as_json(shared / "cs336-medium-ctx128-train.pickle", shared / "cs336-medium-ctx256-train.pickle",
+                  "--whatif")
+    sgd = next(b for b in doc["buy_back"] if b["change"] == "optimizer=sgd")
+    assert sgd["guessed_bytes"] == test_whatif.CS336_MEDIUM_ADAMW_STATE
+    assert "on a guess: 3.15 GiB it changes is optimizer_state by the stack that freed it, W016" in sgd["text"]
+    assert any(n.startswith("device 0: optimizer=sgd: its figure rests on a guess") and "by the stack that freed it" in n
+               for n in doc["buy_back_notes"])

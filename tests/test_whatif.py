@@ -1179,6 +1179,65 @@ def test_a_change_to_an_untraced_snapshot_says_its_category_is_a_guess(shared, e
         assert "W016" in shown and "on a guess" in shown and "on a guessed category" in shown
 
 
+def test_state_known_by_the_stack_that_updated_it_in_place_is_a_guess_too(write_snapshot, capsys):
+    # A CPU capture recorded after Adagrad's constructor made its sum (test_edges.adagrad_run): the sum and the
+    # step counter, older than the trace, are optimizer_state by the stack of the step's in-place update, the
+    # weight parameter by the order of the step's updates (a weight's is the last of its turn); neither is read
+    # from the stack it was made with. Adagrad keeps one sum
+    # per weight (the weight's 4,096 B) and a one-element fp32 step counter (4 B). W016 named neither before.
+    from test_edges import SIZE, adagrad_run
+
+    path = write_snapshot(adagrad_run())
+    assert main(["whatif", path, "--change", "optimizer=sgd", "--change", "weights=bf16", "--format", "json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    validate("whatif", doc, "whatif")
+    (device,) = doc["devices"]
+    sgd, bf16 = device["changes"]
+    updated = "by the stack that updated it in place"
+    assert (sgd["guessed_bytes"], bf16["guessed_bytes"]) == (SIZE, 2 * SIZE)
+    # SGD keeps no state: the sum goes, known only by its update (the rule leaves one-element tensors as they are).
+    assert sgd["guessed_by"] == [{"category": "optimizer_state", "inference": updated, "bytes": SIZE}]
+    # bf16 halves the sum and the weight (the counter keeps its size); the weight's three versions (two
+    # steps' updates) are one tensor, counted once.
+    assert bf16["guessed_by"] == [{"category": "optimizer_state", "inference": updated, "bytes": SIZE},
+                                  {"category": "parameter", "inference": "by the order of its in-place updates",
+                                   "bytes": SIZE}]
+    w016 = {f["data"]["change"]: f for f in device["findings"] if f["code"] == "W016"}
+    assert set(w016) == {"optimizer=sgd", "weights=bf16"}
+    assert "optimizer_state (4.00 KiB, by the stack that updated it in place)" in w016["optimizer=sgd"]["message"]
+    assert "on a guess: 8.00 KiB it changes is optimizer_state by the stack that updated it in place and " \
+           "parameter by the order of its in-place updates" in bf16["line"]
+
+
+# The cs336 assignment's "medium" Transformer LM (d_model 1024, d_ff 4096 in a SwiGLU of three matrices, 24
+# layers, vocabulary 10,000, untied embeddings, RMSNorm weights): its parameters, and AdamW's two moments of each.
+CS336_MEDIUM_PARAMS = 2 * 10_000 * 1024 + 24 * (4 * 1024 * 1024 + 3 * 1024 * 4096 + 2 * 1024) + 1024
+CS336_MEDIUM_ADAMW_STATE = 2 * 4 * CS336_MEDIUM_PARAMS
+
+
+def test_state_known_by_the_stack_that_freed_it_is_a_guess_too(shared, capsys):
+    # A real CUDA capture whose ring buffer lost the first steps (cs336-medium-ctx128-train): AdamW's moments
+    # are older than the trace, and the assignment's optimizer replaces them each step, so the trace sees them
+    # freed ("freed at optimizer.py:step"): optimizer_state by the stack that freed it, never by their own.
+    # optimizer=sgd drops every one of them, and W016 was silent; C001 named only the weights.
+    from memdiff.analyse.classify import load_rules
+    from memdiff.analyse.peak import device_findings
+    from memdiff.read.inputs import read_summary
+
+    path = str(shared / "cs336-medium-ctx128-train.pickle")
+    freed = {"category": "optimizer_state", "inference": "by the stack that freed it",
+             "bytes": CS336_MEDIUM_ADAMW_STATE}
+    assert main(["whatif", path, "--change", "optimizer=sgd", "--change", "weights=bf16", "--format", "json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    sgd, bf16 = doc["devices"][0]["changes"]
+    assert sgd["guessed_bytes"] == CS336_MEDIUM_ADAMW_STATE and sgd["guessed_by"] == [freed]
+    assert freed in bf16["guessed_by"]
+    assert [f["data"]["guessed_by"] for f in doc["devices"][0]["findings"] if f["code"] == "W016"][0] == [freed]
+    (c001,) = [f for f in device_findings(read_summary(path, load_rules()).devices[0]) if f.code == "C001"]
+    assert freed in c001.data["by_inference"]
+    assert "optimizer_state (3.15 GiB, by the stack that freed it)" in c001.message
+
+
 def test_a_change_to_memory_the_trace_made_rests_on_no_guess(run, capsys):
     # The hand-built loop's every allocation is made in the trace, with its stack: nothing is guessed.
     assert main(["whatif", run, "--format", "json"]) == 0

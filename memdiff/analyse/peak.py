@@ -6,13 +6,13 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
 from memdiff.analyse.classify import PERSISTENT
+from memdiff.analyse.guesses import GuessedPart, guessed_data, guessed_text, inference
 from memdiff.analyse.lifetimes import BACKWARD, FORWARD, OPTIMIZER, OTHER
 from memdiff.compare.findings import finding
 from memdiff.compare.observe import growing_data, growing_steps, kept_bytes, kept_data, oom_data, overflow_data
 from memdiff.errors import InputError
 from memdiff.inert import scrubbed
 from memdiff.model import WINDOW_KEY, DeviceSummary, Finding, Frame, Summary, largest_first
-from memdiff.read.frames import GUESSED_LABELS
 from memdiff.units import count_of, format_bytes
 
 PHASE_COLUMNS = (FORWARD, BACKWARD, OPTIMIZER, OTHER)
@@ -127,14 +127,20 @@ def device_findings(device: DeviceSummary, window: bool = False) -> List[Finding
             kept, forward_bytes, forwards)))
     if growing_steps(device):
         out.append(finding("K004", device.device, **growing_data(device)))
-    guessed: Dict[str, int] = {}
+    guessed: Dict[Tuple[str, str], int] = {}
     for g in device.groups:
-        if any(g.site == label and g.category == guess for guess, label in GUESSED_LABELS.items()):
-            guessed[g.category or ""] = guessed.get(g.category or "", 0) + g.bytes
+        how = inference(g.site, g.category or "")
+        if how is not None:
+            guessed[(g.category or "", how)] = guessed.get((g.category or "", how), 0) + g.bytes
     if guessed:
-        out.append(finding("C001", device.device, amount=format_bytes(sum(guessed.values())),
-                           amount_bytes=sum(guessed.values()), by_category=largest_first(guessed),
-                           categories=", ".join(f"{c} ({format_bytes(n)})" for c, n in largest_first(guessed).items())))
+        parts = [GuessedPart(c, how, n) for (c, how), n in guessed.items()]
+        by_category: Dict[str, int] = {}
+        for p in parts:
+            by_category[p.category] = by_category.get(p.category, 0) + p.bytes
+        amount = sum(guessed.values())
+        out.append(finding("C001", device.device, amount=format_bytes(amount), amount_bytes=amount,
+                           by_category=largest_first(by_category), categories=guessed_text(parts),
+                           by_inference=guessed_data(parts)))
     return out
 
 

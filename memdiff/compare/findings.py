@@ -290,18 +290,23 @@ CATALOGUE: Tuple[Code, ...] = (
 
     # --- C: categories --------------------------------------------------------------------------
     Code("C001", "category-guessed", INFO,
-         "{amount} live before the trace without a stack read as {categories} by a guess",
-         "Blocks older than the trace, never freed and never updated in a way that tells what they are: memdiff "
-         "gives them a category by a guess (weights; optimizer state where their sizes repeat the weights'; a "
-         "BLAS workspace, by its size, for each handle the trace runs products on without making its "
-         "workspace).",
-         "The category table and category limits count them by the guess; a wrong guess moves bytes between "
+         "{amount} live before the trace has a category memdiff guessed, not read from the stack it was allocated "
+         "with: {categories}",
+         "Memory older than the trace has no allocation in it, so no stack of its own: memdiff infers its category "
+         "from what the trace shows (docs/categories.md), and says how for each: by its lifetime (never freed, "
+         "nothing else known: weights), by its size (optimizer state where the sizes repeat the gradients'; a BLAS "
+         "workspace for each handle the trace runs products on without making its workspace), by the stack that "
+         "freed it (CUDA captures: the free the trace saw), by the stack that updated it in place (CPU captures: "
+         "an optimizer's or a backward's in-place update), or by the order of its in-place updates (CPU captures: "
+         "the weight a step updates last, a buffer). `by_inference` in its data gives the bytes of each.",
+         "The category table and category limits count them by the inference; a wrong one moves bytes between "
          "categories.",
          "Start recording before the model and optimizer are built to have their stacks, or give rules of your "
-         "own (`--rules`); docs/categories.md says how the guess is made.",
+         "own (`--rules`); docs/categories.md says how each inference is made.",
          "memdiff peak tests/data/cuda/gpt2-warm.pickle.gz",
-         "note: C001 device 0: 1.45 GiB live before the trace without a stack read as optimizer_state (949.40 "
-         "MiB), parameter (474.70 MiB), workspace (65.00 MiB) by a guess"),
+         "note: C001 device 0: 1.45 GiB live before the trace has a category memdiff guessed, not read from the "
+         "stack it was allocated with: optimizer_state (949.40 MiB, by its size), parameter (474.70 MiB, by its "
+         "lifetime), workspace (65.00 MiB, by its size)"),
 
     # --- A: the allocator ------------------------------------------------------------------------
     Code("A001", "reserved-moved-alone", INFO,
@@ -388,19 +393,24 @@ CATALOGUE: Tuple[Code, ...] = (
          "memdiff whatif tests/data/cuda/gpt2-generate.pickle.gz --change zero-grad=none",
          "note: W014 device 0: zero-grad=none: does not apply: the run shows no gradients (category gradient)"),
     Code("W016", "whatif-on-a-guessed-category", WARNING,
-         "{change}: its figure rests on a guess: {amount} it changes is {categories} by memdiff's guess, memory "
-         "live before the trace that no stack says what it is (C001)",
-         "A change of `memdiff whatif` (or of `--whatif`'s buy-back) edits memory whose category memdiff guessed: "
-         "blocks older than the trace, never freed, without a stack (a snapshot with no trace holds only "
-         "those). The change is computed from that category (halved as weights, dropped as optimizer state) "
-         "with no stack or lifetime to confirm it.",
-         "Were the guess wrong (activations a data loader left, a cache read as weights), the change's figure "
-         "is wrong by as much.",
+         "{change}: its figure rests on a guess: {amount} it changes has a category memdiff guessed, not read from "
+         "the stack it was allocated with: {categories} (C001)",
+         "A change of `memdiff whatif` (or of `--whatif`'s buy-back) edits memory older than the trace, whose "
+         "category memdiff inferred (C001 says how: by its lifetime, by its size, by the stack that freed it, by "
+         "the stack that updated it in place, by the order of its in-place updates; a snapshot with no trace "
+         "holds only such memory). The change is "
+         "computed from that category (halved as weights, dropped as optimizer state) with no stack of the "
+         "allocation's own to confirm it. The amount is the most of such memory the change edits held at once "
+         "(a tensor's in-place versions on CPU captures count once); `guessed_by` in its data gives each "
+         "category's.",
+         "Were the inference wrong (activations a data loader left, a cache read as weights, state a custom "
+         "optimizer frees read as state when it was a copy), the change's figure is wrong by as much.",
          "Record with the trace on from before the model is built (`torch.cuda.memory._record_memory_history()` "
          "first), so every block has its stack; or give rules of your own (`--rules`).",
          "memdiff whatif ../shared/snapshots/empty-trace.pickle --change weights=bf16",
-         "warning: W016 device 0: weights=bf16: its figure rests on a guess: 8.13 MiB it changes is parameter by "
-         "memdiff's guess, memory live before the trace that no stack says what it is (C001)"),
+         "warning: W016 device 0: weights=bf16: its figure rests on a guess: 8.13 MiB it changes has a category "
+         "memdiff guessed, not read from the stack it was allocated with: parameter (8.13 MiB, by its lifetime) "
+         "(C001)"),
     Code("W007", "runs-record-other-allocations", INFO,
          "{runs} record{s} other allocations than the largest run: left out of the fit, and predicted from the "
          "{fitted} runs that line up one for one, as a check",

@@ -66,7 +66,7 @@ def _buy_back_text(p: ChangePrediction, t: BuyBackTarget, head_phase: Optional[s
     else:
         within = (f"not enough: {format_bytes(peak - t.base_peak_bytes)} over {t.base_name}'s "
                   f"{format_bytes(t.base_peak_bytes)}")
-    guess = f"; {on_a_guess(p.guessed_bytes, p.guessed_categories)}, W016" if p.guessed_bytes else ""
+    guess = f"; {on_a_guess(p.guessed_bytes, p.guessed_by)}, W016" if p.guessed_bytes else ""
     return (f"{prefix}{p.change}: {format_bytes(p.delta_bytes or 0, signed=True)}, peak {format_bytes(peak)}{where}"
             f"{moved} ({within}{guess})")
 

@@ -22,8 +22,11 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+import numpy as np
+
 from memdiff import __version__
 from memdiff.analyse.classify import Rule
+from memdiff.analyse.guesses import GuessedPart, guessed_data, guessed_text
 from memdiff.compare.findings import finding
 from memdiff.errors import InputError
 from memdiff.inert import scrubbed
@@ -77,10 +80,12 @@ class ChangePrediction:
     # snapshot; None for a prediction, which replays allocations and knows no reserved memory
     reserved_peak_bytes: Optional[int] = None
     snapshot: Optional[str] = None
-    # Bytes of the run's allocations the change edited whose category memdiff guessed (memory live before
-    # the trace without a stack, C001), and those categories: the figure rests on the guess (W016). 0: none.
+    # The most bytes held at once of the run's allocations the change edited whose category memdiff inferred
+    # (memory live before the trace, no stack of its own: analyse.guesses, C001), those categories, and the
+    # bytes of each category and inference: the figure rests on the guess (W016). 0: none.
     guessed_bytes: int = 0
     guessed_categories: List[str] = field(default_factory=list)
+    guessed_by: List[GuessedPart] = field(default_factory=list)
 
 
 @dataclass
@@ -159,10 +164,14 @@ def predict(run: Run, change: Change, budget: Optional[int]) -> ChangePrediction
                                 predicted_peak_phase=None, predicted_peak_step=None, delta_bytes=None,
                                 delta_pct=None, fits_budget=None, phase_peaks={}, categories={}, assumptions=[],
                                 line=finding("W014", change=change.text, why=str(why)).message)
-    # What the change edited that no stack says what it is: its category, which the rule went by, is a guess.
-    touched = run.guessed & ((edit.size != c.size) | (edit.start != c.start) | (edit.end != c.end))
-    guessed = int(c.size[touched].sum())
-    guessed_categories = sorted(set(run.category[touched].tolist()))
+    # What the change edited that no stack of its own says what it is: its category, which the rule went by, is
+    # a guess. Counted as held at once: a CPU capture's tensor updated in place is one allocation a version.
+    touched = np.flatnonzero((run.inferred != "") & ((edit.size != c.size) | (edit.start != c.start)
+                                                     | (edit.end != c.end)))
+    guessed = _held_at_once(c, touched)
+    parts = [GuessedPart(str(category), str(how), _held_at_once(c, touched[(run.category[touched] == category)
+                                                                          & (run.inferred[touched] == how)]))
+             for category, how in sorted({(run.category[k], run.inferred[k]) for k in touched.tolist()})]
     course, sizes = changed_course(run, edit)
     r = replay_course(course, sizes, run.spans, run.steps)
     base = run.base.peak_bytes
@@ -173,23 +182,34 @@ def predict(run: Run, change: Change, budget: Optional[int]) -> ChangePrediction
     moved = "" if r.phase == run.base.phase else f" (it was in the {run.base.phase})"
     line = (f"{change.text}: peak {format_bytes(r.peak_bytes)} ({format_bytes(delta, signed=True)}, {pct:+.1f}%), "
             f"{where}{moved}" + ("" if fits is None else "; fits the budget" if fits else "; over the budget")
-            + (f"; {on_a_guess(guessed, guessed_categories)}" if guessed else ""))
+            + (f"; {on_a_guess(guessed, parts)}" if guessed else ""))
     return ChangePrediction(change=change.text, applies=True, reason=None, predicted_peak_bytes=r.peak_bytes,
                             predicted_peak_phase=r.phase, predicted_peak_step=r.step, delta_bytes=delta,
                             delta_pct=pct, fits_budget=fits, phase_peaks=r.phase_peaks, categories=r.categories,
                             assumptions=edit.assumptions, line=line, guessed_bytes=guessed,
-                            guessed_categories=guessed_categories)
+                            guessed_categories=sorted({p.category for p in parts}), guessed_by=parts)
 
 
-def on_a_guess(amount: int, categories: Sequence[str]) -> str:
-    """`on a guess: 8.13 MiB it changes is parameter by memdiff's guess`, the words every output says it in."""
-    return f"on a guess: {format_bytes(amount)} it changes is {' and '.join(categories)} by memdiff's guess"
+def _held_at_once(c: DeviceCourse, members: np.ndarray) -> int:
+    """The most bytes the allocations `members` hold at once, each held for at least its first event (a
+    snapshot without a trace holds its blocks over no event at all)."""
+    if not len(members):
+        return 0
+    events = np.concatenate([c.start[members], np.maximum(c.end[members], c.start[members] + 1)])
+    sizes = np.concatenate([c.size[members], -c.size[members]])
+    order = np.lexsort((sizes, events))  # frees before allocations at the same event
+    return int(max(0, np.cumsum(sizes[order]).max()))
+
+
+def on_a_guess(amount: int, parts: Sequence[GuessedPart]) -> str:
+    """`on a guess: 8.13 MiB it changes is parameter by its lifetime`, the words every output says it in."""
+    return f"on a guess: {format_bytes(amount)} it changes is {guessed_text(parts, amounts=False)}"
 
 
 def guess_findings(device: int, predictions: Sequence[ChangePrediction]) -> List[Finding]:
     """W016 for each change whose figure rests on a category memdiff guessed."""
     return [finding("W016", device, change=p.change, amount=format_bytes(p.guessed_bytes), amount_bytes=p.guessed_bytes,
-                    categories=" and ".join(p.guessed_categories))
+                    categories=guessed_text(p.guessed_by), guessed_by=guessed_data(p.guessed_by))
             for p in predictions if p.applies and p.guessed_bytes]
 
 
@@ -219,7 +239,7 @@ def headline(device: int, peak: int, phase: Optional[str], step: Optional[int], 
     if (best.delta_bytes or 0) >= 0:
         return line + "; no change asked lowers the peak"
     moved = f", the peak moves to the {best.predicted_peak_phase}" if best.predicted_peak_phase != phase else ""
-    guess = f" ({on_a_guess(best.guessed_bytes, best.guessed_categories)}, W016)" if best.guessed_bytes else ""
+    guess = f" ({on_a_guess(best.guessed_bytes, best.guessed_by)}, W016)" if best.guessed_bytes else ""
     return line + (f"; most saved by {best.change}: {format_bytes(best.delta_bytes or 0, signed=True)} "
                    f"({best.delta_pct or 0:+.1f}%){moved}{guess}")
 

@@ -12,11 +12,12 @@ from typing import Any, List, Optional, Sequence
 
 import numpy as np
 
+from memdiff.analyse.guesses import inference
 from memdiff.analyse.lifetimes import FORWARD
 from memdiff.model import PhaseSpan, Step
 from memdiff.predict.forecast.course import DeviceCourse
 from memdiff.predict.forecast.replay import Replayed, replay_course
-from memdiff.read.frames import GUESSED_LABELS, NODE_NATIVE, PROFILER_NODE, SHARED_LIBRARY
+from memdiff.read.frames import NODE_NATIVE, PROFILER_NODE, SHARED_LIBRARY
 from memdiff.read.host import CpuHost
 
 # Loss computations that libraries run in fp32 whatever the model's precision (Hugging Face
@@ -102,9 +103,9 @@ class Run:
     block: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     # What a CPU capture says of its host (memdiff.read.host): None for other runs.
     host: Optional[CpuHost] = None
-    # Memory live before the trace without a stack whose category is memdiff's guess (C001: weights, optimizer
-    # state by its sizes, a BLAS workspace), per allocation: a rule that reads its category reads a guess.
-    guessed: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=bool))
+    # How memdiff inferred each allocation's category where no stack of its own says it (memory live before the
+    # trace: analyse.guesses, C001), "" where its stack does: a rule that reads such a category reads a guess.
+    inferred: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=object))
 
     def of(self, *names: str) -> np.ndarray:
         """Allocations of these categories."""
@@ -149,17 +150,21 @@ def read_run(course: DeviceCourse, spans: List[PhaseSpan], steps: List[Step]) ->
     made = np.flatnonzero((phase == FORWARD) & ~course.before)
     forward = made[np.lexsort((course.start[made], born_run[made]))]
     return Run(course, spans, steps, category, born_run, end_run, phase, loss, _indices(course), op, call, line,
-               forward, base, guessed=_guessed(course, category))
+               forward, base, inferred=_inferred(course))
 
 
-def _guessed(course: DeviceCourse, category: np.ndarray) -> np.ndarray:
-    """The allocations whose category is the guess made for memory without a stack (the site says the
-    guess, and the category is still the guessed one: rules of the user's own that name the site decide)."""
-    sites = np.array([site for _, site in course.stacks] or [""], dtype=object)[course.stack]
-    out = np.zeros(len(course.size), dtype=bool)
-    for guess, said in GUESSED_LABELS.items():
-        out |= (sites == said) & (category == guess)
-    return out
+def _inferred(course: DeviceCourse) -> np.ndarray:
+    """Per allocation, how memdiff inferred its category (analyse.guesses.inference), "" where it read it from
+    the allocation's own stack; worked out once per distinct site and category."""
+    out = np.full(len(course.size), "", dtype=object)
+    if not len(course.size):
+        return out
+    sites = [site for _, site in course.stacks]
+    n = max(len(course.categories), 1)
+    unique, inverse = np.unique(course.stack.astype(np.int64) * n + course.category, return_inverse=True)
+    how = np.array([inference(sites[int(u) // n], course.categories[int(u) % n]) or "" for u in unique],
+                   dtype=object)
+    return how[inverse.reshape(-1)]
 
 
 def _indices(course: DeviceCourse) -> np.ndarray:
