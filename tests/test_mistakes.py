@@ -294,3 +294,19 @@ def test_a_key_given_twice_in_a_users_json_is_bad_input_naming_it(shared, tmp_pa
     with pytest.raises(InputError, match=r"^.*memdiff-job\.json: invalid JSON: \(top level\): the key 'world_size' "
                                          r"is given twice"):
         read_manifest(str(tmp_path))
+
+
+@pytest.mark.parametrize("command", [["fit", "--emulate", "l4"], ["whatif", "--emulate", "h100"]])
+@pytest.mark.parametrize("output", ["FILE", "FILE/runs/"])
+def test_a_file_as_the_folder_of_emulated_runs_is_bad_input(tmp_path, capsys, command, output):
+    """`-o` of fit and whatif --emulate names the folder every run's snapshot goes into: a file there (or
+    in its path) is the user's mistake, said before any run, where it was exit 3 (FileExistsError)."""
+    script = tmp_path / "train.py"
+    script.write_text("print('never run')\n")
+    taken = tmp_path / "run.pickle"
+    taken.write_bytes(b"")
+    out = output.replace("FILE", str(taken))
+    assert main([*command, "-o", out, "--", sys.executable, str(script), "--batch-size", "{batch}"]) == 2
+    said = capsys.readouterr().err
+    assert said.count("\n") == 1 and said.startswith(f"memdiff: {out}: ") and "not a folder" in said, said
+    assert taken.read_bytes() == b"" and not (tmp_path / "runs").exists()

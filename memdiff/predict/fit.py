@@ -32,6 +32,7 @@ from itertools import zip_longest
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from memdiff import __version__
+from memdiff.atomic import make_folder
 from memdiff.compare.findings import finding
 from memdiff.errors import InputError, clip
 from memdiff.inert import text
@@ -590,7 +591,8 @@ def run_fit(command: Sequence[str], gpus: Sequence[Gpu], output: str, grid: Grid
         _launched(with_value(command, grid.name, grid.values()[0] if grid.values() else 1))
     else:
         _target(with_value(command, grid.name, grid.values()[0] if grid.values() else 1))
-    os.makedirs(output, exist_ok=True)
+    # A file, or a folder that cannot be made or written, is the user's mistake, said before any run.
+    make_folder(output)
     kind = Fewest if grid.name in FEWEST_KNOBS else Search
     searches = [kind(g, grid, max_memory, rules) for g in gpus]
     context = multiprocessing.get_context("forkserver")

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from memdiff.analyse.classify import Rule
+from memdiff.atomic import make_folder
 from memdiff.compare.findings import finding
 from memdiff.errors import InputError
 from memdiff.inert import scrubbed
@@ -153,7 +154,8 @@ def rerun(command: Sequence[str], gpu: str, output: str, changes: Sequence[str],
     parsed = [parse_change(t) for t in changes]
     _checked(command, parsed)
     _target(_command(command, None))  # a typo in the command fails before any run
-    os.makedirs(output, exist_ok=True)
+    # A file, or a folder that cannot be made or written, is the user's mistake, said before any run.
+    make_folder(output)
     runner = _Runner(gpu, command, output, jobs, max_entries, rules)
     if parsed:
         results = runner.run([None, *parsed])
