@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gzip
 import subprocess
 import sys
 
@@ -310,3 +311,22 @@ def test_a_file_as_the_folder_of_emulated_runs_is_bad_input(tmp_path, capsys, co
     said = capsys.readouterr().err
     assert said.count("\n") == 1 and said.startswith(f"memdiff: {out}: ") and "not a folder" in said, said
     assert taken.read_bytes() == b"" and not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize("given", ["snapshot", "gzip", "summary"])
+def test_a_run_given_as_the_baseline_says_to_make_its_baseline(shared, tmp_path, capsys, given):
+    """A snapshot read as a baseline said `invalid JSON: not UTF-8 text (invalid start byte)`, and a summary
+    `the field 'name' is required`: what it is, and the command that makes its baseline, instead."""
+    run = str(shared / "linear-grad.pickle")
+    wrong = {"snapshot": run, "gzip": str(tmp_path / "run.pickle.gz"), "summary": str(tmp_path / "run.json")}[given]
+    if given == "gzip":
+        (tmp_path / "run.pickle.gz").write_bytes(gzip.compress((shared / "linear-grad.pickle").read_bytes()))
+    if given == "summary":
+        assert main(["summarize", run, "-o", wrong]) == 0
+    capsys.readouterr()
+    assert main(["gate", run, "--baseline", wrong]) == 2
+    kind = "a summary (`memdiff summarize`)" if given == "summary" else "a snapshot"
+    one_line(capsys, 2, f"memdiff: {wrong}: is {kind}, not a baseline: make the run's baseline with "
+                        f"`memdiff baseline {wrong} -o baselines/run.json`" if given != "snapshot" else
+                        f"memdiff: {wrong}: is a snapshot, not a baseline: make the run's baseline with "
+                        f"`memdiff baseline {wrong} -o baselines/linear-grad.json`")

@@ -336,9 +336,38 @@ def _refuse_other_kind(path: str, old: Baseline, summary: Union[Summary, Dict[in
                            f"with the other; give another -o, or pass --replace to write over it")
 
 
+# How a snapshot file starts (pickle protocol 2 or newer, or compressed): never a baseline's JSON text.
+_SNAPSHOT_STARTS = (b"\x80", b"\x1f\x8b", b"BZh", b"\xfd7zXZ\x00")
+
+
+def _not_a_baseline(path: str, doc: Any) -> Optional[str]:
+    """What a run's file given as a baseline is, in words, and what to do; None when it may be one."""
+    make = f"make the run's baseline with `{baseline_command(path, 'baselines/' + stem(path) + '.json')}`"
+    if doc is None:
+        return f"is a snapshot, not a baseline: {make}, then gate against that file"
+    if isinstance(doc, dict) and "schema_version" in doc and "devices" in doc and "thresholds" not in doc:
+        return f"is a summary (`memdiff summarize`), not a baseline: {make}, then gate against that file"
+    if isinstance(doc, dict) and doc.get("kind") == "fit":
+        return ("is a fit result (`memdiff fit --format json`), not a baseline: give it to "
+                "`memdiff gate RUN --baseline FILE --fit`")
+    return None
+
+
 def read_baseline(path: str) -> Baseline:
     """Parse and validate a baseline file; InputError with file, line and column or the JSON path."""
+    start = b""  # read_json says what is wrong with a path that is no regular file (a pipe would block here)
+    if os.path.isfile(path):
+        try:
+            with open(path, "rb") as f:
+                start = f.read(8)
+        except OSError:
+            pass
+    if start.startswith(_SNAPSHOT_STARTS):
+        raise InputError(path, str(_not_a_baseline(path, None)))
     doc = read_json(path, "a baseline")
+    said = _not_a_baseline(path, doc)
+    if said:
+        raise InputError(path, said)
     if isinstance(doc, dict) and doc.get("schema_version") not in READABLE_BASELINE_VERSIONS \
             and "schema_version" in doc:
         raise InputError(path, f"baseline schema_version {version_shown(doc['schema_version'])} is not one this "
