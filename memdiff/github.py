@@ -92,6 +92,9 @@ class Publisher:
     head_label: Optional[str] = None
     expected: int = 1  # reports to come: each gets an equal share of the size limit
     annotate: bool = True
+    # With --format json stdout is a document a program reads: workflow commands go to stderr,
+    # which the runner reads for them too.
+    annotate_on_stderr: bool = False
     sections: List[str] = field(default_factory=list)
     passed: List[bool] = field(default_factory=list)
     deltas: List[int] = field(default_factory=list)
@@ -119,13 +122,13 @@ class Publisher:
         if not self.annotate:
             return
         for message in report.annotations:
-            print(f"::error title=memdiff::{escape_annotation(message)}")
+            self._say(f"::error title=memdiff::{escape_annotation(message)}")
         for f in report.findings:
             if f.severity == INFO:
                 continue
             level = "error" if f.code in failing else "warning"
-            print(f"::{level} title=memdiff {f.code} {f.name}::"
-                  f"{escape_annotation(f'{f.text} (memdiff rule {f.code})')}")
+            self._say(f"::{level} title=memdiff {f.code} {f.name}::"
+                      f"{escape_annotation(f'{f.text} (memdiff rule {f.code})')}")
 
     def add_missing(self, run: str, path: str, required: bool, compared: bool = True) -> None:
         """Say that `run` has no baseline at `path`, how to make one, and whether that fails the gate
@@ -150,7 +153,10 @@ class Publisher:
         workflow annotation, when annotating."""
         if self.annotate:
             said = escape_annotation(f"{f.text} (memdiff rule {f.code})")
-            print(f"::{level} title=memdiff {f.code} {f.name}::{said}")
+            self._say(f"::{level} title=memdiff {f.code} {f.name}::{said}")
+
+    def _say(self, line: str) -> None:
+        print(line, file=sys.stderr if self.annotate_on_stderr else sys.stdout)
 
     def verdict(self) -> str:
         """fail on any failed check; else no-baseline when a run had none; else pass."""

@@ -118,6 +118,18 @@ def test_a_failing_finding_is_one_annotation(github, shared, capsys):
                                 "optimizer step where the base does")
 
 
+
+def test_with_json_on_stdout_the_annotations_go_to_stderr(github, tmp_path, capsys):
+    # `--github --format json` printed the workflow commands before the document on stdout: a program reading
+    # the JSON (`> diff.json`, `| jq`) got `::error ...` lines first. The runner reads stderr for them as well.
+    code = run_pair(tmp_path, capsys, 1000, 1200)[0]  # writes the pair; annotations on stdout, with text
+    assert code == 1
+    code = main([str(tmp_path / "base.pickle"), str(tmp_path / "head.pickle"), "--github", "--format", "json"])
+    captured = capsys.readouterr()
+    assert code == 1 and json.loads(captured.out)["verdict"] == "fail"
+    errors = [line for line in captured.err.splitlines() if line.startswith("::error")]
+    assert len(errors) == 2 and errors[1].startswith("::error title=memdiff::FAIL  device 0 peak"), captured.err
+
 def test_a_pass(github, tmp_path, capsys):
     code, out = run_pair(tmp_path, capsys, 1000, 1010)
     assert code == 0

@@ -235,7 +235,7 @@ def publisher_from(args: argparse.Namespace, expected: int = 1) -> Optional["Pub
         check_output(args.report)
     return Publisher(environ=os.environ if args.github else {}, report_path=args.report,
                      base_label=args.base_label, head_label=args.head_label, expected=expected,
-                     annotate=args.github)
+                     annotate=args.github, annotate_on_stderr=getattr(args, "format", None) == "json")
 
 
 def job_from(args: argparse.Namespace, arg: str, finished: bool = False) -> Job:
