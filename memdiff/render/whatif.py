@@ -47,10 +47,17 @@ def _table(d: DeviceWhatIf, fmt: str, budget: bool, rerun: bool) -> str:
 
 
 
+def _budget(w: WhatIf) -> str:
+    """`budget 80.00 GiB: the budget is compared with ...`, as the forecast says it; "" without one."""
+    if w.budget_bytes is None:
+        return ""
+    return f"budget {format_bytes(w.budget_bytes)}" + (f": {w.overhead_note}" if w.overhead_note else "")
+
+
 def render_text(w: WhatIf) -> str:
     """The what-if for a terminal."""
-    out = [f"memdiff whatif {os.path.basename(w.file)}{_title(w)}"
-           + (f" (budget {format_bytes(w.budget_bytes)})" if w.budget_bytes is not None else "")]
+    out = [f"memdiff whatif {os.path.basename(w.file)}{_title(w)}"]
+    out += [_budget(w)] if w.budget_bytes is not None else []
     out += [shown(n) for n in w.notes]
     for d in w.devices:
         out += ["", d.headline]
@@ -67,7 +74,7 @@ def render_markdown(w: WhatIf) -> str:
     """The what-if for a pull-request comment or a job summary."""
     out = ["### memdiff whatif", "", f"run: {md_code(os.path.basename(w.file))}{md_text(_title(w))}"]
     if w.budget_bytes is not None:
-        out += [f"budget: {format_bytes(w.budget_bytes)}"]
+        out += ["", md_text(_budget(w))]
     out += ["", *(f"> `{n.code}` {md_text(n.text)}" for n in w.notes)] if w.notes else []
     for d in w.devices:
         out += ["", f"**{md_text(d.headline)}**", ""]
@@ -88,7 +95,8 @@ def render_json(w: WhatIf) -> str:
 
 def render_html(w: WhatIf) -> str:
     """One self-contained page: the markdown's tables as HTML tables."""
-    body = [f"<p class=note>{n.code} {html.escape(n.text)}</p>" for n in w.notes]
+    body = [f"<p>{html.escape(_budget(w))}</p>"] if w.budget_bytes is not None else []
+    body += [f"<p class=note>{n.code} {html.escape(n.text)}</p>" for n in w.notes]
     for d in w.devices:
         body.append(f"<h2>{html.escape(d.headline)}</h2>")
         if any(c.applies for c in d.changes):

@@ -30,7 +30,7 @@ from memdiff.analyse.guesses import GuessedPart, guessed_data, guessed_text
 from memdiff.compare.findings import finding
 from memdiff.errors import InputError
 from memdiff.inert import scrubbed
-from memdiff.model import Finding, PhaseSpan, Step
+from memdiff.model import DeviceSummary, Finding, PhaseSpan, Step
 from memdiff.predict.forecast.course import DeviceCourse, read_course, structure
 from memdiff.predict.forecast.replay import replay_course
 from memdiff.predict.whatif import accumulate, autocast, checkpoint, optimizer, step, weights, zero_grad
@@ -117,11 +117,16 @@ class WhatIf:
     # `memdiff whatif --emulate GPU`: each row is the script re-run with the change on that emulated GPU, not
     # a prediction (predict/whatif/rerun.py); None for a replay of a recorded run
     rerun_on: Optional[str] = None
+    # What --budget is compared with, as the forecast says it: a replay's peak times the run's reserved over
+    # allocated (the caching allocator's overhead: what runs out is reserved memory), a re-run's reserved peak.
+    overhead_ratio: Optional[float] = None
+    overhead_note: Optional[str] = None
 
     def to_dict(self) -> Dict[str, Any]:
         """The JSON document (schemas/whatif.schema.json)."""
         return {"schema_version": SCHEMA_VERSION, "tool": self.tool, "file": self.file,
-                "budget_bytes": self.budget_bytes, "rerun_on": self.rerun_on,
+                "budget_bytes": self.budget_bytes, "overhead_ratio": self.overhead_ratio,
+                "overhead_note": self.overhead_note, "rerun_on": self.rerun_on,
                 "asked": self.asked, "notes": [n.text for n in self.notes],
                 "findings": [n.to_dict() for n in self.notes],
                 "devices": [{**asdict(d), "findings": [f.to_dict() for f in d.findings]} for d in self.devices]}
@@ -145,8 +150,9 @@ def parse_change(text: str) -> Change:
     return Change(text, tuple(parts))
 
 
-def predict(run: Run, change: Change, budget: Optional[int]) -> ChangePrediction:
-    """The run replayed with `change`: its peak and where, or why the change cannot apply."""
+def predict(run: Run, change: Change, budget: Optional[int], overhead: float = 1.0) -> ChangePrediction:
+    """The run replayed with `change`: its peak and where, or why the change cannot apply; it fits `budget`
+    when its peak times `overhead` (reserved over allocated) does."""
     c = run.course
     edit = Edit(start=c.start.copy(), end=c.end.copy(), size=c.size.copy())
     # Precision first, so that rules adding memory (casts, state) add it at the changed sizes' scale.
@@ -177,7 +183,7 @@ def predict(run: Run, change: Change, budget: Optional[int]) -> ChangePrediction
     base = run.base.peak_bytes
     delta = r.peak_bytes - base
     pct = round(100.0 * delta / base, 2) if base else 0.0
-    fits = None if budget is None else r.peak_bytes <= budget
+    fits = None if budget is None else r.peak_bytes * overhead <= budget
     where = f"in the {r.phase}" if r.phase else "before the trace's first event"
     moved = "" if r.phase == run.base.phase else f" (it was in the {run.base.phase})"
     line = (f"{change.text}: peak {format_bytes(r.peak_bytes)} ({format_bytes(delta, signed=True)}, {pct:+.1f}%), "
@@ -246,9 +252,12 @@ def headline(device: int, peak: int, phase: Optional[str], step: Optional[int], 
 
 def whatif_course(path: str, courses: Dict[int, DeviceCourse],
                   spans_steps: Dict[int, Tuple[List[PhaseSpan], List[Step]]], changes: Sequence[Change],
-                  budget: Optional[int], host: Optional[CpuHost] = None) -> WhatIf:
+                  budget: Optional[int], host: Optional[CpuHost] = None,
+                  overheads: Optional[Dict[int, float]] = None) -> WhatIf:
     """The WhatIf of a read run: each device replayed with each change (`host`: what a CPU capture
-    says of the host it ran on)."""
+    says of the host it ran on; `overheads`: each device's reserved over allocated, which the budget
+    is compared with the predicted peak times)."""
+    overheads = overheads or {}
     if not courses:
         raise InputError(path, "no device records any allocation: nothing to replay")
     devices = []
@@ -260,7 +269,7 @@ def whatif_course(path: str, courses: Dict[int, DeviceCourse],
         blocks = run.blocks
         optimizer = run_optimizer(run)[0]
         asked = list(changes) or every_change(optimizer)
-        predictions = [predict(run, ch, budget) for ch in asked]
+        predictions = [predict(run, ch, budget, overheads.get(device, 1.0)) for ch in asked]
         if not changes:
             applied = sorted((p for p in predictions if p.applies), key=lambda p: (p.delta_bytes or 0, p.change))
             predictions = applied + [p for p in predictions if not p.applies]
@@ -274,8 +283,15 @@ def whatif_course(path: str, courses: Dict[int, DeviceCourse],
                                        for p in predictions if not p.applies]))
     notes = [finding("W006")]
     # Names from the snapshot (module instances, the file) are made one line each here, once for every output.
+    ratio = max(overheads.values(), default=1.0)
+    said = None if budget is None else (
+        f"the budget is compared with each predicted peak times {'at most ' if len(overheads) > 1 else ''}"
+        f"{ratio:.3f}, the run's reserved peak over its peak (the caching allocator's overhead: what runs out is "
+        f"reserved memory)" if overheads else
+        "the run carries no allocator segments (a CPU capture): the budget is compared with allocated bytes")
     return scrubbed(WhatIf(file=path, budget_bytes=budget, asked=[c.text for c in changes], devices=devices,
-                           notes=notes))
+                           notes=notes, overhead_ratio=None if budget is None else round(ratio, 4),
+                           overhead_note=said))
 
 
 def whatif(path: str, changes: Sequence[str], rules: Sequence[Rule], budget: Optional[int] = None) -> WhatIf:
@@ -283,7 +299,15 @@ def whatif(path: str, changes: Sequence[str], rules: Sequence[Rule], budget: Opt
     parsed = [parse_change(t) for t in changes]
     course = read_course(path, 1, rules)
     structures = {d: structure(course.summary, d) for d in course.devices}
-    return whatif_course(path, course.devices, structures, parsed, budget, course.host)
+    return whatif_course(path, course.devices, structures, parsed, budget, course.host,
+                         overheads(course.summary.devices))
+
+
+def overheads(devices: Sequence[DeviceSummary]) -> Dict[int, float]:
+    """Each device's reserved peak over its allocated peak (at least 1), where the run carries the caching
+    allocator's segments; none for a CPU capture, which has no reserved memory."""
+    return {d.device: max(1.0, d.reserved_peak_bytes / d.peak_bytes) for d in devices
+            if d.reserved_peak_bytes and d.peak_bytes > 0}
 
 
 def facts(course: DeviceCourse, spans: List[PhaseSpan], steps: List[Step]) -> Run:

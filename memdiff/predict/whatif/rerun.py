@@ -128,7 +128,9 @@ def _row(change: Change, sent: Dict[str, Any], base: Dict[str, Any], budget: Opt
     delta = peak - int(base["peak_bytes"] or 0)
     pct = round(100.0 * delta / base["peak_bytes"], 2) if base["peak_bytes"] else 0.0
     oom = sent["status"] == OOM
-    fits = False if oom and budget is not None else None if budget is None else peak <= budget
+    # What runs out is what the caching allocator holds: the run's reserved peak, as measured.
+    fits = False if oom and budget is not None else None if budget is None else \
+        int(sent["reserved_peak_bytes"] or peak) <= budget
     where = f"in the {phase}" if phase else "before the trace's first event"
     line = (f"{change.text}: re-run peak {format_bytes(peak)} ({format_bytes(delta, signed=True)}, {pct:+.1f}%), "
             f"{where}" + (f"; out of memory on emulated {gpu}" if oom else "")
@@ -177,4 +179,6 @@ def rerun(command: Sequence[str], gpu: str, output: str, changes: Sequence[str],
                           findings=[finding("W014", 0, change=p.change, why=p.reason or "")
                                     for p in predictions if not p.applies])
     return scrubbed(WhatIf(file=base_run.snapshot, budget_bytes=budget, asked=[c.text for c in parsed],
-                           devices=[device], notes=[], rerun_on=gpu))
+                           devices=[device], notes=[], rerun_on=gpu,
+                           overhead_note=None if budget is None else "the budget is compared with each run's reserved "
+                           "peak (what the caching allocator held: what runs out)"))
