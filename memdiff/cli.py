@@ -117,14 +117,25 @@ def with_default_command(argv: List[str]) -> Tuple[List[str], Optional[str]]:
     return argv, None
 
 
+# Words people try for what a command does: `memdiff explain P001` is `memdiff rule P001`.
+ALIASES = {"explain": "rule", "compare": "diff", "show": "peak", "predict": "whatif", "check": "gate"}
+
+
 def _mistyped_command(argv: List[str]) -> Optional[Tuple[str, str]]:
-    """(word, command) when the word taken for a file to diff is no file and reads like a command
-    (`memdiff pek run.pickle`)."""
+    """(word, what to say) when the word taken for a file to diff is no file and reads like a command:
+    `did you mean ...` one typo away (`memdiff pek run.pickle`) or for a word people try, else the list
+    of commands where the word is a bare name (no folder, suffix or glob: `memdiff frobnicate`)."""
     words = [a for a in argv if a not in TOP_LEVEL_FLAGS]
     if not words or words[0] in COMMANDS or words[0].startswith("-") or os.path.exists(words[0]):
         return None
-    close = difflib.get_close_matches(words[0], COMMANDS, n=1, cutoff=0.6)
-    return (words[0], close[0]) if close else None
+    word = words[0]
+    close = [ALIASES[word.lower()]] if word.lower() in ALIASES else \
+        difflib.get_close_matches(word, COMMANDS, n=1, cutoff=0.6)
+    if close:
+        return word, f"did you mean `memdiff {close[0]}`?"
+    if word.isidentifier():
+        return word, f"the commands are {', '.join(COMMANDS)} (`memdiff --help`)"
+    return None
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -135,8 +146,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     mistyped = _mistyped_command(argv)
     if mistyped:
-        print(f"memdiff: {text_line(mistyped[0])}: no such file or command; did you mean `memdiff {mistyped[1]}`?",
-              file=sys.stderr)
+        print(f"memdiff: {text_line(mistyped[0])}: no such file or command; {mistyped[1]}", file=sys.stderr)
         return EXIT_BAD_INPUT
     argv, selected = with_default_command(argv)
     args = build_parser(selected).parse_args(argv)

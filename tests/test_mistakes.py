@@ -110,6 +110,20 @@ def test_a_mistyped_command_is_named(shared, capsys):
     one_line(capsys, 2, "memdiff: pek: no such file or command; did you mean `memdiff peak`?")
 
 
+@pytest.mark.parametrize("argv, says", [
+    # `explain` was read as a file to diff: `explain: no such file`, and alone `diff: the following arguments
+    # are required: head`
+    (["explain", "P001"], "did you mean `memdiff rule`?"),
+    (["explain"], "did you mean `memdiff rule`?"),
+    (["frobnicate", "RUN"], "the commands are diff, gate, baseline, history, summarize, peak, slice, ranks, "
+                            "forecast, whatif, fit, record, rule, demo, comment (`memdiff --help`)"),
+])
+def test_a_word_that_is_no_command_says_which_are(shared, capsys, argv, says):
+    argv = [str(shared / "linear-grad.pickle") if a == "RUN" else a for a in argv]
+    assert main(argv) == 2
+    one_line(capsys, 2, f"memdiff: {argv[0]}: no such file or command; {says}")
+
+
 def test_peak_has_a_json_form(shared, capsys):
     import json
 
