@@ -49,6 +49,8 @@ class _Parser(argparse.ArgumentParser):
     prints the usage block first): `memdiff: COMMAND: what is wrong (see ... --help)`, exit 2."""
 
     command: Optional[argparse.ArgumentParser] = None  # the selected command's parser, on the top one
+    # A command's words for a script after `--` that argparse had no positional left for (LEFT_AFTER_DASHES)
+    left_after_dashes: Optional[str] = None
 
     def error(self, message: str) -> NoReturn:
         """Print the one line and exit 2 (argparse's contract for error())."""
@@ -66,6 +68,9 @@ def _suggestion(parser: argparse.ArgumentParser, message: str) -> str:
     """`; did you mean --category-fail-over?` for an option that is one typo away from one the parser has."""
     if not message.startswith("unrecognized arguments: "):
         return ""
+    hint = getattr(parser, "left_after_dashes", None)
+    if message.startswith("unrecognized arguments: -- ") and hint:
+        return f"; {hint}"
     known = [o for action in parser._actions for o in action.option_strings]  # noqa: SLF001 - argparse's own list
     for arg in message[len("unrecognized arguments: "):].split()[:5]:
         close = difflib.get_close_matches(arg.split("=")[0][:100], known, n=1, cutoff=0.8)
@@ -100,6 +105,7 @@ def build_parser(selected: Optional[str] = None) -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help_text, description=module.DESCRIPTION, parents=[common],
                            prog=f"memdiff {name}")
         module.add_arguments(p)
+        setattr(p, "left_after_dashes", getattr(module, "LEFT_AFTER_DASHES", None))  # noqa: B010 - a _Parser
         p.set_defaults(run=module.run)
         parser.command = p
     return parser

@@ -344,3 +344,17 @@ def test_a_run_given_as_the_baseline_says_to_make_its_baseline(shared, tmp_path,
                         f"`memdiff baseline {wrong} -o baselines/run.json`" if given != "snapshot" else
                         f"memdiff: {wrong}: is a snapshot, not a baseline: make the run's baseline with "
                         f"`memdiff baseline {wrong} -o baselines/linear-grad.json`")
+
+
+def test_a_run_and_a_script_to_whatif_says_to_give_one(shared, tmp_path, capsys):
+    """`whatif RUN --emulate h100 -o DIR/ -- python train.py` said only `unrecognized arguments: -- python
+    train.py`: the run took the place of the script's first word."""
+    run = str(shared / "linear-grad.pickle")
+    with pytest.raises(SystemExit) as stop:  # argparse's usage error
+        main(["whatif", run, "--emulate", "h100", "-o", str(tmp_path / "runs"), "--", "python", "train.py"])
+    assert stop.value.code == 2
+    said = capsys.readouterr().err
+    assert said.count("\n") == 1 and said.startswith("memdiff: whatif: unrecognized arguments: -- python train.py; "
+                                                      "give one recorded run (`memdiff whatif run.pickle`) or a "
+                                                      "script to re-run"), said
+    assert not (tmp_path / "runs").exists()

@@ -51,6 +51,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("command", nargs="*",
                    help="with --emulate: -- python SCRIPT ARGS ({accumulate} where the script takes accumulate=K)")
 
+# `whatif RUN --emulate GPU -o DIR/ -- python train.py`: RUN takes the positional the script's first word
+# would, and argparse leaves the script over as unrecognized.
+LEFT_AFTER_DASHES = ("give one recorded run (`memdiff whatif run.pickle`) or a script to re-run "
+                     "(`memdiff whatif --emulate GPU -o DIR/ -- python train.py`), not both")
+
 
 def run(args: argparse.Namespace) -> int:
     """Read the run (or re-run the command with each change), replay each change, print."""
