@@ -51,9 +51,16 @@ class _Parser(argparse.ArgumentParser):
     command: Optional[argparse.ArgumentParser] = None  # the selected command's parser, on the top one
     # A command's words for a script after `--` that argparse had no positional left for (LEFT_AFTER_DASHES)
     left_after_dashes: Optional[str] = None
+    argv: List[str] = []  # what main() parses, for the error below
 
     def error(self, message: str) -> NoReturn:
         """Print the one line and exit 2 (argparse's contract for error())."""
+        if message.startswith("the following arguments are required"):
+            # A command that runs a script takes every word from the first one that is no option on as
+            # the script (`fit --batch 1:8 -o runs/ -- ...`: `1:8 -o runs/ ...`), and then misses -o:
+            # the option it did not know is the mistake.
+            unknown = _unknown_option(self, self.argv)
+            message = f"unrecognized arguments: {unknown}" if unknown else message
         # argparse reports options no parser knew from the top parser: name the command they went to.
         owner = self.command if self.command is not None and message.startswith("unrecognized") else self
         where = owner.prog[len("memdiff "):] if owner.prog.startswith("memdiff ") else "usage"
@@ -62,6 +69,20 @@ class _Parser(argparse.ArgumentParser):
         text = text if len(text) <= 300 else text[:300] + "..."
         self.exit(EXIT_BAD_INPUT, f"memdiff: {where}: {text}{_suggestion(owner, message)} "
                                   f"(see `{owner.prog} --help`)\n")
+
+
+def _unknown_option(parser: argparse.ArgumentParser, argv: List[str]) -> Optional[str]:
+    """The first word before `--` in `argv` that reads as an option `parser` has none of (nor one it
+    abbreviates), when `parser` takes a script's words (argparse.REMAINDER)."""
+    if not any(a.nargs == argparse.REMAINDER for a in parser._actions):  # noqa: SLF001 - argparse's own list
+        return None
+    known = [o for action in parser._actions for o in action.option_strings]  # noqa: SLF001
+    for word in argv[:argv.index("--")] if "--" in argv else argv:
+        name = word.split("=")[0]
+        if name.startswith("-") and len(name) > 1 and not any(o.startswith(name) for o in known) \
+                and not name[1:2].isdigit():
+            return word
+    return None
 
 
 def _suggestion(parser: argparse.ArgumentParser, message: str) -> str:
@@ -155,6 +176,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"memdiff: {text_line(mistyped[0])}: no such file or command; {mistyped[1]}", file=sys.stderr)
         return EXIT_BAD_INPUT
     argv, selected = with_default_command(argv)
+    _Parser.argv = argv
     args = build_parser(selected).parse_args(argv)
     from memdiff import progress
 

@@ -358,3 +358,17 @@ def test_a_run_and_a_script_to_whatif_says_to_give_one(shared, tmp_path, capsys)
                                                       "give one recorded run (`memdiff whatif run.pickle`) or a "
                                                       "script to re-run"), said
     assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize("argv, unknown", [
+    (["fit", "--emulate", "l4", "--batch", "1:8", "-o", "runs/", "--", "python", "train.py", "--bs", "{batch}"],
+     "--batch"),
+    (["record", "--emulate", "h100", "--device", "cpu", "-o", "run.pickle", "--", "python", "train.py"], "--device"),
+])
+def test_an_unknown_option_with_a_value_before_the_script_is_named(capsys, argv, unknown):
+    """A command that runs a script took `1:8 -o runs/ -- ...` as the script and said `the following arguments
+    are required: -o/--output`, which was given; the option it does not know is the mistake."""
+    with pytest.raises(SystemExit) as stop:
+        main(argv)
+    assert stop.value.code == 2
+    one_line(capsys, 2, f"memdiff: {argv[0]}: unrecognized arguments: {unknown} (see `memdiff {argv[0]} --help`)")
