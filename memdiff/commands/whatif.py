@@ -34,7 +34,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="a change to predict (checkpoint=0.5, weights=bf16, optimizer=sgd, accumulate=4, "
                         f"checkpoint+weights=bf16){LISTS}; default: every applicable one")
     p.add_argument("--budget", type=size_arg, metavar="SIZE",
-                   help="say whether each predicted peak fits within SIZE (e.g. 80GiB)")
+                   help="say whether each change fits within SIZE (e.g. 80GiB): its predicted peak times the "
+                        "run's reserved over allocated, what the caching allocator holds (a re-run: its reserved peak)")
     p.add_argument("--format", choices=("text", "markdown", "json"), default="text",
                    help="output format (default: text)")
     p.add_argument("--html", metavar="FILE", help="also write the what-if as a self-contained HTML page to FILE")
