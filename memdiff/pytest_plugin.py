@@ -15,6 +15,7 @@ the marker are left alone: nothing is recorded and torch is never imported for t
 
 from __future__ import annotations
 
+import difflib
 import os
 import re
 import shutil
@@ -116,8 +117,10 @@ def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
         return (yield)
     unknown = sorted(set(marker.kwargs) - set(MARKER_KEYWORDS))
     if unknown or marker.args:
+        close = [difflib.get_close_matches(k, MARKER_KEYWORDS, n=1) for k in unknown]
+        hint = next((f" (did you mean {c[0]}?)" for c in close if c), "")
         _bad_input(item, f"@pytest.mark.memdiff takes keywords {', '.join(MARKER_KEYWORDS)}; got "
-                         f"{', '.join(unknown) or repr(marker.args)}")
+                         f"{', '.join(unknown) or repr(marker.args)}{hint}")
     others = sorted(k for k, v in marker.kwargs.items() if k not in ("limit", "emulate") and v is not None)
     if marker.kwargs.get("limit") is not None and others:
         _bad_input(item, f"@pytest.mark.memdiff: limit is a ceiling with no baseline, so {', '.join(others)} "
