@@ -176,10 +176,13 @@ def test_w015_says_how_many_sites_the_table_leaves_out_and_where_they_are(write_
 def test_text_markdown_and_html(series, capsys, tmp_path):
     runs = series((1, 2, 4))
     page = tmp_path / "f.html"
-    assert main(["forecast", *runs, "--at", "64", "--html", str(page)]) == 0
+    assert main(["forecast", *runs, "--at", "64", "--budget", "1GiB", "--html", str(page)]) == 0
     text = capsys.readouterr().out
     assert text.startswith("memdiff: device 0: predicted peak") and "in the backward" in text
     assert "<table>" in page.read_text()
+    # The page says what the text says above the tables: the runs and what the budget is compared with.
+    budget = next(line for line in text.splitlines() if line.startswith("budget 1.00 GiB: "))
+    assert f"<p>{html.escape(budget)}</p>" in page.read_text() and "<p>runs: b1.pickle=1, " in page.read_text()
     assert main(["forecast", *runs, "--at", "64", "--format", "markdown"]) == 0
     assert "| growing site" in capsys.readouterr().out
 

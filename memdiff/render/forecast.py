@@ -110,6 +110,11 @@ def render_html(f: Forecast) -> str:
     """One self-contained page: the markdown's tables as HTML tables."""
     body = [f"<h2>{html.escape(d.headline)}</h2>" for d in f.devices]
     body += [f"<p>{html.escape(f.headroom.line)}</p>"] if f.headroom is not None else []
+    # What the text and the markdown say above the devices too: the runs and what the budget is compared with.
+    body.append("<p>runs: " + html.escape(", ".join(f"{os.path.basename(n)}={v:,}"
+                                                    for n, v in zip(f.files, f.knob_values))) + "</p>")
+    if f.budget_bytes is not None:
+        body.append(f"<p>budget {format_bytes(f.budget_bytes)}: {html.escape(f.overhead_note)}</p>")
     body += [f"<p class=note>{html.escape(n)}</p>" for n in f.notes]
     for d in f.devices:
         body.append(f"<h3>device {d.device}</h3>")
