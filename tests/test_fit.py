@@ -474,3 +474,29 @@ def test_a_forecast_from_a_flat_noisy_line_never_takes_more_runs_than_bisection_
     assert answer.value == max(v for v in range(1, 4097) if reserved(v) <= search.limit)
     assert answer.fails is not None and answer.fails.value == answer.value + 1
     assert len(answer.runs) <= 2 + 12 + 4, [(r.value, r.why) for r in answer.runs]
+
+
+def test_the_markdown_says_each_gpus_answer_and_what_fits_as_the_text_does():
+    """The markdown showed only the table: not the answer's line, nor that with --max-memory 0.9 'largest' is
+    the largest whose reserved peak stays within 0.9 of the capacity, not the largest that trains."""
+    from memdiff.predict.fit import FitResult, GpuFit
+    from memdiff.render.fit import render_markdown, render_text
+
+    def run(value: int, outcome: str, reserved: int) -> FitRun:
+        return FitRun(gpu="l4", value=value, outcome=outcome, snapshot=f"runs/l4-batch{value}.pickle",
+                      log=f"runs/l4-batch{value}.log", peak_bytes=reserved - 2**20, reserved_peak_bytes=reserved,
+                      phase="backward", step=1, site="AddmmBackward0 <- mm", oom_message=None, seconds=1.0,
+                      cpu_seconds=1.0, why="halving")
+    capacity = 23_570_219_008 - 267_386_880
+    fits, fails = run(40, FITS, int(0.85 * capacity)), run(41, OVER_LIMIT, int(0.95 * capacity))
+    line = "l4: largest 40, reserved peak 18.44 GiB of 21.70 GiB (3.26 GiB headroom); 41 is over the limit"
+    result = FitResult(command=["python", "train.py", "--batch-size", "{batch}"], knob="batch",
+                       grid=Grid("batch", 1, 64), max_memory=0.9, runs=2, seconds=2.0, output="runs/",
+                       gpus=[GpuFit(gpu="l4", name="NVIDIA L4", capacity_bytes=capacity,
+                                    limit_bytes=int(0.9 * capacity), value=40, fits=fits, fails=fails,
+                                    headroom_bytes=capacity - fits.reserved_peak_bytes, runs=[fits, fails],
+                                    forecasts=[], line=line)])
+    md, text = render_markdown(result), render_text(result)
+    within = "a value fits when its reserved peak is within 0.9 of the capacity"
+    assert md.startswith("### memdiff fit\n\n**l4: largest 40, reserved peak") and within in md
+    assert f"memdiff: {line}" in text and within in text

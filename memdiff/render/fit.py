@@ -64,15 +64,20 @@ def _details(g: GpuFit) -> List[str]:
     return out
 
 
+def _knob(result: FitResult) -> str:
+    """The values searched, and what fits when --max-memory leaves headroom."""
+    limit = "" if result.max_memory == 1 else f"; a value fits when its reserved peak is within " \
+                                                f"{result.max_memory:g} of the capacity"
+    return f"{result.grid.describe()}{limit}"
+
+
 def render_text(result: FitResult) -> str:
     """The fit for a terminal: one line per GPU, the table, each GPU's runs and failing request."""
     out = [f"memdiff: {g.line}" for g in result.gpus]
     out += [shown(f) for f in result.findings]
     if result.passed is not None:
         out.append(f"{'PASS' if result.passed else 'FAIL'}  fit against {result.baseline}")
-    limit = "" if result.max_memory == 1 else f"; a value fits when its reserved peak is within " \
-                                                f"{result.max_memory:g} of the capacity"
-    out += ["", f"knob   {result.grid.describe()}{limit}",
+    out += ["", f"knob   {_knob(result)}",
             f"runs   {result.runs} emulated runs in {result.seconds:.1f} s, snapshots in {result.output}", "",
             tabulate(_rows(result), headers=_headers(result), tablefmt="simple", colalign=ALIGN), ""]
     for g in result.gpus:
@@ -82,8 +87,12 @@ def render_text(result: FitResult) -> str:
 
 
 def render_markdown(result: FitResult) -> str:
-    """The fit as a pull-request comment: the gate's finding in one line, then the table."""
-    out = []
+    """The fit as a pull-request comment: each GPU's answer and the gate's finding in one line each, what
+    was searched, then the table."""
+    out = ["### memdiff fit", ""]
+    for g in result.gpus:
+        out += [f"**{md_text(g.line)}**", ""]
+    out += [f"knob: {md_text(_knob(result))}", ""]
     if result.passed is not None:
         out.append(("✅ " if result.passed else "❌ ") + md_text(f"fit against {result.baseline}: "
                                                             f"{'pass' if result.passed else 'fail'}"))
