@@ -317,6 +317,29 @@ def test_the_budget_holds_what_the_caching_allocator_reserves(capsys):
         assert said in capsys.readouterr().out
 
 
+def test_a_run_out_of_memory_gives_lower_bounds_and_says_so(capsys):
+    """A002 tells the user of a run that ran out of memory to ask `memdiff whatif`; its trace ends at the error
+    (GPT-2 at batch 512 on an H100, in the first forward), so checkpointing read 8.75 GiB and fit a 10 GiB
+    budget, of a step whose backward and optimizer step never ran."""
+    import gzip
+    import pickle
+
+    run = str(Path(__file__).resolve().parent / "data" / "cuda" / "gpt2-oom.pickle.gz")
+    with gzip.open(run) as f:
+        trace = pickle.load(f)["device_traces"][0]
+    oom = next(i for i, e in enumerate(trace) if e["action"] == "oom")  # PyTorch's own record of the error
+    result = memdiff.whatif(run, ["checkpoint", "weights=bf16"], budget="10GiB")
+    (d,) = result.devices
+    checkpoint, bf16 = d.changes
+    assert checkpoint.predicted_peak_bytes < 10 * 2**30 < bf16.predicted_peak_bytes
+    assert checkpoint.fits_budget is None and bf16.fits_budget is False  # a lower bound only fails a budget
+    (w017,) = [f for f in d.findings if f.code == "W017"]
+    assert w017.severity == "warning" and w017.data["event"] == oom
+    assert main(["whatif", run, "--change", "checkpoint", "--budget", "10GiB"]) == 0
+    out = capsys.readouterr().out
+    assert f"warning: W017 device 0: the run ran out of memory at event {oom}" in out and "not known (W017)" in out
+
+
 def test_a_change_that_cannot_apply_is_one_line_not_a_guess(write_snapshot, capsys):
     bare = {"segments": [], "device_traces": [[alloc(1, 100, frames("model.py(1): forward")),
                                                free(1, 100, frames("model.py(1): forward"))]]}

@@ -411,6 +411,22 @@ CATALOGUE: Tuple[Code, ...] = (
          "warning: W016 device 0: weights=bf16: its figure rests on a guess: 8.13 MiB it changes has a category "
          "memdiff guessed, not read from the stack it was allocated with: parameter (8.13 MiB, by its lifetime) "
          "(C001)"),
+    Code("W017", "whatif-of-a-run-out-of-memory", WARNING,
+         "the run ran out of memory at event {event:,} ({phase}): each change replays only the trace before it, "
+         "so each predicted peak is a lower bound, and what the run never reached cannot apply",
+         "`memdiff whatif` was given a run that stopped at an out-of-memory error (A002), the run A002 tells you "
+         "to ask what lowers its peak. Its trace ends there: the rest of the step (the forward's later layers, "
+         "the backward, the optimizer step) was never run, so no change can replay it.",
+         "A change's predicted peak is the peak of the part that ran, not of the whole step the change would "
+         "let it run: the real peak is that or higher, and a change of a phase the run never reached (the "
+         "optimizer, gradients) reads as not applying. A budget is only failed by it, never met: such a row's "
+         "`fits` is unknown unless its lower bound is already over the budget.",
+         "Record a run that completes a step (a smaller batch or sequence) and ask it, or re-run the script "
+         "with each change made (`memdiff whatif --emulate GPU -o DIR/ -- python train.py`).",
+         "memdiff whatif tests/data/cuda/gpt2-oom.pickle.gz --change checkpoint",
+         "warning: W017 device 0: the run ran out of memory at event 229 (the forward of step 0): each change "
+         "replays only the trace before it, so each predicted peak is a lower bound, and what the run never "
+         "reached cannot apply"),
     Code("W007", "runs-record-other-allocations", INFO,
          "{runs} record{s} other allocations than the largest run: left out of the fit, and predicted from the "
          "{fitted} runs that line up one for one, as a check",

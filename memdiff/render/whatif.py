@@ -33,7 +33,7 @@ def _table(d: DeviceWhatIf, fmt: str, budget: bool, rerun: bool) -> str:
                 f"{c.delta_pct or 0:+.1f}%"]
         row += [format_bytes(c.guessed_bytes) if c.guessed_bytes else ""] if guessed else []
         if budget:
-            row.append("yes" if c.fits_budget else "no")
+            row.append("not known (W017)" if c.fits_budget is None else "yes" if c.fits_budget else "no")
         rows.append(row)
     headers = ((["change", "re-run peak", "reserved", "phase", "delta", "%"] if rerun
                 else ["change", "predicted peak", "phase", "delta", "%"])

@@ -150,9 +150,11 @@ def parse_change(text: str) -> Change:
     return Change(text, tuple(parts))
 
 
-def predict(run: Run, change: Change, budget: Optional[int], overhead: float = 1.0) -> ChangePrediction:
+def predict(run: Run, change: Change, budget: Optional[int], overhead: float = 1.0,
+            stopped: bool = False) -> ChangePrediction:
     """The run replayed with `change`: its peak and where, or why the change cannot apply; it fits `budget`
-    when its peak times `overhead` (reserved over allocated) does."""
+    when its peak times `overhead` (reserved over allocated) does. Of a run `stopped` by an out-of-memory
+    error the peak is a lower bound: it fits no budget it is over, and whether it fits one is not known."""
     c = run.course
     edit = Edit(start=c.start.copy(), end=c.end.copy(), size=c.size.copy())
     # Precision first, so that rules adding memory (casts, state) add it at the changed sizes' scale.
@@ -184,10 +186,12 @@ def predict(run: Run, change: Change, budget: Optional[int], overhead: float = 1
     delta = r.peak_bytes - base
     pct = round(100.0 * delta / base, 2) if base else 0.0
     fits = None if budget is None else r.peak_bytes * overhead <= budget
+    fits = None if stopped and fits else fits
     where = f"in the {r.phase}" if r.phase else "before the trace's first event"
     moved = "" if r.phase == run.base.phase else f" (it was in the {run.base.phase})"
     line = (f"{change.text}: peak {format_bytes(r.peak_bytes)} ({format_bytes(delta, signed=True)}, {pct:+.1f}%), "
-            f"{where}{moved}" + ("" if fits is None else "; fits the budget" if fits else "; over the budget")
+            f"{where}{moved}" + ("" if budget is None else "; over the budget" if fits is False
+                                 else "; fits the budget" if fits else "; the budget not known (W017)")
             + (f"; {on_a_guess(guessed, parts)}" if guessed else ""))
     return ChangePrediction(change=change.text, applies=True, reason=None, predicted_peak_bytes=r.peak_bytes,
                             predicted_peak_phase=r.phase, predicted_peak_step=r.step, delta_bytes=delta,
@@ -253,11 +257,13 @@ def headline(device: int, peak: int, phase: Optional[str], step: Optional[int], 
 def whatif_course(path: str, courses: Dict[int, DeviceCourse],
                   spans_steps: Dict[int, Tuple[List[PhaseSpan], List[Step]]], changes: Sequence[Change],
                   budget: Optional[int], host: Optional[CpuHost] = None,
-                  overheads: Optional[Dict[int, float]] = None) -> WhatIf:
+                  overheads: Optional[Dict[int, float]] = None,
+                  stopped: Optional[Dict[int, int]] = None) -> WhatIf:
     """The WhatIf of a read run: each device replayed with each change (`host`: what a CPU capture
     says of the host it ran on; `overheads`: each device's reserved over allocated, which the budget
-    is compared with the predicted peak times)."""
-    overheads = overheads or {}
+    is compared with the predicted peak times; `stopped`: the event of each device's first out-of-memory
+    error, where its trace ends short of the step)."""
+    overheads, stopped = overheads or {}, stopped or {}
     if not courses:
         raise InputError(path, "no device records any allocation: nothing to replay")
     devices = []
@@ -269,7 +275,7 @@ def whatif_course(path: str, courses: Dict[int, DeviceCourse],
         blocks = run.blocks
         optimizer = run_optimizer(run)[0]
         asked = list(changes) or every_change(optimizer)
-        predictions = [predict(run, ch, budget, overheads.get(device, 1.0)) for ch in asked]
+        predictions = [predict(run, ch, budget, overheads.get(device, 1.0), device in stopped) for ch in asked]
         if not changes:
             applied = sorted((p for p in predictions if p.applies), key=lambda p: (p.delta_bytes or 0, p.change))
             predictions = applied + [p for p in predictions if not p.applies]
@@ -278,7 +284,7 @@ def whatif_course(path: str, courses: Dict[int, DeviceCourse],
                                     changes=predictions,
                                     headline=headline(device, run.base.peak_bytes, run.base.phase, run.base.step,
                                                       blocks, optimizer, predictions),
-                                    findings=guess_findings(device, predictions)
+                                    findings=_stopped(device, stopped, run) + guess_findings(device, predictions)
                                     + [finding("W014", device, change=p.change, why=p.reason or "")
                                        for p in predictions if not p.applies]))
     notes = [finding("W006")]
@@ -300,7 +306,17 @@ def whatif(path: str, changes: Sequence[str], rules: Sequence[Rule], budget: Opt
     course = read_course(path, 1, rules)
     structures = {d: structure(course.summary, d) for d in course.devices}
     return whatif_course(path, course.devices, structures, parsed, budget, course.host,
-                         overheads(course.summary.devices))
+                         overheads(course.summary.devices),
+                         {d.device: d.oom_events[0].event_index for d in course.summary.devices if d.oom_events})
+
+
+def _stopped(device: int, stopped: Dict[int, int], run: Run) -> List[Finding]:
+    """W017 when the device's trace ends at an out-of-memory error."""
+    if device not in stopped:
+        return []
+    b = run.base
+    where = f"the {b.phase}" + ("" if b.step is None else f" of step {b.step}") if b.phase else "before the trace"
+    return [finding("W017", device, event=stopped[device], phase=where)]
 
 
 def overheads(devices: Sequence[DeviceSummary]) -> Dict[int, float]:
