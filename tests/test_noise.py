@@ -304,3 +304,19 @@ def test_record_repeat_makes_repeats_a_baseline_reads(torch, tmp_path, capsys):
     assert run(capsys, "baseline", *paths, "-o", tmp_path / "b.json")[0] == 0
     spread = json.loads((tmp_path / "b.json").read_text())["devices"][0]["spread"]["peak"]
     assert spread == {"min": peaks[0], "max": peaks[2], "median": peaks[1]}
+
+
+def test_a_noise_margin_on_a_baseline_without_a_spread_says_it_gates_nothing(shared, tmp_path, capsys):
+    """`--noise-margin 5%` on one run was stored and silently had no effect (the default rule gates a baseline
+    without a spread): the write says so now."""
+    from memdiff.cli import main
+
+    out = str(tmp_path / "b.json")
+    assert main(["baseline", str(shared / "linear-grad.pickle"), "-o", out, "--noise-margin", "5%"]) == 0
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 2 and err[1].startswith("memdiff: note: --noise-margin is kept in the thresholds but gates "
+                                               "nothing here")
+    assert json.loads(Path(out).read_text())["thresholds"]["noise-margin"] == {"fail-over-pct": 5.0}
+    assert "spread" not in json.loads(Path(out).read_text())["devices"][0]
+    assert main(["baseline", str(shared / "linear-grad.pickle"), "-o", str(tmp_path / "c.json")]) == 0
+    assert len(capsys.readouterr().err.splitlines()) == 1  # no margin given: nothing to say

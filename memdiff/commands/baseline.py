@@ -126,4 +126,9 @@ def run(args: argparse.Namespace) -> int:
     noisy = next((sp.runs for sp in spreads.values() if sp.peak.max > sp.peak.min), None)
     print(f"memdiff: {done} {text(args.output)}: baseline {text(repr(name))}, {peaks}; "
           f"{thresholds.describe(noisy)}", file=sys.stderr)
+    if getattr(args, "noise_margin", None) is not None and noisy is None:
+        # The margin widens a spread; a run alone (or repeats with one peak) has none: said, not silently kept.
+        print("memdiff: note: --noise-margin is kept in the thresholds but gates nothing here: it widens the "
+              "spread of repeated runs whose peaks differ (`memdiff baseline RUN1 RUN2 RUN3`), and this baseline "
+              "has none, so the rule above applies", file=sys.stderr)
     return 0
