@@ -372,7 +372,7 @@ class Search:
         if largest > self.values[-1]:  # the forecast is past the range: its top is run, for what it is
             why = "largest value"
         self.forecasts.append(f"from {named}: {largest:,} {within}, the peak times {_ratio_at(ratios, largest):.3f} "
-                              f"(reserved over allocated, as the runs' grows with the value)")
+                              f"(the runs' reserved over allocated, followed along the value)")
         return (index, why) if index >= 0 else None
 
     def _within(self, courses: List[Any], ratios: List[Tuple[int, float]], aim: int, lo: int) -> Optional[int]:
