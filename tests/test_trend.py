@@ -209,3 +209,22 @@ def test_names_in_a_history_stay_inert_in_every_report(tmp_path, capsys):
     run(capsys, "gate", snap, "--baseline", tmp_path / "train.json", "--history", history, "--html", tmp_path / "r.html")
     page = (tmp_path / "r.html").read_text()
     assert "<svg class=\"trend\"" in page and "::error::planted" in page and "\n::error" not in page
+
+
+def test_a_date_that_is_no_iso_date_is_refused_not_stored(shared, tmp_path, capsys):
+    """`--date yesterday` was stored as the line's date, which the trend shows as the run's."""
+    from memdiff.cli import main
+
+    history = tmp_path / "h.jsonl"
+    run = str(shared / "linear-grad.pickle")
+    for date in ("yesterday", "2026-13-01"):
+        with pytest.raises(SystemExit) as stop:
+            main(["history", "append", run, "--to", str(history), "--commit", "abc", "--date", date])
+        assert stop.value.code == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and f"argument --date: '{date}' is not an ISO 8601 date" in err
+    assert not history.exists()
+    for date in ("2026-12-01", "2026-12-01T06:28:06Z", "2026-12-01T07:28:06+01:00"):  # git's %cI is the last form
+        assert main(["history", "append", run, "--to", str(history), "--commit", "abc", "--date", date]) == 0
+    assert [json.loads(line)["date"] for line in history.read_text().splitlines()][-1] == "2026-12-01T07:28:06+01:00"
+

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from datetime import datetime
 
 from memdiff.commands.args import add_rules_arguments, rules_from
 from memdiff.compare.baseline import stem
@@ -19,6 +20,17 @@ DESCRIPTION = ("Append a run's line to a history file (JSON Lines): the commit, 
                "pull request's point after them.")
 
 
+def iso_date(value: str) -> str:
+    """--date as given, when it is an ISO 8601 date or time (`2026-12-01`, `2026-12-01T06:28:06Z`, git's
+    `%cI`); the trend shows it as the date of the line, so `yesterday` is refused, not stored."""
+    try:
+        datetime.fromisoformat(value[:-1] + "+00:00" if value.endswith(("Z", "z")) else value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value[:64]!r} is not an ISO 8601 date: give one such as 2026-12-01 or "
+                                         "2026-12-01T06:28:06Z (`git log -1 --format=%cI`)") from None
+    return value
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The subcommand's arguments."""
     p.add_argument("action", choices=("append",), help="append: add RUN's line to the history")
@@ -28,7 +40,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workload", metavar="NAME",
                    help="the workload's name (default: RUN's stem, as a baseline's; the gate matches the baseline's "
                         "name)")
-    p.add_argument("--date", metavar="ISO", help="when the run was made (default: now, UTC)")
+    p.add_argument("--date", metavar="ISO", type=iso_date,
+                   help="when the run was made, ISO 8601 (default: now, UTC)")
     add_rules_arguments(p)
 
 
