@@ -228,3 +228,21 @@ def test_a_date_that_is_no_iso_date_is_refused_not_stored(shared, tmp_path, caps
         assert main(["history", "append", run, "--to", str(history), "--commit", "abc", "--date", date]) == 0
     assert [json.loads(line)["date"] for line in history.read_text().splitlines()][-1] == "2026-12-01T07:28:06+01:00"
 
+
+@pytest.mark.parametrize("given", ["snapshot", "baseline"])
+def test_a_run_or_a_baseline_given_as_the_history_says_what_it_is(shared, tmp_path, capsys, given):
+    """A baseline given to --to or --history read `line 1: invalid JSON at line 1 column 2: Expecting property
+    name`, a snapshot `line 1: invalid JSON: not UTF-8 text`."""
+    from memdiff.cli import main
+
+    run = str(shared / "linear-grad.pickle")
+    wrong = run if given == "snapshot" else str(tmp_path / "b.json")
+    if given == "baseline":
+        assert main(["baseline", run, "-o", wrong]) == 0
+    before = Path(wrong).read_bytes()
+    capsys.readouterr()
+    assert main(["history", "append", run, "--to", wrong, "--commit", "abc"]) == 2
+    said = capsys.readouterr().err
+    assert said.count("\n") == 1 and said.startswith(f"memdiff: {wrong}: is ")
+    assert ("is a snapshot, not a history file" if given == "snapshot" else "not a history file") in said
+    assert Path(wrong).read_bytes() == before

@@ -52,6 +52,7 @@ def read_history(path: str) -> List[TrendEntry]:
     if os.path.isfile(path) and os.path.getsize(path) == 0:
         return []
     text = read_small(path, "a history file")
+    _refuse_other(path, text)
     entries = []
     for n, line in enumerate(text.split(b"\n"), 1):
         if not line.strip():
@@ -63,6 +64,22 @@ def read_history(path: str) -> List[TrendEntry]:
                                     f"memdiff reads ({HISTORY_SCHEMA_VERSION})")
         entries.append(TrendEntry.from_dict(validate(where, doc, "history")))
     return entries
+
+
+# How a snapshot file starts (pickle protocol 2 or newer, or compressed): no history's JSON Lines.
+_SNAPSHOT_STARTS = (b"\x80", b"\x1f\x8b", b"BZh", b"\xfd7zXZ\x00")
+
+
+def _refuse_other(path: str, data: bytes) -> None:
+    """InputError saying what a file given as the history is, where it is a snapshot or a baseline (one JSON
+    document over many lines): `line 1: invalid JSON: not UTF-8 text` said neither."""
+    if data.startswith(_SNAPSHOT_STARTS):
+        raise InputError(path, "is a snapshot, not a history file (JSON Lines, one run a line, that `memdiff history "
+                               "append RUN --to FILE --commit SHA` writes)")
+    first = data.split(b"\n", 1)[0].strip()
+    if first == b"{":  # a document written with an indent, as a baseline or a summary is
+        raise InputError(path, "is one JSON document over many lines (a baseline or a summary?), not a history "
+                               "file (JSON Lines, one run a line, that `memdiff history append` writes)")
 
 
 def append_entry(path: str, entry: TrendEntry) -> int:
