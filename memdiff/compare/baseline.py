@@ -27,7 +27,7 @@ from memdiff.errors import InputError, clip, version_shown
 from memdiff.inert import baseline_command
 from memdiff.model import DeviceSummary, Finding, Group, PhasePeak, Range, Source, Spread, Summary
 from memdiff.read.frames import signature_of
-from memdiff.read.load import read_json
+from memdiff.read.load import read_json, starts_as_a_snapshot
 from memdiff.read.schema import validate
 from memdiff.units import count_of, format_bytes
 
@@ -336,10 +336,6 @@ def _refuse_other_kind(path: str, old: Baseline, summary: Union[Summary, Dict[in
                            f"with the other; give another -o, or pass --replace to write over it")
 
 
-# How a snapshot file starts (pickle protocol 2 or newer, or compressed): never a baseline's JSON text.
-_SNAPSHOT_STARTS = (b"\x80", b"\x1f\x8b", b"BZh", b"\xfd7zXZ\x00")
-
-
 def _not_a_baseline(path: str, doc: Any) -> Optional[str]:
     """What a run's file given as a baseline is, in words, and what to do; None when it may be one."""
     make = f"make the run's baseline with `{baseline_command(path, 'baselines/' + stem(path) + '.json')}`"
@@ -362,7 +358,7 @@ def read_baseline(path: str) -> Baseline:
                 start = f.read(8)
         except OSError:
             pass
-    if start.startswith(_SNAPSHOT_STARTS):
+    if starts_as_a_snapshot(start):
         raise InputError(path, str(_not_a_baseline(path, None)))
     doc = read_json(path, "a baseline")
     said = _not_a_baseline(path, doc)

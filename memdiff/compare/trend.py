@@ -20,7 +20,7 @@ from memdiff import __version__
 from memdiff.atomic import check_output, make_folder, write_output
 from memdiff.errors import InputError, clip
 from memdiff.model import Summary, TrendDevice, TrendEntry
-from memdiff.read.load import parse_json, read_small
+from memdiff.read.load import parse_json, read_small, starts_as_a_snapshot
 from memdiff.read.schema import validate
 from memdiff.units import format_bytes
 
@@ -66,14 +66,10 @@ def read_history(path: str) -> List[TrendEntry]:
     return entries
 
 
-# How a snapshot file starts (pickle protocol 2 or newer, or compressed): no history's JSON Lines.
-_SNAPSHOT_STARTS = (b"\x80", b"\x1f\x8b", b"BZh", b"\xfd7zXZ\x00")
-
-
 def _refuse_other(path: str, data: bytes) -> None:
     """InputError saying what a file given as the history is, where it is a snapshot or a baseline (one JSON
     document over many lines): `line 1: invalid JSON: not UTF-8 text` said neither."""
-    if data.startswith(_SNAPSHOT_STARTS):
+    if starts_as_a_snapshot(data):
         raise InputError(path, "is a snapshot, not a history file (JSON Lines, one run a line, that `memdiff history "
                                "append RUN --to FILE --commit SHA` writes)")
     first = data.split(b"\n", 1)[0].strip()

@@ -44,6 +44,13 @@ _OTHER_CONTAINERS = (
     (b"\x28\xb5\x2f\xfd", "zstd-compressed data (decompress it first: zstd -d FILE)"),
 )
 _CHUNK = 1 << 20
+
+
+def starts_as_a_snapshot(data: bytes) -> bool:
+    """Whether `data` starts as a snapshot file does (a pickle of protocol 2 or newer, or compressed): what a
+    JSON or JSON Lines input given a run's file instead can say of it."""
+    return data.startswith(b"\x80") or any(data.startswith(magic) for magic, _, _ in _COMPRESSIONS)
+
 # PyTorch numbers devices with an int8 (c10::DeviceIndex), so a real snapshot has at most 128.
 MAX_DEVICES = 128
 MAX_BYTES = 2**62  # far beyond any device, and safely inside an int64 running total
