@@ -340,6 +340,14 @@ def test_a_run_out_of_memory_gives_lower_bounds_and_says_so(capsys):
     assert f"warning: W017 device 0: the run ran out of memory at event {oom}" in out and "not known (W017)" in out
 
 
+def test_the_optimizer_phase_reads_as_the_optimizer_step_as_in_every_other_output():
+    """GPT-2 with retain_graph=True peaks in the optimizer step (docs/diff.md, `memdiff peak`): the headline said
+    `peak 4.92 GiB in the optimizer of step 0`, and the forecast `peaks in the optimizer`."""
+    run = str(Path(__file__).resolve().parent / "data" / "cuda" / "gpt2-retain-graph.pickle.gz")
+    (d,) = memdiff.whatif(run, ["optimizer=sgd"]).devices
+    assert d.base_peak_phase == "optimizer" and "peak 4.92 GiB in the optimizer step of step 0;" in d.headline
+
+
 def test_a_change_that_cannot_apply_is_one_line_not_a_guess(write_snapshot, capsys):
     bare = {"segments": [], "device_traces": [[alloc(1, 100, frames("model.py(1): forward")),
                                                free(1, 100, frames("model.py(1): forward"))]]}

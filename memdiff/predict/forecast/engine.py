@@ -34,6 +34,7 @@ from memdiff import __version__
 from memdiff.analyse.classify import Rule
 from memdiff.compare.findings import finding
 from memdiff.compare.limits import Headroom
+from memdiff.compare.observe import where_text
 from memdiff.errors import InputError
 from memdiff.inert import scrubbed, text
 from memdiff.model import Finding, PhaseSpan, Step
@@ -515,8 +516,9 @@ def _device_forecast(runs: List[DeviceCourse], courses: Sequence[Course], device
     first = predictions[0]
     largest_run = checks[-1]
     moved = ("" if first.phase is None else
-             f", in the {first.phase} (the largest run, {largest_run.value}, peaks in the {largest_run.actual_phase})"
-             if first.phase != largest_run.actual_phase else f", in the {first.phase}")
+             f", in {where_text(first.phase, None)} (the largest run, {largest_run.value}, peaks in "
+             f"{where_text(largest_run.actual_phase, None)})"
+             if first.phase != largest_run.actual_phase else f", in {where_text(first.phase, None)}")
     if fit_error is None and faster:
         grew = _faster_said(faster, values[earlier], values[ref_index])["sites"]
         trust = (f"unchecked (no third run to leave out), and between the runs {grew}: above "

@@ -28,6 +28,7 @@ from memdiff import __version__
 from memdiff.analyse.classify import Rule
 from memdiff.analyse.guesses import GuessedPart, guessed_data, guessed_text
 from memdiff.compare.findings import finding
+from memdiff.compare.observe import where_text
 from memdiff.errors import InputError
 from memdiff.inert import scrubbed
 from memdiff.model import DeviceSummary, Finding, PhaseSpan, Step
@@ -187,8 +188,8 @@ def predict(run: Run, change: Change, budget: Optional[int], overhead: float = 1
     pct = round(100.0 * delta / base, 2) if base else 0.0
     fits = None if budget is None else r.peak_bytes * overhead <= budget
     fits = None if stopped and fits else fits
-    where = f"in the {r.phase}" if r.phase else "before the trace's first event"
-    moved = "" if r.phase == run.base.phase else f" (it was in the {run.base.phase})"
+    where = f"in {where_text(r.phase, None)}" if r.phase else "before the trace's first event"
+    moved = "" if r.phase == run.base.phase else f" (it was in {where_text(run.base.phase, None) or 'no phase'})"
     line = (f"{change.text}: peak {format_bytes(r.peak_bytes)} ({format_bytes(delta, signed=True)}, {pct:+.1f}%), "
             f"{where}{moved}" + ("" if budget is None else "; over the budget" if fits is False
                                  else "; fits the budget" if fits else "; the budget not known (W017)")
@@ -238,8 +239,8 @@ def every_change(optimizer: Optional[str], accumulate: bool = True) -> List[Chan
 def headline(device: int, peak: int, phase: Optional[str], step: Optional[int], blocks: List[str],
              optimizer: Optional[str], predictions: Sequence[ChangePrediction]) -> str:
     """A device's peak (at `phase` of `step`) and the change that saves most, in one line."""
-    where = f"in the {phase}" if phase else "before the trace's first event"
-    line = f"device {device}: peak {format_bytes(peak)} {where}" + ("" if step is None else f" of step {step}")
+    where = f"in {where_text(phase, step)}" if phase else "before the trace's first event"
+    line = f"device {device}: peak {format_bytes(peak)} {where}"
     line += f"; repeated blocks {blocks[0]} .. {blocks[-1]} ({len(blocks)})" if blocks else ""
     line += f"; optimizer {optimizer}" if optimizer else ""
     applied = [p for p in predictions if p.applies and p.delta_bytes is not None]
@@ -248,7 +249,8 @@ def headline(device: int, peak: int, phase: Optional[str], step: Optional[int], 
     best = min(applied, key=lambda p: (p.delta_bytes or 0, p.change))
     if (best.delta_bytes or 0) >= 0:
         return line + "; no change asked lowers the peak"
-    moved = f", the peak moves to the {best.predicted_peak_phase}" if best.predicted_peak_phase != phase else ""
+    moved = (f", the peak moves to {where_text(best.predicted_peak_phase, None) or 'before the trace'}"
+             if best.predicted_peak_phase != phase else "")
     guess = f" ({on_a_guess(best.guessed_bytes, best.guessed_by)}, W016)" if best.guessed_bytes else ""
     return line + (f"; most saved by {best.change}: {format_bytes(best.delta_bytes or 0, signed=True)} "
                    f"({best.delta_pct or 0:+.1f}%){moved}{guess}")
@@ -315,7 +317,7 @@ def _stopped(device: int, stopped: Dict[int, int], run: Run) -> List[Finding]:
     if device not in stopped:
         return []
     b = run.base
-    where = f"the {b.phase}" + ("" if b.step is None else f" of step {b.step}") if b.phase else "before the trace"
+    where = where_text(b.phase, b.step) if b.phase else "before the trace"
     return [finding("W017", device, event=stopped[device], phase=where)]
 
 

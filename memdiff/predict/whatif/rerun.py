@@ -19,6 +19,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 from memdiff.analyse.classify import Rule
 from memdiff.atomic import make_folder
 from memdiff.compare.findings import finding
+from memdiff.compare.observe import where_text
 from memdiff.errors import InputError
 from memdiff.inert import scrubbed
 from memdiff.predict.fit import _target
@@ -131,7 +132,7 @@ def _row(change: Change, sent: Dict[str, Any], base: Dict[str, Any], budget: Opt
     # What runs out is what the caching allocator holds: the run's reserved peak, as measured.
     fits = False if oom and budget is not None else None if budget is None else \
         int(sent["reserved_peak_bytes"] or peak) <= budget
-    where = f"in the {phase}" if phase else "before the trace's first event"
+    where = f"in {where_text(phase, None)}" if phase else "before the trace's first event"
     line = (f"{change.text}: re-run peak {format_bytes(peak)} ({format_bytes(delta, signed=True)}, {pct:+.1f}%), "
             f"{where}" + (f"; out of memory on emulated {gpu}" if oom else "")
             + ("" if fits is None else "; fits the budget" if fits else "; over the budget"))
