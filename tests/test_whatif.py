@@ -379,6 +379,17 @@ def test_bad_changes_are_one_line_exit_2(run, capsys, change, says):
         parse_change(change)
 
 
+
+@pytest.mark.parametrize("change, says", [
+    ("optimizer=sgd+step=fused", "the optimizer change keeps the run's update form; give step= alone"),
+    ("autocast=bf16+weights=bf16", "autocast and half-precision weights together"),
+])
+def test_changes_the_replay_never_combines_are_refused_exit_2(run, capsys, change, says):
+    # They read `no change asked applies to this run` and exit 0, as if the run could not show them.
+    assert main(["whatif", run, "--change", change]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"memdiff: --change: {change}: {says}") and err.count("\n") == 1, err
+
 def test_bad_runs_are_one_line_exit_2(tmp_path, capsys):
     (tmp_path / "junk.pickle").write_bytes(b"not a pickle")
     assert main(["whatif", str(tmp_path / "junk.pickle")]) == 2

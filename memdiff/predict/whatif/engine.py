@@ -305,6 +305,11 @@ def whatif_course(path: str, courses: Dict[int, DeviceCourse],
 def whatif(path: str, changes: Sequence[str], rules: Sequence[Rule], budget: Optional[int] = None) -> WhatIf:
     """The WhatIf of a snapshot file with the changes given as text (none: every applicable one)."""
     parsed = [parse_change(t) for t in changes]
+    for change in parsed:  # a pair the replay never combines is the user's to fix, said before the run is read
+        given = {n for n, _ in change.parts}
+        why = next((w for n, _ in change.parts for other, w in RULES[n].excludes if other in given), None)
+        if why:
+            raise InputError("--change", f"{change.text}: {why}")
     course = read_course(path, 1, rules)
     structures = {d: structure(course.summary, d) for d in course.devices}
     return whatif_course(path, course.devices, structures, parsed, budget, course.host,
