@@ -61,6 +61,12 @@ class _Parser(argparse.ArgumentParser):
             # the option it did not know is the mistake.
             unknown = _unknown_option(self, self.argv)
             message = f"unrecognized arguments: {unknown}" if unknown else message
+        if message.endswith(": expected one argument"):
+            # argparse takes a value that starts with - (`--budget -5GiB`) for an option and says only this.
+            option = message[len("argument "):-len(": expected one argument")].split("/")[-1]
+            after = self.argv[self.argv.index(option) + 1:self.argv.index(option) + 2] if option in self.argv else []
+            if after and after[0].startswith("-") and after[0][1:2].isdigit():
+                message = _value_said(self, option, after[0]) or message
         # argparse reports options no parser knew from the top parser: name the command they went to.
         owner = self.command if self.command is not None and message.startswith("unrecognized") else self
         where = owner.prog[len("memdiff "):] if owner.prog.startswith("memdiff ") else "usage"
@@ -83,6 +89,21 @@ def _unknown_option(parser: argparse.ArgumentParser, argv: List[str]) -> Optiona
                 and not name[1:2].isdigit():
             return word
     return None
+
+
+def _value_said(parser: argparse.ArgumentParser, option: str, value: str) -> Optional[str]:
+    """What the option's own reader says of `value` (`'-5GiB' is not a size: it is negative`), or how to
+    pass it when it reads it (`--opt=-5`); None for an option `parser` does not have."""
+    action = next((a for a in parser._actions if option in a.option_strings), None)  # noqa: SLF001
+    if action is None:
+        return None
+    try:
+        if callable(action.type):
+            action.type(value)
+    except (argparse.ArgumentTypeError, ValueError, TypeError) as exc:
+        return f"argument {option}: {exc}"
+    return f"argument {option}: expected one argument ({value!r} starts with - and reads as an option: " \
+           f"write {option}={value})"
 
 
 def _suggestion(parser: argparse.ArgumentParser, message: str) -> str:

@@ -372,3 +372,18 @@ def test_an_unknown_option_with_a_value_before_the_script_is_named(capsys, argv,
         main(argv)
     assert stop.value.code == 2
     one_line(capsys, 2, f"memdiff: {argv[0]}: unrecognized arguments: {unknown} (see `memdiff {argv[0]} --help`)")
+
+
+@pytest.mark.parametrize("argv, said", [
+    (["whatif", "RUN", "--budget", "-5GiB"], "whatif: argument --budget: '-5GiB' is not a size: it is negative"),
+    (["diff", "RUN", "RUN", "--fail-over", "-64MiB"], "diff: argument --fail-over: '-64MiB' is not a size: it is "
+                                                       "negative"),
+])
+def test_a_negative_size_after_its_option_says_what_the_size_says(shared, capsys, argv, said):
+    """argparse reads `-5GiB` as an option and said only `argument --budget: expected one argument`; the option's
+    own reader says what is wrong with the value, as `--budget=-5GiB` does."""
+    argv = [str(shared / "linear-grad.pickle") if a == "RUN" else a for a in argv]
+    with pytest.raises(SystemExit) as stop:
+        main(argv)
+    assert stop.value.code == 2
+    one_line(capsys, 2, f"memdiff: {said} (see `memdiff {argv[0]} --help`)")
