@@ -387,3 +387,16 @@ def test_a_negative_size_after_its_option_says_what_the_size_says(shared, capsys
         main(argv)
     assert stop.value.code == 2
     one_line(capsys, 2, f"memdiff: {said} (see `memdiff {argv[0]} --help`)")
+
+
+@pytest.mark.parametrize("flags", [["-o", "run.pickle"], ["--emulate", "h100", "-o", "run.pickle"],
+                                   ["--emulate", "h100", "--repeat", "2", "-o", "run.pickle"]])
+def test_ranks_into_one_file_is_refused_before_the_script_runs(tmp_path, capsys, monkeypatch, flags):
+    """`record --ranks 0 -o run.pickle -- python train.py` ran the script whole into the file: --ranks went
+    unread."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "train.py").write_text("open('ran', 'w').close()\n")
+    assert main(["record", "--ranks", "0", *flags, "--", sys.executable, "train.py"]) == 2
+    one_line(capsys, 2, "memdiff: --ranks: runs some ranks of an emulated job, each into the job's folder: give it "
+                        "with --emulate GPU and -o DIR/ (and no --repeat)")
+    assert not (tmp_path / "ran").exists() and not list(tmp_path.glob("run*.pickle"))

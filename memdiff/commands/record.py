@@ -640,6 +640,10 @@ def run(args: argparse.Namespace) -> int:
                                           "writes the files themselves)")
     if args.dask is not None:
         _dask_asked(args)
+    if args.ranks is not None and (not is_folder(args.output) or args.repeat > 1):
+        # Into one file, or repeated, the script ran whole and --ranks went unread.
+        raise InputError("--ranks", "runs some ranks of an emulated job, each into the job's folder: give it with "
+                                    "--emulate GPU and -o DIR/ (and no --repeat)")
     if args.repeat > 1:
         return _run_repeats(args)
     if is_folder(args.output):
