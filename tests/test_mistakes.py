@@ -400,3 +400,16 @@ def test_ranks_into_one_file_is_refused_before_the_script_runs(tmp_path, capsys,
     one_line(capsys, 2, "memdiff: --ranks: runs some ranks of an emulated job, each into the job's folder: give it "
                         "with --emulate GPU and -o DIR/ (and no --repeat)")
     assert not (tmp_path / "ran").exists() and not list(tmp_path.glob("run*.pickle"))
+
+
+@pytest.mark.parametrize("argv, what", [
+    (["baseline", "RUN", "-o", "OUT", "--fit", "RUN"], "a fit result"),
+    (["peak", "RUN", "--rules", "RUN"], "a rules file"),
+])
+def test_a_snapshot_given_where_json_goes_says_it_is_one(shared, tmp_path, capsys, argv, what):
+    """`--fit run.pickle` said `invalid JSON: not UTF-8 text (invalid start byte)`."""
+    run = str(shared / "linear-grad.pickle")
+    argv = [run if a == "RUN" else str(tmp_path / "b.json") if a == "OUT" else a for a in argv]
+    assert main(argv) == 2
+    one_line(capsys, 2, f"memdiff: {run}: is a snapshot (pickled or compressed), not {what}")
+    assert not (tmp_path / "b.json").exists()

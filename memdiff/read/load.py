@@ -199,8 +199,12 @@ def read_small(path: str, what: str) -> bytes:
 
 
 def read_json(path: str, what: str, allow_nan: bool = False) -> Any:
-    """The document in a small JSON file (read_small), decoded by parse_json."""
-    return parse_json(path, read_small(path, what), allow_nan)
+    """The document in a small JSON file (read_small), decoded by parse_json; a snapshot given instead is
+    said to be one (`--fit run.pickle`), not `invalid JSON: not UTF-8 text`."""
+    data = read_small(path, what)
+    if starts_as_a_snapshot(data):
+        raise InputError(path, f"is a snapshot (pickled or compressed), not {what}")
+    return parse_json(path, data, allow_nan)
 
 
 class _NotJson(ValueError):
