@@ -290,13 +290,13 @@ def whatif_course(path: str, courses: Dict[int, DeviceCourse],
                                     + [finding("W014", device, change=p.change, why=p.reason or "")
                                        for p in predictions if not p.applies]))
     notes = [finding("W006")]
-    # Names from the snapshot (module instances, the file) are made one line each here, once for every output.
     ratio = max(overheads.values(), default=1.0)
     said = None if budget is None else (
         f"the budget is compared with each predicted peak times {'at most ' if len(overheads) > 1 else ''}"
         f"{ratio:.3f}, the run's reserved peak over its peak (the caching allocator's overhead: what runs out is "
         f"reserved memory)" if overheads else
         "the run carries no allocator segments (a CPU capture): the budget is compared with allocated bytes")
+    # Names from the snapshot (module instances, the file) are made one line each here, once for every output.
     return scrubbed(WhatIf(file=path, budget_bytes=budget, asked=[c.text for c in changes], devices=devices,
                            notes=notes, overhead_ratio=None if budget is None else round(ratio, 4),
                            overhead_note=said))
