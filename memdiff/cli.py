@@ -78,16 +78,23 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _unknown_option(parser: argparse.ArgumentParser, argv: List[str]) -> Optional[str]:
-    """The first word before `--` in `argv` that reads as an option `parser` has none of (nor one it
-    abbreviates), when `parser` takes a script's words (argparse.REMAINDER)."""
+    """The first option among the command's own words in `argv` (before the script's) that `parser` has
+    none of (nor one it abbreviates), when `parser` takes a script's words (argparse.REMAINDER)."""
     if not any(a.nargs == argparse.REMAINDER for a in parser._actions):  # noqa: SLF001 - argparse's own list
         return None
-    known = [o for action in parser._actions for o in action.option_strings]  # noqa: SLF001
-    for word in argv[:argv.index("--")] if "--" in argv else argv:
-        name = word.split("=")[0]
-        if name.startswith("-") and len(name) > 1 and not any(o.startswith(name) for o in known) \
-                and not name[1:2].isdigit():
-            return word
+    command = parser.prog.split()[-1]
+    words = argv[argv.index(command) + 1:] if command in argv else argv
+    i = 0
+    while i < len(words):
+        name = words[i].split("=")[0]
+        if name == "--" or not name.startswith("-") or name[1:2].isdigit():
+            return None  # the script's words begin: what follows is the script's own
+        actions = [a for a in parser._actions if any(o.startswith(name) for o in a.option_strings)]  # noqa: SLF001
+        if not actions:
+            return words[i]
+        # A known option's value is its next word (unless given as --opt=VALUE, or the option takes none).
+        takes = actions[0].nargs != 0 and "=" not in words[i]
+        i += 2 if takes else 1
     return None
 
 

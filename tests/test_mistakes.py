@@ -413,3 +413,11 @@ def test_a_snapshot_given_where_json_goes_says_it_is_one(shared, tmp_path, capsy
     assert main(argv) == 2
     one_line(capsys, 2, f"memdiff: {run}: is a snapshot (pickled or compressed), not {what}")
     assert not (tmp_path / "b.json").exists()
+
+
+def test_a_missing_output_before_a_script_without_dashes_is_still_said(capsys):
+    # The script's own options (`--lr`) are not record's unknown ones: -o is what is missing.
+    with pytest.raises(SystemExit) as stop:
+        main(["record", "python", "train.py", "--lr", "1"])
+    assert stop.value.code == 2
+    one_line(capsys, 2, "memdiff: record: the following arguments are required: -o/--output")
