@@ -27,7 +27,7 @@ def test_a_script_failing_at_a_large_batch_names_what_fit_and_the_range_below(tm
                    "python", str(SCRIPT), "--batch_size={batch}", "--tokens=256")
     assert done.returncode == 2, done.stderr
     assert done.stderr.count("\n") == 1 and "not out of memory" in done.stderr
-    failed = int(re.search(r"the script failed l4 at ([\d,]+)", done.stderr).group(1).replace(",", ""))
+    failed = int(re.search(r"the script failed on l4 at \w+ ([\d,]+)", done.stderr).group(1).replace(",", ""))
     assert failed > 128 and "nothing to train on" in done.stderr
     trained = int(re.search(r"l4 trained at batch ([\d,]+)", done.stderr).group(1).replace(",", ""))
     assert trained <= 128

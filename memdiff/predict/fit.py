@@ -564,7 +564,7 @@ def _outcome(r: _Running, sent: Optional[Dict[str, Any]], limit: int, value: int
     gpu = r.search.gpu.key
     hint = failed_above(gpu, knob, value, [run.value for run in r.search.runs.values()
                                                                if run.fits])
-    sent = checked("fit", f"{gpu} at {value:,}", sent, r.process.exitcode, r.log, hint)
+    sent = checked("fit", f"on {gpu} at {knob} {value:,}", sent, r.process.exitcode, r.log, hint)
     outcome = sent["status"]
     if outcome == FITS and sent["reserved_peak_bytes"] is not None and sent["reserved_peak_bytes"] > limit:
         outcome = OVER_LIMIT
