@@ -421,3 +421,9 @@ def test_a_missing_output_before_a_script_without_dashes_is_still_said(capsys):
         main(["record", "python", "train.py", "--lr", "1"])
     assert stop.value.code == 2
     one_line(capsys, 2, "memdiff: record: the following arguments are required: -o/--output")
+
+
+def test_jobs_without_emulate_is_refused(shared, capsys):
+    # --jobs sets the emulated re-runs at a time; a replay of a recorded run ignored it silently.
+    assert main(["whatif", str(shared / "linear-grad.pickle"), "--jobs", "4"]) == 2
+    one_line(capsys, 2, "memdiff: --jobs: sets how many emulated runs go at a time: give it with --emulate GPU")

@@ -45,7 +45,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-o", "--output", metavar="DIR/",
                    help="with --emulate: folder for every run's snapshot and output (baseline.pickle, "
                         "checkpoint-0.5.pickle and .log)")
-    p.add_argument("--jobs", type=count_arg, default=2, metavar="N",
+    p.add_argument("--jobs", type=count_arg, metavar="N",  # None: 2, and told apart from a replay's misuse
                    help="with --emulate: emulated runs at a time (default: 2)")
     add_rules_arguments(p)
     # "*", not REMAINDER: options after RUN stay options; the command follows `--`.
@@ -70,11 +70,15 @@ def run(args: argparse.Namespace) -> int:
                                                                 else args.command)
         if args.html is not None:
             check_output(args.html)
-        result = rerun(command, args.emulate, args.output, args.change, rules_from(args), args.budget, args.jobs)
+        result = rerun(command, args.emulate, args.output, args.change, rules_from(args), args.budget,
+                       args.jobs or 2)
     else:
         if args.snapshot is None or args.command or args.output is not None:
             raise InputError("whatif", "give one recorded run (`memdiff whatif run.pickle`), or --emulate GPU -o "
                                        "DIR/ -- python train.py to re-run a script with each change")
+        if args.jobs is not None:
+            raise InputError("--jobs", "sets how many emulated runs go at a time: give it with --emulate GPU -o DIR/ "
+                                       "-- python train.py (a recorded run is replayed in this process)")
         if args.html is not None:
             check_output(args.html, inputs=[args.snapshot])
         result = whatif(args.snapshot, args.change, rules_from(args), args.budget)
