@@ -334,6 +334,21 @@ def test_every_format_shows_the_findings_in_the_reports_one_order(tmp_path, caps
     assert re.findall(r"^::(?:error|warning) title=memdiff ([A-Z]\d{3}) ", annotated, re.M) == order
 
 
+def test_the_peak_report_shows_its_findings_in_the_reports_one_order(tmp_path, capsys):
+    # gpt2-keep-weights keeps a copy of its weights each step: its kept memory (K001, a note) grows step
+    # over step (K004, an error). `memdiff peak` showed them in the order found, K001 first, where the
+    # diff, the gate and every other report put the error first (severity, then code).
+    run, page = CUDA / "gpt2-keep-weights.pickle.gz", tmp_path / "p.html"
+    order = ["K004", "C001", "K001"]  # the error, then the notes by code
+    _, text, _ = cli(capsys, "peak", run, "--top", "1", "--html", page)
+    assert re.findall(r"^(?:error|warning|note): ([A-Z]\d{3}) ", text, re.M) == order
+    shown = re.findall(r'<p class="(?:error|warning|muted)"><a class="mono" href="#rule-[a-z0-9]+">([A-Z]\d{3})</a>',
+                       page.read_text())
+    assert shown == order
+    _, out, _ = cli(capsys, "peak", run, "--top", "1", "--format", "json")
+    assert [f["code"] for f in json.loads(out)["findings"]] == order
+
+
 def test_every_surface_shows_the_code(tmp_path, capsys, shared):
     base, head = shared / "cs336-medium-ctx128-train.pickle", shared / "cs336-medium-ctx256-train.pickle"
     page = tmp_path / "r.html"

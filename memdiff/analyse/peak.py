@@ -8,7 +8,7 @@ from typing import Dict, List, Optional, Tuple
 from memdiff.analyse.classify import PERSISTENT
 from memdiff.analyse.guesses import GuessedPart, guessed_data, guessed_text, inference
 from memdiff.analyse.lifetimes import BACKWARD, FORWARD, OPTIMIZER, OTHER
-from memdiff.compare.findings import finding
+from memdiff.compare.findings import finding, in_order
 from memdiff.compare.observe import growing_data, growing_steps, kept_bytes, kept_data, oom_data, overflow_data
 from memdiff.errors import InputError
 from memdiff.inert import scrubbed
@@ -111,7 +111,8 @@ def reserved_text(device: DeviceSummary) -> Optional[str]:
 def device_findings(device: DeviceSummary, window: bool = False) -> List[Finding]:
     """What the catalogue says of one run's device: a trace that starts mid-run (or a window's
     carried memory), out-of-memory events, memory kept from earlier steps and whether it grows
-    step over step, categories guessed for memory older than the trace."""
+    step over step, categories guessed for memory older than the trace; in the one order every
+    report shows findings in (findings.in_order)."""
     out = []
     if device.unmatched_free_count:
         out.append(finding("T004" if window else "T002", device.device, frees=device.unmatched_free_count,
@@ -141,12 +142,12 @@ def device_findings(device: DeviceSummary, window: bool = False) -> List[Finding
         out.append(finding("C001", device.device, amount=format_bytes(amount), amount_bytes=amount,
                            by_category=largest_first(by_category), categories=guessed_text(parts),
                            by_inference=guessed_data(parts)))
-    return out
+    return in_order(out)
 
 
 def source_findings(summary: Summary) -> List[Finding]:
     """What the catalogue says of a run as a whole: a trace whose ring buffer wrapped, a run the
-    emulator wrote and what it could only approximate."""
+    emulator wrote and what it could only approximate; in the one order (findings.in_order)."""
     out = []
     if summary.source.trace_overflowed() is not None:
         out.append(finding("T001", **overflow_data(summary.source)))
@@ -154,7 +155,14 @@ def source_findings(summary: Summary) -> List[Finding]:
     if emulated:
         out.append(finding("T013", gpu=emulated["gpu"]))
         out.extend(finding("T014", role="", note=note) for note in emulated.get("notes", []))
-    return out
+    return in_order(out)
+
+
+def peak_findings(run_findings: List[Finding], peaks: List[DevicePeak]) -> List[Finding]:
+    """Every finding of a peak report as one list (its JSON's `findings`): the run's and each shown
+    device's, in the one order (findings.in_order); the text and the page show the same findings,
+    the run's first, then each device's under its heading, each part in that order."""
+    return in_order([*run_findings, *(f for p in peaks for f in p.findings)])
 
 
 def step_rows(device: DeviceSummary) -> List[StepRow]:

@@ -6,7 +6,7 @@ import argparse
 import sys
 from dataclasses import replace
 
-from memdiff.analyse.peak import peak_report, source_findings
+from memdiff.analyse.peak import peak_findings, peak_report, source_findings
 from memdiff.atomic import check_output, write_output
 from memdiff.commands.args import add_html_argument, add_rules_arguments, count_arg, index_arg, rules_from
 from memdiff.read.inputs import read_summary
@@ -43,9 +43,8 @@ def run(args: argparse.Namespace) -> int:
         write_output(args.html, render_peak_html(summary, peaks, run_findings))
     if args.format == "json":
         shown = {p.device.device for p in peaks}
-        findings = run_findings + [f for p in peaks for f in p.findings]
         sys.stdout.write(render_summary(replace(summary, devices=[d for d in summary.devices if d.device in shown]),
-                                        findings))
+                                        peak_findings(run_findings, peaks)))
     else:
         sys.stdout.write(render_peak(summary, peaks, run_findings))
     return 0
