@@ -205,6 +205,22 @@ def test_a_gpu_only_one_side_fits_is_not_compared_and_nothing_is_a_drop():
         judge({"h100": 48}, "seq", baseline, "b.json")
 
 
+def test_the_fits_verdict_is_one_sentence_in_every_format():
+    # A fit whose L4 value fell from the baseline's 8 to 4 (G011): text said `FAIL  fit against b.json`
+    # and markdown `fit against b.json: fail`; the result holds the sentence and both show it.
+    from memdiff.predict.fit import FitResult, GpuFit, gated
+    from memdiff.render.fit import render_markdown, render_text
+
+    l4 = GpuFit(gpu="l4", name="NVIDIA L4", capacity_bytes=21 * 2**30, limit_bytes=21 * 2**30, value=4, fits=None,
+                fails=None, headroom_bytes=None, runs=[], forecasts=[], line="l4: largest batch 4")
+    result = FitResult(command=["python", "train.py"], knob="batch", grid=Grid("batch", 1, 64), max_memory=1.0,
+                       gpus=[l4], runs=0, seconds=0.0, output="runs/")
+    dropped = gated(result, {"knob": "batch", "gpus": [{"gpu": "l4", "value": 8}]}, "b.json")
+    assert [f.code for f in dropped.findings] == ["G011"] and dropped.verdict_line == "FAIL  fit against b.json"
+    assert dropped.verdict_line in render_text(dropped).splitlines()
+    assert "❌ FAIL  fit against b.json" in render_markdown(dropped).splitlines()
+
+
 def _fit_baseline(tmp_path: Path, doc: dict, raised_by: int) -> tuple:
     """A baseline of the fit's own largest run, holding a fit whose L4 value is `raised_by` above this one's,
     and the fit result of this change: what a pull request's gate is given."""

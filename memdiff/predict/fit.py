@@ -163,6 +163,14 @@ class FitResult:
     # as there are more of them, so the answer is the fewest processes on which every rank fits)
     direction: str = "largest"
 
+    @property
+    def verdict_line(self) -> Optional[str]:
+        """The gate's verdict as every format says it (`PASS  fit against baselines/fit.json`); None
+        without a baseline."""
+        if self.passed is None:
+            return None
+        return f"{'PASS' if self.passed else 'FAIL'}  fit against {self.baseline}"
+
     def to_dict(self) -> Dict[str, Any]:
         """The JSON document (schemas/fit.schema.json)."""
         return {"schema_version": SCHEMA_VERSION, "kind": "fit", "tool": self.tool, "command": self.command,
@@ -751,6 +759,11 @@ class FitGate:
     values: List[str]  # one line per GPU of the run: `h100 batch 48`
     findings: List[Finding]
     passed: bool
+
+    @property
+    def verdict_line(self) -> str:
+        """The verdict as every format says it: `PASS  fit FIT.json against BASELINE.json`."""
+        return f"{'PASS' if self.passed else 'FAIL'}  fit {self.run} against {self.baseline}"
 
     def to_dict(self) -> Dict[str, Any]:
         """The JSON document (gate's list entry for a fit)."""

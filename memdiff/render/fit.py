@@ -75,8 +75,8 @@ def render_text(result: FitResult) -> str:
     """The fit for a terminal: one line per GPU, the table, each GPU's runs and failing request."""
     out = [f"memdiff: {g.line}" for g in result.gpus]
     out += [shown(f) for f in result.findings]
-    if result.passed is not None:
-        out.append(f"{'PASS' if result.passed else 'FAIL'}  fit against {result.baseline}")
+    if result.verdict_line is not None:
+        out.append(result.verdict_line)
     out += ["", f"knob   {_knob(result)}",
             f"runs   {result.runs} emulated runs in {result.seconds:.1f} s, snapshots in {result.output}", "",
             tabulate(_rows(result), headers=_headers(result), tablefmt="simple", colalign=ALIGN), ""]
@@ -93,9 +93,8 @@ def render_markdown(result: FitResult) -> str:
     for g in result.gpus:
         out += [f"**{md_text(g.line)}**", ""]
     out += [f"knob: {md_text(_knob(result))}", ""]
-    if result.passed is not None:
-        out.append(("✅ " if result.passed else "❌ ") + md_text(f"fit against {result.baseline}: "
-                                                            f"{'pass' if result.passed else 'fail'}"))
+    if result.verdict_line is not None:
+        out.append(("✅ " if result.passed else "❌ ") + md_text(result.verdict_line))
     out += [("❌ " if f.severity == "error" else "") + md_text(shown(f)) for f in result.findings]
     rows = [[md_cell(c) for c in row] for row in _rows(result)]
     which = "Fewest" if result.direction == SMALLEST else "Largest"
@@ -116,7 +115,7 @@ def render_gate(gate: FitGate, fmt: str) -> str:
     """`memdiff gate FIT.json --baseline FIT.json`: the verdict and each finding in one line."""
     if fmt == "json":
         return dumps([gate.to_dict()])
-    verdict = f"{'PASS' if gate.passed else 'FAIL'}  fit {gate.run} against {gate.baseline}"
+    verdict = gate.verdict_line
     if fmt == "markdown":
         return "\n".join([("✅ " if gate.passed else "❌ ") + md_text(verdict)]
                          + ["❌ " + md_text(shown(f)) for f in gate.findings]) + "\n"
