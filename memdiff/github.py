@@ -19,14 +19,13 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 from memdiff.atomic import append_text, write_output
-from memdiff.compare.baseline import no_baseline
-from memdiff.compare.findings import INFO
+from memdiff.compare.baseline import no_baseline, no_baseline_level
 from memdiff.errors import InputError
 from memdiff.inert import baseline_command, md_code, md_fence, shell, text
 from memdiff.model import Finding
 from memdiff.read.load import read_json
 from memdiff.render.markdown import Options, render_diff
-from memdiff.report.build import Report
+from memdiff.report.build import Report, largest_peak_delta
 
 # GitHub's limit for a comment body; job summaries allow more, but one report serves both.
 SIZE_LIMIT = 65_536
@@ -97,7 +96,7 @@ class Publisher:
     annotate_on_stderr: bool = False
     sections: List[str] = field(default_factory=list)
     passed: List[bool] = field(default_factory=list)
-    deltas: List[int] = field(default_factory=list)
+    deltas: List[Optional[int]] = field(default_factory=list)  # each report's Report.peak_delta_bytes
     without_baseline: List[str] = field(default_factory=list)
     findings: List[str] = field(default_factory=list)  # the codes of the findings shown, each once
     failed_findings: List[str] = field(default_factory=list)  # the codes that failed the gate, each once
@@ -114,19 +113,15 @@ class Publisher:
 
         self.sections.append(fit(render, report.top, SIZE_LIMIT // max(1, self.expected) - 16))
         self.passed.append(report.passed is not False)
-        self.deltas += [d.peak_delta_bytes for r in report.results for d in r.diff.devices]
-        failing = {c.code for c in report.verdict.finding_checks} if report.verdict is not None else set()
+        self.deltas.append(report.peak_delta_bytes)
         self.findings += [c for c in dict.fromkeys(f.code for f in [*report.findings, *report.notes])
                           if c not in self.findings]
-        self.failed_findings += [c for c in sorted(failing) if c not in self.failed_findings]
+        self.failed_findings += [c for c in report.failed_codes if c not in self.failed_findings]
         if not self.annotate:
             return
         for message in report.annotations:
             self._say(f"::error title=memdiff::{escape_annotation(message)}")
-        for f in report.findings:
-            if f.severity == INFO:
-                continue
-            level = "error" if f.code in failing else "warning"
+        for level, f in report.finding_annotations:
             self._say(f"::{level} title=memdiff {f.code} {f.name}::"
                       f"{escape_annotation(f'{f.text} (memdiff rule {f.code})')}")
 
@@ -146,7 +141,7 @@ class Publisher:
                "Not gated: without `--require-baseline` such a run is reported and the others are gated; when no "
                "run has its baseline, nothing was compared and the gate fails.\n"))
         self.without_baseline.append(run)
-        self.annotation(no_baseline(run, path, required, compared), "error" if required or not compared else "warning")
+        self.annotation(no_baseline(run, path, required, compared), no_baseline_level(required, compared))
 
     def annotation(self, f: Finding, level: str) -> None:
         """A finding outside any report (a run without its baseline, a history not there yet) as a
@@ -175,8 +170,9 @@ class Publisher:
         outputs = self.environ.get("GITHUB_OUTPUT")
         if outputs:
             # Nothing compared, no delta: empty rather than a 0 that reads as "unchanged".
-            delta = max(self.deltas) if self.deltas else ""
-            append_text(outputs, f"verdict={self.verdict()}\npeak-delta-bytes={delta}\nreport={path}\n"
+            delta = largest_peak_delta(self.deltas)
+            append_text(outputs, f"verdict={self.verdict()}\npeak-delta-bytes={'' if delta is None else delta}\n"
+                                 f"report={path}\n"
                                  f"findings={' '.join(self.findings)}\n"
                                  f"failed-findings={' '.join(self.failed_findings)}\n")
         return path

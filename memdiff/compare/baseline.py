@@ -494,6 +494,12 @@ def no_baseline(run: str, path: str, required: bool, compared: bool = True) -> F
     return finding("G008", snapshot=run, path=path, command=baseline_command(run, path), absent=absent, gated=gated)
 
 
+def no_baseline_level(required: bool, compared: bool = True) -> str:
+    """The workflow annotation's level of a run without its baseline (G008): `error` when that fails
+    the gate (`required`, or no run `compared`), as no_baseline's sentence says; else `warning`."""
+    return "error" if required or not compared else "warning"
+
+
 def comparable_pair(path: str, baseline: Baseline, head: Summary, mixed_routes: bool = False
                     ) -> Tuple[Summary, Summary]:
     """(base, head) summaries the differ can align; InputError when the devices differ, when one

@@ -33,7 +33,7 @@ from memdiff.compare.differ import (
     PhaseDelta,
     diff,
 )
-from memdiff.compare.findings import finding, in_order
+from memdiff.compare.findings import INFO, finding, in_order
 from memdiff.compare.judge import Check, Runs, Verdict, judge, judge_ranks, noise_limit
 from memdiff.compare.limits import DEFAULT_PEAK, IGNORE, Limit, Thresholds
 from memdiff.compare.observe import PEAK, WARNING_STRINGS, kept_from, where_text
@@ -145,6 +145,25 @@ class Report:
         return [" ".join([f"{self.headline}.", *(f"{n.code} {n.text}" for n in self.notes)]), *failing]
 
     @property
+    def finding_annotations(self) -> List[Tuple[str, Finding]]:
+        """Each finding shown as a workflow annotation (`--github`) with its level: `error` for a code
+        that failed the gate, `warning` for any other; notes are no annotation."""
+        failing = {c.code for c in self.verdict.finding_checks} if self.verdict is not None else set()
+        return [("error" if f.code in failing else "warning", f) for f in self.findings if f.severity != INFO]
+
+    @property
+    def failed_codes(self) -> List[str]:
+        """The codes of the findings that failed the gate, sorted, each once (the Action's `failed-findings`)."""
+        return sorted({c.code for c in self.verdict.finding_checks}) if self.verdict is not None else []
+
+    @property
+    def peak_delta_bytes(self) -> Optional[int]:
+        """The largest change of a device's peak over every pair compared (a job's ranks, each device):
+        the Action's `peak-delta-bytes`; None when no device was compared."""
+        deltas = [d.peak_delta_bytes for r in self.results for d in r.diff.devices]
+        return max(deltas) if deltas else None
+
+    @property
     def rule(self) -> Optional[str]:
         """The rule judged by, in words; None when not judged."""
         return text(self.verdict.rule) if self.verdict else None
@@ -187,6 +206,13 @@ class Report:
                 "only_base": self.job.only_base, "only_head": self.job.only_head,
                 "ranks": [{"rank": r.rank, "schema_version": DIFF_SCHEMA_VERSION, "tool": f"memdiff {__version__}",
                            **(r.verdict.to_dict() if r.verdict else {}), **r.diff.to_dict()} for r in self.results]}
+
+
+def largest_peak_delta(deltas: Sequence[Optional[int]]) -> Optional[int]:
+    """The Action's `peak-delta-bytes` over a command's reports (each its Report.peak_delta_bytes): the
+    largest; None when no report compared a device."""
+    known = [d for d in deltas if d is not None]
+    return max(known) if known else None
 
 
 # --- building it -----------------------------------------------------------------------------
