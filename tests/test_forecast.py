@@ -16,10 +16,12 @@ import memdiff
 from memdiff.analyse.classify import load_rules
 from memdiff.cli import main
 from memdiff.errors import InputError
+from memdiff.inert import md_text
 from memdiff.predict.forecast.course import KnobRun, parse_run
 from memdiff.predict.forecast.engine import _fit
 from memdiff.read.inputs import read_summary
 from memdiff.read.schema import validate
+from memdiff.units import format_bytes
 
 FWD = py_frames("model.py:10:forward")
 BWD = py_frames("/v/site-packages/torch/autograd/__init__.py:1:backward")
@@ -185,6 +187,28 @@ def test_text_markdown_and_html(series, capsys, tmp_path):
     assert f"<p>{html.escape(budget)}</p>" in page.read_text() and "<p>runs: b1.pickle=1, " in page.read_text()
     assert main(["forecast", *runs, "--at", "64", "--format", "markdown"]) == 0
     assert "| growing site" in capsys.readouterr().out
+
+
+def test_every_format_says_the_budget_the_alignment_and_the_largest_value_within_it(series, capsys, tmp_path):
+    # Only the text said what the budget is compared with, how the runs line up, what the tables are at and
+    # the largest value within the budget; the forecast document holds the sentences and every format shows
+    # them. The loop's peak at batch 50 is the budget: 50 is the largest value within it (actual_peak).
+    runs, page = series((1, 2, 4)), tmp_path / "f.html"
+    flags = ["forecast", *runs, "--at", "64", "--budget", str(actual_peak(50))]
+    assert main([*flags, "--format", "json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    validate("forecast", doc, "forecast")
+    d = doc["devices"][0]
+    said = [doc["budget_line"], d["alignment"], d["at_peak"], d["within_line"]]
+    assert d["within_line"] == "largest value within the budget: 50" and d["max_value_within_budget"] == 50
+    assert doc["budget_line"].startswith(f"budget {format_bytes(actual_peak(50))}: the budget is compared with the peak")
+    assert d["at_peak"] == "at the predicted peak for 64 (backward, step 1)"
+    assert main([*flags, "--html", str(page)]) == 0
+    text = capsys.readouterr().out
+    assert main([*flags, "--format", "markdown"]) == 0
+    markdown = capsys.readouterr().out
+    for sentence in said:
+        assert sentence in text and md_text(sentence) in markdown and html.escape(sentence) in page.read_text()
 
 
 @pytest.mark.parametrize("argv, says", [

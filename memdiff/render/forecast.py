@@ -69,17 +69,16 @@ def render_text(f: Forecast) -> str:
     out.append("")
     out.append("runs   " + ", ".join(f"{os.path.basename(name)}={v:,}" for name, v in zip(f.files, f.knob_values)))
     out += [f"note: {n}" for n in f.notes]
-    if f.budget_bytes is not None:
-        out.append(f"budget {format_bytes(f.budget_bytes)}: {f.overhead_note}")
+    if f.budget_line is not None:
+        out.append(f.budget_line)
     for d in f.devices:
         out += ["", f"device {d.device}: {d.alignment}"]
         out += [shown(n) for n in d.notes]
         out += ["", _runs_table(d, "simple"), "", _predictions_table(d, "simple")]
-        p = d.predictions[0]
-        out += ["", f"at the predicted peak for {p.value:,} ({p.where}):"]
+        out += ["", f"{d.at_peak}:"]
         out += ["", *("\n\n".join(_at_peak_tables(d, "simple")).split("\n"))]
-        if d.within_text is not None:
-            out += ["", f"largest value within the budget: {d.within_text}"]
+        if d.within_line is not None:
+            out += ["", d.within_line]
     return "\n".join(out) + "\n"
 
 
@@ -91,13 +90,14 @@ def render_markdown(f: Forecast) -> str:
         out += ["", ("✅ " if f.headroom.passed else "❌ ") + md_text(f.headroom.line)]
     out += ["", "runs: " + ", ".join(f"{md_code(os.path.basename(n))}={v:,}" for n, v in zip(f.files, f.knob_values))]
     out += [f"> {md_text(n)}" for n in f.notes]
-    if f.budget_bytes is not None:
-        out += ["", f"budget {format_bytes(f.budget_bytes)}: {md_text(f.overhead_note)}"]
+    if f.budget_line is not None:
+        out += ["", md_text(f.budget_line)]
     for d in f.devices:
-        out += ["", f"#### device {d.device}", ""]
+        out += ["", f"#### device {d.device}", "", md_text(d.alignment), ""]
         out += [f"> `{n.code}` {md_text(n.text)}" for n in d.notes]
-        out += ["", _runs_table(d, "github"), "", _predictions_table(d, "github"), ""]
+        out += ["", _runs_table(d, "github"), "", _predictions_table(d, "github"), "", f"{md_text(d.at_peak)}:", ""]
         out += ["\n\n".join(_at_peak_tables(d, "github"))]
+        out += ["", md_text(d.within_line)] if d.within_line is not None else []
     return "\n".join(out) + "\n"
 
 
@@ -116,11 +116,13 @@ def render_html(f: Forecast) -> str:
     if f.budget_bytes is not None:
         body.append(f"<p>budget {format_bytes(f.budget_bytes)}: {html.escape(f.overhead_note)}</p>")
     body += [f"<p class=note>{html.escape(n)}</p>" for n in f.notes]
+    body += [f"<p>{html.escape(f.budget_line)}</p>"] if f.budget_line is not None else []
     for d in f.devices:
-        body.append(f"<h3>device {d.device}</h3>")
+        body += [f"<h3>device {d.device}</h3>", f"<p>{html.escape(d.alignment)}</p>"]
         body += [f"<p class=note>{n.code} {html.escape(n.text)}</p>" for n in d.notes]
-        tables = [_runs_table(d, "html"), _predictions_table(d, "html"), *_at_peak_tables(d, "html")]
-        body += tables
+        body += [_runs_table(d, "html"), _predictions_table(d, "html"), f"<p>{html.escape(d.at_peak)}:</p>",
+                 *_at_peak_tables(d, "html")]
+        body += [f"<p>{html.escape(d.within_line)}</p>"] if d.within_line is not None else []
     style = ("body{font:14px system-ui,sans-serif;margin:2em}table{border-collapse:collapse;margin:1em 0}"
              "td,th{padding:2px 10px;border-bottom:1px solid #ddd;text-align:right}.note{color:#555}")
     return ("<!doctype html><html><head><meta charset=utf-8><title>memdiff forecast</title>"

@@ -148,6 +148,11 @@ class DeviceForecast:
     within_text: Optional[str] = None
     # The knob values of the two runs each site's runs_ratio compares (the fitted run before the largest, the largest).
     growth_between: List[int] = field(default_factory=list)
+    # The sentences every format shows: what the table of the predicted peak's categories and sites is
+    # at (`at the predicted peak for 8 (backward, step 1)`), and with a budget the largest value within
+    # it (`largest value within the budget: 11`; None without a budget, or when nothing fits).
+    at_peak: str = ""
+    within_line: Optional[str] = None
 
     @property
     def predicted_peak_bytes(self) -> int:
@@ -181,6 +186,9 @@ class Forecast:
     notes: List[str]
     tool: str = f"memdiff {__version__}"
     headroom: Optional[HeadroomCheck] = None
+    # The budget and what it is compared with, as every format says it (`budget 40.00 MiB: the runs carry
+    # no allocator segments ...`); None without a budget.
+    budget_line: Optional[str] = None
 
     def to_dict(self) -> Dict[str, Any]:
         """The JSON document (schemas/forecast.schema.json)."""
@@ -193,7 +201,7 @@ class Forecast:
         return {"schema_version": SCHEMA_VERSION, "tool": self.tool, "knob_values": self.knob_values,
                 "files": self.files, "at": self.at, "budget_bytes": self.budget_bytes,
                 "overhead_ratio": self.overhead_ratio, "overhead_note": self.overhead_note,
-                "notes": self.notes, "devices": devices,
+                "budget_line": self.budget_line, "notes": self.notes, "devices": devices,
                 "headroom": None if self.headroom is None else asdict(self.headroom)}
 
 
@@ -378,7 +386,8 @@ def forecast_courses(courses: Sequence[Course], at: Sequence[int], budget: Optio
     # Names from the snapshots are made one line each here, once for every output.
     return scrubbed(Forecast(knob_values=values, files=[c.file for c in courses], at=at, budget_bytes=budget,
                              overhead_ratio=round(overhead, 4), overhead_note=overhead_note, devices=devices,
-                             notes=notes))
+                             notes=notes,
+                             budget_line=None if budget is None else f"budget {format_bytes(budget)}: {overhead_note}"))
 
 
 def _names(courses: Sequence[Course]) -> str:
@@ -546,6 +555,8 @@ def _device_forecast(runs: List[DeviceCourse], courses: Sequence[Course], device
         runs=checks, predictions=predictions, forms=forms,
         unfitted_allocations=int(unfitted.sum()), unfitted_bytes=unfitted_bytes, fit_error_pct=fit_error,
         max_value_within_budget=within, headline=headline, notes=notes, within_text=within_text,
+        at_peak=f"at the predicted peak for {first.value:,} ({first.where})",
+        within_line=None if within_text is None else f"largest value within the budget: {within_text}",
         growth_between=[values[earlier], values[ref_index]],
         alignment=(f"the {len(fitted)} fitted runs record the same allocations in the same order "
                    f"({len(ref.size):,} allocations)" if all(alignment.same[k] for k in fitted)
