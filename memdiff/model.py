@@ -162,6 +162,10 @@ class DeviceSummary:
     # A baseline's too: the peaks of its run's steps after the first (compare.observe.step_peaks), so that
     # a gate tells a baseline whose memory grew step over step too (K004) as a diff does. None for a run.
     step_peaks: Optional[List[int]] = None
+    # A baseline's too: whether its run's backward stacks name autograd nodes (compare.observe.names_nodes),
+    # as its groups are stored without frames, so that a gate warns of runs recorded otherwise (T009) as a
+    # diff does. None for a run, for a baseline whose stacks show no backward and one made before it was kept.
+    autograd_nodes: Optional[bool] = None
 
     def steps_recorded(self, baseline: bool) -> Optional[int]:
         """How many steps the run recorded: a run's `steps`, a baseline's stored count (`baseline`);
@@ -353,7 +357,8 @@ class Summary:
         """
         data = asdict(self)
         for d in data["devices"]:
-            for key in ("step_count", "step_peaks"):  # a run's steps are its `steps`: only a baseline's has these
+            # A run's steps are its `steps` and its stacks its groups': only a baseline's summary has these.
+            for key in ("step_count", "step_peaks", "autograd_nodes"):
                 if d[key] is None:
                     del d[key]
             at_peak = {g["signature"] for g in d["groups"]}

@@ -249,6 +249,33 @@ def test_a_run_whose_stacks_do_not_name_autograd_nodes_is_told_apart(summaries):
     assert not [w for w in diff(summaries["gpt2-base"], summaries["gpt2-batch8"]).warnings if "autograd nodes" in w]
 
 
+def test_a_gate_tells_a_run_whose_stacks_do_not_name_autograd_nodes_as_the_diff_does(summaries, tmp_path):
+    """A baseline stores its groups without frames, so the gate could never say T009: the diff of gpt2-base
+    and the same run with its autograd nodes' frames taken out warned, the gate against gpt2-base's
+    baseline did not. The baseline keeps whether its run's stacks name nodes, and the gate says T009 as the
+    diff does, both ways; a baseline made before it kept that says nothing of it."""
+    plain = copy.deepcopy(summaries["gpt2-base"])
+    for g in [*plain.devices[0].groups, *(g for p in plain.devices[0].phase_peaks for g in p.groups or [])]:
+        g.frames = [f for f in g.frames if not names_autograd_node(f.name)]
+    named, unnamed = tmp_path / "named.json", tmp_path / "unnamed.json"
+    api.write_baseline(summaries["gpt2-base"], named)
+    api.write_baseline(plain, unnamed)
+    assert [d.get("autograd_nodes") for d in json.loads(named.read_text())["devices"]] == [True]
+    assert [d.get("autograd_nodes") for d in json.loads(unnamed.read_text())["devices"]] == [False]
+
+    def t009(report) -> List[str]:
+        return [f.text for f in report.findings if f.code == "T009"]
+    assert t009(api.gate(plain, named)) == [f.text for f in diff(summaries["gpt2-base"], plain).findings
+                                            if f.code == "T009"] != []
+    assert t009(api.gate(summaries["gpt2-base"], unnamed)) == [
+        f.text for f in diff(plain, summaries["gpt2-base"]).findings if f.code == "T009"] != []
+    assert t009(api.gate(summaries["gpt2-base"], named)) == []
+    doc = json.loads(named.read_text())
+    del doc["devices"][0]["autograd_nodes"]  # a baseline made before baselines kept it
+    named.write_text(json.dumps(doc))
+    assert t009(api.gate(plain, named)) == []
+
+
 def test_a_phase_that_grew_more_than_the_peak_is_explained_in_the_headline(capsys):
     """Weight copies kept between backward() and step() each step: the backward peak holds two
     copies, the optimizer step's (step 2) three. The phase that grew more than the peak gets its

@@ -22,7 +22,7 @@ from memdiff.atomic import check_output, make_folder, write_output
 from memdiff.compare.figures import check_figures
 from memdiff.compare.findings import finding
 from memdiff.compare.limits import Thresholds, thresholds_from_dict
-from memdiff.compare.observe import PEAK, step_peaks
+from memdiff.compare.observe import PEAK, names_nodes, step_peaks
 from memdiff.errors import InputError, clip, version_shown
 from memdiff.inert import baseline_command
 from memdiff.model import DeviceSummary, Finding, Group, PhasePeak, Range, Source, Spread, Summary
@@ -120,6 +120,8 @@ def _devices_json(devices: List[Dict[str, Any]], pad: str) -> str:
                   f'"unmatched_free_count": {d["unmatched_free_count"]}',
                   *([f'"step_count": {d["step_count"]}'] if d.get("step_count") is not None else []),
                   *([f'"step_peaks": {json.dumps(d["step_peaks"])}'] if d.get("step_peaks") is not None else []),
+                  *([f'"autograd_nodes": {json.dumps(d["autograd_nodes"])}'] if d.get("autograd_nodes") is not None
+                    else []),
                   f'"categories": {json.dumps(d["categories"])}']
         fields += [f'"phases": {json.dumps(d["phases"])}'] if d.get("phases") else []
         fields += [f'"phase_categories": {json.dumps(d["phase_categories"])}'] if d.get("phase_categories") else []
@@ -186,6 +188,9 @@ def from_summary(summary: Summary, name: str, thresholds: Thresholds, git_sha: O
         # The peaks of its steps after the first: a gate tells a run that grew step over step like
         # its baseline's from one that started to (K004), as a diff does.
         "step_peaks": step_peaks(d),
+        # Whether its backward stacks name autograd nodes (the groups keep no frames): a gate warns of a
+        # run recorded otherwise (T009), as a diff does. Absent when its stacks show no backward.
+        **({} if names_nodes(d) is None else {"autograd_nodes": names_nodes(d)}),
         "categories": dict(sorted(d.categories.items())),
         "phases": {p.phase: p.peak_bytes for p in d.phase_peaks},
         # What each category held at each phase's peak: category limits compare like with like.
@@ -445,7 +450,7 @@ def _stored_summary(b: Baseline) -> Summary:
         devices.append(DeviceSummary.blank(
             d["device"], trace_events=d["trace_events"], static_bytes=d["static_bytes"], peak_bytes=d["peak_bytes"],
             unmatched_free_count=d["unmatched_free_count"], step_count=d.get("step_count"),
-            step_peaks=d.get("step_peaks"),
+            step_peaks=d.get("step_peaks"), autograd_nodes=d.get("autograd_nodes"),
             groups=groups, categories=d["categories"],
             phase_peaks=phases, phase_at_peak=at_peak.get("phase"), step_at_peak=at_peak.get("step"),
             scope_at_peak=at_peak.get("scope"),

@@ -147,7 +147,8 @@ CATALOGUE: Tuple[Code, ...] = (
          "reads run_backward (a CPU capture by an earlier memdiff, or CUDA stacks=\"python\"), so its backward "
          "rows show as gone and new: record both runs the same way",
          "The backward's memory is named by the autograd node that made it in one run, and by the engine's "
-         "entry in the other.",
+         "entry in the other. A baseline stores its groups without stacks and keeps whether its run's named "
+         "nodes; one made before it kept that says nothing of it.",
          "Rows are aligned by their stacks: the same backward memory reads as gone from one and new in the other.",
          "Record both runs the same way (`memdiff record`, with C++ stacks on CUDA).",
          "hand-built in tests/test_cuda_snapshots.py (gpt2-base with its autograd nodes' frames taken out)",

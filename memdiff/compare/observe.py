@@ -36,7 +36,7 @@ def overflow_data(source: Source) -> Dict[str, Any]:
     return {"max_entries": size, "ring": f"its ring buffer of {size:,} entries" if size else "its ring buffer"}
 
 
-def _names_nodes(d: DeviceSummary) -> Optional[bool]:
+def names_nodes(d: DeviceSummary) -> Optional[bool]:
     """Whether the stacks of a device's backward memory name autograd nodes; None when none of its
     groups was made by the autograd engine, as far as the stacks say."""
     groups = [*d.groups, *(g for p in d.phase_peaks for g in p.groups or [])]
@@ -100,7 +100,9 @@ def _findings(base: Summary, head: Summary, devices: Sequence[DeviceDiff] = (),
         h = heads.get(b.device)
         if h is None:
             continue
-        named = {role: _names_nodes(d) for role, d in (("base", b), ("head", h))}
+        # A baseline's groups keep no frames: it stores what its run's stacks said (None before it did).
+        named = {role: d.autograd_nodes if s.source.container == "baseline" else names_nodes(d)
+                 for role, s, d in (("base", base, b), ("head", head, h))}
         if None not in named.values() and named["base"] != named["head"]:
             which, other = ("base", "head") if named["base"] else ("head", "base")
             out.append(finding("T009", b.device, which=which, other=other))
