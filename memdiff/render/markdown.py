@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional, cast
+from typing import List, Optional
 
 from memdiff.compare.differ import GONE, GREW, NEW, SHRANK
 from memdiff.compare.findings import ERROR, INFO, WARNING
@@ -57,22 +57,14 @@ def _stacks(d: DeviceReport) -> List[str]:
 
 
 def _chart(d: DeviceReport) -> List[str]:
-    chart = d.diff.chart
-    runs = [(name, [p[i] for p in chart]) for i, name in ((1, "base"), (2, "head"))]
-    # A run with a timeline has a value in every bucket (differ fills the empty ones); one without has none.
-    lines_by_run = [(name, cast(List[int], values)) for name, values in runs if values and values[0] is not None]
-    if not lines_by_run:
+    """The report's chart (report.build.chart_of) as a mermaid xychart, its caption below."""
+    chart = d.chart
+    if chart is None:
         return []
-    top = max(v for _, values in lines_by_run for v in values)
-    unit, factor = ("GiB", 2**30) if top >= 2**30 else ("MiB", 2**20)
-    out = ["```mermaid", "xychart-beta",
-           f'    title "Allocated memory over the trace, device {d.device} ({unit})"',
-           '    x-axis "trace progress (%)" 0 --> 100', f'    y-axis "{unit}"']
-    out += [f"    line [{', '.join(f'{v / factor:.2f}' for v in values)}]" for _, values in lines_by_run]
-    out.append("```")
-    out.append("Lines, in order: " + ", ".join(name for name, _ in lines_by_run)
-               + " (each point the largest total in its stretch of the trace).")
-    return out
+    out = ["```mermaid", "xychart-beta", f'    title "{chart.title}"', f'    x-axis "{chart.x_axis}" 0 --> 100',
+           f'    y-axis "{chart.unit}"']
+    out += [f"    line [{', '.join(line.points)}]" for line in chart.lines]
+    return out + ["```", chart.caption]
 
 
 def _device(d: DeviceReport, o: Options) -> List[str]:

@@ -135,6 +135,25 @@ class CheckLine:
 
 
 @dataclass
+class ChartLine:
+    """One run's line of the chart of allocated memory over the trace: its points in the chart's unit."""
+
+    run: str  # "base" or "head"
+    points: List[str]  # `1.25`: each stretch of the trace's largest total, in the chart's unit
+
+
+@dataclass
+class Chart:
+    """The chart of allocated memory over each run's trace, as every output that draws it words it."""
+
+    title: str  # `Allocated memory over the trace, device 0 (GiB)`
+    x_axis: str  # `trace progress (%)`
+    unit: str  # GiB, or MiB below 1 GiB
+    lines: List[ChartLine]  # the runs that have a timeline, base first
+    caption: str  # `Lines, in order: base, head (each point the largest total in its stretch of the trace).`
+
+
+@dataclass
 class DeviceReport:
     """One device of the compared pair, ready to show."""
 
@@ -152,6 +171,7 @@ class DeviceReport:
     noise_within: Optional[str] = None  # `within the spread of 3 runs (...)`, for the headline, when it is
     reserved: Optional[str] = None  # the caching allocator's reserved peak and fragmentation
     findings: List[Finding] = field(default_factory=list)  # what the report adds (A001 reserved moved, G001 noise)
+    chart: Optional[Chart] = None  # allocated memory over each run's trace; None when neither has a timeline
 
     @property
     def lines(self) -> List[str]:
