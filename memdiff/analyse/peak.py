@@ -3,13 +3,22 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import datetime, timezone
 from typing import Dict, List, Optional, Tuple
 
 from memdiff.analyse.classify import PERSISTENT
 from memdiff.analyse.guesses import GuessedPart, guessed_data, guessed_text, inference
 from memdiff.analyse.lifetimes import BACKWARD, FORWARD, OPTIMIZER, OTHER
 from memdiff.compare.findings import finding, in_order
-from memdiff.compare.observe import growing_data, growing_steps, kept_bytes, kept_data, oom_data, overflow_data
+from memdiff.compare.observe import (
+    growing_data,
+    growing_steps,
+    kept_bytes,
+    kept_data,
+    oom_data,
+    overflow_data,
+    where_text,
+)
 from memdiff.errors import InputError
 from memdiff.inert import scrubbed
 from memdiff.model import WINDOW_KEY, DeviceSummary, Finding, Frame, Summary, largest_first
@@ -62,6 +71,10 @@ class DevicePeak:
     findings: List[Finding]  # the catalogue's, about this device (findings.py)
     reserved: Optional[str] = None  # the caching allocator's reserved peak and fragmentation, in words
     window: bool = False  # a window of a longer trace (memdiff slice, --steps): its start is no trace start
+    # `device 0: peak 4.76 GiB, in the backward of step 1; static 474.70 MiB`: the device in one line
+    heading: str = ""
+    # When the peak is: `at event 1,234 of 5,678 (+1.234 s into the trace, 2026-01-02 03:04:05.678 UTC)`
+    when: str = ""
 
 
 def _share(part: int, whole: int) -> float:
@@ -95,7 +108,34 @@ def device_peak(device: DeviceSummary, top: Optional[int], window: bool = False)
                       labels=_shares(device.bytes_by_label, device.peak_bytes),
                       steps=step_rows(device), findings=device_findings(device, window),
                       # a window's segments are the blocks it carried in, not the allocator's: no reserved figure
-                      reserved=None if window else reserved_text(device), window=window)
+                      reserved=None if window else reserved_text(device), window=window,
+                      heading=heading_text(device), when=when_text(device))
+
+
+def heading_text(device: DeviceSummary) -> str:
+    """`device 0: peak 4.76 GiB, in the backward of step 1; static 474.70 MiB`."""
+    where = f", in {where_text(device.phase_at_peak, device.step_at_peak)}" if device.phase_at_peak else ""
+    return (f"device {device.device}: peak {format_bytes(device.peak_bytes)}{where}; "
+            f"static {format_bytes(device.static_bytes)}")
+
+
+def when_text(device: DeviceSummary) -> str:
+    """When the peak is: `at event 1,234 of 5,678 (+1.234 s into the trace, 2026-01-02 03:04:05.678 UTC)`,
+    the times when the trace has them; `before the first event (...)` when nothing rose above static memory."""
+    if device.peak_event_index is None:
+        return "before the first event (nothing in the trace rose above static memory)"
+    us, start_us = device.peak_time_us, device.trace_start_time_us
+    stamp = ""
+    if us is not None:
+        utc = datetime.fromtimestamp(us / 1e6, tz=timezone.utc).strftime("%Y-%m-%d %H:%M:%S.%f")[:-3]
+        into = f"+{(us - start_us) / 1e6:.3f} s into the trace, " if start_us is not None else ""
+        stamp = f" ({into}{utc} UTC)"
+    return f"at event {device.peak_event_index:,} of {device.trace_events:,}{stamp}"
+
+
+def page_title(summary: Summary) -> str:
+    """`memdiff peak: run.pickle`: the peak page's title."""
+    return f"memdiff peak: {summary.source.file}"
 
 
 def reserved_text(device: DeviceSummary) -> Optional[str]:

@@ -20,9 +20,8 @@ from dataclasses import asdict
 from importlib import resources
 from typing import Any, Dict, List, Optional, Sequence
 
-from memdiff.analyse.peak import DevicePeak, PeakRow
+from memdiff.analyse.peak import DevicePeak, PeakRow, page_title
 from memdiff.compare.findings import BY_CODE, ERROR, INFO, WARNING
-from memdiff.compare.observe import where_text
 from memdiff.compare.trend import TREND_HEADERS, Trend
 from memdiff.model import DeviceSummary, Finding, Summary
 from memdiff.render.table import row_table
@@ -140,11 +139,10 @@ def _rules(findings: Sequence[Finding]) -> List[str]:
 
 def _verdict(report: Report) -> List[str]:
     mark = "none" if report.passed is None else "pass" if report.passed else "fail"
-    text = f"memdiff: {report.verdict_word or 'not judged'}"
     passed = "null" if report.passed is None else str(report.passed).lower()
-    out = [f'<p class="verdict {mark}" data-passed="{passed}">{html.escape(text)}</p>',
+    out = [f'<p class="verdict {mark}" data-passed="{passed}">{html.escape(report.verdict_line)}</p>',
            f'<p class="headline">{html.escape(report.headline)}</p>',
-           f"<p><strong>Rule:</strong> {html.escape(report.rule or 'not judged')}</p>", "<ul>"]
+           f"<p><strong>Rule:</strong> {html.escape(report.rule_line)}</p>", "<ul>"]
     out += [f'<li class="mono {"pass" if c.passed else "fail"}">{html.escape(c.text)}</li>' for c in report.check_lines]
     out.append("</ul>")
     out += [_finding(n, "muted") for n in report.notes]
@@ -225,8 +223,7 @@ def _trends(report: Report) -> List[str]:
 def render_diff(report: Report) -> str:
     """The diff (or gate) report as one self-contained HTML page; a job's shows its worst rank."""
     shown = report.shown
-    base_name, head_name = report.base_label or shown.diff.base.file, report.head_label or shown.diff.head.file
-    title = f"memdiff: {base_name} → {head_name}"
+    title = report.title
     body = [f"<h1>{html.escape(title)}</h1>",
             '<p class="muted">' + " → ".join(f"{i.role} <code>{html.escape(i.file)}</code> ({html.escape(i.facts)})"
                                             for i in report.inputs) + "</p>"]
@@ -251,8 +248,8 @@ def render_diff(report: Report) -> str:
             body += ["<h3>Categories at the compared moment</h3>", _laid(d.categories)]
         body += ["<h3>What changed</h3>", _diff_rows(d)]
         devices.append({"device": d.device,
-                        "runs": [_run("base", base_name, base_devices.get(d.device)),
-                                 _run("head", head_name, head_devices.get(d.device))],
+                        "runs": [_run("base", report.base_name, base_devices.get(d.device)),
+                                 _run("head", report.head_name, head_devices.get(d.device))],
                         "rows": {f"r{k}": _row_data(r) for k, r in enumerate(d.rows)}})
     body += _trends(report)
     body += _rules([*report.notes, *(report.buy_back.notes if report.buy_back else []), *report.findings,
@@ -280,7 +277,7 @@ def render_peak(summary: Summary, peaks: List[DevicePeak], run_findings: Sequenc
     """The peak report of one run as one self-contained HTML page: the findings about the run as a
     whole, then each device's."""
     name = summary.source.file
-    title = f"memdiff peak: {name}"
+    title = page_title(summary)
     body = [f"<h1>{html.escape(title)}</h1>",
             f'<p class="muted"><code>{html.escape(name)}</code> ({html.escape(summary.source.container)}, '
             f'{html.escape(summary.source.generation)})</p>', *(_finding(f) for f in run_findings),
@@ -288,9 +285,7 @@ def render_peak(summary: Summary, peaks: List[DevicePeak], run_findings: Sequenc
     devices = []
     for p in peaks:
         d = p.device
-        where = f", in {where_text(d.phase_at_peak, d.step_at_peak)}" if d.phase_at_peak else ""
-        body.append(f"<h2>device {d.device}: peak {html.escape(format_bytes(d.peak_bytes))}{html.escape(where)}; "
-                    f"static {html.escape(format_bytes(d.static_bytes))}</h2>")
+        body.append(f"<h2>{html.escape(p.heading)}</h2>")
         body += [f"<p>reserved: {html.escape(p.reserved)}</p>"] if p.reserved else []
         body += [_finding(f) for f in p.findings]
         body.append(_charts(d.device))

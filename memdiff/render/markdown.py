@@ -29,8 +29,8 @@ class Options:
 
 
 def _input(label: Optional[str], i: Input) -> str:
-    # A baseline's file already reads `baseline NAME (file)`: its label would say it twice.
-    named = f"{md_code(label)} · " if label and not i.file.startswith(label) else ""
+    shown = i.label_shown(label)
+    named = "" if shown is None else f"{md_code(shown)} · "
     return f"**{i.role}** {named}{md_code(i.file)} ({md_text(i.facts)})"
 
 

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from datetime import datetime, timezone
-from typing import List, Optional, Sequence
+from typing import List, Sequence
 
 from tabulate import tabulate
 
@@ -20,14 +19,6 @@ from memdiff.units import count_of, format_bytes
 STACK_LINES = 6
 
 
-def _when(us: Optional[int], start_us: Optional[int]) -> str:
-    if us is None:
-        return ""
-    stamp = datetime.fromtimestamp(us / 1e6, tz=timezone.utc).strftime("%Y-%m-%d %H:%M:%S.%f")[:-3]
-    into = f"+{(us - start_us) / 1e6:.3f} s into the trace, " if start_us is not None else ""
-    return f" ({into}{stamp} UTC)"
-
-
 def _site_cell(row: PeakRow) -> str:
     return "\n".join([row.site] + ["  " + line for line in stack_lines(row.frames, STACK_LINES)])
 
@@ -35,12 +26,7 @@ def _site_cell(row: PeakRow) -> str:
 def _device_block(p: DevicePeak) -> List[str]:
     d = p.device
     out = [f"device {d.device}"]
-    facts = []
-    if d.peak_event_index is None:
-        where = "before the first event (nothing in the trace rose above static memory)"
-    else:
-        where = f"at event {d.peak_event_index:,} of {d.trace_events:,}{_when(d.peak_time_us, d.trace_start_time_us)}"
-    facts.append(("peak", format_bytes(d.peak_bytes), f"{d.peak_bytes:,} B, {where}"))
+    facts = [("peak", format_bytes(d.peak_bytes), f"{d.peak_bytes:,} B, {p.when}")]
     if p.reached_by:
         facts.append(("reached by", "", p.reached_by))
     if d.phase_at_peak:

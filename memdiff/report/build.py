@@ -73,6 +73,8 @@ from memdiff.report.types import (
 )
 from memdiff.units import count_of, format_bytes
 
+NOT_JUDGED = "not judged"  # what a report compared and did not judge (the API's `diff`) says for its verdict
+
 
 @dataclass
 class Report:
@@ -124,6 +126,31 @@ class Report:
         if self.passed:
             return "no regression"
         return "regression" if any(not c.passed for c in self.checks) else "failed on a finding"
+
+    @property
+    def verdict_line(self) -> str:
+        """`memdiff: regression`, `memdiff: not judged` when nothing was (the API's `diff`): the page's verdict."""
+        return f"memdiff: {self.verdict_word or NOT_JUDGED}"
+
+    @property
+    def rule_line(self) -> str:
+        """The rule judged by, in words, or `not judged`."""
+        return self.rule or NOT_JUDGED
+
+    @property
+    def base_name(self) -> str:
+        """What names the base run: its label when given, else its file."""
+        return self.base_label or self.diff.base.file
+
+    @property
+    def head_name(self) -> str:
+        """What names the head run: its label when given, else its file."""
+        return self.head_label or self.diff.head.file
+
+    @property
+    def title(self) -> str:
+        """`memdiff: base.pickle → head.pickle`, each run by its name: the page's title."""
+        return f"memdiff: {self.base_name} → {self.head_name}"
 
     @property
     def failure(self) -> Optional[str]:

@@ -188,6 +188,11 @@ class Input:
     file: str
     facts: str  # `pickle, format 2.x, sha256 1a2b3c4d5e6f`
 
+    def label_shown(self, label: Optional[str]) -> Optional[str]:
+        """The label to show beside the file (a commit, `--base-label`); None without one, or when the
+        file already says it (a baseline's file reads `baseline NAME (file)`: it would be said twice)."""
+        return label if label and not self.file.startswith(label) else None
+
 
 @dataclass
 class RankResult:
