@@ -43,6 +43,11 @@ class PeakRow:
     category: str = ""
     signature: str = ""  # the group's; empty for the folded rest and the total
 
+    @property
+    def title(self) -> str:
+        """`adam.py:_multi_tensor_adam <- _foreach_sqrt (optimizer_temporary) 474.70 MiB`: the row named alone."""
+        return f"{self.site} ({self.category}) {format_bytes(self.bytes)}"
+
 
 @dataclass
 class StepRow:

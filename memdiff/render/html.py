@@ -16,40 +16,22 @@ from __future__ import annotations
 
 import html
 import json
-from dataclasses import asdict
 from importlib import resources
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Sequence
 
 from memdiff.analyse.peak import DevicePeak, PeakRow, page_title
 from memdiff.compare.findings import BY_CODE, ERROR, INFO, WARNING
 from memdiff.compare.trend import TREND_HEADERS, Trend
-from memdiff.model import DeviceSummary, Finding, Summary
+from memdiff.model import Finding, Summary
 from memdiff.render.table import row_table
 from memdiff.report.build import Report
+from memdiff.report.chart import run_data
 from memdiff.report.types import DeviceReport, ShownRow, Table, stack_lines
 from memdiff.units import format_bytes
 
 
 def _asset(name: str) -> str:
     return (resources.files("memdiff") / "render" / name).read_text(encoding="utf-8")
-
-
-def _run(role: str, label: str, d: Optional[DeviceSummary]) -> Dict[str, Any]:
-    """One run of one device as the page's script draws it."""
-    if d is None:
-        return {"role": role, "label": label, "peak_bytes": 0, "peak_event": None, "trace_events": 0,
-                "start_us": None, "end_us": None, "history": None, "bands": [], "bars": [], "groups": {}}
-    history = d.history
-    bars = [asdict(b) for b in history.bars] if history else []
-    drawn = {b["signature"] for b in bars}
-    groups = {g.signature: {"site": g.site, "category": g.category or "other", "bytes": g.bytes, "count": g.count,
-                            "stack": stack_lines(g.frames)} for g in d.groups if g.signature in drawn}
-    bands = [{"phase": p.phase, "start": p.start_event, "end": p.end_event, "step": s.step, "first": k == 0}
-             for s in d.steps for k, p in enumerate(s.phases)]
-    return {"role": role, "label": label, "peak_bytes": d.peak_bytes, "peak_event": d.peak_event_index,
-            "trace_events": d.trace_events, "start_us": d.trace_start_time_us, "end_us": d.trace_end_time_us,
-            "history": None if history is None else {k: v for k, v in asdict(history).items() if k != "bars"},
-            "bands": bands, "bars": bars, "groups": groups}
 
 
 def _row_data(r: ShownRow) -> Dict[str, Any]:
@@ -248,8 +230,8 @@ def render_diff(report: Report) -> str:
             body += ["<h3>Categories at the compared moment</h3>", _laid(d.categories)]
         body += ["<h3>What changed</h3>", _diff_rows(d)]
         devices.append({"device": d.device,
-                        "runs": [_run("base", report.base_name, base_devices.get(d.device)),
-                                 _run("head", report.head_name, head_devices.get(d.device))],
+                        "runs": [run_data("base", report.base_name, base_devices.get(d.device)),
+                                 run_data("head", report.head_name, head_devices.get(d.device))],
                         "rows": {f"r{k}": _row_data(r) for k, r in enumerate(d.rows)}})
     body += _trends(report)
     body += _rules([*report.notes, *(report.buy_back.notes if report.buy_back else []), *report.findings,
@@ -269,7 +251,7 @@ def _peak_rows(device: int, p: DevicePeak) -> str:
 
 
 def _peak_row_data(r: PeakRow) -> Dict[str, Any]:
-    return {"title": f"{r.site} ({r.category}) {format_bytes(r.bytes)}", "signatures": [r.signature],
+    return {"title": r.title, "signatures": [r.signature],
             "stacks": [{"side": "run", "count": r.count, "bytes": r.bytes, "frames": stack_lines(r.frames)}]}
 
 
@@ -293,7 +275,7 @@ def render_peak(summary: Summary, peaks: List[DevicePeak], run_findings: Sequenc
                  _table(["category", "bytes", "share"],
                         [[c, format_bytes(b), f"{s:.1f}%"] for c, b, s in p.categories])]
         body += ["<h3>Groups live at the peak</h3>", _peak_rows(d.device, p)]
-        devices.append({"device": d.device, "runs": [_run("run", name, d)],
+        devices.append({"device": d.device, "runs": [run_data("run", name, d)],
                         "rows": {f"r{k}": _peak_row_data(r) for k, r in enumerate(p.rows) if r.signature}})
     body += _rules([*run_findings, *(f for p in peaks for f in p.findings)])
     return _page(title, body, {"kind": "peak", "devices": devices})

@@ -44,6 +44,7 @@ from memdiff.model import Finding, Source, Spread, Summary, TrendEntry
 from memdiff.predict.whatif import BuyBackPart, BuyBackTarget, buy_back
 from memdiff.read.job import ranges, ranks_text
 from memdiff.read.window import Window
+from memdiff.report.chart import chart_of
 from memdiff.report.types import (
     ANALYSIS_FIELDS,
     CATEGORY_HEADERS,
@@ -54,8 +55,6 @@ from memdiff.report.types import (
     RANKS_SCHEMA_VERSION,
     SITES_NAMED,
     STACK_FRAMES,
-    Chart,
-    ChartLine,
     CheckLine,
     DeviceReport,
     Input,
@@ -659,22 +658,6 @@ def device_report(d: DeviceDiff, top: int, min_delta: int, like: Optional[Device
         like_for_like=device_report(like, top, min_delta, None) if like is not None else None,
         chart=chart_of(d)),
         skip=ANALYSIS_FIELDS)
-
-
-def chart_of(d: DeviceDiff) -> Optional[Chart]:
-    """Allocated memory over each run's trace (the differ's buckets), in GiB from 1 GiB up, else in MiB;
-    None when neither run has a timeline."""
-    runs = [(name, [p[i] for p in d.chart]) for i, name in ((1, "base"), (2, "head"))]
-    # A run with a timeline has a value in every bucket (differ fills the empty ones); one without has none.
-    drawn = [(name, [v or 0 for v in values]) for name, values in runs if values and values[0] is not None]
-    if not drawn:
-        return None
-    top = max(v for _, values in drawn for v in values)
-    unit, factor = ("GiB", 2**30) if top >= 2**30 else ("MiB", 2**20)
-    return Chart(title=f"Allocated memory over the trace, device {d.device} ({unit})", x_axis="trace progress (%)",
-                 unit=unit, lines=[ChartLine(name, [f"{v / factor:.2f}" for v in values]) for name, values in drawn],
-                 caption="Lines, in order: " + ", ".join(name for name, _ in drawn)
-                 + " (each point the largest total in its stretch of the trace).")
 
 
 def change_line(d: DeviceDiff) -> str:
