@@ -153,8 +153,13 @@ def test_job_against_job_shows_the_worst_rank_in_full(tmp_path, capsys):
     assert code == 1
     assert out.startswith("memdiff: regression: rank 2 (of 4): peak +200.00 MiB")
     assert "\nFAIL: 4 ranks compared, failing: 2\n" in out
-    assert "worst rank: 2" in out and "model.py:gather_logits" in out
+    assert "\nworst rank: 2, shown in full\n" in out and "model.py:gather_logits" in out
     assert "FAIL  rank 2 device 0 peak: 300.00 MiB -> 500.00 MiB" in out
+    # One sentence in every format: text said `worst rank: 2`, markdown `Worst rank, shown in full: **2**`
+    # and the page `shown in full: rank 2`.
+    page = tmp_path / "job.html"
+    code, markdown, _ = run(capsys, base, head, "--format", "markdown", "--html", page)
+    assert "\n**worst rank: 2, shown in full**\n" in markdown and "; worst rank: 2, shown in full</p>" in page.read_text()
     code, out, _ = run(capsys, base, head, "--format", "json")
     doc = json.loads(out)
     assert doc["verdict"] == "fail" and doc["worst_rank"] == 2

@@ -212,8 +212,8 @@ def render_diff(report: Report) -> str:
     body += _verdict(report)
     body += _buy_back(report)
     if report.job is not None:
-        body += [f"<p><strong>{html.escape(report.job.summary_line)}</strong>; shown in full: rank "
-                 f"{report.job.worst_rank}</p>", _laid(report.job.table)]
+        body += [f"<p><strong>{html.escape(report.job.summary_line)}</strong>; {html.escape(report.job.worst_line)}"
+                 "</p>", _laid(report.job.table)]
     body += [_finding(f) for f in report.findings]
     body.append(_toolbar(compare=True))
     devices = []

@@ -123,7 +123,7 @@ def render_diff(report: Report, options: Optional[Options] = None) -> str:
     lines = [f"### {mark}", "", f"**{md_text(report.headline)}**", ""]
     if report.job is not None:
         lines += [f"**{md_text(report.job.summary_line)}**", "", layout(report.job.table, "github", escape=md_cell), "",
-                  f"Worst rank, shown in full: **{report.job.worst_rank}**", ""]
+                  f"**{md_text(report.job.worst_line)}**", ""]
     base, head = report.inputs
     lines.append(f"{_input(o.base_label or report.base_label, base)} → "
                  f"{_input(o.head_label or report.head_label, head)}")

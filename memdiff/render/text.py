@@ -139,7 +139,7 @@ def render_diff(report: Report) -> str:
     lines = [f"memdiff: {verdict}{report.headline}", ""]
     if report.job is not None:
         lines += [report.job.summary_line, "", layout(report.job.table, "simple"), "",
-                  f"worst rank: {report.job.worst_rank}", ""]
+                  report.job.worst_line, ""]
     lines += [f"{i.role}  {i.file}  ({i.facts})" for i in report.inputs]
     lines += [shown(f) for f in report.findings]
     for d in report.devices:

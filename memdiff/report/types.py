@@ -222,3 +222,8 @@ class JobPart:
     only_base: List[int]
     only_head: List[int]
     failures: List[Finding]  # why the job fails beyond its ranks' checks (G005, G006)
+
+    @property
+    def worst_line(self) -> str:
+        """`worst rank: 3, shown in full`: which rank the report shows, in every format."""
+        return f"worst rank: {self.worst_rank}, shown in full"
