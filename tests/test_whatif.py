@@ -5,6 +5,7 @@ it, each held to what it measures), in its phase."""
 
 from __future__ import annotations
 
+import html
 import json
 import os
 import re
@@ -346,6 +347,20 @@ def test_the_optimizer_phase_reads_as_the_optimizer_step_as_in_every_other_outpu
     run = str(Path(__file__).resolve().parent / "data" / "cuda" / "gpt2-retain-graph.pickle.gz")
     (d,) = memdiff.whatif(run, ["optimizer=sgd"]).devices
     assert d.base_peak_phase == "optimizer" and "peak 4.92 GiB in the optimizer step of step 0;" in d.headline
+
+
+def test_every_format_says_the_run_and_the_budget_alike(run, capsys, tmp_path):
+    # The markdown said `budget: 9.77 KiB` where the text said `budget 9.77 KiB`, and the page left the budget
+    # out; the what-if holds the sentences and every format shows them.
+    page = tmp_path / "w.html"
+    assert main(["whatif", run, "--budget", "10000B", "--html", str(page)]) == 0
+    text = capsys.readouterr().out
+    heading, budget = text.splitlines()[:2]
+    assert heading == "memdiff whatif loop.pickle" and budget.startswith("budget 9.77 KiB: ")
+    assert "<h1>memdiff whatif loop.pickle</h1>" in page.read_text()
+    assert f"<p>{html.escape(budget)}</p>" in page.read_text()
+    assert main(["whatif", run, "--budget", "10000B", "--format", "markdown"]) == 0
+    assert f"\n{budget}\n" in capsys.readouterr().out
 
 
 def test_a_change_that_cannot_apply_is_one_line_not_a_guess(write_snapshot, capsys):

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import html
-import os
 from typing import List
 
 from tabulate import tabulate
@@ -13,11 +12,6 @@ from memdiff.inert import md_cell, md_code, md_text
 from memdiff.predict.whatif import DeviceWhatIf, WhatIf
 from memdiff.render.json import dumps
 from memdiff.units import format_bytes
-
-
-def _title(w: WhatIf) -> str:
-    """What the figures are: predicted from the run, or the script re-run with each change."""
-    return f" (re-run on emulated {w.rerun_on}, each change a run)" if w.rerun_on else ""
 
 
 def _table(d: DeviceWhatIf, fmt: str, budget: bool, rerun: bool) -> str:
@@ -47,17 +41,10 @@ def _table(d: DeviceWhatIf, fmt: str, budget: bool, rerun: bool) -> str:
 
 
 
-def _budget(w: WhatIf) -> str:
-    """`budget 80.00 GiB: the budget is compared with ...`, as the forecast says it; "" without one."""
-    if w.budget_bytes is None:
-        return ""
-    return f"budget {format_bytes(w.budget_bytes)}" + (f": {w.overhead_note}" if w.overhead_note else "")
-
-
 def render_text(w: WhatIf) -> str:
     """The what-if for a terminal."""
-    out = [f"memdiff whatif {os.path.basename(w.file)}{_title(w)}"]
-    out += [_budget(w)] if w.budget_bytes is not None else []
+    out = [w.heading]
+    out += [w.budget_line] if w.budget_line is not None else []
     out += [shown(n) for n in w.notes]
     for d in w.devices:
         out += ["", d.headline]
@@ -72,9 +59,9 @@ def render_text(w: WhatIf) -> str:
 
 def render_markdown(w: WhatIf) -> str:
     """The what-if for a pull-request comment or a job summary."""
-    out = ["### memdiff whatif", "", f"run: {md_code(os.path.basename(w.file))}{md_text(_title(w))}"]
-    if w.budget_bytes is not None:
-        out += ["", md_text(_budget(w))]
+    out = ["### memdiff whatif", "", f"run: {md_code(w.run_name)}" + (f" {md_text(w.how)}" if w.how else "")]
+    if w.budget_line is not None:
+        out += ["", md_text(w.budget_line)]
     out += ["", *(f"> `{n.code}` {md_text(n.text)}" for n in w.notes)] if w.notes else []
     for d in w.devices:
         out += ["", f"**{md_text(d.headline)}**", ""]
@@ -95,7 +82,7 @@ def render_json(w: WhatIf) -> str:
 
 def render_html(w: WhatIf) -> str:
     """One self-contained page: the markdown's tables as HTML tables."""
-    body = [f"<p>{html.escape(_budget(w))}</p>"] if w.budget_bytes is not None else []
+    body = [f"<p>{html.escape(w.budget_line)}</p>"] if w.budget_line is not None else []
     body += [f"<p class=note>{n.code} {html.escape(n.text)}</p>" for n in w.notes]
     for d in w.devices:
         body.append(f"<h2>{html.escape(d.headline)}</h2>")
@@ -107,5 +94,4 @@ def render_html(w: WhatIf) -> str:
     style = ("body{font:14px system-ui,sans-serif;margin:2em}table{border-collapse:collapse;margin:1em 0}"
              "td,th{padding:2px 10px;border-bottom:1px solid #ddd;text-align:right}.note{color:#555}")
     return ("<!doctype html><html><head><meta charset=utf-8><title>memdiff whatif</title>"
-            f"<style>{style}</style></head><body><h1>memdiff whatif {html.escape(os.path.basename(w.file))}"
-            f"{html.escape(_title(w))}</h1>{''.join(body)}</body></html>\n")
+            f"<style>{style}</style></head><body><h1>{html.escape(w.heading)}</h1>{''.join(body)}</body></html>\n")

@@ -19,6 +19,7 @@ Nothing here imports torch.
 
 from __future__ import annotations
 
+import os
 from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -122,6 +123,28 @@ class WhatIf:
     # allocated (the caching allocator's overhead: what runs out is reserved memory), a re-run's reserved peak.
     overhead_ratio: Optional[float] = None
     overhead_note: Optional[str] = None
+
+    @property
+    def run_name(self) -> str:
+        """The run's file name, without its folder."""
+        return os.path.basename(self.file)
+
+    @property
+    def how(self) -> str:
+        """What the figures are: `(re-run on emulated l4, each change a run)`; empty when predicted from the run."""
+        return f"(re-run on emulated {self.rerun_on}, each change a run)" if self.rerun_on else ""
+
+    @property
+    def budget_line(self) -> Optional[str]:
+        """`budget 80.00 GiB: the budget is compared with ...`, as the forecast says it; None without one."""
+        if self.budget_bytes is None:
+            return None
+        return f"budget {format_bytes(self.budget_bytes)}" + (f": {self.overhead_note}" if self.overhead_note else "")
+
+    @property
+    def heading(self) -> str:
+        """`memdiff whatif run.pickle (re-run on ...)`: what the text and the page open with (the budget's line follows)."""
+        return f"memdiff whatif {self.run_name}" + (f" {self.how}" if self.how else "")
 
     def to_dict(self) -> Dict[str, Any]:
         """The JSON document (schemas/whatif.schema.json)."""
