@@ -209,6 +209,8 @@ def test_every_format_says_the_budget_the_alignment_and_the_largest_value_within
     markdown = capsys.readouterr().out
     for sentence in said:
         assert sentence in text and md_text(sentence) in markdown and html.escape(sentence) in page.read_text()
+    assert "runs   b1.pickle=1, b2.pickle=2, b4.pickle=4" in text  # and the page, which named no run
+    assert "<p>runs: <code>b1.pickle</code>=1, <code>b2.pickle</code>=2, <code>b4.pickle</code>=4</p>" in page.read_text()
 
 
 @pytest.mark.parametrize("argv, says", [

@@ -67,7 +67,7 @@ def render_text(f: Forecast) -> str:
     if f.headroom is not None:
         out.append(f.headroom.line)
     out.append("")
-    out.append("runs   " + ", ".join(f"{os.path.basename(name)}={v:,}" for name, v in zip(f.files, f.knob_values)))
+    out.append("runs   " + ", ".join(f"{name}={v:,}" for name, v in f.runs))
     out += [f"note: {n}" for n in f.notes]
     if f.budget_line is not None:
         out.append(f.budget_line)
@@ -88,7 +88,7 @@ def render_markdown(f: Forecast) -> str:
     out += [f"**{md_text(d.headline)}**" for d in f.devices]
     if f.headroom is not None:
         out += ["", ("✅ " if f.headroom.passed else "❌ ") + md_text(f.headroom.line)]
-    out += ["", "runs: " + ", ".join(f"{md_code(os.path.basename(n))}={v:,}" for n, v in zip(f.files, f.knob_values))]
+    out += ["", "runs: " + ", ".join(f"{md_code(name)}={v:,}" for name, v in f.runs)]
     out += [f"> {md_text(n)}" for n in f.notes]
     if f.budget_line is not None:
         out += ["", md_text(f.budget_line)]
@@ -110,11 +110,7 @@ def render_html(f: Forecast) -> str:
     """One self-contained page: the markdown's tables as HTML tables."""
     body = [f"<h2>{html.escape(d.headline)}</h2>" for d in f.devices]
     body += [f"<p>{html.escape(f.headroom.line)}</p>"] if f.headroom is not None else []
-    # What the text and the markdown say above the devices too: the runs and what the budget is compared with.
-    body.append("<p>runs: " + html.escape(", ".join(f"{os.path.basename(n)}={v:,}"
-                                                    for n, v in zip(f.files, f.knob_values))) + "</p>")
-    if f.budget_bytes is not None:
-        body.append(f"<p>budget {format_bytes(f.budget_bytes)}: {html.escape(f.overhead_note)}</p>")
+    body.append("<p>runs: " + ", ".join(f"<code>{html.escape(name)}</code>={v:,}" for name, v in f.runs) + "</p>")
     body += [f"<p class=note>{html.escape(n)}</p>" for n in f.notes]
     body += [f"<p>{html.escape(f.budget_line)}</p>"] if f.budget_line is not None else []
     for d in f.devices:

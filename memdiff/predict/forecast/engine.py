@@ -190,6 +190,11 @@ class Forecast:
     # no allocator segments ...`); None without a budget.
     budget_line: Optional[str] = None
 
+    @property
+    def runs(self) -> List[Tuple[str, int]]:
+        """Each run as every format names it: its file name without its folder, and its knob value."""
+        return [(os.path.basename(name), value) for name, value in zip(self.files, self.knob_values)]
+
     def to_dict(self) -> Dict[str, Any]:
         """The JSON document (schemas/forecast.schema.json)."""
         devices = []
