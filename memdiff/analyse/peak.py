@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Dict, List, Optional, Tuple
 
@@ -78,8 +78,8 @@ class DevicePeak:
     window: bool = False  # a window of a longer trace (memdiff slice, --steps): its start is no trace start
     # `device 0: peak 4.76 GiB, in the backward of step 1; static 474.70 MiB`: the device in one line
     heading: str = ""
-    # When the peak is: `at event 1,234 of 5,678 (+1.234 s into the trace, 2026-01-02 03:04:05.678 UTC)`
-    when: str = ""
+    # The device's facts as the text lays them out: (what, figure, words), `("static", "474.70 MiB", "live ...")`
+    facts: List[Tuple[str, str, str]] = field(default_factory=list)
 
 
 def _share(part: int, whole: int) -> float:
@@ -106,6 +106,7 @@ def device_peak(device: DeviceSummary, top: Optional[int], window: bool = False)
                     _share(sum(g.bytes for g in groups), device.peak_bytes),
                     f"{count_of(len(groups), 'group')} live at the peak", [])
     reached_by = next((g.site for g in groups if g.signature == device.peak_event_signature), None)
+    reserved = None if window else reserved_text(device)
     return DevicePeak(device=device, reached_by=reached_by, rows=rows, total=total,
                       categories=_shares(device.categories, device.peak_bytes),
                       scopes=_shares(device.bytes_by_scope, device.peak_bytes),
@@ -113,8 +114,34 @@ def device_peak(device: DeviceSummary, top: Optional[int], window: bool = False)
                       labels=_shares(device.bytes_by_label, device.peak_bytes),
                       steps=step_rows(device), findings=device_findings(device, window),
                       # a window's segments are the blocks it carried in, not the allocator's: no reserved figure
-                      reserved=None if window else reserved_text(device), window=window,
-                      heading=heading_text(device), when=when_text(device))
+                      reserved=reserved, window=window,
+                      heading=heading_text(device),
+                      facts=peak_facts(device, reached_by, reserved, window))
+
+
+def peak_facts(device: DeviceSummary, reached_by: Optional[str], reserved: Optional[str],
+               window: bool) -> List[Tuple[str, str, str]]:
+    """The device's facts, each (what, figure, words): the peak and when, what reached it, its phase
+    and scope, static memory, what the dump held, reserved memory and the trace's length."""
+    d = device
+    facts = [("peak", format_bytes(d.peak_bytes), f"{d.peak_bytes:,} B, {when_text(d)}")]
+    if reached_by:
+        facts.append(("reached by", "", reached_by))
+    if d.phase_at_peak:
+        facts.append(("peak in", "", where_text(d.phase_at_peak, d.step_at_peak)))
+    if d.scope_at_peak:
+        facts.append(("scope", "", f"{d.scope_at_peak} (record_function scope open at the peak)"))
+    facts.append(("static", format_bytes(d.static_bytes), "live when the window began, counted from its start"
+                   if window else "live before the trace began, counted from its start"))
+    if not window:  # a window's end is no dump: its blocks are only what it carried in
+        facts.append(("at dump", format_bytes(d.allocated_bytes_at_dump),
+                      "allocated" + (f", {format_bytes(d.reserved_bytes_at_dump)} reserved by the caching allocator"
+                                     if d.reserved_bytes_at_dump is not None
+                                     else " (no caching allocator: CPU capture)")))
+    if reserved:
+        facts.append(("reserved", "", reserved))
+    facts.append(("trace", f"{d.trace_events:,}", "events"))
+    return facts
 
 
 def heading_text(device: DeviceSummary) -> str:

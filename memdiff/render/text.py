@@ -8,7 +8,6 @@ from tabulate import tabulate
 
 from memdiff.analyse.peak import PHASE_COLUMNS, DevicePeak, PeakRow, StepRow
 from memdiff.compare.findings import shown
-from memdiff.compare.observe import where_text
 from memdiff.inert import text
 from memdiff.model import Finding, Summary
 from memdiff.render.table import layout, row_table
@@ -26,24 +25,7 @@ def _site_cell(row: PeakRow) -> str:
 def _device_block(p: DevicePeak) -> List[str]:
     d = p.device
     out = [f"device {d.device}"]
-    facts = [("peak", format_bytes(d.peak_bytes), f"{d.peak_bytes:,} B, {p.when}")]
-    if p.reached_by:
-        facts.append(("reached by", "", p.reached_by))
-    if d.phase_at_peak:
-        facts.append(("peak in", "", where_text(d.phase_at_peak, d.step_at_peak)))
-    if d.scope_at_peak:
-        facts.append(("scope", "", f"{text(d.scope_at_peak)} (record_function scope open at the peak)"))
-    facts.append(("static", format_bytes(d.static_bytes), "live when the window began, counted from its start"
-                   if p.window else "live before the trace began, counted from its start"))
-    if not p.window:  # a window's end is no dump: its blocks are only what it carried in
-        facts.append(("at dump", format_bytes(d.allocated_bytes_at_dump),
-                      "allocated" + (f", {format_bytes(d.reserved_bytes_at_dump)} reserved by the caching allocator"
-                                     if d.reserved_bytes_at_dump is not None
-                                     else " (no caching allocator: CPU capture)")))
-    if p.reserved:
-        facts.append(("reserved", "", p.reserved))
-    facts.append(("trace", f"{d.trace_events:,}", "events"))
-    out.append(tabulate(facts, tablefmt="plain", colalign=("left", "right", "left")))
+    out.append(tabulate(p.facts, tablefmt="plain", colalign=("left", "right", "left")))
     out += [shown(f) for f in p.findings]
     for title, shares in (("category", p.categories), ("scope at allocation", p.scopes),
                           ("compile context", p.compile_contexts),
