@@ -143,7 +143,7 @@ class WhatIf:
 
     @property
     def heading(self) -> str:
-        """`memdiff whatif run.pickle (re-run on ...)`: what the text and the page open with (the budget's line follows)."""
+        """`memdiff whatif run.pickle (re-run on ...)`: what the text and the page open with (the budget follows)."""
         return f"memdiff whatif {self.run_name}" + (f" {self.how}" if self.how else "")
 
     def to_dict(self) -> Dict[str, Any]:
