@@ -184,7 +184,7 @@ def test_text_markdown_and_html(series, capsys, tmp_path):
     assert "<table>" in page.read_text()
     # The page says what the text says above the tables: the runs and what the budget is compared with.
     budget = next(line for line in text.splitlines() if line.startswith("budget 1.00 GiB: "))
-    assert f"<p>{html.escape(budget)}</p>" in page.read_text() and "<p>runs: b1.pickle=1, " in page.read_text()
+    assert f"<p>{html.escape(budget)}</p>" in page.read_text() and "<p>runs: <code>b1.pickle</code>=1, " in page.read_text()
     assert main(["forecast", *runs, "--at", "64", "--format", "markdown"]) == 0
     assert "| growing site" in capsys.readouterr().out
 

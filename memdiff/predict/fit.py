@@ -165,8 +165,7 @@ class FitResult:
 
     @property
     def verdict_line(self) -> Optional[str]:
-        """The gate's verdict as every format says it (`PASS  fit against baselines/fit.json`); None
-        without a baseline."""
+        """The gate's verdict as every format says it (`PASS  fit against fit.json`); None without a baseline."""
         if self.passed is None:
             return None
         return f"{'PASS' if self.passed else 'FAIL'}  fit against {self.baseline}"
