@@ -23,29 +23,40 @@ from memdiff.model import DeviceSummary, Frame, Group, Summary, largest_first
 from memdiff.read.frames import FREED_PREFIX, UPDATED_PREFIX
 from memdiff.read.load import parse_json, read_json, read_small
 from memdiff.read.schema import validate
+from memdiff.read.source import enclosing_class
 
 OTHER = "other"
 # Categories expected to live across steps; memory of any other kept from an earlier step is a leak.
 PERSISTENT = ("parameter", "gradient", "optimizer_state", "workspace")
 USER_PRIORITY = 10_000  # user rules without a priority rank above every built-in rule
 # Every distinct frame of a run is searched with every frame test, so a command's cost grows with
-# rules x frames: 20,000 rules made `memdiff peak` of a real run take 23 s. 1,000 (over 17x the
-# built-in 57) adds under a second to the real snapshots' (docs/categories.md).
+# rules x frames: 20,000 rules made `memdiff peak` of a real run take 23 s. 1,000 (over 16x the
+# built-in 61) adds under a second to the real snapshots' (docs/categories.md).
 MAX_USER_RULES = 1_000
 
 @dataclass(frozen=True)
 class FrameTest:
-    """Regular expressions one frame must satisfy (each given one is searched)."""
+    """Regular expressions one frame must satisfy (each given one is searched). `cls` (`class` in a
+    rules file) is searched in the name of the class whose body holds the frame's line, read from its
+    file where this machine has it (source.enclosing_class): a trace names the function only. It is
+    tested last, so that only the frames the other expressions pass cost a look at a file."""
 
     name: Optional[Pattern] = None
     file: Optional[Pattern] = None
     any: Optional[Pattern] = None
+    cls: Optional[Pattern] = None
 
     def matches(self, f: Frame) -> bool:
         """Whether frame `f` passes every given expression."""
         return ((self.name is None or self.name.search(f.name) is not None)
                 and (self.file is None or self.file.search(f.file) is not None)
-                and (self.any is None or self.any.search(f.name) is not None or self.any.search(f.file) is not None))
+                and (self.any is None or self.any.search(f.name) is not None or self.any.search(f.file) is not None)
+                and (self.cls is None or self._in_class(f)))
+
+    def _in_class(self, f: Frame) -> bool:
+        assert self.cls is not None
+        name = enclosing_class(f)
+        return name is not None and self.cls.search(name) is not None
 
 
 @dataclass(frozen=True)
@@ -93,7 +104,7 @@ def parse_rules(path: str, data: Any, default_priority: int, builtin: bool = Fal
             return Pattern(text, origin, timeout)
 
         def test(spec: Dict[str, str]) -> FrameTest:
-            return FrameTest(**{k: pattern(v) for k, v in spec.items()})
+            return FrameTest(**{("cls" if k == "class" else k): pattern(v) for k, v in spec.items()})
 
         try:
             rules.append(Rule(
