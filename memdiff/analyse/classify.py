@@ -31,7 +31,7 @@ PERSISTENT = ("parameter", "gradient", "optimizer_state", "workspace")
 USER_PRIORITY = 10_000  # user rules without a priority rank above every built-in rule
 # Every distinct frame of a run is searched with every frame test, so a command's cost grows with
 # rules x frames: 20,000 rules made `memdiff peak` of a real run take 23 s. 1,000 (over 16x the
-# built-in 61) adds under a second to the real snapshots' (docs/categories.md).
+# built-in 62) adds under a second to the real snapshots' (docs/categories.md).
 MAX_USER_RULES = 1_000
 
 @dataclass(frozen=True)
