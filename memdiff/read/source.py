@@ -58,7 +58,7 @@ def enclosing_class(frame: Frame) -> Optional[str]:
 @functools.lru_cache(maxsize=256)
 def _classes(path: str) -> Tuple[Tuple[int, ...], Tuple[Tuple[int, int, str], ...]]:
     """(first lines, (first line, last line, name) of each class), sorted by first line; parsed once
-    per file (0.1 s for transformers' 200 KB modeling_utils.py), empty where it does not parse."""
+    per file (0.11 s for transformers' 272 KiB modeling_utils.py), empty where it does not parse."""
     try:
         with open(path, "rb") as f:
             tree = ast.parse(f.read(MAX_SOURCE_BYTES + 1))
