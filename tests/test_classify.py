@@ -189,25 +189,27 @@ def test_user_rules_take_priority_and_may_add_categories(tmp_path):
 
 def test_a_class_test_reads_the_class_of_the_frames_line_from_its_file(tmp_path, monkeypatch):
     # A trace names `__init__` only: the class that holds the line is read from the script, found from
-    # the folder it ran in. The EMA's clone reads `other` by the built-in rule, the model's weight
-    # `parameter`; a user rule names a class of its own; where the file is not here, neither applies.
+    # the folder it ran in. The EMA's clone and its own to()'s copy read `other` by the built-in rule,
+    # the model's weight `parameter`; a user rule names a class of its own; where the file is not here,
+    # neither applies.
     (tmp_path / "train.py").write_text(
         "class Net:\n    def __init__(self):\n        self.w = make()\n"
         "class ModelEMA:\n    def __init__(self, net):\n        self.w = net.w.clone()\n"
-        "class Ref:\n    def __init__(self, net):\n        self.w = net.w.clone()\n")
+        "class Ref:\n    def __init__(self, net):\n        self.w = net.w.clone()\n"
+        "class ModelEma:\n    def to(self, device):\n        self.w = self.w.to(device)\n")
 
-    def group(op: str, line: int) -> Group:  # as a summary holds it: the path relative, as the script ran
-        frames = [Frame("", 0, f"at::_ops::{op}::call"), Frame("train.py", line, "__init__"),
-                  Frame("train.py", 20, "main")]
-        return Group(signature=f"{op}{line}", site=f"train.py:__init__ <- {op}", frames=frames, count=1, bytes=1)
+    def group(op: str, line: int, name: str = "__init__") -> Group:
+        # as a summary holds it: the path relative, as the script ran (`python train.py`)
+        frames = [Frame("", 0, f"at::_ops::{op}::call"), Frame("train.py", line, name), Frame("train.py", 20, "main")]
+        return Group(signature=f"{op}{line}", site=f"train.py:{name} <- {op}", frames=frames, count=1, bytes=1)
 
-    ema, ref, net = group("clone", 6), group("clone", 9), group("empty", 3)
+    ema, ref, net, moved = group("clone", 6), group("clone", 9), group("empty", 3), group("_to_copy", 12, "to")
     (tmp_path / "rules.toml").write_text('[[rules]]\ncategory = "reference"\nframes = [{class = "^Ref$"}]\n')
     monkeypatch.chdir(tmp_path)
     rules = load_rules([str(tmp_path / "rules.toml")])
-    assert [category_of(g, rules) for g in (ema, ref, net)] == ["other", "reference", "parameter"]
+    assert [category_of(g, rules) for g in (ema, ref, net, moved)] == ["other", "reference", "parameter", "other"]
     monkeypatch.chdir(tmp_path.parent)
-    assert [category_of(g, rules) for g in (ema, ref, net)] == ["parameter", "parameter", "parameter"]
+    assert [category_of(g, rules) for g in (ema, ref, net, moved)] == ["parameter", "parameter", "parameter", "input"]
 
 @pytest.mark.parametrize("content, message", [
     ('{"rules": [{"category": "a", "frames": [{"name": "ok"}]}, {"category": "b", "frames": [{"name": "KV["}]}]}',
