@@ -32,8 +32,10 @@ takes `--debug` (a traceback on errors); `memdiff --version` prints the version.
 Exit codes: `0` success / no regression, `1` regression, `2` bad input or usage (one line on
 stderr: `memdiff: FILE: what is wrong`), `3` an internal error in memdiff (please report it).
 
-Sizes (`SIZE`) accept `B`, `KB/MB/GB` (powers of 10), `KiB/MiB/GiB` (powers of 2) or plain
-bytes (`1e9`); output is always in binary units. A limit is inclusive: growing by exactly the
+Sizes (`SIZE`) accept `B`, `KB/MB/GB` (powers of 10) and `KiB/MiB/GiB` (powers of 2); a number
+without a unit is bad input (`--budget 80` says `80 has no unit: say 80GiB or 80GB (80B for bytes)`,
+where it used to be read as 80 bytes), bytes say `B` (`1e9B`), and `0` needs none. Output is always
+in binary units. A limit is inclusive: growing by exactly the
 limit passes. Every number (sizes, percents, counts, windows, knob values) is written in the
 digits 0-9: `١٠` or `１０` is bad input naming the value, though Python's `int()` reads them
 (`memdiff/numbers.py`).

@@ -94,7 +94,7 @@ def to_bytes(value: Size, what: str) -> Optional[int]:
     if isinstance(value, bool) or not isinstance(value, (int, float, str)):
         # True is an int to Python, and a list or a dict has no size: neither is what the caller meant.
         raise InputError(what, f"a value of type {type(value).__name__} is not a size: give bytes (1 << 28) "
-                               f"or text (512MiB, 0.5GiB, 64MB, 1e9)")
+                               f"or text (512MiB, 0.5GiB, 64MB, 1e9B)")
     if isinstance(value, int):
         if not 0 <= value <= MAX_SIZE:
             why = "it is negative" if value < 0 else "more than 8 EiB"
@@ -102,7 +102,8 @@ def to_bytes(value: Size, what: str) -> Optional[int]:
                              else f"an integer of {value.bit_length():,} bits is not a size: {why}")
         return value
     try:
-        return parse_size(value if isinstance(value, str) else repr(value))
+        # A Python number is bytes (it has no unit to forget); text must say its unit.
+        return parse_size(value if isinstance(value, str) else f"{value!r}B")
     except ValueError as exc:
         raise InputError(what, clip(str(exc), 300)) from None
 

@@ -7,7 +7,7 @@ import re
 from memdiff.numbers import DECIMAL
 
 _UNITS = {
-    "": 1, "b": 1,
+    "b": 1,
     "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
     "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
 }
@@ -16,17 +16,23 @@ MAX_SIZE = 2**63 - 1  # what an int64 running total holds
 _BINARY = ((2**40, "TiB"), (2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB"))
 
 
-def parse_size(text: str) -> int:
-    """Bytes in `text`: `512MiB`, `0.5GiB`, `1e9`, `64 MB` (KB/MB/GB are powers of 10). ValueError if not a size."""
+def parse_size(text: str, bare_is_bytes: bool = False) -> int:
+    """Bytes in `text`: `512MiB`, `0.5GiB`, `64 MB` (KB/MB/GB are powers of 10), `1e9B`. ValueError if not a
+    size. A number without a unit is refused (but 0): `--budget 80` meant 80 GiB, never 80 bytes, and read as
+    bytes it fits nothing; every size memdiff reads from text comes through here. `bare_is_bytes`: a number
+    alone is bytes, for what memdiff itself wrote so (a baseline's `fail-over` of plain bytes, before `B`)."""
     m = _SIZE.match(text)
     unit = m.group(2).lower() if m else None
-    if m is None or unit not in _UNITS:
-        raise ValueError(f"{text!r} is not a size (examples: 512MiB, 0.5GiB, 64MB, 1e9)")
-    value = float(m.group(1)) * _UNITS[unit]
+    if m is None or (unit not in _UNITS and unit != ""):
+        raise ValueError(f"{text!r} is not a size (examples: 512MiB, 0.5GiB, 64MB, 1e9B)")
+    value = float(m.group(1)) * _UNITS.get(unit, 1)
     if value < 0:
         raise ValueError(f"{text!r} is not a size: it is negative")
     if not value <= MAX_SIZE:  # also catches 1e400, which reads as infinity
         raise ValueError(f"{text!r} is not a size: more than 8 EiB")
+    if unit == "" and value != 0 and not bare_is_bytes:
+        number = m.group(1)
+        raise ValueError(f"{number} has no unit: say {number}GiB or {number}GB ({number}B for bytes)")
     return int(round(value))
 
 

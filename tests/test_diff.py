@@ -339,9 +339,9 @@ def peak_pair(tmp_path, base_bytes, head_bytes):
     (["--fail-over-pct", "10"], 1000, 1101, 1),
     (["--fail-over-pct", "0.5"], 2000, 2010, 0),
     (["--fail-over-pct", "0.5"], 2000, 2011, 1),
-    (["--fail-over", "200", "--fail-over-pct", "10"], 1000, 1101, 0),  # pct over, bytes not: both needed
-    (["--fail-over", "50", "--fail-over-pct", "10"], 1000, 1060, 0),   # bytes over, pct not
-    (["--fail-over", "50", "--fail-over-pct", "10"], 1000, 1101, 1),   # both over
+    (["--fail-over", "200B", "--fail-over-pct", "10"], 1000, 1101, 0),  # pct over, bytes not: both needed
+    (["--fail-over", "50B", "--fail-over-pct", "10"], 1000, 1060, 0),   # bytes over, pct not
+    (["--fail-over", "50B", "--fail-over-pct", "10"], 1000, 1101, 1),   # both over
     ([], 100 * 2**30, 101 * 2**30, 0),                                  # default: exactly 1% is not over it
     ([], 100 * 2**30, 101 * 2**30 + 1, 1),                              # 1% and 64 MiB both exceeded
     ([], 100 * 2**30, 100 * 2**30 + 65 * 2**20, 0),                     # 64 MiB exceeded, 1% not

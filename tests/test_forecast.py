@@ -88,7 +88,7 @@ def test_replay_finds_the_moved_peak_exactly(series, capsys):
 def test_budget_gives_the_largest_value_that_fits(series, capsys):
     runs = series((1, 2, 4))
     budget = actual_peak(50)
-    assert main(["forecast", *runs, "--budget", str(budget), "--format", "json"]) == 0
+    assert main(["forecast", *runs, "--budget", f"{budget}B", "--format", "json"]) == 0
     d = json.loads(capsys.readouterr().out)["devices"][0]
     assert d["max_value_within_budget"] == 50
     assert main(["forecast", *runs, "--format", "json"]) == 0
@@ -194,7 +194,7 @@ def test_every_format_says_the_budget_the_alignment_and_the_largest_value_within
     # the largest value within the budget; the forecast document holds the sentences and every format shows
     # them. The loop's peak at batch 50 is the budget: 50 is the largest value within it (actual_peak).
     runs, page = series((1, 2, 4)), tmp_path / "f.html"
-    flags = ["forecast", *runs, "--at", "64", "--budget", str(actual_peak(50))]
+    flags = ["forecast", *runs, "--at", "64", "--budget", f"{actual_peak(50)}B"]
     assert main([*flags, "--format", "json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     validate("forecast", doc, "forecast")

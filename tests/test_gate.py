@@ -146,7 +146,7 @@ def test_an_interrupted_update_leaves_the_old_file_intact(baseline, tmp_path, ca
 @pytest.mark.parametrize("mutate, message", [
     (lambda t: t.replace('"name"', '"name":', 1), "invalid JSON at line 3 column 10: Expecting value"),
     (lambda t: t.replace('"fail-over": "64MiB"', '"fail-over": "5 parsecs"'),
-     'thresholds.peak.fail-over: "5 parsecs" is not a size'),
+     "thresholds.peak.fail-over: '5 parsecs' is not a size"),
     (lambda t: t.replace('"fail-over-pct": 1.0', '"fail-over-pct": -1'),
      "not a valid memdiff baseline: thresholds.peak.fail-over-pct: a value below the schema's minimum of 0"),
     (lambda t: t.replace('"thresholds": {', '"thresholds": {"findings": {"fail-on": ["K003"], "ignore": ["k003"]}, '),
@@ -167,6 +167,17 @@ def test_broken_baselines_exit_2_and_nothing_is_written(baseline, tmp_path, caps
         code, _, err = run(capsys, "baseline", tmp_path / "train.pickle", "-o", b)
         assert code == 2 and message in err
         assert b.read_bytes() == broken
+
+
+def test_a_baseline_limit_of_plain_bytes_is_written_with_its_unit_and_an_older_one_still_reads(baseline, tmp_path,
+                                                                                                 capsys):
+    """Sizes need a unit now (`--fail-over 80` is refused), and a limit of plain bytes was stored as a bare
+    number ("1000"): a baseline writes "1000B", and one an older memdiff wrote still gates as 1000 bytes."""
+    b = baseline("--fail-over", "1000B")
+    assert json.loads(b.read_text())["thresholds"]["peak"]["fail-over"] == "1000B"
+    b.write_text(b.read_text().replace('"1000B"', '"1000"'))
+    assert gate(capsys, tmp_path, b, 100 * MiB + 1000)[0] == 0
+    assert gate(capsys, tmp_path, b, 100 * MiB + 1001)[0] == 1
 
 
 def _spread(doc, low, high, median):

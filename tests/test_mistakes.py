@@ -138,7 +138,7 @@ def test_peak_has_a_json_form(shared, capsys):
     ("fail-over-pct", "NaN", "invalid JSON: NaN is not a number (JSON has no NaN or Infinity)"),
     ("fail-over-pct", "Infinity", "invalid JSON: Infinity is not a number (JSON has no NaN or Infinity)"),
     ("fail-over-pct", "1e400", "not a valid memdiff baseline: thresholds.peak.fail-over-pct: a value above the schema's maximum"),
-    ("fail-over", '"1e400"', 'thresholds.peak.fail-over: "1e400" is not a size'),
+    ("fail-over", '"1e400"', "thresholds.peak.fail-over: '1e400' is not a size: more than 8 EiB"),
     ("fail-over", "-5", "not a valid memdiff baseline: thresholds.peak.fail-over: a value below the schema's minimum of 0"),
     ("fail-over", "9" * 5000, "invalid JSON: a number too long to read"),
 ], ids=["nan", "infinity", "pct-1e400", "size-1e400", "negative", "5000-digits"])

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from memdiff.units import format_bytes, parse_size
 
 
 @pytest.mark.parametrize("text, n", [
-    ("0", 0), ("1e9", 10**9), ("512MiB", 512 * 2**20), ("0.5GiB", 2**29), ("64 MB", 64 * 10**6),
+    ("0", 0), ("1e9B", 10**9), ("0 GiB", 0), ("512MiB", 512 * 2**20), ("0.5GiB", 2**29), ("64 MB", 64 * 10**6),
     ("3GiB", 3 * 2**30), ("10kb", 10_000), ("2KiB", 2048), ("7B", 7), ("1.5TiB", 3 * 2**39),
 ])
 def test_parse_size(text, n):
@@ -19,6 +21,33 @@ def test_parse_size(text, n):
 def test_parse_size_rejects_what_is_not_a_size(text):
     with pytest.raises(ValueError, match="is not a size"):
         parse_size(text)
+
+
+@pytest.mark.parametrize("text", ["80", "1e9", " 2.5 ", "1073741824"])
+def test_parse_size_refuses_a_number_without_its_unit(text):
+    # `--budget 80` meant 80 GiB; read as 80 bytes it fit nothing and forecast said "budget of 80 B".
+    number = text.strip()
+    with pytest.raises(ValueError, match=rf"^{re.escape(number)} has no unit: say {re.escape(number)}GiB or "
+                                         rf"{re.escape(number)}GB \({re.escape(number)}B for bytes\)$"):
+        parse_size(text)
+
+
+@pytest.mark.parametrize("argv", [
+    ["forecast", "a.pickle=1", "b.pickle=2", "--budget", "80"],
+    ["whatif", "run.pickle", "--budget", "80"],
+    ["diff", "a.pickle", "b.pickle", "--fail-over", "80"],
+    ["diff", "a.pickle", "b.pickle", "--min-delta", "80"],
+    ["gate", "run.pickle", "--fail-over", "80"],
+])
+def test_every_size_flag_refuses_a_bare_number_in_one_line(argv, capsys):
+    # Each command's flag parses before any file is read: exit 2 on the size alone.
+    from memdiff.cli import main
+
+    with pytest.raises(SystemExit) as exited:
+        main(argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exited.value.code == 2
+    assert len(err) == 1 and f"argument {argv[-2]}: 80 has no unit: say 80GiB or 80GB (80B for bytes)" in err[0], err
 
 
 @pytest.mark.parametrize("n, signed, text", [

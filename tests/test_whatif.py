@@ -273,7 +273,7 @@ def test_without_change_every_applicable_one_sorted_by_saving(run, capsys):
     assert all(c.fits_budget == (c.predicted_peak_bytes <= 10_000) for c in applied)
     skipped = [c for c in result.devices[0].changes if not c.applies]
     assert [c.change for c in skipped] == ["zero-grad=none"]  # the run already frees its gradients
-    assert main(["whatif", run, "--budget", "10000"]) == 0
+    assert main(["whatif", run, "--budget", "10000B"]) == 0
     out = capsys.readouterr().out
     assert "zero-grad=none: does not apply: the run already frees its gradients" in out
 

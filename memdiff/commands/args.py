@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 
 
 def size_arg(text: str) -> int:
-    """argparse type for sizes such as 512MiB, 0.5GiB, 64MB, 1e9."""
+    """argparse type for sizes such as 512MiB, 0.5GiB, 64MB, 1e9B (a number without a unit is refused)."""
     try:
         return parse_size(text)
     except ValueError as exc:
@@ -69,7 +69,7 @@ def share_arg(text: str) -> float:
 def add_threshold_arguments(p: argparse.ArgumentParser) -> None:
     """--fail-over and --fail-over-pct, shared with the gate."""
     p.add_argument("--fail-over", type=size_arg, metavar="SIZE",
-                   help="fail when a peak grows by more than SIZE (512MiB, 0.5GiB, 1e9 bytes)")
+                   help="fail when a peak grows by more than SIZE (512MiB, 0.5GiB, 1e9B)")
     p.add_argument("--fail-over-pct", type=pct_arg, metavar="P",
                    help="fail when a peak grows by more than P percent; with --fail-over both must be "
                         "exceeded (without either: a baseline's own limit, else the default rule, "

@@ -35,11 +35,11 @@ def pct_text(pct: float) -> str:
 
 
 def size_text(n: int) -> str:
-    """A size as users type it, exact: `64MiB`, `3GiB`, or plain bytes."""
+    """A size as users type it, exact: `64MiB`, `3GiB`, or bytes (`1000B`: a number alone is no size)."""
     for unit, factor in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if n and n % factor == 0:
             return f"{n // factor}{unit}"
-    return str(n)
+    return f"{n}B"
 
 
 @dataclass(frozen=True)
@@ -298,10 +298,10 @@ def _limit_from(path: str, where: str, data: Dict[str, Any]) -> Limit:
     size = data.get("fail-over")
     if isinstance(size, str):
         try:
-            size = parse_size(size)
-        except ValueError:
-            raise InputError(path, f'{where}.fail-over: "{data["fail-over"]}" is not a size '
-                                   f"(examples: 512MiB, 0.5GiB, 64MB, 1e9)") from None
+            # Baselines written before sizes needed a unit stored plain bytes as a bare number ("1000").
+            size = parse_size(size, bare_is_bytes=True)
+        except ValueError as exc:
+            raise InputError(path, f"{where}.fail-over: {exc}") from None
     return Limit(size, data.get("fail-over-pct"), data.get("or-fail-over-pct"))
 
 
