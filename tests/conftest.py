@@ -196,6 +196,18 @@ def cli(capsys, *argv: Any):
     return code, out, err
 
 
+def reserved_after(path: Path, device: int, index: int) -> int:
+    """What PyTorch's caching allocator held on `device` just after trace event `index` of the snapshot at
+    `path` (gzipped or not): its segments at the dump, less the segment events after that event."""
+    import gzip
+
+    with (gzip.open if str(path).endswith(".gz") else open)(path, "rb") as f:
+        snap = pickle.load(f)
+    held = sum(s["total_size"] for s in snap["segments"] if s["device"] == device)
+    sign = {"segment_alloc": 1, "segment_map": 1, "segment_free": -1, "segment_unmap": -1}
+    return held - sum(sign.get(e["action"], 0) * e["size"] for e in snap["device_traces"][device][index + 1:])
+
+
 def kept_write(kept: Path, path: Any) -> Path:
     """Where the file an emulated run wrote at `path` lies in the overlay that `memdiff record
     --keep-writes kept` kept: its upper layer holds each write under its absolute path

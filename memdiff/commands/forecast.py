@@ -33,7 +33,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         f"predicted_peak_bytes{LISTS}")
     p.add_argument("--budget", type=size_arg, metavar="SIZE",
                    help="also find the largest value whose predicted peak, times the most reserved over allocated "
-                        "any run measured (the caching allocator's overhead), stays within SIZE (e.g. 80GiB)")
+                        "at a run's peak (the caching allocator's overhead), stays within SIZE (e.g. 80GiB)")
     p.add_argument("--baseline", metavar="FILE",
                    help="check the headroom limit stored in this baseline (thresholds.headroom: the largest value "
                         "within its budget must stay at least min-value); exit 1 when it fails")

@@ -41,6 +41,7 @@ from memdiff.model import Finding, PhaseSpan, Step
 from memdiff.predict.forecast.align import _lined_up, align, check_one_loop
 from memdiff.predict.forecast.course import MAX_VALUE, Course, DeviceCourse, KnobRun, _shown, read_courses, structure
 from memdiff.predict.forecast.replay import peak_of, replay, replay_course
+from memdiff.predict.overhead import budget_note, device_overhead
 from memdiff.read.load import MAX_BYTES
 from memdiff.read.window import Window
 from memdiff.units import count_of, format_bytes
@@ -404,17 +405,10 @@ def _dup(values: Sequence[int]) -> int:
 
 
 def _overhead(courses: Sequence[Course]) -> Tuple[float, str]:
-    """Reserved over allocated, the caching allocator's overhead, the largest any run measured."""
-    ratios = []
-    for c in courses:
-        for d in c.summary.devices:
-            if d.reserved_bytes_at_dump is not None and d.peak_bytes > 0:
-                ratios.append(max(1.0, d.reserved_bytes_at_dump / d.peak_bytes))
-    if not ratios:
-        return 1.0, "the runs carry no allocator segments (CPU captures): the budget is compared with allocated bytes"
-    ratio = max(ratios)
-    return ratio, (f"the budget is compared with the peak times {ratio:.3f}, the most reserved over allocated "
-                   "any run measured (the caching allocator's overhead)")
+    """Reserved over allocated at the peak, the caching allocator's overhead, the largest any run measured."""
+    measured = [o for c in courses for d in c.summary.devices
+                for o in [device_overhead(d, f"{os.path.basename(c.file)} device {d.device}")] if o is not None]
+    return budget_note(measured, "the peak")
 
 
 def _device_forecast(runs: List[DeviceCourse], courses: Sequence[Course], device: int, at: Sequence[int],

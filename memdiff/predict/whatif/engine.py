@@ -35,6 +35,7 @@ from memdiff.inert import scrubbed
 from memdiff.model import DeviceSummary, Finding, PhaseSpan, Step
 from memdiff.predict.forecast.course import DeviceCourse, read_course, structure
 from memdiff.predict.forecast.replay import replay_course
+from memdiff.predict.overhead import Overhead, budget_note, device_overhead
 from memdiff.predict.whatif import accumulate, autocast, checkpoint, optimizer, step, weights, zero_grad
 from memdiff.predict.whatif.blocks import blocks_of
 from memdiff.predict.whatif.edit import CannotApply, ChangeRule, Edit, changed_course, closest
@@ -282,7 +283,7 @@ def headline(device: int, peak: int, phase: Optional[str], step: Optional[int], 
 def whatif_course(path: str, courses: Dict[int, DeviceCourse],
                   spans_steps: Dict[int, Tuple[List[PhaseSpan], List[Step]]], changes: Sequence[Change],
                   budget: Optional[int], host: Optional[CpuHost] = None,
-                  overheads: Optional[Dict[int, float]] = None,
+                  overheads: Optional[Dict[int, Overhead]] = None,
                   stopped: Optional[Dict[int, int]] = None) -> WhatIf:
     """The WhatIf of a read run: each device replayed with each change (`host`: what a CPU capture
     says of the host it ran on; `overheads`: each device's reserved over allocated, which the budget
@@ -300,7 +301,8 @@ def whatif_course(path: str, courses: Dict[int, DeviceCourse],
         blocks = run.blocks
         optimizer = run_optimizer(run)[0]
         asked = list(changes) or every_change(optimizer)
-        predictions = [predict(run, ch, budget, overheads.get(device, 1.0), device in stopped) for ch in asked]
+        predictions = [predict(run, ch, budget, overheads[device].ratio if device in overheads else 1.0,
+                               device in stopped) for ch in asked]
         if not changes:
             applied = sorted((p for p in predictions if p.applies), key=lambda p: (p.delta_bytes or 0, p.change))
             predictions = applied + [p for p in predictions if not p.applies]
@@ -313,16 +315,11 @@ def whatif_course(path: str, courses: Dict[int, DeviceCourse],
                                     + [finding("W014", device, change=p.change, why=p.reason or "")
                                        for p in predictions if not p.applies]))
     notes = [finding("W006")]
-    ratio = max(overheads.values(), default=1.0)
-    said = None if budget is None else (
-        f"the budget is compared with each predicted peak times {'at most ' if len(overheads) > 1 else ''}"
-        f"{ratio:.3f}, the run's reserved peak over its peak (the caching allocator's overhead: what runs out is "
-        f"reserved memory)" if overheads else
-        "the run carries no allocator segments (a CPU capture): the budget is compared with allocated bytes")
+    ratio, said = budget_note(list(overheads.values()), "each predicted peak")
     # Names from the snapshot (module instances, the file) are made one line each here, once for every output.
     return scrubbed(WhatIf(file=path, budget_bytes=budget, asked=[c.text for c in changes], devices=devices,
                            notes=notes, overhead_ratio=None if budget is None else round(ratio, 4),
-                           overhead_note=said))
+                           overhead_note=None if budget is None else said))
 
 
 def whatif(path: str, changes: Sequence[str], rules: Sequence[Rule], budget: Optional[int] = None) -> WhatIf:
@@ -336,7 +333,7 @@ def whatif(path: str, changes: Sequence[str], rules: Sequence[Rule], budget: Opt
     course = read_course(path, 1, rules)
     structures = {d: structure(course.summary, d) for d in course.devices}
     return whatif_course(path, course.devices, structures, parsed, budget, course.host,
-                         overheads(course.summary.devices),
+                         overheads(path, course.summary.devices),
                          {d.device: d.oom_events[0].event_index for d in course.summary.devices if d.oom_events})
 
 
@@ -349,11 +346,11 @@ def _stopped(device: int, stopped: Dict[int, int], run: Run) -> List[Finding]:
     return [finding("W017", device, event=stopped[device], phase=where)]
 
 
-def overheads(devices: Sequence[DeviceSummary]) -> Dict[int, float]:
-    """Each device's reserved peak over its allocated peak (at least 1), where the run carries the caching
-    allocator's segments; none for a CPU capture, which has no reserved memory."""
-    return {d.device: max(1.0, d.reserved_peak_bytes / d.peak_bytes) for d in devices
-            if d.reserved_peak_bytes and d.peak_bytes > 0}
+def overheads(path: str, devices: Sequence[DeviceSummary]) -> Dict[int, Overhead]:
+    """Each device's reserved over allocated at its peak, where the run knows it; none for a CPU capture,
+    which has no reserved memory."""
+    measured = {d.device: device_overhead(d, f"{os.path.basename(path)} device {d.device}") for d in devices}
+    return {device: o for device, o in measured.items() if o is not None}
 
 
 def facts(course: DeviceCourse, spans: List[PhaseSpan], steps: List[Step]) -> Run:
