@@ -97,9 +97,11 @@ def test_each_real_example_prints_what_the_page_says(code, request, tmp_path, mo
         request.getfixturevalue("shared")  # a public run's snapshot: skips (fails in CI) without ../shared
     monkeypatch.chdir(ROOT)
     command, expected = c.example_command, c.example_output
-    # A command that writes a file writes it under tmp_path; the line names the file as written.
-    command = command.replace("lt.json", str(tmp_path / "lt.json"))
-    expected = expected.replace("lt.json", str(tmp_path / "lt.json"))
+    # A command that writes a file (`-o NAME`) writes it under tmp_path, never in the checkout; the line names the
+    # file as written.
+    for written in re.findall(r"-o (\S+)", command):
+        command = command.replace(written, str(tmp_path / written))
+        expected = expected.replace(written, str(tmp_path / written))
     out = ""
     for part in command.split(" && "):
         words = part.split()

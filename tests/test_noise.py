@@ -320,3 +320,29 @@ def test_a_noise_margin_on_a_baseline_without_a_spread_says_it_gates_nothing(sha
     assert "spread" not in json.loads(Path(out).read_text())["devices"][0]
     assert main(["baseline", str(shared / "linear-grad.pickle"), "-o", str(tmp_path / "c.json")]) == 0
     assert len(capsys.readouterr().err.splitlines()) == 1  # no margin given: nothing to say
+
+
+def test_a_gate_says_when_its_noise_margin_gates_nothing(tmp_path, capsys):
+    """`gate --noise-margin 5%` against a baseline of one run (no spread: the H100 GPT-2 run) judged the peak by
+    the default rule and said nothing of the margin; every output shows G012 now. Over repeats whose peaks
+    differ the margin is the rule, and nothing is said."""
+    one = tmp_path / "one.json"
+    assert run(capsys, "baseline", CUDA / "gpt2-base.pickle.gz", "-o", one)[0] == 0
+    head = CUDA / "gpt2-base-again.pickle.gz"
+    line = BY_CODE["G012"].example_output
+    code, out, _ = run(capsys, "gate", head, "--baseline", one, "--noise-margin", "5%")
+    assert code == 0 and line in out.splitlines()
+    code, out, _ = run(capsys, "gate", head, "--baseline", one, "--noise-margin", "5%", "--format", "markdown")
+    assert code == 0 and "G012" in out and "the noise margin (5%) gates nothing" in out
+    code, out, _ = run(capsys, "gate", head, "--baseline", one, "--noise-margin", "5%", "--format", "json")
+    found = [n for n in json.loads(out)[0]["notes"] if "noise margin" in n]  # the judge's findings' sentences
+    assert code == 0 and len(found) == 1 and line.endswith(found[0])
+    # A limit of the peak's own replaces the rule the margin widens: said so.
+    code, out, _ = run(capsys, "gate", head, "--baseline", one, "--noise-margin", "5%", "--fail-over", "1GiB")
+    assert code == 0 and "G012 device 0: the noise margin (5%) gates nothing: the peak has a limit of its own" in out
+    # No margin set: nothing to say; over repeats that differ, the margin gates.
+    assert "G012" not in run(capsys, "gate", head, "--baseline", one)[1]
+    spread = repeats(tmp_path, capsys)
+    code, out, _ = run(capsys, "gate", snapshot(tmp_path / "head.pickle", 103 * MiB), "--baseline", spread,
+                       "--noise-margin", "5%")
+    assert code == 0 and "G012" not in out

@@ -611,6 +611,20 @@ CATALOGUE: Tuple[Code, ...] = (
          "hand-built in tests/test_fit.py",
          "error: G011 fit: l4 batch 48 -> 40 (the largest value whose emulated run trains, baseline "
          "baselines/fit.json)"),
+    Code("G012", "noise-margin-gates-nothing", WARNING,
+         "the noise margin ({margin}) gates nothing: {why}",
+         "A noise margin was set (`--noise-margin`, or stored in the baseline) where no peak is judged by it: it "
+         "widens the spread of a baseline made from repeated runs whose peaks differ, and this device's baseline "
+         "has none (one run, or repeats with one peak), or the peak has a limit of its own, or `--at` compares a "
+         "phase's peak.",
+         "The gate judged the peak by another rule than the one the margin was meant to loosen or tighten: a "
+         "margin set and silently unused reads as a gate tuned to noise that is not.",
+         "Make the baseline from repeated runs (`memdiff baseline RUN1 RUN2 RUN3`), or drop the margin.",
+         "memdiff baseline tests/data/cuda/gpt2-base.pickle.gz -o b.json && memdiff gate "
+         "tests/data/cuda/gpt2-base-again.pickle.gz --baseline b.json --noise-margin 5%",
+         "warning: G012 device 0: the noise margin (5%) gates nothing: it widens the spread of a baseline made "
+         "from repeated runs whose peaks differ, and this baseline has none on device 0 (make one with `memdiff "
+         "baseline RUN1 RUN2 RUN3`), so the peak is judged by the rule above"),
     Code("G006", "rank-without-baseline", ERROR,
          "{ranks}: no baseline (--require-baseline)",
          "Gating a job with `--require-baseline`, a rank of the run has no baseline.",

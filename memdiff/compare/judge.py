@@ -121,6 +121,18 @@ def noise_limit(thresholds: Thresholds, base_peak: int, spread: Optional[Spread]
     return Limit(fail_over_bytes=max(0, spread.peak.max - base_peak) + thresholds.margin_bytes(base_peak))
 
 
+def _margin_unused(thresholds: Thresholds, device: int, at: str) -> str:
+    """Why a noise margin set gates nothing on `device` (G012): the words after its colon."""
+    if thresholds.peak != DEFAULT_PEAK:
+        return "the peak has a limit of its own (--fail-over, --fail-over-pct or the baseline's), which replaces " \
+               "the rule a margin widens"
+    if at != PEAK:
+        return f"it widens the spread of the peak, and --at compares the {at} peak, so it is judged by the rule above"
+    return (f"it widens the spread of a baseline made from repeated runs whose peaks differ, and this baseline has "
+            f"none on device {device} (make one with `memdiff baseline RUN1 RUN2 RUN3`), so the peak is judged by "
+            f"the rule above")
+
+
 def judge(diff: Diff, thresholds: Thresholds, update_hint: Optional[str] = None,
           runs: Optional[Runs] = None, spreads: Optional[Dict[int, Spread]] = None) -> Verdict:
     """Apply every threshold to every device of a diff.
@@ -146,6 +158,9 @@ def judge(diff: Diff, thresholds: Thresholds, update_hint: Optional[str] = None,
                           f"plus a margin of {thresholds.margin_text()})")
         else:
             peak = _check(f"device {d.device} {moment}", d.base_peak_bytes, d.head_peak_bytes, thresholds.peak)
+            if thresholds.noise_margin is not None:
+                notes.append(finding("G012", d.device, margin=thresholds.margin_text(),
+                                     why=_margin_unused(thresholds, d.device, d.at)))
         checks.append(peak)
         if thresholds.reserved is not None:
             if d.base_reserved_peak_bytes is None or d.head_reserved_peak_bytes is None:
