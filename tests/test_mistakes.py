@@ -97,6 +97,19 @@ def test_a_run_that_allocates_nothing_keeps_the_snapshot_and_prints_sys_exit(tor
 
 
 @pytest.mark.slow  # records
+def test_a_window_of_steps_a_script_never_reaches_is_one_line(torch, tmp_path, kept):
+    """A forward and backward with no optimizer: `--steps 1:3` is never reached. The window said so and the
+    command said again that nothing was written: two lines for one exit 2."""
+    (tmp_path / "train.py").write_text("import torch\nm = torch.nn.Linear(4, 4)\nm(torch.randn(2, 4)).sum().backward()\n")
+    done = subprocess.run([sys.executable, "-m", "memdiff", "record", "--steps", "1:3", "-o", str(kept), "--", "python",
+                           "train.py"], capture_output=True, text=True, cwd=tmp_path)
+    assert done.returncode == 2
+    assert done.stderr == (f"memdiff: {kept}: nothing written: the window 1:3 was not reached: training ran 0 "
+                           f"optimizer step(s)\n")
+    assert kept.read_bytes() == b"an earlier run's snapshot"
+
+
+@pytest.mark.slow  # records
 def test_record_makes_the_folder_of_its_output(torch, tmp_path):
     (tmp_path / "train.py").write_text("import torch\nx = torch.ones(1000)\n")
     done = record(tmp_path, "runs/train.pickle", "python", "train.py")

@@ -25,7 +25,15 @@ from memdiff.errors import EXIT_BAD_INPUT, InputError
 from memdiff.inert import shell, text
 from memdiff.read.job import MAX_RANKS, ranges, rank_of, rank_patterns
 from memdiff.read.load import decode
-from memdiff.recording.capture import STACKS, StepWindow, parse_steps, record, recorded_nothing, sigint_held
+from memdiff.recording.capture import (
+    STACKS,
+    StepWindow,
+    parse_steps,
+    record,
+    recorded_nothing,
+    sigint_held,
+    unreached_told,
+)
 from memdiff.recording.dask_ranks import cluster
 from memdiff.recording.emulate.allocator import AllocatorConfig
 from memdiff.recording.emulate.devices import GPUS
@@ -664,6 +672,7 @@ def run(args: argparse.Namespace) -> int:
                                                   os.path.dirname(os.path.abspath(partial)),
                                                   target[0] if target[0] != "-m" else None))
             processes = holding.enter_context(_children_emulated(args, root))
+            unreached = holding.enter_context(unreached_told())
             try:
                 with record(partial, max_entries=args.max_entries, stacks=args.stacks, steps=args.steps,
                             emulate=args.emulate, gpus=args.gpus):
@@ -681,8 +690,10 @@ def run(args: argparse.Namespace) -> int:
                 # While recording started (nothing recorded yet), or in the instant between the script's
                 # end and the hold above (the block's exit wrote the snapshot all the same).
                 interrupted, status = True, 130
-            if not os.path.exists(partial):  # a window of steps the script never reached (it said so)
-                print(f"memdiff: nothing written to {args.output}", file=sys.stderr)
+            if not os.path.exists(partial):  # a window of steps the script never reached, or failed (it said so)
+                # One line, the file first: an exit 2 reads as `memdiff: FILE: what is wrong`.
+                print(f"memdiff: {args.output}: nothing written: {unreached[0]}" if unreached else
+                      f"memdiff: nothing written to {args.output}", file=sys.stderr)
                 return status or EXIT_BAD_INPUT
             if os.path.exists(args.output) and recorded_nothing(decode(partial)[0]):
                 print(f"memdiff: the run recorded no allocation; kept the existing {args.output}", file=sys.stderr)

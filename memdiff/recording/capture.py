@@ -12,6 +12,7 @@ import os
 import re
 import signal
 import sys
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
@@ -426,6 +427,24 @@ def _say(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
+# Where a window of steps that was never reached is told: None (a script's own memdiff.record) says it on
+# stderr; `memdiff record` takes the why into its own one line, which names the file it did not write.
+_UNREACHED: ContextVar[Optional[List[str]]] = ContextVar("memdiff_unreached", default=None)
+
+
+@contextlib.contextmanager
+def unreached_told() -> Iterator[List[str]]:
+    """Inside the block, a window of steps that was never reached is not said on stderr: its why (`the window
+    1:3 was not reached: ...`) goes in the list yielded, for the caller's own line."""
+    token = _UNREACHED.set([])
+    try:
+        told = _UNREACHED.get()
+        assert told is not None
+        yield told
+    finally:
+        _UNREACHED.reset(token)
+
+
 @dataclass(frozen=True)
 class StepWindow:
     """Optimizer steps `start` to `stop` (Python's half-open range, counted from 0): recording starts
@@ -546,7 +565,11 @@ class WindowRecording:
         if self.state == "waiting":
             self.state, self.why = "nothing", (f"the window {self.window} was not reached: training ran "
                                                f"{self.steps} optimizer step(s)")
-            self.warn(f"memdiff: {self.why}; nothing recorded")
+            told = _UNREACHED.get()
+            if told is not None:
+                told.append(self.why)
+            else:
+                self.warn(f"memdiff: {self.why}; nothing recorded")
         return None
 
     def _fail(self, message: str) -> None:
