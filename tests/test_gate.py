@@ -309,7 +309,7 @@ def test_baselines_folder_matches_runs_by_stem(baseline, tmp_path, capsys):
                    f"--require-baseline makes this fail)\n")
     # A required baseline that is missing is bad input, not a regression: nothing was compared.
     code, _, err = run(capsys, "gate", "--baselines", b.parent, "--require-baseline", head, other)
-    assert code == 2 and err == (f"memdiff: warning: G008 {other}: no baseline at {b.parent / 'eval.json'}: {make} "
+    assert code == 2 and err == (f"memdiff: error: G008 {other}: no baseline at {b.parent / 'eval.json'}: {make} "
                                  "(the gate fails: --require-baseline)\n")
     # Nor is a gate green when no run had its baseline, whatever the flags.
     code, _, _ = run(capsys, "gate", "--baselines", b.parent, other)
@@ -350,14 +350,14 @@ def test_a_run_that_does_not_train_against_a_training_baseline_fails_and_is_neve
 def test_a_gate_that_compared_nothing_says_so_on_its_one_line(shared, tmp_path, capsys):
     # The first CI run of a repository: a real run (nn.Linear(10000, 50000), 3 forwards) and no
     # baseline yet. Exit 2, and its one line on stderr must say that nothing was compared and
-    # that this fails the gate, not read as a warning beside a passing gate.
+    # that this fails the gate, not read as a warning beside a passing gate: an error, as exit 2 is.
     folder = tmp_path / "baselines"
     folder.mkdir()
     run_file = tmp_path / "train.pickle"
     shutil.copyfile(shared / "linear-grad.pickle", run_file)
     code, out, err = run(capsys, "gate", "--baselines", folder, run_file)
     assert code == 2 and out == ""
-    assert err == (f"memdiff: warning: G008 {run_file}: no baseline at {folder / 'train.json'}: make it with "
+    assert err == (f"memdiff: error: G008 {run_file}: no baseline at {folder / 'train.json'}: make it with "
                    f"`memdiff baseline {run_file} -o {folder / 'train.json'}` (no run had its baseline: nothing was "
                    "compared, so the gate fails)\n")
 

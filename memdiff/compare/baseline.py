@@ -20,7 +20,7 @@ from memdiff import __version__
 from memdiff.analyse.sameloop import loop_difference
 from memdiff.atomic import check_output, make_folder, write_output
 from memdiff.compare.figures import check_figures
-from memdiff.compare.findings import finding
+from memdiff.compare.findings import ERROR, finding
 from memdiff.compare.limits import Thresholds, thresholds_from_dict
 from memdiff.compare.observe import PEAK, names_nodes, step_peaks
 from memdiff.errors import InputError, clip, version_shown
@@ -496,7 +496,10 @@ def no_baseline(run: str, path: str, required: bool, compared: bool = True) -> F
     gated = (" (no run had its baseline: nothing was compared, so the gate fails)" if not compared
              else " (the gate fails: --require-baseline)" if required
              else " (not gated; --require-baseline makes this fail)")
-    return finding("G008", snapshot=run, path=path, command=baseline_command(run, path), absent=absent, gated=gated)
+    found = finding("G008", snapshot=run, path=path, command=baseline_command(run, path), absent=absent, gated=gated)
+    # A missing baseline that fails the gate (exit 2) is an error where it is said, as its annotation is, not a
+    # warning beside it.
+    return replace(found, severity=ERROR) if no_baseline_level(required, compared) == "error" else found
 
 
 def no_baseline_level(required: bool, compared: bool = True) -> str:

@@ -573,7 +573,8 @@ CATALOGUE: Tuple[Code, ...] = (
          "Gating runs against a folder of baselines, a run has none of its name (its stem).",
          "Nothing was compared for that run. With --require-baseline (the Action's default) it fails the gate, "
          "exit 2; without, the others are gated and it is reported; a gate where no run had its baseline is "
-         "never green.",
+         "never green. Where it fails the gate the line reads `error: G008` (and the GitHub annotation is an "
+         "error); where it does not, `warning: G008`.",
          "Make the baseline with the command the line gives and commit it, or name the run after the baseline.",
          "hand-built in tests/test_gate.py",
          "warning: G008 eval.pickle: no baseline at baselines/eval.json: make it with `memdiff baseline "
