@@ -128,7 +128,8 @@ def test_a_script_failing_otherwise_is_one_line_exit_2_never_out_of_memory(tmp_p
     assert done.stderr.count("\n") == 1 and "not out of memory" in done.stderr
     assert "ValueError: the data set is missing" in done.stderr
     # which run, in words: `failed on l4 at batch 2`, where it said `failed l4 at 2`
-    assert re.search(r"^memdiff: fit: the script failed on l4 at batch [12] \(exit 1\)", done.stderr), done.stderr
+    assert re.search(r"^memdiff: fit: the script failed on l4 at batch [12]: ValueError: the data set is missing, "
+                     r"called at fit_mlp.py:\d+ \(exit 1, not out of memory\)", done.stderr), done.stderr
 
 
 @pytest.mark.slow

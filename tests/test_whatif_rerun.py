@@ -134,6 +134,33 @@ def test_a_script_failure_is_one_line_exit_2(tmp_path, torch):
     assert "the script failed" in done.stderr and "ValueError: the data set is missing" in done.stderr
 
 
+BF16_INPUT = """import torch
+model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8)).cuda()
+opt = torch.optim.AdamW(model.parameters())
+for _ in range(2):
+    x = torch.randn(16, 64, device="cuda")
+    model(x).float().pow(2).mean().backward()
+    opt.step()
+"""
+
+
+@pytest.mark.slow
+def test_a_change_the_script_fails_under_leads_with_the_error_and_its_line(tmp_path, torch):
+    """bf16 weights fed an fp32 batch fail as CUDA's addmm does (dtypes.check). The one line led with ~1,500
+    characters of the log's traceback (torch's and memdiff's frames) before the error: it leads with the error
+    and the script's line now, as the emulator's refusals read, and names the log."""
+    script = tmp_path / "train.py"
+    script.write_text(BF16_INPUT)
+    done = memdiff("whatif", "--emulate", "h100", "-o", f"{tmp_path}/runs/", "--change", "weights=bf16", "--",
+                   "python", str(script))
+    log = tmp_path / "runs" / "weights-bf16.log"
+    assert done.returncode == 2 and done.stderr == (
+        "memdiff: whatif: the script failed with weights=bf16: RuntimeError: expected mat1 and mat2 to have the "
+        "same dtype, but got: float != c10::BFloat16, called at train.py:6 (exit 1, not out of memory); its "
+        f"output: {log}\n"), done.stderr
+    assert "Traceback" in log.read_text()  # the traceback is kept where the line says
+
+
 def test_accumulation_without_the_scripts_flag_is_refused_before_any_run(tmp_path):
     done = memdiff("whatif", "--emulate", "h100", "-o", f"{tmp_path}/runs/", "--change", "accumulate=2", "--",
                    "python", str(SCRIPT))

@@ -37,7 +37,7 @@ from memdiff.recording.capture import (
 from memdiff.recording.dask_ranks import cluster
 from memdiff.recording.emulate.allocator import AllocatorConfig
 from memdiff.recording.emulate.devices import GPUS
-from memdiff.recording.emulate.escapes import escaped
+from memdiff.recording.emulate.escapes import escaped, failure_line
 from memdiff.recording.emulate.gpus import gpu
 from memdiff.recording.emulate.gpus import names as gpu_names
 from memdiff.recording.emulate.overlay_calls import OWNED, ROOT, for_run
@@ -206,10 +206,11 @@ def _module_found(name: str) -> bool:
     return spec is not None
 
 
-def _run_target(target: List[str], emulated: bool = False) -> int:
+def _run_target(target: List[str], emulated: bool = False, failed: Optional[List[str]] = None) -> int:
     """Run the script or module as `python` would; its exit status. Under emulation, an exception
     that came from a call around the emulator to CUDA itself is the emulator's refusal (one line,
-    exit 2), not the script's failure."""
+    exit 2), not the script's failure. An exception of the script's own is put in `failed` too, in one
+    line (escapes.failure_line), for a caller that reports it (fit's and whatif's runs)."""
     saved_argv, saved_path = sys.argv[:], sys.path[:]
     try:
         if target[0] == "-m":
@@ -233,6 +234,8 @@ def _run_target(target: List[str], emulated: bool = False) -> int:
         if refusal is not None:
             raise refusal from None
         traceback.print_exc()
+        if failed is not None:
+            failed.append(failure_line(exc))
         return 1
     finally:
         sys.argv, sys.path[:] = saved_argv, saved_path

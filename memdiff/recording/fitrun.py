@@ -51,6 +51,9 @@ class RunOutcome:
     ranks_run: Optional[List[int]] = None  # a launched job run as its picked ranks: those (None: run whole)
     world_size: Optional[int] = None  # a launched job's ranks, run or not
     ranks_how: Optional[str] = None  # with ranks_run: how they were chosen (ONE_PER_ROLE, FIRST_NODE)
+    # FAILED by the script's own exception: it in one line with the script's line (escapes.failure_line), which
+    # the one-line error leads with; its traceback stays in the run's log
+    failure: Optional[str] = None
 
     def to_dict(self) -> Dict[str, Any]:
         """The outcome as sent back to the parent."""
@@ -108,6 +111,7 @@ def run_emulated(gpu: str, target: List[str], snapshot: str, log: str, max_entri
     torch_module()
     started = time.monotonic()
     refused: Optional[str] = None
+    failed: List[str] = []
     emulator = Emulator(gpu_named(gpu))
     hook = argparse.Namespace(max_entries=max_entries, stacks="all", steps=None, emulate=gpu, gpus=None)
     with contextlib.ExitStack() as run:
@@ -123,7 +127,7 @@ def run_emulated(gpu: str, target: List[str], snapshot: str, log: str, max_entri
             session = changes.enter_context(applying(change)) if change is not None else None
             with record(snapshot, max_entries=max_entries):
                 try:
-                    status = _run_target(target, emulated=True)
+                    status = _run_target(target, emulated=True, failed=failed)
                 except InputError as exc:  # the emulator refused an op: the script cannot be fitted as it is
                     refused, status = f"{exc.path}: {exc.message}", EXIT_BAD_INPUT
                 except KeyboardInterrupt:
@@ -136,6 +140,7 @@ def run_emulated(gpu: str, target: List[str], snapshot: str, log: str, max_entri
     if status == 0 and children.failed is not None:  # a rank that died fails the job, as on GPUs
         print(f"memdiff: {children.failed}", file=sys.stderr)
         status = 1
+        failed.append(children.failed)
     # The script's own process is rank 0 of the job its launcher starts: where the job's other nodes never
     # started (a job of several nodes run as `python train.py`), the answer says which ranks ran.
     ran = sorted({0, *children.ranks})
@@ -157,7 +162,7 @@ def run_emulated(gpu: str, target: List[str], snapshot: str, log: str, max_entri
                       change_unmade=None if session is None else session.unmade(),
                       seen=None if session is None else session.seen, steps=facts.get("steps"),
                       ranks_run=ran if some else None, world_size=children.world_size if some else None,
-                      ranks_how=FIRST_NODE if some else None)
+                      ranks_how=FIRST_NODE if some else None, failure=failed[0] if failed else None)
 
 
 @dataclass(frozen=True)
@@ -314,6 +319,10 @@ def checked(command: str, where: str, sent: Optional[Dict[str, Any]], exitcode: 
         raise RuntimeError(f"memdiff {command}'s run {where}: {sent['internal_error']}")
     if sent["refused"]:
         raise InputError(command, f"the emulator cannot run the script ({where}): {sent['refused']}")
+    if sent["status"] == FAILED and sent.get("failure"):
+        # The error and the script's line first, as the emulator's refusals read; the traceback is in the log.
+        raise InputError(command, f"the script failed {where}: {clip(sent['failure'], 500)} (exit "
+                                  f"{sent['exit_status']}, not out of memory); {hint}its output: {log}")
     if sent["status"] == FAILED:
         raise InputError(command, f"the script failed {where} (exit {sent['exit_status']}), not out of memory; "
                                   f"{hint}its output ({log}): {clip(log_tail(log), 1500)}")

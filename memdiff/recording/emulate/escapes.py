@@ -155,6 +155,15 @@ def refusing(marker: str) -> type:
     return Refused
 
 
+def failure_line(exc: BaseException) -> str:
+    """The script's own exception in one line, worded as the emulator's refusals are: its type and first line,
+    then the script's line (`RuntimeError: expected mat1 and mat2 to have the same dtype, but got: float !=
+    c10::BFloat16, called at train.py:6`), for a caller that says why a run failed without its traceback."""
+    frames: List[traceback.FrameSummary] = traceback.extract_tb(exc.__traceback__)
+    where = called_at([(f.filename, f.lineno or 0) for f in reversed(frames)])
+    return f"{type(exc).__name__}: {_first_line(exc)}{where}"
+
+
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
     line = text[0] if text else type(exc).__name__
