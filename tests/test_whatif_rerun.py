@@ -161,6 +161,45 @@ def test_a_change_the_script_fails_under_leads_with_the_error_and_its_line(tmp_p
     assert "Traceback" in log.read_text()  # the traceback is kept where the line says
 
 
+SEQUENTIAL_WITH_HEAD = """import torch
+
+
+class Block(torch.nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.up, self.down = torch.nn.Linear(d, 4 * d), torch.nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        return x + self.down(torch.relu(self.up(x)))
+
+
+net = torch.nn.Sequential(*[Block(64) for _ in range(8)], torch.nn.Linear(64, 8)).cuda()
+opt = torch.optim.AdamW(net.parameters())
+for _ in range(2):
+    net(torch.randn(256, 64, device="cuda")).pow(2).mean().backward()
+    opt.step()
+    opt.zero_grad()
+"""
+
+
+@pytest.mark.slow
+def test_the_rerun_checkpoints_the_blocks_of_a_sequential_with_a_head_as_the_replay_finds_them(tmp_path, torch):
+    """nn.Sequential(8 x Block, Linear): the re-run's checkpoint looked for a container whose children were all
+    of one class and found none (the head is a Linear), where the replay of the same run finds the 8 blocks on
+    its stacks. Both find the model's 8 now."""
+    script = tmp_path / "train.py"
+    script.write_text(SEQUENTIAL_WITH_HEAD)
+    done = memdiff("whatif", "--emulate", "h100", "-o", f"{tmp_path}/runs/", "--change", "checkpoint", "--format",
+                   "json", "--", "python", str(script))
+    assert done.returncode == 0, done.stderr
+    row = json.loads(done.stdout)["devices"][0]["changes"][0]
+    assert row["applies"], row
+    assert any(a.startswith("8 of the 8 Block blocks of Sequential checkpointed") for a in row["assumptions"]), row
+    replay = memdiff("whatif", str(tmp_path / "runs" / "baseline.pickle"), "--change", "checkpoint", "--format", "json")
+    assert replay.returncode == 0, replay.stderr
+    assert len(json.loads(replay.stdout)["devices"][0]["blocks"]) == 8
+
+
 def test_accumulation_without_the_scripts_flag_is_refused_before_any_run(tmp_path):
     done = memdiff("whatif", "--emulate", "h100", "-o", f"{tmp_path}/runs/", "--change", "accumulate=2", "--",
                    "python", str(SCRIPT))

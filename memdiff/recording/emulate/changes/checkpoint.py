@@ -8,8 +8,9 @@ blocks, made as a person would make it by hand:
 - any other model by `torch.utils.checkpoint.checkpoint(block, ..., use_reentrant=False)` around each
   chosen block's forward.
 
-The repeated blocks are the largest ModuleList or Sequential under the trained root whose children
-are all of one class (two or more); with F, every 1/F-th of them (`spread`: 0.5 is the 2nd, 4th, ...),
+The repeated blocks are the largest group of two or more children of one class in a ModuleList or
+Sequential under the trained root (the 8 blocks of `Sequential(8 x Block, Linear)`, its head apart, as
+the replay finds them on the stacks); with F, every 1/F-th of them (`spread`: 0.5 is the 2nd, 4th, ...),
 the blocks `memdiff whatif`'s prediction takes out.
 """
 
@@ -17,7 +18,7 @@ from __future__ import annotations
 
 import functools
 from fractions import Fraction
-from typing import Any, List, Optional, Tuple, Union
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 from memdiff.recording.emulate.changes.root import NO_ROOT
 
@@ -30,20 +31,25 @@ def spread(count: int, fraction: Union[Fraction, float, str]) -> List[int]:
 
 
 def repeated_blocks(root: Any) -> Optional[Tuple[str, List[Any]]]:
-    """The name and children of the largest ModuleList/Sequential under `root` of two or more children
-    of one class (by parameter count, then by number), or None."""
+    """The name of the ModuleList/Sequential under `root` and its children of one class that are the largest
+    such group of two or more (by parameter count, then by number), in order, or None. A container's other
+    children (a final Linear head, an embedding before the layers) are not blocks: they were the reason a
+    stack of 8 blocks and a head read as no repeated blocks at all, where the replay found the 8."""
     import torch
 
     best: Optional[Tuple[Tuple[int, int], str, List[Any]]] = None
     for name, module in root.named_modules():
         if not isinstance(module, (torch.nn.ModuleList, torch.nn.Sequential)):
             continue
-        children = list(module.children())
-        if len(children) < 2 or len({type(c) for c in children}) != 1:
-            continue
-        key = (sum(p.numel() for p in module.parameters()), len(children))
-        if best is None or key > best[0]:
-            best = (key, name, children)
+        by_class: Dict[type, List[Any]] = {}
+        for child in module.children():
+            by_class.setdefault(type(child), []).append(child)
+        for children in by_class.values():
+            if len(children) < 2:
+                continue
+            key = (sum(p.numel() for c in children for p in c.parameters()), len(children))
+            if best is None or key > best[0]:
+                best = (key, name, children)
     return None if best is None else (best[1] or type(root).__name__, best[2])
 
 
@@ -57,7 +63,7 @@ def install(session: Any, value: str) -> None:
     def wrap(root: Any) -> None:
         found = repeated_blocks(root)
         if found is None:
-            session.pending["checkpoint"] = (f"{type(root).__name__} holds no ModuleList or Sequential of two or "
+            session.pending["checkpoint"] = (f"{type(root).__name__} holds no ModuleList or Sequential with two or "
                                              "more modules of one class: no repeated blocks to checkpoint")
             return
         name, blocks = found
