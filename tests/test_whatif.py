@@ -1351,3 +1351,25 @@ def test_whatif_and_forecast_take_the_allocator_overhead_at_the_peak_moment(caps
     eight = memdiff.summarize(str(batch8)).devices[0]
     assert doc["overhead_ratio"] == round(reserved_after(batch8, 0, eight.peak_event_index) / eight.peak_bytes, 4)
     assert "at the peak of gpt2-batch8.pickle.gz device 0" in doc["overhead_note"]
+
+
+def test_the_repeated_blocks_read_as_a_person_says_them_in_every_output(tmp_path, capsys):
+    """GPT-2's 12 layers on CUDA stacks are 12 calls of one line of Hugging Face's loop. The headline read
+    `repeated blocks call 1 at modeling_layers.py:109 .. call 12 at modeling_layers.py:109 (12)`; it is the
+    report's sentence, the same in every output, and the checkpoint row names the calls once."""
+    from memdiff.predict.whatif.engine import blocks_text
+
+    run = str(Path(__file__).resolve().parent / "data" / "cuda" / "gpt2-base.pickle.gz")
+    said = "; 12 repeated blocks, called at modeling_layers.py:109; "
+    page = tmp_path / "w.html"
+    assert main(["whatif", run, "--change", "checkpoint=0.5", "--format", "json", "--html", str(page)]) == 0
+    device = json.loads(capsys.readouterr().out)["devices"][0]
+    assert len(device["blocks"]) == 12 and said in device["headline"]
+    assert "(calls 2, 4, 6, 8, 10 and 12 at modeling_layers.py:109)" in device["changes"][0]["assumptions"][0]
+    for fmt in ("text", "markdown"):
+        assert main(["whatif", run, "--change", "checkpoint=0.5", "--format", fmt]) == 0
+        assert said in capsys.readouterr().out
+    assert said in page.read_text()
+    # Module instances, as the profiler's frames name them.
+    assert blocks_text([f"GPT2Block_{k}" for k in range(12)]) == "12 repeated blocks, GPT2Block_0 to GPT2Block_11"
+    assert blocks_text(["T5Stack_0", "T5Stack_1"]) == "2 repeated blocks, T5Stack_0 and T5Stack_1"

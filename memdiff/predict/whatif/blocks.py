@@ -8,7 +8,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from difflib import SequenceMatcher
-from typing import Any, Dict, List, Optional, Set, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
 import numpy as np
 
@@ -16,6 +16,31 @@ from memdiff.predict.forecast.course import DeviceCourse
 from memdiff.predict.whatif.run import Run, forward_in_order
 
 MODULE_FRAME = re.compile(r"^nn\.Module: (\w+?)_(\d+)$")
+
+
+# A block named by the call that repeats, where the stacks name no module (`call 3 at modeling_layers.py:109`).
+CALL = re.compile(r"call (\d+) at (.+)")
+
+
+def called_at(blocks: Sequence[str]) -> Optional[str]:
+    """The one line `blocks` are calls of (`modeling_layers.py:109`), or None when they are modules."""
+    calls = [CALL.fullmatch(b) for b in blocks]
+    lines = {m.group(2) for m in calls if m is not None}
+    return lines.pop() if blocks and all(calls) and len(lines) == 1 else None
+
+
+def blocks_listed(blocks: Sequence[str]) -> str:
+    """Some of the blocks, named once: `calls 1 to 12 at modeling_layers.py:109`, `calls 2, 4 and 6 at
+    train.py:9`, or the modules' names (`GPT2Block_1, GPT2Block_3`)."""
+    line = called_at(blocks)
+    if line is None:
+        return ", ".join(blocks)
+    numbers = [int(m.group(1)) for m in (CALL.fullmatch(b) for b in blocks) if m is not None]
+    if len(numbers) == 1:
+        return f"call {numbers[0]} at {line}"
+    if numbers == list(range(numbers[0], numbers[-1] + 1)):
+        return f"calls {numbers[0]} to {numbers[-1]} at {line}"
+    return f"calls {', '.join(map(str, numbers[:-1]))} and {numbers[-1]} at {line}"
 
 
 # Module classes too small to be "the repeated block" when a larger repeated one exists.

@@ -15,7 +15,7 @@ import numpy as np
 from memdiff.analyse.lifetimes import BACKWARD, FORWARD
 from memdiff.errors import InputError
 from memdiff.numbers import decimal
-from memdiff.predict.whatif.blocks import GENERIC
+from memdiff.predict.whatif.blocks import GENERIC, blocks_listed
 from memdiff.predict.whatif.edit import CannotApply, ChangeRule, Edit
 from memdiff.predict.whatif.run import Run, peak_of_set, step_index
 from memdiff.recording.emulate.changes.checkpoint import spread
@@ -76,8 +76,9 @@ def apply_checkpoint(run: Run, edit: Edit, value: Optional[str]) -> None:
                 edit.size[k] = 0
         if again is not None:
             edit.add(again, again + 1, max(0, height - remade), "autograd")
+    named = blocks_listed([blocks[k] for k in chosen])
     edit.assumptions.append(
-        f"checkpointing {len(chosen)} of the {len(blocks)} repeated blocks ({', '.join(blocks[k] for k in chosen)}): "
+        f"checkpointing {len(chosen)} of the {len(blocks)} repeated blocks ({named}): "
         "each keeps its output (the next block's input); what else it saved for the backward is remade just "
         "before the backward first needs it, the block's forward run again (its forward peak)"
         + ("; a generic module repeats, so each block is what the forward makes from one instance to the next"

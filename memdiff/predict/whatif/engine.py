@@ -37,7 +37,7 @@ from memdiff.predict.forecast.course import DeviceCourse, read_course, structure
 from memdiff.predict.forecast.replay import replay_course
 from memdiff.predict.overhead import Overhead, budget_note, device_overhead
 from memdiff.predict.whatif import accumulate, autocast, checkpoint, optimizer, step, weights, zero_grad
-from memdiff.predict.whatif.blocks import blocks_of
+from memdiff.predict.whatif.blocks import blocks_of, called_at
 from memdiff.predict.whatif.edit import CannotApply, ChangeRule, Edit, changed_course, closest
 from memdiff.predict.whatif.optimizer import OPTIMIZERS, run_optimizer
 from memdiff.predict.whatif.run import Run, read_run
@@ -260,12 +260,24 @@ def every_change(optimizer: Optional[str], accumulate: bool = True) -> List[Chan
     return [parse_change(t) for t in texts]
 
 
+def blocks_text(blocks: Sequence[str]) -> str:
+    """The repeated blocks as a person says them, for the headline of every output: `12 repeated blocks, called
+    at modeling_layers.py:109` (calls of one line, where the stacks name no module), `12 repeated blocks,
+    GPT2Block_0 to GPT2Block_11`."""
+    line = called_at(blocks)
+    if line is not None:
+        return f"{len(blocks)} repeated blocks, called at {line}"
+    if len(blocks) == 2:
+        return f"2 repeated blocks, {blocks[0]} and {blocks[1]}"
+    return f"{len(blocks)} repeated blocks, {blocks[0]} to {blocks[-1]}"
+
+
 def headline(device: int, peak: int, phase: Optional[str], step: Optional[int], blocks: List[str],
              optimizer: Optional[str], predictions: Sequence[ChangePrediction]) -> str:
     """A device's peak (at `phase` of `step`) and the change that saves most, in one line."""
     where = f"in {where_text(phase, step)}" if phase else "before the trace's first event"
     line = f"device {device}: peak {format_bytes(peak)} {where}"
-    line += f"; repeated blocks {blocks[0]} .. {blocks[-1]} ({len(blocks)})" if blocks else ""
+    line += f"; {blocks_text(blocks)}" if blocks else ""
     line += f"; optimizer {optimizer}" if optimizer else ""
     applied = [p for p in predictions if p.applies and p.delta_bytes is not None]
     if not applied:
