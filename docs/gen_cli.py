@@ -32,9 +32,10 @@ takes `--debug` (a traceback on errors); `memdiff --version` prints the version.
 Exit codes: `0` success / no regression, `1` regression, `2` bad input or usage (one line on
 stderr: `memdiff: FILE: what is wrong`), `3` an internal error in memdiff (please report it).
 
-Sizes (`SIZE`) accept `B`, `KB/MB/GB` (powers of 10) and `KiB/MiB/GiB` (powers of 2); a number
-without a unit is bad input (`--budget 80` says `80 has no unit: say 80GiB or 80GB (80B for bytes)`,
-where it used to be read as 80 bytes), bytes say `B` (`1e9B`), and `0` needs none. Output is always
+Sizes (`SIZE`) accept `B`, `KB/MB/GB` (powers of 10) and `KiB/MiB/GiB` (powers of 2); bytes say
+`B` (`1e9B`), and `0` needs none. A number without a unit is still bytes but deprecated: `--budget 80`
+prints `memdiff: warning: 80 has no unit: read as 80 bytes; say 80B for bytes, or 80GiB or 80GB ...`
+(it was read as 80 bytes silently), and a later memdiff refuses it. Output is always
 in binary units. A limit is inclusive: growing by exactly the
 limit passes. Every number (sizes, percents, counts, windows, knob values) is written in the
 digits 0-9: `١٠` or `１０` is bad input naming the value, though Python's `int()` reads them

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import warnings
 
 from memdiff.numbers import DECIMAL
 
@@ -18,9 +19,10 @@ _BINARY = ((2**40, "TiB"), (2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB"))
 
 def parse_size(text: str, bare_is_bytes: bool = False) -> int:
     """Bytes in `text`: `512MiB`, `0.5GiB`, `64 MB` (KB/MB/GB are powers of 10), `1e9B`. ValueError if not a
-    size. A number without a unit is refused (but 0): `--budget 80` meant 80 GiB, never 80 bytes, and read as
-    bytes it fits nothing; every size memdiff reads from text comes through here. `bare_is_bytes`: a number
-    alone is bytes, for what memdiff itself wrote so (a baseline's `fail-over` of plain bytes, before `B`)."""
+    size. A number without a unit (but 0) is still bytes, with a DeprecationWarning naming the unit to write:
+    `--budget 80` meant 80 GiB, never 80 bytes, and read silently as bytes it fit nothing; every size memdiff
+    reads from text comes through here. `bare_is_bytes`: a number alone is bytes without a warning, for what
+    memdiff itself wrote so (a baseline's `fail-over` of plain bytes, before it wrote `B`)."""
     m = _SIZE.match(text)
     unit = m.group(2).lower() if m else None
     if m is None or (unit not in _UNITS and unit != ""):
@@ -32,7 +34,9 @@ def parse_size(text: str, bare_is_bytes: bool = False) -> int:
         raise ValueError(f"{text!r} is not a size: more than 8 EiB")
     if unit == "" and value != 0 and not bare_is_bytes:
         number = m.group(1)
-        raise ValueError(f"{number} has no unit: say {number}GiB or {number}GB ({number}B for bytes)")
+        warnings.warn(f"{number} has no unit: read as {number} bytes; say {number}B for bytes, or {number}GiB or "
+                      f"{number}GB (a size without a unit is deprecated, and a later memdiff refuses it)",
+                      DeprecationWarning, stacklevel=2)
     return int(round(value))
 
 

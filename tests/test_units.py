@@ -23,13 +23,15 @@ def test_parse_size_rejects_what_is_not_a_size(text):
         parse_size(text)
 
 
-@pytest.mark.parametrize("text", ["80", "1e9", " 2.5 ", "1073741824"])
-def test_parse_size_refuses_a_number_without_its_unit(text):
-    # `--budget 80` meant 80 GiB; read as 80 bytes it fit nothing and forecast said "budget of 80 B".
+@pytest.mark.parametrize("text, n", [("80", 80), ("1e9", 10**9), (" 2.5 ", 2), ("1073741824", 2**30)])
+def test_a_number_without_its_unit_is_bytes_and_deprecated(text, n):
+    # `--budget 80` meant 80 GiB; read silently as 80 bytes it fit nothing and forecast said "budget of 80 B".
+    # A flag's value is a promise: bytes still, with a warning that names the unit to write.
     number = text.strip()
-    with pytest.raises(ValueError, match=rf"^{re.escape(number)} has no unit: say {re.escape(number)}GiB or "
-                                         rf"{re.escape(number)}GB \({re.escape(number)}B for bytes\)$"):
-        parse_size(text)
+    with pytest.warns(DeprecationWarning, match=rf"^{re.escape(number)} has no unit: read as {re.escape(number)} "
+                                                rf"bytes; say {re.escape(number)}B for bytes, or "
+                                                rf"{re.escape(number)}GiB or {re.escape(number)}GB"):
+        assert parse_size(text) == n
 
 
 @pytest.mark.parametrize("argv", [
@@ -39,15 +41,18 @@ def test_parse_size_refuses_a_number_without_its_unit(text):
     ["diff", "a.pickle", "b.pickle", "--min-delta", "80"],
     ["gate", "run.pickle", "--fail-over", "80"],
 ])
-def test_every_size_flag_refuses_a_bare_number_in_one_line(argv, capsys):
-    # Each command's flag parses before any file is read: exit 2 on the size alone.
+def test_every_size_flag_warns_of_a_bare_number_in_one_line(argv, capsys):
+    # Each command's flag parses before any file is read: one warning line for the size, then the command
+    # goes on (here to its missing file or baseline: exit 2, in one line of its own).
     from memdiff.cli import main
 
-    with pytest.raises(SystemExit) as exited:
-        main(argv)
+    try:
+        code = main(argv)
+    except SystemExit as exited:  # argparse's own refusal (gate without a baseline)
+        code = exited.code
     err = capsys.readouterr().err.strip().splitlines()
-    assert exited.value.code == 2
-    assert len(err) == 1 and f"argument {argv[-2]}: 80 has no unit: say 80GiB or 80GB (80B for bytes)" in err[0], err
+    assert code == 2 and len(err) == 2, err
+    assert err[0].startswith("memdiff: warning: 80 has no unit: read as 80 bytes; say 80B for bytes"), err
 
 
 @pytest.mark.parametrize("n, signed, text", [

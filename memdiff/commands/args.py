@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import warnings
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
 
 from memdiff.analyse.classify import Rule, check_categories, findings_chosen, load_rules, read_rule_files
@@ -22,11 +23,17 @@ if TYPE_CHECKING:
 
 
 def size_arg(text: str) -> int:
-    """argparse type for sizes such as 512MiB, 0.5GiB, 64MB, 1e9B (a number without a unit is refused)."""
+    """argparse type for sizes such as 512MiB, 0.5GiB, 64MB, 1e9B; a number without a unit is bytes and
+    deprecated, said in one warning line (a flag's value is a promise: refused only in a later release)."""
     try:
-        return parse_size(text)
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always", DeprecationWarning)
+            size = parse_size(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+    for w in said:
+        print(f"memdiff: warning: {w.message}", file=sys.stderr)
+    return size
 
 
 def pct_arg(text: str) -> float:
