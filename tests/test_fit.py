@@ -520,3 +520,37 @@ def test_the_markdown_says_each_gpus_answer_and_what_fits_as_the_text_does():
     within = "a value fits when its reserved peak is within 0.9 of the capacity"
     assert md.startswith("### memdiff fit\n\n**l4: largest 40, reserved peak") and within in md
     assert f"memdiff: {line}" in text and within in text
+
+
+def test_each_gpus_runs_are_the_results_sentences_in_text_markdown_and_page():
+    """Where the fitting and the failing value peak, why the failing one failed (over --max-memory's limit) and
+    each run were worded by the text renderer and shown only in the text; the result holds them for every format."""
+    from memdiff.predict.fit import FitResult, GpuFit
+    from memdiff.render.fit import render_markdown, render_text
+    from memdiff.render.fit_html import render_fit_html
+
+    capacity = 23_570_219_008 - 267_386_880  # an L4's memory less its CUDA context
+
+    def run(value: int, outcome: str, reserved: int, why: str) -> FitRun:
+        return FitRun(gpu="l4", value=value, outcome=outcome, snapshot=f"runs/l4-batch{value}.pickle",
+                      log=f"runs/l4-batch{value}.log", peak_bytes=reserved - 2**20, reserved_peak_bytes=reserved,
+                      phase="backward", step=1, site="AddmmBackward0 <- mm", oom_message=None, seconds=1.0,
+                      cpu_seconds=1.0, why=why)
+    fits, fails = run(40, FITS, int(0.85 * capacity), "halving"), run(41, OVER_LIMIT, int(0.95 * capacity), "neighbour")
+    g = GpuFit(gpu="l4", name="NVIDIA L4", capacity_bytes=capacity, limit_bytes=int(0.9 * capacity), value=40,
+               fits=fits, fails=fails, headroom_bytes=capacity - int(0.85 * capacity), runs=[fits, fails],
+               forecasts=[], line="l4: largest 40")
+    result = FitResult(command=["python", "train.py", "--batch-size", "{batch}"], knob="batch",
+                       grid=Grid("batch", 1, 64), max_memory=0.9, runs=2, seconds=2.0, output="runs/", gpus=[g])
+    # 0.95 and 0.9 of 21.70 GiB: 20.62 GiB over the limit 19.53 GiB
+    over = "reserved peak 20.62 GiB over the limit 19.53 GiB"
+    assert g.details == ["fits at 40: peak in backward, step 1 at AddmmBackward0 <- mm",
+                         "41 does not fit: peak in backward, step 1 at AddmmBackward0 <- mm", f"  {over}",
+                         "runs: 40 fits (halving), 41 over-limit (neighbour)"]
+    text, md, page = render_text(result), render_markdown(result), render_fit_html(result)
+    assert "  fits at 40: peak in backward, step 1 at AddmmBackward0 <- mm" in text.splitlines()
+    assert f"    {over}" in text.splitlines()
+    assert "  - fits at 40: peak in backward, step 1 at AddmmBackward0 <- mm" in md.splitlines()
+    assert f"    - {over}" in md.splitlines() and "  - runs: 40 fits (halving), 41 over-limit (neighbour)" in md
+    assert f'<li class="mono">{over}</li>' in page and "<li>runs: 40 fits (halving), 41 over-limit (neighbour)" in page
+    assert "0.9 of the capacity" in page  # the knob line, as the text's `knob` and the markdown's

@@ -38,7 +38,7 @@ from memdiff.errors import InputError, clip
 from memdiff.inert import text
 from memdiff.model import Finding
 from memdiff.numbers import whole_number
-from memdiff.predict.fit_notes import LONG_RUN_S, failed_above, long_run
+from memdiff.predict.fit_notes import LONG_RUN_S, failed_above, gpu_details, knob_line, long_run
 from memdiff.recording.emulate.gpus import Gpu
 from memdiff.recording.fitrun import FIRST_NODE, FITS, OOM, checked, child, finished, launched_child, stop
 from memdiff.units import format_bytes
@@ -141,6 +141,7 @@ class GpuFit:
     runs: List[FitRun]
     forecasts: List[str]  # each forecast made, in words
     line: str  # the answer in one line
+    details = property(gpu_details, doc="The GPU's runs in sentences, every format's (fit_notes.gpu_details).")
 
 
 @dataclass
@@ -162,6 +163,7 @@ class FitResult:
     # LARGEST (a batch: memory grows with it) or SMALLEST ({nproc}: a sharded job's ranks each hold less
     # as there are more of them, so the answer is the fewest processes on which every rank fits)
     direction: str = "largest"
+    knob_line = property(knob_line, doc="The values searched, and what fits under --max-memory (fit_notes.knob_line).")
 
     @property
     def verdict_line(self) -> Optional[str]:
@@ -440,8 +442,7 @@ class Search:
         return GpuFit(gpu=key, name=self.gpu.name, capacity_bytes=self.gpu.capacity, limit_bytes=self.limit,
                       value=None if fits is None else fits.value, fits=fits, fails=fails,
                       headroom_bytes=None if fits is None else self.gpu.capacity - (fits.reserved_peak_bytes or 0),
-                      runs=sorted(self.runs.values(), key=lambda r: r.value), forecasts=self.forecasts,
-                      line=text(line))
+                      runs=sorted(self.runs.values(), key=lambda r: r.value), forecasts=self.forecasts, line=text(line))
 
     def _why_not(self, run: FitRun) -> str:
         if run.outcome == OOM:
@@ -724,8 +725,7 @@ def stored_fit(path: str) -> Dict[str, Any]:
     --max-memory share and the largest value per GPU."""
     doc = read_fit(path)
     return {"knob": doc["knob"], "direction": doc.get("direction", LARGEST), "max_memory": doc["max_memory"],
-            "source": path,
-            "gpus": [{"gpu": g["gpu"], "value": g["value"]} for g in doc["gpus"]]}
+            "source": path, "gpus": [{"gpu": g["gpu"], "value": g["value"]} for g in doc["gpus"]]}
 
 
 def check_fit(stored: Dict[str, Any], baseline_path: str, run: str) -> Tuple[List[Finding], List[str]]:

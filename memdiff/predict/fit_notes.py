@@ -9,7 +9,12 @@ peak of a training step shows within its first steps.
 
 from __future__ import annotations
 
-from typing import Any, Dict, Sequence
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence
+
+from memdiff.units import format_bytes
+
+if TYPE_CHECKING:  # fit.py imports this module: its types are named for the checker only
+    from memdiff.predict.fit import FitResult, FitRun, GpuFit
 
 # A run longer than this is worth a word: the fit's own scenario and the public scripts the project ran
 # with few steps take 3.5 to 8 s a run on the shared 2-core machine (docs/fit.md, "On public scripts").
@@ -39,3 +44,37 @@ def failed_above(gpu: str, knob: str, value: int, fitting: Sequence[int]) -> str
         return ""
     return (f"{gpu} trained at {knob} {max(below):,}: to search below {value:,}, give "
             f"--range {knob}={max(below)}:{value - 1}; ")
+
+
+def where(run: Optional["FitRun"]) -> str:
+    """Where a run's peak fell, in words: `backward, step 1 at AddmmBackward0 <- mm`."""
+    if run is None:
+        return ""
+    parts = [p for p in (run.phase, None if run.step is None else f"step {run.step}") if p]
+    return ", ".join(parts) + (f" at {run.site}" if run.site else "")
+
+
+def gpu_details(g: "GpuFit") -> List[str]:
+    """A GPU's runs in sentences, every format's: where the fitting and the failing value peak, why the
+    failing one failed, each run and why it was tried, and each forecast made."""
+    out = []
+    if g.fits is not None:
+        out.append(f"fits at {g.fits.value:,}: peak in {where(g.fits)}")
+    if g.fails is not None:
+        f = g.fails
+        out.append(f"{f.value:,} does not fit: peak in {where(f)}")
+        if f.oom_message:
+            out.append(f"  {f.oom_message}")
+        elif f.outcome != "oom":
+            reserved = "" if f.reserved_peak_bytes is None else format_bytes(f.reserved_peak_bytes)
+            out.append(f"  reserved peak {reserved} over the limit {format_bytes(g.limit_bytes)}")
+    out.append("runs: " + ", ".join(f"{r.value:,} {r.outcome} ({r.why})" for r in g.runs))
+    out += [f"forecast {line}" for line in g.forecasts]
+    return out
+
+
+def knob_line(result: "FitResult") -> str:
+    """The values searched, and what fits when --max-memory leaves headroom."""
+    limit = "" if result.max_memory == 1 else (f"; a value fits when its reserved peak is within "
+                                               f"{result.max_memory:g} of the capacity")
+    return f"{result.grid.describe()}{limit}"

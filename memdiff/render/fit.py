@@ -8,20 +8,13 @@ from tabulate import tabulate
 
 from memdiff.compare.findings import shown
 from memdiff.inert import md_cell, md_code, md_text
-from memdiff.predict.fit import SMALLEST, FitGate, FitResult, FitRun, GpuFit
+from memdiff.predict.fit import SMALLEST, FitGate, FitResult
 from memdiff.render.json import dumps
 from memdiff.units import format_bytes
 
 
 def _bytes(n: Optional[int]) -> str:
     return "" if n is None else format_bytes(n)
-
-
-def _where(run: Optional[FitRun]) -> str:
-    if run is None:
-        return ""
-    parts = [p for p in (run.phase, None if run.step is None else f"step {run.step}") if p]
-    return ", ".join(parts) + (f" at {run.site}" if run.site else "")
 
 
 def _rows(result: FitResult) -> List[List[str]]:
@@ -47,42 +40,18 @@ def _headers(result: FitResult) -> List[str]:
 ALIGN = ("left", "right", "right", "right", "right", "right", "left", "right")
 
 
-def _details(g: GpuFit) -> List[str]:
-    out = []
-    if g.fits is not None:
-        out.append(f"  fits at {g.fits.value:,}: peak in {_where(g.fits)}")
-    if g.fails is not None:
-        f = g.fails
-        out.append(f"  {f.value:,} does not fit: peak in {_where(f)}")
-        if f.oom_message:
-            out.append(f"    {f.oom_message}")
-        elif f.outcome != "oom":
-            out.append(f"    reserved peak {_bytes(f.reserved_peak_bytes)} over the limit "
-                       f"{format_bytes(g.limit_bytes)}")
-    out.append("  runs: " + ", ".join(f"{r.value:,} {r.outcome} ({r.why})" for r in g.runs))
-    out += [f"  forecast {line}" for line in g.forecasts]
-    return out
-
-
-def _knob(result: FitResult) -> str:
-    """The values searched, and what fits when --max-memory leaves headroom."""
-    limit = "" if result.max_memory == 1 else f"; a value fits when its reserved peak is within " \
-                                                f"{result.max_memory:g} of the capacity"
-    return f"{result.grid.describe()}{limit}"
-
-
 def render_text(result: FitResult) -> str:
     """The fit for a terminal: one line per GPU, the table, each GPU's runs and failing request."""
     out = [f"memdiff: {g.line}" for g in result.gpus]
     out += [shown(f) for f in result.findings]
     if result.verdict_line is not None:
         out.append(result.verdict_line)
-    out += ["", f"knob   {_knob(result)}",
+    out += ["", f"knob   {result.knob_line}",
             f"runs   {result.runs} emulated runs in {result.seconds:.1f} s, snapshots in {result.output}", "",
             tabulate(_rows(result), headers=_headers(result), tablefmt="simple", colalign=ALIGN), ""]
     for g in result.gpus:
         out.append(f"{g.gpu} ({g.name})")
-        out += _details(g)
+        out += [f"  {line}" for line in g.details]
     return "\n".join(out) + "\n"
 
 
@@ -92,7 +61,7 @@ def render_markdown(result: FitResult) -> str:
     out = ["### memdiff fit", ""]
     for g in result.gpus:
         out += [f"**{md_text(g.line)}**", ""]
-    out += [f"knob: {md_text(_knob(result))}", ""]
+    out += [f"knob: {md_text(result.knob_line)}", ""]
     if result.verdict_line is not None:
         out.append(("✅ " if result.passed else "❌ ") + md_text(result.verdict_line))
     out += [("❌ " if f.severity == "error" else "") + md_text(shown(f)) for f in result.findings]
@@ -101,8 +70,8 @@ def render_markdown(result: FitResult) -> str:
     out += ["", f"{which} {md_code(result.knob)} that trains, per emulated GPU ({result.runs} runs):", "",
             tabulate(rows, headers=_headers(result), tablefmt="github", colalign=ALIGN), ""]
     for g in result.gpus:
-        if g.fails is not None and g.fails.oom_message:
-            out.append(f"- {md_text(g.gpu)} at {g.fails.value:,}: {md_text(g.fails.oom_message)}")
+        out.append(f"- {md_text(g.gpu)} ({md_text(g.name)})")
+        out += [f"  {'  ' if line.startswith('  ') else ''}- {md_text(line.strip())}" for line in g.details]
     return "\n".join(out) + "\n"
 
 

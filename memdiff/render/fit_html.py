@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import html
 from importlib import resources
-from typing import List, Optional, Tuple
+from typing import List, Tuple
 
 from tabulate import tabulate
 
@@ -100,11 +100,15 @@ def _tip(r: FitRun, series: str, b: int) -> str:
 
 
 def _gpu(g: GpuFit, knob: str) -> List[str]:
-    fails: Optional[FitRun] = g.fails
     out = [f"<h2>{html.escape(g.gpu)} <span class=\"muted\">{html.escape(g.name)}</span></h2>",
            f"<p>{html.escape(g.line)}</p>", _svg(g, knob)]
-    if fails is not None and fails.oom_message:
-        out.append(f'<p class="error mono">{html.escape(f"{fails.value:,}: {fails.oom_message}")}</p>')
+    items: List[str] = []
+    for line in g.details:  # a line led by two spaces is about the one above: a list inside that item
+        if line.startswith("  ") and items:
+            items[-1] += f'<ul><li class="mono">{html.escape(line.strip())}</li></ul>'
+        else:
+            items.append(html.escape(line))
+    out.append('<ul class="details">' + "".join(f"<li>{i}</li>" for i in items) + "</ul>")
     rows = [[f"{r.value:,}", r.outcome, format_bytes(r.peak_bytes) if r.peak_bytes is not None else "",
              format_bytes(r.reserved_peak_bytes) if r.reserved_peak_bytes is not None else "", r.why]
             for r in sorted(g.runs, key=lambda r: r.value)]
@@ -119,7 +123,7 @@ def render_fit_html(result: FitResult) -> str:
     which = "fewest" if result.direction == SMALLEST else "largest"
     body = [f"<h1>memdiff fit: {which} {html.escape(result.knob)} that trains</h1>",
             f"<p class=\"mono\">{html.escape(' '.join(result.command))}</p>",
-            f"<p>{html.escape(result.grid.describe())}; {result.runs} emulated runs in {result.seconds:.1f} s</p>",
+            f"<p>{html.escape(result.knob_line)}; {result.runs} emulated runs in {result.seconds:.1f} s</p>",
             '<p class="key muted"><span>— allocated peak</span><span>- - reserved peak</span>'
             f"<span>— capacity</span><span>┆ {which} that fits</span><span>✕ out of memory</span></p>"]
     for g in result.gpus:
