@@ -118,3 +118,20 @@ def test_the_demo_leaves_a_report_beside_its_snapshots(torch, tmp_path, capsys):
     runs = _data((tmp_path / "report.html").read_text())["devices"][0]["runs"]
     assert all(r["history"]["totals"] and max(r["history"]["totals"]) == r["peak_bytes"] for r in runs)
     assert runs[1]["peak_bytes"] < runs[0]["peak_bytes"]
+
+
+def test_the_peak_page_shows_the_devices_facts_as_the_text_does(write_snapshot, tmp_path, capsys):
+    # The page said the peak and reserved only; the text's static memory, what the dump held and the
+    # trace's length (DevicePeak.facts) were missing from it.
+    path = write_snapshot(training(steps=2))
+    report = tmp_path / "peak.html"
+    assert main(["peak", path, "--html", str(report)]) == 0
+    text = capsys.readouterr().out
+    page = report.read_text()
+    static = next(line for line in text.splitlines() if line.startswith("static "))
+    trace = next(line for line in text.splitlines() if line.startswith("trace "))
+    words = static.split(None, 3)[3]  # `static  1.00 KiB  live before the trace began, counted from its start`
+    assert f'<td class="l">static</td><td>{static.split()[1]} {static.split()[2]}</td><td class="l">{words}</td>' \
+        in page
+    assert f'<td class="l">trace</td><td>{trace.split()[1]}</td><td class="l">events</td>' in page
+    assert "at dump" in text and '<td class="l">at dump</td>' in page
