@@ -128,6 +128,10 @@ def test_two_runs_say_what_grew_faster_than_a_line_and_by_what_power(write_snaps
     assert main(["forecast", *runs, "--at", "256"]) == 0
     out = capsys.readouterr().out
     assert "64 to 128" in out and "4.00x (power 2.00)" in out and "2.00x (power 1.00)" in out
+    # the tables' cells are the forecast's: the JSON carries the words the text shows (it had only the numbers)
+    assert (sites["model.py:scores"]["runs_growth_text"], sites["model.py:project"]["runs_growth_text"]) == \
+        ("4.00x (power 2.00)", "2.00x (power 1.00)")
+    assert [(r["fitted_text"], r["error_text"]) for r in d["runs"]] == [("yes", ""), ("yes", "")]  # two: unchecked
 
 
 def test_two_real_runs_show_attention_growing_with_the_square_of_the_context(shared, capsys):

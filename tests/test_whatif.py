@@ -340,6 +340,13 @@ def test_a_run_out_of_memory_gives_lower_bounds_and_says_so(capsys):
     assert main(["whatif", run, "--change", "checkpoint", "--budget", "10GiB"]) == 0
     out = capsys.readouterr().out
     assert f"warning: W017 device 0: the run ran out of memory at event {oom}" in out and "not known (W017)" in out
+    # The table's cells are the what-if's, so the JSON carries the words the text shows (it had only the booleans).
+    changes = result.to_dict()["devices"][0]["changes"]
+    assert [c["fits_text"] for c in changes] == ["not known (W017)", "no"]
+    assert [c["delta_pct_text"] for c in changes] == [f"{c['delta_pct']:+.1f}%" for c in changes]
+    row = next(line for line in out.splitlines() if line.startswith("checkpoint "))
+    assert row.rstrip().endswith("not known (W017)")
+    assert checkpoint.delta_pct_text in row.split()
 
 
 def test_the_optimizer_phase_reads_as_the_optimizer_step_as_in_every_other_output():

@@ -44,9 +44,28 @@ class PeakRow:
     signature: str = ""  # the group's; empty for the folded rest and the total
 
     @property
+    def share_text(self) -> str:
+        """The row's share of the peak as every table's cell says it: `12.3%`."""
+        return f"{self.share_pct:.1f}%"
+
+    @property
     def title(self) -> str:
         """`adam.py:_multi_tensor_adam <- _foreach_sqrt (optimizer_temporary) 474.70 MiB`: the row named alone."""
         return f"{self.site} ({self.category}) {format_bytes(self.bytes)}"
+
+
+@dataclass
+class Share:
+    """One name's bytes at the peak (a category, a scope, a compile context, a label) and its share of the peak."""
+
+    name: str
+    bytes: int
+    pct: float
+
+    @property
+    def share_text(self) -> str:
+        """The share as every table's cell says it: `12.3%`."""
+        return f"{self.pct:.1f}%"
 
 
 @dataclass
@@ -68,10 +87,10 @@ class DevicePeak:
     reached_by: Optional[str]
     rows: List[PeakRow]
     total: PeakRow
-    categories: List[Tuple[str, int, float]]
-    scopes: List[Tuple[str, int, float]]
-    compile_contexts: List[Tuple[str, int, float]]
-    labels: List[Tuple[str, int, float]]  # the user's labels (user_metadata, annotations)
+    categories: List[Share]
+    scopes: List[Share]
+    compile_contexts: List[Share]
+    labels: List[Share]  # the user's labels (user_metadata, annotations)
     steps: List[StepRow]
     findings: List[Finding]  # the catalogue's, about this device (findings.py)
     reserved: Optional[str] = None  # the caching allocator's reserved peak and fragmentation, in words
@@ -86,8 +105,8 @@ def _share(part: int, whole: int) -> float:
     return 100.0 * part / whole if whole else 0.0
 
 
-def _shares(totals: Dict[str, int], whole: int) -> List[Tuple[str, int, float]]:
-    return [(name, n, _share(n, whole)) for name, n in totals.items()]
+def _shares(totals: Dict[str, int], whole: int) -> List[Share]:
+    return [Share(name, n, _share(n, whole)) for name, n in totals.items()]
 
 
 def device_peak(device: DeviceSummary, top: Optional[int], window: bool = False) -> DevicePeak:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import html
 import os
-from typing import List, Optional
+from typing import List
 
 from tabulate import tabulate
 
@@ -22,9 +22,8 @@ def _cells(rows: List[List[str]], fmt: str) -> List[List[str]]:
 
 def _runs_table(d: DeviceForecast, fmt: str) -> str:
     rows = [[os.path.basename(r.file), f"{r.value:,}", format_bytes(r.actual_peak_bytes), r.actual_phase or "",
-             "yes" if r.fitted else "no (check only)",
-             "" if r.predicted_peak_bytes is None else format_bytes(r.predicted_peak_bytes),
-             "" if r.error_pct is None else f"{r.error_pct:+.1f}%"] for r in d.runs]
+             r.fitted_text, "" if r.predicted_peak_bytes is None else format_bytes(r.predicted_peak_bytes),
+             r.error_text] for r in d.runs]
     headers = ["run", "value", "peak", "phase", "fitted", "predicted without it", "error"]
     return tabulate(_cells(rows, fmt), headers=headers,
                     tablefmt=fmt, colalign=("left", "right", "right", "left", "left", "right", "right"))
@@ -45,18 +44,13 @@ def _at_peak_tables(d: DeviceForecast, fmt: str) -> List[str]:
     cats = tabulate(_cells([[name, format_bytes(b), d.forms.get(name, "")] for name, b in p.categories.items()], fmt),
                     headers=["category", f"at {p.value:,}", "form"], tablefmt=fmt, colalign=("left", "right", "left"))
     low, high = d.growth_between
-    sites = tabulate(_cells([[s.site, s.category, s.form, _runs_growth(s.runs_ratio, s.runs_power),
+    sites = tabulate(_cells([[s.site, s.category, s.form, s.runs_growth_text,
                               format_bytes(s.largest_run_bytes), format_bytes(s.bytes),
                               format_bytes(s.growth_bytes, signed=True)] for s in p.sites], fmt),
                      headers=["growing site", "category", "form", f"{low:,} to {high:,}", "largest run",
                               f"at {p.value:,}", "growth"],
                      tablefmt=fmt, colalign=("left", "left", "left", "right", "right", "right", "right"))
     return [cats, sites]
-
-
-def _runs_growth(ratio: Optional[float], power: Optional[float]) -> str:
-    """A site's growth between the two runs as measured: `4.00x (power 2.00)`."""
-    return "" if ratio is None or power is None else f"{ratio:.2f}x (power {power:.2f})"
 
 
 def render_text(f: Forecast) -> str:

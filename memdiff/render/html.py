@@ -242,10 +242,10 @@ def render_diff(report: Report) -> str:
 def _peak_rows(device: int, p: DevicePeak) -> str:
     rows, attrs = [], []
     for k, r in enumerate(p.rows):
-        rows.append([r.label, f"{r.count:,}", format_bytes(r.bytes), f"{r.share_pct:.1f}%", r.category, r.site])
+        rows.append([r.label, f"{r.count:,}", format_bytes(r.bytes), r.share_text, r.category, r.site])
         attrs.append(f' class="row" tabindex="0" data-device="{device}" data-row="r{k}"' if r.signature else "")
     t = p.total
-    rows.append([t.label, f"{t.count:,}", format_bytes(t.bytes), f"{t.share_pct:.1f}%", "", t.site])
+    rows.append([t.label, f"{t.count:,}", format_bytes(t.bytes), t.share_text, "", t.site])
     attrs.append(' class="total"')
     return _table(["#", "count", "bytes", "share", "category", "site"], rows, left=(0, 4, 5), attrs=attrs)
 
@@ -274,7 +274,7 @@ def render_peak(summary: Summary, peaks: List[DevicePeak], run_findings: Sequenc
         body.append(_charts(d.device))
         body += ["<h3>Categories at the peak</h3>",
                  _table(["category", "bytes", "share"],
-                        [[c, format_bytes(b), f"{s:.1f}%"] for c, b, s in p.categories])]
+                        [[c.name, format_bytes(c.bytes), c.share_text] for c in p.categories])]
         body += ["<h3>Groups live at the peak</h3>", _peak_rows(d.device, p)]
         devices.append({"device": d.device, "runs": [run_data("run", name, d)],
                         "rows": {f"r{k}": _peak_row_data(r) for k, r in enumerate(p.rows) if r.signature}})

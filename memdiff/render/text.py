@@ -32,13 +32,13 @@ def _device_block(p: DevicePeak) -> List[str]:
                           ("label (user_metadata, annotations)", p.labels)):
         if shares:
             out.append("")
-            out.append(tabulate([[name, format_bytes(n), f"{pct:.1f}%"] for name, n, pct in shares],
+            out.append(tabulate([[sh.name, format_bytes(sh.bytes), sh.share_text] for sh in shares],
                                 headers=[title, "bytes at peak", "share"], tablefmt="simple",
                                 colalign=("left", "right", "right")))
     if p.steps:
         out.append("")
         out.append(step_table(p.steps, "simple"))
-    rows = [[r.label, f"{r.count:,}", format_bytes(r.bytes), f"{r.share_pct:.1f}%", r.category, _site_cell(r)]
+    rows = [[r.label, f"{r.count:,}", format_bytes(r.bytes), r.share_text, r.category, _site_cell(r)]
             for r in p.rows + [p.total]]
     out.append("")
     out.append(tabulate(rows, headers=["#", "count", "bytes", "share", "category", "site and stack (innermost first)"],

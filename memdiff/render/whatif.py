@@ -24,10 +24,10 @@ def _table(d: DeviceWhatIf, fmt: str, budget: bool, rerun: bool) -> str:
         row = [c.change, format_bytes(c.predicted_peak_bytes or 0)]
         row += [format_bytes(c.reserved_peak_bytes or 0)] if rerun else []
         row += [c.predicted_peak_phase or "before the trace", format_bytes(c.delta_bytes or 0, signed=True),
-                f"{c.delta_pct or 0:+.1f}%"]
+                c.delta_pct_text]
         row += [format_bytes(c.guessed_bytes) if c.guessed_bytes else ""] if guessed else []
         if budget:
-            row.append("not known (W017)" if c.fits_budget is None else "yes" if c.fits_budget else "no")
+            row.append(c.fits_text)
         rows.append(row)
     headers = ((["change", "re-run peak", "reserved", "phase", "delta", "%"] if rerun
                 else ["change", "predicted peak", "phase", "delta", "%"])

@@ -91,6 +91,12 @@ class SitePrediction:
     # ratio (4.0x for 2x the knob: 2.0). None where the run before has none of them.
     runs_ratio: Optional[float] = None
     runs_power: Optional[float] = None
+    # the two as every table's cell says them, `4.00x (power 2.00)`; empty where either is None
+    runs_growth_text: str = field(init=False, default="")
+
+    def __post_init__(self) -> None:
+        if self.runs_ratio is not None and self.runs_power is not None:
+            self.runs_growth_text = f"{self.runs_ratio:.2f}x (power {self.runs_power:.2f})"
 
 
 @dataclass
@@ -125,6 +131,13 @@ class RunCheck:
     predicted_peak_bytes: Optional[int]  # None: not checked (two runs fitted, each needed for the line)
     error_pct: Optional[float]
     fitted: bool  # the run is one the sizes are fitted from (else it only checks the fit)
+    # the cells every table shows: `yes` or `no (check only)`, and the error as `+1.2%` (empty: not checked)
+    fitted_text: str = field(init=False, default="")
+    error_text: str = field(init=False, default="")
+
+    def __post_init__(self) -> None:
+        self.fitted_text = "yes" if self.fitted else "no (check only)"
+        self.error_text = "" if self.error_pct is None else f"{self.error_pct:+.1f}%"
 
 
 @dataclass

@@ -89,6 +89,13 @@ class ChangePrediction:
     guessed_bytes: int = 0
     guessed_categories: List[str] = field(default_factory=list)
     guessed_by: List[GuessedPart] = field(default_factory=list)
+    # The cells every table shows: whether it fits --budget (`yes`, `no`, `not known (W017)`; empty without a
+    # budget, fits_words) and the delta's percent (`-12.3%`; empty when the change does not apply).
+    fits_text: str = ""
+    delta_pct_text: str = field(init=False, default="")
+
+    def __post_init__(self) -> None:
+        self.delta_pct_text = "" if self.delta_pct is None else f"{self.delta_pct:+.1f}%"
 
 
 @dataclass
@@ -175,6 +182,13 @@ def parse_change(text: str) -> Change:
     return Change(text, tuple(parts))
 
 
+def fits_words(budget: Optional[int], fits: Optional[bool]) -> str:
+    """Whether a change's peak fits --budget as its table cell says it; empty without a budget."""
+    if budget is None:
+        return ""
+    return "not known (W017)" if fits is None else "yes" if fits else "no"
+
+
 def predict(run: Run, change: Change, budget: Optional[int], overhead: float = 1.0,
             stopped: bool = False) -> ChangePrediction:
     """The run replayed with `change`: its peak and where, or why the change cannot apply; it fits `budget`
@@ -222,7 +236,8 @@ def predict(run: Run, change: Change, budget: Optional[int], overhead: float = 1
                             predicted_peak_phase=r.phase, predicted_peak_step=r.step, delta_bytes=delta,
                             delta_pct=pct, fits_budget=fits, phase_peaks=r.phase_peaks, categories=r.categories,
                             assumptions=edit.assumptions, line=line, guessed_bytes=guessed,
-                            guessed_categories=sorted({p.category for p in parts}), guessed_by=parts)
+                            guessed_categories=sorted({p.category for p in parts}), guessed_by=parts,
+                            fits_text=fits_words(budget, fits))
 
 
 def _held_at_once(c: DeviceCourse, members: np.ndarray) -> int:

@@ -29,6 +29,7 @@ from memdiff.predict.whatif.engine import (
     DeviceWhatIf,
     WhatIf,
     every_change,
+    fits_words,
     headline,
     parse_change,
 )
@@ -144,7 +145,8 @@ def _row(change: Change, sent: Dict[str, Any], base: Dict[str, Any], budget: Opt
                             predicted_peak_phase=phase, predicted_peak_step=sent["step"], delta_bytes=delta,
                             delta_pct=pct, fits_budget=fits, phase_peaks=dict(sent.get("phase_peaks") or {}),
                             categories=dict(sent.get("categories") or {}), assumptions=notes,
-                            line=line, reserved_peak_bytes=sent["reserved_peak_bytes"], snapshot=snapshot)
+                            line=line, reserved_peak_bytes=sent["reserved_peak_bytes"], snapshot=snapshot,
+                            fits_text=fits_words(budget, fits))
 
 
 def rerun(command: Sequence[str], gpu: str, output: str, changes: Sequence[str], rules: Sequence[Rule],
