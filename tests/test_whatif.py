@@ -368,7 +368,10 @@ def test_every_format_says_the_run_and_the_budget_alike(run, capsys, tmp_path):
     assert "<h1>memdiff whatif loop.pickle</h1>" in page.read_text()
     assert f"<p>{html.escape(budget)}</p>" in page.read_text()
     assert main(["whatif", run, "--budget", "10000B", "--format", "markdown"]) == 0
-    assert f"\n{budget}\n" in capsys.readouterr().out
+    md = capsys.readouterr().out
+    assert f"\n{budget}\n" in md
+    # the markdown wrote `run: ` and the file in its own markup; it heads with the what-if's heading, as the others
+    assert md.startswith(f"### {heading}\n\n{budget}\n")
 
 
 def test_a_change_that_cannot_apply_is_one_line_not_a_guess(write_snapshot, capsys):

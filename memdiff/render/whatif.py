@@ -59,7 +59,7 @@ def render_text(w: WhatIf) -> str:
 
 def render_markdown(w: WhatIf) -> str:
     """The what-if for a pull-request comment or a job summary."""
-    out = ["### memdiff whatif", "", f"run: {md_code(w.run_name)}" + (f" {md_text(w.how)}" if w.how else "")]
+    out = [f"### {md_text(w.heading)}"]
     if w.budget_line is not None:
         out += ["", md_text(w.budget_line)]
     out += ["", *(f"> `{n.code}` {md_text(n.text)}" for n in w.notes)] if w.notes else []
