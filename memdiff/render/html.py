@@ -269,7 +269,7 @@ def render_peak(summary: Summary, peaks: List[DevicePeak], run_findings: Sequenc
         d = p.device
         body.append(f"<h2>{html.escape(p.heading)}</h2>")
         # the text's facts (static, at dump, reserved, the trace's length), each (what, figure, words)
-        body.append(_table(["", "figure", ""], p.facts, left=(0, 2)))
+        body.append(_table(["fact", "size", "detail"], p.facts, left=(0, 2)))
         body += [_finding(f) for f in p.findings]
         body.append(_charts(d.device))
         body += ["<h3>Categories at the peak</h3>",
