@@ -3,22 +3,28 @@
 are dropped but its output (the next block's input); before the block's backward they come back
 (the recomputation), the block's forward run again: at its height, its forward peak. The block's
 input is kept for that recomputation until the block's backward is done, whether or not the run
-kept it (a layer that reads its input through a copy does not).
+kept it (a layer that reads its input through a copy does not). The recomputation runs on autograd's
+backward thread, whose cuBLAS handle makes its own workspaces: a cuBLASLt workspace (1 MiB) at the
+first recomputed product with a bias, where the backward itself only ran products without one.
 """
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Tuple
+import re
+from typing import Dict, List, Optional, Set, Tuple
 
 import numpy as np
 
 from memdiff.analyse.lifetimes import BACKWARD, FORWARD
+from memdiff.analyse.normalize.workspaces import LT_NATIVE, WORKSPACE_NATIVE
 from memdiff.errors import InputError
 from memdiff.numbers import decimal
 from memdiff.predict.whatif.blocks import GENERIC, blocks_listed
 from memdiff.predict.whatif.edit import CannotApply, ChangeRule, Edit
 from memdiff.predict.whatif.run import Run, peak_of_set, step_index
 from memdiff.recording.emulate.changes.checkpoint import spread
+from memdiff.recording.emulate.gpus import kernels
+from memdiff.units import format_bytes
 
 
 def apply_checkpoint(run: Run, edit: Edit, value: Optional[str]) -> None:
@@ -38,6 +44,8 @@ def apply_checkpoint(run: Run, edit: Edit, value: Optional[str]) -> None:
     saved = fwd & outlives
     step_of = step_index(run, c.start)
     dropped = 0
+    first_again: Optional[int] = None
+    recomputed_ops: Set[str] = set()
     picked = np.zeros(len(blocks) + 1, dtype=bool)
     picked[chosen] = True
     in_chosen = picked[block]  # block -1 reads the last entry, False
@@ -76,6 +84,8 @@ def apply_checkpoint(run: Run, edit: Edit, value: Optional[str]) -> None:
                 edit.size[k] = 0
         if again is not None:
             edit.add(again, again + 1, max(0, height - remade), "autograd")
+            first_again = again if first_again is None else min(first_again, again)
+            recomputed_ops.update(_ops_called(run, np.concatenate([members, temps])))
     named = blocks_listed([blocks[k] for k in chosen])
     edit.assumptions.append(
         f"checkpointing {len(chosen)} of the {len(blocks)} repeated blocks ({named}): "
@@ -85,6 +95,61 @@ def apply_checkpoint(run: Run, edit: Edit, value: Optional[str]) -> None:
            if blocks[0].rpartition("_")[0] in GENERIC else ""))
     if not dropped:
         edit.assumptions.append("the chosen blocks save nothing for the backward in this run")
+    if first_again is not None:
+        made = _backward_workspaces(run, edit, first_again, recomputed_ops)
+        if made:
+            edit.assumptions.append(
+                f"the recomputation runs on autograd's backward thread, whose cuBLAS handle makes {made} "
+                "at the first recomputed product, kept to the end as the GPU keeps it")
+
+
+ATEN_CALL = re.compile(r"^at::_ops::(\w+?)::call\b")
+
+
+def _ops_called(run: Run, members: np.ndarray) -> Set[str]:
+    """Every ATen op on the C++ stacks of `members` (`linear` and the `addmm` it runs)."""
+    c = run.course
+    if not c.origins or not len(c.origin):
+        return set()
+    out: Set[str] = set()
+    for o in np.unique(c.origin[members]).tolist():
+        for f in c.origins[o]:
+            m = ATEN_CALL.match(str(getattr(f, "name", "")))
+            if m:
+                out.add(m.group(1))
+    return out
+
+
+def _backward_workspaces(run: Run, edit: Edit, at: int, ops: Set[str]) -> str:
+    """The workspaces the recomputation makes on autograd's backward thread (its own cuBLAS handle),
+    made at event `at` and never freed; what is said of them, "" for none. A workspace the
+    backward's own products made before `at` is reused; one they made after is made at `at` instead.
+    Only stacks with C++ frames show a workspace being made, and the op of each allocation."""
+    c = run.course
+    if not c.origins or not len(c.origin):
+        return ""
+    blas = kernels()["blas"]
+    said = []
+    for kind, native, uses in (("cuBLAS workspace", WORKSPACE_NATIVE, set(blas["ops"])),
+                               ("cuBLASLt workspace", LT_NATIVE, set(blas["lt"]))):
+        if not ops & uses:
+            continue
+        natives = np.array([bool(frames) and bool(native.match(str(getattr(frames[0], "name", ""))))
+                            for frames in c.origins], dtype=bool)
+        made = np.flatnonzero(natives[c.origin] & (run.category == "workspace"))
+        if not len(made):
+            continue
+        in_backward = made[run.phase[made] == BACKWARD]
+        if len(in_backward) and int(c.start[in_backward].min()) <= at:
+            continue  # the backward thread's handle has one already
+        if len(in_backward):
+            k = int(in_backward[np.argmin(c.start[in_backward])])
+            edit.start[k] = at
+        else:
+            # The script's thread's own (the forward's): the backward thread's is the same size.
+            edit.add(at, c.events, int(c.size[made[np.argmin(c.start[made])]]), "workspace")
+        said.append(f"a {kind} ({format_bytes(int(c.size[made[0]]))})")
+    return " and ".join(said)
 
 
 def _handed_over(run: Run, block: np.ndarray, in_chosen: np.ndarray,
