@@ -102,8 +102,9 @@ def to_bytes(value: Size, what: str) -> Optional[int]:
                              else f"an integer of {value.bit_length():,} bits is not a size: {why}")
         return value
     try:
-        # A Python number is bytes (it has no unit to forget); text must say its unit.
-        return parse_size(value if isinstance(value, str) else f"{value!r}B")
+        # A Python number is bytes (it has no unit to forget), said back as given (`'nan' is not a size`);
+        # text must say its unit.
+        return parse_size(value) if isinstance(value, str) else parse_size(repr(value), bare_is_bytes=True)
     except ValueError as exc:
         raise InputError(what, clip(str(exc), 300)) from None
 
