@@ -49,6 +49,11 @@ class PeakRow:
         return f"{self.share_pct:.1f}%"
 
     @property
+    def cells(self) -> List[str]:
+        """The row's cells before its site, as every table shows them: `#`, count, bytes, share, category."""
+        return [self.label, f"{self.count:,}", format_bytes(self.bytes), self.share_text, self.category]
+
+    @property
     def title(self) -> str:
         """`adam.py:_multi_tensor_adam <- _foreach_sqrt (optimizer_temporary) 474.70 MiB`: the row named alone."""
         return f"{self.site} ({self.category}) {format_bytes(self.bytes)}"
@@ -67,6 +72,11 @@ class Share:
         """The share as every table's cell says it: `12.3%`."""
         return f"{self.pct:.1f}%"
 
+    @property
+    def cells(self) -> List[str]:
+        """The name, its bytes and its share, as every table shows them."""
+        return [self.name, format_bytes(self.bytes), self.share_text]
+
 
 @dataclass
 class StepRow:
@@ -77,6 +87,19 @@ class StepRow:
     peaks: Dict[str, Optional[int]]
     runs: Dict[str, int]
     holds_peak: bool = False
+
+    @property
+    def step_text(self) -> str:
+        """`12 *`: the step, marked when it holds the device's peak; `…` for the steps left out."""
+        return "…" if self.step is None else f"{self.step}{' *' if self.holds_peak else ''}"
+
+    def phase_text(self, phase: str) -> str:
+        """`1.25 GiB (3 runs)`: the phase's highest memory in the step, its runs when more than one; "" without it."""
+        peak = self.peaks.get(phase)
+        if peak is None or self.step is None:
+            return ""
+        runs = self.runs.get(phase, 0)
+        return format_bytes(peak) + (f" ({runs} runs)" if runs > 1 else "")
 
 
 @dataclass

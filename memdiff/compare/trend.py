@@ -125,6 +125,17 @@ class Trend:
     text: str  # the trend in words
     rows: List[List[str]] = field(default_factory=list)  # TREND_HEADERS, newest first, this run on top
 
+    @property
+    def point_titles(self) -> List[str]:
+        """`cccccccccccc 2026-01-03: 18.02 GiB`: each main-branch point named alone, oldest first (as `points`)."""
+        return [f"{row[0]} {row[1]}: {row[2]}" for row in reversed(self.rows[1:])]
+
+    @property
+    def head_title(self) -> str:
+        """`this run: 22.23 GiB, +4.21 GiB (+23.4%)`: this run's point named alone, against the latest."""
+        head = self.rows[0]
+        return f"{head[0]}: {head[2]}, {head[3]}"
+
 
 def sparkline(values: Sequence[int]) -> str:
     """One of eight block heights per value, the lowest value at the bottom, the highest at the top

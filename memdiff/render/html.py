@@ -27,7 +27,6 @@ from memdiff.render.table import row_table
 from memdiff.report.build import Report
 from memdiff.report.chart import run_data
 from memdiff.report.types import DeviceReport, ShownRow, Table, stack_lines
-from memdiff.units import format_bytes
 
 
 def _asset(name: str) -> str:
@@ -170,21 +169,18 @@ def _trend_svg(t: Trend) -> str:
             return TREND_HEIGHT / 2
         return TREND_HEIGHT - TREND_PAD - (v - lo) / (hi - lo) * (TREND_HEIGHT - 2 * TREND_PAD)
     xy = [(TREND_PAD + k * step, y(v)) for k, v in enumerate(values)]
-    rows = list(reversed(t.rows[1:]))  # oldest first, as the points
     line = " ".join(f"{x:.1f},{yy:.1f}" for x, yy in xy[:-1])
     out = [f'<svg class="trend" role="img" viewBox="0 0 {TREND_WIDTH} {TREND_HEIGHT}" width="{TREND_WIDTH}" '
            f'height="{TREND_HEIGHT}" data-device="{t.device}" aria-label="{html.escape(t.text)}">',
            f'<polyline class="trend-main" fill="none" points="{line}"></polyline>',
            f'<line class="trend-step" x1="{xy[-2][0]:.1f}" y1="{xy[-2][1]:.1f}" x2="{xy[-1][0]:.1f}" '
            f'y2="{xy[-1][1]:.1f}"></line>']
-    for (x, yy), p, row in zip(xy, t.points, rows):
+    for (x, yy), p, title in zip(xy, t.points, t.point_titles):
         out.append(f'<circle class="trend-point" cx="{x:.1f}" cy="{yy:.1f}" r="3.5" '
                    f'data-commit="{html.escape(p.commit)}" data-bytes="{p.peak_bytes}">'
-                   f"<title>{html.escape(f'{row[0]} {row[1]}: {row[2]}')}</title></circle>")
-    head = t.rows[0]
+                   f"<title>{html.escape(title)}</title></circle>")
     out.append(f'<circle class="trend-head" cx="{xy[-1][0]:.1f}" cy="{xy[-1][1]:.1f}" r="6" '
-               f'data-bytes="{t.head_bytes}"><title>{html.escape(f"{head[0]}: {head[2]}, {head[3]}")}</title>'
-               "</circle>")
+               f'data-bytes="{t.head_bytes}"><title>{html.escape(t.head_title)}</title></circle>')
     return "".join(out) + "</svg>"
 
 
@@ -242,10 +238,10 @@ def render_diff(report: Report) -> str:
 def _peak_rows(device: int, p: DevicePeak) -> str:
     rows, attrs = [], []
     for k, r in enumerate(p.rows):
-        rows.append([r.label, f"{r.count:,}", format_bytes(r.bytes), r.share_text, r.category, r.site])
+        rows.append([*r.cells, r.site])
         attrs.append(f' class="row" tabindex="0" data-device="{device}" data-row="r{k}"' if r.signature else "")
     t = p.total
-    rows.append([t.label, f"{t.count:,}", format_bytes(t.bytes), t.share_text, "", t.site])
+    rows.append([*t.cells, t.site])
     attrs.append(' class="total"')
     return _table(["#", "count", "bytes", "share", "category", "site"], rows, left=(0, 4, 5), attrs=attrs)
 
@@ -274,7 +270,7 @@ def render_peak(summary: Summary, peaks: List[DevicePeak], run_findings: Sequenc
         body.append(_charts(d.device))
         body += ["<h3>Categories at the peak</h3>",
                  _table(["category", "bytes", "share"],
-                        [[c.name, format_bytes(c.bytes), c.share_text] for c in p.categories])]
+                        [c.cells for c in p.categories])]
         body += ["<h3>Groups live at the peak</h3>", _peak_rows(d.device, p)]
         devices.append({"device": d.device, "runs": [run_data("run", name, d)],
                         "rows": {f"r{k}": _peak_row_data(r) for k, r in enumerate(p.rows) if r.signature}})

@@ -12,7 +12,6 @@ from memdiff.inert import md_cell, md_code, md_fence, md_text
 from memdiff.render.table import layout, row_table
 from memdiff.report.build import Report
 from memdiff.report.types import DeviceReport, Input, Stack, Table
-from memdiff.units import count_of, format_bytes
 
 MARKERS = {NEW: "🆕 NEW", GREW: "🔺 GREW", SHRANK: "🔻 SHRANK", GONE: "✖️ GONE"}
 
@@ -43,15 +42,14 @@ def _stacks(d: DeviceReport) -> List[str]:
     for r in d.rows:
         if not any(st.lines for st in r.stacks):
             continue
-        lines.append(f"**{r.row.status}** {md_code(r.row.label or r.row.site)} "
-                     f"{format_bytes(r.row.delta_bytes, signed=True)}")
+        lines.append(f"**{r.row.status}** {md_code(r.row.label or r.row.site)} {r.delta_text}")
         if len(r.stacks) == 1:
             lines += _frame_lines(r.stacks[0])
             continue
         # A row that aligns several groups shows each one's stack: where the memory moved.
         lines.append("")
         for st in r.stacks:
-            lines.append(f"- {st.side}: {count_of(st.count, 'allocation')}, {format_bytes(st.bytes)}")
+            lines.append(f"- {st.facts}")
             lines += ["", *_frame_lines(st)]
     return lines + ["</details>"]
 

@@ -13,7 +13,6 @@ from memdiff.model import Finding, Summary
 from memdiff.render.table import layout, row_table
 from memdiff.report.build import Report
 from memdiff.report.types import DeviceReport, stack_lines
-from memdiff.units import count_of, format_bytes
 
 STACK_LINES = 6
 
@@ -32,33 +31,23 @@ def _device_block(p: DevicePeak) -> List[str]:
                           ("label (user_metadata, annotations)", p.labels)):
         if shares:
             out.append("")
-            out.append(tabulate([[sh.name, format_bytes(sh.bytes), sh.share_text] for sh in shares],
+            out.append(tabulate([sh.cells for sh in shares],
                                 headers=[title, "bytes at peak", "share"], tablefmt="simple",
                                 colalign=("left", "right", "right")))
     if p.steps:
         out.append("")
         out.append(step_table(p.steps, "simple"))
-    rows = [[r.label, f"{r.count:,}", format_bytes(r.bytes), r.share_text, r.category, _site_cell(r)]
-            for r in p.rows + [p.total]]
+    rows = [[*r.cells, _site_cell(r)] for r in p.rows + [p.total]]
     out.append("")
     out.append(tabulate(rows, headers=["#", "count", "bytes", "share", "category", "site and stack (innermost first)"],
                         tablefmt="simple", colalign=("right", "right", "right", "right", "left", "left")))
     return out
 
 
-def _phase_cell(row: StepRow, phase: str) -> str:
-    peak = row.peaks.get(phase)
-    if peak is None:
-        return ""
-    runs = row.runs.get(phase, 0)
-    return format_bytes(peak) + (f" ({runs} runs)" if runs > 1 else "")
-
-
 def step_table(rows: List[StepRow], tablefmt: str) -> str:
     """Per step, the highest memory of each phase; `*` marks the step holding the peak."""
     columns = [c for c in PHASE_COLUMNS if any(r.peaks.get(c) is not None for r in rows)]
-    cells = [["…", *[""] * len(columns)] if r.step is None else
-             [f"{r.step}{' *' if r.holds_peak else ''}", *[_phase_cell(r, c) for c in columns]] for r in rows]
+    cells = [[r.step_text, *[r.phase_text(c) for c in columns]] for r in rows]
     return tabulate(cells, headers=["step", *[f"{c} peak" for c in columns]], tablefmt=tablefmt,
                     colalign=("right", *["right"] * len(columns)))
 
@@ -83,8 +72,7 @@ def render_stacks(report: Report) -> str:
     for d in report.devices:
         for r in d.rows:
             for st in r.stacks:
-                lines.append(f"device {d.device} {r.title} ({st.side}: {count_of(st.count, 'allocation')}, "
-                             f"{format_bytes(st.bytes)})")
+                lines.append(f"device {d.device} {r.title} ({st.facts})")
                 lines += ["  " + line for line in st.shown]
     return "\n".join(lines) + "\n"
 

@@ -114,6 +114,11 @@ class Stack:
         """The stack's lines as every output shows them: the frames, then `… 3 more frames` when cut."""
         return self.lines + ([more_frames(self.more_frames)] if self.more_frames else [])
 
+    @property
+    def facts(self) -> str:
+        """`base: 65 allocations, 1.28 GiB`: whose group it is and what it holds, in every output."""
+        return f"{self.side}: {count_of(self.count, 'allocation')}, {format_bytes(self.bytes)}"
+
 
 @dataclass
 class ShownRow:
@@ -123,6 +128,11 @@ class ShownRow:
     cells: List[str]  # in ROW_HEADERS order
     title: str  # `GREW linear <- addmm +4.00 MiB`
     stacks: List[Stack]
+
+    @property
+    def delta_text(self) -> str:
+        """`+4.00 MiB`: the row's signed change, its delta cell."""
+        return self.cells[ROW_HEADERS.index("delta")]
 
 
 @dataclass
