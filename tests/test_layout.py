@@ -175,3 +175,21 @@ def test_no_module_is_over_800_lines():
     long = {str(p.relative_to(ROOT)): n for p in PACKAGE.rglob("*.py")
             if (n := len(p.read_text(encoding="utf-8").splitlines())) > MAX_LINES}
     assert long == {}
+
+
+# The renderers of the diff, the gate, the trend and the peak lay the report out: a size or a
+# count in words (memdiff.units) is the report stage's, so every output says it alike.
+WORDLESS_RENDERERS = ("memdiff.render.text", "memdiff.render.markdown", "memdiff.render.html",
+                      "memdiff.render.table")
+
+
+def _wording_imports(name: str) -> List[str]:
+    modules = _modules()
+    return [m for m in _imports(ast.parse(modules[name].read_text(encoding="utf-8")), modules)
+            if m == "memdiff.units"]
+
+
+def test_the_diff_and_peak_renderers_word_no_size_or_count():
+    assert {name: _wording_imports(name) for name in WORDLESS_RENDERERS} == {name: [] for name in WORDLESS_RENDERERS}
+    # control: the forecast's renderer still words its sizes, and the check sees it
+    assert _wording_imports("memdiff.render.forecast") == ["memdiff.units"]
