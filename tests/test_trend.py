@@ -104,9 +104,14 @@ def test_the_gate_shows_the_trend_in_the_comment_text_and_json(main_branch, tmp_
     code, out, _ = run(capsys, "gate", head, "--baseline", baseline, "--history", main_branch)
     assert "trend on main: " + spark + " -> " + head_block in out
     code, out, _ = run(capsys, "gate", head, "--baseline", baseline, "--history", main_branch, "--format", "json",
-                       "--history-points", "4")
+                       "--history-points", "8")
     [doc] = json.loads(out)
-    assert [p["peak_bytes"] for p in doc["trends"][0]["points"]] == [(100 + a) * MiB for a in MAIN[-4:]]
+    assert [p["peak_bytes"] for p in doc["trends"][0]["points"]] == [(100 + a) * MiB for a in MAIN[-8:]]
+    # the table's words, each point against the one before it (148, 148, 144, 144, 144, 145, 146, 147 MiB;
+    # the oldest shown has none), and this run's 150 MiB against the latest
+    assert [p["change_text"] for p in doc["trends"][0]["points"]] == [
+        "", "unchanged", "-4.00 MiB (-2.7%)", "unchanged", "unchanged", *["+1.00 MiB (+0.7%)"] * 3]
+    assert doc["trends"][0]["head_change_text"] == "+3.00 MiB (+2.0%)"
 
 
 def test_a_history_without_the_workload_says_so(main_branch, tmp_path, capsys):

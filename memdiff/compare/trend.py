@@ -12,9 +12,9 @@ order of the pushes; dates are shown, never sorted on (clocks of CI machines dis
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
-from typing import List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 from memdiff import __version__
 from memdiff.atomic import check_output, make_folder, write_output
@@ -109,6 +109,7 @@ class TrendPoint:
     commit: str
     date: str
     peak_bytes: int
+    change_text: str = ""  # against the point before it (`+4.21 GiB (+23.4%)`, `unchanged`); "" for the oldest
 
 
 @dataclass
@@ -123,7 +124,13 @@ class Trend:
     sparkline: str  # one block per main-branch point
     head_block: str  # this run's block, on the same scale
     text: str  # the trend in words
+    head_change_text: str = ""  # this run against the latest point: `+4.21 GiB (+23.4%)`, `unchanged`
     rows: List[List[str]] = field(default_factory=list)  # TREND_HEADERS, newest first, this run on top
+
+    def to_dict(self) -> Dict[str, Any]:
+        """The trend in the JSON document (diff.schema.json's `trends`): its figures and the table's words."""
+        return {"workload": self.workload, "device": self.device, "head_bytes": self.head_bytes, "text": self.text,
+                "head_change_text": self.head_change_text, "points": [asdict(p) for p in self.points]}
 
     @property
     def point_titles(self) -> List[str]:
@@ -161,6 +168,8 @@ def trend_of(entries: Sequence[TrendEntry], workload: str, device: int, head_byt
              for d in e.devices if d.device == device][-points:]
     if not found:
         return None
+    for before, p in zip(found, found[1:]):
+        p.change_text = _change(before.peak_bytes, p.peak_bytes)
     blocks = sparkline([p.peak_bytes for p in found] + [head_bytes])
     latest = found[-1]
     lo, hi = min(p.peak_bytes for p in found), max(p.peak_bytes for p in found)
@@ -182,12 +191,9 @@ def trend_of(entries: Sequence[TrendEntry], workload: str, device: int, head_byt
                 + (f"were all {format_bytes(lo)}" if lo == hi else f"ran from {format_bytes(lo)} to {format_bytes(hi)}")
                 + f" (it moved at {moves} of {len(found) - 1} commits); latest {format_bytes(latest.peak_bytes)} at "
                   f"{latest.commit[:12]}; {label} {format_bytes(head_bytes)}, {change} against the latest, {standing}")
-    rows = [[label, "", format_bytes(head_bytes), _change(latest.peak_bytes, head_bytes)]]
-    for k in range(len(found) - 1, -1, -1):
-        p = found[k]
-        rows.append([p.commit[:12], p.date, format_bytes(p.peak_bytes),
-                     _change(found[k - 1].peak_bytes, p.peak_bytes) if k else ""])
-    return Trend(workload, device, found, head_bytes, label, blocks[:-1], blocks[-1], text, rows)
+    rows = [[label, "", format_bytes(head_bytes), change]]
+    rows += [[p.commit[:12], p.date, format_bytes(p.peak_bytes), p.change_text] for p in reversed(found)]
+    return Trend(workload, device, found, head_bytes, label, blocks[:-1], blocks[-1], text, change, rows)
 
 
 def workloads(entries: Sequence[TrendEntry]) -> List[str]:

@@ -220,8 +220,7 @@ class Report:
         head: Dict[str, Any] = {**named, "schema_version": DIFF_SCHEMA_VERSION, "tool": f"memdiff {__version__}",
                                 **judged, "headline": self.headline}
         if self.trends is not None:
-            head["trends"] = [{"workload": t.workload, "device": t.device, "head_bytes": t.head_bytes,
-                               "text": t.text, "points": [asdict(p) for p in t.points]} for t in self.trends]
+            head["trends"] = [t.to_dict() for t in self.trends]
         if self.buy_back is not None:
             head["buy_back"] = [asdict(b) for b in self.buy_back.items]
             head["buy_back_notes"] = [n.text for n in self.buy_back.notes]
