@@ -367,6 +367,25 @@ def test_whatif_checkpoint_of_gpt2_is_the_run_checkpointed_on_the_h100_to_the_by
     assert predicted.predicted_peak_bytes == measured_peak("gpt2-checkpoint")
 
 
+def _cache_updates(name: str) -> List[int]:
+    """Sizes of the allocations made under Hugging Face's key/value cache (`cache_utils.py`'s `update`)."""
+    raw = pickle.loads(gzip.decompress((DATA / f"{name}.pickle.gz").read_bytes()))
+    return [e["size"] for e in raw["device_traces"][0] if e["action"] == "alloc"
+            and any(f["filename"].endswith("transformers/cache_utils.py") for f in e["frames"])]
+
+
+def test_whatif_checkpoint_half_of_gpt2_reads_over_the_h100_run_by_the_cache_of_the_blocks_left_alone():
+    """HF GPT-2's model passes no key/value cache to any layer once gradient_checkpointing_enable() is on
+    (GPT2Model: `past_key_values if not (self.gradient_checkpointing and self.training) else None`), the
+    layers switched back included; the replay keeps the 6 blocks not chosen as gpt2-base ran them, each
+    with its cache's key and value (torch.cat: batch 4 x 12 heads x 512 x 64 in fp32). Nothing else differs."""
+    kv = 4 * 12 * 512 * 64 * 4
+    assert _cache_updates("gpt2-base") == [kv] * (3 * 12 * 2)  # 3 steps, 12 layers, key and value
+    assert _cache_updates("gpt2-checkpoint-half") == []
+    predicted = api.whatif(DATA / "gpt2-base.pickle.gz", "checkpoint=0.5").devices[0].changes[0]
+    assert predicted.predicted_peak_bytes - measured_peak("gpt2-checkpoint-half") == 6 * 2 * kv
+
+
 def _optimizer_peak(phase_peaks) -> int:
     return max(p.peak_bytes for p in phase_peaks if p.phase == "optimizer")
 
