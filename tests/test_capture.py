@@ -177,12 +177,16 @@ def test_record_on_a_torch_without_the_private_api_names_the_version(torch, monk
 
 def test_memdiff_record_runs_a_script_with_its_arguments(torch, tmp_path):
     script = tmp_path / "tiny.py"
-    script.write_text("import sys, torch\nkeep = torch.zeros(int(sys.argv[1]))\nprint('ran', sys.argv[1:])\n")
+    script.write_text("import sys, torch\nkeep = torch.zeros(int(sys.argv[1]))\nprint('ran', sys.argv[1:])\n"
+                      "print('the script speaks', file=sys.stderr)\n")
     done = subprocess.run([sys.executable, "-m", "memdiff", "record", "-o", str(tmp_path / "t.pickle"), "--",
                            "python", str(script), "4096"], capture_output=True, text=True, cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     assert "ran ['4096']" in done.stdout
-    assert f"wrote {tmp_path / 't.pickle'}" in done.stderr
+    # stderr holds the script's line and memdiff's, not the profiler's own (`USDT:... profiler_start`)
+    lines = done.stderr.splitlines()
+    assert lines[0] == "the script speaks" and len(lines) == 2, done.stderr
+    assert f"wrote {tmp_path / 't.pickle'}" in lines[1]
     d = read_summary(str(tmp_path / "t.pickle"), load_rules()).devices[0]
     assert d.peak_bytes >= 4096 * 4
 

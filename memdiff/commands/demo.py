@@ -47,7 +47,7 @@ def run(args: argparse.Namespace) -> int:
     paths = []
     for name, ckpt in RUNS:
         path = os.path.join(folder, f"gpt-{name}.pickle")
-        # Whole lines: torch's profiler prints lines of its own (USDT ...) while it records.
+        # Whole lines: flushed at once, so the progress shows in a CI log as it happens.
         print(f"memdiff demo: recording the example GPT ({name}) ...", file=sys.stderr, flush=True)
         start = time.perf_counter()
         with record(path):

@@ -192,10 +192,12 @@ def start_cpu(torch: Any) -> Callable[[], Any]:
     profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True,
                                       record_shapes=True, with_stack=True)
     _keep_code_run(True)
-    profiler.__enter__()
+    with _without_kineto_lines():
+        profiler.__enter__()
 
     def finish() -> Any:
-        profiler.__exit__(None, None, None)
+        with _without_kineto_lines():
+            profiler.__exit__(None, None, None)
         try:
             snapshot = _snapshot(torch, profiler, to_snapshot)
         finally:
@@ -203,6 +205,37 @@ def start_cpu(torch: Any) -> Callable[[], Any]:
         snapshot[CPU_HOST] = cpu_host(torch)
         return snapshot
     return finish
+
+
+# A line Kineto's logger writes to stderr as the profiler starts and stops (`USDT:2026-12-01 09:00:01
+# 13573:13573 SyncActivityProfilerHandler.cpp:52] profiler_start`, `STAGE:... Completed Stage: ...`).
+_KINETO_LINE = re.compile(rb"^[A-Z]+:\d{4}-\d\d-\d\d \d\d:\d\d:\d\d \d+:\d+ \w+\.cpp:\d+\] ")
+
+
+@contextlib.contextmanager
+def _without_kineto_lines() -> Iterator[None]:
+    """Keep Kineto's own log lines off stderr while the profiler starts or stops, and pass on every
+    other line written meanwhile.
+
+    Kineto prints `profiler_start` / `profiler_stop` at every KINETO_LOG_LEVEL and torch offers no
+    switch, so the lines are taken from the file descriptor itself (they are written by C++, not
+    through sys.stderr) for the two calls that make them, never while the user's code runs."""
+    import tempfile
+
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as held:
+        os.dup2(held.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            held.seek(0)
+            kept = b"".join(line for line in held if not _KINETO_LINE.match(line))
+            if kept:
+                os.write(2, kept)
 
 
 # The snapshot key under which a CPU capture says how this host runs half-precision convolutions
