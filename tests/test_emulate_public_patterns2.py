@@ -298,13 +298,59 @@ def test_an_fsdp2_models_checkpoint_is_said_with_its_shards_bytes(tmp_path):
     script.write_text(FSDP2_SAVE)
     done = _one_rank(tmp_path, script)
     assert done.returncode == 0, done.stderr[-3000:]
-    # torch.distributed.checkpoint cannot write emulated tensors: nothing; torch.save writes its stand-in
-    assert done.stdout.splitlines() == ["saved False True"]
+    # torch.distributed.checkpoint cannot write emulated tensors: nothing but its folder (every rank's
+    # writer makes it first); torch.save writes its stand-in
+    assert done.stdout.splitlines() == ["saved True True"]
     weights = 4 * (256 * 512 + 512 + 512 * 128 + 128)  # one rank holds every shard
     said = done.stderr.split("torch.distributed.checkpoint.save to dcp not written")[1].splitlines()[0]
     assert f"{weights:,} bytes of tensor data" in said
     assert f"created sd.pt ({weights / 1024:.2f} KiB, {weights:,} bytes of tensor data" in done.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run.pickle", "save.py"]
+
+
+# Fabric's and torchtitan's save of an FSDP2 job: the state dicts copied to the host
+# (`cpu_offload=True`), then saved by torch.distributed.checkpoint, whose coordinator (rank 0) checks
+# that the ranks' plans together cover every tensor.
+FSDP2_OFFLOADED_SAVE = """
+import os, torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+from torch.distributed.fsdp import fully_shard
+
+dist.init_process_group("nccl")
+torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+model = torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.Linear(1024, 1024)).cuda()
+for layer in model:
+    fully_shard(layer)
+fully_shard(model)
+opt = torch.optim.AdamW(model.parameters())
+model(torch.randn(8, 1024, device="cuda")).sum().backward()
+opt.step()
+model_state, opt_state = get_state_dict(model, opt, options=StateDictOptions(cpu_offload=True))
+dcp.save({"model": model_state, "optim": opt_state}, checkpoint_id="ckpt")
+print("saved", sorted(os.listdir("ckpt")))
+"""
+
+
+@pytest.mark.slow
+def test_a_rank_alone_saves_its_own_shards_with_torch_distributed_checkpoint(tmp_path):
+    # rank 0 of 2, its peer not run: the coordinator got rank 0's plan in every slot, so dedup handed
+    # half of rank 0's shards to the copy and the check that the shards cover each tensor failed the
+    # save ("Failed to validate global plan: ... invalid fill", exit 1), where a GPU's rank 0 writes them
+    (tmp_path / "save.py").write_text(FSDP2_OFFLOADED_SAVE)
+    done = subprocess.run([sys.executable, "-m", "memdiff", "record", "--emulate", "h100", "-o", "runs/",
+                           "--ranks", "0", "--keep-writes", "kept", "--", "torchrun", "--nproc-per-node", "2",
+                           "save.py"], capture_output=True, text=True, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "saved ['.metadata', '__0_0.distcp']" in done.stdout
+    assert "1 of the job's 2 ranks not run" in done.stderr
+    # rank 0's shards: half the rows of each weight and bias, and of AdamW's two states of each
+    shards = 3 * 4 * (1024 * 1024 + 1024) * 2 // 2
+    kept = tmp_path / "kept" / "upper" / str(tmp_path.resolve()).lstrip("/")  # --keep-writes: the overlay's tree
+    written = (kept / "ckpt" / "__0_0.distcp").stat().st_size
+    assert shards <= written < shards + 64 * 1024, (written, shards)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["kept", "runs", "save.py"]
 
 
 # torchtitan's `--compile.enable`: each block compiled by `Module.compile`, then sharded by FSDP2,

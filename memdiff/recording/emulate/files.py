@@ -35,7 +35,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Set, Tuple
 
 import torch
 
-from memdiff.recording.emulate import overlay_calls
+from memdiff.recording.emulate import exchange, overlay_calls
 from memdiff.recording.emulate.devices import names_cuda
 from memdiff.recording.emulate.overlay import SKELETON, Overlay, missing
 from memdiff.recording.emulate.runtime import Emulator, python_frames
@@ -69,6 +69,7 @@ class Files:
         # sha256 of each stand-in this process wrote: one read back from an in-memory buffer is
         # unpickled only if it is the run's own (a buffer's bytes may come from anywhere)
         self.stand_ins: Set[bytes] = set()
+        self.coverage_said = False  # DCP's coverage check left out for ranks not run: said once
 
     # -- what a save would write ----------------------------------------------------------------
 
@@ -409,6 +410,100 @@ def _done_future() -> Any:
     return future
 
 
+def _dcp_save(call: str, returns: Callable[[], Any] = lambda: None) -> Callable[..., Callable[..., Any]]:
+    """torch.distributed.checkpoint's save or async_save: not written when it holds emulated tensors
+    (_saver), yet its folder is made, as every rank's writer makes it before writing
+    (`FileSystemWriter.prepare_local_plan`), so a script that looks into it finds it."""
+    not_written = _saver(call, _arg(0, "state_dict"), _dcp_target, returns=lambda: _SKIPPED)
+
+    def wrap(real: Callable[..., Any]) -> Callable[..., Any]:
+        save = not_written(real)
+
+        def dcp_save(*args: Any, **kwargs: Any) -> Any:
+            done = save(*args, **kwargs)
+            if done is not _SKIPPED:
+                return done
+            where = kwargs.get("checkpoint_id")
+            if where is None:
+                where = getattr(kwargs.get("storage_writer"), "path", None)
+            if isinstance(where, (str, os.PathLike)):
+                os.makedirs(where, exist_ok=True)  # into the overlay, as every write of the run
+            return returns()
+        return dcp_save
+    return wrap
+
+
+_SKIPPED = object()  # what _saver's save returns, inside _dcp_save, for a save it did not write
+
+
+def _peers_plans(real: Callable[..., Any]) -> Callable[..., Any]:
+    """DCP's dedup of the ranks' save plans, on the coordinator, where ranks of the job are not run
+    here: their plans reach it as copies of this rank's own (an object collective gives every slot
+    this rank's: distributed.py). A copy is what a peer sends for a tensor every rank holds whole (a
+    replicated weight, DDP's), and dedup shares those out as in a real job; but a peer's shard of a
+    sharded tensor (FSDP's, TP's) is another part of it, never this rank's part: those items are
+    dropped from the copies, so this rank writes all of its own shards, as on the GPU (dedup had
+    handed half of them to the copies, and rank 0 of 2 wrote 6.03 MiB of its 12.01 MiB)."""
+    def dedup(all_plans: Any, *args: Any, **kwargs: Any) -> Any:
+        import dataclasses
+
+        import torch.distributed as dist
+
+        absent = _ranks_not_run()
+        if absent and isinstance(all_plans, list) and len(all_plans) == dist.get_world_size():
+            all_plans = [dataclasses.replace(plan, items=[i for i in plan.items if _whole(i)]) if r in absent
+                         else plan for r, plan in enumerate(all_plans)]
+        return real(all_plans, *args, **kwargs)
+    return dedup
+
+
+def _whole(item: Any) -> bool:
+    """Whether a DCP write item is a whole tensor or an object (what every rank holds alike), not a
+    shard of a larger tensor."""
+    data = getattr(item, "tensor_data", None)
+    if data is None:
+        return True
+    return list(data.chunk.sizes) == list(data.size) and not any(data.chunk.offsets)
+
+
+def _plans_of_ranks_run(real: Callable[..., Any]) -> Callable[..., Any]:
+    """DCP's check, on a save's coordinator, that the ranks' plans together cover every tensor: where
+    ranks of the job are not run here (`--ranks`, a rank alone), no plan holds their shards
+    (_peers_plans), so each sharded tensor is covered only by the shards of the ranks that ran, and
+    the check failed the save ("invalid fill
+    tensor-volume: 16777216 chunks-volume: 4194304") where a real job's passes. Its other checks
+    (chunks out of bounds or overlapping) still stand. torch 2.13 returns the errors, older ones a bool."""
+    def validate(global_plan: Any, metadata: Any) -> Any:
+        result = real(global_plan, metadata)
+        valid = result if isinstance(result, bool) else not result
+        absent = _ranks_not_run()
+        if valid or not absent:
+            return result
+        left = True if isinstance(result, bool) else [e for e in result if "invalid fill" not in str(e)]
+        if _active is not None and left in (True, []) and not _active.coverage_said:
+            _active.coverage_said = True
+            import torch.distributed as dist
+
+            world = dist.get_world_size()
+            _active.emulator.note(f"torch.distributed.checkpoint: the save's plan holds only the shards of the ranks "
+                                  f"run here ({len(absent):,} of the job's {world:,} ranks not run), so its check "
+                                  f"that the ranks' shards cover every tensor was not made, and the checkpoint "
+                                  f"written holds those ranks' shards alone; a real job's coordinator has every "
+                                  f"rank's plan")
+        return left
+    return validate
+
+
+def _ranks_not_run() -> List[int]:
+    """The ranks of the default group this process hears nothing from (not run here)."""
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized():
+        return []
+    me = dist.get_rank()
+    return [r for r in range(dist.get_world_size()) if r != me and not exchange.hears_from(r)]
+
+
 def _dcp_target(*args: Any, **kwargs: Any) -> Tuple[str, Optional[bool]]:
     where = kwargs.get("checkpoint_id")
     if where is None:
@@ -430,10 +525,11 @@ WRAPPERS: Dict[str, List[Tuple[str, Callable[..., Any]]]] = {
                         returns=lambda: b"")),
     ],
     "torch.distributed.checkpoint.state_dict_saver": [
-        ("save", _saver("torch.distributed.checkpoint.save", _arg(0, "state_dict"), _dcp_target)),
-        ("async_save", _saver("torch.distributed.checkpoint.async_save", _arg(0, "state_dict"), _dcp_target,
-                              returns=_done_future)),
+        ("save", _dcp_save("torch.distributed.checkpoint.save")),
+        ("async_save", _dcp_save("torch.distributed.checkpoint.async_save", returns=_done_future)),
     ],
+    "torch.distributed.checkpoint.default_planner": [("_validate_global_plan", _plans_of_ranks_run),
+                                                     ("dedup_save_plans", _peers_plans)],
 }
 
 
