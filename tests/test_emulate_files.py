@@ -21,6 +21,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from memdiff.units import format_bytes
+
 
 def _emulate(tmp_path: Path, source: str) -> subprocess.CompletedProcess:
     script = tmp_path / "train.py"
@@ -441,3 +443,32 @@ def test_every_process_of_a_job_writes_into_the_overlay_and_a_writer_outside_pyt
     assert "the run's writes went to its overlay, but a writer outside it changed the user's files" in done.stderr
     assert f"{tmp_path / 'by_sh.txt'} was changed by a writer outside Python's file calls" in done.stderr
     assert "the user's files are unchanged" not in done.stderr
+
+
+def test_every_dcp_save_not_written_is_said_after_the_librarys_own_line(tmp_path, capfd):
+    # a script that saves every few steps: each save the library reports is followed by memdiff's
+    # word on it; the run's notes (which every report shows) name the first six and count the rest
+    import torch.distributed.checkpoint as dcp
+
+    from memdiff.recording.emulate.gpus import gpu
+    from memdiff.recording.emulate.runtime import Emulator
+    from memdiff.recording.emulate.session import emulating
+
+    emulator = Emulator(gpu("h100"))
+    with emulating(emulator):
+        model = torch.nn.Linear(64, 32).cuda()
+        for step in range(9):
+            dcp.save({"model": model.state_dict()}, checkpoint_id=str(tmp_path / f"step{step}"), no_dist=True)
+            print(f"saved step{step}", file=sys.stderr, flush=True)
+        made = sorted(p.name for p in tmp_path.iterdir())  # its folders, in the overlay, as a writer makes them
+        notes = emulator.snapshot()["emulated"]["notes"]
+    lines = capfd.readouterr().err.splitlines()
+    weights = (64 * 32 + 32) * 4
+    for step in range(9):
+        said = lines[lines.index(f"saved step{step}") - 1]
+        assert f"torch.distributed.checkpoint.save to {tmp_path / f'step{step}'} not written" in said, said
+        assert format_bytes(weights) in said
+    assert made == [f"step{step}" for step in range(9)]
+    assert list(tmp_path.iterdir()) == []  # the user's tree: nothing
+    assert sum("not written:" in n for n in notes) == 6
+    assert "and 3 more files of emulated tensors not written, named on stderr as each was saved" in notes

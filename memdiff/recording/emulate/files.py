@@ -43,8 +43,9 @@ from memdiff.recording.emulate.tensorfiles import OnDevice, write_shapes
 from memdiff.units import format_bytes
 
 _active: Optional["Files"] = None  # the running emulator's, while one runs
-# Files named one by one in the notes of saves not written (torch.distributed.checkpoint's); a
-# script that saves every few steps would name hundreds.
+# Saves not written (torch.distributed.checkpoint's) named in full in the run's notes, which every
+# report shows; a script that saves every few steps would name hundreds there. Each later file still
+# gets its line on stderr as it is saved, after whatever the library prints, and a count in the notes.
 SAID = 6
 
 
@@ -150,6 +151,14 @@ class Files:
             payload._seen.add(id(untyped))
             payload.nbytes += untyped.nbytes()
 
+    def unsaid(self) -> Optional[str]:
+        """The run's note of the saves not written past the first SAID, which the notes do not name."""
+        more = len(self.targets) - SAID
+        if more <= 0:
+            return None
+        return (f"and {more:,} more file{'s' if more > 1 else ''} of emulated tensors not written, named on stderr "
+                f"as each was saved")
+
     def skipped(self, call: str, where: Tuple[str, Optional[bool]], payload: _Payload) -> None:
         """Say once per file that a save was not written, and what the real run writes there. `where`:
         the target as a note names it, and whether that file existed (None: not a path)."""
@@ -158,9 +167,8 @@ class Files:
             return
         self.targets.add(target)
         if len(self.targets) > SAID:
-            if len(self.targets) == SAID + 1:
-                self.emulator.note(f"{call} to {target} and every later save of emulated data not written either; "
-                                   f"memdiff names only the first {SAID} files")
+            print(f"memdiff: emulation: {call} to {target} not written either (a real run writes "
+                  f"{format_bytes(payload.nbytes)} of tensor data)", file=sys.stderr)
             return
         state = "nothing was written into it" if existed is None else \
             f"{target} is unchanged" if existed else "no file was made"
@@ -638,7 +646,7 @@ def guarded(emulator: Emulator) -> Iterator[Files]:
         sys.meta_path.insert(0, finder)
         rng = _cuda_random_names()
         previous, _active = _active, files
-        emulator.reports.append(lambda: overlay_calls.note(overlay.changes()))
+        emulator.reports += [files.unsaid, lambda: overlay_calls.note(overlay.changes())]
         try:
             yield files
         finally:
