@@ -24,6 +24,7 @@ from memdiff.errors import brief, clip, number
 from memdiff.inert import text
 from memdiff.model import Frame
 from memdiff.read.accel import TRACES, identities, is_columns
+from memdiff.read.installed import InstalledLibraries
 
 # Python's recursion limit is 1,000 frames and C++ adds a few dozen per Python call; a stack far
 # deeper than this is pickle memo references repeating one frame.
@@ -419,6 +420,8 @@ class StackNormalizer:
         # (file, function) of TOLD_BY_LINE -> the lines it allocates at in the snapshot, ascending
         self._lines: Dict[Tuple[str, str], List[int]] = {}
         self._lines_source: Optional[Callable[[], Iterable[Any]]] = None
+        # user-looking files that are a library installed outside site-packages (installed.py)
+        self._installed = InstalledLibraries()
 
     def learn_generated_from(self, source: Callable[[], Iterable[Any]]) -> None:
         """learn_generated(source()), once, when the first generated frame is met: a snapshot
@@ -590,10 +593,23 @@ class StackNormalizer:
         if hit is not _UNSEEN:
             return hit
         kept = _keep(raw)
+        if kept is not None and kept.kind in ("py", "generated"):
+            kept = self._as_installed(kept)
         if kept is not None and _is_plumbing(kept):
             kept = None
         self._frames[key] = kept
         return kept
+
+    def _as_installed(self, k: _Kept) -> _Kept:
+        """A Python frame of a library installed outside site-packages (`pip install --target`, a
+        PYTHONPATH folder) by its package path, as a site-packages frame is; as it was otherwise."""
+        if k.kind == "generated":
+            original = tuple(self._as_installed(o) for o in k.original)
+            return k if original == k.original else replace(k, original=original)
+        if not k.file.startswith("/"):
+            return k
+        package = self._installed.package_path(k.file)
+        return k if package is None else replace(k, file=package, key=_path_key(package))
 
 
 def _generated_at(frames: Any) -> Optional[Tuple[int, str]]:
