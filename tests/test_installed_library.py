@@ -101,6 +101,13 @@ def test_pips_marks_and_what_is_not_one(tmp_path):
         (site / mark).mkdir()
         if top_level:
             (site / mark / "top_level.txt").write_text(top_level)
+    (site / "google" / "protobuf").mkdir(parents=True)  # protobuf 6's wheel: no top_level.txt, its RECORD
+    (site / "google" / "protobuf" / "message.py").write_text("")
+    (site / "protobuf-6.33.6.dist-info").mkdir()
+    (site / "protobuf-6.33.6.dist-info" / "RECORD").write_text(
+        "google/protobuf/__init__.py,sha256=mlMxrBwdiqMpuO1ZwsBLtXJAjVpO7dXMN8bIWbMbBcA,346\n"
+        "google/protobuf/message.py,sha256=uJ5gbmT2Qk1wbMa0OETq4T3aRQA4AUQbhkPQhG4kxlM,15029\n"
+        "protobuf-6.33.6.dist-info/RECORD,,\n")
     (site / "six.py").write_text("")  # a one-module distribution
     (site / "six-1.16.0.dist-info").mkdir()
     project = tmp_path / "proj"  # `pip install -e .` leaves `proj.egg-info`, no version: the user's own code
@@ -112,6 +119,7 @@ def test_pips_marks_and_what_is_not_one(tmp_path):
     libraries = InstalledLibraries()
     assert libraries.package_path(str(site / "sklearn" / "base.py")) == "sklearn/base.py"  # by top_level.txt
     assert libraries.package_path(str(site / "jinja2" / "base.py")) == "jinja2/base.py"  # Jinja2, by its name
+    assert libraries.package_path(str(site / "google" / "protobuf" / "message.py")) == "google/protobuf/message.py"
     assert libraries.package_path(str(site / "old" / "base.py")) == "old/base.py"
     assert libraries.package_path(str(site / "six.py")) == "six.py"
     assert libraries.package_path(str(project / "proj" / "train.py")) is None

@@ -17,8 +17,9 @@ was: nothing here guesses from a path's shape.
 
 The snapshot names the paths, so it may name any number of them: each file and each folder is looked
 at once per snapshot read (cached), and within budgets: MAX_FILES files, MAX_FOLDERS folders listed,
-MAX_ENTRIES names of one folder and MAX_ENTRIES_IN_ALL of all, MAX_TOP_LEVEL_FILES small
-`top_level.txt` files (nothing else is opened). Past them a frame reads as it did before.
+MAX_ENTRIES names of one folder and MAX_ENTRIES_IN_ALL of all, MAX_METADATA_FILES metadata files
+(`top_level.txt`, `RECORD`; nothing else is opened), each read in part, MAX_METADATA_BYTES_IN_ALL
+in all. Past them a frame reads as it did before.
 """
 
 from __future__ import annotations
@@ -35,11 +36,15 @@ MAX_FOLDERS = 4_096
 # all of them together (some 1 s of listing on a slow disk)
 MAX_ENTRIES = 65_536
 MAX_ENTRIES_IN_ALL = 1 << 20
-# top_level.txt files read in all (each at most MAX_TOP_LEVEL_BYTES)
-MAX_TOP_LEVEL_FILES = 4_096
+# metadata files (top_level.txt, RECORD) read in all
+MAX_METADATA_FILES = 4_096
 # Folders above a file looked at: deeper than any install's package.
 MAX_DEPTH = 32
 MAX_TOP_LEVEL_BYTES = 64 << 10
+# A RECORD's first bytes (a wheel's own files come first; torch 2.13's whole RECORD is 1.40 MiB), and all
+# metadata read together
+MAX_RECORD_BYTES = 1 << 20
+MAX_METADATA_BYTES_IN_ALL = 64 << 20
 
 # `diffusers-0.36.0.dist-info`; `torch-2.1.0-py3.11.egg-info` (an install's; a source tree's has no version)
 _DIST_INFO = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._]*)-[^-/]+\.dist-info$")
@@ -52,7 +57,8 @@ def canonical(name: str) -> str:
 
 
 class _Folder:
-    """What one folder's distribution marks provide: their names, and their top_level.txt read on demand."""
+    """What the distributions installed in one folder provide: their names, and the top-level names
+    their metadata lists, read on demand."""
 
     def __init__(self, path: str, marks: List[str], owner: "InstalledLibraries") -> None:
         self.path = path
@@ -62,28 +68,32 @@ class _Folder:
         self._top_level: Optional[FrozenSet[str]] = None
 
     def provides(self, package: str) -> bool:
-        """Whether a distribution installed here provides the top-level `package` (by its name, else
-        by its top_level.txt: `scikit_learn` provides `sklearn`, `protobuf` provides `google`)."""
+        """Whether a distribution installed here provides the top-level `package`: by its name, else
+        by the top-level names its metadata lists (`scikit_learn` provides `sklearn`, `protobuf`
+        `google`, `absl_py` `absl`), read once per folder and only when a name does not match."""
         name = canonical(package)
         if name in self.names:
             return True
         if self._top_level is None:
-            self._top_level = frozenset(self._read_top_level())
+            self._top_level = frozenset(n for mark in self.marks for n in self._top_level_of(mark))
         return name in self._top_level
 
-    def _read_top_level(self) -> Set[str]:
-        names: Set[str] = set()
-        for mark in self.marks:
-            if self._owner.top_level_left <= 0:
-                break
-            self._owner.top_level_left -= 1
-            try:
-                with open(os.path.join(self.path, mark, "top_level.txt"), "rb") as f:
-                    text = f.read(MAX_TOP_LEVEL_BYTES).decode("utf-8", "replace")
-            except OSError:
+    def _top_level_of(self, mark: str) -> Set[str]:
+        """The top-level names one distribution installs: its top_level.txt (setuptools writes one),
+        else the first part of each path its RECORD lists (every wheel pip installs has one)."""
+        for file, limit in (("top_level.txt", MAX_TOP_LEVEL_BYTES), ("RECORD", MAX_RECORD_BYTES)):
+            text = self._owner.read_metadata(os.path.join(self.path, mark, file), limit)
+            if text is None:
                 continue
-            names.update(canonical(line.strip().split("/")[0]) for line in text.splitlines() if line.strip())
-        return names
+            names = set()
+            for line in text.splitlines():
+                top = line.split(",", 1)[0].strip().split("/", 1)[0]
+                if top.endswith(".py"):
+                    top = top[:-3]  # a one-module distribution (six.py)
+                if top.isidentifier():  # never `..` (bin/), `__pycache__` is one but harmless
+                    names.add(canonical(top))
+            return names
+        return set()
 
 
 def _name_of(mark: str) -> str:
@@ -99,7 +109,8 @@ class InstalledLibraries:
         self._files: Dict[str, Optional[str]] = {}
         self._folders: Dict[str, _Folder] = {}
         self._entries_left = MAX_ENTRIES_IN_ALL
-        self.top_level_left = MAX_TOP_LEVEL_FILES
+        self._metadata_files_left = MAX_METADATA_FILES
+        self._metadata_bytes_left = MAX_METADATA_BYTES_IN_ALL
 
     def package_path(self, path: str) -> Optional[str]:
         """The package path (`diffusers/training_utils.py`) of an absolute `/`-separated `path` whose file
@@ -129,6 +140,22 @@ class InstalledLibraries:
             if folder is not None and folder.marks and folder.provides(package):
                 return "/".join(parts[i:])
         return None
+
+    def read_metadata(self, path: str, limit: int) -> Optional[str]:
+        """The text of a distribution's metadata file, its first `limit` bytes; None where it is not a
+        regular file (never a FIFO a read would wait on) or past the budgets."""
+        if self._metadata_files_left <= 0 or self._metadata_bytes_left <= 0:
+            return None
+        try:
+            if not os.path.isfile(path):
+                return None
+            self._metadata_files_left -= 1
+            with open(path, "rb") as f:
+                data = f.read(min(limit, self._metadata_bytes_left))
+        except OSError:
+            return None
+        self._metadata_bytes_left -= len(data)
+        return data.decode("utf-8", "replace")
 
     def _folder(self, path: str) -> Optional[_Folder]:
         """What `path` holds, listed once; None past the budgets (MAX_FOLDERS, MAX_ENTRIES_IN_ALL)."""
