@@ -91,6 +91,19 @@ def test_a_file_not_on_this_machine_reads_as_it_always_did(tmp_path, write_snaps
     assert "other" not in device.categories
 
 
+def test_an_ema_class_of_such_a_library_is_read_from_its_file(tmp_path, write_snapshot, monkeypatch):
+    # no rule names this library's file: the EMA is known by its class, read from the file, which is
+    # neither in the current folder nor under sys.path (the folder was on the recorded run's PYTHONPATH)
+    (tmp_path / "pylib" / "averaging").mkdir(parents=True)
+    (tmp_path / "pylib" / "averaging-1.2.0.dist-info").mkdir()
+    lib = tmp_path / "pylib" / "averaging" / "core.py"
+    lib.write_text(TRAINING_UTILS.replace("EMAModel", "ExponentialMovingAverage"))
+    monkeypatch.chdir(tmp_path)
+    device, copies = _ema_to_snapshot(write_snapshot, str(lib))
+    assert device.categories == {"other": copies}
+    assert device.groups[0].frames[1].file == "averaging/core.py"
+
+
 def test_pips_marks_and_what_is_not_one(tmp_path):
     site = tmp_path / "deps"
     for package, mark, top_level in (("sklearn", "scikit_learn-1.5.0.dist-info", "sklearn\n"),

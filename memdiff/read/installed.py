@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import os
 import re
-from typing import Dict, FrozenSet, List, Optional, Set
+from typing import Dict, FrozenSet, List, Optional, Set, Tuple
 
 # At most this many distinct files are asked about and folders listed per snapshot read: a real
 # snapshot's stacks run through a few hundred files in some dozens of folders.
@@ -46,9 +46,27 @@ MAX_TOP_LEVEL_BYTES = 64 << 10
 MAX_RECORD_BYTES = 1 << 20
 MAX_METADATA_BYTES_IN_ALL = 64 << 20
 
+# The folders found to hold a library some frame was in, newest last, at most MAX_ROOTS: where
+# source.py looks a library's display path up beside sys.path (such a folder need not be on it).
+MAX_ROOTS = 64
+_roots: Dict[str, None] = {}
+
 # `diffusers-0.36.0.dist-info`; `torch-2.1.0-py3.11.egg-info` (an install's; a source tree's has no version)
 _DIST_INFO = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._]*)-[^-/]+\.dist-info$")
 _EGG_INFO = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._]*)-\d[^-/]*(-py\d[^/]*)?\.egg-info$")
+
+
+def library_roots() -> Tuple[str, ...]:
+    """The folders outside site-packages found to hold an installed library a snapshot's frame was
+    in, in this process (the newest MAX_ROOTS)."""
+    return tuple(_roots)
+
+
+def _found_root(folder: str) -> None:
+    _roots.pop(folder, None)
+    _roots[folder] = None
+    while len(_roots) > MAX_ROOTS:
+        del _roots[next(iter(_roots))]
 
 
 def canonical(name: str) -> str:
@@ -138,6 +156,7 @@ class InstalledLibraries:
                 continue
             folder = self._folder("/".join(parts[:i]) or "/")
             if folder is not None and folder.marks and folder.provides(package):
+                _found_root(folder.path)
                 return "/".join(parts[i:])
         return None
 

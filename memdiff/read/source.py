@@ -4,11 +4,12 @@ A trace shows what was allocated, not the code that did: two lines that allocate
 precision may not in another (an inline `.to(torch.float32)` is no copy of an fp32 tensor). Rules
 that must tell such lines apart read the line itself. A library's display path is relative to
 site-packages (`transformers/models/t5/modeling_t5.py`: frames.normalize_path), so it is
-looked up under each entry of this Python's path; an absolute path is read as given. Nothing is
-imported; None where no file is found, or where what the path names is no source file a person
-wrote (past MAX_SOURCE_BYTES: the path comes from the snapshot, which may name any file). A user
-file's display path is relative to the project (frames.relativize) or as the script was started
-(`python train.py`), so a relative path is looked up in the current folder first.
+looked up under each entry of this Python's path, then under the folders outside site-packages
+a library was found installed in (installed.py: `pip install --target DIR`); an absolute path is
+read as given. Nothing is imported; None where no file is found, or where what the path names is
+no source file a person wrote (past MAX_SOURCE_BYTES: the path comes from the snapshot, which may
+name any file). A user file's display path is relative to the project (frames.relativize) or as the
+script was started (`python train.py`), so a relative path is looked up in the current folder first.
 
 A trace names a frame's function only (`__init__`), never its class: `enclosing_class` reads the
 class from the file, so that a rule can tell an EMA's constructor in train.py from the model's.
@@ -25,6 +26,7 @@ import sys
 from typing import Optional, Tuple
 
 from memdiff.model import Frame
+from memdiff.read.installed import library_roots
 
 # Larger than any module of Python a person wrote (transformers' largest is about 300 KB): linecache
 # reads a file whole, and a snapshot's path could name a large generated file.
@@ -75,16 +77,17 @@ def _find(file: str) -> Optional[str]:
         cwd = os.getcwd()
     except OSError:  # the folder was removed under us: no relative path resolves against it
         cwd = ""
-    return _find_from(file, cwd)
+    return _find_from(file, cwd, library_roots())
 
 
 @functools.lru_cache(maxsize=1024)
-def _find_from(file: str, cwd: str) -> Optional[str]:
-    """`_find` from the folder `cwd`, looked up once per file and folder: a long run asks for the same
-    few lines thousands of times."""
+def _find_from(file: str, cwd: str, libraries: Tuple[str, ...] = ()) -> Optional[str]:
+    """`_find` from the folder `cwd`, then sys.path, then the `libraries` folders (installed outside
+    site-packages, found by installed.py), looked up once per file and folders: a long run asks for
+    the same few lines thousands of times."""
     if not file.endswith(".py"):
         return None
-    roots = [root for root in (cwd, *sys.path) if root]
+    roots = [root for root in (cwd, *sys.path, *libraries) if root]
     candidates = [file] if os.path.isabs(file) else [os.path.join(root, file) for root in roots]
     return next((path for path in candidates if _readable(path)), None)
 
