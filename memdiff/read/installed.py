@@ -15,6 +15,11 @@ Not a mark: the `<name>.egg-info` setuptools writes into a project's own source 
 frames stay the user's. A file that is not on this machine (a snapshot read elsewhere) is left as it
 was: nothing here guesses from a path's shape.
 
+Why this mark, read here: most snapshots are written by a user's own `_dump_snapshot` with no memdiff
+in the run, so a note `memdiff record` could write beside the file (the sys.path folders holding
+dist-info) would cover only some of them; and a path's shape (`lib/`, `vendor/`, `third_party/`)
+cannot tell a folder on PYTHONPATH from a project's own source.
+
 The snapshot names the paths, so it may name any number of them: each file and each folder is looked
 at once per snapshot read (cached), and within budgets: MAX_FILES files, MAX_FOLDERS folders listed,
 MAX_ENTRIES names of one folder and MAX_ENTRIES_IN_ALL of all, MAX_METADATA_FILES metadata files
