@@ -101,10 +101,16 @@ def test_an_op_without_a_meta_kernel_is_one_line_naming_it_and_the_script_line(t
 
 
 @pytest.mark.slow
-def test_an_op_refused_inside_a_library_names_its_package_path_and_the_scripts_line(tmp_path):
+@pytest.mark.parametrize("installed", ["site-packages", "pip --target"])
+def test_an_op_refused_inside_a_library_names_its_package_path_and_the_scripts_line(tmp_path, installed):
     # A library installed in site-packages (trl's fused loss, a kernel package) calls the op: the line
     # names the library's file by its path in the package, not a bare `ops.py`, and the script's call.
-    package = tmp_path / "venv" / "lib" / "python3" / "site-packages" / "fusedlib"
+    # So does one pip installed elsewhere (`pip install --target deps`), known by the dist-info it leaves.
+    if installed == "site-packages":
+        package = tmp_path / "venv" / "lib" / "python3" / "site-packages" / "fusedlib"
+    else:
+        package = tmp_path / "deps" / "fusedlib"
+        (tmp_path / "deps" / "fusedlib-0.1.dist-info").mkdir(parents=True)
     package.mkdir(parents=True)
     (package / "__init__.py").write_text("")
     (package / "ops.py").write_text(

@@ -16,6 +16,11 @@ import traceback
 from typing import Any, List, Optional, Sequence, Tuple
 
 from memdiff.errors import InputError
+from memdiff.read.installed import InstalledLibraries
+
+# Libraries installed outside site-packages (`pip install --target DIR` on PYTHONPATH), by pip's own
+# mark, as a snapshot's frames read them: asked once per file for the process's life.
+_installed = InstalledLibraries()
 
 # Namespaces of PyTorch's own ops: a refusal there is PyTorch's missing shape function, not the user's.
 TORCH_NAMESPACES = ("aten", "prims", "c10d", "_c10d_functional", "quantized", "profiler")
@@ -86,23 +91,29 @@ def _is_torch(filename: str) -> bool:
 
 def _is_script(filename: str) -> bool:
     path = filename.replace("\\", "/")
-    return not (_is_torch(path) or "/memdiff/" in path or "/site-packages/" in path or "/dist-packages/" in path
-                or path.startswith("<") or "/lib/python" in path)
+    return not (_is_torch(path) or "/memdiff/" in path or path.startswith("<") or "/lib/python" in path
+                or _package_path(path) is not None)
 
 
 def _library(filename: str) -> bool:
-    path = filename.replace("\\", "/")
-    return "/site-packages/" in path or "/dist-packages/" in path
+    return _package_path(filename.replace("\\", "/")) is not None
+
+
+def _package_path(path: str) -> Optional[str]:
+    """A library file's path in its installed package (`trl/trainer/utils.py`): below site-packages,
+    or beside the dist-info pip leaves wherever it installs (read/installed.py); None for others."""
+    for marker in ("/site-packages/", "/dist-packages/"):
+        if marker in path:
+            return path.rsplit(marker, 1)[1]
+    return _installed.package_path(path)
 
 
 def located(filename: str, line: int) -> str:
     """`train.py:42` for a script's own file; for a library's, its path in the installed package
     (`trl/trainer/utils.py:1645`, not `utils.py:1645`), as a reader finds it."""
     path = filename.replace("\\", "/")
-    for marker in ("/site-packages/", "/dist-packages/"):
-        if marker in path:
-            return f"{path.rsplit(marker, 1)[1]}:{line}"
-    return f"{path.rsplit('/', 1)[-1]}:{line}"
+    package = _package_path(path)
+    return f"{package if package is not None else path.rsplit('/', 1)[-1]}:{line}"
 
 
 def called_at(frames: Sequence[Tuple[str, int]]) -> str:
