@@ -173,6 +173,8 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 NODES = int(sys.argv[1])
+HOLDER = sys.argv[2] if len(sys.argv) > 2 else "1"  # the rank that holds more: rank 1, or the last rank
+BATCH = int(sys.argv[3]) if len(sys.argv) > 3 else 8
 
 
 class Tiny(L.LightningModule):
@@ -181,8 +183,10 @@ class Tiny(L.LightningModule):
         self.net = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
 
     def on_train_start(self):
-        if self.global_rank == 1:  # a rank that holds more than rank 0: 64 MiB over the nodes
+        if HOLDER == "1" and self.global_rank == 1:  # a rank that holds more than rank 0: 64 MiB over the nodes
             self.held = torch.zeros((64 << 20) // 4 // NODES, device=self.device)
+        if HOLDER == "last" and self.global_rank == self.trainer.world_size - 1:  # on the last node: 96 MiB / nodes
+            self.held = torch.zeros((96 << 20) // 4 // NODES, device=self.device)
 
     def training_step(self, batch, _):
         x, y = batch
@@ -193,7 +197,7 @@ class Tiny(L.LightningModule):
 
 
 if __name__ == "__main__":
-    data = DataLoader(TensorDataset(torch.randn(32, 32), torch.randint(0, 4, (32,))), batch_size=8)
+    data = DataLoader(TensorDataset(torch.randn(32, 32), torch.randint(0, 4, (32,))), batch_size=BATCH)
     trainer = L.Trainer(accelerator="gpu", devices=2, num_nodes=NODES, strategy="ddp", max_steps=2, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
     trainer.fit(Tiny(), data)
@@ -202,31 +206,67 @@ if __name__ == "__main__":
 
 @pytest.mark.slow
 def test_a_script_whose_lightning_launcher_starts_its_ranks_is_judged_by_every_rank_it_starts(tmp_path, torch):
-    # `python train.py NODES` whose Trainer(devices=2, num_nodes=NODES) starts its rank 1 itself. Rank 1 met the
-    # machine's own torch ("No supported gpu backend found!") and died, and fit judged the job by rank 0 alone:
-    # it fitted at 1 node. A job of 2 nodes here is its first node's ranks (the second node's never start), which
-    # waited for the second node's collectives for the group's timeout.
+    # `python train.py 1 1 {batch}` whose Trainer(devices=2, num_nodes=1) starts its rank 1 itself, one node: run
+    # whole, as its launcher starts it. Rank 1 met the machine's own torch ("No supported gpu backend found!")
+    # and died, and fit judged the job by rank 0 alone.
     pytest.importorskip("lightning")
     from memdiff import api
 
     script = tmp_path / "train.py"
     script.write_text(LIGHTNING_RANKS)
-    done = memdiff("fit", "--emulate", "l4", "--max-memory", "0.003", "--range", "nodes=1:2", "--jobs", "1",
-                   "-o", f"{tmp_path}/runs/", "--format", "json", "--", sys.executable, str(script), "{nodes}")
+    done = memdiff("fit", "--emulate", "l4", "--range", "batch=8:8", "--jobs", "1", "-o", f"{tmp_path}/runs/",
+                   "--format", "json", "--", sys.executable, str(script), "1", "1", "{batch}")
     assert done.returncode == 0, done.stderr
     (gpu,) = json.loads(done.stdout)["gpus"]
-    assert gpu["value"] == 2 and gpu["fails"]["value"] == 1 and gpu["fails"]["outcome"] == "over-limit"
-    for run, nodes in ((gpu["fails"], 1), (gpu["fits"], 2)):
-        own = Path(run["snapshot"])
-        started = own.with_name(f"{own.stem}.rank1.pickle")  # rank 1's snapshot, beside the script's own
-        rank0, rank1 = (api.summarize(p).devices[0] for p in (own, started))
-        # DDP's ranks are alike but for what rank 1 holds, which the model says: 64 MiB over the nodes
-        assert rank1.peak_bytes - rank0.peak_bytes == (64 << 20) // nodes
-        assert run["peak_bytes"] == rank1.peak_bytes and run["site"].startswith("rank 1: ")
-        assert rank0.reserved_peak_bytes < gpu["limit_bytes"]  # rank 0 alone fits at either value
-    assert gpu["fits"]["ranks_run"] == [0, 1] and gpu["fits"]["world_size"] == 4
-    assert gpu["fits"]["ranks_how"] == "first node" and gpu["fails"].get("ranks_run") is None
-    assert "ran ranks 0-1 of 4 (its first node's" in gpu["line"]
+    run = gpu["fits"]
+    assert gpu["value"] == 8 and run.get("ranks_run") is None  # the whole job ran: both ranks of one node
+    own = Path(run["snapshot"])
+    started = own.with_name(f"{own.stem}.rank1.pickle")  # rank 1's snapshot, beside the script's own
+    rank0, rank1 = (api.summarize(p).devices[0] for p in (own, started))
+    # DDP's ranks are alike but for what rank 1 holds, which the model says: 64 MiB
+    assert rank1.peak_bytes - rank0.peak_bytes == 64 << 20
+    assert run["peak_bytes"] == rank1.peak_bytes and run["site"].startswith("rank 1: ")
+
+
+@pytest.mark.slow
+def test_a_lightning_job_of_several_nodes_is_fit_on_the_ranks_ranks_auto_picks(tmp_path, torch):
+    # `python train.py {nodes} last` whose Trainer(devices=2, num_nodes=NODES) starts its ranks itself, and whose
+    # last rank, on the last node, holds 96 MiB / nodes more than the others. Under 0.003 of an L4 (66.67 MiB),
+    # with the others' 24 MiB reserved, 2 nodes reserve 72 MiB on rank 3: over. fit ran such a job as its first
+    # node's ranks (0 and 1, which hold the same) and said 2 fits. Now the script stops where its launcher would
+    # start the ranks, and the job runs as `record --ranks auto` runs it: rank 0 and the last rank, each alone (a
+    # DDP job has no other role), the others not run. One value keeps it cheap (docs/fit.md: 3 nodes fit).
+    pytest.importorskip("lightning")
+    from memdiff import api
+
+    script = tmp_path / "train.py"
+    script.write_text(LIGHTNING_RANKS)
+    done = memdiff("fit", "--emulate", "l4", "--max-memory", "0.003", "--range", "nodes=2:2", "--jobs", "1",
+                   "-o", f"{tmp_path}/runs/", "--format", "json", "--", sys.executable, str(script), "{nodes}", "last")
+    assert done.returncode == 1, done.stderr  # no value of the range fits
+    (gpu,) = json.loads(done.stdout)["gpus"]
+    run = gpu["fails"]
+    assert gpu["value"] is None and run["value"] == 2 and run["outcome"] == "over-limit"
+    assert (run["ranks_run"], run["world_size"], run["ranks_how"]) == ([0, 3], 4, "one per role")
+    folder = Path(run["snapshot"])  # the job's folder, as a torchrun job's: rank0.pickle, rank3.pickle
+    assert sorted(p.name for p in folder.glob("*.pickle")) == ["rank0.pickle", "rank3.pickle"]
+    assert not folder.with_suffix(".pickle").exists()  # the script's own run read the job, and is no rank
+    manifest = json.loads((folder / "memdiff-job.json").read_text())
+    assert (manifest["world_size"], manifest["emulated_ranks"], "first_node" in manifest) == (4, [0, 3], False)
+    rank0, last = (api.summarize(folder / f"rank{r}.pickle").devices[0] for r in (0, 3))
+    assert last.peak_bytes - rank0.peak_bytes == 48 << 20  # what the last rank holds at 2 nodes, to the byte
+    assert run["peak_bytes"] == last.peak_bytes and run["site"].startswith("rank 3: ")
+    assert rank0.reserved_peak_bytes < gpu["limit_bytes"] < run["reserved_peak_bytes"]  # rank 0 (and 1) fit
+    assert "ran ranks 0, 3 of 4 (one per role, --ranks auto), the others not run" in gpu["line"]
+
+
+def test_a_lightning_job_fit_already_read_is_not_run_again_to_read_it(tmp_path):
+    from memdiff.recording.launch_lightning import KNOWN, probe
+
+    env = {KNOWN: json.dumps({"devices": 2, "num_nodes": 3}), "PATH": "/nowhere"}
+    launch, status = probe(["no-such-python", "train.py"], env, str(tmp_path), lambda _: None, lambda: False)
+    assert status == 0 and launch is not None and (launch.nnodes, launch.nproc_per_node) == (3, 2)
+    assert KNOWN not in env  # taken out: no rank sees it
 
 
 @pytest.mark.slow

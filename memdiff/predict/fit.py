@@ -40,6 +40,8 @@ from memdiff.model import Finding
 from memdiff.numbers import whole_number
 from memdiff.predict.fit_notes import LONG_RUN_S, failed_above, gpu_details, knob_line, long_run
 from memdiff.recording.emulate.gpus import Gpu
+from memdiff.recording.fit_lightning import WHOLE_JOB_RANKS as WHOLE_JOB_RANKS  # which launched jobs run whole
+from memdiff.recording.fit_lightning import splits
 from memdiff.recording.fitrun import FIRST_NODE, FITS, OOM, checked, child, finished, launched_child, stop
 from memdiff.units import format_bytes
 
@@ -61,9 +63,6 @@ LARGEST, SMALLEST = "largest", "smallest"
 NPROC, NODES = "nproc", "nodes"
 FEWEST_KNOBS = (NPROC, NODES, "tp", "pp", "dp")
 FEWEST_RANGE = (1, 8)
-# A launched job runs whole (every rank a process) up to this many ranks on one node; a larger one, one of
-# several nodes, or any job whose `{nodes}` is searched runs only the ranks `memdiff record --ranks auto` picks.
-WHOLE_JOB_RANKS = 8
 # The grid is a list the search indexes and walks: `--range batch=1:10000000000` would build ten
 # billion values before the first run (2**70: an OverflowError). A million is a sequence length of
 # 1:1M by ones, about 40 MB.
@@ -556,14 +555,15 @@ def runs_picked_ranks(command: Sequence[str], knob: str) -> bool:
     --ranks auto` picks rather than whole: always while `{nodes}` is searched (every value then runs alike),
     and for a job of several nodes (which one machine cannot start whole) or of more than WHOLE_JOB_RANKS
     ranks; a torchrun, accelerate or deepspeed command only (the launchers --ranks reads from the command
-    alone: a script whose Lightning launcher starts its ranks runs in a process of its own, as any script)."""
+    alone: a script whose Lightning launcher starts its ranks runs in a process of its own, as any script,
+    and is split where the launcher would start them: fit_lightning.py)."""
     from memdiff.recording.launchers import read_launch
 
     try:
         launch = read_launch(list(command))
     except InputError:  # another launcher, or a job --ranks cannot split (one process): run whole, as before
         return False
-    return knob == NODES or launch.nnodes > 1 or launch.world_size > WHOLE_JOB_RANKS
+    return splits(knob, launch.nnodes, launch.world_size)
 
 
 def _outcome(r: _Running, sent: Optional[Dict[str, Any]], limit: int, value: int, knob: str) -> FitRun:
@@ -576,7 +576,7 @@ def _outcome(r: _Running, sent: Optional[Dict[str, Any]], limit: int, value: int
     outcome = sent["status"]
     if outcome == FITS and sent["reserved_peak_bytes"] is not None and sent["reserved_peak_bytes"] > limit:
         outcome = OVER_LIMIT
-    return FitRun(gpu=gpu, value=value, outcome=outcome, snapshot=r.snapshot, log=r.log,
+    return FitRun(gpu=gpu, value=value, outcome=outcome, snapshot=sent.get("folder") or r.snapshot, log=r.log,
                   peak_bytes=sent["peak_bytes"], reserved_peak_bytes=sent["reserved_peak_bytes"],
                   phase=sent["phase"], step=sent["step"], site=sent["site"], oom_message=sent["oom_message"],
                   seconds=round(sent["seconds"], 2), cpu_seconds=round(sent["cpu_seconds"], 2), why=r.why,
@@ -632,7 +632,7 @@ def run_fit(command: Sequence[str], gpus: Sequence[Gpu], output: str, grid: Grid
                     # Not a daemon: a script's DataLoader workers are its children, which a daemonic process
                     # may not start (minGPT's trainer has 4); `stop` ends the runs still going.
                     process = context.Process(target=child, args=(theirs, s.gpu.key, target, snapshot, log,
-                                                                  max_entries, rules), daemon=False)
+                                                                  max_entries, rules, None, grid.name), daemon=False)
                 process.start()
                 theirs.close()
                 s.started(index, why)

@@ -54,6 +54,9 @@ class RunOutcome:
     # FAILED by the script's own exception: it in one line with the script's line (escapes.failure_line), which
     # the one-line error leads with; its traceback stays in the run's log
     failure: Optional[str] = None
+    # where the job's ranks' snapshots went, where they are not beside `snapshot` (a job a script's Lightning
+    # launcher starts, run as its picked ranks: fit_lightning.py)
+    folder: Optional[str] = None
 
     def to_dict(self) -> Dict[str, Any]:
         """The outcome as sent back to the parent."""
@@ -91,10 +94,13 @@ def _output_to(log: str) -> None:
 
 
 def run_emulated(gpu: str, target: List[str], snapshot: str, log: str, max_entries: int, rules: Sequence[Any],
-                 change: Optional[Sequence[Tuple[str, Optional[str]]]] = None) -> RunOutcome:
+                 change: Optional[Sequence[Tuple[str, Optional[str]]]] = None,
+                 knob: Optional[str] = None) -> RunOutcome:
     """Run `target` (`[SCRIPT, ARGS...]` or `[-m, MODULE, ARGS...]`) on emulated `gpu`, writing its snapshot
     to `snapshot` and its output to `log`; with `change` (`memdiff whatif --change`'s parts, maybe none),
-    those changes made inside the emulator (emulate/changes) and what they did reported."""
+    those changes made inside the emulator (emulate/changes) and what they did reported. With `knob` (fit's),
+    a job the script's Lightning launcher starts that fit runs as its picked ranks raises SplitJob where the
+    launcher would start them (fit_lightning.py)."""
     import argparse
     import contextlib
     import time
@@ -107,6 +113,7 @@ def run_emulated(gpu: str, target: List[str], snapshot: str, log: str, max_entri
     from memdiff.recording.emulate.overlay_calls import for_run
     from memdiff.recording.emulate.runtime import Emulator
     from memdiff.recording.emulate.session import emulating
+    from memdiff.recording.fit_lightning import split_at_launch
 
     torch_module()
     started = time.monotonic()
@@ -125,6 +132,8 @@ def run_emulated(gpu: str, target: List[str], snapshot: str, log: str, max_entri
         assert processes is not None  # emulated, with the overlay's folder: _children_emulated made it
         with emulating(emulator), contextlib.ExitStack() as changes:
             session = changes.enter_context(applying(change)) if change is not None else None
+            if knob is not None:  # after the emulator's own patch of Lightning's launcher: this one runs first
+                changes.enter_context(split_at_launch(knob))
             with record(snapshot, max_entries=max_entries):
                 try:
                     status = _run_target(target, emulated=True, failed=failed)
@@ -208,9 +217,13 @@ def started_processes(processes: str, snapshot: str) -> Started:
 
 
 def child(conn: Any, gpu: str, target: List[str], snapshot: str, log: str, max_entries: int, rules: Sequence[Any],
-          change: Optional[Sequence[Tuple[str, Optional[str]]]] = None) -> None:
-    """The forked process's entry: run, its output in `log`, send the outcome's dict back, close."""
+          change: Optional[Sequence[Tuple[str, Optional[str]]]] = None, knob: Optional[str] = None) -> None:
+    """The forked process's entry: run, its output in `log`, send the outcome's dict back, close. With `knob`
+    (fit's), a job the script's Lightning launcher starts that fit runs as its picked ranks runs so."""
     import multiprocessing
+    import time
+
+    from memdiff.recording.fit_lightning import SplitJob, run_split
 
     try:
         _output_to(log)
@@ -218,7 +231,11 @@ def child(conn: Any, gpu: str, target: List[str], snapshot: str, log: str, max_e
         # workers would then start afresh, without the emulator, and re-run the script from its top. A fresh
         # `python train.py` has the platform's default (fork on Linux), which forks them from the run.
         multiprocessing.set_start_method(None, force=True)
-        outcome = run_emulated(gpu, target, snapshot, log, max_entries, rules, change)
+        started = time.monotonic()
+        try:
+            outcome = run_emulated(gpu, target, snapshot, log, max_entries, rules, change, knob)
+        except SplitJob as job:
+            outcome = run_split(job, gpu, target, snapshot, log, max_entries, rules, started)
         conn.send(outcome.to_dict())
     except KeyboardInterrupt:
         # The parent stops a run it no longer needs with SIGINT (fit's boundary found, a what-if failed): one
@@ -234,12 +251,13 @@ def child(conn: Any, gpu: str, target: List[str], snapshot: str, log: str, max_e
 
 
 def run_launched(gpu: str, command: List[str], folder: str, log: str, max_entries: int,
-                 rules: Sequence[Any], picked: bool = False) -> RunOutcome:
+                 rules: Sequence[Any], picked: bool = False, env: Optional[Dict[str, str]] = None) -> RunOutcome:
     """Run a launched job (`torchrun --nproc-per-node 4 train.py`) as `memdiff record --emulate GPU -o
     folder/ -- COMMAND` runs it, every rank on its own emulated `gpu` (with `picked`, only the ranks
     `--ranks auto` picks, each alone), and judge it by the ranks that ran: out of memory when any rank's
     emulator raised the error (the rank's status says so, even when the script caught it), refused when
-    any rank's op was; its peaks are the rank's with the largest reserved peak."""
+    any rank's op was; its peaks are the rank's with the largest reserved peak. `env` is added to the
+    environment `memdiff record` runs in."""
     import json
     import subprocess
     import time
@@ -251,7 +269,8 @@ def run_launched(gpu: str, command: List[str], folder: str, log: str, max_entrie
         done = subprocess.run([sys.executable, "-m", "memdiff", "record", "--emulate", gpu, "--max-entries",
                                str(max_entries), *(["--ranks", "auto"] if picked else []), "-o",
                                folder.rstrip(os.sep) + os.sep, "--", *command],
-                              stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+                              stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                              env={**os.environ, **env} if env else None)
     seconds = time.monotonic() - started
     used = resource.getrusage(resource.RUSAGE_CHILDREN)  # the job's processes, this forked child's only
     try:

@@ -34,6 +34,10 @@ from memdiff.recording.launch import FIRST_NODE, LIGHTNING, RANKS, Launch
 # The folder the probe writes what it found in (set for the probe's process only).
 PROBE = "MEMDIFF_RECORD_LIGHTNING"
 FOUND = "launch.json"
+# What a run of the script already read of its job, as the probe writes it (`{"devices": 2, "num_nodes": 2}`):
+# set by `memdiff fit`, whose own run of the script stopped where the launcher would start the ranks
+# (recording/fit_lightning.py), so the script is not run once more to read the same. Never passed on to a rank.
+KNOWN = "MEMDIFF_RECORD_LIGHTNING_JOB"
 # Lightning's launchers, in each of its packages' names (lightning, and the standalone ones): the one that
 # re-runs the script per rank, and the one that starts its ranks with torch.multiprocessing (ddp_spawn).
 _PACKAGES = ("lightning.fabric", "lightning.pytorch", "lightning_fabric", "pytorch_lightning")
@@ -145,7 +149,15 @@ def probe(command: List[str], env: Dict[str, str], folder: str, started: Callabl
     job's `folder`, removed after), up to where Lightning's launcher would start the other ranks; its
     output kept back (the ranks print the same). `started` is told of its process (to pass Ctrl-C on).
     None and its exit status when it failed or was `interrupted` before that, its output shown; InputError
-    where it started no ranks."""
+    where it started no ranks. Where `env` holds KNOWN (taken out of it, so no rank sees it), the job it
+    says, without running the script."""
+    known = env.pop(KNOWN, None)
+    if known:
+        try:
+            facts = json.loads(known)
+        except ValueError:
+            facts = None
+        return _launch(facts if isinstance(facts, dict) else {}, command), 0
     place = os.path.join(folder, ".lightning-probe")
     shutil.rmtree(place, ignore_errors=True)
     os.makedirs(place)
@@ -176,8 +188,12 @@ def _read(folder: str, command: List[str]) -> Launch:
             facts = json.load(f)
     except (OSError, ValueError):
         facts = None
-    if not isinstance(facts, dict):  # the probe ended without a word: no launcher, no optimizer step
-        facts = {}
+    # the probe ended without a word: no launcher, no optimizer step
+    return _launch(facts if isinstance(facts, dict) else {}, command)
+
+
+def _launch(facts: Dict[str, Any], command: List[str]) -> Launch:
+    """The job `facts` (what the probe found) says; InputError where it says the script started no ranks."""
     devices, nodes = facts.get("devices"), facts.get("num_nodes")
     if facts.get("spawns"):
         raise InputError("--ranks", f"`{' '.join(command)}` starts its ranks with torch.multiprocessing (Lightning's "
