@@ -65,9 +65,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--set", action=ListOption, metavar="NAME=VALUE",
                    help="fix a placeholder fit does not search (`--set tp=8 --set pp=2` with {dp} searched); "
                         "{nodes}, {tp}, {pp} and {dp} as the knob are searched as {nproc} is, for the fewest "
-                        f"that fits (default range {FEWEST_RANGE[0]}:{FEWEST_RANGE[1]}); a torchrun job of several "
-                        f"nodes or over {WHOLE_JOB_RANKS} ranks, and any whose {{nodes}} is searched, runs only the "
-                        f"ranks `memdiff record --ranks auto` picks{LISTS}")
+                        f"that fits (default range {FEWEST_RANGE[0]}:{FEWEST_RANGE[1]}); a job of several nodes or "
+                        f"over {WHOLE_JOB_RANKS} ranks (torchrun's, or a script's Lightning launcher's), and any "
+                        f"whose {{nodes}} is searched, runs only the ranks `memdiff record --ranks auto` picks{LISTS}")
     p.add_argument("--jobs", type=count_arg, default=2, metavar="N", help="emulated runs at a time (default: 2)")
     p.add_argument("--baseline", metavar="FILE",
                    help="a fit result (`memdiff fit ... --format json`): exit 1 when a GPU's largest value is "

@@ -8,8 +8,9 @@ never ran. Where fit runs a job as its picked ranks (`splits`: several nodes, mo
 ranks, or `{nodes}` searched, as for torchrun's jobs), that process is the first run `--ranks auto` makes
 of a script: it ends where the launcher would start the ranks (SplitJob, raised through the script, after
 the launcher's devices per node and nodes are read), and the job then runs as `memdiff record --emulate
-GPU --ranks auto -o DIR/` runs it (rank 0 and the last rank, then the other ranks the layout rank 0 built
-picks, each alone), told that size (launch_lightning.KNOWN) rather than running the script again to read it.
+GPU --ranks auto -o DIR/` runs it (fitrun._run_split: rank 0 and the last rank, then the other ranks the layout rank 0
+built picks, each alone), told that size (`known`, launch_lightning.KNOWN) rather than running the script again
+to read it.
 """
 
 from __future__ import annotations
@@ -17,11 +18,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import resource
-import sys
-import time
-from dataclasses import replace
-from typing import Any, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, Optional, Tuple
 
 from memdiff.recording.emulate.on_import import patched_on_import
 from memdiff.recording.launch import RANKS
@@ -69,21 +66,7 @@ def split_at_launch(knob: Optional[str]) -> Iterator[None]:
         yield
 
 
-def run_split(job: SplitJob, gpu: str, target: List[str], snapshot: str, log: str, max_entries: int,
-              rules: Sequence[Any], started: float) -> Any:
-    """The job `job` (read by fit's run of `target`, begun at `started`, whose own snapshot `snapshot` is
-    no run of the job and is removed) run as `memdiff record --emulate GPU --ranks auto` runs it, into the
-    folder beside it (`runs/l4-nodes2/`, as a torchrun job's): its RunOutcome, its time and CPU seconds
-    counting the first run's."""
-    from memdiff.recording.fitrun import run_launched
-
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(snapshot)
-    first = resource.getrusage(resource.RUSAGE_SELF)
-    folder = snapshot[:-len(".pickle")] if snapshot.endswith(".pickle") else snapshot + ".ranks"
-    print(f"memdiff: fit: {job}, as `memdiff record --ranks auto` runs it", file=sys.stderr, flush=True)
-    known = json.dumps({"devices": job.devices, "num_nodes": job.nodes})
-    outcome = run_launched(gpu, [sys.executable, *target], folder, log, max_entries, rules, picked=True,
-                           env={KNOWN: known})
-    return replace(outcome, folder=folder, seconds=time.monotonic() - started,
-                   cpu_seconds=outcome.cpu_seconds + first.ru_utime + first.ru_stime)
+def known(job: SplitJob) -> Dict[str, str]:
+    """What `memdiff record --ranks auto` is told of `job` in its environment, so that it does not run the
+    script again to read the job's size (launch_lightning.KNOWN)."""
+    return {KNOWN: json.dumps({"devices": job.devices, "num_nodes": job.nodes})}

@@ -223,7 +223,7 @@ def child(conn: Any, gpu: str, target: List[str], snapshot: str, log: str, max_e
     import multiprocessing
     import time
 
-    from memdiff.recording.fit_lightning import SplitJob, run_split
+    from memdiff.recording.fit_lightning import SplitJob
 
     try:
         _output_to(log)
@@ -235,7 +235,7 @@ def child(conn: Any, gpu: str, target: List[str], snapshot: str, log: str, max_e
         try:
             outcome = run_emulated(gpu, target, snapshot, log, max_entries, rules, change, knob)
         except SplitJob as job:
-            outcome = run_split(job, gpu, target, snapshot, log, max_entries, rules, started)
+            outcome = _run_split(job, gpu, target, snapshot, log, max_entries, rules, started)
         conn.send(outcome.to_dict())
     except KeyboardInterrupt:
         # The parent stops a run it no longer needs with SIGINT (fit's boundary found, a what-if failed): one
@@ -248,6 +248,28 @@ def child(conn: Any, gpu: str, target: List[str], snapshot: str, log: str, max_e
         conn.send({"internal_error": f"{type(exc).__name__}: {exc}"})
     finally:
         conn.close()
+
+
+def _run_split(job: Any, gpu: str, target: List[str], snapshot: str, log: str, max_entries: int,
+               rules: Sequence[Any], started: float) -> RunOutcome:
+    """The job `job` (fit_lightning.SplitJob: what fit's run of `target`, begun at `started`, read where its
+    Lightning launcher would start the ranks; that run's snapshot `snapshot` is no rank's and is removed)
+    run as `memdiff record --emulate GPU --ranks auto` runs it, into the folder beside it (`runs/l4-nodes2/`,
+    as a torchrun job's); its time and CPU seconds count the first run's."""
+    import time
+    from dataclasses import replace
+
+    from memdiff.recording.fit_lightning import known
+
+    if os.path.exists(snapshot):
+        os.unlink(snapshot)
+    first = resource.getrusage(resource.RUSAGE_SELF)
+    folder = snapshot[:-len(".pickle")] if snapshot.endswith(".pickle") else snapshot + ".ranks"
+    print(f"memdiff: fit: {job}, as `memdiff record --ranks auto` runs it", file=sys.stderr, flush=True)
+    outcome = run_launched(gpu, [sys.executable, *target], folder, log, max_entries, rules, picked=True,
+                           env=known(job))
+    return replace(outcome, folder=folder, seconds=time.monotonic() - started,
+                   cpu_seconds=outcome.cpu_seconds + first.ru_utime + first.ru_stime)
 
 
 def run_launched(gpu: str, command: List[str], folder: str, log: str, max_entries: int,
