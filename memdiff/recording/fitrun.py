@@ -288,11 +288,12 @@ def run_launched(gpu: str, command: List[str], folder: str, log: str, max_entrie
 
     started = time.monotonic()
     with open(log, "a", encoding="utf-8") as out:  # launched_child made it
-        done = subprocess.run([sys.executable, "-m", "memdiff", "record", "--emulate", gpu, "--max-entries",
-                               str(max_entries), *(["--ranks", "auto"] if picked else []), "-o",
-                               folder.rstrip(os.sep) + os.sep, "--", *command],
-                              stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                              env={**os.environ, **env} if env else None)
+        process = subprocess.Popen([sys.executable, "-m", "memdiff", "record", "--emulate", gpu, "--max-entries",
+                                    str(max_entries), *(["--ranks", "auto"] if picked else []), "-o",
+                                    folder.rstrip(os.sep) + os.sep, "--", *command],
+                                   stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                   env={**os.environ, **env} if env else None)
+        returncode = _wait_passing_interrupt(process)
     seconds = time.monotonic() - started
     used = resource.getrusage(resource.RUSAGE_CHILDREN)  # the job's processes, this forked child's only
     try:
@@ -310,7 +311,7 @@ def run_launched(gpu: str, command: List[str], folder: str, log: str, max_entrie
             rank_facts = _summary_facts(path, rules)
             if rank_facts and (rank_facts["reserved_peak_bytes"] or 0) >= facts.get("reserved_peak_bytes", -1):
                 facts = {**rank_facts, "site": f"rank {r['rank']}: {rank_facts['site']}"}
-    status = done.returncode
+    status = returncode
     ended = OOM if oom is not None else FITS if status == 0 and ranks else FAILED
     return RunOutcome(status=ended, exit_status=status, oom_message=oom, refused=refused,
                       peak_bytes=facts.get("peak_bytes"), reserved_peak_bytes=facts.get("reserved_peak_bytes"),
@@ -398,6 +399,27 @@ def finished(running: Sequence[R]) -> List[Tuple[R, Optional[Dict[str, Any]]]]:
             process.join()
             out.append((r, sent))
     return out
+
+
+def _wait_passing_interrupt(process: Any) -> int:
+    """Wait for `memdiff record`'s process and give its exit status. Interrupted (fit's `stop`: a value
+    it no longer needs), pass the Ctrl-C on, as a terminal would, so that record stops the job's
+    launcher and ranks and writes what they recorded; only one that does not end within half of STOP_S
+    (the rest is this process's own) is killed. subprocess.run killed it at once, and the launcher and
+    its ranks, whose parent it was, ran on, orphaned, to their end."""
+    import signal
+    import subprocess
+
+    try:
+        return int(process.wait())
+    except KeyboardInterrupt:
+        process.send_signal(signal.SIGINT)
+        try:
+            process.wait(STOP_S / 2)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+        raise
 
 
 def stop(processes: Sequence[Any]) -> None:
