@@ -22,7 +22,8 @@ from typing import List
 import pytest
 
 from memdiff.errors import InputError
-from memdiff.predict.fit import FITS, OVER_LIMIT, Fewest, FitRun, Grid, Search, judge, knob_of, parse_range
+from memdiff.predict.fit import FITS, OVER_LIMIT, Fewest, FitRun, Grid, Search, knob_of, parse_range
+from memdiff.predict.fit_gate import judge
 from memdiff.recording.emulate.gpus import gpu
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -209,7 +210,8 @@ def test_a_gpu_only_one_side_fits_is_not_compared_and_nothing_is_a_drop():
 def test_the_fits_verdict_is_one_sentence_in_every_format():
     # A fit whose L4 value fell from the baseline's 8 to 4 (G011): text said `FAIL  fit against b.json`
     # and markdown `fit against b.json: fail`; the result holds the sentence and both show it.
-    from memdiff.predict.fit import FitResult, GpuFit, gated
+    from memdiff.predict.fit import FitResult, GpuFit
+    from memdiff.predict.fit_gate import gated
     from memdiff.render.fit import render_markdown, render_text
 
     l4 = GpuFit(gpu="l4", name="NVIDIA L4", capacity_bytes=21 * 2**30, limit_bytes=21 * 2**30, value=4, fits=None,

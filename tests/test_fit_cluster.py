@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from memdiff.errors import InputError
-from memdiff.predict.fit import FITS, Fewest, FitRun, Grid, fixed, judge, knob_of, parse_set, runs_picked_ranks
+from memdiff.predict.fit import FITS, Fewest, FitRun, Grid, fixed, knob_of, parse_set, runs_picked_ranks
+from memdiff.predict.fit_gate import judge
 from memdiff.recording.emulate.gpus import gpu
 
 ROOT = Path(__file__).resolve().parents[1]

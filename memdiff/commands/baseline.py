@@ -24,7 +24,7 @@ from memdiff.compare.baseline import read_baseline, update_baseline
 from memdiff.errors import EXIT_BAD_INPUT, EXIT_OK, InputError
 from memdiff.inert import text
 from memdiff.model import Summary
-from memdiff.predict.fit import stored_fit
+from memdiff.predict.fit_gate import stored_fit
 from memdiff.read.inputs import read_summary
 from memdiff.read.job import is_job, summarize_ranks
 from memdiff.read.window import add_window_arguments

@@ -19,13 +19,12 @@ from memdiff.predict.fit import (
     WHOLE_JOB_RANKS,
     Grid,
     fixed,
-    gated,
     knob_of,
     parse_range,
     parse_set,
-    read_fit,
     run_fit,
 )
+from memdiff.predict.fit_gate import gated, read_fit
 from memdiff.recording.emulate.gpus import gpu
 from memdiff.recording.emulate.gpus import names as gpu_names
 from memdiff.render import fit as render

@@ -33,7 +33,7 @@ from memdiff.compare.trend import DEFAULT_POINTS, read_history
 from memdiff.errors import EXIT_BAD_INPUT, EXIT_OK, EXIT_REGRESSION, InputError, clip
 from memdiff.inert import baseline_command, md_code, text
 from memdiff.model import Summary, TrendEntry
-from memdiff.predict.fit import check_fit, fit_file, gate_file
+from memdiff.predict.fit_gate import check_fit, fit_file, gate_file
 from memdiff.read.inputs import read_summary
 from memdiff.read.job import is_job, ranges, summarize_ranks
 from memdiff.read.window import add_window_arguments

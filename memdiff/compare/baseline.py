@@ -286,7 +286,7 @@ def update_baseline(path: str, summary_of: Callable[[], Union[Summary, Dict[int,
     (a list: the baseline keeps their spread). An existing baseline is
     read first, so a broken one stops everything before the run is summarized or anything is
     written; it keeps its name unless `name` is given, and `thresholds_for` gets its thresholds
-    to build on. `fit` (fit values, `predict.fit.stored_fit`) replaces the old baseline's; without it an
+    to build on. `fit` (fit values, `predict.fit_gate.stored_fit`) replaces the old baseline's; without it an
     updated baseline keeps them, as it keeps its thresholds. A job's baseline is never replaced by one
     run's, nor the other way round, unless `replace_kind` (`--replace`): InputError saying what is there.
     """

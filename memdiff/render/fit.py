@@ -8,7 +8,8 @@ from tabulate import tabulate
 
 from memdiff.compare.findings import shown
 from memdiff.inert import md_cell, md_code, md_text
-from memdiff.predict.fit import SMALLEST, FitGate, FitResult
+from memdiff.predict.fit import SMALLEST, FitResult
+from memdiff.predict.fit_gate import FitGate
 from memdiff.render.json import dumps
 from memdiff.units import format_bytes
 
