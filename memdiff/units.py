@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 import warnings
+from typing import Optional
 
 from memdiff.numbers import DECIMAL
 
@@ -15,6 +16,11 @@ _UNITS = {
 _SIZE = re.compile(rf"^\s*({DECIMAL.pattern})\s*([A-Za-z]*)\s*$", re.ASCII)  # ASCII: digits 0-9, not `١٢ GiB`
 MAX_SIZE = 2**63 - 1  # what an int64 running total holds
 _BINARY = ((2**40, "TiB"), (2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB"))
+# Beyond this a percent is not read as a number any more: `x13.4` says it better.
+RATIO_FROM_PCT = 999
+# Growth past RATIO_FROM_PCT from less than this is growth from nothing: `x13,398,529.0` from a 4 B
+# scalar says less than `new`.
+NEW_BELOW_BYTES = 1024
 
 
 def parse_size(text: str, bare_is_bytes: bool = False) -> int:
@@ -53,3 +59,31 @@ def format_bytes(n: int, signed: bool = False) -> str:
 def count_of(n: int, word: str, many: str = "") -> str:
     """`1 other`, `2 others`, `1,204 groups`: a count with its noun in the right number."""
     return f"{n:,} {word if n == 1 else (many or word + 's')}"
+
+
+def growth_pct(base: int, head: int) -> Optional[float]:
+    """Percent change from base to head; None when base is 0 (growth from nothing has no percentage)."""
+    return 100.0 * (head - base) / base if base else None
+
+
+# What changed by how much, worded once: the diff's rows and headline, the gate's checks and the trend
+# on main all say a change so (a trend's +12,345.0% read as a number where the diff said x124.5).
+def pct_cell(base: int, head: int) -> str:
+    """Signed percent change; a ratio (`x13.4`) past +999%; `new` when there was (next to) nothing before."""
+    pct = growth_pct(base, head)
+    if pct is None:
+        return "new" if head else ""
+    if pct > RATIO_FROM_PCT:
+        return "new" if base < NEW_BELOW_BYTES else f"x{head / base:,.1f}"
+    return f"{pct:+.1f}%"
+
+
+def change_text(base: int, head: int) -> str:
+    """`+1.95 GiB (+29.8%)`, `+4.00 MiB (new)`."""
+    pct = pct_cell(base, head)
+    return format_bytes(head - base, signed=True) + (f" ({pct})" if pct else "")
+
+
+def change_or_unchanged(base: int, head: int) -> str:
+    """`unchanged` when nothing moved, else `change_text`: a trend's points, a reserved peak's line."""
+    return "unchanged" if head == base else change_text(base, head)

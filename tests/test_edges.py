@@ -12,7 +12,7 @@ from memdiff.analyse.classify import PERSISTENT, load_rules
 from memdiff.analyse.lifetimes import _inferred_step_starts
 from memdiff.read.frames import NO_STACK_STATE_GUESSED
 from memdiff.read.inputs import read_summary
-from memdiff.report.types import pct_cell
+from memdiff.units import pct_cell
 
 ADAGRAD = prof("<built-in method sqrt of Tensor object at 0x7f>", "torch/optim/adagrad.py(364): _single_tensor_adagrad",
                "torch/optim/adagrad.py(200): step", "torch/optim/optimizer.py(60): _use_grad",

@@ -11,6 +11,7 @@ from conftest import cli, py_frames, weights_and_activations
 
 from memdiff.compare.findings import BY_CODE
 from memdiff.compare.trend import BLOCKS, read_history, sparkline, trend_of
+from memdiff.model import TrendDevice, TrendEntry
 from memdiff.units import format_bytes
 
 MiB = 2**20
@@ -54,6 +55,16 @@ def test_append_writes_one_valid_line_per_run(main_branch):
     assert first["devices"] == [{"device": 0, "peak_bytes": 140 * MiB,
                                  "categories": {"activation": 40 * MiB, "parameter": 100 * MiB}}]
     assert [e.devices[0].peak_bytes for e in read_history(str(main_branch))] == [(100 + a) * MiB for a in MAIN]
+
+
+def test_a_trend_words_a_change_as_the_diff_does_past_999_percent():
+    # A peak of 2 MiB that became 40 MiB (a cache left on) grew 1,900%: the diff's rows and headline say
+    # x20.0, and the trend said +1900.0%; from 4 B (a scalar) it is new in both, not x5,242,880.0.
+    entries = [TrendEntry(commit(k), f"2026-11-0{k + 1}T12:00:00Z", "train", [TrendDevice(0, peak)])
+               for k, peak in enumerate([2 * MiB, 40 * MiB, 40 * MiB, 4])]
+    trend = trend_of(entries, "train", 0, 20 * MiB)
+    assert [p.change_text for p in trend.points] == ["", "+38.00 MiB (x20.0)", "unchanged", "-40.00 MiB (-100.0%)"]
+    assert trend.head_change_text == "+20.00 MiB (new)"
 
 
 def test_the_sparkline_scales_lowest_to_highest():

@@ -13,7 +13,7 @@ from memdiff.compare.limits import DEFAULT_PEAK, FAIL, IGNORE, FindingSelection,
 from memdiff.compare.observe import PEAK
 from memdiff.errors import InputError
 from memdiff.model import DeviceSummary, Finding, Spread, Summary
-from memdiff.units import format_bytes
+from memdiff.units import format_bytes, growth_pct
 
 TOP_GROWTH = 3  # growing rows a failing peak's note names
 
@@ -67,11 +67,6 @@ class Verdict:
                 "finding_rules": self.finding_rules,
                 "finding_checks": [{"code": c.code, "name": c.name, "device": c.device, "message": c.message,
                                     "source": c.source, "passed": False} for c in self.finding_checks]}
-
-
-def growth_pct(base: int, head: int) -> Optional[float]:
-    """Percent change from base to head; None when base is 0 (growth from nothing has no percentage)."""
-    return 100.0 * (head - base) / base if base else None
 
 
 def _check(subject: str, base: int, head: int, limit: Limit) -> Check:

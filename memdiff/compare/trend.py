@@ -22,7 +22,7 @@ from memdiff.errors import InputError, clip
 from memdiff.model import Summary, TrendDevice, TrendEntry
 from memdiff.read.load import parse_json, read_small, starts_as_a_snapshot
 from memdiff.read.schema import validate
-from memdiff.units import format_bytes
+from memdiff.units import change_or_unchanged, format_bytes
 
 HISTORY_SCHEMA_VERSION = 1
 DEFAULT_POINTS = 20  # main-branch peaks a trend shows
@@ -153,13 +153,6 @@ def sparkline(values: Sequence[int]) -> str:
     return "".join(BLOCKS[round((v - lo) * (len(BLOCKS) - 1) / (hi - lo))] for v in values)
 
 
-def _change(base: int, head: int) -> str:
-    if head == base:
-        return "unchanged"
-    pct = f" ({100 * (head - base) / base:+.1f}%)" if base else ""
-    return format_bytes(head - base, signed=True) + pct
-
-
 def trend_of(entries: Sequence[TrendEntry], workload: str, device: int, head_bytes: int,
              head_label: Optional[str] = None, points: int = DEFAULT_POINTS) -> Optional[Trend]:
     """The workload's last `points` main-branch peaks on `device` and this run's; None when the
@@ -169,12 +162,12 @@ def trend_of(entries: Sequence[TrendEntry], workload: str, device: int, head_byt
     if not found:
         return None
     for before, p in zip(found, found[1:]):
-        p.change_text = _change(before.peak_bytes, p.peak_bytes)
+        p.change_text = change_or_unchanged(before.peak_bytes, p.peak_bytes)
     blocks = sparkline([p.peak_bytes for p in found] + [head_bytes])
     latest = found[-1]
     lo, hi = min(p.peak_bytes for p in found), max(p.peak_bytes for p in found)
     label = head_label or "this run"
-    change = _change(latest.peak_bytes, head_bytes)
+    change = change_or_unchanged(latest.peak_bytes, head_bytes)
     if len(found) == 1:
         text = (f"{workload}, device {device}: one peak on main so far, {format_bytes(latest.peak_bytes)} at "
                 f"{latest.commit[:12]}; {label} {format_bytes(head_bytes)}, {change}"

@@ -62,14 +62,12 @@ from memdiff.report.types import (
     ShownRow,
     Stack,
     Table,
-    change_text,
     check_line,
     finding_check_line,
     frame_line,
     moment_name,
-    pct_cell,
 )
-from memdiff.units import count_of, format_bytes
+from memdiff.units import change_or_unchanged, count_of, format_bytes, pct_cell
 
 NOT_JUDGED = "not judged"  # what a report compared and did not judge (the API's `diff`) says for its verdict
 
@@ -512,7 +510,7 @@ def _reserved(d: DeviceDiff, gated: bool) -> Tuple[Optional[str], Optional[Findi
     frag = (f"; fragmentation at the peak (reserved minus allocated) {format_bytes(fb)} -> {format_bytes(fh)}"
             if fb is not None and fh is not None else "")
     line = (f"reserved by the caching allocator: peak {format_bytes(rb)} -> {format_bytes(rh)}, "
-            f"{change_text(rb, rh) if rh != rb else 'unchanged'}{frag}")
+            f"{change_or_unchanged(rb, rh)}{frag}")
     if _moved(rb, rh) and not _moved(d.base_peak_bytes, d.head_peak_bytes):
         allocated = ("is unchanged" if d.peak_delta_bytes == 0
                      else f"moved {format_bytes(d.peak_delta_bytes, signed=True)}, within {MOVED_PCT}%")

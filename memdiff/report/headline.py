@@ -11,8 +11,8 @@ from typing import List, Optional, Sequence
 
 from memdiff.compare.differ import NEW, CategoryDelta, DeviceDiff
 from memdiff.compare.observe import PEAK, kept_from, where_text
-from memdiff.report.types import SITES_NAMED, DeviceReport, change_text, moment_name
-from memdiff.units import format_bytes
+from memdiff.report.types import SITES_NAMED, DeviceReport, moment_name
+from memdiff.units import change_text, format_bytes
 
 # Memory that follows the weights: an optimizer's state and the gradients are sized by them.
 FOLLOWS_WEIGHTS = ("gradient", "optimizer_state")

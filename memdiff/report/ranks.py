@@ -14,8 +14,8 @@ from memdiff.inert import scrubbed
 from memdiff.model import Finding
 from memdiff.read.job import ranges, ranks_text
 from memdiff.report.build import change_line, device_report
-from memdiff.report.types import DeviceReport, Table, check_line, pct_cell
-from memdiff.units import count_of, format_bytes
+from memdiff.report.types import DeviceReport, Table, check_line
+from memdiff.units import count_of, format_bytes, pct_cell
 
 
 @dataclass

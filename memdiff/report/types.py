@@ -7,19 +7,14 @@ from dataclasses import dataclass, field
 from typing import List, Optional, Sequence
 
 from memdiff.compare.differ import DeviceDiff, Diff, DiffRow
-from memdiff.compare.judge import Check, FindingCheck, Verdict, growth_pct
+from memdiff.compare.judge import Check, FindingCheck, Verdict
 from memdiff.compare.observe import PEAK
 from memdiff.model import Finding, Frame, Summary
-from memdiff.units import count_of, format_bytes
+from memdiff.units import change_text, count_of, format_bytes
 
 DEFAULT_TOP = 20
 STACK_FRAMES = 16  # frames of a stack any output shows; the rest are counted
 SITES_NAMED = 2  # sites the headline names for the category that moved
-# Beyond this a percent is not read as a number any more: `x13.4` says it better.
-RATIO_FROM_PCT = 999
-# Growth past RATIO_FROM_PCT from less than this is growth from nothing: `x13,398,529.0` from a 4 B
-# scalar says less than `new`.
-NEW_BELOW_BYTES = 1024
 
 # The JSON documents' version: bumped when a field changes meaning or disappears.
 DIFF_SCHEMA_VERSION = 1
@@ -53,22 +48,6 @@ def stack_lines(frames: Sequence[Frame], shown: int = STACK_FRAMES) -> List[str]
 def more_frames(count: int) -> str:
     """`… 3 more frames`: the line that ends a cut stack, in every output."""
     return f"… {count_of(count, 'more frame')}"
-
-
-def pct_cell(base: int, head: int) -> str:
-    """Signed percent change; a ratio (`x13.4`) past +999%; `new` when there was (next to) nothing before."""
-    pct = growth_pct(base, head)
-    if pct is None:
-        return "new" if head else ""
-    if pct > RATIO_FROM_PCT:
-        return "new" if base < NEW_BELOW_BYTES else f"x{head / base:,.1f}"
-    return f"{pct:+.1f}%"
-
-
-def change_text(base: int, head: int) -> str:
-    """`+1.95 GiB (+29.8%)`, `+4.00 MiB (new)`."""
-    pct = pct_cell(base, head)
-    return format_bytes(head - base, signed=True) + (f" ({pct})" if pct else "")
 
 
 def check_line(c: Check) -> str:
