@@ -15,6 +15,16 @@ SCHEMA_VERSION = 2
 READABLE_SCHEMA_VERSIONS = (1, 2)
 
 
+@dataclass
+class Table:
+    """A table as every output shows it: headers, cells, and which columns read left-aligned; the report
+    stage fills it (a diff's, a forecast's, a what-if's, a fit's), the renderers lay it out."""
+
+    headers: List[str]
+    rows: List[List[str]]
+    left: List[int] = field(default_factory=lambda: [0])
+
+
 @dataclass(frozen=True)
 class Frame:
     """One display frame: normalized file (library-relative or project-relative), line, function."""

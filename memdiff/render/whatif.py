@@ -3,42 +3,12 @@
 from __future__ import annotations
 
 import html
-from typing import List
-
-from tabulate import tabulate
 
 from memdiff.compare.findings import shown
 from memdiff.inert import md_cell, md_code, md_text
-from memdiff.predict.whatif import DeviceWhatIf, WhatIf
+from memdiff.predict.whatif import WhatIf
 from memdiff.render.json import dumps
-from memdiff.units import format_bytes
-
-
-def _table(d: DeviceWhatIf, fmt: str, budget: bool, rerun: bool) -> str:
-    # The bytes each change edited whose category is memdiff's guess (W016), where any change has them.
-    guessed = any(c.applies and c.guessed_bytes for c in d.changes)
-    rows: List[List[str]] = []
-    for c in d.changes:
-        if not c.applies:
-            continue
-        row = [c.change, format_bytes(c.predicted_peak_bytes or 0)]
-        row += [format_bytes(c.reserved_peak_bytes or 0)] if rerun else []
-        row += [c.predicted_peak_phase or "before the trace", format_bytes(c.delta_bytes or 0, signed=True),
-                c.delta_pct_text]
-        row += [format_bytes(c.guessed_bytes) if c.guessed_bytes else ""] if guessed else []
-        if budget:
-            row.append(c.fits_text)
-        rows.append(row)
-    headers = ((["change", "re-run peak", "reserved", "phase", "delta", "%"] if rerun
-                else ["change", "predicted peak", "phase", "delta", "%"])
-               + (["on a guessed category"] if guessed else []) + (["fits"] if budget else []))
-    if fmt == "github":  # markdown escapes every cell: the change is the user's text
-        rows = [[md_cell(c) for c in row] for row in rows]
-    return tabulate(rows, headers=headers, tablefmt=fmt,
-                    colalign=("left", "right") + (("right",) if rerun else ()) + ("left", "right", "right")
-                    + (("right",) if guessed else ()) + (("left",) if budget else ()))
-
-
+from memdiff.render.table import layout
 
 
 def render_text(w: WhatIf) -> str:
@@ -48,12 +18,13 @@ def render_text(w: WhatIf) -> str:
     out += [shown(n) for n in w.notes]
     for d in w.devices:
         out += ["", d.headline]
-        if any(c.applies for c in d.changes):
-            out += ["", _table(d, "simple", w.budget_bytes is not None, bool(w.rerun_on))]
+        table = w.table(d)
+        if table is not None:
+            out += ["", layout(table, "simple")]
         if d.findings:
             out += [""] + [shown(f) for f in d.findings]
         assumed = [f"  {c.change}: {a}" for c in d.changes for a in c.assumptions]
-        out += ["", "made:" if w.rerun_on else "assumed:", *assumed] if assumed else []
+        out += ["", f"{w.assumed_word}:", *assumed] if assumed else []
     return "\n".join(out) + "\n"
 
 
@@ -65,13 +36,14 @@ def render_markdown(w: WhatIf) -> str:
     out += ["", *(f"> `{n.code}` {md_text(n.text)}" for n in w.notes)] if w.notes else []
     for d in w.devices:
         out += ["", f"**{md_text(d.headline)}**", ""]
-        if any(c.applies for c in d.changes):
-            out += [_table(d, "github", w.budget_bytes is not None, bool(w.rerun_on)), ""]
+        table = w.table(d)
+        if table is not None:  # markdown escapes every cell: the change is the user's text
+            out += [layout(table, "github", md_cell), ""]
         out += [f"> `{f.code}` {md_text(f.message)}" for f in d.findings]
         assumed = [f"- {md_code(c.change)}: {md_text(a)}" for c in d.changes for a in c.assumptions]
         if assumed:
-            what = "made" if w.rerun_on else "assumed"
-            out += ["", f"<details><summary>what each change {what}</summary>", "", *assumed, "", "</details>"]
+            out += ["", f"<details><summary>what each change {w.assumed_word}</summary>", "", *assumed, "",
+                    "</details>"]
     return "\n".join(out) + "\n"
 
 
@@ -86,8 +58,9 @@ def render_html(w: WhatIf) -> str:
     body += [f"<p class=note>{n.code} {html.escape(n.text)}</p>" for n in w.notes]
     for d in w.devices:
         body.append(f"<h2>{html.escape(d.headline)}</h2>")
-        if any(c.applies for c in d.changes):
-            body.append(_table(d, "html", w.budget_bytes is not None, bool(w.rerun_on)))
+        table = w.table(d)
+        if table is not None:
+            body.append(layout(table, "html"))
         body += [f"<p class=note>{f.code} {html.escape(f.message)}</p>" for f in d.findings]
         body.append("<ul>" + "".join(f"<li><b>{html.escape(c.change)}</b>: {html.escape(a)}</li>"
                                      for c in d.changes for a in c.assumptions) + "</ul>")

@@ -9,7 +9,7 @@ from typing import List, Optional, Sequence
 from memdiff.compare.differ import DeviceDiff, Diff, DiffRow
 from memdiff.compare.judge import Check, FindingCheck, Verdict
 from memdiff.compare.observe import PEAK
-from memdiff.model import Finding, Frame, Summary
+from memdiff.model import Finding, Frame, Summary, Table
 from memdiff.units import change_text, count_of, format_bytes
 
 DEFAULT_TOP = 20
@@ -67,15 +67,6 @@ def moment_name(at: str) -> str:
 
 
 # --- what crosses to the renderers -----------------------------------------------------------
-
-@dataclass
-class Table:
-    """A table as every output shows it: headers, cells, and which columns read left-aligned."""
-
-    headers: List[str]
-    rows: List[List[str]]
-    left: List[int] = field(default_factory=lambda: [0])
-
 
 @dataclass
 class Stack:

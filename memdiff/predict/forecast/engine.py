@@ -37,7 +37,7 @@ from memdiff.compare.limits import Headroom
 from memdiff.compare.observe import where_text
 from memdiff.errors import InputError
 from memdiff.inert import scrubbed, text
-from memdiff.model import Finding, PhaseSpan, Step
+from memdiff.model import Finding, PhaseSpan, Step, Table
 from memdiff.predict.forecast.align import _lined_up, align, check_one_loop
 from memdiff.predict.forecast.course import MAX_VALUE, Course, DeviceCourse, KnobRun, _shown, read_courses, structure
 from memdiff.predict.forecast.replay import peak_of, replay, replay_course
@@ -173,6 +173,44 @@ class DeviceForecast:
         """The peak at the first requested value."""
         return self.predictions[0].peak_bytes
 
+    # The tables every format shows, their cells worded here (a property each: the JSON keeps its figures).
+    @property
+    def runs_table(self) -> Table:
+        """Each run as measured, whether it was fitted, and its leave-one-out prediction and error."""
+        rows = [[os.path.basename(r.file), f"{r.value:,}", format_bytes(r.actual_peak_bytes), r.actual_phase or "",
+                 r.fitted_text, "" if r.predicted_peak_bytes is None else format_bytes(r.predicted_peak_bytes),
+                 r.error_text] for r in self.runs]
+        return Table(["run", "value", "peak", "phase", "fitted", "predicted without it", "error"], rows,
+                     left=[0, 3, 4])
+
+    @property
+    def predictions_table(self) -> Table:
+        """Each requested value's predicted peak, its phase, and the peak of each training phase there."""
+        phases = [name for name in ("forward", "backward", "optimizer")
+                  if any(name in p.phase_peaks for p in self.predictions)]
+        rows = [[f"{p.value:,}", format_bytes(p.peak_bytes), p.phase or "",
+                 *[format_bytes(p.phase_peaks.get(name, 0)) for name in phases]] for p in self.predictions]
+        return Table(["value", "predicted peak", "phase", *phases], rows, left=[2])
+
+    @property
+    def categories_table(self) -> Table:
+        """The categories live at the first value's predicted peak, and the form each grows by."""
+        p = self.predictions[0]
+        return Table(["category", f"at {p.value:,}", "form"],
+                     [[name, format_bytes(b), self.forms.get(name, "")] for name, b in p.categories.items()],
+                     left=[0, 2])
+
+    @property
+    def sites_table(self) -> Table:
+        """The sites growing most at the first value's predicted peak: their growth between the two largest
+        fitted runs, their bytes in the largest run and at the value."""
+        p = self.predictions[0]
+        low, high = self.growth_between
+        rows = [[s.site, s.category, s.form, s.runs_growth_text, format_bytes(s.largest_run_bytes),
+                 format_bytes(s.bytes), format_bytes(s.growth_bytes, signed=True)] for s in p.sites]
+        return Table(["growing site", "category", "form", f"{low:,} to {high:,}", "largest run", f"at {p.value:,}",
+                      "growth"], rows, left=[0, 1, 2])
+
 
 @dataclass
 class HeadroomCheck:
@@ -208,6 +246,11 @@ class Forecast:
     def runs(self) -> List[Tuple[str, int]]:
         """Each run as every format names it: its file name without its folder, and its knob value."""
         return [(os.path.basename(name), value) for name, value in zip(self.files, self.knob_values)]
+
+    @property
+    def runs_said(self) -> List[Tuple[str, str]]:
+        """`runs`, the value as every format writes it (`1,024`)."""
+        return [(name, f"{value:,}") for name, value in self.runs]
 
     def to_dict(self) -> Dict[str, Any]:
         """The JSON document (schemas/forecast.schema.json)."""

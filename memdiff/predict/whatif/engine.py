@@ -32,7 +32,7 @@ from memdiff.compare.findings import finding
 from memdiff.compare.observe import where_text
 from memdiff.errors import InputError
 from memdiff.inert import scrubbed
-from memdiff.model import DeviceSummary, Finding, PhaseSpan, Step
+from memdiff.model import DeviceSummary, Finding, PhaseSpan, Step, Table
 from memdiff.predict.forecast.course import DeviceCourse, read_course, structure
 from memdiff.predict.forecast.replay import replay_course
 from memdiff.predict.overhead import Overhead, budget_note, device_overhead
@@ -153,6 +153,33 @@ class WhatIf:
     def heading(self) -> str:
         """`memdiff whatif run.pickle (re-run on ...)`: what the text and the page open with (the budget follows)."""
         return f"memdiff whatif {self.run_name}" + (f" {self.how}" if self.how else "")
+
+    @property
+    def assumed_word(self) -> str:
+        """What the changes' lists say they did: `made` (re-run: the script was changed) or `assumed` (a replay)."""
+        return "made" if self.rerun_on else "assumed"
+
+    def table(self, d: DeviceWhatIf) -> Optional[Table]:
+        """The device's changes that apply as every format's table: the peak after each (and a re-run's reserved
+        peak), its phase, the delta, the bytes on a guessed category (W016) where any change has them, and
+        whether it fits --budget; None when no change applies."""
+        applied = [c for c in d.changes if c.applies]
+        if not applied:
+            return None
+        guessed = any(c.guessed_bytes for c in applied)
+        budget, rerun = self.budget_bytes is not None, bool(self.rerun_on)
+        rows: List[List[str]] = []
+        for c in applied:
+            row = [c.change, format_bytes(c.predicted_peak_bytes or 0)]
+            row += [format_bytes(c.reserved_peak_bytes or 0)] if rerun else []
+            row += [c.predicted_peak_phase or "before the trace", format_bytes(c.delta_bytes or 0, signed=True),
+                    c.delta_pct_text]
+            row += [format_bytes(c.guessed_bytes) if c.guessed_bytes else ""] if guessed else []
+            row += [c.fits_text] if budget else []
+            rows.append(row)
+        headers = ((["change", "re-run peak", "reserved", "phase"] if rerun else ["change", "predicted peak", "phase"])
+                   + ["delta", "%"] + (["on a guessed category"] if guessed else []) + (["fits"] if budget else []))
+        return Table(headers, rows, left=[0, headers.index("phase")] + ([len(headers) - 1] if budget else []))
 
     def to_dict(self) -> Dict[str, Any]:
         """The JSON document (schemas/whatif.schema.json)."""
