@@ -177,19 +177,21 @@ def test_no_module_is_over_800_lines():
     assert long == {}
 
 
-# The renderers of the diff, the gate, the trend and the peak lay the report out: a size or a
-# count in words (memdiff.units) is the report stage's, so every output says it alike.
-WORDLESS_RENDERERS = ("memdiff.render.text", "memdiff.render.markdown", "memdiff.render.html",
-                      "memdiff.render.table")
+# Every renderer (the diff's, the gate's, the trend's, the peak's, the forecast's, the what-if's, the fit's
+# and its page's) lays a report out: a size or a count in words (memdiff.units) is the report stage's, so
+# every output says it alike.
+RENDERERS = sorted(m for m in _modules() if m.startswith("memdiff.render."))
 
 
 def _wording_imports(name: str) -> List[str]:
     modules = _modules()
-    return [m for m in _imports(ast.parse(modules[name].read_text(encoding="utf-8")), modules)
-            if m == "memdiff.units"]
+    return sorted({m for m in _imports(ast.parse(modules[name].read_text(encoding="utf-8")), modules)
+                   if m == "memdiff.units"})
 
 
-def test_the_diff_and_peak_renderers_word_no_size_or_count():
-    assert {name: _wording_imports(name) for name in WORDLESS_RENDERERS} == {name: [] for name in WORDLESS_RENDERERS}
-    # control: the forecast's renderer still words its sizes, and the check sees it
-    assert _wording_imports("memdiff.render.forecast") == ["memdiff.units"]
+def test_no_renderer_words_a_size_or_count():
+    assert {"memdiff.render.forecast", "memdiff.render.whatif", "memdiff.render.fit",
+            "memdiff.render.fit_html", "memdiff.render.text"} <= set(RENDERERS)
+    assert {name: _wording_imports(name) for name in RENDERERS} == {name: [] for name in RENDERERS}
+    # control: the report stage's headline words its sizes, and the check sees it
+    assert _wording_imports("memdiff.report.headline") == ["memdiff.units"]

@@ -37,7 +37,16 @@ from memdiff.errors import InputError, clip
 from memdiff.inert import text
 from memdiff.model import Finding
 from memdiff.numbers import whole_number
-from memdiff.predict.fit_notes import LONG_RUN_S, failed_above, gpu_details, knob_line, long_run
+from memdiff.predict.fit_notes import (
+    LARGEST,
+    LONG_RUN_S,
+    SMALLEST,
+    failed_above,
+    fit_words,
+    gpu_details,
+    knob_line,
+    long_run,
+)
 from memdiff.recording.emulate.gpus import Gpu
 from memdiff.recording.fit_lightning import WHOLE_JOB_RANKS as WHOLE_JOB_RANKS  # which launched jobs run whole
 from memdiff.recording.fit_lightning import splits
@@ -55,7 +64,6 @@ MARGIN = 0.9
 # below the boundary, the forecast's own and its neighbour, and a step from it (docs/fit.md: 6 runs on the
 # MLP and on the 1B Llama's H100) all go where the forecast puts them before the cap moves any.
 GUIDED_RUNS = 4
-LARGEST, SMALLEST = "largest", "smallest"
 # `{nproc}`: the processes a launcher starts (`torchrun --nproc-per-node {nproc}`), searched for the fewest
 # that fit, over one node's GPUs unless --range says otherwise. `{nodes}` (`--nnodes {nodes}`) and the
 # parallel degrees `{tp}`, `{pp}`, `{dp}` are searched so too: each rank holds less with more of them.
@@ -162,6 +170,7 @@ class FitResult:
     # as there are more of them, so the answer is the fewest processes on which every rank fits)
     direction: str = "largest"
     knob_line = property(knob_line, doc="The values searched, and what fits under --max-memory (fit_notes.knob_line).")
+    words = property(fit_words, doc="The table, the page's charts and the lines around them (fit_notes.fit_words).")
 
     @property
     def verdict_line(self) -> Optional[str]:
