@@ -528,7 +528,8 @@ def test_each_gpus_runs_are_the_results_sentences_in_text_markdown_and_page():
     """Where the fitting and the failing value peak, why the failing one failed (over --max-memory's limit) and
     each run were worded by the text renderer and shown only in the text; the result holds them for every format."""
     from memdiff.predict.fit import FitResult, GpuFit
-    from memdiff.render.fit import render_markdown, render_text
+    from memdiff.read.schema import validate
+    from memdiff.render.fit import render_json, render_markdown, render_text
     from memdiff.render.fit_html import render_fit_html
 
     capacity = 23_570_219_008 - 267_386_880  # an L4's memory less its CUDA context
@@ -556,3 +557,9 @@ def test_each_gpus_runs_are_the_results_sentences_in_text_markdown_and_page():
     assert f"    - {over}" in md.splitlines() and "  - runs: 40 fits (halving), 41 over-limit (neighbour)" in md
     assert f'<li class="mono">{over}</li>' in page and "<li>runs: 40 fits (halving), 41 over-limit (neighbour)" in page
     assert "0.9 of the capacity" in page  # the knob line, as the text's `knob` and the markdown's
+    # The JSON carried the line and not these sentences (its schema forbade the key): now the same lines.
+    doc = json.loads(render_json(result))
+    assert doc["gpus"][0]["details"] == g.details and validate("fit.json", doc, "fit") == doc
+    # added within schema_version 1: a fit result written before it (no details) still reads as a baseline
+    del doc["gpus"][0]["details"]
+    assert validate("old-fit.json", doc, "fit") == doc

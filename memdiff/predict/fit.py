@@ -186,7 +186,8 @@ class FitResult:
                 "max_memory": self.max_memory,
                 "runs": self.runs, "seconds": round(self.seconds, 2), "output": self.output,
                 "gpus": [{**asdict(g), "fits": None if g.fits is None else asdict(g.fits),
-                          "fails": None if g.fails is None else asdict(g.fails)} for g in self.gpus],
+                          "fails": None if g.fails is None else asdict(g.fails), "details": g.details}
+                         for g in self.gpus],
                 "baseline": self.baseline, "passed": self.passed,
                 "findings": [f.to_dict() for f in self.findings]}
 
