@@ -27,33 +27,22 @@ import multiprocessing
 import os
 import re
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from itertools import zip_longest
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-from memdiff import __version__
 from memdiff.atomic import make_folder
 from memdiff.errors import InputError, clip
 from memdiff.inert import text
-from memdiff.model import Finding
 from memdiff.numbers import whole_number
-from memdiff.predict.fit_notes import (
-    LARGEST,
-    LONG_RUN_S,
-    SMALLEST,
-    failed_above,
-    fit_words,
-    gpu_details,
-    knob_line,
-    long_run,
-)
+from memdiff.predict.fit_notes import LONG_RUN_S, failed_above, long_run
+from memdiff.predict.fit_result import LARGEST, SMALLEST, FitResult, FitRun, GpuFit, Grid
 from memdiff.recording.emulate.gpus import Gpu
 from memdiff.recording.fit_lightning import WHOLE_JOB_RANKS as WHOLE_JOB_RANKS  # which launched jobs run whole
 from memdiff.recording.fit_lightning import splits
 from memdiff.recording.fitrun import FIRST_NODE, FITS, OOM, checked, child, finished, launched_child, stop
 from memdiff.units import format_bytes
 
-SCHEMA_VERSION = 1
 PLACEHOLDER = re.compile(r"\{([A-Za-z_][A-Za-z0-9_]*)\}")
 DEFAULT_RANGE = (1, 4096)
 OVER_LIMIT = "over-limit"  # ran, but its reserved peak passed --max-memory's share of the GPU
@@ -70,126 +59,6 @@ GUIDED_RUNS = 4
 NPROC, NODES = "nproc", "nodes"
 FEWEST_KNOBS = (NPROC, NODES, "tp", "pp", "dp")
 FEWEST_RANGE = (1, 8)
-# The grid is a list the search indexes and walks: `--range batch=1:10000000000` would build ten
-# billion values before the first run (2**70: an OverflowError). A million is a sequence length of
-# 1:1M by ones, about 40 MB.
-MAX_GRID_VALUES = 1 << 20
-
-
-@dataclass(frozen=True)
-class Grid:
-    """The values a knob may take: the multiples of `multiple` in [low, high], or its powers of two."""
-
-    name: str
-    low: int
-    high: int
-    multiple: int = 1
-    pow2: bool = False
-
-    def values(self) -> List[int]:
-        """Every value, smallest first; InputError past MAX_GRID_VALUES."""
-        if self.pow2:
-            return [1 << k for k in range(self.high.bit_length()) if self.low <= 1 << k <= self.high]
-        first = -(-self.low // self.multiple) * self.multiple
-        count = max(0, (self.high - first) // self.multiple + 1)
-        if count > MAX_GRID_VALUES:
-            raise InputError("--range", f"{self.describe()} holds {count:,} values, and fit searches at most "
-                                        f"{MAX_GRID_VALUES:,}: narrow --range, or give --multiple N or --pow2")
-        return list(range(first, self.high + 1, self.multiple))
-
-    def describe(self) -> str:
-        """The grid in words: `batch in 1..4096, multiples of 8`."""
-        kind = ", powers of two" if self.pow2 else f", multiples of {self.multiple}" if self.multiple > 1 else ""
-        return f"{self.name} in {self.low:,}..{self.high:,}{kind}"
-
-
-@dataclass
-class FitRun:
-    """One emulated run of the fit: a GPU, a value, how it ended and what it used."""
-
-    gpu: str
-    value: int
-    outcome: str  # FITS, OOM or OVER_LIMIT
-    snapshot: str
-    log: str
-    peak_bytes: Optional[int]
-    reserved_peak_bytes: Optional[int]
-    phase: Optional[str]
-    step: Optional[int]
-    site: Optional[str]
-    oom_message: Optional[str]
-    seconds: float
-    cpu_seconds: float  # the run's process, user and system, the summary of its snapshot included
-    why: str  # the probe's reason: "smallest values", "ascending", "forecast", "neighbour", "halving", "doubling"
-    # a launched job run as its picked ranks (--ranks auto): those ranks, and the job's size; None: run whole
-    ranks_run: Optional[List[int]] = None
-    world_size: Optional[int] = None
-    ranks_how: Optional[str] = None  # with ranks_run: ONE_PER_ROLE or FIRST_NODE (fitrun.py)
-
-    @property
-    def fits(self) -> bool:
-        """Whether the value fits."""
-        return self.outcome == FITS
-
-
-@dataclass
-class GpuFit:
-    """The answer for one GPU: the largest value that fits, its run, and the first run that did not."""
-
-    gpu: str
-    name: str
-    capacity_bytes: int  # what PyTorch's allocator can reserve there (total memory less the CUDA context)
-    limit_bytes: int  # --max-memory's share of it: a run fits when its reserved peak stays within
-    value: Optional[int]  # None: not even the smallest value fits
-    fits: Optional[FitRun]
-    fails: Optional[FitRun]  # the next value up, run; None when the top of the range fits
-    headroom_bytes: Optional[int]  # capacity less the fitting run's reserved peak
-    runs: List[FitRun]
-    forecasts: List[str]  # each forecast made, in words
-    line: str  # the answer in one line
-    details = property(gpu_details, doc="The GPU's runs in sentences, every format's (fit_notes.gpu_details).")
-
-
-@dataclass
-class FitResult:
-    """The whole fit, every number and sentence any output shows."""
-
-    command: List[str]
-    knob: str
-    grid: Grid
-    max_memory: float
-    gpus: List[GpuFit]
-    runs: int
-    seconds: float
-    output: str
-    findings: List[Finding] = field(default_factory=list)  # the gate's, with a baseline
-    baseline: Optional[str] = None
-    passed: Optional[bool] = None  # the gate's verdict, with a baseline
-    tool: str = f"memdiff {__version__}"
-    # LARGEST (a batch: memory grows with it) or SMALLEST ({nproc}: a sharded job's ranks each hold less
-    # as there are more of them, so the answer is the fewest processes on which every rank fits)
-    direction: str = "largest"
-    knob_line = property(knob_line, doc="The values searched, and what fits under --max-memory (fit_notes.knob_line).")
-    words = property(fit_words, doc="The table, the page's charts and the lines around them (fit_notes.fit_words).")
-
-    @property
-    def verdict_line(self) -> Optional[str]:
-        """The gate's verdict as every format says it (`PASS  fit against fit.json`); None without a baseline."""
-        if self.passed is None:
-            return None
-        return f"{'PASS' if self.passed else 'FAIL'}  fit against {self.baseline}"
-
-    def to_dict(self) -> Dict[str, Any]:
-        """The JSON document (schemas/fit.schema.json)."""
-        return {"schema_version": SCHEMA_VERSION, "kind": "fit", "tool": self.tool, "command": self.command,
-                "knob": self.knob, "direction": self.direction, "grid": asdict(self.grid),
-                "max_memory": self.max_memory,
-                "runs": self.runs, "seconds": round(self.seconds, 2), "output": self.output,
-                "gpus": [{**asdict(g), "fits": None if g.fits is None else asdict(g.fits),
-                          "fails": None if g.fails is None else asdict(g.fails), "details": g.details}
-                         for g in self.gpus],
-                "baseline": self.baseline, "passed": self.passed,
-                "findings": [f.to_dict() for f in self.findings]}
 
 
 # ---------------------------------------------------------------- the command and its knob

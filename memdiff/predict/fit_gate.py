@@ -15,7 +15,8 @@ from typing import Any, Dict, List, Optional, Tuple
 from memdiff.compare.findings import finding
 from memdiff.errors import InputError, clip
 from memdiff.model import Finding
-from memdiff.predict.fit import LARGEST, NODES, NPROC, SCHEMA_VERSION, SMALLEST, FitResult
+from memdiff.predict.fit import NODES, NPROC
+from memdiff.predict.fit_result import LARGEST, SCHEMA_VERSION, SMALLEST, FitResult
 
 
 def is_fit_document(doc: Any) -> bool:

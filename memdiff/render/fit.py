@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from memdiff.compare.findings import shown
 from memdiff.inert import md_cell, md_code, md_text
-from memdiff.predict.fit import FitResult
 from memdiff.predict.fit_gate import FitGate
+from memdiff.predict.fit_result import FitResult
 from memdiff.render.json import dumps
 from memdiff.render.table import layout
 

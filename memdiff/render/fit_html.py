@@ -14,8 +14,7 @@ from typing import List
 
 from tabulate import tabulate
 
-from memdiff.predict.fit import FitResult, GpuFit
-from memdiff.predict.fit_notes import FitChart
+from memdiff.predict.fit_result import FitChart, FitResult, GpuFit
 
 WIDTH, HEIGHT = 720, 300
 LEFT, RIGHT, TOP, BOTTOM = 78, 16, 14, 34  # the plot area's margins: the axes' labels sit in them
