@@ -6,8 +6,7 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
-
-import pytest
+import time
 
 from memdiff.commands.record import _Forwarding
 from memdiff.recording.capture import sigint_held
@@ -43,29 +42,28 @@ def test_a_ctrl_c_while_a_snapshot_is_written_is_held_not_raised():
 
 
 def test_fit_stopping_a_launched_run_passes_the_ctrl_c_on_to_memdiff_record(tmp_path):
-    # fit stops a value it no longer needs with Ctrl-C; the run's `memdiff record` of a launched job
-    # (torchrun ...) must get it, to stop the launcher and its ranks and write what they recorded.
-    # subprocess.run killed it instead, and torchrun and its ranks ran on, orphaned, to their end.
-    import os
-    import threading
-    import time
-
-    from memdiff.recording.fitrun import _wait_passing_interrupt
-
+    # fit stops a value it no longer needs with Ctrl-C to the process running it; that run's `memdiff
+    # record` of a launched job (torchrun ...) must get it, to stop the launcher and its ranks and write
+    # what they recorded. subprocess.run killed it instead, and torchrun and its ranks ran on, orphaned.
+    # Both stand in as processes of their own, as fit's are (a signal reaches a process's main thread).
     ready, said = tmp_path / "ready", tmp_path / "said"
-    record = subprocess.Popen([sys.executable, "-c", (
-        "import signal, sys, time\n"
-        f"def stop(*_):\n    open({str(said)!r}, 'w').write('interrupted')\n    sys.exit(130)\n"
-        "signal.signal(signal.SIGINT, stop)\n"
-        f"open({str(ready)!r}, 'w').close()\n"
-        "time.sleep(3600)\n")])
-
-    def fit_stops_it() -> None:  # once the run is under way: this process is waiting for it by then
-        while not ready.exists() and record.poll() is None:
-            time.sleep(0.05)
-        os.kill(os.getpid(), signal.SIGINT)
-
-    threading.Thread(target=fit_stops_it, daemon=True).start()
-    with pytest.raises(KeyboardInterrupt):  # raised on, for fit's run to end as interrupted
-        _wait_passing_interrupt(record)
-    assert record.returncode == 130 and said.read_text() == "interrupted"  # ended by the Ctrl-C, not killed
+    record = ("import signal, sys, time\n"
+              f"def stop(*_):\n    open({str(said)!r}, 'w').write('interrupted')\n    sys.exit(130)\n"
+              "signal.signal(signal.SIGINT, stop)\n"
+              f"open({str(ready)!r}, 'w').close()\n"
+              "time.sleep(3600)\n")
+    run = subprocess.Popen([sys.executable, "-c", (
+        "import subprocess, sys\n"
+        "from memdiff.recording.fitrun import _wait_passing_interrupt\n"
+        f"record = subprocess.Popen([sys.executable, '-c', {record!r}])\n"
+        "try:\n    _wait_passing_interrupt(record)\n"
+        "except KeyboardInterrupt:\n    print('interrupted', record.returncode)\n")],
+        stdout=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 600
+    while not ready.exists():  # the run is under way, waiting for its record by then
+        assert run.poll() is None and time.monotonic() < deadline
+        time.sleep(0.05)
+    run.send_signal(signal.SIGINT)  # fit's stop
+    out, _ = run.communicate(timeout=600)
+    assert out.split() == ["interrupted", "130"]  # raised on, for fit's run to end as interrupted
+    assert said.read_text() == "interrupted"  # record ended by the Ctrl-C, not killed
