@@ -212,6 +212,17 @@ def reserved_after(path: Path, device: int, index: int) -> int:
     return held - sum(sign.get(e["action"], 0) * e["size"] for e in snap["device_traces"][device][index + 1:])
 
 
+def read_back(n: int) -> float:
+    """The number the `n`-th read (from 0) of a run's device floats without values gives under
+    `memdiff record --emulate`, written from the policy docs/emulate.md states ("Values read back"), not
+    from memdiff's code: 0.5, halved every 65,536 reads (2^(-n/65,536)), as a float32 number, never
+    below float32's smallest normal number."""
+    import torch
+
+    tiny = torch.finfo(torch.float32).tiny
+    return float(torch.tensor(max(0.5 * 2.0 ** (-n / 65536), tiny), dtype=torch.float32))
+
+
 def kept_write(kept: Path, path: Any) -> Path:
     """Where the file an emulated run wrote at `path` lies in the overlay that `memdiff record
     --keep-writes kept` kept: its upper layer holds each write under its absolute path

@@ -17,7 +17,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from conftest import missing_capture_dependency
+from conftest import missing_capture_dependency, read_back
 from test_record_ranks import free_port, torchrun
 
 from memdiff.analyse.classify import load_rules
@@ -509,14 +509,44 @@ PSNR = textwrap.dedent("""
 
 def test_metrics_from_values_read_back_compute_as_on_a_gpu(torch, tmp_path):
     # `1 / mse.item()` raised ZeroDivisionError: values read back were 0.0. An unknown float reads back
-    # as its dtype's smallest normal number, uninitialised memory as zeros, known values as they are.
+    # as the next number of docs/emulate.md's falling sequence (three reads an epoch: the PSNR's, the
+    # best's, the printed loss's), uninitialised memory as zeros, known values as they are.
     (tmp_path / "train.py").write_text(PSNR)
     done = _emulated(tmp_path, "run.pickle", sys.executable, "train.py")
     assert done.returncode == 0, done.stderr[-3000:]
-    tiny = torch.finfo(torch.float32).tiny
-    psnr = 10 * math.log10(1 / tiny)
-    assert done.stdout.splitlines() == [f"epoch {e} loss 0.0000 psnr {psnr!r} best {tiny!r}" for e in (0, 1)] + \
-        ["uninitialised [0, 0, 0] 0.0 labels 3"]
+    assert done.stdout.splitlines() == [
+        f"epoch {e} loss {read_back(3 * e + 2):.4f} psnr {10 * math.log10(1 / read_back(3 * e))!r} "
+        f"best {read_back(3 * e + 1)!r}" for e in (0, 1)] + ["uninitialised [0, 0, 0] 0.0 labels 3"]
+    # the best loss improved, as a real run's does in its first epochs, and printed as a real one is
+    assert read_back(4) < read_back(1) and done.stdout.startswith("epoch 0 loss 0.5000 psnr 3.0102999566398")
+
+
+def test_a_save_gated_on_a_lower_validation_loss_runs_where_a_real_run_saves(torch, tmp_path):
+    # llama2.c's and nanoGPT's train.py save `ckpt.pt` when the evaluation's loss is below the best so
+    # far, never at iteration 0 (tests/scenarios/save_best.py, their loop in miniature). Every unknown
+    # float read back the same number: the step-0 evaluation set the best, the later ones only equalled
+    # it, and the save (torch.save of the state dicts) never ran under the emulator. Each read is now
+    # lower than the last: the evaluations improve, as on the CPU, and the save runs into the overlay.
+    script = Path(__file__).resolve().parent / "scenarios" / "save_best.py"
+    real = subprocess.run([sys.executable, str(script), "--device", "cpu", "--out", "real"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert real.returncode == 0, real.stderr[-3000:]
+    facts = json.loads(real.stdout.splitlines()[-1].split(" ", 1)[1])
+    assert facts["saved_at"] == [2, 4]  # PyTorch's own run: its loss falls, it saves at each later evaluation
+    saved = torch.load(tmp_path / "real" / "ckpt.pt")
+    tensors = [t for part in (saved["model"], *saved["optimizer"]["state"].values()) for t in part.values()]
+    stored = sum(t.untyped_storage().nbytes() for t in tensors) + saved["best_val_loss"].untyped_storage().nbytes()
+    assert stored == facts["checkpoint_tensor_bytes"] == 3 * facts["weights_bytes"] + 8 * 4
+
+    done = _emulated(tmp_path, "run.pickle", sys.executable, str(script))
+    assert done.returncode == 0, done.stderr[-3000:]
+    emulated = json.loads(done.stdout.splitlines()[-1].split(" ", 1)[1])
+    assert emulated == facts
+    assert done.stdout.count("saved ckpt.pt") == 2
+    # the save ran: memdiff names the file with the tensor bytes the real run wrote, and the user's
+    # folder holds none of it
+    assert f"created out/ckpt.pt (1.13 MiB, {stored:,} bytes of tensor data, not written" in done.stderr
+    assert not (tmp_path / "out").exists()
 
 
 # ultralytics' select_device("0,1"): CUDA_VISIBLE_DEVICES set by the script, then the GPUs counted.

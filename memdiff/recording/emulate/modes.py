@@ -35,7 +35,7 @@ from memdiff.recording.emulate import (
 from memdiff.recording.emulate.devices import cuda_index, first_meta
 from memdiff.recording.emulate.escapes import called_at, op_refusal
 from memdiff.recording.emulate.runtime import ALL_ELEMENTS_OPS, HERE, EmulationError, Emulator, op_name, python_frames
-from memdiff.recording.emulate.values import Values, read_back_host, read_back_scalar
+from memdiff.recording.emulate.values import Values
 
 META = torch.device("meta")
 TensorBase = torch._C.TensorBase
@@ -509,11 +509,11 @@ class AllocMode(TorchDispatchMode):
                 return read[0]
         elif base == "copy_" and len(args) > 1 and _is_meta(args[1]) and isinstance(first, torch.Tensor):
             # A host tensor filled from the device: its known values (a size DDP checks, a count), else
-            # what a host copy reads (values.read_back_host).
+            # what a host copy reads (Values.read_back_host).
             known = self.values.of(args[1])
             if known is not None and known.shape == first.shape:
                 return first.copy_(known)
-            return first.fill_(read_back_scalar(first.dtype))
+            return first.fill_(self.values.read_back_scalar(first.dtype))
         if _is_meta(first):
             dtypes.check(base, args)  # CUDA's kernels refuse two dtypes where the meta kernels go on
         kernel = rnn.KERNELS.get(base)
@@ -614,12 +614,12 @@ class AllocMode(TorchDispatchMode):
         if base == "_local_scalar_dense":
             if known is not None:
                 return (known.item(),)
-            return (read_back_scalar(first.dtype),)
+            return (self.values.read_back_scalar(first.dtype),)
         if base == "_to_copy" and kwargs.get("device") is not None and torch.device(kwargs["device"]).type == "cpu":
             dtype = kwargs.get("dtype") or first.dtype
             if known is not None:
                 return (known.to(dtype=dtype, copy=True),)
-            return (read_back_host(tuple(first.shape), dtype),)
+            return (self.values.read_back_host(tuple(first.shape), dtype),)
         return None
 
     def sized_by_values(self, func: Any, base: str, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:

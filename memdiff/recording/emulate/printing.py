@@ -20,7 +20,7 @@ from typing import Any, Optional
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
-from memdiff.recording.emulate.values import MAX_ELEMENTS, read_back_host
+from memdiff.recording.emulate.values import MAX_ELEMENTS
 
 
 def formatted(mode: Any, t: torch.Tensor, spec: str) -> str:
@@ -36,18 +36,18 @@ def printed(mode: Any, t: torch.Tensor, contents: Optional[str] = None) -> str:
     """`repr(t)` of emulated device tensor `t`, as torch prints it on the GPU, numbers as read back."""
     if contents is None:
         prefix = "tensor(" if type(t) in (torch.Tensor, torch.nn.Parameter) else f"{type(t).__name__}("
-        host = _read_back(t)
+        host = _read_back(mode, t)
         with _disable_current_modes():
             contents = torch._tensor_str._tensor_str(host, len(prefix))
     with torch.no_grad(), mode:
         return torch._tensor_str._str_intern(t, tensor_contents=contents)
 
 
-def _read_back(t: torch.Tensor) -> torch.Tensor:
-    """A host tensor holding what `t.cpu()` would: its known values, else values.read_back_host's. A
+def _read_back(mode: Any, t: torch.Tensor) -> torch.Tensor:
+    """A host tensor holding what `t.cpu()` would: its known values, else Values.read_back_host's. A
     tensor too large to have known values is that without being made (a GPU's print reads only the
     elements it shows)."""
     with torch.no_grad():
         if t.numel() <= MAX_ELEMENTS:
             return t.detach().to("cpu")
-        return read_back_host((), t.dtype).expand(t.shape)
+        return mode.emulator.values.read_back_host((), t.dtype).expand(t.shape)

@@ -11,8 +11,10 @@ The script is not changed. Two of torch's own hooks do the work:
   script's Python frames and the op's name, and is freed when torch frees the storage. Kernel
   workspaces and temporaries come from kernels.json.
 
-Nothing is computed: values read back from the device (`loss.item()`, `bool(t)`, `.cpu()`) are
-zeros, and ops whose output size depends on values (`nonzero`) take every element. The snapshot
+Nothing of the model is computed: values read back from the device that the emulator does not keep
+(`loss.item()`, `bool(t)`, `.cpu()`) follow values.py's policy (a float falls with every read, an
+integer is 0, a bool false), and ops whose output size depends on values (`nonzero`) take every
+element. The snapshot
 is PyTorch's own format, marked `emulated` with the GPU named.
 """
 

@@ -21,8 +21,10 @@ parameters, which have no values (a parameter is not the tensor it was made from
 not made; nor are large ones (dropout's masks), whose host memory would be the device's.
 
 What a read-back gives where there is no value to read is one policy (docs/emulate.md, "Values read
-back"): a Python number (`.item()`, `float(t)`, a format) is the stand-in of `read_back_scalar`, a
-host copy (`.cpu()`, `.numpy()`, `.tolist()`) holds that number in every element, uninitialised
+back"): a Python number (`.item()`, `float(t)`, a format) is the stand-in of `Values.read_back_scalar`,
+for a float a number that falls with every read of the run (`unknown_float`: a loss improves, as a
+short real run's does, so a save gated on it runs), a host copy (`.cpu()`, `.numpy()`, `.tolist()`)
+holds one such number in every element, uninitialised
 memory (`torch.empty`) holds zeros, and the checks for an inf or a NaN (`isfinite`, `isnan`, ...)
 answer as for finite numbers: emulated tensors hold none. An op with an input without values still has
 one where its known operands decide it alone (DECIDED): `x | True`, `x & False`, a comparison with a
@@ -71,6 +73,15 @@ TEMPLATED = {name for name in (*CONSTANTS, *UNINITIALISED) if name.endswith("_li
 # Casts and copies of a constant factory's output hold the same number (`zeros_like(x).int()`).
 CASTS = {"_to_copy", "clone"}
 CPU = torch.device("cpu")
+# What an unknown float reads back as (unknown_float): the first read of a run 0.5, each later one lower
+# by 2^(-1/65,536). A number in (0, 1) is a valid loss, probability, accuracy or mean squared error:
+# `log` of it, of `1 - x`, and `1 / x` run; `exp` of it is finite. It stays above 0.01 for the first
+# 369,876 reads, so a run's `if loss < 0.01: break` does not stop a short run at its first step (as
+# the smallest normal number, the stand-in before, did), and above 1e-3 for 587,582; float32's
+# smallest normal number is its FLOOR, from read 8,192,000 on (counted from 0), where it stays.
+FIRST_READ = 0.5
+READS_PER_HALVING = 1 << 16
+FLOOR = float(torch.finfo(torch.float32).tiny)
 # The checks for an inf or a NaN, and what each answers for a tensor of finite numbers: emulated
 # tensors hold none (the rule FINITE_CHECKS follows), so a script's `torch.isfinite(loss).all()`
 # guard passes as on a GPU whose loss is finite. Given for an output of any size, as a constant
@@ -107,6 +118,30 @@ class Values:
         # the number each constant factory's output holds until written (CONSTANTS)
         self.constants = WeakTensorKeyDictionary()
         self.generator = generator
+        # how many times the run has read back a float the emulator does not know (unknown_float)
+        self.reads = 0
+
+    def read_back_scalar(self, dtype: torch.dtype) -> Any:
+        """The Python number a device value of `dtype` the emulator does not know reads back as
+        (`.item()`): False for a bool, 0 for an integer (an index and a class any tensor has: argmax, a
+        label), and for a float (or a complex's real part) the next of unknown_float's numbers, each
+        read lower than the one before (the same float32 number whatever the float dtype: finer than
+        bfloat16's or float16's, so that successive reads still differ). A read gives the tensor no
+        value: two reads of one loss are two numbers, the second lower."""
+        if dtype == torch.bool:
+            return False
+        if not (dtype.is_floating_point or dtype.is_complex):
+            return 0
+        number = unknown_float(self.reads)
+        self.reads += 1
+        return complex(number, 0.0) if dtype.is_complex else number
+
+    def read_back_host(self, shape: Tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """The host copy (`.cpu()`, `.numpy()`, `.tolist()`, a print) of a device tensor whose values the
+        emulator does not know: one read_back_scalar number (one read) in every element, so that host
+        arithmetic on it runs where the GPU's would (`torch.multinomial(logits.exp().cpu(), 1)`
+        samples, where zeros would be no distribution at all)."""
+        return torch.full(shape, self.read_back_scalar(dtype), dtype=dtype)
 
     def handed(self, old: torch.Tensor, new: torch.Tensor) -> None:
         """What is kept of `old` (its values, a router's choices, its constant) is `new`'s from now on:
@@ -397,26 +432,13 @@ def forget_written(written: Any) -> None:
             mode.values.forget(written)
 
 
-def read_back_host(shape: Tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """The host copy (`.cpu()`, `.numpy()`, `.tolist()`, a print) of a device tensor whose values the
-    emulator does not know: every element read_back_scalar's number, so that host arithmetic on it
-    runs where the GPU's would (`torch.multinomial(logits.exp().cpu(), 1)` samples, where zeros would
-    be no distribution at all)."""
-    return torch.full(shape, read_back_scalar(dtype), dtype=dtype)
-
-
-def read_back_scalar(dtype: torch.dtype) -> Any:
-    """The Python number a device value the emulator does not know reads back as (`.item()`): False
-    for a bool, 0 for an integer (an index and a class any tensor has: argmax, a label), and for a
-    float the smallest positive normal number its dtype holds (`torch.finfo(dtype).tiny`, 1.2e-38 for
-    float32). That is zero to every printed precision and in any sum, yet Python's float arithmetic,
-    which raises where a tensor's gives inf, never divides by it as by zero nor takes its log as of
-    zero: `10 * log10(1 / mse.item())` (pytorch/examples' super_resolution) runs, as on a GPU whose
-    loss is positive."""
-    if dtype == torch.bool:
-        return False
-    if dtype.is_floating_point:
-        return float(torch.finfo(dtype).tiny)
-    if dtype.is_complex:
-        return complex(float(torch.finfo(dtype).tiny), 0.0)
-    return 0
+def unknown_float(n: int) -> float:
+    """The number the `n`-th read (from 0) of the run of a device float the emulator does not know
+    gives (docs/emulate.md, "Values read back"): FIRST_READ, then lower by 2^(-1/READS_PER_HALVING)
+    at each read (halved every READS_PER_HALVING reads), a float32 number, never below float32's
+    smallest normal number. Until that floor each read is strictly lower than every one before it in
+    float32 too (a step of about 1.06e-5 of the number, 88 float32 steps or more), so any mean or sum of later
+    reads is lower than the same of as many earlier ones: a loss averaged over an evaluation improves
+    from one evaluation to the next, as a short real run's does, and a save gated on it runs."""
+    value = max(FIRST_READ * 2.0 ** (-n / READS_PER_HALVING), FLOOR)
+    return float(torch.tensor(value, dtype=torch.float32))

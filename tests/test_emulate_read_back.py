@@ -1,0 +1,65 @@
+"""What a device float without values reads back as under the emulator (docs/emulate.md, "Values read
+back"): one number a read, each lower than the last, so that a loss improves from one evaluation to the
+next as a short real run's does. The properties are checked with PyTorch's own float32 arithmetic on
+the numbers, against the policy written in conftest.read_back from the documentation."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from conftest import read_back
+
+torch = pytest.importorskip("torch")
+
+from memdiff.recording.emulate.values import Values, unknown_float  # noqa: E402
+
+TINY = torch.finfo(torch.float32).tiny
+
+
+def test_each_float_read_is_the_next_number_and_integers_and_bools_take_none():
+    values = Values()
+    numbers = []
+    for dtype in (torch.float32, torch.int64, torch.bfloat16, torch.bool, torch.float16, torch.float64):
+        numbers.append(values.read_back_scalar(dtype))
+    # an index or a count reads 0, a flag False, and neither takes a number of the floats' sequence
+    assert numbers[1] == 0 and numbers[3] is False
+    assert [numbers[i] for i in (0, 2, 4, 5)] == [read_back(n) for n in range(4)]
+    assert values.read_back_scalar(torch.complex64) == complex(read_back(4), 0.0)
+    # a host copy is one read, its number in every element
+    host = values.read_back_host((3, 2), torch.float32)
+    assert host.tolist() == [[read_back(5)] * 2] * 3 and values.reads == 6
+    # a second emulated run starts from the first number again: the same script reads the same numbers
+    assert Values().read_back_scalar(torch.float32) == read_back(0) == 0.5
+
+
+def test_the_numbers_fall_at_every_read_in_float32_and_stop_at_its_smallest_normal_number():
+    samples = [0, 1, 65535, 65536, 65537, 369_875, 4_000_000, 8_191_998]
+    for n in samples:
+        here, after = torch.tensor([unknown_float(n), unknown_float(n + 1)], dtype=torch.float32)
+        assert unknown_float(n) == read_back(n)
+        # each read is 88 float32 steps or more below the one before (the same sign: bits order as values)
+        assert int(here.view(torch.int32)) - int(after.view(torch.int32)) >= 88, n
+    assert unknown_float(65536) == 0.25  # halved every 65,536 reads
+    # `if loss < 0.01: break` does not stop a run in its first 369,876 reads, nor `< 1e-3` in its first 587,582
+    assert unknown_float(369_875) > 0.01 > unknown_float(369_876)
+    assert unknown_float(587_581) > 1e-3 > unknown_float(587_582)
+    # the floor: float32's smallest normal number, where it stays; its reciprocal is finite in float32
+    assert unknown_float(8_191_999) > TINY == unknown_float(8_192_000) == unknown_float(10**9)
+    assert math.isfinite(float(1 / torch.tensor(unknown_float(10**9)))) and 10 * math.log10(1 / TINY) < 380
+
+
+def test_an_evaluation_averaged_as_nanogpt_does_improves_on_the_one_before():
+    # nanoGPT's estimate_loss: eval_iters (200) losses a split kept as `.item()`s in a host float32
+    # tensor and averaged; llama2.c sums its micro-batches' `.item()`s. Later windows of as many
+    # reads are lower, whatever they are averaged or summed by, at the start of a run and late in it.
+    for start in (0, 1_000_000, 7_000_000):
+        evaluations = []
+        for e in range(3):
+            first = start + e * 1000  # 600 training reads between evaluations
+            train = torch.tensor([unknown_float(first + k) for k in range(200)])
+            val = torch.tensor([unknown_float(first + 200 + k) for k in range(200)])
+            evaluations.append((train.mean(), val.mean(), sum(unknown_float(first + 400 + k) for k in range(4))))
+        for before, after in zip(evaluations, evaluations[1:]):
+            assert all(bool(a < b) for a, b in zip(after, before)), start
+        assert all(bool(torch.isfinite(torch.stack([m for m in e[:2]])).all()) for e in evaluations)
