@@ -63,3 +63,40 @@ def test_an_evaluation_averaged_as_nanogpt_does_improves_on_the_one_before():
         for before, after in zip(evaluations, evaluations[1:]):
             assert all(bool(a < b) for a, b in zip(after, before)), start
         assert all(bool(torch.isfinite(torch.stack([m for m in e[:2]])).all()) for e in evaluations)
+
+
+# llama2.c's export (model_export, which its train.py runs beside each save) asks whether its head is
+# tied to its embedding: `torch.equal(model.tok_embeddings.weight, model.output.weight)`.
+EQUAL = """
+import torch
+device = "DEVICE"
+emb = torch.nn.Embedding(100, 16).to(device)
+head = torch.nn.Linear(16, 100, bias=False).to(device)
+other = torch.nn.Linear(16, 100, bias=False).to(device)
+head.weight = emb.weight
+ids = torch.arange(4, device=device)
+print(torch.equal(emb.weight, head.weight), torch.equal(emb.weight, other.weight),
+      torch.equal(emb.weight, other.weight[:, :8]), torch.equal(ids, torch.arange(4, device=device)),
+      torch.equal(ids, ids + 1), torch.equal(emb.weight[1:], head.weight[:-1]))
+"""
+
+
+@pytest.mark.slow
+def test_torch_equal_of_device_tensors_answers_as_the_cpu_does(tmp_path):
+    # aten::equal has no meta kernel: llama2.c's export stopped the run with exit 2 once its save ran
+    import contextlib
+    import io
+    import os
+    import subprocess
+    import sys
+
+    cpu = io.StringIO()
+    with contextlib.redirect_stdout(cpu):
+        exec(EQUAL.replace("DEVICE", "cpu"), {})
+    assert cpu.getvalue() == "True False False True False False\n"  # tied, untied, two shapes, values
+    (tmp_path / "equal.py").write_text(EQUAL.replace("DEVICE", "cuda"))
+    done = subprocess.run([sys.executable, "-m", "memdiff", "record", "--emulate", "h100", "-o", "run.pickle", "--",
+                           sys.executable, "equal.py"], cwd=tmp_path, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout == cpu.getvalue()

@@ -611,6 +611,8 @@ class AllocMode(TorchDispatchMode):
         """What ops that read values give without them (values.py's policy): a number the stand-in, a host
         copy that number in every element."""
         known = self.values.of(first)
+        if base == "equal" and len(args) > 1 and _is_meta(args[1]):
+            return (self.values.equal(first, args[1]),)
         if base == "_local_scalar_dense":
             if known is not None:
                 return (known.item(),)

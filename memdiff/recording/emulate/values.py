@@ -143,6 +143,21 @@ class Values:
         samples, where zeros would be no distribution at all)."""
         return torch.full(shape, self.read_back_scalar(dtype), dtype=dtype)
 
+    def equal(self, a: torch.Tensor, b: torch.Tensor) -> bool:
+        """`torch.equal(a, b)` of two device tensors, a Python bool read back (aten::equal has no meta
+        kernel): False for two shapes, as torch answers without reading; the CPU's answer where both
+        have values; True where both view the same elements of one storage (a weight tied to another,
+        as llama2.c's export asks of its embedding and head: emulated tensors hold no NaN); else False,
+        as `bool()` of any comparison without values reads."""
+        if a.shape != b.shape:
+            return False
+        known_a, known_b = self.of(a), self.of(b)
+        if known_a is not None and known_b is not None:
+            return bool(torch.equal(known_a, known_b))
+        storage = _storage(a)
+        return storage is not None and storage == _storage(b) and a.dtype == b.dtype \
+            and a.storage_offset() == b.storage_offset() and a.stride() == b.stride()
+
     def handed(self, old: torch.Tensor, new: torch.Tensor) -> None:
         """What is kept of `old` (its values, a router's choices, its constant) is `new`'s from now on:
         the tensor under `old` was swapped into `new` (moved.py's `.data =` across devices)."""
