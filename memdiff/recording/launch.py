@@ -133,6 +133,9 @@ def read_torchrun(command: List[str]) -> Launch:
     given: Dict[str, Optional[str]] = {}
     i = 0
     while i < len(options) and options[i].startswith("-"):
+        if options[i] == "--":  # the end of torchrun's options, which its parser drops
+            i += 1
+            break
         option, eq, value = options[i].partition("=")
         option = _spelled(option)
         if option in _FLAGS:
@@ -150,6 +153,10 @@ def read_torchrun(command: List[str]) -> Launch:
     rest = options[i:]
     if not rest:
         raise InputError("--ranks", "the torchrun command names no script to run")
+    if rest[1:2] == ["--"]:
+        # torchrun's parser drops one `--` right after the script or module (nanochat's speedrun.sh:
+        # `torchrun ... -m scripts.base_train -- --depth=24`): the rank's arguments start after it
+        rest = [rest[0], *rest[2:]]
     nproc = _count("--nproc-per-node", given.get("--nproc-per-node", "1"))
     nnodes = _count("--nnodes", given.get("--nnodes", "1"))
     if "--no-python" in given:

@@ -243,7 +243,11 @@ class DeviceMode(TorchFunctionMode):
             args, kwargs = cast
         if named is None:
             first = first_meta(args)
-            named = placement.tensor_index(first) if first is not None else None
+            if first is not None and func is torch.Tensor.to and placement.on_meta(first):
+                # `.to(dtype)` of the script's own meta tensor (nanochat's rotary tables, built under
+                # `with torch.device("meta")`) stays on the meta device, on no GPU
+                meta = True
+            named = placement.tensor_index(first) if first is not None and not meta else None
         context = self.emulator.context
         context.append(name)
         stack = placement.stack()
@@ -514,17 +518,20 @@ class AllocMode(TorchDispatchMode):
             if known is not None and known.shape == first.shape:
                 return first.copy_(known)
             return first.fill_(self.values.read_back_scalar(first.dtype))
-        if _is_meta(first):
+        # aten's kernels by name; a library's own op may share one (modded-nanogpt's `nanogpt::mm`, an
+        # FP8 product of a bf16 input and fp32 weights, is no `aten::mm` and checks no dtypes)
+        aten = _is_meta(first) and namespace == "aten"
+        if aten:
             dtypes.check(base, args)  # CUDA's kernels refuse two dtypes where the meta kernels go on
-        kernel = rnn.KERNELS.get(base)
-        if kernel is not None and _is_meta(first):  # cuDNN's RNN kernels: no meta kernel gives their buffers
+        kernel = rnn.KERNELS.get(base) if aten else None
+        if kernel is not None:  # cuDNN's RNN kernels: no meta kernel gives their buffers
             return kernel(self.emulator, func, args, kwargs)
-        convolution = conv.KERNELS.get(base)  # cuDNN's convolutions: their workspaces (None: not cuDNN's route)
-        if convolution is not None and _is_meta(first):
+        convolution = conv.KERNELS.get(base) if aten else None  # cuDNN's workspaces (None: not its route)
+        if convolution is not None:
             done = convolution(self.emulator, func, args, kwargs, self)
             if done is not None:
                 return done
-        if base in masks.OPS and _is_meta(first) and masks.expands(base, args, kwargs):
+        if aten and base in masks.OPS and masks.expands(base, args, kwargs):
             # CUDA's kernel indexes by nonzero of each mask: run it here, on the emulated GPU, inside the op
             self.emulator.context.append(op_name(func))
             try:

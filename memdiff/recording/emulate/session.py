@@ -31,6 +31,7 @@ def start(emulator: Emulator) -> contextlib.ExitStack:
         rngstate,
         rnn,
         shared,
+        smi,
         storages,
         threads,
         triton_autotune,
@@ -65,6 +66,7 @@ def start(emulator: Emulator) -> contextlib.ExitStack:
     stack.enter_context(shared.device_tensors_sent(emulator.placement))
     stack.enter_context(asked.devices_asked(emulator))
     stack.enter_context(files.guarded(emulator))
+    stack.enter_context(smi.nvidia_smi(emulator.gpu, emulator.count))
     stack.enter_context(warnlines.at_the_script())
     alloc = AllocMode(emulator)
     stack.enter_context(threads.every_thread(emulator.device_mode, alloc))
