@@ -508,17 +508,18 @@ PSNR = textwrap.dedent("""
 
 
 def test_metrics_from_values_read_back_compute_as_on_a_gpu(torch, tmp_path):
-    # `1 / mse.item()` raised ZeroDivisionError: values read back were 0.0. An unknown float reads back
-    # as the next number of docs/emulate.md's falling sequence (three reads an epoch: the PSNR's, the
-    # best's, the printed loss's), uninitialised memory as zeros, known values as they are.
+    # `1 / mse.item()` raised ZeroDivisionError: values read back were 0.0. An unknown single float takes
+    # the next number of docs/emulate.md's falling sequence when made (two an epoch: the training loss,
+    # then the PSNR's loss), so the best and the printed loss are the training loss's one number;
+    # uninitialised memory reads as zeros, known values as they are.
     (tmp_path / "train.py").write_text(PSNR)
     done = _emulated(tmp_path, "run.pickle", sys.executable, "train.py")
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.splitlines() == [
-        f"epoch {e} loss {read_back(3 * e + 2):.4f} psnr {10 * math.log10(1 / read_back(3 * e))!r} "
-        f"best {read_back(3 * e + 1)!r}" for e in (0, 1)] + ["uninitialised [0, 0, 0] 0.0 labels 3"]
+        f"epoch {e} loss {read_back(2 * e):.4f} psnr {10 * math.log10(1 / read_back(2 * e + 1))!r} "
+        f"best {read_back(2 * e)!r}" for e in (0, 1)] + ["uninitialised [0, 0, 0] 0.0 labels 3"]
     # the best loss improved, as a real run's does in its first epochs, and printed as a real one is
-    assert read_back(4) < read_back(1) and done.stdout.startswith("epoch 0 loss 0.5000 psnr 3.0102999566398")
+    assert read_back(2) < read_back(0) and done.stdout.startswith("epoch 0 loss 0.5000 psnr 3.0103457750")
 
 
 def test_a_save_gated_on_a_lower_validation_loss_runs_where_a_real_run_saves(torch, tmp_path):

@@ -158,18 +158,19 @@ def test_log_lines_format_and_print_device_tensors_as_a_gpu_does(tmp_path):
     out = done.stdout.splitlines()
     # A constant made on the device keeps its values, in a block the allocator rounds to 512 bytes.
     assert out.pop(0) == "constant 512 " + repr(torch.tensor([0.5, 2.0]))[:-1] + ", device='cuda:0')"
-    # Values from the model's arithmetic read back as docs/emulate.md's stand-ins, one number a read,
-    # each lower than the last (the loss and the norm formatted, the loss by %, as a plain number and
-    # printed, the bias printed: six reads a step), and host copies (a print) one number in each
-    # element; ids keep theirs. Printed by torch's own formatting of the same values, on cuda:0.
+    # Values from the model's arithmetic read back as docs/emulate.md's stand-ins: the loss (a mean) and
+    # the gradients' norm are single floats, which take the next of its falling numbers when made (0 and
+    # 1), so every read of the loss (formatted, by %, as a plain number, printed) gives its one number;
+    # a host copy (the bias printed) is a read, the next number in each element; ids keep theirs.
+    # Printed by torch's own formatting of the same values, on cuda:0.
     assert out[:8] == [f"step 0 loss {read_back(0):.4f} norm {read_back(1):.2f}",
-                       f"step 0 loss {read_back(2):.3f} lr 1.0e-03", f"plain {read_back(3)!r}",
-                       repr(torch.tensor(read_back(4)))[:-1] + ", device='cuda:0', grad_fn=<MeanBackward0>)",
+                       f"step 0 loss {read_back(0):.3f} lr 1.0e-03", f"plain {read_back(0)!r}",
+                       repr(torch.tensor(read_back(0)))[:-1] + ", device='cuda:0', grad_fn=<MeanBackward0>)",
                        "tensor([0, 1, 2, 3], device='cuda:0')",
                        repr(torch.arange(4) / 2)[:-1] + ", device='cuda:0')",
-                       repr(torch.full((2,), read_back(5)))[:-1] + ", device='cuda:0', grad_fn=<SliceBackward0>)",
+                       repr(torch.full((2,), read_back(2)))[:-1] + ", device='cuda:0', grad_fn=<SliceBackward0>)",
                        "allocated after printing 0"]
-    assert out[0] == "step 0 loss 0.5000 norm 0.50" and out[8].startswith(f"step 1 loss {read_back(6):.4f}")
+    assert out[0] == "step 0 loss 0.5000 norm 0.50" and out[8].startswith(f"step 1 loss {read_back(3):.4f}")
     # A tensor of more than one element takes no format spec, on a GPU as on the CPU.
     assert out[-1] == "refused unsupported format string passed to Tensor.__format__"
     assert "meta" not in done.stdout
@@ -211,12 +212,14 @@ def test_validation_under_inference_mode_reads_values_as_under_no_grad(tmp_path)
     lines = done.stdout.splitlines()
     answers = {line.split(" ", 1)[0]: line.split(" ", 1)[1] for line in lines}
     # Labels keep their values; what comes from the model's arithmetic reads back by the policy of
-    # docs/emulate.md: the loss as a number the next of its falling numbers (`item()`, then `float()`),
-    # the count of correct answers 0 (False), the logits copied to the host one number in each element
-    # (`tolist()`, then `.cpu()`): four reads a validation, in the same order under each mode.
+    # docs/emulate.md: the loss is a single float, which takes the next of its falling numbers when
+    # cross_entropy makes it (and its total weight, nll_loss's second output, the one after), so
+    # `item()` and `float()` read the same number; the count of correct answers 0 (False), the logits
+    # copied to the host one number in each element (`tolist()`, then `.cpu()`, a read each): four
+    # numbers a validation, in the same order under each mode.
     for i, name in enumerate(("inference_mode", "no_grad", "enable_grad")):
         first = 4 * i
-        assert answers[name] == f"{read_back(first)!r} {read_back(first + 1)!r} 0 False [0, 1, 2, 3, 4, 5, 6, 7] " \
+        assert answers[name] == f"{read_back(first)!r} {read_back(first)!r} 0 False [0, 1, 2, 3, 4, 5, 6, 7] " \
             f"[{read_back(first + 2)!r}, {read_back(first + 2)!r}] int64 [0, 1, 2, 3, 4, 5, 6, 7] (8, 10)"
     # Under inference_mode a GPU runs nn.Linear as cuBLAS's addmm (autograd's keys are skipped, not
     # the op's parts): the first validation's layers are addmm's outputs, with the handle's workspace.

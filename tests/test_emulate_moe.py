@@ -368,8 +368,8 @@ def test_a_routers_choices_are_balanced_at_any_batch_size(tmp_path):
     done = _record(tmp_path, BALANCED, str(tokens))
     assert done.returncode == 0, done.stderr[-3000:]
     share = tokens * k // experts  # a balanced router's: every expert the same share of the choices
-    # two distinct experts a token; topk's values are made from the weights and still read back as
-    # unknown floats do (the run's first read: docs/emulate.md's first number)
+    # two distinct experts a token; topk's values are made from the weights and have none: their sum is
+    # a single float made without values, which takes the run's first number (docs/emulate.md)
     last = done.stdout.strip().splitlines()[-1]
     assert last == f"{[share] * experts} {[share] * experts} True {read_back(0)!r}"
 

@@ -65,8 +65,8 @@ def test_a_plain_cuda_script_runs_unmodified_and_its_own_dump_is_the_emulated_sn
     assert "writer outside" not in done.stderr and (tmp_path / "own.pickle").is_file()
     out = done.stdout.splitlines()
     assert out[0] == "NVIDIA H100 80GB HBM3"
-    # an unknown float reads back as the first of docs/emulate.md's falling numbers (the run's first
-    # read); a value-sized op keeps every element
+    # an unknown float reads back as the first of docs/emulate.md's falling numbers (the loss, the
+    # run's first single float made without values); a value-sized op keeps every element
     assert out[1] == f"loss {read_back(0)!r} kept 16384" == "loss 0.5 kept 16384"
     own = _load(tmp_path / "own.pickle")
     assert own["emulated"]["gpu"] == "NVIDIA H100 80GB HBM3"

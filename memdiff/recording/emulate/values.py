@@ -21,13 +21,17 @@ parameters, which have no values (a parameter is not the tensor it was made from
 not made; nor are large ones (dropout's masks), whose host memory would be the device's.
 
 What a read-back gives where there is no value to read is one policy (docs/emulate.md, "Values read
-back"): a Python number (`.item()`, `float(t)`, a format) is the stand-in of `Values.read_back_scalar`,
-for a float a number that falls with every read of the run (`unknown_float`: a loss improves, as a
-short real run's does, so a save gated on it runs), a host copy (`.cpu()`, `.numpy()`, `.tolist()`)
-holds one such number in every element, uninitialised
-memory (`torch.empty`) holds zeros, and the checks for an inf or a NaN (`isfinite`, `isnan`, ...)
-answer as for finite numbers: emulated tensors hold none. An op with an input without values still has
-one where its known operands decide it alone (DECIDED): `x | True`, `x & False`, a comparison with a
+back"): a single float (0-dim, float32 or float64: a loss, a mean, a norm) that an op makes without
+values takes, when made, the next number of one sequence that falls through the run (`unknown_float`,
+`Values.made`), as its value: a loss made later is lower (it improves, as a short real run's does, so a
+save gated on it runs, and so does a comparison of two such losses on the device), and two reads of
+it agree. What computes from such numbers and would give an inf or a NaN has no value instead. A
+Python number read from any other float without values (`.item()`, `float(t)`, a format) is the
+stand-in of `Values.read_back_scalar`, the sequence's next number at each read, a host copy
+(`.cpu()`, `.numpy()`, `.tolist()`) holds one such number in every element, uninitialised memory
+(`torch.empty`) holds zeros, and the checks for an inf or a NaN (`isfinite`, `isnan`, ...) answer as
+for finite numbers: emulated tensors hold none. An op with an input without values still has one
+where its known operands decide it alone (DECIDED): `x | True`, `x & False`, a comparison with a
 sentinel such as -1e9, `where` of a known condition all true or all false.
 
 A router's choices (`topk` of a tensor without values: choices.py) and what is computed from them
@@ -82,6 +86,13 @@ CPU = torch.device("cpu")
 FIRST_READ = 0.5
 READS_PER_HALVING = 1 << 16
 FLOOR = float(torch.finfo(torch.float32).tiny)
+# The dtypes of the single numbers an op makes without values that take their number of the same
+# sequence when made (Values.made): a loss, a mean, a norm. Made, not read: two reads of one loss
+# agree, and a comparison on the device (`val_loss < best`, both device tensors: Lightning's
+# EarlyStopping and ModelCheckpoint) has the answer a falling loss gives. Not bfloat16 or float16,
+# whose steps (2^-8, 2^-11 of the number) are coarser than hundreds of the sequence's: two losses made
+# one after the other would be one number there, and read back tied where reads differ.
+MADE = (torch.float32, torch.float64)
 # The checks for an inf or a NaN, and what each answers for a tensor of finite numbers: emulated
 # tensors hold none (the rule FINITE_CHECKS follows), so a script's `torch.isfinite(loss).all()`
 # guard passes as on a GPU whose loss is finite. Given for an output of any size, as a constant
@@ -118,8 +129,12 @@ class Values:
         # the number each constant factory's output holds until written (CONSTANTS)
         self.constants = WeakTensorKeyDictionary()
         self.generator = generator
-        # how many times the run has read back a float the emulator does not know (unknown_float)
+        # how many numbers of unknown_float's sequence the run has taken: at each read back of a float
+        # the emulator does not know, and at each single float an op made without values (made)
         self.reads = 0
+        # tensors whose values were computed from such a made number: where one of their results
+        # would be an inf or a NaN, it is not kept (a number of the sequence, not one a GPU computes)
+        self.invented = WeakTensorKeyDictionary()
 
     def read_back_scalar(self, dtype: torch.dtype) -> Any:
         """The Python number a device value of `dtype` the emulator does not know reads back as
@@ -127,7 +142,8 @@ class Values:
         label), and for a float (or a complex's real part) the next of unknown_float's numbers, each
         read lower than the one before (the same float32 number whatever the float dtype: finer than
         bfloat16's or float16's, so that successive reads still differ). A read gives the tensor no
-        value: two reads of one loss are two numbers, the second lower."""
+        value: two reads of one bfloat16 loss, or of an element of a larger tensor, are two numbers, the
+        second lower (a float32 or float64 loss has its number from when it was made: Values.made)."""
         if dtype == torch.bool:
             return False
         if not (dtype.is_floating_point or dtype.is_complex):
@@ -161,7 +177,7 @@ class Values:
     def handed(self, old: torch.Tensor, new: torch.Tensor) -> None:
         """What is kept of `old` (its values, a router's choices, its constant) is `new`'s from now on:
         the tensor under `old` was swapped into `new` (moved.py's `.data =` across devices)."""
-        for table in (self.known, self.routed, self.constants):
+        for table in (self.known, self.routed, self.constants, self.invented):
             if old in table:
                 table[new] = table.pop(old)
 
@@ -196,8 +212,13 @@ class Values:
         elif base in CASTS and len(outputs) == 1 and isinstance(first, torch.Tensor) and first in self.constants:
             number = torch.tensor(self.constants[first]).to(outputs[0].dtype).item()
             self.constants[outputs[0]] = number
+        invented = computed is not None and self._invented((args, kwargs))
+        if invented and computed is not None and any(
+                v.is_floating_point() and not bool(torch.isfinite(v).all()) for v in computed):
+            computed = None  # finite numbers gave an inf or a NaN: emulated tensors hold none
         if computed is None:
             self._drop(outputs + written)
+            self.made(func, outputs)
             return
         if base in UNINITIALISED:
             computed = [torch.zeros_like(value) for value in computed]
@@ -205,6 +226,31 @@ class Values:
             self.known[t] = value
             if routed:
                 self.routed[t] = True
+            if invented:
+                self.invented[t] = True
+            else:
+                self.invented.pop(t, None)
+
+    def made(self, func: Any, outputs: list) -> None:
+        """Op `func` made `outputs` without values: each single float of them (0-dim, a MADE dtype) that it
+        allocated (not a view, nor a write into an input, nor one of a foreach op's list of per-tensor
+        results) takes the sequence's next number now, as its value (docs/emulate.md, "Values read
+        back"). A loss made later holds a lower number than one made earlier, so comparing the two on
+        the device, or reading either back any number of times, answers as in a short real run."""
+        returns = func._schema.returns
+        if any(r.alias_info is not None or isinstance(r.type, torch.ListType) for r in returns):
+            return
+        for t in outputs:
+            if t.dim() == 0 and t.dtype in MADE:
+                self.known[t] = torch.tensor(unknown_float(self.reads), dtype=t.dtype)
+                self.reads += 1
+                self.invented[t] = True
+
+    def _invented(self, inputs: Any) -> bool:
+        """Whether any device tensor among `inputs` holds values computed from a made number."""
+        if not self.invented:
+            return False
+        return any(isinstance(t, torch.Tensor) and t.is_meta and t in self.invented for t in tree_leaves(inputs))
 
     def chose(self, x: torch.Tensor, args: Tuple[Any, ...], kwargs: Dict[str, Any], outputs: list) -> None:
         """`topk` of `x`, which has no values, gave `outputs` (values, indices): the indices are a balanced

@@ -1,0 +1,106 @@
+"""Single floats the emulator has no values for take their number of the falling sequence when an op
+makes them (docs/emulate.md, "Values read back"), so that comparisons made on the device between two
+of them answer as in a short real run: Lightning's EarlyStopping and ModelCheckpoint, a plain loop that
+keeps its best loss on the device. Ground truth: the same scripts run by PyTorch on the CPU."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import missing_capture_dependency, read_back
+
+torch = pytest.importorskip("torch")
+
+from memdiff.recording.emulate.values import Values  # noqa: E402
+
+SCENARIOS = Path(__file__).resolve().parent / "scenarios"
+aten = torch.ops.aten
+
+
+def _op(values: Values, func, *args):
+    """Run aten `func` on meta tensors, as the emulator does, and let `values` follow it."""
+    out = func(*args)
+    values.follow(func, args, {}, out)
+    return out
+
+
+def test_a_single_float_made_without_values_holds_the_next_number_and_keeps_it():
+    values = Values()
+    activations = torch.empty(4, 8, device="meta")  # a model's output: no values
+    loss = _op(values, aten.mean.default, activations)
+    later = _op(values, aten.mean.default, activations)
+    # made in order, each the next number, and read back as it is, any number of times
+    assert values.of(loss).item() == read_back(0) and values.of(later).item() == read_back(1)
+    assert values.reads == 2
+    # a comparison on the device has the answer of a loss that fell: the later is lower
+    assert _op(values, aten.lt.Tensor, later, loss) is not None
+    assert values.of(_op(values, aten.lt.Tensor, later, loss)).item() is True
+    # arithmetic with known numbers computes (Lightning's `current - min_delta`), taking no number
+    assert values.of(_op(values, aten.sub.Tensor, later, 0.0)).item() == read_back(1) and values.reads == 2
+    # not made: a larger output, a view, a foreach op's per-tensor results, a bfloat16 single float
+    assert values.of(_op(values, aten.sum.dim_IntList, activations, [1])) is None
+    assert values.of(_op(values, aten.select.int, activations.sum(1), 0, 0)) is None
+    norms = _op(values, aten._foreach_norm.Scalar, [activations, activations], 2)
+    assert all(values.of(n) is None for n in norms)
+    assert values.of(_op(values, aten.mean.default, activations.bfloat16())) is None
+    assert values.reads == 2
+
+
+def test_a_result_of_made_numbers_that_would_be_nan_takes_a_number_instead():
+    # log(later - earlier) of two made losses is log of a negative number: NaN on the CPU. A GPU's
+    # losses are other numbers; emulated tensors hold no NaN, so it is a single float without values.
+    values = Values()
+    activations = torch.empty(4, 8, device="meta")
+    earlier, later = (_op(values, aten.mean.default, activations) for _ in range(2))
+    fall = _op(values, aten.sub.Tensor, later, earlier)
+    assert values.of(fall).item() < 0
+    logged = _op(values, aten.log.default, fall)
+    assert values.of(logged).item() == read_back(2)
+    # known values that are not made numbers keep what the CPU computes, a NaN included
+    zero = torch.zeros((), device="meta")
+    values.known[zero] = torch.zeros(())
+    assert torch.isnan(values.of(_op(values, aten.div.Tensor, zero, zero))).item()
+
+
+def _run(tmp: Path, folder: str, command: list, emulated: bool) -> dict:
+    cwd = tmp / folder
+    cwd.mkdir()
+    memdiff = [sys.executable, "-m", "memdiff", "record", "--emulate", "h100", "-o", "run.pickle", "--"]
+    prefix = memdiff if emulated else []
+    env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
+    done = subprocess.run(prefix + [sys.executable, *command], cwd=cwd, capture_output=True, text=True, timeout=600,
+                          env={**env, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(next(line for line in done.stdout.splitlines() if line.startswith("facts "))[6:])
+
+
+@pytest.mark.slow
+def test_lightnings_early_stopping_and_best_checkpoints_follow_a_falling_validation_loss(tmp_path):
+    # Both callbacks compare the logged val_loss with the best on the device. Every such comparison
+    # read False: EarlyStopping counted each validation after the first as no improvement and stopped
+    # training at epoch 2 of 6, and ModelCheckpoint saved at epochs 0 and 1 (filling its top 2), then never.
+    try:
+        import lightning  # noqa: F401
+    except ImportError:
+        missing_capture_dependency("lightning is not installed (pip install -e '.[test]')")
+    script = str(SCENARIOS / "early_stop.py")
+    real = _run(tmp_path, "cpu", [script, "--accelerator", "cpu"], emulated=False)
+    assert real == {"epochs_run": 6, "stopped_epoch": 0, "saved_at": [0, 1, 2, 3, 4, 5],
+                    "best_k": ["epoch=4.ckpt", "epoch=5.ckpt"]}  # PyTorch's own run: its loss falls
+    assert _run(tmp_path, "emulated", [script], emulated=True) == real
+
+
+@pytest.mark.slow
+def test_a_best_loss_kept_on_the_device_improves_as_a_real_runs_does(tmp_path):
+    # `if val < best: best = val; torch.save(...)`, both device tensors: the loop saved at epoch 0 only
+    # (against inf, a sentinel) and stopped at epoch 2, its patience spent; the best read back differed
+    # from the loss read when it was saved (two reads, two numbers).
+    script = str(SCENARIOS / "best_on_device.py")
+    real = _run(tmp_path, "cpu", [script, "--device", "cpu"], emulated=False)
+    assert real == {"epochs_run": 5, "saved_at": [0, 1, 2, 3, 4], "stopped_at": None, "best_reads_as_saved": True}
+    assert _run(tmp_path, "emulated", [script], emulated=True) == real
