@@ -237,14 +237,16 @@ class Values:
         results) takes the sequence's next number now, as its value (docs/emulate.md, "Values read
         back"). A loss made later holds a lower number than one made earlier, so comparing the two on
         the device, or reading either back any number of times, answers as in a short real run."""
+        singles = [t for t in outputs if t.dim() == 0 and t.dtype in MADE]
+        if not singles:  # most ops: asked first, as the schema is built anew at each look
+            return
         returns = func._schema.returns
         if any(r.alias_info is not None or isinstance(r.type, torch.ListType) for r in returns):
             return
-        for t in outputs:
-            if t.dim() == 0 and t.dtype in MADE:
-                self.known[t] = torch.tensor(unknown_float(self.reads), dtype=t.dtype)
-                self.reads += 1
-                self.invented[t] = True
+        for t in singles:
+            self.known[t] = torch.tensor(unknown_float(self.reads), dtype=t.dtype)
+            self.reads += 1
+            self.invented[t] = True
 
     def _invented(self, inputs: Any) -> bool:
         """Whether any device tensor among `inputs` holds values computed from a made number."""
