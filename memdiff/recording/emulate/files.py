@@ -34,12 +34,14 @@ import zipfile
 from typing import Any, Callable, Dict, Iterator, List, Optional, Set, Tuple
 
 import torch
+from torch.utils._pytree import tree_leaves
 
 from memdiff.recording.emulate import exchange, overlay_calls
 from memdiff.recording.emulate.devices import names_cuda
 from memdiff.recording.emulate.overlay import SKELETON, Overlay, missing
 from memdiff.recording.emulate.runtime import Emulator, python_frames
 from memdiff.recording.emulate.tensorfiles import OnDevice, write_shapes
+from memdiff.recording.emulate.values import MAX_ELEMENTS
 from memdiff.units import format_bytes
 
 _active: Optional["Files"] = None  # the running emulator's, while one runs
@@ -310,6 +312,7 @@ def _torch_load(real: Callable[..., Any]) -> Callable[..., Any]:
         # those that stay on the host are copied out of the mapping (below), as a plain load gives them.
         mapped = mmap is None and isinstance(f, (str, os.PathLike))
         restore = torch.serialization._get_restore_location(map_location)
+        small: Dict[int, Tuple[Any, Any]] = {}  # a small storage sent to the device: it, and its bytes
 
         def place(storage: Any, location: str) -> Any:
             out = restore(storage, location)
@@ -317,9 +320,44 @@ def _torch_load(real: Callable[..., Any]) -> Callable[..., Any]:
                 own = torch.UntypedStorage(out.nbytes())
                 own.copy_(out)
                 return own
+            if out.device.type == "meta" and 0 < storage.nbytes() <= _SMALL_BYTES and storage.device.type == "cpu":
+                small[int(out._cdata)] = (out, torch.UntypedStorage(storage.nbytes()).copy_(storage))
             return out
-        return real(f, place, mmap=True if mapped else mmap, **call)
+        loaded = real(f, place, mmap=True if mapped else mmap, **call)
+        if small:
+            _keep_values(loaded, small)
+        return loaded
     return load
+
+
+# A storage of at most this many bytes loaded onto the device keeps its bytes until its tensors are
+# rebuilt: MAX_ELEMENTS elements of the widest dtype (8 B). Which dtype it holds is known only then.
+_SMALL_BYTES = MAX_ELEMENTS * 8
+
+
+def _keep_values(loaded: Any, small: Dict[int, Tuple[Any, Any]]) -> None:
+    """The values of the small tensors `torch.load` put on the emulated GPU, read from the file, as a
+    load to the host and a `.to("cuda")` keep them (values.py): a tokenizer's table of token lengths,
+    ids, counts. nanochat's validation divides by a sum of its `token_bytes`, loaded onto the device:
+    without its values the sum read back 0 and its guard for 0 gave `bpb: inf`. Only the tensors a
+    load returns in plain containers (a tensor, a dict, a list: a state dict) are reached."""
+    values = getattr(_active.emulator, "values", None) if _active is not None else None
+    if values is None:
+        return
+    for t in tree_leaves(loaded):
+        if not isinstance(t, torch.Tensor):
+            continue
+        with torch._C.DisableTorchFunction():  # the tensor as it is (meta), not as the script sees it
+            if not t.is_meta or t.numel() > MAX_ELEMENTS or t.layout != torch.strided:
+                continue
+            held = small.get(int(t.untyped_storage()._cdata))
+            if held is None:
+                continue
+            try:
+                host = torch.empty(0, dtype=t.dtype).set_(held[1], t.storage_offset(), t.shape, t.stride())
+            except RuntimeError:  # a view past the bytes kept: no values, as before
+                continue
+            values.known[t] = host.clone()
 
 
 def _is_meta(location: Any) -> bool:
