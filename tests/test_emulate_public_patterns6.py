@@ -158,3 +158,73 @@ def test_a_cast_of_the_scripts_meta_tensor_stays_on_the_meta_device(tmp_path):
     assert facts["device"] == "cuda:0"
     # the embedding's 1000 x 128 x 4 B and the table's 64 x 64 x 2 B, each a multiple of 512 B
     assert facts["allocated"] == 1000 * 128 * 4 + 64 * 64 * 2
+
+
+# A tokenizer's table of each token's length in bytes, saved to a file and loaded straight onto the GPU
+# (`torch.load(..., map_location="cuda")`), then gathered by the batch's targets and summed into a count
+# that a metric divides by, as nanochat's bits-per-byte evaluation does. The CPU's own gather and sum
+# of the same table and ids is the ground truth; a table over the size the emulator keeps values for
+# reads back as any count it does not know.
+LOADED_TABLE = """
+import json, math
+import torch
+
+g = torch.Generator().manual_seed(0)
+table = torch.randint(1, 8, (4096,), generator=g)
+torch.save({"bytes": table, "big": torch.ones(70000, dtype=torch.long)}, "table.pt")
+ids = torch.randint(0, 4096, (8, 256), generator=g)
+loaded = torch.load("table.pt", map_location="cuda")
+y = torch.empty(8 * 256, dtype=torch.long, device="cuda")
+y.copy_(ids.view(-1))
+total = torch.tensor(0, dtype=torch.int64, device="cuda")
+total += loaded["bytes"][y].sum()
+count = total.item()
+print("facts", json.dumps({"count": count, "truth": int(table[ids.view(-1)].sum()),
+                           "device": str(loaded["bytes"].device),
+                           "bpb_finite": count > 0 and math.isfinite(0.5 / (math.log(2) * count)),
+                           "big_sum": loaded["big"].sum().item()}))
+"""
+
+
+@pytest.mark.slow  # starts `memdiff record` (a child running torch)
+def test_a_small_tensor_loaded_onto_the_device_keeps_its_values(tmp_path):
+    # Before: the table had no values, its gathered sum read back 0, and nanochat's validation
+    # (`if total_bytes == 0: return float("inf")`) printed `bpb: inf` where a GPU prints a number.
+    done = _record(tmp_path, LOADED_TABLE)
+    assert done.returncode == 0, done.stderr[-3000:]
+    facts = _facts(done.stdout)
+    assert facts["device"] == "cuda:0"
+    assert facts["count"] == facts["truth"] > 2048  # every id's length is 1 or more
+    assert facts["bpb_finite"]
+    assert facts["big_sum"] == 0  # 70,000 elements: over the values kept, a count read back as 0
+
+
+# An FP8 product written into a buffer the caller made (`torch._scaled_mm(..., out=buf)`), as Inductor's
+# wrapper code writes nanochat's FP8 layers. torch 2.13 has a meta kernel for the functional op only.
+# Ground truth: an out= kernel writes into `buf` and allocates no output (64 x 16 x 2 B held before).
+SCALED_MM_OUT = """
+import json
+import torch
+
+a = torch.randn(64, 32, device="cuda").to(torch.float8_e4m3fn)
+b = torch.randn(16, 32, device="cuda").to(torch.float8_e4m3fn).t()
+one = torch.ones((), device="cuda")
+made = torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)  # cuBLAS's workspace once
+buf = torch.empty(64, 16, device="cuda", dtype=torch.bfloat16)
+before = torch.cuda.memory_allocated()
+got = torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16, out=buf)
+print("facts", json.dumps({"grew": torch.cuda.memory_allocated() - before, "same": got is buf, "ptr": buf.data_ptr(),
+                           "shape": list(made.shape), "buf_bytes": buf.numel() * buf.element_size()}))
+"""
+
+
+@pytest.mark.slow  # starts `memdiff record` (a child running torch)
+def test_an_out_overload_without_a_meta_kernel_writes_into_its_out(tmp_path):
+    # Before: "aten::_scaled_mm: PyTorch has no meta kernel for it" (exit 2) at nanochat's first
+    # compiled FP8 training step: torch 2.13 registers a meta kernel for `_scaled_mm.default` only.
+    done = _record(tmp_path, SCALED_MM_OUT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    facts = _facts(done.stdout)
+    assert facts["shape"] == [64, 16]
+    assert facts["buf_bytes"] == 64 * 16 * 2
+    assert facts["same"] and facts["grew"] == 0

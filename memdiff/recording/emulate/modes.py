@@ -566,7 +566,10 @@ class AllocMode(TorchDispatchMode):
             if dynamic.ASKED in said:  # a custom op's fake asked for a size that depends on data
                 out = dynamic.sized(func, args, kwargs, self.values)
             else:
-                self.refuse(namespace, base, exc, said)
+                out = self.out_as_functional(func, args, kwargs, exc)
+                if out is None:
+                    self.refuse(namespace, base, exc, said)
+                self.values.follow(func, args, kwargs, out)
         emulator = self.emulator
         name = op_name(func)
         rule = emulator.rules.get(base)
@@ -596,6 +599,29 @@ class AllocMode(TorchDispatchMode):
         elif base in routing.RULES and _is_meta(first):  # sort's, cumsum's, nonzero's... own buffers
             scratch.play(emulator, name, routing.RULES[base](args, kwargs, out, emulator.gpu), index)
         return out
+
+    @staticmethod
+    def out_as_functional(func: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any], exc: Exception) -> Any:
+        """An `out=` overload without a meta kernel whose functional overload has one (torch 2.13's
+        `aten::_scaled_mm.out`, which Inductor's wrapper calls for an FP8 product into a buffer it
+        planned): the functional overload's shapes and checks, then its results in the `out` tensors
+        as the CUDA kernel writes them, allocating nothing where they fit; None where it is not that."""
+        if func._overloadname != "out" or not isinstance(exc, NotImplementedError):
+            return None
+        functional = getattr(func._overloadpacket, "default", None)
+        names = [a.name for a in func._schema.arguments
+                 if a.kwarg_only and a.alias_info is not None and a.alias_info.is_write]
+        if functional is None or not names or any(not isinstance(kwargs.get(n), torch.Tensor) for n in names):
+            return None
+        try:
+            made = functional(*args, **{k: v for k, v in kwargs.items() if k not in names})
+        except NotImplementedError:
+            return None
+        made = [t for t in tree_leaves(made) if isinstance(t, torch.Tensor)]
+        outs = [kwargs[n] for n in names]
+        if len(made) != len(outs) or any(m.shape != o.shape or m.dtype != o.dtype for m, o in zip(made, outs)):
+            return None  # a resize of `out` (rare: Inductor plans the buffer's shape): refused as before
+        return outs[0] if len(outs) == 1 else tuple(outs)
 
     @staticmethod
     def refuse(namespace: str, base: str, exc: Exception, said: str) -> NoReturn:
