@@ -179,7 +179,10 @@ y.copy_(ids.view(-1))
 total = torch.tensor(0, dtype=torch.int64, device="cuda")
 total += loaded["bytes"][y].sum()
 count = total.item()
+with open("table.pt", "rb") as f:  # nanochat's get_token_bytes loads from an open file
+    again = torch.load(f, map_location="cuda")
 print("facts", json.dumps({"count": count, "truth": int(table[ids.view(-1)].sum()),
+                           "from_file": again["bytes"][y].sum().item(),
                            "device": str(loaded["bytes"].device),
                            "bpb_finite": count > 0 and math.isfinite(0.5 / (math.log(2) * count)),
                            "big_sum": loaded["big"].sum().item()}))
@@ -195,6 +198,7 @@ def test_a_small_tensor_loaded_onto_the_device_keeps_its_values(tmp_path):
     facts = _facts(done.stdout)
     assert facts["device"] == "cuda:0"
     assert facts["count"] == facts["truth"] > 2048  # every id's length is 1 or more
+    assert facts["from_file"] == facts["truth"]
     assert facts["bpb_finite"]
     assert facts["big_sum"] == 0  # 70,000 elements: over the values kept, a count read back as 0
 

@@ -369,7 +369,7 @@ def _is_zip(f: Any) -> bool:
     """Whether torch.load would read `f` as a zip archive of torch.save's (its format since 1.6),
     not a TorchScript archive (which it hands to torch.jit.load)."""
     if not isinstance(f, (str, os.PathLike)):
-        return False
+        return _is_zip_file(f)
     try:
         with open(f, "rb") as opened:
             if opened.read(4) != b"PK\x03\x04":
@@ -378,6 +378,25 @@ def _is_zip(f: Any) -> bool:
             return not any(name.endswith("/constants.pkl") for name in archive.namelist())
     except (OSError, zipfile.BadZipFile):
         return False  # torch.load says why, in its own words
+
+
+def _is_zip_file(f: Any) -> bool:
+    """_is_zip of an open file (nanochat's `with open(path, "rb") as f: torch.load(f, ...)`), read where
+    it stands and put back there; False for one that cannot be read so (a stream)."""
+    try:
+        start = f.tell()
+    except (AttributeError, OSError, io.UnsupportedOperation):
+        return False
+    try:
+        if f.read(4) != b"PK\x03\x04":
+            return False
+        f.seek(start)
+        with zipfile.ZipFile(f) as archive:
+            return not any(name.endswith("/constants.pkl") for name in archive.namelist())
+    except (AttributeError, OSError, io.UnsupportedOperation, zipfile.BadZipFile):
+        return False
+    finally:
+        f.seek(start)
 
 
 def _storage_to(real: Callable[..., Any]) -> Callable[..., Any]:
