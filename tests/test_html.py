@@ -103,6 +103,22 @@ def test_gate_writes_one_page_per_run_into_a_folder(write_snapshot, tmp_path, ca
     assert base["history"] is None and head["history"]["totals"]  # a baseline stores no history
 
 
+def test_gate_of_several_runs_writes_into_the_folder_when_only_one_has_its_baseline(write_snapshot, tmp_path, capsys):
+    # The action makes the folder for several heads: a second workload added before its baseline
+    # (or the first run of two, with none) read the folder as one page's name, exit 2 "is a folder",
+    # and the pull request never saw the G008 that says how to make the baseline.
+    runs = [write_snapshot(training(steps=2), f"{name}.pickle") for name in ("a", "b")]
+    folder, pages = tmp_path / "baselines", tmp_path / "pages"
+    folder.mkdir()
+    pages.mkdir()
+    assert main(["gate", "--baselines", str(folder), *runs, "--html", str(pages)]) == 2
+    assert "G008" in capsys.readouterr().err and not list(pages.iterdir())
+    assert main(["baseline", runs[0], "-o", str(folder / "a.json")]) == 0
+    assert main(["gate", "--baselines", str(folder), *runs, "--html", str(pages)]) == 0
+    assert "no baseline at" in capsys.readouterr().err
+    assert [p.name for p in pages.iterdir()] == ["a.html"]
+
+
 def test_an_html_path_in_a_missing_folder_fails_before_any_work(write_snapshot, tmp_path, capsys):
     path = write_snapshot(training(steps=2))
     assert main([path, path, "--html", str(tmp_path / "no" / "r.html")]) == 2

@@ -107,10 +107,12 @@ def _pairs(args: argparse.Namespace) -> Tuple[List[Tuple[str, str]], List[Tuple[
     return pairs, missing
 
 
-def _html_paths(path: str, runs: List[str]) -> Dict[str, str]:
-    """Where each run's HTML report goes: `path` itself for one run, else a page per run in the
-    folder `path` (made when missing), named after the run."""
-    if len(runs) <= 1:
+def _html_paths(path: str, runs: List[str], given: int) -> Dict[str, str]:
+    """Where each gated run's HTML report goes: `path` itself when one run was given, else a page
+    per run in the folder `path` (made when missing), named after the run. Decided by the runs
+    given, not those with a baseline: the action makes the folder for several heads, and a second
+    workload added without its baseline yet made it a file's name (`is a folder`, exit 2, no G008)."""
+    if given <= 1:
         check_output(path, inputs=runs)
         return {run: path for run in runs}
     if os.path.isfile(path):
@@ -201,7 +203,7 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_OK if checked.passed else EXIT_REGRESSION
     rules = rules_from(args)
     pairs, missing = _pairs(args)
-    html_paths = _html_paths(args.html, [snap for snap, _ in pairs]) if args.html is not None else {}
+    html_paths = {} if args.html is None else _html_paths(args.html, [snap for snap, _ in pairs], len(args.snapshots))
     status = EXIT_OK
     documents = []
     publisher = publisher_from(args, expected=len(pairs))
