@@ -203,3 +203,37 @@ def test_a_boolean_line_is_no_line_number():
     (the fuzz suite's seed 20261122, case 143)."""
     with pytest.raises(ValueError, match="line bool True"):
         StackNormalizer().stack([{"name": "forward", "filename": "/home/a/proj/model.py", "line": True}])
+
+
+# The outer frames of one allocation in a marked test, as memdiff's CPU route recorded them under
+# pytest 9.2 and pytest-xdist 3.8 (`python -m pytest`, `pytest -n 2`): the test's own frames, then
+# pytest's and pluggy's, then how the session was started.
+TEST_BODY = ["<built-in method empty of type object at 0x7f71920cea40>", "torch/nn/modules/linear.py(96): __init__",
+             "/home/a/proj/tests/test_sig.py(5): test_rec"]
+RUNNER = ["_pytest/python.py(187): pytest_pyfunc_call", "pluggy/_execution.py(147): _multicall",
+          "pluggy/_manager.py(183): _hookexec", "pluggy/_caller.py(197): __call__", "_pytest/python.py(1798): runtest",
+          "_pytest/runner.py(184): pytest_runtest_call", "_pytest/runner.py(118): pytest_runtest_protocol"]
+SERIAL = ["_pytest/main.py(411): pytest_runtestloop", "_pytest/main.py(387): _main",
+          "_pytest/config/__init__.py(286): _console_main", "pytest/__main__.py(9): <module>",
+          "<frozen runpy>(198): _run_module_as_main"]
+CONSOLE_SCRIPT = ["_pytest/main.py(411): pytest_runtestloop", "_pytest/config/__init__.py(286): _console_main",
+                  "/home/a/.venv/bin/pytest(8): <module>"]
+XDIST = ["xdist/remote.py(227): run_one_test", "xdist/remote.py(206): pytest_runtestloop",
+         "_pytest/main.py(387): _main", "xdist/remote.py(427): <module>",
+         "execnet/gateway_base.py(1291): executetask", "execnet/gateway_base.py(1806): serve",
+         "<string>(8): <module>", "<string>(1): <module>"]
+
+
+def test_a_tests_stacks_sign_alike_however_the_suite_was_launched():
+    # `pytest -n 2` rewrote every signature of a baseline `python -m pytest` wrote (the frames
+    # outside the test differ), so a refresh under another launcher churned the whole file.
+    def stack(outer):
+        return StackNormalizer().stack([{"filename": "none", "line": 0, "name": n} for n in TEST_BODY + RUNNER + outer])
+    serial, script, xdist = stack(SERIAL), stack(CONSOLE_SCRIPT), stack(XDIST)
+    assert serial.signature == script.signature == xdist.signature
+    assert [f.name for f in xdist.frames][-2:] == ["__init__", "test_rec"]  # the test's own frames stay
+    assert xdist.site == "linear.py:__init__ <- empty"
+    # A script, not a test: nothing is cut, and its frames still tell its stacks apart.
+    plain = StackNormalizer().stack([{"filename": "none", "line": 0, "name": n}
+                                     for n in TEST_BODY[:2] + ["/home/a/proj/train.py(3): <module>"]])
+    assert plain.signature != serial.signature and plain.frames[-1].name == "<module>"

@@ -64,6 +64,13 @@ PLUMBING_PY = (
      re.compile(r".")),
 )
 
+# A test runner's own frames (pytest's, and pluggy's hooks under it): the body of a test runs inside
+# them, and everything outside the first one is how the session was launched (`pytest`, `python -m
+# pytest`, pytest-xdist's worker and execnet's `<string>` frames). A stack is cut there, so that a
+# test's groups sign alike whichever way the suite ran: a baseline written by `pytest -n 2` rewrote
+# every signature of one written by `pytest`.
+TEST_RUNNER = re.compile(r"(^|/)(_pytest|pluggy)/")
+
 # Native frames worth keeping: the op Python called, autograd nodes, communication, a BLAS
 # handle's workspace (made by a thread's first matrix product, kept for the handle's life).
 NODE_NATIVE = re.compile(r"^torch::autograd::(?:generated::)?(\w+)::apply\b")
@@ -327,6 +334,15 @@ def _compiled_marker(label: str) -> _Kept:
     return _Kept("compiled", COMPILED_FILE, 0, label, label, COMPILED_FILE)
 
 
+def _inside_test_runner(kept: List[_Kept]) -> List[_Kept]:
+    """The frames inside a test runner's first frame (innermost first): a test's own stack. As it was
+    when no runner called it."""
+    for i, k in enumerate(kept):
+        if k.kind == "py" and TEST_RUNNER.search(k.file):
+            return kept[:i]
+    return kept
+
+
 def _is_plumbing(k: _Kept) -> bool:
     return k.kind == "py" and any(f.search(k.file) and n.search(k.name) for f, n in PLUMBING_PY)
 
@@ -528,7 +544,7 @@ class StackNormalizer:
                 raise ValueError(f"not a memory snapshot: its stacks hold more than {self._frame_budget:,} frames in "
                                  f"{self._decoded_bytes:,} bytes (pickle references sharing frame lists; real "
                                  f"snapshots take dozens of bytes a frame)")
-        kept = [k for k in map(self._keep, raw_frames) if k is not None]
+        kept = _inside_test_runner([k for k in map(self._keep, raw_frames) if k is not None])
         if any(k.kind == "generated" for k in kept):
             kept = self._compiled(kept)
         if any(k.by_line for k in kept):
