@@ -244,6 +244,22 @@ def test_a_corrupt_baseline_is_bad_input_and_update_replaces_it(suite):
     run(suite).assert_outcomes(passed=1)
 
 
+def test_another_tests_baseline_is_bad_input_and_update_makes_this_ones(suite):
+    # An eval test's baseline copied under a training test's name was gated as the training test's
+    # own: it failed on P002 (or, from a twin, passed) where the file is simply the wrong one.
+    updated(suite)
+    stored = suite.path / "baselines" / "test_model.py-test_step.json"
+    stored.write_text(stored.read_text().replace('"test_model.py::test_step"', '"test_model.py::test_eval"', 1))
+    result = run(suite)
+    result.assert_outcomes(failed=1)
+    assert result.ret == 2
+    result.stdout.fnmatch_lines(["*memdiff: baselines/test_model.py-test_step.json is the baseline of "
+                                 "'test_model.py::test_eval', not of this test (copied from another test, or the test "
+                                 "renamed?); make this test's: pytest 'test_model.py::test_step' --memdiff-update"])
+    run(suite, "--memdiff-update").assert_outcomes(passed=1)
+    assert baseline_of(suite)["name"] == "test_model.py::test_step"
+
+
 # Four SGD steps; with MEMDIFF_TEST_KEEP=1 each step keeps an output with its graph (a loss logged
 # as a tensor), so every step peaks higher than the last while the peak stays within its rule.
 TRAINING = textwrap.dedent("""
