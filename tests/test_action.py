@@ -245,3 +245,23 @@ def test_list_inputs_take_comma_lists_as_the_cli_does(action, tmp_path):
     assert (outputs["exit-code"], outputs["verdict"], outputs["findings"]) == ("0", "pass", ""), log
     outputs, log = action(tmp_path, head=head, baseline=str(stored), fail_on="K004,", ignore="K002,K004")
     assert outputs["exit-code"] == "2" and "memdiff: --ignore: K004 also given to --fail-on" in log
+
+
+def test_a_glob_of_heads_gets_a_page_each_though_one_has_no_baseline_yet(action, shared, tmp_path):
+    # A pull request that adds a second workload: its run has no baseline yet. The step made the
+    # HTML folder for the glob and memdiff read it as one page's name ("memdiff-html: is a folder",
+    # exit 2): no summary, no verdict, no G008 with the command that makes the baseline.
+    runs, stored = tmp_path / "runs", tmp_path / "baselines"
+    runs.mkdir()
+    for name in ("train", "eval"):
+        (runs / f"{name}.pickle").write_bytes((shared / "linear-grad.pickle").read_bytes())
+    subprocess.run([sys.executable, "-m", "memdiff", "baseline", "runs/train.pickle", "-o", "baselines/train.json"],
+                   cwd=tmp_path, check=True, capture_output=True)
+    outputs, log = action(tmp_path, head="runs/*.pickle", baseline="baselines/", html="true", require_baseline="false")
+    assert (outputs["exit-code"], outputs["verdict"]) == ("0", "no-baseline"), log
+    assert "G008" in log and "is a folder" not in log
+    assert [p.name for p in (tmp_path / "memdiff-html").iterdir()] == ["train.html"]
+    (stored / "train.json").unlink()  # the first run of both: nothing compared, and G008 says so
+    outputs, log = action(tmp_path, head="runs/*.pickle", baseline="baselines/", html="true")
+    assert (outputs["exit-code"], outputs["verdict"]) == ("2", "no-baseline") and "is a folder" not in log
+
