@@ -265,3 +265,15 @@ def test_a_glob_of_heads_gets_a_page_each_though_one_has_no_baseline_yet(action,
     outputs, log = action(tmp_path, head="runs/*.pickle", baseline="baselines/", html="true")
     assert (outputs["exit-code"], outputs["verdict"]) == ("2", "no-baseline") and "is a folder" not in log
 
+
+def test_the_docs_name_every_finding_that_fails_by_default():
+    # The fail-on input's row said the defaults were K003 K004 A002, where P002 fails too.
+    from memdiff.compare.findings import DEFAULT_FAIL_ON
+
+    doc = (ROOT / "docs" / "github-action.md").read_text()
+    row = next(line for line in doc.splitlines() if line.startswith("| `fail-on` |"))
+    described = yaml.safe_load((ROOT / "action.yml").read_text())["inputs"]["fail-on"]["description"]
+    baselines = " ".join((ROOT / "docs" / "baselines.md").read_text().split())
+    without = baselines[baselines.index("Without it memory kept"):][:300]
+    for code in DEFAULT_FAIL_ON:
+        assert code in row and code in described and code in without, code
