@@ -250,6 +250,16 @@ def test_markdown_report(shared, capsys):
     assert "```mermaid\nxychart-beta" in out and out.count("    line [") == 2
 
 
+def test_a_markdown_report_of_a_run_against_itself_folds_no_empty_stacks(shared, capsys):
+    # No group changed, so no row has a stack to show: the job summary held an empty
+    # "Stacks of the rows above" fold that a reviewer opened for nothing.
+    code, out, _ = run(capsys, shared / "linear-grad.pickle", shared / "linear-grad.pickle", "--format", "markdown")
+    assert code == 0 and "| TOTAL" in out
+    assert "Stacks of the rows above" not in out
+    code, out, _ = run(capsys, shared / "linear-nograd.pickle", shared / "linear-grad.pickle", "--format", "markdown")
+    assert out.count("<details><summary>Stacks of the rows above</summary>") == 1
+
+
 def test_a_summary_json_stands_in_for_its_snapshot(shared, tmp_path, capsys):
     base, head = shared / "cs336-medium-ctx128-train.pickle", shared / "cs336-medium-ctx256-train.pickle"
     summary = tmp_path / "base.json"

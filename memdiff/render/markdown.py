@@ -38,6 +38,10 @@ def _frame_lines(st: Stack) -> List[str]:
 
 
 def _stacks(d: DeviceReport) -> List[str]:
+    """The folded stacks of the rows shown; none when no row has one (a run against itself: an
+    empty fold the reviewer opens for nothing)."""
+    if not any(st.lines for r in d.rows for st in r.stacks):
+        return []
     lines = ["<details><summary>Stacks of the rows above</summary>", ""]
     for r in d.rows:
         if not any(st.lines for st in r.stacks):
@@ -72,8 +76,9 @@ def _device(d: DeviceReport, o: Options) -> List[str]:
         if t is not None:
             lines += ["", layout(t, "github", escape=md_cell)]
     lines += ["", layout(row_table(d, status=lambda s: MARKERS.get(s, s)), "github", escape=md_cell)]
-    if o.details:
-        lines += ["", *_stacks(d)]
+    stacks = _stacks(d) if o.details else []
+    if stacks:
+        lines += ["", *stacks]
     if d.like_for_like is not None:
         like = d.like_for_like
         lines += ["", f"<details><summary>Like with like: {md_text(like.heading)}</summary>", ""]
