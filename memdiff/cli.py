@@ -216,7 +216,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     except InputError as exc:
         if args.debug:
             traceback.print_exc()
-        print(f"memdiff: {text_line(exc.path)}: {text_line(exc.message)}", file=sys.stderr)
+        said = f"{text_line(exc.path)}: {text_line(exc.message)}"
+        print(f"memdiff: {said}", file=sys.stderr)
+        if getattr(args, "github", False):
+            from memdiff.github import say_bad_input
+
+            say_bad_input(said, os.environ, on_stderr=getattr(args, "format", None) == "json")
         return EXIT_BAD_INPUT
     except KeyboardInterrupt:
         return 130

@@ -21,7 +21,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 from memdiff.atomic import append_text, write_output
 from memdiff.compare.baseline import no_baseline, no_baseline_level
 from memdiff.errors import InputError
-from memdiff.inert import baseline_command, md_code, md_fence, shell, text
+from memdiff.inert import baseline_command, md_code, md_fence, md_text, shell, text
 from memdiff.model import Finding
 from memdiff.read.load import read_json
 from memdiff.render.markdown import Options, render_diff
@@ -36,6 +36,20 @@ SHRINK_STEPS = ((None, True, True), (None, False, True), (10, False, True), (10,
 def escape_annotation(message: str) -> str:
     """A workflow command's message: one line (inert.text), then GitHub's own escaping of `%`."""
     return text(message).replace("%", "%25")
+
+
+def say_bad_input(line: str, environ: Mapping[str, str], on_stderr: bool = False) -> None:
+    """A run stopped on bad input (exit 2: a baseline edited wrong, a missing file) where the pull
+    request reads it: an `::error` annotation and the job summary. Only the log held the line, and
+    the check was red under an empty summary (or a sticky comment still saying the last verdict).
+    `on_stderr` with --format json, whose stdout is the document alone."""
+    print(f"::error title=memdiff::{escape_annotation(line)}", file=sys.stderr if on_stderr else sys.stdout)
+    summary = environ.get("GITHUB_STEP_SUMMARY")
+    if summary:
+        try:
+            append_text(summary, f"### memdiff: nothing was gated: bad input\n\n{md_text(line)}\n")
+        except InputError:  # the annotation says it; the exit status is already 2
+            pass
 
 
 def pull_request(environ: Mapping[str, str]) -> Dict[str, Any]:

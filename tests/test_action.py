@@ -277,3 +277,17 @@ def test_the_docs_name_every_finding_that_fails_by_default():
     without = baselines[baselines.index("Without it memory kept"):][:300]
     for code in DEFAULT_FAIL_ON:
         assert code in row and code in described and code in without, code
+
+
+def test_bad_input_is_an_annotation_and_in_the_job_summary(action, shared, tmp_path):
+    # A baseline edited wrong in the pull request: the step failed with its one line in the log only,
+    # under an empty job summary, and the comment step said "memdiff produced no report".
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "runs" / "train.pickle").write_bytes((shared / "linear-grad.pickle").read_bytes())
+    (tmp_path / "baselines").mkdir()
+    (tmp_path / "baselines" / "train.json").write_text('{"name": ')
+    outputs, log = action(tmp_path, head="runs/train.pickle", baseline="baselines/")
+    assert outputs["exit-code"] == "2"
+    assert "::error title=memdiff::baselines/train.json: invalid JSON at line 1" in log
+    summary = (tmp_path / "summary.md").read_text()
+    assert summary.startswith("### memdiff: nothing was gated: bad input\n\nbaselines/train.json: invalid JSON at line 1")
