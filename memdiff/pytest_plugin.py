@@ -76,16 +76,31 @@ BAD_INPUT = ("memdiff", "bad input")
 BAD_INPUT_STATUS = 2  # memdiff's exit status for bad input or usage, the CLI's
 
 
+# Set on a marked test's report by --memdiff-update: the baseline it wrote, ("new" or "updated", path).
+WROTE = "memdiff baseline written"
+
+
 class _BadInput:
     """Ends the session with exit status 2 when a marked test failed on bad input (its marker, its
     baseline, a run that recorded nothing), as the CLI does: CI must tell it from a regression (1).
-    Reports carry the mark, so this works in the controller of pytest-xdist too."""
+    Reports carry the mark, so this works in the controller of pytest-xdist too; so do they the
+    baselines --memdiff-update wrote, which the session's summary lists."""
 
     def __init__(self) -> None:
         self.seen = False
+        self.wrote: list = []
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         self.seen = self.seen or BAD_INPUT in report.user_properties
+        self.wrote += [value for name, value in report.user_properties if name == WROTE and report.when == "call"]
+
+    def pytest_terminal_summary(self, terminalreporter: Any) -> None:
+        # The update wrote files into the repository: say which, for the reviewer's `git add`.
+        if self.wrote:
+            new = sum(1 for how, _ in self.wrote if how == "new")
+            terminalreporter.write_line(
+                f"memdiff: wrote {len(self.wrote)} baseline{'s' if len(self.wrote) > 1 else ''} ({new} new): "
+                + ", ".join(sorted(path for _, path in self.wrote)) + "; review and commit them")
 
     def pytest_sessionfinish(self, session: pytest.Session) -> None:
         if self.seen and session.exitstatus in (pytest.ExitCode.OK, pytest.ExitCode.TESTS_FAILED):
@@ -182,7 +197,9 @@ def _judge(item: pytest.Item, options: Mapping[str, Any], snapshot: str) -> None
                 make_folder(os.path.dirname(path))
                 _replace_unreadable(path)
                 # The marker is the test's rule: a refresh writes exactly it, never a mix with old limits.
+                how = "updated" if os.path.isfile(path) else "new"
                 api.write_baseline(summary, path, name=item.nodeid, keep_limits=False, **limits)
+                item.user_properties.append((WROTE, (how, os.path.relpath(path))))
                 return
             if not os.path.exists(path):
                 pytest.fail(f"memdiff: no baseline for this test at {os.path.relpath(path)}; create it with\n"

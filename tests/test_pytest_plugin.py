@@ -93,7 +93,11 @@ def test_update_writes_exactly_the_markers_limits(suite):
 def test_update_refreshes_a_baseline_and_keeps_its_name(suite):
     updated(suite)
     before = baseline_of(suite)["devices"][0]["peak_bytes"]
-    run(suite, "--memdiff-update", floats=4 * 65536).assert_outcomes(passed=1)
+    result = run(suite, "--memdiff-update", floats=4 * 65536)
+    result.assert_outcomes(passed=1)
+    # The update wrote into the repository: it says which file (it said nothing), for `git add`.
+    result.stdout.fnmatch_lines(["memdiff: wrote 1 baseline (0 new): baselines/test_model.py-test_step.json; "
+                                 "review and commit them"])
     after = baseline_of(suite)
     assert after["devices"][0]["peak_bytes"] - before == 3 * 65536 * 4
     assert after["name"] == "test_model.py::test_step"
