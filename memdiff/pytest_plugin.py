@@ -202,16 +202,19 @@ def _judge(item: pytest.Item, options: Mapping[str, Any], snapshot: str) -> None
                 item.user_properties.append((WROTE, (how, os.path.relpath(path))))
                 return
             if not os.path.exists(path):
-                pytest.fail(f"memdiff: no baseline for this test at {os.path.relpath(path)}; create it with\n"
-                            f"    {refresh}", pytrace=False)
-            stored = api.load_baseline(path).name
-            if stored != item.nodeid:
-                # A baseline copied from another test, or a renamed test's file moved by hand: gated, it
-                # judged this test by another's memory (an eval step's copy read as P002, a twin's passed).
-                error = (f"memdiff: {os.path.relpath(path)} is the baseline of {stored!r}, not of this test "
-                         f"(copied from another test, or the test renamed?); make this test's: {refresh}")
+                # Nothing was compared: bad input (exit 2), as `memdiff gate --require-baseline` says
+                # it, not a regression (1) that CI would read as memory grown.
+                error = (f"memdiff: no baseline for this test at {os.path.relpath(path)}; create it with\n"
+                         f"    {refresh}")
             else:
-                report = api.gate(summary, path, top=SHOWN_ROWS, **limits)
+                stored = api.load_baseline(path).name
+                if stored != item.nodeid:
+                    # A baseline copied from another test, or a renamed test's file moved by hand: gated, it
+                    # judged this test by another's memory (an eval step's copy read as P002, a twin's passed).
+                    error = (f"memdiff: {os.path.relpath(path)} is the baseline of {stored!r}, not of this test "
+                             f"(copied from another test, or the test renamed?); make this test's: {refresh}")
+                else:
+                    report = api.gate(summary, path, top=SHOWN_ROWS, **limits)
     except InputError as exc:
         # Said outside the handler: pytest would print the InputError too, as the failure's context.
         error = f"memdiff: {exc.path}: {exc.message}" + (f"; refresh it: {refresh}" if exc.path == path and

@@ -107,6 +107,7 @@ def test_update_refreshes_a_baseline_and_keeps_its_name(suite):
 def test_a_missing_baseline_fails_with_the_command_that_makes_it(suite):
     result = run(suite)
     result.assert_outcomes(failed=1)
+    assert result.ret == 2  # nothing was compared: bad input, as the CLI's --require-baseline; never a regression
     result.stdout.fnmatch_lines(["*no baseline for this test at baselines/test_model.py-test_step.json*",
                                  "*pytest 'test_model.py::test_step' --memdiff-update*"])
 
