@@ -162,7 +162,8 @@ def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
     if wrong is not None:  # failed outside the except: one line, no chained exception
         _bad_input(item, f"@pytest.mark.memdiff: {wrong}")
     folder = tempfile.mkdtemp(prefix="memdiff-")
-    snapshot = os.path.join(folder, "test.pickle")
+    # Named after the test: the report's head and the baseline's source say which run it was ("test.pickle").
+    snapshot = os.path.join(folder, baseline_name(item.nodeid)[: -len(".json")] + ".pickle")
     try:
         with api.record(snapshot, emulate=emulate):
             result = yield

@@ -64,6 +64,7 @@ def test_update_creates_the_baseline_then_the_gate_passes_and_fails(suite):
     updated(suite)
     stored = baseline_of(suite)
     assert stored["name"] == "test_model.py::test_step"
+    assert stored["source"]["file"] == "test_model.py-test_step.pickle"  # the test's run, not "test.pickle"
     assert stored["devices"][0]["peak_bytes"] >= 65536 * 4
     assert stored["thresholds"]["peak"] == {"fail-over": "16KiB", "fail-over-pct": 1}
 
@@ -76,6 +77,7 @@ def test_update_creates_the_baseline_then_the_gate_passes_and_fails(suite):
     assert "FAIL  device 0 peak: " in out and "limit: more than 1% and by more than 16.00 KiB" in out
     assert "category" in out and "TOTAL" in out  # the diff's first screen, not a bare number
     assert "memdiff: regression: peak +32.00 KiB" in out  # opening with the report's headline
+    assert "head  test_model.py-test_step.pickle  (" in out
     assert "Traceback" not in out
     assert result.ret == 1  # a regression, as the CLI says it
 
