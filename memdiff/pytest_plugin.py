@@ -218,8 +218,10 @@ def _judge(item: pytest.Item, options: Mapping[str, Any], snapshot: str) -> None
                     report = api.gate(summary, path, top=SHOWN_ROWS, **limits)
     except InputError as exc:
         # Said outside the handler: pytest would print the InputError too, as the failure's context.
-        error = f"memdiff: {exc.path}: {exc.message}" + (f"; refresh it: {refresh}" if exc.path == path and
-                                                           not updating else "")
+        # The test's own baseline by the path its other lines use (`no baseline ... at baselines/...`).
+        where = os.path.relpath(path) if exc.path == path else exc.path
+        error = f"memdiff: {where}: {exc.message}" + (f"; refresh it: {refresh}" if exc.path == path and
+                                                        not updating else "")
     if error is not None:
         _bad_input(item, error)
     if not report.passed:

@@ -241,7 +241,7 @@ def test_a_corrupt_baseline_is_bad_input_and_update_replaces_it(suite):
     result.assert_outcomes(failed=1)
     assert result.ret == 2
     out = result.stdout.str()
-    assert "test_model.py-test_step.json: invalid JSON at line 1" in out
+    assert "memdiff: baselines/test_model.py-test_step.json: invalid JSON at line 1" in out  # relative, as elsewhere
     assert "refresh it: pytest 'test_model.py::test_step' --memdiff-update" in out
     assert "During handling" not in out
     result = run(suite, "--memdiff-update")
