@@ -402,6 +402,20 @@ def test_a_negative_size_after_its_option_says_what_the_size_says(shared, capsys
     one_line(capsys, 2, f"memdiff: {said} (see `memdiff {argv[0]} --help`)")
 
 
+@pytest.mark.parametrize("command", ["gate", "baseline", "diff"])
+def test_a_percent_given_to_fail_over_points_to_fail_over_pct(shared, tmp_path, capsys, command):
+    """`--fail-over 5%` (as --category-fail-over takes `activation=5%`) said only that 5% is not a size."""
+    run = str(shared / "linear-grad.pickle")
+    argv = {"gate": ["gate", run, "--baseline", str(tmp_path / "b.json")], "baseline": ["baseline", run, "-o",
+            str(tmp_path / "b.json")], "diff": ["diff", run, run]}[command]
+    with pytest.raises(SystemExit) as stop:
+        main([*argv, "--fail-over", "5%"])
+    assert stop.value.code == 2
+    one_line(capsys, 2, f"memdiff: {command}: argument --fail-over: '5%' is a percent, not a size: give it as "
+                        f"--fail-over-pct 5 (or a size: 512MiB) (see `memdiff {command} --help`)")
+    assert not (tmp_path / "b.json").exists()
+
+
 @pytest.mark.parametrize("flags", [["-o", "run.pickle"], ["--emulate", "h100", "-o", "run.pickle"],
                                    ["--emulate", "h100", "--repeat", "2", "-o", "run.pickle"]])
 def test_ranks_into_one_file_is_refused_before_the_script_runs(tmp_path, capsys, monkeypatch, flags):

@@ -36,6 +36,15 @@ def size_arg(text: str) -> int:
     return size
 
 
+def peak_size_arg(text: str) -> int:
+    """--fail-over's type: a size; a percent (`5%`, which the category and phase limits take) is
+    pointed to --fail-over-pct, where it read only as not a size."""
+    if text.strip().endswith("%"):
+        raise argparse.ArgumentTypeError(f"{text!r} is a percent, not a size: give it as --fail-over-pct "
+                                         f"{text.strip()[:-1].strip()} (or a size: 512MiB)")
+    return size_arg(text)
+
+
 def pct_arg(text: str) -> float:
     """argparse type for a percentage a limit can use (`1`, `2.5`, `3%`)."""
     try:
@@ -75,7 +84,7 @@ def share_arg(text: str) -> float:
 
 def add_threshold_arguments(p: argparse.ArgumentParser) -> None:
     """--fail-over and --fail-over-pct, shared with the gate."""
-    p.add_argument("--fail-over", type=size_arg, metavar="SIZE",
+    p.add_argument("--fail-over", type=peak_size_arg, metavar="SIZE",
                    help="fail when a peak grows by more than SIZE (512MiB, 0.5GiB, 1e9B)")
     p.add_argument("--fail-over-pct", type=pct_arg, metavar="P",
                    help="fail when a peak grows by more than P percent; with --fail-over both must be "
