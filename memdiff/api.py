@@ -143,6 +143,9 @@ def thresholds(*, fail_over: Size = None, fail_over_pct: Optional[float] = None,
         pct = None if fail_over_pct is None else parse_pct(str(fail_over_pct))
     except ValueError as exc:
         raise InputError("fail_over_pct", str(exc)) from None
+    if isinstance(fail_over, str) and fail_over.strip().endswith("%"):  # as categories take "10%"
+        raise InputError("fail_over", f"{fail_over!r} is a percent, not a size: give it as fail_over_pct="
+                                      f"{fail_over.strip()[:-1].strip()} (or a size: \"512MiB\")")
     return thresholds_over(base, to_bytes(fail_over, "fail_over"), pct,
                            _named(categories, "categories"), _named(phases, "phases", PHASES),
                            choices=[("fail_on", "ignore", *chosen_codes(fail_on, ignore, "fail_on", "ignore"))])

@@ -242,6 +242,9 @@ def test_the_api_takes_the_flags_forms():
     ({"phases": "forward=5%,backward=1GiB,forward=6%"}, "phases: forward: two percents, 5% and 6%"),
     ({"phases": {"fwd": "5%"}}, "phases: 'fwd' is not a phase: use one of forward, backward, optimizer"),
     ({"ignore": ""}, "ignore: '' names nothing"),
+    # The marker's fail_over="5%" said only that '5%' is not a size; categories take "5%" so it is a natural slip.
+    ({"fail_over": "5%"}, "fail_over: '5%' is a percent, not a size: give it as fail_over_pct=5 (or a size: "
+                          '"512MiB")'),
 ])
 def test_the_api_refuses_values_that_contradict_each_other(limits, message):
     with pytest.raises(InputError) as error:
