@@ -206,7 +206,7 @@ def _judge(item: pytest.Item, options: Mapping[str, Any], snapshot: str) -> None
                 # Nothing was compared: bad input (exit 2), as `memdiff gate --require-baseline` says
                 # it, not a regression (1) that CI would read as memory grown.
                 error = (f"memdiff: no baseline for this test at {os.path.relpath(path)}; create it with\n"
-                         f"    {refresh}")
+                         f"    {refresh}{_renamed_from(path, config)}")
             else:
                 stored = api.load_baseline(path).name
                 if stored != item.nodeid:
@@ -241,6 +241,28 @@ def _judge(item: pytest.Item, options: Mapping[str, Any], snapshot: str) -> None
         # The first line is what pytest's short summary shows: the figures, not only the verdict.
         pytest.fail(f"memdiff: {report.failure} against {os.path.relpath(path)}: {report.headline}\n\n{text}",
                     pytrace=False)
+
+
+# The baseline file names of every test collected, before -k or -m deselects any.
+COLLECTED = pytest.StashKey[frozenset]()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list) -> None:
+    config.stash[COLLECTED] = frozenset(baseline_name(item.nodeid) for item in items)
+
+
+def _renamed_from(path: str, config: pytest.Config) -> str:
+    """A line naming the baseline in the same folder closest in name to `path`, among those of no test
+    collected in this session: a renamed test leaves its old baseline behind, which nothing else shows."""
+    folder = os.path.dirname(path)
+    try:
+        names = [n for n in os.listdir(folder) if n.endswith(".json") and n not in config.stash.get(COLLECTED, ())]
+    except OSError:
+        return ""
+    close = difflib.get_close_matches(os.path.basename(path), names, n=1, cutoff=0.8)
+    return (f"\n    ({os.path.relpath(os.path.join(folder, close[0]))} is there, of no test collected in this "
+            f"session: if this test was renamed from that one, that file is stale)") if close else ""
 
 
 def _limits(options: Mapping[str, Any]) -> Dict[str, Any]:

@@ -114,6 +114,22 @@ def test_a_missing_baseline_fails_with_the_command_that_makes_it(suite):
                                  "*pytest 'test_model.py::test_step' --memdiff-update*"])
 
 
+def test_a_renamed_tests_missing_baseline_names_the_stale_one_and_only_that(suite):
+    # A renamed test left its old baseline behind, and nothing ever said so. A test beside one that
+    # is still collected (a new case next to test_step) is not told that test_step's file is stale.
+    updated(suite)
+    suite.makepyfile(test_model=TESTS + "\n\n@pytest.mark.memdiff\ndef test_steps():\n    work()\n")
+    result = run(suite)
+    result.assert_outcomes(passed=1, failed=1)
+    assert "is there, of no test collected" not in result.stdout.str()
+    suite.makepyfile(test_model=TESTS.replace("def test_step(", "def test_stepz("))
+    result = run(suite)
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["*no baseline for this test at baselines/test_model.py-test_stepz.json*",
+                                 "    (baselines/test_model.py-test_step.json is there, of no test collected in this "
+                                 "session: if this test was renamed from that one, that file is stale)"])
+
+
 def test_verbose_adds_the_stacks_and_report_folders_get_the_markdown_and_html(suite):
     updated(suite)
     result = run(suite, "-v", "--memdiff-report", "reports", "--memdiff-html", "pages", floats=4 * 65536)
