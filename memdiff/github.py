@@ -325,11 +325,16 @@ def post_comment(report: str, title: str, mode: str, verdict: str, environ: Mapp
     if not number or not repo:
         print("memdiff: not a pull request run: no comment to post", file=sys.stderr)
         return 0
-    if not report or not os.path.isfile(report):
-        _note(environ, "memdiff produced no report (see the step above), so no comment was posted.")
-        return 0
-    with open(report, encoding="utf-8") as f:
-        body = f"{marker(title)}\n{f.read()}"
+    reported = bool(report) and os.path.isfile(report)
+    if reported:
+        with open(report, encoding="utf-8") as f:
+            body = f"{marker(title)}\n{f.read()}"
+    else:
+        # An earlier run's comment would go on showing its verdict (a green "no regression") beside
+        # this run's red check: it is updated to say so, and no new comment is posted.
+        body = (f"{marker(title)}\n### ⚠️ memdiff: no report for this run\n\nThe memdiff step stopped before it "
+                "compared anything (bad input: its `::error` annotation and the job summary say why), so the "
+                "verdict this comment showed for an earlier run no longer holds.\n")
     call = _gh if shutil.which("gh") else _rest
     listed = call("GET", f"repos/{repo}/issues/{number}/comments", None, environ)
     if listed.error:
@@ -340,8 +345,13 @@ def post_comment(report: str, title: str, mode: str, verdict: str, environ: Mapp
     # Whose comment it is matters only when one is marked: no lookup on a pull request's first run.
     author = _author(call, environ) if marked else ACTIONS_BOT
     mine = next((c for c in marked if _ours(c, title, author)), None)
+    if not reported:
+        _note(environ, "memdiff produced no report (see the step above), so no comment was posted"
+                       + ("; the earlier comment now says its verdict no longer holds." if mine else "."))
     if mine is not None:  # an existing comment is always brought up to date, even when all is well now
         done = call("PATCH", f"repos/{repo}/issues/comments/{mine['id']}", {"body": body}, environ)
+    elif not reported:
+        return 0
     elif mode == "always" or verdict in ("fail", "no-baseline"):
         done = call("POST", f"repos/{repo}/issues/{number}/comments", {"body": body}, environ)
     else:

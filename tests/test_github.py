@@ -444,3 +444,21 @@ def test_an_event_file_that_cannot_be_read_is_no_pull_request_never_a_crash(gith
     report.write_text("a report")
     assert main(["comment", "--report", str(report), "--verdict", "fail"]) == 0
     assert "not a pull request run: no comment to post" in capsys.readouterr().err
+
+
+@pytest.mark.slow  # runs the comment step in child processes
+def test_a_run_without_a_report_marks_the_earlier_comment_out_of_date(gh, tmp_path):
+    # The step stopped on bad input (no report): the earlier run's "no regression" comment stayed as
+    # it was beside a red check. It now says its verdict no longer holds; with none, none is posted.
+    env, state, _ = gh
+    done = comment(env, "", verdict="")
+    assert done.returncode == 0 and "no comment was posted." in done.stdout
+    assert len(json.loads(state.read_text())["comments"]) == 1
+    report = tmp_path / "report.md"
+    report.write_text("### ✅ memdiff: no regression\n")
+    assert comment(env, report, verdict="pass", mode="always").returncode == 0
+    done = comment(env, "", verdict="")
+    assert done.returncode == 0 and "the earlier comment now says its verdict no longer holds" in done.stdout
+    ours = json.loads(state.read_text())["comments"][1]["body"]
+    assert ours.startswith(f"{marker('memdiff')}\n### ⚠️ memdiff: no report for this run\n")
+    assert "no regression" not in ours
