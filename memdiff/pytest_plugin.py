@@ -141,6 +141,7 @@ def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
         _bad_input(item, f"@pytest.mark.memdiff: limit is a ceiling with no baseline, so {', '.join(others)} "
                          f"would check nothing: give one or the other")
     from memdiff import api
+    from memdiff.analyse.classify import check_categories, load_rules
     from memdiff.errors import InputError
     from memdiff.recording.emulate.gpus import gpu
 
@@ -157,6 +158,8 @@ def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
         if marker.kwargs.get("limit") is not None:
             api.to_bytes(marker.kwargs["limit"], "limit")
         api.thresholds(**_limits(marker.kwargs))
+        if marker.kwargs.get("categories"):  # a misspelt category, said before the body runs, not after
+            check_categories(marker.kwargs["categories"], load_rules(), "categories")
     except InputError as exc:
         wrong = f"{exc.path}: {exc.message}"
     if wrong is not None:  # failed outside the except: one line, no chained exception

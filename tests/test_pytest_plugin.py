@@ -230,16 +230,18 @@ def test_bad_input_fails_in_one_line_and_the_session_exits_2(pytester, torch):
             pytest.param(2, marks=pytest.mark.memdiff(fail_on=5)),
             pytest.param(3, marks=pytest.mark.memdiff(limit=float("nan"))),
             pytest.param(4, marks=pytest.mark.memdiff(fail_over_pct=True, categories={"activation": None})),
-            pytest.param(5, marks=pytest.mark.memdiff(limt="1GiB"))])
+            pytest.param(5, marks=pytest.mark.memdiff(limt="1GiB")),
+            pytest.param(6, marks=pytest.mark.memdiff(categories={"activations": "10%"}))])
         def test_wrong(case):
             open("body-ran", "w").close()
     """))
     result = pytester.runpytest_subprocess(*INNER_PYTEST, "--memdiff-update")
-    result.assert_outcomes(failed=7)
+    result.assert_outcomes(failed=8)
     assert result.ret == 2
     out = result.stdout.str()
     assert "memdiff: the test recorded no device memory, so there is nothing to gate" in out
     assert "; got limt (did you mean limit?)" in out
+    assert "categories: no rule gives the category 'activations' (did you mean 'activation'?)" in out
     assert "limit is a ceiling with no baseline, so fail_over_pct would check nothing" in out
     for said in ("fail_over: -5 bytes is not a size: it is negative", "fail_on: a value of type int is not a list",
                  "limit: 'nan' is not a size", "fail_over_pct: 'True' is not a percentage"):

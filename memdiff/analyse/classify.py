@@ -10,6 +10,7 @@ classified again with other rules.
 
 from __future__ import annotations
 
+import difflib
 import json
 import sys
 from dataclasses import dataclass, replace
@@ -213,9 +214,11 @@ def check_categories(names: Iterable[str], rules: Sequence[Rule], source: str) -
     known = {r.category for r in rules} | {OTHER}
     unknown = sorted(set(names) - known)
     if unknown:
+        close = difflib.get_close_matches(unknown[0], sorted(known), n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
         raise InputError(source, f"no rule gives the categor{'y' if len(unknown) == 1 else 'ies'} "
-                                 f"{', '.join(repr(clip(u)) for u in unknown[:5])}, so a limit on it would check "
-                                 f"nothing; known: {', '.join(sorted(known))} (a --rules file adds more)")
+                                 f"{', '.join(repr(clip(u)) for u in unknown[:5])}{hint}, so a limit on it would "
+                                 f"check nothing; known: {', '.join(sorted(known))} (a --rules file adds more)")
 
 
 class Categorizer:
