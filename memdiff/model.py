@@ -335,6 +335,14 @@ class Source:
     # The GPU memdiff's emulator ran the script as (`memdiff record --emulate`), and what it could
     # only approximate; None for a snapshot a real device recorded.
     emulated: Optional[Dict[str, Any]] = None
+    # A baseline's figures no longer match the digest memdiff wrote beside them: edited by hand (G013).
+    edited: bool = False
+
+    def to_dict(self) -> Dict[str, Any]:
+        """The JSON form: every field but `edited`, which a baseline's finding says (G013)."""
+        data = asdict(self)
+        del data["edited"]
+        return data
 
     def route(self) -> str:
         """How the run was recorded: `emulated NAME` or `recorded` (a real device or the CPU profiler)."""
@@ -366,6 +374,7 @@ class Summary:
         signature) is written without frames, and `from_dict` takes them from there again.
         """
         data = asdict(self)
+        data["source"] = self.source.to_dict()
         for d in data["devices"]:
             # A run's steps are its `steps` and its stacks its groups': only a baseline's summary has these.
             for key in ("step_count", "step_peaks", "autograd_nodes"):

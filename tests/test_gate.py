@@ -659,3 +659,36 @@ def test_a_run_against_its_own_baseline_counts_the_allocations_the_baseline_pool
     memdiff.write_baseline(snap, tmp_path / "b.json")
     rows = memdiff.gate(snap, tmp_path / "b.json").diff.devices[0].rows
     assert sum(r.base_count for r in rows) == sum(r.head_count for r in rows) == sum(g.count for g in live.groups)
+
+
+def test_a_baseline_whose_figures_were_edited_by_hand_is_said_in_every_gate(baseline, tmp_path, capsys):
+    # A pull request that raises its baseline's peak by hand lets the regression it was raised for
+    # pass: the figures no longer match the digest memdiff wrote beside them, and the gate says so.
+    b = baseline()
+    head = snapshot(tmp_path / "train.pickle", 300 * MiB)  # +200 MiB of activations: fails as stored
+    assert run(capsys, "gate", head, "--baseline", b)[0] == 1
+    doc = json.loads(b.read_text())
+    assert len(doc["figures_sha256"]) == 64
+    doc["name"], doc["thresholds"]["peak"] = "renamed", {"fail-over-pct": 150.0}  # a team's to set: no warning
+    b.write_text(json.dumps(doc, indent=4))  # and reformatted, as an editor may
+    code, out, _ = run(capsys, "gate", head, "--baseline", b)
+    assert code == 0 and "G013" not in out
+    for d in doc["devices"]:
+        d["peak_bytes"] += 512 * MiB
+        d["categories"]["activation"] += 512 * MiB
+    doc["thresholds"].pop("peak")
+    b.write_text(json.dumps(doc))
+    code, out, _ = run(capsys, "gate", head, "--baseline", b)
+    assert code == 0  # the edited figure still decides: the warning says so, it does not fail
+    assert (f"warning: G013 baseline renamed (base.pickle): its measured figures were edited by hand (they no "
+            f"longer match figures_sha256, the digest memdiff wrote beside them)") in out
+    code, out, _ = run(capsys, "gate", head, "--baseline", b, "--format", "json")
+    assert [f["code"] for f in json.loads(out)[0]["findings"]].count("G013") == 1
+    # written again from a run, the digest holds; a baseline written before the digest says nothing
+    assert run(capsys, "baseline", head, "-o", b)[0] == 0
+    assert "G013" not in run(capsys, "gate", head, "--baseline", b)[1]
+    doc = json.loads(b.read_text())
+    del doc["figures_sha256"]
+    doc["devices"][0]["peak_bytes"] += MiB
+    b.write_text(json.dumps(doc))
+    assert "G013" not in run(capsys, "gate", head, "--baseline", b)[1]

@@ -10,6 +10,7 @@ have been stored reads as NEW.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from dataclasses import dataclass, replace
@@ -62,6 +63,10 @@ class Baseline:
     # The largest value per GPU of a fit (`memdiff baseline --fit`): {"knob", "max_memory", "gpus": [{"gpu",
     # "value"}]}; `memdiff gate --fit` fails when a GPU's value drops (G011).
     fit: Optional[Dict[str, Any]] = None
+    # The file's measured figures differ from the digest memdiff wrote beside them (figures_sha256):
+    # edited by hand, or a merge resolved by hand (G013). Never stored: read_baseline works it out.
+    edited: bool = False
+
 
     def of_rank(self, rank: int) -> Optional["Baseline"]:
         """A job baseline's run of one rank, under the job's thresholds; None when it has no such rank."""
@@ -89,7 +94,15 @@ class Baseline:
         return json.loads(self.to_json())
 
     def to_json(self) -> str:
-        """The file's text: fixed key order and one group per line, so reviews read well."""
+        """The file's text: fixed key order and one group per line, so reviews read well; the digest of
+        its measured figures (figures_digest) beside them."""
+        text = self._text()
+        lines = text.split("\n")
+        after = next(i for i, line in enumerate(lines) if line.startswith('  "tool": ')) + 1
+        lines.insert(after, f'  "figures_sha256": "{figures_digest(json.loads(text))}",')
+        return "\n".join(lines)
+
+    def _text(self) -> str:
         thresholds = json.dumps(self.thresholds.to_dict(), indent=2).replace("\n", "\n  ")
         head = ("{\n"
                 f'  "schema_version": {self.schema_version()},\n'
@@ -104,6 +117,14 @@ class Baseline:
         ranks = [f'    {{\n      "rank": {r["rank"]},\n' + _source_json(r["source"], "      ")
                  + _devices_json(r["devices"], "      ") + "\n    }" for r in self.ranks]
         return head + f'  "thresholds": {thresholds},\n  "ranks": [\n' + ",\n".join(ranks) + "\n  ]\n}\n"
+
+
+def figures_digest(doc: Dict[str, Any]) -> str:
+    """The sha256 of what a baseline document holds measured (its source, devices or ranks, fit values),
+    as its JSON reads back: written beside them as `figures_sha256`, so that a figure edited by hand
+    shows (G013). Not the name, the dates or the thresholds, which a team sets by hand."""
+    measured = {key: doc.get(key) for key in ("source", "devices", "ranks", "fit")}
+    return hashlib.sha256(json.dumps(measured, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
 def _source_json(source: Dict[str, Any], pad: str) -> str:
@@ -381,9 +402,13 @@ def read_baseline(path: str) -> Baseline:
             raise InputError(path, f"rank {r['rank']} is stored twice in the baseline's ranks: keep one")
         seen.add(r["rank"])
     check_figures(path, doc)
-    return Baseline(name=doc["name"], created=doc["created"], tool=doc.get("tool", ""), source=doc.get("source", {}),
-                    devices=doc.get("devices", []), thresholds=thresholds_from_dict(path, doc["thresholds"]),
-                    ranks=doc.get("ranks"), fit=doc.get("fit"))
+    baseline = Baseline(name=doc["name"], created=doc["created"], tool=doc.get("tool", ""),
+                        source=doc.get("source", {}), devices=doc.get("devices", []),
+                        thresholds=thresholds_from_dict(path, doc["thresholds"]), ranks=doc.get("ranks"),
+                        fit=doc.get("fit"))
+    # A baseline written before the digest has none: nothing to tell of its figures.
+    stored = doc.get("figures_sha256")
+    return replace(baseline, edited=stored is not None and stored != figures_digest(doc))
 
 
 SUFFIXES = (".gz", ".bz2", ".xz", ".pickle", ".pkl", ".json")
@@ -458,7 +483,7 @@ def _stored_summary(b: Baseline) -> Summary:
     s = b.source
     source = Source(file=f"baseline {b.name} ({s['file']})", sha256=s["sha256"], size_bytes=0, container="baseline",
                     generation=s["generation"], keys=list(s.get("keys", [])),
-                    allocator_settings=s.get("allocator_settings"), emulated=s.get("emulated"))
+                    allocator_settings=s.get("allocator_settings"), emulated=s.get("emulated"), edited=b.edited)
     return Summary(source=source, devices=devices, tool=b.tool)
 
 

@@ -86,7 +86,7 @@ class Diff:
         """The JSON form of the comparison (the `devices`, `warnings`, `findings`, `base` and `head`
         of the diff contract; the verdict's keys come from `Verdict.to_dict`)."""
         return {"warnings": self.warnings, "findings": [f.to_dict() for f in self.findings],
-                "base": asdict(self.base), "head": asdict(self.head), "devices": [asdict(d) for d in self.devices]}
+                "base": self.base.to_dict(), "head": self.head.to_dict(), "devices": [asdict(d) for d in self.devices]}
 
 
 def _site_key(callers: int):

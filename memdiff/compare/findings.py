@@ -626,6 +626,22 @@ CATALOGUE: Tuple[Code, ...] = (
          "warning: G012 device 0: the noise margin (5%) gates nothing: it widens the spread of a baseline made "
          "from repeated runs whose peaks differ, and this baseline has none on device 0 (make one with `memdiff "
          "baseline RUN1 RUN2 RUN3`), so the peak is judged by the rule above"),
+    Code("G013", "baseline-edited-by-hand", WARNING,
+         "{baseline}: its measured figures were edited by hand (they no longer match figures_sha256, the digest "
+         "memdiff wrote beside them), so the gate judged against figures no run measured",
+         "`memdiff baseline` (and the pytest plugin's `--memdiff-update`) writes the digest of what it measured, "
+         "the source, devices or ranks and fit values, beside them; a figure changed since (a peak raised, a "
+         "group removed, a merge conflict resolved by hand) no longer matches it. The name, the dates and the "
+         "thresholds are a team's to set by hand and are not in the digest.",
+         "A baseline's figures are the limit every run is held to: one raised by hand in a pull request lets "
+         "the regression it was raised for pass, with a green check; a reviewer reads JSON, this reads the "
+         "digest.",
+         "Remake the baseline from a run (`memdiff baseline RUN -o FILE`, `pytest --memdiff-update`); to loosen "
+         "the gate, change its thresholds (`--fail-over-pct`), which the digest leaves out.",
+         "hand-built in tests/test_gate.py",
+         "warning: G013 baseline train (train.pickle): its measured figures were edited by hand (they no longer "
+         "match figures_sha256, the digest memdiff wrote beside them), so the gate judged against figures no run "
+         "measured"),
     Code("G006", "rank-without-baseline", ERROR,
          "{ranks}: no baseline (--require-baseline)",
          "Gating a job with `--require-baseline`, a rank of the run has no baseline.",
