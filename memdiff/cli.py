@@ -211,8 +211,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     # JSON on stdout may be read from the terminal by a person or by a program: no line between.
     json_out = getattr(args, "format", None) == "json" and not getattr(args, "output", None)
     progress.enable(None if json_out else sys.stderr)
+    from memdiff.stopping import exit_status, terminating_as_interrupt
+
     try:
-        return args.run(args)
+        # SIGTERM and SIGHUP unwind as Ctrl-C does: a run's snapshot written, its children stopped (stopping.py)
+        with terminating_as_interrupt():
+            return args.run(args)
     except InputError as exc:
         if args.debug:
             traceback.print_exc()
@@ -223,8 +227,8 @@ def main(argv: Optional[List[str]] = None) -> int:
 
             say_bad_input(said, os.environ, on_stderr=getattr(args, "format", None) == "json")
         return EXIT_BAD_INPUT
-    except KeyboardInterrupt:
-        return 130
+    except KeyboardInterrupt as exc:  # Ctrl-C 130, SIGTERM 143, SIGHUP 129, as a shell says
+        return exit_status(exc)
     except BrokenPipeError:
         # The reader (e.g. `| head`) went away; nothing left to say.
         sys.stderr.close()

@@ -3,10 +3,13 @@ snapshot's write short (the jobs themselves: tests/test_record_ranks.py)."""
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
 import time
+
+import pytest
 
 from memdiff.commands.record import _Forwarding
 from memdiff.recording.capture import sigint_held
@@ -67,3 +70,170 @@ def test_fit_stopping_a_launched_run_passes_the_ctrl_c_on_to_memdiff_record(tmp_
     out, _ = run.communicate(timeout=600)
     assert out.split() == ["interrupted", "130"]  # raised on, for fit's run to end as interrupted
     assert said.read_text() == "interrupted"  # record ended by the Ctrl-C, not killed
+
+
+# Stopping memdiff as a CI runner (SIGTERM) or a closed terminal (SIGHUP) does, driving memdiff as a process
+# of its own (a test under xdist runs off the worker's main thread: never signal the test process).
+
+SLEEPER_SCRIPT = ("import os, sys, time, torch\n"
+                  "kept = torch.ones(1 << 20{device})  # 4 MiB\n"
+                  "print('ready', os.getpid(), flush=True)\n"
+                  "{mark}"
+                  "time.sleep(3600)\n")
+
+
+def _script(tmp_path, device: str = "", ready=None):
+    script = tmp_path / "sleeps.py"
+    mark = f"open({str(ready)!r}, 'w').write(str(os.getpid()))\n" if ready is not None else ""
+    script.write_text(SLEEPER_SCRIPT.format(device=device, mark=mark))
+    return script
+
+
+def _memdiff(tmp_path, *args: str) -> subprocess.Popen:
+    """memdiff started as a process group of its own: whatever of it a failing test leaves is ended (_ended)."""
+    with open(tmp_path / "memdiff.log", "w") as out:
+        return subprocess.Popen([sys.executable, "-m", "memdiff", *args], cwd=tmp_path, stdout=out,
+                                stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                                start_new_session=True)
+
+
+def _ended(memdiff: subprocess.Popen) -> None:
+    """Kill what is left of memdiff's process group (nothing, when the test passed) and reap memdiff."""
+    try:
+        os.killpg(memdiff.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    memdiff.wait()
+
+
+def _wait_for(found, process: subprocess.Popen) -> None:
+    """Until `found()`; the test fails should memdiff end first (it must still be running to be stopped)."""
+    deadline = time.monotonic() + 600
+    while not found():
+        assert process.poll() is None and time.monotonic() < deadline
+        time.sleep(0.05)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def _left(memdiff: subprocess.Popen, pids) -> list:
+    """Of `pids`, the processes still running now that memdiff has ended: its orphans."""
+    assert memdiff.returncode is not None
+    return [pid for pid in pids if _alive(pid)]
+
+
+def _four_mib_allocated(path) -> bool:
+    from memdiff.read.load import load
+
+    snapshot = load(str(path))
+    return any(e["action"] == "alloc" and e["size"] == 4 << 20 for trace in snapshot.device_traces for e in trace)
+
+
+@pytest.mark.slow
+def test_sigterm_to_memdiff_record_writes_the_snapshot_and_exits_143(torch, tmp_path):
+    # A CI runner's cancel (and `timeout`) sends SIGTERM: it ended memdiff at once, the snapshot of the
+    # run never written (exit -15). It stops the script as Ctrl-C does now.
+    ready = tmp_path / "ready"
+    memdiff = _memdiff(tmp_path, "record", "-o", "run.pickle", "--", sys.executable,
+                       str(_script(tmp_path, ready=ready)))
+    try:
+        _wait_for(ready.exists, memdiff)
+        memdiff.send_signal(signal.SIGTERM)
+        assert memdiff.wait(timeout=600) == 128 + signal.SIGTERM, (tmp_path / "memdiff.log").read_text()
+    finally:
+        _ended(memdiff)
+    assert _four_mib_allocated(tmp_path / "run.pickle")
+
+
+@pytest.mark.slow
+def test_sighup_to_memdiff_record_of_a_job_stops_the_job_and_writes_its_snapshot(torch, tmp_path):
+    # -o DIR/ runs the job as a child: memdiff passed Ctrl-C and SIGTERM on but died of SIGHUP (a closed
+    # terminal), the job running on, orphaned; and the job's own hook wrote nothing on SIGHUP either.
+    ready = tmp_path / "ready"
+    memdiff = _memdiff(tmp_path, "record", "-o", "runs/", "--", sys.executable, str(_script(tmp_path, ready=ready)))
+    try:
+        _wait_for(lambda: ready.exists() and ready.read_text(), memdiff)
+        job = int(ready.read_text())
+        memdiff.send_signal(signal.SIGHUP)
+        assert memdiff.wait(timeout=600) == 128 + signal.SIGHUP, (tmp_path / "memdiff.log").read_text()
+        assert _left(memdiff, [job]) == []  # memdiff waited for its job: nothing left running
+    finally:
+        _ended(memdiff)
+    assert _four_mib_allocated(tmp_path / "runs" / f"pid{job}.pickle")
+
+
+@pytest.mark.slow
+def test_sigterm_to_memdiff_record_repeat_stops_the_repeat_and_keeps_its_snapshot(torch, tmp_path):
+    # --repeat runs each repeat as a `memdiff record` of its own: SIGTERM ended the outer one alone, the
+    # repeat running on, orphaned (and subprocess.run killed it on Ctrl-C, its snapshot lost).
+    ready = tmp_path / "ready"
+    memdiff = _memdiff(tmp_path, "record", "--repeat", "2", "-o", "run.pickle", "--", sys.executable,
+                       str(_script(tmp_path, ready=ready)))
+    try:
+        _wait_for(lambda: ready.exists() and ready.read_text(), memdiff)
+        repeat = int(ready.read_text())  # the repeat's memdiff record runs the script in its own process
+        memdiff.send_signal(signal.SIGTERM)
+        assert memdiff.wait(timeout=600) == 128 + signal.SIGTERM, (tmp_path / "memdiff.log").read_text()
+        assert _left(memdiff, [repeat]) == []
+    finally:
+        _ended(memdiff)
+    assert _four_mib_allocated(tmp_path / "run-1.pickle") and not (tmp_path / "run-2.pickle").exists()
+
+
+@pytest.mark.slow
+def test_sigterm_to_memdiff_fit_stops_its_runs_and_keeps_their_snapshots(torch, tmp_path):
+    # fit's runs are forked from its forkserver: SIGTERM ended fit alone, and its runs, the forkserver and
+    # the resource tracker ran on, orphaned, with no snapshot. The emulated run writes only in its overlay:
+    # its pid is read from its log, which is outside it.
+    script = tmp_path / "sleeps.py"
+    script.write_text("import argparse, os, time, torch\n"
+                      "p = argparse.ArgumentParser(); p.add_argument('--batch-size', type=int)\n"
+                      "kept = torch.ones(p.parse_args().batch_size << 20, device='cuda')  # 4 MiB\n"
+                      "print('ready', os.getpid(), flush=True)\n"
+                      "time.sleep(3600)\n")
+    log = tmp_path / "runs" / "h100-batch1.log"
+
+    def said():
+        return log.exists() and "ready" in log.read_text()
+    memdiff = _memdiff(tmp_path, "fit", "--emulate", "h100", "--range", "batch=1:1", "--jobs", "1", "-o", "runs/",
+                       "--", sys.executable, str(script), "--batch-size", "{batch}")
+    try:
+        _wait_for(said, memdiff)
+        run = int(log.read_text().split("ready")[1].split()[0])
+        memdiff.send_signal(signal.SIGTERM)
+        assert memdiff.wait(timeout=600) == 128 + signal.SIGTERM, (tmp_path / "memdiff.log").read_text()
+        assert _left(memdiff, [run]) == []
+    finally:
+        _ended(memdiff)
+    assert _four_mib_allocated(tmp_path / "runs" / "h100-batch1.pickle")
+
+
+def test_sigterm_and_sighup_stop_a_command_as_ctrl_c_does_unless_ignored():
+    # In a process of its own: SIGTERM and SIGHUP raise as Ctrl-C does, with the shell's exit status; a
+    # SIGHUP the process was started ignoring (`nohup`) stays ignored.
+    code = ("import os, signal, sys, time\n"
+            "from memdiff.stopping import exit_status, terminating_as_interrupt\n"
+            "signal.signal(signal.SIGHUP, signal.SIG_IGN if sys.argv[1] == 'nohup' else signal.SIG_DFL)\n"
+            "try:\n"
+            "    with terminating_as_interrupt():\n"
+            "        print('ready', flush=True)\n"
+            "        time.sleep(3600)\n"
+            "except KeyboardInterrupt as exc:\n"
+            "    print(exit_status(exc), signal.getsignal(signal.SIGTERM) == signal.SIG_DFL)\n")
+    for how, sent, said in (("", signal.SIGTERM, "143 True"), ("", signal.SIGHUP, "129 True"),
+                            ("nohup", signal.SIGHUP, "143 True")):
+        child = subprocess.Popen([sys.executable, "-c", code, how or "-"], stdout=subprocess.PIPE, text=True)
+        try:
+            assert child.stdout.readline() == "ready\n"
+            child.send_signal(sent)
+            if how == "nohup":  # ignored: it sleeps on, and SIGTERM stops it
+                child.send_signal(signal.SIGTERM)
+            assert child.communicate(timeout=600)[0].split() == said.split()
+        finally:
+            child.kill()

@@ -70,6 +70,8 @@ from memdiff.recording.some_ranks import (
     listed_ranks,
     local_runner,
 )
+from memdiff.stopping import STOPPING, wanted
+from memdiff.stopping import exit_status as stopped_status
 from memdiff.units import format_bytes
 
 # The most ranks --ranks runs at once on this machine, each a process holding torch and its emulated
@@ -82,7 +84,8 @@ DESCRIPTION = ("Run a script (`-- python train.py ARGS` or `-- python -m pkg.mod
                "else PyTorch's profiler. The snapshot is written even when the script fails. With "
                "-o DIR/, run any launcher (`-- torchrun --nproc-per-node 4 train.py`) and record every rank "
                "into DIR/rank{RANK}.pickle. Exits with the script's status, 3 included (memdiff's own internal "
-               "errors say `memdiff: internal error`); Ctrl-C stops the script, writes the snapshot and exits 130.")
+               "errors say `memdiff: internal error`); Ctrl-C stops the script, writes the snapshot and exits 130 "
+               "(SIGTERM 143, SIGHUP 129), stopping every process it started.")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -280,8 +283,9 @@ def _launched(command: List[str], run: bool = True) -> List[str]:
 
 
 class _Forwarding:
-    """Ctrl-C and SIGTERM passed on to the job (a CI runner cancelling it signals memdiff, not the
-    launcher), from before the job starts until it has ended.
+    """Ctrl-C, SIGTERM and SIGHUP passed on to the job (a CI runner cancelling it signals memdiff, not the
+    launcher; a closed terminal hangs memdiff up), from before the job starts until it has ended. A
+    signal memdiff was started ignoring (SIGHUP under `nohup`) is not handled: the job inherits it ignored.
 
     The handler is in place before the child is started: a signal that comes while it starts is
     passed on once it exists, never lost. And the child starts with both signals at their defaults
@@ -296,8 +300,9 @@ class _Forwarding:
         self._previous: Dict[int, Any] = {}
 
     def __enter__(self) -> "_Forwarding":
-        for s in (signal.SIGINT, signal.SIGTERM):
-            self._previous[s] = signal.signal(s, self._forward)
+        for s in STOPPING:
+            if wanted(s):
+                self._previous[s] = signal.signal(s, self._forward)
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -618,12 +623,18 @@ def _run_repeats(args: argparse.Namespace) -> int:
         window = ["--steps", str(args.steps)] if args.steps else []
         emulate = ["--emulate", args.emulate] if args.emulate else []
         emulate += ["--gpus", str(args.gpus)] if args.gpus is not None else []
-        done = subprocess.run([sys.executable, "-m", "memdiff", "record", "-o", path, "--max-entries",
-                               str(args.max_entries), "--stacks", args.stacks, *window, *emulate, "--", *command])
-        if done.returncode:
-            print(f"memdiff: run {k} of {args.repeat} exited {done.returncode}: the repeats stop there",
+        # Ctrl-C, SIGTERM and SIGHUP passed on to the repeat's own `memdiff record`, which writes its snapshot
+        # and stops: subprocess.run killed it on Ctrl-C (its snapshot lost), and SIGTERM ended this process
+        # alone, the repeat running on, orphaned.
+        with _Forwarding() as forwarding:
+            forwarding.started(subprocess.Popen([sys.executable, "-m", "memdiff", "record", "-o", path,
+                                                 "--max-entries", str(args.max_entries), "--stacks", args.stacks,
+                                                 *window, *emulate, "--", *command]))
+            returncode = exit_status(forwarding.children[0].wait())
+        if returncode:
+            print(f"memdiff: run {k} of {args.repeat} exited {returncode}: the repeats stop there",
                   file=sys.stderr)
-            return done.returncode
+            return returncode
     print(f"memdiff: recorded {args.repeat} repeats; make their baseline with `memdiff baseline "
           f"{' '.join(shell(p) for p in paths)} -o {shell(f'baselines/{stem(args.output)}.json')}`", file=sys.stderr)
     return 0
@@ -681,18 +692,18 @@ def run(args: argparse.Namespace) -> int:
                             emulate=args.emulate, gpus=args.gpus):
                     try:
                         status = _run_target(target, emulated=bool(args.emulate))
-                    except KeyboardInterrupt:  # Ctrl-C ends the script, not the recording: what it did is kept
-                        interrupted, status = True, 130
+                    except KeyboardInterrupt as exc:  # Ctrl-C (SIGTERM, SIGHUP: stopping.py) ends the script,
+                        interrupted, status = True, stopped_status(exc)  # not the recording: what it did is kept
                     except InputError as exc:  # the emulator refused an op: what ran until then is kept
                         refused, status = exc, EXIT_BAD_INPUT
                     finally:
-                        # The script has ended: a Ctrl-C from here until the snapshot is in place (a second
-                        # one, or the first after a natural end) must not lose it.
-                        holding.enter_context(sigint_held())
-            except KeyboardInterrupt:
+                        # The script has ended: a Ctrl-C (or SIGTERM, SIGHUP) from here until the snapshot is in
+                        # place (a second one, or the first after a natural end) must not lose it.
+                        holding.enter_context(sigint_held([s for s in STOPPING if wanted(s)]))
+            except KeyboardInterrupt as exc:
                 # While recording started (nothing recorded yet), or in the instant between the script's
                 # end and the hold above (the block's exit wrote the snapshot all the same).
-                interrupted, status = True, 130
+                interrupted, status = True, stopped_status(exc)
             if not os.path.exists(partial):  # a window of steps the script never reached, or failed (it said so)
                 # One line, the file first: an exit 2 reads as `memdiff: FILE: what is wrong`.
                 print(f"memdiff: {args.output}: nothing written: {unreached[0]}" if unreached else

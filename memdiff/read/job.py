@@ -98,7 +98,7 @@ class Job:
         """Why the job's memory is no finished run's, when its manifest says its command failed."""
         if not self.exit_status:
             return None
-        how = {130: "Ctrl-C", 143: "SIGTERM"}.get(self.exit_status, f"exit status {self.exit_status}")
+        how = {130: "Ctrl-C", 143: "SIGTERM", 129: "SIGHUP"}.get(self.exit_status, f"exit status {self.exit_status}")
         return f"the recorded job ended with {how} (its {MANIFEST}): its ranks may have stopped early"
 
     def note(self) -> Optional[str]:

@@ -14,7 +14,7 @@ import signal
 import sys
 from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from memdiff.atomic import write_output
 from memdiff.errors import InputError
@@ -50,21 +50,25 @@ def write_status(path: str, document: Dict[str, Any]) -> None:
 
 
 @contextlib.contextmanager
-def sigint_held() -> Iterator[List[int]]:
-    """Hold Ctrl-C while a snapshot is written: a second Ctrl-C (or the one a launcher passes on after
-    the terminal's own) must not cut the write short and lose what was recorded. Yields the list the
-    SIGINTs that came are put in; off the main thread, where no handler can be set (and where no
-    signal is handled), it holds nothing."""
+def sigint_held(signals: Sequence[int] = (signal.SIGINT,)) -> Iterator[List[int]]:
+    """Hold Ctrl-C (and any other of `signals`: `memdiff record` holds SIGTERM and SIGHUP too) while a
+    snapshot is written: a second Ctrl-C (or the one a launcher passes on after the terminal's own) must
+    not cut the write short and lose what was recorded. Yields the list the signals that came are put
+    in; off the main thread, where no handler can be set (and where no signal is handled), it holds
+    nothing."""
     held: List[int] = []
+    previous: Dict[int, Any] = {}
     try:
-        previous = signal.signal(signal.SIGINT, lambda signum, _frame: held.append(signum))
+        for s in signals:
+            previous[s] = signal.signal(s, lambda signum, _frame: held.append(signum))
     except ValueError:
         yield held
         return
     try:
         yield held
     finally:
-        signal.signal(signal.SIGINT, previous if previous is not None else signal.SIG_DFL)
+        for s, handler in previous.items():
+            signal.signal(s, handler if handler is not None else signal.SIG_DFL)
 
 
 def recorded_nothing(snapshot: Dict[str, Any]) -> bool:

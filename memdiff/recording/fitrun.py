@@ -107,13 +107,15 @@ def run_emulated(gpu: str, target: List[str], snapshot: str, log: str, max_entri
 
     from memdiff.commands.record import _children_emulated, _run_target
     from memdiff.errors import EXIT_BAD_INPUT, InputError
-    from memdiff.recording.capture import record, torch_module
+    from memdiff.recording.capture import record, sigint_held, torch_module
     from memdiff.recording.emulate.changes import applying
     from memdiff.recording.emulate.gpus import gpu as gpu_named
     from memdiff.recording.emulate.overlay_calls import for_run
     from memdiff.recording.emulate.runtime import Emulator
     from memdiff.recording.emulate.session import emulating
     from memdiff.recording.fit_lightning import split_at_launch
+    from memdiff.stopping import STOPPING
+    from memdiff.stopping import exit_status as stopped_status
 
     torch_module()
     started = time.monotonic()
@@ -139,8 +141,12 @@ def run_emulated(gpu: str, target: List[str], snapshot: str, log: str, max_entri
                     status = _run_target(target, emulated=True, failed=failed)
                 except InputError as exc:  # the emulator refused an op: the script cannot be fitted as it is
                     refused, status = f"{exc.path}: {exc.message}", EXIT_BAD_INPUT
-                except KeyboardInterrupt:
-                    status = 130
+                except KeyboardInterrupt as exc:  # fit's stop, or SIGTERM to fit's process group (stopping.py)
+                    status = stopped_status(exc)
+                finally:
+                    # The script has ended: a signal from here until the snapshot is written (fit's Ctrl-C
+                    # after a SIGTERM to its process group, both stopping the run) must not cut the write short.
+                    changes.enter_context(sigint_held(STOPPING))
         sys.stdout.flush()
         sys.stderr.flush()
         children = started_processes(processes, snapshot)
@@ -224,9 +230,13 @@ def child(conn: Any, gpu: str, target: List[str], snapshot: str, log: str, max_e
     import time
 
     from memdiff.recording.fit_lightning import SplitJob
+    from memdiff.stopping import raising_from_now
 
     try:
         _output_to(log)
+        # A SIGTERM to fit's whole process group (a CI runner's cancel, `timeout`) stops the run as fit's
+        # Ctrl-C does, writing what it recorded: the forkserver left it SIGTERM's default, death unwritten.
+        raising_from_now()
         # The forkserver made this process its children's default start method: a script's DataLoader
         # workers would then start afresh, without the emulator, and re-run the script from its top. A fresh
         # `python train.py` has the platform's default (fork on Linux), which forks them from the run.
@@ -325,8 +335,11 @@ def launched_child(conn: Any, gpu: str, command: List[str], folder: str, log: st
                    rules: Sequence[Any], picked: bool = False) -> None:
     """The forked process's entry for a launched job: run it, its output in `log`, send the outcome's dict
     back, close."""
+    from memdiff.stopping import raising_from_now
+
     try:
         _output_to(log)
+        raising_from_now()  # as `child`: its record is stopped as on fit's Ctrl-C
         conn.send(run_launched(gpu, command, folder, log, max_entries, rules, picked).to_dict())
     except KeyboardInterrupt:  # the parent stops a job it no longer needs, as `child`
         pass

@@ -57,7 +57,7 @@ class RankRecording:
     state: str
     file: Optional[str] = None
     error: Optional[str] = None
-    at: Optional[str] = None  # what stopped it: exit, SIGTERM, destroy_process_group, out of memory
+    at: Optional[str] = None  # what stopped it: exit, SIGTERM, SIGHUP, destroy_process_group, out of memory
     refused: Optional[str] = None  # under --emulate: the op the emulator could not run, which ended the rank
     out_of_memory: Optional[str] = None  # under --emulate: the first out-of-memory error raised, caught or not
     died: Optional[str] = None  # the exception (or failing exit status) that ended the rank's process

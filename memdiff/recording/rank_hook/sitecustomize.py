@@ -169,8 +169,8 @@ class _Recording:
         self.steps = 0  # optimizer steps run, counted with MEMDIFF_RECORD_STEPS
         self.unreached = None  # why a window of steps recorded nothing
         self.done = False
-        self.writing = False  # a SIGTERM arriving now waits for the write, then ends the process
-        self.terminated = False
+        self.writing = False  # a SIGTERM (SIGHUP) arriving now waits for the write, then ends the process
+        self.terminated = None  # the signal that came during the write
 
     @property
     def target(self):
@@ -205,8 +205,8 @@ class _Recording:
             interrupted = bool(held)
         finally:
             self.writing = False
-            if self.terminated:  # SIGTERM came during the write: die of it now, as the process would have
-                _die_of_sigterm()
+            if self.terminated is not None:  # SIGTERM came during the write: die of it now, as the process would have
+                _die_of(self.terminated)
         if interrupted and why != "exit":
             signal.raise_signal(signal.SIGINT)
 
@@ -228,7 +228,7 @@ class _Recording:
 
     def start(self):
         torch, capture = self.torch, self.capture
-        # Before recording starts: a SIGTERM from then on writes what was recorded.
+        # Before recording starts: a SIGTERM (or SIGHUP) from then on writes what was recorded.
         self._write_on_sigterm()
         self.status("recording")
         steps = os.environ.get("MEMDIFF_RECORD_STEPS")
@@ -334,26 +334,29 @@ class _Recording:
             dist.init_process_group = init_process_group
 
     def _write_on_sigterm(self):
-        """Write, then die of SIGTERM as the process would have: only where nobody else handles it."""
-        if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
-            return
+        """Write, then die of SIGTERM as the process would have: only where nobody else handles it. SIGHUP
+        likewise (a closed terminal, `memdiff record` hung up passing it on): it ended the process unwritten;
+        one ignored (under `nohup`) stays ignored."""
         recording = self
 
         def on_sigterm(signum, frame):
             if recording.writing:  # the rank is writing already (at exit, say): let it finish first
-                recording.terminated = True
+                recording.terminated = signum
                 return
-            recording.write("SIGTERM")
-            _die_of_sigterm()
-        try:
-            signal.signal(signal.SIGTERM, on_sigterm)
-        except ValueError:  # torch imported off the main thread: no handler can be set there
-            pass
+            recording.write(signal.Signals(signum).name)
+            _die_of(signum)
+        for s in (signal.SIGTERM, signal.SIGHUP):
+            if signal.getsignal(s) is not signal.SIG_DFL:
+                continue
+            try:
+                signal.signal(s, on_sigterm)
+            except ValueError:  # torch imported off the main thread: no handler can be set there
+                return
 
 
-def _die_of_sigterm():
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    os.kill(os.getpid(), signal.SIGTERM)
+def _die_of(signum):
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)
 
 
 def _end_with_lease():

@@ -1,0 +1,66 @@
+"""Stopping memdiff: SIGTERM (a CI runner's cancel, `timeout`) and SIGHUP (a closed terminal) stop a
+command as Ctrl-C does, so that what Ctrl-C runs on its way out runs for them too: the script's snapshot
+is written, the runs and jobs memdiff started are stopped and waited for (never orphaned), temporary
+files are removed. The exit status is the shell's for the signal: 130, 143, 129 (docs/recording.md,
+'Stopping memdiff')."""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+from typing import Any, Dict, Iterator, Tuple
+
+# The signals that stop a command as Ctrl-C does (SIGINT raises KeyboardInterrupt already).
+TERMINATING: Tuple[int, ...] = (signal.SIGTERM, signal.SIGHUP)
+STOPPING: Tuple[int, ...] = (signal.SIGINT, *TERMINATING)
+
+
+class Stopped(KeyboardInterrupt):
+    """SIGTERM or SIGHUP, raised where Ctrl-C raises KeyboardInterrupt; every `except KeyboardInterrupt`
+    that ends a run and keeps what it recorded treats it alike."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def exit_status(exc: BaseException) -> int:
+    """The exit status of a command stopped by `exc`: 128 + the signal, as a shell says (Ctrl-C: 130)."""
+    return 128 + exc.signum if isinstance(exc, Stopped) else 130
+
+
+def _raise(signum: int, _frame: Any) -> None:
+    raise Stopped(signum)
+
+
+def raising_from_now() -> Dict[int, Any]:
+    """From now on, SIGTERM and SIGHUP raise Stopped in the main thread (a process's entry: fit's runs); the
+    handlers they had. A signal the process was started ignoring stays ignored (`nohup` ignores SIGHUP: a
+    job under it must outlive the terminal); off the main thread, where no handler can be set, nothing
+    changes."""
+    previous: Dict[int, Any] = {}
+    try:
+        for s in TERMINATING:
+            if signal.getsignal(s) == signal.SIG_DFL:
+                previous[s] = signal.signal(s, _raise)
+    except ValueError:  # not the main thread
+        pass
+    return previous
+
+
+@contextlib.contextmanager
+def terminating_as_interrupt() -> Iterator[None]:
+    """While in the block, SIGTERM and SIGHUP raise Stopped in the main thread, as raising_from_now."""
+    previous = raising_from_now()
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+def wanted(s: int) -> bool:
+    """Whether memdiff acts on signal `s` (passes it on, holds it during a write): SIGINT always (started
+    with it ignored, in a shell script's background, Ctrl-C still stops the run, as documented); SIGTERM and
+    SIGHUP unless the process was started ignoring them."""
+    return s == signal.SIGINT or signal.getsignal(s) != signal.SIG_IGN
