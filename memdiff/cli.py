@@ -211,7 +211,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     # JSON on stdout may be read from the terminal by a person or by a program: no line between.
     json_out = getattr(args, "format", None) == "json" and not getattr(args, "output", None)
     progress.enable(None if json_out else sys.stderr)
-    from memdiff.stopping import exit_status, terminating_as_interrupt
+    from memdiff.recording.stopping import exit_status, terminating_as_interrupt
 
     try:
         # SIGTERM and SIGHUP unwind as Ctrl-C does: a run's snapshot written, its children stopped (stopping.py)

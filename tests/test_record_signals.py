@@ -218,7 +218,7 @@ def test_sigterm_and_sighup_stop_a_command_as_ctrl_c_does_unless_ignored():
     # In a process of its own: SIGTERM and SIGHUP raise as Ctrl-C does, with the shell's exit status; a
     # SIGHUP the process was started ignoring (`nohup`) stays ignored.
     code = ("import os, signal, sys, time\n"
-            "from memdiff.stopping import exit_status, terminating_as_interrupt\n"
+            "from memdiff.recording.stopping import exit_status, terminating_as_interrupt\n"
             "signal.signal(signal.SIGHUP, signal.SIG_IGN if sys.argv[1] == 'nohup' else signal.SIG_DFL)\n"
             "try:\n"
             "    with terminating_as_interrupt():\n"

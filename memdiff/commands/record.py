@@ -70,8 +70,8 @@ from memdiff.recording.some_ranks import (
     listed_ranks,
     local_runner,
 )
-from memdiff.stopping import STOPPING, wanted
-from memdiff.stopping import exit_status as stopped_status
+from memdiff.recording.stopping import STOPPING, wanted
+from memdiff.recording.stopping import exit_status as stopped_status
 from memdiff.units import format_bytes
 
 # The most ranks --ranks runs at once on this machine, each a process holding torch and its emulated

@@ -114,8 +114,8 @@ def run_emulated(gpu: str, target: List[str], snapshot: str, log: str, max_entri
     from memdiff.recording.emulate.runtime import Emulator
     from memdiff.recording.emulate.session import emulating
     from memdiff.recording.fit_lightning import split_at_launch
-    from memdiff.stopping import STOPPING
-    from memdiff.stopping import exit_status as stopped_status
+    from memdiff.recording.stopping import STOPPING
+    from memdiff.recording.stopping import exit_status as stopped_status
 
     torch_module()
     started = time.monotonic()
@@ -230,7 +230,7 @@ def child(conn: Any, gpu: str, target: List[str], snapshot: str, log: str, max_e
     import time
 
     from memdiff.recording.fit_lightning import SplitJob
-    from memdiff.stopping import raising_from_now
+    from memdiff.recording.stopping import raising_from_now
 
     try:
         _output_to(log)
@@ -335,7 +335,7 @@ def launched_child(conn: Any, gpu: str, command: List[str], folder: str, log: st
                    rules: Sequence[Any], picked: bool = False) -> None:
     """The forked process's entry for a launched job: run it, its output in `log`, send the outcome's dict
     back, close."""
-    from memdiff.stopping import raising_from_now
+    from memdiff.recording.stopping import raising_from_now
 
     try:
         _output_to(log)
