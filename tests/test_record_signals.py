@@ -237,3 +237,33 @@ def test_sigterm_and_sighup_stop_a_command_as_ctrl_c_does_unless_ignored():
             assert child.communicate(timeout=600)[0].split() == said.split()
         finally:
             child.kill()
+
+
+def _running(pid: int) -> bool:
+    """Whether `pid` runs (a zombie does not: an orphan's new parent may be slow to reap it)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_a_job_outlives_no_memdiff_killed_with_sigkill_and_writes_its_snapshot(torch, tmp_path):
+    # SIGKILL (a CI runner's last resort after its SIGTERM's grace) gives memdiff no say: the job it started
+    # ran on, orphaned, to its end. The job now gets SIGTERM as memdiff dies, and its hook writes.
+    ready = tmp_path / "ready"
+    memdiff = _memdiff(tmp_path, "record", "-o", "runs/", "--", sys.executable, str(_script(tmp_path, ready=ready)))
+    try:
+        _wait_for(lambda: ready.exists() and ready.read_text(), memdiff)
+        job = int(ready.read_text())
+        memdiff.kill()
+        assert memdiff.wait(timeout=600) == -signal.SIGKILL
+        deadline = time.monotonic() + 600
+        while _running(job):  # nobody waits for it now: it ends of the SIGTERM, or the test fails
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+    finally:
+        _ended(memdiff)
+    assert _four_mib_allocated(tmp_path / "runs" / f"pid{job}.pickle")

@@ -70,7 +70,7 @@ from memdiff.recording.some_ranks import (
     listed_ranks,
     local_runner,
 )
-from memdiff.recording.stopping import STOPPING, wanted
+from memdiff.recording.stopping import STOPPING, dying_with_us, wanted
 from memdiff.recording.stopping import exit_status as stopped_status
 from memdiff.units import format_bytes
 
@@ -562,7 +562,8 @@ def _run_launcher(args: argparse.Namespace) -> int:
         forwarding = holding.enter_context(_Forwarding())
         env.update((k, os.environ[k]) for k in (ROOT, OWNED) if k in os.environ)
         if ranks is None:
-            forwarding.started(subprocess.Popen(command, env=env))
+            # dying_with_us: a memdiff killed (SIGKILL) leaves no launcher running on, orphaned
+            forwarding.started(subprocess.Popen(command, env=env, preexec_fn=dying_with_us()))
             codes = {-1: exit_status(forwarding.children[0].wait())}  # the launcher's, which is no rank
         else:
             if isinstance(ranks, _ScriptRanks):  # a script that starts its ranks itself: run it once to read its job
@@ -629,7 +630,8 @@ def _run_repeats(args: argparse.Namespace) -> int:
         with _Forwarding() as forwarding:
             forwarding.started(subprocess.Popen([sys.executable, "-m", "memdiff", "record", "-o", path,
                                                  "--max-entries", str(args.max_entries), "--stacks", args.stacks,
-                                                 *window, *emulate, "--", *command]))
+                                                 *window, *emulate, "--", *command],
+                                                preexec_fn=dying_with_us()))
             returncode = exit_status(forwarding.children[0].wait())
         if returncode:
             print(f"memdiff: run {k} of {args.repeat} exited {returncode}: the repeats stop there",

@@ -295,6 +295,7 @@ def run_launched(gpu: str, command: List[str], folder: str, log: str, max_entrie
     import time
 
     from memdiff.recording.manifest import MANIFEST, NOT_EMULATED
+    from memdiff.recording.stopping import dying_with_us
 
     started = time.monotonic()
     with open(log, "a", encoding="utf-8") as out:  # launched_child made it
@@ -302,7 +303,8 @@ def run_launched(gpu: str, command: List[str], folder: str, log: str, max_entrie
                                     str(max_entries), *(["--ranks", "auto"] if picked else []), "-o",
                                     folder.rstrip(os.sep) + os.sep, "--", *command],
                                    stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                   env={**os.environ, **env} if env else None)
+                                   env={**os.environ, **env} if env else None,
+                                   preexec_fn=dying_with_us())  # a run killed after STOP_S stops it too
         returncode = _wait_passing_interrupt(process)
     seconds = time.monotonic() - started
     used = resource.getrusage(resource.RUSAGE_CHILDREN)  # the job's processes, this forked child's only

@@ -30,6 +30,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 from memdiff.errors import InputError
 from memdiff.recording.emulate.on_import import patched_on_import
 from memdiff.recording.launch import FIRST_NODE, LIGHTNING, RANKS, Launch
+from memdiff.recording.stopping import dying_with_us
 
 # The folder the probe writes what it found in (set for the probe's process only).
 PROBE = "MEMDIFF_RECORD_LIGHTNING"
@@ -165,7 +166,7 @@ def probe(command: List[str], env: Dict[str, str], folder: str, started: Callabl
         log = os.path.join(place, "output.log")
         with open(log, "wb") as out:
             child = subprocess.Popen(command, env={**env, PROBE: place, "MEMDIFF_RECORD_DIR": place}, stdout=out,
-                                     stderr=subprocess.STDOUT)
+                                     stderr=subprocess.STDOUT, preexec_fn=dying_with_us())
             started(child)
             code = child.wait()
         if interrupted() or code:

@@ -21,6 +21,7 @@ from memdiff.recording.emulate.layout import LAYOUT
 from memdiff.recording.launch import LIGHTNING, Launch, rank_env
 from memdiff.recording.manifest import COLLECTIVES, clear_statuses
 from memdiff.recording.pick import LAYOUT_FILE, Picked, pick, pipelines, read_layout
+from memdiff.recording.stopping import dying_with_us
 from memdiff.units import count_of
 
 
@@ -88,7 +89,8 @@ def local_runner(forwarding: Signals, env: Dict[str, str], some: SomeRanks) -> R
                 prefix = run.held.get(rank)
                 out, err = (files.enter_context(open(prefix + suffix, "wb")) for suffix in (".stdout", ".stderr")) \
                     if prefix else (None, None)
-                children.append(subprocess.Popen(some.launch.command(rank), env=environment, stdout=out, stderr=err))
+                children.append(subprocess.Popen(some.launch.command(rank), env=environment, stdout=out, stderr=err,
+                                                 preexec_fn=dying_with_us()))  # never orphaned: stopping.py
             forwarding.started(children[-1])
         return {rank: exit_status(child.wait()) for rank, child in zip(run.ranks, children)}
     return start

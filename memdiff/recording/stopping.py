@@ -7,12 +7,16 @@ files are removed. The exit status is the shell's for the signal: 130, 143, 129 
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import os
 import signal
-from typing import Any, Dict, Iterator, Tuple
+import sys
+from typing import Any, Callable, Dict, Iterator, Optional, Tuple
 
 # The signals that stop a command as Ctrl-C does (SIGINT raises KeyboardInterrupt already).
 TERMINATING: Tuple[int, ...] = (signal.SIGTERM, signal.SIGHUP)
 STOPPING: Tuple[int, ...] = (signal.SIGINT, *TERMINATING)
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 class Stopped(KeyboardInterrupt):
@@ -64,3 +68,23 @@ def wanted(s: int) -> bool:
     with it ignored, in a shell script's background, Ctrl-C still stops the run, as documented); SIGTERM and
     SIGHUP unless the process was started ignoring them."""
     return s == signal.SIGINT or signal.getsignal(s) != signal.SIG_IGN
+
+
+def dying_with_us() -> Optional[Callable[[], None]]:
+    """A `preexec_fn` for a child memdiff starts and waits for (a launcher, a repeat, a rank run alone): on
+    Linux the child is sent SIGTERM when memdiff dies, SIGKILL included (a CI runner's last resort after its
+    SIGTERM's grace), so that it stops and writes what it recorded rather than run on, orphaned; elsewhere
+    None. Set between fork and exec; a memdiff already dead by then is seen by the child's new parent."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up here: the child only calls it
+    except (OSError, AttributeError):
+        return None
+    parent = os.getpid()
+
+    def in_child() -> None:
+        prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+        if os.getppid() != parent:  # memdiff died before the line above: nobody will send it
+            os.kill(os.getpid(), signal.SIGTERM)
+    return in_child
