@@ -55,13 +55,17 @@ def test_fit_stopping_a_launched_run_passes_the_ctrl_c_on_to_memdiff_record(tmp_
               "signal.signal(signal.SIGINT, stop)\n"
               f"open({str(ready)!r}, 'w').close()\n"
               "time.sleep(3600)\n")
+    # fit started in a shell script's background (as CI steps may run it) hands its runs SIGINT ignored:
+    # the run, fitrun.child, acts on fit's SIGINT all the same (stopping.a_run_fit_stops)
     run = subprocess.Popen([sys.executable, "-c", (
         "import subprocess, sys\n"
         "from memdiff.recording.fitrun import _wait_passing_interrupt\n"
+        "from memdiff.recording.stopping import a_run_fit_stops\n"
+        "a_run_fit_stops()\n"
         f"record = subprocess.Popen([sys.executable, '-c', {record!r}])\n"
         "try:\n    _wait_passing_interrupt(record)\n"
         "except KeyboardInterrupt:\n    print('interrupted', record.returncode)\n")],
-        stdout=subprocess.PIPE, text=True)
+        stdout=subprocess.PIPE, text=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
     deadline = time.monotonic() + 600
     while not ready.exists():  # the run is under way, waiting for its record by then
         assert run.poll() is None and time.monotonic() < deadline
@@ -89,12 +93,15 @@ def _script(tmp_path, device: str = "", ready=None):
     return script
 
 
-def _memdiff(tmp_path, *args: str) -> subprocess.Popen:
-    """memdiff started as a process group of its own: whatever of it a failing test leaves is ended (_ended)."""
+def _memdiff(tmp_path, *args: str, sigint_ignored: bool = False) -> subprocess.Popen:
+    """memdiff started as a process group of its own: whatever of it a failing test leaves is ended (_ended).
+    `sigint_ignored`: as a shell script's background starts it (a CI step's `memdiff ... &`)."""
     with open(tmp_path / "memdiff.log", "w") as out:
         return subprocess.Popen([sys.executable, "-m", "memdiff", *args], cwd=tmp_path, stdout=out,
                                 stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"},
-                                start_new_session=True)
+                                start_new_session=True,
+                                preexec_fn=(lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if sigint_ignored
+                                else None)
 
 
 def _ended(memdiff: subprocess.Popen) -> None:
@@ -187,10 +194,12 @@ def test_sigterm_to_memdiff_record_repeat_stops_the_repeat_and_keeps_its_snapsho
 
 
 @pytest.mark.slow
-def test_sigterm_to_memdiff_fit_stops_its_runs_and_keeps_their_snapshots(torch, tmp_path):
+@pytest.mark.parametrize("started", ["in the foreground", "in a shell script's background"])
+def test_sigterm_to_memdiff_fit_stops_its_runs_and_keeps_their_snapshots(torch, tmp_path, started):
     # fit's runs are forked from its forkserver: SIGTERM ended fit alone, and its runs, the forkserver and
     # the resource tracker ran on, orphaned, with no snapshot. The emulated run writes only in its overlay:
-    # its pid is read from its log, which is outside it.
+    # its pid is read from its log, which is outside it. Started in a background (SIGINT ignored, handed
+    # on to its runs), fit's SIGINT to its runs did nothing: each was killed, its snapshot unwritten.
     script = tmp_path / "sleeps.py"
     script.write_text("import argparse, os, time, torch\n"
                       "p = argparse.ArgumentParser(); p.add_argument('--batch-size', type=int)\n"
@@ -202,7 +211,8 @@ def test_sigterm_to_memdiff_fit_stops_its_runs_and_keeps_their_snapshots(torch, 
     def said():
         return log.exists() and "ready" in log.read_text()
     memdiff = _memdiff(tmp_path, "fit", "--emulate", "h100", "--range", "batch=1:1", "--jobs", "1", "-o", "runs/",
-                       "--", sys.executable, str(script), "--batch-size", "{batch}")
+                       "--", sys.executable, str(script), "--batch-size", "{batch}",
+                       sigint_ignored=started != "in the foreground")
     try:
         _wait_for(said, memdiff)
         run = int(log.read_text().split("ready")[1].split()[0])

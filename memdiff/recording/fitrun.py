@@ -230,13 +230,13 @@ def child(conn: Any, gpu: str, target: List[str], snapshot: str, log: str, max_e
     import time
 
     from memdiff.recording.fit_lightning import SplitJob
-    from memdiff.recording.stopping import raising_from_now
+    from memdiff.recording.stopping import a_run_fit_stops
 
     try:
         _output_to(log)
         # A SIGTERM to fit's whole process group (a CI runner's cancel, `timeout`) stops the run as fit's
         # Ctrl-C does, writing what it recorded: the forkserver left it SIGTERM's default, death unwritten.
-        raising_from_now()
+        a_run_fit_stops()
         # The forkserver made this process its children's default start method: a script's DataLoader
         # workers would then start afresh, without the emulator, and re-run the script from its top. A fresh
         # `python train.py` has the platform's default (fork on Linux), which forks them from the run.
@@ -337,11 +337,11 @@ def launched_child(conn: Any, gpu: str, command: List[str], folder: str, log: st
                    rules: Sequence[Any], picked: bool = False) -> None:
     """The forked process's entry for a launched job: run it, its output in `log`, send the outcome's dict
     back, close."""
-    from memdiff.recording.stopping import raising_from_now
+    from memdiff.recording.stopping import a_run_fit_stops
 
     try:
         _output_to(log)
-        raising_from_now()  # as `child`: its record is stopped as on fit's Ctrl-C
+        a_run_fit_stops()  # as `child`: its record is stopped as on fit's Ctrl-C
         conn.send(run_launched(gpu, command, folder, log, max_entries, rules, picked).to_dict())
     except KeyboardInterrupt:  # the parent stops a job it no longer needs, as `child`
         pass

@@ -52,6 +52,16 @@ def raising_from_now() -> Dict[int, Any]:
     return previous
 
 
+def a_run_fit_stops() -> None:
+    """For a run fit (or whatif) forked and stops with SIGINT when it no longer needs it (fitrun.stop):
+    SIGINT raises KeyboardInterrupt whatever memdiff was started with, and SIGTERM and SIGHUP raise
+    Stopped (raising_from_now). A memdiff started in a shell script's background inherits SIGINT
+    ignored, and its runs with it: fit's stop did nothing, each run was killed STOP_S later, its
+    snapshot unwritten and the job its `memdiff record` had started left running."""
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    raising_from_now()
+
+
 @contextlib.contextmanager
 def terminating_as_interrupt() -> Iterator[None]:
     """While in the block, SIGTERM and SIGHUP raise Stopped in the main thread, as raising_from_now."""
