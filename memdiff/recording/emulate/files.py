@@ -488,9 +488,7 @@ def _dcp_save(call: str, returns: Callable[[], Any] = lambda: None) -> Callable[
             done = save(*args, **kwargs)
             if done is not _SKIPPED:
                 return done
-            where = kwargs.get("checkpoint_id")
-            if where is None:
-                where = getattr(kwargs.get("storage_writer"), "path", None)
+            where = _dcp_path(**kwargs)
             if isinstance(where, (str, os.PathLike)):
                 os.makedirs(where, exist_ok=True)  # into the overlay, as every write of the run
             return returns()
@@ -569,10 +567,14 @@ def _ranks_not_run() -> List[int]:
     return [r for r in range(dist.get_world_size()) if r != me and not exchange.hears_from(r)]
 
 
-def _dcp_target(*args: Any, **kwargs: Any) -> Tuple[str, Optional[bool]]:
+def _dcp_path(**kwargs: Any) -> Any:
+    """Where a DCP save writes: its `checkpoint_id`, else its storage writer's path; None when neither says."""
     where = kwargs.get("checkpoint_id")
-    if where is None:
-        where = getattr(kwargs.get("storage_writer"), "path", None)
+    return where if where is not None else getattr(kwargs.get("storage_writer"), "path", None)
+
+
+def _dcp_target(*args: Any, **kwargs: Any) -> Tuple[str, Optional[bool]]:
+    where = _dcp_path(**kwargs)
     return (_target(where) if where is not None else ("the storage writer's checkpoint", None))
 
 
