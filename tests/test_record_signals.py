@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from typing import Tuple
 
 import pytest
 
@@ -158,15 +159,25 @@ def test_sigterm_to_memdiff_record_writes_the_snapshot_and_exits_143(torch, tmp_
     assert _four_mib_allocated(tmp_path / "run.pickle")
 
 
-@pytest.mark.slow
-def test_sighup_to_memdiff_record_of_a_job_stops_the_job_and_writes_its_snapshot(torch, tmp_path):
-    # -o DIR/ runs the job as a child: memdiff passed Ctrl-C and SIGTERM on but died of SIGHUP (a closed
-    # terminal), the job running on, orphaned; and the job's own hook wrote nothing on SIGHUP either.
+def _recording_a_job(tmp_path) -> Tuple[subprocess.Popen, int]:
+    """`memdiff record -o runs/` of a job (a script that sleeps once it holds 4 MiB), and the job's pid,
+    once it is under way; ended if it never gets there."""
     ready = tmp_path / "ready"
     memdiff = _memdiff(tmp_path, "record", "-o", "runs/", "--", sys.executable, str(_script(tmp_path, ready=ready)))
     try:
         _wait_for(lambda: ready.exists() and ready.read_text(), memdiff)
-        job = int(ready.read_text())
+    except BaseException:
+        _ended(memdiff)
+        raise
+    return memdiff, int(ready.read_text())
+
+
+@pytest.mark.slow
+def test_sighup_to_memdiff_record_of_a_job_stops_the_job_and_writes_its_snapshot(torch, tmp_path):
+    # -o DIR/ runs the job as a child: memdiff passed Ctrl-C and SIGTERM on but died of SIGHUP (a closed
+    # terminal), the job running on, orphaned; and the job's own hook wrote nothing on SIGHUP either.
+    memdiff, job = _recording_a_job(tmp_path)
+    try:
         memdiff.send_signal(signal.SIGHUP)
         assert memdiff.wait(timeout=600) == 128 + signal.SIGHUP, (tmp_path / "memdiff.log").read_text()
         assert _left(memdiff, [job]) == []  # memdiff waited for its job: nothing left running
@@ -263,11 +274,8 @@ def _running(pid: int) -> bool:
 def test_a_job_outlives_no_memdiff_killed_with_sigkill_and_writes_its_snapshot(torch, tmp_path):
     # SIGKILL (a CI runner's last resort after its SIGTERM's grace) gives memdiff no say: the job it started
     # ran on, orphaned, to its end. The job now gets SIGTERM as memdiff dies, and its hook writes.
-    ready = tmp_path / "ready"
-    memdiff = _memdiff(tmp_path, "record", "-o", "runs/", "--", sys.executable, str(_script(tmp_path, ready=ready)))
+    memdiff, job = _recording_a_job(tmp_path)
     try:
-        _wait_for(lambda: ready.exists() and ready.read_text(), memdiff)
-        job = int(ready.read_text())
         memdiff.kill()
         assert memdiff.wait(timeout=600) == -signal.SIGKILL
         deadline = time.monotonic() + 600
