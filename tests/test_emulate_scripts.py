@@ -635,3 +635,39 @@ def test_turning_the_history_off_clears_the_trace_so_each_dump_starts_clean(tmp_
     made_off = [b for b in blocks if b["requested_size"] == stray]
     assert len(made_off) == 1 and made_off[0]["frames"] == []
     assert not any(b["requested_size"] == output for b in blocks)
+
+
+RING = """
+import pickle, sys
+import torch
+model = torch.nn.Linear(256, 256).cuda()
+opt = torch.optim.AdamW(model.parameters())
+torch.cuda.memory._record_memory_history(max_entries=int(sys.argv[1]))
+for _ in range(6):
+    model(torch.randn(64, 256, device="cuda")).sum().backward()
+    opt.step()
+    opt.zero_grad()
+torch.cuda.memory._dump_snapshot(sys.argv[2])
+"""
+
+
+@pytest.mark.slow
+def test_a_ring_buffer_keeps_the_last_max_entries_events_and_names_the_size_that_keeps_them_all(torch, tmp_path):
+    # Ground truth: the same script with a ring larger than anything it makes (no event dropped).
+    script = tmp_path / "ring.py"
+    script.write_text(RING)
+    for size, name in ((10**9, "all.pickle"), (40, "last.pickle")):
+        done = subprocess.run([sys.executable, "-m", "memdiff", "record", "--emulate", "h100", "-o",
+                               str(tmp_path / f"outer-{name}"), "--", "python", str(script), str(size), name],
+                              capture_output=True, text=True, cwd=tmp_path)
+        assert done.returncode == 0, done.stderr
+    everything, last = (_load(tmp_path / n) for n in ("all.pickle", "last.pickle"))
+    made = everything["device_traces"][0]
+    kept = last["device_traces"][0]
+    assert len(made) > 40 and len(kept) == 40
+    key = [(e["action"], e["addr"], e["size"]) for e in made[-40:]]
+    assert [(e["action"], e["addr"], e["size"]) for e in kept] == key
+    assert not [n for n in everything["emulated"]["notes"] if "ring buffer" in n]
+    assert (f"GPU 0's trace keeps its last 40 events: its ring buffer (max_entries 40) dropped the first "
+            f"{len(made) - 40:,} of {len(made):,}; a max_entries of {len(made):,} or more keeps them all "
+            f"(`memdiff record --max-entries {len(made)}`)") in last["emulated"]["notes"]

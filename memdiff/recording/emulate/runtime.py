@@ -26,6 +26,7 @@ import sys
 import threading
 import time
 import weakref
+from collections import deque
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from memdiff.errors import InputError
@@ -262,11 +263,13 @@ class Emulator:
                  "frames": frames}
         if action == "oom":
             event.update(addr=0, device_free=context if isinstance(context, int) else 0, frames=[])
-        trace = self.gpus[index].trace
-        trace.append(event)
+        gpu = self.gpus[index]
         limit = self.recording["max_entries"]
-        if len(trace) > limit:
-            del trace[: len(trace) - limit]
+        if gpu.trace.maxlen != limit:  # a history turned on again with another max_entries
+            gpu.trace = deque(gpu.trace, maxlen=limit)
+        if len(gpu.trace) == limit:
+            gpu.dropped += 1
+        gpu.trace.append(event)
 
     def limit(self, fraction: float, index: Optional[int] = None) -> None:
         """torch.cuda.set_per_process_memory_fraction: the allocator may reserve this share of the device."""
@@ -415,10 +418,12 @@ class Emulator:
         if off or clear_history:
             for gpu in self.gpus.values():
                 gpu.trace.clear()
+                gpu.dropped = 0
         if off:
             self.recording = None
             return
-        self.recording = {"max_entries": max_entries, "annotations": bool(global_record_annotations),
+        # CUDA keeps at least one entry (setMaxEntries: max(1, size))
+        self.recording = {"max_entries": max(1, max_entries), "annotations": bool(global_record_annotations),
                           "skip": frozenset(skip_actions or ())}
 
     def snapshot(self) -> Dict[str, Any]:
@@ -436,7 +441,21 @@ class Emulator:
                 "allocator_settings": self.config.settings(),
                 "external_annotations": list(self.annotations),
                 "emulated": {"gpu": self.gpu.name, "key": self.gpu.key, "torch": str(_torch.__version__),
-                             "notes": self.notes + [n for n in (report() for report in self.reports) if n]}}
+                             "notes": self.notes + [n for n in (report() for report in self.reports) if n]
+                             + self._ring_notes()}}
+
+    def _ring_notes(self) -> List[str]:
+        """What each GPU's ring buffer dropped: CUDA's snapshot does not say (torch 2.13 writes no
+        `trace_alloc_overflowed`), but the emulator counted every event, so it can name the max_entries
+        that keeps them all."""
+        out = []
+        for index, gpu in sorted(self.gpus.items()):
+            if gpu.dropped:
+                made = gpu.dropped + len(gpu.trace)
+                out.append(f"GPU {index}'s trace keeps its last {len(gpu.trace):,} events: its ring buffer "
+                           f"(max_entries {gpu.trace.maxlen:,}) dropped the first {gpu.dropped:,} of {made:,}; "
+                           f"a max_entries of {made:,} or more keeps them all (`memdiff record --max-entries {made}`)")
+        return out
 
     def dump_snapshot(self, filename: str = "dump_snapshot.pickle") -> None:
         """torch.cuda.memory._dump_snapshot(filename)."""
