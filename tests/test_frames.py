@@ -79,6 +79,18 @@ def test_site_and_display_frames_drop_noise_and_keep_landmarks():
     ]
 
 
+def test_a_site_in_a_packages_init_names_its_package():
+    # `__init__.py` alone is one of hundreds of files: `mypkg/__init__.py` says whose
+    frames = ALLOCATOR + [
+        {"name": "at::_ops::empty::call(c10::ArrayRef<long>)", "filename": "??", "line": 0},
+        {"name": "make_cache", "filename": "/home/a/proj/mypkg/__init__.py", "line": 12},
+        {"name": "<module>", "filename": "/home/a/proj/train.py", "line": 3},
+    ]
+    assert StackNormalizer().stack(frames).site == "mypkg/__init__.py:make_cache <- empty"
+    frames[-2]["filename"] = "/home/a/proj/mypkg/cache.py"
+    assert StackNormalizer().stack(frames).site == "cache.py:make_cache <- empty"
+
+
 def test_backward_stacks_are_labelled_by_their_autograd_node():
     frames = ALLOCATOR + [
         {"name": "at::_ops::mm::call(at::Tensor const&, at::Tensor const&)", "filename": "??", "line": 0},

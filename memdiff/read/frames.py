@@ -347,6 +347,16 @@ def _is_plumbing(k: _Kept) -> bool:
     return k.kind == "py" and any(f.search(k.file) and n.search(k.name) for f, n in PLUMBING_PY)
 
 
+def _file_shown(path: str) -> str:
+    """A site's file: its name, with its folder where the name alone says nothing (a package's
+    `__init__.py`: `autograd/__init__.py`, not one of hundreds of `__init__.py`)."""
+    name = posixpath.basename(path)
+    if name == "__init__.py":
+        folder = posixpath.basename(posixpath.dirname(path))
+        return f"{folder}/{name}" if folder else name
+    return name
+
+
 def _site(kept: Sequence[_Kept]) -> str:
     """A short label, caller first: the innermost Python function or autograd node, the op it
     called, and the innermost op doing the work when that is another (`<- linear <- addmm`)."""
@@ -363,7 +373,7 @@ def _site(kept: Sequence[_Kept]) -> str:
             compiled = [k.label]
             ops = [op for op in ops if not COMPILED_FACTORY_OP.match(op)]  # what every buffer calls
         elif k.kind in ("py", "node"):
-            where = f"{posixpath.basename(k.file)}:{k.label}" if k.kind == "py" else k.label
+            where = f"{_file_shown(k.file)}:{k.label}" if k.kind == "py" else k.label
             break
     if not ops:
         return " <- ".join(([where] if where else []) + compiled + workspace) or (kept[0].label if kept else NO_STACK)
