@@ -104,3 +104,62 @@ def test_a_best_loss_kept_on_the_device_improves_as_a_real_runs_does(tmp_path):
     real = _run(tmp_path, "cpu", [script, "--device", "cpu"], emulated=False)
     assert real == {"epochs_run": 5, "saved_at": [0, 1, 2, 3, 4], "stopped_at": None, "best_reads_as_saved": True}
     assert _run(tmp_path, "emulated", [script], emulated=True) == real
+
+
+def test_a_rate_or_count_of_a_comparison_without_values_rises_as_it_is_made():
+    # `predicted.eq(targets)` where the predictions have no values: a mean of it is a rate, a sum a count
+    # of its true elements. Both fell with the losses (a rate) or read 0 (a count), so an accuracy made
+    # later was never higher. Each now takes the next rising fraction: 0.5 first, higher after.
+    values = Values()
+    logits = torch.empty(32, 4, device="meta")  # a model's output: no values
+    targets = torch.zeros(32, dtype=torch.long, device="meta")
+    values.known[targets] = torch.arange(32) % 4  # labels from the batch: known
+    predicted = _op(values, aten.argmax.default, logits, 1)
+    right = _op(values, aten.eq.Tensor, predicted, targets)
+    assert values.of(right) is None  # each element unknown: no value, no size changed
+    first = _op(values, aten.sum.default, right)
+    second = _op(values, aten.sum.default, right)
+    counts = [values.of(first).item(), values.of(second).item()]
+    assert values.of(first).dtype == torch.int64 and 0 < counts[0] <= 32 and counts[0] == 16  # half of 32
+    as_float = aten._to_copy.default(right, dtype=torch.float32)  # `.float()`
+    values.follow(aten._to_copy.default, (right,), {"dtype": torch.float32}, as_float)
+    rate = _op(values, aten.mean.default, as_float)
+    later = _op(values, aten.mean.default, as_float)
+    assert 0.5 < values.of(rate).item() < values.of(later).item() < 1
+    # counts made later are higher: a test set of 4 batches counts more at each evaluation (each batch's
+    # rounding is carried to the next, so a total is its fractions' total within one)
+    many = [values.of(_op(values, aten.sum.default, _op(values, aten.lt.Scalar, logits, 1.0))).item()
+            for _ in range(40)]
+    totals = [sum(many[i:i + 4]) for i in range(0, 40, 4)]
+    assert totals == sorted(set(totals)) and 0 < min(many) and max(many) <= 128
+    # no falling number was taken: a loss made now is still the run's first
+    assert values.reads == 0
+    loss = _op(values, aten.mean.default, logits)
+    assert values.of(loss).item() == read_back(0)
+
+
+@pytest.mark.slow
+def test_lightnings_callbacks_on_an_accuracy_follow_it_as_it_rises(tmp_path):
+    # EarlyStopping and ModelCheckpoint with mode="max" on `((pred - y).abs() < 1).float().mean()`: the
+    # accuracy took the falling numbers of losses, so it improved once; training stopped at epoch 2 of 6
+    # (patience 2) and the checkpoints were saved at epochs 0 and 1 only.
+    try:
+        import lightning  # noqa: F401
+    except ImportError:
+        missing_capture_dependency("lightning is not installed (pip install -e '.[test]')")
+    script = str(SCENARIOS / "early_stop.py")
+    real = _run(tmp_path, "cpu", [script, "--accelerator", "cpu", "--monitor", "val_acc"], emulated=False)
+    assert real == {"epochs_run": 6, "stopped_epoch": 0, "saved_at": [0, 1, 2, 3, 4, 5],
+                    "best_k": ["epoch=4.ckpt", "epoch=5.ckpt"]}  # PyTorch's own run: its accuracy rises
+    assert _run(tmp_path, "emulated", [script, "--monitor", "val_acc"], emulated=True) == real
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("metric", ["count", "mean"])
+def test_a_loop_that_saves_on_a_better_accuracy_saves_as_a_real_run_does(tmp_path, metric):
+    # kuangliu/pytorch-cifar's `correct += predicted.eq(targets).sum().item()` read 0 at every epoch, so
+    # `if acc > best_acc` (0 first) never saved; a rate `(pred == y).float().mean()` fell, and saved once.
+    script = str(SCENARIOS / "best_accuracy.py")
+    real = _run(tmp_path, "cpu", [script, "--device", "cpu", "--metric", metric], emulated=False)
+    assert real == {"saved_at": [0, 1, 2, 3, 4], "rates": []}  # PyTorch's own run: its accuracy rises
+    assert _run(tmp_path, "emulated", [script, "--metric", metric], emulated=True) == real

@@ -1,11 +1,13 @@
 """Lightning's `EarlyStopping` and `ModelCheckpoint` on a validation loss logged as a device tensor:
-`python early_stop.py [--accelerator cuda|cpu] [--epochs N] [--patience P] [--top-k K]`.
+`python early_stop.py [--accelerator cuda|cpu] [--epochs N] [--patience P] [--top-k K] [--monitor val_acc]`.
 
 A small regression model (y = the sum of 8 inputs) trains with SGD; its validation loss, logged with
 `self.log("val_loss", ...)`, falls at every epoch. Both callbacks compare it on the device:
 `EarlyStopping(monitor="val_loss", patience=P)` stops after P validations without improvement
 (`current - min_delta < best`, two tensors), and `ModelCheckpoint(monitor="val_loss", save_top_k=K)`
-saves when the loss beats the K-th best kept. A GPU's run, its loss falling, trains every epoch and
+saves when the loss beats the K-th best kept. With `--monitor val_acc` both watch, with `mode="max"`,
+an accuracy logged beside it, `((pred - y).abs() < 1).float().mean()` (the share of predictions within 1
+of the target), which rises at every epoch. A GPU's run, its loss falling, trains every epoch and
 saves at each; the same script with `--accelerator cpu` is that run.
 
 Prints `facts {JSON}`: the epochs run, the epoch EarlyStopping stopped at (0: it did not), the epochs
@@ -35,7 +37,9 @@ class Regression(L.LightningModule):
 
     def validation_step(self, batch: tuple, index: int) -> None:
         x, y = batch
-        self.log("val_loss", nn.functional.mse_loss(self.net(x), y))
+        pred = self.net(x)
+        self.log("val_loss", nn.functional.mse_loss(pred, y))
+        self.log("val_acc", ((pred - y).abs() < 1).float().mean())
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=0.05)
@@ -57,12 +61,14 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=6)
     parser.add_argument("--patience", type=int, default=2)
     parser.add_argument("--top-k", type=int, default=2)
+    parser.add_argument("--monitor", choices=["val_loss", "val_acc"], default="val_loss")
     args = parser.parse_args()
     torch.manual_seed(0)
     x = torch.randn(64, 8)
     data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True)), batch_size=16)
-    stop = EarlyStopping(monitor="val_loss", patience=args.patience)
-    best = ModelCheckpoint(dirpath="ckpts", monitor="val_loss", save_top_k=args.top_k, filename="{epoch}")
+    mode = "max" if args.monitor == "val_acc" else "min"
+    stop = EarlyStopping(monitor=args.monitor, mode=mode, patience=args.patience)
+    best = ModelCheckpoint(dirpath="ckpts", monitor=args.monitor, mode=mode, save_top_k=args.top_k, filename="{epoch}")
     saves = Saves()
     trainer = L.Trainer(accelerator=args.accelerator, devices=1, max_epochs=args.epochs, callbacks=[stop, best, saves],
                         logger=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
