@@ -214,12 +214,14 @@ def test_validation_under_inference_mode_reads_values_as_under_no_grad(tmp_path)
     # Labels keep their values; what comes from the model's arithmetic reads back by the policy of
     # docs/emulate.md: the loss is a single float, which takes the next of its falling numbers when
     # cross_entropy makes it (and its total weight, nll_loss's second output, the one after), so
-    # `item()` and `float()` read the same number; the count of correct answers 0 (False), the logits
-    # copied to the host one number in each element (`tolist()`, then `.cpu()`, a read each): four
-    # numbers a validation, in the same order under each mode.
+    # `item()` and `float()` read the same number; the count of correct answers, a sum of a comparison
+    # without values, the c-th rising fraction 1 - 0.5 x 64 / (64 + c) of its 8 elements, rounded with
+    # the rest carried (4.0, 4.06, 4.18: 4 each time, so true); the logits copied to the host one number
+    # in each element (`tolist()`, then `.cpu()`, a read each): four falling numbers a validation, in
+    # the same order under each mode.
     for i, name in enumerate(("inference_mode", "no_grad", "enable_grad")):
         first = 4 * i
-        assert answers[name] == f"{read_back(first)!r} {read_back(first)!r} 0 False [0, 1, 2, 3, 4, 5, 6, 7] " \
+        assert answers[name] == f"{read_back(first)!r} {read_back(first)!r} 4 True [0, 1, 2, 3, 4, 5, 6, 7] " \
             f"[{read_back(first + 2)!r}, {read_back(first + 2)!r}] int64 [0, 1, 2, 3, 4, 5, 6, 7] (8, 10)"
     # Under inference_mode a GPU runs nn.Linear as cuBLAS's addmm (autograd's keys are skipped, not
     # the op's parts): the first validation's layers are addmm's outputs, with the handle's workspace.
