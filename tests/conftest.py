@@ -215,12 +215,10 @@ def reserved_after(path: Path, device: int, index: int) -> int:
 def read_back(n: int) -> float:
     """The number the `n`-th read (from 0) of a run's device floats without values gives under
     `memdiff record --emulate`, written from the policy docs/emulate.md states ("Values read back"), not
-    from memdiff's code: 0.5, halved every 65,536 reads (2^(-n/65,536)), as a float32 number, never
-    below float32's smallest normal number."""
+    from memdiff's code: 0.5 x 8,192 / (8,192 + n), as a float32 number."""
     import torch
 
-    tiny = torch.finfo(torch.float32).tiny
-    return float(torch.tensor(max(0.5 * 2.0 ** (-n / 65536), tiny), dtype=torch.float32))
+    return float(torch.tensor(0.5 * 8192 / (8192 + n), dtype=torch.float32))
 
 
 def kept_write(kept: Path, path: Any) -> Path:

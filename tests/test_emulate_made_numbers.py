@@ -163,3 +163,16 @@ def test_a_loop_that_saves_on_a_better_accuracy_saves_as_a_real_run_does(tmp_pat
     real = _run(tmp_path, "cpu", [script, "--device", "cpu", "--metric", metric], emulated=False)
     assert real == {"saved_at": [0, 1, 2, 3, 4], "rates": []}  # PyTorch's own run: its accuracy rises
     assert _run(tmp_path, "emulated", [script, "--metric", metric], emulated=True) == real
+
+
+@pytest.mark.slow
+def test_reduce_lr_on_plateau_keeps_the_rate_where_a_real_run_improves(tmp_path):
+    # ReduceLROnPlateau(patience=0), its default threshold 1e-4 of the best: five numbers an epoch (four
+    # training losses, the validation loss) fell 5.3e-5 of the number when the sequence halved every
+    # 65,536, so every second epoch read as no improvement and the rate was cut at epochs 1, 3 and 5.
+    script = str(SCENARIOS / "best_on_device.py")
+    flags = ["--plateau", "--epochs", "6", "--patience", "6"]
+    real = _run(tmp_path, "cpu", [script, "--device", "cpu", *flags], emulated=False)
+    assert real == {"epochs_run": 6, "saved_at": [0, 1, 2, 3, 4, 5], "stopped_at": None, "best_reads_as_saved": True,
+                    "rates": [0.02] * 6}  # PyTorch's own run: its loss falls by more than the threshold
+    assert _run(tmp_path, "emulated", [script, *flags], emulated=True) == real

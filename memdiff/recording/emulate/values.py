@@ -80,21 +80,25 @@ TEMPLATED = {name for name in (*CONSTANTS, *UNINITIALISED) if name.endswith("_li
 # Casts and copies of a constant factory's output hold the same number (`zeros_like(x).int()`).
 CASTS = {"_to_copy", "clone"}
 CPU = torch.device("cpu")
-# What an unknown float reads back as (unknown_float): the first read of a run 0.5, each later one lower
-# by 2^(-1/65,536). A number in (0, 1) is a valid loss, probability, accuracy or mean squared error:
-# `log` of it, of `1 - x`, and `1 / x` run; `exp` of it is finite. It stays above 0.01 for the first
-# 369,876 reads, so a run's `if loss < 0.01: break` does not stop a short run at its first step (as
-# the smallest normal number, the stand-in before, did), and above 1e-3 for 587,582; float32's
-# smallest normal number is its FLOOR, from read 8,192,000 on (counted from 0), where it stays.
+# What an unknown float reads back as (unknown_float): the n-th number of a run (from 0) is
+# 0.5 x PACE / (PACE + n), 0.5 first, each later one lower by 1 / (PACE + n + 1) of the one before: by
+# 1.2e-4 of it at first, more than ReduceLROnPlateau's default threshold (1e-4 of the best), so one
+# number between two of its steps is an improvement for the first 1,808 numbers, 5 for the first 41,777
+# (halving every 65,536 numbers, the fall before, took 10 numbers). A number in (0, 1) is a valid
+# loss, probability, accuracy or mean squared error: `log` of it, of `1 - x`, and `1 / x` run; `exp` of
+# it is finite. It stays above 0.01 for the first 401,408 numbers, so a run's `if loss < 0.01: break`
+# does not stop a short run at its first step (as the smallest normal number, the stand-in before,
+# did), and above 1e-3 for 4,087,809; it falls in float32 at every number for the first 11,856,147
+# and never reaches zero.
 FIRST_READ = 0.5
-READS_PER_HALVING = 1 << 16
-FLOOR = float(torch.finfo(torch.float32).tiny)
+PACE = 8192
 # The dtypes of the single numbers an op makes without values that take their number of the same
 # sequence when made (Values.made): a loss, a mean, a norm. Made, not read: two reads of one loss
 # agree, and a comparison on the device (`val_loss < best`, both device tensors: Lightning's
 # EarlyStopping and ModelCheckpoint) has the answer a falling loss gives. Not bfloat16 or float16,
-# whose steps (2^-8, 2^-11 of the number) are coarser than hundreds of the sequence's: two losses made
-# one after the other would be one number there, and read back tied where reads differ.
+# whose steps (2^-8, 2^-11 of the number) are coarser than 32 and 4 of the sequence's at its start, more
+# later: two losses made one after the other would be one number there, and read back tied where reads
+# differ.
 MADE = (torch.float32, torch.float64)
 # Rates and counts (Values.rated): a comparison without values (`predicted == targets`, `err < 1`) has
 # elements that are each true or false; a cast, copy or view of it too (`.float()`, `.reshape(-1)`). A
@@ -566,11 +570,11 @@ def unknown_rate(c: int) -> float:
 
 def unknown_float(n: int) -> float:
     """The number the `n`-th read (from 0) of the run of a device float the emulator does not know
-    gives (docs/emulate.md, "Values read back"): FIRST_READ, then lower by 2^(-1/READS_PER_HALVING)
-    at each read (halved every READS_PER_HALVING reads), a float32 number, never below float32's
-    smallest normal number. Until that floor each read is strictly lower than every one before it in
-    float32 too (a step of about 1.06e-5 of the number, 88 float32 steps or more), so any mean or sum of later
-    reads is lower than the same of as many earlier ones: a loss averaged over an evaluation improves
-    from one evaluation to the next, as a short real run's does, and a save gated on it runs."""
-    value = max(FIRST_READ * 2.0 ** (-n / READS_PER_HALVING), FLOOR)
-    return float(torch.tensor(value, dtype=torch.float32))
+    gives (docs/emulate.md, "Values read back"): FIRST_READ x PACE / (PACE + n), a float32 number.
+    For its first 11,856,147 numbers each is strictly lower than every one before it in float32 too
+    (2,048 float32 steps below the last at first, 26 at 0.01), so any mean or sum of later reads is lower
+    than the same of as many earlier ones: a loss averaged over an evaluation improves from one
+    evaluation to the next, as a short real run's does, and a save gated on it runs. Hyperbolic, as
+    a real run's loss falls fast and then slower: each number is 1 / (PACE + n + 1) below the last,
+    more than a 1e-4 relative threshold's improvement for the first 1,808 numbers."""
+    return float(torch.tensor(FIRST_READ * PACE / (PACE + n), dtype=torch.float32))
