@@ -175,9 +175,17 @@ def test_timeline_is_downsampled_and_keeps_the_peak(write_snapshot):
      "device_traces[0][1]: missing 'addr'"),
     ({"segments": [], "device_traces": [[alloc(1, 5, [{"filename": 3, "line": 1, "name": "f"}])]]},
      "a frame has wrong types"),
-    # An entry's own TypeError is the message (it was an UnboundLocalError, found by mypy).
+    # An entry's TypeError is said in the file's words (it was an UnboundLocalError, found by
+    # mypy, then Python's `unhashable type: 'list'`).
     ({"segments": [], "device_traces": [[{"action": "alloc", "addr": [], "size": 5}]]},
-     "device_traces[0][0]: unhashable type: 'list'"),
+     "device_traces[0][0].addr: list of 0 items is not an address"),
+    ({"segments": [], "device_traces": [[alloc(1, 5), ["alloc", 2, 5]]]},
+     "device_traces[0][1]: list of 3 items, not a dict"),
+    # A stack is found where it is, a segment's block too, under the later entries that are fine.
+    ({"segments": [{"device": 0, "address": 0, "total_size": 512, "stream": 0, "segment_type": "small",
+                    "blocks": [{"size": 512, "requested_size": 100, "state": "active_allocated", "frames": 3}]}],
+      "device_traces": [[alloc(1000, 5)]]},
+     "segments[0].blocks[0]: 'frames' is int 3, not a list"),
 ])
 def test_malformed_trace_entries_name_the_entry(write_snapshot, bad, message):
     from memdiff.errors import InputError

@@ -260,7 +260,7 @@ def _path_key(path: str) -> str:
 def _keep(raw: Any) -> Optional[_Kept]:
     """The kept form of one raw frame, or None when it is noise or uninteresting native code."""
     if not isinstance(raw, dict):
-        raise ValueError(f"a frame is a {type(raw).__name__}, not a dict")
+        raise ValueError(f"a frame is {brief(raw)}, not a dict")
     name = raw.get("name", "")
     filename = raw.get("filename", "")
     line = raw.get("line", 0)
@@ -539,7 +539,7 @@ class StackNormalizer:
             label = (GUESSED_LABELS[guess] if guess else NO_STACK_BEFORE_TRACE) if before_trace else NO_STACK
             return Stack(signature_of([label]), label, ())
         if not isinstance(raw_frames, list):
-            raise ValueError(f"'frames' is a {type(raw_frames).__name__}, not a list")
+            raise ValueError(f"'frames' is {brief(raw_frames)}, not a list")
         if len(raw_frames) > MAX_STACK_FRAMES:
             raise ValueError(f"a stack of {len(raw_frames):,} frames, deeper than any program's "
                              f"(at most {MAX_STACK_FRAMES:,} are read): not a real snapshot")

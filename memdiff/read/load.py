@@ -504,7 +504,7 @@ def to_snapshot(path: str, raw: Any, source: Source, decoded_bytes: Optional[int
             _expect(path, "allocator_settings", settings, dict, "a dict")
             source.allocator_settings = _json_safe(settings, [SETTINGS_NODES])
     else:
-        raise InputError(path, f"not a memory snapshot: the file holds a {type(raw).__name__}")
+        raise InputError(path, f"not a memory snapshot: the file holds {brief(raw)}")
     _expect(path, "segments", segments, list, "a list")
     _expect(path, "device_traces", traces, list, "a list")
     # Before anything walks them: entries and blocks a file cannot honestly hold.

@@ -14,7 +14,7 @@ Every byte live at the peak lands in exactly one group, so groups add up to the 
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -30,7 +30,7 @@ from memdiff.analyse.lifetimes import (
     Timeline,
     build_timeline,
 )
-from memdiff.analyse.normalize.groups import group_live, labels_of, live_at
+from memdiff.analyse.normalize.groups import Live, group_live, labels_of, live_at
 from memdiff.analyse.normalize.kinds import Kind, mark_kept_updates, read_allocations
 from memdiff.analyse.normalize.standins import dump_only_blocks, stand_ins_of, state_by_sizes
 from memdiff.analyse.normalize.walk import DumpBlock, Walk, reserved_totals
@@ -98,7 +98,8 @@ def _device_summary(snapshot: Snapshot, device: int, stacks: StackNormalizer,
     # A re-versioned tensor is not memory from before a truncated trace: no advice to record more.
     reversioned = [i for i in walk.unmatched if i in walk.continued_by]
     unmatched_bytes -= sum(trace[i]["size"] for i in reversioned)
-    groups, peak_signature, allocations_of = group_live(path, live_items, stacks)
+    where = _stack_place(snapshot, device, trace)
+    groups, peak_signature, allocations_of = group_live(path, live_items, stacks, where)
     phase_peaks = []
     for phase in (FORWARD, BACKWARD, OPTIMIZER):
         spans = [span for span in timeline.runs if span.phase == phase]
@@ -110,7 +111,7 @@ def _device_summary(snapshot: Snapshot, device: int, stacks: StackNormalizer,
         if at != peak_index:
             phase_items = live_at(walk, trace, at, dump_only, timeline, stand_ins, kinds, path)
             mark_kept_updates(stacks, kinds)
-            phase_groups = group_live(path, phase_items, stacks)[0]
+            phase_groups = group_live(path, phase_items, stacks, where)[0]
         phase_peaks.append(PhasePeak(phase, timeline.step_at(at), top.peak_bytes, at, phase_groups))
     if sum(g.bytes for g in groups) != peak:
         raise AssertionError(f"{path}: device {device}: groups do not add up to the peak (a memdiff bug)")
@@ -180,6 +181,24 @@ def _device_summary(snapshot: Snapshot, device: int, stacks: StackNormalizer,
         reserved_peak_bytes=reserved_peak,
         fragmentation_bytes=fragmentation,
     )
+
+
+def _stack_place(snapshot: Snapshot, device: int, trace: Any) -> Callable[[Live], str]:
+    """For an error about a live allocation's stack: where in the file that stack is (the trace
+    entry or segment block holding that very frames list), as every other bad field is named.
+    Looked for only then, by a scan, so reading a good file costs nothing."""
+    def where(item: Live) -> str:
+        for i in range(len(trace)):
+            entry = trace[i]
+            if isinstance(entry, dict) and entry.get("frames") is item.frames:
+                return f"device_traces[{device}][{i}]: "
+        for k, segment in enumerate(snapshot.segments):
+            if isinstance(segment, dict) and segment.get("device") == device:
+                for j, block in enumerate(segment.get("blocks") or []):
+                    if isinstance(block, dict) and block.get("frames") is item.frames:
+                        return f"segments[{k}].blocks[{j}]: "
+        return f"device {device}: the stack of memory live at a peak: "
+    return where
 
 
 def _time(path: str, device: int, trace: List[Dict[str, Any]], i: int) -> Optional[int]:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import numpy as np
 
@@ -114,11 +114,13 @@ def labels_of(trace: List[Dict[str, Any]], annotations: Sequence[int], items: Se
     return out
 
 
-def group_live(path: str, items: List[Live], stacks: StackNormalizer
-           ) -> Tuple[List[Group], Optional[str], Dict[str, List[Tuple[int, int, int]]]]:
+def group_live(path: str, items: List[Live], stacks: StackNormalizer,
+               where: Callable[[Live], str] = lambda item: ""
+               ) -> Tuple[List[Group], Optional[str], Dict[str, List[Tuple[int, int, int]]]]:
     """Groups of the live allocations by stack signature and lifetime, largest first, the
     signature of the group holding the allocation that reached the peak, and per group the
-    (first event, end event, bytes) of each of its allocations."""
+    (first event, end event, bytes) of each of its allocations. `where` names, for an error, the
+    place in the file of an item's stack that cannot be read (`device_traces[0][7]: `)."""
     by_key: Dict[Tuple[str, Lifetime], Slot] = {}
     peak_key = None
     for item in items:
@@ -126,7 +128,7 @@ def group_live(path: str, items: List[Live], stacks: StackNormalizer
             stack: Stack = stacks.stack(item.frames, freed=item.freed, before_trace=item.before_trace,
                                         guess=item.guess)
         except ValueError as exc:
-            raise InputError(path, str(exc)) from None
+            raise InputError(path, where(item) + str(exc)) from None
         key = (stack.signature, item.lifetime)
         slot = by_key.get(key)
         if slot is None:

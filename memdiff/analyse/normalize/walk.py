@@ -63,6 +63,26 @@ def reserved_totals(path: str, device: int, trace: List[Dict[str, Any]], events:
     return highest, (then - peak if then >= peak else None)
 
 
+def _bad_entry(device: int, i: int, entry: Any, exc: Exception) -> str:
+    """What is wrong with the trace entry the walk's loop failed on, in the words every other bad
+    field of a snapshot gets (its path, the value, what it should be), not Python's own
+    (`int too big to convert`, `unhashable type: 'list'`)."""
+    where = f"device_traces[{device}][{i}]"
+    if not isinstance(entry, dict):
+        return f"{where}: {brief(entry)}, not a dict"
+    size = entry.get("size")
+    if size.__class__ is not int:
+        return f"{where}: 'size' is {brief(size)}, not an integer"
+    if isinstance(exc, OverflowError):  # an int past int64, which array('q') cannot hold
+        return f"{where}.size: {number(size)} is not a size in bytes (0 to {MAX_BYTES:,})"
+    addr = entry.get("addr")
+    try:
+        hash(addr)
+    except TypeError:
+        return f"{where}.addr: {brief(addr)} is not an address"
+    return f"{where}: {exc}"
+
+
 class Walk:
     """One pass over a device trace: what was opened, closed and never matched.
 
@@ -128,11 +148,7 @@ class Walk:
         except KeyError as exc:
             raise InputError(path, f"device_traces[{device}][{i}]: missing {exc}") from None
         except (TypeError, AttributeError, OverflowError) as exc:
-            reason: Exception = exc
-            size = trace[i].get("size") if isinstance(trace[i], dict) else None
-            if isinstance(trace[i], dict) and (size.__class__ is not int):
-                reason = TypeError(f"'size' is {brief(size)}, not an integer")
-            raise InputError(path, f"device_traces[{device}][{i}]: {reason}") from None
+            raise InputError(path, _bad_entry(device, i, trace[i], exc)) from None
         self._check_sizes(path, device, trace)
 
     def _walk_columns(self, trace: Any) -> bool:
