@@ -409,7 +409,7 @@ def test_bad_flags_exit_2(tmp_path, capsys, flags, message):
 
 @pytest.mark.parametrize("mutate, message", [
     (lambda s: s.update(schema_version=99), "summary schema_version 99 is not one this memdiff reads (1 or 2); re-create it with `memdiff summarize`"),
-    (lambda s: s["devices"][0].update(peak_bytes="lots"), "not a valid memdiff summary: devices.0.peak_bytes: a value of type str, where the schema wants integer"),
+    (lambda s: s["devices"][0].update(peak_bytes="lots"), "not a valid memdiff summary: devices.0.peak_bytes: a value of type string, where the schema wants integer"),
 ])
 def test_a_broken_summary_input_exits_2(tmp_path, capsys, mutate, message):
     a, b = peak_pair(tmp_path, 1, 2)

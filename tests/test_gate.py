@@ -288,7 +288,7 @@ def test_check_names_each_broken_baseline(baseline, tmp_path, capsys):
     assert code == 2
     assert out.count("ok  ") == 2
     assert f"memdiff: {b.parent / 'bad.json'}: invalid JSON at line 1 column 2" in err
-    assert f"memdiff: {b.parent / 'worse.json'}: not a valid memdiff baseline: name: a value of type int, where the schema wants string" in err
+    assert f"memdiff: {b.parent / 'worse.json'}: not a valid memdiff baseline: name: a value of type integer, where the schema wants string" in err
 
 
 def test_the_repositorys_own_baselines_are_valid(capsys):

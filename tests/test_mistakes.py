@@ -154,7 +154,11 @@ def test_peak_has_a_json_form(shared, capsys):
     ("fail-over", '"1e400"', "thresholds.peak.fail-over: '1e400' is not a size: more than 8 EiB"),
     ("fail-over", "-5", "not a valid memdiff baseline: thresholds.peak.fail-over: a value below the schema's minimum of 0"),
     ("fail-over", "9" * 5000, "invalid JSON: a number too long to read"),
-], ids=["nan", "infinity", "pct-1e400", "size-1e400", "negative", "5000-digits"])
+    # What the file holds by JSON's names, as the schema's for what it wants (it read 'a value that
+    # fails the schema's 'oneOf' rule'; elsewhere 'NoneType', 'str', 'dict').
+    ("fail-over", "null", "not a valid memdiff baseline: thresholds.peak.fail-over: a value of type null, where the "
+                          "schema wants integer or string"),
+], ids=["nan", "infinity", "pct-1e400", "size-1e400", "negative", "5000-digits", "null"])
 def test_limits_no_gate_can_use_are_bad_input(shared, tmp_path, capsys, field, value, message):
     path = tmp_path / "b.json"
     assert main(["baseline", str(shared / "linear-grad.pickle"), "-o", str(path)]) == 0

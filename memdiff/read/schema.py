@@ -38,6 +38,21 @@ def validate(path: str, data: Any, name: str) -> Dict[str, Any]:
     return data
 
 
+# The types a JSON file holds, by the schema's names: a baseline is JSON, and 'NoneType', 'dict'
+# or 'str' beside the schema's 'object' read as two languages in one line.
+_JSON_TYPES = {bool: "boolean", int: "integer", float: "number", str: "string", list: "array", dict: "object",
+               type(None): "null"}
+
+
+def _json_type(value: Any) -> str:
+    return _JSON_TYPES.get(type(value), type(value).__name__)
+
+
+def _bound(value: Any) -> str:
+    """A schema's bound as a person reads it: 9,223,372,036,854,775,807, not 9.22337e+18."""
+    return f"{value:,}" if isinstance(value, int) and not isinstance(value, bool) else f"{value:g}"
+
+
 def rule_text(error: Any) -> str:
     """What a value failed, in the schema's words only. jsonschema's own message quotes the value
     read (`'ghp_...' is not of type 'object'`), and a baseline can be a link to any file the
@@ -52,17 +67,26 @@ def rule_text(error: Any) -> str:
         return "a field the schema does not define" + (f" (it defines {', '.join(defined)})" if defined else "")
     if rule == "anyOf" and all(list(option) == ["required"] for option in wanted):
         return f"none of the fields {', '.join(k for option in wanted for k in option['required'])}; one is required"
+    if rule in ("oneOf", "anyOf") and all(isinstance(o, dict) and isinstance(o.get("type"), str) for o in wanted):
+        # A size is an integer or a string: say which the value is not, or what its own kind broke.
+        kinds = [o["type"] for o in wanted]
+        own = _json_type(error.instance)
+        if own not in kinds:
+            return f"a value of type {own}, where the schema wants {' or '.join(kinds)}"
+        inner = next((e for e in error.context or () if e.schema.get("type") == own and e.validator != "type"), None)
+        if inner is not None:
+            return rule_text(inner)
     if rule == "type":
         kinds = wanted if isinstance(wanted, list) else [wanted]
-        return f"a value of type {type(error.instance).__name__}, where the schema wants {' or '.join(kinds)}"
+        return f"a value of type {_json_type(error.instance)}, where the schema wants {' or '.join(kinds)}"
     if rule in ("enum", "const"):
         allowed = wanted if isinstance(wanted, list) else [wanted]
         shown = ", ".join(json.dumps(v) for v in allowed[:8]) + (", ..." if len(allowed) > 8 else "")
         return f"a value other than {shown}"
     if rule in ("minimum", "exclusiveMinimum"):
-        return f"a value below the schema's {rule} of {wanted:g}"
+        return f"a value below the schema's {rule} of {_bound(wanted)}"
     if rule in ("maximum", "exclusiveMaximum"):
-        return f"a value above the schema's {rule} of {wanted:g}"
+        return f"a value above the schema's {rule} of {_bound(wanted)}"
     if rule in ("minLength", "maxLength", "minItems", "maxItems", "minProperties", "maxProperties", "multipleOf"):
         return f"a value outside the schema's {rule} of {wanted}"
     return f"a value that fails the schema's {rule!r} rule"
