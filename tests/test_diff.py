@@ -298,13 +298,15 @@ def test_runs_that_do_not_compare_are_flagged(tmp_path, capsys):
             "allocator_settings": {"expandable_segments": False}}
     head = {"segments": [], "device_traces": [[{"action": "free_completed", "addr": 9, "size": 5, "frames": frames},
                                                alloc(1, 100, frames)], [alloc(1, 10, frames)]],
-            "allocator_settings": {"expandable_segments": True}}
+            # A newer torch writes a setting the older did not: not recorded, not None (it read `None -> False`).
+            "allocator_settings": {"expandable_segments": True, "graph_capture_record_stream_reuse": False}}
     _, data = json_diff(capsys, write(tmp_path, "a.pickle", base), write(tmp_path, "b.pickle", head))
     assert data["warnings"] == [  # in the report's one order: by code (T003, T005, T008), as every output shows them
         "device 0: only the head trace starts mid-run (its ring buffer dropped events), so its static memory "
         "includes what the other run shows as allocations",
         "devices differ: base has [0], head has [0, 1]",
-        "allocator settings differ (expandable_segments: False -> True)",
+        "allocator settings differ (expandable_segments: False -> True, graph_capture_record_stream_reuse: "
+        "not recorded -> False)",
     ]
 
 

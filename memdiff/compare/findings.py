@@ -141,7 +141,7 @@ CATALOGUE: Tuple[Code, ...] = (
          "is the change.",
          "memdiff ../shared/snapshots/cs336-ctx128-fwd-fp32.pickle "
          "../shared/snapshots/cs336-medium-ctx128-train.pickle",
-         "warning: T008 allocator settings differ (graph_capture_record_stream_reuse: None -> False)"),
+         "warning: T008 allocator settings differ (graph_capture_record_stream_reuse: not recorded -> False)"),
     Code("T009", "autograd-nodes-in-one-run", WARNING,
          "only the {which} run's stacks name autograd nodes (AddmmBackward0); the {other}'s backward memory "
          "reads run_backward (a CPU capture by an earlier memdiff, or CUDA stacks=\"python\"), so its backward "

@@ -17,6 +17,12 @@ from memdiff.units import count_of, format_bytes
 EVENT_RATIO_WARNING = 2.0
 
 
+
+def _setting(settings: Dict[str, Any], key: str) -> str:
+    """One allocator setting as T008 shows it: its value, or `not recorded` where the run's torch
+    wrote no such key (it read `None`, a value nobody set)."""
+    return repr(settings[key]) if key in settings else "not recorded"
+
 def where_text(phase: Optional[str], step: Optional[int]) -> str:
     """`the optimizer step of step 0`, `the forward of step 2`: where a peak happens; `step 2`
     without a phase, "" when neither is known (a snapshot without a trace)."""
@@ -79,8 +85,9 @@ def _findings(base: Summary, head: Summary, devices: Sequence[DeviceDiff] = (),
         keys = sorted(k for k in set(b_set) | set(h_set)
                       if b_set.get(k) != h_set.get(k) and k not in TRACE_BOOKKEEPING)
         if keys:
+            # A setting one run's torch does not write is not the value None: say it was not recorded.
             out.append(finding("T008", keys=keys, detail=", ".join(
-                f"{k}: {b_set.get(k)!r} -> {h_set.get(k)!r}" for k in keys)))
+                f"{k}: {_setting(b_set, k)} -> {_setting(h_set, k)}" for k in keys)))
     if base.source.route() != head.source.route():
         out.append(finding("T012", base_route=base.source.route(), head_route=head.source.route()))
     for role, run in (("base", base), ("head", head)):
