@@ -78,9 +78,12 @@ def kept(tmp_path):
     (["torchrun", "--nproc-per-node", "2", "train.py"], "memdiff: record: `torchrun` is not python"),
     (["python", "-c", "print(1)"], "memdiff: record: `python -c` is not supported"),
     (["python", "-m", "no_such_module"], "memdiff: no_such_module: no such module"),
+    # A folder that is there is no missing script (it read 'no such script').
+    (["python", "src"], "memdiff: src: is a folder, not a script: give the script's path, or `-- python -m MODULE`"),
 ])
 def test_a_mistyped_command_records_nothing_and_keeps_the_snapshot(torch, tmp_path, kept, command, message):
     (tmp_path / "train.py").write_text("import torch\nx = torch.ones(10)\n")
+    (tmp_path / "src").mkdir()
     done = record(tmp_path, kept, *command)
     assert done.returncode == 2 and done.stderr.startswith(message) and done.stderr.count("\n") == 1
     assert kept.read_bytes() == b"an earlier run's snapshot"

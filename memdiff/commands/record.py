@@ -185,6 +185,8 @@ def _target(command: List[str]) -> List[str]:
             sys.path.pop(0)
         if not found:
             raise InputError(command[1], "no such module (run from the folder it is importable from)")
+    elif os.path.isdir(command[0]):  # it was 'no such script', of a folder that is there
+        raise InputError(command[0], "is a folder, not a script: give the script's path, or `-- python -m MODULE`")
     elif not os.path.isfile(command[0]):
         raise InputError(command[0], "no such script")
     return command
