@@ -90,6 +90,14 @@ def test_a_regression(github, tmp_path, capsys):
         "than 1%25 and by more than 64.00 MiB, or by more than 50%25"]
 
 
+def test_the_findings_output_is_in_the_one_order_errors_first(github, tmp_path, capsys):
+    # The peak's G002 is an error, the settings' T008 a warning: errors come first, as the docs say
+    # (github-action.md: `findings`); it read 'T008 G002', the judge's notes after the report's findings.
+    code, _ = run_pair(tmp_path, capsys, 1000, 1200, base_settings={"expandable_segments": False},
+                       head_settings={"expandable_segments": True})
+    assert code == 1 and outputs(github)["findings"] == "G002 T008"
+
+
 def test_each_failing_check_is_its_own_annotation_and_the_headline_is_said_once(github, tmp_path, capsys):
     # Two checks failed: each annotation repeated the headline and the notes, the check lost in the middle.
     run_pair(tmp_path, capsys, 1000, 1000)
