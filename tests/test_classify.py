@@ -214,8 +214,12 @@ def test_a_class_test_reads_the_class_of_the_frames_line_from_its_file(tmp_path,
 @pytest.mark.parametrize("content, message", [
     ('{"rules": [{"category": "a", "frames": [{"name": "ok"}]}, {"category": "b", "frames": [{"name": "KV["}]}]}',
      "rule 2 (b): invalid regex 'KV[': unterminated character set"),
-    ('{"rules": [{"category": "a", "frames": [{"colour": "x"}]}]}', "not a valid memdiff rules: rules.0.frames.0"),
-    ('{"rules": [{"category": "a"}]}', "not a valid memdiff rules: rules.0"),
+    ('{"rules": [{"category": "a", "frames": [{"colour": "x"}]}]}', "not valid memdiff rules: rules.0.frames.0"),
+    ('{"rules": [{"category": "a"}]}', "not valid memdiff rules: rules.0"),
+    # A schema's pattern is said (it read "a value that fails the schema's 'pattern' rule").
+    ('{"rules": [{"category": "", "frames": [{"name": "x"}]}]}', "not valid memdiff rules: rules.0.category: a value "
+                                                                 "that does not match the schema's pattern "
+                                                                 "^[A-Za-z][A-Za-z0-9_.-]*$"),
     ('{"rules": [', "invalid JSON"),
 ])
 def test_invalid_rules_name_the_problem(tmp_path, content, message):

@@ -34,7 +34,8 @@ def validate(path: str, data: Any, name: str) -> Dict[str, Any]:
     if error is not None:
         # Keys come from the file: a 10 MB key would make a 10 MB path.
         where = ".".join(clip(str(p)) for p in error.absolute_path) or "(top level)"
-        raise InputError(path, f"not a valid memdiff {name}: {clip(where, 300)}: {rule_text(error)}")
+        what = "valid memdiff rules" if name == "rules" else f"a valid memdiff {name}"  # not 'a ... rules'
+        raise InputError(path, f"not {what}: {clip(where, 300)}: {rule_text(error)}")
     return data
 
 
@@ -87,6 +88,8 @@ def rule_text(error: Any) -> str:
         return f"a value below the schema's {rule} of {_bound(wanted)}"
     if rule in ("maximum", "exclusiveMaximum"):
         return f"a value above the schema's {rule} of {_bound(wanted)}"
+    if rule == "pattern":  # the schema's regex is its own words; the value may be anything
+        return f"a value that does not match the schema's pattern {wanted}"
     if rule in ("minLength", "maxLength", "minItems", "maxItems", "minProperties", "maxProperties", "multipleOf"):
         return f"a value outside the schema's {rule} of {wanted}"
     return f"a value that fails the schema's {rule!r} rule"
