@@ -63,12 +63,38 @@ def pytest_configure(config: pytest.Config) -> None:
                 check_folder(config.getoption(option))
             except InputError as exc:
                 raise pytest.UsageError(f"--{option.replace('_', '-')}: {exc.path}: {exc.message}") from None
+    _check_baselines_folder(config)
     config.pluginmanager.register(_BadInput(), "memdiff-bad-input")
     config.addinivalue_line(
         "markers", "memdiff(limit=None, fail_over=None, fail_over_pct=None, categories=None, phases=None, "
                    "fail_on=None, ignore=None, emulate=None): record the test's device memory and gate it "
                    "against baselines/<test id>.json (fail_on, ignore: finding codes, docs/findings.md), or a "
                    "ceiling (limit); emulate=GPU runs the body on that emulated GPU (docs/emulate.md)")
+
+
+def _check_baselines_folder(config: pytest.Config) -> None:
+    """The baselines' folder, when it is named (--memdiff-baselines) or written (--memdiff-update),
+    checked before any test runs, as the report folders are: a file named there made every test read
+    'no baseline at FILE/NAME.json; create it with ... --memdiff-update', and that update then failed
+    each test on 'is a file, not a folder' after recording its body."""
+    from memdiff.atomic import check_folder
+    from memdiff.errors import InputError
+
+    named, update = config.getoption("memdiff_baselines"), config.getoption("memdiff_update")
+    if named is None and not update:
+        return
+    folder, given = _folder(config), named or config.getini("memdiff_baselines")
+    try:
+        if named == "":  # not the default folder, which _folder would read it as
+            check_folder(named)
+        if update:
+            check_folder(folder)  # written: a folder it can write into, or make
+        elif os.path.exists(folder) and not os.path.isdir(folder):
+            raise InputError(folder, "is a file, not a folder")  # read: it may be read-only, or not made yet
+    except InputError as exc:
+        label = "--memdiff-baselines" if named is not None else "memdiff_baselines (ini)"
+        shown = exc.path if named == "" else given  # '' shown as '', as the report folders' is
+        raise pytest.UsageError(f"{label}: {shown}: {exc.message}") from None
 
 
 # Set on a marked test's report when its marker, baseline or recording is bad input (not a regression).

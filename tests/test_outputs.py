@@ -185,6 +185,29 @@ def test_the_plugins_folders_are_checked_before_any_test_runs(pytester, hostile,
     assert not (pytester.path / "ran").exists()
 
 
+@pytest.mark.parametrize("target", [t for t in TARGETS if t != "folder"])
+def test_the_baselines_folder_an_update_writes_is_checked_before_any_test_runs(pytester, hostile, target):
+    # A file there made each test record its body, then fail on 'is a file, not a folder'.
+    path = hostile(target)
+    pytester.makepyfile("def test_ran():\n    open('ran', 'w').close()\n")
+    result = pytester.runpytest_inprocess("--memdiff-update", "--memdiff-baselines", path)
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    said = f"ERROR: --memdiff-baselines: {path or repr(path)}: "
+    assert any(line.startswith(said) for line in result.errlines), result.errlines
+    assert not (pytester.path / "ran").exists()
+
+
+def test_a_file_named_as_the_baselines_folder_is_refused_before_any_test_runs(pytester):
+    # The gate read 'no baseline at tests.py/NAME.json; create it with ... --memdiff-update', which failed.
+    pytester.makepyfile("def test_ran():\n    open('ran', 'w').close()\n")
+    result = pytester.runpytest_inprocess("--memdiff-baselines", "test_a_file_named_as_the_baselines_folder_is_"
+                                                                 "refused_before_any_test_runs.py")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR and not (pytester.path / "ran").exists()
+    assert "is a file, not a folder" in "\n".join(result.errlines)
+    # A folder only read (the gate's) need be neither there nor writable.
+    pytester.runpytest_inprocess("--memdiff-baselines", "not-made-yet").assert_outcomes(passed=1)
+
+
 def test_a_full_disk_leaves_no_partial_report(shared, tmp_path, capsys):
     run = str(shared / "linear-grad.pickle")
     with mounted(tmp_path / "small", "size=64k") as small:
