@@ -238,6 +238,13 @@ def test_invalid_rules_exit_2_from_the_cli(tmp_path, capsys):
     assert err.startswith("memdiff: --custom-profile: rule 1 (bad): invalid regex '('") and err.count("\n") == 1
 
 
+def test_a_toml_rules_file_with_a_byte_order_mark_is_read(tmp_path):
+    # A Windows editor's BOM read as 'invalid TOML: Invalid statement (at line 1, column 1)'.
+    path = tmp_path / "rules.toml"
+    path.write_bytes('[[rules]]\ncategory = "kv_cache"\nframes = [{name = "KVCache"}]\n'.encode("utf-8-sig"))
+    assert [r.category for r in load_rules([str(path)])][:1] == ["kv_cache"]
+
+
 def _rules_file(path, count: int):
     """A rules file of `count` rules, one per layer's function, as a generator script would write it."""
     path.write_text(json.dumps({"rules": [{"category": f"layer{k}", "frames": [{"name": f"^layer_{k}_forward$"}]}

@@ -270,6 +270,19 @@ def test_a_summary_json_stands_in_for_its_snapshot(shared, tmp_path, capsys):
     assert from_summary["devices"] == from_pickles["devices"]
 
 
+@pytest.mark.parametrize("encoding", ["utf-8-sig", "utf-16"])
+def test_a_summary_saved_with_a_byte_order_mark_is_read(shared, tmp_path, capsys, encoding):
+    # A Windows editor saves UTF-8 with a BOM, Windows PowerShell's `>` writes UTF-16: such a summary
+    # read as 'neither a pickle, JSON, gzip, bz2 nor xz', where a baseline saved so was read.
+    run = shared / "linear-grad.pickle"
+    summary = tmp_path / "run.json"
+    assert main(["summarize", str(run), "-o", str(summary)]) == 0
+    summary.write_bytes(summary.read_text(encoding="utf-8").encode(encoding))
+    capsys.readouterr()
+    code, data = json_diff(capsys, summary, run)
+    assert code == 0 and data["devices"][0]["base_peak_bytes"] == data["devices"][0]["head_peak_bytes"] == 4434803008
+
+
 def test_a_run_without_a_trace_is_not_judged_against_a_traced_one(shared, tmp_path, capsys):
     # The same training run dumped with memory history off: only what was live at the dump
     # (6.34 GiB) is in it, not the AdamW step's temporaries that made the traced peak (6.53 GiB).

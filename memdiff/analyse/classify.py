@@ -135,7 +135,9 @@ def _read_rules_file(path: str) -> Any:
     else:  # the same parser, packaged for older Pythons
         import tomli as tomllib
     try:
-        return tomllib.loads(raw.decode("utf-8"))
+        # utf-8-sig: a byte-order mark (a Windows editor's) read as `Invalid statement (at line 1,
+        # column 1)`, where the same rules as JSON were read.
+        return tomllib.loads(raw.decode("utf-8-sig"))
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
         raise InputError(path, f"invalid TOML: {exc}") from None
     except RecursionError:

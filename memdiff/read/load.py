@@ -296,6 +296,12 @@ def _is_codec_error(exc: BaseException, codec: Optional[str]) -> bool:
 _OLD_PICKLE_STARTS = (b"(d", b"(l", b"}q", b"]q", b"}r", b"]r", b"}(", b"](")
 
 
+# The byte-order marks a JSON file may open with (UTF-8's, from a Windows editor; UTF-16's, from
+# Windows PowerShell's `>`), which json.loads reads: a summary saved so read as `neither a pickle,
+# JSON, ...`, where a baseline saved so was read.
+_TEXT_BOMS = (b"\xef\xbb\xbf", b"\xff\xfe", b"\xfe\xff")
+
+
 def _parse(path: str, stream: io.BufferedReader, codec: Optional[str]) -> Tuple[Any, str]:
     """Decode a pickle (protocols 0-5, data only) or JSON document from `stream`; (object, container)."""
     head = stream.peek(64)[:64]
@@ -313,7 +319,7 @@ def _parse(path: str, stream: io.BufferedReader, codec: Optional[str]) -> Tuple[
         # No PROTO opcode: a dict or list pickled with protocol 0 (text) or 1 (binary), which torch
         # never writes but a re-pickled snapshot may be; the same data-only unpickler reads it.
         return _DataOnlyUnpickler(stream).load(), f"pickle protocol {0 if head[:1] == b'(' else 1}"
-    if head.lstrip()[:1] in (b"{", b"["):
+    if head.lstrip()[:1] in (b"{", b"[") or head.startswith(_TEXT_BOMS):
         return parse_json(path, stream.read()), "json"
     raise InputError(path, "not a memory snapshot: the content is neither a pickle, JSON, "
                            "gzip, bz2 nor xz")
