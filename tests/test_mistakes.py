@@ -196,7 +196,10 @@ def entry(**fields):
     ({"size": 10**30}, "device_traces[0][0].size: 1,000,000,000,000,000,000,000,000,000,000 is not a size in bytes "
                        "(0 to 4,611,686,018,427,387,904)"),
     ({"addr": [1]}, "device_traces[0][0].addr: list of 1 items is not an address"),
-], ids=["time-as-text", "frames-a-number", "frames-a-dict", "frame-a-number", "size-past-int64", "addr-a-list"])
+    # JSON's `true` is an int to Python: it read as a 1 B allocation (time_us refused it already).
+    ({"size": True}, "device_traces[0][0]: 'size' is bool True, not an integer"),
+], ids=["time-as-text", "frames-a-number", "frames-a-dict", "frame-a-number", "size-past-int64", "addr-a-list",
+        "size-true"])
 def test_malformed_entries_are_bad_input(write_snapshot, capsys, fields, message):
     path = write_snapshot({"device_traces": [[entry(**fields)]], "segments": []})
     assert main(["peak", path]) == 2

@@ -172,6 +172,13 @@ class Walk:
             opened = np.frombuffer(allocs, dtype=np.int64) if len(allocs) else np.zeros(0, np.int64)
             freed = np.frombuffer(unmatched, dtype=np.int64) if len(unmatched) else np.zeros(0, np.int64)
             negative = np.concatenate([opened[d[opened] < 0], freed[d[freed] > 0]])
+            # True is an int to Python (and to array('q')): a size of `true` read as 1 B. Only the
+            # events of 0 or 1 byte can be one, so only they are looked at.
+            tiny = np.concatenate([opened[np.abs(d[opened]) <= 1], freed[np.abs(d[freed]) <= 1]])
+            flag = next((int(k) for k in np.sort(tiny) if isinstance(trace[int(k)]["size"], bool)), None)
+            if flag is not None:
+                raise InputError(path, f"device_traces[{device}][{flag}]: 'size' is {brief(trace[flag]['size'])}, "
+                                       f"not an integer")
             if len(negative):
                 k = int(negative.min())
                 raise InputError(path, f"device_traces[{device}][{k}].size: {number(trace[k]['size'])} is not a size "
