@@ -221,7 +221,10 @@ def test_the_fits_verdict_is_one_sentence_in_every_format():
     dropped = gated(result, {"knob": "batch", "gpus": [{"gpu": "l4", "value": 8}]}, "b.json")
     assert [f.code for f in dropped.findings] == ["G011"] and dropped.verdict_line == "FAIL  fit against b.json"
     assert dropped.verdict_line in render_text(dropped).splitlines()
-    assert "❌ FAIL  fit against b.json" in render_markdown(dropped).splitlines()
+    # Its own line: a hard break after it and after each finding (markdown ran them into one paragraph).
+    md = render_markdown(dropped).splitlines()
+    verdict = md.index("❌ FAIL  fit against b.json  ")
+    assert md[verdict + 1].startswith("❌ error: G011 ") and md[verdict + 1].endswith("  ")
 
 
 def _fit_baseline(tmp_path: Path, doc: dict, raised_by: int) -> tuple:

@@ -213,6 +213,11 @@ def test_every_format_says_the_budget_the_alignment_and_the_largest_value_within
     markdown = capsys.readouterr().out
     for sentence in said:
         assert sentence in text and md_text(sentence) in markdown and html.escape(sentence) in page.read_text()
+    # Each note its own line (a hard break), as the diff's alerts: markdown ran the cs336 pair's W008, W010
+    # and W015 into one paragraph. Two runs give W010 at least.
+    assert main(["forecast", *series((1, 2)), "--at", "64", "--format", "markdown"]) == 0
+    quoted = [line for line in capsys.readouterr().out.splitlines() if line.startswith("> ")]
+    assert quoted and all(line.endswith("  ") for line in quoted), quoted
     assert "runs   b1.pickle=1, b2.pickle=2, b4.pickle=4" in text  # and the page, which named no run
     assert "<p>runs: <code>b1.pickle</code>=1, <code>b2.pickle</code>=2, <code>b4.pickle</code>=4</p>" in page.read_text()
 

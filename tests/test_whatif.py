@@ -294,6 +294,8 @@ def test_every_format_shows_every_finding_of_the_document(run, capsys, tmp_path)
     for out, shown in ((text, r"^(?:note|warning): (W\d{3}) "), (markdown, r"^> `(W\d{3})`"),
                        (page.read_text(), r"<p class=note>(W\d{3}) ")):
         assert re.findall(shown, out, re.M) == codes
+    # Each its own line (a hard break), as the diff's alerts: markdown ran the two into one paragraph.
+    assert all(line.endswith("  ") for line in markdown.splitlines() if line.startswith("> `W"))
 
 
 def test_the_budget_holds_what_the_caching_allocator_reserves(capsys):

@@ -33,8 +33,9 @@ def render_markdown(result: FitResult) -> str:
         out += [f"**{md_text(g.line)}**", ""]
     out += [f"knob: {md_text(result.knob_line)}", ""]
     if result.verdict_line is not None:
-        out.append(("✅ " if result.passed else "❌ ") + md_text(result.verdict_line))
-    out += [("❌ " if f.severity == "error" else "") + md_text(shown(f)) for f in result.findings]
+        out.append(("✅ " if result.passed else "❌ ") + md_text(result.verdict_line) + "  ")
+    # One line each: a hard break (two spaces), else markdown runs them into one paragraph.
+    out += [("❌ " if f.severity == "error" else "") + md_text(shown(f)) + "  " for f in result.findings]
     out += ["", f"{words.table_lead} {md_code(result.knob)} {words.table_tail}", "",
             layout(words.table, "github", md_cell), ""]
     for g in result.gpus:
@@ -54,6 +55,6 @@ def render_gate(gate: FitGate, fmt: str) -> str:
         return dumps([gate.to_dict()])
     verdict = gate.verdict_line
     if fmt == "markdown":
-        return "\n".join([("✅ " if gate.passed else "❌ ") + md_text(verdict)]
-                         + ["❌ " + md_text(shown(f)) for f in gate.findings]) + "\n"
+        return "\n".join([("✅ " if gate.passed else "❌ ") + md_text(verdict) + "  "]
+                         + ["❌ " + md_text(shown(f)) + "  " for f in gate.findings]) + "\n"
     return "\n".join([verdict, *(shown(f) for f in gate.findings), *gate.values]) + "\n"

@@ -45,17 +45,19 @@ def render_text(f: Forecast) -> str:
 def render_markdown(f: Forecast) -> str:
     """The forecast for a pull-request comment or a job summary."""
     out = ["### memdiff forecast", ""]
-    out += [f"**{md_text(d.headline)}**" for d in f.devices]
+    # Consecutive lines end in a hard break (two spaces), as the diff's alerts do: else markdown runs a
+    # device's headline into the next, and each note into the next, as one paragraph.
+    out += [f"**{md_text(d.headline)}**  " for d in f.devices]
     if f.headroom is not None:
         out += ["", ("✅ " if f.headroom.passed else "❌ ") + md_text(f.headroom.line)]
     out += ["", "runs: " + ", ".join(f"{md_code(name)}={v}" for name, v in f.runs_said)]
-    out += [f"> {md_text(n)}" for n in f.notes]
+    out += [f"> {md_text(n)}  " for n in f.notes]
     if f.budget_line is not None:
         out += ["", md_text(f.budget_line)]
     for d in f.devices:
         runs, predictions, categories, sites = _tables(d, "github")
         out += ["", f"#### device {d.device}", "", md_text(d.alignment), ""]
-        out += [f"> `{n.code}` {md_text(n.text)}" for n in d.notes]
+        out += [f"> `{n.code}` {md_text(n.text)}  " for n in d.notes]
         out += ["", runs, "", predictions, "", f"{md_text(d.at_peak)}:", ""]
         out += [f"{categories}\n\n{sites}"]
         out += ["", md_text(d.within_line)] if d.within_line is not None else []

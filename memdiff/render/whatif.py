@@ -33,13 +33,14 @@ def render_markdown(w: WhatIf) -> str:
     out = [f"### {md_text(w.heading)}"]
     if w.budget_line is not None:
         out += ["", md_text(w.budget_line)]
-    out += ["", *(f"> `{n.code}` {md_text(n.text)}" for n in w.notes)] if w.notes else []
+    # Each finding a line of its own (a hard break, as the diff's alerts): markdown ran them into one paragraph.
+    out += ["", *(f"> `{n.code}` {md_text(n.text)}  " for n in w.notes)] if w.notes else []
     for d in w.devices:
         out += ["", f"**{md_text(d.headline)}**", ""]
         table = w.table(d)
         if table is not None:  # markdown escapes every cell: the change is the user's text
             out += [layout(table, "github", md_cell), ""]
-        out += [f"> `{f.code}` {md_text(f.message)}" for f in d.findings]
+        out += [f"> `{f.code}` {md_text(f.message)}  " for f in d.findings]
         assumed = [f"- {md_code(c.change)}: {md_text(a)}" for c in d.changes for a in c.assumptions]
         if assumed:
             out += ["", f"<details><summary>what each change {w.assumed_word}</summary>", "", *assumed, "",
