@@ -346,3 +346,18 @@ def test_a_gate_says_when_its_noise_margin_gates_nothing(tmp_path, capsys):
     code, out, _ = run(capsys, "gate", snapshot(tmp_path / "head.pickle", 103 * MiB), "--baseline", spread,
                        "--noise-margin", "5%")
     assert code == 0 and "G012" not in out
+
+
+def test_the_report_file_and_the_comment_keep_the_noise_and_reserved_lines(tmp_path, write_snapshot, capsys):
+    # --report, the job summary and the sticky comment render the report refolded to fit GitHub's limit;
+    # refolding rebuilt each device and dropped what the report adds to it: where the peak's change falls
+    # in the repeats' spread, and the caching allocator's reserved memory, which --format markdown shows.
+    b = repeats(tmp_path, capsys)
+    head = snapshot(tmp_path / "head.pickle", 103 * MiB)
+    report = tmp_path / "r.md"
+    code, shown, _ = run(capsys, "gate", head, "--baseline", b, "--format", "markdown", "--report", report)
+    assert code == 0 and "within the spread of 3 runs" in shown and report.read_text() == shown
+    base, more = _segmented(write_snapshot, "base.pickle", 1), _segmented(write_snapshot, "more.pickle", 3)
+    code, shown, _ = run(capsys, base, more, "--format", "markdown", "--report", report)
+    assert code == 0 and "reserved by the caching allocator: peak 2.00 MiB -> 6.00 MiB" in shown
+    assert report.read_text() == shown

@@ -71,7 +71,9 @@ def _chart(d: DeviceReport) -> List[str]:
 
 def _device(d: DeviceReport, o: Options) -> List[str]:
     lines = ["", f"#### {md_text(d.heading)}"]
-    lines += ["", *(md_text(line) for line in d.lines)]
+    # Each line its own (a hard break): markdown ran where each peak is and the reserved memory into one
+    # paragraph, where the page gives each its own.
+    lines += ["", *(md_text(line) + "  " for line in d.lines)]
     for t in (d.phases, d.categories):
         if t is not None:
             lines += ["", layout(t, "github", escape=md_cell)]

@@ -205,8 +205,13 @@ class Report:
 
     def refolded(self, top: int) -> "Report":
         """The same report with at most `top` rows per device (the GitHub comment shrinks to fit)."""
-        return replace(self, devices=[device_report(d.diff, top, self.min_delta,
-                                                     d.like_for_like.diff if d.like_for_like else None)
+        # Only the rows fold: what the report added to a device after folding it (_report: the
+        # reserved memory, the measured noise, their findings) stays. The comment and the job
+        # summary, which are refolded, lost the reserved and noise lines that --format markdown shows.
+        return replace(self, devices=[replace(device_report(d.diff, top, self.min_delta,
+                                                             d.like_for_like.diff if d.like_for_like else None),
+                                              noise=d.noise, noise_within=d.noise_within, reserved=d.reserved,
+                                              findings=list(d.findings))
                                       for d in self.devices],
                        top=top)
 
