@@ -120,6 +120,14 @@ def _bad_inputs(tmp: Path):
                             "not a memory snapshot: a dict without 'segments' or 'device_traces' "
                             "(keys: 'layer.weight', 'layer.bias')"),
         "torch.save zip": (b"PK\x03\x04" + b"\0" * 60, "not a memory snapshot: a zip archive"),
+        # torch.save(..., _use_new_zipfile_serialization=False) pickles its magic number first (protocol 2),
+        # then its own pickles: it read `the file holds int of 77 bits`.
+        "torch.save legacy": (pickle.dumps(0x1950A86A20F9469CFC6C, 2) + pickle.dumps(1001, 2),
+                              "not a memory snapshot: a file torch.save wrote in its legacy format"),
+        "a number": (pickle.dumps(5, 4), "not a memory snapshot: the file holds int 5"),
+        # Python's message, one line of words (its newline was shown as `\n`).
+        "persistent id": (b"\x80\x02P1\n.", "truncated or corrupt pickle (UnpicklingError: A load persistent id "
+                                            "instruction was encountered, but no persistent_load function"),
         "segments not a list": (pickle.dumps({"segments": {"a": 1}, "device_traces": []}, 4),
                                 "segments: expected a list, got dict"),
         "size a string": (pickle.dumps({"segments": [], "device_traces": [[{"action": "alloc", "addr": 1,
@@ -153,7 +161,7 @@ def _bad_inputs(tmp: Path):
 
 
 BAD = ["missing", "directory", "empty", "truncated", "random", "truncated gzip", "state_dict-like",
-       "torch.save zip", "segments not a list", "size a string", "size negative", "size negative in json",
+       "torch.save zip", "torch.save legacy", "a number", "persistent id", "segments not a list", "size a string", "size negative", "size negative in json",
        "block size a string", "invalid json",
        "a list of numbers", "fifo", "character device"]
 

@@ -379,8 +379,9 @@ def _read_document(path: str, size: int, columns: bool) -> Tuple[Any, str, int]:
             raise InputError(path, f"corrupt or truncated {codec} data ({clip(str(exc), 200)})") from None
         if isinstance(exc, (EOFError, pickle.UnpicklingError, ValueError, TypeError, IndexError, KeyError,
                             AttributeError, OSError, OverflowError)):
-            raise InputError(path, f"truncated or corrupt pickle "
-                                   f"({type(exc).__name__}: {clip(str(exc), 200)})") from None
+            # Python's words in one line: a persistent id's message holds a newline, shown as `\n`.
+            said = " ".join(str(exc).split())
+            raise InputError(path, f"truncated or corrupt pickle ({type(exc).__name__}: {clip(said, 200)})") from None
         raise
     return obj, f"{codec}+{container}" if codec else container, bounded.count
 
@@ -485,6 +486,11 @@ def _generation(raw: Any, segments: List[Dict[str, Any]], traces: List[List[Dict
     return "trace-timed" if any(isinstance(e, dict) and "time_us" in e for e in sample) else "trace-untimed"
 
 
+# The number torch.save's legacy (non-zip) format pickles first, before pickles of its own: what a
+# data-only reader of one pickle finds there (it read `the file holds int of 77 bits`).
+TORCH_SAVE_LEGACY_MAGIC = 0x1950A86A20F9469CFC6C
+
+
 def to_snapshot(path: str, raw: Any, source: Source, decoded_bytes: Optional[int] = None) -> Snapshot:
     """Check that `raw` has a snapshot's shape and wrap it; InputError naming the problem if not.
     `decoded_bytes`, the size of the stream it was decoded from, bounds the trace entries and
@@ -509,6 +515,10 @@ def to_snapshot(path: str, raw: Any, source: Source, decoded_bytes: Optional[int
         if settings is not None:
             _expect(path, "allocator_settings", settings, dict, "a dict")
             source.allocator_settings = _json_safe(settings, [SETTINGS_NODES])
+    elif raw.__class__ is int and raw == TORCH_SAVE_LEGACY_MAGIC:
+        raise InputError(path, "not a memory snapshot: a file torch.save wrote in its legacy format "
+                               "(_use_new_zipfile_serialization=False); a memory snapshot comes from "
+                               "torch.cuda.memory._dump_snapshot")
     else:
         raise InputError(path, f"not a memory snapshot: the file holds {brief(raw)}")
     _expect(path, "segments", segments, list, "a list")
