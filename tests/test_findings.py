@@ -121,8 +121,8 @@ PINNED_RUNS: Dict[str, List[str]] = {
     "cs336-medium-ctx128-train.pickle": ["C001", "T002"],
     "cs336-medium-ctx256-train.pickle": ["C001", "T002"],
     "cs336-windows.pickle": ["C001", "T002"],
-    "diffusion-segments-list.pickle": ["C001"],
-    "empty-trace.pickle": ["C001"],
+    "diffusion-segments-list.pickle": ["C001", "T015"],
+    "empty-trace.pickle": ["C001", "T015"],
     "linear-grad.pickle": ["K001"],
     "linear-nograd.pickle": ["K001"],
     "opt13b-oom-legacy.pickle": [],
@@ -147,7 +147,7 @@ PINNED_PAIRS = [
     (S + "linear-nograd.pickle", S + "linear-grad.pickle", ["G002", "K002"], False),
     (S + "cs336-medium-ctx128-infer.pickle", S + "linear-grad.pickle", ["G002", "K002", "K003", "T007", "T008"],
      False),
-    (S + "diffusion-segments-list.pickle", S + "linear-grad.pickle", ["G002", "K002", "K003", "T005", "T006"], False),
+    (S + "diffusion-segments-list.pickle", S + "linear-grad.pickle", ["G002", "K002", "K003", "T005", "T006", "T015"], False),
     (S + "opt13b-oom-legacy.pickle", S + "linear-grad.pickle", ["K002", "K003", "T006", "T010"], False),
     (C + "gpt2-base.pickle.gz", C + "gpt2-base-again.pickle.gz", [], True),
     (C + "gpt2-base.pickle.gz", C + "gpt2-log-tensor.pickle.gz", ["G002", "K002", "K004"], False),
@@ -221,7 +221,7 @@ def test_a_baseline_and_a_rules_file_keep_the_choice_and_flags_come_last(tmp_pat
     assert cli(capsys, "baseline", base, "-o", stored, "--fail-on", "p001", "--ignore", "T")[0] == 0
     assert json.loads(stored.read_text())["thresholds"]["findings"] == {
         "fail-on": ["P001"], "ignore": ["T001", "T002", "T003", "T004", "T005", "T006", "T007", "T008", "T009",
-                                        "T010", "T011", "T012", "T013", "T014"]}
+                                        "T010", "T011", "T012", "T013", "T014", "T015"]}
     code, out, _ = cli(capsys, "gate", head, "--baseline", stored)
     assert code == 1 and "FAIL  finding P001 peaks-in-different-phases" in out and "(fails on P001: baseline)" in out
     assert not re.search(r"^(warning|note): T", out, re.M)

@@ -228,6 +228,8 @@ def device_findings(device: DeviceSummary, window: bool = False) -> List[Finding
     step over step, categories guessed for memory older than the trace; in the one order every
     report shows findings in (findings.in_order)."""
     out = []
+    if not device.trace_events:
+        out.append(finding("T015", device.device))
     if device.unmatched_free_count:
         out.append(finding("T004" if window else "T002", device.device, frees=device.unmatched_free_count,
                            freed_bytes=device.unmatched_free_bytes, freed=format_bytes(device.unmatched_free_bytes)))

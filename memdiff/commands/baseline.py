@@ -21,6 +21,7 @@ from memdiff.commands.args import (
     thresholds_from,
 )
 from memdiff.compare.baseline import read_baseline, update_baseline
+from memdiff.compare.findings import finding, shown
 from memdiff.errors import EXIT_BAD_INPUT, EXIT_OK, InputError
 from memdiff.inert import text
 from memdiff.model import Summary
@@ -126,6 +127,10 @@ def run(args: argparse.Namespace) -> int:
     noisy = next((sp.runs for sp in spreads.values() if sp.peak.max > sp.peak.min), None)
     print(f"memdiff: {done} {text(args.output)}: baseline {text(repr(name))}, {peaks}; "
           f"{thresholds.describe(noisy)}", file=sys.stderr)
+    stored = [d for r in baseline.ranks for d in r["devices"]] if baseline.ranks is not None else baseline.devices
+    for d in stored:
+        if d.get("trace_events") == 0:  # every later gate of a traced run against it stops with exit 2
+            print(f"memdiff: {shown(finding('T015', d['device']))}", file=sys.stderr)
     if getattr(args, "noise_margin", None) is not None and noisy is None:
         # The margin widens a spread; a run alone (or repeats with one peak) has none: said, not silently kept.
         print("memdiff: note: --noise-margin is kept in the thresholds but gates nothing here: it widens the "

@@ -201,13 +201,33 @@ CATALOGUE: Tuple[Code, ...] = (
          "GPU"),
     Code("T014", "emulation-approximation", WARNING,
          "{role}emulation: {note}",
-         "The emulator ran something it can only approximate, and wrote so into the snapshot: today, "
-         "`torch.compile` run eagerly.",
-         "The figure is the uncompiled model's (GPT-2 on an H100: 4.76 GiB eager against 3.54 GiB compiled).",
-         "Gate compiled runs against a baseline made the same way, or emulate the uncompiled script.",
-         "hand-built in tests/test_emulate_scripts.py (a script that calls torch.compile)",
-         "warning: T014 emulation: torch.compile runs eagerly: Inductor's fused kernels and buffers are not "
-         "emulated, so activations read as the uncompiled model's"),
+         "The emulator wrote a note into the snapshot where the run did something a GPU's run does differently, "
+         "or that memdiff could only approximate: a save that holds emulated tensors (written without their "
+         "data), the run's writes kept in its overlay, a trace whose ring buffer dropped events, a kernel "
+         "whose workspace is estimated.",
+         "Each note says what it changes: most change no figure (files), some say where a figure is a model's "
+         "(an estimate) or where the trace lacks events.",
+         "Read the note: each names its remedy (`--max-entries` for a ring, `--keep-writes DIR` to see the "
+         "run's files).",
+         "hand-built in tests/test_emulate_scripts.py (six AdamW steps recorded with max_entries=40)",
+         "warning: T014 emulation: GPU 0's trace keeps its last 40 events: its ring buffer (max_entries 40) "
+         "dropped the first 117 of 157; a max_entries of 157 or more keeps them all (`memdiff record "
+         "--max-entries 157`)"),
+    Code("T015", "no-trace", WARNING,
+         "the snapshot has no trace (memory history was off): its peak is what was live when it was dumped, "
+         "not the run's highest, and the steps, phases and allocations freed before the dump are unknown",
+         "The snapshot holds the allocator's segments but no trace events on this device: "
+         "`torch.cuda.memory._dump_snapshot` was called without `_record_memory_history` on, or the snapshot "
+         "predates the trace (a list of segments).",
+         "The figure called the peak is the memory at the dump: a training step's activations and temporaries, "
+         "freed by then, are not in it, so a gate on it misses what a real peak holds; a traced run cannot be "
+         "gated against it.",
+         "Turn memory history on before the run, `torch.cuda.memory._record_memory_history()`, or record with "
+         "`memdiff record -o run.pickle -- python train.py`.",
+         "memdiff peak ../shared/snapshots/empty-trace.pickle",
+         "warning: T015 device 0: the snapshot has no trace (memory history was off): its peak is what was live "
+         "when it was dumped, not the run's highest, and the steps, phases and allocations freed before the dump "
+         "are unknown"),
     # --- P: phases ------------------------------------------------------------------------------
     Code("P001", "peaks-in-different-phases", WARNING,
          "the peaks are in different phases: base in {base_where}, head in {head_where}; rows compare different "

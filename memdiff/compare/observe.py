@@ -80,6 +80,8 @@ def _findings(base: Summary, head: Summary, devices: Sequence[DeviceDiff] = (),
     out = [finding("T001", run=role, **overflow_data(s.source)) for role, s in (("base", base), ("head", head))
            if s.source.trace_overflowed() is not None]
     out += [finding("G013", baseline=s.source.file) for s in (base, head) if s.source.edited]
+    out += [finding("T015", d.device, run=role) for role, s in (("base", base), ("head", head))
+            for d in s.devices if not d.trace_events]
     b_set, h_set = base.source.allocator_settings, head.source.allocator_settings
     if b_set is not None and h_set is not None and b_set != h_set:
         keys = sorted(k for k in set(b_set) | set(h_set)
