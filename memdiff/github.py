@@ -20,7 +20,6 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 from memdiff.atomic import append_text, write_output
 from memdiff.compare.baseline import no_baseline, no_baseline_level
-from memdiff.compare.findings import in_order
 from memdiff.errors import InputError
 from memdiff.inert import baseline_command, md_code, md_fence, md_text, shell, text
 from memdiff.model import Finding
@@ -129,10 +128,7 @@ class Publisher:
         self.sections.append(fit(render, report.top, SIZE_LIMIT // max(1, self.expected) - 16))
         self.passed.append(report.passed is not False)
         self.deltas.append(report.peak_delta_bytes)
-        # In the one order of findings (errors, then warnings, then notes): the judge's notes hold
-        # G002, an error, which came after the warnings ('P001 G002').
-        self.findings += [c for c in dict.fromkeys(f.code for f in in_order([*report.findings, *report.notes]))
-                          if c not in self.findings]
+        self.findings += [c for c in dict.fromkeys(f.code for f in report.every_finding) if c not in self.findings]
         self.failed_findings += [c for c in report.failed_codes if c not in self.failed_findings]
         if not self.annotate:
             return

@@ -64,7 +64,8 @@ def _step_count(s: Summary, d: DeviceSummary) -> Optional[int]:
 
 
 # The codes whose sentences the JSON's `warnings` lists: why the two runs may not compare.
-WARNING_STRINGS = ("T001", "T003", "T005", "T006", "T007", "T008", "T009", "T010", "T012", "T014", "P001", "P002")
+WARNING_STRINGS = ("T001", "T003", "T005", "T006", "T007", "T008", "T009", "T010", "T012", "T014", "T015", "P001",
+                   "P002")
 KEPT_SITES = 3  # sites the kept line names
 
 

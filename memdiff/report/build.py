@@ -102,6 +102,12 @@ class Report:
     findings: List[Finding] = field(default_factory=list)
 
     @property
+    def every_finding(self) -> List[Finding]:
+        """Every finding the report shows, the judge's (G002 why a peak failed, ...) among the runs',
+        in the one order (findings.in_order): the JSON's `findings`, the Action's `findings` output."""
+        return in_order([*self.findings, *self.notes])
+
+    @property
     def passed(self) -> Optional[bool]:
         """Whether every check passed; None when the report was not judged (the API's `diff`),
         so that a script testing it cannot read 'compared' as 'passed'."""
@@ -226,7 +232,7 @@ class Report:
         if self.buy_back is not None:
             head["buy_back"] = [asdict(b) for b in self.buy_back.items]
             head["buy_back_notes"] = [n.text for n in self.buy_back.notes]
-        shown = {"warnings": self.warnings, "findings": [f.to_dict() for f in self.findings]
+        shown = {"warnings": self.warnings, "findings": [f.to_dict() for f in self.every_finding]
                  + ([self.trend_note.to_dict()] if self.trend_note is not None else [])}
         if self.job is None:
             return {**head, **self.diff.to_dict(), **shown}
