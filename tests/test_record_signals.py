@@ -3,6 +3,7 @@ snapshot's write short (the jobs themselves: tests/test_record_ranks.py)."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -11,6 +12,7 @@ import time
 from typing import Tuple
 
 import pytest
+from conftest import missing_capture_dependency
 
 from memdiff.commands.record import _Forwarding
 from memdiff.recording.capture import sigint_held
@@ -285,3 +287,60 @@ def test_a_job_outlives_no_memdiff_killed_with_sigkill_and_writes_its_snapshot(t
     finally:
         _ended(memdiff)
     assert _four_mib_allocated(tmp_path / "runs" / f"pid{job}.pickle")
+
+
+# A script whose Lightning Trainer starts its own ranks (devices=2, DDP): it re-runs the script for rank 1 from
+# rank 0. Each rank keeps 4 MiB, says it trains, and trains for an hour unless stopped.
+LIGHTNING_SLEEPER = ("import os, time, torch\n"
+                     "import lightning as L\n"
+                     "from torch.utils.data import DataLoader, TensorDataset\n"
+                     "class Tiny(L.LightningModule):\n"
+                     "    def __init__(self):\n"
+                     "        super().__init__()\n"
+                     "        self.layer = torch.nn.Linear(32, 4)\n"
+                     "    def training_step(self, batch, index):\n"
+                     "        if self.global_step == 2:  # the third step (each rank has one batch an epoch)\n"
+                     "            self.kept = torch.ones(1 << 20, device='cuda')  # 4 MiB\n"
+                     "            os.write(1, f'training {self.global_rank} {os.getpid()}\\n'.encode())\n"
+                     "        time.sleep(0.05)\n"
+                     "        return self.layer(batch[0]).sum()\n"
+                     "    def configure_optimizers(self):\n"
+                     "        return torch.optim.SGD(self.parameters(), lr=0.1)\n"
+                     "if __name__ == '__main__':\n"
+                     "    data = DataLoader(TensorDataset(torch.randn(16, 32)), batch_size=8)\n"
+                     "    L.Trainer(accelerator='gpu', devices=2, strategy='ddp', max_time='00:01:00:00',\n"
+                     "              logger=False, enable_checkpointing=False, enable_progress_bar=False,\n"
+                     "              enable_model_summary=False).fit(Tiny(), data)\n")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("to", ["memdiff", "the process group"])
+def test_ctrl_c_to_a_job_lightnings_own_launcher_started_writes_every_rank_and_exits_130(torch, tmp_path, to):
+    # Lightning's rank 0 ended a Ctrl-C by killing rank 1 with SIGKILL, and its observer thread, seeing rank 1
+    # end so (or exit 1 of its own Ctrl-C, from a terminal), killed rank 0 with SIGKILL too: with CPU DDP,
+    # neither snapshot was written; emulated, rank 1's never was. torchrun passes the Ctrl-C on, and waits.
+    try:
+        import lightning  # noqa: F401
+    except ImportError:
+        missing_capture_dependency("lightning is not installed (pip install -e '.[test]')")
+    (tmp_path / "train.py").write_text(LIGHTNING_SLEEPER)
+    memdiff = _memdiff(tmp_path, "record", "--emulate", "h100", "-o", "runs/", "--", sys.executable, "train.py")
+    log = tmp_path / "memdiff.log"
+    try:
+        _wait_for(lambda: log.read_text().count("training ") == 2, memdiff)
+        ranks = [int(line.split()[2]) for line in log.read_text().splitlines() if line.startswith("training ")]
+        if to == "the process group":  # a terminal's Ctrl-C: every rank gets it, and memdiff passes it on
+            os.killpg(memdiff.pid, signal.SIGINT)
+        else:  # a CI runner's: memdiff alone, which passes it on to its child, rank 0
+            memdiff.send_signal(signal.SIGINT)
+        assert memdiff.wait(timeout=600) == 130, log.read_text()
+        assert _left(memdiff, ranks) == []
+    finally:
+        _ended(memdiff)
+    manifest = json.loads((tmp_path / "runs" / "memdiff-job.json").read_text())
+    assert manifest["exit_status"] == 130
+    # each rank written, and none said to have died (Lightning ends a Ctrl-C with exit 1)
+    assert [(r["rank"], r["state"], r.get("died")) for r in manifest["ranks"]] == \
+        [(0, "written", None), (1, "written", None)], log.read_text()
+    assert all(_four_mib_allocated(tmp_path / "runs" / f"rank{rank}.pickle") for rank in (0, 1))
+

@@ -46,6 +46,10 @@ OWNER = "MEMDIFF_RECORD_RANK_PID"
 EMULATE = "MEMDIFF_RECORD_EMULATE"
 # A rank run as a Dask task: the read end of a pipe whose write end only its worker holds (dask_ranks.py).
 LEASE_FD = "MEMDIFF_RECORD_LEASE_FD"
+# Lightning's launcher that re-runs the script per rank, in each of its packages (launch_lightning.SCRIPTS):
+# patched as it is imported, so that its ranks stop as torchrun's do, writing their snapshots (lightning_stop.py).
+LIGHTNING_LAUNCHERS = tuple(f"{package}.strategies.launchers.subprocess_script" for package in (
+    "lightning.fabric", "lightning.pytorch", "lightning_fabric", "pytorch_lightning"))
 
 
 def _say(message):
@@ -629,6 +633,19 @@ def _check_child(args, real, rest, kwargs):
         _status.write(_status.state, **_status.last)
 
 
+def _lightning_ran(module):
+    """A Lightning launcher's module has run: its ranks stop as torchrun's do (memdiff's lightning_stop.py)."""
+    sys.path.insert(0, os.environ["MEMDIFF_PACKAGE_PARENT"])
+    try:
+        from memdiff.recording import lightning_stop
+
+        lightning_stop.patch(module)
+    except Exception as exc:  # the job runs on, stopped as Lightning stops it
+        _say(f"process {os.getpid()}: {module.__name__} is not patched: {type(exc).__name__}: {exc}")
+    finally:
+        sys.path.pop(0)
+
+
 def _watch_for_death():
     """Say in the status what ends this process, when it fails: an uncaught exception (its line, and the
     line of the script it came from), or `sys.exit` with a failing status (torch.multiprocessing's
@@ -641,8 +658,9 @@ def _watch_for_death():
         previous_hook(kind, value, traceback)
 
     def exit(status=None):
-        if status not in (None, 0):
-            caught = sys.exc_info()[1]
+        caught = sys.exc_info()[1]
+        # Lightning's Trainer ends a Ctrl-C with sys.exit(1): a stop, as KeyboardInterrupt itself is, no death
+        if status not in (None, 0) and not isinstance(caught, KeyboardInterrupt):
             if isinstance(caught, Exception):
                 _status.ended(_exception_line(caught, caught.__traceback__))
             else:
@@ -703,6 +721,7 @@ if os.environ.get("MEMDIFF_RECORD_DIR"):
         watched["subprocess"] = _subprocess_ran
     if "torch" not in sys.modules:
         watched["torch"] = _torch_ran
+    watched.update((name, _lightning_ran) for name in LIGHTNING_LAUNCHERS if name not in sys.modules)
     if watched:
         sys.meta_path.insert(0, _AfterImport(watched))
     if "torch" in sys.modules:  # imported before this file ran (a .pth file): recorded from here
