@@ -344,3 +344,52 @@ def test_ctrl_c_to_a_job_lightnings_own_launcher_started_writes_every_rank_and_e
         [(0, "written", None), (1, "written", None)], log.read_text()
     assert all(_four_mib_allocated(tmp_path / "runs" / f"rank{rank}.pickle") for rank in (0, 1))
 
+
+def _descendants(pid: int) -> list:
+    """Every process under `pid` now: its children, theirs, and so on."""
+    children: dict = {}
+    for entry in (e for e in os.listdir("/proc") if e.isdigit()):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                parent = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):  # no process, or one that ended meanwhile
+            continue
+        children.setdefault(parent, []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc and pidfds are Linux's")
+def test_nothing_of_memdiff_fit_outlives_it_killed_with_sigkill_and_its_run_writes(torch, tmp_path):
+    # fit's runs are forked from its forkserver, not from fit: SIGKILL (a CI runner's last resort) ended fit
+    # alone, and its run trained on, orphaned, to its end, the forkserver and the resource tracker with it
+    # (each run holds the pipe whose end tells the forkserver that fit is gone). Each run now watches fit,
+    # and stops as on fit's Ctrl-C once it has ended, writing its snapshot.
+    script = tmp_path / "sleeps.py"
+    script.write_text("import argparse, os, time, torch\n"
+                      "p = argparse.ArgumentParser(); p.add_argument('--batch-size', type=int)\n"
+                      "kept = torch.ones(p.parse_args().batch_size << 20, device='cuda')  # 4 MiB\n"
+                      "print('ready', os.getpid(), flush=True)\n"
+                      "time.sleep(3600)\n")
+    log = tmp_path / "runs" / "h100-batch1.log"
+    memdiff = _memdiff(tmp_path, "fit", "--emulate", "h100", "--range", "batch=1:1", "--jobs", "1", "-o", "runs/",
+                       "--", sys.executable, str(script), "--batch-size", "{batch}")
+    try:
+        _wait_for(lambda: log.exists() and "ready" in log.read_text(), memdiff)
+        run = int(log.read_text().split("ready")[1].split()[0])
+        fits = _descendants(memdiff.pid)  # the forkserver, the run, the resource tracker
+        assert run in fits and len(fits) >= 3, fits
+        memdiff.kill()
+        assert memdiff.wait(timeout=600) == -signal.SIGKILL
+        deadline = time.monotonic() + 600  # nobody waits for them now: they end by themselves, or the test fails
+        while [pid for pid in fits if _running(pid)]:
+            assert time.monotonic() < deadline, [pid for pid in fits if _running(pid)]
+            time.sleep(0.05)
+    finally:
+        _ended(memdiff)
+    assert _four_mib_allocated(tmp_path / "runs" / "h100-batch1.pickle")

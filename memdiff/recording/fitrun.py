@@ -222,6 +222,19 @@ def started_processes(processes: str, snapshot: str) -> Started:
                      for r in ranks if r.died or r in missing), None))
 
 
+def _ends_with_fit() -> None:
+    """A run stops, as on fit's Ctrl-C, once the process that started it (fit, whatif) has ended, SIGKILL
+    included (stopping.ending_with): its parent is the forkserver, which outlived a killed fit, and the run,
+    the script's processes and the forkserver ran on, orphaned, to the script's end."""
+    import multiprocessing
+
+    from memdiff.recording.stopping import ending_with
+
+    parent = multiprocessing.parent_process()
+    if parent is not None and parent.pid is not None:
+        ending_with(parent.pid)
+
+
 def child(conn: Any, gpu: str, target: List[str], snapshot: str, log: str, max_entries: int, rules: Sequence[Any],
           change: Optional[Sequence[Tuple[str, Optional[str]]]] = None, knob: Optional[str] = None) -> None:
     """The forked process's entry: run, its output in `log`, send the outcome's dict back, close. With `knob`
@@ -237,6 +250,7 @@ def child(conn: Any, gpu: str, target: List[str], snapshot: str, log: str, max_e
         # A SIGTERM to fit's whole process group (a CI runner's cancel, `timeout`) stops the run as fit's
         # Ctrl-C does, writing what it recorded: the forkserver left it SIGTERM's default, death unwritten.
         a_run_fit_stops()
+        _ends_with_fit()
         # The forkserver made this process its children's default start method: a script's DataLoader
         # workers would then start afresh, without the emulator, and re-run the script from its top. A fresh
         # `python train.py` has the platform's default (fork on Linux), which forks them from the run.
@@ -342,6 +356,7 @@ def launched_child(conn: Any, gpu: str, command: List[str], folder: str, log: st
     try:
         _output_to(log)
         a_run_fit_stops()  # as `child`: its record is stopped as on fit's Ctrl-C
+        _ends_with_fit()
         conn.send(run_launched(gpu, command, folder, log, max_entries, rules, picked).to_dict())
     except KeyboardInterrupt:  # the parent stops a job it no longer needs, as `child`
         pass

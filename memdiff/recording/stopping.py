@@ -6,17 +6,21 @@ files are removed. The exit status is the shell's for the signal: 130, 143, 129 
 
 from __future__ import annotations
 
+import _thread
 import contextlib
 import ctypes
 import os
+import select
 import signal
 import sys
+import time
 from typing import Any, Callable, Dict, Iterator, Optional, Tuple
 
 # The signals that stop a command as Ctrl-C does (SIGINT raises KeyboardInterrupt already).
 TERMINATING: Tuple[int, ...] = (signal.SIGTERM, signal.SIGHUP)
 STOPPING: Tuple[int, ...] = (signal.SIGINT, *TERMINATING)
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
+POLL_S = 0.5  # how often ending_with looks for its process where no pidfd can watch it
 
 
 class Stopped(KeyboardInterrupt):
@@ -98,3 +102,42 @@ def dying_with_us() -> Optional[Callable[[], None]]:
         if os.getppid() != parent:  # memdiff died before the line above: nobody will send it
             os.kill(os.getpid(), signal.SIGTERM)
     return in_child
+
+
+def ending_with(pid: int) -> None:
+    """From now on, this process is sent SIGTERM as soon as process `pid` ends, SIGKILL included: for a run fit
+    (or whatif) forked, `pid` being fit's, which SIGTERM stops as fit's own stop does, writing its snapshot
+    (a_run_fit_stops). Its parent is fit's forkserver, not fit, and the forkserver outlives a SIGKILLed fit
+    while any run lives (each run holds the pipe whose end tells it fit is gone): PR_SET_PDEATHSIG would wait
+    for the runs themselves, which trained on, orphaned, to their end. A thread waits on a pidfd of `pid`
+    (Linux 5.3+: it is readable once `pid` has ended, reaped or not); elsewhere it looks every POLL_S. A
+    process forked from this one (a DataLoader's worker) has no such thread: it ends with this one."""
+    # bound now: the emulator patches the file world once the run starts
+    kill, me, wait, alive = os.kill, os.getpid(), select.select, _alive
+    try:
+        watched: Optional[int] = os.pidfd_open(pid)  # type: ignore[attr-defined,unused-ignore]
+    except ProcessLookupError:  # ended already
+        kill(me, signal.SIGTERM)
+        return
+    except (AttributeError, OSError):  # no pidfd here: looked at every POLL_S
+        watched = None
+
+    def watch() -> None:
+        if watched is not None:
+            while not wait([watched], [], [])[0]:
+                pass
+        else:
+            while alive(pid):
+                time.sleep(POLL_S)
+        kill(me, signal.SIGTERM)
+    _thread.start_new_thread(watch, ())
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's: the pid was taken again
+        return False
+    return True
