@@ -312,10 +312,26 @@ LIGHTNING_SLEEPER = ("import os, time, torch\n"
                      "              logger=False, enable_checkpointing=False, enable_progress_bar=False,\n"
                      "              enable_model_summary=False).fit(Tiny(), data)\n")
 
+# The same with Fabric, whose launch() starts rank 1 as the Trainer does, and which has no Ctrl-C handling of its
+# own: rank 0 ended of its KeyboardInterrupt, and rank 1, whom nobody told, trained on, orphaned.
+FABRIC_SLEEPER = ("import os, time, torch\n"
+                  "import lightning as L\n"
+                  "fabric = L.Fabric(accelerator='gpu', devices=2, strategy='ddp')\n"
+                  "fabric.launch()\n"
+                  "model = fabric.setup(torch.nn.Linear(32, 4))  # DDP: its backward's all-reduce\n"
+                  "for step in range(72000):\n"
+                  "    fabric.backward(model(torch.randn(8, 32, device=fabric.device)).sum())\n"
+                  "    if step == 2:\n"
+                  "        kept = torch.ones(1 << 20, device='cuda')  # 4 MiB\n"
+                  "        os.write(1, f'training {fabric.global_rank} {os.getpid()}\\n'.encode())\n"
+                  "    time.sleep(0.05)\n")
+
 
 @pytest.mark.slow
-@pytest.mark.parametrize("to", ["memdiff", "the process group"])
-def test_ctrl_c_to_a_job_lightnings_own_launcher_started_writes_every_rank_and_exits_130(torch, tmp_path, to):
+@pytest.mark.parametrize("script, to", [(LIGHTNING_SLEEPER, "memdiff"), (LIGHTNING_SLEEPER, "the process group"),
+                                        (FABRIC_SLEEPER, "memdiff")], ids=["trainer", "trainer-group", "fabric"])
+def test_ctrl_c_to_a_job_lightnings_own_launcher_started_writes_every_rank_and_exits_130(torch, tmp_path, script,
+                                                                                         to):
     # Lightning's rank 0 ended a Ctrl-C by killing rank 1 with SIGKILL, and its observer thread, seeing rank 1
     # end so (or exit 1 of its own Ctrl-C, from a terminal), killed rank 0 with SIGKILL too: with CPU DDP,
     # neither snapshot was written; emulated, rank 1's never was. torchrun passes the Ctrl-C on, and waits.
@@ -323,7 +339,7 @@ def test_ctrl_c_to_a_job_lightnings_own_launcher_started_writes_every_rank_and_e
         import lightning  # noqa: F401
     except ImportError:
         missing_capture_dependency("lightning is not installed (pip install -e '.[test]')")
-    (tmp_path / "train.py").write_text(LIGHTNING_SLEEPER)
+    (tmp_path / "train.py").write_text(script)
     memdiff = _memdiff(tmp_path, "record", "--emulate", "h100", "-o", "runs/", "--", sys.executable, "train.py")
     log = tmp_path / "memdiff.log"
     try:

@@ -33,6 +33,8 @@ GRACE_S = 30.0  # torchrun's: how long its agent waits for the ranks it passed a
 _passing_on: List[bool] = []
 # This process is ending (its exit handlers run, its snapshot's write among them): no one kills it.
 _ending: List[bool] = []
+# The observers of the ranks this process's launcher started (lightning.fabric's _ChildProcessObserver).
+_observers: List[Any] = []
 
 
 def stop_ranks(ranks: Sequence["subprocess.Popen[Any]"], grace_s: float = GRACE_S,
@@ -89,16 +91,40 @@ def _stopping_first(real: Callable[[Any], None]) -> Callable[[Any], None]:
     return _terminate_all
 
 
+def _remembered(real: Callable[..., None]) -> Callable[..., None]:
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        real(self, *args, **kwargs)
+        _observers.append(self)
+    __init__.__wrapped__ = real  # type: ignore[attr-defined]
+    return __init__
+
+
+def _at_exit() -> None:
+    """This process is ending: its observer kills it no more (it writes its snapshot now). Where a Ctrl-C ended
+    it past the Trainer's own handling (a terminal's and the one memdiff passes on, the second before the
+    Trainer ignores it: its KeyboardInterrupt escaped the handler), or Fabric's, which has none, its ranks are
+    stopped as the Trainer's kill above stops them: it ended first, and its ranks ran on, orphaned."""
+    _ending.append(True)
+    if _passing_on or not isinstance(getattr(sys, "last_value", None), KeyboardInterrupt):
+        return
+    _passing_on.append(True)
+    for observer in _observers:
+        stop_ranks(observer._child_processes, then=_leave_process_group)
+        for rank in observer._child_processes:  # what is left, as the Trainer's kill (Popen skips those ended)
+            rank.send_signal(signal.SIGKILL)
+
+
 def patch(module: Any) -> None:
     """Lightning's launcher module `module` (its packages' strategies.launchers.subprocess_script) patched so,
     once: the Trainer's launcher's kill (lightning.pytorch's), its process observer (lightning.fabric's)."""
-    launcher = getattr(module, "_SubprocessScriptLauncher", None)
+    launcher: Any = getattr(module, "_SubprocessScriptLauncher", None)
     kill = getattr(launcher, "__dict__", {}).get("kill")
     if kill is not None and not hasattr(kill, "__wrapped__"):
-        launcher.kill = _passing_ctrl_c_on(kill)  # type: ignore[union-attr]
-    observer = getattr(module, "_ChildProcessObserver", None)
+        launcher.kill = _passing_ctrl_c_on(kill)
+    observer: Any = getattr(module, "_ChildProcessObserver", None)
     terminate = getattr(observer, "__dict__", {}).get("_terminate_all")
     if terminate is not None and not hasattr(terminate, "__wrapped__"):
-        observer._terminate_all = _stopping_first(terminate)  # type: ignore[union-attr]
+        observer._terminate_all = _stopping_first(terminate)
+        observer.__init__ = _remembered(observer.__dict__["__init__"])
         # Registered after the hook's write at exit (torch is imported before Lightning's launcher): run before it.
-        atexit.register(_ending.append, True)
+        atexit.register(_at_exit)
