@@ -14,7 +14,9 @@ process group (a rank waiting in a collective for rank 0 is released, as torchru
 ending), waits up to GRACE_S for the ranks, then kills what is left as Lightning does (a rank stuck in a
 collective that never returns); its observer, seeing a rank fail, stops the job so (SIGINT to rank 0, which
 passes it on) and kills what is left GRACE_S later, never rank 0 once it is ending (writing its snapshot),
-nor anything while rank 0 already passes a Ctrl-C on.
+nor anything while rank 0 already passes a Ctrl-C on. A rank 0 that a Ctrl-C ends past the Trainer's
+handling (a second one, before the Trainer ignores SIGINT), or Fabric's, which has none, stops its ranks so
+as it exits (_at_exit): they ran on, orphaned.
 """
 
 from __future__ import annotations
