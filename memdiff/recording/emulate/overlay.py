@@ -442,6 +442,24 @@ class Overlay:
             _unlink(real)
         self._bury(path)
 
+    def erase(self, path: Any) -> None:
+        """`rm -rf`: `path` and everything below it gone as the run sees it, whatever it is (a kernel
+        overlay's whiteout, programs.py): its upper copy removed, the user's marked deleted. Nothing
+        there is no error; memdiff's own paths are left alone."""
+        path = self.resolve(path, follow=False)
+        if self.passes(path):
+            return
+        upper = self.up(path)
+        try:
+            kind = _lstat(upper).st_mode
+        except (OSError, ValueError):
+            kind = None
+        if kind is not None and stat.S_ISDIR(kind):
+            shutil.rmtree(upper)
+        elif kind is not None:
+            _unlink(upper)
+        self._bury(path)
+
     def remove_folder(self, path: Any) -> None:
         """rmdir: an empty folder, as the run sees it (a link to one is not)."""
         path = self.resolve(path, follow=False)

@@ -11,8 +11,10 @@ them is stopped or named:
 - a call that would still change a path outside the overlay and memdiff's own files (a module that
   bound `posix.open` itself, `io.FileIO`, a `dir_fd` call) is refused by an audit hook (PEP 578):
   it raises PermissionError naming memdiff, rather than touching the user's file;
-- a writer outside Python (a C library opening the path itself, a program the run starts) is
-  found by TreeCheck, which compares the user's tree before and after the run, and named.
+- a program the run starts (`rm`, `cp`, a shell) runs where the watched folders are kernel overlays
+  whose writes are taken into this overlay after it (programs.py); where the kernel refuses that,
+  and for a writer outside Python in the process (a C library opening the path itself), TreeCheck
+  compares the user's tree before and after the run and names what changed.
 
 Python's imports read the disk around these calls: overlay_imports.py gives them the run's view (a
 module the run wrote imports). The run's temporary files, compiler caches (Inductor's, Triton's) and
@@ -35,7 +37,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Set, Tuple
 
 from memdiff import atomic
 from memdiff.errors import InputError
-from memdiff.recording.emulate import overlay_imports, swap
+from memdiff.recording.emulate import overlay_imports, programs, swap
 from memdiff.recording.emulate.overlay import Change, Overlay, full
 from memdiff.units import format_bytes
 
@@ -425,7 +427,8 @@ def overlaid(owned: Tuple[str, ...] = ()) -> Iterator[Overlay]:
            "TORCHINDUCTOR_CACHE_DIR": os.path.join(cache, "inductor"),
            "TRITON_CACHE_DIR": os.path.join(cache, "triton"),
            "TORCH_EXTENSIONS_DIR": os.path.join(cache, "torch_extensions"), "PYTHONDONTWRITEBYTECODE": "1"}
-    changes = [*_routes(overlay), *overlay_imports.routes(overlay), (tempfile, "tempdir", overlay.scratch),
+    changes = [*_routes(overlay), *overlay_imports.routes(overlay), *programs.routes(overlay),
+               (tempfile, "tempdir", overlay.scratch),
                (sys, "dont_write_bytecode", True)]
     if not _hooked:  # an audit hook cannot be removed: one, idle while no overlay is active
         sys.addaudithook(_audit)
@@ -462,7 +465,8 @@ def for_run(owned: List[str], kept: Optional[str], near: str, folders: List[str]
     overlay = Overlay(root)
     check = TreeCheck(folders, skip=(root, overlay.scratch, *owned))
     try:
-        with swap.environment({ROOT: root, OWNED: os.pathsep.join(full(p) for p in owned)}):
+        with swap.environment({ROOT: root, OWNED: os.pathsep.join(full(p) for p in owned),
+                               programs.TREES: os.pathsep.join(check.folders) or None}):
             yield root
     finally:
         outside = check.changed(own=overlay.passed_through())
