@@ -31,18 +31,21 @@ from __future__ import annotations
 
 import ctypes
 import errno
-import json
 import os
-import secrets
-import shlex
-import shutil
-import signal
 import stat
-import subprocess
 import sys
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-from memdiff.recording.emulate.overlay import Overlay
+# The wrapper runs this file as a bare `python -I -S` for every program the run starts: it imports
+# what it uses as it needs it, typing and memdiff's package only for the type checker (and the
+# overlay only where a program wrote anything), which took it from 146 to NN ms a program (a bare python -I -S: 32).
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    import signal
+    from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+    from memdiff.recording.emulate.overlay import Overlay
+else:  # the C module: `signal` imports enum, which was a third of the wrapper's start
+    import _signal as signal
 
 TREES = "MEMDIFF_OVERLAY_TREES"  # the folders memdiff watches, os.pathsep-separated (overlay_calls.for_run)
 INSIDE = "MEMDIFF_SANDBOXED"  # set for a program inside the namespace: what it starts is inside already
@@ -54,8 +57,10 @@ PASSED_ON = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signa
 _CLONE_NEWNS, _CLONE_NEWUSER = 0x00020000, 0x10000000
 _MS_BIND, _MS_REC, _MS_PRIVATE, _MS_RDONLY = 4096, 16384, 1 << 18, 1
 _MNT_DETACH, _PR_SET_PDEATHSIG = 2, 1
-_BOOT = ("import sys; sys.path.insert(0, sys.argv[1]); "
-         "from memdiff.recording.emulate.programs import main; main(sys.argv[2:])")
+# The wrapper imports this file as a module of its own folder (its bytecode cached beside it, as the
+# package's), which is left on the path no longer than the import.
+_BOOT = "import sys; sys.path.append(sys.argv[1]); import programs; sys.path.pop(); programs.main(sys.argv[2:])"
+_HERE = os.path.dirname(os.path.abspath(__file__))
 _PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 _real_open = open
 _state: Dict[str, str] = {}  # this process's reading of <overlay>/programs, by overlay folder
@@ -70,7 +75,11 @@ def routes(overlay: Overlay) -> List[Tuple[Any, str, Any]]:
     trees = [t for t in os.environ.get(TREES, "").split(os.pathsep) if t]
     if not trees or os.environ.get(INSIDE) or sys.platform != "linux" or _refused(overlay.root):
         return []
-    config = {"root": overlay.root, "trees": trees, "own": [overlay.root, overlay.scratch, *overlay.owned]}
+    import shutil
+    import subprocess
+
+    own = [overlay.root, overlay.scratch, *overlay.owned]
+    config = [overlay.root, _PACKAGE_PARENT, str(len(trees)), *trees, str(len(own)), *own]
     popen_child = subprocess.Popen._execute_child  # type: ignore[attr-defined]
     real_system, real_execv, real_execve = os.system, os.execv, os.execve
     real_spawn, real_spawnp = os.posix_spawn, os.posix_spawnp
@@ -85,8 +94,8 @@ def routes(overlay: Overlay) -> List[Tuple[Any, str, Any]]:
             path = shutil.which(path, path=(env if env is not None else os.environ).get("PATH", os.defpath)) or ""
         if not path or not os.access(path, os.X_OK) or os.path.isdir(path) or _python(path):
             return None
-        return [sys.executable, "-I", "-S", "-B", "-c", _BOOT, _PACKAGE_PARENT,
-                json.dumps({**config, "exe": os.path.abspath(path)}), *(os.fsdecode(a) for a in argv)]
+        return [sys.executable, "-I", "-S", "-B", "-c", _BOOT, _HERE, *config, os.path.abspath(path), "--",
+                *(os.fsdecode(a) for a in argv)]
 
     def execute_child(self: Any, args: Any, executable: Any, preexec_fn: Any, close_fds: Any, pass_fds: Any,
                       cwd: Any, env: Any, startupinfo: Any, creationflags: Any, shell: Any, *rest: Any) -> Any:
@@ -106,6 +115,8 @@ def routes(overlay: Overlay) -> List[Tuple[Any, str, Any]]:
         wrapped = wrap("/bin/sh", ["/bin/sh", "-c", os.fsdecode(command)], None, search=False)
         if wrapped is None:
             return real_system(command)
+        import shlex
+
         return real_system("exec " + shlex.join(wrapped))  # the shell gives way: its status is the program's
 
     def execv(path: Any, argv: Any) -> None:
@@ -165,9 +176,10 @@ def _refused(root: str) -> bool:
 # -- the wrapper: a parent outside the namespace, the program in it ----------------------------------
 
 def main(args: List[str]) -> None:
-    """Run the program `args[1:]` in the sandbox `args[0]` (JSON: root, trees, own, exe), take what it
-    wrote into the overlay, and end as it ended."""
-    config, argv = json.loads(args[0]), args[1:]
+    """Run the program after `--` in the sandbox that `args` describe before it (the overlay's folder,
+    memdiff's package's, the watched folders and memdiff's own paths, each list after its length,
+    and the program's file), take what it wrote into the overlay, and end as it ended."""
+    config, argv = _config(args[:args.index("--")]), args[args.index("--") + 1:]
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # inherited SIG_IGN would reap the program unseen
     places = _places(config)
     libc = ctypes.CDLL(None, use_errno=True)
@@ -203,9 +215,14 @@ def main(args: List[str]) -> None:
     if said == b"sandboxed":
         _keep_state(root, "sandboxed")
         try:
-            overlay = Overlay(root, config["own"])
-            for tree, upper in places["uppers"]:
-                merge(overlay, upper, tree)
+            written = [(tree, upper) for tree, upper in places["uppers"] if os.listdir(upper)]
+            if written:  # a program that only read (git rev-parse, nproc) has nothing to take
+                sys.path.insert(0, config["package"])
+                from memdiff.recording.emulate.overlay import Overlay
+
+                overlay = Overlay(root, config["own"])
+                for tree, upper in written:
+                    merge(overlay, upper, tree)
         except Exception as exc:  # never in the way of the program's status: said, as a writer outside is
             print(f"memdiff: emulation: what {argv[0]} wrote could not all be taken into the run's overlay: "
                   f"{type(exc).__name__}: {exc}", file=sys.stderr)
@@ -217,22 +234,32 @@ def main(args: List[str]) -> None:
     _end_as(status, mask)
 
 
+def _config(words: List[str]) -> Dict[str, Any]:
+    trees = int(words[2])
+    own = int(words[3 + trees])
+    return {"root": words[0], "package": words[1], "trees": words[3:3 + trees],
+            "own": words[4 + trees:4 + trees + own], "exe": words[4 + trees + own]}
+
+
 def _places(config: Dict[str, Any]) -> Dict[str, Any]:
     """The kernel's upper and work folders of each watched folder (nested ones are in the outer
     one's mount), fresh in the run's scratch: outside the watched folders, memdiff's own."""
     overlay_scratch = os.path.realpath(os.path.join(config["root"], "scratch"))
-    folder = os.path.join(overlay_scratch, "programs", secrets.token_hex(4))
+    folder = os.path.join(overlay_scratch, "programs", os.urandom(4).hex())
     trees: List[str] = []
     for tree in sorted({os.path.realpath(t) for t in config["trees"]}, key=len):
         if tree != os.sep and os.path.isdir(tree) and not any(_below(tree, t) for t in trees):
             trees.append(tree)
     uppers, mounts = [], []
     for i, tree in enumerate(trees):
-        made = {k: os.path.join(folder, f"{i}-{k}") for k in ("upper", "work", "middle", "empty")}
+        copy = os.path.join(config["root"], "upper", tree.lstrip(os.sep))
+        run_copy = copy if os.path.isdir(copy) else None
+        # the run's copy inside the folder itself needs an overlay of its own (_enter), and its folders
+        kinds = ("upper", "work") + (("middle", "empty") if run_copy and _below(run_copy, tree) else ())
+        made = {k: os.path.join(folder, f"{i}-{k}") for k in kinds}
         for path in made.values():
             os.makedirs(path)
-        run_copy = os.path.join(config["root"], "upper", tree.lstrip(os.sep))
-        mounts.append((tree, made, run_copy if os.path.isdir(run_copy) else None))
+        mounts.append((tree, made, run_copy))
         uppers.append((tree, made["upper"]))
     return {"folder": folder, "uppers": uppers, "mounts": mounts}
 
@@ -288,7 +315,7 @@ def _enter(libc: Any, config: Dict[str, Any], places: Dict[str, Any]) -> None:
                 lower = f"{_escaped(run_copy)}:{lower}"
             _mount(libc, "overlay", tree, "overlay", 0,
                    f"lowerdir={lower},upperdir={_escaped(place['upper'])},workdir={_escaped(place['work'])},"
-                   f"redirect_dir=off,index=off,metacopy=off{user}", made)
+                   f"redirect_dir=nofollow,index=off,metacopy=off{user}", made)
         for path, fd in held:
             _mount(libc, f"/proc/self/fd/{fd}", path, None, _MS_BIND | _MS_REC, None, made)
     except OSError:
@@ -362,10 +389,21 @@ def _keep_state(root: str, said: str) -> bool:
 
 
 def _tidy(folder: str) -> None:
-    for below, dirs, _ in os.walk(folder):  # overlayfs leaves a work folder no one may read
-        for name in dirs:
-            os.chmod(os.path.join(below, name), 0o700)
-    shutil.rmtree(folder, ignore_errors=True)
+    """Remove the kernel's folders: empty ones one by one (a program that only read: no shutil to
+    import), else the lot."""
+    try:
+        for name in os.listdir(folder):
+            if name.endswith("-work"):
+                os.rmdir(os.path.join(folder, name, "work"))  # overlayfs' own, left empty and unreadable
+            os.rmdir(os.path.join(folder, name))
+        os.rmdir(folder)
+    except OSError:
+        import shutil
+
+        for below, dirs, _ in os.walk(folder):
+            for name in dirs:
+                os.chmod(os.path.join(below, name), 0o700)
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 # -- what the program wrote, taken into memdiff's overlay ---------------------------------------------
@@ -403,6 +441,8 @@ def merge(overlay: Overlay, upper: str, tree: str) -> None:
             except OSError as exc:
                 if exc.errno != errno.EXDEV:
                     raise
+                import shutil
+
                 shutil.copy2(source, target)
         # a socket or fifo a program left: nothing a run's files keep
 
@@ -424,3 +464,4 @@ def _opaque(folder: str) -> bool:
         except OSError:
             continue
     return False
+
