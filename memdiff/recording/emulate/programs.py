@@ -85,14 +85,17 @@ def routes(overlay: Overlay) -> List[Tuple[Any, str, Any]]:
     real_system, real_execv, real_execve = os.system, os.execv, os.execve
     real_spawn, real_spawnp = os.posix_spawn, os.posix_spawnp
 
-    def wrap(executable: Any, argv: Sequence[Any], env: Any, search: bool) -> Optional[List[str]]:
-        """The wrapper's command for `executable` run as `argv`, or None: a Python program, one not
-        found (the real call says so), or a sandbox refused."""
+    def wrap(executable: Any, argv: Sequence[Any], env: Any, search: bool, cwd: Any = None) -> Optional[List[str]]:
+        """The wrapper's command for `executable` run as `argv` (a relative one from `cwd`, where the
+        child goes first), or None: a Python program, one not found (the real call says so), or a
+        sandbox refused."""
         if _refused(overlay.root):
             return None
         path = os.fsdecode(executable)
         if search and os.sep not in path:
             path = shutil.which(path, path=(env if env is not None else os.environ).get("PATH", os.defpath)) or ""
+        elif cwd is not None and not os.path.isabs(path):
+            path = os.path.join(os.fsdecode(cwd), path)
         if not path or not os.access(path, os.X_OK) or os.path.isdir(path) or _python(path):
             return None
         return [sys.executable, "-I", "-S", "-B", "-c", _BOOT, _HERE, *config, os.path.abspath(path), "--",
@@ -106,7 +109,7 @@ def routes(overlay: Overlay) -> List[Tuple[Any, str, Any]]:
             argv = ["/bin/sh", "-c", *argv]
             if executable:
                 argv[0] = executable
-        wrapped = wrap(executable if executable is not None else argv[0], argv, env, search=True)
+        wrapped = wrap(executable if executable is not None else argv[0], argv, env, search=True, cwd=cwd)
         if wrapped is not None:
             args, executable, shell = wrapped, None, False
         return popen_child(self, args, executable, preexec_fn, close_fds, pass_fds, cwd, env, startupinfo,
