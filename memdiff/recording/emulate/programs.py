@@ -3,8 +3,8 @@
 overlay_calls.py routes Python's file calls; a program the script starts is no Python and went
 around them: `os.system("rm -rf ckpt")` deleted the user's checkpoint, and memdiff could only say so
 afterwards. Here each such program runs in a Linux mount namespace (a user namespace too, where
-memdiff is not root) in which every folder memdiff watches (the working folder and the script's,
-overlay_calls.TREES) is a kernel overlayfs mount:
+memdiff is not root) in which every folder memdiff watches (the working folder and the script's:
+TREES, which overlay_calls.for_run sets) is a kernel overlayfs mount:
 
     lowerdir = <memdiff's upper copy of the folder, where the run wrote there>:<the folder itself>
     upperdir, workdir = fresh folders in the run's scratch
@@ -54,7 +54,8 @@ STATE = "programs"  # in the overlay's folder: "sandboxed", or "refused: why" (s
 OPAQUE = ("trusted.overlay.opaque", "user.overlay.opaque")
 # Signals sent to the wrapper by a process (Popen.terminate, kill) go on to the program; a terminal's
 # Ctrl-C reaches the program itself (its process group), so one the kernel sent is not sent twice.
-PASSED_ON = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2}
+PASSED_ON = {getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2")
+             if hasattr(signal, name)}  # all of them on Linux, the only system that wraps
 _CLONE_NEWNS, _CLONE_NEWUSER = 0x00020000, 0x10000000
 _MS_BIND, _MS_REC, _MS_PRIVATE, _MS_RDONLY = 4096, 16384, 1 << 18, 1
 _MNT_DETACH, _PR_SET_PDEATHSIG = 2, 1
@@ -185,27 +186,20 @@ def main(args: List[str]) -> None:
     and the program's file), take what it wrote into the overlay, and end as it ended."""
     config, argv = _config(args[:args.index("--")]), args[args.index("--") + 1:]
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # inherited SIG_IGN would reap the program unseen
-    places = _places(config)
-    libc = ctypes.CDLL(None, use_errno=True)
+    try:
+        places = _places(config)
+        libc = ctypes.CDLL(None, use_errno=True)
+    except Exception as exc:  # the program runs all the same, as where the kernel refuses
+        _refusal(config["root"], f"refused: {type(exc).__name__}: {exc}")
+        os.execv(config["exe"], argv)
     read, write = os.pipe()
     mask = signal.pthread_sigmask(signal.SIG_BLOCK, PASSED_ON | {signal.SIGCHLD})
     pid = os.fork()
     if pid == 0:  # the program's side: single-threaded, so Python is safe here until exec
-        os.close(read)
         try:
-            _enter(libc, config, places)
-            said = b"sandboxed"
-        except OSError as exc:
-            said = f"refused: {exc.strerror or exc} ({errno.errorcode.get(exc.errno or 0, exc.errno)})".encode()
-        os.write(write, said)
-        os.close(write)
-        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)  # the wrapper killed (Popen.kill): the program too
-        try:
-            os.execv(config["exe"], argv)
-        except OSError as exc:
-            os.write(2, f"{argv[0]}: {exc.strerror}\n".encode())
-        os._exit(127)
+            _child(libc, config, places, argv, write, mask)
+        finally:
+            os._exit(127)  # never back into the wrapper's own code
     os.close(write)
     said = b""
     while True:
@@ -230,12 +224,38 @@ def main(args: List[str]) -> None:
         except Exception as exc:  # never in the way of the program's status: said, as a writer outside is
             print(f"memdiff: emulation: what {argv[0]} wrote could not all be taken into the run's overlay: "
                   f"{type(exc).__name__}: {exc}", file=sys.stderr)
-    elif said and _keep_state(root, said.decode()):
-        print(f"memdiff: emulation: programs the run starts are not sandboxed ({said.decode()[len('refused: '):]}): "
-              f"what they change in your files is found after the run, not kept from it", file=sys.stderr)
+    elif said:
+        _refusal(root, said.decode())
     _tidy(places["folder"])
     sys.stderr.flush()
     _end_as(status, mask)
+
+
+def _refusal(root: str, said: str) -> None:
+    """Keep the run's answer that programs are not sandboxed, and say it where this is the first."""
+    if _keep_state(root, said):
+        print(f"memdiff: emulation: programs the run starts are not sandboxed ({said[len('refused: '):]}): what "
+              f"they change in your files is found after the run, not kept from it", file=sys.stderr, flush=True)
+
+
+def _child(libc: Any, config: Dict[str, Any], places: Dict[str, Any], argv: List[str], write: int,
+           mask: Any) -> None:
+    """The forked child: the sandbox entered (or why not, written to the parent), then the program."""
+    try:
+        _enter(libc, config, places)
+        said = b"sandboxed"
+    except OSError as exc:
+        said = f"refused: {exc.strerror or exc} ({errno.errorcode.get(exc.errno or 0, exc.errno)})".encode()
+    except Exception as exc:  # a memdiff bug: the program still runs, as it would where refused
+        said = f"refused: {type(exc).__name__}: {exc}".encode()
+    os.write(write, said)
+    os.close(write)
+    signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)  # the wrapper killed (Popen.kill): the program too
+    try:
+        os.execv(config["exe"], argv)
+    except OSError as exc:
+        os.write(2, f"{argv[0]}: {exc.strerror}\n".encode())
 
 
 def _config(words: List[str]) -> Dict[str, Any]:
