@@ -230,7 +230,7 @@ def test_abandoned_debug_projections_are_named_exactly(shared, tmp_path, capsys)
 def test_top_and_min_delta_fold_rows_but_keep_the_total(shared, capsys):
     base, head = shared / "cs336-medium-ctx128-train.pickle", shared / "cs336-medium-ctx256-train.pickle"
     _, out, _ = run(capsys, base, head, "--top", "3", "--min-delta", "100MiB")
-    table = out.split("\n\n")[-2].splitlines()
+    table = out.split("\n\nlike with like:")[0].split("\n\n")[-1].splitlines()
     assert len([l for l in table if l.startswith(("NEW", "GONE", "GREW", "SHRANK", "SAME"))]) == 3
     others = next(l for l in table if l.rstrip().endswith("others"))
     total = next(l for l in table if l.rstrip().endswith("TOTAL"))
@@ -238,6 +238,11 @@ def test_top_and_min_delta_fold_rows_but_keep_the_total(shared, capsys):
     _, data = json_diff(capsys, base, head)
     rows = data["devices"][0]["rows"]
     assert others.rstrip().endswith(f"{len(rows) - 3} others")
+    # the peaks are in different phases: the comparison the headline quotes, at head's (the forward), folds alike
+    like = out.split("\n\nlike with like:")[1].split("\n\n")[2].splitlines()
+    assert len([l for l in like if l.startswith(("NEW", "GONE", "GREW", "SHRANK", "SAME"))]) == 3
+    assert "+2.05 GiB" in next(l for l in like if l.rstrip().endswith("TOTAL"))
+    assert data["devices"][0]["like_for_like"]["at"] == "forward"
 
 
 def test_markdown_report(shared, capsys):

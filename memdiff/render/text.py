@@ -84,6 +84,11 @@ def _device(d: DeviceReport) -> List[str]:
         if t is not None:
             lines += ["", layout(t, "simple")]
     lines += ["", layout(row_table(d), "simple")]
+    like = d.like_for_like
+    if like is not None:  # what the headline quotes when the peaks are in different phases
+        lines += ["", f"like with like: {like.heading}"]
+        lines += ["", layout(like.categories, "simple")] if like.categories is not None else []
+        lines += ["", layout(row_table(like), "simple")]
     return lines
 
 

@@ -235,7 +235,11 @@ class Report:
         shown = {"warnings": self.warnings, "findings": [f.to_dict() for f in self.every_finding]
                  + ([self.trend_note.to_dict()] if self.trend_note is not None else [])}
         if self.job is None:
-            return {**head, **self.diff.to_dict(), **shown}
+            compared = self.diff.to_dict()
+            for device, r in zip(compared["devices"], self.devices):
+                if r.like_for_like is not None:  # what the headline quotes: every row, as the devices'
+                    device["like_for_like"] = asdict(r.like_for_like.diff)
+            return {**head, **compared, **shown}
         head["schema_version"] = RANKS_SCHEMA_VERSION
         return {**head, **shown, "worst_rank": self.job.worst_rank,
                 "only_base": self.job.only_base, "only_head": self.job.only_head,
