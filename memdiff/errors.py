@@ -61,5 +61,5 @@ def brief(value: Any, chars: int = 40) -> str:
     if isinstance(value, int):
         return f"{kind} {value}" if value.bit_length() <= 64 else f"{kind} of {value.bit_length():,} bits"
     if isinstance(value, (list, tuple, dict, set, frozenset)):
-        return f"{kind} of {len(value):,} items"
+        return f"{kind} of {len(value):,} item{'' if len(value) == 1 else 's'}"
     return kind

@@ -271,7 +271,7 @@ def test_a_lost_scheduler_stops_the_running_ranks_and_the_manifest_marks_them_no
         assert not (runs / f"rank{rank}.pickle").exists()
     # read later, the job is not whole: the missing ranks are named
     assert main(["ranks", str(runs)]) == 2
-    assert "2 rank(s) missing of 0-3 (its memdiff-job.json says 4): 1-2" in capsys.readouterr().err
+    assert "2 ranks missing of 0-3 (its memdiff-job.json says 4): 1-2" in capsys.readouterr().err
 
 
 def test_a_rank_whose_client_is_killed_is_stopped_on_its_worker(torch, tmp_path, scheduler):

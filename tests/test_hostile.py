@@ -153,7 +153,7 @@ def _nested(depth: int) -> bytes:
 
 
 @pytest.mark.parametrize("name, data, says", [
-    ("nested 100k deep", _nested(100_000), "segments[0]: expected a dict, got list of 1 items"),
+    ("nested 100k deep", _nested(100_000), "segments[0]: expected a dict, got list of 1 item"),
     ("a 1 MiB string repeated 2,000 times in a bad size",
      pickle.dumps({"segments": [], "device_traces": [[dict(EVENT, size=[BIG] * 2000)]]}, protocol=4),
      "'size' is list of 2,000 items, not an integer"),

@@ -114,7 +114,7 @@ def _bad_inputs(tmp: Path):
         "directory": (d, "is a directory, not a snapshot file"),
         "empty": (b"", "empty file"),
         "truncated": (good[: len(good) // 2], "truncated or corrupt pickle"),
-        "random": (bytes(range(7, 250)) * 4, "not a memory snapshot: the content is neither a pickle, JSON"),
+        "random": (bytes(range(7, 250)) * 4, "not a memory snapshot: the content is neither a pickle, a JSON object or list"),
         "truncated gzip": (gzip.compress(good)[:40], "corrupt or truncated gzip data"),
         "state_dict-like": (pickle.dumps({"layer.weight": [0.1, 0.2], "layer.bias": [0.0]}, 4),
                             "not a memory snapshot: a dict without 'segments' or 'device_traces' "

@@ -190,12 +190,12 @@ def entry(**fields):
     ({"time_us": "12"}, "device_traces[0][0].time_us: expected microseconds as an integer, got str '12'"),
     # A bad stack is named by its entry, as every other bad field is (it was named by nothing).
     ({"frames": 1.5}, "device_traces[0][0]: 'frames' is float 1.5, not a list"),
-    ({"frames": {"name": "x"}}, "device_traces[0][0]: 'frames' is dict of 1 items, not a list"),
+    ({"frames": {"name": "x"}}, "device_traces[0][0]: 'frames' is dict of 1 item, not a list"),
     ({"frames": [7]}, "device_traces[0][0]: a frame is int 7, not a dict"),
     # Python's own words were the message: `int too big to convert`, `unhashable type: 'list'`.
     ({"size": 10**30}, "device_traces[0][0].size: 1,000,000,000,000,000,000,000,000,000,000 is not a size in bytes "
                        "(0 to 4,611,686,018,427,387,904)"),
-    ({"addr": [1]}, "device_traces[0][0].addr: list of 1 items is not an address"),
+    ({"addr": [1]}, "device_traces[0][0].addr: list of 1 item is not an address"),
     # JSON's `true` is an int to Python: it read as a 1 B allocation (time_us refused it already).
     ({"size": True}, "device_traces[0][0]: 'size' is bool True, not an integer"),
 ], ids=["time-as-text", "frames-a-number", "frames-a-dict", "frame-a-number", "size-past-int64", "addr-a-list",

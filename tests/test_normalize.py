@@ -234,7 +234,7 @@ def test_user_labels_and_annotations_are_shown_and_change_no_count(write_snapsho
     assert [(g.count, g.bytes) for g in labelled.groups] == [(g.count, g.bytes) for g in plain.groups]
     # The empty label is none; one that is not a string is described, not trusted; one after the
     # peak is not shown at it.
-    assert labelled.bytes_by_label == {"comm-buffers + saved for backward": 1024, "dict of 1 items": 512}
+    assert labelled.bytes_by_label == {"comm-buffers + saved for backward": 1024, "dict of 1 item": 512}
     assert main(["peak", write_snapshot(trace(True), "labelled.pickle")]) == 0
     out = capsys.readouterr().out
     assert "label (user_metadata, annotations)" in out and "comm-buffers + saved for backward" in out

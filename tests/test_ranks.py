@@ -74,7 +74,7 @@ def test_missing_ranks_are_named_unless_allowed(tmp_path, capsys):
     folder = job(tmp_path / "job", {r: rank_snapshot(MiB) for r in (0, 1, 4, 5, 7)})
     code, _, err = run(capsys, "ranks", folder)
     assert code == 2 and err.count("\n") == 1
-    assert "3 rank(s) missing of 0-7: 2-3, 6 (--allow-missing-ranks" in err
+    assert "3 ranks missing of 0-7: 2-3, 6 (--allow-missing-ranks" in err
     code, out, _ = run(capsys, "ranks", folder, "--allow-missing-ranks")
     assert code == 0 and "5 ranks (0-1, 4-5, 7); missing: 2-3, 6" in out
 

@@ -205,7 +205,7 @@ def test_a_rank_without_a_snapshot_is_named_and_fails_the_recording(torch, tmp_p
     ranks = subprocess.run([sys.executable, "-m", "memdiff", "ranks", "runs/"], capture_output=True, text=True,
                            cwd=tmp_path)
     assert ranks.returncode == 2 and ranks.stderr.count("\n") == 1
-    assert "1 rank(s) missing of 0-1 (its memdiff-job.json says 2): 1" in ranks.stderr
+    assert "1 rank missing of 0-1 (its memdiff-job.json says 2): 1" in ranks.stderr
     # A rank whose write fails (here its file's name is taken by a folder) is named with the reason.
     (tmp_path / "again" / "rank0.pickle").mkdir(parents=True)
     done = record(tmp_path, "again/", sys.executable, str(script), env=as_rank(0, 1))

@@ -192,7 +192,7 @@ def discover(arg: str, rank_pattern: Optional[str] = None, allow_missing: bool =
     missing = [r for r in range(expected) if r not in by_rank and (emulated is None or r in emulated)]
     if missing and not allow_missing:
         said = f" (its {MANIFEST} says {world_size})" if world_size and world_size > max(by_rank) + 1 else ""
-        raise InputError(arg, f"{len(missing):,} rank(s) missing of 0-{expected - 1}{said}: {ranges(missing)} "
+        raise InputError(arg, f"{count_of(len(missing), 'rank')} missing of 0-{expected - 1}{said}: {ranges(missing)} "
                               f"(--allow-missing-ranks to read the job anyway)")
     return Job([RankFile(rank, by_rank[rank]) for rank in sorted(by_rank)], missing, extra, beyond_names, world_size,
                recorded.exit_status if recorded else None, emulated, bool(recorded and recorded.picked),

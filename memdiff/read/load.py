@@ -321,7 +321,7 @@ def _parse(path: str, stream: io.BufferedReader, codec: Optional[str]) -> Tuple[
         return _DataOnlyUnpickler(stream).load(), f"pickle protocol {0 if head[:1] == b'(' else 1}"
     if head.lstrip()[:1] in (b"{", b"[") or head.startswith(_TEXT_BOMS):
         return parse_json(path, stream.read()), "json"
-    raise InputError(path, "not a memory snapshot: the content is neither a pickle, JSON, "
+    raise InputError(path, "not a memory snapshot: the content is neither a pickle, a JSON object or list, "
                            "gzip, bz2 nor xz")
 
 
