@@ -1385,3 +1385,13 @@ def test_the_repeated_blocks_read_as_a_person_says_them_in_every_output(tmp_path
     # Module instances, as the profiler's frames name them.
     assert blocks_text([f"GPT2Block_{k}" for k in range(12)]) == "12 repeated blocks, GPT2Block_0 to GPT2Block_11"
     assert blocks_text(["T5Stack_0", "T5Stack_1"]) == "2 repeated blocks, T5Stack_0 and T5Stack_1"
+
+
+@pytest.mark.parametrize("command", ["whatif", "forecast"])
+def test_a_budget_of_nothing_is_a_usage_error(command, capsys):
+    # every change read 'no' (whatif) or 'over budget at 1' (forecast) for a typo's sake
+    run = Path(__file__).parent / "data" / "cuda" / "gpt2-base.pickle.gz"
+    with pytest.raises(SystemExit) as stopped:
+        main([command, f"{run}=4" if command == "forecast" else str(run), "--budget", "0GiB"])
+    err = capsys.readouterr().err
+    assert stopped.value.code == 2 and "--budget: '0GiB' is 0 B: a budget is the memory a run may use" in err

@@ -45,6 +45,15 @@ def peak_size_arg(text: str) -> int:
     return size_arg(text)
 
 
+def budget_arg(text: str) -> int:
+    """--budget's type: a size above 0 (`80GiB`); a budget of 0 B fits nothing, so every answer would be
+    'no' or 'over budget' for a typo's sake (`0B`, `0.GiB`)."""
+    size = size_arg(text)
+    if size <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is 0 B: a budget is the memory a run may use (e.g. 80GiB)")
+    return size
+
+
 def pct_arg(text: str) -> float:
     """argparse type for a percentage a limit can use (`1`, `2.5`, `3%`)."""
     try:

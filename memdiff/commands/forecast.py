@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from memdiff.atomic import check_output, write_output
-from memdiff.commands.args import add_rules_arguments, count_arg, rules_from, size_arg
+from memdiff.commands.args import add_rules_arguments, budget_arg, count_arg, rules_from
 from memdiff.compare.baseline import read_baseline
 from memdiff.errors import EXIT_REGRESSION, InputError
 from memdiff.lists import LISTS, ListOption
@@ -31,7 +31,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--at", action=ListOption, item_type=count_arg, nargs="+", metavar="VALUE",
                    help="values to forecast (default: twice the largest run's); the first one is the JSON's "
                         f"predicted_peak_bytes{LISTS}")
-    p.add_argument("--budget", type=size_arg, metavar="SIZE",
+    p.add_argument("--budget", type=budget_arg, metavar="SIZE",
                    help="also find the largest value whose predicted peak, times the most reserved over allocated "
                         "at a run's peak (the caching allocator's overhead), stays within SIZE (e.g. 80GiB)")
     p.add_argument("--baseline", metavar="FILE",

@@ -7,7 +7,7 @@ import argparse
 import sys
 
 from memdiff.atomic import check_output, write_output
-from memdiff.commands.args import add_rules_arguments, count_arg, rules_from, size_arg
+from memdiff.commands.args import add_rules_arguments, budget_arg, count_arg, rules_from
 from memdiff.commands.record import emulate_arg
 from memdiff.errors import InputError
 from memdiff.lists import LISTS, ListOption
@@ -33,7 +33,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--change", action=ListOption, metavar="CHANGE",
                    help="a change to predict (checkpoint=0.5, weights=bf16, optimizer=sgd, accumulate=4, "
                         f"checkpoint+weights=bf16){LISTS}; default: every applicable one")
-    p.add_argument("--budget", type=size_arg, metavar="SIZE",
+    p.add_argument("--budget", type=budget_arg, metavar="SIZE",
                    help="say whether each change fits within SIZE (e.g. 80GiB): its predicted peak times the "
                         "run's reserved over allocated, what the caching allocator holds (a re-run: its reserved peak)")
     p.add_argument("--format", choices=("text", "markdown", "json"), default="text",
