@@ -8,8 +8,11 @@ os.walk and os.makedirs call those by their module's name, and libraries (torch'
 numpy, PIL, datasets, logging) call them in turn: replacing them routes them all. What goes around
 them is stopped or named:
 
+- `io.FileIO` is routed too, and so is a class that derives from it while the run goes (blobfile's
+  local files);
 - a call that would still change a path outside the overlay and memdiff's own files (a module that
-  bound `posix.open` itself, `io.FileIO`, a `dir_fd` call) is refused by an audit hook (PEP 578):
+  bound `posix.open` itself, a FileIO bound before the run, `_io.FileIO`, a `dir_fd` call) is refused
+  by an audit hook (PEP 578):
   it raises PermissionError naming memdiff, rather than touching the user's file;
 - a program the run starts (`rm`, `cp`, a shell) runs where the watched folders are kernel overlays
   whose writes are taken into this overlay after it (programs.py); where the kernel refuses that,
@@ -24,6 +27,7 @@ compiler) find what it wrote.
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import errno
 import importlib.util
@@ -146,6 +150,56 @@ def _mode_writes(mode: str) -> Tuple[bool, bool, bool, bool]:
     return writes, "a" in mode or ("+" in mode and "w" not in mode), "r" not in mode, "x" in mode
 
 
+def _target(overlay: Overlay, file: Any, mode: str) -> Any:
+    """The path that opening `file` in `mode` opens: its overlay copy to write, or the layer that
+    holds it to read."""
+    writes, keep, create, exclusive = _mode_writes(mode)
+    if writes:
+        return overlay.writable(file, keep=keep, create=create, exclusive=exclusive)
+    where = overlay.where(file)
+    if where is None:
+        raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), os.fsdecode(file))
+    return where
+
+
+class _FileIOType(abc.ABCMeta):
+    """The metaclass of the routed FileIO: every file object is an instance of `io.FileIO`, as before
+    (what open() makes is the real class), while a class of the script's own is still only its own."""
+
+    def __instancecheck__(cls, obj: Any) -> bool:
+        return isinstance(obj, _REAL_FILE_IO) if cls.__dict__.get("_routed") else super().__instancecheck__(obj)
+
+    def __subclasscheck__(cls, sub: Any) -> bool:
+        return issubclass(sub, _REAL_FILE_IO) if cls.__dict__.get("_routed") else super().__subclasscheck__(sub)
+
+
+_REAL_FILE_IO = io.FileIO
+
+
+def _file_io(overlay: Overlay) -> type:
+    """`io.FileIO`, routed: a class that derives from it opens its path through the overlay.
+    blobfile's local files are `class _ProxyFile(io.FileIO)` (OpenAI's improved-diffusion saves its
+    checkpoints through blobfile): FileIO opens its path itself, around the routed open(), and the
+    audit hook stopped the first save, where a GPU's run writes it."""
+
+    class FileIO(_REAL_FILE_IO, metaclass=_FileIOType):
+        __doc__ = _REAL_FILE_IO.__doc__
+        _routed = True  # this class, not one that derives from it (read from its own __dict__)
+
+        def __init__(self, file: Any, mode: str = "r", closefd: bool = True, opener: Any = None) -> None:
+            if not _path_arg(file) or opener is not None:  # a descriptor, or its opener's: as it was
+                super().__init__(file, mode, closefd, opener)
+                return
+            target = _target(overlay, file, mode)
+            super().__init__(target, mode, closefd)
+            if target != full(file):
+                _named(self, file)
+
+    FileIO.__module__ = _REAL_FILE_IO.__module__
+    FileIO.__qualname__ = _REAL_FILE_IO.__qualname__
+    return FileIO
+
+
 def _routes(overlay: Overlay) -> List[Tuple[Any, str, Any]]:
     """The replacements of builtins', io's and os's file calls that route them through `overlay`."""
     real = _real
@@ -155,14 +209,7 @@ def _routes(overlay: Overlay) -> List[Tuple[Any, str, Any]]:
             return _real_open(file, mode, *args, **kwargs)
         if len(args) > 5 and args[5] is not None or kwargs.get("opener") is not None:
             return _opened_by_opener(file, mode, args, kwargs)
-        writes, keep, create, exclusive = _mode_writes(mode)
-        if writes:
-            target = overlay.writable(file, keep=keep, create=create, exclusive=exclusive)
-        else:
-            where = overlay.where(file)
-            if where is None:
-                raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), os.fsdecode(file))
-            target = where
+        target = _target(overlay, file, mode)
         opened = _real_open(target, mode, *args, **kwargs)
         # the name the script gave, as a GPU run's file object has it
         return _named(opened, file) if target != full(file) else opened
@@ -282,6 +329,7 @@ def _routes(overlay: Overlay) -> List[Tuple[Any, str, Any]]:
         return os.fsencode(getcwd())
 
     routes: List[Tuple[Any, str, Any]] = [(__import__("builtins"), "open", opening), (io, "open", opening),
+                                          (io, "FileIO", _file_io(overlay)),
                                           (os, "chdir", chdir), (os, "getcwd", getcwd), (os, "getcwdb", getcwdb),
                                           (os, "open", os_open), (os, "listdir", listdir), (os, "scandir", scandir),
                                           (os, "mkdir", mkdir), (os, "link", link), (os, "symlink", symlink),
