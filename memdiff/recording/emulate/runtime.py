@@ -21,6 +21,7 @@ is PyTorch's own format, marked `emulated` with the GPU named.
 from __future__ import annotations
 
 import ast
+import gc
 import os
 import sys
 import threading
@@ -428,7 +429,20 @@ class Emulator:
 
     def snapshot(self) -> Dict[str, Any]:
         """torch.cuda.memory._snapshot(): segments, the trace, settings; marked as emulated. As CUDA's,
-        one trace per GPU the process sees (empty for those it never used), each segment naming its GPU."""
+        one trace per GPU the process sees (empty for those it never used), each segment naming its GPU.
+        Taken whole, as CUDA's allocator takes it under its lock: Python's cyclic collector is held off
+        while it is composed. A collection there freed the tensors of garbage cycles (a training loop
+        object that refers to itself, with its optimizer's state) into the trace after the segments
+        were read, and the dump held blocks its own trace had freed."""
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            return self._composed()
+        finally:
+            if collecting:
+                gc.enable()
+
+    def _composed(self) -> Dict[str, Any]:
         segments = []
         for index, device in sorted(self.gpus.items()):
             # in address order, as the allocator's snapshot() sorts them
