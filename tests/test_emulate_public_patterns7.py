@@ -106,3 +106,21 @@ def test_a_snapshot_is_taken_whole_while_the_collector_is_due(tmp_path):
     facts = _facts(done.stdout)
     assert [tuple(x) for x in facts["dump"]] == [tuple(x) for x in facts["trace"]]
     assert len(facts["dump"]) > 3 * 16  # the weights, their gradients and Adam's two moments of each
+
+
+@pytest.mark.parametrize("name", ["MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE"])
+def test_a_process_of_mpiexec_sees_a_gpu_for_each_process_on_its_node(monkeypatch, name):
+    # OpenAI's improved-diffusion, as its README runs it on many GPUs (`mpiexec -n N python
+    # scripts/image_train.py`), puts each MPI rank on `cuda:{rank % 8}`: each process saw one GPU and rank
+    # 1 stopped at `model.to(cuda:1)` (invalid device ordinal), where a node of N GPUs runs. MPICH's and
+    # Intel MPI's mpiexec say the processes on the node in MPI_LOCALNRANKS, Open MPI's in
+    # OMPI_COMM_WORLD_LOCAL_SIZE (their launchers' documented environment).
+    from memdiff.recording.emulate.devices import GPUS, LOCAL_SIZES, gpus_per_node
+
+    for other in (GPUS, "CUDA_VISIBLE_DEVICES", *LOCAL_SIZES):
+        monkeypatch.delenv(other, raising=False)
+    assert gpus_per_node() == 1
+    monkeypatch.setenv(name, "2")
+    assert gpus_per_node() == 2
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")  # torchrun's, where a job has both
+    assert gpus_per_node() == 4

@@ -2,8 +2,9 @@
 
 A process sees as many GPUs as its node would give it (`device_count()`), the first of: `memdiff
 record --gpus N` (MEMDIFF_RECORD_GPUS); the devices CUDA_VISIBLE_DEVICES lists (CUDA's own rule:
-ultralytics' `device=0,1` sets it to `0,1`); the launcher's LOCAL_WORLD_SIZE (torchrun's processes per
-node, accelerate's `--num_processes`; torch.multiprocessing.spawn's nprocs); else as many as the
+ultralytics' `device=0,1` sets it to `0,1`); the launcher's processes per node (torchrun's
+LOCAL_WORLD_SIZE, accelerate's `--num_processes`; mpiexec's, MPI_LOCALNRANKS by MPICH's and Intel MPI's,
+OMPI_COMM_WORLD_LOCAL_SIZE by Open MPI's; torch.multiprocessing.spawn's nprocs); else as many as the
 script asks for (Lightning's `devices=2`:
 its device parser asks for GPUs 0 and 1), at least one. As in CUDA, the count is read until the
 process first uses a GPU, and fixed from then on (a script sets CUDA_VISIBLE_DEVICES before). Each GPU it
@@ -28,11 +29,15 @@ GPUS = "MEMDIFF_RECORD_GPUS"  # `memdiff record --gpus N`, for the processes of 
 # The processes torch.multiprocessing.spawn started with the one that started them (its nprocs), as
 # torchrun's LOCAL_WORLD_SIZE tells its own: set by the emulator for spawn's processes only (asked.py).
 SPAWNED = "MEMDIFF_RECORD_NPROCS"
+# How each launcher tells a process how many of the job's processes share its node, which a node gives
+# a GPU each: torchrun's, then mpiexec's (OpenAI's improved-diffusion picks `cuda:{rank % 8}` of an MPI
+# rank; with one GPU seen, rank 1's `cuda:1` was no device), then spawn's (SPAWNED).
+LOCAL_SIZES = ("LOCAL_WORLD_SIZE", "MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE", SPAWNED)
 
 
 def gpus_per_node(gpus: Optional[int] = None, asked: int = 1) -> int:
     """The GPUs a process of the job sees now: `gpus` (--gpus) when given, else MEMDIFF_RECORD_GPUS, else
-    the devices CUDA_VISIBLE_DEVICES lists, else the launcher's LOCAL_WORLD_SIZE, else `asked` (the
+    the devices CUDA_VISIBLE_DEVICES lists, else the launcher's processes per node (LOCAL_SIZES), else `asked` (the
     most the script asked for), at least 1."""
     if gpus is not None:
         if gpus < 1:
@@ -44,7 +49,7 @@ def gpus_per_node(gpus: Optional[int] = None, asked: int = 1) -> int:
     visible = _visible(os.environ.get("CUDA_VISIBLE_DEVICES", ""))
     if visible:
         return visible
-    for name in ("LOCAL_WORLD_SIZE", SPAWNED):
+    for name in LOCAL_SIZES:
         value = os.environ.get(name, "")
         if DIGITS.fullmatch(value) and int(value) > 0:
             return int(value)
