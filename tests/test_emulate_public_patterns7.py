@@ -124,3 +124,42 @@ def test_a_process_of_mpiexec_sees_a_gpu_for_each_process_on_its_node(monkeypatc
     assert gpus_per_node() == 2
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")  # torchrun's, where a job has both
     assert gpus_per_node() == 4
+
+
+def test_ctrl_c_while_the_emulator_frees_a_storage_stops_the_script_at_its_next_op(monkeypatch):
+    """The emulator frees a dropped storage in a weakref.finalize callback, where Python ignores every
+    exception: a Ctrl-C that came then was lost ("Exception ignored in: <finalize object>") and the run
+    went on (MEGABYTE-pytorch's train.py, stopped by `timeout -s INT`, trained on until it was killed,
+    its snapshot unwritten), its free cut short. Now the free ends and the Ctrl-C stops the script at
+    its next op, as a GPU's free (C++) lets it reach the script."""
+    import os
+    import signal
+    import weakref
+
+    from memdiff.recording.emulate import interrupts
+    from memdiff.recording.emulate.gpus import gpu
+    from memdiff.recording.emulate.runtime import Emulator
+
+    emulator = Emulator(gpu("h100"))
+    done = []
+
+    def release(block, index):  # a Ctrl-C comes in the middle of the free
+        os.kill(os.getpid(), signal.SIGINT)
+        done.append(block)
+
+    monkeypatch.setattr(emulator, "release", release)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with interrupts.held_in_finalizers(signals=(signal.SIGINT,)):
+            class Storage:
+                pass
+            storage = Storage()
+            emulator.blocks[id(storage)] = "block"
+            weakref.finalize(storage, emulator._storage_freed, id(storage))
+            del storage  # the script drops its tensor: the emulator's finalizer frees it
+            assert done == ["block"]  # the free ran to its end
+            with pytest.raises(KeyboardInterrupt):
+                interrupts.deliver()  # the script's next op
+            interrupts.deliver()  # handled once
+    finally:
+        signal.signal(signal.SIGINT, previous)

@@ -20,6 +20,7 @@ from memdiff.recording.emulate import (
     distributed,
     dtypes,
     dynamic,
+    interrupts,
     legacy,
     masks,
     moved,
@@ -429,6 +430,8 @@ class AllocMode(TorchDispatchMode):
         self.inside = reductions.inside()
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Tuple[Any, ...] = (), kwargs: Optional[Dict] = None):
+        if interrupts.PENDING:  # Ctrl-C came while a storage was freed: it stops the script here
+            interrupts.deliver()
         if any(is_traceable_wrapper_subclass_type(t) for t in types):
             # A tensor subclass (FSDP2's and tensor parallelism's DTensor) runs the op on its local
             # tensors, which come back here: the memory is theirs (a shard), not the wrapper's shape.

@@ -23,6 +23,7 @@ def start(emulator: Emulator) -> contextlib.ExitStack:
         distributed,
         files,
         flex,
+        interrupts,
         layout,
         legacy,
         parallel,
@@ -74,6 +75,7 @@ def start(emulator: Emulator) -> contextlib.ExitStack:
     stack.enter_context(flex.flex_attention_kernels(AllocMode))
     stack.enter_context(rngstate.rng_state_operators(AllocMode))
     stack.enter_context(alloc)
+    stack.enter_context(interrupts.held_in_finalizers())
     return stack
 
 
