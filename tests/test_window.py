@@ -114,10 +114,20 @@ def test_allocations_carried_in_at_addresses_that_are_no_integers(write_snapshot
     assert all(type(seg["address"]) is int for seg in raw_of(out)["segments"])
 
 
-@pytest.mark.parametrize("field, value", [("size", True), ("frames", 0), ("frames", "")])
+def test_a_bool_size_is_refused_by_the_full_read_and_the_window_alike(write_snapshot, tmp_path, capsys):
+    # A size of True read as a 1 B allocation; both reads now name the entry, one line, exit 2.
+    path = write_snapshot({"device_traces": [[{**alloc(0x1000, 100), "size": True}, alloc(0x2000, 7),
+                                              free(0x2000, 7)]], "segments": []})
+    for args in (["summarize", path], ["slice", path, "--events", "1:3", "-o", str(tmp_path / "small.pickle")]):
+        assert main(args) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "device_traces[0][0]: 'size' is bool True, not an integer" in err
+
+
+@pytest.mark.parametrize("field, value", [("frames", 0), ("frames", "")])
 def test_allocations_carried_in_with_values_the_full_read_takes(write_snapshot, tmp_path, capsys, field, value):
-    # The full read takes a bool size as the integer it is and a falsy `frames` as no stack; the
-    # window wrote them into its own blocks, then refused what it wrote, blaming fields the file lacks.
+    # The full read takes a falsy `frames` as no stack; the window wrote it into its own blocks, then
+    # refused what it wrote, blaming fields the file lacks.
     snap = {"device_traces": [[{**alloc(0x1000, 100), field: value}, alloc(0x2000, 7), free(0x2000, 7)]],
             "segments": []}
     path = write_snapshot(snap)
