@@ -22,10 +22,10 @@ SCENARIOS = Path(__file__).resolve().parent / "scenarios"
 aten = torch.ops.aten
 
 
-def _op(values: Values, func, *args):
+def _op(values: Values, func, *args, **kwargs):
     """Run aten `func` on meta tensors, as the emulator does, and let `values` follow it."""
-    out = func(*args)
-    values.follow(func, args, {}, out)
+    out = func(*args, **kwargs)
+    values.follow(func, args, kwargs, out)
     return out
 
 
@@ -176,3 +176,56 @@ def test_reduce_lr_on_plateau_keeps_the_rate_where_a_real_run_improves(tmp_path)
     assert real == {"epochs_run": 6, "saved_at": [0, 1, 2, 3, 4, 5], "stopped_at": None, "best_reads_as_saved": True,
                     "rates": [0.02] * 6}  # PyTorch's own run: its loss falls by more than the threshold
     assert _run(tmp_path, "emulated", [script, *flags], emulated=True) == real
+
+
+def test_a_count_of_a_comparison_masked_first_counts_only_what_the_mask_keeps():
+    # A padded batch's token accuracy (trl's `((preds == labels) & mask).sum()`, `where(mask, preds ==
+    # labels, False)`, `* mask`, `(preds == labels)[mask]`): the mask's elements carried no mark, so a
+    # count read 0. Now a count is the rising fraction of the elements the mask keeps (24 of 32 here),
+    # never of those it zeroes: at most the mask's true count, as on a GPU.
+    values = Values()
+    logits = torch.empty(32, 4, device="meta")  # a model's output: no values
+    targets = torch.zeros(32, dtype=torch.long, device="meta")
+    values.known[targets] = torch.where(torch.arange(32) % 4 == 3, -100, torch.arange(32) % 4)
+    mask = _op(values, aten.ne.Scalar, targets, -100)
+    assert int(values.of(mask).sum()) == 24  # the labels' values: the mask is known
+    right = _op(values, aten.eq.Tensor, _op(values, aten.argmax.default, logits, 1), targets)
+    anded = _op(values, aten.bitwise_and.Tensor, right, mask)
+    assert values.of(anded) is None  # each element still unknown
+    assert values.of(_op(values, aten.sum.default, anded)).item() == 12  # half of the 24 kept
+    counts = [values.of(_op(values, aten.sum.default, masked)).item() for masked in (
+        _op(values, aten.logical_and.default, mask, right),
+        _op(values, aten.where.self, mask, right, torch.tensor(False)),
+        _op(values, aten.mul.Tensor, _op(values, aten._to_copy.default, right, dtype=torch.float32),
+            _op(values, aten._to_copy.default, mask, dtype=torch.float32)))]
+    # each a count of the 24 kept (its rounding carried to the next), together more than three halves
+    assert all(12 <= c <= 24 for c in counts) and sum(counts) > 3 * 12
+    # a mean over every element: the fraction of the 24 that may be true, over 32
+    rate = values.of(_op(values, aten.mean.default, _op(values, aten._to_copy.default, anded, dtype=torch.float32)))
+    assert 0.5 * 24 / 32 < rate.item() < 24 / 32
+    # boolean indexing by the mask (CUDA's kernel indexes by its nonzero columns) keeps 24 elements, each
+    # of which may be true: a rate of them is the next fraction itself
+    columns = torch.empty(24, dtype=torch.long, device="meta")
+    values.known[columns] = values.of(mask).nonzero().squeeze(1)
+    kept = _op(values, aten.index.Tensor, right, [columns])
+    assert kept.shape == (24,) and values.rates[kept] is True
+    fraction = values.of(_op(values, aten.mean.default, _op(values, aten._to_copy.default, kept, dtype=torch.float32)))
+    assert rate.item() / (24 / 32) < fraction.item() < 1
+    # a mask all false decides the count: 0 (ABSORBING); a product with other numbers than 0 and 1 is no mark
+    none = torch.zeros(32, dtype=torch.bool, device="meta")
+    values.known[none] = torch.zeros(32, dtype=torch.bool)
+    assert values.of(_op(values, aten.sum.default, _op(values, aten.bitwise_and.Tensor, right, none))).item() == 0
+    scaled = _op(values, aten.mul.Tensor, _op(values, aten._to_copy.default, right, dtype=torch.float32), 2.0)
+    assert scaled not in values.rates
+
+
+@pytest.mark.slow
+def test_token_accuracies_of_a_padded_batch_save_as_a_real_run_does(tmp_path):
+    # Five ways to count only the labels that are not padding: `&`/where(mask, ..., False) read 0 and never
+    # saved; `* mask`, boolean indexing and masked_select took falling numbers and saved at epoch 0 only.
+    script = str(SCENARIOS / "best_accuracy.py")
+    real = _run(tmp_path, "cpu", [script, "--device", "cpu", "--metric", "masked"], emulated=False)
+    every = [0, 1, 2, 3, 4]  # PyTorch's own run: each accuracy rises at each epoch
+    assert real == {"saved_at": every, "rates": [],
+                    "masked": {p: every for p in ("and", "where", "mul", "index", "select")}}
+    assert _run(tmp_path, "emulated", [script, "--metric", "masked"], emulated=True) == real

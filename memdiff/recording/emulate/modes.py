@@ -675,7 +675,10 @@ class AllocMode(TorchDispatchMode):
             mask = known[1] if len(known) > 1 and isinstance(known[1], torch.Tensor) else None
             kept = first.numel() if mask is None else \
                 torch.broadcast_to(mask, torch.broadcast_shapes(first.shape, mask.shape)).sum()
-            return torch.empty(int(kept), dtype=first.dtype, device=META)
+            out = torch.empty(int(kept), dtype=first.dtype, device=META)
+            # of a comparison's elements (`(preds == labels).masked_select(mask)`): still true or false ones
+            self.values.rate(func, base, args, kwargs, [out], [])
+            return out
         return torch.empty((int(first.numel()), first.dim()), dtype=torch.long, device=META)
 
     def data_sized(self, func: Any, base: str, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Tuple[Any, list]:

@@ -113,6 +113,12 @@ MADE = (torch.float32, torch.float64)
 # counts of 100 an epoch) both see a higher test total at each of their first 11 and 21 epochs.
 RATE_PACE = 64
 RATED_FROM = {"_to_copy", "clone", "_unsafe_view", "alias", "detach", "lift_fresh", "contiguous"}
+# Ops that keep a marked tensor's elements true or false while a mask zeroes some of them (token
+# accuracy of a padded batch: trl's `((preds == labels) & mask).sum()`, `torch.where(mask, preds ==
+# labels, False)`, `* mask`) or selects some (`(preds == labels)[mask]`, `masked_select`): their output is
+# marked, with which of its elements may be true (Values.rates: the mask's, where it has values), so a
+# count's N is the elements it could count, not every element it reduced.
+MASKED_BY = {"bitwise_and", "logical_and", "where", "mul", "index", "masked_select"}
 RATES = {"mean"}
 COUNTS = {"sum", "count_nonzero"}
 # The checks for an inf or a NaN, and what each answers for a tensor of finite numbers: emulated
@@ -247,7 +253,7 @@ class Values:
             computed = None  # finite numbers gave an inf or a NaN: emulated tensors hold none
         if computed is None:
             self._drop(outputs + written)
-            if not self.rate(func, base, first, outputs, written):
+            if not self.rate(func, base, args, kwargs, outputs, written):
                 self.made(func, outputs)
             return
         if base in UNINITIALISED:
@@ -278,41 +284,148 @@ class Values:
             self.reads += 1
             self.invented[t] = True
 
-    def rate(self, func: Any, base: str, first: Any, outputs: list, written: list) -> bool:
-        """Op `func` (`base`) made `outputs` from `first` without values: whether they are rates or counts
+    def rate(self, func: Any, base: str, args: Tuple[Any, ...], kwargs: Dict[str, Any], outputs: list,
+             written: list) -> bool:
+        """Op `func` (`base`) made `outputs` from `args` without values: whether they are rates or counts
         (RATES, COUNTS, module docstring). A comparison's output, and a cast, copy or view of one, is
-        marked as a tensor of true and false elements; a mean of one takes the next rising fraction
-        (unknown_rate) in each element, a sum or count_nonzero that fraction of the elements each
-        output element reduced, rounded (0 < count <= N), as values (invented, as made numbers are)."""
+        marked as a tensor of true and false elements, as is one masked (MASKED_BY); a mean of one takes
+        the next rising fraction (unknown_rate) of the elements that may be true in each element, a sum
+        or count_nonzero that fraction of the elements each output element could count, rounded
+        (0 <= count <= N), as values (invented, as made numbers are)."""
         if len(outputs) != 1 or written:
             return False
         out = outputs[0]
         if base in COMPARISONS:
             self.rates[out] = True
             return True
-        if not self.rates or not isinstance(first, torch.Tensor) or first not in self.rates:
+        if not self.rates:
+            return False
+        first = args[0] if args else kwargs.get("self")
+        if base in MASKED_BY:
+            possible = self.masked(func, base, args, kwargs, out)
+            if possible is None:
+                return False
+            self.rates[out] = possible
+            return True
+        if not isinstance(first, torch.Tensor) or first not in self.rates:
             return False
         if base in RATED_FROM or _is_view(func):
-            self.rates[out] = True
+            self.rates[out] = self._possible(func, args, kwargs, out)
             return True
         if (base not in RATES and base not in COUNTS) or out.numel() > MAX_ELEMENTS \
                 or (base in RATES and not out.is_floating_point()):
             return False
         fraction = unknown_rate(self.rated)
         self.rated += 1
+        # a mask's marks: what each output element could count (a sum), or the share of its elements that
+        # may be true (a mean); None where every element reduced may be
+        could = None if self.rates[first] is True else self._possible(func, args, kwargs, out, reduced=True)
+        if isinstance(could, torch.Tensor) and could.shape == out.shape:
+            if base in RATES:
+                self.known[out] = (fraction * could.double()).to(out.dtype)
+            elif could.numel() == 1:
+                count = self._count(fraction, int(could.item()))
+                self.known[out] = torch.tensor(count).to(out.dtype).reshape(out.shape)
+            else:  # one count per row of the mask: each rounded alone
+                counts = (fraction * could.double() + 0.5).floor().clamp(min=0).minimum(could.double())
+                self.known[out] = counts.to(out.dtype)
+            self.invented[out] = True
+            return True
+        number: Any = fraction
         if base in COUNTS:
-            reduced = first.numel() // max(out.numel(), 1)
-            # rounded with the rest carried to the next count, so that counts in a row sum to their
-            # fractions' sum (+-1): a test set's total rises while a batch's count alone would not
-            exact = fraction * reduced + self.counted
-            count = min(max(int(exact + 0.5), 0), reduced)
-            self.counted = exact - count
-            number: Any = float(count) if out.is_floating_point() else count
-        else:
-            number = fraction
+            count = self._count(fraction, first.numel() // max(out.numel(), 1))
+            number = float(count) if out.is_floating_point() else count
         self.known[out] = torch.full(tuple(out.shape), number, dtype=out.dtype)
         self.invented[out] = True
         return True
+
+    def _count(self, fraction: float, reduced: int) -> int:
+        """`fraction` of `reduced` elements as a count in `[0, reduced]`, rounded with the rest carried to
+        the next count, so that counts in a row sum to their fractions' sum (+-1): a test set's total
+        rises while a batch's count alone would not."""
+        exact = fraction * reduced + self.counted
+        count = min(max(int(exact + 0.5), 0), reduced)
+        self.counted = exact - count
+        return count
+
+    def masked(self, func: Any, base: str, args: Tuple[Any, ...], kwargs: Dict[str, Any],
+               out: torch.Tensor) -> Any:
+        """Op `base` (MASKED_BY) made `out` without values: which of its elements may be true where it
+        keeps a marked input's true and false elements (True: every one; a CPU bool tensor: those), or
+        None where it does not (no input marked; a product with numbers other than 0 and 1; a `where`
+        whose other branch is not zero)."""
+        tensors = [a for a in (*args[:3], *(args[1] if base == "index" and len(args) > 1 else ()))
+                   if isinstance(a, torch.Tensor)]
+        if not any(a.is_meta and a in self.rates for a in tensors):
+            return None
+        if base in ("index", "masked_select") and not (isinstance(args[0], torch.Tensor) and args[0] in self.rates):
+            return None  # indexing something else by a marked mask selects its elements, not true and false
+        if base == "where":
+            if len(args) != 3:
+                return None
+            zero = [i for i in (1, 2) if not (isinstance(args[i], torch.Tensor) and args[i] in self.rates)]
+            if len(zero) != 1 or not self._all_in(args[zero[0]], (0,)):
+                return None
+        if base == "mul":
+            others = [a for a in args[:2] if not (isinstance(a, torch.Tensor) and a in self.rates)]
+            if any(not self._all_in(a, (0, 1)) for a in others):
+                return None
+        return self._possible(func, args, kwargs, out)
+
+    def _all_in(self, x: Any, numbers: Tuple[int, ...]) -> bool:
+        """Whether every element of `x` (a number, a tensor on the host or one with known values) is one
+        of `numbers`."""
+        value = self.of(x) if isinstance(x, torch.Tensor) and x.is_meta else x
+        if value is None:
+            return False
+        if not isinstance(value, torch.Tensor):
+            return isinstance(value, (bool, int, float)) and value in numbers
+        return value.numel() > 0 and bool(torch.isin(value.double(), torch.tensor(numbers, dtype=torch.double)).all())
+
+    def _possible(self, func: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any], out: torch.Tensor,
+                  reduced: bool = False) -> Any:
+        """Which elements of `out` may be true, `func` run on the CPU with each marked input's (Values.rates)
+        in its place: True for every one (where every marked input's are, for an op that moves elements
+        and masks none, and where it cannot be worked out: a large tensor, an index without values);
+        else a bool tensor. With `reduced`, `func` (a sum or a mean) of them: each output element's N."""
+        masking = func._schema.name.split("::", 1)[-1] in MASKED_BY
+        tensors = [a for a in tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor) and a.is_meta]
+        if not reduced and not masking and all(self.rates.get(a) is True for a in tensors):
+            return True
+        unknown = []
+
+        def value(x: Any) -> Any:
+            if isinstance(x, torch.Tensor) and x.is_meta:
+                mark = self.rates.get(x)
+                if mark is not None:
+                    if mark is True:
+                        if x.numel() > MAX_ELEMENTS:
+                            unknown.append(x)
+                            return None
+                        return torch.ones(x.shape, dtype=x.dtype)
+                    return mark.to(x.dtype)
+                known = self.known.get(x)
+                if known is None and x.dtype == torch.bool and x.numel() <= MAX_ELEMENTS:
+                    return torch.ones(x.shape, dtype=x.dtype)  # a mask without values: any element may be kept
+                if known is None:
+                    unknown.append(x)
+                return known
+            if isinstance(x, torch.device) and x.type == "meta":
+                return CPU
+            return x
+        cpu_args, cpu_kwargs = tree_map(value, args), tree_map(value, kwargs)
+        if unknown:
+            return True
+        try:
+            result = func(*cpu_args, **cpu_kwargs)
+        except Exception:  # an op the CPU runs otherwise: every element may be true
+            return True
+        if not isinstance(result, torch.Tensor) or result.shape != out.shape:
+            return True
+        if reduced:
+            return result
+        possible = result != 0
+        return True if bool(possible.all()) else possible
 
     def _invented(self, inputs: Any) -> bool:
         """Whether any device tensor among `inputs` holds values computed from a made number."""
