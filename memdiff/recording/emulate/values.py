@@ -27,7 +27,9 @@ values takes, when made, the next number of one sequence that falls through the 
 save gated on it runs, and so does a comparison of two such losses on the device), and two reads of
 it agree. A rate or a count of a comparison without values (a mean or a sum of `predicted == targets`,
 cast, copied or viewed first: an accuracy) takes a rising fraction instead (`unknown_rate`,
-`Values.rate`), the count that fraction of the elements it reduced: an accuracy made later is higher.
+`Values.rate`), the count that fraction of the elements it could count (a mask's true count where the
+comparison was masked first by a mask with values: `((preds == labels) & mask).sum()`, MASKED_BY): an
+accuracy made later is higher.
 What computes from such numbers and would give an inf or a NaN has no value instead. A
 Python number read from any other float without values (`.item()`, `float(t)`, a format) is the
 stand-in of `Values.read_back_scalar`, the sequence's next number at each read, a host copy
