@@ -117,8 +117,8 @@ class Job:
                          f"nodes' were not run")
         elif self.emulated is not None:
             parts.append(f"{count_of(len(self.emulated), 'rank')} of {count_of(self.world_size or 0, 'rank')} "
-                         f"emulated, each alone (record --ranks {self._asked()}): "
-                         f"the others were not run")
+                         f"emulated, each alone (record --ranks {self._asked()})"
+                         + (": the others were not run" if len(self.emulated) < (self.world_size or 0) else ""))
         unfinished = self.unfinished()
         if unfinished:
             parts.append(unfinished)
