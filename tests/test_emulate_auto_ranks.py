@@ -2,7 +2,8 @@
 script builds (a device mesh, its groups, the DTensors sharded over them, pipeline stages) names one rank
 per role, and only those run (docs/jobs.md, "Picking the ranks"). The jobs are small public patterns:
 FSDP2 over a mesh dimension with an embedding table sharded over the other (torchtitan's 2-D layout),
-a DDP script that builds no mesh, and a pipeline of torch.distributed.pipelining stages."""
+a pipeline of torch.distributed.pipelining stages, and a DDP script of several nodes that builds no
+mesh, whose nodes' first ranks keep a node-local cache (picked by their place in their node)."""
 
 from __future__ import annotations
 
@@ -109,31 +110,59 @@ def test_a_2x4_mesh_job_runs_rank_0_the_last_rank_and_the_last_of_its_uneven_dim
     assert "3 ranks of 8 ranks emulated, each alone (record --ranks auto picked 0,3,7, one per role" in ranks.stderr
 
 
-# pytorch/examples' DDP tutorial, small: no mesh, no group but the world's.
-DDP = textwrap.dedent("""
-    import os
-    import torch
-    import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    dist.init_process_group("nccl")
-    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    model = DDP(torch.nn.Linear(256, 256).cuda())
-    model(torch.randn(4, 256, device="cuda")).sum().backward()
-    os.write(1, f"rank {dist.get_rank()}\\n".encode())
-    dist.destroy_process_group()
-""")
+# A plain DDP script whose first local rank of every node builds a node-local cache of CACHE_BYTES on its
+# GPU (tests/scenarios/node_cache_ddp.py): no mesh, no group but the world's, so rank 0's layout names no
+# role but rank 0's and the last rank's; the node's first rank is picked by its place in its node.
+NODE_CACHE = Path(__file__).parent / "scenarios" / "node_cache_ddp.py"
+CACHE_BYTES = 40 << 20  # the scenario's own constant: a uint8 tensor of this many elements
 
 
-def test_a_job_of_64_ranks_with_no_layout_starts_two_processes(torch, tmp_path):
-    (tmp_path / "ddp.py").write_text(DDP)
-    done = _auto(tmp_path, "torchrun", "--nnodes", "8", "--nproc-per-node", "8", "ddp.py")
+def _held(done: subprocess.CompletedProcess) -> dict:
+    """Each rank that ran, by torch's own rank: (its LOCAL_RANK from torchrun's environment, the cache's bytes)."""
+    said = [line.split() for line in done.stdout.splitlines() if line.startswith("rank ")]
+    return {int(words[1]): (int(words[3]), int(words[5])) for words in said}
+
+
+def _peaks(cwd: Path) -> dict:
+    """Each rank's peak, as `memdiff ranks runs/` reads the job."""
+    ranks = subprocess.run([sys.executable, "-m", "memdiff", "ranks", "runs/", "--format", "json"], cwd=cwd,
+                           capture_output=True, text=True)
+    assert ranks.returncode == 0, ranks.stderr
+    return {r["rank"]: r["peak_bytes"] for r in json.loads(ranks.stdout)["ranks"]}
+
+
+def test_a_job_of_two_nodes_of_two_runs_whole_and_the_second_nodes_first_rank_holds_its_cache(torch, tmp_path):
+    done = _auto(tmp_path, "torchrun", "--nnodes", "2", "--nproc-per-node", "2", str(NODE_CACHE))
     assert done.returncode == 0, done.stderr[-3000:]
-    # the processes started grow with the roles, not with the 64 ranks: rank 0 and the last
-    assert _started(done) == [0, 63] and _said(done).keys() == {0, 63}
+    # rank 0 and the last (3) by the layout; rank 2, LOCAL_RANK 0 of node 1, and rank 1, the first node's
+    # last, by their places in their nodes: every rank of the job
+    said = _said(done)
+    assert said.keys() == {0, 1, 2, 3}
+    assert said[2].startswith("the first local rank of the last node (LOCAL_RANK 0 of node 1), which runs what a "
+                              "script does once per node")
+    assert said[1].startswith("the last rank of the first node (LOCAL_RANK 1 of node 0)")
+    manifest = json.loads((tmp_path / "runs" / "memdiff-job.json").read_text())
+    assert manifest["emulated_ranks"] == [0, 1, 2, 3] and manifest["picked_ranks"][2]["why"] == said[2]
+    # torch's rank and torchrun's LOCAL_RANK, as each process read them: node-major, the caches on 0 and 2
+    assert _held(done) == {0: (0, CACHE_BYTES), 1: (1, 0), 2: (0, CACHE_BYTES), 3: (1, 0)}
+    peaks = _peaks(tmp_path)
+    # DDP's ranks are alike but for the cache: rank 2 holds it over the last rank, to the byte
+    assert peaks[2] - peaks[3] == CACHE_BYTES and peaks[0] == peaks[2] and peaks[1] == peaks[3]
+
+
+def test_a_job_of_four_nodes_of_eight_runs_the_first_and_last_rank_of_the_first_and_last_node(torch, tmp_path):
+    done = _auto(tmp_path, "torchrun", "--nnodes", "4", "--nproc-per-node", "8", str(NODE_CACHE))
+    assert done.returncode == 0, done.stderr[-3000:]
+    # the processes started grow with the roles, not with the 32 ranks: rank 0 and the last (31), and the
+    # first node's last (7) and the last node's first (24) by their places in their nodes
+    assert _started(done) == [0, 7, 24, 31] and _said(done).keys() == {0, 7, 24, 31}
+    assert "(LOCAL_RANK 0 of node 3)" in _said(done)[24] and "(LOCAL_RANK 7 of node 0)" in _said(done)[7]
     assert ("the script built no device mesh, group or pipeline stage beyond the world's on rank 0: every rank but "
-            "rank 0 has one role, run as rank 63") in done.stderr
-    assert "wrote 2 snapshots of a job of 64 ranks (ranks 0, 63, each run alone)" in done.stderr
+            "rank 0 has one role, run as rank 31, but for its place in its node") in done.stderr
+    assert "wrote 4 snapshots of a job of 32 ranks (ranks 0, 7, 24, 31, each run alone)" in done.stderr
+    assert _held(done) == {0: (0, CACHE_BYTES), 7: (7, 0), 24: (0, CACHE_BYTES), 31: (7, 0)}
+    peaks = _peaks(tmp_path)
+    assert peaks[24] - peaks[31] == CACHE_BYTES and peaks[24] == peaks[0] and peaks[7] == peaks[31]
 
 
 # A script whose rank 0 stops before its first collective (a missing dataset); the others wait for it.

@@ -250,7 +250,8 @@ def test_a_3d_llama_job_runs_one_rank_per_pipeline_stage_each_holding_its_shard(
     # Issue 59's layout at a small size (the full 405B plan is benchmarks/test_cluster_plans.py): 8
     # GPUs on 2 nodes as a (pp 2, dp 2, tp 2) mesh, FSDP2 over dp in bf16 with fp32 reduction,
     # tensor parallel over tp, Schedule1F1B over 2 stages, two AdamW steps. `--ranks auto` runs
-    # rank 0 (stage 0), the first rank of stage 1 and the last rank, and no other. Each rank holds,
+    # rank 0 (stage 0), the first rank of stage 1 (the last node's first), the last rank and the first
+    # node's last (3, by its place in its node), and no other. Each rank holds,
     # to the byte, its fp32 shard of its stage's weights as parameters (worked out from the shape),
     # AdamW's two moments of that shard (its steps stay on the CPU), and the stage's bf16 weights
     # gathered over dp (kept from forward to backward under pipelining): dp x shard x 2 / 4.
@@ -263,10 +264,10 @@ def test_a_3d_llama_job_runs_one_rank_per_pipeline_stage_each_holding_its_shard(
         capture_output=True, text=True, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     manifest = json.loads((tmp_path / "runs" / "memdiff-job.json").read_text())
-    assert manifest["world_size"] == 8 and manifest["emulated_ranks"] == [0, 4, 7]
-    assert [r["rank"] for r in manifest["ranks"] if r["state"] == "not emulated"] == [1, 2, 3, 5, 6]
+    assert manifest["world_size"] == 8 and manifest["emulated_ranks"] == [0, 3, 4, 7]
+    assert [r["rank"] for r in manifest["ranks"] if r["state"] == "not emulated"] == [1, 2, 5, 6]
     tp, pp, dp = 2, 2, 2
-    for rank in (0, 4, 7):
+    for rank in (0, 3, 4, 7):
         device = memdiff.summarize(tmp_path / "runs" / f"rank{rank}.pickle").devices[0]
         shard = scenario.shard_bytes("tiny", tp, pp, dp, stage=rank // 4)  # type: ignore[attr-defined]
         assert device.categories["parameter"] == shard, (rank, device.categories)

@@ -153,14 +153,15 @@ def test_nodes_finds_the_fewest_nodes_running_only_the_picked_ranks(tmp_path, to
     (gpu,) = doc["gpus"]
     assert gpu["value"] == 2 and gpu["fails"]["value"] == 1 and gpu["fails"]["outcome"] == "over-limit"
     assert [r["value"] for r in gpu["runs"]] == [1, 2]  # from the smallest up; 3 and 4 never ran
-    # Each value ran rank 0 and the last rank only (the world is one FSDP mesh): 2 of 2 ranks, then 2 of 4.
+    # Each value ran the picked ranks: rank 0 and the last rank (the world is one FSDP mesh), and at 2 nodes
+    # the first node's last (1) and the last node's first (2), by their places in their nodes: every rank.
     for run, world in ((gpu["fails"], 2), (gpu["fits"], 4)):
-        assert run["world_size"] == world and run["ranks_run"] == [0, world - 1]
+        assert run["world_size"] == world and run["ranks_run"] == list(range(world))
         manifest = json.loads((Path(run["snapshot"]) / "memdiff-job.json").read_text())
-        assert manifest["emulated_ranks"] == [0, world - 1]
-        assert sorted(p.name for p in Path(run["snapshot"]).glob("rank*.pickle")) == ["rank0.pickle",
-                                                                                     f"rank{world - 1}.pickle"]
-    assert "ran ranks 0, 3 of 4" in gpu["line"] and "the others not run" in gpu["line"]
+        assert manifest["emulated_ranks"] == list(range(world))
+        assert sorted(p.name for p in Path(run["snapshot"]).glob("rank*.pickle")) == [f"rank{r}.pickle"
+                                                                                     for r in range(world)]
+    assert "at 2 ran each of its 4 ranks alone (--ranks auto)" in gpu["line"]
     assert gpu["fits"]["reserved_peak_bytes"] <= gpu["limit_bytes"] < gpu["fails"]["reserved_peak_bytes"]
     assert gpu["fails"]["peak_bytes"] >= 5 * weights // 2 and gpu["fits"]["peak_bytes"] <= 2 * weights  # by hand
     assert 2 * weights < gpu["limit_bytes"] < 5 * weights // 2 * 1.3
@@ -235,8 +236,10 @@ def test_a_lightning_job_of_several_nodes_is_fit_on_the_ranks_ranks_auto_picks(t
     # last rank, on the last node, holds 96 MiB / nodes more than the others. Under 0.003 of an L4 (66.67 MiB),
     # with the others' 24 MiB reserved, 2 nodes reserve 72 MiB on rank 3: over. fit ran such a job as its first
     # node's ranks (0 and 1, which hold the same) and said 2 fits. Now the script stops where its launcher would
-    # start the ranks, and the job runs as `record --ranks auto` runs it: rank 0 and the last rank, each alone (a
-    # DDP job has no other role), the others not run. One value keeps it cheap (docs/fit.md: 3 nodes fit).
+    # start the ranks, and the job runs as `record --ranks auto` runs it: rank 0 and the last rank (a DDP job has
+    # no other role in its layout), and by their places in their nodes the first node's last rank (1) and the
+    # last node's first (2): at 2 nodes of 2, every rank, each alone. One value keeps it cheap (docs/fit.md:
+    # 3 nodes fit).
     pytest.importorskip("lightning")
     from memdiff import api
 
@@ -248,17 +251,18 @@ def test_a_lightning_job_of_several_nodes_is_fit_on_the_ranks_ranks_auto_picks(t
     (gpu,) = json.loads(done.stdout)["gpus"]
     run = gpu["fails"]
     assert gpu["value"] is None and run["value"] == 2 and run["outcome"] == "over-limit"
-    assert (run["ranks_run"], run["world_size"], run["ranks_how"]) == ([0, 3], 4, "one per role")
-    folder = Path(run["snapshot"])  # the job's folder, as a torchrun job's: rank0.pickle, rank3.pickle
-    assert sorted(p.name for p in folder.glob("*.pickle")) == ["rank0.pickle", "rank3.pickle"]
+    assert (run["ranks_run"], run["world_size"], run["ranks_how"]) == ([0, 1, 2, 3], 4, "one per role")
+    folder = Path(run["snapshot"])  # the job's folder, as a torchrun job's: rank0.pickle ... rank3.pickle
+    assert sorted(p.name for p in folder.glob("*.pickle")) == [f"rank{r}.pickle" for r in range(4)]
     assert not folder.with_suffix(".pickle").exists()  # the script's own run read the job, and is no rank
     manifest = json.loads((folder / "memdiff-job.json").read_text())
-    assert (manifest["world_size"], manifest["emulated_ranks"], "first_node" in manifest) == (4, [0, 3], False)
-    rank0, last = (api.summarize(folder / f"rank{r}.pickle").devices[0] for r in (0, 3))
+    assert (manifest["world_size"], manifest["emulated_ranks"], "first_node" in manifest) == (4, [0, 1, 2, 3], False)
+    rank0, rank1, rank2, last = (api.summarize(folder / f"rank{r}.pickle").devices[0] for r in range(4))
     assert last.peak_bytes - rank0.peak_bytes == 48 << 20  # what the last rank holds at 2 nodes, to the byte
+    assert rank0.peak_bytes == rank1.peak_bytes == rank2.peak_bytes
     assert run["peak_bytes"] == last.peak_bytes and run["site"].startswith("rank 3: ")
     assert rank0.reserved_peak_bytes < gpu["limit_bytes"] < run["reserved_peak_bytes"]  # rank 0 (and 1) fit
-    assert "ran ranks 0, 3 of 4 (one per role, --ranks auto), the others not run" in gpu["line"]
+    assert "ran each of its 4 ranks alone (--ranks auto)" in gpu["line"]
 
 
 def test_a_lightning_job_fit_already_read_is_not_run_again_to_read_it(tmp_path):

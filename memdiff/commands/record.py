@@ -132,7 +132,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "auto: rank 0 first (the last rank beside it), then one rank per role of the layout its "
                         "script built (the last rank, "
                         "the last coordinate of each mesh dimension whose shards are uneven or not known to be even, "
-                        "each pipeline stage's first rank), each named with why (docs/jobs.md)")
+                        "each pipeline stage's first rank; in a job of several nodes the first node's last rank "
+                        "and the last node's first), each named with why (docs/jobs.md)")
     p.add_argument("--dask", metavar="ADDRESS",
                    help="with --emulate and --ranks: run each rank as a task on this existing Dask scheduler "
                         "(tcp://host:8786; needs memdiff[dask]), as many at once as its workers have threads; the "

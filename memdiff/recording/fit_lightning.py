@@ -8,9 +8,10 @@ never ran. Where fit runs a job as its picked ranks (`splits`: several nodes, mo
 ranks, or `{nodes}` searched, as for torchrun's jobs), that process is the first run `--ranks auto` makes
 of a script: it ends where the launcher would start the ranks (SplitJob, raised through the script, after
 the launcher's devices per node and nodes are read), and the job then runs as `memdiff record --emulate
-GPU --ranks auto -o DIR/` runs it (fitrun._run_split: rank 0 and the last rank, then the other ranks the layout rank 0
-built picks, each alone), told that size (`known`, launch_lightning.KNOWN) rather than running the script again
-to read it.
+GPU --ranks auto -o DIR/` runs it (fitrun._run_split: rank 0 and the last rank, then the other ranks the
+layout rank 0 built picks and, of several nodes, the first node's last rank and the last node's first, whose
+LOCAL_RANK 0 runs Lightning's prepare_data, each alone), told that size (`known`, launch_lightning.KNOWN)
+rather than running the script again to read it.
 """
 
 from __future__ import annotations

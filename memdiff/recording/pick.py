@@ -10,7 +10,11 @@ its rank 0 built (emulate/layout.py), never guessed from the job's size:
   it, whether they do is not known, and it is picked;
 - a group rank 0 is not in, and whose family has no group rank 0 is in, or one of another size than
   rank 0's: its first rank;
-- each pipeline stage's first rank: the ranks of rank 0's pipeline group, in stage order.
+- each pipeline stage's first rank: the ranks of rank 0's pipeline group, in stage order;
+- in a job of several nodes, the roles a rank has by its place in its node, which no layout shows (rank 0
+  is the first of its node too): the first local rank of the last node, which runs what a script does
+  once per node (`if LOCAL_RANK == 0:` downloads, node-local caches; Lightning's `prepare_data`) without
+  being rank 0, and the last rank of the first node, a rank of rank 0's node that is neither.
 A rank picked for several reasons is run once, with each reason.
 """
 
@@ -18,7 +22,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from memdiff.errors import InputError
 from memdiff.read.job import ranges
@@ -53,9 +57,10 @@ def _dimension(desc: Optional[str], ranks: List[int]) -> str:
     return f"group {desc}" if desc else f"group of ranks {ranges(ranks)}"
 
 
-def pick(layout: Dict[str, Any], world_size: int) -> Tuple[List[Picked], List[str]]:
-    """The ranks to run, in rank order, each with its reasons; and a line for each part of the layout
-    that added none (a dimension whose shards are even, a job with no groups)."""
+def pick(layout: Dict[str, Any], world_size: int, per_node: Optional[int] = None) -> Tuple[List[Picked], List[str]]:
+    """The ranks to run of a job of `world_size` ranks, `per_node` a node (None: one node), in rank order,
+    each with its reasons; and a line for each part of the layout that added none (a dimension whose shards
+    are even, a job with no groups)."""
     reasons: Dict[int, List[str]] = {0: ["rank 0, which often holds more (it logs, saves, and is the first "
                                          "rank of every group)"]}
     notes: List[str] = []
@@ -100,10 +105,25 @@ def pick(layout: Dict[str, Any], world_size: int) -> Tuple[List[Picked], List[st
             held = list(range(place, count, len(ranks)))
             add(rank, f"the first rank of pipeline stage{'s' if len(held) > 1 else ''} "
                       f"{', '.join(map(str, held))} of {count}")
+    nodes = world_size // per_node if per_node and world_size % per_node == 0 else 1
+    if nodes > 1:
+        _by_node(add, nodes, world_size // nodes)
     if not families and not layout.get("stages"):
         notes.append("the script built no device mesh, group or pipeline stage beyond the world's on rank 0: every "
-                     "rank but rank 0 has one role" + (f", run as rank {world_size - 1}" if world_size > 1 else ""))
+                     "rank but rank 0 has one role" + (f", run as rank {world_size - 1}" if world_size > 1 else "")
+                     + (", but for its place in its node (the ranks picked for that)" if nodes > 1 else ""))
     return [Picked(rank, "; ".join(reasons[rank])) for rank in sorted(reasons)], notes
+
+
+def _by_node(add: Callable[[int, str], None], nodes: int, per_node: int) -> None:
+    """The roles of a job of `nodes` nodes of `per_node` ranks that a rank has by its place in its node (its
+    LOCAL_RANK), which rank 0's layout cannot show: rank 0 is the first rank of the first node as well."""
+    add((nodes - 1) * per_node, f"the first local rank of the last node (LOCAL_RANK 0 of node {nodes - 1}), which "
+                                f"runs what a script does once per node (`if LOCAL_RANK == 0:` downloads, a "
+                                f"node-local cache; Lightning's prepare_data) without being rank 0")
+    if per_node > 1:
+        add(per_node - 1, f"the last rank of the first node (LOCAL_RANK {per_node - 1} of node 0), on rank 0's node "
+                          f"but neither rank 0 nor its node's first")
 
 
 def pipelines(layout: Dict[str, Any], ranks: List[int]) -> List[List[int]]:

@@ -211,7 +211,7 @@ def auto_ranks(run: Runner, forwarding: Signals, some: SomeRanks, folder: str,
                       f"what it printed is in {held.prefix}.stdout and .stderr", file=sys.stderr)
             beside_picks = [Picked(last, "the last rank, run beside rank 0")] if held else []
             return [Picked(0, "rank 0, run first to read the job's layout")] + beside_picks, codes
-        picked, notes = pick(layout, some.launch.world_size)
+        picked, notes = pick(layout, some.launch.world_size, some.launch.nproc_per_node)
     finally:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
