@@ -124,6 +124,13 @@ def _wait_for(found, process: subprocess.Popen) -> None:
         time.sleep(0.05)
 
 
+def _wait_for_a_while(found, process: subprocess.Popen, seconds: float) -> None:
+    """Until `found()`, `process` ends, or `seconds` pass (no assertion: the caller decides what to do next)."""
+    deadline = time.monotonic() + seconds
+    while not found() and process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -409,3 +416,41 @@ def test_nothing_of_memdiff_fit_outlives_it_killed_with_sigkill_and_its_run_writ
     finally:
         _ended(memdiff)
     assert _four_mib_allocated(tmp_path / "runs" / "h100-batch1.pickle")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script, status, taken", [(LIGHTNING_SLEEPER, 1, "Detected KeyboardInterrupt"),
+                                                   (FABRIC_SLEEPER, 130, "[rank1]: KeyboardInterrupt")],
+                         ids=["trainer", "fabric"])
+def test_ctrl_c_to_a_lightning_script_recorded_into_one_file_lets_rank_1_write(torch, tmp_path, script, status,
+                                                                              taken):
+    # Into one file (-o FILE) the script's rank 0 runs in memdiff's own process, where the rank hook that
+    # patches Lightning's launcher (lightning_stop.py) is not loaded: the Trainer ended the Ctrl-C by killing
+    # rank 1 with SIGKILL, its snapshot (kept beside the run's in fit's runs) never written; under Fabric,
+    # which has no Ctrl-C handling, rank 1 trained on and memdiff waited for it, for ever.
+    try:
+        import lightning  # noqa: F401
+    except ImportError:
+        missing_capture_dependency("lightning is not installed (pip install -e '.[test]')")
+    (tmp_path / "train.py").write_text(script)
+    memdiff = _memdiff(tmp_path, "record", "--emulate", "h100", "-o", "run.pickle", "--", sys.executable, "train.py")
+    log = tmp_path / "memdiff.log"
+    try:
+        _wait_for(lambda: log.read_text().count("training ") == 2, memdiff)
+        ranks = [int(line.split()[2]) for line in log.read_text().splitlines() if line.startswith("training ")]
+        # A CI runner's Ctrl-C: memdiff alone, whose process is rank 0. Pressed again until the script took it
+        # (`taken` printed): CPython drops a KeyboardInterrupt raised inside a weakref callback ("Exception
+        # ignored in: <function WeakIdKeyDictionary...remove>"), and the script then trains on (1 run in 5).
+        while taken not in log.read_text() and memdiff.poll() is None:
+            memdiff.send_signal(signal.SIGINT)
+            _wait_for_a_while(lambda: taken in log.read_text(), memdiff, 10.0)
+        # the Trainer ends a Ctrl-C with sys.exit(1), which is the script's status into one file; Fabric's
+        # KeyboardInterrupt ends it as any script's
+        assert memdiff.wait(timeout=600) == status, log.read_text()
+        assert _left(memdiff, ranks) == []
+    finally:
+        _ended(memdiff)
+    said = log.read_text()
+    assert _four_mib_allocated(tmp_path / "run.pickle")  # rank 0's, this process's
+    # rank 1 took the Ctrl-C passed on and wrote its snapshot (not kept, into one file: memdiff says so)
+    assert "the script started 1 process that used the emulated GPU (rank1)" in said, said

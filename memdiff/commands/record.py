@@ -43,8 +43,9 @@ from memdiff.recording.emulate.gpus import names as gpu_names
 from memdiff.recording.emulate.overlay_calls import OWNED, ROOT, for_run
 from memdiff.recording.emulate.swap import environment
 from memdiff.recording.launch import PYTHON, STARTED_BY, Launch, parse_ranks
-from memdiff.recording.launch_lightning import probe
+from memdiff.recording.launch_lightning import SCRIPTS, probe
 from memdiff.recording.launchers import read_launch, runs_a_script
+from memdiff.recording.lightning_stop import patched_here, stop_started_ranks
 from memdiff.recording.manifest import (
     COLLECTIVES,
     MANIFEST,
@@ -229,6 +230,11 @@ def _run_target(target: List[str], emulated: bool = False, failed: Optional[List
             runpy.run_path(target[0], run_name="__main__")
         return 0
     except InputError:  # the emulator refusing an op: one line, exit 2, not the script's traceback
+        raise
+    except KeyboardInterrupt:
+        # past a Lightning launcher's own handling of it (Fabric has none): the ranks it started from this
+        # process stop too, each writing its snapshot, rather than train on while this process waits for them
+        stop_started_ranks()
         raise
     except SystemExit as exc:
         if exc.code is None or isinstance(exc.code, int):
@@ -455,8 +461,9 @@ def _children_emulated(args: argparse.Namespace, folder: Optional[str]) -> Itera
         return
     processes = os.path.join(folder, "processes")
     os.makedirs(processes, exist_ok=True)
-    # this process runs the script and is no process of a job (exchange.py): only what it starts is
-    with environment({**_hook_env(args, processes), STARTED_BY: str(os.getpid())}):
+    # this process runs the script and is no process of a job (exchange.py): only what it starts is; it is
+    # rank 0 of a Lightning launcher's job, which the hook that stops the other ranks writing is not loaded into
+    with environment({**_hook_env(args, processes), STARTED_BY: str(os.getpid())}), patched_here(SCRIPTS):
         yield processes
 
 

@@ -17,17 +17,23 @@ passes it on) and kills what is left GRACE_S later, never rank 0 once it is endi
 nor anything while rank 0 already passes a Ctrl-C on. A rank 0 that a Ctrl-C ends past the Trainer's
 handling (a second one, before the Trainer ignores SIGINT), or Fabric's, which has none, stops its ranks so
 as it exits (_at_exit): they ran on, orphaned.
+
+Where memdiff runs the script in its own process (`memdiff record --emulate GPU -o FILE`, fit's runs), rank 0
+is that process, which the rank hook never loads into: `patched_here` patches the launcher there, and its
+observer then never kills that process (it writes the run's snapshot once the script ends), only what is left
+of the ranks it started.
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import time
-from typing import Any, Callable, List, Sequence
+from typing import Any, Callable, Collection, Iterator, List, Sequence
 
 GRACE_S = 30.0  # torchrun's: how long its agent waits for the ranks it passed a signal on to
 
@@ -37,6 +43,8 @@ _passing_on: List[bool] = []
 _ending: List[bool] = []
 # The observers of the ranks this process's launcher started (lightning.fabric's _ChildProcessObserver).
 _observers: List[Any] = []
+# This process is memdiff's own, running the script (patched_here): no observer kills it.
+_in_memdiff: List[bool] = []
 
 
 def stop_ranks(ranks: Sequence["subprocess.Popen[Any]"], grace_s: float = GRACE_S,
@@ -84,8 +92,8 @@ def _stopping_first(real: Callable[[Any], None]) -> Callable[[Any], None]:
             return
         os.kill(self._main_pid, signal.SIGINT)  # the Trainer's rank 0 passes it on (kill above), and writes at exit
         stop_ranks(self._child_processes)
-        if not (_passing_on or _ending):  # rank 0 never took the Ctrl-C: stuck (in a collective with the failed rank)
-            real(self)
+        if not (_passing_on or _ending or _in_memdiff):  # rank 0 never took the Ctrl-C: stuck (in a collective
+            real(self)  # with the failed rank)
         elif not _passing_on:  # rank 0 ends (Fabric's, which passes nothing on): what is left of its ranks is killed
             for rank in self._child_processes:
                 rank.send_signal(self._termination_signal)
@@ -107,7 +115,15 @@ def _at_exit() -> None:
     Trainer ignores it: its KeyboardInterrupt escaped the handler), or Fabric's, which has none, its ranks are
     stopped as the Trainer's kill above stops them: it ended first, and its ranks ran on, orphaned."""
     _ending.append(True)
-    if _passing_on or not isinstance(getattr(sys, "last_value", None), KeyboardInterrupt):
+    if isinstance(getattr(sys, "last_value", None), KeyboardInterrupt):
+        stop_started_ranks()
+
+
+def stop_started_ranks() -> None:
+    """This process's script ended of a Ctrl-C past the Trainer's handling of it (a second one), or Fabric's,
+    which has none: the ranks its launcher started are stopped as the Trainer's kill above stops them, rather
+    than train on, orphaned, or waited for (memdiff's own process waits for them: launch_lightning.py)."""
+    if _passing_on:
         return
     _passing_on.append(True)
     for observer in _observers:
@@ -116,9 +132,10 @@ def _at_exit() -> None:
             rank.send_signal(signal.SIGKILL)
 
 
-def patch(module: Any) -> None:
+def patch(module: Any, at_exit: bool = True) -> None:
     """Lightning's launcher module `module` (its packages' strategies.launchers.subprocess_script) patched so,
-    once: the Trainer's launcher's kill (lightning.pytorch's), its process observer (lightning.fabric's)."""
+    once: the Trainer's launcher's kill (lightning.pytorch's), its process observer (lightning.fabric's); with
+    `at_exit`, its ranks stopped at this process's exit past the Trainer's handling of a Ctrl-C."""
     launcher: Any = getattr(module, "_SubprocessScriptLauncher", None)
     kill = getattr(launcher, "__dict__", {}).get("kill")
     if kill is not None and not hasattr(kill, "__wrapped__"):
@@ -128,5 +145,28 @@ def patch(module: Any) -> None:
     if terminate is not None and not hasattr(terminate, "__wrapped__"):
         observer._terminate_all = _stopping_first(terminate)
         observer.__init__ = _remembered(observer.__dict__["__init__"])
-        # Registered after the hook's write at exit (torch is imported before Lightning's launcher): run before it.
-        atexit.register(_at_exit)
+        if at_exit:  # after the hook's write at exit (torch is imported before Lightning's launcher): run before it
+            atexit.register(_at_exit)
+
+
+@contextlib.contextmanager
+def patched_here(names: Collection[str]) -> Iterator[None]:
+    """For the block, in memdiff's own process running a script whose rank 0 it is (record -o FILE, fit's
+    runs): each Lightning launcher module of `names`, imported before the block or in it, patched as the rank
+    hook patches it in a rank's process, so that a Ctrl-C is passed on to the ranks it starts and they write
+    their snapshots, rather than die of Lightning's SIGKILL. The patch stays: Lightning's observer thread
+    outlives the run, and as Lightning wrote it, it kills this process with SIGKILL once it sees a rank that
+    ended failing (a rank's exit 1 of a Ctrl-C); after the block (every rank waited for) it does nothing."""
+    from memdiff.recording.emulate.on_import import patched_on_import
+
+    def apply(name: str, module: Any) -> None:
+        patch(module, at_exit=False)
+    if not _in_memdiff:
+        _in_memdiff.append(True)
+    _passing_on.clear()  # this run's Ctrl-C is its own
+    _observers.clear()
+    try:
+        with patched_on_import(names, apply):
+            yield
+    finally:
+        _passing_on.append(True)  # the run is over: an observer that sees a rank that failed does nothing
