@@ -163,3 +163,45 @@ def test_ctrl_c_while_the_emulator_frees_a_storage_stops_the_script_at_its_next_
             interrupts.deliver()  # handled once
     finally:
         signal.signal(signal.SIGINT, previous)
+
+
+def test_ctrl_c_while_a_weak_dictionary_drops_a_dead_tensor_stops_the_script_at_its_next_op():
+    """torch's WeakIdKeyDictionary (autograd's and the emulator's tables of tensors) drops a dead key in a
+    weakref callback, where CPython ignores every exception: a Ctrl-C landing there was lost ("Exception
+    ignored in: <function WeakIdKeyDictionary.__init__.<locals>.remove>") and a Lightning script recorded
+    into one file trained on (1 run in 5). Now it is held to the script's next op."""
+    import os
+    import signal
+
+    import torch
+    from torch.utils.weak import WeakIdKeyDictionary
+
+    from memdiff.recording.emulate import interrupts
+
+    table = WeakIdKeyDictionary()
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with interrupts.held_in_finalizers(signals=(signal.SIGINT,)):
+            table._pending_removals = _Interrupting(lambda: os.kill(os.getpid(), signal.SIGINT))
+            table._iterating.add(object())  # removals are queued while iterating: the queue's append signals
+            tensor = torch.zeros(1)
+            table[tensor] = 1
+            del tensor  # the callback runs, and the Ctrl-C comes inside it
+            assert table._pending_removals.calls == 1  # the callback ran to its end
+            with pytest.raises(KeyboardInterrupt):
+                interrupts.deliver()  # the script's next op
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+class _Interrupting(list):
+    """A list whose append first runs `action` (a Ctrl-C arriving), as inside the removal callback."""
+
+    def __init__(self, action):
+        super().__init__()
+        self.action, self.calls = action, 0
+
+    def append(self, item):
+        self.action()
+        self.calls += 1
+        super().append(item)
